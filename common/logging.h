@@ -1,0 +1,80 @@
+// Logging facade (STYLE.md O6). Abseil 20220623 has no absl/log, so diond logs through this one
+// header: leveled, thread-safe, one line per message to stderr with a UTC timestamp, level and
+// source location. Set the threshold once at start-up with SetMinLogLevel (flag --log_level).
+//
+//   DIOND_LOG(INFO) << "listening on " << addr;
+//   DIOND_CHECK(ptr != nullptr) << "broken invariant";   // internal invariants only (STYLE.md E7)
+//
+// Never log per element or per step at INFO on hot paths.
+#ifndef DIOND_COMMON_LOGGING_H_
+#define DIOND_COMMON_LOGGING_H_
+
+#include <sstream>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace diond {
+
+enum class LogLevel : int { kDebug = 0, kInfo = 1, kWarning = 2, kError = 3, kFatal = 4 };
+
+// Parses "debug", "info", "warning", "error" (case-insensitive).
+absl::StatusOr<LogLevel> ParseLogLevel(absl::string_view text);
+absl::string_view LogLevelName(LogLevel level);
+
+void SetMinLogLevel(LogLevel level);
+LogLevel MinLogLevel();
+inline bool LogEnabled(LogLevel level) { return level >= MinLogLevel(); }
+
+// Redirects log lines to `sink` instead of stderr (tests); nullptr restores stderr.
+using LogSink = void (*)(LogLevel level, const std::string& line);
+void SetLogSinkForTest(LogSink sink);
+
+namespace logging_internal {
+
+class LogMessage {
+ public:
+  LogMessage(LogLevel level, const char* file, int line);
+  LogMessage(const LogMessage&) = delete;
+  LogMessage& operator=(const LogMessage&) = delete;
+  ~LogMessage();  // emits the line; aborts after emitting for kFatal
+  std::ostream& stream() { return stream_; }
+
+ private:
+  LogLevel level_;
+  std::ostringstream stream_;
+};
+
+// Swallows the stream in the disabled branch of DIOND_LOG.
+struct Voidify {
+  void operator&(std::ostream&) {}
+};
+
+}  // namespace logging_internal
+}  // namespace diond
+
+#define DIOND_LOG_LEVEL_DEBUG ::diond::LogLevel::kDebug
+#define DIOND_LOG_LEVEL_INFO ::diond::LogLevel::kInfo
+#define DIOND_LOG_LEVEL_WARNING ::diond::LogLevel::kWarning
+#define DIOND_LOG_LEVEL_ERROR ::diond::LogLevel::kError
+#define DIOND_LOG_LEVEL_FATAL ::diond::LogLevel::kFatal
+
+#define DIOND_LOG(severity)                                                  \
+  !::diond::LogEnabled(DIOND_LOG_LEVEL_##severity)                           \
+      ? (void)0                                                              \
+      : ::diond::logging_internal::Voidify() &                               \
+            ::diond::logging_internal::LogMessage(DIOND_LOG_LEVEL_##severity, \
+                                                  __FILE__, __LINE__)        \
+                .stream()
+
+// Fatal check for broken internal invariants only; never for request-derived values.
+#define DIOND_CHECK(cond)                                                                  \
+  (cond) ? (void)0                                                                         \
+         : ::diond::logging_internal::Voidify() &                                          \
+               ::diond::logging_internal::LogMessage(::diond::LogLevel::kFatal, __FILE__, \
+                                                     __LINE__)                             \
+                       .stream()                                                           \
+                   << "Check failed: " #cond " "
+
+#endif  // DIOND_COMMON_LOGGING_H_
