@@ -1,0 +1,230 @@
+// The ops API: the numerical building blocks of the update rules (kernels/optim) and their
+// orthogonalizers, behind one device-agnostic header (ARCHITECTURE.md §3, STYLE.md R3).
+//
+// Conventions shared by every op below:
+//   * Signature `absl::Status Op(const Context& ctx, ...)`. Inputs are ConstTensorView, outputs
+//     TensorView. All views must be on ctx.device() (only the CPU exists today).
+//   * Errors: every op validates ranks, shapes, dtypes, strides, devices and scalar arguments
+//     first and returns INVALID_ARGUMENT naming the argument and its value (e.g. "Gemm: c is
+//     [64, 47] f32, want [64, 48]"); on such an error no output byte has been written. Nothing
+//     aborts on bad input. INTERNAL means a backend library failed (our bug or theirs); outputs
+//     are then unspecified.
+//   * Arithmetic is f32. Inputs of dtype bf16/f16 are widened exactly; a result stored to a
+//     bf16/f16 output is rounded once, round-to-nearest-even, from the f32 value. This is the
+//     PyTorch eager rule for low-precision elementwise ops (conformance README §3.3, §5 item 7):
+//     a Python-float scalar is applied in f32 and the result rounded once.
+//   * Matrix ops take rank-2 [rows, cols] or rank-3 [batch, rows, cols] views with unit column
+//     stride and any row stride >= cols ("row-major matrices"). Rank-3 ops loop over the batch
+//     running the same per-matrix kernel, so a batched call is bit-identical to one call per
+//     matrix.
+//   * Elementwise ops need contiguous views of equal shape (except where broadcasting is stated).
+//     An output may alias an input exactly (same pointer and layout); partial overlap is
+//     undefined.
+//   * Determinism: for a fixed thread count every op is deterministic (fixed reduction order).
+//   * Threading: see the policy in context.h.
+#ifndef DIOND_KERNELS_OPS_H_
+#define DIOND_KERNELS_OPS_H_
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "kernels/context.h"
+#include "kernels/tensor.h"
+
+namespace diond::kernels {
+
+// ================================ GEMM ========================================================
+
+enum class Trans : uint8_t { kNo, kYes };
+
+struct GemmParams {
+  Trans trans_a = Trans::kNo;
+  Trans trans_b = Trans::kNo;
+  float alpha = 1.0f;
+  float beta = 0.0f;  // 0: C is not read (NaN/garbage in C is ignored)
+  // f32 inputs only: which library (kAuto follows the context's Fp32GemmEngine; kAuto there
+  // picks oneDNN when the CPU has AVX-512, else OpenBLAS).
+  Fp32GemmEngine engine = Fp32GemmEngine::kAuto;
+};
+
+// C ← alpha·op(A)·op(B) + beta·C, op(X) = X or Xᵀ (the last two dims).
+// Shapes: op(A) is m×k, op(B) is k×n, C is m×n. Rank 2, or rank 3 with a batch dim; a rank-2
+// A or B (or batch 1) is broadcast against a batched C. Row-major matrices (unit column stride).
+// Dtypes:
+//   A,B f32  → C f32: cblas_sgemm or oneDNN f32 matmul.
+//   A,B bf16 → C f32: oneDNN bf16 matmul, f32 accumulation, alpha/beta applied in f32.
+//   A,B bf16 → C bf16: as above, the f32 value alpha·AB + beta·C rounded once to bf16 (RNE).
+// k == 0 is allowed (C ← beta·C). Other dtype combinations: INVALID_ARGUMENT.
+absl::Status Gemm(const Context& ctx, const GemmParams& params, ConstTensorView a,
+                  ConstTensorView b, TensorView c);
+
+enum class GramSide : uint8_t {
+  kAAt,  // C = A·Aᵀ (rows×rows)
+  kAtA,  // C = Aᵀ·A (cols×cols)
+};
+
+// Symmetric product C ← alpha·A·Aᵀ + beta·C (or Aᵀ·A): one triangle is computed with
+// cblas_ssyrk, then mirrored so the whole C is written (C is exactly symmetric).
+// A f32, C f32 square of the right size; rank 2 or 3 (same batch). beta != 0 reads only C's
+// lower triangle (C is assumed symmetric).
+absl::Status SymmetricProduct(const Context& ctx, GramSide side, float alpha, ConstTensorView a,
+                              float beta, TensorView c);
+
+// ============================= factorizations =================================================
+
+// Thin QR of A (m×n, m >= n, f32): Q (m×n) with orthonormal columns (LAPACKE sgeqrf + sorgqr,
+// Householder; column signs as LAPACK returns them) and, if `r` is non-empty, R (n×n, upper
+// triangular, zeros below the diagonal) with A = Q·R. Rank 2 or 3. `q` may alias `a`.
+absl::Status ThinQr(const Context& ctx, ConstTensorView a, TensorView q, TensorView r = {});
+
+// Cholesky QR: R = chol(AᵀA) (upper), Q = A·R⁻¹. A m×n (m >= n) f32. Cheaper than ThinQr but
+// loses orthogonality as cond(A)² grows; callers that need robustness use ThinQr or the
+// randomized variant. FAILED_PRECONDITION (naming the matrix index and LAPACK's info) when AᵀA
+// is not numerically positive definite; q is then unspecified. `q` may alias `a`.
+absl::Status CholeskyQr(const Context& ctx, ConstTensorView a, TensorView q, TensorView r = {});
+
+// Randomized Cholesky QR (ALGORITHMS.md §20.5 step 4): with the caller's sketch S (s×m, s >= n,
+// e.g. N(0, 1/s) entries), R₁ = R of QR(S·A); P₁ = A·R₁⁻¹; R₂ = chol(P₁ᵀP₁); Q = P₁·R₂⁻¹.
+// A m×n f32 rank 2 (or rank 3 with a rank-2 sketch shared by all matrices, or a rank-3 sketch).
+// FAILED_PRECONDITION as CholeskyQr when P₁ᵀP₁ is not positive definite. `q` may alias `a`.
+absl::Status RandomizedCholeskyQr(const Context& ctx, ConstTensorView a, ConstTensorView sketch,
+                                  TensorView q);
+
+// ============================= reductions =====================================================
+
+enum class NormType : uint8_t {
+  kL1,            // Σ|x|
+  kL2,            // √Σx²
+  kSumOfSquares,  // Σx²  (e.g. NorMuon's rowmean(U⊙U) = SumOfSquares / cols)
+};
+enum class Axis : uint8_t {
+  kRows,  // one value per row (reduce over columns)
+  kCols,  // one value per column (reduce over rows)
+};
+
+// Frobenius norm of each matrix: out[b] = ‖A_b‖_F. A any float dtype, rank 1..3; out f32 with
+// Batch(A) elements (any rank/shape with that many elements, contiguous). Accumulates in double.
+absl::Status FrobeniusNorm(const Context& ctx, ConstTensorView a, TensorView out);
+
+// Per-row (axis kRows) or per-column (kCols) norms of each matrix. A any float dtype, rank 1..3
+// (row-major); out f32 contiguous with Batch·Rows (kRows) or Batch·Cols (kCols) elements, in
+// [batch][index] order. Accumulates in double, then rounds to f32.
+absl::Status AxisNorms(const Context& ctx, ConstTensorView a, Axis axis, NormType type,
+                       TensorView out);
+
+// Indices of the k largest values of `scores` (f32, contiguous, any rank; flattened), written to
+// `indices` (size k) in descending order of score; equal scores are ordered by lower index first,
+// so the result is exact and deterministic. NaN scores rank below every number. 1 <= k <= size.
+absl::Status TopK(const Context& ctx, ConstTensorView scores, int64_t k,
+                  absl::Span<int64_t> indices);
+
+// Top-k slices of one matrix A (rank 2, f32 or bf16) by L1 norm: axis kRows selects rows
+// (scores Σ_j|A_ij|), kCols selects columns. Same ordering rules as TopK. If `scores_out` is
+// non-empty (f32, Rows or Cols elements) it receives all the L1 norms.
+absl::Status TopKByL1Norm(const Context& ctx, ConstTensorView a, Axis axis, int64_t k,
+                          absl::Span<int64_t> indices, TensorView scores_out = {});
+
+// True iff every element of A is +0 or -0 (NaN is not zero). Any float dtype, any rank.
+absl::Status IsAllZero(const Context& ctx, ConstTensorView a, bool* all_zero);
+
+// ========================== gather / scatter ==================================================
+
+// out ← the slices `indices` of A along `axis`, in the order given: kRows: out[i,:] = A[idx[i],:]
+// (out k×cols); kCols: out[:,i] = A[:,idx[i]] (out rows×k). Rank 2 or 3 (same indices for every
+// matrix). Dtype conversion allowed (out rounded RNE). Indices must be in range; duplicates OK.
+absl::Status Gather(const Context& ctx, ConstTensorView a, Axis axis,
+                    absl::Span<const int64_t> indices, TensorView out);
+
+// dst[slices idx] ← alpha·src + beta·dst[slices idx] (f32 arithmetic, rounded to dst's dtype).
+// beta == 0 assigns without reading dst (NaN in dst is overwritten). src shaped like Gather's
+// out. Indices must be in range and distinct (duplicates: INVALID_ARGUMENT).
+// Examples: Dion2 M[I] ← ef·S is (alpha=ef, beta=0); X[I] ← X[I] − α·O is (alpha=−α, beta=1).
+absl::Status Scatter(const Context& ctx, ConstTensorView src, Axis axis,
+                     absl::Span<const int64_t> indices, float alpha, float beta, TensorView dst);
+
+// ============================== elementwise ===================================================
+
+// dst ← src with dtype conversion (RNE when narrowing), any strides, same shape (so a
+// Transposed() view copies a transpose). The only elementwise op that takes strided views.
+absl::Status Copy(const Context& ctx, ConstTensorView src, TensorView dst);
+
+// dst ← value (any dtype; value rounded RNE).
+absl::Status Fill(const Context& ctx, float value, TensorView dst);
+
+// out ← alpha·x + beta·y. beta == 0 does not read y (pass y = {} or any view). Eager-PyTorch
+// rounding: one rounding of the f32 value to out's dtype. (Scale is alpha·x with beta = 0.)
+absl::Status Axpby(const Context& ctx, float alpha, ConstTensorView x, float beta,
+                   ConstTensorView y, TensorView out);
+
+// out ← alpha·x.
+absl::Status Scale(const Context& ctx, float alpha, ConstTensorView x, TensorView out);
+
+// out ← alpha·x + beta (scalar add; e.g. √V + 1e-8 with alpha 1).
+absl::Status AddScalar(const Context& ctx, float alpha, ConstTensorView x, float beta,
+                       TensorView out);
+
+// out ← lerp(start, end, weight) with PyTorch's two-branch formula:
+//   weight < 0.5 ? start + weight·(end − start) : end − (end − start)·(1 − weight).
+absl::Status Lerp(const Context& ctx, ConstTensorView start, ConstTensorView end, float weight,
+                  TensorView out);
+
+enum class UnaryOp : uint8_t {
+  kSign,    // −1, 0 or +1; sign(±0) = 0 and sign(NaN) = 0 (PyTorch CPU)
+  kAbs,
+  kSqrt,
+  kSquare,
+  kNeg,
+  kNanToNum,  // NaN → 0, +Inf → FLT_MAX, −Inf → −FLT_MAX (torch.nan_to_num defaults)
+};
+absl::Status Unary(const Context& ctx, UnaryOp op, ConstTensorView x, TensorView out);
+
+enum class BinaryOp : uint8_t { kAdd, kSub, kMul, kDiv, kMax, kMin };
+// out ← x op y. x and out: same shape, contiguous. y: contiguous with x's rank, each dim equal
+// to x's or 1 (broadcast), e.g. a [rows, 1] column of row scales for x [rows, cols], or [1]
+// shaped scalars. Any float dtypes.
+absl::Status Binary(const Context& ctx, BinaryOp op, ConstTensorView x, ConstTensorView y,
+                    TensorView out);
+
+// Cautious weight decay (ALGORITHMS.md §20.1 step 6, §20.7 step 3):
+//   x ← x − decay·x·[x·direction ≥ 0]   (elementwise; x f32, direction any float dtype).
+absl::Status CautiousWeightDecay(const Context& ctx, float decay, ConstTensorView direction,
+                                 TensorView x);
+
+// Fused AdamW step over one parameter tensor, with the float32 path of PyTorch 2.x's fused
+// CPU kernel (conformance README §5 item 6, ALGORITHMS.md §20.6). lr, beta1, beta2, epsilon,
+// weight_decay are the f32-rounded hyperparameters; step is the 1-based step count after
+// increment; bias corrections are computed in double. All tensors f32, contiguous, same shape.
+//   x ← x·f32(1 − lr·wd);  m ← fma(f32(1 − β1), g − m, m);  v ← v·β2 + (f32(1 − β2)·g)·g;
+//   x ← x + (f32(−lr/bc1)·m) / (√v / f32(√bc2) + ε)
+// cautious (§20.6 step 6, literal order): after the update, x ← x + f32(lr·wd)·x₀·[m·x₀ < 0]
+// with x₀ = x before the step and m the updated first moment (undoes the decay where the
+// update and the weight disagree in sign).
+struct AdamWParams {
+  float lr = 0.0f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float epsilon = 1e-8f;
+  float weight_decay = 0.0f;
+  int64_t step = 1;
+  bool cautious = false;
+};
+absl::Status AdamWStep(const Context& ctx, const AdamWParams& p, ConstTensorView grad,
+                       TensorView x, TensorView m, TensorView v);
+
+// Fused Lion step (ALGORITHMS.md §20.7): u ← sign(lerp(m, g, 1 − β1)); m ← lerp(m, g, 1 − β2);
+// x ← x·(1 − lr·wd) (cautious: x ← x − (lr·wd)·x·[x·u ≥ 0]); x ← x − lr·u.
+// lr, beta1, beta2, weight_decay f32-rounded; 1 − β and lr·wd formed in f32. All f32.
+struct LionParams {
+  float lr = 0.0f;
+  float beta1 = 0.9f;
+  float beta2 = 0.99f;
+  float weight_decay = 0.0f;
+  bool cautious = false;
+};
+absl::Status LionStep(const Context& ctx, const LionParams& p, ConstTensorView grad, TensorView x,
+                      TensorView m);
+
+}  // namespace diond::kernels
+
+#endif  // DIOND_KERNELS_OPS_H_
