@@ -1,0 +1,104 @@
+#include "server/daemon.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "nlohmann/json.hpp"
+#include "prometheus/registry.h"
+#include "server/metrics.h"
+#include "server/rpc/grpc_server.h"
+#include "server/version.h"
+
+#include <unistd.h>
+
+namespace diond::server {
+
+Daemon::Daemon() = default;
+Daemon::~Daemon() { Shutdown(absl::ZeroDuration()); }
+
+absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& options) {
+  for (const auto& a : options.listen) {
+    if (a.kind == ListenAddress::Kind::kTcp && !a.loopback && !options.allow_insecure_remote) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "refusing to listen on non-loopback ", a.ToString(),
+          " without TLS; use a loopback or unix address, or --allow_insecure_remote"));
+    }
+  }
+  std::unique_ptr<Daemon> d(new Daemon);
+  DIOND_ASSIGN_OR_RETURN(d->device_, kernels::SelectDevice(options.device, options.cuda_plugin));
+
+  BuildInfo info;
+  info.version = kVersion;
+  info.device = d->device_.type == kernels::DeviceType::kCuda
+                    ? absl::StrCat("cuda:", d->device_.index)
+                    : "cpu";
+  info.cuda_plugin = d->device_.cuda_plugin_loaded;
+  d->metrics_ = std::make_unique<DaemonMetrics>(std::make_shared<prometheus::Registry>(), info);
+
+  // Metrics start after the CUDA plugin is loaded: the plugin's TLS is dynamic (dlopen), so
+  // civetweb's small-stack threads still start (TOOLCHAIN.md P1).
+  if (!options.metrics_address.empty()) {
+    d->metrics_address_ = options.metrics_address;
+    DIOND_ASSIGN_OR_RETURN(d->metrics_server_,
+                           MetricsServer::Start(options.metrics_address,
+                                                {d->metrics_->shared_registry(),
+                                                 MakeProcessCollector()}));
+  }
+  rpc::RpcServerOptions ro;
+  ro.listen = options.listen;
+  DIOND_ASSIGN_OR_RETURN(d->rpc_, rpc::RpcServer::Start(ro, d->metrics_.get()));
+  return d;
+}
+
+std::vector<ListenAddress> Daemon::bound() const {
+  return rpc_ ? rpc_->bound() : std::vector<ListenAddress>{};
+}
+
+int Daemon::metrics_port() const { return metrics_server_ ? metrics_server_->port() : 0; }
+
+std::string Daemon::Describe() const {
+  std::vector<std::string> names;
+  for (const auto& a : bound()) names.push_back(a.ToString());
+  std::string metrics = "metrics off";
+  if (metrics_server_) {
+    std::string host = metrics_address_.substr(0, metrics_address_.rfind(':'));
+    metrics = absl::StrCat("metrics on http://", host, ":", metrics_port(), "/metrics");
+  }
+  std::string device = absl::StrCat("device ", device_.name);
+  if (!device_.fallback_reason.empty()) {
+    absl::StrAppend(&device, " (no GPU in use: ", device_.fallback_reason, ")");
+  }
+  return absl::StrCat("diond ", kVersion, " serving on ", absl::StrJoin(names, ", "), "; ",
+                      metrics, "; ", device);
+}
+
+std::string Daemon::ReadyJson() const {
+  nlohmann::json j;
+  j["version"] = kVersion;
+  j["pid"] = static_cast<int64_t>(getpid());
+  nlohmann::json listen = nlohmann::json::array();
+  for (const auto& a : bound()) {
+    nlohmann::json e;
+    if (a.kind == ListenAddress::Kind::kUnix) {
+      e["unix"] = a.path;
+    } else {
+      e["host"] = a.host;
+      e["port"] = a.port;
+    }
+    e["uri"] = a.ToString();
+    listen.push_back(e);
+  }
+  j["listen"] = listen;
+  j["metrics_port"] = metrics_port();
+  j["device"] = device_.name;
+  return j.dump();
+}
+
+void Daemon::Shutdown(absl::Duration drain) {
+  if (rpc_) rpc_->Shutdown(drain);
+  rpc_.reset();
+  metrics_server_.reset();
+}
+
+}  // namespace diond::server

@@ -1,0 +1,136 @@
+// diond: the optimizer-as-a-service daemon. The composition root (STYLE.md R1): parses flags,
+// starts the Daemon, waits for SIGTERM/SIGINT, drains and exits 0.
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "common/logging.h"
+#include "server/daemon.h"
+#include "server/listen.h"
+#include "server/version.h"
+
+ABSL_FLAG(std::string, listen, "",
+          "Comma-separated listen addresses: unix:PATH and/or HOST:PORT (port 0 = any free "
+          "port). Empty = unix:$XDG_RUNTIME_DIR/diond.sock (else /tmp/diond-<uid>.sock) plus "
+          "127.0.0.1:50551. Unix sockets are created with mode 0600.");
+ABSL_FLAG(std::string, metrics_address, "127.0.0.1:9464",
+          "HOST:PORT for the Prometheus /metrics endpoint (port 0 = any free port); empty "
+          "disables it.");
+ABSL_FLAG(std::string, device, "auto",
+          "Compute device: auto (first GPU if the CUDA plugin loads and a GPU is present, else "
+          "the CPU), cpu, cuda or cuda:N.");
+ABSL_FLAG(std::string, cuda_plugin, "",
+          "Path of libdiond_cuda.so; empty = next to the diond binary, then the loader path.");
+ABSL_FLAG(std::string, log_level, "info", "Log threshold: debug, info, warning or error.");
+ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(10),
+          "On SIGTERM/SIGINT, how long in-flight RPCs may run before they are cancelled.");
+ABSL_FLAG(std::string, ready_file, "",
+          "If set, write a JSON file with the bound addresses and metrics port once serving "
+          "(written atomically; for scripts and tests that use port 0).");
+ABSL_FLAG(bool, allow_insecure_remote, false,
+          "Allow TCP listeners on non-loopback addresses without TLS. Off by default.");
+
+namespace {
+
+bool IsMainFlagFile(absl::string_view file) {
+  return file.find("server/main.cc") != absl::string_view::npos;
+}
+
+bool WriteFileAtomically(const std::string& path, const std::string& text) {
+  std::string tmp = absl::StrCat(path, ".tmp.", getpid());
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    if (!out) return false;
+    out << text << "\n";
+    if (!out.flush()) return false;
+  }
+  return std::rename(tmp.c_str(), path.c_str()) == 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // Block the stop signals before any thread exists, so every thread inherits the mask and the
+  // main thread alone receives them in sigwait below.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  absl::FlagsUsageConfig config;
+  config.contains_help_flags = &IsMainFlagFile;
+  config.contains_helpshort_flags = &IsMainFlagFile;
+  config.version_string = [] { return absl::StrCat("diond ", diond::server::kVersion, "\n"); };
+  absl::SetFlagsUsageConfig(config);
+  absl::SetProgramUsageMessage(
+      "diond: optimizer-as-a-service daemon. Trainers send gradients over shared memory or "
+      "gRPC and get updated weights back.\nUsage: diond [--listen=unix:/path,127.0.0.1:50551] "
+      "[--metrics_address=127.0.0.1:9464] [--device=auto|cpu|cuda:N]");
+  std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
+  if (rest.size() > 1) {
+    std::fprintf(stderr, "diond: unexpected argument '%s' (flags are --name=value)\n", rest[1]);
+    return 2;
+  }
+
+  auto level = diond::ParseLogLevel(absl::GetFlag(FLAGS_log_level));
+  if (!level.ok()) {
+    std::fprintf(stderr, "diond: --log_level: %s\n", std::string(level.status().message()).c_str());
+    return 2;
+  }
+  diond::SetMinLogLevel(*level);
+
+  diond::server::DaemonOptions options;
+  std::string listen = absl::GetFlag(FLAGS_listen);
+  if (listen.empty()) {
+    listen = absl::StrCat("unix:", diond::server::DefaultUnixSocketPath(), ",127.0.0.1:50551");
+  }
+  auto addresses = diond::server::ParseListenAddresses(listen);
+  if (!addresses.ok()) {
+    std::fprintf(stderr, "diond: --listen: %s\n", std::string(addresses.status().message()).c_str());
+    return 2;
+  }
+  options.listen = *addresses;
+  auto device = diond::kernels::ParseDeviceRequest(absl::GetFlag(FLAGS_device));
+  if (!device.ok()) {
+    std::fprintf(stderr, "diond: --device: %s\n", std::string(device.status().message()).c_str());
+    return 2;
+  }
+  options.device = *device;
+  options.metrics_address = absl::GetFlag(FLAGS_metrics_address);
+  options.cuda_plugin = absl::GetFlag(FLAGS_cuda_plugin);
+  options.allow_insecure_remote = absl::GetFlag(FLAGS_allow_insecure_remote);
+
+  auto daemon = diond::server::Daemon::Start(options);
+  if (!daemon.ok()) {
+    std::fprintf(stderr, "diond: %s\n", std::string(daemon.status().message()).c_str());
+    return 1;
+  }
+  DIOND_LOG(INFO) << (*daemon)->Describe();
+
+  const std::string ready_file = absl::GetFlag(FLAGS_ready_file);
+  if (!ready_file.empty() && !WriteFileAtomically(ready_file, (*daemon)->ReadyJson())) {
+    DIOND_LOG(ERROR) << "cannot write --ready_file " << ready_file;
+  }
+
+  int sig = 0;
+  sigwait(&stop_signals, &sig);
+  const absl::Duration drain = absl::GetFlag(FLAGS_drain_timeout);
+  DIOND_LOG(INFO) << "received " << (sig == SIGTERM ? "SIGTERM" : "SIGINT")
+                  << ", draining in-flight RPCs (up to " << absl::FormatDuration(drain) << ")";
+  (*daemon)->Shutdown(drain);
+  daemon->reset();
+  if (!ready_file.empty()) unlink(ready_file.c_str());
+  DIOND_LOG(INFO) << "stopped cleanly";
+  return 0;
+}

@@ -1,0 +1,163 @@
+#include "server/metrics.h"
+
+#include <dirent.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <exception>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "prometheus/client_metric.h"
+#include "prometheus/collectable.h"
+#include "prometheus/exposer.h"
+#include "prometheus/metric_family.h"
+
+namespace diond::server {
+namespace {
+
+// Latency buckets from 50 µs to ~100 s: Step over shm is sub-millisecond, checkpoints are seconds.
+prometheus::Histogram::BucketBoundaries RpcBuckets() {
+  return {5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2,
+          5e-2, 0.1,  0.25,   0.5,  1.0,  2.5,    5.0,  10.0, 30.0, 100.0};
+}
+
+prometheus::MetricFamily Gauge(const std::string& name, const std::string& help, double v) {
+  prometheus::MetricFamily f;
+  f.name = name;
+  f.help = help;
+  f.type = prometheus::MetricType::Gauge;
+  prometheus::ClientMetric m;
+  m.gauge.value = v;
+  f.metric.push_back(m);
+  return f;
+}
+
+class ProcessCollector : public prometheus::Collectable {
+ public:
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    std::vector<prometheus::MetricFamily> out;
+    const double ticks = static_cast<double>(sysconf(_SC_CLK_TCK));
+    const double page = static_cast<double>(sysconf(_SC_PAGESIZE));
+    std::ifstream stat("/proc/self/stat");
+    std::string line;
+    if (std::getline(stat, line)) {
+      // Fields after the parenthesised command name; see proc(5).
+      size_t close = line.rfind(')');
+      std::vector<std::string> f =
+          absl::StrSplit(line.substr(close + 2), ' ', absl::SkipEmpty());
+      // f[0] is field 3 (state); utime=14, stime=15, num_threads=20, starttime=22, vsize=23,
+      // rss=24 -> indices field-3.
+      if (f.size() > 21) {
+        double utime = std::stod(f[11]), stime = std::stod(f[12]);
+        prometheus::MetricFamily cpu;
+        cpu.name = "process_cpu_seconds_total";
+        cpu.help = "Total user and system CPU time spent in seconds.";
+        cpu.type = prometheus::MetricType::Counter;
+        prometheus::ClientMetric m;
+        m.counter.value = (utime + stime) / ticks;
+        cpu.metric.push_back(m);
+        out.push_back(cpu);
+        out.push_back(Gauge("process_threads", "Number of OS threads in the process.",
+                            std::stod(f[17])));
+        double boot = BootTimeSeconds();
+        out.push_back(Gauge("process_start_time_seconds",
+                            "Start time of the process since unix epoch in seconds.",
+                            boot + std::stod(f[19]) / ticks));
+        out.push_back(Gauge("process_virtual_memory_bytes", "Virtual memory size in bytes.",
+                            std::stod(f[20])));
+        out.push_back(Gauge("process_resident_memory_bytes", "Resident memory size in bytes.",
+                            std::stod(f[21]) * page));
+      }
+    }
+    out.push_back(Gauge("process_open_fds", "Number of open file descriptors.", CountFds()));
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0) {
+      out.push_back(Gauge("process_max_fds", "Maximum number of open file descriptors.",
+                          static_cast<double>(rl.rlim_cur)));
+    }
+    return out;
+  }
+
+ private:
+  static double CountFds() {
+    DIR* d = opendir("/proc/self/fd");
+    if (d == nullptr) return 0;
+    double n = 0;
+    while (dirent* e = readdir(d)) {
+      if (e->d_name[0] != '.') n += 1;
+    }
+    closedir(d);
+    return n - 1;  // the descriptor of the DIR itself
+  }
+  static double BootTimeSeconds() {
+    std::ifstream s("/proc/stat");
+    std::string key;
+    double value = 0;
+    while (s >> key) {
+      if (key == "btime") {
+        s >> value;
+        return value;
+      }
+    }
+    return 0;
+  }
+};
+
+}  // namespace
+
+DaemonMetrics::DaemonMetrics(std::shared_ptr<prometheus::Registry> registry,
+                             const BuildInfo& info)
+    : registry_(std::move(registry)),
+      rpcs_(prometheus::BuildCounter()
+                .Name("diond_rpcs_total")
+                .Help("Finished gRPC calls by method and status code.")
+                .Register(*registry_)),
+      rpc_seconds_(prometheus::BuildHistogram()
+                       .Name("diond_rpc_duration_seconds")
+                       .Help("Latency of finished gRPC calls by method and status code.")
+                       .Register(*registry_)) {
+  prometheus::BuildGauge()
+      .Name("diond_build_info")
+      .Help("Always 1; labels describe the running daemon.")
+      .Register(*registry_)
+      .Add({{"version", info.version},
+            {"device", info.device},
+            {"cuda_plugin", info.cuda_plugin ? "true" : "false"}})
+      .Set(1);
+}
+
+void DaemonMetrics::ObserveRpc(absl::string_view method, absl::string_view code,
+                               double seconds) {
+  std::map<std::string, std::string> labels{{"method", std::string(method)},
+                                            {"code", std::string(code)}};
+  rpcs_.Add(labels).Increment();
+  rpc_seconds_.Add(labels, RpcBuckets()).Observe(seconds);
+}
+
+std::shared_ptr<prometheus::Collectable> MakeProcessCollector() {
+  return std::make_shared<ProcessCollector>();
+}
+
+absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
+    const std::string& address, std::vector<std::shared_ptr<prometheus::Collectable>> sources) {
+  std::unique_ptr<MetricsServer> s(new MetricsServer);
+  try {
+    // One civetweb worker thread is plenty for a scrape endpoint.
+    s->exposer_ = std::make_unique<prometheus::Exposer>(address, 1);
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot serve metrics on ", address, ": ", e.what()));
+  }
+  s->sources_ = std::move(sources);
+  for (auto& src : s->sources_) s->exposer_->RegisterCollectable(src);
+  std::vector<int> ports = s->exposer_->GetListeningPorts();
+  s->port_ = ports.empty() ? 0 : ports.front();
+  return s;
+}
+
+MetricsServer::~MetricsServer() = default;
+
+}  // namespace diond::server

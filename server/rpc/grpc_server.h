@@ -1,0 +1,55 @@
+// The daemon's gRPC server: the Optimizer service, grpc.health.v1 (gRPC's own implementation),
+// server reflection and the metrics interceptor, on every listen address at once.
+//
+// Thread-safety: Start and Shutdown are called from the daemon's main thread only.
+#ifndef DIOND_SERVER_RPC_GRPC_SERVER_H_
+#define DIOND_SERVER_RPC_GRPC_SERVER_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "server/listen.h"
+#include "server/metrics.h"
+
+namespace grpc {
+class Server;
+}
+
+namespace diond::rpc {
+
+class OptimizerService;
+
+struct RpcServerOptions {
+  std::vector<server::ListenAddress> listen;
+  int64_t max_message_bytes = 64 << 20;
+};
+
+class RpcServer {
+ public:
+  // Binds every address or none: ALREADY_EXISTS / UNAVAILABLE with the address when a port or
+  // socket is taken. Unix sockets are created with mode 0600. `metrics` must outlive the server.
+  static absl::StatusOr<std::unique_ptr<RpcServer>> Start(const RpcServerOptions& options,
+                                                          server::DaemonMetrics* metrics);
+  ~RpcServer();
+
+  // The addresses actually bound (TCP port 0 resolved).
+  const std::vector<server::ListenAddress>& bound() const { return bound_; }
+
+  // Marks health NOT_SERVING, stops accepting, waits up to `drain` for in-flight RPCs, cancels
+  // the rest, and removes the Unix socket files. Idempotent.
+  void Shutdown(absl::Duration drain);
+
+ private:
+  RpcServer();
+  std::unique_ptr<OptimizerService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::vector<server::ListenAddress> bound_;
+  bool shut_down_ = false;
+};
+
+}  // namespace diond::rpc
+
+#endif  // DIOND_SERVER_RPC_GRPC_SERVER_H_

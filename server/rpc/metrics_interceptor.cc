@@ -1,0 +1,88 @@
+#include "server/rpc/metrics_interceptor.h"
+
+#include <chrono>
+#include <string>
+
+namespace diond::rpc {
+namespace {
+
+using grpc::experimental::InterceptionHookPoints;
+
+class MetricsInterceptor : public grpc::experimental::Interceptor {
+ public:
+  MetricsInterceptor(grpc::experimental::ServerRpcInfo* info, server::DaemonMetrics* metrics)
+      : method_(info->method() ? info->method() : "unknown"),
+        metrics_(metrics),
+        start_(std::chrono::steady_clock::now()) {}
+
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS)) {
+      code_ = methods->GetSendStatus().error_code();
+      have_status_ = true;
+    }
+    if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_CLOSE) &&
+        !have_status_) {
+      cancelled_ = true;
+    }
+    methods->Proceed();
+  }
+
+  ~MetricsInterceptor() override {
+    double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    grpc::StatusCode code = have_status_ ? code_ : grpc::StatusCode::CANCELLED;
+    metrics_->ObserveRpc(method_, StatusCodeName(code), seconds);
+  }
+
+ private:
+  std::string method_;
+  server::DaemonMetrics* metrics_;
+  std::chrono::steady_clock::time_point start_;
+  grpc::StatusCode code_ = grpc::StatusCode::OK;
+  bool have_status_ = false;
+  bool cancelled_ = false;
+};
+
+class Factory : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  explicit Factory(server::DaemonMetrics* metrics) : metrics_(metrics) {}
+  grpc::experimental::Interceptor* CreateServerInterceptor(
+      grpc::experimental::ServerRpcInfo* info) override {
+    return new MetricsInterceptor(info, metrics_);
+  }
+
+ private:
+  server::DaemonMetrics* metrics_;
+};
+
+}  // namespace
+
+std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>
+MakeMetricsInterceptorFactory(server::DaemonMetrics* metrics) {
+  return std::make_unique<Factory>(metrics);
+}
+
+const char* StatusCodeName(grpc::StatusCode code) {
+  switch (code) {
+    case grpc::StatusCode::OK: return "OK";
+    case grpc::StatusCode::CANCELLED: return "CANCELLED";
+    case grpc::StatusCode::UNKNOWN: return "UNKNOWN";
+    case grpc::StatusCode::INVALID_ARGUMENT: return "INVALID_ARGUMENT";
+    case grpc::StatusCode::DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
+    case grpc::StatusCode::NOT_FOUND: return "NOT_FOUND";
+    case grpc::StatusCode::ALREADY_EXISTS: return "ALREADY_EXISTS";
+    case grpc::StatusCode::PERMISSION_DENIED: return "PERMISSION_DENIED";
+    case grpc::StatusCode::RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
+    case grpc::StatusCode::FAILED_PRECONDITION: return "FAILED_PRECONDITION";
+    case grpc::StatusCode::ABORTED: return "ABORTED";
+    case grpc::StatusCode::OUT_OF_RANGE: return "OUT_OF_RANGE";
+    case grpc::StatusCode::UNIMPLEMENTED: return "UNIMPLEMENTED";
+    case grpc::StatusCode::INTERNAL: return "INTERNAL";
+    case grpc::StatusCode::UNAVAILABLE: return "UNAVAILABLE";
+    case grpc::StatusCode::DATA_LOSS: return "DATA_LOSS";
+    case grpc::StatusCode::UNAUTHENTICATED: return "UNAUTHENTICATED";
+    default: return "UNKNOWN";
+  }
+}
+
+}  // namespace diond::rpc

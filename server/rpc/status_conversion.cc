@@ -1,0 +1,19 @@
+#include "server/rpc/status_conversion.h"
+
+#include <string>
+
+namespace diond::rpc {
+
+grpc::Status ToGrpcStatus(const absl::Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(static_cast<int>(status.code())),
+                      std::string(status.message()));
+}
+
+absl::Status FromGrpcStatus(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(static_cast<int>(status.error_code())),
+                      status.error_message());
+}
+
+}  // namespace diond::rpc

@@ -1,0 +1,222 @@
+// Integration tests of the real `diond` binary: started as a subprocess on a free TCP port and a
+// temporary Unix socket, checked with a real gRPC client, a real HTTP scrape validated by
+// promtool, and real signals.
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "diond/v1/optimizer.grpc.pb.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/integration/subprocess.h"
+
+namespace diond {
+namespace {
+
+using ::diond::testing::HttpGet;
+using ::diond::testing::MakeTempDir;
+using ::diond::testing::ReadFile;
+using ::diond::testing::RunCommand;
+using ::diond::testing::Subprocess;
+
+// A running daemon with its ready file parsed.
+struct RunningDaemon {
+  std::unique_ptr<Subprocess> proc;
+  std::string dir, socket_path;
+  int tcp_port = 0, metrics_port = 0;
+  nlohmann::json ready;
+};
+
+std::unique_ptr<RunningDaemon> StartDaemon(std::vector<std::string> extra = {}) {
+  auto d = std::make_unique<RunningDaemon>();
+  d->dir = MakeTempDir("diond_it");
+  d->socket_path = d->dir + "/diond.sock";
+  std::string ready = d->dir + "/ready.json";
+  std::vector<std::string> argv = {DIOND_BINARY,
+                                   "--listen=unix:" + d->socket_path + ",127.0.0.1:0",
+                                   "--metrics_address=127.0.0.1:0", "--ready_file=" + ready};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  d->proc = std::make_unique<Subprocess>(argv, d->dir + "/log.txt");
+  // The daemon writes the ready file atomically once it serves. The first start may map the
+  // CUDA plugin's ~1 GB of libraries from a cold page cache (TOOLCHAIN.md P6), hence 60 s.
+  absl::Time deadline = absl::Now() + absl::Seconds(60);
+  while (absl::Now() < deadline) {
+    std::string text = ReadFile(ready);
+    if (!text.empty()) {
+      d->ready = nlohmann::json::parse(text);
+      for (const auto& e : d->ready["listen"]) {
+        if (e.contains("port")) d->tcp_port = e["port"].get<int>();
+      }
+      d->metrics_port = d->ready["metrics_port"].get<int>();
+      return d;
+    }
+    if (d->proc->Wait(absl::ZeroDuration()).has_value()) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  ADD_FAILURE() << "daemon did not become ready; log:\n" << d->proc->Log();
+  return nullptr;
+}
+
+grpc::health::v1::HealthCheckResponse::ServingStatus CheckHealth(const std::string& target,
+                                                                 const std::string& service) {
+  auto channel = grpc::CreateChannel(target, grpc::InsecureChannelCredentials());
+  auto stub = grpc::health::v1::Health::NewStub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  grpc::health::v1::HealthCheckRequest req;
+  req.set_service(service);
+  grpc::health::v1::HealthCheckResponse resp;
+  grpc::Status s = stub->Check(&ctx, req, &resp);
+  EXPECT_TRUE(s.ok()) << target << ": " << s.error_message();
+  return resp.status();
+}
+
+TEST(DaemonProcess, HealthyOverUnixAndTcpServesValidMetricsAndStopsCleanlyOnSigterm) {
+  auto d = StartDaemon();
+  ASSERT_NE(d, nullptr);
+  ASSERT_GT(d->tcp_port, 0);
+  ASSERT_GT(d->metrics_port, 0);
+
+  // The Unix socket is owner-only.
+  struct stat st;
+  ASSERT_EQ(stat(d->socket_path.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+
+  using Status = grpc::health::v1::HealthCheckResponse;
+  EXPECT_EQ(CheckHealth("unix:" + d->socket_path, ""), Status::SERVING);
+  EXPECT_EQ(CheckHealth(absl::StrCat("127.0.0.1:", d->tcp_port), ""), Status::SERVING);
+  EXPECT_EQ(CheckHealth("unix:" + d->socket_path, "diond.v1.Optimizer"), Status::SERVING);
+
+  // An Optimizer RPC goes through the interceptor, so it must appear in the metrics.
+  {
+    auto channel = grpc::CreateChannel("unix:" + d->socket_path, grpc::InsecureChannelCredentials());
+    auto stub = diond::v1::Optimizer::NewStub(channel);
+    grpc::ClientContext ctx;
+    diond::v1::ListSessionsRequest req;
+    diond::v1::ListSessionsResponse resp;
+    EXPECT_TRUE(stub->ListSessions(&ctx, req, &resp).ok());
+  }
+
+  std::string metrics = HttpGet(d->metrics_port, "/metrics");
+  ASSERT_FALSE(metrics.empty());
+  EXPECT_TRUE(absl::StrContains(metrics, "diond_build_info{")) << metrics;
+  EXPECT_TRUE(absl::StrContains(metrics, "process_resident_memory_bytes"));
+  EXPECT_TRUE(absl::StrContains(
+      metrics, R"(diond_rpcs_total{code="OK",method="/grpc.health.v1.Health/Check"} 3)"))
+      << metrics;
+  EXPECT_TRUE(absl::StrContains(
+      metrics, R"(diond_rpcs_total{code="OK",method="/diond.v1.Optimizer/ListSessions"} 1)"));
+  EXPECT_TRUE(absl::StrContains(metrics, "diond_rpc_duration_seconds_bucket{"));
+  std::string file = d->dir + "/metrics.txt";
+  std::ofstream(file) << metrics;
+  auto [rc, out] = RunCommand("promtool check metrics < " + file + " 2>&1");
+  EXPECT_EQ(rc, 0) << "promtool: " << out;
+
+#ifdef DIOND_CUDA_PLUGIN_BUILT
+  // In auto mode the daemon dlopen()s the CUDA plugin (cuBLAS, cuSOLVER, NCCL) even without a
+  // GPU; metrics must still serve afterwards (TOOLCHAIN.md P1).
+  EXPECT_TRUE(absl::StrContains(metrics, R"(cuda_plugin="true")")) << metrics;
+#endif
+
+  d->proc->Signal(SIGTERM);
+  auto code = d->proc->Wait(absl::Seconds(30));
+  ASSERT_TRUE(code.has_value()) << "daemon did not stop after SIGTERM";
+  EXPECT_EQ(*code, 0) << d->proc->Log();
+  EXPECT_NE(stat(d->socket_path.c_str(), &st), 0) << "socket file left behind";
+  std::string log = d->proc->Log();
+  EXPECT_TRUE(absl::StrContains(log, "serving on unix:" + d->socket_path)) << log;
+  EXPECT_TRUE(absl::StrContains(log, "stopped cleanly")) << log;
+}
+
+TEST(DaemonProcess, StartupLineSaysWhenNoGpuIsUsed) {
+  auto d = StartDaemon({"--device=auto"});
+  ASSERT_NE(d, nullptr);
+  auto [rc, out] = RunCommand("nvidia-smi -L 2>/dev/null | grep -c GPU");
+  bool have_gpu = rc == 0 && out != "0\n";
+  std::string log = d->proc->Log();
+  if (!have_gpu) {
+    EXPECT_TRUE(absl::StrContains(log, "device cpu")) << log;
+    EXPECT_TRUE(absl::StrContains(log, "no GPU in use")) << log;
+  }
+  d->proc->Signal(SIGINT);
+  EXPECT_EQ(d->proc->Wait(absl::Seconds(30)), std::optional<int>(0));
+}
+
+TEST(DaemonProcess, SecondDaemonOnSameAddressesFailsWithOneLine) {
+  auto first = StartDaemon({"--device=cpu"});
+  ASSERT_NE(first, nullptr);
+  struct Case {
+    std::string name;
+    std::vector<std::string> argv;
+  };
+  std::vector<Case> cases = {
+      {"unix", {DIOND_BINARY, "--device=cpu", "--metrics_address=",
+                "--listen=unix:" + first->socket_path}},
+      {"tcp", {DIOND_BINARY, "--device=cpu", "--metrics_address=",
+               absl::StrCat("--listen=127.0.0.1:", first->tcp_port)}},
+      {"metrics", {DIOND_BINARY, "--device=cpu", "--listen=127.0.0.1:0",
+                   absl::StrCat("--metrics_address=127.0.0.1:", first->metrics_port)}},
+  };
+  for (const auto& c : cases) {
+    Subprocess second(c.argv, first->dir + "/second_" + c.name + ".txt");
+    auto code = second.Wait(absl::Seconds(30));
+    ASSERT_TRUE(code.has_value()) << c.name << ": second daemon did not exit";
+    EXPECT_EQ(*code, 1) << c.name << " (a crash would be negative):\n" << second.Log();
+    std::string log = second.Log();
+    EXPECT_TRUE(absl::StrContains(log, "diond: ")) << c.name << ": " << log;
+    EXPECT_FALSE(absl::StrContains(log, "Aborted")) << log;
+  }
+  // The first daemon is unharmed.
+  EXPECT_EQ(CheckHealth("unix:" + first->socket_path, ""),
+            grpc::health::v1::HealthCheckResponse::SERVING);
+  first->proc->Signal(SIGTERM);
+  EXPECT_EQ(first->proc->Wait(absl::Seconds(30)), std::optional<int>(0));
+}
+
+TEST(DaemonProcess, BadFlagsExitWithUsageErrorNotACrash) {
+  std::string dir = MakeTempDir("diond_flags");
+  for (std::vector<std::string> argv : std::vector<std::vector<std::string>>{
+           {DIOND_BINARY, "--device=tpu"},
+           {DIOND_BINARY, "--listen=nonsense"},
+           {DIOND_BINARY, "--log_level=loud"},
+           {DIOND_BINARY, "--listen=0.0.0.0:0", "--metrics_address="}}) {
+    Subprocess p(argv, dir + "/log.txt");
+    auto code = p.Wait(absl::Seconds(30));
+    ASSERT_TRUE(code.has_value());
+    EXPECT_GT(*code, 0) << argv[1] << ": " << p.Log();
+    EXPECT_TRUE(absl::StrContains(p.Log(), "diond: ")) << p.Log();
+  }
+}
+
+TEST(DaemonBinary, HelpDocumentsEveryFlag) {
+  auto [rc, out] = RunCommand(std::string(DIOND_BINARY) + " --help 2>&1");
+  for (const char* flag : {"--listen", "--metrics_address", "--device", "--cuda_plugin",
+                           "--log_level", "--drain_timeout", "--ready_file",
+                           "--allow_insecure_remote"}) {
+    EXPECT_TRUE(absl::StrContains(out, flag)) << flag << " missing from --help:\n" << out;
+  }
+  auto [vrc, version] = RunCommand(std::string(DIOND_BINARY) + " --version 2>&1");
+  EXPECT_TRUE(absl::StrContains(version, "diond ")) << version;
+}
+
+TEST(DaemonBinary, HasNoCudaLibraryDependencies) {
+  auto [rc, out] = RunCommand(std::string("readelf -d ") + DIOND_BINARY);
+  ASSERT_EQ(rc, 0) << out;
+  ASSERT_TRUE(absl::StrContains(out, "(NEEDED)")) << out;
+  for (const char* lib : {"libcuda", "libcudart", "libcublas", "libcusolver", "libnccl",
+                          "libcusparse", "libnvJitLink"}) {
+    EXPECT_FALSE(absl::StrContains(out, lib)) << lib << " is NEEDED by diond:\n" << out;
+  }
+}
+
+}  // namespace
+}  // namespace diond
