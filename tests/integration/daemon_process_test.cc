@@ -96,7 +96,19 @@ TEST(DaemonProcess, HealthyOverUnixAndTcpServesValidMetricsAndStopsCleanlyOnSigt
   EXPECT_EQ(CheckHealth(absl::StrCat("127.0.0.1:", d->tcp_port), ""), Status::SERVING);
   EXPECT_EQ(CheckHealth("unix:" + d->socket_path, "diond.v1.Optimizer"), Status::SERVING);
 
-  // An Optimizer RPC goes through the interceptor, so it must appear in the metrics.
+  // diondctl (the Docker HEALTHCHECK) agrees, and fails on a dead address.
+  {
+    auto [rc, out] = RunCommand(std::string(DIONDCTL_BINARY) + " --target=unix:" +
+                                d->socket_path + " health 2>&1");
+    EXPECT_EQ(rc, 0) << out;
+    EXPECT_TRUE(absl::StrContains(out, "SERVING")) << out;
+    auto [rc2, out2] = RunCommand(std::string(DIONDCTL_BINARY) + " --timeout=1s --target=unix:" +
+                                  d->dir + "/nobody.sock health 2>&1");
+    EXPECT_EQ(rc2, 1) << out2;
+    EXPECT_TRUE(absl::StrContains(out2, "health check failed")) << out2;
+  }
+
+  // Four health checks so far: three above and diondctl's. An Optimizer RPC goes through the interceptor, so it must appear in the metrics.
   {
     auto channel = grpc::CreateChannel("unix:" + d->socket_path, grpc::InsecureChannelCredentials());
     auto stub = diond::v1::Optimizer::NewStub(channel);
@@ -111,7 +123,7 @@ TEST(DaemonProcess, HealthyOverUnixAndTcpServesValidMetricsAndStopsCleanlyOnSigt
   EXPECT_TRUE(absl::StrContains(metrics, "diond_build_info{")) << metrics;
   EXPECT_TRUE(absl::StrContains(metrics, "process_resident_memory_bytes"));
   EXPECT_TRUE(absl::StrContains(
-      metrics, R"(diond_rpcs_total{code="OK",method="/grpc.health.v1.Health/Check"} 3)"))
+      metrics, R"(diond_rpcs_total{code="OK",method="/grpc.health.v1.Health/Check"} 4)"))
       << metrics;
   EXPECT_TRUE(absl::StrContains(
       metrics, R"(diond_rpcs_total{code="OK",method="/diond.v1.Optimizer/ListSessions"} 1)"));
