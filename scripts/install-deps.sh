@@ -1,19 +1,37 @@
 #!/usr/bin/env bash
-# Installs every system dependency of diond from Debian 12 packages.
-# Idempotent: packages already present are skipped, so a second run takes seconds.
-# Used by README's commands, .ci/run and the Dockerfile.
+# Installs diond's system dependencies from the distribution's packages (Debian 12; the
+# Dockerfile runs it on Ubuntu 24.04, which has the same package names).
+#   scripts/install-deps.sh [--all|--build|--runtime]
+#     --all      (default) build + test tools: what CI and developers need
+#     --build    compilers and the C++ libraries (the Dockerfile's build stage)
+#     --runtime  the libraries the binaries load, no compilers (the Dockerfile's runtime stage)
+# Idempotent: installed packages are skipped, so a second run takes about a second.
 set -euo pipefail
 
-PKGS=(
-  build-essential cmake pkg-config git ca-certificates
-  libgrpc++-dev libgrpc-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
-  libabsl-dev prometheus-cpp-dev libcivetweb-dev libcurl4-openssl-dev zlib1g-dev
-  libgtest-dev libgmock-dev libbenchmark-dev
-  libopenblas-dev liblapacke-dev libdnnl-dev libgloo-dev
+# The C++ libraries. Their -dev packages pull the matching runtime libraries, whose names
+# differ between distributions (t64 suffixes, soname versions), so the runtime stage installs
+# the -dev packages too.
+LIBS=(
+  libgrpc++-dev libgrpc-dev libprotobuf-dev libabsl-dev prometheus-cpp-dev libcivetweb-dev
+  libcurl4-openssl-dev zlib1g-dev libopenblas-dev liblapacke-dev libdnnl-dev libgloo-dev
   nlohmann-json3-dev
+)
+BUILD=(
+  build-essential cmake pkg-config git ca-certificates protobuf-compiler protobuf-compiler-grpc
+  libgtest-dev libgmock-dev libbenchmark-dev
+)
+TEST=(
   python3-grpcio python3-protobuf python3-numpy python3-pytest python3-torch
   prometheus curl procps binutils
 )
+
+mode=${1:---all}
+case "$mode" in
+  --all) PKGS=("${LIBS[@]}" "${BUILD[@]}" "${TEST[@]}") ;;
+  --build) PKGS=("${LIBS[@]}" "${BUILD[@]}") ;;
+  --runtime) PKGS=("${LIBS[@]}" ca-certificates) ;;
+  *) echo "usage: $0 [--all|--build|--runtime]" >&2; exit 2 ;;
+esac
 
 missing=()
 for p in "${PKGS[@]}"; do
@@ -32,5 +50,6 @@ if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 echo "install-deps: installing ${#missing[@]} packages: ${missing[*]}"
 export DEBIAN_FRONTEND=noninteractive
 $SUDO apt-get update -qq
+# --no-install-recommends: recommends would add node-exporter, smartmontools, ipmitool, ...
 $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 echo "install-deps: done"
