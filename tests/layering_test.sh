@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Checks the dependency rule of ARCHITECTURE.md §3 on every source file. System headers of
+# gRPC and prometheus-cpp sit in /usr/include, so the compiler alone cannot stop a stray include;
+# the generated proto headers are only reachable through diond::proto. This test covers both.
+#   layering_test.sh REPO_ROOT
+set -uo pipefail
+root=$1
+cd "$root"
+fail=0
+check() {  # check <description> <grep -E pattern> <paths...>
+  local what=$1 pattern=$2; shift 2
+  local hits
+  hits=$(grep -rEn --include='*.h' --include='*.cc' --include='*.cu' --include='*.cuh' \
+           "$pattern" "$@" 2>/dev/null || true)
+  if [ -n "$hits" ]; then
+    echo "LAYERING VIOLATION: $what"; echo "$hits"; fail=1
+  fi
+}
+grpc='#include *[<"](grpcpp/|grpc/|.*\.pb\.h)'
+prom='#include *[<"]prometheus/'
+cuda='#include *[<"](cuda_runtime|cuda\.h|cublas|cusolver|nccl|cuda_bf16|cuda_fp16)'
+
+check "common/ uses gRPC or proto" "$grpc" common
+check "common/ uses prometheus-cpp" "$prom" common
+check "common/ includes a higher layer" '#include *"(kernels|server|client)/' common
+check "kernels/ uses gRPC or proto" "$grpc" kernels
+check "kernels/ uses prometheus-cpp" "$prom" kernels
+check "kernels/ includes server or client" '#include *"(server|client)/' kernels
+check "CUDA headers outside kernels/cuda" "$cuda" common server client tests \
+  $(find kernels -path kernels/cuda -prune -o -type f -print)
+server_core=$(find server -path server/rpc -prune -o -type f \( -name '*.h' -o -name '*.cc' \) -print | grep -v '^server/main.cc$')
+check "server/ (outside rpc/) uses gRPC or proto" "$grpc" $server_core
+check "client/ uses prometheus-cpp" "$prom" client
+check "client/ includes server" '#include *"server/' client
+if [ $fail -eq 0 ]; then echo "layering: OK"; fi
+exit $fail
