@@ -165,7 +165,7 @@ absl::Status AddScalar(const Context& ctx, float alpha, ConstTensorView x, float
                        TensorView out);
 
 // out ← lerp(start, end, weight) with PyTorch's two-branch formula:
-//   weight < 0.5 ? start + weight·(end − start) : end − (end − start)·(1 − weight).
+//   |weight| < 0.5 ? start + weight·(end − start) : end − (end − start)·(1 − weight).
 absl::Status Lerp(const Context& ctx, ConstTensorView start, ConstTensorView end, float weight,
                   TensorView out);
 

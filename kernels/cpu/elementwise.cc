@@ -1,0 +1,307 @@
+// Elementwise ops of kernels/ops.h: Copy, Fill, Axpby, Scale, AddScalar, Lerp, Unary, Binary.
+// Every value is computed in f32 and rounded once to the output dtype (ops.h conventions).
+#include <cfloat>
+#include <cmath>
+#include <cstring>
+
+#include "common/status_macros.h"
+#include "kernels/cpu/loops.h"
+#include "kernels/cpu/validate.h"
+#include "kernels/ops.h"
+
+namespace diond::kernels {
+namespace {
+
+using cpu::DispatchDType;
+using cpu::FromF32;
+using cpu::Invalid;
+using cpu::ParallelRange;
+using cpu::ToF32;
+
+// Pads a layout to rank 3 ([1, 1, n] for rank 1, [1, 1, 1] for rank 0).
+TensorLayout Pad3(const TensorLayout& l) {
+  TensorLayout p;
+  p.dtype = l.dtype;
+  p.rank = 3;
+  const int shift = 3 - l.rank;
+  for (int i = 0; i < 3; ++i) {
+    p.dims[i] = i < shift ? 1 : l.dims[i - shift];
+    p.strides[i] = i < shift ? 0 : l.strides[i - shift];
+  }
+  return p;
+}
+
+// Contiguous same-shape check of an output and one or two inputs.
+absl::Status CheckSameShapeContiguous(const Context& ctx, const char* op, ConstTensorView x,
+                                      const char* xname, TensorView out) {
+  DIOND_RETURN_IF_ERROR(cpu::CheckContext(ctx, op));
+  DIOND_RETURN_IF_ERROR(cpu::CheckContiguous(ctx, op, xname, x));
+  DIOND_RETURN_IF_ERROR(cpu::CheckContiguous(ctx, op, "out", out));
+  if (!cpu::SameShape(x.layout(), out.layout())) {
+    return Invalid(op, "out is ", out.DebugString(), ", want the shape of ", xname, " ",
+                   x.DebugString());
+  }
+  return absl::OkStatus();
+}
+
+// out[i] = f(x[i]) over contiguous data, any dtypes.
+template <typename F>
+void Map1(ConstTensorView x, TensorView out, F f) {
+  DispatchDType(x.dtype(), [&](auto xt) {
+    using X = decltype(xt);
+    DispatchDType(out.dtype(), [&](auto ot) {
+      using O = decltype(ot);
+      const X* xp = static_cast<const X*>(x.data());
+      O* op = static_cast<O*>(out.data());
+      ParallelRange(out.NumElements(), [&](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) op[i] = FromF32<O>(f(ToF32(xp[i])));
+      });
+    });
+  });
+}
+
+// out[i] = f(x[i], y[i]) over contiguous data, any dtypes.
+template <typename F>
+void Map2(ConstTensorView x, ConstTensorView y, TensorView out, F f) {
+  DispatchDType(x.dtype(), [&](auto xt) {
+    using X = decltype(xt);
+    DispatchDType(y.dtype(), [&](auto yt) {
+      using Y = decltype(yt);
+      DispatchDType(out.dtype(), [&](auto ot) {
+        using O = decltype(ot);
+        const X* xp = static_cast<const X*>(x.data());
+        const Y* yp = static_cast<const Y*>(y.data());
+        O* op = static_cast<O*>(out.data());
+        ParallelRange(out.NumElements(), [&](int64_t b, int64_t e) {
+          for (int64_t i = b; i < e; ++i) op[i] = FromF32<O>(f(ToF32(xp[i]), ToF32(yp[i])));
+        });
+      });
+    });
+  });
+}
+
+}  // namespace
+
+absl::Status Copy(const Context& ctx, ConstTensorView src, TensorView dst) {
+  constexpr const char* kOp = "Copy";
+  DIOND_RETURN_IF_ERROR(cpu::CheckContext(ctx, kOp));
+  DIOND_RETURN_IF_ERROR(cpu::CheckView(ctx, kOp, "src", src));
+  DIOND_RETURN_IF_ERROR(cpu::CheckView(ctx, kOp, "dst", dst));
+  if (!cpu::SameShape(src.layout(), dst.layout())) {
+    return Invalid(kOp, "dst is ", dst.DebugString(), ", want the shape of src ",
+                   src.DebugString());
+  }
+  cpu::ApplyThreadPolicy(ctx);
+  const int64_t n = src.NumElements();
+  if (n == 0) return absl::OkStatus();
+  if (src.data() == dst.data() && src.dtype() == dst.dtype() &&
+      std::memcmp(src.layout().strides, dst.layout().strides, sizeof(src.layout().strides)) == 0) {
+    return absl::OkStatus();  // exact alias: nothing to do
+  }
+  if (src.IsContiguous() && dst.IsContiguous()) {
+    if (src.dtype() == dst.dtype()) {
+      std::memcpy(dst.data(), src.data(), static_cast<size_t>(n) * DTypeSize(src.dtype()));
+    } else {
+      Map1(src, dst, [](float v) { return v; });
+    }
+    return absl::OkStatus();
+  }
+  const TensorLayout s = Pad3(src.layout()), d = Pad3(dst.layout());
+  DispatchDType(src.dtype(), [&](auto st) {
+    using S = decltype(st);
+    DispatchDType(dst.dtype(), [&](auto dt) {
+      using D = decltype(dt);
+      const S* sp = static_cast<const S*>(src.data());
+      D* dp = static_cast<D*>(dst.data());
+      ParallelRange(s.dims[0] * s.dims[1], [&](int64_t b, int64_t e) {
+        for (int64_t r = b; r < e; ++r) {
+          const int64_t i0 = r / s.dims[1], i1 = r % s.dims[1];
+          const S* si = sp + i0 * s.strides[0] + i1 * s.strides[1];
+          D* di = dp + i0 * d.strides[0] + i1 * d.strides[1];
+          for (int64_t j = 0; j < s.dims[2]; ++j) {
+            di[j * d.strides[2]] = FromF32<D>(ToF32(si[j * s.strides[2]]));
+          }
+        }
+      }, std::max<int64_t>(1, cpu::kParallelGrain / std::max<int64_t>(1, s.dims[2])));
+    });
+  });
+  return absl::OkStatus();
+}
+
+absl::Status Fill(const Context& ctx, float value, TensorView dst) {
+  constexpr const char* kOp = "Fill";
+  DIOND_RETURN_IF_ERROR(cpu::CheckContext(ctx, kOp));
+  DIOND_RETURN_IF_ERROR(cpu::CheckContiguous(ctx, kOp, "dst", dst));
+  cpu::ApplyThreadPolicy(ctx);
+  DispatchDType(dst.dtype(), [&](auto dt) {
+    using D = decltype(dt);
+    const D v = FromF32<D>(value);
+    D* dp = static_cast<D*>(dst.data());
+    ParallelRange(dst.NumElements(), [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) dp[i] = v;
+    });
+  });
+  return absl::OkStatus();
+}
+
+absl::Status Axpby(const Context& ctx, float alpha, ConstTensorView x, float beta,
+                   ConstTensorView y, TensorView out) {
+  constexpr const char* kOp = "Axpby";
+  DIOND_RETURN_IF_ERROR(CheckSameShapeContiguous(ctx, kOp, x, "x", out));
+  DIOND_RETURN_IF_ERROR(cpu::CheckFinite(kOp, "alpha", alpha));
+  DIOND_RETURN_IF_ERROR(cpu::CheckFinite(kOp, "beta", beta));
+  if (beta != 0.0f) {
+    DIOND_RETURN_IF_ERROR(cpu::CheckContiguous(ctx, kOp, "y", y));
+    if (!cpu::SameShape(x.layout(), y.layout())) {
+      return Invalid(kOp, "y is ", y.DebugString(), ", want the shape of x ", x.DebugString());
+    }
+  }
+  cpu::ApplyThreadPolicy(ctx);
+  if (beta == 0.0f) {
+    Map1(x, out, [alpha](float v) { return alpha * v; });
+  } else {
+    Map2(x, y, out, [alpha, beta](float a, float b) { return alpha * a + beta * b; });
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Scale(const Context& ctx, float alpha, ConstTensorView x, TensorView out) {
+  return Axpby(ctx, alpha, x, 0.0f, ConstTensorView(), out);
+}
+
+absl::Status AddScalar(const Context& ctx, float alpha, ConstTensorView x, float beta,
+                       TensorView out) {
+  constexpr const char* kOp = "AddScalar";
+  DIOND_RETURN_IF_ERROR(CheckSameShapeContiguous(ctx, kOp, x, "x", out));
+  DIOND_RETURN_IF_ERROR(cpu::CheckFinite(kOp, "alpha", alpha));
+  DIOND_RETURN_IF_ERROR(cpu::CheckFinite(kOp, "beta", beta));
+  cpu::ApplyThreadPolicy(ctx);
+  Map1(x, out, [alpha, beta](float v) { return alpha * v + beta; });
+  return absl::OkStatus();
+}
+
+namespace cpu {
+// PyTorch's lerp (aten/src/ATen/native/Lerp.h): two branches so that weight 1 returns `end`
+// exactly and large weights lose less precision.
+float LerpF32(float start, float end, float weight) {
+  return std::abs(weight) < 0.5f ? start + weight * (end - start)
+                                 : end - (end - start) * (1.0f - weight);
+}
+}  // namespace cpu
+
+absl::Status Lerp(const Context& ctx, ConstTensorView start, ConstTensorView end, float weight,
+                  TensorView out) {
+  constexpr const char* kOp = "Lerp";
+  DIOND_RETURN_IF_ERROR(CheckSameShapeContiguous(ctx, kOp, start, "start", out));
+  DIOND_RETURN_IF_ERROR(cpu::CheckContiguous(ctx, kOp, "end", end));
+  if (!cpu::SameShape(start.layout(), end.layout())) {
+    return Invalid(kOp, "end is ", end.DebugString(), ", want the shape of start ",
+                   start.DebugString());
+  }
+  DIOND_RETURN_IF_ERROR(cpu::CheckFinite(kOp, "weight", weight));
+  cpu::ApplyThreadPolicy(ctx);
+  Map2(start, end, out, [weight](float s, float e) { return cpu::LerpF32(s, e, weight); });
+  return absl::OkStatus();
+}
+
+absl::Status Unary(const Context& ctx, UnaryOp op, ConstTensorView x, TensorView out) {
+  constexpr const char* kOp = "Unary";
+  DIOND_RETURN_IF_ERROR(CheckSameShapeContiguous(ctx, kOp, x, "x", out));
+  cpu::ApplyThreadPolicy(ctx);
+  switch (op) {
+    case UnaryOp::kSign:
+      Map1(x, out, [](float v) { return v > 0.0f ? 1.0f : (v < 0.0f ? -1.0f : 0.0f); });
+      break;
+    case UnaryOp::kAbs:
+      Map1(x, out, [](float v) { return std::fabs(v); });
+      break;
+    case UnaryOp::kSqrt:
+      Map1(x, out, [](float v) { return std::sqrt(v); });
+      break;
+    case UnaryOp::kSquare:
+      Map1(x, out, [](float v) { return v * v; });
+      break;
+    case UnaryOp::kNeg:
+      Map1(x, out, [](float v) { return -v; });
+      break;
+    case UnaryOp::kNanToNum:
+      Map1(x, out, [](float v) {
+        return std::isnan(v) ? 0.0f : (std::isinf(v) ? (v > 0 ? FLT_MAX : -FLT_MAX) : v);
+      });
+      break;
+    default:
+      return Invalid(kOp, "unknown UnaryOp ", static_cast<int>(op));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Binary(const Context& ctx, BinaryOp op, ConstTensorView x, ConstTensorView y,
+                    TensorView out) {
+  constexpr const char* kOp = "Binary";
+  DIOND_RETURN_IF_ERROR(CheckSameShapeContiguous(ctx, kOp, x, "x", out));
+  DIOND_RETURN_IF_ERROR(cpu::CheckContiguous(ctx, kOp, "y", y));
+  if (y.rank() != x.rank()) {
+    return Invalid(kOp, "y is ", y.DebugString(), ", want rank ", x.rank(), " like x ",
+                   x.DebugString());
+  }
+  for (int i = 0; i < x.rank(); ++i) {
+    if (y.dim(i) != x.dim(i) && y.dim(i) != 1) {
+      return Invalid(kOp, "y ", y.DebugString(), " does not broadcast to x ", x.DebugString(),
+                     " (dim ", i, ")");
+    }
+  }
+  if (static_cast<int>(op) > static_cast<int>(BinaryOp::kMin)) {
+    return Invalid(kOp, "unknown BinaryOp ", static_cast<int>(op));
+  }
+  cpu::ApplyThreadPolicy(ctx);
+  if (x.NumElements() == 0) return absl::OkStatus();
+  const TensorLayout xl = Pad3(x.layout());
+  TensorLayout yl = Pad3(y.layout());
+  for (int i = 0; i < 3; ++i) {
+    if (yl.dims[i] == 1) yl.strides[i] = 0;
+  }
+  auto apply = [op](float a, float b) {
+    switch (op) {
+      case BinaryOp::kAdd:
+        return a + b;
+      case BinaryOp::kSub:
+        return a - b;
+      case BinaryOp::kMul:
+        return a * b;
+      case BinaryOp::kDiv:
+        return a / b;
+      case BinaryOp::kMax:  // NaN-propagating like torch.maximum
+        return (std::isnan(a) || std::isnan(b)) ? NAN : (a > b ? a : b);
+      case BinaryOp::kMin:
+      default:
+        return (std::isnan(a) || std::isnan(b)) ? NAN : (a < b ? a : b);
+    }
+  };
+  DispatchDType(x.dtype(), [&](auto xt) {
+    using X = decltype(xt);
+    DispatchDType(y.dtype(), [&](auto yt) {
+      using Y = decltype(yt);
+      DispatchDType(out.dtype(), [&](auto ot) {
+        using O = decltype(ot);
+        const X* xp = static_cast<const X*>(x.data());
+        const Y* yp = static_cast<const Y*>(y.data());
+        O* op_ = static_cast<O*>(out.data());
+        const int64_t rows = xl.dims[0] * xl.dims[1], cols = xl.dims[2];
+        ParallelRange(rows, [&](int64_t b, int64_t e) {
+          for (int64_t r = b; r < e; ++r) {
+            const int64_t i0 = r / xl.dims[1], i1 = r % xl.dims[1];
+            const Y* yr = yp + i0 * yl.strides[0] + i1 * yl.strides[1];
+            const X* xr = xp + r * cols;
+            O* orow = op_ + r * cols;
+            for (int64_t j = 0; j < cols; ++j) {
+              orow[j] = FromF32<O>(apply(ToF32(xr[j]), ToF32(yr[j * yl.strides[2]])));
+            }
+          }
+        }, std::max<int64_t>(1, cpu::kParallelGrain / std::max<int64_t>(1, cols)));
+      });
+    });
+  });
+  return absl::OkStatus();
+}
+
+}  // namespace diond::kernels

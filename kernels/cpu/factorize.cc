@@ -1,0 +1,189 @@
+// ThinQr, CholeskyQr and RandomizedCholeskyQr (kernels/ops.h) with LAPACKE and CBLAS.
+#include <cblas.h>
+#include <lapacke.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "common/status_macros.h"
+#include "kernels/cpu/threading.h"
+#include "kernels/cpu/validate.h"
+#include "kernels/ops.h"
+
+namespace diond::kernels {
+namespace {
+
+using cpu::Invalid;
+
+float* F32(TensorView v) { return static_cast<float*>(v.data()); }
+
+int64_t Ld(const TensorLayout& l) {
+  return l.Rows() <= 1 ? std::max<int64_t>(std::max<int64_t>(l.Cols(), 1), l.RowStride())
+                       : l.RowStride();
+}
+
+// Checks shared by the three QR flavours: a f32 m×n with m >= n >= 1 (n == 0 allowed), q like a,
+// r (if given) n×n f32, same batch.
+absl::Status CheckQrArgs(const Context& ctx, const char* op, ConstTensorView a, TensorView q,
+                         TensorView r) {
+  DIOND_RETURN_IF_ERROR(cpu::CheckContext(ctx, op));
+  DIOND_RETURN_IF_ERROR(cpu::CheckMatrix(ctx, op, "a", a));
+  DIOND_RETURN_IF_ERROR(cpu::CheckMatrix(ctx, op, "q", q));
+  DIOND_RETURN_IF_ERROR(cpu::CheckDType(op, "a", a.layout(), DType::kF32));
+  DIOND_RETURN_IF_ERROR(cpu::CheckDType(op, "q", q.layout(), DType::kF32));
+  if (a.Rows() < a.Cols()) {
+    return Invalid(op, "a is ", a.DebugString(), ", want rows >= cols (thin QR of a tall matrix)");
+  }
+  if (!cpu::SameShape(a.layout(), q.layout())) {
+    return Invalid(op, "q is ", q.DebugString(), ", want the shape of a ", a.DebugString());
+  }
+  if (!r.empty()) {
+    DIOND_RETURN_IF_ERROR(cpu::CheckMatrix(ctx, op, "r", r));
+    DIOND_RETURN_IF_ERROR(cpu::CheckDType(op, "r", r.layout(), DType::kF32));
+    if (r.Rows() != a.Cols() || r.Cols() != a.Cols() || r.Batch() != a.Batch()) {
+      return Invalid(op, "r is ", r.DebugString(), ", want ", a.Batch() > 1 || a.rank() == 3 ?
+                     "[batch, n, n]" : "[n, n]", " with n = ", a.Cols());
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Copies the n×n upper triangle of src (row stride lds) to dst (row stride ldd), zeros below.
+void CopyUpper(const float* src, int64_t lds, float* dst, int64_t ldd, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = 0; j < n; ++j) dst[i * ldd + j] = j >= i ? src[i * lds + j] : 0.0f;
+  }
+}
+
+// In-place Householder QR of the m×n matrix w (row-major, ld): on return w holds Q (m×n) and,
+// when r != nullptr, r (ldr) holds R.
+absl::Status HouseholderQrInPlace(const char* op, int64_t index, float* w, int64_t m, int64_t n,
+                                  int64_t ld, float* r, int64_t ldr, float* tau) {
+  lapack_int info = LAPACKE_sgeqrf(LAPACK_ROW_MAJOR, static_cast<lapack_int>(m),
+                                   static_cast<lapack_int>(n), w, static_cast<lapack_int>(ld), tau);
+  if (info != 0) {
+    return absl::InternalError(absl::StrCat(op, ": sgeqrf failed on matrix ", index, " (info ",
+                                            info, ")"));
+  }
+  if (r != nullptr) CopyUpper(w, ld, r, ldr, n);
+  info = LAPACKE_sorgqr(LAPACK_ROW_MAJOR, static_cast<lapack_int>(m), static_cast<lapack_int>(n),
+                        static_cast<lapack_int>(n), w, static_cast<lapack_int>(ld), tau);
+  if (info != 0) {
+    return absl::InternalError(absl::StrCat(op, ": sorgqr failed on matrix ", index, " (info ",
+                                            info, ")"));
+  }
+  return absl::OkStatus();
+}
+
+// q ← q·R⁻¹ where R = chol(qᵀq) (upper); R written to r (ldr) if non-null. g is n×n scratch.
+absl::Status CholeskyQrInPlace(const char* op, int64_t index, float* q, int64_t m, int64_t n,
+                               int64_t ldq, float* g, float* r, int64_t ldr) {
+  cblas_ssyrk(CblasRowMajor, CblasUpper, CblasTrans, static_cast<int>(n), static_cast<int>(m),
+              1.0f, q, static_cast<int>(ldq), 0.0f, g, static_cast<int>(n));
+  const lapack_int info = LAPACKE_spotrf(LAPACK_ROW_MAJOR, 'U', static_cast<lapack_int>(n), g,
+                                         static_cast<lapack_int>(n));
+  if (info != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        op, ": matrix ", index, " (", m, "x", n, ") is numerically rank-deficient: the Gram "
+        "matrix is not positive definite (spotrf info ", info, ")"));
+  }
+  cblas_strsm(CblasRowMajor, CblasRight, CblasUpper, CblasNoTrans, CblasNonUnit,
+              static_cast<int>(m), static_cast<int>(n), 1.0f, g, static_cast<int>(n), q,
+              static_cast<int>(ldq));
+  if (r != nullptr) CopyUpper(g, n, r, ldr, n);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ThinQr(const Context& ctx, ConstTensorView a, TensorView q, TensorView r) {
+  constexpr const char* kOp = "ThinQr";
+  DIOND_RETURN_IF_ERROR(CheckQrArgs(ctx, kOp, a, q, r));
+  cpu::ApplyThreadPolicy(ctx);
+  const int64_t m = a.Rows(), n = a.Cols();
+  if (n == 0 || a.Batch() == 0) return absl::OkStatus();
+  DIOND_RETURN_IF_ERROR(Copy(ctx, a, q));
+  ScratchArena::Scope scope(ctx.scratch());
+  DIOND_ASSIGN_OR_RETURN(Tensor tau, Tensor::Allocate(DType::kF32, {n}, &ctx.scratch()));
+  for (int64_t b = 0; b < a.Batch(); ++b) {
+    TensorView qb = q.Matrix(b);
+    float* rp = r.empty() ? nullptr : F32(r.Matrix(b));
+    DIOND_RETURN_IF_ERROR(HouseholderQrInPlace(kOp, b, F32(qb), m, n, Ld(qb.layout()), rp,
+                                               r.empty() ? 0 : Ld(r.layout()), tau.As<float>()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CholeskyQr(const Context& ctx, ConstTensorView a, TensorView q, TensorView r) {
+  constexpr const char* kOp = "CholeskyQr";
+  DIOND_RETURN_IF_ERROR(CheckQrArgs(ctx, kOp, a, q, r));
+  cpu::ApplyThreadPolicy(ctx);
+  const int64_t m = a.Rows(), n = a.Cols();
+  if (n == 0 || a.Batch() == 0) return absl::OkStatus();
+  DIOND_RETURN_IF_ERROR(Copy(ctx, a, q));
+  ScratchArena::Scope scope(ctx.scratch());
+  DIOND_ASSIGN_OR_RETURN(Tensor g, Tensor::Allocate(DType::kF32, {n, n}, &ctx.scratch()));
+  for (int64_t b = 0; b < a.Batch(); ++b) {
+    TensorView qb = q.Matrix(b);
+    float* rp = r.empty() ? nullptr : F32(r.Matrix(b));
+    DIOND_RETURN_IF_ERROR(CholeskyQrInPlace(kOp, b, F32(qb), m, n, Ld(qb.layout()), g.As<float>(),
+                                            rp, r.empty() ? 0 : Ld(r.layout())));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RandomizedCholeskyQr(const Context& ctx, ConstTensorView a, ConstTensorView sketch,
+                                  TensorView q) {
+  constexpr const char* kOp = "RandomizedCholeskyQr";
+  DIOND_RETURN_IF_ERROR(CheckQrArgs(ctx, kOp, a, q, TensorView()));
+  DIOND_RETURN_IF_ERROR(cpu::CheckMatrix(ctx, kOp, "sketch", sketch));
+  DIOND_RETURN_IF_ERROR(cpu::CheckDType(kOp, "sketch", sketch.layout(), DType::kF32));
+  const int64_t m = a.Rows(), n = a.Cols(), s = sketch.Rows();
+  if (sketch.Cols() != m || s < n) {
+    return Invalid(kOp, "sketch is ", sketch.DebugString(), ", want [s, ", m, "] with s >= ", n);
+  }
+  if (sketch.Batch() != 1 && sketch.Batch() != a.Batch()) {
+    return Invalid(kOp, "sketch has batch ", sketch.Batch(), ", a has batch ", a.Batch());
+  }
+  cpu::ApplyThreadPolicy(ctx);
+  if (n == 0 || a.Batch() == 0) return absl::OkStatus();
+  DIOND_RETURN_IF_ERROR(Copy(ctx, a, q));
+  ScratchArena::Scope scope(ctx.scratch());
+  DIOND_ASSIGN_OR_RETURN(Tensor sa, Tensor::Allocate(DType::kF32, {s, n}, &ctx.scratch()));
+  DIOND_ASSIGN_OR_RETURN(Tensor r1, Tensor::Allocate(DType::kF32, {n, n}, &ctx.scratch()));
+  DIOND_ASSIGN_OR_RETURN(Tensor g, Tensor::Allocate(DType::kF32, {n, n}, &ctx.scratch()));
+  DIOND_ASSIGN_OR_RETURN(Tensor tau, Tensor::Allocate(DType::kF32, {n}, &ctx.scratch()));
+  for (int64_t b = 0; b < a.Batch(); ++b) {
+    TensorView qb = q.Matrix(b);
+    ConstTensorView sb = sketch.Matrix(sketch.Batch() == 1 ? 0 : b);
+    const int64_t ldq = Ld(qb.layout());
+    // S·A with OpenBLAS, to stay on one thread pool within this op (context.h policy).
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(s),
+                static_cast<int>(n), static_cast<int>(m), 1.0f, static_cast<const float*>(sb.data()),
+                static_cast<int>(Ld(sb.layout())), F32(qb), static_cast<int>(ldq), 0.0f,
+                sa.As<float>(), static_cast<int>(n));
+    const lapack_int info = LAPACKE_sgeqrf(LAPACK_ROW_MAJOR, static_cast<lapack_int>(s),
+                                           static_cast<lapack_int>(n), sa.As<float>(),
+                                           static_cast<lapack_int>(n), tau.As<float>());
+    if (info != 0) {
+      return absl::InternalError(absl::StrCat(kOp, ": sgeqrf failed on matrix ", b, " (info ",
+                                              info, ")"));
+    }
+    CopyUpper(sa.As<float>(), n, r1.As<float>(), n, n);
+    // A zero diagonal entry of R₁ means S·A is rank-deficient; trsm would divide by zero.
+    for (int64_t i = 0; i < n; ++i) {
+      if (r1.As<float>()[i * n + i] == 0.0f) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            kOp, ": matrix ", b, " (", m, "x", n, ") is rank-deficient (R1[", i, ",", i, "] = 0)"));
+      }
+    }
+    cblas_strsm(CblasRowMajor, CblasRight, CblasUpper, CblasNoTrans, CblasNonUnit,
+                static_cast<int>(m), static_cast<int>(n), 1.0f, r1.As<float>(), static_cast<int>(n),
+                F32(qb), static_cast<int>(ldq));
+    DIOND_RETURN_IF_ERROR(
+        CholeskyQrInPlace(kOp, b, F32(qb), m, n, ldq, g.As<float>(), nullptr, 0));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace diond::kernels

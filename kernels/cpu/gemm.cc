@@ -1,0 +1,190 @@
+// Gemm and SymmetricProduct (kernels/ops.h) on the CPU: OpenBLAS for f32 (or oneDNN), oneDNN
+// for bf16 (Debian's OpenBLAS exports no cblas_sbgemm, TOOLCHAIN.md §12).
+#include <cblas.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "common/status_macros.h"
+#include "kernels/cpu/onednn_matmul.h"
+#include "kernels/cpu/threading.h"
+#include "kernels/cpu/validate.h"
+#include "kernels/ops.h"
+
+namespace diond::kernels {
+namespace {
+
+using cpu::Invalid;
+
+// Leading dimension for BLAS: must be >= max(1, cols) even for a single row.
+int64_t Ld(const TensorLayout& l) {
+  const int64_t cols = std::max<int64_t>(l.Cols(), 1);
+  return l.Rows() <= 1 ? std::max(l.RowStride(), cols) : l.RowStride();
+}
+
+const char* BytePtr(const void* p, int64_t b, const TensorLayout& l) {
+  return static_cast<const char*>(p) +
+         b * l.BatchStride() * static_cast<int64_t>(DTypeSize(l.dtype));
+}
+
+// C ← beta·C for k == 0 (no product term), any C dtype.
+absl::Status ScaleOnly(const Context& ctx, float beta, TensorView c) {
+  for (int64_t b = 0; b < c.Batch(); ++b) {
+    TensorView cm = c.Matrix(b);
+    for (int64_t i = 0; i < cm.Rows(); ++i) {
+      TensorView row = cm.RowRange(i, 1);
+      TensorLayout l = ContiguousLayout(c.dtype(), {cm.Cols()});
+      TensorView r(row.data(), l);
+      if (beta == 0.0f) {
+        DIOND_RETURN_IF_ERROR(Fill(ctx, 0.0f, r));
+      } else {
+        DIOND_RETURN_IF_ERROR(Scale(ctx, beta, r, r));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status Gemm(const Context& ctx, const GemmParams& p, ConstTensorView a, ConstTensorView b,
+                  TensorView c) {
+  constexpr const char* kOp = "Gemm";
+  DIOND_RETURN_IF_ERROR(cpu::CheckContext(ctx, kOp));
+  DIOND_RETURN_IF_ERROR(cpu::CheckMatrix(ctx, kOp, "a", a));
+  DIOND_RETURN_IF_ERROR(cpu::CheckMatrix(ctx, kOp, "b", b));
+  DIOND_RETURN_IF_ERROR(cpu::CheckMatrix(ctx, kOp, "c", c));
+  DIOND_RETURN_IF_ERROR(cpu::CheckFinite(kOp, "alpha", p.alpha));
+  DIOND_RETURN_IF_ERROR(cpu::CheckFinite(kOp, "beta", p.beta));
+  const bool ta = p.trans_a == Trans::kYes, tb = p.trans_b == Trans::kYes;
+  const int64_t m = ta ? a.Cols() : a.Rows(), ka = ta ? a.Rows() : a.Cols();
+  const int64_t kb = tb ? b.Cols() : b.Rows(), n = tb ? b.Rows() : b.Cols();
+  if (ka != kb) {
+    return Invalid(kOp, "inner dims differ: op(a) is ", m, "x", ka, " (a ", a.DebugString(),
+                   "), op(b) is ", kb, "x", n, " (b ", b.DebugString(), ")");
+  }
+  if (c.Rows() != m || c.Cols() != n) {
+    return Invalid(kOp, "c is ", c.DebugString(), ", want [", m, ", ", n, "]");
+  }
+  const int64_t batch = c.Batch();
+  if (a.Batch() != 1 && a.Batch() != batch) {
+    return Invalid(kOp, "a has batch ", a.Batch(), ", c has batch ", batch);
+  }
+  if (b.Batch() != 1 && b.Batch() != batch) {
+    return Invalid(kOp, "b has batch ", b.Batch(), ", c has batch ", batch);
+  }
+  const bool f32 = a.dtype() == DType::kF32 && b.dtype() == DType::kF32 &&
+                   c.dtype() == DType::kF32;
+  const bool bf16 = a.dtype() == DType::kBf16 && b.dtype() == DType::kBf16 &&
+                    (c.dtype() == DType::kF32 || c.dtype() == DType::kBf16);
+  if (!f32 && !bf16) {
+    return Invalid(kOp, "unsupported dtypes a ", DTypeName(a.dtype()), ", b ",
+                   DTypeName(b.dtype()), ", c ", DTypeName(c.dtype()),
+                   " (want f32,f32->f32 or bf16,bf16->f32|bf16)");
+  }
+  cpu::ApplyThreadPolicy(ctx);
+  if (m == 0 || n == 0 || batch == 0) return absl::OkStatus();
+  const int64_t k = ka;
+  if (k == 0) return ScaleOnly(ctx, p.beta, c);
+
+  Fp32GemmEngine engine = p.engine != Fp32GemmEngine::kAuto ? p.engine : ctx.fp32_gemm_engine();
+  if (engine == Fp32GemmEngine::kAuto) {
+    engine = cpu::CpuHasAvx512() ? Fp32GemmEngine::kOneDnn : Fp32GemmEngine::kOpenBlas;
+  }
+  if (f32 && engine == Fp32GemmEngine::kOpenBlas) {
+    for (int64_t i = 0; i < batch; ++i) {
+      const float* ap = reinterpret_cast<const float*>(BytePtr(a.data(), a.Batch() == 1 ? 0 : i,
+                                                               a.layout()));
+      const float* bp = reinterpret_cast<const float*>(BytePtr(b.data(), b.Batch() == 1 ? 0 : i,
+                                                               b.layout()));
+      float* cp = const_cast<float*>(
+          reinterpret_cast<const float*>(BytePtr(c.data(), i, c.layout())));
+      cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
+                  static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), p.alpha, ap,
+                  static_cast<int>(Ld(a.layout())), bp, static_cast<int>(Ld(b.layout())), p.beta,
+                  cp, static_cast<int>(Ld(c.layout())));
+    }
+    return absl::OkStatus();
+  }
+  cpu::MatmulShape s;
+  s.m = m;
+  s.n = n;
+  s.k = k;
+  s.a_type = a.dtype();
+  s.b_type = b.dtype();
+  s.c_type = c.dtype();
+  const int64_t lda = Ld(a.layout()), ldb = Ld(b.layout()), ldc = Ld(c.layout());
+  s.a_strides[0] = ta ? 1 : lda;
+  s.a_strides[1] = ta ? lda : 1;
+  s.b_strides[0] = tb ? 1 : ldb;
+  s.b_strides[1] = tb ? ldb : 1;
+  s.c_strides[0] = ldc;
+  s.c_strides[1] = 1;
+  s.alpha = p.alpha;
+  s.beta = p.beta;
+  DIOND_ASSIGN_OR_RETURN(auto mm, cpu::OneDnnMatmul::Create(s));
+  for (int64_t i = 0; i < batch; ++i) {
+    DIOND_RETURN_IF_ERROR(mm->Execute(BytePtr(a.data(), a.Batch() == 1 ? 0 : i, a.layout()),
+                                      BytePtr(b.data(), b.Batch() == 1 ? 0 : i, b.layout()),
+                                      const_cast<char*>(BytePtr(c.data(), i, c.layout()))));
+  }
+  return absl::OkStatus();
+}
+
+namespace cpu {
+
+// Copies the lower triangle of the n×n matrix at c (row stride ldc) onto the upper one, in
+// 64×64 tiles so that both the read and the write side stay in cache.
+void MirrorLowerToUpper(float* c, int64_t n, int64_t ldc) {
+  constexpr int64_t kTile = 64;
+  for (int64_t ib = 0; ib < n; ib += kTile) {
+    for (int64_t jb = 0; jb <= ib; jb += kTile) {
+      const int64_t ie = std::min(ib + kTile, n), je = std::min(jb + kTile, n);
+      for (int64_t i = ib; i < ie; ++i) {
+        for (int64_t j = jb; j < std::min(je, i); ++j) c[j * ldc + i] = c[i * ldc + j];
+      }
+    }
+  }
+}
+
+}  // namespace cpu
+
+absl::Status SymmetricProduct(const Context& ctx, GramSide side, float alpha, ConstTensorView a,
+                              float beta, TensorView c) {
+  constexpr const char* kOp = "SymmetricProduct";
+  DIOND_RETURN_IF_ERROR(cpu::CheckContext(ctx, kOp));
+  DIOND_RETURN_IF_ERROR(cpu::CheckMatrix(ctx, kOp, "a", a));
+  DIOND_RETURN_IF_ERROR(cpu::CheckMatrix(ctx, kOp, "c", c));
+  DIOND_RETURN_IF_ERROR(cpu::CheckDType(kOp, "a", a.layout(), DType::kF32));
+  DIOND_RETURN_IF_ERROR(cpu::CheckDType(kOp, "c", c.layout(), DType::kF32));
+  DIOND_RETURN_IF_ERROR(cpu::CheckFinite(kOp, "alpha", alpha));
+  DIOND_RETURN_IF_ERROR(cpu::CheckFinite(kOp, "beta", beta));
+  const bool aat = side == GramSide::kAAt;
+  const int64_t n = aat ? a.Rows() : a.Cols(), k = aat ? a.Cols() : a.Rows();
+  if (c.Rows() != n || c.Cols() != n) {
+    return Invalid(kOp, "c is ", c.DebugString(), ", want [", n, ", ", n, "]");
+  }
+  if (a.Batch() != c.Batch()) {
+    return Invalid(kOp, "a has batch ", a.Batch(), ", c has batch ", c.Batch());
+  }
+  cpu::ApplyThreadPolicy(ctx);
+  if (n == 0) return absl::OkStatus();
+  for (int64_t i = 0; i < c.Batch(); ++i) {
+    const float* ap = reinterpret_cast<const float*>(BytePtr(a.data(), i, a.layout()));
+    float* cp = const_cast<float*>(reinterpret_cast<const float*>(BytePtr(c.data(), i, c.layout())));
+    const int64_t ldc = Ld(c.layout());
+    if (k == 0) {
+      for (int64_t r = 0; r < n; ++r) {
+        for (int64_t j = 0; j <= r; ++j) cp[r * ldc + j] = beta == 0.0f ? 0.0f : beta * cp[r * ldc + j];
+      }
+    } else {
+      cblas_ssyrk(CblasRowMajor, CblasLower, aat ? CblasNoTrans : CblasTrans, static_cast<int>(n),
+                  static_cast<int>(k), alpha, ap, static_cast<int>(Ld(a.layout())), beta, cp,
+                  static_cast<int>(ldc));
+    }
+    cpu::MirrorLowerToUpper(cp, n, ldc);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace diond::kernels

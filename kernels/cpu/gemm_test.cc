@@ -1,0 +1,208 @@
+// Tests of Gemm and SymmetricProduct against a naive double-precision triple loop.
+#include <cmath>
+#include <vector>
+
+#include "common/status_matchers.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu/test_util.h"
+#include "kernels/ops.h"
+
+namespace diond::kernels {
+namespace {
+
+using ::diond::testing::IsOk;
+using ::diond::testing::StatusIs;
+using testing::AbsGemm;
+using testing::NaiveGemm;
+using testing::RandomVector;
+
+struct GemmCase {
+  int64_t m, n, k;
+  bool ta, tb;
+  Fp32GemmEngine engine;
+};
+
+class Fp32GemmTest : public ::testing::TestWithParam<GemmCase> {};
+
+TEST_P(Fp32GemmTest, MatchesNaiveLoop) {
+  const GemmCase c = GetParam();
+  auto ctx = Context::CpuDefault();
+  const auto a = RandomVector(c.m * c.k, 1), b = RandomVector(c.k * c.n, 2);
+  auto c0 = RandomVector(c.m * c.n, 3);
+  std::vector<float> out = c0;
+  GemmParams p;
+  p.trans_a = c.ta ? Trans::kYes : Trans::kNo;
+  p.trans_b = c.tb ? Trans::kYes : Trans::kNo;
+  p.alpha = 0.75f;
+  p.beta = -0.5f;
+  p.engine = c.engine;
+  ASSERT_THAT(Gemm(*ctx, p, MakeView(a.data(), {c.ta ? c.k : c.m, c.ta ? c.m : c.k}),
+                   MakeView(b.data(), {c.tb ? c.n : c.k, c.tb ? c.k : c.n}),
+                   MakeView(out.data(), {c.m, c.n})),
+              IsOk());
+  const auto ref = NaiveGemm(a, b, c.m, c.n, c.k, c.ta, c.tb);
+  const auto abs = AbsGemm(a, b, c.m, c.n, c.k, c.ta, c.tb);
+  for (int64_t i = 0; i < c.m * c.n; ++i) {
+    const double want = 0.75 * ref[i] - 0.5 * c0[i];
+    // f32 dot product of length k: |error| <= k·u·Σ|a||b| (u = 2^-24, Higham's γ_k), plus the
+    // alpha/beta scaling and final add: 2 more roundings of magnitude <= u·(|αab| + |βc|).
+    const double tol = (c.k + 2) * 0x1p-24 * (0.75 * abs[i] + 0.5 * std::fabs(c0[i])) + 1e-30;
+    ASSERT_NEAR(out[i], want, tol) << "entry " << i;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, Fp32GemmTest,
+    ::testing::Values(GemmCase{13, 7, 29, false, false, Fp32GemmEngine::kOpenBlas},
+                      GemmCase{13, 7, 29, true, false, Fp32GemmEngine::kOpenBlas},
+                      GemmCase{13, 7, 29, false, true, Fp32GemmEngine::kOpenBlas},
+                      GemmCase{13, 7, 29, true, true, Fp32GemmEngine::kOpenBlas},
+                      GemmCase{1, 65, 3, false, false, Fp32GemmEngine::kOpenBlas},
+                      GemmCase{13, 7, 29, false, false, Fp32GemmEngine::kOneDnn},
+                      GemmCase{13, 7, 29, true, true, Fp32GemmEngine::kOneDnn},
+                      GemmCase{67, 33, 130, true, false, Fp32GemmEngine::kOneDnn},
+                      GemmCase{1, 65, 3, false, true, Fp32GemmEngine::kOneDnn}));
+
+TEST(Bf16Gemm, RoundsTheF32AccumulationOnce) {
+  auto ctx = Context::CpuDefault();
+  const int64_t m = 37, n = 45, k = 70;
+  for (bool ta : {false, true}) {
+    for (bool tb : {false, true}) {
+      const auto af = RandomVector(m * k, 11), bf = RandomVector(k * n, 12);
+      const auto a16 = testing::ToBf16(af), b16 = testing::ToBf16(bf);
+      const auto aw = testing::ToF32(a16), bw = testing::ToF32(b16);  // exact widening
+      std::vector<BFloat16> c16(m * n);
+      std::vector<float> c32(m * n);
+      GemmParams p;
+      p.trans_a = ta ? Trans::kYes : Trans::kNo;
+      p.trans_b = tb ? Trans::kYes : Trans::kNo;
+      ConstTensorView av = MakeView(a16.data(), {ta ? k : m, ta ? m : k});
+      ConstTensorView bv = MakeView(b16.data(), {tb ? n : k, tb ? k : n});
+      ASSERT_THAT(Gemm(*ctx, p, av, bv, MakeView(c16.data(), {m, n})), IsOk());
+      ASSERT_THAT(Gemm(*ctx, p, av, bv, MakeView(c32.data(), {m, n})), IsOk());
+      const auto ref = NaiveGemm(aw, bw, m, n, k, ta, tb);
+      const auto abs = AbsGemm(aw, bw, m, n, k, ta, tb);
+      int64_t exact_matches = 0;
+      for (int64_t i = 0; i < m * n; ++i) {
+        // f32 output: only the f32 accumulation error, |e| <= k·2^-24·Σ|a||b| (products of
+        // bf16 values are exact in f32).
+        const double acc_tol = k * 0x1p-24 * abs[i];
+        ASSERT_NEAR(c32[i], ref[i], acc_tol) << "f32 entry " << i;
+        // bf16 output = bf(f32 accumulation). It equals bf(exact) unless the exact value lies
+        // within acc_tol of a rounding boundary; then it is the neighbouring bf16 value. So it is
+        // within half a bf16 ulp (2^-9 relative) plus acc_tol of the exact value.
+        const float got = Bf16ToFloat(c16[i]);
+        const float want = RoundToBf16(static_cast<float>(ref[i]));
+        ASSERT_NEAR(got, ref[i], std::ldexp(std::fabs(ref[i]), -8) + acc_tol) << "bf16 entry " << i;
+        exact_matches += got == want;
+        // And bf(c32) is the same rounding of (nearly) the same f32 value.
+        EXPECT_LE(std::fabs(got - RoundToBf16(c32[i])), std::ldexp(std::fabs(ref[i]), -7));
+      }
+      // Boundary cases are rare: the f32 error (~1e-7 relative) is ~4·10⁻⁵ of a bf16 ulp.
+      EXPECT_GE(exact_matches, m * n - 2) << "ta " << ta << " tb " << tb;
+    }
+  }
+}
+
+TEST(Gemm, BatchedEqualsOneByOneAndBroadcasts) {
+  auto ctx = Context::CpuDefault();
+  const int64_t batch = 3, m = 9, n = 11, k = 5;
+  const auto a = RandomVector(batch * m * k, 21), b = RandomVector(k * n, 22);
+  std::vector<float> c(batch * m * n), single(m * n);
+  GemmParams p;
+  // b is rank 2: broadcast against the batch.
+  ASSERT_THAT(Gemm(*ctx, p, MakeView(a.data(), {batch, m, k}), MakeView(b.data(), {k, n}),
+                   MakeView(c.data(), {batch, m, n})),
+              IsOk());
+  for (int64_t i = 0; i < batch; ++i) {
+    ASSERT_THAT(Gemm(*ctx, p, MakeView(a.data() + i * m * k, {m, k}), MakeView(b.data(), {k, n}),
+                     MakeView(single.data(), {m, n})),
+                IsOk());
+    for (int64_t j = 0; j < m * n; ++j) ASSERT_EQ(c[i * m * n + j], single[j]);
+  }
+}
+
+TEST(Gemm, ZeroInnerDimensionScalesC) {
+  auto ctx = Context::CpuDefault();
+  std::vector<float> a, b, c = {1, 2, 3, 4};
+  GemmParams p;
+  p.beta = 2.0f;
+  ASSERT_THAT(Gemm(*ctx, p, MakeView(a.data(), {2, 0}), MakeView(b.data(), {0, 2}),
+                   MakeView(c.data(), {2, 2})),
+              IsOk());
+  EXPECT_EQ(c, (std::vector<float>{2, 4, 6, 8}));
+}
+
+TEST(Gemm, RejectsBadArguments) {
+  auto ctx = Context::CpuDefault();
+  std::vector<float> a(12), b(12), c(16, 7.0f);
+  GemmParams p;
+  auto code = absl::StatusCode::kInvalidArgument;
+  EXPECT_THAT(Gemm(*ctx, p, MakeView(a.data(), {3, 4}), MakeView(b.data(), {3, 4}),
+                   MakeView(c.data(), {3, 4})),
+              StatusIs(code, ::testing::HasSubstr("inner dims")));
+  EXPECT_THAT(Gemm(*ctx, p, MakeView(a.data(), {3, 4}), MakeView(b.data(), {4, 3}),
+                   MakeView(c.data(), {4, 4})),
+              StatusIs(code, ::testing::HasSubstr("c is [4, 4] f32")));
+  std::vector<BFloat16> a16(12);
+  EXPECT_THAT(Gemm(*ctx, p, MakeView(a16.data(), {3, 4}), MakeView(b.data(), {4, 3}),
+                   MakeView(c.data(), {3, 3})),
+              StatusIs(code, ::testing::HasSubstr("unsupported dtypes")));
+  EXPECT_THAT(Gemm(*ctx, p, ConstTensorView(nullptr, ContiguousLayout(DType::kF32, {3, 4})),
+                   MakeView(b.data(), {4, 3}), MakeView(c.data(), {3, 3})),
+              StatusIs(code, ::testing::HasSubstr("null")));
+  EXPECT_THAT(Gemm(*ctx, p, MakeView(a.data(), {3, 4}).Transposed(), MakeView(b.data(), {3, 4}),
+                   MakeView(c.data(), {4, 4})),
+              StatusIs(code, ::testing::HasSubstr("column stride")));
+  p.alpha = NAN;
+  EXPECT_THAT(Gemm(*ctx, p, MakeView(a.data(), {3, 4}), MakeView(b.data(), {4, 3}),
+                   MakeView(c.data(), {3, 3})),
+              StatusIs(code, ::testing::HasSubstr("alpha")));
+  for (float v : c) EXPECT_EQ(v, 7.0f);  // nothing written on error
+}
+
+TEST(SymmetricProduct, MatchesGemmAndIsExactlySymmetric) {
+  auto ctx = Context::CpuDefault();
+  const int64_t m = 19, n = 33;
+  const auto a = RandomVector(m * n, 31);
+  for (GramSide side : {GramSide::kAAt, GramSide::kAtA}) {
+    const int64_t g = side == GramSide::kAAt ? m : n;
+    auto c0 = RandomVector(g * g, 32);
+    for (int64_t i = 0; i < g; ++i) {
+      for (int64_t j = 0; j < i; ++j) c0[j * g + i] = c0[i * g + j];  // symmetric C for beta
+    }
+    std::vector<float> c = c0;
+    ASSERT_THAT(SymmetricProduct(*ctx, side, 2.0f, MakeView(a.data(), {m, n}), 0.5f,
+                                 MakeView(c.data(), {g, g})),
+                IsOk());
+    const bool aat = side == GramSide::kAAt;
+    const auto ref = NaiveGemm(a, a, g, g, aat ? n : m, !aat, aat);
+    const auto abs = AbsGemm(a, a, g, g, aat ? n : m, !aat, aat);
+    const int64_t k = aat ? n : m;
+    for (int64_t i = 0; i < g; ++i) {
+      for (int64_t j = 0; j < g; ++j) {
+        ASSERT_EQ(c[i * g + j], c[j * g + i]);
+        // As the f32 GEMM bound: (k + 2)·u·(|α|Σ|a||a| + |β||c|).
+        const double want = 2.0 * ref[i * g + j] + 0.5 * c0[i * g + j];
+        const double tol =
+            (k + 2) * 0x1p-24 * (2.0 * abs[i * g + j] + 0.5 * std::fabs(c0[i * g + j]));
+        ASSERT_NEAR(c[i * g + j], want, tol);
+      }
+    }
+  }
+}
+
+TEST(SymmetricProduct, RejectsBadArguments) {
+  auto ctx = Context::CpuDefault();
+  std::vector<float> a(12), c(16);
+  EXPECT_THAT(SymmetricProduct(*ctx, GramSide::kAAt, 1.0f, MakeView(a.data(), {3, 4}), 0.0f,
+                               MakeView(c.data(), {4, 4})),
+              StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("want [3, 3]")));
+  std::vector<BFloat16> a16(12);
+  EXPECT_THAT(SymmetricProduct(*ctx, GramSide::kAtA, 1.0f, MakeView(a16.data(), {3, 4}), 0.0f,
+                               MakeView(c.data(), {4, 4})),
+              StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("dtype")));
+}
+
+}  // namespace
+}  // namespace diond::kernels

@@ -1,0 +1,66 @@
+// Internal helpers of the CPU backend: dtype dispatch and the OpenMP range loop.
+#ifndef DIOND_KERNELS_CPU_LOOPS_H_
+#define DIOND_KERNELS_CPU_LOOPS_H_
+
+#include <omp.h>
+
+#include <cstdint>
+
+#include "kernels/cpu/threading.h"
+#include "kernels/tensor.h"
+
+namespace diond::kernels::cpu {
+
+inline float ToF32(float v) { return v; }
+inline float ToF32(BFloat16 v) { return Bf16ToFloat(v); }
+inline float ToF32(Float16 v) { return F16ToFloat(v); }
+
+template <typename T>
+inline T FromF32(float f);
+template <>
+inline float FromF32<float>(float f) {
+  return f;
+}
+template <>
+inline BFloat16 FromF32<BFloat16>(float f) {
+  return FloatToBf16(f);
+}
+template <>
+inline Float16 FromF32<Float16>(float f) {
+  return FloatToF16(f);
+}
+
+// Calls f(T{}) with T the storage type of `t`.
+template <typename F>
+decltype(auto) DispatchDType(DType t, F&& f) {
+  switch (t) {
+    case DType::kBf16:
+      return f(BFloat16{});
+    case DType::kF16:
+      return f(Float16{});
+    case DType::kF32:
+    default:
+      return f(float{});
+  }
+}
+
+// Runs body(begin, end) over [0, n) split into one static range per OpenMP thread, or on the
+// calling thread when n < grain. Results never depend on the split (elementwise work only).
+template <typename F>
+void ParallelRange(int64_t n, F&& body, int64_t grain = kParallelGrain) {
+  if (n <= 0) return;
+  if (n < grain || omp_get_max_threads() == 1) {
+    body(int64_t{0}, n);
+    return;
+  }
+#pragma omp parallel
+  {
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t b = n * t / nt, e = n * (t + 1) / nt;
+    if (b < e) body(b, e);
+  }
+}
+
+}  // namespace diond::kernels::cpu
+
+#endif  // DIOND_KERNELS_CPU_LOOPS_H_

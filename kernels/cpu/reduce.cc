@@ -1,0 +1,204 @@
+// Reductions of kernels/ops.h: FrobeniusNorm, AxisNorms, TopK, TopKByL1Norm, IsAllZero.
+// Every sum is accumulated in double along one row or one column by one thread, in index order,
+// so results do not depend on the thread count.
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+#include "common/status_macros.h"
+#include "kernels/cpu/loops.h"
+#include "kernels/cpu/validate.h"
+#include "kernels/ops.h"
+
+namespace diond::kernels {
+namespace {
+
+using cpu::Invalid;
+
+double Term(NormType t, float v) {
+  return t == NormType::kL1 ? std::fabs(static_cast<double>(v))
+                            : static_cast<double>(v) * static_cast<double>(v);
+}
+
+// Per-row sums of Term() for every row of every matrix of a (row-major), into sums
+// [batch·rows].
+void RowSums(ConstTensorView a, NormType type, double* sums) {
+  const int64_t rows = a.Rows(), cols = a.Cols(), batch = a.Batch();
+  const TensorLayout& l = a.layout();
+  cpu::DispatchDType(a.dtype(), [&](auto at) {
+    using A = decltype(at);
+    const A* base = static_cast<const A*>(a.data());
+    cpu::ParallelRange(batch * rows, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        const A* row = base + (r / rows) * l.BatchStride() + (r % rows) * l.RowStride();
+        double s = 0.0;
+        for (int64_t j = 0; j < cols; ++j) s += Term(type, cpu::ToF32(row[j]));
+        sums[r] = s;
+      }
+    }, std::max<int64_t>(1, cpu::kParallelGrain / std::max<int64_t>(1, cols)));
+  });
+}
+
+// Per-column sums into sums [batch·cols]; threads split the columns, each walks all rows.
+void ColSums(ConstTensorView a, NormType type, double* sums) {
+  const int64_t rows = a.Rows(), cols = a.Cols(), batch = a.Batch();
+  const TensorLayout& l = a.layout();
+  cpu::DispatchDType(a.dtype(), [&](auto at) {
+    using A = decltype(at);
+    const A* base = static_cast<const A*>(a.data());
+    for (int64_t bi = 0; bi < batch; ++bi) {
+      double* out = sums + bi * cols;
+      cpu::ParallelRange(cols, [&](int64_t b, int64_t e) {
+        for (int64_t j = b; j < e; ++j) out[j] = 0.0;
+        for (int64_t i = 0; i < rows; ++i) {
+          const A* row = base + bi * l.BatchStride() + i * l.RowStride();
+          for (int64_t j = b; j < e; ++j) out[j] += Term(type, cpu::ToF32(row[j]));
+        }
+      }, std::max<int64_t>(1, cpu::kParallelGrain / std::max<int64_t>(1, rows)));
+    }
+  });
+}
+
+absl::Status CheckF32Out(const Context& ctx, const char* op, TensorView out, int64_t want) {
+  DIOND_RETURN_IF_ERROR(cpu::CheckContiguous(ctx, op, "out", out));
+  DIOND_RETURN_IF_ERROR(cpu::CheckDType(op, "out", out.layout(), DType::kF32));
+  if (out.NumElements() != want) {
+    return Invalid(op, "out ", out.DebugString(), " has ", out.NumElements(), " elements, want ",
+                   want);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status FrobeniusNorm(const Context& ctx, ConstTensorView a, TensorView out) {
+  constexpr const char* kOp = "FrobeniusNorm";
+  DIOND_RETURN_IF_ERROR(cpu::CheckContext(ctx, kOp));
+  DIOND_RETURN_IF_ERROR(cpu::CheckMatrix(ctx, kOp, "a", a, /*allow_vector=*/true));
+  DIOND_RETURN_IF_ERROR(CheckF32Out(ctx, kOp, out, a.Batch()));
+  cpu::ApplyThreadPolicy(ctx);
+  std::vector<double> sums(static_cast<size_t>(a.Batch() * a.Rows()));
+  RowSums(a, NormType::kSumOfSquares, sums.data());
+  float* o = out.As<float>();
+  for (int64_t b = 0; b < a.Batch(); ++b) {
+    double s = 0.0;
+    for (int64_t r = 0; r < a.Rows(); ++r) s += sums[b * a.Rows() + r];
+    o[b] = static_cast<float>(std::sqrt(s));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status AxisNorms(const Context& ctx, ConstTensorView a, Axis axis, NormType type,
+                       TensorView out) {
+  constexpr const char* kOp = "AxisNorms";
+  DIOND_RETURN_IF_ERROR(cpu::CheckContext(ctx, kOp));
+  DIOND_RETURN_IF_ERROR(cpu::CheckMatrix(ctx, kOp, "a", a, /*allow_vector=*/true));
+  if (axis != Axis::kRows && axis != Axis::kCols) {
+    return Invalid(kOp, "unknown axis ", static_cast<int>(axis));
+  }
+  if (type != NormType::kL1 && type != NormType::kL2 && type != NormType::kSumOfSquares) {
+    return Invalid(kOp, "unknown norm type ", static_cast<int>(type));
+  }
+  const int64_t per = axis == Axis::kRows ? a.Rows() : a.Cols();
+  DIOND_RETURN_IF_ERROR(CheckF32Out(ctx, kOp, out, a.Batch() * per));
+  cpu::ApplyThreadPolicy(ctx);
+  const NormType acc = type == NormType::kL1 ? NormType::kL1 : NormType::kSumOfSquares;
+  std::vector<double> sums(static_cast<size_t>(a.Batch() * per));
+  if (axis == Axis::kRows) {
+    RowSums(a, acc, sums.data());
+  } else {
+    ColSums(a, acc, sums.data());
+  }
+  float* o = out.As<float>();
+  for (size_t i = 0; i < sums.size(); ++i) {
+    o[i] = static_cast<float>(type == NormType::kL2 ? std::sqrt(sums[i]) : sums[i]);
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+absl::Status TopKImpl(const char* op, const float* s, int64_t n, int64_t k,
+                      absl::Span<int64_t> indices) {
+  if (k < 1 || k > n) return Invalid(op, "k is ", k, ", want 1..", n);
+  if (static_cast<int64_t>(indices.size()) != k) {
+    return Invalid(op, "indices has ", indices.size(), " entries, want k = ", k);
+  }
+  std::vector<int64_t> idx(static_cast<size_t>(n));
+  std::iota(idx.begin(), idx.end(), int64_t{0});
+  // Strict weak order: numbers before NaN, larger score first, then lower index first.
+  auto before = [s](int64_t i, int64_t j) {
+    const bool ni = std::isnan(s[i]), nj = std::isnan(s[j]);
+    if (ni != nj) return nj;
+    if (!ni && s[i] != s[j]) return s[i] > s[j];
+    return i < j;
+  };
+  std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), before);
+  std::copy(idx.begin(), idx.begin() + k, indices.begin());
+  return absl::OkStatus();
+}
+}  // namespace
+
+absl::Status TopK(const Context& ctx, ConstTensorView scores, int64_t k,
+                  absl::Span<int64_t> indices) {
+  constexpr const char* kOp = "TopK";
+  DIOND_RETURN_IF_ERROR(cpu::CheckContext(ctx, kOp));
+  DIOND_RETURN_IF_ERROR(cpu::CheckContiguous(ctx, kOp, "scores", scores));
+  DIOND_RETURN_IF_ERROR(cpu::CheckDType(kOp, "scores", scores.layout(), DType::kF32));
+  return TopKImpl(kOp, scores.As<float>(), scores.NumElements(), k, indices);
+}
+
+absl::Status TopKByL1Norm(const Context& ctx, ConstTensorView a, Axis axis, int64_t k,
+                          absl::Span<int64_t> indices, TensorView scores_out) {
+  constexpr const char* kOp = "TopKByL1Norm";
+  DIOND_RETURN_IF_ERROR(cpu::CheckContext(ctx, kOp));
+  DIOND_RETURN_IF_ERROR(cpu::CheckMatrix(ctx, kOp, "a", a));
+  if (a.rank() != 2) return Invalid(kOp, "a is ", a.DebugString(), ", want one matrix (rank 2)");
+  if (axis != Axis::kRows && axis != Axis::kCols) {
+    return Invalid(kOp, "unknown axis ", static_cast<int>(axis));
+  }
+  const int64_t n = axis == Axis::kRows ? a.Rows() : a.Cols();
+  if (!scores_out.empty()) DIOND_RETURN_IF_ERROR(CheckF32Out(ctx, kOp, scores_out, n));
+  if (k < 1 || k > n) return Invalid(kOp, "k is ", k, ", want 1..", n);
+  if (static_cast<int64_t>(indices.size()) != k) {
+    return Invalid(kOp, "indices has ", indices.size(), " entries, want k = ", k);
+  }
+  std::vector<float> scores(static_cast<size_t>(n));
+  DIOND_RETURN_IF_ERROR(AxisNorms(ctx, a, axis, NormType::kL1, MakeView(scores.data(), {n})));
+  if (!scores_out.empty()) std::copy(scores.begin(), scores.end(), scores_out.As<float>());
+  return TopKImpl(kOp, scores.data(), n, k, indices);
+}
+
+absl::Status IsAllZero(const Context& ctx, ConstTensorView a, bool* all_zero) {
+  constexpr const char* kOp = "IsAllZero";
+  DIOND_RETURN_IF_ERROR(cpu::CheckContext(ctx, kOp));
+  DIOND_RETURN_IF_ERROR(cpu::CheckView(ctx, kOp, "a", a));
+  if (all_zero == nullptr) return Invalid(kOp, "all_zero is null");
+  cpu::ApplyThreadPolicy(ctx);
+  TensorLayout l = a.layout();
+  // Walk any strided layout as rows of the last dim.
+  const int64_t rank = l.rank;
+  const int64_t d0 = rank == 3 ? l.dims[0] : 1, d1 = rank >= 2 ? l.dims[rank - 2] : 1;
+  const int64_t d2 = rank >= 1 ? l.dims[rank - 1] : 1;
+  const int64_t s0 = rank == 3 ? l.strides[0] : 0, s1 = rank >= 2 ? l.strides[rank - 2] : 0;
+  const int64_t s2 = rank >= 1 ? l.strides[rank - 1] : 0;
+  bool zero = true;
+  cpu::DispatchDType(a.dtype(), [&](auto at) {
+    using A = decltype(at);
+    const A* p = static_cast<const A*>(a.data());
+    for (int64_t i = 0; i < d0 && zero; ++i) {
+      for (int64_t j = 0; j < d1 && zero; ++j) {
+        for (int64_t t = 0; t < d2; ++t) {
+          if (cpu::ToF32(p[i * s0 + j * s1 + t * s2]) != 0.0f) {  // NaN != 0 as well
+            zero = false;
+            break;
+          }
+        }
+      }
+    }
+  });
+  *all_zero = zero;
+  return absl::OkStatus();
+}
+
+}  // namespace diond::kernels
