@@ -1,0 +1,455 @@
+#include "kernels/optim/conformance/runner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "common/safetensors.h"
+#include "common/status_macros.h"
+#include "kernels/optim/group_optimizer.h"
+#include "nlohmann/json.hpp"
+
+namespace diond::optim::conformance {
+namespace {
+
+using json = nlohmann::json;
+namespace fs = std::filesystem;
+
+absl::StatusOr<json> ParseJson(absl::string_view text, absl::string_view what) {
+  json j = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return absl::InvalidArgumentError(absl::StrCat(what, " is not JSON"));
+  return j;
+}
+
+absl::StatusOr<double> Number(const json& j, absl::string_view key) {
+  if (!j.is_number()) return absl::InvalidArgumentError(absl::StrCat(key, " is not a number"));
+  return j.get<double>();
+}
+absl::StatusOr<bool> Bool(const json& j, absl::string_view key) {
+  if (!j.is_boolean()) return absl::InvalidArgumentError(absl::StrCat(key, " is not a bool"));
+  return j.get<bool>();
+}
+
+// Maps the reference's hyper-parameter JSON onto Hyperparams; rejects values this
+// implementation cannot honour instead of ignoring them.
+absl::Status ApplyHyperparams(const json& hp, GroupConfig* cfg) {
+  if (!hp.is_object()) return absl::InvalidArgumentError("hyperparameters is not an object");
+  Hyperparams& h = cfg->hyperparams;
+  for (auto it = hp.begin(); it != hp.end(); ++it) {
+    const std::string& k = it.key();
+    const json& v = *it;
+    if (k == "lr") { DIOND_ASSIGN_OR_RETURN(h.lr, Number(v, k)); }
+    else if (k == "mu") { DIOND_ASSIGN_OR_RETURN(h.mu, Number(v, k)); }
+    else if (k == "weight_decay") { DIOND_ASSIGN_OR_RETURN(h.weight_decay, Number(v, k)); }
+    else if (k == "epsilon") { DIOND_ASSIGN_OR_RETURN(h.epsilon, Number(v, k)); }
+    else if (k == "muon_beta2") { DIOND_ASSIGN_OR_RETURN(h.muon_beta2, Number(v, k)); }
+    else if (k == "fraction") { DIOND_ASSIGN_OR_RETURN(h.fraction, Number(v, k)); }
+    else if (k == "ef_decay") { DIOND_ASSIGN_OR_RETURN(h.ef_decay, Number(v, k)); }
+    else if (k == "rank_fraction") { DIOND_ASSIGN_OR_RETURN(h.rank_fraction, Number(v, k)); }
+    else if (k == "rank_multiple_of") {
+      DIOND_ASSIGN_OR_RETURN(double d, Number(v, k));
+      h.rank_multiple_of = static_cast<int64_t>(d);
+    } else if (k == "nesterov") { DIOND_ASSIGN_OR_RETURN(h.nesterov, Bool(v, k)); }
+    else if (k == "cautious_wd") { DIOND_ASSIGN_OR_RETURN(h.cautious_wd, Bool(v, k)); }
+    else if (k == "flatten") { DIOND_ASSIGN_OR_RETURN(cfg->flatten, Bool(v, k)); }
+    else if (k == "betas") {
+      if (!v.is_array() || v.size() != 2 || !v[0].is_number() || !v[1].is_number()) {
+        return absl::InvalidArgumentError("betas is not a pair of numbers");
+      }
+      h.beta1 = v[0].get<double>();
+      h.beta2 = v[1].get<double>();
+    } else if (k == "adjust_lr") {
+      if (v.is_null()) {
+        h.adjust_lr = AdjustLr::kNone;
+      } else if (v.is_string()) {
+        DIOND_ASSIGN_OR_RETURN(h.adjust_lr, ParseAdjustLr(v.get<std::string>()));
+      } else {
+        return absl::InvalidArgumentError("adjust_lr is not a string");
+      }
+    } else if (k == "use_polar_express") {
+      DIOND_ASSIGN_OR_RETURN(bool pe, Bool(v, k));
+      h.orthogonalizer = pe ? Orthogonalizer::kPolarExpress : Orthogonalizer::kNewtonSchulz5;
+    } else if (k == "use_triton" || k == "use_gram_newton_schulz" || k == "triton_post_ortho") {
+      // Triton kernels compute the same functions (§3.2, §7.6); Gram-NS is a different one.
+      DIOND_ASSIGN_OR_RETURN(bool on, Bool(v, k));
+      if (on && k == "use_gram_newton_schulz") {
+        return absl::UnimplementedError("use_gram_newton_schulz=true is not supported");
+      }
+      if (on && k == "use_triton" && hp.contains("use_polar_express") &&
+          hp["use_polar_express"].is_boolean() && !hp["use_polar_express"].get<bool>()) {
+        // NS5 via Triton equals NS5 (§3.2): nothing to do.
+      }
+    } else if (k == "power_iters") {
+      DIOND_ASSIGN_OR_RETURN(double d, Number(v, k));
+      if (d != 1) return absl::UnimplementedError("power_iters != 1 is not supported");
+    } else if (k == "qr_method") {
+      if (!v.is_string() || (v.get<std::string>() != "rcqr" && v.get<std::string>() != "qr")) {
+        return absl::UnimplementedError("only qr_method rcqr/qr (any thin QR) is supported");
+      }
+    } else if (k == "selection_scope") {
+      // Only differs on the sharded path (§7.4); single device both scopes are "local".
+      if (!v.is_string() || (v.get<std::string>() != "local" && v.get<std::string>() != "global")) {
+        return absl::InvalidArgumentError("selection_scope must be local or global");
+      }
+    } else if (k == "cqr_warmup_steps" || k == "rcqr_oversample" || k == "verbose") {
+      // Ignored upstream for Dion (cqr_warmup_steps), irrelevant to the result up to Q's column
+      // signs (rcqr_oversample, P12), or logging only (verbose).
+    } else {
+      return absl::UnimplementedError(absl::StrCat("unsupported hyperparameter '", k, "'"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ApplyGroupOptions(const json& opt, GroupConfig* cfg) {
+  if (!opt.is_object()) return absl::InvalidArgumentError("param_group_options is not an object");
+  for (auto it = opt.begin(); it != opt.end(); ++it) {
+    const std::string& k = it.key();
+    const json& v = *it;
+    if (k == "algorithm") continue;  // already taken from the metadata's algorithm
+    if (k == "num_heads") {
+      if (v.is_null()) continue;
+      if (!v.is_number_integer()) return absl::InvalidArgumentError("num_heads is not an int");
+      cfg->num_heads = v.get<int64_t>();
+    } else if (k == "split_sizes") {
+      if (v.is_null()) continue;
+      if (!v.is_array()) return absl::InvalidArgumentError("split_sizes is not a list");
+      for (const json& s : v) {
+        if (!s.is_number_integer()) return absl::InvalidArgumentError("split_sizes entry");
+        cfg->split_sizes.push_back(s.get<int64_t>());
+      }
+    } else if (k == "cautious_wd") {
+      DIOND_ASSIGN_OR_RETURN(cfg->hyperparams.cautious_wd, Bool(v, k));
+    } else {
+      return absl::UnimplementedError(absl::StrCat("unsupported group option '", k, "'"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+struct Tolerances {
+  std::map<std::string, double> values;  // "param_relfro", ..., "state.<name>"
+};
+
+void MergeManifest(const std::string& path, Tolerances* tol) {
+  const fs::path file(path);
+  for (const fs::path& dir : {file.parent_path(), file.parent_path().parent_path()}) {
+    std::error_code ec;
+    const fs::path manifest = dir / "manifest.json";
+    if (!fs::exists(manifest, ec)) continue;
+    std::ifstream in(manifest);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    json j = json::parse(ss.str(), nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded() || !j.is_object() || !j.contains("cases") || !j["cases"].is_array()) {
+      continue;
+    }
+    for (const json& c : j["cases"]) {
+      if (!c.is_object() || !c.contains("file") || !c["file"].is_string() ||
+          c["file"].get<std::string>() != file.filename().string()) {
+        continue;
+      }
+      if (!c.contains("tolerance") || !c["tolerance"].is_object()) continue;
+      const json& t = c["tolerance"];
+      for (auto it = t.begin(); it != t.end(); ++it) {
+        if (it->is_number() && !tol->values.count(it.key())) {
+          tol->values[it.key()] = it->get<double>();
+        } else if (it.key() == "states_final_relfro" && it->is_object()) {
+          for (auto s = it->begin(); s != it->end(); ++s) {
+            const std::string key = "state." + s.key();
+            if (s->is_number() && !tol->values.count(key)) tol->values[key] = s->get<double>();
+          }
+        }
+      }
+      return;
+    }
+  }
+}
+
+Tolerances ReadTolerances(const SafetensorsFile& f, const std::string& path) {
+  Tolerances tol;
+  for (const auto& [k, v] : f.metadata()) {
+    if (k.rfind("tolerance_", 0) != 0) continue;
+    const std::string name = k.substr(10);
+    double d;
+    if (name == "states_final_relfro") {
+      json j = json::parse(v, nullptr, false);
+      if (j.is_object()) {
+        for (auto s = j.begin(); s != j.end(); ++s) {
+          if (s->is_number()) tol.values["state." + s.key()] = s->get<double>();
+        }
+      }
+    } else if (absl::SimpleAtod(v, &d)) {
+      tol.values[name] = d;
+    }
+  }
+  MergeManifest(path, &tol);
+  return tol;
+}
+
+double RelFro(const std::vector<float>& a, const std::vector<float>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double d = static_cast<double>(a[i]) - b[i];
+    num += d * d;
+    den += static_cast<double>(b[i]) * b[i];
+  }
+  if (den == 0) return num == 0 ? 0 : INFINITY;
+  return std::sqrt(num / den);
+}
+
+std::vector<float> Diff(const std::vector<float>& a, const std::vector<float>& b) {
+  std::vector<float> d(a.size());
+  for (size_t i = 0; i < a.size(); ++i) d[i] = a[i] - b[i];
+  return d;
+}
+
+// Flips each column of `mine` (rows×cols) to agree in sign with the reference column (P12).
+void AlignColumnSigns(std::vector<float>* mine, const std::vector<float>& ref, int64_t rows,
+                      int64_t cols) {
+  for (int64_t c = 0; c < cols; ++c) {
+    double dot = 0;
+    for (int64_t r = 0; r < rows; ++r) dot += static_cast<double>((*mine)[r * cols + c]) * ref[r * cols + c];
+    if (dot < 0) {
+      for (int64_t r = 0; r < rows; ++r) (*mine)[r * cols + c] = -(*mine)[r * cols + c];
+    }
+  }
+}
+
+struct CaseData {
+  GroupConfig config;
+  ParamShape shape;
+  int64_t steps = 0;
+  std::vector<std::string> state_names;
+};
+
+absl::StatusOr<CaseData> ReadCase(const SafetensorsFile& f) {
+  CaseData c;
+  const auto& md = f.metadata();
+  auto get = [&](const char* key) -> absl::StatusOr<std::string> {
+    auto it = md.find(key);
+    if (it == md.end()) return absl::InvalidArgumentError(absl::StrCat("no metadata '", key, "'"));
+    return it->second;
+  };
+  DIOND_ASSIGN_OR_RETURN(std::string algo, get("algorithm"));
+  DIOND_ASSIGN_OR_RETURN(c.config.algorithm, ParseAlgorithm(algo));
+  c.config.hyperparams = DefaultHyperparams(c.config.algorithm);
+  if (md.count("hyperparameters")) {
+    DIOND_ASSIGN_OR_RETURN(json hp, ParseJson(md.at("hyperparameters"), "hyperparameters"));
+    DIOND_RETURN_IF_ERROR(ApplyHyperparams(hp, &c.config));
+  }
+  if (md.count("param_group_options")) {
+    DIOND_ASSIGN_OR_RETURN(json go, ParseJson(md.at("param_group_options"), "param_group_options"));
+    DIOND_RETURN_IF_ERROR(ApplyGroupOptions(go, &c.config));
+  }
+  DIOND_ASSIGN_OR_RETURN(std::string t, get("T"));
+  if (!absl::SimpleAtoi(t, &c.steps) || c.steps < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("bad T '", t, "'"));
+  }
+  const SafetensorsTensorInfo* init = f.Find("param.init");
+  if (init == nullptr) return absl::InvalidArgumentError("no tensor param.init");
+  c.shape = init->shape;
+  if (md.count("state_names")) {
+    DIOND_ASSIGN_OR_RETURN(json sn, ParseJson(md.at("state_names"), "state_names"));
+    if (!sn.is_array()) return absl::InvalidArgumentError("state_names is not a list");
+    for (const json& s : sn) {
+      if (!s.is_string()) return absl::InvalidArgumentError("state_names entry");
+      c.state_names.push_back(s.get<std::string>());
+    }
+  } else {
+    c.state_names = StateNames(c.config.algorithm);
+  }
+  return c;
+}
+
+absl::StatusOr<ModeResult> RunMode(const kernels::Context& ctx, const SafetensorsFile& f,
+                                   const CaseData& c, const Tolerances& tol,
+                                   Precision precision) {
+  ModeResult r;
+  r.precision = precision;
+  GroupConfig cfg = c.config;
+  cfg.precision = precision;
+  DIOND_ASSIGN_OR_RETURN(std::unique_ptr<GroupOptimizer> opt, CreateGroupOptimizer(cfg, {c.shape}));
+  for (const std::string& name : c.state_names) {
+    DIOND_ASSIGN_OR_RETURN(std::vector<int64_t> shape, opt->StateShape(0, name));
+    const std::string key = "state." + name + ".init";
+    if (!f.Has(key)) continue;  // zeros, as the optimizer initializes them
+    DIOND_ASSIGN_OR_RETURN(std::vector<float> v, f.ReadFloat(key, shape));
+    DIOND_RETURN_IF_ERROR(opt->SetState(0, name, v));
+  }
+  DIOND_ASSIGN_OR_RETURN(std::vector<float> p0, f.ReadFloat("param.init"));
+  std::vector<float> p = p0;
+  double param_err = 0, delta_err = 0;
+  for (int64_t t = 1; t <= c.steps; ++t) {
+    DIOND_ASSIGN_OR_RETURN(std::vector<float> g, f.ReadFloat(absl::StrCat("grad.", t), c.shape));
+    float* pp = p.data();
+    const float* gp = g.data();
+    DIOND_RETURN_IF_ERROR(opt->Step(ctx, absl::MakeSpan(&pp, 1), absl::MakeSpan(&gp, 1)));
+    DIOND_ASSIGN_OR_RETURN(std::vector<float> ref,
+                           f.ReadFloat(absl::StrCat("param.", t), c.shape));
+    param_err = std::max(param_err, RelFro(p, ref));
+    delta_err = std::max(delta_err, RelFro(Diff(p, p0), Diff(ref, p0)));
+  }
+  const bool bf16_algo = HasBf16Path(cfg.algorithm);
+  const bool strict_traj = !bf16_algo || precision == Precision::kBf16Reference;
+  const bool f64_checks = !bf16_algo || precision == Precision::kFp32;
+  auto add = [&](const std::string& name, double measured, bool enforced, bool available) {
+    Check ch;
+    ch.name = name;
+    ch.measured = measured;
+    auto it = tol.values.find(name.rfind("state.", 0) == 0 ? name : name);
+    if (it != tol.values.end()) ch.tolerance = it->second;
+    ch.enforced = enforced;
+    ch.skipped = enforced && (!available || !ch.tolerance);
+    r.checks.push_back(ch);
+  };
+  add("param_relfro", param_err, strict_traj, true);
+  add("delta_relfro", delta_err, !bf16_algo, true);
+  const std::string f64_key = absl::StrCat("param_f64.", c.steps);
+  if (f.Has(f64_key)) {
+    DIOND_ASSIGN_OR_RETURN(std::vector<float> ref64, f.ReadFloat(f64_key, c.shape));
+    add("param_f64_final_relfro", RelFro(p, ref64), f64_checks, true);
+    add("delta_f64_final_relfro", RelFro(Diff(p, p0), Diff(ref64, p0)), f64_checks, true);
+  } else {
+    add("param_f64_final_relfro", 0, f64_checks, false);
+    add("delta_f64_final_relfro", 0, f64_checks, false);
+  }
+  for (const std::string& name : c.state_names) {
+    const std::string key = "state." + name + ".final";
+    DIOND_ASSIGN_OR_RETURN(std::vector<int64_t> shape, opt->StateShape(0, name));
+    if (!f.Has(key)) {
+      add("state." + name, 0, true, false);
+      continue;
+    }
+    DIOND_ASSIGN_OR_RETURN(std::vector<float> ref, f.ReadFloat(key, shape));
+    std::vector<float> mine(ref.size());
+    DIOND_RETURN_IF_ERROR(opt->GetState(0, name, absl::MakeSpan(mine)));
+    double err;
+    if (name == kStateQ && shape.size() == 2) {
+      AlignColumnSigns(&mine, ref, shape[0], shape[1]);
+      err = RelFro(mine, ref);
+    } else if (name == kStateStepDev) {
+      err = ref[0] == 0 ? std::abs(mine[0]) : std::abs(mine[0] - ref[0]) / std::abs(ref[0]);
+    } else {
+      err = RelFro(mine, ref);
+    }
+    add("state." + name, err, true, true);
+  }
+  bool any_enforced = false;
+  r.passed = true;
+  for (const Check& ch : r.checks) {
+    if (ch.enforced && !ch.skipped) any_enforced = true;
+    if (!ch.ok()) r.passed = false;
+  }
+  if (!any_enforced) r.passed = false;
+  return r;
+}
+
+}  // namespace
+
+absl::StatusOr<Mode> ParseMode(absl::string_view s) {
+  if (s == "fp32") return Mode::kFp32;
+  if (s == "bf16_reference") return Mode::kBf16Reference;
+  if (s == "both") return Mode::kBoth;
+  return absl::InvalidArgumentError(
+      absl::StrCat("--mode must be fp32, bf16_reference or both, not '", s, "'"));
+}
+
+absl::StatusOr<std::vector<std::string>> CollectVectorFiles(const std::vector<std::string>& args) {
+  std::vector<std::string> files;
+  for (const std::string& a : args) {
+    std::error_code ec;
+    if (fs::is_directory(a, ec)) {
+      std::vector<std::string> found;
+      for (auto it = fs::recursive_directory_iterator(a, ec);
+           !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
+        if (it->is_regular_file(ec) && it->path().extension() == ".safetensors") {
+          found.push_back(it->path().string());
+        }
+      }
+      if (ec) return absl::NotFoundError(absl::StrCat("cannot list '", a, "': ", ec.message()));
+      std::sort(found.begin(), found.end());
+      files.insert(files.end(), found.begin(), found.end());
+    } else if (fs::exists(a, ec)) {
+      files.push_back(a);
+    } else {
+      return absl::NotFoundError(absl::StrCat("no such file or folder '", a, "'"));
+    }
+  }
+  return files;
+}
+
+CaseResult RunCase(const kernels::Context& ctx, const std::string& path, Mode mode) {
+  CaseResult res;
+  res.file = fs::path(path).filename().string();
+  absl::StatusOr<SafetensorsFile> f = SafetensorsFile::ReadFile(path);
+  if (!f.ok()) {
+    res.error = std::string(f.status().message());
+    return res;
+  }
+  absl::StatusOr<CaseData> c = ReadCase(*f);
+  if (!c.ok()) {
+    res.error = std::string(c.status().message());
+    return res;
+  }
+  res.algorithm = f->metadata().count("algorithm") ? f->metadata().at("algorithm") : "";
+  const Tolerances tol = ReadTolerances(*f, path);
+  std::vector<Precision> precisions;
+  if (mode != Mode::kBf16Reference) precisions.push_back(Precision::kFp32);
+  if (mode != Mode::kFp32) precisions.push_back(Precision::kBf16Reference);
+  res.passed = true;
+  for (Precision p : precisions) {
+    absl::StatusOr<ModeResult> m = RunMode(ctx, *f, *c, tol, p);
+    if (!m.ok()) {
+      res.error = absl::StrCat("[", PrecisionName(p), "] ", m.status().ToString());
+      res.passed = false;
+      return res;
+    }
+    res.passed = res.passed && m->passed;
+    res.modes.push_back(*std::move(m));
+  }
+  return res;
+}
+
+std::string FormatResult(const CaseResult& r) {
+  std::string line = absl::StrCat(r.passed ? "PASS " : "FAIL ", r.file);
+  if (!r.error.empty()) return absl::StrCat(line, "  error: ", r.error);
+  for (const ModeResult& m : r.modes) {
+    absl::StrAppend(&line, "  [", PrecisionName(m.precision), m.passed ? "" : " FAILED", "]");
+    for (const Check& ch : m.checks) {
+      std::string tol = ch.tolerance ? absl::StrFormat("%.3g", *ch.tolerance) : "n/a";
+      const char* mark = !ch.enforced ? " (info)" : ch.skipped ? " (skipped)"
+                         : ch.ok()    ? ""
+                                      : " (FAIL)";
+      absl::StrAppend(&line, " ", ch.name, "=", absl::StrFormat("%.3g", ch.measured), "/", tol,
+                      mark);
+    }
+  }
+  return line;
+}
+
+int RunAll(const kernels::Context& ctx, const std::vector<std::string>& paths, Mode mode,
+           std::ostream& out) {
+  absl::StatusOr<std::vector<std::string>> files = CollectVectorFiles(paths);
+  if (!files.ok()) {
+    out << "error: " << files.status().message() << "\n0 passed, 1 failed\n";
+    return 1;
+  }
+  int passed = 0, failed = 0;
+  for (const std::string& path : *files) {
+    CaseResult r = RunCase(ctx, path, mode);
+    out << FormatResult(r) << "\n";
+    (r.passed ? passed : failed)++;
+  }
+  out << passed << " passed, " << failed << " failed\n";
+  return failed;
+}
+
+}  // namespace diond::optim::conformance

@@ -1,0 +1,283 @@
+#include "kernels/optim/group_optimizer.h"
+
+#include <cstring>
+#include <map>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/status_macros.h"
+#include "kernels/optim/internal/rule.h"
+#include "kernels/optim/validation.h"
+
+namespace diond::optim {
+
+absl::Status GroupOptimizer::Step(const kernels::Context& ctx, absl::Span<float* const> params,
+                                  absl::Span<const float* const> grads,
+                                  const StepOptions& options) {
+  if (params.size() != shapes_.size() || grads.size() != shapes_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        AlgorithmName(config_.algorithm), " step: got ", params.size(), " params and ",
+        grads.size(), " grads for a group of ", shapes_.size(), " parameters"));
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (grads[i] != nullptr && params[i] == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          AlgorithmName(config_.algorithm), " step: parameter ", i, " is null but has a grad"));
+    }
+    if (grads[i] != nullptr && grads[i] == params[i]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          AlgorithmName(config_.algorithm), " step: grad ", i, " aliases its parameter"));
+    }
+  }
+  DIOND_RETURN_IF_ERROR(ValidateStepOptions(options));
+  const double lr = options.lr.value_or(config_.hyperparams.lr);
+  const double wd = options.weight_decay.value_or(config_.hyperparams.weight_decay);
+  absl::Status s = StageStep(ctx, params, grads, static_cast<float>(lr), static_cast<float>(wd));
+  if (!s.ok()) {
+    DiscardStaged();
+    return s;
+  }
+  CommitStaged(params);
+  ++steps_taken_;
+  return absl::OkStatus();
+}
+
+std::vector<std::string> GroupOptimizer::StateNames() const {
+  return optim::StateNames(config_.algorithm);
+}
+
+namespace internal {
+
+int64_t StateSpec::NumElements() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+void UpdateRule::InitState(const GroupConfig&, const ParamShape&, size_t, int64_t count,
+                           uint64_t, float* data) const {
+  (void)count;
+  (void)data;
+}
+
+namespace {
+
+int64_t NumElements(const ParamShape& s) {
+  int64_t n = 1;
+  for (int64_t d : s) n *= d;
+  return n;
+}
+
+// Parameters of one shape, with their persistent state stacked [N, ...].
+struct Bucket {
+  ParamShape shape;
+  int64_t numel = 0;
+  std::vector<size_t> members;  // parameter indices, ascending
+  std::vector<StateSpec> specs;
+  std::vector<std::vector<float>> state;  // per spec, N·spec numel
+};
+
+// Results of one bucket waiting for commit.
+struct Staged {
+  size_t bucket = 0;
+  std::vector<size_t> slots;  // positions in Bucket::members that participated
+  std::vector<float> x;
+  std::vector<float> g;
+  std::vector<std::vector<float>> state;
+};
+
+class BucketedOptimizer final : public GroupOptimizer {
+ public:
+  BucketedOptimizer(GroupConfig config, std::vector<ParamShape> shapes,
+                    std::unique_ptr<UpdateRule> rule)
+      : GroupOptimizer(std::move(config), std::move(shapes)), rule_(std::move(rule)) {
+    std::map<ParamShape, size_t> by_shape;
+    for (size_t i = 0; i < this->shapes().size(); ++i) {
+      const ParamShape& s = this->shapes()[i];
+      auto [it, inserted] = by_shape.emplace(s, buckets_.size());
+      if (inserted) {
+        Bucket b;
+        b.shape = s;
+        b.numel = NumElements(s);
+        b.specs = rule_->Specs(this->config(), s);
+        buckets_.push_back(std::move(b));
+      }
+      buckets_[it->second].members.push_back(i);
+      where_.push_back({it->second, buckets_[it->second].members.size() - 1});
+    }
+    for (size_t bi = 0; bi < buckets_.size(); ++bi) {
+      Bucket& b = buckets_[bi];
+      const int64_t n = static_cast<int64_t>(b.members.size());
+      for (size_t k = 0; k < b.specs.size(); ++k) {
+        b.state.emplace_back(static_cast<size_t>(n * b.specs[k].NumElements()), 0.0f);
+        // The stream makes every bucket's random draws independent and fixed by the first
+        // parameter index of the bucket, so adding a parameter of another shape does not
+        // change them.
+        rule_->InitState(this->config(), b.shape, k, n, b.members[0], b.state[k].data());
+      }
+    }
+  }
+
+ protected:
+  absl::Status StageStep(const kernels::Context& ctx, absl::Span<float* const> params,
+                         absl::Span<const float* const> grads, float lr,
+                         float weight_decay) override {
+    staged_.clear();
+    for (size_t bi = 0; bi < buckets_.size(); ++bi) {
+      const Bucket& b = buckets_[bi];
+      Staged st;
+      st.bucket = bi;
+      for (size_t slot = 0; slot < b.members.size(); ++slot) {
+        if (grads[b.members[slot]] != nullptr) st.slots.push_back(slot);
+      }
+      if (st.slots.empty()) continue;
+      const size_t np = st.slots.size();
+      const size_t numel = static_cast<size_t>(b.numel);
+      st.x.resize(np * numel);
+      st.g.resize(np * numel);
+      for (size_t j = 0; j < np; ++j) {
+        const size_t p = b.members[st.slots[j]];
+        if (numel > 0) {
+          std::memcpy(st.x.data() + j * numel, params[p], numel * sizeof(float));
+          std::memcpy(st.g.data() + j * numel, grads[p], numel * sizeof(float));
+        }
+      }
+      for (size_t k = 0; k < b.specs.size(); ++k) {
+        const size_t sn = static_cast<size_t>(b.specs[k].NumElements());
+        std::vector<float> s(np * sn);
+        for (size_t j = 0; j < np; ++j) {
+          if (sn > 0) {
+            std::memcpy(s.data() + j * sn, b.state[k].data() + st.slots[j] * sn,
+                        sn * sizeof(float));
+          }
+        }
+        st.state.push_back(std::move(s));
+      }
+      internal::BucketArgs args;
+      args.config = &config();
+      args.shape = &b.shape;
+      args.count = static_cast<int64_t>(np);
+      args.x = st.x.data();
+      args.g = st.g.data();
+      for (auto& s : st.state) args.state.push_back(s.data());
+      args.scalars = {lr, weight_decay};
+      DIOND_RETURN_IF_ERROR(rule_->Apply(ctx, args));
+      staged_.push_back(std::move(st));
+    }
+    return absl::OkStatus();
+  }
+
+  void CommitStaged(absl::Span<float* const> params) override {
+    for (Staged& st : staged_) {
+      Bucket& b = buckets_[st.bucket];
+      const size_t numel = static_cast<size_t>(b.numel);
+      for (size_t j = 0; j < st.slots.size(); ++j) {
+        const size_t p = b.members[st.slots[j]];
+        if (numel > 0) std::memcpy(params[p], st.x.data() + j * numel, numel * sizeof(float));
+        for (size_t k = 0; k < b.specs.size(); ++k) {
+          const size_t sn = static_cast<size_t>(b.specs[k].NumElements());
+          if (sn > 0) {
+            std::memcpy(b.state[k].data() + st.slots[j] * sn, st.state[k].data() + j * sn,
+                        sn * sizeof(float));
+          }
+        }
+      }
+    }
+    staged_.clear();
+  }
+
+  void DiscardStaged() override { staged_.clear(); }
+
+  float* MutableStatePtr(size_t param_index, absl::string_view name) override {
+    if (param_index >= where_.size()) return nullptr;
+    Bucket& b = buckets_[where_[param_index].first];
+    for (size_t k = 0; k < b.specs.size(); ++k) {
+      if (b.specs[k].name == name) {
+        return b.state[k].data() + where_[param_index].second * b.specs[k].NumElements();
+      }
+    }
+    return nullptr;
+  }
+
+  absl::StatusOr<std::vector<int64_t>> StateShape(size_t param_index,
+                                                  absl::string_view name) const override {
+    if (param_index >= where_.size()) {
+      return absl::OutOfRangeError(absl::StrCat("parameter index ", param_index,
+                                                " out of range (group has ", where_.size(), ")"));
+    }
+    const Bucket& b = buckets_[where_[param_index].first];
+    for (const StateSpec& s : b.specs) {
+      if (s.name == name) return s.shape;
+    }
+    return absl::NotFoundError(absl::StrCat(AlgorithmName(config().algorithm),
+                                            " has no state named '", name, "'"));
+  }
+
+ private:
+  std::unique_ptr<UpdateRule> rule_;
+  std::vector<Bucket> buckets_;
+  std::vector<std::pair<size_t, size_t>> where_;  // param -> (bucket, slot)
+  std::vector<Staged> staged_;
+};
+
+}  // namespace
+}  // namespace internal
+
+absl::Status GroupOptimizer::GetState(size_t param_index, absl::string_view name,
+                                      absl::Span<float> out) const {
+  DIOND_ASSIGN_OR_RETURN(std::vector<int64_t> shape, StateShape(param_index, name));
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  if (static_cast<int64_t>(out.size()) != n) {
+    return absl::InvalidArgumentError(absl::StrCat("GetState '", name, "' of parameter ",
+                                                   param_index, ": buffer has ", out.size(),
+                                                   " floats, state has ", n));
+  }
+  const float* p = const_cast<GroupOptimizer*>(this)->MutableStatePtr(param_index, name);
+  if (n > 0) std::memcpy(out.data(), p, static_cast<size_t>(n) * sizeof(float));
+  return absl::OkStatus();
+}
+
+absl::Status GroupOptimizer::SetState(size_t param_index, absl::string_view name,
+                                      absl::Span<const float> values) {
+  DIOND_ASSIGN_OR_RETURN(std::vector<int64_t> shape, StateShape(param_index, name));
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  if (static_cast<int64_t>(values.size()) != n) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "SetState '", name, "' of parameter ", param_index, ": got ", values.size(),
+        " floats for shape [", absl::StrJoin(shape, ","), "]"));
+  }
+  float* p = MutableStatePtr(param_index, name);
+  if (n > 0) std::memcpy(p, values.data(), static_cast<size_t>(n) * sizeof(float));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<GroupOptimizer>> CreateGroupOptimizer(
+    const GroupConfig& config, std::vector<ParamShape> shapes) {
+  DIOND_RETURN_IF_ERROR(ValidateGroup(config, shapes));
+  std::unique_ptr<internal::UpdateRule> rule;
+  switch (config.algorithm) {
+    case AlgorithmKind::kMuon:
+    case AlgorithmKind::kNorMuon:
+      rule = internal::MakeMuonRule();
+      break;
+    case AlgorithmKind::kDion2:
+    case AlgorithmKind::kNorDion2:
+      rule = internal::MakeDion2Rule();
+      break;
+    case AlgorithmKind::kDion:
+      rule = internal::MakeDionRule();
+      break;
+    case AlgorithmKind::kAdamW:
+    case AlgorithmKind::kLion:
+      rule = internal::MakeScalarRule();
+      break;
+  }
+  if (rule == nullptr) return absl::InvalidArgumentError("unknown algorithm");
+  return std::unique_ptr<GroupOptimizer>(
+      new internal::BucketedOptimizer(config, std::move(shapes), std::move(rule)));
+}
+
+}  // namespace diond::optim

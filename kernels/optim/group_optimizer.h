@@ -1,0 +1,95 @@
+// The per-parameter-group optimizer: the one entry point through which the daemon (and the
+// conformance tool) runs every update rule of microsoft/dion (ALGORITHMS.md §5-§9, §13).
+//
+// A GroupOptimizer is created for one GroupConfig and a fixed list of parameter shapes. It owns
+// the optimizer state of those parameters (named exactly as the reference's state dict:
+// "momentum", "variance_neuron", "Q", "variance", "step_dev"), and Step() applies one update
+// to caller-owned float32 parameter buffers given float32 gradients.
+//
+// Megabatching (§2.4): parameters of the same shape are processed together, each phase
+// (momentum, orthogonalization, normalization, update) as one batched call over all of them.
+// Because every batched op of the ops API runs the same per-matrix kernel, the result of a
+// batch is bit-identical to processing the parameters one at a time.
+//
+// Thread-safety: not thread-safe; one thread drives a GroupOptimizer (and its Context).
+#ifndef DIOND_KERNELS_OPTIM_GROUP_OPTIMIZER_H_
+#define DIOND_KERNELS_OPTIM_GROUP_OPTIMIZER_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "kernels/context.h"
+#include "kernels/optim/optimizer_types.h"
+
+namespace diond::optim {
+
+class GroupOptimizer {
+ public:
+  virtual ~GroupOptimizer() = default;
+
+  const GroupConfig& config() const { return config_; }
+  const std::vector<ParamShape>& shapes() const { return shapes_; }
+  // Number of successful Step() calls.
+  int64_t steps_taken() const { return steps_taken_; }
+
+  // One optimizer step. params[i] and grads[i] point at contiguous float32 buffers of
+  // shapes()[i] (row-major). grads[i] == nullptr means "parameter i has no gradient this step":
+  // its parameter and state are left alone (the reference skips it, and AdamW's step_dev does
+  // not advance). params are updated in place; grads are only read and may not alias params.
+  //
+  // Everything is validated before anything is written: INVALID_ARGUMENT for a count mismatch,
+  // a null param with a non-null grad, or a bad override in `options` (naming the value). On any
+  // error (including a backend failure after validation, e.g. RESOURCE_EXHAUSTED) params and
+  // state are unchanged: results are staged and committed only when every computation succeeded.
+  absl::Status Step(const kernels::Context& ctx, absl::Span<float* const> params,
+                    absl::Span<const float* const> grads, const StepOptions& options = {});
+
+  // The state names of this group's algorithm (StateNames(config().algorithm)).
+  std::vector<std::string> StateNames() const;
+  // Shape of state `name` of parameter `param_index`: momentum/variance = the parameter's shape,
+  // variance_neuron = shape[:-1] + [1], Q = [b, r] (§9.3), step_dev = [] (a scalar).
+  // NOT_FOUND for an unknown name, OUT_OF_RANGE for a bad index.
+  virtual absl::StatusOr<std::vector<int64_t>> StateShape(size_t param_index,
+                                                          absl::string_view name) const = 0;
+  // Copies state `name` of parameter `param_index` into / from a row-major float buffer of
+  // exactly StateShape's element count (INVALID_ARGUMENT otherwise; nothing is written then).
+  // SetState lets a checkpoint or golden state (e.g. the reference's random Dion Q) be injected.
+  absl::Status GetState(size_t param_index, absl::string_view name, absl::Span<float> out) const;
+  absl::Status SetState(size_t param_index, absl::string_view name, absl::Span<const float> values);
+
+ protected:
+  GroupOptimizer(GroupConfig config, std::vector<ParamShape> shapes)
+      : config_(std::move(config)), shapes_(std::move(shapes)) {}
+
+  // Implemented per algorithm family (kernels/optim/internal/): computes the step for all
+  // parameters with a gradient and stages the results; CommitStaged writes them. Validation of
+  // the arguments has already happened. StageStep must not modify params or state.
+  virtual absl::Status StageStep(const kernels::Context& ctx, absl::Span<float* const> params,
+                                 absl::Span<const float* const> grads, float lr,
+                                 float weight_decay) = 0;
+  virtual void CommitStaged(absl::Span<float* const> params) = 0;
+  virtual void DiscardStaged() = 0;
+  // Locates the float buffer of state `name` for parameter `param_index` (nullptr if unknown).
+  virtual float* MutableStatePtr(size_t param_index, absl::string_view name) = 0;
+
+ private:
+  GroupConfig config_;
+  std::vector<ParamShape> shapes_;
+  int64_t steps_taken_ = 0;
+};
+
+// Validates `config` and `shapes` (ValidateGroup in validation.h) and builds the optimizer with
+// the reference's initial state: zeros everywhere except Dion's Q, drawn i.i.d. N(0, 1) from
+// config.seed (deterministic across platforms). INVALID_ARGUMENT naming the bad value.
+absl::StatusOr<std::unique_ptr<GroupOptimizer>> CreateGroupOptimizer(
+    const GroupConfig& config, std::vector<ParamShape> shapes);
+
+}  // namespace diond::optim
+
+#endif  // DIOND_KERNELS_OPTIM_GROUP_OPTIMIZER_H_

@@ -1,0 +1,170 @@
+// Dion (ALGORITHMS.md §9.4, §20.5), single device, for one shape bucket: all N matrices of the
+// bucket go through each phase (GEMMs, QR, column normalization) as one batched call.
+//
+// Orthonormalization of P: the reference uses Householder QR when P is square (a == r) and a
+// randomized Cholesky QR otherwise. Both return a thin-QR Q-factor of P up to column signs
+// (P12), and X, M are invariant to those signs, so we use Householder thin QR (LAPACK) in both
+// cases: it is the most stable choice and never produces the inf/NaN that RCQR can on a
+// rank-deficient P (P13). Consequence: the stored Q can differ from the reference's in column
+// signs only; compare it up to signs.
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "common/status_macros.h"
+#include "kernels/ops.h"
+#include "kernels/optim/internal/rule.h"
+#include "kernels/optim/internal/util.h"
+
+namespace diond::optim::internal {
+namespace {
+
+using kernels::GemmParams;
+using kernels::Trans;
+
+// Standard normal samples from a fixed generator (mt19937_64 and Box-Muller written out, so the
+// values are the same on every platform; std::normal_distribution is implementation-defined).
+void FillStandardNormal(uint64_t seed, uint64_t stream, float* out, int64_t n) {
+  std::mt19937_64 gen(seed * 0x9E3779B97F4A7C15ull + stream * 0xBF58476D1CE4E5B9ull + 1);
+  const double two_pi = 6.283185307179586476925286766559;
+  for (int64_t i = 0; i < n; i += 2) {
+    // Uniform in (0, 1]: 53 random bits.
+    const double u1 = (static_cast<double>(gen() >> 11) + 1.0) * 0x1.0p-53;
+    const double u2 = static_cast<double>(gen() >> 11) * 0x1.0p-53;
+    const double rad = std::sqrt(-2.0 * std::log(u1));
+    out[i] = static_cast<float>(rad * std::cos(two_pi * u2));
+    if (i + 1 < n) out[i + 1] = static_cast<float>(rad * std::sin(two_pi * u2));
+  }
+}
+
+struct DionDims {
+  int64_t m, n, a, b, r;
+  bool transposed;
+};
+
+DionDims Dims(const GroupConfig& cfg, const ParamShape& s) {
+  DionDims d;
+  d.m = s[0];
+  d.n = s[1];
+  d.transposed = d.m < d.n;  // §9.2
+  d.a = std::max(d.m, d.n);
+  d.b = std::min(d.m, d.n);
+  d.r = DionRank(d.m, d.n, cfg.hyperparams.rank_fraction, cfg.hyperparams.rank_multiple_of);
+  return d;
+}
+
+class DionRule final : public UpdateRule {
+ public:
+  std::vector<StateSpec> Specs(const GroupConfig& config, const ParamShape& shape) const override {
+    const DionDims d = Dims(config, shape);
+    return {{std::string(kStateMomentum), shape}, {std::string(kStateQ), {d.b, d.r}}};
+  }
+
+  void InitState(const GroupConfig& config, const ParamShape& shape, size_t spec_index,
+                 int64_t count, uint64_t stream, float* data) const override {
+    if (spec_index != 1) return;
+    const DionDims d = Dims(config, shape);
+    FillStandardNormal(config.seed, stream, data, count * d.b * d.r);
+  }
+
+  absl::Status Apply(const kernels::Context& ctx, const BucketArgs& args) const override {
+    const GroupConfig& cfg = *args.config;
+    const DionDims d = Dims(cfg, *args.shape);
+    const int64_t N = args.count;
+    const MatrixBatch mb{N, d.m, d.n}, pb{N, d.a, d.r}, qb{N, d.b, d.r};
+    float* M = args.state[0];
+    float* Q = args.state[1];
+    const float mu = F32(cfg.hyperparams.mu);
+    const float eps = F32(cfg.hyperparams.epsilon);
+
+    // 1. M ← M + G.
+    for (int64_t i = 0; i < N * d.m * d.n; ++i) M[i] = M[i] + args.g[i];
+
+    // 2-3. P = B·Q with B = M (a×b) or Mᵀ when transposed.
+    std::vector<float> P(static_cast<size_t>(N * d.a * d.r));
+    GemmParams gp;
+    gp.trans_a = d.transposed ? Trans::kYes : Trans::kNo;
+    DIOND_RETURN_IF_ERROR(kernels::Gemm(ctx, gp, CView3(M, mb), CView3(Q, qb), View3(P.data(), pb)));
+
+    std::vector<bool> zero(static_cast<size_t>(N));
+    for (int64_t j = 0; j < N; ++j) {
+      bool z = false;
+      DIOND_RETURN_IF_ERROR(kernels::IsAllZero(
+          ctx, CView3(M, mb).Matrix(j), &z));
+      zero[j] = z;
+    }
+    // 4. P ← Q-factor of P (see the file comment).
+    DIOND_RETURN_IF_ERROR(kernels::ThinQr(ctx, CView3(P.data(), pb), View3(P.data(), pb)));
+
+    // 5. R = Bᵀ·P (b×r).
+    std::vector<float> R(static_cast<size_t>(N * d.b * d.r));
+    GemmParams gr;
+    gr.trans_a = d.transposed ? Trans::kNo : Trans::kYes;
+    DIOND_RETURN_IF_ERROR(
+        kernels::Gemm(ctx, gr, CView3(M, mb), CView3(P.data(), pb), View3(R.data(), qb)));
+
+    // 6. All-zero momentum: P ← 0, R ← Q (P13); otherwise NaN → 0, ±inf → ±FLT_MAX.
+    DIOND_RETURN_IF_ERROR(kernels::Unary(ctx, kernels::UnaryOp::kNanToNum, CView3(P.data(), pb),
+                                         View3(P.data(), pb)));
+    DIOND_RETURN_IF_ERROR(kernels::Unary(ctx, kernels::UnaryOp::kNanToNum, CView3(R.data(), qb),
+                                         View3(R.data(), qb)));
+    for (int64_t j = 0; j < N; ++j) {
+      if (!zero[j]) continue;
+      std::fill_n(P.data() + j * d.a * d.r, d.a * d.r, 0.0f);
+      std::copy_n(Q + j * d.b * d.r, d.b * d.r, R.data() + j * d.b * d.r);
+    }
+
+    // 7. Error feedback M ← M − (1−μ)·P·Rᵀ (transposed: R·Pᵀ), in the storage orientation.
+    GemmParams ge;
+    ge.alpha = -(1.0f - mu);
+    ge.beta = 1.0f;
+    ge.trans_b = Trans::kYes;
+    if (d.transposed) {
+      DIOND_RETURN_IF_ERROR(
+          kernels::Gemm(ctx, ge, CView3(R.data(), qb), CView3(P.data(), pb), View3(M, mb)));
+    } else {
+      DIOND_RETURN_IF_ERROR(
+          kernels::Gemm(ctx, ge, CView3(P.data(), pb), CView3(R.data(), qb), View3(M, mb)));
+    }
+
+    // 8. Q_new = R / (‖R_col‖₂ + ε), ε outside the square root (§3.10).
+    std::vector<float> norms(static_cast<size_t>(N * d.r));
+    DIOND_RETURN_IF_ERROR(kernels::AxisNorms(ctx, CView3(R.data(), qb), kernels::Axis::kCols,
+                                             kernels::NormType::kL2,
+                                             kernels::MakeView(norms.data(), {N * d.r})));
+    for (int64_t j = 0; j < N; ++j) {
+      for (int64_t i = 0; i < d.b; ++i) {
+        float* row = R.data() + (j * d.b + i) * d.r;
+        for (int64_t c = 0; c < d.r; ++c) row[c] = row[c] / (norms[j * d.r + c] + eps);
+      }
+    }
+
+    // 9-10. X ← (1 − η·λ)·X − s·(P·Q_newᵀ) (transposed: Q_new·Pᵀ), s = f32(√(m/n))·η.
+    const float s = F32(std::sqrt(static_cast<double>(d.m) / static_cast<double>(d.n))) *
+                    args.scalars.lr;
+    const float decay = DecayFactor(args.scalars.lr, args.scalars.weight_decay);
+    std::vector<float> upd(static_cast<size_t>(N * d.m * d.n));
+    GemmParams gu;
+    gu.trans_b = Trans::kYes;
+    if (d.transposed) {
+      DIOND_RETURN_IF_ERROR(kernels::Gemm(ctx, gu, CView3(R.data(), qb), CView3(P.data(), pb),
+                                          View3(upd.data(), mb)));
+    } else {
+      DIOND_RETURN_IF_ERROR(kernels::Gemm(ctx, gu, CView3(P.data(), pb), CView3(R.data(), qb),
+                                          View3(upd.data(), mb)));
+    }
+    for (int64_t i = 0; i < N * d.m * d.n; ++i) {
+      args.x[i] = decay * args.x[i] + (-s) * upd[i];
+    }
+    // 11. Q ← Q_new.
+    std::copy(R.begin(), R.end(), Q);
+    return absl::OkStatus();
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<UpdateRule> MakeDionRule() { return std::make_unique<DionRule>(); }
+
+}  // namespace diond::optim::internal

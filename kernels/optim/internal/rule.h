@@ -1,0 +1,68 @@
+// Internal interface between GroupOptimizer (bucketing, staging, commit, state access) and the
+// per-algorithm update rules. Not part of the public API.
+//
+// A rule sees one shape bucket at a time: the N parameters of one shape that have a gradient
+// this step, as contiguous stacks [N, ...shape] that it updates in place:
+//   x      the parameters (a staged copy; committed to the caller's buffers on success)
+//   g      the gradients (read only)
+//   state  one staged stack per state name, [N, ...state shape]
+// Rules are stateless objects; everything persistent is in the state stacks.
+#ifndef DIOND_KERNELS_OPTIM_INTERNAL_RULE_H_
+#define DIOND_KERNELS_OPTIM_INTERNAL_RULE_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "kernels/context.h"
+#include "kernels/optim/optimizer_types.h"
+
+namespace diond::optim::internal {
+
+struct StateSpec {
+  std::string name;
+  std::vector<int64_t> shape;
+  int64_t NumElements() const;
+};
+
+// Scalars of one step, already rounded to float32 (P1).
+struct StepScalars {
+  float lr = 0;
+  float weight_decay = 0;
+};
+
+struct BucketArgs {
+  const GroupConfig* config = nullptr;
+  const ParamShape* shape = nullptr;
+  int64_t count = 0;  // N
+  float* x = nullptr;
+  const float* g = nullptr;
+  std::vector<float*> state;  // in the order of Specs()
+  StepScalars scalars;
+};
+
+class UpdateRule {
+ public:
+  virtual ~UpdateRule() = default;
+  // State tensors of one parameter of `shape`, in the reference's order.
+  virtual std::vector<StateSpec> Specs(const GroupConfig& config,
+                                       const ParamShape& shape) const = 0;
+  // Initial value of state `spec_index` for the `count` parameters of a bucket (zeros unless
+  // overridden; Dion draws Q). `data` has count·NumElements() floats.
+  virtual void InitState(const GroupConfig& config, const ParamShape& shape, size_t spec_index,
+                         int64_t count, uint64_t stream, float* data) const;
+  // Applies one step to the bucket in place. Must only write through args.x / args.state.
+  virtual absl::Status Apply(const kernels::Context& ctx, const BucketArgs& args) const = 0;
+};
+
+std::unique_ptr<UpdateRule> MakeMuonRule();      // Muon and NorMuon (muon_rules.cc)
+std::unique_ptr<UpdateRule> MakeDion2Rule();     // Dion2 and NorDion2 (dion2_rules.cc)
+std::unique_ptr<UpdateRule> MakeDionRule();      // dion_rule.cc
+std::unique_ptr<UpdateRule> MakeScalarRule();    // AdamW and Lion (scalar_rules.cc)
+
+}  // namespace diond::optim::internal
+
+#endif  // DIOND_KERNELS_OPTIM_INTERNAL_RULE_H_

@@ -1,0 +1,73 @@
+// AdamW (ALGORITHMS.md §13.1, fused semantics §20.6) and Lion (§13.3, §20.7), any shape.
+// The megabatch family's AdamW counts steps per parameter in `step_dev` (advanced only when the
+// parameter has a gradient, P17).
+#include <cmath>
+#include <vector>
+
+#include "common/status_macros.h"
+#include "kernels/ops.h"
+#include "kernels/optim/internal/rule.h"
+#include "kernels/optim/internal/util.h"
+
+namespace diond::optim::internal {
+namespace {
+
+class ScalarRule final : public UpdateRule {
+ public:
+  std::vector<StateSpec> Specs(const GroupConfig& config, const ParamShape& shape) const override {
+    if (config.algorithm == AlgorithmKind::kLion) return {{std::string(kStateMomentum), shape}};
+    return {{std::string(kStateMomentum), shape},
+            {std::string(kStateVariance), shape},
+            {std::string(kStateStepDev), {}}};
+  }
+
+  absl::Status Apply(const kernels::Context& ctx, const BucketArgs& a) const override {
+    const GroupConfig& cfg = *a.config;
+    const Hyperparams& h = cfg.hyperparams;
+    int64_t numel = 1;
+    for (int64_t d : *a.shape) numel *= d;
+    if (numel == 0) {
+      if (cfg.algorithm == AlgorithmKind::kAdamW) {
+        for (int64_t p = 0; p < a.count; ++p) a.state[2][p] += 1.0f;
+      }
+      return absl::OkStatus();
+    }
+    for (int64_t p = 0; p < a.count; ++p) {
+      const int64_t off = p * numel;
+      kernels::TensorView x = kernels::MakeView(a.x + off, {numel});
+      kernels::ConstTensorView g = kernels::MakeView(a.g + off, {numel});
+      kernels::TensorView m = kernels::MakeView(a.state[0] + off, {numel});
+      if (cfg.algorithm == AlgorithmKind::kLion) {
+        kernels::LionParams lp;
+        lp.lr = a.scalars.lr;
+        lp.beta1 = F32(h.beta1);
+        lp.beta2 = F32(h.beta2);
+        lp.weight_decay = a.scalars.weight_decay;
+        lp.cautious = h.cautious_wd;
+        DIOND_RETURN_IF_ERROR(kernels::LionStep(ctx, lp, g, x, m));
+      } else {
+        kernels::TensorView v = kernels::MakeView(a.state[1] + off, {numel});
+        float& step_dev = a.state[2][p];
+        // step_dev is an f32 counter incremented on device before the kernel (§13.1).
+        const float next = step_dev + 1.0f;
+        kernels::AdamWParams ap;
+        ap.lr = a.scalars.lr;
+        ap.beta1 = F32(h.beta1);
+        ap.beta2 = F32(h.beta2);
+        ap.epsilon = F32(h.epsilon);
+        ap.weight_decay = a.scalars.weight_decay;
+        ap.step = static_cast<int64_t>(next);
+        ap.cautious = h.cautious_wd;
+        DIOND_RETURN_IF_ERROR(kernels::AdamWStep(ctx, ap, g, x, m, v));
+        step_dev = next;
+      }
+    }
+    return absl::OkStatus();
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<UpdateRule> MakeScalarRule() { return std::make_unique<ScalarRule>(); }
+
+}  // namespace diond::optim::internal

@@ -1,0 +1,79 @@
+// Shared helpers of the update rules: float32 scalar materialization (ALGORITHMS.md §0, P1),
+// lr adjustment (§3.9), matrix layouts for num_heads / flatten (§14), orthogonalization of a
+// stack with split_sizes (§3.8) and the NorMuon row normalization (§6.2 steps 5-10).
+#ifndef DIOND_KERNELS_OPTIM_INTERNAL_UTIL_H_
+#define DIOND_KERNELS_OPTIM_INTERNAL_UTIL_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "kernels/context.h"
+#include "kernels/optim/optimizer_types.h"
+#include "kernels/tensor.h"
+
+namespace diond::optim::internal {
+
+// The reference wraps every hyperparameter in a float32 0-d tensor (P1).
+inline float F32(double v) { return static_cast<float>(v); }
+
+// 1 − η·λ formed in float32 (η·λ rounded, then the subtraction rounded).
+inline float DecayFactor(float lr, float wd) {
+  const float lw = lr * wd;
+  return 1.0f - lw;
+}
+
+// ADJ(η; fan_out, fan_in) of §20: the ratio in double, rounded to f32, times the f32 lr.
+float AdjustedLr(float lr, AdjustLr mode, int64_t fan_out, int64_t fan_in);
+
+// The shape a parameter is processed as: [h, m/h, n] with num_heads > 1, else its own shape.
+ParamShape EffectiveShape(const GroupConfig& config, const ParamShape& shape);
+
+// A stack of `batch` row-major matrices rows×cols, contiguous.
+struct MatrixBatch {
+  int64_t batch = 0;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int64_t MatrixSize() const { return rows * cols; }
+};
+
+// Trailing matrices of `count` tensors of shape `s` (rank >= 2).
+MatrixBatch TrailingMatrices(int64_t count, const ParamShape& s);
+// How `count` tensors of shape `s` are orthogonalized: one [s0, ∏s[1:]] matrix each when
+// flatten and rank >= 3 (per tensor, P16), else their trailing matrices.
+MatrixBatch OrthoMatrices(const GroupConfig& config, int64_t count, const ParamShape& s);
+// (fan_out, fan_in) for lr adjustment of an (effective) parameter shape (§3.9, P8).
+std::pair<int64_t, int64_t> LrFans(const GroupConfig& config, const ParamShape& eff);
+
+kernels::TensorView View3(float* p, const MatrixBatch& b);
+kernels::ConstTensorView CView3(const float* p, const MatrixBatch& b);
+kernels::TensorView View2(float* p, int64_t rows, int64_t cols);
+
+// out ← ORTH(in) for the matrices of `b`, with the group's orthogonalizer, epsilon and
+// precision (kBf16Reference: bf16 input rounding and bf16 iterations; the result holds bf16
+// values widened to f32). `out` may equal `in`.
+absl::Status OrthogonalizeBatch(const kernels::Context& ctx, const GroupConfig& config,
+                                const float* in, float* out, const MatrixBatch& b);
+
+// Split scales c_i = ADJ(1; s_i, n) / ADJ(1; m, n) in double (§3.8); empty for adjust_lr none.
+std::vector<double> SplitScales(const GroupConfig& config, int64_t m, int64_t n);
+
+// Muon/NorMuon with split_sizes: for `count` stacked m×n matrices, orthogonalizes every row
+// block (blocks of equal height of all matrices in one batched call) and multiplies block i by
+// f32(c_i), rounding the product to bf16 in kBf16Reference mode (P4).
+absl::Status OrthogonalizeSplit(const kernels::Context& ctx, const GroupConfig& config,
+                                int64_t count, int64_t m, int64_t n, const float* in,
+                                float* out);
+
+// NorMuon core (§6.2 steps 5-10, §20.2 steps 5-9) on one rows×cols unit, in f32:
+// f = ‖O‖_F; ν = rowmean(O²); V ← lerp(V, ν, w); D = O/(√V + 1e-8); D ← D·f/max(‖D‖_F, 1e-8).
+// `o` becomes D in place; `v` (rows values, stride v_stride) is updated in place.
+void NormalizeRows(float* o, float* v, int64_t v_stride, int64_t rows, int64_t cols, float w);
+
+// torch.lerp's two-branch formula (§13.3 [ext]).
+inline float Lerp(float start, float end, float w) {
+  return w < 0.5f ? start + w * (end - start) : end - (end - start) * (1.0f - w);
+}
+}  // namespace diond::optim::internal
+
+#endif  // DIOND_KERNELS_OPTIM_INTERNAL_UTIL_H_

@@ -1,0 +1,102 @@
+#include "kernels/optim/optimizer_types.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+namespace diond::optim {
+
+absl::string_view AlgorithmName(AlgorithmKind kind) {
+  switch (kind) {
+    case AlgorithmKind::kMuon: return "muon";
+    case AlgorithmKind::kNorMuon: return "normuon";
+    case AlgorithmKind::kDion: return "dion";
+    case AlgorithmKind::kDion2: return "dion2";
+    case AlgorithmKind::kNorDion2: return "nordion2";
+    case AlgorithmKind::kAdamW: return "adamw";
+    case AlgorithmKind::kLion: return "lion";
+  }
+  return "unknown";
+}
+
+absl::StatusOr<AlgorithmKind> ParseAlgorithm(absl::string_view name) {
+  if (name == "muon") return AlgorithmKind::kMuon;
+  if (name == "normuon") return AlgorithmKind::kNorMuon;
+  if (name == "dion" || name == "dion_reference") return AlgorithmKind::kDion;
+  if (name == "dion2") return AlgorithmKind::kDion2;
+  if (name == "nordion2" || name == "dion3") return AlgorithmKind::kNorDion2;
+  if (name == "adamw") return AlgorithmKind::kAdamW;
+  if (name == "lion") return AlgorithmKind::kLion;
+  return absl::InvalidArgumentError(absl::StrCat("unknown algorithm '", name, "'"));
+}
+
+bool HasBf16Path(AlgorithmKind kind) {
+  return kind == AlgorithmKind::kMuon || kind == AlgorithmKind::kNorMuon ||
+         kind == AlgorithmKind::kDion2 || kind == AlgorithmKind::kNorDion2;
+}
+
+absl::string_view AdjustLrName(AdjustLr a) {
+  switch (a) {
+    case AdjustLr::kSpectralNorm: return "spectral_norm";
+    case AdjustLr::kRmsNorm: return "rms_norm";
+    case AdjustLr::kNone: return "none";
+  }
+  return "unknown";
+}
+
+absl::StatusOr<AdjustLr> ParseAdjustLr(absl::string_view name) {
+  if (name == "spectral_norm") return AdjustLr::kSpectralNorm;
+  if (name == "rms_norm") return AdjustLr::kRmsNorm;
+  if (name == "none" || name == "null") return AdjustLr::kNone;
+  return absl::InvalidArgumentError(absl::StrCat("unknown adjust_lr '", name, "'"));
+}
+
+absl::string_view PrecisionName(Precision p) {
+  return p == Precision::kFp32 ? "fp32" : "bf16_reference";
+}
+
+absl::StatusOr<Precision> ParsePrecision(absl::string_view name) {
+  if (name == "fp32") return Precision::kFp32;
+  if (name == "bf16_reference") return Precision::kBf16Reference;
+  return absl::InvalidArgumentError(absl::StrCat("unknown precision '", name, "'"));
+}
+
+Hyperparams DefaultHyperparams(AlgorithmKind kind) {
+  (void)kind;
+  return Hyperparams{};
+}
+
+std::vector<std::string> StateNames(AlgorithmKind kind) {
+  switch (kind) {
+    case AlgorithmKind::kMuon:
+    case AlgorithmKind::kDion2:
+    case AlgorithmKind::kLion:
+      return {std::string(kStateMomentum)};
+    case AlgorithmKind::kNorMuon:
+    case AlgorithmKind::kNorDion2:
+      return {std::string(kStateMomentum), std::string(kStateVarianceNeuron)};
+    case AlgorithmKind::kDion:
+      return {std::string(kStateMomentum), std::string(kStateQ)};
+    case AlgorithmKind::kAdamW:
+      return {std::string(kStateMomentum), std::string(kStateVariance),
+              std::string(kStateStepDev)};
+  }
+  return {};
+}
+
+int64_t DionRank(int64_t m, int64_t n, double rank_fraction, int64_t rank_multiple_of) {
+  const double mult = static_cast<double>(rank_multiple_of);
+  const double raw = rank_fraction * static_cast<double>(std::min(m, n));
+  const int64_t r = rank_multiple_of * static_cast<int64_t>(std::ceil(raw / mult));
+  return std::min({r, m, n});
+}
+
+int64_t SelectionCount(int64_t length, double fraction) {
+  const int64_t k = std::max<int64_t>(
+      1, static_cast<int64_t>(std::ceil(fraction * static_cast<double>(length))));
+  return std::min(k, length);
+}
+
+}  // namespace diond::optim

@@ -1,0 +1,146 @@
+// Plain domain types of the optimizer layer: which update rule a parameter group uses, its
+// hyperparameters and options, and per-step overrides. No proto, no gRPC (STYLE.md R2): the
+// daemon converts its request messages into these structs at the edge.
+//
+// The numerical contract of every field is /work/shared/docs/ALGORITHMS.md (cited per field).
+// Reference defaults: DefaultHyperparams(kind) returns the constructor defaults of the
+// corresponding microsoft/dion class (ALGORITHMS.md §5.1, §6.1, §7.1, §8.1, §9.1, §13).
+//
+// Thread-safety: plain values.
+#ifndef DIOND_KERNELS_OPTIM_OPTIMIZER_TYPES_H_
+#define DIOND_KERNELS_OPTIM_OPTIMIZER_TYPES_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace diond::optim {
+
+enum class AlgorithmKind : uint8_t {
+  kMuon,      // ALGORITHMS.md §5
+  kNorMuon,   // §6
+  kDion,      // §9 (dion.dion.Dion; also what "dion_reference" maps to, §10)
+  kDion2,     // §7
+  kNorDion2,  // §8 (= Dion3)
+  kAdamW,     // §13.1, fused semantics (§20.6)
+  kLion,      // §13.3
+};
+
+// "muon", "normuon", "dion", "dion2", "nordion2", "adamw", "lion".
+absl::string_view AlgorithmName(AlgorithmKind kind);
+// Accepts the names above plus the aliases "dion3" (NorDion2) and "dion_reference" (Dion; the
+// un-batched reference class computes the same single-device numbers, §10). INVALID_ARGUMENT
+// for anything else.
+absl::StatusOr<AlgorithmKind> ParseAlgorithm(absl::string_view name);
+// True for the orthonormal-update algorithms that run a bf16 orthogonalizer upstream (Muon,
+// NorMuon, Dion2, NorDion2): the only ones whose numbers depend on Precision.
+bool HasBf16Path(AlgorithmKind kind);
+
+// Learning-rate scaling by the matrix shape (§3.9).
+enum class AdjustLr : uint8_t {
+  kSpectralNorm,  // lr·√(fan_out/fan_in) (reference default)
+  kRmsNorm,       // lr·0.2·√max(fan_out, fan_in)
+  kNone,          // lr
+};
+absl::string_view AdjustLrName(AdjustLr a);  // "spectral_norm", "rms_norm", "none"
+// Accepts the names above and "null" (the reference's None). INVALID_ARGUMENT otherwise.
+absl::StatusOr<AdjustLr> ParseAdjustLr(absl::string_view name);
+
+// Orthogonalizer of the megabatch family (§2.1, §3.1, §3.3).
+enum class Orthogonalizer : uint8_t { kPolarExpress, kNewtonSchulz5 };
+
+// Numerics of a group (§0, P4).
+enum class Precision : uint8_t {
+  // Everything in float32, the orthogonalizer included. Matches the reference evaluated in exact
+  // arithmetic to float32 accuracy (the conformance "param_f64" checks).
+  kFp32,
+  // Emulates the reference's bf16 rounding points for the algorithms that have them: U rounded
+  // to bf16, bf16 orthogonalizer, Muon scales the bf16 result by the adjusted lr in bf16;
+  // NorMuon/Dion2/NorDion2 widen the bf16 result to f32 first (conformance README §3.3).
+  // Algorithms without a bf16 path (Dion, AdamW, Lion) compute exactly as kFp32.
+  kBf16Reference,
+};
+absl::string_view PrecisionName(Precision p);  // "fp32", "bf16_reference"
+absl::StatusOr<Precision> ParsePrecision(absl::string_view name);
+
+// Every hyperparameter of every algorithm. Values are given in double as the caller has them;
+// the update rules round each one to float32 before any arithmetic (P1). Fields an algorithm
+// does not read are ignored (and not range-checked) for that algorithm; options that change
+// behaviour (nesterov, cautious_wd, adjust_lr, orthogonalizer) are rejected with
+// INVALID_ARGUMENT when set to a non-default value on an algorithm that lacks them, so that no
+// option is silently a no-op.
+struct Hyperparams {
+  double lr = 0.01;            // all; >= 0
+  double weight_decay = 0.01;  // all; decoupled, uses the base lr (P8); >= 0
+  double epsilon = 1e-8;       // orthogonalizer normalization / Dion column norm / AdamW; >= 0
+  double mu = 0.95;            // Muon, NorMuon, Dion (EF), NorDion2 (EF decay); in [0, 1)
+  double beta1 = 0.9;          // AdamW, Lion; in [0, 1)
+  double beta2 = 0.95;         // AdamW, Lion; in [0, 1)
+  double muon_beta2 = 0.95;    // NorMuon, NorDion2 (per-row second moment EMA); in [0, 1)
+  double fraction = 0.25;      // Dion2, NorDion2: fraction of slices selected; in (0, 1]
+  double ef_decay = 0.95;      // Dion2: decay of the selected slices; in [0, 1]
+  double rank_fraction = 1.0;  // Dion: r / min(m, n); in (0, 1]
+  int64_t rank_multiple_of = 1;  // Dion: r rounded up to a multiple; >= 1
+  bool nesterov = false;         // Muon, NorMuon
+  bool cautious_wd = false;      // Muon, NorMuon, AdamW, Lion (§5.3 step 6, §13)
+  AdjustLr adjust_lr = AdjustLr::kSpectralNorm;       // Muon, NorMuon, Dion2, NorDion2
+  Orthogonalizer orthogonalizer = Orthogonalizer::kPolarExpress;  // the same four
+};
+
+// The reference constructor defaults of `kind` (lr 0.01, mu 0.95, betas (0.9, 0.95),
+// weight_decay 0.01, epsilon 1e-8, ...). The same struct for every kind today; kept per kind so
+// that a future default that differs does not change the API.
+Hyperparams DefaultHyperparams(AlgorithmKind kind);
+
+// Shape of one parameter tensor (row-major, dims >= 1 for matrix algorithms).
+using ParamShape = std::vector<int64_t>;
+
+struct GroupConfig {
+  AlgorithmKind algorithm = AlgorithmKind::kMuon;
+  Hyperparams hyperparams;
+  // Muon, NorMuon, Dion2, NorDion2 (§14.1): every 2-D parameter [m, n] is treated as num_heads
+  // independent [m/num_heads, n] matrices. 1 = off. Must divide m.
+  int64_t num_heads = 1;
+  // Muon, NorMuon (§14.2): row blocks orthogonalized separately, each scaled so that its lr
+  // matches its own shape (§3.8). Empty = off; else >= 2 positive sizes summing to m.
+  std::vector<int64_t> split_sizes;
+  // Muon, NorMuon, Dion2, NorDion2 (§14.3): a parameter of rank >= 3 is orthogonalized (and its
+  // lr adjusted) as one [shape[0], ∏shape[1:]] matrix instead of a batch of its trailing
+  // matrices. Done per parameter, as the reference intends, not as its stacked path does (P16).
+  bool flatten = false;
+  Precision precision = Precision::kFp32;
+  // Dion: seed of the N(0, 1) initial Q (P12). Q can be replaced through SetState("Q").
+  uint64_t seed = 0;
+};
+
+// Per-step overrides (e.g. an lr schedule driven by the daemon's client).
+struct StepOptions {
+  std::optional<double> lr;            // replaces hyperparams.lr for this step; >= 0
+  std::optional<double> weight_decay;  // replaces hyperparams.weight_decay for this step; >= 0
+};
+
+// State tensor names, exactly as the reference's state dict and the conformance vectors.
+inline constexpr absl::string_view kStateMomentum = "momentum";
+inline constexpr absl::string_view kStateVarianceNeuron = "variance_neuron";
+inline constexpr absl::string_view kStateQ = "Q";
+inline constexpr absl::string_view kStateVariance = "variance";
+inline constexpr absl::string_view kStateStepDev = "step_dev";
+
+// The state names of `kind`, in the reference's order.
+std::vector<std::string> StateNames(AlgorithmKind kind);
+
+// Dion's rank for an m×n matrix (§9.3, P2): r = mult·⌈(frac·min(m,n))/mult⌉ in IEEE double,
+// then min(r, m, n).
+int64_t DionRank(int64_t m, int64_t n, double rank_fraction, int64_t rank_multiple_of);
+
+// Dion2/NorDion2 selection count for L slices (§7.3 step 1, P2): max(1, ⌈fraction·L⌉) in IEEE
+// double, capped at L.
+int64_t SelectionCount(int64_t length, double fraction);
+
+}  // namespace diond::optim
+
+#endif  // DIOND_KERNELS_OPTIM_OPTIMIZER_TYPES_H_

@@ -1,0 +1,188 @@
+#include "kernels/optim/validation.h"
+
+#include <cmath>
+#include <numeric>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace diond::optim {
+namespace {
+
+absl::Status Bad(const GroupConfig& c, absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat(AlgorithmName(c.algorithm), ": ", what));
+}
+
+std::string ShapeString(const ParamShape& s) { return absl::StrCat("[", absl::StrJoin(s, ","), "]"); }
+
+// Checks lo <= v < hi (or <= hi when hi_inclusive), v finite.
+absl::Status Range(const GroupConfig& c, absl::string_view name, double v, double lo,
+                   bool lo_inclusive, double hi, bool hi_inclusive) {
+  const bool ok = std::isfinite(v) && (lo_inclusive ? v >= lo : v > lo) &&
+                  (hi_inclusive ? v <= hi : v < hi);
+  if (ok) return absl::OkStatus();
+  return Bad(c, absl::StrCat(name, " = ", v, " is outside ", lo_inclusive ? "[" : "(", lo, ", ",
+                             hi, hi_inclusive ? "]" : ")"));
+}
+
+absl::Status NonNegative(const GroupConfig& c, absl::string_view name, double v) {
+  if (std::isfinite(v) && v >= 0) return absl::OkStatus();
+  return Bad(c, absl::StrCat(name, " = ", v, " must be finite and >= 0"));
+}
+
+bool IsMegabatch(AlgorithmKind k) { return HasBf16Path(k); }
+
+absl::Status CheckHyperparams(const GroupConfig& c) {
+  const Hyperparams& h = c.hyperparams;
+  const AlgorithmKind k = c.algorithm;
+  if (absl::Status s = NonNegative(c, "lr", h.lr); !s.ok()) return s;
+  if (absl::Status s = NonNegative(c, "weight_decay", h.weight_decay); !s.ok()) return s;
+  if (k != AlgorithmKind::kLion) {
+    if (absl::Status s = NonNegative(c, "epsilon", h.epsilon); !s.ok()) return s;
+  }
+  if (k == AlgorithmKind::kMuon || k == AlgorithmKind::kNorMuon || k == AlgorithmKind::kDion ||
+      k == AlgorithmKind::kNorDion2) {
+    if (absl::Status s = Range(c, "mu", h.mu, 0, true, 1, false); !s.ok()) return s;
+  }
+  if (k == AlgorithmKind::kNorMuon || k == AlgorithmKind::kNorDion2) {
+    if (absl::Status s = Range(c, "muon_beta2", h.muon_beta2, 0, true, 1, false); !s.ok()) {
+      return s;
+    }
+  }
+  if (k == AlgorithmKind::kDion2 || k == AlgorithmKind::kNorDion2) {
+    if (absl::Status s = Range(c, "fraction", h.fraction, 0, false, 1, true); !s.ok()) return s;
+  }
+  if (k == AlgorithmKind::kDion2) {
+    if (absl::Status s = Range(c, "ef_decay", h.ef_decay, 0, true, 1, true); !s.ok()) return s;
+  }
+  if (k == AlgorithmKind::kDion) {
+    if (absl::Status s = Range(c, "rank_fraction", h.rank_fraction, 0, false, 1, true); !s.ok()) {
+      return s;
+    }
+    if (h.rank_multiple_of < 1) {
+      return Bad(c, absl::StrCat("rank_multiple_of = ", h.rank_multiple_of, " must be >= 1"));
+    }
+  }
+  if (k == AlgorithmKind::kAdamW || k == AlgorithmKind::kLion) {
+    if (absl::Status s = Range(c, "beta1", h.beta1, 0, true, 1, false); !s.ok()) return s;
+    if (absl::Status s = Range(c, "beta2", h.beta2, 0, true, 1, false); !s.ok()) return s;
+  }
+  // Options that only some algorithms have: reject rather than ignore.
+  if (h.nesterov && k != AlgorithmKind::kMuon && k != AlgorithmKind::kNorMuon) {
+    return Bad(c, "nesterov is not supported (Muon and NorMuon only)");
+  }
+  if (h.cautious_wd && (k == AlgorithmKind::kDion || k == AlgorithmKind::kDion2 ||
+                        k == AlgorithmKind::kNorDion2)) {
+    return Bad(c, "cautious_wd is not supported (Muon, NorMuon, AdamW and Lion only)");
+  }
+  if (!IsMegabatch(k) && h.adjust_lr != AdjustLr::kSpectralNorm) {
+    return Bad(c, absl::StrCat("adjust_lr = ", AdjustLrName(h.adjust_lr),
+                               " is not supported (Dion always uses sqrt(fan_out/fan_in); "
+                               "AdamW and Lion never scale)"));
+  }
+  if (!IsMegabatch(k) && h.orthogonalizer != Orthogonalizer::kPolarExpress) {
+    return Bad(c, "orthogonalizer choice applies to Muon, NorMuon, Dion2 and NorDion2 only");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckShapes(const GroupConfig& c, const std::vector<ParamShape>& shapes) {
+  const AlgorithmKind k = c.algorithm;
+  if (shapes.empty()) return Bad(c, "a group needs at least one parameter");
+  const bool matrix = k != AlgorithmKind::kAdamW && k != AlgorithmKind::kLion;
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    const ParamShape& s = shapes[i];
+    for (int64_t d : s) {
+      if (d < 0 || (matrix && d == 0)) {
+        return Bad(c, absl::StrCat("parameter ", i, " has invalid shape ", ShapeString(s)));
+      }
+    }
+    if (matrix && s.size() < 2) {
+      return Bad(c, absl::StrCat("parameter ", i, " has shape ", ShapeString(s),
+                                 "; matrix algorithms need rank >= 2"));
+    }
+    if (k == AlgorithmKind::kDion && s.size() != 2) {
+      return Bad(c, absl::StrCat("parameter ", i, " has shape ", ShapeString(s),
+                                 "; Dion supports 2-D parameters only"));
+    }
+    if (c.num_heads > 1) {
+      if (s.size() != 2) {
+        return Bad(c, absl::StrCat("num_heads is only supported for 2-D parameters; parameter ",
+                                   i, " has shape ", ShapeString(s)));
+      }
+      if (s[0] % c.num_heads != 0) {
+        return Bad(c, absl::StrCat("num_heads = ", c.num_heads, " does not divide dim 0 of ",
+                                   "parameter ", i, " ", ShapeString(s)));
+      }
+    }
+    if (!c.split_sizes.empty()) {
+      if (s.size() != 2) {
+        return Bad(c, absl::StrCat("split_sizes is only supported for 2-D parameters; ",
+                                   "parameter ", i, " has shape ", ShapeString(s)));
+      }
+      const int64_t sum = std::accumulate(c.split_sizes.begin(), c.split_sizes.end(), int64_t{0});
+      if (sum != s[0]) {
+        return Bad(c, absl::StrCat("split_sizes [", absl::StrJoin(c.split_sizes, ","),
+                                   "] sum to ", sum, ", not dim 0 of parameter ", i, " ",
+                                   ShapeString(s)));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckOptions(const GroupConfig& c) {
+  const AlgorithmKind k = c.algorithm;
+  if (c.num_heads < 1) return Bad(c, absl::StrCat("num_heads = ", c.num_heads, " must be >= 1"));
+  if (c.num_heads > 1) {
+    if (!IsMegabatch(k)) return Bad(c, "num_heads is not supported by this algorithm");
+    if (c.flatten) return Bad(c, "num_heads cannot be combined with flatten");
+  }
+  if (!c.split_sizes.empty()) {
+    if (k != AlgorithmKind::kMuon && k != AlgorithmKind::kNorMuon) {
+      return Bad(c, "split_sizes is not supported (Muon and NorMuon only)");
+    }
+    if (c.split_sizes.size() < 2) {
+      return Bad(c, absl::StrCat("split_sizes [", absl::StrJoin(c.split_sizes, ","),
+                                 "] needs at least 2 sizes"));
+    }
+    for (int64_t s : c.split_sizes) {
+      if (s <= 0) {
+        return Bad(c, absl::StrCat("split_sizes [", absl::StrJoin(c.split_sizes, ","),
+                                   "] has a non-positive size"));
+      }
+    }
+    if (c.num_heads > 1) return Bad(c, "split_sizes cannot be combined with num_heads");
+    if (c.flatten) return Bad(c, "split_sizes cannot be combined with flatten");
+  }
+  if (c.flatten && !IsMegabatch(k)) return Bad(c, "flatten is not supported by this algorithm");
+  if (c.precision != Precision::kFp32 && c.precision != Precision::kBf16Reference) {
+    return Bad(c, "unknown precision");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ValidateGroup(const GroupConfig& config, const std::vector<ParamShape>& shapes) {
+  if (absl::Status s = CheckHyperparams(config); !s.ok()) return s;
+  if (absl::Status s = CheckOptions(config); !s.ok()) return s;
+  return CheckShapes(config, shapes);
+}
+
+absl::Status ValidateStepOptions(const StepOptions& options) {
+  if (options.lr.has_value() && !(std::isfinite(*options.lr) && *options.lr >= 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("step lr override = ", *options.lr, " must be finite and >= 0"));
+  }
+  if (options.weight_decay.has_value() &&
+      !(std::isfinite(*options.weight_decay) && *options.weight_decay >= 0)) {
+    return absl::InvalidArgumentError(absl::StrCat("step weight_decay override = ",
+                                                   *options.weight_decay,
+                                                   " must be finite and >= 0"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace diond::optim

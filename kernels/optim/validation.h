@@ -1,0 +1,38 @@
+// Validation of a parameter group's configuration and parameter shapes, mirroring the
+// reference's constructor and step-time checks (ALGORITHMS.md §5.1, §6.1, §7.1, §8.1, §9.1,
+// §14) where the reference raises ValueError / NotImplementedError / AssertionError. Every
+// failure is INVALID_ARGUMENT with a message naming the field and its value. Nothing aborts.
+//
+// Thread-safety: pure functions.
+#ifndef DIOND_KERNELS_OPTIM_VALIDATION_H_
+#define DIOND_KERNELS_OPTIM_VALIDATION_H_
+
+#include <vector>
+
+#include "absl/status/status.h"
+#include "kernels/optim/optimizer_types.h"
+
+namespace diond::optim {
+
+// Checks every hyperparameter the algorithm reads (finite and in range), every option
+// (rejected when the algorithm lacks it), and every shape against the algorithm and options:
+//   * all: lr >= 0, weight_decay >= 0, epsilon >= 0, all doubles finite.
+//   * Muon/NorMuon: mu in [0, 1); NorMuon/NorDion2: muon_beta2 in [0, 1).
+//   * Dion2/NorDion2: fraction in (0, 1]; Dion2: ef_decay in [0, 1]; NorDion2: mu in [0, 1).
+//   * Dion: mu in [0, 1), rank_fraction in (0, 1], rank_multiple_of >= 1; 2-D parameters only.
+//   * AdamW/Lion: beta1, beta2 in [0, 1); any shape (0-D included).
+//   * Matrix algorithms: rank >= 2, every dim >= 1; num_heads >= 1 dividing m of every (2-D)
+//     parameter, not with flatten, not on Dion/AdamW/Lion; split_sizes only on Muon/NorMuon,
+//     >= 2 positive sizes summing to m of every (2-D) parameter, not with num_heads > 1 or
+//     flatten; flatten not on Dion/AdamW/Lion; nesterov only Muon/NorMuon; cautious_wd only
+//     Muon/NorMuon/AdamW/Lion; non-default adjust_lr / orthogonalizer only on the megabatch
+//     family.
+//   * at least one parameter.
+absl::Status ValidateGroup(const GroupConfig& config, const std::vector<ParamShape>& shapes);
+
+// lr / weight_decay overrides: finite and >= 0.
+absl::Status ValidateStepOptions(const StepOptions& options);
+
+}  // namespace diond::optim
+
+#endif  // DIOND_KERNELS_OPTIM_VALIDATION_H_
