@@ -44,7 +44,7 @@ struct GemmParams {
   float alpha = 1.0f;
   float beta = 0.0f;  // 0: C is not read (NaN/garbage in C is ignored)
   // f32 inputs only: which library (kAuto follows the context's Fp32GemmEngine; kAuto there
-  // picks oneDNN when the CPU has AVX-512, else OpenBLAS).
+  // picks OpenBLAS, measured as fast as oneDNN f32 on the target machine, docs/BENCHMARKS.md).
   Fp32GemmEngine engine = Fp32GemmEngine::kAuto;
 };
 

@@ -55,9 +55,12 @@ static_assert(sizeof(BFloat16) == 2 && sizeof(Float16) == 2, "16-bit storage typ
 inline BFloat16 FloatToBf16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return BFloat16{static_cast<uint16_t>((u >> 16) | 0x40u)};
-  u += 0x7fffu + ((u >> 16) & 1u);  // RNE: add half-ulp minus one, plus the lsb of the result
-  return BFloat16{static_cast<uint16_t>(u >> 16)};
+  // RNE: add half an ulp minus one, plus the lsb of the result. Written as a select (no early
+  // return) so that loops over arrays vectorize.
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t quiet_nan = (u >> 16) | 0x40u;
+  const bool is_nan = (u & 0x7fffffffu) > 0x7f800000u;
+  return BFloat16{static_cast<uint16_t>(is_nan ? quiet_nan : rounded)};
 }
 // bf16 -> f32 is exact.
 inline float Bf16ToFloat(BFloat16 h) {

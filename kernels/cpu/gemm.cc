@@ -88,9 +88,10 @@ absl::Status Gemm(const Context& ctx, const GemmParams& p, ConstTensorView a, Co
   if (k == 0) return ScaleOnly(ctx, p.beta, c);
 
   Fp32GemmEngine engine = p.engine != Fp32GemmEngine::kAuto ? p.engine : ctx.fp32_gemm_engine();
-  if (engine == Fp32GemmEngine::kAuto) {
-    engine = cpu::CpuHasAvx512() ? Fp32GemmEngine::kOneDnn : Fp32GemmEngine::kOpenBlas;
-  }
+  // kAuto: OpenBLAS. oneDNN 2.6's f32 matmul measured the same as OpenBLAS here (docs/
+  // BENCHMARKS.md, 2048³: ~105 / ~210 GFLOP/s at 1 / 2 threads for both), and staying on
+  // OpenBLAS keeps f32 work (GEMM, SYRK, LAPACK) on one thread pool.
+  if (engine == Fp32GemmEngine::kAuto) engine = Fp32GemmEngine::kOpenBlas;
   if (f32 && engine == Fp32GemmEngine::kOpenBlas) {
     for (int64_t i = 0; i < batch; ++i) {
       const float* ap = reinterpret_cast<const float*>(BytePtr(a.data(), a.Batch() == 1 ? 0 : i,

@@ -77,9 +77,4 @@ absl::Status OneDnnMatmul::Execute(const void* a, const void* b, void* c) const 
   }
 }
 
-bool CpuHasAvx512() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f");
-}
-
 }  // namespace diond::kernels::cpu

@@ -37,10 +37,6 @@ class OneDnnMatmul {
   std::unique_ptr<Impl> impl_;
 };
 
-// True when the CPU has AVX-512 (oneDNN's f32 kernels then beat the AVX2 OpenBLAS kernels that
-// OPENBLAS_CORETYPE=Haswell selects).
-bool CpuHasAvx512();
-
 }  // namespace diond::kernels::cpu
 
 #endif  // DIOND_KERNELS_CPU_ONEDNN_MATMUL_H_
