@@ -45,8 +45,22 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
                                                 {d->metrics_->shared_registry(),
                                                  MakeProcessCollector()}));
   }
+  session::ManagerObserver observer;
+  DaemonMetrics* metrics = d->metrics_.get();
+  observer.on_sessions_changed = [metrics](int64_t n) { metrics->SetSessions(n); };
+  observer.on_step = [metrics](const std::string&, const session::StepResult& r) {
+    metrics->ObserveStep(r.replayed ? "replayed" : r.skipped ? "skipped" : "applied",
+                         r.total_micros * 1e-6, r.compute_micros * 1e-6);
+  };
+  observer.on_checkpoint = [metrics](const std::string&, const std::string&, int64_t bytes) {
+    metrics->ObserveCheckpoint(bytes);
+  };
+  DIOND_ASSIGN_OR_RETURN(d->sessions_,
+                         session::SessionManager::Create(options.sessions, std::move(observer)));
   rpc::RpcServerOptions ro;
   ro.listen = options.listen;
+  ro.manager = d->sessions_.get();
+  ro.service.allow_shm_from_tcp = options.allow_shm_from_tcp;
   DIOND_ASSIGN_OR_RETURN(d->rpc_, rpc::RpcServer::Start(ro, d->metrics_.get()));
   return d;
 }
@@ -98,6 +112,7 @@ std::string Daemon::ReadyJson() const {
 void Daemon::Shutdown(absl::Duration drain) {
   if (rpc_) rpc_->Shutdown(drain);
   rpc_.reset();
+  sessions_.reset();
   metrics_server_.reset();
 }
 

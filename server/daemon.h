@@ -11,6 +11,7 @@
 #include "absl/time/time.h"
 #include "kernels/device.h"
 #include "server/listen.h"
+#include "server/session/session_manager.h"
 
 namespace diond::rpc {
 class RpcServer;
@@ -27,6 +28,8 @@ struct DaemonOptions {
   kernels::DeviceRequest device;
   std::string cuda_plugin;      // empty = next to the executable, then the loader path
   bool allow_insecure_remote = false;
+  bool allow_shm_from_tcp = false;
+  session::ManagerOptions sessions;
 };
 
 class Daemon {
@@ -50,6 +53,7 @@ class Daemon {
   kernels::SelectedDevice device_;
   std::string metrics_address_;
   std::unique_ptr<DaemonMetrics> metrics_;
+  std::unique_ptr<session::SessionManager> sessions_;
   std::unique_ptr<MetricsServer> metrics_server_;
   std::unique_ptr<rpc::RpcServer> rpc_;
 };

@@ -36,6 +36,22 @@ ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(10),
 ABSL_FLAG(std::string, ready_file, "",
           "If set, write a JSON file with the bound addresses and metrics port once serving "
           "(written atomically; for scripts and tests that use port 0).");
+ABSL_FLAG(bool, allow_shm_from_tcp, false,
+          "Accept RegisterRegion (shared memory) from TCP peers, not only Unix-socket peers.");
+ABSL_FLAG(int64_t, max_session_bytes, 0,
+          "Largest optimizer state (plus fp32 master weights) one session may hold, in bytes; "
+          "0 = unlimited. Over it, CreateSession fails with RESOURCE_EXHAUSTED.");
+ABSL_FLAG(int64_t, memory_budget_bytes, 0,
+          "Optimizer state all sessions together may hold, in bytes; 0 = unlimited.");
+ABSL_FLAG(absl::Duration, session_idle_timeout, absl::ZeroDuration(),
+          "Close sessions with no RPC for this long (checkpointing them first when --state_dir "
+          "is set); 0 = never.");
+ABSL_FLAG(std::string, state_dir, "",
+          "Directory for checkpoints (<state_dir>/<session>/step-<N>); empty = SaveCheckpoint "
+          "needs an explicit directory.");
+ABSL_FLAG(int64_t, checkpoint_every, 0,
+          "With --state_dir: checkpoint every session after every N-th applied step; 0 = off.");
+ABSL_FLAG(int, compute_threads, 0, "CPU threads for optimizer math; 0 = all cores.");
 ABSL_FLAG(bool, allow_insecure_remote, false,
           "Allow TCP listeners on non-loopback addresses without TLS. Off by default.");
 
@@ -110,6 +126,13 @@ int main(int argc, char** argv) {
   options.metrics_address = absl::GetFlag(FLAGS_metrics_address);
   options.cuda_plugin = absl::GetFlag(FLAGS_cuda_plugin);
   options.allow_insecure_remote = absl::GetFlag(FLAGS_allow_insecure_remote);
+  options.allow_shm_from_tcp = absl::GetFlag(FLAGS_allow_shm_from_tcp);
+  options.sessions.max_session_bytes = absl::GetFlag(FLAGS_max_session_bytes);
+  options.sessions.memory_budget_bytes = absl::GetFlag(FLAGS_memory_budget_bytes);
+  options.sessions.idle_timeout = absl::GetFlag(FLAGS_session_idle_timeout);
+  options.sessions.state_dir = absl::GetFlag(FLAGS_state_dir);
+  options.sessions.checkpoint_every = absl::GetFlag(FLAGS_checkpoint_every);
+  options.sessions.compute_threads = absl::GetFlag(FLAGS_compute_threads);
 
   auto daemon = diond::server::Daemon::Start(options);
   if (!daemon.ok()) {

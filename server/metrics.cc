@@ -118,7 +118,36 @@ DaemonMetrics::DaemonMetrics(std::shared_ptr<prometheus::Registry> registry,
       rpc_seconds_(prometheus::BuildHistogram()
                        .Name("diond_rpc_duration_seconds")
                        .Help("Latency of finished gRPC calls by method and status code.")
-                       .Register(*registry_)) {
+                       .Register(*registry_)),
+      sessions_(prometheus::BuildGauge()
+                    .Name("diond_sessions")
+                    .Help("Open optimizer sessions.")
+                    .Register(*registry_)
+                    .Add({})),
+      steps_(prometheus::BuildCounter()
+                 .Name("diond_steps_total")
+                 .Help("Step RPCs that succeeded, by outcome (applied, skipped, replayed).")
+                 .Register(*registry_)),
+      step_seconds_(prometheus::BuildHistogram()
+                        .Name("diond_step_duration_seconds")
+                        .Help("Wall time of applied steps inside the daemon.")
+                        .Register(*registry_)
+                        .Add({}, RpcBuckets())),
+      step_compute_seconds_(prometheus::BuildHistogram()
+                                .Name("diond_step_compute_seconds")
+                                .Help("Optimizer compute time of applied steps.")
+                                .Register(*registry_)
+                                .Add({}, RpcBuckets())),
+      checkpoints_(prometheus::BuildCounter()
+                       .Name("diond_checkpoints_total")
+                       .Help("Checkpoints written.")
+                       .Register(*registry_)
+                       .Add({})),
+      checkpoint_bytes_(prometheus::BuildCounter()
+                            .Name("diond_checkpoint_bytes_total")
+                            .Help("Bytes of checkpoints written.")
+                            .Register(*registry_)
+                            .Add({})) {
   prometheus::BuildGauge()
       .Name("diond_build_info")
       .Help("Always 1; labels describe the running daemon.")
@@ -135,6 +164,22 @@ void DaemonMetrics::ObserveRpc(absl::string_view method, absl::string_view code,
                                             {"code", std::string(code)}};
   rpcs_.Add(labels).Increment();
   rpc_seconds_.Add(labels, RpcBuckets()).Observe(seconds);
+}
+
+void DaemonMetrics::SetSessions(int64_t sessions) { sessions_.Set(static_cast<double>(sessions)); }
+
+void DaemonMetrics::ObserveStep(absl::string_view outcome, double total_seconds,
+                                double compute_seconds) {
+  steps_.Add({{"outcome", std::string(outcome)}}).Increment();
+  if (outcome == "applied") {
+    step_seconds_.Observe(total_seconds);
+    step_compute_seconds_.Observe(compute_seconds);
+  }
+}
+
+void DaemonMetrics::ObserveCheckpoint(int64_t bytes) {
+  checkpoints_.Increment();
+  checkpoint_bytes_.Increment(static_cast<double>(bytes));
 }
 
 std::shared_ptr<prometheus::Collectable> MakeProcessCollector() {

@@ -38,6 +38,10 @@ class DaemonMetrics {
 
   // Counts one finished RPC and observes its latency.
   void ObserveRpc(absl::string_view method, absl::string_view code, double seconds);
+  // Session and step accounting. `outcome` is "applied", "skipped" or "replayed".
+  void SetSessions(int64_t sessions);
+  void ObserveStep(absl::string_view outcome, double total_seconds, double compute_seconds);
+  void ObserveCheckpoint(int64_t bytes);
 
   prometheus::Registry& registry() { return *registry_; }
   const std::shared_ptr<prometheus::Registry>& shared_registry() { return registry_; }
@@ -46,6 +50,12 @@ class DaemonMetrics {
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Family<prometheus::Counter>& rpcs_;
   prometheus::Family<prometheus::Histogram>& rpc_seconds_;
+  prometheus::Gauge& sessions_;
+  prometheus::Family<prometheus::Counter>& steps_;
+  prometheus::Histogram& step_seconds_;
+  prometheus::Histogram& step_compute_seconds_;
+  prometheus::Counter& checkpoints_;
+  prometheus::Counter& checkpoint_bytes_;
 };
 
 // Standard process_* metrics read from /proc/self at scrape time (prometheus-cpp 1.0 has no

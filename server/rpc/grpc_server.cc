@@ -22,7 +22,8 @@ RpcServer::~RpcServer() { Shutdown(absl::ZeroDuration()); }
 absl::StatusOr<std::unique_ptr<RpcServer>> RpcServer::Start(const RpcServerOptions& options,
                                                             server::DaemonMetrics* metrics) {
   std::unique_ptr<RpcServer> s(new RpcServer);
-  s->service_ = std::make_unique<OptimizerService>();
+  if (options.manager == nullptr) return absl::InternalError("RpcServer needs a SessionManager");
+  s->service_ = std::make_unique<OptimizerService>(options.manager, options.service);
 
   for (const auto& a : options.listen) {
     if (a.kind == server::ListenAddress::Kind::kUnix) {

@@ -13,6 +13,8 @@
 #include "absl/time/time.h"
 #include "server/listen.h"
 #include "server/metrics.h"
+#include "server/rpc/optimizer_service.h"
+#include "server/session/session_manager.h"
 
 namespace grpc {
 class Server;
@@ -20,10 +22,10 @@ class Server;
 
 namespace diond::rpc {
 
-class OptimizerService;
-
 struct RpcServerOptions {
   std::vector<server::ListenAddress> listen;
+  session::SessionManager* manager = nullptr;  // required; must outlive the server
+  OptimizerServiceOptions service;
   int64_t max_message_bytes = 64 << 20;
 };
 

@@ -1,32 +1,376 @@
 #include "server/rpc/optimizer_service.h"
 
+#include <deque>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "server/rpc/convert.h"
+#include "server/rpc/status_conversion.h"
+
 namespace diond::rpc {
 namespace {
 
-grpc::ServerUnaryReactor* Unimplemented(grpc::CallbackServerContext* ctx, const char* method) {
+grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* ctx, const absl::Status& s) {
   grpc::ServerUnaryReactor* r = ctx->DefaultReactor();
-  r->Finish(grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
-                         std::string(method) +
-                             " is not implemented in this build of diond yet (sessions arrive "
-                             "with the service v1 milestone)"));
+  r->Finish(ToGrpcStatus(s));
   return r;
+}
+
+// Collects the chunks of a client stream, then hands them to `apply` once the client has
+// finished. A cancelled (truncated) stream applies nothing.
+class ChunkReader : public grpc::ServerReadReactor<v1::TensorChunk> {
+ public:
+  using Apply = std::function<absl::Status(const std::string& session,
+                                           std::vector<session::TensorWrite> writes,
+                                           int64_t bytes, int64_t chunks)>;
+  ChunkReader(int64_t max_chunk_bytes, Apply apply)
+      : max_chunk_bytes_(max_chunk_bytes), apply_(std::move(apply)) {
+    StartRead(&chunk_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // the client half-closed: the stream is complete
+      Finish(ToGrpcStatus(apply_(session_, std::move(writes_), bytes_, chunks_)));
+      return;
+    }
+    if (chunks_ == 0) {
+      session_ = chunk_.session_id();
+      if (session_.empty()) {
+        Finish(ToGrpcStatus(absl::InvalidArgumentError("the first chunk must carry session_id")));
+        return;
+      }
+    }
+    if (static_cast<int64_t>(chunk_.data().size()) > max_chunk_bytes_) {
+      Finish(ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+          "chunk of '", chunk_.name(), "' has ", chunk_.data().size(), " bytes; the limit is ",
+          max_chunk_bytes_))));
+      return;
+    }
+    ++chunks_;
+    bytes_ += static_cast<int64_t>(chunk_.data().size());
+    writes_.push_back({chunk_.name(), chunk_.offset_bytes(), std::move(*chunk_.mutable_data())});
+    StartRead(&chunk_);
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  int64_t max_chunk_bytes_;
+  Apply apply_;
+  v1::TensorChunk chunk_;
+  std::string session_;
+  std::vector<session::TensorWrite> writes_;
+  int64_t bytes_ = 0;
+  int64_t chunks_ = 0;
+};
+
+// Writes a precomputed sequence of chunks, one at a time (flow-controlled by gRPC). `next`
+// produces the next chunk or returns false at the end; an error status ends the stream.
+class ChunkWriter : public grpc::ServerWriteReactor<v1::TensorChunk> {
+ public:
+  using Next = std::function<absl::StatusOr<bool>(v1::TensorChunk* chunk)>;
+  explicit ChunkWriter(Next next) : next_(std::move(next)) { WriteNext(); }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "client went away"));
+      return;
+    }
+    WriteNext();
+  }
+  void OnDone() override { delete this; }
+
+ private:
+  void WriteNext() {
+    chunk_.Clear();
+    absl::StatusOr<bool> more = next_(&chunk_);
+    if (!more.ok()) {
+      Finish(ToGrpcStatus(more.status()));
+    } else if (!*more) {
+      Finish(grpc::Status::OK);
+    } else {
+      StartWrite(&chunk_);
+    }
+  }
+  Next next_;
+  v1::TensorChunk chunk_;
+};
+
+grpc::ServerWriteReactor<v1::TensorChunk>* FailWrite(const absl::Status& s) {
+  return new ChunkWriter([s](v1::TensorChunk*) -> absl::StatusOr<bool> { return s; });
 }
 
 }  // namespace
 
 grpc::ServerUnaryReactor* OptimizerService::CreateSession(grpc::CallbackServerContext* ctx,
-                                                          const v1::CreateSessionRequest*,
-                                                          v1::CreateSessionResponse*) {
-  return Unimplemented(ctx, "CreateSession");
+                                                          const v1::CreateSessionRequest* req,
+                                                          v1::CreateSessionResponse* resp) {
+  auto spec = SpecFromProto(*req);
+  if (!spec.ok()) return Finish(ctx, spec.status());
+  auto s = manager_->CreateSession(*std::move(spec));
+  if (!s.ok()) return Finish(ctx, s.status());
+  LayoutToProto(**s, resp);
+  return Finish(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* OptimizerService::RegisterRegion(grpc::CallbackServerContext* ctx,
+                                                           const v1::RegisterRegionRequest* req,
+                                                           v1::RegisterRegionResponse* resp) {
+  auto s = manager_->Get(req->session_id());
+  if (!s.ok()) return Finish(ctx, s.status());
+  session::Role role;
+  switch (req->role()) {
+    case v1::REGION_ROLE_PARAMETERS: role = session::Role::kParameters; break;
+    case v1::REGION_ROLE_GRADIENTS: role = session::Role::kGradients; break;
+    default:
+      return Finish(ctx, absl::InvalidArgumentError(absl::StrCat(
+                             "role ", req->role(), " is not REGION_ROLE_PARAMETERS or GRADIENTS")));
+  }
+  if (req->kind() != v1::REGION_KIND_SYSTEM_SHM) {
+    if (req->kind() == v1::REGION_KIND_CUDA_IPC || req->kind() == v1::REGION_KIND_CUDA_VMM_FD ||
+        req->kind() == v1::REGION_KIND_MEMFD) {
+      return Finish(ctx, absl::UnimplementedError(absl::StrCat(
+                             "region kind ", v1::RegionKind_Name(req->kind()),
+                             " is reserved; this build maps REGION_KIND_SYSTEM_SHM only")));
+    }
+    return Finish(ctx, absl::InvalidArgumentError(
+                           absl::StrCat("region kind ", req->kind(), " is not known")));
+  }
+  if (!req->has_system_shm()) {
+    return Finish(ctx, absl::InvalidArgumentError("REGION_KIND_SYSTEM_SHM needs system_shm"));
+  }
+  if (!options_.allow_shm_from_tcp && !absl::StartsWith(ctx->peer(), "unix:")) {
+    return Finish(ctx, absl::PermissionDeniedError(absl::StrCat(
+                           "shared-memory registration from ", ctx->peer(),
+                           " is off: connect over the Unix socket, or start diond with "
+                           "--allow_shm_from_tcp")));
+  }
+  const v1::SystemShmRegion& shm = req->system_shm();
+  auto id = (*s)->RegisterShmRegion(role, shm.name(), shm.offset_bytes(), shm.size_bytes());
+  if (!id.ok()) return Finish(ctx, id.status());
+  resp->set_region_id(*id);
+  return Finish(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* OptimizerService::UnregisterRegion(
+    grpc::CallbackServerContext* ctx, const v1::UnregisterRegionRequest* req,
+    v1::UnregisterRegionResponse*) {
+  auto s = manager_->Get(req->session_id());
+  if (!s.ok()) return Finish(ctx, s.status());
+  return Finish(ctx, (*s)->UnregisterRegion(req->region_id()));
+}
+
+grpc::ServerUnaryReactor* OptimizerService::Step(grpc::CallbackServerContext* ctx,
+                                                 const v1::StepRequest* req,
+                                                 v1::StepResponse* resp) {
+  session::StepRequest sr;
+  sr.step_index = req->step_index();
+  sr.gradient_scale = req->gradient_scale();
+  for (const auto& [group, lr] : req->lr_override()) sr.lr_override[group] = lr;
+  auto r = manager_->Step(req->session_id(), sr);
+  if (!r.ok()) return Finish(ctx, r.status());
+  resp->set_step_index(r->step_index);
+  resp->set_skipped(r->skipped);
+  resp->set_replayed(r->replayed);
+  for (const auto& [g, n] : r->update_norms) (*resp->mutable_update_norms())[g] = n;
+  resp->set_compute_micros(r->compute_micros);
+  resp->set_total_micros(r->total_micros);
+  return Finish(ctx, absl::OkStatus());
+}
+
+grpc::ServerReadReactor<v1::TensorChunk>* OptimizerService::PushGradients(
+    grpc::CallbackServerContext*, v1::PushGradientsResponse* resp) {
+  session::SessionManager* manager = manager_;
+  return new ChunkReader(options_.max_chunk_bytes,
+                         [manager, resp](const std::string& id,
+                                         std::vector<session::TensorWrite> writes, int64_t bytes,
+                                         int64_t chunks) -> absl::Status {
+                           auto s = manager->Get(id);
+                           if (!s.ok()) return s.status();
+                           absl::Status st = (*s)->ApplyGradientWrites(writes);
+                           if (!st.ok()) return st;
+                           resp->set_bytes_received(bytes);
+                           resp->set_chunks(chunks);
+                           return absl::OkStatus();
+                         });
+}
+
+grpc::ServerWriteReactor<v1::TensorChunk>* OptimizerService::PullParameters(
+    grpc::CallbackServerContext*, const v1::PullParametersRequest* req) {
+  auto s = manager_->Get(req->session_id());
+  if (!s.ok()) return FailWrite(s.status());
+  int64_t chunk = req->chunk_bytes() == 0 ? options_.max_chunk_bytes : req->chunk_bytes();
+  if (chunk < 0 || chunk > options_.max_chunk_bytes) {
+    return FailWrite(absl::InvalidArgumentError(absl::StrCat(
+        "chunk_bytes ", req->chunk_bytes(), " must be in 0..", options_.max_chunk_bytes)));
+  }
+  std::vector<session::TensorPlacement> tensors;
+  const auto& all = (*s)->layout().tensors;
+  if (req->names().empty()) {
+    tensors = all;
+  } else {
+    for (const std::string& n : req->names()) {
+      bool found = false;
+      for (const auto& t : all) {
+        if (t.name == n) {
+          tensors.push_back(t);
+          found = true;
+        }
+      }
+      if (!found) {
+        return FailWrite(absl::InvalidArgumentError(absl::StrCat("unknown parameter '", n, "'")));
+      }
+    }
+  }
+  // Elements never straddle chunks: round the chunk down to a multiple of 4 bytes.
+  chunk = std::max<int64_t>(4, chunk / 4 * 4);
+  std::shared_ptr<session::Session> sess = *s;
+  size_t index = 0;
+  int64_t offset = 0;
+  return new ChunkWriter([sess, tensors, chunk, index, offset](
+                             v1::TensorChunk* out) mutable -> absl::StatusOr<bool> {
+    if (index >= tensors.size()) return false;
+    const session::TensorPlacement& t = tensors[index];
+    int64_t len = std::min(chunk, t.size_bytes - offset);
+    std::string bytes;
+    absl::Status st = sess->ReadParameterBytes(t.name, offset, len, &bytes);
+    if (!st.ok()) return st;
+    out->set_name(t.name);
+    out->set_offset_bytes(offset);
+    out->set_data(std::move(bytes));
+    if (offset == 0) {
+      for (int64_t d : t.shape) out->add_shape(d);
+      out->set_dtype(DTypeToProto(t.dtype));
+      out->set_total_bytes(t.size_bytes);
+    }
+    offset += len;
+    if (offset >= t.size_bytes) {
+      ++index;
+      offset = 0;
+    }
+    return true;
+  });
+}
+
+grpc::ServerUnaryReactor* OptimizerService::SetHyperparameters(
+    grpc::CallbackServerContext* ctx, const v1::SetHyperparametersRequest* req,
+    v1::SetHyperparametersResponse*) {
+  auto s = manager_->Get(req->session_id());
+  if (!s.ok()) return Finish(ctx, s.status());
+  const v1::Hyperparameters& h = req->hyperparameters();
+  // Only the step-size knobs change mid-session today; refusing the rest is better than
+  // silently ignoring them.
+  v1::Hyperparameters rest = h;
+  rest.clear_lr();
+  rest.clear_weight_decay();
+  if (rest.ByteSizeLong() != 0) {
+    return Finish(ctx, absl::InvalidArgumentError(
+                           "SetHyperparameters changes lr and weight_decay only; other fields "
+                           "are fixed at CreateSession"));
+  }
+  std::optional<double> lr, wd;
+  if (h.has_lr()) lr = h.lr();
+  if (h.has_weight_decay()) wd = h.weight_decay();
+  return Finish(ctx, (*s)->SetGroupHyperparameters(req->group(), lr, wd));
+}
+
+grpc::ServerWriteReactor<v1::TensorChunk>* OptimizerService::GetState(
+    grpc::CallbackServerContext*, const v1::GetStateRequest* req) {
+  auto s = manager_->Get(req->session_id());
+  if (!s.ok()) return FailWrite(s.status());
+  auto state = (*s)->GetState(req->include_parameters());
+  if (!state.ok()) return FailWrite(state.status());
+  auto tensors = std::make_shared<std::vector<session::NamedTensor>>(*std::move(state));
+  const int64_t chunk = options_.max_chunk_bytes / 4 * 4;
+  size_t index = 0;
+  int64_t offset = 0;
+  return new ChunkWriter([tensors, chunk, index, offset](
+                             v1::TensorChunk* out) mutable -> absl::StatusOr<bool> {
+    if (index >= tensors->size()) return false;
+    const session::NamedTensor& t = (*tensors)[index];
+    const int64_t total = static_cast<int64_t>(t.data.size()) * 4;
+    const int64_t len = std::min(chunk, total - offset);
+    out->set_name(t.name);
+    out->set_offset_bytes(offset);
+    out->set_data(reinterpret_cast<const char*>(t.data.data()) + offset,
+                  static_cast<size_t>(len));
+    if (offset == 0) {
+      for (int64_t d : t.shape) out->add_shape(d);
+      out->set_dtype(v1::DTYPE_F32);
+      out->set_total_bytes(total);
+    }
+    offset += len;
+    if (offset >= total) {
+      ++index;
+      offset = 0;
+    }
+    return true;
+  });
+}
+
+grpc::ServerReadReactor<v1::TensorChunk>* OptimizerService::SetState(
+    grpc::CallbackServerContext*, v1::SetStateResponse* resp) {
+  session::SessionManager* manager = manager_;
+  return new ChunkReader(options_.max_chunk_bytes,
+                         [manager, resp](const std::string& id,
+                                         std::vector<session::TensorWrite> writes, int64_t,
+                                         int64_t) -> absl::Status {
+                           auto s = manager->Get(id);
+                           if (!s.ok()) return s.status();
+                           absl::Status st = (*s)->ApplyStateWrites(writes);
+                           if (!st.ok()) return st;
+                           std::set<std::string> names;
+                           for (const auto& w : writes) names.insert(w.name);
+                           resp->set_tensors(static_cast<int64_t>(names.size()));
+                           return absl::OkStatus();
+                         });
+}
+
+grpc::ServerUnaryReactor* OptimizerService::SaveCheckpoint(grpc::CallbackServerContext* ctx,
+                                                           const v1::SaveCheckpointRequest* req,
+                                                           v1::SaveCheckpointResponse* resp) {
+  auto saved = manager_->SaveCheckpoint(req->session_id(), req->directory());
+  if (!saved.ok()) return Finish(ctx, saved.status());
+  resp->set_path(saved->first);
+  resp->set_bytes(saved->second);
+  auto s = manager_->Get(req->session_id());
+  if (s.ok()) resp->set_step_index((*s)->last_step_index());
+  return Finish(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* OptimizerService::LoadCheckpoint(grpc::CallbackServerContext* ctx,
+                                                           const v1::LoadCheckpointRequest* req,
+                                                           v1::LoadCheckpointResponse* resp) {
+  if (req->path().empty()) {
+    return Finish(ctx, absl::InvalidArgumentError("LoadCheckpoint needs a path"));
+  }
+  auto s = manager_->LoadCheckpoint(req->path());
+  if (!s.ok()) return Finish(ctx, s.status());
+  LayoutToProto(**s, resp->mutable_session());
+  resp->set_step_index((*s)->last_step_index());
+  return Finish(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* OptimizerService::CloseSession(grpc::CallbackServerContext* ctx,
+                                                         const v1::CloseSessionRequest* req,
+                                                         v1::CloseSessionResponse*) {
+  return Finish(ctx, manager_->Close(req->session_id()));
 }
 
 grpc::ServerUnaryReactor* OptimizerService::ListSessions(grpc::CallbackServerContext* ctx,
                                                          const v1::ListSessionsRequest*,
                                                          v1::ListSessionsResponse* resp) {
-  // No session can exist yet, so the empty list is the true answer.
-  grpc::ServerUnaryReactor* r = ctx->DefaultReactor();
-  r->Finish(grpc::Status::OK);
-  return r;
+  for (const session::SessionInfo& info : manager_->List()) {
+    v1::SessionInfo* out = resp->add_sessions();
+    out->set_session_id(info.id);
+    out->set_client_name(info.client_name);
+    out->set_parameters(info.parameters);
+    out->set_last_step_index(info.last_step_index);
+    out->set_state_bytes(info.state_bytes);
+  }
+  return Finish(ctx, absl::OkStatus());
 }
 
 }  // namespace diond::rpc

@@ -1,26 +1,65 @@
 // The diond.v1.Optimizer gRPC service (callback API, STYLE.md O2). Handlers stay thin: parse,
-// convert to domain structs, call the engine, convert back, map the status once.
-//
-// Today every RPC answers UNIMPLEMENTED with a message saying so: the session engine lands with
-// the "Optimizer service v1" issue. The service is registered now so that reflection lists the
-// whole v1 API and clients can be generated against it.
+// convert to domain structs (server/rpc/convert.h), call the SessionManager, convert back, and
+// map the status once (status_conversion.h).
 #ifndef DIOND_SERVER_RPC_OPTIMIZER_SERVICE_H_
 #define DIOND_SERVER_RPC_OPTIMIZER_SERVICE_H_
 
 #include "diond/v1/optimizer.grpc.pb.h"
+#include "server/session/session_manager.h"
 
 namespace diond::rpc {
 
+struct OptimizerServiceOptions {
+  // Allow RegisterRegion from TCP peers (shared memory only makes sense on the same host, and a
+  // remote caller could otherwise probe the daemon's shm namespace). Unix-socket peers always may.
+  bool allow_shm_from_tcp = false;
+  int64_t max_chunk_bytes = 4 << 20;
+};
+
 class OptimizerService final : public diond::v1::Optimizer::CallbackService {
  public:
-  OptimizerService() = default;
+  // `manager` must outlive the service.
+  OptimizerService(session::SessionManager* manager, OptimizerServiceOptions options)
+      : manager_(manager), options_(options) {}
 
   grpc::ServerUnaryReactor* CreateSession(grpc::CallbackServerContext* ctx,
                                           const v1::CreateSessionRequest* req,
                                           v1::CreateSessionResponse* resp) override;
+  grpc::ServerUnaryReactor* RegisterRegion(grpc::CallbackServerContext* ctx,
+                                           const v1::RegisterRegionRequest* req,
+                                           v1::RegisterRegionResponse* resp) override;
+  grpc::ServerUnaryReactor* UnregisterRegion(grpc::CallbackServerContext* ctx,
+                                             const v1::UnregisterRegionRequest* req,
+                                             v1::UnregisterRegionResponse* resp) override;
+  grpc::ServerUnaryReactor* Step(grpc::CallbackServerContext* ctx, const v1::StepRequest* req,
+                                 v1::StepResponse* resp) override;
+  grpc::ServerReadReactor<v1::TensorChunk>* PushGradients(
+      grpc::CallbackServerContext* ctx, v1::PushGradientsResponse* resp) override;
+  grpc::ServerWriteReactor<v1::TensorChunk>* PullParameters(
+      grpc::CallbackServerContext* ctx, const v1::PullParametersRequest* req) override;
+  grpc::ServerUnaryReactor* SetHyperparameters(grpc::CallbackServerContext* ctx,
+                                               const v1::SetHyperparametersRequest* req,
+                                               v1::SetHyperparametersResponse* resp) override;
+  grpc::ServerWriteReactor<v1::TensorChunk>* GetState(grpc::CallbackServerContext* ctx,
+                                                      const v1::GetStateRequest* req) override;
+  grpc::ServerReadReactor<v1::TensorChunk>* SetState(grpc::CallbackServerContext* ctx,
+                                                     v1::SetStateResponse* resp) override;
+  grpc::ServerUnaryReactor* SaveCheckpoint(grpc::CallbackServerContext* ctx,
+                                           const v1::SaveCheckpointRequest* req,
+                                           v1::SaveCheckpointResponse* resp) override;
+  grpc::ServerUnaryReactor* LoadCheckpoint(grpc::CallbackServerContext* ctx,
+                                           const v1::LoadCheckpointRequest* req,
+                                           v1::LoadCheckpointResponse* resp) override;
+  grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* ctx,
+                                         const v1::CloseSessionRequest* req,
+                                         v1::CloseSessionResponse* resp) override;
   grpc::ServerUnaryReactor* ListSessions(grpc::CallbackServerContext* ctx,
                                          const v1::ListSessionsRequest* req,
                                          v1::ListSessionsResponse* resp) override;
+
+ private:
+  session::SessionManager* manager_;
+  OptimizerServiceOptions options_;
 };
 
 }  // namespace diond::rpc

@@ -1,0 +1,185 @@
+#include "server/rpc/convert.h"
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace diond::rpc {
+namespace {
+
+absl::StatusOr<optim::AlgorithmKind> AlgorithmFromProto(int v, const std::string& group) {
+  switch (v) {
+    case v1::ALGORITHM_MUON: return optim::AlgorithmKind::kMuon;
+    case v1::ALGORITHM_NORMUON: return optim::AlgorithmKind::kNorMuon;
+    case v1::ALGORITHM_DION: return optim::AlgorithmKind::kDion;
+    case v1::ALGORITHM_DION2: return optim::AlgorithmKind::kDion2;
+    case v1::ALGORITHM_DION3: return optim::AlgorithmKind::kNorDion2;
+    case v1::ALGORITHM_ADAMW: return optim::AlgorithmKind::kAdamW;
+    case v1::ALGORITHM_LION: return optim::AlgorithmKind::kLion;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("group '", group, "': algorithm ", v, " is not a known Algorithm value"));
+  }
+}
+
+absl::Status Finite(const char* name, double v) {
+  if (!std::isfinite(v)) {
+    return absl::InvalidArgumentError(absl::StrCat("hyperparameter ", name, " = ", v,
+                                                   " is not finite"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<kernels::DType> DTypeFromProto(int value, absl::string_view field) {
+  switch (value) {
+    case v1::DTYPE_F32: return kernels::DType::kF32;
+    case v1::DTYPE_BF16: return kernels::DType::kBf16;
+    case v1::DTYPE_F16: return kernels::DType::kF16;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": dtype ", value, " is not one of DTYPE_F32, DTYPE_BF16, DTYPE_F16"));
+  }
+}
+
+v1::DType DTypeToProto(kernels::DType d) {
+  switch (d) {
+    case kernels::DType::kF32: return v1::DTYPE_F32;
+    case kernels::DType::kBf16: return v1::DTYPE_BF16;
+    case kernels::DType::kF16: return v1::DTYPE_F16;
+  }
+  return v1::DTYPE_UNSPECIFIED;
+}
+
+absl::Status ApplyHyperparameters(const v1::Hyperparameters& h, optim::Hyperparams* out) {
+#define DIOND_HP(field)                                 \
+  if (h.has_##field()) {                                \
+    DIOND_RETURN_IF_ERROR(Finite(#field, h.field()));   \
+    out->field = h.field();                             \
+  }
+  DIOND_HP(lr)
+  DIOND_HP(mu)
+  DIOND_HP(beta1)
+  DIOND_HP(beta2)
+  DIOND_HP(weight_decay)
+  DIOND_HP(epsilon)
+  DIOND_HP(muon_beta2)
+  DIOND_HP(rank_fraction)
+  DIOND_HP(fraction)
+  DIOND_HP(ef_decay)
+#undef DIOND_HP
+  if (h.has_oversample()) {
+    return absl::InvalidArgumentError(
+        "hyperparameter oversample is not supported: diond's Dion orthonormalizes P with a "
+        "thin QR, which equals the reference's randomized Cholesky-QR up to column signs");
+  }
+  if (h.has_rank_multiple_of()) out->rank_multiple_of = h.rank_multiple_of();
+  if (h.has_nesterov()) out->nesterov = h.nesterov();
+  if (h.has_cautious_wd()) out->cautious_wd = h.cautious_wd();
+  switch (h.adjust_lr()) {
+    case v1::ADJUST_LR_UNSPECIFIED: break;
+    case v1::ADJUST_LR_SPECTRAL_NORM: out->adjust_lr = optim::AdjustLr::kSpectralNorm; break;
+    case v1::ADJUST_LR_RMS_NORM: out->adjust_lr = optim::AdjustLr::kRmsNorm; break;
+    case v1::ADJUST_LR_NONE: out->adjust_lr = optim::AdjustLr::kNone; break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("adjust_lr ", h.adjust_lr(), " is unknown"));
+  }
+  switch (h.orthogonalizer()) {
+    case v1::ORTHOGONALIZER_UNSPECIFIED: break;
+    case v1::ORTHOGONALIZER_POLAR_EXPRESS:
+      out->orthogonalizer = optim::Orthogonalizer::kPolarExpress;
+      break;
+    case v1::ORTHOGONALIZER_NEWTON_SCHULZ:
+      out->orthogonalizer = optim::Orthogonalizer::kNewtonSchulz5;
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("orthogonalizer ", h.orthogonalizer(), " is unknown"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<session::SessionSpec> SpecFromProto(const v1::CreateSessionRequest& req) {
+  session::SessionSpec spec;
+  switch (req.non_finite_policy()) {
+    case v1::NON_FINITE_POLICY_UNSPECIFIED:
+    case v1::NON_FINITE_POLICY_SKIP: spec.non_finite = session::NonFinitePolicy::kSkip; break;
+    case v1::NON_FINITE_POLICY_ERROR: spec.non_finite = session::NonFinitePolicy::kError; break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("non_finite_policy ", req.non_finite_policy(), " is unknown"));
+  }
+  switch (req.gradient_sync()) {
+    case v1::GRADIENT_SYNC_UNSPECIFIED:
+    case v1::GRADIENT_SYNC_REPLICATED: break;
+    case v1::GRADIENT_SYNC_AVERAGE:
+    case v1::GRADIENT_SYNC_DION_COMPRESSED:
+      return absl::UnimplementedError(
+          "gradient_sync AVERAGE and DION_COMPRESSED need a multi-daemon world, which this "
+          "build does not have yet; use REPLICATED");
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("gradient_sync ", req.gradient_sync(), " is unknown"));
+  }
+  spec.fp32_master_weights = req.fp32_master_weights();
+  spec.client_name = req.client_name();
+  for (const v1::ParameterGroup& g : req.groups()) {
+    session::GroupSpec gs;
+    gs.name = g.name();
+    DIOND_ASSIGN_OR_RETURN(gs.config.algorithm, AlgorithmFromProto(g.algorithm(), g.name()));
+    gs.config.hyperparams = optim::DefaultHyperparams(gs.config.algorithm);
+    absl::Status s = ApplyHyperparameters(g.hyperparameters(), &gs.config.hyperparams);
+    if (!s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("group '", g.name(), "': ", s.message()));
+    }
+    if (g.num_heads() < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("group '", g.name(), "': num_heads ", g.num_heads(), " must be >= 0"));
+    }
+    gs.config.num_heads = g.num_heads() == 0 ? 1 : g.num_heads();
+    gs.config.split_sizes.assign(g.split_sizes().begin(), g.split_sizes().end());
+    gs.config.flatten = g.flatten();
+    switch (g.precision()) {
+      case v1::PRECISION_UNSPECIFIED:
+      case v1::PRECISION_FP32: gs.config.precision = optim::Precision::kFp32; break;
+      case v1::PRECISION_BF16_REFERENCE:
+        gs.config.precision = optim::Precision::kBf16Reference;
+        break;
+      default:
+        return absl::InvalidArgumentError(
+            absl::StrCat("group '", g.name(), "': precision ", g.precision(), " is unknown"));
+    }
+    gs.config.seed = g.seed();
+    spec.groups.push_back(std::move(gs));
+  }
+  for (const v1::ParameterSpec& p : req.parameters()) {
+    session::ParamSpec ps;
+    ps.name = p.name();
+    ps.shape.assign(p.shape().begin(), p.shape().end());
+    DIOND_ASSIGN_OR_RETURN(ps.dtype,
+                           DTypeFromProto(p.dtype(), absl::StrCat("parameter '", p.name(), "'")));
+    ps.group = p.group();
+    spec.params.push_back(std::move(ps));
+  }
+  return spec;
+}
+
+void LayoutToProto(const session::Session& s, v1::CreateSessionResponse* resp) {
+  resp->set_session_id(s.id());
+  for (const session::TensorPlacement& t : s.layout().tensors) {
+    v1::TensorLayout* l = resp->add_layout();
+    l->set_name(t.name);
+    l->set_param_offset_bytes(t.param_offset);
+    l->set_grad_offset_bytes(t.grad_offset);
+    l->set_size_bytes(t.size_bytes);
+    for (int64_t d : t.shape) l->add_shape(d);
+    l->set_dtype(DTypeToProto(t.dtype));
+  }
+  resp->set_param_arena_bytes(s.layout().param_arena_bytes);
+  resp->set_grad_arena_bytes(s.layout().grad_arena_bytes);
+  resp->set_alignment_bytes(session::kArenaAlignment);
+}
+
+}  // namespace diond::rpc

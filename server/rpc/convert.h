@@ -1,0 +1,22 @@
+// proto ⇄ domain conversion for the Optimizer service. Every request field is validated here or
+// in the domain layer; messages name the field and its value.
+#ifndef DIOND_SERVER_RPC_CONVERT_H_
+#define DIOND_SERVER_RPC_CONVERT_H_
+
+#include "absl/status/statusor.h"
+#include "diond/v1/optimizer.pb.h"
+#include "server/session/session.h"
+#include "server/session/types.h"
+
+namespace diond::rpc {
+
+absl::StatusOr<session::SessionSpec> SpecFromProto(const v1::CreateSessionRequest& req);
+absl::StatusOr<kernels::DType> DTypeFromProto(int value, absl::string_view field);
+v1::DType DTypeToProto(kernels::DType d);
+void LayoutToProto(const session::Session& s, v1::CreateSessionResponse* resp);
+// Applies only the fields that are set; INVALID_ARGUMENT for an invalid value.
+absl::Status ApplyHyperparameters(const v1::Hyperparameters& h, optim::Hyperparams* out);
+
+}  // namespace diond::rpc
+
+#endif  // DIOND_SERVER_RPC_CONVERT_H_

@@ -1,0 +1,771 @@
+#include "server/session/session.h"
+
+#include <cmath>
+#include <cstring>
+#include <set>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/status_macros.h"
+#include "server/session/layout.h"
+
+namespace diond::session {
+namespace {
+
+using kernels::BFloat16;
+using kernels::Float16;
+
+void WidenToF32(DType dtype, const uint8_t* src, int64_t n, float* out) {
+  switch (dtype) {
+    case DType::kF32:
+      std::memcpy(out, src, static_cast<size_t>(n) * 4);
+      return;
+    case DType::kBf16: {
+      const auto* s = reinterpret_cast<const BFloat16*>(src);
+      for (int64_t i = 0; i < n; ++i) out[i] = kernels::Bf16ToFloat(s[i]);
+      return;
+    }
+    case DType::kF16: {
+      const auto* s = reinterpret_cast<const Float16*>(src);
+      for (int64_t i = 0; i < n; ++i) out[i] = kernels::F16ToFloat(s[i]);
+      return;
+    }
+  }
+}
+
+void NarrowFromF32(DType dtype, const float* in, int64_t n, uint8_t* dst) {
+  switch (dtype) {
+    case DType::kF32:
+      std::memcpy(dst, in, static_cast<size_t>(n) * 4);
+      return;
+    case DType::kBf16: {
+      auto* d = reinterpret_cast<BFloat16*>(dst);
+      for (int64_t i = 0; i < n; ++i) d[i] = kernels::FloatToBf16(in[i]);
+      return;
+    }
+    case DType::kF16: {
+      auto* d = reinterpret_cast<Float16*>(dst);
+      for (int64_t i = 0; i < n; ++i) d[i] = kernels::FloatToF16(in[i]);
+      return;
+    }
+  }
+}
+
+bool AllFinite(const float* p, int64_t n) {
+  // Summing x*0 propagates NaN for NaN and Inf inputs and vectorizes well.
+  float acc = 0.0f;
+  for (int64_t i = 0; i < n; ++i) acc += p[i] * 0.0f;
+  return acc == 0.0f;
+}
+
+int64_t NumElements(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+}  // namespace
+
+absl::string_view RoleName(Role r) {
+  return r == Role::kParameters ? "PARAMETERS" : "GRADIENTS";
+}
+
+absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, SessionSpec spec) {
+  if (spec.params.empty()) {
+    return absl::InvalidArgumentError("a session needs at least one parameter");
+  }
+  absl::flat_hash_map<std::string, size_t> group_index;
+  for (size_t g = 0; g < spec.groups.size(); ++g) {
+    const std::string& name = spec.groups[g].name;
+    if (name.empty()) return absl::InvalidArgumentError(absl::StrCat("group ", g, " has no name"));
+    if (!group_index.emplace(name, g).second) {
+      return absl::InvalidArgumentError(absl::StrCat("duplicate group name '", name, "'"));
+    }
+  }
+  std::set<std::string> names;
+  for (const ParamSpec& p : spec.params) {
+    if (p.name.empty() || p.name.size() > 512) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("parameter name '", p.name.substr(0, 64), "' must be 1..512 bytes"));
+    }
+    if (absl::StrContains(p.name, "/state.")) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("parameter name '", p.name, "' may not contain '/state.'"));
+    }
+    if (!names.insert(p.name).second) {
+      return absl::InvalidArgumentError(absl::StrCat("duplicate parameter name '", p.name, "'"));
+    }
+    if (!group_index.contains(p.group)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("parameter '", p.name, "' names unknown group '", p.group, "'"));
+    }
+  }
+  DIOND_ASSIGN_OR_RETURN(Layout layout, ComputeLayout(spec.params));
+
+  std::unique_ptr<Session> s(new Session);
+  s->id_ = std::move(id);
+  s->layout_ = std::move(layout);
+  absl::MutexLock lock(&s->mu_);
+  s->group_of_param_.resize(spec.params.size());
+  s->slot_in_group_.resize(spec.params.size());
+  s->groups_.resize(spec.groups.size());
+  for (size_t g = 0; g < spec.groups.size(); ++g) s->groups_[g].name = spec.groups[g].name;
+  for (size_t i = 0; i < spec.params.size(); ++i) {
+    size_t g = group_index[spec.params[i].group];
+    s->group_of_param_[i] = g;
+    s->slot_in_group_[i] = s->groups_[g].params.size();
+    s->groups_[g].params.push_back(i);
+  }
+  for (size_t g = 0; g < spec.groups.size(); ++g) {
+    Group& group = s->groups_[g];
+    if (group.params.empty()) continue;  // declared but unused: nothing to optimize
+    std::vector<optim::ParamShape> shapes;
+    for (size_t i : group.params) shapes.push_back(spec.params[i].shape);
+    auto opt = optim::CreateGroupOptimizer(spec.groups[g].config, shapes);
+    if (!opt.ok()) {
+      return absl::Status(opt.status().code(), absl::StrCat("group '", group.name, "': ",
+                                                            opt.status().message()));
+    }
+    group.optimizer = std::move(*opt);
+    for (size_t slot = 0; slot < group.params.size(); ++slot) {
+      for (const std::string& st : group.optimizer->StateNames()) {
+        auto shape = group.optimizer->StateShape(slot, st);
+        if (shape.ok()) s->state_bytes_ += 4 * NumElements(*shape);
+      }
+    }
+  }
+  if (spec.fp32_master_weights) {
+    s->master_.resize(spec.params.size());
+    for (size_t i = 0; i < spec.params.size(); ++i) {
+      if (spec.params[i].dtype != DType::kF32) {
+        s->master_[i].resize(static_cast<size_t>(s->layout_.tensors[i].numel));
+        s->state_bytes_ += 4 * s->layout_.tensors[i].numel;
+      }
+    }
+  }
+  s->spec_ = std::move(spec);
+  s->last_used_ = absl::Now();
+  return s;
+}
+
+absl::StatusOr<std::string> Session::RegisterShmRegion(Role role, const std::string& name,
+                                                       int64_t offset, int64_t size) {
+  DIOND_RETURN_IF_ERROR(ValidateShmName(name));
+  const int64_t need = role == Role::kParameters ? layout_.param_arena_bytes
+                                                 : layout_.grad_arena_bytes;
+  if (offset < 0 || offset % kArenaAlignment != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("region offset ", offset,
+                                                   " must be a non-negative multiple of ",
+                                                   kArenaAlignment));
+  }
+  if (size < need) {
+    return absl::InvalidArgumentError(absl::StrCat("region of ", size, " bytes is smaller than the ",
+                                                   RoleName(role), " arena (", need, " bytes)"));
+  }
+  absl::MutexLock lock(&mu_);
+  last_used_ = absl::Now();
+  Binding& b = binding(role);
+  if (b.region != nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(RoleName(role),
+                                                      " already has region ", b.region_id,
+                                                      "; unregister it first"));
+  }
+  const Binding& other = binding(role == Role::kParameters ? Role::kGradients : Role::kParameters);
+  if (other.region != nullptr && other.region->name() == name) {
+    int64_t a0 = offset, a1 = offset + size;
+    int64_t b0 = other.region->offset(), b1 = b0 + other.region->size();
+    if (a0 < b1 && b0 < a1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "region [", a0, ", ", a1, ") of '", name, "' overlaps the ",
+          RoleName(role == Role::kParameters ? Role::kGradients : Role::kParameters),
+          " region [", b0, ", ", b1, ")"));
+    }
+  }
+  DIOND_ASSIGN_OR_RETURN(std::unique_ptr<ShmRegion> region, ShmRegion::Open(name, offset, size));
+  // Remote-mode data already in a host arena, or parameters restored from a checkpoint, move
+  // into the trainer's memory now, so nothing the daemon holds is lost.
+  if (role == Role::kParameters && !pending_params_.empty()) {
+    for (size_t i = 0; i < layout_.tensors.size(); ++i) {
+      const TensorPlacement& t = layout_.tensors[i];
+      NarrowFromF32(t.dtype, pending_params_[i].data(), t.numel,
+                    region->data() + t.param_offset);
+      if (!master_.empty() && !master_[i].empty()) master_[i] = pending_params_[i];
+    }
+    master_valid_ = !master_.empty();
+    pending_params_.clear();
+  } else if (!b.host.empty()) {
+    std::memcpy(region->data(), b.host.data(), static_cast<size_t>(need));
+  }
+  b.host.clear();
+  b.host.shrink_to_fit();
+  b.region = std::move(region);
+  b.data = b.region->data();
+  b.region_id = absl::StrCat(role == Role::kParameters ? "params-" : "grads-", next_region_++);
+  return b.region_id;
+}
+
+absl::Status Session::UnregisterRegion(const std::string& region_id) {
+  absl::MutexLock lock(&mu_);
+  last_used_ = absl::Now();
+  for (Role r : {Role::kParameters, Role::kGradients}) {
+    Binding& b = binding(r);
+    if (b.region != nullptr && b.region_id == region_id) {
+      b = Binding();
+      if (r == Role::kParameters) master_valid_ = false;
+      return absl::OkStatus();
+    }
+  }
+  return absl::NotFoundError(absl::StrCat("session ", id_, " has no region '", region_id, "'"));
+}
+
+absl::Status Session::EnsureHostArena(Role r) {
+  Binding& b = binding(r);
+  if (b.bound()) return absl::OkStatus();
+  const int64_t bytes = r == Role::kParameters ? layout_.param_arena_bytes
+                                               : layout_.grad_arena_bytes;
+  b.host.assign(static_cast<size_t>(bytes), 0);
+  b.data = b.host.data();
+  if (r == Role::kParameters && !pending_params_.empty()) {
+    for (size_t i = 0; i < layout_.tensors.size(); ++i) {
+      const TensorPlacement& t = layout_.tensors[i];
+      NarrowFromF32(t.dtype, pending_params_[i].data(), t.numel, b.data + t.param_offset);
+      if (!master_.empty() && !master_[i].empty()) master_[i] = pending_params_[i];
+    }
+    master_valid_ = !master_.empty();
+    pending_params_.clear();
+  }
+  return absl::OkStatus();
+}
+
+void Session::ReadParamF32(size_t i, float* out) {
+  const TensorPlacement& t = layout_.tensors[i];
+  if (!master_.empty() && !master_[i].empty() && master_valid_) {
+    std::memcpy(out, master_[i].data(), static_cast<size_t>(t.numel) * 4);
+    return;
+  }
+  if (!pending_params_.empty()) {
+    std::memcpy(out, pending_params_[i].data(), static_cast<size_t>(t.numel) * 4);
+    return;
+  }
+  WidenToF32(t.dtype, params_.data + t.param_offset, t.numel, out);
+}
+
+void Session::WriteParamF32(size_t i, const float* in) {
+  const TensorPlacement& t = layout_.tensors[i];
+  if (!master_.empty() && !master_[i].empty()) {
+    std::memcpy(master_[i].data(), in, static_cast<size_t>(t.numel) * 4);
+  }
+  NarrowFromF32(t.dtype, in, t.numel, params_.data + t.param_offset);
+}
+
+absl::StatusOr<StepResult> Session::Step(const StepRequest& request,
+                                         const kernels::Context& ctx, absl::Mutex* compute_mu) {
+  const absl::Time start = absl::Now();
+  absl::MutexLock lock(&mu_);
+  last_used_ = start;
+  if (request.step_index == last_step_index_ && last_result_.has_value()) {
+    StepResult r = *last_result_;
+    r.replayed = true;
+    return r;
+  }
+  if (request.step_index != last_step_index_ + 1) {
+    return absl::FailedPreconditionError(absl::StrCat("step_index ", request.step_index,
+                                                      " is out of order: expected ",
+                                                      last_step_index_ + 1,
+                                                      last_step_index_ > 0
+                                                          ? absl::StrCat(" (or ", last_step_index_,
+                                                                         " to replay)")
+                                                          : ""));
+  }
+  double scale = request.gradient_scale == 0.0 ? 1.0 : request.gradient_scale;
+  if (!std::isfinite(scale) || scale < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("gradient_scale ", request.gradient_scale,
+                                                   " must be finite and >= 0"));
+  }
+  for (const auto& [group, lr] : request.lr_override) {
+    bool known = false;
+    for (const Group& g : groups_) known |= g.name == group;
+    if (!known) {
+      return absl::InvalidArgumentError(absl::StrCat("lr_override names unknown group '", group, "'"));
+    }
+    if (!std::isfinite(lr) || lr < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("lr_override['", group, "'] = ", lr, " must be finite and >= 0"));
+    }
+  }
+  if (!params_.bound() && pending_params_.empty()) {
+    return absl::FailedPreconditionError(
+        "no parameters: register a PARAMETERS region (or upload them with SetState) before Step");
+  }
+  if (!grads_.bound()) {
+    return absl::FailedPreconditionError(
+        "no gradients: register a GRADIENTS region (or PushGradients) before Step");
+  }
+  DIOND_RETURN_IF_ERROR(EnsureHostArena(Role::kParameters));
+
+  // Gradients as fp32: in place when the trainer's are f32 and unscaled (zero copy).
+  const size_t n = layout_.tensors.size();
+  std::vector<std::vector<float>> grad_copies(n);
+  std::vector<const float*> grads(n);
+  bool finite = true;
+  for (size_t i = 0; i < n; ++i) {
+    const TensorPlacement& t = layout_.tensors[i];
+    const uint8_t* src = grads_.data + t.grad_offset;
+    if (t.dtype == DType::kF32 && scale == 1.0) {
+      grads[i] = reinterpret_cast<const float*>(src);
+    } else {
+      grad_copies[i].resize(static_cast<size_t>(t.numel));
+      WidenToF32(t.dtype, src, t.numel, grad_copies[i].data());
+      if (scale != 1.0) {
+        const float s = static_cast<float>(scale);
+        for (float& v : grad_copies[i]) v *= s;
+      }
+      grads[i] = grad_copies[i].data();
+    }
+    finite = finite && AllFinite(grads[i], t.numel);
+  }
+  StepResult result;
+  result.step_index = request.step_index;
+  if (!finite) {
+    if (spec_.non_finite == NonFinitePolicy::kError) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "step ", request.step_index, ": gradients contain NaN or Inf (non_finite_policy=ERROR)"));
+    }
+    result.skipped = true;
+    result.total_micros = absl::ToInt64Microseconds(absl::Now() - start);
+    last_step_index_ = request.step_index;
+    last_result_ = result;
+    return result;
+  }
+
+  // Parameters as fp32: in place for f32 arenas; master or widened copies otherwise.
+  std::vector<std::vector<float>> param_copies(n);
+  std::vector<float*> params(n);
+  for (size_t i = 0; i < n; ++i) {
+    const TensorPlacement& t = layout_.tensors[i];
+    if (t.dtype == DType::kF32) {
+      params[i] = reinterpret_cast<float*>(params_.data + t.param_offset);
+    } else if (!master_.empty() && !master_[i].empty()) {
+      if (!master_valid_) WidenToF32(t.dtype, params_.data + t.param_offset, t.numel,
+                                     master_[i].data());
+      params[i] = master_[i].data();
+    } else {
+      param_copies[i].resize(static_cast<size_t>(t.numel));
+      WidenToF32(t.dtype, params_.data + t.param_offset, t.numel, param_copies[i].data());
+      params[i] = param_copies[i].data();
+    }
+  }
+  if (!master_.empty()) master_valid_ = true;
+
+  const absl::Time compute_start = absl::Now();
+  {
+    absl::MutexLock compute(compute_mu);
+    for (Group& g : groups_) {
+      if (g.optimizer == nullptr) continue;
+      std::vector<float*> gp;
+      std::vector<const float*> gg;
+      std::vector<float> before;
+      int64_t total = 0;
+      for (size_t i : g.params) total += layout_.tensors[i].numel;
+      before.reserve(static_cast<size_t>(total));
+      for (size_t i : g.params) {
+        gp.push_back(params[i]);
+        gg.push_back(grads[i]);
+        before.insert(before.end(), params[i], params[i] + layout_.tensors[i].numel);
+      }
+      optim::StepOptions opts;
+      auto it = request.lr_override.find(g.name);
+      if (it != request.lr_override.end()) {
+        opts.lr = it->second;
+      } else {
+        opts.lr = g.lr;
+      }
+      opts.weight_decay = g.weight_decay;
+      absl::Status s = g.optimizer->Step(ctx, gp, gg, opts);
+      if (!s.ok()) {
+        return absl::Status(s.code(), absl::StrCat("step ", request.step_index, ", group '",
+                                                   g.name, "': ", s.message()));
+      }
+      double sq = 0;
+      size_t k = 0;
+      for (size_t i : g.params) {
+        for (int64_t e = 0; e < layout_.tensors[i].numel; ++e, ++k) {
+          double d = static_cast<double>(params[i][e]) - before[k];
+          sq += d * d;
+        }
+      }
+      result.update_norms[g.name] = std::sqrt(sq);
+    }
+  }
+  result.compute_micros = absl::ToInt64Microseconds(absl::Now() - compute_start);
+  // Write back what was computed outside the arena.
+  for (size_t i = 0; i < n; ++i) {
+    const TensorPlacement& t = layout_.tensors[i];
+    if (t.dtype != DType::kF32) {
+      NarrowFromF32(t.dtype, params[i], t.numel, params_.data + t.param_offset);
+    }
+  }
+  result.total_micros = absl::ToInt64Microseconds(absl::Now() - start);
+  last_step_index_ = request.step_index;
+  last_result_ = result;
+  return result;
+}
+
+absl::Status Session::ResolveStateName(const std::string& name, size_t* param, size_t* group,
+                                       std::string* state, std::vector<int64_t>* shape) {
+  size_t pos = name.rfind("/state.");
+  if (pos == std::string::npos) return absl::NotFoundError("not a state name");
+  std::string pname = name.substr(0, pos);
+  *state = name.substr(pos + 7);
+  for (size_t i = 0; i < layout_.tensors.size(); ++i) {
+    if (layout_.tensors[i].name != pname) continue;
+    *param = i;
+    *group = group_of_param_[i];
+    const Group& g = groups_[*group];
+    auto s = g.optimizer->StateShape(slot_in_group_[i], *state);
+    if (!s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("unknown state '", name, "': group '",
+                                                     g.name, "' has state ",
+                                                     absl::StrJoin(g.optimizer->StateNames(), ", ")));
+    }
+    *shape = *s;
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat("state '", name, "' names unknown parameter '",
+                                                 pname, "'"));
+}
+
+absl::Status Session::ValidateWrites(const std::vector<TensorWrite>& writes, bool state_names,
+                                     std::vector<std::pair<int, std::string>>* resolved) {
+  // Coverage per tensor: sum of bytes written must equal its size, with no overlap (checked
+  // by sorting the intervals).
+  std::map<std::string, std::vector<std::pair<int64_t, int64_t>>> spans;
+  std::map<std::string, int64_t> sizes;
+  for (const TensorWrite& w : writes) {
+    int64_t size = -1;
+    int64_t elem = 4;
+    for (const TensorPlacement& t : layout_.tensors) {
+      if (t.name == w.name) {
+        size = t.size_bytes;
+        elem = static_cast<int64_t>(kernels::DTypeSize(t.dtype));
+      }
+    }
+    if (size < 0 && state_names) {
+      size_t p, g;
+      std::string st;
+      std::vector<int64_t> shape;
+      absl::Status s = ResolveStateName(w.name, &p, &g, &st, &shape);
+      if (!s.ok() && !absl::IsNotFound(s)) return s;
+      if (s.ok()) size = 4 * NumElements(shape);
+    }
+    if (size < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("unknown tensor '", w.name, "'"));
+    }
+    const int64_t len = static_cast<int64_t>(w.data.size());
+    if (w.offset_bytes < 0 || w.offset_bytes > size || len > size - w.offset_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat("chunk of '", w.name, "' at offset ",
+                                                     w.offset_bytes, " with ", len,
+                                                     " bytes runs past its end (", size,
+                                                     " bytes)"));
+    }
+    if (w.offset_bytes % elem != 0 || len % elem != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("chunk of '", w.name, "' at offset ",
+                                                     w.offset_bytes, " with ", len,
+                                                     " bytes is not aligned to its ", elem,
+                                                     "-byte elements"));
+    }
+    spans[w.name].push_back({w.offset_bytes, w.offset_bytes + len});
+    sizes[w.name] = size;
+  }
+  for (auto& [name, v] : spans) {
+    std::sort(v.begin(), v.end());
+    int64_t covered = 0;
+    for (const auto& [a, b] : v) {
+      if (a != covered) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "tensor '", name, "' is ", a < covered ? "written twice" : "incomplete",
+            " at byte ", std::min(a, covered), " (truncated or overlapping stream)"));
+      }
+      covered = b;
+    }
+    if (covered != sizes[name]) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "' is incomplete: ",
+                                                     covered, " of ", sizes[name],
+                                                     " bytes received (truncated stream)"));
+    }
+  }
+  (void)resolved;
+  return absl::OkStatus();
+}
+
+absl::Status Session::ApplyGradientWrites(const std::vector<TensorWrite>& writes) {
+  absl::MutexLock lock(&mu_);
+  last_used_ = absl::Now();
+  for (const TensorWrite& w : writes) {
+    if (absl::StrContains(w.name, "/state.")) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("PushGradients takes parameter names, not state '", w.name, "'"));
+    }
+  }
+  DIOND_RETURN_IF_ERROR(ValidateWrites(writes, /*state_names=*/false, nullptr));
+  DIOND_RETURN_IF_ERROR(EnsureHostArena(Role::kGradients));
+  for (const TensorWrite& w : writes) {
+    for (const TensorPlacement& t : layout_.tensors) {
+      if (t.name == w.name) {
+        std::memcpy(grads_.data + t.grad_offset + w.offset_bytes, w.data.data(), w.data.size());
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Session::ApplyStateWrites(const std::vector<TensorWrite>& writes) {
+  absl::MutexLock lock(&mu_);
+  last_used_ = absl::Now();
+  DIOND_RETURN_IF_ERROR(ValidateWrites(writes, /*state_names=*/true, nullptr));
+  // Assemble whole tensors, then reuse SetState's path (fp32 state; params in trainer dtype).
+  std::map<std::string, std::string> whole;
+  for (const TensorWrite& w : writes) {
+    std::string& buf = whole[w.name];
+    if (buf.size() < static_cast<size_t>(w.offset_bytes) + w.data.size()) {
+      buf.resize(static_cast<size_t>(w.offset_bytes) + w.data.size());
+    }
+    std::memcpy(buf.data() + w.offset_bytes, w.data.data(), w.data.size());
+  }
+  std::vector<NamedTensor> tensors;
+  for (auto& [name, bytes] : whole) {
+    NamedTensor t;
+    t.name = name;
+    bool is_param = false;
+    for (const TensorPlacement& p : layout_.tensors) {
+      if (p.name == name) {
+        is_param = true;
+        t.shape = p.shape;
+        t.data.resize(static_cast<size_t>(p.numel));
+        WidenToF32(p.dtype, reinterpret_cast<const uint8_t*>(bytes.data()), p.numel,
+                   t.data.data());
+      }
+    }
+    if (!is_param) {
+      t.data.resize(bytes.size() / 4);
+      std::memcpy(t.data.data(), bytes.data(), bytes.size());
+    }
+    tensors.push_back(std::move(t));
+  }
+  return SetStateLocked(tensors);
+}
+
+absl::Status Session::ReadParameterBytes(const std::string& name, int64_t offset, int64_t len,
+                                         std::string* out) {
+  absl::MutexLock lock(&mu_);
+  last_used_ = absl::Now();
+  if (!params_.bound() && pending_params_.empty()) {
+    return absl::FailedPreconditionError("no parameters are held yet (register or SetState)");
+  }
+  DIOND_RETURN_IF_ERROR(EnsureHostArena(Role::kParameters));
+  for (const TensorPlacement& t : layout_.tensors) {
+    if (t.name != name) continue;
+    if (offset < 0 || len < 0 || offset > t.size_bytes || len > t.size_bytes - offset) {
+      return absl::OutOfRangeError(absl::StrCat("read of '", name, "' [", offset, ", +", len,
+                                                ") is outside its ", t.size_bytes, " bytes"));
+    }
+    out->assign(reinterpret_cast<const char*>(params_.data + t.param_offset + offset),
+                static_cast<size_t>(len));
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat("unknown parameter '", name, "'"));
+}
+
+absl::StatusOr<std::vector<NamedTensor>> Session::GetState(bool include_parameters) {
+  absl::MutexLock lock(&mu_);
+  last_used_ = absl::Now();
+  return GetStateLocked(include_parameters);
+}
+
+absl::StatusOr<std::vector<NamedTensor>> Session::GetStateLocked(bool include_parameters) {
+  std::vector<NamedTensor> out;
+  for (size_t i = 0; i < layout_.tensors.size(); ++i) {
+    const TensorPlacement& t = layout_.tensors[i];
+    if (include_parameters) {
+      if (!params_.bound() && pending_params_.empty()) {
+        return absl::FailedPreconditionError(
+            "parameters requested but none are held yet (register or SetState)");
+      }
+      NamedTensor p;
+      p.name = t.name;
+      p.shape = t.shape;
+      p.data.resize(static_cast<size_t>(t.numel));
+      ReadParamF32(i, p.data.data());
+      out.push_back(std::move(p));
+    }
+    const Group& g = groups_[group_of_param_[i]];
+    for (const std::string& st : g.optimizer->StateNames()) {
+      DIOND_ASSIGN_OR_RETURN(std::vector<int64_t> shape,
+                             g.optimizer->StateShape(slot_in_group_[i], st));
+      NamedTensor s;
+      s.name = absl::StrCat(t.name, "/state.", st);
+      s.shape = shape;
+      s.data.resize(static_cast<size_t>(NumElements(shape)));
+      DIOND_RETURN_IF_ERROR(
+          g.optimizer->GetState(slot_in_group_[i], st, absl::MakeSpan(s.data)));
+      out.push_back(std::move(s));
+    }
+  }
+  return out;
+}
+
+absl::Status Session::SetState(const std::vector<NamedTensor>& tensors) {
+  absl::MutexLock lock(&mu_);
+  last_used_ = absl::Now();
+  return SetStateLocked(tensors);
+}
+
+absl::Status Session::SetStateLocked(const std::vector<NamedTensor>& tensors) {
+  // Validate every tensor before writing any.
+  std::set<std::string> seen;
+  for (const NamedTensor& t : tensors) {
+    if (!seen.insert(t.name).second) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "' given twice"));
+    }
+    int64_t want = -1;
+    for (const TensorPlacement& p : layout_.tensors) {
+      if (p.name == t.name) want = p.numel;
+    }
+    if (want < 0) {
+      size_t p, g;
+      std::string st;
+      std::vector<int64_t> shape;
+      absl::Status s = ResolveStateName(t.name, &p, &g, &st, &shape);
+      if (absl::IsNotFound(s)) {
+        return absl::InvalidArgumentError(absl::StrCat("unknown tensor '", t.name, "'"));
+      }
+      DIOND_RETURN_IF_ERROR(s);
+      want = NumElements(shape);
+    }
+    if (static_cast<int64_t>(t.data.size()) != want) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "' has ",
+                                                     t.data.size(), " values; expected ", want));
+    }
+  }
+  for (const NamedTensor& t : tensors) {
+    bool is_param = false;
+    for (size_t i = 0; i < layout_.tensors.size(); ++i) {
+      if (layout_.tensors[i].name != t.name) continue;
+      is_param = true;
+      if (!pending_params_.empty()) {
+        pending_params_[i] = t.data;
+      } else {
+        DIOND_RETURN_IF_ERROR(EnsureHostArena(Role::kParameters));
+        WriteParamF32(i, t.data.data());
+      }
+    }
+    if (is_param) continue;
+    size_t p, g;
+    std::string st;
+    std::vector<int64_t> shape;
+    DIOND_RETURN_IF_ERROR(ResolveStateName(t.name, &p, &g, &st, &shape));
+    DIOND_RETURN_IF_ERROR(groups_[g].optimizer->SetState(slot_in_group_[p], st, t.data));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Session::SetGroupHyperparameters(const std::string& group, std::optional<double> lr,
+                                              std::optional<double> weight_decay) {
+  for (auto [what, v] : {std::pair{"lr", lr}, std::pair{"weight_decay", weight_decay}}) {
+    if (v.has_value() && (!std::isfinite(*v) || *v < 0)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, " = ", *v, " for group '", group, "' must be finite and >= 0"));
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  last_used_ = absl::Now();
+  for (Group& g : groups_) {
+    if (g.name != group) continue;
+    if (lr.has_value()) g.lr = lr;
+    if (weight_decay.has_value()) g.weight_decay = weight_decay;
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat("unknown group '", group, "'"));
+}
+
+absl::StatusOr<SessionSnapshot> Session::Snapshot() {
+  absl::MutexLock lock(&mu_);
+  SessionSnapshot snap;
+  snap.spec = spec_;
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    // Fold SetHyperparameters overrides into the saved config.
+    if (groups_[g].lr) snap.spec.groups[g].config.hyperparams.lr = *groups_[g].lr;
+    if (groups_[g].weight_decay) {
+      snap.spec.groups[g].config.hyperparams.weight_decay = *groups_[g].weight_decay;
+    }
+  }
+  snap.last_step_index = last_step_index_;
+  DIOND_ASSIGN_OR_RETURN(snap.tensors, GetStateLocked(/*include_parameters=*/true));
+  return snap;
+}
+
+absl::Status Session::Restore(const SessionSnapshot& snapshot) {
+  absl::MutexLock lock(&mu_);
+  std::vector<NamedTensor> state;
+  std::vector<std::vector<float>> params(layout_.tensors.size());
+  std::vector<bool> have(layout_.tensors.size(), false);
+  for (const NamedTensor& t : snapshot.tensors) {
+    bool is_param = false;
+    for (size_t i = 0; i < layout_.tensors.size(); ++i) {
+      if (layout_.tensors[i].name == t.name) {
+        if (static_cast<int64_t>(t.data.size()) != layout_.tensors[i].numel) {
+          return absl::DataLossError(absl::StrCat("checkpoint tensor '", t.name, "' has ",
+                                                  t.data.size(), " values; expected ",
+                                                  layout_.tensors[i].numel));
+        }
+        params[i] = t.data;
+        have[i] = true;
+        is_param = true;
+      }
+    }
+    if (!is_param) state.push_back(t);
+  }
+  for (size_t i = 0; i < have.size(); ++i) {
+    if (!have[i]) {
+      return absl::DataLossError(
+          absl::StrCat("checkpoint lacks parameter '", layout_.tensors[i].name, "'"));
+    }
+  }
+  DIOND_RETURN_IF_ERROR(SetStateLocked(state));
+  pending_params_ = std::move(params);
+  if (params_.bound()) {
+    for (size_t i = 0; i < layout_.tensors.size(); ++i) WriteParamF32(i, pending_params_[i].data());
+    pending_params_.clear();
+    master_valid_ = !master_.empty();
+  }
+  last_step_index_ = snapshot.last_step_index;
+  last_result_.reset();
+  return absl::OkStatus();
+}
+
+SessionInfo Session::Info() {
+  absl::MutexLock lock(&mu_);
+  SessionInfo info;
+  info.id = id_;
+  info.client_name = spec_.client_name;
+  info.parameters = static_cast<int64_t>(layout_.tensors.size());
+  info.last_step_index = last_step_index_;
+  info.state_bytes = state_bytes_;
+  info.host_bytes = static_cast<int64_t>(params_.host.size() + grads_.host.size());
+  info.last_used = last_used_;
+  return info;
+}
+
+absl::Time Session::last_used() {
+  absl::MutexLock lock(&mu_);
+  return last_used_;
+}
+
+int64_t Session::last_step_index() {
+  absl::MutexLock lock(&mu_);
+  return last_step_index_;
+}
+
+}  // namespace diond::session

@@ -1,0 +1,174 @@
+// One training job's session: its parameters, optimizer state (one GroupOptimizer per group),
+// the arenas the trainer shares with the daemon, and the record of the last step.
+//
+// Arenas: each role (PARAMETERS, GRADIENTS) is bound either to a registered shm region (zero
+// copy: Step reads gradients and writes weights in place) or, in remote mode, to a host buffer
+// the daemon allocates on the first SetState/PushGradients that needs it.
+//
+// Every mutating method validates its whole request first and changes nothing on failure.
+//
+// Thread-safety: all public methods are thread-safe; one session's calls are serialized by its
+// mutex. Compute (Step) additionally holds the manager's compute mutex, because the CPU backend's
+// thread pools are process-wide (kernels/context.h threading policy).
+#ifndef DIOND_SERVER_SESSION_SESSION_H_
+#define DIOND_SERVER_SESSION_SESSION_H_
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "kernels/context.h"
+#include "kernels/optim/group_optimizer.h"
+#include "server/session/shm_region.h"
+#include "server/session/types.h"
+
+namespace diond::session {
+
+enum class Role { kParameters, kGradients };
+absl::string_view RoleName(Role r);
+
+// One write into an arena or the state, from a stream chunk.
+struct TensorWrite {
+  std::string name;  // parameter name (its values or gradient) or "<param>/state.<name>"
+  int64_t offset_bytes = 0;
+  std::string data;
+};
+
+struct SessionInfo {
+  std::string id;
+  std::string client_name;
+  int64_t parameters = 0;
+  int64_t last_step_index = 0;
+  int64_t state_bytes = 0;
+  int64_t host_bytes = 0;  // daemon-owned arenas and master weights
+  absl::Time last_used;
+};
+
+// What a checkpoint holds: the spec, the step record and every tensor (fp32).
+struct SessionSnapshot {
+  SessionSpec spec;
+  int64_t last_step_index = 0;
+  std::vector<NamedTensor> tensors;  // "<param>" and "<param>/state.<name>"
+};
+
+class Session {
+ public:
+  // Validates the spec completely (names unique and non-empty, groups exist, every group's
+  // options and shapes) and builds the optimizers. INVALID_ARGUMENT naming the bad field.
+  static absl::StatusOr<std::unique_ptr<Session>> Create(std::string id, SessionSpec spec);
+
+  const std::string& id() const { return id_; }
+  const SessionSpec& spec() const { return spec_; }
+  const Layout& layout() const { return layout_; }
+  // Bytes of optimizer state (what --max_session_bytes counts, with host arenas).
+  int64_t StateBytes() const { return state_bytes_; }
+
+  // Maps a shm region for `role`. INVALID_ARGUMENT for a bad name, an offset not a multiple of
+  // 256, a region smaller than the arena, or a region overlapping the other role's region in
+  // the same segment; FAILED_PRECONDITION if the role is bound already; NOT_FOUND /
+  // OUT_OF_RANGE from ShmRegion::Open. Returns the region id.
+  absl::StatusOr<std::string> RegisterShmRegion(Role role, const std::string& name,
+                                                int64_t offset, int64_t size);
+  // NOT_FOUND for an unknown region id.
+  absl::Status UnregisterRegion(const std::string& region_id);
+
+  // One optimizer step (idempotent on step_index; see the proto). `compute_mu` serializes
+  // compute across sessions.
+  absl::StatusOr<StepResult> Step(const StepRequest& request, const kernels::Context& ctx,
+                                  absl::Mutex* compute_mu);
+
+  // Applies stream writes (PushGradients: role kGradients; SetState chunks: parameters and state)
+  // after validating every one: names exist, [offset, offset+len) inside the tensor, every
+  // named tensor covered completely (a truncated stream is INVALID_ARGUMENT), byte counts a
+  // multiple of the element size. Nothing is written unless all are valid.
+  absl::Status ApplyGradientWrites(const std::vector<TensorWrite>& writes);
+  absl::Status ApplyStateWrites(const std::vector<TensorWrite>& writes);
+
+  // Copies `len` bytes at `offset` of parameter `name` (trainer dtype) into `out`.
+  // FAILED_PRECONDITION when no parameters are bound yet.
+  absl::Status ReadParameterBytes(const std::string& name, int64_t offset, int64_t len,
+                                  std::string* out);
+
+  // The state (and optionally the parameters, as fp32) as named tensors.
+  absl::StatusOr<std::vector<NamedTensor>> GetState(bool include_parameters);
+  // Sets named fp32 tensors (as GetState returns them); all validated first.
+  absl::Status SetState(const std::vector<NamedTensor>& tensors);
+
+  // Replaces a group's lr / weight decay for future steps (lr schedules). INVALID_ARGUMENT for
+  // an unknown group or a negative or non-finite value.
+  absl::Status SetGroupHyperparameters(const std::string& group, std::optional<double> lr,
+                                       std::optional<double> weight_decay);
+
+  absl::StatusOr<SessionSnapshot> Snapshot();
+  // Restores a snapshot into this (fresh) session; parameters go to the next PARAMETERS region
+  // registered (or the host arena in remote mode).
+  absl::Status Restore(const SessionSnapshot& snapshot);
+
+  SessionInfo Info();
+  absl::Time last_used();
+  int64_t last_step_index();
+
+ private:
+  struct Binding {
+    std::unique_ptr<ShmRegion> region;
+    std::vector<uint8_t> host;  // remote mode
+    uint8_t* data = nullptr;
+    std::string region_id;
+    bool bound() const { return data != nullptr; }
+  };
+  struct Group {
+    std::string name;
+    std::unique_ptr<optim::GroupOptimizer> optimizer;
+    std::vector<size_t> params;  // indices into layout_.tensors
+    std::optional<double> lr;    // SetHyperparameters overrides
+    std::optional<double> weight_decay;
+  };
+
+  Session() = default;
+  Binding& binding(Role r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return r == Role::kParameters ? params_ : grads_;
+  }
+  absl::Status EnsureHostArena(Role r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Parameter i as fp32 (master weights, or widened from the arena).
+  void ReadParamF32(size_t i, float* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void WriteParamF32(size_t i, const float* in) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status ValidateWrites(const std::vector<TensorWrite>& writes, bool state_names,
+                              std::vector<std::pair<int, std::string>>* resolved)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status ResolveStateName(const std::string& name, size_t* param, size_t* group,
+                                std::string* state, std::vector<int64_t>* shape)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status SetStateLocked(const std::vector<NamedTensor>& tensors)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<std::vector<NamedTensor>> GetStateLocked(bool include_parameters)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  std::string id_;
+  SessionSpec spec_;
+  Layout layout_;
+  int64_t state_bytes_ = 0;
+  std::vector<size_t> group_of_param_;  // index into groups_
+  std::vector<size_t> slot_in_group_;   // position of the param inside its group
+
+  absl::Mutex mu_;
+  std::vector<Group> groups_ ABSL_GUARDED_BY(mu_);
+  Binding params_ ABSL_GUARDED_BY(mu_);
+  Binding grads_ ABSL_GUARDED_BY(mu_);
+  int64_t next_region_ ABSL_GUARDED_BY(mu_) = 1;
+  // fp32 master weights for non-f32 parameters when spec_.fp32_master_weights.
+  std::vector<std::vector<float>> master_ ABSL_GUARDED_BY(mu_);
+  bool master_valid_ ABSL_GUARDED_BY(mu_) = false;
+  // Parameters restored from a checkpoint, waiting for the first PARAMETERS binding.
+  std::vector<std::vector<float>> pending_params_ ABSL_GUARDED_BY(mu_);
+  int64_t last_step_index_ ABSL_GUARDED_BY(mu_) = 0;
+  std::optional<StepResult> last_result_ ABSL_GUARDED_BY(mu_);
+  absl::Time last_used_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace diond::session
+
+#endif  // DIOND_SERVER_SESSION_SESSION_H_

@@ -1,0 +1,200 @@
+#include "server/session/session_manager.h"
+
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "server/session/checkpoint.h"
+
+namespace diond::session {
+
+SessionManager::SessionManager(const ManagerOptions& options, ManagerObserver observer)
+    : options_(options), observer_(std::move(observer)) {}
+
+absl::StatusOr<std::unique_ptr<SessionManager>> SessionManager::Create(
+    const ManagerOptions& options, ManagerObserver observer) {
+  if (options.checkpoint_every < 0 || options.max_session_bytes < 0 ||
+      options.memory_budget_bytes < 0) {
+    return absl::InvalidArgumentError("checkpoint_every and byte limits must be >= 0");
+  }
+  if (options.checkpoint_every > 0 && options.state_dir.empty()) {
+    return absl::InvalidArgumentError("--checkpoint_every needs --state_dir");
+  }
+  std::unique_ptr<SessionManager> m(new SessionManager(options, std::move(observer)));
+  kernels::ContextOptions co;
+  co.num_threads = options.compute_threads;
+  DIOND_ASSIGN_OR_RETURN(m->ctx_, kernels::Context::Create(co));
+  if (options.idle_timeout > absl::ZeroDuration()) {
+    SessionManager* self = m.get();
+    absl::Duration period = std::min(absl::Seconds(1), options.idle_timeout / 4);
+    m->reaper_ = std::thread([self, period] {
+      while (!self->stop_.WaitForNotificationWithTimeout(period)) {
+        self->ReapIdleSessions(absl::Now());
+      }
+    });
+  }
+  return m;
+}
+
+SessionManager::~SessionManager() {
+  stop_.Notify();
+  if (reaper_.joinable()) reaper_.join();
+}
+
+std::string SessionManager::NewId() {
+  static thread_local std::mt19937_64 rng{std::random_device{}()};
+  return absl::StrFormat("s-%016x", rng());
+}
+
+absl::Status SessionManager::CheckBudget(int64_t bytes) {
+  if (options_.max_session_bytes > 0 && bytes > options_.max_session_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat("session needs ", bytes,
+                                                     " bytes of optimizer state; "
+                                                     "--max_session_bytes is ",
+                                                     options_.max_session_bytes));
+  }
+  if (options_.memory_budget_bytes > 0) {
+    int64_t used = 0;
+    for (auto& [id, s] : sessions_) used += s->StateBytes();
+    if (used + bytes > options_.memory_budget_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "session needs ", bytes, " bytes; ", used, " of the ", options_.memory_budget_bytes,
+          "-byte memory budget are in use by ", sessions_.size(), " session(s)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::CreateSession(SessionSpec spec) {
+  // Validate and size the session before taking the lock (optimizer state is allocated here).
+  DIOND_ASSIGN_OR_RETURN(std::unique_ptr<Session> s, Session::Create(NewId(), std::move(spec)));
+  std::shared_ptr<Session> shared(std::move(s));
+  int64_t count;
+  {
+    absl::MutexLock lock(&mu_);
+    DIOND_RETURN_IF_ERROR(CheckBudget(shared->StateBytes()));
+    sessions_[shared->id()] = shared;
+    count = static_cast<int64_t>(sessions_.size());
+  }
+  DIOND_LOG(INFO) << "session " << shared->id() << " created for '" << shared->spec().client_name
+                  << "': " << shared->layout().tensors.size() << " parameters, "
+                  << shared->StateBytes() << " bytes of state";
+  if (observer_.on_sessions_changed) observer_.on_sessions_changed(count);
+  return shared;
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::Get(const std::string& id) {
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(id);
+  if (it == sessions_.end()) {
+    return absl::NotFoundError(absl::StrCat("unknown session '", id.substr(0, 64), "'"));
+  }
+  return it->second;
+}
+
+absl::Status SessionManager::Close(const std::string& id) {
+  int64_t count;
+  {
+    absl::MutexLock lock(&mu_);
+    if (sessions_.erase(id) == 0) {
+      return absl::NotFoundError(absl::StrCat("unknown session '", id.substr(0, 64), "'"));
+    }
+    count = static_cast<int64_t>(sessions_.size());
+  }
+  DIOND_LOG(INFO) << "session " << id << " closed";
+  if (observer_.on_sessions_changed) observer_.on_sessions_changed(count);
+  return absl::OkStatus();
+}
+
+std::vector<SessionInfo> SessionManager::List() {
+  std::vector<std::shared_ptr<Session>> all;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [id, s] : sessions_) all.push_back(s);
+  }
+  std::vector<SessionInfo> out;
+  for (auto& s : all) out.push_back(s->Info());
+  return out;
+}
+
+absl::StatusOr<StepResult> SessionManager::Step(const std::string& id,
+                                                const StepRequest& request) {
+  DIOND_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Get(id));
+  DIOND_ASSIGN_OR_RETURN(StepResult r, s->Step(request, *ctx_, &compute_mu_));
+  if (observer_.on_step) observer_.on_step(id, r);
+  if (!r.replayed && !r.skipped && options_.checkpoint_every > 0 &&
+      r.step_index % options_.checkpoint_every == 0) {
+    auto saved = SaveCheckpoint(id, "");
+    if (!saved.ok()) {
+      // The step itself succeeded and is recorded; a failed automatic checkpoint is reported,
+      // not turned into a failed step.
+      DIOND_LOG(ERROR) << "session " << id << ": automatic checkpoint at step " << r.step_index
+                       << " failed: " << saved.status();
+    }
+  }
+  return r;
+}
+
+absl::StatusOr<std::pair<std::string, int64_t>> SessionManager::SaveCheckpoint(
+    const std::string& id, const std::string& root) {
+  const std::string dir = root.empty() ? options_.state_dir : root;
+  if (dir.empty()) {
+    return absl::FailedPreconditionError(
+        "no checkpoint directory: pass one or start the daemon with --state_dir");
+  }
+  DIOND_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Get(id));
+  DIOND_ASSIGN_OR_RETURN(SessionSnapshot snap, s->Snapshot());
+  DIOND_ASSIGN_OR_RETURN(auto saved, WriteCheckpoint(dir, id, snap));
+  DIOND_LOG(INFO) << "session " << id << ": checkpoint of step " << snap.last_step_index
+                  << " written to " << saved.first << " (" << saved.second << " bytes)";
+  if (observer_.on_checkpoint) observer_.on_checkpoint(id, saved.first, saved.second);
+  return saved;
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::LoadCheckpoint(const std::string& path) {
+  DIOND_ASSIGN_OR_RETURN(SessionSnapshot snap, ReadCheckpoint(path));
+  auto created = CreateSession(snap.spec);
+  if (!created.ok()) {
+    if (absl::IsInvalidArgument(created.status())) {
+      return absl::DataLossError(
+          absl::StrCat(path, "/manifest.json: spec is invalid: ", created.status().message()));
+    }
+    return created.status();
+  }
+  absl::Status s = (*created)->Restore(snap);
+  if (!s.ok()) {
+    Close((*created)->id()).IgnoreError();  // the half-made session must not linger
+    return absl::Status(s.code(), absl::StrCat(path, ": ", s.message()));
+  }
+  DIOND_LOG(INFO) << "session " << (*created)->id() << " restored from " << path << " at step "
+                  << snap.last_step_index;
+  return *created;
+}
+
+void SessionManager::ReapIdleSessions(absl::Time now) {
+  if (options_.idle_timeout <= absl::ZeroDuration()) return;
+  std::vector<std::string> idle;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [id, s] : sessions_) {
+      if (now - s->last_used() > options_.idle_timeout) idle.push_back(id);
+    }
+  }
+  for (const std::string& id : idle) {
+    if (!options_.state_dir.empty()) {
+      auto saved = SaveCheckpoint(id, "");
+      if (!saved.ok()) {
+        DIOND_LOG(ERROR) << "session " << id << ": checkpoint before idle close failed: "
+                         << saved.status() << "; keeping the session";
+        continue;
+      }
+    }
+    DIOND_LOG(INFO) << "session " << id << " idle for more than "
+                    << absl::FormatDuration(options_.idle_timeout) << "; closing it";
+    Close(id).IgnoreError();  // it may have been closed by its client meanwhile
+  }
+}
+
+}  // namespace diond::session

@@ -1,0 +1,87 @@
+// Domain types of a session: what the trainer declared (parameters, groups, policies) and where
+// each tensor lives (the layout). Plain structs; server/rpc converts proto messages into these
+// at the edge (STYLE.md R2).
+#ifndef DIOND_SERVER_SESSION_TYPES_H_
+#define DIOND_SERVER_SESSION_TYPES_H_
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kernels/optim/optimizer_types.h"
+#include "kernels/tensor.h"
+
+namespace diond::session {
+
+using kernels::DType;
+
+struct ParamSpec {
+  std::string name;
+  std::vector<int64_t> shape;  // 0-D (scalar) allowed for AdamW/Lion groups
+  DType dtype = DType::kF32;   // the trainer's storage type
+  std::string group;
+};
+
+struct GroupSpec {
+  std::string name;
+  optim::GroupConfig config;
+};
+
+enum class NonFinitePolicy { kSkip, kError };
+
+struct SessionSpec {
+  std::vector<ParamSpec> params;
+  std::vector<GroupSpec> groups;
+  NonFinitePolicy non_finite = NonFinitePolicy::kSkip;
+  // The trainer holds bf16/f16 weights; the daemon keeps fp32 master weights and writes the
+  // rounded values back after each step. Without it, bf16/f16 weights are widened, updated and
+  // rounded back every step.
+  bool fp32_master_weights = false;
+  std::string client_name;
+};
+
+inline constexpr int64_t kArenaAlignment = 256;
+
+struct TensorPlacement {
+  std::string name;
+  std::vector<int64_t> shape;
+  DType dtype = DType::kF32;
+  int64_t numel = 0;
+  int64_t size_bytes = 0;
+  int64_t param_offset = 0;
+  int64_t grad_offset = 0;
+};
+
+struct Layout {
+  std::vector<TensorPlacement> tensors;  // in declaration order
+  int64_t param_arena_bytes = 0;
+  int64_t grad_arena_bytes = 0;
+};
+
+struct StepRequest {
+  int64_t step_index = 0;
+  std::map<std::string, double> lr_override;  // group name -> lr
+  double gradient_scale = 1.0;
+};
+
+struct StepResult {
+  int64_t step_index = 0;
+  bool skipped = false;
+  bool replayed = false;
+  std::map<std::string, double> update_norms;
+  int64_t compute_micros = 0;
+  int64_t total_micros = 0;
+};
+
+// A named float32 tensor (state, parameters) as it crosses the session boundary.
+struct NamedTensor {
+  std::string name;
+  std::vector<int64_t> shape;
+  std::vector<float> data;
+};
+
+}  // namespace diond::session
+
+#endif  // DIOND_SERVER_SESSION_TYPES_H_
