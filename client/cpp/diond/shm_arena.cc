@@ -1,0 +1,229 @@
+#include "diond/shm_arena.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <random>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace diond::client {
+namespace {
+
+int64_t AlignUp(int64_t n, int64_t a) { return (n + a - 1) / a * a; }
+
+absl::Status ErrnoStatus(absl::string_view what, const std::string& name, int err) {
+  absl::StatusCode code = (err == ENOMEM || err == ENOSPC || err == EMFILE || err == ENFILE)
+                              ? absl::StatusCode::kResourceExhausted
+                              : absl::StatusCode::kInternal;
+  return absl::Status(code, absl::StrCat(what, " of shm segment '", name, "': ", strerror(err)));
+}
+
+// Creates, sizes and maps a new segment with a fresh random name; retries on a name clash.
+absl::StatusOr<ShmArena::Segment> CreateSegment(int64_t size_bytes) {
+  for (int attempt = 0; attempt < 8; ++attempt) {
+    std::string name = RandomShmName();
+    std::string path = "/" + name;
+    int fd = shm_open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (fd < 0) {
+      if (errno == EEXIST) continue;
+      return ErrnoStatus("shm_open", name, errno);
+    }
+    // The umask may have cleared bits of 0600 but never adds any; set it exactly anyway.
+    if (fchmod(fd, 0600) != 0 || ftruncate(fd, static_cast<off_t>(size_bytes)) != 0) {
+      int err = errno;
+      close(fd);
+      shm_unlink(path.c_str());
+      return ErrnoStatus("ftruncate", name, err);
+    }
+    void* base =
+        mmap(nullptr, static_cast<size_t>(size_bytes), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    int err = errno;
+    close(fd);  // the mapping keeps the segment alive
+    if (base == MAP_FAILED) {
+      shm_unlink(path.c_str());
+      return ErrnoStatus("mmap", name, err);
+    }
+    return ShmArena::Segment{std::move(name), static_cast<uint8_t*>(base), size_bytes};
+  }
+  return absl::InternalError("shm_open: 8 random segment names in a row already existed");
+}
+
+}  // namespace
+
+std::string RandomShmName() {
+  static thread_local std::mt19937_64 rng{std::random_device{}() ^
+                                          (static_cast<uint64_t>(getpid()) << 32)};
+  return absl::StrFormat("diond-%d-%016x", static_cast<int>(getpid()), rng());
+}
+
+absl::StatusOr<ShmArena> ShmArena::CreateUnregistered(const Layout& layout,
+                                                      const Options& options) {
+  if (layout.param_arena_bytes <= 0 || layout.grad_arena_bytes <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("session '", layout.session_id, "': empty arenas (param ",
+                     layout.param_arena_bytes, ", grad ", layout.grad_arena_bytes, " bytes)"));
+  }
+  for (const TensorLayout& t : layout.tensors) {
+    // Spans are handed out without further checks, so a hand-made layout is checked here too.
+    bool in = t.size_bytes >= 0 && t.param_offset_bytes >= 0 && t.grad_offset_bytes >= 0 &&
+              t.param_offset_bytes <= layout.param_arena_bytes - t.size_bytes &&
+              t.grad_offset_bytes <= layout.grad_arena_bytes - t.size_bytes;
+    if (!in) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor '", t.name, "' lies outside the arenas of session '", layout.session_id, "'"));
+    }
+  }
+  ShmArena arena;
+  arena.layout_ = layout;
+  const int64_t page = sysconf(_SC_PAGESIZE);
+  if (options.single_segment) {
+    // Gradients start at the first page boundary after the parameters: non-overlapping, and
+    // both a multiple of 256 (the layout alignment) and a valid mmap offset.
+    const int64_t grad_offset = AlignUp(layout.param_arena_bytes, std::max<int64_t>(page, 256));
+    auto seg = CreateSegment(grad_offset + layout.grad_arena_bytes);
+    if (!seg.ok()) return seg.status();
+    arena.segments_.push_back(*std::move(seg));
+    arena.param_base_ = arena.segments_[0].base;
+    arena.grad_base_ = arena.segments_[0].base + grad_offset;
+  } else {
+    for (int64_t size : {layout.param_arena_bytes, layout.grad_arena_bytes}) {
+      auto seg = CreateSegment(size);
+      if (!seg.ok()) return seg.status();  // `arena` unmaps what was made
+      arena.segments_.push_back(*std::move(seg));
+    }
+    arena.param_base_ = arena.segments_[0].base;
+    arena.grad_base_ = arena.segments_[1].base;
+  }
+  return arena;
+}
+
+absl::StatusOr<ShmArena> ShmArena::Create(const Client* client, const Layout& layout,
+                                          const Options& options) {
+  if (client == nullptr) return absl::InvalidArgumentError("ShmArena::Create: null client");
+  auto arena = CreateUnregistered(layout, options);
+  if (!arena.ok()) return arena.status();
+  absl::Status s = arena->Register(client);
+  if (!s.ok()) return s;  // the arena's destructor unregisters what was registered
+  return arena;
+}
+
+absl::Status ShmArena::Register(const Client* client) {
+  client_ = client;
+  const Segment& ps = segments_.front();
+  const Segment& gs = segments_.back();
+  auto pid = client->RegisterShmRegion(layout_.session_id, v1::REGION_ROLE_PARAMETERS, ps.name,
+                                       param_base_ - ps.base, layout_.param_arena_bytes);
+  if (!pid.ok()) return pid.status();
+  param_region_id_ = *pid;
+  auto gid = client->RegisterShmRegion(layout_.session_id, v1::REGION_ROLE_GRADIENTS, gs.name,
+                                       grad_base_ - gs.base, layout_.grad_arena_bytes);
+  if (!gid.ok()) return gid.status();
+  grad_region_id_ = *gid;
+  return absl::OkStatus();
+}
+
+ShmArena::ShmArena(ShmArena&& other) noexcept { *this = std::move(other); }
+
+ShmArena& ShmArena::operator=(ShmArena&& other) noexcept {
+  if (this != &other) {
+    Reset();
+    layout_ = std::move(other.layout_);
+    segments_ = std::move(other.segments_);
+    param_base_ = std::exchange(other.param_base_, nullptr);
+    grad_base_ = std::exchange(other.grad_base_, nullptr);
+    client_ = std::exchange(other.client_, nullptr);
+    param_region_id_ = std::move(other.param_region_id_);
+    grad_region_id_ = std::move(other.grad_region_id_);
+    other.segments_.clear();
+    other.param_region_id_.clear();
+    other.grad_region_id_.clear();
+  }
+  return *this;
+}
+
+ShmArena::~ShmArena() { Reset(); }
+
+void ShmArena::Reset() {
+  if (client_ != nullptr) {
+    // Best effort: the daemon may be gone or the session closed, which already freed them.
+    for (const std::string* id : {&grad_region_id_, &param_region_id_}) {
+      if (!id->empty()) client_->UnregisterRegion(layout_.session_id, *id).IgnoreError();
+    }
+  }
+  for (const Segment& s : segments_) {
+    munmap(s.base, static_cast<size_t>(s.size_bytes));
+    shm_unlink(("/" + s.name).c_str());
+  }
+  segments_.clear();
+  param_base_ = grad_base_ = nullptr;
+  client_ = nullptr;
+  param_region_id_.clear();
+  grad_region_id_.clear();
+}
+
+absl::StatusOr<absl::Span<uint8_t>> ShmArena::Bytes(absl::string_view name, bool grad) const {
+  if (segments_.empty()) return absl::FailedPreconditionError("ShmArena is empty (moved or reset)");
+  const TensorLayout* t = layout_.Find(name);
+  if (t == nullptr) {
+    return absl::NotFoundError(
+        absl::StrCat("session '", layout_.session_id, "' has no parameter '", name, "'"));
+  }
+  // In bounds: LayoutFromProto checked every offset + size against its arena.
+  uint8_t* base = grad ? grad_base_ + t->grad_offset_bytes : param_base_ + t->param_offset_bytes;
+  return absl::Span<uint8_t>(base, static_cast<size_t>(t->size_bytes));
+}
+
+namespace {
+
+template <typename T>
+absl::StatusOr<absl::Span<T>> Typed(absl::StatusOr<absl::Span<uint8_t>> bytes,
+                                    const TensorLayout& t, bool want_16bit) {
+  if (!bytes.ok()) return bytes.status();
+  const bool is_16bit = t.dtype == DType::kBF16 || t.dtype == DType::kF16;
+  if (want_16bit != is_16bit) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("parameter '", t.name, "' has dtype ", static_cast<int>(t.dtype),
+                     want_16bit ? ", not a 16-bit type" : ", not f32"));
+  }
+  return absl::Span<T>(reinterpret_cast<T*>(bytes->data()), bytes->size() / sizeof(T));
+}
+
+}  // namespace
+
+absl::StatusOr<absl::Span<uint8_t>> ShmArena::ParamBytes(absl::string_view name) const {
+  return Bytes(name, false);
+}
+absl::StatusOr<absl::Span<uint8_t>> ShmArena::GradBytes(absl::string_view name) const {
+  return Bytes(name, true);
+}
+
+absl::StatusOr<absl::Span<float>> ShmArena::Param(absl::string_view name) const {
+  auto b = Bytes(name, false);
+  if (!b.ok()) return b.status();
+  return Typed<float>(b, *layout_.Find(name), false);
+}
+absl::StatusOr<absl::Span<float>> ShmArena::Grad(absl::string_view name) const {
+  auto b = Bytes(name, true);
+  if (!b.ok()) return b.status();
+  return Typed<float>(b, *layout_.Find(name), false);
+}
+absl::StatusOr<absl::Span<uint16_t>> ShmArena::ParamBf16(absl::string_view name) const {
+  auto b = Bytes(name, false);
+  if (!b.ok()) return b.status();
+  return Typed<uint16_t>(b, *layout_.Find(name), true);
+}
+absl::StatusOr<absl::Span<uint16_t>> ShmArena::GradBf16(absl::string_view name) const {
+  auto b = Bytes(name, true);
+  if (!b.ok()) return b.status();
+  return Typed<uint16_t>(b, *layout_.Find(name), true);
+}
+
+}  // namespace diond::client

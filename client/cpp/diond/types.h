@@ -1,0 +1,181 @@
+// Plain C++ types of the diond C++ client: what a trainer describes (parameters, groups,
+// hyperparameters), what the daemon answers (the arena layout, step results, session info) and
+// the tensor references that the streaming calls read from or write into.
+//
+// Choice of representation: these structs cover the common path without any protobuf in the
+// caller's code. Every call of diond::client::Client also has an overload that takes and returns
+// the generated messages of proto/diond/v1/optimizer.proto (namespace diond::v1) for full
+// control (every hyperparameter, reserved fields added later). The two map 1:1 through the
+// To*/From* functions below. Enum values equal the proto's, so a static_cast converts them.
+//
+// Thread-safety: plain values; no shared state.
+#ifndef DIOND_CLIENT_CPP_DIOND_TYPES_H_
+#define DIOND_CLIENT_CPP_DIOND_TYPES_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "diond/v1/optimizer.pb.h"
+
+namespace diond::client {
+
+// Element type as the trainer stores it. Values equal diond.v1.DType.
+enum class DType : int { kF32 = 1, kBF16 = 2, kF16 = 3 };
+
+// Bytes per element: 4 for kF32, 2 for kBF16 and kF16.
+int64_t DTypeSize(DType dtype);
+
+// Update rule of a group. Values equal diond.v1.Algorithm.
+enum class Algorithm : int {
+  kMuon = 1,
+  kNorMuon = 2,
+  kDion = 3,
+  kDion2 = 4,
+  kDion3 = 5,
+  kAdamW = 6,
+  kLion = 7,
+};
+
+// The hyperparameters most groups set. Unset fields take the algorithm's reference default
+// (docs/ALGORITHMS.md). For the others (orthogonalizer, adjust_lr, Dion's rank, ...) use the
+// proto overloads of Client.
+struct Hyperparams {
+  std::optional<double> lr;
+  std::optional<double> mu;
+  std::optional<double> beta1;
+  std::optional<double> beta2;
+  std::optional<double> weight_decay;
+  std::optional<double> epsilon;
+  std::optional<bool> nesterov;
+  std::optional<bool> cautious_wd;
+};
+
+struct ParamSpec {
+  std::string name;
+  std::vector<int64_t> shape;
+  DType dtype = DType::kF32;
+  std::string group;  // name of a GroupSpec
+};
+
+struct GroupSpec {
+  std::string name;
+  Algorithm algorithm = Algorithm::kAdamW;
+  Hyperparams hyperparams;
+};
+
+struct SessionOptions {
+  std::string client_name;
+  bool fp32_master_weights = false;  // when parameters are bf16/f16
+};
+
+// Where one parameter lives in the arenas (diond.v1.TensorLayout).
+struct TensorLayout {
+  std::string name;
+  int64_t param_offset_bytes = 0;
+  int64_t grad_offset_bytes = 0;
+  int64_t size_bytes = 0;
+  std::vector<int64_t> shape;
+  DType dtype = DType::kF32;
+};
+
+// The answer of CreateSession (or LoadCheckpoint): the session and its arena layout.
+struct Layout {
+  std::string session_id;
+  std::vector<TensorLayout> tensors;
+  int64_t param_arena_bytes = 0;
+  int64_t grad_arena_bytes = 0;
+  int64_t alignment_bytes = 0;
+
+  // The entry named `name`, or nullptr.
+  const TensorLayout* Find(absl::string_view name) const;
+};
+
+// Converts and validates the daemon's answer: every tensor has a known dtype, size_bytes equals
+// the product of its shape times the dtype size, both of its byte ranges lie inside their arena
+// and are multiples of alignment_bytes, names are unique. The arena helper relies on this to
+// hand out spans that never leave the mapping. INVALID_ARGUMENT naming the tensor otherwise.
+absl::StatusOr<Layout> LayoutFromProto(const v1::CreateSessionResponse& resp);
+
+struct StepResult {
+  int64_t step_index = 0;
+  bool skipped = false;                        // non-finite gradients under the skip policy
+  bool replayed = false;                       // answered from the record of a retried step
+  std::map<std::string, double> update_norms;  // per group
+  int64_t compute_micros = 0;
+  int64_t total_micros = 0;
+};
+
+struct StepOptions {
+  std::map<std::string, double> lr_override;  // group -> lr for this step only
+  double gradient_scale = 0;                  // 0 = 1.0
+};
+
+struct SessionInfo {
+  std::string session_id;
+  std::string client_name;
+  int64_t parameters = 0;
+  int64_t last_step_index = 0;
+  int64_t state_bytes = 0;
+};
+
+struct CheckpointInfo {
+  std::string path;
+  int64_t step_index = 0;
+  int64_t bytes = 0;
+};
+
+struct LoadedCheckpoint {
+  Layout layout;
+  int64_t step_index = 0;
+};
+
+// Read-only bytes of one named tensor, sent by PushGradients and SetState. The referenced memory
+// must stay valid for the duration of the call; nothing is copied beyond one chunk at a time.
+struct ConstTensorRef {
+  std::string name;
+  absl::Span<const uint8_t> bytes;
+  std::optional<DType> dtype;  // sent with the first chunk when set
+
+  static ConstTensorRef F32(std::string name, absl::Span<const float> values);
+  static ConstTensorRef BF16(std::string name, absl::Span<const uint16_t> values);
+};
+
+// Caller-owned destination of one named tensor, filled by PullParameters/GetState. Its size must
+// equal the tensor's total_bytes as the daemon reports it.
+struct MutableTensorRef {
+  std::string name;
+  absl::Span<uint8_t> bytes;
+
+  static MutableTensorRef F32(std::string name, absl::Span<float> values);
+  static MutableTensorRef BF16(std::string name, absl::Span<uint16_t> values);
+};
+
+// A tensor received into client-owned memory (PullParameters/GetState map mode).
+struct Tensor {
+  std::vector<int64_t> shape;
+  DType dtype = DType::kF32;
+  std::string bytes;
+
+  // The values reinterpreted as fp32; empty unless dtype is kF32.
+  std::vector<float> AsF32() const;
+};
+
+using TensorMap = std::map<std::string, Tensor>;
+
+// Conversions to the proto messages.
+v1::CreateSessionRequest ToProto(const std::vector<ParamSpec>& params,
+                                 const std::vector<GroupSpec>& groups,
+                                 const SessionOptions& options);
+v1::Hyperparameters ToProto(const Hyperparams& hp);
+StepResult FromProto(const v1::StepResponse& resp);
+
+}  // namespace diond::client
+
+#endif  // DIOND_CLIENT_CPP_DIOND_TYPES_H_

@@ -1,0 +1,353 @@
+// The C++ client against the real diond binary: every Optimizer RPC through diond::client, both
+// data planes (shm arenas and remote Push/Pull), checkpoints, and error pass-through. One daemon
+// serves the whole suite; each test makes its own sessions.
+#include <sys/stat.h>
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "client/cpp/tests/test_daemon.h"
+#include "diond/client.h"
+#include "diond/shm_arena.h"
+#include "gtest/gtest.h"
+
+namespace diond::client {
+namespace {
+
+constexpr int64_t kRows = 8, kCols = 16;
+
+std::vector<ParamSpec> Params() {
+  return {{"w", {kRows, kCols}, DType::kF32, "matrices"}, {"b", {kRows}, DType::kF32, "vectors"}};
+}
+
+std::vector<GroupSpec> Groups() {
+  GroupSpec m{"matrices", Algorithm::kMuon, {}};
+  m.hyperparams.lr = 0.02;
+  m.hyperparams.weight_decay = 0.0;
+  GroupSpec a{"vectors", Algorithm::kAdamW, {}};
+  a.hyperparams.lr = 0.01;
+  a.hyperparams.weight_decay = 0.0;
+  return {m, a};
+}
+
+// Deterministic, non-trivial values.
+std::vector<float> Values(size_t n, float scale, float phase) {
+  std::vector<float> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = scale * std::sin(0.37f * static_cast<float>(i) + phase);
+  return v;
+}
+
+class ClientDaemonTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    auto d = testing::StartTestDaemon(DIOND_BINARY);
+    ASSERT_TRUE(d.ok()) << d.status();
+    daemon_ = d->release();
+  }
+  static void TearDownTestSuite() {
+    if (daemon_ == nullptr) return;
+    EXPECT_EQ(daemon_->Stop(), std::optional<int>(0)) << daemon_->proc->Log();
+    delete daemon_;
+    daemon_ = nullptr;
+  }
+  void SetUp() override {
+    ASSERT_NE(daemon_, nullptr);
+    ClientOptions o;
+    o.chunk_bytes = 100;  // many chunks per tensor in both directions
+    auto c = Client::Connect(daemon_->target, o);
+    ASSERT_TRUE(c.ok()) << c.status();
+    client_ = *std::move(c);
+  }
+
+  // A session with the test parameters, or a test failure.
+  Layout NewSession(const std::string& name) {
+    auto layout = client_->CreateSession(Params(), Groups(), {name});
+    EXPECT_TRUE(layout.ok()) << layout.status() << "\nlog:\n" << daemon_->proc->Log();
+    return layout.ok() ? *layout : Layout{};
+  }
+
+  static testing::TestDaemon* daemon_;
+  std::unique_ptr<Client> client_;
+};
+
+testing::TestDaemon* ClientDaemonTest::daemon_ = nullptr;
+
+TEST_F(ClientDaemonTest, HealthAndListSessions) {
+  auto h = client_->Health();
+  ASSERT_TRUE(h.ok()) << h.status();
+  EXPECT_EQ(*h, ServingStatus::kServing);
+  auto h2 = client_->Health("diond.v1.Optimizer");
+  ASSERT_TRUE(h2.ok()) << h2.status();
+  EXPECT_EQ(*h2, ServingStatus::kServing);
+  EXPECT_TRUE(client_->ListSessions().ok());
+}
+
+TEST_F(ClientDaemonTest, CreateSessionReturnsAValidLayoutAndListSessionsShowsIt) {
+  Layout layout = NewSession("create-test");
+  ASSERT_FALSE(layout.session_id.empty());
+  EXPECT_EQ(layout.alignment_bytes, 256);
+  const TensorLayout* w = layout.Find("w");
+  ASSERT_NE(w, nullptr);
+  EXPECT_EQ(w->size_bytes, kRows * kCols * 4);
+  EXPECT_EQ(w->shape, (std::vector<int64_t>{kRows, kCols}));
+  auto sessions = client_->ListSessions();
+  ASSERT_TRUE(sessions.ok()) << sessions.status();
+  bool found = false;
+  for (const SessionInfo& s : *sessions) {
+    if (s.session_id == layout.session_id) {
+      found = true;
+      EXPECT_EQ(s.client_name, "create-test");
+      EXPECT_EQ(s.parameters, 2);
+    }
+  }
+  EXPECT_TRUE(found);
+  ASSERT_TRUE(client_->CloseSession(layout.session_id).ok());
+  sessions = client_->ListSessions();
+  ASSERT_TRUE(sessions.ok());
+  for (const SessionInfo& s : *sessions) EXPECT_NE(s.session_id, layout.session_id);
+}
+
+TEST_F(ClientDaemonTest, DaemonErrorsComeBackWithTheirCodeAndMessage) {
+  auto step = client_->Step("no-such-session", 1);
+  ASSERT_FALSE(step.ok());
+  EXPECT_EQ(step.status().code(), absl::StatusCode::kNotFound) << step.status();
+  EXPECT_TRUE(absl::StrContains(step.status().message(), "no-such-session")) << step.status();
+
+  std::vector<ParamSpec> bad = Params();
+  bad[0].group = "missing-group";
+  auto layout = client_->CreateSession(bad, Groups());
+  ASSERT_FALSE(layout.ok());
+  EXPECT_EQ(layout.status().code(), absl::StatusCode::kInvalidArgument) << layout.status();
+  EXPECT_TRUE(absl::StrContains(layout.status().message(), "missing-group")) << layout.status();
+}
+
+// Shm data plane: gradients written into the arena, Step updates the parameters in place.
+// Replays and out-of-order steps follow the v1 semantics.
+class ShmStepTest : public ClientDaemonTest, public ::testing::WithParamInterface<bool> {};
+
+TEST_P(ShmStepTest, StepUpdatesParametersInPlaceAndIsIdempotent) {
+  Layout layout = NewSession("shm-test");
+  ASSERT_FALSE(layout.session_id.empty());
+  std::vector<std::string> names;
+  {
+    auto arena = ShmArena::Create(client_.get(), layout, {GetParam()});
+    ASSERT_TRUE(arena.ok()) << arena.status();
+    EXPECT_FALSE(arena->param_region_id().empty());
+    EXPECT_FALSE(arena->grad_region_id().empty());
+    for (const auto& s : arena->segments()) names.push_back(s.name);
+    auto w = *arena->Param("w");
+    auto b = *arena->Param("b");
+    auto w0 = Values(w.size(), 0.5f, 0.0f), b0 = Values(b.size(), 0.1f, 1.0f);
+    std::copy(w0.begin(), w0.end(), w.begin());
+    std::copy(b0.begin(), b0.end(), b.begin());
+    auto gw = Values(w.size(), 1.0f, 2.0f), gb = Values(b.size(), 1.0f, 3.0f);
+    std::copy(gw.begin(), gw.end(), arena->Grad("w")->begin());
+    std::copy(gb.begin(), gb.end(), arena->Grad("b")->begin());
+
+    // The daemon has no weights yet for this session except through the region: upload them
+    // explicitly so the test does not depend on whether Step reads initial weights from shm.
+    ASSERT_TRUE(client_
+                    ->SetState(layout.session_id,
+                               {ConstTensorRef::F32("w", w0), ConstTensorRef::F32("b", b0)})
+                    .ok());
+    auto r1 = client_->Step(layout.session_id, 1);
+    ASSERT_TRUE(r1.ok()) << r1.status() << "\n" << daemon_->proc->Log();
+    EXPECT_EQ(r1->step_index, 1);
+    EXPECT_FALSE(r1->replayed);
+    EXPECT_FALSE(r1->skipped);
+    EXPECT_GT(r1->update_norms["matrices"], 0.0);
+    EXPECT_GT(r1->update_norms["vectors"], 0.0);
+    // Parameters moved against the gradient.
+    double dot_w = 0;
+    for (size_t i = 0; i < w.size(); ++i) dot_w += (w[i] - w0[i]) * gw[i];
+    EXPECT_LT(dot_w, 0.0);
+    for (size_t i = 0; i < b.size(); ++i) {
+      // AdamW's first step moves each element by about lr against the sign of its gradient.
+      EXPECT_NEAR(b[i] - b0[i], gb[i] > 0 ? -0.01 : 0.01, 1e-3) << i;
+    }
+    std::vector<float> w1(w.begin(), w.end());
+
+    auto replay = client_->Step(layout.session_id, 1);
+    ASSERT_TRUE(replay.ok()) << replay.status();
+    EXPECT_TRUE(replay->replayed);
+    EXPECT_EQ(std::vector<float>(w.begin(), w.end()), w1) << "a replay must not apply again";
+
+    auto skip = client_->Step(layout.session_id, 3);
+    EXPECT_EQ(skip.status().code(), absl::StatusCode::kFailedPrecondition) << skip.status();
+    EXPECT_TRUE(absl::StrContains(skip.status().message(), "2")) << skip.status();
+
+    // The remote path reads the same weights the arena holds.
+    std::vector<float> pulled(w.size());
+    ASSERT_TRUE(client_
+                    ->PullParameters(layout.session_id,
+                                     {MutableTensorRef::F32("w", absl::MakeSpan(pulled))})
+                    .ok());
+    EXPECT_EQ(pulled, w1);
+  }
+  // The arena unregistered and unlinked its segments on destruction.
+  for (const auto& n : names) {
+    struct stat st;
+    EXPECT_NE(stat(("/dev/shm/" + n).c_str(), &st), 0) << n;
+  }
+  EXPECT_TRUE(client_->CloseSession(layout.session_id).ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(SingleAndTwoSegments, ShmStepTest, ::testing::Bool());
+
+// Remote data plane: SetState with the parameters' own names uploads the weights, PushGradients
+// the gradients, then Step and PullParameters. It must agree bit for bit with the shm path.
+TEST_F(ClientDaemonTest, RemoteModeMatchesShmModeBitForBit) {
+  const size_t nw = kRows * kCols, nb = kRows;
+  auto w0 = Values(nw, 0.5f, 0.0f), b0 = Values(nb, 0.1f, 1.0f);
+  auto gw = Values(nw, 1.0f, 2.0f), gb = Values(nb, 1.0f, 3.0f);
+
+  Layout remote = NewSession("remote");
+  ASSERT_FALSE(remote.session_id.empty());
+  auto set = client_->SetState(remote.session_id,
+                               {ConstTensorRef::F32("w", w0), ConstTensorRef::F32("b", b0)});
+  ASSERT_TRUE(set.ok()) << set.status();
+  EXPECT_EQ(*set, 2);
+  auto pushed = client_->PushGradients(
+      remote.session_id, {ConstTensorRef::F32("w", gw), ConstTensorRef::F32("b", gb)});
+  ASSERT_TRUE(pushed.ok()) << pushed.status();
+  EXPECT_EQ(pushed->bytes_received(), static_cast<int64_t>((nw + nb) * 4));
+  // 512 bytes of w in chunks of 100 -> 6, 32 bytes of b -> 1.
+  EXPECT_EQ(pushed->chunks(), 7);
+  ASSERT_TRUE(client_->Step(remote.session_id, 1).ok());
+  auto pulled = client_->PullParameters(remote.session_id);
+  ASSERT_TRUE(pulled.ok()) << pulled.status();
+  ASSERT_EQ(pulled->count("w"), 1u);
+  EXPECT_EQ((*pulled)["w"].shape, (std::vector<int64_t>{kRows, kCols}));
+  EXPECT_EQ((*pulled)["w"].dtype, DType::kF32);
+
+  Layout shm = NewSession("shm-twin");
+  auto arena = ShmArena::Create(client_.get(), shm);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  std::copy(w0.begin(), w0.end(), arena->Param("w")->begin());
+  std::copy(b0.begin(), b0.end(), arena->Param("b")->begin());
+  std::copy(gw.begin(), gw.end(), arena->Grad("w")->begin());
+  std::copy(gb.begin(), gb.end(), arena->Grad("b")->begin());
+  ASSERT_TRUE(
+      client_
+          ->SetState(shm.session_id, {ConstTensorRef::F32("w", w0), ConstTensorRef::F32("b", b0)})
+          .ok());
+  ASSERT_TRUE(client_->Step(shm.session_id, 1).ok());
+  auto w_shm = *arena->Param("w");
+  EXPECT_EQ((*pulled)["w"].AsF32(), std::vector<float>(w_shm.begin(), w_shm.end()));
+  auto b_shm = *arena->Param("b");
+  EXPECT_EQ((*pulled)["b"].AsF32(), std::vector<float>(b_shm.begin(), b_shm.end()));
+
+  // An incomplete push changes nothing and is rejected.
+  auto half = absl::MakeConstSpan(gw).subspan(0, nw / 2);
+  auto bad = client_->PushGradients(remote.session_id, {ConstTensorRef::F32("w", half)});
+  EXPECT_FALSE(bad.ok());
+  EXPECT_TRUE(client_->CloseSession(remote.session_id).ok());
+  arena->Reset();
+  EXPECT_TRUE(client_->CloseSession(shm.session_id).ok());
+}
+
+TEST_F(ClientDaemonTest, GetStateSetStateRoundTripAndSetHyperparameters) {
+  const size_t nw = kRows * kCols, nb = kRows;
+  auto w0 = Values(nw, 0.5f, 0.0f), b0 = Values(nb, 0.1f, 1.0f);
+  auto gw = Values(nw, 1.0f, 2.0f), gb = Values(nb, 1.0f, 3.0f);
+  auto grads =
+      std::vector<ConstTensorRef>{ConstTensorRef::F32("w", gw), ConstTensorRef::F32("b", gb)};
+  Layout a = NewSession("state-a");
+  ASSERT_TRUE(
+      client_->SetState(a.session_id, {ConstTensorRef::F32("w", w0), ConstTensorRef::F32("b", b0)})
+          .ok());
+  ASSERT_TRUE(client_->PushGradients(a.session_id, grads).ok());
+  ASSERT_TRUE(client_->Step(a.session_id, 1).ok());
+
+  auto state = client_->GetState(a.session_id, /*include_parameters=*/true);
+  ASSERT_TRUE(state.ok()) << state.status();
+  EXPECT_EQ(state->count("w"), 1u);
+  EXPECT_EQ(state->count("b"), 1u);
+  EXPECT_EQ(state->count("w/state.momentum"), 1u);
+  for (const auto& [name, t] : *state) {
+    if (name.find("/state.") == std::string::npos) continue;
+    EXPECT_FALSE(t.bytes.empty()) << name;
+  }
+
+  // A twin session restored from that state takes the same second step.
+  Layout b = NewSession("state-b");
+  auto set = client_->SetStateFromMap(b.session_id, *state);
+  ASSERT_TRUE(set.ok()) << set.status();
+  EXPECT_EQ(*set, static_cast<int64_t>(state->size()));
+  for (const Layout* l : {&a, &b}) {
+    ASSERT_TRUE(client_->PushGradients(l->session_id, grads).ok());
+  }
+  ASSERT_TRUE(client_->Step(a.session_id, 2).ok());
+  // b's step counter is not part of the state tensors; its first own step is 1.
+  auto step_b = client_->Step(b.session_id, 1);
+  ASSERT_TRUE(step_b.ok()) << step_b.status();
+  auto pa = client_->PullParameters(a.session_id, {"w"});
+  auto pb = client_->PullParameters(b.session_id, {"w"});
+  ASSERT_TRUE(pa.ok() && pb.ok());
+  EXPECT_EQ((*pa)["w"].bytes, (*pb)["w"].bytes);
+
+  // lr = 0 on both groups: the next step changes nothing (weight decay is 0 too).
+  Hyperparams zero;
+  zero.lr = 0.0;
+  ASSERT_TRUE(client_->SetHyperparameters(a.session_id, "matrices", zero).ok());
+  ASSERT_TRUE(client_->SetHyperparameters(a.session_id, "vectors", zero).ok());
+  auto bad = client_->SetHyperparameters(a.session_id, "no-such-group", zero);
+  EXPECT_FALSE(bad.ok());
+  EXPECT_TRUE(absl::StrContains(bad.message(), "no-such-group")) << bad;
+  auto before = client_->PullParameters(a.session_id);
+  ASSERT_TRUE(client_->PushGradients(a.session_id, grads).ok());
+  ASSERT_TRUE(client_->Step(a.session_id, 3).ok());
+  auto after = client_->PullParameters(a.session_id);
+  ASSERT_TRUE(before.ok() && after.ok());
+  EXPECT_EQ((*before)["w"].bytes, (*after)["w"].bytes);
+  EXPECT_EQ((*before)["b"].bytes, (*after)["b"].bytes);
+  EXPECT_TRUE(client_->CloseSession(a.session_id).ok());
+  EXPECT_TRUE(client_->CloseSession(b.session_id).ok());
+}
+
+TEST_F(ClientDaemonTest, SaveAndLoadCheckpointRestoreWeightsIntoANewArena) {
+  const size_t nw = kRows * kCols, nb = kRows;
+  auto w0 = Values(nw, 0.5f, 0.0f), b0 = Values(nb, 0.1f, 1.0f);
+  Layout a = NewSession("ckpt");
+  ASSERT_TRUE(
+      client_->SetState(a.session_id, {ConstTensorRef::F32("w", w0), ConstTensorRef::F32("b", b0)})
+          .ok());
+  ASSERT_TRUE(client_
+                  ->PushGradients(a.session_id, {ConstTensorRef::F32("w", Values(nw, 1, 2)),
+                                                 ConstTensorRef::F32("b", Values(nb, 1, 3))})
+                  .ok());
+  ASSERT_TRUE(client_->Step(a.session_id, 1).ok());
+  auto weights = client_->PullParameters(a.session_id);
+  ASSERT_TRUE(weights.ok());
+
+  auto saved = client_->SaveCheckpoint(a.session_id);
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  EXPECT_EQ(saved->step_index, 1);
+  EXPECT_GT(saved->bytes, 0);
+  ASSERT_TRUE(client_->CloseSession(a.session_id).ok());
+
+  auto loaded = client_->LoadCheckpoint(saved->path);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(loaded->step_index, 1);
+  EXPECT_NE(loaded->layout.session_id, "");
+  // "After LoadCheckpoint, the first PARAMETERS region registered receives the restored weights."
+  auto arena = ShmArena::Create(client_.get(), loaded->layout);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  auto w = *arena->Param("w");
+  EXPECT_EQ((*weights)["w"].AsF32(), std::vector<float>(w.begin(), w.end()));
+  // The next step continues the numbering.
+  auto next = client_->Step(loaded->layout.session_id, 3);
+  EXPECT_EQ(next.status().code(), absl::StatusCode::kFailedPrecondition) << next.status();
+  arena->Reset();
+  EXPECT_TRUE(client_->CloseSession(loaded->layout.session_id).ok());
+
+  auto missing = client_->LoadCheckpoint(daemon_->dir + "/no-such-checkpoint");
+  EXPECT_FALSE(missing.ok());
+}
+
+}  // namespace
+}  // namespace diond::client
