@@ -349,5 +349,78 @@ TEST_F(ClientDaemonTest, SaveAndLoadCheckpointRestoreWeightsIntoANewArena) {
   EXPECT_FALSE(missing.ok());
 }
 
+// Default options: chunks of exactly 4 MiB of data (plus the message's other fields) must pass
+// the daemon's message size limit, in both directions.
+TEST_F(ClientDaemonTest, TensorsLargerThanOneChunkRoundTripWithDefaultChunkSize) {
+  auto c = Client::Connect(daemon_->target);
+  ASSERT_TRUE(c.ok()) << c.status();
+  Client& client = **c;
+  constexpr int64_t kBigRows = 2048, kBigCols = 1024;  // 8 MiB of f32: 2 full chunks + 0
+  GroupSpec a{"vectors", Algorithm::kAdamW, {}};
+  auto layout = client.CreateSession({{"big", {kBigRows, kBigCols + 3}, DType::kF32, "vectors"}},
+                                     {a}, {"big"});
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  const size_t n = kBigRows * (kBigCols + 3);  // a bit over 8 MiB: a third, partial chunk
+  auto w = Values(n, 1.0f, 0.5f);
+  auto set = client.SetState(layout->session_id, {ConstTensorRef::F32("big", w)});
+  ASSERT_TRUE(set.ok()) << set.status();
+  auto pushed = client.PushGradients(layout->session_id, {ConstTensorRef::F32("big", w)});
+  ASSERT_TRUE(pushed.ok()) << pushed.status();
+  EXPECT_EQ(pushed->chunks(), 3);
+  std::vector<float> back(n);
+  absl::Status pulled = client.PullParameters(layout->session_id,
+                                              {MutableTensorRef::F32("big", absl::MakeSpan(back))});
+  ASSERT_TRUE(pulled.ok()) << pulled;
+  EXPECT_TRUE(back == w);
+  // A destination of the wrong size is refused, not overrun.
+  std::vector<float> small(n - 1);
+  EXPECT_EQ(
+      client
+          .PullParameters(layout->session_id, {MutableTensorRef::F32("big", absl::MakeSpan(small))})
+          .code(),
+      absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(client.CloseSession(layout->session_id).ok());
+}
+
+// bf16 weights in the arena with fp32 master weights in the daemon.
+TEST_F(ClientDaemonTest, Bf16ParametersOverShmWithFp32MasterWeights) {
+  std::vector<ParamSpec> params = {{"w", {kRows, kCols}, DType::kBF16, "matrices"},
+                                   {"b", {kRows}, DType::kBF16, "vectors"}};
+  SessionOptions opts{"bf16", /*fp32_master_weights=*/true};
+  auto layout = client_->CreateSession(params, Groups(), opts);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  EXPECT_EQ(layout->Find("w")->size_bytes, kRows * kCols * 2);
+  auto arena = ShmArena::Create(client_.get(), *layout);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  EXPECT_EQ(arena->Param("w").status().code(), absl::StatusCode::kInvalidArgument);
+  auto w = *arena->ParamBf16("w");
+  auto gw = *arena->GradBf16("w");
+  auto b = *arena->ParamBf16("b");
+  auto gb = *arena->GradBf16("b");
+  // bf16 is the high half of an f32.
+  auto to_bf16 = [](float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    return static_cast<uint16_t>(u >> 16);
+  };
+  auto w0 = Values(w.size(), 0.5f, 0.0f), g0 = Values(w.size(), 1.0f, 2.0f);
+  for (size_t i = 0; i < w.size(); ++i) w[i] = to_bf16(w0[i]), gw[i] = to_bf16(g0[i]);
+  for (size_t i = 0; i < b.size(); ++i) b[i] = to_bf16(0.1f), gb[i] = to_bf16(1.0f);
+  std::vector<uint16_t> before(w.begin(), w.end());
+  auto r = client_->Step(layout->session_id, 1);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_NE(std::vector<uint16_t>(w.begin(), w.end()), before) << "weights did not change";
+  // AdamW moved every bias by about lr = 0.01 against its positive gradient.
+  for (size_t i = 0; i < b.size(); ++i) {
+    uint32_t u = static_cast<uint32_t>(b[i]) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    // bf16 has 8 significant bits: 0.09 is rounded to within 2^-4 relative.
+    EXPECT_NEAR(f, 0.09f, 0.09f / 16) << i;
+  }
+  arena->Reset();
+  EXPECT_TRUE(client_->CloseSession(layout->session_id).ok());
+}
+
 }  // namespace
 }  // namespace diond::client
