@@ -50,6 +50,7 @@ def main():
     ap.add_argument("--doc", required=True)
     ap.add_argument("--command", required=True)
     ap.add_argument("--build-type", default="?")
+    ap.add_argument("--load", default="?")
     a = ap.parse_args()
     cpp = json.load(open(a.cpp))
     torch_rows = [json.loads(l) for l in open(a.torch) if l.strip()]
@@ -68,8 +69,9 @@ def main():
                  f"OpenBLAS kernels `{core}`, diond build type {a.build_type}, "
                  f"{platform.platform()}.\n")
     lines.append("All numbers are wall-clock means over the timed iterations. Other processes "
-                 "may share the 2 cores (builds of other work ran concurrently when these were "
-                 "taken), so treat differences under ~15% as noise.\n")
+                 "may share the cores: load average (1, 5, 15 min) before -> after the run was "
+                 f"{a.load}; with a 1-min load near or above the core count, expect every number "
+                 "(ceilings included) to drop 2-3x, so compare rows of the same run only.\n")
 
     lines.append("### GEMM ceilings (2048³, through the ops API)\n")
     lines.append("| engine | precision | threads | GFLOP/s (mean) | GFLOP/s (best iteration) |")
