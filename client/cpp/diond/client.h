@@ -65,6 +65,8 @@ class Client {
   static absl::StatusOr<std::unique_ptr<Client>> Connect(const std::string& target,
                                                          const ClientOptions& options = {});
   // Uses an existing channel (e.g. one with TLS credentials). Does not wait for it to connect.
+  // The channel must accept messages of chunk_bytes plus framing (Connect sets 16 MiB; gRPC's
+  // default of 4 MiB is too small for 4 MiB chunks: lower options.chunk_bytes then).
   static absl::StatusOr<std::unique_ptr<Client>> FromChannel(std::shared_ptr<grpc::Channel> channel,
                                                              const ClientOptions& options = {});
 

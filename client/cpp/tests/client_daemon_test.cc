@@ -193,6 +193,15 @@ TEST_P(ShmStepTest, StepUpdatesParametersInPlaceAndIsIdempotent) {
     struct stat st;
     EXPECT_NE(stat(("/dev/shm/" + n).c_str(), &st), 0) << n;
   }
+  // A role binds once; the roles are free again, so the unregistration reached the daemon.
+  {
+    auto again = ShmArena::Create(client_.get(), layout, {GetParam()});
+    ASSERT_TRUE(again.ok()) << again.status();
+    auto twice = ShmArena::Create(client_.get(), layout);
+    EXPECT_EQ(twice.status().code(), absl::StatusCode::kFailedPrecondition) << twice.status();
+    EXPECT_EQ(client_->UnregisterRegion(layout.session_id, "no-such-region").code(),
+              absl::StatusCode::kNotFound);
+  }
   EXPECT_TRUE(client_->CloseSession(layout.session_id).ok());
 }
 
