@@ -1,0 +1,137 @@
+// In-process tests of the session manager's policies: memory limits, the idle reaper (with and
+// without a state directory) and checkpoint round trips. The RPC surface is tested against the
+// real daemon in tests/service.
+#include "server/session/session_manager.h"
+
+#include <sys/stat.h>
+
+#include <cstdlib>
+#include <string>
+
+#include "common/status_matchers.h"
+#include "gtest/gtest.h"
+#include "server/session/checkpoint.h"
+#include "server/session/layout.h"
+
+namespace diond::session {
+namespace {
+
+using ::diond::testing::IsOk;
+using ::diond::testing::StatusIs;
+using ::testing::HasSubstr;
+
+SessionSpec SmallSpec() {
+  SessionSpec spec;
+  spec.client_name = "test";
+  GroupSpec muon;
+  muon.name = "m";
+  muon.config.algorithm = optim::AlgorithmKind::kMuon;
+  muon.config.hyperparams = optim::DefaultHyperparams(muon.config.algorithm);
+  GroupSpec adamw;
+  adamw.name = "a";
+  adamw.config.algorithm = optim::AlgorithmKind::kAdamW;
+  adamw.config.hyperparams = optim::DefaultHyperparams(adamw.config.algorithm);
+  spec.groups = {muon, adamw};
+  spec.params = {{"w", {8, 6}, DType::kF32, "m"}, {"b", {6}, DType::kF32, "a"}};
+  return spec;
+}
+
+std::string TempDir() {
+  char t[] = "/tmp/diond_mgr_test_XXXXXX";
+  return mkdtemp(t);
+}
+
+TEST(Layout, OffsetsAreAlignedAndSizesChecked) {
+  auto l = ComputeLayout({{"a", {3}, DType::kF32, "g"}, {"b", {2, 2}, DType::kBf16, "g"},
+                          {"c", {1}, DType::kF16, "g"}});
+  ASSERT_THAT(l, IsOk());
+  EXPECT_EQ(l->tensors[0].param_offset, 0);
+  EXPECT_EQ(l->tensors[1].param_offset, 256);
+  EXPECT_EQ(l->tensors[1].size_bytes, 8);
+  EXPECT_EQ(l->tensors[2].param_offset, 512);
+  EXPECT_EQ(l->param_arena_bytes, 768);
+  EXPECT_THAT(ComputeLayout({{"x", {int64_t{1} << 62, 4}, DType::kF32, "g"}}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("overflows")));
+  EXPECT_THAT(ComputeLayout({{"x", {3, 0}, DType::kF32, "g"}}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("non-positive")));
+}
+
+TEST(SessionManager, MaxSessionBytesAndBudgetAreEnforcedWithNumbers) {
+  // Muon 8x6 holds one momentum (48 floats), AdamW 6 holds m, v (6 each) and step_dev: 61
+  // floats = 244 bytes of state.
+  ManagerOptions o;
+  o.max_session_bytes = 200;
+  auto m = SessionManager::Create(o);
+  ASSERT_THAT(m, IsOk());
+  EXPECT_THAT((*m)->CreateSession(SmallSpec()),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("244")));
+  ManagerOptions b;
+  b.memory_budget_bytes = 400;
+  auto m2 = SessionManager::Create(b);
+  ASSERT_THAT(m2, IsOk());
+  EXPECT_THAT((*m2)->CreateSession(SmallSpec()), IsOk());
+  EXPECT_THAT((*m2)->CreateSession(SmallSpec()),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("400")));
+  EXPECT_EQ((*m2)->List().size(), 1u);
+}
+
+TEST(SessionManager, IdleSessionsAreClosedAndCheckpointedFirst) {
+  std::string dir = TempDir();
+  ManagerOptions o;
+  o.idle_timeout = absl::Hours(1);  // the reaper thread never fires during the test
+  o.state_dir = dir;
+  auto m = SessionManager::Create(o);
+  ASSERT_THAT(m, IsOk());
+  auto s = (*m)->CreateSession(SmallSpec());
+  ASSERT_THAT(s, IsOk());
+  std::string id = (*s)->id();
+  std::vector<NamedTensor> params = {{"w", {8, 6}, std::vector<float>(48, 0.5f)},
+                                     {"b", {6}, std::vector<float>(6, -1.0f)}};
+  ASSERT_THAT((*s)->SetState(params), IsOk());
+  (*m)->ReapIdleSessions(absl::Now());  // not idle yet
+  EXPECT_EQ((*m)->List().size(), 1u);
+  (*m)->ReapIdleSessions(absl::Now() + absl::Hours(2));
+  EXPECT_TRUE((*m)->List().empty());
+  auto latest = LatestCheckpoint(dir, id);
+  ASSERT_THAT(latest, IsOk());
+  auto restored = (*m)->LoadCheckpoint(*latest);
+  ASSERT_THAT(restored, IsOk());
+  auto state = (*restored)->GetState(/*include_parameters=*/true);
+  ASSERT_THAT(state, IsOk());
+  EXPECT_EQ((*state)[0].name, "w");
+  EXPECT_EQ((*state)[0].data, params[0].data);
+}
+
+TEST(SessionManager, IdleReaperWithoutStateDirJustCloses) {
+  ManagerOptions o;
+  o.idle_timeout = absl::Hours(1);
+  auto m = SessionManager::Create(o);
+  ASSERT_THAT(m, IsOk());
+  ASSERT_THAT((*m)->CreateSession(SmallSpec()), IsOk());
+  (*m)->ReapIdleSessions(absl::Now() + absl::Hours(2));
+  EXPECT_TRUE((*m)->List().empty());
+}
+
+TEST(SessionManager, CheckpointEveryNeedsStateDir) {
+  ManagerOptions o;
+  o.checkpoint_every = 2;
+  EXPECT_THAT(SessionManager::Create(o),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--state_dir")));
+}
+
+TEST(Checkpoint, SpecSurvivesJson) {
+  SessionSpec spec = SmallSpec();
+  spec.groups[0].config.hyperparams.nesterov = true;
+  spec.groups[0].config.split_sizes = {4, 4};
+  spec.groups[0].config.precision = optim::Precision::kBf16Reference;
+  spec.non_finite = NonFinitePolicy::kError;
+  auto back = SpecFromJson(SpecToJson(spec));
+  ASSERT_THAT(back, IsOk());
+  EXPECT_EQ(SpecToJson(*back), SpecToJson(spec));
+  EXPECT_TRUE(back->groups[0].config.hyperparams.nesterov);
+  EXPECT_EQ(back->groups[0].config.split_sizes, (std::vector<int64_t>{4, 4}));
+  EXPECT_THAT(SpecFromJson("{not json"), StatusIs(absl::StatusCode::kDataLoss));
+}
+
+}  // namespace
+}  // namespace diond::session
