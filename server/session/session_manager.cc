@@ -1,5 +1,8 @@
 #include "server/session/session_manager.h"
 
+#include <unistd.h>
+
+#include <map>
 #include <random>
 
 #include "absl/strings/str_cat.h"
@@ -7,8 +10,42 @@
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "server/session/checkpoint.h"
+#include "server/session/layout.h"
 
 namespace diond::session {
+namespace {
+
+// Refuses, before anything is allocated, a session whose optimizer state cannot fit in this
+// host's memory at all. An upper bound is enough for that: every state tensor is counted at its
+// parameter's size (momentum and variance are; variance_neuron, Q and step_dev are smaller).
+// Without it a huge but representable shape (e.g. [2^31, 2^20]) made CreateGroupOptimizer throw
+// std::bad_alloc, which gRPC answered as an empty UNIMPLEMENTED, and a shape just below the
+// address-space limit would get the daemon OOM-killed. Specs that Session::Create rejects
+// anyway (bad shapes, unknown groups) pass through so that their own message wins.
+absl::Status CheckStateFitsInMemory(const SessionSpec& spec) {
+  if (!ComputeLayout(spec.params).ok()) return absl::OkStatus();
+  std::map<std::string, optim::AlgorithmKind> algorithm;
+  for (const GroupSpec& g : spec.groups) algorithm.emplace(g.name, g.config.algorithm);
+  double bytes = 0;  // double: the bound itself may exceed int64
+  for (const ParamSpec& p : spec.params) {
+    auto it = algorithm.find(p.group);
+    if (it == algorithm.end()) continue;
+    double numel = 1;
+    for (int64_t d : p.shape) numel *= static_cast<double>(d);
+    bytes += 4.0 * numel * static_cast<double>(optim::StateNames(it->second).size());
+    if (spec.fp32_master_weights && p.dtype != DType::kF32) bytes += 4.0 * numel;
+  }
+  const double host = static_cast<double>(sysconf(_SC_PHYS_PAGES)) *
+                      static_cast<double>(sysconf(_SC_PAGESIZE));
+  if (host > 0 && bytes > host) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "session needs up to %.0f bytes of optimizer state; this host has %.0f bytes of memory",
+        bytes, host));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 SessionManager::SessionManager(const ManagerOptions& options, ManagerObserver observer)
     : options_(options), observer_(std::move(observer)) {}
@@ -68,6 +105,7 @@ absl::Status SessionManager::CheckBudget(int64_t bytes) {
 }
 
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::CreateSession(SessionSpec spec) {
+  DIOND_RETURN_IF_ERROR(CheckStateFitsInMemory(spec));
   // Validate and size the session before taking the lock (optimizer state is allocated here).
   DIOND_ASSIGN_OR_RETURN(std::unique_ptr<Session> s, Session::Create(NewId(), std::move(spec)));
   std::shared_ptr<Session> shared(std::move(s));
