@@ -1,0 +1,440 @@
+// Table-driven malformed requests against the real daemon (ARCHITECTURE.md §4 rules): each row
+// sends one bad request and requires
+//   - the status code and a message substring that names the field or value,
+//   - every session's parameters and state unchanged (GetState with parameters, compared byte
+//     for byte) and every shm segment unchanged (the trainer's arenas, FNV-1a of all bytes),
+//   - no session created or lost (ListSessions ids and step indices),
+//   - the daemon still serving: health check SERVING and a good RPC (a replayed Step) after.
+//
+// Sessions of the fixture, all with Muon "w" [8, 4] in group "m" and AdamW "b" [4] in group "a":
+//   good  : both arenas in one shm segment, weights uploaded, two steps taken;
+//   fresh : nothing registered or uploaded (for "before regions" and registration cases);
+//   half  : PARAMETERS registered at offset 0 of a segment that has room for both arenas,
+//           GRADIENTS free (for the overlap case).
+#include <cmath>
+#include <functional>
+#include <limits>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "tests/service/service_harness.h"
+
+namespace diond::service_testing {
+namespace {
+
+using Code = grpc::StatusCode;
+
+struct World {
+  std::unique_ptr<Daemon> daemon;
+  SessionDesc desc;
+  std::unique_ptr<ShmSession> good;
+  std::string fresh, half;
+  int64_t arena = 0;  // bytes of each arena (the same for params and grads here)
+  std::unique_ptr<ShmSegment> half_seg, spare;
+};
+World* world = nullptr;
+
+v1::Optimizer::Stub& Stub() { return world->daemon->stub(); }
+
+v1::CreateSessionRequest Valid() { return world->desc.Request(); }
+
+grpc::Status Create(const v1::CreateSessionRequest& req) {
+  v1::CreateSessionResponse resp;
+  return Stub().CreateSession(Ctx().get(), req, &resp);
+}
+
+v1::RegisterRegionRequest Region(const std::string& session, v1::RegionRole role,
+                                 const std::string& name, int64_t offset, int64_t size) {
+  v1::RegisterRegionRequest r;
+  r.set_session_id(session);
+  r.set_role(role);
+  r.set_kind(v1::REGION_KIND_SYSTEM_SHM);
+  r.mutable_system_shm()->set_name(name);
+  r.mutable_system_shm()->set_offset_bytes(offset);
+  r.mutable_system_shm()->set_size_bytes(size);
+  return r;
+}
+
+grpc::Status Register(const v1::RegisterRegionRequest& r, v1::Optimizer::Stub* stub = nullptr) {
+  v1::RegisterRegionResponse resp;
+  return (stub ? *stub : Stub()).RegisterRegion(Ctx().get(), r, &resp);
+}
+
+grpc::Status StepWith(const std::function<void(v1::StepRequest*)>& edit) {
+  v1::StepRequest req;
+  req.set_session_id(world->good->id);
+  req.set_step_index(3);
+  edit(&req);
+  v1::StepResponse resp;
+  return Stub().Step(Ctx().get(), req, &resp);
+}
+
+grpc::Status SetHp(const std::string& session, const std::string& group,
+                   const std::function<void(v1::Hyperparameters*)>& edit) {
+  v1::SetHyperparametersRequest req;
+  req.set_session_id(session);
+  req.set_group(group);
+  edit(req.mutable_hyperparameters());
+  v1::SetHyperparametersResponse resp;
+  return Stub().SetHyperparameters(Ctx().get(), req, &resp);
+}
+
+std::string Bytes(int64_t n, char fill = '\x01') { return std::string(static_cast<size_t>(n), fill); }
+
+struct BadCase {
+  const char* name;
+  Code code;
+  const char* substring;
+  std::function<grpc::Status()> call;
+};
+
+// Everything a failing request must leave alone.
+struct Snapshot {
+  TensorMap good, half, fresh;
+  uint64_t good_seg = 0, half_seg = 0, spare = 0;
+  std::vector<std::pair<std::string, int64_t>> sessions;
+  bool operator==(const Snapshot& o) const {
+    return good == o.good && half == o.half && fresh == o.fresh && good_seg == o.good_seg &&
+           half_seg == o.half_seg && spare == o.spare && sessions == o.sessions;
+  }
+};
+
+Snapshot Take() {
+  Snapshot s;
+  EXPECT_TRUE(GetState(Stub(), world->good->id, true, &s.good).ok());
+  EXPECT_TRUE(GetState(Stub(), world->half, true, &s.half).ok());
+  EXPECT_TRUE(GetState(Stub(), world->fresh, false, &s.fresh).ok());
+  s.good_seg = Fnv1a(world->good->params_seg->AllBytes());
+  s.half_seg = Fnv1a(world->half_seg->AllBytes());
+  s.spare = Fnv1a(world->spare->AllBytes());
+  v1::ListSessionsResponse list;
+  EXPECT_TRUE(Stub().ListSessions(Ctx().get(), v1::ListSessionsRequest(), &list).ok());
+  for (const auto& i : list.sessions()) s.sessions.push_back({i.session_id(), i.last_step_index()});
+  std::sort(s.sessions.begin(), s.sessions.end());
+  return s;
+}
+
+std::vector<BadCase> Cases() {
+  const int64_t kBig = int64_t{1} << 62;
+  auto good = [] { return world->good->id; };
+  auto arena = [] { return world->arena; };
+  return {
+      // ---- CreateSession ----
+      {"ZeroDim", Code::INVALID_ARGUMENT, "non-positive dimension",
+       [] { auto r = Valid(); r.mutable_parameters(0)->set_shape(0, 0); return Create(r); }},
+      {"NegativeDim", Code::INVALID_ARGUMENT, "[-3, 4] has a non-positive dimension",
+       [] { auto r = Valid(); r.mutable_parameters(0)->set_shape(0, -3); return Create(r); }},
+      {"DtypeOutOfRange", Code::INVALID_ARGUMENT, "dtype 99",
+       [] { auto r = Valid(); r.mutable_parameters(0)->set_dtype(static_cast<v1::DType>(99)); return Create(r); }},
+      {"DtypeUnspecified", Code::INVALID_ARGUMENT, "dtype 0",
+       [] { auto r = Valid(); r.mutable_parameters(1)->set_dtype(v1::DTYPE_UNSPECIFIED); return Create(r); }},
+      {"UnknownAlgorithm", Code::INVALID_ARGUMENT, "algorithm 42",
+       [] { auto r = Valid(); r.mutable_groups(0)->set_algorithm(static_cast<v1::Algorithm>(42)); return Create(r); }},
+      {"AlgorithmUnspecified", Code::INVALID_ARGUMENT, "algorithm 0",
+       [] { auto r = Valid(); r.mutable_groups(1)->set_algorithm(v1::ALGORITHM_UNSPECIFIED); return Create(r); }},
+      {"NanLr", Code::INVALID_ARGUMENT, "lr = nan",
+       [] { auto r = Valid(); r.mutable_groups(0)->mutable_hyperparameters()->set_lr(std::nan("")); return Create(r); }},
+      {"NegativeLr", Code::INVALID_ARGUMENT, "lr = -0.1",
+       [] { auto r = Valid(); r.mutable_groups(0)->mutable_hyperparameters()->set_lr(-0.1); return Create(r); }},
+      {"InfiniteWeightDecay", Code::INVALID_ARGUMENT, "weight_decay = inf",
+       [] { auto r = Valid(); r.mutable_groups(1)->mutable_hyperparameters()->set_weight_decay(INFINITY); return Create(r); }},
+      {"MuOutOfRange", Code::INVALID_ARGUMENT, "mu = 1 is outside [0, 1)",
+       [] { auto r = Valid(); r.mutable_groups(0)->mutable_hyperparameters()->set_mu(1.0); return Create(r); }},
+      {"FractionZero", Code::INVALID_ARGUMENT, "fraction = 0",
+       [] {
+         auto r = Valid();
+         r.mutable_groups(0)->set_algorithm(v1::ALGORITHM_DION2);
+         r.mutable_groups(0)->mutable_hyperparameters()->set_fraction(0);
+         return Create(r);
+       }},
+      {"NumHeadsNotDividingRows", Code::INVALID_ARGUMENT, "num_heads = 3 does not divide",
+       [] { auto r = Valid(); r.mutable_groups(0)->set_num_heads(3); return Create(r); }},
+      {"NegativeNumHeads", Code::INVALID_ARGUMENT, "num_heads -2",
+       [] { auto r = Valid(); r.mutable_groups(0)->set_num_heads(-2); return Create(r); }},
+      {"SplitSizesNotSumming", Code::INVALID_ARGUMENT, "split_sizes [3,3] sum to 6",
+       [] {
+         auto r = Valid();
+         r.mutable_groups(0)->add_split_sizes(3);
+         r.mutable_groups(0)->add_split_sizes(3);
+         return Create(r);
+       }},
+      {"ShapeOverflowsInt64", Code::INVALID_ARGUMENT, "overflows int64",
+       [kBig] {
+         auto r = Valid();
+         r.mutable_parameters(0)->set_shape(0, kBig);
+         return Create(r);
+       }},
+      {"ByteSizeOverflowsInt64", Code::INVALID_ARGUMENT, "too large",
+       [kBig] {
+         // 2^62 elements fit int64, their 2^64 bytes do not.
+         auto r = Valid();
+         r.mutable_parameters(1)->set_shape(0, kBig);
+         return Create(r);
+       }},
+      {"HugeStateDoesNotFitInMemory", Code::RESOURCE_EXHAUSTED, "bytes of memory",
+       [] {
+         // 2^51 elements: representable (8 PiB of fp32), but no host can hold the momentum.
+         auto r = Valid();
+         r.mutable_parameters(0)->set_shape(0, int64_t{1} << 31);
+         r.mutable_parameters(0)->set_shape(1, int64_t{1} << 20);
+         return Create(r);
+       }},
+      {"TooManyDims", Code::INVALID_ARGUMENT, "at most 8",
+       [] {
+         auto r = Valid();
+         r.mutable_parameters(1)->clear_shape();
+         for (int i = 0; i < 9; ++i) r.mutable_parameters(1)->add_shape(1);
+         return Create(r);
+       }},
+      {"DuplicateParameterNames", Code::INVALID_ARGUMENT, "duplicate parameter name 'w'",
+       [] { auto r = Valid(); r.mutable_parameters(1)->set_name("w"); return Create(r); }},
+      {"EmptyParameterList", Code::INVALID_ARGUMENT, "at least one parameter",
+       [] { auto r = Valid(); r.clear_parameters(); return Create(r); }},
+      {"ParameterNamesUnknownGroup", Code::INVALID_ARGUMENT, "unknown group 'nope'",
+       [] { auto r = Valid(); r.mutable_parameters(0)->set_group("nope"); return Create(r); }},
+      {"DuplicateGroupNames", Code::INVALID_ARGUMENT, "duplicate group name 'm'",
+       [] { auto r = Valid(); r.mutable_groups(1)->set_name("m"); return Create(r); }},
+      {"ParameterNameWithStateSuffix", Code::INVALID_ARGUMENT, "may not contain '/state.'",
+       [] { auto r = Valid(); r.mutable_parameters(0)->set_name("x/state.momentum"); return Create(r); }},
+      {"UnsupportedOversample", Code::INVALID_ARGUMENT, "oversample",
+       [] { auto r = Valid(); r.mutable_groups(0)->mutable_hyperparameters()->set_oversample(1.25); return Create(r); }},
+      {"UnknownNonFinitePolicy", Code::INVALID_ARGUMENT, "non_finite_policy 7",
+       [] { auto r = Valid(); r.set_non_finite_policy(static_cast<v1::NonFinitePolicy>(7)); return Create(r); }},
+      {"GradientSyncNeedsAWorld", Code::UNIMPLEMENTED, "REPLICATED",
+       [] { auto r = Valid(); r.set_gradient_sync(v1::GRADIENT_SYNC_AVERAGE); return Create(r); }},
+      // ---- RegisterRegion ----
+      {"RegionLargerThanSegment", Code::OUT_OF_RANGE, "exceeds the segment",
+       [] { return Register(Region(world->fresh, v1::REGION_ROLE_PARAMETERS, world->spare->name(), 0, world->spare->size() + 256)); }},
+      {"RegionOffsetPastSegment", Code::OUT_OF_RANGE, "exceeds the segment",
+       [arena] { return Register(Region(world->fresh, v1::REGION_ROLE_GRADIENTS, world->spare->name(), world->spare->size(), arena())); }},
+      {"RegionSizeOverflowsInt64", Code::INVALID_ARGUMENT, "overflows int64",
+       [] { return Register(Region(world->fresh, v1::REGION_ROLE_GRADIENTS, world->spare->name(), 256, std::numeric_limits<int64_t>::max())); }},
+      {"RegionsOverlapInOneSegment", Code::INVALID_ARGUMENT, "overlaps the PARAMETERS region",
+       [arena] { return Register(Region(world->half, v1::REGION_ROLE_GRADIENTS, world->half_seg->name(), 0, arena())); }},
+      {"MissingShmName", Code::INVALID_ARGUMENT, "shm name ''",
+       [arena] { return Register(Region(world->fresh, v1::REGION_ROLE_PARAMETERS, "", 0, arena())); }},
+      {"ShmNameWithSlash", Code::INVALID_ARGUMENT, "no paths",
+       [arena] { return Register(Region(world->fresh, v1::REGION_ROLE_PARAMETERS, "dev/" + world->spare->name(), 0, arena())); }},
+      {"ShmNameDotDot", Code::INVALID_ARGUMENT, "no paths",
+       [arena] { return Register(Region(world->fresh, v1::REGION_ROLE_PARAMETERS, "..", 0, arena())); }},
+      {"ShmNameTraversal", Code::INVALID_ARGUMENT, "no paths",
+       [arena] { return Register(Region(world->fresh, v1::REGION_ROLE_PARAMETERS, "../../etc/passwd", 0, arena())); }},
+      {"NonexistentSegment", Code::NOT_FOUND, "does not exist",
+       [arena] { return Register(Region(world->fresh, v1::REGION_ROLE_PARAMETERS, "diond-svc-test-no-such-segment", 0, arena())); }},
+      {"RegionOffsetNotAligned", Code::INVALID_ARGUMENT, "multiple of 256",
+       [arena] { return Register(Region(world->fresh, v1::REGION_ROLE_PARAMETERS, world->spare->name(), 100, arena())); }},
+      {"RegionNegativeOffset", Code::INVALID_ARGUMENT, "multiple of 256",
+       [arena] { return Register(Region(world->fresh, v1::REGION_ROLE_PARAMETERS, world->spare->name(), -256, arena())); }},
+      {"RoleRegisteredTwice", Code::FAILED_PRECONDITION, "already has region",
+       [arena] { return Register(Region(world->good->id, v1::REGION_ROLE_PARAMETERS, world->spare->name(), 0, arena())); }},
+      {"RegionSmallerThanArena", Code::INVALID_ARGUMENT, "smaller than the GRADIENTS arena",
+       [arena] { return Register(Region(world->fresh, v1::REGION_ROLE_GRADIENTS, world->spare->name(), 0, arena() - 4)); }},
+      {"RoleUnspecified", Code::INVALID_ARGUMENT, "role 0",
+       [arena] { return Register(Region(world->fresh, v1::REGION_ROLE_UNSPECIFIED, world->spare->name(), 0, arena())); }},
+      {"RegionBodyMissing", Code::INVALID_ARGUMENT, "needs system_shm",
+       [] {
+         auto r = Region(world->fresh, v1::REGION_ROLE_PARAMETERS, "x", 0, 0);
+         r.clear_system_shm();
+         return Register(r);
+       }},
+      {"RegionKindReservedForGpu", Code::UNIMPLEMENTED, "REGION_KIND_CUDA_IPC",
+       [arena] { auto r = Region(world->fresh, v1::REGION_ROLE_PARAMETERS, world->spare->name(), 0, arena()); r.set_kind(v1::REGION_KIND_CUDA_IPC); return Register(r); }},
+      {"RegionOverTcpWithoutFlag", Code::PERMISSION_DENIED, "--allow_shm_from_tcp",
+       [arena] {
+         auto tcp = world->daemon->NewTcpStub();
+         return Register(Region(world->fresh, v1::REGION_ROLE_PARAMETERS, world->spare->name(), 0, arena()), tcp.get());
+       }},
+      {"RegisterUnknownSession", Code::NOT_FOUND, "unknown session 's-nope'",
+       [arena] { return Register(Region("s-nope", v1::REGION_ROLE_PARAMETERS, world->spare->name(), 0, arena())); }},
+      {"UnregisterUnknownRegion", Code::NOT_FOUND, "no region 'params-99'",
+       [good] {
+         v1::UnregisterRegionRequest r;
+         r.set_session_id(good());
+         r.set_region_id("params-99");
+         v1::UnregisterRegionResponse resp;
+         return Stub().UnregisterRegion(Ctx().get(), r, &resp);
+       }},
+      // ---- Step ----
+      {"StepUnknownSession", Code::NOT_FOUND, "unknown session 's-nope'",
+       [] { return StepWith([](v1::StepRequest* r) { r->set_session_id("s-nope"); }); }},
+      {"StepBeforeRegions", Code::FAILED_PRECONDITION, "no parameters",
+       [] { return DoStep(Stub(), world->fresh, 1); }},
+      {"StepSkippedIndex", Code::FAILED_PRECONDITION, "expected 3",
+       [] { return StepWith([](v1::StepRequest* r) { r->set_step_index(4); }); }},
+      {"StepOldIndex", Code::FAILED_PRECONDITION, "expected 3",
+       [] { return StepWith([](v1::StepRequest* r) { r->set_step_index(1); }); }},
+      {"LrOverrideUnknownGroup", Code::INVALID_ARGUMENT, "unknown group 'zzz'",
+       [] { return StepWith([](v1::StepRequest* r) { (*r->mutable_lr_override())["zzz"] = 0.1; }); }},
+      {"NegativeLrOverride", Code::INVALID_ARGUMENT, "lr_override['m'] = -1",
+       [] { return StepWith([](v1::StepRequest* r) { (*r->mutable_lr_override())["m"] = -1; }); }},
+      {"NanLrOverride", Code::INVALID_ARGUMENT, "lr_override['a'] = nan",
+       [] { return StepWith([](v1::StepRequest* r) { (*r->mutable_lr_override())["a"] = std::nan(""); }); }},
+      {"NanGradientScale", Code::INVALID_ARGUMENT, "gradient_scale nan",
+       [] { return StepWith([](v1::StepRequest* r) { r->set_gradient_scale(std::nan("")); }); }},
+      {"NegativeGradientScale", Code::INVALID_ARGUMENT, "gradient_scale -2",
+       [] { return StepWith([](v1::StepRequest* r) { r->set_gradient_scale(-2); }); }},
+      // ---- PushGradients (into the good session's shm gradient arena) ----
+      {"PushChunkPastEnd", Code::INVALID_ARGUMENT, "runs past its end",
+       [good] { return PushGradients(Stub(), good(), {{"w", 0, Bytes(112)}, {"w", 112, Bytes(32)}}); }},
+      {"PushTruncatedTensor", Code::INVALID_ARGUMENT, "incomplete",
+       [good] { return PushGradients(Stub(), good(), {{"b", 0, Bytes(16)}, {"w", 0, Bytes(64)}}); }},
+      {"PushChunkOver4MiB", Code::INVALID_ARGUMENT, "the limit is 4194304",
+       [good] { return PushGradients(Stub(), good(), {{"w", 0, Bytes((4 << 20) + 4)}}); }},
+      {"PushUnknownTensor", Code::INVALID_ARGUMENT, "unknown tensor 'zz'",
+       [good] { return PushGradients(Stub(), good(), {{"zz", 0, Bytes(16)}}); }},
+      {"PushStateName", Code::INVALID_ARGUMENT, "not state 'w/state.momentum'",
+       [good] { return PushGradients(Stub(), good(), {{"w/state.momentum", 0, Bytes(128)}}); }},
+      {"PushMisalignedChunk", Code::INVALID_ARGUMENT, "not aligned",
+       [good] { return PushGradients(Stub(), good(), {{"w", 0, Bytes(3)}, {"w", 3, Bytes(125)}}); }},
+      {"PushWithoutSessionId", Code::INVALID_ARGUMENT, "must carry session_id",
+       [] { return PushGradients(Stub(), "", {{"w", 0, Bytes(128)}}); }},
+      {"PushUnknownSession", Code::NOT_FOUND, "unknown session 's-nope'",
+       [] { return PushGradients(Stub(), "s-nope", {{"w", 0, Bytes(128)}}); }},
+      // ---- SetState ----
+      {"SetStateChunkPastEnd", Code::INVALID_ARGUMENT, "runs past its end",
+       [good] { return SetState(Stub(), good(), {{"b", 8, Bytes(16)}}); }},
+      {"SetStateTruncatedTensor", Code::INVALID_ARGUMENT, "incomplete",
+       [good] { return SetState(Stub(), good(), {{"w/state.momentum", 0, Bytes(128)}, {"b", 0, Bytes(8)}}); }},
+      {"SetStateWrongElementCount", Code::INVALID_ARGUMENT, "124 of 128 bytes",
+       [good] { return SetState(Stub(), good(), {{"w", 0, Bytes(124)}}); }},
+      {"SetStateChunkWrittenTwice", Code::INVALID_ARGUMENT, "written twice",
+       [good] { return SetState(Stub(), good(), {{"b", 0, Bytes(16)}, {"b", 0, Bytes(16)}}); }},
+      {"SetStateUnknownTensor", Code::INVALID_ARGUMENT, "unknown tensor 'nope'",
+       [good] { return SetState(Stub(), good(), {{"b", 0, Bytes(16)}, {"nope", 0, Bytes(16)}}); }},
+      {"SetStateUnknownStateName", Code::INVALID_ARGUMENT, "unknown state 'w/state.variance'",
+       [good] { return SetState(Stub(), good(), {{"w/state.variance", 0, Bytes(128)}}); }},
+      {"SetStateOfUnknownParameter", Code::INVALID_ARGUMENT, "unknown parameter 'zz'",
+       [good] { return SetState(Stub(), good(), {{"zz/state.momentum", 0, Bytes(128)}}); }},
+      {"SetStateChunkOver4MiB", Code::INVALID_ARGUMENT, "the limit is 4194304",
+       [good] { return SetState(Stub(), good(), {{"w", 0, Bytes((4 << 20) + 4)}}); }},
+      {"SetStateUnknownSession", Code::NOT_FOUND, "unknown session 's-nope'",
+       [] { return SetState(Stub(), "s-nope", {{"w", 0, Bytes(128)}}); }},
+      // ---- reads ----
+      {"PullUnknownParameter", Code::INVALID_ARGUMENT, "unknown parameter 'zz'",
+       [good] { TensorMap m; return PullParameters(Stub(), good(), &m, 0, {"zz"}); }},
+      {"PullNegativeChunkBytes", Code::INVALID_ARGUMENT, "chunk_bytes -8",
+       [good] { TensorMap m; return PullParameters(Stub(), good(), &m, -8); }},
+      {"PullUnknownSession", Code::NOT_FOUND, "unknown session 's-nope'",
+       [] { TensorMap m; return PullParameters(Stub(), "s-nope", &m); }},
+      {"GetStateUnknownSession", Code::NOT_FOUND, "unknown session 's-nope'",
+       [] { TensorMap m; return GetState(Stub(), "s-nope", true, &m); }},
+      // ---- SetHyperparameters ----
+      {"SetHyperparametersUnsupportedField", Code::INVALID_ARGUMENT, "lr and weight_decay only",
+       [good] { return SetHp(good(), "m", [](v1::Hyperparameters* h) { h->set_lr(0.1); h->set_mu(0.5); }); }},
+      {"SetHyperparametersUnknownGroup", Code::INVALID_ARGUMENT, "unknown group 'zzz'",
+       [good] { return SetHp(good(), "zzz", [](v1::Hyperparameters* h) { h->set_lr(0.1); }); }},
+      {"SetHyperparametersNegativeLr", Code::INVALID_ARGUMENT, "lr = -0.5",
+       [good] { return SetHp(good(), "m", [](v1::Hyperparameters* h) { h->set_lr(-0.5); }); }},
+      {"SetHyperparametersNanWeightDecay", Code::INVALID_ARGUMENT, "weight_decay = nan",
+       [good] { return SetHp(good(), "a", [](v1::Hyperparameters* h) { h->set_lr(0.1); h->set_weight_decay(std::nan("")); }); }},
+      {"SetHyperparametersUnknownSession", Code::NOT_FOUND, "unknown session 's-nope'",
+       [] { return SetHp("s-nope", "m", [](v1::Hyperparameters* h) { h->set_lr(0.1); }); }},
+      // ---- checkpoints and lifecycle ----
+      {"LoadCheckpointNonexistentPath", Code::NOT_FOUND, "no checkpoint directory at /nonexistent/ckpt",
+       [] {
+         v1::LoadCheckpointRequest r;
+         r.set_path("/nonexistent/ckpt");
+         v1::LoadCheckpointResponse resp;
+         return Stub().LoadCheckpoint(Ctx().get(), r, &resp);
+       }},
+      {"LoadCheckpointEmptyPath", Code::INVALID_ARGUMENT, "needs a path",
+       [] {
+         v1::LoadCheckpointResponse resp;
+         return Stub().LoadCheckpoint(Ctx().get(), v1::LoadCheckpointRequest(), &resp);
+       }},
+      {"SaveCheckpointWithoutStateDir", Code::FAILED_PRECONDITION, "--state_dir",
+       [good] {
+         v1::SaveCheckpointRequest r;
+         r.set_session_id(good());
+         v1::SaveCheckpointResponse resp;
+         return Stub().SaveCheckpoint(Ctx().get(), r, &resp);
+       }},
+      {"CloseUnknownSession", Code::NOT_FOUND, "unknown session 's-nope'",
+       [] { return CloseSession(Stub(), "s-nope"); }},
+  };
+}
+
+class BadInput : public ::testing::TestWithParam<BadCase> {
+ protected:
+  static void SetUpTestSuite() {
+    world = new World;
+    world->daemon = Daemon::Start({}, /*tcp=*/true);
+    if (world->daemon == nullptr) return;
+    SessionDesc& d = world->desc;
+    d.groups.push_back(MakeGroup("m", optim::AlgorithmKind::kMuon, 0.02));
+    d.groups.push_back(MakeGroup("a", optim::AlgorithmKind::kAdamW, 0.001));
+    d.params.push_back({"w", {8, 4}, "m"});
+    d.params.push_back({"b", {4}, "a"});
+    world->good = CreateShmSession(Stub(), d.Request());
+    ASSERT_NE(world->good, nullptr);
+    world->arena = world->good->layout.param_arena_bytes();
+    ASSERT_EQ(world->arena, world->good->layout.grad_arena_bytes());
+    ASSERT_TRUE(SetState(Stub(), world->good->id,
+                         {{"w", 0, FloatBytes(SyntheticValues(1, 0, 0, 32))},
+                          {"b", 0, FloatBytes(SyntheticValues(1, 0, 1, 4))}})
+                    .ok());
+    for (int64_t t = 1; t <= 2; ++t) {
+      world->good->WriteGrad(0, SyntheticValues(2, t, 0, 32));
+      world->good->WriteGrad(1, SyntheticValues(2, t, 1, 4));
+      ASSERT_TRUE(DoStep(Stub(), world->good->id, t).ok());
+    }
+    v1::CreateSessionResponse resp;
+    ASSERT_TRUE(Stub().CreateSession(Ctx().get(), d.Request(), &resp).ok());
+    world->fresh = resp.session_id();
+    ASSERT_TRUE(Stub().CreateSession(Ctx().get(), d.Request(), &resp).ok());
+    world->half = resp.session_id();
+    world->half_seg = ShmSegment::Create(2 * world->arena);
+    world->spare = ShmSegment::Create(64 << 10);
+    ASSERT_NE(world->half_seg, nullptr);
+    ASSERT_NE(world->spare, nullptr);
+    // Recognizable non-zero bytes, so that any write into them shows.
+    world->half_seg->Write(0, Bytes(world->half_seg->size(), '\x5a'));
+    world->spare->Write(0, Bytes(world->spare->size(), '\x3c'));
+    ASSERT_TRUE(Register(Region(world->half, v1::REGION_ROLE_PARAMETERS, world->half_seg->name(),
+                                0, world->arena))
+                    .ok());
+  }
+  static void TearDownTestSuite() {
+    delete world;
+    world = nullptr;
+  }
+  void SetUp() override {
+    ASSERT_NE(world, nullptr);
+    ASSERT_NE(world->daemon, nullptr);
+    ASSERT_NE(world->good, nullptr);
+    ASSERT_NE(world->spare, nullptr);
+  }
+};
+
+TEST_P(BadInput, IsRefusedWithAUsefulMessageAndChangesNothing) {
+  const BadCase& c = GetParam();
+  const Snapshot before = Take();
+  grpc::Status st = c.call();
+  EXPECT_EQ(st.error_code(), c.code) << st.error_message();
+  EXPECT_TRUE(absl::StrContains(st.error_message(), c.substring))
+      << "message '" << st.error_message() << "' lacks '" << c.substring << "'";
+  const Snapshot after = Take();
+  EXPECT_TRUE(after == before) << "state, parameters, shm arenas or the session list changed";
+  // Still serving: health, and a good RPC (a replay of the last step, which mutates nothing).
+  EXPECT_TRUE(world->daemon->Serving());
+  v1::StepResponse resp;
+  grpc::Status replay = DoStep(Stub(), world->good->id, 2, &resp);
+  EXPECT_TRUE(replay.ok()) << replay.error_message();
+  EXPECT_TRUE(resp.replayed());
+}
+
+TEST(BadInputTable, HasAtLeastThirtyDistinctCases) {
+  std::set<std::string> names;
+  for (const BadCase& c : Cases()) names.insert(c.name);
+  EXPECT_GE(names.size(), 30u);
+  EXPECT_EQ(names.size(), Cases().size()) << "duplicate case names";
+}
+
+INSTANTIATE_TEST_SUITE_P(Table, BadInput, ::testing::ValuesIn(Cases()),
+                         [](const ::testing::TestParamInfo<BadCase>& i) {
+                           return std::string(i.param.name);
+                         });
+
+}  // namespace
+}  // namespace diond::service_testing
