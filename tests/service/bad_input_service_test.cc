@@ -89,6 +89,9 @@ struct BadCase {
   std::function<grpc::Status()> call;
 };
 
+// gtest prints parameters on failure; the name says more than the bytes.
+void PrintTo(const BadCase& c, std::ostream* os) { *os << c.name; }
+
 // Everything a failing request must leave alone.
 struct Snapshot {
   TensorMap good, half, fresh;

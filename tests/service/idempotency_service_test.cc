@@ -166,6 +166,8 @@ struct NonFiniteCase {
   double gradient_scale;  // 0 = 1.0
 };
 
+void PrintTo(const NonFiniteCase& c, std::ostream* os) { *os << c.name; }
+
 class NonFinite : public StepSemantics, public ::testing::WithParamInterface<NonFiniteCase> {};
 
 TEST_P(NonFinite, SkipPolicyReportsSkippedAndTouchesNothing) {
