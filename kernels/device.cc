@@ -97,6 +97,12 @@ absl::StatusOr<DeviceRequest> ParseDeviceRequest(absl::string_view text) {
       absl::StrCat("device '", text, "' is not one of auto, cpu, cuda, cuda:N"));
 }
 
+absl::StatusOr<const DiondCudaPluginV1*> LoadCudaPlugin(const std::string& plugin_path) {
+  const LoadedPlugin& plugin = LoadPlugin(plugin_path);
+  if (plugin.api == nullptr) return absl::FailedPreconditionError(plugin.error);
+  return plugin.api;
+}
+
 int DefaultCpuThreads() {
   unsigned n = std::thread::hardware_concurrency();
   return n == 0 ? 1 : static_cast<int>(n);

@@ -11,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "kernels/cuda/plugin_api.h"
 
 namespace diond::kernels {
 
@@ -43,6 +44,11 @@ struct SelectedDevice {
 // - kCuda: the plugin and the device must exist; else FAILED_PRECONDITION with the reason.
 absl::StatusOr<SelectedDevice> SelectDevice(const DeviceRequest& request,
                                             const std::string& plugin_path);
+
+// The CUDA plugin's C ABI table (loaded once per process, never unloaded), for code that needs
+// more than device selection: the NCCL communicators of server/comm. FAILED_PRECONDITION with
+// the loader's reason when the plugin cannot be loaded. Same `plugin_path` rule as SelectDevice.
+absl::StatusOr<const DiondCudaPluginV1*> LoadCudaPlugin(const std::string& plugin_path);
 
 // Number of CPU threads the compute pool uses (the threading policy: one pool, no
 // oversubscription between BLAS, oneDNN and our own threads).

@@ -8,6 +8,7 @@
 #include <cusolverDn.h>
 #include <nccl.h>
 
+#include "kernels/cuda/nccl_comm.h"
 #include "kernels/cuda/plugin_api.h"
 
 namespace {
@@ -55,8 +56,10 @@ void Versions(char* out, size_t out_len) {
   CopyOut(buf, out, out_len);
 }
 
+// Not constexpr: the NCCL table's address comes from another translation unit.
 const DiondCudaPluginV1 kPlugin = {
     DIOND_CUDA_PLUGIN_ABI_MAJOR, DIOND_CUDA_PLUGIN_ABI_MINOR, &DeviceCount, &DeviceName, &Versions,
+    diond::cuda::NcclApi(),
 };
 
 }  // namespace

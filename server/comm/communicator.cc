@@ -1,0 +1,37 @@
+#include "server/comm/communicator.h"
+
+namespace diond::comm {
+
+absl::string_view CollectiveOpName(CollectiveOp op) {
+  switch (op) {
+    case CollectiveOp::kAllReduce: return "all_reduce";
+    case CollectiveOp::kReduceScatter: return "reduce_scatter";
+    case CollectiveOp::kAllGather: return "all_gather";
+    case CollectiveOp::kAllGatherV: return "all_gather_v";
+    case CollectiveOp::kAllToAll: return "all_to_all";
+    case CollectiveOp::kBroadcast: return "broadcast";
+    case CollectiveOp::kBarrier: return "barrier";
+  }
+  return "unknown";
+}
+
+void Communicator::Abort(const absl::Status& why) {
+  absl::MutexLock lock(&abort_mu_);
+  if (aborted_.ok()) aborted_ = why.ok() ? absl::UnavailableError("communicator aborted") : why;
+}
+
+absl::Status Communicator::status() const {
+  absl::MutexLock lock(&abort_mu_);
+  return aborted_;
+}
+
+void Communicator::Record(CollectiveOp op, int64_t bytes, double seconds,
+                          const absl::Status& result) {
+  bytes_sent_.fetch_add(bytes, std::memory_order_relaxed);
+  if (observer_) observer_(op, bytes, seconds, result);
+}
+
+int64_t RingAllReduceBytes(int64_t x, int w) { return w <= 1 ? 0 : 2 * (w - 1) * x / w; }
+int64_t RingAllGatherBytes(int64_t x, int w) { return w <= 1 ? 0 : (w - 1) * x / w; }
+
+}  // namespace diond::comm

@@ -1,0 +1,243 @@
+#include "server/comm/nccl_communicator.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <vector>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace diond::comm {
+namespace {
+
+constexpr size_t kErr = 512;
+
+}  // namespace
+
+NcclCommunicator::NcclCommunicator(const NcclOptions& options, const DiondNcclApiV1* api)
+    : Communicator(options.rank, options.size, options.observer), options_(options), api_(api) {}
+
+NcclCommunicator::~NcclCommunicator() {
+  absl::MutexLock lock(&mu_);
+  if (scratch_ != nullptr) api_->device_free(options_.device, scratch_);
+  if (comm_ != nullptr) api_->comm_destroy(comm_);
+}
+
+absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
+    const DiondCudaPluginV1* plugin, KeyValueStore* kv, const NcclOptions& options) {
+  if (plugin == nullptr || plugin->abi_minor < 1 || plugin->nccl == nullptr) {
+    return absl::FailedPreconditionError(
+        "the CUDA plugin has no NCCL communicators (plugin ABI minor < 1)");
+  }
+  if (options.size < 1 || options.rank < 0 || options.rank >= options.size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", options.rank, " outside world of size ", options.size));
+  }
+  const DiondNcclApiV1* api = plugin->nccl;
+  const std::string key = absl::StrCat(options.prefix, "nccl/unique_id");
+  std::string id(DIOND_NCCL_UNIQUE_ID_BYTES, '\0');
+  char err[kErr] = {0};
+  if (options.rank == 0) {
+    if (api->get_unique_id(reinterpret_cast<uint8_t*>(id.data()), err, sizeof(err)) != 0) {
+      return absl::UnavailableError(err);
+    }
+    DIOND_RETURN_IF_ERROR(kv->Set(key, id));
+  } else {
+    absl::Status s = kv->Wait({key}, options.timeout);
+    if (!s.ok()) return absl::UnavailableError(absl::StrCat("NCCL unique id: ", s.message()));
+    DIOND_ASSIGN_OR_RETURN(id, kv->Get(key));
+    if (id.size() != DIOND_NCCL_UNIQUE_ID_BYTES) {
+      return absl::InternalError(absl::StrCat("NCCL unique id under '", key, "' has ", id.size(),
+                                              " bytes"));
+    }
+  }
+  std::unique_ptr<NcclCommunicator> c(new NcclCommunicator(options, api));
+  if (api->comm_create(reinterpret_cast<const uint8_t*>(id.data()), options.size, options.rank,
+                       options.device, absl::ToInt64Milliseconds(options.timeout), &c->comm_, err,
+                       sizeof(err)) != 0) {
+    return absl::UnavailableError(absl::StrCat("NCCL communicator of rank ", options.rank, " of ",
+                                               options.size, ": ", err));
+  }
+  return c;
+}
+
+template <typename F>
+absl::Status NcclCommunicator::Call(CollectiveOp op, int64_t bytes, F&& f) {
+  DIOND_RETURN_IF_ERROR(status());
+  absl::MutexLock lock(&mu_);
+  const absl::Time t0 = absl::Now();
+  char err[kErr] = {0};
+  absl::Status s;
+  if (f(absl::ToInt64Milliseconds(options_.timeout), err) != 0) {
+    s = absl::UnavailableError(absl::StrCat(CollectiveOpName(op), " failed on rank ", rank(),
+                                            " of ", size(), " (nccl): ", err));
+    Abort(s);
+  }
+  Record(op, s.ok() ? bytes : 0, absl::ToDoubleSeconds(absl::Now() - t0), s);
+  return s;
+}
+
+absl::StatusOr<void*> NcclCommunicator::Scratch(size_t bytes) {
+  if (scratch_bytes_ >= bytes) return scratch_;
+  if (scratch_ != nullptr) api_->device_free(options_.device, scratch_);
+  scratch_ = nullptr;
+  scratch_bytes_ = 0;
+  char err[kErr] = {0};
+  if (api_->device_malloc(options_.device, bytes, &scratch_, err, sizeof(err)) != 0) {
+    return absl::ResourceExhaustedError(err);
+  }
+  scratch_bytes_ = bytes;
+  return scratch_;
+}
+
+absl::Status NcclCommunicator::AllReduceSum(absl::Span<float> data) {
+  const int64_t x = static_cast<int64_t>(data.size()) * 4;
+  return Call(CollectiveOp::kAllReduce, RingAllReduceBytes(x, size()), [&](int64_t t, char* e) {
+    return api_->all_reduce(comm_, data.data(), data.data(), data.size(), DIOND_NCCL_F32,
+                            DIOND_NCCL_SUM, t, e, kErr);
+  });
+}
+
+absl::Status NcclCommunicator::AllReduceAverage(absl::Span<float> data) {
+  const int64_t x = static_cast<int64_t>(data.size()) * 4;
+  return Call(CollectiveOp::kAllReduce, RingAllReduceBytes(x, size()), [&](int64_t t, char* e) {
+    return api_->all_reduce(comm_, data.data(), data.data(), data.size(), DIOND_NCCL_F32,
+                            DIOND_NCCL_AVG, t, e, kErr);
+  });
+}
+
+absl::Status NcclCommunicator::ReduceScatterSum(absl::Span<const float> input,
+                                                absl::Span<float> output) {
+  if (input.size() != output.size() * size()) {
+    return absl::InvalidArgumentError(absl::StrCat("reduce_scatter: input has ", input.size(),
+                                                   " elements, expected ", size(), " x ",
+                                                   output.size()));
+  }
+  const int64_t x = static_cast<int64_t>(input.size()) * 4;
+  return Call(CollectiveOp::kReduceScatter, RingAllGatherBytes(x, size()),
+              [&](int64_t t, char* e) {
+                return api_->reduce_scatter(comm_, input.data(), output.data(), output.size(),
+                                            DIOND_NCCL_F32, DIOND_NCCL_SUM, t, e, kErr);
+              });
+}
+
+absl::Status NcclCommunicator::AllGather(absl::Span<const float> input, absl::Span<float> output) {
+  if (output.size() != input.size() * size()) {
+    return absl::InvalidArgumentError(absl::StrCat("all_gather: output has ", output.size(),
+                                                   " elements, expected ", size(), " x ",
+                                                   input.size()));
+  }
+  const int64_t x = static_cast<int64_t>(output.size()) * 4;
+  return Call(CollectiveOp::kAllGather, RingAllGatherBytes(x, size()), [&](int64_t t, char* e) {
+    return api_->all_gather(comm_, input.data(), output.data(), input.size(), DIOND_NCCL_F32, t,
+                            e, kErr);
+  });
+}
+
+absl::Status NcclCommunicator::AllGatherBytes(absl::Span<const uint8_t> input,
+                                              absl::Span<uint8_t> output) {
+  if (output.size() != input.size() * size()) {
+    return absl::InvalidArgumentError(absl::StrCat("all_gather: output has ", output.size(),
+                                                   " bytes, expected ", size(), " x ",
+                                                   input.size()));
+  }
+  const int64_t x = static_cast<int64_t>(output.size());
+  return Call(CollectiveOp::kAllGather, RingAllGatherBytes(x, size()), [&](int64_t t, char* e) {
+    return api_->all_gather(comm_, input.data(), output.data(), input.size(), DIOND_NCCL_U8, t, e,
+                            kErr);
+  });
+}
+
+absl::Status NcclCommunicator::AllGatherV(absl::Span<const float> input,
+                                          absl::Span<const int64_t> counts,
+                                          absl::Span<float> output) {
+  const int w = size();
+  if (static_cast<int>(counts.size()) != w) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("all_gather_v: ", counts.size(), " counts for ", w, " ranks"));
+  }
+  int64_t total = 0, largest = 0;
+  for (int64_t c : counts) {
+    if (c < 0) return absl::InvalidArgumentError("all_gather_v: negative count");
+    total += c;
+    largest = std::max(largest, c);
+  }
+  if (static_cast<int64_t>(input.size()) != counts[rank()] ||
+      static_cast<int64_t>(output.size()) != total) {
+    return absl::InvalidArgumentError("all_gather_v: input or output size does not match counts");
+  }
+  // Cold path (index lists, metadata): pad to the largest block in a device scratch buffer
+  // [send block | W gathered blocks], gather, and compact through host memory.
+  return Call(CollectiveOp::kAllGatherV, (w - 1) * largest * 4, [&](int64_t t, char* e) -> int {
+    auto scratch = Scratch(static_cast<size_t>(largest) * (w + 1) * 4);
+    if (!scratch.ok()) {
+      std::snprintf(e, kErr, "%s", std::string(scratch.status().message()).c_str());
+      return -1;
+    }
+    float* send = static_cast<float*>(*scratch);
+    float* all = send + largest;
+    std::vector<float> host(static_cast<size_t>(largest) * w);
+    std::vector<float> in(static_cast<size_t>(largest), 0.0f);
+    if (largest == 0) return 0;
+    if (api_->copy_to_host(options_.device, in.data(), input.data(), input.size() * 4, e, kErr)) {
+      return -1;
+    }
+    if (api_->copy_to_device(options_.device, send, in.data(), largest * 4, e, kErr)) return -1;
+    if (api_->all_gather(comm_, send, all, largest, DIOND_NCCL_F32, t, e, kErr)) return -1;
+    if (api_->copy_to_host(options_.device, host.data(), all, host.size() * 4, e, kErr)) return -1;
+    std::vector<float> packed;
+    packed.reserve(total);
+    for (int j = 0; j < w; ++j) {
+      packed.insert(packed.end(), host.begin() + j * largest, host.begin() + j * largest + counts[j]);
+    }
+    return api_->copy_to_device(options_.device, output.data(), packed.data(), total * 4, e, kErr);
+  });
+}
+
+absl::Status NcclCommunicator::AllToAll(absl::Span<const float> input, absl::Span<float> output) {
+  const int w = size();
+  if (input.size() != output.size() || input.size() % w != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("all_to_all: input has ", input.size(),
+                                                   " elements, output ", output.size(),
+                                                   "; both must be equal and divisible by ", w));
+  }
+  const int64_t x = static_cast<int64_t>(input.size()) * 4;
+  return Call(CollectiveOp::kAllToAll, RingAllGatherBytes(x, w), [&](int64_t t, char* e) {
+    return api_->all_to_all(comm_, input.data(), output.data(), input.size() / w, DIOND_NCCL_F32,
+                            t, e, kErr);
+  });
+}
+
+absl::Status NcclCommunicator::Broadcast(absl::Span<float> data, int root) {
+  return BroadcastBytes(absl::MakeSpan(reinterpret_cast<uint8_t*>(data.data()), data.size() * 4),
+                        root);
+}
+
+absl::Status NcclCommunicator::BroadcastBytes(absl::Span<uint8_t> data, int root) {
+  if (root < 0 || root >= size()) {
+    return absl::InvalidArgumentError(absl::StrCat("broadcast: root ", root, " outside [0, ",
+                                                   size(), ")"));
+  }
+  // NCCL broadcasts along a ring/tree: about x per rank except the last.
+  const int64_t bytes = rank() == (root + size() - 1) % size() ? 0 : static_cast<int64_t>(data.size());
+  return Call(CollectiveOp::kBroadcast, size() > 1 ? bytes : 0, [&](int64_t t, char* e) {
+    return api_->broadcast(comm_, data.data(), data.data(), data.size(), DIOND_NCCL_U8, root, t, e,
+                           kErr);
+  });
+}
+
+absl::Status NcclCommunicator::Barrier() {
+  // A one-element all-reduce is NCCL's barrier.
+  return Call(CollectiveOp::kBarrier, 0, [&](int64_t t, char* e) -> int {
+    auto scratch = Scratch(4);
+    if (!scratch.ok()) {
+      std::snprintf(e, kErr, "%s", std::string(scratch.status().message()).c_str());
+      return -1;
+    }
+    return api_->all_reduce(comm_, *scratch, *scratch, 1, DIOND_NCCL_F32, DIOND_NCCL_SUM, t, e,
+                            kErr);
+  });
+}
+
+}  // namespace diond::comm

@@ -1,0 +1,77 @@
+// The NCCL backend of Communicator: device buffers, through the CUDA plugin's C ABI
+// (kernels/cuda/plugin_api.h, DiondNcclApiV1), so the daemon itself links no CUDA library.
+// Rank 0 makes the NCCL unique id and publishes it in the world's KeyValueStore under the
+// generation's prefix; the other ranks wait for it there.
+//
+// Collectives are synchronous on the communicator's own stream and bounded by `timeout`; a
+// failure aborts the NCCL comm and this communicator (UNAVAILABLE). Bytes are counted with the
+// ring formulas (NCCL does not report them). AllGatherV is padded to the largest block through a
+// device staging buffer.
+//
+// Thread-safety: thread-safe; collectives are serialized.
+#ifndef DIOND_SERVER_COMM_NCCL_COMMUNICATOR_H_
+#define DIOND_SERVER_COMM_NCCL_COMMUNICATOR_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "kernels/cuda/plugin_api.h"
+#include "server/comm/communicator.h"
+#include "server/comm/key_value_store.h"
+
+namespace diond::comm {
+
+struct NcclOptions {
+  int rank = 0;
+  int size = 1;
+  int device = 0;      // CUDA device index
+  std::string prefix;  // the generation's key prefix
+  absl::Duration timeout = absl::Seconds(10);
+  CollectiveObserver observer;
+};
+
+class NcclCommunicator final : public Communicator {
+ public:
+  // FAILED_PRECONDITION if the plugin has no NCCL table (ABI minor < 1); UNAVAILABLE if the id
+  // exchange or NCCL's init fails or times out.
+  static absl::StatusOr<std::unique_ptr<NcclCommunicator>> Create(const DiondCudaPluginV1* plugin,
+                                                                  KeyValueStore* kv,
+                                                                  const NcclOptions& options);
+  ~NcclCommunicator() override;
+
+  MemorySpace memory() const override { return MemorySpace::kDevice; }
+  absl::string_view backend() const override { return "nccl"; }
+
+  absl::Status AllReduceSum(absl::Span<float> data) override;
+  absl::Status AllReduceAverage(absl::Span<float> data) override;
+  absl::Status ReduceScatterSum(absl::Span<const float> input, absl::Span<float> output) override;
+  absl::Status AllGather(absl::Span<const float> input, absl::Span<float> output) override;
+  absl::Status AllGatherV(absl::Span<const float> input, absl::Span<const int64_t> counts,
+                          absl::Span<float> output) override;
+  absl::Status AllToAll(absl::Span<const float> input, absl::Span<float> output) override;
+  absl::Status Broadcast(absl::Span<float> data, int root) override;
+  absl::Status Barrier() override;
+  absl::Status AllGatherBytes(absl::Span<const uint8_t> input, absl::Span<uint8_t> output) override;
+  absl::Status BroadcastBytes(absl::Span<uint8_t> data, int root) override;
+
+ private:
+  NcclCommunicator(const NcclOptions& options, const DiondNcclApiV1* api);
+  template <typename F>
+  absl::Status Call(CollectiveOp op, int64_t bytes, F&& f);
+  // Device scratch of at least `bytes` (grown on demand).
+  absl::StatusOr<void*> Scratch(size_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  NcclOptions options_;
+  const DiondNcclApiV1* api_;
+  void* comm_ = nullptr;
+  absl::Mutex mu_;
+  void* scratch_ ABSL_GUARDED_BY(mu_) = nullptr;
+  size_t scratch_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace diond::comm
+
+#endif  // DIOND_SERVER_COMM_NCCL_COMMUNICATOR_H_
