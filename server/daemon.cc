@@ -7,7 +7,10 @@
 #include "nlohmann/json.hpp"
 #include "prometheus/registry.h"
 #include "server/metrics.h"
+#include "server/comm/membership.h"
+#include "server/comm/world.h"
 #include "server/rpc/grpc_server.h"
+#include "server/rpc/peer_client.h"
 #include "server/version.h"
 
 #include <unistd.h>
@@ -61,8 +64,61 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   ro.listen = options.listen;
   ro.manager = d->sessions_.get();
   ro.service.allow_shm_from_tcp = options.allow_shm_from_tcp;
+  const WorldConfig& wc = options.world;
+  if (wc.world_size > 1 && wc.rank == 0) {
+    comm::CoordinatorOptions co;
+    co.world_size = wc.world_size;
+    co.heartbeat_interval = wc.heartbeat_interval;
+    co.peer_timeout = wc.peer_timeout;
+    d->coordinator_ = std::make_unique<comm::Coordinator>(co);
+    ro.coordinator = d->coordinator_.get();
+  }
   DIOND_ASSIGN_OR_RETURN(d->rpc_, rpc::RpcServer::Start(ro, d->metrics_.get()));
+  if (wc.world_size > 1) DIOND_RETURN_IF_ERROR(d->JoinWorld(wc));
   return d;
+}
+
+absl::Status Daemon::JoinWorld(const WorldConfig& wc) {
+  comm::MembershipService* membership = coordinator_.get();
+  comm::KeyValueStore* kv = coordinator_ ? coordinator_->store() : nullptr;
+  if (coordinator_ == nullptr) {
+    if (wc.coordinator.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "rank ", wc.rank, " of a world of ", wc.world_size,
+          " needs --coordinator=HOST:PORT (rank 0's address) or --peer_service"));
+    }
+    peer_client_ = std::make_unique<rpc::PeerClient>(
+        wc.coordinator, std::min(absl::Seconds(5), wc.peer_timeout / 2));
+    membership = peer_client_.get();
+    kv = peer_client_.get();
+  }
+  comm::WorldOptions wo;
+  wo.rank = wc.rank;
+  wo.world_size = wc.world_size;
+  wo.address = wc.peer_address;
+  wo.heartbeat_interval = wc.heartbeat_interval;
+  wo.peer_timeout = wc.peer_timeout;
+  wo.join_timeout = wc.join_timeout;
+  DaemonMetrics* m = metrics_.get();
+  wo.collective_observer = [m](comm::CollectiveOp op, int64_t bytes, double seconds,
+                               const absl::Status&) {
+    m->ObserveCollective(comm::CollectiveOpName(op), bytes, seconds);
+  };
+  wo.on_peers = [m](int live) { m->SetWorldPeers(live); };
+  wo.on_ready = [m](uint64_t generation) { m->SetWorldGeneration(generation); };
+  wo.on_broken = [m](uint64_t, const absl::Status&) {
+    m->CountWorldFailure();
+    m->SetWorldGeneration(0);
+  };
+  auto world = comm::World::Join(wo, membership, kv);
+  if (!world.ok()) {
+    std::string where = coordinator_ ? "" : absl::StrCat(" (coordinator ", wc.coordinator, ")");
+    return absl::Status(world.status().code(),
+                        absl::StrCat("cannot join the daemon world as rank ", wc.rank, " of ",
+                                     wc.world_size, where, ": ", world.status().message()));
+  }
+  world_ = std::move(*world);
+  return absl::OkStatus();
 }
 
 std::vector<ListenAddress> Daemon::bound() const {
@@ -83,8 +139,13 @@ std::string Daemon::Describe() const {
   if (!device_.fallback_reason.empty()) {
     absl::StrAppend(&device, " (no GPU in use: ", device_.fallback_reason, ")");
   }
+  std::string world;
+  if (world_) {
+    world = absl::StrCat("; world rank ", world_->rank(), " of ", world_->size(),
+                         coordinator_ ? " (coordinator)" : "");
+  }
   return absl::StrCat("diond ", kVersion, " serving on ", absl::StrJoin(names, ", "), "; ",
-                      metrics, "; ", device);
+                      metrics, "; ", device, world);
 }
 
 std::string Daemon::ReadyJson() const {
@@ -110,10 +171,15 @@ std::string Daemon::ReadyJson() const {
 }
 
 void Daemon::Shutdown(absl::Duration drain) {
+  world_.reset();
+  // Parked Peer.Wait calls would hold the gRPC server's shutdown until their timeouts.
+  if (coordinator_) coordinator_->store()->CancelWaiters();
   if (rpc_) rpc_->Shutdown(drain);
   rpc_.reset();
   sessions_.reset();
   metrics_server_.reset();
+  peer_client_.reset();
+  coordinator_.reset();
 }
 
 }  // namespace diond::server

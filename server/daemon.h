@@ -15,12 +15,28 @@
 
 namespace diond::rpc {
 class RpcServer;
+class PeerClient;
+}
+namespace diond::comm {
+class Coordinator;
+class World;
 }
 
 namespace diond::server {
 
 class DaemonMetrics;
 class MetricsServer;
+
+// The daemon world (ARCHITECTURE.md §6; flags in docs/OPERATIONS.md "World").
+struct WorldConfig {
+  int rank = 0;
+  int world_size = 1;          // 1 = no world: nothing below is used
+  std::string coordinator;     // rank 0's Peer address, host:port (ranks > 0)
+  std::string peer_address = "127.0.0.1";  // what other daemons reach us at (Gloo binds it)
+  absl::Duration heartbeat_interval = absl::Seconds(1);
+  absl::Duration peer_timeout = absl::Seconds(10);
+  absl::Duration join_timeout = absl::Seconds(60);
+};
 
 struct DaemonOptions {
   std::vector<ListenAddress> listen;
@@ -30,6 +46,7 @@ struct DaemonOptions {
   bool allow_insecure_remote = false;
   bool allow_shm_from_tcp = false;
   session::ManagerOptions sessions;
+  WorldConfig world;
 };
 
 class Daemon {
@@ -48,14 +65,22 @@ class Daemon {
 
   void Shutdown(absl::Duration drain);
 
+  // The daemon world, or null when --world_size is 1. Valid until Shutdown.
+  comm::World* world() const { return world_.get(); }
+
  private:
   Daemon();
+  absl::Status JoinWorld(const WorldConfig& config);
   kernels::SelectedDevice device_;
   std::string metrics_address_;
   std::unique_ptr<DaemonMetrics> metrics_;
   std::unique_ptr<session::SessionManager> sessions_;
   std::unique_ptr<MetricsServer> metrics_server_;
   std::unique_ptr<rpc::RpcServer> rpc_;
+  // World members are declared last so they are destroyed first (they call into the others).
+  std::unique_ptr<comm::Coordinator> coordinator_;  // rank 0 of a world only
+  std::unique_ptr<rpc::PeerClient> peer_client_;    // ranks > 0 only
+  std::unique_ptr<comm::World> world_;
 };
 
 }  // namespace diond::server

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <string>
 
@@ -14,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "common/logging.h"
+#include "server/comm/world_flags.h"
 #include "server/daemon.h"
 #include "server/listen.h"
 #include "server/version.h"
@@ -54,6 +56,27 @@ ABSL_FLAG(int64_t, checkpoint_every, 0,
 ABSL_FLAG(int, compute_threads, 0, "CPU threads for optimizer math; 0 = all cores.");
 ABSL_FLAG(bool, allow_insecure_remote, false,
           "Allow TCP listeners on non-loopback addresses without TLS. Off by default.");
+
+// The daemon world (docs/OPERATIONS.md, "World").
+ABSL_FLAG(int, world_size, 1,
+          "Daemons in the world; 1 = a single daemon (no world, none of the flags below used).");
+ABSL_FLAG(int, rank, -1,
+          "This daemon's rank in [0, world_size); -1 = JOB_COMPLETION_INDEX (indexed Job), else "
+          "the -<N> suffix of the hostname (StatefulSet ordinal).");
+ABSL_FLAG(std::string, coordinator, "",
+          "HOST:PORT of rank 0's gRPC listener, which serves the Peer service (ranks > 0).");
+ABSL_FLAG(std::string, peer_service, "",
+          "Kubernetes headless service NAME: --coordinator defaults to "
+          "<statefulset>-0.NAME:<port of our first TCP --listen address>.");
+ABSL_FLAG(std::string, peer_listen, "127.0.0.1",
+          "Host or IP other daemons reach this one at; Gloo's TCP transport binds it (ports are "
+          "Gloo's own).");
+ABSL_FLAG(absl::Duration, heartbeat_interval, absl::Seconds(1),
+          "How often each daemon heartbeats the coordinator.");
+ABSL_FLAG(absl::Duration, peer_timeout, absl::Seconds(10),
+          "A daemon silent this long is lost; also bounds every collective and rendezvous wait.");
+ABSL_FLAG(absl::Duration, join_timeout, absl::Seconds(60),
+          "How long a daemon tries to reach the coordinator and join before it exits non-zero.");
 
 namespace {
 
@@ -133,6 +156,47 @@ int main(int argc, char** argv) {
   options.sessions.state_dir = absl::GetFlag(FLAGS_state_dir);
   options.sessions.checkpoint_every = absl::GetFlag(FLAGS_checkpoint_every);
   options.sessions.compute_threads = absl::GetFlag(FLAGS_compute_threads);
+
+  diond::server::WorldConfig& world = options.world;
+  world.world_size = absl::GetFlag(FLAGS_world_size);
+  if (world.world_size < 1) {
+    std::fprintf(stderr, "diond: --world_size must be at least 1\n");
+    return 2;
+  }
+  if (world.world_size > 1) {
+    char host[256] = {0};
+    gethostname(host, sizeof(host) - 1);
+    auto rank = diond::comm::DeriveRank(absl::GetFlag(FLAGS_rank), world.world_size, host,
+                                        std::getenv("JOB_COMPLETION_INDEX"));
+    if (!rank.ok()) {
+      std::fprintf(stderr, "diond: %s\n", std::string(rank.status().message()).c_str());
+      return 2;
+    }
+    world.rank = *rank;
+    world.coordinator = absl::GetFlag(FLAGS_coordinator);
+    const std::string service = absl::GetFlag(FLAGS_peer_service);
+    if (world.coordinator.empty() && !service.empty()) {
+      int port = 0;
+      for (const auto& a : options.listen) {
+        if (a.kind == diond::server::ListenAddress::Kind::kTcp) {
+          port = a.port;
+          break;
+        }
+      }
+      auto c = diond::comm::CoordinatorFromService(host, service, port);
+      if (!c.ok() || port == 0) {
+        std::fprintf(stderr, "diond: --peer_service: %s\n",
+                     c.ok() ? "needs a TCP --listen address with a fixed port"
+                            : std::string(c.status().message()).c_str());
+        return 2;
+      }
+      world.coordinator = *c;
+    }
+    world.peer_address = absl::GetFlag(FLAGS_peer_listen);
+    world.heartbeat_interval = absl::GetFlag(FLAGS_heartbeat_interval);
+    world.peer_timeout = absl::GetFlag(FLAGS_peer_timeout);
+    world.join_timeout = absl::GetFlag(FLAGS_join_timeout);
+  }
 
   auto daemon = diond::server::Daemon::Start(options);
   if (!daemon.ok()) {

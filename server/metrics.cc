@@ -147,7 +147,31 @@ DaemonMetrics::DaemonMetrics(std::shared_ptr<prometheus::Registry> registry,
                             .Name("diond_checkpoint_bytes_total")
                             .Help("Bytes of checkpoints written.")
                             .Register(*registry_)
-                            .Add({})) {
+                            .Add({})),
+      collective_bytes_(prometheus::BuildCounter()
+                            .Name("diond_collective_bytes_total")
+                            .Help("Bytes this daemon sent in collectives, by op.")
+                            .Register(*registry_)),
+      collective_seconds_(prometheus::BuildHistogram()
+                              .Name("diond_collective_seconds")
+                              .Help("Wall time of collectives, by op.")
+                              .Register(*registry_)),
+      world_peers_(prometheus::BuildGauge()
+                       .Name("diond_world_peers")
+                       .Help("Live ranks of the daemon world as the coordinator reports them.")
+                       .Register(*registry_)
+                       .Add({})),
+      world_generation_(prometheus::BuildGauge()
+                            .Name("diond_world_generation")
+                            .Help("Generation of the world's current communicator; 0 = none.")
+                            .Register(*registry_)
+                            .Add({})),
+      world_failures_(prometheus::BuildCounter()
+                          .Name("diond_world_failures_total")
+                          .Help("Times the daemon world broke (lost rank, lost coordinator, "
+                                "failed collective).")
+                          .Register(*registry_)
+                          .Add({})) {
   prometheus::BuildGauge()
       .Name("diond_build_info")
       .Help("Always 1; labels describe the running daemon.")
@@ -181,6 +205,22 @@ void DaemonMetrics::ObserveCheckpoint(int64_t bytes) {
   checkpoints_.Increment();
   checkpoint_bytes_.Increment(static_cast<double>(bytes));
 }
+
+void DaemonMetrics::ObserveCollective(absl::string_view op, int64_t bytes_sent, double seconds) {
+  std::map<std::string, std::string> labels{{"op", std::string(op)}};
+  collective_bytes_.Add(labels).Increment(static_cast<double>(bytes_sent));
+  collective_seconds_.Add(labels, RpcBuckets()).Observe(seconds);
+}
+
+void DaemonMetrics::SetWorldPeers(int64_t live_ranks) {
+  world_peers_.Set(static_cast<double>(live_ranks));
+}
+
+void DaemonMetrics::SetWorldGeneration(uint64_t generation) {
+  world_generation_.Set(static_cast<double>(generation));
+}
+
+void DaemonMetrics::CountWorldFailure() { world_failures_.Increment(); }
 
 std::shared_ptr<prometheus::Collectable> MakeProcessCollector() {
   return std::make_shared<ProcessCollector>();

@@ -42,6 +42,11 @@ class DaemonMetrics {
   void SetSessions(int64_t sessions);
   void ObserveStep(absl::string_view outcome, double total_seconds, double compute_seconds);
   void ObserveCheckpoint(int64_t bytes);
+  // The daemon world (server/comm). `op` is a CollectiveOpName ("all_reduce", ...).
+  void ObserveCollective(absl::string_view op, int64_t bytes_sent, double seconds);
+  void SetWorldPeers(int64_t live_ranks);
+  void SetWorldGeneration(uint64_t generation);
+  void CountWorldFailure();
 
   prometheus::Registry& registry() { return *registry_; }
   const std::shared_ptr<prometheus::Registry>& shared_registry() { return registry_; }
@@ -56,6 +61,11 @@ class DaemonMetrics {
   prometheus::Histogram& step_compute_seconds_;
   prometheus::Counter& checkpoints_;
   prometheus::Counter& checkpoint_bytes_;
+  prometheus::Family<prometheus::Counter>& collective_bytes_;
+  prometheus::Family<prometheus::Histogram>& collective_seconds_;
+  prometheus::Gauge& world_peers_;
+  prometheus::Gauge& world_generation_;
+  prometheus::Counter& world_failures_;
 };
 
 // Standard process_* metrics read from /proc/self at scrape time (prometheus-cpp 1.0 has no

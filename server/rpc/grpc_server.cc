@@ -46,6 +46,10 @@ absl::StatusOr<std::unique_ptr<RpcServer>> RpcServer::Start(const RpcServerOptio
                              a.kind == server::ListenAddress::Kind::kTcp ? &ports[i] : nullptr);
   }
   builder.RegisterService(s->service_.get());
+  if (options.coordinator != nullptr) {
+    s->peer_service_ = std::make_unique<PeerService>(options.coordinator);
+    builder.RegisterService(s->peer_service_.get());
+  }
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> icpt;
   icpt.push_back(MakeMetricsInterceptorFactory(metrics));
   builder.experimental().SetInterceptorCreators(std::move(icpt));
@@ -79,6 +83,7 @@ absl::StatusOr<std::unique_ptr<RpcServer>> RpcServer::Start(const RpcServerOptio
   auto* health = s->server_->GetHealthCheckService();
   health->SetServingStatus(true);
   health->SetServingStatus("diond.v1.Optimizer", true);
+  if (s->peer_service_) health->SetServingStatus("diond.v1.Peer", true);
   return s;
 }
 

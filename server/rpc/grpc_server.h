@@ -14,6 +14,7 @@
 #include "server/listen.h"
 #include "server/metrics.h"
 #include "server/rpc/optimizer_service.h"
+#include "server/rpc/peer_service.h"
 #include "server/session/session_manager.h"
 
 namespace grpc {
@@ -27,6 +28,9 @@ struct RpcServerOptions {
   session::SessionManager* manager = nullptr;  // required; must outlive the server
   OptimizerServiceOptions service;
   int64_t max_message_bytes = 64 << 20;
+  // Rank 0 of a daemon world (--world_size > 1): also serve diond.v1.Peer from this coordinator,
+  // which must outlive the server. Null otherwise.
+  comm::Coordinator* coordinator = nullptr;
 };
 
 class RpcServer {
@@ -47,6 +51,7 @@ class RpcServer {
  private:
   RpcServer();
   std::unique_ptr<OptimizerService> service_;
+  std::unique_ptr<PeerService> peer_service_;
   std::unique_ptr<grpc::Server> server_;
   std::vector<server::ListenAddress> bound_;
   bool shut_down_ = false;
