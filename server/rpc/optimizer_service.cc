@@ -19,19 +19,26 @@ grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* ctx, const absl::S
 }
 
 // Collects the chunks of a client stream, then hands them to `apply` once the client has
-// finished. A cancelled (truncated) stream applies nothing.
+// finished. A cancelled (truncated) stream applies nothing: OnReadDone(false) means either a
+// half-close or a cancellation, so the context is asked which (without the check, a client
+// that cancelled after sending complete tensors saw CANCELLED while its writes were applied).
 class ChunkReader : public grpc::ServerReadReactor<v1::TensorChunk> {
  public:
   using Apply = std::function<absl::Status(const std::string& session,
                                            std::vector<session::TensorWrite> writes,
                                            int64_t bytes, int64_t chunks)>;
-  ChunkReader(int64_t max_chunk_bytes, Apply apply)
-      : max_chunk_bytes_(max_chunk_bytes), apply_(std::move(apply)) {
+  ChunkReader(grpc::CallbackServerContext* ctx, int64_t max_chunk_bytes, Apply apply)
+      : ctx_(ctx), max_chunk_bytes_(max_chunk_bytes), apply_(std::move(apply)) {
     StartRead(&chunk_);
   }
 
   void OnReadDone(bool ok) override {
-    if (!ok) {  // the client half-closed: the stream is complete
+    if (!ok) {
+      if (ctx_->IsCancelled()) {
+        Finish(grpc::Status(grpc::StatusCode::CANCELLED, "stream cancelled; nothing applied"));
+        return;
+      }
+      // The client half-closed: the stream is complete.
       Finish(ToGrpcStatus(apply_(session_, std::move(writes_), bytes_, chunks_)));
       return;
     }
@@ -57,6 +64,7 @@ class ChunkReader : public grpc::ServerReadReactor<v1::TensorChunk> {
   void OnDone() override { delete this; }
 
  private:
+  grpc::CallbackServerContext* ctx_;
   int64_t max_chunk_bytes_;
   Apply apply_;
   v1::TensorChunk chunk_;
@@ -181,9 +189,9 @@ grpc::ServerUnaryReactor* OptimizerService::Step(grpc::CallbackServerContext* ct
 }
 
 grpc::ServerReadReactor<v1::TensorChunk>* OptimizerService::PushGradients(
-    grpc::CallbackServerContext*, v1::PushGradientsResponse* resp) {
+    grpc::CallbackServerContext* ctx, v1::PushGradientsResponse* resp) {
   session::SessionManager* manager = manager_;
-  return new ChunkReader(options_.max_chunk_bytes,
+  return new ChunkReader(ctx, options_.max_chunk_bytes,
                          [manager, resp](const std::string& id,
                                          std::vector<session::TensorWrite> writes, int64_t bytes,
                                          int64_t chunks) -> absl::Status {
@@ -311,9 +319,9 @@ grpc::ServerWriteReactor<v1::TensorChunk>* OptimizerService::GetState(
 }
 
 grpc::ServerReadReactor<v1::TensorChunk>* OptimizerService::SetState(
-    grpc::CallbackServerContext*, v1::SetStateResponse* resp) {
+    grpc::CallbackServerContext* ctx, v1::SetStateResponse* resp) {
   session::SessionManager* manager = manager_;
-  return new ChunkReader(options_.max_chunk_bytes,
+  return new ChunkReader(ctx, options_.max_chunk_bytes,
                          [manager, resp](const std::string& id,
                                          std::vector<session::TensorWrite> writes, int64_t,
                                          int64_t) -> absl::Status {
