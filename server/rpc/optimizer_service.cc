@@ -106,6 +106,19 @@ class ChunkWriter : public grpc::ServerWriteReactor<v1::TensorChunk> {
   v1::TensorChunk chunk_;
 };
 
+// Checkpoint paths name files on the daemon's host. Unix-socket peers are the daemon's own user
+// (the socket is 0600) and may name any path; TCP peers only relative paths, which the session
+// manager resolves under --state_dir, without "..".
+absl::Status CheckPathAllowed(grpc::CallbackServerContext* ctx, const std::string& path,
+                              const char* field) {
+  if (absl::StartsWith(ctx->peer(), "unix:")) return absl::OkStatus();
+  if (!path.empty() && (path[0] == '/' || absl::StrContains(path, ".."))) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        field, " '", path, "': TCP clients may only name paths relative to --state_dir"));
+  }
+  return absl::OkStatus();
+}
+
 grpc::ServerWriteReactor<v1::TensorChunk>* FailWrite(const absl::Status& s) {
   return new ChunkWriter([s](v1::TensorChunk*) -> absl::StatusOr<bool> { return s; });
 }
@@ -339,6 +352,9 @@ grpc::ServerReadReactor<v1::TensorChunk>* OptimizerService::SetState(
 grpc::ServerUnaryReactor* OptimizerService::SaveCheckpoint(grpc::CallbackServerContext* ctx,
                                                            const v1::SaveCheckpointRequest* req,
                                                            v1::SaveCheckpointResponse* resp) {
+  if (absl::Status p = CheckPathAllowed(ctx, req->directory(), "directory"); !p.ok()) {
+    return Finish(ctx, p);
+  }
   auto saved = manager_->SaveCheckpoint(req->session_id(), req->directory());
   if (!saved.ok()) return Finish(ctx, saved.status());
   resp->set_path(saved->first);
@@ -353,6 +369,9 @@ grpc::ServerUnaryReactor* OptimizerService::LoadCheckpoint(grpc::CallbackServerC
                                                            v1::LoadCheckpointResponse* resp) {
   if (req->path().empty()) {
     return Finish(ctx, absl::InvalidArgumentError("LoadCheckpoint needs a path"));
+  }
+  if (absl::Status p = CheckPathAllowed(ctx, req->path(), "path"); !p.ok()) {
+    return Finish(ctx, p);
   }
   auto s = manager_->LoadCheckpoint(req->path());
   if (!s.ok()) return Finish(ctx, s.status());

@@ -177,7 +177,15 @@ absl::StatusOr<StepResult> SessionManager::Step(const std::string& id,
 
 absl::StatusOr<std::pair<std::string, int64_t>> SessionManager::SaveCheckpoint(
     const std::string& id, const std::string& root) {
-  const std::string dir = root.empty() ? options_.state_dir : root;
+  // A relative directory lives under --state_dir.
+  std::string dir = root.empty() ? options_.state_dir : root;
+  if (!root.empty() && root[0] != '/') {
+    if (options_.state_dir.empty()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "relative checkpoint directory '", root, "' needs --state_dir to resolve against"));
+    }
+    dir = absl::StrCat(options_.state_dir, "/", root);
+  }
   if (dir.empty()) {
     return absl::FailedPreconditionError(
         "no checkpoint directory: pass one or start the daemon with --state_dir");
@@ -191,7 +199,12 @@ absl::StatusOr<std::pair<std::string, int64_t>> SessionManager::SaveCheckpoint(
   return saved;
 }
 
-absl::StatusOr<std::shared_ptr<Session>> SessionManager::LoadCheckpoint(const std::string& path) {
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::LoadCheckpoint(
+    const std::string& given) {
+  std::string path = given;
+  if (!given.empty() && given[0] != '/' && !options_.state_dir.empty()) {
+    path = absl::StrCat(options_.state_dir, "/", given);  // relative: under --state_dir
+  }
   DIOND_ASSIGN_OR_RETURN(SessionSnapshot snap, ReadCheckpoint(path));
   auto created = CreateSession(snap.spec);
   if (!created.ok()) {

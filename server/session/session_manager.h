@@ -56,11 +56,13 @@ class SessionManager {
   // Step through the shared compute context; checkpoints afterwards when due.
   absl::StatusOr<StepResult> Step(const std::string& id, const StepRequest& request);
 
-  // Writes a checkpoint of `id` under `root` (empty = --state_dir; FAILED_PRECONDITION if
+  // Writes a checkpoint of `id` under `root` (empty = --state_dir; relative = under --state_dir;
+  // FAILED_PRECONDITION if
   // neither). Returns the checkpoint directory and its bytes.
   absl::StatusOr<std::pair<std::string, int64_t>> SaveCheckpoint(const std::string& id,
                                                                  const std::string& root);
   // Restores a checkpoint directory into a new session. DATA_LOSS for corrupt files.
+  // A relative `path` is resolved under --state_dir.
   absl::StatusOr<std::shared_ptr<Session>> LoadCheckpoint(const std::string& path);
 
   // Closes sessions idle for longer than the timeout (checkpointing first with a state dir).

@@ -248,6 +248,23 @@ std::vector<BadCase> Cases() {
          auto tcp = world->daemon->NewTcpStub();
          return Register(Region(world->fresh, v1::REGION_ROLE_PARAMETERS, world->spare->name(), 0, arena()), tcp.get());
        }},
+      {"SaveCheckpointAbsolutePathOverTcp", Code::PERMISSION_DENIED, "relative to --state_dir",
+       [good] {
+         auto tcp = world->daemon->NewTcpStub();
+         v1::SaveCheckpointRequest r;
+         r.set_session_id(good());
+         r.set_directory("/tmp/elsewhere");
+         v1::SaveCheckpointResponse resp;
+         return tcp->SaveCheckpoint(Ctx().get(), r, &resp);
+       }},
+      {"LoadCheckpointEscapingPathOverTcp", Code::PERMISSION_DENIED, "relative to --state_dir",
+       [] {
+         auto tcp = world->daemon->NewTcpStub();
+         v1::LoadCheckpointRequest r;
+         r.set_path("../../etc");
+         v1::LoadCheckpointResponse resp;
+         return tcp->LoadCheckpoint(Ctx().get(), r, &resp);
+       }},
       {"RegisterUnknownSession", Code::NOT_FOUND, "unknown session 's-nope'",
        [arena] { return Register(Region("s-nope", v1::REGION_ROLE_PARAMETERS, world->spare->name(), 0, arena())); }},
       {"UnregisterUnknownRegion", Code::NOT_FOUND, "no region 'params-99'",
