@@ -1,0 +1,324 @@
+"""Low-level client: one method per RPC of diond.v1.Optimizer, plus gRPC health.
+
+Every call has a deadline (``timeout``, seconds; per call or the client's default), so nothing
+waits forever on a daemon that hangs, and every failure is raised as ``diond.DiondError`` with the
+gRPC status code and the daemon's message. Torch is not needed here; tensors go in as bytes-like
+objects (bytes, memoryview, numpy arrays, CPU torch tensors) and come back as ``RawTensor``.
+"""
+import os
+
+import grpc
+import numpy as np
+
+from .errors import DiondError
+
+try:
+    from diond.v1 import optimizer_pb2 as pb
+    from diond.v1 import optimizer_pb2_grpc as pb_grpc
+except ImportError as _e:  # pragma: no cover - depends on the installation
+    raise ImportError(
+        "diond: the generated gRPC stubs (diond.v1.optimizer_pb2) were not found. Build them with "
+        "`DIOND_TARGETS=diond_proto_python bash scripts/build.sh` and put <build>/python on "
+        "PYTHONPATH or in DIOND_PROTO_PATH, or `pip install --no-build-isolation client/python` "
+        "(needs protoc and grpc_python_plugin). Original error: %s" % _e) from None
+
+MAX_CHUNK_BYTES = 4 << 20  # the daemon's limit per TensorChunk
+DEFAULT_PUSH_CHUNK_BYTES = 1 << 20
+
+_NP_DTYPE = {pb.DTYPE_F32: np.float32, pb.DTYPE_F16: np.float16, pb.DTYPE_BF16: np.uint16}
+_ELEM = {pb.DTYPE_F32: 4, pb.DTYPE_F16: 2, pb.DTYPE_BF16: 2}
+
+_HEALTH = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
+
+
+def default_target():
+    """$DIOND_TARGET, else the daemon's default Unix socket."""
+    t = os.environ.get("DIOND_TARGET")
+    if t:
+        return t
+    run = os.environ.get("XDG_RUNTIME_DIR")
+    if run:
+        return "unix:" + os.path.join(run, "diond.sock")
+    return "unix:/tmp/diond-%d.sock" % os.getuid()
+
+
+class RawTensor:
+    """A tensor as the daemon sent it: name, shape, dtype (a diond.v1.DType value), bytes."""
+
+    __slots__ = ("name", "shape", "dtype", "data")
+
+    def __init__(self, name, shape, dtype, data):
+        self.name, self.shape, self.dtype, self.data = name, tuple(shape), dtype, data
+
+    def numpy(self):
+        """float32 for F32 and BF16 (widened exactly), float16 for F16."""
+        a = np.frombuffer(self.data, dtype=_NP_DTYPE[self.dtype])
+        if self.dtype == pb.DTYPE_BF16:
+            a = (a.astype(np.uint32) << 16).view(np.float32)
+        return a.reshape(self.shape)
+
+    def torch(self):
+        """A new torch tensor in the tensor's own dtype (bfloat16 stays bfloat16)."""
+        import torch
+        dt = {pb.DTYPE_F32: torch.float32, pb.DTYPE_F16: torch.float16,
+              pb.DTYPE_BF16: torch.bfloat16}[self.dtype]
+        buf = bytearray(self.data)
+        if not buf:
+            return torch.empty(self.shape, dtype=dt)
+        return torch.frombuffer(buf, dtype=dt).reshape(self.shape)
+
+    def __repr__(self):
+        return "RawTensor(%r, shape=%s, dtype=%s, %d bytes)" % (
+            self.name, list(self.shape), pb.DType.Name(self.dtype), len(self.data))
+
+
+def as_bytes(x):
+    """A flat byte view of bytes/bytearray/memoryview, a numpy array or a CPU torch tensor."""
+    if isinstance(x, (bytes, bytearray)):
+        return memoryview(x)
+    if isinstance(x, memoryview):
+        return x.cast("B") if x.format != "B" or x.ndim != 1 else x
+    if isinstance(x, np.ndarray):
+        return memoryview(np.ascontiguousarray(x).reshape(-1).view(np.uint8))
+    mod = type(x).__module__
+    if mod.startswith("torch"):
+        import torch
+        t = x.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous().reshape(-1)
+        if t.dtype in (torch.bfloat16, torch.float16):
+            t = t.view(torch.int16)
+        return memoryview(t.numpy().view(np.uint8))
+    raise TypeError("expected bytes, a numpy array or a torch tensor, got %s" % type(x).__name__)
+
+
+def _chunks(session_id, tensors, chunk_bytes):
+    first = True
+    for name, value in tensors.items():
+        mv = as_bytes(value)
+        n = len(mv)
+        off = 0
+        while True:
+            c = pb.TensorChunk(name=name, offset_bytes=off, data=bytes(mv[off:off + chunk_bytes]))
+            if first:
+                c.session_id = session_id
+                first = False
+            yield c
+            off += chunk_bytes
+            if off >= n:
+                break
+
+
+def _encode_health_request(service):
+    b = service.encode()
+    out = bytearray()
+    if b:
+        out.append(0x0A)  # field 1, length-delimited
+        n = len(b)
+        while True:
+            if n < 0x80:
+                out.append(n)
+                break
+            out.append((n & 0x7F) | 0x80)
+            n >>= 7
+        out += b
+    return bytes(out)
+
+
+def _decode_health_response(data):
+    i = 0
+    status = 0
+    while i < len(data):
+        tag = data[i]
+        i += 1
+        if tag == 0x08:  # field 1 varint
+            v, shift = 0, 0
+            while True:
+                c = data[i]
+                i += 1
+                v |= (c & 0x7F) << shift
+                shift += 7
+                if c < 0x80:
+                    break
+            status = v
+        else:  # unknown field: the health response has none; stop
+            break
+    return status
+
+
+class Client:
+    """A connection to one daemon.
+
+    Args:
+      target: "unix:/path/diond.sock" or "host:port" (default: ``default_target()``).
+      timeout: default deadline of every call, seconds.
+      connect_timeout: how long the constructor waits for the connection; a daemon that is not
+        running gives DiondError(UNAVAILABLE) after at most this long.
+    """
+
+    def __init__(self, target=None, *, timeout=60.0, connect_timeout=10.0, options=None):
+        self.target = target or default_target()
+        self.timeout = float(timeout)
+        opts = [("grpc.max_receive_message_length", 64 << 20),
+                ("grpc.max_send_message_length", 64 << 20)]
+        if options:
+            opts.extend(options)
+        self._channel = grpc.insecure_channel(self.target, options=opts)
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=connect_timeout)
+        except grpc.FutureTimeoutError:
+            self._channel.close()
+            raise DiondError(
+                grpc.StatusCode.UNAVAILABLE,
+                "cannot connect to diond at %s within %g s: is the daemon running there?"
+                % (self.target, connect_timeout), "connect") from None
+        self.stub = pb_grpc.OptimizerStub(self._channel)
+        self._health = self._channel.unary_unary(
+            "/grpc.health.v1.Health/Check",
+            request_serializer=lambda b: b, response_deserializer=lambda b: b)
+
+    @property
+    def is_unix(self):
+        return self.target.startswith("unix:") or self.target.startswith("unix-abstract:")
+
+    # -- plumbing ---------------------------------------------------------------------------
+    def _t(self, timeout):
+        return self.timeout if timeout is None else float(timeout)
+
+    def _unary(self, method, request, timeout=None):
+        try:
+            return getattr(self.stub, method)(request, timeout=self._t(timeout))
+        except grpc.RpcError as e:
+            raise DiondError.from_rpc_error(e, method, self.target) from None
+
+    def _read_stream(self, method, request, timeout=None):
+        out = {}
+        order = []
+        try:
+            for c in getattr(self.stub, method)(request, timeout=self._t(timeout)):
+                t = out.get(c.name)
+                if t is None:
+                    if c.offset_bytes != 0:
+                        raise DiondError(grpc.StatusCode.INTERNAL,
+                                         "tensor %r started at offset %d" % (c.name, c.offset_bytes),
+                                         method)
+                    t = [list(c.shape), c.dtype, bytearray(c.total_bytes)]
+                    out[c.name] = t
+                    order.append(c.name)
+                end = c.offset_bytes + len(c.data)
+                if end > len(t[2]):
+                    raise DiondError(grpc.StatusCode.INTERNAL,
+                                     "chunk of %r runs past its %d bytes" % (c.name, len(t[2])),
+                                     method)
+                t[2][c.offset_bytes:end] = c.data
+        except grpc.RpcError as e:
+            raise DiondError.from_rpc_error(e, method, self.target) from None
+        return {n: RawTensor(n, out[n][0], out[n][1], bytes(out[n][2])) for n in order}
+
+    def close(self):
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- health -------------------------------------------------------------------------------
+    def health(self, service="", timeout=5.0):
+        """grpc.health.v1 status of `service` ("" = the server): "SERVING", "NOT_SERVING", ..."""
+        try:
+            resp = self._health(_encode_health_request(service), timeout=timeout)
+        except grpc.RpcError as e:
+            raise DiondError.from_rpc_error(e, "Health.Check", self.target) from None
+        return _HEALTH.get(_decode_health_response(resp), "UNKNOWN")
+
+    # -- Optimizer RPCs -------------------------------------------------------------------------
+    def create_session(self, request=None, *, parameters=(), groups=(), fp32_master_weights=False,
+                       non_finite_policy=pb.NON_FINITE_POLICY_SKIP, client_name="", timeout=None):
+        """CreateSession; pass a CreateSessionRequest or its fields. Returns the response."""
+        if request is None:
+            request = pb.CreateSessionRequest(
+                parameters=list(parameters), groups=list(groups),
+                fp32_master_weights=fp32_master_weights, non_finite_policy=non_finite_policy,
+                client_name=client_name)
+        return self._unary("CreateSession", request, timeout)
+
+    def register_region(self, session_id, role, name, offset_bytes, size_bytes, timeout=None):
+        """RegisterRegion of a POSIX shm segment `name` (no leading slash). Returns region_id."""
+        req = pb.RegisterRegionRequest(
+            session_id=session_id, role=role, kind=pb.REGION_KIND_SYSTEM_SHM,
+            system_shm=pb.SystemShmRegion(name=name, offset_bytes=offset_bytes,
+                                          size_bytes=size_bytes))
+        return self._unary("RegisterRegion", req, timeout).region_id
+
+    def unregister_region(self, session_id, region_id, timeout=None):
+        self._unary("UnregisterRegion",
+                    pb.UnregisterRegionRequest(session_id=session_id, region_id=region_id), timeout)
+
+    def step(self, session_id, step_index, lr_override=None, gradient_scale=0.0, timeout=None):
+        """Step; idempotent on step_index (repeat the last index to get its recorded answer)."""
+        req = pb.StepRequest(session_id=session_id, step_index=step_index,
+                             gradient_scale=gradient_scale)
+        if lr_override:
+            for g, lr in lr_override.items():
+                req.lr_override[g] = float(lr)
+        return self._unary("Step", req, timeout)
+
+    def push_gradients(self, session_id, tensors, chunk_bytes=DEFAULT_PUSH_CHUNK_BYTES,
+                       timeout=None):
+        """PushGradients of {parameter name: bytes in the parameter's dtype}."""
+        if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
+            raise ValueError("chunk_bytes must be in 1..%d" % MAX_CHUNK_BYTES)
+        try:
+            return self.stub.PushGradients(_chunks(session_id, tensors, chunk_bytes),
+                                           timeout=self._t(timeout))
+        except grpc.RpcError as e:
+            raise DiondError.from_rpc_error(e, "PushGradients", self.target) from None
+
+    def pull_parameters(self, session_id, names=None, chunk_bytes=0, timeout=None):
+        """PullParameters: {name: RawTensor in the trainer's dtype} (all parameters by default)."""
+        req = pb.PullParametersRequest(session_id=session_id, names=list(names or []),
+                                       chunk_bytes=chunk_bytes)
+        return self._read_stream("PullParameters", req, timeout)
+
+    def set_hyperparameters(self, session_id, group, lr=None, weight_decay=None, timeout=None):
+        """SetHyperparameters (the daemon changes lr and weight_decay only)."""
+        h = pb.Hyperparameters()
+        if lr is not None:
+            h.lr = float(lr)
+        if weight_decay is not None:
+            h.weight_decay = float(weight_decay)
+        self._unary("SetHyperparameters", pb.SetHyperparametersRequest(
+            session_id=session_id, group=group, hyperparameters=h), timeout)
+
+    def get_state(self, session_id, include_parameters=False, timeout=None):
+        """GetState: {"<param>/state.<name>": RawTensor (float32)}, plus the parameters (float32
+        master values) when include_parameters."""
+        req = pb.GetStateRequest(session_id=session_id, include_parameters=include_parameters)
+        return self._read_stream("GetState", req, timeout)
+
+    def set_state(self, session_id, tensors, chunk_bytes=DEFAULT_PUSH_CHUNK_BYTES, timeout=None):
+        """SetState of {name: bytes}: state tensors as float32, parameters in their own dtype.
+        Returns the number of tensors set."""
+        if not tensors:
+            return 0
+        try:
+            return self.stub.SetState(_chunks(session_id, tensors, chunk_bytes),
+                                      timeout=self._t(timeout)).tensors
+        except grpc.RpcError as e:
+            raise DiondError.from_rpc_error(e, "SetState", self.target) from None
+
+    def save_checkpoint(self, session_id, directory="", timeout=None):
+        return self._unary("SaveCheckpoint", pb.SaveCheckpointRequest(
+            session_id=session_id, directory=directory), timeout)
+
+    def load_checkpoint(self, path, timeout=None):
+        return self._unary("LoadCheckpoint", pb.LoadCheckpointRequest(path=path), timeout)
+
+    def close_session(self, session_id, timeout=None):
+        self._unary("CloseSession", pb.CloseSessionRequest(session_id=session_id), timeout)
+
+    def list_sessions(self, timeout=None):
+        return list(self._unary("ListSessions", pb.ListSessionsRequest(), timeout).sessions)

@@ -1,0 +1,144 @@
+"""Start and stop a local diond daemon (tests, examples, benchmarks).
+
+    with diond.Daemon() as d:               # CPU daemon on a private Unix socket
+        opt = diond.torch.Optimizer(params, target=d.target)
+
+The binary: the `binary` argument, else $DIOND_BINARY, else <repo>/build/bin/diond (source
+checkout), else `diond` on PATH.
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+
+
+def find_binary(binary=None):
+    cands = [binary, os.environ.get("DIOND_BINARY")]
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cands.append(os.path.join(repo, "build", "bin", "diond"))
+    for c in cands:
+        if c and os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    w = shutil.which("diond")
+    if w:
+        return w
+    raise FileNotFoundError(
+        "diond binary not found (tried %s, PATH); build it with `bash scripts/build.sh` or set "
+        "DIOND_BINARY" % ", ".join(c for c in cands if c))
+
+
+class Daemon:
+    """A diond process on a Unix socket in a fresh temporary folder.
+
+    Args:
+      binary: path of diond (see find_binary).
+      device: --device (default "cpu").
+      compute_threads: --compute_threads (None = the daemon's default, all cores).
+      extra_args: more flags.
+      ready_timeout: seconds to wait for the ready file.
+    """
+
+    def __init__(self, binary=None, *, device="cpu", compute_threads=None, extra_args=(),
+                 tcp=False, ready_timeout=60.0, workdir=None):
+        self.binary = find_binary(binary)
+        self.device = device
+        self.compute_threads = compute_threads
+        self.extra_args = list(extra_args)
+        self.ready_timeout = ready_timeout
+        self._own_dir = workdir is None
+        self.workdir = workdir or tempfile.mkdtemp(prefix="diond-")
+        self.socket = os.path.join(self.workdir, "diond.sock")
+        self.ready_file = os.path.join(self.workdir, "ready.json")
+        self.log_path = os.path.join(self.workdir, "diond.log")
+        self.tcp = tcp
+        self.tcp_target = None  # "127.0.0.1:<port>" once started with tcp=True
+        self.proc = None
+
+    @property
+    def target(self):
+        return "unix:" + self.socket
+
+    def start(self):
+        if self.proc is not None and self.proc.poll() is None:
+            raise RuntimeError("daemon already running (pid %d)" % self.proc.pid)
+        for p in (self.ready_file, self.socket):
+            if os.path.exists(p):
+                os.unlink(p)
+        listen = "unix:" + self.socket + (",127.0.0.1:0" if self.tcp else "")
+        args = [self.binary, "--device=" + self.device, "--listen=" + listen,
+                "--metrics_address=", "--ready_file=" + self.ready_file]
+        if self.compute_threads is not None:
+            args.append("--compute_threads=%d" % self.compute_threads)
+        args += self.extra_args
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + self.ready_timeout
+        while time.monotonic() < deadline:
+            if os.path.exists(self.ready_file) and os.path.getsize(self.ready_file) > 0:
+                with open(self.ready_file) as f:
+                    self.ready = json.load(f)
+                for entry in self.ready.get("listen", []):
+                    if "port" in entry:
+                        self.tcp_target = entry["uri"]
+                return self
+            if self.proc.poll() is not None:
+                raise RuntimeError("diond exited with status %d during start-up:\n%s"
+                                   % (self.proc.returncode, self.log_tail()))
+            time.sleep(0.02)
+        self.kill()
+        raise RuntimeError("diond did not become ready within %g s:\n%s"
+                           % (self.ready_timeout, self.log_tail()))
+
+    def log_tail(self, n=20):
+        try:
+            with open(self.log_path, "rb") as f:
+                return b"".join(f.readlines()[-n:]).decode(errors="replace")
+        except OSError:
+            return ""
+
+    @property
+    def pid(self):
+        return self.proc.pid if self.proc else None
+
+    def running(self):
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout=15.0):
+        """SIGTERM and wait; returns the exit status (None if it was not running)."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        rc = self.proc.returncode
+        self._log.close()
+        return rc
+
+    def kill(self):
+        """SIGKILL (a crash, as far as clients can tell)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if self.proc is not None:
+            self._log.close()
+
+    def cleanup(self):
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self):
+        if self.proc is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.cleanup()

@@ -1,0 +1,707 @@
+"""A drop-in ``torch.optim.Optimizer`` whose update runs in the diond daemon.
+
+    import diond.torch
+    opt = diond.torch.Optimizer([
+        dict(params=hidden_matrices),                       # algorithm from the constructor
+        dict(params=embeddings + norms, algorithm="adamw", lr=3e-3, weight_decay=0.0),
+    ], algorithm="dion2", lr=0.02, target="unix:/run/user/1000/diond.sock")
+    loss.backward(); opt.step(); opt.zero_grad()
+
+Parameter groups follow microsoft/dion: each group has an ``algorithm`` ("muon", "normuon",
+"dion", "dion2", "dion3" = "nordion2", "adamw", "lion"); the constructor's keyword arguments are
+the defaults of every group (the reference's defaults: lr 0.01, mu 0.95, betas (0.9, 0.95),
+weight_decay 0.01, epsilon 1e-8, ...). An option a group's algorithm does not have, an unknown
+option or a value out of range raises ValueError/TypeError before anything reaches the daemon.
+
+Shared-memory mode (the default on a Unix socket): the constructor moves every parameter's
+``.data`` and ``.grad`` into two arenas in one POSIX shared-memory segment, so the model's tensors
+become views of memory the daemon maps as well; ``backward()`` accumulates into the gradient
+arena and ``step()`` is one small ``Step`` RPC after which the daemon has written the new weights
+in place. Remote mode (``remote=True``, the default for TCP targets): weights go up with
+``SetState`` once, gradients with ``PushGradients`` every step, and the new weights come back
+with ``PullParameters`` (both modes give bit-identical numbers).
+
+Differences from a PyTorch optimizer, by design:
+  * the daemon updates every parameter at every step; a parameter whose ``.grad`` is None steps
+    with a zero gradient (``zero_grad()`` zeroes in place, whatever ``set_to_none`` says, so the
+    gradients stay views of the arena);
+  * optimizer state lives in the daemon: ``state_dict()`` fetches it (GetState) and
+    ``load_state_dict()`` sends it (SetState); ``self.state`` stays empty;
+  * only ``lr`` (sent with every step, so schedulers just work) and ``weight_decay`` (sent with
+    SetHyperparameters when it changes) may change after construction.
+"""
+import math
+import os
+import secrets
+import weakref
+from multiprocessing import shared_memory
+
+import torch
+
+from .client import Client, DiondError, pb
+
+__all__ = ["Optimizer", "ALGORITHMS"]
+
+# Group algorithm names -> proto enum ("dion3" and "nordion2" are one class upstream).
+ALGORITHMS = {
+    "muon": pb.ALGORITHM_MUON,
+    "normuon": pb.ALGORITHM_NORMUON,
+    "dion": pb.ALGORITHM_DION,
+    "dion2": pb.ALGORITHM_DION2,
+    "dion3": pb.ALGORITHM_DION3,
+    "nordion2": pb.ALGORITHM_DION3,
+    "adamw": pb.ALGORITHM_ADAMW,
+    "lion": pb.ALGORITHM_LION,
+}
+_MATRIX = {"muon", "normuon", "dion", "dion2", "dion3", "nordion2"}
+
+# The reference's constructor defaults (ALGORITHMS.md §5.1, §6.1, §7.1, §8.1, §9.1, §13).
+DEFAULTS = dict(
+    algorithm="muon", lr=0.01, mu=0.95, betas=(0.9, 0.95), weight_decay=0.01, epsilon=1e-8,
+    nesterov=False, cautious_wd=False, adjust_lr="spectral_norm", flatten=False,
+    use_polar_express=True, muon_beta2=0.95, rank_fraction=1.0, rank_multiple_of=1,
+    fraction=0.25, ef_decay=0.95, num_heads=None, split_sizes=None, precision="fp32", seed=0,
+)
+_COMMON = {"lr", "weight_decay", "precision"}
+# Which options each algorithm has (anything else set on a group of that algorithm is an error).
+APPLIES = {
+    "muon": _COMMON | {"mu", "epsilon", "nesterov", "cautious_wd", "adjust_lr", "flatten",
+                       "use_polar_express", "num_heads", "split_sizes"},
+    "normuon": _COMMON | {"mu", "epsilon", "nesterov", "cautious_wd", "adjust_lr", "flatten",
+                          "use_polar_express", "num_heads", "split_sizes", "muon_beta2"},
+    "dion": _COMMON | {"mu", "epsilon", "rank_fraction", "rank_multiple_of", "seed"},
+    "dion2": _COMMON | {"fraction", "ef_decay", "epsilon", "adjust_lr", "flatten",
+                        "use_polar_express", "num_heads"},
+    "dion3": _COMMON | {"fraction", "mu", "muon_beta2", "epsilon", "adjust_lr", "flatten",
+                        "use_polar_express", "num_heads"},
+    "adamw": _COMMON | {"betas", "epsilon", "cautious_wd"},
+    "lion": _COMMON | {"betas", "cautious_wd"},
+}
+APPLIES["nordion2"] = APPLIES["dion3"]
+# Keys a group may carry besides the options (params, a name for logs and metrics, the
+# reference's host step counter, what LR schedulers add).
+_GROUP_META = {"params", "param_names", "algorithm", "name", "step", "initial_lr"}
+
+# Constructor arguments of the reference classes that select implementations diond does not
+# need: accepted with the values that compute the same numbers, refused otherwise.
+_COMPAT = {
+    "use_triton": (lambda v: True, "Triton kernels compute the same functions"),
+    "triton_post_ortho": (lambda v: True, "a fused kernel of the same computation"),
+    "use_gram_newton_schulz": (lambda v: not v, "Gram Newton-Schulz is not implemented"),
+    "newton_schulz_func": (lambda v: v is None, "custom orthogonalizers cannot run in the daemon"),
+    "distributed_mesh": (lambda v: v is None, "the daemon world replaces device meshes"),
+    "replicate_mesh": (lambda v: v is None, "the daemon world replaces device meshes"),
+    "outer_shard_mesh": (lambda v: v is None, "the daemon world replaces device meshes"),
+    "inner_shard_mesh": (lambda v: v is None, "the daemon world replaces device meshes"),
+    "replicate_mesh_grad_sync": (lambda v: True, "single trainer"),
+    "selection_scope": (lambda v: v in ("local", "global"), "must be 'local' or 'global'"),
+    "verbose": (lambda v: True, ""),
+    "power_iters": (lambda v: v == 1, "Dion supports power_iters=1 only"),
+    "qr_method": (lambda v: v in ("rcqr", "qr", "cqr"), "any thin QR gives the same update"),
+    "cqr_warmup_steps": (lambda v: True, "ignored upstream"),
+    "rcqr_oversample": (lambda v: True, "changes only the column signs of Q"),
+    "mixed_precision_config": (lambda v: v is None, "state is float32 in the daemon"),
+}
+
+_DTYPES = {torch.float32: pb.DTYPE_F32, torch.bfloat16: pb.DTYPE_BF16,
+           torch.float16: pb.DTYPE_F16}
+_ADJUST = {"spectral_norm": pb.ADJUST_LR_SPECTRAL_NORM, "rms_norm": pb.ADJUST_LR_RMS_NORM,
+           None: pb.ADJUST_LR_NONE, "none": pb.ADJUST_LR_NONE}
+_PRECISION = {"fp32": pb.PRECISION_FP32, "bf16_reference": pb.PRECISION_BF16_REFERENCE}
+_NONFINITE = {"skip": pb.NON_FINITE_POLICY_SKIP, "error": pb.NON_FINITE_POLICY_ERROR}
+_SEGMENT_ALIGN = 4096
+
+
+def _is_num(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _check_range(name, v, lo, hi, lo_open=False, hi_open=False, where=""):
+    if isinstance(v, torch.Tensor) and v.numel() == 1:
+        v = v.item()
+    if not _is_num(v) or not math.isfinite(v):
+        raise ValueError("%s%s must be a finite number, got %r" % (where, name, v))
+    if (v < lo or (lo_open and v == lo)) or (hi is not None and (v > hi or (hi_open and v == hi))):
+        rng = "%s%g, %s%s" % ("(" if lo_open else "[", lo, "inf" if hi is None else "%g" % hi,
+                              ")" if hi_open or hi is None else "]")
+        raise ValueError("%s%s = %r is out of range %s" % (where, name, v, rng))
+    return float(v)
+
+
+def _validate_options(opts, algo, where):
+    """Range checks of every option the algorithm uses (the reference's ValueErrors)."""
+    use = APPLIES[algo]
+    _check_range("lr", opts["lr"], 0, None, where=where)
+    _check_range("weight_decay", opts["weight_decay"], 0, None, where=where)
+    if "mu" in use:
+        _check_range("mu", opts["mu"], 0, 1, hi_open=True, where=where)
+    if "betas" in use:
+        b = opts["betas"]
+        if not isinstance(b, (tuple, list)) or len(b) != 2:
+            raise ValueError("%sbetas must be a pair (beta1, beta2), got %r" % (where, b))
+        for i, x in enumerate(b):
+            _check_range("betas[%d]" % i, x, 0, 1, hi_open=True, where=where)
+    if "epsilon" in use:
+        _check_range("epsilon", opts["epsilon"], 0, None, where=where)
+    if "muon_beta2" in use:
+        _check_range("muon_beta2", opts["muon_beta2"], 0, 1, hi_open=True, where=where)
+    if "fraction" in use:
+        _check_range("fraction", opts["fraction"], 0, 1, lo_open=True, where=where)
+    if "ef_decay" in use:
+        _check_range("ef_decay", opts["ef_decay"], 0, 1, where=where)
+    if "rank_fraction" in use:
+        _check_range("rank_fraction", opts["rank_fraction"], 0, 1, lo_open=True, where=where)
+    if "rank_multiple_of" in use:
+        r = opts["rank_multiple_of"]
+        if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+            raise ValueError("%srank_multiple_of must be an int >= 1, got %r" % (where, r))
+    if "seed" in use:
+        s = opts["seed"]
+        if not isinstance(s, int) or isinstance(s, bool) or not 0 <= s < 2 ** 64:
+            raise ValueError("%sseed must be an int in [0, 2**64), got %r" % (where, s))
+    for flag in ("nesterov", "cautious_wd", "flatten", "use_polar_express"):
+        if flag in use and not isinstance(opts[flag], bool):
+            raise ValueError("%s%s must be a bool, got %r" % (where, flag, opts[flag]))
+    if "adjust_lr" in use and opts["adjust_lr"] not in _ADJUST:
+        raise ValueError("%sadjust_lr must be 'spectral_norm', 'rms_norm' or None, got %r"
+                         % (where, opts["adjust_lr"]))
+    if opts["precision"] not in _PRECISION:
+        raise ValueError("%sprecision must be 'fp32' or 'bf16_reference', got %r"
+                         % (where, opts["precision"]))
+    if "num_heads" in use and opts["num_heads"] is not None:
+        h = opts["num_heads"]
+        if not isinstance(h, int) or isinstance(h, bool) or h < 1:
+            raise ValueError("%snum_heads must be a positive int or None, got %r" % (where, h))
+        if h > 1 and opts.get("flatten"):
+            raise ValueError("%snum_heads cannot be combined with flatten=True" % where)
+    if "split_sizes" in use and opts["split_sizes"] is not None:
+        s = opts["split_sizes"]
+        if (not isinstance(s, (tuple, list)) or len(s) < 2
+                or any(not isinstance(x, int) or isinstance(x, bool) or x < 1 for x in s)):
+            raise ValueError("%ssplit_sizes must be a list of >= 2 positive ints, got %r"
+                             % (where, s))
+        if opts.get("num_heads") not in (None, 1):
+            raise ValueError("%ssplit_sizes cannot be combined with num_heads" % where)
+        if opts.get("flatten"):
+            raise ValueError("%ssplit_sizes cannot be combined with flatten=True" % where)
+
+
+def _group_proto(name, g):
+    algo = g["algorithm"]
+    use = APPLIES[algo]
+    h = pb.Hyperparameters(lr=float(g["lr"]), weight_decay=float(g["weight_decay"]))
+    if "mu" in use:
+        h.mu = float(g["mu"])
+    if "betas" in use:
+        h.beta1, h.beta2 = float(g["betas"][0]), float(g["betas"][1])
+    if "epsilon" in use:
+        h.epsilon = float(g["epsilon"])
+    if "nesterov" in use:
+        h.nesterov = bool(g["nesterov"])
+    if "cautious_wd" in use:
+        h.cautious_wd = bool(g["cautious_wd"])
+    if "adjust_lr" in use:
+        h.adjust_lr = _ADJUST[g["adjust_lr"]]
+    if "use_polar_express" in use:
+        h.orthogonalizer = (pb.ORTHOGONALIZER_POLAR_EXPRESS if g["use_polar_express"]
+                            else pb.ORTHOGONALIZER_NEWTON_SCHULZ)
+    if "muon_beta2" in use:
+        h.muon_beta2 = float(g["muon_beta2"])
+    if "rank_fraction" in use:
+        h.rank_fraction = float(g["rank_fraction"])
+        h.rank_multiple_of = int(g["rank_multiple_of"])
+    if "fraction" in use:
+        h.fraction = float(g["fraction"])
+    if "ef_decay" in use:
+        h.ef_decay = float(g["ef_decay"])
+    pg = pb.ParameterGroup(name=name, algorithm=ALGORITHMS[algo], hyperparameters=h,
+                           precision=_PRECISION[g["precision"]])
+    if "num_heads" in use and g["num_heads"] is not None:
+        pg.num_heads = int(g["num_heads"])
+    if "split_sizes" in use and g["split_sizes"] is not None:
+        pg.split_sizes.extend(int(x) for x in g["split_sizes"])
+    if "flatten" in use:
+        pg.flatten = bool(g["flatten"])
+    if "seed" in use:
+        pg.seed = int(g["seed"])
+    return pg
+
+
+def _align(n, a):
+    return (n + a - 1) // a * a
+
+
+def _release(shm, session, client):
+    """Finalizer: end the session and free the segment even if close() was never called."""
+    if client is not None:
+        try:
+            client.close_session(session, timeout=2.0)
+        except Exception:
+            pass
+        client.close()
+    if shm is not None:
+        try:
+            shm.unlink()
+        except Exception:
+            pass
+        try:
+            shm.close()
+        except Exception:  # views still exported: the mapping goes with the last view
+            pass
+
+
+class Optimizer(torch.optim.Optimizer):
+    """torch.optim.Optimizer backed by a diond session.
+
+    Args:
+      params: parameters or parameter groups (dicts), as for any torch optimizer. A group may
+        set ``algorithm`` and any option below; ``name`` names the group in the daemon.
+      target: the daemon ("unix:/path" or "host:port"; default $DIOND_TARGET or the daemon's
+        default socket), or a connected ``diond.Client``.
+      remote: True for remote mode (no shared memory), False for shared memory; default: shared
+        memory on a Unix socket, remote over TCP.
+      fp32_master_weights: for bf16/f16 parameters, let the daemon keep float32 master weights.
+      non_finite_policy: "skip" (a step with NaN/Inf gradients changes nothing) or "error".
+      timeout: deadline of every RPC, seconds. connect_timeout: for the connection.
+      client_name: shown by ListSessions and in the daemon's logs.
+      algorithm, lr, mu, betas, weight_decay, epsilon, nesterov, cautious_wd, adjust_lr, flatten,
+      use_polar_express, muon_beta2, rank_fraction, rank_multiple_of, fraction, ef_decay,
+      num_heads, split_sizes, precision ("fp32" | "bf16_reference"), seed (Dion's initial Q):
+        group defaults, with the reference's values.
+    """
+
+    def __init__(self, params, *, target=None, remote=None, fp32_master_weights=False,
+                 non_finite_policy="skip", timeout=60.0, connect_timeout=10.0,
+                 client_name="diond.torch", **options):
+        for k in list(options):
+            if k in _COMPAT:
+                ok, why = _COMPAT[k]
+                v = options.pop(k)
+                if not ok(v):
+                    raise ValueError("%s=%r is not supported by diond (%s)" % (k, v, why))
+            elif k not in DEFAULTS:
+                raise TypeError("Optimizer got an unexpected option %r; group options are: %s"
+                                % (k, ", ".join(sorted(DEFAULTS))))
+        defaults = dict(DEFAULTS)
+        defaults.update(options)
+        if non_finite_policy not in _NONFINITE:
+            raise ValueError("non_finite_policy must be 'skip' or 'error', got %r"
+                             % (non_finite_policy,))
+        self._explicit_defaults = set(options)
+        self._closed = True  # until the session exists
+        self._session_ready = False
+        self._finalizer = None
+        super().__init__(params, defaults)
+        self._check_constructor_options()
+
+        self._owns_client = not isinstance(target, Client)
+        self.client = target if isinstance(target, Client) else Client(
+            target, timeout=timeout, connect_timeout=connect_timeout)
+        self.remote = (not self.client.is_unix) if remote is None else bool(remote)
+        self.fp32_master_weights = bool(fp32_master_weights)
+        self._shm = None
+        try:
+            self._create_session(client_name, non_finite_policy)
+            if self.remote:
+                self._upload_parameters()
+            else:
+                self._attach_arenas()
+        except BaseException:
+            self._abort()
+            raise
+        self._closed = False
+        self._session_ready = True
+        self._step_index = 0
+        self.last_step = None  # the last StepResponse
+        self._finalizer = weakref.finalize(
+            self, _release, self._shm, self.session_id, self.client if self._owns_client else None)
+
+    # -- construction -------------------------------------------------------------------------
+    def add_param_group(self, param_group):
+        if getattr(self, "_session_ready", False):
+            raise RuntimeError("diond.torch.Optimizer: parameter groups are fixed when the "
+                               "session is created; build a new Optimizer to add parameters")
+        if not isinstance(param_group, dict):
+            raise TypeError("param group must be a dict, got %s" % type(param_group).__name__)
+        gi = len(self.param_groups)
+        where = "param group %d: " % gi
+        algo = param_group.get("algorithm", self.defaults["algorithm"])
+        if algo not in ALGORITHMS:
+            raise ValueError("%sunknown algorithm %r; expected one of %s"
+                             % (where, algo, ", ".join(ALGORITHMS)))
+        for k in param_group:
+            if k in _GROUP_META:
+                continue
+            if k in _COMPAT:
+                raise ValueError("%s%r is a constructor argument, not a group option" % (where, k))
+            if k not in DEFAULTS:
+                raise ValueError("%sunknown option %r; options are: %s"
+                                 % (where, k, ", ".join(sorted(DEFAULTS))))
+            if k not in APPLIES[algo]:
+                raise ValueError("%soption %r does not apply to algorithm %r (it uses: %s)"
+                                 % (where, k, algo, ", ".join(sorted(APPLIES[algo]))))
+        if "name" in param_group and (not isinstance(param_group["name"], str)
+                                      or not param_group["name"]):
+            raise ValueError("%sname must be a non-empty string" % where)
+        g = dict(param_group)
+        g["algorithm"] = algo
+        # Let torch's own checks run (params list, duplicates, defaults filled in).
+        super().add_param_group(g)
+        g = self.param_groups[-1]
+        for k in list(g):  # keep only the options this group's algorithm has
+            if k in DEFAULTS and k not in APPLIES[algo] and k != "algorithm":
+                del g[k]
+        g.setdefault("step", 0)
+        _validate_options(g, algo, where)
+        for j, p in enumerate(g["params"]):
+            self._check_param(p, gi, j, algo)
+
+    def _check_param(self, p, gi, j, algo):
+        where = "param group %d, parameter %d (shape %s)" % (gi, j, list(p.shape))
+        if p.dtype not in _DTYPES:
+            raise TypeError("%s: dtype %s is not supported; diond takes float32, bfloat16 or "
+                            "float16 parameters" % (where, p.dtype))
+        if p.is_sparse:
+            raise TypeError("%s: sparse parameters are not supported" % where)
+        if not p.is_contiguous():
+            raise ValueError("%s: the parameter is not contiguous (strides %s); diond places "
+                             "parameters in a flat arena. Make it contiguous first "
+                             "(p.data = p.data.contiguous())" % (where, list(p.stride())))
+        if p.numel() == 0:
+            raise ValueError("%s: empty parameters are not supported" % where)
+        if algo in _MATRIX and p.dim() < 2:
+            raise ValueError("%s: algorithm %r needs matrices (>= 2 dims); put biases, norms and "
+                             "other vectors in an 'adamw' or 'lion' group" % (where, algo))
+
+    def _check_constructor_options(self):
+        used = set()
+        for g in self.param_groups:
+            used |= APPLIES[g["algorithm"]]
+        for k in self._explicit_defaults - {"algorithm"}:
+            if k not in used and _norm(self.defaults[k]) != _norm(DEFAULTS[k]):
+                raise ValueError(
+                    "option %s=%r is used by no parameter group (algorithms: %s)"
+                    % (k, self.defaults[k],
+                       ", ".join(sorted({g["algorithm"] for g in self.param_groups}))))
+
+    def _params(self):
+        for g in self.param_groups:
+            for p in g["params"]:
+                yield p
+
+    def _create_session(self, client_name, non_finite_policy):
+        self._group_names = []
+        groups, specs = [], []
+        self._names = []
+        idx = 0
+        for gi, g in enumerate(self.param_groups):
+            name = g.get("name") or "group%d" % gi
+            if name in self._group_names:
+                raise ValueError("two parameter groups are named %r" % name)
+            self._group_names.append(name)
+            groups.append(_group_proto(name, g))
+            for p in g["params"]:
+                n = "p%d" % idx
+                idx += 1
+                self._names.append(n)
+                specs.append(pb.ParameterSpec(name=n, shape=list(p.shape), dtype=_DTYPES[p.dtype],
+                                              group=name))
+        resp = self.client.create_session(
+            parameters=specs, groups=groups, fp32_master_weights=self.fp32_master_weights,
+            non_finite_policy=_NONFINITE[non_finite_policy], client_name=client_name)
+        self.session_id = resp.session_id
+        self._layout = {t.name: t for t in resp.layout}
+        self._param_arena_bytes = resp.param_arena_bytes
+        self._grad_arena_bytes = resp.grad_arena_bytes
+        # What the daemon has for each group, to notice changes made through param_groups.
+        self._sent = [(float(g["lr"]), float(g["weight_decay"])) for g in self.param_groups]
+
+    def _attach_arenas(self):
+        if not self.client.is_unix:
+            raise ValueError("shared memory needs a Unix-socket target (got %s); use remote=True"
+                             % self.client.target)
+        for p in self._params():
+            if p.device.type != "cpu":
+                raise ValueError("shared-memory mode needs CPU parameters (got %s); use "
+                                 "remote=True" % p.device)
+        grad_base = _align(self._param_arena_bytes, _SEGMENT_ALIGN)
+        size = grad_base + self._grad_arena_bytes
+        name = "diond-%d-%s" % (os.getpid(), secrets.token_hex(6))
+        self._shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+        buf = self._shm.buf
+        self._pviews, self._gviews = [], []
+        self._grad_arena = torch.frombuffer(buf, dtype=torch.uint8, count=self._grad_arena_bytes,
+                                            offset=grad_base)
+        with torch.no_grad():
+            for n, p in zip(self._names, self._params()):
+                t = self._layout[n]
+                count = p.numel()
+                pv = torch.frombuffer(buf, dtype=p.dtype, count=count,
+                                      offset=t.param_offset_bytes).view(p.shape)
+                gv = torch.frombuffer(buf, dtype=p.dtype, count=count,
+                                      offset=grad_base + t.grad_offset_bytes).view(p.shape)
+                pv.copy_(p.data)
+                if p.grad is not None:
+                    gv.copy_(p.grad)
+                else:
+                    gv.zero_()
+                p.data = pv
+                p.grad = gv
+                self._pviews.append(pv)
+                self._gviews.append(gv)
+        self._regions = [
+            self.client.register_region(self.session_id, pb.REGION_ROLE_PARAMETERS,
+                                        self._shm.name, 0, self._param_arena_bytes),
+            self.client.register_region(self.session_id, pb.REGION_ROLE_GRADIENTS,
+                                        self._shm.name, grad_base, self._grad_arena_bytes),
+        ]
+
+    def _upload_parameters(self):
+        self.client.set_state(self.session_id,
+                              {n: p.data for n, p in zip(self._names, self._params())})
+
+    def sync_parameters(self):
+        """Send the model's current weights to the daemon. Needed only where the daemon keeps
+        its own copy (remote mode, fp32 master weights) and the weights were changed outside
+        step(), e.g. by model.load_state_dict(); load_state_dict() of this optimizer calls it."""
+        self._check_open()
+        if self.remote or self.fp32_master_weights:
+            self._sync_views()
+            self._upload_parameters()
+
+    def _abort(self):
+        try:
+            if getattr(self, "session_id", None):
+                self.client.close_session(self.session_id, timeout=2.0)
+        except Exception:
+            pass
+        self._detach()
+        if self._owns_client:
+            self.client.close()
+
+    # -- stepping -----------------------------------------------------------------------------
+    def _check_open(self):
+        if self._closed:
+            raise RuntimeError("diond.torch.Optimizer is closed")
+
+    def _sync_views(self):
+        """Keep .data/.grad as arena views: whatever replaced them is copied back in."""
+        if self.remote:
+            return
+        with torch.no_grad():
+            for p, pv, gv in zip(self._params(), self._pviews, self._gviews):
+                if p.data.data_ptr() != pv.data_ptr() or p.data.shape != pv.shape:
+                    if p.data.shape != pv.shape or p.data.dtype != pv.dtype:
+                        raise ValueError(
+                            "a parameter's data was replaced by a tensor of shape %s dtype %s; "
+                            "the session holds shape %s dtype %s"
+                            % (list(p.data.shape), p.data.dtype, list(pv.shape), pv.dtype))
+                    pv.copy_(p.data)
+                    p.data = pv
+                g = p.grad
+                if g is None:
+                    gv.zero_()
+                    p.grad = gv
+                elif g.data_ptr() != gv.data_ptr():
+                    if g.shape != gv.shape:
+                        raise ValueError("gradient of shape %s for a parameter of shape %s"
+                                         % (list(g.shape), list(gv.shape)))
+                    if g.is_sparse:
+                        g = g.to_dense()
+                    gv.copy_(g)
+                    p.grad = gv
+
+    def _lr_overrides(self):
+        out = {}
+        for i, (name, g) in enumerate(zip(self._group_names, self.param_groups)):
+            lr = g["lr"]
+            lr = float(lr.item() if isinstance(lr, torch.Tensor) else lr)
+            if not (math.isfinite(lr) and lr >= 0):
+                raise ValueError("param group %d: lr = %r must be finite and >= 0" % (i, lr))
+            out[name] = lr
+            wd = g["weight_decay"]
+            wd = float(wd.item() if isinstance(wd, torch.Tensor) else wd)
+            if wd != self._sent[i][1]:
+                self.client.set_hyperparameters(self.session_id, name, weight_decay=wd)
+                self._sent[i] = (self._sent[i][0], wd)
+        return out
+
+    def step(self, closure=None):
+        """One optimizer step in the daemon. Returns the closure's loss, like torch optimizers.
+
+        On failure (DiondError) nothing was applied and the step counter did not advance, so
+        calling step() again retries the same step (Step is idempotent on its index)."""
+        self._check_open()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        lrs = self._lr_overrides()
+        if self.remote:
+            grads = {}
+            for n, p in zip(self._names, self._params()):
+                grads[n] = p.grad if p.grad is not None else torch.zeros_like(p.data)
+            self.client.push_gradients(self.session_id, grads)
+        else:
+            self._sync_views()
+        resp = self.client.step(self.session_id, self._step_index + 1, lr_override=lrs)
+        self._step_index += 1
+        self.last_step = resp
+        if self.remote:
+            new = self.client.pull_parameters(self.session_id)
+            with torch.no_grad():
+                for n, p in zip(self._names, self._params()):
+                    p.data.copy_(new[n].torch().view(p.shape))
+        for g in self.param_groups:
+            g["step"] = g.get("step", 0) + 1
+        return loss
+
+    def zero_grad(self, set_to_none=True):
+        """Zeroes every gradient in place (also for set_to_none=True: the gradients must stay
+        views of the gradient arena)."""
+        with torch.no_grad():
+            if self.remote or self._closed:
+                for p in self._params():
+                    if p.grad is not None:
+                        if set_to_none and self.remote:
+                            p.grad = None
+                        else:
+                            p.grad.zero_()
+                return
+            self._grad_arena.zero_()  # one memset for every gradient
+            for p, gv in zip(self._params(), self._gviews):
+                if p.grad is None or p.grad.data_ptr() != gv.data_ptr():
+                    p.grad = gv
+
+    # -- state --------------------------------------------------------------------------------
+    def _index_of(self):
+        return {n: i for i, n in enumerate(self._names)}
+
+    def state_dict(self):
+        """{"state": {param index: {state name: float32 tensor}}, "param_groups": [...]}, the
+        usual PyTorch structure, with the state fetched from the daemon (GetState)."""
+        self._check_open()
+        raw = self.client.get_state(self.session_id)
+        index = self._index_of()
+        state = {}
+        for name, t in raw.items():
+            pname, _, sname = name.partition("/state.")
+            state.setdefault(index[pname], {})[sname] = t.torch().clone()
+        groups = []
+        i = 0
+        for g in self.param_groups:
+            d = {k: v for k, v in g.items() if k != "params"}
+            if isinstance(d.get("betas"), list):
+                d["betas"] = tuple(d["betas"])
+            d["params"] = list(range(i, i + len(g["params"])))
+            i += len(g["params"])
+            groups.append(d)
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict):
+        """Restores the state (SetState) and the groups' lr, weight_decay and step. The other
+        options must equal this optimizer's (they are fixed in the daemon's session)."""
+        self._check_open()
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError("loaded state dict has %d parameter groups, this optimizer %d"
+                             % (len(groups), len(self.param_groups)))
+        for gi, (new, g) in enumerate(zip(groups, self.param_groups)):
+            if len(new["params"]) != len(g["params"]):
+                raise ValueError("param group %d: loaded state dict has %d parameters, this "
+                                 "optimizer %d" % (gi, len(new["params"]), len(g["params"])))
+            for k in APPLIES[g["algorithm"]] - {"lr", "weight_decay"}:
+                if k in new and _norm(new[k]) != _norm(g[k]):
+                    raise ValueError("param group %d: option %s = %r in the state dict, %r here; "
+                                     "only lr and weight_decay can change in a session"
+                                     % (gi, k, new[k], g[k]))
+            if new.get("algorithm", g["algorithm"]) != g["algorithm"]:
+                raise ValueError("param group %d: algorithm %r in the state dict, %r here"
+                                 % (gi, new.get("algorithm"), g["algorithm"]))
+        # Map saved indices onto this optimizer's parameter names, in group order.
+        saved_ids = [i for grp in groups for i in grp["params"]]
+        names = {}
+        for sid, n in zip(saved_ids, self._names):
+            names[sid] = n
+        tensors = {}
+        for sid, st in state_dict["state"].items():
+            if sid not in names:
+                raise ValueError("state for parameter %r, which no group holds" % (sid,))
+            for sname, v in st.items():
+                if not isinstance(v, torch.Tensor):
+                    v = torch.tensor(v)
+                tensors["%s/state.%s" % (names[sid], sname)] = v.detach().to(
+                    "cpu", torch.float32).contiguous()
+        self.client.set_state(self.session_id, tensors)
+        for new, g in zip(groups, self.param_groups):
+            for k in ("lr", "weight_decay", "step", "initial_lr"):
+                if k in new:
+                    g[k] = new[k]
+        self.sync_parameters()
+
+    # -- lifetime -----------------------------------------------------------------------------
+    def _detach(self):
+        """Give the model back ordinary tensors (copies of the arenas) and free the segment."""
+        if self._shm is None:
+            return
+        with torch.no_grad():
+            for p, pv, gv in zip(self._params(), getattr(self, "_pviews", []),
+                                 getattr(self, "_gviews", [])):
+                if p.data.data_ptr() == pv.data_ptr():
+                    p.data = pv.clone()
+                if p.grad is not None and p.grad.data_ptr() == gv.data_ptr():
+                    try:
+                        p.grad = gv.clone()
+                    except RuntimeError:  # .data was replaced by another dtype or shape
+                        p.grad = None
+        self._pviews, self._gviews, self._grad_arena = [], [], None
+        shm, self._shm = self._shm, None
+        try:
+            shm.unlink()
+        except FileNotFoundError:
+            pass
+        try:
+            shm.close()
+        except BufferError:
+            pass  # a view is still held elsewhere; the mapping goes with it
+
+    def close(self):
+        """Ends the session (CloseSession) and frees the shared memory; the model keeps its
+        current weights and gradients as ordinary tensors. Safe to call twice, and after the
+        daemon died."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        try:
+            self.client.close_session(self.session_id, timeout=5.0)
+        except DiondError:
+            pass
+        finally:
+            self._detach()
+            if self._owns_client:
+                self.client.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        mode = "remote" if self.remote else "shm"
+        return "diond.torch.Optimizer(session=%s, %s, %d groups, %d params)" % (
+            getattr(self, "session_id", None), mode, len(self.param_groups),
+            sum(len(g["params"]) for g in self.param_groups))
+
+    # torch.optim.Optimizer pickles through __getstate__; a live session cannot be pickled.
+    def __getstate__(self):
+        raise TypeError("diond.torch.Optimizer holds a live session; use state_dict()")
+
+
+def _norm(v):
+    if isinstance(v, list):
+        return tuple(v)
+    return v
+
