@@ -23,8 +23,8 @@ fi
 if [ -d "$root/client/python/tests" ]; then
   echo "== pytest =="
   set +e
-  PYTHONPATH="$build/python:$root/client/python" /usr/bin/python3 -m pytest -q \
-    "$root/client/python/tests"
+  DIOND_BINARY="$build/bin/diond" PYTHONPATH="$build/python:$root/client/python" \
+    /usr/bin/python3 -m pytest -q -p no:cacheprovider "$root/client/python/tests"
   rc=$?
   set -e
   if [ $rc -ne 0 ] && [ $rc -ne 5 ]; then exit $rc; fi
