@@ -58,11 +58,12 @@ class RawTensor:
         return a.reshape(self.shape)
 
     def torch(self):
-        """A new torch tensor in the tensor's own dtype (bfloat16 stays bfloat16)."""
+        """A torch tensor in the tensor's own dtype (bfloat16 stays bfloat16). It shares memory
+        with .data when that is a bytearray (as the client's answers are), else it is a copy."""
         import torch
         dt = {pb.DTYPE_F32: torch.float32, pb.DTYPE_F16: torch.float16,
               pb.DTYPE_BF16: torch.bfloat16}[self.dtype]
-        buf = bytearray(self.data)
+        buf = self.data if isinstance(self.data, bytearray) else bytearray(self.data)
         if not buf:
             return torch.empty(self.shape, dtype=dt)
         return torch.frombuffer(buf, dtype=dt).reshape(self.shape)
@@ -91,6 +92,29 @@ def as_bytes(x):
             t = t.view(torch.int16)
         return memoryview(t.numpy().view(np.uint8))
     raise TypeError("expected bytes, a numpy array or a torch tensor, got %s" % type(x).__name__)
+
+
+def writable_bytes(x):
+    """A writable flat byte view of a bytearray, a numpy array or a contiguous CPU tensor."""
+    if isinstance(x, (bytearray, memoryview)):
+        mv = memoryview(x)
+    elif isinstance(x, np.ndarray):
+        if not x.flags["C_CONTIGUOUS"]:
+            raise ValueError("destination array is not contiguous")
+        mv = memoryview(x.reshape(-1).view(np.uint8))
+    elif type(x).__module__.startswith("torch"):
+        import torch
+        if x.device.type != "cpu" or not x.is_contiguous():
+            raise ValueError("destination tensor must be a contiguous CPU tensor")
+        t = x.detach().reshape(-1)
+        if t.dtype in (torch.bfloat16, torch.float16):
+            t = t.view(torch.int16)
+        mv = memoryview(t.numpy().view(np.uint8))
+    else:
+        raise TypeError("cannot write into %s" % type(x).__name__)
+    if mv.readonly:
+        raise ValueError("destination buffer is read-only")
+    return mv.cast("B") if (mv.format != "B" or mv.ndim != 1) else mv
 
 
 def _chunks(session_id, tensors, chunk_bytes):
@@ -192,7 +216,7 @@ class Client:
         except grpc.RpcError as e:
             raise DiondError.from_rpc_error(e, method, self.target) from None
 
-    def _read_stream(self, method, request, timeout=None):
+    def _read_stream(self, method, request, timeout=None, into=None):
         out = {}
         order = []
         try:
@@ -203,7 +227,14 @@ class Client:
                         raise DiondError(grpc.StatusCode.INTERNAL,
                                          "tensor %r started at offset %d" % (c.name, c.offset_bytes),
                                          method)
-                    t = [list(c.shape), c.dtype, bytearray(c.total_bytes)]
+                    dest = None
+                    if into is not None and c.name in into:
+                        dest = writable_bytes(into[c.name])
+                        if len(dest) != c.total_bytes:
+                            raise ValueError("destination of %r has %d bytes, the daemon sends %d"
+                                             % (c.name, len(dest), c.total_bytes))
+                    t = [list(c.shape), c.dtype,
+                         dest if dest is not None else bytearray(c.total_bytes)]
                     out[c.name] = t
                     order.append(c.name)
                 end = c.offset_bytes + len(c.data)
@@ -214,7 +245,7 @@ class Client:
                 t[2][c.offset_bytes:end] = c.data
         except grpc.RpcError as e:
             raise DiondError.from_rpc_error(e, method, self.target) from None
-        return {n: RawTensor(n, out[n][0], out[n][1], bytes(out[n][2])) for n in order}
+        return {n: RawTensor(n, out[n][0], out[n][1], out[n][2]) for n in order}
 
     def close(self):
         self._channel.close()
@@ -277,11 +308,15 @@ class Client:
         except grpc.RpcError as e:
             raise DiondError.from_rpc_error(e, "PushGradients", self.target) from None
 
-    def pull_parameters(self, session_id, names=None, chunk_bytes=0, timeout=None):
-        """PullParameters: {name: RawTensor in the trainer's dtype} (all parameters by default)."""
+    def pull_parameters(self, session_id, names=None, chunk_bytes=0, timeout=None, into=None):
+        """PullParameters: {name: RawTensor in the trainer's dtype} (all parameters by default).
+
+        into: optional {name: writable buffer} (contiguous CPU tensors or numpy arrays of the
+        parameter's size): those tensors' bytes are written straight into it (no extra copy);
+        their RawTensor.data is then a memoryview of it."""
         req = pb.PullParametersRequest(session_id=session_id, names=list(names or []),
                                        chunk_bytes=chunk_bytes)
-        return self._read_stream("PullParameters", req, timeout)
+        return self._read_stream("PullParameters", req, timeout, into)
 
     def set_hyperparameters(self, session_id, group, lr=None, weight_decay=None, timeout=None):
         """SetHyperparameters (the daemon changes lr and weight_decay only)."""

@@ -548,9 +548,15 @@ class Optimizer(torch.optim.Optimizer):
         self._step_index += 1
         self.last_step = resp
         if self.remote:
-            new = self.client.pull_parameters(self.session_id)
+            direct, staged = {}, {}
+            for n, p in zip(self._names, self._params()):
+                if p.device.type == "cpu" and p.data.is_contiguous():
+                    direct[n] = p.data  # written in place, chunk by chunk
+                else:
+                    staged[n] = p
+            new = self.client.pull_parameters(self.session_id, into=direct)
             with torch.no_grad():
-                for n, p in zip(self._names, self._params()):
+                for n, p in staged.items():
                     p.data.copy_(new[n].torch().view(p.shape))
         for g in self.param_groups:
             g["step"] = g.get("step", 0) + 1
