@@ -324,3 +324,26 @@ def test_torch_version_independent_calls():
     assert hasattr(torch, "frombuffer")  # since 1.10
     t = torch.frombuffer(bytearray(8), dtype=torch.bfloat16, count=2, offset=4)
     assert t.shape == (2,)
+
+
+def test_float16_parameters_shm_and_remote(daemon):
+    """float16 weights (no model: torch 1.13 has no f16 matmul on CPU): the dtype maps to
+    DTYPE_F16, the arena views stay float16, and both modes agree bit for bit."""
+    out = []
+    for remote in (False, True):
+        torch.manual_seed(3)
+        w = torch.nn.Parameter(torch.randn(32, 16).half())
+        b = torch.nn.Parameter(torch.randn(16).half())
+        with diond.torch.Optimizer([dict(params=[w], algorithm="muon"),
+                                    dict(params=[b], algorithm="adamw")], lr=0.02,
+                                   target=daemon.target, remote=remote) as opt:
+            g = torch.Generator().manual_seed(5)
+            for _ in range(4):
+                w.grad = torch.randn(32, 16, generator=g).half()
+                b.grad = torch.randn(16, generator=g).half()
+                opt.step()
+            assert w.dtype == torch.float16 and b.dtype == torch.float16
+        out.append((w.detach().clone(), b.detach().clone()))
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+    torch.manual_seed(3)
+    assert not torch.equal(out[0][0], torch.randn(32, 16).half())
