@@ -118,6 +118,7 @@ absl::Status Daemon::JoinWorld(const WorldConfig& wc) {
                                      wc.world_size, where, ": ", world.status().message()));
   }
   world_ = std::move(*world);
+  sessions_->AttachWorld(world_.get(), kv);  // world sessions (docs/DISTRIBUTED.md)
   return absl::OkStatus();
 }
 

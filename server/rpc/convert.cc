@@ -113,16 +113,25 @@ absl::StatusOr<session::SessionSpec> SpecFromProto(const v1::CreateSessionReques
   }
   switch (req.gradient_sync()) {
     case v1::GRADIENT_SYNC_UNSPECIFIED:
-    case v1::GRADIENT_SYNC_REPLICATED: break;
+    case v1::GRADIENT_SYNC_REPLICATED:
+      spec.gradient_sync = session::GradientSync::kReplicated;
+      break;
     case v1::GRADIENT_SYNC_AVERAGE:
+      spec.gradient_sync = session::GradientSync::kAverage;
+      break;
     case v1::GRADIENT_SYNC_DION_COMPRESSED:
-      return absl::UnimplementedError(
-          "gradient_sync AVERAGE and DION_COMPRESSED need a multi-daemon world, which this "
-          "build does not have yet; use REPLICATED");
+      spec.gradient_sync = session::GradientSync::kDionCompressed;
+      break;
     default:
       return absl::InvalidArgumentError(
           absl::StrCat("gradient_sync ", req.gradient_sync(), " is unknown"));
   }
+  if (spec.gradient_sync != session::GradientSync::kReplicated && req.world_key().empty()) {
+    return absl::UnimplementedError(
+        "gradient_sync AVERAGE and DION_COMPRESSED combine the gradients of a world session's "
+        "trainers: set world_key (docs/DISTRIBUTED.md); a local session is REPLICATED");
+  }
+  spec.world_key = req.world_key();
   spec.fp32_master_weights = req.fp32_master_weights();
   spec.client_name = req.client_name();
   for (const v1::ParameterGroup& g : req.groups()) {

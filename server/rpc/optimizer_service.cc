@@ -198,6 +198,7 @@ grpc::ServerUnaryReactor* OptimizerService::Step(grpc::CallbackServerContext* ct
   for (const auto& [g, n] : r->update_norms) (*resp->mutable_update_norms())[g] = n;
   resp->set_compute_micros(r->compute_micros);
   resp->set_total_micros(r->total_micros);
+  resp->set_world_bytes_sent(r->world_bytes_sent);
   return Finish(ctx, absl::OkStatus());
 }
 

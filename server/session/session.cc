@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
+#include "server/comm/world.h"
 #include "server/session/layout.h"
 
 namespace diond::session {
@@ -304,6 +305,7 @@ absl::StatusOr<StepResult> Session::Step(const StepRequest& request,
         "no gradients: register a GRADIENTS region (or PushGradients) before Step");
   }
   DIOND_RETURN_IF_ERROR(EnsureHostArena(Role::kParameters));
+  if (world_.has_value()) return WorldStepLocked(request, ctx, compute_mu, start);
 
   // Gradients as fp32: in place when the trainer's are f32 and unscaled (zero copy).
   const size_t n = layout_.tensors.size();
@@ -766,6 +768,251 @@ absl::Time Session::last_used() {
 int64_t Session::last_step_index() {
   absl::MutexLock lock(&mu_);
   return last_step_index_;
+}
+
+}  // namespace diond::session
+
+// ---- world sessions (docs/DISTRIBUTED.md) -------------------------------------------------------
+
+namespace diond::session {
+
+void Session::AttachWorld(comm::World* world, ShardPlan plan, uint64_t epoch) {
+  absl::MutexLock lock(&mu_);
+  WorldPart w;
+  w.world = world;
+  w.rank = world != nullptr ? world->rank() : 0;
+  w.epoch = epoch;
+  w.owned.resize(static_cast<size_t>(plan.world_size));
+  w.owned_elements.assign(static_cast<size_t>(plan.world_size), 0);
+  for (size_t i = 0; i < plan.owner.size(); ++i) {
+    w.owned[static_cast<size_t>(plan.owner[i])].push_back(i);
+    w.owned_elements[static_cast<size_t>(plan.owner[i])] += layout_.tensors[i].numel;
+  }
+  w.plan = std::move(plan);
+  world_ = std::move(w);
+}
+
+absl::StatusOr<StepResult> Session::WorldStepLocked(const StepRequest& request,
+                                                    const kernels::Context& ctx,
+                                                    absl::Mutex* compute_mu, absl::Time start) {
+  WorldPart& w = *world_;
+  const int world_size = w.plan.world_size;
+  const std::string where =
+      absl::StrCat("world session '", spec_.world_key, "' (rank ", w.rank, " of ", world_size,
+                   "), step ", request.step_index, ": ");
+  if (!w.broken.ok()) return w.broken;
+  std::shared_ptr<comm::Communicator> comm;
+  if (w.world != nullptr) {
+    auto c = w.world->communicator();
+    if (!c.ok()) {
+      return absl::UnavailableError(absl::StrCat(where, c.status().message()));
+    }
+    const uint64_t epoch = w.world->epoch();
+    if (epoch != w.epoch) {
+      w.broken = absl::UnavailableError(absl::StrCat(
+          where, "the daemon world was rebuilt (generation ", w.epoch, " -> ", epoch,
+          ") since this session was created; create it again and resume from the last "
+          "checkpoint"));
+      return w.broken;
+    }
+    comm = *std::move(c);
+    comm->TakeBytesSent();  // per-step accounting starts here
+  }
+  const double scale = request.gradient_scale == 0.0 ? 1.0 : request.gradient_scale;
+
+  // Gradients as fp32 (as Step does): in place when f32 and unscaled.
+  const size_t n = layout_.tensors.size();
+  std::vector<std::vector<float>> grad_copies(n);
+  std::vector<const float*> grads(n);
+  bool finite = true;
+  for (size_t i = 0; i < n; ++i) {
+    const TensorPlacement& t = layout_.tensors[i];
+    const uint8_t* src = grads_.data + t.grad_offset;
+    if (t.dtype == DType::kF32 && scale == 1.0) {
+      grads[i] = reinterpret_cast<const float*>(src);
+    } else {
+      grad_copies[i].resize(static_cast<size_t>(t.numel));
+      WidenToF32(t.dtype, src, t.numel, grad_copies[i].data());
+      if (scale != 1.0) {
+        const float s = static_cast<float>(scale);
+        for (float& v : grad_copies[i]) v *= s;
+      }
+      grads[i] = grad_copies[i].data();
+    }
+    finite = finite && AllFinite(grads[i], t.numel);
+  }
+  // AVERAGE: reduce-scatter the local gradients to their owners. Block j of the input holds the
+  // gradients of rank j's parameters, padded to the largest block, plus one slot with this
+  // rank's non-finite flag, so every rank learns the same number of non-finite trainers.
+  std::vector<float> averaged;
+  if (spec_.gradient_sync == GradientSync::kAverage && comm != nullptr) {
+    int64_t block = 0;
+    for (int64_t e : w.owned_elements) block = std::max(block, e);
+    block += 1;
+    std::vector<float> input(static_cast<size_t>(block) * world_size, 0.0f);
+    for (int j = 0; j < world_size; ++j) {
+      float* dst = input.data() + static_cast<size_t>(j) * block;
+      for (size_t i : w.owned[j]) {
+        std::memcpy(dst, grads[i], static_cast<size_t>(layout_.tensors[i].numel) * 4);
+        dst += layout_.tensors[i].numel;
+      }
+      input[static_cast<size_t>(j + 1) * block - 1] = finite ? 0.0f : 1.0f;
+    }
+    averaged.resize(static_cast<size_t>(block));
+    absl::Status st = comm->ReduceScatterSum(input, absl::MakeSpan(averaged));
+    if (!st.ok()) {
+      w.broken = absl::UnavailableError(absl::StrCat(
+          where, "gradient reduce-scatter failed: ", st.message(),
+          "; create the session again and resume from the last checkpoint"));
+      return w.broken;
+    }
+    finite = averaged.back() == 0.0f;
+    const float divisor = static_cast<float>(world_size);
+    float* a = averaged.data();
+    for (size_t i : w.owned[w.rank]) {
+      for (int64_t e = 0; e < layout_.tensors[i].numel; ++e) a[e] /= divisor;
+      grads[i] = a;
+      a += layout_.tensors[i].numel;
+    }
+  }
+  StepResult result;
+  result.step_index = request.step_index;
+  if (!finite) {
+    // REPLICATED: every rank holds the same gradients, so every rank decides the same; AVERAGE:
+    // the flags were summed with the gradients.
+    if (spec_.non_finite == NonFinitePolicy::kError) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "step ", request.step_index, ": gradients contain NaN or Inf (non_finite_policy=ERROR)"));
+    }
+    result.skipped = true;
+    if (comm != nullptr) result.world_bytes_sent = comm->TakeBytesSent();
+    result.total_micros = absl::ToInt64Microseconds(absl::Now() - start);
+    last_step_index_ = request.step_index;
+    last_result_ = result;
+    return result;
+  }
+
+  // Parameters as fp32 (as Step does).
+  std::vector<std::vector<float>> param_copies(n);
+  std::vector<float*> params(n);
+  for (size_t i = 0; i < n; ++i) {
+    const TensorPlacement& t = layout_.tensors[i];
+    if (t.dtype == DType::kF32) {
+      params[i] = reinterpret_cast<float*>(params_.data + t.param_offset);
+    } else if (!master_.empty() && !master_[i].empty()) {
+      if (!master_valid_) WidenToF32(t.dtype, params_.data + t.param_offset, t.numel,
+                                     master_[i].data());
+      params[i] = master_[i].data();
+    } else {
+      param_copies[i].resize(static_cast<size_t>(t.numel));
+      WidenToF32(t.dtype, params_.data + t.param_offset, t.numel, param_copies[i].data());
+      params[i] = param_copies[i].data();
+    }
+  }
+  if (!master_.empty()) master_valid_ = true;
+  std::vector<std::vector<float>> before(n);
+  for (size_t i = 0; i < n; ++i) before[i].assign(params[i], params[i] + layout_.tensors[i].numel);
+
+  // Owners compute: each group's optimizer sees only this rank's parameters (the others get no
+  // gradient, which leaves them and their state alone), on the single-process code path.
+  absl::Status compute_status;
+  const absl::Time compute_start = absl::Now();
+  {
+    absl::MutexLock compute(compute_mu);
+    for (Group& g : groups_) {
+      if (g.optimizer == nullptr) continue;
+      std::vector<float*> gp;
+      std::vector<const float*> gg;
+      bool any = false;
+      for (size_t i : g.params) {
+        const bool mine = w.plan.owner[i] == w.rank;
+        gp.push_back(params[i]);
+        gg.push_back(mine ? grads[i] : nullptr);
+        any = any || mine;
+      }
+      if (!any) continue;
+      optim::StepOptions opts;
+      auto it = request.lr_override.find(g.name);
+      opts.lr = it != request.lr_override.end() ? std::optional<double>(it->second) : g.lr;
+      opts.weight_decay = g.weight_decay;
+      absl::Status s = g.optimizer->Step(ctx, gp, gg, opts);
+      if (!s.ok()) {
+        compute_status = absl::Status(s.code(), absl::StrCat("step ", request.step_index,
+                                                             ", group '", g.name, "': ",
+                                                             s.message()));
+        break;
+      }
+    }
+  }
+  result.compute_micros = absl::ToInt64Microseconds(absl::Now() - compute_start);
+
+  // Exchange: every rank's updated owned parameters (fp32), plus one status value per rank, by
+  // one all-gather-v; everyone writes them into its own arena.
+  if (comm != nullptr) {
+    std::vector<int64_t> counts(static_cast<size_t>(world_size));
+    for (int j = 0; j < world_size; ++j) counts[j] = w.owned_elements[j] + 1;
+    std::vector<float> mine;
+    mine.reserve(static_cast<size_t>(counts[w.rank]));
+    for (size_t i : w.owned[w.rank]) {
+      mine.insert(mine.end(), params[i], params[i] + layout_.tensors[i].numel);
+    }
+    mine.push_back(compute_status.ok() ? 0.0f : 1.0f);
+    int64_t total = 0;
+    for (int64_t c : counts) total += c;
+    std::vector<float> all(static_cast<size_t>(total));
+    absl::Status st = comm->AllGatherV(mine, counts, absl::MakeSpan(all));
+    if (!st.ok()) {
+      w.broken = absl::UnavailableError(absl::StrCat(
+          where, "exchange of the updated parameters failed: ", st.message(),
+          "; create the session again and resume from the last checkpoint"));
+      return w.broken;
+    }
+    std::vector<int> failed;
+    int64_t at = 0;
+    for (int j = 0; j < world_size; ++j) {
+      for (size_t i : w.owned[j]) {
+        const int64_t numel = layout_.tensors[i].numel;
+        if (j != w.rank) std::memcpy(params[i], all.data() + at, static_cast<size_t>(numel) * 4);
+        at += numel;
+      }
+      if (all[static_cast<size_t>(at)] != 0.0f && j != w.rank) failed.push_back(j);
+      ++at;
+    }
+    if (compute_status.ok() && !failed.empty()) {
+      compute_status = absl::InternalError(absl::StrCat(
+          "step ", request.step_index, " failed on rank(s) ", absl::StrJoin(failed, ", "),
+          " (see their logs)"));
+    }
+    result.world_bytes_sent = comm->TakeBytesSent();
+  }
+  if (!compute_status.ok()) {
+    // Some groups may have been applied on some ranks: the replicas can no longer be trusted.
+    w.broken = absl::Status(compute_status.code(),
+                            absl::StrCat(where, compute_status.message(),
+                                         "; the world session must be created again"));
+    return w.broken;
+  }
+  for (const Group& g : groups_) {
+    if (g.optimizer == nullptr) continue;
+    double sq = 0;
+    for (size_t i : g.params) {
+      for (int64_t e = 0; e < layout_.tensors[i].numel; ++e) {
+        double d = static_cast<double>(params[i][e]) - before[i][e];
+        sq += d * d;
+      }
+    }
+    result.update_norms[g.name] = std::sqrt(sq);
+  }
+  for (size_t i = 0; i < n; ++i) {
+    const TensorPlacement& t = layout_.tensors[i];
+    if (t.dtype != DType::kF32) {
+      NarrowFromF32(t.dtype, params[i], t.numel, params_.data + t.param_offset);
+    }
+  }
+  result.total_micros = absl::ToInt64Microseconds(absl::Now() - start);
+  last_step_index_ = request.step_index;
+  last_result_ = result;
+  return result;
 }
 
 }  // namespace diond::session

@@ -23,8 +23,13 @@
 #include "absl/time/time.h"
 #include "kernels/context.h"
 #include "kernels/optim/group_optimizer.h"
+#include "server/session/shard_plan.h"
 #include "server/session/shm_region.h"
 #include "server/session/types.h"
+
+namespace diond::comm {
+class World;
+}
 
 namespace diond::session {
 
@@ -112,6 +117,14 @@ class Session {
   absl::Time last_used();
   int64_t last_step_index();
 
+  // Makes this a world session (docs/DISTRIBUTED.md), before its first Step: `world` is the
+  // daemon world (null = a world of one), `plan` the shard plan the ranks agreed on, `epoch`
+  // the world's generation at creation. Steps then run the owned parameters' updates and
+  // exchange the results; a broken world (a later epoch, an aborted communicator, a failed
+  // collective) fails this and every later Step with UNAVAILABLE naming the cause.
+  void AttachWorld(comm::World* world, ShardPlan plan, uint64_t epoch);
+  bool is_world_session() const { return !spec_.world_key.empty(); }
+
  private:
   struct Binding {
     std::unique_ptr<ShmRegion> region;
@@ -146,6 +159,21 @@ class Session {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<std::vector<NamedTensor>> GetStateLocked(bool include_parameters)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Step of a world session (session_world.cc), after Step's own checks.
+  absl::StatusOr<StepResult> WorldStepLocked(const StepRequest& request,
+                                             const kernels::Context& ctx,
+                                             absl::Mutex* compute_mu, absl::Time start)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  struct WorldPart {
+    comm::World* world = nullptr;  // null: a world of one
+    ShardPlan plan;
+    uint64_t epoch = 0;
+    int rank = 0;
+    std::vector<std::vector<size_t>> owned;  // per rank, parameter indices in order
+    std::vector<int64_t> owned_elements;     // per rank
+    absl::Status broken;                     // set once a step failed in the world
+  };
 
   std::string id_;
   SessionSpec spec_;
@@ -167,6 +195,7 @@ class Session {
   int64_t last_step_index_ ABSL_GUARDED_BY(mu_) = 0;
   std::optional<StepResult> last_result_ ABSL_GUARDED_BY(mu_);
   absl::Time last_used_ ABSL_GUARDED_BY(mu_);
+  std::optional<WorldPart> world_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace diond::session

@@ -2,13 +2,17 @@
 
 #include <unistd.h>
 
+#include <cctype>
 #include <map>
 #include <random>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "server/comm/key_value_store.h"
+#include "server/comm/world.h"
 #include "server/session/checkpoint.h"
 #include "server/session/layout.h"
 
@@ -104,10 +108,106 @@ absl::Status SessionManager::CheckBudget(int64_t bytes) {
   return absl::OkStatus();
 }
 
+void SessionManager::AttachWorld(comm::World* world, comm::KeyValueStore* kv) {
+  absl::MutexLock lock(&mu_);
+  world_ = world;
+  kv_ = kv;
+}
+
+absl::StatusOr<ShardPlan> SessionManager::AgreeOnPlan(const SessionSpec& spec, uint64_t* epoch) {
+  const std::string& key = spec.world_key;
+  if (key.size() > 128) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("world_key of ", key.size(), " bytes: at most 128"));
+  }
+  for (char c : key) {
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.')) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "world_key '", key, "' may only contain letters, digits, '-', '_' and '.'"));
+    }
+  }
+  comm::World* world;
+  comm::KeyValueStore* kv;
+  int64_t use;
+  {
+    absl::MutexLock lock(&mu_);
+    world = world_;
+    kv = kv_;
+    use = ++world_key_uses_[key];
+  }
+  *epoch = 0;
+  if (world == nullptr) return ComputeShardPlan(spec, 1);  // a world of one
+  const std::string where = absl::StrCat("world session '", key, "' (rank ", world->rank(),
+                                         " of ", world->size(), "): ");
+  absl::Status ready = world->WaitReady(options_.world_session_timeout);
+  if (!ready.ok()) {
+    return absl::UnavailableError(absl::StrCat(where, "the daemon world is not up: ",
+                                               ready.message()));
+  }
+  *epoch = world->epoch();
+  DIOND_ASSIGN_OR_RETURN(ShardPlan plan, ComputeShardPlan(spec, world->size()));
+  if (kv == nullptr) return absl::InternalError(absl::StrCat(where, "no rendezvous store"));
+  const std::string prefix =
+      absl::StrCat("diond/world_session/", *epoch, "/", key, "/", use, "/plan/");
+  DIOND_RETURN_IF_ERROR(kv->Set(absl::StrCat(prefix, world->rank()),
+                                ShardPlanHashHex(plan.hash)));
+  std::vector<std::string> keys;
+  for (int r = 0; r < world->size(); ++r) keys.push_back(absl::StrCat(prefix, r));
+  absl::Status waited = kv->Wait(keys, options_.world_session_timeout);
+  if (!waited.ok()) {
+    std::vector<int> missing;
+    for (int r = 0; r < world->size(); ++r) {
+      if (!kv->Get(keys[r]).ok()) missing.push_back(r);
+    }
+    return absl::UnavailableError(absl::StrCat(
+        where, "the trainers of rank(s) ", absl::StrJoin(missing, ", "),
+        " did not create it within ", absl::FormatDuration(options_.world_session_timeout),
+        ": ", waited.message()));
+  }
+  std::vector<std::string> hashes;
+  std::vector<int> differ;
+  for (int r = 0; r < world->size(); ++r) {
+    DIOND_ASSIGN_OR_RETURN(std::string h, kv->Get(keys[r]));
+    hashes.push_back(absl::StrCat("rank ", r, ": ", h));
+    if (h != ShardPlanHashHex(plan.hash)) differ.push_back(r);
+  }
+  if (!differ.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        where, "the ranks disagree on the shard plan; rank(s) ", absl::StrJoin(differ, ", "),
+        " declared different parameters, shapes, dtypes, groups, options or gradient_sync than "
+        "rank ", world->rank(), " (plan hashes ", absl::StrJoin(hashes, ", "), ")"));
+  }
+  return plan;
+}
+
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::CreateSession(SessionSpec spec) {
   DIOND_RETURN_IF_ERROR(CheckStateFitsInMemory(spec));
+  if (spec.world_key.empty() && spec.gradient_sync != GradientSync::kReplicated) {
+    return absl::InvalidArgumentError(absl::StrCat("gradient_sync ",
+                                                   GradientSyncName(spec.gradient_sync),
+                                                   " needs a world session (world_key)"));
+  }
+  if (spec.gradient_sync == GradientSync::kDionCompressed) {
+    return absl::UnimplementedError(
+        "gradient_sync DION_COMPRESSED is not implemented yet; use AVERAGE or REPLICATED");
+  }
   // Validate and size the session before taking the lock (optimizer state is allocated here).
   DIOND_ASSIGN_OR_RETURN(std::unique_ptr<Session> s, Session::Create(NewId(), std::move(spec)));
+  if (s->is_world_session()) {
+    uint64_t epoch = 0;
+    DIOND_ASSIGN_OR_RETURN(ShardPlan plan, AgreeOnPlan(s->spec(), &epoch));
+    comm::World* world;
+    {
+      absl::MutexLock lock(&mu_);
+      world = world_;
+    }
+    const int rank = world != nullptr ? world->rank() : 0;
+    DIOND_LOG(INFO) << "world session '" << s->spec().world_key << "' is session " << s->id()
+                    << " (" << GradientSyncName(s->spec().gradient_sync) << "): plan "
+                    << ShardPlanHashHex(plan.hash) << "; rank " << rank << " owns "
+                    << plan.Owned(rank).size() << " of " << plan.owner.size() << " parameters";
+    s->AttachWorld(world, std::move(plan), epoch);
+  }
   std::shared_ptr<Session> shared(std::move(s));
   int64_t count;
   {

@@ -21,6 +21,11 @@
 #include "kernels/context.h"
 #include "server/session/session.h"
 
+namespace diond::comm {
+class KeyValueStore;
+class World;
+}  // namespace diond::comm
+
 namespace diond::session {
 
 struct ManagerOptions {
@@ -30,6 +35,9 @@ struct ManagerOptions {
   std::string state_dir;        // checkpoints root; empty = checkpoints need an explicit dir
   int64_t checkpoint_every = 0; // with state_dir: checkpoint after every N-th step
   int compute_threads = 0;      // 0 = all cores
+  // World sessions: how long CreateSession waits for every rank's trainer to create the same
+  // world session (the shard-plan agreement, docs/DISTRIBUTED.md).
+  absl::Duration world_session_timeout = absl::Seconds(60);
 };
 
 // Hooks for metrics and logs (the manager itself knows nothing of prometheus).
@@ -46,7 +54,14 @@ class SessionManager {
                                                                 ManagerObserver observer = {});
   ~SessionManager();  // stops the reaper; sessions are dropped (not checkpointed)
 
+  // The daemon world for world sessions (Daemon calls it once it joined; both may be null: world
+  // sessions then run as a world of one). Must outlive the manager's sessions.
+  void AttachWorld(comm::World* world, comm::KeyValueStore* kv);
+
   // RESOURCE_EXHAUSTED with the numbers when over --max_session_bytes or the memory budget.
+  // A spec with a world_key is a world session: the ranks agree on its shard plan through the
+  // world's store first (FAILED_PRECONDITION naming the ranks whose plan differs; UNAVAILABLE
+  // when the world is down or a rank's trainer does not create it within the timeout).
   absl::StatusOr<std::shared_ptr<Session>> CreateSession(SessionSpec spec);
   // NOT_FOUND naming the id.
   absl::StatusOr<std::shared_ptr<Session>> Get(const std::string& id);
@@ -72,6 +87,8 @@ class SessionManager {
  private:
   explicit SessionManager(const ManagerOptions& options, ManagerObserver observer);
   absl::Status CheckBudget(int64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Computes the shard plan of world session `spec` and agrees on it with the other ranks.
+  absl::StatusOr<ShardPlan> AgreeOnPlan(const SessionSpec& spec, uint64_t* epoch);
   std::string NewId();
 
   ManagerOptions options_;
@@ -81,6 +98,10 @@ class SessionManager {
   absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
   uint64_t counter_ ABSL_GUARDED_BY(mu_) = 0;
+  comm::World* world_ ABSL_GUARDED_BY(mu_) = nullptr;
+  comm::KeyValueStore* kv_ ABSL_GUARDED_BY(mu_) = nullptr;
+  // Per world_key: how many times this daemon created it (the agreement's key suffix).
+  std::map<std::string, int64_t> world_key_uses_ ABSL_GUARDED_BY(mu_);
   absl::Notification stop_;
   std::thread reaper_;
 };

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/string_view.h"
 #include "kernels/optim/optimizer_types.h"
 #include "kernels/tensor.h"
 
@@ -31,6 +32,15 @@ struct GroupSpec {
 
 enum class NonFinitePolicy { kSkip, kError };
 
+// How the gradients of a world session's trainers are combined (ARCHITECTURE.md §2 step 3,
+// docs/DISTRIBUTED.md).
+enum class GradientSync {
+  kReplicated,      // the trainers already hold identical (averaged) gradients
+  kAverage,         // the daemons average the trainers' local gradients (reduce-scatter to owners)
+  kDionCompressed,  // Dion groups: low-rank P/R averaging (ALGORITHMS.md §9.7)
+};
+absl::string_view GradientSyncName(GradientSync s);  // "REPLICATED", "AVERAGE", "DION_COMPRESSED"
+
 struct SessionSpec {
   std::vector<ParamSpec> params;
   std::vector<GroupSpec> groups;
@@ -40,6 +50,10 @@ struct SessionSpec {
   // rounded back every step.
   bool fp32_master_weights = false;
   std::string client_name;
+  // The name every rank's trainer gives the same world session (docs/DISTRIBUTED.md). Empty = a
+  // local session: this daemon alone, as before worlds existed.
+  std::string world_key;
+  GradientSync gradient_sync = GradientSync::kReplicated;
 };
 
 inline constexpr int64_t kArenaAlignment = 256;
@@ -73,6 +87,7 @@ struct StepResult {
   std::map<std::string, double> update_norms;
   int64_t compute_micros = 0;
   int64_t total_micros = 0;
+  int64_t world_bytes_sent = 0;  // world sessions: bytes this daemon sent for this step
 };
 
 // A named float32 tensor (state, parameters) as it crosses the session boundary.

@@ -52,6 +52,8 @@ class Daemon {
   // grpc.health.v1 Check of "diond.v1.Optimizer" answers SERVING.
   bool Serving() const;
   pid_t pid() const { return proc_->pid(); }
+  // The loopback TCP port (started with tcp = true), e.g. rank 0's address for --coordinator.
+  int tcp_port() const { return tcp_port_; }
   const std::string& dir() const { return dir_; }
   std::string Log() const { return proc_->Log(); }
   // SIGKILL and reap.

@@ -1,0 +1,128 @@
+#include "server/session/shard_plan.h"
+
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+
+namespace diond::session {
+namespace {
+
+GroupSpec Group(const std::string& name, optim::AlgorithmKind kind) {
+  GroupSpec g;
+  g.name = name;
+  g.config.algorithm = kind;
+  g.config.hyperparams = optim::DefaultHyperparams(kind);
+  return g;
+}
+
+// A GPT-2-like layout: per block 4 matrices of two shapes plus biases.
+SessionSpec GptLike(int blocks) {
+  SessionSpec s;
+  s.groups = {Group("m", optim::AlgorithmKind::kMuon), Group("a", optim::AlgorithmKind::kAdamW)};
+  for (int b = 0; b < blocks; ++b) {
+    s.params.push_back({absl::StrCat("h", b, ".qkv"), {96, 32}, DType::kF32, "m"});
+    s.params.push_back({absl::StrCat("h", b, ".proj"), {32, 32}, DType::kF32, "m"});
+    s.params.push_back({absl::StrCat("h", b, ".fc"), {128, 32}, DType::kF32, "m"});
+    s.params.push_back({absl::StrCat("h", b, ".out"), {32, 128}, DType::kF32, "m"});
+    s.params.push_back({absl::StrCat("h", b, ".bias"), {32}, DType::kF32, "a"});
+  }
+  return s;
+}
+
+TEST(ShardPlan, WorldOfOneOwnsEverything) {
+  auto p = ComputeShardPlan(GptLike(3), 1);
+  ASSERT_TRUE(p.ok()) << p.status();
+  for (int o : p->owner) EXPECT_EQ(o, 0);
+  EXPECT_EQ(p->Owned(0).size(), 15u);
+}
+
+TEST(ShardPlan, DeterministicAndHashStable) {
+  for (int w : {2, 3, 4}) {
+    auto a = ComputeShardPlan(GptLike(4), w);
+    auto b = ComputeShardPlan(GptLike(4), w);
+    ASSERT_TRUE(a.ok() && b.ok());
+    EXPECT_EQ(a->owner, b->owner);
+    EXPECT_EQ(a->hash, b->hash);
+    EXPECT_EQ(ShardPlanHashHex(a->hash).size(), 16u);
+  }
+}
+
+TEST(ShardPlan, SameShapeBatchFollowsTheReferenceBlocks) {
+  // 6 same-shape matrices over W = 4: per_rank = 2, blocks of 2 from the start rank (0).
+  SessionSpec s;
+  s.groups = {Group("m", optim::AlgorithmKind::kMuon)};
+  for (int j = 0; j < 6; ++j) s.params.push_back({absl::StrCat("w", j), {8, 8}, DType::kF32, "m"});
+  auto p = ComputeShardPlan(s, 4);
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->owner, (std::vector<int>{0, 0, 1, 1, 2, 2}));
+}
+
+TEST(ShardPlan, SingleMatricesSpreadOverRanks) {
+  SessionSpec s;
+  s.groups = {Group("m", optim::AlgorithmKind::kMuon)};
+  for (int j = 0; j < 8; ++j) {
+    s.params.push_back({absl::StrCat("w", j), {16, 8 + j}, DType::kF32, "m"});  // all distinct
+  }
+  for (int w : {2, 3, 4}) {
+    auto p = ComputeShardPlan(s, w);
+    ASSERT_TRUE(p.ok());
+    std::set<int> used(p->owner.begin(), p->owner.end());
+    EXPECT_EQ(static_cast<int>(used.size()), w) << "W=" << w;
+  }
+}
+
+TEST(ShardPlan, BalancedByCost) {
+  for (int w : {2, 3, 4}) {
+    auto p = ComputeShardPlan(GptLike(12), w);
+    ASSERT_TRUE(p.ok());
+    double total = 0, most = 0;
+    for (double l : p->load) {
+      total += l;
+      most = std::max(most, l);
+    }
+    // 12 blocks of each shape: every rank gets exactly its share of each batch when W | 12.
+    EXPECT_LE(most, total / w * 1.10) << "W=" << w;
+  }
+}
+
+TEST(ShardPlan, HashChangesWithEverythingThatMatters) {
+  const SessionSpec base = GptLike(2);
+  const uint64_t h = ComputeShardPlan(base, 2)->hash;
+  EXPECT_NE(ComputeShardPlan(base, 3)->hash, h) << "world size";
+  {
+    SessionSpec s = base;
+    s.params[1].shape = {32, 33};
+    EXPECT_NE(ComputeShardPlan(s, 2)->hash, h) << "shape";
+  }
+  {
+    SessionSpec s = base;
+    s.params[0].name = "other";
+    EXPECT_NE(ComputeShardPlan(s, 2)->hash, h) << "name";
+  }
+  {
+    SessionSpec s = base;
+    s.groups[0].config.hyperparams.lr = 0.02;
+    EXPECT_NE(ComputeShardPlan(s, 2)->hash, h) << "lr";
+  }
+  {
+    SessionSpec s = base;
+    s.gradient_sync = GradientSync::kAverage;
+    EXPECT_NE(ComputeShardPlan(s, 2)->hash, h) << "gradient sync";
+  }
+  {
+    SessionSpec s = base;
+    s.client_name = "another trainer";  // free text: not part of the plan
+    EXPECT_EQ(ComputeShardPlan(s, 2)->hash, h);
+  }
+}
+
+TEST(ShardPlan, UnknownGroupAndBadWorldSize) {
+  SessionSpec s = GptLike(1);
+  EXPECT_FALSE(ComputeShardPlan(s, 0).ok());
+  s.params[0].group = "nope";
+  EXPECT_FALSE(ComputeShardPlan(s, 2).ok());
+}
+
+}  // namespace
+}  // namespace diond::session

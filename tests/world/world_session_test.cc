@@ -1,0 +1,337 @@
+// World sessions across real diond daemons on loopback (docs/DISTRIBUTED.md): W daemons form a
+// world, W trainer threads (one per daemon, each with its own shm arenas) create the same world
+// session and step it together.
+//
+// Equivalence: every algorithm, with several public golden cases as parameters of one session
+// (two same-shape parameters per case, so batches are split across ranks, and one group per
+// case, so single matrices spread), must give after every step
+//   * byte-identical parameter arenas on every rank, and
+//   * the same bytes as the W = 1 path run in this process (fp32: owners run the single-process
+//     code on the same inputs, so equality is exact, not within a tolerance).
+// Bytes: the counted bytes per step match docs/DISTRIBUTED.md's formulas within 5%.
+// Agreement: trainers that declare different sessions are refused with FAILED_PRECONDITION
+// naming the ranks.
+#include <cmath>
+#include <filesystem>
+#include <functional>
+#include <thread>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "tests/service/golden_case.h"
+#include "tests/service/service_harness.h"
+
+namespace diond::service_testing {
+namespace {
+
+namespace fs = std::filesystem;
+using optim::AlgorithmKind;
+
+std::vector<std::string> WorldFlags(int rank, int w, int coordinator_port) {
+  std::vector<std::string> f = {absl::StrCat("--world_size=", w), absl::StrCat("--rank=", rank),
+                                "--heartbeat_interval=200ms", "--peer_timeout=3s"};
+  if (rank > 0) f.push_back(absl::StrCat("--coordinator=127.0.0.1:", coordinator_port));
+  return f;
+}
+
+// W daemons forming one world (rank 0 first: it serves the rendezvous).
+std::vector<std::unique_ptr<Daemon>> StartWorld(int w) {
+  std::vector<std::unique_ptr<Daemon>> d;
+  d.push_back(Daemon::Start(WorldFlags(0, w, 0), /*tcp=*/true));
+  if (d[0] == nullptr) return {};
+  for (int r = 1; r < w; ++r) {
+    d.push_back(Daemon::Start(WorldFlags(r, w, d[0]->tcp_port()), /*tcp=*/true));
+    if (d[r] == nullptr) return {};
+  }
+  return d;
+}
+
+// Runs f(rank) on W threads at once (the trainers) and joins them.
+void OnAllRanks(int w, const std::function<void(int)>& f) {
+  std::vector<std::thread> t;
+  for (int r = 0; r < w; ++r) t.emplace_back(f, r);
+  for (auto& th : t) th.join();
+}
+
+std::vector<std::string> VectorsOf(const std::string& prefix) {
+  std::vector<std::string> files;
+  for (const auto& e : fs::directory_iterator(DIOND_CONFORMANCE_VECTORS)) {
+    const std::string f = e.path().filename().string();
+    if (absl::StartsWith(f, prefix + "-") && e.path().extension() == ".safetensors") {
+      files.push_back(e.path().string());
+    }
+  }
+  std::sort(files.begin(), files.end());
+  return files;
+}
+
+// One session with, per golden case k, group "g<k>" holding "p<k>a" and "p<k>b" (same shape).
+struct MultiCase {
+  SessionDesc desc;
+  std::vector<GoldenCase> cases;
+  std::vector<size_t> case_of;  // per parameter
+  int64_t steps = 0;
+
+  std::vector<float> Grad(size_t param, int64_t step) const {
+    const GoldenCase& c = cases[case_of[param]];
+    if (param % 2 == 0) return c.grads[static_cast<size_t>(step - 1)];
+    std::vector<float> g = SyntheticValues(77, step, param, static_cast<int64_t>(c.param_init.size()));
+    for (float& v : g) v *= 0.1f;
+    return g;
+  }
+};
+
+MultiCase Build(const std::string& algorithm_prefix) {
+  MultiCase m;
+  for (const std::string& file : VectorsOf(algorithm_prefix)) {
+    auto c = LoadGoldenCase(file);
+    EXPECT_TRUE(c.ok()) << c.status();
+    if (!c.ok()) continue;
+    const size_t k = m.cases.size();
+    SessionDesc one = c->Session(optim::Precision::kFp32);
+    GroupDesc g = one.groups[0];
+    g.proto.set_name(absl::StrCat("g", k));
+    m.desc.groups.push_back(g);
+    for (const char* suffix : {"a", "b"}) {
+      m.desc.params.push_back({absl::StrCat("p", k, suffix), c->shape, absl::StrCat("g", k)});
+      m.case_of.push_back(k);
+    }
+    m.steps = m.steps == 0 ? c->steps : std::min(m.steps, c->steps);
+    m.cases.push_back(*std::move(c));
+  }
+  return m;
+}
+
+// The initial tensors every rank's trainer uploads (weights and golden initial state).
+std::vector<Chunk> InitialChunks(const MultiCase& m) {
+  std::vector<Chunk> chunks;
+  for (size_t i = 0; i < m.desc.params.size(); ++i) {
+    const GoldenCase& c = m.cases[m.case_of[i]];
+    for (Chunk& ch : SplitTensor(m.desc.params[i].name, FloatBytes(c.param_init))) {
+      chunks.push_back(std::move(ch));
+    }
+    for (const auto& [name, v] : c.state_init) {
+      for (Chunk& ch : SplitTensor(m.desc.params[i].name + "/state." + name, FloatBytes(v))) {
+        chunks.push_back(std::move(ch));
+      }
+    }
+  }
+  return chunks;
+}
+
+class WorldSession : public ::testing::TestWithParam<int> {
+ protected:
+  void SetUp() override {
+    daemons_ = StartWorld(GetParam());
+    ASSERT_EQ(static_cast<int>(daemons_.size()), GetParam());
+  }
+  // Creates world session `key` on every rank at once; empty on failure.
+  std::vector<std::unique_ptr<ShmSession>> CreateEverywhere(const v1::CreateSessionRequest& req) {
+    const int w = GetParam();
+    std::vector<std::unique_ptr<ShmSession>> s(static_cast<size_t>(w));
+    OnAllRanks(w, [&](int r) { s[r] = CreateShmSession(daemons_[r]->stub(), req); });
+    for (auto& p : s) {
+      if (p == nullptr) return {};
+    }
+    return s;
+  }
+  std::vector<std::unique_ptr<Daemon>> daemons_;
+};
+
+// Steps every rank once (concurrently); returns the responses.
+std::vector<v1::StepResponse> StepAll(std::vector<std::unique_ptr<Daemon>>& d,
+                                      std::vector<std::unique_ptr<ShmSession>>& s, int64_t step) {
+  const int w = static_cast<int>(d.size());
+  std::vector<v1::StepResponse> resp(static_cast<size_t>(w));
+  OnAllRanks(w, [&](int r) {
+    grpc::Status st = DoStep(d[r]->stub(), s[r]->id, step, &resp[r]);
+    EXPECT_TRUE(st.ok()) << "rank " << r << " step " << step << ": " << st.error_message();
+  });
+  return resp;
+}
+
+TEST_P(WorldSession, EveryAlgorithmMatchesOneWorkerBitForBit) {
+  const int w = GetParam();
+  auto ctx = kernels::Context::CpuDefault();
+  for (const std::string algo : {"muon", "normuon", "dion2", "nordion2", "dion", "adamw", "lion"}) {
+    SCOPED_TRACE(algo);
+    MultiCase m = Build(algo);
+    ASSERT_FALSE(m.cases.empty());
+    v1::CreateSessionRequest req = m.desc.Request();
+    req.set_world_key(absl::StrCat("equiv-", algo));
+    auto s = CreateEverywhere(req);
+    ASSERT_EQ(static_cast<int>(s.size()), w);
+    const std::vector<Chunk> init = InitialChunks(m);
+    for (int r = 0; r < w; ++r) ASSERT_TRUE(SetState(daemons_[r]->stub(), s[r]->id, init).ok());
+
+    // W = 1: the same groups run in this process.
+    auto replay = Replay::Create(m.desc);
+    ASSERT_TRUE(replay.ok()) << replay.status();
+    for (size_t i = 0; i < m.desc.params.size(); ++i) {
+      const GoldenCase& c = m.cases[m.case_of[i]];
+      (*replay)->params()[i] = c.param_init;
+      for (const auto& [name, v] : c.state_init) ASSERT_TRUE((*replay)->SetState(i, name, v).ok());
+    }
+    for (int64_t step = 1; step <= m.steps; ++step) {
+      std::vector<std::vector<float>> grads;
+      for (size_t i = 0; i < m.desc.params.size(); ++i) grads.push_back(m.Grad(i, step));
+      for (int r = 0; r < w; ++r) {
+        for (size_t i = 0; i < grads.size(); ++i) s[r]->WriteGrad(i, grads[i]);
+      }
+      ASSERT_TRUE((*replay)->Step(*ctx, grads).ok());
+      auto resp = StepAll(daemons_, s, step);
+      for (int r = 0; r < w; ++r) {
+        EXPECT_GT(resp[r].world_bytes_sent(), 0) << "rank " << r;
+        EXPECT_EQ(resp[r].update_norms().size(), m.desc.groups.size());
+      }
+      for (size_t i = 0; i < m.desc.params.size(); ++i) {
+        const std::string want = FloatBytes((*replay)->params()[i]);
+        for (int r = 0; r < w; ++r) {
+          ASSERT_EQ(s[r]->ParamBytes(i), want)
+              << "rank " << r << ", parameter " << m.desc.params[i].name << ", step " << step;
+        }
+      }
+    }
+    for (int r = 0; r < w; ++r) EXPECT_TRUE(CloseSession(daemons_[r]->stub(), s[r]->id).ok());
+  }
+}
+
+// REPLICATED Muon: one all-gather-v of the owned updated matrices (fp32) plus one status value
+// per rank; balanced plan (12 same-shape matrices) => 4·(W−1)·(Σmn/W + 1) bytes per rank.
+TEST_P(WorldSession, MuonBytesPerStepMatchTheFormula) {
+  const int w = GetParam();
+  SessionDesc desc;
+  desc.groups.push_back(MakeGroup("m", AlgorithmKind::kMuon, 0.02));
+  const int64_t mrows = 64, ncols = 48, count = 12;
+  for (int j = 0; j < count; ++j) desc.params.push_back({absl::StrCat("w", j), {mrows, ncols}, "m"});
+  v1::CreateSessionRequest req = desc.Request();
+  req.set_world_key("bytes-muon");
+  auto s = CreateEverywhere(req);
+  ASSERT_EQ(static_cast<int>(s.size()), w);
+  for (int64_t step = 1; step <= 3; ++step) {
+    for (int r = 0; r < w; ++r) {
+      for (size_t i = 0; i < desc.params.size(); ++i) {
+        s[r]->WriteGrad(i, SyntheticValues(5, step, i, mrows * ncols));
+      }
+    }
+    auto resp = StepAll(daemons_, s, step);
+    const double formula = 4.0 * (w - 1) / w * static_cast<double>(count * mrows * ncols);
+    for (int r = 0; r < w; ++r) {
+      const double got = static_cast<double>(resp[r].world_bytes_sent());
+      EXPECT_NEAR(got, formula, 0.05 * formula) << "rank " << r << " step " << step;
+    }
+  }
+}
+
+// AVERAGE: every trainer has its own gradients; the daemons average them (reduce-scatter to the
+// owners). The weights follow one worker stepping on the mean gradient (within fp32 summation
+// order: the ring adds the W contributions in its own order), identical on every rank; a NaN in
+// one trainer's gradients makes every rank skip the step.
+TEST_P(WorldSession, AverageFollowsOneWorkerOnTheMeanGradient) {
+  const int w = GetParam();
+  auto ctx = kernels::Context::CpuDefault();
+  SessionDesc desc;
+  desc.groups.push_back(MakeGroup("m", AlgorithmKind::kMuon, 0.02));
+  desc.groups.push_back(MakeGroup("a", AlgorithmKind::kAdamW, 0.01));
+  for (int j = 0; j < 5; ++j) desc.params.push_back({absl::StrCat("w", j), {32, 24 + 8 * (j % 2)}, "m"});
+  for (int j = 0; j < 3; ++j) desc.params.push_back({absl::StrCat("b", j), {40}, "a"});
+  v1::CreateSessionRequest req = desc.Request();
+  req.set_world_key("average");
+  req.set_gradient_sync(v1::GRADIENT_SYNC_AVERAGE);
+  auto s = CreateEverywhere(req);
+  ASSERT_EQ(static_cast<int>(s.size()), w);
+  auto replay = Replay::Create(desc);
+  ASSERT_TRUE(replay.ok());
+  std::vector<Chunk> init;
+  for (size_t i = 0; i < desc.params.size(); ++i) {
+    (*replay)->params()[i] = SyntheticValues(1, 0, i, desc.Numel(i));
+    for (Chunk& c : SplitTensor(desc.params[i].name, FloatBytes((*replay)->params()[i]))) {
+      init.push_back(std::move(c));
+    }
+  }
+  for (int r = 0; r < w; ++r) ASSERT_TRUE(SetState(daemons_[r]->stub(), s[r]->id, init).ok());
+  for (int64_t step = 1; step <= 5; ++step) {
+    const bool poisoned = step == 3;
+    std::vector<std::vector<float>> mean(desc.params.size());
+    for (size_t i = 0; i < desc.params.size(); ++i) {
+      mean[i].assign(static_cast<size_t>(desc.Numel(i)), 0.0f);
+      for (int r = 0; r < w; ++r) {
+        std::vector<float> g = SyntheticValues(100 + r, step, i, desc.Numel(i));
+        if (poisoned && r == w - 1 && i == 0) g[3] = std::nanf("");
+        s[r]->WriteGrad(i, g);
+        for (size_t e = 0; e < g.size(); ++e) mean[i][e] += g[e];
+      }
+      for (float& v : mean[i]) v /= static_cast<float>(w);
+    }
+    auto resp = StepAll(daemons_, s, step);
+    for (int r = 0; r < w; ++r) EXPECT_EQ(resp[r].skipped(), poisoned) << "rank " << r;
+    if (!poisoned) {
+      ASSERT_TRUE((*replay)->Step(*ctx, mean).ok());
+    }
+    for (size_t i = 0; i < desc.params.size(); ++i) {
+      const std::string rank0 = s[0]->ParamBytes(i);
+      for (int r = 1; r < w; ++r) {
+        ASSERT_EQ(s[r]->ParamBytes(i), rank0) << "rank " << r << " param " << i << " step " << step;
+      }
+      EXPECT_LE(RelFro(BytesToFloats(rank0), (*replay)->params()[i]), 1e-5)
+          << "param " << desc.params[i].name << " step " << step;
+    }
+  }
+}
+
+// AVERAGE Muon: reduce-scatter of the gradients + all-gather-v of the updated matrices,
+// 2·4·(W−1)·(Σmn/W + 1) bytes per rank for a balanced plan.
+TEST_P(WorldSession, AverageBytesPerStepMatchTheFormula) {
+  const int w = GetParam();
+  SessionDesc desc;
+  desc.groups.push_back(MakeGroup("m", AlgorithmKind::kMuon, 0.02));
+  const int64_t mrows = 64, ncols = 48, count = 12;
+  for (int j = 0; j < count; ++j) desc.params.push_back({absl::StrCat("w", j), {mrows, ncols}, "m"});
+  v1::CreateSessionRequest req = desc.Request();
+  req.set_world_key("bytes-average");
+  req.set_gradient_sync(v1::GRADIENT_SYNC_AVERAGE);
+  auto s = CreateEverywhere(req);
+  ASSERT_EQ(static_cast<int>(s.size()), w);
+  for (int64_t step = 1; step <= 2; ++step) {
+    for (int r = 0; r < w; ++r) {
+      for (size_t i = 0; i < desc.params.size(); ++i) {
+        s[r]->WriteGrad(i, SyntheticValues(9 + r, step, i, mrows * ncols));
+      }
+    }
+    auto resp = StepAll(daemons_, s, step);
+    const double formula = 8.0 * (w - 1) / w * static_cast<double>(count * mrows * ncols);
+    for (int r = 0; r < w; ++r) {
+      EXPECT_NEAR(static_cast<double>(resp[r].world_bytes_sent()), formula, 0.05 * formula)
+          << "rank " << r << " step " << step;
+    }
+  }
+}
+
+TEST_P(WorldSession, DisagreeingTrainersAreRefusedNamingTheRanks) {
+  const int w = GetParam();
+  SessionDesc desc;
+  desc.groups.push_back(MakeGroup("m", AlgorithmKind::kMuon, 0.02));
+  desc.params.push_back({"w", {16, 8}, "m"});
+  std::vector<grpc::Status> st(static_cast<size_t>(w));
+  OnAllRanks(w, [&](int r) {
+    SessionDesc mine = desc;
+    if (r == w - 1) mine.params[0].shape = {16, 9};  // the last rank's trainer differs
+    v1::CreateSessionRequest req = mine.Request();
+    req.set_world_key("disagree");
+    v1::CreateSessionResponse resp;
+    auto c = Ctx();
+    st[r] = daemons_[r]->stub().CreateSession(c.get(), req, &resp);
+  });
+  for (int r = 0; r < w; ++r) {
+    EXPECT_EQ(st[r].error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st[r].error_message();
+    const std::string named = r == w - 1 ? "rank(s) 0" : absl::StrCat("rank(s) ", w - 1);
+    EXPECT_TRUE(absl::StrContains(st[r].error_message(), named)) << st[r].error_message();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(W, WorldSession, ::testing::Values(2, 3, 4),
+                         [](const auto& info) { return absl::StrCat("W", info.param); });
+
+}  // namespace
+}  // namespace diond::service_testing
