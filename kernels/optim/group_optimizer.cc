@@ -33,7 +33,9 @@ absl::Status GroupOptimizer::Step(const kernels::Context& ctx, absl::Span<float*
   DIOND_RETURN_IF_ERROR(ValidateStepOptions(options));
   const double lr = options.lr.value_or(config_.hyperparams.lr);
   const double wd = options.weight_decay.value_or(config_.hyperparams.weight_decay);
+  capture_ = options.capture;
   absl::Status s = StageStep(ctx, params, grads, static_cast<float>(lr), static_cast<float>(wd));
+  capture_ = nullptr;
   if (!s.ok()) {
     DiscardStaged();
     return s;
@@ -124,6 +126,7 @@ class BucketedOptimizer final : public GroupOptimizer {
                          absl::Span<const float* const> grads, float lr,
                          float weight_decay) override {
     staged_.clear();
+    if (capture_ != nullptr) capture_->payload.assign(shapes().size(), {});
     for (size_t bi = 0; bi < buckets_.size(); ++bi) {
       const Bucket& b = buckets_[bi];
       Staged st;
@@ -162,6 +165,11 @@ class BucketedOptimizer final : public GroupOptimizer {
       args.g = st.g.data();
       for (auto& s : st.state) args.state.push_back(s.data());
       args.scalars = {lr, weight_decay};
+      if (capture_ != nullptr && CapturedUpdateSize(config(), b.shape) > 0) {
+        for (size_t j = 0; j < np; ++j) {
+          args.capture.push_back(&capture_->payload[b.members[st.slots[j]]]);
+        }
+      }
       DIOND_RETURN_IF_ERROR(rule_->Apply(ctx, args));
       staged_.push_back(std::move(st));
     }
@@ -278,6 +286,37 @@ absl::StatusOr<std::unique_ptr<GroupOptimizer>> CreateGroupOptimizer(
   if (rule == nullptr) return absl::InvalidArgumentError("unknown algorithm");
   return std::unique_ptr<GroupOptimizer>(
       new internal::BucketedOptimizer(config, std::move(shapes), std::move(rule)));
+}
+
+int64_t CapturedUpdateSize(const GroupConfig& config, const ParamShape& shape) {
+  switch (config.algorithm) {
+    case AlgorithmKind::kDion:
+      return internal::DionCaptureSize(config, shape);
+    case AlgorithmKind::kDion2:
+    case AlgorithmKind::kNorDion2:
+      return internal::Dion2CaptureSize(config, shape);
+    default:
+      return 0;
+  }
+}
+
+absl::Status ApplyCapturedUpdate(const kernels::Context& ctx, const GroupConfig& config,
+                                 const ParamShape& shape, const StepOptions& options,
+                                 absl::Span<const float> payload, float* x) {
+  const int64_t want = CapturedUpdateSize(config, shape);
+  if (want == 0 || static_cast<int64_t>(payload.size()) != want) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        AlgorithmName(config.algorithm), " captured update of ", payload.size(),
+        " values; expected ", want, want == 0 ? " (no compact form for this shape)" : ""));
+  }
+  DIOND_RETURN_IF_ERROR(ValidateStepOptions(options));
+  const double lr = options.lr.value_or(config.hyperparams.lr);
+  const double wd = options.weight_decay.value_or(config.hyperparams.weight_decay);
+  const internal::StepScalars scalars{static_cast<float>(lr), static_cast<float>(wd)};
+  if (config.algorithm == AlgorithmKind::kDion) {
+    return internal::DionApplyCaptured(ctx, config, shape, scalars, payload.data(), x);
+  }
+  return internal::Dion2ApplyCaptured(ctx, config, shape, scalars, payload.data(), x);
 }
 
 }  // namespace diond::optim

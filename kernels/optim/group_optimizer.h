@@ -77,6 +77,8 @@ class GroupOptimizer {
   virtual void DiscardStaged() = 0;
   // Locates the float buffer of state `name` for parameter `param_index` (nullptr if unknown).
   virtual float* MutableStatePtr(size_t param_index, absl::string_view name) = 0;
+  // StepOptions::capture of the step being staged (null when not capturing).
+  StepCapture* capture_ = nullptr;
 
  private:
   GroupConfig config_;
@@ -89,6 +91,27 @@ class GroupOptimizer {
 // config.seed (deterministic across platforms). INVALID_ARGUMENT naming the bad value.
 absl::StatusOr<std::unique_ptr<GroupOptimizer>> CreateGroupOptimizer(
     const GroupConfig& config, std::vector<ParamShape> shapes);
+
+// ---- compact updates (StepCapture) --------------------------------------------------------------
+// Floats in the compact form of one step's update of a parameter of `shape`, or 0 when it has
+// none smaller than the parameter itself (then exchange the parameter):
+//   Dion, when r(m+n) < mn: P (a×r) then Q_new (b×r), row-major (§9.4; a = max(m,n)), so that
+//     X ← (1−ηλ)·X − s·P·Q_newᵀ (transposed: Q_new·Pᵀ);
+//   Dion2/NorDion2, when smaller: per trailing matrix (per head with num_heads), the k selected
+//     slice indices (as floats, exact) then those k slices of X after the step (k×n rows or m×k
+//     columns, as the rule's selection axis).
+//   Other algorithms: 0.
+int64_t CapturedUpdateSize(const GroupConfig& config, const ParamShape& shape);
+
+// Reproduces the owner's step on `x` (the parameter as it was before the step, identical to the
+// owner's copy) from the owner's payload: Dion runs the rule's own final update code on P and
+// Q_new; Dion2/NorDion2 decay every entry as the rule does, then take the owner's selected
+// slices. The result is bit-identical to the owner's. lr and weight decay are resolved from
+// `options` exactly as Step resolves them. INVALID_ARGUMENT for a payload of the wrong size or
+// with out-of-range or repeated indices (nothing is written then).
+absl::Status ApplyCapturedUpdate(const kernels::Context& ctx, const GroupConfig& config,
+                                 const ParamShape& shape, const StepOptions& options,
+                                 absl::Span<const float> payload, float* x);
 
 }  // namespace diond::optim
 

@@ -117,10 +117,22 @@ struct GroupConfig {
   uint64_t seed = 0;
 };
 
+// The compact form of a step's updates, for a daemon world where one worker (the owner) runs a
+// parameter's update and the others reproduce it without its optimizer state (the daemon's
+// docs/DISTRIBUTED.md; GroupOptimizer's CapturedUpdateSize / ApplyCapturedUpdate).
+struct StepCapture {
+  // Per parameter of the group: filled by Step for the parameters that had a gradient and whose
+  // algorithm and shape have a compact form (CapturedUpdateSize > 0); empty otherwise.
+  std::vector<std::vector<float>> payload;
+};
+
 // Per-step overrides (e.g. an lr schedule driven by the daemon's client).
 struct StepOptions {
   std::optional<double> lr;            // replaces hyperparams.lr for this step; >= 0
   std::optional<double> weight_decay;  // replaces hyperparams.weight_decay for this step; >= 0
+  // When set, Step also reports the compact form of its updates here. Null (the default)
+  // changes nothing: the numbers are the same either way.
+  StepCapture* capture = nullptr;
 };
 
 // State tensor names, exactly as the reference's state dict and the conformance vectors.

@@ -784,9 +784,17 @@ void Session::AttachWorld(comm::World* world, ShardPlan plan, uint64_t epoch) {
   w.epoch = epoch;
   w.owned.resize(static_cast<size_t>(plan.world_size));
   w.owned_elements.assign(static_cast<size_t>(plan.world_size), 0);
+  w.owned_payload.assign(static_cast<size_t>(plan.world_size), 0);
+  w.compact.assign(plan.owner.size(), 0);
   for (size_t i = 0; i < plan.owner.size(); ++i) {
-    w.owned[static_cast<size_t>(plan.owner[i])].push_back(i);
-    w.owned_elements[static_cast<size_t>(plan.owner[i])] += layout_.tensors[i].numel;
+    const size_t j = static_cast<size_t>(plan.owner[i]);
+    const Group& g = groups_[group_of_param_[i]];
+    if (g.optimizer != nullptr) {
+      w.compact[i] = optim::CapturedUpdateSize(g.optimizer->config(), layout_.tensors[i].shape);
+    }
+    w.owned[j].push_back(i);
+    w.owned_elements[j] += layout_.tensors[i].numel;
+    w.owned_payload[j] += w.compact[i] > 0 ? w.compact[i] : layout_.tensors[i].numel;
   }
   w.plan = std::move(plan);
   world_ = std::move(w);
@@ -917,9 +925,20 @@ absl::StatusOr<StepResult> Session::WorldStepLocked(const StepRequest& request,
   // gradient, which leaves them and their state alone), on the single-process code path.
   absl::Status compute_status;
   const absl::Time compute_start = absl::Now();
+  // Per group: this step's options (every rank resolves them alike) and the owner's compact
+  // updates (Dion P/Q_new, Dion2 slices).
+  std::vector<optim::StepOptions> group_opts(groups_.size());
+  std::vector<optim::StepCapture> captures(groups_.size());
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    const Group& g = groups_[gi];
+    auto it = request.lr_override.find(g.name);
+    group_opts[gi].lr = it != request.lr_override.end() ? std::optional<double>(it->second) : g.lr;
+    group_opts[gi].weight_decay = g.weight_decay;
+  }
   {
     absl::MutexLock compute(compute_mu);
-    for (Group& g : groups_) {
+    for (size_t gi = 0; gi < groups_.size(); ++gi) {
+      Group& g = groups_[gi];
       if (g.optimizer == nullptr) continue;
       std::vector<float*> gp;
       std::vector<const float*> gg;
@@ -931,10 +950,8 @@ absl::StatusOr<StepResult> Session::WorldStepLocked(const StepRequest& request,
         any = any || mine;
       }
       if (!any) continue;
-      optim::StepOptions opts;
-      auto it = request.lr_override.find(g.name);
-      opts.lr = it != request.lr_override.end() ? std::optional<double>(it->second) : g.lr;
-      opts.weight_decay = g.weight_decay;
+      optim::StepOptions opts = group_opts[gi];
+      if (comm != nullptr) opts.capture = &captures[gi];
       absl::Status s = g.optimizer->Step(ctx, gp, gg, opts);
       if (!s.ok()) {
         compute_status = absl::Status(s.code(), absl::StrCat("step ", request.step_index,
@@ -950,11 +967,27 @@ absl::StatusOr<StepResult> Session::WorldStepLocked(const StepRequest& request,
   // one all-gather-v; everyone writes them into its own arena.
   if (comm != nullptr) {
     std::vector<int64_t> counts(static_cast<size_t>(world_size));
-    for (int j = 0; j < world_size; ++j) counts[j] = w.owned_elements[j] + 1;
+    for (int j = 0; j < world_size; ++j) counts[j] = w.owned_payload[j] + 1;
     std::vector<float> mine;
     mine.reserve(static_cast<size_t>(counts[w.rank]));
     for (size_t i : w.owned[w.rank]) {
-      mine.insert(mine.end(), params[i], params[i] + layout_.tensors[i].numel);
+      if (w.compact[i] > 0) {
+        const auto& payloads = captures[group_of_param_[i]].payload;
+        const std::vector<float>* p =
+            payloads.size() > slot_in_group_[i] ? &payloads[slot_in_group_[i]] : nullptr;
+        if (p != nullptr && static_cast<int64_t>(p->size()) == w.compact[i]) {
+          mine.insert(mine.end(), p->begin(), p->end());
+        } else {
+          // Only after a failed compute (reported through the status value below).
+          mine.resize(mine.size() + static_cast<size_t>(w.compact[i]), 0.0f);
+          if (compute_status.ok()) {
+            compute_status = absl::InternalError(absl::StrCat(
+                "no compact update captured for '", layout_.tensors[i].name, "'"));
+          }
+        }
+      } else {
+        mine.insert(mine.end(), params[i], params[i] + layout_.tensors[i].numel);
+      }
     }
     mine.push_back(compute_status.ok() ? 0.0f : 1.0f);
     int64_t total = 0;
@@ -968,15 +1001,39 @@ absl::StatusOr<StepResult> Session::WorldStepLocked(const StepRequest& request,
       return w.broken;
     }
     std::vector<int> failed;
+    std::vector<std::pair<size_t, int64_t>> compact;  // (parameter, offset in `all`)
     int64_t at = 0;
     for (int j = 0; j < world_size; ++j) {
       for (size_t i : w.owned[j]) {
         const int64_t numel = layout_.tensors[i].numel;
-        if (j != w.rank) std::memcpy(params[i], all.data() + at, static_cast<size_t>(numel) * 4);
-        at += numel;
+        if (w.compact[i] > 0) {
+          if (j != w.rank) compact.emplace_back(i, at);
+          at += w.compact[i];
+        } else {
+          if (j != w.rank) std::memcpy(params[i], all.data() + at, static_cast<size_t>(numel) * 4);
+          at += numel;
+        }
       }
       if (all[static_cast<size_t>(at)] != 0.0f && j != w.rank) failed.push_back(j);
       ++at;
+    }
+    // The others' compact updates, applied here through the rules' own code (bit-identical to
+    // what their owners computed).
+    if (failed.empty() && compute_status.ok() && !compact.empty()) {
+      absl::MutexLock compute(compute_mu);
+      for (const auto& [i, offset] : compact) {
+        const size_t gi = group_of_param_[i];
+        absl::Status s = optim::ApplyCapturedUpdate(
+            ctx, groups_[gi].optimizer->config(), layout_.tensors[i].shape, group_opts[gi],
+            absl::MakeConstSpan(all.data() + offset, static_cast<size_t>(w.compact[i])),
+            params[i]);
+        if (!s.ok()) {
+          compute_status = absl::InternalError(absl::StrCat(
+              "applying the compact update of '", layout_.tensors[i].name, "' from rank ",
+              w.plan.owner[i], ": ", s.message()));
+          break;
+        }
+      }
     }
     if (compute_status.ok() && !failed.empty()) {
       compute_status = absl::InternalError(absl::StrCat(

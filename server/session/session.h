@@ -172,6 +172,10 @@ class Session {
     int rank = 0;
     std::vector<std::vector<size_t>> owned;  // per rank, parameter indices in order
     std::vector<int64_t> owned_elements;     // per rank
+    // Per parameter: floats of its compact update (optim::CapturedUpdateSize; Dion P/Q_new,
+    // Dion2 slices), 0 = the whole parameter is exchanged.
+    std::vector<int64_t> compact;
+    std::vector<int64_t> owned_payload;      // per rank: floats it sends in the exchange
     absl::Status broken;                     // set once a step failed in the world
   };
 

@@ -308,6 +308,55 @@ TEST_P(WorldSession, AverageBytesPerStepMatchTheFormula) {
   }
 }
 
+// REPLICATED Dion (rank fraction 1/4) and Dion2/NorDion2 (fraction 1/4): the compact exchange.
+// Per matrix: Dion r(m+n) floats (P and Q_new), Dion2 k(n+1) (k selected rows of n and their
+// indices; m <= n), plus one status value per rank; balanced plan => 4(W−1)/W·Σ(payload) bytes.
+TEST_P(WorldSession, CompactExchangeBytesMatchTheFormulas) {
+  const int w = GetParam();
+  struct Algo {
+    const char* name;
+    AlgorithmKind kind;
+    int64_t payload;  // floats per 48x80 matrix
+  };
+  // Dion: r = 12 (1/4 of 48), a + b = 128; Dion2/NorDion2: k = 12 rows of 80, + 12 indices.
+  for (const Algo& a : {Algo{"dion", AlgorithmKind::kDion, 12 * 128},
+                        Algo{"dion2", AlgorithmKind::kDion2, 12 * 81},
+                        Algo{"nordion2", AlgorithmKind::kNorDion2, 12 * 81}}) {
+    SCOPED_TRACE(a.name);
+    SessionDesc desc;
+    GroupDesc g = MakeGroup("x", a.kind, 0.02);
+    g.proto.mutable_hyperparameters()->set_rank_fraction(0.25);
+    g.config.hyperparams.rank_fraction = 0.25;
+    desc.groups.push_back(g);
+    const int64_t mrows = 48, ncols = 80, count = 12;
+    for (int j = 0; j < count; ++j) desc.params.push_back({absl::StrCat("w", j), {mrows, ncols}, "x"});
+    v1::CreateSessionRequest req = desc.Request();
+    req.set_world_key(absl::StrCat("bytes-", a.name));
+    auto s = CreateEverywhere(req);
+    ASSERT_EQ(static_cast<int>(s.size()), w);
+    for (int64_t step = 1; step <= 3; ++step) {
+      for (int r = 0; r < w; ++r) {
+        for (size_t i = 0; i < desc.params.size(); ++i) {
+          s[r]->WriteGrad(i, SyntheticValues(3, step, i, mrows * ncols));
+        }
+      }
+      auto resp = StepAll(daemons_, s, step);
+      const double formula = 4.0 * (w - 1) / w * static_cast<double>(count * a.payload);
+      const double muon = 4.0 * (w - 1) / w * static_cast<double>(count * mrows * ncols);
+      for (int r = 0; r < w; ++r) {
+        const double got = static_cast<double>(resp[r].world_bytes_sent());
+        EXPECT_NEAR(got, formula, 0.05 * formula) << "rank " << r << " step " << step;
+        // The stated fraction of Muon's traffic: r(m+n)/mn = 0.4 (Dion), k(n+1)/mn ≈ 0.25 (Dion2).
+        const double fraction = static_cast<double>(a.payload) / (mrows * ncols);
+        EXPECT_NEAR(got / muon, fraction, 0.05 * fraction);
+      }
+      for (size_t i = 0; i < desc.params.size(); ++i) {
+        for (int r = 1; r < w; ++r) ASSERT_EQ(s[r]->ParamBytes(i), s[0]->ParamBytes(i));
+      }
+    }
+  }
+}
+
 TEST_P(WorldSession, DisagreeingTrainersAreRefusedNamingTheRanks) {
   const int w = GetParam();
   SessionDesc desc;

@@ -2,6 +2,7 @@
 // single-device ("local" selection scope; the "global" scope only differs when sharded, §7.4).
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "kernels/ops.h"
 #include "kernels/optim/internal/rule.h"
@@ -11,6 +12,27 @@ namespace diond::optim::internal {
 namespace {
 
 using kernels::Axis;
+
+// Where Dion2/NorDion2 select for one parameter of `shape` (§7.2): its trailing matrices
+// (per head), the axis and the count.
+struct Selection {
+  MatrixBatch units;  // of one parameter
+  Axis axis;
+  int64_t length, k, sub_rows, sub_cols;
+};
+
+Selection SelectionOf(const GroupConfig& cfg, const ParamShape& shape, int64_t count) {
+  const ParamShape eff = EffectiveShape(cfg, shape);
+  Selection s;
+  s.units = TrailingMatrices(count, eff);
+  const int64_t R = s.units.rows, C = s.units.cols;
+  s.axis = (cfg.algorithm == AlgorithmKind::kNorDion2 || R <= C) ? Axis::kRows : Axis::kCols;
+  s.length = s.axis == Axis::kRows ? R : C;
+  s.k = SelectionCount(s.length, cfg.hyperparams.fraction);
+  s.sub_rows = s.axis == Axis::kRows ? s.k : R;
+  s.sub_cols = s.axis == Axis::kRows ? C : s.k;
+  return s;
+}
 
 class Dion2Rule final : public UpdateRule {
  public:
@@ -91,6 +113,25 @@ class Dion2Rule final : public UpdateRule {
       absl::Span<const int64_t> ib(idx.data() + b * k, static_cast<size_t>(k));
       DIOND_RETURN_IF_ERROR(kernels::Scatter(ctx, sb, axis, ib, -alpha, 1.0f, xb));
     }
+    // The compact update for other workers: per unit, the indices then the selected slices of
+    // X after the step.
+    if (!a.capture.empty()) {
+      const int64_t per_param = units.batch / a.count;
+      for (int64_t p = 0; p < a.count; ++p) {
+        std::vector<float>& out = *a.capture[static_cast<size_t>(p)];
+        out.resize(static_cast<size_t>(per_param * (k + sub_size)));
+        float* o = out.data();
+        for (int64_t u = 0; u < per_param; ++u) {
+          const int64_t b = p * per_param + u;
+          for (int64_t j = 0; j < k; ++j) o[j] = static_cast<float>(idx[b * k + j]);
+          o += k;
+          absl::Span<const int64_t> ib(idx.data() + b * k, static_cast<size_t>(k));
+          DIOND_RETURN_IF_ERROR(kernels::Gather(ctx, View2(a.x + b * msize, R, C), axis, ib,
+                                                View2(o, sub_rows, sub_cols)));
+          o += sub_size;
+        }
+      }
+    }
     return absl::OkStatus();
   }
 };
@@ -98,5 +139,47 @@ class Dion2Rule final : public UpdateRule {
 }  // namespace
 
 std::unique_ptr<UpdateRule> MakeDion2Rule() { return std::make_unique<Dion2Rule>(); }
+
+int64_t Dion2CaptureSize(const GroupConfig& config, const ParamShape& shape) {
+  if (shape.size() < 2) return 0;
+  const Selection s = SelectionOf(config, shape, 1);
+  if (s.length > (int64_t{1} << 24)) return 0;  // indices travel as exact floats
+  const int64_t size = s.units.batch * (s.k + s.sub_rows * s.sub_cols);
+  return size < s.units.batch * s.units.MatrixSize() ? size : 0;
+}
+
+absl::Status Dion2ApplyCaptured(const kernels::Context& ctx, const GroupConfig& config,
+                                const ParamShape& shape, const StepScalars& scalars,
+                                const float* payload, float* x) {
+  const Selection s = SelectionOf(config, shape, 1);
+  const int64_t msize = s.units.MatrixSize(), sub_size = s.sub_rows * s.sub_cols;
+  // Indices first (validated before anything is written).
+  std::vector<int64_t> idx(static_cast<size_t>(s.units.batch * s.k));
+  for (int64_t u = 0; u < s.units.batch; ++u) {
+    const float* in = payload + u * (s.k + sub_size);
+    std::vector<bool> seen(static_cast<size_t>(s.length), false);
+    for (int64_t j = 0; j < s.k; ++j) {
+      const float f = in[j];
+      const int64_t i = static_cast<int64_t>(f);
+      if (!(f >= 0.0f) || static_cast<float>(i) != f || i >= s.length || seen[i]) {
+        return absl::InvalidArgumentError(absl::StrCat("captured update: bad slice index ", f,
+                                                       " (", s.length, " slices)"));
+      }
+      seen[i] = true;
+      idx[u * s.k + j] = i;
+    }
+  }
+  // Step 10 exactly as the rule: every entry decayed; then the owner's selected slices.
+  const float decay = DecayFactor(scalars.lr, scalars.weight_decay);
+  for (int64_t i = 0; i < s.units.batch * msize; ++i) x[i] = x[i] * decay;
+  for (int64_t u = 0; u < s.units.batch; ++u) {
+    const float* values = payload + u * (s.k + sub_size) + s.k;
+    absl::Span<const int64_t> ib(idx.data() + u * s.k, static_cast<size_t>(s.k));
+    DIOND_RETURN_IF_ERROR(kernels::Scatter(
+        ctx, View2(const_cast<float*>(values), s.sub_rows, s.sub_cols), s.axis, ib, 1.0f, 0.0f,
+        View2(x + u * msize, s.units.rows, s.units.cols)));
+  }
+  return absl::OkStatus();
+}
 
 }  // namespace diond::optim::internal

@@ -54,6 +54,32 @@ DionDims Dims(const GroupConfig& cfg, const ParamShape& s) {
   return d;
 }
 
+// Steps 9-10 for N matrices: X ← (1 − η·λ)·X − s·(P·Q_newᵀ) (transposed: Q_new·Pᵀ),
+// s = f32(√(m/n))·η. Shared by the rule and by DionApplyCaptured (a non-owner reproducing the
+// owner's update from P and Q_new), so both compute the same bits.
+absl::Status ApplyFactors(const kernels::Context& ctx, const DionDims& d, int64_t N,
+                          const float* P, const float* q_new, const StepScalars& scalars,
+                          float* x) {
+  const MatrixBatch mb{N, d.m, d.n}, pb{N, d.a, d.r}, qb{N, d.b, d.r};
+  const float s = F32(std::sqrt(static_cast<double>(d.m) / static_cast<double>(d.n))) *
+                  scalars.lr;
+  const float decay = DecayFactor(scalars.lr, scalars.weight_decay);
+  std::vector<float> upd(static_cast<size_t>(N * d.m * d.n));
+  GemmParams gu;
+  gu.trans_b = Trans::kYes;
+  if (d.transposed) {
+    DIOND_RETURN_IF_ERROR(
+        kernels::Gemm(ctx, gu, CView3(q_new, qb), CView3(P, pb), View3(upd.data(), mb)));
+  } else {
+    DIOND_RETURN_IF_ERROR(
+        kernels::Gemm(ctx, gu, CView3(P, pb), CView3(q_new, qb), View3(upd.data(), mb)));
+  }
+  for (int64_t i = 0; i < N * d.m * d.n; ++i) {
+    x[i] = decay * x[i] + (-s) * upd[i];
+  }
+  return absl::OkStatus();
+}
+
 class DionRule final : public UpdateRule {
  public:
   std::vector<StateSpec> Specs(const GroupConfig& config, const ParamShape& shape) const override {
@@ -141,21 +167,14 @@ class DionRule final : public UpdateRule {
     }
 
     // 9-10. X ← (1 − η·λ)·X − s·(P·Q_newᵀ) (transposed: Q_new·Pᵀ), s = f32(√(m/n))·η.
-    const float s = F32(std::sqrt(static_cast<double>(d.m) / static_cast<double>(d.n))) *
-                    args.scalars.lr;
-    const float decay = DecayFactor(args.scalars.lr, args.scalars.weight_decay);
-    std::vector<float> upd(static_cast<size_t>(N * d.m * d.n));
-    GemmParams gu;
-    gu.trans_b = Trans::kYes;
-    if (d.transposed) {
-      DIOND_RETURN_IF_ERROR(kernels::Gemm(ctx, gu, CView3(R.data(), qb), CView3(P.data(), pb),
-                                          View3(upd.data(), mb)));
-    } else {
-      DIOND_RETURN_IF_ERROR(kernels::Gemm(ctx, gu, CView3(P.data(), pb), CView3(R.data(), qb),
-                                          View3(upd.data(), mb)));
-    }
-    for (int64_t i = 0; i < N * d.m * d.n; ++i) {
-      args.x[i] = decay * args.x[i] + (-s) * upd[i];
+    DIOND_RETURN_IF_ERROR(ApplyFactors(ctx, d, N, P.data(), R.data(), args.scalars, args.x));
+    // The compact update for other workers: P then Q_new, per matrix.
+    for (size_t j = 0; j < args.capture.size(); ++j) {
+      std::vector<float>& out = *args.capture[j];
+      const int64_t ps = d.a * d.r, qs = d.b * d.r;
+      out.resize(static_cast<size_t>(ps + qs));
+      std::copy_n(P.data() + static_cast<int64_t>(j) * ps, ps, out.data());
+      std::copy_n(R.data() + static_cast<int64_t>(j) * qs, qs, out.data() + ps);
     }
     // 11. Q ← Q_new.
     std::copy(R.begin(), R.end(), Q);
@@ -166,5 +185,19 @@ class DionRule final : public UpdateRule {
 }  // namespace
 
 std::unique_ptr<UpdateRule> MakeDionRule() { return std::make_unique<DionRule>(); }
+
+int64_t DionCaptureSize(const GroupConfig& config, const ParamShape& shape) {
+  if (shape.size() != 2) return 0;
+  const DionDims d = Dims(config, shape);
+  const int64_t size = d.r * (d.a + d.b);
+  return size < d.m * d.n ? size : 0;
+}
+
+absl::Status DionApplyCaptured(const kernels::Context& ctx, const GroupConfig& config,
+                               const ParamShape& shape, const StepScalars& scalars,
+                               const float* payload, float* x) {
+  const DionDims d = Dims(config, shape);
+  return ApplyFactors(ctx, d, 1, payload, payload + d.a * d.r, scalars, x);
+}
 
 }  // namespace diond::optim::internal

@@ -42,6 +42,9 @@ struct BucketArgs {
   const float* g = nullptr;
   std::vector<float*> state;  // in the order of Specs()
   StepScalars scalars;
+  // StepOptions::capture: per parameter of the bucket, where the rule writes the compact form
+  // of its update (group_optimizer.h CapturedUpdateSize). Empty when not capturing.
+  std::vector<std::vector<float>*> capture;
 };
 
 class UpdateRule {
@@ -62,6 +65,16 @@ std::unique_ptr<UpdateRule> MakeMuonRule();      // Muon and NorMuon (muon_rules
 std::unique_ptr<UpdateRule> MakeDion2Rule();     // Dion2 and NorDion2 (dion2_rules.cc)
 std::unique_ptr<UpdateRule> MakeDionRule();      // dion_rule.cc
 std::unique_ptr<UpdateRule> MakeScalarRule();    // AdamW and Lion (scalar_rules.cc)
+
+// Compact updates (group_optimizer.h): sizes (0 = none) and application by a non-owner.
+int64_t DionCaptureSize(const GroupConfig& config, const ParamShape& shape);
+absl::Status DionApplyCaptured(const kernels::Context& ctx, const GroupConfig& config,
+                               const ParamShape& shape, const StepScalars& scalars,
+                               const float* payload, float* x);
+int64_t Dion2CaptureSize(const GroupConfig& config, const ParamShape& shape);
+absl::Status Dion2ApplyCaptured(const kernels::Context& ctx, const GroupConfig& config,
+                                const ParamShape& shape, const StepScalars& scalars,
+                                const float* payload, float* x);
 
 }  // namespace diond::optim::internal
 
