@@ -261,6 +261,9 @@ class Optimizer(torch.optim.Optimizer):
       remote: True for remote mode (no shared memory), False for shared memory; default: shared
         memory on a Unix socket, remote over TCP.
       fp32_master_weights: for bf16/f16 parameters, let the daemon keep float32 master weights.
+        (state_dict() does not carry them: SetState takes parameters in their own dtype, so a
+        resumed session restarts from the bf16/f16 weights; bit-identical resume needs
+        fp32_master_weights=False or float32 parameters.)
       non_finite_policy: "skip" (a step with NaN/Inf gradients changes nothing) or "error".
       timeout: deadline of every RPC, seconds. connect_timeout: for the connection.
       client_name: shown by ListSessions and in the daemon's logs.

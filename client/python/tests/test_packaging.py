@@ -21,6 +21,8 @@ def test_pip_install_offline(tmp_path):
     grpc_python_plugin, and the installed package works from any directory."""
     if not (shutil.which("protoc") and shutil.which("grpc_python_plugin")):
         pytest.skip("protoc / grpc_python_plugin not installed")
+    pytest.importorskip("setuptools", reason="python3-setuptools not installed")
+    pytest.importorskip("wheel", reason="python3-wheel not installed")
     venv = tmp_path / "venv"
     r = subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)],
                        capture_output=True, text=True)
