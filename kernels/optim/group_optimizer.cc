@@ -34,8 +34,10 @@ absl::Status GroupOptimizer::Step(const kernels::Context& ctx, absl::Span<float*
   const double lr = options.lr.value_or(config_.hyperparams.lr);
   const double wd = options.weight_decay.value_or(config_.hyperparams.weight_decay);
   capture_ = options.capture;
+  replica_average_ = options.replica_average ? &options.replica_average : nullptr;
   absl::Status s = StageStep(ctx, params, grads, static_cast<float>(lr), static_cast<float>(wd));
   capture_ = nullptr;
+  replica_average_ = nullptr;
   if (!s.ok()) {
     DiscardStaged();
     return s;
@@ -165,6 +167,7 @@ class BucketedOptimizer final : public GroupOptimizer {
       args.g = st.g.data();
       for (auto& s : st.state) args.state.push_back(s.data());
       args.scalars = {lr, weight_decay};
+      args.replica_average = replica_average_;
       if (capture_ != nullptr && CapturedUpdateSize(config(), b.shape) > 0) {
         for (size_t j = 0; j < np; ++j) {
           args.capture.push_back(&capture_->payload[b.members[st.slots[j]]]);

@@ -79,6 +79,8 @@ class GroupOptimizer {
   virtual float* MutableStatePtr(size_t param_index, absl::string_view name) = 0;
   // StepOptions::capture of the step being staged (null when not capturing).
   StepCapture* capture_ = nullptr;
+  // StepOptions::replica_average of the step being staged (null when not set).
+  const std::function<absl::Status(absl::Span<float>)>* replica_average_ = nullptr;
 
  private:
   GroupConfig config_;

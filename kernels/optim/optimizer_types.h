@@ -11,12 +11,14 @@
 #define DIOND_KERNELS_OPTIM_OPTIMIZER_TYPES_H_
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 
 namespace diond::optim {
 
@@ -133,6 +135,13 @@ struct StepOptions {
   // When set, Step also reports the compact form of its updates here. Null (the default)
   // changes nothing: the numbers are the same either way.
   StepCapture* capture = nullptr;
+  // Dion's compressed data-parallel sync (ALGORITHMS.md §9.7): when set, P = B·Q and R = Bᵀ·P of
+  // every shape bucket are replaced by their average over the data-parallel replicas through
+  // this function, called twice per bucket (P, then R; each the bucket's matrices stacked), in
+  // bucket order. Each replica keeps its own momentum; P, R, Q and the weight update come out
+  // identical on every replica. A bucket's B ≡ 0 case is then decided on the averaged P.
+  // Other algorithms ignore it. Empty (the default) changes nothing.
+  std::function<absl::Status(absl::Span<float>)> replica_average;
 };
 
 // State tensor names, exactly as the reference's state dict and the conformance vectors.

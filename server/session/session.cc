@@ -786,9 +786,15 @@ void Session::AttachWorld(comm::World* world, ShardPlan plan, uint64_t epoch) {
   w.owned_elements.assign(static_cast<size_t>(plan.world_size), 0);
   w.owned_payload.assign(static_cast<size_t>(plan.world_size), 0);
   w.compact.assign(plan.owner.size(), 0);
+  w.replicated.assign(plan.owner.size(), false);
   for (size_t i = 0; i < plan.owner.size(); ++i) {
     const size_t j = static_cast<size_t>(plan.owner[i]);
     const Group& g = groups_[group_of_param_[i]];
+    if (spec_.gradient_sync == GradientSync::kDionCompressed && g.optimizer != nullptr &&
+        g.optimizer->config().algorithm == optim::AlgorithmKind::kDion) {
+      w.replicated[i] = true;  // every rank steps it (compressed sync), nobody owns it
+      continue;
+    }
     if (g.optimizer != nullptr) {
       w.compact[i] = optim::CapturedUpdateSize(g.optimizer->config(), layout_.tensors[i].shape);
     }
@@ -853,7 +859,7 @@ absl::StatusOr<StepResult> Session::WorldStepLocked(const StepRequest& request,
   // gradients of rank j's parameters, padded to the largest block, plus one slot with this
   // rank's non-finite flag, so every rank learns the same number of non-finite trainers.
   std::vector<float> averaged;
-  if (spec_.gradient_sync == GradientSync::kAverage && comm != nullptr) {
+  if (spec_.gradient_sync != GradientSync::kReplicated && comm != nullptr) {
     int64_t block = 0;
     for (int64_t e : w.owned_elements) block = std::max(block, e);
     block += 1;
@@ -942,16 +948,22 @@ absl::StatusOr<StepResult> Session::WorldStepLocked(const StepRequest& request,
       if (g.optimizer == nullptr) continue;
       std::vector<float*> gp;
       std::vector<const float*> gg;
-      bool any = false;
+      bool any = false, compressed = false;
       for (size_t i : g.params) {
-        const bool mine = w.plan.owner[i] == w.rank;
+        // Compressed Dion: every rank steps every matrix on its own gradients.
+        const bool mine = w.replicated[i] || w.plan.owner[i] == w.rank;
         gp.push_back(params[i]);
         gg.push_back(mine ? grads[i] : nullptr);
         any = any || mine;
+        compressed = compressed || w.replicated[i];
       }
       if (!any) continue;
       optim::StepOptions opts = group_opts[gi];
       if (comm != nullptr) opts.capture = &captures[gi];
+      if (comm != nullptr && compressed) {
+        comm::Communicator* c = comm.get();
+        opts.replica_average = [c](absl::Span<float> v) { return c->AllReduceAverage(v); };
+      }
       absl::Status s = g.optimizer->Step(ctx, gp, gg, opts);
       if (!s.ok()) {
         compute_status = absl::Status(s.code(), absl::StrCat("step ", request.step_index,
@@ -1070,6 +1082,39 @@ absl::StatusOr<StepResult> Session::WorldStepLocked(const StepRequest& request,
   last_step_index_ = request.step_index;
   last_result_ = result;
   return result;
+}
+
+absl::Status Session::SynchronizeForCheckpoint() {
+  absl::MutexLock lock(&mu_);
+  if (!world_.has_value() || world_->world == nullptr ||
+      spec_.gradient_sync != GradientSync::kDionCompressed) {
+    return absl::OkStatus();
+  }
+  WorldPart& w = *world_;
+  if (!w.broken.ok()) return w.broken;
+  auto c = w.world->communicator();
+  if (!c.ok()) {
+    return absl::UnavailableError(absl::StrCat("world session '", spec_.world_key,
+                                               "': momentum synchronization: ",
+                                               c.status().message()));
+  }
+  for (size_t i = 0; i < layout_.tensors.size(); ++i) {
+    if (!w.replicated[i]) continue;
+    Group& g = groups_[group_of_param_[i]];
+    std::vector<float> m(static_cast<size_t>(layout_.tensors[i].numel));
+    DIOND_RETURN_IF_ERROR(
+        g.optimizer->GetState(slot_in_group_[i], optim::kStateMomentum, absl::MakeSpan(m)));
+    absl::Status st = (*c)->AllReduceAverage(absl::MakeSpan(m));
+    if (!st.ok()) {
+      w.broken = absl::UnavailableError(absl::StrCat(
+          "world session '", spec_.world_key, "': momentum synchronization failed: ",
+          st.message()));
+      return w.broken;
+    }
+    DIOND_RETURN_IF_ERROR(g.optimizer->SetState(slot_in_group_[i], optim::kStateMomentum, m));
+  }
+  (*c)->TakeBytesSent();
+  return absl::OkStatus();
 }
 
 }  // namespace diond::session

@@ -123,6 +123,11 @@ class Session {
   // exchange the results; a broken world (a later epoch, an aborted communicator, a failed
   // collective) fails this and every later Step with UNAVAILABLE naming the cause.
   void AttachWorld(comm::World* world, ShardPlan plan, uint64_t epoch);
+  // DION_COMPRESSED world sessions: replaces every Dion momentum by its average over the ranks
+  // (between checkpoints each rank keeps its own, ALGORITHMS.md §9.7), so that a checkpoint holds
+  // the synchronous momentum. A collective: every rank calls it at the same point
+  // (SessionManager::SaveCheckpoint does). OK and nothing done for other sessions.
+  absl::Status SynchronizeForCheckpoint();
   bool is_world_session() const { return !spec_.world_key.empty(); }
 
  private:
@@ -176,6 +181,9 @@ class Session {
     // Dion2 slices), 0 = the whole parameter is exchanged.
     std::vector<int64_t> compact;
     std::vector<int64_t> owned_payload;      // per rank: floats it sends in the exchange
+    // Per parameter: computed by every rank on its own gradients (Dion under DION_COMPRESSED),
+    // so neither reduce-scattered nor exchanged.
+    std::vector<bool> replicated;
     absl::Status broken;                     // set once a step failed in the world
   };
 

@@ -187,10 +187,6 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::CreateSession(SessionSp
                                                    GradientSyncName(spec.gradient_sync),
                                                    " needs a world session (world_key)"));
   }
-  if (spec.gradient_sync == GradientSync::kDionCompressed) {
-    return absl::UnimplementedError(
-        "gradient_sync DION_COMPRESSED is not implemented yet; use AVERAGE or REPLICATED");
-  }
   // Validate and size the session before taking the lock (optimizer state is allocated here).
   DIOND_ASSIGN_OR_RETURN(std::unique_ptr<Session> s, Session::Create(NewId(), std::move(spec)));
   if (s->is_world_session()) {
@@ -291,6 +287,8 @@ absl::StatusOr<std::pair<std::string, int64_t>> SessionManager::SaveCheckpoint(
         "no checkpoint directory: pass one or start the daemon with --state_dir");
   }
   DIOND_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Get(id));
+  // DION_COMPRESSED world sessions average the decoupled momenta first (a collective).
+  DIOND_RETURN_IF_ERROR(s->SynchronizeForCheckpoint());
   DIOND_ASSIGN_OR_RETURN(SessionSnapshot snap, s->Snapshot());
   DIOND_ASSIGN_OR_RETURN(auto saved, WriteCheckpoint(dir, id, snap));
   DIOND_LOG(INFO) << "session " << id << ": checkpoint of step " << snap.last_step_index

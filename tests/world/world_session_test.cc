@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "tests/service/golden_case.h"
+#include "tests/integration/subprocess.h"
 #include "tests/service/service_harness.h"
 
 namespace diond::service_testing {
@@ -355,6 +356,103 @@ TEST_P(WorldSession, CompactExchangeBytesMatchTheFormulas) {
       }
     }
   }
+}
+
+// DION_COMPRESSED (ALGORITHMS.md §9.7): every rank keeps its own Dion momentum and averages only
+// P = B_i·Q and R = B_iᵀ·P; in exact arithmetic the weights follow AVERAGE (Dion on the averaged
+// momentum). With a different gradient per trainer, the two sessions must agree within fp32
+// tolerance, every rank's weights must be identical, the Dion traffic must be
+// 2(W−1)/W·r(m+n) floats per matrix, and a checkpoint must synchronize the momenta.
+TEST_P(WorldSession, DionCompressedFollowsAverage) {
+  const int w = GetParam();
+  SessionDesc desc;
+  GroupDesc g = MakeGroup("dion", AlgorithmKind::kDion, 0.02);
+  g.proto.mutable_hyperparameters()->set_rank_fraction(0.25);
+  g.config.hyperparams.rank_fraction = 0.25;
+  desc.groups.push_back(g);
+  desc.groups.push_back(MakeGroup("a", AlgorithmKind::kAdamW, 0.01));
+  // Sizes large enough that Gloo's chunked ring splits every all-reduce evenly (chunks of at
+  // least 256 floats), so every rank sends the ring volume.
+  for (int j = 0; j < 4; ++j) desc.params.push_back({absl::StrCat("w", j), {96, 160}, "dion"});
+  for (int j = 0; j < 2; ++j) desc.params.push_back({absl::StrCat("v", j), {128, 64}, "dion"});
+  desc.params.push_back({"bias", {40}, "a"});
+  v1::CreateSessionRequest req = desc.Request();
+  req.set_world_key("compressed");
+  req.set_gradient_sync(v1::GRADIENT_SYNC_DION_COMPRESSED);
+  auto c = CreateEverywhere(req);
+  ASSERT_EQ(static_cast<int>(c.size()), w);
+  req.set_world_key("averaged");
+  req.set_gradient_sync(v1::GRADIENT_SYNC_AVERAGE);
+  auto a = CreateEverywhere(req);
+  ASSERT_EQ(static_cast<int>(a.size()), w);
+  std::vector<Chunk> init;
+  for (size_t i = 0; i < desc.params.size(); ++i) {
+    for (Chunk& ch : SplitTensor(desc.params[i].name,
+                                 FloatBytes(SyntheticValues(2, 0, i, desc.Numel(i))))) {
+      init.push_back(std::move(ch));
+    }
+  }
+  for (int r = 0; r < w; ++r) {
+    ASSERT_TRUE(SetState(daemons_[r]->stub(), c[r]->id, init).ok());
+    ASSERT_TRUE(SetState(daemons_[r]->stub(), a[r]->id, init).ok());
+  }
+  // Floats per Dion matrix: r(m+n) with r = 24 (96x160) and r = 16 (128x64).
+  const double dion_floats = 4 * 24 * (96 + 160) + 2 * 16 * (128 + 64);
+  for (int64_t step = 1; step <= 5; ++step) {
+    for (int r = 0; r < w; ++r) {
+      for (size_t i = 0; i < desc.params.size(); ++i) {
+        std::vector<float> grad = SyntheticValues(200 + r, step, i, desc.Numel(i));
+        c[r]->WriteGrad(i, grad);
+        a[r]->WriteGrad(i, grad);
+      }
+    }
+    auto rc = StepAll(daemons_, c, step);
+    StepAll(daemons_, a, step);
+    for (size_t i = 0; i < desc.params.size(); ++i) {
+      const std::string rank0 = c[0]->ParamBytes(i);
+      for (int r = 1; r < w; ++r) {
+        ASSERT_EQ(c[r]->ParamBytes(i), rank0) << "rank " << r << " param " << i << " step " << step;
+      }
+      EXPECT_LE(RelFro(BytesToFloats(rank0), BytesToFloats(a[0]->ParamBytes(i))), 1e-4)
+          << "param " << desc.params[i].name << " step " << step;
+    }
+    // 2(W−1)/W·4·Σ r(m+n) for the two all-reduces, plus the AdamW bias's reduce-scatter and
+    // exchange (40 + 1 floats each way, not divided by W: one owner).
+    const double formula = 2.0 * (w - 1) / w * 4 * dion_floats + 2.0 * (w - 1) * 4 * (40 + 1);
+    for (int r = 0; r < w; ++r) {
+      EXPECT_NEAR(static_cast<double>(rc[r].world_bytes_sent()), formula, 0.05 * formula)
+          << "rank " << r;
+    }
+  }
+  // The decoupled momenta differ between ranks until a checkpoint synchronizes them.
+  std::vector<TensorMap> before(static_cast<size_t>(w)), after(static_cast<size_t>(w));
+  for (int r = 0; r < w; ++r) ASSERT_TRUE(GetState(daemons_[r]->stub(), c[r]->id, false, &before[r]).ok());
+  EXPECT_NE(before[0]["w0/state.momentum"], before[1]["w0/state.momentum"]);
+  EXPECT_EQ(before[0]["w0/state.Q"], before[1]["w0/state.Q"]) << "Q is identical everywhere";
+  const std::string dir = ::diond::testing::MakeTempDir("diond_compressed_ckpt");
+  OnAllRanks(w, [&](int r) {
+    v1::SaveCheckpointRequest sreq;
+    sreq.set_session_id(c[r]->id);
+    sreq.set_directory(absl::StrCat(dir, "/rank", r));
+    v1::SaveCheckpointResponse sresp;
+    auto ctx = Ctx();
+    grpc::Status st = daemons_[r]->stub().SaveCheckpoint(ctx.get(), sreq, &sresp);
+    EXPECT_TRUE(st.ok()) << "rank " << r << ": " << st.error_message();
+  });
+  for (int r = 0; r < w; ++r) ASSERT_TRUE(GetState(daemons_[r]->stub(), c[r]->id, false, &after[r]).ok());
+  for (int r = 1; r < w; ++r) {
+    for (const char* p : {"w0", "w3", "v1"}) {
+      EXPECT_EQ(after[r][absl::StrCat(p, "/state.momentum")], after[0][absl::StrCat(p, "/state.momentum")])
+          << "rank " << r << " " << p;
+    }
+  }
+  // The synchronized momentum is the mean of the ranks' momenta.
+  std::vector<float> mean(BytesToFloats(before[0]["w0/state.momentum"]).size(), 0.0f);
+  for (int r = 0; r < w; ++r) {
+    auto m = BytesToFloats(before[r]["w0/state.momentum"]);
+    for (size_t e = 0; e < m.size(); ++e) mean[e] += m[e] / static_cast<float>(w);
+  }
+  EXPECT_LE(RelFro(BytesToFloats(after[0]["w0/state.momentum"]), mean), 1e-6);
 }
 
 TEST_P(WorldSession, DisagreeingTrainersAreRefusedNamingTheRanks) {

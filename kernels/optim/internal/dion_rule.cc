@@ -114,11 +114,21 @@ class DionRule final : public UpdateRule {
     DIOND_RETURN_IF_ERROR(kernels::Gemm(ctx, gp, CView3(M, mb), CView3(Q, qb), View3(P.data(), pb)));
 
     std::vector<bool> zero(static_cast<size_t>(N));
-    for (int64_t j = 0; j < N; ++j) {
-      bool z = false;
-      DIOND_RETURN_IF_ERROR(kernels::IsAllZero(
-          ctx, CView3(M, mb).Matrix(j), &z));
-      zero[j] = z;
+    if (args.replica_average != nullptr) {
+      // Compressed sync (§9.7): P ← mean over replicas of B_i·Q; B ≡ 0 judged on the mean.
+      DIOND_RETURN_IF_ERROR((*args.replica_average)(absl::MakeSpan(P)));
+      for (int64_t j = 0; j < N; ++j) {
+        bool z = false;
+        DIOND_RETURN_IF_ERROR(kernels::IsAllZero(ctx, CView3(P.data(), pb).Matrix(j), &z));
+        zero[j] = z;
+      }
+    } else {
+      for (int64_t j = 0; j < N; ++j) {
+        bool z = false;
+        DIOND_RETURN_IF_ERROR(kernels::IsAllZero(
+            ctx, CView3(M, mb).Matrix(j), &z));
+        zero[j] = z;
+      }
     }
     // 4. P ← Q-factor of P (see the file comment).
     DIOND_RETURN_IF_ERROR(kernels::ThinQr(ctx, CView3(P.data(), pb), View3(P.data(), pb)));
@@ -129,6 +139,10 @@ class DionRule final : public UpdateRule {
     gr.trans_a = d.transposed ? Trans::kNo : Trans::kYes;
     DIOND_RETURN_IF_ERROR(
         kernels::Gemm(ctx, gr, CView3(M, mb), CView3(P.data(), pb), View3(R.data(), qb)));
+    // Compressed sync: R ← mean over replicas of B_iᵀ·P.
+    if (args.replica_average != nullptr) {
+      DIOND_RETURN_IF_ERROR((*args.replica_average)(absl::MakeSpan(R)));
+    }
 
     // 6. All-zero momentum: P ← 0, R ← Q (P13); otherwise NaN → 0, ±inf → ±FLT_MAX.
     DIOND_RETURN_IF_ERROR(kernels::Unary(ctx, kernels::UnaryOp::kNanToNum, CView3(P.data(), pb),

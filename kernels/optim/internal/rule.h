@@ -11,6 +11,7 @@
 #define DIOND_KERNELS_OPTIM_INTERNAL_RULE_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -45,6 +46,8 @@ struct BucketArgs {
   // StepOptions::capture: per parameter of the bucket, where the rule writes the compact form
   // of its update (group_optimizer.h CapturedUpdateSize). Empty when not capturing.
   std::vector<std::vector<float>*> capture;
+  // StepOptions::replica_average (Dion's compressed sync), or null.
+  const std::function<absl::Status(absl::Span<float>)>* replica_average = nullptr;
 };
 
 class UpdateRule {
