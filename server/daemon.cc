@@ -118,7 +118,9 @@ absl::Status Daemon::JoinWorld(const WorldConfig& wc) {
                                      wc.world_size, where, ": ", world.status().message()));
   }
   world_ = std::move(*world);
-  sessions_->AttachWorld(world_.get(), kv);  // world sessions (docs/DISTRIBUTED.md)
+  // World sessions (docs/DISTRIBUTED.md); a failed collective waits up to a peer timeout and two
+  // heartbeats for the coordinator to name the lost rank.
+  sessions_->AttachWorld(world_.get(), kv, wc.peer_timeout + 2 * wc.heartbeat_interval);
   return absl::OkStatus();
 }
 

@@ -118,6 +118,10 @@ std::string SpecToJson(const SessionSpec& spec) {
   j["non_finite"] = spec.non_finite == NonFinitePolicy::kSkip ? "skip" : "error";
   j["fp32_master_weights"] = spec.fp32_master_weights;
   j["client_name"] = spec.client_name;
+  if (!spec.world_key.empty()) {  // world sessions only (local manifests stay as they were)
+    j["world_key"] = spec.world_key;
+    j["gradient_sync"] = std::string(GradientSyncName(spec.gradient_sync));
+  }
   for (const GroupSpec& g : spec.groups) {
     const optim::GroupConfig& c = g.config;
     const optim::Hyperparams& h = c.hyperparams;
@@ -172,6 +176,11 @@ absl::StatusOr<SessionSpec> SpecFromJson(const std::string& text) {
                                                     : NonFinitePolicy::kSkip;
   spec.fp32_master_weights = boolean(j, "fp32_master_weights");
   spec.client_name = str(j, "client_name");
+  spec.world_key = str(j, "world_key");
+  for (GradientSync s : {GradientSync::kReplicated, GradientSync::kAverage,
+                         GradientSync::kDionCompressed}) {
+    if (str(j, "gradient_sync") == GradientSyncName(s)) spec.gradient_sync = s;
+  }
   if (!j.contains("groups") || !j["groups"].is_array() || !j.contains("params") ||
       !j["params"].is_array()) {
     return absl::DataLossError("spec lacks groups or params");

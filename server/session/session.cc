@@ -8,6 +8,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
 #include "common/status_macros.h"
 #include "server/comm/world.h"
 #include "server/session/layout.h"
@@ -776,10 +777,12 @@ int64_t Session::last_step_index() {
 
 namespace diond::session {
 
-void Session::AttachWorld(comm::World* world, ShardPlan plan, uint64_t epoch) {
+void Session::AttachWorld(comm::World* world, ShardPlan plan, uint64_t epoch,
+                          absl::Duration verdict_wait) {
   absl::MutexLock lock(&mu_);
   WorldPart w;
   w.world = world;
+  w.verdict_wait = verdict_wait;
   w.rank = world != nullptr ? world->rank() : 0;
   w.epoch = epoch;
   w.owned.resize(static_cast<size_t>(plan.world_size));
@@ -804,6 +807,28 @@ void Session::AttachWorld(comm::World* world, ShardPlan plan, uint64_t epoch) {
   }
   w.plan = std::move(plan);
   world_ = std::move(w);
+}
+
+std::string Session::DescribeWorldFailure(const absl::Status& why) {
+  const WorldPart& w = *world_;
+  std::string text(why.message());
+  if (w.world == nullptr) return text;
+  const absl::Time deadline = absl::Now() + w.verdict_wait;
+  while (true) {
+    const comm::MembershipView v = w.world->membership();
+    std::vector<std::string> lost;
+    for (const comm::MemberInfo& m : v.members) {
+      if (!m.live) lost.push_back(absl::StrCat("rank ", m.rank, " (", m.address, ")"));
+    }
+    if (!lost.empty()) {
+      // The coordinator's reason names the rank already ("rank 2 (10.0.0.7) lost: ...").
+      return absl::StrCat(v.broken_reason.empty() ? absl::StrCat(absl::StrJoin(lost, ", "), " lost")
+                                                  : v.broken_reason,
+                          " [", text, "]");
+    }
+    if (absl::Now() >= deadline) return text;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
 }
 
 absl::StatusOr<StepResult> Session::WorldStepLocked(const StepRequest& request,
@@ -876,7 +901,7 @@ absl::StatusOr<StepResult> Session::WorldStepLocked(const StepRequest& request,
     absl::Status st = comm->ReduceScatterSum(input, absl::MakeSpan(averaged));
     if (!st.ok()) {
       w.broken = absl::UnavailableError(absl::StrCat(
-          where, "gradient reduce-scatter failed: ", st.message(),
+          where, "gradient reduce-scatter failed: ", DescribeWorldFailure(st),
           "; create the session again and resume from the last checkpoint"));
       return w.broken;
     }
@@ -966,9 +991,10 @@ absl::StatusOr<StepResult> Session::WorldStepLocked(const StepRequest& request,
       }
       absl::Status s = g.optimizer->Step(ctx, gp, gg, opts);
       if (!s.ok()) {
-        compute_status = absl::Status(s.code(), absl::StrCat("step ", request.step_index,
-                                                             ", group '", g.name, "': ",
-                                                             s.message()));
+        compute_status = absl::Status(
+          absl::IsUnavailable(s) ? absl::StatusCode::kUnavailable : s.code(),
+          absl::StrCat("step ", request.step_index, ", group '", g.name, "': ",
+                       absl::IsUnavailable(s) ? DescribeWorldFailure(s) : std::string(s.message())));
         break;
       }
     }
@@ -1008,7 +1034,7 @@ absl::StatusOr<StepResult> Session::WorldStepLocked(const StepRequest& request,
     absl::Status st = comm->AllGatherV(mine, counts, absl::MakeSpan(all));
     if (!st.ok()) {
       w.broken = absl::UnavailableError(absl::StrCat(
-          where, "exchange of the updated parameters failed: ", st.message(),
+          where, "exchange of the updated parameters failed: ", DescribeWorldFailure(st),
           "; create the session again and resume from the last checkpoint"));
       return w.broken;
     }

@@ -122,7 +122,10 @@ class Session {
   // the world's generation at creation. Steps then run the owned parameters' updates and
   // exchange the results; a broken world (a later epoch, an aborted communicator, a failed
   // collective) fails this and every later Step with UNAVAILABLE naming the cause.
-  void AttachWorld(comm::World* world, ShardPlan plan, uint64_t epoch);
+  // `verdict_wait`: how long a failed collective waits for the coordinator to name the lost rank
+  // (about --peer_timeout plus a heartbeat), so the error can say which rank it was.
+  void AttachWorld(comm::World* world, ShardPlan plan, uint64_t epoch,
+                   absl::Duration verdict_wait = absl::ZeroDuration());
   // DION_COMPRESSED world sessions: replaces every Dion momentum by its average over the ranks
   // (between checkpoints each rank keeps its own, ALGORITHMS.md §9.7), so that a checkpoint holds
   // the synchronous momentum. A collective: every rank calls it at the same point
@@ -170,6 +173,9 @@ class Session {
                                              absl::Mutex* compute_mu, absl::Time start)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  // After a failed collective: "<why>" plus the ranks the coordinator declares lost, waiting up
+  // to verdict_wait for its verdict.
+  std::string DescribeWorldFailure(const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   struct WorldPart {
     comm::World* world = nullptr;  // null: a world of one
     ShardPlan plan;
@@ -185,6 +191,7 @@ class Session {
     // so neither reduce-scattered nor exchanged.
     std::vector<bool> replicated;
     absl::Status broken;                     // set once a step failed in the world
+    absl::Duration verdict_wait;
   };
 
   std::string id_;

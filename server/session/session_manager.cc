@@ -108,10 +108,12 @@ absl::Status SessionManager::CheckBudget(int64_t bytes) {
   return absl::OkStatus();
 }
 
-void SessionManager::AttachWorld(comm::World* world, comm::KeyValueStore* kv) {
+void SessionManager::AttachWorld(comm::World* world, comm::KeyValueStore* kv,
+                                 absl::Duration verdict_wait) {
   absl::MutexLock lock(&mu_);
   world_ = world;
   kv_ = kv;
+  verdict_wait_ = verdict_wait;
 }
 
 absl::StatusOr<ShardPlan> SessionManager::AgreeOnPlan(const SessionSpec& spec, uint64_t* epoch) {
@@ -128,12 +130,11 @@ absl::StatusOr<ShardPlan> SessionManager::AgreeOnPlan(const SessionSpec& spec, u
   }
   comm::World* world;
   comm::KeyValueStore* kv;
-  int64_t use;
+  int64_t use = 0;
   {
     absl::MutexLock lock(&mu_);
     world = world_;
     kv = kv_;
-    use = ++world_key_uses_[key];
   }
   *epoch = 0;
   if (world == nullptr) return ComputeShardPlan(spec, 1);  // a world of one
@@ -145,6 +146,12 @@ absl::StatusOr<ShardPlan> SessionManager::AgreeOnPlan(const SessionSpec& spec, u
                                                ready.message()));
   }
   *epoch = world->epoch();
+  {
+    // Counted per generation: after a rebuild (a restarted rank starts from nothing) every rank
+    // counts from 1 again.
+    absl::MutexLock lock(&mu_);
+    use = ++world_key_uses_[absl::StrCat(*epoch, "/", key)];
+  }
   DIOND_ASSIGN_OR_RETURN(ShardPlan plan, ComputeShardPlan(spec, world->size()));
   if (kv == nullptr) return absl::InternalError(absl::StrCat(where, "no rendezvous store"));
   const std::string prefix =
@@ -193,16 +200,18 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::CreateSession(SessionSp
     uint64_t epoch = 0;
     DIOND_ASSIGN_OR_RETURN(ShardPlan plan, AgreeOnPlan(s->spec(), &epoch));
     comm::World* world;
+    absl::Duration verdict_wait;
     {
       absl::MutexLock lock(&mu_);
       world = world_;
+      verdict_wait = verdict_wait_;
     }
     const int rank = world != nullptr ? world->rank() : 0;
     DIOND_LOG(INFO) << "world session '" << s->spec().world_key << "' is session " << s->id()
                     << " (" << GradientSyncName(s->spec().gradient_sync) << "): plan "
                     << ShardPlanHashHex(plan.hash) << "; rank " << rank << " owns "
                     << plan.Owned(rank).size() << " of " << plan.owner.size() << " parameters";
-    s->AttachWorld(world, std::move(plan), epoch);
+    s->AttachWorld(world, std::move(plan), epoch, verdict_wait);
   }
   std::shared_ptr<Session> shared(std::move(s));
   int64_t count;

@@ -56,7 +56,10 @@ class SessionManager {
 
   // The daemon world for world sessions (Daemon calls it once it joined; both may be null: world
   // sessions then run as a world of one). Must outlive the manager's sessions.
-  void AttachWorld(comm::World* world, comm::KeyValueStore* kv);
+  // `verdict_wait`: how long a world session's failed collective waits for the coordinator to
+  // name the lost rank (Daemon: --peer_timeout plus two heartbeats).
+  void AttachWorld(comm::World* world, comm::KeyValueStore* kv,
+                   absl::Duration verdict_wait = absl::ZeroDuration());
 
   // RESOURCE_EXHAUSTED with the numbers when over --max_session_bytes or the memory budget.
   // A spec with a world_key is a world session: the ranks agree on its shard plan through the
@@ -100,7 +103,9 @@ class SessionManager {
   uint64_t counter_ ABSL_GUARDED_BY(mu_) = 0;
   comm::World* world_ ABSL_GUARDED_BY(mu_) = nullptr;
   comm::KeyValueStore* kv_ ABSL_GUARDED_BY(mu_) = nullptr;
-  // Per world_key: how many times this daemon created it (the agreement's key suffix).
+  absl::Duration verdict_wait_ ABSL_GUARDED_BY(mu_);
+  // Per "<generation>/<world_key>": how many times this daemon created it (the agreement's key
+  // suffix).
   std::map<std::string, int64_t> world_key_uses_ ABSL_GUARDED_BY(mu_);
   absl::Notification stop_;
   std::thread reaper_;

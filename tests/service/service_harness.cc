@@ -395,15 +395,23 @@ void ShmSession::WriteGradBytes(size_t i, const std::string& bytes) {
 std::unique_ptr<ShmSession> CreateShmSession(v1::Optimizer::Stub& stub,
                                              const v1::CreateSessionRequest& req,
                                              bool two_segments) {
-  auto s = std::make_unique<ShmSession>();
+  v1::CreateSessionResponse layout;
   {
     auto ctx = Ctx();
-    grpc::Status st = stub.CreateSession(ctx.get(), req, &s->layout);
+    grpc::Status st = stub.CreateSession(ctx.get(), req, &layout);
     if (!st.ok()) {
       ADD_FAILURE() << "CreateSession: " << st.error_message();
       return nullptr;
     }
   }
+  return BindShmSession(stub, layout, two_segments);
+}
+
+std::unique_ptr<ShmSession> BindShmSession(v1::Optimizer::Stub& stub,
+                                           const v1::CreateSessionResponse& layout,
+                                           bool two_segments) {
+  auto s = std::make_unique<ShmSession>();
+  s->layout = layout;
   s->id = s->layout.session_id();
   const int64_t p = s->layout.param_arena_bytes(), g = s->layout.grad_arena_bytes();
   if (two_segments) {

@@ -189,6 +189,11 @@ struct ShmSession {
 std::unique_ptr<ShmSession> CreateShmSession(v1::Optimizer::Stub& stub,
                                              const v1::CreateSessionRequest& req,
                                              bool two_segments = false);
+// The segments and RegisterRegion part of CreateShmSession, for a session that exists already
+// (e.g. from LoadCheckpoint).
+std::unique_ptr<ShmSession> BindShmSession(v1::Optimizer::Stub& stub,
+                                           const v1::CreateSessionResponse& layout,
+                                           bool two_segments = false);
 
 grpc::Status DoStep(v1::Optimizer::Stub& stub, const std::string& session, int64_t index,
                     v1::StepResponse* resp = nullptr);

@@ -14,10 +14,12 @@
 #include <cmath>
 #include <filesystem>
 #include <functional>
+#include <iostream>
 #include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "tests/service/golden_case.h"
 #include "tests/integration/subprocess.h"
@@ -475,6 +477,155 @@ TEST_P(WorldSession, DisagreeingTrainersAreRefusedNamingTheRanks) {
     const std::string named = r == w - 1 ? "rank(s) 0" : absl::StrCat("rank(s) ", w - 1);
     EXPECT_TRUE(absl::StrContains(st[r].error_message(), named)) << st[r].error_message();
   }
+}
+
+// Failure: a SIGKILLed daemon makes the survivors' pending Steps fail with UNAVAILABLE within the
+// peer timeout (no hang); the daemon restarts, the world rebuilds, every rank loads its
+// checkpoint of the same step (a consistent cut: --checkpoint_every writes each rank's owned
+// state after the same step), and the run continues to the same bits as an uninterrupted one.
+TEST(WorldSessionFailure, KillRestartResumeFromCheckpoint) {
+  constexpr int w = 3;
+  constexpr absl::Duration kPeerTimeout = absl::Seconds(3);
+  std::vector<std::string> state(w);
+  std::vector<std::unique_ptr<Daemon>> d(w);
+  auto flags = [&](int r, int port) {
+    std::vector<std::string> f = WorldFlags(r, w, port);
+    f.push_back("--state_dir=" + state[r]);
+    f.push_back("--checkpoint_every=2");
+    return f;
+  };
+  for (int r = 0; r < w; ++r) state[r] = ::diond::testing::MakeTempDir(absl::StrCat("diond_ws_state", r));
+  d[0] = Daemon::Start(flags(0, 0), /*tcp=*/true);
+  ASSERT_NE(d[0], nullptr);
+  const int port = d[0]->tcp_port();
+  for (int r = 1; r < w; ++r) {
+    d[r] = Daemon::Start(flags(r, port), /*tcp=*/true);
+    ASSERT_NE(d[r], nullptr);
+  }
+  SessionDesc desc;
+  desc.groups.push_back(MakeGroup("m", AlgorithmKind::kMuon, 0.02));
+  GroupDesc dion2 = MakeGroup("d2", AlgorithmKind::kDion2, 0.02);
+  desc.groups.push_back(dion2);
+  desc.groups.push_back(MakeGroup("a", AlgorithmKind::kAdamW, 0.01));
+  for (int j = 0; j < 4; ++j) desc.params.push_back({absl::StrCat("m", j), {32, 24}, "m"});
+  for (int j = 0; j < 3; ++j) desc.params.push_back({absl::StrCat("d", j), {24, 40}, "d2"});
+  desc.params.push_back({"bias", {24}, "a"});
+  v1::CreateSessionRequest req = desc.Request();
+  req.set_world_key("resume");
+  auto grads = [&](int64_t step) {
+    std::vector<std::vector<float>> g;
+    for (size_t i = 0; i < desc.params.size(); ++i) g.push_back(SyntheticValues(8, step, i, desc.Numel(i)));
+    return g;
+  };
+  // The uninterrupted run (W = 1, in this process).
+  auto ctx = kernels::Context::CpuDefault();
+  auto replay = Replay::Create(desc);
+  ASSERT_TRUE(replay.ok());
+  std::vector<Chunk> init;
+  for (size_t i = 0; i < desc.params.size(); ++i) {
+    (*replay)->params()[i] = SyntheticValues(4, 0, i, desc.Numel(i));
+    for (Chunk& c : SplitTensor(desc.params[i].name, FloatBytes((*replay)->params()[i]))) {
+      init.push_back(std::move(c));
+    }
+  }
+  std::vector<std::vector<std::vector<float>>> expected(9);
+  for (int64_t step = 1; step <= 8; ++step) {
+    ASSERT_TRUE((*replay)->Step(*ctx, grads(step)).ok());
+    expected[step] = (*replay)->params();
+  }
+
+  std::vector<std::unique_ptr<ShmSession>> s(w);
+  OnAllRanks(w, [&](int r) { s[r] = CreateShmSession(d[r]->stub(), req); });
+  for (int r = 0; r < w; ++r) {
+    ASSERT_NE(s[r], nullptr);
+    ASSERT_TRUE(SetState(d[r]->stub(), s[r]->id, init).ok());
+  }
+  auto run_steps = [&](int64_t from, int64_t to) {
+    for (int64_t step = from; step <= to; ++step) {
+      auto g = grads(step);
+      for (int r = 0; r < w; ++r) {
+        for (size_t i = 0; i < g.size(); ++i) s[r]->WriteGrad(i, g[i]);
+      }
+      StepAll(d, s, step);
+      for (int r = 0; r < w; ++r) {
+        for (size_t i = 0; i < g.size(); ++i) {
+          ASSERT_EQ(s[r]->ParamBytes(i), FloatBytes(expected[step][i]))
+              << "rank " << r << " param " << i << " step " << step;
+        }
+      }
+    }
+  };
+  run_steps(1, 5);  // checkpoints after steps 2 and 4 on every rank
+
+  // Step 6 is pending on ranks 0 and 1 (waiting for rank 2) when rank 2 is killed.
+  auto g6 = grads(6);
+  for (int r = 0; r < w; ++r) {
+    for (size_t i = 0; i < g6.size(); ++i) s[r]->WriteGrad(i, g6[i]);
+  }
+  std::vector<grpc::Status> pending(w - 1);
+  std::vector<absl::Time> answered(w - 1);
+  std::vector<std::thread> trainers;
+  for (int r = 0; r < w - 1; ++r) {
+    trainers.emplace_back([&, r] {
+      pending[r] = DoStep(d[r]->stub(), s[r]->id, 6);
+      answered[r] = absl::Now();
+    });
+  }
+  absl::SleepFor(absl::Milliseconds(500));
+  const std::vector<std::string> victim_flags = flags(w - 1, port);
+  const std::string victim_dir = d[w - 1]->dir();
+  const std::string victim_session = s[w - 1]->id;
+  d[w - 1]->Kill();
+  const absl::Time killed = absl::Now();
+  for (auto& t : trainers) t.join();
+  for (int r = 0; r < w - 1; ++r) {
+    EXPECT_EQ(pending[r].error_code(), grpc::StatusCode::UNAVAILABLE)
+        << "rank " << r << ": " << pending[r].error_message();
+    EXPECT_LE(answered[r] - killed, kPeerTimeout + absl::Seconds(1)) << "rank " << r;
+    std::cout << "rank " << r << " answered " << absl::FormatDuration(answered[r] - killed)
+              << " after the kill: " << pending[r].error_message() << "\n";
+    EXPECT_TRUE(absl::StrContains(pending[r].error_message(), "rank 2"))
+        << pending[r].error_message();
+    // New steps fail at once, too.
+    grpc::Status again = DoStep(d[r]->stub(), s[r]->id, 6);
+    EXPECT_EQ(again.error_code(), grpc::StatusCode::UNAVAILABLE) << again.error_message();
+  }
+
+  // Restart rank 2 on its own state directory; resume everybody from the last common checkpoint.
+  s[w - 1].reset();
+  d[w - 1] = Daemon::Start(victim_flags, /*tcp=*/true, victim_dir);
+  ASSERT_NE(d[w - 1], nullptr);
+  std::vector<std::string> ids(w);
+  for (int r = 0; r < w; ++r) ids[r] = r == w - 1 ? victim_session : s[r]->id;
+  int64_t cut = 1 << 30;
+  for (int r = 0; r < w; ++r) {
+    int64_t latest = 0;
+    for (const auto& e : fs::directory_iterator(state[r] + "/" + ids[r])) {
+      const std::string n = e.path().filename().string();
+      if (absl::StartsWith(n, "step-")) latest = std::max<int64_t>(latest, std::stoll(n.substr(5)));
+    }
+    cut = std::min(cut, latest);
+  }
+  ASSERT_EQ(cut, 4);
+  for (int r = 0; r < w - 1; ++r) EXPECT_TRUE(CloseSession(d[r]->stub(), s[r]->id).ok());
+  std::vector<std::unique_ptr<ShmSession>> resumed(w);
+  OnAllRanks(w, [&](int r) {
+    v1::LoadCheckpointRequest lreq;
+    lreq.set_path(absl::StrCat(state[r], "/", ids[r], "/step-", cut));
+    v1::LoadCheckpointResponse lresp;
+    auto c = Ctx();
+    grpc::Status st = d[r]->stub().LoadCheckpoint(c.get(), lreq, &lresp);
+    ASSERT_TRUE(st.ok()) << "rank " << r << ": " << st.error_message();
+    resumed[r] = BindShmSession(d[r]->stub(), lresp.session());
+  });
+  for (int r = 0; r < w; ++r) ASSERT_NE(resumed[r], nullptr);
+  s = std::move(resumed);
+  for (int r = 0; r < w; ++r) {
+    for (size_t i = 0; i < desc.params.size(); ++i) {
+      ASSERT_EQ(s[r]->ParamBytes(i), FloatBytes(expected[cut][i])) << "restored, rank " << r;
+    }
+  }
+  run_steps(cut + 1, 8);
 }
 
 INSTANTIATE_TEST_SUITE_P(W, WorldSession, ::testing::Values(2, 3, 4),
