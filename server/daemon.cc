@@ -54,6 +54,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   observer.on_step = [metrics](const std::string&, const session::StepResult& r) {
     metrics->ObserveStep(r.replayed ? "replayed" : r.skipped ? "skipped" : "applied",
                          r.total_micros * 1e-6, r.compute_micros * 1e-6);
+    if (!r.replayed && r.checksum_mismatches > 0) {
+      metrics->CountChecksumMismatches(r.checksum_mismatches);
+    }
   };
   observer.on_checkpoint = [metrics](const std::string&, const std::string&, int64_t bytes) {
     metrics->ObserveCheckpoint(bytes);

@@ -54,6 +54,9 @@ ABSL_FLAG(std::string, state_dir, "",
 ABSL_FLAG(int64_t, checkpoint_every, 0,
           "With --state_dir: checkpoint every session after every N-th applied step; 0 = off.");
 ABSL_FLAG(int, compute_threads, 0, "CPU threads for optimizer math; 0 = all cores.");
+ABSL_FLAG(int64_t, checksum_every, 100,
+          "World sessions: every N-th step the daemons compare parameter checksums; a copy that "
+          "differs from its owner's is logged, counted and replaced by the owner's; 0 = never.");
 ABSL_FLAG(bool, allow_insecure_remote, false,
           "Allow TCP listeners on non-loopback addresses without TLS. Off by default.");
 
@@ -155,6 +158,7 @@ int main(int argc, char** argv) {
   options.sessions.idle_timeout = absl::GetFlag(FLAGS_session_idle_timeout);
   options.sessions.state_dir = absl::GetFlag(FLAGS_state_dir);
   options.sessions.checkpoint_every = absl::GetFlag(FLAGS_checkpoint_every);
+  options.sessions.checksum_every = absl::GetFlag(FLAGS_checksum_every);
   options.sessions.compute_threads = absl::GetFlag(FLAGS_compute_threads);
 
   diond::server::WorldConfig& world = options.world;

@@ -171,7 +171,14 @@ DaemonMetrics::DaemonMetrics(std::shared_ptr<prometheus::Registry> registry,
                           .Help("Times the daemon world broke (lost rank, lost coordinator, "
                                 "failed collective).")
                           .Register(*registry_)
-                          .Add({})) {
+                          .Add({})),
+      checksum_mismatches_(prometheus::BuildCounter()
+                               .Name("diond_world_checksum_mismatches_total")
+                               .Help("World sessions: parameters whose copy on this daemon "
+                                     "differed from the owner's at a --checksum_every check "
+                                     "(each was replaced by the owner's copy).")
+                               .Register(*registry_)
+                               .Add({})) {
   prometheus::BuildGauge()
       .Name("diond_build_info")
       .Help("Always 1; labels describe the running daemon.")
@@ -221,6 +228,9 @@ void DaemonMetrics::SetWorldGeneration(uint64_t generation) {
 }
 
 void DaemonMetrics::CountWorldFailure() { world_failures_.Increment(); }
+void DaemonMetrics::CountChecksumMismatches(int64_t n) {
+  checksum_mismatches_.Increment(static_cast<double>(n));
+}
 
 std::shared_ptr<prometheus::Collectable> MakeProcessCollector() {
   return std::make_shared<ProcessCollector>();

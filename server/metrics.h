@@ -47,6 +47,8 @@ class DaemonMetrics {
   void SetWorldPeers(int64_t live_ranks);
   void SetWorldGeneration(uint64_t generation);
   void CountWorldFailure();
+  // World sessions: parameters whose replica differed from the owner's (and was healed).
+  void CountChecksumMismatches(int64_t n);
 
   prometheus::Registry& registry() { return *registry_; }
   const std::shared_ptr<prometheus::Registry>& shared_registry() { return registry_; }
@@ -66,6 +68,7 @@ class DaemonMetrics {
   prometheus::Gauge& world_peers_;
   prometheus::Gauge& world_generation_;
   prometheus::Counter& world_failures_;
+  prometheus::Counter& checksum_mismatches_;
 };
 
 // Standard process_* metrics read from /proc/self at scrape time (prometheus-cpp 1.0 has no

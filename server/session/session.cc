@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "common/logging.h"
 #include "common/status_macros.h"
 #include "server/comm/world.h"
 #include "server/session/layout.h"
@@ -778,11 +779,12 @@ int64_t Session::last_step_index() {
 namespace diond::session {
 
 void Session::AttachWorld(comm::World* world, ShardPlan plan, uint64_t epoch,
-                          absl::Duration verdict_wait) {
+                          absl::Duration verdict_wait, int64_t checksum_every) {
   absl::MutexLock lock(&mu_);
   WorldPart w;
   w.world = world;
   w.verdict_wait = verdict_wait;
+  w.checksum_every = checksum_every;
   w.rank = world != nullptr ? world->rank() : 0;
   w.epoch = epoch;
   w.owned.resize(static_cast<size_t>(plan.world_size));
@@ -807,6 +809,46 @@ void Session::AttachWorld(comm::World* world, ShardPlan plan, uint64_t epoch,
   }
   w.plan = std::move(plan);
   world_ = std::move(w);
+}
+
+absl::StatusOr<int64_t> Session::CheckReplicas(comm::Communicator* comm, int64_t step,
+                                               const std::vector<float*>& params) {
+  const WorldPart& w = *world_;
+  const size_t n = layout_.tensors.size();
+  const int world_size = w.plan.world_size;
+  std::vector<uint64_t> mine(n);
+  for (size_t i = 0; i < n; ++i) {
+    uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a 64 over the fp32 bytes
+    const auto* p = reinterpret_cast<const uint8_t*>(params[i]);
+    for (int64_t b = 0; b < layout_.tensors[i].numel * 4; ++b) {
+      h ^= p[b];
+      h *= 0x100000001b3ull;
+    }
+    mine[i] = h;
+  }
+  std::vector<uint64_t> all(n * static_cast<size_t>(world_size));
+  DIOND_RETURN_IF_ERROR(comm->AllGatherBytes(
+      absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(mine.data()), n * 8),
+      absl::MakeSpan(reinterpret_cast<uint8_t*>(all.data()), all.size() * 8)));
+  int64_t healed = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const int owner = w.plan.owner[i];
+    const uint64_t want = all[static_cast<size_t>(owner) * n + i];
+    std::vector<int> differ;
+    for (int r = 0; r < world_size; ++r) {
+      if (all[static_cast<size_t>(r) * n + i] != want) differ.push_back(r);
+    }
+    if (differ.empty()) continue;
+    // Every rank saw the same checksums, so every rank takes part in the same broadcasts.
+    DIOND_LOG(WARNING) << "world session '" << spec_.world_key << "', step " << step
+                       << ": parameter '" << layout_.tensors[i].name << "' differs on rank(s) "
+                       << absl::StrJoin(differ, ", ") << " from its owner (rank " << owner
+                       << "); replacing it with the owner's copy";
+    DIOND_RETURN_IF_ERROR(comm->Broadcast(
+        absl::MakeSpan(params[i], static_cast<size_t>(layout_.tensors[i].numel)), owner));
+    for (int r : differ) healed += r == w.rank ? 1 : 0;
+  }
+  return healed;
 }
 
 std::string Session::DescribeWorldFailure(const absl::Status& why) {
@@ -1077,6 +1119,17 @@ absl::StatusOr<StepResult> Session::WorldStepLocked(const StepRequest& request,
       compute_status = absl::InternalError(absl::StrCat(
           "step ", request.step_index, " failed on rank(s) ", absl::StrJoin(failed, ", "),
           " (see their logs)"));
+    }
+    if (compute_status.ok() && failed.empty() && w.checksum_every > 0 &&
+        request.step_index % w.checksum_every == 0) {
+      auto healed = CheckReplicas(comm.get(), request.step_index, params);
+      if (!healed.ok()) {
+        w.broken = absl::UnavailableError(absl::StrCat(
+            where, "checksum comparison failed: ", DescribeWorldFailure(healed.status()),
+            "; create the session again and resume from the last checkpoint"));
+        return w.broken;
+      }
+      result.checksum_mismatches = *healed;
     }
     result.world_bytes_sent = comm->TakeBytesSent();
   }

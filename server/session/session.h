@@ -28,6 +28,7 @@
 #include "server/session/types.h"
 
 namespace diond::comm {
+class Communicator;
 class World;
 }
 
@@ -124,8 +125,10 @@ class Session {
   // collective) fails this and every later Step with UNAVAILABLE naming the cause.
   // `verdict_wait`: how long a failed collective waits for the coordinator to name the lost rank
   // (about --peer_timeout plus a heartbeat), so the error can say which rank it was.
+  // `checksum_every`: compare parameter checksums every N-th step (0 = never).
   void AttachWorld(comm::World* world, ShardPlan plan, uint64_t epoch,
-                   absl::Duration verdict_wait = absl::ZeroDuration());
+                   absl::Duration verdict_wait = absl::ZeroDuration(),
+                   int64_t checksum_every = 0);
   // DION_COMPRESSED world sessions: replaces every Dion momentum by its average over the ranks
   // (between checkpoints each rank keeps its own, ALGORITHMS.md §9.7), so that a checkpoint holds
   // the synchronous momentum. A collective: every rank calls it at the same point
@@ -176,6 +179,11 @@ class Session {
   // After a failed collective: "<why>" plus the ranks the coordinator declares lost, waiting up
   // to verdict_wait for its verdict.
   std::string DescribeWorldFailure(const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Every rank's checksum of every parameter (fp32 values in `params`) compared with the owner's;
+  // a differing copy is replaced by the owner's (broadcast). Returns how many this rank healed.
+  absl::StatusOr<int64_t> CheckReplicas(comm::Communicator* comm, int64_t step,
+                                        const std::vector<float*>& params)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   struct WorldPart {
     comm::World* world = nullptr;  // null: a world of one
     ShardPlan plan;
@@ -192,6 +200,7 @@ class Session {
     std::vector<bool> replicated;
     absl::Status broken;                     // set once a step failed in the world
     absl::Duration verdict_wait;
+    int64_t checksum_every = 0;
   };
 
   std::string id_;

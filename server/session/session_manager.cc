@@ -56,7 +56,8 @@ SessionManager::SessionManager(const ManagerOptions& options, ManagerObserver ob
 
 absl::StatusOr<std::unique_ptr<SessionManager>> SessionManager::Create(
     const ManagerOptions& options, ManagerObserver observer) {
-  if (options.checkpoint_every < 0 || options.max_session_bytes < 0 ||
+  if (options.checkpoint_every < 0 || options.checksum_every < 0 ||
+      options.max_session_bytes < 0 ||
       options.memory_budget_bytes < 0) {
     return absl::InvalidArgumentError("checkpoint_every and byte limits must be >= 0");
   }
@@ -211,7 +212,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::CreateSession(SessionSp
                     << " (" << GradientSyncName(s->spec().gradient_sync) << "): plan "
                     << ShardPlanHashHex(plan.hash) << "; rank " << rank << " owns "
                     << plan.Owned(rank).size() << " of " << plan.owner.size() << " parameters";
-    s->AttachWorld(world, std::move(plan), epoch, verdict_wait);
+    s->AttachWorld(world, std::move(plan), epoch, verdict_wait, options_.checksum_every);
   }
   std::shared_ptr<Session> shared(std::move(s));
   int64_t count;

@@ -38,6 +38,9 @@ struct ManagerOptions {
   // World sessions: how long CreateSession waits for every rank's trainer to create the same
   // world session (the shard-plan agreement, docs/DISTRIBUTED.md).
   absl::Duration world_session_timeout = absl::Seconds(60);
+  // World sessions: compare parameter checksums every N-th step (0 = never), healing a copy that
+  // differs from its owner's (docs/DISTRIBUTED.md).
+  int64_t checksum_every = 0;
 };
 
 // Hooks for metrics and logs (the manager itself knows nothing of prometheus).

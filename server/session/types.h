@@ -88,6 +88,7 @@ struct StepResult {
   int64_t compute_micros = 0;
   int64_t total_micros = 0;
   int64_t world_bytes_sent = 0;  // world sessions: bytes this daemon sent for this step
+  int64_t checksum_mismatches = 0;  // world sessions: copies healed at this step's check
 };
 
 // A named float32 tensor (state, parameters) as it crosses the session boundary.
