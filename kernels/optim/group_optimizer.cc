@@ -1,5 +1,7 @@
 #include "kernels/optim/group_optimizer.h"
 
+#include <cmath>
+
 #include <cstring>
 #include <map>
 #include <utility>
@@ -42,7 +44,9 @@ absl::Status GroupOptimizer::Step(const kernels::Context& ctx, absl::Span<float*
     DiscardStaged();
     return s;
   }
+  update_sq_ = 0;
   CommitStaged(params);
+  last_update_norm_ = std::sqrt(update_sq_);
   ++steps_taken_;
   return absl::OkStatus();
 }
@@ -127,12 +131,16 @@ class BucketedOptimizer final : public GroupOptimizer {
   absl::Status StageStep(const kernels::Context& ctx, absl::Span<float* const> params,
                          absl::Span<const float* const> grads, float lr,
                          float weight_decay) override {
-    staged_.clear();
+    RecycleStaged();
     if (capture_ != nullptr) capture_->payload.assign(shapes().size(), {});
+    spare_.resize(buckets_.size());
     for (size_t bi = 0; bi < buckets_.size(); ++bi) {
       const Bucket& b = buckets_[bi];
-      Staged st;
+      // The buffers of this bucket's previous step are reused: large fresh allocations would be
+      // page-faulted in (and zeroed) again on every step.
+      Staged st = std::move(spare_[bi]);
       st.bucket = bi;
+      st.slots.clear();
       for (size_t slot = 0; slot < b.members.size(); ++slot) {
         if (grads[b.members[slot]] != nullptr) st.slots.push_back(slot);
       }
@@ -148,16 +156,17 @@ class BucketedOptimizer final : public GroupOptimizer {
           std::memcpy(st.g.data() + j * numel, grads[p], numel * sizeof(float));
         }
       }
+      st.state.resize(b.specs.size());
       for (size_t k = 0; k < b.specs.size(); ++k) {
         const size_t sn = static_cast<size_t>(b.specs[k].NumElements());
-        std::vector<float> s(np * sn);
+        std::vector<float>& s = st.state[k];
+        s.resize(np * sn);
         for (size_t j = 0; j < np; ++j) {
           if (sn > 0) {
             std::memcpy(s.data() + j * sn, b.state[k].data() + st.slots[j] * sn,
                         sn * sizeof(float));
           }
         }
-        st.state.push_back(std::move(s));
       }
       internal::BucketArgs args;
       args.config = &config();
@@ -185,7 +194,14 @@ class BucketedOptimizer final : public GroupOptimizer {
       const size_t numel = static_cast<size_t>(b.numel);
       for (size_t j = 0; j < st.slots.size(); ++j) {
         const size_t p = b.members[st.slots[j]];
-        if (numel > 0) std::memcpy(params[p], st.x.data() + j * numel, numel * sizeof(float));
+        const float* staged = st.x.data() + j * numel;
+        double sq = 0;
+        for (size_t e = 0; e < numel; ++e) {
+          const double d = static_cast<double>(staged[e]) - params[p][e];
+          sq += d * d;
+        }
+        update_sq_ += sq;
+        if (numel > 0) std::memcpy(params[p], staged, numel * sizeof(float));
         for (size_t k = 0; k < b.specs.size(); ++k) {
           const size_t sn = static_cast<size_t>(b.specs[k].NumElements());
           if (sn > 0) {
@@ -195,10 +211,10 @@ class BucketedOptimizer final : public GroupOptimizer {
         }
       }
     }
-    staged_.clear();
+    RecycleStaged();
   }
 
-  void DiscardStaged() override { staged_.clear(); }
+  void DiscardStaged() override { RecycleStaged(); }
 
   float* MutableStatePtr(size_t param_index, absl::string_view name) override {
     if (param_index >= where_.size()) return nullptr;
@@ -229,7 +245,15 @@ class BucketedOptimizer final : public GroupOptimizer {
   std::unique_ptr<UpdateRule> rule_;
   std::vector<Bucket> buckets_;
   std::vector<std::pair<size_t, size_t>> where_;  // param -> (bucket, slot)
+  // Moves the staged buffers back to spare_ for the next step.
+  void RecycleStaged() {
+    spare_.resize(buckets_.size());
+    for (Staged& st : staged_) spare_[st.bucket] = std::move(st);
+    staged_.clear();
+  }
+
   std::vector<Staged> staged_;
+  std::vector<Staged> spare_;  // per bucket: buffers of the previous step, kept for reuse
 };
 
 }  // namespace

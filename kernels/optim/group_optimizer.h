@@ -37,6 +37,12 @@ class GroupOptimizer {
   const std::vector<ParamShape>& shapes() const { return shapes_; }
   // Number of successful Step() calls.
   int64_t steps_taken() const { return steps_taken_; }
+  // Memory: Step() stages its results in buffers as large as the group's parameters, gradients
+  // and state; they are kept between steps (reused, so a step allocates nothing large).
+  //
+  // Frobenius norm of the change the last successful Step() made to the parameters (computed
+  // while the staged results are committed, so it costs one read and no copy).
+  double last_update_norm() const { return last_update_norm_; }
 
   // One optimizer step. params[i] and grads[i] point at contiguous float32 buffers of
   // shapes()[i] (row-major). grads[i] == nullptr means "parameter i has no gradient this step":
@@ -77,6 +83,8 @@ class GroupOptimizer {
   virtual void DiscardStaged() = 0;
   // Locates the float buffer of state `name` for parameter `param_index` (nullptr if unknown).
   virtual float* MutableStatePtr(size_t param_index, absl::string_view name) = 0;
+  // Sum of squared parameter changes; CommitStaged adds to it.
+  double update_sq_ = 0;
   // StepOptions::capture of the step being staged (null when not capturing).
   StepCapture* capture_ = nullptr;
   // StepOptions::replica_average of the step being staged (null when not set).
@@ -86,6 +94,7 @@ class GroupOptimizer {
   GroupConfig config_;
   std::vector<ParamShape> shapes_;
   int64_t steps_taken_ = 0;
+  double last_update_norm_ = 0;
 };
 
 // Validates `config` and `shapes` (ValidateGroup in validation.h) and builds the optimizer with

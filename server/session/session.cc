@@ -370,14 +370,9 @@ absl::StatusOr<StepResult> Session::Step(const StepRequest& request,
       if (g.optimizer == nullptr) continue;
       std::vector<float*> gp;
       std::vector<const float*> gg;
-      std::vector<float> before;
-      int64_t total = 0;
-      for (size_t i : g.params) total += layout_.tensors[i].numel;
-      before.reserve(static_cast<size_t>(total));
       for (size_t i : g.params) {
         gp.push_back(params[i]);
         gg.push_back(grads[i]);
-        before.insert(before.end(), params[i], params[i] + layout_.tensors[i].numel);
       }
       optim::StepOptions opts;
       auto it = request.lr_override.find(g.name);
@@ -392,15 +387,7 @@ absl::StatusOr<StepResult> Session::Step(const StepRequest& request,
         return absl::Status(s.code(), absl::StrCat("step ", request.step_index, ", group '",
                                                    g.name, "': ", s.message()));
       }
-      double sq = 0;
-      size_t k = 0;
-      for (size_t i : g.params) {
-        for (int64_t e = 0; e < layout_.tensors[i].numel; ++e, ++k) {
-          double d = static_cast<double>(params[i][e]) - before[k];
-          sq += d * d;
-        }
-      }
-      result.update_norms[g.name] = std::sqrt(sq);
+      result.update_norms[g.name] = g.optimizer->last_update_norm();
     }
   }
   result.compute_micros = absl::ToInt64Microseconds(absl::Now() - compute_start);
