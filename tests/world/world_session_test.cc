@@ -86,14 +86,15 @@ struct MultiCase {
   }
 };
 
-MultiCase Build(const std::string& algorithm_prefix) {
+MultiCase Build(const std::string& algorithm_prefix,
+                optim::Precision precision = optim::Precision::kFp32) {
   MultiCase m;
   for (const std::string& file : VectorsOf(algorithm_prefix)) {
     auto c = LoadGoldenCase(file);
     EXPECT_TRUE(c.ok()) << c.status();
     if (!c.ok()) continue;
     const size_t k = m.cases.size();
-    SessionDesc one = c->Session(optim::Precision::kFp32);
+    SessionDesc one = c->Session(precision);
     GroupDesc g = one.groups[0];
     g.proto.set_name(absl::StrCat("g", k));
     m.desc.groups.push_back(g);
@@ -158,12 +159,20 @@ std::vector<v1::StepResponse> StepAll(std::vector<std::unique_ptr<Daemon>>& d,
 TEST_P(WorldSession, EveryAlgorithmMatchesOneWorkerBitForBit) {
   const int w = GetParam();
   auto ctx = kernels::Context::CpuDefault();
+  std::vector<std::pair<std::string, optim::Precision>> runs;
   for (const std::string algo : {"muon", "normuon", "dion2", "nordion2", "dion", "adamw", "lion"}) {
-    SCOPED_TRACE(algo);
-    MultiCase m = Build(algo);
+    runs.push_back({algo, optim::Precision::kFp32});
+  }
+  // The bf16-emulating orthogonalizer too (owners run the same code; the exchange is fp32).
+  for (const std::string algo : {"muon", "normuon", "dion2", "nordion2"}) {
+    runs.push_back({algo, optim::Precision::kBf16Reference});
+  }
+  for (const auto& [algo, precision] : runs) {
+    SCOPED_TRACE(absl::StrCat(algo, " ", optim::PrecisionName(precision)));
+    MultiCase m = Build(algo, precision);
     ASSERT_FALSE(m.cases.empty());
     v1::CreateSessionRequest req = m.desc.Request();
-    req.set_world_key(absl::StrCat("equiv-", algo));
+    req.set_world_key(absl::StrCat("equiv-", algo, "-", optim::PrecisionName(precision)));
     auto s = CreateEverywhere(req);
     ASSERT_EQ(static_cast<int>(s.size()), w);
     const std::vector<Chunk> init = InitialChunks(m);
