@@ -177,6 +177,7 @@ std::string Daemon::ReadyJson() const {
 }
 
 void Daemon::Shutdown(absl::Duration drain) {
+  if (sessions_) sessions_->DetachWorld();  // world sessions must not outlive the World
   world_.reset();
   // Parked Peer.Wait calls would hold the gRPC server's shutdown until their timeouts.
   if (coordinator_) coordinator_->store()->CancelWaiters();

@@ -765,14 +765,14 @@ int64_t Session::last_step_index() {
 
 namespace diond::session {
 
-void Session::AttachWorld(comm::World* world, ShardPlan plan, uint64_t epoch,
+void Session::AttachWorld(std::shared_ptr<WorldLink> world, ShardPlan plan, uint64_t epoch,
                           absl::Duration verdict_wait, int64_t checksum_every) {
   absl::MutexLock lock(&mu_);
   WorldPart w;
-  w.world = world;
+  w.rank = world != nullptr ? world->rank() : 0;
+  w.world = std::move(world);
   w.verdict_wait = verdict_wait;
   w.checksum_every = checksum_every;
-  w.rank = world != nullptr ? world->rank() : 0;
   w.epoch = epoch;
   w.owned.resize(static_cast<size_t>(plan.world_size));
   w.owned_elements.assign(static_cast<size_t>(plan.world_size), 0);
@@ -844,7 +844,10 @@ std::string Session::DescribeWorldFailure(const absl::Status& why) {
   if (w.world == nullptr) return text;
   const absl::Time deadline = absl::Now() + w.verdict_wait;
   while (true) {
-    const comm::MembershipView v = w.world->membership();
+    comm::MembershipView v;
+    if (!w.world->With([&](comm::World& world) { v = world.membership(); })) {
+      return absl::StrCat(text, " (the daemon is shutting down)");
+    }
     std::vector<std::string> lost;
     for (const comm::MemberInfo& m : v.members) {
       if (!m.live) lost.push_back(absl::StrCat("rank ", m.rank, " (", m.address, ")"));
@@ -871,11 +874,16 @@ absl::StatusOr<StepResult> Session::WorldStepLocked(const StepRequest& request,
   if (!w.broken.ok()) return w.broken;
   std::shared_ptr<comm::Communicator> comm;
   if (w.world != nullptr) {
-    auto c = w.world->communicator();
+    absl::StatusOr<std::shared_ptr<comm::Communicator>> c =
+        absl::UnavailableError("the daemon is shutting down");
+    uint64_t epoch = 0;
+    w.world->With([&](comm::World& world) {
+      c = world.communicator();
+      epoch = world.epoch();
+    });
     if (!c.ok()) {
       return absl::UnavailableError(absl::StrCat(where, c.status().message()));
     }
-    const uint64_t epoch = w.world->epoch();
     if (epoch != w.epoch) {
       w.broken = absl::UnavailableError(absl::StrCat(
           where, "the daemon world was rebuilt (generation ", w.epoch, " -> ", epoch,
@@ -1158,7 +1166,9 @@ absl::Status Session::SynchronizeForCheckpoint() {
   }
   WorldPart& w = *world_;
   if (!w.broken.ok()) return w.broken;
-  auto c = w.world->communicator();
+  absl::StatusOr<std::shared_ptr<comm::Communicator>> c =
+      absl::UnavailableError("the daemon is shutting down");
+  w.world->With([&](comm::World& world) { c = world.communicator(); });
   if (!c.ok()) {
     return absl::UnavailableError(absl::StrCat("world session '", spec_.world_key,
                                                "': momentum synchronization: ",

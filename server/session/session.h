@@ -26,6 +26,7 @@
 #include "server/session/shard_plan.h"
 #include "server/session/shm_region.h"
 #include "server/session/types.h"
+#include "server/session/world_link.h"
 
 namespace diond::comm {
 class Communicator;
@@ -118,7 +119,7 @@ class Session {
   absl::Time last_used();
   int64_t last_step_index();
 
-  // Makes this a world session (docs/DISTRIBUTED.md), before its first Step: `world` is the
+  // Makes this a world session (docs/DISTRIBUTED.md), before its first Step: `world` links to the
   // daemon world (null = a world of one), `plan` the shard plan the ranks agreed on, `epoch`
   // the world's generation at creation. Steps then run the owned parameters' updates and
   // exchange the results; a broken world (a later epoch, an aborted communicator, a failed
@@ -126,7 +127,7 @@ class Session {
   // `verdict_wait`: how long a failed collective waits for the coordinator to name the lost rank
   // (about --peer_timeout plus a heartbeat), so the error can say which rank it was.
   // `checksum_every`: compare parameter checksums every N-th step (0 = never).
-  void AttachWorld(comm::World* world, ShardPlan plan, uint64_t epoch,
+  void AttachWorld(std::shared_ptr<WorldLink> world, ShardPlan plan, uint64_t epoch,
                    absl::Duration verdict_wait = absl::ZeroDuration(),
                    int64_t checksum_every = 0);
   // DION_COMPRESSED world sessions: replaces every Dion momentum by its average over the ranks
@@ -185,7 +186,7 @@ class Session {
                                         const std::vector<float*>& params)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   struct WorldPart {
-    comm::World* world = nullptr;  // null: a world of one
+    std::shared_ptr<WorldLink> world;  // null: a world of one
     ShardPlan plan;
     uint64_t epoch = 0;
     int rank = 0;

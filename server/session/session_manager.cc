@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "server/comm/key_value_store.h"
@@ -112,9 +113,15 @@ absl::Status SessionManager::CheckBudget(int64_t bytes) {
 void SessionManager::AttachWorld(comm::World* world, comm::KeyValueStore* kv,
                                  absl::Duration verdict_wait) {
   absl::MutexLock lock(&mu_);
-  world_ = world;
+  world_ = world != nullptr ? std::make_shared<WorldLink>(world) : nullptr;
   kv_ = kv;
   verdict_wait_ = verdict_wait;
+}
+
+void SessionManager::DetachWorld() {
+  absl::MutexLock lock(&mu_);
+  if (world_ != nullptr) world_->Clear();
+  world_detached_ = true;
 }
 
 absl::StatusOr<ShardPlan> SessionManager::AgreeOnPlan(const SessionSpec& spec, uint64_t* epoch) {
@@ -129,11 +136,12 @@ absl::StatusOr<ShardPlan> SessionManager::AgreeOnPlan(const SessionSpec& spec, u
           "world_key '", key, "' may only contain letters, digits, '-', '_' and '.'"));
     }
   }
-  comm::World* world;
+  std::shared_ptr<WorldLink> world;
   comm::KeyValueStore* kv;
   int64_t use = 0;
   {
     absl::MutexLock lock(&mu_);
+    if (world_detached_) return absl::UnavailableError("the daemon is shutting down");
     world = world_;
     kv = kv_;
   }
@@ -141,12 +149,24 @@ absl::StatusOr<ShardPlan> SessionManager::AgreeOnPlan(const SessionSpec& spec, u
   if (world == nullptr) return ComputeShardPlan(spec, 1);  // a world of one
   const std::string where = absl::StrCat("world session '", key, "' (rank ", world->rank(),
                                          " of ", world->size(), "): ");
-  absl::Status ready = world->WaitReady(options_.world_session_timeout);
+  // Wait for a communicator (polled: the link must not be held for long).
+  absl::Status ready = absl::UnavailableError("the daemon is shutting down");
+  const absl::Time deadline = absl::Now() + options_.world_session_timeout;
+  while (true) {
+    if (!world->With([&](comm::World& w) {
+          ready = w.status();
+          *epoch = w.epoch();
+        })) {
+      ready = absl::UnavailableError("the daemon is shutting down");
+      break;
+    }
+    if (ready.ok() || absl::Now() >= deadline) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
   if (!ready.ok()) {
     return absl::UnavailableError(absl::StrCat(where, "the daemon world is not up: ",
                                                ready.message()));
   }
-  *epoch = world->epoch();
   {
     // Counted per generation: after a rebuild (a restarted rank starts from nothing) every rank
     // counts from 1 again.
@@ -200,7 +220,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::CreateSession(SessionSp
   if (s->is_world_session()) {
     uint64_t epoch = 0;
     DIOND_ASSIGN_OR_RETURN(ShardPlan plan, AgreeOnPlan(s->spec(), &epoch));
-    comm::World* world;
+    std::shared_ptr<WorldLink> world;
     absl::Duration verdict_wait;
     {
       absl::MutexLock lock(&mu_);

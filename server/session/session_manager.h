@@ -63,6 +63,9 @@ class SessionManager {
   // name the lost rank (Daemon: --peer_timeout plus two heartbeats).
   void AttachWorld(comm::World* world, comm::KeyValueStore* kv,
                    absl::Duration verdict_wait = absl::ZeroDuration());
+  // Before the World is destroyed: world sessions lose it (their steps then fail with
+  // UNAVAILABLE) and new world sessions are refused.
+  void DetachWorld();
 
   // RESOURCE_EXHAUSTED with the numbers when over --max_session_bytes or the memory budget.
   // A spec with a world_key is a world session: the ranks agree on its shard plan through the
@@ -104,7 +107,8 @@ class SessionManager {
   absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
   uint64_t counter_ ABSL_GUARDED_BY(mu_) = 0;
-  comm::World* world_ ABSL_GUARDED_BY(mu_) = nullptr;
+  std::shared_ptr<WorldLink> world_ ABSL_GUARDED_BY(mu_);  // null: no world
+  bool world_detached_ ABSL_GUARDED_BY(mu_) = false;
   comm::KeyValueStore* kv_ ABSL_GUARDED_BY(mu_) = nullptr;
   absl::Duration verdict_wait_ ABSL_GUARDED_BY(mu_);
   // Per "<generation>/<world_key>": how many times this daemon created it (the agreement's key
