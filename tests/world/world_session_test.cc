@@ -687,6 +687,56 @@ TEST(WorldSessionFailure, KillRestartResumeFromCheckpoint) {
   run_steps(cut + 1, 8);
 }
 
+// A daemon without a world (--world_size=1) runs a world session as a world of one: every mode is
+// accepted, nothing is sent, and the weights are those of a local session.
+TEST(WorldSessionOfOne, RunsLikeALocalSession) {
+  auto d = Daemon::Start();
+  ASSERT_NE(d, nullptr);
+  auto ctx = kernels::Context::CpuDefault();
+  for (v1::GradientSync sync : {v1::GRADIENT_SYNC_REPLICATED, v1::GRADIENT_SYNC_AVERAGE,
+                                v1::GRADIENT_SYNC_DION_COMPRESSED}) {
+    SCOPED_TRACE(v1::GradientSync_Name(sync));
+    SessionDesc desc;
+    GroupDesc dion = MakeGroup("dion", AlgorithmKind::kDion, 0.02);
+    dion.proto.mutable_hyperparameters()->set_rank_fraction(0.25);
+    dion.config.hyperparams.rank_fraction = 0.25;
+    desc.groups.push_back(dion);
+    desc.groups.push_back(MakeGroup("d2", AlgorithmKind::kDion2, 0.02));
+    desc.params.push_back({"a", {48, 80}, "dion"});
+    desc.params.push_back({"b", {24, 40}, "d2"});
+    v1::CreateSessionRequest req = desc.Request();
+    req.set_world_key("alone");
+    req.set_gradient_sync(sync);
+    auto s = CreateShmSession(d->stub(), req);
+    ASSERT_NE(s, nullptr);
+    auto replay = Replay::Create(desc);
+    ASSERT_TRUE(replay.ok());
+    std::vector<Chunk> init;
+    for (size_t i = 0; i < desc.params.size(); ++i) {
+      (*replay)->params()[i] = SyntheticValues(3, 0, i, desc.Numel(i));
+      for (Chunk& c : SplitTensor(desc.params[i].name, FloatBytes((*replay)->params()[i]))) {
+        init.push_back(std::move(c));
+      }
+    }
+    ASSERT_TRUE(SetState(d->stub(), s->id, init).ok());
+    for (int64_t step = 1; step <= 3; ++step) {
+      std::vector<std::vector<float>> g;
+      for (size_t i = 0; i < desc.params.size(); ++i) {
+        g.push_back(SyntheticValues(4, step, i, desc.Numel(i)));
+        s->WriteGrad(i, g.back());
+      }
+      ASSERT_TRUE((*replay)->Step(*ctx, g).ok());
+      v1::StepResponse resp;
+      ASSERT_TRUE(DoStep(d->stub(), s->id, step, &resp).ok());
+      EXPECT_EQ(resp.world_bytes_sent(), 0);
+      for (size_t i = 0; i < desc.params.size(); ++i) {
+        ASSERT_EQ(s->ParamBytes(i), FloatBytes((*replay)->params()[i])) << "step " << step;
+      }
+    }
+    EXPECT_TRUE(CloseSession(d->stub(), s->id).ok());
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(W, WorldSession, ::testing::Values(2, 3, 4),
                          [](const auto& info) { return absl::StrCat("W", info.param); });
 
