@@ -986,8 +986,9 @@ absl::StatusOr<StepResult> Session::WorldStepLocked(const StepRequest& request,
     }
   }
   if (!master_.empty()) master_valid_ = true;
-  std::vector<std::vector<float>> before(n);
-  for (size_t i = 0; i < n; ++i) before[i].assign(params[i], params[i] + layout_.tensors[i].numel);
+  // Per group: this rank's share of the squared update norm (its optimizer measures what it
+  // changed; a group every rank steps, compressed Dion, is counted on rank 0 only).
+  std::vector<double> update_sq(groups_.size(), 0.0);
 
   // Owners compute: each group's optimizer sees only this rank's parameters (the others get no
   // gradient, which leaves them and their state alone), on the single-process code path.
@@ -1027,6 +1028,9 @@ absl::StatusOr<StepResult> Session::WorldStepLocked(const StepRequest& request,
         opts.replica_average = [c](absl::Span<float> v) { return c->AllReduceAverage(v); };
       }
       absl::Status s = g.optimizer->Step(ctx, gp, gg, opts);
+      if (s.ok() && (!compressed || w.rank == 0)) {
+        update_sq[gi] = g.optimizer->last_update_norm() * g.optimizer->last_update_norm();
+      }
       if (!s.ok()) {
         compute_status = absl::Status(
           absl::IsUnavailable(s) ? absl::StatusCode::kUnavailable : s.code(),
@@ -1041,8 +1045,11 @@ absl::StatusOr<StepResult> Session::WorldStepLocked(const StepRequest& request,
   // Exchange: every rank's updated owned parameters (fp32), plus one status value per rank, by
   // one all-gather-v; everyone writes them into its own arena.
   if (comm != nullptr) {
+    // Block of rank j: its payloads, then per group its squared update norm as two floats
+    // (hi, lo: a double to ~48 bits), then its status.
+    const int64_t extra = 2 * static_cast<int64_t>(groups_.size()) + 1;
     std::vector<int64_t> counts(static_cast<size_t>(world_size));
-    for (int j = 0; j < world_size; ++j) counts[j] = w.owned_payload[j] + 1;
+    for (int j = 0; j < world_size; ++j) counts[j] = w.owned_payload[j] + extra;
     std::vector<float> mine;
     mine.reserve(static_cast<size_t>(counts[w.rank]));
     for (size_t i : w.owned[w.rank]) {
@@ -1063,6 +1070,11 @@ absl::StatusOr<StepResult> Session::WorldStepLocked(const StepRequest& request,
       } else {
         mine.insert(mine.end(), params[i], params[i] + layout_.tensors[i].numel);
       }
+    }
+    for (double sq : update_sq) {
+      const float hi = static_cast<float>(sq);
+      mine.push_back(hi);
+      mine.push_back(static_cast<float>(sq - static_cast<double>(hi)));
     }
     mine.push_back(compute_status.ok() ? 0.0f : 1.0f);
     int64_t total = 0;
@@ -1088,6 +1100,11 @@ absl::StatusOr<StepResult> Session::WorldStepLocked(const StepRequest& request,
           if (j != w.rank) std::memcpy(params[i], all.data() + at, static_cast<size_t>(numel) * 4);
           at += numel;
         }
+      }
+      for (size_t gi = 0; gi < groups_.size(); ++gi, at += 2) {
+        if (j == 0) update_sq[gi] = 0;  // from here on: the world's sum
+        update_sq[gi] += static_cast<double>(all[static_cast<size_t>(at)]) +
+                         static_cast<double>(all[static_cast<size_t>(at) + 1]);
       }
       if (all[static_cast<size_t>(at)] != 0.0f && j != w.rank) failed.push_back(j);
       ++at;
@@ -1135,16 +1152,9 @@ absl::StatusOr<StepResult> Session::WorldStepLocked(const StepRequest& request,
                                          "; the world session must be created again"));
     return w.broken;
   }
-  for (const Group& g : groups_) {
-    if (g.optimizer == nullptr) continue;
-    double sq = 0;
-    for (size_t i : g.params) {
-      for (int64_t e = 0; e < layout_.tensors[i].numel; ++e) {
-        double d = static_cast<double>(params[i][e]) - before[i][e];
-        sq += d * d;
-      }
-    }
-    result.update_norms[g.name] = std::sqrt(sq);
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    if (groups_[gi].optimizer == nullptr) continue;
+    result.update_norms[groups_[gi].name] = std::sqrt(update_sq[gi]);
   }
   for (size_t i = 0; i < n; ++i) {
     const TensorPlacement& t = layout_.tensors[i];

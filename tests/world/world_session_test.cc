@@ -192,11 +192,29 @@ TEST_P(WorldSession, EveryAlgorithmMatchesOneWorkerBitForBit) {
       for (int r = 0; r < w; ++r) {
         for (size_t i = 0; i < grads.size(); ++i) s[r]->WriteGrad(i, grads[i]);
       }
+      const std::vector<std::vector<float>> before = (*replay)->params();
       ASSERT_TRUE((*replay)->Step(*ctx, grads).ok());
       auto resp = StepAll(daemons_, s, step);
       for (int r = 0; r < w; ++r) {
         EXPECT_GT(resp[r].world_bytes_sent(), 0) << "rank " << r;
         EXPECT_EQ(resp[r].update_norms().size(), m.desc.groups.size());
+      }
+      // update_norms: the whole group's change, the same on every rank.
+      for (size_t k = 0; k < m.desc.groups.size(); ++k) {
+        const std::string gname = absl::StrCat("g", k);
+        double sq = 0;
+        for (size_t i = 0; i < m.desc.params.size(); ++i) {
+          if (m.desc.params[i].group != gname) continue;
+          for (size_t e = 0; e < before[i].size(); ++e) {
+            const double d = static_cast<double>((*replay)->params()[i][e]) - before[i][e];
+            sq += d * d;
+          }
+        }
+        for (int r = 0; r < w; ++r) {
+          EXPECT_EQ(resp[r].update_norms().at(gname), resp[0].update_norms().at(gname));
+          EXPECT_NEAR(resp[r].update_norms().at(gname), std::sqrt(sq), 1e-6 * std::sqrt(sq) + 1e-12)
+              << gname << " rank " << r;
+        }
       }
       for (size_t i = 0; i < m.desc.params.size(); ++i) {
         const std::string want = FloatBytes((*replay)->params()[i]);
