@@ -31,6 +31,11 @@ absl::Status GroupOptimizer::Step(const kernels::Context& ctx, absl::Span<float*
       return absl::InvalidArgumentError(absl::StrCat(
           AlgorithmName(config_.algorithm), " step: grad ", i, " aliases its parameter"));
     }
+    if (grads[i] != nullptr && StateReleased(i)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(AlgorithmName(config_.algorithm), " step: parameter ", i,
+                       " has a gradient but its state was released (it is owned elsewhere)"));
+    }
   }
   DIOND_RETURN_IF_ERROR(ValidateStepOptions(options));
   const double lr = options.lr.value_or(config_.hyperparams.lr);
@@ -216,8 +221,44 @@ class BucketedOptimizer final : public GroupOptimizer {
 
   void DiscardStaged() override { RecycleStaged(); }
 
+  void ReleaseStateImpl(const std::vector<bool>& keep) override {
+    RecycleStaged();
+    spare_.clear();  // staging buffers were sized for the old buckets
+    for (size_t bi = 0; bi < buckets_.size(); ++bi) {
+      Bucket& b = buckets_[bi];
+      std::vector<size_t> members;
+      std::vector<std::vector<float>> state(b.specs.size());
+      for (size_t slot = 0; slot < b.members.size(); ++slot) {
+        const size_t p = b.members[slot];
+        if (!keep[p]) {
+          where_[p].second = kReleasedSlot;
+          continue;
+        }
+        for (size_t k = 0; k < b.specs.size(); ++k) {
+          const size_t sn = static_cast<size_t>(b.specs[k].NumElements());
+          const float* src = b.state[k].data() + slot * sn;
+          state[k].insert(state[k].end(), src, src + sn);
+        }
+        where_[p].second = members.size();
+        members.push_back(p);
+      }
+      b.members = std::move(members);
+      b.state = std::move(state);  // the released rows are freed here
+    }
+  }
+
+  int64_t StateFloats() const override {
+    int64_t n = 0;
+    for (const Bucket& b : buckets_) {
+      for (const auto& s : b.state) n += static_cast<int64_t>(s.size());
+    }
+    return n;
+  }
+
   float* MutableStatePtr(size_t param_index, absl::string_view name) override {
-    if (param_index >= where_.size()) return nullptr;
+    if (param_index >= where_.size() || where_[param_index].second == kReleasedSlot) {
+      return nullptr;
+    }
     Bucket& b = buckets_[where_[param_index].first];
     for (size_t k = 0; k < b.specs.size(); ++k) {
       if (b.specs[k].name == name) {
@@ -244,7 +285,8 @@ class BucketedOptimizer final : public GroupOptimizer {
  private:
   std::unique_ptr<UpdateRule> rule_;
   std::vector<Bucket> buckets_;
-  std::vector<std::pair<size_t, size_t>> where_;  // param -> (bucket, slot)
+  static constexpr size_t kReleasedSlot = static_cast<size_t>(-1);
+  std::vector<std::pair<size_t, size_t>> where_;  // param -> (bucket, slot or kReleasedSlot)
   // Moves the staged buffers back to spare_ for the next step.
   void RecycleStaged() {
     spare_.resize(buckets_.size());
@@ -259,8 +301,28 @@ class BucketedOptimizer final : public GroupOptimizer {
 }  // namespace
 }  // namespace internal
 
+absl::Status GroupOptimizer::ReleaseState(const std::vector<bool>& keep) {
+  if (keep.size() != shapes_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("ReleaseState: keep has ", keep.size(),
+                                                   " entries for ", shapes_.size(),
+                                                   " parameters"));
+  }
+  if (released_.empty()) released_.assign(shapes_.size(), false);
+  std::vector<bool> still(keep.size());
+  for (size_t i = 0; i < keep.size(); ++i) {
+    still[i] = keep[i] && !released_[i];
+    released_[i] = !still[i];
+  }
+  ReleaseStateImpl(still);
+  return absl::OkStatus();
+}
+
 absl::Status GroupOptimizer::GetState(size_t param_index, absl::string_view name,
                                       absl::Span<float> out) const {
+  if (StateReleased(param_index)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "state '", name, "' of parameter ", param_index, " was released (owned elsewhere)"));
+  }
   DIOND_ASSIGN_OR_RETURN(std::vector<int64_t> shape, StateShape(param_index, name));
   int64_t n = 1;
   for (int64_t d : shape) n *= d;
@@ -276,6 +338,10 @@ absl::Status GroupOptimizer::GetState(size_t param_index, absl::string_view name
 
 absl::Status GroupOptimizer::SetState(size_t param_index, absl::string_view name,
                                       absl::Span<const float> values) {
+  if (StateReleased(param_index)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "state '", name, "' of parameter ", param_index, " was released (owned elsewhere)"));
+  }
   DIOND_ASSIGN_OR_RETURN(std::vector<int64_t> shape, StateShape(param_index, name));
   int64_t n = 1;
   for (int64_t d : shape) n *= d;

@@ -66,8 +66,21 @@ class GroupOptimizer {
   // Copies state `name` of parameter `param_index` into / from a row-major float buffer of
   // exactly StateShape's element count (INVALID_ARGUMENT otherwise; nothing is written then).
   // SetState lets a checkpoint or golden state (e.g. the reference's random Dion Q) be injected.
+  // FAILED_PRECONDITION for a parameter whose state was released (below).
   absl::Status GetState(size_t param_index, absl::string_view name, absl::Span<float> out) const;
   absl::Status SetState(size_t param_index, absl::string_view name, absl::Span<const float> values);
+
+  // Sharded state (a world session, docs/DISTRIBUTED.md): frees the state of every parameter i
+  // with keep[i] == false, for good. Afterwards Step() refuses a gradient for a released
+  // parameter (FAILED_PRECONDITION; pass nullptr: its update comes from its owner), and its
+  // Get/SetState fail. Kept parameters step exactly as before (their state, including Dion's
+  // initial Q, is untouched). INVALID_ARGUMENT if keep.size() != shapes().size().
+  absl::Status ReleaseState(const std::vector<bool>& keep);
+  bool StateReleased(size_t param_index) const {
+    return param_index < released_.size() && released_[param_index];
+  }
+  // Floats of state this optimizer holds.
+  virtual int64_t StateFloats() const = 0;
 
  protected:
   GroupOptimizer(GroupConfig config, std::vector<ParamShape> shapes)
@@ -83,6 +96,8 @@ class GroupOptimizer {
   virtual void DiscardStaged() = 0;
   // Locates the float buffer of state `name` for parameter `param_index` (nullptr if unknown).
   virtual float* MutableStatePtr(size_t param_index, absl::string_view name) = 0;
+  // Drops the state of released parameters (keep[i] == false); called once by ReleaseState.
+  virtual void ReleaseStateImpl(const std::vector<bool>& keep) = 0;
   // Sum of squared parameter changes; CommitStaged adds to it.
   double update_sq_ = 0;
   // StepOptions::capture of the step being staged (null when not capturing).
@@ -95,6 +110,7 @@ class GroupOptimizer {
   std::vector<ParamShape> shapes_;
   int64_t steps_taken_ = 0;
   double last_update_norm_ = 0;
+  std::vector<bool> released_;  // empty until ReleaseState
 };
 
 // Validates `config` and `shapes` (ValidateGroup in validation.h) and builds the optimizer with

@@ -291,5 +291,69 @@ TEST(GroupOptimizerTest, LrOverrideReplacesConfiguredLr) {
   EXPECT_EQ(xa, xb);
 }
 
+// Sharded state (world sessions): after ReleaseState the kept parameters step bit-identically to
+// an optimizer that never released anything, the released ones refuse gradients and state
+// access, and the held state shrinks to the kept parameters' share.
+TEST(GroupOptimizerTest, ReleaseStateKeepsOwnedParametersExact) {
+  for (AlgorithmKind k : {AlgorithmKind::kMuon, AlgorithmKind::kDion, AlgorithmKind::kDion2,
+                          AlgorithmKind::kAdamW}) {
+    SCOPED_TRACE(AlgorithmName(k));
+    const std::vector<ParamShape> shapes = {{12, 8}, {12, 8}, {12, 8}, {10, 6}};
+    auto full = CreateGroupOptimizer(Cfg(k), shapes);
+    auto sharded = CreateGroupOptimizer(Cfg(k), shapes);
+    ASSERT_THAT(full, IsOk());
+    ASSERT_THAT(sharded, IsOk());
+    const int64_t all_floats = (*sharded)->StateFloats();
+    const std::vector<bool> keep = {true, false, true, false};
+    ASSERT_THAT((*sharded)->ReleaseState(keep), IsOk());
+    EXPECT_LT((*sharded)->StateFloats(), all_floats);
+    EXPECT_TRUE((*sharded)->StateReleased(1));
+    EXPECT_FALSE((*sharded)->StateReleased(2));
+    auto ctx = kernels::Context::CpuDefault();
+    std::vector<std::vector<float>> xa, xb, g;
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      const size_t n = static_cast<size_t>(shapes[i][0] * shapes[i][1]);
+      xa.push_back(Rand(n, 10 + i));
+      xb.push_back(xa.back());
+      g.push_back(Rand(n, 20 + i));
+    }
+    for (int step = 0; step < 3; ++step) {
+      std::vector<float*> pa, pb;
+      std::vector<const float*> ga, gb;
+      for (size_t i = 0; i < shapes.size(); ++i) {
+        pa.push_back(xa[i].data());
+        pb.push_back(xb[i].data());
+        ga.push_back(keep[i] ? g[i].data() : nullptr);  // the full one steps the same subset
+        gb.push_back(keep[i] ? g[i].data() : nullptr);
+      }
+      ASSERT_THAT((*full)->Step(*ctx, pa, ga), IsOk());
+      ASSERT_THAT((*sharded)->Step(*ctx, pb, gb), IsOk());
+    }
+    for (size_t i = 0; i < shapes.size(); ++i) EXPECT_EQ(xa[i], xb[i]) << "param " << i;
+    // A gradient for a released parameter is refused and changes nothing.
+    std::vector<float*> pb;
+    std::vector<const float*> gb;
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      pb.push_back(xb[i].data());
+      gb.push_back(g[i].data());
+    }
+    const auto before = xb;
+    EXPECT_THAT((*sharded)->Step(*ctx, pb, gb),
+                StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("released")));
+    EXPECT_EQ(xb, before);
+    const std::string st = (*sharded)->StateNames()[0];
+    auto shape = (*sharded)->StateShape(1, st);
+    ASSERT_THAT(shape, IsOk());
+    int64_t n = 1;
+    for (int64_t d : *shape) n *= d;
+    std::vector<float> buf(static_cast<size_t>(n));
+    EXPECT_THAT((*sharded)->GetState(1, st, absl::MakeSpan(buf)),
+                StatusIs(absl::StatusCode::kFailedPrecondition));
+    EXPECT_THAT((*sharded)->SetState(1, st, buf), StatusIs(absl::StatusCode::kFailedPrecondition));
+    EXPECT_THAT((*sharded)->GetState(2, st, absl::MakeSpan(buf)), IsOk());
+    EXPECT_THAT((*sharded)->ReleaseState({true}), StatusIs(kInvalid));
+  }
+}
+
 }  // namespace
 }  // namespace diond::optim

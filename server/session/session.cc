@@ -592,6 +592,8 @@ absl::StatusOr<std::vector<NamedTensor>> Session::GetStateLocked(bool include_pa
       out.push_back(std::move(p));
     }
     const Group& g = groups_[group_of_param_[i]];
+    // A world session holds only the state of the parameters this rank owns.
+    if (g.optimizer->StateReleased(slot_in_group_[i])) continue;
     for (const std::string& st : g.optimizer->StateNames()) {
       DIOND_ASSIGN_OR_RETURN(std::vector<int64_t> shape,
                              g.optimizer->StateShape(slot_in_group_[i], st));
@@ -657,6 +659,9 @@ absl::Status Session::SetStateLocked(const std::vector<NamedTensor>& tensors) {
     std::string st;
     std::vector<int64_t> shape;
     DIOND_RETURN_IF_ERROR(ResolveStateName(t.name, &p, &g, &st, &shape));
+    // World sessions: every trainer may send the whole state; each rank keeps its owned share
+    // (the owner of this parameter keeps this tensor).
+    if (groups_[g].optimizer->StateReleased(slot_in_group_[p])) continue;
     DIOND_RETURN_IF_ERROR(groups_[g].optimizer->SetState(slot_in_group_[p], st, t.data));
   }
   return absl::OkStatus();
@@ -743,7 +748,7 @@ SessionInfo Session::Info() {
   info.client_name = spec_.client_name;
   info.parameters = static_cast<int64_t>(layout_.tensors.size());
   info.last_step_index = last_step_index_;
-  info.state_bytes = state_bytes_;
+  info.state_bytes = state_bytes_.load();
   info.host_bytes = static_cast<int64_t>(params_.host.size() + grads_.host.size());
   info.last_used = last_used_;
   return info;
@@ -794,6 +799,22 @@ void Session::AttachWorld(std::shared_ptr<WorldLink> world, ShardPlan plan, uint
     w.owned_elements[j] += layout_.tensors[i].numel;
     w.owned_payload[j] += w.compact[i] > 0 ? w.compact[i] : layout_.tensors[i].numel;
   }
+  // Shard the optimizer state: each rank keeps the state of what it owns (and of what every
+  // rank steps, the compressed-sync Dion matrices); the rest is freed.
+  int64_t bytes = 0;
+  for (Group& g : groups_) {
+    if (g.optimizer == nullptr) continue;
+    std::vector<bool> keep(g.params.size());
+    for (size_t slot = 0; slot < g.params.size(); ++slot) {
+      const size_t i = g.params[slot];
+      keep[slot] = w.replicated[i] || plan.owner[i] == w.rank;
+    }
+    absl::Status released = g.optimizer->ReleaseState(keep);
+    DIOND_CHECK(released.ok()) << released;  // keep has one entry per parameter by construction
+    bytes += 4 * g.optimizer->StateFloats();
+  }
+  for (const auto& m : master_) bytes += 4 * static_cast<int64_t>(m.size());
+  state_bytes_.store(bytes);
   w.plan = std::move(plan);
   world_ = std::move(w);
 }

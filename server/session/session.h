@@ -13,6 +13,7 @@
 #ifndef DIOND_SERVER_SESSION_SESSION_H_
 #define DIOND_SERVER_SESSION_SESSION_H_
 
+#include <atomic>
 #include <memory>
 #include <optional>
 #include <string>
@@ -72,7 +73,7 @@ class Session {
   const SessionSpec& spec() const { return spec_; }
   const Layout& layout() const { return layout_; }
   // Bytes of optimizer state (what --max_session_bytes counts, with host arenas).
-  int64_t StateBytes() const { return state_bytes_; }
+  int64_t StateBytes() const { return state_bytes_.load(); }
 
   // Maps a shm region for `role`. INVALID_ARGUMENT for a bad name, an offset not a multiple of
   // 256, a region smaller than the arena, or a region overlapping the other role's region in
@@ -207,7 +208,7 @@ class Session {
   std::string id_;
   SessionSpec spec_;
   Layout layout_;
-  int64_t state_bytes_ = 0;
+  std::atomic<int64_t> state_bytes_{0};  // shrinks when a world session shards its state
   std::vector<size_t> group_of_param_;  // index into groups_
   std::vector<size_t> slot_in_group_;   // position of the param inside its group
 

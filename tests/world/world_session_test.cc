@@ -15,6 +15,8 @@
 #include <filesystem>
 #include <functional>
 #include <iostream>
+#include <map>
+#include <set>
 #include <thread>
 
 #include "absl/strings/match.h"
@@ -302,6 +304,48 @@ TEST_P(WorldSession, MuonBytesPerStepMatchTheFormula) {
       EXPECT_NEAR(got, formula, 0.05 * formula) << "rank " << r << " step " << step;
     }
   }
+}
+
+// Sharded state: each rank holds the optimizer state of the parameters it owns and nothing else,
+// so the ranks' state bytes add up to one worker's, and GetState on a rank lists exactly the
+// owned parameters' state (every parameter's values).
+TEST_P(WorldSession, OptimizerStateIsShardedAcrossRanks) {
+  const int w = GetParam();
+  SessionDesc desc;
+  desc.groups.push_back(MakeGroup("m", AlgorithmKind::kMuon, 0.02));
+  desc.groups.push_back(MakeGroup("a", AlgorithmKind::kAdamW, 0.01));
+  for (int j = 0; j < 6; ++j) desc.params.push_back({absl::StrCat("w", j), {32, 24}, "m"});
+  for (int j = 0; j < 3; ++j) desc.params.push_back({absl::StrCat("b", j), {40}, "a"});
+  v1::CreateSessionRequest req = desc.Request();
+  req.set_world_key("sharded-state");
+  auto s = CreateEverywhere(req);
+  ASSERT_EQ(static_cast<int>(s.size()), w);
+  // One worker's state: Muon momentum 32*24 floats per matrix; AdamW m, v (40 each) + step_dev.
+  const int64_t whole = 4 * (6 * 32 * 24 + 3 * (40 + 40 + 1));
+  int64_t sum = 0;
+  std::set<std::string> owned_everywhere;
+  for (int r = 0; r < w; ++r) {
+    grpc::ClientContext ctx;
+    v1::ListSessionsResponse list;
+    ASSERT_TRUE(daemons_[r]->stub().ListSessions(&ctx, v1::ListSessionsRequest(), &list).ok());
+    ASSERT_EQ(list.sessions_size(), 1);
+    sum += list.sessions(0).state_bytes();
+    if (w > 1) {
+      EXPECT_LT(list.sessions(0).state_bytes(), whole) << "rank " << r;
+    }
+    std::map<std::string, std::string> state;
+    ASSERT_TRUE(GetState(daemons_[r]->stub(), s[r]->id, true, &state).ok());
+    for (const auto& p : desc.params) {
+      EXPECT_TRUE(state.count(p.name)) << p.name;
+    }
+    for (const auto& [name, bytes] : state) {
+      if (name.find("/state.") == std::string::npos) continue;
+      EXPECT_TRUE(owned_everywhere.insert(name).second)
+          << name << " is held by two ranks (found again on rank " << r << ")";
+    }
+  }
+  EXPECT_EQ(sum, whole);
+  EXPECT_EQ(owned_everywhere.size(), 6u * 1 + 3u * 3) << "every state tensor held exactly once";
 }
 
 // AVERAGE: every trainer has its own gradients; the daemons average them (reduce-scatter to the
