@@ -267,13 +267,17 @@ class Client:
 
     # -- Optimizer RPCs -------------------------------------------------------------------------
     def create_session(self, request=None, *, parameters=(), groups=(), fp32_master_weights=False,
-                       non_finite_policy=pb.NON_FINITE_POLICY_SKIP, client_name="", timeout=None):
-        """CreateSession; pass a CreateSessionRequest or its fields. Returns the response."""
+                       non_finite_policy=pb.NON_FINITE_POLICY_SKIP, client_name="",
+                       world_key="", gradient_sync=pb.GRADIENT_SYNC_REPLICATED, timeout=None):
+        """CreateSession; pass a CreateSessionRequest or its fields. Returns the response.
+
+        world_key: a session spanning the daemon world (docs/DISTRIBUTED.md); every rank's
+        trainer creates it with the same key and spec. gradient_sync: GRADIENT_SYNC_* value."""
         if request is None:
             request = pb.CreateSessionRequest(
                 parameters=list(parameters), groups=list(groups),
                 fp32_master_weights=fp32_master_weights, non_finite_policy=non_finite_policy,
-                client_name=client_name)
+                client_name=client_name, world_key=world_key, gradient_sync=gradient_sync)
         return self._unary("CreateSession", request, timeout)
 
     def register_region(self, session_id, role, name, offset_bytes, size_bytes, timeout=None):

@@ -109,6 +109,8 @@ _ADJUST = {"spectral_norm": pb.ADJUST_LR_SPECTRAL_NORM, "rms_norm": pb.ADJUST_LR
            None: pb.ADJUST_LR_NONE, "none": pb.ADJUST_LR_NONE}
 _PRECISION = {"fp32": pb.PRECISION_FP32, "bf16_reference": pb.PRECISION_BF16_REFERENCE}
 _NONFINITE = {"skip": pb.NON_FINITE_POLICY_SKIP, "error": pb.NON_FINITE_POLICY_ERROR}
+_GRADIENT_SYNC = {"replicated": pb.GRADIENT_SYNC_REPLICATED, "average": pb.GRADIENT_SYNC_AVERAGE,
+                  "dion_compressed": pb.GRADIENT_SYNC_DION_COMPRESSED}
 _SEGMENT_ALIGN = 4096
 
 
@@ -267,6 +269,14 @@ class Optimizer(torch.optim.Optimizer):
       non_finite_policy: "skip" (a step with NaN/Inf gradients changes nothing) or "error".
       timeout: deadline of every RPC, seconds. connect_timeout: for the connection.
       client_name: shown by ListSessions and in the daemon's logs.
+      world_key: make this a world session (docs/DISTRIBUTED.md): the trainer on every rank
+        creates its optimizer with the same key, model and groups against its own daemon; the
+        daemons shard the work and state and every trainer ends each step with the same weights.
+        step() is then collective: every rank's trainer must call it. state_dict() returns the
+        weights and this rank's share of the optimizer state; load_state_dict() takes the whole
+        state (each daemon keeps its share).
+      gradient_sync: with world_key, "replicated" (trainers already hold identical averaged
+        gradients), "average" (the daemons average them) or "dion_compressed".
       algorithm, lr, mu, betas, weight_decay, epsilon, nesterov, cautious_wd, adjust_lr, flatten,
       use_polar_express, muon_beta2, rank_fraction, rank_multiple_of, fraction, ef_decay,
       num_heads, split_sizes, precision ("fp32" | "bf16_reference"), seed (Dion's initial Q):
@@ -275,7 +285,8 @@ class Optimizer(torch.optim.Optimizer):
 
     def __init__(self, params, *, target=None, remote=None, fp32_master_weights=False,
                  non_finite_policy="skip", timeout=60.0, connect_timeout=10.0,
-                 client_name="diond.torch", **options):
+                 client_name="diond.torch", world_key="", gradient_sync="replicated",
+                 **options):
         for k in list(options):
             if k in _COMPAT:
                 ok, why = _COMPAT[k]
@@ -290,6 +301,13 @@ class Optimizer(torch.optim.Optimizer):
         if non_finite_policy not in _NONFINITE:
             raise ValueError("non_finite_policy must be 'skip' or 'error', got %r"
                              % (non_finite_policy,))
+        if gradient_sync not in _GRADIENT_SYNC:
+            raise ValueError("gradient_sync must be one of %s, got %r"
+                             % (", ".join(sorted(_GRADIENT_SYNC)), gradient_sync))
+        if gradient_sync != "replicated" and not world_key:
+            raise ValueError("gradient_sync=%r needs a world_key" % (gradient_sync,))
+        self.world_key = str(world_key)
+        self.gradient_sync = gradient_sync
         self._explicit_defaults = set(options)
         self._closed = True  # until the session exists
         self._session_ready = False
@@ -411,7 +429,8 @@ class Optimizer(torch.optim.Optimizer):
                                               group=name))
         resp = self.client.create_session(
             parameters=specs, groups=groups, fp32_master_weights=self.fp32_master_weights,
-            non_finite_policy=_NONFINITE[non_finite_policy], client_name=client_name)
+            non_finite_policy=_NONFINITE[non_finite_policy], client_name=client_name,
+            world_key=self.world_key, gradient_sync=_GRADIENT_SYNC[self.gradient_sync])
         self.session_id = resp.session_id
         self._layout = {t.name: t for t in resp.layout}
         self._param_arena_bytes = resp.param_arena_bytes

@@ -1,0 +1,111 @@
+"""World sessions from PyTorch: two daemons form a world, one trainer per daemon, each with its
+own diond.torch.Optimizer created with the same world_key. The daemons shard the work and the
+optimizer state; every trainer must end each step with the same weights as a single-daemon run
+(the owners' math is the same code, so bit for bit)."""
+import threading
+
+import pytest
+import torch
+
+import diond
+import diond.torch
+
+
+def _world(daemon_factory):
+    flags = ["--world_size=2", "--heartbeat_interval=200ms", "--peer_timeout=5s"]
+    d0 = daemon_factory(tcp=True, extra_args=flags + ["--rank=0"])
+    port = d0.tcp_target.rsplit(":", 1)[1]
+    d1 = daemon_factory(extra_args=flags + ["--rank=1", "--coordinator=127.0.0.1:" + port])
+    return [d0, d1]
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(24, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16),
+                               torch.nn.Tanh(), torch.nn.Linear(16, 8))
+
+
+def _groups(model):
+    mats = [p for p in model.parameters() if p.ndim == 2]
+    vecs = [p for p in model.parameters() if p.ndim != 2]
+    return [dict(params=mats), dict(params=vecs, algorithm="adamw", lr=1e-3)]
+
+
+def _grads(step, model):
+    g = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(p.shape, generator=g) for p in model.parameters()]
+
+
+def _train(opt, model, steps):
+    for step in range(1, steps + 1):
+        for p, g in zip(model.parameters(), _grads(step, model)):
+            p.grad.copy_(g)
+        opt.step()
+
+
+def _on_all_ranks(fns):
+    errors = []
+
+    def run(f):
+        try:
+            f()
+        except Exception as e:  # surfaced below, with its rank
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(f,)) for f in fns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a trainer hung"
+    if errors:
+        raise errors[0]
+
+
+@pytest.mark.parametrize("algorithm", ["muon", "dion2"])
+def test_two_daemons_match_one_daemon_bit_for_bit(daemon_factory, algorithm):
+    steps = 3
+    ref_daemon = daemon_factory()
+    ref_model = _model()
+    with diond.torch.Optimizer(_groups(ref_model), target=ref_daemon.target,
+                               algorithm=algorithm, lr=0.02) as ref:
+        for p in ref_model.parameters():
+            p.grad = torch.zeros_like(p)
+        _train(ref, ref_model, steps)
+        expected = [p.detach().clone() for p in ref_model.parameters()]
+
+    daemons = _world(daemon_factory)
+    models = [_model(), _model()]
+    opts = [None, None]
+    states = [None, None]
+
+    def trainer(rank):
+        def f():
+            model = models[rank]
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
+            opts[rank] = diond.torch.Optimizer(_groups(model), target=daemons[rank].target,
+                                               algorithm=algorithm, lr=0.02,
+                                               world_key="py-world-" + algorithm)
+            _train(opts[rank], model, steps)
+            states[rank] = opts[rank].state_dict()
+            opts[rank].close()
+        return f
+
+    _on_all_ranks([trainer(0), trainer(1)])
+    for rank in (0, 1):
+        for got, want in zip(models[rank].parameters(), expected):
+            assert torch.equal(got.detach(), want), "rank %d differs from one daemon" % rank
+    # The optimizer state is sharded: every parameter's state lives on exactly one rank.
+    held = [set(states[r]["state"].keys()) for r in (0, 1)]
+    assert held[0].isdisjoint(held[1])
+    assert held[0] | held[1] == set(range(len(expected)))
+
+
+def test_world_options_are_checked():
+    with pytest.raises(ValueError, match="gradient_sync"):
+        diond.torch.Optimizer([torch.nn.Parameter(torch.zeros(4, 4))], target="unix:/nonexistent",
+                              gradient_sync="sometimes")
+    with pytest.raises(ValueError, match="needs a world_key"):
+        diond.torch.Optimizer([torch.nn.Parameter(torch.zeros(4, 4))], target="unix:/nonexistent",
+                              gradient_sync="average")
