@@ -269,6 +269,49 @@ void Session::WriteParamF32(size_t i, const float* in) {
   NarrowFromF32(t.dtype, in, t.numel, params_.data + t.param_offset);
 }
 
+bool Session::GradientsF32(double scale, std::vector<std::vector<float>>* copies,
+                           std::vector<const float*>* grads) {
+  bool finite = true;
+  for (size_t i = 0; i < layout_.tensors.size(); ++i) {
+    const TensorPlacement& t = layout_.tensors[i];
+    const uint8_t* src = grads_.data + t.grad_offset;
+    if (t.dtype == DType::kF32 && scale == 1.0) {
+      (*grads)[i] = reinterpret_cast<const float*>(src);
+    } else {
+      std::vector<float>& c = (*copies)[i];
+      c.resize(static_cast<size_t>(t.numel));
+      WidenToF32(t.dtype, src, t.numel, c.data());
+      if (scale != 1.0) {
+        const float s = static_cast<float>(scale);
+        for (float& v : c) v *= s;
+      }
+      (*grads)[i] = c.data();
+    }
+    finite = finite && AllFinite((*grads)[i], t.numel);
+  }
+  return finite;
+}
+
+void Session::ParamsF32(std::vector<std::vector<float>>* copies, std::vector<float*>* params) {
+  for (size_t i = 0; i < layout_.tensors.size(); ++i) {
+    const TensorPlacement& t = layout_.tensors[i];
+    if (t.dtype == DType::kF32) {
+      (*params)[i] = reinterpret_cast<float*>(params_.data + t.param_offset);
+    } else if (!master_.empty() && !master_[i].empty()) {
+      if (!master_valid_) {
+        WidenToF32(t.dtype, params_.data + t.param_offset, t.numel, master_[i].data());
+      }
+      (*params)[i] = master_[i].data();
+    } else {
+      std::vector<float>& c = (*copies)[i];
+      c.resize(static_cast<size_t>(t.numel));
+      WidenToF32(t.dtype, params_.data + t.param_offset, t.numel, c.data());
+      (*params)[i] = c.data();
+    }
+  }
+  if (!master_.empty()) master_valid_ = true;
+}
+
 absl::StatusOr<StepResult> Session::Step(const StepRequest& request,
                                          const kernels::Context& ctx, absl::Mutex* compute_mu) {
   const absl::Time start = absl::Now();
@@ -319,23 +362,7 @@ absl::StatusOr<StepResult> Session::Step(const StepRequest& request,
   const size_t n = layout_.tensors.size();
   std::vector<std::vector<float>> grad_copies(n);
   std::vector<const float*> grads(n);
-  bool finite = true;
-  for (size_t i = 0; i < n; ++i) {
-    const TensorPlacement& t = layout_.tensors[i];
-    const uint8_t* src = grads_.data + t.grad_offset;
-    if (t.dtype == DType::kF32 && scale == 1.0) {
-      grads[i] = reinterpret_cast<const float*>(src);
-    } else {
-      grad_copies[i].resize(static_cast<size_t>(t.numel));
-      WidenToF32(t.dtype, src, t.numel, grad_copies[i].data());
-      if (scale != 1.0) {
-        const float s = static_cast<float>(scale);
-        for (float& v : grad_copies[i]) v *= s;
-      }
-      grads[i] = grad_copies[i].data();
-    }
-    finite = finite && AllFinite(grads[i], t.numel);
-  }
+  bool finite = GradientsF32(scale, &grad_copies, &grads);
   StepResult result;
   result.step_index = request.step_index;
   if (!finite) {
@@ -353,21 +380,7 @@ absl::StatusOr<StepResult> Session::Step(const StepRequest& request,
   // Parameters as fp32: in place for f32 arenas; master or widened copies otherwise.
   std::vector<std::vector<float>> param_copies(n);
   std::vector<float*> params(n);
-  for (size_t i = 0; i < n; ++i) {
-    const TensorPlacement& t = layout_.tensors[i];
-    if (t.dtype == DType::kF32) {
-      params[i] = reinterpret_cast<float*>(params_.data + t.param_offset);
-    } else if (!master_.empty() && !master_[i].empty()) {
-      if (!master_valid_) WidenToF32(t.dtype, params_.data + t.param_offset, t.numel,
-                                     master_[i].data());
-      params[i] = master_[i].data();
-    } else {
-      param_copies[i].resize(static_cast<size_t>(t.numel));
-      WidenToF32(t.dtype, params_.data + t.param_offset, t.numel, param_copies[i].data());
-      params[i] = param_copies[i].data();
-    }
-  }
-  if (!master_.empty()) master_valid_ = true;
+  ParamsF32(&param_copies, &params);
 
   const absl::Time compute_start = absl::Now();
   {
@@ -927,23 +940,7 @@ absl::StatusOr<StepResult> Session::WorldStepLocked(const StepRequest& request,
   const size_t n = layout_.tensors.size();
   std::vector<std::vector<float>> grad_copies(n);
   std::vector<const float*> grads(n);
-  bool finite = true;
-  for (size_t i = 0; i < n; ++i) {
-    const TensorPlacement& t = layout_.tensors[i];
-    const uint8_t* src = grads_.data + t.grad_offset;
-    if (t.dtype == DType::kF32 && scale == 1.0) {
-      grads[i] = reinterpret_cast<const float*>(src);
-    } else {
-      grad_copies[i].resize(static_cast<size_t>(t.numel));
-      WidenToF32(t.dtype, src, t.numel, grad_copies[i].data());
-      if (scale != 1.0) {
-        const float s = static_cast<float>(scale);
-        for (float& v : grad_copies[i]) v *= s;
-      }
-      grads[i] = grad_copies[i].data();
-    }
-    finite = finite && AllFinite(grads[i], t.numel);
-  }
+  bool finite = GradientsF32(scale, &grad_copies, &grads);
   // AVERAGE: reduce-scatter the local gradients to their owners. Block j of the input holds the
   // gradients of rank j's parameters, padded to the largest block, plus one slot with this
   // rank's non-finite flag, so every rank learns the same number of non-finite trainers.
@@ -998,21 +995,7 @@ absl::StatusOr<StepResult> Session::WorldStepLocked(const StepRequest& request,
   // Parameters as fp32 (as Step does).
   std::vector<std::vector<float>> param_copies(n);
   std::vector<float*> params(n);
-  for (size_t i = 0; i < n; ++i) {
-    const TensorPlacement& t = layout_.tensors[i];
-    if (t.dtype == DType::kF32) {
-      params[i] = reinterpret_cast<float*>(params_.data + t.param_offset);
-    } else if (!master_.empty() && !master_[i].empty()) {
-      if (!master_valid_) WidenToF32(t.dtype, params_.data + t.param_offset, t.numel,
-                                     master_[i].data());
-      params[i] = master_[i].data();
-    } else {
-      param_copies[i].resize(static_cast<size_t>(t.numel));
-      WidenToF32(t.dtype, params_.data + t.param_offset, t.numel, param_copies[i].data());
-      params[i] = param_copies[i].data();
-    }
-  }
-  if (!master_.empty()) master_valid_ = true;
+  ParamsF32(&param_copies, &params);
   // Per group: this rank's share of the squared update norm (its optimizer measures what it
   // changed; a group every rank steps, compressed Dion, is counted on rank 0 only).
   std::vector<double> update_sq(groups_.size(), 0.0);

@@ -159,6 +159,14 @@ class Session {
     return r == Role::kParameters ? params_ : grads_;
   }
   absl::Status EnsureHostArena(Role r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Every gradient as fp32 for a step: in place when the trainer's are f32 and unscaled (zero
+  // copy), else widened and scaled into `copies`. Returns whether all values are finite.
+  bool GradientsF32(double scale, std::vector<std::vector<float>>* copies,
+                    std::vector<const float*>* grads) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Every parameter as fp32 for a step: in place for f32 arenas, the master weights, or widened
+  // copies in `copies` (written back by the caller).
+  void ParamsF32(std::vector<std::vector<float>>* copies, std::vector<float*>* params)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Parameter i as fp32 (master weights, or widened from the arena).
   void ReadParamF32(size_t i, float* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void WriteParamF32(size_t i, const float* in) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
