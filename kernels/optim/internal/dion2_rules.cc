@@ -37,13 +37,7 @@ Selection SelectionOf(const GroupConfig& cfg, const ParamShape& shape, int64_t c
 class Dion2Rule final : public UpdateRule {
  public:
   std::vector<StateSpec> Specs(const GroupConfig& config, const ParamShape& shape) const override {
-    std::vector<StateSpec> s = {{std::string(kStateMomentum), shape}};
-    if (config.algorithm == AlgorithmKind::kNorDion2) {
-      ParamShape v = shape;
-      v.back() = 1;
-      s.push_back({std::string(kStateVarianceNeuron), v});
-    }
-    return s;
+    return MomentumStateSpecs(config.algorithm == AlgorithmKind::kNorDion2, shape);
   }
 
   absl::Status Apply(const kernels::Context& ctx, const BucketArgs& a) const override {

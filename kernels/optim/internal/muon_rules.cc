@@ -11,13 +11,7 @@ namespace {
 class MuonRule final : public UpdateRule {
  public:
   std::vector<StateSpec> Specs(const GroupConfig& config, const ParamShape& shape) const override {
-    std::vector<StateSpec> s = {{std::string(kStateMomentum), shape}};
-    if (config.algorithm == AlgorithmKind::kNorMuon) {
-      ParamShape v = shape;
-      v.back() = 1;
-      s.push_back({std::string(kStateVarianceNeuron), v});
-    }
-    return s;
+    return MomentumStateSpecs(config.algorithm == AlgorithmKind::kNorMuon, shape);
   }
 
   absl::Status Apply(const kernels::Context& ctx, const BucketArgs& a) const override {

@@ -34,6 +34,16 @@ float AdjustedLr(float lr, AdjustLr mode, int64_t fan_out, int64_t fan_in) {
   return lr * F32(AdjustRatio(mode, fan_out, fan_in));
 }
 
+std::vector<StateSpec> MomentumStateSpecs(bool with_variance_neuron, const ParamShape& shape) {
+  std::vector<StateSpec> s = {{std::string(kStateMomentum), shape}};
+  if (with_variance_neuron) {
+    ParamShape v = shape;
+    v.back() = 1;
+    s.push_back({std::string(kStateVarianceNeuron), v});
+  }
+  return s;
+}
+
 ParamShape EffectiveShape(const GroupConfig& config, const ParamShape& shape) {
   if (config.num_heads > 1 && shape.size() == 2) {
     return {config.num_heads, shape[0] / config.num_heads, shape[1]};

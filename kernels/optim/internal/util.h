@@ -9,6 +9,7 @@
 
 #include "absl/status/status.h"
 #include "kernels/context.h"
+#include "kernels/optim/internal/rule.h"
 #include "kernels/optim/optimizer_types.h"
 #include "kernels/tensor.h"
 
@@ -27,6 +28,10 @@ inline float DecayFactor(float lr, float wd) {
 float AdjustedLr(float lr, AdjustLr mode, int64_t fan_out, int64_t fan_in);
 
 // The shape a parameter is processed as: [h, m/h, n] with num_heads > 1, else its own shape.
+// State of the momentum methods: "momentum" (the parameter's shape) and, for the normalized
+// variants (NorMuon, NorDion2), "variance_neuron" (shape[:-1] + [1]).
+std::vector<StateSpec> MomentumStateSpecs(bool with_variance_neuron, const ParamShape& shape);
+
 ParamShape EffectiveShape(const GroupConfig& config, const ParamShape& shape);
 
 // A stack of `batch` row-major matrices rows×cols, contiguous.
