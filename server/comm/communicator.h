@@ -95,6 +95,11 @@ class Communicator {
  protected:
   Communicator(int rank, int size, CollectiveObserver observer)
       : rank_(rank), size_(size), observer_(std::move(observer)) {}
+  // Checks AllGatherV's arguments against this communicator (one count per rank, none
+  // negative, input.size() == counts[rank()], output.size() == their sum); on success stores
+  // the largest count. INVALID_ARGUMENT naming the sizes otherwise.
+  absl::Status CheckAllGatherV(absl::Span<const float> input, absl::Span<const int64_t> counts,
+                               absl::Span<float> output, int64_t* largest) const;
   // Called by backends after every collective.
   void Record(CollectiveOp op, int64_t bytes, double seconds, const absl::Status& result);
 

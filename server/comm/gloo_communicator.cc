@@ -363,22 +363,8 @@ absl::Status GlooCommunicator::AllGatherV(absl::Span<const float> input,
                                           absl::Span<const int64_t> counts,
                                           absl::Span<float> output) {
   const int w = size();
-  if (static_cast<int>(counts.size()) != w) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("all_gather_v: ", counts.size(), " counts for ", w, " ranks"));
-  }
-  int64_t total = 0, largest = 0;
-  for (int64_t c : counts) {
-    if (c < 0) return absl::InvalidArgumentError("all_gather_v: negative count");
-    total += c;
-    largest = std::max(largest, c);
-  }
-  if (static_cast<int64_t>(input.size()) != counts[rank()] ||
-      static_cast<int64_t>(output.size()) != total) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "all_gather_v: input has ", input.size(), " elements (counts[", rank(), "] = ",
-        counts[rank()], "), output ", output.size(), " (sum of counts = ", total, ")"));
-  }
+  int64_t largest = 0;
+  DIOND_RETURN_IF_ERROR(CheckAllGatherV(input, counts, output, &largest));
   DIOND_RETURN_IF_ERROR(CheckInt(largest * w, 4, "all_gather_v"));
   // Padded to the largest block: AllgatherRing on persistent buffers beats Gloo's allgatherv
   // options API by far here (P10); the padding is sent and counted.

@@ -153,20 +153,9 @@ absl::Status NcclCommunicator::AllGatherV(absl::Span<const float> input,
                                           absl::Span<const int64_t> counts,
                                           absl::Span<float> output) {
   const int w = size();
-  if (static_cast<int>(counts.size()) != w) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("all_gather_v: ", counts.size(), " counts for ", w, " ranks"));
-  }
-  int64_t total = 0, largest = 0;
-  for (int64_t c : counts) {
-    if (c < 0) return absl::InvalidArgumentError("all_gather_v: negative count");
-    total += c;
-    largest = std::max(largest, c);
-  }
-  if (static_cast<int64_t>(input.size()) != counts[rank()] ||
-      static_cast<int64_t>(output.size()) != total) {
-    return absl::InvalidArgumentError("all_gather_v: input or output size does not match counts");
-  }
+  int64_t largest = 0;
+  DIOND_RETURN_IF_ERROR(CheckAllGatherV(input, counts, output, &largest));
+  const int64_t total = static_cast<int64_t>(output.size());  // the sum of counts (checked)
   // Cold path (index lists, metadata): pad to the largest block in a device scratch buffer
   // [send block | W gathered blocks], gather, and compact through host memory.
   return Call(CollectiveOp::kAllGatherV, (w - 1) * largest * 4, [&](int64_t t, char* e) -> int {
