@@ -18,7 +18,7 @@ LIBS=(
 )
 BUILD=(
   build-essential cmake pkg-config git ca-certificates protobuf-compiler protobuf-compiler-grpc
-  libgtest-dev libgmock-dev libbenchmark-dev
+  libgtest-dev libgmock-dev libbenchmark-dev ccache
 )
 TEST=(
   python3-grpcio python3-protobuf python3-numpy python3-pytest python3-torch
