@@ -6,7 +6,7 @@
 //   rest      the data section; offsets are relative to its start, tensors are C-ordered,
 //             little-endian, packed without gaps, and the section ends at the end of the file.
 //
-// Used for the optimizer conformance vectors (shared/conformance/README.md §1) and, later, the
+// Used for the optimizer conformance vectors (tests/conformance/README.md §1) and, later, the
 // daemon's checkpoints. The reader treats its input as untrusted: every malformed file (truncated,
 // absurd header length, bad JSON, unknown dtype, offsets out of range / overlapping / leaving
 // gaps, byte size that does not match dtype x shape) yields absl::StatusCode::kDataLoss with a

@@ -2,7 +2,7 @@
 // hyperparameters and options, and per-step overrides. No proto, no gRPC (STYLE.md R2): the
 // daemon converts its request messages into these structs at the edge.
 //
-// The numerical contract of every field is /work/shared/docs/ALGORITHMS.md (cited per field).
+// The numerical contract of every field is docs/ALGORITHMS.md (cited per field).
 // Reference defaults: DefaultHyperparams(kind) returns the constructor defaults of the
 // corresponding microsoft/dion class (ALGORITHMS.md §5.1, §6.1, §7.1, §8.1, §9.1, §13).
 //

@@ -1,4 +1,4 @@
-// Conformance through the service: every public golden case (shared/conformance/vectors) is
+// Conformance through the service: every public golden case (tests/conformance/vectors) is
 // replayed through the REAL daemon, over shared memory and over Push/Pull streaming, and the
 // parameters after every step (and the final state) must equal, bit for bit, the same
 // GroupOptimizer path run in this process. Equality is the right criterion: the daemon runs the

@@ -1,4 +1,4 @@
-// A conformance vector (shared/conformance/README.md) as a service session: its metadata mapped
+// A conformance vector (tests/conformance/README.md) as a service session: its metadata mapped
 // onto the proto ParameterGroup a trainer would send AND onto the optim::GroupConfig that the
 // in-process replay uses, key by key in one place so the two cannot drift apart.
 //

@@ -1,7 +1,7 @@
 """Fixtures: a real diond daemon per test module (or per test where it gets killed).
 
 The binary: $DIOND_BINARY, else <repo>/build/bin/diond. The conformance vectors:
-$DIOND_CONFORMANCE_DIR, else <repo>/../shared/conformance, else /work/shared/conformance.
+$DIOND_CONFORMANCE_DIR, else <repo>/tests/conformance (committed with the repository).
 """
 import json
 import os
@@ -17,11 +17,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 
 def conformance_dir():
     for d in (os.environ.get("DIOND_CONFORMANCE_DIR"),
-              os.path.join(REPO, "..", "shared", "conformance"),
-              "/work/shared/conformance"):
+              os.path.join(REPO, "tests", "conformance")):
         if d and os.path.isfile(os.path.join(d, "manifest.json")):
             return os.path.abspath(d)
-    return None
+    raise RuntimeError("conformance vectors not found: set DIOND_CONFORMANCE_DIR or restore "
+                       "tests/conformance/manifest.json")
 
 
 def read_safetensors(path):

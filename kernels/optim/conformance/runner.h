@@ -1,4 +1,4 @@
-// Replays optimizer conformance vectors (shared/conformance/README.md) through the same
+// Replays optimizer conformance vectors (tests/conformance/README.md) through the same
 // GroupOptimizer path the daemon uses, and compares with the stored reference trajectories.
 //
 // A case file holds param.init, grad.1..T, param.1..T, state.<name>.init/.final and optionally
