@@ -225,10 +225,17 @@ void AlignColumnSigns(std::vector<float>* mine, const std::vector<float>& ref, i
 
 struct CaseData {
   GroupConfig config;
-  ParamShape shape;
+  std::vector<ParamShape> shapes;  // one per parameter (metadata num_params, default 1)
   int64_t steps = 0;
   std::vector<std::string> state_names;
 };
+
+// Tensor names of parameter i of a multi-parameter case: parameter 0 uses the plain names
+// (param.init, grad.<t>, ...), parameter i > 0 the same names prefixed with "p<i>." (README
+// "bf16_reference" section).
+std::string Key(size_t i, absl::string_view name) {
+  return i == 0 ? std::string(name) : absl::StrCat("p", i, ".", name);
+}
 
 absl::StatusOr<CaseData> ReadCase(const SafetensorsFile& f) {
   CaseData c;
@@ -253,9 +260,18 @@ absl::StatusOr<CaseData> ReadCase(const SafetensorsFile& f) {
   if (!absl::SimpleAtoi(t, &c.steps) || c.steps < 1) {
     return absl::InvalidArgumentError(absl::StrCat("bad T '", t, "'"));
   }
-  const SafetensorsTensorInfo* init = f.Find("param.init");
-  if (init == nullptr) return absl::InvalidArgumentError("no tensor param.init");
-  c.shape = init->shape;
+  int64_t num_params = 1;
+  if (md.count("num_params") &&
+      (!absl::SimpleAtoi(md.at("num_params"), &num_params) || num_params < 1 ||
+       num_params > 4096)) {
+    return absl::InvalidArgumentError("bad num_params (want 1..4096)");
+  }
+  for (int64_t i = 0; i < num_params; ++i) {
+    const std::string key = Key(static_cast<size_t>(i), "param.init");
+    const SafetensorsTensorInfo* init = f.Find(key);
+    if (init == nullptr) return absl::InvalidArgumentError(absl::StrCat("no tensor ", key));
+    c.shapes.push_back(init->shape);
+  }
   if (md.count("state_names")) {
     DIOND_ASSIGN_OR_RETURN(json sn, ParseJson(md.at("state_names"), "state_names"));
     if (!sn.is_array()) return absl::InvalidArgumentError("state_names is not a list");
@@ -276,35 +292,50 @@ absl::StatusOr<ModeResult> RunMode(const kernels::Context& ctx, const Safetensor
   r.precision = precision;
   GroupConfig cfg = c.config;
   cfg.precision = precision;
-  DIOND_ASSIGN_OR_RETURN(std::unique_ptr<GroupOptimizer> opt, CreateGroupOptimizer(cfg, {c.shape}));
-  for (const std::string& name : c.state_names) {
-    DIOND_ASSIGN_OR_RETURN(std::vector<int64_t> shape, opt->StateShape(0, name));
-    const std::string key = "state." + name + ".init";
-    if (!f.Has(key)) continue;  // zeros, as the optimizer initializes them
-    DIOND_ASSIGN_OR_RETURN(std::vector<float> v, f.ReadFloat(key, shape));
-    DIOND_RETURN_IF_ERROR(opt->SetState(0, name, v));
+  const size_t n = c.shapes.size();
+  DIOND_ASSIGN_OR_RETURN(std::unique_ptr<GroupOptimizer> opt, CreateGroupOptimizer(cfg, c.shapes));
+  for (size_t i = 0; i < n; ++i) {
+    for (const std::string& name : c.state_names) {
+      DIOND_ASSIGN_OR_RETURN(std::vector<int64_t> shape, opt->StateShape(i, name));
+      const std::string key = Key(i, "state." + name + ".init");
+      if (!f.Has(key)) continue;  // zeros, as the optimizer initializes them
+      DIOND_ASSIGN_OR_RETURN(std::vector<float> v, f.ReadFloat(key, shape));
+      DIOND_RETURN_IF_ERROR(opt->SetState(i, name, v));
+    }
   }
-  DIOND_ASSIGN_OR_RETURN(std::vector<float> p0, f.ReadFloat("param.init"));
-  std::vector<float> p = p0;
+  std::vector<std::vector<float>> p0(n), p(n);
+  for (size_t i = 0; i < n; ++i) {
+    DIOND_ASSIGN_OR_RETURN(p0[i], f.ReadFloat(Key(i, "param.init")));
+    p[i] = p0[i];
+  }
+  // Errors are per matrix; a case reports the worst matrix (and the worst step).
   double param_err = 0, delta_err = 0;
   for (int64_t t = 1; t <= c.steps; ++t) {
-    DIOND_ASSIGN_OR_RETURN(std::vector<float> g, f.ReadFloat(absl::StrCat("grad.", t), c.shape));
-    float* pp = p.data();
-    const float* gp = g.data();
-    DIOND_RETURN_IF_ERROR(opt->Step(ctx, absl::MakeSpan(&pp, 1), absl::MakeSpan(&gp, 1)));
-    DIOND_ASSIGN_OR_RETURN(std::vector<float> ref,
-                           f.ReadFloat(absl::StrCat("param.", t), c.shape));
-    param_err = std::max(param_err, RelFro(p, ref));
-    delta_err = std::max(delta_err, RelFro(Diff(p, p0), Diff(ref, p0)));
+    std::vector<std::vector<float>> g(n);
+    std::vector<float*> pp(n);
+    std::vector<const float*> gp(n);
+    for (size_t i = 0; i < n; ++i) {
+      DIOND_ASSIGN_OR_RETURN(g[i], f.ReadFloat(Key(i, absl::StrCat("grad.", t)), c.shapes[i]));
+      pp[i] = p[i].data();
+      gp[i] = g[i].data();
+    }
+    DIOND_RETURN_IF_ERROR(opt->Step(ctx, absl::MakeSpan(pp), absl::MakeSpan(gp)));
+    for (size_t i = 0; i < n; ++i) {
+      DIOND_ASSIGN_OR_RETURN(std::vector<float> ref,
+                             f.ReadFloat(Key(i, absl::StrCat("param.", t)), c.shapes[i]));
+      param_err = std::max(param_err, RelFro(p[i], ref));
+      delta_err = std::max(delta_err, RelFro(Diff(p[i], p0[i]), Diff(ref, p0[i])));
+    }
   }
   const bool bf16_algo = HasBf16Path(cfg.algorithm);
-  const bool strict_traj = !bf16_algo || precision == Precision::kBf16Reference;
+  const bool bf16_mode = precision == Precision::kBf16Reference;
+  const bool strict_traj = !bf16_algo || bf16_mode;
   const bool f64_checks = !bf16_algo || precision == Precision::kFp32;
   auto add = [&](const std::string& name, double measured, bool enforced, bool available) {
     Check ch;
     ch.name = name;
     ch.measured = measured;
-    auto it = tol.values.find(name.rfind("state.", 0) == 0 ? name : name);
+    auto it = tol.values.find(name);
     if (it != tol.values.end()) ch.tolerance = it->second;
     ch.enforced = enforced;
     ch.skipped = enforced && (!available || !ch.tolerance);
@@ -312,35 +343,49 @@ absl::StatusOr<ModeResult> RunMode(const kernels::Context& ctx, const Safetensor
   };
   add("param_relfro", param_err, strict_traj, true);
   add("delta_relfro", delta_err, !bf16_algo, true);
+  // The bf16_reference bound on the update: the emulation must sit within the reference's own
+  // rounding spread of the stored trajectory (tolerance bf16_reference_delta_relfro, README).
+  if (bf16_algo && bf16_mode) add("bf16_reference_delta_relfro", delta_err, true, true);
   const std::string f64_key = absl::StrCat("param_f64.", c.steps);
-  if (f.Has(f64_key)) {
-    DIOND_ASSIGN_OR_RETURN(std::vector<float> ref64, f.ReadFloat(f64_key, c.shape));
-    add("param_f64_final_relfro", RelFro(p, ref64), f64_checks, true);
-    add("delta_f64_final_relfro", RelFro(Diff(p, p0), Diff(ref64, p0)), f64_checks, true);
+  bool have_f64 = true;
+  for (size_t i = 0; i < n; ++i) have_f64 = have_f64 && f.Has(Key(i, f64_key));
+  if (have_f64) {
+    double e = 0, de = 0;
+    for (size_t i = 0; i < n; ++i) {
+      DIOND_ASSIGN_OR_RETURN(std::vector<float> ref64, f.ReadFloat(Key(i, f64_key), c.shapes[i]));
+      e = std::max(e, RelFro(p[i], ref64));
+      de = std::max(de, RelFro(Diff(p[i], p0[i]), Diff(ref64, p0[i])));
+    }
+    add("param_f64_final_relfro", e, f64_checks, true);
+    add("delta_f64_final_relfro", de, f64_checks, true);
   } else {
     add("param_f64_final_relfro", 0, f64_checks, false);
     add("delta_f64_final_relfro", 0, f64_checks, false);
   }
   for (const std::string& name : c.state_names) {
-    const std::string key = "state." + name + ".final";
-    DIOND_ASSIGN_OR_RETURN(std::vector<int64_t> shape, opt->StateShape(0, name));
-    if (!f.Has(key)) {
-      add("state." + name, 0, true, false);
-      continue;
+    double err = 0;
+    bool available = true;
+    for (size_t i = 0; i < n && available; ++i) {
+      const std::string key = Key(i, "state." + name + ".final");
+      DIOND_ASSIGN_OR_RETURN(std::vector<int64_t> shape, opt->StateShape(i, name));
+      if (!f.Has(key)) {
+        available = false;
+        break;
+      }
+      DIOND_ASSIGN_OR_RETURN(std::vector<float> ref, f.ReadFloat(key, shape));
+      std::vector<float> mine(ref.size());
+      DIOND_RETURN_IF_ERROR(opt->GetState(i, name, absl::MakeSpan(mine)));
+      if (name == kStateQ && shape.size() == 2) {
+        AlignColumnSigns(&mine, ref, shape[0], shape[1]);
+        err = std::max(err, RelFro(mine, ref));
+      } else if (name == kStateStepDev) {
+        const double m0 = mine[0], r0 = ref[0];
+        err = std::max(err, r0 == 0 ? std::abs(m0) : std::abs(m0 - r0) / std::abs(r0));
+      } else {
+        err = std::max(err, RelFro(mine, ref));
+      }
     }
-    DIOND_ASSIGN_OR_RETURN(std::vector<float> ref, f.ReadFloat(key, shape));
-    std::vector<float> mine(ref.size());
-    DIOND_RETURN_IF_ERROR(opt->GetState(0, name, absl::MakeSpan(mine)));
-    double err;
-    if (name == kStateQ && shape.size() == 2) {
-      AlignColumnSigns(&mine, ref, shape[0], shape[1]);
-      err = RelFro(mine, ref);
-    } else if (name == kStateStepDev) {
-      err = ref[0] == 0 ? std::abs(mine[0]) : std::abs(mine[0] - ref[0]) / std::abs(ref[0]);
-    } else {
-      err = RelFro(mine, ref);
-    }
-    add("state." + name, err, true, true);
+    add("state." + name, available ? err : 0, true, available);
   }
   bool any_enforced = false;
   r.passed = true;

@@ -3,14 +3,19 @@
 //
 // A case file holds param.init, grad.1..T, param.1..T, state.<name>.init/.final and optionally
 // param_f64.T, plus metadata (algorithm, hyperparameters, param_group_options, T, shape,
-// state_names, tolerance_*). Any shape and any T are accepted.
+// state_names, tolerance_*). Any shape and any T are accepted. A case of several parameters in
+// one group (metadata num_params = N > 1) holds the same tensors for parameter i > 0 under the
+// prefix "p<i>." (p1.param.init, p1.grad.1, ...); all N are stepped together (megabatched by
+// shape) and every error is the worst over the matrices.
 //
 // What passes (per precision mode; with Mode::kBoth a case passes only if both modes pass):
 //   fp32 mode: param_f64_final_relfro, delta_f64_final_relfro and every state tolerance
 //     (Dion's Q up to per-column sign, step_dev as a relative difference); algorithms without a
 //     bf16 path (dion, dion_reference, adamw, lion) also param_relfro and delta_relfro.
-//   bf16_reference mode: bf16 algorithms (muon, normuon, dion2, nordion2): param_relfro and the
-//     state tolerances; the others: the same checks as fp32 mode.
+//   bf16_reference mode: bf16 algorithms (muon, normuon, dion2, nordion2): param_relfro, the
+//     state tolerances and bf16_reference_delta_relfro (the update p_t - p_0 against the stored
+//     reference's, max over steps, bounded by the reference's own rounding spread); the others:
+//     the same checks as fp32 mode.
 // Tolerances come from the file's `tolerance_*` metadata, completed by a manifest.json found in
 // the file's folder or its parent (entry matched by file name). A check whose tolerance or
 // reference tensor is missing is reported as skipped; a case with no enforced check fails.

@@ -5,6 +5,7 @@
 #include "kernels/optim/conformance/runner.h"
 
 #include <filesystem>
+#include <functional>
 #include <random>
 #include <sstream>
 #include <string>
@@ -22,6 +23,7 @@ namespace {
 
 using ::diond::testing::IsOk;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using testing::Mat;
 using testing::RefOptions;
 
@@ -150,6 +152,70 @@ TEST(ConformanceRunnerTest, GeneratedVectorsOfAnyShapeAndLength) {
   EXPECT_EQ(RunAll(*ctx, {dir}, Mode::kFp32, out2), 2) << out2.str();
   EXPECT_THAT(out2.str(), HasSubstr("\n6 passed, 2 failed\n"));
   EXPECT_THAT(out2.str(), HasSubstr("FAIL broken.safetensors  error:"));
+  std::filesystem::remove_all(dir);
+}
+
+// A copy of a committed bf16 vector file in which `edit` may change parameter i's stored
+// trajectory (name, values); `copies` extra parameters p1.., each a copy of parameter 0.
+std::string CopyVector(const std::string& dir, const std::string& file, int copies,
+                       const std::function<void(int, const std::string&, std::vector<float>*)>&
+                           edit) {
+  auto f = SafetensorsFile::ReadFile(std::string(DIOND_CONFORMANCE_VECTORS) + "/" + file);
+  EXPECT_THAT(f.status(), IsOk());
+  SafetensorsWriter w;
+  for (const auto& [k, v] : f->metadata()) w.SetMetadata(k, v);
+  if (copies > 0) w.SetMetadata("num_params", std::to_string(copies + 1));
+  for (int i = 0; i <= copies; ++i) {
+    for (const SafetensorsTensorInfo& t : f->tensors()) {
+      auto v = f->ReadFloat(t.name);
+      EXPECT_THAT(v.status(), IsOk());
+      edit(i, t.name, &*v);
+      const std::string name = i == 0 ? t.name : absl::StrCat("p", i, ".", t.name);
+      EXPECT_THAT(w.AddF32(name, t.shape, *v), IsOk());
+    }
+  }
+  const std::string path = absl::StrCat(dir, "/", copies, "-", file);
+  EXPECT_THAT(w.WriteFile(path), IsOk());
+  return path;
+}
+
+// bf16_reference mode enforces bf16_reference_delta_relfro on the update: a stored trajectory
+// whose every step is 3 % larger still passes the loose param_relfro (0.0201 for this case) but
+// fails the spread bound (0.0114); the same holds for one matrix of a multi-parameter case.
+TEST(ConformanceRunnerTest, Bf16ReferenceUpdateBoundIsEnforced) {
+  const std::string dir = ::testing::TempDir() + "/diond_bf16_bound";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const std::string file = "muon-default-48x80.safetensors";
+  std::vector<float> init;
+  auto keep = [](int, const std::string&, std::vector<float>*) {};
+  // param.<t> <- param.init + 1.03 (param.<t> - param.init) for the parameters in `which`.
+  auto stretch = [&init](int only) {
+    return [&init, only](int param, const std::string& name, std::vector<float>* v) {
+      if (name == "param.init") init = *v;
+      if (param != only || name.rfind("param.", 0) != 0 || name == "param.init") return;
+      for (size_t e = 0; e < v->size(); ++e) (*v)[e] = init[e] + 1.03f * ((*v)[e] - init[e]);
+    };
+  };
+  auto ctx = kernels::Context::CpuDefault(1);
+  const std::string same = CopyVector(dir, file, 0, keep);
+  const std::string same2 = CopyVector(dir, file, 2, keep);
+  std::ostringstream ok;
+  EXPECT_EQ(RunAll(*ctx, {same, same2}, Mode::kBf16Reference, ok), 0) << ok.str();
+  EXPECT_THAT(ok.str(), HasSubstr("bf16_reference_delta_relfro=0/0.0114"));
+
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  CopyVector(dir, file, 0, stretch(0));
+  CopyVector(dir, file, 2, stretch(1));
+  std::ostringstream bad;
+  EXPECT_EQ(RunAll(*ctx, {dir}, Mode::kBf16Reference, bad), 2) << bad.str();
+  EXPECT_THAT(bad.str(), HasSubstr("bf16_reference_delta_relfro=0.0291/0.0114 (FAIL)"));
+  EXPECT_THAT(bad.str(), Not(HasSubstr("param_relfro=0.0291")));  // the loose check passes
+  // fp32 mode does not use the bf16 bound.
+  std::ostringstream fp32;
+  RunAll(*ctx, {dir}, Mode::kFp32, fp32);
+  EXPECT_THAT(fp32.str(), Not(HasSubstr("bf16_reference_delta_relfro")));
   std::filesystem::remove_all(dir);
 }
 

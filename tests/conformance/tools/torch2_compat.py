@@ -14,9 +14,10 @@ function mode that gives bfloat16 arithmetic PyTorch 2.x's eager rounding (vecto
 5. `Tensor.all(dim=<tuple>)`: successive one-dimension reductions.
 6. `torch._fused_adamw_`: the float32 path of 2.x's CPU kernel (only the scalar groups use it).
 
-`Torch2Rounding` (a `TorchFunctionMode`): a bfloat16 tensor multiplied or divided by a Python
-number or by a 0-d tensor of another dtype is computed in float32 with the scalar kept in
-float32 and rounded once (1.13 rounds the scalar to bf16 first); a matmul with bfloat16
+`Torch2Rounding` (a `TorchFunctionMode`): a bfloat16 tensor multiplied, divided, added to or
+subtracted from a Python number or a 0-d tensor of another dtype is computed in float32 with
+the scalar kept in float32 and rounded once (1.13 rounds the scalar to bf16 first; 2.x reads
+the CPU scalar's original value in float32, `original_scalar_value<opmath_t>`); a matmul with bfloat16
 inputs is a float32 matmul of the exactly widened inputs rounded once to bf16; the 2-norm of
 a bfloat16 tensor (`Tensor.norm`, `torch.norm`, `torch.linalg.vector_norm`) accumulates the
 squares in float32, takes the square root in float32 and rounds once to bf16, as 2.x's CPU
@@ -203,6 +204,9 @@ def install():
 
 _MUL = {"mul", "mul_", "__mul__", "__rmul__", "__imul__"}
 _DIV = {"div", "div_", "__truediv__", "__itruediv__", "true_divide"}
+_ADD = {"add", "add_", "__add__", "__radd__", "__iadd__"}
+_SUB = {"sub", "sub_", "__sub__", "__isub__", "subtract"}
+_RSUB = {"__rsub__"}
 _MATMUL = {"matmul", "__matmul__", "mm", "bmm", "__rmatmul__"}
 _CASTS = {"to", "bfloat16", "float"}
 _NORMS = {"norm", "vector_norm", "linalg_vector_norm", "frobenius_norm"}
@@ -289,15 +293,26 @@ class Torch2Rounding(TorchFunctionMode):
             if (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
                     and a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16):
                 return self._matmul(a, b)
-        if (name in _MUL or name in _DIV) and len(args) == 2 and not kwargs:
+        arith = name in _MUL or name in _DIV or name in _ADD or name in _SUB or name in _RSUB
+        if arith and len(args) == 2 and not kwargs:
             a, b = args
             t, s = (a, b) if isinstance(a, torch.Tensor) else (b, a)
             if (isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16
                     and _is_scalar_operand(s, t)):
                 x, y = (t, s) if t is a else (s, t)
+                if name in _RSUB:  # s - t, with `t` the tensor the method was called on
+                    x, y = s, t
                 x32 = x.to(torch.float32) if isinstance(x, torch.Tensor) else _as_f32(x)
                 y32 = y.to(torch.float32) if isinstance(y, torch.Tensor) else _as_f32(y)
-                r = (x32 * y32 if name in _MUL else x32 / y32).to(torch.bfloat16)
+                if name in _MUL:
+                    r = x32 * y32
+                elif name in _DIV:
+                    r = x32 / y32
+                elif name in _ADD:
+                    r = x32 + y32
+                else:
+                    r = x32 - y32
+                r = r.to(torch.bfloat16)
                 if name.endswith("_") or name.startswith("__i"):
                     t.copy_(r)
                     return t
