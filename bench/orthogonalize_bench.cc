@@ -21,7 +21,8 @@ using kernels::Context;
 using kernels::OrthoMethod;
 using kernels::OrthoPrecision;
 
-void BM_Orthogonalize(benchmark::State& state, OrthoMethod method, OrthoPrecision precision) {
+void BM_Orthogonalize(benchmark::State& state, OrthoMethod method, OrthoPrecision precision,
+                      kernels::Bf16Matmul bf16_matmul = kernels::Bf16Matmul::kReferenceF32Gemm) {
   const int64_t rows = state.range(0), cols = state.range(1);
   const int threads = static_cast<int>(state.range(2));
   auto ctx = Context::CpuDefault(threads);
@@ -33,7 +34,11 @@ void BM_Orthogonalize(benchmark::State& state, OrthoMethod method, OrthoPrecisio
   kernels::OrthogonalizeOptions o;
   o.method = method;
   o.precision = precision;
+  o.bf16_matmul = bf16_matmul;
   const bool bf16 = precision == OrthoPrecision::kBf16Reference;
+  // The default bf16_reference matmuls are f32 GEMMs (orthogonalize.h); only the oneDNN variant
+  // runs on the bf16 ceiling.
+  const bool onednn = bf16 && bf16_matmul == kernels::Bf16Matmul::kOneDnnBf16;
   kernels::TensorView out = bf16 ? kernels::TensorView(kernels::MakeView(out16.data(), {rows, cols}))
                                  : kernels::TensorView(kernels::MakeView(out32.data(), {rows, cols}));
   double total_s = 0.0;
@@ -49,11 +54,11 @@ void BM_Orthogonalize(benchmark::State& state, OrthoMethod method, OrthoPrecisio
   const double m = static_cast<double>(std::min(rows, cols)), n = static_cast<double>(std::max(rows, cols));
   const double flop = 5.0 * (4.0 * m * m * n + 2.0 * m * m * m);
   const double gflops = total_s > 0 ? flop * state.iterations() / total_s / 1e9 : 0.0;
-  const double ceiling = Ceiling(bf16 ? "bf16" : "fp32", threads);
+  const double ceiling = Ceiling(onednn ? "bf16" : "fp32", threads);
   state.counters["eff_GFLOP/s"] = gflops;
   state.counters["ceiling_GFLOP/s"] = ceiling;
   state.counters["of_ceiling"] = ceiling > 0 ? gflops / ceiling : 0.0;
-  state.SetLabel(bf16 ? "bf16_reference" : "fp32");
+  state.SetLabel(onednn ? "bf16_reference (oneDNN bf16 matmul)" : bf16 ? "bf16_reference" : "fp32");
 }
 
 void Shapes(benchmark::internal::Benchmark* b) {
@@ -67,6 +72,9 @@ BENCHMARK_CAPTURE(BM_Orthogonalize, PE_fp32, OrthoMethod::kPolarExpress, OrthoPr
     ->Apply(Shapes);
 BENCHMARK_CAPTURE(BM_Orthogonalize, PE_bf16, OrthoMethod::kPolarExpress,
                   OrthoPrecision::kBf16Reference)
+    ->Apply(Shapes);
+BENCHMARK_CAPTURE(BM_Orthogonalize, PE_bf16onednn, OrthoMethod::kPolarExpress,
+                  OrthoPrecision::kBf16Reference, kernels::Bf16Matmul::kOneDnnBf16)
     ->Apply(Shapes);
 BENCHMARK_CAPTURE(BM_Orthogonalize, NS5_fp32, OrthoMethod::kNewtonSchulz5, OrthoPrecision::kFp32)
     ->Apply(Shapes);

@@ -69,28 +69,54 @@ absl::Status Fp32Iterations(const Context& ctx, absl::Span<const OrthoCoefficien
 
 // ---- bf16 reference mode ------------------------------------------------------------------
 
-// bf16 iterations on y (m×n bf16, contiguous). p: m×n bf16; ga, gaa, gb: g×g bf16. The
-// elementwise steps are separate ops on purpose: each eager PyTorch op rounds its result to
-// bf16, and the ops API rounds each op's result exactly once (ops.h conventions).
-absl::Status Bf16Iterations(const Context& ctx, absl::Span<const OrthoCoefficients> coeffs,
-                            bool tall, TensorView y, TensorView p, TensorView ga, TensorView gaa,
-                            TensorView gb) {
+// bf16 iterations on y (m×n bf16, contiguous). p: m×n bf16; ga, gaa, gb: g×g bf16; yf, pf:
+// m×n f32; gf, gf2: g×g f32. The elementwise steps are separate ops on purpose: each eager
+// PyTorch op rounds its result to bf16, and the ops API rounds each op's result exactly once
+// (ops.h conventions).
+//
+// By default (Bf16Matmul::kReferenceF32Gemm) every bf16 matmul is the f32 GEMM (OpenBLAS) of
+// the exactly widened bf16 operands, rounded once to bf16: the reference's definition
+// (conformance README §5 item 7) with the reference runtime's own float32 GEMM, so the f32
+// accumulation order is the reference's too (Debian's PyTorch calls the same BLAS). That order
+// matters on real gradients: early-training matrices are so ill-conditioned that one f32 ulp
+// in one Gram entry lying on a bf16 rounding tie moves the orthogonalized update by ~3 %
+// (measured with oneDNN's bf16 matmul, which accumulates in another order).
+absl::Status Bf16Product(const Context& ctx, Bf16Matmul how, const GemmParams& gp,
+                         ConstTensorView a, ConstTensorView b, ConstTensorView af,
+                         ConstTensorView bf, TensorView cf, TensorView c) {
+  if (how == Bf16Matmul::kOneDnnBf16) return Gemm(ctx, gp, a, b, c);  // bf16 in, bf16 out
+  GemmParams p = gp;
+  p.engine = Fp32GemmEngine::kOpenBlas;
+  DIOND_RETURN_IF_ERROR(Gemm(ctx, p, af, bf, cf));
+  return Copy(ctx, cf, c);  // one RNE rounding of the f32 result
+}
+
+absl::Status Bf16Iterations(const Context& ctx, Bf16Matmul how,
+                            absl::Span<const OrthoCoefficients> coeffs, bool tall, TensorView y,
+                            TensorView p, TensorView ga, TensorView gaa, TensorView gb,
+                            TensorView yf, TensorView pf, TensorView gf, TensorView gf2) {
   GemmParams gram, plain;
   if (tall) {
     gram.trans_a = Trans::kYes;  // A = Yᵀ·Y
   } else {
     gram.trans_b = Trans::kYes;  // A = Y·Yᵀ
   }
+  const bool widen = how == Bf16Matmul::kReferenceF32Gemm;
   for (const OrthoCoefficients& k : coeffs) {
-    DIOND_RETURN_IF_ERROR(Gemm(ctx, gram, y, y, ga));       // A  = bf(Y·Yᵀ) | bf(Yᵀ·Y)
-    DIOND_RETURN_IF_ERROR(Gemm(ctx, plain, ga, ga, gaa));   // AA = bf(A·A)
+    if (widen) DIOND_RETURN_IF_ERROR(Copy(ctx, y, yf));             // widen Y (exact)
+    // A = bf(Y·Yᵀ) | bf(Yᵀ·Y)
+    DIOND_RETURN_IF_ERROR(Bf16Product(ctx, how, gram, y, y, yf, yf, gf, ga));
+    if (widen) DIOND_RETURN_IF_ERROR(Copy(ctx, ga, gf));            // widen A (exact)
+    // AA = bf(A·A)
+    DIOND_RETURN_IF_ERROR(Bf16Product(ctx, how, plain, ga, ga, gf, gf, gf2, gaa));
     DIOND_RETURN_IF_ERROR(Scale(ctx, F32(k.b), ga, gb));            // bf(b·A)
     DIOND_RETURN_IF_ERROR(Scale(ctx, F32(k.c), gaa, gaa));          // bf(c·AA)
     DIOND_RETURN_IF_ERROR(Axpby(ctx, 1.0f, gb, 1.0f, gaa, gb));     // B = bf(bf(b·A) + bf(c·AA))
-    if (tall) {
-      DIOND_RETURN_IF_ERROR(Gemm(ctx, plain, y, gb, p));    // P = bf(Y·B)
-    } else {
-      DIOND_RETURN_IF_ERROR(Gemm(ctx, plain, gb, y, p));    // P = bf(B·Y)
+    if (widen) DIOND_RETURN_IF_ERROR(Copy(ctx, gb, gf));            // widen B (exact)
+    if (tall) {  // P = bf(Y·B)
+      DIOND_RETURN_IF_ERROR(Bf16Product(ctx, how, plain, y, gb, yf, gf, pf, p));
+    } else {     // P = bf(B·Y)
+      DIOND_RETURN_IF_ERROR(Bf16Product(ctx, how, plain, gb, y, gf, yf, pf, p));
     }
     DIOND_RETURN_IF_ERROR(Scale(ctx, F32(k.a), y, y));              // bf(a·Y)
     DIOND_RETURN_IF_ERROR(Axpby(ctx, 1.0f, y, 1.0f, p, y));         // Y = bf(bf(a·Y) + P)
@@ -110,6 +136,9 @@ absl::Status Validate(const Context& ctx, const OrthogonalizeOptions& o, ConstTe
   }
   if (o.precision != OrthoPrecision::kFp32 && o.precision != OrthoPrecision::kBf16Reference) {
     return bad("unknown precision ", static_cast<int>(o.precision));
+  }
+  if (o.bf16_matmul != Bf16Matmul::kReferenceF32Gemm && o.bf16_matmul != Bf16Matmul::kOneDnnBf16) {
+    return bad("unknown bf16_matmul ", static_cast<int>(o.bf16_matmul));
   }
   if (!std::isfinite(o.epsilon) || o.epsilon < 0.0f) {
     return bad("epsilon is ", o.epsilon, ", want a finite value >= 0");
@@ -195,6 +224,10 @@ absl::Status OrthogonalizeOne(const Context& ctx, const OrthogonalizeOptions& o,
   DIOND_ASSIGN_OR_RETURN(Tensor ga, Tensor::Allocate(DType::kBf16, {g, g}, &arena));
   DIOND_ASSIGN_OR_RETURN(Tensor gaa, Tensor::Allocate(DType::kBf16, {g, g}, &arena));
   DIOND_ASSIGN_OR_RETURN(Tensor gb, Tensor::Allocate(DType::kBf16, {g, g}, &arena));
+  DIOND_ASSIGN_OR_RETURN(Tensor yf, Tensor::Allocate(DType::kF32, {wm, wn}, &arena));
+  DIOND_ASSIGN_OR_RETURN(Tensor pf, Tensor::Allocate(DType::kF32, {wm, wn}, &arena));
+  DIOND_ASSIGN_OR_RETURN(Tensor gf, Tensor::Allocate(DType::kF32, {g, g}, &arena));
+  DIOND_ASSIGN_OR_RETURN(Tensor gf2, Tensor::Allocate(DType::kF32, {g, g}, &arena));
   DIOND_RETURN_IF_ERROR(Copy(ctx, src, y.view()));
   // ORTH-2: s = bf(‖Y‖_F); PE: d = bf(bf(s·1.02) + ε); NS5: d = bf(s + ε); Y = bf(Y / d).
   float norm = 0.0f;
@@ -202,8 +235,9 @@ absl::Status OrthogonalizeOne(const Context& ctx, const OrthogonalizeOptions& o,
   const float s = RoundToBf16(norm);
   float d = pe ? RoundToBf16(RoundToBf16(s * 1.02f) + o.epsilon) : RoundToBf16(s + o.epsilon);
   DIOND_RETURN_IF_ERROR(Binary(ctx, BinaryOp::kDiv, y.view(), MakeView(&d, {1, 1}), y.view()));
-  DIOND_RETURN_IF_ERROR(Bf16Iterations(ctx, coeffs, gram_tall, y.view(), p.view(), ga.view(),
-                                       gaa.view(), gb.view()));
+  DIOND_RETURN_IF_ERROR(Bf16Iterations(ctx, o.bf16_matmul, coeffs, gram_tall, y.view(),
+                                       p.view(), ga.view(), gaa.view(), gb.view(), yf.view(),
+                                       pf.view(), gf.view(), gf2.view()));
   ConstTensorView result = y.view();
   return Copy(ctx, transpose ? result.Transposed() : result, out);
 }

@@ -47,9 +47,17 @@ absl::Span<const OrthoCoefficients> PolarExpressCoefficients();
 // The 5 NS5 tuples of ALGORITHMS.md §3.1.
 absl::Span<const OrthoCoefficients> NewtonSchulz5Coefficients();
 
+// How kBf16Reference mode multiplies bf16 matrices (both accumulate in f32 and round once):
+//   * kReferenceF32Gemm: the f32 OpenBLAS GEMM of the exactly widened operands, the reference
+//     runtime's own GEMM and so its f32 accumulation order (bit-exact with the vectors).
+//   * kOneDnnBf16: oneDNN's bf16 matmul (about 2.5x faster; another accumulation order, which on
+//     ill-conditioned real gradients moves the update by up to ~3 % from the reference).
+enum class Bf16Matmul : uint8_t { kReferenceF32Gemm, kOneDnnBf16 };
+
 struct OrthogonalizeOptions {
   OrthoMethod method = OrthoMethod::kPolarExpress;
   OrthoPrecision precision = OrthoPrecision::kBf16Reference;
+  Bf16Matmul bf16_matmul = Bf16Matmul::kReferenceF32Gemm;
   // ε of the normalization; the optimizers pass their group epsilon (default 1e-8, f32).
   float epsilon = 1e-8f;
 };

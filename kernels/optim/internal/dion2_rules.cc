@@ -1,5 +1,8 @@
 // Dion2 (ALGORITHMS.md §7.3, §20.3) and NorDion2 / Dion3 (§8.2, §20.4) for one shape bucket,
 // single-device ("local" selection scope; the "global" scope only differs when sharded, §7.4).
+#include <algorithm>
+#include <cmath>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -34,6 +37,35 @@ Selection SelectionOf(const GroupConfig& cfg, const ParamShape& shape, int64_t c
   return s;
 }
 
+// The order in which the reference's torch.topk(sorted=False) lists the selected slices (PyTorch
+// 1.13-2.x CPU kernel: a queue of (score, index) pairs, std::partial_sort of the first k when
+// k·64 <= L, else std::nth_element at k-1, both with "larger score first"), applied to the
+// selection `idx` (descending by score) when the reference's comparisons pick the same set.
+// The order is the row/column order of the orthogonalized submatrix: it does not change the
+// exact result, but it is the f32 accumulation order of that matrix's Gram products, which on
+// ill-conditioned real gradients can flip a bf16 rounding (orthogonalize.cc, Bf16Matmul).
+void ReferenceSelectionOrder(const std::vector<float>& scores, absl::Span<int64_t> idx) {
+  const int64_t length = static_cast<int64_t>(scores.size());
+  const int64_t k = static_cast<int64_t>(idx.size());
+  using Elem = std::pair<float, int64_t>;
+  std::vector<Elem> queue(static_cast<size_t>(length));
+  for (int64_t j = 0; j < length; ++j) queue[j] = {scores[j], j};
+  auto comp = [](const Elem& x, const Elem& y) {
+    return (std::isnan(x.first) && !std::isnan(y.first)) || x.first > y.first;
+  };
+  if (k * 64 <= length) {
+    std::partial_sort(queue.begin(), queue.begin() + k, queue.end(), comp);
+  } else {
+    std::nth_element(queue.begin(), queue.begin() + (k - 1), queue.end(), comp);
+  }
+  std::vector<int64_t> mine(idx.begin(), idx.end()), theirs(static_cast<size_t>(k));
+  for (int64_t j = 0; j < k; ++j) theirs[j] = queue[j].second;
+  std::vector<int64_t> a = mine, b = theirs;
+  std::sort(a.begin(), a.end());
+  std::sort(b.begin(), b.end());
+  if (a == b) std::copy(theirs.begin(), theirs.end(), idx.begin());
+}
+
 class Dion2Rule final : public UpdateRule {
  public:
   std::vector<StateSpec> Specs(const GroupConfig& config, const ParamShape& shape) const override {
@@ -44,6 +76,7 @@ class Dion2Rule final : public UpdateRule {
     const GroupConfig& cfg = *a.config;
     const Hyperparams& h = cfg.hyperparams;
     const bool nordion = cfg.algorithm == AlgorithmKind::kNorDion2;
+    const bool bf16 = cfg.precision == Precision::kBf16Reference;
     const ParamShape eff = EffectiveShape(cfg, *a.shape);
     // Selection works on trailing matrices (per head with num_heads), before any flatten.
     const MatrixBatch units = TrailingMatrices(a.count, eff);
@@ -68,7 +101,14 @@ class Dion2Rule final : public UpdateRule {
     for (int64_t b = 0; b < units.batch; ++b) {
       kernels::TensorView mb = View2(m + b * msize, R, C);
       absl::Span<int64_t> ib(idx.data() + b * k, static_cast<size_t>(k));
-      DIOND_RETURN_IF_ERROR(kernels::TopKByL1Norm(ctx, mb, axis, k, ib));
+      if (bf16) {
+        std::vector<float> scores(static_cast<size_t>(length));
+        DIOND_RETURN_IF_ERROR(kernels::TopKByL1Norm(
+            ctx, mb, axis, k, ib, kernels::MakeView(scores.data(), {length})));
+        ReferenceSelectionOrder(scores, ib);
+      } else {
+        DIOND_RETURN_IF_ERROR(kernels::TopKByL1Norm(ctx, mb, axis, k, ib));
+      }
       kernels::TensorView sb = View2(s.data() + b * sub_size, sub_rows, sub_cols);
       DIOND_RETURN_IF_ERROR(kernels::Gather(ctx, mb, axis, ib, sb));
       DIOND_RETURN_IF_ERROR(kernels::Scatter(ctx, sb, axis, ib, ef, 0.0f, mb));
