@@ -11,13 +11,15 @@ torch2_compat.py on Debian's PyTorch 1.13. Two jobs:
 
 Both measure the reference's own rounding spread: the same case rerun with 2 threads instead of
 1, with the matrices orthogonalized one at a time instead of stacked (or, for one-matrix
-cases, stacked with a copy), and with every bf16 matmul's inner dimension summed in two float32
-halves. spread = max over those reruns, steps and matrices of relF(delta_rerun, delta_stored);
+cases, stacked with a copy), with every bf16 matmul's inner dimension summed in two float32
+halves, and (Dion2/NorDion2) with the selected slices in sorted instead of torch.topk's
+unsorted order. spread = max over those reruns, steps and matrices of relF(delta_rerun, delta_stored);
 tolerance_bf16_reference_delta_relfro = max(MARGIN * spread, FLOOR).
 
 Usage (from the repository root, DION = a microsoft/dion checkout):
   /usr/bin/python3 tests/conformance/tools/make_vectors.py --dion DION refresh FILE...
-  /usr/bin/python3 tests/conformance/tools/make_vectors.py --dion DION gpt --out DIR
+  /usr/bin/python3 tests/conformance/tools/make_vectors.py --dion DION gpt \
+      --out tests/conformance/vectors/gpt --manifest tests/conformance/vectors/gpt/manifest.json
 """
 
 import argparse
@@ -95,6 +97,8 @@ class Case:
             "threads2": self.run(dion, threads=2)[0],
             "matmul_split2": self.run(dion, rounding=dict(matmul_split=2))[0],
         }
+        if self.algorithm in ("dion2", "nordion2"):
+            runs["topk_sorted"] = self.run(dion, rounding=dict(topk_sorted=True))[0]
         if len(self.params) > 1:
             runs["one_at_a_time"] = self.run(dion, per_param_groups=True)[0]
         else:
@@ -166,13 +170,13 @@ def refresh(dion, paths, manifest_path):
 # ---- the transformer -----------------------------------------------------------------------
 
 CORPUS = "/usr/share/common-licenses/GPL-3"
-D_MODEL, N_LAYERS, N_HEADS, D_FF, SEQ, BATCH = 64, 2, 4, 256, 64, 8
+D_MODEL, N_LAYERS, N_HEADS, D_FF, SEQ, BATCH = 48, 2, 4, 96, 64, 8
 MODEL_SEED = 1234
 
 
 def build_model(vocab):
-    """A 2-layer pre-norm character GPT: fused qkv [192, 64], out proj [64, 64], MLP up
-    [256, 64] (tall) and down [64, 256] (wide); q/k/v rows of qkv are 4 heads of 16."""
+    """A 2-layer pre-norm character GPT: fused qkv [144, 48], out proj [48, 48], MLP up
+    [96, 48] (tall) and down [48, 96] (wide); q, k and v are 4 heads of 12 rows each."""
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
@@ -242,10 +246,10 @@ GPT_GROUPS = {
     "mlp": (["blocks.0.up", "blocks.1.up", "blocks.0.down", "blocks.1.down",
              "blocks.0.proj", "blocks.1.proj"], {}),
     # The attention input projections, with the tiny q/k gradients at initialisation,
-    # orthogonalised per head (12 heads of 16x64 per fused qkv).
+    # orthogonalised per head (12 heads of 12x48 per fused qkv).
     "qkv-heads": (["blocks.0.qkv", "blocks.1.qkv"], {"num_heads": 12}),
-    # The same fused qkv as three 64x64 row blocks (split_sizes; Muon and NorMuon only).
-    "qkv-split": (["blocks.0.qkv", "blocks.1.qkv"], {"split_sizes": (64, 64, 64)}),
+    # The same fused qkv as three 48x48 row blocks (split_sizes; Muon and NorMuon only).
+    "qkv-split": (["blocks.0.qkv", "blocks.1.qkv"], {"split_sizes": (48, 48, 48)}),
 }
 GPT_ALGORITHMS = {
     "muon": ["mlp", "qkv-heads", "qkv-split"],
@@ -320,8 +324,7 @@ def write_gpt_case(dion, algorithm, group, out_dir):
         for s in range(1, T + 1):
             tensors[pre + f"grad.{s}"] = case.grads[s - 1][i]
             tensors[pre + f"param.{s}"] = base[s - 1][i]
-        for n in state_names:
-            tensors[pre + f"state.{n}.init"] = np.zeros_like(base_finals[i][n])
+        for n in state_names:  # state.<n>.init is absent: zeros
             tensors[pre + f"state.{n}.final"] = base_finals[i][n]
         tensors[pre + f"param_f64.{T}"] = exact[-1][i].astype(np.float32)
     cls_mod, cls_name = reference_run.CLASSES[algorithm]
@@ -412,13 +415,16 @@ def main():
                 continue
             entries.append(write_gpt_case(args.dion, algorithm, group, args.out))
     if args.manifest:
-        with open(args.manifest) as f:
-            manifest = json.load(f)
+        manifest = {"format_version": "1", "set": "gpt", "upstream_repository": "microsoft/dion",
+                    "upstream_commit": UPSTREAM_COMMIT, "cases": []}
+        if os.path.exists(args.manifest):
+            with open(args.manifest) as f:
+                manifest = json.load(f)
         files = {e["file"] for e in entries}
         manifest["cases"] = [c for c in manifest["cases"] if c["file"] not in files] + entries
-        manifest["total_bytes"] = sum(
-            os.path.getsize(os.path.join(os.path.dirname(args.manifest), "vectors", c["file"]))
-            for c in manifest["cases"])
+        for c in manifest["cases"]:
+            c["bytes"] = os.path.getsize(os.path.join(args.out, c["file"]))
+        manifest["total_bytes"] = sum(c["bytes"] for c in manifest["cases"])
         with open(args.manifest, "w") as f:
             json.dump(manifest, f, indent=1)
             f.write("\n")

@@ -26,7 +26,9 @@ to bf16 before the square root, which can move Polar Express's normaliser by a b
 first public vectors were made that way (`torch2_norm=False` reproduces them). Options used
 to measure the reference's own rounding spread and its float64 twin:
   * `promote`: None, or a dtype every `.to(bfloat16)` / `.bfloat16()` cast is redirected to;
-    float64 also redirects the casts to float32 (the "exact" float64 twin of a run).
+    float64 also redirects the casts to float32 (the "exact" float64 twin of a run), and
+    casts a 0-d `lerp` weight to its data's dtype (upstream hard-codes float32 data there
+    while the weight follows the parameters' dtype).
   * `torch2_norm`: False keeps 1.13's bf16 norm (only to replay the first public vectors).
   * `matmul_split`: > 1 splits every bf16 matmul's inner dimension into that many float32
     partial products summed in float32 (another accumulation order, as a multi-threaded or
@@ -227,8 +229,9 @@ def _as_f32(x):
 class Torch2Rounding(TorchFunctionMode):
     """bf16 rounding of PyTorch 2.x eager mode on 1.13 (see the module docstring)."""
 
-    def __init__(self, promote=None, matmul_split=1, torch2_norm=True):
+    def __init__(self, promote=None, matmul_split=1, torch2_norm=True, topk_sorted=False):
         super().__init__()
+        self.topk_sorted = topk_sorted
         self.promote = promote
         self.matmul_split = matmul_split
         self.torch2_norm = torch2_norm
@@ -283,6 +286,13 @@ class Torch2Rounding(TorchFunctionMode):
                 a = [self.promote if (isinstance(x, torch.dtype) and x in lowered) else x
                      for x in a]
                 return func(*a, **kwargs)
+        if (self.promote == torch.float64 and name in ("lerp", "lerp_") and len(args) == 3
+                and isinstance(args[2], torch.Tensor) and args[2].dim() == 0
+                and args[2].dtype != args[0].dtype):
+            return func(args[0], args[1], args[2].to(args[0].dtype), **kwargs)
+        if self.topk_sorted and name == "topk" and kwargs.get("sorted") is False:
+            kwargs = dict(kwargs, sorted=True)
+            return func(*args, **kwargs)
         if (self.torch2_norm and name in _NORMS and args and isinstance(args[0], torch.Tensor)
                 and args[0].dtype == torch.bfloat16):
             r = self._norm(name, args, kwargs)
