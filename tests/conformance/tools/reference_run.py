@@ -94,28 +94,33 @@ def replay(dion_checkout, path, rounding=None):
     if algorithm not in CLASSES:
         return None, f"{algorithm}: not replayed"
     T = int(md["T"])
+    n = int(md.get("num_params", "1"))
+    pre = ["" if i == 0 else f"p{i}." for i in range(n)]
     kwargs = json.loads(md["constructor_kwargs"])
     opts = json.loads(md["param_group_options"])
     opts = {k: (tuple(v) if isinstance(v, list) else v) for k, v in opts.items()}
     state_names = json.loads(md["state_names"])
-    state_init = [{n: t[f"state.{n}.init"] for n in state_names}]
+    state_init = [{s: t[q + f"state.{s}.init"] for s in state_names
+                   if q + f"state.{s}.init" in t} for q in pre]
     import torch
     torch.manual_seed(int(md["seed"]))
-    params, finals = run(dion_checkout, algorithm, kwargs, opts, [t["param.init"]],
-                         [[t[f"grad.{s}"]] for s in range(1, T + 1)], state_init,
-                         rounding=rounding)
+    params, finals = run(dion_checkout, algorithm, kwargs, opts, [t[q + "param.init"] for q in pre],
+                         [[t[q + f"grad.{s}"] for q in pre] for s in range(1, T + 1)],
+                         state_init if any(state_init) else None, rounding=rounding)
     worst = []
     exact = True
     for s in range(1, T + 1):
-        a, b = params[s - 1][0], t[f"param.{s}"]
-        d = float(np.linalg.norm((a - b).astype(np.float64)) /
-                  max(np.linalg.norm((b - t["param.init"]).astype(np.float64)), 1e-30))
-        worst.append(d)
-        exact &= bool(np.array_equal(a.view(np.uint32), b.view(np.uint32)))
-    for n in state_names:
-        if n == "Q":
-            continue
-        exact &= bool(np.array_equal(finals[0][n], t[f"state.{n}.final"]))
+        for i, q in enumerate(pre):
+            a, b, p0 = params[s - 1][i], t[q + f"param.{s}"], t[q + "param.init"]
+            d = float(np.linalg.norm((a - b).astype(np.float64)) /
+                      max(np.linalg.norm((b - p0).astype(np.float64)), 1e-30))
+            worst.append(d)
+            exact &= bool(np.array_equal(a.view(np.uint32), b.view(np.uint32)))
+    for i, q in enumerate(pre):
+        for s in state_names:
+            if s == "Q":
+                continue
+            exact &= bool(np.array_equal(finals[i][s], t[q + f"state.{s}.final"]))
     return exact, "max_t delta relF %.3g" % max(worst)
 
 
