@@ -119,6 +119,38 @@ def f64_run(case, dion):
 
 # ---- refresh -------------------------------------------------------------------------------
 
+def trajectory_tolerances(case, dion, base, finals):
+    """The public set's rule (tests/conformance/README.md, Tolerances) for the tolerances that
+    depend on the stored trajectory, re-measured for a re-made one: 10x the distance of the
+    stored run to (a) the same code with float64 parameters and (b) the float64 "exact" run."""
+    import torch
+    f64p, _ = case.run(dion, dtype=torch.float64)
+    exact, exact_finals = case.run(dion, rounding=dict(promote=torch.float64),
+                                   dtype=torch.float64)
+    p0 = case.params[0]
+    m = {
+        "param_relfro_golden_vs_f64_params": [relf(b[0], a[0]) for b, a in zip(base, f64p)],
+        "param_relfro_golden_vs_exact_f64": [relf(b[0], a[0]) for b, a in zip(base, exact)],
+        "delta_relfro_golden_vs_f64_params": [relf(b[0] - p0, a[0] - p0)
+                                              for b, a in zip(base, f64p)],
+        "delta_relfro_golden_vs_exact_f64": [relf(b[0] - p0, a[0] - p0)
+                                             for b, a in zip(base, exact)],
+        "states_final_relfro_golden_vs_exact_f64": {
+            n: relf(finals[0][n], exact_finals[0][n]) for n in finals[0]},
+    }
+    m = {k: ({n: float("%.3g" % x) for n, x in v.items()} if isinstance(v, dict)
+             else [float("%.3g" % x) for x in v]) for k, v in m.items()}
+    tols = {
+        "param_relfro": float("%.3g" % max(10 * max(m["param_relfro_golden_vs_f64_params"] +
+                                                   m["param_relfro_golden_vs_exact_f64"]), 1e-6)),
+        "delta_relfro": float("%.3g" % max(10 * max(m["delta_relfro_golden_vs_f64_params"] +
+                                                   m["delta_relfro_golden_vs_exact_f64"]), 1e-6)),
+        "states_final_relfro": {n: float("%.3g" % max(10 * x, 1e-6)) for n, x in
+                                m["states_final_relfro_golden_vs_exact_f64"].items()},
+    }
+    return m, tols
+
+
 def refresh(dion, paths, manifest_path):
     manifest = None
     if manifest_path and os.path.exists(manifest_path):
@@ -136,6 +168,7 @@ def refresh(dion, paths, manifest_path):
                     [t["param.init"]], [[t[f"grad.{s}"]] for s in range(1, T + 1)],
                     seed=int(md["seed"]))
         base, finals = case.run(dion)
+        measured, tols = trajectory_tolerances(case, dion, base, finals)
         old = [[t[f"param.{s}"]] for s in range(1, T + 1)]
         before = delta_spread(base, old, case.params)
         spread = case.spread(dion, base)
@@ -145,6 +178,8 @@ def refresh(dion, paths, manifest_path):
         for name in json.loads(md["state_names"]):
             t[f"state.{name}.final"] = finals[0][name]
         md["reference_runtime"] = RUNTIME
+        md["tolerance_param_relfro"] = repr(tols["param_relfro"])
+        md["tolerance_delta_relfro"] = repr(tols["delta_relfro"])
         md["tolerance_bf16_reference_delta_relfro"] = repr(tol)
         md["bf16_reference_spread"] = json.dumps(
             {k: float("%.3g" % v) for k, v in spread.items()}, sort_keys=True)
@@ -156,6 +191,10 @@ def refresh(dion, paths, manifest_path):
             for c in manifest["cases"]:
                 if c["file"] == os.path.basename(path):
                     c["tolerance"]["bf16_reference_delta_relfro"] = tol
+                    c["tolerance"]["param_relfro"] = tols["param_relfro"]
+                    c["tolerance"]["delta_relfro"] = tols["delta_relfro"]
+                    c["tolerance"]["states_final_relfro"] = tols["states_final_relfro"]
+                    c["measured"].update(measured)
                     c["measured"]["bf16_reference_spread"] = {
                         k: float("%.3g" % v) for k, v in spread.items()}
                     c["measured"]["old_trajectory_vs_corrected_delta_relfro"] = float(

@@ -26,9 +26,9 @@ to bf16 before the square root, which can move Polar Express's normaliser by a b
 first public vectors were made that way (`torch2_norm=False` reproduces them). Options used
 to measure the reference's own rounding spread and its float64 twin:
   * `promote`: None, or a dtype every `.to(bfloat16)` / `.bfloat16()` cast is redirected to;
-    float64 also redirects the casts to float32 (the "exact" float64 twin of a run), and
-    casts a 0-d `lerp` weight to its data's dtype (upstream hard-codes float32 data there
-    while the weight follows the parameters' dtype).
+    float64 also redirects the casts to float32 (the "exact" float64 twin of a run).
+  * In float64 runs a 0-d `lerp` weight of another dtype is cast to the data's dtype (upstream
+    forms the weight in float32 while the data follows the parameters' dtype; 1.13 refuses).
   * `torch2_norm`: False keeps 1.13's bf16 norm (only to replay the first public vectors).
   * `matmul_split`: > 1 splits every bf16 matmul's inner dimension into that many float32
     partial products summed in float32 (another accumulation order, as a multi-threaded or
@@ -286,9 +286,9 @@ class Torch2Rounding(TorchFunctionMode):
                 a = [self.promote if (isinstance(x, torch.dtype) and x in lowered) else x
                      for x in a]
                 return func(*a, **kwargs)
-        if (self.promote == torch.float64 and name in ("lerp", "lerp_") and len(args) == 3
-                and isinstance(args[2], torch.Tensor) and args[2].dim() == 0
-                and args[2].dtype != args[0].dtype):
+        if (name in ("lerp", "lerp_") and len(args) == 3 and isinstance(args[0], torch.Tensor)
+                and args[0].dtype == torch.float64 and isinstance(args[2], torch.Tensor)
+                and args[2].dim() == 0 and args[2].dtype != args[0].dtype):
             return func(args[0], args[1], args[2].to(args[0].dtype), **kwargs)
         if self.topk_sorted and name == "topk" and kwargs.get("sorted") is False:
             kwargs = dict(kwargs, sorted=True)
