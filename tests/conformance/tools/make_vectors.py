@@ -279,17 +279,24 @@ def corpus_batches(steps, seed):
 
 # Case name -> (which matrices of the model, group options). Each case trains only its own
 # matrices (the rest of the model stays at its initialisation).
-GPT_GROUPS = {
-    # Several same-shape matrices per group (megabatching): 2x up (tall), 2x down (wide),
-    # 2x out proj (square).
-    "mlp": (["blocks.0.up", "blocks.1.up", "blocks.0.down", "blocks.1.down",
-             "blocks.0.proj", "blocks.1.proj"], {}),
-    # The attention input projections, with the tiny q/k gradients at initialisation,
-    # orthogonalised per head (12 heads of 12x48 per fused qkv).
-    "qkv-heads": (["blocks.0.qkv", "blocks.1.qkv"], {"num_heads": 12}),
-    # The same fused qkv as three 48x48 row blocks (split_sizes; Muon and NorMuon only).
-    "qkv-split": (["blocks.0.qkv", "blocks.1.qkv"], {"split_sizes": (48, 48, 48)}),
-}
+def gpt_groups():
+    """Case name -> (matrices, group options) for the current model size."""
+    d, layers = D_MODEL, N_LAYERS
+    return {
+        # Several same-shape matrices per group (megabatching): 2x up (tall), 2x down (wide),
+        # 2x out proj (square).
+        "mlp": (["blocks.0.up", "blocks.1.up", "blocks.0.down", "blocks.1.down",
+                 "blocks.0.proj", "blocks.1.proj"], {}),
+        # The attention input projections, with the tiny q/k gradients at initialisation,
+        # orthogonalised per head (12 heads of d/4 x d per fused qkv).
+        "qkv-heads": (["blocks.0.qkv", "blocks.1.qkv"], {"num_heads": 12}),
+        # The same fused qkv as three d x d row blocks (split_sizes; Muon and NorMuon only).
+        "qkv-split": (["blocks.0.qkv", "blocks.1.qkv"], {"split_sizes": (d, d, d)}),
+        # Every attention matrix of every layer in one group (not in the committed set).
+        "attn-all": ([f"blocks.{i}.{n}" for i in range(layers) for n in ("qkv", "proj")], {}),
+    }
+
+
 GPT_ALGORITHMS = {
     "muon": ["mlp", "qkv-heads", "qkv-split"],
     "normuon": ["mlp", "qkv-heads", "qkv-split"],
@@ -305,7 +312,7 @@ def gpt_case(dion, algorithm, group, steps=GPT_T, data_seed=7):
     returns (Case with the recorded real gradients, names, the stored trajectory, finals)."""
     import torch
     import torch.nn.functional as F
-    names, options = GPT_GROUPS[group]
+    names, options = gpt_groups()[group]
     vocab, batches = corpus_batches(steps, data_seed)
     model = build_model(vocab)
     named = dict(model.named_parameters())
@@ -432,6 +439,7 @@ UPSTREAM_COMMIT = "0a059a4542e5aa74b40dcd1dce363836c7afcd48"
 
 
 def main():
+    global D_MODEL, D_FF, N_LAYERS
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dion", required=True, help="microsoft/dion checkout (a directory)")
@@ -443,13 +451,20 @@ def main():
     g.add_argument("--out", required=True)
     g.add_argument("--manifest", help="manifest.json to add the cases to")
     g.add_argument("--only", nargs="*", help="case names (e.g. muon-gpt-mlp)")
+    g.add_argument("--d-model", type=int, default=D_MODEL,
+                   help="model width (the committed set: 48; a multiple of 4)")
+    g.add_argument("--d-ff", type=int, default=D_FF, help="MLP width (committed: 96)")
+    g.add_argument("--layers", type=int, default=N_LAYERS, help="layers (committed: 2; >= 2)")
+    g.add_argument("--attn-all", action="store_true",
+                   help="also the attn-all case (every qkv and proj in one group)")
     args = ap.parse_args()
     if args.cmd == "refresh":
         refresh(args.dion, args.files, args.manifest)
         return 0
+    D_MODEL, D_FF, N_LAYERS = args.d_model, args.d_ff, args.layers
     entries = []
     for algorithm, groups in GPT_ALGORITHMS.items():
-        for group in groups:
+        for group in groups + (["attn-all"] if args.attn_all else []):
             if args.only and f"{algorithm}-gpt-{group}" not in args.only:
                 continue
             entries.append(write_gpt_case(args.dion, algorithm, group, args.out))
