@@ -219,6 +219,33 @@ TEST(ConformanceRunnerTest, Bf16ReferenceUpdateBoundIsEnforced) {
   std::filesystem::remove_all(dir);
 }
 
+// Every committed bf16 vector carries the bound, so bf16_reference mode never skips it.
+TEST(ConformanceRunnerTest, EveryCommittedBf16VectorEnforcesTheUpdateBound) {
+  auto files = CollectVectorFiles({DIOND_CONFORMANCE_VECTORS});
+  ASSERT_THAT(files.status(), IsOk());
+  auto ctx = kernels::Context::CpuDefault(1);
+  int bf16_cases = 0;
+  for (const std::string& path : *files) {
+    const CaseResult r = RunCase(*ctx, path, Mode::kBf16Reference);
+    ASSERT_TRUE(r.error.empty()) << path << ": " << r.error;
+    if (r.algorithm != "muon" && r.algorithm != "normuon" && r.algorithm != "dion2" &&
+        r.algorithm != "nordion2") {
+      continue;
+    }
+    ++bf16_cases;
+    ASSERT_EQ(r.modes.size(), 1u);
+    bool found = false;
+    for (const Check& ch : r.modes[0].checks) {
+      if (ch.name != "bf16_reference_delta_relfro") continue;
+      found = true;
+      EXPECT_TRUE(ch.enforced && !ch.skipped) << path;
+      EXPECT_TRUE(ch.ok()) << path << ": " << ch.measured << " > " << *ch.tolerance;
+    }
+    EXPECT_TRUE(found) << path;
+  }
+  EXPECT_GE(bf16_cases, 25);  // 15 public + 10 from the GPT
+}
+
 TEST(ConformanceRunnerTest, MissingPathIsAnError) {
   auto ctx = kernels::Context::CpuDefault(1);
   std::ostringstream out;
