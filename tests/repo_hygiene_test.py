@@ -6,7 +6,9 @@ Two checks over every file git tracks (plus new files git does not ignore):
 1. No file refers to a path outside the repository: a sibling checkout (a `shared` folder next
    to the clone), a developer's home or the machine the project was written on. System paths
    that users really have (/usr, /dev/shm, /proc, /tmp, /etc, ...) are allowed; this is a deny
-   list of places a user never has. Markdown links must not climb out of the repository either.
+   list of places a user never has. Home directories are allowed in a Dockerfile and under
+   deploy/, which describe a container's own filesystem. Markdown links must not climb out of
+   the repository either.
    Binary files are skipped, except the JSON header of .safetensors files, which is scanned.
 2. Every citation of a project document resolves. A citation is a document name followed by
    section numbers, rule IDs or a quoted heading, e.g. ALGORITHMS.md followed by a section sign
@@ -27,13 +29,15 @@ import sys
 # ---- 1. paths outside the repository -------------------------------------------------------------
 # Written so that this file does not match its own patterns.
 _NOT_PATH_CHAR = r"(?<![A-Za-z0-9_.~/$-])"
+# (pattern, what it is, whether container definitions may use it: a Dockerfile or a deploy/
+# manifest describes the image's own filesystem, where a home directory is legitimate)
 OUTSIDE_PATTERNS = [
-    (re.compile(r"\.\./+(?:\.\./+)*shared\b"), "a sibling 'shared' folder"),
-    (re.compile(r"(?<![\w-])shared/(?:docs|conformance)\b"), "the team's shared notes"),
-    (re.compile(_NOT_PATH_CHAR + r"/wor[k]/"), "a machine path under /work"),
-    (re.compile(_NOT_PATH_CHAR + r"/roo[t](?:/|\b(?![-.]))"), "root's home directory"),
-    (re.compile(_NOT_PATH_CHAR + r"/hom[e]/[A-Za-z0-9_][\w.-]*"), "a user's home directory"),
-    (re.compile(_NOT_PATH_CHAR + r"/User[s]/[A-Za-z0-9_][\w.-]*"), "a user's home directory"),
+    (re.compile(r"\.\./+(?:\.\./+)*shared\b"), "a sibling 'shared' folder", False),
+    (re.compile(r"(?<![\w-])shared/(?:docs|conformance)\b"), "the team's shared notes", False),
+    (re.compile(_NOT_PATH_CHAR + r"/wor[k]/"), "a machine path under /work", False),
+    (re.compile(_NOT_PATH_CHAR + r"/roo[t](?:/|\b(?![-.]))"), "root's home directory", True),
+    (re.compile(_NOT_PATH_CHAR + r"/hom[e]/[A-Za-z0-9_][\w.-]*"), "a user's home directory", True),
+    (re.compile(_NOT_PATH_CHAR + r"/User[s]/[A-Za-z0-9_][\w.-]*"), "a user's home directory", True),
 ]
 MD_LINK = re.compile(r"\]\(([^)\s]+)\)")
 
@@ -169,8 +173,11 @@ def check_citations(root, rel, text, docs, findings):
 
 
 def check_outside_paths(root, rel, text, findings):
+    container = os.path.basename(rel).startswith("Dockerfile") or rel.startswith("deploy/")
     for lineno, line in enumerate(text.splitlines(), 1):
-        for pattern, what in OUTSIDE_PATTERNS:
+        for pattern, what, container_ok in OUTSIDE_PATTERNS:
+            if container and container_ok:
+                continue
             m = pattern.search(line)
             if m:
                 findings.append(f"{rel}:{lineno}: refers to {what} ({m.group(0)!r})")
