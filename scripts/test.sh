@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Runs every test suite of diond from a fresh machine: installs dependencies, builds, then runs
-# ctest (all tests except the `gpu` label, which needs a GPU) and any Python suites.
+# ctest (all tests except the `gpu` label, which needs a GPU) and the Python suite.
+# The repository is all it needs: the golden vectors are in tests/conformance/, the design in
+# docs/. A clone with nothing beside it passes; .ci/run proves it by running this script in such
+# a clone, and the ctest repo_hygiene_test fails if a tracked file refers to a path outside the
+# repository or cites a section of a document that does not exist.
 #   scripts/test.sh [BUILD_DIR]
 # Exits non-zero on any failure.
 set -euo pipefail
