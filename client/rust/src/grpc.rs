@@ -208,10 +208,18 @@ impl Channel {
         let work = self.call_inner(path, requests, deadline, on_reply);
         match deadline {
             None => work.await,
-            Some(d) => match tokio::time::timeout(d, work).await {
-                Ok(r) => r,
-                Err(_) => Err(Error::new(Code::DeadlineExceeded, format!("{path}: deadline of {d:?} exceeded"))),
-            },
+            Some(d) => {
+                // The timer (1 ms granularity) cancels a call that runs over; a call that
+                // finished, but only after its deadline, is reported as over too, as gRPC
+                // defines it (the daemon may still have carried it out).
+                let start = std::time::Instant::now();
+                let exceeded = || Error::new(Code::DeadlineExceeded, format!("{path}: deadline of {d:?} exceeded"));
+                match tokio::time::timeout(d, work).await {
+                    Ok(_) if start.elapsed() > d => Err(exceeded()),
+                    Ok(r) => r,
+                    Err(_) => Err(exceeded()),
+                }
+            }
         }
     }
 

@@ -208,3 +208,86 @@ pub fn assert_same_bits(a: &[f32], b: &[f32], what: &str) {
         panic!("{what}: {n} of {} elements differ; first at {i}: {:e} vs {:e}", a.len(), a[i], b[i]);
     }
 }
+
+/// A Unix-socket proxy in front of a daemon that can lose one answer: after
+/// [`Proxy::lose_next_answer`], the first bytes the daemon sends back are dropped and that
+/// connection is cut, as when a network fails after the daemon has done the work.
+pub struct Proxy {
+    pub path: PathBuf,
+    lose: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    connections: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Proxy {
+    pub fn start(daemon_socket: &Path, dir: &Path) -> Proxy {
+        use std::os::unix::net::{UnixListener, UnixStream};
+        use std::sync::atomic::AtomicBool;
+        use std::sync::Arc;
+        let path = dir.join("proxy.sock");
+        let listener = UnixListener::bind(&path).expect("bind the proxy");
+        let lose = Arc::new(AtomicBool::new(false));
+        let stop = Arc::new(AtomicBool::new(false));
+        let connections = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (l2, s2, c2, target) = (lose.clone(), stop.clone(), connections.clone(), daemon_socket.to_path_buf());
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                if s2.load(Ordering::SeqCst) {
+                    break;
+                }
+                let client = match client {
+                    Ok(c) => c,
+                    Err(_) => continue,
+                };
+                let daemon = match UnixStream::connect(&target) {
+                    Ok(d) => d,
+                    Err(_) => continue,
+                };
+                c2.fetch_add(1, Ordering::SeqCst);
+                let (mut c_in, mut d_out) = (client.try_clone().unwrap(), daemon.try_clone().unwrap());
+                std::thread::spawn(move || {
+                    let _ = std::io::copy(&mut c_in, &mut d_out);
+                });
+                let lose = l2.clone();
+                std::thread::spawn(move || {
+                    use std::io::{Read, Write};
+                    let (mut d_in, mut c_out) = (daemon, client);
+                    let mut buf = vec![0u8; 1 << 16];
+                    loop {
+                        let n = match d_in.read(&mut buf) {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => n,
+                        };
+                        if lose.swap(false, Ordering::SeqCst) {
+                            break; // drop these bytes and cut the connection
+                        }
+                        if c_out.write_all(&buf[..n]).is_err() {
+                            break;
+                        }
+                    }
+                    let _ = d_in.shutdown(std::net::Shutdown::Both);
+                    let _ = c_out.shutdown(std::net::Shutdown::Both);
+                });
+            }
+        });
+        Proxy { path, lose, connections, stop }
+    }
+
+    pub fn target(&self) -> String {
+        format!("unix:{}", self.path.display())
+    }
+    pub fn lose_next_answer(&self) {
+        self.lose.store(true, Ordering::SeqCst);
+    }
+    /// Connections accepted so far.
+    pub fn connections(&self) -> usize {
+        self.connections.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let _ = std::os::unix::net::UnixStream::connect(&self.path); // wakes the accept loop
+    }
+}
