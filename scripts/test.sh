@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every test suite of diond from a fresh machine: installs dependencies, builds, then runs
-# ctest (all tests except the `gpu` label, which needs a GPU) and any Python suites.
+# ctest (all tests except the `gpu` label, which needs a GPU), the Python suites and the Rust
+# client's cargo tests.
 #   scripts/test.sh [BUILD_DIR]
 # Exits non-zero on any failure.
 set -euo pipefail
@@ -29,4 +30,10 @@ if [ -d "$root/client/python/tests" ]; then
   set -e
   if [ $rc -ne 0 ] && [ $rc -ne 5 ]; then exit $rc; fi
 fi
+# The Rust client: cargo test --offline against the daemon of this build (the tests start it
+# themselves; the conformance test also runs build/bin/diond-golden-replay). Crates come from
+# Debian's registry (client/rust/.cargo/config.toml); whichever cargo is first on PATH is used.
+echo "== cargo test (client/rust) =="
+(cd "$root/client/rust" && DIOND_BINARY="$build/bin/diond" CARGO_TARGET_DIR="$build/rust-target" \
+  cargo test --offline)
 echo "all test suites passed"

@@ -2,10 +2,7 @@
 // (protoc from PATH or $PROTOC). Nothing generated is committed: it lands in OUT_DIR.
 fn main() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../proto");
-    let files = [
-        root.join("diond/v1/optimizer.proto"),
-        root.join("diond/v1/peer.proto"),
-    ];
+    let files = [root.join("diond/v1/optimizer.proto"), root.join("diond/v1/peer.proto")];
     for f in &files {
         println!("cargo:rerun-if-changed={}", f.display());
     }

@@ -47,9 +47,14 @@ impl ClientBuilder {
         let endpoint = Endpoint::parse(&self.target)?;
         let mut metadata = Vec::with_capacity(self.metadata.len());
         for (k, v) in &self.metadata {
-            let name = HeaderName::from_bytes(k.to_ascii_lowercase().as_bytes())
-                .map_err(|_| Error::invalid(format!("metadata key '{}' is not a header name", k.chars().take(100).collect::<String>())))?;
-            let value = HeaderValue::from_str(v).map_err(|_| Error::invalid(format!("metadata value of '{name}' is not a header value")))?;
+            let name = HeaderName::from_bytes(k.to_ascii_lowercase().as_bytes()).map_err(|_| {
+                Error::invalid(format!(
+                    "metadata key '{}' is not a header name",
+                    k.chars().take(100).collect::<String>()
+                ))
+            })?;
+            let value = HeaderValue::from_str(v)
+                .map_err(|_| Error::invalid(format!("metadata value of '{name}' is not a header value")))?;
             metadata.push((name, value));
         }
         let rt = tokio::runtime::Builder::new_multi_thread()
@@ -59,8 +64,12 @@ impl ClientBuilder {
             .build()
             .map_err(|e| Error::new(Code::Internal, format!("cannot start the client runtime: {e}")))?;
         let probe = endpoint.clone();
-        rt.block_on(async move { probe.connect().await })
-            .map_err(|e| Error::new(Code::Unavailable, format!("cannot reach the daemon at {}: {e}", self.target.chars().take(200).collect::<String>())))?;
+        rt.block_on(async move { probe.connect().await }).map_err(|e| {
+            Error::new(
+                Code::Unavailable,
+                format!("cannot reach the daemon at {}: {e}", self.target.chars().take(200).collect::<String>()),
+            )
+        })?;
         let channel = {
             let _guard = rt.enter();
             Channel::new(Connector::new(endpoint.clone()), endpoint.authority(), metadata)
@@ -117,7 +126,8 @@ impl Client {
     pub fn load_checkpoint(&self, path: &str) -> Result<(Session, i64)> {
         let r = self.rpc().load_checkpoint(proto::LoadCheckpointRequest { path: path.to_string() })?;
         let step = r.step_index;
-        let created = r.session.ok_or_else(|| Error::new(Code::Internal, "LoadCheckpoint answered without a session"))?;
+        let created =
+            r.session.ok_or_else(|| Error::new(Code::Internal, "LoadCheckpoint answered without a session"))?;
         Ok((Session::new(self.clone(), created), step))
     }
 
@@ -149,14 +159,22 @@ impl<'a> Rpc<'a> {
     unary!(register_region, "RegisterRegion", proto::RegisterRegionRequest, proto::RegisterRegionResponse);
     unary!(unregister_region, "UnregisterRegion", proto::UnregisterRegionRequest, proto::UnregisterRegionResponse);
     unary!(step, "Step", proto::StepRequest, proto::StepResponse);
-    unary!(set_hyperparameters, "SetHyperparameters", proto::SetHyperparametersRequest, proto::SetHyperparametersResponse);
+    unary!(
+        set_hyperparameters,
+        "SetHyperparameters",
+        proto::SetHyperparametersRequest,
+        proto::SetHyperparametersResponse
+    );
     unary!(save_checkpoint, "SaveCheckpoint", proto::SaveCheckpointRequest, proto::SaveCheckpointResponse);
     unary!(load_checkpoint, "LoadCheckpoint", proto::LoadCheckpointRequest, proto::LoadCheckpointResponse);
     unary!(close_session, "CloseSession", proto::CloseSessionRequest, proto::CloseSessionResponse);
     unary!(list_sessions, "ListSessions", proto::ListSessionsRequest, proto::ListSessionsResponse);
 
     /// Client streaming: `chunks` are sent as the stream takes them.
-    pub fn push_gradients<I: IntoIterator<Item = proto::TensorChunk>>(&self, chunks: I) -> Result<proto::PushGradientsResponse> {
+    pub fn push_gradients<I: IntoIterator<Item = proto::TensorChunk>>(
+        &self,
+        chunks: I,
+    ) -> Result<proto::PushGradientsResponse> {
         let c = self.client;
         c.block_on(c.shared.channel.client_streaming(&format!("{SERVICE}PushGradients"), chunks, c.timeout))
     }
@@ -168,13 +186,21 @@ impl<'a> Rpc<'a> {
     }
 
     /// Server streaming: `on_chunk` sees every chunk in order (an error it returns cancels).
-    pub fn pull_parameters<F: FnMut(proto::TensorChunk) -> Result<()>>(&self, req: proto::PullParametersRequest, on_chunk: F) -> Result<()> {
+    pub fn pull_parameters<F: FnMut(proto::TensorChunk) -> Result<()>>(
+        &self,
+        req: proto::PullParametersRequest,
+        on_chunk: F,
+    ) -> Result<()> {
         let c = self.client;
         c.block_on(c.shared.channel.server_streaming(&format!("{SERVICE}PullParameters"), req, c.timeout, on_chunk))
     }
 
     /// Server streaming.
-    pub fn get_state<F: FnMut(proto::TensorChunk) -> Result<()>>(&self, req: proto::GetStateRequest, on_chunk: F) -> Result<()> {
+    pub fn get_state<F: FnMut(proto::TensorChunk) -> Result<()>>(
+        &self,
+        req: proto::GetStateRequest,
+        on_chunk: F,
+    ) -> Result<()> {
         let c = self.client;
         c.block_on(c.shared.channel.server_streaming(&format!("{SERVICE}GetState"), req, c.timeout, on_chunk))
     }

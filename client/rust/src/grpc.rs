@@ -125,20 +125,12 @@ pub fn percent_decode(s: &str) -> String {
 /// The status carried by `grpc-status`/`grpc-message` in `headers`, if any.
 pub fn status_from_headers(headers: &HeaderMap) -> Option<Result<()>> {
     let status = headers.get("grpc-status")?;
-    let code = status
-        .to_str()
-        .ok()
-        .and_then(|s| s.trim().parse::<i32>().ok())
-        .map(Code::from_i32)
-        .unwrap_or(Code::Unknown);
+    let code =
+        status.to_str().ok().and_then(|s| s.trim().parse::<i32>().ok()).map(Code::from_i32).unwrap_or(Code::Unknown);
     if code == Code::Ok {
         return Some(Ok(()));
     }
-    let message = headers
-        .get("grpc-message")
-        .and_then(|v| v.to_str().ok())
-        .map(percent_decode)
-        .unwrap_or_default();
+    let message = headers.get("grpc-message").and_then(|v| v.to_str().ok()).map(percent_decode).unwrap_or_default();
     Some(Err(Error::new(code, message)))
 }
 
@@ -198,7 +190,13 @@ impl Channel {
 
     /// Sends `requests` (client streaming; one element = unary) and hands every reply message
     /// to `on_reply` (server streaming; unary replies are one message). Returns the final status.
-    async fn call<Req, Resp, I, F>(&self, path: &str, requests: I, deadline: Option<Duration>, on_reply: F) -> Result<()>
+    async fn call<Req, Resp, I, F>(
+        &self,
+        path: &str,
+        requests: I,
+        deadline: Option<Duration>,
+        on_reply: F,
+    ) -> Result<()>
     where
         Req: Message,
         Resp: Message + Default,
@@ -223,7 +221,13 @@ impl Channel {
         }
     }
 
-    async fn call_inner<Req, Resp, I, F>(&self, path: &str, requests: I, deadline: Option<Duration>, mut on_reply: F) -> Result<()>
+    async fn call_inner<Req, Resp, I, F>(
+        &self,
+        path: &str,
+        requests: I,
+        deadline: Option<Duration>,
+        mut on_reply: F,
+    ) -> Result<()>
     where
         Req: Message,
         Resp: Message + Default,
@@ -252,7 +256,10 @@ impl Channel {
             return status;
         }
         if http_status != http::StatusCode::OK {
-            return Err(Error::new(code_from_http(http_status.as_u16()), format!("HTTP status {http_status} from the daemon")));
+            return Err(Error::new(
+                code_from_http(http_status.as_u16()),
+                format!("HTTP status {http_status} from the daemon"),
+            ));
         }
         let mut body = resp.into_body();
         let mut decoder = FrameDecoder::new();
@@ -274,7 +281,12 @@ impl Channel {
     }
 
     /// A unary call.
-    pub async fn unary<Req: Message, Resp: Message + Default>(&self, path: &str, req: Req, deadline: Option<Duration>) -> Result<Resp> {
+    pub async fn unary<Req: Message, Resp: Message + Default>(
+        &self,
+        path: &str,
+        req: Req,
+        deadline: Option<Duration>,
+    ) -> Result<Resp> {
         let mut reply: Option<Resp> = None;
         self.call(path, std::iter::once(req), deadline, |m: Resp| {
             if reply.is_some() {
@@ -288,7 +300,12 @@ impl Channel {
     }
 
     /// A client-streaming call: all of `requests`, then one reply.
-    pub async fn client_streaming<Req, Resp, I>(&self, path: &str, requests: I, deadline: Option<Duration>) -> Result<Resp>
+    pub async fn client_streaming<Req, Resp, I>(
+        &self,
+        path: &str,
+        requests: I,
+        deadline: Option<Duration>,
+    ) -> Result<Resp>
     where
         Req: Message,
         Resp: Message + Default,
@@ -297,7 +314,10 @@ impl Channel {
         let mut reply: Option<Resp> = None;
         self.call(path, requests, deadline, |m: Resp| {
             if reply.is_some() {
-                return Err(Error::new(Code::Internal, format!("{path}: more than one reply to a client-streaming call")));
+                return Err(Error::new(
+                    Code::Internal,
+                    format!("{path}: more than one reply to a client-streaming call"),
+                ));
             }
             reply = Some(m);
             Ok(())
@@ -308,7 +328,13 @@ impl Channel {
 
     /// A server-streaming call: `on_reply` sees every message in order; an error it returns
     /// cancels the call.
-    pub async fn server_streaming<Req, Resp, F>(&self, path: &str, req: Req, deadline: Option<Duration>, on_reply: F) -> Result<()>
+    pub async fn server_streaming<Req, Resp, F>(
+        &self,
+        path: &str,
+        req: Req,
+        deadline: Option<Duration>,
+        on_reply: F,
+    ) -> Result<()>
     where
         Req: Message,
         Resp: Message + Default,

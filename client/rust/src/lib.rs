@@ -43,5 +43,8 @@ pub use client::{Client, ClientBuilder, Rpc};
 pub use error::{Code, Error, Result};
 pub use session::{RetryPolicy, Session, StepOptions};
 pub use shm::{ShmArena, TensorViewMut};
-pub use spec::{AdjustLr, Algorithm, Dtype, GradientSync, Group, Hyperparameters, NonFinitePolicy, Orthogonalizer, Precision, SessionSpec};
+pub use spec::{
+    AdjustLr, Algorithm, Dtype, GradientSync, Group, Hyperparameters, NonFinitePolicy, Orthogonalizer, Precision,
+    SessionSpec,
+};
 pub use tensor::{Tensor, TensorMap};

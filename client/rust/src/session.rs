@@ -90,7 +90,9 @@ impl Session {
         }
         let arena = ShmArena::for_layout(&self.layout)?;
         let mut regions = Vec::new();
-        for (role, region) in [(proto::RegionRole::Parameters, arena.param_region()), (proto::RegionRole::Gradients, arena.grad_region())] {
+        for (role, region) in
+            [(proto::RegionRole::Parameters, arena.param_region()), (proto::RegionRole::Gradients, arena.grad_region())]
+        {
             let r = self.client.rpc().register_region(proto::RegisterRegionRequest {
                 session_id: self.id.clone(),
                 role: role as i32,
@@ -125,7 +127,9 @@ impl Session {
     }
 
     fn unregister(&self, region_id: String) -> Result<()> {
-        self.client.rpc().unregister_region(proto::UnregisterRegionRequest { session_id: self.id.clone(), region_id })?;
+        self.client
+            .rpc()
+            .unregister_region(proto::UnregisterRegionRequest { session_id: self.id.clone(), region_id })?;
         Ok(())
     }
 
@@ -235,30 +239,37 @@ impl Session {
 
     /// Saves a checkpoint under `directory` (empty = the daemon's --state_dir).
     pub fn save_checkpoint(&self, directory: &str) -> Result<proto::SaveCheckpointResponse> {
-        self.client
-            .rpc()
-            .save_checkpoint(proto::SaveCheckpointRequest { session_id: self.id.clone(), directory: directory.to_string() })
+        self.client.rpc().save_checkpoint(proto::SaveCheckpointRequest {
+            session_id: self.id.clone(),
+            directory: directory.to_string(),
+        })
     }
 
     /// Closes the session on the daemon and frees the arena.
     pub fn close(mut self) -> Result<()> {
-        self.close_inner()
+        let client = self.client.clone();
+        self.close_inner(&client)
     }
 
-    fn close_inner(&mut self) -> Result<()> {
+    fn close_inner(&mut self, client: &Client) -> Result<()> {
         if self.closed {
             return Ok(());
         }
         self.closed = true;
         self.regions.clear();
-        let r = self.client.rpc().close_session(proto::CloseSessionRequest { session_id: self.id.clone() });
+        let r = client.rpc().close_session(proto::CloseSessionRequest { session_id: self.id.clone() });
         self.arena = None;
         r.map(|_| ())
     }
 }
 
+/// The longest a drop waits for CloseSession (a hung daemon must not hang the trainer's exit).
+const DROP_CLOSE_DEADLINE: Duration = Duration::from_secs(10);
+
 impl Drop for Session {
     fn drop(&mut self) {
-        let _ = self.close_inner();
+        let deadline = self.client.timeout().map_or(DROP_CLOSE_DEADLINE, |d| d.min(DROP_CLOSE_DEADLINE));
+        let client = self.client.with_timeout(Some(deadline));
+        let _ = self.close_inner(&client);
     }
 }

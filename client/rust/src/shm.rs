@@ -26,16 +26,13 @@ fn os_error(what: &str) -> Error {
 struct Segment {
     name: String, // without the leading '/'
     ptr: *mut u8,
-    len: usize,   // mapped length (>= 1)
+    len: usize, // mapped length (>= 1)
 }
 
 impl Segment {
     fn create(role: &str, bytes: usize) -> Result<Segment> {
-        let name = format!(
-            "{SEGMENT_PREFIX}{}-{}-{role}",
-            std::process::id(),
-            NEXT_SEGMENT.fetch_add(1, Ordering::Relaxed)
-        );
+        let name =
+            format!("{SEGMENT_PREFIX}{}-{}-{role}", std::process::id(), NEXT_SEGMENT.fetch_add(1, Ordering::Relaxed));
         let cname = CString::new(format!("/{name}")).expect("no NUL in the name");
         let len = bytes.max(1);
         // SAFETY: plain libc calls on a name we own; every failure path closes and unlinks.
@@ -50,7 +47,8 @@ impl Segment {
                 libc::shm_unlink(cname.as_ptr());
                 return Err(e);
             }
-            let ptr = libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0);
+            let ptr =
+                libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0);
             libc::close(fd);
             if ptr == libc::MAP_FAILED {
                 let e = os_error(&format!("mmap /{name}"));
@@ -110,7 +108,9 @@ fn check_ranges(what: &str, arena: usize, mut ranges: Vec<(usize, usize, &str)>)
         if off % 4 != 0 || off < end || off.checked_add(size).map_or(true, |e| e > arena) {
             return Err(Error::new(
                 Code::Internal,
-                format!("daemon layout: {what} of '{name}' at [{off}, +{size}) overlaps or leaves the {arena}-byte arena"),
+                format!(
+                    "daemon layout: {what} of '{name}' at [{off}, +{size}) overlaps or leaves the {arena}-byte arena"
+                ),
             ));
         }
         end = off + size;
@@ -137,8 +137,16 @@ impl ShmArena {
                 dtype: Dtype::from_proto(t.dtype),
             });
         }
-        check_ranges("parameter", param_arena_bytes, slots.iter().map(|s| (s.param_offset, s.size, s.name.as_str())).collect())?;
-        check_ranges("gradient", grad_arena_bytes, slots.iter().map(|s| (s.grad_offset, s.size, s.name.as_str())).collect())?;
+        check_ranges(
+            "parameter",
+            param_arena_bytes,
+            slots.iter().map(|s| (s.param_offset, s.size, s.name.as_str())).collect(),
+        )?;
+        check_ranges(
+            "gradient",
+            grad_arena_bytes,
+            slots.iter().map(|s| (s.grad_offset, s.size, s.name.as_str())).collect(),
+        )?;
         let params = Segment::create("params", param_arena_bytes)?;
         let grads = Segment::create("grads", grad_arena_bytes)?;
         Ok(ShmArena { params, grads, param_arena_bytes, grad_arena_bytes, slots })
@@ -146,11 +154,19 @@ impl ShmArena {
 
     /// The `RegisterRegion` body for the parameter segment.
     pub fn param_region(&self) -> proto::SystemShmRegion {
-        proto::SystemShmRegion { name: self.params.name.clone(), offset_bytes: 0, size_bytes: self.param_arena_bytes as i64 }
+        proto::SystemShmRegion {
+            name: self.params.name.clone(),
+            offset_bytes: 0,
+            size_bytes: self.param_arena_bytes as i64,
+        }
     }
     /// The `RegisterRegion` body for the gradient segment.
     pub fn grad_region(&self) -> proto::SystemShmRegion {
-        proto::SystemShmRegion { name: self.grads.name.clone(), offset_bytes: 0, size_bytes: self.grad_arena_bytes as i64 }
+        proto::SystemShmRegion {
+            name: self.grads.name.clone(),
+            offset_bytes: 0,
+            size_bytes: self.grad_arena_bytes as i64,
+        }
     }
     /// Segment names (without '/'): parameters, gradients.
     pub fn segment_names(&self) -> (&str, &str) {
@@ -241,8 +257,22 @@ mod tests {
         proto::CreateSessionResponse {
             session_id: "s".into(),
             layout: vec![
-                proto::TensorLayout { name: "a".into(), param_offset_bytes: 0, grad_offset_bytes: 256, size_bytes: 24, shape: vec![2, 3], dtype: 1 },
-                proto::TensorLayout { name: "b".into(), param_offset_bytes: 256, grad_offset_bytes: 0, size_bytes: 8, shape: vec![2], dtype: 1 },
+                proto::TensorLayout {
+                    name: "a".into(),
+                    param_offset_bytes: 0,
+                    grad_offset_bytes: 256,
+                    size_bytes: 24,
+                    shape: vec![2, 3],
+                    dtype: 1,
+                },
+                proto::TensorLayout {
+                    name: "b".into(),
+                    param_offset_bytes: 256,
+                    grad_offset_bytes: 0,
+                    size_bytes: 8,
+                    shape: vec![2],
+                    dtype: 1,
+                },
             ],
             param_arena_bytes: 512,
             grad_arena_bytes: 512,

@@ -60,21 +60,23 @@ pub(crate) fn chunks<'a>(
 ) -> impl Iterator<Item = proto::TensorChunk> + 'a {
     let step = chunk_bytes.clamp(1, MAX_CHUNK_BYTES);
     let mut first = true;
-    tensors.iter().flat_map(move |&(name, data)| {
-        let n = if data.is_empty() { 1 } else { (data.len() + step - 1) / step };
-        (0..n).map(move |i| (name, i * step, &data[i * step..data.len().min((i + 1) * step)]))
-    })
-    .map(move |(name, offset, piece)| {
-        let session = if first { session_id.to_string() } else { String::new() };
-        first = false;
-        proto::TensorChunk {
-            session_id: session,
-            name: name.to_string(),
-            offset_bytes: offset as i64,
-            data: piece.to_vec(),
-            ..Default::default()
-        }
-    })
+    tensors
+        .iter()
+        .flat_map(move |&(name, data)| {
+            let n = if data.is_empty() { 1 } else { (data.len() + step - 1) / step };
+            (0..n).map(move |i| (name, i * step, &data[i * step..data.len().min((i + 1) * step)]))
+        })
+        .map(move |(name, offset, piece)| {
+            let session = if first { session_id.to_string() } else { String::new() };
+            first = false;
+            proto::TensorChunk {
+                session_id: session,
+                name: name.to_string(),
+                offset_bytes: offset as i64,
+                data: piece.to_vec(),
+                ..Default::default()
+            }
+        })
 }
 
 /// Rebuilds tensors from a reply stream, checking that each tensor's chunks are contiguous and
@@ -97,7 +99,10 @@ impl Reassembler {
             );
         }
         let t = self.tensors.get_mut(&c.name).ok_or_else(|| {
-            Error::new(Code::Internal, format!("chunk of '{shown}' at offset {} before its first chunk", c.offset_bytes))
+            Error::new(
+                Code::Internal,
+                format!("chunk of '{shown}' at offset {} before its first chunk", c.offset_bytes),
+            )
         })?;
         if c.offset_bytes != t.data.len() as i64 {
             return Err(Error::new(
@@ -158,13 +163,29 @@ mod tests {
     #[test]
     fn reassembly_rejects_gaps_and_short_tensors() {
         let mut r = Reassembler::default();
-        r.add(proto::TensorChunk { name: "w".into(), offset_bytes: 0, data: vec![1, 2], total_bytes: 4, ..Default::default() }).unwrap();
-        let e = r.add(proto::TensorChunk { name: "w".into(), offset_bytes: 3, data: vec![3], ..Default::default() }).unwrap_err();
+        r.add(proto::TensorChunk {
+            name: "w".into(),
+            offset_bytes: 0,
+            data: vec![1, 2],
+            total_bytes: 4,
+            ..Default::default()
+        })
+        .unwrap();
+        let e = r
+            .add(proto::TensorChunk { name: "w".into(), offset_bytes: 3, data: vec![3], ..Default::default() })
+            .unwrap_err();
         assert_eq!(e.code(), Code::Internal);
         let mut r = Reassembler::default();
         assert!(r.add(proto::TensorChunk { name: "x".into(), offset_bytes: 8, ..Default::default() }).is_err());
         let mut r = Reassembler::default();
-        r.add(proto::TensorChunk { name: "w".into(), offset_bytes: 0, data: vec![1, 2], total_bytes: 4, ..Default::default() }).unwrap();
+        r.add(proto::TensorChunk {
+            name: "w".into(),
+            offset_bytes: 0,
+            data: vec![1, 2],
+            total_bytes: 4,
+            ..Default::default()
+        })
+        .unwrap();
         assert!(r.finish().is_err());
     }
 
@@ -173,7 +194,10 @@ mod tests {
         let v = [1.5f32, -0.0, f32::MIN_POSITIVE, 3.0e38];
         let t = Tensor::from_f32(&[2, 2], &v);
         assert_eq!(t.data.len(), 16);
-        assert_eq!(t.to_f32().unwrap().iter().map(|x| x.to_bits()).collect::<Vec<_>>(), v.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+        assert_eq!(
+            t.to_f32().unwrap().iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            v.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
         let h = Tensor { dtype: Some(Dtype::Bf16), data: vec![0; 4], ..Default::default() };
         assert!(h.to_f32().is_err());
     }

@@ -43,10 +43,10 @@ impl Endpoint {
             .unwrap_or(target)
             .trim_end_matches('/');
         match hostport.rsplit_once(':') {
-            Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => Ok(Endpoint::Tcp(hostport.to_string())),
-            _ => Err(Error::invalid(format!(
-                "target '{shown}': expected unix:PATH or HOST:PORT"
-            ))),
+            Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => {
+                Ok(Endpoint::Tcp(hostport.to_string()))
+            }
+            _ => Err(Error::invalid(format!("target '{shown}': expected unix:PATH or HOST:PORT"))),
         }
     }
 
@@ -61,11 +61,14 @@ impl Endpoint {
     /// Opens a stream.
     pub async fn connect(&self) -> io::Result<Stream> {
         match self {
-            Endpoint::Unix(p) => UnixStream::connect(p).await.map(Stream::Unix).map_err(|e| {
-                io::Error::new(e.kind(), format!("unix:{}: {e}", p.display()))
-            }),
+            Endpoint::Unix(p) => UnixStream::connect(p)
+                .await
+                .map(Stream::Unix)
+                .map_err(|e| io::Error::new(e.kind(), format!("unix:{}: {e}", p.display()))),
             Endpoint::Tcp(hp) => {
-                let s = TcpStream::connect(hp.as_str()).await.map_err(|e| io::Error::new(e.kind(), format!("{hp}: {e}")))?;
+                let s = TcpStream::connect(hp.as_str())
+                    .await
+                    .map_err(|e| io::Error::new(e.kind(), format!("{hp}: {e}")))?;
                 s.set_nodelay(true)?;
                 Ok(Stream::Tcp(s))
             }

@@ -89,7 +89,9 @@ fn group(md: &BTreeMap<String, String>, precision: Precision) -> (Group, bool) {
                 Some("none") => AdjustLr::None,
                 Some(o) => panic!("adjust_lr {o}"),
             }),
-            "use_polar_express" => g.orthogonalizer(if b() { Orthogonalizer::PolarExpress } else { Orthogonalizer::NewtonSchulz }),
+            "use_polar_express" => {
+                g.orthogonalizer(if b() { Orthogonalizer::PolarExpress } else { Orthogonalizer::NewtonSchulz })
+            }
             "use_triton" | "use_gram_newton_schulz" | "triton_post_ortho" => {
                 assert!(!b(), "{k}=true has no CPU equivalent");
                 g
@@ -107,7 +109,9 @@ fn group(md: &BTreeMap<String, String>, precision: Precision) -> (Group, bool) {
             }
             g = match k.as_str() {
                 "num_heads" => g.num_heads(v.as_i64().unwrap()),
-                "split_sizes" => g.split_sizes(&v.as_array().unwrap().iter().map(|s| s.as_i64().unwrap()).collect::<Vec<_>>()),
+                "split_sizes" => {
+                    g.split_sizes(&v.as_array().unwrap().iter().map(|s| s.as_i64().unwrap()).collect::<Vec<_>>())
+                }
                 other => panic!("group option '{other}' is not mapped"),
             };
         }
@@ -138,7 +142,11 @@ impl Case {
     }
 
     fn spec(&self, precision: Precision) -> SessionSpec {
-        SessionSpec::new().client_name(&self.file).group(group(&self.v.metadata, precision).0).param("w", &self.shape, "g")
+        SessionSpec::new().client_name(&self.file).group(group(&self.v.metadata, precision).0).param(
+            "w",
+            &self.shape,
+            "g",
+        )
     }
 
     fn initial(&self) -> Vec<(&str, Vec<u8>)> {
@@ -187,7 +195,11 @@ fn run_over_shm(client: &Client, c: &Case, precision: Precision, cpp: &Safetenso
     let init = c.initial();
     let refs: Vec<(&str, &[u8])> = init.iter().map(|(n, b)| (*n, b.as_slice())).collect();
     s.set_state(&refs).unwrap();
-    assert_same_bits(s.arena().unwrap().param("w").unwrap(), c.v.get("param.init"), &format!("{what}: initial weights in shm"));
+    assert_same_bits(
+        s.arena().unwrap().param("w").unwrap(),
+        c.v.get("param.init"),
+        &format!("{what}: initial weights in shm"),
+    );
     let mut traj = Vec::new();
     for t in 1..=c.steps {
         s.arena_mut().unwrap().grad_mut("w").unwrap().copy_from_slice(c.v.get(&format!("grad.{t}")));
@@ -217,7 +229,11 @@ fn run_over_streams(client: &Client, c: &Case, precision: Precision, cpp: &Safet
         s.step(t as i64).unwrap_or_else(|e| panic!("{what}: step {t}: {e}"));
         s.set_chunk_bytes(3000);
         let pulled = s.pull_parameters(&[]).unwrap();
-        assert_same_bits(&pulled["w"].to_f32().unwrap(), cpp.get(&format!("param.{t}")), &format!("{what}: pulled params after step {t} vs C++"));
+        assert_same_bits(
+            &pulled["w"].to_f32().unwrap(),
+            cpp.get(&format!("param.{t}")),
+            &format!("{what}: pulled params after step {t} vs C++"),
+        );
     }
     check_state(what, &s.get_state(true).unwrap(), cpp, cpp.get(&format!("param.{}", c.steps)));
     s.close().unwrap();
@@ -246,11 +262,13 @@ fn check_against_golden(c: &Case, bf16_algo: bool, precision: Precision, traj: &
 #[test]
 fn every_public_vector_is_in_the_manifest() {
     let manifest: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(repo_root().join("tests/conformance/manifest.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(repo_root().join("tests/conformance/manifest.json")).unwrap())
+            .unwrap();
     let mut listed: Vec<String> =
         manifest["cases"].as_array().unwrap().iter().map(|c| c["file"].as_str().unwrap().to_string()).collect();
     listed.sort();
-    let present: Vec<String> = vector_files().iter().map(|p| p.file_name().unwrap().to_string_lossy().into_owned()).collect();
+    let present: Vec<String> =
+        vector_files().iter().map(|p| p.file_name().unwrap().to_string_lossy().into_owned()).collect();
     assert!(!present.is_empty());
     assert_eq!(present, listed);
 }

@@ -62,26 +62,58 @@ fn a_wrong_session_is_not_found_for_every_rpc() {
         ("Step", rpc.step(proto::StepRequest { session_id: bad.clone(), step_index: 1, ..Default::default() }).err()),
         (
             "PushGradients",
-            rpc.push_gradients(vec![proto::TensorChunk { session_id: bad.clone(), name: "w".into(), data: vec![0; 4], ..Default::default() }]).err(),
+            rpc.push_gradients(vec![proto::TensorChunk {
+                session_id: bad.clone(),
+                name: "w".into(),
+                data: vec![0; 4],
+                ..Default::default()
+            }])
+            .err(),
         ),
-        ("PullParameters", rpc.pull_parameters(proto::PullParametersRequest { session_id: bad.clone(), ..Default::default() }, |_| Ok(())).err()),
-        ("GetState", rpc.get_state(proto::GetStateRequest { session_id: bad.clone(), include_parameters: true }, |_| Ok(())).err()),
+        (
+            "PullParameters",
+            rpc.pull_parameters(proto::PullParametersRequest { session_id: bad.clone(), ..Default::default() }, |_| {
+                Ok(())
+            })
+            .err(),
+        ),
+        (
+            "GetState",
+            rpc.get_state(proto::GetStateRequest { session_id: bad.clone(), include_parameters: true }, |_| Ok(()))
+                .err(),
+        ),
         (
             "SetState",
-            rpc.set_state(vec![proto::TensorChunk { session_id: bad.clone(), name: "w".into(), data: vec![0; 4], ..Default::default() }]).err(),
+            rpc.set_state(vec![proto::TensorChunk {
+                session_id: bad.clone(),
+                name: "w".into(),
+                data: vec![0; 4],
+                ..Default::default()
+            }])
+            .err(),
         ),
         (
             "SetHyperparameters",
-            rpc.set_hyperparameters(proto::SetHyperparametersRequest { session_id: bad.clone(), group: "g".into(), hyperparameters: None }).err(),
+            rpc.set_hyperparameters(proto::SetHyperparametersRequest {
+                session_id: bad.clone(),
+                group: "g".into(),
+                hyperparameters: None,
+            })
+            .err(),
         ),
         (
             "SaveCheckpoint",
-            rpc.save_checkpoint(proto::SaveCheckpointRequest { session_id: bad.clone(), directory: d.dir.join("ckpt").display().to_string() }).err(),
+            rpc.save_checkpoint(proto::SaveCheckpointRequest {
+                session_id: bad.clone(),
+                directory: d.dir.join("ckpt").display().to_string(),
+            })
+            .err(),
         ),
         ("CloseSession", rpc.close_session(proto::CloseSessionRequest { session_id: bad.clone() }).err()),
         (
             "UnregisterRegion",
-            rpc.unregister_region(proto::UnregisterRegionRequest { session_id: bad.clone(), region_id: "r".into() }).err(),
+            rpc.unregister_region(proto::UnregisterRegionRequest { session_id: bad.clone(), region_id: "r".into() })
+                .err(),
         ),
     ];
     for (name, e) in errors {
@@ -103,13 +135,23 @@ fn bad_options_are_invalid_arguments_naming_the_field_and_create_nothing() {
     let cases: Vec<(&str, SessionSpec)> = vec![
         ("algorithm", SessionSpec::new().group(Group::new("g", Algorithm::Unspecified)).param("w", &[4, 4], "g")),
         ("lr", SessionSpec::new().group(Group::new("g", Algorithm::Muon).lr(-1.0)).param("w", &[4, 4], "g")),
-        ("fraction", SessionSpec::new().group(Group::new("g", Algorithm::Dion2).fraction(2.0)).param("w", &[4, 4], "g")),
+        (
+            "fraction",
+            SessionSpec::new().group(Group::new("g", Algorithm::Dion2).fraction(2.0)).param("w", &[4, 4], "g"),
+        ),
         ("group", SessionSpec::new().group(Group::new("g", Algorithm::Muon)).param("w", &[4, 4], "nope")),
-        ("split_sizes", SessionSpec::new().group(Group::new("g", Algorithm::Muon).split_sizes(&[3, 3])).param("w", &[4, 4], "g")),
+        (
+            "split_sizes",
+            SessionSpec::new().group(Group::new("g", Algorithm::Muon).split_sizes(&[3, 3])).param("w", &[4, 4], "g"),
+        ),
         ("shape", SessionSpec::new().group(Group::new("g", Algorithm::Muon)).param("w", &[4, -4], "g")),
         (
             "w",
-            SessionSpec::new().group(Group::new("g", Algorithm::Muon)).param("w", &[4, 4], "g").param("w", &[4, 4], "g"),
+            SessionSpec::new().group(Group::new("g", Algorithm::Muon)).param("w", &[4, 4], "g").param(
+                "w",
+                &[4, 4],
+                "g",
+            ),
         ),
     ];
     for (field, s) in cases {
@@ -187,6 +229,10 @@ fn a_lost_step_answer_is_retried_and_the_step_applies_once() {
     assert_eq!(r.step_index, 2);
     assert!(proxy.connections() > before, "the client did not reconnect");
     // Applied exactly once: the same bytes as the twin that stepped once.
-    assert_same_bits(s.arena().unwrap().param("w").unwrap(), twin.arena().unwrap().param("w").unwrap(), "after the retried step");
+    assert_same_bits(
+        s.arena().unwrap().param("w").unwrap(),
+        twin.arena().unwrap().param("w").unwrap(),
+        "after the retried step",
+    );
     assert!(s.get_state(true).unwrap() == twin.get_state(true).unwrap(), "states differ");
 }

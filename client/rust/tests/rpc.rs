@@ -182,8 +182,16 @@ fn streams_and_shm_give_the_same_bytes_and_drop_closes() {
         assert!(pushed.chunks >= 3);
         remote.step(step).unwrap();
         let pulled = remote.pull_parameters(&[]).unwrap();
-        assert_same_bits(&pulled["w"].to_f32().unwrap(), shm.arena().unwrap().param("w").unwrap(), &format!("step {step}"));
-        assert_same_bits(&pulled["b"].to_f32().unwrap(), shm.arena().unwrap().param("b").unwrap(), &format!("step {step}"));
+        assert_same_bits(
+            &pulled["w"].to_f32().unwrap(),
+            shm.arena().unwrap().param("w").unwrap(),
+            &format!("step {step}"),
+        );
+        assert_same_bits(
+            &pulled["b"].to_f32().unwrap(),
+            shm.arena().unwrap().param("b").unwrap(),
+            &format!("step {step}"),
+        );
     }
     assert!(shm.get_state(true).unwrap() == remote.get_state(true).unwrap(), "final states differ");
     let ids = [shm.id().to_string(), remote.id().to_string()];
@@ -256,7 +264,10 @@ fn checkpoint_save_and_load_resume_to_the_same_bytes() {
     assert_ne!(r.id(), s.id());
     assert!(r.get_state(true).unwrap() == at2, "restored state differs from the saved one");
     r.attach_shm().unwrap();
-    assert!(r.arena().unwrap().param_bytes("w").unwrap() == at2["w"].data.as_slice(), "restored weights not in the new arena");
+    assert!(
+        r.arena().unwrap().param_bytes("w").unwrap() == at2["w"].data.as_slice(),
+        "restored weights not in the new arena"
+    );
     // Step 3 on the restored session matches step 3 on the original, bit for bit.
     {
         let a = r.arena_mut().unwrap();
@@ -275,15 +286,17 @@ fn tcp_transport_and_the_raw_stubs() {
     let d = Daemon::start(&[], true);
     let port = d.tcp_port.expect("the ready file names the TCP port");
     let client = Client::connect(&format!("127.0.0.1:{port}")).unwrap();
-    let created = client
-        .rpc()
-        .create_session(muon_spec("tcp").request().clone())
-        .unwrap();
+    let created = client.rpc().create_session(muon_spec("tcp").request().clone()).unwrap();
     let id = created.session_id.clone();
     let w0 = diond::tensor::f32_bytes(&values(8, W));
     let set = client
         .rpc()
-        .set_state(vec![proto::TensorChunk { session_id: id.clone(), name: "w".into(), data: w0.clone(), ..Default::default() }])
+        .set_state(vec![proto::TensorChunk {
+            session_id: id.clone(),
+            name: "w".into(),
+            data: w0.clone(),
+            ..Default::default()
+        }])
         .unwrap();
     assert_eq!(set.tensors, 1);
     let mut chunks = Vec::new();
