@@ -21,7 +21,8 @@
 namespace {
 
 int Run(const std::string& mode, const std::string& in, const std::string& out) {
-  using namespace diond;  // NOLINT(build/namespaces): a two-screen tool
+  namespace optim = diond::optim;
+  namespace service_testing = diond::service_testing;
   optim::Precision precision;
   if (mode == "fp32") {
     precision = optim::Precision::kFp32;
@@ -48,8 +49,8 @@ int Run(const std::string& mode, const std::string& in, const std::string& out) 
     }
   }
   (*r)->params()[0] = c->param_init;
-  auto ctx = kernels::Context::CpuDefault();
-  SafetensorsWriter w;
+  auto ctx = diond::kernels::Context::CpuDefault();
+  diond::SafetensorsWriter w;
   w.SetMetadata("source", c->file);
   w.SetMetadata("precision", mode);
   for (int64_t t = 1; t <= c->steps; ++t) {
