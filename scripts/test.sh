@@ -34,6 +34,7 @@ fi
 # themselves; the conformance test also runs build/bin/diond-golden-replay). Crates come from
 # Debian's registry (client/rust/.cargo/config.toml); whichever cargo is first on PATH is used.
 echo "== cargo test (client/rust) =="
-(cd "$root/client/rust" && DIOND_BINARY="$build/bin/diond" CARGO_TARGET_DIR="$build/rust-target" \
+abs_build=$(cd "$build" && pwd)
+(cd "$root/client/rust" && DIOND_BINARY="$abs_build/bin/diond" CARGO_TARGET_DIR="$abs_build/rust-target" \
   cargo test --offline)
 echo "all test suites passed"
