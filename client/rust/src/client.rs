@@ -42,6 +42,12 @@ impl ClientBuilder {
         self.metadata.push((key.to_string(), value.to_string()));
         self
     }
+    /// Sends `authorization: Bearer <token>` with every call, the header the daemon's token
+    /// authentication reads (once it is enabled there; until then the daemon ignores it).
+    pub fn bearer_token(self, token: &str) -> Self {
+        let t = format!("Bearer {}", token.trim());
+        self.metadata("authorization", &t)
+    }
     /// Connects now: an absent daemon is an `Unavailable` error here, not at the first call.
     pub fn connect(self) -> Result<Client> {
         let endpoint = Endpoint::parse(&self.target)?;

@@ -4,7 +4,7 @@
 //! `unix:///run/diond.sock`), or `host:port` (also `tcp:host:port`, `http://host:port`).
 //! TLS and the bearer token are not here yet (the daemon's security work is in progress): a TLS
 //! stream is one more [`Stream`] variant wrapping the TCP one, and the token is a request header
-//! that [`crate::ClientBuilder::metadata`] already carries on every call.
+//! that [`crate::ClientBuilder::bearer_token`] already puts on every call.
 
 use std::future::Future;
 use std::io;

@@ -182,7 +182,7 @@ fn serve(path: &Path) -> Arc<Mutex<Vec<Seen>>> {
 fn client(sock: &PathBuf, case: &str) -> Client {
     Client::builder(&format!("unix:{}", sock.display()))
         .metadata("x-case", case)
-        .metadata("Authorization", "Bearer t0ken")
+        .bearer_token("t0ken\n")
         .timeout(Duration::from_secs(5))
         .connect()
         .unwrap()
@@ -201,6 +201,7 @@ fn requests_carry_the_grpc_headers_metadata_and_frames() {
     assert_eq!(s.headers["content-type"], "application/grpc");
     assert_eq!(s.headers["te"], "trailers");
     assert_eq!(s.headers["authorization"], "Bearer t0ken");
+    assert_eq!(s.headers["x-case"], "ok");
     // 5 s in the finest unit with at most 8 digits.
     assert_eq!(s.headers["grpc-timeout"], "5000000u");
     // An empty ListSessionsRequest is a frame of five bytes: flag 0 and length 0.
