@@ -14,6 +14,8 @@ use crate::spec::SessionSpec;
 use crate::transport::{Connector, Endpoint};
 
 const SERVICE: &str = "/diond.v1.Optimizer/";
+/// The longest `connect` waits for the first connection (less with a shorter call timeout).
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(20);
 
 struct Shared {
     // Field order: the channel (and its connection tasks) go before the runtime that runs them.
@@ -48,7 +50,8 @@ impl ClientBuilder {
         let t = format!("Bearer {}", token.trim());
         self.metadata("authorization", &t)
     }
-    /// Connects now: an absent daemon is an `Unavailable` error here, not at the first call.
+    /// Connects now: an absent daemon is an `Unavailable` error here, not at the first call
+    /// (after at most 20 s, or the call timeout if shorter, for a host that does not answer).
     pub fn connect(self) -> Result<Client> {
         let endpoint = Endpoint::parse(&self.target)?;
         let mut metadata = Vec::with_capacity(self.metadata.len());
@@ -70,12 +73,20 @@ impl ClientBuilder {
             .build()
             .map_err(|e| Error::new(Code::Internal, format!("cannot start the client runtime: {e}")))?;
         let probe = endpoint.clone();
-        rt.block_on(async move { probe.connect().await }).map_err(|e| {
-            Error::new(
-                Code::Unavailable,
-                format!("cannot reach the daemon at {}: {e}", self.target.chars().take(200).collect::<String>()),
-            )
-        })?;
+        let shown: String = self.target.chars().take(200).collect();
+        let wait = self.timeout.unwrap_or(CONNECT_TIMEOUT).min(CONNECT_TIMEOUT);
+        match rt.block_on(async move { tokio::time::timeout(wait, probe.connect()).await }) {
+            Ok(Ok(_stream)) => {}
+            Ok(Err(e)) => {
+                return Err(Error::new(Code::Unavailable, format!("cannot reach the daemon at {shown}: {e}")))
+            }
+            Err(_) => {
+                return Err(Error::new(
+                    Code::Unavailable,
+                    format!("cannot reach the daemon at {shown}: no answer in {wait:?}"),
+                ))
+            }
+        }
         let channel = {
             let _guard = rt.enter();
             Channel::new(Connector::new(endpoint.clone()), endpoint.authority(), metadata)
