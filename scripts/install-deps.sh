@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs diond's system dependencies from the distribution's packages (Debian 12; the
 # Dockerfile runs it on Ubuntu 24.04, which has the same package names).
-#   scripts/install-deps.sh [--all|--build|--runtime]
-#     --all      (default) build + test tools: what CI and developers need
+#   scripts/install-deps.sh [--all|--build|--runtime|--rust]
+#     --all      (default) build + test tools + the Rust client's crates: what CI and developers need
+#     --rust     only the Rust client's crates (client/rust), and cargo if none is on PATH
 #     --build    compilers and the C++ libraries (the Dockerfile's build stage)
 #     --runtime  the libraries the binaries load, no compilers (the Dockerfile's runtime stage)
 # Idempotent: installed packages are skipped, so a second run takes about a second.
@@ -24,13 +25,23 @@ TEST=(
   python3-grpcio python3-protobuf python3-numpy python3-pytest python3-torch
   prometheus curl procps binutils
 )
+# The Rust client (client/rust) builds offline from these crates: they fill the local registry
+# /usr/share/cargo/registry that client/rust/.cargo/config.toml points cargo at. Debian's cargo
+# (with rustc 1.63) is added only where no cargo is on PATH (e.g. a rustup toolchain).
+RUST=(
+  librust-prost-dev librust-prost-build-dev librust-tokio-dev librust-hyper-dev librust-h2-dev
+  librust-bytes-dev librust-http-dev librust-tower-service-dev librust-libc-dev
+  librust-serde-json-dev protobuf-compiler
+)
+if ! command -v cargo >/dev/null 2>&1; then RUST+=(cargo); fi
 
 mode=${1:---all}
 case "$mode" in
-  --all) PKGS=("${LIBS[@]}" "${BUILD[@]}" "${TEST[@]}") ;;
+  --all) PKGS=("${LIBS[@]}" "${BUILD[@]}" "${TEST[@]}" "${RUST[@]}") ;;
+  --rust) PKGS=("${RUST[@]}") ;;
   --build) PKGS=("${LIBS[@]}" "${BUILD[@]}") ;;
   --runtime) PKGS=("${LIBS[@]}" ca-certificates) ;;
-  *) echo "usage: $0 [--all|--build|--runtime]" >&2; exit 2 ;;
+  *) echo "usage: $0 [--all|--build|--runtime|--rust]" >&2; exit 2 ;;
 esac
 
 missing=()
