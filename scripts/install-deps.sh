@@ -25,6 +25,10 @@ TEST=(
   prometheus curl procps binutils
 )
 
+# kubectl renders the Kustomize overlays (scripts/check-deploy.sh). Debian's kubernetes-client
+# provides it; a kubectl installed otherwise (another package owning /usr/bin/kubectl) is kept.
+if ! command -v kubectl >/dev/null 2>&1; then TEST+=(kubernetes-client); fi
+
 mode=${1:---all}
 case "$mode" in
   --all) PKGS=("${LIBS[@]}" "${BUILD[@]}" "${TEST[@]}") ;;

@@ -4,7 +4,8 @@
 //   diondctl [flags] session inspect ID     every field of one session, its groups
 //   diondctl [flags] checkpoint ID          SaveCheckpoint (--dir, default --state_dir)
 //   diondctl [flags] close ID               CloseSession
-//   diondctl [flags] world                  membership, generation, lost ranks (ask rank 0)
+//   diondctl [flags] world                  membership, generation, lost ranks (ask rank 0;
+//                                           exit 1 while a rank is lost)
 //   diondctl [flags] top                    live steps/s, latency, errors from /metrics
 // --json prints JSON instead of text on every command (top: one object per refresh and line).
 // Exit status: 0 on success, 1 when the daemon refuses or cannot be reached, 2 on bad usage.
@@ -171,9 +172,9 @@ std::string Bytes(int64_t b) {
 
 std::string Ago(int64_t unix_micros, absl::Time now) {
   if (unix_micros == 0) return "-";
-  absl::Duration d = now - absl::FromUnixMicros(unix_micros);
-  if (d < absl::ZeroDuration()) d = absl::ZeroDuration();
-  return absl::StrCat(absl::FormatDuration(absl::Trunc(d, absl::Seconds(1))), " ago");
+  absl::Duration d = absl::Trunc(now - absl::FromUnixMicros(unix_micros), absl::Seconds(1));
+  if (d <= absl::ZeroDuration()) return "0s ago";
+  return absl::StrCat(absl::FormatDuration(d), " ago");
 }
 
 std::string AlgorithmName(int a) {
@@ -426,7 +427,7 @@ int World(const Connection& c) {
     nlohmann::json j = nlohmann::json::parse(ToJson(m));
     j["lost_ranks"] = lost;
     std::printf("%s\n", j.dump().c_str());
-    return 0;
+    return lost.empty() ? 0 : 1;
   }
   std::printf("world of %d, generation %llu, %s\n", m.world_size(),
               static_cast<unsigned long long>(m.generation()),
