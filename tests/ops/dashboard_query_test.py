@@ -6,7 +6,7 @@ package) scrapes both daemons every second and loads deploy/prometheus/rules.yml
 PromQL target of every panel, with the dashboard's variables bound as Grafana would bind "All"
 ($job, $instance -> .*, $__rate_interval -> 15s), is run through the HTTP API (/api/v1/query).
 A target that returns no series, or only NaN, fails the test: a panel that shows nothing is a
-failing test.
+failing test. The alert rules, loaded into the same Prometheus, must all evaluate without error.
 """
 import json
 import math
@@ -116,6 +116,18 @@ def main():
                 print("ok: %s [%s]: %d series, e.g. %g" % (title, ref, len(last[(title, ref)]),
                                                           next(v for v in last[(title, ref)]
                                                                if not math.isnan(v))))
+        # The alert rules loaded into the same Prometheus evaluate without errors on real series.
+        with urllib.request.urlopen("http://127.0.0.1:%d/api/v1/rules" % pport, timeout=10) as r:
+            groups = json.load(r)["data"]["groups"]
+        rules = [rule for g in groups for rule in g["rules"]]
+        if not rules:
+            failures.append("prometheus loaded no rules from " + RULES)
+        for rule in rules:
+            if rule.get("health") != "ok":
+                failures.append("rule %s: health %s: %s" % (rule["name"], rule.get("health"),
+                                                            rule.get("lastError")))
+        print("rules: %d loaded, %d healthy" % (len(rules),
+                                                sum(r.get("health") == "ok" for r in rules)))
     finally:
         if prom is not None:
             prom.terminate()

@@ -6,7 +6,7 @@ through the Python client (steps, checkpoints), not from diondctl.
 """
 import json
 import os
-import signal
+import subprocess
 import sys
 import threading
 import time
@@ -268,6 +268,53 @@ def test_token_file_is_sent_as_bearer(tmp_path):
     assert "authorization" not in seen[1]
     rc, _, err = h.diondctl("--token_file=" + str(tmp_path / "missing"), "sessions", check=False)
     assert rc == 1 and "cannot read --token_file" in err
+
+
+def test_tls_flags_make_a_verified_tls_channel(tmp_path):
+    # Certificates made now with openssl (never committed): a CA, a server certificate for
+    # 127.0.0.1 and a client certificate; a stand-in server requires the client certificate.
+    def run(*args):
+        subprocess.run(["openssl"] + list(args), check=True, capture_output=True, cwd=tmp_path)
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=test-ca",
+        "-keyout", "ca.key", "-out", "ca.pem")
+    (tmp_path / "san.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
+    for who in ("server", "client"):
+        run("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=" + who, "-keyout",
+            who + ".key", "-out", who + ".csr")
+        run("x509", "-req", "-in", who + ".csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+            "-CAcreateserial", "-days", "1", "-extfile", "san.cnf", "-out", who + ".pem")
+    seen = []
+
+    def list_sessions(request, context):
+        seen.append(context.auth_context().get("x509_common_name"))
+        return pb.ListSessionsResponse()
+    handler = grpc.method_handlers_generic_handler("diond.v1.Optimizer", {
+        "ListSessions": grpc.unary_unary_rpc_method_handler(
+            list_sessions, request_deserializer=pb.ListSessionsRequest.FromString,
+            response_serializer=pb.ListSessionsResponse.SerializeToString)})
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers((handler,))
+    creds = grpc.ssl_server_credentials(
+        [((tmp_path / "server.key").read_bytes(), (tmp_path / "server.pem").read_bytes())],
+        root_certificates=(tmp_path / "ca.pem").read_bytes(), require_client_auth=True)
+    port = server.add_secure_port("127.0.0.1:0", creds)
+    server.start()
+    target = "--target=127.0.0.1:%d" % port
+    tls = ["--tls_ca_file=%s" % (tmp_path / "ca.pem"),
+           "--tls_cert_file=%s" % (tmp_path / "client.pem"),
+           "--tls_key_file=%s" % (tmp_path / "client.key")]
+    try:
+        rc, out, _ = h.diondctl(target, *tls, "--timeout=10s", "sessions")
+        assert out.strip().endswith("0 session(s)")
+        # Without the client certificate the server refuses the handshake; without TLS too.
+        rc1, _, _ = h.diondctl(target, tls[0], "--timeout=3s", "sessions", check=False)
+        rc2, _, _ = h.diondctl(target, "--timeout=3s", "sessions", check=False)
+    finally:
+        server.stop(0)
+    assert seen == [[b"client"]], seen
+    assert rc1 == 1 and rc2 == 1
+    rc, _, err = h.diondctl(target, tls[0], "--tls_cert_file=x.pem", "sessions", check=False)
+    assert rc == 1 and "go together" in err
 
 
 def test_usage_errors():
