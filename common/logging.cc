@@ -61,7 +61,9 @@ void SetLogFormat(LogFormat format) { g_format.store(static_cast<int>(format)); 
 LogFormat GetLogFormat() { return static_cast<LogFormat>(g_format.load()); }
 
 ScopedLogContext::ScopedLogContext(absl::string_view session, int64_t step)
-    : prev_session_(std::move(t_session)), prev_step_(t_step) {
+    : prev_session_(t_session), prev_step_(t_step) {
+  // Without a step, a nested context of the same session keeps the enclosing step.
+  if (step < 0 && session == t_session) return;
   t_session = std::string(session);
   t_step = step;
 }

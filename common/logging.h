@@ -40,7 +40,8 @@ void SetLogFormat(LogFormat format);
 LogFormat GetLogFormat();
 
 // While alive, log lines of this thread carry `session` (and `step` when >= 0). Nests: the
-// innermost wins; the previous context comes back on destruction. The strings are copied.
+// innermost wins, except that a context without a step inside one of the same session keeps
+// that step; the previous context comes back on destruction. The strings are copied.
 class ScopedLogContext {
  public:
   explicit ScopedLogContext(absl::string_view session, int64_t step = -1);

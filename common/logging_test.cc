@@ -53,12 +53,14 @@ TEST(Logging, JsonFormatIsOneObjectPerLineWithContext) {
     {
       ScopedLogContext inner("s-inner", 7);
       DIOND_LOG(INFO) << "two\nlines \"quoted\" \xff";
+      ScopedLogContext same("s-inner");  // same session, no step: keeps step 7
+      DIOND_LOG(INFO) << "nested";
     }
     DIOND_LOG(ERROR) << "back";
   }
   SetLogFormat(LogFormat::kText);
   SetLogSinkForTest(nullptr);
-  ASSERT_EQ(lines.size(), 3u);
+  ASSERT_EQ(lines.size(), 4u);
   std::vector<nlohmann::json> j;
   for (const std::string& l : lines) {
     EXPECT_EQ(l.find('\n'), std::string::npos) << l;
@@ -71,9 +73,11 @@ TEST(Logging, JsonFormatIsOneObjectPerLineWithContext) {
   EXPECT_EQ(j[1]["session"], "s-inner");
   EXPECT_EQ(j[1]["step"], 7);
   EXPECT_EQ(j[1]["message"], "two\nlines \"quoted\" \xef\xbf\xbd");  // invalid byte replaced
-  EXPECT_EQ(j[2]["session"], "s-outer");
-  EXPECT_TRUE(j[2]["step"].is_null());
-  EXPECT_EQ(j[2]["level"], "ERROR");
+  EXPECT_EQ(j[2]["session"], "s-inner");
+  EXPECT_EQ(j[2]["step"], 7);
+  EXPECT_EQ(j[3]["session"], "s-outer");
+  EXPECT_TRUE(j[3]["step"].is_null());
+  EXPECT_EQ(j[3]["level"], "ERROR");
   // time is RFC 3339 UTC with milliseconds; source is file:line.
   absl::Time t;
   std::string err;

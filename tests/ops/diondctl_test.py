@@ -238,6 +238,29 @@ def test_json_logs_carry_session_and_step(world):
     assert any(o["session"] == world.local_session and "checkpoint of step" in o["message"]
                for o in objects), objects[-10:]
     assert any(o["session"] is None and "serving on" in o["message"] for o in objects)
+    # A requested checkpoint happens outside a Step: no step in its context.
+    assert all(o["step"] is None for o in objects
+               if "checkpoint of step" in o["message"] and o["session"] == world.local_session)
+
+
+def test_json_log_lines_inside_a_step_carry_its_index(tmp_path):
+    d = h.diond.Daemon(compute_threads=1, workdir=str(tmp_path), extra_args=[
+        "--log_format=json", "--state_dir=" + str(tmp_path / "state"), "--checkpoint_every=2"])
+    d.start()
+    try:
+        with h.diond.Client(d.target) as c:
+            sid = c.create_session(**h.session_spec("log-test")).session_id
+            c.set_state(sid, h.weights())
+            for s in (1, 2):
+                c.push_gradients(sid, h.grads(s))
+                c.step(sid, s)
+    finally:
+        assert d.stop() == 0
+    objects = [json.loads(line) for line in open(d.log_path) if line.startswith("{")]
+    auto = [o for o in objects if "checkpoint of step 2" in o["message"]]
+    assert len(auto) == 1, objects
+    assert auto[0]["session"] == sid and auto[0]["step"] == 2 and auto[0]["level"] == "INFO"
+    assert auto[0]["source"].startswith("session_manager.cc:")
 
 
 def test_token_file_is_sent_as_bearer(tmp_path):
