@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Checks everything under deploy/ offline, from a fresh clone:
+# Checks everything under deploy/ from a fresh clone (PyPI is needed once, for the venv):
 #   - every Kustomize overlay renders (`kubectl kustomize`) and validates with kubernetes-validate
 #     (strict: unknown fields fail) against Kubernetes 1.30 (or the overlay's own minimum, from
 #     a "# kubernetes-validate: X.Y.Z" line in its kustomization.yaml) and the newest schemas;
@@ -11,7 +11,7 @@
 #   scripts/check-deploy.sh [--update] [WORK_DIR]
 #     --update   regenerate overlays/monitoring/prometheusrule.yaml from rules.yml, then check
 #     WORK_DIR   where the venv and rendered manifests go (default build/deploy-check)
-# kubernetes-validate comes from PyPI into a venv under WORK_DIR (first run: ~10 s).
+# kubernetes-validate comes from PyPI into a venv under WORK_DIR (a fresh clone: ~20 s in all).
 # Registered as the ctest deploy_check_test (tests/ops), so scripts/test.sh runs it.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
