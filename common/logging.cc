@@ -9,11 +9,15 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "nlohmann/json.hpp"
 
 namespace diond {
 namespace {
 
 std::atomic<int> g_min_level{static_cast<int>(LogLevel::kInfo)};
+std::atomic<int> g_format{static_cast<int>(LogFormat::kText)};
+thread_local std::string t_session;
+thread_local int64_t t_step = -1;
 std::atomic<LogSink> g_sink{nullptr};
 absl::Mutex g_write_mu;
 
@@ -45,19 +49,60 @@ absl::string_view LogLevelName(LogLevel level) {
   return "?";
 }
 
+absl::StatusOr<LogFormat> ParseLogFormat(absl::string_view text) {
+  std::string t = absl::AsciiStrToLower(text);
+  if (t == "text") return LogFormat::kText;
+  if (t == "json") return LogFormat::kJson;
+  return absl::InvalidArgumentError(
+      absl::StrCat("log format '", text.substr(0, 40), "' is not one of text, json"));
+}
+
+void SetLogFormat(LogFormat format) { g_format.store(static_cast<int>(format)); }
+LogFormat GetLogFormat() { return static_cast<LogFormat>(g_format.load()); }
+
+ScopedLogContext::ScopedLogContext(absl::string_view session, int64_t step)
+    : prev_session_(t_session), prev_step_(t_step) {
+  // Without a step, a nested context of the same session keeps the enclosing step.
+  if (step < 0 && session == t_session) return;
+  t_session = std::string(session);
+  t_step = step;
+}
+
+ScopedLogContext::~ScopedLogContext() {
+  t_session = std::move(prev_session_);
+  t_step = prev_step_;
+}
+
 void SetMinLogLevel(LogLevel level) { g_min_level.store(static_cast<int>(level)); }
 LogLevel MinLogLevel() { return static_cast<LogLevel>(g_min_level.load(std::memory_order_relaxed)); }
 void SetLogSinkForTest(LogSink sink) { g_sink.store(sink); }
 
 namespace logging_internal {
 
-LogMessage::LogMessage(LogLevel level, const char* file, int line) : level_(level) {
-  stream_ << absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ", absl::Now(), absl::UTCTimeZone()) << ' '
-          << LogLevelName(level) << ' ' << Basename(file) << ':' << line << "] ";
+LogMessage::LogMessage(LogLevel level, const char* file, int line)
+    : level_(level), file_(file), line_(line) {
+  stream_ << absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ", absl::Now(), absl::UTCTimeZone());
+  if (GetLogFormat() == LogFormat::kText) {
+    stream_ << ' ' << LogLevelName(level) << ' ' << Basename(file) << ':' << line << "] ";
+  } else {
+    stream_ << '\n';  // the time, then the message; the destructor builds the JSON object
+  }
 }
 
 LogMessage::~LogMessage() {
   std::string text = stream_.str();
+  if (GetLogFormat() == LogFormat::kJson) {
+    size_t nl = text.find('\n');
+    nlohmann::ordered_json j;
+    j["time"] = text.substr(0, nl);
+    j["level"] = LogLevelName(level_);
+    j["source"] = absl::StrCat(Basename(file_), ":", line_);
+    j["session"] = t_session.empty() ? nlohmann::ordered_json() : nlohmann::ordered_json(t_session);
+    j["step"] = t_step < 0 ? nlohmann::ordered_json() : nlohmann::ordered_json(t_step);
+    j["message"] = text.substr(nl + 1);
+    // Invalid UTF-8 in a message (a client's name, say) is replaced, never thrown.
+    text = j.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
+  }
   if (LogSink sink = g_sink.load()) {
     sink(level_, text);
   } else {

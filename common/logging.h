@@ -9,6 +9,7 @@
 #ifndef DIOND_COMMON_LOGGING_H_
 #define DIOND_COMMON_LOGGING_H_
 
+#include <cstdint>
 #include <sstream>
 #include <string>
 
@@ -27,6 +28,32 @@ void SetMinLogLevel(LogLevel level);
 LogLevel MinLogLevel();
 inline bool LogEnabled(LogLevel level) { return level >= MinLogLevel(); }
 
+// Line format (flag --log_format): kText is "<time> <LEVEL> <file>:<line>] <message>"; kJson is
+// one JSON object per line for log shippers:
+//   {"time":"2026-12-01T09:00:00.123Z","level":"INFO","source":"daemon.cc:42",
+//    "session":"s-1a2b","step":7,"message":"..."}
+// `session` and `step` come from the calling thread's ScopedLogContext (null outside one).
+enum class LogFormat : int { kText = 0, kJson = 1 };
+// "text" or "json" (case-insensitive).
+absl::StatusOr<LogFormat> ParseLogFormat(absl::string_view text);
+void SetLogFormat(LogFormat format);
+LogFormat GetLogFormat();
+
+// While alive, log lines of this thread carry `session` (and `step` when >= 0). Nests: the
+// innermost wins, except that a context without a step inside one of the same session keeps
+// that step; the previous context comes back on destruction. The strings are copied.
+class ScopedLogContext {
+ public:
+  explicit ScopedLogContext(absl::string_view session, int64_t step = -1);
+  ~ScopedLogContext();
+  ScopedLogContext(const ScopedLogContext&) = delete;
+  ScopedLogContext& operator=(const ScopedLogContext&) = delete;
+
+ private:
+  std::string prev_session_;
+  int64_t prev_step_;
+};
+
 // Redirects log lines to `sink` instead of stderr (tests); nullptr restores stderr.
 using LogSink = void (*)(LogLevel level, const std::string& line);
 void SetLogSinkForTest(LogSink sink);
@@ -43,6 +70,8 @@ class LogMessage {
 
  private:
   LogLevel level_;
+  const char* file_;
+  int line_;
   std::ostringstream stream_;
 };
 

@@ -35,6 +35,10 @@ RUST=(
 )
 if ! command -v cargo >/dev/null 2>&1; then RUST+=(cargo); fi
 
+# kubectl renders the Kustomize overlays (scripts/check-deploy.sh). Debian's kubernetes-client
+# provides it; a kubectl installed otherwise (another package owning /usr/bin/kubectl) is kept.
+if ! command -v kubectl >/dev/null 2>&1; then TEST+=(kubernetes-client); fi
+
 mode=${1:---all}
 case "$mode" in
   --all) PKGS=("${LIBS[@]}" "${BUILD[@]}" "${TEST[@]}" "${RUST[@]}") ;;

@@ -1,5 +1,7 @@
 #include "server/daemon.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/logging.h"
@@ -44,9 +46,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   if (!options.metrics_address.empty()) {
     d->metrics_address_ = options.metrics_address;
     DIOND_ASSIGN_OR_RETURN(d->metrics_server_,
-                           MetricsServer::Start(options.metrics_address,
-                                                {d->metrics_->shared_registry(),
-                                                 MakeProcessCollector()}));
+                           MetricsServer::Start(options.metrics_address, [&] {
+                             auto sources = d->metrics_->collectables();
+                             sources.push_back(MakeProcessCollector());
+                             return sources;
+                           }()));
   }
   session::ManagerObserver observer;
   DaemonMetrics* metrics = d->metrics_.get();
@@ -61,12 +65,34 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   observer.on_checkpoint = [metrics](const std::string&, const std::string&, int64_t bytes) {
     metrics->ObserveCheckpoint(bytes);
   };
+  observer.on_checkpoint_failed = [metrics](const std::string&, const absl::Status&) {
+    metrics->CountCheckpointFailure();
+  };
   DIOND_ASSIGN_OR_RETURN(d->sessions_,
                          session::SessionManager::Create(options.sessions, std::move(observer)));
+  Limits limits;
+  limits.max_session_bytes = options.sessions.max_session_bytes;
+  limits.memory_budget_bytes = options.sessions.memory_budget_bytes;
+  limits.checkpoint_every = options.sessions.state_dir.empty() ? 0
+                                                               : options.sessions.checkpoint_every;
+  limits.world_size = options.world.world_size;
+  limits.rank = options.world.world_size > 1 ? options.world.rank : 0;
+  metrics->SetLimits(limits);
+  session::SessionManager* manager = d->sessions_.get();
+  metrics->SetSessionSource([manager] {
+    SessionTotals totals;
+    for (const session::SessionInfo& s : manager->List()) {
+      totals.state_bytes += s.state_bytes;
+      totals.steps_behind =
+          std::max(totals.steps_behind, s.last_step_index - s.last_checkpoint_step);
+    }
+    return totals;
+  });
   rpc::RpcServerOptions ro;
   ro.listen = options.listen;
   ro.manager = d->sessions_.get();
   ro.service.allow_shm_from_tcp = options.allow_shm_from_tcp;
+  ro.health_address = options.health_address;
   const WorldConfig& wc = options.world;
   if (wc.world_size > 1 && wc.rank == 0) {
     comm::CoordinatorOptions co;
@@ -132,6 +158,7 @@ std::vector<ListenAddress> Daemon::bound() const {
 }
 
 int Daemon::metrics_port() const { return metrics_server_ ? metrics_server_->port() : 0; }
+int Daemon::health_port() const { return rpc_ ? rpc_->health_port() : 0; }
 
 std::string Daemon::Describe() const {
   std::vector<std::string> names;
@@ -145,6 +172,7 @@ std::string Daemon::Describe() const {
   if (!device_.fallback_reason.empty()) {
     absl::StrAppend(&device, " (no GPU in use: ", device_.fallback_reason, ")");
   }
+  if (health_port() != 0) absl::StrAppend(&metrics, "; health checks on port ", health_port());
   std::string world;
   if (world_) {
     world = absl::StrCat("; world rank ", world_->rank(), " of ", world_->size(),
@@ -172,6 +200,7 @@ std::string Daemon::ReadyJson() const {
   }
   j["listen"] = listen;
   j["metrics_port"] = metrics_port();
+  j["health_port"] = health_port();
   j["device"] = device_.name;
   return j.dump();
 }
@@ -183,6 +212,8 @@ void Daemon::Shutdown(absl::Duration drain) {
   if (coordinator_) coordinator_->store()->CancelWaiters();
   if (rpc_) rpc_->Shutdown(drain);
   rpc_.reset();
+  // A scrape must not read the sessions while they go (SetSessionSource waits for one in flight).
+  if (metrics_) metrics_->SetSessionSource(nullptr);
   sessions_.reset();
   metrics_server_.reset();
   peer_client_.reset();

@@ -41,6 +41,7 @@ struct WorldConfig {
 struct DaemonOptions {
   std::vector<ListenAddress> listen;
   std::string metrics_address;  // "host:port"; empty = no metrics endpoint
+  std::string health_address;   // "host:port" serving grpc.health.v1 only; empty = none
   kernels::DeviceRequest device;
   std::string cuda_plugin;      // empty = next to the executable, then the loader path
   bool allow_insecure_remote = false;
@@ -58,6 +59,7 @@ class Daemon {
   const kernels::SelectedDevice& device() const { return device_; }
   std::vector<ListenAddress> bound() const;
   int metrics_port() const;
+  int health_port() const;  // 0 = no --health_address
   // One line for the start-up log: addresses, metrics URL, device.
   std::string Describe() const;
   // JSON with the bound addresses, for --ready_file.

@@ -33,6 +33,12 @@ ABSL_FLAG(std::string, device, "auto",
 ABSL_FLAG(std::string, cuda_plugin, "",
           "Path of libdiond_cuda.so; empty = next to the diond binary, then the loader path.");
 ABSL_FLAG(std::string, log_level, "info", "Log threshold: debug, info, warning or error.");
+ABSL_FLAG(std::string, log_format, "text",
+          "Log line format on stderr: text (\"<time> <LEVEL> <file>:<line>] <message>\") or json "
+          "(one object per line: time, level, source, session, step, message).");
+ABSL_FLAG(std::string, health_address, "",
+          "HOST:PORT serving only grpc.health.v1 (no other service), e.g. 0.0.0.0:50552 for "
+          "Kubernetes gRPC probes while the API stays on unix/loopback; empty = off.");
 ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(10),
           "On SIGTERM/SIGINT, how long in-flight RPCs may run before they are cancelled.");
 ABSL_FLAG(std::string, ready_file, "",
@@ -131,6 +137,13 @@ int main(int argc, char** argv) {
     return 2;
   }
   diond::SetMinLogLevel(*level);
+  auto format = diond::ParseLogFormat(absl::GetFlag(FLAGS_log_format));
+  if (!format.ok()) {
+    std::fprintf(stderr, "diond: --log_format: %s\n",
+                 std::string(format.status().message()).c_str());
+    return 2;
+  }
+  diond::SetLogFormat(*format);
 
   diond::server::DaemonOptions options;
   std::string listen = absl::GetFlag(FLAGS_listen);
@@ -150,6 +163,7 @@ int main(int argc, char** argv) {
   }
   options.device = *device;
   options.metrics_address = absl::GetFlag(FLAGS_metrics_address);
+  options.health_address = absl::GetFlag(FLAGS_health_address);
   options.cuda_plugin = absl::GetFlag(FLAGS_cuda_plugin);
   options.allow_insecure_remote = absl::GetFlag(FLAGS_allow_insecure_remote);
   options.allow_shm_from_tcp = absl::GetFlag(FLAGS_allow_shm_from_tcp);

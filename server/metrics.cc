@@ -108,6 +108,34 @@ class ProcessCollector : public prometheus::Collectable {
 
 }  // namespace
 
+// diond_state_bytes and diond_checkpoint_steps_behind, computed from the sessions at scrape time.
+class DaemonMetrics::SessionCollector : public prometheus::Collectable {
+ public:
+  void SetSource(std::function<SessionTotals()> source) {
+    absl::MutexLock lock(&mu_);
+    source_ = std::move(source);
+  }
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    SessionTotals totals;
+    {
+      absl::MutexLock lock(&mu_);
+      if (source_) totals = source_();
+    }
+    return {Gauge("diond_state_bytes",
+                  "Optimizer state and daemon-owned arenas of all open sessions, in bytes (what "
+                  "--memory_budget_bytes limits).",
+                  static_cast<double>(totals.state_bytes)),
+            Gauge("diond_checkpoint_steps_behind",
+                  "Largest number of steps any open session has applied since its last "
+                  "checkpoint (or restore).",
+                  static_cast<double>(totals.steps_behind))};
+  }
+
+ private:
+  mutable absl::Mutex mu_;
+  std::function<SessionTotals()> source_ ABSL_GUARDED_BY(mu_);
+};
+
 DaemonMetrics::DaemonMetrics(std::shared_ptr<prometheus::Registry> registry,
                              const BuildInfo& info)
     : registry_(std::move(registry)),
@@ -178,7 +206,48 @@ DaemonMetrics::DaemonMetrics(std::shared_ptr<prometheus::Registry> registry,
                                      "differed from the owner's at a --checksum_every check "
                                      "(each was replaced by the owner's copy).")
                                .Register(*registry_)
-                               .Add({})) {
+                               .Add({})),
+      checkpoint_failures_(prometheus::BuildCounter()
+                               .Name("diond_checkpoint_failures_total")
+                               .Help("Checkpoints of open sessions that could not be written "
+                                     "(automatic or requested).")
+                               .Register(*registry_)
+                               .Add({})),
+      checkpoint_last_success_(prometheus::BuildGauge()
+                                   .Name("diond_checkpoint_last_success_timestamp_seconds")
+                                   .Help("Unix time of the last checkpoint written; 0 = none.")
+                                   .Register(*registry_)
+                                   .Add({})),
+      max_session_bytes_(prometheus::BuildGauge()
+                             .Name("diond_max_session_bytes")
+                             .Help("--max_session_bytes: the largest state one session may "
+                                   "hold; 0 = unlimited.")
+                             .Register(*registry_)
+                             .Add({})),
+      memory_budget_bytes_(prometheus::BuildGauge()
+                               .Name("diond_memory_budget_bytes")
+                               .Help("--memory_budget_bytes: the state all sessions together "
+                                     "may hold; 0 = unlimited.")
+                               .Register(*registry_)
+                               .Add({})),
+      checkpoint_interval_(prometheus::BuildGauge()
+                               .Name("diond_checkpoint_interval_steps")
+                               .Help("--checkpoint_every (with --state_dir): automatic "
+                                     "checkpoint interval in steps; 0 = off.")
+                               .Register(*registry_)
+                               .Add({})),
+      world_size_(prometheus::BuildGauge()
+                      .Name("diond_world_size")
+                      .Help("--world_size: daemons the world should have; 1 = no world.")
+                      .Register(*registry_)
+                      .Add({})),
+      world_rank_(prometheus::BuildGauge()
+                      .Name("diond_world_rank")
+                      .Help("This daemon's rank in the world (0 without a world).")
+                      .Register(*registry_)
+                      .Add({})),
+      session_collector_(std::make_shared<SessionCollector>()) {
+  world_size_.Set(1);
   prometheus::BuildGauge()
       .Name("diond_build_info")
       .Help("Always 1; labels describe the running daemon.")
@@ -211,6 +280,25 @@ void DaemonMetrics::ObserveStep(absl::string_view outcome, double total_seconds,
 void DaemonMetrics::ObserveCheckpoint(int64_t bytes) {
   checkpoints_.Increment();
   checkpoint_bytes_.Increment(static_cast<double>(bytes));
+  checkpoint_last_success_.SetToCurrentTime();
+}
+
+void DaemonMetrics::CountCheckpointFailure() { checkpoint_failures_.Increment(); }
+
+void DaemonMetrics::SetLimits(const Limits& limits) {
+  max_session_bytes_.Set(static_cast<double>(limits.max_session_bytes));
+  memory_budget_bytes_.Set(static_cast<double>(limits.memory_budget_bytes));
+  checkpoint_interval_.Set(static_cast<double>(limits.checkpoint_every));
+  world_size_.Set(limits.world_size);
+  world_rank_.Set(limits.rank);
+}
+
+void DaemonMetrics::SetSessionSource(std::function<SessionTotals()> source) {
+  session_collector_->SetSource(std::move(source));
+}
+
+std::vector<std::shared_ptr<prometheus::Collectable>> DaemonMetrics::collectables() {
+  return {registry_, session_collector_};
 }
 
 void DaemonMetrics::ObserveCollective(absl::string_view op, int64_t bytes_sent, double seconds) {

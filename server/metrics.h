@@ -6,12 +6,14 @@
 #ifndef DIOND_SERVER_METRICS_H_
 #define DIOND_SERVER_METRICS_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
 #include "prometheus/gauge.h"
@@ -30,6 +32,22 @@ struct BuildInfo {
   bool cuda_plugin = false; // built with the CUDA plugin
 };
 
+// What the sessions hold, read at scrape time (SessionCollector).
+struct SessionTotals {
+  int64_t state_bytes = 0;    // what --memory_budget_bytes counts, all sessions together
+  int64_t steps_behind = 0;   // max over sessions: steps since its last checkpoint (or restore)
+};
+
+// Configured limits, exported as gauges (0 = unlimited / off) so dashboards and alerts can
+// compare the live values with them.
+struct Limits {
+  int64_t max_session_bytes = 0;
+  int64_t memory_budget_bytes = 0;
+  int64_t checkpoint_every = 0;
+  int world_size = 1;
+  int rank = 0;
+};
+
 // The daemon's metric families. Labels: `method` is the full gRPC method name
 // ("/diond.v1.Optimizer/Step"), `code` the canonical status code name ("OK", "INVALID_ARGUMENT").
 class DaemonMetrics {
@@ -41,7 +59,14 @@ class DaemonMetrics {
   // Session and step accounting. `outcome` is "applied", "skipped" or "replayed".
   void SetSessions(int64_t sessions);
   void ObserveStep(absl::string_view outcome, double total_seconds, double compute_seconds);
-  void ObserveCheckpoint(int64_t bytes);
+  void ObserveCheckpoint(int64_t bytes);  // also sets the last-success timestamp to now
+  void CountCheckpointFailure();
+  void SetLimits(const Limits& limits);
+  // Where the scrape-time session gauges (diond_state_bytes, diond_checkpoint_steps_behind) come
+  // from; unset = zeros. Set once the session manager exists.
+  void SetSessionSource(std::function<SessionTotals()> source);
+  // The collectables to serve: the registry and the scrape-time session gauges.
+  std::vector<std::shared_ptr<prometheus::Collectable>> collectables();
   // The daemon world (server/comm). `op` is a CollectiveOpName ("all_reduce", ...).
   void ObserveCollective(absl::string_view op, int64_t bytes_sent, double seconds);
   void SetWorldPeers(int64_t live_ranks);
@@ -69,6 +94,15 @@ class DaemonMetrics {
   prometheus::Gauge& world_generation_;
   prometheus::Counter& world_failures_;
   prometheus::Counter& checksum_mismatches_;
+  prometheus::Counter& checkpoint_failures_;
+  prometheus::Gauge& checkpoint_last_success_;
+  prometheus::Gauge& max_session_bytes_;
+  prometheus::Gauge& memory_budget_bytes_;
+  prometheus::Gauge& checkpoint_interval_;
+  prometheus::Gauge& world_size_;
+  prometheus::Gauge& world_rank_;
+  class SessionCollector;
+  std::shared_ptr<SessionCollector> session_collector_;
 };
 
 // Standard process_* metrics read from /proc/self at scrape time (prometheus-cpp 1.0 has no

@@ -3,6 +3,7 @@
 #include <string>
 
 #include "common/status_matchers.h"
+#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "prometheus/text_serializer.h"
 
@@ -37,6 +38,66 @@ TEST(DaemonMetrics, BuildInfoAndRpcCountsByMethodAndCode) {
   EXPECT_NE(text.find(R"(diond_rpc_duration_seconds_sum{code="OK",method="/diond.v1.Optimizer/Step"} 0.004)"),
             std::string::npos)
       << text;
+}
+
+TEST(DaemonMetrics, LimitsCheckpointsAndScrapeTimeSessionGauges) {
+  auto registry = std::make_shared<prometheus::Registry>();
+  DaemonMetrics m(registry, {"1.2.3", "cpu", false});
+  std::vector<std::shared_ptr<prometheus::Collectable>> sources = m.collectables();
+  ASSERT_EQ(sources.size(), 2u);
+  auto expose_all = [&] {
+    std::string out;
+    for (auto& s : sources) out += Expose(*s);
+    return out;
+  };
+  // Defaults: no world, no limits, no source yet (zeros), never checkpointed.
+  std::string text = expose_all();
+  for (const char* line : {"diond_world_size 1\n", "diond_world_rank 0\n",
+                           "diond_memory_budget_bytes 0\n", "diond_state_bytes 0\n",
+                           "diond_checkpoint_steps_behind 0\n",
+                           "diond_checkpoint_last_success_timestamp_seconds 0\n",
+                           "diond_checkpoint_failures_total 0\n"}) {
+    EXPECT_NE(text.find(line), std::string::npos) << line << " in\n" << text;
+  }
+  Limits limits;
+  limits.max_session_bytes = 1000;
+  limits.memory_budget_bytes = 5000;
+  limits.checkpoint_every = 50;
+  limits.world_size = 4;
+  limits.rank = 3;
+  m.SetLimits(limits);
+  int calls = 0;
+  m.SetSessionSource([&calls] {
+    ++calls;
+    SessionTotals t;
+    t.state_bytes = 4321;
+    t.steps_behind = 77;
+    return t;
+  });
+  m.CountCheckpointFailure();
+  m.CountCheckpointFailure();
+  const double before = static_cast<double>(absl::ToUnixSeconds(absl::Now()));
+  m.ObserveCheckpoint(10);
+  text = expose_all();
+  EXPECT_EQ(calls, 1);  // read at scrape time, once per scrape
+  for (const char* line : {"diond_max_session_bytes 1000\n", "diond_memory_budget_bytes 5000\n",
+                           "diond_checkpoint_interval_steps 50\n", "diond_world_size 4\n",
+                           "diond_world_rank 3\n", "diond_state_bytes 4321\n",
+                           "diond_checkpoint_steps_behind 77\n",
+                           "diond_checkpoint_failures_total 2\n"}) {
+    EXPECT_NE(text.find(line), std::string::npos) << line << " in\n" << text;
+  }
+  const std::string key = "diond_checkpoint_last_success_timestamp_seconds ";
+  size_t at = text.find("\n" + key);
+  ASSERT_NE(at, std::string::npos) << text;
+  const double stamp = std::stod(text.substr(at + 1 + key.size()));
+  EXPECT_GE(stamp, before);
+  EXPECT_LE(stamp, before + 3600);
+  // Unset again (daemon shutdown): zeros, and the old source is not called any more.
+  m.SetSessionSource(nullptr);
+  text = expose_all();
+  EXPECT_EQ(calls, 1);
+  EXPECT_NE(text.find("diond_state_bytes 0\n"), std::string::npos) << text;
 }
 
 TEST(ProcessCollector, ReportsPlausibleProcessValues) {

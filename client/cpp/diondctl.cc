@@ -1,29 +1,76 @@
-// diondctl: command-line client of a diond daemon.
-//   diondctl [--target=unix:/path|host:port] [--timeout=5s] health [SERVICE]
-//   diondctl [--target=...] sessions
-// Exit status: 0 on success (health: SERVING), 1 when the daemon answers otherwise or cannot be
-// reached, 2 on bad usage.
+// diondctl: the operator's command-line client of a diond daemon (docs/OPERATIONS.md "diondctl").
+//   diondctl [flags] health [SERVICE]       grpc.health.v1 status (exit 0 only when SERVING)
+//   diondctl [flags] sessions               table of the daemon's sessions
+//   diondctl [flags] session inspect ID     every field of one session, its groups
+//   diondctl [flags] checkpoint ID          SaveCheckpoint (--dir, default --state_dir)
+//   diondctl [flags] close ID               CloseSession
+//   diondctl [flags] world                  membership, generation, lost ranks (ask rank 0;
+//                                           exit 1 while a rank is lost)
+//   diondctl [flags] top                    live steps/s, latency, errors from /metrics
+// --json prints JSON instead of text on every command (top: one object per refresh and line).
+// Exit status: 0 on success, 1 when the daemon refuses or cannot be reached, 2 on bad usage.
+#include <curl/curl.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <optional>
+#include <sstream>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/status/status.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "diond/v1/optimizer.grpc.pb.h"
+#include "diond/v1/peer.grpc.pb.h"
+#include "google/protobuf/util/json_util.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
+#include "nlohmann/json.hpp"
 
 ABSL_FLAG(std::string, target, "",
           "Daemon address: unix:PATH or HOST:PORT. Empty = $DIOND_TARGET, else "
           "unix:$XDG_RUNTIME_DIR/diond.sock (or /tmp/diond-<uid>.sock).");
 ABSL_FLAG(absl::Duration, timeout, absl::Seconds(5), "Deadline of each call.");
+ABSL_FLAG(bool, json, false, "Print JSON instead of text (every command).");
+ABSL_FLAG(std::string, token_file, "",
+          "File holding a bearer token, sent as `authorization: Bearer <token>` on every call "
+          "(the daemon's --auth_token_file credential). Empty = $DIOND_TOKEN_FILE, else none.");
+ABSL_FLAG(std::string, tls_ca_file, "",
+          "PEM CA bundle to verify the daemon's TLS certificate; setting any --tls_* flag makes "
+          "the connection TLS (TCP targets).");
+ABSL_FLAG(std::string, tls_cert_file, "", "PEM client certificate for mTLS (with --tls_key_file).");
+ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file.");
+ABSL_FLAG(std::string, dir, "",
+          "checkpoint: directory to write under (relative = under the daemon's --state_dir); "
+          "empty = --state_dir.");
+ABSL_FLAG(std::string, metrics_url, "http://127.0.0.1:9464/metrics",
+          "top: the daemon's Prometheus endpoint (its --metrics_address).");
+ABSL_FLAG(absl::Duration, interval, absl::Seconds(2), "top: time between refreshes.");
+ABSL_FLAG(int, iterations, 0, "top: refreshes before exiting; 0 = until interrupted.");
 
 namespace {
+
+using diond::v1::SessionInfo;
+
+// ---- connection ------------------------------------------------------------------------------
 
 std::string DefaultTarget() {
   if (const char* t = std::getenv("DIOND_TARGET"); t != nullptr && t[0] != '\0') return t;
@@ -33,67 +80,669 @@ std::string DefaultTarget() {
   return absl::StrCat("unix:/tmp/diond-", getuid(), ".sock");
 }
 
-void SetDeadline(grpc::ClientContext* ctx) {
-  ctx->set_deadline(absl::ToChronoTime(absl::Now() + absl::GetFlag(FLAGS_timeout)));
+bool ReadFile(const std::string& path, std::string* out) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return false;
+  std::stringstream ss;
+  ss << f.rdbuf();
+  *out = ss.str();
+  return true;
 }
 
-int Health(const std::shared_ptr<grpc::Channel>& channel, const std::string& target,
-           const std::string& service) {
-  auto stub = grpc::health::v1::Health::NewStub(channel);
+struct Connection {
+  std::string target;
+  std::shared_ptr<grpc::Channel> channel;
+  std::string token;  // empty = none
+};
+
+// Prints the error and returns false when a credential file cannot be read.
+bool Connect(Connection* c) {
+  c->target = absl::GetFlag(FLAGS_target);
+  if (c->target.empty()) c->target = DefaultTarget();
+  std::string token_file = absl::GetFlag(FLAGS_token_file);
+  if (token_file.empty()) {
+    if (const char* t = std::getenv("DIOND_TOKEN_FILE"); t != nullptr) token_file = t;
+  }
+  if (!token_file.empty()) {
+    if (!ReadFile(token_file, &c->token)) {
+      std::fprintf(stderr, "diondctl: cannot read --token_file %s\n", token_file.c_str());
+      return false;
+    }
+    c->token = std::string(absl::StripAsciiWhitespace(c->token));
+  }
+  const std::string ca = absl::GetFlag(FLAGS_tls_ca_file);
+  const std::string cert = absl::GetFlag(FLAGS_tls_cert_file);
+  const std::string key = absl::GetFlag(FLAGS_tls_key_file);
+  if (ca.empty() && cert.empty() && key.empty()) {
+    c->channel = grpc::CreateChannel(c->target, grpc::InsecureChannelCredentials());
+    return true;
+  }
+  if (cert.empty() != key.empty()) {
+    std::fprintf(stderr, "diondctl: --tls_cert_file and --tls_key_file go together\n");
+    return false;
+  }
+  grpc::SslCredentialsOptions ssl;
+  for (auto [flag, path, out] :
+       {std::make_tuple("--tls_ca_file", ca, &ssl.pem_root_certs),
+        std::make_tuple("--tls_cert_file", cert, &ssl.pem_cert_chain),
+        std::make_tuple("--tls_key_file", key, &ssl.pem_private_key)}) {
+    if (!path.empty() && !ReadFile(path, out)) {
+      std::fprintf(stderr, "diondctl: cannot read %s %s\n", flag, path.c_str());
+      return false;
+    }
+  }
+  c->channel = grpc::CreateChannel(c->target, grpc::SslCredentials(ssl));
+  return true;
+}
+
+void Prepare(const Connection& c, grpc::ClientContext* ctx) {
+  ctx->set_deadline(absl::ToChronoTime(absl::Now() + absl::GetFlag(FLAGS_timeout)));
+  if (!c.token.empty()) ctx->AddMetadata("authorization", absl::StrCat("Bearer ", c.token));
+}
+
+int Fail(const Connection& c, const grpc::Status& s) {
+  // gRPC's status codes are absl's, number for number.
+  std::fprintf(stderr, "diondctl: %s: %s: %s\n", c.target.c_str(),
+               absl::StatusCodeToString(static_cast<absl::StatusCode>(s.error_code())).c_str(),
+               s.error_message().c_str());
+  return 1;
+}
+
+std::string ToJson(const google::protobuf::Message& m) {
+  google::protobuf::util::JsonPrintOptions o;
+  o.preserve_proto_field_names = true;
+  o.always_print_primitive_fields = true;
+  std::string out;
+  (void)google::protobuf::util::MessageToJsonString(m, &out, o);
+  return out;
+}
+
+// ---- formatting ------------------------------------------------------------------------------
+
+std::string Bytes(int64_t b) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(b);
+  int u = 0;
+  while (v >= 1024 && u < 4) {
+    v /= 1024;
+    ++u;
+  }
+  return u == 0 ? absl::StrCat(b, " B") : absl::StrFormat("%.1f %s", v, units[u]);
+}
+
+std::string Ago(int64_t unix_micros, absl::Time now) {
+  if (unix_micros == 0) return "-";
+  absl::Duration d = absl::Trunc(now - absl::FromUnixMicros(unix_micros), absl::Seconds(1));
+  if (d <= absl::ZeroDuration()) return "0s ago";
+  return absl::StrCat(absl::FormatDuration(d), " ago");
+}
+
+std::string AlgorithmName(int a) {
+  std::string n = diond::v1::Algorithm_Name(static_cast<diond::v1::Algorithm>(a));
+  return absl::AsciiStrToLower(absl::StripPrefix(n, "ALGORITHM_"));
+}
+
+std::string StateName(int s) {
+  std::string n = diond::v1::SessionState_Name(static_cast<diond::v1::SessionState>(s));
+  return absl::AsciiStrToLower(absl::StripPrefix(n, "SESSION_STATE_"));
+}
+
+std::string Groups(const SessionInfo& s) {
+  std::vector<std::string> g;
+  for (const auto& group : s.groups()) {
+    g.push_back(absl::StrCat(group.name(), ":", AlgorithmName(group.algorithm())));
+  }
+  return g.empty() ? "-" : absl::StrJoin(g, ",");
+}
+
+// A text table: one Column per field; adding a column is adding one entry.
+template <typename Row>
+struct Column {
+  std::string header;
+  std::function<std::string(const Row&)> cell;
+};
+
+template <typename Row>
+void PrintTable(const std::vector<Column<Row>>& columns, const std::vector<Row>& rows) {
+  std::vector<std::vector<std::string>> cells;
+  std::vector<size_t> width;
+  for (const auto& c : columns) width.push_back(c.header.size());
+  for (const Row& r : rows) {
+    std::vector<std::string> line;
+    for (size_t i = 0; i < columns.size(); ++i) {
+      line.push_back(columns[i].cell(r));
+      width[i] = std::max(width[i], line.back().size());
+    }
+    cells.push_back(std::move(line));
+  }
+  auto print = [&](const std::vector<std::string>& line) {
+    std::string out;
+    for (size_t i = 0; i < line.size(); ++i) {
+      absl::StrAppend(&out, line[i], i + 1 < line.size() ? std::string(width[i] - line[i].size() + 2, ' ') : "");
+    }
+    std::printf("%s\n", out.c_str());
+  };
+  std::vector<std::string> headers;
+  for (const auto& c : columns) headers.push_back(c.header);
+  print(headers);
+  for (const auto& line : cells) print(line);
+}
+
+// The session listing's columns. The owner column is printed when the daemon's SessionInfo has
+// an `owner` field (read through reflection, so this file builds with and without it).
+std::vector<Column<SessionInfo>> SessionColumns(absl::Time now) {
+  std::vector<Column<SessionInfo>> cols = {
+      {"SESSION", [](const SessionInfo& s) { return s.session_id(); }},
+      {"CLIENT", [](const SessionInfo& s) { return s.client_name().empty() ? "-" : s.client_name(); }},
+      {"GROUPS", [](const SessionInfo& s) { return Groups(s); }},
+      {"PARAMS", [](const SessionInfo& s) { return absl::StrCat(s.parameters()); }},
+      {"STATE_BYTES", [](const SessionInfo& s) { return Bytes(s.state_bytes()); }},
+      {"STEP", [](const SessionInfo& s) { return absl::StrCat(s.last_step_index()); }},
+      {"LAST_STEP", [now](const SessionInfo& s) { return Ago(s.last_step_unix_micros(), now); }},
+      {"CHECKPOINT", [](const SessionInfo& s) {
+         return s.last_checkpoint_step() == 0 && s.last_checkpoint_path().empty()
+                    ? std::string("-")
+                    : absl::StrCat("step ", s.last_checkpoint_step());
+       }},
+      {"STATE", [](const SessionInfo& s) { return StateName(s.state()); }},
+  };
+  const auto* owner = SessionInfo::descriptor()->FindFieldByName("owner");
+  if (owner != nullptr && owner->type() == google::protobuf::FieldDescriptor::TYPE_STRING &&
+      !owner->is_repeated()) {
+    cols.insert(cols.begin() + 1, {"OWNER", [owner](const SessionInfo& s) {
+                  std::string o = s.GetReflection()->GetString(s, owner);
+                  return o.empty() ? std::string("-") : o;
+                }});
+  }
+  return cols;
+}
+
+// ---- commands --------------------------------------------------------------------------------
+
+int Health(const Connection& c, const std::string& service) {
+  auto stub = grpc::health::v1::Health::NewStub(c.channel);
   grpc::ClientContext ctx;
-  SetDeadline(&ctx);
+  Prepare(c, &ctx);
   grpc::health::v1::HealthCheckRequest req;
   req.set_service(service);
   grpc::health::v1::HealthCheckResponse resp;
   grpc::Status s = stub->Check(&ctx, req, &resp);
   if (!s.ok()) {
-    std::fprintf(stderr, "diondctl: %s: health check failed: %s\n", target.c_str(),
+    std::fprintf(stderr, "diondctl: %s: health check failed: %s\n", c.target.c_str(),
                  s.error_message().c_str());
     return 1;
   }
-  std::printf("%s %s\n", target.c_str(),
-              grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status()).c_str());
+  const std::string status =
+      grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status());
+  if (absl::GetFlag(FLAGS_json)) {
+    std::printf("%s\n", nlohmann::json{{"target", c.target}, {"service", service},
+                                       {"status", status}}.dump().c_str());
+  } else {
+    std::printf("%s %s\n", c.target.c_str(), status.c_str());
+  }
   return resp.status() == grpc::health::v1::HealthCheckResponse::SERVING ? 0 : 1;
 }
 
-int Sessions(const std::shared_ptr<grpc::Channel>& channel, const std::string& target) {
-  auto stub = diond::v1::Optimizer::NewStub(channel);
+bool ListSessions(const Connection& c, diond::v1::ListSessionsResponse* resp, int* rc) {
+  auto stub = diond::v1::Optimizer::NewStub(c.channel);
   grpc::ClientContext ctx;
-  SetDeadline(&ctx);
+  Prepare(c, &ctx);
+  grpc::Status s = stub->ListSessions(&ctx, diond::v1::ListSessionsRequest(), resp);
+  if (!s.ok()) *rc = Fail(c, s);
+  return s.ok();
+}
+
+int Sessions(const Connection& c) {
   diond::v1::ListSessionsResponse resp;
-  grpc::Status s = stub->ListSessions(&ctx, diond::v1::ListSessionsRequest(), &resp);
-  if (!s.ok()) {
-    std::fprintf(stderr, "diondctl: %s: %s\n", target.c_str(), s.error_message().c_str());
-    return 1;
+  int rc = 0;
+  if (!ListSessions(c, &resp, &rc)) return rc;
+  if (absl::GetFlag(FLAGS_json)) {
+    std::printf("%s\n", ToJson(resp).c_str());
+    return 0;
   }
+  std::vector<SessionInfo> rows(resp.sessions().begin(), resp.sessions().end());
+  std::sort(rows.begin(), rows.end(),
+            [](const SessionInfo& a, const SessionInfo& b) { return a.session_id() < b.session_id(); });
+  PrintTable(SessionColumns(absl::Now()), rows);
   std::printf("%d session(s)\n", resp.sessions_size());
-  for (const auto& info : resp.sessions()) {
-    std::printf("%s client=%s parameters=%lld last_step=%lld state_bytes=%lld\n",
-                info.session_id().c_str(), info.client_name().c_str(),
-                static_cast<long long>(info.parameters()),
-                static_cast<long long>(info.last_step_index()),
-                static_cast<long long>(info.state_bytes()));
+  return 0;
+}
+
+int Inspect(const Connection& c, const std::string& id) {
+  diond::v1::ListSessionsResponse resp;
+  int rc = 0;
+  if (!ListSessions(c, &resp, &rc)) return rc;
+  for (const SessionInfo& s : resp.sessions()) {
+    if (s.session_id() != id) continue;
+    if (absl::GetFlag(FLAGS_json)) {
+      std::printf("%s\n", ToJson(s).c_str());
+      return 0;
+    }
+    const absl::Time now = absl::Now();
+    auto when = [&](int64_t us) {
+      return us == 0 ? std::string("-")
+                     : absl::StrCat(absl::FormatTime("%Y-%m-%dT%H:%M:%SZ", absl::FromUnixMicros(us),
+                                                     absl::UTCTimeZone()),
+                                    " (", Ago(us, now), ")");
+    };
+    // Every field, by reflection order, so a field added to SessionInfo shows up here too.
+    std::printf("session             %s\n", s.session_id().c_str());
+    std::printf("state               %s\n", StateName(s.state()).c_str());
+    std::printf("client              %s\n", s.client_name().c_str());
+    const auto* owner = SessionInfo::descriptor()->FindFieldByName("owner");
+    if (owner != nullptr && owner->type() == google::protobuf::FieldDescriptor::TYPE_STRING &&
+        !owner->is_repeated()) {
+      std::printf("owner               %s\n", s.GetReflection()->GetString(s, owner).c_str());
+    }
+    std::printf("world key           %s\n", s.world_key().empty() ? "- (local session)"
+                                                                   : s.world_key().c_str());
+    std::printf("parameters          %lld\n", static_cast<long long>(s.parameters()));
+    std::printf("state bytes         %s (%lld)\n", Bytes(s.state_bytes()).c_str(),
+                static_cast<long long>(s.state_bytes()));
+    std::printf("host bytes          %s (%lld)\n", Bytes(s.host_bytes()).c_str(),
+                static_cast<long long>(s.host_bytes()));
+    std::printf("last step           %lld\n", static_cast<long long>(s.last_step_index()));
+    std::printf("last step at        %s\n", when(s.last_step_unix_micros()).c_str());
+    std::printf("last used at        %s\n", when(s.last_used_unix_micros()).c_str());
+    std::printf("last checkpoint     %s\n",
+                s.last_checkpoint_path().empty()
+                    ? "-"
+                    : absl::StrCat("step ", s.last_checkpoint_step(), " at ",
+                                   s.last_checkpoint_path())
+                          .c_str());
+    std::printf("last checkpoint at  %s\n", when(s.last_checkpoint_unix_micros()).c_str());
+    std::printf("groups:\n");
+    std::vector<diond::v1::SessionGroupInfo> groups(s.groups().begin(), s.groups().end());
+    PrintTable<diond::v1::SessionGroupInfo>(
+        {{"  GROUP", [](const auto& g) { return absl::StrCat("  ", g.name()); }},
+         {"ALGORITHM", [](const auto& g) { return AlgorithmName(g.algorithm()); }},
+         {"PARAMS", [](const auto& g) { return absl::StrCat(g.parameters()); }}},
+        groups);
+    return 0;
+  }
+  std::fprintf(stderr, "diondctl: %s: no session '%s'\n", c.target.c_str(), id.c_str());
+  return 1;
+}
+
+int Checkpoint(const Connection& c, const std::string& id) {
+  auto stub = diond::v1::Optimizer::NewStub(c.channel);
+  grpc::ClientContext ctx;
+  Prepare(c, &ctx);
+  diond::v1::SaveCheckpointRequest req;
+  req.set_session_id(id);
+  req.set_directory(absl::GetFlag(FLAGS_dir));
+  diond::v1::SaveCheckpointResponse resp;
+  grpc::Status s = stub->SaveCheckpoint(&ctx, req, &resp);
+  if (!s.ok()) return Fail(c, s);
+  if (absl::GetFlag(FLAGS_json)) {
+    std::printf("%s\n", ToJson(resp).c_str());
+  } else {
+    std::printf("session %s: checkpoint of step %lld written to %s (%s)\n", id.c_str(),
+                static_cast<long long>(resp.step_index()), resp.path().c_str(),
+                Bytes(resp.bytes()).c_str());
   }
   return 0;
 }
 
+int Close(const Connection& c, const std::string& id) {
+  auto stub = diond::v1::Optimizer::NewStub(c.channel);
+  grpc::ClientContext ctx;
+  Prepare(c, &ctx);
+  diond::v1::CloseSessionRequest req;
+  req.set_session_id(id);
+  diond::v1::CloseSessionResponse resp;
+  grpc::Status s = stub->CloseSession(&ctx, req, &resp);
+  if (!s.ok()) return Fail(c, s);
+  if (absl::GetFlag(FLAGS_json)) {
+    std::printf("%s\n", nlohmann::json{{"session_id", id}, {"closed", true}}.dump().c_str());
+  } else {
+    std::printf("session %s closed\n", id.c_str());
+  }
+  return 0;
+}
+
+int World(const Connection& c) {
+  auto stub = diond::v1::Peer::NewStub(c.channel);
+  grpc::ClientContext ctx;
+  Prepare(c, &ctx);
+  diond::v1::GetMembershipResponse resp;
+  grpc::Status s = stub->GetMembership(&ctx, diond::v1::GetMembershipRequest(), &resp);
+  if (s.error_code() == grpc::StatusCode::UNIMPLEMENTED) {
+    std::fprintf(stderr,
+                 "diondctl: %s serves no world membership: it is not the coordinator (rank 0) "
+                 "of a world, or runs with --world_size=1\n",
+                 c.target.c_str());
+    return 1;
+  }
+  if (!s.ok()) return Fail(c, s);
+  const diond::v1::Membership& m = resp.membership();
+  std::map<int, const diond::v1::PeerMember*> by_rank;
+  for (const auto& p : m.members()) by_rank[p.rank()] = &p;
+  std::vector<int> lost;
+  for (int r = 0; r < m.world_size(); ++r) {
+    auto it = by_rank.find(r);
+    if (it == by_rank.end() || !it->second->live()) lost.push_back(r);
+  }
+  if (absl::GetFlag(FLAGS_json)) {
+    nlohmann::json j = nlohmann::json::parse(ToJson(m));
+    j["lost_ranks"] = lost;
+    std::printf("%s\n", j.dump().c_str());
+    return lost.empty() ? 0 : 1;
+  }
+  std::printf("world of %d, generation %llu, %s\n", m.world_size(),
+              static_cast<unsigned long long>(m.generation()),
+              m.complete() ? "complete" : "INCOMPLETE");
+  if (!m.broken_reason().empty()) std::printf("last break: %s\n", m.broken_reason().c_str());
+  std::vector<int> ranks;
+  for (int r = 0; r < m.world_size(); ++r) ranks.push_back(r);
+  PrintTable<int>({{"RANK", [](int r) { return absl::StrCat(r); }},
+                   {"ADDRESS", [&](int r) {
+                      auto it = by_rank.find(r);
+                      return it == by_rank.end() ? std::string("-") : it->second->address();
+                    }},
+                   {"STATE", [&](int r) {
+                      auto it = by_rank.find(r);
+                      if (it == by_rank.end()) return std::string("never joined");
+                      return std::string(it->second->live() ? "live" : "lost");
+                    }},
+                   {"INCARNATION", [&](int r) {
+                      auto it = by_rank.find(r);
+                      return it == by_rank.end() ? std::string("-")
+                                                 : absl::StrFormat("%016x", it->second->incarnation());
+                    }}},
+                  ranks);
+  std::printf("lost ranks: %s\n", lost.empty() ? "none" : absl::StrJoin(lost, ", ").c_str());
+  return lost.empty() ? 0 : 1;
+}
+
+// ---- top: /metrics -----------------------------------------------------------------------------
+
+// One sample of the Prometheus text format: name, labels, value.
+struct Sample {
+  std::string name;
+  std::map<std::string, std::string> labels;
+  double value = 0;
+};
+
+size_t AppendBody(char* data, size_t size, size_t n, void* out) {
+  static_cast<std::string*>(out)->append(data, size * n);
+  return size * n;
+}
+
+bool Fetch(const std::string& url, std::string* body, std::string* error) {
+  CURL* curl = curl_easy_init();
+  if (curl == nullptr) {
+    *error = "curl_easy_init failed";
+    return false;
+  }
+  char err[CURL_ERROR_SIZE] = {0};
+  curl_easy_setopt(curl, CURLOPT_URL, url.c_str());
+  curl_easy_setopt(curl, CURLOPT_WRITEFUNCTION, &AppendBody);
+  curl_easy_setopt(curl, CURLOPT_WRITEDATA, body);
+  curl_easy_setopt(curl, CURLOPT_ERRORBUFFER, err);
+  curl_easy_setopt(curl, CURLOPT_NOSIGNAL, 1L);
+  curl_easy_setopt(curl, CURLOPT_FAILONERROR, 1L);
+  curl_easy_setopt(curl, CURLOPT_TIMEOUT_MS,
+                   static_cast<long>(absl::ToInt64Milliseconds(absl::GetFlag(FLAGS_timeout))));
+  CURLcode rc = curl_easy_perform(curl);
+  curl_easy_cleanup(curl);
+  if (rc != CURLE_OK) *error = err[0] != '\0' ? err : curl_easy_strerror(rc);
+  return rc == CURLE_OK;
+}
+
+// The text exposition format (as prometheus-cpp writes it): `name{k="v",...} value [ts]`.
+std::vector<Sample> ParseExposition(const std::string& text) {
+  std::vector<Sample> out;
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    if (line.empty() || line[0] == '#') continue;
+    Sample s;
+    size_t i = line.find_first_of("{ ");
+    if (i == absl::string_view::npos) continue;
+    s.name = std::string(line.substr(0, i));
+    if (line[i] == '{') {
+      size_t j = i + 1;
+      while (j < line.size() && line[j] != '}') {
+        size_t eq = line.find('=', j);
+        if (eq == absl::string_view::npos || eq + 1 >= line.size() || line[eq + 1] != '"') break;
+        std::string key(absl::StripAsciiWhitespace(line.substr(j, eq - j)));
+        std::string value;
+        size_t k = eq + 2;
+        for (; k < line.size() && line[k] != '"'; ++k) {
+          if (line[k] == '\\' && k + 1 < line.size()) {
+            ++k;
+            value.push_back(line[k] == 'n' ? '\n' : line[k]);
+          } else {
+            value.push_back(line[k]);
+          }
+        }
+        s.labels[key] = value;
+        j = k + 1;
+        if (j < line.size() && line[j] == ',') ++j;
+      }
+      i = line.find('}', i);
+      if (i == absl::string_view::npos) continue;
+      ++i;
+    }
+    std::vector<absl::string_view> rest =
+        absl::StrSplit(line.substr(i), ' ', absl::SkipWhitespace());
+    if (rest.empty()) continue;
+    std::string v(rest[0]);
+    if (v == "+Inf") {
+      s.value = INFINITY;
+    } else if (v == "-Inf") {
+      s.value = -INFINITY;
+    } else if (!absl::SimpleAtod(v, &s.value)) {
+      continue;
+    }
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+struct Scrape {
+  absl::Time at;
+  std::vector<Sample> samples;
+
+  double Sum(absl::string_view name,
+             const std::function<bool(const std::map<std::string, std::string>&)>& keep =
+                 nullptr) const {
+    double total = 0;
+    for (const Sample& s : samples) {
+      if (s.name == name && (!keep || keep(s.labels))) total += s.value;
+    }
+    return total;
+  }
+  // Cumulative bucket counts by upper bound.
+  std::map<double, double> Buckets(absl::string_view histogram) const {
+    std::map<double, double> b;
+    const std::string name = absl::StrCat(histogram, "_bucket");
+    for (const Sample& s : samples) {
+      if (s.name != name) continue;
+      auto le = s.labels.find("le");
+      if (le == s.labels.end()) continue;
+      double bound = le->second == "+Inf" ? INFINITY : std::strtod(le->second.c_str(), nullptr);
+      b[bound] += s.value;
+    }
+    return b;
+  }
+};
+
+// The q-quantile of the observations between two scrapes, interpolated inside its bucket as
+// Prometheus's histogram_quantile does; nullopt when nothing was observed.
+std::optional<double> Quantile(const std::map<double, double>& before,
+                               const std::map<double, double>& after, double q) {
+  std::vector<std::pair<double, double>> delta;
+  for (const auto& [bound, count] : after) {
+    auto it = before.find(bound);
+    delta.push_back({bound, count - (it == before.end() ? 0 : it->second)});
+  }
+  if (delta.empty() || delta.back().second <= 0) return std::nullopt;
+  const double rank = q * delta.back().second;
+  double lower = 0, below = 0;
+  for (const auto& [bound, count] : delta) {
+    if (count >= rank) {
+      if (std::isinf(bound)) return lower;  // above the last finite bucket
+      const double in_bucket = count - below;
+      return in_bucket <= 0 ? bound : lower + (bound - lower) * (rank - below) / in_bucket;
+    }
+    lower = bound;
+    below = count;
+  }
+  return lower;
+}
+
+bool TakeScrape(const std::string& url, Scrape* s) {
+  std::string body, error;
+  if (!Fetch(url, &body, &error)) {
+    std::fprintf(stderr, "diondctl: %s: %s\n", url.c_str(), error.c_str());
+    return false;
+  }
+  s->at = absl::Now();
+  s->samples = ParseExposition(body);
+  return true;
+}
+
+int Top() {
+  const std::string url = absl::GetFlag(FLAGS_metrics_url);
+  const int iterations = absl::GetFlag(FLAGS_iterations);
+  const absl::Duration interval = absl::GetFlag(FLAGS_interval);
+  const bool json = absl::GetFlag(FLAGS_json);
+  const bool tty = !json && isatty(STDOUT_FILENO);
+  curl_global_init(CURL_GLOBAL_DEFAULT);
+  Scrape prev;
+  if (!TakeScrape(url, &prev)) return 1;
+  auto is_step = [](const std::map<std::string, std::string>& l) {
+    auto m = l.find("method");
+    return m != l.end() && m->second == "/diond.v1.Optimizer/Step";
+  };
+  for (int n = 1; iterations == 0 || n <= iterations; ++n) {
+    absl::SleepFor(interval);
+    Scrape cur;
+    if (!TakeScrape(url, &cur)) return 1;
+    const double dt = absl::ToDoubleSeconds(cur.at - prev.at);
+    auto rate = [&](absl::string_view name,
+                    const std::function<bool(const std::map<std::string, std::string>&)>& keep =
+                        nullptr) {
+      return dt > 0 ? std::max(0.0, cur.Sum(name, keep) - prev.Sum(name, keep)) / dt : 0.0;
+    };
+    auto outcome = [](const char* o) {
+      return [o](const std::map<std::string, std::string>& l) {
+        auto it = l.find("outcome");
+        return it != l.end() && it->second == o;
+      };
+    };
+    const double applied = rate("diond_steps_total", outcome("applied"));
+    const double skipped = rate("diond_steps_total", outcome("skipped"));
+    const double replayed = rate("diond_steps_total", outcome("replayed"));
+    const double step_errors = rate("diond_rpcs_total", [&](const auto& l) {
+      auto c = l.find("code");
+      return is_step(l) && c != l.end() && c->second != "OK";
+    });
+    const double rpc_errors = rate("diond_rpcs_total", [](const auto& l) {
+      auto c = l.find("code");
+      return c != l.end() && c->second != "OK";
+    });
+    const auto total_before = prev.Buckets("diond_step_duration_seconds");
+    const auto total_after = cur.Buckets("diond_step_duration_seconds");
+    const auto compute_before = prev.Buckets("diond_step_compute_seconds");
+    const auto compute_after = cur.Buckets("diond_step_compute_seconds");
+    const double steps_in_window = cur.Sum("diond_step_duration_seconds_count") -
+                                   prev.Sum("diond_step_duration_seconds_count");
+    const double mean_ms =
+        steps_in_window > 0 ? 1e3 *
+                                  (cur.Sum("diond_step_duration_seconds_sum") -
+                                   prev.Sum("diond_step_duration_seconds_sum")) /
+                                  steps_in_window
+                            : NAN;
+    auto ms = [](std::optional<double> v) { return v ? *v * 1e3 : NAN; };
+    const double p50 = ms(Quantile(total_before, total_after, 0.5));
+    const double p99 = ms(Quantile(total_before, total_after, 0.99));
+    const double c50 = ms(Quantile(compute_before, compute_after, 0.5));
+    const double c99 = ms(Quantile(compute_before, compute_after, 0.99));
+    const double sessions = cur.Sum("diond_sessions");
+    const double state_bytes = cur.Sum("diond_state_bytes");
+    const double budget = cur.Sum("diond_memory_budget_bytes");
+    const double world_size = cur.Sum("diond_world_size");
+    const double peers = cur.Sum("diond_world_peers");
+    const double collective_bps = rate("diond_collective_bytes_total");
+    if (json) {
+      auto num = [](double v) { return std::isnan(v) ? nlohmann::json() : nlohmann::json(v); };
+      nlohmann::json j = {
+          {"time", absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ", cur.at, absl::UTCTimeZone())},
+          {"iteration", n},
+          {"interval_seconds", dt},
+          {"steps_per_second", {{"applied", applied}, {"skipped", skipped}, {"replayed", replayed}}},
+          {"step_errors_per_second", step_errors},
+          {"rpc_errors_per_second", rpc_errors},
+          {"step_ms", {{"mean", num(mean_ms)}, {"p50", num(p50)}, {"p99", num(p99)}}},
+          {"compute_ms", {{"p50", num(c50)}, {"p99", num(c99)}}},
+          {"sessions", sessions},
+          {"state_bytes", state_bytes},
+          {"memory_budget_bytes", budget},
+          {"world", {{"size", world_size}, {"peers", peers}}},
+          {"collective_bytes_per_second", collective_bps}};
+      std::printf("%s\n", j.dump().c_str());
+    } else {
+      if (tty) std::printf("\033[H\033[2J");
+      auto f = [](double v) { return std::isnan(v) ? std::string("-") : absl::StrFormat("%.2f", v); };
+      std::printf("diond top  %s  (%s, every %s)\n",
+                  absl::FormatTime("%H:%M:%S", cur.at, absl::UTCTimeZone()).c_str(), url.c_str(),
+                  absl::FormatDuration(interval).c_str());
+      std::printf("steps/s     applied %.1f  skipped %.1f  replayed %.1f  errors %.1f\n", applied,
+                  skipped, replayed, step_errors);
+      std::printf("step ms     mean %s  p50 %s  p99 %s   compute p50 %s  p99 %s\n",
+                  f(mean_ms).c_str(), f(p50).c_str(), f(p99).c_str(), f(c50).c_str(),
+                  f(c99).c_str());
+      std::printf("sessions    %.0f   state %s%s\n", sessions,
+                  Bytes(static_cast<int64_t>(state_bytes)).c_str(),
+                  budget > 0 ? absl::StrCat(" of ", Bytes(static_cast<int64_t>(budget)),
+                                            " budget").c_str()
+                             : "");
+      if (world_size > 1) {
+        std::printf("world       %.0f of %.0f ranks live   collectives %s/s\n", peers, world_size,
+                    Bytes(static_cast<int64_t>(collective_bps)).c_str());
+      }
+      std::printf("rpc errors  %.1f/s\n", rpc_errors);
+    }
+    std::fflush(stdout);
+    prev = std::move(cur);
+  }
+  return 0;
+}
+
+constexpr char kUsage[] =
+    "diondctl: talk to a diond daemon.\n"
+    "  diondctl [flags] health [SERVICE]\n"
+    "  diondctl [flags] sessions\n"
+    "  diondctl [flags] session inspect ID\n"
+    "  diondctl [flags] checkpoint ID [--dir=DIR]\n"
+    "  diondctl [flags] close ID\n"
+    "  diondctl [flags] world            (target: the world's rank 0)\n"
+    "  diondctl [flags] top [--metrics_url=URL] [--interval=2s] [--iterations=N]\n"
+    "Every command takes --json.";
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "diondctl: talk to a diond daemon.\n  diondctl [--target=unix:/path] health [SERVICE]\n"
-      "  diondctl [--target=unix:/path] sessions");
+  absl::SetProgramUsageMessage(kUsage);
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
-  if (args.size() < 2) {
-    std::fprintf(stderr, "diondctl: missing command (health, sessions); see --help\n");
+  auto usage = [](const char* why) {
+    std::fprintf(stderr, "diondctl: %s\n%s\n", why, kUsage);
     return 2;
-  }
-  std::string target = absl::GetFlag(FLAGS_target);
-  if (target.empty()) target = DefaultTarget();
-  auto channel = grpc::CreateChannel(target, grpc::InsecureChannelCredentials());
-  std::string cmd = args[1];
-  if (cmd == "health") return Health(channel, target, args.size() > 2 ? args[2] : "");
-  if (cmd == "sessions") return Sessions(channel, target);
-  std::fprintf(stderr, "diondctl: unknown command '%s' (health, sessions)\n", cmd.c_str());
-  return 2;
+  };
+  if (args.size() < 2) return usage("missing command");
+  const std::string cmd = args[1];
+  const size_t n = args.size();
+  if (cmd == "top") return n == 2 ? Top() : usage("top takes no argument");
+  Connection c;
+  if (!Connect(&c)) return 1;
+  if (cmd == "health" && n <= 3) return Health(c, n == 3 ? args[2] : "");
+  if (cmd == "sessions" && n == 2) return Sessions(c);
+  if (cmd == "session" && n == 4 && std::string(args[2]) == "inspect") return Inspect(c, args[3]);
+  if (cmd == "checkpoint" && n == 3) return Checkpoint(c, args[2]);
+  if (cmd == "close" && n == 3) return Close(c, args[2]);
+  if (cmd == "world" && n == 2) return World(c);
+  return usage(absl::StrCat("unknown command or wrong arguments: ",
+                            absl::StrJoin(args.begin() + 1, args.end(), " "))
+                   .c_str());
 }

@@ -53,6 +53,53 @@ v1::DType DTypeToProto(kernels::DType d) {
   return v1::DTYPE_UNSPECIFIED;
 }
 
+v1::Algorithm AlgorithmToProto(optim::AlgorithmKind a) {
+  switch (a) {
+    case optim::AlgorithmKind::kMuon: return v1::ALGORITHM_MUON;
+    case optim::AlgorithmKind::kNorMuon: return v1::ALGORITHM_NORMUON;
+    case optim::AlgorithmKind::kDion: return v1::ALGORITHM_DION;
+    case optim::AlgorithmKind::kDion2: return v1::ALGORITHM_DION2;
+    case optim::AlgorithmKind::kNorDion2: return v1::ALGORITHM_DION3;
+    case optim::AlgorithmKind::kAdamW: return v1::ALGORITHM_ADAMW;
+    case optim::AlgorithmKind::kLion: return v1::ALGORITHM_LION;
+  }
+  return v1::ALGORITHM_UNSPECIFIED;
+}
+
+namespace {
+int64_t UnixMicrosOrZero(absl::Time t) {
+  return t == absl::InfinitePast() ? 0 : absl::ToUnixMicros(t);
+}
+}  // namespace
+
+void SessionInfoToProto(const session::SessionInfo& info, absl::Time now, v1::SessionInfo* out) {
+  out->set_session_id(info.id);
+  out->set_client_name(info.client_name);
+  out->set_parameters(info.parameters);
+  out->set_last_step_index(info.last_step_index);
+  out->set_state_bytes(info.state_bytes);
+  for (const session::SessionInfo::Group& g : info.groups) {
+    v1::SessionGroupInfo* pg = out->add_groups();
+    pg->set_name(g.name);
+    pg->set_algorithm(AlgorithmToProto(g.algorithm));
+    pg->set_parameters(g.parameters);
+  }
+  out->set_host_bytes(info.host_bytes);
+  out->set_last_step_unix_micros(UnixMicrosOrZero(info.last_step_time));
+  out->set_last_used_unix_micros(UnixMicrosOrZero(info.last_used));
+  out->set_world_key(info.world_key);
+  out->set_last_checkpoint_step(info.last_checkpoint_step);
+  out->set_last_checkpoint_path(info.last_checkpoint_path);
+  out->set_last_checkpoint_unix_micros(UnixMicrosOrZero(info.last_checkpoint_time));
+  if (info.last_step_time == absl::InfinitePast()) {
+    out->set_state(v1::SESSION_STATE_NEW);
+  } else if (now - info.last_used >= absl::Seconds(60)) {
+    out->set_state(v1::SESSION_STATE_IDLE);
+  } else {
+    out->set_state(v1::SESSION_STATE_ACTIVE);
+  }
+}
+
 absl::Status ApplyHyperparameters(const v1::Hyperparameters& h, optim::Hyperparams* out) {
 #define DIOND_HP(field)                                 \
   if (h.has_##field()) {                                \

@@ -14,6 +14,9 @@ absl::StatusOr<session::SessionSpec> SpecFromProto(const v1::CreateSessionReques
 absl::StatusOr<kernels::DType> DTypeFromProto(int value, absl::string_view field);
 v1::DType DTypeToProto(kernels::DType d);
 void LayoutToProto(const session::Session& s, v1::CreateSessionResponse* resp);
+v1::Algorithm AlgorithmToProto(optim::AlgorithmKind a);
+// ListSessions' entry; `now` decides ACTIVE against IDLE (60 s without an RPC).
+void SessionInfoToProto(const session::SessionInfo& info, absl::Time now, v1::SessionInfo* out);
 // Applies only the fields that are set; INVALID_ARGUMENT for an invalid value.
 absl::Status ApplyHyperparameters(const v1::Hyperparameters& h, optim::Hyperparams* out);
 

@@ -80,10 +80,30 @@ absl::StatusOr<std::unique_ptr<RpcServer>> RpcServer::Start(const RpcServerOptio
     }
     s->bound_.push_back(a);
   }
-  auto* health = s->server_->GetHealthCheckService();
-  health->SetServingStatus(true);
-  health->SetServingStatus("diond.v1.Optimizer", true);
-  if (s->peer_service_) health->SetServingStatus("diond.v1.Peer", true);
+  if (!options.health_address.empty()) {
+    // A second server with gRPC's health service only (no interceptor, no other service): what
+    // a kubelet's gRPC probe may reach on the pod IP while the API stays on loopback/unix.
+    grpc::ServerBuilder hb;
+    hb.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+    int port = 0;
+    hb.AddListeningPort(options.health_address, grpc::InsecureServerCredentials(), &port);
+    s->health_server_ = hb.BuildAndStart();
+    if (s->health_server_ == nullptr || port == 0) {
+      if (s->health_server_) s->health_server_->Shutdown();
+      s->server_->Shutdown();
+      return absl::UnavailableError(absl::StrCat("cannot serve health checks on --health_address=",
+                                                 options.health_address,
+                                                 ": address in use or not HOST:PORT"));
+    }
+    s->health_port_ = port;
+  }
+  for (grpc::Server* server : {s->server_.get(), s->health_server_.get()}) {
+    if (server == nullptr) continue;
+    auto* health = server->GetHealthCheckService();
+    health->SetServingStatus(true);
+    health->SetServingStatus("diond.v1.Optimizer", true);
+    if (s->peer_service_) health->SetServingStatus("diond.v1.Peer", true);
+  }
   return s;
 }
 
@@ -91,8 +111,13 @@ void RpcServer::Shutdown(absl::Duration drain) {
   if (shut_down_ || server_ == nullptr) return;
   shut_down_ = true;
   server_->GetHealthCheckService()->SetServingStatus(false);
+  if (health_server_) health_server_->GetHealthCheckService()->SetServingStatus(false);
   server_->Shutdown(absl::ToChronoTime(absl::Now() + drain));
   server_->Wait();
+  if (health_server_) {
+    health_server_->Shutdown(absl::ToChronoTime(absl::Now()));
+    health_server_->Wait();
+  }
   for (const auto& a : bound_) {
     if (a.kind == server::ListenAddress::Kind::kUnix) unlink(a.path.c_str());
   }

@@ -31,6 +31,8 @@ struct RpcServerOptions {
   // Rank 0 of a daemon world (--world_size > 1): also serve diond.v1.Peer from this coordinator,
   // which must outlive the server. Null otherwise.
   comm::Coordinator* coordinator = nullptr;
+  // HOST:PORT serving only grpc.health.v1 (for Kubernetes gRPC probes); empty = none.
+  std::string health_address;
 };
 
 class RpcServer {
@@ -43,6 +45,8 @@ class RpcServer {
 
   // The addresses actually bound (TCP port 0 resolved).
   const std::vector<server::ListenAddress>& bound() const { return bound_; }
+  // The bound port of --health_address; 0 = none.
+  int health_port() const { return health_port_; }
 
   // Marks health NOT_SERVING, stops accepting, waits up to `drain` for in-flight RPCs, cancels
   // the rest, and removes the Unix socket files. Idempotent.
@@ -53,6 +57,8 @@ class RpcServer {
   std::unique_ptr<OptimizerService> service_;
   std::unique_ptr<PeerService> peer_service_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<grpc::Server> health_server_;  // --health_address only
+  int health_port_ = 0;
   std::vector<server::ListenAddress> bound_;
   bool shut_down_ = false;
 };

@@ -390,13 +390,9 @@ grpc::ServerUnaryReactor* OptimizerService::CloseSession(grpc::CallbackServerCon
 grpc::ServerUnaryReactor* OptimizerService::ListSessions(grpc::CallbackServerContext* ctx,
                                                          const v1::ListSessionsRequest*,
                                                          v1::ListSessionsResponse* resp) {
+  const absl::Time now = absl::Now();
   for (const session::SessionInfo& info : manager_->List()) {
-    v1::SessionInfo* out = resp->add_sessions();
-    out->set_session_id(info.id);
-    out->set_client_name(info.client_name);
-    out->set_parameters(info.parameters);
-    out->set_last_step_index(info.last_step_index);
-    out->set_state_bytes(info.state_bytes);
+    SessionInfoToProto(info, now, resp->add_sessions());
   }
   return Finish(ctx, absl::OkStatus());
 }

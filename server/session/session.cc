@@ -770,7 +770,32 @@ SessionInfo Session::Info() {
   info.state_bytes = state_bytes_.load();
   info.host_bytes = static_cast<int64_t>(params_.host.size() + grads_.host.size());
   info.last_used = last_used_;
+  for (const GroupSpec& g : spec_.groups) {
+    info.groups.push_back({g.name, g.config.algorithm, 0});
+  }
+  for (const ParamSpec& p : spec_.params) {
+    for (SessionInfo::Group& g : info.groups) {
+      if (g.name == p.group) ++g.parameters;
+    }
+  }
+  info.world_key = spec_.world_key;
+  info.last_step_time = last_step_time_;
+  info.last_checkpoint_step = last_checkpoint_step_;
+  info.last_checkpoint_path = last_checkpoint_path_;
+  info.last_checkpoint_time = last_checkpoint_time_;
   return info;
+}
+
+void Session::RecordStepTime(absl::Time when) {
+  absl::MutexLock lock(&mu_);
+  last_step_time_ = when;
+}
+
+void Session::RecordCheckpoint(int64_t step, std::string path, absl::Time when) {
+  absl::MutexLock lock(&mu_);
+  last_checkpoint_step_ = step;
+  last_checkpoint_path_ = std::move(path);
+  last_checkpoint_time_ = when;
 }
 
 absl::Time Session::last_used() {

@@ -54,6 +54,18 @@ struct SessionInfo {
   int64_t state_bytes = 0;
   int64_t host_bytes = 0;  // daemon-owned arenas and master weights
   absl::Time last_used;
+  // Operator view (ListSessions, metrics).
+  struct Group {
+    std::string name;
+    optim::AlgorithmKind algorithm = optim::AlgorithmKind::kMuon;
+    int64_t parameters = 0;
+  };
+  std::vector<Group> groups;
+  std::string world_key;
+  absl::Time last_step_time = absl::InfinitePast();  // InfinitePast = no step yet
+  int64_t last_checkpoint_step = 0;                   // 0 = none
+  std::string last_checkpoint_path;
+  absl::Time last_checkpoint_time = absl::InfinitePast();
 };
 
 // What a checkpoint holds: the spec, the step record and every tensor (fp32).
@@ -118,6 +130,9 @@ class Session {
 
   SessionInfo Info();
   absl::Time last_used();
+  // Operator bookkeeping, recorded by SessionManager (shown by Info()).
+  void RecordStepTime(absl::Time when);
+  void RecordCheckpoint(int64_t step, std::string path, absl::Time when);
   int64_t last_step_index();
 
   // Makes this a world session (docs/DISTRIBUTED.md), before its first Step: `world` links to the
@@ -233,6 +248,10 @@ class Session {
   int64_t last_step_index_ ABSL_GUARDED_BY(mu_) = 0;
   std::optional<StepResult> last_result_ ABSL_GUARDED_BY(mu_);
   absl::Time last_used_ ABSL_GUARDED_BY(mu_);
+  absl::Time last_step_time_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  int64_t last_checkpoint_step_ ABSL_GUARDED_BY(mu_) = 0;
+  std::string last_checkpoint_path_ ABSL_GUARDED_BY(mu_);
+  absl::Time last_checkpoint_time_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   std::optional<WorldPart> world_ ABSL_GUARDED_BY(mu_);
 };
 

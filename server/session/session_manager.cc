@@ -259,6 +259,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Get(const std::string& 
 }
 
 absl::Status SessionManager::Close(const std::string& id) {
+  ScopedLogContext log_context(id);
   int64_t count;
   {
     absl::MutexLock lock(&mu_);
@@ -285,8 +286,10 @@ std::vector<SessionInfo> SessionManager::List() {
 
 absl::StatusOr<StepResult> SessionManager::Step(const std::string& id,
                                                 const StepRequest& request) {
+  ScopedLogContext log_context(id, request.step_index);
   DIOND_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Get(id));
   DIOND_ASSIGN_OR_RETURN(StepResult r, s->Step(request, *ctx_, &compute_mu_));
+  if (!r.replayed) s->RecordStepTime(absl::Now());
   if (observer_.on_step) observer_.on_step(id, r);
   if (!r.replayed && !r.skipped && options_.checkpoint_every > 0 &&
       r.step_index % options_.checkpoint_every == 0) {
@@ -316,11 +319,22 @@ absl::StatusOr<std::pair<std::string, int64_t>> SessionManager::SaveCheckpoint(
     return absl::FailedPreconditionError(
         "no checkpoint directory: pass one or start the daemon with --state_dir");
   }
+  ScopedLogContext log_context(id);
   DIOND_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Get(id));
+  // From here on a failure is the checkpoint's, not the request's: it is counted.
+  auto failed = [&](const absl::Status& why) {
+    if (observer_.on_checkpoint_failed) observer_.on_checkpoint_failed(id, why);
+    return why;
+  };
   // DION_COMPRESSED world sessions average the decoupled momenta first (a collective).
-  DIOND_RETURN_IF_ERROR(s->SynchronizeForCheckpoint());
-  DIOND_ASSIGN_OR_RETURN(SessionSnapshot snap, s->Snapshot());
-  DIOND_ASSIGN_OR_RETURN(auto saved, WriteCheckpoint(dir, id, snap));
+  if (absl::Status st = s->SynchronizeForCheckpoint(); !st.ok()) return failed(st);
+  absl::StatusOr<SessionSnapshot> snapped = s->Snapshot();
+  if (!snapped.ok()) return failed(snapped.status());
+  SessionSnapshot& snap = *snapped;
+  auto written = WriteCheckpoint(dir, id, snap);
+  if (!written.ok()) return failed(written.status());
+  auto& saved = *written;
+  s->RecordCheckpoint(snap.last_step_index, saved.first, absl::Now());
   DIOND_LOG(INFO) << "session " << id << ": checkpoint of step " << snap.last_step_index
                   << " written to " << saved.first << " (" << saved.second << " bytes)";
   if (observer_.on_checkpoint) observer_.on_checkpoint(id, saved.first, saved.second);
@@ -347,6 +361,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::LoadCheckpoint(
     Close((*created)->id()).IgnoreError();  // the half-made session must not linger
     return absl::Status(s.code(), absl::StrCat(path, ": ", s.message()));
   }
+  (*created)->RecordCheckpoint(snap.last_step_index, path, absl::Now());
   DIOND_LOG(INFO) << "session " << (*created)->id() << " restored from " << path << " at step "
                   << snap.last_step_index;
   return *created;
@@ -362,6 +377,7 @@ void SessionManager::ReapIdleSessions(absl::Time now) {
     }
   }
   for (const std::string& id : idle) {
+    ScopedLogContext log_context(id);
     if (!options_.state_dir.empty()) {
       auto saved = SaveCheckpoint(id, "");
       if (!saved.ok()) {

@@ -49,6 +49,8 @@ struct ManagerObserver {
   std::function<void(const std::string& session, const StepResult&)> on_step;
   std::function<void(const std::string& session, const std::string& path, int64_t bytes)>
       on_checkpoint;
+  // A checkpoint of an existing session that could not be written (automatic or requested).
+  std::function<void(const std::string& session, const absl::Status& why)> on_checkpoint_failed;
 };
 
 class SessionManager {

@@ -5,6 +5,7 @@
 
 #include <sys/stat.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 
@@ -100,6 +101,55 @@ TEST(SessionManager, IdleSessionsAreClosedAndCheckpointedFirst) {
   ASSERT_THAT(state, IsOk());
   EXPECT_EQ((*state)[0].name, "w");
   EXPECT_EQ((*state)[0].data, params[0].data);
+}
+
+TEST(SessionManager, CheckpointsAreRecordedAndFailuresReported) {
+  std::string dir = TempDir();
+  ManagerOptions o;
+  o.state_dir = dir;
+  std::vector<std::string> failed;
+  int written = 0;
+  ManagerObserver obs;
+  obs.on_checkpoint = [&](const std::string&, const std::string&, int64_t) { ++written; };
+  obs.on_checkpoint_failed = [&](const std::string& id, const absl::Status&) {
+    failed.push_back(id);
+  };
+  auto m = SessionManager::Create(o, obs);
+  ASSERT_THAT(m, IsOk());
+  auto s = (*m)->CreateSession(SmallSpec());
+  ASSERT_THAT(s, IsOk());
+  const std::string id = (*s)->id();
+  SessionInfo fresh = (*m)->List()[0];
+  EXPECT_EQ(fresh.last_checkpoint_step, 0);
+  EXPECT_TRUE(fresh.last_checkpoint_path.empty());
+  EXPECT_EQ(fresh.last_step_time, absl::InfinitePast());
+  ASSERT_EQ(fresh.groups.size(), 2u);
+  EXPECT_EQ(fresh.groups[0].name, "m");
+  EXPECT_EQ(fresh.groups[0].algorithm, optim::AlgorithmKind::kMuon);
+  EXPECT_EQ(fresh.groups[0].parameters, 1);
+  EXPECT_EQ(fresh.groups[1].algorithm, optim::AlgorithmKind::kAdamW);
+
+  ASSERT_THAT((*s)->SetState({{"w", {8, 6}, std::vector<float>(48, 0.5f)},
+                              {"b", {6}, std::vector<float>(6, -1.0f)}}),
+              IsOk());
+  auto saved = (*m)->SaveCheckpoint(id, "");
+  ASSERT_THAT(saved, IsOk());
+  SessionInfo info = (*m)->List()[0];
+  EXPECT_EQ(info.last_checkpoint_path, saved->first);
+  EXPECT_NE(info.last_checkpoint_time, absl::InfinitePast());
+  EXPECT_EQ(written, 1);
+
+  // An unknown session is the request's fault, not a checkpoint failure.
+  EXPECT_THAT((*m)->SaveCheckpoint("s-none", ""), StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_TRUE(failed.empty());
+  // A directory that cannot be written (a regular file in its place) is a failure, reported.
+  const std::string blocked = dir + "/blocked";
+  FILE* f = std::fopen(blocked.c_str(), "w");
+  ASSERT_NE(f, nullptr);
+  std::fclose(f);
+  EXPECT_FALSE((*m)->SaveCheckpoint(id, blocked).ok());
+  EXPECT_EQ(failed, std::vector<std::string>{id});
+  EXPECT_EQ(written, 1);
 }
 
 TEST(SessionManager, IdleReaperWithoutStateDirJustCloses) {
