@@ -148,7 +148,8 @@ absl::Status CheckPathAllowed(const Principal& p, const std::string& path, const
   if (!path.empty() && (path[0] == '/' || absl::StrContains(path, ".."))) {
     return absl::PermissionDeniedError(absl::StrCat(
         field, " '", Bounded(path),
-        "': only the daemon's own user on the Unix socket may name paths outside --state_dir"));
+        "': only paths relative to --state_dir (without '..') are allowed, except for the "
+        "daemon's own user on the Unix socket"));
   }
   return absl::OkStatus();
 }
