@@ -1,6 +1,8 @@
 #include "diond/client.h"
 
+#include <memory>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -107,8 +109,8 @@ absl::StatusOr<Resp> WriteChunks(v1::Optimizer::Stub* stub, Method method,
 std::vector<SessionInfo> FromProto(const v1::ListSessionsResponse& resp) {
   std::vector<SessionInfo> out;
   for (const v1::SessionInfo& s : resp.sessions()) {
-    out.push_back(
-        {s.session_id(), s.client_name(), s.parameters(), s.last_step_index(), s.state_bytes()});
+    out.push_back({s.session_id(), s.client_name(), s.parameters(), s.last_step_index(),
+                   s.state_bytes(), s.owner()});
   }
   return out;
 }
