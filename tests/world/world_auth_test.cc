@@ -13,6 +13,7 @@
 #include "diond/v1/peer.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "tests/integration/subprocess.h"
 #include "tests/service/service_harness.h"
 
 namespace diond::service_testing {
@@ -192,6 +193,54 @@ TEST_F(WorldAuthTest, QuotasAndAddressBoundsHoldForMembersToo) {
   const v1::Membership view = Membership();
   for (const auto& m : view.members()) EXPECT_LT(m.address().size(), 256u);
   EXPECT_TRUE(d0_->Serving());
+}
+
+// Mutual TLS instead of a secret: the daemons present certificates of the world's CA to rank 0
+// (made here with openssl), and a caller without one is refused.
+TEST(WorldTlsTest, MutualTlsWorldFormsWithoutASecret) {
+  const std::string pki = testing::MakeTempDir("diond_world_pki");
+  auto [rc, out] = testing::RunCommand(absl::StrCat(
+      "set -e; cd ", pki, "; ",
+      "openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 1 "
+      "-subj /CN=world-ca 2>/dev/null; ",
+      "printf 'subjectAltName=IP:127.0.0.1\\n' > san.ext; ",
+      "for n in d0 d1; do openssl req -newkey rsa:2048 -nodes -keyout $n.key -out $n.csr "
+      "-subj /CN=$n 2>/dev/null; openssl x509 -req -in $n.csr -CA ca.pem -CAkey ca.key "
+      "-CAcreateserial -days 1 -extfile san.ext -out $n.pem 2>/dev/null; done"));
+  ASSERT_EQ(rc, 0) << out;
+  auto tls = [&pki](const std::string& n) {
+    return std::vector<std::string>{"--tls_cert=" + pki + "/" + n + ".pem",
+                                    "--tls_key=" + pki + "/" + n + ".key",
+                                    "--tls_client_ca=" + pki + "/ca.pem",
+                                    "--world_secret_file="};
+  };
+  std::vector<std::string> f0 = WorldFlags(0, 0), t0 = tls("d0");
+  f0.insert(f0.end(), t0.begin(), t0.end());
+  auto d0 = Daemon::Start(f0, /*tcp=*/true);
+  ASSERT_NE(d0, nullptr);
+  std::vector<std::string> f1 = WorldFlags(1, d0->tcp_port()), t1 = tls("d1");
+  f1.insert(f1.end(), t1.begin(), t1.end());
+  auto d1 = Daemon::Start(f1, /*tcp=*/true);  // ready = joined through TLS
+  ASSERT_NE(d1, nullptr) << d0->Log();
+
+  const std::string target = absl::StrCat("127.0.0.1:", d0->tcp_port());
+  auto stub = [&](bool cert) {
+    grpc::SslCredentialsOptions so;
+    so.pem_root_certs = testing::ReadFile(pki + "/ca.pem");
+    if (cert) {
+      so.pem_cert_chain = testing::ReadFile(pki + "/d1.pem");
+      so.pem_private_key = testing::ReadFile(pki + "/d1.key");
+    }
+    return v1::Peer::NewStub(grpc::CreateChannel(target, grpc::SslCredentials(so)));
+  };
+  v1::GetMembershipRequest req;
+  v1::GetMembershipResponse resp;
+  grpc::Status s = stub(true)->GetMembership(Ctx().get(), req, &resp);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(resp.membership().members_size(), 2);
+  EXPECT_EQ(stub(false)->GetMembership(Ctx().get(), req, &resp).error_code(),
+            grpc::StatusCode::UNAUTHENTICATED);
+  testing::RunCommand("rm -rf '" + pki + "'");
 }
 
 }  // namespace
