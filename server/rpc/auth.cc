@@ -95,21 +95,21 @@ absl::StatusOr<std::vector<TokenEntry>> ParseTokenFile(absl::string_view text) {
     ++line_no;
     line = absl::StripAsciiWhitespace(line);
     if (line.empty() || line[0] == '#') continue;
-    std::vector<absl::string_view> f = absl::StrSplit(line, absl::ByAnyChar(" \t"),
-                                                      absl::SkipEmpty());
+    std::vector<absl::string_view> f =
+        absl::StrSplit(line, absl::ByAnyChar(" \t"), absl::SkipEmpty());
     if (f.size() < 2 || f.size() > 3 || (f.size() == 3 && f[2] != "admin")) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "token file line ", line_no, ": expected 'TOKEN PRINCIPAL [admin]'"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("token file line ", line_no, ": expected 'TOKEN PRINCIPAL [admin]'"));
     }
     if (!ValidToken(f[0])) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "token file line ", line_no, ": the token must be ", kMinSecretBytes, " to ",
-          kMaxSecretBytes, " printable characters"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("token file line ", line_no, ": the token must be ", kMinSecretBytes, " to ",
+                       kMaxSecretBytes, " printable characters"));
     }
     if (!ValidPrincipal(f[1])) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "token file line ", line_no,
-          ": the principal must be 1 to 128 characters of [A-Za-z0-9._:@/=+-]"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("token file line ", line_no,
+                       ": the principal must be 1 to 128 characters of [A-Za-z0-9._:@/=+-]"));
     }
     TokenEntry e{Sha256(f[0]), std::string(f[1]), f.size() == 3};
     for (const TokenEntry& o : out) {
@@ -186,8 +186,7 @@ absl::StatusOr<Principal> Authenticator::Authenticate(const grpc::ServerContextB
   if (Metadata(ctx, "authorization", &header)) {
     absl::string_view token = header;
     if (!absl::ConsumePrefix(&token, "Bearer ")) {
-      return absl::UnauthenticatedError(
-          "the authorization metadata must be 'Bearer <token>'");
+      return absl::UnauthenticatedError("the authorization metadata must be 'Bearer <token>'");
     }
     const std::string digest = Sha256(absl::StripAsciiWhitespace(token));
     const TokenEntry* match = nullptr;

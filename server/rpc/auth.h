@@ -35,9 +35,9 @@ class ServerContextBase;
 namespace diond::rpc {
 
 struct Principal {
-  std::string name;   // the owner string of the sessions it creates
-  bool admin = false;  // sees and may use every session
-  bool local = false;  // came over the daemon's Unix socket
+  std::string name;                    // the owner string of the sessions it creates
+  bool admin = false;                  // sees and may use every session
+  bool local = false;                  // came over the daemon's Unix socket
   uid_t uid = static_cast<uid_t>(-1);  // local only
 };
 

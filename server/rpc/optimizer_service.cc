@@ -67,7 +67,13 @@ class ChunkReader : public grpc::ServerReadReactor<v1::TensorChunk> {
         Finish(grpc::Status(grpc::StatusCode::CANCELLED, "stream cancelled; nothing applied"));
         return;
       }
-      // The client half-closed: the stream is complete.
+      // The client half-closed: the stream is complete. An empty stream still authenticates.
+      if (chunks_ == 0) {
+        if (absl::Status c = check_(session_); !c.ok()) {
+          Finish(ToGrpcStatus(c));
+          return;
+        }
+      }
       Finish(ToGrpcStatus(apply_(session_, std::move(writes_), bytes_, chunks_)));
       return;
     }

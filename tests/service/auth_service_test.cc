@@ -32,8 +32,8 @@ constexpr int kOther = 65533;
 
 // Every RPC that names a session (auth_probe's "all").
 const std::vector<std::string> kSessionRpcs = {
-    "RegisterRegion", "UnregisterRegion", "PushGradients", "Step",           "PullParameters",
-    "SetHyperparameters", "GetState", "SetState",      "SaveCheckpoint", "CloseSession"};
+    "RegisterRegion",     "UnregisterRegion", "PushGradients", "Step",           "PullParameters",
+    "SetHyperparameters", "GetState",         "SetState",      "SaveCheckpoint", "CloseSession"};
 
 struct ProbeResult {
   int rc = -1;
@@ -94,7 +94,8 @@ class AuthTest : public ::testing::Test {
   std::string Unix() const { return "unix:" + daemon_->dir() + "/d.sock"; }
   std::string Tcp() const { return absl::StrCat("127.0.0.1:", daemon_->tcp_port()); }
 
-  ProbeResult Probe(const std::string& target, const Creds& c, const std::vector<std::string>& cmd) {
+  ProbeResult Probe(const std::string& target, const Creds& c,
+                    const std::vector<std::string>& cmd) {
     std::vector<std::string> argv = {AUTH_PROBE, "--target=" + target};
     if (c.uid >= 0) argv.push_back(absl::StrCat("--uid=", c.uid));
     if (!c.token.empty()) argv.push_back("--token=" + c.token);
@@ -244,7 +245,8 @@ TEST_F(AuthTest, AllowUnauthenticatedTcpMakesAnonymousAPrincipal) {
   const std::string mine = Probe(Unix(), Uid(kNobody), {"create"}).session();
   const std::string anon = Probe(Tcp(), Creds(), {"create"}).session();
   ASSERT_FALSE(anon.empty());
-  EXPECT_EQ(Probe(Tcp(), Creds(), {"list"}).Listed(), std::vector<std::string>{anon + " anonymous"});
+  EXPECT_EQ(Probe(Tcp(), Creds(), {"list"}).Listed(),
+            std::vector<std::string>{anon + " anonymous"});
   ExpectAll(Probe(Tcp(), Creds(), {"all", mine}), "PERMISSION_DENIED", "anonymous");
   // A presented token is still checked.
   ExpectAll(Probe(Tcp(), Token("not-a-token-of-this-daemon"), {"all", anon}), "UNAUTHENTICATED",

@@ -20,9 +20,9 @@ namespace diond::service_testing {
 namespace {
 
 std::vector<std::string> WorldFlags(int rank, int coordinator_port) {
-  std::vector<std::string> f = {"--world_size=2", absl::StrCat("--rank=", rank),
-                                "--heartbeat_interval=200ms", "--peer_timeout=2s",
-                                "--world_max_value_bytes=65536", "--world_max_keys=1000"};
+  std::vector<std::string> f = {
+      "--world_size=2",    absl::StrCat("--rank=", rank),   "--heartbeat_interval=200ms",
+      "--peer_timeout=2s", "--world_max_value_bytes=65536", "--world_max_keys=1000"};
   if (rank > 0) f.push_back(absl::StrCat("--coordinator=127.0.0.1:", coordinator_port));
   return f;
 }
@@ -96,8 +96,8 @@ TEST_F(WorldAuthTest, StrangersWithoutTheSecretAreRefusedOnEveryPeerRpc) {
               grpc::StatusCode::UNAUTHENTICATED);
   }
   // The Unix socket is no way around it.
-  auto local = v1::Peer::NewStub(grpc::CreateChannel("unix:" + d0_->dir() + "/d.sock",
-                                                     grpc::InsecureChannelCredentials()));
+  auto local = v1::Peer::NewStub(
+      grpc::CreateChannel("unix:" + d0_->dir() + "/d.sock", grpc::InsecureChannelCredentials()));
   v1::GetMembershipRequest gm;
   v1::GetMembershipResponse gm_resp;
   EXPECT_EQ(local->GetMembership(PeerCtx("").get(), gm, &gm_resp).error_code(),
@@ -211,8 +211,7 @@ TEST(WorldTlsTest, MutualTlsWorldFormsWithoutASecret) {
   auto tls = [&pki](const std::string& n) {
     return std::vector<std::string>{"--tls_cert=" + pki + "/" + n + ".pem",
                                     "--tls_key=" + pki + "/" + n + ".key",
-                                    "--tls_client_ca=" + pki + "/ca.pem",
-                                    "--world_secret_file="};
+                                    "--tls_client_ca=" + pki + "/ca.pem", "--world_secret_file="};
   };
   std::vector<std::string> f0 = WorldFlags(0, 0), t0 = tls("d0");
   f0.insert(f0.end(), t0.begin(), t0.end());
