@@ -11,20 +11,46 @@
 #include "server/metrics.h"
 #include "server/comm/membership.h"
 #include "server/comm/world.h"
+#include "server/rpc/auth.h"
 #include "server/rpc/grpc_server.h"
 #include "server/rpc/peer_client.h"
 #include "server/version.h"
 
+#include <errno.h>
 #include <unistd.h>
+
+#include <cstring>
+#include <fstream>
+#include <sstream>
 
 namespace diond::server {
 
 Daemon::Daemon() = default;
 Daemon::~Daemon() { Shutdown(absl::ZeroDuration()); }
 
+namespace {
+
+absl::StatusOr<std::string> ReadWholeFile(const std::string& path, const char* flag) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(flag, ": cannot read ", path, ": ", std::strerror(errno)));
+  }
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (text.str().size() > (size_t{1} << 20)) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, ": ", path, " is over 1 MiB"));
+  }
+  return text.str();
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& options) {
+  const bool tls = !options.tls_cert_file.empty();
   for (const auto& a : options.listen) {
-    if (a.kind == ListenAddress::Kind::kTcp && !a.loopback && !options.allow_insecure_remote) {
+    if (a.kind == ListenAddress::Kind::kTcp && !a.loopback && !tls &&
+        !options.allow_insecure_remote) {
       return absl::InvalidArgumentError(absl::StrCat(
           "refusing to listen on non-loopback ", a.ToString(),
           " without TLS; use a loopback or unix address, or --allow_insecure_remote"));
@@ -89,13 +115,62 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     return totals;
   });
   rpc::RpcServerOptions ro;
+  if (!options.auth_token_file.empty()) {
+    DIOND_ASSIGN_OR_RETURN(std::string text,
+                           ReadWholeFile(options.auth_token_file, "--auth_token_file"));
+    auto tokens = rpc::ParseTokenFile(text);
+    if (!tokens.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("--auth_token_file ", options.auth_token_file,
+                                                     ": ", tokens.status().message()));
+    }
+    ro.auth.tokens = *std::move(tokens);
+  }
+  ro.auth.allow_unauthenticated_tcp = options.allow_unauthenticated_tcp;
+  if (tls) {
+    DIOND_ASSIGN_OR_RETURN(ro.tls_cert, ReadWholeFile(options.tls_cert_file, "--tls_cert"));
+  }
+  if (!options.tls_key_file.empty()) {
+    DIOND_ASSIGN_OR_RETURN(ro.tls_key, ReadWholeFile(options.tls_key_file, "--tls_key"));
+  }
+  if (!options.tls_client_ca_file.empty()) {
+    DIOND_ASSIGN_OR_RETURN(ro.tls_client_ca,
+                           ReadWholeFile(options.tls_client_ca_file, "--tls_client_ca"));
+  }
+  const WorldConfig& wc = options.world;
+  std::string world_secret;
+  if (!options.world_secret_file.empty()) {
+    auto secret = rpc::ReadSecretFile(options.world_secret_file);
+    if (!secret.ok()) {
+      return absl::Status(secret.status().code(),
+                          absl::StrCat("--world_secret_file: ", secret.status().message()));
+    }
+    world_secret = *std::move(secret);
+  }
+  if (wc.world_size > 1 && world_secret.empty() && ro.tls_client_ca.empty()) {
+    return absl::InvalidArgumentError(
+        "a daemon world (--world_size > 1) needs --world_secret_file (the same secret on every "
+        "rank) or mutual TLS (--tls_cert, --tls_key, --tls_client_ca on every rank)");
+  }
+  if (wc.world_size > 1 && tls && ro.tls_client_ca.empty()) {
+    return absl::InvalidArgumentError(
+        "a daemon world with TLS needs --tls_client_ca: the CA that verifies the coordinator's "
+        "certificate");
+  }
+  d->peer_credentials_ = std::make_unique<rpc::PeerCredentials>();
+  d->peer_credentials_->world_secret = world_secret;
+  if (tls) {
+    d->peer_credentials_->tls_ca = ro.tls_client_ca;
+    d->peer_credentials_->tls_cert = ro.tls_cert;
+    d->peer_credentials_->tls_key = ro.tls_key;
+  }
+  ro.world_secret = world_secret;
   ro.listen = options.listen;
   ro.manager = d->sessions_.get();
   ro.service.allow_shm_from_tcp = options.allow_shm_from_tcp;
   ro.health_address = options.health_address;
-  const WorldConfig& wc = options.world;
   if (wc.world_size > 1 && wc.rank == 0) {
     comm::CoordinatorOptions co;
+    co.store_limits = wc.store_limits;
     co.world_size = wc.world_size;
     co.heartbeat_interval = wc.heartbeat_interval;
     co.peer_timeout = wc.peer_timeout;
@@ -117,7 +192,7 @@ absl::Status Daemon::JoinWorld(const WorldConfig& wc) {
           " needs --coordinator=HOST:PORT (rank 0's address) or --peer_service"));
     }
     peer_client_ = std::make_unique<rpc::PeerClient>(
-        wc.coordinator, std::min(absl::Seconds(5), wc.peer_timeout / 2));
+        wc.coordinator, std::min(absl::Seconds(5), wc.peer_timeout / 2), *peer_credentials_);
     membership = peer_client_.get();
     kv = peer_client_.get();
   }

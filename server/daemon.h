@@ -10,12 +10,14 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "kernels/device.h"
+#include "server/comm/memory_store.h"
 #include "server/listen.h"
 #include "server/session/session_manager.h"
 
 namespace diond::rpc {
 class RpcServer;
 class PeerClient;
+struct PeerCredentials;
 }
 namespace diond::comm {
 class Coordinator;
@@ -36,6 +38,7 @@ struct WorldConfig {
   absl::Duration heartbeat_interval = absl::Seconds(1);
   absl::Duration peer_timeout = absl::Seconds(10);
   absl::Duration join_timeout = absl::Seconds(60);
+  comm::StoreLimits store_limits;  // rank 0's rendezvous store quotas
 };
 
 struct DaemonOptions {
@@ -46,6 +49,12 @@ struct DaemonOptions {
   std::string cuda_plugin;      // empty = next to the executable, then the loader path
   bool allow_insecure_remote = false;
   bool allow_shm_from_tcp = false;
+  // Security (docs/OPERATIONS.md "Security"). Files are read once at start.
+  std::string auth_token_file;           // bearer tokens for TCP callers
+  bool allow_unauthenticated_tcp = false;  // TCP callers without credential are "anonymous"
+  std::string tls_cert_file, tls_key_file;  // TLS on TCP listeners and to the coordinator
+  std::string tls_client_ca_file;           // mTLS: CA of client (and daemon) certificates
+  std::string world_secret_file;            // the world's shared secret (Peer service)
   session::ManagerOptions sessions;
   WorldConfig world;
 };
@@ -74,6 +83,7 @@ class Daemon {
   Daemon();
   absl::Status JoinWorld(const WorldConfig& config);
   kernels::SelectedDevice device_;
+  std::unique_ptr<rpc::PeerCredentials> peer_credentials_;  // how this daemon proves itself to the coordinator
   std::string metrics_address_;
   std::unique_ptr<DaemonMetrics> metrics_;
   std::unique_ptr<session::SessionManager> sessions_;

@@ -66,6 +66,32 @@ ABSL_FLAG(int64_t, checksum_every, 100,
 ABSL_FLAG(bool, allow_insecure_remote, false,
           "Allow TCP listeners on non-loopback addresses without TLS. Off by default.");
 
+// Security (docs/OPERATIONS.md, "Security").
+ABSL_FLAG(std::string, auth_token_file, "",
+          "File of bearer tokens for TCP callers, one 'TOKEN PRINCIPAL [admin]' a line ('#' "
+          "comments). A caller sends 'authorization: Bearer TOKEN' and acts as PRINCIPAL.");
+ABSL_FLAG(bool, allow_unauthenticated_tcp, false,
+          "Accept TCP calls without a credential (loopback included) as principal 'anonymous'. "
+          "Off by default: TCP calls need a token or a TLS client certificate.");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate (chain) of this daemon: TLS on every TCP listener, and this daemon's "
+          "client certificate towards the coordinator. Needs --tls_key.");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert.");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA certificates: client certificates signed by them are verified and accepted as "
+          "credentials (principal x509:<subject>); in a world, also the CA of the coordinator's "
+          "certificate.");
+ABSL_FLAG(std::string, world_secret_file, "",
+          "File holding the world's shared secret (16 to 4096 bytes, e.g. a Kubernetes Secret); "
+          "every Peer call must carry it. A world needs it or mutual TLS.");
+ABSL_FLAG(int64_t, world_max_key_bytes, 1024,
+          "Rank 0's rendezvous store: the longest key, in bytes.");
+ABSL_FLAG(int64_t, world_max_value_bytes, int64_t{16} << 20,
+          "Rank 0's rendezvous store: the largest value, in bytes.");
+ABSL_FLAG(int64_t, world_max_keys, 100000, "Rank 0's rendezvous store: the most keys.");
+ABSL_FLAG(int64_t, world_max_store_bytes, int64_t{256} << 20,
+          "Rank 0's rendezvous store: keys plus values, in bytes.");
+
 // The daemon world (docs/OPERATIONS.md, "World").
 ABSL_FLAG(int, world_size, 1,
           "Daemons in the world; 1 = a single daemon (no world, none of the flags below used).");
@@ -167,6 +193,12 @@ int main(int argc, char** argv) {
   options.cuda_plugin = absl::GetFlag(FLAGS_cuda_plugin);
   options.allow_insecure_remote = absl::GetFlag(FLAGS_allow_insecure_remote);
   options.allow_shm_from_tcp = absl::GetFlag(FLAGS_allow_shm_from_tcp);
+  options.auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
+  options.allow_unauthenticated_tcp = absl::GetFlag(FLAGS_allow_unauthenticated_tcp);
+  options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
+  options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
+  options.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
+  options.world_secret_file = absl::GetFlag(FLAGS_world_secret_file);
   options.sessions.max_session_bytes = absl::GetFlag(FLAGS_max_session_bytes);
   options.sessions.memory_budget_bytes = absl::GetFlag(FLAGS_memory_budget_bytes);
   options.sessions.idle_timeout = absl::GetFlag(FLAGS_session_idle_timeout);
@@ -214,6 +246,17 @@ int main(int argc, char** argv) {
     world.heartbeat_interval = absl::GetFlag(FLAGS_heartbeat_interval);
     world.peer_timeout = absl::GetFlag(FLAGS_peer_timeout);
     world.join_timeout = absl::GetFlag(FLAGS_join_timeout);
+    world.store_limits.max_key_bytes = absl::GetFlag(FLAGS_world_max_key_bytes);
+    world.store_limits.max_value_bytes = absl::GetFlag(FLAGS_world_max_value_bytes);
+    world.store_limits.max_keys = absl::GetFlag(FLAGS_world_max_keys);
+    world.store_limits.max_bytes = absl::GetFlag(FLAGS_world_max_store_bytes);
+    if (world.store_limits.max_key_bytes < 64 || world.store_limits.max_value_bytes < 1024 ||
+        world.store_limits.max_keys < 16 || world.store_limits.max_bytes < 4096) {
+      std::fprintf(stderr,
+                   "diond: --world_max_key_bytes >= 64, --world_max_value_bytes >= 1024, "
+                   "--world_max_keys >= 16 and --world_max_store_bytes >= 4096 are needed\n");
+      return 2;
+    }
   }
 
   auto daemon = diond::server::Daemon::Start(options);

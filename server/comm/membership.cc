@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
+#include "openssl/crypto.h"
 
 namespace diond::comm {
 
@@ -21,12 +22,27 @@ uint64_t NewIncarnation() {
   return v;
 }
 
+std::string NewProof() {
+  std::random_device rd;  // getrandom(2) on Linux
+  std::string p(32, '\0');
+  for (char& c : p) c = static_cast<char>(rd() & 0xff);
+  return p;
+}
+
+namespace {
+bool SameProof(const std::string& a, const std::string& b) {
+  return a.size() == b.size() && CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
+}
+}  // namespace
+
 std::string GenerationPrefix(uint64_t coordinator_incarnation, uint64_t generation) {
   return absl::StrCat("world/", absl::Hex(coordinator_incarnation), "/g", generation, "/");
 }
 
 Coordinator::Coordinator(CoordinatorOptions options)
-    : options_(std::move(options)), incarnation_(NewIncarnation()) {
+    : options_(std::move(options)),
+      incarnation_(NewIncarnation()),
+      store_(options_.store_limits) {
   slots_.resize(options_.world_size);
   monitor_ = std::thread([this] {
     absl::MutexLock lock(&mu_);
@@ -77,8 +93,23 @@ absl::StatusOr<MembershipView> Coordinator::Join(const JoinArgs& a) {
                                                    options_.world_size, ")"));
   }
   if (a.incarnation == 0) return absl::InvalidArgumentError("incarnation must be non-zero");
+  if (a.address.size() > kMaxMemberAddressBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("address of rank ", a.rank, " is ",
+                                                   a.address.size(), " bytes; the limit is ",
+                                                   kMaxMemberAddressBytes));
+  }
+  if (a.proof.size() < 16 || a.proof.size() > 64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Join proof of rank ", a.rank, " is ", a.proof.size(),
+                     " bytes; it must be 16 to 64"));
+  }
   absl::MutexLock lock(&mu_);
   Slot& s = slots_[a.rank];
+  if (s.info.live && s.info.incarnation == a.incarnation && !SameProof(s.proof, a.proof)) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "rank ", a.rank, " is held by a live daemon and this Join does not carry the proof of "
+        "its first Join"));
+  }
   if (s.info.live && s.info.incarnation != a.incarnation) {
     return absl::AlreadyExistsError(absl::StrCat(
         "rank ", a.rank, " is already held by a live daemon at ", s.info.address,
@@ -87,6 +118,7 @@ absl::StatusOr<MembershipView> Coordinator::Join(const JoinArgs& a) {
   }
   const bool fresh = !s.info.live || s.info.incarnation != a.incarnation;
   s.info = MemberInfo{a.rank, a.address, a.incarnation, true};
+  s.proof = a.proof;
   s.last_seen = absl::Now();
   if (fresh) {
     NewGenerationLocked(absl::StrCat("rank ", a.rank, " joined"));
@@ -100,12 +132,17 @@ absl::StatusOr<MembershipView> Coordinator::Join(const JoinArgs& a) {
   return ViewLocked();
 }
 
-absl::StatusOr<MembershipView> Coordinator::Heartbeat(int rank, uint64_t incarnation) {
+absl::StatusOr<MembershipView> Coordinator::Heartbeat(int rank, uint64_t incarnation,
+                                                     const std::string& proof) {
   absl::MutexLock lock(&mu_);
   if (rank < 0 || rank >= options_.world_size || !slots_[rank].info.live ||
       slots_[rank].info.incarnation != incarnation) {
     return absl::NotFoundError(absl::StrCat("rank ", rank, " (incarnation ", absl::Hex(incarnation),
                                             ") is not a live member; join again"));
+  }
+  if (!SameProof(slots_[rank].proof, proof)) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "heartbeat for rank ", rank, " does not carry the proof of the rank's Join"));
   }
   slots_[rank].last_seen = absl::Now();
   return ViewLocked();

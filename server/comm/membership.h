@@ -54,18 +54,28 @@ struct JoinArgs {
   // The caller's communicator failed while the membership did not change: start a new
   // generation so that everybody rebuilds.
   bool rebuild = false;
+  // A secret the joining process chose (NewProof); while the rank is live, Join and Heartbeat
+  // for it must carry the same one. Never part of a MembershipView.
+  std::string proof;
 };
+
+// Longest address a member may register (a DNS name is at most 253 bytes).
+inline constexpr size_t kMaxMemberAddressBytes = 255;
 
 // What a member calls. Implemented by Coordinator (in-process) and rpc::PeerClient (remote).
 class MembershipService {
  public:
   virtual ~MembershipService() = default;
   // FAILED_PRECONDITION on a world-size mismatch, INVALID_ARGUMENT for a rank out of range,
-  // ALREADY_EXISTS if a live daemon of another incarnation holds the rank, UNAVAILABLE if the
-  // coordinator cannot be reached.
+  // ALREADY_EXISTS if a live daemon of another incarnation holds the rank, PERMISSION_DENIED if
+  // the same incarnation comes without the proof of its first Join, UNAVAILABLE if the
+  // coordinator cannot be reached. INVALID_ARGUMENT for an address over kMaxMemberAddressBytes
+  // or a proof that is not 16 to 64 bytes.
   virtual absl::StatusOr<MembershipView> Join(const JoinArgs& args) = 0;
   // NOT_FOUND if (rank, incarnation) is not a live member (declared lost): Join again.
-  virtual absl::StatusOr<MembershipView> Heartbeat(int rank, uint64_t incarnation) = 0;
+  // PERMISSION_DENIED if `proof` is not the one the rank joined with.
+  virtual absl::StatusOr<MembershipView> Heartbeat(int rank, uint64_t incarnation,
+                                                   const std::string& proof) = 0;
   virtual absl::StatusOr<MembershipView> GetMembership() = 0;
 };
 
@@ -73,6 +83,7 @@ struct CoordinatorOptions {
   int world_size = 1;
   absl::Duration heartbeat_interval = absl::Seconds(1);
   absl::Duration peer_timeout = absl::Seconds(10);
+  StoreLimits store_limits;
   // Called (outside the lock) when a rank is declared lost, with the new generation.
   std::function<void(int rank, uint64_t generation, const std::string& reason)> on_rank_lost;
 };
@@ -83,7 +94,8 @@ class Coordinator : public MembershipService {
   ~Coordinator() override;
 
   absl::StatusOr<MembershipView> Join(const JoinArgs& args) override;
-  absl::StatusOr<MembershipView> Heartbeat(int rank, uint64_t incarnation) override;
+  absl::StatusOr<MembershipView> Heartbeat(int rank, uint64_t incarnation,
+                                           const std::string& proof) override;
   absl::StatusOr<MembershipView> GetMembership() override;
 
   // The rendezvous data the Peer service serves.
@@ -102,6 +114,7 @@ class Coordinator : public MembershipService {
   mutable absl::Mutex mu_;
   struct Slot {
     MemberInfo info;
+    std::string proof;
     absl::Time last_seen;
   };
   std::vector<Slot> slots_ ABSL_GUARDED_BY(mu_);
@@ -113,6 +126,8 @@ class Coordinator : public MembershipService {
 
 // A random non-zero 64-bit id for one daemon process.
 uint64_t NewIncarnation();
+// 32 random bytes: one daemon process's membership proof (JoinArgs::proof).
+std::string NewProof();
 
 // The key prefix of one generation's rendezvous data.
 std::string GenerationPrefix(uint64_t coordinator_incarnation, uint64_t generation);

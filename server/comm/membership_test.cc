@@ -17,31 +17,43 @@ CoordinatorOptions Opts(int w) {
   return o;
 }
 
+// Each rank's process proves itself with its own proof.
+std::string P(int rank) { return std::string(16, static_cast<char>('a' + rank)); }
+JoinArgs J(int rank, int world_size, const std::string& address, uint64_t incarnation) {
+  JoinArgs a;
+  a.rank = rank;
+  a.world_size = world_size;
+  a.address = address;
+  a.incarnation = incarnation;
+  a.proof = P(rank);
+  return a;
+}
+
 TEST(Coordinator, JoinValidatesWorldSizeRankAndDuplicates) {
   Coordinator c(Opts(3));
-  auto bad = c.Join({0, 2, "h0", 11});
+  auto bad = c.Join(J(0, 2, "h0", 11));
   EXPECT_THAT(bad.status(), StatusIs(absl::StatusCode::kFailedPrecondition));
   EXPECT_NE(bad.status().message().find("--world_size=2"), std::string::npos) << bad.status();
-  EXPECT_THAT(c.Join({3, 3, "h", 12}).status(), StatusIs(absl::StatusCode::kInvalidArgument));
-  ASSERT_THAT(c.Join({1, 3, "h1", 21}).status(), IsOk());
-  auto dup = c.Join({1, 3, "h1b", 22});
+  EXPECT_THAT(c.Join(J(3, 3, "h", 12)).status(), StatusIs(absl::StatusCode::kInvalidArgument));
+  ASSERT_THAT(c.Join(J(1, 3, "h1", 21)).status(), IsOk());
+  auto dup = c.Join(J(1, 3, "h1b", 22));
   EXPECT_THAT(dup.status(), StatusIs(absl::StatusCode::kAlreadyExists));
   EXPECT_NE(dup.status().message().find("rank 1"), std::string::npos);
   // Same incarnation again: idempotent, no new generation.
   const uint64_t g = c.GetMembership()->generation;
-  EXPECT_EQ(c.Join({1, 3, "h1", 21})->generation, g);
+  EXPECT_EQ(c.Join(J(1, 3, "h1", 21))->generation, g);
 }
 
 TEST(Coordinator, CompletesThenLosesASilentRankAndTakesARestart) {
   Coordinator c(Opts(2));
-  ASSERT_THAT(c.Join({0, 2, "h0", 1}).status(), IsOk());
-  auto v = c.Join({1, 2, "h1", 2});
+  ASSERT_THAT(c.Join(J(0, 2, "h0", 1)).status(), IsOk());
+  auto v = c.Join(J(1, 2, "h1", 2));
   ASSERT_THAT(v.status(), IsOk());
   EXPECT_TRUE(v->complete);
   const uint64_t g = v->generation;
   // Rank 0 keeps beating, rank 1 is silent: lost after peer_timeout - heartbeat_interval (400 ms).
   absl::SleepFor(absl::Milliseconds(250));
-  ASSERT_THAT(c.Heartbeat(0, 1).status(), IsOk());
+  ASSERT_THAT(c.Heartbeat(0, 1, P(0)).status(), IsOk());
   c.CheckLiveness(absl::Now());
   EXPECT_TRUE(c.GetMembership()->complete);
   absl::SleepFor(absl::Milliseconds(250));
@@ -50,10 +62,10 @@ TEST(Coordinator, CompletesThenLosesASilentRankAndTakesARestart) {
   EXPECT_FALSE(after->complete);
   EXPECT_GT(after->generation, g);
   EXPECT_NE(after->broken_reason.find("rank 1"), std::string::npos) << after->broken_reason;
-  EXPECT_THAT(c.Heartbeat(1, 2).status(), StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_THAT(c.Heartbeat(1, 2, P(1)).status(), StatusIs(absl::StatusCode::kNotFound));
   // A restarted daemon (new incarnation) takes the rank: a newer generation, complete again.
-  ASSERT_THAT(c.Heartbeat(0, 1).status(), IsOk());
-  auto back = c.Join({1, 2, "h1", 3});
+  ASSERT_THAT(c.Heartbeat(0, 1, P(0)).status(), IsOk());
+  auto back = c.Join(J(1, 2, "h1", 3));
   ASSERT_THAT(back.status(), IsOk());
   EXPECT_TRUE(back->complete);
   EXPECT_GT(back->generation, after->generation);
@@ -61,10 +73,51 @@ TEST(Coordinator, CompletesThenLosesASilentRankAndTakesARestart) {
 
 TEST(Coordinator, RebuildStartsANewGeneration) {
   Coordinator c(Opts(1));
-  auto v = c.Join({0, 1, "h", 5});
+  auto v = c.Join(J(0, 1, "h", 5));
   ASSERT_THAT(v.status(), IsOk());
-  JoinArgs again{0, 1, "h", 5, /*rebuild=*/true};
+  JoinArgs again = J(0, 1, "h", 5);
+  again.rebuild = true;
   EXPECT_EQ(c.Join(again)->generation, v->generation + 1);
+}
+
+// Issue 13, Found 2: a stranger who read the membership (rank, address, incarnation) can neither
+// take a live rank over with a forged address nor keep a dead one alive with forged heartbeats.
+TEST(Coordinator, ForgedJoinsAndHeartbeatsWithoutTheProofAreRefused) {
+  Coordinator c(Opts(2));
+  ASSERT_THAT(c.Join(J(0, 2, "h0", 1)).status(), IsOk());
+  ASSERT_THAT(c.Join(J(1, 2, "h1", 2)).status(), IsOk());
+  const MembershipView before = *c.GetMembership();
+  JoinArgs forged = J(1, 2, "evil.example", 2);  // the incarnation is public
+  forged.proof = std::string(16, 'z');
+  EXPECT_THAT(c.Join(forged).status(), StatusIs(absl::StatusCode::kPermissionDenied));
+  forged.proof.clear();
+  EXPECT_THAT(c.Join(forged).status(), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(c.Heartbeat(1, 2, std::string(16, 'z')).status(),
+              StatusIs(absl::StatusCode::kPermissionDenied));
+  EXPECT_THAT(c.Heartbeat(1, 2, "").status(), StatusIs(absl::StatusCode::kPermissionDenied));
+  const MembershipView after = *c.GetMembership();
+  EXPECT_EQ(after.generation, before.generation);
+  ASSERT_EQ(after.members.size(), 2u);
+  EXPECT_EQ(after.members[1].address, "h1");  // the forged address was never listed
+  // Rank 1 falls silent: forged heartbeats do not keep it alive, so it is declared lost.
+  for (int i = 0; i < 6; ++i) {
+    absl::SleepFor(absl::Milliseconds(100));
+    c.Heartbeat(0, 1, P(0)).IgnoreError();
+    c.Heartbeat(1, 2, std::string(16, 'z')).IgnoreError();
+  }
+  c.CheckLiveness(absl::Now());
+  EXPECT_FALSE(c.GetMembership()->complete);
+  // The genuine process re-joins with its proof.
+  EXPECT_THAT(c.Join(J(1, 2, "h1", 2)).status(), IsOk());
+}
+
+TEST(Coordinator, AddressesAreLengthBounded) {
+  Coordinator c(Opts(1));
+  auto big = c.Join(J(0, 1, std::string(3 << 20, 'a'), 7));  // Found 2: a 3 MiB address
+  EXPECT_THAT(big.status(), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_LT(big.status().message().size(), 200u);
+  EXPECT_TRUE(c.GetMembership()->members.empty());
+  EXPECT_THAT(c.Join(J(0, 1, std::string(kMaxMemberAddressBytes, 'a'), 7)).status(), IsOk());
 }
 
 TEST(GenerationPrefix, DiffersPerGenerationAndCoordinator) {

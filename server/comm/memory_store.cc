@@ -7,7 +7,8 @@
 
 namespace diond::comm {
 
-MemoryKeyValueStore::MemoryKeyValueStore() : timer_([this] { TimerLoop(); }) {}
+MemoryKeyValueStore::MemoryKeyValueStore(StoreLimits limits)
+    : limits_(limits), timer_([this] { TimerLoop(); }) {}
 
 MemoryKeyValueStore::~MemoryKeyValueStore() {
   std::list<Waiter> pending;
@@ -38,7 +39,34 @@ std::string MemoryKeyValueStore::Missing(const std::vector<std::string>& keys) c
 absl::Status MemoryKeyValueStore::Set(absl::string_view key, absl::string_view value) {
   std::vector<std::function<void(absl::Status)>> ready;
   {
+    const int64_t key_bytes = static_cast<int64_t>(key.size());
+    const int64_t value_bytes = static_cast<int64_t>(value.size());
+    if (key_bytes > limits_.max_key_bytes) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("rendezvous key of ", key_bytes, " bytes is over the limit of ",
+                       limits_.max_key_bytes, " (--world_max_key_bytes)"));
+    }
+    if (value_bytes > limits_.max_value_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "value of rendezvous key '", key, "' is ", value_bytes, " bytes, over the limit of ",
+          limits_.max_value_bytes, " (--world_max_value_bytes)"));
+    }
     absl::MutexLock lock(&mu_);
+    auto it = data_.find(key);
+    const int64_t old_bytes =
+        it == data_.end() ? 0 : key_bytes + static_cast<int64_t>(it->second.size());
+    if (it == data_.end() && static_cast<int64_t>(data_.size()) >= limits_.max_keys) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("the rendezvous store holds ", data_.size(), " keys, the limit ",
+                       "(--world_max_keys); key '", key, "' was not stored"));
+    }
+    if (bytes_ - old_bytes + key_bytes + value_bytes > limits_.max_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "storing key '", key, "' would take the rendezvous store to ",
+          bytes_ - old_bytes + key_bytes + value_bytes, " bytes, over the limit of ",
+          limits_.max_bytes, " (--world_max_store_bytes)"));
+    }
+    bytes_ += key_bytes + value_bytes - old_bytes;
     data_[std::string(key)] = std::string(value);
     for (auto it = waiters_.begin(); it != waiters_.end();) {
       if (HasAll(it->keys)) {
@@ -93,8 +121,14 @@ void MemoryKeyValueStore::CancelWaiters() {
 void MemoryKeyValueStore::DeletePrefix(absl::string_view prefix) {
   absl::MutexLock lock(&mu_);
   for (auto it = data_.lower_bound(prefix); it != data_.end() && absl::StartsWith(it->first, prefix);) {
+    bytes_ -= static_cast<int64_t>(it->first.size() + it->second.size());
     it = data_.erase(it);
   }
+}
+
+int64_t MemoryKeyValueStore::bytes() const {
+  absl::MutexLock lock(&mu_);
+  return bytes_;
 }
 
 size_t MemoryKeyValueStore::size() const {

@@ -18,9 +18,19 @@
 
 namespace diond::comm {
 
+// Quotas of the store (flags --world_max_*; docs/OPERATIONS.md "Security"). Set refuses a key
+// or value over its size, a new key past max_keys, or a total (keys plus values) past max_bytes
+// with RESOURCE_EXHAUSTED naming the limit; nothing is stored then.
+struct StoreLimits {
+  int64_t max_key_bytes = 1024;
+  int64_t max_value_bytes = int64_t{16} << 20;
+  int64_t max_keys = 100000;
+  int64_t max_bytes = int64_t{256} << 20;
+};
+
 class MemoryKeyValueStore : public KeyValueStore {
  public:
-  MemoryKeyValueStore();
+  explicit MemoryKeyValueStore(StoreLimits limits = {});
   ~MemoryKeyValueStore() override;  // fails pending WaitAsync calls with UNAVAILABLE
 
   absl::Status Set(absl::string_view key, absl::string_view value) override;
@@ -35,6 +45,8 @@ class MemoryKeyValueStore : public KeyValueStore {
   // Removes every key that starts with `prefix` (old generations' rendezvous data).
   void DeletePrefix(absl::string_view prefix);
   size_t size() const;
+  int64_t bytes() const;  // keys plus values
+  const StoreLimits& limits() const { return limits_; }
 
  private:
   struct Waiter {
@@ -47,7 +59,9 @@ class MemoryKeyValueStore : public KeyValueStore {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void TimerLoop();
 
+  const StoreLimits limits_;
   mutable absl::Mutex mu_;
+  int64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<std::string, std::string, std::less<>> data_ ABSL_GUARDED_BY(mu_);
   std::list<Waiter> waiters_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;

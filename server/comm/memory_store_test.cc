@@ -97,5 +97,39 @@ TEST(GlooStore, WaitHonoursTheShorterTimeout) {
   t.join();
 }
 
+// Issue 13, Found 2: unbounded values (100 x 8 MiB) are refused; nothing is stored past a quota.
+TEST(MemoryKeyValueStore, QuotasRefuseOversizedKeysValuesAndTotals) {
+  StoreLimits l;
+  l.max_key_bytes = 64;
+  l.max_value_bytes = 1000;
+  l.max_keys = 3;
+  l.max_bytes = 2000;
+  MemoryKeyValueStore s(l);
+  auto big_key = s.Set(std::string(65, 'k'), "v");
+  EXPECT_THAT(big_key, StatusIs(absl::StatusCode::kResourceExhausted));
+  EXPECT_NE(big_key.message().find("--world_max_key_bytes"), std::string::npos) << big_key;
+  auto big_value = s.Set("a", std::string(1001, 'v'));
+  EXPECT_THAT(big_value, StatusIs(absl::StatusCode::kResourceExhausted));
+  EXPECT_NE(big_value.message().find("--world_max_value_bytes"), std::string::npos);
+  ASSERT_THAT(s.Set("a", std::string(900, 'v')), IsOk());
+  ASSERT_THAT(s.Set("b", std::string(900, 'v')), IsOk());
+  auto total = s.Set("c", std::string(900, 'v'));
+  EXPECT_THAT(total, StatusIs(absl::StatusCode::kResourceExhausted));
+  EXPECT_NE(total.message().find("--world_max_store_bytes"), std::string::npos) << total;
+  EXPECT_EQ(s.bytes(), 2 + 1800);
+  // Replacing a value counts its new size only.
+  ASSERT_THAT(s.Set("b", std::string(10, 'v')), IsOk());
+  EXPECT_EQ(s.bytes(), 2 + 910);
+  ASSERT_THAT(s.Set("c", "1"), IsOk());
+  auto count = s.Set("d", "1");
+  EXPECT_THAT(count, StatusIs(absl::StatusCode::kResourceExhausted));
+  EXPECT_NE(count.message().find("--world_max_keys"), std::string::npos);
+  EXPECT_EQ(s.size(), 3u);
+  EXPECT_THAT(s.Get("d").status(), StatusIs(absl::StatusCode::kNotFound));
+  s.DeletePrefix("");
+  EXPECT_EQ(s.bytes(), 0);
+  EXPECT_THAT(s.Set("d", "1"), IsOk());
+}
+
 }  // namespace
 }  // namespace diond::comm

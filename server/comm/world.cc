@@ -9,7 +9,8 @@
 namespace diond::comm {
 
 World::World(const WorldOptions& options, MembershipService* membership, KeyValueStore* kv)
-    : options_(options), membership_(membership), kv_(kv), incarnation_(NewIncarnation()) {
+    : options_(options), membership_(membership), kv_(kv), incarnation_(NewIncarnation()),
+      proof_(NewProof()) {
   status_ = absl::UnavailableError("the world is forming: waiting for every rank to join");
 }
 
@@ -52,7 +53,7 @@ World::~World() {
 }
 
 absl::StatusOr<MembershipView> World::JoinWithRetry(bool rebuild, absl::Duration bound) {
-  JoinArgs a{options_.rank, options_.world_size, options_.address, incarnation_, rebuild};
+  JoinArgs a{options_.rank, options_.world_size, options_.address, incarnation_, rebuild, proof_};
   const absl::Time deadline = absl::Now() + bound;
   absl::Status last;
   bool logged = false;
@@ -114,11 +115,12 @@ void World::HeartbeatLoop() {
   absl::MutexLock lock(&mu_);
   while (!mu_.AwaitWithTimeout(absl::Condition(&stop_), options_.heartbeat_interval)) {
     mu_.Unlock();
-    auto r = membership_->Heartbeat(options_.rank, incarnation_);
+    auto r = membership_->Heartbeat(options_.rank, incarnation_, proof_);
     if (absl::IsNotFound(r.status())) {
       // Declared lost (or a restarted coordinator): join again as the same process.
       r = membership_->Join(
-          JoinArgs{options_.rank, options_.world_size, options_.address, incarnation_, false});
+          JoinArgs{options_.rank, options_.world_size, options_.address, incarnation_, false,
+                   proof_});
     }
     const absl::Time now = absl::Now();
     uint64_t current = 0;

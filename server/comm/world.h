@@ -89,6 +89,7 @@ class World {
   MembershipService* membership_;
   KeyValueStore* kv_;
   const uint64_t incarnation_;
+  const std::string proof_;  // JoinArgs::proof of this process
 
   mutable absl::Mutex mu_;
   MembershipView view_ ABSL_GUARDED_BY(mu_);

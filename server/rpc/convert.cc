@@ -74,6 +74,7 @@ int64_t UnixMicrosOrZero(absl::Time t) {
 
 void SessionInfoToProto(const session::SessionInfo& info, absl::Time now, v1::SessionInfo* out) {
   out->set_session_id(info.id);
+  out->set_owner(info.owner);
   out->set_client_name(info.client_name);
   out->set_parameters(info.parameters);
   out->set_last_step_index(info.last_step_index);

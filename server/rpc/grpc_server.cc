@@ -10,6 +10,7 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/security/server_credentials.h"
 #include "server/rpc/metrics_interceptor.h"
 #include "server/rpc/optimizer_service.h"
 
@@ -23,12 +24,46 @@ absl::StatusOr<std::unique_ptr<RpcServer>> RpcServer::Start(const RpcServerOptio
                                                             server::DaemonMetrics* metrics) {
   std::unique_ptr<RpcServer> s(new RpcServer);
   if (options.manager == nullptr) return absl::InternalError("RpcServer needs a SessionManager");
-  s->service_ = std::make_unique<OptimizerService>(options.manager, options.service);
+  const bool tls = !options.tls_cert.empty();
+  if (tls != !options.tls_key.empty()) {
+    return absl::InvalidArgumentError("--tls_cert and --tls_key go together");
+  }
+  if (!tls && !options.tls_client_ca.empty()) {
+    return absl::InvalidArgumentError("--tls_client_ca needs --tls_cert and --tls_key");
+  }
+  AuthOptions auth = options.auth;
+  auth.tls_client_certs = !options.tls_client_ca.empty();
+  s->auth_ = std::make_unique<Authenticator>(auth);
+  s->service_ =
+      std::make_unique<OptimizerService>(options.manager, s->auth_.get(), options.service);
 
+  // Unix sockets: bound here, accepted by UnixListener once the server runs.
+  std::vector<std::string> unix_paths;
+  auto unbind_unix = [&] {
+    s->unix_listeners_.clear();
+    for (const std::string& path : unix_paths) unlink(path.c_str());
+  };
   for (const auto& a : options.listen) {
-    if (a.kind == server::ListenAddress::Kind::kUnix) {
-      DIOND_RETURN_IF_ERROR(server::PrepareUnixSocketPath(a.path));
+    if (a.kind != server::ListenAddress::Kind::kUnix) continue;
+    absl::Status ready = server::PrepareUnixSocketPath(a.path);
+    auto l = ready.ok() ? UnixListener::Bind(a.path)
+                        : absl::StatusOr<std::unique_ptr<UnixListener>>(ready);
+    if (!l.ok()) {
+      unbind_unix();
+      return l.status();
     }
+    unix_paths.push_back(a.path);
+    s->unix_listeners_.push_back(*std::move(l));
+  }
+
+  std::shared_ptr<grpc::ServerCredentials> tcp_creds = grpc::InsecureServerCredentials();
+  if (tls) {
+    grpc::SslServerCredentialsOptions so(
+        auth.tls_client_certs ? GRPC_SSL_REQUEST_CLIENT_CERTIFICATE_AND_VERIFY
+                              : GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+    so.pem_root_certs = options.tls_client_ca;
+    so.pem_key_cert_pairs.push_back({options.tls_key, options.tls_cert});
+    tcp_creds = grpc::SslServerCredentials(so);
   }
 
   grpc::EnableDefaultHealthCheckService(true);
@@ -40,28 +75,34 @@ absl::StatusOr<std::unique_ptr<RpcServer>> RpcServer::Start(const RpcServerOptio
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
   std::vector<int> ports(options.listen.size(), 0);
+  bool any_tcp = false;
   for (size_t i = 0; i < options.listen.size(); ++i) {
     const auto& a = options.listen[i];
-    builder.AddListeningPort(a.ToString(), grpc::InsecureServerCredentials(),
-                             a.kind == server::ListenAddress::Kind::kTcp ? &ports[i] : nullptr);
+    if (a.kind != server::ListenAddress::Kind::kTcp) continue;
+    any_tcp = true;
+    builder.AddListeningPort(a.ToString(), tcp_creds, &ports[i]);
+  }
+  if (any_tcp && !s->auth_->tcp_usable()) {
+    DIOND_LOG(WARNING) << "TCP listeners have no credential configured: every call over TCP "
+                          "gets UNAUTHENTICATED (give --auth_token_file or --tls_client_ca, or "
+                          "--allow_unauthenticated_tcp)";
   }
   builder.RegisterService(s->service_.get());
   if (options.coordinator != nullptr) {
-    s->peer_service_ = std::make_unique<PeerService>(options.coordinator);
+    s->peer_service_ = std::make_unique<PeerService>(options.coordinator, options.world_secret,
+                                                     auth.tls_client_certs);
     builder.RegisterService(s->peer_service_.get());
   }
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> icpt;
   icpt.push_back(MakeMetricsInterceptorFactory(metrics));
   builder.experimental().SetInterceptorCreators(std::move(icpt));
 
-  // Unix sockets are created 0600 (owner only): set the umask around the bind.
-  mode_t old_mask = umask(0177);
   s->server_ = builder.BuildAndStart();
-  umask(old_mask);
 
   std::vector<std::string> names;
   for (const auto& a : options.listen) names.push_back(a.ToString());
   if (s->server_ == nullptr) {
+    unbind_unix();
     return absl::UnavailableError(absl::StrCat(
         "cannot listen on ", absl::StrJoin(names, ", "),
         ": address already in use or not bindable (see the gRPC log line above)"));
@@ -71,15 +112,14 @@ absl::StatusOr<std::unique_ptr<RpcServer>> RpcServer::Start(const RpcServerOptio
     if (a.kind == server::ListenAddress::Kind::kTcp) {
       if (ports[i] == 0) {
         s->server_->Shutdown();
+        unbind_unix();
         return absl::UnavailableError(absl::StrCat("cannot listen on ", a.ToString()));
       }
       a.port = ports[i];
-    } else {
-      // Belt and braces: the umask covers the bind, chmod covers an odd umask-ignoring kernel.
-      chmod(a.path.c_str(), 0600);
     }
     s->bound_.push_back(a);
   }
+  for (auto& l : s->unix_listeners_) l->Start(s->server_.get(), s->auth_->unix_peers());
   if (!options.health_address.empty()) {
     // A second server with gRPC's health service only (no interceptor, no other service): what
     // a kubelet's gRPC probe may reach on the pod IP while the API stays on loopback/unix.
@@ -112,6 +152,7 @@ void RpcServer::Shutdown(absl::Duration drain) {
   shut_down_ = true;
   server_->GetHealthCheckService()->SetServingStatus(false);
   if (health_server_) health_server_->GetHealthCheckService()->SetServingStatus(false);
+  for (auto& l : unix_listeners_) l->Stop();
   server_->Shutdown(absl::ToChronoTime(absl::Now() + drain));
   server_->Wait();
   if (health_server_) {

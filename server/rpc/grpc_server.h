@@ -12,6 +12,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "server/listen.h"
+#include "server/rpc/auth.h"
 #include "server/metrics.h"
 #include "server/rpc/optimizer_service.h"
 #include "server/rpc/peer_service.h"
@@ -33,12 +34,21 @@ struct RpcServerOptions {
   comm::Coordinator* coordinator = nullptr;
   // HOST:PORT serving only grpc.health.v1 (for Kubernetes gRPC probes); empty = none.
   std::string health_address;
+  // Who may call (server/rpc/auth.h).
+  AuthOptions auth;
+  // TLS on every TCP listener when cert and key (PEM text) are set. With client_ca, client
+  // certificates are requested and, when sent, verified against it (mTLS); a verified one is a
+  // credential.
+  std::string tls_cert, tls_key, tls_client_ca;
+  // Peer service: the world's shared secret; empty = only mTLS client certificates are accepted.
+  std::string world_secret;
 };
 
 class RpcServer {
  public:
   // Binds every address or none: ALREADY_EXISTS / UNAVAILABLE with the address when a port or
-  // socket is taken. Unix sockets are created with mode 0600. `metrics` must outlive the server.
+  // socket is taken. Unix sockets are created with mode 0600 and accepted by UnixListener (the
+  // peer's uid is its principal). `metrics` must outlive the server.
   static absl::StatusOr<std::unique_ptr<RpcServer>> Start(const RpcServerOptions& options,
                                                           server::DaemonMetrics* metrics);
   ~RpcServer();
@@ -56,9 +66,11 @@ class RpcServer {
   RpcServer();
   std::unique_ptr<OptimizerService> service_;
   std::unique_ptr<PeerService> peer_service_;
+  std::unique_ptr<Authenticator> auth_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<grpc::Server> health_server_;  // --health_address only
   int health_port_ = 0;
+  std::vector<std::unique_ptr<UnixListener>> unix_listeners_;
   std::vector<server::ListenAddress> bound_;
   bool shut_down_ = false;
 };

@@ -1,8 +1,11 @@
 #include "server/rpc/optimizer_service.h"
 
+#include <sys/stat.h>
+
 #include <deque>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
@@ -18,6 +21,26 @@ grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* ctx, const absl::S
   return r;
 }
 
+// At most 200 characters of client input in a message.
+std::string Bounded(absl::string_view s) {
+  if (s.size() <= 200) return std::string(s);
+  return absl::StrCat(s.substr(0, 200), "... (", s.size(), " bytes)");
+}
+
+// Session `id` if `p` may use it: NOT_FOUND as before, PERMISSION_DENIED when it belongs to
+// another principal and `p` is no admin.
+absl::StatusOr<std::shared_ptr<session::Session>> Owned(session::SessionManager* manager,
+                                                        const Principal& p,
+                                                        const std::string& id) {
+  auto s = manager->Get(id);
+  if (!s.ok()) return s.status();
+  if (!p.admin && (*s)->spec().owner != p.name) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "session '", Bounded(id), "' belongs to another principal (you are ", p.name, ")"));
+  }
+  return s;
+}
+
 // Collects the chunks of a client stream, then hands them to `apply` once the client has
 // finished. A cancelled (truncated) stream applies nothing: OnReadDone(false) means either a
 // half-close or a cancellation, so the context is asked which (without the check, a client
@@ -27,8 +50,14 @@ class ChunkReader : public grpc::ServerReadReactor<v1::TensorChunk> {
   using Apply = std::function<absl::Status(const std::string& session,
                                            std::vector<session::TensorWrite> writes,
                                            int64_t bytes, int64_t chunks)>;
-  ChunkReader(grpc::CallbackServerContext* ctx, int64_t max_chunk_bytes, Apply apply)
-      : ctx_(ctx), max_chunk_bytes_(max_chunk_bytes), apply_(std::move(apply)) {
+  using Check = std::function<absl::Status(const std::string& session)>;
+  // `check` runs on the first chunk's session id (authentication and ownership) before anything
+  // is buffered.
+  ChunkReader(grpc::CallbackServerContext* ctx, int64_t max_chunk_bytes, Check check, Apply apply)
+      : ctx_(ctx),
+        max_chunk_bytes_(max_chunk_bytes),
+        check_(std::move(check)),
+        apply_(std::move(apply)) {
     StartRead(&chunk_);
   }
 
@@ -38,7 +67,13 @@ class ChunkReader : public grpc::ServerReadReactor<v1::TensorChunk> {
         Finish(grpc::Status(grpc::StatusCode::CANCELLED, "stream cancelled; nothing applied"));
         return;
       }
-      // The client half-closed: the stream is complete.
+      // The client half-closed: the stream is complete. An empty stream still authenticates.
+      if (chunks_ == 0) {
+        if (absl::Status c = check_(session_); !c.ok()) {
+          Finish(ToGrpcStatus(c));
+          return;
+        }
+      }
       Finish(ToGrpcStatus(apply_(session_, std::move(writes_), bytes_, chunks_)));
       return;
     }
@@ -46,6 +81,10 @@ class ChunkReader : public grpc::ServerReadReactor<v1::TensorChunk> {
       session_ = chunk_.session_id();
       if (session_.empty()) {
         Finish(ToGrpcStatus(absl::InvalidArgumentError("the first chunk must carry session_id")));
+        return;
+      }
+      if (absl::Status c = check_(session_); !c.ok()) {
+        Finish(ToGrpcStatus(c));
         return;
       }
     }
@@ -66,6 +105,7 @@ class ChunkReader : public grpc::ServerReadReactor<v1::TensorChunk> {
  private:
   grpc::CallbackServerContext* ctx_;
   int64_t max_chunk_bytes_;
+  Check check_;
   Apply apply_;
   v1::TensorChunk chunk_;
   std::string session_;
@@ -106,15 +146,36 @@ class ChunkWriter : public grpc::ServerWriteReactor<v1::TensorChunk> {
   v1::TensorChunk chunk_;
 };
 
-// Checkpoint paths name files on the daemon's host. Unix-socket peers are the daemon's own user
-// (the socket is 0600) and may name any path; TCP peers only relative paths, which the session
-// manager resolves under --state_dir, without "..".
-absl::Status CheckPathAllowed(grpc::CallbackServerContext* ctx, const std::string& path,
-                              const char* field) {
-  if (absl::StartsWith(ctx->peer(), "unix:")) return absl::OkStatus();
+// Checkpoint paths name files on the daemon's host. Admins on the Unix socket (root or the
+// daemon's own uid) may name any path; everybody else (TCP peers, other local uids) only
+// relative paths, which the session manager resolves under --state_dir, without "..".
+absl::Status CheckPathAllowed(const Principal& p, const std::string& path, const char* field) {
+  if (p.local && p.admin) return absl::OkStatus();
   if (!path.empty() && (path[0] == '/' || absl::StrContains(path, ".."))) {
     return absl::PermissionDeniedError(absl::StrCat(
-        field, " '", path, "': TCP clients may only name paths relative to --state_dir"));
+        field, " '", Bounded(path),
+        "': only paths relative to --state_dir (without '..') are allowed, except for the "
+        "daemon's own user on the Unix socket"));
+  }
+  return absl::OkStatus();
+}
+
+// A local non-admin caller may only register shm segments its uid owns (the daemon could open
+// other users' segments). Names the session layer will refuse anyway are left to it.
+absl::Status CheckSegmentOwner(const Principal& p, const std::string& name) {
+  if (!p.local || p.admin || name.empty() || name == "." || name == ".." || name.size() > 255) {
+    return absl::OkStatus();
+  }
+  for (char c : name) {
+    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '_' && c != '-') {
+      return absl::OkStatus();
+    }
+  }
+  struct stat st;
+  if (lstat(absl::StrCat("/dev/shm/", name).c_str(), &st) == 0 && st.st_uid != p.uid) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "shm segment '", name, "' belongs to uid ", st.st_uid, ", not to the caller (", p.name,
+        ")"));
   }
   return absl::OkStatus();
 }
@@ -125,11 +186,24 @@ grpc::ServerWriteReactor<v1::TensorChunk>* FailWrite(const absl::Status& s) {
 
 }  // namespace
 
+std::function<absl::Status(const std::string&)> OptimizerService::OwnerCheck(
+    grpc::CallbackServerContext* ctx) const {
+  absl::StatusOr<Principal> p = auth_->Authenticate(*ctx);
+  session::SessionManager* manager = manager_;
+  return [p, manager](const std::string& id) -> absl::Status {
+    if (!p.ok()) return p.status();
+    return Owned(manager, *p, id).status();
+  };
+}
+
 grpc::ServerUnaryReactor* OptimizerService::CreateSession(grpc::CallbackServerContext* ctx,
                                                           const v1::CreateSessionRequest* req,
                                                           v1::CreateSessionResponse* resp) {
+  auto p = auth_->Authenticate(*ctx);
+  if (!p.ok()) return Finish(ctx, p.status());
   auto spec = SpecFromProto(*req);
   if (!spec.ok()) return Finish(ctx, spec.status());
+  spec->owner = p->name;
   auto s = manager_->CreateSession(*std::move(spec));
   if (!s.ok()) return Finish(ctx, s.status());
   LayoutToProto(**s, resp);
@@ -139,7 +213,9 @@ grpc::ServerUnaryReactor* OptimizerService::CreateSession(grpc::CallbackServerCo
 grpc::ServerUnaryReactor* OptimizerService::RegisterRegion(grpc::CallbackServerContext* ctx,
                                                            const v1::RegisterRegionRequest* req,
                                                            v1::RegisterRegionResponse* resp) {
-  auto s = manager_->Get(req->session_id());
+  auto p = auth_->Authenticate(*ctx);
+  if (!p.ok()) return Finish(ctx, p.status());
+  auto s = Owned(manager_, *p, req->session_id());
   if (!s.ok()) return Finish(ctx, s.status());
   session::Role role;
   switch (req->role()) {
@@ -162,13 +238,14 @@ grpc::ServerUnaryReactor* OptimizerService::RegisterRegion(grpc::CallbackServerC
   if (!req->has_system_shm()) {
     return Finish(ctx, absl::InvalidArgumentError("REGION_KIND_SYSTEM_SHM needs system_shm"));
   }
-  if (!options_.allow_shm_from_tcp && !absl::StartsWith(ctx->peer(), "unix:")) {
+  if (!options_.allow_shm_from_tcp && !p->local) {
     return Finish(ctx, absl::PermissionDeniedError(absl::StrCat(
                            "shared-memory registration from ", ctx->peer(),
                            " is off: connect over the Unix socket, or start diond with "
                            "--allow_shm_from_tcp")));
   }
   const v1::SystemShmRegion& shm = req->system_shm();
+  if (absl::Status o = CheckSegmentOwner(*p, shm.name()); !o.ok()) return Finish(ctx, o);
   auto id = (*s)->RegisterShmRegion(role, shm.name(), shm.offset_bytes(), shm.size_bytes());
   if (!id.ok()) return Finish(ctx, id.status());
   resp->set_region_id(*id);
@@ -178,7 +255,9 @@ grpc::ServerUnaryReactor* OptimizerService::RegisterRegion(grpc::CallbackServerC
 grpc::ServerUnaryReactor* OptimizerService::UnregisterRegion(
     grpc::CallbackServerContext* ctx, const v1::UnregisterRegionRequest* req,
     v1::UnregisterRegionResponse*) {
-  auto s = manager_->Get(req->session_id());
+  auto p = auth_->Authenticate(*ctx);
+  if (!p.ok()) return Finish(ctx, p.status());
+  auto s = Owned(manager_, *p, req->session_id());
   if (!s.ok()) return Finish(ctx, s.status());
   return Finish(ctx, (*s)->UnregisterRegion(req->region_id()));
 }
@@ -186,6 +265,9 @@ grpc::ServerUnaryReactor* OptimizerService::UnregisterRegion(
 grpc::ServerUnaryReactor* OptimizerService::Step(grpc::CallbackServerContext* ctx,
                                                  const v1::StepRequest* req,
                                                  v1::StepResponse* resp) {
+  auto p = auth_->Authenticate(*ctx);
+  if (!p.ok()) return Finish(ctx, p.status());
+  if (auto o = Owned(manager_, *p, req->session_id()); !o.ok()) return Finish(ctx, o.status());
   session::StepRequest sr;
   sr.step_index = req->step_index();
   sr.gradient_scale = req->gradient_scale();
@@ -205,7 +287,7 @@ grpc::ServerUnaryReactor* OptimizerService::Step(grpc::CallbackServerContext* ct
 grpc::ServerReadReactor<v1::TensorChunk>* OptimizerService::PushGradients(
     grpc::CallbackServerContext* ctx, v1::PushGradientsResponse* resp) {
   session::SessionManager* manager = manager_;
-  return new ChunkReader(ctx, options_.max_chunk_bytes,
+  return new ChunkReader(ctx, options_.max_chunk_bytes, OwnerCheck(ctx),
                          [manager, resp](const std::string& id,
                                          std::vector<session::TensorWrite> writes, int64_t bytes,
                                          int64_t chunks) -> absl::Status {
@@ -220,8 +302,10 @@ grpc::ServerReadReactor<v1::TensorChunk>* OptimizerService::PushGradients(
 }
 
 grpc::ServerWriteReactor<v1::TensorChunk>* OptimizerService::PullParameters(
-    grpc::CallbackServerContext*, const v1::PullParametersRequest* req) {
-  auto s = manager_->Get(req->session_id());
+    grpc::CallbackServerContext* ctx, const v1::PullParametersRequest* req) {
+  auto p = auth_->Authenticate(*ctx);
+  if (!p.ok()) return FailWrite(p.status());
+  auto s = Owned(manager_, *p, req->session_id());
   if (!s.ok()) return FailWrite(s.status());
   int64_t chunk = req->chunk_bytes() == 0 ? options_.max_chunk_bytes : req->chunk_bytes();
   if (chunk < 0 || chunk > options_.max_chunk_bytes) {
@@ -279,7 +363,9 @@ grpc::ServerWriteReactor<v1::TensorChunk>* OptimizerService::PullParameters(
 grpc::ServerUnaryReactor* OptimizerService::SetHyperparameters(
     grpc::CallbackServerContext* ctx, const v1::SetHyperparametersRequest* req,
     v1::SetHyperparametersResponse*) {
-  auto s = manager_->Get(req->session_id());
+  auto p = auth_->Authenticate(*ctx);
+  if (!p.ok()) return Finish(ctx, p.status());
+  auto s = Owned(manager_, *p, req->session_id());
   if (!s.ok()) return Finish(ctx, s.status());
   const v1::Hyperparameters& h = req->hyperparameters();
   // Only the step-size knobs change mid-session today; refusing the rest is better than
@@ -299,8 +385,10 @@ grpc::ServerUnaryReactor* OptimizerService::SetHyperparameters(
 }
 
 grpc::ServerWriteReactor<v1::TensorChunk>* OptimizerService::GetState(
-    grpc::CallbackServerContext*, const v1::GetStateRequest* req) {
-  auto s = manager_->Get(req->session_id());
+    grpc::CallbackServerContext* ctx, const v1::GetStateRequest* req) {
+  auto p = auth_->Authenticate(*ctx);
+  if (!p.ok()) return FailWrite(p.status());
+  auto s = Owned(manager_, *p, req->session_id());
   if (!s.ok()) return FailWrite(s.status());
   auto state = (*s)->GetState(req->include_parameters());
   if (!state.ok()) return FailWrite(state.status());
@@ -335,7 +423,7 @@ grpc::ServerWriteReactor<v1::TensorChunk>* OptimizerService::GetState(
 grpc::ServerReadReactor<v1::TensorChunk>* OptimizerService::SetState(
     grpc::CallbackServerContext* ctx, v1::SetStateResponse* resp) {
   session::SessionManager* manager = manager_;
-  return new ChunkReader(ctx, options_.max_chunk_bytes,
+  return new ChunkReader(ctx, options_.max_chunk_bytes, OwnerCheck(ctx),
                          [manager, resp](const std::string& id,
                                          std::vector<session::TensorWrite> writes, int64_t,
                                          int64_t) -> absl::Status {
@@ -353,8 +441,11 @@ grpc::ServerReadReactor<v1::TensorChunk>* OptimizerService::SetState(
 grpc::ServerUnaryReactor* OptimizerService::SaveCheckpoint(grpc::CallbackServerContext* ctx,
                                                            const v1::SaveCheckpointRequest* req,
                                                            v1::SaveCheckpointResponse* resp) {
-  if (absl::Status p = CheckPathAllowed(ctx, req->directory(), "directory"); !p.ok()) {
-    return Finish(ctx, p);
+  auto p = auth_->Authenticate(*ctx);
+  if (!p.ok()) return Finish(ctx, p.status());
+  if (auto o = Owned(manager_, *p, req->session_id()); !o.ok()) return Finish(ctx, o.status());
+  if (absl::Status a = CheckPathAllowed(*p, req->directory(), "directory"); !a.ok()) {
+    return Finish(ctx, a);
   }
   auto saved = manager_->SaveCheckpoint(req->session_id(), req->directory());
   if (!saved.ok()) return Finish(ctx, saved.status());
@@ -368,13 +459,16 @@ grpc::ServerUnaryReactor* OptimizerService::SaveCheckpoint(grpc::CallbackServerC
 grpc::ServerUnaryReactor* OptimizerService::LoadCheckpoint(grpc::CallbackServerContext* ctx,
                                                            const v1::LoadCheckpointRequest* req,
                                                            v1::LoadCheckpointResponse* resp) {
+  auto p = auth_->Authenticate(*ctx);
+  if (!p.ok()) return Finish(ctx, p.status());
   if (req->path().empty()) {
     return Finish(ctx, absl::InvalidArgumentError("LoadCheckpoint needs a path"));
   }
-  if (absl::Status p = CheckPathAllowed(ctx, req->path(), "path"); !p.ok()) {
-    return Finish(ctx, p);
+  if (absl::Status a = CheckPathAllowed(*p, req->path(), "path"); !a.ok()) {
+    return Finish(ctx, a);
   }
-  auto s = manager_->LoadCheckpoint(req->path());
+  // The restored session belongs to whoever loads it.
+  auto s = manager_->LoadCheckpoint(req->path(), p->name);
   if (!s.ok()) return Finish(ctx, s.status());
   LayoutToProto(**s, resp->mutable_session());
   resp->set_step_index((*s)->last_step_index());
@@ -384,14 +478,20 @@ grpc::ServerUnaryReactor* OptimizerService::LoadCheckpoint(grpc::CallbackServerC
 grpc::ServerUnaryReactor* OptimizerService::CloseSession(grpc::CallbackServerContext* ctx,
                                                          const v1::CloseSessionRequest* req,
                                                          v1::CloseSessionResponse*) {
+  auto p = auth_->Authenticate(*ctx);
+  if (!p.ok()) return Finish(ctx, p.status());
+  if (auto o = Owned(manager_, *p, req->session_id()); !o.ok()) return Finish(ctx, o.status());
   return Finish(ctx, manager_->Close(req->session_id()));
 }
 
 grpc::ServerUnaryReactor* OptimizerService::ListSessions(grpc::CallbackServerContext* ctx,
                                                          const v1::ListSessionsRequest*,
                                                          v1::ListSessionsResponse* resp) {
+  auto p = auth_->Authenticate(*ctx);
+  if (!p.ok()) return Finish(ctx, p.status());
   const absl::Time now = absl::Now();
   for (const session::SessionInfo& info : manager_->List()) {
+    if (!p->admin && info.owner != p->name) continue;  // only one's own sessions
     SessionInfoToProto(info, now, resp->add_sessions());
   }
   return Finish(ctx, absl::OkStatus());

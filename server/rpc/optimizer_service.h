@@ -4,7 +4,11 @@
 #ifndef DIOND_SERVER_RPC_OPTIMIZER_SERVICE_H_
 #define DIOND_SERVER_RPC_OPTIMIZER_SERVICE_H_
 
+#include <functional>
+#include <string>
+
 #include "diond/v1/optimizer.grpc.pb.h"
+#include "server/rpc/auth.h"
 #include "server/session/session_manager.h"
 
 namespace diond::rpc {
@@ -18,9 +22,12 @@ struct OptimizerServiceOptions {
 
 class OptimizerService final : public diond::v1::Optimizer::CallbackService {
  public:
-  // `manager` must outlive the service.
-  OptimizerService(session::SessionManager* manager, OptimizerServiceOptions options)
-      : manager_(manager), options_(options) {}
+  // `manager` and `auth` must outlive the service. Every RPC authenticates its caller first
+  // (UNAUTHENTICATED); an RPC that names a session another principal owns gets
+  // PERMISSION_DENIED unless the caller is an admin.
+  OptimizerService(session::SessionManager* manager, const Authenticator* auth,
+                   OptimizerServiceOptions options)
+      : manager_(manager), auth_(auth), options_(options) {}
 
   grpc::ServerUnaryReactor* CreateSession(grpc::CallbackServerContext* ctx,
                                           const v1::CreateSessionRequest* req,
@@ -58,7 +65,11 @@ class OptimizerService final : public diond::v1::Optimizer::CallbackService {
                                          v1::ListSessionsResponse* resp) override;
 
  private:
+  // For the client-streaming RPCs: authenticates now, checks ownership on the first chunk.
+  std::function<absl::Status(const std::string&)> OwnerCheck(
+      grpc::CallbackServerContext* ctx) const;
   session::SessionManager* manager_;
+  const Authenticator* auth_;
   OptimizerServiceOptions options_;
 };
 

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "server/rpc/auth.h"
 #include "server/rpc/status_conversion.h"
 
 namespace diond::rpc {
@@ -50,6 +51,9 @@ comm::MembershipView FromProto(const v1::Membership& m) {
 
 grpc::ServerUnaryReactor* PeerService::Set(grpc::CallbackServerContext* ctx,
                                            const v1::PeerSetRequest* req, v1::PeerSetResponse*) {
+  if (absl::Status a = CheckWorldCredential(*ctx, world_secret_, mtls_); !a.ok()) {
+    return Finish(ctx, a);
+  }
   if (req->key().empty()) return Finish(ctx, absl::InvalidArgumentError("key is empty"));
   return Finish(ctx, coordinator_->store()->Set(req->key(), req->value()));
 }
@@ -57,6 +61,9 @@ grpc::ServerUnaryReactor* PeerService::Set(grpc::CallbackServerContext* ctx,
 grpc::ServerUnaryReactor* PeerService::Get(grpc::CallbackServerContext* ctx,
                                            const v1::PeerGetRequest* req,
                                            v1::PeerGetResponse* resp) {
+  if (absl::Status a = CheckWorldCredential(*ctx, world_secret_, mtls_); !a.ok()) {
+    return Finish(ctx, a);
+  }
   auto v = coordinator_->store()->Get(req->key());
   if (v.ok()) resp->set_value(std::move(*v));
   return Finish(ctx, v.status());
@@ -64,9 +71,25 @@ grpc::ServerUnaryReactor* PeerService::Get(grpc::CallbackServerContext* ctx,
 
 grpc::ServerUnaryReactor* PeerService::Wait(grpc::CallbackServerContext* ctx,
                                             const v1::PeerWaitRequest* req, v1::PeerWaitResponse*) {
+  if (absl::Status a = CheckWorldCredential(*ctx, world_secret_, mtls_); !a.ok()) {
+    return Finish(ctx, a);
+  }
   if (req->timeout_ms() < 0 || req->timeout_ms() > kMaxWaitMs) {
     return Finish(ctx, absl::InvalidArgumentError(absl::StrCat(
                            "timeout_ms ", req->timeout_ms(), " outside [0, ", kMaxWaitMs, "]")));
+  }
+  const comm::StoreLimits& limits = coordinator_->store()->limits();
+  if (req->keys_size() > limits.max_keys) {
+    return Finish(ctx, absl::ResourceExhaustedError(absl::StrCat(
+                           "Wait for ", req->keys_size(), " keys; the limit is ", limits.max_keys,
+                           " (--world_max_keys)")));
+  }
+  for (const std::string& k : req->keys()) {
+    if (static_cast<int64_t>(k.size()) > limits.max_key_bytes) {
+      return Finish(ctx, absl::ResourceExhaustedError(absl::StrCat(
+                             "Wait for a key of ", k.size(), " bytes; the limit is ",
+                             limits.max_key_bytes, " (--world_max_key_bytes)")));
+    }
   }
   grpc::ServerUnaryReactor* r = ctx->DefaultReactor();
   std::vector<std::string> keys(req->keys().begin(), req->keys().end());
@@ -77,8 +100,11 @@ grpc::ServerUnaryReactor* PeerService::Wait(grpc::CallbackServerContext* ctx,
 
 grpc::ServerUnaryReactor* PeerService::Join(grpc::CallbackServerContext* ctx,
                                             const v1::JoinRequest* req, v1::JoinResponse* resp) {
-  comm::JoinArgs a{req->rank(), req->world_size(), req->address(), req->incarnation(),
-                   req->rebuild()};
+  if (absl::Status a = CheckWorldCredential(*ctx, world_secret_, mtls_); !a.ok()) {
+    return Finish(ctx, a);
+  }
+  comm::JoinArgs a{req->rank(),        req->world_size(), req->address(),
+                   req->incarnation(), req->rebuild(),    req->proof()};
   auto v = coordinator_->Join(a);
   if (v.ok()) ToProto(*v, resp->mutable_membership());
   return Finish(ctx, v.status());
@@ -87,7 +113,10 @@ grpc::ServerUnaryReactor* PeerService::Join(grpc::CallbackServerContext* ctx,
 grpc::ServerUnaryReactor* PeerService::Heartbeat(grpc::CallbackServerContext* ctx,
                                                  const v1::HeartbeatRequest* req,
                                                  v1::HeartbeatResponse* resp) {
-  auto v = coordinator_->Heartbeat(req->rank(), req->incarnation());
+  if (absl::Status a = CheckWorldCredential(*ctx, world_secret_, mtls_); !a.ok()) {
+    return Finish(ctx, a);
+  }
+  auto v = coordinator_->Heartbeat(req->rank(), req->incarnation(), req->proof());
   if (v.ok()) ToProto(*v, resp->mutable_membership());
   return Finish(ctx, v.status());
 }
@@ -95,6 +124,9 @@ grpc::ServerUnaryReactor* PeerService::Heartbeat(grpc::CallbackServerContext* ct
 grpc::ServerUnaryReactor* PeerService::GetMembership(grpc::CallbackServerContext* ctx,
                                                      const v1::GetMembershipRequest*,
                                                      v1::GetMembershipResponse* resp) {
+  if (absl::Status a = CheckWorldCredential(*ctx, world_secret_, mtls_); !a.ok()) {
+    return Finish(ctx, a);
+  }
   auto v = coordinator_->GetMembership();
   if (v.ok()) ToProto(*v, resp->mutable_membership());
   return Finish(ctx, v.status());

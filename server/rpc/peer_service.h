@@ -5,6 +5,9 @@
 #ifndef DIOND_SERVER_RPC_PEER_SERVICE_H_
 #define DIOND_SERVER_RPC_PEER_SERVICE_H_
 
+#include <string>
+#include <utility>
+
 #include "diond/v1/peer.grpc.pb.h"
 #include "server/comm/membership.h"
 
@@ -12,8 +15,11 @@ namespace diond::rpc {
 
 class PeerService final : public diond::v1::Peer::CallbackService {
  public:
-  // `coordinator` must outlive the service.
-  explicit PeerService(comm::Coordinator* coordinator) : coordinator_(coordinator) {}
+  // `coordinator` must outlive the service. Every call must carry `world_secret` (metadata
+  // kWorldSecretMetadata, server/rpc/auth.h) or, if `mtls`, come with a verified TLS client
+  // certificate; UNAUTHENTICATED otherwise.
+  PeerService(comm::Coordinator* coordinator, std::string world_secret, bool mtls)
+      : coordinator_(coordinator), world_secret_(std::move(world_secret)), mtls_(mtls) {}
 
   grpc::ServerUnaryReactor* Set(grpc::CallbackServerContext* ctx, const v1::PeerSetRequest* req,
                                 v1::PeerSetResponse* resp) override;
@@ -32,6 +38,8 @@ class PeerService final : public diond::v1::Peer::CallbackService {
 
  private:
   comm::Coordinator* coordinator_;
+  std::string world_secret_;
+  bool mtls_;
 };
 
 void ToProto(const comm::MembershipView& v, v1::Membership* out);

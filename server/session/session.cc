@@ -765,6 +765,7 @@ SessionInfo Session::Info() {
   SessionInfo info;
   info.id = id_;
   info.client_name = spec_.client_name;
+  info.owner = spec_.owner;
   info.parameters = static_cast<int64_t>(layout_.tensors.size());
   info.last_step_index = last_step_index_;
   info.state_bytes = state_bytes_.load();

@@ -49,6 +49,7 @@ struct TensorWrite {
 struct SessionInfo {
   std::string id;
   std::string client_name;
+  std::string owner;  // SessionSpec::owner
   int64_t parameters = 0;
   int64_t last_step_index = 0;
   int64_t state_bytes = 0;

@@ -342,12 +342,13 @@ absl::StatusOr<std::pair<std::string, int64_t>> SessionManager::SaveCheckpoint(
 }
 
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::LoadCheckpoint(
-    const std::string& given) {
+    const std::string& given, const std::string& owner) {
   std::string path = given;
   if (!given.empty() && given[0] != '/' && !options_.state_dir.empty()) {
     path = absl::StrCat(options_.state_dir, "/", given);  // relative: under --state_dir
   }
   DIOND_ASSIGN_OR_RETURN(SessionSnapshot snap, ReadCheckpoint(path));
+  snap.spec.owner = owner;
   auto created = CreateSession(snap.spec);
   if (!created.ok()) {
     if (absl::IsInvalidArgument(created.status())) {

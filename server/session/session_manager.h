@@ -88,8 +88,10 @@ class SessionManager {
   absl::StatusOr<std::pair<std::string, int64_t>> SaveCheckpoint(const std::string& id,
                                                                  const std::string& root);
   // Restores a checkpoint directory into a new session. DATA_LOSS for corrupt files.
-  // A relative `path` is resolved under --state_dir.
-  absl::StatusOr<std::shared_ptr<Session>> LoadCheckpoint(const std::string& path);
+  // A relative `path` is resolved under --state_dir. The new session belongs to `owner`
+  // (SessionSpec::owner), whatever the checkpoint's spec says.
+  absl::StatusOr<std::shared_ptr<Session>> LoadCheckpoint(const std::string& path,
+                                                          const std::string& owner = "");
 
   // Closes sessions idle for longer than the timeout (checkpointing first with a state dir).
   // Called by the reaper thread; public for tests.

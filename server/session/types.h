@@ -50,6 +50,9 @@ struct SessionSpec {
   // rounded back every step.
   bool fp32_master_weights = false;
   std::string client_name;
+  // The principal that created the session, an opaque string the RPC layer chose
+  // (server/rpc/auth.h); the session layer only stores it and reports it.
+  std::string owner;
   // The name every rank's trainer gives the same world session (docs/DISTRIBUTED.md). Empty = a
   // local session: this daemon alone, as before worlds existed.
   std::string world_key;

@@ -9,11 +9,13 @@
 
 #include <atomic>
 #include <cstring>
+#include <fstream>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/support/client_interceptor.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 
@@ -23,6 +25,60 @@ std::unique_ptr<grpc::ClientContext> Ctx() {
   auto ctx = std::make_unique<grpc::ClientContext>();
   ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(kRpcDeadlineSeconds));
   return ctx;
+}
+
+// ---- credentials --------------------------------------------------------------------------------
+
+namespace {
+
+class BearerInterceptor : public grpc::experimental::Interceptor {
+ public:
+  explicit BearerInterceptor(std::string value) : value_(std::move(value)) {}
+  void Intercept(grpc::experimental::InterceptorBatchMethods* m) override {
+    if (m->QueryInterceptionHookPoint(
+            grpc::experimental::InterceptionHookPoints::PRE_SEND_INITIAL_METADATA)) {
+      m->GetSendInitialMetadata()->insert({"authorization", value_});
+    }
+    m->Proceed();
+  }
+
+ private:
+  std::string value_;
+};
+
+class BearerFactory : public grpc::experimental::ClientInterceptorFactoryInterface {
+ public:
+  explicit BearerFactory(std::string value) : value_(std::move(value)) {}
+  grpc::experimental::Interceptor* CreateClientInterceptor(
+      grpc::experimental::ClientRpcInfo*) override {
+    return new BearerInterceptor(value_);
+  }
+
+ private:
+  std::string value_;
+};
+
+bool HasFlag(const std::vector<std::string>& flags, absl::string_view name) {
+  for (const auto& f : flags) {
+    if (absl::StartsWith(f, absl::StrCat(name, "="))) return true;
+  }
+  return false;
+}
+
+void WriteText(const std::string& path, const std::string& text) {
+  std::ofstream out(path, std::ios::trunc);
+  out << text;
+  chmod(path.c_str(), 0600);
+}
+
+}  // namespace
+
+std::shared_ptr<grpc::Channel> TokenChannel(const std::string& target, const std::string& token,
+                                            std::shared_ptr<grpc::ChannelCredentials> creds) {
+  std::vector<std::unique_ptr<grpc::experimental::ClientInterceptorFactoryInterface>> f;
+  if (!token.empty()) f.push_back(std::make_unique<BearerFactory>("Bearer " + token));
+  return grpc::experimental::CreateCustomChannelWithInterceptors(
+      target, std::move(creds), grpc::ChannelArguments(), std::move(f));
 }
 
 // ---- Daemon ------------------------------------------------------------------------------------
@@ -39,6 +95,14 @@ std::unique_ptr<Daemon> Daemon::Start(const std::vector<std::string>& flags, boo
                                    "--listen=unix:" + d->socket_ + (tcp ? ",127.0.0.1:0" : ""),
                                    "--metrics_address=", "--device=cpu", "--ready_file=" + ready};
   argv.insert(argv.end(), flags.begin(), flags.end());
+  if (tcp && !HasFlag(flags, "--auth_token_file") && !HasFlag(flags, "--allow_unauthenticated_tcp")) {
+    WriteText(d->dir_ + "/tokens", absl::StrCat(kTcpToken, " svc-test admin\n"));
+    argv.push_back("--auth_token_file=" + d->dir_ + "/tokens");
+  }
+  if (HasFlag(flags, "--world_size") && !HasFlag(flags, "--world_secret_file")) {
+    WriteText(d->dir_ + "/world.secret", kWorldSecret);
+    argv.push_back("--world_secret_file=" + d->dir_ + "/world.secret");
+  }
   d->proc_ = std::make_unique<testing::Subprocess>(
       argv, absl::StrCat(d->dir_, "/log-", absl::ToUnixNanos(absl::Now()), ".txt"));
   // Poll for the ready file, which the daemon writes atomically once it serves.
@@ -63,9 +127,8 @@ std::unique_ptr<Daemon> Daemon::Start(const std::vector<std::string>& flags, boo
   return nullptr;
 }
 
-std::unique_ptr<v1::Optimizer::Stub> Daemon::NewTcpStub() const {
-  return v1::Optimizer::NewStub(grpc::CreateChannel(absl::StrCat("127.0.0.1:", tcp_port_),
-                                                    grpc::InsecureChannelCredentials()));
+std::unique_ptr<v1::Optimizer::Stub> Daemon::NewTcpStub(const std::string& token) const {
+  return v1::Optimizer::NewStub(TokenChannel(absl::StrCat("127.0.0.1:", tcp_port_), token));
 }
 
 bool Daemon::Serving() const {

@@ -35,6 +35,16 @@ namespace v1 = ::diond::v1;
 // Every RPC of the suites gets this deadline, so a hung daemon fails a test instead of hanging it.
 inline constexpr int kRpcDeadlineSeconds = 60;
 
+// The credentials Daemon::Start gives daemons by default (see Start).
+inline constexpr char kTcpToken[] = "svc-test-admin-token-0123456789";
+inline constexpr char kWorldSecret[] = "svc-test-world-secret-0123456789";
+
+// A channel that sends "authorization: Bearer <token>" on every call (no credential when
+// `token` is empty).
+std::shared_ptr<grpc::Channel> TokenChannel(const std::string& target, const std::string& token,
+                                            std::shared_ptr<grpc::ChannelCredentials> creds =
+                                                grpc::InsecureChannelCredentials());
+
 // A client context with the suite's deadline.
 std::unique_ptr<grpc::ClientContext> Ctx();
 
@@ -44,11 +54,16 @@ class Daemon {
   // --device=cpu --ready_file=<tmp>/ready.json plus `flags`, and polls for the ready file (60 s
   // deadline). Returns nullptr (after ADD_FAILURE with the log) if it does not become ready.
   // `dir` reuses a directory (a restart after a crash); empty = a fresh temporary one.
+  // With `tcp`, the daemon also gets --auth_token_file with kTcpToken (an admin token) unless
+  // `flags` name one; a world (--world_size) gets --world_secret_file with kWorldSecret unless
+  // `flags` name one.
   static std::unique_ptr<Daemon> Start(const std::vector<std::string>& flags = {},
                                        bool tcp = false, const std::string& dir = "");
 
   v1::Optimizer::Stub& stub() { return *stub_; }
-  std::unique_ptr<v1::Optimizer::Stub> NewTcpStub() const;
+  // A stub on the loopback TCP port that sends "authorization: Bearer <token>" on every call
+  // (kTcpToken by default; empty = no credential).
+  std::unique_ptr<v1::Optimizer::Stub> NewTcpStub(const std::string& token = kTcpToken) const;
   // grpc.health.v1 Check of "diond.v1.Optimizer" answers SERVING.
   bool Serving() const;
   pid_t pid() const { return proc_->pid(); }

@@ -23,6 +23,9 @@
 #include "server/rpc/peer_client.h"
 #include "server/rpc/peer_service.h"
 
+// The Peer service requires a world secret; the workers share this one.
+constexpr char kWorkerSecret[] = "comm-worker-world-secret-0123456789";
+
 namespace {
 
 int failures = 0;
@@ -80,7 +83,8 @@ int main(int argc, char** argv) {
   co.peer_timeout = absl::Seconds(5);
   if (rank == 0) {
     coordinator = std::make_unique<diond::comm::Coordinator>(co);
-    service = std::make_unique<diond::rpc::PeerService>(coordinator.get());
+    service = std::make_unique<diond::rpc::PeerService>(coordinator.get(), kWorkerSecret,
+                                                        /*mtls=*/false);
     grpc::ServerBuilder b;
     int port = 0;
     b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
@@ -100,7 +104,10 @@ int main(int argc, char** argv) {
       if (port.empty()) absl::SleepFor(absl::Milliseconds(10));
     }
     if (port.empty()) return Fail("rank 0 never wrote its port"), 1;
-    client = std::make_unique<diond::rpc::PeerClient>("127.0.0.1:" + port);
+    diond::rpc::PeerCredentials creds;
+    creds.world_secret = kWorkerSecret;
+    client = std::make_unique<diond::rpc::PeerClient>("127.0.0.1:" + port, absl::Seconds(5),
+                                                      creds);
     membership = client.get();
     kv = client.get();
   }

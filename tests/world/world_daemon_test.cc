@@ -3,6 +3,7 @@
 // is detected by the survivors within --peer_timeout, and a restarted one rejoins.
 #include <signal.h>
 
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -47,6 +48,14 @@ std::unique_ptr<Daemon> Start(const std::string& dir, const std::string& name,
   std::vector<std::string> argv = {DIOND_BINARY, "--listen=127.0.0.1:0", "--device=cpu",
                                    "--metrics_address=127.0.0.1:0", "--ready_file=" + ready};
   argv.insert(argv.end(), extra.begin(), extra.end());
+  // Peer calls need the world's shared secret (every daemon of the test shares this file).
+  bool has_secret = false;
+  for (const auto& a : extra) has_secret |= absl::StartsWith(a, "--world_secret_file=");
+  if (!has_secret) {
+    const std::string secret = dir + "/world.secret";
+    if (ReadFile(secret).empty()) std::ofstream(secret) << "world-daemon-test-secret-0123456789";
+    argv.push_back("--world_secret_file=" + secret);
+  }
   d->proc = std::make_unique<Subprocess>(argv, d->log_path);
   if (!wait_ready) return d;
   const absl::Time deadline = absl::Now() + absl::Seconds(30);
@@ -168,6 +177,38 @@ TEST(WorldDaemon, UnreachableCoordinatorExitsNonZeroWithinTheBound) {
   EXPECT_NE(*rc, 0);
   EXPECT_LT(absl::Now() - t0, absl::Seconds(8));
   EXPECT_TRUE(absl::StrContains(d->Log(), "could not join the world within 2s")) << d->Log();
+}
+
+// A world needs a credential for its Peer traffic: without a secret (or mTLS) a daemon of a
+// world refuses to start, and a daemon with another world's secret cannot join.
+TEST(WorldDaemon, WorldWithoutSecretRefusesToStart) {
+  const std::string dir = MakeTempDir("diond_world_s");
+  std::vector<std::string> args = WorldArgs(0, 2, 0);
+  args.push_back("--world_secret_file=");
+  auto d = Start(dir, "open", args, /*wait_ready=*/false);
+  auto rc = d->proc->Wait(absl::Seconds(15));
+  ASSERT_TRUE(rc.has_value()) << d->Log();
+  EXPECT_NE(*rc, 0);
+  EXPECT_TRUE(absl::StrContains(d->Log(), "needs --world_secret_file")) << d->Log();
+}
+
+TEST(WorldDaemon, RankWithAnotherSecretCannotJoin) {
+  const std::string dir = MakeTempDir("diond_world_w");
+  auto coordinator = Start(dir, "rank0", WorldArgs(0, 2, 0));
+  ASSERT_NE(coordinator, nullptr);
+  const std::string other = dir + "/other.secret";
+  std::ofstream(other) << "not-the-world-secret-0123456789";
+  std::vector<std::string> args = WorldArgs(1, 2, coordinator->port);
+  args.push_back("--world_secret_file=" + other);
+  args.push_back("--join_timeout=5s");
+  auto intruder = Start(dir, "intruder", args, /*wait_ready=*/false);
+  auto rc = intruder->proc->Wait(absl::Seconds(20));
+  ASSERT_TRUE(rc.has_value()) << intruder->Log();
+  EXPECT_NE(*rc, 0);
+  EXPECT_TRUE(absl::StrContains(intruder->Log(), "world secret is wrong")) << intruder->Log();
+  EXPECT_FALSE(absl::StrContains(coordinator->Log(), "rank 1 joined")) << coordinator->Log();
+  coordinator->proc->Signal(SIGTERM);
+  EXPECT_EQ(coordinator->proc->Wait(absl::Seconds(15)), 0);
 }
 
 }  // namespace

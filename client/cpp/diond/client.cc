@@ -1,6 +1,8 @@
 #include "diond/client.h"
 
+#include <memory>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -9,11 +11,41 @@
 #include "grpcpp/client_context.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
+#include "grpcpp/support/client_interceptor.h"
 
 namespace diond::client {
 namespace {
 
 using internal::kMaxChunkBytes;
+
+// Adds "authorization: Bearer <token>" to every call of a channel (call credentials would need a
+// secure channel; loopback TCP without TLS is a supported setup).
+class BearerInterceptor : public grpc::experimental::Interceptor {
+ public:
+  explicit BearerInterceptor(const std::string* value) : value_(value) {}
+  void Intercept(grpc::experimental::InterceptorBatchMethods* m) override {
+    if (m->QueryInterceptionHookPoint(
+            grpc::experimental::InterceptionHookPoints::PRE_SEND_INITIAL_METADATA)) {
+      m->GetSendInitialMetadata()->insert({"authorization", *value_});
+    }
+    m->Proceed();
+  }
+
+ private:
+  const std::string* value_;
+};
+
+class BearerFactory : public grpc::experimental::ClientInterceptorFactoryInterface {
+ public:
+  explicit BearerFactory(std::string value) : value_(std::move(value)) {}
+  grpc::experimental::Interceptor* CreateClientInterceptor(
+      grpc::experimental::ClientRpcInfo*) override {
+    return new BearerInterceptor(&value_);
+  }
+
+ private:
+  std::string value_;
+};
 
 void SetDeadline(grpc::ClientContext* ctx, absl::Duration d) {
   ctx->set_deadline(absl::ToChronoTime(absl::Now() + d));
@@ -77,8 +109,8 @@ absl::StatusOr<Resp> WriteChunks(v1::Optimizer::Stub* stub, Method method,
 std::vector<SessionInfo> FromProto(const v1::ListSessionsResponse& resp) {
   std::vector<SessionInfo> out;
   for (const v1::SessionInfo& s : resp.sessions()) {
-    out.push_back(
-        {s.session_id(), s.client_name(), s.parameters(), s.last_step_index(), s.state_bytes()});
+    out.push_back({s.session_id(), s.client_name(), s.parameters(), s.last_step_index(),
+                   s.state_bytes(), s.owner()});
   }
   return out;
 }
@@ -115,7 +147,26 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& targe
   grpc::ChannelArguments args;
   // Parameters and state can be large; the daemon's chunks are at most 4 MiB plus framing.
   args.SetMaxReceiveMessageSize(16 << 20);
-  auto channel = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
+  if (options.tls.enabled) {
+    if (options.tls.cert_pem.empty() != options.tls.key_pem.empty()) {
+      return absl::InvalidArgumentError("TlsOptions.cert_pem and key_pem go together");
+    }
+    grpc::SslCredentialsOptions so;
+    so.pem_root_certs = options.tls.ca_pem;
+    so.pem_cert_chain = options.tls.cert_pem;
+    so.pem_private_key = options.tls.key_pem;
+    creds = grpc::SslCredentials(so);
+    if (!options.tls.server_name.empty()) {
+      args.SetSslTargetNameOverride(options.tls.server_name);
+    }
+  }
+  std::vector<std::unique_ptr<grpc::experimental::ClientInterceptorFactoryInterface>> icpt;
+  if (!options.token.empty() && !absl::StartsWith(target, "unix")) {
+    icpt.push_back(std::make_unique<BearerFactory>("Bearer " + options.token));
+  }
+  auto channel = grpc::experimental::CreateCustomChannelWithInterceptors(target, creds, args,
+                                                                         std::move(icpt));
   if (options.connect_timeout > absl::ZeroDuration() &&
       !channel->WaitForConnected(absl::ToChronoTime(absl::Now() + options.connect_timeout))) {
     return absl::UnavailableError(absl::StrCat("cannot connect to diond at '", target, "' within ",

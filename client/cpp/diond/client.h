@@ -40,6 +40,15 @@
 
 namespace diond::client {
 
+// TLS towards a daemon started with --tls_cert/--tls_key (docs/OPERATIONS.md "Security").
+struct TlsOptions {
+  bool enabled = false;
+  std::string ca_pem;    // CA of the daemon's certificate; empty = the system roots
+  std::string cert_pem;  // this client's certificate chain, for mutual TLS (--tls_client_ca)
+  std::string key_pem;   // its private key
+  std::string server_name;  // name to verify the daemon's certificate against; empty = target host
+};
+
 struct ClientOptions {
   absl::Duration deadline = absl::Seconds(30);         // each unary call
   absl::Duration stream_deadline = absl::Minutes(10);  // each streaming call
@@ -49,6 +58,10 @@ struct ClientOptions {
   // Data bytes per TensorChunk sent by PushGradients/SetState, and asked of PullParameters;
   // in [1, 4 MiB].
   int64_t chunk_bytes = int64_t{4} << 20;
+  // Bearer token (the daemon's --auth_token_file), sent as "authorization: Bearer <token>" on
+  // every call over TCP; never on a Unix socket, where the caller's uid is its identity.
+  std::string token;
+  TlsOptions tls;
 };
 
 // Serving status of grpc.health.v1.Health/Check.
@@ -59,7 +72,7 @@ absl::Status FromGrpcStatus(const grpc::Status& status);
 
 class Client {
  public:
-  // `target` is "unix:/path/to.sock" or "host:port" (plaintext; loopback or a trusted network).
+  // `target` is "unix:/path/to.sock" or "host:port" (plaintext unless options.tls.enabled).
   // INVALID_ARGUMENT for an empty target or a bad option; UNAVAILABLE if the channel does not
   // connect within options.connect_timeout.
   static absl::StatusOr<std::unique_ptr<Client>> Connect(const std::string& target,

@@ -123,6 +123,7 @@ struct SessionInfo {
   int64_t parameters = 0;
   int64_t last_step_index = 0;
   int64_t state_bytes = 0;
+  std::string owner;  // the principal that created it (uid:N, a token's principal, x509:...)
 };
 
 struct CheckpointInfo {

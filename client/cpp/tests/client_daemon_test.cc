@@ -4,12 +4,14 @@
 #include <sys/stat.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "client/cpp/tests/test_daemon.h"
 #include "diond/client.h"
 #include "diond/shm_arena.h"
@@ -429,6 +431,72 @@ TEST_F(ClientDaemonTest, Bf16ParametersOverShmWithFp32MasterWeights) {
   }
   arena->Reset();
   EXPECT_TRUE(client_->CloseSession(layout->session_id).ok());
+}
+
+// Credentials: a bearer token over loopback TCP, and TLS with the daemon's CA (made here with
+// openssl), reach the daemon through ClientOptions; without them TCP calls are refused.
+std::string Slurp(const std::string& path) { return diond::testing::ReadFile(path); }
+
+int TcpPort(const testing::TestDaemon& d) {
+  const std::string ready = Slurp(d.dir + "/ready.json");
+  size_t at = ready.find("\"port\":");
+  return at == std::string::npos ? 0 : std::atoi(ready.c_str() + at + 7);
+}
+
+TEST(ClientCredentialsTest, TokenAndTlsOptionsAuthenticateOverTcp) {
+  const std::string dir = diond::testing::MakeTempDir("diond_client_auth");
+  auto [rc, out] = diond::testing::RunCommand(absl::StrCat(
+      "set -e; cd ", dir, "; ",
+      "openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 1 "
+      "-subj /CN=client-test-ca 2>/dev/null; ",
+      "openssl req -newkey rsa:2048 -nodes -keyout server.key -out server.csr -subj /CN=server "
+      "2>/dev/null; ",
+      "printf 'subjectAltName=IP:127.0.0.1\\n' > san.ext; ",
+      "openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 1 "
+      "-extfile san.ext -out server.pem 2>/dev/null; ",
+      "echo 'client-test-token-0123456789 trainer' > tokens"));
+  ASSERT_EQ(rc, 0) << out;
+  for (bool tls : {false, true}) {
+    SCOPED_TRACE(tls ? "TLS" : "plaintext");
+    std::vector<std::string> flags = {
+        absl::StrCat("--listen=unix:", dir, tls ? "/t.sock" : "/p.sock", ",127.0.0.1:0"),
+        "--auth_token_file=" + dir + "/tokens"};
+    if (tls) {
+      flags.push_back("--tls_cert=" + dir + "/server.pem");
+      flags.push_back("--tls_key=" + dir + "/server.key");
+    }
+    auto d = testing::StartTestDaemon(DIOND_BINARY, flags);
+    ASSERT_TRUE(d.ok()) << d.status();
+    const std::string target = absl::StrCat("127.0.0.1:", TcpPort(**d));
+    ClientOptions o;
+    o.connect_timeout = absl::Seconds(5);
+    if (tls) {
+      o.tls.enabled = true;
+      o.tls.ca_pem = Slurp(dir + "/ca.pem");
+    }
+    auto anonymous = Client::Connect(target, o);
+    ASSERT_TRUE(anonymous.ok()) << anonymous.status();
+    EXPECT_EQ((*anonymous)->ListSessions().status().code(), absl::StatusCode::kUnauthenticated);
+    o.token = "client-test-token-0123456789";
+    auto c = Client::Connect(target, o);
+    ASSERT_TRUE(c.ok()) << c.status();
+    auto layout = (*c)->CreateSession(Params(), Groups(), {"auth"});
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    auto listed = (*c)->ListSessions();
+    ASSERT_TRUE(listed.ok()) << listed.status();
+    ASSERT_EQ(listed->size(), 1u);
+    EXPECT_EQ((*listed)[0].owner, "trainer");
+    EXPECT_TRUE((*c)->CloseSession(layout->session_id).ok());
+    if (tls) {
+      // Without TLS the TLS listener does not answer.
+      ClientOptions plain;
+      plain.connect_timeout = absl::Seconds(2);
+      plain.token = o.token;
+      EXPECT_EQ(Client::Connect(target, plain).status().code(), absl::StatusCode::kUnavailable);
+    }
+    EXPECT_EQ((*d)->Stop(), std::optional<int>(0));
+  }
+  diond::testing::RunCommand("rm -rf '" + dir + "'");
 }
 
 }  // namespace

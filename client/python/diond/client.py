@@ -171,6 +171,52 @@ def _decode_health_response(data):
     return status
 
 
+def _pem(value):
+    """PEM bytes from bytes, PEM text, or the path of a PEM file (None stays None)."""
+    if value is None:
+        return None
+    if isinstance(value, bytes):
+        return value
+    if "-----BEGIN" in value:
+        return value.encode()
+    with open(value, "rb") as f:
+        return f.read()
+
+
+class _Metadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds fixed metadata (the bearer token) to every call of a channel."""
+
+    def __init__(self, metadata):
+        self._md = list(metadata)
+
+    def _details(self, d):
+        md = list(d.metadata or []) + self._md
+        return d._replace(metadata=md) if hasattr(d, "_replace") else _Details(d, md)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+
+class _Details(grpc.ClientCallDetails):
+    def __init__(self, d, metadata):
+        self.method = d.method
+        self.timeout = d.timeout
+        self.metadata = metadata
+        self.credentials = d.credentials
+        self.wait_for_ready = getattr(d, "wait_for_ready", None)
+        self.compression = getattr(d, "compression", None)
+
+
 class Client:
     """A connection to one daemon.
 
@@ -179,20 +225,52 @@ class Client:
       timeout: default deadline of every call, seconds.
       connect_timeout: how long the constructor waits for the connection; a daemon that is not
         running gives DiondError(UNAVAILABLE) after at most this long.
+      token: bearer token for TCP targets (the daemon's --auth_token_file); default
+        $DIOND_TOKEN, else the contents of $DIOND_TOKEN_FILE. Not sent on Unix sockets, where
+        the caller's uid is its identity.
+      tls: use TLS (implied by tls_ca / tls_cert). tls_ca: PEM (bytes, text or a file path) of
+        the CA that signed the daemon's certificate (default: the system roots). tls_cert,
+        tls_key: this client's certificate and key for mutual TLS (--tls_client_ca).
+      tls_server_name: the name to check the daemon's certificate against, if not the host of
+        `target`.
     """
 
-    def __init__(self, target=None, *, timeout=60.0, connect_timeout=10.0, options=None):
+    def __init__(self, target=None, *, timeout=60.0, connect_timeout=10.0, options=None,
+                 token=None, tls=None, tls_ca=None, tls_cert=None, tls_key=None,
+                 tls_server_name=None):
         self.target = target or default_target()
         self.timeout = float(timeout)
         opts = [("grpc.max_receive_message_length", 64 << 20),
                 ("grpc.max_send_message_length", 64 << 20)]
         if options:
             opts.extend(options)
-        self._channel = grpc.insecure_channel(self.target, options=opts)
+        if token is None and not self.is_unix:
+            token = os.environ.get("DIOND_TOKEN") or None
+            path = os.environ.get("DIOND_TOKEN_FILE")
+            if token is None and path:
+                with open(path) as f:
+                    token = f.read().strip()
+        if tls is None:
+            tls = tls_ca is not None or tls_cert is not None
+        if tls:
+            if (tls_cert is None) != (tls_key is None):
+                raise ValueError("tls_cert and tls_key go together")
+            creds = grpc.ssl_channel_credentials(root_certificates=_pem(tls_ca),
+                                                 private_key=_pem(tls_key),
+                                                 certificate_chain=_pem(tls_cert))
+            if tls_server_name:
+                opts.append(("grpc.ssl_target_name_override", tls_server_name))
+            self._channel = grpc.secure_channel(self.target, creds, options=opts)
+        else:
+            self._channel = grpc.insecure_channel(self.target, options=opts)
+        self._raw_channel = self._channel
+        if token and not self.is_unix:
+            self._channel = grpc.intercept_channel(
+                self._channel, _Metadata([("authorization", "Bearer " + token.strip())]))
         try:
-            grpc.channel_ready_future(self._channel).result(timeout=connect_timeout)
+            grpc.channel_ready_future(self._raw_channel).result(timeout=connect_timeout)
         except grpc.FutureTimeoutError:
-            self._channel.close()
+            self._raw_channel.close()
             raise DiondError(
                 grpc.StatusCode.UNAVAILABLE,
                 "cannot connect to diond at %s within %g s: is the daemon running there?"
@@ -248,7 +326,7 @@ class Client:
         return {n: RawTensor(n, out[n][0], out[n][1], out[n][2]) for n in order}
 
     def close(self):
-        self._channel.close()
+        self._raw_channel.close()
 
     def __enter__(self):
         return self

@@ -8,6 +8,7 @@ checkout), else `diond` on PATH.
 """
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -38,11 +39,17 @@ class Daemon:
       device: --device (default "cpu").
       compute_threads: --compute_threads (None = the daemon's default, all cores).
       extra_args: more flags.
+      tcp: also listen on a free loopback TCP port; unless extra_args name --auth_token_file or
+        --allow_unauthenticated_tcp, the daemon gets a fresh token file, and ``token`` holds the
+        token (principal "diond-python") for Client(tcp_target, token=d.token).
+      world_secret: for a world (--world_size in extra_args, no --world_secret_file): the secret
+        written to a --world_secret_file (every daemon of one world needs the same).
       ready_timeout: seconds to wait for the ready file.
     """
 
     def __init__(self, binary=None, *, device="cpu", compute_threads=None, extra_args=(),
-                 tcp=False, ready_timeout=60.0, workdir=None):
+                 tcp=False, ready_timeout=60.0, workdir=None,
+                 world_secret="diond-python-world-secret-0123456789"):
         self.binary = find_binary(binary)
         self.device = device
         self.compute_threads = compute_threads
@@ -55,6 +62,8 @@ class Daemon:
         self.log_path = os.path.join(self.workdir, "diond.log")
         self.tcp = tcp
         self.tcp_target = None  # "127.0.0.1:<port>" once started with tcp=True
+        self.token = None  # the bearer token for tcp_target (tcp=True)
+        self.world_secret = world_secret
         self.proc = None
 
     @property
@@ -73,6 +82,21 @@ class Daemon:
         if self.compute_threads is not None:
             args.append("--compute_threads=%d" % self.compute_threads)
         args += self.extra_args
+        named = [a.split("=", 1)[0] for a in self.extra_args]
+        if (self.tcp and "--auth_token_file" not in named
+                and "--allow_unauthenticated_tcp" not in named):
+            self.token = secrets.token_hex(24)
+            path = os.path.join(self.workdir, "tokens")
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write("%s diond-python\n" % self.token)
+            args.append("--auth_token_file=" + path)
+        if "--world_size" in named and "--world_secret_file" not in named:
+            path = os.path.join(self.workdir, "world.secret")
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(self.world_secret)
+            args.append("--world_secret_file=" + path)
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL)

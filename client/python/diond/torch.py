@@ -268,6 +268,8 @@ class Optimizer(torch.optim.Optimizer):
         fp32_master_weights=False or float32 parameters.)
       non_finite_policy: "skip" (a step with NaN/Inf gradients changes nothing) or "error".
       timeout: deadline of every RPC, seconds. connect_timeout: for the connection.
+      token, tls_ca, tls_cert, tls_key, tls_server_name: credentials, passed to ``diond.Client``
+        (a bearer token for TCP targets; TLS and mutual TLS).
       client_name: shown by ListSessions and in the daemon's logs.
       world_key: make this a world session (docs/DISTRIBUTED.md): the trainer on every rank
         creates its optimizer with the same key, model and groups against its own daemon; the
@@ -286,6 +288,7 @@ class Optimizer(torch.optim.Optimizer):
     def __init__(self, params, *, target=None, remote=None, fp32_master_weights=False,
                  non_finite_policy="skip", timeout=60.0, connect_timeout=10.0,
                  client_name="diond.torch", world_key="", gradient_sync="replicated",
+                 token=None, tls_ca=None, tls_cert=None, tls_key=None, tls_server_name=None,
                  **options):
         for k in list(options):
             if k in _COMPAT:
@@ -317,7 +320,8 @@ class Optimizer(torch.optim.Optimizer):
 
         self._owns_client = not isinstance(target, Client)
         self.client = target if isinstance(target, Client) else Client(
-            target, timeout=timeout, connect_timeout=connect_timeout)
+            target, timeout=timeout, connect_timeout=connect_timeout, token=token,
+            tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, tls_server_name=tls_server_name)
         self.remote = (not self.client.is_unix) if remote is None else bool(remote)
         self.fp32_master_weights = bool(fp32_master_weights)
         self._shm = None

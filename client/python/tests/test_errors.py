@@ -154,13 +154,14 @@ def test_tcp_target_uses_remote_mode(daemon_factory):
     d = daemon_factory(tcp=True)
     assert d.tcp_target and d.tcp_target.startswith("127.0.0.1:")
     lin = linear_params()
-    with diond.torch.Optimizer(lin.parameters(), algorithm="adamw", target=d.tcp_target) as opt:
+    with diond.torch.Optimizer(lin.parameters(), algorithm="adamw", target=d.tcp_target,
+                               token=d.token) as opt:
         assert opt.remote
         lin(torch.randn(2, 16)).sum().backward()
         opt.step()
     with pytest.raises(ValueError, match="Unix-socket target"):
         diond.torch.Optimizer(lin.parameters(), algorithm="adamw", target=d.tcp_target,
-                              remote=False)
+                              token=d.token, remote=False)
     assert diond.Client(d.target).list_sessions() == []
 
 
