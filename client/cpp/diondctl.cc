@@ -53,6 +53,9 @@ ABSL_FLAG(bool, json, false, "Print JSON instead of text (every command).");
 ABSL_FLAG(std::string, token_file, "",
           "File holding a bearer token, sent as `authorization: Bearer <token>` on every call "
           "(the daemon's --auth_token_file credential). Empty = $DIOND_TOKEN_FILE, else none.");
+ABSL_FLAG(std::string, world_secret_file, "",
+          "world: file holding the world's shared secret (the daemons' --world_secret_file), "
+          "which the Peer service requires. Empty = $DIOND_WORLD_SECRET_FILE, else none.");
 ABSL_FLAG(std::string, tls_ca_file, "",
           "PEM CA bundle to verify the daemon's TLS certificate; setting any --tls_* flag makes "
           "the connection TLS (TCP targets).");
@@ -93,6 +96,7 @@ struct Connection {
   std::string target;
   std::shared_ptr<grpc::Channel> channel;
   std::string token;  // empty = none
+  std::string world_secret;  // empty = none; sent on Peer calls only
 };
 
 // Prints the error and returns false when a credential file cannot be read.
@@ -109,6 +113,17 @@ bool Connect(Connection* c) {
       return false;
     }
     c->token = std::string(absl::StripAsciiWhitespace(c->token));
+  }
+  std::string secret_file = absl::GetFlag(FLAGS_world_secret_file);
+  if (secret_file.empty()) {
+    if (const char* t = std::getenv("DIOND_WORLD_SECRET_FILE"); t != nullptr) secret_file = t;
+  }
+  if (!secret_file.empty()) {
+    if (!ReadFile(secret_file, &c->world_secret)) {
+      std::fprintf(stderr, "diondctl: cannot read --world_secret_file %s\n", secret_file.c_str());
+      return false;
+    }
+    c->world_secret = std::string(absl::StripAsciiWhitespace(c->world_secret));
   }
   const std::string ca = absl::GetFlag(FLAGS_tls_ca_file);
   const std::string cert = absl::GetFlag(FLAGS_tls_cert_file);
@@ -405,6 +420,8 @@ int World(const Connection& c) {
   auto stub = diond::v1::Peer::NewStub(c.channel);
   grpc::ClientContext ctx;
   Prepare(c, &ctx);
+  // The same header as the daemons' PeerClient (server/rpc/auth.h kWorldSecretMetadata).
+  if (!c.world_secret.empty()) ctx.AddMetadata("x-diond-world-secret", c.world_secret);
   diond::v1::GetMembershipResponse resp;
   grpc::Status s = stub->GetMembership(&ctx, diond::v1::GetMembershipRequest(), &resp);
   if (s.error_code() == grpc::StatusCode::UNIMPLEMENTED) {

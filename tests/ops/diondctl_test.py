@@ -200,25 +200,32 @@ class _TrainerFrom(h.Trainer):
 def test_world_membership_and_lost_rank(world):
     rc, _, err = ctl(world, "world", rank=1, check=False)
     assert rc == 1 and "not the coordinator" in err
-    tcp = "--target=" + world.daemons[0].tcp_target
-    rc, out, _ = h.diondctl(tcp, "--json", "world")
+    tcp_only = "--target=" + world.daemons[0].tcp_target
+    # The Peer service needs the world's secret (docs/OPERATIONS.md "Security").
+    rc, _, err = h.diondctl(tcp_only, "world", check=False)
+    assert rc == 1 and "UNAUTHENTICATED" in err, err
+    secret = os.path.join(world.daemons[0].workdir, "ctl-world.secret")
+    with open(secret, "w") as f:
+        f.write(world.daemons[0].world_secret + "\n")
+    tcp = [tcp_only, "--world_secret_file=" + secret]
+    rc, out, _ = h.diondctl(*tcp, "--json", "world")
     m = json.loads(out)
     assert m["world_size"] == 2 and m["complete"] is True and m["lost_ranks"] == []
     assert int(m["generation"]) >= 1
     assert sorted((p["rank"], p["live"]) for p in m["members"]) == [(0, True), (1, True)]
-    rc, out, _ = h.diondctl(tcp, "world")
+    rc, out, _ = h.diondctl(*tcp, "world")
     assert "world of 2, generation" in out and "lost ranks: none" in out
     # Lose rank 1 (SIGKILL): within --peer_timeout (5 s) the coordinator declares it lost.
     world.daemons[1].kill()
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        rc, out, _ = h.diondctl(tcp, "--json", "world", check=False)
+        rc, out, _ = h.diondctl(*tcp, "--json", "world", check=False)
         m = json.loads(out)
         if m["lost_ranks"] == [1]:
             break
         time.sleep(0.5)
     assert rc == 1 and m["lost_ranks"] == [1] and m["complete"] is False, out
-    rc, out, _ = h.diondctl(tcp, "world", check=False)
+    rc, out, _ = h.diondctl(*tcp, "world", check=False)
     assert rc == 1 and "lost ranks: 1" in out and "INCOMPLETE" in out
 
 
