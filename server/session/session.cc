@@ -401,6 +401,7 @@ absl::StatusOr<StepResult> Session::Step(const StepRequest& request,
         opts.lr = g.lr;
       }
       opts.weight_decay = g.weight_decay;
+      opts.step = request.step_index;  // the reference's group step (Dion's cqr warm-up)
       absl::Status s = g.optimizer->Step(ctx, gp, gg, opts);
       if (!s.ok()) {
         return absl::Status(s.code(), absl::StrCat("step ", request.step_index, ", group '",
@@ -1013,6 +1014,7 @@ absl::StatusOr<StepResult> Session::WorldStepLocked(const StepRequest& request,
     auto it = request.lr_override.find(g.name);
     group_opts[gi].lr = it != request.lr_override.end() ? std::optional<double>(it->second) : g.lr;
     group_opts[gi].weight_decay = g.weight_decay;
+    group_opts[gi].step = request.step_index;  // the reference's group step (cqr warm-up)
   }
   {
     absl::MutexLock compute(compute_mu);
