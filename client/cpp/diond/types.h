@@ -123,6 +123,9 @@ struct StepResult {
 
 struct StepOptions {
   std::map<std::string, double> lr_override;  // group -> lr for this step only
+  // group -> the trainer's 1-based step number for it (Dion's cqr warm-up counts it; groups not
+  // named use the step index).
+  std::map<std::string, int64_t> group_step;
   double gradient_scale = 0;                  // 0 = 1.0
 };
 

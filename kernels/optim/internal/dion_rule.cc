@@ -8,9 +8,10 @@
 //         sketch of 128·⌈oversample·r/128⌉ rows;
 //   cqr   rcqr while the step number is <= cqr_warmup_steps; afterwards Cholesky QR, and rcqr
 //         for a matrix whose Cholesky factorization fails.
-// The sketch is drawn from this implementation's own generator (seeded by the group seed, the
-// step number and the shape, the same for every matrix of the bucket and on every worker), not
-// from PyTorch's: in exact arithmetic every branch returns the thin-QR Q-factor of P up to the
+// The sketch is drawn from this implementation's own generator, seeded by the group seed and the
+// shape only: the same for every matrix of the bucket, on every worker and at every step (the
+// reference draws a fresh one per step from its generator; a fixed one keeps a resumed session
+// bit-identical to an uninterrupted one). It is not PyTorch's sketch: in exact arithmetic every branch returns the thin-QR Q-factor of P up to the
 // sign of each column (P12), and X and M do not depend on those signs, so the stored Q can
 // differ from the reference's in column signs only; compare it up to signs.
 // Deviation, for robustness (P13): where the reference's randomized Cholesky QR breaks down
@@ -64,11 +65,10 @@ DionDims Dims(const GroupConfig& cfg, const ParamShape& s) {
   return d;
 }
 
-// The randomized-QR sketch of one step and shape has a stream of its own, apart from the Q
+// The randomized-QR sketch of one shape has a stream of its own, apart from the Q
 // initialisation streams (small parameter indices).
-uint64_t SketchStream(int64_t step, const DionDims& d) {
-  return 0x8000000000000000ull ^ (static_cast<uint64_t>(step) << 24) ^
-         (static_cast<uint64_t>(d.a) << 12) ^ static_cast<uint64_t>(d.r);
+uint64_t SketchStream(const DionDims& d) {
+  return 0x8000000000000000ull ^ (static_cast<uint64_t>(d.a) << 24) ^ static_cast<uint64_t>(d.r);
 }
 
 // Randomized Cholesky QR of one a×r matrix (a > r) in place, with the shared sketch S (k×a);
@@ -105,7 +105,7 @@ absl::Status Orthonormalize(const kernels::Context& ctx, const GroupConfig& cfg,
     if (sketch.empty()) {
       // S ~ N(0, 1/k), k×a, as the reference's generate_random_sketch_matrix.
       sketch.resize(static_cast<size_t>(k * d.a));
-      FillStandardNormal(cfg.seed, SketchStream(step, d), sketch.data(), k * d.a);
+      FillStandardNormal(cfg.seed, SketchStream(d), sketch.data(), k * d.a);
       const float scale = F32(std::sqrt(1.0 / static_cast<double>(k)));
       for (float& v : sketch) v = v * scale;
     }
