@@ -17,6 +17,19 @@ the conformance README lists in its section 5, restricted to what dion_reference
 torch.compile (identity), torch.distributed.tensor and _functional_collectives (placeholders,
 never used: no DTensor exists and no mesh is given) and torch.optim.optimizer.ParamsT.
 
+Cases (T = 6; each file's metadata `qr_path` records the branch every step took, read from the
+reference's cholesky_ex results):
+  dion_reference-qr-64x48, -qr-48x80       qr_method="qr": Householder QR, tall and wide
+  dion_reference-cqr-warm3-64x48           "cqr", cqr_warmup_steps=3: rcqr at steps 1-3, cqr after
+  dion_reference-cqr-warm2-rank0.25-48x80  "cqr", warm-up 2, r = 12, wide
+  dion_reference-cqr-fallback-64x48        "cqr", warm-up 0, ill-conditioned state.Q.init: the
+                                           float32 Cholesky of P^T P fails at step 1 -> rcqr
+  dion_reference-cqr-illcond-64x48         "cqr", warm-up 0, ill-conditioned gradients: Cholesky
+                                           fails at steps 1-2 -> rcqr (loose tolerances: rounding
+                                           dominates the weak directions of P)
+dion.dion.Dion itself accepts only qr_method="rcqr" (ValueError otherwise), so every qr/cqr case
+uses dion.dion_reference.Dion.
+
 Besides the stored run the script makes the two comparison runs of the README's tolerance rule,
 replaying the stored run's random sketches: float64 parameters/gradients/state with the code's
 float32 casts unchanged, and every float32 cast promoted to float64 ("exact"). Dion has no bf16
