@@ -42,6 +42,7 @@ absl::Status GroupOptimizer::Step(const kernels::Context& ctx, absl::Span<float*
   const double wd = options.weight_decay.value_or(config_.hyperparams.weight_decay);
   capture_ = options.capture;
   replica_average_ = options.replica_average ? &options.replica_average : nullptr;
+  step_number_ = options.step.value_or(steps_taken_ + 1);
   absl::Status s = StageStep(ctx, params, grads, static_cast<float>(lr), static_cast<float>(wd));
   capture_ = nullptr;
   replica_average_ = nullptr;
@@ -181,6 +182,7 @@ class BucketedOptimizer final : public GroupOptimizer {
       args.g = st.g.data();
       for (auto& s : st.state) args.state.push_back(s.data());
       args.scalars = {lr, weight_decay};
+      args.step = step_number_;
       args.replica_average = replica_average_;
       if (capture_ != nullptr && CapturedUpdateSize(config(), b.shape) > 0) {
         for (size_t j = 0; j < np; ++j) {

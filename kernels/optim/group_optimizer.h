@@ -104,6 +104,8 @@ class GroupOptimizer {
   StepCapture* capture_ = nullptr;
   // StepOptions::replica_average of the step being staged (null when not set).
   const std::function<absl::Status(absl::Span<float>)>* replica_average_ = nullptr;
+  // The step number of the step being staged (StepOptions::step or steps_taken() + 1).
+  int64_t step_number_ = 1;
 
  private:
   GroupConfig config_;

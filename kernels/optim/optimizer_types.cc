@@ -53,6 +53,27 @@ absl::StatusOr<AdjustLr> ParseAdjustLr(absl::string_view name) {
   return absl::InvalidArgumentError(absl::StrCat("unknown adjust_lr '", name, "'"));
 }
 
+int64_t RcqrSketchRows(int64_t r, double oversample) {
+  return static_cast<int64_t>(std::ceil(oversample * static_cast<double>(r) / 128.0)) * 128;
+}
+
+absl::string_view QrMethodName(QrMethod m) {
+  switch (m) {
+    case QrMethod::kRcqr: return "rcqr";
+    case QrMethod::kQr: return "qr";
+    case QrMethod::kCqr: return "cqr";
+  }
+  return "unknown";
+}
+
+absl::StatusOr<QrMethod> ParseQrMethod(absl::string_view name) {
+  if (name == "rcqr") return QrMethod::kRcqr;
+  if (name == "qr") return QrMethod::kQr;
+  if (name == "cqr") return QrMethod::kCqr;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown qr_method '", name.substr(0, 64), "' (expected 'rcqr', 'qr' or 'cqr')"));
+}
+
 absl::string_view PrecisionName(Precision p) {
   return p == Precision::kFp32 ? "fp32" : "bf16_reference";
 }

@@ -55,6 +55,23 @@ absl::StatusOr<AdjustLr> ParseAdjustLr(absl::string_view name);
 // Orthogonalizer of the megabatch family (§2.1, §3.1, §3.3).
 enum class Orthogonalizer : uint8_t { kPolarExpress, kNewtonSchulz5 };
 
+// How Dion orthonormalizes P (ALGORITHMS.md §9.4 step 6, §10 `orthogonalize`), with the
+// reference's names. All three give a thin-QR Q-factor of P (column signs aside) and differ in
+// rounding and robustness only.
+enum class QrMethod : uint8_t {
+  // The reference default: Householder QR when P is square (a == r), otherwise randomized
+  // Cholesky QR (R₁ from a Householder QR of a Gaussian sketch S·P, then one Cholesky-QR pass).
+  kRcqr,
+  // Householder QR (LAPACK geqrf/orgqr, as torch.linalg.qr) at every step.
+  kQr,
+  // Cholesky QR (R = chol(PᵀP), P·R⁻¹) once the group's step exceeds cqr_warmup_steps, and kRcqr
+  // before; a matrix whose Cholesky factorization fails falls back to kRcqr for that step.
+  kCqr,
+};
+absl::string_view QrMethodName(QrMethod m);  // "rcqr", "qr", "cqr"
+// Accepts the names above. INVALID_ARGUMENT (naming qr_method and the value) otherwise.
+absl::StatusOr<QrMethod> ParseQrMethod(absl::string_view name);
+
 // Numerics of a group (§0, P4).
 enum class Precision : uint8_t {
   // Everything in float32, the orthogonalizer included. Matches the reference evaluated in exact
@@ -91,6 +108,13 @@ struct Hyperparams {
   bool cautious_wd = false;      // Muon, NorMuon, AdamW, Lion (§5.3 step 6, §13)
   AdjustLr adjust_lr = AdjustLr::kSpectralNorm;       // Muon, NorMuon, Dion2, NorDion2
   Orthogonalizer orthogonalizer = Orthogonalizer::kPolarExpress;  // the same four
+  // Dion (§9.4 step 6, §10): orthonormalization of P. Non-default values are rejected on the
+  // other algorithms.
+  QrMethod qr_method = QrMethod::kRcqr;
+  int64_t cqr_warmup_steps = 150;  // Dion, kCqr: steps 1..cqr_warmup_steps use kRcqr; >= 0
+  // Dion, randomized Cholesky QR: the sketch has k = 128·⌈oversample·r/128⌉ rows (the
+  // reference's rcqr_oversample, group key "oversample"); in (0, 16] and k >= r.
+  double rcqr_oversample = 1.25;
 };
 
 // The reference constructor defaults of `kind` (lr 0.01, mu 0.95, betas (0.9, 0.95),
@@ -132,6 +156,10 @@ struct StepCapture {
 struct StepOptions {
   std::optional<double> lr;            // replaces hyperparams.lr for this step; >= 0
   std::optional<double> weight_decay;  // replaces hyperparams.weight_decay for this step; >= 0
+  // The 1-based number of this step as the reference's group["step"] counts it, for the rules
+  // whose arithmetic depends on it (Dion's cqr_warmup_steps; the randomized-QR sketch is drawn
+  // from it). The daemon passes the session's step index. Unset: steps_taken() + 1. >= 1.
+  std::optional<int64_t> step;
   // When set, Step also reports the compact form of its updates here. Null (the default)
   // changes nothing: the numbers are the same either way.
   StepCapture* capture = nullptr;
@@ -157,6 +185,12 @@ std::vector<std::string> StateNames(AlgorithmKind kind);
 // Dion's rank for an m×n matrix (§9.3, P2): r = mult·⌈(frac·min(m,n))/mult⌉ in IEEE double,
 // then min(r, m, n).
 int64_t DionRank(int64_t m, int64_t n, double rank_fraction, int64_t rank_multiple_of);
+
+// Rows of Dion's randomized-QR sketch for rank r (§9.4 step 6): 128·⌈oversample·r/128⌉ in IEEE
+// double, as the reference computes it.
+int64_t RcqrSketchRows(int64_t r, double oversample);
+// Upper bound of rcqr_oversample accepted by validation (the sketch is k×a floats).
+inline constexpr double kMaxRcqrOversample = 16.0;
 
 // Dion2/NorDion2 selection count for L slices (§7.3 step 1, P2): max(1, ⌈fraction·L⌉) in IEEE
 // double, capped at L.

@@ -1,5 +1,6 @@
 #include "kernels/optim/validation.h"
 
+#include <algorithm>
 #include <cmath>
 #include <numeric>
 #include <string>
@@ -63,6 +64,14 @@ absl::Status CheckHyperparams(const GroupConfig& c) {
     if (h.rank_multiple_of < 1) {
       return Bad(c, absl::StrCat("rank_multiple_of = ", h.rank_multiple_of, " must be >= 1"));
     }
+    if (h.cqr_warmup_steps < 0) {
+      return Bad(c, absl::StrCat("cqr_warmup_steps = ", h.cqr_warmup_steps, " must be >= 0"));
+    }
+    if (absl::Status s = Range(c, "rcqr_oversample", h.rcqr_oversample, 0, false,
+                               kMaxRcqrOversample, true);
+        !s.ok()) {
+      return s;
+    }
   }
   if (k == AlgorithmKind::kAdamW || k == AlgorithmKind::kLion) {
     if (absl::Status s = Range(c, "beta1", h.beta1, 0, true, 1, false); !s.ok()) return s;
@@ -83,6 +92,19 @@ absl::Status CheckHyperparams(const GroupConfig& c) {
   }
   if (!IsMegabatch(k) && h.orthogonalizer != Orthogonalizer::kPolarExpress) {
     return Bad(c, "orthogonalizer choice applies to Muon, NorMuon, Dion2 and NorDion2 only");
+  }
+  if (k != AlgorithmKind::kDion) {
+    const Hyperparams d;
+    if (h.qr_method != d.qr_method) {
+      return Bad(c, absl::StrCat("qr_method = ", QrMethodName(h.qr_method),
+                                 " is not supported (Dion only)"));
+    }
+    if (h.cqr_warmup_steps != d.cqr_warmup_steps) {
+      return Bad(c, "cqr_warmup_steps is not supported (Dion only)");
+    }
+    if (h.rcqr_oversample != d.rcqr_oversample) {
+      return Bad(c, "rcqr_oversample is not supported (Dion only)");
+    }
   }
   return absl::OkStatus();
 }
@@ -105,6 +127,20 @@ absl::Status CheckShapes(const GroupConfig& c, const std::vector<ParamShape>& sh
     if (k == AlgorithmKind::kDion && s.size() != 2) {
       return Bad(c, absl::StrCat("parameter ", i, " has shape ", ShapeString(s),
                                  "; Dion supports 2-D parameters only"));
+    }
+    if (k == AlgorithmKind::kDion && c.hyperparams.qr_method != QrMethod::kQr) {
+      // The randomized Cholesky QR (rcqr, and cqr's warm-up and fallback) needs a sketch of at
+      // least r rows when P is tall (a > r).
+      const int64_t r = DionRank(s[0], s[1], c.hyperparams.rank_fraction,
+                                 c.hyperparams.rank_multiple_of);
+      const int64_t a = std::max(s[0], s[1]);
+      const int64_t rows = RcqrSketchRows(r, c.hyperparams.rcqr_oversample);
+      if (a > r && rows < r) {
+        return Bad(c, absl::StrCat("rcqr_oversample = ", c.hyperparams.rcqr_oversample,
+                                   " gives a sketch of ", rows, " rows for parameter ", i, " ",
+                                   ShapeString(s), " of rank r = ", r,
+                                   "; the randomized Cholesky QR needs at least r rows"));
+      }
     }
     if (c.num_heads > 1) {
       if (s.size() != 2) {
@@ -181,6 +217,10 @@ absl::Status ValidateStepOptions(const StepOptions& options) {
     return absl::InvalidArgumentError(absl::StrCat("step weight_decay override = ",
                                                    *options.weight_decay,
                                                    " must be finite and >= 0"));
+  }
+  if (options.step.has_value() && *options.step < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("step number = ", *options.step, " must be >= 1"));
   }
   return absl::OkStatus();
 }

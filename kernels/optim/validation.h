@@ -19,7 +19,10 @@ namespace diond::optim {
 //   * all: lr >= 0, weight_decay >= 0, epsilon >= 0, all doubles finite.
 //   * Muon/NorMuon: mu in [0, 1); NorMuon/NorDion2: muon_beta2 in [0, 1).
 //   * Dion2/NorDion2: fraction in (0, 1]; Dion2: ef_decay in [0, 1]; NorDion2: mu in [0, 1).
-//   * Dion: mu in [0, 1), rank_fraction in (0, 1], rank_multiple_of >= 1; 2-D parameters only.
+//   * Dion: mu in [0, 1), rank_fraction in (0, 1], rank_multiple_of >= 1; 2-D parameters only;
+//     cqr_warmup_steps >= 0, rcqr_oversample in (0, kMaxRcqrOversample] with a sketch of at
+//     least r rows for every parameter whose P is tall (unless qr_method is qr). qr_method,
+//     cqr_warmup_steps and rcqr_oversample other than the defaults on any other algorithm.
 //   * AdamW/Lion: beta1, beta2 in [0, 1); any shape (0-D included).
 //   * Matrix algorithms: rank >= 2, every dim >= 1; num_heads >= 1 dividing m of every (2-D)
 //     parameter, not with flatten, not on Dion/AdamW/Lion; split_sizes only on Muon/NorMuon,
@@ -30,7 +33,7 @@ namespace diond::optim {
 //   * at least one parameter.
 absl::Status ValidateGroup(const GroupConfig& config, const std::vector<ParamShape>& shapes);
 
-// lr / weight_decay overrides: finite and >= 0.
+// lr / weight_decay overrides: finite and >= 0; step number >= 1.
 absl::Status ValidateStepOptions(const StepOptions& options);
 
 }  // namespace diond::optim

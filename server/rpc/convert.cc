@@ -119,9 +119,17 @@ absl::Status ApplyHyperparameters(const v1::Hyperparameters& h, optim::Hyperpara
   DIOND_HP(ef_decay)
 #undef DIOND_HP
   if (h.has_oversample()) {
-    return absl::InvalidArgumentError(
-        "hyperparameter oversample is not supported: diond's Dion orthonormalizes P with a "
-        "thin QR, which equals the reference's randomized Cholesky-QR up to column signs");
+    DIOND_RETURN_IF_ERROR(Finite("oversample", h.oversample()));
+    out->rcqr_oversample = h.oversample();
+  }
+  if (h.has_cqr_warmup_steps()) out->cqr_warmup_steps = h.cqr_warmup_steps();
+  switch (h.qr_method()) {
+    case v1::QR_METHOD_UNSPECIFIED: break;
+    case v1::QR_METHOD_RCQR: out->qr_method = optim::QrMethod::kRcqr; break;
+    case v1::QR_METHOD_QR: out->qr_method = optim::QrMethod::kQr; break;
+    case v1::QR_METHOD_CQR: out->qr_method = optim::QrMethod::kCqr; break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("qr_method ", h.qr_method(), " is unknown"));
   }
   if (h.has_rank_multiple_of()) out->rank_multiple_of = h.rank_multiple_of();
   if (h.has_nesterov()) out->nesterov = h.nesterov();

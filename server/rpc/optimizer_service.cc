@@ -272,6 +272,7 @@ grpc::ServerUnaryReactor* OptimizerService::Step(grpc::CallbackServerContext* ct
   sr.step_index = req->step_index();
   sr.gradient_scale = req->gradient_scale();
   for (const auto& [group, lr] : req->lr_override()) sr.lr_override[group] = lr;
+  for (const auto& [group, n] : req->group_step()) sr.group_step[group] = n;
   auto r = manager_->Step(req->session_id(), sr);
   if (!r.ok()) return Finish(ctx, r.status());
   resp->set_step_index(r->step_index);

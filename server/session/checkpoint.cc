@@ -149,6 +149,9 @@ std::string SpecToJson(const SessionSpec& spec) {
     jg["adjust_lr"] = std::string(optim::AdjustLrName(h.adjust_lr));
     jg["orthogonalizer"] =
         h.orthogonalizer == optim::Orthogonalizer::kPolarExpress ? "polar_express" : "ns5";
+    jg["qr_method"] = std::string(optim::QrMethodName(h.qr_method));
+    jg["cqr_warmup_steps"] = h.cqr_warmup_steps;
+    jg["rcqr_oversample"] = h.rcqr_oversample;
     j["groups"].push_back(jg);
   }
   for (const ParamSpec& p : spec.params) {
@@ -217,6 +220,12 @@ absl::StatusOr<SessionSpec> SpecFromJson(const std::string& text) {
     DIOND_ASSIGN_OR_RETURN(h.adjust_lr, optim::ParseAdjustLr(str(jg, "adjust_lr")));
     h.orthogonalizer = str(jg, "orthogonalizer") == "ns5" ? optim::Orthogonalizer::kNewtonSchulz5
                                                          : optim::Orthogonalizer::kPolarExpress;
+    // Absent in checkpoints written before Dion's qr_method existed: the defaults.
+    if (jg.contains("qr_method")) {
+      DIOND_ASSIGN_OR_RETURN(h.qr_method, optim::ParseQrMethod(str(jg, "qr_method")));
+    }
+    h.cqr_warmup_steps = static_cast<int64_t>(num(jg, "cqr_warmup_steps", h.cqr_warmup_steps));
+    h.rcqr_oversample = num(jg, "rcqr_oversample", h.rcqr_oversample);
     spec.groups.push_back(std::move(g));
   }
   for (const json& jp : j["params"]) {

@@ -312,6 +312,15 @@ void Session::ParamsF32(std::vector<std::vector<float>>* copies, std::vector<flo
   if (!master_.empty()) master_valid_ = true;
 }
 
+namespace {
+// The step number the group's update rules see: the trainer's (StepRequest::group_step), else
+// the session's step index.
+int64_t GroupStep(const StepRequest& request, const std::string& group) {
+  auto it = request.group_step.find(group);
+  return it != request.group_step.end() ? it->second : request.step_index;
+}
+}  // namespace
+
 absl::StatusOr<StepResult> Session::Step(const StepRequest& request,
                                          const kernels::Context& ctx, absl::Mutex* compute_mu) {
   const absl::Time start = absl::Now();
@@ -345,6 +354,18 @@ absl::StatusOr<StepResult> Session::Step(const StepRequest& request,
     if (!std::isfinite(lr) || lr < 0) {
       return absl::InvalidArgumentError(
           absl::StrCat("lr_override['", group, "'] = ", lr, " must be finite and >= 0"));
+    }
+  }
+  for (const auto& [group, n] : request.group_step) {
+    bool known = false;
+    for (const Group& g : groups_) known |= g.name == group;
+    if (!known) {
+      return absl::InvalidArgumentError(absl::StrCat("group_step names unknown group '",
+                                                     group.substr(0, 64), "'"));
+    }
+    if (n < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("group_step['", group, "'] = ", n, " must be >= 1"));
     }
   }
   if (!params_.bound() && pending_params_.empty()) {
@@ -401,6 +422,7 @@ absl::StatusOr<StepResult> Session::Step(const StepRequest& request,
         opts.lr = g.lr;
       }
       opts.weight_decay = g.weight_decay;
+      opts.step = GroupStep(request, g.name);  // the reference's group step (cqr warm-up)
       absl::Status s = g.optimizer->Step(ctx, gp, gg, opts);
       if (!s.ok()) {
         return absl::Status(s.code(), absl::StrCat("step ", request.step_index, ", group '",
@@ -1039,6 +1061,7 @@ absl::StatusOr<StepResult> Session::WorldStepLocked(const StepRequest& request,
     auto it = request.lr_override.find(g.name);
     group_opts[gi].lr = it != request.lr_override.end() ? std::optional<double>(it->second) : g.lr;
     group_opts[gi].weight_decay = g.weight_decay;
+    group_opts[gi].step = GroupStep(request, g.name);  // the reference's group step
   }
   {
     absl::MutexLock compute(compute_mu);

@@ -133,7 +133,8 @@ std::string ShardPlanCanonicalText(const SessionSpec& spec, const ShardPlan& pla
         " nesterov=", h.nesterov ? 1 : 0, " cwd=", h.cautious_wd ? 1 : 0, " adj=",
         optim::AdjustLrName(h.adjust_lr), " orth=", static_cast<int>(h.orthogonalizer),
         " heads=", c.num_heads, " split=", absl::StrJoin(c.split_sizes, ","),
-        " flatten=", c.flatten ? 1 : 0, " seed=", c.seed, "\n");
+        " flatten=", c.flatten ? 1 : 0, " seed=", c.seed, " qr=", optim::QrMethodName(h.qr_method),
+        absl::StrFormat(" cqrw=%d os=%.17g", h.cqr_warmup_steps, h.rcqr_oversample), "\n");
   }
   for (size_t i = 0; i < spec.params.size(); ++i) {
     const ParamSpec& p = spec.params[i];

@@ -2,6 +2,8 @@
 
 #include <set>
 
+#include "server/session/checkpoint.h"
+
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 
@@ -115,6 +117,42 @@ TEST(ShardPlan, HashChangesWithEverythingThatMatters) {
     s.client_name = "another trainer";  // free text: not part of the plan
     EXPECT_EQ(ComputeShardPlan(s, 2)->hash, h);
   }
+}
+
+// Dion's qr_method options change the numbers, so the ranks must agree on them, and a checkpoint
+// must bring them back (older checkpoints, without the keys, load with the defaults).
+TEST(ShardPlan, DionQrOptionsArePartOfThePlanAndOfCheckpoints) {
+  SessionSpec base = GptLike(1);
+  base.groups[0] = Group("m", optim::AlgorithmKind::kDion);
+  const uint64_t h = ComputeShardPlan(base, 2)->hash;
+  SessionSpec s = base;
+  s.groups[0].config.hyperparams.qr_method = optim::QrMethod::kCqr;
+  EXPECT_NE(ComputeShardPlan(s, 2)->hash, h) << "qr_method";
+  s.groups[0].config.hyperparams.cqr_warmup_steps = 7;
+  const uint64_t h2 = ComputeShardPlan(s, 2)->hash;
+  EXPECT_NE(h2, ComputeShardPlan(base, 2)->hash);
+  s.groups[0].config.hyperparams.rcqr_oversample = 2.5;
+  EXPECT_NE(ComputeShardPlan(s, 2)->hash, h2) << "rcqr_oversample";
+
+  absl::StatusOr<SessionSpec> back = SpecFromJson(SpecToJson(s));
+  ASSERT_TRUE(back.ok()) << back.status();
+  const optim::Hyperparams& hp = back->groups[0].config.hyperparams;
+  EXPECT_EQ(hp.qr_method, optim::QrMethod::kCqr);
+  EXPECT_EQ(hp.cqr_warmup_steps, 7);
+  EXPECT_EQ(hp.rcqr_oversample, 2.5);
+
+  std::string old = SpecToJson(base);
+  for (const char* key : {"\"qr_method\"", "\"cqr_warmup_steps\"", "\"rcqr_oversample\""}) {
+    const size_t at = old.find(key);
+    ASSERT_NE(at, std::string::npos) << key;
+    const size_t end = old.find('\n', at);
+    old.erase(at, end - at + 1);  // one "key": value, line (SpecToJson writes one per line)
+  }
+  back = SpecFromJson(old);
+  ASSERT_TRUE(back.ok()) << back.status() << "\n" << old;
+  EXPECT_EQ(back->groups[0].config.hyperparams.qr_method, optim::QrMethod::kRcqr);
+  EXPECT_EQ(back->groups[0].config.hyperparams.cqr_warmup_steps, 150);
+  EXPECT_EQ(back->groups[0].config.hyperparams.rcqr_oversample, 1.25);
 }
 
 TEST(ShardPlan, UnknownGroupAndBadWorldSize) {

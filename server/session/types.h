@@ -81,6 +81,9 @@ struct StepRequest {
   int64_t step_index = 0;
   std::map<std::string, double> lr_override;  // group name -> lr
   double gradient_scale = 1.0;
+  // Group name -> the trainer's step number for the group (StepRequest.group_step); absent
+  // groups use step_index.
+  std::map<std::string, int64_t> group_step;
 };
 
 struct StepResult {

@@ -148,7 +148,8 @@ void RunOverStreams(v1::Optimizer::Stub& stub, const GoldenCase& c, optim::Preci
 }
 
 TEST(ConformanceServiceFiles, AllPublicVectorsArePresent) {
-  EXPECT_EQ(VectorFiles().size(), 23u) << DIOND_CONFORMANCE_VECTORS;
+  // 23 original cases and the 6 Dion qr_method cases (dion_reference-qr-*, -cqr-*).
+  EXPECT_EQ(VectorFiles().size(), 29u) << DIOND_CONFORMANCE_VECTORS;
 }
 
 TEST_P(ConformanceService, BitExactOverShmAndStreams) {

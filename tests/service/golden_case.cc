@@ -69,8 +69,29 @@ absl::Status MapHyperparameters(const json& hp, GoldenCase* c) {
                             : optim::Orthogonalizer::kNewtonSchulz5;
     } else if (k == "use_triton" || k == "use_gram_newton_schulz" || k == "triton_post_ortho") {
       if (v.get<bool>()) return absl::UnimplementedError(absl::StrCat(k, "=true"));
-    } else if (k == "power_iters" || k == "qr_method" || k == "selection_scope" ||
-               k == "cqr_warmup_steps" || k == "rcqr_oversample" || k == "verbose") {
+    } else if (k == "qr_method") {
+      const std::string m = v.is_string() ? v.get<std::string>() : "";
+      if (m == "rcqr") {
+        p.set_qr_method(v1::QR_METHOD_RCQR);
+      } else if (m == "qr") {
+        p.set_qr_method(v1::QR_METHOD_QR);
+      } else if (m == "cqr") {
+        p.set_qr_method(v1::QR_METHOD_CQR);
+      } else {
+        return absl::InvalidArgumentError(absl::StrCat("qr_method ", m));
+      }
+      absl::StatusOr<optim::QrMethod> q = optim::ParseQrMethod(m);
+      if (!q.ok()) return q.status();
+      h.qr_method = *q;
+    } else if (k == "cqr_warmup_steps") {
+      p.set_cqr_warmup_steps(static_cast<int64_t>(number(v)));
+      h.cqr_warmup_steps = static_cast<int64_t>(number(v));
+    } else if (k == "rcqr_oversample") {
+      p.set_oversample(number(v));
+      h.rcqr_oversample = number(v);
+    } else if (k == "power_iters") {
+      if (number(v) != 1) return absl::UnimplementedError("power_iters != 1");
+    } else if (k == "selection_scope" || k == "verbose") {
       // No effect on the single-device numbers (runner.cc ApplyHyperparams).
     } else {
       return absl::UnimplementedError(absl::StrCat("hyperparameter '", k, "'"));

@@ -5,10 +5,10 @@
 // Mapping: metadata `algorithm` (dion_reference -> ALGORITHM_DION, nordion2 -> ALGORITHM_DION3),
 // `hyperparameters` (lr, mu, weight_decay, epsilon, muon_beta2, fraction, ef_decay,
 // rank_fraction, rank_multiple_of, nesterov, cautious_wd, betas, adjust_lr (null = NONE),
-// use_polar_express -> orthogonalizer, flatten -> ParameterGroup.flatten) and
-// `param_group_options` (num_heads, split_sizes). Keys that do not change a single-device
-// result (use_triton, qr_method, rcqr_oversample, ... ; see kernels/optim/conformance/runner.cc)
-// are not sent.
+// use_polar_express -> orthogonalizer, flatten -> ParameterGroup.flatten, qr_method,
+// cqr_warmup_steps, rcqr_oversample -> oversample) and `param_group_options` (num_heads,
+// split_sizes). Keys that do not change a single-device result (use_triton, selection_scope,
+// verbose; see kernels/optim/conformance/runner.cc) are not sent.
 //
 // Thread-safety: plain values.
 #ifndef DIOND_TESTS_SERVICE_GOLDEN_CASE_H_

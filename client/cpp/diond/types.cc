@@ -141,6 +141,9 @@ v1::Hyperparameters ToProto(const Hyperparams& hp) {
   if (hp.epsilon) out.set_epsilon(*hp.epsilon);
   if (hp.nesterov) out.set_nesterov(*hp.nesterov);
   if (hp.cautious_wd) out.set_cautious_wd(*hp.cautious_wd);
+  if (hp.qr_method) out.set_qr_method(static_cast<v1::QrMethod>(*hp.qr_method));
+  if (hp.cqr_warmup_steps) out.set_cqr_warmup_steps(*hp.cqr_warmup_steps);
+  if (hp.rcqr_oversample) out.set_oversample(*hp.rcqr_oversample);
   return out;
 }
 

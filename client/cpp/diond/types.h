@@ -43,6 +43,9 @@ enum class Algorithm : int {
   kLion = 7,
 };
 
+// How Dion orthonormalizes P (the reference's qr_method). Values equal diond.v1.QrMethod.
+enum class QrMethod : int { kRcqr = 1, kQr = 2, kCqr = 3 };
+
 // The hyperparameters most groups set. Unset fields take the algorithm's reference default
 // (docs/ALGORITHMS.md). For the others (orthogonalizer, adjust_lr, Dion's rank, ...) use the
 // proto overloads of Client.
@@ -55,6 +58,12 @@ struct Hyperparams {
   std::optional<double> epsilon;
   std::optional<bool> nesterov;
   std::optional<bool> cautious_wd;
+  // Dion only (the daemon refuses them on other algorithms): qr_method (default kRcqr),
+  // cqr_warmup_steps (default 150, counted in Step step_index) and rcqr_oversample (default
+  // 1.25; the proto's Hyperparameters.oversample).
+  std::optional<QrMethod> qr_method;
+  std::optional<int64_t> cqr_warmup_steps;
+  std::optional<double> rcqr_oversample;
 };
 
 struct ParamSpec {
@@ -114,6 +123,9 @@ struct StepResult {
 
 struct StepOptions {
   std::map<std::string, double> lr_override;  // group -> lr for this step only
+  // group -> the trainer's 1-based step number for it (Dion's cqr warm-up counts it; groups not
+  // named use the step index).
+  std::map<std::string, int64_t> group_step;
   double gradient_scale = 0;                  // 0 = 1.0
 };
 

@@ -81,6 +81,23 @@ TEST(ToProto, CarriesEveryPlainField) {
   EXPECT_EQ(req.client_name(), "trainer");
 }
 
+TEST(ToProto, CarriesDionsQrMethodOptions) {
+  GroupSpec g{"dion", Algorithm::kDion, {}};
+  v1::Hyperparameters unset = ToProto(g.hyperparams);
+  EXPECT_EQ(unset.qr_method(), v1::QR_METHOD_UNSPECIFIED);  // the daemon's default: rcqr
+  EXPECT_FALSE(unset.has_cqr_warmup_steps());
+  EXPECT_FALSE(unset.has_oversample());
+  g.hyperparams.qr_method = QrMethod::kCqr;
+  g.hyperparams.cqr_warmup_steps = 10;
+  g.hyperparams.rcqr_oversample = 2.0;
+  v1::Hyperparameters h = ToProto(g.hyperparams);
+  EXPECT_EQ(h.qr_method(), v1::QR_METHOD_CQR);
+  EXPECT_EQ(h.cqr_warmup_steps(), 10);
+  EXPECT_DOUBLE_EQ(h.oversample(), 2.0);
+  EXPECT_EQ(static_cast<int>(QrMethod::kQr), v1::QR_METHOD_QR);
+  EXPECT_EQ(static_cast<int>(QrMethod::kRcqr), v1::QR_METHOD_RCQR);
+}
+
 TEST(FromGrpcStatus, MapsEveryCodeOneToOneAndKeepsTheMessage) {
   EXPECT_TRUE(FromGrpcStatus(grpc::Status::OK).ok());
   for (int code = 1; code <= 16; ++code) {

@@ -370,13 +370,19 @@ class Client:
         self._unary("UnregisterRegion",
                     pb.UnregisterRegionRequest(session_id=session_id, region_id=region_id), timeout)
 
-    def step(self, session_id, step_index, lr_override=None, gradient_scale=0.0, timeout=None):
-        """Step; idempotent on step_index (repeat the last index to get its recorded answer)."""
+    def step(self, session_id, step_index, lr_override=None, gradient_scale=0.0, timeout=None,
+             group_step=None):
+        """Step; idempotent on step_index (repeat the last index to get its recorded answer).
+        group_step: {group: the trainer's 1-based step number for it} (Dion's cqr warm-up counts
+        it; groups not named use step_index)."""
         req = pb.StepRequest(session_id=session_id, step_index=step_index,
                              gradient_scale=gradient_scale)
         if lr_override:
             for g, lr in lr_override.items():
                 req.lr_override[g] = float(lr)
+        if group_step:
+            for g, n in group_step.items():
+                req.group_step[g] = int(n)
         return self._unary("Step", req, timeout)
 
     def push_gradients(self, session_id, tensors, chunk_bytes=DEFAULT_PUSH_CHUNK_BYTES,

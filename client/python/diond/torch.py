@@ -61,6 +61,7 @@ DEFAULTS = dict(
     nesterov=False, cautious_wd=False, adjust_lr="spectral_norm", flatten=False,
     use_polar_express=True, muon_beta2=0.95, rank_fraction=1.0, rank_multiple_of=1,
     fraction=0.25, ef_decay=0.95, num_heads=None, split_sizes=None, precision="fp32", seed=0,
+    qr_method="rcqr", cqr_warmup_steps=150, oversample=1.25,
 )
 _COMMON = {"lr", "weight_decay", "precision"}
 # Which options each algorithm has (anything else set on a group of that algorithm is an error).
@@ -69,7 +70,8 @@ APPLIES = {
                        "use_polar_express", "num_heads", "split_sizes"},
     "normuon": _COMMON | {"mu", "epsilon", "nesterov", "cautious_wd", "adjust_lr", "flatten",
                           "use_polar_express", "num_heads", "split_sizes", "muon_beta2"},
-    "dion": _COMMON | {"mu", "epsilon", "rank_fraction", "rank_multiple_of", "seed"},
+    "dion": _COMMON | {"mu", "epsilon", "rank_fraction", "rank_multiple_of", "seed",
+                       "qr_method", "cqr_warmup_steps", "oversample"},
     "dion2": _COMMON | {"fraction", "ef_decay", "epsilon", "adjust_lr", "flatten",
                         "use_polar_express", "num_heads"},
     "dion3": _COMMON | {"fraction", "mu", "muon_beta2", "epsilon", "adjust_lr", "flatten",
@@ -97,9 +99,6 @@ _COMPAT = {
     "selection_scope": (lambda v: v in ("local", "global"), "must be 'local' or 'global'"),
     "verbose": (lambda v: True, ""),
     "power_iters": (lambda v: v == 1, "Dion supports power_iters=1 only"),
-    "qr_method": (lambda v: v in ("rcqr", "qr", "cqr"), "any thin QR gives the same update"),
-    "cqr_warmup_steps": (lambda v: True, "ignored upstream"),
-    "rcqr_oversample": (lambda v: True, "changes only the column signs of Q"),
     "mixed_precision_config": (lambda v: v is None, "state is float32 in the daemon"),
 }
 
@@ -111,6 +110,12 @@ _PRECISION = {"fp32": pb.PRECISION_FP32, "bf16_reference": pb.PRECISION_BF16_REF
 _NONFINITE = {"skip": pb.NON_FINITE_POLICY_SKIP, "error": pb.NON_FINITE_POLICY_ERROR}
 _GRADIENT_SYNC = {"replicated": pb.GRADIENT_SYNC_REPLICATED, "average": pb.GRADIENT_SYNC_AVERAGE,
                   "dion_compressed": pb.GRADIENT_SYNC_DION_COMPRESSED}
+_QR_METHOD = {"rcqr": pb.QR_METHOD_RCQR, "qr": pb.QR_METHOD_QR, "cqr": pb.QR_METHOD_CQR}
+# Reference spellings of an option: dion's constructor takes rcqr_oversample and stores it in
+# each group as "oversample".
+_ALIASES = {"rcqr_oversample": "oversample"}
+# Constructor arguments of _COMPAT that the reference also reads per group.
+_GROUP_COMPAT = {"selection_scope"}
 _SEGMENT_ALIGN = 4096
 
 
@@ -161,6 +166,16 @@ def _validate_options(opts, algo, where):
         s = opts["seed"]
         if not isinstance(s, int) or isinstance(s, bool) or not 0 <= s < 2 ** 64:
             raise ValueError("%sseed must be an int in [0, 2**64), got %r" % (where, s))
+    if "qr_method" in use and opts["qr_method"] not in _QR_METHOD:
+        raise ValueError("%sqr_method must be 'rcqr', 'qr' or 'cqr', got %r"
+                         % (where, opts["qr_method"]))
+    if "cqr_warmup_steps" in use:
+        w = opts["cqr_warmup_steps"]
+        if not isinstance(w, int) or isinstance(w, bool) or w < 0:
+            raise ValueError("%scqr_warmup_steps must be an int >= 0, got %r" % (where, w))
+    if "oversample" in use:
+        _check_range("oversample (rcqr_oversample)", opts["oversample"], 0, 16, lo_open=True,
+                     where=where)
     for flag in ("nesterov", "cautious_wd", "flatten", "use_polar_express"):
         if flag in use and not isinstance(opts[flag], bool):
             raise ValueError("%s%s must be a bool, got %r" % (where, flag, opts[flag]))
@@ -216,6 +231,10 @@ def _group_proto(name, g):
         h.fraction = float(g["fraction"])
     if "ef_decay" in use:
         h.ef_decay = float(g["ef_decay"])
+    if "qr_method" in use:
+        h.qr_method = _QR_METHOD[g["qr_method"]]
+        h.cqr_warmup_steps = int(g["cqr_warmup_steps"])
+        h.oversample = float(g["oversample"])
     pg = pb.ParameterGroup(name=name, algorithm=ALGORITHMS[algo], hyperparameters=h,
                            precision=_PRECISION[g["precision"]])
     if "num_heads" in use and g["num_heads"] is not None:
@@ -281,8 +300,11 @@ class Optimizer(torch.optim.Optimizer):
         gradients), "average" (the daemons average them) or "dion_compressed".
       algorithm, lr, mu, betas, weight_decay, epsilon, nesterov, cautious_wd, adjust_lr, flatten,
       use_polar_express, muon_beta2, rank_fraction, rank_multiple_of, fraction, ef_decay,
-      num_heads, split_sizes, precision ("fp32" | "bf16_reference"), seed (Dion's initial Q):
-        group defaults, with the reference's values.
+      num_heads, split_sizes, precision ("fp32" | "bf16_reference"), seed (Dion's initial Q),
+      qr_method ("rcqr" | "qr" | "cqr"), cqr_warmup_steps, oversample (= the reference's
+      rcqr_oversample, either name is accepted): group defaults, with the reference's values.
+        Dion's cqr warm-up counts the group's "step" (sent with every step, restored by
+        load_state_dict() as the reference's).
     """
 
     def __init__(self, params, *, target=None, remote=None, fp32_master_weights=False,
@@ -290,6 +312,11 @@ class Optimizer(torch.optim.Optimizer):
                  client_name="diond.torch", world_key="", gradient_sync="replicated",
                  token=None, tls_ca=None, tls_cert=None, tls_key=None, tls_server_name=None,
                  **options):
+        for alias, name in _ALIASES.items():
+            if alias in options:
+                if name in options:
+                    raise ValueError("give %s or %s, not both" % (alias, name))
+                options[name] = options.pop(alias)
         for k in list(options):
             if k in _COMPAT:
                 ok, why = _COMPAT[k]
@@ -354,8 +381,21 @@ class Optimizer(torch.optim.Optimizer):
         if algo not in ALGORITHMS:
             raise ValueError("%sunknown algorithm %r; expected one of %s"
                              % (where, algo, ", ".join(ALGORITHMS)))
-        for k in param_group:
+        param_group = dict(param_group)
+        for alias, name in _ALIASES.items():
+            if alias in param_group:
+                if name in param_group:
+                    raise ValueError("%sgive %s or %s, not both" % (where, alias, name))
+                param_group[name] = param_group.pop(alias)
+        for k in list(param_group):
             if k in _GROUP_META:
+                continue
+            if k in _GROUP_COMPAT:
+                ok, why = _COMPAT[k]
+                if not ok(param_group[k]):
+                    raise ValueError("%s%s=%r is not supported by diond (%s)"
+                                     % (where, k, param_group[k], why))
+                del param_group[k]  # diond never shards a matrix: both scopes select alike
                 continue
             if k in _COMPAT:
                 raise ValueError("%s%r is a constructor argument, not a group option" % (where, k))
@@ -570,7 +610,13 @@ class Optimizer(torch.optim.Optimizer):
             self.client.push_gradients(self.session_id, grads)
         else:
             self._sync_views()
-        resp = self.client.step(self.session_id, self._step_index + 1, lr_override=lrs)
+        # The groups' own step counters (restored by load_state_dict, as the reference's), for
+        # Dion's cqr warm-up.
+        steps = {name: int(g.get("step", 0)) + 1
+                 for name, g in zip(self._group_names, self.param_groups)
+                 if g["algorithm"] == "dion"}
+        resp = self.client.step(self.session_id, self._step_index + 1, lr_override=lrs,
+                                group_step=steps)
         self._step_index += 1
         self.last_step = resp
         if self.remote:

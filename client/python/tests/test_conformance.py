@@ -79,4 +79,10 @@ def test_golden_vector(daemon, case):
 def test_all_public_vectors_present():
     if not CASES:
         pytest.skip("conformance vectors not found")
-    assert len(CASES) == 23
+    # Every manifest entry has its file and every file its entry; 23 original cases plus the 6
+    # Dion qr_method cases at least.
+    files = sorted(f for f in os.listdir(os.path.join(CONF, "vectors"))
+                   if f.endswith(".safetensors"))
+    assert sorted(c["file"] for c in CASES) == files
+    assert len(CASES) >= 29
+    assert {"qr", "cqr", "rcqr"} <= {c["hyperparameters"].get("qr_method") for c in CASES}

@@ -90,17 +90,20 @@ absl::Status ApplyHyperparams(const json& hp, GroupConfig* cfg) {
       DIOND_ASSIGN_OR_RETURN(double d, Number(v, k));
       if (d != 1) return absl::UnimplementedError("power_iters != 1 is not supported");
     } else if (k == "qr_method") {
-      if (!v.is_string() || (v.get<std::string>() != "rcqr" && v.get<std::string>() != "qr")) {
-        return absl::UnimplementedError("only qr_method rcqr/qr (any thin QR) is supported");
-      }
+      if (!v.is_string()) return absl::InvalidArgumentError("qr_method is not a string");
+      DIOND_ASSIGN_OR_RETURN(h.qr_method, ParseQrMethod(v.get<std::string>()));
+    } else if (k == "cqr_warmup_steps") {
+      DIOND_ASSIGN_OR_RETURN(double d, Number(v, k));
+      h.cqr_warmup_steps = static_cast<int64_t>(d);
+    } else if (k == "rcqr_oversample") {
+      DIOND_ASSIGN_OR_RETURN(h.rcqr_oversample, Number(v, k));
     } else if (k == "selection_scope") {
       // Only differs on the sharded path (§7.4); single device both scopes are "local".
       if (!v.is_string() || (v.get<std::string>() != "local" && v.get<std::string>() != "global")) {
         return absl::InvalidArgumentError("selection_scope must be local or global");
       }
-    } else if (k == "cqr_warmup_steps" || k == "rcqr_oversample" || k == "verbose") {
-      // Ignored upstream for Dion (cqr_warmup_steps), irrelevant to the result up to Q's column
-      // signs (rcqr_oversample, P12), or logging only (verbose).
+    } else if (k == "verbose") {
+      // Logging only.
     } else {
       return absl::UnimplementedError(absl::StrCat("unsupported hyperparameter '", k, "'"));
     }

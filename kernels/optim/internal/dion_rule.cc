@@ -1,12 +1,23 @@
-// Dion (ALGORITHMS.md §9.4, §20.5), single device, for one shape bucket: all N matrices of the
-// bucket go through each phase (GEMMs, QR, column normalization) as one batched call.
+// Dion (ALGORITHMS.md §9.4, §10, §20.5), single device, for one shape bucket: all N matrices of
+// the bucket go through each phase (GEMMs, QR, column normalization) as one batched call.
 //
-// Orthonormalization of P: the reference uses Householder QR when P is square (a == r) and a
-// randomized Cholesky QR otherwise. Both return a thin-QR Q-factor of P up to column signs
-// (P12), and X, M are invariant to those signs, so we use Householder thin QR (LAPACK) in both
-// cases: it is the most stable choice and never produces the inf/NaN that RCQR can on a
-// rank-deficient P (P13). Consequence: the stored Q can differ from the reference's in column
-// signs only; compare it up to signs.
+// Orthonormalization of P follows the group's qr_method as the reference's `orthogonalize`
+// (dion/dion_reference.py; dion/dion.py has the rcqr branch only):
+//   qr    Householder QR (LAPACK, as torch.linalg.qr);
+//   rcqr  Householder QR when P is square (a == r), else randomized Cholesky QR with a Gaussian
+//         sketch of 128·⌈oversample·r/128⌉ rows;
+//   cqr   rcqr while the step number is <= cqr_warmup_steps; afterwards Cholesky QR, and rcqr
+//         for a matrix whose Cholesky factorization fails.
+// The sketch is drawn from this implementation's own generator, seeded by the group seed and the
+// shape only: the same for every matrix of the bucket, on every worker and at every step (the
+// reference draws a fresh one per step from its generator; a fixed one keeps a resumed session
+// bit-identical to an uninterrupted one). It is not PyTorch's sketch: in exact arithmetic every branch returns the thin-QR Q-factor of P up to the
+// sign of each column (P12), and X and M do not depend on those signs, so the stored Q can
+// differ from the reference's in column signs only; compare it up to signs.
+// Deviation, for robustness (P13): where the reference's randomized Cholesky QR breaks down
+// (R₁ singular, or the Cholesky factorization of P₁ᵀP₁ fails, e.g. a rank-deficient P) and would
+// go on with a partial factor (inf/NaN, then zeroed), this implementation uses the Householder
+// QR of that matrix instead.
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -52,6 +63,69 @@ DionDims Dims(const GroupConfig& cfg, const ParamShape& s) {
   d.b = std::min(d.m, d.n);
   d.r = DionRank(d.m, d.n, cfg.hyperparams.rank_fraction, cfg.hyperparams.rank_multiple_of);
   return d;
+}
+
+// The randomized-QR sketch of one shape has a stream of its own, apart from the Q
+// initialisation streams (small parameter indices).
+uint64_t SketchStream(const DionDims& d) {
+  return 0x8000000000000000ull ^ (static_cast<uint64_t>(d.a) << 24) ^ static_cast<uint64_t>(d.r);
+}
+
+// Randomized Cholesky QR of one a×r matrix (a > r) in place, with the shared sketch S (k×a);
+// Householder QR where it breaks down (see the file comment).
+absl::Status RcqrOne(const kernels::Context& ctx, const DionDims& d,
+                     kernels::ConstTensorView sketch, float* p, std::vector<float>* scratch) {
+  const MatrixBatch one{1, d.a, d.r};
+  scratch->assign(p, p + d.a * d.r);
+  absl::Status s = kernels::RandomizedCholeskyQr(ctx, CView3(scratch->data(), one).Matrix(0),
+                                                 sketch, View3(p, one).Matrix(0));
+  if (s.code() != absl::StatusCode::kFailedPrecondition) return s;
+  return kernels::ThinQr(ctx, CView3(scratch->data(), one).Matrix(0), View3(p, one).Matrix(0));
+}
+
+// Step 4 for N matrices: P ← Q-factor of P by the group's qr_method (see the file comment).
+absl::Status Orthonormalize(const kernels::Context& ctx, const GroupConfig& cfg,
+                            const DionDims& d, int64_t N, int64_t step, float* P) {
+  const MatrixBatch pb{N, d.a, d.r};
+  QrMethod method = cfg.hyperparams.qr_method;
+  if (method == QrMethod::kCqr && step <= cfg.hyperparams.cqr_warmup_steps) {
+    method = QrMethod::kRcqr;  // Cholesky QR only once the matrices are well-conditioned
+  }
+  if (method == QrMethod::kQr || (method == QrMethod::kRcqr && d.a <= d.r)) {
+    return kernels::ThinQr(ctx, CView3(P, pb), View3(P, pb));
+  }
+  std::vector<float> sketch, scratch;
+  auto rcqr = [&](int64_t j) -> absl::Status {
+    float* p = P + j * d.a * d.r;
+    if (d.a <= d.r) {
+      const MatrixBatch one{1, d.a, d.r};
+      return kernels::ThinQr(ctx, CView3(p, one).Matrix(0), View3(p, one).Matrix(0));
+    }
+    const int64_t k = RcqrSketchRows(d.r, cfg.hyperparams.rcqr_oversample);
+    if (sketch.empty()) {
+      // S ~ N(0, 1/k), k×a, as the reference's generate_random_sketch_matrix.
+      sketch.resize(static_cast<size_t>(k * d.a));
+      FillStandardNormal(cfg.seed, SketchStream(d), sketch.data(), k * d.a);
+      const float scale = F32(std::sqrt(1.0 / static_cast<double>(k)));
+      for (float& v : sketch) v = v * scale;
+    }
+    const MatrixBatch sb{1, k, d.a};
+    return RcqrOne(ctx, d, CView3(sketch.data(), sb).Matrix(0), p, &scratch);
+  };
+  for (int64_t j = 0; j < N; ++j) {
+    if (method == QrMethod::kCqr) {
+      float* p = P + j * d.a * d.r;
+      const MatrixBatch one{1, d.a, d.r};
+      scratch.assign(p, p + d.a * d.r);
+      absl::Status s = kernels::CholeskyQr(ctx, CView3(scratch.data(), one).Matrix(0),
+                                           View3(p, one).Matrix(0));
+      if (s.ok()) continue;
+      if (s.code() != absl::StatusCode::kFailedPrecondition) return s;
+      std::copy(scratch.begin(), scratch.end(), p);  // the Cholesky factorization failed
+    }
+    DIOND_RETURN_IF_ERROR(rcqr(j));
+  }
+  return absl::OkStatus();
 }
 
 // Steps 9-10 for N matrices: X ← (1 − η·λ)·X − s·(P·Q_newᵀ) (transposed: Q_new·Pᵀ),
@@ -130,8 +204,8 @@ class DionRule final : public UpdateRule {
         zero[j] = z;
       }
     }
-    // 4. P ← Q-factor of P (see the file comment).
-    DIOND_RETURN_IF_ERROR(kernels::ThinQr(ctx, CView3(P.data(), pb), View3(P.data(), pb)));
+    // 4. P ← Q-factor of P by qr_method (see the file comment).
+    DIOND_RETURN_IF_ERROR(Orthonormalize(ctx, cfg, d, N, args.step, P.data()));
 
     // 5. R = Bᵀ·P (b×r).
     std::vector<float> R(static_cast<size_t>(N * d.b * d.r));

@@ -43,6 +43,8 @@ struct BucketArgs {
   const float* g = nullptr;
   std::vector<float*> state;  // in the order of Specs()
   StepScalars scalars;
+  // The 1-based step number (StepOptions::step, or steps_taken() + 1).
+  int64_t step = 1;
   // StepOptions::capture: per parameter of the bucket, where the rule writes the compact form
   // of its update (group_optimizer.h CapturedUpdateSize). Empty when not capturing.
   std::vector<std::vector<float>*> capture;
