@@ -134,6 +134,7 @@ absl::StatusOr<session::SessionSpec> SpecFromProto(const v1::CreateSessionReques
   spec.world_key = req.world_key();
   spec.fp32_master_weights = req.fp32_master_weights();
   spec.client_name = req.client_name();
+  spec.session_name = req.session_name();
   for (const v1::ParameterGroup& g : req.groups()) {
     session::GroupSpec gs;
     gs.name = g.name();

@@ -381,6 +381,18 @@ grpc::ServerUnaryReactor* OptimizerService::LoadCheckpoint(grpc::CallbackServerC
   return Finish(ctx, absl::OkStatus());
 }
 
+grpc::ServerUnaryReactor* OptimizerService::AttachSession(grpc::CallbackServerContext* ctx,
+                                                          const v1::AttachSessionRequest* req,
+                                                          v1::AttachSessionResponse* resp) {
+  // The principal is the authentication layer's to fill in (empty = unauthenticated); the
+  // session manager compares it with the session's owner.
+  auto s = manager_->Attach(req->session_name(), /*principal=*/"");
+  if (!s.ok()) return Finish(ctx, s.status());
+  LayoutToProto(**s, resp->mutable_session());
+  resp->set_step_index((*s)->last_step_index());
+  return Finish(ctx, absl::OkStatus());
+}
+
 grpc::ServerUnaryReactor* OptimizerService::CloseSession(grpc::CallbackServerContext* ctx,
                                                          const v1::CloseSessionRequest* req,
                                                          v1::CloseSessionResponse*) {
@@ -394,6 +406,7 @@ grpc::ServerUnaryReactor* OptimizerService::ListSessions(grpc::CallbackServerCon
     v1::SessionInfo* out = resp->add_sessions();
     out->set_session_id(info.id);
     out->set_client_name(info.client_name);
+    out->set_session_name(info.session_name);
     out->set_parameters(info.parameters);
     out->set_last_step_index(info.last_step_index);
     out->set_state_bytes(info.state_bytes);

@@ -65,10 +65,26 @@ absl::StatusOr<std::unique_ptr<SessionManager>> SessionManager::Create(
   if (options.checkpoint_every > 0 && options.state_dir.empty()) {
     return absl::InvalidArgumentError("--checkpoint_every needs --state_dir");
   }
+  if (options.keep_checkpoints < 0) {
+    return absl::InvalidArgumentError("--keep_checkpoints must be >= 0");
+  }
+  if (options.recover && options.state_dir.empty()) {
+    return absl::InvalidArgumentError("--recover needs --state_dir");
+  }
   std::unique_ptr<SessionManager> m(new SessionManager(options, std::move(observer)));
   kernels::ContextOptions co;
   co.num_threads = options.compute_threads;
   DIOND_ASSIGN_OR_RETURN(m->ctx_, kernels::Context::Create(co));
+  if (!options.state_dir.empty()) {
+    const int64_t removed = RemoveStaleTemporaries(options.state_dir);
+    if (removed > 0) {
+      DIOND_LOG(INFO) << "removed " << removed
+                      << " stale temporary checkpoint director" << (removed == 1 ? "y" : "ies")
+                      << " under " << options.state_dir
+                      << " (left by a daemon that died while writing)";
+    }
+    if (options.recover) m->RecoverSessions();
+  }
   if (options.idle_timeout > absl::ZeroDuration()) {
     SessionManager* self = m.get();
     absl::Duration period = std::min(absl::Seconds(1), options.idle_timeout / 4);
@@ -209,6 +225,21 @@ absl::StatusOr<ShardPlan> SessionManager::AgreeOnPlan(const SessionSpec& spec, u
 }
 
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::CreateSession(SessionSpec spec) {
+  return CreateSessionWithId(NewId(), std::move(spec));
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::CreateSessionWithId(std::string id,
+                                                                             SessionSpec spec) {
+  if (!spec.session_name.empty()) {
+    DIOND_RETURN_IF_ERROR(ValidateSessionName(spec.session_name));
+    absl::MutexLock lock(&mu_);
+    auto it = names_.find(spec.session_name);
+    if (it != names_.end()) {
+      return absl::AlreadyExistsError(absl::StrCat(
+          "session_name '", spec.session_name, "' is held by live session ", it->second,
+          "; re-attach to it (AttachSession) or close it first"));
+    }
+  }
   DIOND_RETURN_IF_ERROR(CheckStateFitsInMemory(spec));
   if (spec.world_key.empty() && spec.gradient_sync != GradientSync::kReplicated) {
     return absl::InvalidArgumentError(absl::StrCat("gradient_sync ",
@@ -216,7 +247,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::CreateSession(SessionSp
                                                    " needs a world session (world_key)"));
   }
   // Validate and size the session before taking the lock (optimizer state is allocated here).
-  DIOND_ASSIGN_OR_RETURN(std::unique_ptr<Session> s, Session::Create(NewId(), std::move(spec)));
+  DIOND_ASSIGN_OR_RETURN(std::unique_ptr<Session> s, Session::Create(std::move(id), std::move(spec)));
   if (s->is_world_session()) {
     uint64_t epoch = 0;
     DIOND_ASSIGN_OR_RETURN(ShardPlan plan, AgreeOnPlan(s->spec(), &epoch));
@@ -239,11 +270,23 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::CreateSession(SessionSp
   {
     absl::MutexLock lock(&mu_);
     DIOND_RETURN_IF_ERROR(CheckBudget(shared->StateBytes()));
+    const std::string& name = shared->spec().session_name;
+    if (!name.empty() && names_.count(name)) {  // created meanwhile by another call
+      return absl::AlreadyExistsError(absl::StrCat("session_name '", name,
+                                                   "' is held by live session ", names_[name]));
+    }
+    if (sessions_.count(shared->id())) {
+      return absl::AlreadyExistsError(absl::StrCat("session ", shared->id(), " exists"));
+    }
     sessions_[shared->id()] = shared;
+    if (!name.empty()) names_[name] = shared->id();
     count = static_cast<int64_t>(sessions_.size());
   }
-  DIOND_LOG(INFO) << "session " << shared->id() << " created for '" << shared->spec().client_name
-                  << "': " << shared->layout().tensors.size() << " parameters, "
+  DIOND_LOG(INFO) << "session " << shared->id()
+                  << (shared->spec().session_name.empty()
+                          ? std::string()
+                          : absl::StrCat(" ('", shared->spec().session_name, "')"))
+                  << " created for '" << shared->spec().client_name << "': " << shared->layout().tensors.size() << " parameters, "
                   << shared->StateBytes() << " bytes of state";
   if (observer_.on_sessions_changed) observer_.on_sessions_changed(count);
   return shared;
@@ -258,15 +301,20 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Get(const std::string& 
   return it->second;
 }
 
-absl::Status SessionManager::Close(const std::string& id) {
+absl::Status SessionManager::Close(const std::string& id, bool by_client) {
   int64_t count;
   {
     absl::MutexLock lock(&mu_);
-    if (sessions_.erase(id) == 0) {
+    auto it = sessions_.find(id);
+    if (it == sessions_.end()) {
       return absl::NotFoundError(absl::StrCat("unknown session '", id.substr(0, 64), "'"));
     }
+    const std::string& name = it->second->spec().session_name;
+    if (!name.empty()) names_.erase(name);
+    sessions_.erase(it);
     count = static_cast<int64_t>(sessions_.size());
   }
+  if (by_client) MarkSessionClosed(options_.state_dir, id);
   DIOND_LOG(INFO) << "session " << id << " closed";
   if (observer_.on_sessions_changed) observer_.on_sessions_changed(count);
   return absl::OkStatus();
@@ -303,38 +351,28 @@ absl::StatusOr<StepResult> SessionManager::Step(const std::string& id,
 
 absl::StatusOr<std::pair<std::string, int64_t>> SessionManager::SaveCheckpoint(
     const std::string& id, const std::string& root) {
-  // A relative directory lives under --state_dir.
-  std::string dir = root.empty() ? options_.state_dir : root;
-  if (!root.empty() && root[0] != '/') {
-    if (options_.state_dir.empty()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "relative checkpoint directory '", root, "' needs --state_dir to resolve against"));
-    }
-    dir = absl::StrCat(options_.state_dir, "/", root);
-  }
-  if (dir.empty()) {
+  // Empty = --state_dir; relative = beneath --state_dir (no symlink out of it).
+  if (root.empty() && options_.state_dir.empty()) {
     return absl::FailedPreconditionError(
         "no checkpoint directory: pass one or start the daemon with --state_dir");
   }
   DIOND_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Get(id));
+  DIOND_ASSIGN_OR_RETURN(CheckpointDir dir,
+                         OpenCheckpointDir(options_.state_dir,
+                                           root.empty() ? options_.state_dir : root, true));
   // DION_COMPRESSED world sessions average the decoupled momenta first (a collective).
   DIOND_RETURN_IF_ERROR(s->SynchronizeForCheckpoint());
   DIOND_ASSIGN_OR_RETURN(SessionSnapshot snap, s->Snapshot());
-  DIOND_ASSIGN_OR_RETURN(auto saved, WriteCheckpoint(dir, id, snap));
+  DIOND_ASSIGN_OR_RETURN(auto saved, WriteCheckpoint(dir, id, snap, options_.keep_checkpoints));
   DIOND_LOG(INFO) << "session " << id << ": checkpoint of step " << snap.last_step_index
                   << " written to " << saved.first << " (" << saved.second << " bytes)";
   if (observer_.on_checkpoint) observer_.on_checkpoint(id, saved.first, saved.second);
   return saved;
 }
 
-absl::StatusOr<std::shared_ptr<Session>> SessionManager::LoadCheckpoint(
-    const std::string& given) {
-  std::string path = given;
-  if (!given.empty() && given[0] != '/' && !options_.state_dir.empty()) {
-    path = absl::StrCat(options_.state_dir, "/", given);  // relative: under --state_dir
-  }
-  DIOND_ASSIGN_OR_RETURN(SessionSnapshot snap, ReadCheckpoint(path));
-  auto created = CreateSession(snap.spec);
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::RestoreSnapshot(
+    const std::string& id, const SessionSnapshot& snap, const std::string& path) {
+  auto created = CreateSessionWithId(id, snap.spec);
   if (!created.ok()) {
     if (absl::IsInvalidArgument(created.status())) {
       return absl::DataLossError(
@@ -344,12 +382,80 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::LoadCheckpoint(
   }
   absl::Status s = (*created)->Restore(snap);
   if (!s.ok()) {
-    Close((*created)->id()).IgnoreError();  // the half-made session must not linger
+    Close((*created)->id(), /*by_client=*/false).IgnoreError();  // no half-made session lingers
     return absl::Status(s.code(), absl::StrCat(path, ": ", s.message()));
   }
   DIOND_LOG(INFO) << "session " << (*created)->id() << " restored from " << path << " at step "
                   << snap.last_step_index;
   return *created;
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::LoadCheckpoint(
+    const std::string& path) {
+  // Relative: beneath --state_dir, never the daemon's working directory.
+  DIOND_ASSIGN_OR_RETURN(SessionSnapshot snap, ReadCheckpoint(options_.state_dir, path));
+  return RestoreSnapshot(NewId(), snap, path);
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(const std::string& name,
+                                                                const std::string& principal) {
+  DIOND_RETURN_IF_ERROR(ValidateSessionName(name));
+  std::shared_ptr<Session> s;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = names_.find(name);
+    if (it == names_.end()) {
+      return absl::NotFoundError(absl::StrCat("no live session is named '", name, "'"));
+    }
+    s = sessions_.at(it->second);
+  }
+  // The hook of the authentication layer: it fills owners and principals in.
+  if (!s->spec().owner.empty() && s->spec().owner != principal) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("session '", name, "' belongs to another principal"));
+  }
+  s->DetachTrainer();
+  DIOND_LOG(INFO) << "session " << s->id() << " ('" << name << "') re-attached at step "
+                  << s->last_step_index();
+  return s;
+}
+
+int64_t SessionManager::RecoverSessions() {
+  int64_t restored = 0;
+  for (const std::string& id : CheckpointSessions(options_.state_dir)) {
+    if (SessionMarkedClosed(options_.state_dir, id)) continue;
+    bool done = false;
+    for (const std::string& path : CheckpointsNewestFirst(options_.state_dir, id)) {
+      auto snap = ReadCheckpoint(options_.state_dir, path);
+      if (!snap.ok()) {
+        DIOND_LOG(ERROR) << "--recover: " << snap.status() << "; trying an older checkpoint";
+        continue;
+      }
+      if (snap->session_id != id) {
+        DIOND_LOG(ERROR) << "--recover: " << path << " was written for session "
+                         << snap->session_id << ", not " << id << "; skipped";
+        break;
+      }
+      if (!snap->spec.world_key.empty()) {
+        DIOND_LOG(WARNING) << "--recover: " << path << " is a world session ('"
+                           << snap->spec.world_key
+                           << "'); world sessions are restored with LoadCheckpoint on every rank";
+        break;
+      }
+      auto s = RestoreSnapshot(id, *snap, path);
+      if (!s.ok()) {
+        DIOND_LOG(ERROR) << "--recover: " << s.status();
+        break;
+      }
+      ++restored;
+      done = true;
+      break;
+    }
+    (void)done;
+  }
+  DIOND_LOG(INFO) << "--recover: restored " << restored << " session(s) from "
+                  << options_.state_dir;
+  return restored;
 }
 
 void SessionManager::ReapIdleSessions(absl::Time now) {
@@ -372,7 +478,7 @@ void SessionManager::ReapIdleSessions(absl::Time now) {
     }
     DIOND_LOG(INFO) << "session " << id << " idle for more than "
                     << absl::FormatDuration(options_.idle_timeout) << "; closing it";
-    Close(id).IgnoreError();  // it may have been closed by its client meanwhile
+    Close(id, /*by_client=*/false).IgnoreError();  // its client may have closed it meanwhile
   }
 }
 
