@@ -591,13 +591,10 @@ absl::StatusOr<SessionSnapshot> ReadCheckpointOnce(const CheckpointDir& dir, boo
   Fd tfd(OpenInDir(dir.fd(), kTensors));
   const int terr = errno;
   if (mfd.get() < 0 || tfd.get() < 0) {
-    // Both files exist in every complete checkpoint. Missing from a directory that was removed
-    // (a re-save switched a new one in): read the new one.
-    struct stat st;
-    if (fstat(dir.fd(), &st) == 0 && st.st_nlink == 0) {
-      *retry = true;
-      return absl::UnavailableError("replaced while reading");
-    }
+    // Both files exist in every complete checkpoint. Missing ones may have been removed with the
+    // directory after a re-save switched a new one in: the caller looks again (*retry) and
+    // reports this error if the path still names the same directory.
+    *retry = merr == ENOENT || terr == ENOENT;
     if (mfd.get() < 0) {
       return absl::DataLossError(absl::StrCat(manifest_path, ": cannot open: ",
                                               std::strerror(merr)));
@@ -632,11 +629,6 @@ absl::StatusOr<SessionSnapshot> ReadCheckpointOnce(const CheckpointDir& dir, boo
   if (!bytes.ok()) return bytes.status();
   auto file = SafetensorsFile::Parse(*std::move(bytes), tensors_path);
   if (!file.ok()) return absl::DataLossError(file.status().message());
-  if (file->tensors().size() != entries.size()) {
-    return absl::DataLossError(absl::StrCat(tensors_path, " holds ", file->tensors().size(),
-                                            " tensors; ", manifest_path, " lists ",
-                                            entries.size()));
-  }
   for (const ManifestTensor& e : entries) {
     const SafetensorsTensorInfo* info = file->Find(e.name);
     if (info == nullptr) {
@@ -668,6 +660,16 @@ absl::StatusOr<SessionSnapshot> ReadCheckpointOnce(const CheckpointDir& dir, boo
           absl::StrCat(tensors_path, ": tensor '", Echo(e.name), "' fails its CRC-32 check"));
     }
     snap.tensors.push_back(std::move(t));
+  }
+  if (file->tensors().size() != entries.size()) {
+    std::set<std::string> listed;
+    for (const ManifestTensor& e : entries) listed.insert(e.name);
+    for (const SafetensorsTensorInfo& info : file->tensors()) {
+      if (!listed.count(info.name)) {
+        return absl::DataLossError(absl::StrCat(tensors_path, ": tensor '", Echo(info.name),
+                                                "' is not listed in ", manifest_path));
+      }
+    }
   }
   return snap;
 }
@@ -962,13 +964,21 @@ absl::StatusOr<SessionSnapshot> ReadCheckpoint(const std::string& state_dir,
                                                const std::string& path) {
   // A re-save replaces the directory while a read may be under way; the read then starts over
   // on the new one (a handful of times at most: each retry needs another complete re-save).
-  absl::Status last;
+  struct stat prev;
+  bool have_prev = false;
   for (int attempt = 0; attempt < 50; ++attempt) {
     DIOND_ASSIGN_OR_RETURN(CheckpointDir dir, OpenCheckpointDir(state_dir, path, false));
+    struct stat cur;
+    if (fstat(dir.fd(), &cur) != 0) return Errno("stat", dir.path());
+    if (have_prev && cur.st_dev == prev.st_dev && cur.st_ino == prev.st_ino) {
+      bool ignored;
+      return ReadCheckpointOnce(dir, &ignored);  // the same directory: the loss is real
+    }
     bool retry = false;
     auto snap = ReadCheckpointOnce(dir, &retry);
     if (!retry) return snap;
-    last = snap.status();
+    prev = cur;
+    have_prev = true;
   }
   return absl::UnavailableError(
       absl::StrCat(Echo(path), " was replaced by re-saves 50 times while being read; retry"));
