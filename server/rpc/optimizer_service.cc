@@ -386,7 +386,15 @@ grpc::ServerUnaryReactor* OptimizerService::AttachSession(grpc::CallbackServerCo
                                                           v1::AttachSessionResponse* resp) {
   // The principal is the authentication layer's to fill in (empty = unauthenticated); the
   // session manager compares it with the session's owner.
-  auto s = manager_->Attach(req->session_name(), /*principal=*/"");
+  std::vector<session::ParamSpec> expect;
+  if (req->parameters_size() > 0) {
+    v1::CreateSessionRequest declared;
+    *declared.mutable_parameters() = req->parameters();
+    auto spec = SpecFromProto(declared);
+    if (!spec.ok()) return Finish(ctx, spec.status());
+    expect = std::move(spec->params);
+  }
+  auto s = manager_->Attach(req->session_name(), /*principal=*/"", expect);
   if (!s.ok()) return Finish(ctx, s.status());
   LayoutToProto(**s, resp->mutable_session());
   resp->set_step_index((*s)->last_step_index());

@@ -397,8 +397,8 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::LoadCheckpoint(
   return RestoreSnapshot(NewId(), snap, path);
 }
 
-absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(const std::string& name,
-                                                                const std::string& principal) {
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(
+    const std::string& name, const std::string& principal, const std::vector<ParamSpec>& expect) {
   DIOND_RETURN_IF_ERROR(ValidateSessionName(name));
   std::shared_ptr<Session> s;
   {
@@ -413,6 +413,28 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(const std::strin
   if (!s->spec().owner.empty() && s->spec().owner != principal) {
     return absl::PermissionDeniedError(
         absl::StrCat("session '", name, "' belongs to another principal"));
+  }
+  if (!expect.empty()) {
+    const std::vector<ParamSpec>& have = s->spec().params;
+    auto text = [](const ParamSpec& p) {
+      return absl::StrCat("'", p.name.substr(0, 64), "' [", absl::StrJoin(p.shape, ","), "] ",
+                          p.dtype == DType::kF32 ? "f32" : p.dtype == DType::kBf16 ? "bf16" : "f16",
+                          " in group '", p.group.substr(0, 64), "'");
+    };
+    if (expect.size() != have.size()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "session '", name, "' has ", have.size(), " parameters; the trainer declares ",
+          expect.size()));
+    }
+    for (size_t i = 0; i < have.size(); ++i) {
+      const ParamSpec& a = have[i];
+      const ParamSpec& b = expect[i];
+      if (a.name != b.name || a.shape != b.shape || a.dtype != b.dtype || a.group != b.group) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "session '", name, "' does not match the trainer's model: parameter ", i, " is ",
+            text(a), " in the session, ", text(b), " in the trainer"));
+      }
+    }
   }
   s->DetachTrainer();
   DIOND_LOG(INFO) << "session " << s->id() << " ('" << name << "') re-attached at step "

@@ -92,8 +92,11 @@ class SessionManager {
   // names it (empty = unauthenticated); a session whose owner is set and differs refuses with
   // PERMISSION_DENIED. (The ownership policy itself belongs to the authentication layer; this is
   // its hook.)
+  // `expect`: when non-empty, the parameters the new trainer declares; FAILED_PRECONDITION naming
+  // the first difference from the session's (and nothing changes) unless they are equal.
   absl::StatusOr<std::shared_ptr<Session>> Attach(const std::string& name,
-                                                  const std::string& principal);
+                                                  const std::string& principal,
+                                                  const std::vector<ParamSpec>& expect = {});
 
   // --recover: restores every session's latest readable checkpoint under <state_dir> with its
   // id and name. Returns how many it restored. Called by Create when options.recover.
