@@ -374,7 +374,18 @@ grpc::ServerUnaryReactor* OptimizerService::LoadCheckpoint(grpc::CallbackServerC
   if (absl::Status p = CheckPathAllowed(ctx, req->path(), "path"); !p.ok()) {
     return Finish(ctx, p);
   }
-  auto s = manager_->LoadCheckpoint(req->path());
+  if (req->shard_paths_size() > 1024) {
+    return Finish(ctx, absl::InvalidArgumentError(absl::StrCat(
+        req->shard_paths_size(), " shard_paths: at most 1024")));
+  }
+  std::vector<std::string> shards;
+  for (const std::string& p : req->shard_paths()) {
+    if (absl::Status st = CheckPathAllowed(ctx, p, "shard_paths"); !st.ok()) {
+      return Finish(ctx, st);
+    }
+    shards.push_back(p);
+  }
+  auto s = manager_->LoadCheckpoint(req->path(), shards);
   if (!s.ok()) return Finish(ctx, s.status());
   LayoutToProto(**s, resp->mutable_session());
   resp->set_step_index((*s)->last_step_index());

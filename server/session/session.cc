@@ -766,18 +766,21 @@ absl::Status Session::Restore(const SessionSnapshot& snapshot) {
   absl::MutexLock lock(&mu_);
   // What the spec implies: every parameter and every state tensor this session holds (a world
   // session: those of its owned parameters), each with its exact shape.
-  std::map<std::string, std::vector<int64_t>> expected;
+  // State tensors of parameters another rank owns may be present (elastic restore: the old
+  // ranks' checkpoints merged) and are skipped after their shape is checked.
+  std::map<std::string, std::vector<int64_t>> expected, other_ranks;
   std::map<std::string, size_t> param_index;
   for (size_t i = 0; i < layout_.tensors.size(); ++i) {
     const TensorPlacement& t = layout_.tensors[i];
     expected[t.name] = t.shape;
     param_index[t.name] = i;
     const Group& g = groups_[group_of_param_[i]];
-    if (g.optimizer == nullptr || g.optimizer->StateReleased(slot_in_group_[i])) continue;
+    if (g.optimizer == nullptr) continue;
+    const bool released = g.optimizer->StateReleased(slot_in_group_[i]);
     for (const std::string& st : g.optimizer->StateNames()) {
       DIOND_ASSIGN_OR_RETURN(std::vector<int64_t> shape,
                              g.optimizer->StateShape(slot_in_group_[i], st));
-      expected[absl::StrCat(t.name, "/state.", st)] = shape;
+      (released ? other_ranks : expected)[absl::StrCat(t.name, "/state.", st)] = shape;
     }
   }
   auto shape_text = [](const std::vector<int64_t>& s) {
@@ -789,6 +792,15 @@ absl::Status Session::Restore(const SessionSnapshot& snapshot) {
   for (const NamedTensor& t : snapshot.tensors) {
     auto it = expected.find(t.name);
     if (it == expected.end()) {
+      auto other = other_ranks.find(t.name);
+      if (other != other_ranks.end()) {
+        if (t.shape != other->second) {
+          return absl::DataLossError(absl::StrCat("checkpoint tensor '", t.name, "' has shape ",
+                                                  shape_text(t.shape), "; the spec implies ",
+                                                  shape_text(other->second)));
+        }
+        continue;  // another rank's share
+      }
       return absl::DataLossError(absl::StrCat(
           "checkpoint tensor '", t.name.substr(0, 200),
           "' is not a parameter or state tensor of the session's spec"));

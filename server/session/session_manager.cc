@@ -5,7 +5,9 @@
 #include <cctype>
 #include <map>
 #include <random>
+#include <set>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -391,10 +393,46 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::RestoreSnapshot(
 }
 
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::LoadCheckpoint(
-    const std::string& path) {
+    const std::string& path, const std::vector<std::string>& shard_paths) {
   // Relative: beneath --state_dir, never the daemon's working directory.
   DIOND_ASSIGN_OR_RETURN(SessionSnapshot snap, ReadCheckpoint(options_.state_dir, path));
-  return RestoreSnapshot(NewId(), snap, path);
+  if (!shard_paths.empty()) {
+    if (snap.spec.world_key.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "shard_paths are for world sessions; ", path, " holds a local session"));
+    }
+    // The ranks' specs are equal but for the per-rank names.
+    auto comparable = [](SessionSpec spec) {
+      spec.client_name.clear();
+      spec.session_name.clear();
+      spec.owner.clear();
+      return SpecToJson(spec);
+    };
+    const std::string want = comparable(snap.spec);
+    std::set<std::string> have;
+    for (const NamedTensor& t : snap.tensors) have.insert(t.name);
+    for (const std::string& shard_path : shard_paths) {
+      DIOND_ASSIGN_OR_RETURN(SessionSnapshot shard, ReadCheckpoint(options_.state_dir, shard_path));
+      if (shard.last_step_index != snap.last_step_index || comparable(shard.spec) != want) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "shard ", shard_path, " (step ", shard.last_step_index,
+            ") is not a checkpoint of the same world session at the same step as ", path,
+            " (step ", snap.last_step_index, ")"));
+      }
+      for (NamedTensor& t : shard.tensors) {
+        if (have.insert(t.name).second) snap.tensors.push_back(std::move(t));
+      }
+    }
+  }
+  auto restored = RestoreSnapshot(NewId(), snap, path);
+  if (!restored.ok() && absl::IsDataLoss(restored.status()) && !snap.spec.world_key.empty() &&
+      absl::StrContains(restored.status().message(), "lacks tensor")) {
+    return absl::DataLossError(absl::StrCat(
+        restored.status().message(),
+        "; a world session restored into a world of another size needs the other old ranks' "
+        "checkpoints of the same step in shard_paths"));
+  }
+  return restored;
 }
 
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(

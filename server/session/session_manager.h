@@ -113,7 +113,11 @@ class SessionManager {
                                                                  const std::string& root);
   // Restores a checkpoint directory into a new session. DATA_LOSS for corrupt files.
   // A relative `path` is resolved under --state_dir.
-  absl::StatusOr<std::shared_ptr<Session>> LoadCheckpoint(const std::string& path);
+  // `shard_paths`: for a world session, the other old ranks' checkpoints of the same step
+  // (elastic restore into a world of another size: the state of this rank's new share is taken
+  // from whichever checkpoint holds it).
+  absl::StatusOr<std::shared_ptr<Session>> LoadCheckpoint(
+      const std::string& path, const std::vector<std::string>& shard_paths = {});
 
   // Closes sessions idle for longer than the timeout (checkpointing first with a state dir).
   // Called by the reaper thread; public for tests.

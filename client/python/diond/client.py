@@ -367,8 +367,11 @@ class Client:
         return self._unary("SaveCheckpoint", pb.SaveCheckpointRequest(
             session_id=session_id, directory=directory), timeout)
 
-    def load_checkpoint(self, path, timeout=None):
-        return self._unary("LoadCheckpoint", pb.LoadCheckpointRequest(path=path), timeout)
+    def load_checkpoint(self, path, shard_paths=(), timeout=None):
+        """LoadCheckpoint. shard_paths: for a world session restored into a world of another
+        size, the other old ranks' checkpoints of the same step (docs/DISTRIBUTED.md)."""
+        return self._unary("LoadCheckpoint", pb.LoadCheckpointRequest(
+            path=path, shard_paths=list(shard_paths)), timeout)
 
     def close_session(self, session_id, timeout=None):
         self._unary("CloseSession", pb.CloseSessionRequest(session_id=session_id), timeout)
