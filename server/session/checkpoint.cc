@@ -730,6 +730,11 @@ int JsonDepth(absl::string_view text, int limit) {
 
 absl::StatusOr<CheckpointDir> OpenCheckpointDir(const std::string& state_dir_in,
                                                 const std::string& path, bool create) {
+  if (path.size() > kMaxCheckpointPathBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("checkpoint path '", Echo(path), "' of ",
+                                                   path.size(), " bytes: at most ",
+                                                   kMaxCheckpointPathBytes));
+  }
   const std::string state_dir = state_dir_in.empty() ? "" : StripTrailingSlashes(state_dir_in);
   std::string rel;
   bool beneath = false;

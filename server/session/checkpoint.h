@@ -37,6 +37,8 @@ namespace diond::session {
 inline constexpr int64_t kMaxCheckpointStepIndex = int64_t{1} << 53;
 // Largest manifest.json accepted; refused by its size before it is read.
 inline constexpr int64_t kMaxManifestBytes = int64_t{64} << 20;
+// Longest checkpoint path a client may name (messages that echo it stay small).
+inline constexpr size_t kMaxCheckpointPathBytes = 1024;
 // Deepest JSON nesting accepted in a manifest (a valid one is 5 deep).
 inline constexpr int kMaxManifestDepth = 32;
 
