@@ -1,7 +1,8 @@
 """A trainer process for test_resume.py: builds the test model, creates (or resumes) the named
-session, trains `steps` steps, prints "trained <step index>" and waits to be SIGKILLed.
+session, trains until the daemon's step counter reaches TOTAL (printing "step <k>" after each
+step), prints "trained <TOTAL>" and waits to be SIGKILLed.
 
-    resume_trainer.py TARGET SESSION_NAME STEPS REMOTE(0|1)
+    resume_trainer.py TARGET SESSION_NAME TOTAL REMOTE(0|1)
 """
 import os
 import sys
@@ -14,12 +15,14 @@ from test_torch_optimizer import groups, make_model, train  # noqa: E402
 
 
 def main():
-    target, name, steps, remote = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
+    target, name, total, remote = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
     model = make_model()
     opt = diond.torch.Optimizer(groups(model), target=target, session=name, resume=True,
                                 remote=remote)
-    first = opt.param_groups[0]["step"] + 1
-    train(model, opt, steps, first=first)
+    print("resumed %d" % opt.param_groups[0]["step"], flush=True)
+    for s in range(opt.param_groups[0]["step"] + 1, total + 1):
+        train(model, opt, 1, first=s)
+        print("step %d" % s, flush=True)
     print("trained %d" % opt.param_groups[0]["step"], flush=True)
     while True:  # the test SIGKILLs us: no close(), no finalizer
         time.sleep(60)

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -25,17 +26,25 @@ def reference(target, remote):
     return snapshot(model)
 
 
-def run_trainer_until(target, name, steps, remote, want):
-    """Starts resume_trainer.py, waits for "trained <want>", SIGKILLs it."""
+def start_trainer(target, name, total, remote):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
-    proc = subprocess.Popen([PYTHON, os.path.join(HERE, "resume_trainer.py"), target, name,
-                             str(steps), "1" if remote else "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    return subprocess.Popen([PYTHON, os.path.join(HERE, "resume_trainer.py"), target, name,
+                             str(total), "1" if remote else "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+
+
+def run_trainer_until(target, name, total, remote, want):
+    """Starts resume_trainer.py, waits for "trained <want>", SIGKILLs it."""
+    proc = start_trainer(target, name, total, remote)
     try:
-        line = proc.stdout.readline().decode().strip()
-        assert line == "trained %d" % want, (line, proc.stderr.read().decode()[-2000:]
-                                             if proc.poll() is not None else "")
+        lines = []
+        while True:
+            line = proc.stdout.readline().decode().strip()
+            lines.append(line)
+            if not line or line.startswith("trained"):
+                break
+        assert line == "trained %d" % want, lines
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
@@ -94,5 +103,42 @@ def test_trainer_and_daemon_sigkilled_recover_bitwise(daemon_factory, tmp_path):
                                 resume=True)
     assert opt.resumed and opt.param_groups[0]["step"] == 10
     train(model, opt, 10, first=11)
+    opt.close()
+    assert_bitwise(snapshot(model), ref)
+
+
+def test_random_trainer_sigkills_resume_bitwise(daemon):
+    """A campaign: the trainer process is SIGKILLed after a random number of steps (sometimes in
+    the middle of one), three times; each new trainer resumes from the daemon's step counter; the
+    run ends equal to 30 uninterrupted steps."""
+    import random
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    model = make_model()
+    with diond.torch.Optimizer(groups(model), target=daemon.target) as opt:
+        train(model, opt, 30)
+    ref = snapshot(model)
+    name = "job-21/rank-0"
+    resumed_at = []
+    for _ in range(3):
+        proc = start_trainer(daemon.target, name, 30, False)
+        try:
+            first = proc.stdout.readline().decode().split()
+            assert first[0] == "resumed", (seed, first)
+            resumed_at.append(int(first[1]))
+            for _ in range(rng.randrange(1, 6)):  # a few steps, then die at a random moment
+                line = proc.stdout.readline().decode()
+                if not line.startswith("step"):
+                    break
+            time.sleep(rng.random() * 0.05)
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+    assert resumed_at[0] == 0 and resumed_at == sorted(resumed_at), (seed, resumed_at)
+    model = make_model(seed=99)
+    opt = diond.torch.Optimizer(groups(model), target=daemon.target, session=name, resume=True)
+    assert opt.resumed, seed
+    done = opt.param_groups[0]["step"]
+    train(model, opt, 30 - done, first=done + 1)
     opt.close()
     assert_bitwise(snapshot(model), ref)
