@@ -1,4 +1,5 @@
-// Session checkpoints on disk (ARCHITECTURE.md §7, docs/OPERATIONS.md "Checkpoints").
+// Session checkpoints on disk (ARCHITECTURE.md §7;
+// docs/OPERATIONS.md, "Checkpoints and restarts").
 //
 // Layout: <dir>/manifest.json and <dir>/tensors.safetensors, where <dir> is
 // <root>/<session_id>/step-<N>. The manifest holds the session spec, the step index, the record

@@ -484,7 +484,6 @@ int64_t SessionManager::RecoverSessions() {
   int64_t restored = 0;
   for (const std::string& id : CheckpointSessions(options_.state_dir)) {
     if (SessionMarkedClosed(options_.state_dir, id)) continue;
-    bool done = false;
     for (const std::string& path : CheckpointsNewestFirst(options_.state_dir, id)) {
       auto snap = ReadCheckpoint(options_.state_dir, path);
       if (!snap.ok()) {
@@ -508,10 +507,8 @@ int64_t SessionManager::RecoverSessions() {
         break;
       }
       ++restored;
-      done = true;
       break;
     }
-    (void)done;
   }
   DIOND_LOG(INFO) << "--recover: restored " << restored << " session(s) from "
                   << options_.state_dir;
