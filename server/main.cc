@@ -53,12 +53,20 @@ ABSL_FLAG(int64_t, memory_budget_bytes, 0,
           "Optimizer state all sessions together may hold, in bytes; 0 = unlimited.");
 ABSL_FLAG(absl::Duration, session_idle_timeout, absl::ZeroDuration(),
           "Close sessions with no RPC for this long (checkpointing them first when --state_dir "
-          "is set); 0 = never.");
+          "is set); 0 = never. Until then a session whose trainer vanished can be re-attached "
+          "by its session_name.");
 ABSL_FLAG(std::string, state_dir, "",
           "Directory for checkpoints (<state_dir>/<session>/step-<N>); empty = SaveCheckpoint "
           "needs an explicit directory.");
 ABSL_FLAG(int64_t, checkpoint_every, 0,
           "With --state_dir: checkpoint every session after every N-th applied step; 0 = off.");
+ABSL_FLAG(int64_t, keep_checkpoints, 0,
+          "Keep only the newest N step-<N> checkpoints of each session (older ones are removed "
+          "after every successful save); 0 = keep all.");
+ABSL_FLAG(bool, recover, false,
+          "With --state_dir: at start-up restore every session's latest checkpoint under its id "
+          "and session_name, so trainers re-attach (AttachSession) after a daemon restart. "
+          "Sessions closed by their client and world sessions are not restored.");
 ABSL_FLAG(int, compute_threads, 0, "CPU threads for optimizer math; 0 = all cores.");
 ABSL_FLAG(int64_t, checksum_every, 100,
           "World sessions: every N-th step the daemons compare parameter checksums; a copy that "
@@ -204,6 +212,8 @@ int main(int argc, char** argv) {
   options.sessions.idle_timeout = absl::GetFlag(FLAGS_session_idle_timeout);
   options.sessions.state_dir = absl::GetFlag(FLAGS_state_dir);
   options.sessions.checkpoint_every = absl::GetFlag(FLAGS_checkpoint_every);
+  options.sessions.keep_checkpoints = absl::GetFlag(FLAGS_keep_checkpoints);
+  options.sessions.recover = absl::GetFlag(FLAGS_recover);
   options.sessions.checksum_every = absl::GetFlag(FLAGS_checksum_every);
   options.sessions.compute_threads = absl::GetFlag(FLAGS_compute_threads);
 

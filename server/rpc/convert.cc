@@ -75,6 +75,7 @@ int64_t UnixMicrosOrZero(absl::Time t) {
 void SessionInfoToProto(const session::SessionInfo& info, absl::Time now, v1::SessionInfo* out) {
   out->set_session_id(info.id);
   out->set_owner(info.owner);
+  out->set_session_name(info.session_name);
   out->set_client_name(info.client_name);
   out->set_parameters(info.parameters);
   out->set_last_step_index(info.last_step_index);
@@ -190,6 +191,7 @@ absl::StatusOr<session::SessionSpec> SpecFromProto(const v1::CreateSessionReques
   spec.world_key = req.world_key();
   spec.fp32_master_weights = req.fp32_master_weights();
   spec.client_name = req.client_name();
+  spec.session_name = req.session_name();
   for (const v1::ParameterGroup& g : req.groups()) {
     session::GroupSpec gs;
     gs.name = g.name();

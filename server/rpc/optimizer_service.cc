@@ -468,8 +468,42 @@ grpc::ServerUnaryReactor* OptimizerService::LoadCheckpoint(grpc::CallbackServerC
   if (absl::Status a = CheckPathAllowed(*p, req->path(), "path"); !a.ok()) {
     return Finish(ctx, a);
   }
-  // The restored session belongs to whoever loads it.
-  auto s = manager_->LoadCheckpoint(req->path(), p->name);
+  if (req->shard_paths_size() > 1024) {
+    return Finish(ctx, absl::InvalidArgumentError(absl::StrCat(
+        req->shard_paths_size(), " shard_paths: at most 1024")));
+  }
+  std::vector<std::string> shards;
+  for (const std::string& path : req->shard_paths()) {
+    if (absl::Status st = CheckPathAllowed(*p, path, "shard_paths"); !st.ok()) {
+      return Finish(ctx, st);
+    }
+    shards.push_back(path);
+  }
+  // The restored session keeps the owner its checkpoint records; a non-admin may load only
+  // its own (SessionManager::LoadCheckpoint).
+  auto s = manager_->LoadCheckpoint(req->path(), shards, session::Caller{p->name, p->admin});
+  if (!s.ok()) return Finish(ctx, s.status());
+  LayoutToProto(**s, resp->mutable_session());
+  resp->set_step_index((*s)->last_step_index());
+  return Finish(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* OptimizerService::AttachSession(grpc::CallbackServerContext* ctx,
+                                                          const v1::AttachSessionRequest* req,
+                                                          v1::AttachSessionResponse* resp) {
+  auto p = auth_->Authenticate(*ctx);
+  if (!p.ok()) return Finish(ctx, p.status());
+  // The session manager compares the principal with the session's owner (admins may attach to
+  // any session).
+  std::vector<session::ParamSpec> expect;
+  if (req->parameters_size() > 0) {
+    v1::CreateSessionRequest declared;
+    *declared.mutable_parameters() = req->parameters();
+    auto spec = SpecFromProto(declared);
+    if (!spec.ok()) return Finish(ctx, spec.status());
+    expect = std::move(spec->params);
+  }
+  auto s = manager_->Attach(req->session_name(), p->name, expect, p->admin);
   if (!s.ok()) return Finish(ctx, s.status());
   LayoutToProto(**s, resp->mutable_session());
   resp->set_step_index((*s)->last_step_index());

@@ -57,6 +57,9 @@ class OptimizerService final : public diond::v1::Optimizer::CallbackService {
   grpc::ServerUnaryReactor* LoadCheckpoint(grpc::CallbackServerContext* ctx,
                                            const v1::LoadCheckpointRequest* req,
                                            v1::LoadCheckpointResponse* resp) override;
+  grpc::ServerUnaryReactor* AttachSession(grpc::CallbackServerContext* ctx,
+                                          const v1::AttachSessionRequest* req,
+                                          v1::AttachSessionResponse* resp) override;
   grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* ctx,
                                          const v1::CloseSessionRequest* req,
                                          v1::CloseSessionResponse* resp) override;

@@ -1,13 +1,17 @@
 #include "server/session/session.h"
 
+#include <cctype>
 #include <cmath>
+#include <map>
 #include <cstring>
+#include <limits>
 #include <set>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
@@ -76,6 +80,29 @@ int64_t NumElements(const std::vector<int64_t>& shape) {
 }
 
 }  // namespace
+
+absl::Status ValidateSessionName(absl::string_view name) {
+  if (name.empty() || name.size() > 200) {
+    return absl::InvalidArgumentError(absl::StrCat("session_name of ", name.size(),
+                                                   " bytes: it must be 1..200 bytes"));
+  }
+  for (char c : name) {
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.' ||
+          c == '/')) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "session_name '", name.substr(0, 64),
+          "' may only contain letters, digits, '-', '_', '.' and '/'"));
+    }
+  }
+  for (absl::string_view part : absl::StrSplit(name, '/')) {
+    if (part.empty() || part == "." || part == "..") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "session_name '", name.substr(0, 64),
+          "': components between '/' must be non-empty and not '.' or '..'"));
+    }
+  }
+  return absl::OkStatus();
+}
 
 absl::string_view RoleName(Role r) {
   return r == Role::kParameters ? "PARAMETERS" : "GRADIENTS";
@@ -326,19 +353,29 @@ absl::StatusOr<StepResult> Session::Step(const StepRequest& request,
   const absl::Time start = absl::Now();
   absl::MutexLock lock(&mu_);
   last_used_ = start;
-  if (request.step_index == last_step_index_ && last_result_.has_value()) {
+  if (request.step_index == last_step_index_ && last_result_.has_value() &&
+      last_result_->step_index == last_step_index_) {
     StepResult r = *last_result_;
     r.replayed = true;
     return r;
   }
+  // Overflow-safe: last_step_index_ is at most INT64_MAX, and no step follows INT64_MAX.
+  if (last_step_index_ == std::numeric_limits<int64_t>::max()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step_index ", request.step_index, ": the session is at the last representable step"));
+  }
   if (request.step_index != last_step_index_ + 1) {
+    std::string why;
+    if (last_step_index_ > 0 && request.step_index == last_step_index_) {
+      why = absl::StrCat(" (step ", last_step_index_,
+                         " was applied, but its answer is not recorded: the session was restored "
+                         "from a checkpoint without it)");
+    } else if (last_step_index_ > 0 && last_result_.has_value()) {
+      why = absl::StrCat(" (or ", last_step_index_, " to replay the last answer)");
+    }
     return absl::FailedPreconditionError(absl::StrCat("step_index ", request.step_index,
                                                       " is out of order: expected ",
-                                                      last_step_index_ + 1,
-                                                      last_step_index_ > 0
-                                                          ? absl::StrCat(" (or ", last_step_index_,
-                                                                         " to replay)")
-                                                          : ""));
+                                                      last_step_index_ + 1, why));
   }
   double scale = request.gradient_scale == 0.0 ? 1.0 : request.gradient_scale;
   if (!std::isfinite(scale) || scale < 0) {
@@ -738,39 +775,82 @@ absl::StatusOr<SessionSnapshot> Session::Snapshot() {
       snap.spec.groups[g].config.hyperparams.weight_decay = *groups_[g].weight_decay;
     }
   }
+  snap.session_id = id_;
   snap.last_step_index = last_step_index_;
+  if (last_result_.has_value() && last_result_->step_index == last_step_index_) {
+    snap.last_result = last_result_;
+  }
   DIOND_ASSIGN_OR_RETURN(snap.tensors, GetStateLocked(/*include_parameters=*/true));
   return snap;
 }
 
 absl::Status Session::Restore(const SessionSnapshot& snapshot) {
   absl::MutexLock lock(&mu_);
+  // What the spec implies: every parameter and every state tensor this session holds (a world
+  // session: those of its owned parameters), each with its exact shape.
+  // State tensors of parameters another rank owns may be present (elastic restore: the old
+  // ranks' checkpoints merged) and are skipped after their shape is checked.
+  std::map<std::string, std::vector<int64_t>> expected, other_ranks;
+  std::map<std::string, size_t> param_index;
+  for (size_t i = 0; i < layout_.tensors.size(); ++i) {
+    const TensorPlacement& t = layout_.tensors[i];
+    expected[t.name] = t.shape;
+    param_index[t.name] = i;
+    const Group& g = groups_[group_of_param_[i]];
+    if (g.optimizer == nullptr) continue;
+    const bool released = g.optimizer->StateReleased(slot_in_group_[i]);
+    for (const std::string& st : g.optimizer->StateNames()) {
+      DIOND_ASSIGN_OR_RETURN(std::vector<int64_t> shape,
+                             g.optimizer->StateShape(slot_in_group_[i], st));
+      (released ? other_ranks : expected)[absl::StrCat(t.name, "/state.", st)] = shape;
+    }
+  }
+  auto shape_text = [](const std::vector<int64_t>& s) {
+    return absl::StrCat("[", absl::StrJoin(s, ","), "]");
+  };
   std::vector<NamedTensor> state;
   std::vector<std::vector<float>> params(layout_.tensors.size());
-  std::vector<bool> have(layout_.tensors.size(), false);
+  std::set<std::string> seen;
   for (const NamedTensor& t : snapshot.tensors) {
-    bool is_param = false;
-    for (size_t i = 0; i < layout_.tensors.size(); ++i) {
-      if (layout_.tensors[i].name == t.name) {
-        if (static_cast<int64_t>(t.data.size()) != layout_.tensors[i].numel) {
-          return absl::DataLossError(absl::StrCat("checkpoint tensor '", t.name, "' has ",
-                                                  t.data.size(), " values; expected ",
-                                                  layout_.tensors[i].numel));
+    auto it = expected.find(t.name);
+    if (it == expected.end()) {
+      auto other = other_ranks.find(t.name);
+      if (other != other_ranks.end()) {
+        if (t.shape != other->second) {
+          return absl::DataLossError(absl::StrCat("checkpoint tensor '", t.name, "' has shape ",
+                                                  shape_text(t.shape), "; the spec implies ",
+                                                  shape_text(other->second)));
         }
-        params[i] = t.data;
-        have[i] = true;
-        is_param = true;
+        continue;  // another rank's share
       }
+      return absl::DataLossError(absl::StrCat(
+          "checkpoint tensor '", t.name.substr(0, 200),
+          "' is not a parameter or state tensor of the session's spec"));
     }
-    if (!is_param) state.push_back(t);
-  }
-  for (size_t i = 0; i < have.size(); ++i) {
-    if (!have[i]) {
-      return absl::DataLossError(
-          absl::StrCat("checkpoint lacks parameter '", layout_.tensors[i].name, "'"));
+    if (!seen.insert(t.name).second) {
+      return absl::DataLossError(absl::StrCat("checkpoint tensor '", t.name, "' appears twice"));
+    }
+    if (t.shape != it->second || static_cast<int64_t>(t.data.size()) != NumElements(it->second)) {
+      return absl::DataLossError(absl::StrCat("checkpoint tensor '", t.name, "' has shape ",
+                                              shape_text(t.shape), "; the spec implies ",
+                                              shape_text(it->second)));
+    }
+    auto p = param_index.find(t.name);
+    if (p != param_index.end()) {
+      params[p->second] = t.data;
+    } else {
+      state.push_back(t);
     }
   }
-  DIOND_RETURN_IF_ERROR(SetStateLocked(state));
+  for (const auto& [name, shape] : expected) {
+    if (!seen.count(name)) {
+      return absl::DataLossError(absl::StrCat("checkpoint lacks tensor '", name, "' (shape ",
+                                              shape_text(shape), ") that the spec implies"));
+    }
+  }
+  if (absl::Status s = SetStateLocked(state); !s.ok()) {
+    return absl::DataLossError(s.message());
+  }
   pending_params_ = std::move(params);
   if (params_.bound()) {
     for (size_t i = 0; i < layout_.tensors.size(); ++i) WriteParamF32(i, pending_params_[i].data());
@@ -779,7 +859,28 @@ absl::Status Session::Restore(const SessionSnapshot& snapshot) {
   }
   last_step_index_ = snapshot.last_step_index;
   last_result_.reset();
+  if (snapshot.last_result.has_value() &&
+      snapshot.last_result->step_index == snapshot.last_step_index) {
+    last_result_ = snapshot.last_result;
+  }
   return absl::OkStatus();
+}
+
+void Session::DetachTrainer() {
+  absl::MutexLock lock(&mu_);
+  last_used_ = absl::Now();
+  if (params_.region != nullptr) {
+    // The weights the daemon holds now (master weights where kept) wait for the new trainer's
+    // PARAMETERS region.
+    std::vector<std::vector<float>> keep(layout_.tensors.size());
+    for (size_t i = 0; i < layout_.tensors.size(); ++i) {
+      keep[i].resize(static_cast<size_t>(layout_.tensors[i].numel));
+      ReadParamF32(i, keep[i].data());
+    }
+    params_ = Binding();
+    pending_params_ = std::move(keep);
+  }
+  if (grads_.region != nullptr) grads_ = Binding();
 }
 
 SessionInfo Session::Info() {
@@ -788,6 +889,7 @@ SessionInfo Session::Info() {
   info.id = id_;
   info.client_name = spec_.client_name;
   info.owner = spec_.owner;
+  info.session_name = spec_.session_name;
   info.parameters = static_cast<int64_t>(layout_.tensors.size());
   info.last_step_index = last_step_index_;
   info.state_bytes = state_bytes_.load();

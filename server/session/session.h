@@ -50,6 +50,7 @@ struct SessionInfo {
   std::string id;
   std::string client_name;
   std::string owner;  // SessionSpec::owner
+  std::string session_name;
   int64_t parameters = 0;
   int64_t last_step_index = 0;
   int64_t state_bytes = 0;
@@ -71,8 +72,11 @@ struct SessionInfo {
 
 // What a checkpoint holds: the spec, the step record and every tensor (fp32).
 struct SessionSnapshot {
+  std::string session_id;  // ReadCheckpoint: the id the checkpoint was written under
   SessionSpec spec;
   int64_t last_step_index = 0;
+  // The answer of step last_step_index, so that a retried Step is replayed after a restore.
+  std::optional<StepResult> last_result;
   std::vector<NamedTensor> tensors;  // "<param>" and "<param>/state.<name>"
 };
 
@@ -127,7 +131,14 @@ class Session {
   absl::StatusOr<SessionSnapshot> Snapshot();
   // Restores a snapshot into this (fresh) session; parameters go to the next PARAMETERS region
   // registered (or the host arena in remote mode).
+  // DATA_LOSS naming the tensor unless the snapshot holds exactly the tensors the spec implies
+  // (every parameter, every state tensor of the owned parameters), each with its exact shape.
   absl::Status Restore(const SessionSnapshot& snapshot);
+
+  // A new trainer takes the session over (SessionManager::Attach): the shared-memory regions of
+  // the previous one are unmapped, the current weights kept (exactly, as fp32 or master
+  // weights) for the next PARAMETERS region registered. Remote-mode arenas stay as they are.
+  void DetachTrainer();
 
   SessionInfo Info();
   absl::Time last_used();

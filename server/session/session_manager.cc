@@ -5,7 +5,9 @@
 #include <cctype>
 #include <map>
 #include <random>
+#include <set>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -65,10 +67,26 @@ absl::StatusOr<std::unique_ptr<SessionManager>> SessionManager::Create(
   if (options.checkpoint_every > 0 && options.state_dir.empty()) {
     return absl::InvalidArgumentError("--checkpoint_every needs --state_dir");
   }
+  if (options.keep_checkpoints < 0) {
+    return absl::InvalidArgumentError("--keep_checkpoints must be >= 0");
+  }
+  if (options.recover && options.state_dir.empty()) {
+    return absl::InvalidArgumentError("--recover needs --state_dir");
+  }
   std::unique_ptr<SessionManager> m(new SessionManager(options, std::move(observer)));
   kernels::ContextOptions co;
   co.num_threads = options.compute_threads;
   DIOND_ASSIGN_OR_RETURN(m->ctx_, kernels::Context::Create(co));
+  if (!options.state_dir.empty()) {
+    const int64_t removed = RemoveStaleTemporaries(options.state_dir);
+    if (removed > 0) {
+      DIOND_LOG(INFO) << "removed " << removed
+                      << " stale temporary checkpoint director" << (removed == 1 ? "y" : "ies")
+                      << " under " << options.state_dir
+                      << " (left by a daemon that died while writing)";
+    }
+    if (options.recover) m->RecoverSessions();
+  }
   if (options.idle_timeout > absl::ZeroDuration()) {
     SessionManager* self = m.get();
     absl::Duration period = std::min(absl::Seconds(1), options.idle_timeout / 4);
@@ -209,6 +227,21 @@ absl::StatusOr<ShardPlan> SessionManager::AgreeOnPlan(const SessionSpec& spec, u
 }
 
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::CreateSession(SessionSpec spec) {
+  return CreateSessionWithId(NewId(), std::move(spec));
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::CreateSessionWithId(std::string id,
+                                                                             SessionSpec spec) {
+  if (!spec.session_name.empty()) {
+    DIOND_RETURN_IF_ERROR(ValidateSessionName(spec.session_name));
+    absl::MutexLock lock(&mu_);
+    auto it = names_.find(spec.session_name);
+    if (it != names_.end()) {
+      return absl::AlreadyExistsError(absl::StrCat(
+          "session_name '", spec.session_name, "' is held by live session ", it->second,
+          "; re-attach to it (AttachSession) or close it first"));
+    }
+  }
   DIOND_RETURN_IF_ERROR(CheckStateFitsInMemory(spec));
   if (spec.world_key.empty() && spec.gradient_sync != GradientSync::kReplicated) {
     return absl::InvalidArgumentError(absl::StrCat("gradient_sync ",
@@ -216,7 +249,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::CreateSession(SessionSp
                                                    " needs a world session (world_key)"));
   }
   // Validate and size the session before taking the lock (optimizer state is allocated here).
-  DIOND_ASSIGN_OR_RETURN(std::unique_ptr<Session> s, Session::Create(NewId(), std::move(spec)));
+  DIOND_ASSIGN_OR_RETURN(std::unique_ptr<Session> s, Session::Create(std::move(id), std::move(spec)));
   if (s->is_world_session()) {
     uint64_t epoch = 0;
     DIOND_ASSIGN_OR_RETURN(ShardPlan plan, AgreeOnPlan(s->spec(), &epoch));
@@ -239,11 +272,23 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::CreateSession(SessionSp
   {
     absl::MutexLock lock(&mu_);
     DIOND_RETURN_IF_ERROR(CheckBudget(shared->StateBytes()));
+    const std::string& name = shared->spec().session_name;
+    if (!name.empty() && names_.count(name)) {  // created meanwhile by another call
+      return absl::AlreadyExistsError(absl::StrCat("session_name '", name,
+                                                   "' is held by live session ", names_[name]));
+    }
+    if (sessions_.count(shared->id())) {
+      return absl::AlreadyExistsError(absl::StrCat("session ", shared->id(), " exists"));
+    }
     sessions_[shared->id()] = shared;
+    if (!name.empty()) names_[name] = shared->id();
     count = static_cast<int64_t>(sessions_.size());
   }
-  DIOND_LOG(INFO) << "session " << shared->id() << " created for '" << shared->spec().client_name
-                  << "': " << shared->layout().tensors.size() << " parameters, "
+  DIOND_LOG(INFO) << "session " << shared->id()
+                  << (shared->spec().session_name.empty()
+                          ? std::string()
+                          : absl::StrCat(" ('", shared->spec().session_name, "')"))
+                  << " created for '" << shared->spec().client_name << "': " << shared->layout().tensors.size() << " parameters, "
                   << shared->StateBytes() << " bytes of state";
   if (observer_.on_sessions_changed) observer_.on_sessions_changed(count);
   return shared;
@@ -258,16 +303,21 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Get(const std::string& 
   return it->second;
 }
 
-absl::Status SessionManager::Close(const std::string& id) {
+absl::Status SessionManager::Close(const std::string& id, bool by_client) {
   ScopedLogContext log_context(id);
   int64_t count;
   {
     absl::MutexLock lock(&mu_);
-    if (sessions_.erase(id) == 0) {
+    auto it = sessions_.find(id);
+    if (it == sessions_.end()) {
       return absl::NotFoundError(absl::StrCat("unknown session '", id.substr(0, 64), "'"));
     }
+    const std::string& name = it->second->spec().session_name;
+    if (!name.empty()) names_.erase(name);
+    sessions_.erase(it);
     count = static_cast<int64_t>(sessions_.size());
   }
+  if (by_client) MarkSessionClosed(options_.state_dir, id);
   DIOND_LOG(INFO) << "session " << id << " closed";
   if (observer_.on_sessions_changed) observer_.on_sessions_changed(count);
   return absl::OkStatus();
@@ -306,16 +356,8 @@ absl::StatusOr<StepResult> SessionManager::Step(const std::string& id,
 
 absl::StatusOr<std::pair<std::string, int64_t>> SessionManager::SaveCheckpoint(
     const std::string& id, const std::string& root) {
-  // A relative directory lives under --state_dir.
-  std::string dir = root.empty() ? options_.state_dir : root;
-  if (!root.empty() && root[0] != '/') {
-    if (options_.state_dir.empty()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "relative checkpoint directory '", root, "' needs --state_dir to resolve against"));
-    }
-    dir = absl::StrCat(options_.state_dir, "/", root);
-  }
-  if (dir.empty()) {
+  // Empty = --state_dir; relative = beneath --state_dir (no symlink out of it).
+  if (root.empty() && options_.state_dir.empty()) {
     return absl::FailedPreconditionError(
         "no checkpoint directory: pass one or start the daemon with --state_dir");
   }
@@ -326,12 +368,16 @@ absl::StatusOr<std::pair<std::string, int64_t>> SessionManager::SaveCheckpoint(
     if (observer_.on_checkpoint_failed) observer_.on_checkpoint_failed(id, why);
     return why;
   };
+  absl::StatusOr<CheckpointDir> opened =
+      OpenCheckpointDir(options_.state_dir, root.empty() ? options_.state_dir : root, true);
+  if (!opened.ok()) return failed(opened.status());
+  CheckpointDir& dir = *opened;
   // DION_COMPRESSED world sessions average the decoupled momenta first (a collective).
   if (absl::Status st = s->SynchronizeForCheckpoint(); !st.ok()) return failed(st);
   absl::StatusOr<SessionSnapshot> snapped = s->Snapshot();
   if (!snapped.ok()) return failed(snapped.status());
   SessionSnapshot& snap = *snapped;
-  auto written = WriteCheckpoint(dir, id, snap);
+  auto written = WriteCheckpoint(dir, id, snap, options_.keep_checkpoints);
   if (!written.ok()) return failed(written.status());
   auto& saved = *written;
   s->RecordCheckpoint(snap.last_step_index, saved.first, absl::Now());
@@ -341,15 +387,9 @@ absl::StatusOr<std::pair<std::string, int64_t>> SessionManager::SaveCheckpoint(
   return saved;
 }
 
-absl::StatusOr<std::shared_ptr<Session>> SessionManager::LoadCheckpoint(
-    const std::string& given, const std::string& owner) {
-  std::string path = given;
-  if (!given.empty() && given[0] != '/' && !options_.state_dir.empty()) {
-    path = absl::StrCat(options_.state_dir, "/", given);  // relative: under --state_dir
-  }
-  DIOND_ASSIGN_OR_RETURN(SessionSnapshot snap, ReadCheckpoint(path));
-  snap.spec.owner = owner;
-  auto created = CreateSession(snap.spec);
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::RestoreSnapshot(
+    const std::string& id, const SessionSnapshot& snap, const std::string& path) {
+  auto created = CreateSessionWithId(id, snap.spec);
   if (!created.ok()) {
     if (absl::IsInvalidArgument(created.status())) {
       return absl::DataLossError(
@@ -359,13 +399,142 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::LoadCheckpoint(
   }
   absl::Status s = (*created)->Restore(snap);
   if (!s.ok()) {
-    Close((*created)->id()).IgnoreError();  // the half-made session must not linger
+    Close((*created)->id(), /*by_client=*/false).IgnoreError();  // no half-made session lingers
     return absl::Status(s.code(), absl::StrCat(path, ": ", s.message()));
   }
   (*created)->RecordCheckpoint(snap.last_step_index, path, absl::Now());
   DIOND_LOG(INFO) << "session " << (*created)->id() << " restored from " << path << " at step "
                   << snap.last_step_index;
   return *created;
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::LoadCheckpoint(
+    const std::string& path, const std::vector<std::string>& shard_paths, const Caller& caller) {
+  // Relative: beneath --state_dir, never the daemon's working directory.
+  DIOND_ASSIGN_OR_RETURN(SessionSnapshot snap, ReadCheckpoint(options_.state_dir, path));
+  if (!caller.admin && !snap.spec.owner.empty() && snap.spec.owner != caller.principal) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("checkpoint ", path, " belongs to another principal"));
+  }
+  if (snap.spec.owner.empty()) snap.spec.owner = caller.principal;
+  if (!shard_paths.empty()) {
+    if (snap.spec.world_key.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "shard_paths are for world sessions; ", path, " holds a local session"));
+    }
+    // The ranks' specs are equal but for the per-rank names.
+    auto comparable = [](SessionSpec spec) {
+      spec.client_name.clear();
+      spec.session_name.clear();
+      spec.owner.clear();
+      return SpecToJson(spec);
+    };
+    const std::string want = comparable(snap.spec);
+    std::set<std::string> have;
+    for (const NamedTensor& t : snap.tensors) have.insert(t.name);
+    for (const std::string& shard_path : shard_paths) {
+      DIOND_ASSIGN_OR_RETURN(SessionSnapshot shard, ReadCheckpoint(options_.state_dir, shard_path));
+      if (shard.last_step_index != snap.last_step_index || comparable(shard.spec) != want) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "shard ", shard_path, " (step ", shard.last_step_index,
+            ") is not a checkpoint of the same world session at the same step as ", path,
+            " (step ", snap.last_step_index, ")"));
+      }
+      for (NamedTensor& t : shard.tensors) {
+        if (have.insert(t.name).second) snap.tensors.push_back(std::move(t));
+      }
+    }
+  }
+  auto restored = RestoreSnapshot(NewId(), snap, path);
+  if (!restored.ok() && absl::IsDataLoss(restored.status()) && !snap.spec.world_key.empty() &&
+      absl::StrContains(restored.status().message(), "lacks tensor")) {
+    return absl::DataLossError(absl::StrCat(
+        restored.status().message(),
+        "; a world session restored into a world of another size needs the other old ranks' "
+        "checkpoints of the same step in shard_paths"));
+  }
+  return restored;
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(
+    const std::string& name, const std::string& principal, const std::vector<ParamSpec>& expect,
+    bool admin) {
+  DIOND_RETURN_IF_ERROR(ValidateSessionName(name));
+  std::shared_ptr<Session> s;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = names_.find(name);
+    if (it == names_.end()) {
+      return absl::NotFoundError(absl::StrCat("no live session is named '", name, "'"));
+    }
+    s = sessions_.at(it->second);
+  }
+  // The hook of the authentication layer: it fills owners and principals in.
+  if (!admin && !s->spec().owner.empty() && s->spec().owner != principal) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("session '", name, "' belongs to another principal"));
+  }
+  if (!expect.empty()) {
+    const std::vector<ParamSpec>& have = s->spec().params;
+    auto text = [](const ParamSpec& p) {
+      return absl::StrCat("'", p.name.substr(0, 64), "' [", absl::StrJoin(p.shape, ","), "] ",
+                          p.dtype == DType::kF32 ? "f32" : p.dtype == DType::kBf16 ? "bf16" : "f16",
+                          " in group '", p.group.substr(0, 64), "'");
+    };
+    if (expect.size() != have.size()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "session '", name, "' has ", have.size(), " parameters; the trainer declares ",
+          expect.size()));
+    }
+    for (size_t i = 0; i < have.size(); ++i) {
+      const ParamSpec& a = have[i];
+      const ParamSpec& b = expect[i];
+      if (a.name != b.name || a.shape != b.shape || a.dtype != b.dtype || a.group != b.group) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "session '", name, "' does not match the trainer's model: parameter ", i, " is ",
+            text(a), " in the session, ", text(b), " in the trainer"));
+      }
+    }
+  }
+  s->DetachTrainer();
+  DIOND_LOG(INFO) << "session " << s->id() << " ('" << name << "') re-attached at step "
+                  << s->last_step_index();
+  return s;
+}
+
+int64_t SessionManager::RecoverSessions() {
+  int64_t restored = 0;
+  for (const std::string& id : CheckpointSessions(options_.state_dir)) {
+    if (SessionMarkedClosed(options_.state_dir, id)) continue;
+    for (const std::string& path : CheckpointsNewestFirst(options_.state_dir, id)) {
+      auto snap = ReadCheckpoint(options_.state_dir, path);
+      if (!snap.ok()) {
+        DIOND_LOG(ERROR) << "--recover: " << snap.status() << "; trying an older checkpoint";
+        continue;
+      }
+      if (snap->session_id != id) {
+        DIOND_LOG(ERROR) << "--recover: " << path << " was written for session "
+                         << snap->session_id << ", not " << id << "; skipped";
+        break;
+      }
+      if (!snap->spec.world_key.empty()) {
+        DIOND_LOG(WARNING) << "--recover: " << path << " is a world session ('"
+                           << snap->spec.world_key
+                           << "'); world sessions are restored with LoadCheckpoint on every rank";
+        break;
+      }
+      auto s = RestoreSnapshot(id, *snap, path);
+      if (!s.ok()) {
+        DIOND_LOG(ERROR) << "--recover: " << s.status();
+        break;
+      }
+      ++restored;
+      break;
+    }
+  }
+  DIOND_LOG(INFO) << "--recover: restored " << restored << " session(s) from "
+                  << options_.state_dir;
+  return restored;
 }
 
 void SessionManager::ReapIdleSessions(absl::Time now) {
@@ -389,7 +558,7 @@ void SessionManager::ReapIdleSessions(absl::Time now) {
     }
     DIOND_LOG(INFO) << "session " << id << " idle for more than "
                     << absl::FormatDuration(options_.idle_timeout) << "; closing it";
-    Close(id).IgnoreError();  // it may have been closed by its client meanwhile
+    Close(id, /*by_client=*/false).IgnoreError();  // its client may have closed it meanwhile
   }
 }
 

@@ -34,6 +34,11 @@ struct ManagerOptions {
   absl::Duration idle_timeout = absl::ZeroDuration();  // 0 = never
   std::string state_dir;        // checkpoints root; empty = checkpoints need an explicit dir
   int64_t checkpoint_every = 0; // with state_dir: checkpoint after every N-th step
+  // Keep only the newest N step-* checkpoints of each session after every save; 0 = keep all.
+  int64_t keep_checkpoints = 0;
+  // With state_dir: at start-up, restore every session's latest checkpoint under its id and
+  // name (sessions closed by their client and world sessions excepted).
+  bool recover = false;
   int compute_threads = 0;      // 0 = all cores
   // World sessions: how long CreateSession waits for every rank's trainer to create the same
   // world session (the shard-plan agreement, docs/DISTRIBUTED.md).
@@ -51,6 +56,14 @@ struct ManagerObserver {
       on_checkpoint;
   // A checkpoint of an existing session that could not be written (automatic or requested).
   std::function<void(const std::string& session, const absl::Status& why)> on_checkpoint_failed;
+};
+
+// Who calls a SessionManager operation that checks ownership: the principal string the RPC
+// layer's authentication chose (server/rpc/auth.h), opaque here. The default, an admin with no
+// name, is the in-process caller (tests, --recover).
+struct Caller {
+  std::string principal;
+  bool admin = true;
 };
 
 class SessionManager {
@@ -74,9 +87,32 @@ class SessionManager {
   // world's store first (FAILED_PRECONDITION naming the ranks whose plan differs; UNAVAILABLE
   // when the world is down or a rank's trainer does not create it within the timeout).
   absl::StatusOr<std::shared_ptr<Session>> CreateSession(SessionSpec spec);
+  // A spec with a session_name must carry a valid one (INVALID_ARGUMENT) that no live session
+  // has (ALREADY_EXISTS: re-attach with Attach instead).
+  //
   // NOT_FOUND naming the id.
   absl::StatusOr<std::shared_ptr<Session>> Get(const std::string& id);
-  absl::Status Close(const std::string& id);
+  // `by_client`: the client closed it (CloseSession): its checkpoints stay, but --recover no
+  // longer restores it. The idle reaper closes with by_client = false.
+  absl::Status Close(const std::string& id, bool by_client = true);
+
+  // A new trainer re-attaches to the live session named `name` (Session::DetachTrainer: the old
+  // trainer's regions are dropped, the weights kept for the new one's). NOT_FOUND if no live
+  // session has the name. `principal`: the caller's identity as the RPC layer's authentication
+  // names it (empty = unauthenticated); a session whose owner is set and differs refuses with
+  // PERMISSION_DENIED. (The ownership policy itself belongs to the authentication layer; this is
+  // its hook.)
+  // `expect`: when non-empty, the parameters the new trainer declares; FAILED_PRECONDITION naming
+  // the first difference from the session's (and nothing changes) unless they are equal.
+  // `admin`: the caller may use every session (the RPC layer's admin principals).
+  absl::StatusOr<std::shared_ptr<Session>> Attach(const std::string& name,
+                                                  const std::string& principal,
+                                                  const std::vector<ParamSpec>& expect = {},
+                                                  bool admin = false);
+
+  // --recover: restores every session's latest readable checkpoint under <state_dir> with its
+  // id and name. Returns how many it restored. Called by Create when options.recover.
+  int64_t RecoverSessions();
   std::vector<SessionInfo> List();
 
   // Step through the shared compute context; checkpoints afterwards when due.
@@ -88,10 +124,16 @@ class SessionManager {
   absl::StatusOr<std::pair<std::string, int64_t>> SaveCheckpoint(const std::string& id,
                                                                  const std::string& root);
   // Restores a checkpoint directory into a new session. DATA_LOSS for corrupt files.
-  // A relative `path` is resolved under --state_dir. The new session belongs to `owner`
-  // (SessionSpec::owner), whatever the checkpoint's spec says.
-  absl::StatusOr<std::shared_ptr<Session>> LoadCheckpoint(const std::string& path,
-                                                          const std::string& owner = "");
+  // A relative `path` is resolved under --state_dir.
+  // `shard_paths`: for a world session, the other old ranks' checkpoints of the same step
+  // (elastic restore into a world of another size: the state of this rank's new share is taken
+  // from whichever checkpoint holds it).
+  // `caller`: who asks. The restored session keeps the owner recorded in the checkpoint (or
+  // becomes the caller's when none is recorded); a caller that is not an admin may load only
+  // checkpoints it owns (PERMISSION_DENIED otherwise).
+  absl::StatusOr<std::shared_ptr<Session>> LoadCheckpoint(
+      const std::string& path, const std::vector<std::string>& shard_paths = {},
+      const Caller& caller = {});
 
   // Closes sessions idle for longer than the timeout (checkpointing first with a state dir).
   // Called by the reaper thread; public for tests.
@@ -103,6 +145,11 @@ class SessionManager {
   // Computes the shard plan of world session `spec` and agrees on it with the other ranks.
   absl::StatusOr<ShardPlan> AgreeOnPlan(const SessionSpec& spec, uint64_t* epoch);
   std::string NewId();
+  // CreateSession with a given id (--recover keeps the checkpoint's).
+  absl::StatusOr<std::shared_ptr<Session>> CreateSessionWithId(std::string id, SessionSpec spec);
+  absl::StatusOr<std::shared_ptr<Session>> RestoreSnapshot(const std::string& id,
+                                                          const SessionSnapshot& snap,
+                                                          const std::string& where);
 
   ManagerOptions options_;
   ManagerObserver observer_;
@@ -110,6 +157,7 @@ class SessionManager {
   absl::Mutex compute_mu_;
   absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::string> names_ ABSL_GUARDED_BY(mu_);  // session_name -> id
   uint64_t counter_ ABSL_GUARDED_BY(mu_) = 0;
   std::shared_ptr<WorldLink> world_ ABSL_GUARDED_BY(mu_);  // null: no world
   bool world_detached_ ABSL_GUARDED_BY(mu_) = false;

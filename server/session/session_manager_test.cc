@@ -183,5 +183,76 @@ TEST(Checkpoint, SpecSurvivesJson) {
   EXPECT_THAT(SpecFromJson("{not json"), StatusIs(absl::StatusCode::kDataLoss));
 }
 
+TEST(Checkpoint, SpecFromJsonNamesTheBadField) {
+  const std::string good = SpecToJson(SmallSpec());
+  auto edit = [&](const std::string& from, const std::string& to) {
+    std::string t = good;
+    const size_t at = t.find(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    if (at != std::string::npos) t.replace(at, from.size(), to);
+    return t;
+  };
+  EXPECT_THAT(SpecFromJson(edit("\"lr\": 0.01", "\"lr\": \"abc\"")),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       HasSubstr("groups[0].lr: expected a number, got string")));
+  EXPECT_THAT(SpecFromJson(edit("\"dtype\": \"f32\"", "\"dtype\": \"f64\"")),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("params[0].dtype: 'f64'")));
+  EXPECT_THAT(SpecFromJson(edit("\"nesterov\": false", "\"nesterov\": 1")),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("groups[0].nesterov")));
+  EXPECT_THAT(SpecFromJson(edit("\"num_heads\": 1", "\"num_heads\": -3")),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("num_heads: -3 is out of range")));
+  EXPECT_THAT(SpecFromJson(edit("\"fp32_master_weights\": false,", "")),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("fp32_master_weights: missing")));
+  EXPECT_THAT(SpecFromJson(std::string(100000, '[') + std::string(100000, ']')),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("nested")));
+}
+
+TEST(Checkpoint, JsonDepthSkipsStringsAndStopsAtTheLimit) {
+  EXPECT_EQ(JsonDepth("{\"a\": [1, {\"b\": []}]}", 32), 4);
+  EXPECT_EQ(JsonDepth("{\"a\": \"[[[[{{{{\\\"[[[\"}", 32), 1);
+  EXPECT_EQ(JsonDepth(std::string(1000000, '['), 32), 33);
+}
+
+TEST(SessionNames, ValidNamesAndWhyOthersAreRefused) {
+  for (const char* ok : {"job-17/rank-0", "a", "x.y_z-1/2/3"}) {
+    EXPECT_THAT(ValidateSessionName(ok), IsOk()) << ok;
+  }
+  EXPECT_THAT(ValidateSessionName(""), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(ValidateSessionName(std::string(201, 'a')),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("201 bytes")));
+  for (const char* bad : {"a//b", "/a", "a/", "a/../b", "./a", "a b", "a\n"}) {
+    EXPECT_THAT(ValidateSessionName(bad), StatusIs(absl::StatusCode::kInvalidArgument)) << bad;
+  }
+}
+
+TEST(SessionManager, AttachKeepsTheWeightsAndChecksTheOwnerHook) {
+  auto m = SessionManager::Create({});
+  ASSERT_THAT(m, IsOk());
+  SessionSpec spec = SmallSpec();
+  spec.session_name = "job/0";
+  spec.owner = "uid:1000";
+  auto s = (*m)->CreateSession(spec);
+  ASSERT_THAT(s, IsOk());
+  EXPECT_THAT((*m)->CreateSession(spec), StatusIs(absl::StatusCode::kAlreadyExists));
+  std::vector<NamedTensor> params = {{"w", {8, 6}, std::vector<float>(48, 0.25f)},
+                                     {"b", {6}, std::vector<float>(6, 2.0f)}};
+  ASSERT_THAT((*s)->SetState(params), IsOk());
+  EXPECT_THAT((*m)->Attach("job/0", "uid:1001"),
+              StatusIs(absl::StatusCode::kPermissionDenied));
+  std::vector<ParamSpec> other = spec.params;
+  other[0].shape = {6, 8};
+  EXPECT_THAT((*m)->Attach("job/0", "uid:1000", other),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("[6,8]")));
+  auto again = (*m)->Attach("job/0", "uid:1000", spec.params);
+  ASSERT_THAT(again, IsOk());
+  EXPECT_EQ((*again)->id(), (*s)->id());
+  auto state = (*again)->GetState(/*include_parameters=*/true);
+  ASSERT_THAT(state, IsOk());
+  EXPECT_EQ((*state)[0].data, params[0].data);
+  EXPECT_THAT((*m)->Attach("job/1", ""), StatusIs(absl::StatusCode::kNotFound));
+  ASSERT_THAT((*m)->Close((*s)->id()), IsOk());
+  EXPECT_THAT((*m)->CreateSession(spec), IsOk());  // the name is free again
+}
+
 }  // namespace
 }  // namespace diond::session

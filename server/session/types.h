@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "kernels/optim/optimizer_types.h"
 #include "kernels/tensor.h"
@@ -41,6 +42,10 @@ enum class GradientSync {
 };
 absl::string_view GradientSyncName(GradientSync s);  // "REPLICATED", "AVERAGE", "DION_COMPRESSED"
 
+// A session name: 1..200 bytes of [A-Za-z0-9._-] in '/'-separated components, none of them
+// empty, "." or "..". INVALID_ARGUMENT saying what is wrong otherwise.
+absl::Status ValidateSessionName(absl::string_view name);
+
 struct SessionSpec {
   std::vector<ParamSpec> params;
   std::vector<GroupSpec> groups;
@@ -50,8 +55,12 @@ struct SessionSpec {
   // rounded back every step.
   bool fp32_master_weights = false;
   std::string client_name;
-  // The principal that created the session, an opaque string the RPC layer chose
-  // (server/rpc/auth.h); the session layer only stores it and reports it.
+  // A stable name the client chose (e.g. "job-17/rank-0"; ValidateSessionName), unique among the
+  // daemon's live sessions: a new trainer presenting it re-attaches to the session
+  // (SessionManager::Attach) and --recover restores it under it. Empty = unnamed.
+  std::string session_name;
+  // The principal that created the session, as an opaque string filled in by the RPC layer's
+  // authentication (empty = unauthenticated). Attach compares it; nothing else interprets it.
   std::string owner;
   // The name every rank's trainer gives the same world session (docs/DISTRIBUTED.md). Empty = a
   // local session: this daemon alone, as before worlds existed.

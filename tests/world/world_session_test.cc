@@ -802,5 +802,173 @@ TEST(WorldSessionOfOne, RunsLikeALocalSession) {
 INSTANTIATE_TEST_SUITE_P(W, WorldSession, ::testing::Values(2, 3, 4),
                          [](const auto& info) { return absl::StrCat("W", info.param); });
 
+// Elastic restore (issue 14): the checkpoints of a world of W_old ranks restored into a world of
+// W_new ranks. Every new rank loads one old rank's checkpoint with the others' as shard_paths and
+// keeps its share under the new shard plan; K more steps equal the uninterrupted W = 1 run bit
+// for bit (Muon, Dion2 and AdamW are deterministic).
+class WorldSessionElastic : public ::testing::TestWithParam<std::pair<int, int>> {};
+
+TEST_P(WorldSessionElastic, CheckpointRestoresIntoAnotherWorldSizeBitExact) {
+  const auto [w_old, w_new] = GetParam();
+  SessionDesc desc;
+  desc.groups.push_back(MakeGroup("m", AlgorithmKind::kMuon, 0.02));
+  desc.groups.push_back(MakeGroup("d2", AlgorithmKind::kDion2, 0.02));
+  desc.groups.push_back(MakeGroup("a", AlgorithmKind::kAdamW, 0.01));
+  for (int j = 0; j < 4; ++j) desc.params.push_back({absl::StrCat("m", j), {32, 24}, "m"});
+  for (int j = 0; j < 3; ++j) desc.params.push_back({absl::StrCat("d", j), {24, 40}, "d2"});
+  desc.params.push_back({"bias", {24}, "a"});
+  v1::CreateSessionRequest req = desc.Request();
+  req.set_world_key("elastic");
+  auto grads = [&](int64_t step) {
+    std::vector<std::vector<float>> g;
+    for (size_t i = 0; i < desc.params.size(); ++i) {
+      g.push_back(SyntheticValues(18, step, i, desc.Numel(i)));
+    }
+    return g;
+  };
+  auto ctx = kernels::Context::CpuDefault();
+  auto replay = Replay::Create(desc);
+  ASSERT_TRUE(replay.ok());
+  std::vector<Chunk> init;
+  for (size_t i = 0; i < desc.params.size(); ++i) {
+    (*replay)->params()[i] = SyntheticValues(14, 0, i, desc.Numel(i));
+    for (Chunk& c : SplitTensor(desc.params[i].name, FloatBytes((*replay)->params()[i]))) {
+      init.push_back(std::move(c));
+    }
+  }
+  std::vector<std::vector<std::vector<float>>> expected(9);
+  for (int64_t step = 1; step <= 8; ++step) {
+    ASSERT_TRUE((*replay)->Step(*ctx, grads(step)).ok());
+    expected[step] = (*replay)->params();
+  }
+  auto start_world = [&](int w, std::vector<std::string>* state) {
+    std::vector<std::unique_ptr<Daemon>> d(w);
+    state->resize(w);
+    for (int r = 0; r < w; ++r) {
+      (*state)[r] = ::diond::testing::MakeTempDir(absl::StrCat("diond_elastic", r));
+    }
+    auto flags = [&](int r, int port) {
+      std::vector<std::string> f = WorldFlags(r, w, port);
+      f.push_back("--state_dir=" + (*state)[r]);
+      f.push_back("--checkpoint_every=2");
+      return f;
+    };
+    d[0] = Daemon::Start(flags(0, 0), /*tcp=*/true);
+    if (d[0] == nullptr) return d;
+    for (int r = 1; r < w; ++r) d[r] = Daemon::Start(flags(r, d[0]->tcp_port()), /*tcp=*/true);
+    return d;
+  };
+  auto run_steps = [&](std::vector<std::unique_ptr<Daemon>>& d,
+                       std::vector<std::unique_ptr<ShmSession>>& s, int64_t from, int64_t to) {
+    for (int64_t step = from; step <= to; ++step) {
+      auto g = grads(step);
+      for (auto& sr : s) {
+        for (size_t i = 0; i < g.size(); ++i) sr->WriteGrad(i, g[i]);
+      }
+      StepAll(d, s, step);
+      for (size_t r = 0; r < s.size(); ++r) {
+        for (size_t i = 0; i < g.size(); ++i) {
+          ASSERT_EQ(s[r]->ParamBytes(i), FloatBytes(expected[step][i]))
+              << "W=" << s.size() << " rank " << r << " param " << i << " step " << step;
+        }
+      }
+    }
+  };
+
+  // The old world: 4 steps, checkpoints after steps 2 and 4 on every rank.
+  std::vector<std::string> old_state;
+  auto d = start_world(w_old, &old_state);
+  for (auto& x : d) ASSERT_NE(x, nullptr);
+  std::vector<std::unique_ptr<ShmSession>> s(w_old);
+  OnAllRanks(w_old, [&](int r) { s[r] = CreateShmSession(d[r]->stub(), req); });
+  for (int r = 0; r < w_old; ++r) {
+    ASSERT_NE(s[r], nullptr);
+    ASSERT_TRUE(SetState(d[r]->stub(), s[r]->id, init).ok());
+  }
+  run_steps(d, s, 1, 4);
+  int64_t old_total = 0;  // state bytes of all old ranks together: one copy, sharded
+  for (int r = 0; r < w_old; ++r) {
+    v1::ListSessionsResponse list;
+    ASSERT_TRUE(d[r]->stub().ListSessions(Ctx().get(), {}, &list).ok());
+    ASSERT_EQ(list.sessions_size(), 1);
+    old_total += list.sessions(0).state_bytes();
+  }
+  std::vector<std::string> old_paths;
+  for (int r = 0; r < w_old; ++r) {
+    old_paths.push_back(absl::StrCat(old_state[r], "/", s[r]->id, "/step-4"));
+  }
+  s.clear();
+  for (auto& x : d) x->Kill();
+  d.clear();
+
+  // The new world: each rank loads "its" old checkpoint plus the others as shards.
+  std::vector<std::string> new_state;
+  d = start_world(w_new, &new_state);
+  for (auto& x : d) ASSERT_NE(x, nullptr);
+  // Without the other ranks' shards the new share is incomplete: refused, naming a tensor.
+  if (w_new != w_old) {
+    std::vector<grpc::Status> alone(w_new);
+    OnAllRanks(w_new, [&](int r) {
+      v1::LoadCheckpointRequest lreq;
+      lreq.set_path(old_paths[r % w_old]);
+      v1::LoadCheckpointResponse lresp;
+      alone[r] = d[r]->stub().LoadCheckpoint(Ctx().get(), lreq, &lresp);
+    });
+    bool refused = false;
+    for (const grpc::Status& st : alone) {
+      if (!st.ok()) {
+        refused = true;
+        EXPECT_EQ(st.error_code(), grpc::StatusCode::DATA_LOSS) << st.error_message();
+        EXPECT_TRUE(absl::StrContains(st.error_message(), "shard_paths")) << st.error_message();
+      }
+    }
+    EXPECT_TRUE(refused);
+    for (int r = 0; r < w_new; ++r) {  // the ranks that did load close what they got
+      v1::ListSessionsResponse list;
+      ASSERT_TRUE(d[r]->stub().ListSessions(Ctx().get(), {}, &list).ok());
+      for (const auto& i : list.sessions()) {
+        EXPECT_TRUE(CloseSession(d[r]->stub(), i.session_id()).ok());
+      }
+    }
+  }
+  s.resize(w_new);
+  std::vector<int64_t> state_bytes(w_new);
+  OnAllRanks(w_new, [&](int r) {
+    v1::LoadCheckpointRequest lreq;
+    lreq.set_path(old_paths[r % w_old]);
+    for (int o = 0; o < w_old; ++o) {
+      if (o != r % w_old) lreq.add_shard_paths(old_paths[o]);
+    }
+    v1::LoadCheckpointResponse lresp;
+    grpc::Status st = d[r]->stub().LoadCheckpoint(Ctx().get(), lreq, &lresp);
+    ASSERT_TRUE(st.ok()) << "rank " << r << ": " << st.error_message();
+    EXPECT_EQ(lresp.step_index(), 4);
+    s[r] = BindShmSession(d[r]->stub(), lresp.session());
+  });
+  for (int r = 0; r < w_new; ++r) {
+    ASSERT_NE(s[r], nullptr);
+    for (size_t i = 0; i < desc.params.size(); ++i) {
+      ASSERT_EQ(s[r]->ParamBytes(i), FloatBytes(expected[4][i])) << "restored, rank " << r;
+    }
+    // Each new rank holds only its share of the state: together exactly one copy.
+    v1::ListSessionsResponse list;
+    ASSERT_TRUE(d[r]->stub().ListSessions(Ctx().get(), {}, &list).ok());
+    ASSERT_EQ(list.sessions_size(), 1);
+    state_bytes[r] = list.sessions(0).state_bytes();
+  }
+  int64_t total = 0;
+  for (int64_t b : state_bytes) total += b;
+  EXPECT_EQ(total, old_total);
+  run_steps(d, s, 5, 8);
+  std::cout << "W=" << w_old << " -> W=" << w_new << ": steps 5-8 bit-identical to W=1"
+            << std::endl;
+}
+
+INSTANTIATE_TEST_SUITE_P(Sizes, WorldSessionElastic,
+                         ::testing::Values(std::make_pair(3, 2), std::make_pair(2, 4)),
+                         [](const auto& info) {
+                           return absl::StrCat("W", info.param.first, "to", info.param.second);
+                         });
+
 }  // namespace
 }  // namespace diond::service_testing

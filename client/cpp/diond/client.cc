@@ -109,8 +109,8 @@ absl::StatusOr<Resp> WriteChunks(v1::Optimizer::Stub* stub, Method method,
 std::vector<SessionInfo> FromProto(const v1::ListSessionsResponse& resp) {
   std::vector<SessionInfo> out;
   for (const v1::SessionInfo& s : resp.sessions()) {
-    out.push_back({s.session_id(), s.client_name(), s.parameters(), s.last_step_index(),
-                   s.state_bytes(), s.owner()});
+    out.push_back({s.session_id(), s.client_name(), s.session_name(), s.parameters(),
+                   s.last_step_index(), s.state_bytes(), s.owner()});
   }
   return out;
 }
@@ -429,6 +429,22 @@ absl::StatusOr<LoadedCheckpoint> Client::LoadCheckpoint(const std::string& path)
   auto layout = LayoutFromProto(resp->session());
   if (!layout.ok()) return layout.status();
   return LoadedCheckpoint{*std::move(layout), resp->step_index()};
+}
+
+absl::StatusOr<v1::AttachSessionResponse> Client::AttachSession(
+    const v1::AttachSessionRequest& request) const {
+  return Unary<v1::AttachSessionRequest, v1::AttachSessionResponse>(
+      stub_.get(), &v1::Optimizer::Stub::AttachSession, request, options_.deadline);
+}
+
+absl::StatusOr<AttachedSession> Client::AttachSession(const std::string& session_name) const {
+  v1::AttachSessionRequest req;
+  req.set_session_name(session_name);
+  auto resp = AttachSession(req);
+  if (!resp.ok()) return resp.status();
+  auto layout = LayoutFromProto(resp->session());
+  if (!layout.ok()) return layout.status();
+  return AttachedSession{*std::move(layout), resp->step_index()};
 }
 
 }  // namespace diond::client

@@ -99,6 +99,15 @@ class Client {
   absl::StatusOr<v1::CreateSessionResponse> CreateSession(
       const v1::CreateSessionRequest& request) const;
 
+  // Re-attaches a restarted trainer to the live session named `session_name` (created with
+  // SessionOptions::session_name): the previous trainer's regions are dropped and the layout and
+  // last step index come back. Create a ShmArena for the layout (shm_arena.h): registering its
+  // PARAMETERS region delivers the daemon's current weights into it; then continue with
+  // Step(step_index + 1). NOT_FOUND if no live session has the name.
+  absl::StatusOr<AttachedSession> AttachSession(const std::string& session_name) const;
+  absl::StatusOr<v1::AttachSessionResponse> AttachSession(
+      const v1::AttachSessionRequest& request) const;
+
   absl::Status CloseSession(const std::string& session_id) const;
   absl::StatusOr<v1::CloseSessionResponse> CloseSession(
       const v1::CloseSessionRequest& request) const;

@@ -166,6 +166,7 @@ v1::CreateSessionRequest ToProto(const std::vector<ParamSpec>& params,
   }
   req.set_fp32_master_weights(options.fp32_master_weights);
   req.set_client_name(options.client_name);
+  req.set_session_name(options.session_name);
   return req;
 }
 

@@ -82,6 +82,9 @@ struct GroupSpec {
 struct SessionOptions {
   std::string client_name;
   bool fp32_master_weights = false;  // when parameters are bf16/f16
+  // A stable name (e.g. "job-17/rank-0") a restarted trainer re-attaches by
+  // (Client::AttachSession); empty = unnamed.
+  std::string session_name;
 };
 
 // Where one parameter lives in the arenas (diond.v1.TensorLayout).
@@ -132,6 +135,7 @@ struct StepOptions {
 struct SessionInfo {
   std::string session_id;
   std::string client_name;
+  std::string session_name;
   int64_t parameters = 0;
   int64_t last_step_index = 0;
   int64_t state_bytes = 0;
@@ -147,6 +151,12 @@ struct CheckpointInfo {
 struct LoadedCheckpoint {
   Layout layout;
   int64_t step_index = 0;
+};
+
+// The answer of AttachSession: the live session's layout and its last applied step.
+struct AttachedSession {
+  Layout layout;
+  int64_t step_index = 0;  // the next Step is step_index + 1
 };
 
 // Read-only bytes of one named tensor, sent by PushGradients and SetState. The referenced memory

@@ -499,5 +499,80 @@ TEST(ClientCredentialsTest, TokenAndTlsOptionsAuthenticateOverTcp) {
   diond::testing::RunCommand("rm -rf '" + dir + "'");
 }
 
+// A trainer restarts: the new one re-attaches by name, gets the layout, the step index and the
+// daemon's weights (the fp32 master weights kept exactly), and continues; the result equals an
+// uninterrupted session's bit for bit.
+TEST_F(ClientDaemonTest, RestartedTrainerReattachesByNameAndContinuesBitExact) {
+  std::vector<ParamSpec> params = {{"w", {kRows, kCols}, DType::kBF16, "matrices"},
+                                   {"b", {kRows}, DType::kBF16, "vectors"}};
+  SessionOptions named{"trainer", /*fp32_master_weights=*/true, "job-17/rank-0"};
+  SessionOptions plain{"reference", /*fp32_master_weights=*/true};
+  auto ref_layout = client_->CreateSession(params, Groups(), plain);
+  auto layout = client_->CreateSession(params, Groups(), named);
+  ASSERT_TRUE(ref_layout.ok() && layout.ok()) << layout.status();
+  auto ref = ShmArena::Create(client_.get(), *ref_layout);
+  auto first = ShmArena::Create(client_.get(), *layout);
+  ASSERT_TRUE(ref.ok() && first.ok());
+  auto fill = [](absl::Span<uint16_t> dst, const std::vector<float>& src) {
+    for (size_t i = 0; i < dst.size(); ++i) {
+      uint32_t u;
+      std::memcpy(&u, &src[i], 4);
+      dst[i] = static_cast<uint16_t>(u >> 16);
+    }
+  };
+  auto init = [&](ShmArena& a) {
+    fill(*a.ParamBf16("w"), Values(kRows * kCols, 0.5f, 0.0f));
+    fill(*a.ParamBf16("b"), Values(kRows, 0.1f, 1.0f));
+  };
+  auto grads = [&](ShmArena& a, int64_t t) {
+    fill(*a.GradBf16("w"), Values(kRows * kCols, 1.0f, 0.1f * static_cast<float>(t)));
+    fill(*a.GradBf16("b"), Values(kRows, 1.0f, 0.3f * static_cast<float>(t)));
+  };
+  init(*ref);
+  init(*first);
+  for (int64_t t = 1; t <= 3; ++t) {
+    grads(*ref, t);
+    grads(*first, t);
+    ASSERT_TRUE(client_->Step(ref_layout->session_id, t).ok());
+    ASSERT_TRUE(client_->Step(layout->session_id, t).ok());
+  }
+  // The first trainer is gone (its memory still mapped); a new one attaches by name.
+  auto attached = client_->AttachSession("job-17/rank-0");
+  ASSERT_TRUE(attached.ok()) << attached.status();
+  EXPECT_EQ(attached->layout.session_id, layout->session_id);
+  EXPECT_EQ(attached->step_index, 3);
+  auto second = ShmArena::Create(client_.get(), attached->layout);
+  ASSERT_TRUE(second.ok()) << second.status();
+  auto w_ref = *ref->ParamBf16("w");
+  auto w_new = *second->ParamBf16("w");
+  EXPECT_EQ(std::vector<uint16_t>(w_new.begin(), w_new.end()),
+            std::vector<uint16_t>(w_ref.begin(), w_ref.end()));
+  first->Reset();  // its regions were dropped by the attach: unregistering them is a no-op
+  for (int64_t t = attached->step_index + 1; t <= 6; ++t) {
+    grads(*ref, t);
+    grads(*second, t);
+    ASSERT_TRUE(client_->Step(ref_layout->session_id, t).ok());
+    auto r = client_->Step(layout->session_id, t);
+    ASSERT_TRUE(r.ok()) << r.status();
+  }
+  EXPECT_EQ(std::vector<uint16_t>(w_new.begin(), w_new.end()),
+            std::vector<uint16_t>(w_ref.begin(), w_ref.end()));
+  auto ref_state = client_->GetState(ref_layout->session_id, /*include_parameters=*/true);
+  auto state = client_->GetState(layout->session_id, /*include_parameters=*/true);
+  ASSERT_TRUE(ref_state.ok() && state.ok());
+  ASSERT_EQ(state->size(), ref_state->size());
+  for (const auto& [name, t] : *ref_state) EXPECT_EQ(state->at(name).bytes, t.bytes) << name;
+  auto list = client_->ListSessions();
+  ASSERT_TRUE(list.ok());
+  bool listed = false;
+  for (const SessionInfo& i : *list) listed |= i.session_name == "job-17/rank-0";
+  EXPECT_TRUE(listed);
+  EXPECT_EQ(client_->AttachSession("job-17/rank-9").status().code(), absl::StatusCode::kNotFound);
+  second->Reset();
+  ref->Reset();
+  EXPECT_TRUE(client_->CloseSession(layout->session_id).ok());
+  EXPECT_TRUE(client_->CloseSession(ref_layout->session_id).ok());
+}
+
 }  // namespace
 }  // namespace diond::client

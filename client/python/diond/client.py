@@ -346,17 +346,31 @@ class Client:
     # -- Optimizer RPCs -------------------------------------------------------------------------
     def create_session(self, request=None, *, parameters=(), groups=(), fp32_master_weights=False,
                        non_finite_policy=pb.NON_FINITE_POLICY_SKIP, client_name="",
-                       world_key="", gradient_sync=pb.GRADIENT_SYNC_REPLICATED, timeout=None):
+                       world_key="", gradient_sync=pb.GRADIENT_SYNC_REPLICATED, session_name="",
+                       timeout=None):
         """CreateSession; pass a CreateSessionRequest or its fields. Returns the response.
 
         world_key: a session spanning the daemon world (docs/DISTRIBUTED.md); every rank's
-        trainer creates it with the same key and spec. gradient_sync: GRADIENT_SYNC_* value."""
+        trainer creates it with the same key and spec. gradient_sync: GRADIENT_SYNC_* value.
+        session_name: a stable name (e.g. "job-17/rank-0") a restarted trainer re-attaches by
+        (attach_session); unique among the daemon's live sessions."""
         if request is None:
             request = pb.CreateSessionRequest(
                 parameters=list(parameters), groups=list(groups),
                 fp32_master_weights=fp32_master_weights, non_finite_policy=non_finite_policy,
-                client_name=client_name, world_key=world_key, gradient_sync=gradient_sync)
+                client_name=client_name, world_key=world_key, gradient_sync=gradient_sync,
+                session_name=session_name)
         return self._unary("CreateSession", request, timeout)
+
+    def attach_session(self, session_name, parameters=(), timeout=None):
+        """AttachSession: take over the live session `session_name` after a trainer restart.
+        Returns the AttachSessionResponse (.session: id and layout; .step_index: the last applied
+        step). The previous trainer's regions are dropped; the next PARAMETERS region registered
+        receives the daemon's current weights. DiondError NOT_FOUND if no live session has it.
+        parameters: the ParameterSpecs the trainer declares; when given, a session that differs
+        is refused (FAILED_PRECONDITION) and left untouched."""
+        return self._unary("AttachSession", pb.AttachSessionRequest(
+            session_name=session_name, parameters=list(parameters)), timeout)
 
     def register_region(self, session_id, role, name, offset_bytes, size_bytes, timeout=None):
         """RegisterRegion of a POSIX shm segment `name` (no leading slash). Returns region_id."""
@@ -437,8 +451,11 @@ class Client:
         return self._unary("SaveCheckpoint", pb.SaveCheckpointRequest(
             session_id=session_id, directory=directory), timeout)
 
-    def load_checkpoint(self, path, timeout=None):
-        return self._unary("LoadCheckpoint", pb.LoadCheckpointRequest(path=path), timeout)
+    def load_checkpoint(self, path, shard_paths=(), timeout=None):
+        """LoadCheckpoint. shard_paths: for a world session restored into a world of another
+        size, the other old ranks' checkpoints of the same step (docs/DISTRIBUTED.md)."""
+        return self._unary("LoadCheckpoint", pb.LoadCheckpointRequest(
+            path=path, shard_paths=list(shard_paths)), timeout)
 
     def close_session(self, session_id, timeout=None):
         self._unary("CloseSession", pb.CloseSessionRequest(session_id=session_id), timeout)

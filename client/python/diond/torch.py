@@ -36,6 +36,7 @@ import secrets
 import weakref
 from multiprocessing import shared_memory
 
+import grpc
 import torch
 
 from .client import Client, DiondError, pb
@@ -298,6 +299,14 @@ class Optimizer(torch.optim.Optimizer):
         state (each daemon keeps its share).
       gradient_sync: with world_key, "replicated" (trainers already hold identical averaged
         gradients), "average" (the daemons average them) or "dion_compressed".
+      session: a stable name for the session, e.g. "job-17/rank-0" (unique among the daemon's
+        live sessions). resume: with session, continue the live session of that name if there is
+        one (a restarted trainer; after a daemon restart with --recover too): the daemon's
+        current weights are copied into the model, the step counter continues from the
+        daemon's, and the optimizer state is the daemon's, so the run goes on as if the trainer
+        had never stopped. If no live session has the name, a new one is created from the
+        model's weights (``self.resumed`` tells which). The model must declare the same
+        parameters (shapes, dtypes, order) as the session.
       algorithm, lr, mu, betas, weight_decay, epsilon, nesterov, cautious_wd, adjust_lr, flatten,
       use_polar_express, muon_beta2, rank_fraction, rank_multiple_of, fraction, ef_decay,
       num_heads, split_sizes, precision ("fp32" | "bf16_reference"), seed (Dion's initial Q),
@@ -311,7 +320,7 @@ class Optimizer(torch.optim.Optimizer):
                  non_finite_policy="skip", timeout=60.0, connect_timeout=10.0,
                  client_name="diond.torch", world_key="", gradient_sync="replicated",
                  token=None, tls_ca=None, tls_cert=None, tls_key=None, tls_server_name=None,
-                 **options):
+                 session="", resume=False, **options):
         for alias, name in _ALIASES.items():
             if alias in options:
                 if name in options:
@@ -338,6 +347,13 @@ class Optimizer(torch.optim.Optimizer):
             raise ValueError("gradient_sync=%r needs a world_key" % (gradient_sync,))
         self.world_key = str(world_key)
         self.gradient_sync = gradient_sync
+        self.session_name = str(session or "")
+        if resume and not self.session_name:
+            raise ValueError("resume=True needs session=<name> (the name the trainer gave the "
+                             "session it resumes)")
+        if resume and self.world_key:
+            raise ValueError("resume=True is for local sessions; world sessions restore from "
+                             "checkpoints on every rank")
         self._explicit_defaults = set(options)
         self._closed = True  # until the session exists
         self._session_ready = False
@@ -352,18 +368,44 @@ class Optimizer(torch.optim.Optimizer):
         self.remote = (not self.client.is_unix) if remote is None else bool(remote)
         self.fp32_master_weights = bool(fp32_master_weights)
         self._shm = None
+        attached = None
         try:
-            self._create_session(client_name, non_finite_policy)
-            if self.remote:
-                self._upload_parameters()
+            if resume:
+                _, specs = self._declare()
+                try:
+                    attached = self.client.attach_session(self.session_name, parameters=specs)
+                except DiondError as e:
+                    if e.code == grpc.StatusCode.FAILED_PRECONDITION:
+                        raise ValueError("cannot resume session %r: %s"
+                                         % (self.session_name, e.message)) from None
+                    if e.code != grpc.StatusCode.NOT_FOUND:
+                        raise
+            if attached is not None:
+                self._adopt_session(attached)
             else:
-                self._attach_arenas()
+                self._create_session(client_name, non_finite_policy)
+            if self.remote:
+                if attached is not None:
+                    self._download_parameters()
+                else:
+                    self._upload_parameters()
+            else:
+                self._attach_arenas(from_daemon=attached is not None)
         except BaseException:
-            self._abort()
+            if attached is None:
+                self._abort()
+            else:  # never close a live session we only failed to take over
+                self._detach()
+                if self._owns_client:
+                    self.client.close()
             raise
         self._closed = False
         self._session_ready = True
-        self._step_index = 0
+        # True when this optimizer continued a live session (resume=True found it).
+        self.resumed = attached is not None
+        self._step_index = attached.step_index if attached is not None else 0
+        for g in self.param_groups:
+            g["step"] = self._step_index
         self.last_step = None  # the last StepResponse
         self._finalizer = weakref.finalize(
             self, _release, self._shm, self.session_id, self.client if self._owns_client else None)
@@ -454,7 +496,8 @@ class Optimizer(torch.optim.Optimizer):
             for p in g["params"]:
                 yield p
 
-    def _create_session(self, client_name, non_finite_policy):
+    def _declare(self):
+        """Group protos and parameter specs (names p0, p1, ... in group order)."""
         self._group_names = []
         groups, specs = [], []
         self._names = []
@@ -471,10 +514,52 @@ class Optimizer(torch.optim.Optimizer):
                 self._names.append(n)
                 specs.append(pb.ParameterSpec(name=n, shape=list(p.shape), dtype=_DTYPES[p.dtype],
                                               group=name))
+        return groups, specs
+
+    def _adopt_session(self, attached):
+        """Takes over the live session resume=True found, after checking it is this model's."""
+        _, specs = self._declare()
+        resp = attached.session
+        layout = {t.name: t for t in resp.layout}
+        if len(layout) != len(specs):
+            raise ValueError("session %r holds %d parameters; this model has %d"
+                             % (self.session_name, len(layout), len(specs)))
+        for spec in specs:
+            t = layout.get(spec.name)
+            if t is None or list(t.shape) != list(spec.shape) or t.dtype != spec.dtype:
+                raise ValueError(
+                    "session %r does not match this model: parameter %s is %s in the session, "
+                    "shape %s dtype %s here" % (
+                        self.session_name, spec.name,
+                        "missing" if t is None else "shape %s dtype %s" % (
+                            list(t.shape), pb.DType.Name(t.dtype)),
+                        list(spec.shape), pb.DType.Name(spec.dtype)))
+        self.session_id = resp.session_id
+        self._layout = layout
+        self._param_arena_bytes = resp.param_arena_bytes
+        self._grad_arena_bytes = resp.grad_arena_bytes
+        # weight_decay is sent again at the first step (the daemon's may be another trainer's).
+        self._sent = [(float(g["lr"]), None) for g in self.param_groups]
+
+    def _download_parameters(self):
+        direct, staged = {}, {}
+        for n, p in zip(self._names, self._params()):
+            if p.device.type == "cpu" and p.data.is_contiguous():
+                direct[n] = p.data
+            else:
+                staged[n] = p
+        new = self.client.pull_parameters(self.session_id, into=direct)
+        with torch.no_grad():
+            for n, p in staged.items():
+                p.data.copy_(new[n].torch().view(p.shape))
+
+    def _create_session(self, client_name, non_finite_policy):
+        groups, specs = self._declare()
         resp = self.client.create_session(
             parameters=specs, groups=groups, fp32_master_weights=self.fp32_master_weights,
             non_finite_policy=_NONFINITE[non_finite_policy], client_name=client_name,
-            world_key=self.world_key, gradient_sync=_GRADIENT_SYNC[self.gradient_sync])
+            world_key=self.world_key, gradient_sync=_GRADIENT_SYNC[self.gradient_sync],
+            session_name=self.session_name)
         self.session_id = resp.session_id
         self._layout = {t.name: t for t in resp.layout}
         self._param_arena_bytes = resp.param_arena_bytes
@@ -482,7 +567,9 @@ class Optimizer(torch.optim.Optimizer):
         # What the daemon has for each group, to notice changes made through param_groups.
         self._sent = [(float(g["lr"]), float(g["weight_decay"])) for g in self.param_groups]
 
-    def _attach_arenas(self):
+    def _attach_arenas(self, from_daemon=False):
+        """from_daemon: the weights come from the daemon (a resumed session): registering the
+        PARAMETERS region writes them into the arena, which the model's tensors then view."""
         if not self.client.is_unix:
             raise ValueError("shared memory needs a Unix-socket target (got %s); use remote=True"
                              % self.client.target)
@@ -506,8 +593,9 @@ class Optimizer(torch.optim.Optimizer):
                                       offset=t.param_offset_bytes).view(p.shape)
                 gv = torch.frombuffer(buf, dtype=p.dtype, count=count,
                                       offset=grad_base + t.grad_offset_bytes).view(p.shape)
-                pv.copy_(p.data)
-                if p.grad is not None:
+                if not from_daemon:
+                    pv.copy_(p.data)
+                if p.grad is not None and not from_daemon:
                     gv.copy_(p.grad)
                 else:
                     gv.zero_()
