@@ -45,6 +45,7 @@ struct DaemonOptions {
   std::string cuda_plugin;      // empty = next to the executable, then the loader path
   bool allow_insecure_remote = false;
   bool allow_shm_from_tcp = false;
+  int64_t max_stream_bytes = int64_t{4} << 30;  // one PushGradients/SetState stream; 0 = no cap
   session::ManagerOptions sessions;
   WorldConfig world;
 };
