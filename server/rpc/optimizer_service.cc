@@ -161,7 +161,7 @@ absl::Status CheckPathAllowed(grpc::CallbackServerContext* ctx, const std::strin
   if (absl::StartsWith(ctx->peer(), "unix:")) return absl::OkStatus();
   if (!path.empty() && (path[0] == '/' || absl::StrContains(path, ".."))) {
     return absl::PermissionDeniedError(absl::StrCat(
-        field, " '", path, "': TCP clients may only name paths relative to --state_dir"));
+        field, " '", Bounded(path), "': TCP clients may only name paths relative to --state_dir"));
   }
   return absl::OkStatus();
 }
@@ -289,7 +289,7 @@ grpc::ServerWriteReactor<v1::TensorChunk>* OptimizerService::PullParameters(
         }
       }
       if (!found) {
-        return FailWrite(absl::InvalidArgumentError(absl::StrCat("unknown parameter '", n, "'")));
+        return FailWrite(absl::InvalidArgumentError(absl::StrCat("unknown parameter '", Bounded(n), "'")));
       }
     }
   }

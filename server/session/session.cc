@@ -92,26 +92,30 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, Session
   for (size_t g = 0; g < spec.groups.size(); ++g) {
     const std::string& name = spec.groups[g].name;
     if (name.empty()) return absl::InvalidArgumentError(absl::StrCat("group ", g, " has no name"));
+    if (name.size() > 512) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("group name '", Bounded(name), "' must be 1..512 bytes"));
+    }
     if (!group_index.emplace(name, g).second) {
-      return absl::InvalidArgumentError(absl::StrCat("duplicate group name '", name, "'"));
+      return absl::InvalidArgumentError(absl::StrCat("duplicate group name '", Bounded(name), "'"));
     }
   }
   std::set<std::string> names;
   for (const ParamSpec& p : spec.params) {
     if (p.name.empty() || p.name.size() > 512) {
       return absl::InvalidArgumentError(
-          absl::StrCat("parameter name '", p.name.substr(0, 64), "' must be 1..512 bytes"));
+          absl::StrCat("parameter name '", Bounded(p.name), "' must be 1..512 bytes"));
     }
     if (absl::StrContains(p.name, "/state.")) {
       return absl::InvalidArgumentError(
-          absl::StrCat("parameter name '", p.name, "' may not contain '/state.'"));
+          absl::StrCat("parameter name '", Bounded(p.name), "' may not contain '/state.'"));
     }
     if (!names.insert(p.name).second) {
-      return absl::InvalidArgumentError(absl::StrCat("duplicate parameter name '", p.name, "'"));
+      return absl::InvalidArgumentError(absl::StrCat("duplicate parameter name '", Bounded(p.name), "'"));
     }
     if (!group_index.contains(p.group)) {
       return absl::InvalidArgumentError(
-          absl::StrCat("parameter '", p.name, "' names unknown group '", p.group, "'"));
+          absl::StrCat("parameter '", Bounded(p.name), "' names unknown group '", Bounded(p.group), "'"));
     }
   }
   DIOND_ASSIGN_OR_RETURN(Layout layout, ComputeLayout(spec.params));
@@ -137,7 +141,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, Session
     for (size_t i : group.params) shapes.push_back(spec.params[i].shape);
     auto opt = optim::CreateGroupOptimizer(spec.groups[g].config, shapes);
     if (!opt.ok()) {
-      return absl::Status(opt.status().code(), absl::StrCat("group '", group.name, "': ",
+      return absl::Status(opt.status().code(), absl::StrCat("group '", Bounded(group.name), "': ",
                                                             opt.status().message()));
     }
     group.optimizer = std::move(*opt);
@@ -190,7 +194,7 @@ absl::StatusOr<std::string> Session::RegisterShmRegion(Role role, const std::str
     int64_t b0 = other.region->offset(), b1 = b0 + other.region->size();
     if (a0 < b1 && b0 < a1) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "region [", a0, ", ", a1, ") of '", name, "' overlaps the ",
+          "region [", a0, ", ", a1, ") of '", Bounded(name), "' overlaps the ",
           RoleName(role == Role::kParameters ? Role::kGradients : Role::kParameters),
           " region [", b0, ", ", b1, ")"));
     }
@@ -240,7 +244,7 @@ absl::Status Session::UnregisterRegion(const std::string& region_id) {
       return absl::OkStatus();
     }
   }
-  return absl::NotFoundError(absl::StrCat("session ", id_, " has no region '", region_id, "'"));
+  return absl::NotFoundError(absl::StrCat("session ", id_, " has no region '", Bounded(region_id), "'"));
 }
 
 absl::Status Session::EnsureHostArena(Role r) {
@@ -410,7 +414,7 @@ absl::StatusOr<StepResult> Session::Step(const StepRequest& request,
           absl::StrCat("lr_override names unknown group '", Bounded(group), "'"));
     }
     DIOND_RETURN_IF_ERROR(
-        optim::CheckStepKnob(absl::StrCat("lr_override['", group, "']"), lr, optim::kMaxLr));
+        optim::CheckStepKnob(absl::StrCat("lr_override['", Bounded(group), "']"), lr, optim::kMaxLr));
   }
   if (!params_.bound() && pending_params_.empty()) {
     return absl::FailedPreconditionError(
@@ -501,15 +505,15 @@ absl::Status Session::ResolveStateName(const std::string& name, size_t* param, s
     const Group& g = groups_[*group];
     auto s = g.optimizer->StateShape(slot_in_group_[i], *state);
     if (!s.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat("unknown state '", name, "': group '",
+      return absl::InvalidArgumentError(absl::StrCat("unknown state '", Bounded(name), "': group '",
                                                      g.name, "' has state ",
                                                      absl::StrJoin(g.optimizer->StateNames(), ", ")));
     }
     *shape = *s;
     return absl::OkStatus();
   }
-  return absl::InvalidArgumentError(absl::StrCat("state '", name, "' names unknown parameter '",
-                                                 pname, "'"));
+  return absl::InvalidArgumentError(absl::StrCat("state '", Bounded(name), "' names unknown parameter '",
+                                                 Bounded(pname), "'"));
 }
 
 absl::Status Session::CheckWriteLocked(const std::string& name, int64_t offset, int64_t len,
@@ -596,13 +600,13 @@ absl::Status Session::ValidateWrites(const std::vector<TensorWrite>& writes, boo
     for (const auto& [a, b] : v) {
       if (a != covered) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "tensor '", name, "' is ", a < covered ? "written twice" : "incomplete",
+            "tensor '", Bounded(name), "' is ", a < covered ? "written twice" : "incomplete",
             " at byte ", std::min(a, covered), " (truncated or overlapping stream)"));
       }
       covered = b;
     }
     if (covered != sizes[name]) {
-      return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "' is incomplete: ",
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", Bounded(name), "' is incomplete: ",
                                                      covered, " of ", sizes[name],
                                                      " bytes received (truncated stream)"));
     }
@@ -690,7 +694,7 @@ absl::Status Session::ReadParameterBytes(const std::string& name, int64_t offset
                 static_cast<size_t>(len));
     return CheckRegions("PullParameters");
   }
-  return absl::InvalidArgumentError(absl::StrCat("unknown parameter '", name, "'"));
+  return absl::InvalidArgumentError(absl::StrCat("unknown parameter '", Bounded(name), "'"));
 }
 
 absl::StatusOr<std::vector<NamedTensor>> Session::GetState(bool include_parameters) {
@@ -745,7 +749,7 @@ absl::Status Session::SetStateLocked(const std::vector<NamedTensor>& tensors) {
   std::set<std::string> seen;
   for (const NamedTensor& t : tensors) {
     if (!seen.insert(t.name).second) {
-      return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "' given twice"));
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", Bounded(t.name), "' given twice"));
     }
     int64_t want = -1;
     for (const TensorPlacement& p : layout_.tensors) {
@@ -757,13 +761,13 @@ absl::Status Session::SetStateLocked(const std::vector<NamedTensor>& tensors) {
       std::vector<int64_t> shape;
       absl::Status s = ResolveStateName(t.name, &p, &g, &st, &shape);
       if (absl::IsNotFound(s)) {
-        return absl::InvalidArgumentError(absl::StrCat("unknown tensor '", t.name, "'"));
+        return absl::InvalidArgumentError(absl::StrCat("unknown tensor '", Bounded(t.name), "'"));
       }
       DIOND_RETURN_IF_ERROR(s);
       want = NumElements(shape);
     }
     if (static_cast<int64_t>(t.data.size()) != want) {
-      return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "' has ",
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", Bounded(t.name), "' has ",
                                                      t.data.size(), " values; expected ", want));
     }
   }
@@ -854,7 +858,7 @@ absl::Status Session::Restore(const SessionSnapshot& snapshot) {
     for (size_t i = 0; i < layout_.tensors.size(); ++i) {
       if (layout_.tensors[i].name == t.name) {
         if (static_cast<int64_t>(t.data.size()) != layout_.tensors[i].numel) {
-          return absl::DataLossError(absl::StrCat("checkpoint tensor '", t.name, "' has ",
+          return absl::DataLossError(absl::StrCat("checkpoint tensor '", Bounded(t.name), "' has ",
                                                   t.data.size(), " values; expected ",
                                                   layout_.tensors[i].numel));
         }
@@ -868,7 +872,7 @@ absl::Status Session::Restore(const SessionSnapshot& snapshot) {
   for (size_t i = 0; i < have.size(); ++i) {
     if (!have[i]) {
       return absl::DataLossError(
-          absl::StrCat("checkpoint lacks parameter '", layout_.tensors[i].name, "'"));
+          absl::StrCat("checkpoint lacks parameter '", Bounded(layout_.tensors[i].name), "'"));
     }
   }
   DIOND_RETURN_IF_ERROR(SetStateLocked(state));
@@ -1032,7 +1036,7 @@ absl::StatusOr<StepResult> Session::WorldStepLocked(const StepRequest& request,
   WorldPart& w = *world_;
   const int world_size = w.plan.world_size;
   const std::string where =
-      absl::StrCat("world session '", spec_.world_key, "' (rank ", w.rank, " of ", world_size,
+      absl::StrCat("world session '", Bounded(spec_.world_key), "' (rank ", w.rank, " of ", world_size,
                    "), step ", request.step_index, ": ");
   if (!w.broken.ok()) return w.broken;
   std::shared_ptr<comm::Communicator> comm;
@@ -1171,7 +1175,7 @@ absl::StatusOr<StepResult> Session::WorldStepLocked(const StepRequest& request,
       if (!s.ok()) {
         compute_status = absl::Status(
           absl::IsUnavailable(s) ? absl::StatusCode::kUnavailable : s.code(),
-          absl::StrCat("step ", request.step_index, ", group '", g.name, "': ",
+          absl::StrCat("step ", request.step_index, ", group '", Bounded(g.name), "': ",
                        absl::IsUnavailable(s) ? DescribeWorldFailure(s) : std::string(s.message())));
         break;
       }
@@ -1201,7 +1205,7 @@ absl::StatusOr<StepResult> Session::WorldStepLocked(const StepRequest& request,
           mine.resize(mine.size() + static_cast<size_t>(w.compact[i]), 0.0f);
           if (compute_status.ok()) {
             compute_status = absl::InternalError(absl::StrCat(
-                "no compact update captured for '", layout_.tensors[i].name, "'"));
+                "no compact update captured for '", Bounded(layout_.tensors[i].name), "'"));
           }
         }
       } else {
@@ -1258,7 +1262,7 @@ absl::StatusOr<StepResult> Session::WorldStepLocked(const StepRequest& request,
             params[i]);
         if (!s.ok()) {
           compute_status = absl::InternalError(absl::StrCat(
-              "applying the compact update of '", layout_.tensors[i].name, "' from rank ",
+              "applying the compact update of '", Bounded(layout_.tensors[i].name), "' from rank ",
               w.plan.owner[i], ": ", s.message()));
           break;
         }
@@ -1323,7 +1327,7 @@ absl::Status Session::SynchronizeForCheckpoint() {
     absl::Status st = (*c)->AllReduceAverage(absl::MakeSpan(m));
     if (!st.ok()) {
       w.broken = absl::UnavailableError(absl::StrCat(
-          "world session '", spec_.world_key, "': momentum synchronization failed: ",
+          "world session '", Bounded(spec_.world_key), "': momentum synchronization failed: ",
           st.message()));
       return w.broken;
     }

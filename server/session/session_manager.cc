@@ -10,6 +10,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "common/bounded.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "server/comm/key_value_store.h"
@@ -133,7 +134,7 @@ absl::StatusOr<ShardPlan> SessionManager::AgreeOnPlan(const SessionSpec& spec, u
   for (char c : key) {
     if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.')) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "world_key '", key, "' may only contain letters, digits, '-', '_' and '.'"));
+          "world_key '", Bounded(key), "' may only contain letters, digits, '-', '_' and '.'"));
     }
   }
   std::shared_ptr<WorldLink> world;
@@ -147,7 +148,7 @@ absl::StatusOr<ShardPlan> SessionManager::AgreeOnPlan(const SessionSpec& spec, u
   }
   *epoch = 0;
   if (world == nullptr) return ComputeShardPlan(spec, 1);  // a world of one
-  const std::string where = absl::StrCat("world session '", key, "' (rank ", world->rank(),
+  const std::string where = absl::StrCat("world session '", Bounded(key), "' (rank ", world->rank(),
                                          " of ", world->size(), "): ");
   // Wait for a communicator (polled: the link must not be held for long).
   absl::Status ready = absl::UnavailableError("the daemon is shutting down");
@@ -253,7 +254,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Get(const std::string& 
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(id);
   if (it == sessions_.end()) {
-    return absl::NotFoundError(absl::StrCat("unknown session '", id.substr(0, 64), "'"));
+    return absl::NotFoundError(absl::StrCat("unknown session '", Bounded(id), "'"));
   }
   return it->second;
 }
@@ -263,7 +264,7 @@ absl::Status SessionManager::Close(const std::string& id) {
   {
     absl::MutexLock lock(&mu_);
     if (sessions_.erase(id) == 0) {
-      return absl::NotFoundError(absl::StrCat("unknown session '", id.substr(0, 64), "'"));
+      return absl::NotFoundError(absl::StrCat("unknown session '", Bounded(id), "'"));
     }
     count = static_cast<int64_t>(sessions_.size());
   }
@@ -308,7 +309,7 @@ absl::StatusOr<std::pair<std::string, int64_t>> SessionManager::SaveCheckpoint(
   if (!root.empty() && root[0] != '/') {
     if (options_.state_dir.empty()) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "relative checkpoint directory '", root, "' needs --state_dir to resolve against"));
+          "relative checkpoint directory '", Bounded(root), "' needs --state_dir to resolve against"));
     }
     dir = absl::StrCat(options_.state_dir, "/", root);
   }
