@@ -331,6 +331,11 @@ void Session::ParamsF32(std::vector<std::vector<float>>* copies, std::vector<flo
   }
 }
 
+std::vector<std::vector<float>>& Session::ScratchBuffers(std::vector<std::vector<float>>* v) {
+  v->resize(layout_.tensors.size());  // one per tensor; each keeps its capacity between steps
+  return *v;
+}
+
 absl::Status Session::CheckRegions(const char* when) {
   for (Role r : {Role::kParameters, Role::kGradients}) {
     const Binding& b = binding(r);
@@ -434,7 +439,7 @@ absl::StatusOr<StepResult> Session::Step(const StepRequest& request,
 
   // Gradients as fp32: in place when daemon-owned f32 and unscaled; copied from shm.
   const size_t n = layout_.tensors.size();
-  std::vector<std::vector<float>> grad_copies(n);
+  std::vector<std::vector<float>>& grad_copies = ScratchBuffers(&grad_scratch_);
   std::vector<const float*> grads(n);
   bool finite = GradientsF32(scale, &grad_copies, &grads);
   DIOND_RETURN_IF_ERROR(CheckRegions(when.c_str()));
@@ -453,7 +458,7 @@ absl::StatusOr<StepResult> Session::Step(const StepRequest& request,
   }
 
   // Parameters as fp32: in place for daemon-owned f32 arenas; master or copies otherwise.
-  std::vector<std::vector<float>> param_copies(n);
+  std::vector<std::vector<float>>& param_copies = ScratchBuffers(&param_scratch_);
   std::vector<float*> params(n);
   ParamsF32(&param_copies, &params);
   DIOND_RETURN_IF_ERROR(CheckRegions(when.c_str()));
@@ -896,6 +901,11 @@ SessionInfo Session::Info() {
   info.last_step_index = last_step_index_;
   info.state_bytes = state_bytes_.load();
   info.host_bytes = static_cast<int64_t>(params_.host.size() + grads_.host.size());
+  for (const auto* scratch : {&grad_scratch_, &param_scratch_}) {
+    for (const std::vector<float>& v : *scratch) {
+      info.host_bytes += 4 * static_cast<int64_t>(v.capacity());
+    }
+  }
   info.last_used = last_used_;
   return info;
 }
@@ -1067,7 +1077,7 @@ absl::StatusOr<StepResult> Session::WorldStepLocked(const StepRequest& request,
   // found broken here fails this rank's step before any collective (the other ranks' steps then
   // fail on their collectives' timeout, and the world session must be created again).
   const size_t n = layout_.tensors.size();
-  std::vector<std::vector<float>> grad_copies(n);
+  std::vector<std::vector<float>>& grad_copies = ScratchBuffers(&grad_scratch_);
   std::vector<const float*> grads(n);
   bool finite = GradientsF32(scale, &grad_copies, &grads);
   DIOND_RETURN_IF_ERROR(CheckRegions(std::string(absl::StripSuffix(where, ": ")).c_str()));
@@ -1123,7 +1133,7 @@ absl::StatusOr<StepResult> Session::WorldStepLocked(const StepRequest& request,
   }
 
   // Parameters as fp32 (as Step does).
-  std::vector<std::vector<float>> param_copies(n);
+  std::vector<std::vector<float>>& param_copies = ScratchBuffers(&param_scratch_);
   std::vector<float*> params(n);
   ParamsF32(&param_copies, &params);
   DIOND_RETURN_IF_ERROR(CheckRegions(std::string(absl::StripSuffix(where, ": ")).c_str()));
