@@ -336,8 +336,9 @@ std::vector<std::vector<float>>& Session::ScratchBuffers(std::vector<std::vector
   return *v;
 }
 
-absl::Status Session::CheckRegions(const char* when) {
+absl::Status Session::CheckRegions(const char* when, std::optional<Role> only) {
   for (Role r : {Role::kParameters, Role::kGradients}) {
+    if (only.has_value() && *only != r) continue;
     const Binding& b = binding(r);
     if (b.region == nullptr) continue;
     if (absl::Status s = b.region->CheckIntact(); !s.ok()) {
@@ -630,7 +631,7 @@ absl::Status Session::ApplyGradientWrites(const std::vector<TensorWrite>& writes
     }
   }
   DIOND_RETURN_IF_ERROR(ValidateWrites(writes, /*state_names=*/false, nullptr));
-  DIOND_RETURN_IF_ERROR(CheckRegions("PushGradients"));
+  DIOND_RETURN_IF_ERROR(CheckRegions("PushGradients", Role::kGradients));
   DIOND_RETURN_IF_ERROR(EnsureHostArena(Role::kGradients));
   for (const TensorWrite& w : writes) {
     for (const TensorPlacement& t : layout_.tensors) {
@@ -640,7 +641,7 @@ absl::Status Session::ApplyGradientWrites(const std::vector<TensorWrite>& writes
     }
   }
   // Only the gradients (which the trainer's truncation destroyed anyway) were written.
-  return CheckRegions("PushGradients");
+  return CheckRegions("PushGradients", Role::kGradients);
 }
 
 absl::Status Session::ApplyStateWrites(const std::vector<TensorWrite>& writes) {
@@ -694,10 +695,10 @@ absl::Status Session::ReadParameterBytes(const std::string& name, int64_t offset
                                                 len, ") is outside its ", t.size_bytes,
                                                 " bytes"));
     }
-    DIOND_RETURN_IF_ERROR(CheckRegions("PullParameters"));
+    DIOND_RETURN_IF_ERROR(CheckRegions("PullParameters", Role::kParameters));
     out->assign(reinterpret_cast<const char*>(params_.data + t.param_offset + offset),
                 static_cast<size_t>(len));
-    return CheckRegions("PullParameters");
+    return CheckRegions("PullParameters", Role::kParameters);
   }
   return absl::InvalidArgumentError(absl::StrCat("unknown parameter '", Bounded(name), "'"));
 }
@@ -722,7 +723,7 @@ absl::StatusOr<std::vector<NamedTensor>> Session::GetStateLocked(bool include_pa
       p.shape = t.shape;
       p.data.resize(static_cast<size_t>(t.numel));
       ReadParamF32(i, p.data.data());
-      DIOND_RETURN_IF_ERROR(CheckRegions("reading the parameters"));
+      DIOND_RETURN_IF_ERROR(CheckRegions("reading the parameters", Role::kParameters));
       out.push_back(std::move(p));
     }
     const Group& g = groups_[group_of_param_[i]];
@@ -785,13 +786,13 @@ absl::Status Session::SetStateLocked(const std::vector<NamedTensor>& tensors) {
     }
   }
   if (!param_writes.empty() && pending_params_.empty()) {
-    DIOND_RETURN_IF_ERROR(CheckRegions("SetState"));
+    DIOND_RETURN_IF_ERROR(CheckRegions("SetState", Role::kParameters));
     DIOND_RETURN_IF_ERROR(EnsureHostArena(Role::kParameters));
     for (const auto& [i, t] : param_writes) {
       const TensorPlacement& p = layout_.tensors[i];
       NarrowFromF32(p.dtype, t->data.data(), p.numel, params_.data + p.param_offset);
     }
-    DIOND_RETURN_IF_ERROR(CheckRegions("SetState"));
+    DIOND_RETURN_IF_ERROR(CheckRegions("SetState", Role::kParameters));
   }
   for (const auto& [i, t] : param_writes) {
     if (!pending_params_.empty()) {

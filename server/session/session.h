@@ -184,9 +184,11 @@ class Session {
   // weights, or copies in `copies` (shm arenas are always copied; WriteBackParams writes them).
   void ParamsF32(std::vector<std::vector<float>>* copies, std::vector<float*>* params)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // FAILED_PRECONDITION "<when>: the <ROLE> shm region ... shrank ..." when a bound region's
-  // segment is shorter than the region (fstat) or the SIGBUS guard caught a fault in it.
-  absl::Status CheckRegions(const char* when) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // FAILED_PRECONDITION "<when>: the <ROLE> shm region ... shrank ..." when a bound region (of
+  // role `only`, or of either role) has a segment shorter than the region (fstat) or the SIGBUS
+  // guard caught a fault in it.
+  absl::Status CheckRegions(const char* when, std::optional<Role> only = std::nullopt)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // `*v` sized to one buffer per tensor (buffers keep their contents' capacity).
   std::vector<std::vector<float>>& ScratchBuffers(std::vector<std::vector<float>>* v)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
