@@ -633,8 +633,10 @@ TEST(StreamBounds, FloodsAreRefusedBeforeTheyAreBuffered) {
               "MiB)\n", before / 1048576.0, after / 1048576.0);
   RecordProperty("peak_rss_before_bytes", std::to_string(before));
   RecordProperty("peak_rss_after_bytes", std::to_string(after));
-  // Each refused stream buffered at most two chunks (8 MiB); gRPC's own buffers come on top.
-  EXPECT_LT(after - before, int64_t{64} << 20);
+  // Each refused stream buffered at most two chunks (8 MiB); gRPC's own buffers come on top
+  // (measured: +30 MiB; +87 MiB under ASan, whose quarantine holds freed memory). Buffering a
+  // whole flood would add 800 MiB.
+  EXPECT_LT(after - before, int64_t{160} << 20);
   EXPECT_TRUE(daemon->Serving());
 }
 
