@@ -56,6 +56,22 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
           " without TLS; use a loopback or unix address, or --allow_insecure_remote"));
     }
   }
+  // The metrics endpoint is plain HTTP and names every session's counters: the same rule.
+  if (!options.metrics_address.empty() && !options.allow_insecure_remote) {
+    auto m = ParseListenAddresses(options.metrics_address);
+    if (!m.ok() || m->size() != 1 || (*m)[0].kind != ListenAddress::Kind::kTcp) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--metrics_address '", options.metrics_address, "' is not one HOST:PORT"));
+    }
+    if (!(*m)[0].loopback) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "refusing to serve /metrics on non-loopback ", (*m)[0].ToString(),
+          " (plain HTTP); use a loopback address, or --allow_insecure_remote"));
+    }
+  }
+  if (options.max_stream_bytes < 0) {
+    return absl::InvalidArgumentError("--max_stream_bytes must be >= 0");
+  }
   std::unique_ptr<Daemon> d(new Daemon);
   DIOND_ASSIGN_OR_RETURN(d->device_, kernels::SelectDevice(options.device, options.cuda_plugin));
 
@@ -168,6 +184,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   ro.manager = d->sessions_.get();
   ro.service.allow_shm_from_tcp = options.allow_shm_from_tcp;
   ro.health_address = options.health_address;
+  ro.service.max_stream_bytes = options.max_stream_bytes;
   if (wc.world_size > 1 && wc.rank == 0) {
     comm::CoordinatorOptions co;
     co.store_limits = wc.store_limits;

@@ -55,6 +55,7 @@ struct DaemonOptions {
   std::string tls_cert_file, tls_key_file;  // TLS on TCP listeners and to the coordinator
   std::string tls_client_ca_file;           // mTLS: CA of client (and daemon) certificates
   std::string world_secret_file;            // the world's shared secret (Peer service)
+  int64_t max_stream_bytes = int64_t{4} << 30;  // one PushGradients/SetState stream; 0 = no cap
   session::ManagerOptions sessions;
   WorldConfig world;
 };

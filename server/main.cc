@@ -1,6 +1,8 @@
 // diond: the optimizer-as-a-service daemon. The composition root (STYLE.md R1): parses flags,
 // starts the Daemon, waits for SIGTERM/SIGINT, drains and exits 0.
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -43,7 +45,8 @@ ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(10),
           "On SIGTERM/SIGINT, how long in-flight RPCs may run before they are cancelled.");
 ABSL_FLAG(std::string, ready_file, "",
           "If set, write a JSON file with the bound addresses and metrics port once serving "
-          "(written atomically; for scripts and tests that use port 0).");
+          "(mode 0600 whatever the umask, written atomically; for scripts and tests that use "
+          "port 0).");
 ABSL_FLAG(bool, allow_shm_from_tcp, false,
           "Accept RegisterRegion (shared memory) from TCP peers, not only Unix-socket peers.");
 ABSL_FLAG(int64_t, max_session_bytes, 0,
@@ -72,7 +75,12 @@ ABSL_FLAG(int64_t, checksum_every, 100,
           "World sessions: every N-th step the daemons compare parameter checksums; a copy that "
           "differs from its owner's is logged, counted and replaced by the owner's; 0 = never.");
 ABSL_FLAG(bool, allow_insecure_remote, false,
-          "Allow TCP listeners on non-loopback addresses without TLS. Off by default.");
+          "Allow TCP listeners and the --metrics_address endpoint on non-loopback addresses "
+          "without TLS. Off by default.");
+ABSL_FLAG(int64_t, max_stream_bytes, int64_t{4} << 30,
+          "Most bytes one PushGradients or SetState stream may carry (they are buffered until "
+          "the stream ends); more is RESOURCE_EXHAUSTED. A stream is also bounded by the "
+          "session's own tensor bytes. 0 = only that bound.");
 
 // Security (docs/OPERATIONS.md, "Security").
 ABSL_FLAG(std::string, auth_token_file, "",
@@ -127,13 +135,21 @@ bool IsMainFlagFile(absl::string_view file) {
   return file.find("server/main.cc") != absl::string_view::npos;
 }
 
+// Mode 0600 whatever the umask (issue 13, "Found 11"): only the daemon's user reads it.
 bool WriteFileAtomically(const std::string& path, const std::string& text) {
   std::string tmp = absl::StrCat(path, ".tmp.", getpid());
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    if (!out) return false;
-    out << text << "\n";
-    if (!out.flush()) return false;
+  int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
+  if (fd < 0) return false;
+  const std::string body = text + "\n";
+  bool ok = fchmod(fd, 0600) == 0;
+  for (size_t done = 0; ok && done < body.size();) {
+    ssize_t n = write(fd, body.data() + done, body.size() - done);
+    if (n <= 0) ok = false; else done += static_cast<size_t>(n);
+  }
+  ok = close(fd) == 0 && ok;
+  if (!ok) {
+    unlink(tmp.c_str());
+    return false;
   }
   return std::rename(tmp.c_str(), path.c_str()) == 0;
 }
@@ -207,6 +223,7 @@ int main(int argc, char** argv) {
   options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
   options.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
   options.world_secret_file = absl::GetFlag(FLAGS_world_secret_file);
+  options.max_stream_bytes = absl::GetFlag(FLAGS_max_stream_bytes);
   options.sessions.max_session_bytes = absl::GetFlag(FLAGS_max_session_bytes);
   options.sessions.memory_budget_bytes = absl::GetFlag(FLAGS_memory_budget_bytes);
   options.sessions.idle_timeout = absl::GetFlag(FLAGS_session_idle_timeout);

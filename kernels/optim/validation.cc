@@ -2,11 +2,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <string>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/bounded.h"
+#include "common/status_macros.h"
 
 namespace diond::optim {
 namespace {
@@ -27,9 +30,9 @@ absl::Status Range(const GroupConfig& c, absl::string_view name, double v, doubl
                              hi, hi_inclusive ? "]" : ")"));
 }
 
-absl::Status NonNegative(const GroupConfig& c, absl::string_view name, double v) {
-  if (std::isfinite(v) && v >= 0) return absl::OkStatus();
-  return Bad(c, absl::StrCat(name, " = ", v, " must be finite and >= 0"));
+absl::Status Bounded(const GroupConfig& c, absl::string_view name, double v, double max) {
+  if (absl::Status s = CheckStepKnob(name, v, max); !s.ok()) return Bad(c, s.message());
+  return absl::OkStatus();
 }
 
 bool IsMegabatch(AlgorithmKind k) { return HasBf16Path(k); }
@@ -37,10 +40,12 @@ bool IsMegabatch(AlgorithmKind k) { return HasBf16Path(k); }
 absl::Status CheckHyperparams(const GroupConfig& c) {
   const Hyperparams& h = c.hyperparams;
   const AlgorithmKind k = c.algorithm;
-  if (absl::Status s = NonNegative(c, "lr", h.lr); !s.ok()) return s;
-  if (absl::Status s = NonNegative(c, "weight_decay", h.weight_decay); !s.ok()) return s;
+  if (absl::Status s = Bounded(c, "lr", h.lr, kMaxLr); !s.ok()) return s;
+  if (absl::Status s = Bounded(c, "weight_decay", h.weight_decay, kMaxWeightDecay); !s.ok()) {
+    return s;
+  }
   if (k != AlgorithmKind::kLion) {
-    if (absl::Status s = NonNegative(c, "epsilon", h.epsilon); !s.ok()) return s;
+    if (absl::Status s = Bounded(c, "epsilon", h.epsilon, kMaxEpsilon); !s.ok()) return s;
   }
   if (k == AlgorithmKind::kMuon || k == AlgorithmKind::kNorMuon || k == AlgorithmKind::kDion ||
       k == AlgorithmKind::kNorDion2) {
@@ -157,9 +162,15 @@ absl::Status CheckShapes(const GroupConfig& c, const std::vector<ParamShape>& sh
         return Bad(c, absl::StrCat("split_sizes is only supported for 2-D parameters; ",
                                    "parameter ", i, " has shape ", ShapeString(s)));
       }
-      const int64_t sum = std::accumulate(c.split_sizes.begin(), c.split_sizes.end(), int64_t{0});
+      // Saturating: a client may send sizes whose sum overflows int64.
+      int64_t sum = 0;
+      for (int64_t v : c.split_sizes) {
+        sum = v > 0 && sum > std::numeric_limits<int64_t>::max() - v
+                  ? std::numeric_limits<int64_t>::max()
+                  : sum + v;
+      }
       if (sum != s[0]) {
-        return Bad(c, absl::StrCat("split_sizes [", absl::StrJoin(c.split_sizes, ","),
+        return Bad(c, absl::StrCat("split_sizes [", BoundedList(c.split_sizes),
                                    "] sum to ", sum, ", not dim 0 of parameter ", i, " ",
                                    ShapeString(s)));
       }
@@ -180,12 +191,12 @@ absl::Status CheckOptions(const GroupConfig& c) {
       return Bad(c, "split_sizes is not supported (Muon and NorMuon only)");
     }
     if (c.split_sizes.size() < 2) {
-      return Bad(c, absl::StrCat("split_sizes [", absl::StrJoin(c.split_sizes, ","),
+      return Bad(c, absl::StrCat("split_sizes [", BoundedList(c.split_sizes),
                                  "] needs at least 2 sizes"));
     }
     for (int64_t s : c.split_sizes) {
       if (s <= 0) {
-        return Bad(c, absl::StrCat("split_sizes [", absl::StrJoin(c.split_sizes, ","),
+        return Bad(c, absl::StrCat("split_sizes [", BoundedList(c.split_sizes),
                                    "] has a non-positive size"));
       }
     }
@@ -207,16 +218,19 @@ absl::Status ValidateGroup(const GroupConfig& config, const std::vector<ParamSha
   return CheckShapes(config, shapes);
 }
 
+absl::Status CheckStepKnob(absl::string_view name, double v, double max) {
+  if (std::isfinite(v) && v >= 0 && v <= max) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(name, " = ", v, " is outside [0, ", max,
+                                                 "] (finite)"));
+}
+
 absl::Status ValidateStepOptions(const StepOptions& options) {
-  if (options.lr.has_value() && !(std::isfinite(*options.lr) && *options.lr >= 0)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("step lr override = ", *options.lr, " must be finite and >= 0"));
+  if (options.lr.has_value()) {
+    DIOND_RETURN_IF_ERROR(CheckStepKnob("step lr override", *options.lr, kMaxLr));
   }
-  if (options.weight_decay.has_value() &&
-      !(std::isfinite(*options.weight_decay) && *options.weight_decay >= 0)) {
-    return absl::InvalidArgumentError(absl::StrCat("step weight_decay override = ",
-                                                   *options.weight_decay,
-                                                   " must be finite and >= 0"));
+  if (options.weight_decay.has_value()) {
+    DIOND_RETURN_IF_ERROR(
+        CheckStepKnob("step weight_decay override", *options.weight_decay, kMaxWeightDecay));
   }
   if (options.step.has_value() && *options.step < 1) {
     return absl::InvalidArgumentError(

@@ -10,13 +10,30 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "kernels/optim/optimizer_types.h"
 
 namespace diond::optim {
 
+// Upper bounds of the step-size knobs. Every update is computed in fp32 as w -= lr * (update) and
+// w *= 1 - lr * weight_decay, where each rule's update is bounded (orthogonalized matrices have
+// entries <= 1 times an lr adjustment of at most ~1e3, Adam's ratio and Lion's sign are O(1)):
+// with lr, weight_decay <= 1e4 no single step can overflow fp32 (max ~3.4e38) from finite
+// weights, and every value stays exactly representable as a float. 1e308 used to be accepted
+// and wrote NaN into every weight (Muon) or failed only at Step time (AdamW, Lion).
+inline constexpr double kMaxLr = 1e4;
+inline constexpr double kMaxWeightDecay = 1e4;
+inline constexpr double kMaxEpsilon = 1e4;
+
+// INVALID_ARGUMENT "<name> = <v> is outside [0, <max>]" unless v is finite and in [0, max]: the
+// one rule for lr and weight_decay wherever they arrive (CreateSession, SetHyperparameters,
+// Step's lr_override).
+absl::Status CheckStepKnob(absl::string_view name, double v, double max);
+
 // Checks every hyperparameter the algorithm reads (finite and in range), every option
 // (rejected when the algorithm lacks it), and every shape against the algorithm and options:
-//   * all: lr >= 0, weight_decay >= 0, epsilon >= 0, all doubles finite.
+//   * all: lr in [0, kMaxLr], weight_decay in [0, kMaxWeightDecay], epsilon in
+//     [0, kMaxEpsilon], all doubles finite.
 //   * Muon/NorMuon: mu in [0, 1); NorMuon/NorDion2: muon_beta2 in [0, 1).
 //   * Dion2/NorDion2: fraction in (0, 1]; Dion2: ef_decay in [0, 1]; NorDion2: mu in [0, 1).
 //   * Dion: mu in [0, 1), rank_fraction in (0, 1], rank_multiple_of >= 1; 2-D parameters only;
@@ -33,7 +50,7 @@ namespace diond::optim {
 //   * at least one parameter.
 absl::Status ValidateGroup(const GroupConfig& config, const std::vector<ParamShape>& shapes);
 
-// lr / weight_decay overrides: finite and >= 0; step number >= 1.
+// lr / weight_decay overrides: as CheckStepKnob.
 absl::Status ValidateStepOptions(const StepOptions& options);
 
 }  // namespace diond::optim

@@ -4,6 +4,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/bounded.h"
 
 namespace diond::comm {
 
@@ -29,10 +30,14 @@ bool MemoryKeyValueStore::HasAll(const std::vector<std::string>& keys) const {
 }
 
 std::string MemoryKeyValueStore::Missing(const std::vector<std::string>& keys) const {
+  // Bounded (the keys come from peers): at most 8 keys of at most 200 bytes each, then a count.
   std::string out;
+  size_t missing = 0;
   for (const auto& k : keys) {
-    if (data_.find(k) == data_.end()) absl::StrAppend(&out, out.empty() ? "" : ", ", "'", k, "'");
+    if (data_.find(k) != data_.end()) continue;
+    if (++missing <= 8) absl::StrAppend(&out, out.empty() ? "" : ", ", "'", Bounded(k), "'");
   }
+  if (missing > 8) absl::StrAppend(&out, ", \xe2\x80\xa6 (", missing, " keys)");
   return out;
 }
 
@@ -84,7 +89,7 @@ absl::Status MemoryKeyValueStore::Set(absl::string_view key, absl::string_view v
 absl::StatusOr<std::string> MemoryKeyValueStore::Get(absl::string_view key) {
   absl::MutexLock lock(&mu_);
   auto it = data_.find(key);
-  if (it == data_.end()) return absl::NotFoundError(absl::StrCat("no key '", key, "'"));
+  if (it == data_.end()) return absl::NotFoundError(absl::StrCat("no key '", Bounded(key), "'"));
   return it->second;
 }
 

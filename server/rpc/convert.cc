@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "common/bounded.h"
 #include "common/status_macros.h"
 
 namespace diond::rpc {
@@ -19,7 +20,7 @@ absl::StatusOr<optim::AlgorithmKind> AlgorithmFromProto(int v, const std::string
     case v1::ALGORITHM_LION: return optim::AlgorithmKind::kLion;
     default:
       return absl::InvalidArgumentError(
-          absl::StrCat("group '", group, "': algorithm ", v, " is not a known Algorithm value"));
+          absl::StrCat("group '", Bounded(group), "': algorithm ", v, " is not a known Algorithm value"));
   }
 }
 
@@ -199,11 +200,11 @@ absl::StatusOr<session::SessionSpec> SpecFromProto(const v1::CreateSessionReques
     gs.config.hyperparams = optim::DefaultHyperparams(gs.config.algorithm);
     absl::Status s = ApplyHyperparameters(g.hyperparameters(), &gs.config.hyperparams);
     if (!s.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat("group '", g.name(), "': ", s.message()));
+      return absl::InvalidArgumentError(absl::StrCat("group '", Bounded(g.name()), "': ", s.message()));
     }
     if (g.num_heads() < 0) {
       return absl::InvalidArgumentError(
-          absl::StrCat("group '", g.name(), "': num_heads ", g.num_heads(), " must be >= 0"));
+          absl::StrCat("group '", Bounded(g.name()), "': num_heads ", g.num_heads(), " must be >= 0"));
     }
     gs.config.num_heads = g.num_heads() == 0 ? 1 : g.num_heads();
     gs.config.split_sizes.assign(g.split_sizes().begin(), g.split_sizes().end());
@@ -216,7 +217,7 @@ absl::StatusOr<session::SessionSpec> SpecFromProto(const v1::CreateSessionReques
         break;
       default:
         return absl::InvalidArgumentError(
-            absl::StrCat("group '", g.name(), "': precision ", g.precision(), " is unknown"));
+            absl::StrCat("group '", Bounded(g.name()), "': precision ", g.precision(), " is unknown"));
     }
     gs.config.seed = g.seed();
     spec.groups.push_back(std::move(gs));
@@ -226,7 +227,7 @@ absl::StatusOr<session::SessionSpec> SpecFromProto(const v1::CreateSessionReques
     ps.name = p.name();
     ps.shape.assign(p.shape().begin(), p.shape().end());
     DIOND_ASSIGN_OR_RETURN(ps.dtype,
-                           DTypeFromProto(p.dtype(), absl::StrCat("parameter '", p.name(), "'")));
+                           DTypeFromProto(p.dtype(), absl::StrCat("parameter '", Bounded(p.name()), "'")));
     ps.group = p.group();
     spec.params.push_back(std::move(ps));
   }

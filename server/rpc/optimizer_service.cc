@@ -8,6 +8,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/bounded.h"
 #include "common/logging.h"
 #include "server/rpc/convert.h"
 #include "server/rpc/status_conversion.h"
@@ -45,6 +46,11 @@ absl::StatusOr<std::shared_ptr<session::Session>> Owned(session::SessionManager*
 // finished. A cancelled (truncated) stream applies nothing: OnReadDone(false) means either a
 // half-close or a cancellation, so the context is asked which (without the check, a client
 // that cancelled after sending complete tensors saw CANCELLED while its writes were applied).
+//
+// Nothing is buffered that could not be applied (issue 13, "Found 7"): the first chunk must
+// name an existing session, every chunk must name one of its tensors and lie inside it
+// (Session::CheckStreamChunk), and the bytes buffered are bounded by the tensors the session
+// can take in this stream and by --max_stream_bytes. The first violation ends the stream.
 class ChunkReader : public grpc::ServerReadReactor<v1::TensorChunk> {
  public:
   using Apply = std::function<absl::Status(const std::string& session,
@@ -53,10 +59,15 @@ class ChunkReader : public grpc::ServerReadReactor<v1::TensorChunk> {
   using Check = std::function<absl::Status(const std::string& session)>;
   // `check` runs on the first chunk's session id (authentication and ownership) before anything
   // is buffered.
-  ChunkReader(grpc::CallbackServerContext* ctx, int64_t max_chunk_bytes, Check check, Apply apply)
+  ChunkReader(grpc::CallbackServerContext* ctx, session::SessionManager* manager,
+              session::StreamKind kind, const OptimizerServiceOptions& options, Check check,
+              Apply apply)
       : ctx_(ctx),
-        max_chunk_bytes_(max_chunk_bytes),
+        manager_(manager),
         check_(std::move(check)),
+        kind_(kind),
+        max_chunk_bytes_(options.max_chunk_bytes),
+        max_stream_bytes_(options.max_stream_bytes),
         apply_(std::move(apply)) {
     StartRead(&chunk_);
   }
@@ -67,13 +78,7 @@ class ChunkReader : public grpc::ServerReadReactor<v1::TensorChunk> {
         Finish(grpc::Status(grpc::StatusCode::CANCELLED, "stream cancelled; nothing applied"));
         return;
       }
-      // The client half-closed: the stream is complete. An empty stream still authenticates.
-      if (chunks_ == 0) {
-        if (absl::Status c = check_(session_); !c.ok()) {
-          Finish(ToGrpcStatus(c));
-          return;
-        }
-      }
+      // The client half-closed: the stream is complete.
       Finish(ToGrpcStatus(apply_(session_, std::move(writes_), bytes_, chunks_)));
       return;
     }
@@ -87,15 +92,45 @@ class ChunkReader : public grpc::ServerReadReactor<v1::TensorChunk> {
         Finish(ToGrpcStatus(c));
         return;
       }
-    }
-    if (static_cast<int64_t>(chunk_.data().size()) > max_chunk_bytes_) {
+      auto s = manager_->Get(session_);
+      if (!s.ok()) {
+        Finish(ToGrpcStatus(s.status()));
+        return;
+      }
+      target_ = *std::move(s);
+      limit_ = target_->StreamBytesLimit(kind_);
+    } else if (!chunk_.session_id().empty() && chunk_.session_id() != session_) {
       Finish(ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
-          "chunk of '", chunk_.name(), "' has ", chunk_.data().size(), " bytes; the limit is ",
+          "chunk ", chunks_, " names session '", Bounded(chunk_.session_id()),
+          "'; a stream writes into the session its first chunk names"))));
+      return;
+    }
+    const int64_t len = static_cast<int64_t>(chunk_.data().size());
+    if (len > max_chunk_bytes_) {
+      Finish(ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+          "chunk of '", Bounded(chunk_.name()), "' has ", len, " bytes; the limit is ",
           max_chunk_bytes_))));
       return;
     }
+    if (absl::Status c = target_->CheckStreamChunk(kind_, chunk_.name(), chunk_.offset_bytes(), len);
+        !c.ok()) {
+      Finish(ToGrpcStatus(c));
+      return;
+    }
+    if (bytes_ + len > limit_) {
+      Finish(ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+          "the stream carries more than the ", limit_, " bytes of tensors session ", session_,
+          " can take in it (a tensor is sent twice)"))));
+      return;
+    }
+    if (max_stream_bytes_ > 0 && bytes_ + len > max_stream_bytes_) {
+      Finish(ToGrpcStatus(absl::ResourceExhaustedError(absl::StrCat(
+          "the stream carries more than --max_stream_bytes=", max_stream_bytes_,
+          " bytes; send the tensors in several streams, or use shared memory"))));
+      return;
+    }
     ++chunks_;
-    bytes_ += static_cast<int64_t>(chunk_.data().size());
+    bytes_ += len;
     writes_.push_back({chunk_.name(), chunk_.offset_bytes(), std::move(*chunk_.mutable_data())});
     StartRead(&chunk_);
   }
@@ -104,11 +139,16 @@ class ChunkReader : public grpc::ServerReadReactor<v1::TensorChunk> {
 
  private:
   grpc::CallbackServerContext* ctx_;
-  int64_t max_chunk_bytes_;
+  session::SessionManager* manager_;
   Check check_;
+  session::StreamKind kind_;
+  int64_t max_chunk_bytes_;
+  int64_t max_stream_bytes_;
   Apply apply_;
   v1::TensorChunk chunk_;
   std::string session_;
+  std::shared_ptr<session::Session> target_;
+  int64_t limit_ = 0;
   std::vector<session::TensorWrite> writes_;
   int64_t bytes_ = 0;
   int64_t chunks_ = 0;
@@ -288,7 +328,7 @@ grpc::ServerUnaryReactor* OptimizerService::Step(grpc::CallbackServerContext* ct
 grpc::ServerReadReactor<v1::TensorChunk>* OptimizerService::PushGradients(
     grpc::CallbackServerContext* ctx, v1::PushGradientsResponse* resp) {
   session::SessionManager* manager = manager_;
-  return new ChunkReader(ctx, options_.max_chunk_bytes, OwnerCheck(ctx),
+  return new ChunkReader(ctx, manager_, session::StreamKind::kGradients, options_, OwnerCheck(ctx),
                          [manager, resp](const std::string& id,
                                          std::vector<session::TensorWrite> writes, int64_t bytes,
                                          int64_t chunks) -> absl::Status {
@@ -327,7 +367,7 @@ grpc::ServerWriteReactor<v1::TensorChunk>* OptimizerService::PullParameters(
         }
       }
       if (!found) {
-        return FailWrite(absl::InvalidArgumentError(absl::StrCat("unknown parameter '", n, "'")));
+        return FailWrite(absl::InvalidArgumentError(absl::StrCat("unknown parameter '", Bounded(n), "'")));
       }
     }
   }
@@ -424,7 +464,7 @@ grpc::ServerWriteReactor<v1::TensorChunk>* OptimizerService::GetState(
 grpc::ServerReadReactor<v1::TensorChunk>* OptimizerService::SetState(
     grpc::CallbackServerContext* ctx, v1::SetStateResponse* resp) {
   session::SessionManager* manager = manager_;
-  return new ChunkReader(ctx, options_.max_chunk_bytes, OwnerCheck(ctx),
+  return new ChunkReader(ctx, manager_, session::StreamKind::kState, options_, OwnerCheck(ctx),
                          [manager, resp](const std::string& id,
                                          std::vector<session::TensorWrite> writes, int64_t,
                                          int64_t) -> absl::Status {

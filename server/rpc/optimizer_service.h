@@ -18,6 +18,9 @@ struct OptimizerServiceOptions {
   // remote caller could otherwise probe the daemon's shm namespace). Unix-socket peers always may.
   bool allow_shm_from_tcp = false;
   int64_t max_chunk_bytes = 4 << 20;
+  // PushGradients / SetState: the most bytes one stream may buffer (--max_stream_bytes;
+  // 0 = only the session's own bound: the bytes of the tensors the stream can write).
+  int64_t max_stream_bytes = int64_t{4} << 30;
 };
 
 class OptimizerService final : public diond::v1::Optimizer::CallbackService {

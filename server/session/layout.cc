@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/bounded.h"
 
 namespace diond::session {
 
@@ -13,26 +14,26 @@ absl::StatusOr<Layout> ComputeLayout(const std::vector<ParamSpec>& params) {
   int64_t offset = 0;
   for (const ParamSpec& p : params) {
     if (p.shape.size() > 8) {
-      return absl::InvalidArgumentError(absl::StrCat("parameter '", p.name, "' has ",
+      return absl::InvalidArgumentError(absl::StrCat("parameter '", Bounded(p.name), "' has ",
                                                      p.shape.size(), " dims; at most 8"));
     }
     int64_t numel = 1;
     for (int64_t d : p.shape) {
       if (d <= 0) {
-        return absl::InvalidArgumentError(absl::StrCat("parameter '", p.name, "' shape [",
+        return absl::InvalidArgumentError(absl::StrCat("parameter '", Bounded(p.name), "' shape [",
                                                        absl::StrJoin(p.shape, ", "),
                                                        "] has a non-positive dimension"));
       }
       if (numel > kMax / d) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "parameter '", p.name, "' shape [", absl::StrJoin(p.shape, ", "), "] overflows int64"));
+            "parameter '", Bounded(p.name), "' shape [", absl::StrJoin(p.shape, ", "), "] overflows int64"));
       }
       numel *= d;
     }
     const int64_t elem = static_cast<int64_t>(kernels::DTypeSize(p.dtype));
     if (numel > kMax / elem - kArenaAlignment) {
       return absl::InvalidArgumentError(
-          absl::StrCat("parameter '", p.name, "' is too large: ", numel, " elements"));
+          absl::StrCat("parameter '", Bounded(p.name), "' is too large: ", numel, " elements"));
     }
     const int64_t bytes = numel * elem;
     if (offset > kMax - bytes - kArenaAlignment) {

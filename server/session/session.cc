@@ -12,9 +12,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
+#include "common/bounded.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "kernels/optim/validation.h"
 #include "server/comm/world.h"
 #include "server/session/layout.h"
 
@@ -116,26 +119,30 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, Session
   for (size_t g = 0; g < spec.groups.size(); ++g) {
     const std::string& name = spec.groups[g].name;
     if (name.empty()) return absl::InvalidArgumentError(absl::StrCat("group ", g, " has no name"));
+    if (name.size() > 512) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("group name '", Bounded(name), "' must be 1..512 bytes"));
+    }
     if (!group_index.emplace(name, g).second) {
-      return absl::InvalidArgumentError(absl::StrCat("duplicate group name '", name, "'"));
+      return absl::InvalidArgumentError(absl::StrCat("duplicate group name '", Bounded(name), "'"));
     }
   }
   std::set<std::string> names;
   for (const ParamSpec& p : spec.params) {
     if (p.name.empty() || p.name.size() > 512) {
       return absl::InvalidArgumentError(
-          absl::StrCat("parameter name '", p.name.substr(0, 64), "' must be 1..512 bytes"));
+          absl::StrCat("parameter name '", Bounded(p.name), "' must be 1..512 bytes"));
     }
     if (absl::StrContains(p.name, "/state.")) {
       return absl::InvalidArgumentError(
-          absl::StrCat("parameter name '", p.name, "' may not contain '/state.'"));
+          absl::StrCat("parameter name '", Bounded(p.name), "' may not contain '/state.'"));
     }
     if (!names.insert(p.name).second) {
-      return absl::InvalidArgumentError(absl::StrCat("duplicate parameter name '", p.name, "'"));
+      return absl::InvalidArgumentError(absl::StrCat("duplicate parameter name '", Bounded(p.name), "'"));
     }
     if (!group_index.contains(p.group)) {
       return absl::InvalidArgumentError(
-          absl::StrCat("parameter '", p.name, "' names unknown group '", p.group, "'"));
+          absl::StrCat("parameter '", Bounded(p.name), "' names unknown group '", Bounded(p.group), "'"));
     }
   }
   DIOND_ASSIGN_OR_RETURN(Layout layout, ComputeLayout(spec.params));
@@ -161,7 +168,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, Session
     for (size_t i : group.params) shapes.push_back(spec.params[i].shape);
     auto opt = optim::CreateGroupOptimizer(spec.groups[g].config, shapes);
     if (!opt.ok()) {
-      return absl::Status(opt.status().code(), absl::StrCat("group '", group.name, "': ",
+      return absl::Status(opt.status().code(), absl::StrCat("group '", Bounded(group.name), "': ",
                                                             opt.status().message()));
     }
     group.optimizer = std::move(*opt);
@@ -214,25 +221,36 @@ absl::StatusOr<std::string> Session::RegisterShmRegion(Role role, const std::str
     int64_t b0 = other.region->offset(), b1 = b0 + other.region->size();
     if (a0 < b1 && b0 < a1) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "region [", a0, ", ", a1, ") of '", name, "' overlaps the ",
+          "region [", a0, ", ", a1, ") of '", Bounded(name), "' overlaps the ",
           RoleName(role == Role::kParameters ? Role::kGradients : Role::kParameters),
           " region [", b0, ", ", b1, ")"));
     }
   }
-  DIOND_ASSIGN_OR_RETURN(std::unique_ptr<ShmRegion> region, ShmRegion::Open(name, offset, size));
+  DIOND_ASSIGN_OR_RETURN(std::unique_ptr<ShmRegion> region,
+                         ShmRegion::Open(name, offset, size, id_));
   // Remote-mode data already in a host arena, or parameters restored from a checkpoint, move
-  // into the trainer's memory now, so nothing the daemon holds is lost.
-  if (role == Role::kParameters && !pending_params_.empty()) {
+  // into the trainer's memory now, so nothing the daemon holds is lost. The daemon's copies are
+  // dropped only once the trainer's memory took them intact (the segment may shrink meanwhile).
+  const bool from_pending = role == Role::kParameters && !pending_params_.empty();
+  if (from_pending) {
     for (size_t i = 0; i < layout_.tensors.size(); ++i) {
       const TensorPlacement& t = layout_.tensors[i];
       NarrowFromF32(t.dtype, pending_params_[i].data(), t.numel,
                     region->data() + t.param_offset);
+    }
+  } else if (!b.host.empty()) {
+    std::memcpy(region->data(), b.host.data(), static_cast<size_t>(need));
+  }
+  if (absl::Status intact = region->CheckIntact(); !intact.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(RoleName(role), " ", intact.message(), "; nothing was registered"));
+  }
+  if (from_pending) {
+    for (size_t i = 0; i < layout_.tensors.size(); ++i) {
       if (!master_.empty() && !master_[i].empty()) master_[i] = pending_params_[i];
     }
     master_valid_ = !master_.empty();
     pending_params_.clear();
-  } else if (!b.host.empty()) {
-    std::memcpy(region->data(), b.host.data(), static_cast<size_t>(need));
   }
   b.host.clear();
   b.host.shrink_to_fit();
@@ -253,7 +271,7 @@ absl::Status Session::UnregisterRegion(const std::string& region_id) {
       return absl::OkStatus();
     }
   }
-  return absl::NotFoundError(absl::StrCat("session ", id_, " has no region '", region_id, "'"));
+  return absl::NotFoundError(absl::StrCat("session ", id_, " has no region '", Bounded(region_id), "'"));
 }
 
 absl::Status Session::EnsureHostArena(Role r) {
@@ -302,7 +320,9 @@ bool Session::GradientsF32(double scale, std::vector<std::vector<float>>* copies
   for (size_t i = 0; i < layout_.tensors.size(); ++i) {
     const TensorPlacement& t = layout_.tensors[i];
     const uint8_t* src = grads_.data + t.grad_offset;
-    if (t.dtype == DType::kF32 && scale == 1.0) {
+    // Trainer memory (shm) is copied once, so that nothing computes on memory the trainer can
+    // truncate (ShmRegion's SIGBUS guard); daemon-owned host arenas are used in place.
+    if (t.dtype == DType::kF32 && scale == 1.0 && grads_.region == nullptr) {
       (*grads)[i] = reinterpret_cast<const float*>(src);
     } else {
       std::vector<float>& c = (*copies)[i];
@@ -322,7 +342,7 @@ bool Session::GradientsF32(double scale, std::vector<std::vector<float>>* copies
 void Session::ParamsF32(std::vector<std::vector<float>>* copies, std::vector<float*>* params) {
   for (size_t i = 0; i < layout_.tensors.size(); ++i) {
     const TensorPlacement& t = layout_.tensors[i];
-    if (t.dtype == DType::kF32) {
+    if (t.dtype == DType::kF32 && params_.region == nullptr) {
       (*params)[i] = reinterpret_cast<float*>(params_.data + t.param_offset);
     } else if (!master_.empty() && !master_[i].empty()) {
       if (!master_valid_) {
@@ -336,7 +356,63 @@ void Session::ParamsF32(std::vector<std::vector<float>>* copies, std::vector<flo
       (*params)[i] = c.data();
     }
   }
-  if (!master_.empty()) master_valid_ = true;
+}
+
+std::vector<std::vector<float>>& Session::ScratchBuffers(std::vector<std::vector<float>>* v) {
+  v->resize(layout_.tensors.size());  // one per tensor; each keeps its capacity between steps
+  return *v;
+}
+
+absl::Status Session::CheckRegions(const char* when, std::optional<Role> only) {
+  for (Role r : {Role::kParameters, Role::kGradients}) {
+    if (only.has_value() && *only != r) continue;
+    const Binding& b = binding(r);
+    if (b.region == nullptr) continue;
+    if (absl::Status s = b.region->CheckIntact(); !s.ok()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(when, ": the ", RoleName(r), " ", s.message(), "; nothing was changed"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Session::WriteBackParams(const std::vector<float*>& params, StepResult result) {
+  const std::string when = absl::StrCat("step ", result.step_index);
+  // A last cheap look before the trainer's memory is written (the segment may have shrunk
+  // during the computation); then the write, then whether it faulted.
+  bool intact = params_.region == nullptr || params_.region->CheckIntact().ok();
+  if (intact) {
+    for (size_t i = 0; i < layout_.tensors.size(); ++i) {
+      const TensorPlacement& t = layout_.tensors[i];
+      uint8_t* dst = params_.data + t.param_offset;
+      if (reinterpret_cast<uint8_t*>(params[i]) != dst) {
+        NarrowFromF32(t.dtype, params[i], t.numel, dst);
+      }
+    }
+    if (!master_.empty()) master_valid_ = true;
+    intact = params_.region == nullptr || !params_.region->broken();
+  }
+  last_step_index_ = result.step_index;
+  last_result_ = result;
+  if (intact) return absl::OkStatus();
+  // The step was computed and the optimizer state advanced; only the trainer's memory is gone.
+  // Keep the new weights (as after a checkpoint restore) for the next PARAMETERS region, so
+  // that nothing is lost, and drop the broken region.
+  const std::string region = params_.region->Describe();
+  std::vector<std::vector<float>> held(layout_.tensors.size());
+  for (size_t i = 0; i < layout_.tensors.size(); ++i) {
+    held[i].assign(params[i], params[i] + layout_.tensors[i].numel);
+  }
+  pending_params_ = std::move(held);
+  params_ = Binding();
+  master_valid_ = false;
+  DIOND_LOG(WARNING) << "session " << id_ << ": PARAMETERS " << region << " shrank while "
+                     << when << " was written back; the daemon holds the updated weights";
+  return absl::FailedPreconditionError(absl::StrCat(
+      when, ": the PARAMETERS ", region,
+      " shrank while the updated weights were written back. The step was applied (a replay of "
+      "it answers as usual) and the daemon holds the new weights: register a new PARAMETERS "
+      "region to receive them, or read them with PullParameters"));
 }
 
 namespace {
@@ -386,12 +462,11 @@ absl::StatusOr<StepResult> Session::Step(const StepRequest& request,
     bool known = false;
     for (const Group& g : groups_) known |= g.name == group;
     if (!known) {
-      return absl::InvalidArgumentError(absl::StrCat("lr_override names unknown group '", group, "'"));
-    }
-    if (!std::isfinite(lr) || lr < 0) {
       return absl::InvalidArgumentError(
-          absl::StrCat("lr_override['", group, "'] = ", lr, " must be finite and >= 0"));
+          absl::StrCat("lr_override names unknown group '", Bounded(group), "'"));
     }
+    DIOND_RETURN_IF_ERROR(
+        optim::CheckStepKnob(absl::StrCat("lr_override['", Bounded(group), "']"), lr, optim::kMaxLr));
   }
   for (const auto& [group, n] : request.group_step) {
     bool known = false;
@@ -414,13 +489,19 @@ absl::StatusOr<StepResult> Session::Step(const StepRequest& request,
         "no gradients: register a GRADIENTS region (or PushGradients) before Step");
   }
   DIOND_RETURN_IF_ERROR(EnsureHostArena(Role::kParameters));
+  const std::string when = absl::StrCat("step ", request.step_index);
+  // The trainer may have truncated its segments: a cheap look first (fstat), then, after each
+  // pass over its memory, whether the SIGBUS guard caught a fault. Until the weights are
+  // written back nothing of the session has changed.
+  DIOND_RETURN_IF_ERROR(CheckRegions(when.c_str()));
   if (world_.has_value()) return WorldStepLocked(request, ctx, compute_mu, start);
 
-  // Gradients as fp32: in place when the trainer's are f32 and unscaled (zero copy).
+  // Gradients as fp32: in place when daemon-owned f32 and unscaled; copied from shm.
   const size_t n = layout_.tensors.size();
-  std::vector<std::vector<float>> grad_copies(n);
+  std::vector<std::vector<float>>& grad_copies = ScratchBuffers(&grad_scratch_);
   std::vector<const float*> grads(n);
   bool finite = GradientsF32(scale, &grad_copies, &grads);
+  DIOND_RETURN_IF_ERROR(CheckRegions(when.c_str()));
   StepResult result;
   result.step_index = request.step_index;
   if (!finite) {
@@ -435,10 +516,11 @@ absl::StatusOr<StepResult> Session::Step(const StepRequest& request,
     return result;
   }
 
-  // Parameters as fp32: in place for f32 arenas; master or widened copies otherwise.
-  std::vector<std::vector<float>> param_copies(n);
+  // Parameters as fp32: in place for daemon-owned f32 arenas; master or copies otherwise.
+  std::vector<std::vector<float>>& param_copies = ScratchBuffers(&param_scratch_);
   std::vector<float*> params(n);
   ParamsF32(&param_copies, &params);
+  DIOND_RETURN_IF_ERROR(CheckRegions(when.c_str()));
 
   const absl::Time compute_start = absl::Now();
   {
@@ -469,16 +551,9 @@ absl::StatusOr<StepResult> Session::Step(const StepRequest& request,
     }
   }
   result.compute_micros = absl::ToInt64Microseconds(absl::Now() - compute_start);
-  // Write back what was computed outside the arena.
-  for (size_t i = 0; i < n; ++i) {
-    const TensorPlacement& t = layout_.tensors[i];
-    if (t.dtype != DType::kF32) {
-      NarrowFromF32(t.dtype, params[i], t.numel, params_.data + t.param_offset);
-    }
-  }
   result.total_micros = absl::ToInt64Microseconds(absl::Now() - start);
-  last_step_index_ = request.step_index;
-  last_result_ = result;
+  // Write back what was computed outside the arena, and record the step.
+  DIOND_RETURN_IF_ERROR(WriteBackParams(params, result));
   return result;
 }
 
@@ -495,15 +570,80 @@ absl::Status Session::ResolveStateName(const std::string& name, size_t* param, s
     const Group& g = groups_[*group];
     auto s = g.optimizer->StateShape(slot_in_group_[i], *state);
     if (!s.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat("unknown state '", name, "': group '",
+      return absl::InvalidArgumentError(absl::StrCat("unknown state '", Bounded(name), "': group '",
                                                      g.name, "' has state ",
                                                      absl::StrJoin(g.optimizer->StateNames(), ", ")));
     }
     *shape = *s;
     return absl::OkStatus();
   }
-  return absl::InvalidArgumentError(absl::StrCat("state '", name, "' names unknown parameter '",
-                                                 pname, "'"));
+  return absl::InvalidArgumentError(absl::StrCat("state '", Bounded(name), "' names unknown parameter '",
+                                                 Bounded(pname), "'"));
+}
+
+absl::Status Session::CheckWriteLocked(const std::string& name, int64_t offset, int64_t len,
+                                       bool state_names, int64_t* tensor_bytes) {
+  int64_t size = -1;
+  int64_t elem = 4;
+  for (const TensorPlacement& t : layout_.tensors) {
+    if (t.name == name) {
+      size = t.size_bytes;
+      elem = static_cast<int64_t>(kernels::DTypeSize(t.dtype));
+    }
+  }
+  if (size < 0 && state_names) {
+    size_t p, g;
+    std::string st;
+    std::vector<int64_t> shape;
+    absl::Status s = ResolveStateName(name, &p, &g, &st, &shape);
+    if (!s.ok() && !absl::IsNotFound(s)) return s;
+    if (s.ok()) size = 4 * NumElements(shape);
+  }
+  if (size < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown tensor '", Bounded(name), "'"));
+  }
+  if (offset < 0 || offset > size || len > size - offset) {
+    return absl::InvalidArgumentError(absl::StrCat("chunk of '", Bounded(name), "' at offset ",
+                                                   offset, " with ", len,
+                                                   " bytes runs past its end (", size,
+                                                   " bytes)"));
+  }
+  if (offset % elem != 0 || len % elem != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("chunk of '", Bounded(name), "' at offset ",
+                                                   offset, " with ", len,
+                                                   " bytes is not aligned to its ", elem,
+                                                   "-byte elements"));
+  }
+  *tensor_bytes = size;
+  return absl::OkStatus();
+}
+
+absl::Status Session::CheckStreamChunk(StreamKind kind, const std::string& name, int64_t offset,
+                                       int64_t len) {
+  absl::MutexLock lock(&mu_);
+  last_used_ = absl::Now();
+  if (kind == StreamKind::kGradients && absl::StrContains(name, "/state.")) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("PushGradients takes parameter names, not state '", Bounded(name), "'"));
+  }
+  int64_t size = 0;
+  return CheckWriteLocked(name, offset, len, kind == StreamKind::kState, &size);
+}
+
+int64_t Session::StreamBytesLimit(StreamKind kind) {
+  absl::MutexLock lock(&mu_);
+  int64_t bytes = 0;
+  for (size_t i = 0; i < layout_.tensors.size(); ++i) {
+    bytes += layout_.tensors[i].size_bytes;
+    if (kind != StreamKind::kState) continue;
+    const Group& g = groups_[group_of_param_[i]];
+    if (g.optimizer == nullptr) continue;
+    for (const std::string& st : g.optimizer->StateNames()) {
+      auto shape = g.optimizer->StateShape(slot_in_group_[i], st);
+      if (shape.ok()) bytes += 4 * NumElements(*shape);
+    }
+  }
+  return bytes;
 }
 
 absl::Status Session::ValidateWrites(const std::vector<TensorWrite>& writes, bool state_names,
@@ -513,38 +653,9 @@ absl::Status Session::ValidateWrites(const std::vector<TensorWrite>& writes, boo
   std::map<std::string, std::vector<std::pair<int64_t, int64_t>>> spans;
   std::map<std::string, int64_t> sizes;
   for (const TensorWrite& w : writes) {
-    int64_t size = -1;
-    int64_t elem = 4;
-    for (const TensorPlacement& t : layout_.tensors) {
-      if (t.name == w.name) {
-        size = t.size_bytes;
-        elem = static_cast<int64_t>(kernels::DTypeSize(t.dtype));
-      }
-    }
-    if (size < 0 && state_names) {
-      size_t p, g;
-      std::string st;
-      std::vector<int64_t> shape;
-      absl::Status s = ResolveStateName(w.name, &p, &g, &st, &shape);
-      if (!s.ok() && !absl::IsNotFound(s)) return s;
-      if (s.ok()) size = 4 * NumElements(shape);
-    }
-    if (size < 0) {
-      return absl::InvalidArgumentError(absl::StrCat("unknown tensor '", w.name, "'"));
-    }
     const int64_t len = static_cast<int64_t>(w.data.size());
-    if (w.offset_bytes < 0 || w.offset_bytes > size || len > size - w.offset_bytes) {
-      return absl::InvalidArgumentError(absl::StrCat("chunk of '", w.name, "' at offset ",
-                                                     w.offset_bytes, " with ", len,
-                                                     " bytes runs past its end (", size,
-                                                     " bytes)"));
-    }
-    if (w.offset_bytes % elem != 0 || len % elem != 0) {
-      return absl::InvalidArgumentError(absl::StrCat("chunk of '", w.name, "' at offset ",
-                                                     w.offset_bytes, " with ", len,
-                                                     " bytes is not aligned to its ", elem,
-                                                     "-byte elements"));
-    }
+    int64_t size = 0;
+    DIOND_RETURN_IF_ERROR(CheckWriteLocked(w.name, w.offset_bytes, len, state_names, &size));
     spans[w.name].push_back({w.offset_bytes, w.offset_bytes + len});
     sizes[w.name] = size;
   }
@@ -554,13 +665,13 @@ absl::Status Session::ValidateWrites(const std::vector<TensorWrite>& writes, boo
     for (const auto& [a, b] : v) {
       if (a != covered) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "tensor '", name, "' is ", a < covered ? "written twice" : "incomplete",
+            "tensor '", Bounded(name), "' is ", a < covered ? "written twice" : "incomplete",
             " at byte ", std::min(a, covered), " (truncated or overlapping stream)"));
       }
       covered = b;
     }
     if (covered != sizes[name]) {
-      return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "' is incomplete: ",
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", Bounded(name), "' is incomplete: ",
                                                      covered, " of ", sizes[name],
                                                      " bytes received (truncated stream)"));
     }
@@ -575,10 +686,11 @@ absl::Status Session::ApplyGradientWrites(const std::vector<TensorWrite>& writes
   for (const TensorWrite& w : writes) {
     if (absl::StrContains(w.name, "/state.")) {
       return absl::InvalidArgumentError(
-          absl::StrCat("PushGradients takes parameter names, not state '", w.name, "'"));
+          absl::StrCat("PushGradients takes parameter names, not state '", Bounded(w.name), "'"));
     }
   }
   DIOND_RETURN_IF_ERROR(ValidateWrites(writes, /*state_names=*/false, nullptr));
+  DIOND_RETURN_IF_ERROR(CheckRegions("PushGradients", Role::kGradients));
   DIOND_RETURN_IF_ERROR(EnsureHostArena(Role::kGradients));
   for (const TensorWrite& w : writes) {
     for (const TensorPlacement& t : layout_.tensors) {
@@ -587,7 +699,8 @@ absl::Status Session::ApplyGradientWrites(const std::vector<TensorWrite>& writes
       }
     }
   }
-  return absl::OkStatus();
+  // Only the gradients (which the trainer's truncation destroyed anyway) were written.
+  return CheckRegions("PushGradients", Role::kGradients);
 }
 
 absl::Status Session::ApplyStateWrites(const std::vector<TensorWrite>& writes) {
@@ -637,14 +750,16 @@ absl::Status Session::ReadParameterBytes(const std::string& name, int64_t offset
   for (const TensorPlacement& t : layout_.tensors) {
     if (t.name != name) continue;
     if (offset < 0 || len < 0 || offset > t.size_bytes || len > t.size_bytes - offset) {
-      return absl::OutOfRangeError(absl::StrCat("read of '", name, "' [", offset, ", +", len,
-                                                ") is outside its ", t.size_bytes, " bytes"));
+      return absl::OutOfRangeError(absl::StrCat("read of '", Bounded(name), "' [", offset, ", +",
+                                                len, ") is outside its ", t.size_bytes,
+                                                " bytes"));
     }
+    DIOND_RETURN_IF_ERROR(CheckRegions("PullParameters", Role::kParameters));
     out->assign(reinterpret_cast<const char*>(params_.data + t.param_offset + offset),
                 static_cast<size_t>(len));
-    return absl::OkStatus();
+    return CheckRegions("PullParameters", Role::kParameters);
   }
-  return absl::InvalidArgumentError(absl::StrCat("unknown parameter '", name, "'"));
+  return absl::InvalidArgumentError(absl::StrCat("unknown parameter '", Bounded(name), "'"));
 }
 
 absl::StatusOr<std::vector<NamedTensor>> Session::GetState(bool include_parameters) {
@@ -667,6 +782,7 @@ absl::StatusOr<std::vector<NamedTensor>> Session::GetStateLocked(bool include_pa
       p.shape = t.shape;
       p.data.resize(static_cast<size_t>(t.numel));
       ReadParamF32(i, p.data.data());
+      DIOND_RETURN_IF_ERROR(CheckRegions("reading the parameters", Role::kParameters));
       out.push_back(std::move(p));
     }
     const Group& g = groups_[group_of_param_[i]];
@@ -698,7 +814,7 @@ absl::Status Session::SetStateLocked(const std::vector<NamedTensor>& tensors) {
   std::set<std::string> seen;
   for (const NamedTensor& t : tensors) {
     if (!seen.insert(t.name).second) {
-      return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "' given twice"));
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", Bounded(t.name), "' given twice"));
     }
     int64_t want = -1;
     for (const TensorPlacement& p : layout_.tensors) {
@@ -710,28 +826,43 @@ absl::Status Session::SetStateLocked(const std::vector<NamedTensor>& tensors) {
       std::vector<int64_t> shape;
       absl::Status s = ResolveStateName(t.name, &p, &g, &st, &shape);
       if (absl::IsNotFound(s)) {
-        return absl::InvalidArgumentError(absl::StrCat("unknown tensor '", t.name, "'"));
+        return absl::InvalidArgumentError(absl::StrCat("unknown tensor '", Bounded(t.name), "'"));
       }
       DIOND_RETURN_IF_ERROR(s);
       want = NumElements(shape);
     }
     if (static_cast<int64_t>(t.data.size()) != want) {
-      return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "' has ",
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", Bounded(t.name), "' has ",
                                                      t.data.size(), " values; expected ", want));
+    }
+  }
+  // Parameters first, into the trainer's memory: the only writes that can meet a truncated
+  // segment, so a failure there leaves the optimizer state and the master weights alone.
+  std::vector<std::pair<size_t, const NamedTensor*>> param_writes;
+  for (const NamedTensor& t : tensors) {
+    for (size_t i = 0; i < layout_.tensors.size(); ++i) {
+      if (layout_.tensors[i].name == t.name) param_writes.push_back({i, &t});
+    }
+  }
+  if (!param_writes.empty() && pending_params_.empty()) {
+    DIOND_RETURN_IF_ERROR(CheckRegions("SetState", Role::kParameters));
+    DIOND_RETURN_IF_ERROR(EnsureHostArena(Role::kParameters));
+    for (const auto& [i, t] : param_writes) {
+      const TensorPlacement& p = layout_.tensors[i];
+      NarrowFromF32(p.dtype, t->data.data(), p.numel, params_.data + p.param_offset);
+    }
+    DIOND_RETURN_IF_ERROR(CheckRegions("SetState", Role::kParameters));
+  }
+  for (const auto& [i, t] : param_writes) {
+    if (!pending_params_.empty()) {
+      pending_params_[i] = t->data;
+    } else if (!master_.empty() && !master_[i].empty()) {
+      master_[i] = t->data;
     }
   }
   for (const NamedTensor& t : tensors) {
     bool is_param = false;
-    for (size_t i = 0; i < layout_.tensors.size(); ++i) {
-      if (layout_.tensors[i].name != t.name) continue;
-      is_param = true;
-      if (!pending_params_.empty()) {
-        pending_params_[i] = t.data;
-      } else {
-        DIOND_RETURN_IF_ERROR(EnsureHostArena(Role::kParameters));
-        WriteParamF32(i, t.data.data());
-      }
-    }
+    for (const TensorPlacement& p : layout_.tensors) is_param = is_param || p.name == t.name;
     if (is_param) continue;
     size_t p, g;
     std::string st;
@@ -747,11 +878,13 @@ absl::Status Session::SetStateLocked(const std::vector<NamedTensor>& tensors) {
 
 absl::Status Session::SetGroupHyperparameters(const std::string& group, std::optional<double> lr,
                                               std::optional<double> weight_decay) {
-  for (auto [what, v] : {std::pair{"lr", lr}, std::pair{"weight_decay", weight_decay}}) {
-    if (v.has_value() && (!std::isfinite(*v) || *v < 0)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(what, " = ", *v, " for group '", group, "' must be finite and >= 0"));
-    }
+  // The same rule as CreateSession (optim::ValidateGroup).
+  if (lr.has_value()) {
+    DIOND_RETURN_IF_ERROR(optim::CheckStepKnob("lr", *lr, optim::kMaxLr));
+  }
+  if (weight_decay.has_value()) {
+    DIOND_RETURN_IF_ERROR(
+        optim::CheckStepKnob("weight_decay", *weight_decay, optim::kMaxWeightDecay));
   }
   absl::MutexLock lock(&mu_);
   last_used_ = absl::Now();
@@ -761,7 +894,7 @@ absl::Status Session::SetGroupHyperparameters(const std::string& group, std::opt
     if (weight_decay.has_value()) g.weight_decay = weight_decay;
     return absl::OkStatus();
   }
-  return absl::InvalidArgumentError(absl::StrCat("unknown group '", group, "'"));
+  return absl::InvalidArgumentError(absl::StrCat("unknown group '", Bounded(group), "'"));
 }
 
 absl::StatusOr<SessionSnapshot> Session::Snapshot() {
@@ -817,7 +950,7 @@ absl::Status Session::Restore(const SessionSnapshot& snapshot) {
       auto other = other_ranks.find(t.name);
       if (other != other_ranks.end()) {
         if (t.shape != other->second) {
-          return absl::DataLossError(absl::StrCat("checkpoint tensor '", t.name, "' has shape ",
+          return absl::DataLossError(absl::StrCat("checkpoint tensor '", Bounded(t.name), "' has shape ",
                                                   shape_text(t.shape), "; the spec implies ",
                                                   shape_text(other->second)));
         }
@@ -828,10 +961,10 @@ absl::Status Session::Restore(const SessionSnapshot& snapshot) {
           "' is not a parameter or state tensor of the session's spec"));
     }
     if (!seen.insert(t.name).second) {
-      return absl::DataLossError(absl::StrCat("checkpoint tensor '", t.name, "' appears twice"));
+      return absl::DataLossError(absl::StrCat("checkpoint tensor '", Bounded(t.name), "' appears twice"));
     }
     if (t.shape != it->second || static_cast<int64_t>(t.data.size()) != NumElements(it->second)) {
-      return absl::DataLossError(absl::StrCat("checkpoint tensor '", t.name, "' has shape ",
+      return absl::DataLossError(absl::StrCat("checkpoint tensor '", Bounded(t.name), "' has shape ",
                                               shape_text(t.shape), "; the spec implies ",
                                               shape_text(it->second)));
     }
@@ -894,6 +1027,11 @@ SessionInfo Session::Info() {
   info.last_step_index = last_step_index_;
   info.state_bytes = state_bytes_.load();
   info.host_bytes = static_cast<int64_t>(params_.host.size() + grads_.host.size());
+  for (const auto* scratch : {&grad_scratch_, &param_scratch_}) {
+    for (const std::vector<float>& v : *scratch) {
+      info.host_bytes += 4 * static_cast<int64_t>(v.capacity());
+    }
+  }
   info.last_used = last_used_;
   for (const GroupSpec& g : spec_.groups) {
     info.groups.push_back({g.name, g.config.algorithm, 0});
@@ -1059,7 +1197,7 @@ absl::StatusOr<StepResult> Session::WorldStepLocked(const StepRequest& request,
   WorldPart& w = *world_;
   const int world_size = w.plan.world_size;
   const std::string where =
-      absl::StrCat("world session '", spec_.world_key, "' (rank ", w.rank, " of ", world_size,
+      absl::StrCat("world session '", Bounded(spec_.world_key), "' (rank ", w.rank, " of ", world_size,
                    "), step ", request.step_index, ": ");
   if (!w.broken.ok()) return w.broken;
   std::shared_ptr<comm::Communicator> comm;
@@ -1086,11 +1224,14 @@ absl::StatusOr<StepResult> Session::WorldStepLocked(const StepRequest& request,
   }
   const double scale = request.gradient_scale == 0.0 ? 1.0 : request.gradient_scale;
 
-  // Gradients as fp32 (as Step does): in place when f32 and unscaled.
+  // Gradients as fp32 (as Step does): in place when daemon-owned f32 and unscaled. A region
+  // found broken here fails this rank's step before any collective (the other ranks' steps then
+  // fail on their collectives' timeout, and the world session must be created again).
   const size_t n = layout_.tensors.size();
-  std::vector<std::vector<float>> grad_copies(n);
+  std::vector<std::vector<float>>& grad_copies = ScratchBuffers(&grad_scratch_);
   std::vector<const float*> grads(n);
   bool finite = GradientsF32(scale, &grad_copies, &grads);
+  DIOND_RETURN_IF_ERROR(CheckRegions(std::string(absl::StripSuffix(where, ": ")).c_str()));
   // AVERAGE: reduce-scatter the local gradients to their owners. Block j of the input holds the
   // gradients of rank j's parameters, padded to the largest block, plus one slot with this
   // rank's non-finite flag, so every rank learns the same number of non-finite trainers.
@@ -1143,9 +1284,10 @@ absl::StatusOr<StepResult> Session::WorldStepLocked(const StepRequest& request,
   }
 
   // Parameters as fp32 (as Step does).
-  std::vector<std::vector<float>> param_copies(n);
+  std::vector<std::vector<float>>& param_copies = ScratchBuffers(&param_scratch_);
   std::vector<float*> params(n);
   ParamsF32(&param_copies, &params);
+  DIOND_RETURN_IF_ERROR(CheckRegions(std::string(absl::StripSuffix(where, ": ")).c_str()));
   // Per group: this rank's share of the squared update norm (its optimizer measures what it
   // changed; a group every rank steps, compressed Dion, is counted on rank 0 only).
   std::vector<double> update_sq(groups_.size(), 0.0);
@@ -1195,7 +1337,7 @@ absl::StatusOr<StepResult> Session::WorldStepLocked(const StepRequest& request,
       if (!s.ok()) {
         compute_status = absl::Status(
           absl::IsUnavailable(s) ? absl::StatusCode::kUnavailable : s.code(),
-          absl::StrCat("step ", request.step_index, ", group '", g.name, "': ",
+          absl::StrCat("step ", request.step_index, ", group '", Bounded(g.name), "': ",
                        absl::IsUnavailable(s) ? DescribeWorldFailure(s) : std::string(s.message())));
         break;
       }
@@ -1225,7 +1367,7 @@ absl::StatusOr<StepResult> Session::WorldStepLocked(const StepRequest& request,
           mine.resize(mine.size() + static_cast<size_t>(w.compact[i]), 0.0f);
           if (compute_status.ok()) {
             compute_status = absl::InternalError(absl::StrCat(
-                "no compact update captured for '", layout_.tensors[i].name, "'"));
+                "no compact update captured for '", Bounded(layout_.tensors[i].name), "'"));
           }
         }
       } else {
@@ -1282,7 +1424,7 @@ absl::StatusOr<StepResult> Session::WorldStepLocked(const StepRequest& request,
             params[i]);
         if (!s.ok()) {
           compute_status = absl::InternalError(absl::StrCat(
-              "applying the compact update of '", layout_.tensors[i].name, "' from rank ",
+              "applying the compact update of '", Bounded(layout_.tensors[i].name), "' from rank ",
               w.plan.owner[i], ": ", s.message()));
           break;
         }
@@ -1317,15 +1459,8 @@ absl::StatusOr<StepResult> Session::WorldStepLocked(const StepRequest& request,
     if (groups_[gi].optimizer == nullptr) continue;
     result.update_norms[groups_[gi].name] = std::sqrt(update_sq[gi]);
   }
-  for (size_t i = 0; i < n; ++i) {
-    const TensorPlacement& t = layout_.tensors[i];
-    if (t.dtype != DType::kF32) {
-      NarrowFromF32(t.dtype, params[i], t.numel, params_.data + t.param_offset);
-    }
-  }
   result.total_micros = absl::ToInt64Microseconds(absl::Now() - start);
-  last_step_index_ = request.step_index;
-  last_result_ = result;
+  DIOND_RETURN_IF_ERROR(WriteBackParams(params, result));
   return result;
 }
 
@@ -1354,7 +1489,7 @@ absl::Status Session::SynchronizeForCheckpoint() {
     absl::Status st = (*c)->AllReduceAverage(absl::MakeSpan(m));
     if (!st.ok()) {
       w.broken = absl::UnavailableError(absl::StrCat(
-          "world session '", spec_.world_key, "': momentum synchronization failed: ",
+          "world session '", Bounded(spec_.world_key), "': momentum synchronization failed: ",
           st.message()));
       return w.broken;
     }

@@ -12,6 +12,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "common/bounded.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "server/comm/key_value_store.h"
@@ -151,7 +152,7 @@ absl::StatusOr<ShardPlan> SessionManager::AgreeOnPlan(const SessionSpec& spec, u
   for (char c : key) {
     if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.')) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "world_key '", key, "' may only contain letters, digits, '-', '_' and '.'"));
+          "world_key '", Bounded(key), "' may only contain letters, digits, '-', '_' and '.'"));
     }
   }
   std::shared_ptr<WorldLink> world;
@@ -165,7 +166,7 @@ absl::StatusOr<ShardPlan> SessionManager::AgreeOnPlan(const SessionSpec& spec, u
   }
   *epoch = 0;
   if (world == nullptr) return ComputeShardPlan(spec, 1);  // a world of one
-  const std::string where = absl::StrCat("world session '", key, "' (rank ", world->rank(),
+  const std::string where = absl::StrCat("world session '", Bounded(key), "' (rank ", world->rank(),
                                          " of ", world->size(), "): ");
   // Wait for a communicator (polled: the link must not be held for long).
   absl::Status ready = absl::UnavailableError("the daemon is shutting down");
@@ -298,7 +299,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Get(const std::string& 
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(id);
   if (it == sessions_.end()) {
-    return absl::NotFoundError(absl::StrCat("unknown session '", id.substr(0, 64), "'"));
+    return absl::NotFoundError(absl::StrCat("unknown session '", Bounded(id), "'"));
   }
   return it->second;
 }
@@ -310,7 +311,7 @@ absl::Status SessionManager::Close(const std::string& id, bool by_client) {
     absl::MutexLock lock(&mu_);
     auto it = sessions_.find(id);
     if (it == sessions_.end()) {
-      return absl::NotFoundError(absl::StrCat("unknown session '", id.substr(0, 64), "'"));
+      return absl::NotFoundError(absl::StrCat("unknown session '", Bounded(id), "'"));
     }
     const std::string& name = it->second->spec().session_name;
     if (!name.empty()) names_.erase(name);

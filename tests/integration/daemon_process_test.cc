@@ -200,7 +200,10 @@ TEST(DaemonProcess, BadFlagsExitWithUsageErrorNotACrash) {
            {DIOND_BINARY, "--device=tpu"},
            {DIOND_BINARY, "--listen=nonsense"},
            {DIOND_BINARY, "--log_level=loud"},
-           {DIOND_BINARY, "--listen=0.0.0.0:0", "--metrics_address="}}) {
+           {DIOND_BINARY, "--listen=0.0.0.0:0", "--metrics_address="},
+           // Issue 13, "Found 11": the plain-HTTP metrics endpoint follows the same rule.
+           {DIOND_BINARY, "--listen=unix:" + dir + "/m.sock", "--metrics_address=0.0.0.0:0"},
+           {DIOND_BINARY, "--listen=unix:" + dir + "/m.sock", "--max_stream_bytes=-1"}}) {
     Subprocess p(argv, dir + "/log.txt");
     auto code = p.Wait(absl::Seconds(30));
     ASSERT_TRUE(code.has_value());
@@ -209,11 +212,23 @@ TEST(DaemonProcess, BadFlagsExitWithUsageErrorNotACrash) {
   }
 }
 
+// Issue 13, "Found 11": the ready file was created 0666 under umask 0. It is 0600 whatever the
+// umask (only the daemon's user reads it).
+TEST(DaemonProcess, ReadyFileIsPrivateWhateverTheUmask) {
+  const mode_t old_umask = umask(0);  // inherited by the daemon
+  auto d = StartDaemon();
+  umask(old_umask);
+  ASSERT_NE(d, nullptr);
+  struct stat st;
+  ASSERT_EQ(stat((d->dir + "/ready.json").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u) << std::oct << (st.st_mode & 0777);
+}
+
 TEST(DaemonBinary, HelpDocumentsEveryFlag) {
   auto [rc, out] = RunCommand(std::string(DIOND_BINARY) + " --help 2>&1");
   for (const char* flag : {"--listen", "--metrics_address", "--device", "--cuda_plugin",
                            "--log_level", "--drain_timeout", "--ready_file",
-                           "--allow_insecure_remote"}) {
+                           "--allow_insecure_remote", "--max_stream_bytes"}) {
     EXPECT_TRUE(absl::StrContains(out, flag)) << flag << " missing from --help:\n" << out;
   }
   auto [vrc, version] = RunCommand(std::string(DIOND_BINARY) + " --version 2>&1");

@@ -190,6 +190,14 @@ void ShmSegment::Write(int64_t offset, const std::string& bytes) {
   std::memcpy(data_ + offset, bytes.data(), bytes.size());
 }
 
+bool ShmSegment::Truncate(int64_t bytes) {
+  int fd = shm_open(("/" + name_).c_str(), O_RDWR | O_CLOEXEC, 0);
+  if (fd < 0) return false;
+  const bool ok = ftruncate(fd, bytes) == 0;
+  close(fd);
+  return ok;
+}
+
 std::vector<std::string> LeftoverShmSegments() {
   std::vector<std::string> out;
   const std::string mine = absl::StrCat(kShmPrefix, getpid(), "-");

@@ -101,6 +101,9 @@ class ShmSegment {
   std::string Bytes(int64_t offset, int64_t len) const;
   std::string AllBytes() const { return Bytes(0, size_); }
   void Write(int64_t offset, const std::string& bytes);
+  // ftruncate of the segment (a hostile trainer shrinking it under the daemon); the test's own
+  // mapping keeps its size, so the test must not touch bytes past `bytes` afterwards.
+  bool Truncate(int64_t bytes);
 
  private:
   ShmSegment() = default;
