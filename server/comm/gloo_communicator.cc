@@ -12,7 +12,6 @@
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "gloo/algorithm.h"
-#include "gloo/allgather_ring.h"
 #include "gloo/allreduce_ring_chunked.h"
 #include "gloo/barrier_all_to_all.h"
 #include "gloo/broadcast_one_to_all.h"
@@ -26,22 +25,27 @@
 namespace diond::comm {
 namespace {
 
-// All-to-all of equal blocks over persistent bound buffers. Each receiver first sends a
+// Pairwise exchange of equal blocks over persistent bound buffers: rank r sends
+// in + j*send_stride to rank j and receives rank j's block at out + j*block. send_stride = block
+// is an all-to-all, send_stride = 0 (one input block) an all-gather. Each receiver first sends a
 // clear-to-send to every peer, and a sender writes to a peer only after its clear-to-send, so a
 // fast rank can never overwrite a block the slow rank has not copied out yet (the pattern of
-// gloo::BroadcastOneToAll).
-class AlltoallPairwise : public gloo::Algorithm {
+// gloo::BroadcastOneToAll). gloo::AllgatherRing has no such handshake: its last notification
+// only says "received", so a peer that returns first and starts the next call on the same
+// cached buffers writes its next block into `out` while this rank may still be copying the
+// previous result out of it.
+class PairwiseExchange : public gloo::Algorithm {
  public:
-  AlltoallPairwise(const std::shared_ptr<gloo::Context>& ctx, char* in, char* out,
-                   size_t block_bytes)
-      : gloo::Algorithm(ctx), in_(in), out_(out), block_(block_bytes) {
+  PairwiseExchange(const std::shared_ptr<gloo::Context>& ctx, char* in, size_t send_stride,
+                   char* out, size_t block_bytes)
+      : gloo::Algorithm(ctx), in_(in), out_(out), send_stride_(send_stride), block_(block_bytes) {
     const auto data_slot = context_->nextSlot();
     const auto cts_slot = context_->nextSlot();
     peers_.resize(contextSize_);
     for (int j = 0; j < contextSize_; ++j) {
       if (j == contextRank_) continue;
       auto& pair = context_->getPair(j);
-      peers_[j].send = pair->createSendBuffer(data_slot, in_ + j * block_, block_);
+      peers_[j].send = pair->createSendBuffer(data_slot, in_ + j * send_stride_, block_);
       peers_[j].recv = pair->createRecvBuffer(data_slot, out_ + j * block_, block_);
       peers_[j].cts_send = pair->createSendBuffer(cts_slot, &dummy_, sizeof(dummy_));
       peers_[j].cts_recv = pair->createRecvBuffer(cts_slot, &peers_[j].dummy, sizeof(int));
@@ -49,7 +53,7 @@ class AlltoallPairwise : public gloo::Algorithm {
   }
 
   void run() override {
-    std::memcpy(out_ + contextRank_ * block_, in_ + contextRank_ * block_, block_);
+    std::memcpy(out_ + contextRank_ * block_, in_ + contextRank_ * send_stride_, block_);
     if (block_ == 0) return;
     for (int k = 1; k < contextSize_; ++k) peers_[Peer(k)].cts_send->send();
     for (int k = 1; k < contextSize_; ++k) {
@@ -73,6 +77,7 @@ class AlltoallPairwise : public gloo::Algorithm {
   };
   char* in_;
   char* out_;
+  size_t send_stride_;
   size_t block_;
   int dummy_ = 0;
   std::vector<Entry> peers_;
@@ -138,6 +143,11 @@ struct GlooCommunicator::Impl {
       }
     }
     return lru.front().second.get();
+  }
+
+  // Between a transfer and the copy of its result out of the cached buffers.
+  void AfterTransfer(CollectiveOp op) const {
+    if (options.after_transfer_for_testing) options.after_transfer_for_testing(op);
   }
 
   // Names the rank a Gloo error message is about: the one whose listening address it quotes
@@ -237,6 +247,7 @@ absl::Status RunGloo(const char* what, int rank, int size, F&& f,
     absl::MutexLock lock(&impl_->mu);                                                          \
     const absl::Time t0 = absl::Now();                                                         \
     const int64_t bytes_ = (bytes_expr);                                                       \
+    [[maybe_unused]] const CollectiveOp op_ = (op_enum);                                       \
     absl::Status s_ = RunGloo(                                                                 \
         std::string(CollectiveOpName(op_enum)).c_str(), rank(), size(), [&]() { __VA_ARGS__; },     \
         [this](const std::string& w) { return impl_->NamePeer(w); });                          \
@@ -270,6 +281,7 @@ absl::Status GlooCommunicator::AllReduceSum(absl::Span<float> data) {
     });
     std::memcpy(e->a.data(), data.data(), n * 4);
     e->algo->run();
+    impl_->AfterTransfer(op_);
     std::memcpy(data.data(), e->a.data(), n * 4);
   });
 }
@@ -305,6 +317,7 @@ absl::Status GlooCommunicator::ReduceScatterSum(absl::Span<const float> input,
       });
       std::memcpy(e->a.data(), input.data(), block * w * 4);
       e->algo->run();
+      impl_->AfterTransfer(op_);
       // Rank r's result lands at the START of the buffer (TOOLCHAIN.md P13).
       std::memcpy(output.data(), e->a.data(), block * 4);
       return;
@@ -312,11 +325,13 @@ absl::Status GlooCommunicator::ReduceScatterSum(absl::Span<const float> input,
     auto* e = impl_->Get({kRSPair, block, 0}, [&](Impl::Entry& e) {
       e.a.resize(block * w * 4);
       e.b.resize(block * w * 4);
-      e.algo = std::make_unique<AlltoallPairwise>(impl_->context, e.a.data(), e.b.data(),
+      e.algo = std::make_unique<PairwiseExchange>(impl_->context, e.a.data(),
+                                                  static_cast<size_t>(block) * 4, e.b.data(),
                                                   static_cast<size_t>(block) * 4);
     });
     std::memcpy(e->a.data(), input.data(), block * w * 4);
     e->algo->run();
+    impl_->AfterTransfer(op_);
     const float* in = reinterpret_cast<const float*>(e->b.data());
     for (int64_t i = 0; i < block; ++i) output[i] = in[i];
     for (int j = 1; j < w; ++j) {
@@ -350,11 +365,12 @@ absl::Status GlooCommunicator::AllGatherBytes(absl::Span<const uint8_t> input,
     auto* e = impl_->Get({kAGBytes, n, 0}, [&](Impl::Entry& e) {
       e.a.resize(n);
       e.b.resize(n * w);
-      e.algo = std::make_unique<gloo::AllgatherRing<char>>(
-          impl_->context, std::vector<const char*>{e.a.data()}, e.b.data(), static_cast<int>(n));
+      e.algo = std::make_unique<PairwiseExchange>(impl_->context, e.a.data(), 0, e.b.data(),
+                                                  static_cast<size_t>(n));
     });
     std::memcpy(e->a.data(), input.data(), n);
     e->algo->run();
+    impl_->AfterTransfer(op_);
     std::memcpy(output.data(), e->b.data(), n * w);
   });
 }
@@ -366,8 +382,8 @@ absl::Status GlooCommunicator::AllGatherV(absl::Span<const float> input,
   int64_t largest = 0;
   DIOND_RETURN_IF_ERROR(CheckAllGatherV(input, counts, output, &largest));
   DIOND_RETURN_IF_ERROR(CheckInt(largest * w, 4, "all_gather_v"));
-  // Padded to the largest block: AllgatherRing on persistent buffers beats Gloo's allgatherv
-  // options API by far here (P10); the padding is sent and counted.
+  // Padded to the largest block: a pairwise exchange on persistent buffers beats Gloo's
+  // allgatherv options API by far here (P10); the padding is sent and counted.
   DIOND_GLOO_OP(CollectiveOp::kAllGatherV, (w - 1) * largest * 4, {
     if (largest == 0) return;
     if (w == 1) {
@@ -377,12 +393,12 @@ absl::Status GlooCommunicator::AllGatherV(absl::Span<const float> input,
     auto* e = impl_->Get({kAG, largest, 0}, [&](Impl::Entry& e) {
       e.a.resize(largest * 4);
       e.b.resize(largest * w * 4);
-      e.algo = std::make_unique<gloo::AllgatherRing<float>>(
-          impl_->context, std::vector<const float*>{reinterpret_cast<const float*>(e.a.data())},
-          reinterpret_cast<float*>(e.b.data()), static_cast<int>(largest));
+      e.algo = std::make_unique<PairwiseExchange>(impl_->context, e.a.data(), 0, e.b.data(),
+                                                  static_cast<size_t>(largest) * 4);
     });
     std::memcpy(e->a.data(), input.data(), input.size() * 4);
     e->algo->run();
+    impl_->AfterTransfer(op_);
     const float* all = reinterpret_cast<const float*>(e->b.data());
     int64_t at = 0;
     for (int j = 0; j < w; ++j) {
@@ -410,11 +426,13 @@ absl::Status GlooCommunicator::AllToAll(absl::Span<const float> input, absl::Spa
     auto* e = impl_->Get({kA2A, block, 0}, [&](Impl::Entry& e) {
       e.a.resize(block * w * 4);
       e.b.resize(block * w * 4);
-      e.algo = std::make_unique<AlltoallPairwise>(impl_->context, e.a.data(), e.b.data(),
+      e.algo = std::make_unique<PairwiseExchange>(impl_->context, e.a.data(),
+                                                  static_cast<size_t>(block) * 4, e.b.data(),
                                                   static_cast<size_t>(block) * 4);
     });
     std::memcpy(e->a.data(), input.data(), block * w * 4);
     e->algo->run();
+    impl_->AfterTransfer(op_);
     std::memcpy(output.data(), e->b.data(), block * w * 4);
   });
 }
@@ -440,6 +458,7 @@ absl::Status GlooCommunicator::BroadcastBytes(absl::Span<uint8_t> data, int root
     });
     if (rank() == root) std::memcpy(e->a.data(), data.data(), n);
     e->algo->run();
+    impl_->AfterTransfer(op_);
     if (rank() != root) std::memcpy(data.data(), e->a.data(), n);
   });
 }

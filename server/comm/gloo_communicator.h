@@ -10,9 +10,11 @@
 // - reduce-scatter: ReduceScatterHalvingDoubling when W is a power of two (result at the START
 //   of the buffer); otherwise a pairwise exchange of blocks plus a local sum, which has the same
 //   (W-1)/W*x volume for any W.
-// - all-gather: AllgatherRing; variable blocks are padded to the largest block.
-// - all-to-all: a pairwise exchange on bound buffers with clear-to-send notifications (the
-//   pattern of Gloo's BroadcastOneToAll).
+// - all-gather and all-to-all: a pairwise exchange on bound buffers with clear-to-send
+//   notifications (the pattern of Gloo's BroadcastOneToAll), (W-1)/W*x; variable all-gather
+//   blocks are padded to the largest block. Not gloo::AllgatherRing: it writes a peer's next
+//   call straight into the cached output buffer, which a slower rank may not have copied out
+//   yet (a world step then applies a peer's next update).
 // - broadcast: BroadcastOneToAll; barrier: BarrierAllToAll.
 // Every Gloo exception becomes UNAVAILABLE naming the peer's rank when the message names its
 // address, and aborts the communicator. Gloo counts elements in int: one call moves < 2 GiB.
@@ -21,6 +23,7 @@
 #ifndef DIOND_SERVER_COMM_GLOO_COMMUNICATOR_H_
 #define DIOND_SERVER_COMM_GLOO_COMMUNICATOR_H_
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -48,6 +51,9 @@ struct GlooOptions {
   absl::Duration timeout = absl::Seconds(10);
   CollectiveObserver observer;
   int cache_entries_per_op = 4;
+  // Tests only: runs on this rank after a collective's transfer and before its result is copied
+  // out of the cached buffers (makes this rank the slow one, deterministically).
+  std::function<void(CollectiveOp)> after_transfer_for_testing;
 };
 
 class GlooCommunicator final : public Communicator {
