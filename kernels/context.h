@@ -96,13 +96,30 @@ class Buffer {
   void Reset();
 
  private:
-  friend class Context;
+  friend class Allocator;
   const OpsBackend* backend_ = nullptr;
   std::shared_ptr<AllocationStats> stats_;
   Device device_;
   void* data_ = nullptr;
   size_t capacity_ = 0;  // bytes passed to the backend's allocate
   TensorLayout layout_;
+};
+
+// A copyable handle on a Context's allocator: it allocates Buffers with the same backend, device
+// and counters as Context::Allocate, and stays valid after the Context is gone (objects that
+// allocate later, e.g. GroupOptimizer::ReleaseState, keep one). Default-constructed: every
+// Allocate fails with FAILED_PRECONDITION.
+class Allocator {
+ public:
+  Allocator() = default;
+  absl::StatusOr<Buffer> Allocate(DType dtype, const std::vector<int64_t>& shape) const;
+  Device device() const { return device_; }
+
+ private:
+  friend class Context;
+  const OpsBackend* backend_ = nullptr;
+  Device device_;
+  std::shared_ptr<AllocationStats> stats_;
 };
 
 class Context {
@@ -134,6 +151,8 @@ class Context {
   // out of memory (naming the bytes). Zeros: the same, then every byte zero.
   absl::StatusOr<Buffer> Allocate(DType dtype, const std::vector<int64_t>& shape) const;
   absl::StatusOr<Buffer> Zeros(DType dtype, const std::vector<int64_t>& shape) const;
+  // A handle that allocates like Allocate (same backend, device and counters).
+  Allocator allocator() const;
 
   // Allocations made through this Context (Allocate, Zeros, scratch blocks) since it was created,
   // and the bytes of those still alive. A step that allocates nothing leaves the first unchanged.

@@ -200,28 +200,43 @@ absl::StatusOr<std::unique_ptr<Context>> Context::Create(const ContextOptions& o
   return std::unique_ptr<Context>(new Context(options, backend));
 }
 
+Allocator Context::allocator() const {
+  Allocator a;
+  a.backend_ = backend_;
+  a.device_ = options_.device;
+  a.stats_ = stats_;
+  return a;
+}
+
 absl::StatusOr<Buffer> Context::Allocate(DType dtype, const std::vector<int64_t>& shape) const {
+  return allocator().Allocate(dtype, shape);
+}
+
+absl::StatusOr<Buffer> Allocator::Allocate(DType dtype, const std::vector<int64_t>& shape) const {
+  if (backend_ == nullptr) {
+    return absl::FailedPreconditionError("Allocator: not made by a Context");
+  }
   if (shape.size() > static_cast<size_t>(kMaxRank)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("Context::Allocate: rank ", shape.size(), " > ", kMaxRank));
+        absl::StrCat("Allocate: rank ", shape.size(), " > ", kMaxRank));
   }
   if (dtype != DType::kF32 && dtype != DType::kBf16 && dtype != DType::kF16) {
-    return absl::InvalidArgumentError("Context::Allocate: unknown dtype");
+    return absl::InvalidArgumentError("Allocate: unknown dtype");
   }
   int64_t n = 1;
   for (int64_t d : shape) {
     if (d < 0 || (d > 0 && n > (int64_t{1} << 40) / d)) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "Context::Allocate: shape [", absl::StrJoin(shape, ", "), "] is ",
+          "Allocate: shape [", absl::StrJoin(shape, ", "), "] is ",
           d < 0 ? "negative" : "too large"));
     }
     n *= d;
   }
   const size_t bytes = static_cast<size_t>(n) * DTypeSize(dtype);
   const size_t capacity = ((bytes ? bytes : 1) + 63) & ~size_t{63};
-  void* p = backend_->allocate(options_.device, capacity);
+  void* p = backend_->allocate(device_, capacity);
   if (p == nullptr) {
-    return absl::ResourceExhaustedError(absl::StrCat("Context::Allocate: ", backend_->name,
+    return absl::ResourceExhaustedError(absl::StrCat("Allocate: ", backend_->name,
                                                      " cannot allocate ", bytes, " bytes"));
   }
   stats_->allocations.fetch_add(1);
@@ -229,7 +244,7 @@ absl::StatusOr<Buffer> Context::Allocate(DType dtype, const std::vector<int64_t>
   Buffer b;
   b.backend_ = backend_;
   b.stats_ = stats_;
-  b.device_ = options_.device;
+  b.device_ = device_;
   b.data_ = p;
   b.capacity_ = capacity;
   b.layout_ = ContiguousLayout(dtype, shape);
