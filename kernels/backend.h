@@ -93,6 +93,11 @@ absl::Status RegisterOpsBackend(DeviceType type, const OpsBackend* backend);
 // The table registered for `type`, or nullptr. Thread-safe.
 const OpsBackend* FindOpsBackend(DeviceType type);
 
+// The device whose backend runs the ops for the device the daemon selected: the selected device
+// itself when this build has an ops backend registered for it, else the CPU. Today that is the
+// CPU for every GPU (the CUDA backend of issue 11 does not exist yet), so steps run on the CPU.
+Device ComputeDevice(const SelectedDevice& selected);
+
 // Test-only: removes the registration for `type` (so a test can register its own table).
 void UnregisterOpsBackendForTest(DeviceType type);
 

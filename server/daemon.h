@@ -10,6 +10,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "kernels/device.h"
+#include "kernels/tensor.h"
 #include "server/listen.h"
 #include "server/session/session_manager.h"
 
@@ -49,6 +50,13 @@ struct DaemonOptions {
   WorldConfig world;
 };
 
+// "cpu" or "cuda:N" (the labels of diond_build_info).
+std::string DeviceLabel(kernels::DeviceType type, int index);
+// The device part of the start-up line: the selected device, why auto mode fell back to the
+// CPU, and, when the steps run elsewhere than the selected device (a GPU host without a CUDA ops
+// backend), "steps run on the cpu" with the reason.
+std::string DescribeDevice(const kernels::SelectedDevice& selected, kernels::Device compute);
+
 class Daemon {
  public:
   // Selects the device, then starts metrics and gRPC. On any error nothing is left listening.
@@ -72,6 +80,7 @@ class Daemon {
   Daemon();
   absl::Status JoinWorld(const WorldConfig& config);
   kernels::SelectedDevice device_;
+  kernels::Device compute_device_;  // where steps run (kernels::ComputeDevice of device_)
   std::string metrics_address_;
   std::unique_ptr<DaemonMetrics> metrics_;
   std::unique_ptr<session::SessionManager> sessions_;

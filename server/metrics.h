@@ -26,8 +26,9 @@ namespace diond::server {
 
 struct BuildInfo {
   std::string version;
-  std::string device;       // e.g. "cpu" or "cuda:0"
+  std::string device;       // e.g. "cpu" or "cuda:0": the selected device
   bool cuda_plugin = false; // built with the CUDA plugin
+  std::string compute_device = "cpu";  // where steps run (kernels::ComputeDevice)
 };
 
 // The daemon's metric families. Labels: `method` is the full gRPC method name

@@ -260,6 +260,11 @@ absl::StatusOr<Buffer> Context::Zeros(DType dtype, const std::vector<int64_t>& s
   return b;
 }
 
+Device ComputeDevice(const SelectedDevice& selected) {
+  if (FindOpsBackend(selected.type) != nullptr) return Device{selected.type, selected.index};
+  return Device{DeviceType::kCpu, 0};
+}
+
 void Context::SetNumThreads(int num_threads) { num_threads_ = ResolveThreads(num_threads); }
 
 }  // namespace diond::kernels

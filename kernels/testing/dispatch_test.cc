@@ -115,5 +115,17 @@ TEST_F(Dispatch, ScratchBlocksComeFromTheBackendAllocator) {
   EXPECT_EQ(test_->allocation_count(), before + 1);
 }
 
+TEST(ComputeDevice, FollowsTheRegistry) {
+  SelectedDevice gpu;
+  gpu.type = DeviceType::kCuda;
+  gpu.index = 3;
+  EXPECT_EQ(ComputeDevice(gpu), (Device{DeviceType::kCpu, 0}));  // no CUDA ops backend
+  // Once a backend is registered for the GPU's type, the GPU itself is the compute device.
+  ASSERT_THAT(RegisterOpsBackend(DeviceType::kCuda, &RecordingBackend::Table()), IsOk());
+  EXPECT_EQ(ComputeDevice(gpu), (Device{DeviceType::kCuda, 3}));
+  UnregisterOpsBackendForTest(DeviceType::kCuda);
+  EXPECT_EQ(ComputeDevice(SelectedDevice{}), (Device{DeviceType::kCpu, 0}));
+}
+
 }  // namespace
 }  // namespace diond::kernels

@@ -68,6 +68,7 @@ absl::StatusOr<std::unique_ptr<SessionManager>> SessionManager::Create(
   std::unique_ptr<SessionManager> m(new SessionManager(options, std::move(observer)));
   kernels::ContextOptions co;
   co.num_threads = options.compute_threads;
+  co.device = options.compute_device;
   DIOND_ASSIGN_OR_RETURN(m->ctx_, kernels::Context::Create(co));
   if (options.idle_timeout > absl::ZeroDuration()) {
     SessionManager* self = m.get();

@@ -35,6 +35,8 @@ struct ManagerOptions {
   std::string state_dir;        // checkpoints root; empty = checkpoints need an explicit dir
   int64_t checkpoint_every = 0; // with state_dir: checkpoint after every N-th step
   int compute_threads = 0;      // 0 = all cores
+  // The device the steps run on (kernels::ComputeDevice of the daemon's selected device).
+  kernels::Device compute_device;
   // World sessions: how long CreateSession waits for every rank's trainer to create the same
   // world session (the shard-plan agreement, docs/DISTRIBUTED.md).
   absl::Duration world_session_timeout = absl::Seconds(60);
