@@ -11,7 +11,7 @@
 // Backends: kernels/cpu (registered for DeviceType::kCpu by the diond::ops target) and, for
 // tests only, kernels/testing (DeviceType::kTest). The CUDA backend of issue 11 lives in
 // libdiond_cuda.so behind the plugin's versioned C ABI (kernels/cuda/plugin_api.h); a host-side
-// adapter fills this table from that C table (docs/KERNELS.md §"Adding a backend").
+// adapter fills this table from that C table (docs/KERNELS.md §7).
 //
 // Code above the kernels (kernels/optim, server/) includes ops.h and context.h, never this file's
 // implementations: tests/layering_test.sh enforces that no backend header is included there.
@@ -51,6 +51,8 @@ struct OpsBackend {
                        TensorView) = nullptr;
   absl::Status (*symmetric_product)(const Context&, GramSide, float, ConstTensorView, float,
                                     TensorView) = nullptr;
+  absl::Status (*symmetric_product_bf16)(const Context&, ConstTensorView, int64_t,
+                                         TensorView) = nullptr;
   absl::Status (*thin_qr)(const Context&, ConstTensorView, TensorView, TensorView) = nullptr;
   absl::Status (*cholesky_qr)(const Context&, ConstTensorView, TensorView, TensorView) = nullptr;
   absl::Status (*randomized_cholesky_qr)(const Context&, ConstTensorView, ConstTensorView,

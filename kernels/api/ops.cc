@@ -191,6 +191,23 @@ absl::Status SymmetricProduct(const Context& ctx, GramSide side, float alpha, Co
   return ctx.backend().symmetric_product(ctx, side, alpha, a, beta, c);
 }
 
+absl::Status SymmetricProductBf16(const Context& ctx, ConstTensorView a, int64_t block,
+                                  TensorView c) {
+  constexpr const char* kOp = "SymmetricProductBf16";
+  DIOND_RETURN_IF_ERROR(CheckMatrix(ctx, kOp, "a", a));
+  DIOND_RETURN_IF_ERROR(CheckMatrix(ctx, kOp, "c", c));
+  DIOND_RETURN_IF_ERROR(CheckDType(kOp, "a", a.layout(), DType::kBf16));
+  DIOND_RETURN_IF_ERROR(CheckDType(kOp, "c", c.layout(), DType::kF32));
+  if (block < 1) return Invalid(kOp, "block is ", block, ", want >= 1");
+  if (c.Rows() != a.Rows() || c.Cols() != a.Rows()) {
+    return Invalid(kOp, "c is ", c.DebugString(), ", want [", a.Rows(), ", ", a.Rows(), "]");
+  }
+  if (a.Batch() != c.Batch()) {
+    return Invalid(kOp, "a has batch ", a.Batch(), ", c has batch ", c.Batch());
+  }
+  return ctx.backend().symmetric_product_bf16(ctx, a, block, c);
+}
+
 // ============================= factorizations =================================================
 
 absl::Status ThinQr(const Context& ctx, ConstTensorView a, TensorView q, TensorView r) {

@@ -38,6 +38,7 @@ OpsBackend MakeTable() {
   t.copy_to_host = &CopyToHost;
   t.gemm = &Gemm;
   t.symmetric_product = &SymmetricProduct;
+  t.symmetric_product_bf16 = &SymmetricProductBf16;
   t.thin_qr = &ThinQr;
   t.cholesky_qr = &CholeskyQr;
   t.randomized_cholesky_qr = &RandomizedCholeskyQr;

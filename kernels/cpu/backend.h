@@ -24,6 +24,8 @@ absl::Status Gemm(const Context& ctx, const GemmParams& params, ConstTensorView 
                   ConstTensorView b, TensorView c);
 absl::Status SymmetricProduct(const Context& ctx, GramSide side, float alpha, ConstTensorView a,
                               float beta, TensorView c);
+absl::Status SymmetricProductBf16(const Context& ctx, ConstTensorView a, int64_t block,
+                                  TensorView c);
 absl::Status ThinQr(const Context& ctx, ConstTensorView a, TensorView q, TensorView r);
 absl::Status CholeskyQr(const Context& ctx, ConstTensorView a, TensorView q, TensorView r);
 absl::Status RandomizedCholeskyQr(const Context& ctx, ConstTensorView a, ConstTensorView sketch,

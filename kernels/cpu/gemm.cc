@@ -140,4 +140,28 @@ absl::Status SymmetricProduct(const Context& ctx, GramSide side, float alpha, Co
   return absl::OkStatus();
 }
 
+absl::Status SymmetricProductBf16(const Context& ctx, ConstTensorView a, int64_t block,
+                                  TensorView c) {
+  cpu::ApplyThreadPolicy(ctx);
+  const int64_t n = a.Rows();
+  if (n == 0 || c.Batch() == 0) return absl::OkStatus();
+  GemmParams p;
+  p.trans_b = Trans::kYes;
+  for (int64_t bi = 0; bi < c.Batch(); ++bi) {
+    ConstTensorView am = a.Matrix(bi);
+    TensorView cm = c.Matrix(bi);
+    for (int64_t i0 = 0; i0 < n; i0 += block) {
+      const int64_t ri = std::min(block, n - i0);
+      for (int64_t j0 = 0; j0 <= i0; j0 += block) {  // lower block triangle only
+        const int64_t rj = std::min(block, n - j0);
+        DIOND_RETURN_IF_ERROR(cpu::Gemm(ctx, p, am.RowRange(i0, ri), am.RowRange(j0, rj),
+                                        cm.RowRange(i0, ri).ColRange(j0, rj)));
+      }
+    }
+    const int64_t ldc = cm.layout().RowStride();
+    MirrorLowerToUpper(static_cast<float*>(cm.data()), n, ldc);
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace diond::kernels::cpu

@@ -139,7 +139,7 @@ class BucketedOptimizer final : public GroupOptimizer {
 
   // Allocates and initializes the state (zeros, or the rule's initial values). The memory is
   // host-addressable for now (the CPU backend); a device backend will initialize on the host
-  // and copy (docs/KERNELS.md §7).
+  // and copy (docs/KERNELS.md §8).
   absl::Status InitStates() {
     for (size_t bi = 0; bi < buckets_.size(); ++bi) {
       Bucket& b = buckets_[bi];

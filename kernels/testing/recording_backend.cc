@@ -66,6 +66,7 @@ OpsBackend MakeTable() {
   Set<&OpsBackend::copy_to_host>(t, "copy_to_host");
   Set<&OpsBackend::gemm>(t, "gemm");
   Set<&OpsBackend::symmetric_product>(t, "symmetric_product");
+  Set<&OpsBackend::symmetric_product_bf16>(t, "symmetric_product_bf16");
   Set<&OpsBackend::thin_qr>(t, "thin_qr");
   Set<&OpsBackend::cholesky_qr>(t, "cholesky_qr");
   Set<&OpsBackend::randomized_cholesky_qr>(t, "randomized_cholesky_qr");
