@@ -15,7 +15,9 @@
 
 namespace diond::kernels {
 
-enum class DeviceType { kCpu, kCuda };
+// kTest is a fake device for tests of the ops dispatcher only (kernels/testing): SelectDevice
+// never returns it and no production code registers a backend for it.
+enum class DeviceType { kCpu, kCuda, kTest };
 
 // What the operator asked for with --device.
 struct DeviceRequest {

@@ -71,6 +71,16 @@ enum class GramSide : uint8_t {
 absl::Status SymmetricProduct(const Context& ctx, GramSide side, float alpha, ConstTensorView a,
                               float beta, TensorView c);
 
+// bf16 symmetric product for a future fast mode (NOT used by bf16_reference, which reproduces the
+// reference's float32 GEMMs; docs/CONFORMANCE.md): C ← A·Aᵀ for A bf16 [rows, cols] (rank 2 or
+// 3), C f32 [rows, rows] (same batch). The rows are cut into blocks of `block` rows (the last may
+// be shorter); only the block pairs (i, j) with i >= j are computed, each as one bf16 GEMM
+// A_i·A_jᵀ with f32 accumulation (so every such block equals Gemm on the same block pair bit for
+// bit), then the lower triangle is mirrored onto the upper one, so C is exactly symmetric. About
+// half the FLOPs of the full GEMM (oneDNN has no bf16 SYRK). block >= 1.
+absl::Status SymmetricProductBf16(const Context& ctx, ConstTensorView a, int64_t block,
+                                  TensorView c);
+
 // ============================= factorizations =================================================
 
 // Thin QR of A (m×n, m >= n, f32): Q (m×n) with orthonormal columns (LAPACKE sgeqrf + sorgqr,

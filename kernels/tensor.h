@@ -240,7 +240,15 @@ inline ConstTensorView MakeView(const Float16* p, std::initializer_list<int64_t>
 // Not thread-safe. Contents are uninitialized.
 class ScratchArena {
  public:
+  // Where blocks come from (a Context routes them through its backend's allocator); the default
+  // is the C heap, 4096-byte aligned. allocate returns nullptr when out of memory.
+  struct BlockAllocator {
+    void* (*allocate)(void* user, size_t bytes) = nullptr;
+    void (*deallocate)(void* user, void* p, size_t bytes) = nullptr;
+    void* user = nullptr;
+  };
   explicit ScratchArena(size_t block_bytes = size_t{64} << 20);
+  ScratchArena(size_t block_bytes, BlockAllocator allocator);
   ~ScratchArena();
   ScratchArena(const ScratchArena&) = delete;
   ScratchArena& operator=(const ScratchArena&) = delete;
@@ -281,6 +289,7 @@ class ScratchArena {
   size_t current_ = 0;  // index into blocks_ (== blocks_.size() when none yet)
   size_t offset_ = 0;
   size_t block_bytes_;
+  BlockAllocator allocator_;
 };
 
 // ---- owning tensor --------------------------------------------------------------------------

@@ -6,6 +6,7 @@
 #include "absl/strings/str_join.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "kernels/backend.h"
 #include "nlohmann/json.hpp"
 #include "prometheus/registry.h"
 #include "server/metrics.h"
@@ -24,6 +25,23 @@
 #include <sstream>
 
 namespace diond::server {
+
+std::string DeviceLabel(kernels::DeviceType type, int index) {
+  return type == kernels::DeviceType::kCuda ? absl::StrCat("cuda:", index) : "cpu";
+}
+
+std::string DescribeDevice(const kernels::SelectedDevice& selected, kernels::Device compute) {
+  std::string s = absl::StrCat("device ", selected.name);
+  if (!selected.fallback_reason.empty()) {
+    absl::StrAppend(&s, " (no GPU in use: ", selected.fallback_reason, ")");
+  }
+  if (compute.type != selected.type) {
+    absl::StrAppend(&s, "; steps run on the ", DeviceLabel(compute.type, compute.index),
+                    ": this build has no ops backend for ",
+                    DeviceLabel(selected.type, selected.index), " yet");
+  }
+  return s;
+}
 
 Daemon::Daemon() = default;
 Daemon::~Daemon() { Shutdown(absl::ZeroDuration()); }
@@ -75,11 +93,13 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   std::unique_ptr<Daemon> d(new Daemon);
   DIOND_ASSIGN_OR_RETURN(d->device_, kernels::SelectDevice(options.device, options.cuda_plugin));
 
+  // The device the steps run on: the selected one if this build has an ops backend for it,
+  // else the CPU (every GPU until the CUDA backend exists; said plainly below and in metrics).
+  d->compute_device_ = kernels::ComputeDevice(d->device_);
   BuildInfo info;
   info.version = kVersion;
-  info.device = d->device_.type == kernels::DeviceType::kCuda
-                    ? absl::StrCat("cuda:", d->device_.index)
-                    : "cpu";
+  info.device = DeviceLabel(d->device_.type, d->device_.index);
+  info.compute_device = DeviceLabel(d->compute_device_.type, d->compute_device_.index);
   info.cuda_plugin = d->device_.cuda_plugin_loaded;
   d->metrics_ = std::make_unique<DaemonMetrics>(std::make_shared<prometheus::Registry>(), info);
 
@@ -110,8 +130,10 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   observer.on_checkpoint_failed = [metrics](const std::string&, const absl::Status&) {
     metrics->CountCheckpointFailure();
   };
+  session::ManagerOptions manager_options = options.sessions;
+  manager_options.compute_device = d->compute_device_;
   DIOND_ASSIGN_OR_RETURN(d->sessions_,
-                         session::SessionManager::Create(options.sessions, std::move(observer)));
+                         session::SessionManager::Create(manager_options, std::move(observer)));
   Limits limits;
   limits.max_session_bytes = options.sessions.max_session_bytes;
   limits.memory_budget_bytes = options.sessions.memory_budget_bytes;
@@ -260,10 +282,7 @@ std::string Daemon::Describe() const {
     std::string host = metrics_address_.substr(0, metrics_address_.rfind(':'));
     metrics = absl::StrCat("metrics on http://", host, ":", metrics_port(), "/metrics");
   }
-  std::string device = absl::StrCat("device ", device_.name);
-  if (!device_.fallback_reason.empty()) {
-    absl::StrAppend(&device, " (no GPU in use: ", device_.fallback_reason, ")");
-  }
+  std::string device = DescribeDevice(device_, compute_device_);
   if (health_port() != 0) absl::StrAppend(&metrics, "; health checks on port ", health_port());
   std::string world;
   if (world_) {
@@ -294,6 +313,7 @@ std::string Daemon::ReadyJson() const {
   j["metrics_port"] = metrics_port();
   j["health_port"] = health_port();
   j["device"] = device_.name;
+  j["compute_device"] = DeviceLabel(compute_device_.type, compute_device_.index);
   return j.dump();
 }
 

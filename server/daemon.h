@@ -11,6 +11,7 @@
 #include "absl/time/time.h"
 #include "kernels/device.h"
 #include "server/comm/memory_store.h"
+#include "kernels/tensor.h"
 #include "server/listen.h"
 #include "server/session/session_manager.h"
 
@@ -60,6 +61,13 @@ struct DaemonOptions {
   WorldConfig world;
 };
 
+// "cpu" or "cuda:N" (the labels of diond_build_info).
+std::string DeviceLabel(kernels::DeviceType type, int index);
+// The device part of the start-up line: the selected device, why auto mode fell back to the
+// CPU, and, when the steps run elsewhere than the selected device (a GPU host without a CUDA ops
+// backend), "steps run on the cpu" with the reason.
+std::string DescribeDevice(const kernels::SelectedDevice& selected, kernels::Device compute);
+
 class Daemon {
  public:
   // Selects the device, then starts metrics and gRPC. On any error nothing is left listening.
@@ -85,6 +93,7 @@ class Daemon {
   absl::Status JoinWorld(const WorldConfig& config);
   kernels::SelectedDevice device_;
   std::unique_ptr<rpc::PeerCredentials> peer_credentials_;  // how this daemon proves itself to the coordinator
+  kernels::Device compute_device_;  // where steps run (kernels::ComputeDevice of device_)
   std::string metrics_address_;
   std::unique_ptr<DaemonMetrics> metrics_;
   std::unique_ptr<session::SessionManager> sessions_;

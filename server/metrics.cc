@@ -254,6 +254,7 @@ DaemonMetrics::DaemonMetrics(std::shared_ptr<prometheus::Registry> registry,
       .Register(*registry_)
       .Add({{"version", info.version},
             {"device", info.device},
+            {"compute_device", info.compute_device},
             {"cuda_plugin", info.cuda_plugin ? "true" : "false"}})
       .Set(1);
 }

@@ -28,8 +28,9 @@ namespace diond::server {
 
 struct BuildInfo {
   std::string version;
-  std::string device;       // e.g. "cpu" or "cuda:0"
+  std::string device;       // e.g. "cpu" or "cuda:0": the selected device
   bool cuda_plugin = false; // built with the CUDA plugin
+  std::string compute_device = "cpu";  // where steps run (kernels::ComputeDevice)
 };
 
 // What the sessions hold, read at scrape time (SessionCollector).

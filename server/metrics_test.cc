@@ -22,7 +22,7 @@ TEST(DaemonMetrics, BuildInfoAndRpcCountsByMethodAndCode) {
   m.ObserveRpc("/diond.v1.Optimizer/Step", "OK", 0.003);
   m.ObserveRpc("/diond.v1.Optimizer/Step", "INVALID_ARGUMENT", 0.0001);
   std::string text = Expose(*registry);
-  EXPECT_NE(text.find(R"(diond_build_info{cuda_plugin="false",device="cpu",version="1.2.3"} 1)"),
+  EXPECT_NE(text.find(R"(diond_build_info{compute_device="cpu",cuda_plugin="false",device="cpu",version="1.2.3"} 1)"),
             std::string::npos)
       << text;
   EXPECT_NE(text.find(R"(diond_rpcs_total{code="OK",method="/diond.v1.Optimizer/Step"} 2)"),

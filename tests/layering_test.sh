@@ -29,6 +29,20 @@ check "kernels/ uses prometheus-cpp" "$prom" kernels
 check "kernels/ includes server or client" '#include *"(server|client)/' kernels
 check "CUDA headers outside kernels/cuda" "$cuda" common server client tests \
   $(find kernels -path kernels/cuda -prune -o -type f -print)
+# The ops API (ARCHITECTURE.md §3, docs/KERNELS.md): only the backends themselves and their tests
+# see a backend's headers; kernels/optim, server/ and the API (kernels/*.h, kernels/api/) call the
+# dispatcher in kernels/ops.h. kernels_api_alone_test proves the API also links without them.
+backend_inc='#include *[<"]kernels/(cpu|cuda/[a-z_]+_backend|testing)/'
+# (their *_test.cc files may use the test-only backend of kernels/testing)
+check "kernels/optim includes a backend header" "$backend_inc" \
+  $(find kernels/optim -type f ! -name '*_test.cc')
+check "server/ includes a backend header" "$backend_inc" $(find server -type f ! -name '*_test.cc')
+check "the ops API includes a backend header" "$backend_inc" kernels/api \
+  kernels/tensor.h kernels/context.h kernels/ops.h kernels/backend.h
+api_srcs=$(sed -n '/NAME kernels_api$/,/^)/p' kernels/CMakeLists.txt)
+if echo "$api_srcs" | grep -q 'cpu/'; then
+  echo "LAYERING VIOLATION: the kernels_api target lists a kernels/cpu source"; fail=1
+fi
 server_core=$(find server -path server/rpc -prune -o -type f \( -name '*.h' -o -name '*.cc' \) -print | grep -v '^server/main.cc$')
 check "server/ (outside rpc/) uses gRPC or proto" "$grpc" $server_core
 check "client/ uses prometheus-cpp" "$prom" client

@@ -5,47 +5,19 @@
 #include <algorithm>
 #include <cstring>
 
+#include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "kernels/cpu/threading.h"
-#include "kernels/cpu/validate.h"
-#include "kernels/ops.h"
+#include "kernels/cpu/backend.h"
 
-namespace diond::kernels {
+namespace diond::kernels::cpu {
 namespace {
-
-using cpu::Invalid;
 
 float* F32(TensorView v) { return static_cast<float*>(v.data()); }
 
 int64_t Ld(const TensorLayout& l) {
   return l.Rows() <= 1 ? std::max<int64_t>(std::max<int64_t>(l.Cols(), 1), l.RowStride())
                        : l.RowStride();
-}
-
-// Checks shared by the three QR flavours: a f32 m×n with m >= n >= 1 (n == 0 allowed), q like a,
-// r (if given) n×n f32, same batch.
-absl::Status CheckQrArgs(const Context& ctx, const char* op, ConstTensorView a, TensorView q,
-                         TensorView r) {
-  DIOND_RETURN_IF_ERROR(cpu::CheckContext(ctx, op));
-  DIOND_RETURN_IF_ERROR(cpu::CheckMatrix(ctx, op, "a", a));
-  DIOND_RETURN_IF_ERROR(cpu::CheckMatrix(ctx, op, "q", q));
-  DIOND_RETURN_IF_ERROR(cpu::CheckDType(op, "a", a.layout(), DType::kF32));
-  DIOND_RETURN_IF_ERROR(cpu::CheckDType(op, "q", q.layout(), DType::kF32));
-  if (a.Rows() < a.Cols()) {
-    return Invalid(op, "a is ", a.DebugString(), ", want rows >= cols (thin QR of a tall matrix)");
-  }
-  if (!cpu::SameShape(a.layout(), q.layout())) {
-    return Invalid(op, "q is ", q.DebugString(), ", want the shape of a ", a.DebugString());
-  }
-  if (!r.empty()) {
-    DIOND_RETURN_IF_ERROR(cpu::CheckMatrix(ctx, op, "r", r));
-    DIOND_RETURN_IF_ERROR(cpu::CheckDType(op, "r", r.layout(), DType::kF32));
-    if (r.Rows() != a.Cols() || r.Cols() != a.Cols() || r.Batch() != a.Batch()) {
-      return Invalid(op, "r is ", r.DebugString(), ", want ", a.Batch() > 1 || a.rank() == 3 ?
-                     "[batch, n, n]" : "[n, n]", " with n = ", a.Cols());
-    }
-  }
-  return absl::OkStatus();
 }
 
 // Copies the n×n upper triangle of src (row stride lds) to dst (row stride ldd), zeros below.
@@ -98,11 +70,10 @@ absl::Status CholeskyQrInPlace(const char* op, int64_t index, float* q, int64_t 
 
 absl::Status ThinQr(const Context& ctx, ConstTensorView a, TensorView q, TensorView r) {
   constexpr const char* kOp = "ThinQr";
-  DIOND_RETURN_IF_ERROR(CheckQrArgs(ctx, kOp, a, q, r));
   cpu::ApplyThreadPolicy(ctx);
   const int64_t m = a.Rows(), n = a.Cols();
   if (n == 0 || a.Batch() == 0) return absl::OkStatus();
-  DIOND_RETURN_IF_ERROR(Copy(ctx, a, q));
+  DIOND_RETURN_IF_ERROR(cpu::Copy(ctx, a, q));
   ScratchArena::Scope scope(ctx.scratch());
   DIOND_ASSIGN_OR_RETURN(Tensor tau, Tensor::Allocate(DType::kF32, {n}, &ctx.scratch()));
   for (int64_t b = 0; b < a.Batch(); ++b) {
@@ -116,11 +87,10 @@ absl::Status ThinQr(const Context& ctx, ConstTensorView a, TensorView q, TensorV
 
 absl::Status CholeskyQr(const Context& ctx, ConstTensorView a, TensorView q, TensorView r) {
   constexpr const char* kOp = "CholeskyQr";
-  DIOND_RETURN_IF_ERROR(CheckQrArgs(ctx, kOp, a, q, r));
   cpu::ApplyThreadPolicy(ctx);
   const int64_t m = a.Rows(), n = a.Cols();
   if (n == 0 || a.Batch() == 0) return absl::OkStatus();
-  DIOND_RETURN_IF_ERROR(Copy(ctx, a, q));
+  DIOND_RETURN_IF_ERROR(cpu::Copy(ctx, a, q));
   ScratchArena::Scope scope(ctx.scratch());
   DIOND_ASSIGN_OR_RETURN(Tensor g, Tensor::Allocate(DType::kF32, {n, n}, &ctx.scratch()));
   for (int64_t b = 0; b < a.Batch(); ++b) {
@@ -135,19 +105,10 @@ absl::Status CholeskyQr(const Context& ctx, ConstTensorView a, TensorView q, Ten
 absl::Status RandomizedCholeskyQr(const Context& ctx, ConstTensorView a, ConstTensorView sketch,
                                   TensorView q) {
   constexpr const char* kOp = "RandomizedCholeskyQr";
-  DIOND_RETURN_IF_ERROR(CheckQrArgs(ctx, kOp, a, q, TensorView()));
-  DIOND_RETURN_IF_ERROR(cpu::CheckMatrix(ctx, kOp, "sketch", sketch));
-  DIOND_RETURN_IF_ERROR(cpu::CheckDType(kOp, "sketch", sketch.layout(), DType::kF32));
   const int64_t m = a.Rows(), n = a.Cols(), s = sketch.Rows();
-  if (sketch.Cols() != m || s < n) {
-    return Invalid(kOp, "sketch is ", sketch.DebugString(), ", want [s, ", m, "] with s >= ", n);
-  }
-  if (sketch.Batch() != 1 && sketch.Batch() != a.Batch()) {
-    return Invalid(kOp, "sketch has batch ", sketch.Batch(), ", a has batch ", a.Batch());
-  }
   cpu::ApplyThreadPolicy(ctx);
   if (n == 0 || a.Batch() == 0) return absl::OkStatus();
-  DIOND_RETURN_IF_ERROR(Copy(ctx, a, q));
+  DIOND_RETURN_IF_ERROR(cpu::Copy(ctx, a, q));
   ScratchArena::Scope scope(ctx.scratch());
   DIOND_ASSIGN_OR_RETURN(Tensor sa, Tensor::Allocate(DType::kF32, {s, n}, &ctx.scratch()));
   DIOND_ASSIGN_OR_RETURN(Tensor r1, Tensor::Allocate(DType::kF32, {n, n}, &ctx.scratch()));
@@ -186,4 +147,4 @@ absl::Status RandomizedCholeskyQr(const Context& ctx, ConstTensorView a, ConstTe
   return absl::OkStatus();
 }
 
-}  // namespace diond::kernels
+}  // namespace diond::kernels::cpu

@@ -8,13 +8,10 @@
 #include "common/status_macros.h"
 #include "kernels/cpu/onednn_matmul.h"
 #include "kernels/cpu/threading.h"
-#include "kernels/cpu/validate.h"
-#include "kernels/ops.h"
+#include "kernels/cpu/backend.h"
 
-namespace diond::kernels {
+namespace diond::kernels::cpu {
 namespace {
-
-using cpu::Invalid;
 
 // Leading dimension for BLAS: must be >= max(1, cols) even for a single row.
 int64_t Ld(const TensorLayout& l) {
@@ -36,9 +33,9 @@ absl::Status ScaleOnly(const Context& ctx, float beta, TensorView c) {
       TensorLayout l = ContiguousLayout(c.dtype(), {cm.Cols()});
       TensorView r(row.data(), l);
       if (beta == 0.0f) {
-        DIOND_RETURN_IF_ERROR(Fill(ctx, 0.0f, r));
+        DIOND_RETURN_IF_ERROR(cpu::Fill(ctx, 0.0f, r));
       } else {
-        DIOND_RETURN_IF_ERROR(Scale(ctx, beta, r, r));
+        DIOND_RETURN_IF_ERROR(cpu::Axpby(ctx, beta, r, 0.0f, ConstTensorView(), r));
       }
     }
   }
@@ -49,39 +46,12 @@ absl::Status ScaleOnly(const Context& ctx, float beta, TensorView c) {
 
 absl::Status Gemm(const Context& ctx, const GemmParams& p, ConstTensorView a, ConstTensorView b,
                   TensorView c) {
-  constexpr const char* kOp = "Gemm";
-  DIOND_RETURN_IF_ERROR(cpu::CheckContext(ctx, kOp));
-  DIOND_RETURN_IF_ERROR(cpu::CheckMatrix(ctx, kOp, "a", a));
-  DIOND_RETURN_IF_ERROR(cpu::CheckMatrix(ctx, kOp, "b", b));
-  DIOND_RETURN_IF_ERROR(cpu::CheckMatrix(ctx, kOp, "c", c));
-  DIOND_RETURN_IF_ERROR(cpu::CheckFinite(kOp, "alpha", p.alpha));
-  DIOND_RETURN_IF_ERROR(cpu::CheckFinite(kOp, "beta", p.beta));
   const bool ta = p.trans_a == Trans::kYes, tb = p.trans_b == Trans::kYes;
   const int64_t m = ta ? a.Cols() : a.Rows(), ka = ta ? a.Rows() : a.Cols();
-  const int64_t kb = tb ? b.Cols() : b.Rows(), n = tb ? b.Rows() : b.Cols();
-  if (ka != kb) {
-    return Invalid(kOp, "inner dims differ: op(a) is ", m, "x", ka, " (a ", a.DebugString(),
-                   "), op(b) is ", kb, "x", n, " (b ", b.DebugString(), ")");
-  }
-  if (c.Rows() != m || c.Cols() != n) {
-    return Invalid(kOp, "c is ", c.DebugString(), ", want [", m, ", ", n, "]");
-  }
+  const int64_t n = tb ? b.Rows() : b.Cols();
   const int64_t batch = c.Batch();
-  if (a.Batch() != 1 && a.Batch() != batch) {
-    return Invalid(kOp, "a has batch ", a.Batch(), ", c has batch ", batch);
-  }
-  if (b.Batch() != 1 && b.Batch() != batch) {
-    return Invalid(kOp, "b has batch ", b.Batch(), ", c has batch ", batch);
-  }
   const bool f32 = a.dtype() == DType::kF32 && b.dtype() == DType::kF32 &&
                    c.dtype() == DType::kF32;
-  const bool bf16 = a.dtype() == DType::kBf16 && b.dtype() == DType::kBf16 &&
-                    (c.dtype() == DType::kF32 || c.dtype() == DType::kBf16);
-  if (!f32 && !bf16) {
-    return Invalid(kOp, "unsupported dtypes a ", DTypeName(a.dtype()), ", b ",
-                   DTypeName(b.dtype()), ", c ", DTypeName(c.dtype()),
-                   " (want f32,f32->f32 or bf16,bf16->f32|bf16)");
-  }
   cpu::ApplyThreadPolicy(ctx);
   if (m == 0 || n == 0 || batch == 0) return absl::OkStatus();
   const int64_t k = ka;
@@ -132,8 +102,6 @@ absl::Status Gemm(const Context& ctx, const GemmParams& p, ConstTensorView a, Co
   return absl::OkStatus();
 }
 
-namespace cpu {
-
 // Copies the lower triangle of the n×n matrix at c (row stride ldc) onto the upper one, in
 // 64×64 tiles so that both the read and the write side stay in cache.
 void MirrorLowerToUpper(float* c, int64_t n, int64_t ldc) {
@@ -148,26 +116,10 @@ void MirrorLowerToUpper(float* c, int64_t n, int64_t ldc) {
   }
 }
 
-}  // namespace cpu
-
 absl::Status SymmetricProduct(const Context& ctx, GramSide side, float alpha, ConstTensorView a,
                               float beta, TensorView c) {
-  constexpr const char* kOp = "SymmetricProduct";
-  DIOND_RETURN_IF_ERROR(cpu::CheckContext(ctx, kOp));
-  DIOND_RETURN_IF_ERROR(cpu::CheckMatrix(ctx, kOp, "a", a));
-  DIOND_RETURN_IF_ERROR(cpu::CheckMatrix(ctx, kOp, "c", c));
-  DIOND_RETURN_IF_ERROR(cpu::CheckDType(kOp, "a", a.layout(), DType::kF32));
-  DIOND_RETURN_IF_ERROR(cpu::CheckDType(kOp, "c", c.layout(), DType::kF32));
-  DIOND_RETURN_IF_ERROR(cpu::CheckFinite(kOp, "alpha", alpha));
-  DIOND_RETURN_IF_ERROR(cpu::CheckFinite(kOp, "beta", beta));
   const bool aat = side == GramSide::kAAt;
   const int64_t n = aat ? a.Rows() : a.Cols(), k = aat ? a.Cols() : a.Rows();
-  if (c.Rows() != n || c.Cols() != n) {
-    return Invalid(kOp, "c is ", c.DebugString(), ", want [", n, ", ", n, "]");
-  }
-  if (a.Batch() != c.Batch()) {
-    return Invalid(kOp, "a has batch ", a.Batch(), ", c has batch ", c.Batch());
-  }
   cpu::ApplyThreadPolicy(ctx);
   if (n == 0) return absl::OkStatus();
   for (int64_t i = 0; i < c.Batch(); ++i) {
@@ -188,4 +140,28 @@ absl::Status SymmetricProduct(const Context& ctx, GramSide side, float alpha, Co
   return absl::OkStatus();
 }
 
-}  // namespace diond::kernels
+absl::Status SymmetricProductBf16(const Context& ctx, ConstTensorView a, int64_t block,
+                                  TensorView c) {
+  cpu::ApplyThreadPolicy(ctx);
+  const int64_t n = a.Rows();
+  if (n == 0 || c.Batch() == 0) return absl::OkStatus();
+  GemmParams p;
+  p.trans_b = Trans::kYes;
+  for (int64_t bi = 0; bi < c.Batch(); ++bi) {
+    ConstTensorView am = a.Matrix(bi);
+    TensorView cm = c.Matrix(bi);
+    for (int64_t i0 = 0; i0 < n; i0 += block) {
+      const int64_t ri = std::min(block, n - i0);
+      for (int64_t j0 = 0; j0 <= i0; j0 += block) {  // lower block triangle only
+        const int64_t rj = std::min(block, n - j0);
+        DIOND_RETURN_IF_ERROR(cpu::Gemm(ctx, p, am.RowRange(i0, ri), am.RowRange(j0, rj),
+                                        cm.RowRange(i0, ri).ColRange(j0, rj)));
+      }
+    }
+    const int64_t ldc = cm.layout().RowStride();
+    MirrorLowerToUpper(static_cast<float*>(cm.data()), n, ldc);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace diond::kernels::cpu

@@ -1,8 +1,10 @@
 // Tests of Gemm and SymmetricProduct against a naive double-precision triple loop.
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
 #include "common/status_matchers.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/test_util.h"
 #include "kernels/ops.h"
@@ -202,6 +204,74 @@ TEST(SymmetricProduct, RejectsBadArguments) {
   EXPECT_THAT(SymmetricProduct(*ctx, GramSide::kAtA, 1.0f, MakeView(a16.data(), {3, 4}), 0.0f,
                                MakeView(c.data(), {4, 4})),
               StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("dtype")));
+}
+
+}  // namespace
+}  // namespace diond::kernels
+
+namespace diond::kernels {
+namespace {
+
+// SymmetricProductBf16: each computed block equals Gemm on the same block pair bit for bit, the
+// upper triangle is the exact mirror, and the whole agrees with the full bf16 GEMM and with a
+// double-precision product of the bf16 inputs.
+TEST(SymmetricProductBf16Test, LowerBlocksEqualGemmAndUpperIsTheMirror) {
+  auto ctx = Context::CpuDefault();
+  const int64_t batch = 2, n = 70, k = 48, block = 32;
+  const auto af = testing::RandomVector(batch * n * k, 7);
+  std::vector<BFloat16> a(af.size());
+  for (size_t i = 0; i < af.size(); ++i) a[i] = FloatToBf16(af[i]);
+  std::vector<float> c(batch * n * n, -1.0f), full(batch * n * n);
+  ConstTensorView av = MakeView(a.data(), {batch, n, k});
+  ASSERT_THAT(SymmetricProductBf16(*ctx, av, block, MakeView(c.data(), {batch, n, n})), IsOk());
+  GemmParams p;
+  p.trans_b = Trans::kYes;
+  ASSERT_THAT(Gemm(*ctx, p, av, av, MakeView(full.data(), {batch, n, n})), IsOk());
+  for (int64_t b = 0; b < batch; ++b) {
+    ConstTensorView am = av.Matrix(b);
+    const float* cb = c.data() + b * n * n;
+    for (int64_t i0 = 0; i0 < n; i0 += block) {
+      const int64_t ri = std::min(block, n - i0);
+      for (int64_t j0 = 0; j0 <= i0; j0 += block) {
+        const int64_t rj = std::min(block, n - j0);
+        std::vector<float> blk(ri * rj);
+        ASSERT_THAT(Gemm(*ctx, p, am.RowRange(i0, ri), am.RowRange(j0, rj),
+                         MakeView(blk.data(), {ri, rj})),
+                    IsOk());
+        for (int64_t i = 0; i < ri; ++i) {
+          for (int64_t j = 0; j < rj; ++j) {
+            if (j0 + j > i0 + i) continue;  // above the diagonal: the mirror, checked below
+            ASSERT_EQ(cb[(i0 + i) * n + j0 + j], blk[i * rj + j]) << b << " " << i0 + i << " "
+                                                                 << j0 + j;
+          }
+        }
+      }
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t j = 0; j < n; ++j) {
+        ASSERT_EQ(cb[i * n + j], cb[j * n + i]);
+        double ref = 0;
+        for (int64_t t = 0; t < k; ++t) {
+          ref += static_cast<double>(Bf16ToFloat(a[(b * n + i) * k + t])) *
+                 Bf16ToFloat(a[(b * n + j) * k + t]);
+        }
+        EXPECT_NEAR(cb[i * n + j], ref, 1e-4 * (1.0 + std::fabs(ref)));
+        EXPECT_NEAR(cb[i * n + j], full[b * n * n + i * n + j], 1e-4 * (1.0 + std::fabs(ref)));
+      }
+    }
+  }
+}
+
+TEST(SymmetricProductBf16Test, RejectsBadArguments) {
+  auto ctx = Context::CpuDefault();
+  std::vector<BFloat16> a(8 * 4);
+  std::vector<float> c(8 * 8), af(8 * 4);
+  EXPECT_THAT(SymmetricProductBf16(*ctx, MakeView(a.data(), {8, 4}), 0, MakeView(c.data(), {8, 8})),
+              StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("block")));
+  EXPECT_THAT(SymmetricProductBf16(*ctx, MakeView(a.data(), {8, 4}), 4, MakeView(c.data(), {4, 16})),
+              StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("want [8, 8]")));
+  EXPECT_THAT(SymmetricProductBf16(*ctx, MakeView(af.data(), {8, 4}), 4, MakeView(c.data(), {8, 8})),
+              StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("bf16")));
 }
 
 }  // namespace

@@ -8,13 +8,10 @@
 
 #include "common/status_macros.h"
 #include "kernels/cpu/loops.h"
-#include "kernels/cpu/validate.h"
-#include "kernels/ops.h"
+#include "kernels/cpu/backend.h"
 
-namespace diond::kernels {
+namespace diond::kernels::cpu {
 namespace {
-
-using cpu::Invalid;
 
 double Term(NormType t, float v) {
   return t == NormType::kL1 ? std::fabs(static_cast<double>(v))
@@ -60,23 +57,9 @@ void ColSums(ConstTensorView a, NormType type, double* sums) {
   });
 }
 
-absl::Status CheckF32Out(const Context& ctx, const char* op, TensorView out, int64_t want) {
-  DIOND_RETURN_IF_ERROR(cpu::CheckContiguous(ctx, op, "out", out));
-  DIOND_RETURN_IF_ERROR(cpu::CheckDType(op, "out", out.layout(), DType::kF32));
-  if (out.NumElements() != want) {
-    return Invalid(op, "out ", out.DebugString(), " has ", out.NumElements(), " elements, want ",
-                   want);
-  }
-  return absl::OkStatus();
-}
-
 }  // namespace
 
 absl::Status FrobeniusNorm(const Context& ctx, ConstTensorView a, TensorView out) {
-  constexpr const char* kOp = "FrobeniusNorm";
-  DIOND_RETURN_IF_ERROR(cpu::CheckContext(ctx, kOp));
-  DIOND_RETURN_IF_ERROR(cpu::CheckMatrix(ctx, kOp, "a", a, /*allow_vector=*/true));
-  DIOND_RETURN_IF_ERROR(CheckF32Out(ctx, kOp, out, a.Batch()));
   cpu::ApplyThreadPolicy(ctx);
   std::vector<double> sums(static_cast<size_t>(a.Batch() * a.Rows()));
   RowSums(a, NormType::kSumOfSquares, sums.data());
@@ -91,17 +74,7 @@ absl::Status FrobeniusNorm(const Context& ctx, ConstTensorView a, TensorView out
 
 absl::Status AxisNorms(const Context& ctx, ConstTensorView a, Axis axis, NormType type,
                        TensorView out) {
-  constexpr const char* kOp = "AxisNorms";
-  DIOND_RETURN_IF_ERROR(cpu::CheckContext(ctx, kOp));
-  DIOND_RETURN_IF_ERROR(cpu::CheckMatrix(ctx, kOp, "a", a, /*allow_vector=*/true));
-  if (axis != Axis::kRows && axis != Axis::kCols) {
-    return Invalid(kOp, "unknown axis ", static_cast<int>(axis));
-  }
-  if (type != NormType::kL1 && type != NormType::kL2 && type != NormType::kSumOfSquares) {
-    return Invalid(kOp, "unknown norm type ", static_cast<int>(type));
-  }
   const int64_t per = axis == Axis::kRows ? a.Rows() : a.Cols();
-  DIOND_RETURN_IF_ERROR(CheckF32Out(ctx, kOp, out, a.Batch() * per));
   cpu::ApplyThreadPolicy(ctx);
   const NormType acc = type == NormType::kL1 ? NormType::kL1 : NormType::kSumOfSquares;
   std::vector<double> sums(static_cast<size_t>(a.Batch() * per));
@@ -118,12 +91,8 @@ absl::Status AxisNorms(const Context& ctx, ConstTensorView a, Axis axis, NormTyp
 }
 
 namespace {
-absl::Status TopKImpl(const char* op, const float* s, int64_t n, int64_t k,
-                      absl::Span<int64_t> indices) {
-  if (k < 1 || k > n) return Invalid(op, "k is ", k, ", want 1..", n);
-  if (static_cast<int64_t>(indices.size()) != k) {
-    return Invalid(op, "indices has ", indices.size(), " entries, want k = ", k);
-  }
+// k and indices.size() were validated by the dispatcher (1 <= k <= n, size k).
+absl::Status TopKImpl(const float* s, int64_t n, int64_t k, absl::Span<int64_t> indices) {
   std::vector<int64_t> idx(static_cast<size_t>(n));
   std::iota(idx.begin(), idx.end(), int64_t{0});
   // Strict weak order: numbers before NaN, larger score first, then lower index first.
@@ -141,39 +110,21 @@ absl::Status TopKImpl(const char* op, const float* s, int64_t n, int64_t k,
 
 absl::Status TopK(const Context& ctx, ConstTensorView scores, int64_t k,
                   absl::Span<int64_t> indices) {
-  constexpr const char* kOp = "TopK";
-  DIOND_RETURN_IF_ERROR(cpu::CheckContext(ctx, kOp));
-  DIOND_RETURN_IF_ERROR(cpu::CheckContiguous(ctx, kOp, "scores", scores));
-  DIOND_RETURN_IF_ERROR(cpu::CheckDType(kOp, "scores", scores.layout(), DType::kF32));
-  return TopKImpl(kOp, scores.As<float>(), scores.NumElements(), k, indices);
+  cpu::ApplyThreadPolicy(ctx);
+  return TopKImpl(scores.As<float>(), scores.NumElements(), k, indices);
 }
 
 absl::Status TopKByL1Norm(const Context& ctx, ConstTensorView a, Axis axis, int64_t k,
                           absl::Span<int64_t> indices, TensorView scores_out) {
-  constexpr const char* kOp = "TopKByL1Norm";
-  DIOND_RETURN_IF_ERROR(cpu::CheckContext(ctx, kOp));
-  DIOND_RETURN_IF_ERROR(cpu::CheckMatrix(ctx, kOp, "a", a));
-  if (a.rank() != 2) return Invalid(kOp, "a is ", a.DebugString(), ", want one matrix (rank 2)");
-  if (axis != Axis::kRows && axis != Axis::kCols) {
-    return Invalid(kOp, "unknown axis ", static_cast<int>(axis));
-  }
   const int64_t n = axis == Axis::kRows ? a.Rows() : a.Cols();
-  if (!scores_out.empty()) DIOND_RETURN_IF_ERROR(CheckF32Out(ctx, kOp, scores_out, n));
-  if (k < 1 || k > n) return Invalid(kOp, "k is ", k, ", want 1..", n);
-  if (static_cast<int64_t>(indices.size()) != k) {
-    return Invalid(kOp, "indices has ", indices.size(), " entries, want k = ", k);
-  }
   std::vector<float> scores(static_cast<size_t>(n));
-  DIOND_RETURN_IF_ERROR(AxisNorms(ctx, a, axis, NormType::kL1, MakeView(scores.data(), {n})));
+  DIOND_RETURN_IF_ERROR(
+      cpu::AxisNorms(ctx, a, axis, NormType::kL1, MakeView(scores.data(), {n})));
   if (!scores_out.empty()) std::copy(scores.begin(), scores.end(), scores_out.As<float>());
-  return TopKImpl(kOp, scores.data(), n, k, indices);
+  return TopKImpl(scores.data(), n, k, indices);
 }
 
 absl::Status IsAllZero(const Context& ctx, ConstTensorView a, bool* all_zero) {
-  constexpr const char* kOp = "IsAllZero";
-  DIOND_RETURN_IF_ERROR(cpu::CheckContext(ctx, kOp));
-  DIOND_RETURN_IF_ERROR(cpu::CheckView(ctx, kOp, "a", a));
-  if (all_zero == nullptr) return Invalid(kOp, "all_zero is null");
   cpu::ApplyThreadPolicy(ctx);
   TensorLayout l = a.layout();
   // Walk any strided layout as rows of the last dim.
@@ -201,4 +152,4 @@ absl::Status IsAllZero(const Context& ctx, ConstTensorView a, bool* all_zero) {
   return absl::OkStatus();
 }
 
-}  // namespace diond::kernels
+}  // namespace diond::kernels::cpu

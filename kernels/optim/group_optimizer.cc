@@ -38,6 +38,12 @@ absl::Status GroupOptimizer::Step(const kernels::Context& ctx, absl::Span<float*
     }
   }
   DIOND_RETURN_IF_ERROR(ValidateStepOptions(options));
+  if (ctx.device() != state_device_) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        AlgorithmName(config_.algorithm), " step: the context's device (type ",
+        static_cast<int>(ctx.device().type), ", index ", ctx.device().index,
+        ") is not the device of the optimizer's state"));
+  }
   const double lr = options.lr.value_or(config_.hyperparams.lr);
   const double wd = options.weight_decay.value_or(config_.hyperparams.weight_decay);
   capture_ = options.capture;
@@ -83,29 +89,39 @@ int64_t NumElements(const ParamShape& s) {
   return n;
 }
 
-// Parameters of one shape, with their persistent state stacked [N, ...].
+// Parameters of one shape, with their persistent state stacked [N, ...]: one f32 Buffer per
+// state spec, from the optimizer's allocator (kernels/context.h).
 struct Bucket {
   ParamShape shape;
   int64_t numel = 0;
   std::vector<size_t> members;  // parameter indices, ascending
   std::vector<StateSpec> specs;
-  std::vector<std::vector<float>> state;  // per spec, N·spec numel
+  std::vector<kernels::Buffer> state;  // per spec, [N·spec numel] f32
 };
 
-// Results of one bucket waiting for commit.
+// Results of one bucket waiting for commit. The buffers are sized for every member of the
+// bucket once (at its first step) and reused by every later step, whichever members have a
+// gradient, so steps after the first allocate nothing.
 struct Staged {
   size_t bucket = 0;
   std::vector<size_t> slots;  // positions in Bucket::members that participated
-  std::vector<float> x;
-  std::vector<float> g;
-  std::vector<std::vector<float>> state;
+  kernels::Buffer x;
+  kernels::Buffer g;
+  std::vector<kernels::Buffer> state;
 };
+
+absl::StatusOr<kernels::Buffer> F32Buffer(const kernels::Allocator& alloc, int64_t n) {
+  return alloc.Allocate(kernels::DType::kF32, {n});
+}
 
 class BucketedOptimizer final : public GroupOptimizer {
  public:
   BucketedOptimizer(GroupConfig config, std::vector<ParamShape> shapes,
-                    std::unique_ptr<UpdateRule> rule)
-      : GroupOptimizer(std::move(config), std::move(shapes)), rule_(std::move(rule)) {
+                    std::unique_ptr<UpdateRule> rule, kernels::Allocator alloc)
+      : GroupOptimizer(std::move(config), std::move(shapes)),
+        rule_(std::move(rule)),
+        alloc_(std::move(alloc)) {
+    state_device_ = alloc_.device();
     std::map<ParamShape, size_t> by_shape;
     for (size_t i = 0; i < this->shapes().size(); ++i) {
       const ParamShape& s = this->shapes()[i];
@@ -120,17 +136,27 @@ class BucketedOptimizer final : public GroupOptimizer {
       buckets_[it->second].members.push_back(i);
       where_.push_back({it->second, buckets_[it->second].members.size() - 1});
     }
+  }
+
+  // Allocates and initializes the state (zeros, or the rule's initial values). The memory is
+  // host-addressable for now (the CPU backend); a device backend will initialize on the host
+  // and copy (docs/KERNELS.md §8).
+  absl::Status InitStates() {
     for (size_t bi = 0; bi < buckets_.size(); ++bi) {
       Bucket& b = buckets_[bi];
       const int64_t n = static_cast<int64_t>(b.members.size());
       for (size_t k = 0; k < b.specs.size(); ++k) {
-        b.state.emplace_back(static_cast<size_t>(n * b.specs[k].NumElements()), 0.0f);
+        DIOND_ASSIGN_OR_RETURN(kernels::Buffer buf,
+                               F32Buffer(alloc_, n * b.specs[k].NumElements()));
+        if (buf.bytes() > 0) std::memset(buf.data(), 0, buf.bytes());
         // The stream makes every bucket's random draws independent and fixed by the first
         // parameter index of the bucket, so adding a parameter of another shape does not
         // change them.
-        rule_->InitState(this->config(), b.shape, k, n, b.members[0], b.state[k].data());
+        rule_->InitState(this->config(), b.shape, k, n, b.members[0], buf.As<float>());
+        b.state.push_back(std::move(buf));
       }
     }
+    return absl::OkStatus();
   }
 
  protected:
@@ -150,37 +176,47 @@ class BucketedOptimizer final : public GroupOptimizer {
       for (size_t slot = 0; slot < b.members.size(); ++slot) {
         if (grads[b.members[slot]] != nullptr) st.slots.push_back(slot);
       }
-      if (st.slots.empty()) continue;
+      if (st.slots.empty()) {
+        spare_[bi] = std::move(st);
+        continue;
+      }
       const size_t np = st.slots.size();
       const size_t numel = static_cast<size_t>(b.numel);
-      st.x.resize(np * numel);
-      st.g.resize(np * numel);
+      const int64_t all = static_cast<int64_t>(b.members.size());
+      if (st.x.empty()) {  // first step of this bucket: staging for every member, kept
+        DIOND_ASSIGN_OR_RETURN(st.x, F32Buffer(alloc_, all * b.numel));
+        DIOND_ASSIGN_OR_RETURN(st.g, F32Buffer(alloc_, all * b.numel));
+        st.state.clear();
+        for (size_t k = 0; k < b.specs.size(); ++k) {
+          DIOND_ASSIGN_OR_RETURN(kernels::Buffer sb,
+                                 F32Buffer(alloc_, all * b.specs[k].NumElements()));
+          st.state.push_back(std::move(sb));
+        }
+      }
+      float* sx = st.x.As<float>();
+      float* sg = st.g.As<float>();
       for (size_t j = 0; j < np; ++j) {
         const size_t p = b.members[st.slots[j]];
         if (numel > 0) {
-          std::memcpy(st.x.data() + j * numel, params[p], numel * sizeof(float));
-          std::memcpy(st.g.data() + j * numel, grads[p], numel * sizeof(float));
+          std::memcpy(sx + j * numel, params[p], numel * sizeof(float));
+          std::memcpy(sg + j * numel, grads[p], numel * sizeof(float));
         }
       }
-      st.state.resize(b.specs.size());
       for (size_t k = 0; k < b.specs.size(); ++k) {
         const size_t sn = static_cast<size_t>(b.specs[k].NumElements());
-        std::vector<float>& s = st.state[k];
-        s.resize(np * sn);
+        float* s = st.state[k].As<float>();
+        const float* src = b.state[k].As<float>();
         for (size_t j = 0; j < np; ++j) {
-          if (sn > 0) {
-            std::memcpy(s.data() + j * sn, b.state[k].data() + st.slots[j] * sn,
-                        sn * sizeof(float));
-          }
+          if (sn > 0) std::memcpy(s + j * sn, src + st.slots[j] * sn, sn * sizeof(float));
         }
       }
       internal::BucketArgs args;
       args.config = &config();
       args.shape = &b.shape;
       args.count = static_cast<int64_t>(np);
-      args.x = st.x.data();
-      args.g = st.g.data();
-      for (auto& s : st.state) args.state.push_back(s.data());
+      args.x = sx;
+      args.g = sg;
+      for (auto& s : st.state) args.state.push_back(s.As<float>());
       args.scalars = {lr, weight_decay};
       args.step = step_number_;
       args.replica_average = replica_average_;
@@ -201,7 +237,7 @@ class BucketedOptimizer final : public GroupOptimizer {
       const size_t numel = static_cast<size_t>(b.numel);
       for (size_t j = 0; j < st.slots.size(); ++j) {
         const size_t p = b.members[st.slots[j]];
-        const float* staged = st.x.data() + j * numel;
+        const float* staged = st.x.As<float>() + j * numel;
         double sq = 0;
         for (size_t e = 0; e < numel; ++e) {
           const double d = static_cast<double>(staged[e]) - params[p][e];
@@ -212,8 +248,8 @@ class BucketedOptimizer final : public GroupOptimizer {
         for (size_t k = 0; k < b.specs.size(); ++k) {
           const size_t sn = static_cast<size_t>(b.specs[k].NumElements());
           if (sn > 0) {
-            std::memcpy(b.state[k].data() + st.slots[j] * sn, st.state[k].data() + j * sn,
-                        sn * sizeof(float));
+            std::memcpy(b.state[k].As<float>() + st.slots[j] * sn,
+                        st.state[k].As<float>() + j * sn, sn * sizeof(float));
           }
         }
       }
@@ -223,13 +259,24 @@ class BucketedOptimizer final : public GroupOptimizer {
 
   void DiscardStaged() override { RecycleStaged(); }
 
-  void ReleaseStateImpl(const std::vector<bool>& keep) override {
+  absl::Status ReleaseStateImpl(const std::vector<bool>& keep) override {
+    // Allocate every smaller buffer first, so that a failure changes nothing.
+    std::vector<std::vector<kernels::Buffer>> fresh(buckets_.size());
+    for (size_t bi = 0; bi < buckets_.size(); ++bi) {
+      const Bucket& b = buckets_[bi];
+      int64_t kept = 0;
+      for (size_t p : b.members) kept += keep[p] ? 1 : 0;
+      for (size_t k = 0; k < b.specs.size(); ++k) {
+        DIOND_ASSIGN_OR_RETURN(kernels::Buffer nb,
+                               F32Buffer(alloc_, kept * b.specs[k].NumElements()));
+        fresh[bi].push_back(std::move(nb));
+      }
+    }
     RecycleStaged();
     spare_.clear();  // staging buffers were sized for the old buckets
     for (size_t bi = 0; bi < buckets_.size(); ++bi) {
       Bucket& b = buckets_[bi];
       std::vector<size_t> members;
-      std::vector<std::vector<float>> state(b.specs.size());
       for (size_t slot = 0; slot < b.members.size(); ++slot) {
         const size_t p = b.members[slot];
         if (!keep[p]) {
@@ -238,21 +285,24 @@ class BucketedOptimizer final : public GroupOptimizer {
         }
         for (size_t k = 0; k < b.specs.size(); ++k) {
           const size_t sn = static_cast<size_t>(b.specs[k].NumElements());
-          const float* src = b.state[k].data() + slot * sn;
-          state[k].insert(state[k].end(), src, src + sn);
+          if (sn > 0) {
+            std::memcpy(fresh[bi][k].As<float>() + members.size() * sn,
+                        b.state[k].As<float>() + slot * sn, sn * sizeof(float));
+          }
         }
         where_[p].second = members.size();
         members.push_back(p);
       }
       b.members = std::move(members);
-      b.state = std::move(state);  // the released rows are freed here
+      b.state = std::move(fresh[bi]);  // the released rows are freed here
     }
+    return absl::OkStatus();
   }
 
   int64_t StateFloats() const override {
     int64_t n = 0;
     for (const Bucket& b : buckets_) {
-      for (const auto& s : b.state) n += static_cast<int64_t>(s.size());
+      for (const auto& s : b.state) n += s.NumElements();
     }
     return n;
   }
@@ -264,7 +314,7 @@ class BucketedOptimizer final : public GroupOptimizer {
     Bucket& b = buckets_[where_[param_index].first];
     for (size_t k = 0; k < b.specs.size(); ++k) {
       if (b.specs[k].name == name) {
-        return b.state[k].data() + where_[param_index].second * b.specs[k].NumElements();
+        return b.state[k].As<float>() + where_[param_index].second * b.specs[k].NumElements();
       }
     }
     return nullptr;
@@ -286,6 +336,7 @@ class BucketedOptimizer final : public GroupOptimizer {
 
  private:
   std::unique_ptr<UpdateRule> rule_;
+  kernels::Allocator alloc_;
   std::vector<Bucket> buckets_;
   static constexpr size_t kReleasedSlot = static_cast<size_t>(-1);
   std::vector<std::pair<size_t, size_t>> where_;  // param -> (bucket, slot or kReleasedSlot)
@@ -309,13 +360,15 @@ absl::Status GroupOptimizer::ReleaseState(const std::vector<bool>& keep) {
                                                    " entries for ", shapes_.size(),
                                                    " parameters"));
   }
-  if (released_.empty()) released_.assign(shapes_.size(), false);
+  std::vector<bool> now_released = released_;
+  if (now_released.empty()) now_released.assign(shapes_.size(), false);
   std::vector<bool> still(keep.size());
   for (size_t i = 0; i < keep.size(); ++i) {
-    still[i] = keep[i] && !released_[i];
-    released_[i] = !still[i];
+    still[i] = keep[i] && !now_released[i];
+    now_released[i] = !still[i];
   }
-  ReleaseStateImpl(still);
+  DIOND_RETURN_IF_ERROR(ReleaseStateImpl(still));
+  released_ = std::move(now_released);
   return absl::OkStatus();
 }
 
@@ -359,6 +412,14 @@ absl::Status GroupOptimizer::SetState(size_t param_index, absl::string_view name
 
 absl::StatusOr<std::unique_ptr<GroupOptimizer>> CreateGroupOptimizer(
     const GroupConfig& config, std::vector<ParamShape> shapes) {
+  // One process-wide CPU context (never destroyed) lends its allocator to optimizers created
+  // without one; its counters are shared by all of them.
+  static const kernels::Context* const host = kernels::Context::CpuDefault(1).release();
+  return CreateGroupOptimizer(*host, config, std::move(shapes));
+}
+
+absl::StatusOr<std::unique_ptr<GroupOptimizer>> CreateGroupOptimizer(
+    const kernels::Context& ctx, const GroupConfig& config, std::vector<ParamShape> shapes) {
   DIOND_RETURN_IF_ERROR(ValidateGroup(config, shapes));
   std::unique_ptr<internal::UpdateRule> rule;
   switch (config.algorithm) {
@@ -379,8 +440,10 @@ absl::StatusOr<std::unique_ptr<GroupOptimizer>> CreateGroupOptimizer(
       break;
   }
   if (rule == nullptr) return absl::InvalidArgumentError("unknown algorithm");
-  return std::unique_ptr<GroupOptimizer>(
-      new internal::BucketedOptimizer(config, std::move(shapes), std::move(rule)));
+  auto opt = std::make_unique<internal::BucketedOptimizer>(config, std::move(shapes),
+                                                           std::move(rule), ctx.allocator());
+  DIOND_RETURN_IF_ERROR(opt->InitStates());
+  return std::unique_ptr<GroupOptimizer>(std::move(opt));
 }
 
 int64_t CapturedUpdateSize(const GroupConfig& config, const ParamShape& shape) {

@@ -38,7 +38,7 @@ class GroupOptimizer {
   // Number of successful Step() calls.
   int64_t steps_taken() const { return steps_taken_; }
   // Memory: Step() stages its results in buffers as large as the group's parameters, gradients
-  // and state; they are kept between steps (reused, so a step allocates nothing large).
+  // and state; they are allocated at the first step and reused (CreateGroupOptimizer below).
   //
   // Frobenius norm of the change the last successful Step() made to the parameters (computed
   // while the staged results are committed, so it costs one read and no copy).
@@ -97,9 +97,12 @@ class GroupOptimizer {
   // Locates the float buffer of state `name` for parameter `param_index` (nullptr if unknown).
   virtual float* MutableStatePtr(size_t param_index, absl::string_view name) = 0;
   // Drops the state of released parameters (keep[i] == false); called once by ReleaseState.
-  virtual void ReleaseStateImpl(const std::vector<bool>& keep) = 0;
+  // May fail (RESOURCE_EXHAUSTED) before changing anything.
+  virtual absl::Status ReleaseStateImpl(const std::vector<bool>& keep) = 0;
   // Sum of squared parameter changes; CommitStaged adds to it.
   double update_sq_ = 0;
+  // The device of the state and staging buffers; Step refuses a context on another device.
+  kernels::Device state_device_;
   // StepOptions::capture of the step being staged (null when not capturing).
   StepCapture* capture_ = nullptr;
   // StepOptions::replica_average of the step being staged (null when not set).
@@ -118,6 +121,14 @@ class GroupOptimizer {
 // Validates `config` and `shapes` (ValidateGroup in validation.h) and builds the optimizer with
 // the reference's initial state: zeros everywhere except Dion's Q, drawn i.i.d. N(0, 1) from
 // config.seed (deterministic across platforms). INVALID_ARGUMENT naming the bad value.
+//
+// State and staging buffers are kernels::Buffers from `ctx`'s allocator (counted by
+// ctx.allocation_count()): the state at creation, the staging at each bucket's first step,
+// sized for all of the bucket's parameters and reused afterwards, so steps after the first
+// allocate nothing through the Context. Step must then be given a context on ctx's device.
+// The overload without a context uses a process-wide CPU context's allocator.
+absl::StatusOr<std::unique_ptr<GroupOptimizer>> CreateGroupOptimizer(
+    const kernels::Context& ctx, const GroupConfig& config, std::vector<ParamShape> shapes);
 absl::StatusOr<std::unique_ptr<GroupOptimizer>> CreateGroupOptimizer(
     const GroupConfig& config, std::vector<ParamShape> shapes);
 

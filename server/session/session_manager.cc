@@ -77,6 +77,7 @@ absl::StatusOr<std::unique_ptr<SessionManager>> SessionManager::Create(
   std::unique_ptr<SessionManager> m(new SessionManager(options, std::move(observer)));
   kernels::ContextOptions co;
   co.num_threads = options.compute_threads;
+  co.device = options.compute_device;
   DIOND_ASSIGN_OR_RETURN(m->ctx_, kernels::Context::Create(co));
   if (!options.state_dir.empty()) {
     const int64_t removed = RemoveStaleTemporaries(options.state_dir);

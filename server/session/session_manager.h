@@ -40,6 +40,8 @@ struct ManagerOptions {
   // name (sessions closed by their client and world sessions excepted).
   bool recover = false;
   int compute_threads = 0;      // 0 = all cores
+  // The device the steps run on (kernels::ComputeDevice of the daemon's selected device).
+  kernels::Device compute_device;
   // World sessions: how long CreateSession waits for every rank's trainer to create the same
   // world session (the shard-plan agreement, docs/DISTRIBUTED.md).
   absl::Duration world_session_timeout = absl::Seconds(60);

@@ -121,6 +121,7 @@ TEST(DaemonProcess, HealthyOverUnixAndTcpServesValidMetricsAndStopsCleanlyOnSigt
   std::string metrics = HttpGet(d->metrics_port, "/metrics");
   ASSERT_FALSE(metrics.empty());
   EXPECT_TRUE(absl::StrContains(metrics, "diond_build_info{")) << metrics;
+  EXPECT_TRUE(absl::StrContains(metrics, R"(compute_device="cpu")")) << metrics;
   EXPECT_TRUE(absl::StrContains(metrics, "process_resident_memory_bytes"));
   EXPECT_TRUE(absl::StrContains(
       metrics, R"(diond_rpcs_total{code="OK",method="/grpc.health.v1.Health/Check"} 4)"))

@@ -26,7 +26,13 @@ class MuonRule final : public UpdateRule {
     float* m = a.state[0];
 
     // 1-2. M ← μ·M + G; U = μ·M + G (Nesterov) or M.
-    std::vector<float> u(static_cast<size_t>(total));
+    // U lives in the context's scratch arena (rewound on return), so steps after the first
+    // reuse its block instead of allocating.
+    kernels::ScratchArena::Scope scope(ctx.scratch());
+    DIOND_ASSIGN_OR_RETURN(kernels::Tensor u_buf,
+                           kernels::Tensor::Allocate(kernels::DType::kF32, {total},
+                                                     &ctx.scratch()));
+    float* const u = u_buf.As<float>();
     for (int64_t i = 0; i < total; ++i) {
       m[i] = mu * m[i] + a.g[i];
       u[i] = h.nesterov ? mu * m[i] + a.g[i] : m[i];
@@ -35,10 +41,10 @@ class MuonRule final : public UpdateRule {
     if (!cfg.split_sizes.empty()) {
       const ParamShape& s = *a.shape;
       DIOND_RETURN_IF_ERROR(
-          OrthogonalizeSplit(ctx, cfg, a.count, s[0], s[1], u.data(), u.data()));
+          OrthogonalizeSplit(ctx, cfg, a.count, s[0], s[1], u, u));
     } else {
       DIOND_RETURN_IF_ERROR(
-          OrthogonalizeBatch(ctx, cfg, u.data(), u.data(), OrthoMatrices(cfg, a.count, eff)));
+          OrthogonalizeBatch(ctx, cfg, u, u, OrthoMatrices(cfg, a.count, eff)));
     }
     // NorMuon normalization per head / trailing matrix, or per row block with split_sizes.
     if (normuon) {
@@ -49,13 +55,13 @@ class MuonRule final : public UpdateRule {
         for (int64_t p = 0; p < a.count; ++p) {
           int64_t start = 0;
           for (int64_t sz : cfg.split_sizes) {
-            NormalizeRows(u.data() + p * mm * n + start * n, v + p * mm + start, 1, sz, n, w);
+            NormalizeRows(u + p * mm * n + start * n, v + p * mm + start, 1, sz, n, w);
             start += sz;
           }
         }
       } else {
         for (int64_t b = 0; b < units.batch; ++b) {
-          NormalizeRows(u.data() + b * units.MatrixSize(), v + b * units.rows, 1, units.rows,
+          NormalizeRows(u + b * units.MatrixSize(), v + b * units.rows, 1, units.rows,
                         units.cols, w);
         }
       }

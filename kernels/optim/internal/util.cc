@@ -114,20 +114,24 @@ absl::Status OrthogonalizeSplit(const kernels::Context& ctx, const GroupConfig& 
   for (size_t i = 0; i < sizes.size(); ++i) by_height[sizes[i]].push_back(i);
   for (const auto& [h, blocks] : by_height) {
     const MatrixBatch b{count * static_cast<int64_t>(blocks.size()), h, n};
-    std::vector<float> buf(static_cast<size_t>(b.batch * b.MatrixSize()));
+    kernels::ScratchArena::Scope scope(ctx.scratch());
+    DIOND_ASSIGN_OR_RETURN(kernels::Tensor buf_t,
+                           kernels::Tensor::Allocate(kernels::DType::kF32,
+                                                     {b.batch * b.MatrixSize()}, &ctx.scratch()));
+    float* const buf = buf_t.As<float>();
     int64_t j = 0;
     for (int64_t p = 0; p < count; ++p) {
       for (size_t blk : blocks) {
-        std::copy_n(in + p * m * n + starts[blk] * n, h * n, buf.data() + j * h * n);
+        std::copy_n(in + p * m * n + starts[blk] * n, h * n, buf + j * h * n);
         ++j;
       }
     }
-    DIOND_RETURN_IF_ERROR(OrthogonalizeBatch(ctx, config, buf.data(), buf.data(), b));
+    DIOND_RETURN_IF_ERROR(OrthogonalizeBatch(ctx, config, buf, buf, b));
     j = 0;
     for (int64_t p = 0; p < count; ++p) {
       for (size_t blk : blocks) {
         float* dst = out + p * m * n + starts[blk] * n;
-        const float* src = buf.data() + j * h * n;
+        const float* src = buf + j * h * n;
         if (scales.empty()) {
           std::copy_n(src, h * n, dst);
         } else {

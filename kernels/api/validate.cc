@@ -1,15 +1,8 @@
-#include "kernels/cpu/validate.h"
+#include "kernels/api/validate.h"
 
 #include <cmath>
 
-namespace diond::kernels::cpu {
-
-absl::Status CheckContext(const Context& ctx, const char* op) {
-  if (ctx.device().type != DeviceType::kCpu) {
-    return Invalid(op, "context device is not the CPU (no other backend yet)");
-  }
-  return absl::OkStatus();
-}
+namespace diond::kernels::api {
 
 absl::Status CheckView(const Context& ctx, const char* op, const char* name,
                        const TensorLayout& l, const void* data, Device device, int min_rank) {
@@ -79,4 +72,4 @@ absl::Status CheckFinite(const char* op, const char* name, float v) {
   return absl::OkStatus();
 }
 
-}  // namespace diond::kernels::cpu
+}  // namespace diond::kernels::api

@@ -1,7 +1,7 @@
-// Argument checks shared by the CPU ops. Each returns INVALID_ARGUMENT with a message of the form
+// Device-independent argument checks of the ops dispatcher (kernels/api/ops.cc). Each returns INVALID_ARGUMENT with a message of the form
 // "<Op>: <argument> is <layout>, <what was wanted>" (STYLE.md E2).
-#ifndef DIOND_KERNELS_CPU_VALIDATE_H_
-#define DIOND_KERNELS_CPU_VALIDATE_H_
+#ifndef DIOND_KERNELS_API_VALIDATE_H_
+#define DIOND_KERNELS_API_VALIDATE_H_
 
 #include <cstdint>
 
@@ -10,15 +10,12 @@
 #include "kernels/context.h"
 #include "kernels/tensor.h"
 
-namespace diond::kernels::cpu {
+namespace diond::kernels::api {
 
 template <typename... Args>
 absl::Status Invalid(const char* op, const Args&... args) {
   return absl::InvalidArgumentError(absl::StrCat(op, ": ", args...));
 }
-
-// The context is a CPU context.
-absl::Status CheckContext(const Context& ctx, const char* op);
 
 // rank in [min_rank, 3], dims >= 0, non-null data when non-empty, on ctx's device.
 absl::Status CheckView(const Context& ctx, const char* op, const char* name,
@@ -56,6 +53,6 @@ absl::Status CheckContiguous(const Context& ctx, const char* op, const char* nam
   return CheckContiguous(ctx, op, name, v.layout(), v.data(), v.device());
 }
 
-}  // namespace diond::kernels::cpu
+}  // namespace diond::kernels::api
 
-#endif  // DIOND_KERNELS_CPU_VALIDATE_H_
+#endif  // DIOND_KERNELS_API_VALIDATE_H_

@@ -107,10 +107,23 @@ TensorLayout ContiguousLayout(DType dtype, std::initializer_list<int64_t> shape)
 
 // ---- ScratchArena ---------------------------------------------------------------------------
 
-ScratchArena::ScratchArena(size_t block_bytes) : block_bytes_(block_bytes ? block_bytes : 1) {}
+namespace {
+void* HeapBlock(void*, size_t bytes) { return std::aligned_alloc(4096, bytes); }
+void FreeHeapBlock(void*, void* p, size_t) { std::free(p); }
+}  // namespace
+
+ScratchArena::ScratchArena(size_t block_bytes)
+    : ScratchArena(block_bytes, BlockAllocator{&HeapBlock, &FreeHeapBlock, nullptr}) {}
+
+ScratchArena::ScratchArena(size_t block_bytes, BlockAllocator allocator)
+    : block_bytes_(block_bytes ? block_bytes : 1), allocator_(allocator) {
+  if (allocator_.allocate == nullptr || allocator_.deallocate == nullptr) {
+    allocator_ = BlockAllocator{&HeapBlock, &FreeHeapBlock, nullptr};
+  }
+}
 
 ScratchArena::~ScratchArena() {
-  for (Block& b : blocks_) std::free(b.data);
+  for (Block& b : blocks_) allocator_.deallocate(allocator_.user, b.data, b.size);
 }
 
 absl::StatusOr<void*> ScratchArena::Allocate(size_t bytes, size_t alignment) {
@@ -131,7 +144,7 @@ absl::StatusOr<void*> ScratchArena::Allocate(size_t bytes, size_t alignment) {
     offset_ = 0;
   }
   const size_t size = ((bytes > block_bytes_ ? bytes : block_bytes_) + 4095) & ~size_t{4095};
-  void* p = std::aligned_alloc(4096, size);
+  void* p = allocator_.allocate(allocator_.user, size);
   if (p == nullptr) {
     return absl::ResourceExhaustedError(
         absl::StrCat("ScratchArena: cannot allocate a block of ", size, " bytes"));
@@ -151,7 +164,7 @@ void ScratchArena::ReleaseUnused() {
   size_t keep = current_ + (offset_ > 0 ? 1 : 0);
   if (current_ >= blocks_.size()) keep = blocks_.size();
   while (blocks_.size() > keep) {
-    std::free(blocks_.back().data);
+    allocator_.deallocate(allocator_.user, blocks_.back().data, blocks_.back().size);
     blocks_.pop_back();
   }
   if (current_ > blocks_.size()) current_ = blocks_.size();

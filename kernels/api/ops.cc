@@ -1,0 +1,436 @@
+// The dispatcher of kernels/ops.h: every public op validates its arguments here, once, with the
+// checks that do not depend on the device (kernels/backend.h), then calls the Context's backend.
+// No arithmetic happens in this file.
+#include "kernels/ops.h"
+
+#include <algorithm>
+#include <utility>
+#include <vector>
+
+#include "common/status_macros.h"
+#include "kernels/api/validate.h"
+#include "kernels/backend.h"
+
+namespace diond::kernels {
+namespace {
+
+using api::CheckContiguous;
+using api::CheckDType;
+using api::CheckFinite;
+using api::CheckMatrix;
+using api::CheckView;
+using api::Invalid;
+using api::SameShape;
+
+// ---- shared checks ----
+
+absl::Status CheckSameShapeContiguous(const Context& ctx, const char* op, ConstTensorView x,
+                                      const char* xname, TensorView out) {
+  DIOND_RETURN_IF_ERROR(CheckContiguous(ctx, op, xname, x));
+  DIOND_RETURN_IF_ERROR(CheckContiguous(ctx, op, "out", out));
+  if (!SameShape(x.layout(), out.layout())) {
+    return Invalid(op, "out is ", out.DebugString(), ", want the shape of ", xname, " ",
+                   x.DebugString());
+  }
+  return absl::OkStatus();
+}
+
+// Thin-QR family: a f32 m×n with m >= n, q like a, r (if given) n×n f32, same batch.
+absl::Status CheckQrArgs(const Context& ctx, const char* op, ConstTensorView a, TensorView q,
+                         TensorView r) {
+  DIOND_RETURN_IF_ERROR(CheckMatrix(ctx, op, "a", a));
+  DIOND_RETURN_IF_ERROR(CheckMatrix(ctx, op, "q", q));
+  DIOND_RETURN_IF_ERROR(CheckDType(op, "a", a.layout(), DType::kF32));
+  DIOND_RETURN_IF_ERROR(CheckDType(op, "q", q.layout(), DType::kF32));
+  if (a.Rows() < a.Cols()) {
+    return Invalid(op, "a is ", a.DebugString(), ", want rows >= cols (thin QR of a tall matrix)");
+  }
+  if (!SameShape(a.layout(), q.layout())) {
+    return Invalid(op, "q is ", q.DebugString(), ", want the shape of a ", a.DebugString());
+  }
+  if (!r.empty()) {
+    DIOND_RETURN_IF_ERROR(CheckMatrix(ctx, op, "r", r));
+    DIOND_RETURN_IF_ERROR(CheckDType(op, "r", r.layout(), DType::kF32));
+    if (r.Rows() != a.Cols() || r.Cols() != a.Cols() || r.Batch() != a.Batch()) {
+      return Invalid(op, "r is ", r.DebugString(), ", want ",
+                     a.Batch() > 1 || a.rank() == 3 ? "[batch, n, n]" : "[n, n]", " with n = ",
+                     a.Cols());
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckF32Out(const Context& ctx, const char* op, TensorView out, int64_t want) {
+  DIOND_RETURN_IF_ERROR(CheckContiguous(ctx, op, "out", out));
+  DIOND_RETURN_IF_ERROR(CheckDType(op, "out", out.layout(), DType::kF32));
+  if (out.NumElements() != want) {
+    return Invalid(op, "out ", out.DebugString(), " has ", out.NumElements(), " elements, want ",
+                   want);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckAxis(const char* op, Axis axis) {
+  if (axis != Axis::kRows && axis != Axis::kCols) {
+    return Invalid(op, "unknown axis ", static_cast<int>(axis));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckTopKCount(const char* op, int64_t n, int64_t k, size_t indices) {
+  if (k < 1 || k > n) return Invalid(op, "k is ", k, ", want 1..", n);
+  if (static_cast<int64_t>(indices) != k) {
+    return Invalid(op, "indices has ", indices, " entries, want k = ", k);
+  }
+  return absl::OkStatus();
+}
+
+// The shape the gathered block must have: k×cols (rows) or rows×k (cols), same batch.
+absl::Status CheckSlices(const Context& ctx, const char* op, ConstTensorView full,
+                         const char* full_name, ConstTensorView part, const char* part_name,
+                         Axis axis, absl::Span<const int64_t> indices, bool distinct) {
+  DIOND_RETURN_IF_ERROR(CheckMatrix(ctx, op, full_name, full));
+  DIOND_RETURN_IF_ERROR(CheckMatrix(ctx, op, part_name, part));
+  DIOND_RETURN_IF_ERROR(CheckAxis(op, axis));
+  const int64_t k = static_cast<int64_t>(indices.size());
+  const int64_t limit = axis == Axis::kRows ? full.Rows() : full.Cols();
+  const int64_t want_r = axis == Axis::kRows ? k : full.Rows();
+  const int64_t want_c = axis == Axis::kRows ? full.Cols() : k;
+  if (part.Rows() != want_r || part.Cols() != want_c || part.Batch() != full.Batch() ||
+      part.rank() != full.rank()) {
+    return Invalid(op, part_name, " is ", part.DebugString(), ", want ", want_r, "x", want_c,
+                   " matrices, batch ", full.Batch(), " (", full_name, " ", full.DebugString(),
+                   ", ", k, " indices)");
+  }
+  for (int64_t i = 0; i < k; ++i) {
+    if (indices[i] < 0 || indices[i] >= limit) {
+      return Invalid(op, "indices[", i, "] = ", indices[i], " is outside [0, ", limit, ")");
+    }
+  }
+  if (distinct) {
+    std::vector<int64_t> sorted(indices.begin(), indices.end());
+    std::sort(sorted.begin(), sorted.end());
+    auto dup = std::adjacent_find(sorted.begin(), sorted.end());
+    if (dup != sorted.end()) return Invalid(op, "index ", *dup, " appears more than once");
+  }
+  return absl::OkStatus();
+}
+
+// All views contiguous f32 of x's shape (direction/grad may be any float dtype when allowed).
+absl::Status CheckF32Like(const Context& ctx, const char* op, const char* name,
+                          ConstTensorView v, ConstTensorView x, bool any_dtype = false) {
+  DIOND_RETURN_IF_ERROR(CheckContiguous(ctx, op, name, v));
+  if (!any_dtype) DIOND_RETURN_IF_ERROR(CheckDType(op, name, v.layout(), DType::kF32));
+  if (!SameShape(v.layout(), x.layout())) {
+    return Invalid(op, name, " is ", v.DebugString(), ", want the shape of x ", x.DebugString());
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+// ================================ GEMM ========================================================
+
+absl::Status Gemm(const Context& ctx, const GemmParams& p, ConstTensorView a, ConstTensorView b,
+                  TensorView c) {
+  constexpr const char* kOp = "Gemm";
+  DIOND_RETURN_IF_ERROR(CheckMatrix(ctx, kOp, "a", a));
+  DIOND_RETURN_IF_ERROR(CheckMatrix(ctx, kOp, "b", b));
+  DIOND_RETURN_IF_ERROR(CheckMatrix(ctx, kOp, "c", c));
+  DIOND_RETURN_IF_ERROR(CheckFinite(kOp, "alpha", p.alpha));
+  DIOND_RETURN_IF_ERROR(CheckFinite(kOp, "beta", p.beta));
+  const bool ta = p.trans_a == Trans::kYes, tb = p.trans_b == Trans::kYes;
+  const int64_t m = ta ? a.Cols() : a.Rows(), ka = ta ? a.Rows() : a.Cols();
+  const int64_t kb = tb ? b.Cols() : b.Rows(), n = tb ? b.Rows() : b.Cols();
+  if (ka != kb) {
+    return Invalid(kOp, "inner dims differ: op(a) is ", m, "x", ka, " (a ", a.DebugString(),
+                   "), op(b) is ", kb, "x", n, " (b ", b.DebugString(), ")");
+  }
+  if (c.Rows() != m || c.Cols() != n) {
+    return Invalid(kOp, "c is ", c.DebugString(), ", want [", m, ", ", n, "]");
+  }
+  const int64_t batch = c.Batch();
+  if (a.Batch() != 1 && a.Batch() != batch) {
+    return Invalid(kOp, "a has batch ", a.Batch(), ", c has batch ", batch);
+  }
+  if (b.Batch() != 1 && b.Batch() != batch) {
+    return Invalid(kOp, "b has batch ", b.Batch(), ", c has batch ", batch);
+  }
+  const bool f32 = a.dtype() == DType::kF32 && b.dtype() == DType::kF32 &&
+                   c.dtype() == DType::kF32;
+  const bool bf16 = a.dtype() == DType::kBf16 && b.dtype() == DType::kBf16 &&
+                    (c.dtype() == DType::kF32 || c.dtype() == DType::kBf16);
+  if (!f32 && !bf16) {
+    return Invalid(kOp, "unsupported dtypes a ", DTypeName(a.dtype()), ", b ",
+                   DTypeName(b.dtype()), ", c ", DTypeName(c.dtype()),
+                   " (want f32,f32->f32 or bf16,bf16->f32|bf16)");
+  }
+  return ctx.backend().gemm(ctx, p, a, b, c);
+}
+
+absl::Status SymmetricProduct(const Context& ctx, GramSide side, float alpha, ConstTensorView a,
+                              float beta, TensorView c) {
+  constexpr const char* kOp = "SymmetricProduct";
+  DIOND_RETURN_IF_ERROR(CheckMatrix(ctx, kOp, "a", a));
+  DIOND_RETURN_IF_ERROR(CheckMatrix(ctx, kOp, "c", c));
+  DIOND_RETURN_IF_ERROR(CheckDType(kOp, "a", a.layout(), DType::kF32));
+  DIOND_RETURN_IF_ERROR(CheckDType(kOp, "c", c.layout(), DType::kF32));
+  DIOND_RETURN_IF_ERROR(CheckFinite(kOp, "alpha", alpha));
+  DIOND_RETURN_IF_ERROR(CheckFinite(kOp, "beta", beta));
+  if (side != GramSide::kAAt && side != GramSide::kAtA) {
+    return Invalid(kOp, "unknown side ", static_cast<int>(side));
+  }
+  const bool aat = side == GramSide::kAAt;
+  const int64_t n = aat ? a.Rows() : a.Cols();
+  if (c.Rows() != n || c.Cols() != n) {
+    return Invalid(kOp, "c is ", c.DebugString(), ", want [", n, ", ", n, "]");
+  }
+  if (a.Batch() != c.Batch()) {
+    return Invalid(kOp, "a has batch ", a.Batch(), ", c has batch ", c.Batch());
+  }
+  return ctx.backend().symmetric_product(ctx, side, alpha, a, beta, c);
+}
+
+absl::Status SymmetricProductBf16(const Context& ctx, ConstTensorView a, int64_t block,
+                                  TensorView c) {
+  constexpr const char* kOp = "SymmetricProductBf16";
+  DIOND_RETURN_IF_ERROR(CheckMatrix(ctx, kOp, "a", a));
+  DIOND_RETURN_IF_ERROR(CheckMatrix(ctx, kOp, "c", c));
+  DIOND_RETURN_IF_ERROR(CheckDType(kOp, "a", a.layout(), DType::kBf16));
+  DIOND_RETURN_IF_ERROR(CheckDType(kOp, "c", c.layout(), DType::kF32));
+  if (block < 1) return Invalid(kOp, "block is ", block, ", want >= 1");
+  if (c.Rows() != a.Rows() || c.Cols() != a.Rows()) {
+    return Invalid(kOp, "c is ", c.DebugString(), ", want [", a.Rows(), ", ", a.Rows(), "]");
+  }
+  if (a.Batch() != c.Batch()) {
+    return Invalid(kOp, "a has batch ", a.Batch(), ", c has batch ", c.Batch());
+  }
+  return ctx.backend().symmetric_product_bf16(ctx, a, block, c);
+}
+
+// ============================= factorizations =================================================
+
+absl::Status ThinQr(const Context& ctx, ConstTensorView a, TensorView q, TensorView r) {
+  DIOND_RETURN_IF_ERROR(CheckQrArgs(ctx, "ThinQr", a, q, r));
+  return ctx.backend().thin_qr(ctx, a, q, r);
+}
+
+absl::Status CholeskyQr(const Context& ctx, ConstTensorView a, TensorView q, TensorView r) {
+  DIOND_RETURN_IF_ERROR(CheckQrArgs(ctx, "CholeskyQr", a, q, r));
+  return ctx.backend().cholesky_qr(ctx, a, q, r);
+}
+
+absl::Status RandomizedCholeskyQr(const Context& ctx, ConstTensorView a, ConstTensorView sketch,
+                                  TensorView q) {
+  constexpr const char* kOp = "RandomizedCholeskyQr";
+  DIOND_RETURN_IF_ERROR(CheckQrArgs(ctx, kOp, a, q, TensorView()));
+  DIOND_RETURN_IF_ERROR(CheckMatrix(ctx, kOp, "sketch", sketch));
+  DIOND_RETURN_IF_ERROR(CheckDType(kOp, "sketch", sketch.layout(), DType::kF32));
+  const int64_t m = a.Rows(), n = a.Cols(), s = sketch.Rows();
+  if (sketch.Cols() != m || s < n) {
+    return Invalid(kOp, "sketch is ", sketch.DebugString(), ", want [s, ", m, "] with s >= ", n);
+  }
+  if (sketch.Batch() != 1 && sketch.Batch() != a.Batch()) {
+    return Invalid(kOp, "sketch has batch ", sketch.Batch(), ", a has batch ", a.Batch());
+  }
+  return ctx.backend().randomized_cholesky_qr(ctx, a, sketch, q);
+}
+
+// ============================= reductions =====================================================
+
+absl::Status FrobeniusNorm(const Context& ctx, ConstTensorView a, TensorView out) {
+  constexpr const char* kOp = "FrobeniusNorm";
+  DIOND_RETURN_IF_ERROR(CheckMatrix(ctx, kOp, "a", a, /*allow_vector=*/true));
+  DIOND_RETURN_IF_ERROR(CheckF32Out(ctx, kOp, out, a.Batch()));
+  return ctx.backend().frobenius_norm(ctx, a, out);
+}
+
+absl::Status AxisNorms(const Context& ctx, ConstTensorView a, Axis axis, NormType type,
+                       TensorView out) {
+  constexpr const char* kOp = "AxisNorms";
+  DIOND_RETURN_IF_ERROR(CheckMatrix(ctx, kOp, "a", a, /*allow_vector=*/true));
+  DIOND_RETURN_IF_ERROR(CheckAxis(kOp, axis));
+  if (type != NormType::kL1 && type != NormType::kL2 && type != NormType::kSumOfSquares) {
+    return Invalid(kOp, "unknown norm type ", static_cast<int>(type));
+  }
+  const int64_t per = axis == Axis::kRows ? a.Rows() : a.Cols();
+  DIOND_RETURN_IF_ERROR(CheckF32Out(ctx, kOp, out, a.Batch() * per));
+  return ctx.backend().axis_norms(ctx, a, axis, type, out);
+}
+
+absl::Status TopK(const Context& ctx, ConstTensorView scores, int64_t k,
+                  absl::Span<int64_t> indices) {
+  constexpr const char* kOp = "TopK";
+  DIOND_RETURN_IF_ERROR(CheckContiguous(ctx, kOp, "scores", scores));
+  DIOND_RETURN_IF_ERROR(CheckDType(kOp, "scores", scores.layout(), DType::kF32));
+  DIOND_RETURN_IF_ERROR(CheckTopKCount(kOp, scores.NumElements(), k, indices.size()));
+  return ctx.backend().top_k(ctx, scores, k, indices);
+}
+
+absl::Status TopKByL1Norm(const Context& ctx, ConstTensorView a, Axis axis, int64_t k,
+                          absl::Span<int64_t> indices, TensorView scores_out) {
+  constexpr const char* kOp = "TopKByL1Norm";
+  DIOND_RETURN_IF_ERROR(CheckMatrix(ctx, kOp, "a", a));
+  if (a.rank() != 2) return Invalid(kOp, "a is ", a.DebugString(), ", want one matrix (rank 2)");
+  DIOND_RETURN_IF_ERROR(CheckAxis(kOp, axis));
+  const int64_t n = axis == Axis::kRows ? a.Rows() : a.Cols();
+  if (!scores_out.empty()) DIOND_RETURN_IF_ERROR(CheckF32Out(ctx, kOp, scores_out, n));
+  DIOND_RETURN_IF_ERROR(CheckTopKCount(kOp, n, k, indices.size()));
+  return ctx.backend().top_k_by_l1_norm(ctx, a, axis, k, indices, scores_out);
+}
+
+absl::Status IsAllZero(const Context& ctx, ConstTensorView a, bool* all_zero) {
+  constexpr const char* kOp = "IsAllZero";
+  DIOND_RETURN_IF_ERROR(CheckView(ctx, kOp, "a", a));
+  if (all_zero == nullptr) return Invalid(kOp, "all_zero is null");
+  return ctx.backend().is_all_zero(ctx, a, all_zero);
+}
+
+// ========================== gather / scatter ==================================================
+
+absl::Status Gather(const Context& ctx, ConstTensorView a, Axis axis,
+                    absl::Span<const int64_t> indices, TensorView out) {
+  DIOND_RETURN_IF_ERROR(CheckSlices(ctx, "Gather", a, "a", out, "out", axis, indices, false));
+  return ctx.backend().gather(ctx, a, axis, indices, out);
+}
+
+absl::Status Scatter(const Context& ctx, ConstTensorView src, Axis axis,
+                     absl::Span<const int64_t> indices, float alpha, float beta, TensorView dst) {
+  constexpr const char* kOp = "Scatter";
+  DIOND_RETURN_IF_ERROR(CheckSlices(ctx, kOp, dst, "dst", src, "src", axis, indices, true));
+  DIOND_RETURN_IF_ERROR(CheckFinite(kOp, "alpha", alpha));
+  DIOND_RETURN_IF_ERROR(CheckFinite(kOp, "beta", beta));
+  return ctx.backend().scatter(ctx, src, axis, indices, alpha, beta, dst);
+}
+
+// ============================== elementwise ===================================================
+
+absl::Status Copy(const Context& ctx, ConstTensorView src, TensorView dst) {
+  constexpr const char* kOp = "Copy";
+  DIOND_RETURN_IF_ERROR(CheckView(ctx, kOp, "src", src));
+  DIOND_RETURN_IF_ERROR(CheckView(ctx, kOp, "dst", dst));
+  if (!SameShape(src.layout(), dst.layout())) {
+    return Invalid(kOp, "dst is ", dst.DebugString(), ", want the shape of src ",
+                   src.DebugString());
+  }
+  return ctx.backend().copy(ctx, src, dst);
+}
+
+absl::Status Fill(const Context& ctx, float value, TensorView dst) {
+  DIOND_RETURN_IF_ERROR(CheckContiguous(ctx, "Fill", "dst", dst));
+  return ctx.backend().fill(ctx, value, dst);
+}
+
+absl::Status Axpby(const Context& ctx, float alpha, ConstTensorView x, float beta,
+                   ConstTensorView y, TensorView out) {
+  constexpr const char* kOp = "Axpby";
+  DIOND_RETURN_IF_ERROR(CheckSameShapeContiguous(ctx, kOp, x, "x", out));
+  DIOND_RETURN_IF_ERROR(CheckFinite(kOp, "alpha", alpha));
+  DIOND_RETURN_IF_ERROR(CheckFinite(kOp, "beta", beta));
+  if (beta != 0.0f) {
+    DIOND_RETURN_IF_ERROR(CheckContiguous(ctx, kOp, "y", y));
+    if (!SameShape(x.layout(), y.layout())) {
+      return Invalid(kOp, "y is ", y.DebugString(), ", want the shape of x ", x.DebugString());
+    }
+  }
+  return ctx.backend().axpby(ctx, alpha, x, beta, y, out);
+}
+
+absl::Status Scale(const Context& ctx, float alpha, ConstTensorView x, TensorView out) {
+  return Axpby(ctx, alpha, x, 0.0f, ConstTensorView(), out);
+}
+
+absl::Status AddScalar(const Context& ctx, float alpha, ConstTensorView x, float beta,
+                       TensorView out) {
+  constexpr const char* kOp = "AddScalar";
+  DIOND_RETURN_IF_ERROR(CheckSameShapeContiguous(ctx, kOp, x, "x", out));
+  DIOND_RETURN_IF_ERROR(CheckFinite(kOp, "alpha", alpha));
+  DIOND_RETURN_IF_ERROR(CheckFinite(kOp, "beta", beta));
+  return ctx.backend().add_scalar(ctx, alpha, x, beta, out);
+}
+
+absl::Status Lerp(const Context& ctx, ConstTensorView start, ConstTensorView end, float weight,
+                  TensorView out) {
+  constexpr const char* kOp = "Lerp";
+  DIOND_RETURN_IF_ERROR(CheckSameShapeContiguous(ctx, kOp, start, "start", out));
+  DIOND_RETURN_IF_ERROR(CheckContiguous(ctx, kOp, "end", end));
+  if (!SameShape(start.layout(), end.layout())) {
+    return Invalid(kOp, "end is ", end.DebugString(), ", want the shape of start ",
+                   start.DebugString());
+  }
+  DIOND_RETURN_IF_ERROR(CheckFinite(kOp, "weight", weight));
+  return ctx.backend().lerp(ctx, start, end, weight, out);
+}
+
+absl::Status Unary(const Context& ctx, UnaryOp op, ConstTensorView x, TensorView out) {
+  constexpr const char* kOp = "Unary";
+  DIOND_RETURN_IF_ERROR(CheckSameShapeContiguous(ctx, kOp, x, "x", out));
+  if (static_cast<int>(op) > static_cast<int>(UnaryOp::kNanToNum)) {
+    return Invalid(kOp, "unknown UnaryOp ", static_cast<int>(op));
+  }
+  return ctx.backend().unary(ctx, op, x, out);
+}
+
+absl::Status Binary(const Context& ctx, BinaryOp op, ConstTensorView x, ConstTensorView y,
+                    TensorView out) {
+  constexpr const char* kOp = "Binary";
+  DIOND_RETURN_IF_ERROR(CheckSameShapeContiguous(ctx, kOp, x, "x", out));
+  DIOND_RETURN_IF_ERROR(CheckContiguous(ctx, kOp, "y", y));
+  if (y.rank() != x.rank()) {
+    return Invalid(kOp, "y is ", y.DebugString(), ", want rank ", x.rank(), " like x ",
+                   x.DebugString());
+  }
+  for (int i = 0; i < x.rank(); ++i) {
+    if (y.dim(i) != x.dim(i) && y.dim(i) != 1) {
+      return Invalid(kOp, "y ", y.DebugString(), " does not broadcast to x ", x.DebugString(),
+                     " (dim ", i, ")");
+    }
+  }
+  if (static_cast<int>(op) > static_cast<int>(BinaryOp::kMin)) {
+    return Invalid(kOp, "unknown BinaryOp ", static_cast<int>(op));
+  }
+  return ctx.backend().binary(ctx, op, x, y, out);
+}
+
+absl::Status CautiousWeightDecay(const Context& ctx, float decay, ConstTensorView direction,
+                                 TensorView x) {
+  constexpr const char* kOp = "CautiousWeightDecay";
+  DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "x", x, x));
+  DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "direction", direction, x, /*any_dtype=*/true));
+  DIOND_RETURN_IF_ERROR(CheckFinite(kOp, "decay", decay));
+  return ctx.backend().cautious_weight_decay(ctx, decay, direction, x);
+}
+
+absl::Status AdamWStep(const Context& ctx, const AdamWParams& p, ConstTensorView grad,
+                       TensorView x, TensorView m, TensorView v) {
+  constexpr const char* kOp = "AdamWStep";
+  DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "x", x, x));
+  DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "grad", grad, x));
+  DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "m", m, x));
+  DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "v", v, x));
+  for (auto [name, val] : {std::pair<const char*, float>{"lr", p.lr}, {"beta1", p.beta1},
+                           {"beta2", p.beta2}, {"epsilon", p.epsilon},
+                           {"weight_decay", p.weight_decay}}) {
+    DIOND_RETURN_IF_ERROR(CheckFinite(kOp, name, val));
+  }
+  if (p.step < 1) return Invalid(kOp, "step is ", p.step, ", want >= 1");
+  if (!(p.beta1 >= 0.0f && p.beta1 < 1.0f) || !(p.beta2 >= 0.0f && p.beta2 < 1.0f)) {
+    return Invalid(kOp, "betas (", p.beta1, ", ", p.beta2, ") must lie in [0, 1)");
+  }
+  return ctx.backend().adamw_step(ctx, p, grad, x, m, v);
+}
+
+absl::Status LionStep(const Context& ctx, const LionParams& p, ConstTensorView grad, TensorView x,
+                      TensorView m) {
+  constexpr const char* kOp = "LionStep";
+  DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "x", x, x));
+  DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "grad", grad, x));
+  DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "m", m, x));
+  for (auto [name, val] : {std::pair<const char*, float>{"lr", p.lr}, {"beta1", p.beta1},
+                           {"beta2", p.beta2}, {"weight_decay", p.weight_decay}}) {
+    DIOND_RETURN_IF_ERROR(CheckFinite(kOp, name, val));
+  }
+  return ctx.backend().lion_step(ctx, p, grad, x, m);
+}
+
+}  // namespace diond::kernels

@@ -1,0 +1,108 @@
+// The backend table of the ops API (ARCHITECTURE.md §3, docs/KERNELS.md): one function
+// pointer per op of kernels/ops.h plus the device-memory entries, filled by each backend and
+// selected by the Context's device.
+//
+// How a call runs: the public free function in ops.h validates its arguments once (ranks,
+// shapes, dtypes, strides, scalars, and that every view is on ctx.device(): checks that do not
+// depend on the device) and then calls ctx.backend().<op> with the same arguments. A backend
+// entry may assume valid arguments; it reports only failures of its own (INTERNAL for a library
+// error, FAILED_PRECONDITION for a rank-deficient factorization, RESOURCE_EXHAUSTED for memory).
+//
+// Backends: kernels/cpu (registered for DeviceType::kCpu by the diond::ops target) and, for
+// tests only, kernels/testing (DeviceType::kTest). The CUDA backend of issue 11 lives in
+// libdiond_cuda.so behind the plugin's versioned C ABI (kernels/cuda/plugin_api.h); a host-side
+// adapter fills this table from that C table (docs/KERNELS.md §7).
+//
+// Code above the kernels (kernels/optim, server/) includes ops.h and context.h, never this file's
+// implementations: tests/layering_test.sh enforces that no backend header is included there.
+#ifndef DIOND_KERNELS_BACKEND_H_
+#define DIOND_KERNELS_BACKEND_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "kernels/ops.h"
+
+namespace diond::kernels {
+
+// Bumped when an entry is added, removed or changes signature; RegisterOpsBackend refuses a
+// table of another version.
+inline constexpr uint32_t kOpsBackendVersion = 1;
+
+struct OpsBackend {
+  uint32_t version = kOpsBackendVersion;
+  const char* name = nullptr;  // "cpu", "test-recording", ...
+
+  // ---- device memory (Context::Allocate and the Context's scratch arena) ----
+  // `bytes` (> 0) aligned to 64 bytes at least, on `device`; nullptr when out of memory.
+  void* (*allocate)(Device device, size_t bytes) = nullptr;
+  void (*deallocate)(Device device, void* p, size_t bytes) = nullptr;
+  // Host <-> device copies of `bytes` bytes; synchronous for the caller (a stream backend
+  // queues on ctx.stream() and waits: each call is a sync point, docs/KERNELS.md).
+  absl::Status (*copy_from_host)(const Context& ctx, const void* host, void* device_dst,
+                                 size_t bytes) = nullptr;
+  absl::Status (*copy_to_host)(const Context& ctx, const void* device_src, void* host,
+                               size_t bytes) = nullptr;
+
+  // ---- ops (kernels/ops.h, same arguments; called only after validation) ----
+  absl::Status (*gemm)(const Context&, const GemmParams&, ConstTensorView, ConstTensorView,
+                       TensorView) = nullptr;
+  absl::Status (*symmetric_product)(const Context&, GramSide, float, ConstTensorView, float,
+                                    TensorView) = nullptr;
+  absl::Status (*symmetric_product_bf16)(const Context&, ConstTensorView, int64_t,
+                                         TensorView) = nullptr;
+  absl::Status (*thin_qr)(const Context&, ConstTensorView, TensorView, TensorView) = nullptr;
+  absl::Status (*cholesky_qr)(const Context&, ConstTensorView, TensorView, TensorView) = nullptr;
+  absl::Status (*randomized_cholesky_qr)(const Context&, ConstTensorView, ConstTensorView,
+                                         TensorView) = nullptr;
+  absl::Status (*frobenius_norm)(const Context&, ConstTensorView, TensorView) = nullptr;
+  absl::Status (*axis_norms)(const Context&, ConstTensorView, Axis, NormType,
+                             TensorView) = nullptr;
+  absl::Status (*top_k)(const Context&, ConstTensorView, int64_t, absl::Span<int64_t>) = nullptr;
+  absl::Status (*top_k_by_l1_norm)(const Context&, ConstTensorView, Axis, int64_t,
+                                   absl::Span<int64_t>, TensorView) = nullptr;
+  absl::Status (*is_all_zero)(const Context&, ConstTensorView, bool*) = nullptr;
+  absl::Status (*gather)(const Context&, ConstTensorView, Axis, absl::Span<const int64_t>,
+                         TensorView) = nullptr;
+  absl::Status (*scatter)(const Context&, ConstTensorView, Axis, absl::Span<const int64_t>,
+                          float, float, TensorView) = nullptr;
+  absl::Status (*copy)(const Context&, ConstTensorView, TensorView) = nullptr;
+  absl::Status (*fill)(const Context&, float, TensorView) = nullptr;
+  absl::Status (*axpby)(const Context&, float, ConstTensorView, float, ConstTensorView,
+                        TensorView) = nullptr;
+  absl::Status (*add_scalar)(const Context&, float, ConstTensorView, float, TensorView) = nullptr;
+  absl::Status (*lerp)(const Context&, ConstTensorView, ConstTensorView, float,
+                       TensorView) = nullptr;
+  absl::Status (*unary)(const Context&, UnaryOp, ConstTensorView, TensorView) = nullptr;
+  absl::Status (*binary)(const Context&, BinaryOp, ConstTensorView, ConstTensorView,
+                         TensorView) = nullptr;
+  absl::Status (*cautious_weight_decay)(const Context&, float, ConstTensorView,
+                                        TensorView) = nullptr;
+  absl::Status (*adamw_step)(const Context&, const AdamWParams&, ConstTensorView, TensorView,
+                             TensorView, TensorView) = nullptr;
+  absl::Status (*lion_step)(const Context&, const LionParams&, ConstTensorView, TensorView,
+                            TensorView) = nullptr;
+};
+
+// Registers `backend` (static storage duration) for every device of `type`. INVALID_ARGUMENT for
+// a null table, a table of another version or one with a null entry; ALREADY_EXISTS if a
+// different table is registered for `type` (registering the same table again is a no-op).
+// Thread-safe.
+absl::Status RegisterOpsBackend(DeviceType type, const OpsBackend* backend);
+
+// The table registered for `type`, or nullptr. Thread-safe.
+const OpsBackend* FindOpsBackend(DeviceType type);
+
+// The device whose backend runs the ops for the device the daemon selected: the selected device
+// itself when this build has an ops backend registered for it, else the CPU. Today that is the
+// CPU for every GPU (the CUDA backend of issue 11 does not exist yet), so steps run on the CPU.
+Device ComputeDevice(const SelectedDevice& selected);
+
+// Test-only: removes the registration for `type` (so a test can register its own table).
+void UnregisterOpsBackendForTest(DeviceType type);
+
+}  // namespace diond::kernels
+
+#endif  // DIOND_KERNELS_BACKEND_H_

@@ -1,0 +1,68 @@
+// The CPU backend of the ops API (kernels/backend.h): the implementations behind the table, for
+// use inside kernels/cpu only (they skip the dispatcher's validation; callers pass valid
+// arguments). Code outside kernels/cpu calls kernels/ops.h instead (tests/layering_test.sh).
+#ifndef DIOND_KERNELS_CPU_BACKEND_H_
+#define DIOND_KERNELS_CPU_BACKEND_H_
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "kernels/backend.h"
+#include "kernels/ops.h"
+
+namespace diond::kernels::cpu {
+
+// The table, registered for DeviceType::kCpu before main() (backend.cc).
+const OpsBackend& CpuBackend();
+
+// Host memory: 64-byte-aligned heap blocks (device is ignored).
+void* HostAllocate(Device device, size_t bytes);
+void HostDeallocate(Device device, void* p, size_t bytes);
+
+absl::Status Gemm(const Context& ctx, const GemmParams& params, ConstTensorView a,
+                  ConstTensorView b, TensorView c);
+absl::Status SymmetricProduct(const Context& ctx, GramSide side, float alpha, ConstTensorView a,
+                              float beta, TensorView c);
+absl::Status SymmetricProductBf16(const Context& ctx, ConstTensorView a, int64_t block,
+                                  TensorView c);
+absl::Status ThinQr(const Context& ctx, ConstTensorView a, TensorView q, TensorView r);
+absl::Status CholeskyQr(const Context& ctx, ConstTensorView a, TensorView q, TensorView r);
+absl::Status RandomizedCholeskyQr(const Context& ctx, ConstTensorView a, ConstTensorView sketch,
+                                  TensorView q);
+absl::Status FrobeniusNorm(const Context& ctx, ConstTensorView a, TensorView out);
+absl::Status AxisNorms(const Context& ctx, ConstTensorView a, Axis axis, NormType type,
+                       TensorView out);
+absl::Status TopK(const Context& ctx, ConstTensorView scores, int64_t k,
+                  absl::Span<int64_t> indices);
+absl::Status TopKByL1Norm(const Context& ctx, ConstTensorView a, Axis axis, int64_t k,
+                          absl::Span<int64_t> indices, TensorView scores_out);
+absl::Status IsAllZero(const Context& ctx, ConstTensorView a, bool* all_zero);
+absl::Status Gather(const Context& ctx, ConstTensorView a, Axis axis,
+                    absl::Span<const int64_t> indices, TensorView out);
+absl::Status Scatter(const Context& ctx, ConstTensorView src, Axis axis,
+                     absl::Span<const int64_t> indices, float alpha, float beta, TensorView dst);
+absl::Status Copy(const Context& ctx, ConstTensorView src, TensorView dst);
+absl::Status Fill(const Context& ctx, float value, TensorView dst);
+absl::Status Axpby(const Context& ctx, float alpha, ConstTensorView x, float beta,
+                   ConstTensorView y, TensorView out);
+absl::Status AddScalar(const Context& ctx, float alpha, ConstTensorView x, float beta,
+                       TensorView out);
+absl::Status Lerp(const Context& ctx, ConstTensorView start, ConstTensorView end, float weight,
+                  TensorView out);
+absl::Status Unary(const Context& ctx, UnaryOp op, ConstTensorView x, TensorView out);
+absl::Status Binary(const Context& ctx, BinaryOp op, ConstTensorView x, ConstTensorView y,
+                    TensorView out);
+absl::Status CautiousWeightDecay(const Context& ctx, float decay, ConstTensorView direction,
+                                 TensorView x);
+absl::Status AdamWStep(const Context& ctx, const AdamWParams& p, ConstTensorView grad,
+                       TensorView x, TensorView m, TensorView v);
+absl::Status LionStep(const Context& ctx, const LionParams& p, ConstTensorView grad, TensorView x,
+                      TensorView m);
+
+// PyTorch's two-branch lerp (elementwise.cc), shared with the fused kernels.
+float LerpF32(float start, float end, float weight);
+
+}  // namespace diond::kernels::cpu
+
+#endif  // DIOND_KERNELS_CPU_BACKEND_H_
