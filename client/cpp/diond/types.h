@@ -84,7 +84,7 @@ struct SessionOptions {
   bool fp32_master_weights = false;  // when parameters are bf16/f16
   // A stable name (e.g. "job-17/rank-0") a restarted trainer re-attaches by
   // (Client::AttachSession); empty = unnamed.
-  std::string session_name;
+  std::string session_name{};
 };
 
 // Where one parameter lives in the arenas (diond.v1.TensorLayout).
@@ -135,7 +135,7 @@ struct StepOptions {
 struct SessionInfo {
   std::string session_id;
   std::string client_name;
-  std::string session_name;
+  std::string session_name{};
   int64_t parameters = 0;
   int64_t last_step_index = 0;
   int64_t state_bytes = 0;
