@@ -141,7 +141,9 @@ impl Client {
     /// Restores a checkpoint as a new session; also returns its last applied step index.
     /// Attach shared memory with [`Session::attach_shm`]: the restored weights land in it.
     pub fn load_checkpoint(&self, path: &str) -> Result<(Session, i64)> {
-        let r = self.rpc().load_checkpoint(proto::LoadCheckpointRequest { path: path.to_string() })?;
+        let r = self
+            .rpc()
+            .load_checkpoint(proto::LoadCheckpointRequest { path: path.to_string(), ..Default::default() })?;
         let step = r.step_index;
         let created =
             r.session.ok_or_else(|| Error::new(Code::Internal, "LoadCheckpoint answered without a session"))?;

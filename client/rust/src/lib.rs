@@ -45,6 +45,6 @@ pub use session::{RetryPolicy, Session, StepOptions};
 pub use shm::{ShmArena, TensorViewMut};
 pub use spec::{
     AdjustLr, Algorithm, Dtype, GradientSync, Group, Hyperparameters, NonFinitePolicy, Orthogonalizer, Precision,
-    SessionSpec,
+    QrMethod, SessionSpec,
 };
 pub use tensor::{Tensor, TensorMap};

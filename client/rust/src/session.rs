@@ -160,6 +160,7 @@ impl Session {
             step_index: index,
             lr_override: opts.lr_override.clone(),
             gradient_scale: opts.gradient_scale,
+            ..Default::default()
         };
         let mut wait = self.retry.backoff;
         let mut attempt = 1;

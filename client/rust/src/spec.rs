@@ -15,7 +15,7 @@
 //! allocated and answers `InvalidArgument` naming the field.
 
 use crate::proto;
-pub use crate::proto::{AdjustLr, Algorithm, GradientSync, NonFinitePolicy, Orthogonalizer, Precision};
+pub use crate::proto::{AdjustLr, Algorithm, GradientSync, NonFinitePolicy, Orthogonalizer, Precision, QrMethod};
 
 /// Element type of a tensor as the trainer stores it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -124,6 +124,16 @@ macro_rules! hyperparameter_setters {
         /// Dion's randomized Cholesky-QR oversampling.
         pub fn oversample(mut self, v: f64) -> Self {
             self.hp_mut().oversample = Some(v);
+            self
+        }
+        /// Dion's orthonormalization of P: RCQR (default), Householder QR or Cholesky QR.
+        pub fn qr_method(mut self, v: QrMethod) -> Self {
+            self.hp_mut().qr_method = v as i32;
+            self
+        }
+        /// Dion with Cholesky QR: the steps that still use RCQR.
+        pub fn cqr_warmup_steps(mut self, v: i64) -> Self {
+            self.hp_mut().cqr_warmup_steps = Some(v);
             self
         }
     };

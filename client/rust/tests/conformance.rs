@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use common::{assert_same_bits, rel_fro, repo_root, temp_dir, Daemon, Safetensors};
-use diond::{AdjustLr, Algorithm, Client, Group, Orthogonalizer, Precision, SessionSpec};
+use diond::{AdjustLr, Algorithm, Client, Group, Orthogonalizer, Precision, QrMethod, SessionSpec};
 
 fn vectors_dir() -> PathBuf {
     repo_root().join("tests/conformance/vectors")
@@ -97,7 +97,15 @@ fn group(md: &BTreeMap<String, String>, precision: Precision) -> (Group, bool) {
                 g
             }
             // No effect on a single-device run (kernels/optim/conformance/runner.cc).
-            "power_iters" | "qr_method" | "selection_scope" | "cqr_warmup_steps" | "rcqr_oversample" | "verbose" => g,
+            "qr_method" => g.qr_method(match v.as_str() {
+                Some("rcqr") => QrMethod::Rcqr,
+                Some("qr") => QrMethod::Qr,
+                Some("cqr") => QrMethod::Cqr,
+                o => panic!("qr_method {o:?}"),
+            }),
+            "cqr_warmup_steps" => g.cqr_warmup_steps(f() as i64),
+            "rcqr_oversample" => g.oversample(f()),
+            "power_iters" | "selection_scope" | "verbose" => g,
             other => panic!("hyperparameter '{other}' is not mapped"),
         };
     }

@@ -285,7 +285,7 @@ fn checkpoint_save_and_load_resume_to_the_same_bytes() {
 fn tcp_transport_and_the_raw_stubs() {
     // TCP needs a credential (docs/OPERATIONS.md "Security"): a bearer token from a token file.
     let tokens = temp_dir("tokens").join("tokens.txt");
-    std::fs::write(&tokens, "rust-test-token rust-tester\n").unwrap();
+    std::fs::write(&tokens, "rust-test-token-0123456789 rust-tester\n").unwrap();
     let flag = format!("--auth_token_file={}", tokens.display());
     let d = Daemon::start(&[flag.as_str()], true);
     let port = d.tcp_port.expect("the ready file names the TCP port");
@@ -294,7 +294,7 @@ fn tcp_transport_and_the_raw_stubs() {
     let anonymous = Client::connect(&target).unwrap();
     let refused = anonymous.list_sessions().unwrap_err();
     assert_eq!(refused.code(), Code::Unauthenticated, "{refused}");
-    let client = Client::builder(&target).bearer_token("rust-test-token").connect().unwrap();
+    let client = Client::builder(&target).bearer_token("rust-test-token-0123456789").connect().unwrap();
     let created = client.rpc().create_session(muon_spec("tcp").request().clone()).unwrap();
     let id = created.session_id.clone();
     let w0 = diond::tensor::f32_bytes(&values(8, W));
