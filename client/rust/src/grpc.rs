@@ -287,16 +287,8 @@ impl Channel {
         req: Req,
         deadline: Option<Duration>,
     ) -> Result<Resp> {
-        let mut reply: Option<Resp> = None;
-        self.call(path, std::iter::once(req), deadline, |m: Resp| {
-            if reply.is_some() {
-                return Err(Error::new(Code::Internal, format!("{path}: more than one reply to a unary call")));
-            }
-            reply = Some(m);
-            Ok(())
-        })
-        .await?;
-        reply.ok_or_else(|| Error::new(Code::Internal, format!("{path}: OK without a reply message")))
+        // On the wire a unary call is a client-streaming call of one message.
+        self.client_streaming(path, std::iter::once(req), deadline).await
     }
 
     /// A client-streaming call: all of `requests`, then one reply.
@@ -316,7 +308,7 @@ impl Channel {
             if reply.is_some() {
                 return Err(Error::new(
                     Code::Internal,
-                    format!("{path}: more than one reply to a client-streaming call"),
+                    format!("{path}: more than one reply to a call that expects one"),
                 ));
             }
             reply = Some(m);
