@@ -6,6 +6,7 @@
 
 #include "common/status_macros.h"
 #include "kernels/cpu/loops.h"
+#include "kernels/elementwise_math.h"
 #include "kernels/cpu/backend.h"
 
 namespace diond::kernels::cpu {
@@ -133,10 +134,7 @@ absl::Status AddScalar(const Context& ctx, float alpha, ConstTensorView x, float
 
 // PyTorch's lerp (aten/src/ATen/native/Lerp.h): two branches so that weight 1 returns `end`
 // exactly and large weights lose less precision.
-float LerpF32(float start, float end, float weight) {
-  return std::abs(weight) < 0.5f ? start + weight * (end - start)
-                                 : end - (end - start) * (1.0f - weight);
-}
+float LerpF32(float start, float end, float weight) { return math::Lerp(start, end, weight); }
 
 absl::Status Lerp(const Context& ctx, ConstTensorView start, ConstTensorView end, float weight,
                   TensorView out) {
