@@ -1,0 +1,364 @@
+#!/usr/bin/env python3
+"""diond against the microsoft/dion reference, in one process, alternating steps.
+
+    PYTHONPATH=build/python:client/python <python> bench/compare_reference.py \
+        --reference /path/to/dion-checkout --diond build/bin/diond \
+        --bench build/bench/diond_bench --layers 12 --rounds 5 \
+        --json build/bench-results/compare.json --markdown build/bench-results/compare.md
+
+The reference is a checkout of https://github.com/microsoft/dion that the user supplies; nothing
+of it is vendored here. The script starts its own daemon from --diond (Unix socket, shared
+memory, --compute_threads = --threads) and drives it through `diond.torch.Optimizer`, the way a
+trainer does.
+
+Rows (docs/BENCHMARKS.md, "diond against the reference"):
+  * Muon, NorMuon, Dion rank 1, Dion rank 1/4, Dion2 (fraction 1/4), Dion3 = NorDion2 (1/4), on
+    the GPT-2-small hidden matrices, `--layers` × [4 × 768², 768×3072, 3072×768] (12 layers =
+    84.9M parameters), fp32 parameters and gradients;
+  * AdamW on every GPT-2-small parameter (embeddings, `--layers` blocks with biases and norms;
+    12 layers = 124.4M) against `torch.optim.AdamW(foreach=True)`.
+For each row, one round steps the reference once and then each diond mode once (the same
+gradients, fresh per step from a fixed seed pool, copied in outside the timed region); the first
+`--warmup` rounds are not counted. The reference has one arithmetic (its Polar Express runs in
+bf16 whatever the parameters' dtype, Dion in fp32); diond runs `precision="fp32"` (everything in
+float32) and, where the reference's bf16 arithmetic exists, `precision="bf16_reference"` (its
+emulation, docs/CONFORMANCE.md). Both diond modes are divided by the same reference time.
+
+Interpreter: the reference is written for PyTorch >= 2.7. Under torch 2.x it runs natively
+(eager unless --compile: torch.compile's CPU inductor needs minutes of compilation on 2 cores
+and recompiles per shape). Under torch 1.x the script installs the project's compatibility shims
+(tests/conformance/tools/torch2_compat.py: torch.compile as identity, Python loops for
+`torch._foreach_*`), which slow the reference down; the ratio is then not honest, and the
+output says so.
+
+Also in the same run:
+  * STREAM triad: `torch.add(b, c, alpha=s, out=a)` on three float32 arrays of --triad-mib MiB
+    each with --threads threads, counted as 3 × 4 bytes per element (STREAM's convention); the
+    AdamW row reports diond's bytes moved per second (28 bytes per parameter: read parameter,
+    gradient, m, v; write parameter, m, v) ÷ that bandwidth.
+  * Orthogonalization GFLOP/s ÷ GEMM ceiling: runs `--bench` (diond_bench) filtered to the GEMM
+    ceilings and the Polar Express benchmarks at --threads threads, and reports its counters.
+
+Nothing asserts on time. Exit status: 0 unless something failed to run.
+"""
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+# (row key, label, reference module, reference class, diond algorithm, reference kwargs,
+#  diond modes). The kwargs are the same for both sides (diond takes the reference's names).
+MATRIX_ROWS = [
+    ("muon", "Muon", "muon", "Muon", "muon", {}, ("fp32", "bf16_reference")),
+    ("normuon", "NorMuon", "normuon", "NorMuon", "normuon", {}, ("fp32", "bf16_reference")),
+    ("dion_r1", "Dion, rank 1", "dion", "Dion", "dion", {"rank_fraction": 1.0}, ("fp32",)),
+    ("dion_r4", "Dion, rank ¼", "dion", "Dion", "dion", {"rank_fraction": 0.25}, ("fp32",)),
+    ("dion2", "Dion2 (¼)", "dion2", "Dion2", "dion2", {"fraction": 0.25},
+     ("fp32", "bf16_reference")),
+    ("dion3", "Dion3 / NorDion2 (¼)", "nordion2", "NorDion2", "dion3", {"fraction": 0.25},
+     ("fp32", "bf16_reference")),
+]
+ROW_KEYS = [r[0] for r in MATRIX_ROWS] + ["adamw"]
+HIDDEN = 768
+VOCAB, CONTEXT = 50257, 1024
+
+
+def matrix_shapes(layers):
+    one = [(HIDDEN, HIDDEN)] * 4 + [(HIDDEN, 4 * HIDDEN), (4 * HIDDEN, HIDDEN)]
+    return one * layers
+
+
+def gpt2_shapes(layers):
+    """Every GPT-2-small parameter (lm_head tied to wte): 124,439,808 at 12 layers."""
+    h = HIDDEN
+    block = [(h,), (h,), (h, 3 * h), (3 * h,), (h, h), (h,), (h,), (h,), (h, 4 * h), (4 * h,),
+             (4 * h, h), (h,)]
+    return [(VOCAB, h), (CONTEXT, h)] + block * layers + [(h,), (h,)]
+
+
+def numel(shape):
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def log(*args):
+    print(*args, file=sys.stderr, flush=True)
+
+
+class Workload:
+    """Initial parameters and a small pool of gradient sets (fixed seeds), shared by all sides."""
+
+    def __init__(self, torch, shapes, pool, seed=0):
+        self.torch = torch
+        gen = torch.Generator().manual_seed(seed)
+        self.init = [torch.randn(s, generator=gen) * 0.02 for s in shapes]
+        self.grads = [[torch.randn(s, generator=gen) * 0.01 for s in shapes] for _ in range(pool)]
+
+    def params(self):
+        return [self.torch.nn.Parameter(p.clone()) for p in self.init]
+
+    def load_grads(self, params, step):
+        g = self.grads[step % len(self.grads)]
+        for p, src in zip(params, g):
+            if p.grad is None:
+                p.grad = src.clone()
+            else:
+                p.grad.copy_(src)
+
+
+def summarize(times):
+    return {"median_s": statistics.median(times), "min_s": min(times), "times_s": times}
+
+
+def run_row(torch, args, daemon, work, make_reference, diond_options, modes):
+    """Alternates one reference step and one step per diond mode; returns timings per side."""
+    import diond.torch as dt
+    sides = [("reference", make_reference(work.params()))]
+    for mode in modes:
+        ps = work.params()
+        opt = dt.Optimizer([dict(params=ps)], target=daemon.target, precision=mode,
+                           **diond_options)
+        sides.append((mode, (opt, ps)))
+    times = {name: [] for name, _ in sides}
+    for r in range(args.warmup + args.rounds):
+        this_round = []
+        for name, (opt, ps) in sides:
+            work.load_grads(ps, r)
+            t0 = time.perf_counter()
+            opt.step()
+            this_round.append((name, time.perf_counter() - t0))
+        for name, dt_s in this_round:
+            if r >= args.warmup:
+                times[name].append(dt_s)
+        log("  round %d%s: %s" % (r, " (warm-up)" if r < args.warmup else "",
+                                  ", ".join("%s %.3f s" % nt for nt in this_round)))
+    for name, (opt, _) in sides:
+        if name != "reference":
+            opt.close()
+    del sides
+    gc.collect()
+    return {name: summarize(t) for name, t in times.items()}
+
+
+def stream_triad(torch, mib, reps=10):
+    n = mib * 1024 * 1024 // 4
+    a = torch.zeros(n)
+    b = torch.rand(n)
+    c = torch.rand(n)
+    torch.add(b, c, alpha=3.0, out=a)
+    best = math.inf
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        torch.add(b, c, alpha=3.0, out=a)
+        dt_s = time.perf_counter() - t0
+        samples.append(dt_s)
+        best = min(best, dt_s)
+    bytes_moved = 3 * 4 * n
+    return {"array_mib": mib, "best_GBps": bytes_moved / best / 1e9,
+            "median_GBps": bytes_moved / statistics.median(samples) / 1e9}
+
+
+def ortho_bench(binary, threads):
+    """diond_bench's GEMM ceilings and Polar Express rows at `threads` threads."""
+    flt = ("BM_Gemm(F32|Bf16)/.*/threads:%d/|BM_Orthogonalize/PE_(fp32|bf16|bf16onednn)/"
+           ".*/threads:%d/" % (threads, threads))
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        subprocess.run([binary, "--benchmark_filter=" + flt, "--benchmark_out=" + f.name,
+                        "--benchmark_out_format=json"], check=True, stdout=subprocess.DEVNULL)
+        data = json.load(open(f.name))
+    rows = []
+    ceilings = {}
+    for b in data["benchmarks"]:
+        name = b["name"]
+        if name.startswith("BM_Gemm"):
+            ceilings[name.split("/")[1]] = b.get("GFLOP/s", 0.0)  # the mean: what Ceiling() uses
+            continue
+        parts = name.split("/")
+        args_ = dict(p.split(":") for p in parts[2:] if ":" in p)
+        rows.append({"method": parts[1], "shape": "%s×%s" % (args_.get("m"), args_.get("n")),
+                     "ms": b["real_time"], "eff_GFLOPs": b.get("eff_GFLOP/s"),
+                     "ceiling_GFLOPs": b.get("ceiling_GFLOP/s"),
+                     "of_ceiling": b.get("of_ceiling"), "label": b.get("label", "")})
+    return {"ceilings": ceilings, "rows": rows}
+
+
+def reference_classes(torch, checkout):
+    major = int(torch.__version__.split(".")[0])
+    if major < 2:
+        sys.path.insert(0, os.path.join(ROOT, "tests", "conformance", "tools"))
+        import torch2_compat
+        torch2_compat.install()
+    sys.path.insert(0, os.path.abspath(checkout))
+    import importlib
+    importlib.import_module("dion")
+    return major
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--reference", required=True, help="microsoft/dion checkout (its root)")
+    ap.add_argument("--diond", default=os.path.join(ROOT, "build", "bin", "diond"))
+    ap.add_argument("--bench", default=os.path.join(ROOT, "build", "bench", "diond_bench"),
+                    help="diond_bench for the orthogonalization/ceiling rows ('' to skip)")
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", default=",".join(ROW_KEYS),
+                    help="comma-separated subset of " + ",".join(ROW_KEYS))
+    ap.add_argument("--compile", action="store_true",
+                    help="let the reference's torch.compile run (torch 2.x; default: eager)")
+    ap.add_argument("--triad-mib", type=int, default=256)
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--markdown", help="write the Markdown table here (also printed)")
+    args = ap.parse_args()
+    if args.rounds < 1 or args.warmup < 0 or args.layers < 1:
+        ap.error("--rounds >= 1, --warmup >= 0, --layers >= 1")
+    rows = [r for r in args.rows.split(",") if r]
+    for r in rows:
+        if r not in ROW_KEYS:
+            ap.error("unknown row %r (have %s)" % (r, ", ".join(ROW_KEYS)))
+
+    if not args.compile:
+        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # before torch is imported
+    import torch
+    torch.set_num_threads(args.threads)
+    major = reference_classes(torch, args.reference)
+    import importlib
+    import diond.daemon
+
+    started = time.time()
+    result = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+              "started_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
+              "python": sys.version.split()[0], "interpreter": sys.executable, "torch": torch.__version__,
+              "reference_mode": ("torch 2.x, compiled" if major >= 2 and args.compile else
+                                 "torch 2.x, eager" if major >= 2 else
+                                 "torch 1.x with tests/conformance/tools/torch2_compat.py shims"
+                                 " (slower reference: ratios NOT comparable)"),
+              "layers": args.layers, "rounds": args.rounds, "warmup": args.warmup,
+              "threads": args.threads, "machine": platform.processor() or platform.machine(),
+              "cpus": os.cpu_count(), "load_before": open("/proc/loadavg").read().split()[:3],
+              "rows": {}}
+    log("torch %s (%s), %d layers, %d rounds" % (torch.__version__, result["reference_mode"],
+                                                 args.layers, args.rounds))
+    daemon = diond.daemon.Daemon(args.diond, compute_threads=args.threads).start()
+    try:
+        matrix_work = None
+        for key, label, mod, cls, algo, kwargs, modes in MATRIX_ROWS:
+            if key not in rows:
+                continue
+            if matrix_work is None:
+                matrix_work = Workload(torch, matrix_shapes(args.layers), pool=2)
+            ref_cls = getattr(importlib.import_module("dion." + mod), cls)
+            log("%s:" % label)
+            t = run_row(torch, args, daemon, matrix_work,
+                        lambda ps: (ref_cls(ps, **kwargs), ps),
+                        dict(algorithm=algo, **kwargs), modes)
+            result["rows"][key] = {"label": label, "params": sum(numel(p.shape) for p in
+                                                                 matrix_work.init), **t}
+        matrix_work = None
+        gc.collect()
+        if "adamw" in rows:
+            work = Workload(torch, gpt2_shapes(args.layers), pool=2)
+            log("AdamW:")
+            t = run_row(torch, args, daemon, work,
+                        lambda ps: (torch.optim.AdamW(ps, lr=0.01, betas=(0.9, 0.95),
+                                                      weight_decay=0.01, eps=1e-8,
+                                                      foreach=True), ps),
+                        dict(algorithm="adamw"), ("fp32",))
+            n = sum(numel(p.shape) for p in work.init)
+            del work
+            gc.collect()
+            triad = stream_triad(torch, args.triad_mib)
+            result["triad"] = triad
+            bps = 28.0 * n / t["fp32"]["median_s"]
+            result["rows"]["adamw"] = {"label": "AdamW", "params": n, **t,
+                                       "bytes_per_step": 28 * n, "diond_GBps": bps / 1e9,
+                                       "of_triad": bps / 1e9 / triad["best_GBps"]}
+    finally:
+        daemon.stop()
+        daemon.cleanup()
+    if args.bench:
+        log("orthogonalization and GEMM ceilings (%s)" % args.bench)
+        result["ortho"] = ortho_bench(args.bench, args.threads)
+    result["load_after"] = open("/proc/loadavg").read().split()[:3]
+    result["wall_s"] = time.time() - started
+    md = markdown(result)
+    print(md)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(md)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+def markdown(res):
+    out = []
+    out.append("Generated %s by `%s` (%s; torch %s, Python %s; layers: %d, rounds: %d after %d "
+               "warm-up, threads: %d; 1-min load average %s -> %s; %.0f s)."
+               % (res["started_utc"], res["command"], res["reference_mode"], res["torch"],
+                  res["python"], res["layers"], res["rounds"], res["warmup"], res["threads"],
+                  res["load_before"][0], res["load_after"][0], res["wall_s"]))
+    out.append("")
+    out.append("| algorithm | params | reference median / min (s) | diond fp32 median / min (s) "
+               "| fp32 ratio (median / min) | diond bf16_reference median / min (s) "
+               "| bf16_reference ratio (median / min) |")
+    out.append("| --- | --- | --- | --- | --- | --- | --- |")
+    for key in ROW_KEYS:
+        row = res["rows"].get(key)
+        if not row:
+            continue
+        ref = row["reference"]
+        cells = ["%s" % row["label"], "%.1fM" % (row["params"] / 1e6),
+                 "%.3f / %.3f" % (ref["median_s"], ref["min_s"])]
+        for mode in ("fp32", "bf16_reference"):
+            d = row.get(mode)
+            if d is None:
+                cells += ["—", "—"]
+                continue
+            cells.append("%.3f / %.3f" % (d["median_s"], d["min_s"]))
+            cells.append("**%.2f** / %.2f" % (d["median_s"] / ref["median_s"],
+                                              d["min_s"] / ref["min_s"]))
+        out.append("| " + " | ".join(cells) + " |")
+    if "adamw" in res["rows"]:
+        a, t = res["rows"]["adamw"], res["triad"]
+        out.append("")
+        out.append("AdamW moves %.2f GB per step (28 bytes per parameter); diond's median step "
+                   "moves %.1f GB/s, **%.2f** of the STREAM triad measured in the same run "
+                   "(`torch.add(b, c, alpha=s, out=a)`, 3 × %d MiB float32, best %.1f GB/s, "
+                   "median %.1f GB/s)." % (a["bytes_per_step"] / 1e9, a["diond_GBps"],
+                                           a["of_triad"], t["array_mib"], t["best_GBps"],
+                                           t["median_GBps"]))
+    if "ortho" in res:
+        o = res["ortho"]
+        out.append("")
+        out.append("GEMM ceilings (2048³, mean over the iterations, GFLOP/s): " + ", ".join(
+            "%s %.0f" % (k, v) for k, v in sorted(o["ceilings"].items())) + ".")
+        out.append("")
+        out.append("| orthogonalization | shape | ms | eff. GFLOP/s | ceiling GFLOP/s "
+                   "| of ceiling |")
+        out.append("| --- | --- | --- | --- | --- | --- |")
+        for r in o["rows"]:
+            out.append("| %s (%s) | %s | %.0f | %.0f | %.0f | **%.2f** |"
+                       % (r["method"], r["label"], r["shape"], r["ms"], r["eff_GFLOPs"] or 0,
+                          r["ceiling_GFLOPs"] or 0, r["of_ceiling"] or 0))
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    main()
