@@ -29,7 +29,7 @@ namespace diond::kernels {
 
 // Bumped when an entry is added, removed or changes signature; RegisterOpsBackend refuses a
 // table of another version.
-inline constexpr uint32_t kOpsBackendVersion = 1;
+inline constexpr uint32_t kOpsBackendVersion = 2;  // 2: ortho ops
 
 struct OpsBackend {
   uint32_t version = kOpsBackendVersion;
@@ -84,6 +84,11 @@ struct OpsBackend {
                              TensorView, TensorView) = nullptr;
   absl::Status (*lion_step)(const Context&, const LionParams&, ConstTensorView, TensorView,
                             TensorView) = nullptr;
+  // ---- ortho ----
+  absl::Status (*add_to_diagonal)(const Context&, float, TensorView) = nullptr;
+  absl::Status (*bf16_rounded_axpby)(const Context&, float, ConstTensorView, float,
+                                     ConstTensorView, TensorView) = nullptr;
+  // ---- end ortho ----
 };
 
 // Registers `backend` (static storage duration) for every device of `type`. INVALID_ARGUMENT for

@@ -14,6 +14,8 @@
 #define DIOND_KERNELS_ELEMENTWISE_MATH_H_
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 
 #if defined(__CUDACC__)
 #define DIOND_HD __host__ __device__ __forceinline__
@@ -88,6 +90,28 @@ DIOND_HD void LionElement(const LionScalars& s, float g, float& x, float& m) {
 // ---- Cautious weight decay: decay only where x and the update direction agree in sign --------
 DIOND_HD float CautiousDecayElement(float decay, float x, float direction) {
   return x * direction >= 0.0f ? x - decay * x : x;
+}
+
+// ---- ortho: bf16 rounding points of the reference's eager bf16 arithmetic, on f32 storage -----
+// RoundToBf16Precision(f) is the f32 value of f rounded to bf16, round-to-nearest-even, NaN kept
+// a (quiet) NaN: bit for bit what FloatToBf16 followed by Bf16ToFloat (kernels/tensor.h) give.
+DIOND_HD float RoundToBf16Precision(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  const uint32_t quiet_nan = (u & 0xffff0000u) | 0x00400000u;
+  const bool is_nan = (u & 0x7fffffffu) > 0x7f800000u;
+  const uint32_t r = is_nan ? quiet_nan : rounded;
+  float out;
+  std::memcpy(&out, &r, 4);
+  return out;
+}
+
+// One element of Bf16RoundedAxpby (ops.h): r(r(alpha·x) + r(beta·r(y))), r = RoundToBf16Precision;
+// with_x false: r(beta·r(y)) (x not read).
+DIOND_HD float Bf16RoundedAxpbyElement(float alpha, float x, float beta, float y, bool with_x) {
+  const float ry = RoundToBf16Precision(beta * RoundToBf16Precision(y));
+  return with_x ? RoundToBf16Precision(RoundToBf16Precision(alpha * x) + ry) : ry;
 }
 
 }  // namespace diond::kernels::math

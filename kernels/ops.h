@@ -235,6 +235,26 @@ struct LionParams {
 absl::Status LionStep(const Context& ctx, const LionParams& p, ConstTensorView grad, TensorView x,
                       TensorView m);
 
+// ================================ ortho =======================================================
+// Ops of the orthogonalizers (kernels/optim/orthogonalize.cc).
+
+// a[i, i] ← a[i, i] + value on every (square) matrix of `a`: f32, rank 2 or 3, rows == cols,
+// row-major (unit column stride, any row stride >= cols). E.g. S + a·I in Polar Express, so that
+// a·Y + S·Y is one GEMM.
+absl::Status AddToDiagonal(const Context& ctx, float value, TensorView a);
+
+// The eager-PyTorch bf16 rounding points of `bf(bf(alpha·x) + bf(beta·bf(y)))` on f32 storage:
+//   out ← r(r(alpha·x) + r(beta·r(y)))   with r = round to bf16 precision (RNE), kept in f32;
+//   alpha == 0: out ← r(beta·r(y))       (x is not read; pass x = {} or any view).
+// x, y, out: f32, contiguous, same shape (any rank). out may alias x or y. x normally holds
+// bf16-exact values and y the f32 result of a matmul of bf16-exact values, e.g. Polar Express's
+// B = bf(bf(b·A) + bf(c·bf(A·A))) and Y = bf(bf(a·Y) + bf(B·Y)), and A = bf(Y·Yᵀ) as
+// (alpha 0, beta 1). The value is the one of the bf16 ops sequence, so bf16_reference can keep
+// its matrices in f32 (exactly widened) for the f32 GEMMs without widening copies.
+absl::Status Bf16RoundedAxpby(const Context& ctx, float alpha, ConstTensorView x, float beta,
+                              ConstTensorView y, TensorView out);
+// ================================ end ortho ===================================================
+
 }  // namespace diond::kernels
 
 #endif  // DIOND_KERNELS_OPS_H_

@@ -58,6 +58,9 @@ bool Complete(const OpsBackend& b) {
       reinterpret_cast<const void*>(b.unary), reinterpret_cast<const void*>(b.binary),
       reinterpret_cast<const void*>(b.cautious_weight_decay),
       reinterpret_cast<const void*>(b.adamw_step), reinterpret_cast<const void*>(b.lion_step),
+      // ortho
+      reinterpret_cast<const void*>(b.add_to_diagonal),
+      reinterpret_cast<const void*>(b.bf16_rounded_axpby),
   };
   for (const void* e : entries) {
     if (e == nullptr) return false;

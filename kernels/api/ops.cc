@@ -433,4 +433,27 @@ absl::Status LionStep(const Context& ctx, const LionParams& p, ConstTensorView g
   return ctx.backend().lion_step(ctx, p, grad, x, m);
 }
 
+
+// ================================ ortho =======================================================
+
+absl::Status AddToDiagonal(const Context& ctx, float value, TensorView a) {
+  constexpr const char* kOp = "AddToDiagonal";
+  DIOND_RETURN_IF_ERROR(CheckMatrix(ctx, kOp, "a", a));
+  DIOND_RETURN_IF_ERROR(CheckDType(kOp, "a", a.layout(), DType::kF32));
+  DIOND_RETURN_IF_ERROR(CheckFinite(kOp, "value", value));
+  if (a.Rows() != a.Cols()) return Invalid(kOp, "a is ", a.DebugString(), ", want square matrices");
+  return ctx.backend().add_to_diagonal(ctx, value, a);
+}
+
+absl::Status Bf16RoundedAxpby(const Context& ctx, float alpha, ConstTensorView x, float beta,
+                              ConstTensorView y, TensorView out) {
+  constexpr const char* kOp = "Bf16RoundedAxpby";
+  DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "out", out, out));
+  DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "y", y, out));
+  if (alpha != 0.0f) DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "x", x, out));
+  DIOND_RETURN_IF_ERROR(CheckFinite(kOp, "alpha", alpha));
+  DIOND_RETURN_IF_ERROR(CheckFinite(kOp, "beta", beta));
+  return ctx.backend().bf16_rounded_axpby(ctx, alpha, x, beta, y, out);
+}
+
 }  // namespace diond::kernels

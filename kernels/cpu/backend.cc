@@ -59,6 +59,9 @@ OpsBackend MakeTable() {
   t.cautious_weight_decay = &CautiousWeightDecay;
   t.adamw_step = &AdamWStep;
   t.lion_step = &LionStep;
+  // ortho
+  t.add_to_diagonal = &AddToDiagonal;
+  t.bf16_rounded_axpby = &Bf16RoundedAxpby;
   return t;
 }
 

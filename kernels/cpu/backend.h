@@ -63,6 +63,11 @@ absl::Status LionStep(const Context& ctx, const LionParams& p, ConstTensorView g
 // PyTorch's two-branch lerp (elementwise.cc), shared with the fused kernels.
 float LerpF32(float start, float end, float weight);
 
+// ortho (ortho_ops.cc)
+absl::Status AddToDiagonal(const Context& ctx, float value, TensorView a);
+absl::Status Bf16RoundedAxpby(const Context& ctx, float alpha, ConstTensorView x, float beta,
+                              ConstTensorView y, TensorView out);
+
 }  // namespace diond::kernels::cpu
 
 #endif  // DIOND_KERNELS_CPU_BACKEND_H_

@@ -47,16 +47,13 @@ absl::Status Fp32Iterations(const Context& ctx, absl::Span<const OrthoCoefficien
                             bool tall, TensorView* y, TensorView* y2, TensorView ga,
                             TensorView gb) {
   const GramSide side = tall ? GramSide::kAtA : GramSide::kAAt;
-  const int64_t g = ga.Rows();
   GemmParams gp;
   gp.engine = Fp32GemmEngine::kOpenBlas;  // one thread pool per phase (context.h policy)
   for (const OrthoCoefficients& k : coeffs) {
     DIOND_RETURN_IF_ERROR(SymmetricProduct(ctx, side, 1.0f, *y, 0.0f, ga));
     DIOND_RETURN_IF_ERROR(Copy(ctx, ga, gb));
     DIOND_RETURN_IF_ERROR(SymmetricProduct(ctx, GramSide::kAAt, F32(k.c), ga, F32(k.b), gb));
-    float* s = gb.As<float>();
-    const float a = F32(k.a);
-    for (int64_t i = 0; i < g; ++i) s[i * g + i] += a;
+    DIOND_RETURN_IF_ERROR(AddToDiagonal(ctx, F32(k.a), gb));
     if (tall) {
       DIOND_RETURN_IF_ERROR(Gemm(ctx, gp, *y, gb, *y2));
     } else {
@@ -69,54 +66,73 @@ absl::Status Fp32Iterations(const Context& ctx, absl::Span<const OrthoCoefficien
 
 // ---- bf16 reference mode ------------------------------------------------------------------
 
-// bf16 iterations on y (m×n bf16, contiguous). p: m×n bf16; ga, gaa, gb: g×g bf16; yf, pf:
-// m×n f32; gf, gf2: g×g f32. The elementwise steps are separate ops on purpose: each eager
-// PyTorch op rounds its result to bf16, and the ops API rounds each op's result exactly once
-// (ops.h conventions).
-//
 // By default (Bf16Matmul::kReferenceF32Gemm) every bf16 matmul is the f32 GEMM (OpenBLAS) of
 // the exactly widened bf16 operands, rounded once to bf16: the reference's definition
 // (conformance README §5 item 7) with the reference runtime's own float32 GEMM, so the f32
 // accumulation order is the reference's too (Debian's PyTorch calls the same BLAS). That order
 // matters on real gradients: early-training matrices are so ill-conditioned that one f32 ulp
 // in one Gram entry lying on a bf16 rounding tie moves the orthogonalized update by ~3 %
-// (measured with oneDNN's bf16 matmul, which accumulates in another order).
-absl::Status Bf16Product(const Context& ctx, Bf16Matmul how, const GemmParams& gp,
-                         ConstTensorView a, ConstTensorView b, ConstTensorView af,
-                         ConstTensorView bf, TensorView cf, TensorView c) {
-  if (how == Bf16Matmul::kOneDnnBf16) return Gemm(ctx, gp, a, b, c);  // bf16 in, bf16 out
-  GemmParams p = gp;
-  p.engine = Fp32GemmEngine::kOpenBlas;
-  DIOND_RETURN_IF_ERROR(Gemm(ctx, p, af, bf, cf));
-  return Copy(ctx, cf, c);  // one RNE rounding of the f32 result
+// (measured with oneDNN's bf16 matmul, which accumulates in another order). For the same
+// reason neither product uses a symmetric (one-triangle) kernel here: OpenBLAS's sgemm result
+// for Y·Yᵀ is not itself exactly symmetric (about 4 % of the entries differ from their mirror
+// by an ulp, measured at 768×3072 on 2 threads), and ssyrk agrees with neither triangle.
+//
+// These iterations keep every matrix in f32 storage: yf (m×n) holds the bf16 values of Y
+// exactly widened, so the f32 GEMMs read it directly, and every bf16 rounding point of the
+// eager sequence is one Bf16RoundedAxpby (ops.h), which rounds the matmul result and applies
+// the elementwise combination in one pass. pf: m×n f32; gf, gf2: g×g f32. Per iteration (wide;
+// tall mirrors with A = Yᵀ·Y and Y·B):
+//   A  = bf(Y·Yᵀ)                        Gemm, then Bf16RoundedAxpby(0, -, 1, A)
+//   B  = bf(bf(b·A) + bf(c·bf(A·A)))     Gemm, then Bf16RoundedAxpby(b, A, c, AA)
+//   Y  = bf(bf(a·Y) + bf(B·Y))           Gemm, then Bf16RoundedAxpby(a, Y, 1, BY)
+absl::Status Bf16F32StorageIterations(const Context& ctx,
+                                      absl::Span<const OrthoCoefficients> coeffs, bool tall,
+                                      TensorView yf, TensorView pf, TensorView gf,
+                                      TensorView gf2) {
+  GemmParams gram, plain;
+  gram.engine = plain.engine = Fp32GemmEngine::kOpenBlas;  // the reference runtime's GEMM
+  if (tall) {
+    gram.trans_a = Trans::kYes;  // A = Yᵀ·Y
+  } else {
+    gram.trans_b = Trans::kYes;  // A = Y·Yᵀ
+  }
+  for (const OrthoCoefficients& k : coeffs) {
+    DIOND_RETURN_IF_ERROR(Gemm(ctx, gram, yf, yf, gf));
+    DIOND_RETURN_IF_ERROR(Bf16RoundedAxpby(ctx, 0.0f, {}, 1.0f, gf, gf));
+    DIOND_RETURN_IF_ERROR(Gemm(ctx, plain, gf, gf, gf2));
+    DIOND_RETURN_IF_ERROR(Bf16RoundedAxpby(ctx, F32(k.b), gf, F32(k.c), gf2, gf2));
+    if (tall) {  // BY = Y·B
+      DIOND_RETURN_IF_ERROR(Gemm(ctx, plain, yf, gf2, pf));
+    } else {     // BY = B·Y
+      DIOND_RETURN_IF_ERROR(Gemm(ctx, plain, gf2, yf, pf));
+    }
+    DIOND_RETURN_IF_ERROR(Bf16RoundedAxpby(ctx, F32(k.a), yf, 1.0f, pf, yf));
+  }
+  return absl::OkStatus();
 }
 
-absl::Status Bf16Iterations(const Context& ctx, Bf16Matmul how,
-                            absl::Span<const OrthoCoefficients> coeffs, bool tall, TensorView y,
-                            TensorView p, TensorView ga, TensorView gaa, TensorView gb,
-                            TensorView yf, TensorView pf, TensorView gf, TensorView gf2) {
+// Bf16Matmul::kOneDnnBf16: the same rounding points on bf16 storage (y, p: m×n bf16; ga, gaa,
+// gb: g×g bf16), every matmul a oneDNN bf16 GEMM with a bf16 result; the elementwise steps are
+// separate ops, each rounding its result once (ops.h conventions), as eager PyTorch does.
+absl::Status OneDnnBf16Iterations(const Context& ctx, absl::Span<const OrthoCoefficients> coeffs,
+                                  bool tall, TensorView y, TensorView p, TensorView ga,
+                                  TensorView gaa, TensorView gb) {
   GemmParams gram, plain;
   if (tall) {
     gram.trans_a = Trans::kYes;  // A = Yᵀ·Y
   } else {
     gram.trans_b = Trans::kYes;  // A = Y·Yᵀ
   }
-  const bool widen = how == Bf16Matmul::kReferenceF32Gemm;
   for (const OrthoCoefficients& k : coeffs) {
-    if (widen) DIOND_RETURN_IF_ERROR(Copy(ctx, y, yf));             // widen Y (exact)
-    // A = bf(Y·Yᵀ) | bf(Yᵀ·Y)
-    DIOND_RETURN_IF_ERROR(Bf16Product(ctx, how, gram, y, y, yf, yf, gf, ga));
-    if (widen) DIOND_RETURN_IF_ERROR(Copy(ctx, ga, gf));            // widen A (exact)
-    // AA = bf(A·A)
-    DIOND_RETURN_IF_ERROR(Bf16Product(ctx, how, plain, ga, ga, gf, gf, gf2, gaa));
+    DIOND_RETURN_IF_ERROR(Gemm(ctx, gram, y, y, ga));               // A = bf(Y·Yᵀ) | bf(Yᵀ·Y)
+    DIOND_RETURN_IF_ERROR(Gemm(ctx, plain, ga, ga, gaa));           // AA = bf(A·A)
     DIOND_RETURN_IF_ERROR(Scale(ctx, F32(k.b), ga, gb));            // bf(b·A)
     DIOND_RETURN_IF_ERROR(Scale(ctx, F32(k.c), gaa, gaa));          // bf(c·AA)
     DIOND_RETURN_IF_ERROR(Axpby(ctx, 1.0f, gb, 1.0f, gaa, gb));     // B = bf(bf(b·A) + bf(c·AA))
-    if (widen) DIOND_RETURN_IF_ERROR(Copy(ctx, gb, gf));            // widen B (exact)
     if (tall) {  // P = bf(Y·B)
-      DIOND_RETURN_IF_ERROR(Bf16Product(ctx, how, plain, y, gb, yf, gf, pf, p));
+      DIOND_RETURN_IF_ERROR(Gemm(ctx, plain, y, gb, p));
     } else {     // P = bf(B·Y)
-      DIOND_RETURN_IF_ERROR(Bf16Product(ctx, how, plain, gb, y, gf, yf, pf, p));
+      DIOND_RETURN_IF_ERROR(Gemm(ctx, plain, gb, y, p));
     }
     DIOND_RETURN_IF_ERROR(Scale(ctx, F32(k.a), y, y));              // bf(a·Y)
     DIOND_RETURN_IF_ERROR(Axpby(ctx, 1.0f, y, 1.0f, p, y));         // Y = bf(bf(a·Y) + P)
@@ -219,25 +235,41 @@ absl::Status OrthogonalizeOne(const Context& ctx, const OrthogonalizeOptions& o,
 
   // kBf16Reference: ORTH-1 Y ← bf(G) (a transposed copy for tall NS5: X.mT is a view, the
   // matmuls then read it transposed; the values are the same).
+  // ORTH-2: s = bf(‖Y‖_F); PE: d = bf(bf(s·1.02) + ε); NS5: d = bf(s + ε); Y = bf(Y / d).
+  auto denominator = [&](float norm) {
+    const float s = RoundToBf16(norm);
+    return pe ? RoundToBf16(RoundToBf16(s * 1.02f) + o.epsilon) : RoundToBf16(s + o.epsilon);
+  };
+  if (o.bf16_matmul == Bf16Matmul::kReferenceF32Gemm) {
+    DIOND_ASSIGN_OR_RETURN(Tensor yf, Tensor::Allocate(DType::kF32, {wm, wn}, &arena));
+    DIOND_ASSIGN_OR_RETURN(Tensor pf, Tensor::Allocate(DType::kF32, {wm, wn}, &arena));
+    DIOND_ASSIGN_OR_RETURN(Tensor gf, Tensor::Allocate(DType::kF32, {g, g}, &arena));
+    DIOND_ASSIGN_OR_RETURN(Tensor gf2, Tensor::Allocate(DType::kF32, {g, g}, &arena));
+    TensorView y = yf.view();
+    DIOND_RETURN_IF_ERROR(Copy(ctx, src, y));
+    DIOND_RETURN_IF_ERROR(Bf16RoundedAxpby(ctx, 0.0f, {}, 1.0f, y, y));  // bf(G)
+    float norm = 0.0f;
+    DIOND_RETURN_IF_ERROR(FrobeniusNorm(ctx, y, MakeView(&norm, {1})));
+    float d = denominator(norm);
+    DIOND_RETURN_IF_ERROR(Binary(ctx, BinaryOp::kDiv, y, MakeView(&d, {1, 1}), y));
+    DIOND_RETURN_IF_ERROR(Bf16RoundedAxpby(ctx, 0.0f, {}, 1.0f, y, y));  // bf(Y / d)
+    DIOND_RETURN_IF_ERROR(
+        Bf16F32StorageIterations(ctx, coeffs, gram_tall, y, pf.view(), gf.view(), gf2.view()));
+    ConstTensorView result = y;
+    return Copy(ctx, transpose ? result.Transposed() : result, out);  // exact (bf16 values)
+  }
   DIOND_ASSIGN_OR_RETURN(Tensor y, Tensor::Allocate(DType::kBf16, {wm, wn}, &arena));
   DIOND_ASSIGN_OR_RETURN(Tensor p, Tensor::Allocate(DType::kBf16, {wm, wn}, &arena));
   DIOND_ASSIGN_OR_RETURN(Tensor ga, Tensor::Allocate(DType::kBf16, {g, g}, &arena));
   DIOND_ASSIGN_OR_RETURN(Tensor gaa, Tensor::Allocate(DType::kBf16, {g, g}, &arena));
   DIOND_ASSIGN_OR_RETURN(Tensor gb, Tensor::Allocate(DType::kBf16, {g, g}, &arena));
-  DIOND_ASSIGN_OR_RETURN(Tensor yf, Tensor::Allocate(DType::kF32, {wm, wn}, &arena));
-  DIOND_ASSIGN_OR_RETURN(Tensor pf, Tensor::Allocate(DType::kF32, {wm, wn}, &arena));
-  DIOND_ASSIGN_OR_RETURN(Tensor gf, Tensor::Allocate(DType::kF32, {g, g}, &arena));
-  DIOND_ASSIGN_OR_RETURN(Tensor gf2, Tensor::Allocate(DType::kF32, {g, g}, &arena));
   DIOND_RETURN_IF_ERROR(Copy(ctx, src, y.view()));
-  // ORTH-2: s = bf(‖Y‖_F); PE: d = bf(bf(s·1.02) + ε); NS5: d = bf(s + ε); Y = bf(Y / d).
   float norm = 0.0f;
   DIOND_RETURN_IF_ERROR(FrobeniusNorm(ctx, y.view(), MakeView(&norm, {1})));
-  const float s = RoundToBf16(norm);
-  float d = pe ? RoundToBf16(RoundToBf16(s * 1.02f) + o.epsilon) : RoundToBf16(s + o.epsilon);
+  float d = denominator(norm);
   DIOND_RETURN_IF_ERROR(Binary(ctx, BinaryOp::kDiv, y.view(), MakeView(&d, {1, 1}), y.view()));
-  DIOND_RETURN_IF_ERROR(Bf16Iterations(ctx, o.bf16_matmul, coeffs, gram_tall, y.view(),
-                                       p.view(), ga.view(), gaa.view(), gb.view(), yf.view(),
-                                       pf.view(), gf.view(), gf2.view()));
+  DIOND_RETURN_IF_ERROR(OneDnnBf16Iterations(ctx, coeffs, gram_tall, y.view(), p.view(),
+                                             ga.view(), gaa.view(), gb.view()));
   ConstTensorView result = y.view();
   return Copy(ctx, transpose ? result.Transposed() : result, out);
 }

@@ -18,7 +18,9 @@
 //       A = bf(Y·Yᵀ); AA = bf(A·A); B = bf(bf(b·A) + bf(c·AA)); BY = bf(B·Y);
 //       Y = bf(bf(a·Y) + BY).
 //     The scaling is s = bf(‖Y‖_F) (f32 accumulation); d = bf(bf(1.02·s) + ε) (PE) or
-//     d = bf(s + ε) (NS5); Y = bf(Y / d). Matmuls use oneDNN bf16 (f32 accumulation).
+//     d = bf(s + ε) (NS5); Y = bf(Y / d). Matmuls: see Bf16Matmul. With the default
+//     kReferenceF32Gemm the matrices live in f32 storage holding bf16 values, and each rounding
+//     point above is one fused op (Bf16RoundedAxpby) after each f32 GEMM.
 //
 // Batching: a rank-3 input [batch, rows, cols] is orthogonalized matrix by matrix with the same
 // per-matrix kernel, so batched and one-by-one results are bit-identical.

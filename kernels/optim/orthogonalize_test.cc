@@ -217,6 +217,69 @@ TEST(Orthogonalize, Bf16MatmulEnginesAgree) {
   }
 }
 
+// The eager bf16 op sequence of the reference (orthogonalize.h, kBf16Reference), written out
+// with bf16 storage: every matmul the f32 OpenBLAS GEMM of exactly widened bf16 operands rounded
+// once to bf16, every elementwise step its own op rounding once. Polar Express only (NS5 differs
+// in the scaling and the transposition only).
+std::vector<float> EagerBf16PolarExpress(const Context& ctx, const std::vector<float>& g,
+                                         int64_t m, int64_t n) {
+  const bool tall = m > n;
+  const int64_t k = std::min(m, n);
+  std::vector<BFloat16> y(m * n), p(m * n), a(k * k), aa(k * k), b(k * k);
+  std::vector<float> yf(m * n), pf(m * n), af(k * k), af2(k * k);
+  auto Y = MakeView(y.data(), {m, n});
+  auto A = MakeView(a.data(), {k, k}), AA = MakeView(aa.data(), {k, k}),
+       B = MakeView(b.data(), {k, k});
+  auto Yf = MakeView(yf.data(), {m, n}), Pf = MakeView(pf.data(), {m, n});
+  auto Af = MakeView(af.data(), {k, k}), Af2 = MakeView(af2.data(), {k, k});
+  EXPECT_THAT(Copy(ctx, MakeView(g.data(), {m, n}), Y), IsOk());
+  float norm = 0.0f;
+  EXPECT_THAT(FrobeniusNorm(ctx, Y, MakeView(&norm, {1})), IsOk());
+  float d = RoundToBf16(RoundToBf16(RoundToBf16(norm) * 1.02f) + 1e-8f);
+  EXPECT_THAT(Binary(ctx, BinaryOp::kDiv, Y, MakeView(&d, {1, 1}), Y), IsOk());
+  GemmParams gram, plain;
+  gram.engine = plain.engine = Fp32GemmEngine::kOpenBlas;
+  (tall ? gram.trans_a : gram.trans_b) = Trans::kYes;
+  for (const OrthoCoefficients& c : PolarExpressCoefficients()) {
+    EXPECT_THAT(Copy(ctx, Y, Yf), IsOk());
+    EXPECT_THAT(Gemm(ctx, gram, Yf, Yf, Af), IsOk());
+    EXPECT_THAT(Copy(ctx, Af, A), IsOk());
+    EXPECT_THAT(Copy(ctx, A, Af), IsOk());
+    EXPECT_THAT(Gemm(ctx, plain, Af, Af, Af2), IsOk());
+    EXPECT_THAT(Copy(ctx, Af2, AA), IsOk());
+    EXPECT_THAT(Scale(ctx, static_cast<float>(c.b), A, B), IsOk());
+    EXPECT_THAT(Scale(ctx, static_cast<float>(c.c), AA, AA), IsOk());
+    EXPECT_THAT(Axpby(ctx, 1.0f, B, 1.0f, AA, B), IsOk());
+    EXPECT_THAT(Copy(ctx, B, Af), IsOk());
+    EXPECT_THAT(tall ? Gemm(ctx, plain, Yf, Af, Pf) : Gemm(ctx, plain, Af, Yf, Pf), IsOk());
+    EXPECT_THAT(Copy(ctx, Pf, MakeView(p.data(), {m, n})), IsOk());
+    EXPECT_THAT(Scale(ctx, static_cast<float>(c.a), Y, Y), IsOk());
+    EXPECT_THAT(Axpby(ctx, 1.0f, Y, 1.0f, MakeView(p.data(), {m, n}), Y), IsOk());
+  }
+  std::vector<float> out(m * n);
+  for (int64_t i = 0; i < m * n; ++i) out[i] = Bf16ToFloat(y[i]);
+  return out;
+}
+
+// bf16_reference keeps its matrices in f32 storage and fuses each rounding point into one op;
+// the values must stay those of the eager sequence bit for bit, on shapes whose inner
+// dimensions span several OpenBLAS K-blocks, with 2 threads.
+TEST(Orthogonalize, Bf16ReferenceIsTheEagerBf16SequenceBitForBit) {
+  auto ctx = Context::CpuDefault(2);
+  for (auto [m, n] : std::vector<std::pair<int64_t, int64_t>>{{96, 1100}, {1100, 96}, {160, 160}}) {
+    const auto g = Gaussian(m * n, 31);
+    const std::vector<float> want = EagerBf16PolarExpress(*ctx, g, m, n);
+    std::vector<float> got(m * n);
+    OrthogonalizeOptions o;
+    o.precision = OrthoPrecision::kBf16Reference;
+    ASSERT_THAT(Orthogonalize(*ctx, o, MakeView(g.data(), {m, n}), MakeView(got.data(), {m, n})),
+                IsOk());
+    int64_t differ = 0;
+    for (int64_t i = 0; i < m * n; ++i) differ += got[i] != want[i];
+    EXPECT_EQ(differ, 0) << m << "x" << n;
+  }
+}
+
 TEST(Orthogonalize, ZeroInputGivesZeroAndAliasingWorks) {
   auto ctx = Context::CpuDefault();
   std::vector<float> z(12, 0.0f);

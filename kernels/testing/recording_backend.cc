@@ -87,6 +87,9 @@ OpsBackend MakeTable() {
   Set<&OpsBackend::cautious_weight_decay>(t, "cautious_weight_decay");
   Set<&OpsBackend::adamw_step>(t, "adamw_step");
   Set<&OpsBackend::lion_step>(t, "lion_step");
+  // ortho
+  Set<&OpsBackend::add_to_diagonal>(t, "add_to_diagonal");
+  Set<&OpsBackend::bf16_rounded_axpby>(t, "bf16_rounded_axpby");
   return t;
 }
 
