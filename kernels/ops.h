@@ -71,13 +71,17 @@ enum class GramSide : uint8_t {
 absl::Status SymmetricProduct(const Context& ctx, GramSide side, float alpha, ConstTensorView a,
                               float beta, TensorView c);
 
-// bf16 symmetric product for a future fast mode (NOT used by bf16_reference, which reproduces the
-// reference's float32 GEMMs; docs/CONFORMANCE.md): C ← A·Aᵀ for A bf16 [rows, cols] (rank 2 or
-// 3), C f32 [rows, rows] (same batch). The rows are cut into blocks of `block` rows (the last may
-// be shorter); only the block pairs (i, j) with i >= j are computed, each as one bf16 GEMM
-// A_i·A_jᵀ with f32 accumulation (so every such block equals Gemm on the same block pair bit for
-// bit), then the lower triangle is mirrored onto the upper one, so C is exactly symmetric. About
-// half the FLOPs of the full GEMM (oneDNN has no bf16 SYRK). block >= 1.
+// bf16 symmetric product (the oneDNN bf16 mode of the orthogonalizers, Bf16Matmul::kOneDnnBf16;
+// NOT bf16_reference's default, which reproduces the reference's float32 GEMMs,
+// docs/CONFORMANCE.md): C ← A·Aᵀ for A bf16 [rows, cols] (rank 2 or 3), C f32 [rows, rows]
+// (same batch). The rows are cut into panels of `block` rows (the last may be shorter); panel p
+// (rows i0..i0+r) gets only its part of the lower block triangle, C[i0:i0+r, 0:i0+r], as the
+// transpose of one bf16 GEMM A[0:i0+r]·A[i0:i0+r]ᵀ with f32 accumulation (bit for bit Gemm of
+// the same operands into a dense [i0+r, r] f32 matrix), then the lower triangle is mirrored onto
+// the upper one, so C is exactly symmetric. (nb + 1) / (2·nb) of the full GEMM's FLOPs for nb
+// panels (oneDNN has no bf16 SYRK), but measured no faster than the full bf16 GEMM on the
+// target machine (docs/BENCHMARKS.md), so the orthogonalizers do not use it.
+// Scratch: one [block, rows] f32 panel from ctx.scratch(). block >= 1.
 absl::Status SymmetricProductBf16(const Context& ctx, ConstTensorView a, int64_t block,
                                   TensorView c);
 

@@ -103,7 +103,9 @@ absl::Status Gemm(const Context& ctx, const GemmParams& p, ConstTensorView a, Co
 }
 
 // Copies the lower triangle of the n×n matrix at c (row stride ldc) onto the upper one, in
-// 64×64 tiles so that both the read and the write side stay in cache.
+// 64×64 tiles so that both the read and the write side stay in cache. Serial on purpose: it runs
+// between OpenBLAS calls, and an OpenMP region there measured slower (the two thread pools then
+// compete for the cores, context.h threading policy).
 void MirrorLowerToUpper(float* c, int64_t n, int64_t ldc) {
   constexpr int64_t kTile = 64;
   for (int64_t ib = 0; ib < n; ib += kTile) {
@@ -140,23 +142,33 @@ absl::Status SymmetricProduct(const Context& ctx, GramSide side, float alpha, Co
   return absl::OkStatus();
 }
 
+// Panel by panel (ops.h). Measured on the target machine (bench/symmetric_bench.cc, under
+// load): oneDNN 2.6 ran the earlier block-pair version, whose GEMMs wrote a block of C in place
+// (a destination row stride larger than its width), on its generic gemm:jit kernel at ~5
+// GFLOP/s; with a dense destination it picks brg:avx512_core_bf16. Even so, the panels' 5/8 to
+// 2/3 of the FLOPs take about as long as the full GEMM at 1 thread (768²: 1.1-1.2x, 768×3072:
+// 0.9-1.0x, 2048²: 1.1-1.3x): the smaller GEMMs run at lower efficiency.
 absl::Status SymmetricProductBf16(const Context& ctx, ConstTensorView a, int64_t block,
                                   TensorView c) {
   cpu::ApplyThreadPolicy(ctx);
   const int64_t n = a.Rows();
   if (n == 0 || c.Batch() == 0) return absl::OkStatus();
+  block = std::min(block, n);
   GemmParams p;
   p.trans_b = Trans::kYes;
+  ScratchArena::Scope scope(ctx.scratch());
+  DIOND_ASSIGN_OR_RETURN(Tensor panel, Tensor::Allocate(DType::kF32, {block * n}, &ctx.scratch()));
   for (int64_t bi = 0; bi < c.Batch(); ++bi) {
     ConstTensorView am = a.Matrix(bi);
     TensorView cm = c.Matrix(bi);
     for (int64_t i0 = 0; i0 < n; i0 += block) {
-      const int64_t ri = std::min(block, n - i0);
-      for (int64_t j0 = 0; j0 <= i0; j0 += block) {  // lower block triangle only
-        const int64_t rj = std::min(block, n - j0);
-        DIOND_RETURN_IF_ERROR(cpu::Gemm(ctx, p, am.RowRange(i0, ri), am.RowRange(j0, rj),
-                                        cm.RowRange(i0, ri).ColRange(j0, rj)));
-      }
+      const int64_t r = std::min(block, n - i0), e = i0 + r;
+      // P = A[0:e]·A[i0:e]ᵀ (e×r): its transpose is C[i0:e, 0:e]. The small operand is the
+      // GEMM's weights, which oneDNN packs on every call.
+      TensorView pv = MakeView(panel.As<float>(), {e, r});
+      DIOND_RETURN_IF_ERROR(cpu::Gemm(ctx, p, am.RowRange(0, e), am.RowRange(i0, r), pv));
+      DIOND_RETURN_IF_ERROR(
+          cpu::Copy(ctx, ConstTensorView(pv).Transposed(), cm.RowRange(i0, r).ColRange(0, e)));
     }
     const int64_t ldc = cm.layout().RowStride();
     MirrorLowerToUpper(static_cast<float*>(cm.data()), n, ldc);
