@@ -14,6 +14,8 @@
 #define DIOND_KERNELS_ELEMENTWISE_MATH_H_
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 
 #if defined(__CUDACC__)
 #define DIOND_HD __host__ __device__ __forceinline__
@@ -88,6 +90,27 @@ DIOND_HD void LionElement(const LionScalars& s, float g, float& x, float& m) {
 // ---- Cautious weight decay: decay only where x and the update direction agree in sign --------
 DIOND_HD float CautiousDecayElement(float decay, float x, float direction) {
   return x * direction >= 0.0f ? x - decay * x : x;
+}
+
+// ---- cuda: the order of TopK / TopKByL1Norm (ops.h), for the CPU and the CUDA radix sort -------
+// TopK ranks larger scores first, equal scores by lower index first, NaN below every number
+// (and -0 equal to +0). TopKOrderKey maps a score to an unsigned key whose descending order is
+// that score order with the ties intact: NaN → 0 (below -Inf's key), ±0 → one key, and otherwise
+// the IEEE bits flipped so that unsigned comparison orders like the floats. The CUDA backend
+// sorts (key, index) pairs with CUB's stable descending radix sort over indices given in
+// ascending order, which keeps lower indices first among equal keys: TopKBefore is that order.
+DIOND_HD uint32_t TopKOrderKey(float score) {
+  if (score != score) return 0u;
+  if (score == 0.0f) score = 0.0f;  // -0 → +0
+  uint32_t u;
+  memcpy(&u, &score, sizeof(u));
+  return (u & 0x80000000u) != 0u ? ~u : (u | 0x80000000u);
+}
+
+// True when (score_a at index_a) ranks before (score_b at index_b).
+DIOND_HD bool TopKBefore(float score_a, int64_t index_a, float score_b, int64_t index_b) {
+  const uint32_t ka = TopKOrderKey(score_a), kb = TopKOrderKey(score_b);
+  return ka != kb ? ka > kb : index_a < index_b;
 }
 
 }  // namespace diond::kernels::math
