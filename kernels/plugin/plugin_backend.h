@@ -38,7 +38,7 @@ absl::Status RegisterPluginOps(DeviceType type, const DiondOpsApiV1* ops);
 // for kCuda when it has them (ABI minor >= 2) and at least one device exists. FAILED_PRECONDITION
 // naming the reason otherwise. NOT called by the daemon yet: device sessions (state and staging
 // in device memory) must exist first, or a session would hand host pointers to GPU kernels
-// (docs/GPU.md, "What remains to wire").
+// (docs/GPU.md, "What remains").
 absl::Status RegisterCudaOps(const std::string& plugin_path);
 
 // Per-session device objects through the same table (kCuda or kTest): a stream, and the pool's
