@@ -9,9 +9,9 @@
 // error, FAILED_PRECONDITION for a rank-deficient factorization, RESOURCE_EXHAUSTED for memory).
 //
 // Backends: kernels/cpu (registered for DeviceType::kCpu by the diond::ops target) and, for
-// tests only, kernels/testing (DeviceType::kTest). The CUDA backend of issue 11 lives in
-// libdiond_cuda.so behind the plugin's versioned C ABI (kernels/cuda/plugin_api.h); a host-side
-// adapter fills this table from that C table (docs/KERNELS.md §7).
+// tests only, kernels/testing (DeviceType::kTest). The CUDA backend lives in libdiond_cuda.so
+// behind the plugin's versioned C ABI (kernels/cuda/plugin_api.h, DiondOpsApiV1); the adapter in
+// kernels/plugin fills this table from that C table (docs/KERNELS.md §7, docs/GPU.md).
 //
 // Code above the kernels (kernels/optim, server/) includes ops.h and context.h, never this file's
 // implementations: tests/layering_test.sh enforces that no backend header is included there.
@@ -102,7 +102,9 @@ const OpsBackend* FindOpsBackend(DeviceType type);
 
 // The device whose backend runs the ops for the device the daemon selected: the selected device
 // itself when this build has an ops backend registered for it, else the CPU. Today that is the
-// CPU for every GPU (the CUDA backend of issue 11 does not exist yet), so steps run on the CPU.
+// CPU for every GPU: the CUDA backend is registered only by RegisterCudaOps
+// (kernels/plugin/plugin_backend.h), which the daemon does not call until device sessions exist
+// (docs/GPU.md), so steps run on the CPU.
 Device ComputeDevice(const SelectedDevice& selected);
 
 // Test-only: removes the registration for `type` (so a test can register its own table).

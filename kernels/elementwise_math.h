@@ -97,13 +97,13 @@ DIOND_HD float CautiousDecayElement(float decay, float x, float direction) {
 // a (quiet) NaN: bit for bit what FloatToBf16 followed by Bf16ToFloat (kernels/tensor.h) give.
 DIOND_HD float RoundToBf16Precision(float f) {
   uint32_t u;
-  std::memcpy(&u, &f, 4);
+  memcpy(&u, &f, 4);
   const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
   const uint32_t quiet_nan = (u & 0xffff0000u) | 0x00400000u;
   const bool is_nan = (u & 0x7fffffffu) > 0x7f800000u;
   const uint32_t r = is_nan ? quiet_nan : rounded;
   float out;
-  std::memcpy(&out, &r, 4);
+  memcpy(&out, &r, 4);
   return out;
 }
 
@@ -112,6 +112,119 @@ DIOND_HD float RoundToBf16Precision(float f) {
 DIOND_HD float Bf16RoundedAxpbyElement(float alpha, float x, float beta, float y, bool with_x) {
   const float ry = RoundToBf16Precision(beta * RoundToBf16Precision(y));
   return with_x ? RoundToBf16Precision(RoundToBf16Precision(alpha * x) + ry) : ry;
+}
+
+// ---- cuda: the order of TopK / TopKByL1Norm (ops.h), for the CPU and the CUDA radix sort -------
+// TopK ranks larger scores first, equal scores by lower index first, NaN below every number
+// (and -0 equal to +0). TopKOrderKey maps a score to an unsigned key whose descending order is
+// that score order with the ties intact: NaN → 0 (below -Inf's key), ±0 → one key, and otherwise
+// the IEEE bits flipped so that unsigned comparison orders like the floats. The CUDA backend
+// sorts (key, index) pairs with CUB's stable descending radix sort over indices given in
+// ascending order, which keeps lower indices first among equal keys: TopKBefore is that order.
+DIOND_HD uint32_t TopKOrderKey(float score) {
+  if (score != score) return 0u;
+  if (score == 0.0f) score = 0.0f;  // -0 → +0
+  uint32_t u;
+  memcpy(&u, &score, sizeof(u));
+  return (u & 0x80000000u) != 0u ? ~u : (u | 0x80000000u);
+}
+
+// True when (score_a at index_a) ranks before (score_b at index_b).
+DIOND_HD bool TopKBefore(float score_a, int64_t index_a, float score_b, int64_t index_b) {
+  const uint32_t ka = TopKOrderKey(score_a), kb = TopKOrderKey(score_b);
+  return ka != kb ? ka > kb : index_a < index_b;
+}
+
+// ---- cuda: storage conversions and the per-element math of Unary / Binary, shared with the GPU --
+// bf16 <-> f32 exactly as kernels/tensor.h's FloatToBf16 / Bf16ToFloat (RNE; NaN kept quiet with
+// its sign; overflow to ±Inf), on 16-bit patterns so that device code needs no tensor.h.
+DIOND_HD uint16_t Bf16BitsFromFloat(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof(u));
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t quiet_nan = (u >> 16) | 0x40u;
+  const bool is_nan = (u & 0x7fffffffu) > 0x7f800000u;
+  return static_cast<uint16_t>(is_nan ? quiet_nan : rounded);
+}
+DIOND_HD float FloatFromBf16Bits(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// Op codes: the values of kernels::UnaryOp / BinaryOp (static_assert'ed in kernels/plugin_backend.cc).
+enum : int {
+  kUnarySign = 0, kUnaryAbs = 1, kUnarySqrt = 2, kUnarySquare = 3, kUnaryNeg = 4,
+  kUnaryNanToNum = 5,
+};
+enum : int { kBinaryAdd = 0, kBinarySub = 1, kBinaryMul = 2, kBinaryDiv = 3, kBinaryMax = 4,
+             kBinaryMin = 5 };
+
+DIOND_HD float QuietNan() {
+  const uint32_t u = 0x7fc00000u;
+  float f;
+  memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// ops.h Unary: sign(±0) = sign(NaN) = 0; nan_to_num maps NaN → 0, ±Inf → ±FLT_MAX.
+DIOND_HD float UnaryElement(int op, float v) {
+  switch (op) {
+    case kUnarySign: return Sign(v);
+    case kUnaryAbs: return fabsf(v);
+    case kUnarySqrt: return sqrtf(v);
+    case kUnarySquare: return v * v;
+    case kUnaryNeg: return -v;
+    default: {  // kUnaryNanToNum
+      const float big = 3.40282347e+38f;  // FLT_MAX
+      return v != v ? 0.0f : (fabsf(v) == INFINITY ? (v > 0.0f ? big : -big) : v);
+    }
+  }
+}
+
+// ops.h Binary: max/min propagate NaN (torch.maximum / torch.minimum).
+DIOND_HD float BinaryElement(int op, float a, float b) {
+  switch (op) {
+    case kBinaryAdd: return a + b;
+    case kBinarySub: return a - b;
+    case kBinaryMul: return a * b;
+    case kBinaryDiv: return a / b;
+    case kBinaryMax: return (a != a || b != b) ? QuietNan() : (a > b ? a : b);
+    default: return (a != a || b != b) ? QuietNan() : (a < b ? a : b);  // kBinaryMin
+  }
+}
+
+// The per-call scalars of AdamW / Lion, formed on the host exactly as kernels/cpu/fused.cc forms
+// them (double arithmetic on the f32 hyperparameters for AdamW, f32 for Lion), so that a device
+// backend gets the same bits; tested against the CPU AdamWStep / LionStep.
+inline AdamWScalars MakeAdamWScalars(float lr_f, float beta1, float beta2, float epsilon,
+                                     float weight_decay, int64_t step, bool cautious) {
+  const double lr = lr_f, wd = weight_decay, b1 = beta1, b2 = beta2;
+  const double bc1 = 1.0 - std::pow(b1, static_cast<double>(step));
+  const double bc2 = 1.0 - std::pow(b2, static_cast<double>(step));
+  AdamWScalars s;
+  s.decay = static_cast<float>(1.0 - lr * wd);
+  s.lr_wd = static_cast<float>(lr * wd);
+  s.one_minus_b1 = static_cast<float>(1.0 - b1);
+  s.one_minus_b2 = static_cast<float>(1.0 - b2);
+  s.beta2 = beta2;
+  s.step_size = static_cast<float>(-lr / bc1);
+  s.sqrt_bc2 = static_cast<float>(std::sqrt(bc2));
+  s.eps = epsilon;
+  s.cautious = cautious;
+  return s;
+}
+inline LionScalars MakeLionScalars(float lr, float beta1, float beta2, float weight_decay,
+                                   bool cautious) {
+  LionScalars s;
+  s.w1 = 1.0f - beta1;
+  s.w2 = 1.0f - beta2;
+  s.lr_wd = lr * weight_decay;
+  s.decay = 1.0f - s.lr_wd;
+  s.lr = lr;
+  s.cautious = cautious;
+  return s;
 }
 
 }  // namespace diond::kernels::math

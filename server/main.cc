@@ -31,8 +31,9 @@ ABSL_FLAG(std::string, metrics_address, "127.0.0.1:9464",
           "disables it.");
 ABSL_FLAG(std::string, device, "auto",
           "Compute device: auto (first GPU if the CUDA plugin loads and a GPU is present, else "
-          "the CPU), cpu, cuda or cuda:N. Until the CUDA ops backend exists, steps run on the "
-          "CPU on every device (the start-up line and diond_build_info's compute_device say so).");
+          "the CPU), cpu, cuda or cuda:N. Until device sessions exist (docs/GPU.md), steps run "
+          "on the CPU on every device (the start-up line and diond_build_info's compute_device "
+          "say so).");
 ABSL_FLAG(std::string, cuda_plugin, "",
           "Path of libdiond_cuda.so; empty = next to the diond binary, then the loader path.");
 ABSL_FLAG(std::string, log_level, "info", "Log threshold: debug, info, warning or error.");

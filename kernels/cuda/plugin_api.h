@@ -14,7 +14,7 @@ extern "C" {
 #endif
 
 #define DIOND_CUDA_PLUGIN_ABI_MAJOR 1
-#define DIOND_CUDA_PLUGIN_ABI_MINOR 1
+#define DIOND_CUDA_PLUGIN_ABI_MINOR 2
 #define DIOND_CUDA_PLUGIN_ENTRY "diond_cuda_plugin_v1"
 
 // ---- NCCL communicators (ABI minor >= 1) ------------------------------------------------------
@@ -57,6 +57,116 @@ typedef struct DiondNcclApiV1 {
                       size_t err_len);
 } DiondNcclApiV1;
 
+// ---- the ops backend (ABI minor >= 2) ---------------------------------------------------------
+// One entry per entry of the C++ OpsBackend table (kernels/backend.h), in the same order, with
+// plain C arguments. kernels/plugin_backend.h adapts this table to an OpsBackend. The host side
+// has validated every argument (kernels/ops.h) before an entry runs: an entry reports only its
+// own failures, as one of the codes below with a message in call->err.
+//
+// Adding an op (docs/GPU.md): append its entry at the END of DiondOpsApiV1 (never reorder),
+// bump DIOND_OPS_API_VERSION, and append the adapter's forwarding function.
+#define DIOND_OPS_API_VERSION 2
+enum {
+  DIOND_OPS_OK = 0,
+  DIOND_OPS_INTERNAL = -1,             // a library/kernel failure (absl INTERNAL)
+  DIOND_OPS_FAILED_PRECONDITION = -2,  // e.g. a rank-deficient factorization
+  DIOND_OPS_RESOURCE_EXHAUSTED = -3,   // out of device memory
+};
+// Dtype codes: the values of kernels::DType (static_assert'ed by the adapter).
+enum { DIOND_DT_F32 = 0, DIOND_DT_BF16 = 1, DIOND_DT_F16 = 2 };
+
+// A tensor view: element strides, rank 0..3, device memory of call->device.
+typedef struct DiondTensor {
+  void* data;  // NULL with rank 0: "no tensor" (an optional output not requested)
+  int32_t dtype;
+  int32_t rank;
+  int64_t dims[3];
+  int64_t strides[3];
+} DiondTensor;
+
+// Per call: the device, the stream the work is queued on (NULL: the device's default stream),
+// and where a failure's message goes.
+typedef struct DiondOpsCall {
+  int device;
+  void* stream;
+  char* err;
+  size_t err_len;
+} DiondOpsCall;
+
+typedef struct DiondGemmArgs {
+  int32_t trans_a;  // 0 or 1
+  int32_t trans_b;
+  float alpha;
+  float beta;
+} DiondGemmArgs;
+
+// AdamW / Lion per-call scalars: the fields of kernels::math::AdamWScalars / LionScalars, formed
+// on the host by math::MakeAdamWScalars / MakeLionScalars (kernels/elementwise_math.h).
+typedef struct DiondAdamWScalars {
+  float decay, lr_wd, one_minus_b1, one_minus_b2, beta2, step_size, sqrt_bc2, eps;
+  int32_t cautious;
+} DiondAdamWScalars;
+typedef struct DiondLionScalars {
+  float w1, w2, lr_wd, decay, lr;
+  int32_t cautious;
+} DiondLionScalars;
+
+typedef const DiondTensor* DiondIn;
+typedef const DiondTensor* DiondOut;  // the tensor's memory is written; the record is not
+
+typedef struct DiondOpsApiV1 {
+  uint32_t version;  // DIOND_OPS_API_VERSION of the plugin
+  const char* name;  // "cuda", "host-test (TEST BACKEND)"
+  // ---- memory: a stream-ordered pool per device ----
+  int (*allocate)(const DiondOpsCall* call, size_t bytes, void** ptr);
+  void (*deallocate)(int device, void* stream, void* ptr, size_t bytes);
+  // Host <-> device copies, synchronous for the caller (queued on the stream, then waited for).
+  int (*copy_from_host)(const DiondOpsCall* call, const void* host, void* dst, size_t bytes);
+  int (*copy_to_host)(const DiondOpsCall* call, const void* src, void* host, size_t bytes);
+  // Streams (one per session), and waiting for one.
+  int (*stream_create)(const DiondOpsCall* call, void** stream);
+  void (*stream_destroy)(int device, void* stream);
+  int (*stream_synchronize)(const DiondOpsCall* call);
+  // Pool accounting of `device`: bytes handed out and not freed, and the high-water mark.
+  int (*memory_stats)(const DiondOpsCall* call, uint64_t* in_use, uint64_t* peak);
+  // ---- ops (kernels/ops.h; axis: 0 rows, 1 cols; norm: 0 L1, 1 L2, 2 sum of squares) ----
+  int (*gemm)(const DiondOpsCall*, const DiondGemmArgs*, DiondIn a, DiondIn b, DiondOut c);
+  int (*symmetric_product)(const DiondOpsCall*, int32_t aat, float alpha, DiondIn a, float beta,
+                           DiondOut c);
+  int (*symmetric_product_bf16)(const DiondOpsCall*, DiondIn a, int64_t block, DiondOut c);
+  int (*thin_qr)(const DiondOpsCall*, DiondIn a, DiondOut q, DiondOut r);
+  int (*cholesky_qr)(const DiondOpsCall*, DiondIn a, DiondOut q, DiondOut r);
+  int (*randomized_cholesky_qr)(const DiondOpsCall*, DiondIn a, DiondIn sketch, DiondOut q);
+  int (*frobenius_norm)(const DiondOpsCall*, DiondIn a, DiondOut out);
+  int (*axis_norms)(const DiondOpsCall*, DiondIn a, int32_t axis, int32_t norm, DiondOut out);
+  // Indices are host memory (k of them): a sync point.
+  int (*top_k)(const DiondOpsCall*, DiondIn scores, int64_t k, int64_t* indices);
+  int (*top_k_by_l1_norm)(const DiondOpsCall*, DiondIn a, int32_t axis, int64_t k,
+                          int64_t* indices, DiondOut scores_out);
+  int (*is_all_zero)(const DiondOpsCall*, DiondIn a, int32_t* all_zero);  // a sync point
+  // Indices are host memory (count of them).
+  int (*gather)(const DiondOpsCall*, DiondIn a, int32_t axis, const int64_t* indices,
+                int64_t count, DiondOut out);
+  int (*scatter)(const DiondOpsCall*, DiondIn src, int32_t axis, const int64_t* indices,
+                 int64_t count, float alpha, float beta, DiondOut dst);
+  int (*copy)(const DiondOpsCall*, DiondIn src, DiondOut dst);
+  int (*fill)(const DiondOpsCall*, float value, DiondOut dst);
+  int (*axpby)(const DiondOpsCall*, float alpha, DiondIn x, float beta, DiondIn y, DiondOut out);
+  int (*add_scalar)(const DiondOpsCall*, float alpha, DiondIn x, float beta, DiondOut out);
+  int (*lerp)(const DiondOpsCall*, DiondIn start, DiondIn end, float weight, DiondOut out);
+  int (*unary)(const DiondOpsCall*, int32_t op, DiondIn x, DiondOut out);   // math::kUnary*
+  int (*binary)(const DiondOpsCall*, int32_t op, DiondIn x, DiondIn y, DiondOut out);
+  int (*cautious_weight_decay)(const DiondOpsCall*, float decay, DiondIn direction, DiondOut x);
+  int (*adamw_step)(const DiondOpsCall*, const DiondAdamWScalars*, DiondIn grad, DiondOut x,
+                    DiondOut m, DiondOut v);
+  int (*lion_step)(const DiondOpsCall*, const DiondLionScalars*, DiondIn grad, DiondOut x,
+                   DiondOut m);
+  // ---- ops API version 2: the orthogonalizers' ops (ops.h, ortho block) ----
+  int (*add_to_diagonal)(const DiondOpsCall*, float value, DiondOut a);
+  int (*bf16_rounded_axpby)(const DiondOpsCall*, float alpha, DiondIn x, float beta, DiondIn y,
+                            DiondOut out);
+} DiondOpsApiV1;
+
 typedef struct DiondCudaPluginV1 {
   uint32_t abi_major;
   uint32_t abi_minor;
@@ -68,6 +178,8 @@ typedef struct DiondCudaPluginV1 {
   void (*versions)(char* out, size_t out_len);
   // ABI minor >= 1: NCCL communicators. Check abi_minor before reading.
   const DiondNcclApiV1* nccl;
+  // ABI minor >= 2: the ops backend (kernels/cuda/ops_*.cu). Check abi_minor before reading.
+  const DiondOpsApiV1* ops;
 } DiondCudaPluginV1;
 
 typedef const DiondCudaPluginV1* (*DiondCudaPluginEntryFn)(void);

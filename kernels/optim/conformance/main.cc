@@ -1,6 +1,7 @@
 // diond-conformance: replays microsoft/dion conformance vectors through GroupOptimizer.
 //
-//   diond-conformance [--mode fp32|bf16_reference|both] [--threads N] FILE_OR_FOLDER...
+//   diond-conformance [--mode fp32|bf16_reference|both] [--threads N] [--device cpu|cuda:N]
+//                     [--cuda_plugin PATH] FILE_OR_FOLDER...
 //
 // Prints one line per case (measured error / tolerance for every check) and finally the line
 // "N passed, M failed". Exit status 0 iff every case passed. See runner.h for what "pass" means.
@@ -12,14 +13,22 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "kernels/context.h"
+#include "kernels/device.h"
+#include "kernels/plugin/plugin_backend.h"
 #include "kernels/optim/conformance/runner.h"
 
 ABSL_FLAG(std::string, mode, "both", "precision mode: fp32, bf16_reference or both");
 ABSL_FLAG(int, threads, 0, "CPU threads (0: all cores)");
+ABSL_FLAG(std::string, device, "cpu",
+          "where the rules run: cpu, or cuda:N through the CUDA plugin's ops backend (exit 2 "
+          "with the reason when there is no plugin or GPU; docs/GPU.md)");
+ABSL_FLAG(std::string, cuda_plugin, "",
+          "path of libdiond_cuda.so (default: next to this executable, then the loader's path)");
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "diond-conformance [--mode fp32|bf16_reference|both] FILE_OR_FOLDER...");
+      "diond-conformance [--mode fp32|bf16_reference|both] [--device cpu|cuda:N] "
+      "FILE_OR_FOLDER...");
   std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
   std::vector<std::string> paths(positional.begin() + 1, positional.end());
   if (paths.empty()) {
@@ -31,7 +40,38 @@ int main(int argc, char** argv) {
     std::cerr << mode.status().message() << "\n";
     return 2;
   }
-  auto ctx = diond::kernels::Context::CpuDefault(absl::GetFlag(FLAGS_threads));
-  const int failed = diond::optim::conformance::RunAll(*ctx, paths, *mode, std::cout);
+  auto device = diond::kernels::ParseDeviceRequest(absl::GetFlag(FLAGS_device));
+  if (!device.ok() || device->mode == diond::kernels::DeviceRequest::Mode::kAuto) {
+    std::cerr << "diond-conformance: --device must be cpu or cuda:N\n";
+    return 2;
+  }
+  if (device->mode == diond::kernels::DeviceRequest::Mode::kCpu) {
+    auto ctx = diond::kernels::Context::CpuDefault(absl::GetFlag(FLAGS_threads));
+    return diond::optim::conformance::RunAll(*ctx, paths, *mode, std::cout) == 0 ? 0 : 1;
+  }
+  const absl::Status registered =
+      diond::kernels::RegisterCudaOps(absl::GetFlag(FLAGS_cuda_plugin));
+  if (!registered.ok()) {
+    std::cerr << "diond-conformance: --device " << absl::GetFlag(FLAGS_device) << ": "
+              << registered.message() << "\n";
+    return 2;
+  }
+  const diond::kernels::Device dev{diond::kernels::DeviceType::kCuda, device->cuda_index};
+  auto stream = diond::kernels::CreateDeviceStream(dev);
+  if (!stream.ok()) {
+    std::cerr << "diond-conformance: " << stream.status().message() << "\n";
+    return 2;
+  }
+  diond::kernels::ContextOptions o;
+  o.device = dev;
+  o.stream = *stream;
+  auto ctx = diond::kernels::Context::Create(o);
+  if (!ctx.ok()) {
+    std::cerr << "diond-conformance: " << ctx.status().message() << "\n";
+    return 2;
+  }
+  const int failed = diond::optim::conformance::RunAll(**ctx, paths, *mode, std::cout);
+  ctx->reset();
+  diond::kernels::DestroyDeviceStream(dev, *stream);
   return failed == 0 ? 0 : 1;
 }

@@ -1,0 +1,195 @@
+// Shared pieces of the CUDA ops backend (kernels/cuda/ops_*.cu): error reporting in the C ABI's
+// style, typed element access, per-thread library handles, stream-ordered scratch, and the
+// generic elementwise launcher. Internal to the plugin.
+#ifndef DIOND_KERNELS_CUDA_OPS_COMMON_CUH_
+#define DIOND_KERNELS_CUDA_OPS_COMMON_CUH_
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime_api.h>
+#include <cusolverDn.h>
+
+#include <cstdarg>
+#include <cstdint>
+#include <cstdio>
+
+#include "kernels/cuda/call_descriptors.h"
+#include "kernels/cuda/plugin_api.h"
+#include "kernels/elementwise_math.h"
+
+namespace diond::cuda {
+
+// Writes a printf-style message into call->err and returns `code`.
+int Fail(const DiondOpsCall* call, int code, const char* fmt, ...);
+
+inline cudaStream_t StreamOf(const DiondOpsCall* call) {
+  return static_cast<cudaStream_t>(call->stream);
+}
+
+#define DIOND_CU(op, expr)                                                                  \
+  do {                                                                                      \
+    const cudaError_t e_ = (expr);                                                          \
+    if (e_ != cudaSuccess) {                                                                \
+      return ::diond::cuda::Fail(call,                                                      \
+                                 e_ == cudaErrorMemoryAllocation ? DIOND_OPS_RESOURCE_EXHAUSTED \
+                                                                 : DIOND_OPS_INTERNAL,      \
+                                 "%s: %s failed: %s", op, #expr, cudaGetErrorString(e_));   \
+    }                                                                                       \
+  } while (0)
+#define DIOND_CUBLAS(op, expr)                                                              \
+  do {                                                                                      \
+    const cublasStatus_t s_ = (expr);                                                       \
+    if (s_ != CUBLAS_STATUS_SUCCESS) {                                                      \
+      return ::diond::cuda::Fail(call, DIOND_OPS_INTERNAL, "%s: %s failed: %s", op, #expr,  \
+                                 cublasGetStatusString(s_));                                \
+    }                                                                                       \
+  } while (0)
+#define DIOND_CUSOLVER(op, expr)                                                            \
+  do {                                                                                      \
+    const cusolverStatus_t s_ = (expr);                                                     \
+    if (s_ != CUSOLVER_STATUS_SUCCESS) {                                                    \
+      return ::diond::cuda::Fail(call, DIOND_OPS_INTERNAL, "%s: %s failed: status %d", op,  \
+                                 #expr, static_cast<int>(s_));                              \
+    }                                                                                       \
+  } while (0)
+#define DIOND_RC(expr)                  \
+  do {                                  \
+    const int rc_ = (expr);             \
+    if (rc_ != DIOND_OPS_OK) return rc_; \
+  } while (0)
+
+// Sets the call's device current (every entry starts with it).
+int UseDevice(const DiondOpsCall* call, const char* op);
+
+// The calling thread's cuBLAS / cuSOLVER handles for call->device, bound to call->stream.
+// cuBLAS runs in CUBLAS_DEFAULT_MATH (no TF32: fp32 GEMMs compute in true fp32).
+int Blas(const DiondOpsCall* call, const char* op, cublasHandle_t* h);
+int Solver(const DiondOpsCall* call, const char* op, cusolverDnHandle_t* h);
+
+// Stream-ordered scratch from the device's pool, freed (stream-ordered) when it goes out of
+// scope. Counted in the pool accounting like any allocation.
+class Scratch {
+ public:
+  Scratch() = default;
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  ~Scratch();
+  int Allocate(const DiondOpsCall* call, const char* op, size_t bytes);
+  template <typename T>
+  T* As() const {
+    return static_cast<T*>(p_);
+  }
+
+ private:
+  void* p_ = nullptr;
+  size_t bytes_ = 0;
+  int device_ = 0;
+  cudaStream_t stream_ = nullptr;
+};
+
+// Pool accounting (ops_memory.cu).
+void CountAllocation(int device, size_t bytes);
+void CountFree(int device, size_t bytes);
+
+// ---- element access -------------------------------------------------------------------------
+
+__device__ __forceinline__ float LoadAs(const void* p, int dtype, int64_t i) {
+  if (dtype == DIOND_DT_F32) return static_cast<const float*>(p)[i];
+  if (dtype == DIOND_DT_BF16) {
+    return kernels::math::FloatFromBf16Bits(static_cast<const uint16_t*>(p)[i]);
+  }
+  return __half2float(static_cast<const __half*>(p)[i]);
+}
+__device__ __forceinline__ void StoreAs(void* p, int dtype, int64_t i, float v) {
+  if (dtype == DIOND_DT_F32) {
+    static_cast<float*>(p)[i] = v;
+  } else if (dtype == DIOND_DT_BF16) {
+    static_cast<uint16_t*>(p)[i] = kernels::math::Bf16BitsFromFloat(v);
+  } else {
+    static_cast<__half*>(p)[i] = __float2half_rn(v);
+  }
+}
+
+inline size_t DtypeBytes(int dtype) { return dtype == DIOND_DT_F32 ? 4 : 2; }
+
+inline int64_t NumElements(const DiondTensor& t) {
+  int64_t n = 1;
+  for (int i = 0; i < t.rank; ++i) n *= t.dims[i];
+  return n;
+}
+
+// A view as `batch` matrices rows×cols with element strides (rank 0: 1×1, rank 1: 1×n).
+struct Mat3 {
+  void* p;
+  int dtype;
+  int64_t batch, rows, cols;
+  int64_t bs, rs, cs;
+};
+inline Mat3 AsMat3(const DiondTensor& t) {
+  Mat3 m{t.data, t.dtype, 1, 1, 1, 0, 0, 0};
+  if (t.rank == 1) {
+    m.cols = t.dims[0];
+    m.cs = t.strides[0];
+    m.rs = m.cols * m.cs;
+  } else if (t.rank == 2) {
+    m.rows = t.dims[0];
+    m.cols = t.dims[1];
+    m.rs = t.strides[0];
+    m.cs = t.strides[1];
+  } else if (t.rank == 3) {
+    m.batch = t.dims[0];
+    m.rows = t.dims[1];
+    m.cols = t.dims[2];
+    m.bs = t.strides[0];
+    m.rs = t.strides[1];
+    m.cs = t.strides[2];
+  }
+  return m;
+}
+// The descriptor's view of a row-major operand (unit column stride assumed, as ops.h requires).
+inline cuda_calls::RowMajor AsRowMajor(const DiondTensor& t) {
+  const Mat3 m = AsMat3(t);
+  cuda_calls::RowMajor r;
+  r.rows = m.rows;
+  r.cols = m.cols;
+  r.row_stride = m.rs;
+  r.batch = m.batch;
+  r.batch_stride = m.bs;
+  return r;
+}
+inline bool Absent(const DiondTensor* t) { return t == nullptr || t->data == nullptr; }
+
+// ---- the generic elementwise launcher -------------------------------------------------------
+// Launch(call, op, n, f) runs f(i) for i in [0, n) on call->stream; f is a __device__ lambda
+// (nvcc --extended-lambda). Adding an elementwise op is one Launch around the op's per-element
+// function of kernels/elementwise_math.h (docs/GPU.md).
+template <typename F>
+__global__ void MapKernel(int64_t n, F f) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    f(i);
+  }
+}
+constexpr int kThreads = 256;
+inline unsigned GridFor(int64_t n) {
+  const int64_t blocks = (n + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(blocks < 65536 * 8 ? blocks : 65536 * 8);
+}
+template <typename F>
+int Launch(const DiondOpsCall* call, const char* op, int64_t n, F f) {
+  if (n <= 0) return DIOND_OPS_OK;
+  MapKernel<<<GridFor(n), kThreads, 0, StreamOf(call)>>>(n, f);
+  DIOND_CU(op, cudaGetLastError());
+  return DIOND_OPS_OK;
+}
+
+// Sync point: waits for call->stream.
+inline int Sync(const DiondOpsCall* call, const char* op) {
+  DIOND_CU(op, cudaStreamSynchronize(StreamOf(call)));
+  return DIOND_OPS_OK;
+}
+
+}  // namespace diond::cuda
+
+#endif  // DIOND_KERNELS_CUDA_OPS_COMMON_CUH_

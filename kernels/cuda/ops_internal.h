@@ -1,0 +1,65 @@
+// The entries of the CUDA plugin's ops table (DiondOpsApiV1), defined in kernels/cuda/ops_*.cu and
+// assembled into the table by ops_table.cc. Internal to the plugin; no CUDA types.
+#ifndef DIOND_KERNELS_CUDA_OPS_INTERNAL_H_
+#define DIOND_KERNELS_CUDA_OPS_INTERNAL_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kernels/cuda/plugin_api.h"
+
+namespace diond::cuda {
+
+const DiondOpsApiV1* OpsApi();
+
+// ops_memory.cu
+int OpAllocate(const DiondOpsCall* call, size_t bytes, void** ptr);
+void OpDeallocate(int device, void* stream, void* ptr, size_t bytes);
+int OpCopyFromHost(const DiondOpsCall* call, const void* host, void* dst, size_t bytes);
+int OpCopyToHost(const DiondOpsCall* call, const void* src, void* host, size_t bytes);
+int OpStreamCreate(const DiondOpsCall* call, void** stream);
+void OpStreamDestroy(int device, void* stream);
+int OpStreamSynchronize(const DiondOpsCall* call);
+int OpMemoryStats(const DiondOpsCall* call, uint64_t* in_use, uint64_t* peak);
+
+// ops_blas.cu
+int OpGemm(const DiondOpsCall*, const DiondGemmArgs*, DiondIn a, DiondIn b, DiondOut c);
+int OpSymmetricProduct(const DiondOpsCall*, int32_t aat, float alpha, DiondIn a, float beta,
+                       DiondOut c);
+int OpSymmetricProductBf16(const DiondOpsCall*, DiondIn a, int64_t block, DiondOut c);
+int OpThinQr(const DiondOpsCall*, DiondIn a, DiondOut q, DiondOut r);
+int OpCholeskyQr(const DiondOpsCall*, DiondIn a, DiondOut q, DiondOut r);
+int OpRandomizedCholeskyQr(const DiondOpsCall*, DiondIn a, DiondIn sketch, DiondOut q);
+
+// ops_reduce.cu
+int OpFrobeniusNorm(const DiondOpsCall*, DiondIn a, DiondOut out);
+int OpAxisNorms(const DiondOpsCall*, DiondIn a, int32_t axis, int32_t norm, DiondOut out);
+int OpTopK(const DiondOpsCall*, DiondIn scores, int64_t k, int64_t* indices);
+int OpTopKByL1Norm(const DiondOpsCall*, DiondIn a, int32_t axis, int64_t k, int64_t* indices,
+                   DiondOut scores_out);
+int OpIsAllZero(const DiondOpsCall*, DiondIn a, int32_t* all_zero);
+
+// ops_elementwise.cu
+int OpGather(const DiondOpsCall*, DiondIn a, int32_t axis, const int64_t* indices, int64_t count,
+             DiondOut out);
+int OpScatter(const DiondOpsCall*, DiondIn src, int32_t axis, const int64_t* indices,
+              int64_t count, float alpha, float beta, DiondOut dst);
+int OpCopy(const DiondOpsCall*, DiondIn src, DiondOut dst);
+int OpFill(const DiondOpsCall*, float value, DiondOut dst);
+int OpAxpby(const DiondOpsCall*, float alpha, DiondIn x, float beta, DiondIn y, DiondOut out);
+int OpAddScalar(const DiondOpsCall*, float alpha, DiondIn x, float beta, DiondOut out);
+int OpLerp(const DiondOpsCall*, DiondIn start, DiondIn end, float weight, DiondOut out);
+int OpUnary(const DiondOpsCall*, int32_t op, DiondIn x, DiondOut out);
+int OpBinary(const DiondOpsCall*, int32_t op, DiondIn x, DiondIn y, DiondOut out);
+int OpAddToDiagonal(const DiondOpsCall*, float value, DiondOut a);
+int OpBf16RoundedAxpby(const DiondOpsCall*, float alpha, DiondIn x, float beta, DiondIn y,
+                       DiondOut out);
+int OpCautiousWeightDecay(const DiondOpsCall*, float decay, DiondIn direction, DiondOut x);
+int OpAdamWStep(const DiondOpsCall*, const DiondAdamWScalars*, DiondIn grad, DiondOut x,
+                DiondOut m, DiondOut v);
+int OpLionStep(const DiondOpsCall*, const DiondLionScalars*, DiondIn grad, DiondOut x,
+               DiondOut m);
+
+}  // namespace diond::cuda
+
+#endif  // DIOND_KERNELS_CUDA_OPS_INTERNAL_H_

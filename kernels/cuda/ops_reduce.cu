@@ -1,0 +1,170 @@
+// Reductions and selection of the CUDA backend: FrobeniusNorm, AxisNorms, TopK, TopKByL1Norm,
+// IsAllZero.
+//
+// Sums: each row (or column) sum is accumulated in double by one thread in index order, exactly
+// as the CPU backend does (kernels/cpu/reduce.cc), so norms are bit-identical to the CPU's and
+// a top-k by norm selects the same slices. The Frobenius norm sums those row sums in row order.
+// TopK: CUB's stable descending radix sort of (TopKOrderKey(score), index) pairs, indices given
+// ascending, which is the CPU's order exactly (elementwise_math.h; tested on the CPU).
+#include <cub/device/device_radix_sort.cuh>
+
+#include "kernels/cuda/ops_common.cuh"
+#include "kernels/cuda/ops_internal.h"
+
+namespace diond::cuda {
+namespace {
+
+namespace math = ::diond::kernels::math;
+
+// norm: 0 L1 (Σ|x|), otherwise Σx².
+__device__ __forceinline__ double Term(int l1, float v) {
+  const double d = static_cast<double>(v);
+  return l1 ? fabs(d) : d * d;
+}
+
+int RowSums(const DiondOpsCall* call, const char* op, const Mat3& a, int l1, double* sums) {
+  return Launch(call, op, a.batch * a.rows, [=] __device__(int64_t r) {
+    const int64_t b = r / a.rows, i = r % a.rows;
+    const int64_t base = b * a.bs + i * a.rs;
+    double s = 0.0;
+    for (int64_t j = 0; j < a.cols; ++j) s += Term(l1, LoadAs(a.p, a.dtype, base + j * a.cs));
+    sums[r] = s;
+  });
+}
+
+int ColSums(const DiondOpsCall* call, const char* op, const Mat3& a, int l1, double* sums) {
+  return Launch(call, op, a.batch * a.cols, [=] __device__(int64_t c) {
+    const int64_t b = c / a.cols, j = c % a.cols;
+    const int64_t base = b * a.bs + j * a.cs;
+    double s = 0.0;
+    for (int64_t i = 0; i < a.rows; ++i) s += Term(l1, LoadAs(a.p, a.dtype, base + i * a.rs));
+    sums[c] = s;
+  });
+}
+
+int Norms(const DiondOpsCall* call, const char* op, const DiondTensor& a, int32_t axis,
+          int32_t norm, float* out) {
+  const Mat3 m = AsMat3(a);
+  const int64_t per = axis == 0 ? m.rows : m.cols;
+  Scratch sums;
+  DIOND_RC(sums.Allocate(call, op, static_cast<size_t>(m.batch * per) * sizeof(double)));
+  double* s = sums.As<double>();
+  const int l1 = norm == 0;
+  DIOND_RC(axis == 0 ? RowSums(call, op, m, l1, s) : ColSums(call, op, m, l1, s));
+  const bool sqrt_it = norm == 1;
+  return Launch(call, op, m.batch * per, [=] __device__(int64_t i) {
+    out[i] = static_cast<float>(sqrt_it ? sqrt(s[i]) : s[i]);
+  });
+}
+
+__global__ void OrderKeys(const float* scores, int64_t n, uint32_t* keys, int64_t* idx) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    keys[i] = math::TopKOrderKey(scores[i]);
+    idx[i] = i;
+  }
+}
+
+// The first k indices of the TopK order of `scores` (n f32 on the device) into host `indices`.
+int SortedTopK(const DiondOpsCall* call, const char* op, const float* scores, int64_t n,
+               int64_t k, int64_t* indices) {
+  if (n > INT32_MAX) return Fail(call, DIOND_OPS_INTERNAL, "%s: %lld scores (> 2^31)", op,
+                                 static_cast<long long>(n));
+  Scratch keys_in, keys_out, idx_in, idx_out, temp;
+  DIOND_RC(keys_in.Allocate(call, op, static_cast<size_t>(n) * 4));
+  DIOND_RC(keys_out.Allocate(call, op, static_cast<size_t>(n) * 4));
+  DIOND_RC(idx_in.Allocate(call, op, static_cast<size_t>(n) * 8));
+  DIOND_RC(idx_out.Allocate(call, op, static_cast<size_t>(n) * 8));
+  OrderKeys<<<GridFor(n), kThreads, 0, StreamOf(call)>>>(scores, n, keys_in.As<uint32_t>(),
+                                                         idx_in.As<int64_t>());
+  DIOND_CU(op, cudaGetLastError());
+  size_t temp_bytes = 0;
+  DIOND_CU(op, cub::DeviceRadixSort::SortPairsDescending(
+                   nullptr, temp_bytes, keys_in.As<uint32_t>(), keys_out.As<uint32_t>(),
+                   idx_in.As<int64_t>(), idx_out.As<int64_t>(), static_cast<int>(n), 0, 32,
+                   StreamOf(call)));
+  DIOND_RC(temp.Allocate(call, op, temp_bytes));
+  DIOND_CU(op, cub::DeviceRadixSort::SortPairsDescending(
+                   temp.As<void>(), temp_bytes, keys_in.As<uint32_t>(), keys_out.As<uint32_t>(),
+                   idx_in.As<int64_t>(), idx_out.As<int64_t>(), static_cast<int>(n), 0, 32,
+                   StreamOf(call)));
+  DIOND_CU(op, cudaMemcpyAsync(indices, idx_out.As<int64_t>(), static_cast<size_t>(k) * 8,
+                               cudaMemcpyDeviceToHost, StreamOf(call)));
+  return Sync(call, op);  // sync point: the indices are host memory
+}
+
+}  // namespace
+
+int OpFrobeniusNorm(const DiondOpsCall* call, DiondIn a, DiondOut out) {
+  constexpr const char* kOp = "FrobeniusNorm";
+  DIOND_RC(UseDevice(call, kOp));
+  const Mat3 m = AsMat3(*a);
+  if (m.batch == 0) return DIOND_OPS_OK;
+  Scratch sums;
+  DIOND_RC(sums.Allocate(call, kOp, static_cast<size_t>(m.batch * m.rows) * sizeof(double)));
+  double* s = sums.As<double>();
+  DIOND_RC(RowSums(call, kOp, m, /*l1=*/0, s));
+  float* o = static_cast<float*>(out->data);
+  const int64_t rows = m.rows;
+  return Launch(call, kOp, m.batch, [=] __device__(int64_t b) {
+    double t = 0.0;
+    for (int64_t r = 0; r < rows; ++r) t += s[b * rows + r];
+    o[b] = static_cast<float>(sqrt(t));
+  });
+}
+
+int OpAxisNorms(const DiondOpsCall* call, DiondIn a, int32_t axis, int32_t norm, DiondOut out) {
+  DIOND_RC(UseDevice(call, "AxisNorms"));
+  return Norms(call, "AxisNorms", *a, axis, norm, static_cast<float*>(out->data));
+}
+
+int OpTopK(const DiondOpsCall* call, DiondIn scores, int64_t k, int64_t* indices) {
+  DIOND_RC(UseDevice(call, "TopK"));
+  return SortedTopK(call, "TopK", static_cast<const float*>(scores->data), NumElements(*scores),
+                    k, indices);
+}
+
+int OpTopKByL1Norm(const DiondOpsCall* call, DiondIn a, int32_t axis, int64_t k,
+                   int64_t* indices, DiondOut scores_out) {
+  constexpr const char* kOp = "TopKByL1Norm";
+  DIOND_RC(UseDevice(call, kOp));
+  const Mat3 m = AsMat3(*a);
+  const int64_t n = axis == 0 ? m.rows : m.cols;
+  Scratch own;
+  float* scores = nullptr;
+  if (Absent(scores_out)) {
+    DIOND_RC(own.Allocate(call, kOp, static_cast<size_t>(n) * 4));
+    scores = own.As<float>();
+  } else {
+    scores = static_cast<float*>(scores_out->data);
+  }
+  DIOND_RC(Norms(call, kOp, *a, axis, /*L1*/ 0, scores));
+  return SortedTopK(call, kOp, scores, n, k, indices);
+}
+
+int OpIsAllZero(const DiondOpsCall* call, DiondIn a, int32_t* all_zero) {
+  constexpr const char* kOp = "IsAllZero";
+  DIOND_RC(UseDevice(call, kOp));
+  const Mat3 m = AsMat3(*a);
+  Scratch flag;
+  DIOND_RC(flag.Allocate(call, kOp, sizeof(int)));
+  int* f = flag.As<int>();
+  DIOND_CU(kOp, cudaMemsetAsync(f, 0, sizeof(int), StreamOf(call)));
+  DIOND_RC(Launch(call, kOp, m.batch * m.rows * m.cols, [=] __device__(int64_t i) {
+    const int64_t j = i % m.cols, r = i / m.cols, row = r % m.rows, b = r / m.rows;
+    const int64_t at = b * m.bs + row * m.rs + j * m.cs;
+    // +0 and -0 are zero; everything else (NaN included) is not.
+    const bool nonzero = m.dtype == DIOND_DT_F32
+                             ? (__float_as_uint(static_cast<const float*>(m.p)[at]) &
+                                0x7fffffffu) != 0u
+                             : (static_cast<const uint16_t*>(m.p)[at] & 0x7fffu) != 0u;
+    if (nonzero) *f = 1;
+  }));
+  int h = 0;
+  DIOND_CU(kOp, cudaMemcpyAsync(&h, f, sizeof(int), cudaMemcpyDeviceToHost, StreamOf(call)));
+  DIOND_RC(Sync(call, kOp));  // sync point: the answer is a host bool
+  *all_zero = h == 0 ? 1 : 0;
+  return DIOND_OPS_OK;
+}
+
+}  // namespace diond::cuda

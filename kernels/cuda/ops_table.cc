@@ -1,0 +1,48 @@
+// The CUDA plugin's ops table (DiondOpsApiV1, kernels/cuda/plugin_api.h): the entries of
+// ops_*.cu in the table's order. plugin.cc puts it into DiondCudaPluginV1::ops.
+#include "kernels/cuda/ops_internal.h"
+
+namespace diond::cuda {
+
+const DiondOpsApiV1* OpsApi() {
+  static const DiondOpsApiV1 kOps = {
+      DIOND_OPS_API_VERSION,
+      "cuda",
+      &OpAllocate,
+      &OpDeallocate,
+      &OpCopyFromHost,
+      &OpCopyToHost,
+      &OpStreamCreate,
+      &OpStreamDestroy,
+      &OpStreamSynchronize,
+      &OpMemoryStats,
+      &OpGemm,
+      &OpSymmetricProduct,
+      &OpSymmetricProductBf16,
+      &OpThinQr,
+      &OpCholeskyQr,
+      &OpRandomizedCholeskyQr,
+      &OpFrobeniusNorm,
+      &OpAxisNorms,
+      &OpTopK,
+      &OpTopKByL1Norm,
+      &OpIsAllZero,
+      &OpGather,
+      &OpScatter,
+      &OpCopy,
+      &OpFill,
+      &OpAxpby,
+      &OpAddScalar,
+      &OpLerp,
+      &OpUnary,
+      &OpBinary,
+      &OpCautiousWeightDecay,
+      &OpAdamWStep,
+      &OpLionStep,
+      &OpAddToDiagonal,
+      &OpBf16RoundedAxpby,
+  };
+  return &kOps;
+}
+
+}  // namespace diond::cuda

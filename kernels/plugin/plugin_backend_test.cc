@@ -1,0 +1,274 @@
+// The plugin adapter (plugin_backend.h) over the host-memory TEST backend
+// (kernels/testing/host_device_backend.h): the public ops on a kTest Context go through the
+// OpsBackend adapter, the C ABI records and back, and must give the CPU backend's results bit for
+// bit; device memory is only reached through explicit copies; every op is queued on the
+// session's stream; the pool accounts for every byte and refuses an over-budget allocation with
+// RESOURCE_EXHAUSTED naming the numbers; a plugin's error codes become the right Status.
+#include "kernels/plugin/plugin_backend.h"
+
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "common/status_matchers.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/backend.h"
+#include "kernels/cpu/test_util.h"
+#include "kernels/ops.h"
+#include "kernels/testing/host_device_backend.h"
+
+namespace diond::kernels {
+namespace {
+
+using ::diond::testing::IsOk;
+using ::diond::testing::StatusIs;
+using ::testing::HasSubstr;
+
+constexpr Device kDev{DeviceType::kTest, 0};
+
+class PluginBackendTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    UnregisterOpsBackendForTest(DeviceType::kTest);
+    ASSERT_THAT(RegisterPluginOps(DeviceType::kTest, testing::HostTestDeviceOps()), IsOk());
+    testing::ResetHostTestDevice(0);
+    auto stream = CreateDeviceStream(kDev);
+    ASSERT_THAT(stream.status(), IsOk());
+    stream_ = *stream;
+    ContextOptions o;
+    o.device = kDev;
+    o.stream = stream_;
+    o.num_threads = 1;
+    auto ctx = Context::Create(o);
+    ASSERT_THAT(ctx.status(), IsOk());
+    ctx_ = std::move(*ctx);
+    cpu_ = Context::CpuDefault(1);
+  }
+  void TearDown() override {
+    ctx_.reset();
+    DestroyDeviceStream(kDev, stream_);
+    UnregisterOpsBackendForTest(DeviceType::kTest);
+  }
+
+  // A device buffer holding `v` (f32) or its bf16 rounding.
+  Buffer Upload(const std::vector<float>& v, const std::vector<int64_t>& shape,
+                DType dtype = DType::kF32) {
+    auto b = ctx_->Allocate(dtype, shape);
+    EXPECT_THAT(b.status(), IsOk());
+    if (dtype == DType::kF32) {
+      EXPECT_THAT(ctx_->backend().copy_from_host(*ctx_, v.data(), b->data(), b->bytes()), IsOk());
+    } else {
+      const auto h = testing::ToBf16(v);
+      EXPECT_THAT(ctx_->backend().copy_from_host(*ctx_, h.data(), b->data(), b->bytes()), IsOk());
+    }
+    return std::move(*b);
+  }
+  std::vector<uint8_t> Download(const Buffer& b) {
+    std::vector<uint8_t> h(b.bytes());
+    EXPECT_THAT(ctx_->backend().copy_to_host(*ctx_, b.data(), h.data(), b.bytes()), IsOk());
+    return h;
+  }
+  static std::vector<uint8_t> Bytes(const Tensor& t) {
+    const auto* p = static_cast<const uint8_t*>(t.data());
+    return std::vector<uint8_t>(p, p + t.NumElements() * DTypeSize(t.dtype()));
+  }
+  Tensor HostTensor(const std::vector<float>& v, std::initializer_list<int64_t> shape,
+                    DType dtype = DType::kF32) {
+    auto t = Tensor::Allocate(dtype, shape);
+    EXPECT_THAT(t.status(), IsOk());
+    if (dtype == DType::kF32) {
+      std::memcpy(t->data(), v.data(), v.size() * 4);
+    } else {
+      const auto h = testing::ToBf16(v);
+      std::memcpy(t->data(), h.data(), h.size() * 2);
+    }
+    return std::move(*t);
+  }
+
+  StreamHandle stream_ = nullptr;
+  std::unique_ptr<Context> ctx_;
+  std::unique_ptr<Context> cpu_;
+};
+
+TEST_F(PluginBackendTest, MatrixOpsMatchCpuBitForBit) {
+  const int64_t m = 24, n = 10, k = 7;
+  const auto av = testing::RandomVector(3 * m * k, 1), bv = testing::RandomVector(k * n, 2);
+  Buffer a = Upload(av, {3, m, k}), b = Upload(bv, {k, n});
+  auto c = ctx_->Allocate(DType::kF32, {3, m, n});
+  ASSERT_THAT(c.status(), IsOk());
+  GemmParams p;
+  p.alpha = 0.5f;
+  ASSERT_THAT(Gemm(*ctx_, p, a.cview(), b.cview(), c->view()), IsOk());
+  Tensor ah = HostTensor(av, {3, m, k}), bh = HostTensor(bv, {k, n});
+  auto ch = Tensor::Allocate(DType::kF32, {3, m, n});
+  ASSERT_THAT(Gemm(*cpu_, p, ah.cview(), bh.cview(), ch->view()), IsOk());
+  EXPECT_EQ(Download(*c), Bytes(*ch));
+
+  // Thin QR with R, Cholesky QR, symmetric product of the same A.
+  auto q = ctx_->Allocate(DType::kF32, {3, m, k});
+  auto r = ctx_->Allocate(DType::kF32, {3, k, k});
+  ASSERT_THAT(ThinQr(*ctx_, a.cview(), q->view(), r->view()), IsOk());
+  auto qh = Tensor::Allocate(DType::kF32, {3, m, k});
+  auto rh = Tensor::Allocate(DType::kF32, {3, k, k});
+  ASSERT_THAT(ThinQr(*cpu_, ah.cview(), qh->view(), rh->view()), IsOk());
+  EXPECT_EQ(Download(*q), Bytes(*qh));
+  EXPECT_EQ(Download(*r), Bytes(*rh));
+  ASSERT_THAT(CholeskyQr(*ctx_, a.cview(), q->view()), IsOk());
+  ASSERT_THAT(CholeskyQr(*cpu_, ah.cview(), qh->view()), IsOk());
+  EXPECT_EQ(Download(*q), Bytes(*qh));
+  auto g = ctx_->Allocate(DType::kF32, {3, k, k});
+  auto gh = Tensor::Allocate(DType::kF32, {3, k, k});
+  ASSERT_THAT(SymmetricProduct(*ctx_, GramSide::kAtA, 1.0f, a.cview(), 0.0f, g->view()), IsOk());
+  ASSERT_THAT(SymmetricProduct(*cpu_, GramSide::kAtA, 1.0f, ah.cview(), 0.0f, gh->view()), IsOk());
+  EXPECT_EQ(Download(*g), Bytes(*gh));
+}
+
+TEST_F(PluginBackendTest, ReductionsAndSelectionMatchCpu) {
+  const int64_t rows = 16, cols = 9;
+  auto v = testing::RandomVector(rows * cols, 3);
+  v[5] = v[7];  // a tie
+  Buffer a = Upload(v, {rows, cols}, DType::kBf16);
+  Tensor ah = HostTensor(v, {rows, cols}, DType::kBf16);
+  std::vector<int64_t> got(4), want(4);
+  auto scores = ctx_->Allocate(DType::kF32, {rows});
+  auto scores_h = Tensor::Allocate(DType::kF32, {rows});
+  ASSERT_THAT(TopKByL1Norm(*ctx_, a.cview(), Axis::kRows, 4, absl::MakeSpan(got), scores->view()),
+              IsOk());
+  ASSERT_THAT(
+      TopKByL1Norm(*cpu_, ah.cview(), Axis::kRows, 4, absl::MakeSpan(want), scores_h->view()),
+      IsOk());
+  EXPECT_EQ(got, want);
+  EXPECT_EQ(Download(*scores), Bytes(*scores_h));
+  auto norms = ctx_->Allocate(DType::kF32, {cols});
+  auto norms_h = Tensor::Allocate(DType::kF32, {cols});
+  ASSERT_THAT(AxisNorms(*ctx_, a.cview(), Axis::kCols, NormType::kL2, norms->view()), IsOk());
+  ASSERT_THAT(AxisNorms(*cpu_, ah.cview(), Axis::kCols, NormType::kL2, norms_h->view()), IsOk());
+  EXPECT_EQ(Download(*norms), Bytes(*norms_h));
+  bool zero = true;
+  ASSERT_THAT(IsAllZero(*ctx_, a.cview(), &zero), IsOk());
+  EXPECT_FALSE(zero);
+  // Gather columns into f32, scatter them back scaled.
+  const std::vector<int64_t> idx = {8, 0, 3};
+  auto out = ctx_->Allocate(DType::kF32, {rows, 3});
+  auto out_h = Tensor::Allocate(DType::kF32, {rows, 3});
+  ASSERT_THAT(Gather(*ctx_, a.cview(), Axis::kCols, idx, out->view()), IsOk());
+  ASSERT_THAT(Gather(*cpu_, ah.cview(), Axis::kCols, idx, out_h->view()), IsOk());
+  EXPECT_EQ(Download(*out), Bytes(*out_h));
+  ASSERT_THAT(Scatter(*ctx_, out->cview(), Axis::kCols, idx, -2.0f, 1.0f, a.view()), IsOk());
+  ASSERT_THAT(Scatter(*cpu_, out_h->cview(), Axis::kCols, idx, -2.0f, 1.0f, ah.view()), IsOk());
+  EXPECT_EQ(Download(a), Bytes(ah));
+}
+
+TEST_F(PluginBackendTest, FusedStepsCarryTheScalarsOfTheCpu) {
+  const int64_t n = 257;
+  const auto gv = testing::RandomVector(n, 4), xv = testing::RandomVector(n, 5);
+  auto mv = testing::RandomVector(n, 6);
+  auto vv = testing::RandomVector(n, 7);
+  for (float& x : vv) x = x * x;
+  Buffer g = Upload(gv, {n}), x = Upload(xv, {n}), m = Upload(mv, {n}), v = Upload(vv, {n});
+  Tensor gh = HostTensor(gv, {n}), xh = HostTensor(xv, {n}), mh = HostTensor(mv, {n}),
+         vh = HostTensor(vv, {n});
+  AdamWParams p;
+  p.lr = 3e-3f;
+  p.weight_decay = 0.1f;
+  p.step = 7;
+  p.cautious = true;
+  ASSERT_THAT(AdamWStep(*ctx_, p, g.cview(), x.view(), m.view(), v.view()), IsOk());
+  ASSERT_THAT(AdamWStep(*cpu_, p, gh.cview(), xh.view(), mh.view(), vh.view()), IsOk());
+  EXPECT_EQ(Download(x), Bytes(xh));
+  EXPECT_EQ(Download(m), Bytes(mh));
+  EXPECT_EQ(Download(v), Bytes(vh));
+  LionParams lp;
+  lp.lr = 1e-3f;
+  lp.weight_decay = 0.2f;
+  ASSERT_THAT(LionStep(*ctx_, lp, g.cview(), x.view(), m.view()), IsOk());
+  ASSERT_THAT(LionStep(*cpu_, lp, gh.cview(), xh.view(), mh.view()), IsOk());
+  EXPECT_EQ(Download(x), Bytes(xh));
+  EXPECT_EQ(Download(m), Bytes(mh));
+  ASSERT_THAT(CautiousWeightDecay(*ctx_, 0.3f, g.cview(), x.view()), IsOk());
+  ASSERT_THAT(CautiousWeightDecay(*cpu_, 0.3f, gh.cview(), xh.view()), IsOk());
+  EXPECT_EQ(Download(x), Bytes(xh));
+  ASSERT_THAT(Binary(*ctx_, BinaryOp::kMax, x.cview(), g.cview(), m.view()), IsOk());
+  ASSERT_THAT(Binary(*cpu_, BinaryOp::kMax, xh.cview(), gh.cview(), mh.view()), IsOk());
+  EXPECT_EQ(Download(m), Bytes(mh));
+}
+
+TEST_F(PluginBackendTest, DeviceTrafficIsExplicitAndOnTheSessionStream) {
+  testing::ResetHostTestDevice(0);
+  const auto v = testing::RandomVector(64, 8);
+  Buffer x = Upload(v, {8, 8});
+  auto y = ctx_->Allocate(DType::kF32, {8, 8});
+  ASSERT_THAT(Scale(*ctx_, 2.0f, x.cview(), y->view()), IsOk());
+  ASSERT_THAT(Unary(*ctx_, UnaryOp::kSqrt, y->cview(), y->view()), IsOk());
+  (void)Download(*y);
+  ASSERT_THAT(SynchronizeDeviceStream(kDev, stream_), IsOk());
+  const auto c = testing::GetHostTestDeviceCounters();
+  EXPECT_EQ(c.copies_to_device, 1);
+  EXPECT_EQ(c.copies_to_host, 1);
+  EXPECT_EQ(c.bytes_to_device, 64 * 4);
+  EXPECT_EQ(c.ops_on_default_stream, 0) << "every op is queued on the session's stream";
+  EXPECT_GE(c.ops, 4);
+  EXPECT_EQ(c.syncs, 3) << "the two copies and the explicit synchronize";
+  EXPECT_GE(c.streams_live, 1);
+
+  // A stream the backend did not create is refused (INTERNAL from the plugin).
+  int foreign = 0;
+  ContextOptions o;
+  o.device = kDev;
+  o.stream = &foreign;
+  auto bad = Context::Create(o);
+  ASSERT_THAT(bad.status(), IsOk());
+  EXPECT_THAT(Fill(**bad, 1.0f, y->view()),
+              StatusIs(absl::StatusCode::kInternal, HasSubstr("unknown stream")));
+}
+
+TEST_F(PluginBackendTest, PoolAccountsEveryByteAndRefusesOverBudget) {
+  auto before = GetDeviceMemoryStats(kDev);
+  ASSERT_THAT(before.status(), IsOk());
+  {
+    auto b = ctx_->Allocate(DType::kF32, {1000});
+    ASSERT_THAT(b.status(), IsOk());
+    auto during = GetDeviceMemoryStats(kDev);
+    EXPECT_GE(during->in_use, before->in_use + 4000);
+    EXPECT_GE(during->peak, during->in_use);
+  }
+  EXPECT_EQ(GetDeviceMemoryStats(kDev)->in_use, before->in_use) << "freed on Buffer destruction";
+
+  testing::ResetHostTestDevice(before->in_use + 4096);
+  auto ok = ctx_->Allocate(DType::kF32, {512});
+  ASSERT_THAT(ok.status(), IsOk());
+  auto over = ctx_->Allocate(DType::kF32, {4096});
+  EXPECT_THAT(over.status(), StatusIs(absl::StatusCode::kResourceExhausted));
+  EXPECT_THAT(LastDeviceAllocationError(),
+              HasSubstr("pool budget " + std::to_string(before->in_use + 4096) + " bytes"));
+  EXPECT_THAT(LastDeviceAllocationError(), HasSubstr("requested"));
+  testing::ResetHostTestDevice(0);
+}
+
+TEST_F(PluginBackendTest, PluginErrorCodesBecomeStatuses) {
+  std::vector<float> v(20 * 3, 1.0f);  // rank 1: AᵀA singular
+  Buffer a = Upload(v, {20, 3});
+  auto q = ctx_->Allocate(DType::kF32, {20, 3});
+  EXPECT_THAT(CholeskyQr(*ctx_, a.cview(), q->view()),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("host-test device (TEST BACKEND)")));
+}
+
+TEST(PluginBackendAdapt, RefusesBadTables) {
+  EXPECT_THAT(AdaptPluginOps(DeviceType::kCpu, testing::HostTestDeviceOps()).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(AdaptPluginOps(DeviceType::kTest, nullptr).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  DiondOpsApiV1 t = *testing::HostTestDeviceOps();
+  t.version = DIOND_OPS_API_VERSION + 1;
+  EXPECT_THAT(AdaptPluginOps(DeviceType::kTest, &t).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("version")));
+  t = *testing::HostTestDeviceOps();
+  t.lion_step = nullptr;
+  EXPECT_THAT(AdaptPluginOps(DeviceType::kTest, &t).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("null entry")));
+}
+
+}  // namespace
+}  // namespace diond::kernels

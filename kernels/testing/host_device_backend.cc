@@ -1,0 +1,385 @@
+// TEST BACKEND (host_device_backend.h): host memory behind the plugin C ABI.
+#include "kernels/testing/host_device_backend.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <unordered_map>
+
+#include "absl/status/status.h"
+#include "kernels/context.h"
+#include "kernels/elementwise_math.h"
+#include "kernels/ops.h"
+
+namespace diond::kernels::testing {
+namespace {
+
+struct State {
+  std::mutex mu;
+  std::unordered_map<void*, size_t> blocks;
+  uint64_t in_use = 0, peak = 0, budget = 0;
+  std::set<void*> streams;
+  HostTestDeviceCounters counters;
+};
+State& St() {
+  static State* s = new State;
+  return *s;
+}
+
+int Fail(const DiondOpsCall* call, int code, const std::string& msg) {
+  if (call->err != nullptr && call->err_len > 0) {
+    std::snprintf(call->err, call->err_len, "%s", msg.c_str());
+  }
+  return code;
+}
+
+int FromStatus(const DiondOpsCall* call, const absl::Status& s) {
+  if (s.ok()) return DIOND_OPS_OK;
+  const int code = s.code() == absl::StatusCode::kFailedPrecondition ? DIOND_OPS_FAILED_PRECONDITION
+                   : s.code() == absl::StatusCode::kResourceExhausted ? DIOND_OPS_RESOURCE_EXHAUSTED
+                                                                      : DIOND_OPS_INTERNAL;
+  return Fail(call, code, std::string(s.message()));
+}
+
+// Every op entry: the stream must be one of ours (or null: the default stream).
+bool CheckStream(const DiondOpsCall* call, int* rc) {
+  State& st = St();
+  std::lock_guard<std::mutex> lock(st.mu);
+  ++st.counters.ops;
+  if (call->stream == nullptr) {
+    ++st.counters.ops_on_default_stream;
+    return true;
+  }
+  if (st.streams.count(call->stream) == 0) {
+    *rc = Fail(call, DIOND_OPS_INTERNAL, "host-test device: unknown stream");
+    return false;
+  }
+  return true;
+}
+void CountSync() {
+  std::lock_guard<std::mutex> lock(St().mu);
+  ++St().counters.syncs;
+}
+
+TensorLayout L(const DiondTensor& t) {
+  TensorLayout l;
+  l.dtype = static_cast<DType>(t.dtype);
+  l.rank = t.rank;
+  for (int i = 0; i < 3; ++i) {
+    l.dims[i] = t.dims[i];
+    l.strides[i] = t.strides[i];
+  }
+  return l;
+}
+ConstTensorView In(const DiondTensor* t) {
+  return t->data == nullptr && t->rank == 0 ? ConstTensorView() : ConstTensorView(t->data, L(*t));
+}
+TensorView Out(const DiondTensor* t) {
+  return t->data == nullptr && t->rank == 0 ? TensorView() : TensorView(t->data, L(*t));
+}
+
+const Context& Cpu() {
+  thread_local std::unique_ptr<Context> ctx = Context::CpuDefault(1);
+  return *ctx;
+}
+
+#define DIOND_TEST_OP_BEGIN \
+  int rc = DIOND_OPS_OK;    \
+  if (!CheckStream(call, &rc)) return rc
+
+// ---- memory ----
+int Allocate(const DiondOpsCall* call, size_t bytes, void** ptr) {
+  State& st = St();
+  std::lock_guard<std::mutex> lock(st.mu);
+  if (st.budget != 0 && st.in_use + bytes > st.budget) {
+    char msg[256];
+    std::snprintf(msg, sizeof(msg),
+                  "host-test device %d: pool budget %llu bytes, %llu in use, %zu requested",
+                  call->device, static_cast<unsigned long long>(st.budget),
+                  static_cast<unsigned long long>(st.in_use), bytes);
+    return Fail(call, DIOND_OPS_RESOURCE_EXHAUSTED, msg);
+  }
+  void* p = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
+  if (p == nullptr) return Fail(call, DIOND_OPS_RESOURCE_EXHAUSTED, "host-test device: malloc");
+  st.blocks[p] = bytes;
+  st.in_use += bytes;
+  if (st.in_use > st.peak) st.peak = st.in_use;
+  *ptr = p;
+  return DIOND_OPS_OK;
+}
+void Deallocate(int device, void* stream, void* ptr, size_t bytes) {
+  if (ptr == nullptr) return;
+  State& st = St();
+  std::lock_guard<std::mutex> lock(st.mu);
+  auto it = st.blocks.find(ptr);
+  if (it == st.blocks.end()) std::abort();  // a double free or a foreign pointer: a bug
+  st.in_use -= it->second;
+  st.blocks.erase(it);
+  std::free(ptr);
+}
+int CopyFromHost(const DiondOpsCall* call, const void* host, void* dst, size_t bytes) {
+  DIOND_TEST_OP_BEGIN;
+  std::memcpy(dst, host, bytes);
+  std::lock_guard<std::mutex> lock(St().mu);
+  ++St().counters.copies_to_device;
+  St().counters.bytes_to_device += static_cast<int64_t>(bytes);
+  ++St().counters.syncs;
+  return DIOND_OPS_OK;
+}
+int CopyToHost(const DiondOpsCall* call, const void* src, void* host, size_t bytes) {
+  DIOND_TEST_OP_BEGIN;
+  std::memcpy(host, src, bytes);
+  std::lock_guard<std::mutex> lock(St().mu);
+  ++St().counters.copies_to_host;
+  St().counters.bytes_to_host += static_cast<int64_t>(bytes);
+  ++St().counters.syncs;
+  return DIOND_OPS_OK;
+}
+int StreamCreate(const DiondOpsCall* call, void** stream) {
+  State& st = St();
+  std::lock_guard<std::mutex> lock(st.mu);
+  void* s = new int(static_cast<int>(st.counters.streams_created));
+  st.streams.insert(s);
+  ++st.counters.streams_created;
+  ++st.counters.streams_live;
+  *stream = s;
+  return DIOND_OPS_OK;
+}
+void StreamDestroy(int device, void* stream) {
+  State& st = St();
+  std::lock_guard<std::mutex> lock(st.mu);
+  if (st.streams.erase(stream) == 1) {
+    delete static_cast<int*>(stream);
+    --st.counters.streams_live;
+  }
+}
+int StreamSynchronize(const DiondOpsCall* call) {
+  DIOND_TEST_OP_BEGIN;
+  CountSync();
+  return DIOND_OPS_OK;
+}
+int MemoryStats(const DiondOpsCall* call, uint64_t* in_use, uint64_t* peak) {
+  State& st = St();
+  std::lock_guard<std::mutex> lock(st.mu);
+  *in_use = st.in_use;
+  *peak = st.peak;
+  return DIOND_OPS_OK;
+}
+
+// ---- ops: the CPU backend on host memory ----
+int Gemm(const DiondOpsCall* call, const DiondGemmArgs* g, DiondIn a, DiondIn b, DiondOut c) {
+  DIOND_TEST_OP_BEGIN;
+  GemmParams p;
+  p.trans_a = g->trans_a ? Trans::kYes : Trans::kNo;
+  p.trans_b = g->trans_b ? Trans::kYes : Trans::kNo;
+  p.alpha = g->alpha;
+  p.beta = g->beta;
+  return FromStatus(call, kernels::Gemm(Cpu(), p, In(a), In(b), Out(c)));
+}
+int SymmetricProduct(const DiondOpsCall* call, int32_t aat, float alpha, DiondIn a, float beta,
+                     DiondOut c) {
+  DIOND_TEST_OP_BEGIN;
+  return FromStatus(call, kernels::SymmetricProduct(Cpu(), aat ? GramSide::kAAt : GramSide::kAtA,
+                                                    alpha, In(a), beta, Out(c)));
+}
+int SymmetricProductBf16(const DiondOpsCall* call, DiondIn a, int64_t block, DiondOut c) {
+  DIOND_TEST_OP_BEGIN;
+  return FromStatus(call, kernels::SymmetricProductBf16(Cpu(), In(a), block, Out(c)));
+}
+int ThinQr(const DiondOpsCall* call, DiondIn a, DiondOut q, DiondOut r) {
+  DIOND_TEST_OP_BEGIN;
+  return FromStatus(call, kernels::ThinQr(Cpu(), In(a), Out(q), Out(r)));
+}
+int CholeskyQr(const DiondOpsCall* call, DiondIn a, DiondOut q, DiondOut r) {
+  DIOND_TEST_OP_BEGIN;
+  return FromStatus(call, kernels::CholeskyQr(Cpu(), In(a), Out(q), Out(r)));
+}
+int RandomizedCholeskyQr(const DiondOpsCall* call, DiondIn a, DiondIn s, DiondOut q) {
+  DIOND_TEST_OP_BEGIN;
+  return FromStatus(call, kernels::RandomizedCholeskyQr(Cpu(), In(a), In(s), Out(q)));
+}
+int FrobeniusNorm(const DiondOpsCall* call, DiondIn a, DiondOut out) {
+  DIOND_TEST_OP_BEGIN;
+  return FromStatus(call, kernels::FrobeniusNorm(Cpu(), In(a), Out(out)));
+}
+int AxisNorms(const DiondOpsCall* call, DiondIn a, int32_t axis, int32_t norm, DiondOut out) {
+  DIOND_TEST_OP_BEGIN;
+  return FromStatus(call, kernels::AxisNorms(Cpu(), In(a), static_cast<Axis>(axis),
+                                             static_cast<NormType>(norm), Out(out)));
+}
+int TopK(const DiondOpsCall* call, DiondIn scores, int64_t k, int64_t* indices) {
+  DIOND_TEST_OP_BEGIN;
+  CountSync();
+  return FromStatus(call, kernels::TopK(Cpu(), In(scores), k,
+                                        absl::MakeSpan(indices, static_cast<size_t>(k))));
+}
+int TopKByL1Norm(const DiondOpsCall* call, DiondIn a, int32_t axis, int64_t k, int64_t* indices,
+                 DiondOut scores) {
+  DIOND_TEST_OP_BEGIN;
+  CountSync();
+  return FromStatus(call, kernels::TopKByL1Norm(Cpu(), In(a), static_cast<Axis>(axis), k,
+                                                absl::MakeSpan(indices, static_cast<size_t>(k)),
+                                                Out(scores)));
+}
+int IsAllZero(const DiondOpsCall* call, DiondIn a, int32_t* all_zero) {
+  DIOND_TEST_OP_BEGIN;
+  CountSync();
+  bool z = false;
+  rc = FromStatus(call, kernels::IsAllZero(Cpu(), In(a), &z));
+  *all_zero = z ? 1 : 0;
+  return rc;
+}
+int Gather(const DiondOpsCall* call, DiondIn a, int32_t axis, const int64_t* idx, int64_t count,
+           DiondOut out) {
+  DIOND_TEST_OP_BEGIN;
+  return FromStatus(call, kernels::Gather(Cpu(), In(a), static_cast<Axis>(axis),
+                                          absl::MakeConstSpan(idx, static_cast<size_t>(count)),
+                                          Out(out)));
+}
+int Scatter(const DiondOpsCall* call, DiondIn src, int32_t axis, const int64_t* idx,
+            int64_t count, float alpha, float beta, DiondOut dst) {
+  DIOND_TEST_OP_BEGIN;
+  return FromStatus(call, kernels::Scatter(Cpu(), In(src), static_cast<Axis>(axis),
+                                           absl::MakeConstSpan(idx, static_cast<size_t>(count)),
+                                           alpha, beta, Out(dst)));
+}
+int Copy(const DiondOpsCall* call, DiondIn src, DiondOut dst) {
+  DIOND_TEST_OP_BEGIN;
+  return FromStatus(call, kernels::Copy(Cpu(), In(src), Out(dst)));
+}
+int Fill(const DiondOpsCall* call, float value, DiondOut dst) {
+  DIOND_TEST_OP_BEGIN;
+  return FromStatus(call, kernels::Fill(Cpu(), value, Out(dst)));
+}
+int Axpby(const DiondOpsCall* call, float alpha, DiondIn x, float beta, DiondIn y, DiondOut out) {
+  DIOND_TEST_OP_BEGIN;
+  return FromStatus(call, kernels::Axpby(Cpu(), alpha, In(x), beta, In(y), Out(out)));
+}
+int AddScalar(const DiondOpsCall* call, float alpha, DiondIn x, float beta, DiondOut out) {
+  DIOND_TEST_OP_BEGIN;
+  return FromStatus(call, kernels::AddScalar(Cpu(), alpha, In(x), beta, Out(out)));
+}
+int AddToDiagonal(const DiondOpsCall* call, float value, DiondOut a) {
+  DIOND_TEST_OP_BEGIN;
+  return FromStatus(call, kernels::AddToDiagonal(Cpu(), value, Out(a)));
+}
+int Bf16RoundedAxpby(const DiondOpsCall* call, float alpha, DiondIn x, float beta, DiondIn y,
+                     DiondOut out) {
+  DIOND_TEST_OP_BEGIN;
+  return FromStatus(call, kernels::Bf16RoundedAxpby(Cpu(), alpha, In(x), beta, In(y), Out(out)));
+}
+int Lerp(const DiondOpsCall* call, DiondIn s, DiondIn e, float w, DiondOut out) {
+  DIOND_TEST_OP_BEGIN;
+  return FromStatus(call, kernels::Lerp(Cpu(), In(s), In(e), w, Out(out)));
+}
+int Unary(const DiondOpsCall* call, int32_t op, DiondIn x, DiondOut out) {
+  DIOND_TEST_OP_BEGIN;
+  return FromStatus(call, kernels::Unary(Cpu(), static_cast<UnaryOp>(op), In(x), Out(out)));
+}
+int Binary(const DiondOpsCall* call, int32_t op, DiondIn x, DiondIn y, DiondOut out) {
+  DIOND_TEST_OP_BEGIN;
+  return FromStatus(call,
+                    kernels::Binary(Cpu(), static_cast<BinaryOp>(op), In(x), In(y), Out(out)));
+}
+
+// The fused ops run the shared per-element functions on the scalars the adapter formed.
+float LoadF32(const DiondTensor* t, int64_t i) {
+  if (t->dtype == DIOND_DT_F32) return static_cast<const float*>(t->data)[i];
+  if (t->dtype == DIOND_DT_BF16) {
+    return math::FloatFromBf16Bits(static_cast<const uint16_t*>(t->data)[i]);
+  }
+  return F16ToFloat(static_cast<const Float16*>(t->data)[i]);
+}
+int64_t Count(const DiondTensor* t) { return In(t).NumElements(); }
+
+int CautiousWeightDecay(const DiondOpsCall* call, float decay, DiondIn direction, DiondOut x) {
+  DIOND_TEST_OP_BEGIN;
+  float* xp = static_cast<float*>(x->data);
+  for (int64_t i = 0; i < Count(x); ++i) {
+    xp[i] = math::CautiousDecayElement(decay, xp[i], LoadF32(direction, i));
+  }
+  return DIOND_OPS_OK;
+}
+int AdamWStep(const DiondOpsCall* call, const DiondAdamWScalars* c, DiondIn grad, DiondOut x,
+              DiondOut m, DiondOut v) {
+  DIOND_TEST_OP_BEGIN;
+  math::AdamWScalars s{c->decay, c->lr_wd,     c->one_minus_b1, c->one_minus_b2, c->beta2,
+                       c->step_size, c->sqrt_bc2, c->eps,          c->cautious != 0};
+  const float* g = static_cast<const float*>(grad->data);
+  float *xp = static_cast<float*>(x->data), *mp = static_cast<float*>(m->data),
+        *vp = static_cast<float*>(v->data);
+  for (int64_t i = 0; i < Count(x); ++i) math::AdamWElement(s, g[i], xp[i], mp[i], vp[i]);
+  return DIOND_OPS_OK;
+}
+int LionStep(const DiondOpsCall* call, const DiondLionScalars* c, DiondIn grad, DiondOut x,
+             DiondOut m) {
+  DIOND_TEST_OP_BEGIN;
+  math::LionScalars s{c->w1, c->w2, c->lr_wd, c->decay, c->lr, c->cautious != 0};
+  const float* g = static_cast<const float*>(grad->data);
+  float *xp = static_cast<float*>(x->data), *mp = static_cast<float*>(m->data);
+  for (int64_t i = 0; i < Count(x); ++i) math::LionElement(s, g[i], xp[i], mp[i]);
+  return DIOND_OPS_OK;
+}
+
+#undef DIOND_TEST_OP_BEGIN
+
+const DiondOpsApiV1 kOps = {
+    DIOND_OPS_API_VERSION,
+    "host-test device (TEST BACKEND)",
+    &Allocate,
+    &Deallocate,
+    &CopyFromHost,
+    &CopyToHost,
+    &StreamCreate,
+    &StreamDestroy,
+    &StreamSynchronize,
+    &MemoryStats,
+    &Gemm,
+    &SymmetricProduct,
+    &SymmetricProductBf16,
+    &ThinQr,
+    &CholeskyQr,
+    &RandomizedCholeskyQr,
+    &FrobeniusNorm,
+    &AxisNorms,
+    &TopK,
+    &TopKByL1Norm,
+    &IsAllZero,
+    &Gather,
+    &Scatter,
+    &Copy,
+    &Fill,
+    &Axpby,
+    &AddScalar,
+    &Lerp,
+    &Unary,
+    &Binary,
+    &CautiousWeightDecay,
+    &AdamWStep,
+    &LionStep,
+    &AddToDiagonal,
+    &Bf16RoundedAxpby,
+};
+
+}  // namespace
+
+const DiondOpsApiV1* HostTestDeviceOps() { return &kOps; }
+
+HostTestDeviceCounters GetHostTestDeviceCounters() {
+  std::lock_guard<std::mutex> lock(St().mu);
+  return St().counters;
+}
+
+void ResetHostTestDevice(uint64_t budget_bytes) {
+  std::lock_guard<std::mutex> lock(St().mu);
+  const int64_t live = St().counters.streams_live;
+  St().counters = HostTestDeviceCounters{};
+  St().counters.streams_live = live;
+  St().budget = budget_bytes;
+}
+
+}  // namespace diond::kernels::testing
