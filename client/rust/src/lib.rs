@@ -19,7 +19,8 @@
 //! ```
 //!
 //! Layers: [`grpc`] is the wire protocol (framing, trailers, deadlines) over hyper's HTTP/2
-//! client, [`transport`] the Unix-socket / TCP / TLS streams ([`tls`] their TLS settings); [`Client`] and [`Session`] are the API,
+//! client, [`transport`] the Unix-socket / TCP / TLS streams ([`tls`] their TLS settings),
+//! [`shm`] the shared-memory arenas (POSIX shm or a sealed memfd sent over [`fdchannel`]); [`Client`] and [`Session`] are the API,
 //! with [`proto`] the message types generated from `proto/` at build time.
 
 #![allow(clippy::large_enum_variant)]
@@ -32,6 +33,7 @@ pub mod proto {
 
 pub mod client;
 pub mod error;
+pub mod fdchannel;
 pub mod grpc;
 pub mod session;
 pub mod shm;
