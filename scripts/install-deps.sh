@@ -31,7 +31,8 @@ TEST=(
 RUST=(
   librust-prost-dev librust-prost-build-dev librust-tokio-dev librust-hyper-dev librust-h2-dev
   librust-bytes-dev librust-http-dev librust-tower-service-dev librust-libc-dev
-  librust-serde-json-dev protobuf-compiler
+  librust-tokio-rustls-dev librust-rustls-pemfile-dev librust-serde-json-dev protobuf-compiler
+  openssl  # tests/tls.rs makes its certificates with it at test time
 )
 if ! command -v cargo >/dev/null 2>&1; then RUST+=(cargo); fi
 

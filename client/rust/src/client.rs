@@ -11,6 +11,7 @@ use crate::grpc::Channel;
 use crate::proto;
 use crate::session::Session;
 use crate::spec::SessionSpec;
+use crate::tls::TlsConfig;
 use crate::transport::{Connector, Endpoint};
 
 const SERVICE: &str = "/diond.v1.Optimizer/";
@@ -24,11 +25,13 @@ struct Shared {
     endpoint: Endpoint,
 }
 
-/// Options of [`Client`]: the per-call deadline and request metadata.
+/// Options of [`Client`]: the per-call deadline, request metadata (the bearer token), TLS.
 pub struct ClientBuilder {
     target: String,
     timeout: Option<Duration>,
     metadata: Vec<(String, String)>,
+    tls: Option<TlsConfig>,
+    token_file: Option<std::path::PathBuf>,
 }
 
 impl ClientBuilder {
@@ -38,22 +41,50 @@ impl ClientBuilder {
         self.timeout = Some(d);
         self
     }
-    /// A header sent with every call, e.g. `("authorization", "Bearer <token>")` once the daemon
-    /// checks tokens.
+    /// A header sent with every call (for the token, prefer [`ClientBuilder::bearer_token`]).
     pub fn metadata(mut self, key: &str, value: &str) -> Self {
         self.metadata.push((key.to_string(), value.to_string()));
         self
     }
     /// Sends `authorization: Bearer <token>` with every call, the header the daemon's token
-    /// authentication reads (once it is enabled there; until then the daemon ignores it).
+    /// authentication (`--auth_token_file`) reads on TCP. Without TLS the token crosses the
+    /// network in clear text: use it on loopback, or with [`ClientBuilder::tls`].
     pub fn bearer_token(self, token: &str) -> Self {
         let t = format!("Bearer {}", token.trim());
         self.metadata("authorization", &t)
     }
+    /// [`ClientBuilder::bearer_token`] with the token read from a file at `connect` (blanks
+    /// around it stripped), e.g. a mounted secret; an unreadable or empty file is
+    /// `InvalidArgument`.
+    pub fn bearer_token_file(mut self, path: impl AsRef<std::path::Path>) -> Self {
+        self.token_file = Some(path.as_ref().to_path_buf());
+        self
+    }
+    /// Speaks TLS to a TCP target (module [`crate::tls`]): the daemon's certificate is checked
+    /// against the CA of `tls`, and its client certificate, if any, is presented.
+    pub fn tls(mut self, tls: TlsConfig) -> Self {
+        self.tls = Some(tls);
+        self
+    }
     /// Connects now: an absent daemon is an `Unavailable` error here, not at the first call
-    /// (after at most 20 s, or the call timeout if shorter, for a host that does not answer).
-    pub fn connect(self) -> Result<Client> {
+    /// (after at most 20 s, or the call timeout if shorter, for a host that does not answer),
+    /// and so is a refused TLS handshake (with [`Error::tls_failure`] saying why). TLS files and
+    /// the token file are read here; their mistakes are `InvalidArgument`.
+    pub fn connect(mut self) -> Result<Client> {
         let endpoint = Endpoint::parse(&self.target)?;
+        if let Some(path) = self.token_file.take() {
+            let shown: String = path.display().to_string().chars().take(200).collect();
+            let text = std::fs::read_to_string(&path)
+                .map_err(|e| Error::invalid(format!("cannot read the token file '{shown}': {e}")))?;
+            if text.trim().is_empty() {
+                return Err(Error::invalid(format!("the token file '{shown}' is empty")));
+            }
+            self = self.bearer_token(text.trim());
+        }
+        let connector = match &self.tls {
+            None => Connector::new(endpoint.clone()),
+            Some(tls) => Connector::with_tls(endpoint.clone(), tls)?,
+        };
         let mut metadata = Vec::with_capacity(self.metadata.len());
         for (k, v) in &self.metadata {
             let name = HeaderName::from_bytes(k.to_ascii_lowercase().as_bytes()).map_err(|_| {
@@ -72,14 +103,12 @@ impl ClientBuilder {
             .enable_all()
             .build()
             .map_err(|e| Error::new(Code::Internal, format!("cannot start the client runtime: {e}")))?;
-        let probe = endpoint.clone();
+        let probe = connector.clone();
         let shown: String = self.target.chars().take(200).collect();
         let wait = self.timeout.unwrap_or(CONNECT_TIMEOUT).min(CONNECT_TIMEOUT);
-        match rt.block_on(async move { tokio::time::timeout(wait, probe.connect()).await }) {
-            Ok(Ok(_stream)) => {}
-            Ok(Err(e)) => {
-                return Err(Error::new(Code::Unavailable, format!("cannot reach the daemon at {shown}: {e}")))
-            }
+        match rt.block_on(async move { tokio::time::timeout(wait, probe.probe()).await }) {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(e),
             Err(_) => {
                 return Err(Error::new(
                     Code::Unavailable,
@@ -89,7 +118,7 @@ impl ClientBuilder {
         }
         let channel = {
             let _guard = rt.enter();
-            Channel::new(Connector::new(endpoint.clone()), endpoint.authority(), metadata)
+            Channel::new(connector, endpoint.authority(), metadata)
         };
         Ok(Client { shared: Arc::new(Shared { channel, rt, endpoint }), timeout: self.timeout })
     }
@@ -104,13 +133,14 @@ pub struct Client {
 }
 
 impl Client {
-    /// Connects to `target`: `unix:/run/diond.sock` or `host:port` (transport.rs).
+    /// Connects to `target`: `unix:/run/diond.sock` or `host:port` (transport.rs), without TLS or
+    /// token; see [`Client::builder`] for those.
     pub fn connect(target: &str) -> Result<Client> {
         Client::builder(target).connect()
     }
 
     pub fn builder(target: &str) -> ClientBuilder {
-        ClientBuilder { target: target.to_string(), timeout: None, metadata: Vec::new() }
+        ClientBuilder { target: target.to_string(), timeout: None, metadata: Vec::new(), tls: None, token_file: None }
     }
 
     /// The same connection with another per-call deadline.

@@ -6,6 +6,8 @@
 
 use std::fmt;
 
+use crate::tls::TlsFailure;
+
 /// gRPC status codes (<https://grpc.github.io/grpc/core/md_doc_statuscodes.html>).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Code {
@@ -83,11 +85,16 @@ impl Code {
 pub struct Error {
     code: Code,
     message: String,
+    tls: Option<TlsFailure>,
 }
 
 impl Error {
     pub fn new(code: Code, message: impl Into<String>) -> Error {
-        Error { code, message: message.into() }
+        Error { code, message: message.into(), tls: None }
+    }
+    pub(crate) fn with_tls_failure(mut self, failure: TlsFailure) -> Error {
+        self.tls = Some(failure);
+        self
     }
     pub fn code(&self) -> Code {
         self.code
@@ -95,9 +102,15 @@ impl Error {
     pub fn message(&self) -> &str {
         &self.message
     }
-    /// Worth retrying the same idempotent call (the daemon or the connection went away).
+    /// Why TLS failed, for a connection the TLS handshake (or the daemon's TLS alert) ended;
+    /// such errors are `Unavailable` but not transient.
+    pub fn tls_failure(&self) -> Option<TlsFailure> {
+        self.tls
+    }
+    /// Worth retrying the same idempotent call (the daemon or the connection went away; a TLS
+    /// failure is not: the same certificates fail the same way).
     pub fn is_transient(&self) -> bool {
-        matches!(self.code, Code::Unavailable | Code::DeadlineExceeded)
+        self.tls.is_none() && matches!(self.code, Code::Unavailable | Code::DeadlineExceeded)
     }
     pub(crate) fn invalid(message: impl Into<String>) -> Error {
         Error::new(Code::InvalidArgument, message)

@@ -152,9 +152,10 @@ fn decode<M: Message + Default>(payload: Bytes) -> Result<M> {
 
 /// The daemon over one pooled HTTP/2 connection (hyper re-opens it when it has closed;
 /// concurrent calls are multiplexed on it). `metadata` goes on every request (e.g.
-/// `authorization: Bearer ...`, once the daemon checks tokens).
+/// `authorization: Bearer ...`).
 pub struct Channel {
     client: hyper::Client<Connector, Body>,
+    connector: Connector,
     authority: String,
     metadata: Vec<(HeaderName, HeaderValue)>,
 }
@@ -167,8 +168,8 @@ impl Channel {
             // Tensor chunks are up to 4 MiB: windows of that size avoid a round trip per 64 KiB.
             .http2_initial_stream_window_size(4u32 << 20)
             .http2_initial_connection_window_size(8u32 << 20)
-            .build(connector);
-        Channel { client, authority, metadata }
+            .build(connector.clone());
+        Channel { client, connector, authority, metadata }
     }
 
     fn request(&self, path: &str, body: Body, deadline: Option<Duration>) -> Result<http::Request<Body>> {
@@ -249,7 +250,7 @@ impl Channel {
             drop(tx); // END_STREAM
         };
         let (resp, ()) = tokio::join!(response, send);
-        let resp = resp.map_err(transport_error)?;
+        let resp = resp.map_err(|e| self.transport_error(e))?;
         let http_status = resp.status();
         if let Some(status) = status_from_headers(resp.headers()) {
             // A trailers-only response: no messages follow.
@@ -264,7 +265,7 @@ impl Channel {
         let mut body = resp.into_body();
         let mut decoder = FrameDecoder::new();
         while let Some(chunk) = body.data().await {
-            let chunk = chunk.map_err(transport_error)?;
+            let chunk = chunk.map_err(|e| self.transport_error(e))?;
             decoder.push(&chunk);
             while let Some(payload) = decoder.next_frame()? {
                 on_reply(decode::<Resp>(payload)?)?;
@@ -273,7 +274,7 @@ impl Channel {
         if decoder.pending() != 0 {
             return Err(Error::new(Code::Internal, format!("the reply stream of {path} ended inside a message")));
         }
-        let trailers = body.trailers().await.map_err(transport_error)?;
+        let trailers = body.trailers().await.map_err(|e| self.transport_error(e))?;
         match trailers.as_ref().and_then(status_from_headers) {
             Some(status) => status,
             None => Err(Error::new(Code::Internal, format!("{path}: the daemon sent no grpc-status"))),
@@ -336,9 +337,34 @@ impl Channel {
     }
 }
 
+impl Channel {
+    /// [`transport_error`], with TLS alerts on this channel's connection kept as TLS failures.
+    fn transport_error(&self, e: hyper::Error) -> Error {
+        let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&e);
+        while let Some(s) = source {
+            if let Some(tls) = self.connector.tls_error_in(s) {
+                return tls;
+            }
+            source = s.source();
+        }
+        transport_error(e)
+    }
+}
+
 /// A connection-level failure: the daemon went away or never answered (gRPC's `UNAVAILABLE`).
+/// A failure of the connector (e.g. a refused TLS handshake) is returned as it is; otherwise the
+/// message carries hyper's error and its causes.
 pub fn transport_error(e: hyper::Error) -> Error {
-    Error::new(Code::Unavailable, format!("connection to the daemon failed: {e}"))
+    let mut message = format!("connection to the daemon failed: {e}");
+    let mut source = std::error::Error::source(&e);
+    while let Some(s) = source {
+        if let Some(own) = s.downcast_ref::<Error>() {
+            return own.clone();
+        }
+        message.push_str(&format!(": {s}"));
+        source = s.source();
+    }
+    Error::new(Code::Unavailable, message)
 }
 
 #[cfg(test)]

@@ -19,7 +19,8 @@
 //! ```
 //!
 //! Layers: [`grpc`] is the wire protocol (framing, trailers, deadlines) over hyper's HTTP/2
-//! client, [`transport`] the Unix-socket / TCP streams; [`Client`] and [`Session`] are the API,
+//! client, [`transport`] the Unix-socket / TCP / TLS streams ([`tls`] their TLS settings),
+//! [`shm`] the shared-memory arenas (POSIX shm or a sealed memfd sent over [`fdchannel`]); [`Client`] and [`Session`] are the API,
 //! with [`proto`] the message types generated from `proto/` at build time.
 
 #![allow(clippy::large_enum_variant)]
@@ -32,11 +33,13 @@ pub mod proto {
 
 pub mod client;
 pub mod error;
+pub mod fdchannel;
 pub mod grpc;
 pub mod session;
 pub mod shm;
 pub mod spec;
 pub mod tensor;
+pub mod tls;
 pub mod transport;
 
 pub use client::{Client, ClientBuilder, Rpc};
@@ -48,3 +51,4 @@ pub use spec::{
     QrMethod, SessionSpec,
 };
 pub use tensor::{Tensor, TensorMap};
+pub use tls::{TlsConfig, TlsFailure};

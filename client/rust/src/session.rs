@@ -82,22 +82,94 @@ impl Session {
 
     // ---- shared memory ------------------------------------------------------------------------
 
-    /// Creates the shm arena for this session's layout and registers it (both roles). From then
-    /// on [`Session::step`] reads the gradients from it and writes the parameters into it.
+    /// Creates a POSIX shm arena for this session's layout and registers it (both roles). From
+    /// then on [`Session::step`] reads the gradients from it and writes the parameters into it.
     pub fn attach_shm(&mut self) -> Result<&mut ShmArena> {
+        self.check_detached()?;
+        let arena = ShmArena::for_layout(&self.layout)?;
+        let mut bodies = Vec::new();
+        for region in [arena.param_region(), arena.grad_region()] {
+            let region = region.expect("a POSIX shm arena has segments");
+            bodies.push((proto::RegionKind::SystemShm, proto::register_region_request::Region::SystemShm(region)));
+        }
+        self.register(arena, |_, _| Ok(bodies.remove(0)))
+    }
+
+    /// [`Session::attach_shm`] with a sealed memfd (module [`crate::shm`]), sent to the daemon
+    /// over its fd channel once per role (each `RegisterRegion` takes its own fd). Needs the
+    /// daemon's Unix socket and a daemon that lists `REGION_KIND_MEMFD` with an fd channel
+    /// (`FAILED_PRECONDITION` otherwise, before anything is created).
+    pub fn attach_memfd(&mut self) -> Result<&mut ShmArena> {
+        self.check_detached()?;
+        let channel = self.fd_channel().ok_or_else(|| {
+            Error::new(
+                Code::FailedPrecondition,
+                "this daemon takes no memfd regions (CreateSession listed no REGION_KIND_MEMFD with an fd \
+                 channel): use attach_shm",
+            )
+        })?;
+        let arena = ShmArena::memfd_for_layout(&self.layout)?;
+        let timeout = self.client.timeout().unwrap_or(Duration::from_secs(20));
+        self.register(arena, |arena, role| {
+            let m = arena.memfd().expect("a memfd arena");
+            let (param_bytes, grad_bytes) = arena.arena_bytes();
+            let (offset, size) = match role {
+                proto::RegionRole::Gradients => (m.grad_offset(), grad_bytes),
+                _ => (0, param_bytes),
+            };
+            let token = crate::fdchannel::send_fd(&channel, m.fd(), crate::fdchannel::KIND_MEMFD, timeout)?;
+            Ok((
+                proto::RegionKind::Memfd,
+                proto::register_region_request::Region::Memfd(proto::MemfdRegion {
+                    offset_bytes: offset as i64,
+                    size_bytes: size as i64,
+                    fd_token: token,
+                }),
+            ))
+        })
+    }
+
+    /// Attaches shared memory of the best kind this daemon takes: a memfd where it lists
+    /// `REGION_KIND_MEMFD` with an fd channel this process can reach, else POSIX shm.
+    pub fn attach(&mut self) -> Result<&mut ShmArena> {
+        match self.fd_channel() {
+            Some(path) if self.client.endpoint().host().is_none() && path.exists() => self.attach_memfd(),
+            _ => self.attach_shm(),
+        }
+    }
+
+    /// The daemon's fd channel, when it takes memfd regions.
+    fn fd_channel(&self) -> Option<std::path::PathBuf> {
+        let memfd = self.layout.region_kinds.contains(&(proto::RegionKind::Memfd as i32));
+        if memfd && !self.layout.fd_channel_socket.is_empty() {
+            Some(std::path::PathBuf::from(&self.layout.fd_channel_socket))
+        } else {
+            None
+        }
+    }
+
+    fn check_detached(&self) -> Result<()> {
         if self.arena.is_some() {
             return Err(Error::new(Code::FailedPrecondition, "shared memory is already attached"));
         }
-        let arena = ShmArena::for_layout(&self.layout)?;
+        Ok(())
+    }
+
+    /// Registers both roles of `arena` with the bodies `body` makes; on a failure the roles
+    /// registered so far are unregistered again and the arena is freed.
+    fn register<F>(&mut self, arena: ShmArena, mut body: F) -> Result<&mut ShmArena>
+    where
+        F: FnMut(&ShmArena, proto::RegionRole) -> Result<(proto::RegionKind, proto::register_region_request::Region)>,
+    {
         let mut regions = Vec::new();
-        for (role, region) in
-            [(proto::RegionRole::Parameters, arena.param_region()), (proto::RegionRole::Gradients, arena.grad_region())]
-        {
-            let r = self.client.rpc().register_region(proto::RegisterRegionRequest {
-                session_id: self.id.clone(),
-                role: role as i32,
-                kind: proto::RegionKind::SystemShm as i32,
-                region: Some(proto::register_region_request::Region::SystemShm(region)),
+        for role in [proto::RegionRole::Parameters, proto::RegionRole::Gradients] {
+            let r = body(&arena, role).and_then(|(kind, region)| {
+                self.client.rpc().register_region(proto::RegisterRegionRequest {
+                    session_id: self.id.clone(),
+                    role: role as i32,
+                    kind: kind as i32,
+                    region: Some(region),
+                })
             });
             match r {
                 Ok(r) => regions.push(r.region_id),

@@ -46,7 +46,7 @@ fn a_daemon_that_goes_away_is_unavailable_after_the_retries() {
     let e = client.list_sessions().unwrap_err();
     assert_eq!(e.code(), Code::Unavailable, "{e}");
     // Dropping the session (its CloseSession fails) must neither panic nor leak its segments.
-    let (p, g) = s.arena().unwrap().segment_names();
+    let (p, g) = s.arena().unwrap().segment_names().unwrap();
     let mine = [p.to_string(), g.to_string()];
     drop(s);
     assert!(mine.iter().all(|n| !common::leftover_segments().contains(n)));

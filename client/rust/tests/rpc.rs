@@ -132,7 +132,7 @@ fn shm_session_every_rpc_and_the_step_contract() {
     assert_eq!(me.parameters, 2);
 
     // UnregisterRegion: detached (segments unlinked), the session goes on over streams.
-    let (p, g) = s.arena().unwrap().segment_names();
+    let (p, g) = s.arena().unwrap().segment_names().unwrap();
     let mine = [p.to_string(), g.to_string()];
     assert!(mine.iter().all(|n| leftover_segments().contains(n)));
     s.detach_shm().unwrap();
@@ -162,7 +162,7 @@ fn streams_and_shm_give_the_same_bytes_and_drop_closes() {
 
     let mut shm = client.create_session(&muon_spec("twin-shm")).unwrap();
     shm.attach_shm().unwrap();
-    let (p, g) = shm.arena().unwrap().segment_names();
+    let (p, g) = shm.arena().unwrap().segment_names().unwrap();
     let mine = [p.to_string(), g.to_string()];
     shm.set_state(&init).unwrap();
     let mut remote = client.create_session(&muon_spec("twin-remote")).unwrap();
