@@ -29,7 +29,7 @@ namespace diond::kernels {
 
 // Bumped when an entry is added, removed or changes signature; RegisterOpsBackend refuses a
 // table of another version.
-inline constexpr uint32_t kOpsBackendVersion = 1;
+inline constexpr uint32_t kOpsBackendVersion = 2;
 
 struct OpsBackend {
   uint32_t version = kOpsBackendVersion;
@@ -84,6 +84,17 @@ struct OpsBackend {
                              TensorView, TensorView) = nullptr;
   absl::Status (*lion_step)(const Context&, const LionParams&, ConstTensorView, TensorView,
                             TensorView) = nullptr;
+
+  // ---- kops: fused optimizer phases (ops.h "kops" block) ----
+  absl::Status (*adamw_step_tracked)(const Context&, const AdamWParams&, ConstTensorView,
+                                     TensorView, TensorView, TensorView, TensorView) = nullptr;
+  absl::Status (*lion_step_tracked)(const Context&, const LionParams&, ConstTensorView,
+                                    TensorView, TensorView, TensorView) = nullptr;
+  absl::Status (*momentum_update)(const Context&, float, bool, ConstTensorView, TensorView,
+                                  TensorView) = nullptr;
+  absl::Status (*apply_update)(const Context&, const ApplyUpdateParams&, ConstTensorView,
+                               TensorView) = nullptr;
+  absl::Status (*normalize_neurons)(const Context&, float, TensorView, TensorView) = nullptr;
 };
 
 // Registers `backend` (static storage duration) for every device of `type`. INVALID_ARGUMENT for

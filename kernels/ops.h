@@ -235,6 +235,46 @@ struct LionParams {
 absl::Status LionStep(const Context& ctx, const LionParams& p, ConstTensorView grad, TensorView x,
                       TensorView m);
 
+// ================================ kops: fused optimizer phases ================================
+// One pass over memory for what the rules did in several (issue 10 item 2). The per-element
+// math of each op is in kernels/elementwise_math.h (math::MomentumElement, ApplyUpdateElement,
+// the Neuron* functions), shared with the device kernels.
+
+// AdamWStep / LionStep that also report the squared Frobenius norm of the change they made to
+// x: update_sq (f32, contiguous, one element) ← Σ (x_after − x_before)², accumulated in double
+// (fixed order for a fixed thread count) and rounded once. Same x, m, v as the ops above, bit
+// for bit; the parameters are read and written once (GroupOptimizer's in-place AdamW/Lion path).
+absl::Status AdamWStep(const Context& ctx, const AdamWParams& p, ConstTensorView grad,
+                       TensorView x, TensorView m, TensorView v, TensorView update_sq);
+absl::Status LionStep(const Context& ctx, const LionParams& p, ConstTensorView grad, TensorView x,
+                      TensorView m, TensorView update_sq);
+
+// Momentum with the Nesterov blend (ALGORITHMS.md §20.1 steps 1-2), in one pass:
+//   m ← μ·m + g;  u ← nesterov ? μ·m + g : m   (f32, no fused multiply-add).
+// grad, m, u: f32, contiguous, same shape; u may alias neither grad nor m.
+absl::Status MomentumUpdate(const Context& ctx, float mu, bool nesterov, ConstTensorView grad,
+                            TensorView m, TensorView u);
+
+// Weight decay and update apply (§20.1 steps 5-7), in one pass over x and u:
+//   x ← decay(x) − r(alpha·u), decay(x) = cautious ? (x·u ≥ 0 ? x − lr_wd·x : x) : x·(1 − lr_wd)
+//   with 1 − lr_wd formed in f32, r = RNE rounding to bf16 (kept in f32) when round_bf16.
+// update, x: f32, contiguous, same shape.
+struct ApplyUpdateParams {
+  float alpha = 0.0f;
+  float lr_wd = 0.0f;  // lr·weight_decay, f32
+  bool cautious = false;
+  bool round_bf16 = false;
+};
+absl::Status ApplyUpdate(const Context& ctx, const ApplyUpdateParams& p, ConstTensorView update,
+                         TensorView x);
+
+// NorMuon's neuron-wise normalization and rescaling (§6.2 steps 5-10, §20.2 steps 5-9) of every
+// rows×cols unit of `o` (f32, rank 2 or 3 [batch, rows, cols], contiguous), in place:
+//   f = ‖O‖_F; ν = rowmean(O²); V ← lerp(V, ν, w); D = O/(√V + 1e-8); O ← D·f/max(‖D‖_F, 1e-8).
+// v: f32 contiguous with batch·rows elements ([batch][row]), updated in place. Sums in double,
+// in element order within a unit, so the result does not depend on the thread count.
+absl::Status NormalizeNeurons(const Context& ctx, float w, TensorView o, TensorView v);
+
 }  // namespace diond::kernels
 
 #endif  // DIOND_KERNELS_OPS_H_

@@ -58,6 +58,12 @@ bool Complete(const OpsBackend& b) {
       reinterpret_cast<const void*>(b.unary), reinterpret_cast<const void*>(b.binary),
       reinterpret_cast<const void*>(b.cautious_weight_decay),
       reinterpret_cast<const void*>(b.adamw_step), reinterpret_cast<const void*>(b.lion_step),
+      // kops
+      reinterpret_cast<const void*>(b.adamw_step_tracked),
+      reinterpret_cast<const void*>(b.lion_step_tracked),
+      reinterpret_cast<const void*>(b.momentum_update),
+      reinterpret_cast<const void*>(b.apply_update),
+      reinterpret_cast<const void*>(b.normalize_neurons),
   };
   for (const void* e : entries) {
     if (e == nullptr) return false;

@@ -59,6 +59,12 @@ OpsBackend MakeTable() {
   t.cautious_weight_decay = &CautiousWeightDecay;
   t.adamw_step = &AdamWStep;
   t.lion_step = &LionStep;
+  // kops
+  t.adamw_step_tracked = &AdamWStepTracked;
+  t.lion_step_tracked = &LionStepTracked;
+  t.momentum_update = &MomentumUpdate;
+  t.apply_update = &ApplyUpdate;
+  t.normalize_neurons = &NormalizeNeurons;
   return t;
 }
 

@@ -60,6 +60,17 @@ absl::Status AdamWStep(const Context& ctx, const AdamWParams& p, ConstTensorView
 absl::Status LionStep(const Context& ctx, const LionParams& p, ConstTensorView grad, TensorView x,
                       TensorView m);
 
+// kops: fused optimizer phases (fused.cc).
+absl::Status AdamWStepTracked(const Context& ctx, const AdamWParams& p, ConstTensorView grad,
+                              TensorView x, TensorView m, TensorView v, TensorView update_sq);
+absl::Status LionStepTracked(const Context& ctx, const LionParams& p, ConstTensorView grad,
+                             TensorView x, TensorView m, TensorView update_sq);
+absl::Status MomentumUpdate(const Context& ctx, float mu, bool nesterov, ConstTensorView grad,
+                            TensorView m, TensorView u);
+absl::Status ApplyUpdate(const Context& ctx, const ApplyUpdateParams& p, ConstTensorView update,
+                         TensorView x);
+absl::Status NormalizeNeurons(const Context& ctx, float w, TensorView o, TensorView v);
+
 // PyTorch's two-branch lerp (elementwise.cc), shared with the fused kernels.
 float LerpF32(float start, float end, float weight);
 

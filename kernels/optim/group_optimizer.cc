@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
+#include "kernels/ops.h"
 #include "kernels/optim/internal/rule.h"
 #include "kernels/optim/validation.h"
 
@@ -156,6 +157,10 @@ class BucketedOptimizer final : public GroupOptimizer {
         b.state.push_back(std::move(buf));
       }
     }
+    if (rule_->InPlace()) {
+      DIOND_ASSIGN_OR_RETURN(update_sq_buf_,
+                             F32Buffer(alloc_, static_cast<int64_t>(this->shapes().size())));
+    }
     return absl::OkStatus();
   }
 
@@ -165,6 +170,7 @@ class BucketedOptimizer final : public GroupOptimizer {
                          float weight_decay) override {
     RecycleStaged();
     if (capture_ != nullptr) capture_->payload.assign(shapes().size(), {});
+    if (rule_->InPlace()) return StepInPlace(ctx, params, grads, lr, weight_decay);
     spare_.resize(buckets_.size());
     for (size_t bi = 0; bi < buckets_.size(); ++bi) {
       const Bucket& b = buckets_[bi];
@@ -232,6 +238,14 @@ class BucketedOptimizer final : public GroupOptimizer {
   }
 
   void CommitStaged(absl::Span<float* const> params) override {
+    if (in_place_step_) {
+      // The rule already wrote params and state; only its Σ(Δx)² are read back (one sync point
+      // per step, docs/KERNELS.md; host-addressable on the CPU backend).
+      const float* sq = update_sq_buf_.As<float>();
+      for (size_t p = 0; p < params.size(); ++p) update_sq_ += static_cast<double>(sq[p]);
+      in_place_step_ = false;
+      return;
+    }
     for (Staged& st : staged_) {
       Bucket& b = buckets_[st.bucket];
       const size_t numel = static_cast<size_t>(b.numel);
@@ -257,7 +271,44 @@ class BucketedOptimizer final : public GroupOptimizer {
     RecycleStaged();
   }
 
-  void DiscardStaged() override { RecycleStaged(); }
+  void DiscardStaged() override {
+    in_place_step_ = false;
+    RecycleStaged();
+  }
+
+  // The in-place path (UpdateRule::InPlace: AdamW, Lion): each parameter with a gradient is
+  // stepped directly in the caller's buffer and its state slot, by one fused op that reads g, x
+  // and the state and writes x and the state once, and reports Σ(Δx)² in the same pass. Nothing
+  // is staged: after Step's validation these ops cannot fail (the promise that a failed step
+  // changes nothing holds because nothing can fail once anything is written).
+  absl::Status StepInPlace(const kernels::Context& ctx, absl::Span<float* const> params,
+                           absl::Span<const float* const> grads, float lr, float weight_decay) {
+    DIOND_RETURN_IF_ERROR(kernels::Fill(ctx, 0.0f, update_sq_buf_.view()));
+    float* const sq = update_sq_buf_.As<float>();
+    internal::BucketArgs args;
+    args.config = &config();
+    args.count = 1;
+    args.scalars = {lr, weight_decay};
+    args.step = step_number_;
+    args.replica_average = replica_average_;
+    for (Bucket& b : buckets_) {
+      args.shape = &b.shape;
+      args.state.resize(b.specs.size());
+      for (size_t slot = 0; slot < b.members.size(); ++slot) {
+        const size_t p = b.members[slot];
+        if (grads[p] == nullptr) continue;
+        args.x = params[p];
+        args.g = grads[p];
+        for (size_t k = 0; k < b.specs.size(); ++k) {
+          args.state[k] = b.state[k].As<float>() + slot * b.specs[k].NumElements();
+        }
+        args.update_sq = sq + p;
+        DIOND_RETURN_IF_ERROR(rule_->Apply(ctx, args));
+      }
+    }
+    in_place_step_ = true;
+    return absl::OkStatus();
+  }
 
   absl::Status ReleaseStateImpl(const std::vector<bool>& keep) override {
     // Allocate every smaller buffer first, so that a failure changes nothing.
@@ -349,6 +400,10 @@ class BucketedOptimizer final : public GroupOptimizer {
 
   std::vector<Staged> staged_;
   std::vector<Staged> spare_;  // per bucket: buffers of the previous step, kept for reuse
+  // In-place rules: Σ(Δx)² per parameter of the step (f32, one per parameter), and whether the
+  // last StageStep ran in place.
+  kernels::Buffer update_sq_buf_;
+  bool in_place_step_ = false;
 };
 
 }  // namespace

@@ -87,6 +87,12 @@ OpsBackend MakeTable() {
   Set<&OpsBackend::cautious_weight_decay>(t, "cautious_weight_decay");
   Set<&OpsBackend::adamw_step>(t, "adamw_step");
   Set<&OpsBackend::lion_step>(t, "lion_step");
+  // kops
+  Set<&OpsBackend::adamw_step_tracked>(t, "adamw_step_tracked");
+  Set<&OpsBackend::lion_step_tracked>(t, "lion_step_tracked");
+  Set<&OpsBackend::momentum_update>(t, "momentum_update");
+  Set<&OpsBackend::apply_update>(t, "apply_update");
+  Set<&OpsBackend::normalize_neurons>(t, "normalize_neurons");
   return t;
 }
 

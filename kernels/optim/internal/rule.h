@@ -50,6 +50,9 @@ struct BucketArgs {
   std::vector<std::vector<float>*> capture;
   // StepOptions::replica_average (Dion's compressed sync), or null.
   const std::function<absl::Status(absl::Span<float>)>* replica_average = nullptr;
+  // In-place rules only (UpdateRule::InPlace): per parameter of the bucket, one f32 element (on
+  // the context's device) where the rule writes Σ(x_after − x_before)², or null.
+  float* update_sq = nullptr;
 };
 
 class UpdateRule {
@@ -64,6 +67,11 @@ class UpdateRule {
                          int64_t count, uint64_t stream, float* data) const;
   // Applies one step to the bucket in place. Must only write through args.x / args.state.
   virtual absl::Status Apply(const kernels::Context& ctx, const BucketArgs& args) const = 0;
+  // True for a rule whose Apply runs only ops that cannot fail once GroupOptimizer::Step has
+  // validated its arguments (no scratch memory, no factorization): GroupOptimizer then runs it
+  // directly on the caller's parameters and the persistent state, one parameter at a time
+  // (count 1), with args.update_sq set, and stages nothing. AdamW and Lion.
+  virtual bool InPlace() const { return false; }
 };
 
 std::unique_ptr<UpdateRule> MakeMuonRule();      // Muon and NorMuon (muon_rules.cc)
