@@ -95,6 +95,8 @@ struct OpsBackend {
   absl::Status (*apply_update)(const Context&, const ApplyUpdateParams&, ConstTensorView,
                                TensorView) = nullptr;
   absl::Status (*normalize_neurons)(const Context&, float, TensorView, TensorView) = nullptr;
+  absl::Status (*copy_with_change)(const Context&, ConstTensorView, TensorView,
+                                   TensorView) = nullptr;
 };
 
 // Registers `backend` (static storage duration) for every device of `type`. INVALID_ARGUMENT for

@@ -275,6 +275,12 @@ absl::Status ApplyUpdate(const Context& ctx, const ApplyUpdateParams& p, ConstTe
 // in element order within a unit, so the result does not depend on the thread count.
 absl::Status NormalizeNeurons(const Context& ctx, float w, TensorView o, TensorView v);
 
+// Commit of a staged result, in one pass: dst ← src, and update_sq (f32, one element) ← Σ
+// (src − dst_before)², accumulated in double as the tracked steps. src, dst: f32, contiguous,
+// same shape, not overlapping.
+absl::Status CopyWithChange(const Context& ctx, ConstTensorView src, TensorView dst,
+                            TensorView update_sq);
+
 }  // namespace diond::kernels
 
 #endif  // DIOND_KERNELS_OPS_H_

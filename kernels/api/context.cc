@@ -64,6 +64,7 @@ bool Complete(const OpsBackend& b) {
       reinterpret_cast<const void*>(b.momentum_update),
       reinterpret_cast<const void*>(b.apply_update),
       reinterpret_cast<const void*>(b.normalize_neurons),
+      reinterpret_cast<const void*>(b.copy_with_change),
   };
   for (const void* e : entries) {
     if (e == nullptr) return false;

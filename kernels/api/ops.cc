@@ -531,4 +531,19 @@ absl::Status NormalizeNeurons(const Context& ctx, float w, TensorView o, TensorV
   return ctx.backend().normalize_neurons(ctx, w, o, v);
 }
 
+absl::Status CopyWithChange(const Context& ctx, ConstTensorView src, TensorView dst,
+                            TensorView update_sq) {
+  constexpr const char* kOp = "CopyWithChange";
+  DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "dst", dst, dst));
+  DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "src", src, dst));
+  if (Overlap(src.data(), src.NumElements(), dst.data(), dst.NumElements())) {
+    return Invalid(kOp, "src overlaps dst");
+  }
+  DIOND_RETURN_IF_ERROR(CheckScalarOut(ctx, kOp, update_sq, dst));
+  if (Overlap(update_sq.data(), 1, src.data(), src.NumElements())) {
+    return Invalid(kOp, "update_sq overlaps src");
+  }
+  return ctx.backend().copy_with_change(ctx, src, dst, update_sq);
+}
+
 }  // namespace diond::kernels

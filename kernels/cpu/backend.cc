@@ -65,6 +65,7 @@ OpsBackend MakeTable() {
   t.momentum_update = &MomentumUpdate;
   t.apply_update = &ApplyUpdate;
   t.normalize_neurons = &NormalizeNeurons;
+  t.copy_with_change = &CopyWithChange;
   return t;
 }
 

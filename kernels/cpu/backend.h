@@ -70,6 +70,8 @@ absl::Status MomentumUpdate(const Context& ctx, float mu, bool nesterov, ConstTe
 absl::Status ApplyUpdate(const Context& ctx, const ApplyUpdateParams& p, ConstTensorView update,
                          TensorView x);
 absl::Status NormalizeNeurons(const Context& ctx, float w, TensorView o, TensorView v);
+absl::Status CopyWithChange(const Context& ctx, ConstTensorView src, TensorView dst,
+                            TensorView update_sq);
 
 // PyTorch's two-branch lerp (elementwise.cc), shared with the fused kernels.
 float LerpF32(float start, float end, float weight);

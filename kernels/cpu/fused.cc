@@ -209,4 +209,21 @@ absl::Status NormalizeNeurons(const Context& ctx, float w, TensorView o, TensorV
   return absl::OkStatus();
 }
 
+absl::Status CopyWithChange(const Context& ctx, ConstTensorView src, TensorView dst,
+                            TensorView update_sq) {
+  cpu::ApplyThreadPolicy(ctx);
+  const float* sp = src.As<float>();
+  float* dp = dst.As<float>();
+  const double sq = cpu::ParallelSum(dst.NumElements(), [&](int64_t b, int64_t e) {
+    double acc = 0.0;
+    for (int64_t i = b; i < e; ++i) {
+      acc += Sq(sp[i], dp[i]);
+      dp[i] = sp[i];
+    }
+    return acc;
+  });
+  *update_sq.As<float>() = static_cast<float>(sq);
+  return absl::OkStatus();
+}
+
 }  // namespace diond::kernels::cpu

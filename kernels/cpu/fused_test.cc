@@ -1,5 +1,5 @@
 // Tests of the kops block of kernels/ops.h: the tracked AdamW/Lion steps, MomentumUpdate,
-// ApplyUpdate and NormalizeNeurons, each against an independent scalar formulation written here
+// ApplyUpdate, NormalizeNeurons and CopyWithChange, each against an independent scalar formulation written here
 // (or, for the tracked steps, against the untracked op and a double sum of the changes).
 #include <cmath>
 #include <vector>
@@ -194,6 +194,22 @@ TEST(NormalizeNeurons, MatchesTheRecipeAndBatchesBitForBit) {
   EXPECT_THAT(NormalizeNeurons(*ctx, w, MakeView(o.data(), {batch, rows, cols}),
                                MakeView(short_v.data(), {rows})),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("v is")));
+}
+
+TEST(CopyWithChange, CopiesAndReportsTheSquaredChange) {
+  auto ctx = Context::CpuDefault(2);
+  const auto src = RandomVector(kN, 14), dst0 = RandomVector(kN, 15);
+  std::vector<float> dst = dst0;
+  float sq = -1.0f;
+  ASSERT_THAT(CopyWithChange(*ctx, MakeView(src.data(), {kN}), MakeView(dst.data(), {kN}),
+                             MakeView(&sq, {1})),
+              IsOk());
+  EXPECT_EQ(dst, src);
+  const double want = SumSqDiff(src, dst0);
+  EXPECT_NEAR(sq, want, 1e-6 * want);
+  EXPECT_THAT(CopyWithChange(*ctx, MakeView(src.data(), {kN}), MakeView(dst.data(), {kN}),
+                             MakeView(dst.data() + 7, {1})),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("overlaps")));
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 #include "kernels/optim/group_optimizer.h"
 
+#include <cassert>
 #include <cmath>
 
 #include <cstring>
@@ -106,10 +107,12 @@ struct Bucket {
 struct Staged {
   size_t bucket = 0;
   std::vector<size_t> slots;  // positions in Bucket::members that participated
-  kernels::Buffer x;
-  kernels::Buffer g;
+  kernels::Buffer x;  // the gradients are not staged: the rules read the caller's buffers
   std::vector<kernels::Buffer> state;
 };
+
+kernels::TensorView F32View(float* p, int64_t n) { return kernels::MakeView(p, {n}); }
+kernels::ConstTensorView F32View(const float* p, int64_t n) { return kernels::MakeView(p, {n}); }
 
 absl::StatusOr<kernels::Buffer> F32Buffer(const kernels::Allocator& alloc, int64_t n) {
   return alloc.Allocate(kernels::DType::kF32, {n});
@@ -157,10 +160,8 @@ class BucketedOptimizer final : public GroupOptimizer {
         b.state.push_back(std::move(buf));
       }
     }
-    if (rule_->InPlace()) {
-      DIOND_ASSIGN_OR_RETURN(update_sq_buf_,
-                             F32Buffer(alloc_, static_cast<int64_t>(this->shapes().size())));
-    }
+    DIOND_ASSIGN_OR_RETURN(update_sq_buf_,
+                           F32Buffer(alloc_, static_cast<int64_t>(this->shapes().size())));
     return absl::OkStatus();
   }
 
@@ -169,6 +170,7 @@ class BucketedOptimizer final : public GroupOptimizer {
                          absl::Span<const float* const> grads, float lr,
                          float weight_decay) override {
     RecycleStaged();
+    commit_ctx_ = &ctx;
     if (capture_ != nullptr) capture_->payload.assign(shapes().size(), {});
     if (rule_->InPlace()) return StepInPlace(ctx, params, grads, lr, weight_decay);
     spare_.resize(buckets_.size());
@@ -191,7 +193,6 @@ class BucketedOptimizer final : public GroupOptimizer {
       const int64_t all = static_cast<int64_t>(b.members.size());
       if (st.x.empty()) {  // first step of this bucket: staging for every member, kept
         DIOND_ASSIGN_OR_RETURN(st.x, F32Buffer(alloc_, all * b.numel));
-        DIOND_ASSIGN_OR_RETURN(st.g, F32Buffer(alloc_, all * b.numel));
         st.state.clear();
         for (size_t k = 0; k < b.specs.size(); ++k) {
           DIOND_ASSIGN_OR_RETURN(kernels::Buffer sb,
@@ -199,21 +200,21 @@ class BucketedOptimizer final : public GroupOptimizer {
           st.state.push_back(std::move(sb));
         }
       }
+      // Stage the parameters and the state (the rules update them in place, and a later
+      // fallible phase, e.g. an orthogonalization, may still fail).
       float* sx = st.x.As<float>();
-      float* sg = st.g.As<float>();
       for (size_t j = 0; j < np; ++j) {
         const size_t p = b.members[st.slots[j]];
-        if (numel > 0) {
-          std::memcpy(sx + j * numel, params[p], numel * sizeof(float));
-          std::memcpy(sg + j * numel, grads[p], numel * sizeof(float));
-        }
+        DIOND_RETURN_IF_ERROR(kernels::Copy(ctx, F32View(params[p], b.numel),
+                                            F32View(sx + j * numel, b.numel)));
       }
       for (size_t k = 0; k < b.specs.size(); ++k) {
-        const size_t sn = static_cast<size_t>(b.specs[k].NumElements());
+        const int64_t sn = b.specs[k].NumElements();
         float* s = st.state[k].As<float>();
         const float* src = b.state[k].As<float>();
         for (size_t j = 0; j < np; ++j) {
-          if (sn > 0) std::memcpy(s + j * sn, src + st.slots[j] * sn, sn * sizeof(float));
+          DIOND_RETURN_IF_ERROR(kernels::Copy(ctx, F32View(src + st.slots[j] * sn, sn),
+                                              F32View(s + j * sn, sn)));
         }
       }
       internal::BucketArgs args;
@@ -221,7 +222,7 @@ class BucketedOptimizer final : public GroupOptimizer {
       args.shape = &b.shape;
       args.count = static_cast<int64_t>(np);
       args.x = sx;
-      args.g = sg;
+      for (size_t j = 0; j < np; ++j) args.g.push_back(grads[b.members[st.slots[j]]]);
       for (auto& s : st.state) args.state.push_back(s.As<float>());
       args.scalars = {lr, weight_decay};
       args.step = step_number_;
@@ -246,28 +247,31 @@ class BucketedOptimizer final : public GroupOptimizer {
       in_place_step_ = false;
       return;
     }
+    // Copy and Fill on valid views of host memory cannot fail: the statuses are checked in
+    // debug builds only (commit has no way back).
+    const kernels::Context& ctx = *commit_ctx_;
+    absl::Status s = kernels::Fill(ctx, 0.0f, update_sq_buf_.view());
+    float* const sq = update_sq_buf_.As<float>();
     for (Staged& st : staged_) {
       Bucket& b = buckets_[st.bucket];
-      const size_t numel = static_cast<size_t>(b.numel);
+      const int64_t numel = b.numel;
       for (size_t j = 0; j < st.slots.size(); ++j) {
         const size_t p = b.members[st.slots[j]];
-        const float* staged = st.x.As<float>() + j * numel;
-        double sq = 0;
-        for (size_t e = 0; e < numel; ++e) {
-          const double d = static_cast<double>(staged[e]) - params[p][e];
-          sq += d * d;
-        }
-        update_sq_ += sq;
-        if (numel > 0) std::memcpy(params[p], staged, numel * sizeof(float));
+        // One pass: the parameter takes the staged value, and Σ(Δx)² comes with it.
+        s.Update(kernels::CopyWithChange(ctx, F32View(st.x.As<float>() + j * numel, numel),
+                                         F32View(params[p], numel),
+                                         kernels::MakeView(sq + p, {1})));
         for (size_t k = 0; k < b.specs.size(); ++k) {
-          const size_t sn = static_cast<size_t>(b.specs[k].NumElements());
-          if (sn > 0) {
-            std::memcpy(b.state[k].As<float>() + st.slots[j] * sn,
-                        st.state[k].As<float>() + j * sn, sn * sizeof(float));
-          }
+          const int64_t sn = b.specs[k].NumElements();
+          s.Update(kernels::Copy(ctx, F32View(st.state[k].As<float>() + j * sn, sn),
+                                 F32View(b.state[k].As<float>() + st.slots[j] * sn, sn)));
         }
       }
     }
+    // Σ(Δx)² per parameter read back once per step (a sync point, docs/KERNELS.md).
+    for (size_t p = 0; p < params.size(); ++p) update_sq_ += static_cast<double>(sq[p]);
+    assert(s.ok());
+    (void)s;
     RecycleStaged();
   }
 
@@ -298,7 +302,7 @@ class BucketedOptimizer final : public GroupOptimizer {
         const size_t p = b.members[slot];
         if (grads[p] == nullptr) continue;
         args.x = params[p];
-        args.g = grads[p];
+        args.g.assign(1, grads[p]);
         for (size_t k = 0; k < b.specs.size(); ++k) {
           args.state[k] = b.state[k].As<float>() + slot * b.specs[k].NumElements();
         }
@@ -404,6 +408,8 @@ class BucketedOptimizer final : public GroupOptimizer {
   // last StageStep ran in place.
   kernels::Buffer update_sq_buf_;
   bool in_place_step_ = false;
+  // The context of the step being staged; CommitStaged runs its copies on it.
+  const kernels::Context* commit_ctx_ = nullptr;
 };
 
 }  // namespace

@@ -93,6 +93,7 @@ OpsBackend MakeTable() {
   Set<&OpsBackend::momentum_update>(t, "momentum_update");
   Set<&OpsBackend::apply_update>(t, "apply_update");
   Set<&OpsBackend::normalize_neurons>(t, "normalize_neurons");
+  Set<&OpsBackend::copy_with_change>(t, "copy_with_change");
   return t;
 }
 

@@ -92,8 +92,12 @@ class Dion2Rule final : public UpdateRule {
     const int64_t total = units.batch * msize;
 
     // 1. M ← M + G (pure accumulation, P5).
-    DIOND_RETURN_IF_ERROR(kernels::Axpby(ctx, 1.0f, CVec(m, total), 1.0f, CVec(a.g, total),
-                                         Vec(m, total)));
+    // Per parameter: its gradient is the caller's buffer (GroupOptimizer stages no gradient).
+    const int64_t numel = total / a.count;
+    for (int64_t p = 0; p < a.count; ++p) {
+      DIOND_RETURN_IF_ERROR(kernels::Axpby(ctx, 1.0f, CVec(m + p * numel, numel), 1.0f,
+                                           CVec(a.g[p], numel), Vec(m + p * numel, numel)));
+    }
 
     // 2-7. Per unit: top-k slices by L1 norm, S = M[I] (pre-decay, P6), M[I] ← ef·S.
     // The indices come back to the host (TopKByL1Norm's sync point, docs/KERNELS.md); S and the

@@ -181,8 +181,12 @@ class DionRule final : public UpdateRule {
     DIOND_ASSIGN_OR_RETURN(float* const norms, ScratchFloats(ctx, N * d.r));
 
     // 1. M ← M + G.
-    DIOND_RETURN_IF_ERROR(kernels::Axpby(ctx, 1.0f, CVec(M, msize), 1.0f, CVec(args.g, msize),
-                                         Vec(M, msize)));
+    // Per matrix: its gradient is the caller's buffer (GroupOptimizer stages no gradient).
+    const int64_t numel = d.m * d.n;
+    for (int64_t j = 0; j < N; ++j) {
+      DIOND_RETURN_IF_ERROR(kernels::Axpby(ctx, 1.0f, CVec(M + j * numel, numel), 1.0f,
+                                           CVec(args.g[j], numel), Vec(M + j * numel, numel)));
+    }
 
     // 2-3. P = B·Q with B = M (a×b) or Mᵀ when transposed.
     GemmParams gp;

@@ -31,8 +31,13 @@ class MuonRule final : public UpdateRule {
     // reuse its block instead of allocating.
     kernels::ScratchArena::Scope scope(ctx.scratch());
     DIOND_ASSIGN_OR_RETURN(float* const u, ScratchFloats(ctx, total));
-    DIOND_RETURN_IF_ERROR(kernels::MomentumUpdate(ctx, mu, h.nesterov, CVec(a.g, total),
-                                                  Vec(m, total), Vec(u, total)));
+    // Per parameter: its gradient is the caller's buffer (GroupOptimizer stages no gradient).
+    const int64_t numel = total / a.count;
+    for (int64_t p = 0; p < a.count; ++p) {
+      DIOND_RETURN_IF_ERROR(kernels::MomentumUpdate(ctx, mu, h.nesterov, CVec(a.g[p], numel),
+                                                    Vec(m + p * numel, numel),
+                                                    Vec(u + p * numel, numel)));
+    }
     // 3-4. O = ORTH(bf(U)) (the bf16 rounding is inside the orthogonalizer's bf16 mode).
     if (!cfg.split_sizes.empty()) {
       const ParamShape& s = *a.shape;

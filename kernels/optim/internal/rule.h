@@ -4,7 +4,8 @@
 // A rule sees one shape bucket at a time: the N parameters of one shape that have a gradient
 // this step, as contiguous stacks [N, ...shape] that it updates in place:
 //   x      the parameters (a staged copy; committed to the caller's buffers on success)
-//   g      the gradients (read only)
+//   g      per parameter, its gradient: the caller's buffer, read only and never staged (a
+//          rule's first phase reads each one once, one op call per parameter)
 //   state  one staged stack per state name, [N, ...state shape]
 // Rules are stateless objects; everything persistent is in the state stacks.
 #ifndef DIOND_KERNELS_OPTIM_INTERNAL_RULE_H_
@@ -40,7 +41,7 @@ struct BucketArgs {
   const ParamShape* shape = nullptr;
   int64_t count = 0;  // N
   float* x = nullptr;
-  const float* g = nullptr;
+  std::vector<const float*> g;  // count entries, each ...shape floats
   std::vector<float*> state;  // in the order of Specs()
   StepScalars scalars;
   // The 1-based step number (StepOptions::step, or steps_taken() + 1).

@@ -38,7 +38,7 @@ class ScalarRule final : public UpdateRule {
     for (int64_t p = 0; p < a.count; ++p) {
       const int64_t off = p * numel;
       kernels::TensorView x = kernels::MakeView(a.x + off, {numel});
-      kernels::ConstTensorView g = kernels::MakeView(a.g + off, {numel});
+      kernels::ConstTensorView g = kernels::MakeView(a.g[p], {numel});
       kernels::TensorView m = kernels::MakeView(a.state[0] + off, {numel});
       // Σ(Δx)² of this parameter, in the same pass (GroupOptimizer's in-place path).
       kernels::TensorView sq;
