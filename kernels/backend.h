@@ -60,7 +60,6 @@ struct OpsBackend {
   absl::Status (*frobenius_norm)(const Context&, ConstTensorView, TensorView) = nullptr;
   absl::Status (*axis_norms)(const Context&, ConstTensorView, Axis, NormType,
                              TensorView) = nullptr;
-  absl::Status (*top_k)(const Context&, ConstTensorView, int64_t, absl::Span<int64_t>) = nullptr;
   absl::Status (*top_k_by_l1_norm)(const Context&, ConstTensorView, Axis, int64_t,
                                    absl::Span<int64_t>, TensorView) = nullptr;
   absl::Status (*is_all_zero)(const Context&, ConstTensorView, bool*) = nullptr;
@@ -73,13 +72,9 @@ struct OpsBackend {
   absl::Status (*axpby)(const Context&, float, ConstTensorView, float, ConstTensorView,
                         TensorView) = nullptr;
   absl::Status (*add_scalar)(const Context&, float, ConstTensorView, float, TensorView) = nullptr;
-  absl::Status (*lerp)(const Context&, ConstTensorView, ConstTensorView, float,
-                       TensorView) = nullptr;
   absl::Status (*unary)(const Context&, UnaryOp, ConstTensorView, TensorView) = nullptr;
   absl::Status (*binary)(const Context&, BinaryOp, ConstTensorView, ConstTensorView,
                          TensorView) = nullptr;
-  absl::Status (*cautious_weight_decay)(const Context&, float, ConstTensorView,
-                                        TensorView) = nullptr;
   absl::Status (*adamw_step)(const Context&, const AdamWParams&, ConstTensorView, TensorView,
                              TensorView, TensorView) = nullptr;
   absl::Status (*lion_step)(const Context&, const LionParams&, ConstTensorView, TensorView,

@@ -86,11 +86,6 @@ DIOND_HD void LionElement(const LionScalars& s, float g, float& x, float& m) {
   x = xi - s.lr * u;
 }
 
-// ---- Cautious weight decay: decay only where x and the update direction agree in sign --------
-DIOND_HD float CautiousDecayElement(float decay, float x, float direction) {
-  return x * direction >= 0.0f ? x - decay * x : x;
-}
-
 // ---- kops: the fused phases of the matrix rules (Muon, NorMuon, Dion2, NorDion2) -------------
 
 // RNE rounding of an f32 value to the bf16 grid, kept in f32 (NaN stays NaN, quieted); the same

@@ -123,14 +123,10 @@ absl::Status FrobeniusNorm(const Context& ctx, ConstTensorView a, TensorView out
 absl::Status AxisNorms(const Context& ctx, ConstTensorView a, Axis axis, NormType type,
                        TensorView out);
 
-// Indices of the k largest values of `scores` (f32, contiguous, any rank; flattened), written to
-// `indices` (size k) in descending order of score; equal scores are ordered by lower index first,
-// so the result is exact and deterministic. NaN scores rank below every number. 1 <= k <= size.
-absl::Status TopK(const Context& ctx, ConstTensorView scores, int64_t k,
-                  absl::Span<int64_t> indices);
-
 // Top-k slices of one matrix A (rank 2, f32 or bf16) by L1 norm: axis kRows selects rows
-// (scores Σ_j|A_ij|), kCols selects columns. Same ordering rules as TopK. If `scores_out` is
+// (scores Σ_j|A_ij|), kCols selects columns. The k indices are written in descending order of
+// score; equal scores are ordered by lower index first, so the result is exact and
+// deterministic. NaN scores rank below every number. 1 <= k <= Rows (or Cols). If `scores_out` is
 // non-empty (f32, Rows or Cols elements) it receives all the L1 norms.
 absl::Status TopKByL1Norm(const Context& ctx, ConstTensorView a, Axis axis, int64_t k,
                           absl::Span<int64_t> indices, TensorView scores_out = {});
@@ -174,11 +170,6 @@ absl::Status Scale(const Context& ctx, float alpha, ConstTensorView x, TensorVie
 absl::Status AddScalar(const Context& ctx, float alpha, ConstTensorView x, float beta,
                        TensorView out);
 
-// out ← lerp(start, end, weight) with PyTorch's two-branch formula:
-//   |weight| < 0.5 ? start + weight·(end − start) : end − (end − start)·(1 − weight).
-absl::Status Lerp(const Context& ctx, ConstTensorView start, ConstTensorView end, float weight,
-                  TensorView out);
-
 enum class UnaryOp : uint8_t {
   kSign,    // −1, 0 or +1; sign(±0) = 0 and sign(NaN) = 0 (PyTorch CPU)
   kAbs,
@@ -195,11 +186,6 @@ enum class BinaryOp : uint8_t { kAdd, kSub, kMul, kDiv, kMax, kMin };
 // shaped scalars. Any float dtypes.
 absl::Status Binary(const Context& ctx, BinaryOp op, ConstTensorView x, ConstTensorView y,
                     TensorView out);
-
-// Cautious weight decay (ALGORITHMS.md §20.1 step 6, §20.7 step 3):
-//   x ← x − decay·x·[x·direction ≥ 0]   (elementwise; x f32, direction any float dtype).
-absl::Status CautiousWeightDecay(const Context& ctx, float decay, ConstTensorView direction,
-                                 TensorView x);
 
 // Fused AdamW step over one parameter tensor, with the float32 path of PyTorch 2.x's fused
 // CPU kernel (conformance README §5 item 6, ALGORITHMS.md §20.6). lr, beta1, beta2, epsilon,

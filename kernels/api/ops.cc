@@ -258,15 +258,6 @@ absl::Status AxisNorms(const Context& ctx, ConstTensorView a, Axis axis, NormTyp
   return ctx.backend().axis_norms(ctx, a, axis, type, out);
 }
 
-absl::Status TopK(const Context& ctx, ConstTensorView scores, int64_t k,
-                  absl::Span<int64_t> indices) {
-  constexpr const char* kOp = "TopK";
-  DIOND_RETURN_IF_ERROR(CheckContiguous(ctx, kOp, "scores", scores));
-  DIOND_RETURN_IF_ERROR(CheckDType(kOp, "scores", scores.layout(), DType::kF32));
-  DIOND_RETURN_IF_ERROR(CheckTopKCount(kOp, scores.NumElements(), k, indices.size()));
-  return ctx.backend().top_k(ctx, scores, k, indices);
-}
-
 absl::Status TopKByL1Norm(const Context& ctx, ConstTensorView a, Axis axis, int64_t k,
                           absl::Span<int64_t> indices, TensorView scores_out) {
   constexpr const char* kOp = "TopKByL1Norm";
@@ -349,18 +340,6 @@ absl::Status AddScalar(const Context& ctx, float alpha, ConstTensorView x, float
   return ctx.backend().add_scalar(ctx, alpha, x, beta, out);
 }
 
-absl::Status Lerp(const Context& ctx, ConstTensorView start, ConstTensorView end, float weight,
-                  TensorView out) {
-  constexpr const char* kOp = "Lerp";
-  DIOND_RETURN_IF_ERROR(CheckSameShapeContiguous(ctx, kOp, start, "start", out));
-  DIOND_RETURN_IF_ERROR(CheckContiguous(ctx, kOp, "end", end));
-  if (!SameShape(start.layout(), end.layout())) {
-    return Invalid(kOp, "end is ", end.DebugString(), ", want the shape of start ",
-                   start.DebugString());
-  }
-  DIOND_RETURN_IF_ERROR(CheckFinite(kOp, "weight", weight));
-  return ctx.backend().lerp(ctx, start, end, weight, out);
-}
 
 absl::Status Unary(const Context& ctx, UnaryOp op, ConstTensorView x, TensorView out) {
   constexpr const char* kOp = "Unary";
@@ -392,14 +371,6 @@ absl::Status Binary(const Context& ctx, BinaryOp op, ConstTensorView x, ConstTen
   return ctx.backend().binary(ctx, op, x, y, out);
 }
 
-absl::Status CautiousWeightDecay(const Context& ctx, float decay, ConstTensorView direction,
-                                 TensorView x) {
-  constexpr const char* kOp = "CautiousWeightDecay";
-  DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "x", x, x));
-  DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "direction", direction, x, /*any_dtype=*/true));
-  DIOND_RETURN_IF_ERROR(CheckFinite(kOp, "decay", decay));
-  return ctx.backend().cautious_weight_decay(ctx, decay, direction, x);
-}
 
 namespace {
 

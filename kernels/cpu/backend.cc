@@ -44,7 +44,6 @@ OpsBackend MakeTable() {
   t.randomized_cholesky_qr = &RandomizedCholeskyQr;
   t.frobenius_norm = &FrobeniusNorm;
   t.axis_norms = &AxisNorms;
-  t.top_k = &TopK;
   t.top_k_by_l1_norm = &TopKByL1Norm;
   t.is_all_zero = &IsAllZero;
   t.gather = &Gather;
@@ -53,10 +52,8 @@ OpsBackend MakeTable() {
   t.fill = &Fill;
   t.axpby = &Axpby;
   t.add_scalar = &AddScalar;
-  t.lerp = &Lerp;
   t.unary = &Unary;
   t.binary = &Binary;
-  t.cautious_weight_decay = &CautiousWeightDecay;
   t.adamw_step = &AdamWStep;
   t.lion_step = &LionStep;
   // kops

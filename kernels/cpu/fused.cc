@@ -1,4 +1,4 @@
-// Fused optimizer-step kernels of kernels/ops.h: CautiousWeightDecay, AdamWStep, LionStep and
+// Fused optimizer-step kernels of kernels/ops.h: AdamWStep, LionStep and
 // the kops block (tracked AdamW/Lion, MomentumUpdate, ApplyUpdate, NormalizeNeurons).
 #include <omp.h>
 
@@ -10,22 +10,6 @@
 #include "kernels/cpu/backend.h"
 
 namespace diond::kernels::cpu {
-
-absl::Status CautiousWeightDecay(const Context& ctx, float decay, ConstTensorView direction,
-                                 TensorView x) {
-  cpu::ApplyThreadPolicy(ctx);
-  float* xp = x.As<float>();
-  cpu::DispatchDType(direction.dtype(), [&](auto dt) {
-    using D = decltype(dt);
-    const D* dp = static_cast<const D*>(direction.data());
-    cpu::ParallelRange(x.NumElements(), [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) {
-        xp[i] = math::CautiousDecayElement(decay, xp[i], cpu::ToF32(dp[i]));
-      }
-    });
-  });
-  return absl::OkStatus();
-}
 
 namespace {
 

@@ -1,4 +1,4 @@
-// Reductions of kernels/ops.h: FrobeniusNorm, AxisNorms, TopK, TopKByL1Norm, IsAllZero.
+// Reductions of kernels/ops.h: FrobeniusNorm, AxisNorms, TopKByL1Norm, IsAllZero.
 // Every sum is accumulated in double along one row or one column by one thread, in index order,
 // so results do not depend on the thread count.
 #include <algorithm>
@@ -122,12 +122,6 @@ absl::Status TopKImpl(const Context& ctx, const float* s, int64_t n, int64_t k,
   return absl::OkStatus();
 }
 }  // namespace
-
-absl::Status TopK(const Context& ctx, ConstTensorView scores, int64_t k,
-                  absl::Span<int64_t> indices) {
-  cpu::ApplyThreadPolicy(ctx);
-  return TopKImpl(ctx, scores.As<float>(), scores.NumElements(), k, indices);
-}
 
 absl::Status TopKByL1Norm(const Context& ctx, ConstTensorView a, Axis axis, int64_t k,
                           absl::Span<int64_t> indices, TensorView scores_out) {
