@@ -85,10 +85,10 @@ struct OpsBackend {
                                      TensorView, TensorView, TensorView, TensorView) = nullptr;
   absl::Status (*lion_step_tracked)(const Context&, const LionParams&, ConstTensorView,
                                     TensorView, TensorView, TensorView) = nullptr;
-  absl::Status (*momentum_update)(const Context&, float, bool, ConstTensorView, TensorView,
-                                  TensorView) = nullptr;
+  absl::Status (*momentum_update)(const Context&, float, bool, ConstTensorView, ConstTensorView,
+                                  TensorView, TensorView) = nullptr;
   absl::Status (*apply_update)(const Context&, const ApplyUpdateParams&, ConstTensorView,
-                               TensorView) = nullptr;
+                               ConstTensorView, TensorView) = nullptr;
   absl::Status (*normalize_neurons)(const Context&, float, TensorView, TensorView) = nullptr;
   absl::Status (*copy_with_change)(const Context&, ConstTensorView, TensorView,
                                    TensorView) = nullptr;

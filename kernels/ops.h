@@ -236,15 +236,17 @@ absl::Status LionStep(const Context& ctx, const LionParams& p, ConstTensorView g
                       TensorView m, TensorView update_sq);
 
 // Momentum with the Nesterov blend (ALGORITHMS.md §20.1 steps 1-2), in one pass:
-//   m ← μ·m + g;  u ← nesterov ? μ·m + g : m   (f32, no fused multiply-add).
-// grad, m, u: f32, contiguous, same shape; u may alias neither grad nor m.
+//   m ← μ·m_in + g;  u ← nesterov ? μ·m + g : m   (f32, no fused multiply-add).
+// grad, m_in, m, u: f32, contiguous, same shape. m_in may be m itself (in place) or another
+// buffer (e.g. the persistent state, with m its staged copy); u aliases none of the others.
 absl::Status MomentumUpdate(const Context& ctx, float mu, bool nesterov, ConstTensorView grad,
-                            TensorView m, TensorView u);
+                            ConstTensorView m_in, TensorView m, TensorView u);
 
 // Weight decay and update apply (§20.1 steps 5-7), in one pass over x and u:
-//   x ← decay(x) − r(alpha·u), decay(x) = cautious ? (x·u ≥ 0 ? x − lr_wd·x : x) : x·(1 − lr_wd)
+//   x ← decay(x_in) − r(alpha·u),
+//   decay(x) = cautious ? (x·u ≥ 0 ? x − lr_wd·x : x) : x·(1 − lr_wd)
 //   with 1 − lr_wd formed in f32, r = RNE rounding to bf16 (kept in f32) when round_bf16.
-// update, x: f32, contiguous, same shape.
+// update, x_in, x: f32, contiguous, same shape; x_in may be x itself (in place).
 struct ApplyUpdateParams {
   float alpha = 0.0f;
   float lr_wd = 0.0f;  // lr·weight_decay, f32
@@ -252,7 +254,7 @@ struct ApplyUpdateParams {
   bool round_bf16 = false;
 };
 absl::Status ApplyUpdate(const Context& ctx, const ApplyUpdateParams& p, ConstTensorView update,
-                         TensorView x);
+                         ConstTensorView x_in, TensorView x);
 
 // NorMuon's neuron-wise normalization and rescaling (§6.2 steps 5-10, §20.2 steps 5-9) of every
 // rows×cols unit of `o` (f32, rank 2 or 3 [batch, rows, cols], contiguous), in place:

@@ -457,27 +457,37 @@ absl::Status LionStep(const Context& ctx, const LionParams& p, ConstTensorView g
 }
 
 absl::Status MomentumUpdate(const Context& ctx, float mu, bool nesterov, ConstTensorView grad,
-                            TensorView m, TensorView u) {
+                            ConstTensorView m_in, TensorView m, TensorView u) {
   constexpr const char* kOp = "MomentumUpdate";
   DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "m", m, m));
+  DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "m_in", m_in, m));
   DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "grad", grad, m));
   DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "u", u, m));
   DIOND_RETURN_IF_ERROR(CheckFinite(kOp, "mu", mu));
   const int64_t n = m.NumElements();
-  if (Overlap(u.data(), n, m.data(), n) || Overlap(u.data(), n, grad.data(), n)) {
-    return Invalid(kOp, "u overlaps m or grad");
+  if (Overlap(u.data(), n, m.data(), n) || Overlap(u.data(), n, grad.data(), n) ||
+      Overlap(u.data(), n, m_in.data(), n)) {
+    return Invalid(kOp, "u overlaps m, m_in or grad");
   }
-  return ctx.backend().momentum_update(ctx, mu, nesterov, grad, m, u);
+  if (m_in.data() != m.data() && Overlap(m_in.data(), n, m.data(), n)) {
+    return Invalid(kOp, "m_in partly overlaps m (pass m itself to update in place)");
+  }
+  return ctx.backend().momentum_update(ctx, mu, nesterov, grad, m_in, m, u);
 }
 
 absl::Status ApplyUpdate(const Context& ctx, const ApplyUpdateParams& p, ConstTensorView update,
-                         TensorView x) {
+                         ConstTensorView x_in, TensorView x) {
   constexpr const char* kOp = "ApplyUpdate";
   DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "x", x, x));
+  DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "x_in", x_in, x));
   DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "update", update, x));
+  const int64_t n = x.NumElements();
+  if (x_in.data() != x.data() && Overlap(x_in.data(), n, x.data(), n)) {
+    return Invalid(kOp, "x_in partly overlaps x (pass x itself to update in place)");
+  }
   DIOND_RETURN_IF_ERROR(CheckFinite(kOp, "alpha", p.alpha));
   DIOND_RETURN_IF_ERROR(CheckFinite(kOp, "lr_wd", p.lr_wd));
-  return ctx.backend().apply_update(ctx, p, update, x);
+  return ctx.backend().apply_update(ctx, p, update, x_in, x);
 }
 
 absl::Status NormalizeNeurons(const Context& ctx, float w, TensorView o, TensorView v) {

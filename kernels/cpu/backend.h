@@ -60,9 +60,9 @@ absl::Status AdamWStepTracked(const Context& ctx, const AdamWParams& p, ConstTen
 absl::Status LionStepTracked(const Context& ctx, const LionParams& p, ConstTensorView grad,
                              TensorView x, TensorView m, TensorView update_sq);
 absl::Status MomentumUpdate(const Context& ctx, float mu, bool nesterov, ConstTensorView grad,
-                            TensorView m, TensorView u);
+                            ConstTensorView m_in, TensorView m, TensorView u);
 absl::Status ApplyUpdate(const Context& ctx, const ApplyUpdateParams& p, ConstTensorView update,
-                         TensorView x);
+                         ConstTensorView x_in, TensorView x);
 absl::Status NormalizeNeurons(const Context& ctx, float w, TensorView o, TensorView v);
 absl::Status CopyWithChange(const Context& ctx, ConstTensorView src, TensorView dst,
                             TensorView update_sq);

@@ -120,23 +120,25 @@ absl::Status LionStepTracked(const Context& ctx, const LionParams& p, ConstTenso
 }
 
 absl::Status MomentumUpdate(const Context& ctx, float mu, bool nesterov, ConstTensorView grad,
-                            TensorView m, TensorView u) {
+                            ConstTensorView m_in, TensorView m, TensorView u) {
   cpu::ApplyThreadPolicy(ctx);
   const float* gp = grad.As<float>();
+  const float* ip = m_in.As<float>();
   float* mp = m.As<float>();
   float* up = u.As<float>();
   cpu::ParallelRange(m.NumElements(), [&](int64_t b, int64_t e) {
-    if (nesterov) {
-      for (int64_t i = b; i < e; ++i) up[i] = math::MomentumElement(mu, true, gp[i], mp[i]);
-    } else {
-      for (int64_t i = b; i < e; ++i) up[i] = math::MomentumElement(mu, false, gp[i], mp[i]);
+    for (int64_t i = b; i < e; ++i) {
+      float mi = ip[i];
+      up[i] = nesterov ? math::MomentumElement(mu, true, gp[i], mi)
+                       : math::MomentumElement(mu, false, gp[i], mi);
+      mp[i] = mi;
     }
   });
   return absl::OkStatus();
 }
 
 absl::Status ApplyUpdate(const Context& ctx, const ApplyUpdateParams& p, ConstTensorView update,
-                         TensorView x) {
+                         ConstTensorView x_in, TensorView x) {
   cpu::ApplyThreadPolicy(ctx);
   math::ApplyUpdateScalars s;
   s.alpha = p.alpha;
@@ -145,9 +147,10 @@ absl::Status ApplyUpdate(const Context& ctx, const ApplyUpdateParams& p, ConstTe
   s.cautious = p.cautious;
   s.round_bf16 = p.round_bf16;
   const float* up = update.As<float>();
+  const float* ip = x_in.As<float>();
   float* xp = x.As<float>();
   cpu::ParallelRange(x.NumElements(), [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) xp[i] = math::ApplyUpdateElement(s, xp[i], up[i]);
+    for (int64_t i = b; i < e; ++i) xp[i] = math::ApplyUpdateElement(s, ip[i], up[i]);
   });
   return absl::OkStatus();
 }

@@ -99,10 +99,19 @@ TEST(MomentumUpdate, MatchesTheRecipeWithAndWithoutNesterov) {
   const auto g = RandomVector(kN, 8), m0 = RandomVector(kN, 9);
   const float mu = 0.95f;
   for (bool nesterov : {false, true}) {
-    std::vector<float> m = m0, u(kN);
+    // In place, and out of place from m0 (the input left untouched): the same values.
+    std::vector<float> m = m0, u(kN), in = m0, out(kN), u2(kN);
     ASSERT_THAT(MomentumUpdate(*ctx, mu, nesterov, MakeView(g.data(), {kN}),
-                               MakeView(m.data(), {kN}), MakeView(u.data(), {kN})),
+                               MakeView(m.data(), {kN}), MakeView(m.data(), {kN}),
+                               MakeView(u.data(), {kN})),
                 IsOk());
+    ASSERT_THAT(MomentumUpdate(*ctx, mu, nesterov, MakeView(g.data(), {kN}),
+                               MakeView(in.data(), {kN}), MakeView(out.data(), {kN}),
+                               MakeView(u2.data(), {kN})),
+                IsOk());
+    EXPECT_EQ(in, m0);
+    EXPECT_EQ(out, m);
+    EXPECT_EQ(u2, u);
     for (int64_t i = 0; i < kN; i += 997) {
       const float want_m = mu * m0[i] + g[i];
       ASSERT_EQ(m[i], want_m) << i;
@@ -111,8 +120,13 @@ TEST(MomentumUpdate, MatchesTheRecipeWithAndWithoutNesterov) {
   }
   std::vector<float> m = m0;
   EXPECT_THAT(MomentumUpdate(*ctx, mu, true, MakeView(g.data(), {kN}), MakeView(m.data(), {kN}),
-                             MakeView(m.data(), {kN})),
+                             MakeView(m.data(), {kN}), MakeView(m.data(), {kN})),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("u overlaps")));
+  std::vector<float> u(kN - 1);
+  EXPECT_THAT(MomentumUpdate(*ctx, mu, true, MakeView(g.data(), {kN - 1}),
+                             MakeView(m.data() + 1, {kN - 1}), MakeView(m.data(), {kN - 1}),
+                             MakeView(u.data(), {kN - 1})),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("partly overlaps")));
   EXPECT_EQ(m, m0);
 }
 
@@ -126,9 +140,14 @@ TEST(ApplyUpdate, DecaysThenSubtractsTheRoundedStep) {
     for (bool round : {false, true}) {
       p.cautious = cautious;
       p.round_bf16 = round;
-      std::vector<float> x = x0;
-      ASSERT_THAT(ApplyUpdate(*ctx, p, MakeView(u.data(), {kN}), MakeView(x.data(), {kN})),
+      std::vector<float> x = x0, out(kN);
+      ASSERT_THAT(ApplyUpdate(*ctx, p, MakeView(u.data(), {kN}), MakeView(x.data(), {kN}),
+                              MakeView(x.data(), {kN})),
                   IsOk());
+      ASSERT_THAT(ApplyUpdate(*ctx, p, MakeView(u.data(), {kN}), MakeView(x0.data(), {kN}),
+                              MakeView(out.data(), {kN})),
+                  IsOk());
+      ASSERT_EQ(out, x);  // out of place from x0: the same values
       for (int64_t i = 0; i < kN; i += 991) {
         float want = x0[i];
         if (!cautious) {

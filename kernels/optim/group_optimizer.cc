@@ -112,7 +112,6 @@ struct Staged {
 };
 
 kernels::TensorView F32View(float* p, int64_t n) { return kernels::MakeView(p, {n}); }
-kernels::ConstTensorView F32View(const float* p, int64_t n) { return kernels::MakeView(p, {n}); }
 
 absl::StatusOr<kernels::Buffer> F32Buffer(const kernels::Allocator& alloc, int64_t n) {
   return alloc.Allocate(kernels::DType::kF32, {n});
@@ -189,7 +188,6 @@ class BucketedOptimizer final : public GroupOptimizer {
         continue;
       }
       const size_t np = st.slots.size();
-      const size_t numel = static_cast<size_t>(b.numel);
       const int64_t all = static_cast<int64_t>(b.members.size());
       if (st.x.empty()) {  // first step of this bucket: staging for every member, kept
         DIOND_ASSIGN_OR_RETURN(st.x, F32Buffer(alloc_, all * b.numel));
@@ -200,30 +198,26 @@ class BucketedOptimizer final : public GroupOptimizer {
           st.state.push_back(std::move(sb));
         }
       }
-      // Stage the parameters and the state (the rules update them in place, and a later
+      // Nothing is copied in: the rule reads the caller's parameters and gradients and the
+      // persistent state where they are, and writes its results into the staging (a later
       // fallible phase, e.g. an orthogonalization, may still fail).
-      float* sx = st.x.As<float>();
-      for (size_t j = 0; j < np; ++j) {
-        const size_t p = b.members[st.slots[j]];
-        DIOND_RETURN_IF_ERROR(kernels::Copy(ctx, F32View(params[p], b.numel),
-                                            F32View(sx + j * numel, b.numel)));
-      }
-      for (size_t k = 0; k < b.specs.size(); ++k) {
-        const int64_t sn = b.specs[k].NumElements();
-        float* s = st.state[k].As<float>();
-        const float* src = b.state[k].As<float>();
-        for (size_t j = 0; j < np; ++j) {
-          DIOND_RETURN_IF_ERROR(kernels::Copy(ctx, F32View(src + st.slots[j] * sn, sn),
-                                              F32View(s + j * sn, sn)));
-        }
-      }
       internal::BucketArgs args;
       args.config = &config();
       args.shape = &b.shape;
       args.count = static_cast<int64_t>(np);
-      args.x = sx;
-      for (size_t j = 0; j < np; ++j) args.g.push_back(grads[b.members[st.slots[j]]]);
-      for (auto& s : st.state) args.state.push_back(s.As<float>());
+      args.x = st.x.As<float>();
+      for (size_t j = 0; j < np; ++j) {
+        args.x_in.push_back(params[b.members[st.slots[j]]]);
+        args.g.push_back(grads[b.members[st.slots[j]]]);
+      }
+      args.state_in.resize(b.specs.size());
+      for (size_t k = 0; k < b.specs.size(); ++k) {
+        const int64_t sn = b.specs[k].NumElements();
+        args.state.push_back(st.state[k].As<float>());
+        for (size_t j = 0; j < np; ++j) {
+          args.state_in[k].push_back(b.state[k].As<float>() + st.slots[j] * sn);
+        }
+      }
       args.scalars = {lr, weight_decay};
       args.step = step_number_;
       args.replica_average = replica_average_;
@@ -255,17 +249,24 @@ class BucketedOptimizer final : public GroupOptimizer {
     for (Staged& st : staged_) {
       Bucket& b = buckets_[st.bucket];
       const int64_t numel = b.numel;
+      // Every member took part: the staged state (sized for all members, in member order)
+      // becomes the state, and the old state buffers become the next step's staging.
+      const bool all = st.slots.size() == b.members.size();
       for (size_t j = 0; j < st.slots.size(); ++j) {
         const size_t p = b.members[st.slots[j]];
         // One pass: the parameter takes the staged value, and Σ(Δx)² comes with it.
         s.Update(kernels::CopyWithChange(ctx, F32View(st.x.As<float>() + j * numel, numel),
                                          F32View(params[p], numel),
                                          kernels::MakeView(sq + p, {1})));
+        if (all) continue;
         for (size_t k = 0; k < b.specs.size(); ++k) {
           const int64_t sn = b.specs[k].NumElements();
           s.Update(kernels::Copy(ctx, F32View(st.state[k].As<float>() + j * sn, sn),
                                  F32View(b.state[k].As<float>() + st.slots[j] * sn, sn)));
         }
+      }
+      if (all) {
+        for (size_t k = 0; k < b.specs.size(); ++k) std::swap(b.state[k], st.state[k]);
       }
     }
     // Σ(Δx)² per parameter read back once per step (a sync point, docs/KERNELS.md).
@@ -298,13 +299,16 @@ class BucketedOptimizer final : public GroupOptimizer {
     for (Bucket& b : buckets_) {
       args.shape = &b.shape;
       args.state.resize(b.specs.size());
+      args.state_in.resize(b.specs.size());
       for (size_t slot = 0; slot < b.members.size(); ++slot) {
         const size_t p = b.members[slot];
         if (grads[p] == nullptr) continue;
         args.x = params[p];
+        args.x_in.assign(1, params[p]);
         args.g.assign(1, grads[p]);
         for (size_t k = 0; k < b.specs.size(); ++k) {
           args.state[k] = b.state[k].As<float>() + slot * b.specs[k].NumElements();
+          args.state_in[k].assign(1, args.state[k]);
         }
         args.update_sq = sq + p;
         DIOND_RETURN_IF_ERROR(rule_->Apply(ctx, args));

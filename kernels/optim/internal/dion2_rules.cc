@@ -94,8 +94,9 @@ class Dion2Rule final : public UpdateRule {
     // 1. M ← M + G (pure accumulation, P5).
     // Per parameter: its gradient is the caller's buffer (GroupOptimizer stages no gradient).
     const int64_t numel = total / a.count;
+    // The persistent momentum is read once, the staged one written (out of place).
     for (int64_t p = 0; p < a.count; ++p) {
-      DIOND_RETURN_IF_ERROR(kernels::Axpby(ctx, 1.0f, CVec(m + p * numel, numel), 1.0f,
+      DIOND_RETURN_IF_ERROR(kernels::Axpby(ctx, 1.0f, CVec(a.state_in[0][p], numel), 1.0f,
                                            CVec(a.g[p], numel), Vec(m + p * numel, numel)));
     }
 
@@ -140,6 +141,12 @@ class Dion2Rule final : public UpdateRule {
     if (nordion) {
       const float w = 1.0f - F32(h.muon_beta2);
       float* v = a.state[1];
+      // V is small (one value per row): staged by a copy, then updated in place.
+      const int64_t vsize = numel / a.shape->back();
+      for (int64_t p = 0; p < a.count; ++p) {
+        DIOND_RETURN_IF_ERROR(
+            kernels::Copy(ctx, CVec(a.state_in[1][p], vsize), Vec(v + p * vsize, vsize)));
+      }
       DIOND_ASSIGN_OR_RETURN(float* const vi, ScratchFloats(ctx, units.batch * k));
       for (int64_t b = 0; b < units.batch; ++b) {
         absl::Span<const int64_t> ib(idx.data() + b * k, static_cast<size_t>(k));
@@ -159,7 +166,12 @@ class Dion2Rule final : public UpdateRule {
     const auto [fan_out, fan_in] = LrFans(cfg, eff);
     const float alpha = AdjustedLr(a.scalars.lr, h.adjust_lr, fan_out, fan_in);
     const float decay = DecayFactor(a.scalars.lr, a.scalars.weight_decay);
-    DIOND_RETURN_IF_ERROR(kernels::Scale(ctx, decay, CVec(a.x, total), Vec(a.x, total)));
+    // Decay from the caller's parameters into the staged ones (out of place), then the
+    // selected slices.
+    for (int64_t p = 0; p < a.count; ++p) {
+      DIOND_RETURN_IF_ERROR(
+          kernels::Scale(ctx, decay, CVec(a.x_in[p], numel), Vec(a.x + p * numel, numel)));
+    }
     for (int64_t b = 0; b < units.batch; ++b) {
       kernels::TensorView xb = View2(a.x + b * msize, R, C);
       kernels::TensorView sb = View2(s + b * sub_size, sub_rows, sub_cols);

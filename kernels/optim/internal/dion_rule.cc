@@ -167,7 +167,7 @@ class DionRule final : public UpdateRule {
     const DionDims d = Dims(cfg, *args.shape);
     const int64_t N = args.count;
     const MatrixBatch mb{N, d.m, d.n}, pb{N, d.a, d.r}, qb{N, d.b, d.r};
-    const int64_t msize = N * d.m * d.n, psize = N * d.a * d.r, qsize = N * d.b * d.r;
+    const int64_t psize = N * d.a * d.r, qsize = N * d.b * d.r;
     float* M = args.state[0];
     float* Q = args.state[1];
     const float mu = F32(cfg.hyperparams.mu);
@@ -183,9 +183,16 @@ class DionRule final : public UpdateRule {
     // 1. M ← M + G.
     // Per matrix: its gradient is the caller's buffer (GroupOptimizer stages no gradient).
     const int64_t numel = d.m * d.n;
+    // The persistent M is read once, the staged one written (out of place); Q and X are staged
+    // by a copy (Q is small, and the final GEMM updates X in place).
+    const int64_t qnumel = d.b * d.r;
     for (int64_t j = 0; j < N; ++j) {
-      DIOND_RETURN_IF_ERROR(kernels::Axpby(ctx, 1.0f, CVec(M + j * numel, numel), 1.0f,
+      DIOND_RETURN_IF_ERROR(kernels::Axpby(ctx, 1.0f, CVec(args.state_in[0][j], numel), 1.0f,
                                            CVec(args.g[j], numel), Vec(M + j * numel, numel)));
+      DIOND_RETURN_IF_ERROR(
+          kernels::Copy(ctx, CVec(args.state_in[1][j], qnumel), Vec(Q + j * qnumel, qnumel)));
+      DIOND_RETURN_IF_ERROR(
+          kernels::Copy(ctx, CVec(args.x_in[j], numel), Vec(args.x + j * numel, numel)));
     }
 
     // 2-3. P = B·Q with B = M (a×b) or Mᵀ when transposed.

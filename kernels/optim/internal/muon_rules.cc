@@ -33,10 +33,11 @@ class MuonRule final : public UpdateRule {
     DIOND_ASSIGN_OR_RETURN(float* const u, ScratchFloats(ctx, total));
     // Per parameter: its gradient is the caller's buffer (GroupOptimizer stages no gradient).
     const int64_t numel = total / a.count;
+    // The persistent momentum is read once, the staged one written (out of place).
     for (int64_t p = 0; p < a.count; ++p) {
-      DIOND_RETURN_IF_ERROR(kernels::MomentumUpdate(ctx, mu, h.nesterov, CVec(a.g[p], numel),
-                                                    Vec(m + p * numel, numel),
-                                                    Vec(u + p * numel, numel)));
+      DIOND_RETURN_IF_ERROR(kernels::MomentumUpdate(
+          ctx, mu, h.nesterov, CVec(a.g[p], numel), CVec(a.state_in[0][p], numel),
+          Vec(m + p * numel, numel), Vec(u + p * numel, numel)));
     }
     // 3-4. O = ORTH(bf(U)) (the bf16 rounding is inside the orthogonalizer's bf16 mode).
     if (!cfg.split_sizes.empty()) {
@@ -52,6 +53,12 @@ class MuonRule final : public UpdateRule {
     if (normuon) {
       const float w = 1.0f - F32(h.muon_beta2);  // f32 arithmetic: 0.050000011920928955
       float* v = a.state[1];
+      // V is small (one value per row): staged by a copy, then normalized in place.
+      const int64_t vsize = numel / a.shape->back();
+      for (int64_t p = 0; p < a.count; ++p) {
+        DIOND_RETURN_IF_ERROR(
+            kernels::Copy(ctx, CVec(a.state_in[1][p], vsize), Vec(v + p * vsize, vsize)));
+      }
       if (!cfg.split_sizes.empty()) {
         const int64_t mm = (*a.shape)[0], n = (*a.shape)[1];
         for (int64_t p = 0; p < a.count; ++p) {
@@ -76,7 +83,12 @@ class MuonRule final : public UpdateRule {
     // Muon in bf16 mode: the bf16 O times the f32 0-d α stays bf16 (one rounding, §5.3 step 7);
     // NorMuon's D is f32 in both modes.
     ap.round_bf16 = bf16 && !normuon;
-    DIOND_RETURN_IF_ERROR(kernels::ApplyUpdate(ctx, ap, CVec(u, total), Vec(a.x, total)));
+    // From the caller's parameters into the staged ones (out of place).
+    for (int64_t p = 0; p < a.count; ++p) {
+      DIOND_RETURN_IF_ERROR(kernels::ApplyUpdate(ctx, ap, CVec(u + p * numel, numel),
+                                                 CVec(a.x_in[p], numel),
+                                                 Vec(a.x + p * numel, numel)));
+    }
     return absl::OkStatus();
   }
 };

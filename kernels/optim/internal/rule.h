@@ -2,11 +2,18 @@
 // per-algorithm update rules. Not part of the public API.
 //
 // A rule sees one shape bucket at a time: the N parameters of one shape that have a gradient
-// this step, as contiguous stacks [N, ...shape] that it updates in place:
-//   x      the parameters (a staged copy; committed to the caller's buffers on success)
-//   g      per parameter, its gradient: the caller's buffer, read only and never staged (a
-//          rule's first phase reads each one once, one op call per parameter)
-//   state  one staged stack per state name, [N, ...state shape]
+// this step. It reads the step's inputs where they are and writes its results into contiguous
+// staging stacks [N, ...shape], committed by GroupOptimizer only when every bucket succeeded:
+//   x_in      per parameter, the caller's parameter (read only)
+//   g         per parameter, its gradient: the caller's buffer, read only, never staged
+//   state_in  per state name, per parameter: its persistent state (read only)
+//   x         the staged parameters, [N, ...shape]
+//   state     one staged stack per state name, [N, ...state shape]
+// The staged stacks start with unspecified contents: the rule writes every element of them,
+// reading x_in / state_in once (its first op on each, e.g. M ← M_in + G, is out of place). So
+// the step copies nothing in; the commit copies x back (with the update norm) and swaps in the
+// staged state when every parameter of the bucket took part.
+// In-place rules (UpdateRule::InPlace) get x == x_in[0] and state[k] == state_in[k][0] instead.
 // Rules are stateless objects; everything persistent is in the state stacks.
 #ifndef DIOND_KERNELS_OPTIM_INTERNAL_RULE_H_
 #define DIOND_KERNELS_OPTIM_INTERNAL_RULE_H_
@@ -41,8 +48,10 @@ struct BucketArgs {
   const ParamShape* shape = nullptr;
   int64_t count = 0;  // N
   float* x = nullptr;
+  std::vector<const float*> x_in;  // count entries
   std::vector<const float*> g;  // count entries, each ...shape floats
   std::vector<float*> state;  // in the order of Specs()
+  std::vector<std::vector<const float*>> state_in;  // [spec][parameter]
   StepScalars scalars;
   // The 1-based step number (StepOptions::step, or steps_taken() + 1).
   int64_t step = 1;
