@@ -29,7 +29,7 @@ namespace diond::kernels {
 
 // Bumped when an entry is added, removed or changes signature; RegisterOpsBackend refuses a
 // table of another version.
-inline constexpr uint32_t kOpsBackendVersion = 2;  // 2: ortho ops
+inline constexpr uint32_t kOpsBackendVersion = 3;  // 2: ortho ops; 3: kops ops
 
 struct OpsBackend {
   uint32_t version = kOpsBackendVersion;
@@ -60,7 +60,6 @@ struct OpsBackend {
   absl::Status (*frobenius_norm)(const Context&, ConstTensorView, TensorView) = nullptr;
   absl::Status (*axis_norms)(const Context&, ConstTensorView, Axis, NormType,
                              TensorView) = nullptr;
-  absl::Status (*top_k)(const Context&, ConstTensorView, int64_t, absl::Span<int64_t>) = nullptr;
   absl::Status (*top_k_by_l1_norm)(const Context&, ConstTensorView, Axis, int64_t,
                                    absl::Span<int64_t>, TensorView) = nullptr;
   absl::Status (*is_all_zero)(const Context&, ConstTensorView, bool*) = nullptr;
@@ -73,13 +72,9 @@ struct OpsBackend {
   absl::Status (*axpby)(const Context&, float, ConstTensorView, float, ConstTensorView,
                         TensorView) = nullptr;
   absl::Status (*add_scalar)(const Context&, float, ConstTensorView, float, TensorView) = nullptr;
-  absl::Status (*lerp)(const Context&, ConstTensorView, ConstTensorView, float,
-                       TensorView) = nullptr;
   absl::Status (*unary)(const Context&, UnaryOp, ConstTensorView, TensorView) = nullptr;
   absl::Status (*binary)(const Context&, BinaryOp, ConstTensorView, ConstTensorView,
                          TensorView) = nullptr;
-  absl::Status (*cautious_weight_decay)(const Context&, float, ConstTensorView,
-                                        TensorView) = nullptr;
   absl::Status (*adamw_step)(const Context&, const AdamWParams&, ConstTensorView, TensorView,
                              TensorView, TensorView) = nullptr;
   absl::Status (*lion_step)(const Context&, const LionParams&, ConstTensorView, TensorView,
@@ -89,6 +84,19 @@ struct OpsBackend {
   absl::Status (*bf16_rounded_axpby)(const Context&, float, ConstTensorView, float,
                                      ConstTensorView, TensorView) = nullptr;
   // ---- end ortho ----
+
+  // ---- kops: fused optimizer phases (ops.h "kops" block) ----
+  absl::Status (*adamw_step_tracked)(const Context&, const AdamWParams&, ConstTensorView,
+                                     TensorView, TensorView, TensorView, TensorView) = nullptr;
+  absl::Status (*lion_step_tracked)(const Context&, const LionParams&, ConstTensorView,
+                                    TensorView, TensorView, TensorView) = nullptr;
+  absl::Status (*momentum_update)(const Context&, float, bool, ConstTensorView, ConstTensorView,
+                                  TensorView, TensorView) = nullptr;
+  absl::Status (*apply_update)(const Context&, const ApplyUpdateParams&, ConstTensorView,
+                               ConstTensorView, TensorView) = nullptr;
+  absl::Status (*normalize_neurons)(const Context&, float, TensorView, TensorView) = nullptr;
+  absl::Status (*copy_with_change)(const Context&, ConstTensorView, TensorView,
+                                   TensorView) = nullptr;
 };
 
 // Registers `backend` (static storage duration) for every device of `type`. INVALID_ARGUMENT for

@@ -87,9 +87,65 @@ DIOND_HD void LionElement(const LionScalars& s, float g, float& x, float& m) {
   x = xi - s.lr * u;
 }
 
-// ---- Cautious weight decay: decay only where x and the update direction agree in sign --------
-DIOND_HD float CautiousDecayElement(float decay, float x, float direction) {
-  return x * direction >= 0.0f ? x - decay * x : x;
+// ---- kops: the fused phases of the matrix rules (Muon, NorMuon, Dion2, NorDion2) -------------
+
+// RNE rounding of an f32 value to the bf16 grid, kept in f32 (NaN stays NaN, quieted); the same
+// bits as kernels::RoundToBf16 (kernels/tensor.h), written here so device code can call it.
+DIOND_HD float RoundToBf16Grid(float f) {
+  unsigned int u;
+  memcpy(&u, &f, 4);
+  const unsigned int rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  const unsigned int quiet_nan = (u & 0xffff0000u) | 0x00400000u;
+  const bool is_nan = (u & 0x7fffffffu) > 0x7f800000u;
+  const unsigned int r = is_nan ? quiet_nan : rounded;
+  float out;
+  memcpy(&out, &r, 4);
+  return out;
+}
+
+// Momentum (ALGORITHMS.md §20.1 steps 1-2): m ← μ·m + g, then the direction
+// u = μ·m + g (Nesterov, with the new m) or u = m. f32 arithmetic, no fused multiply-add.
+DIOND_HD float MomentumElement(float mu, bool nesterov, float g, float& m) {
+  const float mi = mu * m + g;
+  m = mi;
+  return nesterov ? mu * mi + g : mi;
+}
+
+// Weight decay and update apply (§20.1 steps 5-7): decay with the base lr, then x ← x − α·u,
+// where the product α·u is rounded to bf16 first when `round_bf16` (Muon's bf16 O times an f32
+// 0-d α stays bf16, §5.3 step 7).
+struct ApplyUpdateScalars {
+  float alpha;  // the (adjusted) step size
+  float decay;  // 1 − lr·wd, formed in f32
+  float lr_wd;  // lr·wd (cautious decay)
+  bool cautious;
+  bool round_bf16;
+};
+
+DIOND_HD float ApplyUpdateElement(const ApplyUpdateScalars& s, float x, float u) {
+  if (s.cautious) {
+    if (x * u >= 0.0f) x = x - s.lr_wd * x;
+  } else {
+    x = x * s.decay;
+  }
+  float step = s.alpha * u;
+  if (s.round_bf16) step = RoundToBf16Grid(step);
+  return x - step;
+}
+
+// NorMuon's neuron-wise normalization (§6.2 steps 5-10), per row r of one rows×cols unit:
+//   ν_r = (Σ_c o²) / cols in f32 (the double row sum rounded first); V_r ← lerp(V_r, ν_r, w);
+//   D = O / (√V_r + 1e-8)  (the 1e-8 literals are hard-coded upstream, P9);
+//   D ← D · (‖O‖_F / max(‖D‖_F, 1e-8)).
+DIOND_HD float NeuronVarianceElement(float v, double row_sum_sq, float cols, float w) {
+  const float nu = static_cast<float>(row_sum_sq) / cols;
+  return w < 0.5f ? v + w * (nu - v) : nu - (nu - v) * (1.0f - w);
+}
+DIOND_HD float NeuronDenominator(float v) { return sqrtf(v) + 1e-8f; }
+DIOND_HD float NeuronRescale(double o_sum_sq, double d_sum_sq) {
+  const float f = static_cast<float>(sqrt(o_sum_sq));
+  const float d = static_cast<float>(sqrt(d_sum_sq));
+  return f / (d < 1e-8f ? 1e-8f : d);
 }
 
 // ---- ortho: bf16 rounding points of the reference's eager bf16 arithmetic, on f32 storage -----

@@ -127,14 +127,10 @@ absl::Status FrobeniusNorm(const Context& ctx, ConstTensorView a, TensorView out
 absl::Status AxisNorms(const Context& ctx, ConstTensorView a, Axis axis, NormType type,
                        TensorView out);
 
-// Indices of the k largest values of `scores` (f32, contiguous, any rank; flattened), written to
-// `indices` (size k) in descending order of score; equal scores are ordered by lower index first,
-// so the result is exact and deterministic. NaN scores rank below every number. 1 <= k <= size.
-absl::Status TopK(const Context& ctx, ConstTensorView scores, int64_t k,
-                  absl::Span<int64_t> indices);
-
 // Top-k slices of one matrix A (rank 2, f32 or bf16) by L1 norm: axis kRows selects rows
-// (scores Σ_j|A_ij|), kCols selects columns. Same ordering rules as TopK. If `scores_out` is
+// (scores Σ_j|A_ij|), kCols selects columns. The k indices are written in descending order of
+// score; equal scores are ordered by lower index first, so the result is exact and
+// deterministic. NaN scores rank below every number. 1 <= k <= Rows (or Cols). If `scores_out` is
 // non-empty (f32, Rows or Cols elements) it receives all the L1 norms.
 absl::Status TopKByL1Norm(const Context& ctx, ConstTensorView a, Axis axis, int64_t k,
                           absl::Span<int64_t> indices, TensorView scores_out = {});
@@ -178,11 +174,6 @@ absl::Status Scale(const Context& ctx, float alpha, ConstTensorView x, TensorVie
 absl::Status AddScalar(const Context& ctx, float alpha, ConstTensorView x, float beta,
                        TensorView out);
 
-// out ← lerp(start, end, weight) with PyTorch's two-branch formula:
-//   |weight| < 0.5 ? start + weight·(end − start) : end − (end − start)·(1 − weight).
-absl::Status Lerp(const Context& ctx, ConstTensorView start, ConstTensorView end, float weight,
-                  TensorView out);
-
 enum class UnaryOp : uint8_t {
   kSign,    // −1, 0 or +1; sign(±0) = 0 and sign(NaN) = 0 (PyTorch CPU)
   kAbs,
@@ -199,11 +190,6 @@ enum class BinaryOp : uint8_t { kAdd, kSub, kMul, kDiv, kMax, kMin };
 // shaped scalars. Any float dtypes.
 absl::Status Binary(const Context& ctx, BinaryOp op, ConstTensorView x, ConstTensorView y,
                     TensorView out);
-
-// Cautious weight decay (ALGORITHMS.md §20.1 step 6, §20.7 step 3):
-//   x ← x − decay·x·[x·direction ≥ 0]   (elementwise; x f32, direction any float dtype).
-absl::Status CautiousWeightDecay(const Context& ctx, float decay, ConstTensorView direction,
-                                 TensorView x);
 
 // Fused AdamW step over one parameter tensor, with the float32 path of PyTorch 2.x's fused
 // CPU kernel (conformance README §5 item 6, ALGORITHMS.md §20.6). lr, beta1, beta2, epsilon,
@@ -239,7 +225,7 @@ struct LionParams {
 absl::Status LionStep(const Context& ctx, const LionParams& p, ConstTensorView grad, TensorView x,
                       TensorView m);
 
-// ================================ ortho =======================================================
+// ================================ ortho ================================================
 // Ops of the orthogonalizers (kernels/optim/orthogonalize.cc).
 
 // a[i, i] ← a[i, i] + value on every (square) matrix of `a`: f32, rank 2 or 3, rows == cols,
@@ -258,6 +244,54 @@ absl::Status AddToDiagonal(const Context& ctx, float value, TensorView a);
 absl::Status Bf16RoundedAxpby(const Context& ctx, float alpha, ConstTensorView x, float beta,
                               ConstTensorView y, TensorView out);
 // ================================ end ortho ===================================================
+=======
+// ================================ kops: fused optimizer phases ================================
+// One pass over memory for what the rules did in several (issue 10 item 2). The per-element
+// math of each op is in kernels/elementwise_math.h (math::MomentumElement, ApplyUpdateElement,
+// the Neuron* functions), shared with the device kernels.
+
+// AdamWStep / LionStep that also report the squared Frobenius norm of the change they made to
+// x: update_sq (f32, contiguous, one element) ← Σ (x_after − x_before)², accumulated in double
+// (fixed order for a fixed thread count) and rounded once. Same x, m, v as the ops above, bit
+// for bit; the parameters are read and written once (GroupOptimizer's in-place AdamW/Lion path).
+absl::Status AdamWStep(const Context& ctx, const AdamWParams& p, ConstTensorView grad,
+                       TensorView x, TensorView m, TensorView v, TensorView update_sq);
+absl::Status LionStep(const Context& ctx, const LionParams& p, ConstTensorView grad, TensorView x,
+                      TensorView m, TensorView update_sq);
+
+// Momentum with the Nesterov blend (ALGORITHMS.md §20.1 steps 1-2), in one pass:
+//   m ← μ·m_in + g;  u ← nesterov ? μ·m + g : m   (f32, no fused multiply-add).
+// grad, m_in, m, u: f32, contiguous, same shape. m_in may be m itself (in place) or another
+// buffer (e.g. the persistent state, with m its staged copy); u aliases none of the others.
+absl::Status MomentumUpdate(const Context& ctx, float mu, bool nesterov, ConstTensorView grad,
+                            ConstTensorView m_in, TensorView m, TensorView u);
+
+// Weight decay and update apply (§20.1 steps 5-7), in one pass over x and u:
+//   x ← decay(x_in) − r(alpha·u),
+//   decay(x) = cautious ? (x·u ≥ 0 ? x − lr_wd·x : x) : x·(1 − lr_wd)
+//   with 1 − lr_wd formed in f32, r = RNE rounding to bf16 (kept in f32) when round_bf16.
+// update, x_in, x: f32, contiguous, same shape; x_in may be x itself (in place).
+struct ApplyUpdateParams {
+  float alpha = 0.0f;
+  float lr_wd = 0.0f;  // lr·weight_decay, f32
+  bool cautious = false;
+  bool round_bf16 = false;
+};
+absl::Status ApplyUpdate(const Context& ctx, const ApplyUpdateParams& p, ConstTensorView update,
+                         ConstTensorView x_in, TensorView x);
+
+// NorMuon's neuron-wise normalization and rescaling (§6.2 steps 5-10, §20.2 steps 5-9) of every
+// rows×cols unit of `o` (f32, rank 2 or 3 [batch, rows, cols], contiguous), in place:
+//   f = ‖O‖_F; ν = rowmean(O²); V ← lerp(V, ν, w); D = O/(√V + 1e-8); O ← D·f/max(‖D‖_F, 1e-8).
+// v: f32 contiguous with batch·rows elements ([batch][row]), updated in place. Sums in double,
+// in element order within a unit, so the result does not depend on the thread count.
+absl::Status NormalizeNeurons(const Context& ctx, float w, TensorView o, TensorView v);
+
+// Commit of a staged result, in one pass: dst ← src, and update_sq (f32, one element) ← Σ
+// (src − dst_before)², accumulated in double as the tracked steps. src, dst: f32, contiguous,
+// same shape, not overlapping.
+absl::Status CopyWithChange(const Context& ctx, ConstTensorView src, TensorView dst,
+                            TensorView update_sq);
 
 }  // namespace diond::kernels
 

@@ -50,17 +50,23 @@ bool Complete(const OpsBackend& b) {
       reinterpret_cast<const void*>(b.cholesky_qr),
       reinterpret_cast<const void*>(b.randomized_cholesky_qr),
       reinterpret_cast<const void*>(b.frobenius_norm), reinterpret_cast<const void*>(b.axis_norms),
-      reinterpret_cast<const void*>(b.top_k), reinterpret_cast<const void*>(b.top_k_by_l1_norm),
+      reinterpret_cast<const void*>(b.top_k_by_l1_norm),
       reinterpret_cast<const void*>(b.is_all_zero), reinterpret_cast<const void*>(b.gather),
       reinterpret_cast<const void*>(b.scatter), reinterpret_cast<const void*>(b.copy),
       reinterpret_cast<const void*>(b.fill), reinterpret_cast<const void*>(b.axpby),
-      reinterpret_cast<const void*>(b.add_scalar), reinterpret_cast<const void*>(b.lerp),
+      reinterpret_cast<const void*>(b.add_scalar),
       reinterpret_cast<const void*>(b.unary), reinterpret_cast<const void*>(b.binary),
-      reinterpret_cast<const void*>(b.cautious_weight_decay),
       reinterpret_cast<const void*>(b.adamw_step), reinterpret_cast<const void*>(b.lion_step),
       // ortho
       reinterpret_cast<const void*>(b.add_to_diagonal),
       reinterpret_cast<const void*>(b.bf16_rounded_axpby),
+      // kops
+      reinterpret_cast<const void*>(b.adamw_step_tracked),
+      reinterpret_cast<const void*>(b.lion_step_tracked),
+      reinterpret_cast<const void*>(b.momentum_update),
+      reinterpret_cast<const void*>(b.apply_update),
+      reinterpret_cast<const void*>(b.normalize_neurons),
+      reinterpret_cast<const void*>(b.copy_with_change),
   };
   for (const void* e : entries) {
     if (e == nullptr) return false;

@@ -258,15 +258,6 @@ absl::Status AxisNorms(const Context& ctx, ConstTensorView a, Axis axis, NormTyp
   return ctx.backend().axis_norms(ctx, a, axis, type, out);
 }
 
-absl::Status TopK(const Context& ctx, ConstTensorView scores, int64_t k,
-                  absl::Span<int64_t> indices) {
-  constexpr const char* kOp = "TopK";
-  DIOND_RETURN_IF_ERROR(CheckContiguous(ctx, kOp, "scores", scores));
-  DIOND_RETURN_IF_ERROR(CheckDType(kOp, "scores", scores.layout(), DType::kF32));
-  DIOND_RETURN_IF_ERROR(CheckTopKCount(kOp, scores.NumElements(), k, indices.size()));
-  return ctx.backend().top_k(ctx, scores, k, indices);
-}
-
 absl::Status TopKByL1Norm(const Context& ctx, ConstTensorView a, Axis axis, int64_t k,
                           absl::Span<int64_t> indices, TensorView scores_out) {
   constexpr const char* kOp = "TopKByL1Norm";
@@ -349,18 +340,6 @@ absl::Status AddScalar(const Context& ctx, float alpha, ConstTensorView x, float
   return ctx.backend().add_scalar(ctx, alpha, x, beta, out);
 }
 
-absl::Status Lerp(const Context& ctx, ConstTensorView start, ConstTensorView end, float weight,
-                  TensorView out) {
-  constexpr const char* kOp = "Lerp";
-  DIOND_RETURN_IF_ERROR(CheckSameShapeContiguous(ctx, kOp, start, "start", out));
-  DIOND_RETURN_IF_ERROR(CheckContiguous(ctx, kOp, "end", end));
-  if (!SameShape(start.layout(), end.layout())) {
-    return Invalid(kOp, "end is ", end.DebugString(), ", want the shape of start ",
-                   start.DebugString());
-  }
-  DIOND_RETURN_IF_ERROR(CheckFinite(kOp, "weight", weight));
-  return ctx.backend().lerp(ctx, start, end, weight, out);
-}
 
 absl::Status Unary(const Context& ctx, UnaryOp op, ConstTensorView x, TensorView out) {
   constexpr const char* kOp = "Unary";
@@ -392,18 +371,11 @@ absl::Status Binary(const Context& ctx, BinaryOp op, ConstTensorView x, ConstTen
   return ctx.backend().binary(ctx, op, x, y, out);
 }
 
-absl::Status CautiousWeightDecay(const Context& ctx, float decay, ConstTensorView direction,
-                                 TensorView x) {
-  constexpr const char* kOp = "CautiousWeightDecay";
-  DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "x", x, x));
-  DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "direction", direction, x, /*any_dtype=*/true));
-  DIOND_RETURN_IF_ERROR(CheckFinite(kOp, "decay", decay));
-  return ctx.backend().cautious_weight_decay(ctx, decay, direction, x);
-}
 
-absl::Status AdamWStep(const Context& ctx, const AdamWParams& p, ConstTensorView grad,
-                       TensorView x, TensorView m, TensorView v) {
-  constexpr const char* kOp = "AdamWStep";
+namespace {
+
+absl::Status CheckAdamWArgs(const Context& ctx, const char* kOp, const AdamWParams& p,
+                            ConstTensorView grad, TensorView x, TensorView m, TensorView v) {
   DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "x", x, x));
   DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "grad", grad, x));
   DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "m", m, x));
@@ -417,12 +389,11 @@ absl::Status AdamWStep(const Context& ctx, const AdamWParams& p, ConstTensorView
   if (!(p.beta1 >= 0.0f && p.beta1 < 1.0f) || !(p.beta2 >= 0.0f && p.beta2 < 1.0f)) {
     return Invalid(kOp, "betas (", p.beta1, ", ", p.beta2, ") must lie in [0, 1)");
   }
-  return ctx.backend().adamw_step(ctx, p, grad, x, m, v);
+  return absl::OkStatus();
 }
 
-absl::Status LionStep(const Context& ctx, const LionParams& p, ConstTensorView grad, TensorView x,
-                      TensorView m) {
-  constexpr const char* kOp = "LionStep";
+absl::Status CheckLionArgs(const Context& ctx, const char* kOp, const LionParams& p,
+                           ConstTensorView grad, TensorView x, TensorView m) {
   DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "x", x, x));
   DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "grad", grad, x));
   DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "m", m, x));
@@ -430,11 +401,48 @@ absl::Status LionStep(const Context& ctx, const LionParams& p, ConstTensorView g
                            {"beta2", p.beta2}, {"weight_decay", p.weight_decay}}) {
     DIOND_RETURN_IF_ERROR(CheckFinite(kOp, name, val));
   }
+  return absl::OkStatus();
+}
+
+// Whether f32 buffers of na and nb elements at a and b share a byte.
+bool Overlap(const void* a, int64_t na, const void* b, int64_t nb) {
+  const char* pa = static_cast<const char*>(a);
+  const char* pb = static_cast<const char*>(b);
+  return na > 0 && nb > 0 && pa < pb + nb * 4 && pb < pa + na * 4;
+}
+
+// One f32 element, contiguous, not overlapping `x` (the tracked steps' update_sq).
+absl::Status CheckScalarOut(const Context& ctx, const char* kOp, TensorView out,
+                            ConstTensorView x) {
+  DIOND_RETURN_IF_ERROR(CheckContiguous(ctx, kOp, "update_sq", out));
+  DIOND_RETURN_IF_ERROR(CheckDType(kOp, "update_sq", out.layout(), DType::kF32));
+  if (out.NumElements() != 1) {
+    return Invalid(kOp, "update_sq is ", out.DebugString(), ", want one element");
+  }
+  if (Overlap(out.data(), 1, x.data(), x.NumElements())) {
+    return Invalid(kOp, "update_sq overlaps x");
+  }
+  return absl::OkStatus();
+}
+
+
+}  // namespace
+
+absl::Status AdamWStep(const Context& ctx, const AdamWParams& p, ConstTensorView grad,
+                       TensorView x, TensorView m, TensorView v) {
+  DIOND_RETURN_IF_ERROR(CheckAdamWArgs(ctx, "AdamWStep", p, grad, x, m, v));
+  return ctx.backend().adamw_step(ctx, p, grad, x, m, v);
+}
+
+absl::Status LionStep(const Context& ctx, const LionParams& p, ConstTensorView grad, TensorView x,
+                      TensorView m) {
+  DIOND_RETURN_IF_ERROR(CheckLionArgs(ctx, "LionStep", p, grad, x, m));
   return ctx.backend().lion_step(ctx, p, grad, x, m);
 }
 
 
-// ================================ ortho =======================================================
+// ================================ ortho ================================================}
+
 
 absl::Status AddToDiagonal(const Context& ctx, float value, TensorView a) {
   constexpr const char* kOp = "AddToDiagonal";
@@ -454,6 +462,92 @@ absl::Status Bf16RoundedAxpby(const Context& ctx, float alpha, ConstTensorView x
   DIOND_RETURN_IF_ERROR(CheckFinite(kOp, "alpha", alpha));
   DIOND_RETURN_IF_ERROR(CheckFinite(kOp, "beta", beta));
   return ctx.backend().bf16_rounded_axpby(ctx, alpha, x, beta, y, out);
+=======
+// ================================ kops: fused optimizer phases ================================
+
+absl::Status AdamWStep(const Context& ctx, const AdamWParams& p, ConstTensorView grad,
+                       TensorView x, TensorView m, TensorView v, TensorView update_sq) {
+  DIOND_RETURN_IF_ERROR(CheckAdamWArgs(ctx, "AdamWStep", p, grad, x, m, v));
+  DIOND_RETURN_IF_ERROR(CheckScalarOut(ctx, "AdamWStep", update_sq, x));
+  return ctx.backend().adamw_step_tracked(ctx, p, grad, x, m, v, update_sq);
+}
+
+absl::Status LionStep(const Context& ctx, const LionParams& p, ConstTensorView grad, TensorView x,
+                      TensorView m, TensorView update_sq) {
+  DIOND_RETURN_IF_ERROR(CheckLionArgs(ctx, "LionStep", p, grad, x, m));
+  DIOND_RETURN_IF_ERROR(CheckScalarOut(ctx, "LionStep", update_sq, x));
+  return ctx.backend().lion_step_tracked(ctx, p, grad, x, m, update_sq);
+}
+
+absl::Status MomentumUpdate(const Context& ctx, float mu, bool nesterov, ConstTensorView grad,
+                            ConstTensorView m_in, TensorView m, TensorView u) {
+  constexpr const char* kOp = "MomentumUpdate";
+  DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "m", m, m));
+  DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "m_in", m_in, m));
+  DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "grad", grad, m));
+  DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "u", u, m));
+  DIOND_RETURN_IF_ERROR(CheckFinite(kOp, "mu", mu));
+  const int64_t n = m.NumElements();
+  if (Overlap(u.data(), n, m.data(), n) || Overlap(u.data(), n, grad.data(), n) ||
+      Overlap(u.data(), n, m_in.data(), n)) {
+    return Invalid(kOp, "u overlaps m, m_in or grad");
+  }
+  if (m_in.data() != m.data() && Overlap(m_in.data(), n, m.data(), n)) {
+    return Invalid(kOp, "m_in partly overlaps m (pass m itself to update in place)");
+  }
+  return ctx.backend().momentum_update(ctx, mu, nesterov, grad, m_in, m, u);
+}
+
+absl::Status ApplyUpdate(const Context& ctx, const ApplyUpdateParams& p, ConstTensorView update,
+                         ConstTensorView x_in, TensorView x) {
+  constexpr const char* kOp = "ApplyUpdate";
+  DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "x", x, x));
+  DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "x_in", x_in, x));
+  DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "update", update, x));
+  const int64_t n = x.NumElements();
+  if (x_in.data() != x.data() && Overlap(x_in.data(), n, x.data(), n)) {
+    return Invalid(kOp, "x_in partly overlaps x (pass x itself to update in place)");
+  }
+  DIOND_RETURN_IF_ERROR(CheckFinite(kOp, "alpha", p.alpha));
+  DIOND_RETURN_IF_ERROR(CheckFinite(kOp, "lr_wd", p.lr_wd));
+  return ctx.backend().apply_update(ctx, p, update, x_in, x);
+}
+
+absl::Status NormalizeNeurons(const Context& ctx, float w, TensorView o, TensorView v) {
+  constexpr const char* kOp = "NormalizeNeurons";
+  DIOND_RETURN_IF_ERROR(CheckContiguous(ctx, kOp, "o", o));
+  DIOND_RETURN_IF_ERROR(CheckDType(kOp, "o", o.layout(), DType::kF32));
+  if (o.rank() != 2 && o.rank() != 3) {
+    return Invalid(kOp, "o is ", o.DebugString(), ", want rank 2 or 3");
+  }
+  DIOND_RETURN_IF_ERROR(CheckContiguous(ctx, kOp, "v", v));
+  DIOND_RETURN_IF_ERROR(CheckDType(kOp, "v", v.layout(), DType::kF32));
+  const int64_t units = o.rank() == 3 ? o.dim(0) : 1;
+  const int64_t rows = o.dim(o.rank() - 2);
+  if (v.NumElements() != units * rows) {
+    return Invalid(kOp, "v is ", v.DebugString(), ", want ", units * rows,
+                   " elements (one per row of o ", o.DebugString(), ")");
+  }
+  if (Overlap(v.data(), v.NumElements(), o.data(), o.NumElements())) {
+    return Invalid(kOp, "v overlaps o");
+  }
+  DIOND_RETURN_IF_ERROR(CheckFinite(kOp, "w", w));
+  return ctx.backend().normalize_neurons(ctx, w, o, v);
+}
+
+absl::Status CopyWithChange(const Context& ctx, ConstTensorView src, TensorView dst,
+                            TensorView update_sq) {
+  constexpr const char* kOp = "CopyWithChange";
+  DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "dst", dst, dst));
+  DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "src", src, dst));
+  if (Overlap(src.data(), src.NumElements(), dst.data(), dst.NumElements())) {
+    return Invalid(kOp, "src overlaps dst");
+  }
+  DIOND_RETURN_IF_ERROR(CheckScalarOut(ctx, kOp, update_sq, dst));
+  if (Overlap(update_sq.data(), 1, src.data(), src.NumElements())) {
+    return Invalid(kOp, "update_sq overlaps src");
+  }
+  return ctx.backend().copy_with_change(ctx, src, dst, update_sq);
 }
 
 }  // namespace diond::kernels

@@ -44,7 +44,6 @@ OpsBackend MakeTable() {
   t.randomized_cholesky_qr = &RandomizedCholeskyQr;
   t.frobenius_norm = &FrobeniusNorm;
   t.axis_norms = &AxisNorms;
-  t.top_k = &TopK;
   t.top_k_by_l1_norm = &TopKByL1Norm;
   t.is_all_zero = &IsAllZero;
   t.gather = &Gather;
@@ -53,15 +52,20 @@ OpsBackend MakeTable() {
   t.fill = &Fill;
   t.axpby = &Axpby;
   t.add_scalar = &AddScalar;
-  t.lerp = &Lerp;
   t.unary = &Unary;
   t.binary = &Binary;
-  t.cautious_weight_decay = &CautiousWeightDecay;
   t.adamw_step = &AdamWStep;
   t.lion_step = &LionStep;
   // ortho
   t.add_to_diagonal = &AddToDiagonal;
   t.bf16_rounded_axpby = &Bf16RoundedAxpby;
+  // kops
+  t.adamw_step_tracked = &AdamWStepTracked;
+  t.lion_step_tracked = &LionStepTracked;
+  t.momentum_update = &MomentumUpdate;
+  t.apply_update = &ApplyUpdate;
+  t.normalize_neurons = &NormalizeNeurons;
+  t.copy_with_change = &CopyWithChange;
   return t;
 }
 

@@ -33,8 +33,6 @@ absl::Status RandomizedCholeskyQr(const Context& ctx, ConstTensorView a, ConstTe
 absl::Status FrobeniusNorm(const Context& ctx, ConstTensorView a, TensorView out);
 absl::Status AxisNorms(const Context& ctx, ConstTensorView a, Axis axis, NormType type,
                        TensorView out);
-absl::Status TopK(const Context& ctx, ConstTensorView scores, int64_t k,
-                  absl::Span<int64_t> indices);
 absl::Status TopKByL1Norm(const Context& ctx, ConstTensorView a, Axis axis, int64_t k,
                           absl::Span<int64_t> indices, TensorView scores_out);
 absl::Status IsAllZero(const Context& ctx, ConstTensorView a, bool* all_zero);
@@ -48,20 +46,27 @@ absl::Status Axpby(const Context& ctx, float alpha, ConstTensorView x, float bet
                    ConstTensorView y, TensorView out);
 absl::Status AddScalar(const Context& ctx, float alpha, ConstTensorView x, float beta,
                        TensorView out);
-absl::Status Lerp(const Context& ctx, ConstTensorView start, ConstTensorView end, float weight,
-                  TensorView out);
 absl::Status Unary(const Context& ctx, UnaryOp op, ConstTensorView x, TensorView out);
 absl::Status Binary(const Context& ctx, BinaryOp op, ConstTensorView x, ConstTensorView y,
                     TensorView out);
-absl::Status CautiousWeightDecay(const Context& ctx, float decay, ConstTensorView direction,
-                                 TensorView x);
 absl::Status AdamWStep(const Context& ctx, const AdamWParams& p, ConstTensorView grad,
                        TensorView x, TensorView m, TensorView v);
 absl::Status LionStep(const Context& ctx, const LionParams& p, ConstTensorView grad, TensorView x,
                       TensorView m);
 
-// PyTorch's two-branch lerp (elementwise.cc), shared with the fused kernels.
-float LerpF32(float start, float end, float weight);
+// kops: fused optimizer phases (fused.cc).
+absl::Status AdamWStepTracked(const Context& ctx, const AdamWParams& p, ConstTensorView grad,
+                              TensorView x, TensorView m, TensorView v, TensorView update_sq);
+absl::Status LionStepTracked(const Context& ctx, const LionParams& p, ConstTensorView grad,
+                             TensorView x, TensorView m, TensorView update_sq);
+absl::Status MomentumUpdate(const Context& ctx, float mu, bool nesterov, ConstTensorView grad,
+                            ConstTensorView m_in, TensorView m, TensorView u);
+absl::Status ApplyUpdate(const Context& ctx, const ApplyUpdateParams& p, ConstTensorView update,
+                         ConstTensorView x_in, TensorView x);
+absl::Status NormalizeNeurons(const Context& ctx, float w, TensorView o, TensorView v);
+absl::Status CopyWithChange(const Context& ctx, ConstTensorView src, TensorView dst,
+                            TensorView update_sq);
+
 
 // ortho (ortho_ops.cc)
 absl::Status AddToDiagonal(const Context& ctx, float value, TensorView a);

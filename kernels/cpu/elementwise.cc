@@ -1,4 +1,4 @@
-// Elementwise ops of kernels/ops.h: Copy, Fill, Axpby, Scale, AddScalar, Lerp, Unary, Binary.
+// Elementwise ops of kernels/ops.h: Copy, Fill, Axpby, Scale, AddScalar, Unary, Binary.
 // Every value is computed in f32 and rounded once to the output dtype (ops.h conventions).
 #include <cfloat>
 #include <cmath>
@@ -129,17 +129,6 @@ absl::Status AddScalar(const Context& ctx, float alpha, ConstTensorView x, float
                        TensorView out) {
   cpu::ApplyThreadPolicy(ctx);
   Map1(x, out, [alpha, beta](float v) { return alpha * v + beta; });
-  return absl::OkStatus();
-}
-
-// PyTorch's lerp (aten/src/ATen/native/Lerp.h): two branches so that weight 1 returns `end`
-// exactly and large weights lose less precision.
-float LerpF32(float start, float end, float weight) { return math::Lerp(start, end, weight); }
-
-absl::Status Lerp(const Context& ctx, ConstTensorView start, ConstTensorView end, float weight,
-                  TensorView out) {
-  cpu::ApplyThreadPolicy(ctx);
-  Map2(start, end, out, [weight](float s, float e) { return cpu::LerpF32(s, e, weight); });
   return absl::OkStatus();
 }
 

@@ -61,6 +61,30 @@ void ParallelRange(int64_t n, F&& body, int64_t grain = kParallelGrain) {
   }
 }
 
+// Σ body(begin, end) over [0, n), split as ParallelRange; the per-thread partial sums are added
+// in thread order, so the result is fixed for a fixed thread count.
+template <typename F>
+double ParallelSum(int64_t n, F&& body, int64_t grain = kParallelGrain) {
+  if (n <= 0) return 0.0;
+  if (n < grain || omp_get_max_threads() == 1) return body(int64_t{0}, n);
+  constexpr int kMaxParts = 1024;  // Context::CpuDefault caps the thread count at 1024
+  double partial[kMaxParts];
+  int parts = 0;
+#pragma omp parallel
+  {
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+#pragma omp single
+    parts = static_cast<int>(nt < kMaxParts ? nt : kMaxParts);
+    if (t < kMaxParts) {
+      const int64_t b = n * t / parts, e = n * (t + 1) / parts;
+      partial[t] = b < e ? body(b, e) : 0.0;
+    }
+  }
+  double sum = 0.0;
+  for (int t = 0; t < parts; ++t) sum += partial[t];
+  return sum;
+}
+
 }  // namespace diond::kernels::cpu
 
 #endif  // DIOND_KERNELS_CPU_LOOPS_H_

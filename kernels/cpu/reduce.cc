@@ -1,4 +1,4 @@
-// Reductions of kernels/ops.h: FrobeniusNorm, AxisNorms, TopK, TopKByL1Norm, IsAllZero.
+// Reductions of kernels/ops.h: FrobeniusNorm, AxisNorms, TopKByL1Norm, IsAllZero.
 // Every sum is accumulated in double along one row or one column by one thread, in index order,
 // so results do not depend on the thread count.
 #include <algorithm>
@@ -11,6 +11,16 @@
 #include "kernels/cpu/backend.h"
 
 namespace diond::kernels::cpu {
+namespace {
+// n elements of T from the context's scratch arena (valid until the caller's Scope ends).
+template <typename T>
+absl::StatusOr<T*> ScratchArray(const Context& ctx, int64_t n) {
+  DIOND_ASSIGN_OR_RETURN(void* p, ctx.scratch().Allocate(
+                                      static_cast<size_t>(n > 0 ? n : 1) * sizeof(T), 64));
+  return static_cast<T*>(p);
+}
+}  // namespace
+
 namespace {
 
 double Term(NormType t, float v) {
@@ -61,8 +71,9 @@ void ColSums(ConstTensorView a, NormType type, double* sums) {
 
 absl::Status FrobeniusNorm(const Context& ctx, ConstTensorView a, TensorView out) {
   cpu::ApplyThreadPolicy(ctx);
-  std::vector<double> sums(static_cast<size_t>(a.Batch() * a.Rows()));
-  RowSums(a, NormType::kSumOfSquares, sums.data());
+  ScratchArena::Scope scope(ctx.scratch());
+  DIOND_ASSIGN_OR_RETURN(double* const sums, ScratchArray<double>(ctx, a.Batch() * a.Rows()));
+  RowSums(a, NormType::kSumOfSquares, sums);
   float* o = out.As<float>();
   for (int64_t b = 0; b < a.Batch(); ++b) {
     double s = 0.0;
@@ -77,14 +88,16 @@ absl::Status AxisNorms(const Context& ctx, ConstTensorView a, Axis axis, NormTyp
   const int64_t per = axis == Axis::kRows ? a.Rows() : a.Cols();
   cpu::ApplyThreadPolicy(ctx);
   const NormType acc = type == NormType::kL1 ? NormType::kL1 : NormType::kSumOfSquares;
-  std::vector<double> sums(static_cast<size_t>(a.Batch() * per));
+  ScratchArena::Scope scope(ctx.scratch());
+  const int64_t count = a.Batch() * per;
+  DIOND_ASSIGN_OR_RETURN(double* const sums, ScratchArray<double>(ctx, count));
   if (axis == Axis::kRows) {
-    RowSums(a, acc, sums.data());
+    RowSums(a, acc, sums);
   } else {
-    ColSums(a, acc, sums.data());
+    ColSums(a, acc, sums);
   }
   float* o = out.As<float>();
-  for (size_t i = 0; i < sums.size(); ++i) {
+  for (int64_t i = 0; i < count; ++i) {
     o[i] = static_cast<float>(type == NormType::kL2 ? std::sqrt(sums[i]) : sums[i]);
   }
   return absl::OkStatus();
@@ -92,9 +105,11 @@ absl::Status AxisNorms(const Context& ctx, ConstTensorView a, Axis axis, NormTyp
 
 namespace {
 // k and indices.size() were validated by the dispatcher (1 <= k <= n, size k).
-absl::Status TopKImpl(const float* s, int64_t n, int64_t k, absl::Span<int64_t> indices) {
-  std::vector<int64_t> idx(static_cast<size_t>(n));
-  std::iota(idx.begin(), idx.end(), int64_t{0});
+absl::Status TopKImpl(const Context& ctx, const float* s, int64_t n, int64_t k,
+                      absl::Span<int64_t> indices) {
+  ScratchArena::Scope scope(ctx.scratch());
+  DIOND_ASSIGN_OR_RETURN(int64_t* const idx, ScratchArray<int64_t>(ctx, n));
+  std::iota(idx, idx + n, int64_t{0});
   // Strict weak order: numbers before NaN, larger score first, then lower index first.
   auto before = [s](int64_t i, int64_t j) {
     const bool ni = std::isnan(s[i]), nj = std::isnan(s[j]);
@@ -102,26 +117,25 @@ absl::Status TopKImpl(const float* s, int64_t n, int64_t k, absl::Span<int64_t> 
     if (!ni && s[i] != s[j]) return s[i] > s[j];
     return i < j;
   };
-  std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), before);
-  std::copy(idx.begin(), idx.begin() + k, indices.begin());
+  std::partial_sort(idx, idx + k, idx + n, before);
+  std::copy(idx, idx + k, indices.begin());
   return absl::OkStatus();
 }
 }  // namespace
 
-absl::Status TopK(const Context& ctx, ConstTensorView scores, int64_t k,
-                  absl::Span<int64_t> indices) {
-  cpu::ApplyThreadPolicy(ctx);
-  return TopKImpl(scores.As<float>(), scores.NumElements(), k, indices);
-}
-
 absl::Status TopKByL1Norm(const Context& ctx, ConstTensorView a, Axis axis, int64_t k,
                           absl::Span<int64_t> indices, TensorView scores_out) {
   const int64_t n = axis == Axis::kRows ? a.Rows() : a.Cols();
-  std::vector<float> scores(static_cast<size_t>(n));
-  DIOND_RETURN_IF_ERROR(
-      cpu::AxisNorms(ctx, a, axis, NormType::kL1, MakeView(scores.data(), {n})));
-  if (!scores_out.empty()) std::copy(scores.begin(), scores.end(), scores_out.As<float>());
-  return TopKImpl(scores.data(), n, k, indices);
+  // The scores go straight into scores_out when the caller wants them, else into scratch.
+  ScratchArena::Scope scope(ctx.scratch());
+  float* scores = nullptr;
+  if (!scores_out.empty()) {
+    scores = scores_out.As<float>();
+  } else {
+    DIOND_ASSIGN_OR_RETURN(scores, ScratchArray<float>(ctx, n));
+  }
+  DIOND_RETURN_IF_ERROR(cpu::AxisNorms(ctx, a, axis, NormType::kL1, MakeView(scores, {n})));
+  return TopKImpl(ctx, scores, n, k, indices);
 }
 
 absl::Status IsAllZero(const Context& ctx, ConstTensorView a, bool* all_zero) {

@@ -58,9 +58,10 @@ TEST(Norms, MatchNaiveSums) {
   }
 }
 
+// The ordering rules, on the L1 norms of the rows of an n×1 matrix (the values themselves).
 TEST(TopK, MatchesAStableSortWithTiesByLowerIndex) {
   auto ctx = Context::CpuDefault();
-  std::vector<float> s = {3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, NAN, 9, -1};
+  std::vector<float> s = {3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, NAN, 9, 0.5f};
   const int64_t n = static_cast<int64_t>(s.size());
   std::vector<int64_t> order(n);
   std::iota(order.begin(), order.end(), 0);
@@ -70,13 +71,15 @@ TEST(TopK, MatchesAStableSortWithTiesByLowerIndex) {
   });
   for (int64_t k = 1; k <= n; ++k) {
     std::vector<int64_t> idx(k);
-    ASSERT_THAT(TopK(*ctx, MakeView(s.data(), {n}), k, absl::MakeSpan(idx)), IsOk());
+    ASSERT_THAT(TopKByL1Norm(*ctx, MakeView(s.data(), {n, 1}), Axis::kRows, k,
+                             absl::MakeSpan(idx)),
+                IsOk());
     EXPECT_EQ(idx, std::vector<int64_t>(order.begin(), order.begin() + k)) << "k " << k;
   }
   std::vector<int64_t> idx(2);
-  EXPECT_THAT(TopK(*ctx, MakeView(s.data(), {n}), 0, absl::MakeSpan(idx)),
+  EXPECT_THAT(TopKByL1Norm(*ctx, MakeView(s.data(), {n, 1}), Axis::kRows, 0, absl::MakeSpan(idx)),
               StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("k is 0")));
-  EXPECT_THAT(TopK(*ctx, MakeView(s.data(), {n}), 3, absl::MakeSpan(idx)),
+  EXPECT_THAT(TopKByL1Norm(*ctx, MakeView(s.data(), {n, 1}), Axis::kRows, 3, absl::MakeSpan(idx)),
               StatusIs(absl::StatusCode::kInvalidArgument));
 }
 

@@ -1,5 +1,6 @@
 #include "kernels/optim/group_optimizer.h"
 
+#include <cassert>
 #include <cmath>
 
 #include <cstring>
@@ -9,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
+#include "kernels/ops.h"
 #include "kernels/optim/internal/rule.h"
 #include "kernels/optim/validation.h"
 
@@ -105,10 +107,11 @@ struct Bucket {
 struct Staged {
   size_t bucket = 0;
   std::vector<size_t> slots;  // positions in Bucket::members that participated
-  kernels::Buffer x;
-  kernels::Buffer g;
+  kernels::Buffer x;  // the gradients are not staged: the rules read the caller's buffers
   std::vector<kernels::Buffer> state;
 };
+
+kernels::TensorView F32View(float* p, int64_t n) { return kernels::MakeView(p, {n}); }
 
 absl::StatusOr<kernels::Buffer> F32Buffer(const kernels::Allocator& alloc, int64_t n) {
   return alloc.Allocate(kernels::DType::kF32, {n});
@@ -156,6 +159,8 @@ class BucketedOptimizer final : public GroupOptimizer {
         b.state.push_back(std::move(buf));
       }
     }
+    DIOND_ASSIGN_OR_RETURN(update_sq_buf_,
+                           F32Buffer(alloc_, static_cast<int64_t>(this->shapes().size())));
     return absl::OkStatus();
   }
 
@@ -164,7 +169,9 @@ class BucketedOptimizer final : public GroupOptimizer {
                          absl::Span<const float* const> grads, float lr,
                          float weight_decay) override {
     RecycleStaged();
+    commit_ctx_ = &ctx;
     if (capture_ != nullptr) capture_->payload.assign(shapes().size(), {});
+    if (rule_->InPlace()) return StepInPlace(ctx, params, grads, lr, weight_decay);
     spare_.resize(buckets_.size());
     for (size_t bi = 0; bi < buckets_.size(); ++bi) {
       const Bucket& b = buckets_[bi];
@@ -181,11 +188,9 @@ class BucketedOptimizer final : public GroupOptimizer {
         continue;
       }
       const size_t np = st.slots.size();
-      const size_t numel = static_cast<size_t>(b.numel);
       const int64_t all = static_cast<int64_t>(b.members.size());
       if (st.x.empty()) {  // first step of this bucket: staging for every member, kept
         DIOND_ASSIGN_OR_RETURN(st.x, F32Buffer(alloc_, all * b.numel));
-        DIOND_ASSIGN_OR_RETURN(st.g, F32Buffer(alloc_, all * b.numel));
         st.state.clear();
         for (size_t k = 0; k < b.specs.size(); ++k) {
           DIOND_ASSIGN_OR_RETURN(kernels::Buffer sb,
@@ -193,30 +198,26 @@ class BucketedOptimizer final : public GroupOptimizer {
           st.state.push_back(std::move(sb));
         }
       }
-      float* sx = st.x.As<float>();
-      float* sg = st.g.As<float>();
-      for (size_t j = 0; j < np; ++j) {
-        const size_t p = b.members[st.slots[j]];
-        if (numel > 0) {
-          std::memcpy(sx + j * numel, params[p], numel * sizeof(float));
-          std::memcpy(sg + j * numel, grads[p], numel * sizeof(float));
-        }
-      }
-      for (size_t k = 0; k < b.specs.size(); ++k) {
-        const size_t sn = static_cast<size_t>(b.specs[k].NumElements());
-        float* s = st.state[k].As<float>();
-        const float* src = b.state[k].As<float>();
-        for (size_t j = 0; j < np; ++j) {
-          if (sn > 0) std::memcpy(s + j * sn, src + st.slots[j] * sn, sn * sizeof(float));
-        }
-      }
+      // Nothing is copied in: the rule reads the caller's parameters and gradients and the
+      // persistent state where they are, and writes its results into the staging (a later
+      // fallible phase, e.g. an orthogonalization, may still fail).
       internal::BucketArgs args;
       args.config = &config();
       args.shape = &b.shape;
       args.count = static_cast<int64_t>(np);
-      args.x = sx;
-      args.g = sg;
-      for (auto& s : st.state) args.state.push_back(s.As<float>());
+      args.x = st.x.As<float>();
+      for (size_t j = 0; j < np; ++j) {
+        args.x_in.push_back(params[b.members[st.slots[j]]]);
+        args.g.push_back(grads[b.members[st.slots[j]]]);
+      }
+      args.state_in.resize(b.specs.size());
+      for (size_t k = 0; k < b.specs.size(); ++k) {
+        const int64_t sn = b.specs[k].NumElements();
+        args.state.push_back(st.state[k].As<float>());
+        for (size_t j = 0; j < np; ++j) {
+          args.state_in[k].push_back(b.state[k].As<float>() + st.slots[j] * sn);
+        }
+      }
       args.scalars = {lr, weight_decay};
       args.step = step_number_;
       args.replica_average = replica_average_;
@@ -232,32 +233,90 @@ class BucketedOptimizer final : public GroupOptimizer {
   }
 
   void CommitStaged(absl::Span<float* const> params) override {
+    if (in_place_step_) {
+      // The rule already wrote params and state; only its Σ(Δx)² are read back (one sync point
+      // per step, docs/KERNELS.md; host-addressable on the CPU backend).
+      const float* sq = update_sq_buf_.As<float>();
+      for (size_t p = 0; p < params.size(); ++p) update_sq_ += static_cast<double>(sq[p]);
+      in_place_step_ = false;
+      return;
+    }
+    // Copy and Fill on valid views of host memory cannot fail: the statuses are checked in
+    // debug builds only (commit has no way back).
+    const kernels::Context& ctx = *commit_ctx_;
+    absl::Status s = kernels::Fill(ctx, 0.0f, update_sq_buf_.view());
+    float* const sq = update_sq_buf_.As<float>();
     for (Staged& st : staged_) {
       Bucket& b = buckets_[st.bucket];
-      const size_t numel = static_cast<size_t>(b.numel);
+      const int64_t numel = b.numel;
+      // Every member took part: the staged state (sized for all members, in member order)
+      // becomes the state, and the old state buffers become the next step's staging.
+      const bool all = st.slots.size() == b.members.size();
       for (size_t j = 0; j < st.slots.size(); ++j) {
         const size_t p = b.members[st.slots[j]];
-        const float* staged = st.x.As<float>() + j * numel;
-        double sq = 0;
-        for (size_t e = 0; e < numel; ++e) {
-          const double d = static_cast<double>(staged[e]) - params[p][e];
-          sq += d * d;
-        }
-        update_sq_ += sq;
-        if (numel > 0) std::memcpy(params[p], staged, numel * sizeof(float));
+        // One pass: the parameter takes the staged value, and Σ(Δx)² comes with it.
+        s.Update(kernels::CopyWithChange(ctx, F32View(st.x.As<float>() + j * numel, numel),
+                                         F32View(params[p], numel),
+                                         kernels::MakeView(sq + p, {1})));
+        if (all) continue;
         for (size_t k = 0; k < b.specs.size(); ++k) {
-          const size_t sn = static_cast<size_t>(b.specs[k].NumElements());
-          if (sn > 0) {
-            std::memcpy(b.state[k].As<float>() + st.slots[j] * sn,
-                        st.state[k].As<float>() + j * sn, sn * sizeof(float));
-          }
+          const int64_t sn = b.specs[k].NumElements();
+          s.Update(kernels::Copy(ctx, F32View(st.state[k].As<float>() + j * sn, sn),
+                                 F32View(b.state[k].As<float>() + st.slots[j] * sn, sn)));
         }
       }
+      if (all) {
+        for (size_t k = 0; k < b.specs.size(); ++k) std::swap(b.state[k], st.state[k]);
+      }
     }
+    // Σ(Δx)² per parameter read back once per step (a sync point, docs/KERNELS.md).
+    for (size_t p = 0; p < params.size(); ++p) update_sq_ += static_cast<double>(sq[p]);
+    assert(s.ok());
+    (void)s;
     RecycleStaged();
   }
 
-  void DiscardStaged() override { RecycleStaged(); }
+  void DiscardStaged() override {
+    in_place_step_ = false;
+    RecycleStaged();
+  }
+
+  // The in-place path (UpdateRule::InPlace: AdamW, Lion): each parameter with a gradient is
+  // stepped directly in the caller's buffer and its state slot, by one fused op that reads g, x
+  // and the state and writes x and the state once, and reports Σ(Δx)² in the same pass. Nothing
+  // is staged: after Step's validation these ops cannot fail (the promise that a failed step
+  // changes nothing holds because nothing can fail once anything is written).
+  absl::Status StepInPlace(const kernels::Context& ctx, absl::Span<float* const> params,
+                           absl::Span<const float* const> grads, float lr, float weight_decay) {
+    DIOND_RETURN_IF_ERROR(kernels::Fill(ctx, 0.0f, update_sq_buf_.view()));
+    float* const sq = update_sq_buf_.As<float>();
+    internal::BucketArgs args;
+    args.config = &config();
+    args.count = 1;
+    args.scalars = {lr, weight_decay};
+    args.step = step_number_;
+    args.replica_average = replica_average_;
+    for (Bucket& b : buckets_) {
+      args.shape = &b.shape;
+      args.state.resize(b.specs.size());
+      args.state_in.resize(b.specs.size());
+      for (size_t slot = 0; slot < b.members.size(); ++slot) {
+        const size_t p = b.members[slot];
+        if (grads[p] == nullptr) continue;
+        args.x = params[p];
+        args.x_in.assign(1, params[p]);
+        args.g.assign(1, grads[p]);
+        for (size_t k = 0; k < b.specs.size(); ++k) {
+          args.state[k] = b.state[k].As<float>() + slot * b.specs[k].NumElements();
+          args.state_in[k].assign(1, args.state[k]);
+        }
+        args.update_sq = sq + p;
+        DIOND_RETURN_IF_ERROR(rule_->Apply(ctx, args));
+      }
+    }
+    in_place_step_ = true;
+    return absl::OkStatus();
+  }
 
   absl::Status ReleaseStateImpl(const std::vector<bool>& keep) override {
     // Allocate every smaller buffer first, so that a failure changes nothing.
@@ -349,6 +408,12 @@ class BucketedOptimizer final : public GroupOptimizer {
 
   std::vector<Staged> staged_;
   std::vector<Staged> spare_;  // per bucket: buffers of the previous step, kept for reuse
+  // In-place rules: Σ(Δx)² per parameter of the step (f32, one per parameter), and whether the
+  // last StageStep ran in place.
+  kernels::Buffer update_sq_buf_;
+  bool in_place_step_ = false;
+  // The context of the step being staged; CommitStaged runs its copies on it.
+  const kernels::Context* commit_ctx_ = nullptr;
 };
 
 }  // namespace

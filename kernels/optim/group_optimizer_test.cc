@@ -274,6 +274,46 @@ TEST(GroupOptimizerTest, MissingGradientSkipsParameter) {
   EXPECT_EQ(s1, 0.0f);  // P17: the per-parameter counter advances only with a gradient
 }
 
+// last_update_norm is ‖Δx‖_F over the group, whether the rule stages its results (Muon, Dion2)
+// or steps in place with the norm computed inside its fused op (AdamW, Lion); a parameter
+// without a gradient contributes nothing. Two steps, so the second reuses the buffers.
+TEST(GroupOptimizerTest, LastUpdateNormIsTheNormOfTheChange) {
+  auto ctx = kernels::Context::CpuDefault(2);
+  for (AlgorithmKind k : {AlgorithmKind::kAdamW, AlgorithmKind::kLion, AlgorithmKind::kMuon,
+                          AlgorithmKind::kDion2}) {
+    const std::vector<ParamShape> shapes = {{32, 48}, {32, 48}, {64, 16}};
+    auto opt = CreateGroupOptimizer(*ctx, Cfg(k), shapes);
+    ASSERT_THAT(opt.status(), IsOk());
+    std::vector<std::vector<float>> x, g;
+    std::vector<float*> xp;
+    std::vector<const float*> gp;
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      x.push_back(Rand(static_cast<size_t>(shapes[i][0] * shapes[i][1]), 10 + i));
+      g.push_back(Rand(x.back().size(), 20 + i));
+    }
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      xp.push_back(x[i].data());
+      gp.push_back(g[i].data());
+    }
+    gp[1] = nullptr;
+    for (int step = 1; step <= 2; ++step) {
+      const auto before = x;
+      ASSERT_THAT((*opt)->Step(*ctx, xp, gp), IsOk());
+      double sq = 0;
+      for (size_t i = 0; i < x.size(); ++i) {
+        for (size_t e = 0; e < x[i].size(); ++e) {
+          const double d = static_cast<double>(x[i][e]) - before[i][e];
+          sq += d * d;
+        }
+      }
+      EXPECT_EQ(x[1], before[1]);
+      ASSERT_GT(sq, 0.0);
+      EXPECT_NEAR((*opt)->last_update_norm(), std::sqrt(sq), 1e-6 * std::sqrt(sq))
+          << AlgorithmName(k) << " step " << step;
+    }
+  }
+}
+
 TEST(GroupOptimizerTest, LrOverrideReplacesConfiguredLr) {
   auto ctx = kernels::Context::CpuDefault(1);
   GroupConfig a = Cfg(AlgorithmKind::kLion), b = a;

@@ -72,7 +72,6 @@ OpsBackend MakeTable() {
   Set<&OpsBackend::randomized_cholesky_qr>(t, "randomized_cholesky_qr");
   Set<&OpsBackend::frobenius_norm>(t, "frobenius_norm");
   Set<&OpsBackend::axis_norms>(t, "axis_norms");
-  Set<&OpsBackend::top_k>(t, "top_k");
   Set<&OpsBackend::top_k_by_l1_norm>(t, "top_k_by_l1_norm");
   Set<&OpsBackend::is_all_zero>(t, "is_all_zero");
   Set<&OpsBackend::gather>(t, "gather");
@@ -81,15 +80,20 @@ OpsBackend MakeTable() {
   Set<&OpsBackend::fill>(t, "fill");
   Set<&OpsBackend::axpby>(t, "axpby");
   Set<&OpsBackend::add_scalar>(t, "add_scalar");
-  Set<&OpsBackend::lerp>(t, "lerp");
   Set<&OpsBackend::unary>(t, "unary");
   Set<&OpsBackend::binary>(t, "binary");
-  Set<&OpsBackend::cautious_weight_decay>(t, "cautious_weight_decay");
   Set<&OpsBackend::adamw_step>(t, "adamw_step");
   Set<&OpsBackend::lion_step>(t, "lion_step");
   // ortho
   Set<&OpsBackend::add_to_diagonal>(t, "add_to_diagonal");
   Set<&OpsBackend::bf16_rounded_axpby>(t, "bf16_rounded_axpby");
+  // kops
+  Set<&OpsBackend::adamw_step_tracked>(t, "adamw_step_tracked");
+  Set<&OpsBackend::lion_step_tracked>(t, "lion_step_tracked");
+  Set<&OpsBackend::momentum_update>(t, "momentum_update");
+  Set<&OpsBackend::apply_update>(t, "apply_update");
+  Set<&OpsBackend::normalize_neurons>(t, "normalize_neurons");
+  Set<&OpsBackend::copy_with_change>(t, "copy_with_change");
   return t;
 }
 

@@ -44,7 +44,7 @@ Selection SelectionOf(const GroupConfig& cfg, const ParamShape& shape, int64_t c
 // The order is the row/column order of the orthogonalized submatrix: it does not change the
 // exact result, but it is the f32 accumulation order of that matrix's Gram products, which on
 // ill-conditioned real gradients can flip a bf16 rounding (orthogonalize.cc, Bf16Matmul).
-void ReferenceSelectionOrder(const std::vector<float>& scores, absl::Span<int64_t> idx) {
+void ReferenceSelectionOrder(absl::Span<const float> scores, absl::Span<int64_t> idx) {
   const int64_t length = static_cast<int64_t>(scores.size());
   const int64_t k = static_cast<int64_t>(idx.size());
   using Elem = std::pair<float, int64_t>;
@@ -89,27 +89,41 @@ class Dion2Rule final : public UpdateRule {
     const float ef = nordion ? F32(h.mu) : F32(h.ef_decay);
     float* m = a.state[0];
 
+    const int64_t total = units.batch * msize;
+
     // 1. M ← M + G (pure accumulation, P5).
-    for (int64_t i = 0; i < units.batch * msize; ++i) m[i] = m[i] + a.g[i];
+    // Per parameter: its gradient is the caller's buffer (GroupOptimizer stages no gradient).
+    const int64_t numel = total / a.count;
+    // The persistent momentum is read once, the staged one written (out of place).
+    for (int64_t p = 0; p < a.count; ++p) {
+      DIOND_RETURN_IF_ERROR(kernels::Axpby(ctx, 1.0f, CVec(a.state_in[0][p], numel), 1.0f,
+                                           CVec(a.g[p], numel), Vec(m + p * numel, numel)));
+    }
 
     // 2-7. Per unit: top-k slices by L1 norm, S = M[I] (pre-decay, P6), M[I] ← ef·S.
+    // The indices come back to the host (TopKByL1Norm's sync point, docs/KERNELS.md); S and the
+    // scores live in the context's scratch arena.
     const int64_t sub_rows = axis == Axis::kRows ? k : R;
     const int64_t sub_cols = axis == Axis::kRows ? C : k;
     const int64_t sub_size = sub_rows * sub_cols;
+    kernels::ScratchArena::Scope scope(ctx.scratch());
     std::vector<int64_t> idx(static_cast<size_t>(units.batch * k));
-    std::vector<float> s(static_cast<size_t>(units.batch * sub_size));
+    DIOND_ASSIGN_OR_RETURN(float* const s, ScratchFloats(ctx, units.batch * sub_size));
+    float* scores = nullptr;
+    if (bf16) {
+      DIOND_ASSIGN_OR_RETURN(scores, ScratchFloats(ctx, length));
+    }
     for (int64_t b = 0; b < units.batch; ++b) {
       kernels::TensorView mb = View2(m + b * msize, R, C);
       absl::Span<int64_t> ib(idx.data() + b * k, static_cast<size_t>(k));
       if (bf16) {
-        std::vector<float> scores(static_cast<size_t>(length));
-        DIOND_RETURN_IF_ERROR(kernels::TopKByL1Norm(
-            ctx, mb, axis, k, ib, kernels::MakeView(scores.data(), {length})));
-        ReferenceSelectionOrder(scores, ib);
+        DIOND_RETURN_IF_ERROR(kernels::TopKByL1Norm(ctx, mb, axis, k, ib, Vec(scores, length)));
+        // Host-side reordering of the selection: reads the scores (a sync point).
+        ReferenceSelectionOrder(absl::MakeConstSpan(scores, static_cast<size_t>(length)), ib);
       } else {
         DIOND_RETURN_IF_ERROR(kernels::TopKByL1Norm(ctx, mb, axis, k, ib));
       }
-      kernels::TensorView sb = View2(s.data() + b * sub_size, sub_rows, sub_cols);
+      kernels::TensorView sb = View2(s + b * sub_size, sub_rows, sub_cols);
       DIOND_RETURN_IF_ERROR(kernels::Gather(ctx, mb, axis, ib, sb));
       DIOND_RETURN_IF_ERROR(kernels::Scatter(ctx, sb, axis, ib, ef, 0.0f, mb));
     }
@@ -120,19 +134,31 @@ class Dion2Rule final : public UpdateRule {
     sub_shape[sub_shape.size() - 2] = sub_rows;
     sub_shape[sub_shape.size() - 1] = sub_cols;
     DIOND_RETURN_IF_ERROR(
-        OrthogonalizeBatch(ctx, cfg, s.data(), s.data(), OrthoMatrices(cfg, a.count, sub_shape)));
+        OrthogonalizeBatch(ctx, cfg, s, s, OrthoMatrices(cfg, a.count, sub_shape)));
 
     // NorDion2: NorMuon's normalization on the selected rows, in f32, with V gathered from and
-    // scattered back to the selected rows only (§8.2 step 3).
+    // scattered back to the selected rows only (§8.2 step 3): one batched NormalizeNeurons.
     if (nordion) {
       const float w = 1.0f - F32(h.muon_beta2);
       float* v = a.state[1];
-      std::vector<float> vi(static_cast<size_t>(k));
+      // V is small (one value per row): staged by a copy, then updated in place.
+      const int64_t vsize = numel / a.shape->back();
+      for (int64_t p = 0; p < a.count; ++p) {
+        DIOND_RETURN_IF_ERROR(
+            kernels::Copy(ctx, CVec(a.state_in[1][p], vsize), Vec(v + p * vsize, vsize)));
+      }
+      DIOND_ASSIGN_OR_RETURN(float* const vi, ScratchFloats(ctx, units.batch * k));
       for (int64_t b = 0; b < units.batch; ++b) {
-        const int64_t* ib = idx.data() + b * k;
-        for (int64_t j = 0; j < k; ++j) vi[j] = v[b * R + ib[j]];
-        NormalizeRows(s.data() + b * sub_size, vi.data(), 1, k, C, w);
-        for (int64_t j = 0; j < k; ++j) v[b * R + ib[j]] = vi[j];
+        absl::Span<const int64_t> ib(idx.data() + b * k, static_cast<size_t>(k));
+        DIOND_RETURN_IF_ERROR(
+            kernels::Gather(ctx, View2(v + b * R, R, 1), Axis::kRows, ib, View2(vi + b * k, k, 1)));
+      }
+      DIOND_RETURN_IF_ERROR(kernels::NormalizeNeurons(
+          ctx, w, View3(s, MatrixBatch{units.batch, k, C}), Vec(vi, units.batch * k)));
+      for (int64_t b = 0; b < units.batch; ++b) {
+        absl::Span<const int64_t> ib(idx.data() + b * k, static_cast<size_t>(k));
+        DIOND_RETURN_IF_ERROR(kernels::Scatter(ctx, View2(vi + b * k, k, 1), Axis::kRows, ib,
+                                               1.0f, 0.0f, View2(v + b * R, R, 1)));
       }
     }
 
@@ -140,10 +166,15 @@ class Dion2Rule final : public UpdateRule {
     const auto [fan_out, fan_in] = LrFans(cfg, eff);
     const float alpha = AdjustedLr(a.scalars.lr, h.adjust_lr, fan_out, fan_in);
     const float decay = DecayFactor(a.scalars.lr, a.scalars.weight_decay);
-    for (int64_t i = 0; i < units.batch * msize; ++i) a.x[i] = a.x[i] * decay;
+    // Decay from the caller's parameters into the staged ones (out of place), then the
+    // selected slices.
+    for (int64_t p = 0; p < a.count; ++p) {
+      DIOND_RETURN_IF_ERROR(
+          kernels::Scale(ctx, decay, CVec(a.x_in[p], numel), Vec(a.x + p * numel, numel)));
+    }
     for (int64_t b = 0; b < units.batch; ++b) {
       kernels::TensorView xb = View2(a.x + b * msize, R, C);
-      kernels::TensorView sb = View2(s.data() + b * sub_size, sub_rows, sub_cols);
+      kernels::TensorView sb = View2(s + b * sub_size, sub_rows, sub_cols);
       absl::Span<const int64_t> ib(idx.data() + b * k, static_cast<size_t>(k));
       DIOND_RETURN_IF_ERROR(kernels::Scatter(ctx, sb, axis, ib, -alpha, 1.0f, xb));
     }
@@ -205,7 +236,8 @@ absl::Status Dion2ApplyCaptured(const kernels::Context& ctx, const GroupConfig& 
   }
   // Step 10 exactly as the rule: every entry decayed; then the owner's selected slices.
   const float decay = DecayFactor(scalars.lr, scalars.weight_decay);
-  for (int64_t i = 0; i < s.units.batch * msize; ++i) x[i] = x[i] * decay;
+  const int64_t total = s.units.batch * msize;
+  DIOND_RETURN_IF_ERROR(kernels::Scale(ctx, decay, CVec(x, total), Vec(x, total)));
   for (int64_t u = 0; u < s.units.batch; ++u) {
     const float* values = payload + u * (s.k + sub_size) + s.k;
     absl::Span<const int64_t> ib(idx.data() + u * s.k, static_cast<size_t>(s.k));

@@ -18,10 +18,15 @@
 // (R₁ singular, or the Cholesky factorization of P₁ᵀP₁ fails, e.g. a rank-deficient P) and would
 // go on with a partial factor (inf/NaN, then zeroed), this implementation uses the Householder
 // QR of that matrix instead.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <map>
 #include <random>
+#include <tuple>
 #include <vector>
+
+#include "absl/container/inlined_vector.h"
 
 #include "common/status_macros.h"
 #include "kernels/ops.h"
@@ -72,20 +77,24 @@ uint64_t SketchStream(const DionDims& d) {
 }
 
 // Randomized Cholesky QR of one a×r matrix (a > r) in place, with the shared sketch S (k×a);
-// Householder QR where it breaks down (see the file comment).
+// Householder QR where it breaks down (see the file comment). `copy` is scratch of a×r floats.
 absl::Status RcqrOne(const kernels::Context& ctx, const DionDims& d,
-                     kernels::ConstTensorView sketch, float* p, std::vector<float>* scratch) {
+                     kernels::ConstTensorView sketch, float* p, float* copy) {
   const MatrixBatch one{1, d.a, d.r};
-  scratch->assign(p, p + d.a * d.r);
-  absl::Status s = kernels::RandomizedCholeskyQr(ctx, CView3(scratch->data(), one).Matrix(0),
-                                                 sketch, View3(p, one).Matrix(0));
+  DIOND_RETURN_IF_ERROR(kernels::Copy(ctx, CView3(p, one), View3(copy, one)));
+  absl::Status s = kernels::RandomizedCholeskyQr(ctx, CView3(copy, one).Matrix(0), sketch,
+                                                 View3(p, one).Matrix(0));
   if (s.code() != absl::StatusCode::kFailedPrecondition) return s;
-  return kernels::ThinQr(ctx, CView3(scratch->data(), one).Matrix(0), View3(p, one).Matrix(0));
+  return kernels::ThinQr(ctx, CView3(copy, one).Matrix(0), View3(p, one).Matrix(0));
 }
 
 // Step 4 for N matrices: P ← Q-factor of P by the group's qr_method (see the file comment).
+// `sketch` is the shape's fixed sketch (k×a; empty when the method never needs one).
+// Failed Cholesky factorizations are a host-side branch on a status (a sync point per matrix,
+// docs/KERNELS.md).
 absl::Status Orthonormalize(const kernels::Context& ctx, const GroupConfig& cfg,
-                            const DionDims& d, int64_t N, int64_t step, float* P) {
+                            const DionDims& d, int64_t N, int64_t step,
+                            kernels::ConstTensorView sketch, float* P) {
   const MatrixBatch pb{N, d.a, d.r};
   QrMethod method = cfg.hyperparams.qr_method;
   if (method == QrMethod::kCqr && step <= cfg.hyperparams.cqr_warmup_steps) {
@@ -94,64 +103,49 @@ absl::Status Orthonormalize(const kernels::Context& ctx, const GroupConfig& cfg,
   if (method == QrMethod::kQr || (method == QrMethod::kRcqr && d.a <= d.r)) {
     return kernels::ThinQr(ctx, CView3(P, pb), View3(P, pb));
   }
-  std::vector<float> sketch, scratch;
-  auto rcqr = [&](int64_t j) -> absl::Status {
-    float* p = P + j * d.a * d.r;
-    if (d.a <= d.r) {
-      const MatrixBatch one{1, d.a, d.r};
-      return kernels::ThinQr(ctx, CView3(p, one).Matrix(0), View3(p, one).Matrix(0));
-    }
-    const int64_t k = RcqrSketchRows(d.r, cfg.hyperparams.rcqr_oversample);
-    if (sketch.empty()) {
-      // S ~ N(0, 1/k), k×a, as the reference's generate_random_sketch_matrix.
-      sketch.resize(static_cast<size_t>(k * d.a));
-      FillStandardNormal(cfg.seed, SketchStream(d), sketch.data(), k * d.a);
-      const float scale = F32(std::sqrt(1.0 / static_cast<double>(k)));
-      for (float& v : sketch) v = v * scale;
-    }
-    const MatrixBatch sb{1, k, d.a};
-    return RcqrOne(ctx, d, CView3(sketch.data(), sb).Matrix(0), p, &scratch);
-  };
+  kernels::ScratchArena::Scope scope(ctx.scratch());
+  DIOND_ASSIGN_OR_RETURN(float* const copy, ScratchFloats(ctx, d.a * d.r));
+  const MatrixBatch one{1, d.a, d.r};
   for (int64_t j = 0; j < N; ++j) {
+    float* p = P + j * d.a * d.r;
     if (method == QrMethod::kCqr) {
-      float* p = P + j * d.a * d.r;
-      const MatrixBatch one{1, d.a, d.r};
-      scratch.assign(p, p + d.a * d.r);
-      absl::Status s = kernels::CholeskyQr(ctx, CView3(scratch.data(), one).Matrix(0),
+      DIOND_RETURN_IF_ERROR(kernels::Copy(ctx, CView3(p, one), View3(copy, one)));
+      absl::Status s = kernels::CholeskyQr(ctx, CView3(copy, one).Matrix(0),
                                            View3(p, one).Matrix(0));
       if (s.ok()) continue;
       if (s.code() != absl::StatusCode::kFailedPrecondition) return s;
-      std::copy(scratch.begin(), scratch.end(), p);  // the Cholesky factorization failed
+      // The Cholesky factorization failed: back to the saved P.
+      DIOND_RETURN_IF_ERROR(kernels::Copy(ctx, CView3(copy, one), View3(p, one)));
     }
-    DIOND_RETURN_IF_ERROR(rcqr(j));
+    if (d.a <= d.r) {
+      DIOND_RETURN_IF_ERROR(
+          kernels::ThinQr(ctx, CView3(p, one).Matrix(0), View3(p, one).Matrix(0)));
+    } else {
+      DIOND_RETURN_IF_ERROR(RcqrOne(ctx, d, sketch, p, copy));
+    }
   }
   return absl::OkStatus();
 }
 
 // Steps 9-10 for N matrices: X ← (1 − η·λ)·X − s·(P·Q_newᵀ) (transposed: Q_new·Pᵀ),
-// s = f32(√(m/n))·η. Shared by the rule and by DionApplyCaptured (a non-owner reproducing the
-// owner's update from P and Q_new), so both compute the same bits.
+// s = f32(√(m/n))·η, as one GEMM with beta = 1 − η·λ: the BLAS scales X by beta and then adds
+// −s·P·Q_newᵀ, the reference's X.mul_(1 − η·λ) followed by addmm_ (no update buffer). Shared by
+// the rule and by DionApplyCaptured (a non-owner reproducing the owner's update from P and
+// Q_new), so both compute the same bits.
 absl::Status ApplyFactors(const kernels::Context& ctx, const DionDims& d, int64_t N,
                           const float* P, const float* q_new, const StepScalars& scalars,
                           float* x) {
   const MatrixBatch mb{N, d.m, d.n}, pb{N, d.a, d.r}, qb{N, d.b, d.r};
   const float s = F32(std::sqrt(static_cast<double>(d.m) / static_cast<double>(d.n))) *
                   scalars.lr;
-  const float decay = DecayFactor(scalars.lr, scalars.weight_decay);
-  std::vector<float> upd(static_cast<size_t>(N * d.m * d.n));
   GemmParams gu;
   gu.trans_b = Trans::kYes;
+  gu.alpha = -s;
+  gu.beta = DecayFactor(scalars.lr, scalars.weight_decay);
   if (d.transposed) {
-    DIOND_RETURN_IF_ERROR(
-        kernels::Gemm(ctx, gu, CView3(q_new, qb), CView3(P, pb), View3(upd.data(), mb)));
-  } else {
-    DIOND_RETURN_IF_ERROR(
-        kernels::Gemm(ctx, gu, CView3(P, pb), CView3(q_new, qb), View3(upd.data(), mb)));
+    return kernels::Gemm(ctx, gu, CView3(q_new, qb), CView3(P, pb), View3(x, mb));
   }
-  for (int64_t i = 0; i < N * d.m * d.n; ++i) {
-    x[i] = decay * x[i] + (-s) * upd[i];
-  }
-  return absl::OkStatus();
+  return kernels::Gemm(ctx, gu, CView3(P, pb), CView3(q_new, qb), View3(x, mb));
 }
 
 class DionRule final : public UpdateRule {
@@ -173,60 +167,79 @@ class DionRule final : public UpdateRule {
     const DionDims d = Dims(cfg, *args.shape);
     const int64_t N = args.count;
     const MatrixBatch mb{N, d.m, d.n}, pb{N, d.a, d.r}, qb{N, d.b, d.r};
+    const int64_t psize = N * d.a * d.r, qsize = N * d.b * d.r;
     float* M = args.state[0];
     float* Q = args.state[1];
     const float mu = F32(cfg.hyperparams.mu);
     const float eps = F32(cfg.hyperparams.epsilon);
+    DIOND_ASSIGN_OR_RETURN(kernels::ConstTensorView sketch, Sketch(ctx, cfg, d));
+
+    // P, R and the column norms live in the context's scratch arena (rewound on return).
+    kernels::ScratchArena::Scope scope(ctx.scratch());
+    DIOND_ASSIGN_OR_RETURN(float* const P, ScratchFloats(ctx, psize));
+    DIOND_ASSIGN_OR_RETURN(float* const R, ScratchFloats(ctx, qsize));
+    DIOND_ASSIGN_OR_RETURN(float* const norms, ScratchFloats(ctx, N * d.r));
 
     // 1. M ← M + G.
-    for (int64_t i = 0; i < N * d.m * d.n; ++i) M[i] = M[i] + args.g[i];
+    // Per matrix: its gradient is the caller's buffer (GroupOptimizer stages no gradient).
+    const int64_t numel = d.m * d.n;
+    // The persistent M is read once, the staged one written (out of place); Q and X are staged
+    // by a copy (Q is small, and the final GEMM updates X in place).
+    const int64_t qnumel = d.b * d.r;
+    for (int64_t j = 0; j < N; ++j) {
+      DIOND_RETURN_IF_ERROR(kernels::Axpby(ctx, 1.0f, CVec(args.state_in[0][j], numel), 1.0f,
+                                           CVec(args.g[j], numel), Vec(M + j * numel, numel)));
+      DIOND_RETURN_IF_ERROR(
+          kernels::Copy(ctx, CVec(args.state_in[1][j], qnumel), Vec(Q + j * qnumel, qnumel)));
+      DIOND_RETURN_IF_ERROR(
+          kernels::Copy(ctx, CVec(args.x_in[j], numel), Vec(args.x + j * numel, numel)));
+    }
 
     // 2-3. P = B·Q with B = M (a×b) or Mᵀ when transposed.
-    std::vector<float> P(static_cast<size_t>(N * d.a * d.r));
     GemmParams gp;
     gp.trans_a = d.transposed ? Trans::kYes : Trans::kNo;
-    DIOND_RETURN_IF_ERROR(kernels::Gemm(ctx, gp, CView3(M, mb), CView3(Q, qb), View3(P.data(), pb)));
+    DIOND_RETURN_IF_ERROR(kernels::Gemm(ctx, gp, CView3(M, mb), CView3(Q, qb), View3(P, pb)));
 
-    std::vector<bool> zero(static_cast<size_t>(N));
+    // Whether each matrix's momentum is all zero: read back to the host (a sync point per
+    // matrix, docs/KERNELS.md). At most a few matrices per bucket: kept on the stack.
+    absl::InlinedVector<bool, 16> zero(static_cast<size_t>(N), false);
     if (args.replica_average != nullptr) {
       // Compressed sync (§9.7): P ← mean over replicas of B_i·Q; B ≡ 0 judged on the mean.
-      DIOND_RETURN_IF_ERROR((*args.replica_average)(absl::MakeSpan(P)));
+      DIOND_RETURN_IF_ERROR((*args.replica_average)(absl::MakeSpan(P, static_cast<size_t>(psize))));
       for (int64_t j = 0; j < N; ++j) {
         bool z = false;
-        DIOND_RETURN_IF_ERROR(kernels::IsAllZero(ctx, CView3(P.data(), pb).Matrix(j), &z));
+        DIOND_RETURN_IF_ERROR(kernels::IsAllZero(ctx, CView3(P, pb).Matrix(j), &z));
         zero[j] = z;
       }
     } else {
       for (int64_t j = 0; j < N; ++j) {
         bool z = false;
-        DIOND_RETURN_IF_ERROR(kernels::IsAllZero(
-            ctx, CView3(M, mb).Matrix(j), &z));
+        DIOND_RETURN_IF_ERROR(kernels::IsAllZero(ctx, CView3(M, mb).Matrix(j), &z));
         zero[j] = z;
       }
     }
     // 4. P ← Q-factor of P by qr_method (see the file comment).
-    DIOND_RETURN_IF_ERROR(Orthonormalize(ctx, cfg, d, N, args.step, P.data()));
+    DIOND_RETURN_IF_ERROR(Orthonormalize(ctx, cfg, d, N, args.step, sketch, P));
 
     // 5. R = Bᵀ·P (b×r).
-    std::vector<float> R(static_cast<size_t>(N * d.b * d.r));
     GemmParams gr;
     gr.trans_a = d.transposed ? Trans::kNo : Trans::kYes;
-    DIOND_RETURN_IF_ERROR(
-        kernels::Gemm(ctx, gr, CView3(M, mb), CView3(P.data(), pb), View3(R.data(), qb)));
+    DIOND_RETURN_IF_ERROR(kernels::Gemm(ctx, gr, CView3(M, mb), CView3(P, pb), View3(R, qb)));
     // Compressed sync: R ← mean over replicas of B_iᵀ·P.
     if (args.replica_average != nullptr) {
-      DIOND_RETURN_IF_ERROR((*args.replica_average)(absl::MakeSpan(R)));
+      DIOND_RETURN_IF_ERROR((*args.replica_average)(absl::MakeSpan(R, static_cast<size_t>(qsize))));
     }
 
     // 6. All-zero momentum: P ← 0, R ← Q (P13); otherwise NaN → 0, ±inf → ±FLT_MAX.
-    DIOND_RETURN_IF_ERROR(kernels::Unary(ctx, kernels::UnaryOp::kNanToNum, CView3(P.data(), pb),
-                                         View3(P.data(), pb)));
-    DIOND_RETURN_IF_ERROR(kernels::Unary(ctx, kernels::UnaryOp::kNanToNum, CView3(R.data(), qb),
-                                         View3(R.data(), qb)));
+    DIOND_RETURN_IF_ERROR(kernels::Unary(ctx, kernels::UnaryOp::kNanToNum, CView3(P, pb),
+                                         View3(P, pb)));
+    DIOND_RETURN_IF_ERROR(kernels::Unary(ctx, kernels::UnaryOp::kNanToNum, CView3(R, qb),
+                                         View3(R, qb)));
     for (int64_t j = 0; j < N; ++j) {
       if (!zero[j]) continue;
-      std::fill_n(P.data() + j * d.a * d.r, d.a * d.r, 0.0f);
-      std::copy_n(Q + j * d.b * d.r, d.b * d.r, R.data() + j * d.b * d.r);
+      DIOND_RETURN_IF_ERROR(kernels::Fill(ctx, 0.0f, View3(P, pb).Matrix(j)));
+      DIOND_RETURN_IF_ERROR(
+          kernels::Copy(ctx, CView3(Q, qb).Matrix(j), View3(R, qb).Matrix(j)));
     }
 
     // 7. Error feedback M ← M − (1−μ)·P·Rᵀ (transposed: R·Pᵀ), in the storage orientation.
@@ -235,39 +248,67 @@ class DionRule final : public UpdateRule {
     ge.beta = 1.0f;
     ge.trans_b = Trans::kYes;
     if (d.transposed) {
-      DIOND_RETURN_IF_ERROR(
-          kernels::Gemm(ctx, ge, CView3(R.data(), qb), CView3(P.data(), pb), View3(M, mb)));
+      DIOND_RETURN_IF_ERROR(kernels::Gemm(ctx, ge, CView3(R, qb), CView3(P, pb), View3(M, mb)));
     } else {
-      DIOND_RETURN_IF_ERROR(
-          kernels::Gemm(ctx, ge, CView3(P.data(), pb), CView3(R.data(), qb), View3(M, mb)));
+      DIOND_RETURN_IF_ERROR(kernels::Gemm(ctx, ge, CView3(P, pb), CView3(R, qb), View3(M, mb)));
     }
 
-    // 8. Q_new = R / (‖R_col‖₂ + ε), ε outside the square root (§3.10).
-    std::vector<float> norms(static_cast<size_t>(N * d.r));
-    DIOND_RETURN_IF_ERROR(kernels::AxisNorms(ctx, CView3(R.data(), qb), kernels::Axis::kCols,
-                                             kernels::NormType::kL2,
-                                             kernels::MakeView(norms.data(), {N * d.r})));
-    for (int64_t j = 0; j < N; ++j) {
-      for (int64_t i = 0; i < d.b; ++i) {
-        float* row = R.data() + (j * d.b + i) * d.r;
-        for (int64_t c = 0; c < d.r; ++c) row[c] = row[c] / (norms[j * d.r + c] + eps);
-      }
-    }
+    // 8. Q_new = R / (‖R_col‖₂ + ε), ε outside the square root (§3.10): the norms, + ε, then
+    // one broadcast division.
+    kernels::TensorView nv = kernels::MakeView(norms, {N, 1, d.r});
+    DIOND_RETURN_IF_ERROR(kernels::AxisNorms(ctx, CView3(R, qb), kernels::Axis::kCols,
+                                             kernels::NormType::kL2, Vec(norms, N * d.r)));
+    DIOND_RETURN_IF_ERROR(kernels::AddScalar(ctx, 1.0f, nv, eps, nv));
+    DIOND_RETURN_IF_ERROR(
+        kernels::Binary(ctx, kernels::BinaryOp::kDiv, CView3(R, qb), nv, View3(R, qb)));
 
     // 9-10. X ← (1 − η·λ)·X − s·(P·Q_newᵀ) (transposed: Q_new·Pᵀ), s = f32(√(m/n))·η.
-    DIOND_RETURN_IF_ERROR(ApplyFactors(ctx, d, N, P.data(), R.data(), args.scalars, args.x));
-    // The compact update for other workers: P then Q_new, per matrix.
+    DIOND_RETURN_IF_ERROR(ApplyFactors(ctx, d, N, P, R, args.scalars, args.x));
+    // The compact update for other workers: P then Q_new, per matrix (host payloads).
     for (size_t j = 0; j < args.capture.size(); ++j) {
       std::vector<float>& out = *args.capture[j];
       const int64_t ps = d.a * d.r, qs = d.b * d.r;
       out.resize(static_cast<size_t>(ps + qs));
-      std::copy_n(P.data() + static_cast<int64_t>(j) * ps, ps, out.data());
-      std::copy_n(R.data() + static_cast<int64_t>(j) * qs, qs, out.data() + ps);
+      std::copy_n(P + static_cast<int64_t>(j) * ps, ps, out.data());
+      std::copy_n(R + static_cast<int64_t>(j) * qs, qs, out.data() + ps);
     }
     // 11. Q ← Q_new.
-    std::copy(R.begin(), R.end(), Q);
-    return absl::OkStatus();
+    return kernels::Copy(ctx, CView3(R, qb), View3(Q, qb));
   }
+
+ private:
+  // The fixed randomized-QR sketch of a shape (see the file comment): S ~ N(0, 1/k), k×a, as the
+  // reference's generate_random_sketch_matrix. It depends on the seed and the shape only, so it
+  // is drawn once, at the first step that needs it, into a Buffer of the context's allocator,
+  // and reused by every later step (drawing k·a normals per step cost as much as the GEMMs).
+  // An empty view when this step's method needs none.
+  absl::StatusOr<kernels::ConstTensorView> Sketch(const kernels::Context& ctx,
+                                                  const GroupConfig& cfg,
+                                                  const DionDims& d) const {
+    if (cfg.hyperparams.qr_method == QrMethod::kQr || d.a <= d.r) {
+      return kernels::ConstTensorView();
+    }
+    // cqr after its warm-up needs the sketch only where a Cholesky factorization fails; it is
+    // kept ready all the same, so that the fallback allocates nothing either.
+    const int64_t k = RcqrSketchRows(d.r, cfg.hyperparams.rcqr_oversample);
+    const SketchKey key{cfg.seed, d.a, d.r, k};
+    auto it = sketches_.find(key);
+    if (it == sketches_.end()) {
+      DIOND_ASSIGN_OR_RETURN(kernels::Buffer buf, ctx.Allocate(kernels::DType::kF32, {k, d.a}));
+      // Host-addressable memory on the CPU backend; a device backend draws on the host and
+      // copies (docs/KERNELS.md §8).
+      float* v = buf.As<float>();
+      FillStandardNormal(cfg.seed, SketchStream(d), v, k * d.a);
+      const float scale = F32(std::sqrt(1.0 / static_cast<double>(k)));
+      DIOND_RETURN_IF_ERROR(kernels::Scale(ctx, scale, buf.view(), buf.view()));
+      it = sketches_.emplace(key, std::move(buf)).first;
+    }
+    return kernels::ConstTensorView(it->second.view());
+  }
+
+  using SketchKey = std::tuple<uint64_t, int64_t, int64_t, int64_t>;
+  // Per shape: the rule object belongs to one GroupOptimizer, driven by one thread.
+  mutable std::map<SketchKey, kernels::Buffer> sketches_;
 };
 
 }  // namespace

@@ -2,6 +2,7 @@
 #include <vector>
 
 #include "common/status_macros.h"
+#include "kernels/ops.h"
 #include "kernels/optim/internal/rule.h"
 #include "kernels/optim/internal/util.h"
 
@@ -25,17 +26,18 @@ class MuonRule final : public UpdateRule {
     const float mu = F32(h.mu);
     float* m = a.state[0];
 
-    // 1-2. M ← μ·M + G; U = μ·M + G (Nesterov) or M.
+    // 1-2. M ← μ·M + G; U = μ·M + G (Nesterov) or M: one pass (MomentumUpdate).
     // U lives in the context's scratch arena (rewound on return), so steps after the first
     // reuse its block instead of allocating.
     kernels::ScratchArena::Scope scope(ctx.scratch());
-    DIOND_ASSIGN_OR_RETURN(kernels::Tensor u_buf,
-                           kernels::Tensor::Allocate(kernels::DType::kF32, {total},
-                                                     &ctx.scratch()));
-    float* const u = u_buf.As<float>();
-    for (int64_t i = 0; i < total; ++i) {
-      m[i] = mu * m[i] + a.g[i];
-      u[i] = h.nesterov ? mu * m[i] + a.g[i] : m[i];
+    DIOND_ASSIGN_OR_RETURN(float* const u, ScratchFloats(ctx, total));
+    // Per parameter: its gradient is the caller's buffer (GroupOptimizer stages no gradient).
+    const int64_t numel = total / a.count;
+    // The persistent momentum is read once, the staged one written (out of place).
+    for (int64_t p = 0; p < a.count; ++p) {
+      DIOND_RETURN_IF_ERROR(kernels::MomentumUpdate(
+          ctx, mu, h.nesterov, CVec(a.g[p], numel), CVec(a.state_in[0][p], numel),
+          Vec(m + p * numel, numel), Vec(u + p * numel, numel)));
     }
     // 3-4. O = ORTH(bf(U)) (the bf16 rounding is inside the orthogonalizer's bf16 mode).
     if (!cfg.split_sizes.empty()) {
@@ -46,44 +48,46 @@ class MuonRule final : public UpdateRule {
       DIOND_RETURN_IF_ERROR(
           OrthogonalizeBatch(ctx, cfg, u, u, OrthoMatrices(cfg, a.count, eff)));
     }
-    // NorMuon normalization per head / trailing matrix, or per row block with split_sizes.
+    // NorMuon normalization per head / trailing matrix (one batched call), or per row block
+    // with split_sizes.
     if (normuon) {
       const float w = 1.0f - F32(h.muon_beta2);  // f32 arithmetic: 0.050000011920928955
       float* v = a.state[1];
+      // V is small (one value per row): staged by a copy, then normalized in place.
+      const int64_t vsize = numel / a.shape->back();
+      for (int64_t p = 0; p < a.count; ++p) {
+        DIOND_RETURN_IF_ERROR(
+            kernels::Copy(ctx, CVec(a.state_in[1][p], vsize), Vec(v + p * vsize, vsize)));
+      }
       if (!cfg.split_sizes.empty()) {
         const int64_t mm = (*a.shape)[0], n = (*a.shape)[1];
         for (int64_t p = 0; p < a.count; ++p) {
           int64_t start = 0;
           for (int64_t sz : cfg.split_sizes) {
-            NormalizeRows(u + p * mm * n + start * n, v + p * mm + start, 1, sz, n, w);
+            DIOND_RETURN_IF_ERROR(kernels::NormalizeNeurons(
+                ctx, w, View2(u + p * mm * n + start * n, sz, n), Vec(v + p * mm + start, sz)));
             start += sz;
           }
         }
       } else {
-        for (int64_t b = 0; b < units.batch; ++b) {
-          NormalizeRows(u + b * units.MatrixSize(), v + b * units.rows, 1, units.rows,
-                        units.cols, w);
-        }
+        DIOND_RETURN_IF_ERROR(kernels::NormalizeNeurons(ctx, w, View3(u, units),
+                                                        Vec(v, units.batch * units.rows)));
       }
     }
-    // 5-7. Weight decay with the base lr, then X ← X − α·O.
+    // 5-7. Weight decay with the base lr, then X ← X − α·O: one pass (ApplyUpdate).
     const auto [fan_out, fan_in] = LrFans(cfg, eff);
-    const float alpha = AdjustedLr(a.scalars.lr, h.adjust_lr, fan_out, fan_in);
-    const float lw = a.scalars.lr * a.scalars.weight_decay;
-    const float decay = DecayFactor(a.scalars.lr, a.scalars.weight_decay);
+    kernels::ApplyUpdateParams ap;
+    ap.alpha = AdjustedLr(a.scalars.lr, h.adjust_lr, fan_out, fan_in);
+    ap.lr_wd = a.scalars.lr * a.scalars.weight_decay;
+    ap.cautious = h.cautious_wd;
     // Muon in bf16 mode: the bf16 O times the f32 0-d α stays bf16 (one rounding, §5.3 step 7);
     // NorMuon's D is f32 in both modes.
-    const bool round_update = bf16 && !normuon;
-    float* x = a.x;
-    for (int64_t i = 0; i < total; ++i) {
-      if (h.cautious_wd) {
-        if (x[i] * u[i] >= 0) x[i] = x[i] - lw * x[i];
-      } else {
-        x[i] = x[i] * decay;
-      }
-      float step = alpha * u[i];
-      if (round_update) step = kernels::RoundToBf16(step);
-      x[i] = x[i] - step;
+    ap.round_bf16 = bf16 && !normuon;
+    // From the caller's parameters into the staged ones (out of place).
+    for (int64_t p = 0; p < a.count; ++p) {
+      DIOND_RETURN_IF_ERROR(kernels::ApplyUpdate(ctx, ap, CVec(u + p * numel, numel),
+                                                 CVec(a.x_in[p], numel),
+                                                 Vec(a.x + p * numel, numel)));
     }
     return absl::OkStatus();
   }

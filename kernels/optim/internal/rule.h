@@ -2,10 +2,18 @@
 // per-algorithm update rules. Not part of the public API.
 //
 // A rule sees one shape bucket at a time: the N parameters of one shape that have a gradient
-// this step, as contiguous stacks [N, ...shape] that it updates in place:
-//   x      the parameters (a staged copy; committed to the caller's buffers on success)
-//   g      the gradients (read only)
-//   state  one staged stack per state name, [N, ...state shape]
+// this step. It reads the step's inputs where they are and writes its results into contiguous
+// staging stacks [N, ...shape], committed by GroupOptimizer only when every bucket succeeded:
+//   x_in      per parameter, the caller's parameter (read only)
+//   g         per parameter, its gradient: the caller's buffer, read only, never staged
+//   state_in  per state name, per parameter: its persistent state (read only)
+//   x         the staged parameters, [N, ...shape]
+//   state     one staged stack per state name, [N, ...state shape]
+// The staged stacks start with unspecified contents: the rule writes every element of them,
+// reading x_in / state_in once (its first op on each, e.g. M ← M_in + G, is out of place). So
+// the step copies nothing in; the commit copies x back (with the update norm) and swaps in the
+// staged state when every parameter of the bucket took part.
+// In-place rules (UpdateRule::InPlace) get x == x_in[0] and state[k] == state_in[k][0] instead.
 // Rules are stateless objects; everything persistent is in the state stacks.
 #ifndef DIOND_KERNELS_OPTIM_INTERNAL_RULE_H_
 #define DIOND_KERNELS_OPTIM_INTERNAL_RULE_H_
@@ -40,8 +48,10 @@ struct BucketArgs {
   const ParamShape* shape = nullptr;
   int64_t count = 0;  // N
   float* x = nullptr;
-  const float* g = nullptr;
+  std::vector<const float*> x_in;  // count entries
+  std::vector<const float*> g;  // count entries, each ...shape floats
   std::vector<float*> state;  // in the order of Specs()
+  std::vector<std::vector<const float*>> state_in;  // [spec][parameter]
   StepScalars scalars;
   // The 1-based step number (StepOptions::step, or steps_taken() + 1).
   int64_t step = 1;
@@ -50,6 +60,9 @@ struct BucketArgs {
   std::vector<std::vector<float>*> capture;
   // StepOptions::replica_average (Dion's compressed sync), or null.
   const std::function<absl::Status(absl::Span<float>)>* replica_average = nullptr;
+  // In-place rules only (UpdateRule::InPlace): per parameter of the bucket, one f32 element (on
+  // the context's device) where the rule writes Σ(x_after − x_before)², or null.
+  float* update_sq = nullptr;
 };
 
 class UpdateRule {
@@ -64,6 +77,11 @@ class UpdateRule {
                          int64_t count, uint64_t stream, float* data) const;
   // Applies one step to the bucket in place. Must only write through args.x / args.state.
   virtual absl::Status Apply(const kernels::Context& ctx, const BucketArgs& args) const = 0;
+  // True for a rule whose Apply runs only ops that cannot fail once GroupOptimizer::Step has
+  // validated its arguments (no scratch memory, no factorization): GroupOptimizer then runs it
+  // directly on the caller's parameters and the persistent state, one parameter at a time
+  // (count 1), with args.update_sq set, and stages nothing. AdamW and Lion.
+  virtual bool InPlace() const { return false; }
 };
 
 std::unique_ptr<UpdateRule> MakeMuonRule();      // Muon and NorMuon (muon_rules.cc)

@@ -21,6 +21,9 @@ class ScalarRule final : public UpdateRule {
             {std::string(kStateStepDev), {}}};
   }
 
+  // One fused op per parameter, which fails only on arguments that Step has validated.
+  bool InPlace() const override { return true; }
+
   absl::Status Apply(const kernels::Context& ctx, const BucketArgs& a) const override {
     const GroupConfig& cfg = *a.config;
     const Hyperparams& h = cfg.hyperparams;
@@ -35,8 +38,11 @@ class ScalarRule final : public UpdateRule {
     for (int64_t p = 0; p < a.count; ++p) {
       const int64_t off = p * numel;
       kernels::TensorView x = kernels::MakeView(a.x + off, {numel});
-      kernels::ConstTensorView g = kernels::MakeView(a.g + off, {numel});
+      kernels::ConstTensorView g = kernels::MakeView(a.g[p], {numel});
       kernels::TensorView m = kernels::MakeView(a.state[0] + off, {numel});
+      // Σ(Δx)² of this parameter, in the same pass (GroupOptimizer's in-place path).
+      kernels::TensorView sq;
+      if (a.update_sq != nullptr) sq = kernels::MakeView(a.update_sq + p, {1});
       if (cfg.algorithm == AlgorithmKind::kLion) {
         kernels::LionParams lp;
         lp.lr = a.scalars.lr;
@@ -44,7 +50,8 @@ class ScalarRule final : public UpdateRule {
         lp.beta2 = F32(h.beta2);
         lp.weight_decay = a.scalars.weight_decay;
         lp.cautious = h.cautious_wd;
-        DIOND_RETURN_IF_ERROR(kernels::LionStep(ctx, lp, g, x, m));
+        DIOND_RETURN_IF_ERROR(sq.data() != nullptr ? kernels::LionStep(ctx, lp, g, x, m, sq)
+                                                   : kernels::LionStep(ctx, lp, g, x, m));
       } else {
         kernels::TensorView v = kernels::MakeView(a.state[1] + off, {numel});
         float& step_dev = a.state[2][p];
@@ -58,7 +65,8 @@ class ScalarRule final : public UpdateRule {
         ap.weight_decay = a.scalars.weight_decay;
         ap.step = static_cast<int64_t>(next);
         ap.cautious = h.cautious_wd;
-        DIOND_RETURN_IF_ERROR(kernels::AdamWStep(ctx, ap, g, x, m, v));
+        DIOND_RETURN_IF_ERROR(sq.data() != nullptr ? kernels::AdamWStep(ctx, ap, g, x, m, v, sq)
+                                                   : kernels::AdamWStep(ctx, ap, g, x, m, v));
         step_dev = next;
       }
     }

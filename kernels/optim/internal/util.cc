@@ -5,6 +5,7 @@
 #include <map>
 
 #include "common/status_macros.h"
+#include "kernels/ops.h"
 #include "kernels/optim/orthogonalize.h"
 
 namespace diond::optim::internal {
@@ -101,6 +102,12 @@ std::vector<double> SplitScales(const GroupConfig& config, int64_t m, int64_t n)
   return c;
 }
 
+absl::StatusOr<float*> ScratchFloats(const kernels::Context& ctx, int64_t n) {
+  const size_t bytes = static_cast<size_t>(n > 0 ? n : 1) * sizeof(float);
+  DIOND_ASSIGN_OR_RETURN(void* p, ctx.scratch().Allocate(bytes, 64));
+  return static_cast<float*>(p);
+}
+
 absl::Status OrthogonalizeSplit(const kernels::Context& ctx, const GroupConfig& config,
                                 int64_t count, int64_t m, int64_t n, const float* in,
                                 float* out) {
@@ -115,14 +122,20 @@ absl::Status OrthogonalizeSplit(const kernels::Context& ctx, const GroupConfig& 
   for (const auto& [h, blocks] : by_height) {
     const MatrixBatch b{count * static_cast<int64_t>(blocks.size()), h, n};
     kernels::ScratchArena::Scope scope(ctx.scratch());
-    DIOND_ASSIGN_OR_RETURN(kernels::Tensor buf_t,
-                           kernels::Tensor::Allocate(kernels::DType::kF32,
-                                                     {b.batch * b.MatrixSize()}, &ctx.scratch()));
-    float* const buf = buf_t.As<float>();
+    DIOND_ASSIGN_OR_RETURN(float* const buf, ScratchFloats(ctx, b.batch * b.MatrixSize()));
+    // bf16 mode: c·block rounded once to bf16 (into `rounded`), then widened exactly.
+    kernels::BFloat16* rounded = nullptr;
+    if (bf16 && !scales.empty()) {
+      DIOND_ASSIGN_OR_RETURN(void* r, ctx.scratch().Allocate(
+                                          static_cast<size_t>(h * n) * sizeof(kernels::BFloat16)));
+      rounded = static_cast<kernels::BFloat16*>(r);
+    }
     int64_t j = 0;
     for (int64_t p = 0; p < count; ++p) {
       for (size_t blk : blocks) {
-        std::copy_n(in + p * m * n + starts[blk] * n, h * n, buf + j * h * n);
+        DIOND_RETURN_IF_ERROR(kernels::Copy(ctx, View2(const_cast<float*>(in) + p * m * n +
+                                                           starts[blk] * n, h, n),
+                                            View2(buf + j * h * n, h, n)));
         ++j;
       }
     }
@@ -130,50 +143,24 @@ absl::Status OrthogonalizeSplit(const kernels::Context& ctx, const GroupConfig& 
     j = 0;
     for (int64_t p = 0; p < count; ++p) {
       for (size_t blk : blocks) {
-        float* dst = out + p * m * n + starts[blk] * n;
-        const float* src = buf + j * h * n;
+        kernels::TensorView dst = View2(out + p * m * n + starts[blk] * n, h, n);
+        kernels::TensorView src = View2(buf + j * h * n, h, n);
         if (scales.empty()) {
-          std::copy_n(src, h * n, dst);
+          DIOND_RETURN_IF_ERROR(kernels::Copy(ctx, src, dst));
+        } else if (!bf16) {
+          DIOND_RETURN_IF_ERROR(kernels::Scale(ctx, F32(scales[blk]), src, dst));
         } else {
           // A bf16 tensor times a Python float: product in f32 with the scalar in f32, rounded
           // once to bf16 (conformance README §5 item 7).
-          const float c = F32(scales[blk]);
-          for (int64_t e = 0; e < h * n; ++e) {
-            const float v = c * src[e];
-            dst[e] = bf16 ? kernels::RoundToBf16(v) : v;
-          }
+          kernels::TensorView r = kernels::MakeView(rounded, {h, n});
+          DIOND_RETURN_IF_ERROR(kernels::Scale(ctx, F32(scales[blk]), src, r));
+          DIOND_RETURN_IF_ERROR(kernels::Copy(ctx, r, dst));
         }
         ++j;
       }
     }
   }
   return absl::OkStatus();
-}
-
-void NormalizeRows(float* o, float* v, int64_t v_stride, int64_t rows, int64_t cols, float w) {
-  double f2 = 0;
-  for (int64_t e = 0; e < rows * cols; ++e) f2 += static_cast<double>(o[e]) * o[e];
-  const float f = static_cast<float>(std::sqrt(f2));
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* row = o + r * cols;
-    double ss = 0;
-    for (int64_t c = 0; c < cols; ++c) ss += static_cast<double>(row[c]) * row[c];
-    const float nu = static_cast<float>(ss) / static_cast<float>(cols);
-    float& vr = v[r * v_stride];
-    vr = Lerp(vr, nu, w);
-  }
-  double d2 = 0;
-  for (int64_t r = 0; r < rows; ++r) {
-    // The 1e-8 literals are hard-coded upstream, not the group epsilon (P9).
-    const float denom = std::sqrt(v[r * v_stride]) + 1e-8f;
-    float* row = o + r * cols;
-    for (int64_t c = 0; c < cols; ++c) {
-      row[c] = row[c] / denom;
-      d2 += static_cast<double>(row[c]) * row[c];
-    }
-  }
-  const float scale = f / std::max(static_cast<float>(std::sqrt(d2)), 1e-8f);
-  for (int64_t e = 0; e < rows * cols; ++e) o[e] *= scale;
 }
 
 }  // namespace diond::optim::internal

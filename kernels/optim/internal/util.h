@@ -1,6 +1,6 @@
 // Shared helpers of the update rules: float32 scalar materialization (ALGORITHMS.md §0, P1),
 // lr adjustment (§3.9), matrix layouts for num_heads / flatten (§14), orthogonalization of a
-// stack with split_sizes (§3.8) and the NorMuon row normalization (§6.2 steps 5-10).
+// stack with split_sizes (§3.8) and scratch memory. Every numeric loop is an op of kernels/ops.h.
 #ifndef DIOND_KERNELS_OPTIM_INTERNAL_UTIL_H_
 #define DIOND_KERNELS_OPTIM_INTERNAL_UTIL_H_
 
@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "kernels/context.h"
 #include "kernels/optim/internal/rule.h"
 #include "kernels/optim/optimizer_types.h"
@@ -70,15 +71,17 @@ absl::Status OrthogonalizeSplit(const kernels::Context& ctx, const GroupConfig& 
                                 int64_t count, int64_t m, int64_t n, const float* in,
                                 float* out);
 
-// NorMuon core (§6.2 steps 5-10, §20.2 steps 5-9) on one rows×cols unit, in f32:
-// f = ‖O‖_F; ν = rowmean(O²); V ← lerp(V, ν, w); D = O/(√V + 1e-8); D ← D·f/max(‖D‖_F, 1e-8).
-// `o` becomes D in place; `v` (rows values, stride v_stride) is updated in place.
-void NormalizeRows(float* o, float* v, int64_t v_stride, int64_t rows, int64_t cols, float w);
+// `n` f32 elements of the context's scratch arena: valid until the caller's
+// kernels::ScratchArena::Scope ends. Steps after the first reuse the arena's blocks, so they
+// allocate nothing (step_allocation_test).
+absl::StatusOr<float*> ScratchFloats(const kernels::Context& ctx, int64_t n);
 
-// torch.lerp's two-branch formula (§13.3 [ext]).
-inline float Lerp(float start, float end, float w) {
-  return w < 0.5f ? start + w * (end - start) : end - (end - start) * (1.0f - w);
+// A contiguous f32 vector view of n elements.
+inline kernels::TensorView Vec(float* p, int64_t n) { return kernels::MakeView(p, {n}); }
+inline kernels::ConstTensorView CVec(const float* p, int64_t n) {
+  return kernels::MakeView(p, {n});
 }
+
 }  // namespace diond::optim::internal
 
 #endif  // DIOND_KERNELS_OPTIM_INTERNAL_UTIL_H_

@@ -1,0 +1,235 @@
+// Tests of the kops block of kernels/ops.h: the tracked AdamW/Lion steps, MomentumUpdate,
+// ApplyUpdate, NormalizeNeurons and CopyWithChange, each against an independent scalar formulation written here
+// (or, for the tracked steps, against the untracked op and a double sum of the changes).
+#include <cmath>
+#include <vector>
+
+#include "common/status_matchers.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu/test_util.h"
+#include "kernels/ops.h"
+
+namespace diond::kernels {
+namespace {
+
+using ::diond::testing::IsOk;
+using ::diond::testing::StatusIs;
+using ::testing::HasSubstr;
+using testing::RandomVector;
+
+// Large enough that the elementwise loops split over the threads of a 2-thread context.
+constexpr int64_t kN = 300001;
+
+double SumSqDiff(const std::vector<float>& a, const std::vector<float>& b) {
+  double s = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double d = static_cast<double>(a[i]) - b[i];
+    s += d * d;
+  }
+  return s;
+}
+
+TEST(AdamWStepTracked, SameResultAsTheUntrackedOpAndReportsTheChange) {
+  for (int threads : {1, 2}) {
+    auto ctx = Context::CpuDefault(threads);
+    const auto g = RandomVector(kN, 1), x0 = RandomVector(kN, 2, 0.1f);
+    auto m0 = RandomVector(kN, 3, 0.01f), v0 = RandomVector(kN, 4, 0.01f);
+    for (float& e : v0) e = e * e;
+    AdamWParams p;
+    p.lr = 0.01f;
+    p.weight_decay = 0.1f;
+    p.step = 3;
+    p.cautious = threads == 2;
+    std::vector<float> xa = x0, ma = m0, va = v0, xb = x0, mb = m0, vb = v0;
+    ASSERT_THAT(AdamWStep(*ctx, p, MakeView(g.data(), {kN}), MakeView(xa.data(), {kN}),
+                          MakeView(ma.data(), {kN}), MakeView(va.data(), {kN})),
+                IsOk());
+    float sq = -1.0f;
+    ASSERT_THAT(AdamWStep(*ctx, p, MakeView(g.data(), {kN}), MakeView(xb.data(), {kN}),
+                          MakeView(mb.data(), {kN}), MakeView(vb.data(), {kN}),
+                          MakeView(&sq, {1})),
+                IsOk());
+    EXPECT_EQ(xa, xb);
+    EXPECT_EQ(ma, mb);
+    EXPECT_EQ(va, vb);
+    const double want = SumSqDiff(xa, x0);
+    ASSERT_GT(want, 0.0);
+    EXPECT_NEAR(sq, want, 1e-6 * want) << threads << " threads";
+  }
+}
+
+TEST(LionStepTracked, SameResultAsTheUntrackedOpAndReportsTheChange) {
+  auto ctx = Context::CpuDefault(2);
+  const auto g = RandomVector(kN, 5), x0 = RandomVector(kN, 6), m0 = RandomVector(kN, 7);
+  LionParams p;
+  p.lr = 0.001f;
+  p.weight_decay = 0.1f;
+  std::vector<float> xa = x0, ma = m0, xb = x0, mb = m0;
+  ASSERT_THAT(LionStep(*ctx, p, MakeView(g.data(), {kN}), MakeView(xa.data(), {kN}),
+                       MakeView(ma.data(), {kN})),
+              IsOk());
+  float sq = -1.0f;
+  ASSERT_THAT(LionStep(*ctx, p, MakeView(g.data(), {kN}), MakeView(xb.data(), {kN}),
+                       MakeView(mb.data(), {kN}), MakeView(&sq, {1})),
+              IsOk());
+  EXPECT_EQ(xa, xb);
+  EXPECT_EQ(ma, mb);
+  const double want = SumSqDiff(xa, x0);
+  EXPECT_NEAR(sq, want, 1e-6 * want);
+}
+
+TEST(TrackedSteps, RejectABadUpdateSqView) {
+  auto ctx = Context::CpuDefault();
+  std::vector<float> x(8, 1.0f), g(8, 0.5f), m(8), v(8), two(2);
+  AdamWParams p;
+  p.lr = 0.1f;
+  EXPECT_THAT(AdamWStep(*ctx, p, MakeView(g.data(), {8}), MakeView(x.data(), {8}),
+                        MakeView(m.data(), {8}), MakeView(v.data(), {8}),
+                        MakeView(two.data(), {2})),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("update_sq")));
+  EXPECT_THAT(LionStep(*ctx, LionParams{}, MakeView(g.data(), {8}), MakeView(x.data(), {8}),
+                       MakeView(m.data(), {8}), MakeView(x.data() + 3, {1})),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("overlaps x")));
+  EXPECT_EQ(x, std::vector<float>(8, 1.0f));  // nothing written
+}
+
+TEST(MomentumUpdate, MatchesTheRecipeWithAndWithoutNesterov) {
+  auto ctx = Context::CpuDefault(2);
+  const auto g = RandomVector(kN, 8), m0 = RandomVector(kN, 9);
+  const float mu = 0.95f;
+  for (bool nesterov : {false, true}) {
+    // In place, and out of place from m0 (the input left untouched): the same values.
+    std::vector<float> m = m0, u(kN), in = m0, out(kN), u2(kN);
+    ASSERT_THAT(MomentumUpdate(*ctx, mu, nesterov, MakeView(g.data(), {kN}),
+                               MakeView(m.data(), {kN}), MakeView(m.data(), {kN}),
+                               MakeView(u.data(), {kN})),
+                IsOk());
+    ASSERT_THAT(MomentumUpdate(*ctx, mu, nesterov, MakeView(g.data(), {kN}),
+                               MakeView(in.data(), {kN}), MakeView(out.data(), {kN}),
+                               MakeView(u2.data(), {kN})),
+                IsOk());
+    EXPECT_EQ(in, m0);
+    EXPECT_EQ(out, m);
+    EXPECT_EQ(u2, u);
+    for (int64_t i = 0; i < kN; i += 997) {
+      const float want_m = mu * m0[i] + g[i];
+      ASSERT_EQ(m[i], want_m) << i;
+      ASSERT_EQ(u[i], nesterov ? mu * want_m + g[i] : want_m) << i;
+    }
+  }
+  std::vector<float> m = m0;
+  EXPECT_THAT(MomentumUpdate(*ctx, mu, true, MakeView(g.data(), {kN}), MakeView(m.data(), {kN}),
+                             MakeView(m.data(), {kN}), MakeView(m.data(), {kN})),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("u overlaps")));
+  std::vector<float> u(kN - 1);
+  EXPECT_THAT(MomentumUpdate(*ctx, mu, true, MakeView(g.data(), {kN - 1}),
+                             MakeView(m.data() + 1, {kN - 1}), MakeView(m.data(), {kN - 1}),
+                             MakeView(u.data(), {kN - 1})),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("partly overlaps")));
+  EXPECT_EQ(m, m0);
+}
+
+TEST(ApplyUpdate, DecaysThenSubtractsTheRoundedStep) {
+  auto ctx = Context::CpuDefault(2);
+  const auto u = RandomVector(kN, 10), x0 = RandomVector(kN, 11);
+  ApplyUpdateParams p;
+  p.alpha = 0.0123f;
+  p.lr_wd = 0.02f * 0.1f;
+  for (bool cautious : {false, true}) {
+    for (bool round : {false, true}) {
+      p.cautious = cautious;
+      p.round_bf16 = round;
+      std::vector<float> x = x0, out(kN);
+      ASSERT_THAT(ApplyUpdate(*ctx, p, MakeView(u.data(), {kN}), MakeView(x.data(), {kN}),
+                              MakeView(x.data(), {kN})),
+                  IsOk());
+      ASSERT_THAT(ApplyUpdate(*ctx, p, MakeView(u.data(), {kN}), MakeView(x0.data(), {kN}),
+                              MakeView(out.data(), {kN})),
+                  IsOk());
+      ASSERT_EQ(out, x);  // out of place from x0: the same values
+      for (int64_t i = 0; i < kN; i += 991) {
+        float want = x0[i];
+        if (!cautious) {
+          want = want * (1.0f - p.lr_wd);
+        } else if (want * u[i] >= 0.0f) {
+          want = want - p.lr_wd * want;
+        }
+        const float step = round ? RoundToBf16(p.alpha * u[i]) : p.alpha * u[i];
+        ASSERT_EQ(x[i], want - step) << i << " cautious " << cautious << " round " << round;
+      }
+    }
+  }
+}
+
+// The NorMuon recipe of ALGORITHMS.md §6.2 in double, for one unit.
+void NormalizeReference(std::vector<double>& o, std::vector<double>& v, int64_t rows,
+                        int64_t cols, double w) {
+  double f2 = 0, d2 = 0;
+  for (double e : o) f2 += e * e;
+  for (int64_t r = 0; r < rows; ++r) {
+    double ss = 0;
+    for (int64_t c = 0; c < cols; ++c) ss += o[r * cols + c] * o[r * cols + c];
+    v[r] = v[r] + w * (ss / cols - v[r]);
+    for (int64_t c = 0; c < cols; ++c) {
+      o[r * cols + c] /= std::sqrt(v[r]) + 1e-8;
+      d2 += o[r * cols + c] * o[r * cols + c];
+    }
+  }
+  const double scale = std::sqrt(f2) / std::max(std::sqrt(d2), 1e-8);
+  for (double& e : o) e *= scale;
+}
+
+TEST(NormalizeNeurons, MatchesTheRecipeAndBatchesBitForBit) {
+  auto ctx = Context::CpuDefault(2);
+  const int64_t batch = 3, rows = 40, cols = 24;
+  const auto o0 = RandomVector(batch * rows * cols, 12);
+  auto v0 = RandomVector(batch * rows, 13, 0.1f);
+  for (float& e : v0) e = e * e;
+  const float w = 1.0f - 0.95f;
+  std::vector<float> o = o0, v = v0;
+  ASSERT_THAT(NormalizeNeurons(*ctx, w, MakeView(o.data(), {batch, rows, cols}),
+                               MakeView(v.data(), {batch * rows})),
+              IsOk());
+  for (int64_t b = 0; b < batch; ++b) {
+    // Against the double recipe.
+    std::vector<double> od(o0.begin() + b * rows * cols, o0.begin() + (b + 1) * rows * cols);
+    std::vector<double> vd(v0.begin() + b * rows, v0.begin() + (b + 1) * rows);
+    NormalizeReference(od, vd, rows, cols, w);
+    for (int64_t i = 0; i < rows * cols; ++i) {
+      ASSERT_NEAR(o[b * rows * cols + i], od[i], 1e-5 * std::fabs(od[i]) + 1e-6) << b << " " << i;
+    }
+    for (int64_t r = 0; r < rows; ++r) ASSERT_NEAR(v[b * rows + r], vd[r], 1e-6 * vd[r]);
+    // One unit at a time gives the same bits as the batched call.
+    std::vector<float> one(o0.begin() + b * rows * cols, o0.begin() + (b + 1) * rows * cols);
+    std::vector<float> vone(v0.begin() + b * rows, v0.begin() + (b + 1) * rows);
+    ASSERT_THAT(NormalizeNeurons(*ctx, w, MakeView(one.data(), {rows, cols}),
+                                 MakeView(vone.data(), {rows})),
+                IsOk());
+    for (int64_t i = 0; i < rows * cols; ++i) ASSERT_EQ(one[i], o[b * rows * cols + i]);
+    for (int64_t r = 0; r < rows; ++r) ASSERT_EQ(vone[r], v[b * rows + r]);
+  }
+  std::vector<float> short_v(rows);
+  EXPECT_THAT(NormalizeNeurons(*ctx, w, MakeView(o.data(), {batch, rows, cols}),
+                               MakeView(short_v.data(), {rows})),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("v is")));
+}
+
+TEST(CopyWithChange, CopiesAndReportsTheSquaredChange) {
+  auto ctx = Context::CpuDefault(2);
+  const auto src = RandomVector(kN, 14), dst0 = RandomVector(kN, 15);
+  std::vector<float> dst = dst0;
+  float sq = -1.0f;
+  ASSERT_THAT(CopyWithChange(*ctx, MakeView(src.data(), {kN}), MakeView(dst.data(), {kN}),
+                             MakeView(&sq, {1})),
+              IsOk());
+  EXPECT_EQ(dst, src);
+  const double want = SumSqDiff(src, dst0);
+  EXPECT_NEAR(sq, want, 1e-6 * want);
+  EXPECT_THAT(CopyWithChange(*ctx, MakeView(src.data(), {kN}), MakeView(dst.data(), {kN}),
+                             MakeView(dst.data() + 7, {1})),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("overlaps")));
+}
+
+}  // namespace
+}  // namespace diond::kernels
