@@ -17,6 +17,15 @@ namespace diond::optim {
 absl::Status GroupOptimizer::Step(const kernels::Context& ctx, absl::Span<float* const> params,
                                   absl::Span<const float* const> grads,
                                   const StepOptions& options) {
+  DIOND_RETURN_IF_ERROR(Stage(ctx, params, grads, options));
+  WriteStagedParams(params);
+  CommitStagedState();
+  return absl::OkStatus();
+}
+
+absl::Status GroupOptimizer::Stage(const kernels::Context& ctx, absl::Span<float* const> params,
+                                   absl::Span<const float* const> grads,
+                                   const StepOptions& options) {
   if (params.size() != shapes_.size() || grads.size() != shapes_.size()) {
     return absl::InvalidArgumentError(absl::StrCat(
         AlgorithmName(config_.algorithm), " step: got ", params.size(), " params and ",
@@ -56,11 +65,20 @@ absl::Status GroupOptimizer::Step(const kernels::Context& ctx, absl::Span<float*
     DiscardStaged();
     return s;
   }
+  return absl::OkStatus();
+}
+
+void GroupOptimizer::WriteStagedParams(absl::Span<float* const> params) {
   update_sq_ = 0;
-  CommitStaged(params);
+  CommitStagedParams(params);
+}
+
+double GroupOptimizer::staged_update_norm() const { return std::sqrt(update_sq_); }
+
+void GroupOptimizer::CommitStagedState() {
+  CommitStagedStateImpl();
   last_update_norm_ = std::sqrt(update_sq_);
   ++steps_taken_;
-  return absl::OkStatus();
 }
 
 std::vector<std::string> GroupOptimizer::StateNames() const {
@@ -231,7 +249,7 @@ class BucketedOptimizer final : public GroupOptimizer {
     return absl::OkStatus();
   }
 
-  void CommitStaged(absl::Span<float* const> params) override {
+  void CommitStagedParams(absl::Span<float* const> params) override {
     for (Staged& st : staged_) {
       Bucket& b = buckets_[st.bucket];
       const size_t numel = static_cast<size_t>(b.numel);
@@ -245,6 +263,14 @@ class BucketedOptimizer final : public GroupOptimizer {
         }
         update_sq_ += sq;
         if (numel > 0) std::memcpy(params[p], staged, numel * sizeof(float));
+      }
+    }
+  }
+
+  void CommitStagedStateImpl() override {
+    for (Staged& st : staged_) {
+      Bucket& b = buckets_[st.bucket];
+      for (size_t j = 0; j < st.slots.size(); ++j) {
         for (size_t k = 0; k < b.specs.size(); ++k) {
           const size_t sn = static_cast<size_t>(b.specs[k].NumElements());
           if (sn > 0) {

@@ -1,0 +1,76 @@
+// Helpers shared by the files that implement Session (session*.cc): the conversions between a
+// trainer's dtype and fp32, the finiteness scan and the element count. Not part of the session's
+// interface; included only by server/session/session*.cc.
+#ifndef DIOND_SERVER_SESSION_SESSION_INTERNAL_H_
+#define DIOND_SERVER_SESSION_SESSION_INTERNAL_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "kernels/optim/group_optimizer.h"
+#include "kernels/tensor.h"
+#include "server/comm/communicator.h"
+#include "server/session/session.h"
+#include "server/session/types.h"
+
+namespace diond::session::internal {
+
+// out[0, n) ← the n elements at `src` of `dtype`, widened exactly to fp32.
+void WidenToF32(DType dtype, const uint8_t* src, int64_t n, float* out);
+// dst ← the n fp32 values of `in`, rounded once (RNE) to `dtype`.
+void NarrowFromF32(DType dtype, const float* in, int64_t n, uint8_t* dst);
+// out[0, n) ← scale · widen(src), in one pass; returns whether every result is finite. The
+// gradient read of a Step: widen, scale and the NaN/Inf scan fused.
+bool WidenScaleCheckFinite(DType dtype, const uint8_t* src, int64_t n, float scale, float* out);
+// Whether every value of p[0, n) is finite (neither NaN nor ±Inf).
+bool AllFinite(const float* p, int64_t n);
+// FNV-1a 64 over the bytes of p[0, n) (the world's replica checksum).
+uint64_t Fnv1a64(const float* p, int64_t n);
+
+inline int64_t NumElements(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+}  // namespace diond::session::internal
+
+namespace diond::session {
+
+// One Step's working set (session_step.cc, session_world.cc), filled phase by phase.
+struct Session::StepRun {
+  const StepRequest* request = nullptr;
+  absl::Time start;
+  // What errors start with: "step N" (a world session: "world session 'k' (rank r of n), step N").
+  std::string when;
+  float scale = 1.0f;
+  bool scaled = false;
+  // The world's communicator for this step; null: a world of one (every phase of the world is
+  // then a no-op).
+  std::shared_ptr<comm::Communicator> comm;
+  std::vector<const float*> grads;  // per parameter: fp32 gradient (arena, scratch or averaged)
+  std::vector<float*> params;       // per parameter: fp32 weights (arena or scratch)
+  // Per parameter: params[i] is param_scratch_[i] (another dtype, or master weights): narrowed
+  // into the arena after the update, and swapped into master_ at the commit.
+  std::vector<bool> via_scratch;
+  bool finite = true;
+  std::vector<float> averaged;  // world AVERAGE: this rank's reduce-scattered gradients
+  // Per group: this step's options, the owner's compact updates, what the group stages.
+  std::vector<optim::StepOptions> opts;
+  std::vector<optim::StepCapture> captures;
+  std::vector<std::vector<float*>> group_params;
+  std::vector<bool> staged;
+  std::vector<bool> compressed;   // a group every rank steps (compressed Dion)
+  std::vector<double> update_sq;  // squared update norm (a world: this rank's share, then the sum)
+  // World: this rank's failure in compute, shared with the others through the exchange.
+  absl::Status compute_status;
+  StepResult result;
+};
+
+}  // namespace diond::session
+
+#endif  // DIOND_SERVER_SESSION_SESSION_INTERNAL_H_
