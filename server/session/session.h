@@ -2,16 +2,21 @@
 // the arenas the trainer shares with the daemon, and the record of the last step.
 //
 // Arenas: each role (PARAMETERS, GRADIENTS) is bound either to a registered shm region (no
-// serialization: Step copies the gradients and weights out of the trainer's memory once, computes
-// on daemon memory, and writes the weights back) or, in remote mode, to a host buffer the daemon
-// allocates on the first SetState/PushGradients that needs it (used in place).
+// serialization and no copy: Step computes on the trainer's memory in place, converting only
+// non-f32 dtypes and master weights through fp32 buffers) or, in remote mode, to a host buffer
+// the daemon allocates on the first SetState/PushGradients that needs it.
 //
 // Trainer memory can shrink under the daemon (ftruncate): ShmRegion's SIGBUS guard makes such an
 // access harmless, and every method that touches a region checks it afterwards and fails with
-// FAILED_PRECONDITION ("... shrank ...") before it changes any session state. Computation never
-// runs on trainer memory, so only the copy in and the write back can meet a truncated segment.
+// FAILED_PRECONDITION ("... shrank ..."). Step stages every group's update before it writes
+// anything and commits the optimizer state last, so a failed Step leaves the state, the master
+// weights and the step index unchanged (docs/ARCHITECTURE.md §2, "What a failed Step changes").
 //
 // Every mutating method validates its whole request first and changes nothing on failure.
+//
+// The implementation is split by concern: session.cc (creation, hyperparameters, info),
+// session_regions.cc (arenas, regions), session_step.cc (the step skeleton), session_world.cc
+// (the world's phases), session_state.cc (state and parameter transfer, snapshots).
 //
 // Thread-safety: all public methods are thread-safe; one session's calls are serialized by its
 // mutex. Compute (Step) additionally holds the manager's compute mutex, because the CPU backend's
@@ -63,7 +68,7 @@ struct SessionInfo {
   int64_t parameters = 0;
   int64_t last_step_index = 0;
   int64_t state_bytes = 0;
-  int64_t host_bytes = 0;  // daemon-owned arenas and Step's fp32 copies of trainer memory
+  int64_t host_bytes = 0;  // daemon-owned arenas and Step's fp32 conversion buffers
   absl::Time last_used;
   // Operator view (ListSessions, metrics).
   struct Group {
