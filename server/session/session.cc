@@ -48,7 +48,8 @@ absl::string_view RoleName(Role r) {
   return r == Role::kParameters ? "PARAMETERS" : "GRADIENTS";
 }
 
-absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, SessionSpec spec) {
+absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, SessionSpec spec,
+                                                         const kernels::Context* ctx) {
   if (spec.params.empty()) {
     return absl::InvalidArgumentError("a session needs at least one parameter");
   }
@@ -103,7 +104,8 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, Session
     if (group.params.empty()) continue;  // declared but unused: nothing to optimize
     std::vector<optim::ParamShape> shapes;
     for (size_t i : group.params) shapes.push_back(spec.params[i].shape);
-    auto opt = optim::CreateGroupOptimizer(spec.groups[g].config, shapes);
+    auto opt = ctx != nullptr ? optim::CreateGroupOptimizer(*ctx, spec.groups[g].config, shapes)
+                              : optim::CreateGroupOptimizer(spec.groups[g].config, shapes);
     if (!opt.ok()) {
       return absl::Status(opt.status().code(), absl::StrCat("group '", Bounded(group.name), "': ",
                                                             opt.status().message()));

@@ -98,7 +98,11 @@ class Session {
  public:
   // Validates the spec completely (names unique and non-empty, groups exist, every group's
   // options and shapes) and builds the optimizers. INVALID_ARGUMENT naming the bad field.
-  static absl::StatusOr<std::unique_ptr<Session>> Create(std::string id, SessionSpec spec);
+  // `ctx`: the context the session's steps will run with (SessionManager's, on the daemon's
+  // compute device); the optimizer state is allocated on its device. Null: a process-wide CPU
+  // context's allocator.
+  static absl::StatusOr<std::unique_ptr<Session>> Create(std::string id, SessionSpec spec,
+                                                         const kernels::Context* ctx = nullptr);
 
   const std::string& id() const { return id_; }
   const SessionSpec& spec() const { return spec_; }

@@ -309,6 +309,7 @@ absl::Status Session::StageUpdatesPhase(StepRun& run, const kernels::Context& ct
 }
 
 void Session::WriteWeightsPhase(StepRun& run) {
+  const absl::Time start = absl::Now();
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     if (!run.staged[gi]) continue;
     optim::GroupOptimizer& opt = *groups_[gi].optimizer;
@@ -319,12 +320,16 @@ void Session::WriteWeightsPhase(StepRun& run) {
       run.update_sq[gi] = opt.staged_update_norm() * opt.staged_update_norm();
     }
   }
+  // compute_micros: the optimizers' whole step (stage, weights, state), as GroupOptimizer::Step.
+  run.result.compute_micros += absl::ToInt64Microseconds(absl::Now() - start);
 }
 
 StepResult Session::CommitStepPhase(StepRun& run) {
+  const absl::Time commit_start = absl::Now();
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     if (run.staged[gi]) groups_[gi].optimizer->CommitStagedState();
   }
+  run.result.compute_micros += absl::ToInt64Microseconds(absl::Now() - commit_start);
   for (size_t i = 0; i < layout_.tensors.size(); ++i) {
     if (run.via_scratch[i] && !master_.empty() && !master_[i].empty()) {
       master_[i].swap(param_scratch_[i]);  // the updated copy becomes the master weights
