@@ -29,7 +29,7 @@ namespace diond::kernels {
 
 // Bumped when an entry is added, removed or changes signature; RegisterOpsBackend refuses a
 // table of another version.
-inline constexpr uint32_t kOpsBackendVersion = 1;
+inline constexpr uint32_t kOpsBackendVersion = 2;
 
 struct OpsBackend {
   uint32_t version = kOpsBackendVersion;
@@ -84,6 +84,11 @@ struct OpsBackend {
                              TensorView, TensorView) = nullptr;
   absl::Status (*lion_step)(const Context&, const LionParams&, ConstTensorView, TensorView,
                             TensorView) = nullptr;
+  // steps
+  absl::Status (*all_finite)(const Context&, ConstTensorView, bool*) = nullptr;
+  absl::Status (*widen_scale_check_finite)(const Context&, ConstTensorView, float, TensorView,
+                                           bool*) = nullptr;
+  absl::Status (*fnv1a_checksum)(const Context&, ConstTensorView, uint64_t*) = nullptr;
 };
 
 // Registers `backend` (static storage duration) for every device of `type`. INVALID_ARGUMENT for

@@ -14,6 +14,7 @@
 #define DIOND_KERNELS_ELEMENTWISE_MATH_H_
 
 #include <cmath>
+#include <cstring>
 
 #if defined(__CUDACC__)
 #define DIOND_HD __host__ __device__ __forceinline__
@@ -88,6 +89,20 @@ DIOND_HD void LionElement(const LionScalars& s, float g, float& x, float& m) {
 // ---- Cautious weight decay: decay only where x and the update direction agree in sign --------
 DIOND_HD float CautiousDecayElement(float decay, float x, float direction) {
   return x * direction >= 0.0f ? x - decay * x : x;
+}
+
+// ---- steps (server/session: a Step's passes over a trainer's memory) -------------------------
+// 1 when v is NaN or ±Inf (all exponent bits set), else 0: an integer test whose OR-reduction
+// vectorizes without -ffast-math (a float comparison chain or sum would not).
+DIOND_HD unsigned NonFiniteBit(float v) {
+  unsigned bits;
+  memcpy(&bits, &v, sizeof(bits));
+  return (bits & 0x7f800000u) == 0x7f800000u ? 1u : 0u;
+}
+
+// One step of FNV-1a 64 over one byte.
+DIOND_HD unsigned long long Fnv1aByte(unsigned long long h, unsigned char b) {
+  return (h ^ b) * 0x100000001b3ull;
 }
 
 }  // namespace diond::kernels::math

@@ -235,6 +235,23 @@ struct LionParams {
 absl::Status LionStep(const Context& ctx, const LionParams& p, ConstTensorView grad, TensorView x,
                       TensorView m);
 
+// ================================ steps ======================================================
+// The session's per-element passes over a trainer's memory (server/session, one Step).
+
+// *all_finite ← whether no element of x is NaN or ±Inf. Any float dtype, contiguous, any rank.
+absl::Status AllFinite(const Context& ctx, ConstTensorView x, bool* all_finite);
+
+// out ← scale·x in f32 (x of any float dtype, widened exactly; one f32 multiplication per
+// element, skipped when scale == 1), and *all_finite ← whether every element of out is finite:
+// a Step's gradient read, widen + scale + NaN/Inf scan in one pass. x and out contiguous with
+// the same element count; out f32; out may alias an f32 x exactly.
+absl::Status WidenScaleCheckFinite(const Context& ctx, ConstTensorView x, float scale,
+                                   TensorView out, bool* all_finite);
+
+// *checksum ← FNV-1a 64 over the bytes of x, in memory order (f32, contiguous): the world's
+// replica comparison. A sync point (the value is read on the host).
+absl::Status Fnv1aChecksum(const Context& ctx, ConstTensorView x, uint64_t* checksum);
+
 }  // namespace diond::kernels
 
 #endif  // DIOND_KERNELS_OPS_H_

@@ -58,6 +58,10 @@ bool Complete(const OpsBackend& b) {
       reinterpret_cast<const void*>(b.unary), reinterpret_cast<const void*>(b.binary),
       reinterpret_cast<const void*>(b.cautious_weight_decay),
       reinterpret_cast<const void*>(b.adamw_step), reinterpret_cast<const void*>(b.lion_step),
+      // steps
+      reinterpret_cast<const void*>(b.all_finite),
+      reinterpret_cast<const void*>(b.widen_scale_check_finite),
+      reinterpret_cast<const void*>(b.fnv1a_checksum),
   };
   for (const void* e : entries) {
     if (e == nullptr) return false;

@@ -59,6 +59,10 @@ OpsBackend MakeTable() {
   t.cautious_weight_decay = &CautiousWeightDecay;
   t.adamw_step = &AdamWStep;
   t.lion_step = &LionStep;
+  // steps
+  t.all_finite = &AllFinite;
+  t.widen_scale_check_finite = &WidenScaleCheckFinite;
+  t.fnv1a_checksum = &Fnv1aChecksum;
   return t;
 }
 

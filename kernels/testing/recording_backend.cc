@@ -87,6 +87,10 @@ OpsBackend MakeTable() {
   Set<&OpsBackend::cautious_weight_decay>(t, "cautious_weight_decay");
   Set<&OpsBackend::adamw_step>(t, "adamw_step");
   Set<&OpsBackend::lion_step>(t, "lion_step");
+  // steps
+  Set<&OpsBackend::all_finite>(t, "all_finite");
+  Set<&OpsBackend::widen_scale_check_finite>(t, "widen_scale_check_finite");
+  Set<&OpsBackend::fnv1a_checksum>(t, "fnv1a_checksum");
   return t;
 }
 

@@ -239,7 +239,7 @@ class Session {
   absl::Status ReduceGradientsPhase(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Phase 5: every parameter as fp32: f32 arenas in place; master weights and other dtypes
   // through the scratch buffers.
-  void ReadParametersPhase(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status ReadParametersPhase(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Phase 6: every group's update staged (GroupOptimizer::Stage); nothing changes yet.
   absl::Status StageUpdatesPhase(StepRun& run, const kernels::Context& ctx,
                                  absl::Mutex* compute_mu) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -276,7 +276,8 @@ class Session {
   std::string DescribeWorldFailure(const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Every rank's checksum of every parameter (fp32 values in `params`) compared with the owner's;
   // a differing copy is replaced by the owner's (broadcast). Returns how many this rank healed.
-  absl::StatusOr<int64_t> CheckReplicas(comm::Communicator* comm, int64_t step,
+  absl::StatusOr<int64_t> CheckReplicas(const kernels::Context& ctx, absl::Mutex* compute_mu,
+                                        comm::Communicator* comm, int64_t step,
                                         const std::vector<float*>& params)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   struct WorldPart {

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "kernels/optim/group_optimizer.h"
 #include "kernels/tensor.h"
@@ -23,13 +24,10 @@ namespace diond::session::internal {
 void WidenToF32(DType dtype, const uint8_t* src, int64_t n, float* out);
 // dst ← the n fp32 values of `in`, rounded once (RNE) to `dtype`.
 void NarrowFromF32(DType dtype, const float* in, int64_t n, uint8_t* dst);
-// out[0, n) ← scale · widen(src), in one pass; returns whether every result is finite. The
-// gradient read of a Step: widen, scale and the NaN/Inf scan fused.
-bool WidenScaleCheckFinite(DType dtype, const uint8_t* src, int64_t n, float scale, float* out);
-// Whether every value of p[0, n) is finite (neither NaN nor ±Inf).
-bool AllFinite(const float* p, int64_t n);
-// FNV-1a 64 over the bytes of p[0, n) (the world's replica checksum).
-uint64_t Fnv1a64(const float* p, int64_t n);
+// Contiguous rank-1 views of n elements of `dtype` at p, on the CPU (the trainer's memory and
+// the session's buffers are host memory), for the ops of a Step (kernels/ops.h).
+kernels::ConstTensorView HostView(DType dtype, const void* p, int64_t n);
+kernels::TensorView HostView(DType dtype, void* p, int64_t n);
 
 inline int64_t NumElements(const std::vector<int64_t>& shape) {
   int64_t n = 1;
@@ -44,6 +42,10 @@ namespace diond::session {
 // One Step's working set (session_step.cc, session_world.cc), filled phase by phase.
 struct Session::StepRun {
   const StepRequest* request = nullptr;
+  // The step's context (its ops) and the manager's compute mutex, held around every pass of ops
+  // (the CPU backend's thread pools are process-wide), never around a collective.
+  const kernels::Context* ctx = nullptr;
+  absl::Mutex* compute_mu = nullptr;
   absl::Time start;
   // What errors start with: "step N" (a world session: "world session 'k' (rank r of n), step N").
   std::string when;

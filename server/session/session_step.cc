@@ -20,6 +20,7 @@
 #include "common/bounded.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "kernels/ops.h"
 #include "kernels/optim/validation.h"
 #include "server/session/session.h"
 #include "server/session/session_internal.h"
@@ -47,6 +48,8 @@ absl::StatusOr<StepResult> Session::Step(const StepRequest& request,
 
   StepRun run;
   run.request = &request;
+  run.ctx = &ctx;
+  run.compute_mu = compute_mu;
   run.start = start;
   run.when = absl::StrCat("step ", request.step_index);
   if (world_.has_value()) {
@@ -75,7 +78,9 @@ absl::StatusOr<StepResult> Session::Step(const StepRequest& request,
     last_result_ = run.result;
     return run.result;
   }
-  ReadParametersPhase(run);
+  if (absl::Status s = ReadParametersPhase(run); !s.ok()) {
+    return run.comm != nullptr ? BreakWorld(run, s) : s;
+  }
   if (absl::Status s = CheckRegions(run.when); !s.ok()) {
     return run.comm != nullptr ? BreakWorld(run, s) : s;
   }
@@ -91,10 +96,19 @@ absl::StatusOr<StepResult> Session::Step(const StepRequest& request,
     return s;
   }
   // The weights of other dtypes (and the master weights' narrowed copies) into the arena.
-  for (size_t i = 0; i < layout_.tensors.size(); ++i) {
-    if (!run.via_scratch[i]) continue;
-    const TensorPlacement& t = layout_.tensors[i];
-    internal::NarrowFromF32(t.dtype, run.params[i], t.numel, params_.data + t.param_offset);
+  {
+    absl::MutexLock compute(compute_mu);
+    for (size_t i = 0; i < layout_.tensors.size(); ++i) {
+      if (!run.via_scratch[i]) continue;
+      const TensorPlacement& t = layout_.tensors[i];
+      absl::Status s = kernels::Copy(
+          ctx, internal::HostView(DType::kF32, run.params[i], t.numel),
+          internal::HostView(t.dtype, params_.data + t.param_offset, t.numel));
+      if (!s.ok()) {
+        DiscardStep(run);
+        return s;
+      }
+    }
   }
   if (params_.region != nullptr && !params_.region->CheckIntact().ok()) {
     // The trainer's weights went with its segment while they were written. The step is not
@@ -188,20 +202,31 @@ absl::Status Session::ReadGradientsPhase(StepRun& run) {
   run.grads.assign(n, nullptr);
   grad_scratch_.resize(n);  // each buffer keeps its capacity between steps
   bool finite = true;
-  for (size_t i = 0; i < n; ++i) {
-    const TensorPlacement& t = layout_.tensors[i];
-    const uint8_t* src = grads_.data + t.grad_offset;
-    if (t.dtype == DType::kF32 && !run.scaled) {
-      // In place, wherever the arena lies. The scan reads exactly what the update reads later;
-      // a trainer writing its gradients meanwhile only changes its own session's step.
-      run.grads[i] = reinterpret_cast<const float*>(src);
-      finite = finite && internal::AllFinite(run.grads[i], t.numel);
-    } else {
-      std::vector<float>& c = grad_scratch_[i];
-      c.resize(static_cast<size_t>(t.numel));
-      finite = internal::WidenScaleCheckFinite(t.dtype, src, t.numel, run.scale, c.data()) &&
-               finite;
-      run.grads[i] = c.data();
+  {
+    absl::MutexLock compute(run.compute_mu);
+    for (size_t i = 0; i < n; ++i) {
+      const TensorPlacement& t = layout_.tensors[i];
+      const uint8_t* src = grads_.data + t.grad_offset;
+      bool ok = true;
+      if (t.dtype == DType::kF32 && !run.scaled) {
+        // In place, wherever the arena lies. The scan reads exactly what the update reads
+        // later; a trainer writing its gradients meanwhile only changes its own session's step.
+        run.grads[i] = reinterpret_cast<const float*>(src);
+        if (finite) {
+          DIOND_RETURN_IF_ERROR(
+              kernels::AllFinite(*run.ctx, internal::HostView(t.dtype, src, t.numel), &ok));
+        }
+      } else {
+        // Widened and scaled in the pass that scans them (a world's non-finite rank still
+        // contributes every gradient to the reduce-scatter, so all are converted).
+        std::vector<float>& c = grad_scratch_[i];
+        c.resize(static_cast<size_t>(t.numel));
+        DIOND_RETURN_IF_ERROR(kernels::WidenScaleCheckFinite(
+            *run.ctx, internal::HostView(t.dtype, src, t.numel), run.scale,
+            internal::HostView(DType::kF32, c.data(), t.numel), &ok));
+        run.grads[i] = c.data();
+      }
+      finite = finite && ok;
     }
   }
   run.finite = finite;
@@ -210,11 +235,12 @@ absl::Status Session::ReadGradientsPhase(StepRun& run) {
   return CheckRegions(run.when, Role::kGradients);
 }
 
-void Session::ReadParametersPhase(StepRun& run) {
+absl::Status Session::ReadParametersPhase(StepRun& run) {
   const size_t n = layout_.tensors.size();
   run.params.assign(n, nullptr);
   run.via_scratch.assign(n, false);
   param_scratch_.resize(n);
+  absl::MutexLock compute(run.compute_mu);
   for (size_t i = 0; i < n; ++i) {
     const TensorPlacement& t = layout_.tensors[i];
     uint8_t* arena = params_.data + t.param_offset;
@@ -226,14 +252,16 @@ void Session::ReadParametersPhase(StepRun& run) {
     // The master weights are daemon state: the step updates a copy, swapped in at the commit.
     std::vector<float>& c = param_scratch_[i];
     c.resize(static_cast<size_t>(t.numel));
-    if (master && master_valid_) {
-      std::memcpy(c.data(), master_[i].data(), static_cast<size_t>(t.numel) * 4);
-    } else {
-      internal::WidenToF32(t.dtype, arena, t.numel, c.data());
-    }
+    const bool from_master = master && master_valid_;
+    DIOND_RETURN_IF_ERROR(kernels::Copy(
+        *run.ctx,
+        from_master ? internal::HostView(DType::kF32, master_[i].data(), t.numel)
+                    : internal::HostView(t.dtype, arena, t.numel),
+        internal::HostView(DType::kF32, c.data(), t.numel)));
     run.params[i] = c.data();
     run.via_scratch[i] = true;
   }
+  return absl::OkStatus();
 }
 
 absl::Status Session::StageUpdatesPhase(StepRun& run, const kernels::Context& ctx,

@@ -12,6 +12,7 @@
 #include "common/bounded.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "kernels/ops.h"
 #include "server/comm/world.h"
 #include "server/session/session.h"
 #include "server/session/session_internal.h"
@@ -67,14 +68,19 @@ void Session::AttachWorld(std::shared_ptr<WorldLink> world, ShardPlan plan, uint
   world_ = std::move(w);
 }
 
-absl::StatusOr<int64_t> Session::CheckReplicas(comm::Communicator* comm, int64_t step,
-                                               const std::vector<float*>& params) {
+absl::StatusOr<int64_t> Session::CheckReplicas(const kernels::Context& ctx,
+                                               absl::Mutex* compute_mu, comm::Communicator* comm,
+                                               int64_t step, const std::vector<float*>& params) {
   const WorldPart& w = *world_;
   const size_t n = layout_.tensors.size();
   const int world_size = w.plan.world_size;
   std::vector<uint64_t> mine(n);
-  for (size_t i = 0; i < n; ++i) {
-    mine[i] = internal::Fnv1a64(params[i], layout_.tensors[i].numel);  // over the fp32 bytes
+  {
+    absl::MutexLock compute(compute_mu);
+    for (size_t i = 0; i < n; ++i) {  // FNV-1a 64 over the fp32 bytes
+      DIOND_RETURN_IF_ERROR(kernels::Fnv1aChecksum(
+          ctx, internal::HostView(DType::kF32, params[i], layout_.tensors[i].numel), &mine[i]));
+    }
   }
   std::vector<uint64_t> all(n * static_cast<size_t>(world_size));
   DIOND_RETURN_IF_ERROR(comm->AllGatherBytes(
@@ -173,13 +179,19 @@ absl::Status Session::ReduceGradientsPhase(StepRun& run) {
   for (int64_t e : w.owned_elements) block = std::max(block, e);
   block += 1;
   std::vector<float> input(static_cast<size_t>(block) * world_size, 0.0f);
-  for (int j = 0; j < world_size; ++j) {
-    float* dst = input.data() + static_cast<size_t>(j) * block;
-    for (size_t i : w.owned[j]) {
-      std::memcpy(dst, run.grads[i], static_cast<size_t>(layout_.tensors[i].numel) * 4);
-      dst += layout_.tensors[i].numel;
+  {
+    absl::MutexLock compute(run.compute_mu);
+    for (int j = 0; j < world_size; ++j) {
+      float* dst = input.data() + static_cast<size_t>(j) * block;
+      for (size_t i : w.owned[j]) {
+        const int64_t numel = layout_.tensors[i].numel;
+        DIOND_RETURN_IF_ERROR(
+            kernels::Copy(*run.ctx, internal::HostView(DType::kF32, run.grads[i], numel),
+                          internal::HostView(DType::kF32, dst, numel)));
+        dst += numel;
+      }
+      input[static_cast<size_t>(j + 1) * block - 1] = run.finite ? 0.0f : 1.0f;
     }
-    input[static_cast<size_t>(j + 1) * block - 1] = run.finite ? 0.0f : 1.0f;
   }
   run.averaged.resize(static_cast<size_t>(block));
   absl::Status st = run.comm->ReduceScatterSum(input, absl::MakeSpan(run.averaged));
@@ -190,12 +202,18 @@ absl::Status Session::ReduceGradientsPhase(StepRun& run) {
                                "; create the session again and resume from the last checkpoint")));
   }
   run.finite = run.averaged.back() == 0.0f;
+  // The average: the sum divided by the world size (a division, not a multiplication by its
+  // inverse, so that the bits match the reference's mean).
   const float divisor = static_cast<float>(world_size);
+  absl::MutexLock compute(run.compute_mu);
   float* a = run.averaged.data();
   for (size_t i : w.owned[w.rank]) {
-    for (int64_t e = 0; e < layout_.tensors[i].numel; ++e) a[e] /= divisor;
+    const int64_t numel = layout_.tensors[i].numel;
+    DIOND_RETURN_IF_ERROR(kernels::Binary(
+        *run.ctx, kernels::BinaryOp::kDiv, internal::HostView(DType::kF32, a, numel),
+        internal::HostView(DType::kF32, &divisor, 1), internal::HostView(DType::kF32, a, numel)));
     run.grads[i] = a;
-    a += layout_.tensors[i].numel;
+    a += numel;
   }
   return absl::OkStatus();
 }
@@ -310,7 +328,7 @@ absl::Status Session::ExchangeUpdatesPhase(StepRun& run, const kernels::Context&
     }
     if (compute_status.ok() && w.checksum_every > 0 &&
         request.step_index % w.checksum_every == 0) {
-      auto healed = CheckReplicas(comm, request.step_index, params);
+      auto healed = CheckReplicas(ctx, compute_mu, comm, request.step_index, params);
       if (!healed.ok()) {
         return BreakWorld(run, absl::UnavailableError(absl::StrCat(
                                    where, "checksum comparison failed: ",
