@@ -330,6 +330,9 @@ class Session {
   std::string last_checkpoint_path_ ABSL_GUARDED_BY(mu_);
   absl::Time last_checkpoint_time_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   std::optional<WorldPart> world_ ABSL_GUARDED_BY(mu_);
+  // A CPU context for the session's passes over host memory when the steps' context is on
+  // another device (made at the first such step).
+  std::unique_ptr<kernels::Context> host_ctx_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace diond::session

@@ -48,7 +48,14 @@ absl::StatusOr<StepResult> Session::Step(const StepRequest& request,
 
   StepRun run;
   run.request = &request;
+  // The session's own passes read and write host memory (the trainer's shm, the session's
+  // buffers): they run on the step's context when it is the CPU's, else on a CPU context of the
+  // session's (the update itself always runs on `ctx`).
   run.ctx = &ctx;
+  if (ctx.device().type != kernels::DeviceType::kCpu) {
+    if (host_ctx_ == nullptr) host_ctx_ = kernels::Context::CpuDefault();
+    run.ctx = host_ctx_.get();
+  }
   run.compute_mu = compute_mu;
   run.start = start;
   run.when = absl::StrCat("step ", request.step_index);
@@ -102,7 +109,7 @@ absl::StatusOr<StepResult> Session::Step(const StepRequest& request,
       if (!run.via_scratch[i]) continue;
       const TensorPlacement& t = layout_.tensors[i];
       absl::Status s = kernels::Copy(
-          ctx, internal::HostView(DType::kF32, run.params[i], t.numel),
+          *run.ctx, internal::HostView(DType::kF32, run.params[i], t.numel),
           internal::HostView(t.dtype, params_.data + t.param_offset, t.numel));
       if (!s.ok()) {
         DiscardStep(run);

@@ -328,7 +328,7 @@ absl::Status Session::ExchangeUpdatesPhase(StepRun& run, const kernels::Context&
     }
     if (compute_status.ok() && w.checksum_every > 0 &&
         request.step_index % w.checksum_every == 0) {
-      auto healed = CheckReplicas(ctx, compute_mu, comm, request.step_index, params);
+      auto healed = CheckReplicas(*run.ctx, compute_mu, comm, request.step_index, params);
       if (!healed.ok()) {
         return BreakWorld(run, absl::UnavailableError(absl::StrCat(
                                    where, "checksum comparison failed: ",
