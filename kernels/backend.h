@@ -29,7 +29,7 @@ namespace diond::kernels {
 
 // Bumped when an entry is added, removed or changes signature; RegisterOpsBackend refuses a
 // table of another version.
-inline constexpr uint32_t kOpsBackendVersion = 3;  // 2: ortho ops; 3: kops ops
+inline constexpr uint32_t kOpsBackendVersion = 4;  // 2: ortho; 3: kops; 4: steps
 
 struct OpsBackend {
   uint32_t version = kOpsBackendVersion;
@@ -97,6 +97,12 @@ struct OpsBackend {
   absl::Status (*normalize_neurons)(const Context&, float, TensorView, TensorView) = nullptr;
   absl::Status (*copy_with_change)(const Context&, ConstTensorView, TensorView,
                                    TensorView) = nullptr;
+
+  // steps
+  absl::Status (*all_finite)(const Context&, ConstTensorView, bool*) = nullptr;
+  absl::Status (*widen_scale_check_finite)(const Context&, ConstTensorView, float, TensorView,
+                                           bool*) = nullptr;
+  absl::Status (*fnv1a_checksum)(const Context&, ConstTensorView, uint64_t*) = nullptr;
 };
 
 // Registers `backend` (static storage duration) for every device of `type`. INVALID_ARGUMENT for

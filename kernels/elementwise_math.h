@@ -283,6 +283,20 @@ inline LionScalars MakeLionScalars(float lr, float beta1, float beta2, float wei
   return s;
 }
 
+// ---- steps (server/session: a Step's passes over a trainer's memory) -------------------------
+// 1 when v is NaN or ±Inf (all exponent bits set), else 0: an integer test whose OR-reduction
+// vectorizes without -ffast-math (a float comparison chain or sum would not).
+DIOND_HD unsigned NonFiniteBit(float v) {
+  unsigned bits;
+  memcpy(&bits, &v, sizeof(bits));
+  return (bits & 0x7f800000u) == 0x7f800000u ? 1u : 0u;
+}
+
+// One step of FNV-1a 64 over one byte.
+DIOND_HD unsigned long long Fnv1aByte(unsigned long long h, unsigned char b) {
+  return (h ^ b) * 0x100000001b3ull;
+}
+
 }  // namespace diond::kernels::math
 
 #endif  // DIOND_KERNELS_ELEMENTWISE_MATH_H_

@@ -225,7 +225,7 @@ struct LionParams {
 absl::Status LionStep(const Context& ctx, const LionParams& p, ConstTensorView grad, TensorView x,
                       TensorView m);
 
-// ================================ ortho ================================================
+// ================================ ortho =======================================================
 // Ops of the orthogonalizers (kernels/optim/orthogonalize.cc).
 
 // a[i, i] ← a[i, i] + value on every (square) matrix of `a`: f32, rank 2 or 3, rows == cols,
@@ -244,7 +244,6 @@ absl::Status AddToDiagonal(const Context& ctx, float value, TensorView a);
 absl::Status Bf16RoundedAxpby(const Context& ctx, float alpha, ConstTensorView x, float beta,
                               ConstTensorView y, TensorView out);
 // ================================ end ortho ===================================================
-=======
 // ================================ kops: fused optimizer phases ================================
 // One pass over memory for what the rules did in several (issue 10 item 2). The per-element
 // math of each op is in kernels/elementwise_math.h (math::MomentumElement, ApplyUpdateElement,
@@ -292,6 +291,23 @@ absl::Status NormalizeNeurons(const Context& ctx, float w, TensorView o, TensorV
 // same shape, not overlapping.
 absl::Status CopyWithChange(const Context& ctx, ConstTensorView src, TensorView dst,
                             TensorView update_sq);
+
+// ================================ steps ======================================================
+// The session's per-element passes over a trainer's memory (server/session, one Step).
+
+// *all_finite ← whether no element of x is NaN or ±Inf. Any float dtype, contiguous, any rank.
+absl::Status AllFinite(const Context& ctx, ConstTensorView x, bool* all_finite);
+
+// out ← scale·x in f32 (x of any float dtype, widened exactly; one f32 multiplication per
+// element, skipped when scale == 1), and *all_finite ← whether every element of out is finite:
+// a Step's gradient read, widen + scale + NaN/Inf scan in one pass. x and out contiguous with
+// the same element count; out f32; out may alias an f32 x exactly.
+absl::Status WidenScaleCheckFinite(const Context& ctx, ConstTensorView x, float scale,
+                                   TensorView out, bool* all_finite);
+
+// *checksum ← FNV-1a 64 over the bytes of x, in memory order (f32, contiguous): the world's
+// replica comparison. A sync point (the value is read on the host).
+absl::Status Fnv1aChecksum(const Context& ctx, ConstTensorView x, uint64_t* checksum);
 
 }  // namespace diond::kernels
 

@@ -43,8 +43,23 @@ api_srcs=$(sed -n '/NAME kernels_api$/,/^)/p' kernels/CMakeLists.txt)
 if echo "$api_srcs" | grep -q 'cpu/'; then
   echo "LAYERING VIOLATION: the kernels_api target lists a kernels/cpu source"; fail=1
 fi
-server_core=$(find server -path server/rpc -prune -o -type f \( -name '*.h' -o -name '*.cc' \) -print | grep -v '^server/main.cc$')
-check "server/ (outside rpc/) uses gRPC or proto" "$grpc" $server_core
+server_outside_rpc=$(find server -path server/rpc -prune -o -type f \( -name '*.h' -o -name '*.cc' \) -print)
+check "server/ (outside rpc/) uses gRPC or proto" "$grpc" $server_outside_rpc
+# The server's rooms (ARCHITECTURE.md §3): the arrows run one way,
+#   exe/ -> rpc/ -> session/ -> comm/,  exe/ -> the core (server/*.h: metrics, version).
+# Each room may include its own headers and those of the rooms below it, nothing else.
+server_core=$(find server -maxdepth 1 -type f \( -name '*.h' -o -name '*.cc' \))
+check "server/comm includes a room above it" '#include *"server/([a-z_]+\.h|session/|rpc/|exe/)' \
+  server/comm
+check "server/session includes a room above it" '#include *"server/([a-z_]+\.h|rpc/|exe/)' \
+  server/session
+check "server/rpc includes exe/ or the daemon core (metrics, version)" \
+  '#include *"server/([a-z_]+\.h|exe/)' server/rpc
+check "the server core (server/*.h) includes a room" '#include *"server/(comm|session|rpc|exe)/' \
+  $server_core
+check "server/exe (the composition root) is included from outside it" '#include *"server/exe/' \
+  common kernels client bench tests examples \
+  $(find server -path server/exe -prune -o -type f -print)
 check "client/ uses prometheus-cpp" "$prom" client
 check "client/ includes server" '#include *"server/' client
 if [ $fail -eq 0 ]; then echo "layering: OK"; fi

@@ -67,6 +67,10 @@ bool Complete(const OpsBackend& b) {
       reinterpret_cast<const void*>(b.apply_update),
       reinterpret_cast<const void*>(b.normalize_neurons),
       reinterpret_cast<const void*>(b.copy_with_change),
+      // steps
+      reinterpret_cast<const void*>(b.all_finite),
+      reinterpret_cast<const void*>(b.widen_scale_check_finite),
+      reinterpret_cast<const void*>(b.fnv1a_checksum),
   };
   for (const void* e : entries) {
     if (e == nullptr) return false;

@@ -440,9 +440,7 @@ absl::Status LionStep(const Context& ctx, const LionParams& p, ConstTensorView g
   return ctx.backend().lion_step(ctx, p, grad, x, m);
 }
 
-
-// ================================ ortho ================================================}
-
+// ================================ ortho =======================================================
 
 absl::Status AddToDiagonal(const Context& ctx, float value, TensorView a) {
   constexpr const char* kOp = "AddToDiagonal";
@@ -462,7 +460,8 @@ absl::Status Bf16RoundedAxpby(const Context& ctx, float alpha, ConstTensorView x
   DIOND_RETURN_IF_ERROR(CheckFinite(kOp, "alpha", alpha));
   DIOND_RETURN_IF_ERROR(CheckFinite(kOp, "beta", beta));
   return ctx.backend().bf16_rounded_axpby(ctx, alpha, x, beta, y, out);
-=======
+}
+
 // ================================ kops: fused optimizer phases ================================
 
 absl::Status AdamWStep(const Context& ctx, const AdamWParams& p, ConstTensorView grad,
@@ -548,6 +547,36 @@ absl::Status CopyWithChange(const Context& ctx, ConstTensorView src, TensorView 
     return Invalid(kOp, "update_sq overlaps src");
   }
   return ctx.backend().copy_with_change(ctx, src, dst, update_sq);
+}
+
+// ================================ steps ======================================================
+
+absl::Status AllFinite(const Context& ctx, ConstTensorView x, bool* all_finite) {
+  constexpr const char* kOp = "AllFinite";
+  DIOND_RETURN_IF_ERROR(CheckContiguous(ctx, kOp, "x", x));
+  if (all_finite == nullptr) return Invalid(kOp, "all_finite is null");
+  return ctx.backend().all_finite(ctx, x, all_finite);
+}
+
+absl::Status WidenScaleCheckFinite(const Context& ctx, ConstTensorView x, float scale,
+                                   TensorView out, bool* all_finite) {
+  constexpr const char* kOp = "WidenScaleCheckFinite";
+  DIOND_RETURN_IF_ERROR(CheckContiguous(ctx, kOp, "x", x));
+  DIOND_RETURN_IF_ERROR(CheckF32Out(ctx, kOp, out, x.NumElements()));
+  DIOND_RETURN_IF_ERROR(CheckFinite(kOp, "scale", scale));
+  if (all_finite == nullptr) return Invalid(kOp, "all_finite is null");
+  if (x.data() == out.data() && x.dtype() != DType::kF32) {
+    return Invalid(kOp, "out aliases a ", x.DebugString(), " x (only an f32 x may be aliased)");
+  }
+  return ctx.backend().widen_scale_check_finite(ctx, x, scale, out, all_finite);
+}
+
+absl::Status Fnv1aChecksum(const Context& ctx, ConstTensorView x, uint64_t* checksum) {
+  constexpr const char* kOp = "Fnv1aChecksum";
+  DIOND_RETURN_IF_ERROR(CheckContiguous(ctx, kOp, "x", x));
+  DIOND_RETURN_IF_ERROR(CheckDType(kOp, "x", x.layout(), DType::kF32));
+  if (checksum == nullptr) return Invalid(kOp, "checksum is null");
+  return ctx.backend().fnv1a_checksum(ctx, x, checksum);
 }
 
 }  // namespace diond::kernels

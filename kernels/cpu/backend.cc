@@ -66,6 +66,10 @@ OpsBackend MakeTable() {
   t.apply_update = &ApplyUpdate;
   t.normalize_neurons = &NormalizeNeurons;
   t.copy_with_change = &CopyWithChange;
+  // steps
+  t.all_finite = &AllFinite;
+  t.widen_scale_check_finite = &WidenScaleCheckFinite;
+  t.fnv1a_checksum = &Fnv1aChecksum;
   return t;
 }
 

@@ -51,6 +51,11 @@ absl::Status Binary(const Context& ctx, BinaryOp op, ConstTensorView x, ConstTen
                     TensorView out);
 absl::Status AdamWStep(const Context& ctx, const AdamWParams& p, ConstTensorView grad,
                        TensorView x, TensorView m, TensorView v);
+// steps (session_ops.cc)
+absl::Status AllFinite(const Context& ctx, ConstTensorView x, bool* all_finite);
+absl::Status WidenScaleCheckFinite(const Context& ctx, ConstTensorView x, float scale,
+                                   TensorView out, bool* all_finite);
+absl::Status Fnv1aChecksum(const Context& ctx, ConstTensorView x, uint64_t* checksum);
 absl::Status LionStep(const Context& ctx, const LionParams& p, ConstTensorView grad, TensorView x,
                       TensorView m);
 

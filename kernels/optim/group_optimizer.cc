@@ -19,6 +19,19 @@ namespace diond::optim {
 absl::Status GroupOptimizer::Step(const kernels::Context& ctx, absl::Span<float* const> params,
                                   absl::Span<const float* const> grads,
                                   const StepOptions& options) {
+  // The three phases back to back: nothing can fail between them, so in-place rules may step
+  // the caller's buffers directly.
+  StepOptions in_place = options;
+  in_place.in_place = true;
+  DIOND_RETURN_IF_ERROR(Stage(ctx, params, grads, in_place));
+  WriteStagedParams(params);
+  CommitStagedState();
+  return absl::OkStatus();
+}
+
+absl::Status GroupOptimizer::Stage(const kernels::Context& ctx, absl::Span<float* const> params,
+                                   absl::Span<const float* const> grads,
+                                   const StepOptions& options) {
   if (params.size() != shapes_.size() || grads.size() != shapes_.size()) {
     return absl::InvalidArgumentError(absl::StrCat(
         AlgorithmName(config_.algorithm), " step: got ", params.size(), " params and ",
@@ -51,6 +64,7 @@ absl::Status GroupOptimizer::Step(const kernels::Context& ctx, absl::Span<float*
   capture_ = options.capture;
   replica_average_ = options.replica_average ? &options.replica_average : nullptr;
   step_number_ = options.step.value_or(steps_taken_ + 1);
+  in_place_ = options.in_place;
   absl::Status s = StageStep(ctx, params, grads, static_cast<float>(lr), static_cast<float>(wd));
   capture_ = nullptr;
   replica_average_ = nullptr;
@@ -58,11 +72,20 @@ absl::Status GroupOptimizer::Step(const kernels::Context& ctx, absl::Span<float*
     DiscardStaged();
     return s;
   }
+  return absl::OkStatus();
+}
+
+void GroupOptimizer::WriteStagedParams(absl::Span<float* const> params) {
   update_sq_ = 0;
-  CommitStaged(params);
+  CommitStagedParams(params);
+}
+
+double GroupOptimizer::staged_update_norm() const { return std::sqrt(update_sq_); }
+
+void GroupOptimizer::CommitStagedState() {
+  CommitStagedStateImpl();
   last_update_norm_ = std::sqrt(update_sq_);
   ++steps_taken_;
-  return absl::OkStatus();
 }
 
 std::vector<std::string> GroupOptimizer::StateNames() const {
@@ -171,7 +194,10 @@ class BucketedOptimizer final : public GroupOptimizer {
     RecycleStaged();
     commit_ctx_ = &ctx;
     if (capture_ != nullptr) capture_->payload.assign(shapes().size(), {});
-    if (rule_->InPlace()) return StepInPlace(ctx, params, grads, lr, weight_decay);
+    // In place (AdamW, Lion: one fused op, each byte read and written once) only when the
+    // caller says nothing can fail between Stage and CommitStagedState (StepOptions::in_place);
+    // otherwise the rule steps copies in the staging, and the commit phases write them back.
+    if (rule_->InPlace() && in_place_) return StepInPlace(ctx, params, grads, lr, weight_decay);
     spare_.resize(buckets_.size());
     for (size_t bi = 0; bi < buckets_.size(); ++bi) {
       const Bucket& b = buckets_[bi];
@@ -218,6 +244,19 @@ class BucketedOptimizer final : public GroupOptimizer {
           args.state_in[k].push_back(b.state[k].As<float>() + st.slots[j] * sn);
         }
       }
+      if (rule_->InPlace()) {
+        // An in-place rule on the staged path: it steps copies of x and of the state, in the
+        // staging, where it reads and writes them (it does not read x_in / state_in).
+        for (size_t j = 0; j < np; ++j) {
+          DIOND_RETURN_IF_ERROR(kernels::Copy(ctx, kernels::MakeView(args.x_in[j], {b.numel}),
+                                              F32View(args.x + j * b.numel, b.numel)));
+          for (size_t k = 0; k < b.specs.size(); ++k) {
+            const int64_t sn = b.specs[k].NumElements();
+            DIOND_RETURN_IF_ERROR(kernels::Copy(ctx, kernels::MakeView(args.state_in[k][j], {sn}),
+                                                F32View(args.state[k] + j * sn, sn)));
+          }
+        }
+      }
       args.scalars = {lr, weight_decay};
       args.step = step_number_;
       args.replica_average = replica_average_;
@@ -232,45 +271,59 @@ class BucketedOptimizer final : public GroupOptimizer {
     return absl::OkStatus();
   }
 
-  void CommitStaged(absl::Span<float* const> params) override {
+  void CommitStagedParams(absl::Span<float* const> params) override {
     if (in_place_step_) {
       // The rule already wrote params and state; only its Σ(Δx)² are read back (one sync point
       // per step, docs/KERNELS.md; host-addressable on the CPU backend).
       const float* sq = update_sq_buf_.As<float>();
       for (size_t p = 0; p < params.size(); ++p) update_sq_ += static_cast<double>(sq[p]);
-      in_place_step_ = false;
       return;
     }
-    // Copy and Fill on valid views of host memory cannot fail: the statuses are checked in
-    // debug builds only (commit has no way back).
+    // CopyWithChange and Fill on valid views of host memory cannot fail: the statuses are
+    // checked in debug builds only (the commit has no way back).
     const kernels::Context& ctx = *commit_ctx_;
     absl::Status s = kernels::Fill(ctx, 0.0f, update_sq_buf_.view());
     float* const sq = update_sq_buf_.As<float>();
     for (Staged& st : staged_) {
       Bucket& b = buckets_[st.bucket];
       const int64_t numel = b.numel;
-      // Every member took part: the staged state (sized for all members, in member order)
-      // becomes the state, and the old state buffers become the next step's staging.
-      const bool all = st.slots.size() == b.members.size();
       for (size_t j = 0; j < st.slots.size(); ++j) {
         const size_t p = b.members[st.slots[j]];
         // One pass: the parameter takes the staged value, and Σ(Δx)² comes with it.
         s.Update(kernels::CopyWithChange(ctx, F32View(st.x.As<float>() + j * numel, numel),
                                          F32View(params[p], numel),
                                          kernels::MakeView(sq + p, {1})));
-        if (all) continue;
+      }
+    }
+    // Σ(Δx)² per parameter read back once per step (a sync point, docs/KERNELS.md).
+    for (size_t p = 0; p < params.size(); ++p) update_sq_ += static_cast<double>(sq[p]);
+    assert(s.ok());
+    (void)s;
+  }
+
+  void CommitStagedStateImpl() override {
+    if (in_place_step_) {
+      in_place_step_ = false;
+      return;
+    }
+    const kernels::Context& ctx = *commit_ctx_;
+    absl::Status s;
+    for (Staged& st : staged_) {
+      Bucket& b = buckets_[st.bucket];
+      // Every member took part: the staged state (sized for all members, in member order)
+      // becomes the state, and the old state buffers become the next step's staging.
+      if (st.slots.size() == b.members.size()) {
+        for (size_t k = 0; k < b.specs.size(); ++k) std::swap(b.state[k], st.state[k]);
+        continue;
+      }
+      for (size_t j = 0; j < st.slots.size(); ++j) {
         for (size_t k = 0; k < b.specs.size(); ++k) {
           const int64_t sn = b.specs[k].NumElements();
           s.Update(kernels::Copy(ctx, F32View(st.state[k].As<float>() + j * sn, sn),
                                  F32View(b.state[k].As<float>() + st.slots[j] * sn, sn)));
         }
       }
-      if (all) {
-        for (size_t k = 0; k < b.specs.size(); ++k) std::swap(b.state[k], st.state[k]);
-      }
     }
-    // Σ(Δx)² per parameter read back once per step (a sync point, docs/KERNELS.md).
-    for (size_t p = 0; p < params.size(); ++p) update_sq_ += static_cast<double>(sq[p]);
     assert(s.ok());
     (void)s;
     RecycleStaged();

@@ -56,6 +56,24 @@ class GroupOptimizer {
   absl::Status Step(const kernels::Context& ctx, absl::Span<float* const> params,
                     absl::Span<const float* const> grads, const StepOptions& options = {});
 
+  // The same step in three phases, for a caller whose parameter or gradient memory can vanish
+  // under it (server/session: a trainer's shm segment that shrinks; it checks its memory between
+  // the phases). Step() is Stage + WriteStagedParams + CommitStagedState.
+  //  * Stage validates and computes, reading params and grads, and changes nothing; on error the
+  //    staged results are dropped.
+  //  * WriteStagedParams writes the new parameters into `params` (the same buffers Stage read)
+  //    and measures the update's norm; the state is still unchanged.
+  //  * CommitStagedState makes the staged state current and counts the step.
+  //  * DiscardStaged, after Stage or WriteStagedParams, drops what was staged: the state and
+  //    steps_taken() stay as they were (the parameters keep whatever was written into them).
+  absl::Status Stage(const kernels::Context& ctx, absl::Span<float* const> params,
+                     absl::Span<const float* const> grads, const StepOptions& options = {});
+  void WriteStagedParams(absl::Span<float* const> params);
+  // The norm of the change WriteStagedParams made (last_update_norm() once committed).
+  double staged_update_norm() const;
+  void CommitStagedState();
+  void DiscardStagedStep() { DiscardStaged(); }
+
   // The state names of this group's algorithm (StateNames(config().algorithm)).
   std::vector<std::string> StateNames() const;
   // Shape of state `name` of parameter `param_index`: momentum/variance = the parameter's shape,
@@ -87,19 +105,21 @@ class GroupOptimizer {
       : config_(std::move(config)), shapes_(std::move(shapes)) {}
 
   // Implemented per algorithm family (kernels/optim/internal/): computes the step for all
-  // parameters with a gradient and stages the results; CommitStaged writes them. Validation of
-  // the arguments has already happened. StageStep must not modify params or state.
+  // parameters with a gradient and stages the results; CommitStagedParams writes the new
+  // parameters, CommitStagedStateImpl the new state. Validation of the arguments has already
+  // happened. StageStep must not modify params or state.
   virtual absl::Status StageStep(const kernels::Context& ctx, absl::Span<float* const> params,
                                  absl::Span<const float* const> grads, float lr,
                                  float weight_decay) = 0;
-  virtual void CommitStaged(absl::Span<float* const> params) = 0;
+  virtual void CommitStagedParams(absl::Span<float* const> params) = 0;
+  virtual void CommitStagedStateImpl() = 0;
   virtual void DiscardStaged() = 0;
   // Locates the float buffer of state `name` for parameter `param_index` (nullptr if unknown).
   virtual float* MutableStatePtr(size_t param_index, absl::string_view name) = 0;
   // Drops the state of released parameters (keep[i] == false); called once by ReleaseState.
   // May fail (RESOURCE_EXHAUSTED) before changing anything.
   virtual absl::Status ReleaseStateImpl(const std::vector<bool>& keep) = 0;
-  // Sum of squared parameter changes; CommitStaged adds to it.
+  // Sum of squared parameter changes; CommitStagedParams adds to it.
   double update_sq_ = 0;
   // The device of the state and staging buffers; Step refuses a context on another device.
   kernels::Device state_device_;
@@ -109,6 +129,8 @@ class GroupOptimizer {
   const std::function<absl::Status(absl::Span<float>)>* replica_average_ = nullptr;
   // The step number of the step being staged (StepOptions::step or steps_taken() + 1).
   int64_t step_number_ = 1;
+  // StepOptions::in_place of the step being staged.
+  bool in_place_ = false;
 
  private:
   GroupConfig config_;

@@ -170,6 +170,12 @@ struct StepOptions {
   // identical on every replica. A bucket's B ≡ 0 case is then decided on the averaged P.
   // Other algorithms ignore it. Empty (the default) changes nothing.
   std::function<absl::Status(absl::Span<float>)> replica_average;
+  // The caller's promise that nothing can fail between Stage and CommitStagedState and that the
+  // params and grads memory cannot fault (e.g. sealed memfd or the daemon's own memory, in a
+  // local session). In-place rules (AdamW, Lion) then step params and state directly in Stage,
+  // reading and writing each byte once, and DiscardStagedStep can no longer undo them; without
+  // it they step staged copies (GroupOptimizer::Step sets it: its phases run back to back).
+  bool in_place = false;
 };
 
 // State tensor names, exactly as the reference's state dict and the conformance vectors.

@@ -94,6 +94,10 @@ OpsBackend MakeTable() {
   Set<&OpsBackend::apply_update>(t, "apply_update");
   Set<&OpsBackend::normalize_neurons>(t, "normalize_neurons");
   Set<&OpsBackend::copy_with_change>(t, "copy_with_change");
+  // steps
+  Set<&OpsBackend::all_finite>(t, "all_finite");
+  Set<&OpsBackend::widen_scale_check_finite>(t, "widen_scale_check_finite");
+  Set<&OpsBackend::fnv1a_checksum>(t, "fnv1a_checksum");
   return t;
 }
 

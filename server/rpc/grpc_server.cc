@@ -21,7 +21,7 @@ RpcServer::RpcServer() = default;
 RpcServer::~RpcServer() { Shutdown(absl::ZeroDuration()); }
 
 absl::StatusOr<std::unique_ptr<RpcServer>> RpcServer::Start(const RpcServerOptions& options,
-                                                            server::DaemonMetrics* metrics) {
+                                                            RpcObserver* observer) {
   std::unique_ptr<RpcServer> s(new RpcServer);
   if (options.manager == nullptr) return absl::InternalError("RpcServer needs a SessionManager");
   const bool tls = !options.tls_cert.empty();
@@ -44,8 +44,8 @@ absl::StatusOr<std::unique_ptr<RpcServer>> RpcServer::Start(const RpcServerOptio
     for (const std::string& path : unix_paths) unlink(path.c_str());
   };
   for (const auto& a : options.listen) {
-    if (a.kind != server::ListenAddress::Kind::kUnix) continue;
-    absl::Status ready = server::PrepareUnixSocketPath(a.path);
+    if (a.kind != ListenAddress::Kind::kUnix) continue;
+    absl::Status ready = PrepareUnixSocketPath(a.path);
     auto l = ready.ok() ? UnixListener::Bind(a.path)
                         : absl::StatusOr<std::unique_ptr<UnixListener>>(ready);
     if (!l.ok()) {
@@ -78,7 +78,7 @@ absl::StatusOr<std::unique_ptr<RpcServer>> RpcServer::Start(const RpcServerOptio
   bool any_tcp = false;
   for (size_t i = 0; i < options.listen.size(); ++i) {
     const auto& a = options.listen[i];
-    if (a.kind != server::ListenAddress::Kind::kTcp) continue;
+    if (a.kind != ListenAddress::Kind::kTcp) continue;
     any_tcp = true;
     builder.AddListeningPort(a.ToString(), tcp_creds, &ports[i]);
   }
@@ -94,7 +94,7 @@ absl::StatusOr<std::unique_ptr<RpcServer>> RpcServer::Start(const RpcServerOptio
     builder.RegisterService(s->peer_service_.get());
   }
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> icpt;
-  icpt.push_back(MakeMetricsInterceptorFactory(metrics));
+  icpt.push_back(MakeMetricsInterceptorFactory(observer));
   builder.experimental().SetInterceptorCreators(std::move(icpt));
 
   s->server_ = builder.BuildAndStart();
@@ -108,8 +108,8 @@ absl::StatusOr<std::unique_ptr<RpcServer>> RpcServer::Start(const RpcServerOptio
         ": address already in use or not bindable (see the gRPC log line above)"));
   }
   for (size_t i = 0; i < options.listen.size(); ++i) {
-    server::ListenAddress a = options.listen[i];
-    if (a.kind == server::ListenAddress::Kind::kTcp) {
+    ListenAddress a = options.listen[i];
+    if (a.kind == ListenAddress::Kind::kTcp) {
       if (ports[i] == 0) {
         s->server_->Shutdown();
         unbind_unix();
@@ -160,7 +160,7 @@ void RpcServer::Shutdown(absl::Duration drain) {
     health_server_->Wait();
   }
   for (const auto& a : bound_) {
-    if (a.kind == server::ListenAddress::Kind::kUnix) unlink(a.path.c_str());
+    if (a.kind == ListenAddress::Kind::kUnix) unlink(a.path.c_str());
   }
 }
 

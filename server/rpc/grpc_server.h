@@ -11,11 +11,11 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "server/listen.h"
 #include "server/rpc/auth.h"
-#include "server/metrics.h"
+#include "server/rpc/listen.h"
 #include "server/rpc/optimizer_service.h"
 #include "server/rpc/peer_service.h"
+#include "server/rpc/rpc_observer.h"
 #include "server/session/session_manager.h"
 
 namespace grpc {
@@ -25,7 +25,7 @@ class Server;
 namespace diond::rpc {
 
 struct RpcServerOptions {
-  std::vector<server::ListenAddress> listen;
+  std::vector<ListenAddress> listen;
   session::SessionManager* manager = nullptr;  // required; must outlive the server
   OptimizerServiceOptions service;
   int64_t max_message_bytes = 64 << 20;
@@ -48,13 +48,14 @@ class RpcServer {
  public:
   // Binds every address or none: ALREADY_EXISTS / UNAVAILABLE with the address when a port or
   // socket is taken. Unix sockets are created with mode 0600 and accepted by UnixListener (the
-  // peer's uid is its principal). `metrics` must outlive the server.
+  // peer's uid is its principal). `observer` (told of every finished call: the daemon's
+  // metrics) must outlive the server.
   static absl::StatusOr<std::unique_ptr<RpcServer>> Start(const RpcServerOptions& options,
-                                                          server::DaemonMetrics* metrics);
+                                                          RpcObserver* observer);
   ~RpcServer();
 
   // The addresses actually bound (TCP port 0 resolved).
-  const std::vector<server::ListenAddress>& bound() const { return bound_; }
+  const std::vector<ListenAddress>& bound() const { return bound_; }
   // The bound port of --health_address; 0 = none.
   int health_port() const { return health_port_; }
 
@@ -71,7 +72,7 @@ class RpcServer {
   std::unique_ptr<grpc::Server> health_server_;  // --health_address only
   int health_port_ = 0;
   std::vector<std::unique_ptr<UnixListener>> unix_listeners_;
-  std::vector<server::ListenAddress> bound_;
+  std::vector<ListenAddress> bound_;
   bool shut_down_ = false;
 };
 

@@ -10,7 +10,7 @@ using grpc::experimental::InterceptionHookPoints;
 
 class MetricsInterceptor : public grpc::experimental::Interceptor {
  public:
-  MetricsInterceptor(grpc::experimental::ServerRpcInfo* info, server::DaemonMetrics* metrics)
+  MetricsInterceptor(grpc::experimental::ServerRpcInfo* info, RpcObserver* metrics)
       : method_(info->method() ? info->method() : "unknown"),
         metrics_(metrics),
         start_(std::chrono::steady_clock::now()) {}
@@ -36,7 +36,7 @@ class MetricsInterceptor : public grpc::experimental::Interceptor {
 
  private:
   std::string method_;
-  server::DaemonMetrics* metrics_;
+  RpcObserver* metrics_;
   std::chrono::steady_clock::time_point start_;
   grpc::StatusCode code_ = grpc::StatusCode::OK;
   bool have_status_ = false;
@@ -45,20 +45,20 @@ class MetricsInterceptor : public grpc::experimental::Interceptor {
 
 class Factory : public grpc::experimental::ServerInterceptorFactoryInterface {
  public:
-  explicit Factory(server::DaemonMetrics* metrics) : metrics_(metrics) {}
+  explicit Factory(RpcObserver* metrics) : metrics_(metrics) {}
   grpc::experimental::Interceptor* CreateServerInterceptor(
       grpc::experimental::ServerRpcInfo* info) override {
     return new MetricsInterceptor(info, metrics_);
   }
 
  private:
-  server::DaemonMetrics* metrics_;
+  RpcObserver* metrics_;
 };
 
 }  // namespace
 
 std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>
-MakeMetricsInterceptorFactory(server::DaemonMetrics* metrics) {
+MakeMetricsInterceptorFactory(RpcObserver* metrics) {
   return std::make_unique<Factory>(metrics);
 }
 

@@ -1,5 +1,5 @@
-// A gRPC server interceptor that counts every finished RPC and its latency by method and status
-// code into DaemonMetrics. Installed once on the ServerBuilder; covers every service (Optimizer,
+// A gRPC server interceptor that reports every finished RPC and its latency by method and status
+// code to an RpcObserver (the daemon's metrics, connected by server/exe). Installed once on the ServerBuilder; covers every service (Optimizer,
 // health, reflection).
 #ifndef DIOND_SERVER_RPC_METRICS_INTERCEPTOR_H_
 #define DIOND_SERVER_RPC_METRICS_INTERCEPTOR_H_
@@ -7,13 +7,13 @@
 #include <memory>
 
 #include "grpcpp/support/server_interceptor.h"
-#include "server/metrics.h"
+#include "server/rpc/rpc_observer.h"
 
 namespace diond::rpc {
 
-// `metrics` must outlive the server.
+// `observer` must outlive the server.
 std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>
-MakeMetricsInterceptorFactory(server::DaemonMetrics* metrics);
+MakeMetricsInterceptorFactory(RpcObserver* observer);
 
 // "INVALID_ARGUMENT" etc.
 const char* StatusCodeName(grpc::StatusCode code);

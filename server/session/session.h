@@ -2,16 +2,21 @@
 // the arenas the trainer shares with the daemon, and the record of the last step.
 //
 // Arenas: each role (PARAMETERS, GRADIENTS) is bound either to a registered shm region (no
-// serialization: Step copies the gradients and weights out of the trainer's memory once, computes
-// on daemon memory, and writes the weights back) or, in remote mode, to a host buffer the daemon
-// allocates on the first SetState/PushGradients that needs it (used in place).
+// serialization and no copy: Step computes on the trainer's memory in place, converting only
+// non-f32 dtypes and master weights through fp32 buffers) or, in remote mode, to a host buffer
+// the daemon allocates on the first SetState/PushGradients that needs it.
 //
 // Trainer memory can shrink under the daemon (ftruncate): ShmRegion's SIGBUS guard makes such an
 // access harmless, and every method that touches a region checks it afterwards and fails with
-// FAILED_PRECONDITION ("... shrank ...") before it changes any session state. Computation never
-// runs on trainer memory, so only the copy in and the write back can meet a truncated segment.
+// FAILED_PRECONDITION ("... shrank ..."). Step stages every group's update before it writes
+// anything and commits the optimizer state last, so a failed Step leaves the state, the master
+// weights and the step index unchanged (docs/ARCHITECTURE.md §2, "What a failed Step changes").
 //
 // Every mutating method validates its whole request first and changes nothing on failure.
+//
+// The implementation is split by concern: session.cc (creation, hyperparameters, info),
+// session_regions.cc (arenas, regions), session_step.cc (the step skeleton), session_world.cc
+// (the world's phases), session_state.cc (state and parameter transfer, snapshots).
 //
 // Thread-safety: all public methods are thread-safe; one session's calls are serialized by its
 // mutex. Compute (Step) additionally holds the manager's compute mutex, because the CPU backend's
@@ -63,7 +68,7 @@ struct SessionInfo {
   int64_t parameters = 0;
   int64_t last_step_index = 0;
   int64_t state_bytes = 0;
-  int64_t host_bytes = 0;  // daemon-owned arenas and Step's fp32 copies of trainer memory
+  int64_t host_bytes = 0;  // daemon-owned arenas and Step's fp32 conversion buffers
   absl::Time last_used;
   // Operator view (ListSessions, metrics).
   struct Group {
@@ -93,7 +98,11 @@ class Session {
  public:
   // Validates the spec completely (names unique and non-empty, groups exist, every group's
   // options and shapes) and builds the optimizers. INVALID_ARGUMENT naming the bad field.
-  static absl::StatusOr<std::unique_ptr<Session>> Create(std::string id, SessionSpec spec);
+  // `ctx`: the context the session's steps will run with (SessionManager's, on the daemon's
+  // compute device); the optimizer state is allocated on its device. Null: a process-wide CPU
+  // context's allocator.
+  static absl::StatusOr<std::unique_ptr<Session>> Create(std::string id, SessionSpec spec,
+                                                         const kernels::Context* ctx = nullptr);
 
   const std::string& id() const { return id_; }
   const SessionSpec& spec() const { return spec_; }
@@ -203,31 +212,51 @@ class Session {
     return r == Role::kParameters ? params_ : grads_;
   }
   absl::Status EnsureHostArena(Role r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Every gradient as fp32 for a step: in place when the trainer's are f32 and unscaled (zero
-  // copy), else widened and scaled into `copies`. Returns whether all values are finite.
-  bool GradientsF32(double scale, std::vector<std::vector<float>>* copies,
-                    std::vector<const float*>* grads) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Every parameter as fp32 for a step: in place for daemon-owned f32 arenas, the master
-  // weights, or copies in `copies` (shm arenas are always copied; WriteBackParams writes them).
-  void ParamsF32(std::vector<std::vector<float>>* copies, std::vector<float*>* params)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // FAILED_PRECONDITION "<when>: the <ROLE> shm region ... shrank ..." when a bound region (of
-  // role `only`, or of either role) has a segment shorter than the region (fstat) or the SIGBUS
-  // guard caught a fault in it.
-  absl::Status CheckRegions(const char* when, std::optional<Role> only = std::nullopt)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // `*v` sized to one buffer per tensor (buffers keep their contents' capacity).
-  std::vector<std::vector<float>>& ScratchBuffers(std::vector<std::vector<float>>* v)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Writes the step's fp32 `params` that are not the arena itself back into it and records
-  // `result` as the last step. When the PARAMETERS region shrank meanwhile, the step still
-  // counts: the new weights are held for the next PARAMETERS region (as after a restore), the
-  // broken region is dropped, and the answer is FAILED_PRECONDITION saying so.
-  absl::Status WriteBackParams(const std::vector<float*>& params, StepResult result)
+  // FAILED_PRECONDITION "<when>: the <ROLE> shm region ... shrank ...; nothing was changed" when
+  // a bound region (of role `only`, or of either role) has a segment shorter than the region
+  // (fstat) or the SIGBUS guard caught a fault in it.
+  absl::Status CheckRegions(const std::string& when, std::optional<Role> only = std::nullopt)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Parameter i as fp32 (master weights, or widened from the arena).
   void ReadParamF32(size_t i, float* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void WriteParamF32(size_t i, const float* in) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // ---- the step (session_step.cc; the world's phases in session_world.cc) ----
+  // One Step's working set, passed through its phases (docs/ARCHITECTURE.md §2).
+  struct StepRun;
+  // Phase 1: the request against the session (order of step_index, gradient_scale, the
+  // overrides, the bindings, the regions' size). Sets *replay when the request repeats the
+  // recorded last step.
+  absl::Status ValidateStepLocked(const StepRequest& request, std::optional<StepResult>* replay)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Phase 2: the world's communicator for this step (a world of one: none).
+  absl::Status JoinWorldPhase(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Phase 3: every gradient as fp32 and the finiteness scan: trainer f32 gradients are read in
+  // place (no copy), others widened and scaled in the same pass as the scan.
+  absl::Status ReadGradientsPhase(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Phase 4 (world AVERAGE): reduce-scatter the gradients to their owners, with the ranks'
+  // non-finite flags. A world of one: nothing.
+  absl::Status ReduceGradientsPhase(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Phase 5: every parameter as fp32: f32 arenas in place; master weights and other dtypes
+  // through the scratch buffers.
+  absl::Status ReadParametersPhase(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Phase 6: every group's update staged (GroupOptimizer::Stage); nothing changes yet.
+  absl::Status StageUpdatesPhase(StepRun& run, const kernels::Context& ctx,
+                                 absl::Mutex* compute_mu) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Phase 7: the new weights into the arenas (GroupOptimizer::WriteStagedParams, then the
+  // narrowing of non-f32 parameters); the state is still unchanged.
+  void WriteWeightsPhase(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Phase 8 (world): exchange the owners' updates (all-gather-v), apply the others' compact
+  // updates, compare checksums. A world of one: nothing.
+  absl::Status ExchangeUpdatesPhase(StepRun& run, const kernels::Context& ctx,
+                                    absl::Mutex* compute_mu) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Phase 9: the staged state becomes current, master weights swapped in, the step recorded.
+  StepResult CommitStepPhase(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // On a failure after phase 6: every group's staged results dropped (state unchanged).
+  void DiscardStep(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A world step's failure: the world session is broken from now on (UNAVAILABLE or `code`).
+  absl::Status BreakWorld(StepRun& run, absl::Status why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   // One write's name, range and alignment; `tensor_bytes` = the named tensor's size.
   absl::Status CheckWriteLocked(const std::string& name, int64_t offset, int64_t len,
                                 bool state_names, int64_t* tensor_bytes)
@@ -242,18 +271,13 @@ class Session {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<std::vector<NamedTensor>> GetStateLocked(bool include_parameters)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Step of a world session (session_world.cc), after Step's own checks.
-  absl::StatusOr<StepResult> WorldStepLocked(const StepRequest& request,
-                                             const kernels::Context& ctx,
-                                             absl::Mutex* compute_mu, absl::Time start)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-
   // After a failed collective: "<why>" plus the ranks the coordinator declares lost, waiting up
   // to verdict_wait for its verdict.
   std::string DescribeWorldFailure(const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Every rank's checksum of every parameter (fp32 values in `params`) compared with the owner's;
   // a differing copy is replaced by the owner's (broadcast). Returns how many this rank healed.
-  absl::StatusOr<int64_t> CheckReplicas(comm::Communicator* comm, int64_t step,
+  absl::StatusOr<int64_t> CheckReplicas(const kernels::Context& ctx, absl::Mutex* compute_mu,
+                                        comm::Communicator* comm, int64_t step,
                                         const std::vector<float*>& params)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   struct WorldPart {
@@ -290,9 +314,10 @@ class Session {
   // fp32 master weights for non-f32 parameters when spec_.fp32_master_weights.
   std::vector<std::vector<float>> master_ ABSL_GUARDED_BY(mu_);
   bool master_valid_ ABSL_GUARDED_BY(mu_) = false;
-  // Step's fp32 copies of the gradients and parameters (shm arenas, non-f32 dtypes), kept
-  // between steps: allocating them fresh every step cost more in page faults than the copies
-  // themselves (a 214 MB arena: ~1 s per step on 2 loaded cores, against ~0.1 s reused).
+  // Step's fp32 buffers for what cannot be used in place: gradients of another dtype or scaled,
+  // parameters of another dtype, the next master weights. Kept between steps: allocating them
+  // fresh every step cost more in page faults than the conversions themselves (a 214 MB arena:
+  // ~1 s per step on 2 loaded cores, against ~0.1 s reused).
   std::vector<std::vector<float>> grad_scratch_ ABSL_GUARDED_BY(mu_);
   std::vector<std::vector<float>> param_scratch_ ABSL_GUARDED_BY(mu_);
   // Parameters restored from a checkpoint, waiting for the first PARAMETERS binding.
@@ -305,6 +330,9 @@ class Session {
   std::string last_checkpoint_path_ ABSL_GUARDED_BY(mu_);
   absl::Time last_checkpoint_time_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   std::optional<WorldPart> world_ ABSL_GUARDED_BY(mu_);
+  // A CPU context for the session's passes over host memory when the steps' context is on
+  // another device (made at the first such step).
+  std::unique_ptr<kernels::Context> host_ctx_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace diond::session

@@ -6,11 +6,15 @@
 #include <sys/stat.h>
 
 #include <cstdio>
+#include <map>
 #include <cstdlib>
 #include <string>
 
 #include "common/status_matchers.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/backend.h"
+#include "kernels/testing/recording_backend.h"
 #include "server/session/checkpoint.h"
 #include "server/session/layout.h"
 
@@ -19,6 +23,7 @@ namespace {
 
 using ::diond::testing::IsOk;
 using ::diond::testing::StatusIs;
+using ::testing::Contains;
 using ::testing::HasSubstr;
 
 SessionSpec SmallSpec() {
@@ -252,6 +257,36 @@ TEST(SessionManager, AttachKeepsTheWeightsAndChecksTheOwnerHook) {
   EXPECT_THAT((*m)->Attach("job/1", ""), StatusIs(absl::StatusCode::kNotFound));
   ASSERT_THAT((*m)->Close((*s)->id()), IsOk());
   EXPECT_THAT((*m)->CreateSession(spec), IsOk());  // the name is free again
+}
+
+TEST(SessionManager, SessionStateLivesOnTheComputeDeviceItIsGiven) {
+  // The daemon's compute device reaches the sessions (issue 10 item 6): a manager on the test
+  // device (the recording backend, forwarding to the CPU's table) allocates every session's
+  // optimizer state through that device's table, and its steps get a context on it; a manager on
+  // the CPU calls nothing of the test device.
+  using kernels::testing::RecordingBackend;
+  ASSERT_THAT(RecordingBackend::Install(kernels::FindOpsBackend(kernels::DeviceType::kCpu)),
+              IsOk());
+  std::map<kernels::DeviceType, std::vector<std::string>> log;
+  std::map<kernels::DeviceType, int64_t> state_bytes;
+  for (kernels::DeviceType type : {kernels::DeviceType::kTest, kernels::DeviceType::kCpu}) {
+    ManagerOptions o;
+    o.compute_device.type = type;
+    auto m = SessionManager::Create(o);
+    ASSERT_THAT(m, IsOk());
+    RecordingBackend::ClearLog();
+    auto s = (*m)->CreateSession(SmallSpec());
+    ASSERT_THAT(s, IsOk());
+    log[type] = RecordingBackend::Log();
+    state_bytes[type] = (*s)->StateBytes();
+  }
+  RecordingBackend::Uninstall();
+  // Muon's momentum and AdamW's m, v and step_dev: one buffer per state of each shape bucket.
+  EXPECT_THAT(log[kernels::DeviceType::kTest], Contains("allocate"));
+  EXPECT_TRUE(log[kernels::DeviceType::kCpu].empty())
+      << log[kernels::DeviceType::kCpu].size() << " calls on the test device";
+  EXPECT_EQ(state_bytes[kernels::DeviceType::kTest], 244);
+  EXPECT_EQ(state_bytes[kernels::DeviceType::kCpu], 244);
 }
 
 }  // namespace

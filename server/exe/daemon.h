@@ -1,7 +1,9 @@
-// The daemon: composes device selection, metrics and the gRPC server, and owns their lifetime.
-// server/main.cc turns flags into DaemonOptions; tests can run a Daemon in-process.
-#ifndef DIOND_SERVER_DAEMON_H_
-#define DIOND_SERVER_DAEMON_H_
+// The daemon, the composition root (server/exe, ARCHITECTURE.md §3): composes device selection,
+// sessions, the world, metrics and the gRPC server, and owns their lifetime. Nothing below exe/
+// includes it. server/exe/main.cc turns flags into DaemonOptions; tests can run a Daemon
+// in-process.
+#ifndef DIOND_SERVER_EXE_DAEMON_H_
+#define DIOND_SERVER_EXE_DAEMON_H_
 
 #include <memory>
 #include <string>
@@ -12,7 +14,7 @@
 #include "kernels/device.h"
 #include "server/comm/memory_store.h"
 #include "kernels/tensor.h"
-#include "server/listen.h"
+#include "server/rpc/listen.h"
 #include "server/session/session_manager.h"
 
 namespace diond::rpc {
@@ -27,8 +29,11 @@ class World;
 
 namespace diond::server {
 
+using rpc::ListenAddress;  // the daemon listens where the RPC layer serves
+
 class DaemonMetrics;
 class MetricsServer;
+class RpcMetrics;
 
 // The daemon world (ARCHITECTURE.md §6; flags in docs/OPERATIONS.md "World").
 struct WorldConfig {
@@ -96,6 +101,7 @@ class Daemon {
   kernels::Device compute_device_;  // where steps run (kernels::ComputeDevice of device_)
   std::string metrics_address_;
   std::unique_ptr<DaemonMetrics> metrics_;
+  std::unique_ptr<RpcMetrics> rpc_metrics_;  // the RPC layer's observer, into metrics_
   std::unique_ptr<session::SessionManager> sessions_;
   std::unique_ptr<MetricsServer> metrics_server_;
   std::unique_ptr<rpc::RpcServer> rpc_;
@@ -107,4 +113,4 @@ class Daemon {
 
 }  // namespace diond::server
 
-#endif  // DIOND_SERVER_DAEMON_H_
+#endif  // DIOND_SERVER_EXE_DAEMON_H_

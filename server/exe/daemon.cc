@@ -1,4 +1,4 @@
-#include "server/daemon.h"
+#include "server/exe/daemon.h"
 
 #include <algorithm>
 
@@ -25,6 +25,20 @@
 #include <sstream>
 
 namespace diond::server {
+
+using rpc::ParseListenAddresses;
+
+// The RPC layer's observer (server/rpc/rpc_observer.h), counting into the daemon's metrics.
+class RpcMetrics final : public rpc::RpcObserver {
+ public:
+  explicit RpcMetrics(DaemonMetrics* metrics) : metrics_(metrics) {}
+  void ObserveRpc(absl::string_view method, absl::string_view code, double seconds) override {
+    metrics_->ObserveRpc(method, code, seconds);
+  }
+
+ private:
+  DaemonMetrics* metrics_;
+};
 
 std::string DeviceLabel(kernels::DeviceType type, int index) {
   return type == kernels::DeviceType::kCuda ? absl::StrCat("cuda:", index) : "cpu";
@@ -216,7 +230,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     d->coordinator_ = std::make_unique<comm::Coordinator>(co);
     ro.coordinator = d->coordinator_.get();
   }
-  DIOND_ASSIGN_OR_RETURN(d->rpc_, rpc::RpcServer::Start(ro, d->metrics_.get()));
+  d->rpc_metrics_ = std::make_unique<RpcMetrics>(d->metrics_.get());
+  DIOND_ASSIGN_OR_RETURN(d->rpc_, rpc::RpcServer::Start(ro, d->rpc_metrics_.get()));
   if (wc.world_size > 1) DIOND_RETURN_IF_ERROR(d->JoinWorld(wc));
   return d;
 }

@@ -18,8 +18,8 @@
 #include "absl/time/time.h"
 #include "common/logging.h"
 #include "server/comm/world_flags.h"
-#include "server/daemon.h"
-#include "server/listen.h"
+#include "server/exe/daemon.h"
+#include "server/rpc/listen.h"
 #include "server/version.h"
 
 ABSL_FLAG(std::string, listen, "",
@@ -134,7 +134,7 @@ ABSL_FLAG(absl::Duration, join_timeout, absl::Seconds(60),
 namespace {
 
 bool IsMainFlagFile(absl::string_view file) {
-  return file.find("server/main.cc") != absl::string_view::npos;
+  return file.find("server/exe/main.cc") != absl::string_view::npos;
 }
 
 // Mode 0600 whatever the umask (issue 13, "Found 11"): only the daemon's user reads it.
@@ -200,9 +200,9 @@ int main(int argc, char** argv) {
   diond::server::DaemonOptions options;
   std::string listen = absl::GetFlag(FLAGS_listen);
   if (listen.empty()) {
-    listen = absl::StrCat("unix:", diond::server::DefaultUnixSocketPath(), ",127.0.0.1:50551");
+    listen = absl::StrCat("unix:", diond::rpc::DefaultUnixSocketPath(), ",127.0.0.1:50551");
   }
-  auto addresses = diond::server::ParseListenAddresses(listen);
+  auto addresses = diond::rpc::ParseListenAddresses(listen);
   if (!addresses.ok()) {
     std::fprintf(stderr, "diond: --listen: %s\n", std::string(addresses.status().message()).c_str());
     return 2;
@@ -257,7 +257,7 @@ int main(int argc, char** argv) {
     if (world.coordinator.empty() && !service.empty()) {
       int port = 0;
       for (const auto& a : options.listen) {
-        if (a.kind == diond::server::ListenAddress::Kind::kTcp) {
+        if (a.kind == diond::rpc::ListenAddress::Kind::kTcp) {
           port = a.port;
           break;
         }

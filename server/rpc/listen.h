@@ -1,7 +1,7 @@
 // Listen addresses of the daemon: parsing, validation and Unix-socket housekeeping.
-// No gRPC here; server/rpc turns these into gRPC URIs.
-#ifndef DIOND_SERVER_LISTEN_H_
-#define DIOND_SERVER_LISTEN_H_
+// No gRPC here (the RPC layer turns these into gRPC URIs; exe/ parses the flags with it).
+#ifndef DIOND_SERVER_RPC_LISTEN_H_
+#define DIOND_SERVER_RPC_LISTEN_H_
 
 #include <string>
 #include <vector>
@@ -9,7 +9,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
-namespace diond::server {
+namespace diond::rpc {
 
 struct ListenAddress {
   enum class Kind { kUnix, kTcp };
@@ -35,6 +35,6 @@ absl::Status PrepareUnixSocketPath(const std::string& path);
 // Default socket path: $XDG_RUNTIME_DIR/diond.sock if set, else /tmp/diond-<uid>.sock.
 std::string DefaultUnixSocketPath();
 
-}  // namespace diond::server
+}  // namespace diond::rpc
 
-#endif  // DIOND_SERVER_LISTEN_H_
+#endif  // DIOND_SERVER_RPC_LISTEN_H_

@@ -3,7 +3,7 @@
 // CPU. A GPU host is emulated with a SelectedDevice of type kCuda (no GPU is needed).
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
-#include "server/daemon.h"
+#include "server/exe/daemon.h"
 
 namespace diond::server {
 namespace {

@@ -1,4 +1,4 @@
-#include "server/listen.h"
+#include "server/rpc/listen.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -16,7 +16,7 @@
 #include "absl/strings/strip.h"
 #include "common/logging.h"
 
-namespace diond::server {
+namespace diond::rpc {
 namespace {
 
 bool IsLoopbackHost(const std::string& host) {
@@ -123,4 +123,4 @@ std::string DefaultUnixSocketPath() {
   return absl::StrCat("/tmp/diond-", getuid(), ".sock");
 }
 
-}  // namespace diond::server
+}  // namespace diond::rpc

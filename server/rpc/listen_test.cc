@@ -1,4 +1,4 @@
-#include "server/listen.h"
+#include "server/rpc/listen.h"
 
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -13,7 +13,7 @@
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
 
-namespace diond::server {
+namespace diond::rpc {
 namespace {
 
 using ::diond::testing::IsOk;
@@ -104,4 +104,4 @@ TEST(PrepareUnixSocketPath, StaleSocketIsRemoved) {
 }
 
 }  // namespace
-}  // namespace diond::server
+}  // namespace diond::rpc

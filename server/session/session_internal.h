@@ -1,0 +1,78 @@
+// Helpers shared by the files that implement Session (session*.cc): the conversions between a
+// trainer's dtype and fp32, the finiteness scan and the element count. Not part of the session's
+// interface; included only by server/session/session*.cc.
+#ifndef DIOND_SERVER_SESSION_SESSION_INTERNAL_H_
+#define DIOND_SERVER_SESSION_SESSION_INTERNAL_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "kernels/optim/group_optimizer.h"
+#include "kernels/tensor.h"
+#include "server/comm/communicator.h"
+#include "server/session/session.h"
+#include "server/session/types.h"
+
+namespace diond::session::internal {
+
+// out[0, n) ← the n elements at `src` of `dtype`, widened exactly to fp32.
+void WidenToF32(DType dtype, const uint8_t* src, int64_t n, float* out);
+// dst ← the n fp32 values of `in`, rounded once (RNE) to `dtype`.
+void NarrowFromF32(DType dtype, const float* in, int64_t n, uint8_t* dst);
+// Contiguous rank-1 views of n elements of `dtype` at p, on the CPU (the trainer's memory and
+// the session's buffers are host memory), for the ops of a Step (kernels/ops.h).
+kernels::ConstTensorView HostView(DType dtype, const void* p, int64_t n);
+kernels::TensorView HostView(DType dtype, void* p, int64_t n);
+
+inline int64_t NumElements(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+}  // namespace diond::session::internal
+
+namespace diond::session {
+
+// One Step's working set (session_step.cc, session_world.cc), filled phase by phase.
+struct Session::StepRun {
+  const StepRequest* request = nullptr;
+  // The step's context (its ops) and the manager's compute mutex, held around every pass of ops
+  // (the CPU backend's thread pools are process-wide), never around a collective.
+  const kernels::Context* ctx = nullptr;
+  absl::Mutex* compute_mu = nullptr;
+  absl::Time start;
+  // What errors start with: "step N" (a world session: "world session 'k' (rank r of n), step N").
+  std::string when;
+  float scale = 1.0f;
+  bool scaled = false;
+  // The world's communicator for this step; null: a world of one (every phase of the world is
+  // then a no-op).
+  std::shared_ptr<comm::Communicator> comm;
+  std::vector<const float*> grads;  // per parameter: fp32 gradient (arena, scratch or averaged)
+  std::vector<float*> params;       // per parameter: fp32 weights (arena or scratch)
+  // Per parameter: params[i] is param_scratch_[i] (another dtype, or master weights): narrowed
+  // into the arena after the update, and swapped into master_ at the commit.
+  std::vector<bool> via_scratch;
+  bool finite = true;
+  std::vector<float> averaged;  // world AVERAGE: this rank's reduce-scattered gradients
+  // Per group: this step's options, the owner's compact updates, what the group stages.
+  std::vector<optim::StepOptions> opts;
+  std::vector<optim::StepCapture> captures;
+  std::vector<std::vector<float*>> group_params;
+  std::vector<bool> staged;
+  std::vector<bool> compressed;   // a group every rank steps (compressed Dion)
+  std::vector<double> update_sq;  // squared update norm (a world: this rank's share, then the sum)
+  // World: this rank's failure in compute, shared with the others through the exchange.
+  absl::Status compute_status;
+  StepResult result;
+};
+
+}  // namespace diond::session
+
+#endif  // DIOND_SERVER_SESSION_SESSION_INTERNAL_H_

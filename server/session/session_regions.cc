@@ -1,0 +1,169 @@
+// A session's arenas: shm regions registered by the trainer (with ShmRegion's SIGBUS guard),
+// daemon-owned host arenas in remote mode, the weights held between trainers, and the checks
+// that every access to a trainer's memory is followed by.
+#include <cstring>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "common/bounded.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "server/session/session.h"
+#include "server/session/session_internal.h"
+
+namespace diond::session {
+
+absl::StatusOr<std::string> Session::RegisterShmRegion(Role role, const std::string& name,
+                                                       int64_t offset, int64_t size) {
+  DIOND_RETURN_IF_ERROR(ValidateShmName(name));
+  const int64_t need = role == Role::kParameters ? layout_.param_arena_bytes
+                                                 : layout_.grad_arena_bytes;
+  if (offset < 0 || offset % kArenaAlignment != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("region offset ", offset,
+                                                   " must be a non-negative multiple of ",
+                                                   kArenaAlignment));
+  }
+  if (size < need) {
+    return absl::InvalidArgumentError(absl::StrCat("region of ", size, " bytes is smaller than the ",
+                                                   RoleName(role), " arena (", need, " bytes)"));
+  }
+  absl::MutexLock lock(&mu_);
+  last_used_ = absl::Now();
+  Binding& b = binding(role);
+  if (b.region != nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(RoleName(role),
+                                                      " already has region ", b.region_id,
+                                                      "; unregister it first"));
+  }
+  const Binding& other = binding(role == Role::kParameters ? Role::kGradients : Role::kParameters);
+  if (other.region != nullptr && other.region->name() == name) {
+    int64_t a0 = offset, a1 = offset + size;
+    int64_t b0 = other.region->offset(), b1 = b0 + other.region->size();
+    if (a0 < b1 && b0 < a1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "region [", a0, ", ", a1, ") of '", Bounded(name), "' overlaps the ",
+          RoleName(role == Role::kParameters ? Role::kGradients : Role::kParameters),
+          " region [", b0, ", ", b1, ")"));
+    }
+  }
+  DIOND_ASSIGN_OR_RETURN(std::unique_ptr<ShmRegion> region,
+                         ShmRegion::Open(name, offset, size, id_));
+  // Remote-mode data already in a host arena, or parameters restored from a checkpoint, move
+  // into the trainer's memory now, so nothing the daemon holds is lost. The daemon's copies are
+  // dropped only once the trainer's memory took them intact (the segment may shrink meanwhile).
+  const bool from_pending = role == Role::kParameters && !pending_params_.empty();
+  if (from_pending) {
+    for (size_t i = 0; i < layout_.tensors.size(); ++i) {
+      const TensorPlacement& t = layout_.tensors[i];
+      internal::NarrowFromF32(t.dtype, pending_params_[i].data(), t.numel,
+                    region->data() + t.param_offset);
+    }
+  } else if (!b.host.empty()) {
+    std::memcpy(region->data(), b.host.data(), static_cast<size_t>(need));
+  }
+  if (absl::Status intact = region->CheckIntact(); !intact.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(RoleName(role), " ", intact.message(), "; nothing was registered"));
+  }
+  if (from_pending) {
+    for (size_t i = 0; i < layout_.tensors.size(); ++i) {
+      if (!master_.empty() && !master_[i].empty()) master_[i] = pending_params_[i];
+    }
+    master_valid_ = !master_.empty();
+    pending_params_.clear();
+  }
+  b.host.clear();
+  b.host.shrink_to_fit();
+  b.region = std::move(region);
+  b.data = b.region->data();
+  b.region_id = absl::StrCat(role == Role::kParameters ? "params-" : "grads-", next_region_++);
+  return b.region_id;
+}
+
+absl::Status Session::UnregisterRegion(const std::string& region_id) {
+  absl::MutexLock lock(&mu_);
+  last_used_ = absl::Now();
+  for (Role r : {Role::kParameters, Role::kGradients}) {
+    Binding& b = binding(r);
+    if (b.region != nullptr && b.region_id == region_id) {
+      b = Binding();
+      if (r == Role::kParameters) master_valid_ = false;
+      return absl::OkStatus();
+    }
+  }
+  return absl::NotFoundError(absl::StrCat("session ", id_, " has no region '", Bounded(region_id), "'"));
+}
+
+absl::Status Session::EnsureHostArena(Role r) {
+  Binding& b = binding(r);
+  if (b.bound()) return absl::OkStatus();
+  const int64_t bytes = r == Role::kParameters ? layout_.param_arena_bytes
+                                               : layout_.grad_arena_bytes;
+  b.host.assign(static_cast<size_t>(bytes), 0);
+  b.data = b.host.data();
+  if (r == Role::kParameters && !pending_params_.empty()) {
+    for (size_t i = 0; i < layout_.tensors.size(); ++i) {
+      const TensorPlacement& t = layout_.tensors[i];
+      internal::NarrowFromF32(t.dtype, pending_params_[i].data(), t.numel, b.data + t.param_offset);
+      if (!master_.empty() && !master_[i].empty()) master_[i] = pending_params_[i];
+    }
+    master_valid_ = !master_.empty();
+    pending_params_.clear();
+  }
+  return absl::OkStatus();
+}
+
+void Session::ReadParamF32(size_t i, float* out) {
+  const TensorPlacement& t = layout_.tensors[i];
+  if (!master_.empty() && !master_[i].empty() && master_valid_) {
+    std::memcpy(out, master_[i].data(), static_cast<size_t>(t.numel) * 4);
+    return;
+  }
+  if (!pending_params_.empty()) {
+    std::memcpy(out, pending_params_[i].data(), static_cast<size_t>(t.numel) * 4);
+    return;
+  }
+  internal::WidenToF32(t.dtype, params_.data + t.param_offset, t.numel, out);
+}
+
+void Session::WriteParamF32(size_t i, const float* in) {
+  const TensorPlacement& t = layout_.tensors[i];
+  if (!master_.empty() && !master_[i].empty()) {
+    std::memcpy(master_[i].data(), in, static_cast<size_t>(t.numel) * 4);
+  }
+  internal::NarrowFromF32(t.dtype, in, t.numel, params_.data + t.param_offset);
+}
+
+absl::Status Session::CheckRegions(const std::string& when, std::optional<Role> only) {
+  for (Role r : {Role::kParameters, Role::kGradients}) {
+    if (only.has_value() && *only != r) continue;
+    const Binding& b = binding(r);
+    if (b.region == nullptr) continue;
+    if (absl::Status s = b.region->CheckIntact(); !s.ok()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(when, ": the ", RoleName(r), " ", s.message(), "; nothing was changed"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+void Session::DetachTrainer() {
+  absl::MutexLock lock(&mu_);
+  last_used_ = absl::Now();
+  if (params_.region != nullptr) {
+    // The weights the daemon holds now (master weights where kept) wait for the new trainer's
+    // PARAMETERS region.
+    std::vector<std::vector<float>> keep(layout_.tensors.size());
+    for (size_t i = 0; i < layout_.tensors.size(); ++i) {
+      keep[i].resize(static_cast<size_t>(layout_.tensors[i].numel));
+      ReadParamF32(i, keep[i].data());
+    }
+    params_ = Binding();
+    pending_params_ = std::move(keep);
+  }
+  if (grads_.region != nullptr) grads_ = Binding();
+}
+
+}  // namespace diond::session

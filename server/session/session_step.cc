@@ -1,0 +1,399 @@
+// Session::Step: the one step skeleton (docs/ARCHITECTURE.md §2). A local session is a world of
+// one: the world's phases (session_world.cc) do nothing without a communicator.
+//
+// Transactions without copies of the trainer's memory. The computation reads the trainer's
+// gradients and weights where they lie (shm regions under ShmRegion's SIGBUS guard); what can
+// still fail after validation is that memory vanishing (the trainer shrinks its segment), so the
+// phases are ordered for it:
+//   validate → gradients (+ finiteness) → [world: reduce] → weights → stage every group
+//   → regions intact? → write the new weights → [world: exchange] → narrow → PARAMETERS intact?
+//   → commit the staged state and record the step.
+// A failure before the commit drops what was staged: the optimizer state, the master weights
+// and the step index stay as they were. Only the trainer's own weights may then have been
+// written, and only when its PARAMETERS region broke (that memory is gone with the region).
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/bounded.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "kernels/ops.h"
+#include "kernels/optim/validation.h"
+#include "server/session/session.h"
+#include "server/session/session_internal.h"
+
+namespace diond::session {
+namespace {
+
+// The step number the group's update rules see: the trainer's (StepRequest::group_step), else
+// the session's step index.
+int64_t GroupStep(const StepRequest& request, const std::string& group) {
+  auto it = request.group_step.find(group);
+  return it != request.group_step.end() ? it->second : request.step_index;
+}
+
+}  // namespace
+
+absl::StatusOr<StepResult> Session::Step(const StepRequest& request,
+                                         const kernels::Context& ctx, absl::Mutex* compute_mu) {
+  const absl::Time start = absl::Now();
+  absl::MutexLock lock(&mu_);
+  last_used_ = start;
+  std::optional<StepResult> replay;
+  DIOND_RETURN_IF_ERROR(ValidateStepLocked(request, &replay));
+  if (replay.has_value()) return *replay;
+
+  StepRun run;
+  run.request = &request;
+  // The session's own passes read and write host memory (the trainer's shm, the session's
+  // buffers): they run on the step's context when it is the CPU's, else on a CPU context of the
+  // session's (the update itself always runs on `ctx`).
+  run.ctx = &ctx;
+  if (ctx.device().type != kernels::DeviceType::kCpu) {
+    if (host_ctx_ == nullptr) host_ctx_ = kernels::Context::CpuDefault();
+    run.ctx = host_ctx_.get();
+  }
+  run.compute_mu = compute_mu;
+  run.start = start;
+  run.when = absl::StrCat("step ", request.step_index);
+  if (world_.has_value()) {
+    run.when = absl::StrCat("world session '", Bounded(spec_.world_key), "' (rank ", world_->rank,
+                            " of ", world_->plan.world_size, "), step ", request.step_index);
+  }
+  const double scale = request.gradient_scale == 0.0 ? 1.0 : request.gradient_scale;
+  run.scale = static_cast<float>(scale);
+  run.scaled = scale != 1.0;
+  run.result.step_index = request.step_index;
+
+  DIOND_RETURN_IF_ERROR(JoinWorldPhase(run));
+  DIOND_RETURN_IF_ERROR(ReadGradientsPhase(run));
+  DIOND_RETURN_IF_ERROR(ReduceGradientsPhase(run));
+  if (!run.finite) {
+    // A world: every rank decides alike (REPLICATED: the same gradients; AVERAGE: the flags were
+    // summed with them).
+    if (spec_.non_finite == NonFinitePolicy::kError) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "step ", request.step_index, ": gradients contain NaN or Inf (non_finite_policy=ERROR)"));
+    }
+    run.result.skipped = true;
+    if (run.comm != nullptr) run.result.world_bytes_sent = run.comm->TakeBytesSent();
+    run.result.total_micros = absl::ToInt64Microseconds(absl::Now() - start);
+    last_step_index_ = request.step_index;
+    last_result_ = run.result;
+    return run.result;
+  }
+  if (absl::Status s = ReadParametersPhase(run); !s.ok()) {
+    return run.comm != nullptr ? BreakWorld(run, s) : s;
+  }
+  if (absl::Status s = CheckRegions(run.when); !s.ok()) {
+    return run.comm != nullptr ? BreakWorld(run, s) : s;
+  }
+  DIOND_RETURN_IF_ERROR(StageUpdatesPhase(run, ctx, compute_mu));
+  // Everything the update read came from intact memory: nothing has been written yet.
+  if (absl::Status s = CheckRegions(run.when); !s.ok()) {
+    DiscardStep(run);
+    return run.comm != nullptr ? BreakWorld(run, s) : s;
+  }
+  WriteWeightsPhase(run);
+  if (absl::Status s = ExchangeUpdatesPhase(run, ctx, compute_mu); !s.ok()) {
+    DiscardStep(run);
+    return s;
+  }
+  // The weights of other dtypes (and the master weights' narrowed copies) into the arena.
+  {
+    absl::MutexLock compute(compute_mu);
+    for (size_t i = 0; i < layout_.tensors.size(); ++i) {
+      if (!run.via_scratch[i]) continue;
+      const TensorPlacement& t = layout_.tensors[i];
+      absl::Status s = kernels::Copy(
+          *run.ctx, internal::HostView(DType::kF32, run.params[i], t.numel),
+          internal::HostView(t.dtype, params_.data + t.param_offset, t.numel));
+      if (!s.ok()) {
+        DiscardStep(run);
+        return s;
+      }
+    }
+  }
+  if (params_.region != nullptr && !params_.region->CheckIntact().ok()) {
+    // The trainer's weights went with its segment while they were written. The step is not
+    // applied: the optimizer state, master weights and step index are as before.
+    DiscardStep(run);
+    const std::string region = params_.region->Describe();
+    DIOND_LOG(WARNING) << "session " << id_ << ": PARAMETERS " << region << " shrank while "
+                       << run.when << " wrote the new weights; the step was not applied";
+    absl::Status s = absl::FailedPreconditionError(absl::StrCat(
+        run.when, ": the PARAMETERS ", region,
+        " shrank (SIGBUS caught) while the new weights were written. The step was not applied: "
+        "the optimizer state and the step index are unchanged; the weights in that region are "
+        "lost with it (register a new region and restore them with SetState)"));
+    return world_.has_value() && run.comm != nullptr ? BreakWorld(run, s) : s;
+  }
+  return CommitStepPhase(run);
+}
+
+absl::Status Session::ValidateStepLocked(const StepRequest& request,
+                                         std::optional<StepResult>* replay) {
+  if (request.step_index == last_step_index_ && last_result_.has_value() &&
+      last_result_->step_index == last_step_index_) {
+    StepResult r = *last_result_;
+    r.replayed = true;
+    *replay = r;
+    return absl::OkStatus();
+  }
+  // Overflow-safe: last_step_index_ is at most INT64_MAX, and no step follows INT64_MAX.
+  if (last_step_index_ == std::numeric_limits<int64_t>::max()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step_index ", request.step_index, ": the session is at the last representable step"));
+  }
+  if (request.step_index != last_step_index_ + 1) {
+    std::string why;
+    if (last_step_index_ > 0 && request.step_index == last_step_index_) {
+      why = absl::StrCat(" (step ", last_step_index_,
+                         " was applied, but its answer is not recorded: the session was restored "
+                         "from a checkpoint without it)");
+    } else if (last_step_index_ > 0 && last_result_.has_value()) {
+      why = absl::StrCat(" (or ", last_step_index_, " to replay the last answer)");
+    }
+    return absl::FailedPreconditionError(absl::StrCat("step_index ", request.step_index,
+                                                      " is out of order: expected ",
+                                                      last_step_index_ + 1, why));
+  }
+  const double scale = request.gradient_scale == 0.0 ? 1.0 : request.gradient_scale;
+  if (!std::isfinite(scale) || scale < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("gradient_scale ", request.gradient_scale,
+                                                   " must be finite and >= 0"));
+  }
+  auto known = [&](const std::string& group) {
+    for (const Group& g : groups_) {
+      if (g.name == group) return true;
+    }
+    return false;
+  };
+  for (const auto& [group, lr] : request.lr_override) {
+    if (!known(group)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("lr_override names unknown group '", Bounded(group), "'"));
+    }
+    DIOND_RETURN_IF_ERROR(optim::CheckStepKnob(
+        absl::StrCat("lr_override['", Bounded(group), "']"), lr, optim::kMaxLr));
+  }
+  for (const auto& [group, n] : request.group_step) {
+    if (!known(group)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("group_step names unknown group '", Bounded(group), "'"));
+    }
+    if (n < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("group_step['", Bounded(group), "'] = ", n, " must be >= 1"));
+    }
+  }
+  if (!params_.bound() && pending_params_.empty()) {
+    return absl::FailedPreconditionError(
+        "no parameters: register a PARAMETERS region (or upload them with SetState) before Step");
+  }
+  if (!grads_.bound()) {
+    return absl::FailedPreconditionError(
+        "no gradients: register a GRADIENTS region (or PushGradients) before Step");
+  }
+  DIOND_RETURN_IF_ERROR(EnsureHostArena(Role::kParameters));
+  // The trainer may have truncated its segments: a cheap look first (fstat); after each pass
+  // over its memory, whether the SIGBUS guard caught a fault.
+  return CheckRegions(absl::StrCat("step ", request.step_index));
+}
+
+absl::Status Session::ReadGradientsPhase(StepRun& run) {
+  const size_t n = layout_.tensors.size();
+  run.grads.assign(n, nullptr);
+  grad_scratch_.resize(n);  // each buffer keeps its capacity between steps
+  bool finite = true;
+  {
+    absl::MutexLock compute(run.compute_mu);
+    for (size_t i = 0; i < n; ++i) {
+      const TensorPlacement& t = layout_.tensors[i];
+      const uint8_t* src = grads_.data + t.grad_offset;
+      bool ok = true;
+      if (t.dtype == DType::kF32 && !run.scaled) {
+        // In place, wherever the arena lies. The scan reads exactly what the update reads
+        // later; a trainer writing its gradients meanwhile only changes its own session's step.
+        run.grads[i] = reinterpret_cast<const float*>(src);
+        if (finite) {
+          DIOND_RETURN_IF_ERROR(
+              kernels::AllFinite(*run.ctx, internal::HostView(t.dtype, src, t.numel), &ok));
+        }
+      } else {
+        // Widened and scaled in the pass that scans them (a world's non-finite rank still
+        // contributes every gradient to the reduce-scatter, so all are converted).
+        std::vector<float>& c = grad_scratch_[i];
+        c.resize(static_cast<size_t>(t.numel));
+        DIOND_RETURN_IF_ERROR(kernels::WidenScaleCheckFinite(
+            *run.ctx, internal::HostView(t.dtype, src, t.numel), run.scale,
+            internal::HostView(DType::kF32, c.data(), t.numel), &ok));
+        run.grads[i] = c.data();
+      }
+      finite = finite && ok;
+    }
+  }
+  run.finite = finite;
+  // A region found broken here fails the step before anything (a world: before any collective;
+  // the other ranks' steps then fail on their collectives' timeout).
+  return CheckRegions(run.when, Role::kGradients);
+}
+
+absl::Status Session::ReadParametersPhase(StepRun& run) {
+  const size_t n = layout_.tensors.size();
+  run.params.assign(n, nullptr);
+  run.via_scratch.assign(n, false);
+  param_scratch_.resize(n);
+  absl::MutexLock compute(run.compute_mu);
+  for (size_t i = 0; i < n; ++i) {
+    const TensorPlacement& t = layout_.tensors[i];
+    uint8_t* arena = params_.data + t.param_offset;
+    const bool master = !master_.empty() && !master_[i].empty();
+    if (!master && t.dtype == DType::kF32) {
+      run.params[i] = reinterpret_cast<float*>(arena);  // in place
+      continue;
+    }
+    // The master weights are daemon state: the step updates a copy, swapped in at the commit.
+    std::vector<float>& c = param_scratch_[i];
+    c.resize(static_cast<size_t>(t.numel));
+    const bool from_master = master && master_valid_;
+    DIOND_RETURN_IF_ERROR(kernels::Copy(
+        *run.ctx,
+        from_master ? internal::HostView(DType::kF32, master_[i].data(), t.numel)
+                    : internal::HostView(t.dtype, arena, t.numel),
+        internal::HostView(DType::kF32, c.data(), t.numel)));
+    run.params[i] = c.data();
+    run.via_scratch[i] = true;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Session::StageUpdatesPhase(StepRun& run, const kernels::Context& ctx,
+                                        absl::Mutex* compute_mu) {
+  const StepRequest& request = *run.request;
+  const size_t groups = groups_.size();
+  run.opts.assign(groups, {});
+  run.captures.assign(groups, {});
+  run.group_params.assign(groups, {});
+  run.staged.assign(groups, false);
+  run.compressed.assign(groups, false);
+  run.update_sq.assign(groups, 0.0);
+  for (size_t gi = 0; gi < groups; ++gi) {
+    const Group& g = groups_[gi];
+    auto it = request.lr_override.find(g.name);
+    run.opts[gi].lr = it != request.lr_override.end() ? std::optional<double>(it->second) : g.lr;
+    run.opts[gi].weight_decay = g.weight_decay;
+    run.opts[gi].step = GroupStep(request, g.name);  // the reference's group step (cqr warm-up)
+  }
+  const absl::Time compute_start = absl::Now();
+  absl::MutexLock compute(compute_mu);
+  for (size_t gi = 0; gi < groups; ++gi) {
+    Group& g = groups_[gi];
+    if (g.optimizer == nullptr) continue;
+    std::vector<const float*> gg;
+    bool any = false;
+    for (size_t i : g.params) {
+      // A world: each rank updates what it owns (the others get no gradient, which leaves them
+      // and their state alone); compressed Dion: every rank steps every matrix on its own
+      // gradients.
+      const bool mine = !world_.has_value() || world_->replicated[i] ||
+                        world_->plan.owner[i] == world_->rank;
+      run.group_params[gi].push_back(run.params[i]);
+      gg.push_back(mine ? run.grads[i] : nullptr);
+      any = any || mine;
+      run.compressed[gi] = run.compressed[gi] || (world_.has_value() && world_->replicated[i]);
+    }
+    if (!any) continue;
+    optim::StepOptions opts = run.opts[gi];
+    // AdamW and Lion step the trainer's memory and their state in place (each byte once) only
+    // where nothing after Stage can fail: a local session whose arenas are the daemon's own
+    // memory. A shm region can still shrink under the step, and a world's exchange can fail, so
+    // there they step staged copies and a failed step leaves the state unchanged (§2).
+    opts.in_place = !world_.has_value() && params_.region == nullptr && grads_.region == nullptr;
+    if (run.comm != nullptr) {
+      opts.capture = &run.captures[gi];
+      if (run.compressed[gi]) {
+        comm::Communicator* c = run.comm.get();
+        opts.replica_average = [c](absl::Span<float> v) { return c->AllReduceAverage(v); };
+      }
+    }
+    absl::Status s = g.optimizer->Stage(ctx, run.group_params[gi], gg, opts);
+    if (s.ok()) {
+      run.staged[gi] = true;
+      continue;
+    }
+    if (!world_.has_value()) {
+      DiscardStep(run);
+      return absl::Status(s.code(), absl::StrCat("step ", request.step_index, ", group '",
+                                                 Bounded(g.name), "': ", s.message()));
+    }
+    // A world: reported to the other ranks through the exchange's status values.
+    run.compute_status = absl::Status(
+        absl::IsUnavailable(s) ? absl::StatusCode::kUnavailable : s.code(),
+        absl::StrCat("step ", request.step_index, ", group '", Bounded(g.name), "': ",
+                     absl::IsUnavailable(s) ? DescribeWorldFailure(s) : std::string(s.message())));
+    break;
+  }
+  run.result.compute_micros = absl::ToInt64Microseconds(absl::Now() - compute_start);
+  if (!run.compute_status.ok() && run.comm == nullptr) {  // a world of one
+    DiscardStep(run);
+    return BreakWorld(run, absl::Status(run.compute_status.code(),
+                                        absl::StrCat(run.when, ": ", run.compute_status.message(),
+                                                     "; the world session must be created "
+                                                     "again")));
+  }
+  return absl::OkStatus();
+}
+
+void Session::WriteWeightsPhase(StepRun& run) {
+  const absl::Time start = absl::Now();
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    if (!run.staged[gi]) continue;
+    optim::GroupOptimizer& opt = *groups_[gi].optimizer;
+    opt.WriteStagedParams(run.group_params[gi]);
+    // A world: this rank's share of the squared norm (a group every rank steps is counted on
+    // rank 0 only).
+    if (!run.compressed[gi] || world_->rank == 0) {
+      run.update_sq[gi] = opt.staged_update_norm() * opt.staged_update_norm();
+    }
+  }
+  // compute_micros: the optimizers' whole step (stage, weights, state), as GroupOptimizer::Step.
+  run.result.compute_micros += absl::ToInt64Microseconds(absl::Now() - start);
+}
+
+StepResult Session::CommitStepPhase(StepRun& run) {
+  const absl::Time commit_start = absl::Now();
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    if (run.staged[gi]) groups_[gi].optimizer->CommitStagedState();
+  }
+  run.result.compute_micros += absl::ToInt64Microseconds(absl::Now() - commit_start);
+  for (size_t i = 0; i < layout_.tensors.size(); ++i) {
+    if (run.via_scratch[i] && !master_.empty() && !master_[i].empty()) {
+      master_[i].swap(param_scratch_[i]);  // the updated copy becomes the master weights
+    }
+  }
+  if (!master_.empty()) master_valid_ = true;
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    const Group& g = groups_[gi];
+    if (g.optimizer == nullptr) continue;
+    run.result.update_norms[g.name] =
+        world_.has_value() ? std::sqrt(run.update_sq[gi]) : g.optimizer->last_update_norm();
+  }
+  run.result.total_micros = absl::ToInt64Microseconds(absl::Now() - run.start);
+  last_step_index_ = run.result.step_index;
+  last_result_ = run.result;
+  return run.result;
+}
+
+void Session::DiscardStep(StepRun& run) {
+  for (size_t gi = 0; gi < run.staged.size(); ++gi) {
+    if (!run.staged[gi]) continue;
+    groups_[gi].optimizer->DiscardStagedStep();
+    run.staged[gi] = false;
+  }
+}
+
+}  // namespace diond::session

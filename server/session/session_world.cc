@@ -1,0 +1,388 @@
+// The world's side of a session (docs/DISTRIBUTED.md): attaching the shard plan, the world
+// phases of the one step skeleton (session_step.cc) — join, reduce the gradients, exchange the
+// updates, compare checksums — and the momentum synchronization before a checkpoint. For a world
+// of one (no communicator) every phase does nothing.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "common/bounded.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "kernels/ops.h"
+#include "server/comm/world.h"
+#include "server/session/session.h"
+#include "server/session/session_internal.h"
+
+namespace diond::session {
+
+void Session::AttachWorld(std::shared_ptr<WorldLink> world, ShardPlan plan, uint64_t epoch,
+                          absl::Duration verdict_wait, int64_t checksum_every) {
+  absl::MutexLock lock(&mu_);
+  WorldPart w;
+  w.rank = world != nullptr ? world->rank() : 0;
+  w.world = std::move(world);
+  w.verdict_wait = verdict_wait;
+  w.checksum_every = checksum_every;
+  w.epoch = epoch;
+  w.owned.resize(static_cast<size_t>(plan.world_size));
+  w.owned_elements.assign(static_cast<size_t>(plan.world_size), 0);
+  w.owned_payload.assign(static_cast<size_t>(plan.world_size), 0);
+  w.compact.assign(plan.owner.size(), 0);
+  w.replicated.assign(plan.owner.size(), false);
+  for (size_t i = 0; i < plan.owner.size(); ++i) {
+    const size_t j = static_cast<size_t>(plan.owner[i]);
+    const Group& g = groups_[group_of_param_[i]];
+    if (spec_.gradient_sync == GradientSync::kDionCompressed && g.optimizer != nullptr &&
+        g.optimizer->config().algorithm == optim::AlgorithmKind::kDion) {
+      w.replicated[i] = true;  // every rank steps it (compressed sync), nobody owns it
+      continue;
+    }
+    if (g.optimizer != nullptr) {
+      w.compact[i] = optim::CapturedUpdateSize(g.optimizer->config(), layout_.tensors[i].shape);
+    }
+    w.owned[j].push_back(i);
+    w.owned_elements[j] += layout_.tensors[i].numel;
+    w.owned_payload[j] += w.compact[i] > 0 ? w.compact[i] : layout_.tensors[i].numel;
+  }
+  // Shard the optimizer state: each rank keeps the state of what it owns (and of what every
+  // rank steps, the compressed-sync Dion matrices); the rest is freed.
+  int64_t bytes = 0;
+  for (Group& g : groups_) {
+    if (g.optimizer == nullptr) continue;
+    std::vector<bool> keep(g.params.size());
+    for (size_t slot = 0; slot < g.params.size(); ++slot) {
+      const size_t i = g.params[slot];
+      keep[slot] = w.replicated[i] || plan.owner[i] == w.rank;
+    }
+    absl::Status released = g.optimizer->ReleaseState(keep);
+    DIOND_CHECK(released.ok()) << released;  // keep has one entry per parameter by construction
+    bytes += 4 * g.optimizer->StateFloats();
+  }
+  for (const auto& m : master_) bytes += 4 * static_cast<int64_t>(m.size());
+  state_bytes_.store(bytes);
+  w.plan = std::move(plan);
+  world_ = std::move(w);
+}
+
+absl::StatusOr<int64_t> Session::CheckReplicas(const kernels::Context& ctx,
+                                               absl::Mutex* compute_mu, comm::Communicator* comm,
+                                               int64_t step, const std::vector<float*>& params) {
+  const WorldPart& w = *world_;
+  const size_t n = layout_.tensors.size();
+  const int world_size = w.plan.world_size;
+  std::vector<uint64_t> mine(n);
+  {
+    absl::MutexLock compute(compute_mu);
+    for (size_t i = 0; i < n; ++i) {  // FNV-1a 64 over the fp32 bytes
+      DIOND_RETURN_IF_ERROR(kernels::Fnv1aChecksum(
+          ctx, internal::HostView(DType::kF32, params[i], layout_.tensors[i].numel), &mine[i]));
+    }
+  }
+  std::vector<uint64_t> all(n * static_cast<size_t>(world_size));
+  DIOND_RETURN_IF_ERROR(comm->AllGatherBytes(
+      absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(mine.data()), n * 8),
+      absl::MakeSpan(reinterpret_cast<uint8_t*>(all.data()), all.size() * 8)));
+  int64_t healed = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const int owner = w.plan.owner[i];
+    const uint64_t want = all[static_cast<size_t>(owner) * n + i];
+    std::vector<int> differ;
+    for (int r = 0; r < world_size; ++r) {
+      if (all[static_cast<size_t>(r) * n + i] != want) differ.push_back(r);
+    }
+    if (differ.empty()) continue;
+    // Every rank saw the same checksums, so every rank takes part in the same broadcasts.
+    DIOND_LOG(WARNING) << "world session '" << spec_.world_key << "', step " << step
+                       << ": parameter '" << layout_.tensors[i].name << "' differs on rank(s) "
+                       << absl::StrJoin(differ, ", ") << " from its owner (rank " << owner
+                       << "); replacing it with the owner's copy";
+    DIOND_RETURN_IF_ERROR(comm->Broadcast(
+        absl::MakeSpan(params[i], static_cast<size_t>(layout_.tensors[i].numel)), owner));
+    for (int r : differ) healed += r == w.rank ? 1 : 0;
+  }
+  return healed;
+}
+
+std::string Session::DescribeWorldFailure(const absl::Status& why) {
+  const WorldPart& w = *world_;
+  std::string text(why.message());
+  if (w.world == nullptr) return text;
+  const absl::Time deadline = absl::Now() + w.verdict_wait;
+  while (true) {
+    comm::MembershipView v;
+    if (!w.world->With([&](comm::World& world) { v = world.membership(); })) {
+      return absl::StrCat(text, " (the daemon is shutting down)");
+    }
+    std::vector<std::string> lost;
+    for (const comm::MemberInfo& m : v.members) {
+      if (!m.live) lost.push_back(absl::StrCat("rank ", m.rank, " (", m.address, ")"));
+    }
+    if (!lost.empty()) {
+      // The coordinator's reason names the rank already ("rank 2 (10.0.0.7) lost: ...").
+      return absl::StrCat(v.broken_reason.empty() ? absl::StrCat(absl::StrJoin(lost, ", "), " lost")
+                                                  : v.broken_reason,
+                          " [", text, "]");
+    }
+    if (absl::Now() >= deadline) return text;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+}
+
+
+absl::Status Session::BreakWorld(StepRun& run, absl::Status why) {
+  (void)run;
+  if (!world_.has_value()) return why;
+  world_->broken = std::move(why);
+  return world_->broken;
+}
+
+absl::Status Session::JoinWorldPhase(StepRun& run) {
+  if (!world_.has_value()) return absl::OkStatus();
+  WorldPart& w = *world_;
+  if (!w.broken.ok()) return w.broken;
+  if (w.world == nullptr) return absl::OkStatus();  // a world of one
+  const std::string where = absl::StrCat(run.when, ": ");
+  absl::StatusOr<std::shared_ptr<comm::Communicator>> c =
+      absl::UnavailableError("the daemon is shutting down");
+  uint64_t epoch = 0;
+  w.world->With([&](comm::World& world) {
+    c = world.communicator();
+    epoch = world.epoch();
+  });
+  if (!c.ok()) return absl::UnavailableError(absl::StrCat(where, c.status().message()));
+  if (epoch != w.epoch) {
+    w.broken = absl::UnavailableError(absl::StrCat(
+        where, "the daemon world was rebuilt (generation ", w.epoch, " -> ", epoch,
+        ") since this session was created; create it again and resume from the last "
+        "checkpoint"));
+    return w.broken;
+  }
+  run.comm = *std::move(c);
+  run.comm->TakeBytesSent();  // per-step accounting starts here
+  return absl::OkStatus();
+}
+
+absl::Status Session::ReduceGradientsPhase(StepRun& run) {
+  if (run.comm == nullptr || spec_.gradient_sync == GradientSync::kReplicated) {
+    return absl::OkStatus();
+  }
+  // AVERAGE: reduce-scatter the local gradients to their owners. Block j of the input holds the
+  // gradients of rank j's parameters, padded to the largest block, plus one slot with this
+  // rank's non-finite flag, so every rank learns the same number of non-finite trainers.
+  WorldPart& w = *world_;
+  const int world_size = w.plan.world_size;
+  int64_t block = 0;
+  for (int64_t e : w.owned_elements) block = std::max(block, e);
+  block += 1;
+  std::vector<float> input(static_cast<size_t>(block) * world_size, 0.0f);
+  {
+    absl::MutexLock compute(run.compute_mu);
+    for (int j = 0; j < world_size; ++j) {
+      float* dst = input.data() + static_cast<size_t>(j) * block;
+      for (size_t i : w.owned[j]) {
+        const int64_t numel = layout_.tensors[i].numel;
+        DIOND_RETURN_IF_ERROR(
+            kernels::Copy(*run.ctx, internal::HostView(DType::kF32, run.grads[i], numel),
+                          internal::HostView(DType::kF32, dst, numel)));
+        dst += numel;
+      }
+      input[static_cast<size_t>(j + 1) * block - 1] = run.finite ? 0.0f : 1.0f;
+    }
+  }
+  run.averaged.resize(static_cast<size_t>(block));
+  absl::Status st = run.comm->ReduceScatterSum(input, absl::MakeSpan(run.averaged));
+  if (!st.ok()) {
+    return BreakWorld(run, absl::UnavailableError(absl::StrCat(
+                               run.when, ": gradient reduce-scatter failed: ",
+                               DescribeWorldFailure(st),
+                               "; create the session again and resume from the last checkpoint")));
+  }
+  run.finite = run.averaged.back() == 0.0f;
+  // The average: the sum divided by the world size (a division, not a multiplication by its
+  // inverse, so that the bits match the reference's mean).
+  const float divisor = static_cast<float>(world_size);
+  absl::MutexLock compute(run.compute_mu);
+  float* a = run.averaged.data();
+  for (size_t i : w.owned[w.rank]) {
+    const int64_t numel = layout_.tensors[i].numel;
+    DIOND_RETURN_IF_ERROR(kernels::Binary(
+        *run.ctx, kernels::BinaryOp::kDiv, internal::HostView(DType::kF32, a, numel),
+        internal::HostView(DType::kF32, &divisor, 1), internal::HostView(DType::kF32, a, numel)));
+    run.grads[i] = a;
+    a += numel;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Session::ExchangeUpdatesPhase(StepRun& run, const kernels::Context& ctx,
+                                           absl::Mutex* compute_mu) {
+  if (!world_.has_value()) return absl::OkStatus();
+  WorldPart& w = *world_;
+  const int world_size = w.plan.world_size;
+  const StepRequest& request = *run.request;
+  const std::string where = absl::StrCat(run.when, ": ");
+  std::vector<double>& update_sq = run.update_sq;
+  absl::Status& compute_status = run.compute_status;
+  std::vector<float*>& params = run.params;
+  // Exchange: every rank's updated owned parameters (fp32), plus one status value per rank, by
+  // one all-gather-v; everyone writes them into its own arena.
+  if (run.comm != nullptr) {
+    comm::Communicator* comm = run.comm.get();
+    // Block of rank j: its payloads, then per group its squared update norm as two floats
+    // (hi, lo: a double to ~48 bits), then its status.
+    const int64_t extra = 2 * static_cast<int64_t>(groups_.size()) + 1;
+    std::vector<int64_t> counts(static_cast<size_t>(world_size));
+    for (int j = 0; j < world_size; ++j) counts[j] = w.owned_payload[j] + extra;
+    std::vector<float> mine;
+    mine.reserve(static_cast<size_t>(counts[w.rank]));
+    for (size_t i : w.owned[w.rank]) {
+      if (w.compact[i] > 0) {
+        const auto& payloads = run.captures[group_of_param_[i]].payload;
+        const std::vector<float>* p =
+            payloads.size() > slot_in_group_[i] ? &payloads[slot_in_group_[i]] : nullptr;
+        if (p != nullptr && static_cast<int64_t>(p->size()) == w.compact[i]) {
+          mine.insert(mine.end(), p->begin(), p->end());
+        } else {
+          // Only after a failed compute (reported through the status value below).
+          mine.resize(mine.size() + static_cast<size_t>(w.compact[i]), 0.0f);
+          if (compute_status.ok()) {
+            compute_status = absl::InternalError(absl::StrCat(
+                "no compact update captured for '", Bounded(layout_.tensors[i].name), "'"));
+          }
+        }
+      } else {
+        mine.insert(mine.end(), params[i], params[i] + layout_.tensors[i].numel);
+      }
+    }
+    for (double sq : update_sq) {
+      const float hi = static_cast<float>(sq);
+      mine.push_back(hi);
+      mine.push_back(static_cast<float>(sq - static_cast<double>(hi)));
+    }
+    // This rank's failure, or its trainer's memory gone while it was read: the step fails on
+    // every rank.
+    const bool ok_here = compute_status.ok() && CheckRegions(run.when).ok();
+    mine.push_back(ok_here ? 0.0f : 1.0f);
+    int64_t total = 0;
+    for (int64_t c : counts) total += c;
+    std::vector<float> all(static_cast<size_t>(total));
+    absl::Status st = comm->AllGatherV(mine, counts, absl::MakeSpan(all));
+    if (!st.ok()) {
+      return BreakWorld(run, absl::UnavailableError(absl::StrCat(
+                                 where, "exchange of the updated parameters failed: ",
+                                 DescribeWorldFailure(st),
+                                 "; create the session again and resume from the last "
+                                 "checkpoint")));
+    }
+    std::vector<int> failed;
+    std::vector<std::pair<size_t, int64_t>> compact;  // (parameter, offset in `all`)
+    int64_t at = 0;
+    for (int j = 0; j < world_size; ++j) {
+      for (size_t i : w.owned[j]) {
+        const int64_t numel = layout_.tensors[i].numel;
+        if (w.compact[i] > 0) {
+          if (j != w.rank) compact.emplace_back(i, at);
+          at += w.compact[i];
+        } else {
+          if (j != w.rank) std::memcpy(params[i], all.data() + at, static_cast<size_t>(numel) * 4);
+          at += numel;
+        }
+      }
+      for (size_t gi = 0; gi < groups_.size(); ++gi, at += 2) {
+        if (j == 0) update_sq[gi] = 0;  // from here on: the world's sum
+        update_sq[gi] += static_cast<double>(all[static_cast<size_t>(at)]) +
+                         static_cast<double>(all[static_cast<size_t>(at) + 1]);
+      }
+      if (all[static_cast<size_t>(at)] != 0.0f && j != w.rank) failed.push_back(j);
+      ++at;
+    }
+    if (compute_status.ok() && !ok_here) {
+      compute_status = CheckRegions(run.when);
+    }
+    // The others' compact updates, applied here through the rules' own code (bit-identical to
+    // what their owners computed).
+    if (failed.empty() && compute_status.ok() && !compact.empty()) {
+      absl::MutexLock compute(compute_mu);
+      for (const auto& [i, offset] : compact) {
+        const size_t gi = group_of_param_[i];
+        absl::Status s = optim::ApplyCapturedUpdate(
+            ctx, groups_[gi].optimizer->config(), layout_.tensors[i].shape, run.opts[gi],
+            absl::MakeConstSpan(all.data() + offset, static_cast<size_t>(w.compact[i])),
+            params[i]);
+        if (!s.ok()) {
+          compute_status = absl::InternalError(absl::StrCat(
+              "applying the compact update of '", Bounded(layout_.tensors[i].name),
+              "' from rank ", w.plan.owner[i], ": ", s.message()));
+          break;
+        }
+      }
+    }
+    if (compute_status.ok() && !failed.empty()) {
+      compute_status = absl::InternalError(absl::StrCat(
+          "step ", request.step_index, " failed on rank(s) ", absl::StrJoin(failed, ", "),
+          " (see their logs)"));
+    }
+    if (compute_status.ok() && w.checksum_every > 0 &&
+        request.step_index % w.checksum_every == 0) {
+      auto healed = CheckReplicas(*run.ctx, compute_mu, comm, request.step_index, params);
+      if (!healed.ok()) {
+        return BreakWorld(run, absl::UnavailableError(absl::StrCat(
+                                   where, "checksum comparison failed: ",
+                                   DescribeWorldFailure(healed.status()),
+                                   "; create the session again and resume from the last "
+                                   "checkpoint")));
+      }
+      run.result.checksum_mismatches = *healed;
+    }
+    run.result.world_bytes_sent = comm->TakeBytesSent();
+  }
+  if (!compute_status.ok()) {
+    // Some groups may have been applied on some ranks: the replicas can no longer be trusted.
+    return BreakWorld(run, absl::Status(compute_status.code(),
+                                        absl::StrCat(where, compute_status.message(),
+                                                     "; the world session must be created "
+                                                     "again")));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Session::SynchronizeForCheckpoint() {
+  absl::MutexLock lock(&mu_);
+  if (!world_.has_value() || world_->world == nullptr ||
+      spec_.gradient_sync != GradientSync::kDionCompressed) {
+    return absl::OkStatus();
+  }
+  WorldPart& w = *world_;
+  if (!w.broken.ok()) return w.broken;
+  absl::StatusOr<std::shared_ptr<comm::Communicator>> c =
+      absl::UnavailableError("the daemon is shutting down");
+  w.world->With([&](comm::World& world) { c = world.communicator(); });
+  if (!c.ok()) {
+    return absl::UnavailableError(absl::StrCat("world session '", spec_.world_key,
+                                               "': momentum synchronization: ",
+                                               c.status().message()));
+  }
+  for (size_t i = 0; i < layout_.tensors.size(); ++i) {
+    if (!w.replicated[i]) continue;
+    Group& g = groups_[group_of_param_[i]];
+    std::vector<float> m(static_cast<size_t>(layout_.tensors[i].numel));
+    DIOND_RETURN_IF_ERROR(
+        g.optimizer->GetState(slot_in_group_[i], optim::kStateMomentum, absl::MakeSpan(m)));
+    absl::Status st = (*c)->AllReduceAverage(absl::MakeSpan(m));
+    if (!st.ok()) {
+      w.broken = absl::UnavailableError(absl::StrCat(
+          "world session '", Bounded(spec_.world_key), "': momentum synchronization failed: ",
+          st.message()));
+      return w.broken;
+    }
+    DIOND_RETURN_IF_ERROR(g.optimizer->SetState(slot_in_group_[i], optim::kStateMomentum, m));
+  }
+  (*c)->TakeBytesSent();
+  return absl::OkStatus();
+}
+
+}  // namespace diond::session
