@@ -1,6 +1,7 @@
 #include "server/daemon.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -230,8 +231,16 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     fdchannel::TokenOptions to;
     to.ttl = options.fd_token_ttl;
     to.max_pending_per_uid = options.fd_max_pending_per_uid;
-    DIOND_ASSIGN_OR_RETURN(d->fd_channel_, fdchannel::FdChannel::Start(fd_path, to));
-    ro.service.fd_channel = d->fd_channel_.get();
+    auto channel = fdchannel::FdChannel::Start(fd_path, to);
+    if (channel.ok()) {
+      d->fd_channel_ = *std::move(channel);
+      ro.service.fd_channel = d->fd_channel_.get();
+    } else if (!options.fd_channel_socket.empty()) {
+      return channel.status();  // asked for by name: a start-up error
+    } else {  // derived (e.g. a socket path too long for ".fd"): run without, as documented
+      DIOND_LOG(WARNING) << "no fd channel (MEMFD regions are off): " << channel.status().message()
+                         << "; name one with --fd_channel_socket";
+    }
   }
   ro.service.gpu_daemon = d->compute_device_.type == kernels::DeviceType::kCuda;
   DIOND_ASSIGN_OR_RETURN(d->rpc_, rpc::RpcServer::Start(ro, d->metrics_.get()));
