@@ -1,6 +1,7 @@
 #include "server/exe/daemon.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -12,6 +13,7 @@
 #include "server/metrics.h"
 #include "server/comm/membership.h"
 #include "server/comm/world.h"
+#include "server/fdchannel/fd_channel.h"
 #include "server/rpc/auth.h"
 #include "server/rpc/grpc_server.h"
 #include "server/rpc/peer_client.h"
@@ -230,6 +232,31 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     d->coordinator_ = std::make_unique<comm::Coordinator>(co);
     ro.coordinator = d->coordinator_.get();
   }
+  std::string fd_path = options.fd_channel_socket;
+  if (fd_path.empty()) {
+    for (const auto& a : options.listen) {
+      if (a.kind == ListenAddress::Kind::kUnix) {
+        fd_path = fdchannel::DerivedPath(a.path);
+        break;
+      }
+    }
+  }
+  if (!fd_path.empty() && fd_path != "none") {
+    fdchannel::TokenOptions to;
+    to.ttl = options.fd_token_ttl;
+    to.max_pending_per_uid = options.fd_max_pending_per_uid;
+    auto channel = fdchannel::FdChannel::Start(fd_path, to);
+    if (channel.ok()) {
+      d->fd_channel_ = *std::move(channel);
+      ro.service.fd_channel = d->fd_channel_.get();
+    } else if (!options.fd_channel_socket.empty()) {
+      return channel.status();  // asked for by name: a start-up error
+    } else {  // derived (e.g. a socket path too long for ".fd"): run without, as documented
+      DIOND_LOG(WARNING) << "no fd channel (MEMFD regions are off): " << channel.status().message()
+                         << "; name one with --fd_channel_socket";
+    }
+  }
+  ro.service.gpu_daemon = d->compute_device_.type == kernels::DeviceType::kCuda;
   d->rpc_metrics_ = std::make_unique<RpcMetrics>(d->metrics_.get());
   DIOND_ASSIGN_OR_RETURN(d->rpc_, rpc::RpcServer::Start(ro, d->rpc_metrics_.get()));
   if (wc.world_size > 1) DIOND_RETURN_IF_ERROR(d->JoinWorld(wc));
@@ -308,6 +335,10 @@ std::string Daemon::Describe() const {
                       metrics, "; ", device, world);
 }
 
+std::string Daemon::fd_channel_path() const {
+  return fd_channel_ ? fd_channel_->path() : std::string();
+}
+
 std::string Daemon::ReadyJson() const {
   nlohmann::json j;
   j["version"] = kVersion;
@@ -327,6 +358,7 @@ std::string Daemon::ReadyJson() const {
   j["listen"] = listen;
   j["metrics_port"] = metrics_port();
   j["health_port"] = health_port();
+  j["fd_channel"] = fd_channel_path();
   j["device"] = device_.name;
   j["compute_device"] = DeviceLabel(compute_device_.type, compute_device_.index);
   return j.dump();
@@ -339,6 +371,7 @@ void Daemon::Shutdown(absl::Duration drain) {
   if (coordinator_) coordinator_->store()->CancelWaiters();
   if (rpc_) rpc_->Shutdown(drain);
   rpc_.reset();
+  fd_channel_.reset();
   // A scrape must not read the sessions while they go (SetSessionSource waits for one in flight).
   if (metrics_) metrics_->SetSessionSource(nullptr);
   sessions_.reset();

@@ -22,6 +22,9 @@ class RpcServer;
 class PeerClient;
 struct PeerCredentials;
 }
+namespace diond::fdchannel {
+class FdChannel;
+}
 namespace diond::comm {
 class Coordinator;
 class World;
@@ -62,6 +65,11 @@ struct DaemonOptions {
   std::string tls_client_ca_file;           // mTLS: CA of client (and daemon) certificates
   std::string world_secret_file;            // the world's shared secret (Peer service)
   int64_t max_stream_bytes = int64_t{4} << 30;  // one PushGradients/SetState stream; 0 = no cap
+  // The fd channel (docs/DATA_PLANE.md): its socket path; empty = "<first Unix --listen
+  // path>.fd" (none without a Unix listen address); "none" = no fd channel.
+  std::string fd_channel_socket;
+  absl::Duration fd_token_ttl = absl::Seconds(60);
+  int fd_max_pending_per_uid = 64;
   session::ManagerOptions sessions;
   WorldConfig world;
 };
@@ -83,6 +91,8 @@ class Daemon {
   std::vector<ListenAddress> bound() const;
   int metrics_port() const;
   int health_port() const;  // 0 = no --health_address
+  // The fd channel's socket path; empty = none.
+  std::string fd_channel_path() const;
   // One line for the start-up log: addresses, metrics URL, device.
   std::string Describe() const;
   // JSON with the bound addresses, for --ready_file.
@@ -104,6 +114,7 @@ class Daemon {
   std::unique_ptr<RpcMetrics> rpc_metrics_;  // the RPC layer's observer, into metrics_
   std::unique_ptr<session::SessionManager> sessions_;
   std::unique_ptr<MetricsServer> metrics_server_;
+  std::unique_ptr<fdchannel::FdChannel> fd_channel_;  // outlives rpc_, which takes its fds
   std::unique_ptr<rpc::RpcServer> rpc_;
   // World members are declared last so they are destroyed first (they call into the others).
   std::unique_ptr<comm::Coordinator> coordinator_;  // rank 0 of a world only

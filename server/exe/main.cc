@@ -51,6 +51,14 @@ ABSL_FLAG(std::string, ready_file, "",
           "port 0).");
 ABSL_FLAG(bool, allow_shm_from_tcp, false,
           "Accept RegisterRegion (shared memory) from TCP peers, not only Unix-socket peers.");
+ABSL_FLAG(std::string, fd_channel_socket, "",
+          "The fd channel's Unix socket (docs/DATA_PLANE.md), where trainers pass memfds with "
+          "SCM_RIGHTS for REGION_KIND_MEMFD. Empty = the first Unix --listen path + \".fd\"; "
+          "\"none\" = no fd channel.");
+ABSL_FLAG(absl::Duration, fd_token_ttl, absl::Seconds(60),
+          "How long a token of the fd channel stays valid unredeemed; its fd is closed then.");
+ABSL_FLAG(int, fd_max_pending_per_uid, 64,
+          "The most unredeemed fd-channel tokens one uid may hold (the daemon holds 1024 at most).");
 ABSL_FLAG(int64_t, max_session_bytes, 0,
           "Largest optimizer state (plus fp32 master weights) one session may hold, in bytes; "
           "0 = unlimited. Over it, CreateSession fails with RESOURCE_EXHAUSTED.");
@@ -226,6 +234,14 @@ int main(int argc, char** argv) {
   options.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
   options.world_secret_file = absl::GetFlag(FLAGS_world_secret_file);
   options.max_stream_bytes = absl::GetFlag(FLAGS_max_stream_bytes);
+  options.fd_channel_socket = absl::GetFlag(FLAGS_fd_channel_socket);
+  options.fd_token_ttl = absl::GetFlag(FLAGS_fd_token_ttl);
+  options.fd_max_pending_per_uid = absl::GetFlag(FLAGS_fd_max_pending_per_uid);
+  if (options.fd_token_ttl <= absl::ZeroDuration() || options.fd_max_pending_per_uid < 1) {
+    std::fprintf(stderr, "diond: --fd_token_ttl must be positive and --fd_max_pending_per_uid "
+                         "at least 1\n");
+    return 2;
+  }
   options.sessions.max_session_bytes = absl::GetFlag(FLAGS_max_session_bytes);
   options.sessions.memory_budget_bytes = absl::GetFlag(FLAGS_memory_budget_bytes);
   options.sessions.idle_timeout = absl::GetFlag(FLAGS_session_idle_timeout);

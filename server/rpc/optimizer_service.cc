@@ -10,8 +10,10 @@
 #include "absl/strings/str_cat.h"
 #include "common/bounded.h"
 #include "common/logging.h"
+#include "common/status_macros.h"
 #include "server/rpc/convert.h"
 #include "server/rpc/status_conversion.h"
+#include "server/session/gpu_uuid.h"
 
 namespace diond::rpc {
 namespace {
@@ -247,6 +249,7 @@ grpc::ServerUnaryReactor* OptimizerService::CreateSession(grpc::CallbackServerCo
   auto s = manager_->CreateSession(*std::move(spec));
   if (!s.ok()) return Finish(ctx, s.status());
   LayoutToProto(**s, resp);
+  DataPlaneToProto(resp);
   return Finish(ctx, absl::OkStatus());
 }
 
@@ -265,15 +268,23 @@ grpc::ServerUnaryReactor* OptimizerService::RegisterRegion(grpc::CallbackServerC
       return Finish(ctx, absl::InvalidArgumentError(absl::StrCat(
                              "role ", req->role(), " is not REGION_ROLE_PARAMETERS or GRADIENTS")));
   }
-  if (req->kind() != v1::REGION_KIND_SYSTEM_SHM) {
-    if (req->kind() == v1::REGION_KIND_CUDA_IPC || req->kind() == v1::REGION_KIND_CUDA_VMM_FD ||
-        req->kind() == v1::REGION_KIND_MEMFD) {
-      return Finish(ctx, absl::UnimplementedError(absl::StrCat(
-                             "region kind ", v1::RegionKind_Name(req->kind()),
-                             " is reserved; this build maps REGION_KIND_SYSTEM_SHM only")));
+  switch (req->kind()) {
+    case v1::REGION_KIND_SYSTEM_SHM: break;
+    case v1::REGION_KIND_MEMFD: {
+      if (!req->has_memfd()) {
+        return Finish(ctx, absl::InvalidArgumentError("REGION_KIND_MEMFD needs memfd"));
+      }
+      auto id = RegisterMemfd(*p, s->get(), role, req->memfd());
+      if (!id.ok()) return Finish(ctx, id.status());
+      resp->set_region_id(*id);
+      return Finish(ctx, absl::OkStatus());
     }
-    return Finish(ctx, absl::InvalidArgumentError(
-                           absl::StrCat("region kind ", req->kind(), " is not known")));
+    case v1::REGION_KIND_CUDA_IPC:
+    case v1::REGION_KIND_CUDA_VMM_FD:
+      return Finish(ctx, RefuseCuda(*p, *req));
+    default:
+      return Finish(ctx, absl::InvalidArgumentError(
+                             absl::StrCat("region kind ", req->kind(), " is not known")));
   }
   if (!req->has_system_shm()) {
     return Finish(ctx, absl::InvalidArgumentError("REGION_KIND_SYSTEM_SHM needs system_shm"));
@@ -290,6 +301,89 @@ grpc::ServerUnaryReactor* OptimizerService::RegisterRegion(grpc::CallbackServerC
   if (!id.ok()) return Finish(ctx, id.status());
   resp->set_region_id(*id);
   return Finish(ctx, absl::OkStatus());
+}
+
+absl::StatusOr<std::string> OptimizerService::RegisterMemfd(const Principal& p,
+                                                            session::Session* s,
+                                                            session::Role role,
+                                                            const v1::MemfdRegion& m) {
+  if (options_.fd_channel == nullptr) {
+    return absl::FailedPreconditionError(
+        "REGION_KIND_MEMFD needs the daemon's fd channel, and this daemon has none (it listens "
+        "on no Unix socket, or runs with --fd_channel_socket=none); use REGION_KIND_SYSTEM_SHM");
+  }
+  if (!p.local) {
+    return absl::PermissionDeniedError(
+        "REGION_KIND_MEMFD is for callers on the daemon's Unix socket: the fd channel's token is "
+        "checked against the caller's uid");
+  }
+  DIOND_ASSIGN_OR_RETURN(fdchannel::UniqueFd fd,
+                         options_.fd_channel->Take(m.fd_token(), p.uid, fdchannel::FdKind::kMemfd));
+  return s->RegisterMemfdRegion(role, std::move(fd), m.offset_bytes(), m.size_bytes());
+}
+
+absl::Status OptimizerService::RefuseCuda(const Principal& p,
+                                          const v1::RegisterRegionRequest& req) {
+  const bool ipc = req.kind() == v1::REGION_KIND_CUDA_IPC;
+  const std::string kind = v1::RegionKind_Name(req.kind());
+  std::string uuid_bytes;
+  if (ipc) {
+    if (!req.has_cuda_ipc()) return absl::InvalidArgumentError(kind + " needs cuda_ipc");
+    const v1::CudaIpcRegion& r = req.cuda_ipc();
+    if (r.mem_handle().size() != 64) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cuda_ipc.mem_handle must be the 64 bytes of a cudaIpcMemHandle_t; got ",
+          r.mem_handle().size(), " bytes"));
+    }
+    if (r.offset_bytes() < 0 || r.offset_bytes() % 256 != 0 || r.size_bytes() <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cuda_ipc: offset_bytes ", r.offset_bytes(), " must be a non-negative multiple of 256 "
+          "and size_bytes ", r.size_bytes(), " positive"));
+    }
+    uuid_bytes = r.gpu_uuid();
+  } else {
+    if (!req.has_cuda_vmm_fd()) return absl::InvalidArgumentError(kind + " needs cuda_vmm_fd");
+    const v1::CudaVmmFdRegion& r = req.cuda_vmm_fd();
+    // The fd, if one was sent, is taken (and closed) whatever follows: a refused request must not
+    // leave it pending.
+    if (options_.fd_channel != nullptr && p.local && !r.fd_token().empty()) {
+      auto fd = options_.fd_channel->Take(r.fd_token(), p.uid, fdchannel::FdKind::kCudaVmm);
+      if (!fd.ok()) return fd.status();
+    }
+    const int64_t g = r.granularity_bytes();
+    if (g <= 0 || (g & (g - 1)) != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cuda_vmm_fd.granularity_bytes ", g, " must be a positive power of two"));
+    }
+    if (r.offset_bytes() < 0 || r.offset_bytes() % 256 != 0 || r.size_bytes() <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cuda_vmm_fd: offset_bytes ", r.offset_bytes(), " must be a non-negative multiple of "
+          "256 and size_bytes ", r.size_bytes(), " positive"));
+    }
+    uuid_bytes = r.gpu_uuid();
+  }
+  DIOND_ASSIGN_OR_RETURN(session::GpuUuid uuid,
+                         session::ParseGpuUuid(uuid_bytes, ipc ? "cuda_ipc.gpu_uuid"
+                                                               : "cuda_vmm_fd.gpu_uuid"));
+  if (!options_.gpu_daemon) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        kind, " needs a daemon that computes on a GPU; this daemon runs on the CPU (start it "
+        "with --device=cuda on the trainer's GPU ", session::FormatGpuUuid(uuid),
+        "), or register host memory: REGION_KIND_MEMFD or REGION_KIND_SYSTEM_SHM"));
+  }
+  // The daemon's device UUIDs are not queried yet (the CUDA plugin's ABI has no UUID call), so
+  // MapGpuUuid cannot run here: the GPU half of the data plane is not built.
+  return absl::UnimplementedError(absl::StrCat(
+      kind, " is not built yet on GPU daemons (the GPU half of docs/DATA_PLANE.md); register "
+      "host memory: REGION_KIND_MEMFD or REGION_KIND_SYSTEM_SHM"));
+}
+
+void OptimizerService::DataPlaneToProto(v1::CreateSessionResponse* resp) const {
+  resp->add_region_kinds(v1::REGION_KIND_SYSTEM_SHM);
+  if (options_.fd_channel != nullptr) {
+    resp->set_fd_channel_socket(options_.fd_channel->path());
+    resp->add_region_kinds(v1::REGION_KIND_MEMFD);
+  }
 }
 
 grpc::ServerUnaryReactor* OptimizerService::UnregisterRegion(
@@ -524,6 +618,7 @@ grpc::ServerUnaryReactor* OptimizerService::LoadCheckpoint(grpc::CallbackServerC
   auto s = manager_->LoadCheckpoint(req->path(), shards, session::Caller{p->name, p->admin});
   if (!s.ok()) return Finish(ctx, s.status());
   LayoutToProto(**s, resp->mutable_session());
+  DataPlaneToProto(resp->mutable_session());
   resp->set_step_index((*s)->last_step_index());
   return Finish(ctx, absl::OkStatus());
 }
@@ -546,6 +641,7 @@ grpc::ServerUnaryReactor* OptimizerService::AttachSession(grpc::CallbackServerCo
   auto s = manager_->Attach(req->session_name(), p->name, expect, p->admin);
   if (!s.ok()) return Finish(ctx, s.status());
   LayoutToProto(**s, resp->mutable_session());
+  DataPlaneToProto(resp->mutable_session());
   resp->set_step_index((*s)->last_step_index());
   return Finish(ctx, absl::OkStatus());
 }

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "diond/v1/optimizer.grpc.pb.h"
+#include "server/fdchannel/fd_channel.h"
 #include "server/rpc/auth.h"
 #include "server/session/session_manager.h"
 
@@ -21,6 +22,12 @@ struct OptimizerServiceOptions {
   // PushGradients / SetState: the most bytes one stream may buffer (--max_stream_bytes;
   // 0 = only the session's own bound: the bytes of the tensors the stream can write).
   int64_t max_stream_bytes = int64_t{4} << 30;
+  // The data plane (docs/DATA_PLANE.md). The fd channel that MEMFD / CUDA_VMM_FD regions take
+  // their fds from; null = none (those kinds are refused). Must outlive the service.
+  fdchannel::FdChannel* fd_channel = nullptr;
+  // True when the daemon computes on a GPU; a CPU daemon refuses the CUDA region kinds with
+  // FAILED_PRECONDITION.
+  bool gpu_daemon = false;
 };
 
 class OptimizerService final : public diond::v1::Optimizer::CallbackService {
@@ -71,6 +78,12 @@ class OptimizerService final : public diond::v1::Optimizer::CallbackService {
                                          v1::ListSessionsResponse* resp) override;
 
  private:
+  // RegisterRegion's MEMFD and CUDA kinds (the data plane).
+  absl::StatusOr<std::string> RegisterMemfd(const Principal& p, session::Session* s,
+                                            session::Role role, const v1::MemfdRegion& m);
+  absl::Status RefuseCuda(const Principal& p, const v1::RegisterRegionRequest& req);
+  // CreateSession / AttachSession: fd_channel_socket and region_kinds.
+  void DataPlaneToProto(v1::CreateSessionResponse* resp) const;
   // For the client-streaming RPCs: authenticates now, checks ownership on the first chunk.
   std::function<absl::Status(const std::string&)> OwnerCheck(
       grpc::CallbackServerContext* ctx) const;

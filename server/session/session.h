@@ -30,11 +30,13 @@
 #include <string>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "kernels/context.h"
 #include "kernels/optim/group_optimizer.h"
+#include "server/fdchannel/unique_fd.h"
 #include "server/session/shard_plan.h"
 #include "server/session/shm_region.h"
 #include "server/session/types.h"
@@ -116,6 +118,10 @@ class Session {
   // OUT_OF_RANGE from ShmRegion::Open. Returns the region id.
   absl::StatusOr<std::string> RegisterShmRegion(Role role, const std::string& name,
                                                 int64_t offset, int64_t size);
+  // Maps a sealed memfd (from the fd channel; ownership taken) for `role`, with the checks of
+  // RegisterShmRegion and CheckMemfd's (server/session/memfd_region.h). Returns the region id.
+  absl::StatusOr<std::string> RegisterMemfdRegion(Role role, fdchannel::UniqueFd fd,
+                                                  int64_t offset, int64_t size);
   // NOT_FOUND for an unknown region id.
   absl::Status UnregisterRegion(const std::string& region_id);
 
@@ -192,6 +198,11 @@ class Session {
   bool is_world_session() const { return !spec_.world_key.empty(); }
 
  private:
+  // RegisterShmRegion's and RegisterMemfdRegion's common part: `name` identifies the segment
+  // (overlap check), `open` maps it once the request is valid.
+  absl::StatusOr<std::string> RegisterMappedRegion(
+      Role role, const std::string& name, int64_t offset, int64_t size,
+      absl::FunctionRef<absl::StatusOr<std::unique_ptr<ShmRegion>>()> open);
   struct Binding {
     std::unique_ptr<ShmRegion> region;
     std::vector<uint8_t> host;  // remote mode

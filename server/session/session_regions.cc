@@ -18,6 +18,13 @@ namespace diond::session {
 absl::StatusOr<std::string> Session::RegisterShmRegion(Role role, const std::string& name,
                                                        int64_t offset, int64_t size) {
   DIOND_RETURN_IF_ERROR(ValidateShmName(name));
+  return RegisterMappedRegion(role, name, offset, size,
+                              [&] { return ShmRegion::Open(name, offset, size, id_); });
+}
+
+absl::StatusOr<std::string> Session::RegisterMappedRegion(
+    Role role, const std::string& name, int64_t offset, int64_t size,
+    absl::FunctionRef<absl::StatusOr<std::unique_ptr<ShmRegion>>()> open) {
   const int64_t need = role == Role::kParameters ? layout_.param_arena_bytes
                                                  : layout_.grad_arena_bytes;
   if (offset < 0 || offset % kArenaAlignment != 0) {
@@ -48,8 +55,7 @@ absl::StatusOr<std::string> Session::RegisterShmRegion(Role role, const std::str
           " region [", b0, ", ", b1, ")"));
     }
   }
-  DIOND_ASSIGN_OR_RETURN(std::unique_ptr<ShmRegion> region,
-                         ShmRegion::Open(name, offset, size, id_));
+  DIOND_ASSIGN_OR_RETURN(std::unique_ptr<ShmRegion> region, open());
   // Remote-mode data already in a host arena, or parameters restored from a checkpoint, move
   // into the trainer's memory now, so nothing the daemon holds is lost. The daemon's copies are
   // dropped only once the trainer's memory took them intact (the segment may shrink meanwhile).

@@ -309,10 +309,13 @@ absl::Status Session::StageUpdatesPhase(StepRun& run, const kernels::Context& ct
     if (!any) continue;
     optim::StepOptions opts = run.opts[gi];
     // AdamW and Lion step the trainer's memory and their state in place (each byte once) only
-    // where nothing after Stage can fail: a local session whose arenas are the daemon's own
-    // memory. A shm region can still shrink under the step, and a world's exchange can fail, so
-    // there they step staged copies and a failed step leaves the state unchanged (§2).
-    opts.in_place = !world_.has_value() && params_.region == nullptr && grads_.region == nullptr;
+    // where nothing after Stage can fail: a local session whose arenas cannot shrink (sealed
+    // memfd regions, the daemon's own memory). A POSIX shm region can still shrink under the
+    // step, and a world's exchange can fail, so there they step staged copies and a failed
+    // step leaves the state unchanged (ARCHITECTURE.md §2).
+    opts.in_place = !world_.has_value() &&
+                    (params_.region == nullptr || !params_.region->can_shrink()) &&
+                    (grads_.region == nullptr || !grads_.region->can_shrink());
     if (run.comm != nullptr) {
       opts.capture = &run.captures[gi];
       if (run.compressed[gi]) {

@@ -124,7 +124,6 @@ absl::StatusOr<std::unique_ptr<ShmRegion>> ShmRegion::Open(const std::string& na
     return absl::InvalidArgumentError(
         absl::StrCat("shm region '", name, "': offset + size overflows int64"));
   }
-  InstallGuard();
   int fd = shm_open(("/" + name).c_str(), O_RDWR | O_CLOEXEC, 0);
   if (fd < 0) {
     int e = errno;
@@ -134,15 +133,36 @@ absl::StatusOr<std::unique_ptr<ShmRegion>> ShmRegion::Open(const std::string& na
     return absl::PermissionDeniedError(
         absl::StrCat("cannot open shm segment '", name, "': ", std::strerror(e)));
   }
+  return Map(fd, "shm", name, offset, size, owner);
+}
+
+absl::StatusOr<std::unique_ptr<ShmRegion>> ShmRegion::Adopt(int fd, const std::string& kind,
+                                                            const std::string& name,
+                                                            int64_t offset, int64_t size,
+                                                            const std::string& owner) {
+  if (offset < 0 || size <= 0 || offset > INT64_MAX - size) {
+    close(fd);
+    return absl::InvalidArgumentError(absl::StrCat(kind, " region '", name, "': offset ", offset,
+                                                   " and size ", size,
+                                                   " must be >= 0 and > 0, without overflow"));
+  }
+  return Map(fd, kind, name, offset, size, owner);
+}
+
+absl::StatusOr<std::unique_ptr<ShmRegion>> ShmRegion::Map(int fd, const std::string& kind,
+                                                          const std::string& name,
+                                                          int64_t offset, int64_t size,
+                                                          const std::string& owner) {
+  InstallGuard();
   struct stat st;
   if (fstat(fd, &st) != 0) {
     int e = errno;
     close(fd);
-    return absl::InternalError(absl::StrCat("fstat of shm '", name, "': ", std::strerror(e)));
+    return absl::InternalError(absl::StrCat("fstat of ", kind, " '", name, "': ", std::strerror(e)));
   }
   if (offset + size > st.st_size) {
     close(fd);
-    return absl::OutOfRangeError(absl::StrCat("shm region '", name, "' [", offset, ", ",
+    return absl::OutOfRangeError(absl::StrCat(kind, " region '", name, "' [", offset, ", ",
                                               offset + size, ") exceeds the segment's ",
                                               st.st_size, " bytes"));
   }
@@ -156,7 +176,7 @@ absl::StatusOr<std::unique_ptr<ShmRegion>> ShmRegion::Open(const std::string& na
       close(fd);
       // The other session is not named: it may belong to another client.
       return absl::FailedPreconditionError(absl::StrCat(
-          "shm segment '", name, "' is registered by another session; a segment (device ",
+          kind, " segment '", name, "' is registered by another session; a segment (device ",
           key.first, ", inode ", key.second, ") belongs to one session"));
     }
     for (int i = 0; i < kGuardSlots; ++i) {
@@ -182,6 +202,7 @@ absl::StatusOr<std::unique_ptr<ShmRegion>> ShmRegion::Open(const std::string& na
                     static_cast<off_t>(map_offset));
   int e = errno;
   std::unique_ptr<ShmRegion> r(new ShmRegion);
+  r->kind_ = kind;
   r->name_ = name;
   r->offset_ = offset;
   r->size_ = size;
@@ -191,7 +212,7 @@ absl::StatusOr<std::unique_ptr<ShmRegion>> ShmRegion::Open(const std::string& na
   r->ino_ = key.second;
   if (base == MAP_FAILED) {
     return absl::ResourceExhaustedError(  // ~ShmRegion releases the slot, owner and fd
-        absl::StrCat("mmap of shm '", name, "' (", map_length, " bytes): ", std::strerror(e)));
+        absl::StrCat("mmap of ", kind, " '", name, "' (", map_length, " bytes): ", std::strerror(e)));
   }
   r->map_base_ = base;
   r->map_length_ = map_length;
@@ -221,7 +242,7 @@ bool ShmRegion::broken() const {
 }
 
 std::string ShmRegion::Describe() const {
-  return absl::StrCat("shm region '", name_, "' [", offset_, ", ", offset_ + size_, ")");
+  return absl::StrCat(kind_, " region '", name_, "' [", offset_, ", ", offset_ + size_, ")");
 }
 
 absl::Status ShmRegion::CheckIntact() const {

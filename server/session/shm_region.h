@@ -40,6 +40,13 @@ class ShmRegion {
   static absl::StatusOr<std::unique_ptr<ShmRegion>> Open(const std::string& name, int64_t offset,
                                                           int64_t size,
                                                           const std::string& owner);
+  // Maps an fd the caller opened (a memfd from the fd channel), taking ownership of it (closed on
+  // every error too), with the same checks, SIGBUS guard and one-session rule as Open. `kind`
+  // ("memfd") and `name` label it in messages and Describe().
+  static absl::StatusOr<std::unique_ptr<ShmRegion>> Adopt(int fd, const std::string& kind,
+                                                           const std::string& name,
+                                                           int64_t offset, int64_t size,
+                                                           const std::string& owner);
   ~ShmRegion();
   ShmRegion(const ShmRegion&) = delete;
   ShmRegion& operator=(const ShmRegion&) = delete;
@@ -56,11 +63,18 @@ class ShmRegion {
   // FAILED_PRECONDITION ("... shrank ...") when broken, or when the segment is now shorter than
   // offset + size (fstat; the trainer truncated it and nothing touched the lost pages yet).
   absl::Status CheckIntact() const;
-  // "shm region '<name>' [a, b)".
+  // "<kind> region '<name>' [a, b)", kind "shm" for Open's regions.
   std::string Describe() const;
+  // Whether the memory can still go away under the mapping: true for POSIX shm, false for a
+  // memfd (Adopt's callers check F_SEAL_SHRINK first, server/session/memfd_region.h).
+  bool can_shrink() const { return kind_ != "memfd"; }
 
  private:
   ShmRegion() = default;
+  static absl::StatusOr<std::unique_ptr<ShmRegion>> Map(int fd, const std::string& kind,
+                                                         const std::string& name, int64_t offset,
+                                                         int64_t size, const std::string& owner);
+  std::string kind_ = "shm";
   std::string name_;
   int64_t offset_ = 0;
   int64_t size_ = 0;

@@ -251,7 +251,7 @@ std::vector<BadCase> Cases() {
          r.clear_system_shm();
          return Register(r);
        }},
-      {"RegionKindReservedForGpu", Code::UNIMPLEMENTED, "REGION_KIND_CUDA_IPC",
+      {"RegionKindCudaWithoutItsBody", Code::INVALID_ARGUMENT, "REGION_KIND_CUDA_IPC needs cuda_ipc",
        [arena] { auto r = Region(world->fresh, v1::REGION_ROLE_PARAMETERS, world->spare->name(), 0, arena()); r.set_kind(v1::REGION_KIND_CUDA_IPC); return Register(r); }},
       {"RegionOverTcpWithoutFlag", Code::PERMISSION_DENIED, "--allow_shm_from_tcp",
        [arena] {

@@ -244,6 +244,24 @@ absl::StatusOr<v1::RegisterRegionResponse> Client::RegisterRegion(
       stub_.get(), &v1::Optimizer::Stub::RegisterRegion, request, options_.deadline);
 }
 
+absl::StatusOr<std::string> Client::RegisterMemfdRegion(const std::string& session_id,
+                                                        v1::RegionRole role,
+                                                        const std::string& fd_token,
+                                                        int64_t offset_bytes,
+                                                        int64_t size_bytes) const {
+  v1::RegisterRegionRequest req;
+  req.set_session_id(session_id);
+  req.set_role(role);
+  req.set_kind(v1::REGION_KIND_MEMFD);
+  v1::MemfdRegion* m = req.mutable_memfd();
+  m->set_fd_token(fd_token);
+  m->set_offset_bytes(offset_bytes);
+  m->set_size_bytes(size_bytes);
+  auto resp = RegisterRegion(req);
+  if (!resp.ok()) return resp.status();
+  return resp->region_id();
+}
+
 absl::StatusOr<std::string> Client::RegisterShmRegion(const std::string& session_id,
                                                       v1::RegionRole role,
                                                       const std::string& shm_name,

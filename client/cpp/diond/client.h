@@ -124,6 +124,11 @@ class Client {
                                                 int64_t size_bytes) const;
   absl::StatusOr<v1::RegisterRegionResponse> RegisterRegion(
       const v1::RegisterRegionRequest& request) const;
+  // A sealed memfd sent over the fd channel first (SendFdToChannel in memfd_arena.h returns the
+  // token). Returns the region id.
+  absl::StatusOr<std::string> RegisterMemfdRegion(const std::string& session_id,
+                                                  v1::RegionRole role, const std::string& fd_token,
+                                                  int64_t offset_bytes, int64_t size_bytes) const;
 
   absl::Status UnregisterRegion(const std::string& session_id, const std::string& region_id) const;
   absl::StatusOr<v1::UnregisterRegionResponse> UnregisterRegion(

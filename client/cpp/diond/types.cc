@@ -51,6 +51,10 @@ absl::StatusOr<Layout> LayoutFromProto(const v1::CreateSessionResponse& resp) {
   layout.param_arena_bytes = resp.param_arena_bytes();
   layout.grad_arena_bytes = resp.grad_arena_bytes();
   layout.alignment_bytes = resp.alignment_bytes();
+  layout.fd_channel_socket = resp.fd_channel_socket();
+  for (int k : resp.region_kinds()) {
+    if (k == v1::REGION_KIND_MEMFD) layout.memfd_regions = !layout.fd_channel_socket.empty();
+  }
   if (layout.param_arena_bytes < 0 || layout.grad_arena_bytes < 0) {
     return absl::InvalidArgumentError(absl::StrCat("layout: negative arena size (param ",
                                                    layout.param_arena_bytes, ", grad ",

@@ -104,6 +104,10 @@ struct Layout {
   int64_t param_arena_bytes = 0;
   int64_t grad_arena_bytes = 0;
   int64_t alignment_bytes = 0;
+  // The data plane (docs/DATA_PLANE.md): the daemon's fd channel socket (empty = none) and
+  // whether it maps REGION_KIND_MEMFD regions (MemfdArena needs both).
+  std::string fd_channel_socket;
+  bool memfd_regions = false;
 
   // The entry named `name`, or nullptr.
   const TensorLayout* Find(absl::string_view name) const;

@@ -2,6 +2,7 @@
 // data planes (shm arenas and remote Push/Pull), checkpoints, and error pass-through. One daemon
 // serves the whole suite; each test makes its own sessions.
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdlib>
@@ -14,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/cpp/tests/test_daemon.h"
 #include "diond/client.h"
+#include "diond/memfd_arena.h"
 #include "diond/shm_arena.h"
 #include "gtest/gtest.h"
 
@@ -259,6 +261,80 @@ TEST_F(ClientDaemonTest, RemoteModeMatchesShmModeBitForBit) {
   EXPECT_TRUE(client_->CloseSession(remote.session_id).ok());
   arena->Reset();
   EXPECT_TRUE(client_->CloseSession(shm.session_id).ok());
+}
+
+// MemfdArena (a sealed memfd over the daemon's fd channel) against ShmArena: five steps of the
+// same run give the same bytes; the memfd cannot be resized by the trainer once registered.
+TEST_F(ClientDaemonTest, MemfdArenaMatchesShmArenaBitForBit) {
+  const size_t nw = kRows * kCols, nb = kRows;
+  Layout shm = NewSession("shm-ref");
+  Layout mem = NewSession("memfd");
+  ASSERT_TRUE(mem.memfd_regions) << "the test daemon offers no MEMFD regions";
+  EXPECT_FALSE(mem.fd_channel_socket.empty());
+  auto a = ShmArena::Create(client_.get(), shm);
+  ASSERT_TRUE(a.ok()) << a.status();
+  auto m = MemfdArena::Create(client_.get(), mem);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_FALSE(m->param_region_id().empty());
+  EXPECT_FALSE(m->grad_region_id().empty());
+  EXPECT_NE(ftruncate(m->fd(), 0), 0) << "a registered memfd must be sealed against shrinking";
+  auto w0 = Values(nw, 0.5f, 0.0f), b0 = Values(nb, 0.1f, 1.0f);
+  std::copy(w0.begin(), w0.end(), a->Param("w")->begin());
+  std::copy(w0.begin(), w0.end(), m->Param("w")->begin());
+  std::copy(b0.begin(), b0.end(), a->Param("b")->begin());
+  std::copy(b0.begin(), b0.end(), m->Param("b")->begin());
+  for (int64_t t = 1; t <= 5; ++t) {
+    auto gw = Values(nw, 1.0f, 2.0f + static_cast<float>(t));
+    auto gb = Values(nb, 1.0f, 3.0f * static_cast<float>(t));
+    std::copy(gw.begin(), gw.end(), a->Grad("w")->begin());
+    std::copy(gw.begin(), gw.end(), m->Grad("w")->begin());
+    std::copy(gb.begin(), gb.end(), a->Grad("b")->begin());
+    std::copy(gb.begin(), gb.end(), m->Grad("b")->begin());
+    ASSERT_TRUE(client_->Step(shm.session_id, t).ok());
+    auto st = client_->Step(mem.session_id, t);
+    ASSERT_TRUE(st.ok()) << st.status();
+    for (const char* name : {"w", "b"}) {
+      auto x = *a->ParamBytes(name), y = *m->ParamBytes(name);
+      ASSERT_EQ(std::string(x.begin(), x.end()), std::string(y.begin(), y.end()))
+          << name << " step " << t;
+    }
+  }
+  EXPECT_NE(std::vector<float>(m->Param("w")->begin(), m->Param("w")->end()), w0);
+  // RAII: moving keeps the regions; Reset unregisters them.
+  MemfdArena moved = *std::move(m);
+  EXPECT_FALSE(moved.param_region_id().empty());
+  moved.Reset();
+  EXPECT_FALSE(moved.Param("w").ok());
+  auto again = MemfdArena::Create(client_.get(), mem);  // the roles are free again
+  EXPECT_TRUE(again.ok()) << again.status();
+  again->Reset();
+  a->Reset();
+  EXPECT_TRUE(client_->CloseSession(shm.session_id).ok());
+  EXPECT_TRUE(client_->CloseSession(mem.session_id).ok());
+}
+
+TEST_F(ClientDaemonTest, MemfdArenaErrorsKeepTheirCodes) {
+  auto none = SendFdToChannel("/nonexistent/diond.sock.fd", 0);
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kUnavailable) << none.status();
+  // A layout without an fd channel (an older daemon, or --fd_channel_socket=none).
+  Layout mem = NewSession("memfd-off");
+  Layout no_channel = mem;
+  no_channel.fd_channel_socket.clear();
+  no_channel.memfd_regions = false;
+  auto refused = MemfdArena::Create(client_.get(), no_channel);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  // The channel refuses what is no memfd: the daemon's code and message come through.
+  int p[2];
+  ASSERT_EQ(pipe(p), 0);
+  auto token = SendFdToChannel(mem.fd_channel_socket, p[0]);
+  ASSERT_TRUE(token.ok()) << token.status();
+  auto reg = client_->RegisterMemfdRegion(mem.session_id, v1::REGION_ROLE_PARAMETERS, *token, 0,
+                                          mem.param_arena_bytes);
+  EXPECT_EQ(reg.status().code(), absl::StatusCode::kInvalidArgument) << reg.status();
+  EXPECT_TRUE(absl::StrContains(reg.status().message(), "is a pipe")) << reg.status();
+  close(p[0]);
+  close(p[1]);
+  EXPECT_TRUE(client_->CloseSession(mem.session_id).ok());
 }
 
 TEST_F(ClientDaemonTest, GetStateSetStateRoundTripAndSetHyperparameters) {

@@ -380,6 +380,16 @@ class Client:
                                           size_bytes=size_bytes))
         return self._unary("RegisterRegion", req, timeout).region_id
 
+    def register_memfd_region(self, session_id, role, fd_token, offset_bytes, size_bytes,
+                              timeout=None):
+        """RegisterRegion of a sealed memfd sent over the fd channel first (diond.fdchannel
+        .send_fd returns `fd_token`). Returns region_id."""
+        req = pb.RegisterRegionRequest(
+            session_id=session_id, role=role, kind=pb.REGION_KIND_MEMFD,
+            memfd=pb.MemfdRegion(offset_bytes=offset_bytes, size_bytes=size_bytes,
+                                 fd_token=fd_token))
+        return self._unary("RegisterRegion", req, timeout).region_id
+
     def unregister_region(self, session_id, region_id, timeout=None):
         self._unary("UnregisterRegion",
                     pb.UnregisterRegionRequest(session_id=session_id, region_id=region_id), timeout)

@@ -14,8 +14,10 @@ weight_decay 0.01, epsilon 1e-8, ...). An option a group's algorithm does not ha
 option or a value out of range raises ValueError/TypeError before anything reaches the daemon.
 
 Shared-memory mode (the default on a Unix socket): the constructor moves every parameter's
-``.data`` and ``.grad`` into two arenas in one POSIX shared-memory segment, so the model's tensors
-become views of memory the daemon maps as well; ``backward()`` accumulates into the gradient
+``.data`` and ``.grad`` into two arenas in one shared host buffer, so the model's tensors
+become views of memory the daemon maps as well (``arena="memfd"``: a sealed memfd passed over
+the daemon's fd channel, the default on Linux when the daemon offers it; ``arena="shm"``: a
+POSIX shared-memory segment; docs/DATA_PLANE.md); ``backward()`` accumulates into the gradient
 arena and ``step()`` is one small ``Step`` RPC after which the daemon has written the new weights
 in place. Remote mode (``remote=True``, the default for TCP targets): weights go up with
 ``SetState`` once, gradients with ``PushGradients`` every step, and the new weights come back
@@ -39,6 +41,7 @@ from multiprocessing import shared_memory
 import grpc
 import torch
 
+from . import fdchannel
 from .client import Client, DiondError, pb
 
 __all__ = ["Optimizer", "ALGORITHMS"]
@@ -282,6 +285,10 @@ class Optimizer(torch.optim.Optimizer):
         default socket), or a connected ``diond.Client``.
       remote: True for remote mode (no shared memory), False for shared memory; default: shared
         memory on a Unix socket, remote over TCP.
+      arena: the shared memory of shared-memory mode: "memfd" (a sealed memfd sent over the
+        daemon's fd channel: it cannot shrink under the daemon), "shm" (a POSIX shm segment), or
+        None (default): "memfd" when this is Linux and the daemon lists REGION_KIND_MEMFD with an
+        fd channel, else "shm". ``self.arena`` tells which one is used.
       fp32_master_weights: for bf16/f16 parameters, let the daemon keep float32 master weights.
         (state_dict() does not carry them: SetState takes parameters in their own dtype, so a
         resumed session restarts from the bf16/f16 weights; bit-identical resume needs
@@ -320,7 +327,7 @@ class Optimizer(torch.optim.Optimizer):
                  non_finite_policy="skip", timeout=60.0, connect_timeout=10.0,
                  client_name="diond.torch", world_key="", gradient_sync="replicated",
                  token=None, tls_ca=None, tls_cert=None, tls_key=None, tls_server_name=None,
-                 session="", resume=False, **options):
+                 session="", resume=False, arena=None, **options):
         for alias, name in _ALIASES.items():
             if alias in options:
                 if name in options:
@@ -354,6 +361,13 @@ class Optimizer(torch.optim.Optimizer):
         if resume and self.world_key:
             raise ValueError("resume=True is for local sessions; world sessions restore from "
                              "checkpoints on every rank")
+        if arena not in (None, "memfd", "shm"):
+            raise ValueError("arena must be 'memfd', 'shm' or None, got %r" % (arena,))
+        if arena == "memfd" and not fdchannel.supported():
+            raise ValueError("arena='memfd' needs Linux and Python >= 3.9 (os.memfd_create, "
+                             "socket.send_fds); use arena='shm'")
+        self._arena_choice = arena
+        self.arena = None  # "memfd" or "shm" once the arenas exist
         self._explicit_defaults = set(options)
         self._closed = True  # until the session exists
         self._session_ready = False
@@ -536,6 +550,7 @@ class Optimizer(torch.optim.Optimizer):
                         list(spec.shape), pb.DType.Name(spec.dtype)))
         self.session_id = resp.session_id
         self._layout = layout
+        self._data_plane = (resp.fd_channel_socket, list(resp.region_kinds))
         self._param_arena_bytes = resp.param_arena_bytes
         self._grad_arena_bytes = resp.grad_arena_bytes
         # weight_decay is sent again at the first step (the daemon's may be another trainer's).
@@ -562,6 +577,7 @@ class Optimizer(torch.optim.Optimizer):
             session_name=self.session_name)
         self.session_id = resp.session_id
         self._layout = {t.name: t for t in resp.layout}
+        self._data_plane = (resp.fd_channel_socket, list(resp.region_kinds))
         self._param_arena_bytes = resp.param_arena_bytes
         self._grad_arena_bytes = resp.grad_arena_bytes
         # What the daemon has for each group, to notice changes made through param_groups.
@@ -579,8 +595,22 @@ class Optimizer(torch.optim.Optimizer):
                                  "remote=True" % p.device)
         grad_base = _align(self._param_arena_bytes, _SEGMENT_ALIGN)
         size = grad_base + self._grad_arena_bytes
-        name = "diond-%d-%s" % (os.getpid(), secrets.token_hex(6))
-        self._shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+        fd_path, kinds = self._data_plane
+        daemon_memfd = bool(fd_path) and pb.REGION_KIND_MEMFD in kinds
+        kind = self._arena_choice
+        if kind is None:
+            # The channel socket must be writable to connect (it is 0600, as the gRPC socket).
+            usable = daemon_memfd and fdchannel.supported() and os.access(fd_path, os.W_OK)
+            kind = "memfd" if usable else "shm"
+        if kind == "memfd" and not daemon_memfd:
+            raise ValueError("arena='memfd': the daemon at %s offers no MEMFD regions (no fd "
+                             "channel); use arena='shm' or None" % self.client.target)
+        if kind == "memfd":
+            self._shm = fdchannel.MemfdArena(size, name="diond-%d" % os.getpid())
+        else:
+            name = "diond-%d-%s" % (os.getpid(), secrets.token_hex(6))
+            self._shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+        self.arena = kind
         buf = self._shm.buf
         self._pviews, self._gviews = [], []
         self._grad_arena = torch.frombuffer(buf, dtype=torch.uint8, count=self._grad_arena_bytes,
@@ -603,12 +633,23 @@ class Optimizer(torch.optim.Optimizer):
                 p.grad = gv
                 self._pviews.append(pv)
                 self._gviews.append(gv)
-        self._regions = [
-            self.client.register_region(self.session_id, pb.REGION_ROLE_PARAMETERS,
-                                        self._shm.name, 0, self._param_arena_bytes),
-            self.client.register_region(self.session_id, pb.REGION_ROLE_GRADIENTS,
-                                        self._shm.name, grad_base, self._grad_arena_bytes),
-        ]
+        if kind == "memfd":
+            # One token per region: each RegisterRegion takes (and the daemon keeps) its own fd.
+            self._regions = [
+                self.client.register_memfd_region(self.session_id, pb.REGION_ROLE_PARAMETERS,
+                                                  self._shm.send(fd_path), 0,
+                                                  self._param_arena_bytes),
+                self.client.register_memfd_region(self.session_id, pb.REGION_ROLE_GRADIENTS,
+                                                  self._shm.send(fd_path), grad_base,
+                                                  self._grad_arena_bytes),
+            ]
+        else:
+            self._regions = [
+                self.client.register_region(self.session_id, pb.REGION_ROLE_PARAMETERS,
+                                            self._shm.name, 0, self._param_arena_bytes),
+                self.client.register_region(self.session_id, pb.REGION_ROLE_GRADIENTS,
+                                            self._shm.name, grad_base, self._grad_arena_bytes),
+            ]
 
     def _upload_parameters(self):
         self.client.set_state(self.session_id,
@@ -856,7 +897,7 @@ class Optimizer(torch.optim.Optimizer):
         self.close()
 
     def __repr__(self):
-        mode = "remote" if self.remote else "shm"
+        mode = "remote" if self.remote else (self.arena or "shm")
         return "diond.torch.Optimizer(session=%s, %s, %d groups, %d params)" % (
             getattr(self, "session_id", None), mode, len(self.param_groups),
             sum(len(g["params"]) for g in self.param_groups))

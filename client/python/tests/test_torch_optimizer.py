@@ -64,8 +64,8 @@ def assert_bitwise(a, b):
 def test_zero_copy_views_and_close(daemon):
     model = make_model()
     before = snapshot(model)
-    opt = diond.torch.Optimizer(groups(model), target=daemon.target)
-    assert not opt.remote
+    opt = diond.torch.Optimizer(groups(model), target=daemon.target, arena="shm")
+    assert not opt.remote and opt.arena == "shm"
     shm_name = opt._shm.name
     assert os.path.exists("/dev/shm/" + shm_name)
     # The model's tensors are views of the arena: the values are unchanged, and bytes written
