@@ -225,7 +225,7 @@ struct LionParams {
 absl::Status LionStep(const Context& ctx, const LionParams& p, ConstTensorView grad, TensorView x,
                       TensorView m);
 
-// ================================ ortho ================================================
+// ================================ ortho =======================================================
 // Ops of the orthogonalizers (kernels/optim/orthogonalize.cc).
 
 // a[i, i] ← a[i, i] + value on every (square) matrix of `a`: f32, rank 2 or 3, rows == cols,
@@ -244,7 +244,7 @@ absl::Status AddToDiagonal(const Context& ctx, float value, TensorView a);
 absl::Status Bf16RoundedAxpby(const Context& ctx, float alpha, ConstTensorView x, float beta,
                               ConstTensorView y, TensorView out);
 // ================================ end ortho ===================================================
-=======
+
 // ================================ kops: fused optimizer phases ================================
 // One pass over memory for what the rules did in several (issue 10 item 2). The per-element
 // math of each op is in kernels/elementwise_math.h (math::MomentumElement, ApplyUpdateElement,

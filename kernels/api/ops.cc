@@ -441,7 +441,7 @@ absl::Status LionStep(const Context& ctx, const LionParams& p, ConstTensorView g
 }
 
 
-// ================================ ortho ================================================}
+// ================================ ortho ================================================
 
 
 absl::Status AddToDiagonal(const Context& ctx, float value, TensorView a) {
@@ -462,7 +462,9 @@ absl::Status Bf16RoundedAxpby(const Context& ctx, float alpha, ConstTensorView x
   DIOND_RETURN_IF_ERROR(CheckFinite(kOp, "alpha", alpha));
   DIOND_RETURN_IF_ERROR(CheckFinite(kOp, "beta", beta));
   return ctx.backend().bf16_rounded_axpby(ctx, alpha, x, beta, y, out);
-=======
+}
+// ================================ end ortho ===================================================
+
 // ================================ kops: fused optimizer phases ================================
 
 absl::Status AdamWStep(const Context& ctx, const AdamWParams& p, ConstTensorView grad,

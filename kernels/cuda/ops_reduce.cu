@@ -1,11 +1,11 @@
-// Reductions and selection of the CUDA backend: FrobeniusNorm, AxisNorms, TopK, TopKByL1Norm,
+// Reductions and selection of the CUDA backend: FrobeniusNorm, AxisNorms, TopKByL1Norm,
 // IsAllZero.
 //
 // Sums: each row (or column) sum is accumulated in double by one thread in index order, exactly
 // as the CPU backend does (kernels/cpu/reduce.cc), so norms are bit-identical to the CPU's and
 // a top-k by norm selects the same slices. The Frobenius norm sums those row sums in row order.
-// TopK: CUB's stable descending radix sort of (TopKOrderKey(score), index) pairs, indices given
-// ascending, which is the CPU's order exactly (elementwise_math.h; tested on the CPU).
+// TopKByL1Norm: CUB's stable descending radix sort of (TopKOrderKey(score), index) pairs,
+// indices given ascending, which is the CPU's order exactly (elementwise_math.h; tested on the CPU).
 #include <cub/device/device_radix_sort.cuh>
 
 #include "kernels/cuda/ops_common.cuh"
@@ -65,7 +65,8 @@ __global__ void OrderKeys(const float* scores, int64_t n, uint32_t* keys, int64_
   }
 }
 
-// The first k indices of the TopK order of `scores` (n f32 on the device) into host `indices`.
+// The first k indices of the top-k order (TopKByL1Norm's) of `scores` (n f32 on the device)
+// into host `indices`.
 int SortedTopK(const DiondOpsCall* call, const char* op, const float* scores, int64_t n,
                int64_t k, int64_t* indices) {
   if (n > INT32_MAX) return Fail(call, DIOND_OPS_INTERNAL, "%s: %lld scores (> 2^31)", op,
@@ -116,12 +117,6 @@ int OpFrobeniusNorm(const DiondOpsCall* call, DiondIn a, DiondOut out) {
 int OpAxisNorms(const DiondOpsCall* call, DiondIn a, int32_t axis, int32_t norm, DiondOut out) {
   DIOND_RC(UseDevice(call, "AxisNorms"));
   return Norms(call, "AxisNorms", *a, axis, norm, static_cast<float*>(out->data));
-}
-
-int OpTopK(const DiondOpsCall* call, DiondIn scores, int64_t k, int64_t* indices) {
-  DIOND_RC(UseDevice(call, "TopK"));
-  return SortedTopK(call, "TopK", static_cast<const float*>(scores->data), NumElements(*scores),
-                    k, indices);
 }
 
 int OpTopKByL1Norm(const DiondOpsCall* call, DiondIn a, int32_t axis, int64_t k,

@@ -24,7 +24,6 @@ const DiondOpsApiV1* OpsApi() {
       &OpRandomizedCholeskyQr,
       &OpFrobeniusNorm,
       &OpAxisNorms,
-      &OpTopK,
       &OpTopKByL1Norm,
       &OpIsAllZero,
       &OpGather,
@@ -33,14 +32,18 @@ const DiondOpsApiV1* OpsApi() {
       &OpFill,
       &OpAxpby,
       &OpAddScalar,
-      &OpLerp,
       &OpUnary,
       &OpBinary,
-      &OpCautiousWeightDecay,
       &OpAdamWStep,
       &OpLionStep,
       &OpAddToDiagonal,
       &OpBf16RoundedAxpby,
+      &OpAdamWStepTracked,
+      &OpLionStepTracked,
+      &OpMomentumUpdate,
+      &OpApplyUpdate,
+      &OpNormalizeNeurons,
+      &OpCopyWithChange,
   };
   return &kOps;
 }
