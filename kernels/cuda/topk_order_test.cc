@@ -52,7 +52,9 @@ TEST(TopKOrder, StableDescendingKeySortIsTheCpuOrder) {
                 IsOk());
     if (rows == 1) {
       for (int64_t j = 0; j < n; ++j) {  // |a_j| exactly, NaN stays NaN
-        if (!std::isnan(a[j])) ASSERT_EQ(s[j], std::fabs(a[j])) << j;
+        if (!std::isnan(a[j])) {
+          ASSERT_EQ(s[j], std::fabs(a[j])) << j;
+        }
       }
     }
 
