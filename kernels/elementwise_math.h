@@ -297,6 +297,19 @@ DIOND_HD unsigned long long Fnv1aByte(unsigned long long h, unsigned char b) {
   return (h ^ b) * 0x100000001b3ull;
 }
 
+// ---- kops (wire): ApplyUpdate's per-call scalars, formed as kernels/cpu/fused.cc forms them
+// (1 − lr·wd in f32), so that a device backend gets the same bits.
+inline ApplyUpdateScalars MakeApplyUpdateScalars(float alpha, float lr_wd, bool cautious,
+                                                 bool round_bf16) {
+  ApplyUpdateScalars s;
+  s.alpha = alpha;
+  s.lr_wd = lr_wd;
+  s.decay = 1.0f - lr_wd;
+  s.cautious = cautious;
+  s.round_bf16 = round_bf16;
+  return s;
+}
+
 }  // namespace diond::kernels::math
 
 #endif  // DIOND_KERNELS_ELEMENTWISE_MATH_H_

@@ -440,8 +440,7 @@ absl::Status LionStep(const Context& ctx, const LionParams& p, ConstTensorView g
   return ctx.backend().lion_step(ctx, p, grad, x, m);
 }
 
-// ================================ ortho =======================================================
-
+// ================================ ortho ================================================
 absl::Status AddToDiagonal(const Context& ctx, float value, TensorView a) {
   constexpr const char* kOp = "AddToDiagonal";
   DIOND_RETURN_IF_ERROR(CheckMatrix(ctx, kOp, "a", a));
@@ -461,6 +460,7 @@ absl::Status Bf16RoundedAxpby(const Context& ctx, float alpha, ConstTensorView x
   DIOND_RETURN_IF_ERROR(CheckFinite(kOp, "beta", beta));
   return ctx.backend().bf16_rounded_axpby(ctx, alpha, x, beta, y, out);
 }
+// ================================ end ortho ===================================================
 
 // ================================ kops: fused optimizer phases ================================
 

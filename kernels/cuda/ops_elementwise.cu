@@ -112,16 +112,6 @@ int OpAddScalar(const DiondOpsCall* call, float alpha, DiondIn x, float beta, Di
   });
 }
 
-int OpLerp(const DiondOpsCall* call, DiondIn start, DiondIn end, float weight, DiondOut out) {
-  DIOND_RC(UseDevice(call, "Lerp"));
-  const void *sp = start->data, *ep = end->data;
-  const int st = start->dtype, et = end->dtype, ot = out->dtype;
-  void* op = out->data;
-  return Launch(call, "Lerp", NumElements(*out), [=] __device__(int64_t i) {
-    StoreAs(op, ot, i, math::Lerp(LoadAs(sp, st, i), LoadAs(ep, et, i), weight));
-  });
-}
-
 int OpUnary(const DiondOpsCall* call, int32_t code, DiondIn x, DiondOut out) {
   DIOND_RC(UseDevice(call, "Unary"));
   const void* xp = x->data;
@@ -175,16 +165,6 @@ int OpBf16RoundedAxpby(const DiondOpsCall* call, float alpha, DiondIn x, float b
   const float* xp = static_cast<const float*>(x->data);
   return Launch(call, "Bf16RoundedAxpby", NumElements(*out), [=] __device__(int64_t i) {
     op[i] = math::Bf16RoundedAxpbyElement(alpha, xp[i], beta, yp[i], true);
-  });
-}
-
-int OpCautiousWeightDecay(const DiondOpsCall* call, float decay, DiondIn direction, DiondOut x) {
-  DIOND_RC(UseDevice(call, "CautiousWeightDecay"));
-  const void* dp = direction->data;
-  const int dt = direction->dtype;
-  float* xp = static_cast<float*>(x->data);
-  return Launch(call, "CautiousWeightDecay", NumElements(*x), [=] __device__(int64_t i) {
-    xp[i] = math::CautiousDecayElement(decay, xp[i], LoadAs(dp, dt, i));
   });
 }
 

@@ -34,7 +34,6 @@ int OpRandomizedCholeskyQr(const DiondOpsCall*, DiondIn a, DiondIn sketch, Diond
 // ops_reduce.cu
 int OpFrobeniusNorm(const DiondOpsCall*, DiondIn a, DiondOut out);
 int OpAxisNorms(const DiondOpsCall*, DiondIn a, int32_t axis, int32_t norm, DiondOut out);
-int OpTopK(const DiondOpsCall*, DiondIn scores, int64_t k, int64_t* indices);
 int OpTopKByL1Norm(const DiondOpsCall*, DiondIn a, int32_t axis, int64_t k, int64_t* indices,
                    DiondOut scores_out);
 int OpIsAllZero(const DiondOpsCall*, DiondIn a, int32_t* all_zero);
@@ -48,17 +47,31 @@ int OpCopy(const DiondOpsCall*, DiondIn src, DiondOut dst);
 int OpFill(const DiondOpsCall*, float value, DiondOut dst);
 int OpAxpby(const DiondOpsCall*, float alpha, DiondIn x, float beta, DiondIn y, DiondOut out);
 int OpAddScalar(const DiondOpsCall*, float alpha, DiondIn x, float beta, DiondOut out);
-int OpLerp(const DiondOpsCall*, DiondIn start, DiondIn end, float weight, DiondOut out);
 int OpUnary(const DiondOpsCall*, int32_t op, DiondIn x, DiondOut out);
 int OpBinary(const DiondOpsCall*, int32_t op, DiondIn x, DiondIn y, DiondOut out);
 int OpAddToDiagonal(const DiondOpsCall*, float value, DiondOut a);
 int OpBf16RoundedAxpby(const DiondOpsCall*, float alpha, DiondIn x, float beta, DiondIn y,
                        DiondOut out);
-int OpCautiousWeightDecay(const DiondOpsCall*, float decay, DiondIn direction, DiondOut x);
 int OpAdamWStep(const DiondOpsCall*, const DiondAdamWScalars*, DiondIn grad, DiondOut x,
                 DiondOut m, DiondOut v);
 int OpLionStep(const DiondOpsCall*, const DiondLionScalars*, DiondIn grad, DiondOut x,
                DiondOut m);
+
+// ops_fused.cu (kops's fused optimizer phases)
+int OpAdamWStepTracked(const DiondOpsCall*, const DiondAdamWScalars*, DiondIn grad, DiondOut x,
+                       DiondOut m, DiondOut v, DiondOut update_sq);
+int OpLionStepTracked(const DiondOpsCall*, const DiondLionScalars*, DiondIn grad, DiondOut x,
+                      DiondOut m, DiondOut update_sq);
+int OpMomentumUpdate(const DiondOpsCall*, float mu, int32_t nesterov, DiondIn grad,
+                     DiondIn m_in, DiondOut m, DiondOut u);
+int OpApplyUpdate(const DiondOpsCall*, const DiondApplyUpdateScalars*, DiondIn update,
+                  DiondIn x_in, DiondOut x);
+int OpNormalizeNeurons(const DiondOpsCall*, float w, DiondOut o, DiondOut v);
+int OpCopyWithChange(const DiondOpsCall*, DiondIn src, DiondOut dst, DiondOut update_sq);
+int OpAllFinite(const DiondOpsCall*, DiondIn x, int32_t* all_finite);
+int OpWidenScaleCheckFinite(const DiondOpsCall*, DiondIn x, float scale, DiondOut out,
+                            int32_t* all_finite);
+int OpFnv1aChecksum(const DiondOpsCall*, DiondIn x, uint64_t* checksum);
 
 }  // namespace diond::cuda
 

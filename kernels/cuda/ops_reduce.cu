@@ -1,11 +1,11 @@
-// Reductions and selection of the CUDA backend: FrobeniusNorm, AxisNorms, TopK, TopKByL1Norm,
+// Reductions and selection of the CUDA backend: FrobeniusNorm, AxisNorms, TopKByL1Norm,
 // IsAllZero.
 //
 // Sums: each row (or column) sum is accumulated in double by one thread in index order, exactly
 // as the CPU backend does (kernels/cpu/reduce.cc), so norms are bit-identical to the CPU's and
 // a top-k by norm selects the same slices. The Frobenius norm sums those row sums in row order.
-// TopK: CUB's stable descending radix sort of (TopKOrderKey(score), index) pairs, indices given
-// ascending, which is the CPU's order exactly (elementwise_math.h; tested on the CPU).
+// TopKByL1Norm: CUB's stable descending radix sort of (TopKOrderKey(score), index) pairs,
+// indices given ascending, which is the CPU's order exactly (elementwise_math.h; tested on the CPU).
 #include <cub/device/device_radix_sort.cuh>
 
 #include "kernels/cuda/ops_common.cuh"
@@ -65,7 +65,8 @@ __global__ void OrderKeys(const float* scores, int64_t n, uint32_t* keys, int64_
   }
 }
 
-// The first k indices of the TopK order of `scores` (n f32 on the device) into host `indices`.
+// The first k indices of the top-k order (TopKByL1Norm's) of `scores` (n f32 on the device)
+// into host `indices`.
 int SortedTopK(const DiondOpsCall* call, const char* op, const float* scores, int64_t n,
                int64_t k, int64_t* indices) {
   if (n > INT32_MAX) return Fail(call, DIOND_OPS_INTERNAL, "%s: %lld scores (> 2^31)", op,
@@ -118,12 +119,6 @@ int OpAxisNorms(const DiondOpsCall* call, DiondIn a, int32_t axis, int32_t norm,
   return Norms(call, "AxisNorms", *a, axis, norm, static_cast<float*>(out->data));
 }
 
-int OpTopK(const DiondOpsCall* call, DiondIn scores, int64_t k, int64_t* indices) {
-  DIOND_RC(UseDevice(call, "TopK"));
-  return SortedTopK(call, "TopK", static_cast<const float*>(scores->data), NumElements(*scores),
-                    k, indices);
-}
-
 int OpTopKByL1Norm(const DiondOpsCall* call, DiondIn a, int32_t axis, int64_t k,
                    int64_t* indices, DiondOut scores_out) {
   constexpr const char* kOp = "TopKByL1Norm";
@@ -164,6 +159,74 @@ int OpIsAllZero(const DiondOpsCall* call, DiondIn a, int32_t* all_zero) {
   DIOND_CU(kOp, cudaMemcpyAsync(&h, f, sizeof(int), cudaMemcpyDeviceToHost, StreamOf(call)));
   DIOND_RC(Sync(call, kOp));  // sync point: the answer is a host bool
   *all_zero = h == 0 ? 1 : 0;
+  return DIOND_OPS_OK;
+}
+
+// ---- the session's passes (ops.h "steps" block) ----------------------------------------------
+// The finiteness flag is an integer OR (math::NonFiniteBit), so the answer does not depend on the
+// order the threads run in; each op is a sync point (the flag is a host value).
+namespace {
+int FiniteFlagToHost(const DiondOpsCall* call, const char* op, const unsigned* f,
+                     int32_t* all_finite) {
+  unsigned h = 0;
+  DIOND_CU(op, cudaMemcpyAsync(&h, f, sizeof(h), cudaMemcpyDeviceToHost, StreamOf(call)));
+  DIOND_RC(Sync(call, op));
+  *all_finite = h == 0 ? 1 : 0;
+  return DIOND_OPS_OK;
+}
+}  // namespace
+
+int OpAllFinite(const DiondOpsCall* call, DiondIn x, int32_t* all_finite) {
+  constexpr const char* kOp = "AllFinite";
+  DIOND_RC(UseDevice(call, kOp));
+  Scratch flag;
+  DIOND_RC(flag.Allocate(call, kOp, sizeof(unsigned)));
+  unsigned* f = flag.As<unsigned>();
+  DIOND_CU(kOp, cudaMemsetAsync(f, 0, sizeof(unsigned), StreamOf(call)));
+  const void* p = x->data;
+  const int dt = x->dtype;
+  DIOND_RC(Launch(call, kOp, NumElements(*x), [=] __device__(int64_t i) {
+    if (math::NonFiniteBit(LoadAs(p, dt, i)) != 0u) atomicOr(f, 1u);
+  }));
+  return FiniteFlagToHost(call, kOp, f, all_finite);
+}
+
+int OpWidenScaleCheckFinite(const DiondOpsCall* call, DiondIn x, float scale, DiondOut out,
+                            int32_t* all_finite) {
+  constexpr const char* kOp = "WidenScaleCheckFinite";
+  DIOND_RC(UseDevice(call, kOp));
+  Scratch flag;
+  DIOND_RC(flag.Allocate(call, kOp, sizeof(unsigned)));
+  unsigned* f = flag.As<unsigned>();
+  DIOND_CU(kOp, cudaMemsetAsync(f, 0, sizeof(unsigned), StreamOf(call)));
+  const void* p = x->data;
+  const int dt = x->dtype;
+  float* o = static_cast<float*>(out->data);
+  const bool unit = scale == 1.0f;  // as the CPU: no multiply at scale 1
+  DIOND_RC(Launch(call, kOp, NumElements(*x), [=] __device__(int64_t i) {
+    const float v = unit ? LoadAs(p, dt, i) : LoadAs(p, dt, i) * scale;
+    o[i] = v;
+    if (math::NonFiniteBit(v) != 0u) atomicOr(f, 1u);
+  }));
+  return FiniteFlagToHost(call, kOp, f, all_finite);
+}
+
+// FNV-1a chains every byte, so it is serial by definition: the bytes come to the host (one copy,
+// a sync point) and are hashed there with the CPU's per-byte function. Only the world's replica
+// checksums use it, once per step over the replicated tensors.
+int OpFnv1aChecksum(const DiondOpsCall* call, DiondIn x, uint64_t* checksum) {
+  constexpr const char* kOp = "Fnv1aChecksum";
+  DIOND_RC(UseDevice(call, kOp));
+  const size_t bytes = static_cast<size_t>(NumElements(*x)) * 4;
+  std::vector<unsigned char> host(bytes);
+  if (bytes > 0) {
+    DIOND_CU(kOp, cudaMemcpyAsync(host.data(), x->data, bytes, cudaMemcpyDeviceToHost,
+                                  StreamOf(call)));
+    DIOND_RC(Sync(call, kOp));
+  }
+  unsigned long long h = 0xcbf29ce484222325ull;
+  for (unsigned char b : host) h = math::Fnv1aByte(h, b);
+  *checksum = h;
   return DIOND_OPS_OK;
 }
 

@@ -66,6 +66,6 @@ const DiondCudaPluginV1 kPlugin = {
 
 }  // namespace
 
-extern "C" __attribute__((visibility("default"))) const DiondCudaPluginV1* diond_cuda_plugin_v1() {
+extern "C" __attribute__((visibility("default"))) const DiondCudaPluginV1* diond_cuda_plugin_v2() {
   return &kPlugin;
 }

@@ -1,8 +1,12 @@
 // The C ABI between the daemon and the CUDA plugin (libdiond_cuda.so).
 //
 // This header has no CUDA includes: the daemon compiles against it on machines without the CUDA
-// toolkit and reaches the plugin only through dlopen + dlsym("diond_cuda_plugin_v1"). The ABI is
+// toolkit and reaches the plugin only through dlopen + dlsym("diond_cuda_plugin_v2"). The ABI is
 // versioned (STYLE.md O3): a major bump breaks callers, a minor bump only appends members.
+// Major 2 (the ops table lost the TopK, Lerp and CautiousWeightDecay entries, so its members
+// moved): every member below exists, so nothing is gated on abi_minor any more; the entry
+// symbol carries the major. The record type names keep their V1 suffix (their layout is
+// versioned by abi_major and DiondOpsApiV1::version).
 #ifndef DIOND_KERNELS_CUDA_PLUGIN_API_H_
 #define DIOND_KERNELS_CUDA_PLUGIN_API_H_
 
@@ -13,11 +17,11 @@
 extern "C" {
 #endif
 
-#define DIOND_CUDA_PLUGIN_ABI_MAJOR 1
-#define DIOND_CUDA_PLUGIN_ABI_MINOR 2
-#define DIOND_CUDA_PLUGIN_ENTRY "diond_cuda_plugin_v1"
+#define DIOND_CUDA_PLUGIN_ABI_MAJOR 2
+#define DIOND_CUDA_PLUGIN_ABI_MINOR 0
+#define DIOND_CUDA_PLUGIN_ENTRY "diond_cuda_plugin_v2"
 
-// ---- NCCL communicators (ABI minor >= 1) ------------------------------------------------------
+// ---- NCCL communicators ----------------------------------------------------------------------
 // Every function returns 0 on success, or -1 with a message in `err` (which may be NULL).
 // Collectives are synchronous: they run on the communicator's own stream and return when it is
 // done, or abort the communicator and fail after `timeout_ms` (a lost peer must never hang the
@@ -57,7 +61,7 @@ typedef struct DiondNcclApiV1 {
                       size_t err_len);
 } DiondNcclApiV1;
 
-// ---- the ops backend (ABI minor >= 2) ---------------------------------------------------------
+// ---- the ops backend ---------------------------------------------------------------------------
 // One entry per entry of the C++ OpsBackend table (kernels/backend.h), in the same order, with
 // plain C arguments. kernels/plugin_backend.h adapts this table to an OpsBackend. The host side
 // has validated every argument (kernels/ops.h) before an entry runs: an entry reports only its
@@ -65,7 +69,8 @@ typedef struct DiondNcclApiV1 {
 //
 // Adding an op (docs/GPU.md): append its entry at the END of DiondOpsApiV1 (never reorder),
 // bump DIOND_OPS_API_VERSION, and append the adapter's forwarding function.
-#define DIOND_OPS_API_VERSION 2
+#define DIOND_OPS_API_VERSION 4  // 2: ortho ops; 3: kops ops, TopK/Lerp/CautiousWeightDecay gone;
+                                 // 4: the session's ops (steps)
 enum {
   DIOND_OPS_OK = 0,
   DIOND_OPS_INTERNAL = -1,             // a library/kernel failure (absl INTERNAL)
@@ -111,6 +116,13 @@ typedef struct DiondLionScalars {
   int32_t cautious;
 } DiondLionScalars;
 
+// ApplyUpdate's per-call scalars: the fields of kernels::math::ApplyUpdateScalars, formed on the
+// host by math::MakeApplyUpdateScalars.
+typedef struct DiondApplyUpdateScalars {
+  float alpha, decay, lr_wd;
+  int32_t cautious, round_bf16;
+} DiondApplyUpdateScalars;
+
 typedef const DiondTensor* DiondIn;
 typedef const DiondTensor* DiondOut;  // the tensor's memory is written; the record is not
 
@@ -140,7 +152,6 @@ typedef struct DiondOpsApiV1 {
   int (*frobenius_norm)(const DiondOpsCall*, DiondIn a, DiondOut out);
   int (*axis_norms)(const DiondOpsCall*, DiondIn a, int32_t axis, int32_t norm, DiondOut out);
   // Indices are host memory (k of them): a sync point.
-  int (*top_k)(const DiondOpsCall*, DiondIn scores, int64_t k, int64_t* indices);
   int (*top_k_by_l1_norm)(const DiondOpsCall*, DiondIn a, int32_t axis, int64_t k,
                           int64_t* indices, DiondOut scores_out);
   int (*is_all_zero)(const DiondOpsCall*, DiondIn a, int32_t* all_zero);  // a sync point
@@ -153,10 +164,8 @@ typedef struct DiondOpsApiV1 {
   int (*fill)(const DiondOpsCall*, float value, DiondOut dst);
   int (*axpby)(const DiondOpsCall*, float alpha, DiondIn x, float beta, DiondIn y, DiondOut out);
   int (*add_scalar)(const DiondOpsCall*, float alpha, DiondIn x, float beta, DiondOut out);
-  int (*lerp)(const DiondOpsCall*, DiondIn start, DiondIn end, float weight, DiondOut out);
   int (*unary)(const DiondOpsCall*, int32_t op, DiondIn x, DiondOut out);   // math::kUnary*
   int (*binary)(const DiondOpsCall*, int32_t op, DiondIn x, DiondIn y, DiondOut out);
-  int (*cautious_weight_decay)(const DiondOpsCall*, float decay, DiondIn direction, DiondOut x);
   int (*adamw_step)(const DiondOpsCall*, const DiondAdamWScalars*, DiondIn grad, DiondOut x,
                     DiondOut m, DiondOut v);
   int (*lion_step)(const DiondOpsCall*, const DiondLionScalars*, DiondIn grad, DiondOut x,
@@ -165,6 +174,26 @@ typedef struct DiondOpsApiV1 {
   int (*add_to_diagonal)(const DiondOpsCall*, float value, DiondOut a);
   int (*bf16_rounded_axpby)(const DiondOpsCall*, float alpha, DiondIn x, float beta, DiondIn y,
                             DiondOut out);
+  // ---- ops API version 3: kops's fused optimizer phases (ops.h, kops block) ----
+  // update_sq: one f32 element on the device, Σ(x_after − x_before)² summed in double.
+  int (*adamw_step_tracked)(const DiondOpsCall*, const DiondAdamWScalars*, DiondIn grad,
+                            DiondOut x, DiondOut m, DiondOut v, DiondOut update_sq);
+  int (*lion_step_tracked)(const DiondOpsCall*, const DiondLionScalars*, DiondIn grad, DiondOut x,
+                           DiondOut m, DiondOut update_sq);
+  // m_in may be m itself (in place).
+  int (*momentum_update)(const DiondOpsCall*, float mu, int32_t nesterov, DiondIn grad,
+                         DiondIn m_in, DiondOut m, DiondOut u);
+  // x_in may be x itself (in place).
+  int (*apply_update)(const DiondOpsCall*, const DiondApplyUpdateScalars*, DiondIn update,
+                      DiondIn x_in, DiondOut x);
+  // o: rank 2 or 3 f32 contiguous, v: one f32 per row of every unit; both in place.
+  int (*normalize_neurons)(const DiondOpsCall*, float w, DiondOut o, DiondOut v);
+  int (*copy_with_change)(const DiondOpsCall*, DiondIn src, DiondOut dst, DiondOut update_sq);
+  // ---- ops API version 4: the session's passes (ops.h "steps" block); each a sync point ----
+  int (*all_finite)(const DiondOpsCall*, DiondIn x, int32_t* all_finite);
+  int (*widen_scale_check_finite)(const DiondOpsCall*, DiondIn x, float scale, DiondOut out,
+                                  int32_t* all_finite);
+  int (*fnv1a_checksum)(const DiondOpsCall*, DiondIn x, uint64_t* checksum);
 } DiondOpsApiV1;
 
 typedef struct DiondCudaPluginV1 {
@@ -176,9 +205,9 @@ typedef struct DiondCudaPluginV1 {
   int (*device_name)(int index, char* out, size_t out_len);
   // Writes "cudart=X driver=Y cublas=Z nccl=W"; never fails.
   void (*versions)(char* out, size_t out_len);
-  // ABI minor >= 1: NCCL communicators. Check abi_minor before reading.
+  // NCCL communicators (never NULL in ABI major 2).
   const DiondNcclApiV1* nccl;
-  // ABI minor >= 2: the ops backend (kernels/cuda/ops_*.cu). Check abi_minor before reading.
+  // The ops backend (kernels/cuda/ops_*.cu; never NULL in ABI major 2).
   const DiondOpsApiV1* ops;
 } DiondCudaPluginV1;
 

@@ -1,7 +1,8 @@
-// The TopK order of the CUDA backend (elementwise_math.h TopKOrderKey / TopKBefore) against the
-// CPU backend's TopK: the GPU sorts (key, index) pairs with a stable descending radix sort, which
-// is std::stable_sort by key here; both must give the CPU's indices bit for bit, ties, ±0, ±Inf,
-// subnormals and NaN included.
+// The top-k order of the CUDA backend's TopKByL1Norm (elementwise_math.h TopKOrderKey /
+// TopKBefore) against the CPU backend's TopKByL1Norm: the GPU sorts (key, index) pairs of the
+// L1 scores with a stable descending radix sort, which is std::stable_sort by key here; both
+// must give the CPU's indices bit for bit, ties, ±0, +Inf, subnormals and NaN included. The
+// scores are the columns' L1 norms of a 1×n matrix (|a_j|, exact) or of a 2×n one (sums).
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
@@ -42,9 +43,20 @@ TEST(TopKOrder, StableDescendingKeySortIsTheCpuOrder) {
   auto ctx = Context::CpuDefault(1);
   for (uint32_t seed = 1; seed <= 20; ++seed) {
     const int64_t n = 50 + seed * 37;
-    const std::vector<float> s = Adversarial(seed, n);
+    const int64_t rows = seed % 2 == 0 ? 1 : 2;
+    const std::vector<float> a = Adversarial(seed, rows * n);
+    std::vector<float> s(static_cast<size_t>(n));  // the L1 scores, from the CPU op itself
     std::vector<int64_t> cpu(static_cast<size_t>(n));
-    ASSERT_THAT(TopK(*ctx, MakeView(s.data(), {n}), n, absl::MakeSpan(cpu)), IsOk());
+    ASSERT_THAT(TopKByL1Norm(*ctx, MakeView(a.data(), {rows, n}), Axis::kCols, n,
+                             absl::MakeSpan(cpu), MakeView(s.data(), {n})),
+                IsOk());
+    if (rows == 1) {
+      for (int64_t j = 0; j < n; ++j) {  // |a_j| exactly, NaN stays NaN
+        if (!std::isnan(a[j])) {
+          ASSERT_EQ(s[j], std::fabs(a[j])) << j;
+        }
+      }
+    }
 
     std::vector<int64_t> by_key(static_cast<size_t>(n));
     std::iota(by_key.begin(), by_key.end(), int64_t{0});
@@ -59,10 +71,12 @@ TEST(TopKOrder, StableDescendingKeySortIsTheCpuOrder) {
               [&](int64_t i, int64_t j) { return math::TopKBefore(s[i], i, s[j], j); });
     EXPECT_EQ(by_before, cpu) << "seed " << seed;
 
-    // The first k of the full order are TopK(k) for every k (what the GPU copies out).
+    // The first k of the full order are the top k for every k (what the GPU copies out).
     for (int64_t k : {int64_t{1}, n / 3, n - 1}) {
       std::vector<int64_t> top(static_cast<size_t>(k));
-      ASSERT_THAT(TopK(*ctx, MakeView(s.data(), {n}), k, absl::MakeSpan(top)), IsOk());
+      ASSERT_THAT(TopKByL1Norm(*ctx, MakeView(a.data(), {rows, n}), Axis::kCols, k,
+                               absl::MakeSpan(top)),
+                  IsOk());
       EXPECT_TRUE(std::equal(top.begin(), top.end(), by_key.begin())) << "k " << k;
     }
   }

@@ -166,13 +166,6 @@ absl::Status AxisNorms(const Context& ctx, ConstTensorView a, Axis axis, NormTyp
                                         static_cast<int32_t>(type), &to));
 }
 template <int S>
-absl::Status TopK(const Context& ctx, ConstTensorView scores, int64_t k,
-                  absl::Span<int64_t> indices) {
-  Call call(ctx);
-  const DiondTensor ts = T(scores);
-  return DIOND_DONE("TopK", Api<S>().top_k(&call.c, &ts, k, indices.data()));
-}
-template <int S>
 absl::Status TopKByL1Norm(const Context& ctx, ConstTensorView a, Axis axis, int64_t k,
                           absl::Span<int64_t> indices, TensorView scores_out) {
   Call call(ctx);
@@ -236,13 +229,6 @@ absl::Status AddScalar(const Context& ctx, float alpha, ConstTensorView x, float
   return DIOND_DONE("AddScalar", Api<S>().add_scalar(&call.c, alpha, &tx, beta, &to));
 }
 template <int S>
-absl::Status Lerp(const Context& ctx, ConstTensorView start, ConstTensorView end, float weight,
-                  TensorView out) {
-  Call call(ctx);
-  const DiondTensor ts = T(start), te = T(end), to = T(out);
-  return DIOND_DONE("Lerp", Api<S>().lerp(&call.c, &ts, &te, weight, &to));
-}
-template <int S>
 absl::Status Unary(const Context& ctx, UnaryOp op, ConstTensorView x, TensorView out) {
   Call call(ctx);
   const DiondTensor tx = T(x), to = T(out);
@@ -256,23 +242,23 @@ absl::Status Binary(const Context& ctx, BinaryOp op, ConstTensorView x, ConstTen
   return DIOND_DONE("Binary",
                     Api<S>().binary(&call.c, static_cast<int32_t>(op), &tx, &ty, &to));
 }
-template <int S>
-absl::Status CautiousWeightDecay(const Context& ctx, float decay, ConstTensorView direction,
-                                 TensorView x) {
-  Call call(ctx);
-  const DiondTensor td = T(direction), tx = T(x);
-  return DIOND_DONE("CautiousWeightDecay",
-                    Api<S>().cautious_weight_decay(&call.c, decay, &td, &tx));
+DiondAdamWScalars AdamWScalarsOf(const AdamWParams& p) {
+  const math::AdamWScalars s = math::MakeAdamWScalars(p.lr, p.beta1, p.beta2, p.epsilon,
+                                                      p.weight_decay, p.step, p.cautious);
+  return DiondAdamWScalars{s.decay,    s.lr_wd,     s.one_minus_b1, s.one_minus_b2,
+                           s.beta2,    s.step_size, s.sqrt_bc2,     s.eps,
+                           s.cautious ? 1 : 0};
+}
+DiondLionScalars LionScalarsOf(const LionParams& p) {
+  const math::LionScalars s =
+      math::MakeLionScalars(p.lr, p.beta1, p.beta2, p.weight_decay, p.cautious);
+  return DiondLionScalars{s.w1, s.w2, s.lr_wd, s.decay, s.lr, s.cautious ? 1 : 0};
 }
 template <int S>
 absl::Status AdamWStep(const Context& ctx, const AdamWParams& p, ConstTensorView grad,
                        TensorView x, TensorView m, TensorView v) {
   Call call(ctx);
-  const math::AdamWScalars s = math::MakeAdamWScalars(p.lr, p.beta1, p.beta2, p.epsilon,
-                                                      p.weight_decay, p.step, p.cautious);
-  const DiondAdamWScalars c{s.decay,    s.lr_wd,     s.one_minus_b1, s.one_minus_b2,
-                            s.beta2,    s.step_size, s.sqrt_bc2,     s.eps,
-                            s.cautious ? 1 : 0};
+  const DiondAdamWScalars c = AdamWScalarsOf(p);
   const DiondTensor tg = T(grad), tx = T(x), tm = T(m), tv = T(v);
   return DIOND_DONE("AdamWStep", Api<S>().adamw_step(&call.c, &c, &tg, &tx, &tm, &tv));
 }
@@ -280,9 +266,7 @@ template <int S>
 absl::Status LionStep(const Context& ctx, const LionParams& p, ConstTensorView grad, TensorView x,
                       TensorView m) {
   Call call(ctx);
-  const math::LionScalars s =
-      math::MakeLionScalars(p.lr, p.beta1, p.beta2, p.weight_decay, p.cautious);
-  const DiondLionScalars c{s.w1, s.w2, s.lr_wd, s.decay, s.lr, s.cautious ? 1 : 0};
+  const DiondLionScalars c = LionScalarsOf(p);
   const DiondTensor tg = T(grad), tx = T(x), tm = T(m);
   return DIOND_DONE("LionStep", Api<S>().lion_step(&call.c, &c, &tg, &tx, &tm));
 }
@@ -300,6 +284,84 @@ absl::Status Bf16RoundedAxpby(const Context& ctx, float alpha, ConstTensorView x
   const DiondTensor tx = T(x), ty = T(y), to = T(out);
   return DIOND_DONE("Bf16RoundedAxpby",
                     Api<S>().bf16_rounded_axpby(&call.c, alpha, &tx, beta, &ty, &to));
+}
+
+// ---- kops: fused optimizer phases ----
+template <int S>
+absl::Status AdamWStepTracked(const Context& ctx, const AdamWParams& p, ConstTensorView grad,
+                              TensorView x, TensorView m, TensorView v, TensorView update_sq) {
+  Call call(ctx);
+  const DiondAdamWScalars c = AdamWScalarsOf(p);
+  const DiondTensor tg = T(grad), tx = T(x), tm = T(m), tv = T(v), tq = T(update_sq);
+  return DIOND_DONE("AdamWStep (tracked)",
+                    Api<S>().adamw_step_tracked(&call.c, &c, &tg, &tx, &tm, &tv, &tq));
+}
+template <int S>
+absl::Status LionStepTracked(const Context& ctx, const LionParams& p, ConstTensorView grad,
+                             TensorView x, TensorView m, TensorView update_sq) {
+  Call call(ctx);
+  const DiondLionScalars c = LionScalarsOf(p);
+  const DiondTensor tg = T(grad), tx = T(x), tm = T(m), tq = T(update_sq);
+  return DIOND_DONE("LionStep (tracked)",
+                    Api<S>().lion_step_tracked(&call.c, &c, &tg, &tx, &tm, &tq));
+}
+template <int S>
+absl::Status MomentumUpdate(const Context& ctx, float mu, bool nesterov, ConstTensorView grad,
+                            ConstTensorView m_in, TensorView m, TensorView u) {
+  Call call(ctx);
+  const DiondTensor tg = T(grad), ti = T(m_in), tm = T(m), tu = T(u);
+  return DIOND_DONE("MomentumUpdate", Api<S>().momentum_update(&call.c, mu, nesterov ? 1 : 0,
+                                                               &tg, &ti, &tm, &tu));
+}
+template <int S>
+absl::Status ApplyUpdate(const Context& ctx, const ApplyUpdateParams& p, ConstTensorView update,
+                         ConstTensorView x_in, TensorView x) {
+  Call call(ctx);
+  const math::ApplyUpdateScalars s =
+      math::MakeApplyUpdateScalars(p.alpha, p.lr_wd, p.cautious, p.round_bf16);
+  const DiondApplyUpdateScalars c{s.alpha, s.decay, s.lr_wd, s.cautious ? 1 : 0,
+                                  s.round_bf16 ? 1 : 0};
+  const DiondTensor tu = T(update), ti = T(x_in), tx = T(x);
+  return DIOND_DONE("ApplyUpdate", Api<S>().apply_update(&call.c, &c, &tu, &ti, &tx));
+}
+template <int S>
+absl::Status NormalizeNeurons(const Context& ctx, float w, TensorView o, TensorView v) {
+  Call call(ctx);
+  const DiondTensor to = T(o), tv = T(v);
+  return DIOND_DONE("NormalizeNeurons", Api<S>().normalize_neurons(&call.c, w, &to, &tv));
+}
+template <int S>
+absl::Status CopyWithChange(const Context& ctx, ConstTensorView src, TensorView dst,
+                            TensorView update_sq) {
+  Call call(ctx);
+  const DiondTensor ts = T(src), td = T(dst), tq = T(update_sq);
+  return DIOND_DONE("CopyWithChange", Api<S>().copy_with_change(&call.c, &ts, &td, &tq));
+}
+template <int S>
+absl::Status AllFinite(const Context& ctx, ConstTensorView x, bool* all_finite) {
+  Call call(ctx);
+  const DiondTensor tx = T(x);
+  int32_t f = 0;
+  absl::Status s = DIOND_DONE("AllFinite", Api<S>().all_finite(&call.c, &tx, &f));
+  if (s.ok()) *all_finite = f != 0;
+  return s;
+}
+template <int S>
+absl::Status WidenScaleCheckFinite(const Context& ctx, ConstTensorView x, float scale,
+                                   TensorView out, bool* all_finite) {
+  Call call(ctx);
+  const DiondTensor tx = T(x), to = T(out);
+  int32_t f = 0;
+  absl::Status s = DIOND_DONE("WidenScaleCheckFinite",
+                              Api<S>().widen_scale_check_finite(&call.c, &tx, scale, &to, &f));
+  if (s.ok()) *all_finite = f != 0;
+  return s;
+}
+template <int S>
+absl::Status Fnv1aChecksum(const Context& ctx, ConstTensorView x, uint64_t* checksum) {
+  Call call(ctx);
+  const DiondTensor tx = T(x);
+  return DIOND_DONE("Fnv1aChecksum", Api<S>().fnv1a_checksum(&call.c, &tx, checksum));
 }
 
 #undef DIOND_DONE
@@ -320,7 +382,6 @@ OpsBackend MakeTable(const char* name) {
   b.randomized_cholesky_qr = &RandomizedCholeskyQr<S>;
   b.frobenius_norm = &FrobeniusNorm<S>;
   b.axis_norms = &AxisNorms<S>;
-  b.top_k = &TopK<S>;
   b.top_k_by_l1_norm = &TopKByL1Norm<S>;
   b.is_all_zero = &IsAllZero<S>;
   b.gather = &Gather<S>;
@@ -329,14 +390,21 @@ OpsBackend MakeTable(const char* name) {
   b.fill = &Fill<S>;
   b.axpby = &Axpby<S>;
   b.add_scalar = &AddScalar<S>;
-  b.lerp = &Lerp<S>;
   b.unary = &Unary<S>;
   b.binary = &Binary<S>;
-  b.cautious_weight_decay = &CautiousWeightDecay<S>;
   b.adamw_step = &AdamWStep<S>;
   b.lion_step = &LionStep<S>;
   b.add_to_diagonal = &AddToDiagonal<S>;
   b.bf16_rounded_axpby = &Bf16RoundedAxpby<S>;
+  b.adamw_step_tracked = &AdamWStepTracked<S>;
+  b.lion_step_tracked = &LionStepTracked<S>;
+  b.momentum_update = &MomentumUpdate<S>;
+  b.apply_update = &ApplyUpdate<S>;
+  b.normalize_neurons = &NormalizeNeurons<S>;
+  b.copy_with_change = &CopyWithChange<S>;
+  b.all_finite = &AllFinite<S>;
+  b.widen_scale_check_finite = &WidenScaleCheckFinite<S>;
+  b.fnv1a_checksum = &Fnv1aChecksum<S>;
   return b;
 }
 
@@ -358,7 +426,6 @@ bool HasNullEntry(const DiondOpsApiV1& o) {
       reinterpret_cast<const void*>(o.randomized_cholesky_qr),
       reinterpret_cast<const void*>(o.frobenius_norm),
       reinterpret_cast<const void*>(o.axis_norms),
-      reinterpret_cast<const void*>(o.top_k),
       reinterpret_cast<const void*>(o.top_k_by_l1_norm),
       reinterpret_cast<const void*>(o.is_all_zero),
       reinterpret_cast<const void*>(o.gather),
@@ -367,14 +434,21 @@ bool HasNullEntry(const DiondOpsApiV1& o) {
       reinterpret_cast<const void*>(o.fill),
       reinterpret_cast<const void*>(o.axpby),
       reinterpret_cast<const void*>(o.add_scalar),
-      reinterpret_cast<const void*>(o.lerp),
       reinterpret_cast<const void*>(o.unary),
       reinterpret_cast<const void*>(o.binary),
-      reinterpret_cast<const void*>(o.cautious_weight_decay),
       reinterpret_cast<const void*>(o.adamw_step),
       reinterpret_cast<const void*>(o.lion_step),
       reinterpret_cast<const void*>(o.add_to_diagonal),
       reinterpret_cast<const void*>(o.bf16_rounded_axpby),
+      reinterpret_cast<const void*>(o.adamw_step_tracked),
+      reinterpret_cast<const void*>(o.lion_step_tracked),
+      reinterpret_cast<const void*>(o.momentum_update),
+      reinterpret_cast<const void*>(o.apply_update),
+      reinterpret_cast<const void*>(o.normalize_neurons),
+      reinterpret_cast<const void*>(o.copy_with_change),
+      reinterpret_cast<const void*>(o.all_finite),
+      reinterpret_cast<const void*>(o.widen_scale_check_finite),
+      reinterpret_cast<const void*>(o.fnv1a_checksum),
   };
   for (const void* e : entries) {
     if (e == nullptr) return true;
@@ -422,8 +496,8 @@ absl::Status RegisterPluginOps(DeviceType type, const DiondOpsApiV1* ops) {
 absl::Status RegisterCudaOps(const std::string& plugin_path) {
   auto plugin = LoadCudaPlugin(plugin_path);
   if (!plugin.ok()) return plugin.status();
-  if ((*plugin)->abi_minor < 2 || (*plugin)->ops == nullptr) {
-    return absl::FailedPreconditionError("the CUDA plugin has no ops table (ABI minor < 2)");
+  if ((*plugin)->ops == nullptr) {
+    return absl::FailedPreconditionError("the CUDA plugin has no ops table");
   }
   char err[256] = {0};
   const int count = (*plugin)->device_count(err, sizeof(err));

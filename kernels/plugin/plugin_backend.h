@@ -35,9 +35,9 @@ absl::StatusOr<const OpsBackend*> AdaptPluginOps(DeviceType type, const DiondOps
 absl::Status RegisterPluginOps(DeviceType type, const DiondOpsApiV1* ops);
 
 // Loads the CUDA plugin (device.h LoadCudaPlugin rule for `plugin_path`) and registers its ops
-// for kCuda when it has them (ABI minor >= 2) and at least one device exists. FAILED_PRECONDITION
-// naming the reason otherwise. NOT called by the daemon yet: device sessions (state and staging
-// in device memory) must exist first, or a session would hand host pointers to GPU kernels
+// for kCuda when at least one device exists; FAILED_PRECONDITION naming the reason otherwise.
+// NOT called by the daemon yet: device sessions (state and staging in device memory) must exist
+// first, or a session would hand host pointers to GPU kernels
 // (docs/GPU.md, "What remains").
 absl::Status RegisterCudaOps(const std::string& plugin_path);
 

@@ -186,8 +186,12 @@ TEST_F(PluginBackendTest, FusedStepsCarryTheScalarsOfTheCpu) {
   ASSERT_THAT(LionStep(*cpu_, lp, gh.cview(), xh.view(), mh.view()), IsOk());
   EXPECT_EQ(Download(x), Bytes(xh));
   EXPECT_EQ(Download(m), Bytes(mh));
-  ASSERT_THAT(CautiousWeightDecay(*ctx_, 0.3f, g.cview(), x.view()), IsOk());
-  ASSERT_THAT(CautiousWeightDecay(*cpu_, 0.3f, gh.cview(), xh.view()), IsOk());
+  ApplyUpdateParams up;  // cautious decay, then x − α·u, in place
+  up.alpha = 0.5f;
+  up.lr_wd = 0.3f;
+  up.cautious = true;
+  ASSERT_THAT(ApplyUpdate(*ctx_, up, g.cview(), x.cview(), x.view()), IsOk());
+  ASSERT_THAT(ApplyUpdate(*cpu_, up, gh.cview(), xh.cview(), xh.view()), IsOk());
   EXPECT_EQ(Download(x), Bytes(xh));
   ASSERT_THAT(Binary(*ctx_, BinaryOp::kMax, x.cview(), g.cview(), m.view()), IsOk());
   ASSERT_THAT(Binary(*cpu_, BinaryOp::kMax, xh.cview(), gh.cview(), mh.view()), IsOk());

@@ -211,12 +211,6 @@ int AxisNorms(const DiondOpsCall* call, DiondIn a, int32_t axis, int32_t norm, D
   return FromStatus(call, kernels::AxisNorms(Cpu(), In(a), static_cast<Axis>(axis),
                                              static_cast<NormType>(norm), Out(out)));
 }
-int TopK(const DiondOpsCall* call, DiondIn scores, int64_t k, int64_t* indices) {
-  DIOND_TEST_OP_BEGIN;
-  CountSync();
-  return FromStatus(call, kernels::TopK(Cpu(), In(scores), k,
-                                        absl::MakeSpan(indices, static_cast<size_t>(k))));
-}
 int TopKByL1Norm(const DiondOpsCall* call, DiondIn a, int32_t axis, int64_t k, int64_t* indices,
                  DiondOut scores) {
   DIOND_TEST_OP_BEGIN;
@@ -272,10 +266,6 @@ int Bf16RoundedAxpby(const DiondOpsCall* call, float alpha, DiondIn x, float bet
   DIOND_TEST_OP_BEGIN;
   return FromStatus(call, kernels::Bf16RoundedAxpby(Cpu(), alpha, In(x), beta, In(y), Out(out)));
 }
-int Lerp(const DiondOpsCall* call, DiondIn s, DiondIn e, float w, DiondOut out) {
-  DIOND_TEST_OP_BEGIN;
-  return FromStatus(call, kernels::Lerp(Cpu(), In(s), In(e), w, Out(out)));
-}
 int Unary(const DiondOpsCall* call, int32_t op, DiondIn x, DiondOut out) {
   DIOND_TEST_OP_BEGIN;
   return FromStatus(call, kernels::Unary(Cpu(), static_cast<UnaryOp>(op), In(x), Out(out)));
@@ -287,23 +277,8 @@ int Binary(const DiondOpsCall* call, int32_t op, DiondIn x, DiondIn y, DiondOut 
 }
 
 // The fused ops run the shared per-element functions on the scalars the adapter formed.
-float LoadF32(const DiondTensor* t, int64_t i) {
-  if (t->dtype == DIOND_DT_F32) return static_cast<const float*>(t->data)[i];
-  if (t->dtype == DIOND_DT_BF16) {
-    return math::FloatFromBf16Bits(static_cast<const uint16_t*>(t->data)[i]);
-  }
-  return F16ToFloat(static_cast<const Float16*>(t->data)[i]);
-}
 int64_t Count(const DiondTensor* t) { return In(t).NumElements(); }
 
-int CautiousWeightDecay(const DiondOpsCall* call, float decay, DiondIn direction, DiondOut x) {
-  DIOND_TEST_OP_BEGIN;
-  float* xp = static_cast<float*>(x->data);
-  for (int64_t i = 0; i < Count(x); ++i) {
-    xp[i] = math::CautiousDecayElement(decay, xp[i], LoadF32(direction, i));
-  }
-  return DIOND_OPS_OK;
-}
 int AdamWStep(const DiondOpsCall* call, const DiondAdamWScalars* c, DiondIn grad, DiondOut x,
               DiondOut m, DiondOut v) {
   DIOND_TEST_OP_BEGIN;
@@ -323,6 +298,94 @@ int LionStep(const DiondOpsCall* call, const DiondLionScalars* c, DiondIn grad, 
   float *xp = static_cast<float*>(x->data), *mp = static_cast<float*>(m->data);
   for (int64_t i = 0; i < Count(x); ++i) math::LionElement(s, g[i], xp[i], mp[i]);
   return DIOND_OPS_OK;
+}
+
+// ---- kops: the tracked steps run the per-element functions on the adapter's scalars, with the
+// change summed in double in element order (the CPU backend's order on one thread); the others
+// run the CPU ops themselves.
+inline double Sq(float after, float before) {
+  const double d = static_cast<double>(after) - static_cast<double>(before);
+  return d * d;
+}
+int AdamWStepTracked(const DiondOpsCall* call, const DiondAdamWScalars* c, DiondIn grad,
+                     DiondOut x, DiondOut m, DiondOut v, DiondOut update_sq) {
+  DIOND_TEST_OP_BEGIN;
+  math::AdamWScalars s{c->decay, c->lr_wd,     c->one_minus_b1, c->one_minus_b2, c->beta2,
+                       c->step_size, c->sqrt_bc2, c->eps,          c->cautious != 0};
+  const float* g = static_cast<const float*>(grad->data);
+  float *xp = static_cast<float*>(x->data), *mp = static_cast<float*>(m->data),
+        *vp = static_cast<float*>(v->data);
+  double sq = 0.0;
+  for (int64_t i = 0; i < Count(x); ++i) {
+    const float before = xp[i];
+    math::AdamWElement(s, g[i], xp[i], mp[i], vp[i]);
+    sq += Sq(xp[i], before);
+  }
+  *static_cast<float*>(update_sq->data) = static_cast<float>(sq);
+  return DIOND_OPS_OK;
+}
+int LionStepTracked(const DiondOpsCall* call, const DiondLionScalars* c, DiondIn grad,
+                    DiondOut x, DiondOut m, DiondOut update_sq) {
+  DIOND_TEST_OP_BEGIN;
+  math::LionScalars s{c->w1, c->w2, c->lr_wd, c->decay, c->lr, c->cautious != 0};
+  const float* g = static_cast<const float*>(grad->data);
+  float *xp = static_cast<float*>(x->data), *mp = static_cast<float*>(m->data);
+  double sq = 0.0;
+  for (int64_t i = 0; i < Count(x); ++i) {
+    const float before = xp[i];
+    math::LionElement(s, g[i], xp[i], mp[i]);
+    sq += Sq(xp[i], before);
+  }
+  *static_cast<float*>(update_sq->data) = static_cast<float>(sq);
+  return DIOND_OPS_OK;
+}
+int MomentumUpdate(const DiondOpsCall* call, float mu, int32_t nesterov, DiondIn grad,
+                   DiondIn m_in, DiondOut m, DiondOut u) {
+  DIOND_TEST_OP_BEGIN;
+  return FromStatus(call, kernels::MomentumUpdate(Cpu(), mu, nesterov != 0, In(grad), In(m_in),
+                                                  Out(m), Out(u)));
+}
+int ApplyUpdate(const DiondOpsCall* call, const DiondApplyUpdateScalars* c, DiondIn update,
+                DiondIn x_in, DiondOut x) {
+  DIOND_TEST_OP_BEGIN;
+  // The CPU op forms decay = 1 − lr_wd itself; the adapter's record must agree with it.
+  if (c->decay != 1.0f - c->lr_wd) {
+    return Fail(call, DIOND_OPS_INTERNAL, "host-test device: ApplyUpdate decay != 1 - lr_wd");
+  }
+  ApplyUpdateParams p;
+  p.alpha = c->alpha;
+  p.lr_wd = c->lr_wd;
+  p.cautious = c->cautious != 0;
+  p.round_bf16 = c->round_bf16 != 0;
+  return FromStatus(call, kernels::ApplyUpdate(Cpu(), p, In(update), In(x_in), Out(x)));
+}
+int NormalizeNeurons(const DiondOpsCall* call, float w, DiondOut o, DiondOut v) {
+  DIOND_TEST_OP_BEGIN;
+  return FromStatus(call, kernels::NormalizeNeurons(Cpu(), w, Out(o), Out(v)));
+}
+int CopyWithChange(const DiondOpsCall* call, DiondIn src, DiondOut dst, DiondOut update_sq) {
+  DIOND_TEST_OP_BEGIN;
+  return FromStatus(call, kernels::CopyWithChange(Cpu(), In(src), Out(dst), Out(update_sq)));
+}
+int AllFinite(const DiondOpsCall* call, DiondIn x, int32_t* all_finite) {
+  DIOND_TEST_OP_BEGIN;
+  bool f = false;
+  const int rc = FromStatus(call, kernels::AllFinite(Cpu(), In(x), &f));
+  *all_finite = f ? 1 : 0;
+  return rc;
+}
+int WidenScaleCheckFinite(const DiondOpsCall* call, DiondIn x, float scale, DiondOut out,
+                          int32_t* all_finite) {
+  DIOND_TEST_OP_BEGIN;
+  bool f = false;
+  const int rc =
+      FromStatus(call, kernels::WidenScaleCheckFinite(Cpu(), In(x), scale, Out(out), &f));
+  *all_finite = f ? 1 : 0;
+  return rc;
+}
+int Fnv1aChecksum(const DiondOpsCall* call, DiondIn x, uint64_t* checksum) {
+  DIOND_TEST_OP_BEGIN;
+  return FromStatus(call, kernels::Fnv1aChecksum(Cpu(), In(x), checksum));
 }
 
 #undef DIOND_TEST_OP_BEGIN
@@ -346,7 +409,6 @@ const DiondOpsApiV1 kOps = {
     &RandomizedCholeskyQr,
     &FrobeniusNorm,
     &AxisNorms,
-    &TopK,
     &TopKByL1Norm,
     &IsAllZero,
     &Gather,
@@ -355,14 +417,21 @@ const DiondOpsApiV1 kOps = {
     &Fill,
     &Axpby,
     &AddScalar,
-    &Lerp,
     &Unary,
     &Binary,
-    &CautiousWeightDecay,
     &AdamWStep,
     &LionStep,
     &AddToDiagonal,
     &Bf16RoundedAxpby,
+    &AdamWStepTracked,
+    &LionStepTracked,
+    &MomentumUpdate,
+    &ApplyUpdate,
+    &NormalizeNeurons,
+    &CopyWithChange,
+    &AllFinite,
+    &WidenScaleCheckFinite,
+    &Fnv1aChecksum,
 };
 
 }  // namespace

@@ -26,9 +26,8 @@ NcclCommunicator::~NcclCommunicator() {
 
 absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
     const DiondCudaPluginV1* plugin, KeyValueStore* kv, const NcclOptions& options) {
-  if (plugin == nullptr || plugin->abi_minor < 1 || plugin->nccl == nullptr) {
-    return absl::FailedPreconditionError(
-        "the CUDA plugin has no NCCL communicators (plugin ABI minor < 1)");
+  if (plugin == nullptr || plugin->nccl == nullptr) {
+    return absl::FailedPreconditionError("the CUDA plugin has no NCCL communicators");
   }
   if (options.size < 1 || options.rank < 0 || options.rank >= options.size) {
     return absl::InvalidArgumentError(

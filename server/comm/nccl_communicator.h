@@ -35,7 +35,7 @@ struct NcclOptions {
 
 class NcclCommunicator final : public Communicator {
  public:
-  // FAILED_PRECONDITION if the plugin has no NCCL table (ABI minor < 1); UNAVAILABLE if the id
+  // FAILED_PRECONDITION if the plugin has no NCCL table; UNAVAILABLE if the id
   // exchange or NCCL's init fails or times out.
   static absl::StatusOr<std::unique_ptr<NcclCommunicator>> Create(const DiondCudaPluginV1* plugin,
                                                                   KeyValueStore* kv,
