@@ -370,18 +370,18 @@ int CopyWithChange(const DiondOpsCall* call, DiondIn src, DiondOut dst, DiondOut
 int AllFinite(const DiondOpsCall* call, DiondIn x, int32_t* all_finite) {
   DIOND_TEST_OP_BEGIN;
   bool f = false;
-  const int rc = FromStatus(call, kernels::AllFinite(Cpu(), In(x), &f));
+  const int code = FromStatus(call, kernels::AllFinite(Cpu(), In(x), &f));
   *all_finite = f ? 1 : 0;
-  return rc;
+  return code;
 }
 int WidenScaleCheckFinite(const DiondOpsCall* call, DiondIn x, float scale, DiondOut out,
                           int32_t* all_finite) {
   DIOND_TEST_OP_BEGIN;
   bool f = false;
-  const int rc =
+  const int code =
       FromStatus(call, kernels::WidenScaleCheckFinite(Cpu(), In(x), scale, Out(out), &f));
   *all_finite = f ? 1 : 0;
-  return rc;
+  return code;
 }
 int Fnv1aChecksum(const DiondOpsCall* call, DiondIn x, uint64_t* checksum) {
   DIOND_TEST_OP_BEGIN;
