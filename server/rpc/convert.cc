@@ -103,7 +103,10 @@ void SessionInfoToProto(const session::SessionInfo& info, absl::Time now, v1::Se
   }
 }
 
-absl::Status ApplyHyperparameters(const v1::Hyperparameters& h, optim::Hyperparams* out) {
+absl::Status ApplyHyperparameters(const v1::Hyperparameters& h, optim::Hyperparams* result) {
+  // Into a copy, so that a refused message changes nothing (found by hyperparameters_fuzz).
+  optim::Hyperparams copy = *result;
+  optim::Hyperparams* out = &copy;
 #define DIOND_HP(field)                                 \
   if (h.has_##field()) {                                \
     DIOND_RETURN_IF_ERROR(Finite(#field, h.field()));   \
@@ -156,7 +159,28 @@ absl::Status ApplyHyperparameters(const v1::Hyperparameters& h, optim::Hyperpara
       return absl::InvalidArgumentError(
           absl::StrCat("orthogonalizer ", h.orthogonalizer(), " is unknown"));
   }
+  *result = copy;
   return absl::OkStatus();
+}
+
+absl::StatusOr<HyperparameterChange> HyperparameterChangeFromProto(
+    const v1::SetHyperparametersRequest& req) {
+  const v1::Hyperparameters& h = req.hyperparameters();
+  // Only the step-size knobs change mid-session today; refusing the rest is better than
+  // silently ignoring them.
+  v1::Hyperparameters rest = h;
+  rest.clear_lr();
+  rest.clear_weight_decay();
+  if (rest.ByteSizeLong() != 0) {
+    return absl::InvalidArgumentError(
+        "SetHyperparameters changes lr and weight_decay only; other fields are fixed at "
+        "CreateSession");
+  }
+  HyperparameterChange c;
+  c.group = req.group();
+  if (h.has_lr()) c.lr = h.lr();
+  if (h.has_weight_decay()) c.weight_decay = h.weight_decay();
+  return c;
 }
 
 absl::StatusOr<session::SessionSpec> SpecFromProto(const v1::CreateSessionRequest& req) {

@@ -408,21 +408,10 @@ grpc::ServerUnaryReactor* OptimizerService::SetHyperparameters(
   if (!p.ok()) return Finish(ctx, p.status());
   auto s = Owned(manager_, *p, req->session_id());
   if (!s.ok()) return Finish(ctx, s.status());
-  const v1::Hyperparameters& h = req->hyperparameters();
-  // Only the step-size knobs change mid-session today; refusing the rest is better than
-  // silently ignoring them.
-  v1::Hyperparameters rest = h;
-  rest.clear_lr();
-  rest.clear_weight_decay();
-  if (rest.ByteSizeLong() != 0) {
-    return Finish(ctx, absl::InvalidArgumentError(
-                           "SetHyperparameters changes lr and weight_decay only; other fields "
-                           "are fixed at CreateSession"));
-  }
-  std::optional<double> lr, wd;
-  if (h.has_lr()) lr = h.lr();
-  if (h.has_weight_decay()) wd = h.weight_decay();
-  return Finish(ctx, (*s)->SetGroupHyperparameters(req->group(), lr, wd));
+  auto change = HyperparameterChangeFromProto(*req);
+  if (!change.ok()) return Finish(ctx, change.status());
+  return Finish(ctx, (*s)->SetGroupHyperparameters(change->group, change->lr,
+                                                   change->weight_decay));
 }
 
 grpc::ServerWriteReactor<v1::TensorChunk>* OptimizerService::GetState(

@@ -225,6 +225,13 @@ TEST(SessionNames, ValidNamesAndWhyOthersAreRefused) {
   }
 }
 
+// Found by manifest_fuzz: a control character in a session name reached the message raw.
+TEST(SessionNames, TheRefusalStaysOneLine) {
+  absl::Status s = ValidateSessionName("runs/line\nbreak\r\x1b[31m");
+  EXPECT_THAT(s, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("runs/line?break")));
+  EXPECT_EQ(std::string(s.message()).find_first_of("\n\r\x1b"), std::string::npos) << s;
+}
+
 TEST(SessionManager, AttachKeepsTheWeightsAndChecksTheOwnerHook) {
   auto m = SessionManager::Create({});
   ASSERT_THAT(m, IsOk());
