@@ -183,6 +183,39 @@ absl::StatusOr<HyperparameterChange> HyperparameterChangeFromProto(
   return c;
 }
 
+session::StepRequest StepRequestFromProto(const v1::StepRequest& req) {
+  session::StepRequest sr;
+  sr.step_index = req.step_index();
+  sr.gradient_scale = req.gradient_scale();
+  for (const auto& [group, lr] : req.lr_override()) sr.lr_override[group] = lr;
+  for (const auto& [group, n] : req.group_step()) sr.group_step[group] = n;
+  return sr;
+}
+
+absl::StatusOr<session::Role> RegionRoleFromProto(const v1::RegisterRegionRequest& req) {
+  session::Role role;
+  switch (req.role()) {
+    case v1::REGION_ROLE_PARAMETERS: role = session::Role::kParameters; break;
+    case v1::REGION_ROLE_GRADIENTS: role = session::Role::kGradients; break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("role ", req.role(), " is not REGION_ROLE_PARAMETERS or GRADIENTS"));
+  }
+  if (req.kind() != v1::REGION_KIND_SYSTEM_SHM) {
+    if (req.kind() == v1::REGION_KIND_CUDA_IPC || req.kind() == v1::REGION_KIND_CUDA_VMM_FD ||
+        req.kind() == v1::REGION_KIND_MEMFD) {
+      return absl::UnimplementedError(absl::StrCat(
+          "region kind ", v1::RegionKind_Name(req.kind()),
+          " is reserved; this build maps REGION_KIND_SYSTEM_SHM only"));
+    }
+    return absl::InvalidArgumentError(absl::StrCat("region kind ", req.kind(), " is not known"));
+  }
+  if (!req.has_system_shm()) {
+    return absl::InvalidArgumentError("REGION_KIND_SYSTEM_SHM needs system_shm");
+  }
+  return role;
+}
+
 absl::StatusOr<session::SessionSpec> SpecFromProto(const v1::CreateSessionRequest& req) {
   session::SessionSpec spec;
   switch (req.non_finite_policy()) {

@@ -35,6 +35,14 @@ struct HyperparameterChange {
 absl::StatusOr<HyperparameterChange> HyperparameterChangeFromProto(
     const v1::SetHyperparametersRequest& req);
 
+// Step: the request as the session takes it (the session validates it against its state).
+session::StepRequest StepRequestFromProto(const v1::StepRequest& req);
+
+// RegisterRegion: the role, once the kind is one this build maps (REGION_KIND_SYSTEM_SHM with
+// system_shm set). INVALID_ARGUMENT for an unknown role or kind, UNIMPLEMENTED for a kind the
+// proto reserves. (Whether the caller may register shared memory is the service's check.)
+absl::StatusOr<session::Role> RegionRoleFromProto(const v1::RegisterRegionRequest& req);
+
 }  // namespace diond::rpc
 
 #endif  // DIOND_SERVER_RPC_CONVERT_H_

@@ -14,7 +14,7 @@
 //  - every error message is bounded and one line.
 // Input: one byte (world size 1..4), then records of one byte (the request: 0 Set, 1 Get, 2 Wait,
 // 3 Join, 4 Heartbeat, 5 GetMembership), two bytes of length (little-endian) and that many bytes
-// of the request's wire form; encode_peer_seed.py writes such inputs from text.
+// of the request's wire form; encode_records.py writes such inputs from text.
 
 #include <algorithm>
 #include <atomic>
