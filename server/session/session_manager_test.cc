@@ -103,6 +103,18 @@ TEST(SessionManager, IdleSessionsAreClosedAndCheckpointedFirst) {
   EXPECT_EQ((*state)[0].data, params[0].data);
 }
 
+// Found by session_fuzz: a control character in a LoadCheckpoint path reached the message raw.
+TEST(SessionManager, CheckpointPathsAreEchoedOnOneLine) {
+  ManagerOptions o;
+  o.state_dir = TempDir();
+  auto m = SessionManager::Create(o);
+  ASSERT_THAT(m, IsOk());
+  auto loaded = (*m)->LoadCheckpoint("no\nsuch\r/step-1");
+  EXPECT_THAT(loaded.status(), StatusIs(absl::StatusCode::kNotFound, HasSubstr("no?such?")));
+  EXPECT_EQ(std::string(loaded.status().message()).find_first_of("\n\r"), std::string::npos);
+  EXPECT_TRUE((*m)->List().empty());
+}
+
 TEST(SessionManager, CheckpointsAreRecordedAndFailuresReported) {
   std::string dir = TempDir();
   ManagerOptions o;
