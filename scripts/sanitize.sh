@@ -69,6 +69,21 @@ if [ -f "$root/tests/sanitizer/tsan.supp" ]; then
   export TSAN_OPTIONS=suppressions=$root/tests/sanitizer/tsan.supp:$TSAN_OPTIONS
 fi
 
+# Tests that cannot pass under ASan for reasons outside diond's code (docs/DEVELOPMENT.md
+# "Fuzzing and sanitizers"), left out of address builds; SAN_EXCLUDE= (empty) runs them too:
+#  - every test that scrapes a daemon's /metrics: Debian's civetweb (prometheus-cpp's HTTP
+#    server, not instrumented) runs its workers on a small fixed stack, which glibc's
+#    printf_positional overflows under ASan (a stack-overflow report on the first scrape);
+#  - ShmRegionDeathTest.AFaultOutsideEveryRegionStillCrashes: the guard chains a SIGBUS outside
+#    every region to the previous handler, which under ASan is ASan's (a report, exit 1, not
+#    death by SIGBUS);
+#  - client_package_consumer_test: it builds a consumer of the installed package without the
+#    sanitizer flags, which cannot link against instrumented libraries.
+asan_exclude='^(DaemonProcess\.|W/WorldDaemons\.|prometheus_scrape_test|diondctl_test|metric_catalogue_test|dashboard_query_test|ShmRegionDeathTest\.|client_package_consumer_test)'
+exclude=${SAN_EXCLUDE-}
+if [ -z "${SAN_EXCLUDE+set}" ] && [[ $san == *address* ]]; then exclude=$asan_exclude; fi
+[ -n "$exclude" ] && ctest_args+=(-E "$exclude") && echo "sanitize: not run here: $exclude"
+
 status=0
 ctest --test-dir "$build" "${ctest_args[@]}" -j"${DIOND_JOBS:-2}" --timeout 1800 \
   --output-on-failure || status=1
