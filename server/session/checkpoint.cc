@@ -601,8 +601,9 @@ int OpenInDir(int dirfd, const char* name) {
 // replaced the directory meanwhile (the caller opens the path again).
 absl::StatusOr<SessionSnapshot> ReadCheckpointOnce(const CheckpointDir& dir, bool* retry) {
   *retry = false;
-  const std::string manifest_path = absl::StrCat(dir.path(), "/", kManifest);
-  const std::string tensors_path = absl::StrCat(dir.path(), "/", kTensors);
+  // For messages only (bounded, one line: found by session_fuzz).
+  const std::string manifest_path = absl::StrCat(Echo(dir.path()), "/", kManifest);
+  const std::string tensors_path = absl::StrCat(Echo(dir.path()), "/", kTensors);
   Fd mfd(OpenInDir(dir.fd(), kManifest));
   const int merr = errno;
   Fd tfd(OpenInDir(dir.fd(), kTensors));

@@ -450,11 +450,11 @@ absl::StatusOr<StepResult> Session::Step(const StepRequest& request,
     for (const Group& g : groups_) known |= g.name == group;
     if (!known) {
       return absl::InvalidArgumentError(absl::StrCat("group_step names unknown group '",
-                                                     group.substr(0, 64), "'"));
+                                                     Bounded(group.substr(0, 64)), "'"));
     }
     if (n < 1) {
       return absl::InvalidArgumentError(
-          absl::StrCat("group_step['", group, "'] = ", n, " must be >= 1"));
+          absl::StrCat("group_step['", Bounded(group), "'] = ", n, " must be >= 1"));
     }
   }
   if (!params_.bound() && pending_params_.empty()) {

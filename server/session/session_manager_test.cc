@@ -115,6 +115,21 @@ TEST(SessionManager, CheckpointPathsAreEchoedOnOneLine) {
   EXPECT_TRUE((*m)->List().empty());
 }
 
+// Found by session_fuzz: Step echoed an unknown group_step name raw.
+TEST(SessionManager, StepEchoesGroupNamesOnOneLine) {
+  auto m = SessionManager::Create({});
+  ASSERT_THAT(m, IsOk());
+  auto s = (*m)->CreateSession(SmallSpec());
+  ASSERT_THAT(s, IsOk());
+  StepRequest r;
+  r.step_index = 1;
+  r.group_step["no\npe"] = 0;
+  auto step = (*m)->Step((*s)->id(), r);
+  EXPECT_THAT(step.status(), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("no?pe")));
+  EXPECT_EQ(std::string(step.status().message()).find('\n'), std::string::npos);
+  EXPECT_EQ((*s)->last_step_index(), 0);
+}
+
 TEST(SessionManager, CheckpointsAreRecordedAndFailuresReported) {
   std::string dir = TempDir();
   ManagerOptions o;
