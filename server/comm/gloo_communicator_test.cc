@@ -150,7 +150,10 @@ TEST(GlooCommunicator, SlowRankStillGetsEachCallsDataWhenItsPeerIsOneCallAhead) 
        }},
   };
   int case_number = 0;
-  for (const auto& [name, op] : ops) {
+  for (const auto& entry : ops) {
+    // Not a structured binding: a lambda may not capture one in C++17 (clang refuses).
+    const std::string& name = entry.first;
+    const Op& op = entry.second;
     SCOPED_TRACE(name);
     MemoryKeyValueStore kv;
     const std::string prefix = absl::StrCat("t5-", case_number++, "/");

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/bounded.h"
 #include "common/logging.h"
 #include "openssl/crypto.h"
 
@@ -112,7 +113,7 @@ absl::StatusOr<MembershipView> Coordinator::Join(const JoinArgs& a) {
   }
   if (s.info.live && s.info.incarnation != a.incarnation) {
     return absl::AlreadyExistsError(absl::StrCat(
-        "rank ", a.rank, " is already held by a live daemon at ", s.info.address,
+        "rank ", a.rank, " is already held by a live daemon at ", Bounded(s.info.address),
         " (incarnation ", absl::Hex(s.info.incarnation), "); a duplicate --rank, or a restarted "
         "daemon whose predecessor is not yet declared lost"));
   }

@@ -111,6 +111,16 @@ TEST(Coordinator, ForgedJoinsAndHeartbeatsWithoutTheProofAreRefused) {
   EXPECT_THAT(c.Join(J(1, 2, "h1", 2)).status(), IsOk());
 }
 
+// Found by peer_fuzz: the refusal of a second daemon echoed the holder's address raw.
+TEST(Coordinator, TheHoldersAddressIsEchoedOnOneLine) {
+  Coordinator c(Opts(2));
+  ASSERT_THAT(c.Join(J(1, 2, "10.0.0.1\nX-Injected: 1", 7)), IsOk());
+  auto second = c.Join(J(1, 2, "10.0.0.2", 8));
+  EXPECT_THAT(second.status(),
+              StatusIs(absl::StatusCode::kAlreadyExists, ::testing::HasSubstr("10.0.0.1?X-Injected")));
+  EXPECT_EQ(std::string(second.status().message()).find('\n'), std::string::npos);
+}
+
 TEST(Coordinator, AddressesAreLengthBounded) {
   Coordinator c(Opts(1));
   auto big = c.Join(J(0, 1, std::string(3 << 20, 'a'), 7));  // Found 2: a 3 MiB address

@@ -53,7 +53,7 @@ absl::Status MemoryKeyValueStore::Set(absl::string_view key, absl::string_view v
     }
     if (value_bytes > limits_.max_value_bytes) {
       return absl::ResourceExhaustedError(absl::StrCat(
-          "value of rendezvous key '", key, "' is ", value_bytes, " bytes, over the limit of ",
+          "value of rendezvous key '", Bounded(key), "' is ", value_bytes, " bytes, over the limit of ",
           limits_.max_value_bytes, " (--world_max_value_bytes)"));
     }
     absl::MutexLock lock(&mu_);
@@ -63,11 +63,11 @@ absl::Status MemoryKeyValueStore::Set(absl::string_view key, absl::string_view v
     if (it == data_.end() && static_cast<int64_t>(data_.size()) >= limits_.max_keys) {
       return absl::ResourceExhaustedError(
           absl::StrCat("the rendezvous store holds ", data_.size(), " keys, the limit ",
-                       "(--world_max_keys); key '", key, "' was not stored"));
+                       "(--world_max_keys); key '", Bounded(key), "' was not stored"));
     }
     if (bytes_ - old_bytes + key_bytes + value_bytes > limits_.max_bytes) {
       return absl::ResourceExhaustedError(absl::StrCat(
-          "storing key '", key, "' would take the rendezvous store to ",
+          "storing key '", Bounded(key), "' would take the rendezvous store to ",
           bytes_ - old_bytes + key_bytes + value_bytes, " bytes, over the limit of ",
           limits_.max_bytes, " (--world_max_store_bytes)"));
     }

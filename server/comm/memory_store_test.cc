@@ -22,6 +22,24 @@ TEST(MemoryKeyValueStore, SetGetOverwrite) {
   EXPECT_EQ(*s.Get("a"), std::string("2\0x", 3));
 }
 
+// Found by peer_fuzz: refusals echoed the key raw (a newline in it split the message).
+TEST(MemoryKeyValueStore, RefusalsEchoTheKeyBoundedAndOnOneLine) {
+  StoreLimits limits;
+  limits.max_value_bytes = 4;
+  limits.max_keys = 1;
+  MemoryKeyValueStore store(limits);
+  absl::Status big = store.Set("line\nbreak", "too long");
+  EXPECT_THAT(big, StatusIs(absl::StatusCode::kResourceExhausted, ::testing::HasSubstr("line?break")));
+  ASSERT_THAT(store.Set("a", "v"), IsOk());
+  absl::Status full = store.Set(std::string(300, 'k') + "\n", "v");
+  EXPECT_THAT(full, StatusIs(absl::StatusCode::kResourceExhausted));
+  for (const absl::Status& s : {big, full}) {
+    EXPECT_EQ(std::string(s.message()).find('\n'), std::string::npos) << s;
+    EXPECT_LT(s.message().size(), 400u) << s;
+  }
+  EXPECT_EQ(store.size(), 1u);
+}
+
 TEST(MemoryKeyValueStore, WaitReturnsWhenKeysArrive) {
   MemoryKeyValueStore s;
   std::thread t([&] {

@@ -103,7 +103,10 @@ void SessionInfoToProto(const session::SessionInfo& info, absl::Time now, v1::Se
   }
 }
 
-absl::Status ApplyHyperparameters(const v1::Hyperparameters& h, optim::Hyperparams* out) {
+absl::Status ApplyHyperparameters(const v1::Hyperparameters& h, optim::Hyperparams* result) {
+  // Into a copy, so that a refused message changes nothing (found by hyperparameters_fuzz).
+  optim::Hyperparams copy = *result;
+  optim::Hyperparams* out = &copy;
 #define DIOND_HP(field)                                 \
   if (h.has_##field()) {                                \
     DIOND_RETURN_IF_ERROR(Finite(#field, h.field()));   \
@@ -156,7 +159,64 @@ absl::Status ApplyHyperparameters(const v1::Hyperparameters& h, optim::Hyperpara
       return absl::InvalidArgumentError(
           absl::StrCat("orthogonalizer ", h.orthogonalizer(), " is unknown"));
   }
+  *result = copy;
   return absl::OkStatus();
+}
+
+absl::StatusOr<HyperparameterChange> HyperparameterChangeFromProto(
+    const v1::SetHyperparametersRequest& req) {
+  const v1::Hyperparameters& h = req.hyperparameters();
+  // Only the step-size knobs change mid-session today; refusing the rest is better than
+  // silently ignoring them.
+  v1::Hyperparameters rest = h;
+  rest.clear_lr();
+  rest.clear_weight_decay();
+  if (rest.ByteSizeLong() != 0) {
+    return absl::InvalidArgumentError(
+        "SetHyperparameters changes lr and weight_decay only; other fields are fixed at "
+        "CreateSession");
+  }
+  HyperparameterChange c;
+  c.group = req.group();
+  if (h.has_lr()) c.lr = h.lr();
+  if (h.has_weight_decay()) c.weight_decay = h.weight_decay();
+  return c;
+}
+
+session::StepRequest StepRequestFromProto(const v1::StepRequest& req) {
+  session::StepRequest sr;
+  sr.step_index = req.step_index();
+  sr.gradient_scale = req.gradient_scale();
+  for (const auto& [group, lr] : req.lr_override()) sr.lr_override[group] = lr;
+  for (const auto& [group, n] : req.group_step()) sr.group_step[group] = n;
+  return sr;
+}
+
+absl::StatusOr<session::Role> RegionRoleFromProto(const v1::RegisterRegionRequest& req) {
+  session::Role role;
+  switch (req.role()) {
+    case v1::REGION_ROLE_PARAMETERS: role = session::Role::kParameters; break;
+    case v1::REGION_ROLE_GRADIENTS: role = session::Role::kGradients; break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("role ", req.role(), " is not REGION_ROLE_PARAMETERS or GRADIENTS"));
+  }
+  switch (req.kind()) {
+    case v1::REGION_KIND_SYSTEM_SHM:
+      if (!req.has_system_shm()) {
+        return absl::InvalidArgumentError("REGION_KIND_SYSTEM_SHM needs system_shm");
+      }
+      break;
+    case v1::REGION_KIND_MEMFD:
+      if (!req.has_memfd()) return absl::InvalidArgumentError("REGION_KIND_MEMFD needs memfd");
+      break;
+    case v1::REGION_KIND_CUDA_IPC:
+    case v1::REGION_KIND_CUDA_VMM_FD:
+      break;  // their fields are the service's check (a CPU daemon refuses them)
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("region kind ", req.kind(), " is not known"));
+  }
+  return role;
 }
 
 absl::StatusOr<session::SessionSpec> SpecFromProto(const v1::CreateSessionRequest& req) {

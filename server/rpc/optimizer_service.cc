@@ -11,6 +11,7 @@
 #include "common/bounded.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "server/rpc/chunk_collector.h"
 #include "server/rpc/convert.h"
 #include "server/rpc/status_conversion.h"
 #include "server/session/gpu_uuid.h"
@@ -44,32 +45,22 @@ absl::StatusOr<std::shared_ptr<session::Session>> Owned(session::SessionManager*
   return s;
 }
 
-// Collects the chunks of a client stream, then hands them to `apply` once the client has
-// finished. A cancelled (truncated) stream applies nothing: OnReadDone(false) means either a
-// half-close or a cancellation, so the context is asked which (without the check, a client
-// that cancelled after sending complete tensors saw CANCELLED while its writes were applied).
-//
-// Nothing is buffered that could not be applied (issue 13, "Found 7"): the first chunk must
-// name an existing session, every chunk must name one of its tensors and lie inside it
-// (Session::CheckStreamChunk), and the bytes buffered are bounded by the tensors the session
-// can take in this stream and by --max_stream_bytes. The first violation ends the stream.
+// Collects the chunks of a client stream (ChunkCollector: each is checked before it is buffered),
+// then hands them to `apply` once the client has finished. A cancelled (truncated) stream
+// applies nothing: OnReadDone(false) means either a half-close or a cancellation, so the
+// context is asked which (without the check, a client that cancelled after sending complete
+// tensors saw CANCELLED while its writes were applied).
 class ChunkReader : public grpc::ServerReadReactor<v1::TensorChunk> {
  public:
   using Apply = std::function<absl::Status(const std::string& session,
                                            std::vector<session::TensorWrite> writes,
                                            int64_t bytes, int64_t chunks)>;
-  using Check = std::function<absl::Status(const std::string& session)>;
-  // `check` runs on the first chunk's session id (authentication and ownership) before anything
-  // is buffered.
   ChunkReader(grpc::CallbackServerContext* ctx, session::SessionManager* manager,
-              session::StreamKind kind, const OptimizerServiceOptions& options, Check check,
-              Apply apply)
+              session::StreamKind kind, const OptimizerServiceOptions& options,
+              ChunkCollector::Check check, Apply apply)
       : ctx_(ctx),
-        manager_(manager),
-        check_(std::move(check)),
-        kind_(kind),
-        max_chunk_bytes_(options.max_chunk_bytes),
-        max_stream_bytes_(options.max_stream_bytes),
+        collector_(manager, kind, options.max_chunk_bytes, options.max_stream_bytes,
+                   std::move(check)),
         apply_(std::move(apply)) {
     StartRead(&chunk_);
   }
@@ -81,59 +72,14 @@ class ChunkReader : public grpc::ServerReadReactor<v1::TensorChunk> {
         return;
       }
       // The client half-closed: the stream is complete.
-      Finish(ToGrpcStatus(apply_(session_, std::move(writes_), bytes_, chunks_)));
+      Finish(ToGrpcStatus(apply_(collector_.session(), collector_.TakeWrites(),
+                                 collector_.bytes(), collector_.chunks())));
       return;
     }
-    if (chunks_ == 0) {
-      session_ = chunk_.session_id();
-      if (session_.empty()) {
-        Finish(ToGrpcStatus(absl::InvalidArgumentError("the first chunk must carry session_id")));
-        return;
-      }
-      if (absl::Status c = check_(session_); !c.ok()) {
-        Finish(ToGrpcStatus(c));
-        return;
-      }
-      auto s = manager_->Get(session_);
-      if (!s.ok()) {
-        Finish(ToGrpcStatus(s.status()));
-        return;
-      }
-      target_ = *std::move(s);
-      limit_ = target_->StreamBytesLimit(kind_);
-    } else if (!chunk_.session_id().empty() && chunk_.session_id() != session_) {
-      Finish(ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
-          "chunk ", chunks_, " names session '", Bounded(chunk_.session_id()),
-          "'; a stream writes into the session its first chunk names"))));
-      return;
-    }
-    const int64_t len = static_cast<int64_t>(chunk_.data().size());
-    if (len > max_chunk_bytes_) {
-      Finish(ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
-          "chunk of '", Bounded(chunk_.name()), "' has ", len, " bytes; the limit is ",
-          max_chunk_bytes_))));
-      return;
-    }
-    if (absl::Status c = target_->CheckStreamChunk(kind_, chunk_.name(), chunk_.offset_bytes(), len);
-        !c.ok()) {
+    if (absl::Status c = collector_.Add(&chunk_); !c.ok()) {
       Finish(ToGrpcStatus(c));
       return;
     }
-    if (bytes_ + len > limit_) {
-      Finish(ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
-          "the stream carries more than the ", limit_, " bytes of tensors session ", session_,
-          " can take in it (a tensor is sent twice)"))));
-      return;
-    }
-    if (max_stream_bytes_ > 0 && bytes_ + len > max_stream_bytes_) {
-      Finish(ToGrpcStatus(absl::ResourceExhaustedError(absl::StrCat(
-          "the stream carries more than --max_stream_bytes=", max_stream_bytes_,
-          " bytes; send the tensors in several streams, or use shared memory"))));
-      return;
-    }
-    ++chunks_;
-    bytes_ += len;
-    writes_.push_back({chunk_.name(), chunk_.offset_bytes(), std::move(*chunk_.mutable_data())});
     StartRead(&chunk_);
   }
 
@@ -141,19 +87,9 @@ class ChunkReader : public grpc::ServerReadReactor<v1::TensorChunk> {
 
  private:
   grpc::CallbackServerContext* ctx_;
-  session::SessionManager* manager_;
-  Check check_;
-  session::StreamKind kind_;
-  int64_t max_chunk_bytes_;
-  int64_t max_stream_bytes_;
+  ChunkCollector collector_;
   Apply apply_;
   v1::TensorChunk chunk_;
-  std::string session_;
-  std::shared_ptr<session::Session> target_;
-  int64_t limit_ = 0;
-  std::vector<session::TensorWrite> writes_;
-  int64_t bytes_ = 0;
-  int64_t chunks_ = 0;
 };
 
 // Writes a precomputed sequence of chunks, one at a time (flow-controlled by gRPC). `next`
@@ -260,20 +196,11 @@ grpc::ServerUnaryReactor* OptimizerService::RegisterRegion(grpc::CallbackServerC
   if (!p.ok()) return Finish(ctx, p.status());
   auto s = Owned(manager_, *p, req->session_id());
   if (!s.ok()) return Finish(ctx, s.status());
-  session::Role role;
-  switch (req->role()) {
-    case v1::REGION_ROLE_PARAMETERS: role = session::Role::kParameters; break;
-    case v1::REGION_ROLE_GRADIENTS: role = session::Role::kGradients; break;
-    default:
-      return Finish(ctx, absl::InvalidArgumentError(absl::StrCat(
-                             "role ", req->role(), " is not REGION_ROLE_PARAMETERS or GRADIENTS")));
-  }
+  auto role_or = RegionRoleFromProto(*req);
+  if (!role_or.ok()) return Finish(ctx, role_or.status());
+  const session::Role role = *role_or;
   switch (req->kind()) {
-    case v1::REGION_KIND_SYSTEM_SHM: break;
     case v1::REGION_KIND_MEMFD: {
-      if (!req->has_memfd()) {
-        return Finish(ctx, absl::InvalidArgumentError("REGION_KIND_MEMFD needs memfd"));
-      }
       auto id = RegisterMemfd(*p, s->get(), role, req->memfd());
       if (!id.ok()) return Finish(ctx, id.status());
       resp->set_region_id(*id);
@@ -283,11 +210,7 @@ grpc::ServerUnaryReactor* OptimizerService::RegisterRegion(grpc::CallbackServerC
     case v1::REGION_KIND_CUDA_VMM_FD:
       return Finish(ctx, RefuseCuda(*p, *req));
     default:
-      return Finish(ctx, absl::InvalidArgumentError(
-                             absl::StrCat("region kind ", req->kind(), " is not known")));
-  }
-  if (!req->has_system_shm()) {
-    return Finish(ctx, absl::InvalidArgumentError("REGION_KIND_SYSTEM_SHM needs system_shm"));
+      break;  // REGION_KIND_SYSTEM_SHM, below
   }
   if (!options_.allow_shm_from_tcp && !p->local) {
     return Finish(ctx, absl::PermissionDeniedError(absl::StrCat(
@@ -402,12 +325,7 @@ grpc::ServerUnaryReactor* OptimizerService::Step(grpc::CallbackServerContext* ct
   auto p = auth_->Authenticate(*ctx);
   if (!p.ok()) return Finish(ctx, p.status());
   if (auto o = Owned(manager_, *p, req->session_id()); !o.ok()) return Finish(ctx, o.status());
-  session::StepRequest sr;
-  sr.step_index = req->step_index();
-  sr.gradient_scale = req->gradient_scale();
-  for (const auto& [group, lr] : req->lr_override()) sr.lr_override[group] = lr;
-  for (const auto& [group, n] : req->group_step()) sr.group_step[group] = n;
-  auto r = manager_->Step(req->session_id(), sr);
+  auto r = manager_->Step(req->session_id(), StepRequestFromProto(*req));
   if (!r.ok()) return Finish(ctx, r.status());
   resp->set_step_index(r->step_index);
   resp->set_skipped(r->skipped);
@@ -502,21 +420,10 @@ grpc::ServerUnaryReactor* OptimizerService::SetHyperparameters(
   if (!p.ok()) return Finish(ctx, p.status());
   auto s = Owned(manager_, *p, req->session_id());
   if (!s.ok()) return Finish(ctx, s.status());
-  const v1::Hyperparameters& h = req->hyperparameters();
-  // Only the step-size knobs change mid-session today; refusing the rest is better than
-  // silently ignoring them.
-  v1::Hyperparameters rest = h;
-  rest.clear_lr();
-  rest.clear_weight_decay();
-  if (rest.ByteSizeLong() != 0) {
-    return Finish(ctx, absl::InvalidArgumentError(
-                           "SetHyperparameters changes lr and weight_decay only; other fields "
-                           "are fixed at CreateSession"));
-  }
-  std::optional<double> lr, wd;
-  if (h.has_lr()) lr = h.lr();
-  if (h.has_weight_decay()) wd = h.weight_decay();
-  return Finish(ctx, (*s)->SetGroupHyperparameters(req->group(), lr, wd));
+  auto change = HyperparameterChangeFromProto(*req);
+  if (!change.ok()) return Finish(ctx, change.status());
+  return Finish(ctx, (*s)->SetGroupHyperparameters(change->group, change->lr,
+                                                   change->weight_decay));
 }
 
 grpc::ServerWriteReactor<v1::TensorChunk>* OptimizerService::GetState(

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "server/rpc/auth.h"
+#include "server/rpc/peer_requests.h"
 #include "server/rpc/status_conversion.h"
 
 namespace diond::rpc {
@@ -15,9 +16,6 @@ grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* ctx, const absl::S
   r->Finish(ToGrpcStatus(s));
   return r;
 }
-
-// Longest a single Wait may park (clients loop for longer waits).
-constexpr int64_t kMaxWaitMs = 10 * 60 * 1000;
 
 }  // namespace
 
@@ -54,7 +52,7 @@ grpc::ServerUnaryReactor* PeerService::Set(grpc::CallbackServerContext* ctx,
   if (absl::Status a = CheckWorldCredential(*ctx, world_secret_, mtls_); !a.ok()) {
     return Finish(ctx, a);
   }
-  if (req->key().empty()) return Finish(ctx, absl::InvalidArgumentError("key is empty"));
+  if (absl::Status c = CheckPeerSet(*req); !c.ok()) return Finish(ctx, c);
   return Finish(ctx, coordinator_->store()->Set(req->key(), req->value()));
 }
 
@@ -74,26 +72,10 @@ grpc::ServerUnaryReactor* PeerService::Wait(grpc::CallbackServerContext* ctx,
   if (absl::Status a = CheckWorldCredential(*ctx, world_secret_, mtls_); !a.ok()) {
     return Finish(ctx, a);
   }
-  if (req->timeout_ms() < 0 || req->timeout_ms() > kMaxWaitMs) {
-    return Finish(ctx, absl::InvalidArgumentError(absl::StrCat(
-                           "timeout_ms ", req->timeout_ms(), " outside [0, ", kMaxWaitMs, "]")));
-  }
-  const comm::StoreLimits& limits = coordinator_->store()->limits();
-  if (req->keys_size() > limits.max_keys) {
-    return Finish(ctx, absl::ResourceExhaustedError(absl::StrCat(
-                           "Wait for ", req->keys_size(), " keys; the limit is ", limits.max_keys,
-                           " (--world_max_keys)")));
-  }
-  for (const std::string& k : req->keys()) {
-    if (static_cast<int64_t>(k.size()) > limits.max_key_bytes) {
-      return Finish(ctx, absl::ResourceExhaustedError(absl::StrCat(
-                             "Wait for a key of ", k.size(), " bytes; the limit is ",
-                             limits.max_key_bytes, " (--world_max_key_bytes)")));
-    }
-  }
+  auto keys = PeerWaitKeys(*req, coordinator_->store()->limits());
+  if (!keys.ok()) return Finish(ctx, keys.status());
   grpc::ServerUnaryReactor* r = ctx->DefaultReactor();
-  std::vector<std::string> keys(req->keys().begin(), req->keys().end());
-  coordinator_->store()->WaitAsync(std::move(keys), absl::Milliseconds(req->timeout_ms()),
+  coordinator_->store()->WaitAsync(*std::move(keys), absl::Milliseconds(req->timeout_ms()),
                                    [r](absl::Status s) { r->Finish(ToGrpcStatus(s)); });
   return r;
 }
@@ -103,9 +85,7 @@ grpc::ServerUnaryReactor* PeerService::Join(grpc::CallbackServerContext* ctx,
   if (absl::Status a = CheckWorldCredential(*ctx, world_secret_, mtls_); !a.ok()) {
     return Finish(ctx, a);
   }
-  comm::JoinArgs a{req->rank(),        req->world_size(), req->address(),
-                   req->incarnation(), req->rebuild(),    req->proof()};
-  auto v = coordinator_->Join(a);
+  auto v = coordinator_->Join(JoinArgsFromProto(*req));
   if (v.ok()) ToProto(*v, resp->mutable_membership());
   return Finish(ctx, v.status());
 }

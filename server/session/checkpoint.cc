@@ -24,6 +24,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "common/bounded.h"
 #include "common/logging.h"
 #include "common/safetensors.h"
 #include "common/status_macros.h"
@@ -39,9 +40,11 @@ constexpr char kTensors[] = "tensors.safetensors";
 constexpr char kClosedMarker[] = "closed";
 
 // Client-controlled text in messages is capped.
+// At most 100 bytes of a path or value, control characters shown as '?' (common/bounded.h), so
+// that a message stays short and one line (a newline in a path reached it raw: session_fuzz).
 std::string Echo(absl::string_view s) {
-  if (s.size() <= 100) return std::string(s);
-  return absl::StrCat(s.substr(0, 100), "... (", s.size(), " bytes)");
+  if (s.size() <= 100) return Bounded(s);
+  return absl::StrCat(Bounded(s.substr(0, 100)), "... (", s.size(), " bytes)");
 }
 
 uint32_t Crc32(const void* data, size_t bytes) {
@@ -598,8 +601,9 @@ int OpenInDir(int dirfd, const char* name) {
 // replaced the directory meanwhile (the caller opens the path again).
 absl::StatusOr<SessionSnapshot> ReadCheckpointOnce(const CheckpointDir& dir, bool* retry) {
   *retry = false;
-  const std::string manifest_path = absl::StrCat(dir.path(), "/", kManifest);
-  const std::string tensors_path = absl::StrCat(dir.path(), "/", kTensors);
+  // For messages only (bounded, one line: found by session_fuzz).
+  const std::string manifest_path = absl::StrCat(Echo(dir.path()), "/", kManifest);
+  const std::string tensors_path = absl::StrCat(Echo(dir.path()), "/", kTensors);
   Fd mfd(OpenInDir(dir.fd(), kManifest));
   const int merr = errno;
   Fd tfd(OpenInDir(dir.fd(), kTensors));

@@ -108,6 +108,33 @@ TEST(SessionManager, IdleSessionsAreClosedAndCheckpointedFirst) {
   EXPECT_EQ((*state)[0].data, params[0].data);
 }
 
+// Found by session_fuzz: a control character in a LoadCheckpoint path reached the message raw.
+TEST(SessionManager, CheckpointPathsAreEchoedOnOneLine) {
+  ManagerOptions o;
+  o.state_dir = TempDir();
+  auto m = SessionManager::Create(o);
+  ASSERT_THAT(m, IsOk());
+  auto loaded = (*m)->LoadCheckpoint("no\nsuch\r/step-1");
+  EXPECT_THAT(loaded.status(), StatusIs(absl::StatusCode::kNotFound, HasSubstr("no?such?")));
+  EXPECT_EQ(std::string(loaded.status().message()).find_first_of("\n\r"), std::string::npos);
+  EXPECT_TRUE((*m)->List().empty());
+}
+
+// Found by session_fuzz: Step echoed an unknown group_step name raw.
+TEST(SessionManager, StepEchoesGroupNamesOnOneLine) {
+  auto m = SessionManager::Create({});
+  ASSERT_THAT(m, IsOk());
+  auto s = (*m)->CreateSession(SmallSpec());
+  ASSERT_THAT(s, IsOk());
+  StepRequest r;
+  r.step_index = 1;
+  r.group_step["no\npe"] = 0;
+  auto step = (*m)->Step((*s)->id(), r);
+  EXPECT_THAT(step.status(), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("no?pe")));
+  EXPECT_EQ(std::string(step.status().message()).find('\n'), std::string::npos);
+  EXPECT_EQ((*s)->last_step_index(), 0);
+}
+
 TEST(SessionManager, CheckpointsAreRecordedAndFailuresReported) {
   std::string dir = TempDir();
   ManagerOptions o;
@@ -228,6 +255,13 @@ TEST(SessionNames, ValidNamesAndWhyOthersAreRefused) {
   for (const char* bad : {"a//b", "/a", "a/", "a/../b", "./a", "a b", "a\n"}) {
     EXPECT_THAT(ValidateSessionName(bad), StatusIs(absl::StatusCode::kInvalidArgument)) << bad;
   }
+}
+
+// Found by manifest_fuzz: a control character in a session name reached the message raw.
+TEST(SessionNames, TheRefusalStaysOneLine) {
+  absl::Status s = ValidateSessionName("runs/line\nbreak\r\x1b[31m");
+  EXPECT_THAT(s, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("runs/line?break")));
+  EXPECT_EQ(std::string(s.message()).find_first_of("\n\r\x1b"), std::string::npos) << s;
 }
 
 TEST(SessionManager, AttachKeepsTheWeightsAndChecksTheOwnerHook) {

@@ -143,7 +143,9 @@ int64_t PeakRssBytes(pid_t pid) {
   while (std::getline(in, line)) {
     if (absl::StartsWith(line, "VmHWM:")) {
       int64_t kb = 0;
-      absl::SimpleAtoi(absl::StripAsciiWhitespace(line.substr(6, line.size() - 9)), &kb);
+      if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(line.substr(6, line.size() - 9)), &kb)) {
+        return -1;
+      }
       return kb * 1024;
     }
   }

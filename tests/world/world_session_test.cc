@@ -809,7 +809,9 @@ INSTANTIATE_TEST_SUITE_P(W, WorldSession, ::testing::Values(2, 3, 4),
 class WorldSessionElastic : public ::testing::TestWithParam<std::pair<int, int>> {};
 
 TEST_P(WorldSessionElastic, CheckpointRestoresIntoAnotherWorldSizeBitExact) {
-  const auto [w_old, w_new] = GetParam();
+  // Not a structured binding: lambdas below use w_old, and C++17 forbids capturing one (clang).
+  const int w_old = std::get<0>(GetParam());
+  const int w_new = std::get<1>(GetParam());
   SessionDesc desc;
   desc.groups.push_back(MakeGroup("m", AlgorithmKind::kMuon, 0.02));
   desc.groups.push_back(MakeGroup("d2", AlgorithmKind::kDion2, 0.02));
