@@ -13,6 +13,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <random>
 #include <string>
 #include <thread>
 
@@ -30,13 +31,18 @@ using ::testing::HasSubstr;
 // A segment created by the test (the trainer's side), unlinked at the end.
 class Segment {
  public:
+  // The name carries a random part besides the pid: a death test's child dies with its segment
+  // still linked, and a later test process may get the same pid.
   explicit Segment(int64_t bytes)
-      : name_(absl::StrCat("diond-shm-region-test-", getpid(), "-", counter_++)) {
+      : name_(absl::StrCat("diond-shm-region-test-", getpid(), "-", counter_++, "-",
+                           std::random_device{}())) {
     fd_ = shm_open(("/" + name_).c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
-    EXPECT_GE(fd_, 0) << std::strerror(errno);
+    EXPECT_GE(fd_, 0) << name_ << ": " << std::strerror(errno);
+    if (fd_ < 0) return;
     EXPECT_EQ(ftruncate(fd_, bytes), 0);
     void* p = mmap(nullptr, static_cast<size_t>(bytes), PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
     EXPECT_NE(p, MAP_FAILED);
+    if (p == MAP_FAILED) return;
     std::memset(p, 0x5a, static_cast<size_t>(bytes));
     munmap(p, static_cast<size_t>(bytes));
   }
@@ -45,6 +51,9 @@ class Segment {
     shm_unlink(("/" + name_).c_str());
   }
   const std::string& name() const { return name_; }
+  // Unlinks the name now (the mappings stay): for a death test, whose child process re-runs the
+  // test body and dies without running destructors.
+  void UnlinkNow() { shm_unlink(("/" + name_).c_str()); }
   void Truncate(int64_t bytes) { ASSERT_EQ(ftruncate(fd_, bytes), 0); }
 
  private:
@@ -129,6 +138,7 @@ TEST(ShmRegionDeathTest, AFaultOutsideEveryRegionStillCrashes) {
   Segment seg(kSize);
   auto r = ShmRegion::Open(seg.name(), 0, kSize, "s-a");  // the guard is installed
   ASSERT_THAT(r.status(), IsOk());
+  seg.UnlinkNow();  // the child below dies with its copy of this segment: leave no name behind
   EXPECT_EXIT(
       {
         char path[] = "/tmp/diond-shm-region-test-XXXXXX";
