@@ -5,8 +5,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <string>
 
@@ -166,7 +168,31 @@ bool WriteFileAtomically(const std::string& path, const std::string& text) {
 
 }  // namespace
 
+// libgomp reads OMP_WAIT_POLICY once, when it is loaded, before main() runs; its default lets
+// idle OpenMP threads spin against OpenBLAS's threads, which made steps several times slower on
+// small machines (docs/TOOLCHAIN.md P20). So when the variable is unset the daemon sets it to
+// "passive" and re-executes itself (same pid, same arguments) before it has opened anything. An
+// explicit OMP_WAIT_POLICY, whatever its value, is respected. Returns whether the policy was set
+// here (execv returns only on failure, and then the daemon runs on with the default policy).
+bool SetPassiveOpenMpWaitPolicy(char** argv) {
+  if (std::getenv("DIOND_OMP_WAIT_POLICY_SET") != nullptr) return true;  // after the re-exec
+  if (std::getenv("OMP_WAIT_POLICY") != nullptr) return false;
+  setenv("OMP_WAIT_POLICY", "passive", 1);
+  setenv("DIOND_OMP_WAIT_POLICY_SET", "1", 1);
+  execv("/proc/self/exe", argv);
+  std::fprintf(stderr, "diond: warning: could not re-execute with OMP_WAIT_POLICY=passive (%s); "
+               "set it in the environment (docs/OPERATIONS.md)\n", std::strerror(errno));
+  unsetenv("OMP_WAIT_POLICY");
+  unsetenv("DIOND_OMP_WAIT_POLICY_SET");
+  return false;
+}
+
 int main(int argc, char** argv) {
+  const bool omp_policy_set_here = SetPassiveOpenMpWaitPolicy(argv);
+  if (omp_policy_set_here) {
+    // The marker is ours; keep it out of the environment of anything the daemon starts.
+    unsetenv("DIOND_OMP_WAIT_POLICY_SET");
+  }
   // Block the stop signals before any thread exists, so every thread inherits the mask and the
   // main thread alone receives them in sigwait below.
   sigset_t stop_signals;
@@ -310,6 +336,9 @@ int main(int argc, char** argv) {
     return 1;
   }
   DIOND_LOG(INFO) << (*daemon)->Describe();
+  const char* omp_policy = std::getenv("OMP_WAIT_POLICY");
+  DIOND_LOG(INFO) << "OMP_WAIT_POLICY=" << (omp_policy != nullptr ? omp_policy : "(unset)")
+                  << (omp_policy_set_here ? " (set by diond; an explicit value is kept)" : "");
 
   const std::string ready_file = absl::GetFlag(FLAGS_ready_file);
   if (!ready_file.empty() && !WriteFileAtomically(ready_file, (*daemon)->ReadyJson())) {

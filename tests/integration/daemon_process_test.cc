@@ -5,6 +5,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -162,6 +164,59 @@ TEST(DaemonProcess, StartupLineSaysWhenNoGpuIsUsed) {
   }
   d->proc->Signal(SIGINT);
   EXPECT_EQ(d->proc->Wait(absl::Seconds(30)), std::optional<int>(0));
+}
+
+// The daemon's environment as the kernel holds it (the block execve was given).
+std::vector<std::string> ProcessEnvironment(pid_t pid) {
+  std::string raw = ReadFile(absl::StrCat("/proc/", pid, "/environ"));
+  std::vector<std::string> vars;
+  size_t start = 0;
+  for (size_t i = 0; i < raw.size(); ++i) {
+    if (raw[i] == '\0') {
+      vars.push_back(raw.substr(start, i - start));
+      start = i + 1;
+    }
+  }
+  return vars;
+}
+
+bool HasVar(const std::vector<std::string>& env, const std::string& var) {
+  return std::find(env.begin(), env.end(), var) != env.end();
+}
+
+// libgomp reads OMP_WAIT_POLICY before main(); the daemon re-executes itself (same pid) with
+// "passive" when it is unset (TOOLCHAIN.md P20), and keeps any value the operator set.
+TEST(DaemonProcess, IdleOpenMpThreadsSleepUnlessTheOperatorSaysOtherwise) {
+  const char* saved = std::getenv("OMP_WAIT_POLICY");
+  const std::string saved_value = saved != nullptr ? saved : "";
+  unsetenv("OMP_WAIT_POLICY");
+  {
+    auto d = StartDaemon({"--device=cpu"});
+    ASSERT_NE(d, nullptr);
+    std::vector<std::string> env = ProcessEnvironment(d->proc->pid());
+    EXPECT_TRUE(HasVar(env, "OMP_WAIT_POLICY=passive")) << d->proc->Log();
+    EXPECT_TRUE(absl::StrContains(d->proc->Log(), "OMP_WAIT_POLICY=passive (set by diond"))
+        << d->proc->Log();
+    d->proc->Signal(SIGTERM);
+    EXPECT_EQ(d->proc->Wait(absl::Seconds(30)), std::optional<int>(0));
+  }
+  setenv("OMP_WAIT_POLICY", "active", 1);
+  {
+    auto d = StartDaemon({"--device=cpu"});
+    ASSERT_NE(d, nullptr);
+    std::vector<std::string> env = ProcessEnvironment(d->proc->pid());
+    EXPECT_TRUE(HasVar(env, "OMP_WAIT_POLICY=active")) << d->proc->Log();
+    EXPECT_FALSE(HasVar(env, "OMP_WAIT_POLICY=passive"));
+    EXPECT_TRUE(absl::StrContains(d->proc->Log(), "OMP_WAIT_POLICY=active")) << d->proc->Log();
+    EXPECT_FALSE(absl::StrContains(d->proc->Log(), "set by diond")) << d->proc->Log();
+    d->proc->Signal(SIGTERM);
+    EXPECT_EQ(d->proc->Wait(absl::Seconds(30)), std::optional<int>(0));
+  }
+  if (saved != nullptr) {
+    setenv("OMP_WAIT_POLICY", saved_value.c_str(), 1);
+  } else {
+    unsetenv("OMP_WAIT_POLICY");
+  }
 }
 
 TEST(DaemonProcess, SecondDaemonOnSameAddressesFailsWithOneLine) {
