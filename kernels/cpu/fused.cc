@@ -49,6 +49,98 @@ inline double Sq(float after, float before) {
   return d * d;
 }
 
+// ---- kbw: the range kernels, vectorized (DIOND_CPU_CLONES, loops.h) -------------------------
+// Each loops over one thread's range [0, n) of raw pointers; the ops below split the work.
+// The tracked ones sum (Δx)² in double over kSumLanes lanes (loops.h).
+
+DIOND_CPU_CLONES void AdamWRange(const math::AdamWScalars& s, const float* g, float* x, float* m,
+                                 float* v, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) math::AdamWElement(s, g[i], x[i], m[i], v[i]);
+}
+
+// lanes[l] += Σ (after − before)² over the elements j ≡ l (mod kSumLanes); n % kSumLanes == 0
+// except for a range's last block. Only reads, so the lanes vectorize.
+inline void AddSquaredChange(const float* after, const float* before, int64_t n, double* lanes) {
+  int64_t j = 0;
+  for (; j + kSumLanes <= n; j += kSumLanes) {
+    for (int l = 0; l < kSumLanes; ++l) lanes[l] += Sq(after[j + l], before[j + l]);
+  }
+  for (int l = 0; j < n; ++j, ++l) lanes[l] += Sq(after[j], before[j]);
+}
+
+// A tracked step in L1-sized blocks: the block's x is kept, the block stepped by the untracked
+// loop (vectorized), then its (Δx)² added up; each byte of x still comes from memory once.
+inline constexpr int64_t kTrackBlock = 512;  // a multiple of kSumLanes
+
+DIOND_CPU_CLONES double AdamWRangeTracked(const math::AdamWScalars& s, const float* g, float* x,
+                                          float* m, float* v, int64_t n) {
+  double lanes[kSumLanes] = {};
+  float before[kTrackBlock];
+  for (int64_t b = 0; b < n; b += kTrackBlock) {
+    const int64_t len = n - b < kTrackBlock ? n - b : kTrackBlock;
+    for (int64_t j = 0; j < len; ++j) before[j] = x[b + j];
+    for (int64_t i = b; i < b + len; ++i) math::AdamWElement(s, g[i], x[i], m[i], v[i]);
+    AddSquaredChange(x + b, before, len, lanes);
+  }
+  return SumLanes(lanes);
+}
+
+DIOND_CPU_CLONES void LionRange(const math::LionScalars& s, const float* g, float* x, float* m,
+                                int64_t n) {
+  for (int64_t i = 0; i < n; ++i) math::LionElement(s, g[i], x[i], m[i]);
+}
+
+DIOND_CPU_CLONES double LionRangeTracked(const math::LionScalars& s, const float* g, float* x,
+                                         float* m, int64_t n) {
+  double lanes[kSumLanes] = {};
+  float before[kTrackBlock];
+  for (int64_t b = 0; b < n; b += kTrackBlock) {
+    const int64_t len = n - b < kTrackBlock ? n - b : kTrackBlock;
+    for (int64_t j = 0; j < len; ++j) before[j] = x[b + j];
+    for (int64_t i = b; i < b + len; ++i) math::LionElement(s, g[i], x[i], m[i]);
+    AddSquaredChange(x + b, before, len, lanes);
+  }
+  return SumLanes(lanes);
+}
+
+DIOND_CPU_CLONES void MomentumRange(float mu, bool nesterov, const float* g, const float* m_in,
+                                    float* m, float* u, int64_t n) {
+  if (nesterov) {
+    for (int64_t i = 0; i < n; ++i) {
+      float mi = m_in[i];
+      u[i] = math::MomentumElement(mu, true, g[i], mi);
+      m[i] = mi;
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      float mi = m_in[i];
+      u[i] = math::MomentumElement(mu, false, g[i], mi);
+      m[i] = mi;
+    }
+  }
+}
+
+DIOND_CPU_CLONES void ApplyUpdateRange(const math::ApplyUpdateScalars& s, const float* u,
+                                       const float* x_in, float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] = math::ApplyUpdateElement(s, x_in[i], u[i]);
+}
+
+DIOND_CPU_CLONES double CopyWithChangeRange(const float* src, float* dst, int64_t n) {
+  double lanes[kSumLanes] = {};
+  int64_t i = 0;
+  for (; i + kSumLanes <= n; i += kSumLanes) {
+    for (int l = 0; l < kSumLanes; ++l) {
+      lanes[l] += Sq(src[i + l], dst[i + l]);
+      dst[i + l] = src[i + l];
+    }
+  }
+  for (int l = 0; i < n; ++i, ++l) {
+    lanes[l] += Sq(src[i], dst[i]);
+    dst[i] = src[i];
+  }
+  return SumLanes(lanes);
+}
+
 }  // namespace
 
 absl::Status AdamWStep(const Context& ctx, const AdamWParams& p, ConstTensorView grad,
@@ -60,7 +152,7 @@ absl::Status AdamWStep(const Context& ctx, const AdamWParams& p, ConstTensorView
   float* vp = v.As<float>();
   const float* gp = grad.As<float>();
   cpu::ParallelRange(x.NumElements(), [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) math::AdamWElement(s, gp[i], xp[i], mp[i], vp[i]);
+    AdamWRange(s, gp + b, xp + b, mp + b, vp + b, e - b);
   });
   return absl::OkStatus();
 }
@@ -74,13 +166,7 @@ absl::Status AdamWStepTracked(const Context& ctx, const AdamWParams& p, ConstTen
   float* vp = v.As<float>();
   const float* gp = grad.As<float>();
   const double sq = cpu::ParallelSum(x.NumElements(), [&](int64_t b, int64_t e) {
-    double acc = 0.0;
-    for (int64_t i = b; i < e; ++i) {
-      const float before = xp[i];
-      math::AdamWElement(s, gp[i], xp[i], mp[i], vp[i]);
-      acc += Sq(xp[i], before);
-    }
-    return acc;
+    return AdamWRangeTracked(s, gp + b, xp + b, mp + b, vp + b, e - b);
   });
   *update_sq.As<float>() = static_cast<float>(sq);
   return absl::OkStatus();
@@ -94,7 +180,7 @@ absl::Status LionStep(const Context& ctx, const LionParams& p, ConstTensorView g
   float* mp = m.As<float>();
   const float* gp = grad.As<float>();
   cpu::ParallelRange(x.NumElements(), [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) math::LionElement(s, gp[i], xp[i], mp[i]);
+    LionRange(s, gp + b, xp + b, mp + b, e - b);
   });
   return absl::OkStatus();
 }
@@ -107,13 +193,7 @@ absl::Status LionStepTracked(const Context& ctx, const LionParams& p, ConstTenso
   float* mp = m.As<float>();
   const float* gp = grad.As<float>();
   const double sq = cpu::ParallelSum(x.NumElements(), [&](int64_t b, int64_t e) {
-    double acc = 0.0;
-    for (int64_t i = b; i < e; ++i) {
-      const float before = xp[i];
-      math::LionElement(s, gp[i], xp[i], mp[i]);
-      acc += Sq(xp[i], before);
-    }
-    return acc;
+    return LionRangeTracked(s, gp + b, xp + b, mp + b, e - b);
   });
   *update_sq.As<float>() = static_cast<float>(sq);
   return absl::OkStatus();
@@ -127,12 +207,7 @@ absl::Status MomentumUpdate(const Context& ctx, float mu, bool nesterov, ConstTe
   float* mp = m.As<float>();
   float* up = u.As<float>();
   cpu::ParallelRange(m.NumElements(), [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      float mi = ip[i];
-      up[i] = nesterov ? math::MomentumElement(mu, true, gp[i], mi)
-                       : math::MomentumElement(mu, false, gp[i], mi);
-      mp[i] = mi;
-    }
+    MomentumRange(mu, nesterov, gp + b, ip + b, mp + b, up + b, e - b);
   });
   return absl::OkStatus();
 }
@@ -150,7 +225,7 @@ absl::Status ApplyUpdate(const Context& ctx, const ApplyUpdateParams& p, ConstTe
   const float* ip = x_in.As<float>();
   float* xp = x.As<float>();
   cpu::ParallelRange(x.NumElements(), [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) xp[i] = math::ApplyUpdateElement(s, ip[i], up[i]);
+    ApplyUpdateRange(s, up + b, ip + b, xp + b, e - b);
   });
   return absl::OkStatus();
 }
@@ -202,12 +277,7 @@ absl::Status CopyWithChange(const Context& ctx, ConstTensorView src, TensorView 
   const float* sp = src.As<float>();
   float* dp = dst.As<float>();
   const double sq = cpu::ParallelSum(dst.NumElements(), [&](int64_t b, int64_t e) {
-    double acc = 0.0;
-    for (int64_t i = b; i < e; ++i) {
-      acc += Sq(sp[i], dp[i]);
-      dp[i] = sp[i];
-    }
-    return acc;
+    return CopyWithChangeRange(sp + b, dp + b, e - b);
   });
   *update_sq.As<float>() = static_cast<float>(sq);
   return absl::OkStatus();

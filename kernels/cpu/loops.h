@@ -44,6 +44,33 @@ decltype(auto) DispatchDType(DType t, F&& f) {
   }
 }
 
+// DIOND_CPU_CLONES on a range kernel (a free function over raw pointers): GCC builds it three
+// times, for x86-64-v4 (AVX-512), x86-64-v3 (AVX2 + FMA) and the baseline, and the loader picks
+// the one the CPU runs (an ifunc, resolved once). The baseline build of the project targets plain
+// x86-64 (SSE2), where std::fmaf is a libm call that keeps a loop scalar. The files that use it
+// are compiled with -ffp-contract=off (no a·b + c contracted into an FMA the source does not
+// write) and -fno-math-errno (sqrtf without the errno branch), so every clone computes the same
+// bits: IEEE +, −, ×, ÷, √ and fma are correctly rounded whatever the vector width.
+// Lambdas are not cloned: the clones are the functions that hold the loops.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && \
+    !defined(DIOND_NO_TARGET_CLONES)
+#define DIOND_CPU_CLONES \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define DIOND_CPU_CLONES
+#endif
+
+// Partial sums of a double accumulation kept in kSumLanes interleaved lanes (element i of the
+// range goes to lane i % kSumLanes, tail included), then added in lane order: the lanes are
+// independent chains, so the loop vectorizes without reassociation, and the result is the same
+// for every clone (it depends on the range only, as the split of ParallelSum already makes it).
+inline constexpr int kSumLanes = 8;
+inline double SumLanes(const double* lanes) {
+  double s = 0.0;
+  for (int l = 0; l < kSumLanes; ++l) s += lanes[l];
+  return s;
+}
+
 // Runs body(begin, end) over [0, n) split into one static range per OpenMP thread, or on the
 // calling thread when n < grain. Results never depend on the split (elementwise work only).
 template <typename F>

@@ -1,6 +1,6 @@
 // Reductions of kernels/ops.h: FrobeniusNorm, AxisNorms, TopKByL1Norm, IsAllZero.
 // Every sum is accumulated in double along one row or one column by one thread, in index order,
-// so results do not depend on the thread count.
+// so results do not depend on the thread count (nor on the ISA clone of the f32 loops).
 #include <algorithm>
 #include <cmath>
 #include <numeric>
@@ -28,11 +28,79 @@ double Term(NormType t, float v) {
                             : static_cast<double>(v) * static_cast<double>(v);
 }
 
+// ---- kbw: f32 row and column sums per ISA (DIOND_CPU_CLONES, loops.h) -----------------------
+// Every row (column) is still summed in index order, in double: RowSumsF32 walks eight rows side
+// by side (eight independent chains instead of one, so the adds overlap instead of waiting on
+// each other's latency), ColSumsF32 adds one row to the column sums at a time (the columns are
+// independent lanes). Bit for bit the sums of the generic loops below.
+
+// Rows [r0, r1) of the batch-of-matrices layout (global row index r = matrix·rows + row).
+DIOND_CPU_CLONES void RowSumsF32(NormType type, const float* base, int64_t batch_stride,
+                                 int64_t row_stride, int64_t rows, int64_t cols, int64_t r0,
+                                 int64_t r1, double* sums) {
+  constexpr int kSide = 8;
+  auto row_of = [&](int64_t r) {
+    return base + (r / rows) * batch_stride + (r % rows) * row_stride;
+  };
+  const bool l1 = type == NormType::kL1;
+  int64_t r = r0;
+  for (; r + kSide <= r1; r += kSide) {
+    const float* p[kSide];
+    for (int l = 0; l < kSide; ++l) p[l] = row_of(r + l);
+    double s[kSide] = {};
+    if (l1) {
+      for (int64_t j = 0; j < cols; ++j) {
+        for (int l = 0; l < kSide; ++l) s[l] += std::fabs(static_cast<double>(p[l][j]));
+      }
+    } else {
+      for (int64_t j = 0; j < cols; ++j) {
+        for (int l = 0; l < kSide; ++l) {
+          const double v = p[l][j];
+          s[l] += v * v;
+        }
+      }
+    }
+    for (int l = 0; l < kSide; ++l) sums[r + l] = s[l];
+  }
+  for (; r < r1; ++r) {
+    const float* row = row_of(r);
+    double s = 0.0;
+    if (l1) {
+      for (int64_t j = 0; j < cols; ++j) s += std::fabs(static_cast<double>(row[j]));
+    } else {
+      for (int64_t j = 0; j < cols; ++j) s += static_cast<double>(row[j]) * row[j];
+    }
+    sums[r] = s;
+  }
+}
+
+// Columns [c0, c1) of one matrix: out[j] = Σ_i Term(a[i, j]), rows in order.
+DIOND_CPU_CLONES void ColSumsF32(NormType type, const float* base, int64_t row_stride,
+                                 int64_t rows, int64_t c0, int64_t c1, double* out) {
+  for (int64_t j = c0; j < c1; ++j) out[j] = 0.0;
+  const bool l1 = type == NormType::kL1;
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* row = base + i * row_stride;
+    if (l1) {
+      for (int64_t j = c0; j < c1; ++j) out[j] += std::fabs(static_cast<double>(row[j]));
+    } else {
+      for (int64_t j = c0; j < c1; ++j) out[j] += static_cast<double>(row[j]) * row[j];
+    }
+  }
+}
+
 // Per-row sums of Term() for every row of every matrix of a (row-major), into sums
 // [batch·rows].
 void RowSums(ConstTensorView a, NormType type, double* sums) {
   const int64_t rows = a.Rows(), cols = a.Cols(), batch = a.Batch();
   const TensorLayout& l = a.layout();
+  if (a.dtype() == DType::kF32) {
+    const float* base = static_cast<const float*>(a.data());
+    cpu::ParallelRange(batch * rows, [&](int64_t b, int64_t e) {
+      RowSumsF32(type, base, l.BatchStride(), l.RowStride(), rows, cols, b, e, sums);
+    }, std::max<int64_t>(1, cpu::kParallelGrain / std::max<int64_t>(1, cols)));
+    return;
+  }
   cpu::DispatchDType(a.dtype(), [&](auto at) {
     using A = decltype(at);
     const A* base = static_cast<const A*>(a.data());
@@ -51,6 +119,17 @@ void RowSums(ConstTensorView a, NormType type, double* sums) {
 void ColSums(ConstTensorView a, NormType type, double* sums) {
   const int64_t rows = a.Rows(), cols = a.Cols(), batch = a.Batch();
   const TensorLayout& l = a.layout();
+  if (a.dtype() == DType::kF32) {
+    const float* base = static_cast<const float*>(a.data());
+    for (int64_t bi = 0; bi < batch; ++bi) {
+      double* out = sums + bi * cols;
+      const float* m = base + bi * l.BatchStride();
+      cpu::ParallelRange(cols, [&](int64_t b, int64_t e) {
+        ColSumsF32(type, m, l.RowStride(), rows, b, e, out);
+      }, std::max<int64_t>(1, cpu::kParallelGrain / std::max<int64_t>(1, rows)));
+    }
+    return;
+  }
   cpu::DispatchDType(a.dtype(), [&](auto at) {
     using A = decltype(at);
     const A* base = static_cast<const A*>(a.data());

@@ -3,12 +3,24 @@
 // the OpenMP threads; the finiteness flag is an integer OR, so the result never depends on the
 // split. The checksum is serial by definition (FNV-1a chains every byte).
 #include <atomic>
+#include <type_traits>
 
 #include "kernels/cpu/backend.h"
 #include "kernels/cpu/loops.h"
 #include "kernels/elementwise_math.h"
 
 namespace diond::kernels::cpu {
+namespace {
+
+// kbw: the f32 scan (a Step's gradients in place), per ISA (DIOND_CPU_CLONES, loops.h): the OR of
+// the non-finite bits, which is exact in any order.
+DIOND_CPU_CLONES unsigned NonFiniteF32(const float* p, int64_t n) {
+  unsigned local = 0;
+  for (int64_t i = 0; i < n; ++i) local |= math::NonFiniteBit(p[i]);
+  return local;
+}
+
+}  // namespace
 
 absl::Status AllFinite(const Context& ctx, ConstTensorView x, bool* all_finite) {
   ApplyThreadPolicy(ctx);
@@ -18,7 +30,11 @@ absl::Status AllFinite(const Context& ctx, ConstTensorView x, bool* all_finite) 
     const X* p = x.As<X>();
     ParallelRange(x.NumElements(), [&](int64_t b, int64_t e) {
       unsigned local = 0;
-      for (int64_t i = b; i < e; ++i) local |= math::NonFiniteBit(ToF32(p[i]));
+      if constexpr (std::is_same_v<X, float>) {
+        local = NonFiniteF32(p + b, e - b);
+      } else {
+        for (int64_t i = b; i < e; ++i) local |= math::NonFiniteBit(ToF32(p[i]));
+      }
       if (local != 0) bad.fetch_or(local, std::memory_order_relaxed);
     });
   });
