@@ -106,7 +106,13 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, Session
   }
   s->spec_ = std::move(spec);
   s->last_used_ = absl::Now();
+  s->host_threads_ = ctx != nullptr ? ctx->num_threads() : 0;
   return s;
+}
+
+const kernels::Context& Session::HostContext() {
+  if (host_ctx_ == nullptr) host_ctx_ = kernels::Context::CpuDefault(host_threads_);
+  return *host_ctx_;
 }
 
 absl::Status Session::SetGroupHyperparameters(const std::string& group, std::optional<double> lr,

@@ -230,6 +230,8 @@ class Session {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Parameter i as fp32 (master weights, or widened from the arena).
   void ReadParamF32(size_t i, float* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // host_ctx_, made at the first call with host_threads_ threads.
+  const kernels::Context& HostContext() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void WriteParamF32(size_t i, const float* in) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // ---- the step (session_step.cc; the world's phases in session_world.cc) ----
@@ -342,8 +344,12 @@ class Session {
   absl::Time last_checkpoint_time_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   std::optional<WorldPart> world_ ABSL_GUARDED_BY(mu_);
   // A CPU context for the session's passes over host memory when the steps' context is on
-  // another device (made at the first such step).
+  // another device (made at the first such step), and for the conversions outside a Step
+  // (registration, SetState, restore): HostContext().
   std::unique_ptr<kernels::Context> host_ctx_ ABSL_GUARDED_BY(mu_);
+  // The thread count of the context the session was created for (0: the CPU default): the host
+  // context gets the same, so its ops leave OpenBLAS's process-wide pool size alone.
+  int host_threads_ = 0;
 };
 
 }  // namespace diond::session

@@ -20,10 +20,13 @@
 
 namespace diond::session::internal {
 
-// out[0, n) ← the n elements at `src` of `dtype`, widened exactly to fp32.
-void WidenToF32(DType dtype, const uint8_t* src, int64_t n, float* out);
-// dst ← the n fp32 values of `in`, rounded once (RNE) to `dtype`.
-void NarrowFromF32(DType dtype, const float* in, int64_t n, uint8_t* dst);
+// out[0, n) ← the n elements at `src` of `dtype`, widened exactly to fp32 (kernels::Copy on
+// `ctx`, a CPU context: Session::HostContext).
+void WidenToF32(const kernels::Context& ctx, DType dtype, const uint8_t* src, int64_t n,
+                float* out);
+// dst ← the n fp32 values of `in`, rounded once (RNE) to `dtype` (kernels::Copy on `ctx`).
+void NarrowFromF32(const kernels::Context& ctx, DType dtype, const float* in, int64_t n,
+                   uint8_t* dst);
 // Contiguous rank-1 views of n elements of `dtype` at p, on the CPU (the trainer's memory and
 // the session's buffers are host memory), for the ops of a Step (kernels/ops.h).
 kernels::ConstTensorView HostView(DType dtype, const void* p, int64_t n);

@@ -1,53 +1,35 @@
 // The conversions between a trainer's dtype and fp32 outside a Step (registration, SetState,
-// restore, hand-over between trainers), and the views a Step's ops take (session_internal.h).
-// A Step's own passes are ops of kernels/ops.h.
-#include <cstring>
+// restore, hand-over between trainers), through the ops API (kernels::Copy on the session's host
+// context, Session::HostContext), and the views a Step's ops take (session_internal.h). A Step's
+// own passes are ops of kernels/ops.h.
+#include <cassert>
 
+#include "absl/status/status.h"
+#include "kernels/ops.h"
 #include "kernels/tensor.h"
 #include "server/session/session_internal.h"
 
 namespace diond::session::internal {
-namespace {
 
-using kernels::BFloat16;
-using kernels::Float16;
-
-}  // namespace
-
-void WidenToF32(DType dtype, const uint8_t* src, int64_t n, float* out) {
-  switch (dtype) {
-    case DType::kF32:
-      std::memcpy(out, src, static_cast<size_t>(n) * 4);
-      return;
-    case DType::kBf16: {
-      const auto* s = reinterpret_cast<const BFloat16*>(src);
-      for (int64_t i = 0; i < n; ++i) out[i] = kernels::Bf16ToFloat(s[i]);
-      return;
-    }
-    case DType::kF16: {
-      const auto* s = reinterpret_cast<const Float16*>(src);
-      for (int64_t i = 0; i < n; ++i) out[i] = kernels::F16ToFloat(s[i]);
-      return;
-    }
-  }
+// kernels::Copy widens and narrows exactly as the Step's own passes do (RNE when narrowing),
+// vectorized and split over the context's threads; it cannot fail on these views (contiguous,
+// equal element counts, host memory on a CPU context), so a failure is a bug (asserted).
+void WidenToF32(const kernels::Context& ctx, DType dtype, const uint8_t* src, int64_t n,
+                float* out) {
+  if (n == 0) return;
+  const absl::Status s =
+      kernels::Copy(ctx, HostView(dtype, src, n), HostView(DType::kF32, out, n));
+  assert(s.ok());
+  (void)s;
 }
 
-void NarrowFromF32(DType dtype, const float* in, int64_t n, uint8_t* dst) {
-  switch (dtype) {
-    case DType::kF32:
-      std::memcpy(dst, in, static_cast<size_t>(n) * 4);
-      return;
-    case DType::kBf16: {
-      auto* d = reinterpret_cast<BFloat16*>(dst);
-      for (int64_t i = 0; i < n; ++i) d[i] = kernels::FloatToBf16(in[i]);
-      return;
-    }
-    case DType::kF16: {
-      auto* d = reinterpret_cast<Float16*>(dst);
-      for (int64_t i = 0; i < n; ++i) d[i] = kernels::FloatToF16(in[i]);
-      return;
-    }
-  }
+void NarrowFromF32(const kernels::Context& ctx, DType dtype, const float* in, int64_t n,
+                   uint8_t* dst) {
+  if (n == 0) return;
+  const absl::Status s =
+      kernels::Copy(ctx, HostView(DType::kF32, in, n), HostView(dtype, dst, n));
+  assert(s.ok());
+  (void)s;
 }
 
 kernels::ConstTensorView HostView(DType dtype, const void* p, int64_t n) {

@@ -63,8 +63,8 @@ absl::StatusOr<std::string> Session::RegisterMappedRegion(
   if (from_pending) {
     for (size_t i = 0; i < layout_.tensors.size(); ++i) {
       const TensorPlacement& t = layout_.tensors[i];
-      internal::NarrowFromF32(t.dtype, pending_params_[i].data(), t.numel,
-                    region->data() + t.param_offset);
+      internal::NarrowFromF32(HostContext(), t.dtype, pending_params_[i].data(), t.numel,
+                              region->data() + t.param_offset);
     }
   } else if (!b.host.empty()) {
     std::memcpy(region->data(), b.host.data(), static_cast<size_t>(need));
@@ -112,7 +112,8 @@ absl::Status Session::EnsureHostArena(Role r) {
   if (r == Role::kParameters && !pending_params_.empty()) {
     for (size_t i = 0; i < layout_.tensors.size(); ++i) {
       const TensorPlacement& t = layout_.tensors[i];
-      internal::NarrowFromF32(t.dtype, pending_params_[i].data(), t.numel, b.data + t.param_offset);
+      internal::NarrowFromF32(HostContext(), t.dtype, pending_params_[i].data(), t.numel,
+                              b.data + t.param_offset);
       if (!master_.empty() && !master_[i].empty()) master_[i] = pending_params_[i];
     }
     master_valid_ = !master_.empty();
@@ -131,7 +132,7 @@ void Session::ReadParamF32(size_t i, float* out) {
     std::memcpy(out, pending_params_[i].data(), static_cast<size_t>(t.numel) * 4);
     return;
   }
-  internal::WidenToF32(t.dtype, params_.data + t.param_offset, t.numel, out);
+  internal::WidenToF32(HostContext(), t.dtype, params_.data + t.param_offset, t.numel, out);
 }
 
 void Session::WriteParamF32(size_t i, const float* in) {
@@ -139,7 +140,7 @@ void Session::WriteParamF32(size_t i, const float* in) {
   if (!master_.empty() && !master_[i].empty()) {
     std::memcpy(master_[i].data(), in, static_cast<size_t>(t.numel) * 4);
   }
-  internal::NarrowFromF32(t.dtype, in, t.numel, params_.data + t.param_offset);
+  internal::NarrowFromF32(HostContext(), t.dtype, in, t.numel, params_.data + t.param_offset);
 }
 
 absl::Status Session::CheckRegions(const std::string& when, std::optional<Role> only) {

@@ -186,8 +186,9 @@ absl::Status Session::ApplyStateWrites(const std::vector<TensorWrite>& writes) {
         is_param = true;
         t.shape = p.shape;
         t.data.resize(static_cast<size_t>(p.numel));
-        internal::WidenToF32(p.dtype, reinterpret_cast<const uint8_t*>(bytes.data()), p.numel,
-                   t.data.data());
+        internal::WidenToF32(HostContext(), p.dtype,
+                             reinterpret_cast<const uint8_t*>(bytes.data()), p.numel,
+                             t.data.data());
       }
     }
     if (!is_param) {
@@ -309,7 +310,8 @@ absl::Status Session::SetStateLocked(const std::vector<NamedTensor>& tensors) {
     DIOND_RETURN_IF_ERROR(EnsureHostArena(Role::kParameters));
     for (const auto& [i, t] : param_writes) {
       const TensorPlacement& p = layout_.tensors[i];
-      internal::NarrowFromF32(p.dtype, t->data.data(), p.numel, params_.data + p.param_offset);
+      internal::NarrowFromF32(HostContext(), p.dtype, t->data.data(), p.numel,
+                              params_.data + p.param_offset);
     }
     DIOND_RETURN_IF_ERROR(CheckRegions("SetState", Role::kParameters));
   }

@@ -52,10 +52,7 @@ absl::StatusOr<StepResult> Session::Step(const StepRequest& request,
   // buffers): they run on the step's context when it is the CPU's, else on a CPU context of the
   // session's (the update itself always runs on `ctx`).
   run.ctx = &ctx;
-  if (ctx.device().type != kernels::DeviceType::kCpu) {
-    if (host_ctx_ == nullptr) host_ctx_ = kernels::Context::CpuDefault();
-    run.ctx = host_ctx_.get();
-  }
+  if (ctx.device().type != kernels::DeviceType::kCpu) run.ctx = &HostContext();
   run.compute_mu = compute_mu;
   run.start = start;
   run.when = absl::StrCat("step ", request.step_index);
