@@ -231,5 +231,54 @@ TEST(CopyWithChange, CopiesAndReportsTheSquaredChange) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("overlaps")));
 }
 
+// ---- kbw: the ISA clones of the fused loops (loops.h DIOND_CPU_CLONES) give the bits of the
+// formula of ops.h, element by element, whichever clone the CPU runs (sizes not a multiple of
+// the vector width or of the tracked block, cautious on and off, both moments far from zero).
+TEST(AdamWStep, EveryElementIsTheOpsHFormulaBitForBit) {
+  auto ctx = Context::CpuDefault(2);
+  for (const bool cautious : {false, true}) {
+    const int64_t n = kN;
+    const auto g = RandomVector(n, 11), x0 = RandomVector(n, 12, 0.1f);
+    const auto m0 = RandomVector(n, 13, 0.01f);
+    auto v0 = RandomVector(n, 14, 0.01f);
+    for (float& e : v0) e = std::fabs(e);
+    AdamWParams p;
+    p.lr = 0.01f;
+    p.weight_decay = 0.1f;
+    p.beta2 = 0.95f;
+    p.step = 7;
+    p.cautious = cautious;
+    std::vector<float> x = x0, m = m0, v = v0;
+    float sq = 0.0f;
+    ASSERT_THAT(AdamWStep(*ctx, p, MakeView(g.data(), {n}), MakeView(x.data(), {n}),
+                          MakeView(m.data(), {n}), MakeView(v.data(), {n}),
+                          MakeView(&sq, {1})),
+                IsOk());
+    // ops.h: the scalars in double from the f32 hyperparameters, cast to f32 at use.
+    const double lr = p.lr, wd = p.weight_decay, b1 = p.beta1, b2 = p.beta2;
+    const float decay = static_cast<float>(1.0 - lr * wd);
+    const float lr_wd = static_cast<float>(lr * wd);
+    const float omb1 = static_cast<float>(1.0 - b1), omb2 = static_cast<float>(1.0 - b2);
+    const float step_size = static_cast<float>(-lr / (1.0 - std::pow(b1, 7.0)));
+    const float sqrt_bc2 = static_cast<float>(std::sqrt(1.0 - std::pow(b2, 7.0)));
+    int64_t wrong = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const float mi = std::fma(omb1, g[i] - m0[i], m0[i]);
+      const float vp = v0[i] * p.beta2;
+      const float vq = (omb2 * g[i]) * g[i];
+      const float vi = vp + vq;
+      float xi = x0[i] * decay;
+      const float num = step_size * mi;
+      const float den = std::sqrt(vi) / sqrt_bc2 + p.epsilon;
+      xi += num / den;
+      if (cautious && mi * x0[i] < 0.0f) xi += lr_wd * x0[i];
+      wrong += (mi != m[i] || vi != v[i] || xi != x[i]) ? 1 : 0;
+    }
+    EXPECT_EQ(wrong, 0) << "cautious " << cautious;
+    const double want = SumSqDiff(x, x0);
+    EXPECT_NEAR(sq, want, 1e-6 * want);
+  }
+}
+
 }  // namespace
 }  // namespace diond::kernels

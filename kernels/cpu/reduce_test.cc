@@ -180,5 +180,42 @@ TEST(IsAllZero, DetectsNonZeroAndNaN) {
               StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
+// kbw: the f32 row and column sums (eight rows side by side, loops.h clones) are the double
+// sums in index order, rounded once: bit for bit, for row counts that are not a multiple of 8,
+// a padded row stride and a batch.
+TEST(Norms, F32RowAndColumnSumsAreTheIndexOrderDoubleSums) {
+  auto ctx = Context::CpuDefault(2);
+  const int64_t b = 3, m = 29, n = 1500, ld = 1504;
+  const auto a = RandomVector(b * m * ld, 21);
+  TensorLayout l = ContiguousLayout(DType::kF32, {b, m, n});
+  l.strides[1] = ld;
+  l.strides[0] = m * ld;
+  ConstTensorView av(a.data(), l);
+  for (const NormType t : {NormType::kL1, NormType::kSumOfSquares}) {
+    std::vector<float> rows(b * m), cols(b * n);
+    ASSERT_THAT(AxisNorms(*ctx, av, Axis::kRows, t, MakeView(rows.data(), {b * m})), IsOk());
+    ASSERT_THAT(AxisNorms(*ctx, av, Axis::kCols, t, MakeView(cols.data(), {b * n})), IsOk());
+    auto term = [&](float v) {
+      return t == NormType::kL1 ? std::fabs(static_cast<double>(v))
+                                : static_cast<double>(v) * static_cast<double>(v);
+    };
+    int64_t wrong = 0;
+    for (int64_t bi = 0; bi < b; ++bi) {
+      const float* mat = a.data() + bi * m * ld;
+      for (int64_t i = 0; i < m; ++i) {
+        double s = 0.0;
+        for (int64_t j = 0; j < n; ++j) s += term(mat[i * ld + j]);
+        wrong += static_cast<float>(s) != rows[bi * m + i] ? 1 : 0;
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        double s = 0.0;
+        for (int64_t i = 0; i < m; ++i) s += term(mat[i * ld + j]);
+        wrong += static_cast<float>(s) != cols[bi * n + j] ? 1 : 0;
+      }
+    }
+    EXPECT_EQ(wrong, 0) << static_cast<int>(t);
+  }
+}
+
 }  // namespace
 }  // namespace diond::kernels
