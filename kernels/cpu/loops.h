@@ -51,9 +51,11 @@ decltype(auto) DispatchDType(DType t, F&& f) {
 // are compiled with -ffp-contract=off (no a·b + c contracted into an FMA the source does not
 // write) and -fno-math-errno (sqrtf without the errno branch), so every clone computes the same
 // bits: IEEE +, −, ×, ÷, √ and fma are correctly rounded whatever the vector width.
-// Lambdas are not cloned: the clones are the functions that hold the loops.
+// Lambdas are not cloned: the clones are the functions that hold the loops. Not under
+// ThreadSanitizer: GCC instruments the ifunc resolver, which then runs before the TSan runtime
+// is up and crashes the process at load (measured with GCC 12); ASan/UBSan builds are fine.
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && \
-    !defined(DIOND_NO_TARGET_CLONES)
+    !defined(__SANITIZE_THREAD__) && !defined(DIOND_NO_TARGET_CLONES)
 #define DIOND_CPU_CLONES \
   __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
