@@ -9,9 +9,10 @@
 #   scripts/fuzz.sh [SECONDS_PER_TARGET=60] [WORK_DIR=build-fuzz] [TARGET...]
 # Environment:
 #   FUZZ_BUILD   a main build configured with -DDIOND_BUILD_FUZZERS=ON (scripts/sanitize.sh's
-#                ASan+UBSan build is): its fuzz targets are used, session_fuzz included, and
-#                nothing is compiled here. Without it the light targets are built as a project
-#                of their own in WORK_DIR (tests/fuzz/CMakeLists.txt).
+#                ASan+UBSan build is): its fuzz targets are used, session_fuzz and auth_fuzz
+#                included (they link the session layer and server/rpc, so they exist in that
+#                mode only), and nothing is compiled here. Without it the light targets are
+#                built as a project of their own in WORK_DIR (tests/fuzz/CMakeLists.txt).
 #   DIOND_JOBS (build jobs, default 2), FUZZ_RSS_MB (libFuzzer -rss_limit_mb, 2048),
 #   FUZZ_NICE (nice level of the fuzzing processes, default 0).
 set -euo pipefail
@@ -22,7 +23,7 @@ shift $(( $# > 2 ? 2 : $# )) || true
 targets=("$@")
 all=(create_session_fuzz hyperparameters_fuzz manifest_fuzz peer_fuzz layout_fuzz
      safetensors_fuzz bounded_fuzz)
-[ -n "${FUZZ_BUILD:-}" ] && all=(session_fuzz "${all[@]}")
+[ -n "${FUZZ_BUILD:-}" ] && all=(session_fuzz auth_fuzz "${all[@]}")
 [ ${#targets[@]} -gt 0 ] || targets=("${all[@]}")
 
 start=$(date +%s)
@@ -42,7 +43,7 @@ echo "fuzz targets built in $(( $(date +%s) - start )) s"
 # Seeds (the corpus folders keep what earlier runs found).
 corpus=$work/corpus
 seeds=$root/tests/fuzz/seeds
-for t in "${all[@]}" session_fuzz; do mkdir -p "$corpus/$t" "$work/artifacts/$t"; done
+for t in "${all[@]}" session_fuzz auth_fuzz; do mkdir -p "$corpus/$t" "$work/artifacts/$t"; done
 for f in "$seeds"/create_session/*.txtpb; do
   protoc -I"$root/proto" --encode=diond.v1.CreateSessionRequest diond/v1/optimizer.proto \
     < "$f" > "$corpus/create_session_fuzz/seed-$(basename "$f" .txtpb)"
@@ -70,6 +71,10 @@ done
 for f in "$seeds"/session/*.txt; do
   python3 "$root/tests/fuzz/encode_records.py" session "$root/proto" "$f" \
     "$corpus/session_fuzz/seed-$(basename "$f" .txt)"
+done
+for f in "$seeds"/auth/*.txt; do
+  python3 "$root/tests/fuzz/encode_records.py" auth "$root/proto" "$f" \
+    "$corpus/auth_fuzz/seed-$(basename "$f" .txt)"
 done
 for f in "$root"/tests/conformance/vectors/*.safetensors; do
   [ "$(stat -c %s "$f")" -le 262144 ] && cp "$f" "$corpus/safetensors_fuzz/"

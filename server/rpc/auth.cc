@@ -172,19 +172,29 @@ bool Authenticator::tcp_usable() const {
 }
 
 absl::StatusOr<Principal> Authenticator::Authenticate(const grpc::ServerContextBase& ctx) const {
-  const std::string peer = ctx.peer();
+  CallCredentials call;
+  call.peer = ctx.peer();
+  absl::string_view header;
+  if (Metadata(ctx, "authorization", &header)) {
+    call.has_authorization = true;
+    call.authorization = std::string(header);
+  }
+  if (options_.tls_client_certs) call.certificate_subject = CertificateSubject(ctx);
+  return Authenticate(call);
+}
+
+absl::StatusOr<Principal> Authenticator::Authenticate(const CallCredentials& call) const {
   Principal p;
   uid_t uid;
-  if (unix_peers_.Lookup(peer, &uid)) {
+  if (unix_peers_.Lookup(call.peer, &uid)) {
     p.name = absl::StrCat("uid:", uid);
     p.admin = uid == 0 || uid == self_uid_;
     p.local = true;
     p.uid = uid;
     return p;
   }
-  absl::string_view header;
-  if (Metadata(ctx, "authorization", &header)) {
-    absl::string_view token = header;
+  if (call.has_authorization) {
+    absl::string_view token = call.authorization;
     if (!absl::ConsumePrefix(&token, "Bearer ")) {
       return absl::UnauthenticatedError("the authorization metadata must be 'Bearer <token>'");
     }
@@ -202,7 +212,7 @@ absl::StatusOr<Principal> Authenticator::Authenticate(const grpc::ServerContextB
     return p;
   }
   if (options_.tls_client_certs) {
-    std::string subject = CertificateSubject(ctx);
+    const std::string& subject = call.certificate_subject;
     if (!subject.empty()) {
       p.name = absl::StrCat("x509:", subject.substr(0, 512));
       return p;

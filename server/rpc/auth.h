@@ -82,10 +82,20 @@ struct AuthOptions {
   bool tls_client_certs = false;  // mTLS: verified client certificates are credentials
 };
 
+// What a call presents to the Authenticator, as read from its gRPC context.
+struct CallCredentials {
+  std::string peer;                 // grpc::ServerContextBase::peer(), e.g. "fd:7", "ipv4:..."
+  bool has_authorization = false;   // an "authorization" metadata entry was sent
+  std::string authorization;        // its (first) value
+  std::string certificate_subject;  // of a verified TLS client certificate; empty if none
+};
+
 class Authenticator {
  public:
   explicit Authenticator(AuthOptions options);
   absl::StatusOr<Principal> Authenticate(const grpc::ServerContextBase& ctx) const;
+  // The same decision from the credentials alone (what Authenticate(ctx) reads, then calls).
+  absl::StatusOr<Principal> Authenticate(const CallCredentials& call) const;
   UnixPeers* unix_peers() { return &unix_peers_; }
   // True when some TCP caller can authenticate (tokens, mTLS or the anonymous flag).
   bool tcp_usable() const;

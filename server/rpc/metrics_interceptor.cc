@@ -1,5 +1,6 @@
 #include "server/rpc/metrics_interceptor.h"
 
+#include <atomic>
 #include <chrono>
 #include <string>
 
@@ -17,12 +18,12 @@ class MetricsInterceptor : public grpc::experimental::Interceptor {
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
     if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS)) {
-      code_ = methods->GetSendStatus().error_code();
-      have_status_ = true;
+      code_.store(methods->GetSendStatus().error_code(), std::memory_order_relaxed);
+      have_status_.store(true, std::memory_order_release);
     }
     if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_CLOSE) &&
-        !have_status_) {
-      cancelled_ = true;
+        !have_status_.load(std::memory_order_acquire)) {
+      cancelled_.store(true, std::memory_order_relaxed);
     }
     methods->Proceed();
   }
@@ -30,7 +31,9 @@ class MetricsInterceptor : public grpc::experimental::Interceptor {
   ~MetricsInterceptor() override {
     double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-    grpc::StatusCode code = have_status_ ? code_ : grpc::StatusCode::CANCELLED;
+    grpc::StatusCode code = have_status_.load(std::memory_order_acquire)
+                                ? code_.load(std::memory_order_relaxed)
+                                : grpc::StatusCode::CANCELLED;
     metrics_->ObserveRpc(method_, StatusCodeName(code), seconds);
   }
 
@@ -38,9 +41,12 @@ class MetricsInterceptor : public grpc::experimental::Interceptor {
   std::string method_;
   RpcObserver* metrics_;
   std::chrono::steady_clock::time_point start_;
-  grpc::StatusCode code_ = grpc::StatusCode::OK;
-  bool have_status_ = false;
-  bool cancelled_ = false;
+  // The hooks of one call run on gRPC's threads, and the send-status batch and the close (a
+  // client's cancel) can complete at once on two of them (TSan, scripts/tsan.sh, saw the two
+  // accesses): hence atomics.
+  std::atomic<grpc::StatusCode> code_{grpc::StatusCode::OK};
+  std::atomic<bool> have_status_{false};
+  std::atomic<bool> cancelled_{false};
 };
 
 class Factory : public grpc::experimental::ServerInterceptorFactoryInterface {

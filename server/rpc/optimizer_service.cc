@@ -11,6 +11,7 @@
 #include "common/bounded.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "server/rpc/access.h"
 #include "server/rpc/chunk_collector.h"
 #include "server/rpc/convert.h"
 #include "server/rpc/status_conversion.h"
@@ -25,25 +26,6 @@ grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* ctx, const absl::S
   return r;
 }
 
-// At most 200 characters of client input in a message.
-std::string Bounded(absl::string_view s) {
-  if (s.size() <= 200) return std::string(s);
-  return absl::StrCat(s.substr(0, 200), "... (", s.size(), " bytes)");
-}
-
-// Session `id` if `p` may use it: NOT_FOUND as before, PERMISSION_DENIED when it belongs to
-// another principal and `p` is no admin.
-absl::StatusOr<std::shared_ptr<session::Session>> Owned(session::SessionManager* manager,
-                                                        const Principal& p,
-                                                        const std::string& id) {
-  auto s = manager->Get(id);
-  if (!s.ok()) return s.status();
-  if (!p.admin && (*s)->spec().owner != p.name) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "session '", Bounded(id), "' belongs to another principal (you are ", p.name, ")"));
-  }
-  return s;
-}
 
 // Collects the chunks of a client stream (ChunkCollector: each is checked before it is buffered),
 // then hands them to `apply` once the client has finished. A cancelled (truncated) stream
@@ -124,40 +106,6 @@ class ChunkWriter : public grpc::ServerWriteReactor<v1::TensorChunk> {
   v1::TensorChunk chunk_;
 };
 
-// Checkpoint paths name files on the daemon's host. Admins on the Unix socket (root or the
-// daemon's own uid) may name any path; everybody else (TCP peers, other local uids) only
-// relative paths, which the session manager resolves under --state_dir, without "..".
-absl::Status CheckPathAllowed(const Principal& p, const std::string& path, const char* field) {
-  if (p.local && p.admin) return absl::OkStatus();
-  if (!path.empty() && (path[0] == '/' || absl::StrContains(path, ".."))) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        field, " '", Bounded(path),
-        "': only paths relative to --state_dir (without '..') are allowed, except for the "
-        "daemon's own user on the Unix socket"));
-  }
-  return absl::OkStatus();
-}
-
-// A local non-admin caller may only register shm segments its uid owns (the daemon could open
-// other users' segments). Names the session layer will refuse anyway are left to it.
-absl::Status CheckSegmentOwner(const Principal& p, const std::string& name) {
-  if (!p.local || p.admin || name.empty() || name == "." || name == ".." || name.size() > 255) {
-    return absl::OkStatus();
-  }
-  for (char c : name) {
-    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '_' && c != '-') {
-      return absl::OkStatus();
-    }
-  }
-  struct stat st;
-  if (lstat(absl::StrCat("/dev/shm/", name).c_str(), &st) == 0 && st.st_uid != p.uid) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "shm segment '", name, "' belongs to uid ", st.st_uid, ", not to the caller (", p.name,
-        ")"));
-  }
-  return absl::OkStatus();
-}
-
 grpc::ServerWriteReactor<v1::TensorChunk>* FailWrite(const absl::Status& s) {
   return new ChunkWriter([s](v1::TensorChunk*) -> absl::StatusOr<bool> { return s; });
 }
@@ -170,7 +118,7 @@ std::function<absl::Status(const std::string&)> OptimizerService::OwnerCheck(
   session::SessionManager* manager = manager_;
   return [p, manager](const std::string& id) -> absl::Status {
     if (!p.ok()) return p.status();
-    return Owned(manager, *p, id).status();
+    return OwnedSession(manager, *p, id).status();
   };
 }
 
@@ -194,7 +142,7 @@ grpc::ServerUnaryReactor* OptimizerService::RegisterRegion(grpc::CallbackServerC
                                                            v1::RegisterRegionResponse* resp) {
   auto p = auth_->Authenticate(*ctx);
   if (!p.ok()) return Finish(ctx, p.status());
-  auto s = Owned(manager_, *p, req->session_id());
+  auto s = OwnedSession(manager_, *p, req->session_id());
   if (!s.ok()) return Finish(ctx, s.status());
   auto role_or = RegionRoleFromProto(*req);
   if (!role_or.ok()) return Finish(ctx, role_or.status());
@@ -314,7 +262,7 @@ grpc::ServerUnaryReactor* OptimizerService::UnregisterRegion(
     v1::UnregisterRegionResponse*) {
   auto p = auth_->Authenticate(*ctx);
   if (!p.ok()) return Finish(ctx, p.status());
-  auto s = Owned(manager_, *p, req->session_id());
+  auto s = OwnedSession(manager_, *p, req->session_id());
   if (!s.ok()) return Finish(ctx, s.status());
   return Finish(ctx, (*s)->UnregisterRegion(req->region_id()));
 }
@@ -324,7 +272,9 @@ grpc::ServerUnaryReactor* OptimizerService::Step(grpc::CallbackServerContext* ct
                                                  v1::StepResponse* resp) {
   auto p = auth_->Authenticate(*ctx);
   if (!p.ok()) return Finish(ctx, p.status());
-  if (auto o = Owned(manager_, *p, req->session_id()); !o.ok()) return Finish(ctx, o.status());
+  if (auto o = OwnedSession(manager_, *p, req->session_id()); !o.ok()) {
+    return Finish(ctx, o.status());
+  }
   auto r = manager_->Step(req->session_id(), StepRequestFromProto(*req));
   if (!r.ok()) return Finish(ctx, r.status());
   resp->set_step_index(r->step_index);
@@ -358,7 +308,7 @@ grpc::ServerWriteReactor<v1::TensorChunk>* OptimizerService::PullParameters(
     grpc::CallbackServerContext* ctx, const v1::PullParametersRequest* req) {
   auto p = auth_->Authenticate(*ctx);
   if (!p.ok()) return FailWrite(p.status());
-  auto s = Owned(manager_, *p, req->session_id());
+  auto s = OwnedSession(manager_, *p, req->session_id());
   if (!s.ok()) return FailWrite(s.status());
   int64_t chunk = req->chunk_bytes() == 0 ? options_.max_chunk_bytes : req->chunk_bytes();
   if (chunk < 0 || chunk > options_.max_chunk_bytes) {
@@ -418,7 +368,7 @@ grpc::ServerUnaryReactor* OptimizerService::SetHyperparameters(
     v1::SetHyperparametersResponse*) {
   auto p = auth_->Authenticate(*ctx);
   if (!p.ok()) return Finish(ctx, p.status());
-  auto s = Owned(manager_, *p, req->session_id());
+  auto s = OwnedSession(manager_, *p, req->session_id());
   if (!s.ok()) return Finish(ctx, s.status());
   auto change = HyperparameterChangeFromProto(*req);
   if (!change.ok()) return Finish(ctx, change.status());
@@ -430,7 +380,7 @@ grpc::ServerWriteReactor<v1::TensorChunk>* OptimizerService::GetState(
     grpc::CallbackServerContext* ctx, const v1::GetStateRequest* req) {
   auto p = auth_->Authenticate(*ctx);
   if (!p.ok()) return FailWrite(p.status());
-  auto s = Owned(manager_, *p, req->session_id());
+  auto s = OwnedSession(manager_, *p, req->session_id());
   if (!s.ok()) return FailWrite(s.status());
   auto state = (*s)->GetState(req->include_parameters());
   if (!state.ok()) return FailWrite(state.status());
@@ -485,7 +435,9 @@ grpc::ServerUnaryReactor* OptimizerService::SaveCheckpoint(grpc::CallbackServerC
                                                            v1::SaveCheckpointResponse* resp) {
   auto p = auth_->Authenticate(*ctx);
   if (!p.ok()) return Finish(ctx, p.status());
-  if (auto o = Owned(manager_, *p, req->session_id()); !o.ok()) return Finish(ctx, o.status());
+  if (auto o = OwnedSession(manager_, *p, req->session_id()); !o.ok()) {
+    return Finish(ctx, o.status());
+  }
   if (absl::Status a = CheckPathAllowed(*p, req->directory(), "directory"); !a.ok()) {
     return Finish(ctx, a);
   }
@@ -558,7 +510,9 @@ grpc::ServerUnaryReactor* OptimizerService::CloseSession(grpc::CallbackServerCon
                                                          v1::CloseSessionResponse*) {
   auto p = auth_->Authenticate(*ctx);
   if (!p.ok()) return Finish(ctx, p.status());
-  if (auto o = Owned(manager_, *p, req->session_id()); !o.ok()) return Finish(ctx, o.status());
+  if (auto o = OwnedSession(manager_, *p, req->session_id()); !o.ok()) {
+    return Finish(ctx, o.status());
+  }
   return Finish(ctx, manager_->Close(req->session_id()));
 }
 
@@ -569,7 +523,7 @@ grpc::ServerUnaryReactor* OptimizerService::ListSessions(grpc::CallbackServerCon
   if (!p.ok()) return Finish(ctx, p.status());
   const absl::Time now = absl::Now();
   for (const session::SessionInfo& info : manager_->List()) {
-    if (!p->admin && info.owner != p->name) continue;  // only one's own sessions
+    if (!MayUseSession(*p, info.owner)) continue;  // only one's own sessions
     SessionInfoToProto(info, now, resp->add_sessions());
   }
   return Finish(ctx, absl::OkStatus());

@@ -753,6 +753,12 @@ absl::StatusOr<CheckpointDir> OpenCheckpointDir(const std::string& state_dir_in,
                                                    path.size(), " bytes: at most ",
                                                    kMaxCheckpointPathBytes));
   }
+  // The system calls below read up to the first NUL: "a\0/b" would open "a", another directory
+  // than the one named.
+  if (path.find('\0') != std::string::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("checkpoint path '", Echo(path), "' contains a NUL byte"));
+  }
   const std::string state_dir = state_dir_in.empty() ? "" : StripTrailingSlashes(state_dir_in);
   std::string rel;
   bool beneath = false;

@@ -8,9 +8,16 @@ A seed has one request per line: its name, a space, the request in protobuf text
   session: step, push, setstate (streams: TensorChunk messages separated by " ;; "), register,
            unregister, hyper, save, load, and "resize N" (the trainer resizes its segment to N
            4-byte words). Session id "s" is the live session, segment name "seg" the harness's.
+  auth:    first line "options N" (bit 0 --allow_unauthenticated_tcp, bit 1 mTLS); then
+           use, list, attach, load, open, create, save, tokens, each followed by its payload as
+           blank-separated items: a number 0-255 is one byte, a quoted Python string literal its
+           bytes (latin-1, so '\x00' is a NUL byte). The payload's layout is auth_fuzz.cc's
+           (peer, credential and certificate selector bytes, then the operation's bytes).
 Lines starting with '#' are comments.
-    encode_records.py peer|session PROTO_DIR SEED.txt OUT
+    encode_records.py peer|session|auth PROTO_DIR SEED.txt OUT
 """
+import ast
+import re
 import struct
 import subprocess
 import sys
@@ -35,10 +42,35 @@ def record(kind, payload):
     return struct.pack("<BH", kind, len(payload)) + payload
 
 
+AUTH = {"use": 0, "list": 1, "attach": 2, "load": 3, "open": 4, "create": 5, "save": 6,
+        "tokens": 7}
+ITEM = re.compile(r"""'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"|\S+""")
+
+
+def auth_payload(text):
+    out = b""
+    for item in ITEM.findall(text):
+        if item[0] in "'\"":
+            out += ast.literal_eval(item).encode("latin-1")
+        else:
+            out += bytes([int(item)])
+    return out
+
+
 def main(which, proto_dir, src, dst):
     with open(src) as f:
         lines = [l.strip() for l in f if l.strip() and not l.lstrip().startswith("#")]
     out = b""
+    if which == "auth":
+        name, n = lines.pop(0).split()
+        assert name == "options"
+        out = bytes([int(n)])
+        for line in lines:
+            op, _, text = line.partition(" ")
+            out += record(AUTH[op], auth_payload(text))
+        with open(dst, "wb") as f:
+            f.write(out)
+        return
     if which == "peer":
         name, n = lines.pop(0).split()
         assert name == "world_size"

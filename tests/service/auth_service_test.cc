@@ -40,6 +40,8 @@ struct ProbeResult {
   std::vector<std::string> lines;
   std::map<std::string, std::string> codes;  // "<Rpc>" -> code
   std::string Text() const { return absl::StrJoin(lines, "\n"); }
+  // The last line, or "" when the probe printed nothing (e.g. it died: never lines.back() then).
+  std::string last() const { return lines.empty() ? "" : lines.back(); }
   std::string session() const {
     for (const auto& l : lines) {
       if (absl::StartsWith(l, "session ")) return l.substr(8);
@@ -174,8 +176,8 @@ TEST_F(AuthTest, UnixUidsOwnTheirSessionsAndEveryoneElseIsRefused) {
   // Nothing changed: parameters, state, and the session is still there.
   EXPECT_EQ(Fingerprint(id), before);
 
-  EXPECT_EQ(Probe(Unix(), Uid(kOther), {"list"}).lines.back(), "count 0");
-  EXPECT_EQ(Probe(Tcp(), Token(kBob), {"list"}).lines.back(), "count 0");
+  EXPECT_EQ(Probe(Unix(), Uid(kOther), {"list"}).last(), "count 0");
+  EXPECT_EQ(Probe(Tcp(), Token(kBob), {"list"}).last(), "count 0");
   ProbeResult anonymous = Probe(Tcp(), Creds(), {"list"});
   EXPECT_EQ(anonymous.codes["ListSessions"], "UNAUTHENTICATED") << anonymous.Text();
   ProbeResult wrong = Probe(Tcp(), Creds(), {"create"});
@@ -189,7 +191,7 @@ TEST_F(AuthTest, UnixUidsOwnTheirSessionsAndEveryoneElseIsRefused) {
   ProbeResult ops = Probe(Tcp(), Token(kOps), {"list"});
   EXPECT_EQ(ops.Listed(), std::vector<std::string>{id + " uid:65534"}) << ops.Text();
   ProbeResult pulled = Probe(Tcp(), Token(kOps), {"pull", id});
-  EXPECT_TRUE(absl::StartsWith(pulled.lines.back(), "pull OK")) << pulled.Text();
+  EXPECT_TRUE(absl::StartsWith(pulled.last(), "pull OK")) << pulled.Text();
 
   // The owner itself passes the gate on every RPC (the calls may fail for other reasons: the
   // probe sends NaN state and an unknown segment), and its CloseSession closes the session.
@@ -211,15 +213,15 @@ TEST_F(AuthTest, BearerTokensOverTcpSeparatePrincipals) {
   ASSERT_FALSE(b.empty());
   EXPECT_EQ(Probe(Tcp(), Token(kAlice), {"list"}).Listed(), std::vector<std::string>{a + " alice"});
   EXPECT_EQ(Probe(Tcp(), Token(kBob), {"list"}).Listed(), std::vector<std::string>{b + " bob"});
-  EXPECT_EQ(Probe(Tcp(), Token(kOps), {"list"}).lines.back(), "count 2");
+  EXPECT_EQ(Probe(Tcp(), Token(kOps), {"list"}).last(), "count 2");
   // A uid on the socket is another principal than a token.
-  EXPECT_EQ(Probe(Unix(), Uid(kNobody), {"list"}).lines.back(), "count 0");
+  EXPECT_EQ(Probe(Unix(), Uid(kNobody), {"list"}).last(), "count 0");
   const std::string before = Fingerprint(a);
   ExpectAll(Probe(Tcp(), Token(kBob), {"all", a}), "PERMISSION_DENIED", "bob on alice's");
   ExpectAll(Probe(Unix(), Uid(kNobody), {"all", a}), "PERMISSION_DENIED", "uid 65534 on alice's");
   EXPECT_EQ(Fingerprint(a), before);
-  EXPECT_TRUE(absl::StartsWith(Probe(Tcp(), Token(kOps), {"pull", a}).lines.back(), "pull OK"));
-  EXPECT_TRUE(absl::StartsWith(Probe(Tcp(), Token(kAlice), {"pull", a}).lines.back(), "pull OK"));
+  EXPECT_TRUE(absl::StartsWith(Probe(Tcp(), Token(kOps), {"pull", a}).last(), "pull OK"));
+  EXPECT_TRUE(absl::StartsWith(Probe(Tcp(), Token(kAlice), {"pull", a}).last(), "pull OK"));
 }
 
 // A local user may register only shm segments its uid owns (the daemon, root here, could open
@@ -314,8 +316,8 @@ TEST_F(TlsAuthTest, ClientCertificatesAndTokensOverTls) {
   EXPECT_EQ(plain.codes["ListSessions"], "UNAVAILABLE") << plain.Text();
   EXPECT_EQ(Fingerprint(id), before);
 
-  EXPECT_EQ(Probe(Tcp(), Cert("", kOps), {"list"}).lines.back(), "count 1");
-  EXPECT_EQ(Probe(Tcp(), Cert("trainer-2"), {"list"}).lines.back(), "count 0");
+  EXPECT_EQ(Probe(Tcp(), Cert("", kOps), {"list"}).last(), "count 1");
+  EXPECT_EQ(Probe(Tcp(), Cert("trainer-2"), {"list"}).last(), "count 0");
   ProbeResult closed = Probe(Tcp(), Cert("trainer-1"), {"all", id});
   EXPECT_EQ(closed.codes["CloseSession"], "OK") << closed.Text();
 }

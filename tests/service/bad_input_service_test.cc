@@ -347,6 +347,9 @@ std::vector<BadCase> Cases() {
       // ---- reads ----
       {"PullUnknownParameter", Code::INVALID_ARGUMENT, "unknown parameter 'zz'",
        [good] { TensorMap m; return PullParameters(Stub(), good(), &m, 0, {"zz"}); }},
+      // The service's own echo once repeated control characters raw (a two-line message).
+      {"PullUnknownParameterWithANewline", Code::INVALID_ARGUMENT, "unknown parameter 'z?z'",
+       [good] { TensorMap m; return PullParameters(Stub(), good(), &m, 0, {"z\nz"}); }},
       {"PullNegativeChunkBytes", Code::INVALID_ARGUMENT, "chunk_bytes -8",
        [good] { TensorMap m; return PullParameters(Stub(), good(), &m, -8); }},
       {"PullUnknownSession", Code::NOT_FOUND, "unknown session 's-nope'",

@@ -533,6 +533,32 @@ TEST_F(Durability, NoSymlinkLeadsOutOfTheStateDir) {
   EXPECT_EQ(Steps(outside + "/" + id), std::vector<int64_t>{0});
 }
 
+// Found while writing tests/fuzz/auth_fuzz.cc (seed regress_nul_path): the system calls read a
+// path up to its first NUL byte, so "<id>/step-0\0junk" loaded <id>/step-0 and a save into
+// "fresh\0x" made "fresh": another directory than the one named.
+TEST_F(Durability, APathWithANulByteIsRefused) {
+  StartDaemon({}, /*tcp=*/true);
+  const SessionDesc d = SmallDesc();
+  v1::CreateSessionResponse created;
+  ASSERT_TRUE(stub().CreateSession(Ctx().get(), d.Request(), &created).ok());
+  const std::string id = created.session_id();
+  ASSERT_TRUE(SetState(stub(), id, Weights(d, 3)).ok());
+  v1::SaveCheckpointResponse saved;
+  ASSERT_TRUE(Save(stub(), id, &saved).ok());
+  auto tcp = daemon_->NewTcpStub();
+  for (v1::Optimizer::Stub* st : {&stub(), tcp.get()}) {
+    v1::LoadCheckpointResponse r;
+    grpc::Status s = Load(*st, absl::StrCat(id, "/step-0", std::string(1, '\0'), "junk"), &r);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_TRUE(absl::StrContains(s.error_message(), "contains a NUL byte")) << s.error_message();
+    v1::SaveCheckpointResponse sr;
+    s = Save(*st, id, &sr, absl::StrCat("fresh", std::string(1, '\0'), "x"));
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  }
+  EXPECT_FALSE(fs::exists(state_dir_ + "/fresh"));
+  EXPECT_EQ(Steps(state_dir_ + "/" + id), std::vector<int64_t>{0});
+}
+
 TEST(DurabilityPaths, RelativePathsWithoutStateDirAreRefusedNotResolvedAgainstTheCwd) {
   // A checkpoint that a relative path would reach from the daemon's working directory (the
   // test's: the daemon inherits it).
