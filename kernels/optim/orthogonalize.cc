@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -146,7 +147,6 @@ absl::Status Validate(const Context& ctx, const OrthogonalizeOptions& o, ConstTe
   auto bad = [&](auto&&... args) {
     return absl::InvalidArgumentError(absl::StrCat(kOp, ": ", args...));
   };
-  if (ctx.device().type != DeviceType::kCpu) return bad("context device is not the CPU");
   if (o.method != OrthoMethod::kPolarExpress && o.method != OrthoMethod::kNewtonSchulz5) {
     return bad("unknown method ", static_cast<int>(o.method));
   }
@@ -202,6 +202,24 @@ absl::Span<const OrthoCoefficients> NewtonSchulz5Coefficients() { return kNs5; }
 
 namespace {
 
+// A tensor of ctx's scratch arena as a view on ctx's device (the arena's blocks come from the
+// device backend's allocator).
+absl::StatusOr<TensorView> ScratchView(const Context& ctx, DType dtype,
+                                       std::initializer_list<int64_t> shape) {
+  DIOND_ASSIGN_OR_RETURN(Tensor t, Tensor::Allocate(dtype, shape, &ctx.scratch()));
+  return TensorView(t.data(), t.layout(), ctx.device());
+}
+
+// ‖a‖_F into `dev_scalar` (one f32 on the device), read back to the host: the orthogonalizer's
+// one sync point per matrix (docs/KERNELS.md §4.3). A plain copy on the CPU.
+absl::StatusOr<float> FrobeniusNormToHost(const Context& ctx, ConstTensorView a,
+                                          TensorView dev_scalar) {
+  DIOND_RETURN_IF_ERROR(FrobeniusNorm(ctx, a, dev_scalar));
+  float norm = 0.0f;
+  DIOND_RETURN_IF_ERROR(CopyToHost(ctx, dev_scalar, MakeView(&norm, {1})));
+  return norm;
+}
+
 // The per-matrix kernel; Orthogonalize loops over the batch with it, so a batched call and
 // one call per matrix are bit-identical. Buffers come from ctx.scratch() (rewound by the caller).
 absl::Status OrthogonalizeOne(const Context& ctx, const OrthogonalizeOptions& o,
@@ -215,21 +233,21 @@ absl::Status OrthogonalizeOne(const Context& ctx, const OrthogonalizeOptions& o,
   const int64_t wm = transpose ? n : m, wn = transpose ? m : n;  // working shape
   const int64_t g = std::min(m, n);
   auto coeffs = pe ? PolarExpressCoefficients() : NewtonSchulz5Coefficients();
-  ScratchArena& arena = ctx.scratch();
   ConstTensorView src = transpose ? in.Transposed() : in;
+  // One f32 on the device: the norm, then (bf16 modes) the divisor as a [1, 1] operand.
+  DIOND_ASSIGN_OR_RETURN(TensorView scalar, ScratchView(ctx, DType::kF32, {1, 1}));
+  const TensorView scalar1 = scalar.Reshaped({1});
 
   if (o.precision == OrthoPrecision::kFp32) {
-    DIOND_ASSIGN_OR_RETURN(Tensor y1, Tensor::Allocate(DType::kF32, {wm, wn}, &arena));
-    DIOND_ASSIGN_OR_RETURN(Tensor y2, Tensor::Allocate(DType::kF32, {wm, wn}, &arena));
-    DIOND_ASSIGN_OR_RETURN(Tensor ga, Tensor::Allocate(DType::kF32, {g, g}, &arena));
-    DIOND_ASSIGN_OR_RETURN(Tensor gb, Tensor::Allocate(DType::kF32, {g, g}, &arena));
-    TensorView y = y1.view(), yb = y2.view();
+    DIOND_ASSIGN_OR_RETURN(TensorView y, ScratchView(ctx, DType::kF32, {wm, wn}));
+    DIOND_ASSIGN_OR_RETURN(TensorView yb, ScratchView(ctx, DType::kF32, {wm, wn}));
+    DIOND_ASSIGN_OR_RETURN(TensorView ga, ScratchView(ctx, DType::kF32, {g, g}));
+    DIOND_ASSIGN_OR_RETURN(TensorView gb, ScratchView(ctx, DType::kF32, {g, g}));
     DIOND_RETURN_IF_ERROR(Copy(ctx, src, y));
-    float norm = 0.0f;
-    DIOND_RETURN_IF_ERROR(FrobeniusNorm(ctx, y, MakeView(&norm, {1})));
+    DIOND_ASSIGN_OR_RETURN(const float norm, FrobeniusNormToHost(ctx, y, scalar1));
     const float denom = pe ? 1.02f * norm + o.epsilon : norm + o.epsilon;
     DIOND_RETURN_IF_ERROR(Scale(ctx, 1.0f / denom, y, y));
-    DIOND_RETURN_IF_ERROR(Fp32Iterations(ctx, coeffs, gram_tall, &y, &yb, ga.view(), gb.view()));
+    DIOND_RETURN_IF_ERROR(Fp32Iterations(ctx, coeffs, gram_tall, &y, &yb, ga, gb));
     return Copy(ctx, transpose ? ConstTensorView(y).Transposed() : ConstTensorView(y), out);
   }
 
@@ -241,36 +259,33 @@ absl::Status OrthogonalizeOne(const Context& ctx, const OrthogonalizeOptions& o,
     return pe ? RoundToBf16(RoundToBf16(s * 1.02f) + o.epsilon) : RoundToBf16(s + o.epsilon);
   };
   if (o.bf16_matmul == Bf16Matmul::kReferenceF32Gemm) {
-    DIOND_ASSIGN_OR_RETURN(Tensor yf, Tensor::Allocate(DType::kF32, {wm, wn}, &arena));
-    DIOND_ASSIGN_OR_RETURN(Tensor pf, Tensor::Allocate(DType::kF32, {wm, wn}, &arena));
-    DIOND_ASSIGN_OR_RETURN(Tensor gf, Tensor::Allocate(DType::kF32, {g, g}, &arena));
-    DIOND_ASSIGN_OR_RETURN(Tensor gf2, Tensor::Allocate(DType::kF32, {g, g}, &arena));
-    TensorView y = yf.view();
+    DIOND_ASSIGN_OR_RETURN(TensorView y, ScratchView(ctx, DType::kF32, {wm, wn}));
+    DIOND_ASSIGN_OR_RETURN(TensorView pf, ScratchView(ctx, DType::kF32, {wm, wn}));
+    DIOND_ASSIGN_OR_RETURN(TensorView gf, ScratchView(ctx, DType::kF32, {g, g}));
+    DIOND_ASSIGN_OR_RETURN(TensorView gf2, ScratchView(ctx, DType::kF32, {g, g}));
     DIOND_RETURN_IF_ERROR(Copy(ctx, src, y));
     DIOND_RETURN_IF_ERROR(Bf16RoundedAxpby(ctx, 0.0f, {}, 1.0f, y, y));  // bf(G)
-    float norm = 0.0f;
-    DIOND_RETURN_IF_ERROR(FrobeniusNorm(ctx, y, MakeView(&norm, {1})));
-    float d = denominator(norm);
-    DIOND_RETURN_IF_ERROR(Binary(ctx, BinaryOp::kDiv, y, MakeView(&d, {1, 1}), y));
+    DIOND_ASSIGN_OR_RETURN(const float norm, FrobeniusNormToHost(ctx, y, scalar1));
+    const float d = denominator(norm);
+    DIOND_RETURN_IF_ERROR(CopyFromHost(ctx, MakeView(&d, {1, 1}), scalar));  // the divisor
+    DIOND_RETURN_IF_ERROR(Binary(ctx, BinaryOp::kDiv, y, scalar, y));
     DIOND_RETURN_IF_ERROR(Bf16RoundedAxpby(ctx, 0.0f, {}, 1.0f, y, y));  // bf(Y / d)
-    DIOND_RETURN_IF_ERROR(
-        Bf16F32StorageIterations(ctx, coeffs, gram_tall, y, pf.view(), gf.view(), gf2.view()));
+    DIOND_RETURN_IF_ERROR(Bf16F32StorageIterations(ctx, coeffs, gram_tall, y, pf, gf, gf2));
     ConstTensorView result = y;
     return Copy(ctx, transpose ? result.Transposed() : result, out);  // exact (bf16 values)
   }
-  DIOND_ASSIGN_OR_RETURN(Tensor y, Tensor::Allocate(DType::kBf16, {wm, wn}, &arena));
-  DIOND_ASSIGN_OR_RETURN(Tensor p, Tensor::Allocate(DType::kBf16, {wm, wn}, &arena));
-  DIOND_ASSIGN_OR_RETURN(Tensor ga, Tensor::Allocate(DType::kBf16, {g, g}, &arena));
-  DIOND_ASSIGN_OR_RETURN(Tensor gaa, Tensor::Allocate(DType::kBf16, {g, g}, &arena));
-  DIOND_ASSIGN_OR_RETURN(Tensor gb, Tensor::Allocate(DType::kBf16, {g, g}, &arena));
-  DIOND_RETURN_IF_ERROR(Copy(ctx, src, y.view()));
-  float norm = 0.0f;
-  DIOND_RETURN_IF_ERROR(FrobeniusNorm(ctx, y.view(), MakeView(&norm, {1})));
-  float d = denominator(norm);
-  DIOND_RETURN_IF_ERROR(Binary(ctx, BinaryOp::kDiv, y.view(), MakeView(&d, {1, 1}), y.view()));
-  DIOND_RETURN_IF_ERROR(OneDnnBf16Iterations(ctx, coeffs, gram_tall, y.view(), p.view(),
-                                             ga.view(), gaa.view(), gb.view()));
-  ConstTensorView result = y.view();
+  DIOND_ASSIGN_OR_RETURN(TensorView y, ScratchView(ctx, DType::kBf16, {wm, wn}));
+  DIOND_ASSIGN_OR_RETURN(TensorView p, ScratchView(ctx, DType::kBf16, {wm, wn}));
+  DIOND_ASSIGN_OR_RETURN(TensorView ga, ScratchView(ctx, DType::kBf16, {g, g}));
+  DIOND_ASSIGN_OR_RETURN(TensorView gaa, ScratchView(ctx, DType::kBf16, {g, g}));
+  DIOND_ASSIGN_OR_RETURN(TensorView gb, ScratchView(ctx, DType::kBf16, {g, g}));
+  DIOND_RETURN_IF_ERROR(Copy(ctx, src, y));
+  DIOND_ASSIGN_OR_RETURN(const float norm, FrobeniusNormToHost(ctx, y, scalar1));
+  const float d = denominator(norm);
+  DIOND_RETURN_IF_ERROR(CopyFromHost(ctx, MakeView(&d, {1, 1}), scalar));  // the divisor
+  DIOND_RETURN_IF_ERROR(Binary(ctx, BinaryOp::kDiv, y, scalar, y));
+  DIOND_RETURN_IF_ERROR(OneDnnBf16Iterations(ctx, coeffs, gram_tall, y, p, ga, gaa, gb));
+  ConstTensorView result = y;
   return Copy(ctx, transpose ? result.Transposed() : result, out);
 }
 
