@@ -386,6 +386,45 @@ TEST_P(DeviceRules, StepsMatchTheCpuBitForBit) {
 INSTANTIATE_TEST_SUITE_P(EveryRule, DeviceRules, ::testing::ValuesIn(AllRuleCases()),
                          [](const ::testing::TestParamInfo<RuleCase>& i) { return i.param.name; });
 
+// ---- sync points (docs/KERNELS.md §4.3) ------------------------------------------------------
+
+// The TEST backend counts every entry that hands a value to the host (copies, top-k, all-zero
+// checks, stream synchronizations). A step of Muon, NorMuon or Lion has exactly one: the read-back
+// of the update norms (the orthogonalizer keeps its scalars on the device). AdamW adds two per
+// parameter with a gradient (its step_dev read and written back).
+TEST_F(StrictDevice, StepsHaveOnlyTheListedSyncPoints) {
+  struct Want {
+    AlgorithmKind kind;
+    Precision precision;
+    int64_t syncs;
+  };
+  const std::vector<ParamShape> shapes = {{24, 40}, {24, 40}, {40, 16}};
+  for (const Want& w : {Want{AlgorithmKind::kMuon, Precision::kFp32, 1},
+                        Want{AlgorithmKind::kMuon, Precision::kBf16Reference, 1},
+                        Want{AlgorithmKind::kNorMuon, Precision::kFp32, 1},
+                        Want{AlgorithmKind::kNorMuon, Precision::kBf16Reference, 1},
+                        Want{AlgorithmKind::kLion, Precision::kFp32, 1},
+                        Want{AlgorithmKind::kAdamW, Precision::kFp32, 1 + 2 * 3}}) {
+    auto opt = CreateGroupOptimizer(*dev_, Base(w.kind, w.precision), shapes);
+    ASSERT_THAT(opt.status(), IsOk());
+    std::vector<Buffer> x, g;
+    std::vector<float*> xp;
+    std::vector<const float*> gp;
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      x.push_back(Upload(Rand(static_cast<size_t>(Numel(shapes[i])), 1)));
+      g.push_back(Upload(Rand(static_cast<size_t>(Numel(shapes[i])), 2)));
+      xp.push_back(x.back().As<float>());
+      gp.push_back(g.back().As<float>());
+    }
+    for (int step = 1; step <= 2; ++step) {
+      const int64_t before = kernels::testing::GetHostTestDeviceCounters().syncs;
+      ASSERT_THAT((*opt)->Step(*dev_, xp, gp), IsOk());
+      EXPECT_EQ(kernels::testing::GetHostTestDeviceCounters().syncs - before, w.syncs)
+          << AlgorithmName(w.kind) << " " << PrecisionName(w.precision) << " step " << step;
+    }
+  }
+}
+
 // ---- state access, release and captured updates on the device --------------------------------
 
 TEST_F(StrictDevice, StateAccessNeedsTheDeviceContext) {

@@ -22,8 +22,8 @@
 //   * Host memory is reached only through explicit copies (kernels/ops.h CopyFromHost /
 //     CopyToHost), each a sync point listed in docs/KERNELS.md §4.3: Get/SetState, the initial
 //     state (zeros are a Fill; Dion's Q and sketch are drawn on the host and uploaded), the
-//     Σ(Δx)² of a step (one read-back), AdamW's step_dev, the orthogonalizer's norm, Dion2's
-//     bf16 selection order, capture payloads and replica_average.
+//     Σ(Δx)² of a step (one read-back), AdamW's step_dev, Dion2's bf16 selection order, capture
+//     payloads and replica_average (the orthogonalizer keeps its scalars on the device).
 //   * Get/SetState and ReleaseState have overloads taking the Context; the ones without it use
 //     a process-wide CPU context and refuse (FAILED_PRECONDITION) an optimizer whose state is
 //     not on the CPU.

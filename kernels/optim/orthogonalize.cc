@@ -210,14 +210,44 @@ absl::StatusOr<TensorView> ScratchView(const Context& ctx, DType dtype,
   return TensorView(t.data(), t.layout(), ctx.device());
 }
 
-// ‖a‖_F into `dev_scalar` (one f32 on the device), read back to the host: the orthogonalizer's
-// one sync point per matrix (docs/KERNELS.md §4.3). A plain copy on the CPU.
-absl::StatusOr<float> FrobeniusNormToHost(const Context& ctx, ConstTensorView a,
-                                          TensorView dev_scalar) {
-  DIOND_RETURN_IF_ERROR(FrobeniusNorm(ctx, a, dev_scalar));
-  float norm = 0.0f;
-  DIOND_RETURN_IF_ERROR(CopyToHost(ctx, dev_scalar, MakeView(&norm, {1})));
-  return norm;
+// The normalization of ORTH-2 with its scalars kept on the device (no sync point, and nothing a
+// CUDA graph could not capture): four [1, 1] f32 scalars of the scratch arena, each step one op
+// whose f32 arithmetic is exactly that of the scalar expression it replaces.
+struct DeviceScalars {
+  TensorView a, b, c, d;  // [1, 1] f32 each
+};
+absl::StatusOr<DeviceScalars> MakeDeviceScalars(const Context& ctx) {
+  DeviceScalars s;
+  DIOND_ASSIGN_OR_RETURN(s.a, ScratchView(ctx, DType::kF32, {1, 1}));
+  DIOND_ASSIGN_OR_RETURN(s.b, ScratchView(ctx, DType::kF32, {1, 1}));
+  DIOND_ASSIGN_OR_RETURN(s.c, ScratchView(ctx, DType::kF32, {1, 1}));
+  DIOND_ASSIGN_OR_RETURN(s.d, ScratchView(ctx, DType::kF32, {1, 1}));
+  return s;
+}
+
+// fp32 mode: y ← y · (1 / (k·‖y‖ + ε)), k = 1.02 (PE) or 1 (NS5), as the host expression
+// `1.0f / (k * norm + eps)` and a Scale by it (a·v == v·a).
+absl::Status Fp32Normalize(const Context& ctx, bool pe, float eps, const DeviceScalars& s,
+                           TensorView y) {
+  DIOND_RETURN_IF_ERROR(FrobeniusNorm(ctx, y, s.a.Reshaped({1})));
+  DIOND_RETURN_IF_ERROR(AddScalar(ctx, pe ? 1.02f : 1.0f, s.a, eps, s.b));  // denom
+  DIOND_RETURN_IF_ERROR(Fill(ctx, 1.0f, s.c));
+  DIOND_RETURN_IF_ERROR(Binary(ctx, BinaryOp::kDiv, s.c, s.b, s.d));        // 1 / denom
+  return Binary(ctx, BinaryOp::kMul, y, s.d, y);
+}
+
+// bf16 modes: s = bf(‖Y‖_F); PE: d = bf(bf(s·1.02) + ε); NS5: d = bf(s + ε); y ← y / d (the
+// caller rounds the quotient where its storage does not).
+absl::Status Bf16Normalize(const Context& ctx, bool pe, float eps, const DeviceScalars& s,
+                           TensorView y) {
+  DIOND_RETURN_IF_ERROR(FrobeniusNorm(ctx, y, s.a.Reshaped({1})));
+  DIOND_RETURN_IF_ERROR(Bf16RoundedAxpby(ctx, 0.0f, {}, 1.0f, s.a, s.b));  // s = bf(norm)
+  if (pe) {
+    DIOND_RETURN_IF_ERROR(Bf16RoundedAxpby(ctx, 0.0f, {}, 1.02f, s.b, s.b));  // bf(s·1.02)
+  }
+  DIOND_RETURN_IF_ERROR(AddScalar(ctx, 1.0f, s.b, eps, s.c));              // · + ε
+  DIOND_RETURN_IF_ERROR(Bf16RoundedAxpby(ctx, 0.0f, {}, 1.0f, s.c, s.d));  // d = bf(·)
+  return Binary(ctx, BinaryOp::kDiv, y, s.d, y);
 }
 
 // The per-matrix kernel; Orthogonalize loops over the batch with it, so a batched call and
@@ -234,9 +264,8 @@ absl::Status OrthogonalizeOne(const Context& ctx, const OrthogonalizeOptions& o,
   const int64_t g = std::min(m, n);
   auto coeffs = pe ? PolarExpressCoefficients() : NewtonSchulz5Coefficients();
   ConstTensorView src = transpose ? in.Transposed() : in;
-  // One f32 on the device: the norm, then (bf16 modes) the divisor as a [1, 1] operand.
-  DIOND_ASSIGN_OR_RETURN(TensorView scalar, ScratchView(ctx, DType::kF32, {1, 1}));
-  const TensorView scalar1 = scalar.Reshaped({1});
+  // The normalization's scalars, on the device.
+  DIOND_ASSIGN_OR_RETURN(const DeviceScalars scalars, MakeDeviceScalars(ctx));
 
   if (o.precision == OrthoPrecision::kFp32) {
     DIOND_ASSIGN_OR_RETURN(TensorView y, ScratchView(ctx, DType::kF32, {wm, wn}));
@@ -244,20 +273,15 @@ absl::Status OrthogonalizeOne(const Context& ctx, const OrthogonalizeOptions& o,
     DIOND_ASSIGN_OR_RETURN(TensorView ga, ScratchView(ctx, DType::kF32, {g, g}));
     DIOND_ASSIGN_OR_RETURN(TensorView gb, ScratchView(ctx, DType::kF32, {g, g}));
     DIOND_RETURN_IF_ERROR(Copy(ctx, src, y));
-    DIOND_ASSIGN_OR_RETURN(const float norm, FrobeniusNormToHost(ctx, y, scalar1));
-    const float denom = pe ? 1.02f * norm + o.epsilon : norm + o.epsilon;
-    DIOND_RETURN_IF_ERROR(Scale(ctx, 1.0f / denom, y, y));
+    DIOND_RETURN_IF_ERROR(Fp32Normalize(ctx, pe, o.epsilon, scalars, y));
     DIOND_RETURN_IF_ERROR(Fp32Iterations(ctx, coeffs, gram_tall, &y, &yb, ga, gb));
     return Copy(ctx, transpose ? ConstTensorView(y).Transposed() : ConstTensorView(y), out);
   }
 
   // kBf16Reference: ORTH-1 Y ← bf(G) (a transposed copy for tall NS5: X.mT is a view, the
   // matmuls then read it transposed; the values are the same).
-  // ORTH-2: s = bf(‖Y‖_F); PE: d = bf(bf(s·1.02) + ε); NS5: d = bf(s + ε); Y = bf(Y / d).
-  auto denominator = [&](float norm) {
-    const float s = RoundToBf16(norm);
-    return pe ? RoundToBf16(RoundToBf16(s * 1.02f) + o.epsilon) : RoundToBf16(s + o.epsilon);
-  };
+  // ORTH-2: s = bf(‖Y‖_F); PE: d = bf(bf(s·1.02) + ε); NS5: d = bf(s + ε); Y = bf(Y / d)
+  // (Bf16Normalize).
   if (o.bf16_matmul == Bf16Matmul::kReferenceF32Gemm) {
     DIOND_ASSIGN_OR_RETURN(TensorView y, ScratchView(ctx, DType::kF32, {wm, wn}));
     DIOND_ASSIGN_OR_RETURN(TensorView pf, ScratchView(ctx, DType::kF32, {wm, wn}));
@@ -265,10 +289,7 @@ absl::Status OrthogonalizeOne(const Context& ctx, const OrthogonalizeOptions& o,
     DIOND_ASSIGN_OR_RETURN(TensorView gf2, ScratchView(ctx, DType::kF32, {g, g}));
     DIOND_RETURN_IF_ERROR(Copy(ctx, src, y));
     DIOND_RETURN_IF_ERROR(Bf16RoundedAxpby(ctx, 0.0f, {}, 1.0f, y, y));  // bf(G)
-    DIOND_ASSIGN_OR_RETURN(const float norm, FrobeniusNormToHost(ctx, y, scalar1));
-    const float d = denominator(norm);
-    DIOND_RETURN_IF_ERROR(CopyFromHost(ctx, MakeView(&d, {1, 1}), scalar));  // the divisor
-    DIOND_RETURN_IF_ERROR(Binary(ctx, BinaryOp::kDiv, y, scalar, y));
+    DIOND_RETURN_IF_ERROR(Bf16Normalize(ctx, pe, o.epsilon, scalars, y));
     DIOND_RETURN_IF_ERROR(Bf16RoundedAxpby(ctx, 0.0f, {}, 1.0f, y, y));  // bf(Y / d)
     DIOND_RETURN_IF_ERROR(Bf16F32StorageIterations(ctx, coeffs, gram_tall, y, pf, gf, gf2));
     ConstTensorView result = y;
@@ -280,10 +301,7 @@ absl::Status OrthogonalizeOne(const Context& ctx, const OrthogonalizeOptions& o,
   DIOND_ASSIGN_OR_RETURN(TensorView gaa, ScratchView(ctx, DType::kBf16, {g, g}));
   DIOND_ASSIGN_OR_RETURN(TensorView gb, ScratchView(ctx, DType::kBf16, {g, g}));
   DIOND_RETURN_IF_ERROR(Copy(ctx, src, y));
-  DIOND_ASSIGN_OR_RETURN(const float norm, FrobeniusNormToHost(ctx, y, scalar1));
-  const float d = denominator(norm);
-  DIOND_RETURN_IF_ERROR(CopyFromHost(ctx, MakeView(&d, {1, 1}), scalar));  // the divisor
-  DIOND_RETURN_IF_ERROR(Binary(ctx, BinaryOp::kDiv, y, scalar, y));
+  DIOND_RETURN_IF_ERROR(Bf16Normalize(ctx, pe, o.epsilon, scalars, y));
   DIOND_RETURN_IF_ERROR(OneDnnBf16Iterations(ctx, coeffs, gram_tall, y, p, ga, gaa, gb));
   ConstTensorView result = y;
   return Copy(ctx, transpose ? result.Transposed() : result, out);
