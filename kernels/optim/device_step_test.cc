@@ -389,9 +389,9 @@ INSTANTIATE_TEST_SUITE_P(EveryRule, DeviceRules, ::testing::ValuesIn(AllRuleCase
 // ---- sync points (docs/KERNELS.md §4.3) ------------------------------------------------------
 
 // The TEST backend counts every entry that hands a value to the host (copies, top-k, all-zero
-// checks, stream synchronizations). A step of Muon, NorMuon or Lion has exactly one: the read-back
-// of the update norms (the orthogonalizer keeps its scalars on the device). AdamW adds two per
-// parameter with a gradient (its step_dev read and written back).
+// checks, stream synchronizations). A step of Muon, NorMuon, AdamW or Lion has exactly one: the
+// read-back of the update norms (the orthogonalizer keeps its scalars on the device; AdamW's
+// step_dev is advanced on the device and mirrored on the host).
 TEST_F(StrictDevice, StepsHaveOnlyTheListedSyncPoints) {
   struct Want {
     AlgorithmKind kind;
@@ -404,7 +404,7 @@ TEST_F(StrictDevice, StepsHaveOnlyTheListedSyncPoints) {
                         Want{AlgorithmKind::kNorMuon, Precision::kFp32, 1},
                         Want{AlgorithmKind::kNorMuon, Precision::kBf16Reference, 1},
                         Want{AlgorithmKind::kLion, Precision::kFp32, 1},
-                        Want{AlgorithmKind::kAdamW, Precision::kFp32, 1 + 2 * 3}}) {
+                        Want{AlgorithmKind::kAdamW, Precision::kFp32, 1}}) {
     auto opt = CreateGroupOptimizer(*dev_, Base(w.kind, w.precision), shapes);
     ASSERT_THAT(opt.status(), IsOk());
     std::vector<Buffer> x, g;
@@ -457,6 +457,88 @@ TEST_F(StrictDevice, StateAccessNeedsTheDeviceContext) {
   ASSERT_THAT((*opt)->GetState(*dev_, 0, kStateStepDev, absl::MakeSpan(&step_dev, 1)), IsOk());
   EXPECT_EQ(step_dev, 1.0f);
   EXPECT_EQ((*opt)->StateFloats(), 16 + 16 + 1);
+}
+
+// AdamW's step count is advanced on the device and mirrored on the host: SetState, a discarded
+// stage and a released parameter must leave both in step, so the bias corrections (which depend
+// on the count) give the CPU's bits.
+TEST_F(StrictDevice, AdamWStepCountFollowsSetStateDiscardAndRelease) {
+  GroupConfig c = Base(AlgorithmKind::kAdamW, Precision::kFp32);
+  const std::vector<ParamShape> shapes = {{6, 5}, {6, 5}, {4}};
+  auto d = CreateGroupOptimizer(*dev_, c, shapes);
+  auto h = CreateGroupOptimizer(*cpu_, c, shapes);
+  ASSERT_THAT(d.status(), IsOk());
+  ASSERT_THAT(h.status(), IsOk());
+  std::vector<std::vector<float>> hx, hg;
+  std::vector<Buffer> dx, dg;
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    hx.push_back(Rand(static_cast<size_t>(Numel(shapes[i])), 20 + static_cast<uint32_t>(i)));
+    hg.push_back(Rand(hx.back().size(), 30 + static_cast<uint32_t>(i)));
+    dx.push_back(Upload(hx.back()));
+    dg.push_back(Upload(hg.back()));
+  }
+  auto pointers = [&](std::vector<float*>* dp, std::vector<const float*>* dgp,
+                      std::vector<float*>* hp, std::vector<const float*>* hgp) {
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      const bool released = (*d)->StateReleased(i);
+      dp->push_back(dx[i].As<float>());
+      hp->push_back(hx[i].data());
+      dgp->push_back(released ? nullptr : dg[i].As<float>());
+      hgp->push_back(released ? nullptr : hg[i].data());
+    }
+  };
+  // The independent expectation for parameter 1: the AdamW op itself at steps 8 and 9.
+  std::vector<float> want1 = hx[1], m1(want1.size(), 0.0f), v1(want1.size(), 0.0f);
+  for (int64_t step : {8, 9}) {
+    kernels::AdamWParams ap;
+    ap.lr = static_cast<float>(c.hyperparams.lr);
+    ap.beta1 = static_cast<float>(c.hyperparams.beta1);
+    ap.beta2 = static_cast<float>(c.hyperparams.beta2);
+    ap.epsilon = static_cast<float>(c.hyperparams.epsilon);
+    ap.weight_decay = static_cast<float>(c.hyperparams.weight_decay);
+    ap.step = step;
+    const int64_t n = static_cast<int64_t>(want1.size());
+    ASSERT_THAT(kernels::AdamWStep(*cpu_, ap, kernels::MakeView(hg[1].data(), {n}),
+                                   kernels::MakeView(want1.data(), {n}),
+                                   kernels::MakeView(m1.data(), {n}),
+                                   kernels::MakeView(v1.data(), {n})),
+                IsOk());
+  }
+  const float seven = 7.0f;
+  ASSERT_THAT((*d)->SetState(*dev_, 1, kStateStepDev, absl::MakeConstSpan(&seven, 1)), IsOk());
+  ASSERT_THAT((*h)->SetState(1, kStateStepDev, absl::MakeConstSpan(&seven, 1)), IsOk());
+  {
+    std::vector<float*> dp, hp;
+    std::vector<const float*> dgp, hgp;
+    pointers(&dp, &dgp, &hp, &hgp);
+    // A staged step that is dropped: nothing advances.
+    ASSERT_THAT((*d)->Stage(*dev_, dp, dgp), IsOk());
+    (*d)->DiscardStagedStep();
+    for (int step = 0; step < 2; ++step) {
+      ASSERT_THAT((*d)->Step(*dev_, dp, dgp), IsOk());
+      ASSERT_THAT((*h)->Step(*cpu_, hp, hgp), IsOk());
+    }
+  }
+  ASSERT_THAT((*d)->ReleaseState(*dev_, {true, false, true}), IsOk());
+  ASSERT_THAT((*h)->ReleaseState({true, false, true}), IsOk());
+  {
+    std::vector<float*> dp, hp;
+    std::vector<const float*> dgp, hgp;
+    pointers(&dp, &dgp, &hp, &hgp);
+    ASSERT_THAT((*d)->Step(*dev_, dp, dgp), IsOk());
+    ASSERT_THAT((*h)->Step(*cpu_, hp, hgp), IsOk());
+  }
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    EXPECT_TRUE(SameBits(Download(dx[i]), hx[i])) << "param " << i;
+  }
+  EXPECT_TRUE(SameBits(Download(dx[1]), want1)) << "param 1 stepped at 8 and 9";
+  for (size_t i : {size_t{0}, size_t{2}}) {
+    float ds = 0, hs = 0;
+    ASSERT_THAT((*d)->GetState(*dev_, i, kStateStepDev, absl::MakeSpan(&ds, 1)), IsOk());
+    ASSERT_THAT((*h)->GetState(i, kStateStepDev, absl::MakeSpan(&hs, 1)), IsOk());
+    EXPECT_EQ(ds, hs);
+    EXPECT_EQ(ds, 3.0f);
+  }
 }
 
 TEST_F(StrictDevice, DionInitialQIsTheCpuOne) {

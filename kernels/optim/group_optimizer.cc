@@ -168,6 +168,8 @@ class BucketedOptimizer final : public GroupOptimizer {
       buckets_[it->second].members.push_back(i);
       where_.push_back({it->second, buckets_[it->second].members.size() - 1});
     }
+    step_dev_host_.assign(this->shapes().size(), 0.0f);
+    step_dev_staged_ = step_dev_host_;
   }
 
   // Allocates and initializes the state on ctx's device: zeros (a Fill), or the rule's initial
@@ -204,6 +206,7 @@ class BucketedOptimizer final : public GroupOptimizer {
                          float weight_decay) override {
     RecycleStaged();
     commit_ctx_ = &ctx;
+    step_dev_staged_ = step_dev_host_;  // same size: no allocation
     const kernels::Device dev = ctx.device();
     if (capture_ != nullptr) capture_->payload.assign(shapes().size(), {});
     // In place (AdamW, Lion: one fused op, each byte read and written once) only when the
@@ -247,6 +250,7 @@ class BucketedOptimizer final : public GroupOptimizer {
       for (size_t j = 0; j < np; ++j) {
         args.x_in.push_back(params[b.members[st.slots[j]]]);
         args.g.push_back(grads[b.members[st.slots[j]]]);
+        args.step_count.push_back(&step_dev_staged_[b.members[st.slots[j]]]);
       }
       args.state_in.resize(b.specs.size());
       for (size_t k = 0; k < b.specs.size(); ++k) {
@@ -324,6 +328,7 @@ class BucketedOptimizer final : public GroupOptimizer {
   }
 
   void CommitStagedStateImpl() override {
+    step_dev_host_.swap(step_dev_staged_);  // the staged step counts become current
     if (in_place_step_) {
       in_place_step_ = false;
       return;
@@ -382,6 +387,7 @@ class BucketedOptimizer final : public GroupOptimizer {
         args.x = params[p];
         args.x_in.assign(1, params[p]);
         args.g.assign(1, grads[p]);
+        args.step_count.assign(1, &step_dev_staged_[p]);
         for (size_t k = 0; k < b.specs.size(); ++k) {
           args.state[k] = b.state[k].As<float>() + slot * b.specs[k].NumElements();
           args.state_in[k].assign(1, args.state[k]);
@@ -449,6 +455,13 @@ class BucketedOptimizer final : public GroupOptimizer {
     return n;
   }
 
+  void StateWritten(size_t param_index, absl::string_view name,
+                    absl::Span<const float> values) override {
+    if (name == kStateStepDev && param_index < step_dev_host_.size() && values.size() == 1) {
+      step_dev_host_[param_index] = values[0];
+    }
+  }
+
   float* MutableStatePtr(size_t param_index, absl::string_view name) override {
     if (param_index >= where_.size() || where_[param_index].second == kReleasedSlot) {
       return nullptr;
@@ -496,6 +509,10 @@ class BucketedOptimizer final : public GroupOptimizer {
   kernels::Buffer update_sq_buf_;
   std::vector<float> update_sq_host_;  // its host copy (sized once: steps allocate nothing)
   bool in_place_step_ = false;
+  // AdamW's step_dev per parameter, mirrored on the host (the device copy is advanced by an op,
+  // this one by the same f32 addition), so that a step reads no counter back: the current
+  // values, and those of the step being staged (made current by CommitStagedState).
+  std::vector<float> step_dev_host_, step_dev_staged_;
   // The context of the step being staged; CommitStaged runs its copies on it.
   const kernels::Context* commit_ctx_ = nullptr;
 };
@@ -601,7 +618,9 @@ absl::Status GroupOptimizer::SetState(const kernels::Context& ctx, size_t param_
   DIOND_RETURN_IF_ERROR(CheckContextDevice(ctx, "SetState"));
   float* p = MutableStatePtr(param_index, name);
   // An explicit copy to the state's device (a sync point; a plain copy on the CPU).
-  return internal::Upload(ctx, values.data(), p, n);
+  DIOND_RETURN_IF_ERROR(internal::Upload(ctx, values.data(), p, n));
+  StateWritten(param_index, name, values);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<GroupOptimizer>> CreateGroupOptimizer(

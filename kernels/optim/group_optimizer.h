@@ -22,8 +22,9 @@
 //   * Host memory is reached only through explicit copies (kernels/ops.h CopyFromHost /
 //     CopyToHost), each a sync point listed in docs/KERNELS.md §4.3: Get/SetState, the initial
 //     state (zeros are a Fill; Dion's Q and sketch are drawn on the host and uploaded), the
-//     Σ(Δx)² of a step (one read-back), AdamW's step_dev, Dion2's bf16 selection order, capture
-//     payloads and replica_average (the orthogonalizer keeps its scalars on the device).
+//     Σ(Δx)² of a step (one read-back), Dion2's bf16 selection order, capture payloads and
+//     replica_average (the orthogonalizer keeps its scalars on the device, AdamW's step_dev is
+//     advanced on the device and mirrored on the host).
 //   * Get/SetState and ReleaseState have overloads taking the Context; the ones without it use
 //     a process-wide CPU context and refuse (FAILED_PRECONDITION) an optimizer whose state is
 //     not on the CPU.
@@ -146,6 +147,9 @@ class GroupOptimizer {
   // May fail (RESOURCE_EXHAUSTED) before changing anything.
   virtual absl::Status ReleaseStateImpl(const kernels::Context& ctx,
                                         const std::vector<bool>& keep) = 0;
+  // Called by SetState after state `name` of `param_index` took `values` (host mirrors).
+  virtual void StateWritten(size_t param_index, absl::string_view name,
+                            absl::Span<const float> values) {}
   // FAILED_PRECONDITION for a context-less call on an optimizer whose state is on a device.
   absl::Status NeedsContext(absl::string_view what) const;
   // INVALID_ARGUMENT unless ctx is on the state's device.

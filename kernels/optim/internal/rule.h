@@ -63,6 +63,9 @@ struct BucketArgs {
   // In-place rules only (UpdateRule::InPlace): per parameter of the bucket, one f32 element (on
   // the context's device) where the rule writes Σ(x_after − x_before)², or null.
   float* update_sq = nullptr;
+  // Per parameter of the bucket: HOST memory holding its AdamW step_dev (the host mirror of the
+  // device state; the rule reads it and writes the advanced value). Set by GroupOptimizer.
+  std::vector<float*> step_count;
 };
 
 class UpdateRule {

@@ -33,12 +33,11 @@ class ScalarRule final : public UpdateRule {
     for (int64_t p = 0; p < a.count; ++p) {
       const int64_t off = p * numel;
       // step_dev is an f32 counter incremented before the kernel (§13.1). The kernel needs the
-      // step on the host (its bias corrections), so the counter is read back and the new value
-      // written (two sync points per parameter, docs/KERNELS.md §4.3).
-      float step_dev = 0.0f;
-      if (cfg.algorithm == AlgorithmKind::kAdamW) {
-        DIOND_RETURN_IF_ERROR(Download(ctx, a.state[2] + p, &step_dev, 1));
-      }
+      // step on the host (its bias corrections): it comes from the host mirror GroupOptimizer
+      // keeps (a.step_count), and the device copy is advanced by an op below, by the same f32
+      // addition (1·x + 1 == x + 1), so nothing is read back.
+      const bool adamw = cfg.algorithm == AlgorithmKind::kAdamW;
+      const float step_dev = adamw ? *a.step_count[static_cast<size_t>(p)] : 0.0f;
       const float next = step_dev + 1.0f;
       if (numel > 0) {
         kernels::TensorView x = Vec(a.x + off, numel, dev);
@@ -71,8 +70,10 @@ class ScalarRule final : public UpdateRule {
                                     : kernels::AdamWStep(ctx, ap, g, x, m, v));
         }
       }
-      if (cfg.algorithm == AlgorithmKind::kAdamW) {
-        DIOND_RETURN_IF_ERROR(Upload(ctx, &next, a.state[2] + p, 1));
+      if (adamw) {
+        kernels::TensorView sd = Vec(a.state[2] + p, 1, dev);
+        DIOND_RETURN_IF_ERROR(kernels::AddScalar(ctx, 1.0f, sd, 1.0f, sd));
+        *a.step_count[static_cast<size_t>(p)] = next;
       }
     }
     return absl::OkStatus();
