@@ -309,6 +309,20 @@ absl::Status WidenScaleCheckFinite(const Context& ctx, ConstTensorView x, float 
 // replica comparison. A sync point (the value is read on the host).
 absl::Status Fnv1aChecksum(const Context& ctx, ConstTensorView x, uint64_t* checksum);
 
+// ================================ devrules: host <-> device copies ============================
+// The explicit copies between host memory and the memory of ctx.device() (docs/KERNELS.md §4.3,
+// docs/GPU.md "Sync points"): code above the kernels (kernels/optim, server/) reads or writes
+// device memory only through ops and these two. Each is a SYNC POINT: synchronous for the caller
+// (a stream backend queues the copy on ctx.stream() and waits for it, so every op queued before
+// it has finished). On the CPU context both are plain copies.
+//   host side (host_src / host_dst): a CPU view (Device{kCpu}, e.g. MakeView), contiguous;
+//   device side (dst / src): on ctx.device(), contiguous; same shape and dtype as the host side.
+// INVALID_ARGUMENT naming the argument otherwise (nothing copied); the backend's status for a
+// failed copy. An empty tensor copies nothing.
+absl::Status CopyFromHost(const Context& ctx, ConstTensorView host_src, TensorView dst);
+absl::Status CopyToHost(const Context& ctx, ConstTensorView src, TensorView host_dst);
+// ================================ end devrules ================================================
+
 }  // namespace diond::kernels
 
 #endif  // DIOND_KERNELS_OPS_H_

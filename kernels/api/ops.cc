@@ -579,4 +579,52 @@ absl::Status Fnv1aChecksum(const Context& ctx, ConstTensorView x, uint64_t* chec
   return ctx.backend().fnv1a_checksum(ctx, x, checksum);
 }
 
+// ================================ devrules: host <-> device copies ============================
+
+namespace {
+// The two sides of an explicit copy: `dev` on the context's device, `host` a CPU view, both
+// contiguous, same shape and dtype.
+absl::Status CheckHostDeviceCopy(const Context& ctx, const char* op, const char* host_name,
+                                 ConstTensorView host, const char* dev_name,
+                                 ConstTensorView dev) {
+  DIOND_RETURN_IF_ERROR(CheckContiguous(ctx, op, dev_name, dev));
+  if (host.device().type != DeviceType::kCpu) {
+    return Invalid(op, host_name, " is on device ", static_cast<int>(host.device().type), ":",
+                   host.device().index, ", want a CPU (host memory) view");
+  }
+  if (host.rank() < 0 || host.rank() > kMaxRank) {
+    return Invalid(op, host_name, " has rank ", host.rank(), ", want 0..", kMaxRank);
+  }
+  for (int i = 0; i < host.rank(); ++i) {
+    if (host.dim(i) < 0) return Invalid(op, host_name, " has a negative dim: ", host.DebugString());
+  }
+  if (!host.IsContiguous()) {
+    return Invalid(op, host_name, " ", host.DebugString(), " is not contiguous");
+  }
+  if (host.data() == nullptr && host.NumElements() > 0) {
+    return Invalid(op, host_name, " ", host.DebugString(), " has a null data pointer");
+  }
+  if (!SameShape(host.layout(), dev.layout()) || host.dtype() != dev.dtype()) {
+    return Invalid(op, dev_name, " is ", dev.DebugString(), ", want the shape and dtype of ",
+                   host_name, " ", host.DebugString());
+  }
+  return absl::OkStatus();
+}
+}  // namespace
+
+absl::Status CopyFromHost(const Context& ctx, ConstTensorView host_src, TensorView dst) {
+  DIOND_RETURN_IF_ERROR(CheckHostDeviceCopy(ctx, "CopyFromHost", "host_src", host_src, "dst", dst));
+  const size_t bytes = static_cast<size_t>(dst.NumElements()) * DTypeSize(dst.dtype());
+  if (bytes == 0) return absl::OkStatus();
+  return ctx.backend().copy_from_host(ctx, host_src.data(), dst.data(), bytes);
+}
+
+absl::Status CopyToHost(const Context& ctx, ConstTensorView src, TensorView host_dst) {
+  DIOND_RETURN_IF_ERROR(CheckHostDeviceCopy(ctx, "CopyToHost", "host_dst", host_dst, "src", src));
+  const size_t bytes = static_cast<size_t>(src.NumElements()) * DTypeSize(src.dtype());
+  if (bytes == 0) return absl::OkStatus();
+  return ctx.backend().copy_to_host(ctx, src.data(), host_dst.data(), bytes);
+}
+// ================================ end devrules ================================================
+
 }  // namespace diond::kernels

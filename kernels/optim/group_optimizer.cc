@@ -12,6 +12,7 @@
 #include "common/status_macros.h"
 #include "kernels/ops.h"
 #include "kernels/optim/internal/rule.h"
+#include "kernels/optim/internal/util.h"
 #include "kernels/optim/validation.h"
 
 namespace diond::optim {
@@ -100,10 +101,9 @@ int64_t StateSpec::NumElements() const {
   return n;
 }
 
-void UpdateRule::InitState(const GroupConfig&, const ParamShape&, size_t, int64_t count,
-                           uint64_t, float* data) const {
-  (void)count;
-  (void)data;
+bool UpdateRule::InitState(const GroupConfig&, const ParamShape&, size_t, int64_t, uint64_t,
+                           float*) const {
+  return false;
 }
 
 namespace {
@@ -134,7 +134,13 @@ struct Staged {
   std::vector<kernels::Buffer> state;
 };
 
-kernels::TensorView F32View(float* p, int64_t n) { return kernels::MakeView(p, {n}); }
+// f32 vector views on the state's device (the device contract of group_optimizer.h).
+kernels::TensorView F32View(float* p, int64_t n, kernels::Device dev) {
+  return Vec(p, n, dev);
+}
+kernels::ConstTensorView F32CView(const float* p, int64_t n, kernels::Device dev) {
+  return CVec(p, n, dev);
+}
 
 absl::StatusOr<kernels::Buffer> F32Buffer(const kernels::Allocator& alloc, int64_t n) {
   return alloc.Allocate(kernels::DType::kF32, {n});
@@ -162,28 +168,35 @@ class BucketedOptimizer final : public GroupOptimizer {
       buckets_[it->second].members.push_back(i);
       where_.push_back({it->second, buckets_[it->second].members.size() - 1});
     }
+    step_dev_host_.assign(this->shapes().size(), 0.0f);
+    step_dev_staged_ = step_dev_host_;
   }
 
-  // Allocates and initializes the state (zeros, or the rule's initial values). The memory is
-  // host-addressable for now (the CPU backend); a device backend will initialize on the host
-  // and copy (docs/KERNELS.md §8).
-  absl::Status InitStates() {
+  // Allocates and initializes the state on ctx's device: zeros (a Fill), or the rule's initial
+  // values, drawn on the host and uploaded (one explicit copy per state stack, e.g. Dion's Q).
+  absl::Status InitStates(const kernels::Context& ctx) {
+    const kernels::Device dev = ctx.device();
     for (size_t bi = 0; bi < buckets_.size(); ++bi) {
       Bucket& b = buckets_[bi];
       const int64_t n = static_cast<int64_t>(b.members.size());
       for (size_t k = 0; k < b.specs.size(); ++k) {
-        DIOND_ASSIGN_OR_RETURN(kernels::Buffer buf,
-                               F32Buffer(alloc_, n * b.specs[k].NumElements()));
-        if (buf.bytes() > 0) std::memset(buf.data(), 0, buf.bytes());
+        const int64_t total = n * b.specs[k].NumElements();
+        DIOND_ASSIGN_OR_RETURN(kernels::Buffer buf, F32Buffer(alloc_, total));
         // The stream makes every bucket's random draws independent and fixed by the first
         // parameter index of the bucket, so adding a parameter of another shape does not
         // change them.
-        rule_->InitState(this->config(), b.shape, k, n, b.members[0], buf.As<float>());
+        std::vector<float> host(static_cast<size_t>(total), 0.0f);
+        if (rule_->InitState(this->config(), b.shape, k, n, b.members[0], host.data())) {
+          DIOND_RETURN_IF_ERROR(Upload(ctx, host.data(), buf.As<float>(), total));
+        } else if (total > 0) {
+          DIOND_RETURN_IF_ERROR(kernels::Fill(ctx, 0.0f, F32View(buf.As<float>(), total, dev)));
+        }
         b.state.push_back(std::move(buf));
       }
     }
     DIOND_ASSIGN_OR_RETURN(update_sq_buf_,
                            F32Buffer(alloc_, static_cast<int64_t>(this->shapes().size())));
+    update_sq_host_.assign(this->shapes().size(), 0.0f);
     return absl::OkStatus();
   }
 
@@ -193,6 +206,8 @@ class BucketedOptimizer final : public GroupOptimizer {
                          float weight_decay) override {
     RecycleStaged();
     commit_ctx_ = &ctx;
+    step_dev_staged_ = step_dev_host_;  // same size: no allocation
+    const kernels::Device dev = ctx.device();
     if (capture_ != nullptr) capture_->payload.assign(shapes().size(), {});
     // In place (AdamW, Lion: one fused op, each byte read and written once) only when the
     // caller says nothing can fail between Stage and CommitStagedState (StepOptions::in_place);
@@ -235,6 +250,7 @@ class BucketedOptimizer final : public GroupOptimizer {
       for (size_t j = 0; j < np; ++j) {
         args.x_in.push_back(params[b.members[st.slots[j]]]);
         args.g.push_back(grads[b.members[st.slots[j]]]);
+        args.step_count.push_back(&step_dev_staged_[b.members[st.slots[j]]]);
       }
       args.state_in.resize(b.specs.size());
       for (size_t k = 0; k < b.specs.size(); ++k) {
@@ -248,12 +264,12 @@ class BucketedOptimizer final : public GroupOptimizer {
         // An in-place rule on the staged path: it steps copies of x and of the state, in the
         // staging, where it reads and writes them (it does not read x_in / state_in).
         for (size_t j = 0; j < np; ++j) {
-          DIOND_RETURN_IF_ERROR(kernels::Copy(ctx, kernels::MakeView(args.x_in[j], {b.numel}),
-                                              F32View(args.x + j * b.numel, b.numel)));
+          DIOND_RETURN_IF_ERROR(kernels::Copy(ctx, F32CView(args.x_in[j], b.numel, dev),
+                                              F32View(args.x + j * b.numel, b.numel, dev)));
           for (size_t k = 0; k < b.specs.size(); ++k) {
             const int64_t sn = b.specs[k].NumElements();
-            DIOND_RETURN_IF_ERROR(kernels::Copy(ctx, kernels::MakeView(args.state_in[k][j], {sn}),
-                                                F32View(args.state[k] + j * sn, sn)));
+            DIOND_RETURN_IF_ERROR(kernels::Copy(ctx, F32CView(args.state_in[k][j], sn, dev),
+                                                F32View(args.state[k] + j * sn, sn, dev)));
           }
         }
       }
@@ -272,16 +288,16 @@ class BucketedOptimizer final : public GroupOptimizer {
   }
 
   void CommitStagedParams(absl::Span<float* const> params) override {
+    const kernels::Context& ctx = *commit_ctx_;
     if (in_place_step_) {
       // The rule already wrote params and state; only its Σ(Δx)² are read back (one sync point
-      // per step, docs/KERNELS.md; host-addressable on the CPU backend).
-      const float* sq = update_sq_buf_.As<float>();
-      for (size_t p = 0; p < params.size(); ++p) update_sq_ += static_cast<double>(sq[p]);
+      // per step, docs/KERNELS.md §4.3).
+      ReadBackUpdateSq(ctx, params.size());
       return;
     }
-    // CopyWithChange and Fill on valid views of host memory cannot fail: the statuses are
-    // checked in debug builds only (the commit has no way back).
-    const kernels::Context& ctx = *commit_ctx_;
+    // CopyWithChange and Fill on valid views cannot fail: the statuses are checked in debug
+    // builds only (the commit has no way back).
+    const kernels::Device dev = ctx.device();
     absl::Status s = kernels::Fill(ctx, 0.0f, update_sq_buf_.view());
     float* const sq = update_sq_buf_.As<float>();
     for (Staged& st : staged_) {
@@ -290,23 +306,35 @@ class BucketedOptimizer final : public GroupOptimizer {
       for (size_t j = 0; j < st.slots.size(); ++j) {
         const size_t p = b.members[st.slots[j]];
         // One pass: the parameter takes the staged value, and Σ(Δx)² comes with it.
-        s.Update(kernels::CopyWithChange(ctx, F32View(st.x.As<float>() + j * numel, numel),
-                                         F32View(params[p], numel),
-                                         kernels::MakeView(sq + p, {1})));
+        s.Update(kernels::CopyWithChange(ctx, F32View(st.x.As<float>() + j * numel, numel, dev),
+                                         F32View(params[p], numel, dev),
+                                         F32View(sq + p, 1, dev)));
       }
     }
-    // Σ(Δx)² per parameter read back once per step (a sync point, docs/KERNELS.md).
-    for (size_t p = 0; p < params.size(); ++p) update_sq_ += static_cast<double>(sq[p]);
     assert(s.ok());
     (void)s;
+    // Σ(Δx)² per parameter read back once per step (a sync point, docs/KERNELS.md §4.3).
+    ReadBackUpdateSq(ctx, params.size());
+  }
+
+  // update_sq_ += Σ_p update_sq_buf_[p], the buffer read back in one copy (a sync point).
+  void ReadBackUpdateSq(const kernels::Context& ctx, size_t n) {
+    if (n == 0) return;
+    absl::Status s = Download(ctx, update_sq_buf_.As<float>(), update_sq_host_.data(),
+                              static_cast<int64_t>(n));
+    assert(s.ok());
+    (void)s;
+    for (size_t p = 0; p < n; ++p) update_sq_ += static_cast<double>(update_sq_host_[p]);
   }
 
   void CommitStagedStateImpl() override {
+    step_dev_host_.swap(step_dev_staged_);  // the staged step counts become current
     if (in_place_step_) {
       in_place_step_ = false;
       return;
     }
     const kernels::Context& ctx = *commit_ctx_;
+    const kernels::Device dev = ctx.device();
     absl::Status s;
     for (Staged& st : staged_) {
       Bucket& b = buckets_[st.bucket];
@@ -319,8 +347,8 @@ class BucketedOptimizer final : public GroupOptimizer {
       for (size_t j = 0; j < st.slots.size(); ++j) {
         for (size_t k = 0; k < b.specs.size(); ++k) {
           const int64_t sn = b.specs[k].NumElements();
-          s.Update(kernels::Copy(ctx, F32View(st.state[k].As<float>() + j * sn, sn),
-                                 F32View(b.state[k].As<float>() + st.slots[j] * sn, sn)));
+          s.Update(kernels::Copy(ctx, F32View(st.state[k].As<float>() + j * sn, sn, dev),
+                                 F32View(b.state[k].As<float>() + st.slots[j] * sn, sn, dev)));
         }
       }
     }
@@ -359,6 +387,7 @@ class BucketedOptimizer final : public GroupOptimizer {
         args.x = params[p];
         args.x_in.assign(1, params[p]);
         args.g.assign(1, grads[p]);
+        args.step_count.assign(1, &step_dev_staged_[p]);
         for (size_t k = 0; k < b.specs.size(); ++k) {
           args.state[k] = b.state[k].As<float>() + slot * b.specs[k].NumElements();
           args.state_in[k].assign(1, args.state[k]);
@@ -371,7 +400,9 @@ class BucketedOptimizer final : public GroupOptimizer {
     return absl::OkStatus();
   }
 
-  absl::Status ReleaseStateImpl(const std::vector<bool>& keep) override {
+  absl::Status ReleaseStateImpl(const kernels::Context& ctx,
+                                const std::vector<bool>& keep) override {
+    const kernels::Device dev = ctx.device();
     // Allocate every smaller buffer first, so that a failure changes nothing.
     std::vector<std::vector<kernels::Buffer>> fresh(buckets_.size());
     for (size_t bi = 0; bi < buckets_.size(); ++bi) {
@@ -396,10 +427,15 @@ class BucketedOptimizer final : public GroupOptimizer {
           continue;
         }
         for (size_t k = 0; k < b.specs.size(); ++k) {
-          const size_t sn = static_cast<size_t>(b.specs[k].NumElements());
+          const int64_t sn = b.specs[k].NumElements();
           if (sn > 0) {
-            std::memcpy(fresh[bi][k].As<float>() + members.size() * sn,
-                        b.state[k].As<float>() + slot * sn, sn * sizeof(float));
+            // A device copy of valid views: it cannot fail (checked in debug builds).
+            absl::Status s = kernels::Copy(
+                ctx, F32CView(b.state[k].As<float>() + slot * sn, sn, dev),
+                F32View(fresh[bi][k].As<float>() + static_cast<int64_t>(members.size()) * sn,
+                        sn, dev));
+            assert(s.ok());
+            (void)s;
           }
         }
         where_[p].second = members.size();
@@ -417,6 +453,13 @@ class BucketedOptimizer final : public GroupOptimizer {
       for (const auto& s : b.state) n += s.NumElements();
     }
     return n;
+  }
+
+  void StateWritten(size_t param_index, absl::string_view name,
+                    absl::Span<const float> values) override {
+    if (name == kStateStepDev && param_index < step_dev_host_.size() && values.size() == 1) {
+      step_dev_host_[param_index] = values[0];
+    }
   }
 
   float* MutableStatePtr(size_t param_index, absl::string_view name) override {
@@ -464,7 +507,12 @@ class BucketedOptimizer final : public GroupOptimizer {
   // In-place rules: Σ(Δx)² per parameter of the step (f32, one per parameter), and whether the
   // last StageStep ran in place.
   kernels::Buffer update_sq_buf_;
+  std::vector<float> update_sq_host_;  // its host copy (sized once: steps allocate nothing)
   bool in_place_step_ = false;
+  // AdamW's step_dev per parameter, mirrored on the host (the device copy is advanced by an op,
+  // this one by the same f32 addition), so that a step reads no counter back: the current
+  // values, and those of the step being staged (made current by CommitStagedState).
+  std::vector<float> step_dev_host_, step_dev_staged_;
   // The context of the step being staged; CommitStaged runs its copies on it.
   const kernels::Context* commit_ctx_ = nullptr;
 };
@@ -472,12 +520,43 @@ class BucketedOptimizer final : public GroupOptimizer {
 }  // namespace
 }  // namespace internal
 
+namespace {
+// The process-wide CPU context of the context-less calls (never destroyed).
+const kernels::Context& HostContext() {
+  static const kernels::Context* const host = kernels::Context::CpuDefault(1).release();
+  return *host;
+}
+}  // namespace
+
+absl::Status GroupOptimizer::NeedsContext(absl::string_view what) const {
+  if (state_device_.type == kernels::DeviceType::kCpu) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      what, ": the optimizer's state is in device memory (device type ",
+      static_cast<int>(state_device_.type), ", index ", state_device_.index,
+      "); pass a Context on that device"));
+}
+
+absl::Status GroupOptimizer::CheckContextDevice(const kernels::Context& ctx,
+                                                absl::string_view what) const {
+  if (ctx.device() == state_device_) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      what, ": the context's device (type ", static_cast<int>(ctx.device().type), ", index ",
+      ctx.device().index, ") is not the device of the optimizer's state"));
+}
+
 absl::Status GroupOptimizer::ReleaseState(const std::vector<bool>& keep) {
+  DIOND_RETURN_IF_ERROR(NeedsContext("ReleaseState"));
+  return ReleaseState(HostContext(), keep);
+}
+
+absl::Status GroupOptimizer::ReleaseState(const kernels::Context& ctx,
+                                          const std::vector<bool>& keep) {
   if (keep.size() != shapes_.size()) {
     return absl::InvalidArgumentError(absl::StrCat("ReleaseState: keep has ", keep.size(),
                                                    " entries for ", shapes_.size(),
                                                    " parameters"));
   }
+  DIOND_RETURN_IF_ERROR(CheckContextDevice(ctx, "ReleaseState"));
   std::vector<bool> now_released = released_;
   if (now_released.empty()) now_released.assign(shapes_.size(), false);
   std::vector<bool> still(keep.size());
@@ -485,13 +564,19 @@ absl::Status GroupOptimizer::ReleaseState(const std::vector<bool>& keep) {
     still[i] = keep[i] && !now_released[i];
     now_released[i] = !still[i];
   }
-  DIOND_RETURN_IF_ERROR(ReleaseStateImpl(still));
+  DIOND_RETURN_IF_ERROR(ReleaseStateImpl(ctx, still));
   released_ = std::move(now_released);
   return absl::OkStatus();
 }
 
 absl::Status GroupOptimizer::GetState(size_t param_index, absl::string_view name,
                                       absl::Span<float> out) const {
+  DIOND_RETURN_IF_ERROR(NeedsContext("GetState"));
+  return GetState(HostContext(), param_index, name, out);
+}
+
+absl::Status GroupOptimizer::GetState(const kernels::Context& ctx, size_t param_index,
+                                      absl::string_view name, absl::Span<float> out) const {
   if (StateReleased(param_index)) {
     return absl::FailedPreconditionError(absl::StrCat(
         "state '", name, "' of parameter ", param_index, " was released (owned elsewhere)"));
@@ -504,13 +589,20 @@ absl::Status GroupOptimizer::GetState(size_t param_index, absl::string_view name
                                                    param_index, ": buffer has ", out.size(),
                                                    " floats, state has ", n));
   }
+  DIOND_RETURN_IF_ERROR(CheckContextDevice(ctx, "GetState"));
   const float* p = const_cast<GroupOptimizer*>(this)->MutableStatePtr(param_index, name);
-  if (n > 0) std::memcpy(out.data(), p, static_cast<size_t>(n) * sizeof(float));
-  return absl::OkStatus();
+  // An explicit copy from the state's device (a sync point; a plain copy on the CPU).
+  return internal::Download(ctx, p, out.data(), n);
 }
 
 absl::Status GroupOptimizer::SetState(size_t param_index, absl::string_view name,
                                       absl::Span<const float> values) {
+  DIOND_RETURN_IF_ERROR(NeedsContext("SetState"));
+  return SetState(HostContext(), param_index, name, values);
+}
+
+absl::Status GroupOptimizer::SetState(const kernels::Context& ctx, size_t param_index,
+                                      absl::string_view name, absl::Span<const float> values) {
   if (StateReleased(param_index)) {
     return absl::FailedPreconditionError(absl::StrCat(
         "state '", name, "' of parameter ", param_index, " was released (owned elsewhere)"));
@@ -523,8 +615,11 @@ absl::Status GroupOptimizer::SetState(size_t param_index, absl::string_view name
         "SetState '", name, "' of parameter ", param_index, ": got ", values.size(),
         " floats for shape [", absl::StrJoin(shape, ","), "]"));
   }
+  DIOND_RETURN_IF_ERROR(CheckContextDevice(ctx, "SetState"));
   float* p = MutableStatePtr(param_index, name);
-  if (n > 0) std::memcpy(p, values.data(), static_cast<size_t>(n) * sizeof(float));
+  // An explicit copy to the state's device (a sync point; a plain copy on the CPU).
+  DIOND_RETURN_IF_ERROR(internal::Upload(ctx, values.data(), p, n));
+  StateWritten(param_index, name, values);
   return absl::OkStatus();
 }
 
@@ -532,8 +627,7 @@ absl::StatusOr<std::unique_ptr<GroupOptimizer>> CreateGroupOptimizer(
     const GroupConfig& config, std::vector<ParamShape> shapes) {
   // One process-wide CPU context (never destroyed) lends its allocator to optimizers created
   // without one; its counters are shared by all of them.
-  static const kernels::Context* const host = kernels::Context::CpuDefault(1).release();
-  return CreateGroupOptimizer(*host, config, std::move(shapes));
+  return CreateGroupOptimizer(HostContext(), config, std::move(shapes));
 }
 
 absl::StatusOr<std::unique_ptr<GroupOptimizer>> CreateGroupOptimizer(
@@ -560,7 +654,7 @@ absl::StatusOr<std::unique_ptr<GroupOptimizer>> CreateGroupOptimizer(
   if (rule == nullptr) return absl::InvalidArgumentError("unknown algorithm");
   auto opt = std::make_unique<internal::BucketedOptimizer>(config, std::move(shapes),
                                                            std::move(rule), ctx.allocator());
-  DIOND_RETURN_IF_ERROR(opt->InitStates());
+  DIOND_RETURN_IF_ERROR(opt->InitStates(ctx));
   return std::unique_ptr<GroupOptimizer>(std::move(opt));
 }
 

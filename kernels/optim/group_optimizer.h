@@ -11,6 +11,25 @@
 // Because every batched op of the ops API runs the same per-matrix kernel, the result of a
 // batch is bit-identical to processing the parameters one at a time.
 //
+// THE DEVICE CONTRACT. An optimizer created with a Context on device D (CreateGroupOptimizer
+// below) keeps its state and staging in D's memory (Buffers of that Context's allocator), and
+// every call that computes takes a Context on D:
+//   * Step / Stage(ctx, params, grads): params[i] and grads[i] are pointers into D's memory
+//     (for the CPU: host memory; for a CUDA or TEST context: device allocations, e.g. a
+//     session's device staging). They are handed to the ops as views made with ctx.device();
+//     nothing here dereferences them on the host. WriteStagedParams and CommitStagedState run on
+//     the Stage's context (it must outlive them); ApplyCapturedUpdate's x is on ctx.device().
+//   * Host memory is reached only through explicit copies (kernels/ops.h CopyFromHost /
+//     CopyToHost), each a sync point listed in docs/KERNELS.md §4.3: Get/SetState, the initial
+//     state (zeros are a Fill; Dion's Q and sketch are drawn on the host and uploaded), the
+//     Σ(Δx)² of a step (one read-back), Dion2's bf16 selection order, capture payloads and
+//     replica_average (the orthogonalizer keeps its scalars on the device, AdamW's step_dev is
+//     advanced on the device and mirrored on the host).
+//   * Get/SetState and ReleaseState have overloads taking the Context; the ones without it use
+//     a process-wide CPU context and refuse (FAILED_PRECONDITION) an optimizer whose state is
+//     not on the CPU.
+// On the CPU context the copies are plain copies: the numbers are the same as before, bit for bit.
+//
 // Thread-safety: not thread-safe; one thread drives a GroupOptimizer (and its Context).
 #ifndef DIOND_KERNELS_OPTIM_GROUP_OPTIMIZER_H_
 #define DIOND_KERNELS_OPTIM_GROUP_OPTIMIZER_H_
@@ -45,7 +64,7 @@ class GroupOptimizer {
   double last_update_norm() const { return last_update_norm_; }
 
   // One optimizer step. params[i] and grads[i] point at contiguous float32 buffers of
-  // shapes()[i] (row-major). grads[i] == nullptr means "parameter i has no gradient this step":
+  // shapes()[i] (row-major) in the memory of ctx.device() (the device contract above). grads[i] == nullptr means "parameter i has no gradient this step":
   // its parameter and state are left alone (the reference skips it, and AdamW's step_dev does
   // not advance). params are updated in place; grads are only read and may not alias params.
   //
@@ -85,15 +104,23 @@ class GroupOptimizer {
   // exactly StateShape's element count (INVALID_ARGUMENT otherwise; nothing is written then).
   // SetState lets a checkpoint or golden state (e.g. the reference's random Dion Q) be injected.
   // FAILED_PRECONDITION for a parameter whose state was released (below).
+  // `out` / `values` are host memory; the copies run on `ctx` (on the state's device, else
+  // INVALID_ARGUMENT). Without a context: CPU state only (FAILED_PRECONDITION otherwise).
   absl::Status GetState(size_t param_index, absl::string_view name, absl::Span<float> out) const;
   absl::Status SetState(size_t param_index, absl::string_view name, absl::Span<const float> values);
+  absl::Status GetState(const kernels::Context& ctx, size_t param_index, absl::string_view name,
+                        absl::Span<float> out) const;
+  absl::Status SetState(const kernels::Context& ctx, size_t param_index, absl::string_view name,
+                        absl::Span<const float> values);
 
   // Sharded state (a world session, docs/DISTRIBUTED.md): frees the state of every parameter i
   // with keep[i] == false, for good. Afterwards Step() refuses a gradient for a released
   // parameter (FAILED_PRECONDITION; pass nullptr: its update comes from its owner), and its
   // Get/SetState fail. Kept parameters step exactly as before (their state, including Dion's
   // initial Q, is untouched). INVALID_ARGUMENT if keep.size() != shapes().size().
+  // The kept rows are copied on `ctx` (the state's device); without a context: CPU state only.
   absl::Status ReleaseState(const std::vector<bool>& keep);
+  absl::Status ReleaseState(const kernels::Context& ctx, const std::vector<bool>& keep);
   bool StateReleased(size_t param_index) const {
     return param_index < released_.size() && released_[param_index];
   }
@@ -118,7 +145,15 @@ class GroupOptimizer {
   virtual float* MutableStatePtr(size_t param_index, absl::string_view name) = 0;
   // Drops the state of released parameters (keep[i] == false); called once by ReleaseState.
   // May fail (RESOURCE_EXHAUSTED) before changing anything.
-  virtual absl::Status ReleaseStateImpl(const std::vector<bool>& keep) = 0;
+  virtual absl::Status ReleaseStateImpl(const kernels::Context& ctx,
+                                        const std::vector<bool>& keep) = 0;
+  // Called by SetState after state `name` of `param_index` took `values` (host mirrors).
+  virtual void StateWritten(size_t param_index, absl::string_view name,
+                            absl::Span<const float> values) {}
+  // FAILED_PRECONDITION for a context-less call on an optimizer whose state is on a device.
+  absl::Status NeedsContext(absl::string_view what) const;
+  // INVALID_ARGUMENT unless ctx is on the state's device.
+  absl::Status CheckContextDevice(const kernels::Context& ctx, absl::string_view what) const;
   // Sum of squared parameter changes; CommitStagedParams adds to it.
   double update_sq_ = 0;
   // The device of the state and staging buffers; Step refuses a context on another device.

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -146,7 +147,6 @@ absl::Status Validate(const Context& ctx, const OrthogonalizeOptions& o, ConstTe
   auto bad = [&](auto&&... args) {
     return absl::InvalidArgumentError(absl::StrCat(kOp, ": ", args...));
   };
-  if (ctx.device().type != DeviceType::kCpu) return bad("context device is not the CPU");
   if (o.method != OrthoMethod::kPolarExpress && o.method != OrthoMethod::kNewtonSchulz5) {
     return bad("unknown method ", static_cast<int>(o.method));
   }
@@ -202,6 +202,54 @@ absl::Span<const OrthoCoefficients> NewtonSchulz5Coefficients() { return kNs5; }
 
 namespace {
 
+// A tensor of ctx's scratch arena as a view on ctx's device (the arena's blocks come from the
+// device backend's allocator).
+absl::StatusOr<TensorView> ScratchView(const Context& ctx, DType dtype,
+                                       std::initializer_list<int64_t> shape) {
+  DIOND_ASSIGN_OR_RETURN(Tensor t, Tensor::Allocate(dtype, shape, &ctx.scratch()));
+  return TensorView(t.data(), t.layout(), ctx.device());
+}
+
+// The normalization of ORTH-2 with its scalars kept on the device (no sync point, and nothing a
+// CUDA graph could not capture): four [1, 1] f32 scalars of the scratch arena, each step one op
+// whose f32 arithmetic is exactly that of the scalar expression it replaces.
+struct DeviceScalars {
+  TensorView a, b, c, d;  // [1, 1] f32 each
+};
+absl::StatusOr<DeviceScalars> MakeDeviceScalars(const Context& ctx) {
+  DeviceScalars s;
+  DIOND_ASSIGN_OR_RETURN(s.a, ScratchView(ctx, DType::kF32, {1, 1}));
+  DIOND_ASSIGN_OR_RETURN(s.b, ScratchView(ctx, DType::kF32, {1, 1}));
+  DIOND_ASSIGN_OR_RETURN(s.c, ScratchView(ctx, DType::kF32, {1, 1}));
+  DIOND_ASSIGN_OR_RETURN(s.d, ScratchView(ctx, DType::kF32, {1, 1}));
+  return s;
+}
+
+// fp32 mode: y ← y · (1 / (k·‖y‖ + ε)), k = 1.02 (PE) or 1 (NS5), as the host expression
+// `1.0f / (k * norm + eps)` and a Scale by it (a·v == v·a).
+absl::Status Fp32Normalize(const Context& ctx, bool pe, float eps, const DeviceScalars& s,
+                           TensorView y) {
+  DIOND_RETURN_IF_ERROR(FrobeniusNorm(ctx, y, s.a.Reshaped({1})));
+  DIOND_RETURN_IF_ERROR(AddScalar(ctx, pe ? 1.02f : 1.0f, s.a, eps, s.b));  // denom
+  DIOND_RETURN_IF_ERROR(Fill(ctx, 1.0f, s.c));
+  DIOND_RETURN_IF_ERROR(Binary(ctx, BinaryOp::kDiv, s.c, s.b, s.d));        // 1 / denom
+  return Binary(ctx, BinaryOp::kMul, y, s.d, y);
+}
+
+// bf16 modes: s = bf(‖Y‖_F); PE: d = bf(bf(s·1.02) + ε); NS5: d = bf(s + ε); y ← y / d (the
+// caller rounds the quotient where its storage does not).
+absl::Status Bf16Normalize(const Context& ctx, bool pe, float eps, const DeviceScalars& s,
+                           TensorView y) {
+  DIOND_RETURN_IF_ERROR(FrobeniusNorm(ctx, y, s.a.Reshaped({1})));
+  DIOND_RETURN_IF_ERROR(Bf16RoundedAxpby(ctx, 0.0f, {}, 1.0f, s.a, s.b));  // s = bf(norm)
+  if (pe) {
+    DIOND_RETURN_IF_ERROR(Bf16RoundedAxpby(ctx, 0.0f, {}, 1.02f, s.b, s.b));  // bf(s·1.02)
+  }
+  DIOND_RETURN_IF_ERROR(AddScalar(ctx, 1.0f, s.b, eps, s.c));              // · + ε
+  DIOND_RETURN_IF_ERROR(Bf16RoundedAxpby(ctx, 0.0f, {}, 1.0f, s.c, s.d));  // d = bf(·)
+  return Binary(ctx, BinaryOp::kDiv, y, s.d, y);
+}
+
 // The per-matrix kernel; Orthogonalize loops over the batch with it, so a batched call and
 // one call per matrix are bit-identical. Buffers come from ctx.scratch() (rewound by the caller).
 absl::Status OrthogonalizeOne(const Context& ctx, const OrthogonalizeOptions& o,
@@ -215,62 +263,47 @@ absl::Status OrthogonalizeOne(const Context& ctx, const OrthogonalizeOptions& o,
   const int64_t wm = transpose ? n : m, wn = transpose ? m : n;  // working shape
   const int64_t g = std::min(m, n);
   auto coeffs = pe ? PolarExpressCoefficients() : NewtonSchulz5Coefficients();
-  ScratchArena& arena = ctx.scratch();
   ConstTensorView src = transpose ? in.Transposed() : in;
+  // The normalization's scalars, on the device.
+  DIOND_ASSIGN_OR_RETURN(const DeviceScalars scalars, MakeDeviceScalars(ctx));
 
   if (o.precision == OrthoPrecision::kFp32) {
-    DIOND_ASSIGN_OR_RETURN(Tensor y1, Tensor::Allocate(DType::kF32, {wm, wn}, &arena));
-    DIOND_ASSIGN_OR_RETURN(Tensor y2, Tensor::Allocate(DType::kF32, {wm, wn}, &arena));
-    DIOND_ASSIGN_OR_RETURN(Tensor ga, Tensor::Allocate(DType::kF32, {g, g}, &arena));
-    DIOND_ASSIGN_OR_RETURN(Tensor gb, Tensor::Allocate(DType::kF32, {g, g}, &arena));
-    TensorView y = y1.view(), yb = y2.view();
+    DIOND_ASSIGN_OR_RETURN(TensorView y, ScratchView(ctx, DType::kF32, {wm, wn}));
+    DIOND_ASSIGN_OR_RETURN(TensorView yb, ScratchView(ctx, DType::kF32, {wm, wn}));
+    DIOND_ASSIGN_OR_RETURN(TensorView ga, ScratchView(ctx, DType::kF32, {g, g}));
+    DIOND_ASSIGN_OR_RETURN(TensorView gb, ScratchView(ctx, DType::kF32, {g, g}));
     DIOND_RETURN_IF_ERROR(Copy(ctx, src, y));
-    float norm = 0.0f;
-    DIOND_RETURN_IF_ERROR(FrobeniusNorm(ctx, y, MakeView(&norm, {1})));
-    const float denom = pe ? 1.02f * norm + o.epsilon : norm + o.epsilon;
-    DIOND_RETURN_IF_ERROR(Scale(ctx, 1.0f / denom, y, y));
-    DIOND_RETURN_IF_ERROR(Fp32Iterations(ctx, coeffs, gram_tall, &y, &yb, ga.view(), gb.view()));
+    DIOND_RETURN_IF_ERROR(Fp32Normalize(ctx, pe, o.epsilon, scalars, y));
+    DIOND_RETURN_IF_ERROR(Fp32Iterations(ctx, coeffs, gram_tall, &y, &yb, ga, gb));
     return Copy(ctx, transpose ? ConstTensorView(y).Transposed() : ConstTensorView(y), out);
   }
 
   // kBf16Reference: ORTH-1 Y ← bf(G) (a transposed copy for tall NS5: X.mT is a view, the
   // matmuls then read it transposed; the values are the same).
-  // ORTH-2: s = bf(‖Y‖_F); PE: d = bf(bf(s·1.02) + ε); NS5: d = bf(s + ε); Y = bf(Y / d).
-  auto denominator = [&](float norm) {
-    const float s = RoundToBf16(norm);
-    return pe ? RoundToBf16(RoundToBf16(s * 1.02f) + o.epsilon) : RoundToBf16(s + o.epsilon);
-  };
+  // ORTH-2: s = bf(‖Y‖_F); PE: d = bf(bf(s·1.02) + ε); NS5: d = bf(s + ε); Y = bf(Y / d)
+  // (Bf16Normalize).
   if (o.bf16_matmul == Bf16Matmul::kReferenceF32Gemm) {
-    DIOND_ASSIGN_OR_RETURN(Tensor yf, Tensor::Allocate(DType::kF32, {wm, wn}, &arena));
-    DIOND_ASSIGN_OR_RETURN(Tensor pf, Tensor::Allocate(DType::kF32, {wm, wn}, &arena));
-    DIOND_ASSIGN_OR_RETURN(Tensor gf, Tensor::Allocate(DType::kF32, {g, g}, &arena));
-    DIOND_ASSIGN_OR_RETURN(Tensor gf2, Tensor::Allocate(DType::kF32, {g, g}, &arena));
-    TensorView y = yf.view();
+    DIOND_ASSIGN_OR_RETURN(TensorView y, ScratchView(ctx, DType::kF32, {wm, wn}));
+    DIOND_ASSIGN_OR_RETURN(TensorView pf, ScratchView(ctx, DType::kF32, {wm, wn}));
+    DIOND_ASSIGN_OR_RETURN(TensorView gf, ScratchView(ctx, DType::kF32, {g, g}));
+    DIOND_ASSIGN_OR_RETURN(TensorView gf2, ScratchView(ctx, DType::kF32, {g, g}));
     DIOND_RETURN_IF_ERROR(Copy(ctx, src, y));
     DIOND_RETURN_IF_ERROR(Bf16RoundedAxpby(ctx, 0.0f, {}, 1.0f, y, y));  // bf(G)
-    float norm = 0.0f;
-    DIOND_RETURN_IF_ERROR(FrobeniusNorm(ctx, y, MakeView(&norm, {1})));
-    float d = denominator(norm);
-    DIOND_RETURN_IF_ERROR(Binary(ctx, BinaryOp::kDiv, y, MakeView(&d, {1, 1}), y));
+    DIOND_RETURN_IF_ERROR(Bf16Normalize(ctx, pe, o.epsilon, scalars, y));
     DIOND_RETURN_IF_ERROR(Bf16RoundedAxpby(ctx, 0.0f, {}, 1.0f, y, y));  // bf(Y / d)
-    DIOND_RETURN_IF_ERROR(
-        Bf16F32StorageIterations(ctx, coeffs, gram_tall, y, pf.view(), gf.view(), gf2.view()));
+    DIOND_RETURN_IF_ERROR(Bf16F32StorageIterations(ctx, coeffs, gram_tall, y, pf, gf, gf2));
     ConstTensorView result = y;
     return Copy(ctx, transpose ? result.Transposed() : result, out);  // exact (bf16 values)
   }
-  DIOND_ASSIGN_OR_RETURN(Tensor y, Tensor::Allocate(DType::kBf16, {wm, wn}, &arena));
-  DIOND_ASSIGN_OR_RETURN(Tensor p, Tensor::Allocate(DType::kBf16, {wm, wn}, &arena));
-  DIOND_ASSIGN_OR_RETURN(Tensor ga, Tensor::Allocate(DType::kBf16, {g, g}, &arena));
-  DIOND_ASSIGN_OR_RETURN(Tensor gaa, Tensor::Allocate(DType::kBf16, {g, g}, &arena));
-  DIOND_ASSIGN_OR_RETURN(Tensor gb, Tensor::Allocate(DType::kBf16, {g, g}, &arena));
-  DIOND_RETURN_IF_ERROR(Copy(ctx, src, y.view()));
-  float norm = 0.0f;
-  DIOND_RETURN_IF_ERROR(FrobeniusNorm(ctx, y.view(), MakeView(&norm, {1})));
-  float d = denominator(norm);
-  DIOND_RETURN_IF_ERROR(Binary(ctx, BinaryOp::kDiv, y.view(), MakeView(&d, {1, 1}), y.view()));
-  DIOND_RETURN_IF_ERROR(OneDnnBf16Iterations(ctx, coeffs, gram_tall, y.view(), p.view(),
-                                             ga.view(), gaa.view(), gb.view()));
-  ConstTensorView result = y.view();
+  DIOND_ASSIGN_OR_RETURN(TensorView y, ScratchView(ctx, DType::kBf16, {wm, wn}));
+  DIOND_ASSIGN_OR_RETURN(TensorView p, ScratchView(ctx, DType::kBf16, {wm, wn}));
+  DIOND_ASSIGN_OR_RETURN(TensorView ga, ScratchView(ctx, DType::kBf16, {g, g}));
+  DIOND_ASSIGN_OR_RETURN(TensorView gaa, ScratchView(ctx, DType::kBf16, {g, g}));
+  DIOND_ASSIGN_OR_RETURN(TensorView gb, ScratchView(ctx, DType::kBf16, {g, g}));
+  DIOND_RETURN_IF_ERROR(Copy(ctx, src, y));
+  DIOND_RETURN_IF_ERROR(Bf16Normalize(ctx, pe, o.epsilon, scalars, y));
+  DIOND_RETURN_IF_ERROR(OneDnnBf16Iterations(ctx, coeffs, gram_tall, y, p, ga, gaa, gb));
+  ConstTensorView result = y;
   return Copy(ctx, transpose ? result.Transposed() : result, out);
 }
 

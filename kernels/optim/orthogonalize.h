@@ -71,6 +71,9 @@ struct OrthogonalizeOptions {
 // Any m, n >= 1 (1×n and m×1 included); an all-zero input gives an all-zero output (ε > 0).
 // Non-finite input propagates NaN (not checked). INVALID_ARGUMENT names the bad argument
 // (rank, shape mismatch, dtype, device, negative ε).
+// Any device: in and out are views on ctx.device() (CPU, CUDA, the TEST backend); temporaries,
+// including the normalization's scalars, live in ctx.scratch(), and nothing is read back to the
+// host (no sync point).
 absl::Status Orthogonalize(const Context& ctx, const OrthogonalizeOptions& options,
                            ConstTensorView in, TensorView out);
 

@@ -8,6 +8,9 @@
 //
 // AdamW and Lion step in place (no staging, UpdateRule::InPlace): even their first step allocates
 // nothing.
+//
+// The same holds on a device Context (StepAllocationOnDevice): the host-memory TEST backend in
+// strict mode, with the parameters and gradients in its memory.
 #include <atomic>
 #include <cstdlib>
 #include <new>
@@ -20,6 +23,9 @@
 #include "gmock/gmock.h"
 #include "kernels/backend.h"
 #include "kernels/context.h"
+#include "kernels/ops.h"
+#include "kernels/plugin/plugin_backend.h"
+#include "kernels/testing/host_device_backend.h"
 #include "kernels/testing/recording_backend.h"
 #include "kernels/optim/group_optimizer.h"
 
@@ -139,6 +145,73 @@ TEST(StepAllocation, AContextOnAnotherDeviceIsRefused) {
   EXPECT_NE(x, std::vector<float>(16, 1.0f));
 }
 
+class StepAllocationOnDevice : public ::testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override {
+    kernels::UnregisterOpsBackendForTest(kernels::DeviceType::kTest);
+    ASSERT_THAT(kernels::RegisterPluginOps(kernels::DeviceType::kTest,
+                                           kernels::testing::HostTestDeviceOps()),
+                IsOk());
+    kernels::testing::SetHostTestDeviceStrict(true);
+  }
+  void TearDown() override {
+    kernels::testing::SetHostTestDeviceStrict(false);
+    kernels::UnregisterOpsBackendForTest(kernels::DeviceType::kTest);
+  }
+};
+
+TEST_P(StepAllocationOnDevice, StepsAfterTheFirstAllocateNothingThroughTheContext) {
+  const Case c = GetParam();
+  const std::string name(AlgorithmName(c.kind));
+  kernels::ContextOptions o;
+  o.device = kernels::Device{kernels::DeviceType::kTest, 0};
+  o.num_threads = 1;
+  auto ctx = kernels::Context::Create(o);
+  ASSERT_THAT(ctx.status(), IsOk());
+  GroupConfig cfg;
+  cfg.algorithm = c.kind;
+  cfg.precision = c.precision;
+  cfg.hyperparams = DefaultHyperparams(c.kind);
+  if (c.kind == AlgorithmKind::kDion) cfg.hyperparams.rank_fraction = 0.25;
+  const std::vector<ParamShape> shapes = {{64, 96}, {64, 96}, {96, 48}};
+  auto opt = CreateGroupOptimizer(**ctx, cfg, shapes);
+  ASSERT_THAT(opt.status(), IsOk());
+  // Parameters and gradients in device memory, uploaded once (these allocations are the test's).
+  std::vector<kernels::Buffer> x, g;
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    const int64_t n = shapes[i][0] * shapes[i][1];
+    for (auto* list : {&x, &g}) {
+      const std::vector<float> v = Rand(static_cast<size_t>(n), 1 + i + (list == &g ? 100 : 0));
+      auto b = (*ctx)->Allocate(kernels::DType::kF32, {n});
+      ASSERT_THAT(b.status(), IsOk());
+      ASSERT_THAT(kernels::CopyFromHost(**ctx, kernels::MakeView(v.data(), {n}), b->view()),
+                  IsOk());
+      list->push_back(std::move(*b));
+    }
+  }
+  std::vector<float*> xp;
+  std::vector<const float*> gp;
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    xp.push_back(x[i].As<float>());
+    gp.push_back(g[i].As<float>());
+  }
+  const int64_t at_create = (*ctx)->allocation_count();
+  ASSERT_THAT((*opt)->Step(**ctx, xp, gp), IsOk());
+  const int64_t after_first = (*ctx)->allocation_count();
+  if (InPlace(c.kind)) EXPECT_EQ(after_first, at_create) << name << " steps in place";
+  for (int step = 2; step <= 4; ++step) {
+    std::vector<const float*> grads = gp;
+    if (step == 3) grads[1] = nullptr;
+    ASSERT_THAT((*opt)->Step(**ctx, xp, grads), IsOk()) << "step " << step;
+  }
+  EXPECT_EQ((*ctx)->allocation_count(), after_first)
+      << name << " (" << PrecisionName(c.precision)
+      << "): steps 2..4 allocated through the device Context";
+  opt->reset();
+  x.clear();
+  g.clear();
+}
+
 std::vector<Case> AllCases() {
   std::vector<Case> v;
   for (AlgorithmKind k : {AlgorithmKind::kMuon, AlgorithmKind::kNorMuon, AlgorithmKind::kDion,
@@ -151,6 +224,13 @@ std::vector<Case> AllCases() {
 
 INSTANTIATE_TEST_SUITE_P(
     EveryAlgorithm, StepAllocation, ::testing::ValuesIn(AllCases()),
+    [](const ::testing::TestParamInfo<Case>& info) {
+      return std::string(AlgorithmName(info.param.kind)) + "_" +
+             std::string(PrecisionName(info.param.precision));
+    });
+
+INSTANTIATE_TEST_SUITE_P(
+    EveryAlgorithm, StepAllocationOnDevice, ::testing::ValuesIn(AllCases()),
     [](const ::testing::TestParamInfo<Case>& info) {
       return std::string(AlgorithmName(info.param.kind)) + "_" +
              std::string(PrecisionName(info.param.precision));

@@ -30,6 +30,7 @@
 #else
 #include "kernels/testing/host_device_backend.h"
 #define DeviceOpsTest HostDeviceOpsTest
+#define DeviceRuleTest HostDeviceRuleTest
 #endif
 
 namespace diond::kernels {
@@ -499,12 +500,9 @@ TEST_F(DeviceOpsTest, OrthogonalizerOpsAreBitIdentical) {
   }
 }
 
-#if DIOND_TEST_CUDA
-// GPU binary only: every update rule through GroupOptimizer on a device context (parameters,
-// gradients and state in device memory) against the same rule on the CPU. EXPECTED TO FAIL until
-// kernels/optim drives a device context: today GroupOptimizer wraps the parameter pointers as CPU
-// views and Orthogonalize refuses a non-CPU context (docs/GPU.md, "What remains"). It is not in
-// the CI binary, where it would fail the same way on the TEST backend.
+// Every update rule through GroupOptimizer on a device context (parameters, gradients and state
+// in device memory) against the same rule on the CPU: bit for bit on the TEST backend, within
+// kRule on the GPU. (kernels/optim/device_step_test covers the variants, in strict mode.)
 class DeviceRuleTest : public DeviceOpsTest,
                        public ::testing::WithParamInterface<optim::AlgorithmKind> {};
 
@@ -552,7 +550,6 @@ INSTANTIATE_TEST_SUITE_P(
     [](const ::testing::TestParamInfo<optim::AlgorithmKind>& i) {
       return std::string(optim::AlgorithmName(i.param));
     });
-#endif  // DIOND_TEST_CUDA
 
 }  // namespace
 }  // namespace diond::kernels

@@ -1,6 +1,10 @@
 // TEST BACKEND (host_device_backend.h): host memory behind the plugin C ABI.
 #include "kernels/testing/host_device_backend.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -21,6 +25,11 @@ namespace {
 struct State {
   std::mutex mu;
   std::unordered_map<void*, size_t> blocks;
+  // Strict mode (SetHostTestDeviceStrict): blocks allocated while it is on are their own
+  // page-aligned mappings (address -> mapped length), PROT_NONE outside the backend's entries.
+  bool strict = false;
+  std::unordered_map<void*, size_t> mapped;   // every such mapping (freed with munmap)
+  std::unordered_map<void*, size_t> guarded;  // those still guarded (strict mode not left)
   uint64_t in_use = 0, peak = 0, budget = 0;
   std::set<void*> streams;
   HostTestDeviceCounters counters;
@@ -28,6 +37,49 @@ struct State {
 State& St() {
   static State* s = new State;
   return *s;
+}
+
+// The entry guard of strict mode: the first (outermost) entry of the backend makes every guarded
+// mapping readable and writable, the last exit makes them PROT_NONE again. One entry at a time
+// (a recursive mutex: an entry may call another one through the CPU ops only, never back into
+// this table, but a nested guard costs nothing).
+std::recursive_mutex& GuardMu() {
+  static auto* m = new std::recursive_mutex;
+  return *m;
+}
+int guard_depth = 0;  // under GuardMu()
+
+void ProtectAll(int prot) {
+  State& st = St();
+  std::lock_guard<std::mutex> lock(st.mu);
+  for (const auto& [p, len] : st.guarded) {
+    if (mprotect(p, len, prot) != 0) std::abort();  // cannot happen for our own mappings
+  }
+}
+
+// Whether any mapping is guarded (strict mode was on): lenient-mode entries take no lock.
+std::atomic<bool> any_guarded{false};
+
+class EntryGuard {
+ public:
+  EntryGuard() {
+    if (!any_guarded.load()) return;
+    lock_ = std::unique_lock<std::recursive_mutex>(GuardMu());
+    if (guard_depth++ == 0) ProtectAll(PROT_READ | PROT_WRITE);
+  }
+  ~EntryGuard() {
+    if (lock_.owns_lock() && --guard_depth == 0) ProtectAll(PROT_NONE);
+  }
+  EntryGuard(const EntryGuard&) = delete;
+  EntryGuard& operator=(const EntryGuard&) = delete;
+
+ private:
+  std::unique_lock<std::recursive_mutex> lock_;
+};
+
+size_t PageRound(size_t bytes) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  return (bytes + page - 1) / page * page;
 }
 
 int Fail(const DiondOpsCall* call, int code, const std::string& msg) {
@@ -87,12 +139,14 @@ const Context& Cpu() {
   return *ctx;
 }
 
-#define DIOND_TEST_OP_BEGIN \
-  int rc = DIOND_OPS_OK;    \
+#define DIOND_TEST_OP_BEGIN    \
+  EntryGuard entry_guard_;     \
+  int rc = DIOND_OPS_OK;       \
   if (!CheckStream(call, &rc)) return rc
 
 // ---- memory ----
 int Allocate(const DiondOpsCall* call, size_t bytes, void** ptr) {
+  std::lock_guard<std::recursive_mutex> guard(GuardMu());  // guard_depth is read below
   State& st = St();
   std::lock_guard<std::mutex> lock(st.mu);
   if (st.budget != 0 && st.in_use + bytes > st.budget) {
@@ -103,8 +157,20 @@ int Allocate(const DiondOpsCall* call, size_t bytes, void** ptr) {
                   static_cast<unsigned long long>(st.in_use), bytes);
     return Fail(call, DIOND_OPS_RESOURCE_EXHAUSTED, msg);
   }
-  void* p = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
-  if (p == nullptr) return Fail(call, DIOND_OPS_RESOURCE_EXHAUSTED, "host-test device: malloc");
+  void* p = nullptr;
+  if (st.strict) {
+    const size_t len = PageRound(bytes > 0 ? bytes : 1);
+    // Inside an entry (depth > 0) the live mappings are open: a new one starts open too.
+    const int prot = guard_depth > 0 ? PROT_READ | PROT_WRITE : PROT_NONE;
+    p = mmap(nullptr, len, prot, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return Fail(call, DIOND_OPS_RESOURCE_EXHAUSTED, "host-test device: mmap");
+    st.mapped[p] = len;
+    st.guarded[p] = len;
+    any_guarded.store(true);
+  } else {
+    p = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
+    if (p == nullptr) return Fail(call, DIOND_OPS_RESOURCE_EXHAUSTED, "host-test device: malloc");
+  }
   st.blocks[p] = bytes;
   st.in_use += bytes;
   if (st.in_use > st.peak) st.peak = st.in_use;
@@ -119,7 +185,14 @@ void Deallocate(int device, void* stream, void* ptr, size_t bytes) {
   if (it == st.blocks.end()) std::abort();  // a double free or a foreign pointer: a bug
   st.in_use -= it->second;
   st.blocks.erase(it);
-  std::free(ptr);
+  auto g = st.mapped.find(ptr);
+  if (g != st.mapped.end()) {
+    munmap(ptr, g->second);
+    st.mapped.erase(g);
+    st.guarded.erase(ptr);
+  } else {
+    std::free(ptr);
+  }
 }
 int CopyFromHost(const DiondOpsCall* call, const void* host, void* dst, size_t bytes) {
   DIOND_TEST_OP_BEGIN;
@@ -441,6 +514,26 @@ const DiondOpsApiV1* HostTestDeviceOps() { return &kOps; }
 HostTestDeviceCounters GetHostTestDeviceCounters() {
   std::lock_guard<std::mutex> lock(St().mu);
   return St().counters;
+}
+
+void SetHostTestDeviceStrict(bool strict) {
+  std::lock_guard<std::recursive_mutex> guard(GuardMu());
+  if (!strict) {
+    // Mappings made in strict mode stay mappings (freed with munmap) but are open for good.
+    ProtectAll(PROT_READ | PROT_WRITE);
+    std::lock_guard<std::mutex> lock(St().mu);
+    St().guarded.clear();
+    St().strict = false;
+    any_guarded.store(false);
+    return;
+  }
+  std::lock_guard<std::mutex> lock(St().mu);
+  St().strict = true;
+}
+
+bool HostTestDeviceStrict() {
+  std::lock_guard<std::mutex> lock(St().mu);
+  return St().strict;
 }
 
 void ResetHostTestDevice(uint64_t budget_bytes) {

@@ -10,6 +10,15 @@
 // of kernels/elementwise_math.h with the scalars the adapter sent (so the scalar transport is
 // checked too).
 //
+// STRICT MODE (SetHostTestDeviceStrict(true)): every allocation made while it is on is a
+// page-aligned anonymous mapping of its own that is PROT_NONE except while one of this backend's
+// entry points runs (each op entry, copy_from_host / copy_to_host and stream_synchronize makes the
+// live mappings readable and writable on entry and PROT_NONE again on exit; one entry at a time,
+// under a process-wide recursive mutex). So host code that reads or writes "device" memory outside
+// an op or an explicit copy faults at once (SIGSEGV) instead of silently working, as it would on
+// a GPU. Tests that prove that code above the kernels touches device memory only through the ops
+// API turn it on; the default is the lenient mode (plain host memory), which the other tests use.
+//
 // Counters make the device traffic observable to tests (copies, bytes, syncs, streams).
 #ifndef DIOND_KERNELS_TESTING_HOST_DEVICE_BACKEND_H_
 #define DIOND_KERNELS_TESTING_HOST_DEVICE_BACKEND_H_
@@ -31,6 +40,10 @@ struct HostTestDeviceCounters {
   int64_t ops_on_default_stream = 0;  // op entries called with a null stream
 };
 HostTestDeviceCounters GetHostTestDeviceCounters();
+// Strict mode on or off (see above). It applies to allocations made while it is on; turning it
+// off opens the existing strict mappings for good. Thread-safe.
+void SetHostTestDeviceStrict(bool strict);
+bool HostTestDeviceStrict();
 // Resets the counters (not the pool) and sets the pool budget (0: unlimited).
 void ResetHostTestDevice(uint64_t budget_bytes);
 

@@ -1,7 +1,11 @@
 // diond-conformance: replays microsoft/dion conformance vectors through GroupOptimizer.
 //
-//   diond-conformance [--mode fp32|bf16_reference|both] [--threads N] [--device cpu|cuda:N]
-//                     [--cuda_plugin PATH] FILE_OR_FOLDER...
+//   diond-conformance [--mode fp32|bf16_reference|both] [--threads N]
+//                     [--device cpu|cuda:N|test] [--cuda_plugin PATH] FILE_OR_FOLDER...
+//
+// --device test (FOR CI ONLY): the host-memory TEST backend (kernels/testing) in strict mode,
+// where host access of its "device" memory faults; every case is also run on the CPU and the
+// check device_vs_cpu_bit_mismatches must be 0 (the TEST backend runs the CPU's arithmetic).
 //
 // Prints one line per case (measured error / tolerance for every check) and finally the line
 // "N passed, M failed". Exit status 0 iff every case passed. See runner.h for what "pass" means.
@@ -14,20 +18,23 @@
 #include "absl/flags/usage.h"
 #include "kernels/context.h"
 #include "kernels/device.h"
-#include "kernels/plugin/plugin_backend.h"
 #include "kernels/optim/conformance/runner.h"
+#include "kernels/plugin/plugin_backend.h"
+#include "kernels/testing/host_device_backend.h"
 
 ABSL_FLAG(std::string, mode, "both", "precision mode: fp32, bf16_reference or both");
 ABSL_FLAG(int, threads, 0, "CPU threads (0: all cores)");
 ABSL_FLAG(std::string, device, "cpu",
           "where the rules run: cpu, or cuda:N through the CUDA plugin's ops backend (exit 2 "
-          "with the reason when there is no plugin or GPU; docs/GPU.md)");
+          "with the reason when there is no plugin or GPU; docs/GPU.md), or test: FOR CI ONLY, "
+          "the host-memory TEST backend in strict mode (host access of its device memory "
+          "faults), every case also run on the CPU and required to match it bit for bit");
 ABSL_FLAG(std::string, cuda_plugin, "",
           "path of libdiond_cuda.so (default: next to this executable, then the loader's path)");
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "diond-conformance [--mode fp32|bf16_reference|both] [--device cpu|cuda:N] "
+      "diond-conformance [--mode fp32|bf16_reference|both] [--device cpu|cuda:N|test] "
       "FILE_OR_FOLDER...");
   std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
   std::vector<std::string> paths(positional.begin() + 1, positional.end());
@@ -40,9 +47,43 @@ int main(int argc, char** argv) {
     std::cerr << mode.status().message() << "\n";
     return 2;
   }
+  if (absl::GetFlag(FLAGS_device) == "test") {
+    // CI only: the TEST backend, strict, for DeviceType::kTest; the CPU context is the twin.
+    namespace k = diond::kernels;
+    const absl::Status registered =
+        k::RegisterPluginOps(k::DeviceType::kTest, k::testing::HostTestDeviceOps());
+    if (!registered.ok()) {
+      std::cerr << "diond-conformance: --device test: " << registered.message() << "\n";
+      return 2;
+    }
+    k::testing::SetHostTestDeviceStrict(true);
+    const k::Device dev{k::DeviceType::kTest, 0};
+    auto stream = k::CreateDeviceStream(dev);
+    if (!stream.ok()) {
+      std::cerr << "diond-conformance: " << stream.status().message() << "\n";
+      return 2;
+    }
+    k::ContextOptions o;
+    o.device = dev;
+    o.stream = *stream;
+    o.num_threads = 1;  // the TEST backend's ops run on one CPU thread
+    auto ctx = k::Context::Create(o);
+    if (!ctx.ok()) {
+      std::cerr << "diond-conformance: " << ctx.status().message() << "\n";
+      return 2;
+    }
+    std::cout << "device: host-memory TEST backend (strict mode; CI only), checked against the "
+                 "CPU bit for bit\n";
+    auto cpu = k::Context::CpuDefault(1);
+    const int failed =
+        diond::optim::conformance::RunAll(**ctx, paths, *mode, std::cout, cpu.get());
+    ctx->reset();
+    k::DestroyDeviceStream(dev, *stream);
+    return failed == 0 ? 0 : 1;
+  }
   auto device = diond::kernels::ParseDeviceRequest(absl::GetFlag(FLAGS_device));
   if (!device.ok() || device->mode == diond::kernels::DeviceRequest::Mode::kAuto) {
-    std::cerr << "diond-conformance: --device must be cpu or cuda:N\n";
+    std::cerr << "diond-conformance: --device must be cpu, cuda:N or test\n";
     return 2;
   }
   if (device->mode == diond::kernels::DeviceRequest::Mode::kCpu) {

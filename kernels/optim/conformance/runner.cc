@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -13,6 +14,7 @@
 #include "absl/strings/str_join.h"
 #include "common/safetensors.h"
 #include "common/status_macros.h"
+#include "kernels/ops.h"
 #include "kernels/optim/group_optimizer.h"
 #include "nlohmann/json.hpp"
 
@@ -288,41 +290,76 @@ absl::StatusOr<CaseData> ReadCase(const SafetensorsFile& f) {
   return c;
 }
 
+// f32 host vector <-> a Buffer of ctx's device (explicit copies; plain copies on the CPU).
+absl::StatusOr<kernels::Buffer> ToDevice(const kernels::Context& ctx, const std::vector<float>& v) {
+  const int64_t n = static_cast<int64_t>(v.size());
+  DIOND_ASSIGN_OR_RETURN(kernels::Buffer b, ctx.Allocate(kernels::DType::kF32, {n}));
+  DIOND_RETURN_IF_ERROR(kernels::CopyFromHost(ctx, kernels::MakeView(v.data(), {n}), b.view()));
+  return b;
+}
+absl::Status ToHost(const kernels::Context& ctx, const kernels::Buffer& b, std::vector<float>* v) {
+  v->resize(static_cast<size_t>(b.NumElements()));
+  return kernels::CopyToHost(ctx, b.view(), kernels::MakeView(v->data(), {b.NumElements()}));
+}
+
+// Runs one precision mode of a case on ctx: the optimizer, its state, the parameters and the
+// gradients live on ctx's device (uploaded from the file, read back after each step). `trace`
+// (if not null) receives every parameter after every step, then every final state, for the
+// device-vs-CPU comparison.
 absl::StatusOr<ModeResult> RunMode(const kernels::Context& ctx, const SafetensorsFile& f,
                                    const CaseData& c, const Tolerances& tol,
-                                   Precision precision) {
+                                   Precision precision, std::vector<float>* trace = nullptr) {
   ModeResult r;
   r.precision = precision;
   GroupConfig cfg = c.config;
   cfg.precision = precision;
   const size_t n = c.shapes.size();
-  DIOND_ASSIGN_OR_RETURN(std::unique_ptr<GroupOptimizer> opt, CreateGroupOptimizer(cfg, c.shapes));
+  DIOND_ASSIGN_OR_RETURN(std::unique_ptr<GroupOptimizer> opt,
+                         CreateGroupOptimizer(ctx, cfg, c.shapes));
   for (size_t i = 0; i < n; ++i) {
     for (const std::string& name : c.state_names) {
       DIOND_ASSIGN_OR_RETURN(std::vector<int64_t> shape, opt->StateShape(i, name));
       const std::string key = Key(i, "state." + name + ".init");
       if (!f.Has(key)) continue;  // zeros, as the optimizer initializes them
       DIOND_ASSIGN_OR_RETURN(std::vector<float> v, f.ReadFloat(key, shape));
-      DIOND_RETURN_IF_ERROR(opt->SetState(i, name, v));
+      DIOND_RETURN_IF_ERROR(opt->SetState(ctx, i, name, v));
     }
   }
+  // On the CPU the rules step the host vectors themselves (as the daemon steps a trainer's
+  // memory); on a device, uploaded copies.
+  const bool on_host = ctx.device().type == kernels::DeviceType::kCpu;
   std::vector<std::vector<float>> p0(n), p(n);
+  std::vector<kernels::Buffer> dp(n);
   for (size_t i = 0; i < n; ++i) {
     DIOND_ASSIGN_OR_RETURN(p0[i], f.ReadFloat(Key(i, "param.init")));
     p[i] = p0[i];
+    if (!on_host) {
+      DIOND_ASSIGN_OR_RETURN(dp[i], ToDevice(ctx, p[i]));
+    }
   }
   // Errors are per matrix; a case reports the worst matrix (and the worst step).
   double param_err = 0, delta_err = 0;
   for (int64_t t = 1; t <= c.steps; ++t) {
     std::vector<std::vector<float>> g(n);
+    std::vector<kernels::Buffer> dg(n);
     std::vector<float*> pp(n);
     std::vector<const float*> gp(n);
     for (size_t i = 0; i < n; ++i) {
       DIOND_ASSIGN_OR_RETURN(g[i], f.ReadFloat(Key(i, absl::StrCat("grad.", t)), c.shapes[i]));
-      pp[i] = p[i].data();
-      gp[i] = g[i].data();
+      if (on_host) {
+        pp[i] = p[i].data();
+        gp[i] = g[i].data();
+      } else {
+        DIOND_ASSIGN_OR_RETURN(dg[i], ToDevice(ctx, g[i]));
+        pp[i] = dp[i].As<float>();
+        gp[i] = dg[i].As<float>();
+      }
     }
     DIOND_RETURN_IF_ERROR(opt->Step(ctx, absl::MakeSpan(pp), absl::MakeSpan(gp)));
+    for (size_t i = 0; i < n; ++i) {
+      if (!on_host) DIOND_RETURN_IF_ERROR(ToHost(ctx, dp[i], &p[i]));
+      if (trace != nullptr) trace->insert(trace->end(), p[i].begin(), p[i].end());
+    }
     for (size_t i = 0; i < n; ++i) {
       DIOND_ASSIGN_OR_RETURN(std::vector<float> ref,
                              f.ReadFloat(Key(i, absl::StrCat("param.", t)), c.shapes[i]));
@@ -365,6 +402,18 @@ absl::StatusOr<ModeResult> RunMode(const kernels::Context& ctx, const Safetensor
     add("param_f64_final_relfro", 0, f64_checks, false);
     add("delta_f64_final_relfro", 0, f64_checks, false);
   }
+  if (trace != nullptr) {
+    for (size_t i = 0; i < n; ++i) {
+      for (const std::string& name : c.state_names) {
+        DIOND_ASSIGN_OR_RETURN(std::vector<int64_t> shape, opt->StateShape(i, name));
+        int64_t count = 1;
+        for (int64_t d : shape) count *= d;
+        std::vector<float> mine(static_cast<size_t>(count));
+        DIOND_RETURN_IF_ERROR(opt->GetState(ctx, i, name, absl::MakeSpan(mine)));
+        trace->insert(trace->end(), mine.begin(), mine.end());
+      }
+    }
+  }
   for (const std::string& name : c.state_names) {
     double err = 0;
     bool available = true;
@@ -377,7 +426,7 @@ absl::StatusOr<ModeResult> RunMode(const kernels::Context& ctx, const Safetensor
       }
       DIOND_ASSIGN_OR_RETURN(std::vector<float> ref, f.ReadFloat(key, shape));
       std::vector<float> mine(ref.size());
-      DIOND_RETURN_IF_ERROR(opt->GetState(i, name, absl::MakeSpan(mine)));
+      DIOND_RETURN_IF_ERROR(opt->GetState(ctx, i, name, absl::MakeSpan(mine)));
       if (name == kStateQ && shape.size() == 2) {
         AlignColumnSigns(&mine, ref, shape[0], shape[1]);
         err = std::max(err, RelFro(mine, ref));
@@ -434,7 +483,22 @@ absl::StatusOr<std::vector<std::string>> CollectVectorFiles(const std::vector<st
   return files;
 }
 
-CaseResult RunCase(const kernels::Context& ctx, const std::string& path, Mode mode) {
+namespace {
+
+// Elements of two traces whose bits differ (a size mismatch counts every element of the longer).
+double BitMismatches(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size()) return static_cast<double>(std::max(a.size(), b.size()));
+  double bad = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (std::memcmp(&a[i], &b[i], sizeof(float)) != 0) ++bad;
+  }
+  return bad;
+}
+
+}  // namespace
+
+CaseResult RunCase(const kernels::Context& ctx, const std::string& path, Mode mode,
+                   const kernels::Context* cpu_twin) {
   CaseResult res;
   res.file = fs::path(path).filename().string();
   absl::StatusOr<SafetensorsFile> f = SafetensorsFile::ReadFile(path);
@@ -454,11 +518,30 @@ CaseResult RunCase(const kernels::Context& ctx, const std::string& path, Mode mo
   if (mode != Mode::kFp32) precisions.push_back(Precision::kBf16Reference);
   res.passed = true;
   for (Precision p : precisions) {
-    absl::StatusOr<ModeResult> m = RunMode(ctx, *f, *c, tol, p);
+    std::vector<float> trace, twin_trace;
+    absl::StatusOr<ModeResult> m =
+        RunMode(ctx, *f, *c, tol, p, cpu_twin != nullptr ? &trace : nullptr);
     if (!m.ok()) {
       res.error = absl::StrCat("[", PrecisionName(p), "] ", m.status().ToString());
       res.passed = false;
       return res;
+    }
+    if (cpu_twin != nullptr) {
+      // The same case on the CPU context: every parameter after every step and every final
+      // state must be the same bits.
+      absl::StatusOr<ModeResult> twin = RunMode(*cpu_twin, *f, *c, tol, p, &twin_trace);
+      if (!twin.ok()) {
+        res.error = absl::StrCat("[", PrecisionName(p), "] cpu twin: ", twin.status().ToString());
+        res.passed = false;
+        return res;
+      }
+      Check ch;
+      ch.name = "device_vs_cpu_bit_mismatches";
+      ch.measured = BitMismatches(trace, twin_trace);
+      ch.tolerance = 0.0;
+      ch.enforced = true;
+      m->checks.push_back(ch);
+      if (!ch.ok()) m->passed = false;
     }
     res.passed = res.passed && m->passed;
     res.modes.push_back(*std::move(m));
@@ -484,7 +567,7 @@ std::string FormatResult(const CaseResult& r) {
 }
 
 int RunAll(const kernels::Context& ctx, const std::vector<std::string>& paths, Mode mode,
-           std::ostream& out) {
+           std::ostream& out, const kernels::Context* cpu_twin) {
   absl::StatusOr<std::vector<std::string>> files = CollectVectorFiles(paths);
   if (!files.ok()) {
     out << "error: " << files.status().message() << "\n0 passed, 1 failed\n";
@@ -492,7 +575,7 @@ int RunAll(const kernels::Context& ctx, const std::vector<std::string>& paths, M
   }
   int passed = 0, failed = 0;
   for (const std::string& path : *files) {
-    CaseResult r = RunCase(ctx, path, mode);
+    CaseResult r = RunCase(ctx, path, mode, cpu_twin);
     out << FormatResult(r) << "\n";
     (r.passed ? passed : failed)++;
   }

@@ -65,8 +65,13 @@ struct CaseResult {
 // Expands files and folders (folders: every *.safetensors inside, recursively, sorted).
 absl::StatusOr<std::vector<std::string>> CollectVectorFiles(const std::vector<std::string>& args);
 
-// Runs one case file. Errors in the file itself are reported in CaseResult::error.
-CaseResult RunCase(const kernels::Context& ctx, const std::string& path, Mode mode);
+// Runs one case file on ctx (parameters, gradients and state uploaded to ctx's device, results
+// read back through explicit copies). Errors in the file itself are reported in
+// CaseResult::error. With `cpu_twin` (a CPU context), every mode is run on it too and the check
+// "device_vs_cpu_bit_mismatches" (enforced, tolerance 0) counts the elements of the parameters
+// after every step and of the final states whose bits differ between ctx and the CPU.
+CaseResult RunCase(const kernels::Context& ctx, const std::string& path, Mode mode,
+                   const kernels::Context* cpu_twin = nullptr);
 
 // One line describing the result ("PASS <file> ..." / "FAIL <file> ...").
 std::string FormatResult(const CaseResult& r);
@@ -74,7 +79,7 @@ std::string FormatResult(const CaseResult& r);
 // Runs all `paths`, prints one line per case and the final "N passed, M failed" line to `out`.
 // Returns the number of failed cases (collection errors count as one failure).
 int RunAll(const kernels::Context& ctx, const std::vector<std::string>& paths, Mode mode,
-           std::ostream& out);
+           std::ostream& out, const kernels::Context* cpu_twin = nullptr);
 
 }  // namespace diond::optim::conformance
 

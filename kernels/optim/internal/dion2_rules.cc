@@ -77,6 +77,7 @@ class Dion2Rule final : public UpdateRule {
     const Hyperparams& h = cfg.hyperparams;
     const bool nordion = cfg.algorithm == AlgorithmKind::kNorDion2;
     const bool bf16 = cfg.precision == Precision::kBf16Reference;
+    const kernels::Device dev = ctx.device();  // every pointer of `a` is on it
     const ParamShape eff = EffectiveShape(cfg, *a.shape);
     // Selection works on trailing matrices (per head with num_heads), before any flatten.
     const MatrixBatch units = TrailingMatrices(a.count, eff);
@@ -96,8 +97,8 @@ class Dion2Rule final : public UpdateRule {
     const int64_t numel = total / a.count;
     // The persistent momentum is read once, the staged one written (out of place).
     for (int64_t p = 0; p < a.count; ++p) {
-      DIOND_RETURN_IF_ERROR(kernels::Axpby(ctx, 1.0f, CVec(a.state_in[0][p], numel), 1.0f,
-                                           CVec(a.g[p], numel), Vec(m + p * numel, numel)));
+      DIOND_RETURN_IF_ERROR(kernels::Axpby(ctx, 1.0f, CVec(a.state_in[0][p], numel, dev), 1.0f,
+                                           CVec(a.g[p], numel, dev), Vec(m + p * numel, numel, dev)));
     }
 
     // 2-7. Per unit: top-k slices by L1 norm, S = M[I] (pre-decay, P6), M[I] ← ef·S.
@@ -110,20 +111,23 @@ class Dion2Rule final : public UpdateRule {
     std::vector<int64_t> idx(static_cast<size_t>(units.batch * k));
     DIOND_ASSIGN_OR_RETURN(float* const s, ScratchFloats(ctx, units.batch * sub_size));
     float* scores = nullptr;
+    std::vector<float> scores_host;
     if (bf16) {
       DIOND_ASSIGN_OR_RETURN(scores, ScratchFloats(ctx, length));
+      scores_host.resize(static_cast<size_t>(length));
     }
     for (int64_t b = 0; b < units.batch; ++b) {
-      kernels::TensorView mb = View2(m + b * msize, R, C);
+      kernels::TensorView mb = View2(m + b * msize, R, C, dev);
       absl::Span<int64_t> ib(idx.data() + b * k, static_cast<size_t>(k));
       if (bf16) {
-        DIOND_RETURN_IF_ERROR(kernels::TopKByL1Norm(ctx, mb, axis, k, ib, Vec(scores, length)));
-        // Host-side reordering of the selection: reads the scores (a sync point).
-        ReferenceSelectionOrder(absl::MakeConstSpan(scores, static_cast<size_t>(length)), ib);
+        DIOND_RETURN_IF_ERROR(kernels::TopKByL1Norm(ctx, mb, axis, k, ib, Vec(scores, length, dev)));
+        // Host-side reordering of the selection: the scores are read back (a sync point).
+        DIOND_RETURN_IF_ERROR(Download(ctx, scores, scores_host.data(), length));
+        ReferenceSelectionOrder(scores_host, ib);
       } else {
         DIOND_RETURN_IF_ERROR(kernels::TopKByL1Norm(ctx, mb, axis, k, ib));
       }
-      kernels::TensorView sb = View2(s + b * sub_size, sub_rows, sub_cols);
+      kernels::TensorView sb = View2(s + b * sub_size, sub_rows, sub_cols, dev);
       DIOND_RETURN_IF_ERROR(kernels::Gather(ctx, mb, axis, ib, sb));
       DIOND_RETURN_IF_ERROR(kernels::Scatter(ctx, sb, axis, ib, ef, 0.0f, mb));
     }
@@ -145,20 +149,20 @@ class Dion2Rule final : public UpdateRule {
       const int64_t vsize = numel / a.shape->back();
       for (int64_t p = 0; p < a.count; ++p) {
         DIOND_RETURN_IF_ERROR(
-            kernels::Copy(ctx, CVec(a.state_in[1][p], vsize), Vec(v + p * vsize, vsize)));
+            kernels::Copy(ctx, CVec(a.state_in[1][p], vsize, dev), Vec(v + p * vsize, vsize, dev)));
       }
       DIOND_ASSIGN_OR_RETURN(float* const vi, ScratchFloats(ctx, units.batch * k));
       for (int64_t b = 0; b < units.batch; ++b) {
         absl::Span<const int64_t> ib(idx.data() + b * k, static_cast<size_t>(k));
         DIOND_RETURN_IF_ERROR(
-            kernels::Gather(ctx, View2(v + b * R, R, 1), Axis::kRows, ib, View2(vi + b * k, k, 1)));
+            kernels::Gather(ctx, View2(v + b * R, R, 1, dev), Axis::kRows, ib, View2(vi + b * k, k, 1, dev)));
       }
       DIOND_RETURN_IF_ERROR(kernels::NormalizeNeurons(
-          ctx, w, View3(s, MatrixBatch{units.batch, k, C}), Vec(vi, units.batch * k)));
+          ctx, w, View3(s, MatrixBatch{units.batch, k, C}, dev), Vec(vi, units.batch * k, dev)));
       for (int64_t b = 0; b < units.batch; ++b) {
         absl::Span<const int64_t> ib(idx.data() + b * k, static_cast<size_t>(k));
-        DIOND_RETURN_IF_ERROR(kernels::Scatter(ctx, View2(vi + b * k, k, 1), Axis::kRows, ib,
-                                               1.0f, 0.0f, View2(v + b * R, R, 1)));
+        DIOND_RETURN_IF_ERROR(kernels::Scatter(ctx, View2(vi + b * k, k, 1, dev), Axis::kRows, ib,
+                                               1.0f, 0.0f, View2(v + b * R, R, 1, dev)));
       }
     }
 
@@ -170,11 +174,11 @@ class Dion2Rule final : public UpdateRule {
     // selected slices.
     for (int64_t p = 0; p < a.count; ++p) {
       DIOND_RETURN_IF_ERROR(
-          kernels::Scale(ctx, decay, CVec(a.x_in[p], numel), Vec(a.x + p * numel, numel)));
+          kernels::Scale(ctx, decay, CVec(a.x_in[p], numel, dev), Vec(a.x + p * numel, numel, dev)));
     }
     for (int64_t b = 0; b < units.batch; ++b) {
-      kernels::TensorView xb = View2(a.x + b * msize, R, C);
-      kernels::TensorView sb = View2(s + b * sub_size, sub_rows, sub_cols);
+      kernels::TensorView xb = View2(a.x + b * msize, R, C, dev);
+      kernels::TensorView sb = View2(s + b * sub_size, sub_rows, sub_cols, dev);
       absl::Span<const int64_t> ib(idx.data() + b * k, static_cast<size_t>(k));
       DIOND_RETURN_IF_ERROR(kernels::Scatter(ctx, sb, axis, ib, -alpha, 1.0f, xb));
     }
@@ -182,6 +186,8 @@ class Dion2Rule final : public UpdateRule {
     // X after the step.
     if (!a.capture.empty()) {
       const int64_t per_param = units.batch / a.count;
+      // The slices are gathered on the device, then read back (a sync point per unit).
+      DIOND_ASSIGN_OR_RETURN(float* const gathered, ScratchFloats(ctx, sub_size));
       for (int64_t p = 0; p < a.count; ++p) {
         std::vector<float>& out = *a.capture[static_cast<size_t>(p)];
         out.resize(static_cast<size_t>(per_param * (k + sub_size)));
@@ -191,8 +197,9 @@ class Dion2Rule final : public UpdateRule {
           for (int64_t j = 0; j < k; ++j) o[j] = static_cast<float>(idx[b * k + j]);
           o += k;
           absl::Span<const int64_t> ib(idx.data() + b * k, static_cast<size_t>(k));
-          DIOND_RETURN_IF_ERROR(kernels::Gather(ctx, View2(a.x + b * msize, R, C), axis, ib,
-                                                View2(o, sub_rows, sub_cols)));
+          DIOND_RETURN_IF_ERROR(kernels::Gather(ctx, View2(a.x + b * msize, R, C, dev), axis, ib,
+                                                View2(gathered, sub_rows, sub_cols, dev)));
+          DIOND_RETURN_IF_ERROR(Download(ctx, gathered, o, sub_size));
           o += sub_size;
         }
       }
@@ -234,16 +241,21 @@ absl::Status Dion2ApplyCaptured(const kernels::Context& ctx, const GroupConfig& 
       idx[u * s.k + j] = i;
     }
   }
-  // Step 10 exactly as the rule: every entry decayed; then the owner's selected slices.
+  // Step 10 exactly as the rule: every entry decayed; then the owner's selected slices, uploaded
+  // from the (host) payload into the context's scratch (a copy per unit).
+  const kernels::Device dev = ctx.device();
+  kernels::ScratchArena::Scope scope(ctx.scratch());
+  DIOND_ASSIGN_OR_RETURN(float* const slices, ScratchFloats(ctx, sub_size));
   const float decay = DecayFactor(scalars.lr, scalars.weight_decay);
   const int64_t total = s.units.batch * msize;
-  DIOND_RETURN_IF_ERROR(kernels::Scale(ctx, decay, CVec(x, total), Vec(x, total)));
+  DIOND_RETURN_IF_ERROR(kernels::Scale(ctx, decay, CVec(x, total, dev), Vec(x, total, dev)));
   for (int64_t u = 0; u < s.units.batch; ++u) {
     const float* values = payload + u * (s.k + sub_size) + s.k;
     absl::Span<const int64_t> ib(idx.data() + u * s.k, static_cast<size_t>(s.k));
+    DIOND_RETURN_IF_ERROR(Upload(ctx, values, slices, sub_size));
     DIOND_RETURN_IF_ERROR(kernels::Scatter(
-        ctx, View2(const_cast<float*>(values), s.sub_rows, s.sub_cols), s.axis, ib, 1.0f, 0.0f,
-        View2(x + u * msize, s.units.rows, s.units.cols)));
+        ctx, View2(slices, s.sub_rows, s.sub_cols, dev), s.axis, ib, 1.0f, 0.0f,
+        View2(x + u * msize, s.units.rows, s.units.cols, dev)));
   }
   return absl::OkStatus();
 }

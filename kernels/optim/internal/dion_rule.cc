@@ -80,12 +80,13 @@ uint64_t SketchStream(const DionDims& d) {
 // Householder QR where it breaks down (see the file comment). `copy` is scratch of a×r floats.
 absl::Status RcqrOne(const kernels::Context& ctx, const DionDims& d,
                      kernels::ConstTensorView sketch, float* p, float* copy) {
+  const kernels::Device dev = ctx.device();
   const MatrixBatch one{1, d.a, d.r};
-  DIOND_RETURN_IF_ERROR(kernels::Copy(ctx, CView3(p, one), View3(copy, one)));
-  absl::Status s = kernels::RandomizedCholeskyQr(ctx, CView3(copy, one).Matrix(0), sketch,
-                                                 View3(p, one).Matrix(0));
+  DIOND_RETURN_IF_ERROR(kernels::Copy(ctx, CView3(p, one, dev), View3(copy, one, dev)));
+  absl::Status s = kernels::RandomizedCholeskyQr(ctx, CView3(copy, one, dev).Matrix(0), sketch,
+                                                 View3(p, one, dev).Matrix(0));
   if (s.code() != absl::StatusCode::kFailedPrecondition) return s;
-  return kernels::ThinQr(ctx, CView3(copy, one).Matrix(0), View3(p, one).Matrix(0));
+  return kernels::ThinQr(ctx, CView3(copy, one, dev).Matrix(0), View3(p, one, dev).Matrix(0));
 }
 
 // Step 4 for N matrices: P ← Q-factor of P by the group's qr_method (see the file comment).
@@ -95,13 +96,14 @@ absl::Status RcqrOne(const kernels::Context& ctx, const DionDims& d,
 absl::Status Orthonormalize(const kernels::Context& ctx, const GroupConfig& cfg,
                             const DionDims& d, int64_t N, int64_t step,
                             kernels::ConstTensorView sketch, float* P) {
+  const kernels::Device dev = ctx.device();
   const MatrixBatch pb{N, d.a, d.r};
   QrMethod method = cfg.hyperparams.qr_method;
   if (method == QrMethod::kCqr && step <= cfg.hyperparams.cqr_warmup_steps) {
     method = QrMethod::kRcqr;  // Cholesky QR only once the matrices are well-conditioned
   }
   if (method == QrMethod::kQr || (method == QrMethod::kRcqr && d.a <= d.r)) {
-    return kernels::ThinQr(ctx, CView3(P, pb), View3(P, pb));
+    return kernels::ThinQr(ctx, CView3(P, pb, dev), View3(P, pb, dev));
   }
   kernels::ScratchArena::Scope scope(ctx.scratch());
   DIOND_ASSIGN_OR_RETURN(float* const copy, ScratchFloats(ctx, d.a * d.r));
@@ -109,17 +111,17 @@ absl::Status Orthonormalize(const kernels::Context& ctx, const GroupConfig& cfg,
   for (int64_t j = 0; j < N; ++j) {
     float* p = P + j * d.a * d.r;
     if (method == QrMethod::kCqr) {
-      DIOND_RETURN_IF_ERROR(kernels::Copy(ctx, CView3(p, one), View3(copy, one)));
-      absl::Status s = kernels::CholeskyQr(ctx, CView3(copy, one).Matrix(0),
-                                           View3(p, one).Matrix(0));
+      DIOND_RETURN_IF_ERROR(kernels::Copy(ctx, CView3(p, one, dev), View3(copy, one, dev)));
+      absl::Status s = kernels::CholeskyQr(ctx, CView3(copy, one, dev).Matrix(0),
+                                           View3(p, one, dev).Matrix(0));
       if (s.ok()) continue;
       if (s.code() != absl::StatusCode::kFailedPrecondition) return s;
       // The Cholesky factorization failed: back to the saved P.
-      DIOND_RETURN_IF_ERROR(kernels::Copy(ctx, CView3(copy, one), View3(p, one)));
+      DIOND_RETURN_IF_ERROR(kernels::Copy(ctx, CView3(copy, one, dev), View3(p, one, dev)));
     }
     if (d.a <= d.r) {
       DIOND_RETURN_IF_ERROR(
-          kernels::ThinQr(ctx, CView3(p, one).Matrix(0), View3(p, one).Matrix(0)));
+          kernels::ThinQr(ctx, CView3(p, one, dev).Matrix(0), View3(p, one, dev).Matrix(0)));
     } else {
       DIOND_RETURN_IF_ERROR(RcqrOne(ctx, d, sketch, p, copy));
     }
@@ -135,6 +137,7 @@ absl::Status Orthonormalize(const kernels::Context& ctx, const GroupConfig& cfg,
 absl::Status ApplyFactors(const kernels::Context& ctx, const DionDims& d, int64_t N,
                           const float* P, const float* q_new, const StepScalars& scalars,
                           float* x) {
+  const kernels::Device dev = ctx.device();
   const MatrixBatch mb{N, d.m, d.n}, pb{N, d.a, d.r}, qb{N, d.b, d.r};
   const float s = F32(std::sqrt(static_cast<double>(d.m) / static_cast<double>(d.n))) *
                   scalars.lr;
@@ -143,9 +146,24 @@ absl::Status ApplyFactors(const kernels::Context& ctx, const DionDims& d, int64_
   gu.alpha = -s;
   gu.beta = DecayFactor(scalars.lr, scalars.weight_decay);
   if (d.transposed) {
-    return kernels::Gemm(ctx, gu, CView3(q_new, qb), CView3(P, pb), View3(x, mb));
+    return kernels::Gemm(ctx, gu, CView3(q_new, qb, dev), CView3(P, pb, dev), View3(x, mb, dev));
   }
-  return kernels::Gemm(ctx, gu, CView3(P, pb), CView3(q_new, qb), View3(x, mb));
+  return kernels::Gemm(ctx, gu, CView3(P, pb, dev), CView3(q_new, qb, dev), View3(x, mb, dev));
+}
+
+// Compressed sync (§9.7): the caller's replica_average runs on host memory. On the CPU the
+// buffer is handed over as it is; on a device it is read back, averaged and written back (two
+// sync points).
+absl::Status ReplicaAverage(const kernels::Context& ctx,
+                            const std::function<absl::Status(absl::Span<float>)>& average,
+                            float* buf, int64_t n) {
+  if (ctx.device().type == kernels::DeviceType::kCpu) {
+    return average(absl::MakeSpan(buf, static_cast<size_t>(n)));
+  }
+  std::vector<float> host(static_cast<size_t>(n));
+  DIOND_RETURN_IF_ERROR(Download(ctx, buf, host.data(), n));
+  DIOND_RETURN_IF_ERROR(average(absl::MakeSpan(host)));
+  return Upload(ctx, host.data(), buf, n);
 }
 
 class DionRule final : public UpdateRule {
@@ -155,16 +173,18 @@ class DionRule final : public UpdateRule {
     return {{std::string(kStateMomentum), shape}, {std::string(kStateQ), {d.b, d.r}}};
   }
 
-  void InitState(const GroupConfig& config, const ParamShape& shape, size_t spec_index,
-                 int64_t count, uint64_t stream, float* data) const override {
-    if (spec_index != 1) return;
+  bool InitState(const GroupConfig& config, const ParamShape& shape, size_t spec_index,
+                 int64_t count, uint64_t stream, float* host_data) const override {
+    if (spec_index != 1) return false;
     const DionDims d = Dims(config, shape);
-    FillStandardNormal(config.seed, stream, data, count * d.b * d.r);
+    FillStandardNormal(config.seed, stream, host_data, count * d.b * d.r);
+    return true;
   }
 
   absl::Status Apply(const kernels::Context& ctx, const BucketArgs& args) const override {
     const GroupConfig& cfg = *args.config;
     const DionDims d = Dims(cfg, *args.shape);
+    const kernels::Device dev = ctx.device();  // every pointer of `args` is on it
     const int64_t N = args.count;
     const MatrixBatch mb{N, d.m, d.n}, pb{N, d.a, d.r}, qb{N, d.b, d.r};
     const int64_t psize = N * d.a * d.r, qsize = N * d.b * d.r;
@@ -187,34 +207,34 @@ class DionRule final : public UpdateRule {
     // by a copy (Q is small, and the final GEMM updates X in place).
     const int64_t qnumel = d.b * d.r;
     for (int64_t j = 0; j < N; ++j) {
-      DIOND_RETURN_IF_ERROR(kernels::Axpby(ctx, 1.0f, CVec(args.state_in[0][j], numel), 1.0f,
-                                           CVec(args.g[j], numel), Vec(M + j * numel, numel)));
+      DIOND_RETURN_IF_ERROR(kernels::Axpby(ctx, 1.0f, CVec(args.state_in[0][j], numel, dev), 1.0f,
+                                           CVec(args.g[j], numel, dev), Vec(M + j * numel, numel, dev)));
       DIOND_RETURN_IF_ERROR(
-          kernels::Copy(ctx, CVec(args.state_in[1][j], qnumel), Vec(Q + j * qnumel, qnumel)));
+          kernels::Copy(ctx, CVec(args.state_in[1][j], qnumel, dev), Vec(Q + j * qnumel, qnumel, dev)));
       DIOND_RETURN_IF_ERROR(
-          kernels::Copy(ctx, CVec(args.x_in[j], numel), Vec(args.x + j * numel, numel)));
+          kernels::Copy(ctx, CVec(args.x_in[j], numel, dev), Vec(args.x + j * numel, numel, dev)));
     }
 
     // 2-3. P = B·Q with B = M (a×b) or Mᵀ when transposed.
     GemmParams gp;
     gp.trans_a = d.transposed ? Trans::kYes : Trans::kNo;
-    DIOND_RETURN_IF_ERROR(kernels::Gemm(ctx, gp, CView3(M, mb), CView3(Q, qb), View3(P, pb)));
+    DIOND_RETURN_IF_ERROR(kernels::Gemm(ctx, gp, CView3(M, mb, dev), CView3(Q, qb, dev), View3(P, pb, dev)));
 
     // Whether each matrix's momentum is all zero: read back to the host (a sync point per
     // matrix, docs/KERNELS.md). At most a few matrices per bucket: kept on the stack.
     absl::InlinedVector<bool, 16> zero(static_cast<size_t>(N), false);
     if (args.replica_average != nullptr) {
       // Compressed sync (§9.7): P ← mean over replicas of B_i·Q; B ≡ 0 judged on the mean.
-      DIOND_RETURN_IF_ERROR((*args.replica_average)(absl::MakeSpan(P, static_cast<size_t>(psize))));
+      DIOND_RETURN_IF_ERROR(ReplicaAverage(ctx, *args.replica_average, P, psize));
       for (int64_t j = 0; j < N; ++j) {
         bool z = false;
-        DIOND_RETURN_IF_ERROR(kernels::IsAllZero(ctx, CView3(P, pb).Matrix(j), &z));
+        DIOND_RETURN_IF_ERROR(kernels::IsAllZero(ctx, CView3(P, pb, dev).Matrix(j), &z));
         zero[j] = z;
       }
     } else {
       for (int64_t j = 0; j < N; ++j) {
         bool z = false;
-        DIOND_RETURN_IF_ERROR(kernels::IsAllZero(ctx, CView3(M, mb).Matrix(j), &z));
+        DIOND_RETURN_IF_ERROR(kernels::IsAllZero(ctx, CView3(M, mb, dev).Matrix(j), &z));
         zero[j] = z;
       }
     }
@@ -224,22 +244,22 @@ class DionRule final : public UpdateRule {
     // 5. R = Bᵀ·P (b×r).
     GemmParams gr;
     gr.trans_a = d.transposed ? Trans::kNo : Trans::kYes;
-    DIOND_RETURN_IF_ERROR(kernels::Gemm(ctx, gr, CView3(M, mb), CView3(P, pb), View3(R, qb)));
+    DIOND_RETURN_IF_ERROR(kernels::Gemm(ctx, gr, CView3(M, mb, dev), CView3(P, pb, dev), View3(R, qb, dev)));
     // Compressed sync: R ← mean over replicas of B_iᵀ·P.
     if (args.replica_average != nullptr) {
-      DIOND_RETURN_IF_ERROR((*args.replica_average)(absl::MakeSpan(R, static_cast<size_t>(qsize))));
+      DIOND_RETURN_IF_ERROR(ReplicaAverage(ctx, *args.replica_average, R, qsize));
     }
 
     // 6. All-zero momentum: P ← 0, R ← Q (P13); otherwise NaN → 0, ±inf → ±FLT_MAX.
-    DIOND_RETURN_IF_ERROR(kernels::Unary(ctx, kernels::UnaryOp::kNanToNum, CView3(P, pb),
-                                         View3(P, pb)));
-    DIOND_RETURN_IF_ERROR(kernels::Unary(ctx, kernels::UnaryOp::kNanToNum, CView3(R, qb),
-                                         View3(R, qb)));
+    DIOND_RETURN_IF_ERROR(kernels::Unary(ctx, kernels::UnaryOp::kNanToNum, CView3(P, pb, dev),
+                                         View3(P, pb, dev)));
+    DIOND_RETURN_IF_ERROR(kernels::Unary(ctx, kernels::UnaryOp::kNanToNum, CView3(R, qb, dev),
+                                         View3(R, qb, dev)));
     for (int64_t j = 0; j < N; ++j) {
       if (!zero[j]) continue;
-      DIOND_RETURN_IF_ERROR(kernels::Fill(ctx, 0.0f, View3(P, pb).Matrix(j)));
+      DIOND_RETURN_IF_ERROR(kernels::Fill(ctx, 0.0f, View3(P, pb, dev).Matrix(j)));
       DIOND_RETURN_IF_ERROR(
-          kernels::Copy(ctx, CView3(Q, qb).Matrix(j), View3(R, qb).Matrix(j)));
+          kernels::Copy(ctx, CView3(Q, qb, dev).Matrix(j), View3(R, qb, dev).Matrix(j)));
     }
 
     // 7. Error feedback M ← M − (1−μ)·P·Rᵀ (transposed: R·Pᵀ), in the storage orientation.
@@ -248,32 +268,35 @@ class DionRule final : public UpdateRule {
     ge.beta = 1.0f;
     ge.trans_b = Trans::kYes;
     if (d.transposed) {
-      DIOND_RETURN_IF_ERROR(kernels::Gemm(ctx, ge, CView3(R, qb), CView3(P, pb), View3(M, mb)));
+      DIOND_RETURN_IF_ERROR(kernels::Gemm(ctx, ge, CView3(R, qb, dev), CView3(P, pb, dev), View3(M, mb, dev)));
     } else {
-      DIOND_RETURN_IF_ERROR(kernels::Gemm(ctx, ge, CView3(P, pb), CView3(R, qb), View3(M, mb)));
+      DIOND_RETURN_IF_ERROR(kernels::Gemm(ctx, ge, CView3(P, pb, dev), CView3(R, qb, dev), View3(M, mb, dev)));
     }
 
     // 8. Q_new = R / (‖R_col‖₂ + ε), ε outside the square root (§3.10): the norms, + ε, then
     // one broadcast division.
-    kernels::TensorView nv = kernels::MakeView(norms, {N, 1, d.r});
-    DIOND_RETURN_IF_ERROR(kernels::AxisNorms(ctx, CView3(R, qb), kernels::Axis::kCols,
-                                             kernels::NormType::kL2, Vec(norms, N * d.r)));
+    kernels::TensorView nv(norms, kernels::ContiguousLayout(kernels::DType::kF32, {N, 1, d.r}),
+                           dev);
+    DIOND_RETURN_IF_ERROR(kernels::AxisNorms(ctx, CView3(R, qb, dev), kernels::Axis::kCols,
+                                             kernels::NormType::kL2, Vec(norms, N * d.r, dev)));
     DIOND_RETURN_IF_ERROR(kernels::AddScalar(ctx, 1.0f, nv, eps, nv));
     DIOND_RETURN_IF_ERROR(
-        kernels::Binary(ctx, kernels::BinaryOp::kDiv, CView3(R, qb), nv, View3(R, qb)));
+        kernels::Binary(ctx, kernels::BinaryOp::kDiv, CView3(R, qb, dev), nv, View3(R, qb, dev)));
 
     // 9-10. X ← (1 − η·λ)·X − s·(P·Q_newᵀ) (transposed: Q_new·Pᵀ), s = f32(√(m/n))·η.
     DIOND_RETURN_IF_ERROR(ApplyFactors(ctx, d, N, P, R, args.scalars, args.x));
-    // The compact update for other workers: P then Q_new, per matrix (host payloads).
+    // The compact update for other workers: P then Q_new, per matrix (host payloads, read back
+    // from the device: two sync points per matrix).
     for (size_t j = 0; j < args.capture.size(); ++j) {
       std::vector<float>& out = *args.capture[j];
       const int64_t ps = d.a * d.r, qs = d.b * d.r;
       out.resize(static_cast<size_t>(ps + qs));
-      std::copy_n(P + static_cast<int64_t>(j) * ps, ps, out.data());
-      std::copy_n(R + static_cast<int64_t>(j) * qs, qs, out.data() + ps);
+      DIOND_RETURN_IF_ERROR(Download(ctx, P + static_cast<int64_t>(j) * ps, out.data(), ps));
+      DIOND_RETURN_IF_ERROR(
+          Download(ctx, R + static_cast<int64_t>(j) * qs, out.data() + ps, qs));
     }
     // 11. Q ← Q_new.
-    return kernels::Copy(ctx, CView3(R, qb), View3(Q, qb));
+    return kernels::Copy(ctx, CView3(R, qb, dev), View3(Q, qb, dev));
   }
 
  private:
@@ -295,10 +318,10 @@ class DionRule final : public UpdateRule {
     auto it = sketches_.find(key);
     if (it == sketches_.end()) {
       DIOND_ASSIGN_OR_RETURN(kernels::Buffer buf, ctx.Allocate(kernels::DType::kF32, {k, d.a}));
-      // Host-addressable memory on the CPU backend; a device backend draws on the host and
-      // copies (docs/KERNELS.md §8).
-      float* v = buf.As<float>();
-      FillStandardNormal(cfg.seed, SketchStream(d), v, k * d.a);
+      // Drawn on the host and uploaded (one copy, at the first step of the shape only).
+      std::vector<float> v(static_cast<size_t>(k * d.a));
+      FillStandardNormal(cfg.seed, SketchStream(d), v.data(), k * d.a);
+      DIOND_RETURN_IF_ERROR(Upload(ctx, v.data(), buf.As<float>(), k * d.a));
       const float scale = F32(std::sqrt(1.0 / static_cast<double>(k)));
       DIOND_RETURN_IF_ERROR(kernels::Scale(ctx, scale, buf.view(), buf.view()));
       it = sketches_.emplace(key, std::move(buf)).first;
@@ -326,7 +349,12 @@ absl::Status DionApplyCaptured(const kernels::Context& ctx, const GroupConfig& c
                                const ParamShape& shape, const StepScalars& scalars,
                                const float* payload, float* x) {
   const DionDims d = Dims(config, shape);
-  return ApplyFactors(ctx, d, 1, payload, payload + d.a * d.r, scalars, x);
+  // The (host) payload is uploaded into the context's scratch: P, then Q_new.
+  kernels::ScratchArena::Scope scope(ctx.scratch());
+  const int64_t n = d.r * (d.a + d.b);
+  DIOND_ASSIGN_OR_RETURN(float* const factors, ScratchFloats(ctx, n));
+  DIOND_RETURN_IF_ERROR(Upload(ctx, payload, factors, n));
+  return ApplyFactors(ctx, d, 1, factors, factors + d.a * d.r, scalars, x);
 }
 
 }  // namespace diond::optim::internal

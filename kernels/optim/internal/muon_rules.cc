@@ -18,6 +18,7 @@ class MuonRule final : public UpdateRule {
   absl::Status Apply(const kernels::Context& ctx, const BucketArgs& a) const override {
     const GroupConfig& cfg = *a.config;
     const Hyperparams& h = cfg.hyperparams;
+    const kernels::Device dev = ctx.device();  // every pointer of `a` is on it
     const bool normuon = cfg.algorithm == AlgorithmKind::kNorMuon;
     const bool bf16 = cfg.precision == Precision::kBf16Reference;
     const ParamShape eff = EffectiveShape(cfg, *a.shape);
@@ -36,8 +37,8 @@ class MuonRule final : public UpdateRule {
     // The persistent momentum is read once, the staged one written (out of place).
     for (int64_t p = 0; p < a.count; ++p) {
       DIOND_RETURN_IF_ERROR(kernels::MomentumUpdate(
-          ctx, mu, h.nesterov, CVec(a.g[p], numel), CVec(a.state_in[0][p], numel),
-          Vec(m + p * numel, numel), Vec(u + p * numel, numel)));
+          ctx, mu, h.nesterov, CVec(a.g[p], numel, dev), CVec(a.state_in[0][p], numel, dev),
+          Vec(m + p * numel, numel, dev), Vec(u + p * numel, numel, dev)));
     }
     // 3-4. O = ORTH(bf(U)) (the bf16 rounding is inside the orthogonalizer's bf16 mode).
     if (!cfg.split_sizes.empty()) {
@@ -57,7 +58,7 @@ class MuonRule final : public UpdateRule {
       const int64_t vsize = numel / a.shape->back();
       for (int64_t p = 0; p < a.count; ++p) {
         DIOND_RETURN_IF_ERROR(
-            kernels::Copy(ctx, CVec(a.state_in[1][p], vsize), Vec(v + p * vsize, vsize)));
+            kernels::Copy(ctx, CVec(a.state_in[1][p], vsize, dev), Vec(v + p * vsize, vsize, dev)));
       }
       if (!cfg.split_sizes.empty()) {
         const int64_t mm = (*a.shape)[0], n = (*a.shape)[1];
@@ -65,13 +66,13 @@ class MuonRule final : public UpdateRule {
           int64_t start = 0;
           for (int64_t sz : cfg.split_sizes) {
             DIOND_RETURN_IF_ERROR(kernels::NormalizeNeurons(
-                ctx, w, View2(u + p * mm * n + start * n, sz, n), Vec(v + p * mm + start, sz)));
+                ctx, w, View2(u + p * mm * n + start * n, sz, n, dev), Vec(v + p * mm + start, sz, dev)));
             start += sz;
           }
         }
       } else {
-        DIOND_RETURN_IF_ERROR(kernels::NormalizeNeurons(ctx, w, View3(u, units),
-                                                        Vec(v, units.batch * units.rows)));
+        DIOND_RETURN_IF_ERROR(kernels::NormalizeNeurons(ctx, w, View3(u, units, dev),
+                                                        Vec(v, units.batch * units.rows, dev)));
       }
     }
     // 5-7. Weight decay with the base lr, then X ← X − α·O: one pass (ApplyUpdate).
@@ -85,9 +86,9 @@ class MuonRule final : public UpdateRule {
     ap.round_bf16 = bf16 && !normuon;
     // From the caller's parameters into the staged ones (out of place).
     for (int64_t p = 0; p < a.count; ++p) {
-      DIOND_RETURN_IF_ERROR(kernels::ApplyUpdate(ctx, ap, CVec(u + p * numel, numel),
-                                                 CVec(a.x_in[p], numel),
-                                                 Vec(a.x + p * numel, numel)));
+      DIOND_RETURN_IF_ERROR(kernels::ApplyUpdate(ctx, ap, CVec(u + p * numel, numel, dev),
+                                                 CVec(a.x_in[p], numel, dev),
+                                                 Vec(a.x + p * numel, numel, dev)));
     }
     return absl::OkStatus();
   }

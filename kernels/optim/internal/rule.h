@@ -63,6 +63,9 @@ struct BucketArgs {
   // In-place rules only (UpdateRule::InPlace): per parameter of the bucket, one f32 element (on
   // the context's device) where the rule writes Σ(x_after − x_before)², or null.
   float* update_sq = nullptr;
+  // Per parameter of the bucket: HOST memory holding its AdamW step_dev (the host mirror of the
+  // device state; the rule reads it and writes the advanced value). Set by GroupOptimizer.
+  std::vector<float*> step_count;
 };
 
 class UpdateRule {
@@ -71,11 +74,16 @@ class UpdateRule {
   // State tensors of one parameter of `shape`, in the reference's order.
   virtual std::vector<StateSpec> Specs(const GroupConfig& config,
                                        const ParamShape& shape) const = 0;
-  // Initial value of state `spec_index` for the `count` parameters of a bucket (zeros unless
-  // overridden; Dion draws Q). `data` has count·NumElements() floats.
-  virtual void InitState(const GroupConfig& config, const ParamShape& shape, size_t spec_index,
-                         int64_t count, uint64_t stream, float* data) const;
+  // Initial value of state `spec_index` for the `count` parameters of a bucket: false for zeros
+  // (the default; GroupOptimizer fills them on the device), or true after writing the values
+  // into `host_data` (HOST memory of count·NumElements() floats, which GroupOptimizer then
+  // uploads to the state's device; Dion draws Q).
+  virtual bool InitState(const GroupConfig& config, const ParamShape& shape, size_t spec_index,
+                         int64_t count, uint64_t stream, float* host_data) const;
   // Applies one step to the bucket in place. Must only write through args.x / args.state.
+  // Every pointer of `args` (x, x_in, g, state, state_in, update_sq) is memory of ctx.device():
+  // the rule reaches it only through ops on views made with ctx.device() and explicit copies
+  // (Upload / Download of util.h), never by dereferencing it on the host.
   virtual absl::Status Apply(const kernels::Context& ctx, const BucketArgs& args) const = 0;
   // True for a rule whose Apply runs only ops that cannot fail once GroupOptimizer::Step has
   // validated its arguments (no scratch memory, no factorization): GroupOptimizer then runs it

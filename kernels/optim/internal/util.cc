@@ -67,16 +67,24 @@ std::pair<int64_t, int64_t> LrFans(const GroupConfig& config, const ParamShape& 
   return {eff[eff.size() - 2], eff[eff.size() - 1]};
 }
 
-kernels::TensorView View3(float* p, const MatrixBatch& b) {
-  return kernels::TensorView(p, kernels::ContiguousLayout(kernels::DType::kF32,
-                                                          {b.batch, b.rows, b.cols}));
+kernels::TensorView View3(float* p, const MatrixBatch& b, kernels::Device dev) {
+  return kernels::TensorView(
+      p, kernels::ContiguousLayout(kernels::DType::kF32, {b.batch, b.rows, b.cols}), dev);
 }
-kernels::ConstTensorView CView3(const float* p, const MatrixBatch& b) {
-  return kernels::ConstTensorView(p, kernels::ContiguousLayout(kernels::DType::kF32,
-                                                               {b.batch, b.rows, b.cols}));
+kernels::ConstTensorView CView3(const float* p, const MatrixBatch& b, kernels::Device dev) {
+  return kernels::ConstTensorView(
+      p, kernels::ContiguousLayout(kernels::DType::kF32, {b.batch, b.rows, b.cols}), dev);
 }
-kernels::TensorView View2(float* p, int64_t rows, int64_t cols) {
-  return kernels::TensorView(p, kernels::ContiguousLayout(kernels::DType::kF32, {rows, cols}));
+kernels::TensorView View2(float* p, int64_t rows, int64_t cols, kernels::Device dev) {
+  return kernels::TensorView(p, kernels::ContiguousLayout(kernels::DType::kF32, {rows, cols}),
+                             dev);
+}
+
+absl::Status Upload(const kernels::Context& ctx, const float* host, float* dev, int64_t n) {
+  return kernels::CopyFromHost(ctx, kernels::MakeView(host, {n}), Vec(dev, n, ctx.device()));
+}
+absl::Status Download(const kernels::Context& ctx, const float* dev, float* host, int64_t n) {
+  return kernels::CopyToHost(ctx, CVec(dev, n, ctx.device()), kernels::MakeView(host, {n}));
 }
 
 absl::Status OrthogonalizeBatch(const kernels::Context& ctx, const GroupConfig& config,
@@ -89,7 +97,7 @@ absl::Status OrthogonalizeBatch(const kernels::Context& ctx, const GroupConfig& 
                     ? kernels::OrthoPrecision::kBf16Reference
                     : kernels::OrthoPrecision::kFp32;
   o.epsilon = F32(config.hyperparams.epsilon);
-  return kernels::Orthogonalize(ctx, o, CView3(in, b), View3(out, b));
+  return kernels::Orthogonalize(ctx, o, CView3(in, b, ctx.device()), View3(out, b, ctx.device()));
 }
 
 std::vector<double> SplitScales(const GroupConfig& config, int64_t m, int64_t n) {
@@ -116,6 +124,7 @@ absl::Status OrthogonalizeSplit(const kernels::Context& ctx, const GroupConfig& 
   for (size_t i = 1; i < sizes.size(); ++i) starts[i] = starts[i - 1] + sizes[i - 1];
   const std::vector<double> scales = SplitScales(config, m, n);
   const bool bf16 = config.precision == Precision::kBf16Reference;
+  const kernels::Device dev = ctx.device();
   // Blocks of equal height (of every matrix) form one batched call (§3.8).
   std::map<int64_t, std::vector<size_t>> by_height;
   for (size_t i = 0; i < sizes.size(); ++i) by_height[sizes[i]].push_back(i);
@@ -134,8 +143,8 @@ absl::Status OrthogonalizeSplit(const kernels::Context& ctx, const GroupConfig& 
     for (int64_t p = 0; p < count; ++p) {
       for (size_t blk : blocks) {
         DIOND_RETURN_IF_ERROR(kernels::Copy(ctx, View2(const_cast<float*>(in) + p * m * n +
-                                                           starts[blk] * n, h, n),
-                                            View2(buf + j * h * n, h, n)));
+                                                           starts[blk] * n, h, n, dev),
+                                            View2(buf + j * h * n, h, n, dev)));
         ++j;
       }
     }
@@ -143,8 +152,8 @@ absl::Status OrthogonalizeSplit(const kernels::Context& ctx, const GroupConfig& 
     j = 0;
     for (int64_t p = 0; p < count; ++p) {
       for (size_t blk : blocks) {
-        kernels::TensorView dst = View2(out + p * m * n + starts[blk] * n, h, n);
-        kernels::TensorView src = View2(buf + j * h * n, h, n);
+        kernels::TensorView dst = View2(out + p * m * n + starts[blk] * n, h, n, dev);
+        kernels::TensorView src = View2(buf + j * h * n, h, n, dev);
         if (scales.empty()) {
           DIOND_RETURN_IF_ERROR(kernels::Copy(ctx, src, dst));
         } else if (!bf16) {
@@ -152,7 +161,8 @@ absl::Status OrthogonalizeSplit(const kernels::Context& ctx, const GroupConfig& 
         } else {
           // A bf16 tensor times a Python float: product in f32 with the scalar in f32, rounded
           // once to bf16 (conformance README §5 item 7).
-          kernels::TensorView r = kernels::MakeView(rounded, {h, n});
+          kernels::TensorView r(rounded, kernels::ContiguousLayout(kernels::DType::kBf16, {h, n}),
+                                dev);
           DIOND_RETURN_IF_ERROR(kernels::Scale(ctx, F32(scales[blk]), src, r));
           DIOND_RETURN_IF_ERROR(kernels::Copy(ctx, r, dst));
         }

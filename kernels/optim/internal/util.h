@@ -51,9 +51,12 @@ MatrixBatch OrthoMatrices(const GroupConfig& config, int64_t count, const ParamS
 // (fan_out, fan_in) for lr adjustment of an (effective) parameter shape (§3.9, P8).
 std::pair<int64_t, int64_t> LrFans(const GroupConfig& config, const ParamShape& eff);
 
-kernels::TensorView View3(float* p, const MatrixBatch& b);
-kernels::ConstTensorView CView3(const float* p, const MatrixBatch& b);
-kernels::TensorView View2(float* p, int64_t rows, int64_t cols);
+// Views of f32 memory on `dev`: the rules pass ctx.device(), so that the pointers of a device
+// context (the caller's parameters and gradients, the state, the staging, the scratch arena)
+// are handed to the ops as device views (the device contract, group_optimizer.h).
+kernels::TensorView View3(float* p, const MatrixBatch& b, kernels::Device dev);
+kernels::ConstTensorView CView3(const float* p, const MatrixBatch& b, kernels::Device dev);
+kernels::TensorView View2(float* p, int64_t rows, int64_t cols, kernels::Device dev);
 
 // out ← ORTH(in) for the matrices of `b`, with the group's orthogonalizer, epsilon and
 // precision (kBf16Reference: bf16 input rounding and bf16 iterations; the result holds bf16
@@ -76,11 +79,18 @@ absl::Status OrthogonalizeSplit(const kernels::Context& ctx, const GroupConfig& 
 // allocate nothing (step_allocation_test).
 absl::StatusOr<float*> ScratchFloats(const kernels::Context& ctx, int64_t n);
 
-// A contiguous f32 vector view of n elements.
-inline kernels::TensorView Vec(float* p, int64_t n) { return kernels::MakeView(p, {n}); }
-inline kernels::ConstTensorView CVec(const float* p, int64_t n) {
-  return kernels::MakeView(p, {n});
+// A contiguous f32 vector view of n elements on `dev`.
+inline kernels::TensorView Vec(float* p, int64_t n, kernels::Device dev) {
+  return kernels::TensorView(p, kernels::ContiguousLayout(kernels::DType::kF32, {n}), dev);
 }
+inline kernels::ConstTensorView CVec(const float* p, int64_t n, kernels::Device dev) {
+  return kernels::ConstTensorView(p, kernels::ContiguousLayout(kernels::DType::kF32, {n}), dev);
+}
+
+// Explicit copies of n floats between host memory and ctx's device (kernels/ops.h CopyFromHost /
+// CopyToHost): each is a sync point (docs/KERNELS.md §4.3). Plain copies on the CPU context.
+absl::Status Upload(const kernels::Context& ctx, const float* host, float* dev, int64_t n);
+absl::Status Download(const kernels::Context& ctx, const float* dev, float* host, int64_t n);
 
 }  // namespace diond::optim::internal
 
