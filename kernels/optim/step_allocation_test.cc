@@ -198,7 +198,9 @@ TEST_P(StepAllocationOnDevice, StepsAfterTheFirstAllocateNothingThroughTheContex
   const int64_t at_create = (*ctx)->allocation_count();
   ASSERT_THAT((*opt)->Step(**ctx, xp, gp), IsOk());
   const int64_t after_first = (*ctx)->allocation_count();
-  if (InPlace(c.kind)) EXPECT_EQ(after_first, at_create) << name << " steps in place";
+  if (InPlace(c.kind)) {
+    EXPECT_EQ(after_first, at_create) << name << " steps in place";
+  }
   for (int step = 2; step <= 4; ++step) {
     std::vector<const float*> grads = gp;
     if (step == 3) grads[1] = nullptr;
