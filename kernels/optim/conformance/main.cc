@@ -1,7 +1,8 @@
 // diond-conformance: replays microsoft/dion conformance vectors through GroupOptimizer.
 //
 //   diond-conformance [--mode fp32|bf16_reference|both] [--threads N] [--device cpu|cuda:N]
-//                     [--cuda_plugin PATH] FILE_OR_FOLDER...
+//                     [--bf16_matmul auto|float32_gemm|onednn] [--cuda_plugin PATH]
+//                     FILE_OR_FOLDER...
 //
 // Prints one line per case (measured error / tolerance for every check) and finally the line
 // "N passed, M failed". Exit status 0 iff every case passed. See runner.h for what "pass" means.
@@ -19,6 +20,10 @@
 
 ABSL_FLAG(std::string, mode, "both", "precision mode: fp32, bf16_reference or both");
 ABSL_FLAG(int, threads, 0, "CPU threads (0: all cores)");
+ABSL_FLAG(std::string, bf16_matmul, "auto",
+          "bf16_reference's matmul engine (GroupConfig::bf16_matmul): auto (oneDNN where PyTorch "
+          "uses it, i.e. AVX-512 CPUs; else float32_gemm), float32_gemm (also enforces bit-exact "
+          "Muon/Dion2 trajectories) or onednn");
 ABSL_FLAG(std::string, device, "cpu",
           "where the rules run: cpu, or cuda:N through the CUDA plugin's ops backend (exit 2 "
           "with the reason when there is no plugin or GPU; docs/GPU.md)");
@@ -28,7 +33,7 @@ ABSL_FLAG(std::string, cuda_plugin, "",
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "diond-conformance [--mode fp32|bf16_reference|both] [--device cpu|cuda:N] "
-      "FILE_OR_FOLDER...");
+      "[--bf16_matmul auto|float32_gemm|onednn] FILE_OR_FOLDER...");
   std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
   std::vector<std::string> paths(positional.begin() + 1, positional.end());
   if (paths.empty()) {
@@ -40,6 +45,11 @@ int main(int argc, char** argv) {
     std::cerr << mode.status().message() << "\n";
     return 2;
   }
+  auto bf16_matmul = diond::optim::ParseBf16MatmulEngine(absl::GetFlag(FLAGS_bf16_matmul));
+  if (!bf16_matmul.ok()) {
+    std::cerr << "diond-conformance: --" << bf16_matmul.status().message() << "\n";
+    return 2;
+  }
   auto device = diond::kernels::ParseDeviceRequest(absl::GetFlag(FLAGS_device));
   if (!device.ok() || device->mode == diond::kernels::DeviceRequest::Mode::kAuto) {
     std::cerr << "diond-conformance: --device must be cpu or cuda:N\n";
@@ -47,7 +57,7 @@ int main(int argc, char** argv) {
   }
   if (device->mode == diond::kernels::DeviceRequest::Mode::kCpu) {
     auto ctx = diond::kernels::Context::CpuDefault(absl::GetFlag(FLAGS_threads));
-    return diond::optim::conformance::RunAll(*ctx, paths, *mode, std::cout) == 0 ? 0 : 1;
+    return diond::optim::conformance::RunAll(*ctx, paths, *mode, std::cout, *bf16_matmul) == 0 ? 0 : 1;
   }
   const absl::Status registered =
       diond::kernels::RegisterCudaOps(absl::GetFlag(FLAGS_cuda_plugin));
@@ -70,7 +80,7 @@ int main(int argc, char** argv) {
     std::cerr << "diond-conformance: " << ctx.status().message() << "\n";
     return 2;
   }
-  const int failed = diond::optim::conformance::RunAll(**ctx, paths, *mode, std::cout);
+  const int failed = diond::optim::conformance::RunAll(**ctx, paths, *mode, std::cout, *bf16_matmul);
   ctx->reset();
   diond::kernels::DestroyDeviceStream(dev, *stream);
   return failed == 0 ? 0 : 1;

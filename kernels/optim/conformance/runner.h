@@ -50,6 +50,8 @@ struct Check {
 
 struct ModeResult {
   Precision precision = Precision::kFp32;
+  // bf16_reference: the engine its matmuls ran on (resolved, never kAuto).
+  Bf16MatmulEngine bf16_matmul = Bf16MatmulEngine::kFloat32Gemm;
   std::vector<Check> checks;
   bool passed = false;
 };
@@ -66,7 +68,11 @@ struct CaseResult {
 absl::StatusOr<std::vector<std::string>> CollectVectorFiles(const std::vector<std::string>& args);
 
 // Runs one case file. Errors in the file itself are reported in CaseResult::error.
-CaseResult RunCase(const kernels::Context& ctx, const std::string& path, Mode mode);
+// bf16_matmul: GroupConfig::bf16_matmul of the bf16_reference runs. With kFloat32Gemm (as
+// resolved), Muon and Dion2 cases also enforce bf16_reference_bitwise: the update equals the
+// stored trajectory's bit for bit (relF = 0).
+CaseResult RunCase(const kernels::Context& ctx, const std::string& path, Mode mode,
+                   Bf16MatmulEngine bf16_matmul = Bf16MatmulEngine::kAuto);
 
 // One line describing the result ("PASS <file> ..." / "FAIL <file> ...").
 std::string FormatResult(const CaseResult& r);
@@ -74,7 +80,7 @@ std::string FormatResult(const CaseResult& r);
 // Runs all `paths`, prints one line per case and the final "N passed, M failed" line to `out`.
 // Returns the number of failed cases (collection errors count as one failure).
 int RunAll(const kernels::Context& ctx, const std::vector<std::string>& paths, Mode mode,
-           std::ostream& out);
+           std::ostream& out, Bf16MatmulEngine bf16_matmul = Bf16MatmulEngine::kAuto);
 
 }  // namespace diond::optim::conformance
 
