@@ -238,7 +238,8 @@ def stream_triad(torch, mib, reps=10):
 
 def ortho_bench(binary, threads):
     """diond_bench's GEMM ceilings and Polar Express rows at `threads` threads."""
-    flt = ("BM_Gemm(F32|Bf16)/.*/threads:%d/|BM_Orthogonalize/PE_(fp32|bf16|bf16onednn)/"
+    flt = ("BM_Gemm(F32|Bf16)/.*/threads:%d/|"
+           "BM_Orthogonalize/PE_(fp32|fp32openblas|bf16|bf16onednn)/"
            ".*/threads:%d/" % (threads, threads))
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         subprocess.run([binary, "--benchmark_filter=" + flt, "--benchmark_out=" + f.name,
