@@ -22,7 +22,18 @@ gradients, fresh per step from a fixed seed pool, copied in outside the timed re
 `--warmup` rounds are not counted. The reference has one arithmetic (its Polar Express runs in
 bf16 whatever the parameters' dtype, Dion in fp32); diond runs `precision="fp32"` (everything in
 float32) and, where the reference's bf16 arithmetic exists, `precision="bf16_reference"` (its
-emulation, docs/CONFORMANCE.md). Both diond modes are divided by the same reference time.
+emulation, docs/CONFORMANCE.md) on each bf16 matmul engine (`bf16_matmul`): the session default
+`auto` (the table names what it resolved to on this CPU: oneDNN's bf16 matmul where PyTorch
+uses it, AVX-512 CPUs; else the float32 GEMM) and the other engine. `--modes` picks the diond
+columns: fp32, bf16_reference (= auto), bf16_reference:float32_gemm, bf16_reference:onednn.
+Every diond mode is divided by the same reference time.
+
+Numerical sanity, per row and diond mode: after the rounds every side has taken the same steps
+on the same gradients from the same initial parameters, so the table also reports
+relF(p_diond, p_ref) = ‖p_diond − p_ref‖_F / ‖p_ref‖_F and the same for the updates
+(p_t − p_0), over all the row's parameters: like is compared with like when these are small
+(bf16_reference against a reference whose bf16 rounding differs, e.g. under the 1.x
+compatibility layer, shows up here).
 
 Interpreter: the reference is written for PyTorch >= 2.7. Under torch 1.x (Debian's 1.13) the
 script installs the project's compatibility layer first (tests/conformance/tools/
@@ -61,16 +72,50 @@ ROOT = os.path.dirname(HERE)
 
 # (row key, label, reference module, reference class, diond algorithm, reference kwargs,
 #  diond modes). The kwargs are the same for both sides (diond takes the reference's names).
+BF16 = ("bf16_reference", "bf16_reference:other")
 MATRIX_ROWS = [
-    ("muon", "Muon", "muon", "Muon", "muon", {}, ("fp32", "bf16_reference")),
-    ("normuon", "NorMuon", "normuon", "NorMuon", "normuon", {}, ("fp32", "bf16_reference")),
+    ("muon", "Muon", "muon", "Muon", "muon", {}, ("fp32",) + BF16),
+    ("normuon", "NorMuon", "normuon", "NorMuon", "normuon", {}, ("fp32",) + BF16),
     ("dion_r1", "Dion, rank 1", "dion", "Dion", "dion", {"rank_fraction": 1.0}, ("fp32",)),
     ("dion_r4", "Dion, rank ¼", "dion", "Dion", "dion", {"rank_fraction": 0.25}, ("fp32",)),
-    ("dion2", "Dion2 (¼)", "dion2", "Dion2", "dion2", {"fraction": 0.25},
-     ("fp32", "bf16_reference")),
+    ("dion2", "Dion2 (¼)", "dion2", "Dion2", "dion2", {"fraction": 0.25}, ("fp32",) + BF16),
     ("dion3", "Dion3 / NorDion2 (¼)", "nordion2", "NorDion2", "dion3", {"fraction": 0.25},
-     ("fp32", "bf16_reference")),
+     ("fp32",) + BF16),
 ]
+ENGINES = ("float32_gemm", "onednn")
+
+
+def auto_bf16_matmul():
+    """What bf16_matmul="auto" resolves to in the daemon on this CPU (kernels/optim
+    ResolveBf16Matmul: oneDNN iff AVX512F/BW/VL/DQ, PyTorch's check)."""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                need = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+                return "onednn" if need <= flags else "float32_gemm"
+    except OSError:
+        pass
+    return "float32_gemm"
+
+
+def mode_options(mode, auto_engine):
+    """diond.torch.Optimizer options of a column: "fp32", "bf16_reference" (auto),
+    "bf16_reference:<engine>", "bf16_reference:other" (the engine auto did not pick)."""
+    if mode == "fp32":
+        return {"precision": "fp32"}
+    engine = mode.split(":", 1)[1] if ":" in mode else "auto"
+    if engine == "other":
+        engine = ENGINES[1 - ENGINES.index(auto_engine)]
+    return {"precision": "bf16_reference", "bf16_matmul": engine}
+
+
+def column_name(mode, auto_engine):
+    o = mode_options(mode, auto_engine)
+    if o["precision"] == "fp32":
+        return "fp32"
+    e = o["bf16_matmul"]
+    return "bf16_reference (auto: %s)" % auto_engine if e == "auto" else "bf16_reference (%s)" % e
 ROW_KEYS = [r[0] for r in MATRIX_ROWS] + ["adamw"]
 HIDDEN = 768
 VOCAB, CONTEXT = 50257, 1024
@@ -125,14 +170,22 @@ def summarize(times):
     return {"median_s": statistics.median(times), "min_s": min(times), "times_s": times}
 
 
+def rel_fro(torch, xs, ys):
+    """‖x − y‖_F / ‖y‖_F over all tensors of the lists, in float64."""
+    num = sum(float(torch.sum((x.double() - y.double()) ** 2)) for x, y in zip(xs, ys))
+    den = sum(float(torch.sum(y.double() ** 2)) for y in ys)
+    return math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
+
+
 def run_row(torch, args, daemon, work, make_reference, diond_options, modes):
-    """Alternates one reference step and one step per diond mode; returns timings per side."""
+    """Alternates one reference step and one step per diond mode; returns timings per side and,
+    per diond side, how far its parameters and updates are from the reference's."""
     import diond.torch as dt
     sides = [("reference", make_reference(work.params()))]
     for mode in modes:
         ps = work.params()
-        opt = dt.Optimizer([dict(params=ps)], target=daemon.target, precision=mode,
-                           **diond_options)
+        opt = dt.Optimizer([dict(params=ps)], target=daemon.target,
+                           **mode_options(mode, args.auto_engine), **diond_options)
         sides.append((mode, (opt, ps)))
     times = {name: [] for name, _ in sides}
     for r in range(args.warmup + args.rounds):
@@ -147,12 +200,21 @@ def run_row(torch, args, daemon, work, make_reference, diond_options, modes):
                 times[name].append(dt_s)
         log("  round %d%s: %s" % (r, " (warm-up)" if r < args.warmup else "",
                                   ", ".join("%s %.3f s" % nt for nt in this_round)))
+    out = {name: summarize(t) for name, t in times.items()}
+    with torch.no_grad():
+        ref_ps = [p.detach() for p in sides[0][1][1]]
+        ref_delta = [p - p0 for p, p0 in zip(ref_ps, work.init)]
+        for name, (opt, ps) in sides[1:]:
+            mine = [p.detach().float() for p in ps]
+            out[name]["param_relfro_vs_reference"] = rel_fro(torch, mine, ref_ps)
+            out[name]["delta_relfro_vs_reference"] = rel_fro(
+                torch, [p - p0 for p, p0 in zip(mine, work.init)], ref_delta)
     for name, (opt, _) in sides:
         if name != "reference":
             opt.close()
     del sides
     gc.collect()
-    return {name: summarize(t) for name, t in times.items()}
+    return out
 
 
 def stream_triad(torch, mib, reps=10):
@@ -176,7 +238,8 @@ def stream_triad(torch, mib, reps=10):
 
 def ortho_bench(binary, threads):
     """diond_bench's GEMM ceilings and Polar Express rows at `threads` threads."""
-    flt = ("BM_Gemm(F32|Bf16)/.*/threads:%d/|BM_Orthogonalize/PE_(fp32|bf16|bf16onednn)/"
+    flt = ("BM_Gemm(F32|Bf16)/.*/threads:%d/|"
+           "BM_Orthogonalize/PE_(fp32|fp32openblas|bf16|bf16onednn)/"
            ".*/threads:%d/" % (threads, threads))
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         subprocess.run([binary, "--benchmark_filter=" + flt, "--benchmark_out=" + f.name,
@@ -222,6 +285,10 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", default=",".join(ROW_KEYS),
                     help="comma-separated subset of " + ",".join(ROW_KEYS))
+    ap.add_argument("--modes", default="fp32,bf16_reference,bf16_reference:other",
+                    help="diond columns: fp32, bf16_reference (bf16_matmul auto), "
+                         "bf16_reference:float32_gemm, bf16_reference:onednn, "
+                         "bf16_reference:other (the engine auto does not pick here)")
     ap.add_argument("--compile", action="store_true",
                     help="let the reference's torch.compile run (torch 2.x; default: eager)")
     ap.add_argument("--triad-mib", type=int, default=256)
@@ -230,6 +297,19 @@ def main():
     args = ap.parse_args()
     if args.rounds < 1 or args.warmup < 0 or args.layers < 1:
         ap.error("--rounds >= 1, --warmup >= 0, --layers >= 1")
+    args.auto_engine = auto_bf16_matmul()
+    all_modes = ("fp32", "bf16_reference", "bf16_reference:float32_gemm",
+                 "bf16_reference:onednn", "bf16_reference:other")
+    modes = [m for m in args.modes.split(",") if m]
+    for m in modes:
+        if m not in all_modes:
+            ap.error("unknown mode %r (have %s)" % (m, ", ".join(all_modes)))
+    # Columns, deduplicated after resolving "other" (e.g. :onednn and :other on a non-AVX-512 CPU).
+    args.modes_list = []
+    for m in modes:
+        if column_name(m, args.auto_engine) not in [column_name(x, args.auto_engine)
+                                                    for x in args.modes_list]:
+            args.modes_list.append(m)
     rows = [r for r in args.rows.split(",") if r]
     for r in rows:
         if r not in ROW_KEYS:
@@ -252,6 +332,8 @@ def main():
                                  "torch 1.x with tests/conformance/tools/torch2_compat.py"),
               "layers": args.layers, "rounds": args.rounds, "warmup": args.warmup,
               "threads": args.threads, "machine": platform.processor() or platform.machine(),
+              "bf16_matmul_auto": args.auto_engine,
+              "modes": {m: column_name(m, args.auto_engine) for m in args.modes_list},
               "cpus": os.cpu_count(), "load_before": open("/proc/loadavg").read().split()[:3],
               "rows": {}}
     log("torch %s (%s), %d layers, %d rounds" % (torch.__version__, result["reference_mode"],
@@ -268,7 +350,9 @@ def main():
             log("%s:" % label)
             t = run_row(torch, args, daemon, matrix_work,
                         lambda ps: (ref_cls(ps, **kwargs), ps),
-                        dict(algorithm=algo, **kwargs), modes)
+                        dict(algorithm=algo, **kwargs),
+                        [m for m in args.modes_list
+                         if m == "fp32" or (m.startswith("bf16") and "bf16_reference" in modes)])
             result["rows"][key] = {"label": label, "params": sum(numel(p.shape) for p in
                                                                  matrix_work.init), **t}
         matrix_work = None
@@ -316,10 +400,13 @@ def markdown(res):
                   res["python"], res["layers"], res["rounds"], res["warmup"], res["threads"],
                   res["load_before"][0], res["load_after"][0], res["wall_s"]))
     out.append("")
-    out.append("| algorithm | params | reference median / min (s) | diond fp32 median / min (s) "
-               "| fp32 ratio (median / min) | diond bf16_reference median / min (s) "
-               "| bf16_reference ratio (median / min) |")
-    out.append("| --- | --- | --- | --- | --- | --- | --- |")
+    modes = res.get("modes", {"fp32": "fp32", "bf16_reference": "bf16_reference"})
+    head = ["algorithm", "params", "reference median / min (s)"]
+    for m, name in modes.items():
+        head += ["diond %s median / min (s)" % name, "%s ratio (median / min)" % name]
+    out.append("| " + " | ".join(head) + " |")
+    out.append("|" + " --- |" * len(head))
+    sanity = []
     for key in ROW_KEYS:
         row = res["rows"].get(key)
         if not row:
@@ -327,7 +414,8 @@ def markdown(res):
         ref = row["reference"]
         cells = ["%s" % row["label"], "%.1fM" % (row["params"] / 1e6),
                  "%.3f / %.3f" % (ref["median_s"], ref["min_s"])]
-        for mode in ("fp32", "bf16_reference"):
+        checks = []
+        for mode, name in modes.items():
             d = row.get(mode)
             if d is None:
                 cells += ["—", "—"]
@@ -335,7 +423,21 @@ def markdown(res):
             cells.append("%.3f / %.3f" % (d["median_s"], d["min_s"]))
             cells.append("**%.2f** / %.2f" % (d["median_s"] / ref["median_s"],
                                               d["min_s"] / ref["min_s"]))
+            if "param_relfro_vs_reference" in d:
+                checks.append("%s: params %.2g, updates %.2g"
+                              % (name, d["param_relfro_vs_reference"],
+                                 d["delta_relfro_vs_reference"]))
         out.append("| " + " | ".join(cells) + " |")
+        if checks:
+            sanity.append("* %s: %s." % (row["label"], "; ".join(checks)))
+    if sanity:
+        out.append("")
+        out.append("Numerical sanity after the %d rounds (warm-up included), relF(diond, "
+                   "reference) of the parameters and of the updates p_t − p_0, over all the "
+                   "row's parameters (bf16_matmul auto resolved to %s on this CPU):"
+                   % (res["rounds"] + res["warmup"], res.get("bf16_matmul_auto", "?")))
+        out.append("")
+        out.extend(sanity)
     if "adamw" in res["rows"]:
         a, t = res["rows"]["adamw"], res["triad"]
         out.append("")

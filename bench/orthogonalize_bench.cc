@@ -22,10 +22,19 @@ using kernels::OrthoMethod;
 using kernels::OrthoPrecision;
 
 void BM_Orthogonalize(benchmark::State& state, OrthoMethod method, OrthoPrecision precision,
-                      kernels::Bf16Matmul bf16_matmul = kernels::Bf16Matmul::kReferenceF32Gemm) {
+                      kernels::Bf16Matmul bf16_matmul = kernels::Bf16Matmul::kReferenceF32Gemm,
+                      kernels::Fp32GemmEngine fp32_engine = kernels::Fp32GemmEngine::kAuto) {
   const int64_t rows = state.range(0), cols = state.range(1);
   const int threads = static_cast<int>(state.range(2));
-  auto ctx = Context::CpuDefault(threads);
+  kernels::ContextOptions copts;
+  copts.num_threads = threads;
+  copts.fp32_gemm = fp32_engine;  // the fp32 mode's GEMMs and symmetric products
+  auto ctx_or = Context::Create(copts);
+  if (!ctx_or.ok()) {
+    state.SkipWithError(std::string(ctx_or.status().message()).c_str());
+    return;
+  }
+  auto& ctx = *ctx_or;
   std::mt19937 rng(5);
   std::normal_distribution<float> d;
   std::vector<float> g(rows * cols), out32(rows * cols);
@@ -58,7 +67,10 @@ void BM_Orthogonalize(benchmark::State& state, OrthoMethod method, OrthoPrecisio
   state.counters["eff_GFLOP/s"] = gflops;
   state.counters["ceiling_GFLOP/s"] = ceiling;
   state.counters["of_ceiling"] = ceiling > 0 ? gflops / ceiling : 0.0;
-  state.SetLabel(onednn ? "bf16_reference (oneDNN bf16 matmul)" : bf16 ? "bf16_reference" : "fp32");
+  state.SetLabel(onednn ? "bf16_reference (oneDNN bf16 matmul)"
+                 : bf16 ? "bf16_reference"
+                 : fp32_engine == kernels::Fp32GemmEngine::kOpenBlas ? "fp32 (OpenBLAS)"
+                                                                     : "fp32");
 }
 
 void Shapes(benchmark::internal::Benchmark* b) {
@@ -69,6 +81,12 @@ void Shapes(benchmark::internal::Benchmark* b) {
 }
 
 BENCHMARK_CAPTURE(BM_Orthogonalize, PE_fp32, OrthoMethod::kPolarExpress, OrthoPrecision::kFp32)
+    ->Apply(Shapes);
+// The fp32 mode with every GEMM and symmetric product on OpenBLAS (ssyrk), as before kAuto
+// chose oneDNN (docs/BENCHMARKS.md "f32 engines").
+BENCHMARK_CAPTURE(BM_Orthogonalize, PE_fp32openblas, OrthoMethod::kPolarExpress,
+                  OrthoPrecision::kFp32, kernels::Bf16Matmul::kReferenceF32Gemm,
+                  kernels::Fp32GemmEngine::kOpenBlas)
     ->Apply(Shapes);
 BENCHMARK_CAPTURE(BM_Orthogonalize, PE_bf16, OrthoMethod::kPolarExpress,
                   OrthoPrecision::kBf16Reference)

@@ -19,8 +19,11 @@
 //     calling ops concurrently (with any contexts) oversubscribe the cores; the daemon's step
 //     pipeline serializes compute on one thread.
 //   * OpenBLAS's and libgomp's idle workers spin briefly after a region; the hot loops keep to
-//     one engine per phase (fp32 orthogonalization: OpenBLAS only; bf16: oneDNN + OpenMP only)
-//     so the other pool's spinning workers do not steal the cores.
+//     one engine per phase (orthogonalization in both precisions: oneDNN + OpenMP only, with
+//     Fp32GemmEngine::kAuto's choice of oneDNN for its f32 GEMMs and symmetric products, except
+//     matrices below ~128³ multiply-adds, which use OpenBLAS; bf16_reference's float32_gemm
+//     engine: OpenBLAS GEMMs + OpenMP rounding passes) so the other pool's spinning workers do
+//     not steal the cores for long.
 //
 // Thread-safety: a Context is not thread-safe (its scratch arena is mutable through a const
 // Context). Use one Context per driving thread.

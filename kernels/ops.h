@@ -44,7 +44,9 @@ struct GemmParams {
   float alpha = 1.0f;
   float beta = 0.0f;  // 0: C is not read (NaN/garbage in C is ignored)
   // f32 inputs only: which library (kAuto follows the context's Fp32GemmEngine; kAuto there
-  // picks OpenBLAS, measured as fast as oneDNN f32 on the target machine, docs/BENCHMARKS.md).
+  // picks by shape: oneDNN, 1.6-3.4x faster on the rules' shapes on the target machine, except
+  // small and matrix-vector products, which stay on OpenBLAS; kernels/cpu/gemm.cc,
+  // docs/BENCHMARKS.md "f32 engines").
   Fp32GemmEngine engine = Fp32GemmEngine::kAuto;
 };
 
@@ -64,8 +66,11 @@ enum class GramSide : uint8_t {
   kAtA,  // C = Aᵀ·A (cols×cols)
 };
 
-// Symmetric product C ← alpha·A·Aᵀ + beta·C (or Aᵀ·A): one triangle is computed with
-// cblas_ssyrk, then mirrored so the whole C is written (C is exactly symmetric).
+// Symmetric product C ← alpha·A·Aᵀ + beta·C (or Aᵀ·A): one triangle is computed, then mirrored
+// so the whole C is written (C is exactly symmetric). The triangle: with the context's
+// Fp32GemmEngine kOpenBlas, cblas_ssyrk; kOneDnn, the lower block triangle from oneDNN f32
+// GEMMs on row panels (about half the flops at the GEMM rate); kAuto, oneDNN's except for
+// small products (kernels/cpu/gemm.cc).
 // A f32, C f32 square of the right size; rank 2 or 3 (same batch). beta != 0 reads only C's
 // lower triangle (C is assumed symmetric).
 absl::Status SymmetricProduct(const Context& ctx, GramSide side, float alpha, ConstTensorView a,

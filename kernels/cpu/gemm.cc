@@ -1,5 +1,5 @@
-// Gemm and SymmetricProduct (kernels/ops.h) on the CPU: OpenBLAS for f32 (or oneDNN), oneDNN
-// for bf16 (Debian's OpenBLAS exports no cblas_sbgemm, TOOLCHAIN.md §12).
+// Gemm and SymmetricProduct (kernels/ops.h) on the CPU: f32 on oneDNN or OpenBLAS (kAuto picks
+// by shape, AutoGemmEngine), bf16 on oneDNN (Debian's OpenBLAS exports no cblas_sbgemm, TOOLCHAIN.md §12).
 #include <cblas.h>
 
 #include <algorithm>
@@ -42,6 +42,35 @@ absl::Status ScaleOnly(const Context& ctx, float beta, TensorView c) {
   return absl::OkStatus();
 }
 
+// kAuto's choices, measured with bench/gemm_engine_bench.cc (diond_bench
+// --benchmark_filter=BM_F32, each shape OpenBLAS then oneDNN back to back, 2 threads, on the
+// shared 2-core machine under load, so the absolute GFLOP/s are low; the time ratios
+// oneDNN ÷ OpenBLAS, docs/BENCHMARKS.md "f32 engines"):
+//   GEMM: 768³ 0.29; 768×3072×768 0.53; 3072×768×768 0.48; Gram 768×768×3072 (NT) 0.60,
+//   (TN) 0.47; Dion's tall-skinny 768/3072 × 192: 0.46-0.59; 4 × 768³ batched 0.61;
+//   2048³ 0.52; but 64³ 1.66 (oneDNN's per-call overhead) and 768×1×768 0.97.
+//   Symmetric products (OpenBLAS ssyrk vs LowerBlocksOneDnnF32): 768×768 (k 768) 0.75;
+//   768×768 (k 3072, X·Xᵀ) 0.72, (XᵀX) 0.47; 1024×1024 (k 1024) 0.81, (k 4096) 0.67;
+//   4 × 768² 0.68; 2048² 0.60.
+// So oneDNN, except for products below 128³ multiply-adds (a threshold between the two small
+// shapes measured, not tuned) and for matrix-vector shapes, which stay on OpenBLAS. The older
+// note that both run at the same speed (docs/BENCHMARKS.md, 2048³ ~210 GFLOP/s each) predates
+// OPENBLAS_CORETYPE=Haswell on this machine; the quiet run measured 424 vs 252 GFLOP/s.
+constexpr int64_t kOneDnnMinWork = int64_t{128} * 128 * 128;
+
+Fp32GemmEngine AutoGemmEngine(int64_t m, int64_t n, int64_t k) {
+  if (m == 1 || n == 1 || m * n * k < kOneDnnMinWork) return Fp32GemmEngine::kOpenBlas;
+  return Fp32GemmEngine::kOneDnn;
+}
+
+// The f32 symmetric-product engine for an n×n result of inner size k: the context's choice, or
+// under kAuto the measured faster one (above): kOneDnn is the lower block triangle of oneDNN
+// GEMMs, kOpenBlas is ssyrk.
+Fp32GemmEngine SymmetricEngine(const Context& ctx, int64_t n, int64_t k) {
+  if (ctx.fp32_gemm_engine() != Fp32GemmEngine::kAuto) return ctx.fp32_gemm_engine();
+  return n * n * k < 2 * kOneDnnMinWork ? Fp32GemmEngine::kOpenBlas : Fp32GemmEngine::kOneDnn;
+}
+
 }  // namespace
 
 absl::Status Gemm(const Context& ctx, const GemmParams& p, ConstTensorView a, ConstTensorView b,
@@ -58,10 +87,8 @@ absl::Status Gemm(const Context& ctx, const GemmParams& p, ConstTensorView a, Co
   if (k == 0) return ScaleOnly(ctx, p.beta, c);
 
   Fp32GemmEngine engine = p.engine != Fp32GemmEngine::kAuto ? p.engine : ctx.fp32_gemm_engine();
-  // kAuto: OpenBLAS. oneDNN 2.6's f32 matmul measured the same as OpenBLAS here (docs/
-  // BENCHMARKS.md, 2048³: ~105 / ~210 GFLOP/s at 1 / 2 threads for both), and staying on
-  // OpenBLAS keeps f32 work (GEMM, SYRK, LAPACK) on one thread pool.
-  if (engine == Fp32GemmEngine::kAuto) engine = Fp32GemmEngine::kOpenBlas;
+  // kAuto: by shape (AutoGemmEngine).
+  if (engine == Fp32GemmEngine::kAuto) engine = AutoGemmEngine(m, n, k);
   if (f32 && engine == Fp32GemmEngine::kOpenBlas) {
     for (int64_t i = 0; i < batch; ++i) {
       const float* ap = reinterpret_cast<const float*>(BytePtr(a.data(), a.Batch() == 1 ? 0 : i,
@@ -118,12 +145,62 @@ void MirrorLowerToUpper(float* c, int64_t n, int64_t ldc) {
   }
 }
 
+namespace {
+
+// The lower block triangle of C ← alpha·op(A)·op(A)ᵀ + beta·C with oneDNN f32 GEMMs on block
+// pairs: row panel [i0, e) of C is P = op(A)[i0:e]·op(A)[0:e]ᵀ (r×e, a dense scratch panel, so
+// that oneDNN keeps its fast kernel; a strided destination measured slower, see
+// SymmetricProductBf16), then C[i0:e, 0:e] ← alpha·P + beta·C[i0:e, 0:e]. About half the
+// flops of the full product (n²k/2 + n·block·k/2); the caller mirrors the lower triangle.
+absl::Status LowerBlocksOneDnnF32(const Context& ctx, bool aat, float alpha, ConstTensorView a,
+                                  float beta, float* c, int64_t ldc, int64_t n, int64_t block) {
+  GemmParams p;
+  p.engine = Fp32GemmEngine::kOneDnn;
+  p.alpha = alpha;
+  ScratchArena::Scope scope(ctx.scratch());
+  DIOND_ASSIGN_OR_RETURN(Tensor panel, Tensor::Allocate(DType::kF32, {block * n}, &ctx.scratch()));
+  for (int64_t i0 = 0; i0 < n; i0 += block) {
+    const int64_t r = std::min(block, n - i0), e = i0 + r;
+    TensorView pv = MakeView(panel.As<float>(), {r, e});
+    if (aat) {  // rows of A
+      p.trans_a = Trans::kNo;
+      p.trans_b = Trans::kYes;
+      DIOND_RETURN_IF_ERROR(cpu::Gemm(ctx, p, a.RowRange(i0, r), a.RowRange(0, e), pv));
+    } else {    // columns of A (AᵀA)
+      p.trans_a = Trans::kYes;
+      p.trans_b = Trans::kNo;
+      DIOND_RETURN_IF_ERROR(cpu::Gemm(ctx, p, a.ColRange(i0, r), a.ColRange(0, e), pv));
+    }
+    const float* ps = panel.As<float>();
+    for (int64_t i = 0; i < r; ++i) {
+      float* crow = c + (i0 + i) * ldc;
+      const float* prow = ps + i * e;
+      const int64_t len = i0 + i + 1;  // the lower triangle of this row
+      if (beta == 0.0f) {
+        std::memcpy(crow, prow, static_cast<size_t>(len) * sizeof(float));
+      } else {
+        for (int64_t j = 0; j < len; ++j) crow[j] = prow[j] + beta * crow[j];
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Panel height of the oneDNN block scheme: a quarter of n rounded up to 64, at least 128.
+int64_t SymmetricBlock(int64_t n) {
+  const int64_t q = ((n + 3) / 4 + 63) / 64 * 64;
+  return std::min(n, std::max<int64_t>(128, q));
+}
+
+}  // namespace
+
 absl::Status SymmetricProduct(const Context& ctx, GramSide side, float alpha, ConstTensorView a,
                               float beta, TensorView c) {
   const bool aat = side == GramSide::kAAt;
   const int64_t n = aat ? a.Rows() : a.Cols(), k = aat ? a.Cols() : a.Rows();
   cpu::ApplyThreadPolicy(ctx);
   if (n == 0) return absl::OkStatus();
+  const bool onednn = SymmetricEngine(ctx, n, k) == Fp32GemmEngine::kOneDnn;
   for (int64_t i = 0; i < c.Batch(); ++i) {
     const float* ap = reinterpret_cast<const float*>(BytePtr(a.data(), i, a.layout()));
     float* cp = const_cast<float*>(reinterpret_cast<const float*>(BytePtr(c.data(), i, c.layout())));
@@ -132,6 +209,9 @@ absl::Status SymmetricProduct(const Context& ctx, GramSide side, float alpha, Co
       for (int64_t r = 0; r < n; ++r) {
         for (int64_t j = 0; j <= r; ++j) cp[r * ldc + j] = beta == 0.0f ? 0.0f : beta * cp[r * ldc + j];
       }
+    } else if (onednn) {
+      DIOND_RETURN_IF_ERROR(LowerBlocksOneDnnF32(ctx, aat, alpha, a.Matrix(i),
+                                                 beta, cp, ldc, n, SymmetricBlock(n)));
     } else {
       cblas_ssyrk(CblasRowMajor, CblasLower, aat ? CblasNoTrans : CblasTrans, static_cast<int>(n),
                   static_cast<int>(k), alpha, ap, static_cast<int>(Ld(a.layout())), beta, cp,

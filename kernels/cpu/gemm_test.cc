@@ -163,32 +163,53 @@ TEST(Gemm, RejectsBadArguments) {
   for (float v : c) EXPECT_EQ(v, 7.0f);  // nothing written on error
 }
 
+// Every engine: ssyrk (kOpenBlas), the lower block triangle of oneDNN GEMMs (kOneDnn; 300 rows
+// are 3 panels of 128, 128, 44) and kAuto, on small and multi-panel shapes, batched.
 TEST(SymmetricProduct, MatchesGemmAndIsExactlySymmetric) {
-  auto ctx = Context::CpuDefault();
-  const int64_t m = 19, n = 33;
-  const auto a = RandomVector(m * n, 31);
-  for (GramSide side : {GramSide::kAAt, GramSide::kAtA}) {
-    const int64_t g = side == GramSide::kAAt ? m : n;
-    auto c0 = RandomVector(g * g, 32);
-    for (int64_t i = 0; i < g; ++i) {
-      for (int64_t j = 0; j < i; ++j) c0[j * g + i] = c0[i * g + j];  // symmetric C for beta
-    }
-    std::vector<float> c = c0;
-    ASSERT_THAT(SymmetricProduct(*ctx, side, 2.0f, MakeView(a.data(), {m, n}), 0.5f,
-                                 MakeView(c.data(), {g, g})),
-                IsOk());
-    const bool aat = side == GramSide::kAAt;
-    const auto ref = NaiveGemm(a, a, g, g, aat ? n : m, !aat, aat);
-    const auto abs = AbsGemm(a, a, g, g, aat ? n : m, !aat, aat);
-    const int64_t k = aat ? n : m;
-    for (int64_t i = 0; i < g; ++i) {
-      for (int64_t j = 0; j < g; ++j) {
-        ASSERT_EQ(c[i * g + j], c[j * g + i]);
-        // As the f32 GEMM bound: (k + 2)·u·(|α|Σ|a||a| + |β||c|).
-        const double want = 2.0 * ref[i * g + j] + 0.5 * c0[i * g + j];
-        const double tol =
-            (k + 2) * 0x1p-24 * (2.0 * abs[i * g + j] + 0.5 * std::fabs(c0[i * g + j]));
-        ASSERT_NEAR(c[i * g + j], want, tol);
+  for (Fp32GemmEngine engine :
+       {Fp32GemmEngine::kOpenBlas, Fp32GemmEngine::kOneDnn, Fp32GemmEngine::kAuto}) {
+    ContextOptions options;
+    options.fp32_gemm = engine;
+    auto ctx_or = Context::Create(options);
+    ASSERT_THAT(ctx_or.status(), IsOk());
+    const Context& ctx = **ctx_or;
+    for (auto [m, n] : {std::pair<int64_t, int64_t>{19, 33}, {300, 140}}) {
+      const int64_t batch = 2;
+      const auto a = RandomVector(batch * m * n, 31);
+      for (GramSide side : {GramSide::kAAt, GramSide::kAtA}) {
+        SCOPED_TRACE(::testing::Message() << "engine " << static_cast<int>(engine) << " " << m
+                                          << "x" << n << " side " << static_cast<int>(side));
+        const int64_t g = side == GramSide::kAAt ? m : n;
+        auto c0 = RandomVector(batch * g * g, 32);
+        for (int64_t b = 0; b < batch; ++b) {
+          float* cb = c0.data() + b * g * g;
+          for (int64_t i = 0; i < g; ++i) {
+            for (int64_t j = 0; j < i; ++j) cb[j * g + i] = cb[i * g + j];  // symmetric C
+          }
+        }
+        std::vector<float> c = c0;
+        ASSERT_THAT(SymmetricProduct(ctx, side, 2.0f, MakeView(a.data(), {batch, m, n}), 0.5f,
+                                     MakeView(c.data(), {batch, g, g})),
+                    IsOk());
+        const bool aat = side == GramSide::kAAt;
+        const int64_t k = aat ? n : m;
+        for (int64_t b = 0; b < batch; ++b) {
+          const std::vector<float> ab(a.begin() + b * m * n, a.begin() + (b + 1) * m * n);
+          const auto ref = NaiveGemm(ab, ab, g, g, k, !aat, aat);
+          const auto abs = AbsGemm(ab, ab, g, g, k, !aat, aat);
+          const float* cb = c.data() + b * g * g;
+          const float* c0b = c0.data() + b * g * g;
+          for (int64_t i = 0; i < g; ++i) {
+            for (int64_t j = 0; j < g; ++j) {
+              ASSERT_EQ(cb[i * g + j], cb[j * g + i]);
+              // As the f32 GEMM bound: (k + 2)·u·(|α|Σ|a||a| + |β||c|).
+              const double want = 2.0 * ref[i * g + j] + 0.5 * c0b[i * g + j];
+              const double tol =
+                  (k + 2) * 0x1p-24 * (2.0 * abs[i * g + j] + 0.5 * std::fabs(c0b[i * g + j]));
+              ASSERT_NEAR(cb[i * g + j], want, tol);
+            }
+          }
+        }
       }
     }
   }

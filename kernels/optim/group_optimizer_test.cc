@@ -3,6 +3,9 @@
 #include "kernels/optim/group_optimizer.h"
 
 #include <cmath>
+#include <fstream>
+#include <sstream>
+#include <string>
 #include <limits>
 #include <random>
 #include <vector>
@@ -150,6 +153,11 @@ TEST(ValidationTest, ParsesNamesAndAliases) {
   EXPECT_EQ(*ParseAdjustLr("null"), AdjustLr::kNone);
   EXPECT_THAT(ParseAdjustLr("spectral"), StatusIs(kInvalid));
   EXPECT_THAT(ParsePrecision("fp16"), StatusIs(kInvalid));
+  for (Bf16MatmulEngine e :
+       {Bf16MatmulEngine::kAuto, Bf16MatmulEngine::kFloat32Gemm, Bf16MatmulEngine::kOneDnn}) {
+    EXPECT_EQ(*ParseBf16MatmulEngine(Bf16MatmulEngineName(e)), e);
+  }
+  EXPECT_THAT(ParseBf16MatmulEngine("mkldnn"), StatusIs(kInvalid, HasSubstr("bf16_matmul")));
   // P2: the double product decides (0.55·100 = 55.000000000000007 → 56).
   EXPECT_EQ(SelectionCount(100, 0.55), 56);
   EXPECT_EQ(SelectionCount(180, 0.35), 63);
@@ -393,6 +401,35 @@ TEST(GroupOptimizerTest, ReleaseStateKeepsOwnedParametersExact) {
     EXPECT_THAT((*sharded)->GetState(2, st, absl::MakeSpan(buf)), IsOk());
     EXPECT_THAT((*sharded)->ReleaseState({true}), StatusIs(kInvalid));
   }
+}
+
+}  // namespace
+}  // namespace diond::optim
+
+namespace diond::optim {
+namespace {
+
+// kAuto follows PyTorch's check for oneDNN's bf16 matmul (AVX-512 core); the expectation here
+// reads the kernel's CPU flags, independently of the compiler builtins the code uses.
+TEST(Bf16MatmulEngineTest, AutoFollowsTheCpuFlags) {
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  if (!cpuinfo) GTEST_SKIP() << "no /proc/cpuinfo on this system";
+  std::string line, flags;
+  while (std::getline(cpuinfo, line)) {
+    if (line.rfind("flags", 0) == 0) {
+      flags = line + " ";
+      break;
+    }
+  }
+  ASSERT_FALSE(flags.empty());
+  bool all = true;
+  for (const char* f : {" avx512f ", " avx512bw ", " avx512vl ", " avx512dq "}) {
+    all = all && flags.find(f) != std::string::npos;
+  }
+  EXPECT_EQ(ResolveBf16Matmul(Bf16MatmulEngine::kAuto),
+            all ? Bf16MatmulEngine::kOneDnn : Bf16MatmulEngine::kFloat32Gemm);
+  EXPECT_EQ(ResolveBf16Matmul(Bf16MatmulEngine::kFloat32Gemm), Bf16MatmulEngine::kFloat32Gemm);
+  EXPECT_EQ(ResolveBf16Matmul(Bf16MatmulEngine::kOneDnn), Bf16MatmulEngine::kOneDnn);
 }
 
 }  // namespace

@@ -84,6 +84,37 @@ absl::StatusOr<Precision> ParsePrecision(absl::string_view name) {
   return absl::InvalidArgumentError(absl::StrCat("unknown precision '", name, "'"));
 }
 
+absl::string_view Bf16MatmulEngineName(Bf16MatmulEngine e) {
+  switch (e) {
+    case Bf16MatmulEngine::kAuto: return "auto";
+    case Bf16MatmulEngine::kFloat32Gemm: return "float32_gemm";
+    case Bf16MatmulEngine::kOneDnn: return "onednn";
+  }
+  return "unknown";
+}
+
+absl::StatusOr<Bf16MatmulEngine> ParseBf16MatmulEngine(absl::string_view name) {
+  if (name == "auto") return Bf16MatmulEngine::kAuto;
+  if (name == "float32_gemm") return Bf16MatmulEngine::kFloat32Gemm;
+  if (name == "onednn") return Bf16MatmulEngine::kOneDnn;
+  return absl::InvalidArgumentError(
+      absl::StrCat("bf16_matmul '", name.substr(0, 64),
+                   "' is unknown (want auto, float32_gemm or onednn)"));
+}
+
+Bf16MatmulEngine ResolveBf16Matmul(Bf16MatmulEngine e) {
+  if (e != Bf16MatmulEngine::kAuto) return e;
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  // GCC's and Clang's checks read CPUID and that the OS saves the AVX-512 state (XGETBV).
+  static const bool avx512_core =
+      __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  return avx512_core ? Bf16MatmulEngine::kOneDnn : Bf16MatmulEngine::kFloat32Gemm;
+#else
+  return Bf16MatmulEngine::kFloat32Gemm;
+#endif
+}
+
 Hyperparams DefaultHyperparams(AlgorithmKind kind) {
   (void)kind;
   return Hyperparams{};

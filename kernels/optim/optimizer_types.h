@@ -86,6 +86,28 @@ enum class Precision : uint8_t {
 absl::string_view PrecisionName(Precision p);  // "fp32", "bf16_reference"
 absl::StatusOr<Precision> ParsePrecision(absl::string_view name);
 
+// kBf16Reference only: how the orthogonalizer multiplies its bf16 matrices (both accumulate in
+// float32 and round each product once to bf16; docs/CONFORMANCE.md "bf16 matmul engine").
+enum class Bf16MatmulEngine : uint8_t {
+  // What PyTorch itself does on this CPU: oneDNN's bf16 matmul where PyTorch routes bf16 matmuls
+  // to oneDNN (x86 CPUs with AVX-512 core: AVX512F/BW/VL/DQ, PyTorch's mkldnn_bf16_device_check),
+  // the float32 GEMM elsewhere. ResolveBf16Matmul says which one.
+  kAuto,
+  // The float32 OpenBLAS GEMM of the widened bf16 operands: the stored trajectories' arithmetic
+  // (they were made on PyTorch's float32 GEMM), bit for bit on the conformance vectors.
+  kFloat32Gemm,
+  // oneDNN's bf16 matmul (native bf16 dot products where the CPU has them): PyTorch 2.x's and
+  // 1.13's order on AVX-512 CPUs; within the reference's own spread on every vector.
+  kOneDnn,
+};
+absl::string_view Bf16MatmulEngineName(Bf16MatmulEngine e);  // "auto", "float32_gemm", "onednn"
+// Accepts the names above. INVALID_ARGUMENT (naming bf16_matmul and the value) otherwise.
+absl::StatusOr<Bf16MatmulEngine> ParseBf16MatmulEngine(absl::string_view name);
+// kAuto resolved on this host: kOneDnn iff the CPU has AVX512F, AVX512BW, AVX512VL and
+// AVX512DQ (the check PyTorch makes before using oneDNN's bf16 matmul), else kFloat32Gemm.
+// The other values are returned unchanged.
+Bf16MatmulEngine ResolveBf16Matmul(Bf16MatmulEngine e);
+
 // Every hyperparameter of every algorithm. Values are given in double as the caller has them;
 // the update rules round each one to float32 before any arithmetic (P1). Fields an algorithm
 // does not read are ignored (and not range-checked) for that algorithm; options that change
@@ -139,6 +161,9 @@ struct GroupConfig {
   // matrices. Done per parameter, as the reference intends, not as its stacked path does (P16).
   bool flatten = false;
   Precision precision = Precision::kFp32;
+  // kBf16Reference's bf16 matmuls (above). Ignored in kFp32 and by the algorithms without a bf16
+  // path (Dion, AdamW, Lion).
+  Bf16MatmulEngine bf16_matmul = Bf16MatmulEngine::kAuto;
   // Dion: seed of the N(0, 1) initial Q (P12). Q can be replaced through SetState("Q").
   uint64_t seed = 0;
 };

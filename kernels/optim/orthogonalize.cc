@@ -48,8 +48,7 @@ absl::Status Fp32Iterations(const Context& ctx, absl::Span<const OrthoCoefficien
                             bool tall, TensorView* y, TensorView* y2, TensorView ga,
                             TensorView gb) {
   const GramSide side = tall ? GramSide::kAtA : GramSide::kAAt;
-  GemmParams gp;
-  gp.engine = Fp32GemmEngine::kOpenBlas;  // one thread pool per phase (context.h policy)
+  GemmParams gp;  // engine kAuto: the measured faster f32 engine (kernels/cpu/gemm.cc)
   for (const OrthoCoefficients& k : coeffs) {
     DIOND_RETURN_IF_ERROR(SymmetricProduct(ctx, side, 1.0f, *y, 0.0f, ga));
     DIOND_RETURN_IF_ERROR(Copy(ctx, ga, gb));

@@ -207,6 +207,10 @@ absl::Status CheckOptions(const GroupConfig& c) {
   if (c.precision != Precision::kFp32 && c.precision != Precision::kBf16Reference) {
     return Bad(c, "unknown precision");
   }
+  if (c.bf16_matmul != Bf16MatmulEngine::kAuto && c.bf16_matmul != Bf16MatmulEngine::kFloat32Gemm &&
+      c.bf16_matmul != Bf16MatmulEngine::kOneDnn) {
+    return Bad(c, "unknown bf16_matmul");
+  }
   return absl::OkStatus();
 }
 

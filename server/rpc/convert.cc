@@ -279,6 +279,17 @@ absl::StatusOr<session::SessionSpec> SpecFromProto(const v1::CreateSessionReques
         return absl::InvalidArgumentError(
             absl::StrCat("group '", Bounded(g.name()), "': precision ", g.precision(), " is unknown"));
     }
+    switch (g.bf16_matmul()) {
+      case v1::BF16_MATMUL_UNSPECIFIED:
+      case v1::BF16_MATMUL_AUTO: gs.config.bf16_matmul = optim::Bf16MatmulEngine::kAuto; break;
+      case v1::BF16_MATMUL_FLOAT32_GEMM:
+        gs.config.bf16_matmul = optim::Bf16MatmulEngine::kFloat32Gemm;
+        break;
+      case v1::BF16_MATMUL_ONEDNN: gs.config.bf16_matmul = optim::Bf16MatmulEngine::kOneDnn; break;
+      default:
+        return absl::InvalidArgumentError(absl::StrCat(
+            "group '", Bounded(g.name()), "': bf16_matmul ", g.bf16_matmul(), " is unknown"));
+    }
     gs.config.seed = g.seed();
     spec.groups.push_back(std::move(gs));
   }

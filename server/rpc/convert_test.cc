@@ -63,3 +63,35 @@ TEST(HyperparameterChangeFromProto, OnlyLrAndWeightDecay) {
 
 }  // namespace
 }  // namespace diond::rpc
+
+namespace diond::rpc {
+namespace {
+
+v1::CreateSessionRequest OneGroup(v1::Bf16Matmul engine) {
+  v1::CreateSessionRequest req;
+  v1::ParameterGroup* g = req.add_groups();
+  g->set_name("g");
+  g->set_algorithm(v1::ALGORITHM_MUON);
+  g->set_precision(v1::PRECISION_BF16_REFERENCE);
+  g->set_bf16_matmul(engine);
+  return req;
+}
+
+TEST(SpecFromProto, Bf16MatmulEngine) {
+  const std::pair<v1::Bf16Matmul, optim::Bf16MatmulEngine> cases[] = {
+      {v1::BF16_MATMUL_UNSPECIFIED, optim::Bf16MatmulEngine::kAuto},
+      {v1::BF16_MATMUL_AUTO, optim::Bf16MatmulEngine::kAuto},
+      {v1::BF16_MATMUL_FLOAT32_GEMM, optim::Bf16MatmulEngine::kFloat32Gemm},
+      {v1::BF16_MATMUL_ONEDNN, optim::Bf16MatmulEngine::kOneDnn}};
+  for (const auto& [wire, want] : cases) {
+    auto spec = SpecFromProto(OneGroup(wire));
+    ASSERT_THAT(spec.status(), IsOk());
+    ASSERT_EQ(spec->groups.size(), 1u);
+    EXPECT_EQ(spec->groups[0].config.bf16_matmul, want) << wire;
+  }
+  EXPECT_THAT(SpecFromProto(OneGroup(static_cast<v1::Bf16Matmul>(7))).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("bf16_matmul 7")));
+}
+
+}  // namespace
+}  // namespace diond::rpc

@@ -374,6 +374,13 @@ absl::StatusOr<SessionSpec> SpecFromJsonValue(const json& j, const std::string& 
     auto p = optim::ParsePrecision(precision);
     if (!p.ok()) return FieldError(absl::StrCat(w, "precision"), p.status().message());
     c.precision = *p;
+    // Optional (checkpoints before the field have none: auto, the default).
+    if (jg.contains("bf16_matmul")) {
+      DIOND_ASSIGN_OR_RETURN(std::string mm, GetString(jg, "bf16_matmul", w));
+      auto e = optim::ParseBf16MatmulEngine(mm);
+      if (!e.ok()) return FieldError(absl::StrCat(w, "bf16_matmul"), e.status().message());
+      c.bf16_matmul = *e;
+    }
     DIOND_ASSIGN_OR_RETURN(c.num_heads, GetInt(jg, "num_heads", w, 1, int64_t{1} << 31));
     DIOND_ASSIGN_OR_RETURN(const json* splits, GetArray(jg, "split_sizes", w, 1 << 16));
     for (size_t i = 0; i < splits->size(); ++i) {
@@ -847,6 +854,7 @@ std::string SpecToJson(const SessionSpec& spec) {
     jg["name"] = g.name;
     jg["algorithm"] = std::string(optim::AlgorithmName(c.algorithm));
     jg["precision"] = std::string(optim::PrecisionName(c.precision));
+    jg["bf16_matmul"] = std::string(optim::Bf16MatmulEngineName(c.bf16_matmul));
     jg["num_heads"] = c.num_heads;
     jg["split_sizes"] = c.split_sizes;
     jg["flatten"] = c.flatten;

@@ -134,7 +134,12 @@ std::string ShardPlanCanonicalText(const SessionSpec& spec, const ShardPlan& pla
         optim::AdjustLrName(h.adjust_lr), " orth=", static_cast<int>(h.orthogonalizer),
         " heads=", c.num_heads, " split=", absl::StrJoin(c.split_sizes, ","),
         " flatten=", c.flatten ? 1 : 0, " seed=", c.seed, " qr=", optim::QrMethodName(h.qr_method),
-        absl::StrFormat(" cqrw=%d os=%.17g", h.cqr_warmup_steps, h.rcqr_oversample), "\n");
+        absl::StrFormat(" cqrw=%d os=%.17g", h.cqr_warmup_steps, h.rcqr_oversample),
+        // Only when set, so that the default's text (and plan hash) is unchanged.
+        c.bf16_matmul == optim::Bf16MatmulEngine::kAuto
+            ? ""
+            : absl::StrCat(" bf16mm=", optim::Bf16MatmulEngineName(c.bf16_matmul)),
+        "\n");
   }
   for (size_t i = 0; i < spec.params.size(); ++i) {
     const ParamSpec& p = spec.params[i];

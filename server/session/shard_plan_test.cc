@@ -155,6 +155,39 @@ TEST(ShardPlan, DionQrOptionsArePartOfThePlanAndOfCheckpoints) {
   EXPECT_EQ(back->groups[0].config.hyperparams.rcqr_oversample, 1.25);
 }
 
+// bf16_matmul changes bf16_reference's numbers: part of the plan when set (the default's text
+// and hash are unchanged), and of checkpoints (older ones, without the key, load as auto).
+TEST(ShardPlan, Bf16MatmulIsPartOfThePlanAndOfCheckpoints) {
+  SessionSpec base = GptLike(1);
+  base.groups[0].config.precision = optim::Precision::kBf16Reference;
+  const uint64_t h = ComputeShardPlan(base, 2)->hash;
+  SessionSpec s = base;
+  s.groups[0].config.bf16_matmul = optim::Bf16MatmulEngine::kFloat32Gemm;
+  const uint64_t hf = ComputeShardPlan(s, 2)->hash;
+  EXPECT_NE(hf, h);
+  s.groups[0].config.bf16_matmul = optim::Bf16MatmulEngine::kOneDnn;
+  EXPECT_NE(ComputeShardPlan(s, 2)->hash, h);
+  EXPECT_NE(ComputeShardPlan(s, 2)->hash, hf);
+
+  absl::StatusOr<SessionSpec> back = SpecFromJson(SpecToJson(s));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->groups[0].config.bf16_matmul, optim::Bf16MatmulEngine::kOneDnn);
+
+  std::string old = SpecToJson(s);
+  const size_t at = old.find("\"bf16_matmul\"");
+  ASSERT_NE(at, std::string::npos);
+  old.erase(at, old.find('\n', at) - at + 1);
+  back = SpecFromJson(old);
+  ASSERT_TRUE(back.ok()) << back.status() << "\n" << old;
+  EXPECT_EQ(back->groups[0].config.bf16_matmul, optim::Bf16MatmulEngine::kAuto);
+
+  std::string bad = SpecToJson(s);
+  const size_t v = bad.find("\"onednn\"");
+  ASSERT_NE(v, std::string::npos);
+  bad.replace(v, 8, "\"mkldnn\"");
+  EXPECT_FALSE(SpecFromJson(bad).ok());
+}
+
 TEST(ShardPlan, UnknownGroupAndBadWorldSize) {
   SessionSpec s = GptLike(1);
   EXPECT_FALSE(ComputeShardPlan(s, 0).ok());

@@ -65,21 +65,22 @@ DEFAULTS = dict(
     nesterov=False, cautious_wd=False, adjust_lr="spectral_norm", flatten=False,
     use_polar_express=True, muon_beta2=0.95, rank_fraction=1.0, rank_multiple_of=1,
     fraction=0.25, ef_decay=0.95, num_heads=None, split_sizes=None, precision="fp32", seed=0,
-    qr_method="rcqr", cqr_warmup_steps=150, oversample=1.25,
+    qr_method="rcqr", cqr_warmup_steps=150, oversample=1.25, bf16_matmul="auto",
 )
 _COMMON = {"lr", "weight_decay", "precision"}
 # Which options each algorithm has (anything else set on a group of that algorithm is an error).
 APPLIES = {
     "muon": _COMMON | {"mu", "epsilon", "nesterov", "cautious_wd", "adjust_lr", "flatten",
-                       "use_polar_express", "num_heads", "split_sizes"},
+                       "use_polar_express", "num_heads", "split_sizes", "bf16_matmul"},
     "normuon": _COMMON | {"mu", "epsilon", "nesterov", "cautious_wd", "adjust_lr", "flatten",
-                          "use_polar_express", "num_heads", "split_sizes", "muon_beta2"},
+                          "use_polar_express", "num_heads", "split_sizes", "muon_beta2",
+                          "bf16_matmul"},
     "dion": _COMMON | {"mu", "epsilon", "rank_fraction", "rank_multiple_of", "seed",
                        "qr_method", "cqr_warmup_steps", "oversample"},
     "dion2": _COMMON | {"fraction", "ef_decay", "epsilon", "adjust_lr", "flatten",
-                        "use_polar_express", "num_heads"},
+                        "use_polar_express", "num_heads", "bf16_matmul"},
     "dion3": _COMMON | {"fraction", "mu", "muon_beta2", "epsilon", "adjust_lr", "flatten",
-                        "use_polar_express", "num_heads"},
+                        "use_polar_express", "num_heads", "bf16_matmul"},
     "adamw": _COMMON | {"betas", "epsilon", "cautious_wd"},
     "lion": _COMMON | {"betas", "cautious_wd"},
 }
@@ -111,6 +112,8 @@ _DTYPES = {torch.float32: pb.DTYPE_F32, torch.bfloat16: pb.DTYPE_BF16,
 _ADJUST = {"spectral_norm": pb.ADJUST_LR_SPECTRAL_NORM, "rms_norm": pb.ADJUST_LR_RMS_NORM,
            None: pb.ADJUST_LR_NONE, "none": pb.ADJUST_LR_NONE}
 _PRECISION = {"fp32": pb.PRECISION_FP32, "bf16_reference": pb.PRECISION_BF16_REFERENCE}
+_BF16_MATMUL = {"auto": pb.BF16_MATMUL_AUTO, "float32_gemm": pb.BF16_MATMUL_FLOAT32_GEMM,
+                "onednn": pb.BF16_MATMUL_ONEDNN}
 _NONFINITE = {"skip": pb.NON_FINITE_POLICY_SKIP, "error": pb.NON_FINITE_POLICY_ERROR}
 _GRADIENT_SYNC = {"replicated": pb.GRADIENT_SYNC_REPLICATED, "average": pb.GRADIENT_SYNC_AVERAGE,
                   "dion_compressed": pb.GRADIENT_SYNC_DION_COMPRESSED}
@@ -189,6 +192,9 @@ def _validate_options(opts, algo, where):
     if opts["precision"] not in _PRECISION:
         raise ValueError("%sprecision must be 'fp32' or 'bf16_reference', got %r"
                          % (where, opts["precision"]))
+    if "bf16_matmul" in use and opts["bf16_matmul"] not in _BF16_MATMUL:
+        raise ValueError("%sbf16_matmul must be 'auto', 'float32_gemm' or 'onednn', got %r"
+                         % (where, opts["bf16_matmul"]))
     if "num_heads" in use and opts["num_heads"] is not None:
         h = opts["num_heads"]
         if not isinstance(h, int) or isinstance(h, bool) or h < 1:
@@ -249,6 +255,8 @@ def _group_proto(name, g):
         pg.flatten = bool(g["flatten"])
     if "seed" in use:
         pg.seed = int(g["seed"])
+    if "bf16_matmul" in use:
+        pg.bf16_matmul = _BF16_MATMUL[g["bf16_matmul"]]
     return pg
 
 
@@ -316,7 +324,11 @@ class Optimizer(torch.optim.Optimizer):
         parameters (shapes, dtypes, order) as the session.
       algorithm, lr, mu, betas, weight_decay, epsilon, nesterov, cautious_wd, adjust_lr, flatten,
       use_polar_express, muon_beta2, rank_fraction, rank_multiple_of, fraction, ef_decay,
-      num_heads, split_sizes, precision ("fp32" | "bf16_reference"), seed (Dion's initial Q),
+      num_heads, split_sizes, precision ("fp32" | "bf16_reference"), bf16_matmul ("auto" |
+      "float32_gemm" | "onednn": bf16_reference's matmul engine, Muon/NorMuon/Dion2/Dion3;
+      auto = oneDNN's bf16 matmul on AVX-512 CPUs as PyTorch, else the float32 GEMM; the
+      float32 GEMM reproduces the stored conformance trajectories bit for bit, docs/CONFORMANCE.md),
+      seed (Dion's initial Q),
       qr_method ("rcqr" | "qr" | "cqr"), cqr_warmup_steps, oversample (= the reference's
       rcqr_oversample, either name is accepted): group defaults, with the reference's values.
         Dion's cqr warm-up counts the group's "step" (sent with every step, restored by

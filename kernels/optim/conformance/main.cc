@@ -1,7 +1,8 @@
 // diond-conformance: replays microsoft/dion conformance vectors through GroupOptimizer.
 //
 //   diond-conformance [--mode fp32|bf16_reference|both] [--threads N]
-//                     [--device cpu|cuda:N|test] [--cuda_plugin PATH] FILE_OR_FOLDER...
+//                     [--device cpu|cuda:N|test] [--bf16_matmul auto|float32_gemm|onednn]
+//                     [--cuda_plugin PATH] FILE_OR_FOLDER...
 //
 // --device test (FOR CI ONLY): the host-memory TEST backend (kernels/testing) in strict mode,
 // where host access of its "device" memory faults; every case is also run on the CPU and the
@@ -24,6 +25,10 @@
 
 ABSL_FLAG(std::string, mode, "both", "precision mode: fp32, bf16_reference or both");
 ABSL_FLAG(int, threads, 0, "CPU threads (0: all cores)");
+ABSL_FLAG(std::string, bf16_matmul, "auto",
+          "bf16_reference's matmul engine (GroupConfig::bf16_matmul): auto (oneDNN where PyTorch "
+          "uses it, i.e. AVX-512 CPUs; else float32_gemm), float32_gemm (also enforces bit-exact "
+          "Muon/Dion2 trajectories) or onednn");
 ABSL_FLAG(std::string, device, "cpu",
           "where the rules run: cpu, or cuda:N through the CUDA plugin's ops backend (exit 2 "
           "with the reason when there is no plugin or GPU; docs/GPU.md), or test: FOR CI ONLY, "
@@ -35,7 +40,7 @@ ABSL_FLAG(std::string, cuda_plugin, "",
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "diond-conformance [--mode fp32|bf16_reference|both] [--device cpu|cuda:N|test] "
-      "FILE_OR_FOLDER...");
+      "[--bf16_matmul auto|float32_gemm|onednn] FILE_OR_FOLDER...");
   std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
   std::vector<std::string> paths(positional.begin() + 1, positional.end());
   if (paths.empty()) {
@@ -45,6 +50,11 @@ int main(int argc, char** argv) {
   auto mode = diond::optim::conformance::ParseMode(absl::GetFlag(FLAGS_mode));
   if (!mode.ok()) {
     std::cerr << mode.status().message() << "\n";
+    return 2;
+  }
+  auto bf16_matmul = diond::optim::ParseBf16MatmulEngine(absl::GetFlag(FLAGS_bf16_matmul));
+  if (!bf16_matmul.ok()) {
+    std::cerr << "diond-conformance: --" << bf16_matmul.status().message() << "\n";
     return 2;
   }
   if (absl::GetFlag(FLAGS_device) == "test") {
@@ -76,7 +86,8 @@ int main(int argc, char** argv) {
                  "CPU bit for bit\n";
     auto cpu = k::Context::CpuDefault(1);
     const int failed =
-        diond::optim::conformance::RunAll(**ctx, paths, *mode, std::cout, cpu.get());
+        diond::optim::conformance::RunAll(**ctx, paths, *mode, std::cout, cpu.get(),
+                                          *bf16_matmul);
     ctx->reset();
     k::DestroyDeviceStream(dev, *stream);
     return failed == 0 ? 0 : 1;
@@ -88,7 +99,9 @@ int main(int argc, char** argv) {
   }
   if (device->mode == diond::kernels::DeviceRequest::Mode::kCpu) {
     auto ctx = diond::kernels::Context::CpuDefault(absl::GetFlag(FLAGS_threads));
-    return diond::optim::conformance::RunAll(*ctx, paths, *mode, std::cout) == 0 ? 0 : 1;
+    return diond::optim::conformance::RunAll(*ctx, paths, *mode, std::cout, nullptr, *bf16_matmul) == 0
+               ? 0
+               : 1;
   }
   const absl::Status registered =
       diond::kernels::RegisterCudaOps(absl::GetFlag(FLAGS_cuda_plugin));
@@ -111,7 +124,8 @@ int main(int argc, char** argv) {
     std::cerr << "diond-conformance: " << ctx.status().message() << "\n";
     return 2;
   }
-  const int failed = diond::optim::conformance::RunAll(**ctx, paths, *mode, std::cout);
+  const int failed =
+      diond::optim::conformance::RunAll(**ctx, paths, *mode, std::cout, nullptr, *bf16_matmul);
   ctx->reset();
   diond::kernels::DestroyDeviceStream(dev, *stream);
   return failed == 0 ? 0 : 1;

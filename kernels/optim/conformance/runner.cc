@@ -308,11 +308,14 @@ absl::Status ToHost(const kernels::Context& ctx, const kernels::Buffer& b, std::
 // device-vs-CPU comparison.
 absl::StatusOr<ModeResult> RunMode(const kernels::Context& ctx, const SafetensorsFile& f,
                                    const CaseData& c, const Tolerances& tol,
-                                   Precision precision, std::vector<float>* trace = nullptr) {
+                                   Precision precision, Bf16MatmulEngine bf16_matmul,
+                                   std::vector<float>* trace = nullptr) {
   ModeResult r;
   r.precision = precision;
   GroupConfig cfg = c.config;
   cfg.precision = precision;
+  cfg.bf16_matmul = bf16_matmul;
+  r.bf16_matmul = ResolveBf16Matmul(bf16_matmul);
   const size_t n = c.shapes.size();
   DIOND_ASSIGN_OR_RETURN(std::unique_ptr<GroupOptimizer> opt,
                          CreateGroupOptimizer(ctx, cfg, c.shapes));
@@ -386,6 +389,18 @@ absl::StatusOr<ModeResult> RunMode(const kernels::Context& ctx, const Safetensor
   // The bf16_reference bound on the update: the emulation must sit within the reference's own
   // rounding spread of the stored trajectory (tolerance bf16_reference_delta_relfro, README).
   if (bf16_algo && bf16_mode) add("bf16_reference_delta_relfro", delta_err, true, true);
+  // With the float32 GEMM, Muon and Dion2 reproduce the stored trajectories bit for bit
+  // (docs/CONFORMANCE.md; NorMuon/NorDion2 differ at float32 level, their norms accumulate in
+  // double): enforced as an exact check.
+  if (bf16_mode && r.bf16_matmul == Bf16MatmulEngine::kFloat32Gemm &&
+      (cfg.algorithm == AlgorithmKind::kMuon || cfg.algorithm == AlgorithmKind::kDion2)) {
+    Check ch;
+    ch.name = "bf16_reference_bitwise";
+    ch.measured = delta_err;
+    ch.tolerance = 0.0;
+    ch.enforced = true;
+    r.checks.push_back(ch);
+  }
   const std::string f64_key = absl::StrCat("param_f64.", c.steps);
   bool have_f64 = true;
   for (size_t i = 0; i < n; ++i) have_f64 = have_f64 && f.Has(Key(i, f64_key));
@@ -498,7 +513,7 @@ double BitMismatches(const std::vector<float>& a, const std::vector<float>& b) {
 }  // namespace
 
 CaseResult RunCase(const kernels::Context& ctx, const std::string& path, Mode mode,
-                   const kernels::Context* cpu_twin) {
+                   const kernels::Context* cpu_twin, Bf16MatmulEngine bf16_matmul) {
   CaseResult res;
   res.file = fs::path(path).filename().string();
   absl::StatusOr<SafetensorsFile> f = SafetensorsFile::ReadFile(path);
@@ -520,7 +535,7 @@ CaseResult RunCase(const kernels::Context& ctx, const std::string& path, Mode mo
   for (Precision p : precisions) {
     std::vector<float> trace, twin_trace;
     absl::StatusOr<ModeResult> m =
-        RunMode(ctx, *f, *c, tol, p, cpu_twin != nullptr ? &trace : nullptr);
+        RunMode(ctx, *f, *c, tol, p, bf16_matmul, cpu_twin != nullptr ? &trace : nullptr);
     if (!m.ok()) {
       res.error = absl::StrCat("[", PrecisionName(p), "] ", m.status().ToString());
       res.passed = false;
@@ -529,7 +544,7 @@ CaseResult RunCase(const kernels::Context& ctx, const std::string& path, Mode mo
     if (cpu_twin != nullptr) {
       // The same case on the CPU context: every parameter after every step and every final
       // state must be the same bits.
-      absl::StatusOr<ModeResult> twin = RunMode(*cpu_twin, *f, *c, tol, p, &twin_trace);
+      absl::StatusOr<ModeResult> twin = RunMode(*cpu_twin, *f, *c, tol, p, bf16_matmul, &twin_trace);
       if (!twin.ok()) {
         res.error = absl::StrCat("[", PrecisionName(p), "] cpu twin: ", twin.status().ToString());
         res.passed = false;
@@ -553,7 +568,11 @@ std::string FormatResult(const CaseResult& r) {
   std::string line = absl::StrCat(r.passed ? "PASS " : "FAIL ", r.file);
   if (!r.error.empty()) return absl::StrCat(line, "  error: ", r.error);
   for (const ModeResult& m : r.modes) {
-    absl::StrAppend(&line, "  [", PrecisionName(m.precision), m.passed ? "" : " FAILED", "]");
+    absl::StrAppend(&line, "  [", PrecisionName(m.precision),
+                    m.precision == Precision::kBf16Reference
+                        ? absl::StrCat(" matmul=", Bf16MatmulEngineName(m.bf16_matmul))
+                        : "",
+                    m.passed ? "" : " FAILED", "]");
     for (const Check& ch : m.checks) {
       std::string tol = ch.tolerance ? absl::StrFormat("%.3g", *ch.tolerance) : "n/a";
       const char* mark = !ch.enforced ? " (info)" : ch.skipped ? " (skipped)"
@@ -567,7 +586,7 @@ std::string FormatResult(const CaseResult& r) {
 }
 
 int RunAll(const kernels::Context& ctx, const std::vector<std::string>& paths, Mode mode,
-           std::ostream& out, const kernels::Context* cpu_twin) {
+           std::ostream& out, const kernels::Context* cpu_twin, Bf16MatmulEngine bf16_matmul) {
   absl::StatusOr<std::vector<std::string>> files = CollectVectorFiles(paths);
   if (!files.ok()) {
     out << "error: " << files.status().message() << "\n0 passed, 1 failed\n";
@@ -575,7 +594,7 @@ int RunAll(const kernels::Context& ctx, const std::vector<std::string>& paths, M
   }
   int passed = 0, failed = 0;
   for (const std::string& path : *files) {
-    CaseResult r = RunCase(ctx, path, mode, cpu_twin);
+    CaseResult r = RunCase(ctx, path, mode, cpu_twin, bf16_matmul);
     out << FormatResult(r) << "\n";
     (r.passed ? passed : failed)++;
   }

@@ -50,6 +50,8 @@ struct Check {
 
 struct ModeResult {
   Precision precision = Precision::kFp32;
+  // bf16_reference: the engine its matmuls ran on (resolved, never kAuto).
+  Bf16MatmulEngine bf16_matmul = Bf16MatmulEngine::kFloat32Gemm;
   std::vector<Check> checks;
   bool passed = false;
 };
@@ -70,8 +72,12 @@ absl::StatusOr<std::vector<std::string>> CollectVectorFiles(const std::vector<st
 // CaseResult::error. With `cpu_twin` (a CPU context), every mode is run on it too and the check
 // "device_vs_cpu_bit_mismatches" (enforced, tolerance 0) counts the elements of the parameters
 // after every step and of the final states whose bits differ between ctx and the CPU.
+// bf16_matmul: GroupConfig::bf16_matmul of the bf16_reference runs. With kFloat32Gemm (as
+// resolved), Muon and Dion2 cases also enforce bf16_reference_bitwise: the update equals the
+// stored trajectory's bit for bit (relF = 0).
 CaseResult RunCase(const kernels::Context& ctx, const std::string& path, Mode mode,
-                   const kernels::Context* cpu_twin = nullptr);
+                   const kernels::Context* cpu_twin = nullptr,
+                   Bf16MatmulEngine bf16_matmul = Bf16MatmulEngine::kAuto);
 
 // One line describing the result ("PASS <file> ..." / "FAIL <file> ...").
 std::string FormatResult(const CaseResult& r);
@@ -79,7 +85,8 @@ std::string FormatResult(const CaseResult& r);
 // Runs all `paths`, prints one line per case and the final "N passed, M failed" line to `out`.
 // Returns the number of failed cases (collection errors count as one failure).
 int RunAll(const kernels::Context& ctx, const std::vector<std::string>& paths, Mode mode,
-           std::ostream& out, const kernels::Context* cpu_twin = nullptr);
+           std::ostream& out, const kernels::Context* cpu_twin = nullptr,
+           Bf16MatmulEngine bf16_matmul = Bf16MatmulEngine::kAuto);
 
 }  // namespace diond::optim::conformance
 

@@ -96,6 +96,9 @@ absl::Status OrthogonalizeBatch(const kernels::Context& ctx, const GroupConfig& 
   o.precision = config.precision == Precision::kBf16Reference
                     ? kernels::OrthoPrecision::kBf16Reference
                     : kernels::OrthoPrecision::kFp32;
+  o.bf16_matmul = ResolveBf16Matmul(config.bf16_matmul) == Bf16MatmulEngine::kOneDnn
+                      ? kernels::Bf16Matmul::kOneDnnBf16
+                      : kernels::Bf16Matmul::kReferenceF32Gemm;
   o.epsilon = F32(config.hyperparams.epsilon);
   return kernels::Orthogonalize(ctx, o, CView3(in, b, ctx.device()), View3(out, b, ctx.device()));
 }

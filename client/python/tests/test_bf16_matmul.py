@@ -1,0 +1,61 @@
+"""bf16_reference's matmul engine (group option bf16_matmul, docs/CONFORMANCE.md "bf16 matmul
+engine"): the value reaches the daemon, auto resolves as PyTorch's own check would on this CPU,
+and bad values or groups without a bf16 path are refused by name before anything is sent.
+"""
+import numpy as np
+import pytest
+import torch
+
+import diond.torch
+
+
+def relf(a, b):
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def steps(daemon, algorithm="muon", shape=(384, 256), n=3, **options):
+    g = torch.Generator().manual_seed(3)
+    p = torch.nn.Parameter(0.02 * torch.randn(shape, generator=g))
+    grads = [torch.randn(shape, generator=g) for _ in range(n)]
+    with diond.torch.Optimizer([p], target=daemon.target, algorithm=algorithm,
+                               precision="bf16_reference", **options) as opt:
+        for grad in grads:
+            p.grad.copy_(grad)
+            opt.step()
+        return p.detach().clone()
+
+
+def avx512_core():
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                return {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags
+    return False
+
+
+@pytest.mark.parametrize("algorithm", ["muon", "dion2"])
+def test_engines_differ_in_order_only_and_auto_follows_the_cpu(daemon, algorithm):
+    f32 = steps(daemon, algorithm, bf16_matmul="float32_gemm")
+    dnn = steps(daemon, algorithm, bf16_matmul="onednn")
+    auto = steps(daemon, algorithm)  # the default
+    # Another float32 accumulation order: bf16 roundings flip somewhere in 3 steps of a 384x256
+    # Polar Express (were the option ignored, the two would be identical), yet the updates agree
+    # to bf16 accuracy.
+    assert not torch.equal(f32, dnn)
+    p0 = 0.02 * torch.randn((384, 256), generator=torch.Generator().manual_seed(3))
+    assert relf(dnn - p0, f32 - p0) < 0.05
+    assert torch.equal(auto, dnn if avx512_core() else f32)
+    assert torch.equal(steps(daemon, algorithm, bf16_matmul="auto"), auto)
+
+
+def test_bad_values_and_groups_without_a_bf16_path_are_refused(daemon):
+    p = torch.nn.Parameter(torch.zeros(8, 4))
+    with pytest.raises(ValueError, match="bf16_matmul"):
+        diond.torch.Optimizer([p], target=daemon.target, bf16_matmul="mkldnn")
+    for algorithm in ("dion", "adamw"):
+        with pytest.raises(ValueError, match="bf16_matmul"):
+            diond.torch.Optimizer([p], target=daemon.target, algorithm=algorithm,
+                                  bf16_matmul="onednn")
