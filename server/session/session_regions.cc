@@ -38,6 +38,7 @@ absl::StatusOr<std::string> Session::RegisterMappedRegion(
   }
   absl::MutexLock lock(&mu_);
   last_used_ = absl::Now();
+  DIOND_RETURN_IF_ERROR(RefuseIfQueuedLocked(absl::StrCat("RegisterRegion (", RoleName(role), ")")));
   Binding& b = binding(role);
   if (b.region != nullptr) {
     return absl::FailedPreconditionError(absl::StrCat(RoleName(role),
@@ -91,6 +92,7 @@ absl::StatusOr<std::string> Session::RegisterMappedRegion(
 absl::Status Session::UnregisterRegion(const std::string& region_id) {
   absl::MutexLock lock(&mu_);
   last_used_ = absl::Now();
+  DIOND_RETURN_IF_ERROR(RefuseIfQueuedLocked("UnregisterRegion"));
   for (Role r : {Role::kParameters, Role::kGradients}) {
     Binding& b = binding(r);
     if (b.region != nullptr && b.region_id == region_id) {
@@ -156,6 +158,9 @@ absl::Status Session::CheckRegions(const std::string& when, std::optional<Role> 
 }
 
 void Session::DetachTrainer() {
+  // The previous trainer's queued asynchronous step finishes first (its outcome is dropped:
+  // the new trainer learns the step index from AttachSession).
+  DrainQueuedStep();
   absl::MutexLock lock(&mu_);
   last_used_ = absl::Now();
   if (params_.region != nullptr) {

@@ -37,11 +37,9 @@ int64_t GroupStep(const StepRequest& request, const std::string& group) {
 
 }  // namespace
 
-absl::StatusOr<StepResult> Session::Step(const StepRequest& request,
-                                         const kernels::Context& ctx, absl::Mutex* compute_mu) {
-  const absl::Time start = absl::Now();
-  absl::MutexLock lock(&mu_);
-  last_used_ = start;
+absl::StatusOr<StepResult> Session::StepLocked(const StepRequest& request,
+                                               const kernels::Context& ctx,
+                                               absl::Mutex* compute_mu, absl::Time start) {
   std::optional<StepResult> replay;
   DIOND_RETURN_IF_ERROR(ValidateStepLocked(request, &replay));
   if (replay.has_value()) return *replay;
@@ -156,6 +154,9 @@ absl::Status Session::ValidateStepLocked(const StepRequest& request,
                          "from a checkpoint without it)");
     } else if (last_step_index_ > 0 && last_result_.has_value()) {
       why = absl::StrCat(" (or ", last_step_index_, " to replay the last answer)");
+    }
+    if (!last_async_failure_.empty()) {
+      absl::StrAppend(&why, "; the last asynchronous step failed (", last_async_failure_, ")");
     }
     return absl::FailedPreconditionError(absl::StrCat("step_index ", request.step_index,
                                                       " is out of order: expected ",
