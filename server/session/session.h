@@ -39,6 +39,7 @@
 #include "kernels/context.h"
 #include "kernels/optim/group_optimizer.h"
 #include "server/fdchannel/unique_fd.h"
+#include "server/session/cuda_region.h"
 #include "server/session/shard_plan.h"
 #include "server/session/shm_region.h"
 #include "server/session/types.h"
@@ -126,6 +127,13 @@ class Session {
   // RegisterShmRegion and CheckMemfd's (server/session/memfd_region.h). Returns the region id.
   absl::StatusOr<std::string> RegisterMemfdRegion(Role role, fdchannel::UniqueFd fd,
                                                   int64_t offset, int64_t size);
+  // Binds trainer GPU memory opened by CudaRegion (cuda_region.h) to `role`: INVALID_ARGUMENT
+  // for a region smaller than the role's arena; FAILED_PRECONDITION if the role is bound, or
+  // holds data in host memory (remote-mode uploads, restored weights) that only a device session
+  // could move to the GPU. The region is released on UnregisterRegion and with the session.
+  // Stepping such a session needs device sessions (not built on this branch): Step refuses it
+  // with FAILED_PRECONDITION, and no host path ever dereferences the region. Returns the id.
+  absl::StatusOr<std::string> RegisterCudaRegion(Role role, std::unique_ptr<CudaRegion> region);
   // NOT_FOUND for an unknown region id.
   absl::Status UnregisterRegion(const std::string& region_id);
 
@@ -223,6 +231,8 @@ class Session {
       absl::FunctionRef<absl::StatusOr<std::unique_ptr<ShmRegion>>()> open);
   struct Binding {
     std::unique_ptr<ShmRegion> region;
+    // Trainer GPU memory (RegisterCudaRegion); `data` stays null: no host path may read it.
+    std::unique_ptr<CudaRegion> cuda;
     std::vector<uint8_t> host;  // remote mode
     uint8_t* data = nullptr;
     std::string region_id;

@@ -191,6 +191,13 @@ absl::Status Session::ValidateStepLocked(const StepRequest& request,
           absl::StrCat("group_step['", Bounded(group), "'] = ", n, " must be >= 1"));
     }
   }
+  if (params_.cuda != nullptr || grads_.cuda != nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step ", request.step_index, ": the session's ",
+        (params_.cuda != nullptr ? params_ : grads_).cuda->Describe(),
+        " is device memory, and stepping on it needs device sessions, which this daemon does not "
+        "have yet (docs/DATA_PLANE.md \"CUDA regions\")"));
+  }
   if (!params_.bound() && pending_params_.empty()) {
     return absl::FailedPreconditionError(
         "no parameters: register a PARAMETERS region (or upload them with SetState) before Step");
