@@ -4,7 +4,7 @@
 // cudaGetDriverEntryPointByVersion (the non-deprecated form of cudaGetDriverEntryPoint) so that
 // the plugin never links libcuda (TOOLCHAIN.md pitfall P4).
 //
-// Compile-checked only: no GPU has run this file (docs/DATA_PLANE.md "What is built").
+// Compile-checked only: no GPU has run this file (docs/DATA_PLANE.md "CUDA regions").
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 
