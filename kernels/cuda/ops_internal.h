@@ -73,6 +73,19 @@ int OpWidenScaleCheckFinite(const DiondOpsCall*, DiondIn x, float scale, DiondOu
                             int32_t* all_finite);
 int OpFnv1aChecksum(const DiondOpsCall*, DiondIn x, uint64_t* checksum);
 
+// ops_handoff.cu (handoff: device UUIDs, IPC memory handles, VMM fds, interprocess events)
+int OpDeviceUuids(const DiondOpsCall* call, uint8_t* uuids, int32_t capacity, int32_t* count);
+int OpIpcOpenMemHandle(const DiondOpsCall* call, const uint8_t* handle, void** ptr,
+                       uint64_t* bytes);
+int OpIpcCloseMemHandle(const DiondOpsCall* call, void* ptr);
+int OpVmmImportFd(const DiondOpsCall* call, int32_t fd, uint64_t bytes, uint64_t granularity,
+                  void** ptr, void** handle);
+int OpVmmUnmap(const DiondOpsCall* call, void* ptr, uint64_t bytes, void* handle);
+int OpIpcOpenEvent(const DiondOpsCall* call, const uint8_t* handle, void** event);
+int OpEventDestroy(const DiondOpsCall* call, void* event);
+int OpStreamWaitEvent(const DiondOpsCall* call, void* event);
+int OpEventRecord(const DiondOpsCall* call, void* event);
+
 }  // namespace diond::cuda
 
 #endif  // DIOND_KERNELS_CUDA_OPS_INTERNAL_H_

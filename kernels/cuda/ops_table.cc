@@ -47,6 +47,16 @@ const DiondOpsApiV1* OpsApi() {
       &OpAllFinite,
       &OpWidenScaleCheckFinite,
       &OpFnv1aChecksum,
+      // handoff (ops_handoff.cu)
+      &OpDeviceUuids,
+      &OpIpcOpenMemHandle,
+      &OpIpcCloseMemHandle,
+      &OpVmmImportFd,
+      &OpVmmUnmap,
+      &OpIpcOpenEvent,
+      &OpEventDestroy,
+      &OpStreamWaitEvent,
+      &OpEventRecord,
   };
   return &kOps;
 }

@@ -194,7 +194,44 @@ typedef struct DiondOpsApiV1 {
   int (*widen_scale_check_finite)(const DiondOpsCall*, DiondIn x, float scale, DiondOut out,
                                   int32_t* all_finite);
   int (*fnv1a_checksum)(const DiondOpsCall*, DiondIn x, uint64_t* checksum);
+  // ---- handoff (issue 12; docs/DATA_PLANE.md): device identity, trainer memory imported
+  // from another process, interprocess events. ABI bump needed (appended by the handoff
+  // branch; DIOND_OPS_API_VERSION is bumped once at the merge). call->device is the daemon's
+  // device index the entry acts on; call->stream the stream of the stream entries. ----
+  // The UUIDs of every device the plugin can see, DIOND_GPU_UUID_BYTES each, in device-index
+  // order (cudaGetDeviceProperties().uuid): writes min(capacity, devices) of them and sets
+  // *count to the number of devices. The daemon maps a trainer's UUID to its own index with it.
+  int (*device_uuids)(const DiondOpsCall*, uint8_t* uuids, int32_t capacity, int32_t* count);
+  // A legacy CUDA IPC memory handle (cudaIpcMemHandle_t, DIOND_CUDA_IPC_HANDLE_BYTES) opened on
+  // call->device (cudaIpcOpenMemHandle, lazy peer access): *ptr is the base of the exporter's
+  // allocation, *bytes its size (cuMemGetAddressRange), against which the caller checks the
+  // region's offset and size. FAILED_PRECONDITION for a handle that cannot be opened.
+  int (*ipc_open_mem_handle)(const DiondOpsCall*, const uint8_t* handle, void** ptr,
+                             uint64_t* bytes);
+  int (*ipc_close_mem_handle)(const DiondOpsCall*, void* ptr);
+  // A VMM allocation exported as a POSIX fd (cuMemExportToShareableHandle) mapped into this
+  // process on call->device: cuMemImportFromShareableHandle, cuMemAddressReserve(bytes),
+  // cuMemMap, cuMemSetAccess(read/write for call->device). `bytes` must be a non-zero multiple
+  // of `granularity`, and `granularity` a multiple of the allocation's minimum granularity
+  // (FAILED_PRECONDITION naming both otherwise). The fd stays the caller's (not closed).
+  // *ptr: the mapping's base; *handle: what vmm_unmap releases.
+  int (*vmm_import_fd)(const DiondOpsCall*, int32_t fd, uint64_t bytes, uint64_t granularity,
+                       void** ptr, void** handle);
+  // cuMemUnmap, cuMemAddressFree and cuMemRelease of what vmm_import_fd mapped.
+  int (*vmm_unmap)(const DiondOpsCall*, void* ptr, uint64_t bytes, void* handle);
+  // An interprocess event (cudaIpcEventHandle_t, DIOND_CUDA_IPC_HANDLE_BYTES) opened on
+  // call->device; event_destroy frees it.
+  int (*ipc_open_event)(const DiondOpsCall*, const uint8_t* handle, void** event);
+  int (*event_destroy)(const DiondOpsCall*, void* event);
+  // call->stream waits for the event's last record (cudaStreamWaitEvent; no host wait).
+  int (*stream_wait_event)(const DiondOpsCall*, void* event);
+  // Records the event on call->stream (cudaEventRecord).
+  int (*event_record)(const DiondOpsCall*, void* event);
 } DiondOpsApiV1;
+
+// handoff: sizes of the records above.
+#define DIOND_GPU_UUID_BYTES 16
+#define DIOND_CUDA_IPC_HANDLE_BYTES 64
 
 typedef struct DiondCudaPluginV1 {
   uint32_t abi_major;

@@ -3,8 +3,10 @@
 
 #include <atomic>
 #include <cstring>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "kernels/device.h"
 #include "kernels/elementwise_math.h"
 #include "kernels/ops.h"
@@ -449,6 +451,16 @@ bool HasNullEntry(const DiondOpsApiV1& o) {
       reinterpret_cast<const void*>(o.all_finite),
       reinterpret_cast<const void*>(o.widen_scale_check_finite),
       reinterpret_cast<const void*>(o.fnv1a_checksum),
+      // handoff
+      reinterpret_cast<const void*>(o.device_uuids),
+      reinterpret_cast<const void*>(o.ipc_open_mem_handle),
+      reinterpret_cast<const void*>(o.ipc_close_mem_handle),
+      reinterpret_cast<const void*>(o.vmm_import_fd),
+      reinterpret_cast<const void*>(o.vmm_unmap),
+      reinterpret_cast<const void*>(o.ipc_open_event),
+      reinterpret_cast<const void*>(o.event_destroy),
+      reinterpret_cast<const void*>(o.stream_wait_event),
+      reinterpret_cast<const void*>(o.event_record),
   };
   for (const void* e : entries) {
     if (e == nullptr) return true;
@@ -539,6 +551,122 @@ absl::StatusOr<DeviceMemoryStats> GetDeviceMemoryStats(Device device) {
                              ops->name);
   if (!s.ok()) return s;
   return st;
+}
+
+// ---- handoff (issue 12): device UUIDs, CUDA IPC / VMM imports, interprocess events ----
+
+namespace {
+
+absl::Status CheckHandle(const char* what, absl::Span<const uint8_t> handle) {
+  if (handle.size() != DIOND_CUDA_IPC_HANDLE_BYTES) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " must be ", DIOND_CUDA_IPC_HANDLE_BYTES,
+                                                   " bytes, got ", handle.size()));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<GpuUuid>> ListDeviceUuids(DeviceType type) {
+  const DiondOpsApiV1* ops = OpsFor(Device{type, 0});
+  if (ops == nullptr) return absl::FailedPreconditionError("no device backend for this type");
+  Call call(0, nullptr);
+  int32_t count = 0;
+  DIOND_RETURN_IF_ERROR(
+      call.Done("device_uuids", ops->device_uuids(&call.c, nullptr, 0, &count), ops->name));
+  if (count < 0 || count > 1024) {
+    return absl::InternalError(absl::StrCat("device_uuids: ", count, " devices"));
+  }
+  std::vector<GpuUuid> out(static_cast<size_t>(count));
+  int32_t again = 0;
+  DIOND_RETURN_IF_ERROR(call.Done(
+      "device_uuids",
+      ops->device_uuids(&call.c, count == 0 ? nullptr : out[0].data(), count, &again),
+      ops->name));
+  if (again != count) {
+    return absl::InternalError(
+        absl::StrCat("device_uuids: ", count, " devices, then ", again));
+  }
+  return out;
+}
+
+absl::StatusOr<IpcMapping> OpenIpcMemHandle(Device device, absl::Span<const uint8_t> handle) {
+  DIOND_RETURN_IF_ERROR(CheckHandle("a CUDA IPC memory handle", handle));
+  const DiondOpsApiV1* ops = OpsFor(device);
+  if (ops == nullptr) return absl::FailedPreconditionError("no device backend for this device");
+  Call call(device.index, nullptr);
+  IpcMapping m;
+  DIOND_RETURN_IF_ERROR(call.Done(
+      "ipc_open_mem_handle", ops->ipc_open_mem_handle(&call.c, handle.data(), &m.ptr, &m.bytes),
+      ops->name));
+  return m;
+}
+
+absl::Status CloseIpcMemHandle(Device device, void* ptr) {
+  const DiondOpsApiV1* ops = OpsFor(device);
+  if (ops == nullptr) return absl::FailedPreconditionError("no device backend for this device");
+  Call call(device.index, nullptr);
+  return call.Done("ipc_close_mem_handle", ops->ipc_close_mem_handle(&call.c, ptr), ops->name);
+}
+
+absl::StatusOr<VmmMapping> ImportVmmFd(Device device, int fd, uint64_t bytes,
+                                       uint64_t granularity) {
+  if (fd < 0) return absl::InvalidArgumentError(absl::StrCat("VMM fd ", fd, " is not an fd"));
+  if (bytes == 0 || granularity == 0 || bytes % granularity != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("VMM mapping of ", bytes,
+                                                   " bytes must be a non-zero multiple of its "
+                                                   "granularity ",
+                                                   granularity));
+  }
+  const DiondOpsApiV1* ops = OpsFor(device);
+  if (ops == nullptr) return absl::FailedPreconditionError("no device backend for this device");
+  Call call(device.index, nullptr);
+  VmmMapping m;
+  m.bytes = bytes;
+  DIOND_RETURN_IF_ERROR(call.Done(
+      "vmm_import_fd", ops->vmm_import_fd(&call.c, fd, bytes, granularity, &m.ptr, &m.handle),
+      ops->name));
+  return m;
+}
+
+absl::Status UnmapVmm(Device device, const VmmMapping& mapping) {
+  const DiondOpsApiV1* ops = OpsFor(device);
+  if (ops == nullptr) return absl::FailedPreconditionError("no device backend for this device");
+  Call call(device.index, nullptr);
+  return call.Done("vmm_unmap",
+                   ops->vmm_unmap(&call.c, mapping.ptr, mapping.bytes, mapping.handle), ops->name);
+}
+
+absl::StatusOr<void*> OpenIpcEvent(Device device, absl::Span<const uint8_t> handle) {
+  DIOND_RETURN_IF_ERROR(CheckHandle("a CUDA IPC event handle", handle));
+  const DiondOpsApiV1* ops = OpsFor(device);
+  if (ops == nullptr) return absl::FailedPreconditionError("no device backend for this device");
+  Call call(device.index, nullptr);
+  void* event = nullptr;
+  DIOND_RETURN_IF_ERROR(call.Done(
+      "ipc_open_event", ops->ipc_open_event(&call.c, handle.data(), &event), ops->name));
+  return event;
+}
+
+absl::Status DestroyEvent(Device device, void* event) {
+  const DiondOpsApiV1* ops = OpsFor(device);
+  if (ops == nullptr) return absl::FailedPreconditionError("no device backend for this device");
+  Call call(device.index, nullptr);
+  return call.Done("event_destroy", ops->event_destroy(&call.c, event), ops->name);
+}
+
+absl::Status StreamWaitEvent(Device device, StreamHandle stream, void* event) {
+  const DiondOpsApiV1* ops = OpsFor(device);
+  if (ops == nullptr) return absl::FailedPreconditionError("no device backend for this device");
+  Call call(device.index, stream);
+  return call.Done("stream_wait_event", ops->stream_wait_event(&call.c, event), ops->name);
+}
+
+absl::Status RecordEvent(Device device, StreamHandle stream, void* event) {
+  const DiondOpsApiV1* ops = OpsFor(device);
+  if (ops == nullptr) return absl::FailedPreconditionError("no device backend for this device");
+  Call call(device.index, stream);
+  return call.Done("event_record", ops->event_record(&call.c, event), ops->name);
 }
 
 }  // namespace diond::kernels

@@ -13,11 +13,14 @@
 #ifndef DIOND_KERNELS_PLUGIN_PLUGIN_BACKEND_H_
 #define DIOND_KERNELS_PLUGIN_PLUGIN_BACKEND_H_
 
+#include <array>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "kernels/backend.h"
 #include "kernels/context.h"
 #include "kernels/cuda/plugin_api.h"
@@ -56,6 +59,37 @@ absl::StatusOr<DeviceMemoryStats> GetDeviceMemoryStats(Device device);
 // budget, in use, requested), or "" — Context::Allocate's RESOURCE_EXHAUSTED names only the
 // request, so code that reports an over-budget session appends this.
 std::string LastDeviceAllocationError();
+
+// ---- handoff (issue 12; docs/DATA_PLANE.md): the GPU half's device objects through the same
+// table (kCuda or kTest). FAILED_PRECONDITION when nothing is adapted for the device's type;
+// the plugin's refusals keep its code (FAILED_PRECONDITION for a handle it cannot open). ----
+using GpuUuid = std::array<uint8_t, DIOND_GPU_UUID_BYTES>;
+// Every device's UUID, in device-index order (what MapGpuUuid maps a trainer's UUID against).
+absl::StatusOr<std::vector<GpuUuid>> ListDeviceUuids(DeviceType type);
+// A legacy CUDA IPC memory handle (DIOND_CUDA_IPC_HANDLE_BYTES; INVALID_ARGUMENT otherwise)
+// opened on `device`: the exporter's allocation, base and size.
+struct IpcMapping {
+  void* ptr = nullptr;
+  uint64_t bytes = 0;
+};
+absl::StatusOr<IpcMapping> OpenIpcMemHandle(Device device, absl::Span<const uint8_t> handle);
+absl::Status CloseIpcMemHandle(Device device, void* ptr);
+// A VMM fd (cuMemExportToShareableHandle) mapped on `device`, `bytes` a non-zero multiple of
+// `granularity` (INVALID_ARGUMENT otherwise). The fd stays the caller's.
+struct VmmMapping {
+  void* ptr = nullptr;
+  uint64_t bytes = 0;
+  void* handle = nullptr;  // the plugin's allocation handle
+};
+absl::StatusOr<VmmMapping> ImportVmmFd(Device device, int fd, uint64_t bytes,
+                                       uint64_t granularity);
+absl::Status UnmapVmm(Device device, const VmmMapping& mapping);
+// An interprocess event (DIOND_CUDA_IPC_HANDLE_BYTES) opened on `device`; `stream` waits for
+// its last record, or records it, with no host wait.
+absl::StatusOr<void*> OpenIpcEvent(Device device, absl::Span<const uint8_t> handle);
+absl::Status DestroyEvent(Device device, void* event);
+absl::Status StreamWaitEvent(Device device, StreamHandle stream, void* event);
+absl::Status RecordEvent(Device device, StreamHandle stream, void* event);
 
 }  // namespace diond::kernels
 

@@ -23,6 +23,7 @@
 #ifndef DIOND_KERNELS_TESTING_HOST_DEVICE_BACKEND_H_
 #define DIOND_KERNELS_TESTING_HOST_DEVICE_BACKEND_H_
 
+#include <array>
 #include <cstdint>
 
 #include "kernels/cuda/plugin_api.h"
@@ -46,6 +47,33 @@ void SetHostTestDeviceStrict(bool strict);
 bool HostTestDeviceStrict();
 // Resets the counters (not the pool) and sets the pool budget (0: unlimited).
 void ResetHostTestDevice(uint64_t budget_bytes);
+
+// ---- handoff (issue 12): the GPU half emulated. The TEST backend has kHostTestDeviceCount
+// devices with fake UUIDs; the functions below play the trainer's side (what it would export
+// with cudaIpcGetMemHandle, cuMemExportToShareableHandle, cudaIpcGetEventHandle), and the table's
+// entries open what they made, refusing bad, unknown, freed, closed and foreign ones as the CUDA
+// entries would (FAILED_PRECONDITION). ----
+inline constexpr int kHostTestDeviceCount = 2;
+inline constexpr uint64_t kHostTestVmmGranularity = 64 << 10;  // the "minimum granularity"
+using GpuUuidBytes = std::array<uint8_t, DIOND_GPU_UUID_BYTES>;
+// "diond-test-gpu" + the index (2 bytes, big-endian).
+GpuUuidBytes HostTestDeviceUuid(int index);
+// A handle (DIOND_CUDA_IPC_HANDLE_BYTES written to `handle`) naming the TEST allocation that
+// starts at `ptr`; false for a pointer that is not one, or a bad device.
+bool HostTestExportIpcMemHandle(int device, void* ptr, uint8_t* handle);
+// A new fd (the caller closes it) standing for the TEST allocation at `ptr`, as an exported VMM
+// allocation; -1 for a pointer that is not one.
+int HostTestExportVmmFd(int device, void* ptr);
+// An interprocess event created on `device`; its handle written to `handle`.
+bool HostTestCreateIpcEvent(int device, uint8_t* handle);
+// How often the event of `handle` was recorded (event_record).
+int64_t HostTestEventRecords(const uint8_t* handle);
+struct HostTestHandoffCounters {
+  int64_t ipc_opens = 0, ipc_closes = 0, vmm_maps = 0, vmm_unmaps = 0;
+  int64_t events_opened = 0, events_destroyed = 0, stream_waits = 0, event_records = 0;
+  int64_t ipc_open_now = 0, vmm_mapped_now = 0, events_open_now = 0;  // live right now
+};
+HostTestHandoffCounters GetHostTestHandoffCounters();
 
 }  // namespace diond::kernels::testing
 

@@ -189,6 +189,8 @@ session::StepRequest StepRequestFromProto(const v1::StepRequest& req) {
   sr.gradient_scale = req.gradient_scale();
   for (const auto& [group, lr] : req.lr_override()) sr.lr_override[group] = lr;
   for (const auto& [group, n] : req.group_step()) sr.group_step[group] = n;
+  sr.asynchronous = req.asynchronous();
+  sr.wait = req.wait();
   return sr;
 }
 

@@ -277,13 +277,18 @@ grpc::ServerUnaryReactor* OptimizerService::Step(grpc::CallbackServerContext* ct
   }
   auto r = manager_->Step(req->session_id(), StepRequestFromProto(*req));
   if (!r.ok()) return Finish(ctx, r.status());
-  resp->set_step_index(r->step_index);
-  resp->set_skipped(r->skipped);
-  resp->set_replayed(r->replayed);
-  for (const auto& [g, n] : r->update_norms) (*resp->mutable_update_norms())[g] = n;
-  resp->set_compute_micros(r->compute_micros);
-  resp->set_total_micros(r->total_micros);
-  resp->set_world_bytes_sent(r->world_bytes_sent);
+  auto fill = [](const session::StepResult& from, v1::StepResponse* to) {
+    to->set_step_index(from.step_index);
+    to->set_skipped(from.skipped);
+    to->set_replayed(from.replayed);
+    for (const auto& [g, n] : from.update_norms) (*to->mutable_update_norms())[g] = n;
+    to->set_compute_micros(from.compute_micros);
+    to->set_total_micros(from.total_micros);
+    to->set_world_bytes_sent(from.world_bytes_sent);
+    to->set_queued(from.queued);
+  };
+  fill(*r, resp);
+  if (!r->previous.empty()) fill(r->previous.front(), resp->mutable_previous());
   return Finish(ctx, absl::OkStatus());
 }
 

@@ -27,7 +27,9 @@
 #include <atomic>
 #include <memory>
 #include <optional>
+#include <functional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/functional/function_ref.h"
@@ -37,6 +39,7 @@
 #include "kernels/context.h"
 #include "kernels/optim/group_optimizer.h"
 #include "server/fdchannel/unique_fd.h"
+#include "server/session/cuda_region.h"
 #include "server/session/shard_plan.h"
 #include "server/session/shm_region.h"
 #include "server/session/types.h"
@@ -106,6 +109,8 @@ class Session {
   static absl::StatusOr<std::unique_ptr<Session>> Create(std::string id, SessionSpec spec,
                                                          const kernels::Context* ctx = nullptr);
 
+  ~Session();  // waits for a queued asynchronous step (never call it on that step's thread)
+
   const std::string& id() const { return id_; }
   const SessionSpec& spec() const { return spec_; }
   const Layout& layout() const { return layout_; }
@@ -122,13 +127,34 @@ class Session {
   // RegisterShmRegion and CheckMemfd's (server/session/memfd_region.h). Returns the region id.
   absl::StatusOr<std::string> RegisterMemfdRegion(Role role, fdchannel::UniqueFd fd,
                                                   int64_t offset, int64_t size);
+  // Binds trainer GPU memory opened by CudaRegion (cuda_region.h) to `role`: INVALID_ARGUMENT
+  // for a region smaller than the role's arena; FAILED_PRECONDITION if the role is bound, or
+  // holds data in host memory (remote-mode uploads, restored weights) that only a device session
+  // could move to the GPU. The region is released on UnregisterRegion and with the session.
+  // Stepping such a session needs device sessions (not built on this branch): Step refuses it
+  // with FAILED_PRECONDITION, and no host path ever dereferences the region. Returns the id.
+  absl::StatusOr<std::string> RegisterCudaRegion(Role role, std::unique_ptr<CudaRegion> region);
   // NOT_FOUND for an unknown region id.
   absl::Status UnregisterRegion(const std::string& region_id);
 
   // One optimizer step (idempotent on step_index; see the proto). `compute_mu` serializes
   // compute across sessions.
+  //
+  // Asynchronous steps (request.asynchronous; docs/DATA_PLANE.md "Asynchronous Step"): the
+  // request is validated here, the step runs on a thread of the session's, and the answer is
+  // {queued, step_index}. `after_async` (may be empty) runs on that thread once the step
+  // succeeded, before its result can be collected (SessionManager records the step and takes
+  // the automatic checkpoint there; Snapshot works meanwhile). The next Step waits for the
+  // queued one and collects its result (StepResult::previous) or fails with its error; a Step
+  // with `wait` only collects. `ctx` and `compute_mu` must outlive the queued step.
   absl::StatusOr<StepResult> Step(const StepRequest& request, const kernels::Context& ctx,
-                                  absl::Mutex* compute_mu);
+                                  absl::Mutex* compute_mu,
+                                  std::function<void(const StepResult&)> after_async = nullptr);
+  // Waits until no asynchronous step of this session runs, then drops its uncollected outcome
+  // (a failure is logged): CloseSession, AttachSession and daemon shutdown. `closing`: the
+  // session is being closed, and every later Step is refused (so that none is queued after).
+  // Returns the index of the step it waited for (0: none was queued).
+  int64_t DrainQueuedStep(bool closing = false);
 
   // Applies stream writes (PushGradients: role kGradients; SetState chunks: parameters and state)
   // after validating every one: names exist, [offset, offset+len) inside the tensor, every
@@ -205,6 +231,8 @@ class Session {
       absl::FunctionRef<absl::StatusOr<std::unique_ptr<ShmRegion>>()> open);
   struct Binding {
     std::unique_ptr<ShmRegion> region;
+    // Trainer GPU memory (RegisterCudaRegion); `data` stays null: no host path may read it.
+    std::unique_ptr<CudaRegion> cuda;
     std::vector<uint8_t> host;  // remote mode
     uint8_t* data = nullptr;
     std::string region_id;
@@ -233,6 +261,31 @@ class Session {
   // host_ctx_, made at the first call with host_threads_ threads.
   const kernels::Context& HostContext() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void WriteParamF32(size_t i, const float* in) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // ---- asynchronous steps (session_async.cc) ----
+  // The queued step: kRunning until its update ran, kCompleting while `after_async` runs (only
+  // Snapshot and the bookkeeping may then touch the session), kDone until collected.
+  enum class QueuedState { kRunning, kCompleting, kDone };
+  struct QueuedStep {
+    int64_t step_index = 0;
+    QueuedState state = QueuedState::kRunning;
+    absl::Status status;
+    StepResult result;
+  };
+  // FAILED_PRECONDITION "<what>: step N was queued by an asynchronous Step ..." while an
+  // asynchronous step is queued and not yet collected.
+  absl::Status RefuseIfQueuedLocked(absl::string_view what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Blocks (releasing mu_) until the queued step, if any, has reached at least `state`.
+  void AwaitQueuedLocked(QueuedState state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes the finished queued step's outcome and joins its thread.
+  QueuedStep TakeQueuedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The queued step's thread body.
+  void RunQueuedStep(StepRequest request, const kernels::Context* ctx, absl::Mutex* compute_mu,
+                     std::function<void(const StepResult&)> after_async);
+  // The synchronous step (session_step.cc), once the queue has been dealt with.
+  absl::StatusOr<StepResult> StepLocked(const StepRequest& request, const kernels::Context& ctx,
+                                        absl::Mutex* compute_mu, absl::Time start)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // ---- the step (session_step.cc; the world's phases in session_world.cc) ----
   // One Step's working set, passed through its phases (docs/ARCHITECTURE.md §2).
@@ -350,6 +403,14 @@ class Session {
   // The thread count of the context the session was created for (0: the CPU default): the host
   // context gets the same, so its ops leave OpenBLAS's process-wide pool size alone.
   int host_threads_ = 0;
+  // The asynchronous step queued and not yet collected (at most one), and its thread (joined
+  // when the outcome is taken, and by the destructor).
+  std::optional<QueuedStep> queued_ ABSL_GUARDED_BY(mu_);
+  std::thread queued_thread_ ABSL_GUARDED_BY(mu_);
+  // The last asynchronous step that failed ("step N: <status>"), until a step is applied: quoted
+  // by the out-of-order error, so that a lost answer never hides the failure.
+  std::string last_async_failure_ ABSL_GUARDED_BY(mu_);
+  bool closing_ ABSL_GUARDED_BY(mu_) = false;  // DrainQueuedStep(closing): Steps refused
 };
 
 }  // namespace diond::session

@@ -104,6 +104,21 @@ absl::StatusOr<std::unique_ptr<SessionManager>> SessionManager::Create(
 SessionManager::~SessionManager() {
   stop_.Notify();
   if (reaper_.joinable()) reaper_.join();
+  DrainQueuedSteps();
+}
+
+void SessionManager::DrainQueuedSteps() {
+  std::vector<std::shared_ptr<Session>> all;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [id, s] : sessions_) all.push_back(s);
+  }
+  for (auto& s : all) {
+    if (int64_t step = s->DrainQueuedStep(/*closing=*/true); step != 0) {
+      DIOND_LOG(INFO) << "session " << s->id() << ": the asynchronous step " << step
+                      << " finished before the daemon stopped";
+    }
+  }
 }
 
 std::string SessionManager::NewId() {
@@ -309,6 +324,14 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Get(const std::string& 
 
 absl::Status SessionManager::Close(const std::string& id, bool by_client) {
   ScopedLogContext log_context(id);
+  // A queued asynchronous step finishes first (outside mu_: its bookkeeping looks the session
+  // up); no Step is accepted after.
+  if (auto s = Get(id); s.ok()) {
+    if (int64_t step = (*s)->DrainQueuedStep(/*closing=*/true); step != 0) {
+      DIOND_LOG(INFO) << "session " << id << ": the asynchronous step " << step
+                      << " finished before the session was closed";
+    }
+  }
   int64_t count;
   {
     absl::MutexLock lock(&mu_);
@@ -342,8 +365,23 @@ absl::StatusOr<StepResult> SessionManager::Step(const std::string& id,
                                                 const StepRequest& request) {
   ScopedLogContext log_context(id, request.step_index);
   DIOND_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Get(id));
-  DIOND_ASSIGN_OR_RETURN(StepResult r, s->Step(request, *ctx_, &compute_mu_));
-  if (!r.replayed) s->RecordStepTime(absl::Now());
+  // An asynchronous step's bookkeeping runs on its own thread once it succeeded (the session
+  // is then still reachable here: Close drains it before dropping the session).
+  DIOND_ASSIGN_OR_RETURN(
+      StepResult r,
+      s->Step(request, *ctx_, &compute_mu_, [this, id](const StepResult& done) {
+        ScopedLogContext async_log_context(id, done.step_index);
+        AfterStep(id, done);
+      }));
+  if (r.queued) return r;
+  AfterStep(id, r);
+  return r;
+}
+
+void SessionManager::AfterStep(const std::string& id, const StepResult& r) {
+  if (!r.replayed) {
+    if (auto s = Get(id); s.ok()) (*s)->RecordStepTime(absl::Now());
+  }
   if (observer_.on_step) observer_.on_step(id, r);
   if (!r.replayed && !r.skipped && options_.checkpoint_every > 0 &&
       r.step_index % options_.checkpoint_every == 0) {
@@ -355,7 +393,6 @@ absl::StatusOr<StepResult> SessionManager::Step(const std::string& id,
                        << " failed: " << saved.status();
     }
   }
-  return r;
 }
 
 absl::StatusOr<std::pair<std::string, int64_t>> SessionManager::SaveCheckpoint(

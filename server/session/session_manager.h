@@ -118,7 +118,12 @@ class SessionManager {
   std::vector<SessionInfo> List();
 
   // Step through the shared compute context; checkpoints afterwards when due.
+  // An asynchronous step (request.asynchronous) is recorded, counted and checkpointed when it
+  // has run, on the session's thread.
   absl::StatusOr<StepResult> Step(const std::string& id, const StepRequest& request);
+  // Waits for every session's queued asynchronous step, and refuses Steps from then on (the
+  // daemon's shutdown; the destructor calls it too).
+  void DrainQueuedSteps();
 
   // Writes a checkpoint of `id` under `root` (empty = --state_dir; relative = under --state_dir;
   // FAILED_PRECONDITION if
@@ -142,6 +147,8 @@ class SessionManager {
   void ReapIdleSessions(absl::Time now);
 
  private:
+  // A step's bookkeeping once it ran: the step time, the observer, the automatic checkpoint.
+  void AfterStep(const std::string& id, const StepResult& r);
   explicit SessionManager(const ManagerOptions& options, ManagerObserver observer);
   absl::Status CheckBudget(int64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Computes the shard plan of world session `spec` and agrees on it with the other ranks.

@@ -38,7 +38,12 @@ absl::StatusOr<std::string> Session::RegisterMappedRegion(
   }
   absl::MutexLock lock(&mu_);
   last_used_ = absl::Now();
+  DIOND_RETURN_IF_ERROR(RefuseIfQueuedLocked(absl::StrCat("RegisterRegion (", RoleName(role), ")")));
   Binding& b = binding(role);
+  if (b.cuda != nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(RoleName(role), " already has region ",
+                                                      b.region_id, "; unregister it first"));
+  }
   if (b.region != nullptr) {
     return absl::FailedPreconditionError(absl::StrCat(RoleName(role),
                                                       " already has region ", b.region_id,
@@ -88,12 +93,39 @@ absl::StatusOr<std::string> Session::RegisterMappedRegion(
   return b.region_id;
 }
 
+absl::StatusOr<std::string> Session::RegisterCudaRegion(Role role,
+                                                        std::unique_ptr<CudaRegion> region) {
+  const int64_t need = role == Role::kParameters ? layout_.param_arena_bytes
+                                                 : layout_.grad_arena_bytes;
+  if (region->size() < need) {
+    return absl::InvalidArgumentError(absl::StrCat(region->Describe(), " is smaller than the ",
+                                                   RoleName(role), " arena (", need, " bytes)"));
+  }
+  absl::MutexLock lock(&mu_);
+  last_used_ = absl::Now();
+  DIOND_RETURN_IF_ERROR(RefuseIfQueuedLocked(absl::StrCat("RegisterRegion (", RoleName(role), ")")));
+  Binding& b = binding(role);
+  if (b.region != nullptr || b.cuda != nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(RoleName(role), " already has region ",
+                                                      b.region_id, "; unregister it first"));
+  }
+  if (!b.host.empty() || (role == Role::kParameters && !pending_params_.empty())) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        RoleName(role), ": the daemon holds this arena in host memory (uploaded or restored); "
+        "moving it into a CUDA region needs device sessions, which this daemon does not have yet"));
+  }
+  b.cuda = std::move(region);
+  b.region_id = absl::StrCat(role == Role::kParameters ? "params-" : "grads-", next_region_++);
+  return b.region_id;
+}
+
 absl::Status Session::UnregisterRegion(const std::string& region_id) {
   absl::MutexLock lock(&mu_);
   last_used_ = absl::Now();
+  DIOND_RETURN_IF_ERROR(RefuseIfQueuedLocked("UnregisterRegion"));
   for (Role r : {Role::kParameters, Role::kGradients}) {
     Binding& b = binding(r);
-    if (b.region != nullptr && b.region_id == region_id) {
+    if ((b.region != nullptr || b.cuda != nullptr) && b.region_id == region_id) {
       b = Binding();
       if (r == Role::kParameters) master_valid_ = false;
       return absl::OkStatus();
@@ -104,6 +136,13 @@ absl::Status Session::UnregisterRegion(const std::string& region_id) {
 
 absl::Status Session::EnsureHostArena(Role r) {
   Binding& b = binding(r);
+  if (b.cuda != nullptr) {
+    // No host path touches device memory: streaming into or out of a CUDA region needs device
+    // sessions.
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the ", RoleName(r), " arena is a ", b.cuda->Describe(),
+        "; host transfers into it need device sessions, which this daemon does not have yet"));
+  }
   if (b.bound()) return absl::OkStatus();
   const int64_t bytes = r == Role::kParameters ? layout_.param_arena_bytes
                                                : layout_.grad_arena_bytes;
@@ -157,6 +196,9 @@ absl::Status Session::CheckRegions(const std::string& when, std::optional<Role> 
 }
 
 void Session::DetachTrainer() {
+  // The previous trainer's queued asynchronous step finishes first (its outcome is dropped:
+  // the new trainer learns the step index from AttachSession).
+  DrainQueuedStep();
   absl::MutexLock lock(&mu_);
   last_used_ = absl::Now();
   if (params_.region != nullptr) {
@@ -171,6 +213,10 @@ void Session::DetachTrainer() {
     pending_params_ = std::move(keep);
   }
   if (grads_.region != nullptr) grads_ = Binding();
+  // CUDA regions are released with the old trainer; their weights cannot be kept without
+  // device sessions (the new trainer restores them from its own copy or a checkpoint).
+  if (params_.cuda != nullptr) params_ = Binding();
+  if (grads_.cuda != nullptr) grads_ = Binding();
 }
 
 }  // namespace diond::session

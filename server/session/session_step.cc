@@ -37,11 +37,9 @@ int64_t GroupStep(const StepRequest& request, const std::string& group) {
 
 }  // namespace
 
-absl::StatusOr<StepResult> Session::Step(const StepRequest& request,
-                                         const kernels::Context& ctx, absl::Mutex* compute_mu) {
-  const absl::Time start = absl::Now();
-  absl::MutexLock lock(&mu_);
-  last_used_ = start;
+absl::StatusOr<StepResult> Session::StepLocked(const StepRequest& request,
+                                               const kernels::Context& ctx,
+                                               absl::Mutex* compute_mu, absl::Time start) {
   std::optional<StepResult> replay;
   DIOND_RETURN_IF_ERROR(ValidateStepLocked(request, &replay));
   if (replay.has_value()) return *replay;
@@ -154,6 +152,9 @@ absl::Status Session::ValidateStepLocked(const StepRequest& request,
     } else if (last_step_index_ > 0 && last_result_.has_value()) {
       why = absl::StrCat(" (or ", last_step_index_, " to replay the last answer)");
     }
+    if (!last_async_failure_.empty()) {
+      absl::StrAppend(&why, "; the last asynchronous step failed (", last_async_failure_, ")");
+    }
     return absl::FailedPreconditionError(absl::StrCat("step_index ", request.step_index,
                                                       " is out of order: expected ",
                                                       last_step_index_ + 1, why));
@@ -186,6 +187,13 @@ absl::Status Session::ValidateStepLocked(const StepRequest& request,
       return absl::InvalidArgumentError(
           absl::StrCat("group_step['", Bounded(group), "'] = ", n, " must be >= 1"));
     }
+  }
+  if (params_.cuda != nullptr || grads_.cuda != nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step ", request.step_index, ": the session's ",
+        (params_.cuda != nullptr ? params_ : grads_).cuda->Describe(),
+        " is device memory, and stepping on it needs device sessions, which this daemon does not "
+        "have yet (docs/DATA_PLANE.md \"CUDA regions\")"));
   }
   if (!params_.bound() && pending_params_.empty()) {
     return absl::FailedPreconditionError(

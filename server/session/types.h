@@ -93,6 +93,9 @@ struct StepRequest {
   // Group name -> the trainer's step number for the group (StepRequest.group_step); absent
   // groups use step_index.
   std::map<std::string, int64_t> group_step;
+  // StepRequest.asynchronous / .wait (docs/DATA_PLANE.md "Asynchronous Step").
+  bool asynchronous = false;
+  bool wait = false;
 };
 
 struct StepResult {
@@ -104,6 +107,9 @@ struct StepResult {
   int64_t total_micros = 0;
   int64_t world_bytes_sent = 0;  // world sessions: bytes this daemon sent for this step
   int64_t checksum_mismatches = 0;  // world sessions: copies healed at this step's check
+  bool queued = false;  // an asynchronous step: validated and queued, not run yet
+  // The queued asynchronous step's result, collected by this call (at most one).
+  std::vector<StepResult> previous;
 };
 
 // A named float32 tensor (state, parameters) as it crosses the session boundary.

@@ -146,6 +146,11 @@ void Daemon::Kill() {
   proc_->Wait(absl::Seconds(30));
 }
 
+std::optional<int> Daemon::Terminate(absl::Duration timeout) {
+  proc_->Signal(SIGTERM);
+  return proc_->Wait(timeout);
+}
+
 bool Daemon::Alive() { return !proc_->Wait(absl::ZeroDuration()).has_value(); }
 
 // ---- shm ---------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -73,6 +74,9 @@ class Daemon {
   std::string Log() const { return proc_->Log(); }
   // SIGKILL and reap.
   void Kill();
+  // SIGTERM (the daemon drains and exits) and reap: the exit status, nullopt if it did not exit
+  // within `timeout`.
+  std::optional<int> Terminate(absl::Duration timeout);
   // The daemon process is still alive.
   bool Alive();
 

@@ -309,6 +309,18 @@ absl::StatusOr<StepResult> Client::Step(const std::string& session_id, int64_t s
   req.mutable_lr_override()->insert(options.lr_override.begin(), options.lr_override.end());
   req.mutable_group_step()->insert(options.group_step.begin(), options.group_step.end());
   req.set_gradient_scale(options.gradient_scale);
+  req.set_asynchronous(options.asynchronous);
+  auto resp = Step(req);
+  if (!resp.ok()) return resp.status();
+  return diond::client::FromProto(*resp);
+}
+
+absl::StatusOr<StepResult> Client::WaitStep(const std::string& session_id,
+                                            int64_t step_index) const {
+  v1::StepRequest req;
+  req.set_session_id(session_id);
+  req.set_step_index(step_index);
+  req.set_wait(true);
   auto resp = Step(req);
   if (!resp.ok()) return resp.status();
   return diond::client::FromProto(*resp);

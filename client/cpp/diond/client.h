@@ -139,6 +139,11 @@ class Client {
   absl::StatusOr<StepResult> Step(const std::string& session_id, int64_t step_index,
                                   const StepOptions& options = {}) const;
   absl::StatusOr<v1::StepResponse> Step(const v1::StepRequest& request) const;
+  // Waits for the session's queued asynchronous step and returns its result (its error, with
+  // the step index, if it failed). `step_index`: 0 or the queued step's. With nothing queued:
+  // the recorded last answer (replayed).
+  absl::StatusOr<StepResult> WaitStep(const std::string& session_id,
+                                      int64_t step_index = 0) const;
 
   // Changes only the set fields of `group`'s hyperparameters.
   absl::Status SetHyperparameters(const std::string& session_id, const std::string& group,

@@ -126,6 +126,11 @@ struct StepResult {
   std::map<std::string, double> update_norms;  // per group
   int64_t compute_micros = 0;
   int64_t total_micros = 0;
+  // StepOptions::asynchronous: the step was checked and queued; only step_index is set. Its
+  // result comes with the next Step (previous) or WaitStep.
+  bool queued = false;
+  // The result of the asynchronous step queued before this call (at most one).
+  std::vector<StepResult> previous;
 };
 
 struct StepOptions {
@@ -134,6 +139,10 @@ struct StepOptions {
   // named use the step index).
   std::map<std::string, int64_t> group_step;
   double gradient_scale = 0;                  // 0 = 1.0
+  // Asynchronous Step (docs/DATA_PLANE.md): the daemon answers once the step is queued. The
+  // session's arenas belong to the step until its result is collected (WaitStep, or the next
+  // Step): the trainer must not read or write them meanwhile.
+  bool asynchronous = false;
 };
 
 struct SessionInfo {

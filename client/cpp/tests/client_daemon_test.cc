@@ -313,6 +313,79 @@ TEST_F(ClientDaemonTest, MemfdArenaMatchesShmArenaBitForBit) {
   EXPECT_TRUE(client_->CloseSession(mem.session_id).ok());
 }
 
+// Asynchronous Step (StepOptions::asynchronous, WaitStep; docs/DATA_PLANE.md): the same run as
+// synchronous steps gives the same bytes and norms; the next Step collects the queued step's
+// result (StepResult::previous); a call that touches the arenas while a step is queued is
+// refused with FAILED_PRECONDITION naming it.
+TEST_F(ClientDaemonTest, AsynchronousStepsMatchSynchronousStepsBitForBit) {
+  const size_t nw = kRows * kCols, nb = kRows;
+  Layout ref = NewSession("sync-ref");
+  Layout as = NewSession("async");
+  auto a = ShmArena::Create(client_.get(), ref);
+  ASSERT_TRUE(a.ok()) << a.status();
+  auto m = ShmArena::Create(client_.get(), as);
+  ASSERT_TRUE(m.ok()) << m.status();
+  auto w0 = Values(nw, 0.5f, 0.0f), b0 = Values(nb, 0.1f, 1.0f);
+  for (ShmArena* x : {&*a, &*m}) {
+    std::copy(w0.begin(), w0.end(), x->Param("w")->begin());
+    std::copy(b0.begin(), b0.end(), x->Param("b")->begin());
+  }
+  StepOptions async;
+  async.asynchronous = true;
+  for (int64_t t = 1; t <= 4; ++t) {
+    auto gw = Values(nw, 1.0f, 2.0f + static_cast<float>(t));
+    auto gb = Values(nb, 1.0f, 3.0f * static_cast<float>(t));
+    for (ShmArena* x : {&*a, &*m}) {
+      std::copy(gw.begin(), gw.end(), x->Grad("w")->begin());
+      std::copy(gb.begin(), gb.end(), x->Grad("b")->begin());
+    }
+    auto want = client_->Step(ref.session_id, t);
+    ASSERT_TRUE(want.ok()) << want.status();
+    auto queued = client_->Step(as.session_id, t, async);
+    ASSERT_TRUE(queued.ok()) << queued.status();
+    EXPECT_TRUE(queued->queued);
+    EXPECT_EQ(queued->step_index, t);
+    EXPECT_TRUE(queued->previous.empty());
+    absl::StatusOr<StepResult> done;
+    if (t % 2 == 1) {
+      done = client_->WaitStep(as.session_id);
+    } else {
+      // While the step is queued, a call touching the arenas is refused.
+      EXPECT_EQ(client_->UnregisterRegion(as.session_id, m->param_region_id()).code(),
+                absl::StatusCode::kFailedPrecondition);
+      done = client_->WaitStep(as.session_id, t);
+    }
+    ASSERT_TRUE(done.ok()) << done.status();
+    EXPECT_FALSE(done->queued);
+    EXPECT_EQ(done->step_index, t);
+    EXPECT_EQ(done->update_norms, want->update_norms) << "step " << t;
+    for (const char* name : {"w", "b"}) {
+      auto x = *a->ParamBytes(name), y = *m->ParamBytes(name);
+      ASSERT_EQ(std::string(x.begin(), x.end()), std::string(y.begin(), y.end()))
+          << name << " step " << t;
+    }
+  }
+  // Pipelined: steps 5 and 6 on unchanged gradients, step 6 collecting step 5.
+  auto want5 = client_->Step(ref.session_id, 5);
+  auto want6 = client_->Step(ref.session_id, 6);
+  ASSERT_TRUE(want5.ok() && want6.ok());
+  ASSERT_TRUE(client_->Step(as.session_id, 5, async).ok());
+  auto six = client_->Step(as.session_id, 6, async);
+  ASSERT_TRUE(six.ok()) << six.status();
+  ASSERT_EQ(six->previous.size(), 1u);
+  EXPECT_EQ(six->previous[0].step_index, 5);
+  EXPECT_EQ(six->previous[0].update_norms, want5->update_norms);
+  auto done6 = client_->WaitStep(as.session_id);
+  ASSERT_TRUE(done6.ok()) << done6.status();
+  EXPECT_EQ(done6->update_norms, want6->update_norms);
+  auto x = *a->ParamBytes("w"), y = *m->ParamBytes("w");
+  EXPECT_EQ(std::string(x.begin(), x.end()), std::string(y.begin(), y.end()));
+  a->Reset();
+  m->Reset();
+  EXPECT_TRUE(client_->CloseSession(ref.session_id).ok());
+  EXPECT_TRUE(client_->CloseSession(as.session_id).ok());
+}
+
 TEST_F(ClientDaemonTest, MemfdArenaErrorsKeepTheirCodes) {
   auto none = SendFdToChannel("/nonexistent/diond.sock.fd", 0);
   EXPECT_EQ(none.status().code(), absl::StatusCode::kUnavailable) << none.status();

@@ -395,12 +395,17 @@ class Client:
                     pb.UnregisterRegionRequest(session_id=session_id, region_id=region_id), timeout)
 
     def step(self, session_id, step_index, lr_override=None, gradient_scale=0.0, timeout=None,
-             group_step=None):
+             group_step=None, asynchronous=False):
         """Step; idempotent on step_index (repeat the last index to get its recorded answer).
         group_step: {group: the trainer's 1-based step number for it} (Dion's cqr warm-up counts
-        it; groups not named use step_index)."""
+        it; groups not named use step_index).
+
+        asynchronous=True: the daemon validates the request, queues the step and answers at once
+        (.queued is True); the result comes with the next step() (.previous) or wait_step().
+        Until then the session's regions and state belong to the step: do not read or write the
+        arenas (docs/DATA_PLANE.md "Asynchronous Step")."""
         req = pb.StepRequest(session_id=session_id, step_index=step_index,
-                             gradient_scale=gradient_scale)
+                             gradient_scale=gradient_scale, asynchronous=bool(asynchronous))
         if lr_override:
             for g, lr in lr_override.items():
                 req.lr_override[g] = float(lr)
@@ -408,6 +413,13 @@ class Client:
             for g, n in group_step.items():
                 req.group_step[g] = int(n)
         return self._unary("Step", req, timeout)
+
+    def wait_step(self, session_id, step_index=0, timeout=None):
+        """Waits for the session's queued asynchronous step and returns its StepResponse; raises
+        DiondError with its error if it failed. step_index: 0 or the queued step's. With nothing
+        queued: the recorded last step's answer (.replayed = True)."""
+        return self._unary("Step", pb.StepRequest(session_id=session_id, step_index=step_index,
+                                                  wait=True), timeout)
 
     def push_gradients(self, session_id, tensors, chunk_bytes=DEFAULT_PUSH_CHUNK_BYTES,
                        timeout=None):

@@ -382,6 +382,7 @@ class Optimizer(torch.optim.Optimizer):
         self.arena = None  # "memfd" or "shm" once the arenas exist
         self._explicit_defaults = set(options)
         self._closed = True  # until the session exists
+        self._queued = None  # the step index queued by step(asynchronous=True), not collected
         self._session_ready = False
         self._finalizer = None
         super().__init__(params, defaults)
@@ -672,6 +673,7 @@ class Optimizer(torch.optim.Optimizer):
         its own copy (remote mode, fp32 master weights) and the weights were changed outside
         step(), e.g. by model.load_state_dict(); load_state_dict() of this optimizer calls it."""
         self._check_open()
+        self.synchronize()
         if self.remote or self.fp32_master_weights:
             self._sync_views()
             self._upload_parameters()
@@ -733,12 +735,21 @@ class Optimizer(torch.optim.Optimizer):
                 self._sent[i] = (self._sent[i][0], wd)
         return out
 
-    def step(self, closure=None):
+    def step(self, closure=None, *, asynchronous=False):
         """One optimizer step in the daemon. Returns the closure's loss, like torch optimizers.
 
         On failure (DiondError) nothing was applied and the step counter did not advance, so
-        calling step() again retries the same step (Step is idempotent on its index)."""
+        calling step() again retries the same step (Step is idempotent on its index).
+
+        asynchronous=True: returns as soon as the daemon has queued the step (the request was
+        checked; self.last_step.queued is True). The model's parameters and gradients belong to
+        the daemon until synchronize() returns: do not read or write them (no forward, backward
+        or zero_grad) before it. step(), zero_grad(), state_dict(), load_state_dict(),
+        sync_parameters() and close() synchronize first. A failure of the queued step is raised
+        by synchronize() (or the call that synchronizes), and the step counter then stays where
+        it was."""
         self._check_open()
+        self.synchronize()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -757,9 +768,30 @@ class Optimizer(torch.optim.Optimizer):
                  for name, g in zip(self._group_names, self.param_groups)
                  if g["algorithm"] == "dion"}
         resp = self.client.step(self.session_id, self._step_index + 1, lr_override=lrs,
-                                group_step=steps)
-        self._step_index += 1
+                                group_step=steps, asynchronous=asynchronous)
         self.last_step = resp
+        if resp.queued:
+            self._queued = self._step_index + 1
+            return loss
+        self._finish_step()
+        return loss
+
+    def synchronize(self):
+        """Waits for the step queued by step(asynchronous=True) and returns its StepResponse
+        (also in self.last_step); with none queued, returns self.last_step. Raises DiondError
+        if the queued step failed: nothing was applied, the step counter did not advance, and
+        step() retries it."""
+        if self._queued is None:
+            return self.last_step
+        index, self._queued = self._queued, None
+        resp = self.client.wait_step(self.session_id, index)
+        self.last_step = resp
+        self._finish_step()
+        return resp
+
+    def _finish_step(self):
+        """A step applied: the counters advance; remote mode fetches the new weights."""
+        self._step_index += 1
         if self.remote:
             direct, staged = {}, {}
             for n, p in zip(self._names, self._params()):
@@ -773,11 +805,12 @@ class Optimizer(torch.optim.Optimizer):
                     p.data.copy_(new[n].torch().view(p.shape))
         for g in self.param_groups:
             g["step"] = g.get("step", 0) + 1
-        return loss
 
     def zero_grad(self, set_to_none=True):
         """Zeroes every gradient in place (also for set_to_none=True: the gradients must stay
         views of the gradient arena)."""
+        if not self._closed:
+            self.synchronize()
         with torch.no_grad():
             if self.remote or self._closed:
                 for p in self._params():
@@ -800,6 +833,7 @@ class Optimizer(torch.optim.Optimizer):
         """{"state": {param index: {state name: float32 tensor}}, "param_groups": [...]}, the
         usual PyTorch structure, with the state fetched from the daemon (GetState)."""
         self._check_open()
+        self.synchronize()
         raw = self.client.get_state(self.session_id)
         index = self._index_of()
         state = {}
@@ -821,6 +855,7 @@ class Optimizer(torch.optim.Optimizer):
         """Restores the state (SetState) and the groups' lr, weight_decay and step. The other
         options must equal this optimizer's (they are fixed in the daemon's session)."""
         self._check_open()
+        self.synchronize()
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError("loaded state dict has %d parameter groups, this optimizer %d"
@@ -890,6 +925,8 @@ class Optimizer(torch.optim.Optimizer):
         daemon died."""
         if self._closed:
             return
+        # CloseSession waits for a queued step in the daemon; its outcome is dropped with it.
+        self._queued = None
         self._closed = True
         if self._finalizer is not None:
             self._finalizer.detach()

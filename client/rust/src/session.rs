@@ -18,6 +18,10 @@ pub struct StepOptions {
     pub lr_override: BTreeMap<String, f64>,
     /// Multiplies the gradients (0 = 1.0).
     pub gradient_scale: f64,
+    /// Asynchronous Step (docs/DATA_PLANE.md): the daemon answers once the step is queued
+    /// (`queued` set); the result comes with the next step (`previous`) or
+    /// [`Session::wait_step`]. The arena belongs to the step until then: do not touch it.
+    pub asynchronous: bool,
 }
 
 /// How [`Session::step`] retries a step whose outcome it did not learn.
@@ -232,6 +236,7 @@ impl Session {
             step_index: index,
             lr_override: opts.lr_override.clone(),
             gradient_scale: opts.gradient_scale,
+            asynchronous: opts.asynchronous,
             ..Default::default()
         };
         let mut wait = self.retry.backoff;
@@ -246,6 +251,18 @@ impl Session {
                 other => return other,
             }
         }
+    }
+
+    /// Waits for the step queued by an asynchronous [`Session::step_with`] and returns its
+    /// answer (its error, naming the step, if it failed). `index`: 0 or the queued step's. With
+    /// nothing queued, the recorded last answer (`replayed` set).
+    pub fn wait_step(&mut self, index: i64) -> Result<proto::StepResponse> {
+        self.client.rpc().step(proto::StepRequest {
+            session_id: self.id.clone(),
+            step_index: index,
+            wait: true,
+            ..Default::default()
+        })
     }
 
     // ---- streamed tensors ---------------------------------------------------------------------

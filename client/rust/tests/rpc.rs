@@ -328,3 +328,51 @@ fn tcp_transport_and_the_raw_stubs() {
     assert!(listed.sessions.iter().any(|i| i.session_id == id && i.client_name == "tcp"));
     client.rpc().close_session(proto::CloseSessionRequest { session_id: id }).unwrap();
 }
+
+/// Asynchronous Step (docs/DATA_PLANE.md): three steps queued and collected with wait_step (and
+/// one by the next step's `previous`) give the synchronous session's bytes and norms.
+#[test]
+fn asynchronous_steps_match_synchronous_steps() {
+    let d = Daemon::start(&[], false);
+    let client = d.client();
+    let mut sync = client.create_session(&muon_spec("rpc-sync")).unwrap();
+    let mut asy = client.create_session(&muon_spec("rpc-async")).unwrap();
+    let (wb, bb) = (diond::tensor::f32_bytes(&values(1, W)), diond::tensor::f32_bytes(&values(2, B)));
+    for s in [&mut sync, &mut asy] {
+        s.attach_shm().unwrap();
+        s.set_state(&[("w", &wb), ("b", &bb)]).unwrap();
+    }
+    let opts = StepOptions { asynchronous: true, ..Default::default() };
+    let mut want_prev = None;
+    for t in 1..=4i64 {
+        if t % 2 == 1 {
+            for s in [&mut sync, &mut asy] {
+                s.arena_mut().unwrap().grad_mut("w").unwrap().copy_from_slice(&values(10 + t as u64, W));
+                s.arena_mut().unwrap().grad_mut("b").unwrap().copy_from_slice(&values(20 + t as u64, B));
+            }
+        }
+        let want = sync.step(t).unwrap();
+        let q = asy.step_with(t, &opts).unwrap();
+        assert!(q.queued && q.step_index == t, "{q:?}");
+        if t % 2 == 1 {
+            assert!(q.previous.is_none());
+            want_prev = Some(want);
+            continue;
+        }
+        // Step t (same gradients) collected step t-1.
+        let prev = q.previous.as_ref().expect("previous");
+        assert_eq!(prev.step_index, t - 1);
+        assert_eq!(prev.update_norms, want_prev.as_ref().unwrap().update_norms);
+        let done = asy.wait_step(0).unwrap();
+        assert!(!done.queued && done.step_index == t);
+        assert_eq!(done.update_norms, want.update_norms);
+        assert_same_bits(asy.arena().unwrap().param("w").unwrap(), sync.arena().unwrap().param("w").unwrap(), "values");
+    }
+    // With a step queued, GetState is refused, naming it.
+    asy.step_with(5, &opts).unwrap();
+    let e = asy.get_state(false).unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
+    assert!(e.message().contains("step 5 was queued"), "{e}");
+    assert_eq!(asy.wait_step(5).unwrap().step_index, 5);
+    assert!(asy.get_state(false).is_ok());
+}

@@ -1,0 +1,217 @@
+// The daemon side of CUDA regions, in process on the TEST backend's emulation of the plugin's
+// handoff block (kernels/testing/host_device_backend.h): the trainer's UUID mapped to the
+// daemon's device (FAILED_PRECONDITION with both UUIDs for an unknown GPU or one that is not the
+// compute device, nothing opened), the handle opened and checked against the region's range,
+// the region bound to a session and released on UnregisterRegion, with the session, and when a
+// new trainer attaches; Step, SetState and PushGradients on it refused; no leaks (counts).
+#include "server/session/cuda_region.h"
+
+#include <unistd.h>
+
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "common/status_matchers.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/backend.h"
+#include "kernels/testing/host_device_backend.h"
+#include "server/session/session.h"
+
+namespace diond::session {
+namespace {
+
+using ::diond::testing::IsOk;
+using ::diond::testing::StatusIs;
+using ::testing::HasSubstr;
+namespace kt = ::diond::kernels::testing;
+
+constexpr kernels::Device kDev0{kernels::DeviceType::kTest, 0};
+constexpr kernels::Device kDev1{kernels::DeviceType::kTest, 1};
+
+GpuUuid Uuid(int device) {
+  const auto u = kt::HostTestDeviceUuid(device);
+  GpuUuid g;
+  std::copy(u.begin(), u.end(), g.begin());
+  return g;
+}
+
+class CudaRegionTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    kernels::UnregisterOpsBackendForTest(kernels::DeviceType::kTest);
+    ASSERT_THAT(kernels::RegisterPluginOps(kernels::DeviceType::kTest, kt::HostTestDeviceOps()),
+                IsOk());
+    live_ = CudaRegion::LiveCount();
+    counters_ = kt::GetHostTestHandoffCounters();
+  }
+  void TearDown() override {
+    EXPECT_EQ(CudaRegion::LiveCount(), live_);
+    const auto now = kt::GetHostTestHandoffCounters();
+    EXPECT_EQ(now.ipc_open_now, counters_.ipc_open_now);
+    EXPECT_EQ(now.vmm_mapped_now, counters_.vmm_mapped_now);
+    for (void* p : allocations_) kt::HostTestDeviceOps()->deallocate(0, nullptr, p, 0);
+    kernels::UnregisterOpsBackendForTest(kernels::DeviceType::kTest);
+  }
+  void* Alloc(size_t bytes) {
+    char err[128] = {0};
+    DiondOpsCall call{0, nullptr, err, sizeof(err)};
+    void* p = nullptr;
+    EXPECT_EQ(kt::HostTestDeviceOps()->allocate(&call, bytes, &p), DIOND_OPS_OK) << err;
+    allocations_.push_back(p);
+    return p;
+  }
+  std::vector<uint8_t> Handle(void* p) {
+    std::vector<uint8_t> h(DIOND_CUDA_IPC_HANDLE_BYTES);
+    EXPECT_TRUE(kt::HostTestExportIpcMemHandle(0, p, h.data()));
+    return h;
+  }
+  static std::unique_ptr<Session> NewSession() {
+    SessionSpec spec;
+    spec.client_name = "cuda-region-test";
+    GroupSpec g;
+    g.name = "a";
+    g.config.algorithm = optim::AlgorithmKind::kAdamW;
+    spec.groups.push_back(g);
+    spec.params.push_back({"w", {16, 8}, DType::kF32, "a"});
+    auto s = Session::Create("s-cuda", spec);
+    EXPECT_THAT(s.status(), IsOk());
+    return s.ok() ? *std::move(s) : nullptr;
+  }
+
+  int64_t live_ = 0;
+  kt::HostTestHandoffCounters counters_;
+  std::vector<void*> allocations_;
+};
+
+TEST_F(CudaRegionTest, UnknownGpuAndWrongDeviceAreRefusedWithBothUuidsAndOpenNothing) {
+  void* p = Alloc(4096);
+  const auto h = Handle(p);
+  GpuUuid stranger = Uuid(0);
+  stranger[0] ^= 0xff;
+  auto r = CudaRegion::OpenIpc(kDev0, stranger, h, 0, 4096);
+  EXPECT_THAT(r.status(), StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_TRUE(absl::StrContains(r.status().message(), FormatGpuUuid(stranger)))
+      << r.status();
+  EXPECT_TRUE(absl::StrContains(r.status().message(), FormatGpuUuid(Uuid(0)))) << r.status();
+  // The trainer's GPU is the daemon's device 1, but the daemon computes on device 0.
+  r = CudaRegion::OpenIpc(kDev0, Uuid(1), h, 0, 4096);
+  EXPECT_THAT(r.status(), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                   HasSubstr("is this daemon's device 1")));
+  EXPECT_TRUE(absl::StrContains(r.status().message(), FormatGpuUuid(Uuid(0)))) << r.status();
+  // A CPU daemon.
+  r = CudaRegion::OpenIpc(kernels::Device{}, Uuid(0), h, 0, 4096);
+  EXPECT_THAT(r.status(), StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("CPU")));
+  EXPECT_EQ(kt::GetHostTestHandoffCounters().ipc_opens, counters_.ipc_opens);
+}
+
+TEST_F(CudaRegionTest, IpcRegionIsCheckedAgainstTheAllocationAndClosedWhenDropped) {
+  void* p = Alloc(8192);
+  const auto h = Handle(p);
+  // Past the end of the allocation: OUT_OF_RANGE, and the handle is closed again.
+  auto bad = CudaRegion::OpenIpc(kDev0, Uuid(0), h, 4096, 8192);
+  EXPECT_THAT(bad.status(), StatusIs(absl::StatusCode::kOutOfRange, HasSubstr("8192 bytes")));
+  EXPECT_EQ(kt::GetHostTestHandoffCounters().ipc_open_now, counters_.ipc_open_now);
+  {
+    auto r = CudaRegion::OpenIpc(kDev0, Uuid(0), h, 4096, 4096);
+    ASSERT_THAT(r.status(), IsOk());
+    EXPECT_EQ((*r)->data(), static_cast<uint8_t*>(p) + 4096);
+    EXPECT_EQ((*r)->device().index, 0);
+    EXPECT_EQ(CudaRegion::LiveCount(), live_ + 1);
+    EXPECT_EQ(kt::GetHostTestHandoffCounters().ipc_open_now, counters_.ipc_open_now + 1);
+  }
+  // Closed twice in all: after the refused range, and when the region was dropped.
+  EXPECT_EQ(kt::GetHostTestHandoffCounters().ipc_closes, counters_.ipc_closes + 2);
+}
+
+TEST_F(CudaRegionTest, VmmRegionRoundsToTheGranularityAndUnmapsWhenDropped) {
+  constexpr int64_t g = static_cast<int64_t>(kt::kHostTestVmmGranularity);
+  void* p = Alloc(2 * g);
+  const int fd = kt::HostTestExportVmmFd(0, p);
+  ASSERT_GE(fd, 0);
+  EXPECT_THAT(CudaRegion::OpenVmm(kDev0, Uuid(0), fd, 0, g, 3).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("power-of-two")));
+  EXPECT_THAT(CudaRegion::OpenVmm(kDev0, Uuid(0), fd, g, 2 * g, g).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("exceeds")));
+  {
+    auto r = CudaRegion::OpenVmm(kDev0, Uuid(0), fd, 256, g, g);  // maps 2 granules
+    ASSERT_THAT(r.status(), IsOk());
+    EXPECT_TRUE((*r)->vmm());
+    EXPECT_EQ((*r)->data(), static_cast<uint8_t*>(p) + 256);
+    EXPECT_EQ(kt::GetHostTestHandoffCounters().vmm_mapped_now, counters_.vmm_mapped_now + 1);
+  }
+  EXPECT_EQ(kt::GetHostTestHandoffCounters().vmm_unmaps, counters_.vmm_unmaps + 1);
+  close(fd);
+}
+
+TEST_F(CudaRegionTest, ASessionBindsReleasesAndNeverStepsOnACudaRegion) {
+  void* p = Alloc(1 << 16);
+  const auto h = Handle(p);
+  auto s = NewSession();
+  ASSERT_NE(s, nullptr);
+  const int64_t need = s->layout().param_arena_bytes;
+  // Too small for the arena.
+  auto small = CudaRegion::OpenIpc(kDev0, Uuid(0), h, 0, need - 4);
+  ASSERT_THAT(small.status(), IsOk());
+  EXPECT_THAT(s->RegisterCudaRegion(Role::kParameters, *std::move(small)).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("smaller")));
+  auto r = CudaRegion::OpenIpc(kDev0, Uuid(0), h, 0, need);
+  ASSERT_THAT(r.status(), IsOk());
+  auto id = s->RegisterCudaRegion(Role::kParameters, *std::move(r));
+  ASSERT_THAT(id.status(), IsOk());
+  EXPECT_EQ(CudaRegion::LiveCount(), live_ + 1);
+  // The role is taken (by either kind).
+  EXPECT_THAT(s->RegisterShmRegion(Role::kParameters, "nope", 0, need).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("already has region")));
+  // Host paths refuse device memory.
+  auto g = CudaRegion::OpenIpc(kDev0, Uuid(0), h, 0, 1);  // open already: refused by the plugin
+  EXPECT_THAT(g.status(), StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("open already")));
+  StepRequest req;
+  req.step_index = 1;
+  auto cpu = kernels::Context::CpuDefault(1);
+  absl::Mutex mu;
+  auto st = s->Step(req, *cpu, &mu);
+  EXPECT_THAT(st.status(), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                    HasSubstr("needs device sessions")));
+  NamedTensor w{"w", {16, 8}, std::vector<float>(128, 1.0f)};
+  EXPECT_THAT(s->SetState({w}), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                         HasSubstr("need device sessions")));
+  std::string out;
+  EXPECT_FALSE(s->ReadParameterBytes("w", 0, 4, &out).ok());
+  EXPECT_EQ(static_cast<const uint8_t*>(p)[0], 0) << "a host path wrote into the region";
+  // Unregister releases it.
+  ASSERT_THAT(s->UnregisterRegion(*id), IsOk());
+  EXPECT_EQ(CudaRegion::LiveCount(), live_);
+  // Bound again, then released with the session.
+  auto again = CudaRegion::OpenIpc(kDev0, Uuid(0), h, 0, need);
+  ASSERT_THAT(again.status(), IsOk());
+  ASSERT_THAT(s->RegisterCudaRegion(Role::kParameters, *std::move(again)).status(), IsOk());
+  EXPECT_EQ(CudaRegion::LiveCount(), live_ + 1);
+  s.reset();
+  EXPECT_EQ(CudaRegion::LiveCount(), live_);
+}
+
+TEST_F(CudaRegionTest, ANewTrainerAttachingReleasesTheOldTrainersRegions) {
+  void* p = Alloc(1 << 16);
+  const auto h = Handle(p);
+  auto s = NewSession();
+  ASSERT_NE(s, nullptr);
+  auto r = CudaRegion::OpenIpc(kDev0, Uuid(0), h, 0, s->layout().grad_arena_bytes);
+  ASSERT_THAT(r.status(), IsOk());
+  ASSERT_THAT(s->RegisterCudaRegion(Role::kGradients, *std::move(r)).status(), IsOk());
+  s->DetachTrainer();
+  EXPECT_EQ(CudaRegion::LiveCount(), live_);
+  // A thousand bind/unbind cycles leave nothing open.
+  for (int i = 0; i < 1000; ++i) {
+    auto c = CudaRegion::OpenIpc(kDev0, Uuid(0), h, 0, s->layout().grad_arena_bytes);
+    ASSERT_THAT(c.status(), IsOk());
+    auto id = s->RegisterCudaRegion(Role::kGradients, *std::move(c));
+    ASSERT_THAT(id.status(), IsOk());
+    ASSERT_THAT(s->UnregisterRegion(*id), IsOk());
+  }
+  EXPECT_EQ(kt::GetHostTestHandoffCounters().ipc_open_now, counters_.ipc_open_now);
+  (void)kDev1;
+}
+
+}  // namespace
+}  // namespace diond::session
