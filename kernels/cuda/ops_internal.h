@@ -72,6 +72,9 @@ int OpAllFinite(const DiondOpsCall*, DiondIn x, int32_t* all_finite);
 int OpWidenScaleCheckFinite(const DiondOpsCall*, DiondIn x, float scale, DiondOut out,
                             int32_t* all_finite);
 int OpFnv1aChecksum(const DiondOpsCall*, DiondIn x, uint64_t* checksum);
+// devsession: host registration (ops_memory.cu).
+int OpHostRegister(const DiondOpsCall* call, void* ptr, size_t bytes);
+int OpHostUnregister(const DiondOpsCall* call, void* ptr);
 
 }  // namespace diond::cuda
 

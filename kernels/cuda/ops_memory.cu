@@ -187,4 +187,17 @@ int OpMemoryStats(const DiondOpsCall* call, uint64_t* in_use, uint64_t* peak) {
   return DIOND_OPS_OK;
 }
 
+// ---- devsession: host registration of the trainer's shm / memfd mappings ----
+int OpHostRegister(const DiondOpsCall* call, void* ptr, size_t bytes) {
+  DIOND_RC(UseDevice(call, "host_register"));
+  DIOND_CU("host_register", cudaHostRegister(ptr, bytes, cudaHostRegisterDefault));
+  return DIOND_OPS_OK;
+}
+
+int OpHostUnregister(const DiondOpsCall* call, void* ptr) {
+  DIOND_RC(UseDevice(call, "host_unregister"));
+  DIOND_CU("host_unregister", cudaHostUnregister(ptr));
+  return DIOND_OPS_OK;
+}
+
 }  // namespace diond::cuda

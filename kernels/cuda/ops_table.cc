@@ -47,6 +47,9 @@ const DiondOpsApiV1* OpsApi() {
       &OpAllFinite,
       &OpWidenScaleCheckFinite,
       &OpFnv1aChecksum,
+      // devsession
+      &OpHostRegister,
+      &OpHostUnregister,
   };
   return &kOps;
 }

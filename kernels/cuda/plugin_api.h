@@ -194,6 +194,14 @@ typedef struct DiondOpsApiV1 {
   int (*widen_scale_check_finite)(const DiondOpsCall*, DiondIn x, float scale, DiondOut out,
                                   int32_t* all_finite);
   int (*fnv1a_checksum)(const DiondOpsCall*, DiondIn x, uint64_t* checksum);
+  // ---- devsession: host registration of trainer memory (shm / memfd mappings) for DMA ----
+  // Pins [ptr, ptr + bytes) of host memory for asynchronous copies (CUDA: cudaHostRegister,
+  // portable + mapped flags off); host_unregister undoes exactly one host_register of `ptr`.
+  // Registration is process-wide (not per device): call->device only names the device whose
+  // context makes the call. Never a sync point.
+  int (*host_register)(const DiondOpsCall* call, void* ptr, size_t bytes);
+  int (*host_unregister)(const DiondOpsCall* call, void* ptr);
+  // ---- end devsession ----
 } DiondOpsApiV1;
 
 typedef struct DiondCudaPluginV1 {

@@ -449,6 +449,9 @@ bool HasNullEntry(const DiondOpsApiV1& o) {
       reinterpret_cast<const void*>(o.all_finite),
       reinterpret_cast<const void*>(o.widen_scale_check_finite),
       reinterpret_cast<const void*>(o.fnv1a_checksum),
+      // devsession
+      reinterpret_cast<const void*>(o.host_register),
+      reinterpret_cast<const void*>(o.host_unregister),
   };
   for (const void* e : entries) {
     if (e == nullptr) return true;
@@ -540,5 +543,21 @@ absl::StatusOr<DeviceMemoryStats> GetDeviceMemoryStats(Device device) {
   if (!s.ok()) return s;
   return st;
 }
+
+// ---- devsession ----
+absl::Status HostRegister(Device device, void* ptr, size_t bytes) {
+  const DiondOpsApiV1* ops = OpsFor(device);
+  if (ops == nullptr) return absl::FailedPreconditionError("no device backend for this device");
+  Call call(device.index, nullptr);
+  return call.Done("host_register", ops->host_register(&call.c, ptr, bytes), ops->name);
+}
+
+absl::Status HostUnregister(Device device, void* ptr) {
+  const DiondOpsApiV1* ops = OpsFor(device);
+  if (ops == nullptr) return absl::FailedPreconditionError("no device backend for this device");
+  Call call(device.index, nullptr);
+  return call.Done("host_unregister", ops->host_unregister(&call.c, ptr), ops->name);
+}
+// ---- end devsession ----
 
 }  // namespace diond::kernels

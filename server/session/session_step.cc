@@ -56,6 +56,13 @@ absl::StatusOr<StepResult> Session::Step(const StepRequest& request,
     if (host_ctx_ == nullptr) host_ctx_ = kernels::Context::CpuDefault();
     run.ctx = host_ctx_.get();
   }
+  // The context the update rules run on: a device session's own (the device, or a CPU context
+  // over its host-addressable staging until the rules run on devices); a host session on a
+  // device daemon (a world session) steps its host state on the CPU.
+  const kernels::Context& update_ctx = device_ != nullptr ? *DeviceUpdateContext()
+                                       : ctx.device().type != kernels::DeviceType::kCpu
+                                           ? *host_ctx_
+                                           : ctx;
   run.compute_mu = compute_mu;
   run.start = start;
   run.when = absl::StrCat("step ", request.step_index);
@@ -91,19 +98,25 @@ absl::StatusOr<StepResult> Session::Step(const StepRequest& request,
   if (absl::Status s = CheckRegions(run.when); !s.ok()) {
     return run.comm != nullptr ? BreakWorld(run, s) : s;
   }
-  DIOND_RETURN_IF_ERROR(StageUpdatesPhase(run, ctx, compute_mu));
+  DIOND_RETURN_IF_ERROR(StageUpdatesPhase(run, update_ctx, compute_mu));
   // Everything the update read came from intact memory: nothing has been written yet.
   if (absl::Status s = CheckRegions(run.when); !s.ok()) {
     DiscardStep(run);
     return run.comm != nullptr ? BreakWorld(run, s) : s;
   }
   WriteWeightsPhase(run);
-  if (absl::Status s = ExchangeUpdatesPhase(run, ctx, compute_mu); !s.ok()) {
+  if (absl::Status s = ExchangeUpdatesPhase(run, update_ctx, compute_mu); !s.ok()) {
     DiscardStep(run);
     return s;
   }
-  // The weights of other dtypes (and the master weights' narrowed copies) into the arena.
-  {
+  // The weights of other dtypes (and the master weights' narrowed copies) into the arena; a
+  // device session: every new weight back from the device staging.
+  if (device_ != nullptr) {
+    if (absl::Status s = WriteWeightsFromDevice(run); !s.ok()) {
+      DiscardStep(run);
+      return s;
+    }
+  } else {
     absl::MutexLock compute(compute_mu);
     for (size_t i = 0; i < layout_.tensors.size(); ++i) {
       if (!run.via_scratch[i]) continue;
@@ -205,6 +218,7 @@ absl::Status Session::ValidateStepLocked(const StepRequest& request,
 }
 
 absl::Status Session::ReadGradientsPhase(StepRun& run) {
+  if (device_ != nullptr) return ReadGradientsToDevice(run);
   const size_t n = layout_.tensors.size();
   run.grads.assign(n, nullptr);
   grad_scratch_.resize(n);  // each buffer keeps its capacity between steps
@@ -243,6 +257,7 @@ absl::Status Session::ReadGradientsPhase(StepRun& run) {
 }
 
 absl::Status Session::ReadParametersPhase(StepRun& run) {
+  if (device_ != nullptr) return ReadParametersToDevice(run);
   const size_t n = layout_.tensors.size();
   run.params.assign(n, nullptr);
   run.via_scratch.assign(n, false);
