@@ -153,6 +153,58 @@ INSTANTIATE_TEST_SUITE_P(DeviceSessions, EveryAlgorithm,
                                            AlgorithmKind::kNorDion2, AlgorithmKind::kAdamW,
                                            AlgorithmKind::kLion));
 
+// bf16 bytes of `v` (the upper half of each float: any bf16 value will do).
+std::string Bf16Bytes(const std::vector<float>& v) {
+  const std::string f = FloatBytes(v);
+  std::string out;
+  for (size_t i = 0; i < v.size(); ++i) out += f.substr(4 * i + 2, 2);  // little-endian
+  return out;
+}
+
+class Bf16Weights : public DeviceSessions, public ::testing::WithParamInterface<bool> {};
+
+TEST_P(Bf16Weights, WidenedAndNarrowedOnTheDeviceEqualTheCpuDaemonBitForBit) {
+  // bf16 weights and gradients: widened on the device copy, the new weights narrowed there;
+  // with fp32 master weights (GetParam) the master comes back for the commit.
+  const SessionDesc d = Desc(AlgorithmKind::kNorMuon);
+  v1::CreateSessionRequest req = d.Request();
+  req.set_fp32_master_weights(GetParam());
+  for (int i = 0; i < 2; ++i) req.mutable_parameters(i)->set_dtype(v1::DTYPE_BF16);
+  auto c = CreateShmSession(cpu_->stub(), req);
+  auto g = CreateShmSession(dev_->stub(), req);
+  ASSERT_NE(c, nullptr);
+  ASSERT_NE(g, nullptr);
+  auto bytes = [&](size_t i, const std::vector<float>& v) {
+    return i < 2 ? Bf16Bytes(v) : FloatBytes(v);
+  };
+  for (size_t i = 0; i < d.params.size(); ++i) {
+    const std::string init = bytes(i, SyntheticValues(1, 0, i, d.Numel(i)));
+    c->params_seg->Write(c->tensor(i).param_offset_bytes(), init);
+    g->params_seg->Write(g->tensor(i).param_offset_bytes(), init);
+  }
+  for (int64_t t = 1; t <= kSteps; ++t) {
+    for (size_t i = 0; i < d.params.size(); ++i) {
+      const std::string grad = bytes(i, SyntheticValues(7, t, i, d.Numel(i)));
+      c->WriteGradBytes(i, grad);
+      g->WriteGradBytes(i, grad);
+    }
+    v1::StepResponse rc, rg;
+    ASSERT_TRUE(StepScaled(cpu_->stub(), c->id, t, t == 3 ? 2.0 : 1.0, &rc).ok());
+    grpc::Status sg = StepScaled(dev_->stub(), g->id, t, t == 3 ? 2.0 : 1.0, &rg);
+    ASSERT_TRUE(sg.ok()) << sg.error_message();
+    for (size_t i = 0; i < d.params.size(); ++i) {
+      EXPECT_EQ(g->ParamBytes(i), c->ParamBytes(i)) << d.params[i].name << ", step " << t;
+    }
+  }
+  EXPECT_NE(g->ParamBytes(0), Bf16Bytes(SyntheticValues(1, 0, 0, d.Numel(0))));
+  const TensorMap sc = State(*cpu_, c->id), sg = State(*dev_, g->id);
+  EXPECT_EQ(sg, sc);  // the fp32 weights (the master weights when kept) and the state
+  EXPECT_TRUE(CloseSession(cpu_->stub(), c->id).ok());
+  EXPECT_TRUE(CloseSession(dev_->stub(), g->id).ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(DeviceSessions, Bf16Weights, ::testing::Bool());
+
 TEST_F(DeviceSessions, NonFiniteGradientsFoundOnTheDeviceChangeNothing) {
   SessionDesc d = Desc(AlgorithmKind::kMuon);
   d.non_finite = v1::NON_FINITE_POLICY_ERROR;
