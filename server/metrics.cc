@@ -164,6 +164,11 @@ DaemonMetrics::DaemonMetrics(std::shared_ptr<prometheus::Registry> registry,
                                     "the daemon started.")
                               .Register(*registry_)
                               .Add({})),
+      graph_fallbacks_(prometheus::BuildCounter()
+                           .Name("diond_step_graph_fallbacks_total")
+                           .Help("Device sessions whose steps run eagerly instead of as a "
+                                 "captured graph, by reason (unsupported, sync_points).")
+                           .Register(*registry_)),
       steps_(prometheus::BuildCounter()
                  .Name("diond_steps_total")
                  .Help("Step RPCs that succeeded, by outcome (applied, skipped, replayed).")
@@ -260,6 +265,7 @@ DaemonMetrics::DaemonMetrics(std::shared_ptr<prometheus::Registry> registry,
                       .Add({})),
       session_collector_(std::make_shared<SessionCollector>()) {
   world_size_.Set(1);
+  for (const char* reason : {"unsupported", "sync_points"}) graph_fallbacks_.Add({{"reason", reason}});
   prometheus::BuildGauge()
       .Name("diond_build_info")
       .Help("Always 1; labels describe the running daemon.")
@@ -280,6 +286,10 @@ void DaemonMetrics::ObserveRpc(absl::string_view method, absl::string_view code,
 }
 
 void DaemonMetrics::SetSessions(int64_t sessions) { sessions_.Set(static_cast<double>(sessions)); }
+
+void DaemonMetrics::CountGraphFallback(const std::string& reason) {
+  graph_fallbacks_.Add({{"reason", reason}}).Increment();
+}
 
 void DaemonMetrics::SetDeviceMemory(double in_use_bytes, double peak_bytes) {
   device_memory_in_use_.Set(in_use_bytes);

@@ -75,6 +75,10 @@ int OpFnv1aChecksum(const DiondOpsCall*, DiondIn x, uint64_t* checksum);
 // devsession: host registration (ops_memory.cu).
 int OpHostRegister(const DiondOpsCall* call, void* ptr, size_t bytes);
 int OpHostUnregister(const DiondOpsCall* call, void* ptr);
+int OpGraphBeginCapture(const DiondOpsCall* call);
+int OpGraphEndCapture(const DiondOpsCall* call, void** graph);
+int OpGraphLaunch(const DiondOpsCall* call, void* graph);
+void OpGraphDestroy(int device, void* graph);
 
 }  // namespace diond::cuda
 

@@ -50,6 +50,10 @@ const DiondOpsApiV1* OpsApi() {
       // devsession
       &OpHostRegister,
       &OpHostUnregister,
+      &OpGraphBeginCapture,
+      &OpGraphEndCapture,
+      &OpGraphLaunch,
+      &OpGraphDestroy,
   };
   return &kOps;
 }

@@ -201,6 +201,13 @@ typedef struct DiondOpsApiV1 {
   // context makes the call. Never a sync point.
   int (*host_register)(const DiondOpsCall* call, void* ptr, size_t bytes);
   int (*host_unregister)(const DiondOpsCall* call, void* ptr);
+  // Stream capture (CUDA graphs) of call->stream: begin, end (the instantiated executable graph
+  // in *graph), replay on call->stream, destroy. A backend that cannot capture returns
+  // DIOND_OPS_FAILED_PRECONDITION with a message containing "unsupported".
+  int (*graph_begin_capture)(const DiondOpsCall* call);
+  int (*graph_end_capture)(const DiondOpsCall* call, void** graph);
+  int (*graph_launch)(const DiondOpsCall* call, void* graph);
+  void (*graph_destroy)(int device, void* graph);
   // ---- end devsession ----
 } DiondOpsApiV1;
 

@@ -56,6 +56,13 @@ absl::StatusOr<DeviceMemoryStats> GetDeviceMemoryStats(Device device);
 // error otherwise (e.g. a range registered twice).
 absl::Status HostRegister(Device device, void* ptr, size_t bytes);
 absl::Status HostUnregister(Device device, void* ptr);
+// devsession: stream capture (CUDA graphs) on `stream`: begin, end (an executable graph), replay,
+// destroy. FAILED_PRECONDITION naming "unsupported" where the backend cannot capture (the TEST
+// backend).
+absl::Status BeginStreamCapture(Device device, StreamHandle stream);
+absl::StatusOr<void*> EndStreamCapture(Device device, StreamHandle stream);
+absl::Status LaunchGraph(Device device, StreamHandle stream, void* graph);
+void DestroyGraph(Device device, void* graph);
 
 // The plugin's message for the last failed device allocation on this thread (the pool's numbers:
 // budget, in use, requested), or "" — Context::Allocate's RESOURCE_EXHAUSTED names only the

@@ -282,6 +282,18 @@ TEST_F(PluginBackendTest, HostRegistrationsArePairedAndCounted) {
               StatusIs(absl::StatusCode::kFailedPrecondition));
 }
 
+TEST_F(PluginBackendTest, TheTestBackendCannotCaptureStreams) {
+  // devsession: the graph entries go through the adapter; the host backend refuses capture
+  // with "unsupported" (what the daemon's eager fallback reports).
+  EXPECT_THAT(BeginStreamCapture(kDev, stream_),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("unsupported")));
+  EXPECT_THAT(EndStreamCapture(kDev, stream_).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("unsupported")));
+  EXPECT_THAT(LaunchGraph(kDev, stream_, nullptr),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("unsupported")));
+  DestroyGraph(kDev, nullptr);  // a no-op
+}
+
 TEST(PluginBackendAdapt, RefusesBadTables) {
   EXPECT_THAT(AdaptPluginOps(DeviceType::kCpu, testing::HostTestDeviceOps()).status(),
               StatusIs(absl::StatusCode::kInvalidArgument));

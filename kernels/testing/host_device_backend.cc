@@ -208,6 +208,20 @@ int HostUnregister(const DiondOpsCall* call, void* ptr) {
   return DIOND_OPS_OK;
 }
 
+// ---- devsession: no stream capture on the host ----
+int GraphBeginCapture(const DiondOpsCall* call) {
+  return Fail(call, DIOND_OPS_FAILED_PRECONDITION,
+              "host-test device: stream capture (CUDA graphs) unsupported");
+}
+int GraphEndCapture(const DiondOpsCall* call, void** graph) {
+  *graph = nullptr;
+  return Fail(call, DIOND_OPS_FAILED_PRECONDITION, "host-test device: stream capture unsupported");
+}
+int GraphLaunch(const DiondOpsCall* call, void*) {
+  return Fail(call, DIOND_OPS_FAILED_PRECONDITION, "host-test device: graphs unsupported");
+}
+void GraphDestroy(int, void*) {}
+
 // ---- ops: the CPU backend on host memory ----
 int Gemm(const DiondOpsCall* call, const DiondGemmArgs* g, DiondIn a, DiondIn b, DiondOut c) {
   DIOND_TEST_OP_BEGIN;
@@ -473,6 +487,10 @@ const DiondOpsApiV1 kOps = {
     // devsession
     &HostRegister,
     &HostUnregister,
+    &GraphBeginCapture,
+    &GraphEndCapture,
+    &GraphLaunch,
+    &GraphDestroy,
 };
 
 }  // namespace

@@ -65,6 +65,11 @@ struct DeviceHooks {
   std::function<absl::Status(kernels::Device, void*)> host_unregister;
   // The pool's numbers for the last failed device allocation on this thread ("" if none).
   std::function<std::string()> last_allocation_error;
+  // Stream capture (CUDA graphs): begin on the session stream, end (an executable graph),
+  // destroy. Empty or failing begin_capture: the backend cannot capture.
+  std::function<absl::Status(kernels::Device, kernels::StreamHandle)> begin_capture;
+  std::function<absl::StatusOr<void*>(kernels::Device, kernels::StreamHandle)> end_capture;
+  std::function<void(kernels::Device, void*)> destroy_graph;
   // The update rules run on a device Context (kernels/optim drives device memory): the state is
   // then allocated on the device and GroupOptimizer::Stage gets device pointers. False: the
   // rules still touch their state from the host, so the optimizers keep their state in host
@@ -266,6 +271,10 @@ class Session {
   const kernels::Context* DeviceUpdateContext() const;
   // The pool's numbers of the last failed device allocation ("" for a host session).
   std::string DeviceAllocationError() const;
+  // At a device session's second step: whether its steps can be captured and replayed as a
+  // graph. Not yet (docs/GPU.md): returns the fallback reason ("unsupported", "sync_points") and
+  // logs one line; the steps then run eagerly. "" once decided.
+  std::string DecideStepGraph();
   struct Group {
     std::string name;
     std::unique_ptr<optim::GroupOptimizer> optimizer;

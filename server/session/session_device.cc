@@ -42,6 +42,7 @@ struct Session::DeviceSide {
   kernels::Buffer grads, params, raw;
   std::vector<int64_t> offset;
   int64_t staging_bytes = 0;
+  bool graph_decided = false;  // DecideStepGraph ran
 
   const kernels::Context& update_ctx() const { return hooks.rules_on_device ? *ctx : *host; }
   float* grad(size_t i) { return grads.As<float>() + offset[i]; }
@@ -69,6 +70,35 @@ const kernels::Context* Session::DeviceUpdateContext() const {
 std::string Session::DeviceAllocationError() const {
   if (device_ == nullptr || !device_->hooks.last_allocation_error) return "";
   return device_->hooks.last_allocation_error();
+}
+
+std::string Session::DecideStepGraph() {
+  DeviceSide& d = *device_;
+  if (d.graph_decided) return "";
+  d.graph_decided = true;
+  std::string reason, why;
+  if (!d.hooks.begin_capture || d.stream == nullptr) {
+    reason = "unsupported";
+    why = "the device backend has no stream capture";
+  } else if (absl::Status s = d.hooks.begin_capture(d.device, d.stream); !s.ok()) {
+    reason = "unsupported";
+    why = std::string(s.message());
+  } else {
+    // The backend captures, but this step cannot be captured: its copies are synchronous and
+    // it reads the finiteness flags (and the rules' sync points) back on the host. The empty
+    // capture is ended and dropped.
+    auto graph = d.hooks.end_capture ? d.hooks.end_capture(d.device, d.stream)
+                                     : absl::StatusOr<void*>(nullptr);
+    if (graph.ok() && *graph != nullptr && d.hooks.destroy_graph) {
+      d.hooks.destroy_graph(d.device, *graph);
+    }
+    reason = "sync_points";
+    why = "the step has host sync points (synchronous copies, the finiteness flags read back), "
+          "which a stream capture cannot hold";
+  }
+  DIOND_LOG(INFO) << "session " << id_ << ": steps run eagerly, not as a captured graph (reason "
+                  << reason << ": " << why << ")";
+  return reason;
 }
 
 namespace {

@@ -74,6 +74,8 @@ absl::StatusOr<StepResult> Session::Step(const StepRequest& request,
   run.scale = static_cast<float>(scale);
   run.scaled = scale != 1.0;
   run.result.step_index = request.step_index;
+  // After the first step: capture the step as a graph, or say why it runs eagerly.
+  if (device_ != nullptr && last_step_index_ >= 1) run.result.graph_fallback = DecideStepGraph();
 
   DIOND_RETURN_IF_ERROR(JoinWorldPhase(run));
   DIOND_RETURN_IF_ERROR(ReadGradientsPhase(run));

@@ -104,6 +104,10 @@ struct StepResult {
   int64_t total_micros = 0;
   int64_t world_bytes_sent = 0;  // world sessions: bytes this daemon sent for this step
   int64_t checksum_mismatches = 0;  // world sessions: copies healed at this step's check
+  // Device sessions: set on the step (the second) where the session decided to run its steps
+  // eagerly instead of replaying a captured graph: "unsupported" (the backend cannot capture) or
+  // "sync_points" (the step holds host sync points). Empty otherwise.
+  std::string graph_fallback;
 };
 
 // A named float32 tensor (state, parameters) as it crosses the session boundary.

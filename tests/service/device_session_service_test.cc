@@ -277,6 +277,14 @@ TEST(DeviceSessionCounters, OneStreamPerSessionCopiesPerStepAndPairedHostRegistr
       }
       ASSERT_TRUE(DoStep(dev->stub(), s->id, t).ok());
     }
+    // At its second step the session found that the TEST backend cannot capture a graph: one
+    // log line, and its steps run eagerly.
+    const std::string log = dev->Log();
+    const std::string fallback = absl::StrCat(
+        "session ", s->id, ": steps run eagerly, not as a captured graph (reason unsupported: ");
+    EXPECT_TRUE(absl::StrContains(log, fallback)) << log;
+    EXPECT_EQ(log.find(fallback), log.rfind(fallback)) << "logged more than once";
+    EXPECT_TRUE(absl::StrContains(log, "stream capture (CUDA graphs) unsupported")) << log;
     std::map<std::string, int64_t> c = LastCounters(*dev);
     EXPECT_EQ(c["streams_created"] - start["streams_created"], 1);
     EXPECT_EQ(c["streams_live"], start["streams_live"] + 1);
