@@ -273,8 +273,11 @@ class Session {
   std::string DeviceAllocationError() const;
   // At a device session's second step: whether its steps can be captured and replayed as a
   // graph. Not yet (docs/GPU.md): returns the fallback reason ("unsupported", "sync_points") and
-  // logs one line; the steps then run eagerly. "" once decided.
+  // logs one line; the steps then run eagerly. Returned again until a successful step carried
+  // it (GraphFallbackReported), "" afterwards.
   std::string DecideStepGraph();
+  // A successful step's result carried DecideStepGraph's reason (later steps carry none).
+  void GraphFallbackReported();
   struct Group {
     std::string name;
     std::unique_ptr<optim::GroupOptimizer> optimizer;

@@ -43,6 +43,8 @@ struct Session::DeviceSide {
   std::vector<int64_t> offset;
   int64_t staging_bytes = 0;
   bool graph_decided = false;  // DecideStepGraph ran
+  std::string graph_reason;    // its fallback reason
+  bool graph_reported = false;  // a successful step's result carried it (counted once)
 
   const kernels::Context& update_ctx() const { return hooks.rules_on_device ? *ctx : *host; }
   float* grad(size_t i) { return grads.As<float>() + offset[i]; }
@@ -74,7 +76,7 @@ std::string Session::DeviceAllocationError() const {
 
 std::string Session::DecideStepGraph() {
   DeviceSide& d = *device_;
-  if (d.graph_decided) return "";
+  if (d.graph_decided) return d.graph_reported ? "" : d.graph_reason;
   d.graph_decided = true;
   std::string reason, why;
   if (!d.hooks.begin_capture || d.stream == nullptr) {
@@ -98,7 +100,12 @@ std::string Session::DecideStepGraph() {
   }
   DIOND_LOG(INFO) << "session " << id_ << ": steps run eagerly, not as a captured graph (reason "
                   << reason << ": " << why << ")";
+  d.graph_reason = reason;
   return reason;
+}
+
+void Session::GraphFallbackReported() {
+  if (device_ != nullptr) device_->graph_reported = true;
 }
 
 namespace {

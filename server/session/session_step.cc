@@ -90,6 +90,7 @@ absl::StatusOr<StepResult> Session::Step(const StepRequest& request,
     run.result.skipped = true;
     if (run.comm != nullptr) run.result.world_bytes_sent = run.comm->TakeBytesSent();
     run.result.total_micros = absl::ToInt64Microseconds(absl::Now() - start);
+    if (!run.result.graph_fallback.empty()) GraphFallbackReported();
     last_step_index_ = request.step_index;
     last_result_ = run.result;
     return run.result;
@@ -403,6 +404,7 @@ StepResult Session::CommitStepPhase(StepRun& run) {
         world_.has_value() ? std::sqrt(run.update_sq[gi]) : g.optimizer->last_update_norm();
   }
   run.result.total_micros = absl::ToInt64Microseconds(absl::Now() - run.start);
+  if (!run.result.graph_fallback.empty()) GraphFallbackReported();
   last_step_index_ = run.result.step_index;
   last_result_ = run.result;
   return run.result;
