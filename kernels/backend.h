@@ -115,10 +115,10 @@ absl::Status RegisterOpsBackend(DeviceType type, const OpsBackend* backend);
 const OpsBackend* FindOpsBackend(DeviceType type);
 
 // The device whose backend runs the ops for the device the daemon selected: the selected device
-// itself when this build has an ops backend registered for it, else the CPU. Today that is the
-// CPU for every GPU: the CUDA backend is registered only by RegisterCudaOps
-// (kernels/plugin/plugin_backend.h), which the daemon does not call until device sessions exist
-// (docs/GPU.md), so steps run on the CPU.
+// itself when this build has an ops backend registered for it, else the CPU. The CUDA backend
+// is registered by RegisterCudaOps (kernels/plugin/plugin_backend.h), which the daemon calls for
+// --device=cuda:N / auto; it then also requires the update rules to run on a device context
+// before it computes there (server/exe/daemon.cc, docs/GPU.md "Device sessions").
 Device ComputeDevice(const SelectedDevice& selected);
 
 // Test-only: removes the registration for `type` (so a test can register its own table).

@@ -152,6 +152,23 @@ DaemonMetrics::DaemonMetrics(std::shared_ptr<prometheus::Registry> registry,
                     .Help("Open optimizer sessions.")
                     .Register(*registry_)
                     .Add({})),
+      device_memory_in_use_(prometheus::BuildGauge()
+                                .Name("diond_device_memory_in_use_bytes")
+                                .Help("Bytes of the compute device's pool handed out and not "
+                                      "freed (0 on a CPU daemon).")
+                                .Register(*registry_)
+                                .Add({})),
+      device_memory_peak_(prometheus::BuildGauge()
+                              .Name("diond_device_memory_peak_bytes")
+                              .Help("High-water mark of diond_device_memory_in_use_bytes since "
+                                    "the daemon started.")
+                              .Register(*registry_)
+                              .Add({})),
+      graph_fallbacks_(prometheus::BuildCounter()
+                           .Name("diond_step_graph_fallbacks_total")
+                           .Help("Device sessions whose steps run eagerly instead of as a "
+                                 "captured graph, by reason (unsupported, sync_points).")
+                           .Register(*registry_)),
       steps_(prometheus::BuildCounter()
                  .Name("diond_steps_total")
                  .Help("Step RPCs that succeeded, by outcome (applied, skipped, replayed).")
@@ -248,6 +265,7 @@ DaemonMetrics::DaemonMetrics(std::shared_ptr<prometheus::Registry> registry,
                       .Add({})),
       session_collector_(std::make_shared<SessionCollector>()) {
   world_size_.Set(1);
+  for (const char* reason : {"unsupported", "sync_points"}) graph_fallbacks_.Add({{"reason", reason}});
   prometheus::BuildGauge()
       .Name("diond_build_info")
       .Help("Always 1; labels describe the running daemon.")
@@ -268,6 +286,15 @@ void DaemonMetrics::ObserveRpc(absl::string_view method, absl::string_view code,
 }
 
 void DaemonMetrics::SetSessions(int64_t sessions) { sessions_.Set(static_cast<double>(sessions)); }
+
+void DaemonMetrics::CountGraphFallback(const std::string& reason) {
+  graph_fallbacks_.Add({{"reason", reason}}).Increment();
+}
+
+void DaemonMetrics::SetDeviceMemory(double in_use_bytes, double peak_bytes) {
+  device_memory_in_use_.Set(in_use_bytes);
+  device_memory_peak_.Set(peak_bytes);
+}
 
 void DaemonMetrics::ObserveStep(absl::string_view outcome, double total_seconds,
                                 double compute_seconds) {

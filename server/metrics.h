@@ -59,6 +59,10 @@ class DaemonMetrics {
   void ObserveRpc(absl::string_view method, absl::string_view code, double seconds);
   // Session and step accounting. `outcome` is "applied", "skipped" or "replayed".
   void SetSessions(int64_t sessions);
+  // A device daemon's pool (docs/OPERATIONS.md): bytes in use now and the high-water mark.
+  void SetDeviceMemory(double in_use_bytes, double peak_bytes);
+  // A device session decided to run its steps eagerly (reason: "unsupported", "sync_points").
+  void CountGraphFallback(const std::string& reason);
   void ObserveStep(absl::string_view outcome, double total_seconds, double compute_seconds);
   void ObserveCheckpoint(int64_t bytes);  // also sets the last-success timestamp to now
   void CountCheckpointFailure();
@@ -84,6 +88,9 @@ class DaemonMetrics {
   prometheus::Family<prometheus::Counter>& rpcs_;
   prometheus::Family<prometheus::Histogram>& rpc_seconds_;
   prometheus::Gauge& sessions_;
+  prometheus::Gauge& device_memory_in_use_;
+  prometheus::Gauge& device_memory_peak_;
+  prometheus::Family<prometheus::Counter>& graph_fallbacks_;
   prometheus::Family<prometheus::Counter>& steps_;
   prometheus::Histogram& step_seconds_;
   prometheus::Histogram& step_compute_seconds_;

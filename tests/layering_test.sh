@@ -62,8 +62,11 @@ check "server/rpc includes exe/ or the daemon core (metrics, version)" \
   '#include *"server/([a-z_]+\.h|exe/)' server/rpc
 check "the server core (server/*.h) includes a room" '#include *"server/(comm|session|rpc|exe)/' \
   $server_core
+# (tests/service/test_device_daemon.cc is the test-only diond_testdevice's part of the
+# composition root: it fills DaemonOptions with the TEST backend, docs/GPU.md.)
 check "server/exe (the composition root) is included from outside it" '#include *"server/exe/' \
-  common kernels client bench tests examples \
+  common kernels client bench examples \
+  $(find tests -type f ! -path tests/service/test_device_daemon.cc) \
   $(find server -path server/exe -prune -o -type f -print)
 check "client/ uses prometheus-cpp" "$prom" client
 check "client/ includes server" '#include *"server/' client

@@ -72,6 +72,13 @@ int OpAllFinite(const DiondOpsCall*, DiondIn x, int32_t* all_finite);
 int OpWidenScaleCheckFinite(const DiondOpsCall*, DiondIn x, float scale, DiondOut out,
                             int32_t* all_finite);
 int OpFnv1aChecksum(const DiondOpsCall*, DiondIn x, uint64_t* checksum);
+// devsession: host registration (ops_memory.cu).
+int OpHostRegister(const DiondOpsCall* call, void* ptr, size_t bytes);
+int OpHostUnregister(const DiondOpsCall* call, void* ptr);
+int OpGraphBeginCapture(const DiondOpsCall* call);
+int OpGraphEndCapture(const DiondOpsCall* call, void** graph);
+int OpGraphLaunch(const DiondOpsCall* call, void* graph);
+void OpGraphDestroy(int device, void* graph);
 
 // ops_handoff.cu (handoff: device UUIDs, IPC memory handles, VMM fds, interprocess events)
 int OpDeviceUuids(const DiondOpsCall* call, uint8_t* uuids, int32_t capacity, int32_t* count);

@@ -187,4 +187,49 @@ int OpMemoryStats(const DiondOpsCall* call, uint64_t* in_use, uint64_t* peak) {
   return DIOND_OPS_OK;
 }
 
+// ---- devsession: host registration of the trainer's shm / memfd mappings ----
+int OpHostRegister(const DiondOpsCall* call, void* ptr, size_t bytes) {
+  DIOND_RC(UseDevice(call, "host_register"));
+  DIOND_CU("host_register", cudaHostRegister(ptr, bytes, cudaHostRegisterDefault));
+  return DIOND_OPS_OK;
+}
+
+int OpHostUnregister(const DiondOpsCall* call, void* ptr) {
+  DIOND_RC(UseDevice(call, "host_unregister"));
+  DIOND_CU("host_unregister", cudaHostUnregister(ptr));
+  return DIOND_OPS_OK;
+}
+
+// ---- devsession: stream capture (CUDA graphs) ----
+int OpGraphBeginCapture(const DiondOpsCall* call) {
+  DIOND_RC(UseDevice(call, "graph_begin_capture"));
+  DIOND_CU("graph_begin_capture",
+           cudaStreamBeginCapture(StreamOf(call), cudaStreamCaptureModeThreadLocal));
+  return DIOND_OPS_OK;
+}
+
+int OpGraphEndCapture(const DiondOpsCall* call, void** graph) {
+  DIOND_RC(UseDevice(call, "graph_end_capture"));
+  cudaGraph_t g = nullptr;
+  DIOND_CU("graph_end_capture", cudaStreamEndCapture(StreamOf(call), &g));
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t e = cudaGraphInstantiate(&exec, g, 0);
+  cudaGraphDestroy(g);
+  DIOND_CU("graph_end_capture", e);
+  *graph = exec;
+  return DIOND_OPS_OK;
+}
+
+int OpGraphLaunch(const DiondOpsCall* call, void* graph) {
+  DIOND_RC(UseDevice(call, "graph_launch"));
+  DIOND_CU("graph_launch", cudaGraphLaunch(static_cast<cudaGraphExec_t>(graph), StreamOf(call)));
+  return DIOND_OPS_OK;
+}
+
+void OpGraphDestroy(int device, void* graph) {
+  if (graph == nullptr) return;
+  cudaSetDevice(device);
+  cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(graph));
+}
+
 }  // namespace diond::cuda

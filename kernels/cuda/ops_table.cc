@@ -57,6 +57,13 @@ const DiondOpsApiV1* OpsApi() {
       &OpEventDestroy,
       &OpStreamWaitEvent,
       &OpEventRecord,
+      // devsession
+      &OpHostRegister,
+      &OpHostUnregister,
+      &OpGraphBeginCapture,
+      &OpGraphEndCapture,
+      &OpGraphLaunch,
+      &OpGraphDestroy,
   };
   return &kOps;
 }

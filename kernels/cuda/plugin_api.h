@@ -227,6 +227,21 @@ typedef struct DiondOpsApiV1 {
   int (*stream_wait_event)(const DiondOpsCall*, void* event);
   // Records the event on call->stream (cudaEventRecord).
   int (*event_record)(const DiondOpsCall*, void* event);
+  // ---- devsession: host registration of trainer memory (shm / memfd mappings) for DMA ----
+  // Pins [ptr, ptr + bytes) of host memory for asynchronous copies (CUDA: cudaHostRegister,
+  // portable + mapped flags off); host_unregister undoes exactly one host_register of `ptr`.
+  // Registration is process-wide (not per device): call->device only names the device whose
+  // context makes the call. Never a sync point.
+  int (*host_register)(const DiondOpsCall* call, void* ptr, size_t bytes);
+  int (*host_unregister)(const DiondOpsCall* call, void* ptr);
+  // Stream capture (CUDA graphs) of call->stream: begin, end (the instantiated executable graph
+  // in *graph), replay on call->stream, destroy. A backend that cannot capture returns
+  // DIOND_OPS_FAILED_PRECONDITION with a message containing "unsupported".
+  int (*graph_begin_capture)(const DiondOpsCall* call);
+  int (*graph_end_capture)(const DiondOpsCall* call, void** graph);
+  int (*graph_launch)(const DiondOpsCall* call, void* graph);
+  void (*graph_destroy)(int device, void* graph);
+  // ---- end devsession ----
 } DiondOpsApiV1;
 
 // handoff: sizes of the records above.

@@ -461,6 +461,13 @@ bool HasNullEntry(const DiondOpsApiV1& o) {
       reinterpret_cast<const void*>(o.event_destroy),
       reinterpret_cast<const void*>(o.stream_wait_event),
       reinterpret_cast<const void*>(o.event_record),
+      // devsession
+      reinterpret_cast<const void*>(o.host_register),
+      reinterpret_cast<const void*>(o.host_unregister),
+      reinterpret_cast<const void*>(o.graph_begin_capture),
+      reinterpret_cast<const void*>(o.graph_end_capture),
+      reinterpret_cast<const void*>(o.graph_launch),
+      reinterpret_cast<const void*>(o.graph_destroy),
   };
   for (const void* e : entries) {
     if (e == nullptr) return true;
@@ -668,5 +675,50 @@ absl::Status RecordEvent(Device device, StreamHandle stream, void* event) {
   Call call(device.index, stream);
   return call.Done("event_record", ops->event_record(&call.c, event), ops->name);
 }
+
+// ---- devsession ----
+absl::Status HostRegister(Device device, void* ptr, size_t bytes) {
+  const DiondOpsApiV1* ops = OpsFor(device);
+  if (ops == nullptr) return absl::FailedPreconditionError("no device backend for this device");
+  Call call(device.index, nullptr);
+  return call.Done("host_register", ops->host_register(&call.c, ptr, bytes), ops->name);
+}
+
+absl::Status HostUnregister(Device device, void* ptr) {
+  const DiondOpsApiV1* ops = OpsFor(device);
+  if (ops == nullptr) return absl::FailedPreconditionError("no device backend for this device");
+  Call call(device.index, nullptr);
+  return call.Done("host_unregister", ops->host_unregister(&call.c, ptr), ops->name);
+}
+absl::Status BeginStreamCapture(Device device, StreamHandle stream) {
+  const DiondOpsApiV1* ops = OpsFor(device);
+  if (ops == nullptr) return absl::FailedPreconditionError("no device backend for this device");
+  Call call(device.index, stream);
+  return call.Done("graph_begin_capture", ops->graph_begin_capture(&call.c), ops->name);
+}
+
+absl::StatusOr<void*> EndStreamCapture(Device device, StreamHandle stream) {
+  const DiondOpsApiV1* ops = OpsFor(device);
+  if (ops == nullptr) return absl::FailedPreconditionError("no device backend for this device");
+  Call call(device.index, stream);
+  void* graph = nullptr;
+  absl::Status s =
+      call.Done("graph_end_capture", ops->graph_end_capture(&call.c, &graph), ops->name);
+  if (!s.ok()) return s;
+  return graph;
+}
+
+absl::Status LaunchGraph(Device device, StreamHandle stream, void* graph) {
+  const DiondOpsApiV1* ops = OpsFor(device);
+  if (ops == nullptr) return absl::FailedPreconditionError("no device backend for this device");
+  Call call(device.index, stream);
+  return call.Done("graph_launch", ops->graph_launch(&call.c, graph), ops->name);
+}
+
+void DestroyGraph(Device device, void* graph) {
+  const DiondOpsApiV1* ops = OpsFor(device);
+  if (ops != nullptr && graph != nullptr) ops->graph_destroy(device.index, graph);
+}
+// ---- end devsession ----
 
 }  // namespace diond::kernels

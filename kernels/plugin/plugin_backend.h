@@ -39,9 +39,7 @@ absl::Status RegisterPluginOps(DeviceType type, const DiondOpsApiV1* ops);
 
 // Loads the CUDA plugin (device.h LoadCudaPlugin rule for `plugin_path`) and registers its ops
 // for kCuda when at least one device exists; FAILED_PRECONDITION naming the reason otherwise.
-// NOT called by the daemon yet: device sessions (state and staging in device memory) must exist
-// first, or a session would hand host pointers to GPU kernels
-// (docs/GPU.md, "What remains").
+// The daemon calls it for --device=cuda:N and --device=auto (server/exe/daemon.cc).
 absl::Status RegisterCudaOps(const std::string& plugin_path);
 
 // Per-session device objects through the same table (kCuda or kTest): a stream, and the pool's
@@ -54,6 +52,20 @@ struct DeviceMemoryStats {
   uint64_t peak = 0;
 };
 absl::StatusOr<DeviceMemoryStats> GetDeviceMemoryStats(Device device);
+
+// devsession: pins host memory (a trainer's shm / memfd mapping) for DMA through the table's
+// host_register (CUDA: cudaHostRegister) and undoes it (host_unregister, exactly once per
+// register). FAILED_PRECONDITION when nothing is adapted for the device's type; the plugin's
+// error otherwise (e.g. a range registered twice).
+absl::Status HostRegister(Device device, void* ptr, size_t bytes);
+absl::Status HostUnregister(Device device, void* ptr);
+// devsession: stream capture (CUDA graphs) on `stream`: begin, end (an executable graph), replay,
+// destroy. FAILED_PRECONDITION naming "unsupported" where the backend cannot capture (the TEST
+// backend).
+absl::Status BeginStreamCapture(Device device, StreamHandle stream);
+absl::StatusOr<void*> EndStreamCapture(Device device, StreamHandle stream);
+absl::Status LaunchGraph(Device device, StreamHandle stream, void* graph);
+void DestroyGraph(Device device, void* graph);
 
 // The plugin's message for the last failed device allocation on this thread (the pool's numbers:
 // budget, in use, requested), or "" — Context::Allocate's RESOURCE_EXHAUSTED names only the

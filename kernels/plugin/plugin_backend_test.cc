@@ -259,6 +259,41 @@ TEST_F(PluginBackendTest, PluginErrorCodesBecomeStatuses) {
                        HasSubstr("host-test device (TEST BACKEND)")));
 }
 
+TEST_F(PluginBackendTest, HostRegistrationsArePairedAndCounted) {
+  // devsession: host_register / host_unregister through the adapter; the TEST backend refuses a
+  // second registration of an overlapping range and an unregister of an unknown pointer.
+  std::vector<uint8_t> a(4096), b(4096);
+  ASSERT_THAT(HostRegister(kDev, a.data(), a.size()), IsOk());
+  ASSERT_THAT(HostRegister(kDev, b.data(), b.size()), IsOk());
+  EXPECT_EQ(testing::GetHostTestDeviceCounters().host_registered_live, 2);
+  EXPECT_THAT(HostRegister(kDev, a.data() + 100, 8), StatusIs(absl::StatusCode::kInternal,
+                                                               HasSubstr("already registered")));
+  EXPECT_THAT(HostUnregister(kDev, a.data() + 1),
+              StatusIs(absl::StatusCode::kInternal, HasSubstr("not registered")));
+  EXPECT_THAT(HostUnregister(kDev, a.data()), IsOk());
+  EXPECT_THAT(HostUnregister(kDev, b.data()), IsOk());
+  EXPECT_THAT(HostUnregister(kDev, b.data()), StatusIs(absl::StatusCode::kInternal));
+  const testing::HostTestDeviceCounters c = testing::GetHostTestDeviceCounters();
+  EXPECT_EQ(c.host_registers, 3);
+  EXPECT_EQ(c.host_unregisters, 4);
+  EXPECT_EQ(c.host_registered_live, 0);
+  EXPECT_EQ(c.host_register_errors, 3);
+  EXPECT_THAT(HostRegister(Device{DeviceType::kCuda, 0}, a.data(), a.size()),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
+}
+
+TEST_F(PluginBackendTest, TheTestBackendCannotCaptureStreams) {
+  // devsession: the graph entries go through the adapter; the host backend refuses capture
+  // with "unsupported" (what the daemon's eager fallback reports).
+  EXPECT_THAT(BeginStreamCapture(kDev, stream_),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("unsupported")));
+  EXPECT_THAT(EndStreamCapture(kDev, stream_).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("unsupported")));
+  EXPECT_THAT(LaunchGraph(kDev, stream_, nullptr),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("unsupported")));
+  DestroyGraph(kDev, nullptr);  // a no-op
+}
+
 TEST(PluginBackendAdapt, RefusesBadTables) {
   EXPECT_THAT(AdaptPluginOps(DeviceType::kCpu, testing::HostTestDeviceOps()).status(),
               StatusIs(absl::StatusCode::kInvalidArgument));

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -36,6 +37,7 @@ struct State {
   std::unordered_map<void*, size_t> guarded;  // those still guarded (strict mode not left)
   uint64_t in_use = 0, peak = 0, budget = 0;
   std::set<void*> streams;
+  std::map<uintptr_t, size_t> host_ranges;  // devsession: host_register'ed [start, start+bytes)
   HostTestDeviceCounters counters;
 };
 State& St() {
@@ -246,6 +248,55 @@ int MemoryStats(const DiondOpsCall* call, uint64_t* in_use, uint64_t* peak) {
   *peak = st.peak;
   return DIOND_OPS_OK;
 }
+
+// ---- devsession: host registration (pairing checked; the memory itself is untouched) ----
+int HostRegister(const DiondOpsCall* call, void* ptr, size_t bytes) {
+  State& st = St();
+  std::lock_guard<std::mutex> lock(st.mu);
+  ++st.counters.host_registers;
+  const uintptr_t a = reinterpret_cast<uintptr_t>(ptr);
+  auto next = st.host_ranges.lower_bound(a);
+  const bool overlaps_next = next != st.host_ranges.end() && next->first < a + bytes;
+  bool overlaps_prev = false;
+  if (next != st.host_ranges.begin()) {
+    auto prev = std::prev(next);
+    overlaps_prev = prev->first + prev->second > a;
+  }
+  if (ptr == nullptr || bytes == 0 || overlaps_next || overlaps_prev) {
+    ++st.counters.host_register_errors;
+    return Fail(call, DIOND_OPS_INTERNAL,
+                "host-test device: host_register of a null, empty or already registered range");
+  }
+  st.host_ranges[a] = bytes;
+  st.counters.host_registered_live = static_cast<int64_t>(st.host_ranges.size());
+  return DIOND_OPS_OK;
+}
+int HostUnregister(const DiondOpsCall* call, void* ptr) {
+  State& st = St();
+  std::lock_guard<std::mutex> lock(st.mu);
+  ++st.counters.host_unregisters;
+  if (st.host_ranges.erase(reinterpret_cast<uintptr_t>(ptr)) != 1) {
+    ++st.counters.host_register_errors;
+    return Fail(call, DIOND_OPS_INTERNAL,
+                "host-test device: host_unregister of a pointer that is not registered");
+  }
+  st.counters.host_registered_live = static_cast<int64_t>(st.host_ranges.size());
+  return DIOND_OPS_OK;
+}
+
+// ---- devsession: no stream capture on the host ----
+int GraphBeginCapture(const DiondOpsCall* call) {
+  return Fail(call, DIOND_OPS_FAILED_PRECONDITION,
+              "host-test device: stream capture (CUDA graphs) unsupported");
+}
+int GraphEndCapture(const DiondOpsCall* call, void** graph) {
+  *graph = nullptr;
+  return Fail(call, DIOND_OPS_FAILED_PRECONDITION, "host-test device: stream capture unsupported");
+}
+int GraphLaunch(const DiondOpsCall* call, void*) {
+  return Fail(call, DIOND_OPS_FAILED_PRECONDITION, "host-test device: graphs unsupported");
+}
+void GraphDestroy(int, void*) {}
 
 // ---- ops: the CPU backend on host memory ----
 int Gemm(const DiondOpsCall* call, const DiondGemmArgs* g, DiondIn a, DiondIn b, DiondOut c) {
@@ -532,6 +583,13 @@ const DiondOpsApiV1 kOps = {
     &EventDestroy,
     &StreamWaitEvent,
     &EventRecord,
+    // devsession
+    &HostRegister,
+    &HostUnregister,
+    &GraphBeginCapture,
+    &GraphEndCapture,
+    &GraphLaunch,
+    &GraphDestroy,
 };
 
 }  // namespace
@@ -568,6 +626,7 @@ void ResetHostTestDevice(uint64_t budget_bytes) {
   const int64_t live = St().counters.streams_live;
   St().counters = HostTestDeviceCounters{};
   St().counters.streams_live = live;
+  St().counters.host_registered_live = static_cast<int64_t>(St().host_ranges.size());
   St().budget = budget_bytes;
 }
 

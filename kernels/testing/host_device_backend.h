@@ -39,6 +39,11 @@ struct HostTestDeviceCounters {
   int64_t streams_created = 0, streams_live = 0;
   int64_t ops = 0;  // op entries run
   int64_t ops_on_default_stream = 0;  // op entries called with a null stream
+  // devsession: host_register / host_unregister calls, the ranges registered now, and the
+  // pairing errors (an unregister of a pointer not registered, a register of one already
+  // registered, or a range overlapping a registered one), each also refused with INTERNAL.
+  int64_t host_registers = 0, host_unregisters = 0, host_registered_live = 0;
+  int64_t host_register_errors = 0;
 };
 HostTestDeviceCounters GetHostTestDeviceCounters();
 // Strict mode on or off (see above). It applies to allocations made while it is on; turning it
@@ -46,6 +51,7 @@ HostTestDeviceCounters GetHostTestDeviceCounters();
 void SetHostTestDeviceStrict(bool strict);
 bool HostTestDeviceStrict();
 // Resets the counters (not the pool) and sets the pool budget (0: unlimited).
+// (host_registered_live and streams_live are kept: they describe what exists.)
 void ResetHostTestDevice(uint64_t budget_bytes);
 
 // ---- handoff (issue 12): the GPU half emulated. The TEST backend has kHostTestDeviceCount

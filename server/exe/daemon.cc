@@ -8,6 +8,7 @@
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "kernels/backend.h"
+#include "kernels/plugin/plugin_backend.h"
 #include "nlohmann/json.hpp"
 #include "prometheus/registry.h"
 #include "server/metrics.h"
@@ -43,15 +44,28 @@ class RpcMetrics final : public rpc::RpcObserver {
 };
 
 std::string DeviceLabel(kernels::DeviceType type, int index) {
-  return type == kernels::DeviceType::kCuda ? absl::StrCat("cuda:", index) : "cpu";
+  switch (type) {
+    case kernels::DeviceType::kCuda:
+      return absl::StrCat("cuda:", index);
+    case kernels::DeviceType::kTest:
+      return absl::StrCat("test-device:", index);
+    default:
+      return "cpu";
+  }
 }
 
-std::string DescribeDevice(const kernels::SelectedDevice& selected, kernels::Device compute) {
+std::string DescribeDevice(const kernels::SelectedDevice& selected, kernels::Device compute,
+                           const std::string& note) {
   std::string s = absl::StrCat("device ", selected.name);
   if (!selected.fallback_reason.empty()) {
     absl::StrAppend(&s, " (no GPU in use: ", selected.fallback_reason, ")");
   }
-  if (compute.type != selected.type) {
+  if (!note.empty()) {
+    absl::StrAppend(&s, "; ", note);
+  } else if (compute.type != kernels::DeviceType::kCpu) {
+    absl::StrAppend(&s, "; steps run on ", DeviceLabel(compute.type, compute.index),
+                    " (device sessions: state and staging in device memory)");
+  } else if (compute.type != selected.type) {
     absl::StrAppend(&s, "; steps run on the ", DeviceLabel(compute.type, compute.index),
                     ": this build has no ops backend for ",
                     DeviceLabel(selected.type, selected.index), " yet");
@@ -109,9 +123,62 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   std::unique_ptr<Daemon> d(new Daemon);
   DIOND_ASSIGN_OR_RETURN(d->device_, kernels::SelectDevice(options.device, options.cuda_plugin));
 
-  // The device the steps run on: the selected one if this build has an ops backend for it,
-  // else the CPU (every GPU until the CUDA backend exists; said plainly below and in metrics).
-  d->compute_device_ = kernels::ComputeDevice(d->device_);
+  // The device the steps run on: a GPU once the plugin's ops are registered and the update
+  // rules run on a device context; else the CPU, said plainly in the start-up line and metrics.
+  session::DeviceHooks hooks;
+  if (options.test_device) {
+    d->compute_device_ = kernels::Device{kernels::DeviceType::kTest, 0};
+  } else if (d->device_.type == kernels::DeviceType::kCuda) {
+    if (absl::Status reg = kernels::RegisterCudaOps(options.cuda_plugin); !reg.ok()) {
+      d->compute_device_ = kernels::Device{kernels::DeviceType::kCpu, 0};
+      d->compute_note_ = absl::StrCat("steps run on the cpu: the CUDA ops did not register: ",
+                                      reg.message());
+    } else {
+      d->compute_device_ = kernels::ComputeDevice(d->device_);
+    }
+  } else {
+    d->compute_device_ = kernels::ComputeDevice(d->device_);
+  }
+  if (d->compute_device_.type != kernels::DeviceType::kCpu) {
+    const absl::Status rules = session::CheckRulesRunOnDevice();
+    hooks.rules_on_device = rules.ok();
+    const std::string where = DeviceLabel(d->compute_device_.type, d->compute_device_.index);
+    if (!rules.ok() && d->compute_device_.type == kernels::DeviceType::kCuda) {
+      // The rules would be handed device pointers they read from the host: not on a GPU.
+      d->compute_note_ = absl::StrCat("steps run on the cpu: the update rules do not run on a ",
+                                      where, " context yet (", rules.message(), ")");
+      d->compute_device_ = kernels::Device{kernels::DeviceType::kCpu, 0};
+    } else if (options.test_device) {
+      d->compute_note_ = absl::StrCat(
+          "steps run on ", where,
+          " (TEST DEVICE BACKEND: host memory behind the plugin ABI; not a product "
+          "feature): device sessions with their own stream and device staging",
+          rules.ok() ? "; the update rules run on the device context"
+                     : absl::StrCat("; the update rules step the host-addressable staging from "
+                                    "the CPU, as they do not run on a device context yet (",
+                                    rules.message(), ")"));
+    }
+  }
+  if (d->compute_device_.type != kernels::DeviceType::kCpu) {
+    hooks.create_stream = [](kernels::Device dev) { return kernels::CreateDeviceStream(dev); };
+    hooks.destroy_stream = [](kernels::Device dev, kernels::StreamHandle s) {
+      kernels::DestroyDeviceStream(dev, s);
+    };
+    hooks.host_register = [](kernels::Device dev, void* p, size_t bytes) {
+      return kernels::HostRegister(dev, p, bytes);
+    };
+    hooks.host_unregister = [](kernels::Device dev, void* p) {
+      return kernels::HostUnregister(dev, p);
+    };
+    hooks.last_allocation_error = [] { return kernels::LastDeviceAllocationError(); };
+    hooks.begin_capture = [](kernels::Device dev, kernels::StreamHandle s) {
+      return kernels::BeginStreamCapture(dev, s);
+    };
+    hooks.end_capture = [](kernels::Device dev, kernels::StreamHandle s) {
+      return kernels::EndStreamCapture(dev, s);
+    };
+    hooks.destroy_graph = [](kernels::Device dev, void* g) { kernels::DestroyGraph(dev, g); };
+  }
   BuildInfo info;
   info.version = kVersion;
   info.device = DeviceLabel(d->device_.type, d->device_.index);
@@ -132,8 +199,27 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   }
   session::ManagerObserver observer;
   DaemonMetrics* metrics = d->metrics_.get();
-  observer.on_sessions_changed = [metrics](int64_t n) { metrics->SetSessions(n); };
-  observer.on_step = [metrics](const std::string&, const session::StepResult& r) {
+  // A device daemon: the pool's bytes in use and high-water mark after every step and every
+  // change of the session count (and the TEST binary's counters line).
+  std::function<void()> device_report;
+  if (d->compute_device_.type != kernels::DeviceType::kCpu) {
+    const kernels::Device dev = d->compute_device_;
+    std::function<std::string()> test_report = options.test_device_report;
+    device_report = [metrics, dev, test_report] {
+      if (auto m = kernels::GetDeviceMemoryStats(dev); m.ok()) {
+        metrics->SetDeviceMemory(static_cast<double>(m->in_use), static_cast<double>(m->peak));
+      }
+      if (test_report) DIOND_LOG(INFO) << test_report();
+    };
+    device_report();
+  }
+  observer.on_sessions_changed = [metrics, device_report](int64_t n) {
+    metrics->SetSessions(n);
+    if (device_report) device_report();
+  };
+  observer.on_step = [metrics, device_report](const std::string&, const session::StepResult& r) {
+    if (device_report) device_report();
+    if (!r.replayed && !r.graph_fallback.empty()) metrics->CountGraphFallback(r.graph_fallback);
     metrics->ObserveStep(r.replayed ? "replayed" : r.skipped ? "skipped" : "applied",
                          r.total_micros * 1e-6, r.compute_micros * 1e-6);
     if (!r.replayed && r.checksum_mismatches > 0) {
@@ -148,6 +234,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   };
   session::ManagerOptions manager_options = options.sessions;
   manager_options.compute_device = d->compute_device_;
+  manager_options.device_hooks = hooks;
   DIOND_ASSIGN_OR_RETURN(d->sessions_,
                          session::SessionManager::Create(manager_options, std::move(observer)));
   Limits limits;
@@ -324,7 +411,7 @@ std::string Daemon::Describe() const {
     std::string host = metrics_address_.substr(0, metrics_address_.rfind(':'));
     metrics = absl::StrCat("metrics on http://", host, ":", metrics_port(), "/metrics");
   }
-  std::string device = DescribeDevice(device_, compute_device_);
+  std::string device = DescribeDevice(device_, compute_device_, compute_note_);
   if (health_port() != 0) absl::StrAppend(&metrics, "; health checks on port ", health_port());
   std::string world;
   if (world_) {

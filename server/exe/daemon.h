@@ -5,6 +5,7 @@
 #ifndef DIOND_SERVER_EXE_DAEMON_H_
 #define DIOND_SERVER_EXE_DAEMON_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -72,6 +73,11 @@ struct DaemonOptions {
   int fd_max_pending_per_uid = 64;
   session::ManagerOptions sessions;
   WorldConfig world;
+  // TEST-ONLY (the diond_testdevice binary, server/exe/test_device_main.cc): the steps run on
+  // the host-memory TEST backend, which the caller registered for DeviceType::kTest. Never set
+  // by diond. `test_device_report` (optional) is logged after every step and session change.
+  bool test_device = false;
+  std::function<std::string()> test_device_report;
 };
 
 // "cpu" or "cuda:N" (the labels of diond_build_info).
@@ -79,7 +85,9 @@ std::string DeviceLabel(kernels::DeviceType type, int index);
 // The device part of the start-up line: the selected device, why auto mode fell back to the
 // CPU, and, when the steps run elsewhere than the selected device (a GPU host without a CUDA ops
 // backend), "steps run on the cpu" with the reason.
-std::string DescribeDevice(const kernels::SelectedDevice& selected, kernels::Device compute);
+// `note` (when not empty) says where the steps run instead of the default explanation.
+std::string DescribeDevice(const kernels::SelectedDevice& selected, kernels::Device compute,
+                           const std::string& note = "");
 
 class Daemon {
  public:
@@ -109,6 +117,7 @@ class Daemon {
   kernels::SelectedDevice device_;
   std::unique_ptr<rpc::PeerCredentials> peer_credentials_;  // how this daemon proves itself to the coordinator
   kernels::Device compute_device_;  // where steps run (kernels::ComputeDevice of device_)
+  std::string compute_note_;        // why / how, for the start-up line (DescribeDevice)
   std::string metrics_address_;
   std::unique_ptr<DaemonMetrics> metrics_;
   std::unique_ptr<RpcMetrics> rpc_metrics_;  // the RPC layer's observer, into metrics_

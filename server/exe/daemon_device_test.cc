@@ -31,5 +31,18 @@ TEST(DaemonDevice, TheCpuIsItsOwnComputeDevice) {
   EXPECT_EQ(DescribeDevice(cpu, compute), "device cpu (2 threads) (no GPU in use: no CUDA plugin)");
 }
 
+TEST(DaemonDevice, ADeviceComputeDeviceIsNamedWithWhyOrHow) {
+  kernels::SelectedDevice gpu;
+  gpu.type = kernels::DeviceType::kCuda;
+  gpu.name = "NVIDIA H200";
+  EXPECT_EQ(DescribeDevice(gpu, kernels::Device{kernels::DeviceType::kCuda, 0}),
+            "device NVIDIA H200; steps run on cuda:0 (device sessions: state and staging in "
+            "device memory)");
+  // The daemon's reason (e.g. the rules do not run on a device context yet) replaces the default.
+  EXPECT_EQ(DescribeDevice(gpu, kernels::Device{kernels::DeviceType::kCpu, 0}, "steps run on the cpu: why"),
+            "device NVIDIA H200; steps run on the cpu: why");
+  EXPECT_EQ(DeviceLabel(kernels::DeviceType::kTest, 0), "test-device:0");
+}
+
 }  // namespace
 }  // namespace diond::server

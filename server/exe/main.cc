@@ -24,6 +24,14 @@
 #include "server/rpc/listen.h"
 #include "server/version.h"
 
+#ifdef DIOND_TEST_DEVICE_BINARY
+// diond_testdevice (tests/service/test_device_daemon.cc): registers the host-memory TEST backend
+// as the compute device. A test-only binary, never installed.
+namespace diond::server {
+void ConfigureTestDevice(DaemonOptions* options);
+}
+#endif
+
 ABSL_FLAG(std::string, listen, "",
           "Comma-separated listen addresses: unix:PATH and/or HOST:PORT (port 0 = any free "
           "port). Empty = unix:$XDG_RUNTIME_DIR/diond.sock (else /tmp/diond-<uid>.sock) plus "
@@ -33,9 +41,9 @@ ABSL_FLAG(std::string, metrics_address, "127.0.0.1:9464",
           "disables it.");
 ABSL_FLAG(std::string, device, "auto",
           "Compute device: auto (first GPU if the CUDA plugin loads and a GPU is present, else "
-          "the CPU), cpu, cuda or cuda:N. Until device sessions exist (docs/GPU.md), steps run "
-          "on the CPU on every device (the start-up line and diond_build_info's compute_device "
-          "say so).");
+          "the CPU), cpu, cuda or cuda:N. On a GPU the steps run in device sessions once the "
+          "CUDA ops register and the update rules run on a device context, else on the CPU "
+          "(the start-up line and diond_build_info's compute_device say which, and why).");
 ABSL_FLAG(std::string, cuda_plugin, "",
           "Path of libdiond_cuda.so; empty = next to the diond binary, then the loader path.");
 ABSL_FLAG(std::string, log_level, "info", "Log threshold: debug, info, warning or error.");
@@ -330,6 +338,9 @@ int main(int argc, char** argv) {
     }
   }
 
+#ifdef DIOND_TEST_DEVICE_BINARY
+  diond::server::ConfigureTestDevice(&options);
+#endif
   auto daemon = diond::server::Daemon::Start(options);
   if (!daemon.ok()) {
     std::fprintf(stderr, "diond: %s\n", std::string(daemon.status().message()).c_str());

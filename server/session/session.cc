@@ -26,7 +26,8 @@ absl::string_view RoleName(Role r) {
 }
 
 absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, SessionSpec spec,
-                                                         const kernels::Context* ctx) {
+                                                         const kernels::Context* ctx,
+                                                         const DeviceHooks* hooks) {
   if (spec.params.empty()) {
     return absl::InvalidArgumentError("a session needs at least one parameter");
   }
@@ -76,16 +77,32 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, Session
     s->slot_in_group_[i] = s->groups_[g].params.size();
     s->groups_[g].params.push_back(i);
   }
+  // Where the state lives: a device session's update context (the device when the rules run
+  // there, else a CPU context over host-addressable device staging); a world session on a device
+  // daemon: the host (its exchange is host-staged over Gloo); otherwise `ctx`'s device.
+  const bool on_device = ctx != nullptr && ctx->device().type != kernels::DeviceType::kCpu;
+  const DeviceHooks no_hooks;
+  if (on_device && spec.world_key.empty()) {
+    DIOND_RETURN_IF_ERROR(s->InitDeviceSide(*ctx, hooks != nullptr ? *hooks : no_hooks));
+  }
+  const kernels::Context* state_ctx = s->device_ != nullptr ? s->DeviceUpdateContext()
+                                      : on_device          ? nullptr
+                                                           : ctx;
   for (size_t g = 0; g < spec.groups.size(); ++g) {
     Group& group = s->groups_[g];
     if (group.params.empty()) continue;  // declared but unused: nothing to optimize
     std::vector<optim::ParamShape> shapes;
     for (size_t i : group.params) shapes.push_back(spec.params[i].shape);
-    auto opt = ctx != nullptr ? optim::CreateGroupOptimizer(*ctx, spec.groups[g].config, shapes)
-                              : optim::CreateGroupOptimizer(spec.groups[g].config, shapes);
+    auto opt = state_ctx != nullptr
+                   ? optim::CreateGroupOptimizer(*state_ctx, spec.groups[g].config, shapes)
+                   : optim::CreateGroupOptimizer(spec.groups[g].config, shapes);
     if (!opt.ok()) {
-      return absl::Status(opt.status().code(), absl::StrCat("group '", Bounded(group.name), "': ",
-                                                            opt.status().message()));
+      const std::string pool =
+          absl::IsResourceExhausted(opt.status()) ? s->DeviceAllocationError() : "";
+      return absl::Status(opt.status().code(),
+                          absl::StrCat("group '", Bounded(group.name), "': ",
+                                       opt.status().message(),
+                                       pool.empty() ? "" : absl::StrCat(" (", pool, ")")));
     }
     group.optimizer = std::move(*opt);
     for (size_t slot = 0; slot < group.params.size(); ++slot) {

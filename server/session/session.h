@@ -25,6 +25,7 @@
 #define DIOND_SERVER_SESSION_SESSION_H_
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <functional>
@@ -54,6 +55,31 @@ namespace diond::session {
 
 enum class Role { kParameters, kGradients };
 absl::string_view RoleName(Role r);
+
+// A device daemon's per-session device objects (docs/GPU.md, "Device sessions"). server/exe
+// fills these from the plugin adapter (kernels/plugin), so that server/session includes no
+// backend header. Every hook may be empty (then that object is not made: e.g. a test backend
+// without streams).
+struct DeviceHooks {
+  std::function<absl::StatusOr<kernels::StreamHandle>(kernels::Device)> create_stream;
+  std::function<void(kernels::Device, kernels::StreamHandle)> destroy_stream;
+  // Pins a trainer's mapping for DMA (cudaHostRegister) / undoes it, once per register.
+  std::function<absl::Status(kernels::Device, void*, size_t)> host_register;
+  std::function<absl::Status(kernels::Device, void*)> host_unregister;
+  // The pool's numbers for the last failed device allocation on this thread ("" if none).
+  std::function<std::string()> last_allocation_error;
+  // Stream capture (CUDA graphs): begin on the session stream, end (an executable graph),
+  // destroy. Empty or failing begin_capture: the backend cannot capture.
+  std::function<absl::Status(kernels::Device, kernels::StreamHandle)> begin_capture;
+  std::function<absl::StatusOr<void*>(kernels::Device, kernels::StreamHandle)> end_capture;
+  std::function<void(kernels::Device, void*)> destroy_graph;
+  // The update rules run on a device Context (kernels/optim drives device memory): the state is
+  // then allocated on the device and GroupOptimizer::Stage gets device pointers. False: the
+  // rules still touch their state from the host, so the optimizers keep their state in host
+  // memory and step the device staging from a CPU context, which is only valid for a device
+  // whose memory is host-addressable (the TEST backend; the daemon never does it for CUDA).
+  bool rules_on_device = false;
+};
 
 // What a client stream writes: gradients (PushGradients) or parameters and state (SetState).
 enum class StreamKind { kGradients, kState };
@@ -106,8 +132,20 @@ class Session {
   // `ctx`: the context the session's steps will run with (SessionManager's, on the daemon's
   // compute device); the optimizer state is allocated on its device. Null: a process-wide CPU
   // context's allocator.
+  //
+  // A device session (ctx on a device other than the CPU, and not a world session): the session
+  // gets its own stream (hooks->create_stream), a Context on ctx's device with that stream, and
+  // device staging for every parameter and gradient as fp32 (plus one tensor's worth in the
+  // trainer's dtype for the conversions), allocated here once. RESOURCE_EXHAUSTED naming the
+  // bytes and the pool's numbers when they do not fit. World sessions on a device daemon keep
+  // their state and staging in host memory and step on the CPU (NCCL on the step path is not
+  // built, docs/GPU.md).
   static absl::StatusOr<std::unique_ptr<Session>> Create(std::string id, SessionSpec spec,
-                                                         const kernels::Context* ctx = nullptr);
+                                                         const kernels::Context* ctx = nullptr,
+                                                         const DeviceHooks* hooks = nullptr);
+  // The device session's numbers (streams made, staging bytes); false for a host session.
+  bool is_device_session() const { return device_ != nullptr; }
+  int64_t DeviceStagingBytes() const;
 
   ~Session();  // waits for a queued asynchronous step (never call it on that step's thread)
 
@@ -236,8 +274,38 @@ class Session {
     std::vector<uint8_t> host;  // remote mode
     uint8_t* data = nullptr;
     std::string region_id;
+    // A device session: the region's host registration for DMA; its deleter unregisters. Reset
+    // before the region is unmapped (ClearBinding; destroyed first, as it is declared last).
+    std::shared_ptr<void> dma;
     bool bound() const { return data != nullptr; }
   };
+  // Drops a binding: its host registration first, then the mapping.
+  static void ClearBinding(Binding& b) {
+    b.dma.reset();
+    b = Binding();
+  }
+  // A device session's device objects (session_device.cc). Destroyed after everything that uses
+  // them (declared before the groups and the bindings).
+  struct DeviceSide;
+  struct DeviceSideDeleter {
+    void operator()(DeviceSide* d) const;
+  };
+  // ---- device sessions (session_device.cc) ----
+  absl::Status InitDeviceSide(const kernels::Context& ctx, const DeviceHooks& hooks);
+  // Pins a newly bound region for DMA (a device session with host_register; a failure is
+  // logged, and the copies then go through pageable memory).
+  void RegisterForDma(Role role, Binding& b);
+  // The context the update rules of a device session run on (DeviceSide::update_ctx).
+  const kernels::Context* DeviceUpdateContext() const;
+  // The pool's numbers of the last failed device allocation ("" for a host session).
+  std::string DeviceAllocationError() const;
+  // At a device session's second step: whether its steps can be captured and replayed as a
+  // graph. Not yet (docs/GPU.md): returns the fallback reason ("unsupported", "sync_points") and
+  // logs one line; the steps then run eagerly. Returned again until a successful step carried
+  // it (GraphFallbackReported), "" afterwards.
+  std::string DecideStepGraph();
+  // A successful step's result carried DecideStepGraph's reason (later steps carry none).
+  void GraphFallbackReported();
   struct Group {
     std::string name;
     std::unique_ptr<optim::GroupOptimizer> optimizer;
@@ -312,6 +380,12 @@ class Session {
   // Phase 7: the new weights into the arenas (GroupOptimizer::WriteStagedParams, then the
   // narrowing of non-f32 parameters); the state is still unchanged.
   void WriteWeightsPhase(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Device sessions: phases 3, 5 and the write-back through the device staging.
+  absl::Status ReadGradientsToDevice(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status ReadParametersToDevice(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The new weights device -> host: narrowed on the device into the trainer's dtype and copied
+  // into its arena; master weights copied to param_scratch_ for the commit's swap.
+  absl::Status WriteWeightsFromDevice(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Phase 8 (world): exchange the owners' updates (all-gather-v), apply the others' compact
   // updates, compare checksums. A world of one: nothing.
   absl::Status ExchangeUpdatesPhase(StepRun& run, const kernels::Context& ctx,
@@ -368,6 +442,8 @@ class Session {
   std::string id_;
   SessionSpec spec_;
   Layout layout_;
+  // Set once by Create for a device session; its buffers are used under mu_ by Step.
+  std::unique_ptr<DeviceSide, DeviceSideDeleter> device_;
   std::atomic<int64_t> state_bytes_{0};  // shrinks when a world session shards its state
   std::vector<size_t> group_of_param_;  // index into groups_
   std::vector<size_t> slot_in_group_;   // position of the param inside its group

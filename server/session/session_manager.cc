@@ -268,7 +268,8 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::CreateSessionWithId(std
   // Validate and size the session before taking the lock (optimizer state is allocated here).
   // The state goes where the steps run: ctx_ is on the daemon's compute device.
   DIOND_ASSIGN_OR_RETURN(std::unique_ptr<Session> s,
-                         Session::Create(std::move(id), std::move(spec), ctx_.get()));
+                         Session::Create(std::move(id), std::move(spec), ctx_.get(),
+                                         &options_.device_hooks));
   if (s->is_world_session()) {
     uint64_t epoch = 0;
     DIOND_ASSIGN_OR_RETURN(ShardPlan plan, AgreeOnPlan(s->spec(), &epoch));

@@ -42,6 +42,9 @@ struct ManagerOptions {
   int compute_threads = 0;      // 0 = all cores
   // The device the steps run on (kernels::ComputeDevice of the daemon's selected device).
   kernels::Device compute_device;
+  // A device compute_device: the per-session device objects (stream, host registration, the
+  // pool's error text) and whether the rules run on the device (session.h DeviceHooks).
+  DeviceHooks device_hooks;
   // World sessions: how long CreateSession waits for every rank's trainer to create the same
   // world session (the shard-plan agreement, docs/DISTRIBUTED.md).
   absl::Duration world_session_timeout = absl::Seconds(60);
@@ -49,6 +52,13 @@ struct ManagerOptions {
   // differs from its owner's (docs/DISTRIBUTED.md).
   int64_t checksum_every = 0;
 };
+
+// Whether the update rules run on a device Context (kernels/optim drives device memory): one
+// AdamW step of two elements in the memory of a host-memory device (the registered TEST backend,
+// else the CPU's table standing in for DeviceType::kTest meanwhile), so that GPU memory is never
+// touched by rules that still read it from the host. OK, or the rules' error (e.g.
+// INVALID_ARGUMENT "... is on device 0:0, not on the context's device").
+absl::Status CheckRulesRunOnDevice();
 
 // Hooks for metrics and logs (the manager itself knows nothing of prometheus).
 struct ManagerObserver {

@@ -90,6 +90,7 @@ absl::StatusOr<std::string> Session::RegisterMappedRegion(
   b.region = std::move(region);
   b.data = b.region->data();
   b.region_id = absl::StrCat(role == Role::kParameters ? "params-" : "grads-", next_region_++);
+  RegisterForDma(role, b);
   return b.region_id;
 }
 
@@ -126,7 +127,7 @@ absl::Status Session::UnregisterRegion(const std::string& region_id) {
   for (Role r : {Role::kParameters, Role::kGradients}) {
     Binding& b = binding(r);
     if ((b.region != nullptr || b.cuda != nullptr) && b.region_id == region_id) {
-      b = Binding();
+      ClearBinding(b);
       if (r == Role::kParameters) master_valid_ = false;
       return absl::OkStatus();
     }
@@ -209,14 +210,14 @@ void Session::DetachTrainer() {
       keep[i].resize(static_cast<size_t>(layout_.tensors[i].numel));
       ReadParamF32(i, keep[i].data());
     }
-    params_ = Binding();
+    ClearBinding(params_);
     pending_params_ = std::move(keep);
   }
-  if (grads_.region != nullptr) grads_ = Binding();
+  if (grads_.region != nullptr) ClearBinding(grads_);
   // CUDA regions are released with the old trainer; their weights cannot be kept without
   // device sessions (the new trainer restores them from its own copy or a checkpoint).
-  if (params_.cuda != nullptr) params_ = Binding();
-  if (grads_.cuda != nullptr) grads_ = Binding();
+  if (params_.cuda != nullptr) ClearBinding(params_);
+  if (grads_.cuda != nullptr) ClearBinding(grads_);
 }
 
 }  // namespace diond::session

@@ -51,6 +51,13 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequest& request,
   // session's (the update itself always runs on `ctx`).
   run.ctx = &ctx;
   if (ctx.device().type != kernels::DeviceType::kCpu) run.ctx = &HostContext();
+  // The context the update rules run on: a device session's own (the device, or a CPU context
+  // over its host-addressable staging until the rules run on devices); a host session on a
+  // device daemon (a world session) steps its host state on the CPU.
+  const kernels::Context& update_ctx = device_ != nullptr ? *DeviceUpdateContext()
+                                       : ctx.device().type != kernels::DeviceType::kCpu
+                                           ? HostContext()
+                                           : ctx;
   run.compute_mu = compute_mu;
   run.start = start;
   run.when = absl::StrCat("step ", request.step_index);
@@ -62,6 +69,8 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequest& request,
   run.scale = static_cast<float>(scale);
   run.scaled = scale != 1.0;
   run.result.step_index = request.step_index;
+  // After the first step: capture the step as a graph, or say why it runs eagerly.
+  if (device_ != nullptr && last_step_index_ >= 1) run.result.graph_fallback = DecideStepGraph();
 
   DIOND_RETURN_IF_ERROR(JoinWorldPhase(run));
   DIOND_RETURN_IF_ERROR(ReadGradientsPhase(run));
@@ -76,6 +85,7 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequest& request,
     run.result.skipped = true;
     if (run.comm != nullptr) run.result.world_bytes_sent = run.comm->TakeBytesSent();
     run.result.total_micros = absl::ToInt64Microseconds(absl::Now() - start);
+    if (!run.result.graph_fallback.empty()) GraphFallbackReported();
     last_step_index_ = request.step_index;
     last_result_ = run.result;
     return run.result;
@@ -86,19 +96,25 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequest& request,
   if (absl::Status s = CheckRegions(run.when); !s.ok()) {
     return run.comm != nullptr ? BreakWorld(run, s) : s;
   }
-  DIOND_RETURN_IF_ERROR(StageUpdatesPhase(run, ctx, compute_mu));
+  DIOND_RETURN_IF_ERROR(StageUpdatesPhase(run, update_ctx, compute_mu));
   // Everything the update read came from intact memory: nothing has been written yet.
   if (absl::Status s = CheckRegions(run.when); !s.ok()) {
     DiscardStep(run);
     return run.comm != nullptr ? BreakWorld(run, s) : s;
   }
   WriteWeightsPhase(run);
-  if (absl::Status s = ExchangeUpdatesPhase(run, ctx, compute_mu); !s.ok()) {
+  if (absl::Status s = ExchangeUpdatesPhase(run, update_ctx, compute_mu); !s.ok()) {
     DiscardStep(run);
     return s;
   }
-  // The weights of other dtypes (and the master weights' narrowed copies) into the arena.
-  {
+  // The weights of other dtypes (and the master weights' narrowed copies) into the arena; a
+  // device session: every new weight back from the device staging.
+  if (device_ != nullptr) {
+    if (absl::Status s = WriteWeightsFromDevice(run); !s.ok()) {
+      DiscardStep(run);
+      return s;
+    }
+  } else {
     absl::MutexLock compute(compute_mu);
     for (size_t i = 0; i < layout_.tensors.size(); ++i) {
       if (!run.via_scratch[i]) continue;
@@ -210,6 +226,7 @@ absl::Status Session::ValidateStepLocked(const StepRequest& request,
 }
 
 absl::Status Session::ReadGradientsPhase(StepRun& run) {
+  if (device_ != nullptr) return ReadGradientsToDevice(run);
   const size_t n = layout_.tensors.size();
   run.grads.assign(n, nullptr);
   grad_scratch_.resize(n);  // each buffer keeps its capacity between steps
@@ -248,6 +265,7 @@ absl::Status Session::ReadGradientsPhase(StepRun& run) {
 }
 
 absl::Status Session::ReadParametersPhase(StepRun& run) {
+  if (device_ != nullptr) return ReadParametersToDevice(run);
   const size_t n = layout_.tensors.size();
   run.params.assign(n, nullptr);
   run.via_scratch.assign(n, false);
@@ -391,6 +409,7 @@ StepResult Session::CommitStepPhase(StepRun& run) {
         world_.has_value() ? std::sqrt(run.update_sq[gi]) : g.optimizer->last_update_norm();
   }
   run.result.total_micros = absl::ToInt64Microseconds(absl::Now() - run.start);
+  if (!run.result.graph_fallback.empty()) GraphFallbackReported();
   last_step_index_ = run.result.step_index;
   last_result_ = run.result;
   return run.result;

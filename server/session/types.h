@@ -110,6 +110,10 @@ struct StepResult {
   bool queued = false;  // an asynchronous step: validated and queued, not run yet
   // The queued asynchronous step's result, collected by this call (at most one).
   std::vector<StepResult> previous;
+  // Device sessions: set on the step (the second) where the session decided to run its steps
+  // eagerly instead of replaying a captured graph: "unsupported" (the backend cannot capture) or
+  // "sync_points" (the step holds host sync points). Empty otherwise.
+  std::string graph_fallback;
 };
 
 // A named float32 tensor (state, parameters) as it crosses the session boundary.

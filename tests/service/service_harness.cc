@@ -85,15 +85,36 @@ std::shared_ptr<grpc::Channel> TokenChannel(const std::string& target, const std
 
 std::unique_ptr<Daemon> Daemon::Start(const std::vector<std::string>& flags, bool tcp,
                                       const std::string& dir) {
+  return Launch({DIOND_BINARY}, flags, tcp, dir);
+}
+
+std::unique_ptr<Daemon> Daemon::StartBinary(const std::string& binary,
+                                            const std::vector<std::string>& flags,
+                                            const std::vector<std::string>& env) {
+  std::vector<std::string> prefix;
+  if (!env.empty()) {
+    prefix.push_back("/usr/bin/env");
+    prefix.insert(prefix.end(), env.begin(), env.end());
+  }
+  prefix.push_back(binary);
+  return Launch(std::move(prefix), flags, /*tcp=*/false, "");
+}
+
+std::unique_ptr<Daemon> Daemon::Launch(std::vector<std::string> prefix,
+                                       const std::vector<std::string>& flags, bool tcp,
+                                       const std::string& dir) {
   std::unique_ptr<Daemon> d(new Daemon);
   d->dir_ = dir.empty() ? testing::MakeTempDir("diond_svc") : dir;
   d->socket_ = d->dir_ + "/d.sock";
   const std::string ready = d->dir_ + "/ready.json";
   unlink(ready.c_str());
   unlink(d->socket_.c_str());
-  std::vector<std::string> argv = {DIOND_BINARY,
-                                   "--listen=unix:" + d->socket_ + (tcp ? ",127.0.0.1:0" : ""),
-                                   "--metrics_address=", "--device=cpu", "--ready_file=" + ready};
+  std::vector<std::string> argv = std::move(prefix);
+  for (std::string a : {"--listen=unix:" + d->socket_ + (tcp ? ",127.0.0.1:0" : ""),
+                        std::string("--metrics_address="), std::string("--device=cpu"),
+                        "--ready_file=" + ready}) {
+    argv.push_back(std::move(a));
+  }
   argv.insert(argv.end(), flags.begin(), flags.end());
   if (tcp && !HasFlag(flags, "--auth_token_file") && !HasFlag(flags, "--allow_unauthenticated_tcp")) {
     WriteText(d->dir_ + "/tokens", absl::StrCat(kTcpToken, " svc-test admin\n"));

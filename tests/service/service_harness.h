@@ -60,6 +60,11 @@ class Daemon {
   // `flags` name one.
   static std::unique_ptr<Daemon> Start(const std::vector<std::string>& flags = {},
                                        bool tcp = false, const std::string& dir = "");
+  // The same with another daemon binary (e.g. the test-only diond_testdevice) and extra
+  // environment variables ("NAME=value").
+  static std::unique_ptr<Daemon> StartBinary(const std::string& binary,
+                                             const std::vector<std::string>& flags = {},
+                                             const std::vector<std::string>& env = {});
 
   v1::Optimizer::Stub& stub() { return *stub_; }
   // A stub on the loopback TCP port that sends "authorization: Bearer <token>" on every call
@@ -82,6 +87,10 @@ class Daemon {
 
  private:
   Daemon() = default;
+  // Start's body: `prefix` is the command before the flags (the binary, or env + the binary).
+  static std::unique_ptr<Daemon> Launch(std::vector<std::string> prefix,
+                                        const std::vector<std::string>& flags, bool tcp,
+                                        const std::string& dir);
   std::unique_ptr<testing::Subprocess> proc_;
   std::string dir_, socket_;
   int tcp_port_ = 0;

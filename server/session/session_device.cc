@@ -1,0 +1,326 @@
+// Device sessions (docs/GPU.md, "Device sessions"): a session of a daemon whose compute device
+// is not the CPU keeps its own stream, a Context on the device with that stream, and device
+// staging for every parameter and gradient (fp32), allocated once at creation. A step copies the
+// trainer's gradients and weights host -> device on the session stream, widens / scales / scans
+// them there (ops on the device copy), runs the update on the device staging, then narrows the
+// new weights on the device and copies them device -> host into the trainer's arena.
+//
+// The step stays transactional (ARCHITECTURE.md §2): the trainer's memory is written only after
+// every group staged its update and the regions were found intact, and the optimizer state is
+// committed last, exactly where the host session writes and commits.
+//
+// The host <-> device copies go through the ops table's copy entries (synchronous for the
+// caller: each is a sync point). A minimal private helper until kernels/ops.h exposes
+// CopyFromHost / CopyToHost (the devrules branch); then these two functions become calls of
+// those.
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "kernels/backend.h"
+#include "kernels/ops.h"
+#include "server/session/session.h"
+#include "server/session/session_internal.h"
+#include "server/session/session_manager.h"
+
+namespace diond::session {
+
+struct Session::DeviceSide {
+  kernels::Device device;
+  DeviceHooks hooks;
+  kernels::StreamHandle stream = nullptr;
+  // On `device`, with `stream`: the session's copies, conversions and scans (and the update when
+  // the rules run on the device).
+  std::unique_ptr<kernels::Context> ctx;
+  // The rules do not run on the device yet (DeviceHooks::rules_on_device false): a CPU context
+  // that steps the (host-addressable) device staging.
+  std::unique_ptr<kernels::Context> host;
+  // fp32 staging of every parameter and every gradient (offset[i] elements in), and one
+  // tensor's worth of trainer-dtype bytes for the widening and narrowing.
+  kernels::Buffer grads, params, raw;
+  std::vector<int64_t> offset;
+  int64_t staging_bytes = 0;
+  bool graph_decided = false;  // DecideStepGraph ran
+  std::string graph_reason;    // its fallback reason
+  bool graph_reported = false;  // a successful step's result carried it (counted once)
+
+  const kernels::Context& update_ctx() const { return hooks.rules_on_device ? *ctx : *host; }
+  float* grad(size_t i) { return grads.As<float>() + offset[i]; }
+  float* param(size_t i) { return params.As<float>() + offset[i]; }
+};
+
+void Session::DeviceSideDeleter::operator()(DeviceSide* d) const {
+  if (d == nullptr) return;
+  d->grads.Reset();
+  d->params.Reset();
+  d->raw.Reset();
+  d->ctx.reset();  // its scratch blocks go back to the pool
+  if (d->stream != nullptr && d->hooks.destroy_stream) d->hooks.destroy_stream(d->device, d->stream);
+  delete d;
+}
+
+int64_t Session::DeviceStagingBytes() const {
+  return device_ != nullptr ? device_->staging_bytes : 0;
+}
+
+const kernels::Context* Session::DeviceUpdateContext() const {
+  return device_ != nullptr ? &device_->update_ctx() : nullptr;
+}
+
+std::string Session::DeviceAllocationError() const {
+  if (device_ == nullptr || !device_->hooks.last_allocation_error) return "";
+  return device_->hooks.last_allocation_error();
+}
+
+std::string Session::DecideStepGraph() {
+  DeviceSide& d = *device_;
+  if (d.graph_decided) return d.graph_reported ? "" : d.graph_reason;
+  d.graph_decided = true;
+  std::string reason, why;
+  if (!d.hooks.begin_capture || d.stream == nullptr) {
+    reason = "unsupported";
+    why = "the device backend has no stream capture";
+  } else if (absl::Status s = d.hooks.begin_capture(d.device, d.stream); !s.ok()) {
+    reason = "unsupported";
+    why = std::string(s.message());
+  } else {
+    // The backend captures, but this step cannot be captured: its copies are synchronous and
+    // it reads the finiteness flags (and the rules' sync points) back on the host. The empty
+    // capture is ended and dropped.
+    auto graph = d.hooks.end_capture ? d.hooks.end_capture(d.device, d.stream)
+                                     : absl::StatusOr<void*>(nullptr);
+    if (graph.ok() && *graph != nullptr && d.hooks.destroy_graph) {
+      d.hooks.destroy_graph(d.device, *graph);
+    }
+    reason = "sync_points";
+    why = "the step has host sync points (synchronous copies, the finiteness flags read back), "
+          "which a stream capture cannot hold";
+  }
+  DIOND_LOG(INFO) << "session " << id_ << ": steps run eagerly, not as a captured graph (reason "
+                  << reason << ": " << why << ")";
+  d.graph_reason = reason;
+  return reason;
+}
+
+void Session::GraphFallbackReported() {
+  if (device_ != nullptr) device_->graph_reported = true;
+}
+
+namespace {
+
+kernels::ConstTensorView DeviceView(kernels::Device device, DType dtype, const void* p,
+                                    int64_t n) {
+  return kernels::ConstTensorView(p, kernels::ContiguousLayout(dtype, {n}), device);
+}
+kernels::TensorView DeviceView(kernels::Device device, DType dtype, void* p, int64_t n) {
+  return kernels::TensorView(p, kernels::ContiguousLayout(dtype, {n}), device);
+}
+
+absl::Status CopyToDevice(const kernels::Context& ctx, const void* host, void* device,
+                          size_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  return ctx.backend().copy_from_host(ctx, host, device, bytes);
+}
+absl::Status CopyToHost(const kernels::Context& ctx, const void* device, void* host,
+                        size_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  return ctx.backend().copy_to_host(ctx, device, host, bytes);
+}
+
+}  // namespace
+
+absl::Status Session::InitDeviceSide(const kernels::Context& ctx, const DeviceHooks& hooks) {
+  std::unique_ptr<DeviceSide, DeviceSideDeleter> d(new DeviceSide);
+  d->device = ctx.device();
+  d->hooks = hooks;
+  if (hooks.create_stream) {
+    DIOND_ASSIGN_OR_RETURN(d->stream, hooks.create_stream(d->device));
+  }
+  kernels::ContextOptions co;
+  co.device = d->device;
+  co.num_threads = ctx.num_threads();
+  co.stream = d->stream;
+  DIOND_ASSIGN_OR_RETURN(d->ctx, kernels::Context::Create(co));
+  if (!hooks.rules_on_device) d->host = kernels::Context::CpuDefault(ctx.num_threads());
+  int64_t total = 0, largest = 0;
+  for (const TensorPlacement& t : layout_.tensors) {
+    d->offset.push_back(total);
+    total += t.numel;
+    largest = std::max(largest, t.numel);
+  }
+  auto fail = [&](const absl::Status& s) {
+    const std::string pool = hooks.last_allocation_error ? hooks.last_allocation_error() : "";
+    return absl::Status(
+        s.code(), absl::StrCat("the session's device staging (", 8 * total + 4 * largest,
+                               " bytes: fp32 parameters and gradients, ", 8 * total,
+                               "; one tensor's conversion buffer, ", 4 * largest,
+                               ") does not fit on the device: ", s.message(),
+                               pool.empty() ? "" : absl::StrCat(" (", pool, ")")));
+  };
+  for (kernels::Buffer* b : {&d->params, &d->grads}) {
+    auto buf = d->ctx->Allocate(DType::kF32, {total});
+    if (!buf.ok()) return fail(buf.status());
+    *b = std::move(*buf);
+  }
+  auto raw = d->ctx->Allocate(DType::kF32, {largest});
+  if (!raw.ok()) return fail(raw.status());
+  d->raw = std::move(*raw);
+  d->staging_bytes = 8 * total + 4 * largest;
+  device_ = std::move(d);
+  return absl::OkStatus();
+}
+
+void Session::RegisterForDma(Role role, Binding& b) {
+  if (device_ == nullptr || !device_->hooks.host_register || b.region == nullptr) return;
+  void* p = b.region->data();
+  const size_t bytes = static_cast<size_t>(b.region->size());
+  const kernels::Device device = device_->device;
+  if (absl::Status s = device_->hooks.host_register(device, p, bytes); !s.ok()) {
+    DIOND_LOG(WARNING) << "session " << id_ << ": the " << RoleName(role) << " "
+                       << b.region->Describe()
+                       << " could not be registered for DMA; its copies go through pageable "
+                          "memory: "
+                       << s.message();
+    return;
+  }
+  std::function<absl::Status(kernels::Device, void*)> unregister = device_->hooks.host_unregister;
+  const std::string id = id_;
+  b.dma = std::shared_ptr<void>(p, [unregister, device, id](void* q) {
+    if (!unregister) return;
+    if (absl::Status s = unregister(device, q); !s.ok()) {
+      DIOND_LOG(WARNING) << "session " << id << ": host_unregister failed: " << s.message();
+    }
+  });
+}
+
+absl::Status Session::ReadGradientsToDevice(StepRun& run) {
+  DeviceSide& d = *device_;
+  const kernels::Context& dc = *d.ctx;
+  const size_t n = layout_.tensors.size();
+  run.grads.assign(n, nullptr);
+  bool finite = true;
+  {
+    absl::MutexLock compute(run.compute_mu);
+    for (size_t i = 0; i < n; ++i) {
+      const TensorPlacement& t = layout_.tensors[i];
+      const uint8_t* src = grads_.data + t.grad_offset;
+      const size_t bytes = static_cast<size_t>(t.numel) * kernels::DTypeSize(t.dtype);
+      float* dst = d.grad(i);
+      bool ok = true;
+      if (t.dtype == DType::kF32 && !run.scaled) {
+        DIOND_RETURN_IF_ERROR(CopyToDevice(dc, src, dst, bytes));
+        DIOND_RETURN_IF_ERROR(
+            kernels::AllFinite(dc, DeviceView(d.device, DType::kF32, dst, t.numel), &ok));
+      } else {
+        DIOND_RETURN_IF_ERROR(CopyToDevice(dc, src, d.raw.data(), bytes));
+        DIOND_RETURN_IF_ERROR(kernels::WidenScaleCheckFinite(
+            dc, DeviceView(d.device, t.dtype, static_cast<const void*>(d.raw.data()), t.numel),
+            run.scale, DeviceView(d.device, DType::kF32, dst, t.numel), &ok));
+      }
+      run.grads[i] = dst;
+      finite = finite && ok;
+    }
+  }
+  run.finite = finite;
+  return CheckRegions(run.when, Role::kGradients);
+}
+
+absl::Status Session::ReadParametersToDevice(StepRun& run) {
+  DeviceSide& d = *device_;
+  const kernels::Context& dc = *d.ctx;
+  const size_t n = layout_.tensors.size();
+  run.params.assign(n, nullptr);
+  run.via_scratch.assign(n, true);  // every parameter comes back from the device staging
+  param_scratch_.resize(n);
+  absl::MutexLock compute(run.compute_mu);
+  for (size_t i = 0; i < n; ++i) {
+    const TensorPlacement& t = layout_.tensors[i];
+    const uint8_t* arena = params_.data + t.param_offset;
+    const bool master = !master_.empty() && !master_[i].empty();
+    float* dst = d.param(i);
+    if (master && master_valid_) {
+      DIOND_RETURN_IF_ERROR(CopyToDevice(dc, master_[i].data(), dst, 4 * t.numel));
+    } else if (t.dtype == DType::kF32) {
+      DIOND_RETURN_IF_ERROR(CopyToDevice(dc, arena, dst, 4 * t.numel));
+    } else {
+      DIOND_RETURN_IF_ERROR(CopyToDevice(
+          dc, arena, d.raw.data(), static_cast<size_t>(t.numel) * kernels::DTypeSize(t.dtype)));
+      DIOND_RETURN_IF_ERROR(kernels::Copy(
+          dc, DeviceView(d.device, t.dtype, static_cast<const void*>(d.raw.data()), t.numel),
+          DeviceView(d.device, DType::kF32, dst, t.numel)));
+    }
+    run.params[i] = dst;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Session::WriteWeightsFromDevice(StepRun& run) {
+  DeviceSide& d = *device_;
+  const kernels::Context& dc = *d.ctx;
+  absl::MutexLock compute(run.compute_mu);
+  for (size_t i = 0; i < layout_.tensors.size(); ++i) {
+    const TensorPlacement& t = layout_.tensors[i];
+    uint8_t* arena = params_.data + t.param_offset;
+    const float* src = d.param(i);
+    if (!master_.empty() && !master_[i].empty()) {
+      // The next master weights, swapped in at the commit.
+      param_scratch_[i].resize(static_cast<size_t>(t.numel));
+      DIOND_RETURN_IF_ERROR(CopyToHost(dc, src, param_scratch_[i].data(), 4 * t.numel));
+    }
+    if (t.dtype == DType::kF32) {
+      DIOND_RETURN_IF_ERROR(CopyToHost(dc, src, arena, 4 * t.numel));
+    } else {
+      DIOND_RETURN_IF_ERROR(
+          kernels::Copy(dc, DeviceView(d.device, DType::kF32, src, t.numel),
+                        DeviceView(d.device, t.dtype, d.raw.data(), t.numel)));
+      DIOND_RETURN_IF_ERROR(CopyToHost(
+          dc, d.raw.data(), arena, static_cast<size_t>(t.numel) * kernels::DTypeSize(t.dtype)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace diond::session
+
+namespace diond::session {
+
+namespace {
+
+absl::Status ProbeRules(kernels::Device device) {
+  kernels::ContextOptions co;
+  co.device = device;
+  co.num_threads = 1;
+  DIOND_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Context> ctx, kernels::Context::Create(co));
+  optim::GroupConfig config;
+  config.algorithm = optim::AlgorithmKind::kAdamW;
+  config.hyperparams = optim::DefaultHyperparams(optim::AlgorithmKind::kAdamW);
+  DIOND_ASSIGN_OR_RETURN(std::unique_ptr<optim::GroupOptimizer> opt,
+                         optim::CreateGroupOptimizer(*ctx, config, {{2}}));
+  DIOND_ASSIGN_OR_RETURN(kernels::Buffer x, ctx->Allocate(DType::kF32, {2}));
+  DIOND_ASSIGN_OR_RETURN(kernels::Buffer g, ctx->Allocate(DType::kF32, {2}));
+  const float values[2] = {1.0f, -0.5f};
+  DIOND_RETURN_IF_ERROR(CopyToDevice(*ctx, values, x.data(), sizeof(values)));
+  DIOND_RETURN_IF_ERROR(CopyToDevice(*ctx, values, g.data(), sizeof(values)));
+  float* xp[] = {x.As<float>()};
+  const float* gp[] = {g.As<float>()};
+  return opt->Step(*ctx, xp, gp);
+}
+
+}  // namespace
+
+absl::Status CheckRulesRunOnDevice() {
+  // Probed on a host-memory device, never on the GPU: rules that still read their state from
+  // the host would fault on device memory. The TEST backend when one is registered (the test
+  // binary), else the CPU's table standing in for DeviceType::kTest for the probe's duration.
+  const kernels::Device probe{kernels::DeviceType::kTest, 0};
+  if (kernels::FindOpsBackend(probe.type) != nullptr) return ProbeRules(probe);
+  DIOND_RETURN_IF_ERROR(kernels::RegisterOpsBackend(
+      probe.type, kernels::FindOpsBackend(kernels::DeviceType::kCpu)));
+  absl::Status s = ProbeRules(probe);
+  kernels::UnregisterOpsBackendForTest(probe.type);
+  return s;
+}
+
+}  // namespace diond::session

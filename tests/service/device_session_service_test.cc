@@ -1,0 +1,361 @@
+// Device sessions over real processes, sockets and shared memory (issue 11 items 2, 3, 5): the
+// test-only daemon diond_testdevice computes on the host-memory TEST backend behind the plugin
+// ABI, so every session is a device session (its own stream, fp32 device staging, host <-> device
+// copies, host registration of its shm regions). Its results must equal the normal CPU daemon's
+// bit for bit, for every algorithm, over several steps, over shm and over the streamed path;
+// the device traffic is checked through the counters line the test binary logs; a session that
+// does not fit the TEST pool's budget gets RESOURCE_EXHAUSTED with the numbers while the daemon
+// and the other sessions carry on.
+#include <limits>
+#include <map>
+#include <regex>
+#include <string>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "tests/service/service_harness.h"
+
+namespace diond::service_testing {
+namespace {
+
+using optim::AlgorithmKind;
+
+constexpr int kSteps = 3;
+
+// The last "test device counters: k=v ..." line of the test daemon's log, as k -> v.
+std::map<std::string, int64_t> LastCounters(const Daemon& d) {
+  const std::string log = d.Log();
+  const size_t at = log.rfind("test device counters:");
+  std::map<std::string, int64_t> out;
+  if (at == std::string::npos) return out;
+  const std::string line = log.substr(at, log.find('\n', at) - at);
+  static const std::regex kv("([a-z_]+)=([0-9]+)");
+  for (std::sregex_iterator it(line.begin(), line.end(), kv), end; it != end; ++it) {
+    int64_t v = 0;
+    if (absl::SimpleAtoi((*it)[2].str(), &v)) out[(*it)[1].str()] = v;
+  }
+  return out;
+}
+
+SessionDesc Desc(AlgorithmKind algorithm) {
+  SessionDesc d;
+  d.groups.push_back(MakeGroup("main", algorithm, 0.01));
+  d.groups.push_back(MakeGroup("vec", AlgorithmKind::kAdamW, 0.001));
+  d.params.push_back({"w", {24, 16}, "main"});
+  d.params.push_back({"u", {16, 24}, "main"});
+  d.params.push_back({"b", {16}, "vec"});
+  return d;
+}
+
+std::vector<Chunk> InitialParams(const SessionDesc& d) {
+  std::vector<Chunk> chunks;
+  for (size_t i = 0; i < d.params.size(); ++i) {
+    chunks.push_back({d.params[i].name, 0, FloatBytes(SyntheticValues(1, 0, i, d.Numel(i)))});
+  }
+  return chunks;
+}
+
+grpc::Status StepScaled(v1::Optimizer::Stub& stub, const std::string& id, int64_t index,
+                        double scale, v1::StepResponse* resp) {
+  auto ctx = Ctx();
+  v1::StepRequest req;
+  req.set_session_id(id);
+  req.set_step_index(index);
+  req.set_gradient_scale(scale);
+  return stub.Step(ctx.get(), req, resp);
+}
+
+TensorMap State(Daemon& d, const std::string& id) {
+  TensorMap m;
+  grpc::Status s = GetState(d.stub(), id, true, &m);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  return m;
+}
+
+class DeviceSessions : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    cpu_ = Daemon::Start().release();
+    dev_ = Daemon::StartBinary(DIOND_TESTDEVICE_BINARY).release();
+  }
+  static void TearDownTestSuite() {
+    delete cpu_;
+    delete dev_;
+    cpu_ = dev_ = nullptr;
+  }
+  void SetUp() override {
+    ASSERT_NE(cpu_, nullptr);
+    ASSERT_NE(dev_, nullptr);
+  }
+  static Daemon* cpu_;
+  static Daemon* dev_;
+};
+Daemon* DeviceSessions::cpu_ = nullptr;
+Daemon* DeviceSessions::dev_ = nullptr;
+
+TEST_F(DeviceSessions, TheStartUpLineSaysItIsATestBackend) {
+  const std::string log = dev_->Log();
+  EXPECT_TRUE(absl::StrContains(
+      log, "TEST DEVICE BACKEND: host memory behind the plugin ABI; not a product feature"))
+      << log;
+  EXPECT_TRUE(absl::StrContains(log, "steps run on test-device:0")) << log;
+  EXPECT_FALSE(absl::StrContains(cpu_->Log(), "TEST DEVICE")) << cpu_->Log();
+}
+
+class EveryAlgorithm : public DeviceSessions,
+                       public ::testing::WithParamInterface<AlgorithmKind> {};
+
+TEST_P(EveryAlgorithm, OverShmEqualsTheCpuDaemonBitForBit) {
+  const SessionDesc d = Desc(GetParam());
+  auto c = CreateShmSession(cpu_->stub(), d.Request());
+  auto g = CreateShmSession(dev_->stub(), d.Request());
+  ASSERT_NE(c, nullptr);
+  ASSERT_NE(g, nullptr);
+  ASSERT_TRUE(SetState(cpu_->stub(), c->id, InitialParams(d)).ok());
+  ASSERT_TRUE(SetState(dev_->stub(), g->id, InitialParams(d)).ok());
+  for (int64_t t = 1; t <= kSteps; ++t) {
+    for (size_t i = 0; i < d.params.size(); ++i) {
+      const std::vector<float> grad = SyntheticValues(7, t, i, d.Numel(i));
+      c->WriteGrad(i, grad);
+      g->WriteGrad(i, grad);
+    }
+    // Step 2 scales the gradients: the widen-and-scale pass runs on the device copy.
+    const double scale = t == 2 ? 0.5 : 1.0;
+    v1::StepResponse rc, rg;
+    grpc::Status sc = StepScaled(cpu_->stub(), c->id, t, scale, &rc);
+    grpc::Status sg = StepScaled(dev_->stub(), g->id, t, scale, &rg);
+    ASSERT_TRUE(sc.ok()) << sc.error_message();
+    ASSERT_TRUE(sg.ok()) << sg.error_message() << "\n" << dev_->Log();
+    EXPECT_FALSE(rg.skipped());
+    for (size_t i = 0; i < d.params.size(); ++i) {
+      EXPECT_EQ(g->ParamBytes(i), c->ParamBytes(i)) << d.params[i].name << ", step " << t;
+    }
+    ASSERT_EQ(rg.update_norms_size(), rc.update_norms_size());
+  }
+  // The weights changed (the comparison is not of two untouched arenas) ...
+  EXPECT_NE(c->ParamBytes(0), InitialParams(d)[0].data);
+  // ... and the optimizer state is the same too.
+  const TensorMap sc = State(*cpu_, c->id), sg = State(*dev_, g->id);
+  ASSERT_EQ(sg.size(), sc.size());
+  for (const auto& [name, bytes] : sc) {
+    ASSERT_TRUE(sg.count(name)) << name;
+    EXPECT_EQ(sg.at(name), bytes) << name;
+  }
+  EXPECT_TRUE(CloseSession(cpu_->stub(), c->id).ok());
+  EXPECT_TRUE(CloseSession(dev_->stub(), g->id).ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(DeviceSessions, EveryAlgorithm,
+                         ::testing::Values(AlgorithmKind::kMuon, AlgorithmKind::kNorMuon,
+                                           AlgorithmKind::kDion, AlgorithmKind::kDion2,
+                                           AlgorithmKind::kNorDion2, AlgorithmKind::kAdamW,
+                                           AlgorithmKind::kLion));
+
+// bf16 bytes of `v` (the upper half of each float: any bf16 value will do).
+std::string Bf16Bytes(const std::vector<float>& v) {
+  const std::string f = FloatBytes(v);
+  std::string out;
+  for (size_t i = 0; i < v.size(); ++i) out += f.substr(4 * i + 2, 2);  // little-endian
+  return out;
+}
+
+class Bf16Weights : public DeviceSessions, public ::testing::WithParamInterface<bool> {};
+
+TEST_P(Bf16Weights, WidenedAndNarrowedOnTheDeviceEqualTheCpuDaemonBitForBit) {
+  // bf16 weights and gradients: widened on the device copy, the new weights narrowed there;
+  // with fp32 master weights (GetParam) the master comes back for the commit.
+  const SessionDesc d = Desc(AlgorithmKind::kNorMuon);
+  v1::CreateSessionRequest req = d.Request();
+  req.set_fp32_master_weights(GetParam());
+  for (int i = 0; i < 2; ++i) req.mutable_parameters(i)->set_dtype(v1::DTYPE_BF16);
+  auto c = CreateShmSession(cpu_->stub(), req);
+  auto g = CreateShmSession(dev_->stub(), req);
+  ASSERT_NE(c, nullptr);
+  ASSERT_NE(g, nullptr);
+  auto bytes = [&](size_t i, const std::vector<float>& v) {
+    return i < 2 ? Bf16Bytes(v) : FloatBytes(v);
+  };
+  for (size_t i = 0; i < d.params.size(); ++i) {
+    const std::string init = bytes(i, SyntheticValues(1, 0, i, d.Numel(i)));
+    c->params_seg->Write(c->tensor(i).param_offset_bytes(), init);
+    g->params_seg->Write(g->tensor(i).param_offset_bytes(), init);
+  }
+  for (int64_t t = 1; t <= kSteps; ++t) {
+    for (size_t i = 0; i < d.params.size(); ++i) {
+      const std::string grad = bytes(i, SyntheticValues(7, t, i, d.Numel(i)));
+      c->WriteGradBytes(i, grad);
+      g->WriteGradBytes(i, grad);
+    }
+    v1::StepResponse rc, rg;
+    ASSERT_TRUE(StepScaled(cpu_->stub(), c->id, t, t == 3 ? 2.0 : 1.0, &rc).ok());
+    grpc::Status sg = StepScaled(dev_->stub(), g->id, t, t == 3 ? 2.0 : 1.0, &rg);
+    ASSERT_TRUE(sg.ok()) << sg.error_message();
+    for (size_t i = 0; i < d.params.size(); ++i) {
+      EXPECT_EQ(g->ParamBytes(i), c->ParamBytes(i)) << d.params[i].name << ", step " << t;
+    }
+  }
+  EXPECT_NE(g->ParamBytes(0), Bf16Bytes(SyntheticValues(1, 0, 0, d.Numel(0))));
+  const TensorMap sc = State(*cpu_, c->id), sg = State(*dev_, g->id);
+  EXPECT_EQ(sg, sc);  // the fp32 weights (the master weights when kept) and the state
+  EXPECT_TRUE(CloseSession(cpu_->stub(), c->id).ok());
+  EXPECT_TRUE(CloseSession(dev_->stub(), g->id).ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(DeviceSessions, Bf16Weights, ::testing::Bool());
+
+TEST_F(DeviceSessions, NonFiniteGradientsFoundOnTheDeviceChangeNothing) {
+  SessionDesc d = Desc(AlgorithmKind::kMuon);
+  d.non_finite = v1::NON_FINITE_POLICY_ERROR;
+  auto g = CreateShmSession(dev_->stub(), d.Request());
+  ASSERT_NE(g, nullptr);
+  ASSERT_TRUE(SetState(dev_->stub(), g->id, InitialParams(d)).ok());
+  for (size_t i = 0; i < d.params.size(); ++i) g->WriteGrad(i, SyntheticValues(7, 1, i, d.Numel(i)));
+  ASSERT_TRUE(DoStep(dev_->stub(), g->id, 1).ok());
+  const std::string arena = g->params_seg->Bytes(0, g->layout.param_arena_bytes());
+  const TensorMap before = State(*dev_, g->id);
+  std::vector<float> bad = SyntheticValues(7, 2, 2, d.Numel(2));
+  bad[3] = std::numeric_limits<float>::infinity();
+  g->WriteGrad(2, bad);
+  for (double scale : {1.0, 0.25}) {  // in place (f32) and through the widening pass
+    v1::StepResponse r;
+    grpc::Status s = StepScaled(dev_->stub(), g->id, 2, scale, &r);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_EQ(g->params_seg->Bytes(0, g->layout.param_arena_bytes()), arena);
+    EXPECT_EQ(State(*dev_, g->id), before);
+  }
+  EXPECT_TRUE(CloseSession(dev_->stub(), g->id).ok());
+}
+
+TEST_F(DeviceSessions, TheStreamedPathEqualsTheCpuDaemonBitForBit) {
+  const SessionDesc d = Desc(AlgorithmKind::kDion);
+  std::string ids[2];
+  Daemon* daemons[2] = {cpu_, dev_};
+  for (int k = 0; k < 2; ++k) {
+    auto ctx = Ctx();
+    v1::CreateSessionResponse resp;
+    ASSERT_TRUE(daemons[k]->stub().CreateSession(ctx.get(), d.Request(), &resp).ok());
+    ids[k] = resp.session_id();
+    ASSERT_TRUE(SetState(daemons[k]->stub(), ids[k], InitialParams(d)).ok());
+  }
+  for (int64_t t = 1; t <= kSteps; ++t) {
+    std::vector<Chunk> grads;
+    for (size_t i = 0; i < d.params.size(); ++i) {
+      grads.push_back({d.params[i].name, 0, FloatBytes(SyntheticValues(9, t, i, d.Numel(i)))});
+    }
+    TensorMap out[2];
+    for (int k = 0; k < 2; ++k) {
+      ASSERT_TRUE(PushGradients(daemons[k]->stub(), ids[k], grads).ok());
+      grpc::Status s = DoStep(daemons[k]->stub(), ids[k], t);
+      ASSERT_TRUE(s.ok()) << s.error_message();
+      ASSERT_TRUE(PullParameters(daemons[k]->stub(), ids[k], &out[k]).ok());
+    }
+    EXPECT_EQ(out[1], out[0]) << "step " << t;
+    EXPECT_NE(out[1]["w"], InitialParams(d)[0].data);
+  }
+  for (int k = 0; k < 2; ++k) EXPECT_TRUE(CloseSession(daemons[k]->stub(), ids[k]).ok());
+}
+
+TEST(DeviceSessionCounters, OneStreamPerSessionCopiesPerStepAndPairedHostRegistrations) {
+  // A fresh test daemon, so that its counters count this test's traffic only.
+  auto dev = Daemon::StartBinary(DIOND_TESTDEVICE_BINARY);
+  ASSERT_NE(dev, nullptr);
+  std::map<std::string, int64_t> start = LastCounters(*dev);
+  ASSERT_FALSE(start.empty()) << dev->Log();
+  const SessionDesc d = Desc(AlgorithmKind::kMuon);
+  const int64_t tensors = static_cast<int64_t>(d.params.size());
+  int64_t numel = 0;
+  for (size_t i = 0; i < d.params.size(); ++i) numel += d.Numel(i);
+  {
+    auto s = CreateShmSession(dev->stub(), d.Request());
+    ASSERT_NE(s, nullptr);
+    ASSERT_TRUE(SetState(dev->stub(), s->id, InitialParams(d)).ok());
+    for (int64_t t = 1; t <= kSteps; ++t) {
+      for (size_t i = 0; i < d.params.size(); ++i) {
+        s->WriteGrad(i, SyntheticValues(7, t, i, d.Numel(i)));
+      }
+      ASSERT_TRUE(DoStep(dev->stub(), s->id, t).ok());
+    }
+    // At its second step the session found that the TEST backend cannot capture a graph: one
+    // log line, and its steps run eagerly.
+    const std::string log = dev->Log();
+    const std::string fallback = absl::StrCat(
+        "session ", s->id, ": steps run eagerly, not as a captured graph (reason unsupported: ");
+    EXPECT_TRUE(absl::StrContains(log, fallback)) << log;
+    EXPECT_EQ(log.find(fallback), log.rfind(fallback)) << "logged more than once";
+    EXPECT_TRUE(absl::StrContains(log, "stream capture (CUDA graphs) unsupported")) << log;
+    std::map<std::string, int64_t> c = LastCounters(*dev);
+    EXPECT_EQ(c["streams_created"] - start["streams_created"], 1);
+    EXPECT_EQ(c["streams_live"], start["streams_live"] + 1);
+    // Two regions (PARAMETERS, GRADIENTS), each registered once for DMA.
+    EXPECT_EQ(c["host_registers"] - start["host_registers"], 2);
+    EXPECT_EQ(c["host_registered_live"], 2);
+    // Per step and fp32 tensor: gradients and weights host -> device, weights device -> host.
+    EXPECT_EQ(c["copies_to_device"] - start["copies_to_device"], 2 * tensors * kSteps);
+    EXPECT_EQ(c["copies_to_host"] - start["copies_to_host"], tensors * kSteps);
+    EXPECT_EQ(c["bytes_to_device"] - start["bytes_to_device"], 2 * 4 * numel * kSteps);
+    EXPECT_EQ(c["bytes_to_host"] - start["bytes_to_host"], 4 * numel * kSteps);
+    EXPECT_GT(c["pool_in_use"], start["pool_in_use"]);  // the staging
+    // Every op of the session ran on its own stream.
+    EXPECT_GT(c["ops"], start["ops"]);
+    EXPECT_EQ(c["ops_on_default_stream"], start["ops_on_default_stream"]);
+    ASSERT_TRUE(CloseSession(dev->stub(), s->id).ok());
+  }
+  // The next session change reports after the closed session is gone: its stream destroyed and
+  // its regions unregistered.
+  auto ctx = Ctx();
+  v1::CreateSessionResponse resp;
+  ASSERT_TRUE(dev->stub().CreateSession(ctx.get(), d.Request(), &resp).ok());
+  std::map<std::string, int64_t> c = LastCounters(*dev);
+  EXPECT_EQ(c["streams_created"] - start["streams_created"], 2);
+  EXPECT_EQ(c["streams_live"], start["streams_live"] + 1);
+  EXPECT_EQ(c["host_unregisters"] - start["host_unregisters"], 2);
+  EXPECT_EQ(c["host_registered_live"], 0);
+  EXPECT_EQ(c["host_register_errors"], 0);
+}
+
+TEST(DeviceSessionBudget, ASessionOverThePoolGetsResourceExhaustedWithTheNumbers) {
+  constexpr int64_t kBudget = int64_t{256} << 20;
+  auto dev = Daemon::StartBinary(DIOND_TESTDEVICE_BINARY, {},
+                                 {absl::StrCat("DIOND_TEST_DEVICE_BUDGET_BYTES=", kBudget)});
+  ASSERT_NE(dev, nullptr);
+  // A small session that fits, stepped before and after the refusal.
+  const SessionDesc small = Desc(AlgorithmKind::kAdamW);
+  auto s = CreateShmSession(dev->stub(), small.Request());
+  ASSERT_NE(s, nullptr);
+  ASSERT_TRUE(SetState(dev->stub(), s->id, InitialParams(small)).ok());
+  for (size_t i = 0; i < small.params.size(); ++i) {
+    s->WriteGrad(i, SyntheticValues(7, 1, i, small.Numel(i)));
+  }
+  ASSERT_TRUE(DoStep(dev->stub(), s->id, 1).ok());
+  const std::string after_one = s->ParamBytes(0);
+
+  // 9000 x 9000 fp32 = 324 MB of staging per role: over the 256 MiB pool.
+  SessionDesc big;
+  big.groups.push_back(MakeGroup("m", AlgorithmKind::kMuon, 0.01));
+  big.params.push_back({"huge", {9000, 9000}, "m"});
+  {
+    auto ctx = Ctx();
+    v1::CreateSessionResponse resp;
+    grpc::Status st = dev->stub().CreateSession(ctx.get(), big.Request(), &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+    EXPECT_TRUE(absl::StrContains(st.error_message(), "device staging")) << st.error_message();
+    EXPECT_TRUE(absl::StrContains(st.error_message(), absl::StrCat("pool budget ", kBudget,
+                                                                   " bytes")))
+        << st.error_message();
+    EXPECT_TRUE(absl::StrContains(st.error_message(), "324000000 requested"))
+        << st.error_message();
+  }
+  // The daemon and the small session carry on.
+  EXPECT_TRUE(dev->Alive());
+  for (size_t i = 0; i < small.params.size(); ++i) {
+    s->WriteGrad(i, SyntheticValues(7, 2, i, small.Numel(i)));
+  }
+  grpc::Status st = DoStep(dev->stub(), s->id, 2);
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  EXPECT_NE(s->ParamBytes(0), after_one);
+}
+
+}  // namespace
+}  // namespace diond::service_testing
