@@ -69,8 +69,10 @@ typedef struct DiondNcclApiV1 {
 //
 // Adding an op (docs/GPU.md): append its entry at the END of DiondOpsApiV1 (never reorder),
 // bump DIOND_OPS_API_VERSION, and append the adapter's forwarding function.
-#define DIOND_OPS_API_VERSION 4  // 2: ortho ops; 3: kops ops, TopK/Lerp/CautiousWeightDecay gone;
-                                 // 4: the session's ops (steps)
+#define DIOND_OPS_API_VERSION 5  // 2: ortho ops; 3: kops ops, TopK/Lerp/CautiousWeightDecay gone;
+                                 // 4: the session's ops (steps); 5: device UUIDs, IPC/VMM
+                                 // imports and events (handoff), host registration and stream
+                                 // capture (devsession)
 enum {
   DIOND_OPS_OK = 0,
   DIOND_OPS_INTERNAL = -1,             // a library/kernel failure (absl INTERNAL)
@@ -195,8 +197,7 @@ typedef struct DiondOpsApiV1 {
                                   int32_t* all_finite);
   int (*fnv1a_checksum)(const DiondOpsCall*, DiondIn x, uint64_t* checksum);
   // ---- handoff (issue 12; docs/DATA_PLANE.md): device identity, trainer memory imported
-  // from another process, interprocess events. ABI bump needed (appended by the handoff
-  // branch; DIOND_OPS_API_VERSION is bumped once at the merge). call->device is the daemon's
+  // from another process, interprocess events (DIOND_OPS_API_VERSION 5). call->device is the daemon's
   // device index the entry acts on; call->stream the stream of the stream entries. ----
   // The UUIDs of every device the plugin can see, DIOND_GPU_UUID_BYTES each, in device-index
   // order (cudaGetDeviceProperties().uuid): writes min(capacity, devices) of them and sets
