@@ -132,6 +132,11 @@ const kernels::Context& Session::HostContext() {
   return *host_ctx_;
 }
 
+const kernels::Context& Session::StateContext() {
+  const kernels::Context* device = DeviceUpdateContext();
+  return device != nullptr ? *device : HostContext();
+}
+
 absl::Status Session::SetGroupHyperparameters(const std::string& group, std::optional<double> lr,
                                               std::optional<double> weight_decay) {
   // The same rule as CreateSession (optim::ValidateGroup).

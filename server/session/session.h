@@ -328,6 +328,9 @@ class Session {
   void ReadParamF32(size_t i, float* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // host_ctx_, made at the first call with host_threads_ threads.
   const kernels::Context& HostContext() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The context of the optimizers' state, for Get/SetState (checkpoints, GetState RPCs): a device
+  // session's update context (its device once the rules run there), else HostContext().
+  const kernels::Context& StateContext() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void WriteParamF32(size_t i, const float* in) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // ---- asynchronous steps (session_async.cc) ----

@@ -262,7 +262,7 @@ absl::StatusOr<std::vector<NamedTensor>> Session::GetStateLocked(bool include_pa
       s.shape = shape;
       s.data.resize(static_cast<size_t>(internal::NumElements(shape)));
       DIOND_RETURN_IF_ERROR(
-          g.optimizer->GetState(slot_in_group_[i], st, absl::MakeSpan(s.data)));
+          g.optimizer->GetState(StateContext(), slot_in_group_[i], st, absl::MakeSpan(s.data)));
       out.push_back(std::move(s));
     }
   }
@@ -339,7 +339,8 @@ absl::Status Session::SetStateLocked(const std::vector<NamedTensor>& tensors) {
     // World sessions: every trainer may send the whole state; each rank keeps its owned share
     // (the owner of this parameter keeps this tensor).
     if (groups_[g].optimizer->StateReleased(slot_in_group_[p])) continue;
-    DIOND_RETURN_IF_ERROR(groups_[g].optimizer->SetState(slot_in_group_[p], st, t.data));
+    DIOND_RETURN_IF_ERROR(
+        groups_[g].optimizer->SetState(StateContext(), slot_in_group_[p], st, t.data));
   }
   return absl::OkStatus();
 }

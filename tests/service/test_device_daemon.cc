@@ -38,6 +38,9 @@ void ConfigureTestDevice(DaemonOptions* options) {
     }
   }
   kernels::testing::ResetHostTestDevice(budget);
+  // Strict: the "device" memory is PROT_NONE outside the backend's own entries, so any host
+  // access of it by the daemon (a session reading state or staging directly) faults at once.
+  kernels::testing::SetHostTestDeviceStrict(true);
   options->test_device = true;
   options->test_device_report = [] {
     const kernels::testing::HostTestDeviceCounters c =
