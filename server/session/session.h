@@ -338,6 +338,9 @@ class Session {
   // Snapshot and the bookkeeping may then touch the session), kDone until collected.
   enum class QueuedState { kRunning, kCompleting, kDone };
   struct QueuedStep {
+    // User-provided: clang decides std::optional<QueuedStep>::emplace()'s constructibility while
+    // Session is still incomplete, before it has parsed these default member initializers.
+    QueuedStep() {}
     int64_t step_index = 0;
     QueuedState state = QueuedState::kRunning;
     absl::Status status;
