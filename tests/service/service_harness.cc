@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cstring>
 #include <fstream>
+#include <random>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -178,8 +179,14 @@ bool Daemon::Alive() { return !proc_->Wait(absl::ZeroDuration()).has_value(); }
 
 std::unique_ptr<ShmSegment> ShmSegment::Create(int64_t bytes) {
   static std::atomic<int> counter{0};
+  // A random part besides the pid: a test process that was killed leaves its segments behind,
+  // and a later process with the same pid would otherwise collide with them (EEXIST).
+  static const uint64_t run_id = [] {
+    std::random_device rd;
+    return (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  }();
   std::unique_ptr<ShmSegment> s(new ShmSegment);
-  s->name_ = absl::StrCat(kShmPrefix, getpid(), "-", counter++);
+  s->name_ = absl::StrCat(kShmPrefix, getpid(), "-", absl::Hex(run_id), "-", counter++);
   int fd = shm_open(("/" + s->name_).c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
   if (fd < 0) {
     ADD_FAILURE() << "shm_open " << s->name_ << ": " << std::strerror(errno);
