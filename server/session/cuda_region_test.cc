@@ -8,6 +8,10 @@
 
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -145,7 +149,11 @@ TEST_F(CudaRegionTest, VmmRegionRoundsToTheGranularityAndUnmapsWhenDropped) {
 }
 
 TEST_F(CudaRegionTest, ASessionBindsReleasesAndNeverStepsOnACudaRegion) {
-  void* p = Alloc(1 << 16);
+  constexpr size_t kBytes = 1 << 16;
+  void* p = Alloc(kBytes);
+  // A known pattern (the allocation is uninitialized; ASan fills it with 0xbe): no host path may
+  // change any byte of it.
+  std::memset(p, 0x5a, kBytes);
   const auto h = Handle(p);
   auto s = NewSession();
   ASSERT_NE(s, nullptr);
@@ -178,7 +186,9 @@ TEST_F(CudaRegionTest, ASessionBindsReleasesAndNeverStepsOnACudaRegion) {
                                          HasSubstr("need device sessions")));
   std::string out;
   EXPECT_FALSE(s->ReadParameterBytes("w", 0, 4, &out).ok());
-  EXPECT_EQ(static_cast<const uint8_t*>(p)[0], 0) << "a host path wrote into the region";
+  const uint8_t* bytes = static_cast<const uint8_t*>(p);
+  EXPECT_EQ(std::count(bytes, bytes + kBytes, uint8_t{0x5a}), static_cast<std::ptrdiff_t>(kBytes))
+      << "a host path wrote into the region";
   // Unregister releases it.
   ASSERT_THAT(s->UnregisterRegion(*id), IsOk());
   EXPECT_EQ(CudaRegion::LiveCount(), live_);
