@@ -241,11 +241,14 @@ absl::Status AddToDiagonal(const Context& ctx, float value, TensorView a);
 // The eager-PyTorch bf16 rounding points of `bf(bf(alpha·x) + bf(beta·bf(y)))` on f32 storage:
 //   out ← r(r(alpha·x) + r(beta·r(y)))   with r = round to bf16 precision (RNE), kept in f32;
 //   alpha == 0: out ← r(beta·r(y))       (x is not read; pass x = {} or any view).
-// x, y, out: f32, contiguous, same shape (any rank). out may alias x or y. x normally holds
-// bf16-exact values and y the f32 result of a matmul of bf16-exact values, e.g. Polar Express's
-// B = bf(bf(b·A) + bf(c·bf(A·A))) and Y = bf(bf(a·Y) + bf(B·Y)), and A = bf(Y·Yᵀ) as
-// (alpha 0, beta 1). The value is the one of the bf16 ops sequence, so bf16_reference can keep
-// its matrices in f32 (exactly widened) for the f32 GEMMs without widening copies.
+// x, y, out: contiguous, same shape (any rank), all f32 or all bf16. out may alias x or y. In f32,
+// x normally holds bf16-exact values and y the f32 result of a matmul of bf16-exact values, e.g.
+// Polar Express's B = bf(bf(b·A) + bf(c·bf(A·A))) and Y = bf(bf(a·Y) + bf(B·Y)), and
+// A = bf(Y·Yᵀ) as (alpha 0, beta 1). The value is the one of the bf16 ops sequence, so
+// bf16_reference can keep its matrices in f32 (exactly widened) for the f32 GEMMs without
+// widening copies. In bf16 (r of a stored value is itself) it is the eager sequence
+// Scale(alpha, x), Scale(beta, y), Axpby(1, ·, 1, ·) of bf16 tensors in one pass: the oneDNN bf16
+// iterations' B and Y updates.
 absl::Status Bf16RoundedAxpby(const Context& ctx, float alpha, ConstTensorView x, float beta,
                               ConstTensorView y, TensorView out);
 // ================================ end ortho ===================================================

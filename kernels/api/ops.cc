@@ -453,9 +453,16 @@ absl::Status AddToDiagonal(const Context& ctx, float value, TensorView a) {
 absl::Status Bf16RoundedAxpby(const Context& ctx, float alpha, ConstTensorView x, float beta,
                               ConstTensorView y, TensorView out) {
   constexpr const char* kOp = "Bf16RoundedAxpby";
-  DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "out", out, out));
-  DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "y", y, out));
-  if (alpha != 0.0f) DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "x", x, out));
+  // All f32 or all bf16: out's dtype decides, and y and x must match it.
+  const DType dt = out.dtype() == DType::kBf16 ? DType::kBf16 : DType::kF32;
+  DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "out", out, out, /*any_dtype=*/true));
+  DIOND_RETURN_IF_ERROR(CheckDType(kOp, "out", out.layout(), dt));
+  DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "y", y, out, /*any_dtype=*/true));
+  DIOND_RETURN_IF_ERROR(CheckDType(kOp, "y", y.layout(), dt));
+  if (alpha != 0.0f) {
+    DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "x", x, out, /*any_dtype=*/true));
+    DIOND_RETURN_IF_ERROR(CheckDType(kOp, "x", x.layout(), dt));
+  }
   DIOND_RETURN_IF_ERROR(CheckFinite(kOp, "alpha", alpha));
   DIOND_RETURN_IF_ERROR(CheckFinite(kOp, "beta", beta));
   return ctx.backend().bf16_rounded_axpby(ctx, alpha, x, beta, y, out);

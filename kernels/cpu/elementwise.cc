@@ -61,6 +61,32 @@ void Map2(ConstTensorView x, ConstTensorView y, TensorView out, F f) {
   });
 }
 
+// ---- kperf: the contiguous same-dtype cases of Axpby and Scale as cloned range kernels -------
+// (DIOND_CPU_CLONES, loops.h): the orthogonalizers' bf16 phases and the rules' momentum updates
+// call these on every step, and the generic Map1/Map2 loops are built for the baseline ISA only.
+// Same arithmetic as the lambdas below (a·x + b·y, no contraction), so the same bits.
+DIOND_CPU_CLONES void AxpbyF32Range(float a, const float* x, float b, const float* y, float* o,
+                                    int64_t n) {
+  for (int64_t i = 0; i < n; ++i) o[i] = a * x[i] + b * y[i];
+}
+DIOND_CPU_CLONES void ScaleF32Range(float a, const float* x, float* o, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) o[i] = a * x[i];
+}
+DIOND_CPU_CLONES void AxpbyBf16Range(float a, const BFloat16* x, float b, const BFloat16* y,
+                                     BFloat16* o, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) o[i] = FloatToBf16(a * Bf16ToFloat(x[i]) + b * Bf16ToFloat(y[i]));
+}
+DIOND_CPU_CLONES void ScaleBf16Range(float a, const BFloat16* x, BFloat16* o, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) o[i] = FloatToBf16(a * Bf16ToFloat(x[i]));
+}
+
+// True when Axpby/Scale can take a range kernel above: x, y (if read) and out contiguous, of
+// one dtype T.
+bool SameContiguous(DType t, ConstTensorView x, ConstTensorView y, bool with_y, TensorView out) {
+  if (out.dtype() != t || x.dtype() != t || !out.IsContiguous() || !x.IsContiguous()) return false;
+  return !with_y || (y.dtype() == t && y.IsContiguous());
+}
+
 }  // namespace
 
 absl::Status Copy(const Context& ctx, ConstTensorView src, TensorView dst) {
@@ -117,7 +143,35 @@ absl::Status Fill(const Context& ctx, float value, TensorView dst) {
 absl::Status Axpby(const Context& ctx, float alpha, ConstTensorView x, float beta,
                    ConstTensorView y, TensorView out) {
   cpu::ApplyThreadPolicy(ctx);
-  if (beta == 0.0f) {
+  const bool with_y = beta != 0.0f;
+  const int64_t n = out.NumElements();
+  if (SameContiguous(DType::kF32, x, y, with_y, out)) {
+    const float* xp = static_cast<const float*>(x.data());
+    const float* yp = with_y ? static_cast<const float*>(y.data()) : nullptr;
+    float* op = static_cast<float*>(out.data());
+    ParallelRange(n, [&](int64_t b, int64_t e) {
+      if (with_y) {
+        AxpbyF32Range(alpha, xp + b, beta, yp + b, op + b, e - b);
+      } else {
+        ScaleF32Range(alpha, xp + b, op + b, e - b);
+      }
+    });
+    return absl::OkStatus();
+  }
+  if (SameContiguous(DType::kBf16, x, y, with_y, out)) {
+    const auto* xp = static_cast<const BFloat16*>(x.data());
+    const auto* yp = with_y ? static_cast<const BFloat16*>(y.data()) : nullptr;
+    auto* op = static_cast<BFloat16*>(out.data());
+    ParallelRange(n, [&](int64_t b, int64_t e) {
+      if (with_y) {
+        AxpbyBf16Range(alpha, xp + b, beta, yp + b, op + b, e - b);
+      } else {
+        ScaleBf16Range(alpha, xp + b, op + b, e - b);
+      }
+    });
+    return absl::OkStatus();
+  }
+  if (!with_y) {
     Map1(x, out, [alpha](float v) { return alpha * v; });
   } else {
     Map2(x, y, out, [alpha, beta](float a, float b) { return alpha * a + beta * b; });

@@ -110,6 +110,71 @@ TEST(Bf16RoundedAxpby, EqualsTheSequenceOfEagerBf16Ops) {
   }
 }
 
+// On bf16 storage the op is the eager sequence Scale, Scale, Axpby of bf16 tensors, each rounding
+// once; the expectation is written out element by element with the tensor.h conversions.
+TEST(Bf16RoundedAxpby, OnBf16StorageEqualsTheEagerBf16Sequence) {
+  auto ctx = Context::CpuDefault(2);
+  const int64_t n = 100003;
+  std::vector<BFloat16> x = testing::ToBf16(RandomVector(n, 21));
+  std::vector<BFloat16> y = testing::ToBf16(RandomVector(n, 22));
+  y[0] = FloatToBf16(std::numeric_limits<float>::infinity());
+  y[1] = FloatToBf16(std::numeric_limits<float>::quiet_NaN());
+  x[2] = FloatToBf16(-0.0f);
+  y[2] = FloatToBf16(0.0f);
+  x[3] = FloatToBf16(1e38f);  // alpha·x overflows to inf
+  for (auto [alpha, beta] : {std::pair<float, float>{8.156554f, 15.878770f}, {-2.7724843f, 1.0f},
+                             {0.0f, 0.42323551f}}) {
+    std::vector<BFloat16> out(n), alias = x;
+    ASSERT_THAT(Bf16RoundedAxpby(*ctx, alpha, MakeView(x.data(), {n}), beta,
+                                 MakeView(y.data(), {n}), MakeView(out.data(), {n})),
+                IsOk());
+    ASSERT_THAT(Bf16RoundedAxpby(*ctx, alpha, MakeView(alias.data(), {n}), beta,
+                                 MakeView(y.data(), {n}), MakeView(alias.data(), {n})),
+                IsOk());
+    for (int64_t i = 0; i < n; ++i) {
+      const float u = Bf16ToFloat(FloatToBf16(beta * Bf16ToFloat(y[i])));
+      float want = u;
+      if (alpha != 0.0f) {
+        const float t = Bf16ToFloat(FloatToBf16(alpha * Bf16ToFloat(x[i])));
+        want = Bf16ToFloat(FloatToBf16(t + u));
+      }
+      for (const auto* got : {&out[i], &alias[i]}) {
+        if (std::isnan(want)) {
+          ASSERT_TRUE(std::isnan(Bf16ToFloat(*got))) << i;
+        } else {
+          ASSERT_EQ(got->bits, FloatToBf16(want).bits) << "i " << i << " alpha " << alpha;
+        }
+      }
+    }
+  }
+}
+
+// The contiguous same-dtype Axpby and Scale (range kernels built per ISA) against the formula,
+// element by element: one rounding of alpha·x + beta·y to the output dtype.
+TEST(AxpbyFastPaths, MatchTheFormulaInF32AndBf16) {
+  auto ctx = Context::CpuDefault(2);
+  const int64_t n = 70001;
+  const std::vector<float> x = RandomVector(n, 31), y = RandomVector(n, 32);
+  const std::vector<BFloat16> x16 = testing::ToBf16(x), y16 = testing::ToBf16(y);
+  for (auto [alpha, beta] : {std::pair<float, float>{0.95f, 1.0f}, {-1.5f, 0.0f}, {3.0f, -0.25f}}) {
+    std::vector<float> o(n);
+    std::vector<BFloat16> o16(n);
+    ASSERT_THAT(Axpby(*ctx, alpha, MakeView(x.data(), {n}), beta, MakeView(y.data(), {n}),
+                      MakeView(o.data(), {n})),
+                IsOk());
+    ASSERT_THAT(Axpby(*ctx, alpha, MakeView(x16.data(), {n}), beta, MakeView(y16.data(), {n}),
+                      MakeView(o16.data(), {n})),
+                IsOk());
+    for (int64_t i = 0; i < n; ++i) {
+      const float want = beta == 0.0f ? alpha * x[i] : alpha * x[i] + beta * y[i];
+      ASSERT_EQ(Bits(o[i]), Bits(want)) << i;
+      const float xb = Bf16ToFloat(x16[i]), yb = Bf16ToFloat(y16[i]);
+      const float want16 = beta == 0.0f ? alpha * xb : alpha * xb + beta * yb;
+      ASSERT_EQ(o16[i].bits, FloatToBf16(want16).bits) << i;
+    }
+  }
+}
+
 TEST(Bf16RoundedAxpby, RejectsBadArguments) {
   auto ctx = Context::CpuDefault();
   std::vector<float> a(12), b(12), c(12);
@@ -120,6 +185,10 @@ TEST(Bf16RoundedAxpby, RejectsBadArguments) {
   EXPECT_THAT(Bf16RoundedAxpby(*ctx, 1.0f, MakeView(a16.data(), {3, 4}), 1.0f,
                                MakeView(b.data(), {3, 4}), MakeView(c.data(), {3, 4})),
               StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("x")));
+  // bf16 out with an f32 y: all three must share one dtype.
+  EXPECT_THAT(Bf16RoundedAxpby(*ctx, 0.0f, {}, 1.0f, MakeView(b.data(), {3, 4}),
+                               MakeView(a16.data(), {3, 4})),
+              StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("y")));
   EXPECT_THAT(Bf16RoundedAxpby(*ctx, NAN, MakeView(a.data(), {3, 4}), 1.0f,
                                MakeView(b.data(), {3, 4}), MakeView(c.data(), {3, 4})),
               StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("alpha")));

@@ -155,6 +155,21 @@ int OpAddToDiagonal(const DiondOpsCall* call, float value, DiondOut a) {
 int OpBf16RoundedAxpby(const DiondOpsCall* call, float alpha, DiondIn x, float beta, DiondIn y,
                        DiondOut out) {
   DIOND_RC(UseDevice(call, "Bf16RoundedAxpby"));
+  if (out->dtype == DIOND_DT_BF16) {  // bf16 storage (the adapter checked x and y match)
+    const uint16_t* yb = static_cast<const uint16_t*>(y->data);
+    uint16_t* ob = static_cast<uint16_t*>(out->data);
+    if (alpha == 0.0f) {
+      return Launch(call, "Bf16RoundedAxpby", NumElements(*out), [=] __device__(int64_t i) {
+        ob[i] = math::Bf16BitsFromFloat(math::Bf16RoundedAxpbyElement(
+            0.0f, 0.0f, beta, math::FloatFromBf16Bits(yb[i]), false));
+      });
+    }
+    const uint16_t* xb = static_cast<const uint16_t*>(x->data);
+    return Launch(call, "Bf16RoundedAxpby", NumElements(*out), [=] __device__(int64_t i) {
+      ob[i] = math::Bf16BitsFromFloat(math::Bf16RoundedAxpbyElement(
+          alpha, math::FloatFromBf16Bits(xb[i]), beta, math::FloatFromBf16Bits(yb[i]), true));
+    });
+  }
   const float* yp = static_cast<const float*>(y->data);
   float* op = static_cast<float*>(out->data);
   if (alpha == 0.0f) {

@@ -112,8 +112,9 @@ absl::Status Bf16F32StorageIterations(const Context& ctx,
 }
 
 // Bf16Matmul::kOneDnnBf16: the same rounding points on bf16 storage (y, p: m×n bf16; ga, gaa,
-// gb: g×g bf16), every matmul a oneDNN bf16 GEMM with a bf16 result; the elementwise steps are
-// separate ops, each rounding its result once (ops.h conventions), as eager PyTorch does.
+// gb: g×g bf16), every matmul a oneDNN bf16 GEMM with a bf16 result; the elementwise steps of
+// eager PyTorch (bf(b·A), bf(c·AA), their sum; bf(a·Y), its sum with P), each rounding its
+// result once, are one Bf16RoundedAxpby each on bf16 storage: the same values in one pass.
 absl::Status OneDnnBf16Iterations(const Context& ctx, absl::Span<const OrthoCoefficients> coeffs,
                                   bool tall, TensorView y, TensorView p, TensorView ga,
                                   TensorView gaa, TensorView gb) {
@@ -126,16 +127,15 @@ absl::Status OneDnnBf16Iterations(const Context& ctx, absl::Span<const OrthoCoef
   for (const OrthoCoefficients& k : coeffs) {
     DIOND_RETURN_IF_ERROR(Gemm(ctx, gram, y, y, ga));               // A = bf(Y·Yᵀ) | bf(Yᵀ·Y)
     DIOND_RETURN_IF_ERROR(Gemm(ctx, plain, ga, ga, gaa));           // AA = bf(A·A)
-    DIOND_RETURN_IF_ERROR(Scale(ctx, F32(k.b), ga, gb));            // bf(b·A)
-    DIOND_RETURN_IF_ERROR(Scale(ctx, F32(k.c), gaa, gaa));          // bf(c·AA)
-    DIOND_RETURN_IF_ERROR(Axpby(ctx, 1.0f, gb, 1.0f, gaa, gb));     // B = bf(bf(b·A) + bf(c·AA))
+    // B = bf(bf(b·A) + bf(c·AA))
+    DIOND_RETURN_IF_ERROR(Bf16RoundedAxpby(ctx, F32(k.b), ga, F32(k.c), gaa, gb));
     if (tall) {  // P = bf(Y·B)
       DIOND_RETURN_IF_ERROR(Gemm(ctx, plain, y, gb, p));
     } else {     // P = bf(B·Y)
       DIOND_RETURN_IF_ERROR(Gemm(ctx, plain, gb, y, p));
     }
-    DIOND_RETURN_IF_ERROR(Scale(ctx, F32(k.a), y, y));              // bf(a·Y)
-    DIOND_RETURN_IF_ERROR(Axpby(ctx, 1.0f, y, 1.0f, p, y));         // Y = bf(bf(a·Y) + P)
+    // Y = bf(bf(a·Y) + P) (bf(1·P) = P)
+    DIOND_RETURN_IF_ERROR(Bf16RoundedAxpby(ctx, F32(k.a), y, 1.0f, p, y));
   }
   return absl::OkStatus();
 }
