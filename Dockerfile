@@ -28,11 +28,11 @@ RUN bash /tmp/install-deps.sh --runtime && rm -rf /var/lib/apt/lists/* /tmp/inst
  && useradd --system --uid 10001 --home-dir /var/lib/diond --create-home diond \
  && mkdir -p /run/diond && chown diond:diond /run/diond
 COPY --from=build /out/bin/ /opt/diond/bin/
-# OMP_WAIT_POLICY: idle OpenMP threads sleep instead of spinning against OpenBLAS's threads
-# (docs/TOOLCHAIN.md P20).
+# GOMP_SPINCOUNT: idle OpenMP threads spin about 0.1 ms, then sleep, instead of spinning against
+# OpenBLAS's threads and the trainer (docs/TOOLCHAIN.md P20; the daemon sets the same when unset).
 ENV PATH=/opt/diond/bin:$PATH \
     DIOND_TARGET=unix:/run/diond/diond.sock \
-    OMP_WAIT_POLICY=passive
+    GOMP_SPINCOUNT=10000
 USER diond
 EXPOSE 50551 9464
 # gRPC health (grpc.health.v1) over the Unix socket, through diondctl.

@@ -176,27 +176,35 @@ bool WriteFileAtomically(const std::string& path, const std::string& text) {
 
 }  // namespace
 
-// libgomp reads OMP_WAIT_POLICY once, when it is loaded, before main() runs; its default lets
-// idle OpenMP threads spin against OpenBLAS's threads, which made steps several times slower on
-// small machines (docs/TOOLCHAIN.md P20). So when the variable is unset the daemon sets it to
-// "passive" and re-executes itself (same pid, same arguments) before it has opened anything. An
-// explicit OMP_WAIT_POLICY, whatever its value, is respected. Returns whether the policy was set
-// here (execv returns only on failure, and then the daemon runs on with the default policy).
-bool SetPassiveOpenMpWaitPolicy(char** argv) {
+// libgomp reads its wait policy once, when it is loaded, before main() runs. Its default lets an
+// idle OpenMP thread spin for 300,000 rounds (milliseconds) against OpenBLAS's threads and the
+// trainer, which made steps several times slower on small machines; "passive" (no spinning) cost
+// every parallel loop a futex wake-up instead, 30-40 % of a Dion2 step (docs/TOOLCHAIN.md P20).
+// So when neither OMP_WAIT_POLICY nor GOMP_SPINCOUNT is set, the daemon sets
+// GOMP_SPINCOUNT=kOpenMpSpinCount (a thread spins about a tenth of a millisecond, which bridges
+// the gaps between the loops of one step, then sleeps) and re-executes itself (same pid, same
+// arguments) before it has opened anything. An explicit value of either, whatever it is, is
+// respected. Returns whether the variable was set here (execv returns only on failure, and then
+// the daemon runs on with libgomp's default).
+constexpr char kOpenMpSpinCount[] = "10000";
+bool SetOpenMpSpinLimit(char** argv) {
   if (std::getenv("DIOND_OMP_WAIT_POLICY_SET") != nullptr) return true;  // after the re-exec
-  if (std::getenv("OMP_WAIT_POLICY") != nullptr) return false;
-  setenv("OMP_WAIT_POLICY", "passive", 1);
+  if (std::getenv("OMP_WAIT_POLICY") != nullptr || std::getenv("GOMP_SPINCOUNT") != nullptr) {
+    return false;
+  }
+  setenv("GOMP_SPINCOUNT", kOpenMpSpinCount, 1);
   setenv("DIOND_OMP_WAIT_POLICY_SET", "1", 1);
   execv("/proc/self/exe", argv);
-  std::fprintf(stderr, "diond: warning: could not re-execute with OMP_WAIT_POLICY=passive (%s); "
-               "set it in the environment (docs/OPERATIONS.md)\n", std::strerror(errno));
-  unsetenv("OMP_WAIT_POLICY");
+  std::fprintf(stderr, "diond: warning: could not re-execute with GOMP_SPINCOUNT=%s (%s); "
+               "set it in the environment (docs/OPERATIONS.md)\n", kOpenMpSpinCount,
+               std::strerror(errno));
+  unsetenv("GOMP_SPINCOUNT");
   unsetenv("DIOND_OMP_WAIT_POLICY_SET");
   return false;
 }
 
 int main(int argc, char** argv) {
-  const bool omp_policy_set_here = SetPassiveOpenMpWaitPolicy(argv);
+  const bool omp_policy_set_here = SetOpenMpSpinLimit(argv);
   if (omp_policy_set_here) {
     // The marker is ours; keep it out of the environment of anything the daemon starts.
     unsetenv("DIOND_OMP_WAIT_POLICY_SET");
@@ -348,8 +356,14 @@ int main(int argc, char** argv) {
   }
   DIOND_LOG(INFO) << (*daemon)->Describe();
   const char* omp_policy = std::getenv("OMP_WAIT_POLICY");
-  DIOND_LOG(INFO) << "OMP_WAIT_POLICY=" << (omp_policy != nullptr ? omp_policy : "(unset)")
-                  << (omp_policy_set_here ? " (set by diond; an explicit value is kept)" : "");
+  const char* omp_spin = std::getenv("GOMP_SPINCOUNT");
+  DIOND_LOG(INFO) << "OpenMP waiting: OMP_WAIT_POLICY="
+                  << (omp_policy != nullptr ? omp_policy : "(unset)")
+                  << " GOMP_SPINCOUNT=" << (omp_spin != nullptr ? omp_spin : "(unset)")
+                  << (omp_policy_set_here
+                          ? " (GOMP_SPINCOUNT set by diond: idle threads spin about 0.1 ms, then "
+                            "sleep; an explicit value of either is kept)"
+                          : "");
 
   const std::string ready_file = absl::GetFlag(FLAGS_ready_file);
   if (!ready_file.empty() && !WriteFileAtomically(ready_file, (*daemon)->ReadyJson())) {

@@ -184,29 +184,48 @@ bool HasVar(const std::vector<std::string>& env, const std::string& var) {
   return std::find(env.begin(), env.end(), var) != env.end();
 }
 
-// libgomp reads OMP_WAIT_POLICY before main(); the daemon re-executes itself (same pid) with
-// "passive" when it is unset (TOOLCHAIN.md P20), and keeps any value the operator set.
+// libgomp reads its wait settings before main(); the daemon re-executes itself (same pid) with
+// GOMP_SPINCOUNT=10000 when neither OMP_WAIT_POLICY nor GOMP_SPINCOUNT is set (TOOLCHAIN.md
+// P20), and keeps any value the operator set. (That idle threads then use no CPU is checked after
+// real training in examples/cpp/mlp_shm_test.cc.)
 TEST(DaemonProcess, IdleOpenMpThreadsSleepUnlessTheOperatorSaysOtherwise) {
   const char* saved = std::getenv("OMP_WAIT_POLICY");
   const std::string saved_value = saved != nullptr ? saved : "";
+  const char* saved_spin = std::getenv("GOMP_SPINCOUNT");
+  const std::string saved_spin_value = saved_spin != nullptr ? saved_spin : "";
   unsetenv("OMP_WAIT_POLICY");
+  unsetenv("GOMP_SPINCOUNT");
   {
     auto d = StartDaemon({"--device=cpu"});
     ASSERT_NE(d, nullptr);
     std::vector<std::string> env = ProcessEnvironment(d->proc->pid());
-    EXPECT_TRUE(HasVar(env, "OMP_WAIT_POLICY=passive")) << d->proc->Log();
-    EXPECT_TRUE(absl::StrContains(d->proc->Log(), "OMP_WAIT_POLICY=passive (set by diond"))
+    EXPECT_TRUE(HasVar(env, "GOMP_SPINCOUNT=10000")) << d->proc->Log();
+    EXPECT_FALSE(std::any_of(env.begin(), env.end(), [](const std::string& v) {
+      return absl::StartsWith(v, "OMP_WAIT_POLICY=");
+    }));
+    EXPECT_TRUE(absl::StrContains(d->proc->Log(), "GOMP_SPINCOUNT=10000 (GOMP_SPINCOUNT set by diond"))
         << d->proc->Log();
     d->proc->Signal(SIGTERM);
     EXPECT_EQ(d->proc->Wait(absl::Seconds(30)), std::optional<int>(0));
   }
+  setenv("GOMP_SPINCOUNT", "500", 1);
+  {
+    auto d = StartDaemon({"--device=cpu"});
+    ASSERT_NE(d, nullptr);
+    std::vector<std::string> env = ProcessEnvironment(d->proc->pid());
+    EXPECT_TRUE(HasVar(env, "GOMP_SPINCOUNT=500")) << d->proc->Log();
+    EXPECT_FALSE(absl::StrContains(d->proc->Log(), "set by diond")) << d->proc->Log();
+    d->proc->Signal(SIGTERM);
+    EXPECT_EQ(d->proc->Wait(absl::Seconds(30)), std::optional<int>(0));
+  }
+  unsetenv("GOMP_SPINCOUNT");
   setenv("OMP_WAIT_POLICY", "active", 1);
   {
     auto d = StartDaemon({"--device=cpu"});
     ASSERT_NE(d, nullptr);
     std::vector<std::string> env = ProcessEnvironment(d->proc->pid());
     EXPECT_TRUE(HasVar(env, "OMP_WAIT_POLICY=active")) << d->proc->Log();
-    EXPECT_FALSE(HasVar(env, "OMP_WAIT_POLICY=passive"));
+    EXPECT_FALSE(HasVar(env, "GOMP_SPINCOUNT=10000"));
     EXPECT_TRUE(absl::StrContains(d->proc->Log(), "OMP_WAIT_POLICY=active")) << d->proc->Log();
     EXPECT_FALSE(absl::StrContains(d->proc->Log(), "set by diond")) << d->proc->Log();
     d->proc->Signal(SIGTERM);
@@ -216,6 +235,11 @@ TEST(DaemonProcess, IdleOpenMpThreadsSleepUnlessTheOperatorSaysOtherwise) {
     setenv("OMP_WAIT_POLICY", saved_value.c_str(), 1);
   } else {
     unsetenv("OMP_WAIT_POLICY");
+  }
+  if (saved_spin != nullptr) {
+    setenv("GOMP_SPINCOUNT", saved_spin_value.c_str(), 1);
+  } else {
+    unsetenv("GOMP_SPINCOUNT");
   }
 }
 

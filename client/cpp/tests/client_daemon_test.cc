@@ -4,11 +4,16 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <memory>
+#include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -43,6 +48,24 @@ std::vector<float> Values(size_t n, float scale, float phase) {
   std::vector<float> v(n);
   for (size_t i = 0; i < n; ++i) v[i] = scale * std::sin(0.37f * static_cast<float>(i) + phase);
   return v;
+}
+
+// CPU seconds (user + system) the process `pid` has used so far, from /proc/<pid>/stat; -1 if
+// it cannot be read.
+double CpuSeconds(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t close = stat.rfind(')');  // the command name may hold spaces
+  if (close == std::string::npos || close + 2 >= stat.size()) return -1;
+  std::istringstream fields(stat.substr(close + 2));
+  std::string f;
+  long utime = -1, stime = -1;
+  for (int i = 3; i <= 15 && fields >> f; ++i) {  // field 3 is the state
+    if (i == 14) utime = std::stol(f);
+    if (i == 15) stime = std::stol(f);
+  }
+  if (utime < 0 || stime < 0) return -1;
+  return static_cast<double>(utime + stime) / static_cast<double>(sysconf(_SC_CLK_TCK));
 }
 
 class ClientDaemonTest : public ::testing::Test {
@@ -721,6 +744,39 @@ TEST_F(ClientDaemonTest, RestartedTrainerReattachesByNameAndContinuesBitExact) {
   ref->Reset();
   EXPECT_TRUE(client_->CloseSession(layout->session_id).ok());
   EXPECT_TRUE(client_->CloseSession(ref_layout->session_id).ok());
+}
+
+// An idle sidecar takes no CPU from its trainer: after steps large enough to start the compute
+// thread pools (a 1024² Muon step runs multi-threaded GEMMs and loops), the daemon's threads must
+// go to sleep. Spinning threads would use up to a CPU-second per second each (with
+// OMP_WAIT_POLICY=active this test fails); the daemon bounds libgomp's spinning
+// (GOMP_SPINCOUNT, server/exe/main.cc) when the operator has not chosen.
+TEST_F(ClientDaemonTest, AnIdleDaemonTakesNoCpuAfterLargeSteps) {
+  constexpr int64_t n = 1024;
+  GroupSpec g{"matrices", Algorithm::kMuon, {}};
+  g.hyperparams.lr = 0.02;
+  auto layout = client_->CreateSession({{"big", {n, n}, DType::kF32, "matrices"}}, {g}, {"idle"});
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  auto arena = ShmArena::Create(client_.get(), *layout);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  auto w = Values(n * n, 0.02f, 0.5f);
+  std::copy(w.begin(), w.end(), arena->Param("big")->begin());
+  for (int64_t t = 1; t <= 3; ++t) {
+    auto gw = Values(n * n, 1.0f, static_cast<float>(t));
+    std::copy(gw.begin(), gw.end(), arena->Grad("big")->begin());
+    auto st = client_->Step(layout->session_id, t);
+    ASSERT_TRUE(st.ok()) << st.status();
+  }
+  // OpenBLAS's workers spin (sched_yield) for up to about 0.1 s after their last call.
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  const pid_t pid = daemon_->proc->pid();
+  const double before = CpuSeconds(pid);
+  std::this_thread::sleep_for(std::chrono::seconds(2));
+  const double after = CpuSeconds(pid);
+  ASSERT_GE(before, 0.0);
+  EXPECT_LT(after - before, 0.25) << "an idle daemon used " << after - before
+                                  << " CPU seconds in 2 s\nlog:\n" << daemon_->proc->Log();
+  EXPECT_TRUE(client_->CloseSession(layout->session_id).ok());
 }
 
 }  // namespace
