@@ -195,20 +195,64 @@ void Session::RegisterForDma(Role role, Binding& b) {
   });
 }
 
+std::optional<kernels::Device> Session::DeviceOfSession() const {
+  if (device_ == nullptr) return std::nullopt;
+  return device_->device;
+}
+
+absl::Status Session::CudaParamToHost(size_t i, std::vector<uint8_t>* bytes) {
+  const TensorPlacement& t = layout_.tensors[i];
+  if (device_ == nullptr || params_.cuda == nullptr) {
+    return absl::InternalError("CudaParamToHost without a device session's CUDA region");
+  }
+  bytes->resize(static_cast<size_t>(t.size_bytes));
+  return CopyToHost(*device_->ctx, params_.cuda->data() + t.param_offset, bytes->data(),
+                    bytes->size());
+}
+
+absl::Status Session::CudaParamFromHost(size_t i, const std::vector<uint8_t>& bytes) {
+  const TensorPlacement& t = layout_.tensors[i];
+  if (device_ == nullptr || params_.cuda == nullptr ||
+      bytes.size() != static_cast<size_t>(t.size_bytes)) {
+    return absl::InternalError("CudaParamFromHost without a device session's CUDA region");
+  }
+  return CopyToDevice(*device_->ctx, bytes.data(), params_.cuda->data() + t.param_offset,
+                      bytes.size());
+}
+
 absl::Status Session::ReadGradientsToDevice(StepRun& run) {
   DeviceSide& d = *device_;
   const kernels::Context& dc = *d.ctx;
   const size_t n = layout_.tensors.size();
   run.grads.assign(n, nullptr);
   bool finite = true;
+  // A CUDA GRADIENTS region lies on this device: its f32 gradients are read in place (as a host
+  // session reads a shm arena), the others widened / scaled straight from it into the staging,
+  // all on the session stream: device to device, no host copy.
+  const CudaRegion* cuda = grads_.cuda.get();
   {
     absl::MutexLock compute(run.compute_mu);
     for (size_t i = 0; i < n; ++i) {
       const TensorPlacement& t = layout_.tensors[i];
-      const uint8_t* src = grads_.data + t.grad_offset;
-      const size_t bytes = static_cast<size_t>(t.numel) * kernels::DTypeSize(t.dtype);
       float* dst = d.grad(i);
       bool ok = true;
+      if (cuda != nullptr) {
+        const uint8_t* src = cuda->data() + t.grad_offset;
+        if (t.dtype == DType::kF32 && !run.scaled) {
+          DIOND_RETURN_IF_ERROR(
+              kernels::AllFinite(dc, DeviceView(d.device, DType::kF32, src, t.numel), &ok));
+          run.grads[i] = reinterpret_cast<const float*>(src);
+        } else {
+          DIOND_RETURN_IF_ERROR(kernels::WidenScaleCheckFinite(
+              dc, DeviceView(d.device, t.dtype, static_cast<const void*>(src), t.numel),
+              run.scale, DeviceView(d.device, DType::kF32, dst, t.numel), &ok));
+          run.grads[i] = dst;
+        }
+        finite = finite && ok;
+        continue;
+      }
+      const uint8_t* src = grads_.data + t.grad_offset;
+      const size_t bytes = static_cast<size_t>(t.numel) * kernels::DTypeSize(t.dtype);
       if (t.dtype == DType::kF32 && !run.scaled) {
         DIOND_RETURN_IF_ERROR(CopyToDevice(dc, src, dst, bytes));
         DIOND_RETURN_IF_ERROR(
@@ -235,14 +279,29 @@ absl::Status Session::ReadParametersToDevice(StepRun& run) {
   run.via_scratch.assign(n, true);  // every parameter comes back from the device staging
   param_scratch_.resize(n);
   absl::MutexLock compute(run.compute_mu);
+  // A CUDA PARAMETERS region: copied (and widened) device to device into the staging, which
+  // the update writes; the region itself is written only by WriteWeightsFromDevice.
+  const CudaRegion* cuda = params_.cuda.get();
   for (size_t i = 0; i < n; ++i) {
     const TensorPlacement& t = layout_.tensors[i];
-    const uint8_t* arena = params_.data + t.param_offset;
     const bool master = !master_.empty() && !master_[i].empty();
     float* dst = d.param(i);
     if (master && master_valid_) {
       DIOND_RETURN_IF_ERROR(CopyToDevice(dc, master_[i].data(), dst, 4 * t.numel));
-    } else if (t.dtype == DType::kF32) {
+      run.params[i] = dst;
+      continue;
+    }
+    if (cuda != nullptr) {
+      DIOND_RETURN_IF_ERROR(kernels::Copy(
+          dc,
+          DeviceView(d.device, t.dtype, static_cast<const void*>(cuda->data() + t.param_offset),
+                     t.numel),
+          DeviceView(d.device, DType::kF32, dst, t.numel)));
+      run.params[i] = dst;
+      continue;
+    }
+    const uint8_t* arena = params_.data + t.param_offset;
+    if (t.dtype == DType::kF32) {
       DIOND_RETURN_IF_ERROR(CopyToDevice(dc, arena, dst, 4 * t.numel));
     } else {
       DIOND_RETURN_IF_ERROR(CopyToDevice(
@@ -260,15 +319,24 @@ absl::Status Session::WriteWeightsFromDevice(StepRun& run) {
   DeviceSide& d = *device_;
   const kernels::Context& dc = *d.ctx;
   absl::MutexLock compute(run.compute_mu);
+  CudaRegion* cuda = params_.cuda.get();
   for (size_t i = 0; i < layout_.tensors.size(); ++i) {
     const TensorPlacement& t = layout_.tensors[i];
-    uint8_t* arena = params_.data + t.param_offset;
     const float* src = d.param(i);
     if (!master_.empty() && !master_[i].empty()) {
       // The next master weights, swapped in at the commit.
       param_scratch_[i].resize(static_cast<size_t>(t.numel));
       DIOND_RETURN_IF_ERROR(CopyToHost(dc, src, param_scratch_[i].data(), 4 * t.numel));
     }
+    if (cuda != nullptr) {
+      // Device to device into the trainer's GPU memory, narrowed on the way.
+      DIOND_RETURN_IF_ERROR(kernels::Copy(
+          dc, DeviceView(d.device, DType::kF32, src, t.numel),
+          DeviceView(d.device, t.dtype, static_cast<void*>(cuda->data() + t.param_offset),
+                     t.numel)));
+      continue;
+    }
+    uint8_t* arena = params_.data + t.param_offset;
     if (t.dtype == DType::kF32) {
       DIOND_RETURN_IF_ERROR(CopyToHost(dc, src, arena, 4 * t.numel));
     } else {

@@ -204,22 +204,23 @@ absl::Status Session::ValidateStepLocked(const StepRequest& request,
           absl::StrCat("group_step['", Bounded(group), "'] = ", n, " must be >= 1"));
     }
   }
-  if (params_.cuda != nullptr || grads_.cuda != nullptr) {
+  if ((params_.cuda != nullptr || grads_.cuda != nullptr) && device_ == nullptr) {
+    // RegisterCudaRegion binds CUDA regions to device sessions only; never stepped from the host.
     return absl::FailedPreconditionError(absl::StrCat(
         "step ", request.step_index, ": the session's ",
         (params_.cuda != nullptr ? params_ : grads_).cuda->Describe(),
-        " is device memory, and stepping on it needs device sessions, which this daemon does not "
-        "have yet (docs/DATA_PLANE.md \"CUDA regions\")"));
+        " is device memory, and this session steps on the host (docs/DATA_PLANE.md \"CUDA "
+        "regions\")"));
   }
-  if (!params_.bound() && pending_params_.empty()) {
+  if (!params_.any() && pending_params_.empty()) {
     return absl::FailedPreconditionError(
         "no parameters: register a PARAMETERS region (or upload them with SetState) before Step");
   }
-  if (!grads_.bound()) {
+  if (!grads_.any()) {
     return absl::FailedPreconditionError(
         "no gradients: register a GRADIENTS region (or PushGradients) before Step");
   }
-  DIOND_RETURN_IF_ERROR(EnsureHostArena(Role::kParameters));
+  if (params_.cuda == nullptr) DIOND_RETURN_IF_ERROR(EnsureHostArena(Role::kParameters));
   // The trainer may have truncated its segments: a cheap look first (fstat); after each pass
   // over its memory, whether the SIGBUS guard caught a fault.
   return CheckRegions(absl::StrCat("step ", request.step_index));
