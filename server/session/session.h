@@ -197,7 +197,8 @@ class Session {
                                   std::function<void(const StepResult&)> after_async = nullptr);
   // Waits until no asynchronous step of this session runs, then drops its uncollected outcome
   // (a failure is logged): CloseSession, AttachSession and daemon shutdown. `closing`: the
-  // session is being closed, and every later Step is refused (so that none is queued after).
+  // session is being closed, and every later Step is refused (so that none is queued after),
+  // and its CUDA regions are released at once.
   // Returns the index of the step it waited for (0: none was queued).
   int64_t DrainQueuedStep(bool closing = false);
 
