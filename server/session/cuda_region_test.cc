@@ -99,7 +99,9 @@ class CudaRegionTest : public ::testing::Test {
     device_ctx_ = *std::move(ctx);
     auto s = Session::Create("s-cuda", Spec(), device_ctx_.get());
     EXPECT_THAT(s.status(), IsOk());
-    if (s.ok()) EXPECT_TRUE((*s)->is_device_session());
+    if (s.ok()) {
+      EXPECT_TRUE((*s)->is_device_session());
+    }
     return s.ok() ? *std::move(s) : nullptr;
   }
 

@@ -200,6 +200,7 @@ class CudaRegions : public ::testing::Test {
     const auto now = kt::GetHostTestHandoffCounters();
     EXPECT_EQ(now.ipc_open_now, baseline_.ipc_open_now);
     EXPECT_EQ(now.vmm_mapped_now, baseline_.vmm_mapped_now);
+    EXPECT_EQ(now.events_open_now, baseline_.events_open_now);
     EXPECT_EQ(session::CudaRegion::LiveCount(), live_);
     if (!dir_.empty()) std::system(absl::StrCat("rm -rf '", dir_, "'").c_str());
   }
@@ -263,7 +264,8 @@ class CudaRegions : public ::testing::Test {
   }
 
   grpc::Status Step(const std::string& id, int64_t index, double scale, v1::StepResponse* resp,
-                    bool async = false, bool wait = false) {
+                    bool async = false, bool wait = false, const std::string& ready = "",
+                    const std::string& done = "") {
     auto ctx = Ctx();
     v1::StepRequest req;
     req.set_session_id(id);
@@ -271,6 +273,8 @@ class CudaRegions : public ::testing::Test {
     req.set_gradient_scale(scale);
     req.set_asynchronous(async);
     req.set_wait(wait);
+    req.set_ready_event(ready);
+    req.set_done_event(done);
     return stub().Step(ctx.get(), req, resp);
   }
 
@@ -574,6 +578,145 @@ TEST_F(CudaRegions, AWorldSessionStepsOnTheHostAndRefusesThem) {
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
   EXPECT_TRUE(absl::StrContains(s.error_message(), "device session")) << s.error_message();
   EXPECT_EQ(kt::GetHostTestHandoffCounters().ipc_opens, baseline_.ipc_opens);
+}
+
+// The trainer's side of an interprocess event (cudaEventCreate + cudaIpcGetEventHandle).
+std::string NewEvent(int device = 0) {
+  std::string h(DIOND_CUDA_IPC_HANDLE_BYTES, '\0');
+  EXPECT_TRUE(kt::HostTestCreateIpcEvent(device, reinterpret_cast<uint8_t*>(h.data())));
+  return h;
+}
+int64_t Records(const std::string& event) {
+  return kt::HostTestEventRecords(reinterpret_cast<const uint8_t*>(event.data()));
+}
+
+TEST_F(CudaRegions, TheSessionStreamWaitsOnTheTrainersEventAndRecordsItsOwn) {
+  SessionDesc d = Desc(AlgorithmKind::kMuon);
+  d.non_finite = v1::NON_FINITE_POLICY_ERROR;
+  auto shm = CreateShmSession(stub(), d.Request());
+  auto gpu = CreateCudaSession(d.Request(), /*vmm=*/false);
+  ASSERT_NE(shm, nullptr);
+  ASSERT_NE(gpu, nullptr);
+  ASSERT_TRUE(SetState(stub(), shm->id, InitialParams(d)).ok());
+  ASSERT_TRUE(SetState(stub(), gpu->id, InitialParams(d)).ok());
+  const std::string ready = NewEvent(), done = NewEvent();
+  const auto start = kt::GetHostTestHandoffCounters();
+  v1::StepResponse r;
+  for (int64_t t = 1; t <= kSteps; ++t) {
+    for (size_t i = 0; i < d.params.size(); ++i) {
+      const std::vector<float> grad = SyntheticValues(5, t, i, d.Numel(i));
+      shm->WriteGrad(i, grad);
+      gpu->WriteGrad(i, grad);
+    }
+    ASSERT_TRUE(Step(shm->id, t, 1.0, &r).ok());
+    const auto before = kt::GetHostTestHandoffCounters();
+    // Asynchronous at step 2: the queued step waits and records on the session stream too.
+    grpc::Status s = Step(gpu->id, t, 1.0, &r, /*async=*/t == 2, false, ready, done);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    if (t == 2) {
+      ASSERT_TRUE(Step(gpu->id, t, 0, &r, false, /*wait=*/true).ok());
+    }
+    const auto after = kt::GetHostTestHandoffCounters();
+    // One wait on the trainer's event, one record of the daemon's, per step.
+    EXPECT_EQ(after.stream_waits - before.stream_waits, 1) << "step " << t;
+    EXPECT_EQ(after.event_records - before.event_records, 1) << "step " << t;
+    EXPECT_EQ(Records(done), t);
+    EXPECT_EQ(Records(ready), 0) << "the daemon recorded the trainer's event";
+    for (size_t i = 0; i < d.params.size(); ++i) {
+      EXPECT_EQ(gpu->ParamBytes(i), shm->ParamBytes(i)) << d.params[i].name << ", step " << t;
+    }
+  }
+  // Each event opened once and kept while the trainer names it.
+  auto now = kt::GetHostTestHandoffCounters();
+  EXPECT_EQ(now.events_opened - start.events_opened, 2);
+  EXPECT_EQ(now.events_open_now, start.events_open_now + 2);
+  const std::string weights = gpu->Params();
+  const TensorMap state = State(gpu->id);
+  const int64_t next = kSteps + 1;
+
+  // Bad handles: refused before anything runs (no wait, no op, no record, nothing changed).
+  auto refused = [&](const std::string& rdy, const std::string& dn, grpc::StatusCode code,
+                     const std::string& words) {
+    const auto h0 = kt::GetHostTestHandoffCounters();
+    const auto d0 = kt::GetHostTestDeviceCounters();
+    grpc::Status s = Step(gpu->id, next, 1.0, &r, false, false, rdy, dn);
+    EXPECT_EQ(s.error_code(), code) << s.error_message();
+    EXPECT_TRUE(absl::StrContains(s.error_message(), words)) << s.error_message();
+    const auto h1 = kt::GetHostTestHandoffCounters();
+    EXPECT_EQ(h1.stream_waits, h0.stream_waits);
+    EXPECT_EQ(h1.event_records, h0.event_records);
+    EXPECT_EQ(kt::GetHostTestDeviceCounters().ops, d0.ops) << "an op ran: " << s.error_message();
+  };
+  refused(ready.substr(0, 63), done, grpc::StatusCode::INVALID_ARGUMENT,
+          "ready_event must be the 64 bytes");
+  refused(ready, std::string(64, '\x07'), grpc::StatusCode::FAILED_PRECONDITION,
+          "done_event cannot be opened");
+  refused(NewEvent(/*device=*/1), done, grpc::StatusCode::FAILED_PRECONDITION,
+          "ready_event cannot be opened");
+  EXPECT_EQ(gpu->Params(), weights);
+  EXPECT_EQ(State(gpu->id), state);
+
+  // A failed step (NaN gradients under the ERROR policy) waited on the trainer's event before
+  // it read the gradients, and records nothing: the weights are unchanged.
+  std::vector<float> bad = SyntheticValues(5, next, 0, d.Numel(0));
+  bad[1] = std::numeric_limits<float>::quiet_NaN();
+  gpu->WriteGrad(0, bad);
+  auto h0 = kt::GetHostTestHandoffCounters();
+  grpc::Status s = Step(gpu->id, next, 1.0, &r, false, false, ready, done);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  auto h1 = kt::GetHostTestHandoffCounters();
+  EXPECT_EQ(h1.stream_waits - h0.stream_waits, 1);
+  EXPECT_EQ(h1.event_records, h0.event_records);
+  EXPECT_EQ(Records(done), kSteps);
+  EXPECT_EQ(gpu->Params(), weights);
+  EXPECT_EQ(State(gpu->id), state);
+
+  // A new done_event replaces the old one (destroyed), and is the one recorded.
+  gpu->WriteGrad(0, SyntheticValues(5, next, 0, d.Numel(0)));
+  const std::string done2 = NewEvent();
+  h0 = kt::GetHostTestHandoffCounters();
+  s = Step(gpu->id, next, 1.0, &r, false, false, ready, done2);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  h1 = kt::GetHostTestHandoffCounters();
+  EXPECT_EQ(h1.events_destroyed - h0.events_destroyed, 1);
+  EXPECT_EQ(h1.events_open_now, h0.events_open_now);
+  EXPECT_EQ(Records(done2), 1);
+  EXPECT_EQ(Records(done), kSteps);
+  // A replay of that step records nothing again.
+  s = Step(gpu->id, next, 1.0, &r, false, false, ready, done2);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_TRUE(r.replayed());
+  EXPECT_EQ(Records(done2), 1);
+  // CloseSession destroys the session's events (TearDown checks the live count too).
+  EXPECT_TRUE(CloseSession(stub(), gpu->id).ok());
+  EXPECT_EQ(kt::GetHostTestHandoffCounters().events_open_now, start.events_open_now);
+}
+
+TEST_F(CudaRegions, ASkippedStepRecordsTheDoneEventAndAHostSessionRefusesEvents) {
+  auto gpu = CreateCudaSession(Desc(AlgorithmKind::kAdamW).Request(), /*vmm=*/true);
+  ASSERT_NE(gpu, nullptr);
+  const SessionDesc d = Desc(AlgorithmKind::kAdamW);
+  ASSERT_TRUE(SetState(stub(), gpu->id, InitialParams(d)).ok());
+  for (size_t i = 0; i < d.params.size(); ++i) {
+    gpu->WriteGrad(i, std::vector<float>(static_cast<size_t>(d.Numel(i)),
+                                         std::numeric_limits<float>::infinity()));
+  }
+  const std::string weights = gpu->Params();
+  const std::string ready = NewEvent(), done = NewEvent();
+  v1::StepResponse r;
+  grpc::Status s = Step(gpu->id, 1, 1.0, &r, false, false, ready, done);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_TRUE(r.skipped());
+  EXPECT_EQ(Records(done), 1);  // the trainer may go on: its weights are as they were
+  EXPECT_EQ(gpu->Params(), weights);
+  // A world session steps on the host: it has no stream to order.
+  v1::CreateSessionRequest req = d.Request();
+  req.set_world_key("cuda-region-events");
+  auto world = CreateShmSession(stub(), req);
+  ASSERT_NE(world, nullptr);
+  s = Step(world->id, 1, 1.0, &r, false, false, ready, done);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
+  EXPECT_TRUE(absl::StrContains(s.error_message(), "steps on the host")) << s.error_message();
 }
 
 }  // namespace
