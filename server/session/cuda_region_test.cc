@@ -182,12 +182,11 @@ TEST_F(CudaRegionTest, AHostSessionRefusesACudaRegion) {
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("steps on the host")));
   // OpenCudaRegion opens nothing for it.
   bool opened = false;
-  EXPECT_THAT(s->OpenCudaRegion(Role::kGradients,
-                                [&](kernels::Device d) -> absl::StatusOr<std::unique_ptr<CudaRegion>> {
-                                  opened = true;
-                                  return CudaRegion::OpenIpc(d, Uuid(0), h, 0, 4096);
-                                })
-                  .status(),
+  auto open = [&](kernels::Device d) -> absl::StatusOr<std::unique_ptr<CudaRegion>> {
+    opened = true;
+    return CudaRegion::OpenIpc(d, Uuid(0), h, 0, 4096);
+  };
+  EXPECT_THAT(s->OpenCudaRegion(Role::kGradients, open).status(),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("device session")));
   EXPECT_FALSE(opened);
   EXPECT_EQ(CudaRegion::LiveCount(), live_);

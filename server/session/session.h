@@ -306,10 +306,10 @@ class Session {
   // Pins a newly bound region for DMA (a device session with host_register; a failure is
   // logged, and the copies then go through pageable memory).
   void RegisterForDma(Role role, Binding& b);
-  // Step's events (StepRequest::ready_event / done_event, docs/DATA_PLANE.md "Events"): each
-  // handle checked (64 bytes: INVALID_ARGUMENT) and opened on a device session's device, or the
-  // one opened for an earlier step reused; FAILED_PRECONDITION for a host session or a handle
-  // the device refuses. Nothing else is touched.
+  // Step's events (StepRequest::ready_event / done_event, docs/DATA_PLANE.md "The event
+  // protocol"): each handle checked (64 bytes: INVALID_ARGUMENT) and opened on a device
+  // session's device, or the one opened for an earlier step reused; FAILED_PRECONDITION for a
+  // host session or a handle the device refuses. Nothing else is touched.
   absl::Status PrepareEventsLocked(const StepRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The session stream waits on the request's ready_event / records its done_event (no-ops
   // without one).

@@ -488,7 +488,8 @@ TEST_F(CudaRegions, BadRequestsAreRefusedClearlyAndOpenNothing) {
     grpc::Status s = Register(req);
     EXPECT_EQ(s.error_code(), code) << s.error_message();
     for (const std::string& w : words) {
-      EXPECT_TRUE(absl::StrContains(s.error_message(), w)) << s.error_message() << "\n  lacks: " << w;
+      EXPECT_TRUE(absl::StrContains(s.error_message(), w))
+          << s.error_message() << "\n  lacks: " << w;
     }
     const auto now = kt::GetHostTestHandoffCounters();
     EXPECT_EQ(now.ipc_open_now, baseline_.ipc_open_now) << s.error_message();
