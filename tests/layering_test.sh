@@ -63,10 +63,13 @@ check "server/rpc includes exe/ or the daemon core (metrics, version)" \
 check "the server core (server/*.h) includes a room" '#include *"server/(comm|session|rpc|exe)/' \
   $server_core
 # (tests/service/test_device_daemon.cc is the test-only diond_testdevice's part of the
-# composition root: it fills DaemonOptions with the TEST backend, docs/GPU.md.)
+# composition root: it fills DaemonOptions with the TEST backend, docs/GPU.md. So does
+# tests/service/cuda_region_service_test.cc, which runs the daemon in its own process because
+# the TEST backend's CUDA hand-off emulation works within one process only.)
 check "server/exe (the composition root) is included from outside it" '#include *"server/exe/' \
   common kernels client bench examples \
-  $(find tests -type f ! -path tests/service/test_device_daemon.cc) \
+  $(find tests -type f ! -path tests/service/test_device_daemon.cc \
+      ! -path tests/service/cuda_region_service_test.cc) \
   $(find server -path server/exe -prune -o -type f -print)
 check "client/ uses prometheus-cpp" "$prom" client
 check "client/ includes server" '#include *"server/' client

@@ -343,7 +343,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
                          << "; name one with --fd_channel_socket";
     }
   }
-  ro.service.gpu_daemon = d->compute_device_.type == kernels::DeviceType::kCuda;
+  // Device sessions (a GPU's, or the test-only TEST backend's) take the CUDA region kinds.
+  ro.service.gpu_daemon = d->compute_device_.type != kernels::DeviceType::kCpu;
   d->rpc_metrics_ = std::make_unique<RpcMetrics>(d->metrics_.get());
   DIOND_ASSIGN_OR_RETURN(d->rpc_, rpc::RpcServer::Start(ro, d->rpc_metrics_.get()));
   if (wc.world_size > 1) DIOND_RETURN_IF_ERROR(d->JoinWorld(wc));

@@ -191,6 +191,8 @@ session::StepRequest StepRequestFromProto(const v1::StepRequest& req) {
   for (const auto& [group, n] : req.group_step()) sr.group_step[group] = n;
   sr.asynchronous = req.asynchronous();
   sr.wait = req.wait();
+  sr.ready_event = req.ready_event();
+  sr.done_event = req.done_event();
   return sr;
 }
 

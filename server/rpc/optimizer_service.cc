@@ -133,7 +133,7 @@ grpc::ServerUnaryReactor* OptimizerService::CreateSession(grpc::CallbackServerCo
   auto s = manager_->CreateSession(*std::move(spec));
   if (!s.ok()) return Finish(ctx, s.status());
   LayoutToProto(**s, resp);
-  DataPlaneToProto(resp);
+  DataPlaneToProto(**s, resp);
   return Finish(ctx, absl::OkStatus());
 }
 
@@ -155,8 +155,12 @@ grpc::ServerUnaryReactor* OptimizerService::RegisterRegion(grpc::CallbackServerC
       return Finish(ctx, absl::OkStatus());
     }
     case v1::REGION_KIND_CUDA_IPC:
-    case v1::REGION_KIND_CUDA_VMM_FD:
-      return Finish(ctx, RefuseCuda(*p, *req));
+    case v1::REGION_KIND_CUDA_VMM_FD: {
+      auto id = RegisterCuda(*p, s->get(), role, *req);
+      if (!id.ok()) return Finish(ctx, id.status());
+      resp->set_region_id(*id);
+      return Finish(ctx, absl::OkStatus());
+    }
     default:
       break;  // REGION_KIND_SYSTEM_SHM, below
   }
@@ -193,11 +197,14 @@ absl::StatusOr<std::string> OptimizerService::RegisterMemfd(const Principal& p,
   return s->RegisterMemfdRegion(role, std::move(fd), m.offset_bytes(), m.size_bytes());
 }
 
-absl::Status OptimizerService::RefuseCuda(const Principal& p,
-                                          const v1::RegisterRegionRequest& req) {
+absl::StatusOr<std::string> OptimizerService::RegisterCuda(const Principal& p,
+                                                           session::Session* s,
+                                                           session::Role role,
+                                                           const v1::RegisterRegionRequest& req) {
   const bool ipc = req.kind() == v1::REGION_KIND_CUDA_IPC;
   const std::string kind = v1::RegionKind_Name(req.kind());
   std::string uuid_bytes;
+  fdchannel::UniqueFd vmm_fd;
   if (ipc) {
     if (!req.has_cuda_ipc()) return absl::InvalidArgumentError(kind + " needs cuda_ipc");
     const v1::CudaIpcRegion& r = req.cuda_ipc();
@@ -215,11 +222,11 @@ absl::Status OptimizerService::RefuseCuda(const Principal& p,
   } else {
     if (!req.has_cuda_vmm_fd()) return absl::InvalidArgumentError(kind + " needs cuda_vmm_fd");
     const v1::CudaVmmFdRegion& r = req.cuda_vmm_fd();
-    // The fd, if one was sent, is taken (and closed) whatever follows: a refused request must not
-    // leave it pending.
+    // The fd, if one was sent, is taken first (and closed when the request fails, whatever
+    // follows): a refused request must not leave it pending.
     if (options_.fd_channel != nullptr && p.local && !r.fd_token().empty()) {
-      auto fd = options_.fd_channel->Take(r.fd_token(), p.uid, fdchannel::FdKind::kCudaVmm);
-      if (!fd.ok()) return fd.status();
+      DIOND_ASSIGN_OR_RETURN(vmm_fd, options_.fd_channel->Take(r.fd_token(), p.uid,
+                                                               fdchannel::FdKind::kCudaVmm));
     }
     const int64_t g = r.granularity_bytes();
     if (g <= 0 || (g & (g - 1)) != 0) {
@@ -242,18 +249,56 @@ absl::Status OptimizerService::RefuseCuda(const Principal& p,
         "with --device=cuda on the trainer's GPU ", session::FormatGpuUuid(uuid),
         "), or register host memory: REGION_KIND_MEMFD or REGION_KIND_SYSTEM_SHM"));
   }
-  // The daemon's device UUIDs are not queried yet (the CUDA plugin's ABI has no UUID call), so
-  // MapGpuUuid cannot run here: the GPU half of the data plane is not built.
-  return absl::UnimplementedError(absl::StrCat(
-      kind, " is not built yet on GPU daemons (the GPU half of docs/DATA_PLANE.md); register "
-      "host memory: REGION_KIND_MEMFD or REGION_KIND_SYSTEM_SHM"));
+  // GPU memory is shared between processes of one host, as shared memory is: the same rule.
+  if (!options_.allow_shm_from_tcp && !p.local) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        kind, " registration over TCP is off: connect over the Unix socket (the trainer and the "
+        "daemon share one host), or start diond with --allow_shm_from_tcp"));
+  }
+  if (ipc) {
+    const v1::CudaIpcRegion& r = req.cuda_ipc();
+    const auto* h = reinterpret_cast<const uint8_t*>(r.mem_handle().data());
+    const absl::Span<const uint8_t> handle(h, r.mem_handle().size());
+    return s->OpenCudaRegion(role, [&](kernels::Device device) {
+      return session::CudaRegion::OpenIpc(device, uuid, handle, r.offset_bytes(),
+                                          r.size_bytes());
+    });
+  }
+  const v1::CudaVmmFdRegion& r = req.cuda_vmm_fd();
+  if (options_.fd_channel == nullptr) {
+    return absl::FailedPreconditionError(
+        "REGION_KIND_CUDA_VMM_FD needs the daemon's fd channel, and this daemon has none (it "
+        "listens on no Unix socket, or runs with --fd_channel_socket=none); use "
+        "REGION_KIND_CUDA_IPC");
+  }
+  if (!p.local) {
+    return absl::PermissionDeniedError(
+        "REGION_KIND_CUDA_VMM_FD is for callers on the daemon's Unix socket: the fd channel's "
+        "token is checked against the caller's uid");
+  }
+  if (!vmm_fd.valid()) {
+    return absl::InvalidArgumentError(
+        "cuda_vmm_fd.fd_token is empty: send the exported fd over the fd channel first and pass "
+        "the token it answered");
+  }
+  // The daemon's mapping keeps the allocation alive; the fd is closed when this returns.
+  return s->OpenCudaRegion(role, [&](kernels::Device device) {
+    return session::CudaRegion::OpenVmm(device, uuid, vmm_fd.get(), r.offset_bytes(),
+                                        r.size_bytes(), r.granularity_bytes());
+  });
 }
 
-void OptimizerService::DataPlaneToProto(v1::CreateSessionResponse* resp) const {
+void OptimizerService::DataPlaneToProto(const session::Session& s,
+                                        v1::CreateSessionResponse* resp) const {
   resp->add_region_kinds(v1::REGION_KIND_SYSTEM_SHM);
   if (options_.fd_channel != nullptr) {
     resp->set_fd_channel_socket(options_.fd_channel->path());
     resp->add_region_kinds(v1::REGION_KIND_MEMFD);
+  }
+  // The CUDA kinds: a device session of a GPU daemon (a world session steps on the host).
+  if (options_.gpu_daemon && s.is_device_session()) {
+    resp->add_region_kinds(v1::REGION_KIND_CUDA_IPC);
+    if (options_.fd_channel != nullptr) resp->add_region_kinds(v1::REGION_KIND_CUDA_VMM_FD);
   }
 }
 
@@ -482,7 +527,7 @@ grpc::ServerUnaryReactor* OptimizerService::LoadCheckpoint(grpc::CallbackServerC
   auto s = manager_->LoadCheckpoint(req->path(), shards, session::Caller{p->name, p->admin});
   if (!s.ok()) return Finish(ctx, s.status());
   LayoutToProto(**s, resp->mutable_session());
-  DataPlaneToProto(resp->mutable_session());
+  DataPlaneToProto(**s, resp->mutable_session());
   resp->set_step_index((*s)->last_step_index());
   return Finish(ctx, absl::OkStatus());
 }
@@ -505,7 +550,7 @@ grpc::ServerUnaryReactor* OptimizerService::AttachSession(grpc::CallbackServerCo
   auto s = manager_->Attach(req->session_name(), p->name, expect, p->admin);
   if (!s.ok()) return Finish(ctx, s.status());
   LayoutToProto(**s, resp->mutable_session());
-  DataPlaneToProto(resp->mutable_session());
+  DataPlaneToProto(**s, resp->mutable_session());
   resp->set_step_index((*s)->last_step_index());
   return Finish(ctx, absl::OkStatus());
 }

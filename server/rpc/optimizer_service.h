@@ -25,8 +25,8 @@ struct OptimizerServiceOptions {
   // The data plane (docs/DATA_PLANE.md). The fd channel that MEMFD / CUDA_VMM_FD regions take
   // their fds from; null = none (those kinds are refused). Must outlive the service.
   fdchannel::FdChannel* fd_channel = nullptr;
-  // True when the daemon computes on a GPU; a CPU daemon refuses the CUDA region kinds with
-  // FAILED_PRECONDITION.
+  // True when the daemon computes on a device (a GPU, or the test-only TEST backend): its device
+  // sessions take the CUDA region kinds. A CPU daemon refuses them with FAILED_PRECONDITION.
   bool gpu_daemon = false;
 };
 
@@ -81,9 +81,15 @@ class OptimizerService final : public diond::v1::Optimizer::CallbackService {
   // RegisterRegion's MEMFD and CUDA kinds (the data plane).
   absl::StatusOr<std::string> RegisterMemfd(const Principal& p, session::Session* s,
                                             session::Role role, const v1::MemfdRegion& m);
-  absl::Status RefuseCuda(const Principal& p, const v1::RegisterRegionRequest& req);
-  // CreateSession / AttachSession: fd_channel_socket and region_kinds.
-  void DataPlaneToProto(v1::CreateSessionResponse* resp) const;
+  // CUDA_IPC / CUDA_VMM_FD (docs/DATA_PLANE.md "CUDA regions"): the fields checked, the VMM fd
+  // taken from the fd channel (same uid), then opened on the session's compute device and bound.
+  // FAILED_PRECONDITION on a CPU daemon and for a host session.
+  absl::StatusOr<std::string> RegisterCuda(const Principal& p, session::Session* s,
+                                           session::Role role,
+                                           const v1::RegisterRegionRequest& req);
+  // CreateSession / AttachSession: fd_channel_socket and region_kinds (the CUDA kinds for a
+  // device session of a GPU daemon).
+  void DataPlaneToProto(const session::Session& s, v1::CreateSessionResponse* resp) const;
   // For the client-streaming RPCs: authenticates now, checks ownership on the first chunk.
   std::function<absl::Status(const std::string&)> OwnerCheck(
       grpc::CallbackServerContext* ctx) const;

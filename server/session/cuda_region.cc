@@ -2,8 +2,10 @@
 #include "server/session/cuda_region.h"
 
 #include <atomic>
+#include <string>
 #include <vector>
 
+#include "absl/synchronization/mutex.h"
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
@@ -12,6 +14,46 @@ namespace diond::session {
 namespace {
 
 std::atomic<int64_t> g_live{0};
+
+// Legacy IPC handles open in this process. A process can open a handle only once (CUDA and the
+// TEST backend refuse a second cudaIpcOpenMemHandle of it), but a trainer may carve both roles
+// out of one allocation: the regions of one handle share its mapping, closed with the last.
+struct IpcShare {
+  kernels::Device device;
+  std::string handle;
+  void* ptr = nullptr;
+  uint64_t bytes = 0;
+  int refs = 0;
+};
+absl::Mutex g_ipc_mu;
+std::vector<IpcShare>* g_ipc ABSL_GUARDED_BY(g_ipc_mu) = new std::vector<IpcShare>;
+
+absl::StatusOr<kernels::IpcMapping> AcquireIpc(kernels::Device device,
+                                               absl::Span<const uint8_t> handle) {
+  const std::string key(reinterpret_cast<const char*>(handle.data()), handle.size());
+  absl::MutexLock lock(&g_ipc_mu);
+  for (IpcShare& e : *g_ipc) {
+    if (e.device == device && e.handle == key) {
+      ++e.refs;
+      return kernels::IpcMapping{e.ptr, e.bytes};
+    }
+  }
+  DIOND_ASSIGN_OR_RETURN(kernels::IpcMapping m, kernels::OpenIpcMemHandle(device, handle));
+  g_ipc->push_back(IpcShare{device, key, m.ptr, m.bytes, 1});
+  return m;
+}
+
+absl::Status ReleaseIpc(kernels::Device device, void* ptr) {
+  absl::MutexLock lock(&g_ipc_mu);
+  for (auto it = g_ipc->begin(); it != g_ipc->end(); ++it) {
+    if (it->device == device && it->ptr == ptr) {
+      if (--it->refs > 0) return absl::OkStatus();
+      g_ipc->erase(it);
+      return kernels::CloseIpcMemHandle(device, ptr);
+    }
+  }
+  return absl::InternalError("releasing a CUDA IPC mapping that is not open");
+}
 
 // The daemon's index of the trainer's GPU, which must be the compute device.
 absl::StatusOr<kernels::Device> DeviceOf(kernels::Device compute, const GpuUuid& trainer,
@@ -59,9 +101,9 @@ absl::StatusOr<std::unique_ptr<CudaRegion>> CudaRegion::OpenIpc(kernels::Device 
                                                                 absl::Span<const uint8_t> handle,
                                                                 int64_t offset, int64_t size) {
   DIOND_ASSIGN_OR_RETURN(kernels::Device device, DeviceOf(compute, trainer, "CUDA_IPC"));
-  DIOND_ASSIGN_OR_RETURN(kernels::IpcMapping m, kernels::OpenIpcMemHandle(device, handle));
+  DIOND_ASSIGN_OR_RETURN(kernels::IpcMapping m, AcquireIpc(device, handle));
   if (absl::Status s = CheckRange("CUDA_IPC", offset, size, m.bytes); !s.ok()) {
-    kernels::CloseIpcMemHandle(device, m.ptr).IgnoreError();
+    ReleaseIpc(device, m.ptr).IgnoreError();
     return s;
   }
   std::unique_ptr<CudaRegion> r(new CudaRegion);
@@ -104,7 +146,7 @@ absl::StatusOr<std::unique_ptr<CudaRegion>> CudaRegion::OpenVmm(kernels::Device 
 
 CudaRegion::~CudaRegion() {
   absl::Status s = vmm_ ? kernels::UnmapVmm(device_, vmm_mapping_)
-                        : kernels::CloseIpcMemHandle(device_, base_);
+                        : ReleaseIpc(device_, base_);
   if (!s.ok()) DIOND_LOG(ERROR) << Describe() << ": releasing it failed: " << s;
   --g_live;
 }

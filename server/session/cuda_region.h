@@ -28,7 +28,9 @@ class CudaRegion {
   // Maps `trainer` (its GPU's UUID) to a device of `compute`'s type through the plugin's UUID
   // list (MapGpuUuid), which must be `compute` itself; opens the legacy IPC memory `handle`
   // there and checks [offset, offset + size) against the allocation it names (OUT_OF_RANGE
-  // with the numbers; the handle is closed again).
+  // with the numbers; the handle is closed again). Regions of one handle (a trainer's PARAMETERS
+  // and GRADIENTS carved out of one allocation) share its one mapping in this process (a handle
+  // opens once per process), closed with the last of them.
   static absl::StatusOr<std::unique_ptr<CudaRegion>> OpenIpc(kernels::Device compute,
                                                              const GpuUuid& trainer,
                                                              absl::Span<const uint8_t> handle,

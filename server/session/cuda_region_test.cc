@@ -2,8 +2,10 @@
 // handoff block (kernels/testing/host_device_backend.h): the trainer's UUID mapped to the
 // daemon's device (FAILED_PRECONDITION with both UUIDs for an unknown GPU or one that is not the
 // compute device, nothing opened), the handle opened and checked against the region's range,
-// the region bound to a session and released on UnregisterRegion, with the session, and when a
-// new trainer attaches; Step, SetState and PushGradients on it refused; no leaks (counts).
+// the region bound to a device session (a host session refuses it) and released on
+// UnregisterRegion, with the session, and when a new trainer attaches; the weights moved in and
+// out of it by SetState / GetState / a new trainer through the device session's explicit copies;
+// the streamed host paths refused; no leaks (counts).
 #include "server/session/cuda_region.h"
 
 #include <unistd.h>
@@ -70,7 +72,7 @@ class CudaRegionTest : public ::testing::Test {
     EXPECT_TRUE(kt::HostTestExportIpcMemHandle(0, p, h.data()));
     return h;
   }
-  static std::unique_ptr<Session> NewSession() {
+  static SessionSpec Spec() {
     SessionSpec spec;
     spec.client_name = "cuda-region-test";
     GroupSpec g;
@@ -78,11 +80,32 @@ class CudaRegionTest : public ::testing::Test {
     g.config.algorithm = optim::AlgorithmKind::kAdamW;
     spec.groups.push_back(g);
     spec.params.push_back({"w", {16, 8}, DType::kF32, "a"});
-    auto s = Session::Create("s-cuda", spec);
+    return spec;
+  }
+  // A host session (no context: the CPU).
+  static std::unique_ptr<Session> NewHostSession() {
+    auto s = Session::Create("s-host", Spec());
     EXPECT_THAT(s.status(), IsOk());
     return s.ok() ? *std::move(s) : nullptr;
   }
+  // A device session on TEST device 0 (no hooks: no stream of its own).
+  std::unique_ptr<Session> NewSession() {
+    kernels::ContextOptions co;
+    co.device = kDev0;
+    co.num_threads = 1;
+    auto ctx = kernels::Context::Create(co);
+    EXPECT_THAT(ctx.status(), IsOk());
+    if (!ctx.ok()) return nullptr;
+    device_ctx_ = *std::move(ctx);
+    auto s = Session::Create("s-cuda", Spec(), device_ctx_.get());
+    EXPECT_THAT(s.status(), IsOk());
+    if (s.ok()) {
+      EXPECT_TRUE((*s)->is_device_session());
+    }
+    return s.ok() ? *std::move(s) : nullptr;
+  }
 
+  std::unique_ptr<kernels::Context> device_ctx_;
   int64_t live_ = 0;
   kt::HostTestHandoffCounters counters_;
   std::vector<void*> allocations_;
@@ -148,11 +171,32 @@ TEST_F(CudaRegionTest, VmmRegionRoundsToTheGranularityAndUnmapsWhenDropped) {
   close(fd);
 }
 
-TEST_F(CudaRegionTest, ASessionBindsReleasesAndNeverStepsOnACudaRegion) {
+TEST_F(CudaRegionTest, AHostSessionRefusesACudaRegion) {
+  void* p = Alloc(1 << 16);
+  const auto h = Handle(p);
+  auto s = NewHostSession();
+  ASSERT_NE(s, nullptr);
+  auto r = CudaRegion::OpenIpc(kDev0, Uuid(0), h, 0, s->layout().param_arena_bytes);
+  ASSERT_THAT(r.status(), IsOk());
+  EXPECT_THAT(s->RegisterCudaRegion(Role::kParameters, *std::move(r)).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("steps on the host")));
+  // OpenCudaRegion opens nothing for it.
+  bool opened = false;
+  auto open = [&](kernels::Device d) -> absl::StatusOr<std::unique_ptr<CudaRegion>> {
+    opened = true;
+    return CudaRegion::OpenIpc(d, Uuid(0), h, 0, 4096);
+  };
+  EXPECT_THAT(s->OpenCudaRegion(Role::kGradients, open).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("device session")));
+  EXPECT_FALSE(opened);
+  EXPECT_EQ(CudaRegion::LiveCount(), live_);
+}
+
+TEST_F(CudaRegionTest, ADeviceSessionBindsReleasesAndMovesWeightsOnlyThroughCopies) {
   constexpr size_t kBytes = 1 << 16;
   void* p = Alloc(kBytes);
-  // A known pattern (the allocation is uninitialized; ASan fills it with 0xbe): no host path may
-  // change any byte of it.
+  // A known pattern (the allocation is uninitialized; ASan fills it with 0xbe): the refused host
+  // paths may change no byte of it.
   std::memset(p, 0x5a, kBytes);
   const auto h = Handle(p);
   auto s = NewSession();
@@ -163,32 +207,54 @@ TEST_F(CudaRegionTest, ASessionBindsReleasesAndNeverStepsOnACudaRegion) {
   ASSERT_THAT(small.status(), IsOk());
   EXPECT_THAT(s->RegisterCudaRegion(Role::kParameters, *std::move(small)).status(),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("smaller")));
-  auto r = CudaRegion::OpenIpc(kDev0, Uuid(0), h, 0, need);
-  ASSERT_THAT(r.status(), IsOk());
-  auto id = s->RegisterCudaRegion(Role::kParameters, *std::move(r));
+  auto id = s->OpenCudaRegion(Role::kParameters, [&](kernels::Device d) {
+    return CudaRegion::OpenIpc(d, Uuid(0), h, 0, need);
+  });
   ASSERT_THAT(id.status(), IsOk());
   EXPECT_EQ(CudaRegion::LiveCount(), live_ + 1);
   // The role is taken (by either kind).
   EXPECT_THAT(s->RegisterShmRegion(Role::kParameters, "nope", 0, need).status(),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("already has region")));
-  // Host paths refuse device memory.
-  auto g = CudaRegion::OpenIpc(kDev0, Uuid(0), h, 0, 1);  // open already: refused by the plugin
-  EXPECT_THAT(g.status(), StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("open already")));
-  StepRequest req;
-  req.step_index = 1;
-  auto cpu = kernels::Context::CpuDefault(1);
-  absl::Mutex mu;
-  auto st = s->Step(req, *cpu, &mu);
-  EXPECT_THAT(st.status(), StatusIs(absl::StatusCode::kFailedPrecondition,
-                                    HasSubstr("needs device sessions")));
-  NamedTensor w{"w", {16, 8}, std::vector<float>(128, 1.0f)};
-  EXPECT_THAT(s->SetState({w}), StatusIs(absl::StatusCode::kFailedPrecondition,
-                                         HasSubstr("need device sessions")));
-  std::string out;
-  EXPECT_FALSE(s->ReadParameterBytes("w", 0, 4, &out).ok());
+  {
+    // A second region of the same handle shares its one mapping (a handle opens once per
+    // process); the mapping stays open while the first region holds it.
+    const int64_t open_now = kt::GetHostTestHandoffCounters().ipc_open_now;
+    auto g = CudaRegion::OpenIpc(kDev0, Uuid(0), h, 256, 256);
+    ASSERT_THAT(g.status(), IsOk());
+    EXPECT_EQ((*g)->data(), static_cast<uint8_t*>(p) + 256);
+    EXPECT_EQ(kt::GetHostTestHandoffCounters().ipc_open_now, open_now);
+    EXPECT_EQ(CudaRegion::LiveCount(), live_ + 2);
+  }
+  EXPECT_EQ(kt::GetHostTestHandoffCounters().ipc_open_now, counters_.ipc_open_now + 1);
+  // The streamed host path refuses device memory: PushGradients into a CUDA GRADIENTS region.
+  auto gid = s->OpenCudaRegion(Role::kGradients, [&](kernels::Device d) {
+    return CudaRegion::OpenIpc(d, Uuid(0), h, kBytes / 2, s->layout().grad_arena_bytes);
+  });
+  ASSERT_THAT(gid.status(), IsOk());
+  TensorWrite push{"w", 0, std::string(512, '\0')};
+  EXPECT_THAT(s->ApplyGradientWrites({push}),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("reads and writes it")));
+  ASSERT_THAT(s->UnregisterRegion(*gid), IsOk());
   const uint8_t* bytes = static_cast<const uint8_t*>(p);
   EXPECT_EQ(std::count(bytes, bytes + kBytes, uint8_t{0x5a}), static_cast<std::ptrdiff_t>(kBytes))
       << "a host path wrote into the region";
+  // SetState writes the weights into the region (explicit copies), GetState reads them back.
+  std::vector<float> values(128);
+  for (size_t i = 0; i < values.size(); ++i) values[i] = 0.25f * static_cast<float>(i) - 3.0f;
+  const auto before = kt::GetHostTestDeviceCounters();
+  ASSERT_THAT(s->SetState({NamedTensor{"w", {16, 8}, values}}), IsOk());
+  EXPECT_EQ(std::memcmp(p, values.data(), values.size() * 4), 0);
+  EXPECT_EQ(bytes[values.size() * 4], uint8_t{0x5a}) << "written past the parameter";
+  auto state = s->GetState(/*include_parameters=*/true);
+  ASSERT_THAT(state.status(), IsOk());
+  ASSERT_EQ((*state)[0].name, "w");
+  EXPECT_EQ((*state)[0].data, values);
+  std::string out;  // PullParameters' read: through a copy too
+  ASSERT_THAT(s->ReadParameterBytes("w", 8, 8, &out), IsOk());
+  EXPECT_EQ(out, std::string(reinterpret_cast<const char*>(values.data()) + 8, 8));
+  const auto after = kt::GetHostTestDeviceCounters();
+  EXPECT_GE(after.copies_to_device, before.copies_to_device + 1);
+  EXPECT_GE(after.copies_to_host, before.copies_to_host + 1);
   // Unregister releases it.
   ASSERT_THAT(s->UnregisterRegion(*id), IsOk());
   EXPECT_EQ(CudaRegion::LiveCount(), live_);
@@ -199,6 +265,27 @@ TEST_F(CudaRegionTest, ASessionBindsReleasesAndNeverStepsOnACudaRegion) {
   EXPECT_EQ(CudaRegion::LiveCount(), live_ + 1);
   s.reset();
   EXPECT_EQ(CudaRegion::LiveCount(), live_);
+}
+
+TEST_F(CudaRegionTest, ANewTrainersRegionGetsTheWeightsTheOldTrainersRegionHeld) {
+  void* old_mem = Alloc(1 << 16);
+  void* new_mem = Alloc(1 << 16);
+  auto s = NewSession();
+  ASSERT_NE(s, nullptr);
+  const int64_t need = s->layout().param_arena_bytes;
+  auto r = CudaRegion::OpenIpc(kDev0, Uuid(0), Handle(old_mem), 0, need);
+  ASSERT_THAT(r.status(), IsOk());
+  ASSERT_THAT(s->RegisterCudaRegion(Role::kParameters, *std::move(r)).status(), IsOk());
+  std::vector<float> values(128);
+  for (size_t i = 0; i < values.size(); ++i) values[i] = 1.5f - 0.125f * static_cast<float>(i);
+  ASSERT_THAT(s->SetState({NamedTensor{"w", {16, 8}, values}}), IsOk());
+  s->DetachTrainer();
+  EXPECT_EQ(CudaRegion::LiveCount(), live_);
+  std::memset(new_mem, 0, 1 << 16);
+  auto r2 = CudaRegion::OpenIpc(kDev0, Uuid(0), Handle(new_mem), 0, need);
+  ASSERT_THAT(r2.status(), IsOk());
+  ASSERT_THAT(s->RegisterCudaRegion(Role::kParameters, *std::move(r2)).status(), IsOk());
+  EXPECT_EQ(std::memcmp(new_mem, values.data(), values.size() * 4), 0);
 }
 
 TEST_F(CudaRegionTest, ANewTrainerAttachingReleasesTheOldTrainersRegions) {

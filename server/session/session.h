@@ -167,11 +167,18 @@ class Session {
                                                   int64_t offset, int64_t size);
   // Binds trainer GPU memory opened by CudaRegion (cuda_region.h) to `role`: INVALID_ARGUMENT
   // for a region smaller than the role's arena; FAILED_PRECONDITION if the role is bound, or
-  // holds data in host memory (remote-mode uploads, restored weights) that only a device session
-  // could move to the GPU. The region is released on UnregisterRegion and with the session.
-  // Stepping such a session needs device sessions (not built on this branch): Step refuses it
-  // with FAILED_PRECONDITION, and no host path ever dereferences the region. Returns the id.
+  // holds data in host memory (remote-mode uploads) that has no place on the GPU; weights
+  // restored from a checkpoint (or kept from a previous trainer) are copied into a device
+  // session's PARAMETERS region. The region is released on UnregisterRegion and with the
+  // session. A device session steps on it on its stream, device to device (docs/DATA_PLANE.md
+  // "CUDA regions"); no host path ever dereferences the region. Returns the id.
   absl::StatusOr<std::string> RegisterCudaRegion(Role role, std::unique_ptr<CudaRegion> region);
+  // RegisterRegion's CUDA kinds: `open` opens the trainer's memory on the session's compute
+  // device (CudaRegion::OpenIpc / OpenVmm), then RegisterCudaRegion binds it. FAILED_PRECONDITION
+  // (nothing opened) for a host session: a CPU daemon's, or a world session's on a device daemon.
+  absl::StatusOr<std::string> OpenCudaRegion(
+      Role role,
+      absl::FunctionRef<absl::StatusOr<std::unique_ptr<CudaRegion>>(kernels::Device)> open);
   // NOT_FOUND for an unknown region id.
   absl::Status UnregisterRegion(const std::string& region_id);
 
@@ -190,7 +197,8 @@ class Session {
                                   std::function<void(const StepResult&)> after_async = nullptr);
   // Waits until no asynchronous step of this session runs, then drops its uncollected outcome
   // (a failure is logged): CloseSession, AttachSession and daemon shutdown. `closing`: the
-  // session is being closed, and every later Step is refused (so that none is queued after).
+  // session is being closed, and every later Step is refused (so that none is queued after),
+  // and its CUDA regions are released at once.
   // Returns the index of the step it waited for (0: none was queued).
   int64_t DrainQueuedStep(bool closing = false);
 
@@ -277,7 +285,10 @@ class Session {
     // A device session: the region's host registration for DMA; its deleter unregisters. Reset
     // before the region is unmapped (ClearBinding; destroyed first, as it is declared last).
     std::shared_ptr<void> dma;
+    // Host-addressable memory (a shm / memfd region or a host arena) is bound.
     bool bound() const { return data != nullptr; }
+    // Any memory is bound (host, or a CUDA region).
+    bool any() const { return data != nullptr || cuda != nullptr; }
   };
   // Drops a binding: its host registration first, then the mapping.
   static void ClearBinding(Binding& b) {
@@ -295,6 +306,17 @@ class Session {
   // Pins a newly bound region for DMA (a device session with host_register; a failure is
   // logged, and the copies then go through pageable memory).
   void RegisterForDma(Role role, Binding& b);
+  // Step's events (StepRequest::ready_event / done_event, docs/DATA_PLANE.md "The event
+  // protocol"): each handle checked (64 bytes: INVALID_ARGUMENT) and opened on a device
+  // session's device, or the one opened for an earlier step reused; FAILED_PRECONDITION for a
+  // host session or a handle the device refuses. Nothing else is touched.
+  absl::Status PrepareEventsLocked(const StepRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The session stream waits on the request's ready_event / records its done_event (no-ops
+  // without one).
+  absl::Status WaitReadyEvent(const StepRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status RecordDoneEvent(const StepRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A device session's compute device (nullopt for a host session).
+  std::optional<kernels::Device> DeviceOfSession() const;
   // The context the update rules of a device session run on (DeviceSide::update_ctx).
   const kernels::Context* DeviceUpdateContext() const;
   // The pool's numbers of the last failed device allocation ("" for a host session).
@@ -325,13 +347,21 @@ class Session {
   absl::Status CheckRegions(const std::string& when, std::optional<Role> only = std::nullopt)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Parameter i as fp32 (master weights, or widened from the arena).
-  void ReadParamF32(size_t i, float* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status ReadParamF32(size_t i, float* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A device session's CUDA PARAMETERS region: parameter i's trainer-dtype bytes copied to /
+  // from the host (explicit copies on the session's stream).
+  absl::Status CudaParamToHost(size_t i, std::vector<uint8_t>* bytes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CudaParamFromHost(size_t i, const std::vector<uint8_t>& bytes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // host_ctx_, made at the first call with host_threads_ threads.
   const kernels::Context& HostContext() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The context of the optimizers' state, for Get/SetState (checkpoints, GetState RPCs): a device
   // session's update context (its device once the rules run there), else HostContext().
   const kernels::Context& StateContext() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void WriteParamF32(size_t i, const float* in) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A CUDA PARAMETERS region: through the device session's context (explicit copies of the
+  // trainer-dtype bytes; the widening / narrowing on the host), never a host dereference.
+  absl::Status WriteParamF32(size_t i, const float* in) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // ---- asynchronous steps (session_async.cc) ----
   // The queued step: kRunning until its update ran, kCompleting while `after_async` runs (only

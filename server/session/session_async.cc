@@ -48,8 +48,13 @@ Session::QueuedStep Session::TakeQueuedLocked() {
 int64_t Session::DrainQueuedStep(bool closing) {
   absl::MutexLock lock(&mu_);
   if (closing) closing_ = true;
-  if (!queued_.has_value()) return 0;
-  AwaitQueuedLocked(QueuedState::kDone);
+  if (queued_.has_value()) AwaitQueuedLocked(QueuedState::kDone);
+  if (closing) {
+    // The trainer's GPU memory is unmapped when the session closes, not whenever the last
+    // reference to the session (an RPC still finishing) goes: the trainer may free it next.
+    if (params_.cuda != nullptr) ClearBinding(params_);
+    if (grads_.cuda != nullptr) ClearBinding(grads_);
+  }
   if (!queued_.has_value()) return 0;
   QueuedStep q = TakeQueuedLocked();
   if (!q.status.ok()) {

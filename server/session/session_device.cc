@@ -45,6 +45,14 @@ struct Session::DeviceSide {
   bool graph_decided = false;  // DecideStepGraph ran
   std::string graph_reason;    // its fallback reason
   bool graph_reported = false;  // a successful step's result carried it (counted once)
+  // The trainer's interprocess events of the last Step that named them (PrepareEventsLocked):
+  // the handle and the event opened from it; destroyed with the session or when the trainer
+  // names another.
+  struct IpcEvent {
+    std::string handle;
+    void* event = nullptr;
+  };
+  IpcEvent ready, done;
 
   const kernels::Context& update_ctx() const { return hooks.rules_on_device ? *ctx : *host; }
   float* grad(size_t i) { return grads.As<float>() + offset[i]; }
@@ -57,6 +65,12 @@ void Session::DeviceSideDeleter::operator()(DeviceSide* d) const {
   d->params.Reset();
   d->raw.Reset();
   d->ctx.reset();  // its scratch blocks go back to the pool
+  for (DeviceSide::IpcEvent* e : {&d->ready, &d->done}) {
+    if (e->event == nullptr) continue;
+    if (absl::Status s = kernels::DestroyEvent(d->device, e->event); !s.ok()) {
+      DIOND_LOG(WARNING) << "destroying a trainer's event failed: " << s.message();
+    }
+  }
   if (d->stream != nullptr && d->hooks.destroy_stream) d->hooks.destroy_stream(d->device, d->stream);
   delete d;
 }
@@ -195,20 +209,126 @@ void Session::RegisterForDma(Role role, Binding& b) {
   });
 }
 
+std::optional<kernels::Device> Session::DeviceOfSession() const {
+  if (device_ == nullptr) return std::nullopt;
+  return device_->device;
+}
+
+absl::Status Session::CudaParamToHost(size_t i, std::vector<uint8_t>* bytes) {
+  const TensorPlacement& t = layout_.tensors[i];
+  if (device_ == nullptr || params_.cuda == nullptr) {
+    return absl::InternalError("CudaParamToHost without a device session's CUDA region");
+  }
+  bytes->resize(static_cast<size_t>(t.size_bytes));
+  return CopyToHost(*device_->ctx, params_.cuda->data() + t.param_offset, bytes->data(),
+                    bytes->size());
+}
+
+absl::Status Session::CudaParamFromHost(size_t i, const std::vector<uint8_t>& bytes) {
+  const TensorPlacement& t = layout_.tensors[i];
+  if (device_ == nullptr || params_.cuda == nullptr ||
+      bytes.size() != static_cast<size_t>(t.size_bytes)) {
+    return absl::InternalError("CudaParamFromHost without a device session's CUDA region");
+  }
+  return CopyToDevice(*device_->ctx, bytes.data(), params_.cuda->data() + t.param_offset,
+                      bytes.size());
+}
+
+absl::Status Session::PrepareEventsLocked(const StepRequest& request) {
+  if (request.ready_event.empty() && request.done_event.empty()) return absl::OkStatus();
+  constexpr size_t kHandleBytes = 64;  // cudaIpcEventHandle_t
+  const std::pair<const char*, const std::string*> events[] = {
+      {"ready_event", &request.ready_event}, {"done_event", &request.done_event}};
+  for (const auto& [name, handle] : events) {
+    if (!handle->empty() && handle->size() != kHandleBytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "step ", request.step_index, ": ", name, " must be the 64 bytes of a "
+          "cudaIpcEventHandle_t; got ", handle->size(), " bytes"));
+    }
+  }
+  if (device_ == nullptr || device_->stream == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step ", request.step_index, ": ready_event / done_event order a device session's "
+        "stream, and this session ",
+        device_ == nullptr ? "steps on the host" : "has no stream of its own",
+        "; send them only with CUDA regions on a GPU daemon"));
+  }
+  DeviceSide& d = *device_;
+  DeviceSide::IpcEvent* cached[] = {&d.ready, &d.done};
+  for (int k = 0; k < 2; ++k) {
+    const std::string& handle = *events[k].second;
+    DeviceSide::IpcEvent& e = *cached[k];
+    if (handle.empty() || (e.event != nullptr && e.handle == handle)) continue;
+    absl::StatusOr<void*> opened = kernels::OpenIpcEvent(
+        d.device, absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(handle.data()),
+                                      handle.size()));
+    if (!opened.ok()) {
+      return absl::Status(opened.status().code(),
+                          absl::StrCat("step ", request.step_index, ": ", events[k].first,
+                                       " cannot be opened on device ", d.device.index, ": ",
+                                       opened.status().message(), "; nothing was stepped"));
+    }
+    if (e.event != nullptr) {
+      if (absl::Status s = kernels::DestroyEvent(d.device, e.event); !s.ok()) {
+        DIOND_LOG(WARNING) << "session " << id_ << ": destroying the previous " << events[k].first
+                           << " failed: " << s.message();
+      }
+    }
+    e.event = *opened;
+    e.handle = handle;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Session::WaitReadyEvent(const StepRequest& request) {
+  if (device_ == nullptr || request.ready_event.empty()) return absl::OkStatus();
+  return kernels::StreamWaitEvent(device_->device, device_->stream, device_->ready.event);
+}
+
+absl::Status Session::RecordDoneEvent(const StepRequest& request) {
+  if (device_ == nullptr || request.done_event.empty()) return absl::OkStatus();
+  return kernels::RecordEvent(device_->device, device_->stream, device_->done.event);
+}
+
 absl::Status Session::ReadGradientsToDevice(StepRun& run) {
   DeviceSide& d = *device_;
   const kernels::Context& dc = *d.ctx;
   const size_t n = layout_.tensors.size();
   run.grads.assign(n, nullptr);
   bool finite = true;
+  // The trainer's gradients are ready once its ready_event completes: everything this step
+  // runs on the session stream is ordered after it.
+  {
+    absl::MutexLock compute(run.compute_mu);
+    DIOND_RETURN_IF_ERROR(WaitReadyEvent(*run.request));
+  }
+  // A CUDA GRADIENTS region lies on this device: its f32 gradients are read in place (as a host
+  // session reads a shm arena), the others widened / scaled straight from it into the staging,
+  // all on the session stream: device to device, no host copy.
+  const CudaRegion* cuda = grads_.cuda.get();
   {
     absl::MutexLock compute(run.compute_mu);
     for (size_t i = 0; i < n; ++i) {
       const TensorPlacement& t = layout_.tensors[i];
-      const uint8_t* src = grads_.data + t.grad_offset;
-      const size_t bytes = static_cast<size_t>(t.numel) * kernels::DTypeSize(t.dtype);
       float* dst = d.grad(i);
       bool ok = true;
+      if (cuda != nullptr) {
+        const uint8_t* src = cuda->data() + t.grad_offset;
+        if (t.dtype == DType::kF32 && !run.scaled) {
+          DIOND_RETURN_IF_ERROR(
+              kernels::AllFinite(dc, DeviceView(d.device, DType::kF32, src, t.numel), &ok));
+          run.grads[i] = reinterpret_cast<const float*>(src);
+        } else {
+          DIOND_RETURN_IF_ERROR(kernels::WidenScaleCheckFinite(
+              dc, DeviceView(d.device, t.dtype, static_cast<const void*>(src), t.numel),
+              run.scale, DeviceView(d.device, DType::kF32, dst, t.numel), &ok));
+          run.grads[i] = dst;
+        }
+        finite = finite && ok;
+        continue;
+      }
+      const uint8_t* src = grads_.data + t.grad_offset;
+      const size_t bytes = static_cast<size_t>(t.numel) * kernels::DTypeSize(t.dtype);
       if (t.dtype == DType::kF32 && !run.scaled) {
         DIOND_RETURN_IF_ERROR(CopyToDevice(dc, src, dst, bytes));
         DIOND_RETURN_IF_ERROR(
@@ -235,14 +355,29 @@ absl::Status Session::ReadParametersToDevice(StepRun& run) {
   run.via_scratch.assign(n, true);  // every parameter comes back from the device staging
   param_scratch_.resize(n);
   absl::MutexLock compute(run.compute_mu);
+  // A CUDA PARAMETERS region: copied (and widened) device to device into the staging, which
+  // the update writes; the region itself is written only by WriteWeightsFromDevice.
+  const CudaRegion* cuda = params_.cuda.get();
   for (size_t i = 0; i < n; ++i) {
     const TensorPlacement& t = layout_.tensors[i];
-    const uint8_t* arena = params_.data + t.param_offset;
     const bool master = !master_.empty() && !master_[i].empty();
     float* dst = d.param(i);
     if (master && master_valid_) {
       DIOND_RETURN_IF_ERROR(CopyToDevice(dc, master_[i].data(), dst, 4 * t.numel));
-    } else if (t.dtype == DType::kF32) {
+      run.params[i] = dst;
+      continue;
+    }
+    if (cuda != nullptr) {
+      DIOND_RETURN_IF_ERROR(kernels::Copy(
+          dc,
+          DeviceView(d.device, t.dtype, static_cast<const void*>(cuda->data() + t.param_offset),
+                     t.numel),
+          DeviceView(d.device, DType::kF32, dst, t.numel)));
+      run.params[i] = dst;
+      continue;
+    }
+    const uint8_t* arena = params_.data + t.param_offset;
+    if (t.dtype == DType::kF32) {
       DIOND_RETURN_IF_ERROR(CopyToDevice(dc, arena, dst, 4 * t.numel));
     } else {
       DIOND_RETURN_IF_ERROR(CopyToDevice(
@@ -260,15 +395,24 @@ absl::Status Session::WriteWeightsFromDevice(StepRun& run) {
   DeviceSide& d = *device_;
   const kernels::Context& dc = *d.ctx;
   absl::MutexLock compute(run.compute_mu);
+  CudaRegion* cuda = params_.cuda.get();
   for (size_t i = 0; i < layout_.tensors.size(); ++i) {
     const TensorPlacement& t = layout_.tensors[i];
-    uint8_t* arena = params_.data + t.param_offset;
     const float* src = d.param(i);
     if (!master_.empty() && !master_[i].empty()) {
       // The next master weights, swapped in at the commit.
       param_scratch_[i].resize(static_cast<size_t>(t.numel));
       DIOND_RETURN_IF_ERROR(CopyToHost(dc, src, param_scratch_[i].data(), 4 * t.numel));
     }
+    if (cuda != nullptr) {
+      // Device to device into the trainer's GPU memory, narrowed on the way.
+      DIOND_RETURN_IF_ERROR(kernels::Copy(
+          dc, DeviceView(d.device, DType::kF32, src, t.numel),
+          DeviceView(d.device, t.dtype, static_cast<void*>(cuda->data() + t.param_offset),
+                     t.numel)));
+      continue;
+    }
+    uint8_t* arena = params_.data + t.param_offset;
     if (t.dtype == DType::kF32) {
       DIOND_RETURN_IF_ERROR(CopyToHost(dc, src, arena, 4 * t.numel));
     } else {

@@ -94,6 +94,22 @@ absl::StatusOr<std::string> Session::RegisterMappedRegion(
   return b.region_id;
 }
 
+absl::StatusOr<std::string> Session::OpenCudaRegion(
+    Role role,
+    absl::FunctionRef<absl::StatusOr<std::unique_ptr<CudaRegion>>(kernels::Device)> open) {
+  std::optional<kernels::Device> device = DeviceOfSession();
+  if (!device.has_value()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "session ", id_, " steps on the host (",
+        is_world_session() ? "a world session, which steps its host state on the CPU"
+                           : "the daemon computes on the CPU",
+        "): CUDA regions need a device session; register host memory (REGION_KIND_MEMFD or "
+        "REGION_KIND_SYSTEM_SHM)"));
+  }
+  DIOND_ASSIGN_OR_RETURN(std::unique_ptr<CudaRegion> region, open(*device));
+  return RegisterCudaRegion(role, std::move(region));
+}
+
 absl::StatusOr<std::string> Session::RegisterCudaRegion(Role role,
                                                         std::unique_ptr<CudaRegion> region) {
   const int64_t need = role == Role::kParameters ? layout_.param_arena_bytes
@@ -106,17 +122,41 @@ absl::StatusOr<std::string> Session::RegisterCudaRegion(Role role,
   last_used_ = absl::Now();
   DIOND_RETURN_IF_ERROR(RefuseIfQueuedLocked(absl::StrCat("RegisterRegion (", RoleName(role), ")")));
   Binding& b = binding(role);
-  if (b.region != nullptr || b.cuda != nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat(RoleName(role), " already has region ",
-                                                      b.region_id, "; unregister it first"));
-  }
-  if (!b.host.empty() || (role == Role::kParameters && !pending_params_.empty())) {
+  if (b.any()) {
     return absl::FailedPreconditionError(absl::StrCat(
-        RoleName(role), ": the daemon holds this arena in host memory (uploaded or restored); "
-        "moving it into a CUDA region needs device sessions, which this daemon does not have yet"));
+        RoleName(role), " already has ", b.region_id.empty() ? "a host arena" : b.region_id,
+        b.region_id.empty() ? " (uploaded with SetState / PushGradients): its data has no place "
+                              "on the GPU; close the session or create a new one"
+                            : "; unregister it first"));
   }
+  const std::optional<kernels::Device> device = DeviceOfSession();
+  if (!device.has_value() || region->device().type != device->type ||
+      region->device().index != device->index) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "session ", id_, " cannot step on a ", region->Describe(), ": ",
+        device.has_value() ? "it is not on the session's device"
+                           : "the session steps on the host (CUDA regions need a device session)"));
+  }
+  const bool from_pending = role == Role::kParameters && !pending_params_.empty();
   b.cuda = std::move(region);
   b.region_id = absl::StrCat(role == Role::kParameters ? "params-" : "grads-", next_region_++);
+  if (from_pending) {
+    // Weights restored from a checkpoint (or kept from the previous trainer) go into the
+    // trainer's GPU memory now, as they would into a shm region.
+    for (size_t i = 0; i < layout_.tensors.size(); ++i) {
+      if (absl::Status s = WriteParamF32(i, pending_params_[i].data()); !s.ok()) {
+        ClearBinding(b);
+        return absl::Status(s.code(), absl::StrCat(RoleName(role), ": writing the held weights "
+                                                   "into the region failed: ", s.message(),
+                                                   "; nothing was registered"));
+      }
+    }
+    for (size_t i = 0; i < layout_.tensors.size(); ++i) {
+      if (!master_.empty() && !master_[i].empty()) master_[i] = pending_params_[i];
+    }
+    master_valid_ = !master_.empty();
+    pending_params_.clear();
+  }
   return b.region_id;
 }
 
@@ -138,11 +178,11 @@ absl::Status Session::UnregisterRegion(const std::string& region_id) {
 absl::Status Session::EnsureHostArena(Role r) {
   Binding& b = binding(r);
   if (b.cuda != nullptr) {
-    // No host path touches device memory: streaming into or out of a CUDA region needs device
-    // sessions.
+    // No host path touches device memory: the trainer reads and writes its CUDA arena itself.
     return absl::FailedPreconditionError(absl::StrCat(
         "the ", RoleName(r), " arena is a ", b.cuda->Describe(),
-        "; host transfers into it need device sessions, which this daemon does not have yet"));
+        ": the trainer reads and writes it on its GPU; the streamed path (PushGradients, "
+        "PullParameters, SetState of the parameters) is for host arenas"));
   }
   if (b.bound()) return absl::OkStatus();
   const int64_t bytes = r == Role::kParameters ? layout_.param_arena_bytes
@@ -162,25 +202,39 @@ absl::Status Session::EnsureHostArena(Role r) {
   return absl::OkStatus();
 }
 
-void Session::ReadParamF32(size_t i, float* out) {
+absl::Status Session::ReadParamF32(size_t i, float* out) {
   const TensorPlacement& t = layout_.tensors[i];
   if (!master_.empty() && !master_[i].empty() && master_valid_) {
     std::memcpy(out, master_[i].data(), static_cast<size_t>(t.numel) * 4);
-    return;
+    return absl::OkStatus();
   }
   if (!pending_params_.empty()) {
     std::memcpy(out, pending_params_[i].data(), static_cast<size_t>(t.numel) * 4);
-    return;
+    return absl::OkStatus();
+  }
+  if (params_.cuda != nullptr) {
+    std::vector<uint8_t> bytes;
+    DIOND_RETURN_IF_ERROR(CudaParamToHost(i, &bytes));
+    internal::WidenToF32(HostContext(), t.dtype, bytes.data(), t.numel, out);
+    return absl::OkStatus();
   }
   internal::WidenToF32(HostContext(), t.dtype, params_.data + t.param_offset, t.numel, out);
+  return absl::OkStatus();
 }
 
-void Session::WriteParamF32(size_t i, const float* in) {
+absl::Status Session::WriteParamF32(size_t i, const float* in) {
   const TensorPlacement& t = layout_.tensors[i];
+  if (params_.cuda != nullptr) {
+    std::vector<uint8_t> bytes(static_cast<size_t>(t.size_bytes));
+    internal::NarrowFromF32(HostContext(), t.dtype, in, t.numel, bytes.data());
+    DIOND_RETURN_IF_ERROR(CudaParamFromHost(i, bytes));
+  } else {
+    internal::NarrowFromF32(HostContext(), t.dtype, in, t.numel, params_.data + t.param_offset);
+  }
   if (!master_.empty() && !master_[i].empty()) {
     std::memcpy(master_[i].data(), in, static_cast<size_t>(t.numel) * 4);
   }
-  internal::NarrowFromF32(HostContext(), t.dtype, in, t.numel, params_.data + t.param_offset);
+  return absl::OkStatus();
 }
 
 absl::Status Session::CheckRegions(const std::string& when, std::optional<Role> only) {
@@ -202,22 +256,25 @@ void Session::DetachTrainer() {
   DrainQueuedStep();
   absl::MutexLock lock(&mu_);
   last_used_ = absl::Now();
-  if (params_.region != nullptr) {
+  if (params_.region != nullptr || params_.cuda != nullptr) {
     // The weights the daemon holds now (master weights where kept) wait for the new trainer's
-    // PARAMETERS region.
+    // PARAMETERS region (a CUDA region's read back through the device session's copies).
     std::vector<std::vector<float>> keep(layout_.tensors.size());
-    for (size_t i = 0; i < layout_.tensors.size(); ++i) {
+    absl::Status read;
+    for (size_t i = 0; i < layout_.tensors.size() && read.ok(); ++i) {
       keep[i].resize(static_cast<size_t>(layout_.tensors[i].numel));
-      ReadParamF32(i, keep[i].data());
+      read = ReadParamF32(i, keep[i].data());
     }
     ClearBinding(params_);
-    pending_params_ = std::move(keep);
+    if (read.ok()) {
+      pending_params_ = std::move(keep);
+    } else {
+      DIOND_LOG(WARNING) << "session " << id_ << ": the previous trainer's weights could not be "
+                         << "read back (" << read.message() << "); the new trainer restores "
+                         << "them (SetState or a checkpoint)";
+    }
   }
-  if (grads_.region != nullptr) ClearBinding(grads_);
-  // CUDA regions are released with the old trainer; their weights cannot be kept without
-  // device sessions (the new trainer restores them from its own copy or a checkpoint).
-  if (params_.cuda != nullptr) ClearBinding(params_);
-  if (grads_.cuda != nullptr) ClearBinding(grads_);
+  if (grads_.region != nullptr || grads_.cuda != nullptr) ClearBinding(grads_);
 }
 
 }  // namespace diond::session

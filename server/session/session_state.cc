@@ -208,16 +208,24 @@ absl::Status Session::ReadParameterBytes(const std::string& name, int64_t offset
   absl::MutexLock lock(&mu_);
   last_used_ = absl::Now();
   DIOND_RETURN_IF_ERROR(RefuseIfQueuedLocked("PullParameters"));
-  if (!params_.bound() && pending_params_.empty()) {
+  if (!params_.any() && pending_params_.empty()) {
     return absl::FailedPreconditionError("no parameters are held yet (register or SetState)");
   }
-  DIOND_RETURN_IF_ERROR(EnsureHostArena(Role::kParameters));
-  for (const TensorPlacement& t : layout_.tensors) {
+  if (params_.cuda == nullptr) DIOND_RETURN_IF_ERROR(EnsureHostArena(Role::kParameters));
+  for (size_t i = 0; i < layout_.tensors.size(); ++i) {
+    const TensorPlacement& t = layout_.tensors[i];
     if (t.name != name) continue;
     if (offset < 0 || len < 0 || offset > t.size_bytes || len > t.size_bytes - offset) {
       return absl::OutOfRangeError(absl::StrCat("read of '", Bounded(name), "' [", offset, ", +",
                                                 len, ") is outside its ", t.size_bytes,
                                                 " bytes"));
+    }
+    if (params_.cuda != nullptr) {
+      // A device session's CUDA region: the tensor's bytes through an explicit copy.
+      std::vector<uint8_t> bytes;
+      DIOND_RETURN_IF_ERROR(CudaParamToHost(i, &bytes));
+      out->assign(reinterpret_cast<const char*>(bytes.data()) + offset, static_cast<size_t>(len));
+      return absl::OkStatus();
     }
     DIOND_RETURN_IF_ERROR(CheckRegions("PullParameters", Role::kParameters));
     out->assign(reinterpret_cast<const char*>(params_.data + t.param_offset + offset),
@@ -239,7 +247,7 @@ absl::StatusOr<std::vector<NamedTensor>> Session::GetStateLocked(bool include_pa
   for (size_t i = 0; i < layout_.tensors.size(); ++i) {
     const TensorPlacement& t = layout_.tensors[i];
     if (include_parameters) {
-      if (!params_.bound() && pending_params_.empty()) {
+      if (!params_.any() && pending_params_.empty()) {
         return absl::FailedPreconditionError(
             "parameters requested but none are held yet (register or SetState)");
       }
@@ -247,7 +255,7 @@ absl::StatusOr<std::vector<NamedTensor>> Session::GetStateLocked(bool include_pa
       p.name = t.name;
       p.shape = t.shape;
       p.data.resize(static_cast<size_t>(t.numel));
-      ReadParamF32(i, p.data.data());
+      DIOND_RETURN_IF_ERROR(ReadParamF32(i, p.data.data()));
       DIOND_RETURN_IF_ERROR(CheckRegions("reading the parameters", Role::kParameters));
       out.push_back(std::move(p));
     }
@@ -311,7 +319,10 @@ absl::Status Session::SetStateLocked(const std::vector<NamedTensor>& tensors) {
       if (layout_.tensors[i].name == t.name) param_writes.push_back({i, &t});
     }
   }
-  if (!param_writes.empty() && pending_params_.empty()) {
+  if (!param_writes.empty() && pending_params_.empty() && params_.cuda != nullptr) {
+    // A device session's CUDA region: the new weights go in through its explicit copies.
+    for (const auto& [i, t] : param_writes) DIOND_RETURN_IF_ERROR(WriteParamF32(i, t->data.data()));
+  } else if (!param_writes.empty() && pending_params_.empty()) {
     DIOND_RETURN_IF_ERROR(CheckRegions("SetState", Role::kParameters));
     DIOND_RETURN_IF_ERROR(EnsureHostArena(Role::kParameters));
     for (const auto& [i, t] : param_writes) {
@@ -436,8 +447,13 @@ absl::Status Session::Restore(const SessionSnapshot& snapshot) {
     return absl::DataLossError(s.message());
   }
   pending_params_ = std::move(params);
-  if (params_.bound()) {
-    for (size_t i = 0; i < layout_.tensors.size(); ++i) WriteParamF32(i, pending_params_[i].data());
+  if (params_.any()) {
+    for (size_t i = 0; i < layout_.tensors.size(); ++i) {
+      if (absl::Status s = WriteParamF32(i, pending_params_[i].data()); !s.ok()) {
+        return absl::DataLossError(absl::StrCat("restoring the parameters into the PARAMETERS "
+                                                "region failed: ", s.message()));
+      }
+    }
     pending_params_.clear();
     master_valid_ = !master_.empty();
   }

@@ -83,6 +83,8 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequest& request,
           "step ", request.step_index, ": gradients contain NaN or Inf (non_finite_policy=ERROR)"));
     }
     run.result.skipped = true;
+    // The weights are as they were: the trainer's stream may go on.
+    DIOND_RETURN_IF_ERROR(RecordDoneEvent(*run.request));
     if (run.comm != nullptr) run.result.world_bytes_sent = run.comm->TakeBytesSent();
     run.result.total_micros = absl::ToInt64Microseconds(absl::Now() - start);
     if (!run.result.graph_fallback.empty()) GraphFallbackReported();
@@ -141,6 +143,15 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequest& request,
         "the optimizer state and the step index are unchanged; the weights in that region are "
         "lost with it (register a new region and restore them with SetState)"));
     return world_.has_value() && run.comm != nullptr ? BreakWorld(run, s) : s;
+  }
+  // The new weights are written (queued on the session stream): the trainer's stream waits on
+  // done_event before its next forward.
+  if (absl::Status s = RecordDoneEvent(*run.request); !s.ok()) {
+    DiscardStep(run);
+    return absl::Status(s.code(), absl::StrCat(
+        run.when, ": recording done_event failed: ", s.message(), ". The step was not applied "
+        "(the optimizer state and the step index are unchanged), but the new weights were "
+        "written into the PARAMETERS region: restore them with SetState"));
   }
   return CommitStepPhase(run);
 }
@@ -204,22 +215,24 @@ absl::Status Session::ValidateStepLocked(const StepRequest& request,
           absl::StrCat("group_step['", Bounded(group), "'] = ", n, " must be >= 1"));
     }
   }
-  if (params_.cuda != nullptr || grads_.cuda != nullptr) {
+  if ((params_.cuda != nullptr || grads_.cuda != nullptr) && device_ == nullptr) {
+    // RegisterCudaRegion binds CUDA regions to device sessions only; never stepped from the host.
     return absl::FailedPreconditionError(absl::StrCat(
         "step ", request.step_index, ": the session's ",
         (params_.cuda != nullptr ? params_ : grads_).cuda->Describe(),
-        " is device memory, and stepping on it needs device sessions, which this daemon does not "
-        "have yet (docs/DATA_PLANE.md \"CUDA regions\")"));
+        " is device memory, and this session steps on the host (docs/DATA_PLANE.md \"CUDA "
+        "regions\")"));
   }
-  if (!params_.bound() && pending_params_.empty()) {
+  if (!params_.any() && pending_params_.empty()) {
     return absl::FailedPreconditionError(
         "no parameters: register a PARAMETERS region (or upload them with SetState) before Step");
   }
-  if (!grads_.bound()) {
+  if (!grads_.any()) {
     return absl::FailedPreconditionError(
         "no gradients: register a GRADIENTS region (or PushGradients) before Step");
   }
-  DIOND_RETURN_IF_ERROR(EnsureHostArena(Role::kParameters));
+  if (params_.cuda == nullptr) DIOND_RETURN_IF_ERROR(EnsureHostArena(Role::kParameters));
+  DIOND_RETURN_IF_ERROR(PrepareEventsLocked(request));
   // The trainer may have truncated its segments: a cheap look first (fstat); after each pass
   // over its memory, whether the SIGBUS guard caught a fault.
   return CheckRegions(absl::StrCat("step ", request.step_index));

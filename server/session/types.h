@@ -96,6 +96,12 @@ struct StepRequest {
   // StepRequest.asynchronous / .wait (docs/DATA_PLANE.md "Asynchronous Step").
   bool asynchronous = false;
   bool wait = false;
+  // StepRequest.ready_event / .done_event (docs/DATA_PLANE.md "The event protocol"): the
+  // trainer's interprocess CUDA event handles (64 bytes each; empty = none). A device session's
+  // stream waits on ready_event before it reads the gradients and records done_event once the
+  // new weights are written.
+  std::string ready_event;
+  std::string done_event;
 };
 
 struct StepResult {

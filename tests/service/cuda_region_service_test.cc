@@ -1,0 +1,724 @@
+// CUDA regions through the daemon's RPCs (issue 12 items 1 and 2), on the host-memory TEST
+// backend: no GPU runs any of this. The TEST backend's handoff emulation (CUDA IPC handles, VMM
+// fds) works within one process only, so the daemon (server::Daemon, the one diond runs) runs in
+// this test's process, serving its Unix socket and fd channel; the test plays the trainer over
+// gRPC and the fd channel as a trainer process would, with its "GPU memory" made by the TEST
+// backend in STRICT mode: that memory is PROT_NONE outside the backend's own entries, so any
+// host dereference by the daemon faults at once (the test process dies).
+//
+// Checked: the region kinds advertised; RegisterRegion CUDA_IPC / CUDA_VMM_FD (with its fd over
+// the real fd channel) and every refusal (foreign GPU, another device, bad handle, out of range,
+// smaller than the arena, role taken, bad token) with nothing left open; sessions stepped over
+// CUDA regions equal, bit for bit over several steps, the same sessions stepped over shm on the
+// same TEST device, for AdamW, Muon, Dion and Lion, synchronous and asynchronous; such a step
+// copies nothing between host and device but the per-group norms; a failed step (non-finite
+// gradients, a bad step index) changes no weight byte and no state; the mappings are released on
+// UnregisterRegion, CloseSession and daemon stop.
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "diond/memfd_arena.h"
+#include "gtest/gtest.h"
+#include "kernels/backend.h"
+#include "kernels/context.h"
+#include "kernels/plugin/plugin_backend.h"
+#include "kernels/testing/host_device_backend.h"
+#include "server/exe/daemon.h"
+#include "server/rpc/listen.h"
+#include "server/session/cuda_region.h"
+#include "tests/service/service_harness.h"
+
+namespace diond::service_testing {
+namespace {
+
+using optim::AlgorithmKind;
+namespace kt = ::diond::kernels::testing;
+
+constexpr int kSteps = 3;
+constexpr kernels::Device kDev0{kernels::DeviceType::kTest, 0};
+
+std::string UuidBytes(int device) {
+  const auto u = kt::HostTestDeviceUuid(device);
+  return std::string(reinterpret_cast<const char*>(u.data()), u.size());
+}
+
+SessionDesc Desc(AlgorithmKind algorithm) {
+  SessionDesc d;
+  d.groups.push_back(MakeGroup("main", algorithm, 0.01));
+  d.groups.push_back(MakeGroup("vec", AlgorithmKind::kAdamW, 0.001));
+  d.params.push_back({"w", {24, 16}, "main"});
+  d.params.push_back({"u", {16, 24}, "main"});
+  d.params.push_back({"b", {16}, "vec"});
+  return d;
+}
+
+std::vector<Chunk> InitialParams(const SessionDesc& d) {
+  std::vector<Chunk> chunks;
+  for (size_t i = 0; i < d.params.size(); ++i) {
+    chunks.push_back({d.params[i].name, 0, FloatBytes(SyntheticValues(1, 0, i, d.Numel(i)))});
+  }
+  return chunks;
+}
+
+// "GPU memory" of the trainer: one TEST allocation (strict: the host cannot touch it), written
+// and read through the backend's explicit copies.
+class DeviceMemory {
+ public:
+  DeviceMemory(const kernels::Context& ctx, size_t bytes) : ctx_(ctx), bytes_(bytes) {
+    char err[256] = {0};
+    DiondOpsCall call{0, nullptr, err, sizeof(err)};
+    EXPECT_EQ(kt::HostTestDeviceOps()->allocate(&call, bytes, &ptr_), DIOND_OPS_OK) << err;
+  }
+  ~DeviceMemory() {
+    if (ptr_ != nullptr) kt::HostTestDeviceOps()->deallocate(0, nullptr, ptr_, 0);
+  }
+  uint8_t* ptr() const { return static_cast<uint8_t*>(ptr_); }
+  size_t size() const { return bytes_; }
+  void Write(int64_t offset, const std::string& bytes) {
+    EXPECT_TRUE(
+        ctx_.backend().copy_from_host(ctx_, bytes.data(), ptr() + offset, bytes.size()).ok());
+  }
+  std::string Read(int64_t offset, int64_t len) const {
+    std::string out(static_cast<size_t>(len), '\0');
+    EXPECT_TRUE(ctx_.backend().copy_to_host(ctx_, ptr() + offset, out.data(), out.size()).ok());
+    return out;
+  }
+  // The allocation's legacy IPC handle, exported once (as cudaIpcGetMemHandle names an
+  // allocation by one handle): both roles' regions name it.
+  const std::string& IpcHandle() {
+    if (handle_.empty()) {
+      handle_.assign(DIOND_CUDA_IPC_HANDLE_BYTES, '\0');
+      EXPECT_TRUE(
+          kt::HostTestExportIpcMemHandle(0, ptr_, reinterpret_cast<uint8_t*>(handle_.data())));
+    }
+    return handle_;
+  }
+
+ private:
+  const kernels::Context& ctx_;
+  size_t bytes_;
+  void* ptr_ = nullptr;
+  std::string handle_;
+};
+
+v1::RegisterRegionRequest IpcRequest(const std::string& session, v1::RegionRole role,
+                                     const std::string& handle, int64_t offset, int64_t size,
+                                     const std::string& uuid = UuidBytes(0)) {
+  v1::RegisterRegionRequest req;
+  req.set_session_id(session);
+  req.set_role(role);
+  req.set_kind(v1::REGION_KIND_CUDA_IPC);
+  v1::CudaIpcRegion* r = req.mutable_cuda_ipc();
+  r->set_mem_handle(handle);
+  r->set_gpu_uuid(uuid);
+  r->set_offset_bytes(offset);
+  r->set_size_bytes(size);
+  return req;
+}
+
+v1::RegisterRegionRequest VmmRequest(const std::string& session, v1::RegionRole role,
+                                     const std::string& token, int64_t offset, int64_t size) {
+  v1::RegisterRegionRequest req;
+  req.set_session_id(session);
+  req.set_role(role);
+  req.set_kind(v1::REGION_KIND_CUDA_VMM_FD);
+  v1::CudaVmmFdRegion* r = req.mutable_cuda_vmm_fd();
+  r->set_gpu_uuid(UuidBytes(0));
+  r->set_offset_bytes(offset);
+  r->set_size_bytes(size);
+  r->set_granularity_bytes(static_cast<int64_t>(kt::kHostTestVmmGranularity));
+  r->set_fd_token(token);
+  return req;
+}
+
+// A session whose arenas lie in the trainer's TEST "GPU memory": one allocation, the
+// PARAMETERS arena at 0 and the GRADIENTS arena at grad_base.
+struct CudaSession {
+  std::string id;
+  v1::CreateSessionResponse layout;
+  std::unique_ptr<DeviceMemory> mem;
+  int64_t grad_base = 0;
+  std::string param_region, grad_region;
+  const v1::TensorLayout& tensor(size_t i) const { return layout.layout(static_cast<int>(i)); }
+  std::string ParamBytes(size_t i) const {
+    return mem->Read(tensor(i).param_offset_bytes(), tensor(i).size_bytes());
+  }
+  std::string Params() const { return mem->Read(0, layout.param_arena_bytes()); }
+  void WriteGrad(size_t i, const std::vector<float>& g) {
+    mem->Write(grad_base + tensor(i).grad_offset_bytes(), FloatBytes(g));
+  }
+};
+
+class CudaRegions : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    kernels::UnregisterOpsBackendForTest(kernels::DeviceType::kTest);
+    ASSERT_TRUE(
+        kernels::RegisterPluginOps(kernels::DeviceType::kTest, kt::HostTestDeviceOps()).ok());
+    kt::ResetHostTestDevice(0);
+    kt::SetHostTestDeviceStrict(true);
+  }
+
+  void SetUp() override {
+    baseline_ = kt::GetHostTestHandoffCounters();
+    live_ = session::CudaRegion::LiveCount();
+    char tmpl[] = "/tmp/diond-cuda-svc-XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+    server::DaemonOptions o;
+    auto listen = rpc::ParseListenAddresses(absl::StrCat("unix:", dir_, "/d.sock"));
+    ASSERT_TRUE(listen.ok()) << listen.status();
+    o.listen = *listen;
+    o.device.mode = kernels::DeviceRequest::Mode::kCpu;
+    o.test_device = true;
+    auto d = server::Daemon::Start(o);
+    ASSERT_TRUE(d.ok()) << d.status();
+    daemon_ = *std::move(d);
+    channel_ = grpc::CreateChannel(absl::StrCat("unix:", dir_, "/d.sock"),
+                                   grpc::InsecureChannelCredentials());
+    stub_ = v1::Optimizer::NewStub(channel_);
+    kernels::ContextOptions co;
+    co.device = kDev0;
+    co.num_threads = 1;
+    auto ctx = kernels::Context::Create(co);
+    ASSERT_TRUE(ctx.ok()) << ctx.status();
+    trainer_ = *std::move(ctx);
+  }
+
+  void TearDown() override {
+    StopDaemon();
+    // Nothing the daemon opened is left open once it stopped.
+    const auto now = kt::GetHostTestHandoffCounters();
+    EXPECT_EQ(now.ipc_open_now, baseline_.ipc_open_now);
+    EXPECT_EQ(now.vmm_mapped_now, baseline_.vmm_mapped_now);
+    EXPECT_EQ(now.events_open_now, baseline_.events_open_now);
+    EXPECT_EQ(session::CudaRegion::LiveCount(), live_);
+    if (!dir_.empty()) std::system(absl::StrCat("rm -rf '", dir_, "'").c_str());
+  }
+
+  void StopDaemon() {
+    stub_.reset();
+    channel_.reset();
+    if (daemon_ != nullptr) daemon_->Shutdown(absl::Seconds(5));
+    daemon_.reset();
+  }
+
+  v1::Optimizer::Stub& stub() { return *stub_; }
+  std::string FdChannel() const { return daemon_->fd_channel_path(); }
+
+  grpc::Status Register(const v1::RegisterRegionRequest& req, std::string* id = nullptr) {
+    auto ctx = Ctx();
+    v1::RegisterRegionResponse resp;
+    grpc::Status s = stub().RegisterRegion(ctx.get(), req, &resp);
+    if (id != nullptr) *id = resp.region_id();
+    return s;
+  }
+
+  grpc::Status Create(const v1::CreateSessionRequest& req, v1::CreateSessionResponse* resp) {
+    auto ctx = Ctx();
+    return stub().CreateSession(ctx.get(), req, resp);
+  }
+
+  // CreateSession, one TEST allocation, both roles registered (CUDA_IPC: one handle for both;
+  // VMM: the allocation exported twice, each fd over the fd channel).
+  std::unique_ptr<CudaSession> CreateCudaSession(const v1::CreateSessionRequest& req, bool vmm) {
+    auto c = std::make_unique<CudaSession>();
+    grpc::Status s = Create(req, &c->layout);
+    if (!s.ok()) {
+      ADD_FAILURE() << s.error_message();
+      return nullptr;
+    }
+    c->id = c->layout.session_id();
+    c->grad_base = (c->layout.param_arena_bytes() + 4095) / 4096 * 4096;
+    const int64_t g = static_cast<int64_t>(kt::kHostTestVmmGranularity);
+    const int64_t bytes = (c->grad_base + c->layout.grad_arena_bytes() + g - 1) / g * g;
+    c->mem = std::make_unique<DeviceMemory>(*trainer_, static_cast<size_t>(bytes));
+    auto reg = [&](v1::RegionRole role, int64_t offset, int64_t size, std::string* id) {
+      if (!vmm) return Register(IpcRequest(c->id, role, c->mem->IpcHandle(), offset, size), id);
+      const int fd = kt::HostTestExportVmmFd(0, c->mem->ptr());
+      EXPECT_GE(fd, 0);
+      auto token = client::SendFdToChannel(FdChannel(), fd, client::kFdKindCudaVmm);
+      close(fd);
+      EXPECT_TRUE(token.ok()) << token.status();
+      return Register(VmmRequest(c->id, role, token.ok() ? *token : "", offset, size), id);
+    };
+    s = reg(v1::REGION_ROLE_PARAMETERS, 0, c->layout.param_arena_bytes(), &c->param_region);
+    if (s.ok()) {
+      s = reg(v1::REGION_ROLE_GRADIENTS, c->grad_base, c->layout.grad_arena_bytes(),
+              &c->grad_region);
+    }
+    if (!s.ok()) {
+      ADD_FAILURE() << s.error_message();
+      return nullptr;
+    }
+    return c;
+  }
+
+  grpc::Status Step(const std::string& id, int64_t index, double scale, v1::StepResponse* resp,
+                    bool async = false, bool wait = false, const std::string& ready = "",
+                    const std::string& done = "") {
+    auto ctx = Ctx();
+    v1::StepRequest req;
+    req.set_session_id(id);
+    req.set_step_index(index);
+    req.set_gradient_scale(scale);
+    req.set_asynchronous(async);
+    req.set_wait(wait);
+    req.set_ready_event(ready);
+    req.set_done_event(done);
+    return stub().Step(ctx.get(), req, resp);
+  }
+
+  TensorMap State(const std::string& id) {
+    TensorMap m;
+    grpc::Status s = GetState(stub(), id, true, &m);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return m;
+  }
+
+  std::string dir_;
+  std::unique_ptr<server::Daemon> daemon_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Optimizer::Stub> stub_;
+  std::unique_ptr<kernels::Context> trainer_;
+  kt::HostTestHandoffCounters baseline_;
+  int64_t live_ = 0;
+};
+
+bool HasKind(const v1::CreateSessionResponse& r, v1::RegionKind kind) {
+  for (int k : r.region_kinds()) {
+    if (k == kind) return true;
+  }
+  return false;
+}
+
+TEST_F(CudaRegions, ADeviceDaemonAdvertisesTheCudaKinds) {
+  v1::CreateSessionResponse r;
+  ASSERT_TRUE(Create(Desc(AlgorithmKind::kAdamW).Request(), &r).ok());
+  EXPECT_TRUE(HasKind(r, v1::REGION_KIND_SYSTEM_SHM));
+  EXPECT_TRUE(HasKind(r, v1::REGION_KIND_MEMFD));
+  EXPECT_TRUE(HasKind(r, v1::REGION_KIND_CUDA_IPC));
+  EXPECT_TRUE(HasKind(r, v1::REGION_KIND_CUDA_VMM_FD));
+}
+
+struct Case {
+  AlgorithmKind algorithm;
+  bool vmm;
+  bool async;
+};
+
+class CudaEqualsShm : public CudaRegions, public ::testing::WithParamInterface<Case> {};
+
+TEST_P(CudaEqualsShm, BitForBitOverSeveralStepsWithNoHostCopies) {
+  const Case k = GetParam();
+  const SessionDesc d = Desc(k.algorithm);
+  auto shm = CreateShmSession(stub(), d.Request());
+  auto gpu = CreateCudaSession(d.Request(), k.vmm);
+  ASSERT_NE(shm, nullptr);
+  ASSERT_NE(gpu, nullptr);
+  // The initial weights go into the CUDA region through SetState (the daemon's explicit copies).
+  ASSERT_TRUE(SetState(stub(), shm->id, InitialParams(d)).ok());
+  ASSERT_TRUE(SetState(stub(), gpu->id, InitialParams(d)).ok());
+  for (size_t i = 0; i < d.params.size(); ++i) {
+    ASSERT_EQ(gpu->ParamBytes(i), shm->ParamBytes(i)) << d.params[i].name;
+  }
+  const int64_t tensors = static_cast<int64_t>(d.params.size());
+  int64_t numel = 0;
+  for (size_t i = 0; i < d.params.size(); ++i) numel += d.Numel(i);
+  for (int64_t t = 1; t <= kSteps; ++t) {
+    for (size_t i = 0; i < d.params.size(); ++i) {
+      const std::vector<float> grad = SyntheticValues(7, t, i, d.Numel(i));
+      shm->WriteGrad(i, grad);
+      gpu->WriteGrad(i, grad);
+    }
+    // Step 2 scales the gradients: widened and scaled from the region into the staging.
+    const double scale = t == 2 ? 0.5 : 1.0;
+    v1::StepResponse rs, rg;
+    const kt::HostTestDeviceCounters start = kt::GetHostTestDeviceCounters();
+    grpc::Status ss = Step(shm->id, t, scale, &rs);
+    ASSERT_TRUE(ss.ok()) << ss.error_message();
+    const kt::HostTestDeviceCounters before = kt::GetHostTestDeviceCounters();
+    grpc::Status sg = Step(gpu->id, t, scale, &rg, k.async);
+    if (k.async) {
+      ASSERT_TRUE(sg.ok()) << sg.error_message();
+      EXPECT_TRUE(rg.queued());
+      rg.Clear();
+      sg = Step(gpu->id, t, 0, &rg, false, /*wait=*/true);
+    }
+    ASSERT_TRUE(sg.ok()) << sg.error_message();
+    const kt::HostTestDeviceCounters after = kt::GetHostTestDeviceCounters();
+    EXPECT_FALSE(rg.skipped());
+    EXPECT_FALSE(rg.queued());
+    // Device to device: the step over shm copies every gradient and weight host -> device and
+    // every weight back; the step over CUDA regions none of them. What remains is the same on
+    // both (the rules' own sync points, e.g. each group's Σ(Δx)² read back).
+    const int64_t shm_to_device = before.copies_to_device - start.copies_to_device;
+    const int64_t shm_to_host = before.copies_to_host - start.copies_to_host;
+    EXPECT_GE(shm_to_device, 2 * tensors);
+    EXPECT_EQ(after.copies_to_device - before.copies_to_device, shm_to_device - 2 * tensors)
+        << "step " << t;
+    EXPECT_EQ(after.bytes_to_device - before.bytes_to_device,
+              before.bytes_to_device - start.bytes_to_device - 2 * 4 * numel)
+        << "step " << t;
+    EXPECT_EQ(after.copies_to_host - before.copies_to_host, shm_to_host - tensors)
+        << "step " << t;
+    EXPECT_EQ(after.bytes_to_host - before.bytes_to_host,
+              before.bytes_to_host - start.bytes_to_host - 4 * numel)
+        << "step " << t;
+    for (size_t i = 0; i < d.params.size(); ++i) {
+      EXPECT_EQ(gpu->ParamBytes(i), shm->ParamBytes(i)) << d.params[i].name << ", step " << t;
+    }
+    ASSERT_EQ(rg.update_norms_size(), rs.update_norms_size());
+    for (const auto& [group, norm] : rs.update_norms()) {
+      EXPECT_EQ(rg.update_norms().at(group), norm) << group << ", step " << t;
+    }
+  }
+  EXPECT_NE(gpu->ParamBytes(0), InitialParams(d)[0].data);  // the weights did change
+  EXPECT_EQ(State(gpu->id), State(shm->id));  // weights (read back by copies) and state
+  // PullParameters reads the CUDA region through a copy too.
+  TensorMap pulled;
+  ASSERT_TRUE(PullParameters(stub(), gpu->id, &pulled).ok());
+  for (size_t i = 0; i < d.params.size(); ++i) {
+    EXPECT_EQ(pulled[d.params[i].name], shm->ParamBytes(i));
+  }
+  // Both roles' mappings are live until CloseSession releases them.
+  const auto open = kt::GetHostTestHandoffCounters();
+  if (k.vmm) {
+    EXPECT_EQ(open.vmm_mapped_now, baseline_.vmm_mapped_now + 2);
+  } else {
+    EXPECT_EQ(open.ipc_open_now, baseline_.ipc_open_now + 1);  // one handle, shared
+  }
+  EXPECT_TRUE(CloseSession(stub(), gpu->id).ok());
+  EXPECT_TRUE(CloseSession(stub(), shm->id).ok());
+  const auto closed = kt::GetHostTestHandoffCounters();
+  EXPECT_EQ(closed.ipc_open_now, baseline_.ipc_open_now);
+  EXPECT_EQ(closed.vmm_mapped_now, baseline_.vmm_mapped_now);
+}
+
+std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
+  std::string a;
+  switch (info.param.algorithm) {
+    case AlgorithmKind::kAdamW: a = "AdamW"; break;
+    case AlgorithmKind::kMuon: a = "Muon"; break;
+    case AlgorithmKind::kDion: a = "Dion"; break;
+    case AlgorithmKind::kLion: a = "Lion"; break;
+    default: a = "Other"; break;
+  }
+  return absl::StrCat(a, info.param.vmm ? "_Vmm" : "_Ipc", info.param.async ? "_Async" : "");
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    CudaRegions, CudaEqualsShm,
+    ::testing::Values(Case{AlgorithmKind::kAdamW, false, false},
+                      Case{AlgorithmKind::kMuon, false, false},
+                      Case{AlgorithmKind::kDion, false, false},
+                      Case{AlgorithmKind::kLion, false, false},
+                      Case{AlgorithmKind::kAdamW, true, false},
+                      Case{AlgorithmKind::kMuon, true, false},
+                      Case{AlgorithmKind::kDion, true, false},
+                      Case{AlgorithmKind::kMuon, false, true},
+                      Case{AlgorithmKind::kDion, true, true}),
+    CaseName);
+
+TEST_F(CudaRegions, AFailedStepChangesNoWeightByteAndNoState) {
+  SessionDesc d = Desc(AlgorithmKind::kMuon);
+  d.non_finite = v1::NON_FINITE_POLICY_ERROR;
+  auto gpu = CreateCudaSession(d.Request(), /*vmm=*/false);
+  ASSERT_NE(gpu, nullptr);
+  ASSERT_TRUE(SetState(stub(), gpu->id, InitialParams(d)).ok());
+  for (size_t i = 0; i < d.params.size(); ++i) {
+    gpu->WriteGrad(i, SyntheticValues(7, 1, i, d.Numel(i)));
+  }
+  v1::StepResponse r;
+  ASSERT_TRUE(Step(gpu->id, 1, 1.0, &r).ok());
+  const std::string weights = gpu->Params();
+  const TensorMap state = State(gpu->id);
+  std::vector<float> bad = SyntheticValues(7, 2, 2, d.Numel(2));
+  bad[3] = std::numeric_limits<float>::quiet_NaN();
+  gpu->WriteGrad(2, bad);
+  for (double scale : {1.0, 0.25}) {  // read in place (f32), and through the widening pass
+    grpc::Status s = Step(gpu->id, 2, scale, &r);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_TRUE(absl::StrContains(s.error_message(), "NaN")) << s.error_message();
+    EXPECT_EQ(gpu->Params(), weights);
+    EXPECT_EQ(State(gpu->id), state);
+  }
+  // A bad step index: refused before anything runs.
+  grpc::Status s = Step(gpu->id, 5, 1.0, &r);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
+  EXPECT_EQ(gpu->Params(), weights);
+  EXPECT_EQ(State(gpu->id), state);
+  // The skip policy: the step is answered skipped, and nothing changes either.
+  SessionDesc skip = Desc(AlgorithmKind::kDion);
+  auto g2 = CreateCudaSession(skip.Request(), /*vmm=*/false);
+  ASSERT_NE(g2, nullptr);
+  ASSERT_TRUE(SetState(stub(), g2->id, InitialParams(skip)).ok());
+  for (size_t i = 0; i < skip.params.size(); ++i) {
+    g2->WriteGrad(i, SyntheticValues(7, 1, i, skip.Numel(i)));
+  }
+  g2->WriteGrad(0, std::vector<float>(static_cast<size_t>(skip.Numel(0)),
+                                      std::numeric_limits<float>::infinity()));
+  const std::string w2 = g2->Params();
+  const TensorMap s2 = State(g2->id);
+  ASSERT_TRUE(Step(g2->id, 1, 1.0, &r).ok());
+  EXPECT_TRUE(r.skipped());
+  EXPECT_EQ(g2->Params(), w2);
+  EXPECT_EQ(State(g2->id), s2);
+}
+
+TEST_F(CudaRegions, BadRequestsAreRefusedClearlyAndOpenNothing) {
+  const SessionDesc d = Desc(AlgorithmKind::kAdamW);
+  v1::CreateSessionResponse layout;
+  ASSERT_TRUE(Create(d.Request(), &layout).ok());
+  const std::string id = layout.session_id();
+  const int64_t need = layout.param_arena_bytes();
+  DeviceMemory mem(*trainer_, 1 << 16);
+  const std::string h = mem.IpcHandle();
+  auto expect = [&](const v1::RegisterRegionRequest& req, grpc::StatusCode code,
+                    std::vector<std::string> words) {
+    grpc::Status s = Register(req);
+    EXPECT_EQ(s.error_code(), code) << s.error_message();
+    for (const std::string& w : words) {
+      EXPECT_TRUE(absl::StrContains(s.error_message(), w))
+          << s.error_message() << "\n  lacks: " << w;
+    }
+    const auto now = kt::GetHostTestHandoffCounters();
+    EXPECT_EQ(now.ipc_open_now, baseline_.ipc_open_now) << s.error_message();
+    EXPECT_EQ(now.vmm_mapped_now, baseline_.vmm_mapped_now) << s.error_message();
+  };
+  // A GPU the daemon cannot see: both UUIDs named.
+  std::string stranger = UuidBytes(0);
+  stranger[3] ^= 0x5a;
+  session::GpuUuid su{}, mine{};
+  std::copy(stranger.begin(), stranger.end(), su.begin());
+  const std::string u0 = UuidBytes(0);
+  std::copy(u0.begin(), u0.end(), mine.begin());
+  expect(IpcRequest(id, v1::REGION_ROLE_PARAMETERS, h, 0, need, stranger),
+         grpc::StatusCode::FAILED_PRECONDITION,
+         {session::FormatGpuUuid(su), session::FormatGpuUuid(mine)});
+  // The daemon's other device: never touched.
+  expect(IpcRequest(id, v1::REGION_ROLE_PARAMETERS, h, 0, need, UuidBytes(1)),
+         grpc::StatusCode::FAILED_PRECONDITION, {"is this daemon's device 1"});
+  // A handle naming no allocation.
+  expect(IpcRequest(id, v1::REGION_ROLE_PARAMETERS, std::string(64, '\x11'), 0, need),
+         grpc::StatusCode::FAILED_PRECONDITION, {});
+  // A malformed one.
+  expect(IpcRequest(id, v1::REGION_ROLE_PARAMETERS, std::string(63, '\x11'), 0, need),
+         grpc::StatusCode::INVALID_ARGUMENT, {"64 bytes"});
+  // Past the allocation's end.
+  expect(IpcRequest(id, v1::REGION_ROLE_PARAMETERS, h, 1 << 15, 1 << 16),
+         grpc::StatusCode::OUT_OF_RANGE, {"65536 bytes"});
+  // A misaligned offset.
+  expect(IpcRequest(id, v1::REGION_ROLE_PARAMETERS, h, 100, need),
+         grpc::StatusCode::INVALID_ARGUMENT, {"multiple of 256"});
+  // Smaller than the arena.
+  expect(IpcRequest(id, v1::REGION_ROLE_PARAMETERS, h, 0, need - 4),
+         grpc::StatusCode::INVALID_ARGUMENT, {"smaller than the PARAMETERS arena"});
+  // VMM: a token that the channel never gave, and none at all.
+  expect(VmmRequest(id, v1::REGION_ROLE_PARAMETERS, std::string(32, 'a'), 0, need),
+         grpc::StatusCode::NOT_FOUND, {});
+  expect(VmmRequest(id, v1::REGION_ROLE_PARAMETERS, "", 0, need),
+         grpc::StatusCode::INVALID_ARGUMENT, {"fd_token"});
+  // A real VMM fd, but a region past the allocation.
+  {
+    const int fd = kt::HostTestExportVmmFd(0, mem.ptr());
+    auto token = client::SendFdToChannel(FdChannel(), fd, client::kFdKindCudaVmm);
+    close(fd);
+    ASSERT_TRUE(token.ok()) << token.status();
+    // Past the allocation (its mapping would exceed it): refused by the import.
+    expect(VmmRequest(id, v1::REGION_ROLE_PARAMETERS, *token, 1 << 16, need),
+           grpc::StatusCode::FAILED_PRECONDITION, {"exceeds"});
+    // The token was spent by that request.
+    expect(VmmRequest(id, v1::REGION_ROLE_PARAMETERS, *token, 0, need),
+           grpc::StatusCode::FAILED_PRECONDITION, {"already used"});
+  }
+  // The role already bound.
+  std::string region;
+  ASSERT_TRUE(Register(IpcRequest(id, v1::REGION_ROLE_PARAMETERS, h, 0, need), &region).ok());
+  grpc::Status again = Register(IpcRequest(id, v1::REGION_ROLE_PARAMETERS, h, 0, need));
+  EXPECT_EQ(again.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << again.error_message();
+  EXPECT_TRUE(absl::StrContains(again.error_message(), "already has " + region))
+      << again.error_message();
+  EXPECT_EQ(kt::GetHostTestHandoffCounters().ipc_open_now, baseline_.ipc_open_now + 1);
+  // Unregistering releases the mapping.
+  {
+    auto ctx = Ctx();
+    v1::UnregisterRegionRequest req;
+    req.set_session_id(id);
+    req.set_region_id(region);
+    v1::UnregisterRegionResponse resp;
+    ASSERT_TRUE(stub().UnregisterRegion(ctx.get(), req, &resp).ok());
+  }
+  EXPECT_EQ(kt::GetHostTestHandoffCounters().ipc_open_now, baseline_.ipc_open_now);
+  // Registered again and left bound: the daemon's stop releases it (TearDown checks).
+  ASSERT_TRUE(Register(IpcRequest(id, v1::REGION_ROLE_GRADIENTS, h, 0, need)).ok());
+  StopDaemon();
+  EXPECT_EQ(kt::GetHostTestHandoffCounters().ipc_open_now, baseline_.ipc_open_now);
+}
+
+TEST_F(CudaRegions, AWorldSessionStepsOnTheHostAndRefusesThem) {
+  // A world session (of one) on a device daemon keeps its state on the host.
+  v1::CreateSessionRequest req = Desc(AlgorithmKind::kAdamW).Request();
+  req.set_world_key("cuda-region-world");
+  v1::CreateSessionResponse layout;
+  grpc::Status s = Create(req, &layout);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_FALSE(HasKind(layout, v1::REGION_KIND_CUDA_IPC));
+  DeviceMemory mem(*trainer_, 1 << 16);
+  s = Register(IpcRequest(layout.session_id(), v1::REGION_ROLE_PARAMETERS, mem.IpcHandle(), 0,
+                          layout.param_arena_bytes()));
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
+  EXPECT_TRUE(absl::StrContains(s.error_message(), "device session")) << s.error_message();
+  EXPECT_EQ(kt::GetHostTestHandoffCounters().ipc_opens, baseline_.ipc_opens);
+}
+
+// The trainer's side of an interprocess event (cudaEventCreate + cudaIpcGetEventHandle).
+std::string NewEvent(int device = 0) {
+  std::string h(DIOND_CUDA_IPC_HANDLE_BYTES, '\0');
+  EXPECT_TRUE(kt::HostTestCreateIpcEvent(device, reinterpret_cast<uint8_t*>(h.data())));
+  return h;
+}
+int64_t Records(const std::string& event) {
+  return kt::HostTestEventRecords(reinterpret_cast<const uint8_t*>(event.data()));
+}
+
+TEST_F(CudaRegions, TheSessionStreamWaitsOnTheTrainersEventAndRecordsItsOwn) {
+  SessionDesc d = Desc(AlgorithmKind::kMuon);
+  d.non_finite = v1::NON_FINITE_POLICY_ERROR;
+  auto shm = CreateShmSession(stub(), d.Request());
+  auto gpu = CreateCudaSession(d.Request(), /*vmm=*/false);
+  ASSERT_NE(shm, nullptr);
+  ASSERT_NE(gpu, nullptr);
+  ASSERT_TRUE(SetState(stub(), shm->id, InitialParams(d)).ok());
+  ASSERT_TRUE(SetState(stub(), gpu->id, InitialParams(d)).ok());
+  const std::string ready = NewEvent(), done = NewEvent();
+  const auto start = kt::GetHostTestHandoffCounters();
+  v1::StepResponse r;
+  for (int64_t t = 1; t <= kSteps; ++t) {
+    for (size_t i = 0; i < d.params.size(); ++i) {
+      const std::vector<float> grad = SyntheticValues(5, t, i, d.Numel(i));
+      shm->WriteGrad(i, grad);
+      gpu->WriteGrad(i, grad);
+    }
+    ASSERT_TRUE(Step(shm->id, t, 1.0, &r).ok());
+    const auto before = kt::GetHostTestHandoffCounters();
+    // Asynchronous at step 2: the queued step waits and records on the session stream too.
+    grpc::Status s = Step(gpu->id, t, 1.0, &r, /*async=*/t == 2, false, ready, done);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    if (t == 2) {
+      ASSERT_TRUE(Step(gpu->id, t, 0, &r, false, /*wait=*/true).ok());
+    }
+    const auto after = kt::GetHostTestHandoffCounters();
+    // One wait on the trainer's event, one record of the daemon's, per step.
+    EXPECT_EQ(after.stream_waits - before.stream_waits, 1) << "step " << t;
+    EXPECT_EQ(after.event_records - before.event_records, 1) << "step " << t;
+    EXPECT_EQ(Records(done), t);
+    EXPECT_EQ(Records(ready), 0) << "the daemon recorded the trainer's event";
+    for (size_t i = 0; i < d.params.size(); ++i) {
+      EXPECT_EQ(gpu->ParamBytes(i), shm->ParamBytes(i)) << d.params[i].name << ", step " << t;
+    }
+  }
+  // Each event opened once and kept while the trainer names it.
+  auto now = kt::GetHostTestHandoffCounters();
+  EXPECT_EQ(now.events_opened - start.events_opened, 2);
+  EXPECT_EQ(now.events_open_now, start.events_open_now + 2);
+  const std::string weights = gpu->Params();
+  const TensorMap state = State(gpu->id);
+  const int64_t next = kSteps + 1;
+
+  // Bad handles: refused before anything runs (no wait, no op, no record, nothing changed).
+  auto refused = [&](const std::string& rdy, const std::string& dn, grpc::StatusCode code,
+                     const std::string& words) {
+    const auto h0 = kt::GetHostTestHandoffCounters();
+    const auto d0 = kt::GetHostTestDeviceCounters();
+    grpc::Status s = Step(gpu->id, next, 1.0, &r, false, false, rdy, dn);
+    EXPECT_EQ(s.error_code(), code) << s.error_message();
+    EXPECT_TRUE(absl::StrContains(s.error_message(), words)) << s.error_message();
+    const auto h1 = kt::GetHostTestHandoffCounters();
+    EXPECT_EQ(h1.stream_waits, h0.stream_waits);
+    EXPECT_EQ(h1.event_records, h0.event_records);
+    EXPECT_EQ(kt::GetHostTestDeviceCounters().ops, d0.ops) << "an op ran: " << s.error_message();
+  };
+  refused(ready.substr(0, 63), done, grpc::StatusCode::INVALID_ARGUMENT,
+          "ready_event must be the 64 bytes");
+  refused(ready, std::string(64, '\x07'), grpc::StatusCode::FAILED_PRECONDITION,
+          "done_event cannot be opened");
+  refused(NewEvent(/*device=*/1), done, grpc::StatusCode::FAILED_PRECONDITION,
+          "ready_event cannot be opened");
+  EXPECT_EQ(gpu->Params(), weights);
+  EXPECT_EQ(State(gpu->id), state);
+
+  // A failed step (NaN gradients under the ERROR policy) waited on the trainer's event before
+  // it read the gradients, and records nothing: the weights are unchanged.
+  std::vector<float> bad = SyntheticValues(5, next, 0, d.Numel(0));
+  bad[1] = std::numeric_limits<float>::quiet_NaN();
+  gpu->WriteGrad(0, bad);
+  auto h0 = kt::GetHostTestHandoffCounters();
+  grpc::Status s = Step(gpu->id, next, 1.0, &r, false, false, ready, done);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  auto h1 = kt::GetHostTestHandoffCounters();
+  EXPECT_EQ(h1.stream_waits - h0.stream_waits, 1);
+  EXPECT_EQ(h1.event_records, h0.event_records);
+  EXPECT_EQ(Records(done), kSteps);
+  EXPECT_EQ(gpu->Params(), weights);
+  EXPECT_EQ(State(gpu->id), state);
+
+  // A new done_event replaces the old one (destroyed), and is the one recorded.
+  gpu->WriteGrad(0, SyntheticValues(5, next, 0, d.Numel(0)));
+  const std::string done2 = NewEvent();
+  h0 = kt::GetHostTestHandoffCounters();
+  s = Step(gpu->id, next, 1.0, &r, false, false, ready, done2);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  h1 = kt::GetHostTestHandoffCounters();
+  EXPECT_EQ(h1.events_destroyed - h0.events_destroyed, 1);
+  EXPECT_EQ(h1.events_open_now, h0.events_open_now);
+  EXPECT_EQ(Records(done2), 1);
+  EXPECT_EQ(Records(done), kSteps);
+  // A replay of that step records nothing again.
+  s = Step(gpu->id, next, 1.0, &r, false, false, ready, done2);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_TRUE(r.replayed());
+  EXPECT_EQ(Records(done2), 1);
+  // CloseSession destroys the session's events (TearDown checks the live count too).
+  EXPECT_TRUE(CloseSession(stub(), gpu->id).ok());
+  EXPECT_EQ(kt::GetHostTestHandoffCounters().events_open_now, start.events_open_now);
+}
+
+TEST_F(CudaRegions, ASkippedStepRecordsTheDoneEventAndAHostSessionRefusesEvents) {
+  auto gpu = CreateCudaSession(Desc(AlgorithmKind::kAdamW).Request(), /*vmm=*/true);
+  ASSERT_NE(gpu, nullptr);
+  const SessionDesc d = Desc(AlgorithmKind::kAdamW);
+  ASSERT_TRUE(SetState(stub(), gpu->id, InitialParams(d)).ok());
+  for (size_t i = 0; i < d.params.size(); ++i) {
+    gpu->WriteGrad(i, std::vector<float>(static_cast<size_t>(d.Numel(i)),
+                                         std::numeric_limits<float>::infinity()));
+  }
+  const std::string weights = gpu->Params();
+  const std::string ready = NewEvent(), done = NewEvent();
+  v1::StepResponse r;
+  grpc::Status s = Step(gpu->id, 1, 1.0, &r, false, false, ready, done);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_TRUE(r.skipped());
+  EXPECT_EQ(Records(done), 1);  // the trainer may go on: its weights are as they were
+  EXPECT_EQ(gpu->Params(), weights);
+  // A world session steps on the host: it has no stream to order.
+  v1::CreateSessionRequest req = d.Request();
+  req.set_world_key("cuda-region-events");
+  auto world = CreateShmSession(stub(), req);
+  ASSERT_NE(world, nullptr);
+  s = Step(world->id, 1, 1.0, &r, false, false, ready, done);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
+  EXPECT_TRUE(absl::StrContains(s.error_message(), "steps on the host")) << s.error_message();
+}
+
+}  // namespace
+}  // namespace diond::service_testing
