@@ -80,6 +80,33 @@ DIOND_CPU_CLONES void ScaleBf16Range(float a, const BFloat16* x, BFloat16* o, in
   for (int64_t i = 0; i < n; ++i) o[i] = FloatToBf16(a * Bf16ToFloat(x[i]));
 }
 
+// Overloads by storage type, for AxpbyContiguous.
+void AxpbyRange(float a, const float* x, float b, const float* y, float* o, int64_t n) {
+  AxpbyF32Range(a, x, b, y, o, n);
+}
+void AxpbyRange(float a, const BFloat16* x, float b, const BFloat16* y, BFloat16* o, int64_t n) {
+  AxpbyBf16Range(a, x, b, y, o, n);
+}
+void ScaleRange(float a, const float* x, float* o, int64_t n) { ScaleF32Range(a, x, o, n); }
+void ScaleRange(float a, const BFloat16* x, BFloat16* o, int64_t n) { ScaleBf16Range(a, x, o, n); }
+
+// out ← alpha·x (+ beta·y when with_y) over contiguous views of storage type T, split over the
+// OpenMP threads.
+template <typename T>
+void AxpbyContiguous(float alpha, ConstTensorView x, float beta, ConstTensorView y, bool with_y,
+                     TensorView out) {
+  const T* xp = static_cast<const T*>(x.data());
+  const T* yp = with_y ? static_cast<const T*>(y.data()) : nullptr;
+  T* op = static_cast<T*>(out.data());
+  ParallelRange(out.NumElements(), [&](int64_t b, int64_t e) {
+    if (with_y) {
+      AxpbyRange(alpha, xp + b, beta, yp + b, op + b, e - b);
+    } else {
+      ScaleRange(alpha, xp + b, op + b, e - b);
+    }
+  });
+}
+
 // True when Axpby/Scale can take a range kernel above: x, y (if read) and out contiguous, of
 // one dtype T.
 bool SameContiguous(DType t, ConstTensorView x, ConstTensorView y, bool with_y, TensorView out) {
@@ -144,31 +171,12 @@ absl::Status Axpby(const Context& ctx, float alpha, ConstTensorView x, float bet
                    ConstTensorView y, TensorView out) {
   cpu::ApplyThreadPolicy(ctx);
   const bool with_y = beta != 0.0f;
-  const int64_t n = out.NumElements();
   if (SameContiguous(DType::kF32, x, y, with_y, out)) {
-    const float* xp = static_cast<const float*>(x.data());
-    const float* yp = with_y ? static_cast<const float*>(y.data()) : nullptr;
-    float* op = static_cast<float*>(out.data());
-    ParallelRange(n, [&](int64_t b, int64_t e) {
-      if (with_y) {
-        AxpbyF32Range(alpha, xp + b, beta, yp + b, op + b, e - b);
-      } else {
-        ScaleF32Range(alpha, xp + b, op + b, e - b);
-      }
-    });
+    AxpbyContiguous<float>(alpha, x, beta, y, with_y, out);
     return absl::OkStatus();
   }
   if (SameContiguous(DType::kBf16, x, y, with_y, out)) {
-    const auto* xp = static_cast<const BFloat16*>(x.data());
-    const auto* yp = with_y ? static_cast<const BFloat16*>(y.data()) : nullptr;
-    auto* op = static_cast<BFloat16*>(out.data());
-    ParallelRange(n, [&](int64_t b, int64_t e) {
-      if (with_y) {
-        AxpbyBf16Range(alpha, xp + b, beta, yp + b, op + b, e - b);
-      } else {
-        ScaleBf16Range(alpha, xp + b, op + b, e - b);
-      }
-    });
+    AxpbyContiguous<BFloat16>(alpha, x, beta, y, with_y, out);
     return absl::OkStatus();
   }
   if (!with_y) {
