@@ -71,14 +71,14 @@ if [ -f "$root/tests/sanitizer/tsan.supp" ]; then
   export TSAN_OPTIONS=suppressions=$root/tests/sanitizer/tsan.supp:$TSAN_OPTIONS
 fi
 
-# Address builds: civetweb's threads get 1 MiB stacks (tests/sanitizer/thread_stack_floor.c
+# Address builds: civetweb's threads get 1 MiB stacks (server/exe/thread_stack_floor.c
 # explains: Debian's civetweb, inside prometheus-cpp's Exposer, creates its threads with a fixed
 # 100 KiB stack, of which the daemon's static TLS (60 KiB of it OpenBLAS's) leaves too little
 # for the instrumented /metrics handler). An uninstrumented LD_PRELOAD shim, compiled here, so
 # that every process a test starts (the daemon, diondctl, the Python and Rust clients) has it.
 if [[ $san == *address* ]]; then
   shim=$(cd "$build" && pwd)/thread_stack_floor.so
-  cc -O2 -shared -fPIC -o "$shim" "$root/tests/sanitizer/thread_stack_floor.c" -ldl
+  cc -O2 -shared -fPIC -o "$shim" "$root/server/exe/thread_stack_floor.c" -ldl
   export LD_PRELOAD=$shim${LD_PRELOAD:+:$LD_PRELOAD}
 fi
 

@@ -243,6 +243,15 @@ TEST(DaemonProcess, IdleOpenMpThreadsSleepUnlessTheOperatorSaysOtherwise) {
   }
 }
 
+// The daemon exports its thread-stack floor (server/exe/thread_stack_floor.c), so civetweb's
+// /metrics threads, which ask for 100 KiB, resolve to it (thread_stack_floor_test checks what
+// the floor does).
+TEST(DaemonProcess, ExportsTheThreadStackFloorForItsLibraries) {
+  auto [rc, out] = RunCommand(std::string("nm -D --defined-only ") + DIOND_BINARY + " 2>&1");
+  ASSERT_EQ(rc, 0) << out;
+  EXPECT_TRUE(absl::StrContains(out, " T pthread_attr_setstacksize")) << out;
+}
+
 TEST(DaemonProcess, SecondDaemonOnSameAddressesFailsWithOneLine) {
   auto first = StartDaemon({"--device=cpu"});
   ASSERT_NE(first, nullptr);

@@ -1,18 +1,20 @@
-/* LD_PRELOAD shim for the ASan runs (scripts/sanitize.sh): raises every explicit thread stack
- * size below 1 MiB to 1 MiB.
+/* Raises every explicit thread stack size below 1 MiB to 1 MiB, by interposing
+ * pthread_attr_setstacksize. Linked into the daemon executables (server/CMakeLists.txt, which
+ * exports the symbol so that shared libraries resolve to it), and built as an LD_PRELOAD shim
+ * for the ASan runs of the test binaries (scripts/sanitize.sh).
  *
  * Why: Debian's civetweb (the HTTP server inside prometheus-cpp's Exposer, which serves the
  * daemon's /metrics) is built with USE_STACK_SIZE=102400: it creates its master and worker
  * threads with pthread_attr_setstacksize(100 KiB). glibc carves the process's static TLS out
  * of that stack, and the daemon's static TLS is about 63 KiB, 60 KiB of it OpenBLAS's
- * (libopenblas.so.0's PT_TLS is 0xf000 bytes), which leaves civetweb's threads about 35 KiB.
- * That is enough for the uninstrumented daemon, but not under ASan: the first scrape's
- * mg_printf -> vsnprintf (ASan's interceptor) -> glibc's printf_positional overflows it, and ASan
- * reports a stack-overflow in civetweb's thread. No civetweb option, RLIMIT_STACK or
- * ASAN_OPTIONS changes a size given explicitly; interposing the call does.
+ * (libopenblas.so.0's PT_TLS is 0xf000 bytes), which leaves civetweb's threads about 35 KiB:
+ * enough for today's scrapes of the uninstrumented daemon, a latent overflow for anything
+ * deeper, and an overflow under ASan (the first scrape's mg_printf -> vsnprintf -> glibc's
+ * printf_positional). No civetweb option, RLIMIT_STACK or ASAN_OPTIONS changes a size given
+ * explicitly; interposing the call does.
  *
- * The shim is plain C, not instrumented, and changes nothing but the sizes below the floor
- * (DIOND_THREAD_STACK_FLOOR_KB overrides the 1024 KiB). Built only in address builds. */
+ * Plain C, never instrumented; it changes nothing but the sizes below the floor
+ * (DIOND_THREAD_STACK_FLOOR_KB overrides the 1024 KiB). */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <pthread.h>
