@@ -184,12 +184,13 @@ absl::Status AllZeroFlags(const kernels::Context& ctx, const float* buf, int64_t
   }
   kernels::ScratchArena::Scope scope(ctx.scratch());
   DIOND_ASSIGN_OR_RETURN(float* const l1, ScratchFloats(ctx, N));
-  DIOND_RETURN_IF_ERROR(kernels::AxisNorms(
-      ctx, kernels::ConstTensorView(buf, kernels::ContiguousLayout(kernels::DType::kF32, {N, per}), dev),
-      kernels::Axis::kRows, kernels::NormType::kL1, Vec(l1, N, dev)));
+  const kernels::ConstTensorView rows(
+      buf, kernels::ContiguousLayout(kernels::DType::kF32, {N, per}), dev);
+  DIOND_RETURN_IF_ERROR(kernels::AxisNorms(ctx, rows, kernels::Axis::kRows,
+                                           kernels::NormType::kL1, Vec(l1, N, dev)));
   absl::InlinedVector<float, 16> host(static_cast<size_t>(N));
   DIOND_RETURN_IF_ERROR(Download(ctx, l1, host.data(), N));
-  for (int64_t j = 0; j < N; ++j) zero[static_cast<size_t>(j)] = host[static_cast<size_t>(j)] == 0.0f;
+  for (size_t j = 0; j < host.size(); ++j) zero[j] = host[j] == 0.0f;
   return absl::OkStatus();
 }
 
