@@ -425,6 +425,55 @@ TEST_F(StrictDevice, StepsHaveOnlyTheListedSyncPoints) {
   }
 }
 
+// Dion judges each matrix's momentum all-zero from one read-back per bucket (the matrices' L1
+// norms in one copy), not one per matrix: with Householder QR (no Cholesky branches) a step has
+// two sync points whatever the bucket size, the all-zero flags and the update norms
+// (docs/GPU.md, "Sync points"). A bucket with all-zero matrices (zero gradient, zero momentum)
+// next to non-zero ones gives the CPU's numbers bit for bit.
+TEST_F(StrictDevice, DionReadsTheAllZeroFlagsBackOncePerBucket) {
+  for (int64_t matrices : {1, 3, 6}) {
+    GroupConfig c = Base(AlgorithmKind::kDion, Precision::kFp32);
+    c.hyperparams.rank_fraction = 0.5;
+    c.hyperparams.qr_method = QrMethod::kQr;
+    const std::vector<ParamShape> shapes(static_cast<size_t>(matrices), ParamShape{24, 40});
+    auto d = CreateGroupOptimizer(*dev_, c, shapes);
+    auto h = CreateGroupOptimizer(*cpu_, c, shapes);
+    ASSERT_THAT(d.status(), IsOk());
+    ASSERT_THAT(h.status(), IsOk());
+    std::vector<Buffer> dx, dg;
+    std::vector<std::vector<float>> hx, hg;
+    std::vector<float*> dxp, hxp;
+    std::vector<const float*> dgp, hgp;
+    for (int64_t i = 0; i < matrices; ++i) {
+      hx.push_back(Rand(24 * 40, static_cast<uint32_t>(10 + i)));
+      // Every other matrix has a zero gradient (so a zero momentum at the first step).
+      hg.push_back(i % 2 == 1 ? std::vector<float>(24 * 40, 0.0f)
+                              : Rand(24 * 40, static_cast<uint32_t>(50 + i)));
+    }
+    for (int64_t i = 0; i < matrices; ++i) {
+      dx.push_back(Upload(hx[static_cast<size_t>(i)]));
+      dg.push_back(Upload(hg[static_cast<size_t>(i)]));
+    }
+    for (int64_t i = 0; i < matrices; ++i) {
+      dxp.push_back(dx[static_cast<size_t>(i)].As<float>());
+      dgp.push_back(dg[static_cast<size_t>(i)].As<float>());
+      hxp.push_back(hx[static_cast<size_t>(i)].data());
+      hgp.push_back(hg[static_cast<size_t>(i)].data());
+    }
+    for (int step = 1; step <= 2; ++step) {
+      const int64_t before = kernels::testing::GetHostTestDeviceCounters().syncs;
+      ASSERT_THAT((*d)->Step(*dev_, dxp, dgp), IsOk());
+      EXPECT_EQ(kernels::testing::GetHostTestDeviceCounters().syncs - before, 2)
+          << matrices << " matrices, step " << step;
+      ASSERT_THAT((*h)->Step(*cpu_, hxp, hgp), IsOk());
+      for (int64_t i = 0; i < matrices; ++i) {
+        EXPECT_TRUE(SameBits(Download(dx[static_cast<size_t>(i)]), hx[static_cast<size_t>(i)]))
+            << matrices << " matrices, step " << step << ", matrix " << i;
+      }
+    }
+  }
+}
+
 // ---- state access, release and captured updates on the device --------------------------------
 
 TEST_F(StrictDevice, StateAccessNeedsTheDeviceContext) {

@@ -249,7 +249,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   metrics->SetSessionSource([manager] {
     SessionTotals totals;
     for (const session::SessionInfo& s : manager->List()) {
-      totals.state_bytes += s.state_bytes;
+      totals.state_bytes += s.budget_bytes;  // what the budgets count (device pool bytes too)
       totals.steps_behind =
           std::max(totals.steps_behind, s.last_step_index - s.last_checkpoint_step);
     }

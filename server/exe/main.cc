@@ -71,9 +71,11 @@ ABSL_FLAG(int, fd_max_pending_per_uid, 64,
           "The most unredeemed fd-channel tokens one uid may hold (the daemon holds 1024 at most).");
 ABSL_FLAG(int64_t, max_session_bytes, 0,
           "Largest optimizer state (plus fp32 master weights) one session may hold, in bytes; "
-          "0 = unlimited. Over it, CreateSession fails with RESOURCE_EXHAUSTED.");
+          "a device session counts everything it holds in the device pool (state, staging, "
+          "scratch). 0 = unlimited. Over it, CreateSession fails with RESOURCE_EXHAUSTED.");
 ABSL_FLAG(int64_t, memory_budget_bytes, 0,
-          "Optimizer state all sessions together may hold, in bytes; 0 = unlimited.");
+          "Optimizer state all sessions together may hold, in bytes, counted as for "
+          "--max_session_bytes (device sessions: their device pool bytes); 0 = unlimited.");
 ABSL_FLAG(absl::Duration, session_idle_timeout, absl::ZeroDuration(),
           "Close sessions with no RPC for this long (checkpointing them first when --state_dir "
           "is set); 0 = never. Until then a session whose trainer vanished can be re-attached "

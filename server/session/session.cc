@@ -118,6 +118,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, Session
       if (spec.params[i].dtype != DType::kF32) {
         s->master_[i].resize(static_cast<size_t>(s->layout_.tensors[i].numel));
         s->state_bytes_ += 4 * s->layout_.tensors[i].numel;
+        s->master_bytes_ += 4 * s->layout_.tensors[i].numel;
       }
     }
   }
@@ -169,6 +170,7 @@ SessionInfo Session::Info() {
   info.parameters = static_cast<int64_t>(layout_.tensors.size());
   info.last_step_index = last_step_index_;
   info.state_bytes = state_bytes_.load();
+  info.budget_bytes = BudgetBytes();
   info.host_bytes = static_cast<int64_t>(params_.host.size() + grads_.host.size());
   for (const auto* scratch : {&grad_scratch_, &param_scratch_}) {
     for (const std::vector<float>& v : *scratch) {

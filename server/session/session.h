@@ -99,6 +99,9 @@ struct SessionInfo {
   int64_t parameters = 0;
   int64_t last_step_index = 0;
   int64_t state_bytes = 0;
+  // What --max_session_bytes / --memory_budget_bytes count (Session::BudgetBytes): state_bytes
+  // for a host session; a device session's device pool bytes plus its host-side state.
+  int64_t budget_bytes = 0;
   int64_t host_bytes = 0;  // daemon-owned arenas and Step's fp32 conversion buffers
   absl::Time last_used;
   // Operator view (ListSessions, metrics).
@@ -146,13 +149,26 @@ class Session {
   // The device session's numbers (streams made, staging bytes); false for a host session.
   bool is_device_session() const { return device_ != nullptr; }
   int64_t DeviceStagingBytes() const;
+  // The bytes a device session's staging takes from the device pool for `layout` (fp32
+  // parameters and gradients, one tensor's conversion buffer, each rounded as Context::Allocate
+  // rounds): what Create allocates first, so SessionManager checks it before anything exists.
+  static int64_t DeviceStagingBytesFor(const Layout& layout);
+  // What --max_session_bytes and --memory_budget_bytes count for this session now. A host
+  // session: StateBytes(). A device session: everything its Context holds in the device pool
+  // (staging, the state when the rules run on the device, the scratch blocks its steps grew;
+  // the Context's own counters, which are the pool's) plus what it keeps on the host (fp32
+  // master weights; the state when the rules run on the host).
+  int64_t BudgetBytes() const;
+  // The device pool bytes this session's Context holds now (0 for a host session).
+  int64_t DeviceBytes() const;
 
   ~Session();  // waits for a queued asynchronous step (never call it on that step's thread)
 
   const std::string& id() const { return id_; }
   const SessionSpec& spec() const { return spec_; }
   const Layout& layout() const { return layout_; }
-  // Bytes of optimizer state (what --max_session_bytes counts, with host arenas).
+  // Bytes of optimizer state and fp32 master weights (what the budgets count for a host
+  // session; BudgetBytes is what they count).
   int64_t StateBytes() const { return state_bytes_.load(); }
 
   // Maps a shm region for `role`. INVALID_ARGUMENT for a bad name, an offset not a multiple of
@@ -481,6 +497,8 @@ class Session {
   // Set once by Create for a device session; its buffers are used under mu_ by Step.
   std::unique_ptr<DeviceSide, DeviceSideDeleter> device_;
   std::atomic<int64_t> state_bytes_{0};  // shrinks when a world session shards its state
+  // Of state_bytes_: the fp32 master weights (host memory); set by Create.
+  int64_t master_bytes_ = 0;
   std::vector<size_t> group_of_param_;  // index into groups_
   std::vector<size_t> slot_in_group_;   // position of the param inside its group
 

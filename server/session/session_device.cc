@@ -79,6 +79,28 @@ int64_t Session::DeviceStagingBytes() const {
   return device_ != nullptr ? device_->staging_bytes : 0;
 }
 
+int64_t Session::DeviceStagingBytesFor(const Layout& layout) {
+  // Context::Allocate hands out whole 64-byte lines (kernels/api/context.cc).
+  auto rounded = [](int64_t bytes) { return (std::max<int64_t>(bytes, 1) + 63) / 64 * 64; };
+  int64_t total = 0, largest = 0;
+  for (const TensorPlacement& t : layout.tensors) {
+    total += t.numel;
+    largest = std::max(largest, t.numel);
+  }
+  return 2 * rounded(4 * total) + rounded(4 * largest);
+}
+
+int64_t Session::DeviceBytes() const {
+  // The session's Context counts every byte it took from the pool and still holds: staging,
+  // scratch blocks, and (rules on the device) the state, whose Allocator shares the counters.
+  return device_ != nullptr ? device_->ctx->bytes_in_use() : 0;
+}
+
+int64_t Session::BudgetBytes() const {
+  if (device_ == nullptr) return StateBytes();
+  return DeviceBytes() + (device_->hooks.rules_on_device ? master_bytes_ : StateBytes());
+}
+
 const kernels::Context* Session::DeviceUpdateContext() const {
   return device_ != nullptr ? &device_->update_ctx() : nullptr;
 }
@@ -181,7 +203,7 @@ absl::Status Session::InitDeviceSide(const kernels::Context& ctx, const DeviceHo
   auto raw = d->ctx->Allocate(DType::kF32, {largest});
   if (!raw.ok()) return fail(raw.status());
   d->raw = std::move(*raw);
-  d->staging_bytes = 8 * total + 4 * largest;
+  d->staging_bytes = DeviceStagingBytesFor(layout_);
   device_ = std::move(d);
   return absl::OkStatus();
 }

@@ -126,20 +126,21 @@ std::string SessionManager::NewId() {
   return absl::StrFormat("s-%016x", rng());
 }
 
-absl::Status SessionManager::CheckBudget(int64_t bytes) {
+absl::Status SessionManager::CheckBudget(int64_t bytes, absl::string_view what) {
   if (options_.max_session_bytes > 0 && bytes > options_.max_session_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat("session needs ", bytes,
-                                                     " bytes of optimizer state; "
-                                                     "--max_session_bytes is ",
+    return absl::ResourceExhaustedError(absl::StrCat("session needs ", bytes, " bytes (", what,
+                                                     "); --max_session_bytes is ",
                                                      options_.max_session_bytes));
   }
   if (options_.memory_budget_bytes > 0) {
     int64_t used = 0;
-    for (auto& [id, s] : sessions_) used += s->StateBytes();
+    for (auto& [id, s] : sessions_) used += s->BudgetBytes();
     if (used + bytes > options_.memory_budget_bytes) {
       return absl::ResourceExhaustedError(absl::StrCat(
-          "session needs ", bytes, " bytes; ", used, " of the ", options_.memory_budget_bytes,
-          "-byte memory budget are in use by ", sessions_.size(), " session(s)"));
+          "session needs ", bytes, " bytes (", what, "); ", used, " of the ",
+          options_.memory_budget_bytes,
+          "-byte memory budget (--memory_budget_bytes) are in use by ", sessions_.size(),
+          " session(s)"));
     }
   }
   return absl::OkStatus();
@@ -265,6 +266,18 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::CreateSessionWithId(std
                                                    GradientSyncName(spec.gradient_sync),
                                                    " needs a world session (world_key)"));
   }
+  // A device session's staging is the first thing Session::Create allocates from the device
+  // pool, and its size follows from the layout: checked against the limits before it exists.
+  // The state and the rest are checked below with what was really allocated.
+  if (ctx_ != nullptr && ctx_->device().type != kernels::DeviceType::kCpu &&
+      spec.world_key.empty()) {
+    if (absl::StatusOr<Layout> layout = ComputeLayout(spec.params); layout.ok()) {
+      absl::MutexLock lock(&mu_);
+      DIOND_RETURN_IF_ERROR(CheckBudget(Session::DeviceStagingBytesFor(*layout),
+                                        "a device session's staging alone, before its state; "
+                                        "nothing was allocated"));
+    }
+  }
   // Validate and size the session before taking the lock (optimizer state is allocated here).
   // The state goes where the steps run: ctx_ is on the daemon's compute device.
   DIOND_ASSIGN_OR_RETURN(std::unique_ptr<Session> s,
@@ -291,7 +304,14 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::CreateSessionWithId(std
   int64_t count;
   {
     absl::MutexLock lock(&mu_);
-    DIOND_RETURN_IF_ERROR(CheckBudget(shared->StateBytes()));
+    DIOND_RETURN_IF_ERROR(CheckBudget(
+        shared->BudgetBytes(),
+        shared->is_device_session()
+            ? absl::StrCat("device pool ", shared->DeviceBytes(), " as allocated: staging ",
+                           shared->DeviceStagingBytes(), ", the rest state; host ",
+                           shared->BudgetBytes() - shared->DeviceBytes(),
+                           "; all released again")
+            : "optimizer state"));
     const std::string& name = shared->spec().session_name;
     if (!name.empty() && names_.count(name)) {  // created meanwhile by another call
       return absl::AlreadyExistsError(absl::StrCat("session_name '", name,

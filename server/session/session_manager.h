@@ -160,7 +160,11 @@ class SessionManager {
   // A step's bookkeeping once it ran: the step time, the observer, the automatic checkpoint.
   void AfterStep(const std::string& id, const StepResult& r);
   explicit SessionManager(const ManagerOptions& options, ManagerObserver observer);
-  absl::Status CheckBudget(int64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // RESOURCE_EXHAUSTED when a session needing `bytes` (`what` says of what) exceeds
+  // --max_session_bytes, or with the open sessions' Session::BudgetBytes exceeds
+  // --memory_budget_bytes; the message names the bytes needed, the limit and the bytes in use.
+  absl::Status CheckBudget(int64_t bytes, absl::string_view what)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Computes the shard plan of world session `spec` and agrees on it with the other ranks.
   absl::StatusOr<ShardPlan> AgreeOnPlan(const SessionSpec& spec, uint64_t* epoch);
   std::string NewId();

@@ -6,6 +6,7 @@
 // the device traffic is checked through the counters line the test binary logs; a session that
 // does not fit the TEST pool's budget gets RESOURCE_EXHAUSTED with the numbers while the daemon
 // and the other sessions carry on.
+#include <algorithm>
 #include <limits>
 #include <map>
 #include <regex>
@@ -358,6 +359,158 @@ TEST(DeviceSessionBudget, ASessionOverThePoolGetsResourceExhaustedWithTheNumbers
   grpc::Status st = DoStep(dev->stub(), s->id, 2);
   EXPECT_TRUE(st.ok()) << st.error_message();
   EXPECT_NE(s->ParamBytes(0), after_one);
+}
+
+// --max_session_bytes and --memory_budget_bytes count what a device session takes from the device
+// pool (staging, state, the scratch its steps grew), as the TEST pool's own counters show it.
+
+// Context::Allocate's rounding: whole 64-byte lines.
+int64_t Lines(int64_t bytes) { return (bytes + 63) / 64 * 64; }
+
+// The fp32 staging of `d` (parameters and gradients, one tensor's conversion buffer).
+int64_t StagingBytes(const SessionDesc& d) {
+  int64_t numel = 0, largest = 0;
+  for (size_t i = 0; i < d.params.size(); ++i) {
+    numel += d.Numel(i);
+    largest = std::max(largest, d.Numel(i));
+  }
+  return 2 * Lines(4 * numel) + Lines(4 * largest);
+}
+
+// Creates a session from `d` (no regions) and returns its id, or the error.
+grpc::Status Create(Daemon& dev, const SessionDesc& d, std::string* id = nullptr) {
+  auto ctx = Ctx();
+  v1::CreateSessionResponse resp;
+  grpc::Status st = dev.stub().CreateSession(ctx.get(), d.Request(), &resp);
+  if (id != nullptr) *id = resp.session_id();
+  return st;
+}
+
+SessionDesc Tiny() {
+  SessionDesc d;
+  d.groups.push_back(MakeGroup("v", AlgorithmKind::kAdamW, 0.001));
+  d.params.push_back({"b", {16}, "v"});
+  return d;
+}
+
+// The pool bytes a session of `d` holds right after CreateSession, and after `steps` steps,
+// measured on a fresh unlimited test daemon through the pool's counters.
+struct Held {
+  int64_t created = 0, stepped = 0;
+};
+Held Measure(const SessionDesc& d, int steps) {
+  Held h;
+  auto dev = Daemon::StartBinary(DIOND_TESTDEVICE_BINARY);
+  EXPECT_NE(dev, nullptr);
+  if (dev == nullptr) return h;
+  const int64_t before = LastCounters(*dev)["pool_in_use"];
+  auto s = CreateShmSession(dev->stub(), d.Request());
+  EXPECT_NE(s, nullptr);
+  if (s == nullptr) return h;
+  h.created = LastCounters(*dev)["pool_in_use"] - before;
+  EXPECT_TRUE(SetState(dev->stub(), s->id, InitialParams(d)).ok());
+  for (int64_t t = 1; t <= steps; ++t) {
+    for (size_t i = 0; i < d.params.size(); ++i) {
+      s->WriteGrad(i, SyntheticValues(7, t, i, d.Numel(i)));
+    }
+    EXPECT_TRUE(DoStep(dev->stub(), s->id, t).ok());
+  }
+  h.stepped = LastCounters(*dev)["pool_in_use"] - before;
+  return h;
+}
+
+TEST(DeviceSessionBudget, MaxSessionBytesCountsTheStagingAndStateThePoolReallyHolds) {
+  const SessionDesc d = Desc(AlgorithmKind::kAdamW);
+  const int64_t staging = StagingBytes(d);
+  const int64_t held = Measure(d, 0).created;
+  const int64_t tiny = Measure(Tiny(), 0).created;
+  int64_t numel = 0;
+  for (size_t i = 0; i < d.params.size(); ++i) numel += d.Numel(i);
+  // AdamW keeps m and v per element (and a step counter): the pool holds at least that and the
+  // staging.
+  ASSERT_GE(held, staging + 2 * 4 * numel);
+  ASSERT_LT(tiny, StagingBytes(d) - 1);
+  {
+    // One byte short of what the session holds: refused with the real number (the state alone,
+    // all that was counted before, fits), and what was allocated is released.
+    auto dev = Daemon::StartBinary(DIOND_TESTDEVICE_BINARY,
+                                   {absl::StrCat("--max_session_bytes=", held - 1)});
+    ASSERT_NE(dev, nullptr);
+    const int64_t before = LastCounters(*dev)["pool_in_use"];
+    grpc::Status st = Create(*dev, d);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+    EXPECT_TRUE(absl::StrContains(st.error_message(), absl::StrCat("session needs ", held,
+                                                                   " bytes")))
+        << st.error_message();
+    EXPECT_TRUE(absl::StrContains(st.error_message(), absl::StrCat("staging ", staging)))
+        << st.error_message();
+    EXPECT_TRUE(absl::StrContains(st.error_message(),
+                                  absl::StrCat("--max_session_bytes is ", held - 1)))
+        << st.error_message();
+    // The next session change reports the pool: only the tiny session's bytes are in it.
+    ASSERT_TRUE(Create(*dev, Tiny()).ok());
+    EXPECT_EQ(LastCounters(*dev)["pool_in_use"] - before, tiny);
+  }
+  {
+    // Below the staging alone: refused before anything is allocated (the pool's high-water
+    // mark never saw the session).
+    auto dev = Daemon::StartBinary(DIOND_TESTDEVICE_BINARY,
+                                   {absl::StrCat("--max_session_bytes=", staging - 1)});
+    ASSERT_NE(dev, nullptr);
+    const std::map<std::string, int64_t> start = LastCounters(*dev);
+    grpc::Status st = Create(*dev, d);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+    EXPECT_TRUE(absl::StrContains(st.error_message(),
+                                  absl::StrCat("session needs ", staging, " bytes (a device "
+                                               "session's staging alone")))
+        << st.error_message();
+    EXPECT_TRUE(absl::StrContains(st.error_message(), "nothing was allocated"))
+        << st.error_message();
+    ASSERT_TRUE(Create(*dev, Tiny()).ok());
+    const std::map<std::string, int64_t> after = LastCounters(*dev);
+    EXPECT_EQ(after.at("pool_in_use") - start.at("pool_in_use"), tiny);
+    // Had the staging been allocated, the high-water mark would have reached it.
+    ASSERT_LT(start.at("pool_peak"), start.at("pool_in_use") + staging);
+    EXPECT_LT(after.at("pool_peak"), start.at("pool_in_use") + staging);
+  }
+}
+
+TEST(DeviceSessionBudget, MemoryBudgetCountsTheScratchASessionsStepsGrew) {
+  const SessionDesc d = Desc(AlgorithmKind::kMuon);
+  const Held h = Measure(d, 2);
+  // Muon's Newton-Schulz iteration takes its temporaries from the session's scratch arena,
+  // whose blocks stay with the session.
+  ASSERT_GT(h.stepped, h.created);
+  // Two fresh sessions fit the budget; one that stepped and the next fresh one do not.
+  const int64_t budget = 2 * h.created;
+  auto dev = Daemon::StartBinary(DIOND_TESTDEVICE_BINARY,
+                                 {absl::StrCat("--memory_budget_bytes=", budget)});
+  ASSERT_NE(dev, nullptr);
+  const int64_t before = LastCounters(*dev)["pool_in_use"];
+  auto s = CreateShmSession(dev->stub(), d.Request());
+  ASSERT_NE(s, nullptr);
+  ASSERT_TRUE(SetState(dev->stub(), s->id, InitialParams(d)).ok());
+  for (int64_t t = 1; t <= 2; ++t) {
+    for (size_t i = 0; i < d.params.size(); ++i) {
+      s->WriteGrad(i, SyntheticValues(7, t, i, d.Numel(i)));
+    }
+    ASSERT_TRUE(DoStep(dev->stub(), s->id, t).ok());
+  }
+  // What the pool says this daemon's one session holds, and what the refusal says is in use.
+  const int64_t in_pool = LastCounters(*dev)["pool_in_use"] - before;
+  EXPECT_EQ(in_pool, h.stepped);
+  grpc::Status st = Create(*dev, d);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+  EXPECT_TRUE(absl::StrContains(
+      st.error_message(),
+      absl::StrCat("; ", in_pool, " of the ", budget, "-byte memory budget (--memory_budget_bytes) "
+                   "are in use by 1 session(s)")))
+      << st.error_message();
+  // Closing the stepped session gives its bytes back to the budget.
+  ASSERT_TRUE(CloseSession(dev->stub(), s->id).ok());
+  std::string id;
+  EXPECT_TRUE(Create(*dev, d, &id).ok());
+  EXPECT_EQ(LastCounters(*dev)["pool_in_use"] - before, h.created);
 }
 
 }  // namespace

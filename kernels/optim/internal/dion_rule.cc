@@ -166,6 +166,34 @@ absl::Status ReplicaAverage(const kernels::Context& ctx,
   return Upload(ctx, host.data(), buf, n);
 }
 
+// zero[j] ← whether matrix j of the N contiguous matrices of `per` elements at `buf` is all
+// zero (±0; NaN is not zero). On the CPU: IsAllZero per matrix (it stops at the first non-zero).
+// On a device, one sync point for the whole bucket instead of one per matrix: the matrices' L1
+// norms (AxisNorms over the N×per rows, accumulated in double, so a non-zero element, subnormals
+// included, gives a non-zero norm and a NaN a NaN) into the scratch arena, read back in one copy.
+absl::Status AllZeroFlags(const kernels::Context& ctx, const float* buf, int64_t N, int64_t per,
+                          absl::Span<bool> zero) {
+  const kernels::Device dev = ctx.device();
+  if (dev.type == kernels::DeviceType::kCpu) {
+    for (int64_t j = 0; j < N; ++j) {
+      bool z = false;
+      DIOND_RETURN_IF_ERROR(kernels::IsAllZero(ctx, CVec(buf + j * per, per, dev), &z));
+      zero[static_cast<size_t>(j)] = z;
+    }
+    return absl::OkStatus();
+  }
+  kernels::ScratchArena::Scope scope(ctx.scratch());
+  DIOND_ASSIGN_OR_RETURN(float* const l1, ScratchFloats(ctx, N));
+  const kernels::ConstTensorView rows(
+      buf, kernels::ContiguousLayout(kernels::DType::kF32, {N, per}), dev);
+  DIOND_RETURN_IF_ERROR(kernels::AxisNorms(ctx, rows, kernels::Axis::kRows,
+                                           kernels::NormType::kL1, Vec(l1, N, dev)));
+  absl::InlinedVector<float, 16> host(static_cast<size_t>(N));
+  DIOND_RETURN_IF_ERROR(Download(ctx, l1, host.data(), N));
+  for (size_t j = 0; j < host.size(); ++j) zero[j] = host[j] == 0.0f;
+  return absl::OkStatus();
+}
+
 class DionRule final : public UpdateRule {
  public:
   std::vector<StateSpec> Specs(const GroupConfig& config, const ParamShape& shape) const override {
@@ -220,24 +248,14 @@ class DionRule final : public UpdateRule {
     gp.trans_a = d.transposed ? Trans::kYes : Trans::kNo;
     DIOND_RETURN_IF_ERROR(kernels::Gemm(ctx, gp, CView3(M, mb, dev), CView3(Q, qb, dev), View3(P, pb, dev)));
 
-    // Whether each matrix's momentum is all zero: read back to the host (a sync point per
-    // matrix, docs/KERNELS.md). At most a few matrices per bucket: kept on the stack.
+    // Whether each matrix's momentum is all zero (judged on P under compressed sync, §9.7).
     absl::InlinedVector<bool, 16> zero(static_cast<size_t>(N), false);
     if (args.replica_average != nullptr) {
-      // Compressed sync (§9.7): P ← mean over replicas of B_i·Q; B ≡ 0 judged on the mean.
       DIOND_RETURN_IF_ERROR(ReplicaAverage(ctx, *args.replica_average, P, psize));
-      for (int64_t j = 0; j < N; ++j) {
-        bool z = false;
-        DIOND_RETURN_IF_ERROR(kernels::IsAllZero(ctx, CView3(P, pb, dev).Matrix(j), &z));
-        zero[j] = z;
-      }
-    } else {
-      for (int64_t j = 0; j < N; ++j) {
-        bool z = false;
-        DIOND_RETURN_IF_ERROR(kernels::IsAllZero(ctx, CView3(M, mb, dev).Matrix(j), &z));
-        zero[j] = z;
-      }
     }
+    DIOND_RETURN_IF_ERROR(args.replica_average != nullptr
+                              ? AllZeroFlags(ctx, P, N, d.a * d.r, absl::MakeSpan(zero))
+                              : AllZeroFlags(ctx, M, N, numel, absl::MakeSpan(zero)));
     // 4. P ← Q-factor of P by qr_method (see the file comment).
     DIOND_RETURN_IF_ERROR(Orthonormalize(ctx, cfg, d, N, args.step, sketch, P));
 
