@@ -17,7 +17,6 @@
 #include <thread>
 
 #include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
@@ -40,11 +39,7 @@ SessionDesc SmallDesc() {
 }
 
 std::vector<Chunk> InitialWeights(const SessionDesc& d, uint64_t seed) {
-  std::vector<Chunk> chunks;
-  for (size_t i = 0; i < d.params.size(); ++i) {
-    chunks.push_back({d.params[i].name, 0, FloatBytes(SyntheticValues(seed, 0, i, d.Numel(i)))});
-  }
-  return chunks;
+  return SyntheticWeights(d, seed);
 }
 
 void WriteGrads(ShmSession* s, const SessionDesc& d, uint64_t seed, int64_t t) {
@@ -235,23 +230,6 @@ TEST_F(DamagedCheckpoint, TruncatedManifestIsDataLoss) {
 
 TEST_F(DamagedCheckpoint, MissingTensorFileIsDataLoss) {
   ExpectRefused("tensors.safetensors", [](const std::string& p) { fs::remove(p); }, "missing");
-}
-
-// step-<N> directories under <root>/<session>, as LatestCheckpoint sees them.
-std::vector<int64_t> CheckpointSteps(const std::string& dir, std::vector<std::string>* temps) {
-  std::vector<int64_t> steps;
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator(dir, ec)) {
-    const std::string n = e.path().filename().string();
-    int64_t step;
-    if (absl::StartsWith(n, "step-") && absl::SimpleAtoi(n.substr(5), &step)) {
-      steps.push_back(step);
-    } else if (temps != nullptr) {
-      temps->push_back(n);
-    }
-  }
-  std::sort(steps.begin(), steps.end());
-  return steps;
 }
 
 TEST(CheckpointCrash, SigkillWhileCheckpointingEveryStepRestartsToTheLatestCompleteOne) {

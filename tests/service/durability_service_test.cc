@@ -48,13 +48,7 @@ SessionDesc SmallDesc() {
   return d;
 }
 
-std::vector<Chunk> Weights(const SessionDesc& d, uint64_t seed) {
-  std::vector<Chunk> chunks;
-  for (size_t i = 0; i < d.params.size(); ++i) {
-    chunks.push_back({d.params[i].name, 0, FloatBytes(SyntheticValues(seed, 0, i, d.Numel(i)))});
-  }
-  return chunks;
-}
+std::vector<Chunk> Weights(const SessionDesc& d, uint64_t seed) { return SyntheticWeights(d, seed); }
 
 // Every parameter filled with the value `v` (a "version" a reader can recognise).
 std::vector<Chunk> ConstantWeights(const SessionDesc& d, float v) {
@@ -121,22 +115,6 @@ std::vector<std::string> ReplayParams(const SessionDesc& d, uint64_t init, uint6
   return out;
 }
 
-std::vector<int64_t> Steps(const std::string& dir, std::vector<std::string>* others = nullptr) {
-  std::vector<int64_t> steps;
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator(dir, ec)) {
-    const std::string n = e.path().filename().string();
-    int64_t step;
-    if (absl::StartsWith(n, "step-") && absl::SimpleAtoi(n.substr(5), &step)) {
-      steps.push_back(step);
-    } else if (others != nullptr) {
-      others->push_back(n);
-    }
-  }
-  std::sort(steps.begin(), steps.end());
-  return steps;
-}
-
 int64_t PeakRssBytes(pid_t pid) {
   std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
   std::string line;
@@ -169,6 +147,15 @@ class Durability : public ::testing::Test {
     ASSERT_NE(daemon_, nullptr);
   }
   v1::Optimizer::Stub& stub() { return daemon_->stub(); }
+  // Creates a session of `d`, sets its weights and saves its step 0 into *saved.
+  void CreateAndSave(const SessionDesc& d, const std::vector<Chunk>& weights, std::string* id,
+                     v1::SaveCheckpointResponse* saved) {
+    v1::CreateSessionResponse created;
+    ASSERT_TRUE(stub().CreateSession(Ctx().get(), d.Request(), &created).ok());
+    *id = created.session_id();
+    ASSERT_TRUE(SetState(stub(), *id, weights).ok());
+    ASSERT_TRUE(Save(stub(), *id, saved).ok());
+  }
   std::string dir_, state_dir_;
   std::unique_ptr<Daemon> daemon_;
 };
@@ -178,12 +165,9 @@ class Durability : public ::testing::Test {
 TEST_F(Durability, TenThousandLoadsDuringReSavesAllSeeOneCompleteVersion) {
   StartDaemon();
   const SessionDesc d = SmallDesc();
-  v1::CreateSessionResponse created;
-  ASSERT_TRUE(stub().CreateSession(Ctx().get(), d.Request(), &created).ok());
-  const std::string id = created.session_id();
-  ASSERT_TRUE(SetState(stub(), id, ConstantWeights(d, 0.0f)).ok());
+  std::string id;
   v1::SaveCheckpointResponse saved;
-  ASSERT_TRUE(Save(stub(), id, &saved).ok());
+  ASSERT_NO_FATAL_FAILURE(CreateAndSave(d, ConstantWeights(d, 0.0f), &id, &saved));
   const std::string path = saved.path();
 
   // The writer re-saves step 0 over and over, with version v's weights (all equal to v).
@@ -239,7 +223,7 @@ TEST_F(Durability, TenThousandLoadsDuringReSavesAllSeeOneCompleteVersion) {
   EXPECT_GT(resaves, 100) << "the loads must overlap re-saves for the test to mean anything";
   EXPECT_GT(versions_seen.size(), 2u);
   std::vector<std::string> others;
-  Steps(state_dir_ + "/" + id, &others);
+  CheckpointSteps(state_dir_ + "/" + id, &others);
   EXPECT_TRUE(others.empty()) << "left over: " << others.front();
 }
 
@@ -285,7 +269,7 @@ TEST(DurabilityCrash, SigkillDuringReSavesAlwaysLeavesTheCheckpoint) {
     daemon->Kill();
     saver.join();
     const std::string session_dir = state_dir + "/" + s->id;
-    const std::vector<int64_t> steps = Steps(session_dir);
+    const std::vector<int64_t> steps = CheckpointSteps(session_dir);
     if (steps != std::vector<int64_t>{1}) {
       ++lost;
       ADD_FAILURE() << "kill " << k << " after " << resaves << " re-saves: step-1 is gone";
@@ -300,7 +284,7 @@ TEST(DurabilityCrash, SigkillDuringReSavesAlwaysLeavesTheCheckpoint) {
     ASSERT_TRUE(GetState(daemon->stub(), loaded.session().session_id(), true, &got).ok());
     EXPECT_EQ(got, expected) << "kill " << k;
     std::vector<std::string> others;
-    Steps(session_dir, &others);
+    CheckpointSteps(session_dir, &others);
     EXPECT_TRUE(others.empty()) << "kill " << k << ": start-up left " << others.front();
     daemon->Kill();
   }
@@ -321,7 +305,7 @@ TEST_F(Durability, StaleTemporariesAreRemovedAtStartUpAndLogged) {
   fs::create_directories(live);
   StartDaemon();
   std::vector<std::string> others;
-  EXPECT_EQ(Steps(session_dir, &others), std::vector<int64_t>{2});
+  EXPECT_EQ(CheckpointSteps(session_dir, &others), std::vector<int64_t>{2});
   EXPECT_EQ(others, std::vector<std::string>{fs::path(live).filename().string()});
   EXPECT_TRUE(absl::StrContains(daemon_->Log(), "removed 2 stale temporary checkpoint directories"))
       << daemon_->Log();
@@ -337,7 +321,7 @@ TEST_F(Durability, KeepCheckpointsKeepsTheNewestN) {
     WriteGrads(s.get(), d, 2, t);
     ASSERT_TRUE(DoStep(stub(), s->id, t).ok());
   }
-  EXPECT_EQ(Steps(state_dir_ + "/" + s->id), (std::vector<int64_t>{4, 5}));
+  EXPECT_EQ(CheckpointSteps(state_dir_ + "/" + s->id), (std::vector<int64_t>{4, 5}));
   v1::LoadCheckpointResponse loaded;
   EXPECT_TRUE(Load(stub(), absl::StrCat(s->id, "/step-5"), &loaded).ok());
 }
@@ -499,12 +483,9 @@ TEST_F(Durability, CraftedCheckpointsAreDataLossNamingTheFieldAndChangeNothing) 
 TEST_F(Durability, NoSymlinkLeadsOutOfTheStateDir) {
   StartDaemon({}, /*tcp=*/true);
   const SessionDesc d = SmallDesc();
-  v1::CreateSessionResponse created;
-  ASSERT_TRUE(stub().CreateSession(Ctx().get(), d.Request(), &created).ok());
-  const std::string id = created.session_id();
-  ASSERT_TRUE(SetState(stub(), id, Weights(d, 3)).ok());
+  std::string id;
   v1::SaveCheckpointResponse saved;
-  ASSERT_TRUE(Save(stub(), id, &saved).ok());
+  ASSERT_NO_FATAL_FAILURE(CreateAndSave(d, Weights(d, 3), &id, &saved));
   // A checkpoint outside, reachable through a symlink inside.
   const std::string outside = dir_ + "/outside";
   fs::create_directories(outside);
@@ -530,7 +511,7 @@ TEST_F(Durability, NoSymlinkLeadsOutOfTheStateDir) {
     EXPECT_TRUE(s.ok()) << s.error_message();
   }
   EXPECT_FALSE(fs::exists(outside + "/deeper"));
-  EXPECT_EQ(Steps(outside + "/" + id), std::vector<int64_t>{0});
+  EXPECT_EQ(CheckpointSteps(outside + "/" + id), std::vector<int64_t>{0});
 }
 
 // Found while writing tests/fuzz/auth_fuzz.cc (seed regress_nul_path): the system calls read a
@@ -539,12 +520,9 @@ TEST_F(Durability, NoSymlinkLeadsOutOfTheStateDir) {
 TEST_F(Durability, APathWithANulByteIsRefused) {
   StartDaemon({}, /*tcp=*/true);
   const SessionDesc d = SmallDesc();
-  v1::CreateSessionResponse created;
-  ASSERT_TRUE(stub().CreateSession(Ctx().get(), d.Request(), &created).ok());
-  const std::string id = created.session_id();
-  ASSERT_TRUE(SetState(stub(), id, Weights(d, 3)).ok());
+  std::string id;
   v1::SaveCheckpointResponse saved;
-  ASSERT_TRUE(Save(stub(), id, &saved).ok());
+  ASSERT_NO_FATAL_FAILURE(CreateAndSave(d, Weights(d, 3), &id, &saved));
   auto tcp = daemon_->NewTcpStub();
   for (v1::Optimizer::Stub* st : {&stub(), tcp.get()}) {
     v1::LoadCheckpointResponse r;
@@ -556,7 +534,7 @@ TEST_F(Durability, APathWithANulByteIsRefused) {
     EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
   }
   EXPECT_FALSE(fs::exists(state_dir_ + "/fresh"));
-  EXPECT_EQ(Steps(state_dir_ + "/" + id), std::vector<int64_t>{0});
+  EXPECT_EQ(CheckpointSteps(state_dir_ + "/" + id), std::vector<int64_t>{0});
 }
 
 TEST(DurabilityPaths, RelativePathsWithoutStateDirAreRefusedNotResolvedAgainstTheCwd) {
