@@ -48,7 +48,9 @@ SessionDesc SmallDesc() {
   return d;
 }
 
-std::vector<Chunk> Weights(const SessionDesc& d, uint64_t seed) { return SyntheticWeights(d, seed); }
+std::vector<Chunk> Weights(const SessionDesc& d, uint64_t seed) {
+  return SyntheticWeights(d, seed);
+}
 
 // Every parameter filled with the value `v` (a "version" a reader can recognise).
 std::vector<Chunk> ConstantWeights(const SessionDesc& d, float v) {
@@ -58,25 +60,6 @@ std::vector<Chunk> ConstantWeights(const SessionDesc& d, float v) {
                       FloatBytes(std::vector<float>(static_cast<size_t>(d.Numel(i)), v))});
   }
   return chunks;
-}
-
-void WriteGrads(ShmSession* s, const SessionDesc& d, uint64_t seed, int64_t t) {
-  for (size_t i = 0; i < d.params.size(); ++i) {
-    s->WriteGrad(i, SyntheticValues(seed, t, i, d.Numel(i)));
-  }
-}
-
-size_t SessionCount(v1::Optimizer::Stub& stub) {
-  v1::ListSessionsResponse list;
-  EXPECT_TRUE(stub.ListSessions(Ctx().get(), v1::ListSessionsRequest(), &list).ok());
-  return static_cast<size_t>(list.sessions_size());
-}
-
-grpc::Status Load(v1::Optimizer::Stub& stub, const std::string& path,
-                  v1::LoadCheckpointResponse* resp) {
-  v1::LoadCheckpointRequest r;
-  r.set_path(path);
-  return stub.LoadCheckpoint(Ctx().get(), r, resp);
 }
 
 grpc::Status Save(v1::Optimizer::Stub& stub, const std::string& session,
@@ -193,7 +176,7 @@ TEST_F(Durability, TenThousandLoadsDuringReSavesAllSeeOneCompleteVersion) {
   std::set<float> versions_seen;
   for (int i = 0; i < kLoads; ++i) {
     v1::LoadCheckpointResponse loaded;
-    grpc::Status st = Load(stub(), path, &loaded);
+    grpc::Status st = LoadCheckpointFrom(stub(), path, &loaded);
     if (!st.ok()) {
       if (failures++ == 0) first_failure = st.error_message();
       continue;
@@ -249,7 +232,7 @@ TEST(DurabilityCrash, SigkillDuringReSavesAlwaysLeavesTheCheckpoint) {
     auto s = CreateShmSession(daemon->stub(), d.Request());
     ASSERT_NE(s, nullptr);
     ASSERT_TRUE(SetState(daemon->stub(), s->id, Weights(d, 40 + k)).ok());
-    WriteGrads(s.get(), d, 41, 1);
+    WriteSyntheticGrads(s.get(), d, 41, 1);
     ASSERT_TRUE(DoStep(daemon->stub(), s->id, 1).ok());
     TensorMap expected;
     ASSERT_TRUE(GetState(daemon->stub(), s->id, true, &expected).ok());
@@ -278,7 +261,7 @@ TEST(DurabilityCrash, SigkillDuringReSavesAlwaysLeavesTheCheckpoint) {
     daemon = Daemon::Start({"--state_dir=" + state_dir}, false, dir);
     ASSERT_NE(daemon, nullptr);
     v1::LoadCheckpointResponse loaded;
-    grpc::Status st = Load(daemon->stub(), first.path(), &loaded);
+    grpc::Status st = LoadCheckpointFrom(daemon->stub(), first.path(), &loaded);
     ASSERT_TRUE(st.ok()) << "kill " << k << ": " << st.error_message();
     TensorMap got;
     ASSERT_TRUE(GetState(daemon->stub(), loaded.session().session_id(), true, &got).ok());
@@ -318,12 +301,12 @@ TEST_F(Durability, KeepCheckpointsKeepsTheNewestN) {
   ASSERT_NE(s, nullptr);
   ASSERT_TRUE(SetState(stub(), s->id, Weights(d, 1)).ok());
   for (int64_t t = 1; t <= 5; ++t) {
-    WriteGrads(s.get(), d, 2, t);
+    WriteSyntheticGrads(s.get(), d, 2, t);
     ASSERT_TRUE(DoStep(stub(), s->id, t).ok());
   }
   EXPECT_EQ(CheckpointSteps(state_dir_ + "/" + s->id), (std::vector<int64_t>{4, 5}));
   v1::LoadCheckpointResponse loaded;
-  EXPECT_TRUE(Load(stub(), absl::StrCat(s->id, "/step-5"), &loaded).ok());
+  EXPECT_TRUE(LoadCheckpointFrom(stub(), absl::StrCat(s->id, "/step-5"), &loaded).ok());
 }
 
 // ---- crafted checkpoints -----------------------------------------------------------------------
@@ -367,7 +350,7 @@ TEST_F(Durability, CraftedCheckpointsAreDataLossNamingTheFieldAndChangeNothing) 
   auto s = CreateShmSession(stub(), d.Request());
   ASSERT_NE(s, nullptr);
   ASSERT_TRUE(SetState(stub(), s->id, Weights(d, 7)).ok());
-  WriteGrads(s.get(), d, 8, 1);
+  WriteSyntheticGrads(s.get(), d, 8, 1);
   ASSERT_TRUE(DoStep(stub(), s->id, 1).ok());
   v1::SaveCheckpointResponse saved;
   ASSERT_TRUE(Save(stub(), s->id, &saved).ok());
@@ -462,7 +445,7 @@ TEST_F(Durability, CraftedCheckpointsAreDataLossNamingTheFieldAndChangeNothing) 
     fs::copy(good, copy, fs::copy_options::recursive);
     c.craft(copy);
     v1::LoadCheckpointResponse resp;
-    grpc::Status st = Load(stub(), copy, &resp);
+    grpc::Status st = LoadCheckpointFrom(stub(), copy, &resp);
     EXPECT_EQ(st.error_code(), grpc::StatusCode::DATA_LOSS) << st.error_message();
     EXPECT_TRUE(absl::StrContains(st.error_message(), c.expect)) << st.error_message();
     const std::string file = c.file.empty() ? copy : absl::StrCat(copy, "/", c.file);
@@ -475,7 +458,7 @@ TEST_F(Durability, CraftedCheckpointsAreDataLossNamingTheFieldAndChangeNothing) 
   // The 1 GiB manifest was refused by its size, never read.
   EXPECT_LT(PeakRssBytes(daemon_->pid()), int64_t{512} << 20);
   v1::LoadCheckpointResponse ok;
-  EXPECT_TRUE(Load(stub(), good, &ok).ok());
+  EXPECT_TRUE(LoadCheckpointFrom(stub(), good, &ok).ok());
 }
 
 // ---- paths -------------------------------------------------------------------------------------
@@ -498,7 +481,7 @@ TEST_F(Durability, NoSymlinkLeadsOutOfTheStateDir) {
     for (const std::string& p : {absl::StrCat("escape/", id, "/step-0"),
                                  absl::StrCat("escape_relative/", id, "/step-0")}) {
       v1::LoadCheckpointResponse r;
-      grpc::Status s = Load(*st, p, &r);
+      grpc::Status s = LoadCheckpointFrom(*st, p, &r);
       EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << p << ": "
                                                                      << s.error_message();
       EXPECT_TRUE(absl::StrContains(s.error_message(), "leaves --state_dir")) << s.error_message();
@@ -507,7 +490,7 @@ TEST_F(Durability, NoSymlinkLeadsOutOfTheStateDir) {
       EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
     }
     v1::LoadCheckpointResponse r;
-    grpc::Status s = Load(*st, "alias/step-0", &r);
+    grpc::Status s = LoadCheckpointFrom(*st, "alias/step-0", &r);
     EXPECT_TRUE(s.ok()) << s.error_message();
   }
   EXPECT_FALSE(fs::exists(outside + "/deeper"));
@@ -526,7 +509,8 @@ TEST_F(Durability, APathWithANulByteIsRefused) {
   auto tcp = daemon_->NewTcpStub();
   for (v1::Optimizer::Stub* st : {&stub(), tcp.get()}) {
     v1::LoadCheckpointResponse r;
-    grpc::Status s = Load(*st, absl::StrCat(id, "/step-0", std::string(1, '\0'), "junk"), &r);
+    grpc::Status s =
+        LoadCheckpointFrom(*st, absl::StrCat(id, "/step-0", std::string(1, '\0'), "junk"), &r);
     EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
     EXPECT_TRUE(absl::StrContains(s.error_message(), "contains a NUL byte")) << s.error_message();
     v1::SaveCheckpointResponse sr;
@@ -558,13 +542,13 @@ TEST(DurabilityPaths, RelativePathsWithoutStateDirAreRefusedNotResolvedAgainstTh
   auto tcp = daemon->NewTcpStub();
   for (v1::Optimizer::Stub* st : {&daemon->stub(), tcp.get()}) {
     v1::LoadCheckpointResponse r;
-    grpc::Status s = Load(*st, rel, &r);
+    grpc::Status s = LoadCheckpointFrom(*st, rel, &r);
     EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
     EXPECT_TRUE(absl::StrContains(s.error_message(), "needs --state_dir")) << s.error_message();
   }
   // The absolute path works for the Unix-socket peer.
   v1::LoadCheckpointResponse r;
-  EXPECT_TRUE(Load(daemon->stub(), (fs::current_path() / rel).string(), &r).ok());
+  EXPECT_TRUE(LoadCheckpointFrom(daemon->stub(), (fs::current_path() / rel).string(), &r).ok());
   fs::remove_all(fs::current_path() / rel);
   fs::remove_all(dir);
 }
@@ -579,13 +563,13 @@ TEST_F(Durability, RetriedStepAfterDaemonRestartIsAnsweredAsBefore) {
   ASSERT_TRUE(SetState(stub(), s->id, Weights(d, 11)).ok());
   v1::StepResponse answer;
   for (int64_t t = 1; t <= 3; ++t) {
-    WriteGrads(s.get(), d, 12, t);
+    WriteSyntheticGrads(s.get(), d, 12, t);
     ASSERT_TRUE(DoStep(stub(), s->id, t, &answer).ok());
   }
   daemon_->Kill();  // as if the reply of step 3 had been lost in the crash
   StartDaemon();
   v1::LoadCheckpointResponse loaded;
-  ASSERT_TRUE(Load(stub(), absl::StrCat(s->id, "/step-3"), &loaded).ok());
+  ASSERT_TRUE(LoadCheckpointFrom(stub(), absl::StrCat(s->id, "/step-3"), &loaded).ok());
   EXPECT_EQ(loaded.step_index(), 3);
   const std::string b = loaded.session().session_id();
   auto bound = BindShmSession(stub(), loaded.session());
@@ -612,7 +596,7 @@ TEST_F(Durability, RetriedStepAfterDaemonRestartIsAnsweredAsBefore) {
   st = DoStep(stub(), b, std::numeric_limits<int64_t>::min());
   EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   // And training goes on, equal to the uninterrupted run.
-  WriteGrads(bound.get(), d, 12, 4);
+  WriteSyntheticGrads(bound.get(), d, 12, 4);
   ASSERT_TRUE(DoStep(stub(), b, 4).ok());
   const std::vector<std::string> want = ReplayParams(d, 11, 12, 4);
   for (size_t i = 0; i < d.params.size(); ++i) EXPECT_EQ(bound->ParamBytes(i), want[i]);
@@ -661,7 +645,7 @@ TEST_F(Durability, NewTrainerReattachesToTheLiveSessionAndContinuesBitExact) {
   ASSERT_NE(old_trainer, nullptr);
   ASSERT_TRUE(SetState(stub(), old_trainer->id, Weights(d, 21)).ok());
   for (int64_t t = 1; t <= 3; ++t) {
-    WriteGrads(old_trainer.get(), d, 22, t);
+    WriteSyntheticGrads(old_trainer.get(), d, 22, t);
     ASSERT_TRUE(DoStep(stub(), old_trainer->id, t).ok());
   }
   const std::string id = old_trainer->id;
@@ -679,7 +663,7 @@ TEST_F(Durability, NewTrainerReattachesToTheLiveSessionAndContinuesBitExact) {
     EXPECT_EQ(trainer->ParamBytes(i), want[i]) << "the daemon's weights came back";
   }
   for (int64_t t = 4; t <= 6; ++t) {
-    WriteGrads(trainer.get(), d, 22, t);
+    WriteSyntheticGrads(trainer.get(), d, 22, t);
     ASSERT_TRUE(DoStep(stub(), id, t).ok());
   }
   want = ReplayParams(d, 21, 22, 6);
@@ -733,7 +717,7 @@ TEST(DurabilityRecover, DaemonSigkilledDuringStepsRecoversAndTrainersReattachBit
     std::atomic<int64_t> acked{next - 1};
     std::thread steps([&] {
       for (int64_t t = next; t <= kTotal; ++t) {
-        WriteGrads(trainer.get(), d, 32, t);
+        WriteSyntheticGrads(trainer.get(), d, 32, t);
         if (!DoStep(daemon->stub(), trainer->id, t).ok()) return;
         acked = t;
       }

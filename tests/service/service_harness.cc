@@ -455,6 +455,25 @@ std::vector<int64_t> CheckpointSteps(const std::string& dir, std::vector<std::st
   return steps;
 }
 
+grpc::Status LoadCheckpointFrom(v1::Optimizer::Stub& stub, const std::string& path,
+                                v1::LoadCheckpointResponse* resp) {
+  v1::LoadCheckpointRequest r;
+  r.set_path(path);
+  return stub.LoadCheckpoint(Ctx().get(), r, resp);
+}
+
+size_t SessionCount(v1::Optimizer::Stub& stub) {
+  v1::ListSessionsResponse list;
+  EXPECT_TRUE(stub.ListSessions(Ctx().get(), v1::ListSessionsRequest(), &list).ok());
+  return static_cast<size_t>(list.sessions_size());
+}
+
+void WriteSyntheticGrads(ShmSession* s, const SessionDesc& d, uint64_t seed, int64_t t) {
+  for (size_t i = 0; i < d.params.size(); ++i) {
+    s->WriteGrad(i, SyntheticValues(seed, t, i, d.Numel(i)));
+  }
+}
+
 absl::StatusOr<std::unique_ptr<Replay>> Replay::Create(const SessionDesc& desc) {
   std::unique_ptr<Replay> r(new Replay);
   r->groups_.resize(desc.groups.size());

@@ -190,6 +190,11 @@ SessionDesc TwoMatricesAndABias(optim::AlgorithmKind algorithm);
 // LatestCheckpoint sees them; the names of its other entries go to `others` when given.
 std::vector<int64_t> CheckpointSteps(const std::string& dir,
                                      std::vector<std::string>* others = nullptr);
+// LoadCheckpoint of `path`.
+grpc::Status LoadCheckpointFrom(v1::Optimizer::Stub& stub, const std::string& path,
+                                v1::LoadCheckpointResponse* resp);
+// How many sessions ListSessions shows (a failed call is a test failure and counts 0).
+size_t SessionCount(v1::Optimizer::Stub& stub);
 
 // The session's optimizers run in this process (fp32 parameters).
 class Replay {
@@ -226,6 +231,8 @@ struct ShmSession {
   void WriteGrad(size_t i, const std::vector<float>& g);
   void WriteGradBytes(size_t i, const std::string& bytes);
 };
+// Writes SyntheticValues(seed, step t) into every gradient of `s`.
+void WriteSyntheticGrads(ShmSession* s, const SessionDesc& d, uint64_t seed, int64_t t);
 // CreateSession + segments + RegisterRegion for both roles (ADD_FAILUREs and returns null on
 // error).
 std::unique_ptr<ShmSession> CreateShmSession(v1::Optimizer::Stub& stub,

@@ -107,7 +107,9 @@ absl::StatusOr<MemfdArena> MemfdArena::CreateUnregistered(const Layout& layout) 
   a.size_ = a.grad_offset_ + layout.grad_arena_bytes;
   a.fd_ = memfd_create("diond-arena", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (a.fd_ < 0) return ErrnoStatus("memfd_create", errno);
-  if (ftruncate(a.fd_, static_cast<off_t>(a.size_)) != 0) return ErrnoStatus("ftruncate(memfd)", errno);
+  if (ftruncate(a.fd_, static_cast<off_t>(a.size_)) != 0) {
+    return ErrnoStatus("ftruncate(memfd)", errno);
+  }
   if (fcntl(a.fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0) {
     return ErrnoStatus("fcntl(F_ADD_SEALS) on the memfd", errno);
   }
