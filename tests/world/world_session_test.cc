@@ -245,11 +245,7 @@ TEST_P(WorldSession, ChecksumsHealADriftedReplica) {
   auto s = CreateEverywhere(req);
   ASSERT_EQ(static_cast<int>(s.size()), w);
   auto step_all = [&](int64_t step) {
-    for (int r = 0; r < w; ++r) {
-      for (size_t i = 0; i < desc.params.size(); ++i) {
-        s[r]->WriteGrad(i, SyntheticValues(6, step, i, desc.Numel(i)));
-      }
-    }
+    for (int r = 0; r < w; ++r) WriteSyntheticGrads(s[r].get(), desc, 6, step);
     StepAll(daemons_, s, step);
   };
   auto identical = [&] {
@@ -292,11 +288,7 @@ TEST_P(WorldSession, MuonBytesPerStepMatchTheFormula) {
   auto s = CreateEverywhere(req);
   ASSERT_EQ(static_cast<int>(s.size()), w);
   for (int64_t step = 1; step <= 3; ++step) {
-    for (int r = 0; r < w; ++r) {
-      for (size_t i = 0; i < desc.params.size(); ++i) {
-        s[r]->WriteGrad(i, SyntheticValues(5, step, i, mrows * ncols));
-      }
-    }
+    for (int r = 0; r < w; ++r) WriteSyntheticGrads(s[r].get(), desc, 5, step);
     auto resp = StepAll(daemons_, s, step);
     const double formula = 4.0 * (w - 1) / w * static_cast<double>(count * mrows * ncols);
     for (int r = 0; r < w; ++r) {
@@ -418,11 +410,7 @@ TEST_P(WorldSession, AverageBytesPerStepMatchTheFormula) {
   auto s = CreateEverywhere(req);
   ASSERT_EQ(static_cast<int>(s.size()), w);
   for (int64_t step = 1; step <= 2; ++step) {
-    for (int r = 0; r < w; ++r) {
-      for (size_t i = 0; i < desc.params.size(); ++i) {
-        s[r]->WriteGrad(i, SyntheticValues(9 + r, step, i, mrows * ncols));
-      }
-    }
+    for (int r = 0; r < w; ++r) WriteSyntheticGrads(s[r].get(), desc, 9 + r, step);
     auto resp = StepAll(daemons_, s, step);
     const double formula = 8.0 * (w - 1) / w * static_cast<double>(count * mrows * ncols);
     for (int r = 0; r < w; ++r) {
@@ -459,11 +447,7 @@ TEST_P(WorldSession, CompactExchangeBytesMatchTheFormulas) {
     auto s = CreateEverywhere(req);
     ASSERT_EQ(static_cast<int>(s.size()), w);
     for (int64_t step = 1; step <= 3; ++step) {
-      for (int r = 0; r < w; ++r) {
-        for (size_t i = 0; i < desc.params.size(); ++i) {
-          s[r]->WriteGrad(i, SyntheticValues(3, step, i, mrows * ncols));
-        }
-      }
+      for (int r = 0; r < w; ++r) WriteSyntheticGrads(s[r].get(), desc, 3, step);
       auto resp = StepAll(daemons_, s, step);
       const double formula = 4.0 * (w - 1) / w * static_cast<double>(count * a.payload);
       const double muon = 4.0 * (w - 1) / w * static_cast<double>(count * mrows * ncols);
