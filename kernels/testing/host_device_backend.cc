@@ -707,23 +707,36 @@ int DeviceUuids(const DiondOpsCall* call, uint8_t* uuids, int32_t capacity, int3
   return DIOND_OPS_OK;
 }
 
+// Looks the CUDA IPC `kind` ("memory", "event") handle up in `exports` (h.mu held): true, with
+// *rc the FAILED_PRECONDITION, when it is not a handle of this backend or names no export.
+template <typename Map>
+bool FindExport(const DiondOpsCall* call, const uint8_t* handle, const char* magic,
+                const std::string& kind, Map& exports, typename Map::iterator* found, int* rc) {
+  bool ok = false;
+  const uint64_t id = ReadId(handle, magic, &ok);
+  if (!ok) {
+    *rc = Fail(call, DIOND_OPS_FAILED_PRECONDITION,
+               "host-test device: not a CUDA IPC " + kind + " handle of this backend");
+    return true;
+  }
+  *found = exports.find(id);
+  if (*found == exports.end()) {
+    *rc = Fail(call, DIOND_OPS_FAILED_PRECONDITION,
+               "host-test device: unknown CUDA IPC " + kind + " handle " + std::to_string(id));
+    return true;
+  }
+  return false;
+}
+
 int IpcOpenMemHandle(const DiondOpsCall* call, const uint8_t* handle, void** ptr,
                      uint64_t* bytes) {
   int rc = DIOND_OPS_OK;
   if (BadDevice(call, &rc)) return rc;
-  bool ok = false;
-  const uint64_t id = ReadId(handle, kMemMagic, &ok);
   Handoff& h = Ho();
   std::lock_guard<std::mutex> lock(h.mu);
-  if (!ok) {
-    return Fail(call, DIOND_OPS_FAILED_PRECONDITION,
-                "host-test device: not a CUDA IPC memory handle of this backend");
-  }
-  auto it = h.exports.find(id);
-  if (it == h.exports.end()) {
-    return Fail(call, DIOND_OPS_FAILED_PRECONDITION,
-                "host-test device: unknown CUDA IPC memory handle " + std::to_string(id));
-  }
+  auto it = h.exports.end();
+  if (FindExport(call, handle, kMemMagic, "memory", h.exports, &it, &rc)) return rc;
+  const uint64_t id = it->first;
   if (!LiveAllocation(it->second.ptr, it->second.bytes)) {
     return Fail(call, DIOND_OPS_FAILED_PRECONDITION,
                 "host-test device: the allocation of CUDA IPC memory handle " +
@@ -812,19 +825,11 @@ int VmmUnmap(const DiondOpsCall* call, void* ptr, uint64_t bytes, void* handle) 
 int IpcOpenEvent(const DiondOpsCall* call, const uint8_t* handle, void** event) {
   int rc = DIOND_OPS_OK;
   if (BadDevice(call, &rc)) return rc;
-  bool ok = false;
-  const uint64_t id = ReadId(handle, kEventMagic, &ok);
   Handoff& h = Ho();
   std::lock_guard<std::mutex> lock(h.mu);
-  if (!ok) {
-    return Fail(call, DIOND_OPS_FAILED_PRECONDITION,
-                "host-test device: not a CUDA IPC event handle of this backend");
-  }
-  auto it = h.event_exports.find(id);
-  if (it == h.event_exports.end()) {
-    return Fail(call, DIOND_OPS_FAILED_PRECONDITION,
-                "host-test device: unknown CUDA IPC event handle " + std::to_string(id));
-  }
+  auto it = h.event_exports.end();
+  if (FindExport(call, handle, kEventMagic, "event", h.event_exports, &it, &rc)) return rc;
+  const uint64_t id = it->first;
   if (it->second != call->device) {
     return Fail(call, DIOND_OPS_FAILED_PRECONDITION,
                 "host-test device: the event was created on device " +
@@ -856,17 +861,22 @@ int EventDestroy(const DiondOpsCall* call, void* event) {
   return DIOND_OPS_OK;
 }
 
+// The event is live (LiveEvent) and was opened on the call's device.
+bool LiveEventOnDevice(const DiondOpsCall* call, void* event, int* rc) {
+  if (!LiveEvent(call, event, rc)) return false;
+  if (static_cast<Event*>(event)->device == call->device) return true;
+  *rc = Fail(call, DIOND_OPS_FAILED_PRECONDITION,
+             "host-test device: the event belongs to another device");
+  return false;
+}
+
 // The stream entries: a stream of ours on the event's device (host memory: nothing to order).
 int StreamWaitEvent(const DiondOpsCall* call, void* event) {
   int rc = DIOND_OPS_OK;
   if (!CheckStream(call, &rc)) return rc;
   Handoff& h = Ho();
   std::lock_guard<std::mutex> lock(h.mu);
-  if (!LiveEvent(call, event, &rc)) return rc;
-  if (static_cast<Event*>(event)->device != call->device) {
-    return Fail(call, DIOND_OPS_FAILED_PRECONDITION,
-                "host-test device: the event belongs to another device");
-  }
+  if (!LiveEventOnDevice(call, event, &rc)) return rc;
   ++h.counters.stream_waits;
   return DIOND_OPS_OK;
 }
@@ -876,14 +886,20 @@ int EventRecord(const DiondOpsCall* call, void* event) {
   if (!CheckStream(call, &rc)) return rc;
   Handoff& h = Ho();
   std::lock_guard<std::mutex> lock(h.mu);
-  if (!LiveEvent(call, event, &rc)) return rc;
-  if (static_cast<Event*>(event)->device != call->device) {
-    return Fail(call, DIOND_OPS_FAILED_PRECONDITION,
-                "host-test device: the event belongs to another device");
-  }
+  if (!LiveEventOnDevice(call, event, &rc)) return rc;
   ++h.event_records[static_cast<Event*>(event)->id];
   ++h.counters.event_records;
   return DIOND_OPS_OK;
+}
+
+// `ptr` is the base of a live allocation (its size in *bytes) and `device` one of ours.
+bool ExportableBlock(int device, void* ptr, uint64_t* bytes) {
+  if (device < 0 || device >= kHostTestDeviceCount) return false;
+  std::lock_guard<std::mutex> lock(St().mu);
+  auto it = St().blocks.find(ptr);
+  if (it == St().blocks.end()) return false;
+  *bytes = it->second;
+  return true;
 }
 
 }  // namespace
@@ -898,14 +914,8 @@ GpuUuidBytes HostTestDeviceUuid(int index) {
 }
 
 bool HostTestExportIpcMemHandle(int device, void* ptr, uint8_t* handle) {
-  if (device < 0 || device >= kHostTestDeviceCount) return false;
   uint64_t bytes = 0;
-  {
-    std::lock_guard<std::mutex> lock(St().mu);
-    auto it = St().blocks.find(ptr);
-    if (it == St().blocks.end()) return false;
-    bytes = it->second;
-  }
+  if (!ExportableBlock(device, ptr, &bytes)) return false;
   Handoff& h = Ho();
   std::lock_guard<std::mutex> lock(h.mu);
   const uint64_t id = h.next_id++;
@@ -915,14 +925,8 @@ bool HostTestExportIpcMemHandle(int device, void* ptr, uint8_t* handle) {
 }
 
 int HostTestExportVmmFd(int device, void* ptr) {
-  if (device < 0 || device >= kHostTestDeviceCount) return -1;
   uint64_t bytes = 0;
-  {
-    std::lock_guard<std::mutex> lock(St().mu);
-    auto it = St().blocks.find(ptr);
-    if (it == St().blocks.end()) return -1;
-    bytes = it->second;
-  }
+  if (!ExportableBlock(device, ptr, &bytes)) return -1;
   const int fd = memfd_create("diond-test-vmm", MFD_CLOEXEC);
   if (fd < 0) return -1;
   struct stat st;

@@ -181,7 +181,6 @@ class SessionManager {
   absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> names_ ABSL_GUARDED_BY(mu_);  // session_name -> id
-  uint64_t counter_ ABSL_GUARDED_BY(mu_) = 0;
   std::shared_ptr<WorldLink> world_ ABSL_GUARDED_BY(mu_);  // null: no world
   bool world_detached_ ABSL_GUARDED_BY(mu_) = false;
   comm::KeyValueStore* kv_ ABSL_GUARDED_BY(mu_) = nullptr;

@@ -53,6 +53,7 @@
 #include "server/rpc/convert.h"
 #include "server/session/checkpoint.h"
 #include "server/session/session_manager.h"
+#include "tests/fuzz/fuzz_support.h"
 
 namespace {
 
@@ -79,47 +80,19 @@ constexpr Token kTokens[] = {
 constexpr int kUnixFds[] = {3, 4, 5};
 uid_t UnixUid(int fd) { return fd == 3 ? 1000 : fd == 4 ? 0 : geteuid(); }
 
-void Require(bool ok, const char* what) {
-  if (!ok) {
-    std::fprintf(stderr, "property violated: %s\n", what);
-    std::abort();
-  }
-}
+using diond::fuzz::Records;
+using diond::fuzz::Require;
 
 // `sent`: what the caller sent besides its credential (a path may hold any bytes, a token's
 // included, and its echo then repeats the caller's own input). A message never shows one of the
 // daemon's tokens that the caller did not send there.
 void RequireBounded(const absl::Status& s, absl::string_view sent = {}) {
-  if (std::getenv("DIOND_FUZZ_VERBOSE") != nullptr) {
-    std::fprintf(stderr, "status: %s\n", s.ToString().c_str());
-  }
-  Require(s.message().size() <= 2048, "error message longer than 2 KiB");
-  for (char c : s.message()) Require(c != '\n' && c != '\0', "error message is not one line");
+  diond::fuzz::RequireBoundedMessage(s, 2048);
   for (const Token& t : kTokens) {
     Require(!absl::StrContains(s.message(), t.token) || absl::StrContains(sent, t.token),
             "a message echoes a token");
   }
 }
-
-class Reader {
- public:
-  Reader(const char* data, size_t size) : p_(data), end_(data + size) {}
-  bool Record(int* kind, std::string* bytes) {
-    if (end_ - p_ < 3) return false;
-    *kind = static_cast<unsigned char>(p_[0]);
-    size_t len = static_cast<unsigned char>(p_[1]) |
-                 (static_cast<size_t>(static_cast<unsigned char>(p_[2])) << 8);
-    p_ += 3;
-    len = std::min<size_t>(len, static_cast<size_t>(end_ - p_));
-    bytes->assign(p_, len);
-    p_ += len;
-    return true;
-  }
-
- private:
-  const char* p_;
-  const char* end_;
-};
 
 // Takes one byte of `s` (0 when empty).
 int Take(std::string* s) {
@@ -284,9 +257,7 @@ constexpr const char* kNames[] = {"s-uid", "s-alice", "s-carol"};
 }  // namespace
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
-  diond::SetMinLogLevel(diond::LogLevel::kError);
-  google::protobuf::SetLogHandler([](google::protobuf::LogLevel, const char*, int,
-                                     const std::string&) {});
+  diond::fuzz::QuietLogs();
   char tmpl[] = "/tmp/diond-auth-fuzz.XXXXXX";
   Require(mkdtemp(tmpl) != nullptr, "mkdtemp");
   g_root = tmpl;
@@ -357,10 +328,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     saved[i] = r->first.substr(g_state_dir.size() + 1);
   }
 
-  Reader in(reinterpret_cast<const char*>(data) + 1, size - 1);
+  Records in(reinterpret_cast<const char*>(data) + 1, size - 1);
   int kind = 0;
   std::string payload;
-  for (int op = 0; op < 64 && in.Record(&kind, &payload); ++op) {
+  for (int op = 0; op < 64 && in.Next(&kind, &payload); ++op) {
     if (kind % 8 == 7) {  // a token file's bytes
       auto parsed = diond::rpc::ParseTokenFile(payload);
       if (!parsed.ok()) {

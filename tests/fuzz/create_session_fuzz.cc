@@ -14,15 +14,11 @@
 #include "kernels/optim/validation.h"
 #include "server/rpc/convert.h"
 #include "server/session/layout.h"
+#include "tests/fuzz/fuzz_support.h"
 
 namespace {
 
-void Require(bool ok, const char* what) {
-  if (!ok) {
-    std::fprintf(stderr, "property violated: %s\n", what);
-    std::abort();
-  }
-}
+using diond::fuzz::Require;
 
 void RequireBounded(const absl::Status& s) {
   Require(s.message().size() < 2048, "error message longer than 2 KiB");

@@ -22,22 +22,15 @@
 #include "google/protobuf/stubs/logging.h"
 #include "kernels/optim/validation.h"
 #include "server/rpc/convert.h"
+#include "tests/fuzz/fuzz_support.h"
 
 namespace {
 
 using diond::optim::Hyperparams;
 
-void Require(bool ok, const char* what) {
-  if (!ok) {
-    std::fprintf(stderr, "property violated: %s\n", what);
-    std::abort();
-  }
-}
+using diond::fuzz::Require;
 
-void RequireBounded(const absl::Status& s) {
-  Require(s.message().size() <= 1024, "error message longer than 1 KiB");
-  for (char c : s.message()) Require(c != '\n' && c != '\0', "error message is not one line");
-}
+void RequireBounded(const absl::Status& s) { diond::fuzz::RequireBoundedMessage(s, 1024); }
 
 bool Same(double a, double b) { return a == b || (std::isnan(a) && std::isnan(b)); }
 
@@ -62,9 +55,7 @@ constexpr diond::optim::AlgorithmKind kAlgorithms[] = {
 }  // namespace
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
-  // protobuf logs every string field that is not UTF-8 (the gRPC server refuses those too).
-  google::protobuf::SetLogHandler([](google::protobuf::LogLevel, const char*, int,
-                                     const std::string&) {});
+  diond::fuzz::SilenceProtobufLogs();
   return 0;
 }
 

@@ -10,15 +10,11 @@
 #include <vector>
 
 #include "server/session/layout.h"
+#include "tests/fuzz/fuzz_support.h"
 
 namespace {
 
-void Require(bool ok, const char* what) {
-  if (!ok) {
-    std::fprintf(stderr, "property violated: %s\n", what);
-    std::abort();
-  }
-}
+using diond::fuzz::Require;
 
 }  // namespace
 

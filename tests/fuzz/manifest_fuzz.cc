@@ -21,6 +21,7 @@
 
 #include "common/logging.h"
 #include "server/session/checkpoint.h"
+#include "tests/fuzz/fuzz_support.h"
 
 namespace {
 
@@ -29,18 +30,10 @@ using diond::session::SessionSnapshot;
 std::string g_dir;   // the checkpoint directory the input is written into
 std::string g_root;  // where the accepted snapshot is written again
 
-void Require(bool ok, const char* what) {
-  if (!ok) {
-    std::fprintf(stderr, "property violated: %s\n", what);
-    std::abort();
-  }
-}
+using diond::fuzz::Require;
 
-void RequireBounded(const absl::Status& s) {
-  // A path (under /tmp, short) plus bounded echoes of the manifest's values.
-  Require(s.message().size() <= 2048, "error message longer than 2 KiB");
-  for (char c : s.message()) Require(c != '\n' && c != '\0', "error message is not one line");
-}
+// A path (under /tmp, short) plus bounded echoes of the manifest's values.
+void RequireBounded(const absl::Status& s) { diond::fuzz::RequireBoundedMessage(s, 2048); }
 
 void WriteFile(const std::string& path, const char* data, size_t size) {
   std::ofstream f(path, std::ios::binary | std::ios::trunc);

@@ -31,26 +31,17 @@
 #include "google/protobuf/stubs/logging.h"
 #include "server/comm/membership.h"
 #include "server/rpc/peer_requests.h"
+#include "tests/fuzz/fuzz_support.h"
 
 namespace {
 
 using diond::comm::Coordinator;
 using diond::comm::MembershipView;
 
-void Require(bool ok, const char* what) {
-  if (!ok) {
-    std::fprintf(stderr, "property violated: %s\n", what);
-    std::abort();
-  }
-}
+using diond::fuzz::Records;
+using diond::fuzz::Require;
 
-void RequireBounded(const absl::Status& s) {
-  if (std::getenv("DIOND_FUZZ_VERBOSE") != nullptr) {
-    std::fprintf(stderr, "status: %s\n", s.ToString().c_str());
-  }
-  Require(s.message().size() <= 1024, "error message longer than 1 KiB");
-  for (char c : s.message()) Require(c != '\n' && c != '\0', "error message is not one line");
-}
+void RequireBounded(const absl::Status& s) { diond::fuzz::RequireBoundedMessage(s, 1024); }
 
 struct Holder {
   uint64_t incarnation = 0;
@@ -78,33 +69,10 @@ void CheckView(const MembershipView& v, int world_size, uint64_t* generation,
   Require(v.complete == (live_count == world_size), "complete flag wrong");
 }
 
-// The input as records (see the top of this file).
-class Records {
- public:
-  Records(const uint8_t* data, size_t size) : p_(data), end_(data + size) {}
-  bool Next(int* kind, std::string* bytes) {
-    if (end_ - p_ < 3) return false;
-    *kind = p_[0] % 6;
-    size_t len = p_[1] | (static_cast<size_t>(p_[2]) << 8);
-    p_ += 3;
-    len = std::min<size_t>(len, static_cast<size_t>(end_ - p_));
-    bytes->assign(reinterpret_cast<const char*>(p_), len);
-    p_ += len;
-    return true;
-  }
-
- private:
-  const uint8_t* p_;
-  const uint8_t* end_;
-};
-
 }  // namespace
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
-  diond::SetMinLogLevel(diond::LogLevel::kError);  // the coordinator logs every Join
-  // protobuf logs every string field that is not UTF-8 (the gRPC server refuses those too).
-  google::protobuf::SetLogHandler([](google::protobuf::LogLevel, const char*, int,
-                                     const std::string&) {});
+  diond::fuzz::QuietLogs();  // the coordinator logs every Join
   return 0;
 }
 
@@ -112,7 +80,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 1) return 0;
   diond::comm::CoordinatorOptions options;
   options.world_size = 1 + data[0] % 4;
-  Records in(data + 1, size - 1);
+  Records in(reinterpret_cast<const char*>(data) + 1, size - 1);  // see the top of this file
   options.heartbeat_interval = absl::Hours(1);  // nobody is declared lost during one input
   options.peer_timeout = absl::Hours(2);
   options.store_limits.max_key_bytes = 300;     // above the 200-byte echo bound
@@ -129,7 +97,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     int kind = 0;
     std::string bytes;
     for (int op = 0; op < 64 && in.Next(&kind, &bytes); ++op) {
-      switch (kind) {
+      switch (kind % 6) {
         case 0: {  // Set
           diond::v1::PeerSetRequest req;
           if (!req.ParseFromString(bytes)) break;

@@ -40,6 +40,7 @@
 #include "server/rpc/convert.h"
 #include "server/session/session_manager.h"
 #include "server/session/shm_region.h"
+#include "tests/fuzz/fuzz_support.h"
 
 namespace {
 
@@ -49,40 +50,10 @@ std::string g_state_dir;
 std::string g_segment;  // the harness's POSIX shm segment (name without '/')
 int g_segment_fd = -1;
 
-void Require(bool ok, const char* what) {
-  if (!ok) {
-    std::fprintf(stderr, "property violated: %s\n", what);
-    std::abort();
-  }
-}
+using diond::fuzz::Records;
+using diond::fuzz::Require;
 
-void RequireBounded(const absl::Status& s) {
-  if (std::getenv("DIOND_FUZZ_VERBOSE") != nullptr) {
-    std::fprintf(stderr, "status: %s\n", s.ToString().c_str());
-  }
-  Require(s.message().size() <= 2048, "error message longer than 2 KiB");
-  for (char c : s.message()) Require(c != '\n' && c != '\0', "error message is not one line");
-}
-
-class Records {
- public:
-  Records(const char* data, size_t size) : p_(data), end_(data + size) {}
-  bool Next(int* kind, std::string* bytes) {
-    if (end_ - p_ < 3) return false;
-    *kind = static_cast<unsigned char>(p_[0]);
-    size_t len = static_cast<unsigned char>(p_[1]) |
-                 (static_cast<size_t>(static_cast<unsigned char>(p_[2])) << 8);
-    p_ += 3;
-    len = std::min<size_t>(len, static_cast<size_t>(end_ - p_));
-    bytes->assign(p_, len);
-    p_ += len;
-    return true;
-  }
-
- private:
-  const char* p_;
-  const char* end_;
-};
+void RequireBounded(const absl::Status& s) { diond::fuzz::RequireBoundedMessage(s, 2048); }
 
 // The session every input starts with: a Muon group of one bf16 matrix and an AdamW group of
 // one f32 vector, as the service tests create (tests/service).
@@ -136,9 +107,7 @@ bool SameState(const Observed& a, const Observed& b) {
 }  // namespace
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
-  diond::SetMinLogLevel(diond::LogLevel::kError);
-  google::protobuf::SetLogHandler([](google::protobuf::LogLevel, const char*, int,
-                                     const std::string&) {});
+  diond::fuzz::QuietLogs();
   char tmpl[] = "/tmp/diond-session-fuzz.XXXXXX";
   Require(mkdtemp(tmpl) != nullptr, "mkdtemp");
   g_state_dir = tmpl;

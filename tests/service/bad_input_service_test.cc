@@ -127,7 +127,7 @@ Snapshot Take() {
 }
 
 std::vector<BadCase> Cases() {
-  const int64_t kBig = int64_t{1} << 62;
+  static constexpr int64_t kBig = int64_t{1} << 62;
   auto good = [] { return world->good->id; };
   auto arena = [] { return world->arena; };
   return {
@@ -171,13 +171,13 @@ std::vector<BadCase> Cases() {
          return Create(r);
        }},
       {"ShapeOverflowsInt64", Code::INVALID_ARGUMENT, "overflows int64",
-       [kBig] {
+       [] {
          auto r = Valid();
          r.mutable_parameters(0)->set_shape(0, kBig);
          return Create(r);
        }},
       {"ByteSizeOverflowsInt64", Code::INVALID_ARGUMENT, "too large",
-       [kBig] {
+       [] {
          // 2^62 elements fit int64, their 2^64 bytes do not.
          auto r = Valid();
          r.mutable_parameters(1)->set_shape(0, kBig);

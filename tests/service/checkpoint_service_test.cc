@@ -17,7 +17,6 @@
 #include <thread>
 
 #include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
@@ -40,30 +39,7 @@ SessionDesc SmallDesc() {
 }
 
 std::vector<Chunk> InitialWeights(const SessionDesc& d, uint64_t seed) {
-  std::vector<Chunk> chunks;
-  for (size_t i = 0; i < d.params.size(); ++i) {
-    chunks.push_back({d.params[i].name, 0, FloatBytes(SyntheticValues(seed, 0, i, d.Numel(i)))});
-  }
-  return chunks;
-}
-
-void WriteGrads(ShmSession* s, const SessionDesc& d, uint64_t seed, int64_t t) {
-  for (size_t i = 0; i < d.params.size(); ++i) s->WriteGrad(i, SyntheticValues(seed, t, i, d.Numel(i)));
-}
-
-size_t SessionCount(v1::Optimizer::Stub& stub) {
-  v1::ListSessionsResponse list;
-  EXPECT_TRUE(stub.ListSessions(Ctx().get(), v1::ListSessionsRequest(), &list).ok());
-  return static_cast<size_t>(list.sessions_size());
-}
-
-grpc::Status Load(v1::Optimizer::Stub& stub, const std::string& path,
-                  v1::LoadCheckpointResponse* resp) {
-  return stub.LoadCheckpoint(Ctx().get(), [&] {
-    v1::LoadCheckpointRequest r;
-    r.set_path(path);
-    return r;
-  }(), resp);
+  return SyntheticWeights(d, seed);
 }
 
 std::string Save(v1::Optimizer::Stub& stub, const std::string& session, int64_t expect_step) {
@@ -104,7 +80,7 @@ TEST_F(Checkpoints, RoundTripContinuesBitExactInShmAndRemoteMode) {
       v1::SetHyperparametersResponse hp_resp;
       ASSERT_TRUE(stub().SetHyperparameters(Ctx().get(), hp, &hp_resp).ok());
     }
-    WriteGrads(a.get(), d, 2, t);
+    WriteSyntheticGrads(a.get(), d, 2, t);
     ASSERT_TRUE(DoStep(stub(), a->id, t).ok());
   }
   const std::string path = Save(stub(), a->id, 3);
@@ -113,7 +89,7 @@ TEST_F(Checkpoints, RoundTripContinuesBitExactInShmAndRemoteMode) {
 
   // B: loaded, then bound to new shm segments; the restored weights land in B's arena.
   v1::LoadCheckpointResponse loaded;
-  grpc::Status st = Load(stub(), path, &loaded);
+  grpc::Status st = LoadCheckpointFrom(stub(), path, &loaded);
   ASSERT_TRUE(st.ok()) << st.error_message();
   EXPECT_EQ(loaded.step_index(), 3);
   EXPECT_NE(loaded.session().session_id(), a->id);
@@ -144,12 +120,12 @@ TEST_F(Checkpoints, RoundTripContinuesBitExactInShmAndRemoteMode) {
 
   // C: loaded again, remote mode (Push/Pull, no regions).
   v1::LoadCheckpointResponse loaded_c;
-  ASSERT_TRUE(Load(stub(), path, &loaded_c).ok());
+  ASSERT_TRUE(LoadCheckpointFrom(stub(), path, &loaded_c).ok());
   const std::string c = loaded_c.session().session_id();
 
   for (int64_t t = 4; t <= 6; ++t) {
-    WriteGrads(a.get(), d, 2, t);
-    WriteGrads(b.get(), d, 2, t);
+    WriteSyntheticGrads(a.get(), d, 2, t);
+    WriteSyntheticGrads(b.get(), d, 2, t);
     std::vector<Chunk> grads;
     for (size_t i = 0; i < d.params.size(); ++i) {
       grads.push_back({d.params[i].name, 0, FloatBytes(SyntheticValues(2, t, i, d.Numel(i)))});
@@ -191,13 +167,13 @@ class DamagedCheckpoint : public Checkpoints {
     damage(copy + "/" + file);
     const size_t sessions = SessionCount(stub());
     v1::LoadCheckpointResponse resp;
-    grpc::Status st = Load(stub(), copy, &resp);
+    grpc::Status st = LoadCheckpointFrom(stub(), copy, &resp);
     EXPECT_EQ(st.error_code(), grpc::StatusCode::DATA_LOSS) << st.error_message();
     EXPECT_TRUE(absl::StrContains(st.error_message(), copy + "/" + file)) << st.error_message();
     EXPECT_EQ(SessionCount(stub()), sessions) << "a refused load left a session behind";
     EXPECT_TRUE(daemon_->Serving());
     // The undamaged original still loads.
-    EXPECT_TRUE(Load(stub(), good, &resp).ok());
+    EXPECT_TRUE(LoadCheckpointFrom(stub(), good, &resp).ok());
   }
 };
 
@@ -237,23 +213,6 @@ TEST_F(DamagedCheckpoint, MissingTensorFileIsDataLoss) {
   ExpectRefused("tensors.safetensors", [](const std::string& p) { fs::remove(p); }, "missing");
 }
 
-// step-<N> directories under <root>/<session>, as LatestCheckpoint sees them.
-std::vector<int64_t> CheckpointSteps(const std::string& dir, std::vector<std::string>* temps) {
-  std::vector<int64_t> steps;
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator(dir, ec)) {
-    const std::string n = e.path().filename().string();
-    int64_t step;
-    if (absl::StartsWith(n, "step-") && absl::SimpleAtoi(n.substr(5), &step)) {
-      steps.push_back(step);
-    } else if (temps != nullptr) {
-      temps->push_back(n);
-    }
-  }
-  std::sort(steps.begin(), steps.end());
-  return steps;
-}
-
 TEST(CheckpointCrash, SigkillWhileCheckpointingEveryStepRestartsToTheLatestCompleteOne) {
   const std::string dir = testing::MakeTempDir("diond_crash");
   const std::string state_dir = dir + "/state";
@@ -282,7 +241,7 @@ TEST(CheckpointCrash, SigkillWhileCheckpointingEveryStepRestartsToTheLatestCompl
   std::atomic<int64_t> acked{0};
   std::thread trainer([&] {
     for (int64_t t = 1; t <= 1000; ++t) {
-      WriteGrads(s.get(), d, 6, t);
+      WriteSyntheticGrads(s.get(), d, 6, t);
       if (!DoStep(daemon->stub(), s->id, t).ok()) return;  // killed
       acked = t;
     }
@@ -312,7 +271,8 @@ TEST(CheckpointCrash, SigkillWhileCheckpointingEveryStepRestartsToTheLatestCompl
   daemon = Daemon::Start(flags, false, dir);
   ASSERT_NE(daemon, nullptr);
   v1::LoadCheckpointResponse loaded;
-  grpc::Status st = Load(daemon->stub(), absl::StrCat(session_dir, "/step-", latest), &loaded);
+  grpc::Status st =
+      LoadCheckpointFrom(daemon->stub(), absl::StrCat(session_dir, "/step-", latest), &loaded);
   ASSERT_TRUE(st.ok()) << st.error_message();
   EXPECT_EQ(loaded.step_index(), latest);
   TensorMap restored;
@@ -340,7 +300,7 @@ TEST(CheckpointCrash, SigkillWhileCheckpointingEveryStepRestartsToTheLatestCompl
   for (int64_t step : steps) {
     if (step == latest) continue;
     v1::LoadCheckpointResponse r;
-    st = Load(daemon->stub(), absl::StrCat(session_dir, "/step-", step), &r);
+    st = LoadCheckpointFrom(daemon->stub(), absl::StrCat(session_dir, "/step-", step), &r);
     EXPECT_TRUE(st.ok()) << "step-" << step << ": " << st.error_message();
     EXPECT_EQ(r.step_index(), step);
     if (st.ok()) {

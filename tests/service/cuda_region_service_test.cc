@@ -51,23 +51,9 @@ std::string UuidBytes(int device) {
   return std::string(reinterpret_cast<const char*>(u.data()), u.size());
 }
 
-SessionDesc Desc(AlgorithmKind algorithm) {
-  SessionDesc d;
-  d.groups.push_back(MakeGroup("main", algorithm, 0.01));
-  d.groups.push_back(MakeGroup("vec", AlgorithmKind::kAdamW, 0.001));
-  d.params.push_back({"w", {24, 16}, "main"});
-  d.params.push_back({"u", {16, 24}, "main"});
-  d.params.push_back({"b", {16}, "vec"});
-  return d;
-}
+SessionDesc Desc(AlgorithmKind algorithm) { return TwoMatricesAndABias(algorithm); }
 
-std::vector<Chunk> InitialParams(const SessionDesc& d) {
-  std::vector<Chunk> chunks;
-  for (size_t i = 0; i < d.params.size(); ++i) {
-    chunks.push_back({d.params[i].name, 0, FloatBytes(SyntheticValues(1, 0, i, d.Numel(i)))});
-  }
-  return chunks;
-}
+std::vector<Chunk> InitialParams(const SessionDesc& d) { return SyntheticWeights(d, 1); }
 
 // "GPU memory" of the trainer: one TEST allocation (strict: the host cannot touch it), written
 // and read through the backend's explicit copies.

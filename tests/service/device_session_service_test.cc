@@ -40,23 +40,9 @@ std::map<std::string, int64_t> LastCounters(const Daemon& d) {
   return out;
 }
 
-SessionDesc Desc(AlgorithmKind algorithm) {
-  SessionDesc d;
-  d.groups.push_back(MakeGroup("main", algorithm, 0.01));
-  d.groups.push_back(MakeGroup("vec", AlgorithmKind::kAdamW, 0.001));
-  d.params.push_back({"w", {24, 16}, "main"});
-  d.params.push_back({"u", {16, 24}, "main"});
-  d.params.push_back({"b", {16}, "vec"});
-  return d;
-}
+SessionDesc Desc(AlgorithmKind algorithm) { return TwoMatricesAndABias(algorithm); }
 
-std::vector<Chunk> InitialParams(const SessionDesc& d) {
-  std::vector<Chunk> chunks;
-  for (size_t i = 0; i < d.params.size(); ++i) {
-    chunks.push_back({d.params[i].name, 0, FloatBytes(SyntheticValues(1, 0, i, d.Numel(i)))});
-  }
-  return chunks;
-}
+std::vector<Chunk> InitialParams(const SessionDesc& d) { return SyntheticWeights(d, 1); }
 
 grpc::Status StepScaled(v1::Optimizer::Stub& stub, const std::string& id, int64_t index,
                         double scale, v1::StepResponse* resp) {

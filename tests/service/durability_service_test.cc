@@ -49,11 +49,7 @@ SessionDesc SmallDesc() {
 }
 
 std::vector<Chunk> Weights(const SessionDesc& d, uint64_t seed) {
-  std::vector<Chunk> chunks;
-  for (size_t i = 0; i < d.params.size(); ++i) {
-    chunks.push_back({d.params[i].name, 0, FloatBytes(SyntheticValues(seed, 0, i, d.Numel(i)))});
-  }
-  return chunks;
+  return SyntheticWeights(d, seed);
 }
 
 // Every parameter filled with the value `v` (a "version" a reader can recognise).
@@ -64,25 +60,6 @@ std::vector<Chunk> ConstantWeights(const SessionDesc& d, float v) {
                       FloatBytes(std::vector<float>(static_cast<size_t>(d.Numel(i)), v))});
   }
   return chunks;
-}
-
-void WriteGrads(ShmSession* s, const SessionDesc& d, uint64_t seed, int64_t t) {
-  for (size_t i = 0; i < d.params.size(); ++i) {
-    s->WriteGrad(i, SyntheticValues(seed, t, i, d.Numel(i)));
-  }
-}
-
-size_t SessionCount(v1::Optimizer::Stub& stub) {
-  v1::ListSessionsResponse list;
-  EXPECT_TRUE(stub.ListSessions(Ctx().get(), v1::ListSessionsRequest(), &list).ok());
-  return static_cast<size_t>(list.sessions_size());
-}
-
-grpc::Status Load(v1::Optimizer::Stub& stub, const std::string& path,
-                  v1::LoadCheckpointResponse* resp) {
-  v1::LoadCheckpointRequest r;
-  r.set_path(path);
-  return stub.LoadCheckpoint(Ctx().get(), r, resp);
 }
 
 grpc::Status Save(v1::Optimizer::Stub& stub, const std::string& session,
@@ -121,22 +98,6 @@ std::vector<std::string> ReplayParams(const SessionDesc& d, uint64_t init, uint6
   return out;
 }
 
-std::vector<int64_t> Steps(const std::string& dir, std::vector<std::string>* others = nullptr) {
-  std::vector<int64_t> steps;
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator(dir, ec)) {
-    const std::string n = e.path().filename().string();
-    int64_t step;
-    if (absl::StartsWith(n, "step-") && absl::SimpleAtoi(n.substr(5), &step)) {
-      steps.push_back(step);
-    } else if (others != nullptr) {
-      others->push_back(n);
-    }
-  }
-  std::sort(steps.begin(), steps.end());
-  return steps;
-}
-
 int64_t PeakRssBytes(pid_t pid) {
   std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
   std::string line;
@@ -169,6 +130,15 @@ class Durability : public ::testing::Test {
     ASSERT_NE(daemon_, nullptr);
   }
   v1::Optimizer::Stub& stub() { return daemon_->stub(); }
+  // Creates a session of `d`, sets its weights and saves its step 0 into *saved.
+  void CreateAndSave(const SessionDesc& d, const std::vector<Chunk>& weights, std::string* id,
+                     v1::SaveCheckpointResponse* saved) {
+    v1::CreateSessionResponse created;
+    ASSERT_TRUE(stub().CreateSession(Ctx().get(), d.Request(), &created).ok());
+    *id = created.session_id();
+    ASSERT_TRUE(SetState(stub(), *id, weights).ok());
+    ASSERT_TRUE(Save(stub(), *id, saved).ok());
+  }
   std::string dir_, state_dir_;
   std::unique_ptr<Daemon> daemon_;
 };
@@ -178,12 +148,9 @@ class Durability : public ::testing::Test {
 TEST_F(Durability, TenThousandLoadsDuringReSavesAllSeeOneCompleteVersion) {
   StartDaemon();
   const SessionDesc d = SmallDesc();
-  v1::CreateSessionResponse created;
-  ASSERT_TRUE(stub().CreateSession(Ctx().get(), d.Request(), &created).ok());
-  const std::string id = created.session_id();
-  ASSERT_TRUE(SetState(stub(), id, ConstantWeights(d, 0.0f)).ok());
+  std::string id;
   v1::SaveCheckpointResponse saved;
-  ASSERT_TRUE(Save(stub(), id, &saved).ok());
+  ASSERT_NO_FATAL_FAILURE(CreateAndSave(d, ConstantWeights(d, 0.0f), &id, &saved));
   const std::string path = saved.path();
 
   // The writer re-saves step 0 over and over, with version v's weights (all equal to v).
@@ -209,7 +176,7 @@ TEST_F(Durability, TenThousandLoadsDuringReSavesAllSeeOneCompleteVersion) {
   std::set<float> versions_seen;
   for (int i = 0; i < kLoads; ++i) {
     v1::LoadCheckpointResponse loaded;
-    grpc::Status st = Load(stub(), path, &loaded);
+    grpc::Status st = LoadCheckpointFrom(stub(), path, &loaded);
     if (!st.ok()) {
       if (failures++ == 0) first_failure = st.error_message();
       continue;
@@ -239,7 +206,7 @@ TEST_F(Durability, TenThousandLoadsDuringReSavesAllSeeOneCompleteVersion) {
   EXPECT_GT(resaves, 100) << "the loads must overlap re-saves for the test to mean anything";
   EXPECT_GT(versions_seen.size(), 2u);
   std::vector<std::string> others;
-  Steps(state_dir_ + "/" + id, &others);
+  CheckpointSteps(state_dir_ + "/" + id, &others);
   EXPECT_TRUE(others.empty()) << "left over: " << others.front();
 }
 
@@ -265,7 +232,7 @@ TEST(DurabilityCrash, SigkillDuringReSavesAlwaysLeavesTheCheckpoint) {
     auto s = CreateShmSession(daemon->stub(), d.Request());
     ASSERT_NE(s, nullptr);
     ASSERT_TRUE(SetState(daemon->stub(), s->id, Weights(d, 40 + k)).ok());
-    WriteGrads(s.get(), d, 41, 1);
+    WriteSyntheticGrads(s.get(), d, 41, 1);
     ASSERT_TRUE(DoStep(daemon->stub(), s->id, 1).ok());
     TensorMap expected;
     ASSERT_TRUE(GetState(daemon->stub(), s->id, true, &expected).ok());
@@ -285,7 +252,7 @@ TEST(DurabilityCrash, SigkillDuringReSavesAlwaysLeavesTheCheckpoint) {
     daemon->Kill();
     saver.join();
     const std::string session_dir = state_dir + "/" + s->id;
-    const std::vector<int64_t> steps = Steps(session_dir);
+    const std::vector<int64_t> steps = CheckpointSteps(session_dir);
     if (steps != std::vector<int64_t>{1}) {
       ++lost;
       ADD_FAILURE() << "kill " << k << " after " << resaves << " re-saves: step-1 is gone";
@@ -294,13 +261,13 @@ TEST(DurabilityCrash, SigkillDuringReSavesAlwaysLeavesTheCheckpoint) {
     daemon = Daemon::Start({"--state_dir=" + state_dir}, false, dir);
     ASSERT_NE(daemon, nullptr);
     v1::LoadCheckpointResponse loaded;
-    grpc::Status st = Load(daemon->stub(), first.path(), &loaded);
+    grpc::Status st = LoadCheckpointFrom(daemon->stub(), first.path(), &loaded);
     ASSERT_TRUE(st.ok()) << "kill " << k << ": " << st.error_message();
     TensorMap got;
     ASSERT_TRUE(GetState(daemon->stub(), loaded.session().session_id(), true, &got).ok());
     EXPECT_EQ(got, expected) << "kill " << k;
     std::vector<std::string> others;
-    Steps(session_dir, &others);
+    CheckpointSteps(session_dir, &others);
     EXPECT_TRUE(others.empty()) << "kill " << k << ": start-up left " << others.front();
     daemon->Kill();
   }
@@ -321,7 +288,7 @@ TEST_F(Durability, StaleTemporariesAreRemovedAtStartUpAndLogged) {
   fs::create_directories(live);
   StartDaemon();
   std::vector<std::string> others;
-  EXPECT_EQ(Steps(session_dir, &others), std::vector<int64_t>{2});
+  EXPECT_EQ(CheckpointSteps(session_dir, &others), std::vector<int64_t>{2});
   EXPECT_EQ(others, std::vector<std::string>{fs::path(live).filename().string()});
   EXPECT_TRUE(absl::StrContains(daemon_->Log(), "removed 2 stale temporary checkpoint directories"))
       << daemon_->Log();
@@ -334,12 +301,12 @@ TEST_F(Durability, KeepCheckpointsKeepsTheNewestN) {
   ASSERT_NE(s, nullptr);
   ASSERT_TRUE(SetState(stub(), s->id, Weights(d, 1)).ok());
   for (int64_t t = 1; t <= 5; ++t) {
-    WriteGrads(s.get(), d, 2, t);
+    WriteSyntheticGrads(s.get(), d, 2, t);
     ASSERT_TRUE(DoStep(stub(), s->id, t).ok());
   }
-  EXPECT_EQ(Steps(state_dir_ + "/" + s->id), (std::vector<int64_t>{4, 5}));
+  EXPECT_EQ(CheckpointSteps(state_dir_ + "/" + s->id), (std::vector<int64_t>{4, 5}));
   v1::LoadCheckpointResponse loaded;
-  EXPECT_TRUE(Load(stub(), absl::StrCat(s->id, "/step-5"), &loaded).ok());
+  EXPECT_TRUE(LoadCheckpointFrom(stub(), absl::StrCat(s->id, "/step-5"), &loaded).ok());
 }
 
 // ---- crafted checkpoints -----------------------------------------------------------------------
@@ -383,7 +350,7 @@ TEST_F(Durability, CraftedCheckpointsAreDataLossNamingTheFieldAndChangeNothing) 
   auto s = CreateShmSession(stub(), d.Request());
   ASSERT_NE(s, nullptr);
   ASSERT_TRUE(SetState(stub(), s->id, Weights(d, 7)).ok());
-  WriteGrads(s.get(), d, 8, 1);
+  WriteSyntheticGrads(s.get(), d, 8, 1);
   ASSERT_TRUE(DoStep(stub(), s->id, 1).ok());
   v1::SaveCheckpointResponse saved;
   ASSERT_TRUE(Save(stub(), s->id, &saved).ok());
@@ -478,7 +445,7 @@ TEST_F(Durability, CraftedCheckpointsAreDataLossNamingTheFieldAndChangeNothing) 
     fs::copy(good, copy, fs::copy_options::recursive);
     c.craft(copy);
     v1::LoadCheckpointResponse resp;
-    grpc::Status st = Load(stub(), copy, &resp);
+    grpc::Status st = LoadCheckpointFrom(stub(), copy, &resp);
     EXPECT_EQ(st.error_code(), grpc::StatusCode::DATA_LOSS) << st.error_message();
     EXPECT_TRUE(absl::StrContains(st.error_message(), c.expect)) << st.error_message();
     const std::string file = c.file.empty() ? copy : absl::StrCat(copy, "/", c.file);
@@ -491,7 +458,7 @@ TEST_F(Durability, CraftedCheckpointsAreDataLossNamingTheFieldAndChangeNothing) 
   // The 1 GiB manifest was refused by its size, never read.
   EXPECT_LT(PeakRssBytes(daemon_->pid()), int64_t{512} << 20);
   v1::LoadCheckpointResponse ok;
-  EXPECT_TRUE(Load(stub(), good, &ok).ok());
+  EXPECT_TRUE(LoadCheckpointFrom(stub(), good, &ok).ok());
 }
 
 // ---- paths -------------------------------------------------------------------------------------
@@ -499,12 +466,9 @@ TEST_F(Durability, CraftedCheckpointsAreDataLossNamingTheFieldAndChangeNothing) 
 TEST_F(Durability, NoSymlinkLeadsOutOfTheStateDir) {
   StartDaemon({}, /*tcp=*/true);
   const SessionDesc d = SmallDesc();
-  v1::CreateSessionResponse created;
-  ASSERT_TRUE(stub().CreateSession(Ctx().get(), d.Request(), &created).ok());
-  const std::string id = created.session_id();
-  ASSERT_TRUE(SetState(stub(), id, Weights(d, 3)).ok());
+  std::string id;
   v1::SaveCheckpointResponse saved;
-  ASSERT_TRUE(Save(stub(), id, &saved).ok());
+  ASSERT_NO_FATAL_FAILURE(CreateAndSave(d, Weights(d, 3), &id, &saved));
   // A checkpoint outside, reachable through a symlink inside.
   const std::string outside = dir_ + "/outside";
   fs::create_directories(outside);
@@ -517,7 +481,7 @@ TEST_F(Durability, NoSymlinkLeadsOutOfTheStateDir) {
     for (const std::string& p : {absl::StrCat("escape/", id, "/step-0"),
                                  absl::StrCat("escape_relative/", id, "/step-0")}) {
       v1::LoadCheckpointResponse r;
-      grpc::Status s = Load(*st, p, &r);
+      grpc::Status s = LoadCheckpointFrom(*st, p, &r);
       EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << p << ": "
                                                                      << s.error_message();
       EXPECT_TRUE(absl::StrContains(s.error_message(), "leaves --state_dir")) << s.error_message();
@@ -526,11 +490,11 @@ TEST_F(Durability, NoSymlinkLeadsOutOfTheStateDir) {
       EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
     }
     v1::LoadCheckpointResponse r;
-    grpc::Status s = Load(*st, "alias/step-0", &r);
+    grpc::Status s = LoadCheckpointFrom(*st, "alias/step-0", &r);
     EXPECT_TRUE(s.ok()) << s.error_message();
   }
   EXPECT_FALSE(fs::exists(outside + "/deeper"));
-  EXPECT_EQ(Steps(outside + "/" + id), std::vector<int64_t>{0});
+  EXPECT_EQ(CheckpointSteps(outside + "/" + id), std::vector<int64_t>{0});
 }
 
 // Found while writing tests/fuzz/auth_fuzz.cc (seed regress_nul_path): the system calls read a
@@ -539,16 +503,14 @@ TEST_F(Durability, NoSymlinkLeadsOutOfTheStateDir) {
 TEST_F(Durability, APathWithANulByteIsRefused) {
   StartDaemon({}, /*tcp=*/true);
   const SessionDesc d = SmallDesc();
-  v1::CreateSessionResponse created;
-  ASSERT_TRUE(stub().CreateSession(Ctx().get(), d.Request(), &created).ok());
-  const std::string id = created.session_id();
-  ASSERT_TRUE(SetState(stub(), id, Weights(d, 3)).ok());
+  std::string id;
   v1::SaveCheckpointResponse saved;
-  ASSERT_TRUE(Save(stub(), id, &saved).ok());
+  ASSERT_NO_FATAL_FAILURE(CreateAndSave(d, Weights(d, 3), &id, &saved));
   auto tcp = daemon_->NewTcpStub();
   for (v1::Optimizer::Stub* st : {&stub(), tcp.get()}) {
     v1::LoadCheckpointResponse r;
-    grpc::Status s = Load(*st, absl::StrCat(id, "/step-0", std::string(1, '\0'), "junk"), &r);
+    grpc::Status s =
+        LoadCheckpointFrom(*st, absl::StrCat(id, "/step-0", std::string(1, '\0'), "junk"), &r);
     EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
     EXPECT_TRUE(absl::StrContains(s.error_message(), "contains a NUL byte")) << s.error_message();
     v1::SaveCheckpointResponse sr;
@@ -556,7 +518,7 @@ TEST_F(Durability, APathWithANulByteIsRefused) {
     EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
   }
   EXPECT_FALSE(fs::exists(state_dir_ + "/fresh"));
-  EXPECT_EQ(Steps(state_dir_ + "/" + id), std::vector<int64_t>{0});
+  EXPECT_EQ(CheckpointSteps(state_dir_ + "/" + id), std::vector<int64_t>{0});
 }
 
 TEST(DurabilityPaths, RelativePathsWithoutStateDirAreRefusedNotResolvedAgainstTheCwd) {
@@ -580,13 +542,13 @@ TEST(DurabilityPaths, RelativePathsWithoutStateDirAreRefusedNotResolvedAgainstTh
   auto tcp = daemon->NewTcpStub();
   for (v1::Optimizer::Stub* st : {&daemon->stub(), tcp.get()}) {
     v1::LoadCheckpointResponse r;
-    grpc::Status s = Load(*st, rel, &r);
+    grpc::Status s = LoadCheckpointFrom(*st, rel, &r);
     EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
     EXPECT_TRUE(absl::StrContains(s.error_message(), "needs --state_dir")) << s.error_message();
   }
   // The absolute path works for the Unix-socket peer.
   v1::LoadCheckpointResponse r;
-  EXPECT_TRUE(Load(daemon->stub(), (fs::current_path() / rel).string(), &r).ok());
+  EXPECT_TRUE(LoadCheckpointFrom(daemon->stub(), (fs::current_path() / rel).string(), &r).ok());
   fs::remove_all(fs::current_path() / rel);
   fs::remove_all(dir);
 }
@@ -601,13 +563,13 @@ TEST_F(Durability, RetriedStepAfterDaemonRestartIsAnsweredAsBefore) {
   ASSERT_TRUE(SetState(stub(), s->id, Weights(d, 11)).ok());
   v1::StepResponse answer;
   for (int64_t t = 1; t <= 3; ++t) {
-    WriteGrads(s.get(), d, 12, t);
+    WriteSyntheticGrads(s.get(), d, 12, t);
     ASSERT_TRUE(DoStep(stub(), s->id, t, &answer).ok());
   }
   daemon_->Kill();  // as if the reply of step 3 had been lost in the crash
   StartDaemon();
   v1::LoadCheckpointResponse loaded;
-  ASSERT_TRUE(Load(stub(), absl::StrCat(s->id, "/step-3"), &loaded).ok());
+  ASSERT_TRUE(LoadCheckpointFrom(stub(), absl::StrCat(s->id, "/step-3"), &loaded).ok());
   EXPECT_EQ(loaded.step_index(), 3);
   const std::string b = loaded.session().session_id();
   auto bound = BindShmSession(stub(), loaded.session());
@@ -634,7 +596,7 @@ TEST_F(Durability, RetriedStepAfterDaemonRestartIsAnsweredAsBefore) {
   st = DoStep(stub(), b, std::numeric_limits<int64_t>::min());
   EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   // And training goes on, equal to the uninterrupted run.
-  WriteGrads(bound.get(), d, 12, 4);
+  WriteSyntheticGrads(bound.get(), d, 12, 4);
   ASSERT_TRUE(DoStep(stub(), b, 4).ok());
   const std::vector<std::string> want = ReplayParams(d, 11, 12, 4);
   for (size_t i = 0; i < d.params.size(); ++i) EXPECT_EQ(bound->ParamBytes(i), want[i]);
@@ -683,7 +645,7 @@ TEST_F(Durability, NewTrainerReattachesToTheLiveSessionAndContinuesBitExact) {
   ASSERT_NE(old_trainer, nullptr);
   ASSERT_TRUE(SetState(stub(), old_trainer->id, Weights(d, 21)).ok());
   for (int64_t t = 1; t <= 3; ++t) {
-    WriteGrads(old_trainer.get(), d, 22, t);
+    WriteSyntheticGrads(old_trainer.get(), d, 22, t);
     ASSERT_TRUE(DoStep(stub(), old_trainer->id, t).ok());
   }
   const std::string id = old_trainer->id;
@@ -701,7 +663,7 @@ TEST_F(Durability, NewTrainerReattachesToTheLiveSessionAndContinuesBitExact) {
     EXPECT_EQ(trainer->ParamBytes(i), want[i]) << "the daemon's weights came back";
   }
   for (int64_t t = 4; t <= 6; ++t) {
-    WriteGrads(trainer.get(), d, 22, t);
+    WriteSyntheticGrads(trainer.get(), d, 22, t);
     ASSERT_TRUE(DoStep(stub(), id, t).ok());
   }
   want = ReplayParams(d, 21, 22, 6);
@@ -755,7 +717,7 @@ TEST(DurabilityRecover, DaemonSigkilledDuringStepsRecoversAndTrainersReattachBit
     std::atomic<int64_t> acked{next - 1};
     std::thread steps([&] {
       for (int64_t t = next; t <= kTotal; ++t) {
-        WriteGrads(trainer.get(), d, 32, t);
+        WriteSyntheticGrads(trainer.get(), d, 32, t);
         if (!DoStep(daemon->stub(), trainer->id, t).ok()) return;
         acked = t;
       }

@@ -7,12 +7,15 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <random>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -416,6 +419,59 @@ std::vector<float> SyntheticValues(uint64_t seed, int64_t step, size_t param, in
     v[static_cast<size_t>(i)] = static_cast<float>(static_cast<double>(z >> 11) * 0x1.0p-52 - 1.0);
   }
   return v;
+}
+
+std::vector<Chunk> SyntheticWeights(const SessionDesc& d, uint64_t seed) {
+  std::vector<Chunk> chunks;
+  for (size_t i = 0; i < d.params.size(); ++i) {
+    chunks.push_back({d.params[i].name, 0, FloatBytes(SyntheticValues(seed, 0, i, d.Numel(i)))});
+  }
+  return chunks;
+}
+
+SessionDesc TwoMatricesAndABias(optim::AlgorithmKind algorithm) {
+  SessionDesc d;
+  d.groups.push_back(MakeGroup("main", algorithm, 0.01));
+  d.groups.push_back(MakeGroup("vec", optim::AlgorithmKind::kAdamW, 0.001));
+  d.params.push_back({"w", {24, 16}, "main"});
+  d.params.push_back({"u", {16, 24}, "main"});
+  d.params.push_back({"b", {16}, "vec"});
+  return d;
+}
+
+std::vector<int64_t> CheckpointSteps(const std::string& dir, std::vector<std::string>* others) {
+  std::vector<int64_t> steps;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string n = e.path().filename().string();
+    int64_t step;
+    if (absl::StartsWith(n, "step-") && absl::SimpleAtoi(n.substr(5), &step)) {
+      steps.push_back(step);
+    } else if (others != nullptr) {
+      others->push_back(n);
+    }
+  }
+  std::sort(steps.begin(), steps.end());
+  return steps;
+}
+
+grpc::Status LoadCheckpointFrom(v1::Optimizer::Stub& stub, const std::string& path,
+                                v1::LoadCheckpointResponse* resp) {
+  v1::LoadCheckpointRequest r;
+  r.set_path(path);
+  return stub.LoadCheckpoint(Ctx().get(), r, resp);
+}
+
+size_t SessionCount(v1::Optimizer::Stub& stub) {
+  v1::ListSessionsResponse list;
+  EXPECT_TRUE(stub.ListSessions(Ctx().get(), v1::ListSessionsRequest(), &list).ok());
+  return static_cast<size_t>(list.sessions_size());
+}
+
+void WriteSyntheticGrads(ShmSession* s, const SessionDesc& d, uint64_t seed, int64_t t) {
+  for (size_t i = 0; i < d.params.size(); ++i) {
+    s->WriteGrad(i, SyntheticValues(seed, t, i, d.Numel(i)));
+  }
 }
 
 absl::StatusOr<std::unique_ptr<Replay>> Replay::Create(const SessionDesc& desc) {

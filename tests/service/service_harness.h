@@ -179,6 +179,22 @@ v1::Algorithm AlgorithmToProto(optim::AlgorithmKind kind);
 // Deterministic pseudo-random values in [-1, 1): the gradients of synthetic sessions, a pure
 // function of (seed, step, param, element) so a replay regenerates them.
 std::vector<float> SyntheticValues(uint64_t seed, int64_t step, size_t param, int64_t n);
+// Every parameter of `d` as one chunk of SyntheticValues(seed, step 0): the initial weights.
+std::vector<Chunk> SyntheticWeights(const SessionDesc& d, uint64_t seed);
+// Two matrices "w" (24x16) and "u" (16x24) in group "main" of `algorithm` (lr 0.01) and a bias
+// "b" (16) in AdamW group "vec" (lr 0.001): the session of the TEST-device service tests.
+SessionDesc TwoMatricesAndABias(optim::AlgorithmKind algorithm);
+
+// ---- checkpoints -------------------------------------------------------------------------------
+// The steps of the step-<N> directories in `dir` (a session's checkpoint folder), sorted, as
+// LatestCheckpoint sees them; the names of its other entries go to `others` when given.
+std::vector<int64_t> CheckpointSteps(const std::string& dir,
+                                     std::vector<std::string>* others = nullptr);
+// LoadCheckpoint of `path`.
+grpc::Status LoadCheckpointFrom(v1::Optimizer::Stub& stub, const std::string& path,
+                                v1::LoadCheckpointResponse* resp);
+// How many sessions ListSessions shows (a failed call is a test failure and counts 0).
+size_t SessionCount(v1::Optimizer::Stub& stub);
 
 // The session's optimizers run in this process (fp32 parameters).
 class Replay {
@@ -215,6 +231,8 @@ struct ShmSession {
   void WriteGrad(size_t i, const std::vector<float>& g);
   void WriteGradBytes(size_t i, const std::string& bytes);
 };
+// Writes SyntheticValues(seed, step t) into every gradient of `s`.
+void WriteSyntheticGrads(ShmSession* s, const SessionDesc& d, uint64_t seed, int64_t t);
 // CreateSession + segments + RegisterRegion for both roles (ADD_FAILUREs and returns null on
 // error).
 std::unique_ptr<ShmSession> CreateShmSession(v1::Optimizer::Stub& stub,

@@ -245,11 +245,7 @@ TEST_P(WorldSession, ChecksumsHealADriftedReplica) {
   auto s = CreateEverywhere(req);
   ASSERT_EQ(static_cast<int>(s.size()), w);
   auto step_all = [&](int64_t step) {
-    for (int r = 0; r < w; ++r) {
-      for (size_t i = 0; i < desc.params.size(); ++i) {
-        s[r]->WriteGrad(i, SyntheticValues(6, step, i, desc.Numel(i)));
-      }
-    }
+    for (int r = 0; r < w; ++r) WriteSyntheticGrads(s[r].get(), desc, 6, step);
     StepAll(daemons_, s, step);
   };
   auto identical = [&] {
@@ -292,11 +288,7 @@ TEST_P(WorldSession, MuonBytesPerStepMatchTheFormula) {
   auto s = CreateEverywhere(req);
   ASSERT_EQ(static_cast<int>(s.size()), w);
   for (int64_t step = 1; step <= 3; ++step) {
-    for (int r = 0; r < w; ++r) {
-      for (size_t i = 0; i < desc.params.size(); ++i) {
-        s[r]->WriteGrad(i, SyntheticValues(5, step, i, mrows * ncols));
-      }
-    }
+    for (int r = 0; r < w; ++r) WriteSyntheticGrads(s[r].get(), desc, 5, step);
     auto resp = StepAll(daemons_, s, step);
     const double formula = 4.0 * (w - 1) / w * static_cast<double>(count * mrows * ncols);
     for (int r = 0; r < w; ++r) {
@@ -418,11 +410,7 @@ TEST_P(WorldSession, AverageBytesPerStepMatchTheFormula) {
   auto s = CreateEverywhere(req);
   ASSERT_EQ(static_cast<int>(s.size()), w);
   for (int64_t step = 1; step <= 2; ++step) {
-    for (int r = 0; r < w; ++r) {
-      for (size_t i = 0; i < desc.params.size(); ++i) {
-        s[r]->WriteGrad(i, SyntheticValues(9 + r, step, i, mrows * ncols));
-      }
-    }
+    for (int r = 0; r < w; ++r) WriteSyntheticGrads(s[r].get(), desc, 9 + r, step);
     auto resp = StepAll(daemons_, s, step);
     const double formula = 8.0 * (w - 1) / w * static_cast<double>(count * mrows * ncols);
     for (int r = 0; r < w; ++r) {
@@ -459,11 +447,7 @@ TEST_P(WorldSession, CompactExchangeBytesMatchTheFormulas) {
     auto s = CreateEverywhere(req);
     ASSERT_EQ(static_cast<int>(s.size()), w);
     for (int64_t step = 1; step <= 3; ++step) {
-      for (int r = 0; r < w; ++r) {
-        for (size_t i = 0; i < desc.params.size(); ++i) {
-          s[r]->WriteGrad(i, SyntheticValues(3, step, i, mrows * ncols));
-        }
-      }
+      for (int r = 0; r < w; ++r) WriteSyntheticGrads(s[r].get(), desc, 3, step);
       auto resp = StepAll(daemons_, s, step);
       const double formula = 4.0 * (w - 1) / w * static_cast<double>(count * a.payload);
       const double muon = 4.0 * (w - 1) / w * static_cast<double>(count * mrows * ncols);
@@ -604,6 +588,51 @@ TEST_P(WorldSession, DisagreeingTrainersAreRefusedNamingTheRanks) {
 // peer timeout (no hang); the daemon restarts, the world rebuilds, every rank loads its
 // checkpoint of the same step (a consistent cut: --checkpoint_every writes each rank's owned
 // state after the same step), and the run continues to the same bits as an uninterrupted one.
+// Muon m0..m3 (32x24), Dion2 d0..d2 (24x40) and an AdamW bias (24): the session of the
+// failure and elastic tests.
+SessionDesc MixedSession() {
+  SessionDesc desc;
+  desc.groups.push_back(MakeGroup("m", AlgorithmKind::kMuon, 0.02));
+  desc.groups.push_back(MakeGroup("d2", AlgorithmKind::kDion2, 0.02));
+  desc.groups.push_back(MakeGroup("a", AlgorithmKind::kAdamW, 0.01));
+  for (int j = 0; j < 4; ++j) desc.params.push_back({absl::StrCat("m", j), {32, 24}, "m"});
+  for (int j = 0; j < 3; ++j) desc.params.push_back({absl::StrCat("d", j), {24, 40}, "d2"});
+  desc.params.push_back({"bias", {24}, "a"});
+  return desc;
+}
+
+// The gradients of `step`: SyntheticValues(seed, step) for every parameter.
+std::vector<std::vector<float>> SyntheticGrads(const SessionDesc& desc, uint64_t seed,
+                                               int64_t step) {
+  std::vector<std::vector<float>> g;
+  for (size_t i = 0; i < desc.params.size(); ++i) {
+    g.push_back(SyntheticValues(seed, step, i, desc.Numel(i)));
+  }
+  return g;
+}
+
+// The uninterrupted run (W = 1, in this process) of `desc` from SyntheticValues(init_seed)
+// weights over SyntheticGrads(grad_seed) steps 1..`steps`: the initial weights as chunks, and
+// (*expected)[step][param] the weights after each step.
+void ReferenceRun(const SessionDesc& desc, uint64_t init_seed, uint64_t grad_seed, int64_t steps,
+                  std::vector<Chunk>* init,
+                  std::vector<std::vector<std::vector<float>>>* expected) {
+  auto ctx = kernels::Context::CpuDefault();
+  auto replay = Replay::Create(desc);
+  ASSERT_TRUE(replay.ok());
+  for (size_t i = 0; i < desc.params.size(); ++i) {
+    (*replay)->params()[i] = SyntheticValues(init_seed, 0, i, desc.Numel(i));
+    for (Chunk& c : SplitTensor(desc.params[i].name, FloatBytes((*replay)->params()[i]))) {
+      init->push_back(std::move(c));
+    }
+  }
+  expected->resize(static_cast<size_t>(steps) + 1);
+  for (int64_t step = 1; step <= steps; ++step) {
+    ASSERT_TRUE((*replay)->Step(*ctx, SyntheticGrads(desc, grad_seed, step)).ok());
+    (*expected)[step] = (*replay)->params();
+  }
+}
+
 TEST(WorldSessionFailure, KillRestartResumeFromCheckpoint) {
   constexpr int w = 3;
   constexpr absl::Duration kPeerTimeout = absl::Seconds(3);
@@ -623,37 +652,13 @@ TEST(WorldSessionFailure, KillRestartResumeFromCheckpoint) {
     d[r] = Daemon::Start(flags(r, port), /*tcp=*/true);
     ASSERT_NE(d[r], nullptr);
   }
-  SessionDesc desc;
-  desc.groups.push_back(MakeGroup("m", AlgorithmKind::kMuon, 0.02));
-  GroupDesc dion2 = MakeGroup("d2", AlgorithmKind::kDion2, 0.02);
-  desc.groups.push_back(dion2);
-  desc.groups.push_back(MakeGroup("a", AlgorithmKind::kAdamW, 0.01));
-  for (int j = 0; j < 4; ++j) desc.params.push_back({absl::StrCat("m", j), {32, 24}, "m"});
-  for (int j = 0; j < 3; ++j) desc.params.push_back({absl::StrCat("d", j), {24, 40}, "d2"});
-  desc.params.push_back({"bias", {24}, "a"});
+  const SessionDesc desc = MixedSession();
   v1::CreateSessionRequest req = desc.Request();
   req.set_world_key("resume");
-  auto grads = [&](int64_t step) {
-    std::vector<std::vector<float>> g;
-    for (size_t i = 0; i < desc.params.size(); ++i) g.push_back(SyntheticValues(8, step, i, desc.Numel(i)));
-    return g;
-  };
-  // The uninterrupted run (W = 1, in this process).
-  auto ctx = kernels::Context::CpuDefault();
-  auto replay = Replay::Create(desc);
-  ASSERT_TRUE(replay.ok());
+  auto grads = [&](int64_t step) { return SyntheticGrads(desc, 8, step); };
   std::vector<Chunk> init;
-  for (size_t i = 0; i < desc.params.size(); ++i) {
-    (*replay)->params()[i] = SyntheticValues(4, 0, i, desc.Numel(i));
-    for (Chunk& c : SplitTensor(desc.params[i].name, FloatBytes((*replay)->params()[i]))) {
-      init.push_back(std::move(c));
-    }
-  }
-  std::vector<std::vector<std::vector<float>>> expected(9);
-  for (int64_t step = 1; step <= 8; ++step) {
-    ASSERT_TRUE((*replay)->Step(*ctx, grads(step)).ok());
-    expected[step] = (*replay)->params();
-  }
+  std::vector<std::vector<std::vector<float>>> expected;
+  ASSERT_NO_FATAL_FAILURE(ReferenceRun(desc, 4, 8, 8, &init, &expected));
 
   std::vector<std::unique_ptr<ShmSession>> s(w);
   OnAllRanks(w, [&](int r) { s[r] = CreateShmSession(d[r]->stub(), req); });
@@ -812,37 +817,13 @@ TEST_P(WorldSessionElastic, CheckpointRestoresIntoAnotherWorldSizeBitExact) {
   // Not a structured binding: lambdas below use w_old, and C++17 forbids capturing one (clang).
   const int w_old = std::get<0>(GetParam());
   const int w_new = std::get<1>(GetParam());
-  SessionDesc desc;
-  desc.groups.push_back(MakeGroup("m", AlgorithmKind::kMuon, 0.02));
-  desc.groups.push_back(MakeGroup("d2", AlgorithmKind::kDion2, 0.02));
-  desc.groups.push_back(MakeGroup("a", AlgorithmKind::kAdamW, 0.01));
-  for (int j = 0; j < 4; ++j) desc.params.push_back({absl::StrCat("m", j), {32, 24}, "m"});
-  for (int j = 0; j < 3; ++j) desc.params.push_back({absl::StrCat("d", j), {24, 40}, "d2"});
-  desc.params.push_back({"bias", {24}, "a"});
+  const SessionDesc desc = MixedSession();
   v1::CreateSessionRequest req = desc.Request();
   req.set_world_key("elastic");
-  auto grads = [&](int64_t step) {
-    std::vector<std::vector<float>> g;
-    for (size_t i = 0; i < desc.params.size(); ++i) {
-      g.push_back(SyntheticValues(18, step, i, desc.Numel(i)));
-    }
-    return g;
-  };
-  auto ctx = kernels::Context::CpuDefault();
-  auto replay = Replay::Create(desc);
-  ASSERT_TRUE(replay.ok());
+  auto grads = [&](int64_t step) { return SyntheticGrads(desc, 18, step); };
   std::vector<Chunk> init;
-  for (size_t i = 0; i < desc.params.size(); ++i) {
-    (*replay)->params()[i] = SyntheticValues(14, 0, i, desc.Numel(i));
-    for (Chunk& c : SplitTensor(desc.params[i].name, FloatBytes((*replay)->params()[i]))) {
-      init.push_back(std::move(c));
-    }
-  }
-  std::vector<std::vector<std::vector<float>>> expected(9);
-  for (int64_t step = 1; step <= 8; ++step) {
-    ASSERT_TRUE((*replay)->Step(*ctx, grads(step)).ok());
-    expected[step] = (*replay)->params();
-  }
+  std::vector<std::vector<std::vector<float>>> expected;
+  ASSERT_NO_FATAL_FAILURE(ReferenceRun(desc, 14, 18, 8, &init, &expected));
   auto start_world = [&](int w, std::vector<std::string>* state) {
     std::vector<std::unique_ptr<Daemon>> d(w);
     state->resize(w);

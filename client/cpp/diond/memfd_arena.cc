@@ -12,18 +12,12 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "diond/internal/arena_view.h"
 
 namespace diond::client {
 namespace {
 
-int64_t AlignUp(int64_t n, int64_t a) { return (n + a - 1) / a * a; }
-
-absl::Status Errno(absl::string_view what, int err) {
-  absl::StatusCode code = (err == ENOMEM || err == ENOSPC || err == EMFILE || err == ENFILE)
-                              ? absl::StatusCode::kResourceExhausted
-                              : absl::StatusCode::kInternal;
-  return absl::Status(code, absl::StrCat(what, ": ", strerror(err)));
-}
+using internal::ErrnoStatus;
 
 bool ReadExact(int s, char* out, size_t n) {
   size_t have = 0;
@@ -52,7 +46,7 @@ absl::StatusOr<std::string> SendFdToChannel(const std::string& socket_path, int 
         absl::StrCat("fd channel path '", socket_path, "' is empty or too long"));
   }
   int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (s < 0) return Errno("socket(AF_UNIX)", errno);
+  if (s < 0) return ErrnoStatus("socket(AF_UNIX)", errno);
   addr.sun_family = AF_UNIX;
   std::memcpy(addr.sun_path, socket_path.data(), socket_path.size());
   if (connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
@@ -105,34 +99,23 @@ absl::StatusOr<std::string> SendFdToChannel(const std::string& socket_path, int 
 }
 
 absl::StatusOr<MemfdArena> MemfdArena::CreateUnregistered(const Layout& layout) {
-  if (layout.param_arena_bytes <= 0 || layout.grad_arena_bytes <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("session '", layout.session_id, "': empty arenas (param ",
-                     layout.param_arena_bytes, ", grad ", layout.grad_arena_bytes, " bytes)"));
-  }
-  for (const TensorLayout& t : layout.tensors) {
-    bool in = t.size_bytes >= 0 && t.param_offset_bytes >= 0 && t.grad_offset_bytes >= 0 &&
-              t.param_offset_bytes <= layout.param_arena_bytes - t.size_bytes &&
-              t.grad_offset_bytes <= layout.grad_arena_bytes - t.size_bytes;
-    if (!in) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tensor '", t.name, "' lies outside the arenas of session '", layout.session_id, "'"));
-    }
-  }
+  absl::Status valid = internal::CheckArenaLayout(layout);
+  if (!valid.ok()) return valid;
   MemfdArena a;
   a.layout_ = layout;
-  const int64_t page = sysconf(_SC_PAGESIZE);
-  a.grad_offset_ = AlignUp(layout.param_arena_bytes, std::max<int64_t>(page, 256));
+  a.grad_offset_ = internal::GradArenaOffset(layout);
   a.size_ = a.grad_offset_ + layout.grad_arena_bytes;
   a.fd_ = memfd_create("diond-arena", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-  if (a.fd_ < 0) return Errno("memfd_create", errno);
-  if (ftruncate(a.fd_, static_cast<off_t>(a.size_)) != 0) return Errno("ftruncate(memfd)", errno);
+  if (a.fd_ < 0) return ErrnoStatus("memfd_create", errno);
+  if (ftruncate(a.fd_, static_cast<off_t>(a.size_)) != 0) {
+    return ErrnoStatus("ftruncate(memfd)", errno);
+  }
   if (fcntl(a.fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0) {
-    return Errno("fcntl(F_ADD_SEALS) on the memfd", errno);
+    return ErrnoStatus("fcntl(F_ADD_SEALS) on the memfd", errno);
   }
   void* base =
       mmap(nullptr, static_cast<size_t>(a.size_), PROT_READ | PROT_WRITE, MAP_SHARED, a.fd_, 0);
-  if (base == MAP_FAILED) return Errno("mmap(memfd)", errno);  // ~MemfdArena closes the fd
+  if (base == MAP_FAILED) return ErrnoStatus("mmap(memfd)", errno);  // ~MemfdArena closes the fd
   a.base_ = static_cast<uint8_t*>(base);
   return a;
 }
@@ -204,53 +187,27 @@ void MemfdArena::Reset() {
   grad_region_id_.clear();
 }
 
-absl::StatusOr<absl::Span<uint8_t>> MemfdArena::Bytes(absl::string_view name, bool grad) const {
-  if (base_ == nullptr) return absl::FailedPreconditionError("MemfdArena is empty (moved or reset)");
-  const TensorLayout* t = layout_.Find(name);
-  if (t == nullptr) {
-    return absl::NotFoundError(
-        absl::StrCat("session '", layout_.session_id, "' has no parameter '", name, "'"));
-  }
-  uint8_t* p = grad ? base_ + grad_offset_ + t->grad_offset_bytes : base_ + t->param_offset_bytes;
-  return absl::Span<uint8_t>(p, static_cast<size_t>(t->size_bytes));
+internal::ArenaView MemfdArena::View() const {
+  return internal::ArenaView(layout_, base_, grad_arena(), "MemfdArena");
 }
-
-namespace {
-
-template <typename T>
-absl::StatusOr<absl::Span<T>> Typed(absl::StatusOr<absl::Span<uint8_t>> bytes,
-                                    const Layout& layout, absl::string_view name,
-                                    bool want_16bit) {
-  if (!bytes.ok()) return bytes.status();
-  const TensorLayout& t = *layout.Find(name);
-  const bool is_16bit = t.dtype == DType::kBF16 || t.dtype == DType::kF16;
-  if (want_16bit != is_16bit) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("parameter '", t.name, "' has dtype ", static_cast<int>(t.dtype),
-                     want_16bit ? ", not a 16-bit type" : ", not f32"));
-  }
-  return absl::Span<T>(reinterpret_cast<T*>(bytes->data()), bytes->size() / sizeof(T));
-}
-
-}  // namespace
 
 absl::StatusOr<absl::Span<uint8_t>> MemfdArena::ParamBytes(absl::string_view name) const {
-  return Bytes(name, false);
+  return View().Bytes(name, false);
 }
 absl::StatusOr<absl::Span<uint8_t>> MemfdArena::GradBytes(absl::string_view name) const {
-  return Bytes(name, true);
+  return View().Bytes(name, true);
 }
 absl::StatusOr<absl::Span<float>> MemfdArena::Param(absl::string_view name) const {
-  return Typed<float>(Bytes(name, false), layout_, name, false);
+  return View().F32(name, false);
 }
 absl::StatusOr<absl::Span<float>> MemfdArena::Grad(absl::string_view name) const {
-  return Typed<float>(Bytes(name, true), layout_, name, false);
+  return View().F32(name, true);
 }
 absl::StatusOr<absl::Span<uint16_t>> MemfdArena::ParamBf16(absl::string_view name) const {
-  return Typed<uint16_t>(Bytes(name, false), layout_, name, true);
+  return View().Bits16(name, false);
 }
 absl::StatusOr<absl::Span<uint16_t>> MemfdArena::GradBf16(absl::string_view name) const {
-  return Typed<uint16_t>(Bytes(name, true), layout_, name, true);
+  return View().Bits16(name, true);
 }
 
 }  // namespace diond::client

@@ -26,6 +26,9 @@
 #include "diond/types.h"
 
 namespace diond::client {
+namespace internal {
+class ArenaView;  // diond/internal/arena_view.h
+}  // namespace internal
 
 // Kinds of fd the fd channel accepts.
 inline constexpr uint32_t kFdKindMemfd = 1;
@@ -78,7 +81,7 @@ class MemfdArena {
  private:
   MemfdArena() = default;
   absl::Status Register(const Client* client);
-  absl::StatusOr<absl::Span<uint8_t>> Bytes(absl::string_view name, bool grad) const;
+  internal::ArenaView View() const;  // over this arena's mapping
 
   Layout layout_;
   int fd_ = -1;

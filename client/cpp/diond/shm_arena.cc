@@ -5,7 +5,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <random>
@@ -13,17 +12,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "diond/internal/arena_view.h"
 
 namespace diond::client {
 namespace {
 
-int64_t AlignUp(int64_t n, int64_t a) { return (n + a - 1) / a * a; }
-
 absl::Status ErrnoStatus(absl::string_view what, const std::string& name, int err) {
-  absl::StatusCode code = (err == ENOMEM || err == ENOSPC || err == EMFILE || err == ENFILE)
-                              ? absl::StatusCode::kResourceExhausted
-                              : absl::StatusCode::kInternal;
-  return absl::Status(code, absl::StrCat(what, " of shm segment '", name, "': ", strerror(err)));
+  return internal::ErrnoStatus(absl::StrCat(what, " of shm segment '", name, "'"), err);
 }
 
 // Creates, sizes and maps a new segment with a fresh random name; retries on a name clash.
@@ -66,28 +61,12 @@ std::string RandomShmName() {
 
 absl::StatusOr<ShmArena> ShmArena::CreateUnregistered(const Layout& layout,
                                                       const Options& options) {
-  if (layout.param_arena_bytes <= 0 || layout.grad_arena_bytes <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("session '", layout.session_id, "': empty arenas (param ",
-                     layout.param_arena_bytes, ", grad ", layout.grad_arena_bytes, " bytes)"));
-  }
-  for (const TensorLayout& t : layout.tensors) {
-    // Spans are handed out without further checks, so a hand-made layout is checked here too.
-    bool in = t.size_bytes >= 0 && t.param_offset_bytes >= 0 && t.grad_offset_bytes >= 0 &&
-              t.param_offset_bytes <= layout.param_arena_bytes - t.size_bytes &&
-              t.grad_offset_bytes <= layout.grad_arena_bytes - t.size_bytes;
-    if (!in) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tensor '", t.name, "' lies outside the arenas of session '", layout.session_id, "'"));
-    }
-  }
+  absl::Status valid = internal::CheckArenaLayout(layout);
+  if (!valid.ok()) return valid;
   ShmArena arena;
   arena.layout_ = layout;
-  const int64_t page = sysconf(_SC_PAGESIZE);
   if (options.single_segment) {
-    // Gradients start at the first page boundary after the parameters: non-overlapping, and
-    // both a multiple of 256 (the layout alignment) and a valid mmap offset.
-    const int64_t grad_offset = AlignUp(layout.param_arena_bytes, std::max<int64_t>(page, 256));
+    const int64_t grad_offset = internal::GradArenaOffset(layout);
     auto seg = CreateSegment(grad_offset + layout.grad_arena_bytes);
     if (!seg.ok()) return seg.status();
     arena.segments_.push_back(*std::move(seg));
@@ -169,61 +148,27 @@ void ShmArena::Reset() {
   grad_region_id_.clear();
 }
 
-absl::StatusOr<absl::Span<uint8_t>> ShmArena::Bytes(absl::string_view name, bool grad) const {
-  if (segments_.empty()) return absl::FailedPreconditionError("ShmArena is empty (moved or reset)");
-  const TensorLayout* t = layout_.Find(name);
-  if (t == nullptr) {
-    return absl::NotFoundError(
-        absl::StrCat("session '", layout_.session_id, "' has no parameter '", name, "'"));
-  }
-  // In bounds: LayoutFromProto checked every offset + size against its arena.
-  uint8_t* base = grad ? grad_base_ + t->grad_offset_bytes : param_base_ + t->param_offset_bytes;
-  return absl::Span<uint8_t>(base, static_cast<size_t>(t->size_bytes));
+internal::ArenaView ShmArena::View() const {
+  return internal::ArenaView(layout_, param_base_, grad_base_, "ShmArena");
 }
-
-namespace {
-
-template <typename T>
-absl::StatusOr<absl::Span<T>> Typed(absl::StatusOr<absl::Span<uint8_t>> bytes,
-                                    const TensorLayout& t, bool want_16bit) {
-  if (!bytes.ok()) return bytes.status();
-  const bool is_16bit = t.dtype == DType::kBF16 || t.dtype == DType::kF16;
-  if (want_16bit != is_16bit) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("parameter '", t.name, "' has dtype ", static_cast<int>(t.dtype),
-                     want_16bit ? ", not a 16-bit type" : ", not f32"));
-  }
-  return absl::Span<T>(reinterpret_cast<T*>(bytes->data()), bytes->size() / sizeof(T));
-}
-
-}  // namespace
 
 absl::StatusOr<absl::Span<uint8_t>> ShmArena::ParamBytes(absl::string_view name) const {
-  return Bytes(name, false);
+  return View().Bytes(name, false);
 }
 absl::StatusOr<absl::Span<uint8_t>> ShmArena::GradBytes(absl::string_view name) const {
-  return Bytes(name, true);
+  return View().Bytes(name, true);
 }
-
 absl::StatusOr<absl::Span<float>> ShmArena::Param(absl::string_view name) const {
-  auto b = Bytes(name, false);
-  if (!b.ok()) return b.status();
-  return Typed<float>(b, *layout_.Find(name), false);
+  return View().F32(name, false);
 }
 absl::StatusOr<absl::Span<float>> ShmArena::Grad(absl::string_view name) const {
-  auto b = Bytes(name, true);
-  if (!b.ok()) return b.status();
-  return Typed<float>(b, *layout_.Find(name), false);
+  return View().F32(name, true);
 }
 absl::StatusOr<absl::Span<uint16_t>> ShmArena::ParamBf16(absl::string_view name) const {
-  auto b = Bytes(name, false);
-  if (!b.ok()) return b.status();
-  return Typed<uint16_t>(b, *layout_.Find(name), true);
+  return View().Bits16(name, false);
 }
 absl::StatusOr<absl::Span<uint16_t>> ShmArena::GradBf16(absl::string_view name) const {
-  auto b = Bytes(name, true);
-  if (!b.ok()) return b.status();
-  return Typed<uint16_t>(b, *layout_.Find(name), true);
+  return View().Bits16(name, true);
 }
 
 }  // namespace diond::client

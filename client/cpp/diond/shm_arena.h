@@ -32,6 +32,9 @@
 #include "diond/types.h"
 
 namespace diond::client {
+namespace internal {
+class ArenaView;  // diond/internal/arena_view.h
+}  // namespace internal
 
 class ShmArena {
  public:
@@ -96,7 +99,7 @@ class ShmArena {
  private:
   ShmArena() = default;
   absl::Status Register(const Client* client);
-  absl::StatusOr<absl::Span<uint8_t>> Bytes(absl::string_view name, bool grad) const;
+  internal::ArenaView View() const;  // over this arena's mapping
 
   Layout layout_;
   std::vector<Segment> segments_;
