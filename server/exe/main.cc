@@ -196,6 +196,14 @@ bool SetOpenMpSpinLimit(char** argv) {
   }
   setenv("GOMP_SPINCOUNT", kOpenMpSpinCount, 1);
   setenv("DIOND_OMP_WAIT_POLICY_SET", "1", 1);
+  // The binary's real path, not /proc/self/exe itself: the kernel names the process after the
+  // file it executes, and "exe" is what ps, top and pgrep would then show.
+  char self[4096];
+  const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  if (n > 0) {
+    self[n] = '\0';
+    execv(self, argv);
+  }
   execv("/proc/self/exe", argv);
   std::fprintf(stderr, "diond: warning: could not re-execute with GOMP_SPINCOUNT=%s (%s); "
                "set it in the environment (docs/OPERATIONS.md)\n", kOpenMpSpinCount,

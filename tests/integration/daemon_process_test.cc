@@ -205,6 +205,11 @@ TEST(DaemonProcess, IdleOpenMpThreadsSleepUnlessTheOperatorSaysOtherwise) {
     }));
     EXPECT_TRUE(absl::StrContains(d->proc->Log(), "GOMP_SPINCOUNT=10000 (GOMP_SPINCOUNT set by diond"))
         << d->proc->Log();
+    // The re-executed daemon keeps its name (ps, top, pgrep), not "exe" of /proc/self/exe.
+    std::ifstream comm("/proc/" + std::to_string(d->proc->pid()) + "/comm");
+    std::string name;
+    std::getline(comm, name);
+    EXPECT_EQ(name, "diond");
     d->proc->Signal(SIGTERM);
     EXPECT_EQ(d->proc->Wait(absl::Seconds(30)), std::optional<int>(0));
   }
