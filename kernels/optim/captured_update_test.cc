@@ -8,20 +8,14 @@
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/cpu/test_util.h"
 #include "kernels/optim/group_optimizer.h"
 
 namespace diond::optim {
 namespace {
 
+using kernels::testing::RandomVector;  // N(0, 1) from a seed (kernels/cpu/test_util.h)
 using ::diond::testing::IsOk;
-
-std::vector<float> Rand(size_t n, uint32_t seed) {
-  std::mt19937 gen(seed);
-  std::normal_distribution<float> nd;
-  std::vector<float> v(n);
-  for (float& e : v) e = nd(gen);
-  return v;
-}
 
 int64_t Numel(const ParamShape& s) {
   int64_t n = 1;
@@ -56,12 +50,12 @@ TEST_P(CapturedUpdate, NonOwnerReproducesTheOwnerBitForBit) {
   auto plain = CreateGroupOptimizer(cfg, {c.shape, c.shape, c.shape});
   ASSERT_TRUE(owner.ok() && plain.ok());
   auto ctx = kernels::Context::CpuDefault();
-  std::vector<std::vector<float>> x = {Rand(n, 1), Rand(n, 2), Rand(n, 3)};
+  std::vector<std::vector<float>> x = {RandomVector(n, 1), RandomVector(n, 2), RandomVector(n, 3)};
   std::vector<std::vector<float>> y = x;  // the plain (non-capturing) run
   std::vector<std::vector<float>> replica = x;  // a non-owner's copy
   for (int step = 1; step <= 3; ++step) {
-    std::vector<std::vector<float>> g = {Rand(n, 10 * step), Rand(n, 10 * step + 1),
-                                         Rand(n, 10 * step + 2)};
+    std::vector<std::vector<float>> g = {RandomVector(n, 10 * step), RandomVector(n, 10 * step + 1),
+                                         RandomVector(n, 10 * step + 2)};
     StepCapture cap;
     StepOptions opts;
     opts.lr = 0.02 * step;

@@ -17,6 +17,7 @@
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/cpu/test_util.h"
 #include "kernels/backend.h"
 #include "kernels/context.h"
 #include "kernels/ops.h"
@@ -28,6 +29,7 @@
 namespace diond::optim {
 namespace {
 
+using kernels::testing::RandomVector;  // N(0, 1) from a seed (kernels/cpu/test_util.h)
 using ::diond::testing::IsOk;
 using ::diond::testing::StatusIs;
 using ::testing::HasSubstr;
@@ -37,14 +39,6 @@ using kernels::Device;
 using kernels::DeviceType;
 
 constexpr Device kDev{DeviceType::kTest, 0};
-
-std::vector<float> Rand(size_t n, uint32_t seed) {
-  std::mt19937 gen(seed);
-  std::normal_distribution<float> nd;
-  std::vector<float> v(n);
-  for (float& e : v) e = nd(gen);
-  return v;
-}
 
 int64_t Numel(const ParamShape& s) {
   int64_t n = 1;
@@ -192,7 +186,7 @@ TEST_F(StrictDevice, OrthogonalizeMatchesTheCpuBitForBit) {
           o.precision = precision;
           o.bf16_matmul = mm;
           const int64_t n = Numel(shape);
-          const std::vector<float> in = Rand(static_cast<size_t>(n), 5);
+          const std::vector<float> in = RandomVector(static_cast<size_t>(n), 5);
           std::vector<float> want(in.size());
           const auto layout = kernels::ContiguousLayout(kernels::DType::kF32, shape);
           ASSERT_THAT(kernels::Orthogonalize(*cpu_, o, kernels::ConstTensorView(in.data(), layout),
@@ -306,7 +300,7 @@ TEST_P(DeviceRules, StepsMatchTheCpuBitForBit) {
   std::vector<std::vector<float>> hx(np);
   std::vector<Buffer> dx;
   for (size_t i = 0; i < np; ++i) {
-    hx[i] = Rand(static_cast<size_t>(Numel(rc.shapes[i])), 70 + static_cast<uint32_t>(i));
+    hx[i] = RandomVector(static_cast<size_t>(Numel(rc.shapes[i])), 70 + static_cast<uint32_t>(i));
     hx[i].reserve(1);  // a non-null pointer for an empty parameter too
     dx.push_back(Upload(hx[i]));
   }
@@ -322,7 +316,7 @@ TEST_P(DeviceRules, StepsMatchTheCpuBitForBit) {
     std::vector<float*> dp, hp;
     std::vector<const float*> dgp, hgp;
     for (size_t i = 0; i < np; ++i) {
-      hg[i] = Rand(hx[i].size(), 100 * static_cast<uint32_t>(step) + static_cast<uint32_t>(i));
+      hg[i] = RandomVector(hx[i].size(), 100 * static_cast<uint32_t>(step) + static_cast<uint32_t>(i));
       hg[i].reserve(1);
       dg.push_back(Upload(hg[i]));
       dp.push_back(dx[i].As<float>());
@@ -411,8 +405,8 @@ TEST_F(StrictDevice, StepsHaveOnlyTheListedSyncPoints) {
     std::vector<float*> xp;
     std::vector<const float*> gp;
     for (size_t i = 0; i < shapes.size(); ++i) {
-      x.push_back(Upload(Rand(static_cast<size_t>(Numel(shapes[i])), 1)));
-      g.push_back(Upload(Rand(static_cast<size_t>(Numel(shapes[i])), 2)));
+      x.push_back(Upload(RandomVector(static_cast<size_t>(Numel(shapes[i])), 1)));
+      g.push_back(Upload(RandomVector(static_cast<size_t>(Numel(shapes[i])), 2)));
       xp.push_back(x.back().As<float>());
       gp.push_back(g.back().As<float>());
     }
@@ -445,10 +439,10 @@ TEST_F(StrictDevice, DionReadsTheAllZeroFlagsBackOncePerBucket) {
     std::vector<float*> dxp, hxp;
     std::vector<const float*> dgp, hgp;
     for (int64_t i = 0; i < matrices; ++i) {
-      hx.push_back(Rand(24 * 40, static_cast<uint32_t>(10 + i)));
+      hx.push_back(RandomVector(24 * 40, static_cast<uint32_t>(10 + i)));
       // Every other matrix has a zero gradient (so a zero momentum at the first step).
       hg.push_back(i % 2 == 1 ? std::vector<float>(24 * 40, 0.0f)
-                              : Rand(24 * 40, static_cast<uint32_t>(50 + i)));
+                              : RandomVector(24 * 40, static_cast<uint32_t>(50 + i)));
     }
     for (int64_t i = 0; i < matrices; ++i) {
       dx.push_back(Upload(hx[static_cast<size_t>(i)]));
@@ -487,7 +481,7 @@ TEST_F(StrictDevice, StateAccessNeedsTheDeviceContext) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("device")));
   EXPECT_THAT((*opt)->ReleaseState({true, false}),
               StatusIs(absl::StatusCode::kFailedPrecondition));
-  const std::vector<float> set = Rand(16, 3);
+  const std::vector<float> set = RandomVector(16, 3);
   ASSERT_THAT((*opt)->SetState(*dev_, 0, kStateMomentum, set), IsOk());
   ASSERT_THAT((*opt)->GetState(*dev_, 0, kStateMomentum, absl::MakeSpan(m)), IsOk());
   EXPECT_EQ(m, set);
@@ -499,7 +493,7 @@ TEST_F(StrictDevice, StateAccessNeedsTheDeviceContext) {
   float step_dev = -1.0f;
   ASSERT_THAT((*opt)->GetState(*dev_, 0, kStateStepDev, absl::MakeSpan(&step_dev, 1)), IsOk());
   EXPECT_EQ(step_dev, 0.0f);
-  Buffer x = Upload(Rand(16, 4)), g = Upload(Rand(16, 5));
+  Buffer x = Upload(RandomVector(16, 4)), g = Upload(RandomVector(16, 5));
   float* xp[] = {x.As<float>(), nullptr};
   const float* gp[] = {g.As<float>(), nullptr};
   ASSERT_THAT((*opt)->Step(*dev_, xp, gp), IsOk());
@@ -521,8 +515,8 @@ TEST_F(StrictDevice, AdamWStepCountFollowsSetStateDiscardAndRelease) {
   std::vector<std::vector<float>> hx, hg;
   std::vector<Buffer> dx, dg;
   for (size_t i = 0; i < shapes.size(); ++i) {
-    hx.push_back(Rand(static_cast<size_t>(Numel(shapes[i])), 20 + static_cast<uint32_t>(i)));
-    hg.push_back(Rand(hx.back().size(), 30 + static_cast<uint32_t>(i)));
+    hx.push_back(RandomVector(static_cast<size_t>(Numel(shapes[i])), 20 + static_cast<uint32_t>(i)));
+    hg.push_back(RandomVector(hx.back().size(), 30 + static_cast<uint32_t>(i)));
     dx.push_back(Upload(hx.back()));
     dg.push_back(Upload(hg.back()));
   }
@@ -614,7 +608,7 @@ TEST_F(StrictDevice, CapturedUpdatesApplyOnTheDevice) {
     ASSERT_GT(CapturedUpdateSize(c, shape), 0);
     auto owner = CreateGroupOptimizer(*cpu_, c, {shape});
     ASSERT_THAT(owner.status(), IsOk());
-    std::vector<float> x = Rand(64 * 48, 9), g = Rand(64 * 48, 10);
+    std::vector<float> x = RandomVector(64 * 48, 9), g = RandomVector(64 * 48, 10);
     const std::vector<float> before = x;
     StepCapture cap;
     StepOptions o;

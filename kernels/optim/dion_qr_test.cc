@@ -10,6 +10,7 @@
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/cpu/test_util.h"
 #include "kernels/ops.h"
 #include "kernels/optim/group_optimizer.h"
 #include "kernels/optim/validation.h"
@@ -17,19 +18,12 @@
 namespace diond::optim {
 namespace {
 
+using kernels::testing::RandomVector;  // N(0, 1) from a seed (kernels/cpu/test_util.h)
 using ::diond::testing::IsOk;
 using ::testing::HasSubstr;
 
 constexpr int64_t kM = 64, kN = 48;  // tall: P = M·Q is a×r = 64×12 at rank_fraction 0.25
 constexpr int64_t kR = 12;
-
-std::vector<float> Rand(size_t n, uint32_t seed) {
-  std::mt19937 gen(seed);
-  std::normal_distribution<float> nd;
-  std::vector<float> v(n);
-  for (float& e : v) e = nd(gen);
-  return v;
-}
 
 GroupConfig Dion(QrMethod method, int64_t warmup = 150) {
   GroupConfig cfg;
@@ -50,7 +44,7 @@ struct DionRun {
 DionRun Make(const GroupConfig& cfg, const std::vector<float>* q0 = nullptr) {
   auto opt = CreateGroupOptimizer(cfg, {{kM, kN}});
   EXPECT_THAT(opt.status(), IsOk());
-  DionRun r{std::move(*opt), Rand(kM * kN, 1)};
+  DionRun r{std::move(*opt), RandomVector(kM * kN, 1)};
   if (q0 != nullptr) {
     EXPECT_THAT(r.opt->SetState(0, "Q", *q0), IsOk());
   }
@@ -132,7 +126,7 @@ void ExpectOrthonormalBasisOf(const kernels::Context& ctx, const std::vector<flo
 // An initial Q whose singular values spread over 5 decades: P = G·Q is then so ill-conditioned
 // that the float32 Cholesky factorization of PᵀP fails (the reference's cqr fallback case).
 std::vector<float> IllConditionedQ() {
-  std::vector<float> a = Rand(kN * kR, 11), b = Rand(kR * kR, 12);
+  std::vector<float> a = RandomVector(kN * kR, 11), b = RandomVector(kR * kR, 12);
   std::vector<float> u(a.size()), v(b.size());
   auto ctx_ptr = kernels::Context::CpuDefault();
   const kernels::Context& ctx = *ctx_ptr;
@@ -160,7 +154,7 @@ TEST(DionQrMethod, QrIsHouseholderQrAtEveryStep) {
   const kernels::Context& ctx = *ctx_ptr;
   DionRun r = Make(Dion(QrMethod::kQr));
   for (uint32_t t = 1; t <= 3; ++t) {
-    const std::vector<float> g = Rand(kM * kN, 100 + t);
+    const std::vector<float> g = RandomVector(kM * kN, 100 + t);
     const std::vector<float> pre = PreQr(ctx, *r.opt, g);
     EXPECT_EQ(StepP(ctx, &r, g), Householder(ctx, pre)) << "step " << t;
   }
@@ -172,7 +166,7 @@ TEST(DionQrMethod, RcqrIsTheRandomizedCholeskyQrAndHonoursTheOversampling) {
   GroupConfig big = Dion(QrMethod::kRcqr);
   big.hyperparams.rcqr_oversample = 16.0;  // a sketch of 256 rows instead of 128
   DionRun r = Make(Dion(QrMethod::kRcqr)), r16 = Make(big);
-  const std::vector<float> g = Rand(kM * kN, 101);
+  const std::vector<float> g = RandomVector(kM * kN, 101);
   const std::vector<float> pre = PreQr(ctx, *r.opt, g);
   const std::vector<float> p = StepP(ctx, &r, g), p16 = StepP(ctx, &r16, g);
   // Not the Householder or the Cholesky factor, and the sketch size matters...
@@ -189,7 +183,7 @@ TEST(DionQrMethod, CqrIsRcqrDuringTheWarmupThenCholeskyQr) {
   const kernels::Context& ctx = *ctx_ptr;
   DionRun cqr = Make(Dion(QrMethod::kCqr, /*warmup=*/2)), rcqr = Make(Dion(QrMethod::kRcqr));
   for (uint32_t t = 1; t <= 4; ++t) {
-    const std::vector<float> g = Rand(kM * kN, 200 + t);
+    const std::vector<float> g = RandomVector(kM * kN, 200 + t);
     const std::vector<float> pre = PreQr(ctx, *cqr.opt, g);
     const std::vector<float> p = StepP(ctx, &cqr, g);
     const std::vector<float> p_rcqr = StepP(ctx, &rcqr, g);
@@ -214,7 +208,7 @@ TEST(DionQrMethod, TheWarmupCountsTheStepNumberThatTheCallerPasses) {
   auto ctx_ptr = kernels::Context::CpuDefault();
   const kernels::Context& ctx = *ctx_ptr;
   DionRun r = Make(Dion(QrMethod::kCqr, /*warmup=*/5));
-  const std::vector<float> g = Rand(kM * kN, 301);
+  const std::vector<float> g = RandomVector(kM * kN, 301);
   const std::vector<float> pre = PreQr(ctx, *r.opt, g);
   // The first Step of this optimizer is step 6 of the run (e.g. a resumed session): past the
   // warm-up, so Cholesky QR.
@@ -234,7 +228,7 @@ TEST(DionQrMethod, CqrFallsBackToRcqrWhenTheCholeskyFactorizationFails) {
   const std::vector<float> q0 = IllConditionedQ();
   DionRun cqr = Make(Dion(QrMethod::kCqr, /*warmup=*/0), &q0);
   DionRun rcqr = Make(Dion(QrMethod::kRcqr), &q0);
-  const std::vector<float> g = Rand(kM * kN, 401);
+  const std::vector<float> g = RandomVector(kM * kN, 401);
   const std::vector<float> pre = PreQr(ctx, *cqr.opt, g);
   // The premise: Cholesky QR fails on this P.
   ASSERT_EQ(Cholesky(ctx, pre).status().code(), absl::StatusCode::kFailedPrecondition);
@@ -255,7 +249,7 @@ TEST(DionQrMethod, SquarePUsesHouseholderQrUnderRcqrAndCholeskyQrUnderCqr) {
     auto opt = CreateGroupOptimizer(cfg, {{48, 48}});
     ASSERT_THAT(opt.status(), IsOk());
     std::vector<float> q(48 * 48), p(48 * 48), want(48 * 48);
-    const std::vector<float> g = Rand(48 * 48, 501);
+    const std::vector<float> g = RandomVector(48 * 48, 501);
     ASSERT_THAT((*opt)->GetState(0, "Q", absl::MakeSpan(q)), IsOk());
     ASSERT_THAT(kernels::Gemm(ctx, kernels::GemmParams{}, kernels::MakeView(g.data(), {1, 48, 48}),
                               kernels::MakeView(q.data(), {1, 48, 48}),
@@ -272,7 +266,7 @@ TEST(DionQrMethod, SquarePUsesHouseholderQrUnderRcqrAndCholeskyQrUnderCqr) {
     }
     // No compact form at full rank, so compare the new Q instead: the column-normalized Gᵀ·P,
     // determined bit for bit by P.
-    std::vector<float> x = Rand(48 * 48, 1);
+    std::vector<float> x = RandomVector(48 * 48, 1);
     float* xp = x.data();
     const float* gp = g.data();
     ASSERT_THAT((*opt)->Step(ctx, absl::MakeSpan(&xp, 1), absl::MakeSpan(&gp, 1)), IsOk());

@@ -13,11 +13,13 @@
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/cpu/test_util.h"
 #include "kernels/optim/validation.h"
 
 namespace diond::optim {
 namespace {
 
+using kernels::testing::RandomVector;  // N(0, 1) from a seed (kernels/cpu/test_util.h)
 using ::diond::testing::IsOk;
 using ::diond::testing::StatusIs;
 using ::testing::HasSubstr;
@@ -29,14 +31,6 @@ GroupConfig Cfg(AlgorithmKind k) {
   c.algorithm = k;
   c.hyperparams = DefaultHyperparams(k);
   return c;
-}
-
-std::vector<float> Rand(size_t n, uint32_t seed) {
-  std::mt19937 gen(seed);
-  std::normal_distribution<float> nd;
-  std::vector<float> v(n);
-  for (float& e : v) e = nd(gen);
-  return v;
 }
 
 void ExpectRejected(const GroupConfig& c, std::vector<ParamShape> shapes, const char* msg) {
@@ -171,7 +165,7 @@ TEST(GroupOptimizerTest, StepRejectsBadArgumentsWithoutMutation) {
   auto ctx = kernels::Context::CpuDefault(1);
   auto opt = CreateGroupOptimizer(Cfg(AlgorithmKind::kMuon), {{4, 3}});
   ASSERT_THAT(opt, IsOk());
-  std::vector<float> x = Rand(12, 1), x0 = x, g = Rand(12, 2);
+  std::vector<float> x = RandomVector(12, 1), x0 = x, g = RandomVector(12, 2);
   float* xp = x.data();
   const float* gp = g.data();
   float* none = nullptr;
@@ -203,7 +197,7 @@ TEST(GroupOptimizerTest, StateAccess) {
   EXPECT_EQ(*(*opt)->StateShape(1, "variance_neuron"), (std::vector<int64_t>{2, 5, 1}));
   EXPECT_THAT((*opt)->StateShape(0, "Q"), StatusIs(absl::StatusCode::kNotFound));
   EXPECT_THAT((*opt)->StateShape(2, "momentum"), StatusIs(absl::StatusCode::kOutOfRange));
-  std::vector<float> v = Rand(10, 3), back(10);
+  std::vector<float> v = RandomVector(10, 3), back(10);
   EXPECT_THAT((*opt)->SetState(1, "variance_neuron", absl::MakeSpan(v).subspan(0, 9)),
               StatusIs(kInvalid));
   ASSERT_THAT((*opt)->SetState(1, "variance_neuron", v), IsOk());
@@ -237,8 +231,8 @@ TEST(GroupOptimizerTest, BatchedEqualsOneByOneBitForBit) {
       ASSERT_THAT(batched, IsOk());
       std::vector<std::vector<float>> xb, gb;
       for (int i = 0; i < 3; ++i) {
-        xb.push_back(Rand(117, 10 + i));
-        gb.push_back(Rand(117, 20 + i));
+        xb.push_back(RandomVector(117, 10 + i));
+        gb.push_back(RandomVector(117, 20 + i));
       }
       std::vector<std::vector<float>> xs = xb;
       for (int t = 0; t < 2; ++t) {
@@ -270,7 +264,7 @@ TEST(GroupOptimizerTest, BatchedEqualsOneByOneBitForBit) {
 TEST(GroupOptimizerTest, MissingGradientSkipsParameter) {
   auto ctx = kernels::Context::CpuDefault(1);
   auto opt = CreateGroupOptimizer(Cfg(AlgorithmKind::kAdamW), {{5}, {5}});
-  std::vector<float> a = Rand(5, 1), b = Rand(5, 2), b0 = b, g = Rand(5, 3);
+  std::vector<float> a = RandomVector(5, 1), b = RandomVector(5, 2), b0 = b, g = RandomVector(5, 3);
   float* xp[2] = {a.data(), b.data()};
   const float* gp[2] = {g.data(), nullptr};
   ASSERT_THAT((*opt)->Step(*ctx, absl::MakeSpan(xp, 2), absl::MakeSpan(gp, 2)), IsOk());
@@ -296,8 +290,8 @@ TEST(GroupOptimizerTest, LastUpdateNormIsTheNormOfTheChange) {
     std::vector<float*> xp;
     std::vector<const float*> gp;
     for (size_t i = 0; i < shapes.size(); ++i) {
-      x.push_back(Rand(static_cast<size_t>(shapes[i][0] * shapes[i][1]), 10 + i));
-      g.push_back(Rand(x.back().size(), 20 + i));
+      x.push_back(RandomVector(static_cast<size_t>(shapes[i][0] * shapes[i][1]), 10 + i));
+      g.push_back(RandomVector(x.back().size(), 20 + i));
     }
     for (size_t i = 0; i < shapes.size(); ++i) {
       xp.push_back(x[i].data());
@@ -328,7 +322,7 @@ TEST(GroupOptimizerTest, LrOverrideReplacesConfiguredLr) {
   b.hyperparams.lr = 0.25;
   auto oa = CreateGroupOptimizer(a, {{6}});
   auto ob = CreateGroupOptimizer(b, {{6}});
-  std::vector<float> xa = Rand(6, 1), xb = xa, g = Rand(6, 2);
+  std::vector<float> xa = RandomVector(6, 1), xb = xa, g = RandomVector(6, 2);
   float* pa = xa.data();
   float* pb = xb.data();
   const float* gp = g.data();
@@ -361,9 +355,9 @@ TEST(GroupOptimizerTest, ReleaseStateKeepsOwnedParametersExact) {
     std::vector<std::vector<float>> xa, xb, g;
     for (size_t i = 0; i < shapes.size(); ++i) {
       const size_t n = static_cast<size_t>(shapes[i][0] * shapes[i][1]);
-      xa.push_back(Rand(n, 10 + i));
+      xa.push_back(RandomVector(n, 10 + i));
       xb.push_back(xa.back());
-      g.push_back(Rand(n, 20 + i));
+      g.push_back(RandomVector(n, 20 + i));
     }
     for (int step = 0; step < 3; ++step) {
       std::vector<float*> pa, pb;

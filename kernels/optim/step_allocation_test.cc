@@ -20,6 +20,7 @@
 
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
+#include "kernels/cpu/test_util.h"
 #include "gmock/gmock.h"
 #include "kernels/backend.h"
 #include "kernels/context.h"
@@ -45,20 +46,13 @@ void operator delete(void* p, size_t) noexcept { std::free(p); }
 namespace diond::optim {
 namespace {
 
+using kernels::testing::RandomVector;  // N(0, 1) from a seed (kernels/cpu/test_util.h)
 using ::diond::testing::IsOk;
 using ::diond::testing::StatusIs;
 using ::testing::HasSubstr;
 
 // Rules that run in place on the caller's parameters: they stage nothing.
 bool InPlace(AlgorithmKind k) { return k == AlgorithmKind::kAdamW || k == AlgorithmKind::kLion; }
-
-std::vector<float> Rand(size_t n, uint32_t seed) {
-  std::mt19937 gen(seed);
-  std::normal_distribution<float> nd;
-  std::vector<float> v(n);
-  for (float& e : v) e = nd(gen);
-  return v;
-}
 
 struct Case {
   AlgorithmKind kind;
@@ -83,8 +77,8 @@ TEST_P(StepAllocation, StepsAfterTheFirstAllocateNothingThroughTheContext) {
   ASSERT_THAT(opt.status(), IsOk());
   std::vector<std::vector<float>> x, g;
   for (size_t i = 0; i < shapes.size(); ++i) {
-    x.push_back(Rand(static_cast<size_t>(shapes[i][0] * shapes[i][1]), 1 + i));
-    g.push_back(Rand(x.back().size(), 100 + i));
+    x.push_back(RandomVector(static_cast<size_t>(shapes[i][0] * shapes[i][1]), 1 + i));
+    g.push_back(RandomVector(x.back().size(), 100 + i));
   }
   std::vector<float*> xp;
   std::vector<const float*> gp;
@@ -181,7 +175,7 @@ TEST_P(StepAllocationOnDevice, StepsAfterTheFirstAllocateNothingThroughTheContex
   for (size_t i = 0; i < shapes.size(); ++i) {
     const int64_t n = shapes[i][0] * shapes[i][1];
     for (auto* list : {&x, &g}) {
-      const std::vector<float> v = Rand(static_cast<size_t>(n), 1 + i + (list == &g ? 100 : 0));
+      const std::vector<float> v = RandomVector(static_cast<size_t>(n), 1 + i + (list == &g ? 100 : 0));
       auto b = (*ctx)->Allocate(kernels::DType::kF32, {n});
       ASSERT_THAT(b.status(), IsOk());
       ASSERT_THAT(kernels::CopyFromHost(**ctx, kernels::MakeView(v.data(), {n}), b->view()),
