@@ -11,6 +11,7 @@
 #include <cstring>
 #include <fstream>
 #include <string>
+#include <thread>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -55,6 +56,11 @@ ABSL_FLAG(std::string, health_address, "",
           "Kubernetes gRPC probes while the API stays on unix/loopback; empty = off.");
 ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(10),
           "On SIGTERM/SIGINT, how long in-flight RPCs may run before they are cancelled.");
+ABSL_FLAG(bool, exit_on_stdin_eof, false,
+          "Stop (as on SIGTERM) when standard input reaches end-of-file: a parent that starts "
+          "the daemon with a pipe on stdin and keeps the write end ties the daemon's life to its "
+          "own, even when it is SIGKILLed. Standard input must then be a pipe; anything read is "
+          "ignored.");
 ABSL_FLAG(std::string, ready_file, "",
           "If set, write a JSON file with the bound addresses and metrics port once serving "
           "(mode 0600 whatever the umask, written atomically; for scripts and tests that use "
@@ -174,6 +180,24 @@ bool WriteFileAtomically(const std::string& path, const std::string& text) {
     return false;
   }
   return std::rename(tmp.c_str(), path.c_str()) == 0;
+}
+
+// --exit_on_stdin_eof: reads standard input until end-of-file (or an error other than EINTR),
+// then raises SIGTERM for the main thread's sigwait, so the stop is the ordinary drained one.
+// Every thread blocks SIGTERM, so the signal stays pending for the process until sigwait takes it.
+void WatchStdinForEof() {
+  std::thread([] {
+    char buf[256];
+    for (;;) {
+      const ssize_t n = read(STDIN_FILENO, buf, sizeof(buf));
+      if (n > 0 || (n < 0 && errno == EINTR)) continue;
+      DIOND_LOG(INFO) << "standard input "
+                      << (n == 0 ? "reached end-of-file" : absl::StrCat("failed: ", std::strerror(errno)))
+                      << " (--exit_on_stdin_eof): the parent process is gone; stopping";
+      kill(getpid(), SIGTERM);
+      return;
+    }
+  }).detach();
 }
 
 }  // namespace
@@ -380,6 +404,7 @@ int main(int argc, char** argv) {
     DIOND_LOG(ERROR) << "cannot write --ready_file " << ready_file;
   }
 
+  if (absl::GetFlag(FLAGS_exit_on_stdin_eof)) WatchStdinForEof();
   int sig = 0;
   sigwait(&stop_signals, &sig);
   const absl::Duration drain = absl::GetFlag(FLAGS_drain_timeout);

@@ -45,11 +45,16 @@ class Daemon:
       world_secret: for a world (--world_size in extra_args, no --world_secret_file): the secret
         written to a --world_secret_file (every daemon of one world needs the same).
       ready_timeout: seconds to wait for the ready file.
+      tie_to_parent: start the daemon with --exit_on_stdin_eof and a pipe on its standard input
+        whose write end only this process holds, so the daemon stops (drained, as on SIGTERM)
+        when this process exits for any reason, SIGKILL included, instead of running on as an
+        orphan. Child processes forked later inherit the write end and keep the daemon alive
+        until they exit too.
     """
 
     def __init__(self, binary=None, *, device="cpu", compute_threads=None, extra_args=(),
                  tcp=False, ready_timeout=60.0, workdir=None,
-                 world_secret="diond-python-world-secret-0123456789"):
+                 world_secret="diond-python-world-secret-0123456789", tie_to_parent=True):
         self.binary = find_binary(binary)
         self.device = device
         self.compute_threads = compute_threads
@@ -64,6 +69,7 @@ class Daemon:
         self.tcp_target = None  # "127.0.0.1:<port>" once started with tcp=True
         self.token = None  # the bearer token for tcp_target (tcp=True)
         self.world_secret = world_secret
+        self.tie_to_parent = tie_to_parent
         self.proc = None
 
     @property
@@ -81,6 +87,8 @@ class Daemon:
                 "--metrics_address=", "--ready_file=" + self.ready_file]
         if self.compute_threads is not None:
             args.append("--compute_threads=%d" % self.compute_threads)
+        if self.tie_to_parent:
+            args.append("--exit_on_stdin_eof")
         args += self.extra_args
         named = [a.split("=", 1)[0] for a in self.extra_args]
         if (self.tcp and "--auth_token_file" not in named
@@ -98,8 +106,9 @@ class Daemon:
                 f.write(self.world_secret)
             args.append("--world_secret_file=" + path)
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            args, stdout=self._log, stderr=subprocess.STDOUT,
+            stdin=subprocess.PIPE if self.tie_to_parent else subprocess.DEVNULL)
         deadline = time.monotonic() + self.ready_timeout
         while time.monotonic() < deadline:
             if os.path.exists(self.ready_file) and os.path.getsize(self.ready_file) > 0:
@@ -143,7 +152,7 @@ class Daemon:
                 self.proc.kill()
                 self.proc.wait()
         rc = self.proc.returncode
-        self._log.close()
+        self._close_pipes()
         return rc
 
     def kill(self):
@@ -152,7 +161,12 @@ class Daemon:
             self.proc.kill()
             self.proc.wait()
         if self.proc is not None:
-            self._log.close()
+            self._close_pipes()
+
+    def _close_pipes(self):
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self._log.close()
 
     def cleanup(self):
         self.stop()
