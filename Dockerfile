@@ -28,11 +28,13 @@ RUN bash /tmp/install-deps.sh --runtime && rm -rf /var/lib/apt/lists/* /tmp/inst
  && useradd --system --uid 10001 --home-dir /var/lib/diond --create-home diond \
  && mkdir -p /run/diond && chown diond:diond /run/diond
 COPY --from=build /out/bin/ /opt/diond/bin/
-# GOMP_SPINCOUNT: idle OpenMP threads spin about 0.1 ms, then sleep, instead of spinning against
-# OpenBLAS's threads and the trainer (docs/TOOLCHAIN.md P20; the daemon sets the same when unset).
+# GOMP_SPINCOUNT, OPENBLAS_THREAD_TIMEOUT: idle OpenMP and OpenBLAS threads wait about 0.1 ms,
+# then sleep, instead of spinning against each other and the trainer (docs/TOOLCHAIN.md P20, P21;
+# the daemon sets the same when unset).
 ENV PATH=/opt/diond/bin:$PATH \
     DIOND_TARGET=unix:/run/diond/diond.sock \
-    GOMP_SPINCOUNT=10000
+    GOMP_SPINCOUNT=10000 \
+    OPENBLAS_THREAD_TIMEOUT=18
 USER diond
 EXPOSE 50551 9464
 # gRPC health (grpc.health.v1) over the Unix socket, through diondctl.

@@ -241,10 +241,12 @@ def ortho_bench(binary, threads):
     flt = ("BM_Gemm(F32|Bf16)/.*/threads:%d/|"
            "BM_Orthogonalize/PE_(fp32|fp32openblas|bf16|bf16onednn)/"
            ".*/threads:%d/" % (threads, threads))
-    # The OpenMP waiting the daemon runs with (server/exe/main.cc), unless the user chose.
+    # The thread waiting the daemon runs with (server/exe/main.cc), unless the user chose.
     env = dict(os.environ)
     if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
         env["GOMP_SPINCOUNT"] = "10000"
+    if "OPENBLAS_THREAD_TIMEOUT" not in env and "GOTO_THREAD_TIMEOUT" not in env:
+        env["OPENBLAS_THREAD_TIMEOUT"] = "18"
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         subprocess.run([binary, "--benchmark_filter=" + flt, "--benchmark_out=" + f.name,
                         "--benchmark_out_format=json"], check=True, stdout=subprocess.DEVNULL,

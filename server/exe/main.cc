@@ -17,6 +17,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "common/logging.h"
@@ -202,24 +203,42 @@ void WatchStdinForEof() {
 
 }  // namespace
 
-// libgomp reads its wait policy once, when it is loaded, before main() runs. Its default lets an
-// idle OpenMP thread spin for 300,000 rounds (milliseconds) against OpenBLAS's threads and the
-// trainer, which made steps several times slower on small machines; "passive" (no spinning) cost
-// every parallel loop a futex wake-up instead, 30-40 % of a Dion2 step (docs/TOOLCHAIN.md P20).
-// So when neither OMP_WAIT_POLICY nor GOMP_SPINCOUNT is set, the daemon sets
-// GOMP_SPINCOUNT=kOpenMpSpinCount (a thread spins about a tenth of a millisecond, which bridges
-// the gaps between the loops of one step, then sleeps) and re-executes itself (same pid, same
-// arguments) before it has opened anything. An explicit value of either, whatever it is, is
-// respected. Returns whether the variable was set here (execv returns only on failure, and then
-// the daemon runs on with libgomp's default).
-constexpr char kOpenMpSpinCount[] = "10000";
-bool SetOpenMpSpinLimit(char** argv) {
-  if (std::getenv("DIOND_OMP_WAIT_POLICY_SET") != nullptr) return true;  // after the re-exec
-  if (std::getenv("OMP_WAIT_POLICY") != nullptr || std::getenv("GOMP_SPINCOUNT") != nullptr) {
-    return false;
+// libgomp and OpenBLAS read how long their idle threads wait once, when they are loaded, before
+// main() runs.
+// - libgomp's default lets an idle OpenMP thread spin for 300,000 rounds (milliseconds) against
+//   OpenBLAS's threads and the trainer, which made steps several times slower on small
+//   machines; "passive" (no spinning) cost every parallel loop a futex wake-up instead, 30-40 %
+//   of a Dion2 step (docs/TOOLCHAIN.md P20). So GOMP_SPINCOUNT=10000: a thread spins about a
+//   tenth of a millisecond, which bridges the gaps between the loops of one step, then sleeps.
+// - OpenBLAS's (pthreads build) idle workers call sched_yield in a loop for 2^28 cycles (about
+//   0.1 s) after every call before they sleep. Between the LAPACK calls of Dion's QR and the
+//   oneDNN GEMMs around them that loop competed with oneDNN's OpenMP threads for the cores:
+//   about 20 % of a Dion step's cycles were sched_yield (perf, one GPT-2 layer). So
+//   OPENBLAS_THREAD_TIMEOUT=18: 2^18 cycles, about a tenth of a millisecond too.
+// Each is set only when the operator has set neither of its variables (any value of them is
+// respected); then the daemon re-executes itself (same pid, same arguments) before it has opened
+// anything. Returns the names of the variables set here, space-separated (empty: none; execv
+// returns only on failure, and then the daemon runs on with the libraries' defaults).
+struct WaitLimit {
+  const char* name;
+  const char* value;
+  const char* alternative;  // another variable that, when set, means the operator has chosen
+};
+constexpr WaitLimit kWaitLimits[] = {
+    {"GOMP_SPINCOUNT", "10000", "OMP_WAIT_POLICY"},
+    {"OPENBLAS_THREAD_TIMEOUT", "18", "GOTO_THREAD_TIMEOUT"},
+};
+constexpr char kWaitMarker[] = "DIOND_THREAD_WAIT_SET";
+std::string SetThreadWaitLimits(char** argv) {
+  if (const char* done = std::getenv(kWaitMarker)) return done;  // after the re-exec
+  std::string set;
+  for (const WaitLimit& w : kWaitLimits) {
+    if (std::getenv(w.name) != nullptr || std::getenv(w.alternative) != nullptr) continue;
+    setenv(w.name, w.value, 1);
+    absl::StrAppend(&set, set.empty() ? "" : " ", w.name);
   }
-  setenv("GOMP_SPINCOUNT", kOpenMpSpinCount, 1);
-  setenv("DIOND_OMP_WAIT_POLICY_SET", "1", 1);
+  if (set.empty()) return set;
+  setenv(kWaitMarker, set.c_str(), 1);
   // The binary's real path, not /proc/self/exe itself: the kernel names the process after the
   // file it executes, and "exe" is what ps, top and pgrep would then show.
   char self[4096];
@@ -229,20 +248,19 @@ bool SetOpenMpSpinLimit(char** argv) {
     execv(self, argv);
   }
   execv("/proc/self/exe", argv);
-  std::fprintf(stderr, "diond: warning: could not re-execute with GOMP_SPINCOUNT=%s (%s); "
-               "set it in the environment (docs/OPERATIONS.md)\n", kOpenMpSpinCount,
-               std::strerror(errno));
-  unsetenv("GOMP_SPINCOUNT");
-  unsetenv("DIOND_OMP_WAIT_POLICY_SET");
-  return false;
+  std::fprintf(stderr, "diond: warning: could not re-execute with %s set (%s); set them in the "
+               "environment (docs/OPERATIONS.md)\n", set.c_str(), std::strerror(errno));
+  for (const WaitLimit& w : kWaitLimits) {
+    if (absl::StrContains(set, w.name)) unsetenv(w.name);
+  }
+  unsetenv(kWaitMarker);
+  return "";
 }
 
 int main(int argc, char** argv) {
-  const bool omp_policy_set_here = SetOpenMpSpinLimit(argv);
-  if (omp_policy_set_here) {
-    // The marker is ours; keep it out of the environment of anything the daemon starts.
-    unsetenv("DIOND_OMP_WAIT_POLICY_SET");
-  }
+  const std::string wait_set_here = SetThreadWaitLimits(argv);
+  // The marker is ours; keep it out of the environment of anything the daemon starts.
+  unsetenv(kWaitMarker);
   // Block the stop signals before any thread exists, so every thread inherits the mask and the
   // main thread alone receives them in sigwait below.
   sigset_t stop_signals;
@@ -389,15 +407,19 @@ int main(int argc, char** argv) {
     return 1;
   }
   DIOND_LOG(INFO) << (*daemon)->Describe();
-  const char* omp_policy = std::getenv("OMP_WAIT_POLICY");
-  const char* omp_spin = std::getenv("GOMP_SPINCOUNT");
-  DIOND_LOG(INFO) << "OpenMP waiting: OMP_WAIT_POLICY="
-                  << (omp_policy != nullptr ? omp_policy : "(unset)")
-                  << " GOMP_SPINCOUNT=" << (omp_spin != nullptr ? omp_spin : "(unset)")
-                  << (omp_policy_set_here
-                          ? " (GOMP_SPINCOUNT set by diond: idle threads spin about 0.1 ms, then "
-                            "sleep; an explicit value of either is kept)"
-                          : "");
+  {
+    std::string line = "thread waiting:";
+    for (const char* v : {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OPENBLAS_THREAD_TIMEOUT",
+                          "GOTO_THREAD_TIMEOUT"}) {
+      const char* value = std::getenv(v);
+      absl::StrAppend(&line, " ", v, "=", value != nullptr ? value : "(unset)");
+    }
+    if (!wait_set_here.empty()) {
+      absl::StrAppend(&line, " (set by diond: ", wait_set_here,
+                      "; idle threads wait about 0.1 ms, then sleep; a value of yours is kept)");
+    }
+    DIOND_LOG(INFO) << line;
+  }
 
   const std::string ready_file = absl::GetFlag(FLAGS_ready_file);
   if (!ready_file.empty() && !WriteFileAtomically(ready_file, (*daemon)->ReadyJson())) {

@@ -184,17 +184,22 @@ bool HasVar(const std::vector<std::string>& env, const std::string& var) {
   return std::find(env.begin(), env.end(), var) != env.end();
 }
 
-// libgomp reads its wait settings before main(); the daemon re-executes itself (same pid) with
-// GOMP_SPINCOUNT=10000 when neither OMP_WAIT_POLICY nor GOMP_SPINCOUNT is set (TOOLCHAIN.md
-// P20), and keeps any value the operator set. (That idle threads then use no CPU is checked after
+// libgomp and OpenBLAS read their wait settings before main(); the daemon re-executes itself
+// (same pid) with GOMP_SPINCOUNT=10000 when neither OMP_WAIT_POLICY nor GOMP_SPINCOUNT is set,
+// and with OPENBLAS_THREAD_TIMEOUT=18 when neither it nor GOTO_THREAD_TIMEOUT is set
+// (TOOLCHAIN.md P20, P21), and keeps any value the operator set. (That idle threads then use no CPU is checked after
 // real training in examples/cpp/mlp_shm_test.cc.)
 TEST(DaemonProcess, IdleOpenMpThreadsSleepUnlessTheOperatorSaysOtherwise) {
   const char* saved = std::getenv("OMP_WAIT_POLICY");
   const std::string saved_value = saved != nullptr ? saved : "";
   const char* saved_spin = std::getenv("GOMP_SPINCOUNT");
   const std::string saved_spin_value = saved_spin != nullptr ? saved_spin : "";
+  const char* saved_blas = std::getenv("OPENBLAS_THREAD_TIMEOUT");
+  const std::string saved_blas_value = saved_blas != nullptr ? saved_blas : "";
   unsetenv("OMP_WAIT_POLICY");
   unsetenv("GOMP_SPINCOUNT");
+  unsetenv("OPENBLAS_THREAD_TIMEOUT");
+  unsetenv("GOTO_THREAD_TIMEOUT");
   {
     auto d = StartDaemon({"--device=cpu"});
     ASSERT_NE(d, nullptr);
@@ -203,7 +208,11 @@ TEST(DaemonProcess, IdleOpenMpThreadsSleepUnlessTheOperatorSaysOtherwise) {
     EXPECT_FALSE(std::any_of(env.begin(), env.end(), [](const std::string& v) {
       return absl::StartsWith(v, "OMP_WAIT_POLICY=");
     }));
-    EXPECT_TRUE(absl::StrContains(d->proc->Log(), "GOMP_SPINCOUNT=10000 (GOMP_SPINCOUNT set by diond"))
+    EXPECT_TRUE(HasVar(env, "OPENBLAS_THREAD_TIMEOUT=18")) << d->proc->Log();
+    EXPECT_TRUE(absl::StrContains(d->proc->Log(),
+                                  "GOMP_SPINCOUNT=10000 OPENBLAS_THREAD_TIMEOUT=18 "
+                                  "GOTO_THREAD_TIMEOUT=(unset) (set by diond: GOMP_SPINCOUNT "
+                                  "OPENBLAS_THREAD_TIMEOUT;"))
         << d->proc->Log();
     // The re-executed daemon keeps its name (ps, top, pgrep), not "exe" of /proc/self/exe.
     std::ifstream comm("/proc/" + std::to_string(d->proc->pid()) + "/comm");
@@ -214,23 +223,30 @@ TEST(DaemonProcess, IdleOpenMpThreadsSleepUnlessTheOperatorSaysOtherwise) {
     EXPECT_EQ(d->proc->Wait(absl::Seconds(30)), std::optional<int>(0));
   }
   setenv("GOMP_SPINCOUNT", "500", 1);
+  setenv("GOTO_THREAD_TIMEOUT", "12", 1);
   {
     auto d = StartDaemon({"--device=cpu"});
     ASSERT_NE(d, nullptr);
     std::vector<std::string> env = ProcessEnvironment(d->proc->pid());
     EXPECT_TRUE(HasVar(env, "GOMP_SPINCOUNT=500")) << d->proc->Log();
+    EXPECT_FALSE(std::any_of(env.begin(), env.end(), [](const std::string& v) {
+      return absl::StartsWith(v, "OPENBLAS_THREAD_TIMEOUT=");
+    }));
     EXPECT_FALSE(absl::StrContains(d->proc->Log(), "set by diond")) << d->proc->Log();
     d->proc->Signal(SIGTERM);
     EXPECT_EQ(d->proc->Wait(absl::Seconds(30)), std::optional<int>(0));
   }
   unsetenv("GOMP_SPINCOUNT");
+  unsetenv("GOTO_THREAD_TIMEOUT");
   setenv("OMP_WAIT_POLICY", "active", 1);
+  setenv("OPENBLAS_THREAD_TIMEOUT", "20", 1);
   {
     auto d = StartDaemon({"--device=cpu"});
     ASSERT_NE(d, nullptr);
     std::vector<std::string> env = ProcessEnvironment(d->proc->pid());
     EXPECT_TRUE(HasVar(env, "OMP_WAIT_POLICY=active")) << d->proc->Log();
     EXPECT_FALSE(HasVar(env, "GOMP_SPINCOUNT=10000"));
+    EXPECT_TRUE(HasVar(env, "OPENBLAS_THREAD_TIMEOUT=20")) << d->proc->Log();
     EXPECT_TRUE(absl::StrContains(d->proc->Log(), "OMP_WAIT_POLICY=active")) << d->proc->Log();
     EXPECT_FALSE(absl::StrContains(d->proc->Log(), "set by diond")) << d->proc->Log();
     d->proc->Signal(SIGTERM);
@@ -245,6 +261,11 @@ TEST(DaemonProcess, IdleOpenMpThreadsSleepUnlessTheOperatorSaysOtherwise) {
     setenv("GOMP_SPINCOUNT", saved_spin_value.c_str(), 1);
   } else {
     unsetenv("GOMP_SPINCOUNT");
+  }
+  if (saved_blas != nullptr) {
+    setenv("OPENBLAS_THREAD_TIMEOUT", saved_blas_value.c_str(), 1);
+  } else {
+    unsetenv("OPENBLAS_THREAD_TIMEOUT");
   }
 }
 
