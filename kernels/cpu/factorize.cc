@@ -48,10 +48,15 @@ absl::Status HouseholderQrInPlace(const char* op, int64_t index, float* w, int64
 }
 
 // q ← q·R⁻¹ where R = chol(qᵀq) (upper); R written to r (ldr) if non-null. g is n×n scratch.
-absl::Status CholeskyQrInPlace(const char* op, int64_t index, float* q, int64_t m, int64_t n,
-                               int64_t ldq, float* g, float* r, int64_t ldr) {
-  cblas_ssyrk(CblasRowMajor, CblasUpper, CblasTrans, static_cast<int>(n), static_cast<int>(m),
-              1.0f, q, static_cast<int>(ldq), 0.0f, g, static_cast<int>(n));
+// The Gram matrix is SymmetricProduct's (kAuto: the lower block triangle of oneDNN GEMMs above
+// ~2·128³ multiply-adds, ssyrk below; both triangles filled): qᵀq of a 3072×768 q took 0.47 of
+// ssyrk's time (docs/BENCHMARKS.md "f32 engines").
+absl::Status CholeskyQrInPlace(const Context& ctx, const char* op, int64_t index, TensorView qv,
+                               float* g, float* r, int64_t ldr) {
+  const int64_t m = qv.Rows(), n = qv.Cols(), ldq = Ld(qv.layout());
+  float* q = F32(qv);
+  DIOND_RETURN_IF_ERROR(
+      cpu::SymmetricProduct(ctx, GramSide::kAtA, 1.0f, qv, 0.0f, MakeView(g, {n, n})));
   const lapack_int info = LAPACKE_spotrf(LAPACK_ROW_MAJOR, 'U', static_cast<lapack_int>(n), g,
                                          static_cast<lapack_int>(n));
   if (info != 0) {
@@ -88,7 +93,7 @@ absl::Status ThinQr(const Context& ctx, ConstTensorView a, TensorView q, TensorV
 absl::Status CholeskyQr(const Context& ctx, ConstTensorView a, TensorView q, TensorView r) {
   constexpr const char* kOp = "CholeskyQr";
   cpu::ApplyThreadPolicy(ctx);
-  const int64_t m = a.Rows(), n = a.Cols();
+  const int64_t n = a.Cols();
   if (n == 0 || a.Batch() == 0) return absl::OkStatus();
   DIOND_RETURN_IF_ERROR(cpu::Copy(ctx, a, q));
   ScratchArena::Scope scope(ctx.scratch());
@@ -96,8 +101,8 @@ absl::Status CholeskyQr(const Context& ctx, ConstTensorView a, TensorView q, Ten
   for (int64_t b = 0; b < a.Batch(); ++b) {
     TensorView qb = q.Matrix(b);
     float* rp = r.empty() ? nullptr : F32(r.Matrix(b));
-    DIOND_RETURN_IF_ERROR(CholeskyQrInPlace(kOp, b, F32(qb), m, n, Ld(qb.layout()), g.As<float>(),
-                                            rp, r.empty() ? 0 : Ld(r.layout())));
+    DIOND_RETURN_IF_ERROR(
+        CholeskyQrInPlace(ctx, kOp, b, qb, g.As<float>(), rp, r.empty() ? 0 : Ld(r.layout())));
   }
   return absl::OkStatus();
 }
@@ -118,11 +123,9 @@ absl::Status RandomizedCholeskyQr(const Context& ctx, ConstTensorView a, ConstTe
     TensorView qb = q.Matrix(b);
     ConstTensorView sb = sketch.Matrix(sketch.Batch() == 1 ? 0 : b);
     const int64_t ldq = Ld(qb.layout());
-    // S·A with OpenBLAS, to stay on one thread pool within this op (context.h policy).
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(s),
-                static_cast<int>(n), static_cast<int>(m), 1.0f, static_cast<const float*>(sb.data()),
-                static_cast<int>(Ld(sb.layout())), F32(qb), static_cast<int>(ldq), 0.0f,
-                sa.As<float>(), static_cast<int>(n));
+    // S·A (kAuto: oneDNN at Dion's sizes, 1.7x OpenBLAS's sgemm on this machine). The op then
+    // runs LAPACK on OpenBLAS's pool: one pool at a time, in sequence (context.h policy).
+    DIOND_RETURN_IF_ERROR(cpu::Gemm(ctx, GemmParams{}, sb, qb, MakeView(sa.As<float>(), {s, n})));
     const lapack_int info = LAPACKE_sgeqrf(LAPACK_ROW_MAJOR, static_cast<lapack_int>(s),
                                            static_cast<lapack_int>(n), sa.As<float>(),
                                            static_cast<lapack_int>(n), tau.As<float>());
@@ -141,8 +144,7 @@ absl::Status RandomizedCholeskyQr(const Context& ctx, ConstTensorView a, ConstTe
     cblas_strsm(CblasRowMajor, CblasRight, CblasUpper, CblasNoTrans, CblasNonUnit,
                 static_cast<int>(m), static_cast<int>(n), 1.0f, r1.As<float>(), static_cast<int>(n),
                 F32(qb), static_cast<int>(ldq));
-    DIOND_RETURN_IF_ERROR(
-        CholeskyQrInPlace(kOp, b, F32(qb), m, n, ldq, g.As<float>(), nullptr, 0));
+    DIOND_RETURN_IF_ERROR(CholeskyQrInPlace(ctx, kOp, b, qb, g.As<float>(), nullptr, 0));
   }
   return absl::OkStatus();
 }
