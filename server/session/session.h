@@ -136,13 +136,14 @@ class Session {
   // compute device); the optimizer state is allocated on its device. Null: a process-wide CPU
   // context's allocator.
   //
-  // A device session (ctx on a device other than the CPU, and not a world session): the session
+  // A device session (ctx on a device other than the CPU; a world session too): the session
   // gets its own stream (hooks->create_stream), a Context on ctx's device with that stream, and
   // device staging for every parameter and gradient as fp32 (plus one tensor's worth in the
   // trainer's dtype for the conversions), allocated here once. RESOURCE_EXHAUSTED naming the
-  // bytes and the pool's numbers when they do not fit. World sessions on a device daemon keep
-  // their state and staging in host memory and step on the CPU (NCCL on the step path is not
-  // built, docs/GPU.md).
+  // bytes and the pool's numbers when they do not fit. A world session on a device daemon keeps
+  // its state and staging on the device as well; its collectives run over Gloo on host buffers
+  // filled and drained by explicit copies (docs/GPU.md "World sessions"; NCCL on the step path
+  // is not built).
   static absl::StatusOr<std::unique_ptr<Session>> Create(std::string id, SessionSpec spec,
                                                          const kernels::Context* ctx = nullptr,
                                                          const DeviceHooks* hooks = nullptr);
@@ -344,6 +345,20 @@ class Session {
   std::string DecideStepGraph();
   // A successful step's result carried DecideStepGraph's reason (later steps carry none).
   void GraphFallbackReported();
+  // ---- world device sessions (session_device.cc; used by session_world.cc) ----
+  // A world session's phases run their collectives on host buffers (Gloo). On a device session
+  // these move `n` fp32 values between a step's device tensor (staging, state-side pointers of
+  // ctx's device) and such a host buffer, on the session stream; the host side is complete
+  // (readable / reusable) when they return: the collective that follows reads it at once.
+  // A host session: plain host copies (the step's tensors are host memory).
+  absl::Status StepTensorToHost(const float* tensor, float* host, int64_t n)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status HostToStepTensor(const float* host, float* tensor, int64_t n)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A device session's Context (its device and stream); null for a host session.
+  const kernels::Context* DeviceContext() const;
+  // A device session's staging of gradient i (where a world's averaged gradient goes).
+  float* DeviceGradStaging(size_t i);
   struct Group {
     std::string name;
     std::unique_ptr<optim::GroupOptimizer> optimizer;
@@ -468,6 +483,8 @@ class Session {
   std::string DescribeWorldFailure(const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Every rank's checksum of every parameter (fp32 values in `params`) compared with the owner's;
   // a differing copy is replaced by the owner's (broadcast). Returns how many this rank healed.
+  // `ctx`: a CPU context for host `params`; a device session checksums its device staging on
+  // its own context (only the checksums cross, and a healed tensor's values).
   absl::StatusOr<int64_t> CheckReplicas(const kernels::Context& ctx, absl::Mutex* compute_mu,
                                         comm::Communicator* comm, int64_t step,
                                         const std::vector<float*>& params)
