@@ -29,6 +29,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
+#include "tests/integration/subprocess.h"
 #include "tests/service/service_harness.h"
 
 namespace diond::service_testing {
@@ -50,11 +51,14 @@ std::vector<std::string> WorldFlags(int rank, int port) {
   return f;
 }
 
-// kWorld daemons forming one world: the CPU daemon, or diond_testdevice (`device`).
-std::vector<std::unique_ptr<Daemon>> StartWorld(bool device) {
+// kWorld daemons forming one world: the CPU daemon, or diond_testdevice (`device`); rank r gets
+// --state_dir=state_dirs[r] when given.
+std::vector<std::unique_ptr<Daemon>> StartWorld(bool device,
+                                                const std::vector<std::string>& state_dirs = {}) {
   std::vector<std::unique_ptr<Daemon>> d;
   for (int r = 0; r < kWorld; ++r) {
-    const std::vector<std::string> flags = WorldFlags(r, r == 0 ? 0 : d[0]->tcp_port());
+    std::vector<std::string> flags = WorldFlags(r, r == 0 ? 0 : d[0]->tcp_port());
+    if (!state_dirs.empty()) flags.push_back("--state_dir=" + state_dirs[r]);
     d.push_back(device ? Daemon::StartBinary(DIOND_TESTDEVICE_BINARY, flags, {}, /*tcp=*/true)
                        : Daemon::Start(flags, /*tcp=*/true));
     if (d.back() == nullptr) return {};
@@ -415,6 +419,89 @@ TEST_F(DeviceWorld, ChecksumsHealADriftedReplicaOnTheDevice) {
   }
 }
 
+// The budgets count a world device session's device pool bytes (Session::BudgetBytes), as a local
+// device session's: its staging plus the state of what the rank owns (the rest is released on
+// the device when the session joins the world), as the TEST pool's counters show. Measured on
+// the fixture's daemons, then enforced: with --max_session_bytes at the larger rank's share, a
+// world of two device daemons creates and steps the world session, while the same session as
+// a local one (all the state on one daemon) is refused with RESOURCE_EXHAUSTED and the numbers.
+TEST_F(DeviceWorld, BudgetsCountTheWorldSessionsDevicePoolBytes) {
+  const SessionDesc desc = Desc(AlgorithmKind::kAdamW);
+  auto pool = [&](int r) { return LastCounters(*(*dev_)[r])["pool_in_use"]; };
+  // A local session on rank 0 (no regions: just what CreateSession allocates).
+  const int64_t before0 = pool(0);
+  std::string local_id;
+  {
+    v1::CreateSessionResponse resp;
+    grpc::Status st = (*dev_)[0]->stub().CreateSession(Ctx().get(), desc.Request(), &resp);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    local_id = resp.session_id();
+  }
+  const int64_t local = pool(0) - before0;
+  ASSERT_TRUE(CloseSession((*dev_)[0]->stub(), local_id).ok());
+  ASSERT_EQ(pool(0), before0);
+  std::vector<int64_t> before(kWorld), held(kWorld);
+  for (int r = 0; r < kWorld; ++r) before[r] = pool(r);
+  v1::CreateSessionRequest req = desc.Request();
+  req.set_world_key("dev-budget");
+  std::vector<std::string> ids(kWorld);
+  OnAllRanks([&](int r) {
+    v1::CreateSessionResponse resp;
+    grpc::Status st = (*dev_)[r]->stub().CreateSession(Ctx().get(), req, &resp);
+    EXPECT_TRUE(st.ok()) << st.error_message();
+    ids[r] = resp.session_id();
+  });
+  int64_t numel = 0, largest = 0;
+  for (size_t i = 0; i < desc.params.size(); ++i) {
+    numel += desc.Numel(i);
+    largest = std::max(largest, desc.Numel(i));
+  }
+  auto lines = [](int64_t bytes) { return (bytes + 63) / 64 * 64; };
+  const int64_t staging = 2 * lines(4 * numel) + lines(4 * largest);
+  int64_t state_sum = 0;
+  for (int r = 0; r < kWorld; ++r) {
+    held[r] = pool(r) - before[r];
+    std::cout << "rank " << r << ": the world session holds " << held[r]
+              << " pool bytes (staging " << staging << "); the local session " << local << "\n";
+    EXPECT_GT(held[r], staging) << "rank " << r << " holds no state";
+    EXPECT_LT(held[r], local) << "rank " << r << " holds more than its share";
+    state_sum += held[r] - staging;
+  }
+  // The state is sharded: together the ranks hold one session's state, plus at most one 64-byte
+  // line of Context::Allocate's rounding per state buffer (a rank's buffers of a shape bucket
+  // shrink to what it owns, and an emptied one keeps its minimum line).
+  int64_t state_tensors = 0;
+  for (int r = 0; r < kWorld; ++r) {
+    TensorMap state;
+    ASSERT_TRUE(GetState((*dev_)[r]->stub(), ids[r], false, &state).ok());
+    state_tensors += static_cast<int64_t>(state.size());
+  }
+  EXPECT_GE(state_sum, local - staging);
+  EXPECT_LE(state_sum, local - staging + 64 * kWorld * state_tensors);
+  for (int r = 0; r < kWorld; ++r) EXPECT_TRUE(CloseSession((*dev_)[r]->stub(), ids[r]).ok());
+
+  // Enforced: a world whose daemons allow the larger share only.
+  const int64_t limit = std::max(held[0], held[1]);
+  std::vector<std::unique_ptr<Daemon>> d;
+  for (int r = 0; r < kWorld; ++r) {
+    std::vector<std::string> flags = WorldFlags(r, r == 0 ? 0 : d[0]->tcp_port());
+    flags.push_back(absl::StrCat("--max_session_bytes=", limit));
+    d.push_back(Daemon::StartBinary(DIOND_TESTDEVICE_BINARY, flags, {}, /*tcp=*/true));
+    ASSERT_NE(d.back(), nullptr);
+  }
+  {
+    v1::CreateSessionResponse resp;
+    grpc::Status st = d[0]->stub().CreateSession(Ctx().get(), desc.Request(), &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+    EXPECT_TRUE(absl::StrContains(st.error_message(), absl::StrCat("session needs ", local)))
+        << st.error_message();
+  }
+  auto s = CreateEverywhere(d, desc, v1::GRADIENT_SYNC_REPLICATED, "dev-budget-enforced");
+  ASSERT_EQ(static_cast<int>(s.size()), kWorld);
+  for (int r = 0; r < kWorld; ++r) WriteSyntheticGrads(s[r].get(), desc, 7, 1);
+  StepAll(d, s, 1);
+}
+
 // World device sessions refuse what is not built for them with a clear error: trainer events.
 TEST_F(DeviceWorld, EventsAreRefusedWithAClearError) {
   const SessionDesc desc = Desc(AlgorithmKind::kAdamW);
@@ -465,6 +552,112 @@ TEST(DeviceWorldFailure, PeerLossFailsTheStepWithinThePeerTimeout) {
   EXPECT_EQ(again.error_code(), grpc::StatusCode::UNAVAILABLE) << again.error_message();
   EXPECT_TRUE(d[0]->Serving());
   EXPECT_TRUE(CloseSession(d[0]->stub(), s[0]->id).ok());
+}
+
+// Checkpoints of DION_COMPRESSED world sessions on device daemons: SaveCheckpoint first averages
+// every rank's Dion momentum (a collective, through host buffers and the device state); the
+// checkpoints then restore, with the other rank's as shard_paths, into a single device daemon
+// (elastic restore, 2 -> 1). At every stage the device side equals the CPU side bit for bit: the
+// state after the save, the worlds' next step, and two more steps of the restored sessions.
+TEST(DeviceWorldCheckpoints, SaveAndElasticRestoreMatchTheCpu) {
+  const SessionDesc desc = Desc(AlgorithmKind::kDion);
+  const v1::GradientSync sync = v1::GRADIENT_SYNC_DION_COMPRESSED;
+  std::vector<std::string> cpu_dirs, dev_dirs;
+  for (int r = 0; r < kWorld; ++r) {
+    cpu_dirs.push_back(::diond::testing::MakeTempDir(absl::StrCat("diond_wdev_cpu", r)));
+    dev_dirs.push_back(::diond::testing::MakeTempDir(absl::StrCat("diond_wdev_dev", r)));
+  }
+  auto cd = StartWorld(false, cpu_dirs);
+  auto gd = StartWorld(true, dev_dirs);
+  ASSERT_EQ(static_cast<int>(cd.size()), kWorld);
+  ASSERT_EQ(static_cast<int>(gd.size()), kWorld);
+  auto c = CreateEverywhere(cd, desc, sync, "dev-ckpt");
+  auto g = CreateEverywhere(gd, desc, sync, "dev-ckpt");
+  ASSERT_EQ(static_cast<int>(c.size()), kWorld);
+  ASSERT_EQ(static_cast<int>(g.size()), kWorld);
+  auto step_worlds = [&](int64_t t) {
+    for (int r = 0; r < kWorld; ++r) {
+      WriteSyntheticGrads(c[r].get(), desc, GradSeed(sync, r), t);
+      WriteSyntheticGrads(g[r].get(), desc, GradSeed(sync, r), t);
+    }
+    StepAll(cd, c, t);
+    StepAll(gd, g, t);
+  };
+  step_worlds(1);
+  step_worlds(2);
+  // SaveCheckpoint on every rank at once (the momentum average is a collective).
+  std::vector<std::string> cpu_paths(kWorld), dev_paths(kWorld);
+  for (auto* side : {&cd, &gd}) {
+    const bool dev = side == &gd;
+    OnAllRanks([&](int r) {
+      v1::SaveCheckpointRequest req;
+      req.set_session_id((dev ? g : c)[r]->id);
+      v1::SaveCheckpointResponse resp;
+      grpc::Status st = (*side)[r]->stub().SaveCheckpoint(Ctx().get(), req, &resp);
+      ASSERT_TRUE(st.ok()) << "rank " << r << ": " << st.error_message();
+      EXPECT_EQ(resp.step_index(), 2);
+      (dev ? dev_paths : cpu_paths)[r] = resp.path();
+    });
+  }
+  // The state after the save: the device ranks' equal the CPU ranks', and every rank holds the
+  // same (averaged) momentum of the Dion matrices that every rank steps.
+  std::vector<TensorMap> dev_state(kWorld);
+  for (int r = 0; r < kWorld; ++r) {
+    TensorMap sc;
+    ASSERT_TRUE(GetState(cd[r]->stub(), c[r]->id, true, &sc).ok());
+    ASSERT_TRUE(GetState(gd[r]->stub(), g[r]->id, true, &dev_state[r]).ok());
+    ASSERT_EQ(dev_state[r].size(), sc.size());
+    for (const auto& [name, bytes] : sc) EXPECT_EQ(dev_state[r][name], bytes) << name << " rank " << r;
+  }
+  int momenta = 0;
+  for (const auto& [name, bytes] : dev_state[0]) {
+    if (!absl::StartsWith(name, "w") || !absl::EndsWith(name, "/state.momentum")) continue;
+    ++momenta;
+    EXPECT_EQ(dev_state[1][name], bytes) << name << ": not synchronized";
+  }
+  EXPECT_EQ(momenta, 4);
+  step_worlds(3);
+  for (int r = 0; r < kWorld; ++r) {
+    for (size_t i = 0; i < desc.params.size(); ++i) {
+      EXPECT_EQ(g[r]->ParamBytes(i), c[r]->ParamBytes(i)) << desc.params[i].name << " rank " << r;
+    }
+  }
+  // Elastic restore into one daemon each: rank 0's checkpoint with rank 1's as a shard.
+  auto c1 = Daemon::Start();
+  auto g1 = Daemon::StartBinary(DIOND_TESTDEVICE_BINARY);
+  ASSERT_NE(c1, nullptr);
+  ASSERT_NE(g1, nullptr);
+  std::unique_ptr<ShmSession> rc, rg;
+  for (auto* one : {&c1, &g1}) {
+    const bool dev = one == &g1;
+    const std::vector<std::string>& paths = dev ? dev_paths : cpu_paths;
+    v1::LoadCheckpointRequest req;
+    req.set_path(paths[0]);
+    req.add_shard_paths(paths[1]);
+    v1::LoadCheckpointResponse resp;
+    grpc::Status st = (*one)->stub().LoadCheckpoint(Ctx().get(), req, &resp);
+    ASSERT_TRUE(st.ok()) << st.error_message() << "\n" << (*one)->Log();
+    EXPECT_EQ(resp.step_index(), 2);
+    (dev ? rg : rc) = BindShmSession((*one)->stub(), resp.session());
+  }
+  ASSERT_NE(rc, nullptr);
+  ASSERT_NE(rg, nullptr);
+  for (int64_t t = 3; t <= 4; ++t) {
+    WriteSyntheticGrads(rc.get(), desc, 7, t);
+    WriteSyntheticGrads(rg.get(), desc, 7, t);
+    v1::StepResponse a, b;
+    ASSERT_TRUE(DoStep(c1->stub(), rc->id, t, &a).ok());
+    grpc::Status st = DoStep(g1->stub(), rg->id, t, &b);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    for (size_t i = 0; i < desc.params.size(); ++i) {
+      EXPECT_EQ(rg->ParamBytes(i), rc->ParamBytes(i)) << desc.params[i].name << " step " << t;
+    }
+  }
+  TensorMap sc, sg;
+  ASSERT_TRUE(GetState(c1->stub(), rc->id, true, &sc).ok());
+  ASSERT_TRUE(GetState(g1->stub(), rg->id, true, &sg).ok());
+  ASSERT_EQ(sg.size(), sc.size());
+  for (const auto& [name, bytes] : sc) EXPECT_EQ(sg[name], bytes) << name;
 }
 
 }  // namespace
