@@ -276,7 +276,10 @@ class Session {
   // `verdict_wait`: how long a failed collective waits for the coordinator to name the lost rank
   // (about --peer_timeout plus a heartbeat), so the error can say which rank it was.
   // `checksum_every`: compare parameter checksums every N-th step (0 = never).
-  void AttachWorld(std::shared_ptr<WorldLink> world, ShardPlan plan, uint64_t epoch,
+  // The state of the parameters other ranks own is released; on a device session that
+  // reallocates the kept state in the device pool, which can fail (RESOURCE_EXHAUSTED naming the
+  // group and the pool's numbers): the session must then be dropped.
+  absl::Status AttachWorld(std::shared_ptr<WorldLink> world, ShardPlan plan, uint64_t epoch,
                    absl::Duration verdict_wait = absl::ZeroDuration(),
                    int64_t checksum_every = 0);
   // DION_COMPRESSED world sessions: replaces every Dion momentum by its average over the ranks

@@ -297,7 +297,8 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::CreateSessionWithId(std
                     << " (" << GradientSyncName(s->spec().gradient_sync) << "): plan "
                     << ShardPlanHashHex(plan.hash) << "; rank " << rank << " owns "
                     << plan.Owned(rank).size() << " of " << plan.owner.size() << " parameters";
-    s->AttachWorld(world, std::move(plan), epoch, verdict_wait, options_.checksum_every);
+    DIOND_RETURN_IF_ERROR(
+        s->AttachWorld(world, std::move(plan), epoch, verdict_wait, options_.checksum_every));
   }
   std::shared_ptr<Session> shared(std::move(s));
   int64_t count;

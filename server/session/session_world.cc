@@ -28,7 +28,7 @@
 
 namespace diond::session {
 
-void Session::AttachWorld(std::shared_ptr<WorldLink> world, ShardPlan plan, uint64_t epoch,
+absl::Status Session::AttachWorld(std::shared_ptr<WorldLink> world, ShardPlan plan, uint64_t epoch,
                           absl::Duration verdict_wait, int64_t checksum_every) {
   absl::MutexLock lock(&mu_);
   WorldPart w;
@@ -67,14 +67,24 @@ void Session::AttachWorld(std::shared_ptr<WorldLink> world, ShardPlan plan, uint
       const size_t i = g.params[slot];
       keep[slot] = w.replicated[i] || plan.owner[i] == w.rank;
     }
+    // keep has one entry per parameter by construction; what can fail is the allocation of the
+    // smaller buffers (a device pool), which changes nothing of that group.
     absl::Status released = g.optimizer->ReleaseState(StateContext(), keep);
-    DIOND_CHECK(released.ok()) << released;  // keep has one entry per parameter by construction
+    if (!released.ok()) {
+      const std::string pool = DeviceAllocationError();
+      return absl::Status(released.code(),
+                          absl::StrCat("world session '", Bounded(spec_.world_key),
+                                       "': sharding the state of group '", Bounded(g.name),
+                                       "' failed: ", released.message(),
+                                       pool.empty() ? "" : absl::StrCat(" (", pool, ")")));
+    }
     bytes += 4 * g.optimizer->StateFloats();
   }
   for (const auto& m : master_) bytes += 4 * static_cast<int64_t>(m.size());
   state_bytes_.store(bytes);
   w.plan = std::move(plan);
   world_ = std::move(w);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<int64_t> Session::CheckReplicas(const kernels::Context& ctx,
