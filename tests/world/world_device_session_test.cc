@@ -500,6 +500,53 @@ TEST_F(DeviceWorld, BudgetsCountTheWorldSessionsDevicePoolBytes) {
   ASSERT_EQ(static_cast<int>(s.size()), kWorld);
   for (int r = 0; r < kWorld; ++r) WriteSyntheticGrads(s[r].get(), desc, 7, 1);
   StepAll(d, s, 1);
+  s.clear();
+  d.clear();
+
+  // A pool that holds the whole state but not the smaller buffers the sharding allocates before
+  // it frees the old ones: CreateSession is RESOURCE_EXHAUSTED naming the group and the pool's
+  // numbers on both ranks (no crash), nothing of the session stays in the pool, and the daemons
+  // carry on.
+  const int64_t pool_budget = before0 + local + 64;
+  for (int r = 0; r < kWorld; ++r) {
+    d.push_back(Daemon::StartBinary(
+        DIOND_TESTDEVICE_BINARY, WorldFlags(r, r == 0 ? 0 : d[0]->tcp_port()),
+        {absl::StrCat("DIOND_TEST_DEVICE_BUDGET_BYTES=", pool_budget)}, /*tcp=*/true));
+    ASSERT_NE(d.back(), nullptr);
+  }
+  std::vector<grpc::Status> created(kWorld);
+  std::vector<int64_t> idle(kWorld);
+  for (int r = 0; r < kWorld; ++r) idle[r] = LastCounters(*d[r])["pool_in_use"];
+  req.set_world_key("dev-budget-sharding");
+  OnAllRanks([&](int r) {
+    v1::CreateSessionResponse resp;
+    created[r] = d[r]->stub().CreateSession(Ctx().get(), req, &resp);
+  });
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_EQ(created[r].error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+        << created[r].error_message();
+    EXPECT_TRUE(absl::StrContains(created[r].error_message(), "sharding the state of group"))
+        << created[r].error_message();
+    EXPECT_TRUE(absl::StrContains(created[r].error_message(),
+                                  absl::StrCat("pool budget ", pool_budget, " bytes")))
+        << created[r].error_message();
+    EXPECT_TRUE(d[r]->Alive());
+    EXPECT_EQ(SessionCount(d[r]->stub()), 0u);
+  }
+  // The next session change reports the pool: the failed session left nothing in it.
+  const SessionDesc tiny = [] {
+    SessionDesc t;
+    t.groups.push_back(MakeGroup("v", AlgorithmKind::kAdamW, 0.001));
+    t.params.push_back({"b", {16}, "v"});
+    return t;
+  }();
+  for (int r = 0; r < kWorld; ++r) {
+    v1::CreateSessionResponse resp;
+    ASSERT_TRUE(d[r]->stub().CreateSession(Ctx().get(), tiny.Request(), &resp).ok());
+    const int64_t tiny_held = LastCounters(*d[r])["pool_in_use"] - idle[r];
+    EXPECT_GT(tiny_held, 0);
+    EXPECT_LT(tiny_held, staging) << "rank " << r << ": the failed world session's bytes stayed";
+  }
 }
 
 // World device sessions refuse what is not built for them with a clear error: trainer events.
