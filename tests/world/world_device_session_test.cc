@@ -13,10 +13,17 @@
 //     step and rank, the local device step's copies plus exactly what the collectives need:
 //     this rank's owned parameters device -> host, the others' host -> device (and, AVERAGE,
 //     every gradient device -> host and the owned averaged gradients host -> device).
+//   * Checksums on the device heal a drifted replica; a NaN on one rank skips the step on all.
+//   * Checkpoints: DION_COMPRESSED SaveCheckpoint (the momentum average on the device state) and
+//     an elastic restore (2 -> 1) into one device daemon, equal to the CPU's.
+//   * Budgets: --max_session_bytes counts the sharded device pool bytes; a pool too small for
+//     the sharding fails CreateSession cleanly. Trainer events are refused.
 //   * Peer loss: a killed rank fails the survivor's pending step within --peer_timeout.
+// Everything here runs on the TEST backend; no GPU has run this code.
 #include <algorithm>
 #include <functional>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <regex>
 #include <set>
@@ -546,6 +553,59 @@ TEST_F(DeviceWorld, BudgetsCountTheWorldSessionsDevicePoolBytes) {
     const int64_t tiny_held = LastCounters(*d[r])["pool_in_use"] - idle[r];
     EXPECT_GT(tiny_held, 0);
     EXPECT_LT(tiny_held, staging) << "rank " << r << ": the failed world session's bytes stayed";
+  }
+}
+
+// AVERAGE with a NaN in one trainer's gradients (found on the device copy, summed with the
+// flags of the reduce-scatter): every rank of both worlds skips the step, the weights and the
+// state stay as they were, and the next step equals the CPU world's again.
+TEST_F(DeviceWorld, ANonFiniteGradientOnOneRankSkipsTheStepOnEveryRank) {
+  const SessionDesc desc = Desc(AlgorithmKind::kMuon);
+  auto c = CreateEverywhere(*cpu_, desc, v1::GRADIENT_SYNC_AVERAGE, "dev-nonfinite");
+  auto g = CreateEverywhere(*dev_, desc, v1::GRADIENT_SYNC_AVERAGE, "dev-nonfinite");
+  ASSERT_EQ(static_cast<int>(c.size()), kWorld);
+  ASSERT_EQ(static_cast<int>(g.size()), kWorld);
+  auto write = [&](int64_t t, bool nan) {
+    for (int r = 0; r < kWorld; ++r) {
+      WriteSyntheticGrads(c[r].get(), desc, 7 + r, t);
+      WriteSyntheticGrads(g[r].get(), desc, 7 + r, t);
+    }
+    if (nan) {
+      std::vector<float> v = SyntheticValues(7 + 1, t, 3, desc.Numel(3));
+      v[5] = std::numeric_limits<float>::quiet_NaN();
+      c[1]->WriteGrad(3, v);
+      g[1]->WriteGrad(3, v);
+    }
+  };
+  write(1, false);
+  StepAll(*cpu_, c, 1);
+  StepAll(*dev_, g, 1);
+  std::vector<std::string> after_one;
+  for (size_t i = 0; i < desc.params.size(); ++i) after_one.push_back(g[0]->ParamBytes(i));
+  write(2, true);
+  auto rc = StepAll(*cpu_, c, 2);
+  auto rg = StepAll(*dev_, g, 2);
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_TRUE(rc[r].skipped()) << "rank " << r;
+    EXPECT_TRUE(rg[r].skipped()) << "rank " << r;
+    for (size_t i = 0; i < desc.params.size(); ++i) {
+      EXPECT_EQ(g[r]->ParamBytes(i), after_one[i]) << desc.params[i].name << " rank " << r;
+    }
+  }
+  write(3, false);
+  StepAll(*cpu_, c, 3);
+  StepAll(*dev_, g, 3);
+  for (int r = 0; r < kWorld; ++r) {
+    for (size_t i = 0; i < desc.params.size(); ++i) {
+      EXPECT_EQ(g[r]->ParamBytes(i), c[r]->ParamBytes(i)) << desc.params[i].name << " rank " << r;
+    }
+    EXPECT_NE(g[r]->ParamBytes(0), after_one[0]);
+    TensorMap sc, sg;
+    ASSERT_TRUE(GetState((*cpu_)[r]->stub(), c[r]->id, false, &sc).ok());
+    ASSERT_TRUE(GetState((*dev_)[r]->stub(), g[r]->id, false, &sg).ok());
+    EXPECT_EQ(sg, sc) << "rank " << r;
+    EXPECT_TRUE(CloseSession((*cpu_)[r]->stub(), c[r]->id).ok());
+    EXPECT_TRUE(CloseSession((*dev_)[r]->stub(), g[r]->id).ok());
   }
 }
 
