@@ -183,7 +183,8 @@ class Session {
   absl::StatusOr<std::string> RegisterMemfdRegion(Role role, fdchannel::UniqueFd fd,
                                                   int64_t offset, int64_t size);
   // Binds trainer GPU memory opened by CudaRegion (cuda_region.h) to `role`: INVALID_ARGUMENT
-  // for a region smaller than the role's arena; FAILED_PRECONDITION if the role is bound, or
+  // for a region smaller than the role's arena; FAILED_PRECONDITION for a world session, if the
+  // role is bound, or
   // holds data in host memory (remote-mode uploads) that has no place on the GPU; weights
   // restored from a checkpoint (or kept from a previous trainer) are copied into a device
   // session's PARAMETERS region. The region is released on UnregisterRegion and with the
@@ -192,7 +193,8 @@ class Session {
   absl::StatusOr<std::string> RegisterCudaRegion(Role role, std::unique_ptr<CudaRegion> region);
   // RegisterRegion's CUDA kinds: `open` opens the trainer's memory on the session's compute
   // device (CudaRegion::OpenIpc / OpenVmm), then RegisterCudaRegion binds it. FAILED_PRECONDITION
-  // (nothing opened) for a host session: a CPU daemon's, or a world session's on a device daemon.
+  // (nothing opened) for a host session (a CPU daemon's) and for a world session (it steps host
+  // arenas; its exchange is staged through host buffers).
   absl::StatusOr<std::string> OpenCudaRegion(
       Role role,
       absl::FunctionRef<absl::StatusOr<std::unique_ptr<CudaRegion>>(kernels::Device)> open);
