@@ -282,8 +282,8 @@ class Session {
   // reallocates the kept state in the device pool, which can fail (RESOURCE_EXHAUSTED naming the
   // group and the pool's numbers): the session must then be dropped.
   absl::Status AttachWorld(std::shared_ptr<WorldLink> world, ShardPlan plan, uint64_t epoch,
-                   absl::Duration verdict_wait = absl::ZeroDuration(),
-                   int64_t checksum_every = 0);
+                           absl::Duration verdict_wait = absl::ZeroDuration(),
+                           int64_t checksum_every = 0);
   // DION_COMPRESSED world sessions: replaces every Dion momentum by its average over the ranks
   // (between checkpoints each rank keeps its own, ALGORITHMS.md §9.7), so that a checkpoint holds
   // the synchronous momentum. A collective: every rank calls it at the same point

@@ -28,8 +28,9 @@
 
 namespace diond::session {
 
-absl::Status Session::AttachWorld(std::shared_ptr<WorldLink> world, ShardPlan plan, uint64_t epoch,
-                          absl::Duration verdict_wait, int64_t checksum_every) {
+absl::Status Session::AttachWorld(std::shared_ptr<WorldLink> world, ShardPlan plan,
+                                  uint64_t epoch, absl::Duration verdict_wait,
+                                  int64_t checksum_every) {
   absl::MutexLock lock(&mu_);
   WorldPart w;
   w.rank = world != nullptr ? world->rank() : 0;
@@ -97,12 +98,10 @@ absl::StatusOr<int64_t> Session::CheckReplicas(const kernels::Context& ctx,
   {
     absl::MutexLock compute(compute_mu);
     for (size_t i = 0; i < n; ++i) {  // FNV-1a 64 over the fp32 bytes, where they lie
-      DIOND_RETURN_IF_ERROR(kernels::Fnv1aChecksum(
-          ctx,
-          kernels::ConstTensorView(params[i],
-                                   kernels::ContiguousLayout(DType::kF32, {layout_.tensors[i].numel}),
-                                   ctx.device()),
-          &mine[i]));
+      const kernels::ConstTensorView view(
+          params[i], kernels::ContiguousLayout(DType::kF32, {layout_.tensors[i].numel}),
+          ctx.device());
+      DIOND_RETURN_IF_ERROR(kernels::Fnv1aChecksum(ctx, view, &mine[i]));
     }
   }
   std::vector<uint64_t> all(n * static_cast<size_t>(world_size));

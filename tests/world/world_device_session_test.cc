@@ -714,7 +714,9 @@ TEST(DeviceWorldCheckpoints, SaveAndElasticRestoreMatchTheCpu) {
     ASSERT_TRUE(GetState(cd[r]->stub(), c[r]->id, true, &sc).ok());
     ASSERT_TRUE(GetState(gd[r]->stub(), g[r]->id, true, &dev_state[r]).ok());
     ASSERT_EQ(dev_state[r].size(), sc.size());
-    for (const auto& [name, bytes] : sc) EXPECT_EQ(dev_state[r][name], bytes) << name << " rank " << r;
+    for (const auto& [name, bytes] : sc) {
+      EXPECT_EQ(dev_state[r][name], bytes) << name << " rank " << r;
+    }
   }
   int momenta = 0;
   for (const auto& [name, bytes] : dev_state[0]) {
