@@ -295,8 +295,8 @@ void OptimizerService::DataPlaneToProto(const session::Session& s,
     resp->set_fd_channel_socket(options_.fd_channel->path());
     resp->add_region_kinds(v1::REGION_KIND_MEMFD);
   }
-  // The CUDA kinds: a device session of a GPU daemon (a world session steps on the host).
-  if (options_.gpu_daemon && s.is_device_session()) {
+  // The CUDA kinds: a local device session of a GPU daemon (a world session steps host arenas).
+  if (options_.gpu_daemon && s.is_device_session() && !s.is_world_session()) {
     resp->add_region_kinds(v1::REGION_KIND_CUDA_IPC);
     if (options_.fd_channel != nullptr) resp->add_region_kinds(v1::REGION_KIND_CUDA_VMM_FD);
   }

@@ -78,16 +78,15 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, Session
     s->groups_[g].params.push_back(i);
   }
   // Where the state lives: a device session's update context (the device when the rules run
-  // there, else a CPU context over host-addressable device staging); a world session on a device
-  // daemon: the host (its exchange is host-staged over Gloo); otherwise `ctx`'s device.
+  // there, else a CPU context over host-addressable device staging), world sessions included
+  // (their collectives are staged through host buffers, session_world.cc); otherwise `ctx`'s
+  // device.
   const bool on_device = ctx != nullptr && ctx->device().type != kernels::DeviceType::kCpu;
   const DeviceHooks no_hooks;
-  if (on_device && spec.world_key.empty()) {
+  if (on_device) {
     DIOND_RETURN_IF_ERROR(s->InitDeviceSide(*ctx, hooks != nullptr ? *hooks : no_hooks));
   }
-  const kernels::Context* state_ctx = s->device_ != nullptr ? s->DeviceUpdateContext()
-                                      : on_device          ? nullptr
-                                                           : ctx;
+  const kernels::Context* state_ctx = s->device_ != nullptr ? s->DeviceUpdateContext() : ctx;
   for (size_t g = 0; g < spec.groups.size(); ++g) {
     Group& group = s->groups_[g];
     if (group.params.empty()) continue;  // declared but unused: nothing to optimize

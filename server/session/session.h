@@ -136,13 +136,14 @@ class Session {
   // compute device); the optimizer state is allocated on its device. Null: a process-wide CPU
   // context's allocator.
   //
-  // A device session (ctx on a device other than the CPU, and not a world session): the session
+  // A device session (ctx on a device other than the CPU; a world session too): the session
   // gets its own stream (hooks->create_stream), a Context on ctx's device with that stream, and
   // device staging for every parameter and gradient as fp32 (plus one tensor's worth in the
   // trainer's dtype for the conversions), allocated here once. RESOURCE_EXHAUSTED naming the
-  // bytes and the pool's numbers when they do not fit. World sessions on a device daemon keep
-  // their state and staging in host memory and step on the CPU (NCCL on the step path is not
-  // built, docs/GPU.md).
+  // bytes and the pool's numbers when they do not fit. A world session on a device daemon keeps
+  // its state and staging on the device as well; its collectives run over Gloo on host buffers
+  // filled and drained by explicit copies (docs/GPU.md "World sessions"; NCCL on the step path
+  // is not built).
   static absl::StatusOr<std::unique_ptr<Session>> Create(std::string id, SessionSpec spec,
                                                          const kernels::Context* ctx = nullptr,
                                                          const DeviceHooks* hooks = nullptr);
@@ -182,7 +183,8 @@ class Session {
   absl::StatusOr<std::string> RegisterMemfdRegion(Role role, fdchannel::UniqueFd fd,
                                                   int64_t offset, int64_t size);
   // Binds trainer GPU memory opened by CudaRegion (cuda_region.h) to `role`: INVALID_ARGUMENT
-  // for a region smaller than the role's arena; FAILED_PRECONDITION if the role is bound, or
+  // for a region smaller than the role's arena; FAILED_PRECONDITION for a world session, if the
+  // role is bound, or
   // holds data in host memory (remote-mode uploads) that has no place on the GPU; weights
   // restored from a checkpoint (or kept from a previous trainer) are copied into a device
   // session's PARAMETERS region. The region is released on UnregisterRegion and with the
@@ -191,7 +193,8 @@ class Session {
   absl::StatusOr<std::string> RegisterCudaRegion(Role role, std::unique_ptr<CudaRegion> region);
   // RegisterRegion's CUDA kinds: `open` opens the trainer's memory on the session's compute
   // device (CudaRegion::OpenIpc / OpenVmm), then RegisterCudaRegion binds it. FAILED_PRECONDITION
-  // (nothing opened) for a host session: a CPU daemon's, or a world session's on a device daemon.
+  // (nothing opened) for a host session (a CPU daemon's) and for a world session (it steps host
+  // arenas; its exchange is staged through host buffers).
   absl::StatusOr<std::string> OpenCudaRegion(
       Role role,
       absl::FunctionRef<absl::StatusOr<std::unique_ptr<CudaRegion>>(kernels::Device)> open);
@@ -275,9 +278,12 @@ class Session {
   // `verdict_wait`: how long a failed collective waits for the coordinator to name the lost rank
   // (about --peer_timeout plus a heartbeat), so the error can say which rank it was.
   // `checksum_every`: compare parameter checksums every N-th step (0 = never).
-  void AttachWorld(std::shared_ptr<WorldLink> world, ShardPlan plan, uint64_t epoch,
-                   absl::Duration verdict_wait = absl::ZeroDuration(),
-                   int64_t checksum_every = 0);
+  // The state of the parameters other ranks own is released; on a device session that
+  // reallocates the kept state in the device pool, which can fail (RESOURCE_EXHAUSTED naming the
+  // group and the pool's numbers): the session must then be dropped.
+  absl::Status AttachWorld(std::shared_ptr<WorldLink> world, ShardPlan plan, uint64_t epoch,
+                           absl::Duration verdict_wait = absl::ZeroDuration(),
+                           int64_t checksum_every = 0);
   // DION_COMPRESSED world sessions: replaces every Dion momentum by its average over the ranks
   // (between checkpoints each rank keeps its own, ALGORITHMS.md §9.7), so that a checkpoint holds
   // the synchronous momentum. A collective: every rank calls it at the same point
@@ -344,6 +350,20 @@ class Session {
   std::string DecideStepGraph();
   // A successful step's result carried DecideStepGraph's reason (later steps carry none).
   void GraphFallbackReported();
+  // ---- world device sessions (session_device.cc; used by session_world.cc) ----
+  // A world session's phases run their collectives on host buffers (Gloo). On a device session
+  // these move `n` fp32 values between a step's device tensor (staging, state-side pointers of
+  // ctx's device) and such a host buffer, on the session stream; the host side is complete
+  // (readable / reusable) when they return: the collective that follows reads it at once.
+  // A host session: plain host copies (the step's tensors are host memory).
+  absl::Status StepTensorToHost(const float* tensor, float* host, int64_t n)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status HostToStepTensor(const float* host, float* tensor, int64_t n)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A device session's Context (its device and stream); null for a host session.
+  const kernels::Context* DeviceContext() const;
+  // A device session's staging of gradient i (where a world's averaged gradient goes).
+  float* DeviceGradStaging(size_t i);
   struct Group {
     std::string name;
     std::unique_ptr<optim::GroupOptimizer> optimizer;
@@ -468,6 +488,8 @@ class Session {
   std::string DescribeWorldFailure(const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Every rank's checksum of every parameter (fp32 values in `params`) compared with the owner's;
   // a differing copy is replaced by the owner's (broadcast). Returns how many this rank healed.
+  // `ctx`: a CPU context for host `params`; a device session checksums its device staging on
+  // its own context (only the checksums cross, and a healed tensor's values).
   absl::StatusOr<int64_t> CheckReplicas(const kernels::Context& ctx, absl::Mutex* compute_mu,
                                         comm::Communicator* comm, int64_t step,
                                         const std::vector<float*>& params)

@@ -256,6 +256,34 @@ absl::Status Session::CudaParamFromHost(size_t i, const std::vector<uint8_t>& by
                       bytes.size());
 }
 
+// ---- world device sessions: the host buffers of the collectives (session_world.cc) ----
+
+const kernels::Context* Session::DeviceContext() const {
+  return device_ != nullptr ? device_->ctx.get() : nullptr;
+}
+
+float* Session::DeviceGradStaging(size_t i) {
+  return device_ != nullptr ? device_->grad(i) : nullptr;
+}
+
+absl::Status Session::StepTensorToHost(const float* tensor, float* host, int64_t n) {
+  if (device_ == nullptr) {
+    if (n > 0) std::memcpy(host, tensor, static_cast<size_t>(n) * 4);
+    return absl::OkStatus();
+  }
+  // The collective reads `host` as soon as this returns: the copy must be complete then.
+  return CopyToHost(*device_->ctx, tensor, host, static_cast<size_t>(n) * 4);
+}
+
+absl::Status Session::HostToStepTensor(const float* host, float* tensor, int64_t n) {
+  if (device_ == nullptr) {
+    if (n > 0) std::memcpy(tensor, host, static_cast<size_t>(n) * 4);
+    return absl::OkStatus();
+  }
+  // `host` (a collective's output) may be reused or freed as soon as this returns.
+  return CopyToDevice(*device_->ctx, host, tensor, static_cast<size_t>(n) * 4);
+}
+
 absl::Status Session::PrepareEventsLocked(const StepRequest& request) {
   if (request.ready_event.empty() && request.done_event.empty()) return absl::OkStatus();
   constexpr size_t kHandleBytes = 64;  // cudaIpcEventHandle_t
@@ -267,6 +295,13 @@ absl::Status Session::PrepareEventsLocked(const StepRequest& request) {
           "step ", request.step_index, ": ", name, " must be the 64 bytes of a "
           "cudaIpcEventHandle_t; got ", handle->size(), " bytes"));
     }
+  }
+  if (is_world_session()) {
+    // Not built for world sessions: their trainers' arenas are host memory (no CUDA regions),
+    // and nothing orders a trainer's stream with the world's collectives.
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step ", request.step_index, ": ready_event / done_event are for local device sessions; "
+        "a world session exchanges through host buffers and steps host arenas: send no events"));
   }
   if (device_ == nullptr || device_->stream == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat(

@@ -269,8 +269,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::CreateSessionWithId(std
   // A device session's staging is the first thing Session::Create allocates from the device
   // pool, and its size follows from the layout: checked against the limits before it exists.
   // The state and the rest are checked below with what was really allocated.
-  if (ctx_ != nullptr && ctx_->device().type != kernels::DeviceType::kCpu &&
-      spec.world_key.empty()) {
+  if (ctx_ != nullptr && ctx_->device().type != kernels::DeviceType::kCpu) {
     if (absl::StatusOr<Layout> layout = ComputeLayout(spec.params); layout.ok()) {
       absl::MutexLock lock(&mu_);
       DIOND_RETURN_IF_ERROR(CheckBudget(Session::DeviceStagingBytesFor(*layout),
@@ -298,7 +297,8 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::CreateSessionWithId(std
                     << " (" << GradientSyncName(s->spec().gradient_sync) << "): plan "
                     << ShardPlanHashHex(plan.hash) << "; rank " << rank << " owns "
                     << plan.Owned(rank).size() << " of " << plan.owner.size() << " parameters";
-    s->AttachWorld(world, std::move(plan), epoch, verdict_wait, options_.checksum_every);
+    DIOND_RETURN_IF_ERROR(
+        s->AttachWorld(world, std::move(plan), epoch, verdict_wait, options_.checksum_every));
   }
   std::shared_ptr<Session> shared(std::move(s));
   int64_t count;

@@ -52,8 +52,8 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequest& request,
   run.ctx = &ctx;
   if (ctx.device().type != kernels::DeviceType::kCpu) run.ctx = &HostContext();
   // The context the update rules run on: a device session's own (the device, or a CPU context
-  // over its host-addressable staging until the rules run on devices); a host session on a
-  // device daemon (a world session) steps its host state on the CPU.
+  // over its host-addressable staging until the rules run on devices), world sessions included;
+  // a host session stepped with a device context (none is made so) would step on the CPU.
   const kernels::Context& update_ctx = device_ != nullptr ? *DeviceUpdateContext()
                                        : ctx.device().type != kernels::DeviceType::kCpu
                                            ? HostContext()

@@ -2,6 +2,15 @@
 // phases of the one step skeleton (session_step.cc) — join, reduce the gradients, exchange the
 // updates, compare checksums — and the momentum synchronization before a checkpoint. For a world
 // of one (no communicator) every phase does nothing.
+//
+// On a device daemon a world session is a device session (session_device.cc): its state, the
+// staged gradients and weights live on the device and the rules run on its device Context. The
+// collectives are Gloo's, on host buffers: each phase copies device -> host exactly what the
+// collective sends (every gradient for the reduce-scatter; this rank's owned non-compact
+// parameters for the exchange; the compact payloads are host vectors already) and host -> device
+// what it received and keeps (the owned averaged gradients; the other ranks' parameters), through
+// StepTensorToHost / HostToStepTensor. The checksums are computed on the device; only they cross
+// (and a healed parameter's values). The numbers are those of the host path, bit for bit.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -19,8 +28,9 @@
 
 namespace diond::session {
 
-void Session::AttachWorld(std::shared_ptr<WorldLink> world, ShardPlan plan, uint64_t epoch,
-                          absl::Duration verdict_wait, int64_t checksum_every) {
+absl::Status Session::AttachWorld(std::shared_ptr<WorldLink> world, ShardPlan plan,
+                                  uint64_t epoch, absl::Duration verdict_wait,
+                                  int64_t checksum_every) {
   absl::MutexLock lock(&mu_);
   WorldPart w;
   w.rank = world != nullptr ? world->rank() : 0;
@@ -58,14 +68,24 @@ void Session::AttachWorld(std::shared_ptr<WorldLink> world, ShardPlan plan, uint
       const size_t i = g.params[slot];
       keep[slot] = w.replicated[i] || plan.owner[i] == w.rank;
     }
-    absl::Status released = g.optimizer->ReleaseState(keep);
-    DIOND_CHECK(released.ok()) << released;  // keep has one entry per parameter by construction
+    // keep has one entry per parameter by construction; what can fail is the allocation of the
+    // smaller buffers (a device pool), which changes nothing of that group.
+    absl::Status released = g.optimizer->ReleaseState(StateContext(), keep);
+    if (!released.ok()) {
+      const std::string pool = DeviceAllocationError();
+      return absl::Status(released.code(),
+                          absl::StrCat("world session '", Bounded(spec_.world_key),
+                                       "': sharding the state of group '", Bounded(g.name),
+                                       "' failed: ", released.message(),
+                                       pool.empty() ? "" : absl::StrCat(" (", pool, ")")));
+    }
     bytes += 4 * g.optimizer->StateFloats();
   }
   for (const auto& m : master_) bytes += 4 * static_cast<int64_t>(m.size());
   state_bytes_.store(bytes);
   w.plan = std::move(plan);
   world_ = std::move(w);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<int64_t> Session::CheckReplicas(const kernels::Context& ctx,
@@ -77,9 +97,11 @@ absl::StatusOr<int64_t> Session::CheckReplicas(const kernels::Context& ctx,
   std::vector<uint64_t> mine(n);
   {
     absl::MutexLock compute(compute_mu);
-    for (size_t i = 0; i < n; ++i) {  // FNV-1a 64 over the fp32 bytes
-      DIOND_RETURN_IF_ERROR(kernels::Fnv1aChecksum(
-          ctx, internal::HostView(DType::kF32, params[i], layout_.tensors[i].numel), &mine[i]));
+    for (size_t i = 0; i < n; ++i) {  // FNV-1a 64 over the fp32 bytes, where they lie
+      const kernels::ConstTensorView view(
+          params[i], kernels::ContiguousLayout(DType::kF32, {layout_.tensors[i].numel}),
+          ctx.device());
+      DIOND_RETURN_IF_ERROR(kernels::Fnv1aChecksum(ctx, view, &mine[i]));
     }
   }
   std::vector<uint64_t> all(n * static_cast<size_t>(world_size));
@@ -100,8 +122,23 @@ absl::StatusOr<int64_t> Session::CheckReplicas(const kernels::Context& ctx,
                        << ": parameter '" << layout_.tensors[i].name << "' differs on rank(s) "
                        << absl::StrJoin(differ, ", ") << " from its owner (rank " << owner
                        << "); replacing it with the owner's copy";
-    DIOND_RETURN_IF_ERROR(comm->Broadcast(
-        absl::MakeSpan(params[i], static_cast<size_t>(layout_.tensors[i].numel)), owner));
+    const int64_t numel = layout_.tensors[i].numel;
+    if (device_ == nullptr) {
+      DIOND_RETURN_IF_ERROR(comm->Broadcast(absl::MakeSpan(params[i], static_cast<size_t>(numel)),
+                                            owner));
+    } else {
+      // A device session: the owner's copy crosses through a host buffer.
+      std::vector<float> host(static_cast<size_t>(numel));
+      if (w.rank == owner) {
+        absl::MutexLock compute(compute_mu);
+        DIOND_RETURN_IF_ERROR(StepTensorToHost(params[i], host.data(), numel));
+      }
+      DIOND_RETURN_IF_ERROR(comm->Broadcast(absl::MakeSpan(host), owner));
+      if (w.rank != owner) {
+        absl::MutexLock compute(compute_mu);
+        DIOND_RETURN_IF_ERROR(HostToStepTensor(host.data(), params[i], numel));
+      }
+    }
     for (int r : differ) healed += r == w.rank ? 1 : 0;
   }
   return healed;
@@ -185,9 +222,18 @@ absl::Status Session::ReduceGradientsPhase(StepRun& run) {
       float* dst = input.data() + static_cast<size_t>(j) * block;
       for (size_t i : w.owned[j]) {
         const int64_t numel = layout_.tensors[i].numel;
-        DIOND_RETURN_IF_ERROR(
-            kernels::Copy(*run.ctx, internal::HostView(DType::kF32, run.grads[i], numel),
-                          internal::HostView(DType::kF32, dst, numel)));
+        if (device_ != nullptr) {
+          // Device -> host: every staged gradient goes to its owner.
+          if (absl::Status s = StepTensorToHost(run.grads[i], dst, numel); !s.ok()) {
+            return BreakWorld(run, absl::Status(s.code(), absl::StrCat(
+                                                     run.when, ": copying the gradients for the "
+                                                     "reduce-scatter failed: ", s.message())));
+          }
+        } else {
+          DIOND_RETURN_IF_ERROR(
+              kernels::Copy(*run.ctx, internal::HostView(DType::kF32, run.grads[i], numel),
+                            internal::HostView(DType::kF32, dst, numel)));
+        }
         dst += numel;
       }
       input[static_cast<size_t>(j + 1) * block - 1] = run.finite ? 0.0f : 1.0f;
@@ -212,7 +258,18 @@ absl::Status Session::ReduceGradientsPhase(StepRun& run) {
     DIOND_RETURN_IF_ERROR(kernels::Binary(
         *run.ctx, kernels::BinaryOp::kDiv, internal::HostView(DType::kF32, a, numel),
         internal::HostView(DType::kF32, &divisor, 1), internal::HostView(DType::kF32, a, numel)));
-    run.grads[i] = a;
+    if (device_ != nullptr) {
+      // Host -> device: only this rank's averaged gradients, into its gradient staging.
+      float* staging = DeviceGradStaging(i);
+      if (absl::Status s = HostToStepTensor(a, staging, numel); !s.ok()) {
+        return BreakWorld(run, absl::Status(s.code(), absl::StrCat(
+                                                 run.when, ": copying the averaged gradients to "
+                                                 "the device failed: ", s.message())));
+      }
+      run.grads[i] = staging;
+    } else {
+      run.grads[i] = a;
+    }
     a += numel;
   }
   return absl::OkStatus();
@@ -255,7 +312,21 @@ absl::Status Session::ExchangeUpdatesPhase(StepRun& run, const kernels::Context&
           }
         }
       } else {
-        mine.insert(mine.end(), params[i], params[i] + layout_.tensors[i].numel);
+        // The whole parameter (device -> host on a device session).
+        const int64_t numel = layout_.tensors[i].numel;
+        const size_t at = mine.size();
+        mine.resize(at + static_cast<size_t>(numel), 0.0f);
+        absl::Status copied;
+        {
+          absl::MutexLock compute(compute_mu);
+          copied = StepTensorToHost(params[i], mine.data() + at, numel);
+        }
+        if (!copied.ok() && compute_status.ok()) {
+          // Reported to every rank through the status value below.
+          compute_status = absl::Status(copied.code(), absl::StrCat(
+              "copying '", Bounded(layout_.tensors[i].name), "' for the exchange failed: ",
+              copied.message()));
+        }
       }
     }
     for (double sq : update_sq) {
@@ -280,6 +351,7 @@ absl::Status Session::ExchangeUpdatesPhase(StepRun& run, const kernels::Context&
     }
     std::vector<int> failed;
     std::vector<std::pair<size_t, int64_t>> compact;  // (parameter, offset in `all`)
+    std::vector<std::pair<size_t, int64_t>> whole;    // the others' parameters, (i, offset)
     int64_t at = 0;
     for (int j = 0; j < world_size; ++j) {
       for (size_t i : w.owned[j]) {
@@ -288,7 +360,7 @@ absl::Status Session::ExchangeUpdatesPhase(StepRun& run, const kernels::Context&
           if (j != w.rank) compact.emplace_back(i, at);
           at += w.compact[i];
         } else {
-          if (j != w.rank) std::memcpy(params[i], all.data() + at, static_cast<size_t>(numel) * 4);
+          if (j != w.rank) whole.emplace_back(i, at);
           at += numel;
         }
       }
@@ -302,6 +374,19 @@ absl::Status Session::ExchangeUpdatesPhase(StepRun& run, const kernels::Context&
     }
     if (compute_status.ok() && !ok_here) {
       compute_status = CheckRegions(run.when);
+    }
+    // The others' updated parameters into this rank's copies (host -> device on a device
+    // session; always, so that every replica holds the owners' values).
+    {
+      absl::MutexLock compute(compute_mu);
+      for (const auto& [i, offset] : whole) {
+        absl::Status s = HostToStepTensor(all.data() + offset, params[i], layout_.tensors[i].numel);
+        if (!s.ok() && compute_status.ok()) {
+          compute_status = absl::Status(s.code(), absl::StrCat(
+              "writing '", Bounded(layout_.tensors[i].name), "' from rank ", w.plan.owner[i],
+              " failed: ", s.message()));
+        }
+      }
     }
     // The others' compact updates, applied here through the rules' own code (bit-identical to
     // what their owners computed).
@@ -328,7 +413,8 @@ absl::Status Session::ExchangeUpdatesPhase(StepRun& run, const kernels::Context&
     }
     if (compute_status.ok() && w.checksum_every > 0 &&
         request.step_index % w.checksum_every == 0) {
-      auto healed = CheckReplicas(*run.ctx, compute_mu, comm, request.step_index, params);
+      auto healed = CheckReplicas(device_ != nullptr ? *DeviceContext() : *run.ctx, compute_mu,
+                                  comm, request.step_index, params);
       if (!healed.ok()) {
         return BreakWorld(run, absl::UnavailableError(absl::StrCat(
                                    where, "checksum comparison failed: ",
@@ -370,8 +456,8 @@ absl::Status Session::SynchronizeForCheckpoint() {
     if (!w.replicated[i]) continue;
     Group& g = groups_[group_of_param_[i]];
     std::vector<float> m(static_cast<size_t>(layout_.tensors[i].numel));
-    DIOND_RETURN_IF_ERROR(
-        g.optimizer->GetState(slot_in_group_[i], optim::kStateMomentum, absl::MakeSpan(m)));
+    DIOND_RETURN_IF_ERROR(g.optimizer->GetState(StateContext(), slot_in_group_[i],
+                                                optim::kStateMomentum, absl::MakeSpan(m)));
     absl::Status st = (*c)->AllReduceAverage(absl::MakeSpan(m));
     if (!st.ok()) {
       w.broken = absl::UnavailableError(absl::StrCat(
@@ -379,7 +465,8 @@ absl::Status Session::SynchronizeForCheckpoint() {
           st.message()));
       return w.broken;
     }
-    DIOND_RETURN_IF_ERROR(g.optimizer->SetState(slot_in_group_[i], optim::kStateMomentum, m));
+    DIOND_RETURN_IF_ERROR(
+        g.optimizer->SetState(StateContext(), slot_in_group_[i], optim::kStateMomentum, m));
   }
   (*c)->TakeBytesSent();
   return absl::OkStatus();

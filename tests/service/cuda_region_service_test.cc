@@ -551,8 +551,9 @@ TEST_F(CudaRegions, BadRequestsAreRefusedClearlyAndOpenNothing) {
   EXPECT_EQ(kt::GetHostTestHandoffCounters().ipc_open_now, baseline_.ipc_open_now);
 }
 
-TEST_F(CudaRegions, AWorldSessionStepsOnTheHostAndRefusesThem) {
-  // A world session (of one) on a device daemon keeps its state on the host.
+TEST_F(CudaRegions, AWorldSessionRefusesThem) {
+  // A world session (of one) on a device daemon is a device session, but its exchange is staged
+  // through host buffers and it steps host arenas only: no CUDA kinds offered, none registered.
   v1::CreateSessionRequest req = Desc(AlgorithmKind::kAdamW).Request();
   req.set_world_key("cuda-region-world");
   v1::CreateSessionResponse layout;
@@ -696,14 +697,14 @@ TEST_F(CudaRegions, ASkippedStepRecordsTheDoneEventAndAHostSessionRefusesEvents)
   EXPECT_TRUE(r.skipped());
   EXPECT_EQ(Records(done), 1);  // the trainer may go on: its weights are as they were
   EXPECT_EQ(gpu->Params(), weights);
-  // A world session steps on the host: it has no stream to order.
+  // A world session steps host arenas and exchanges through host buffers: events are refused.
   v1::CreateSessionRequest req = d.Request();
   req.set_world_key("cuda-region-events");
   auto world = CreateShmSession(stub(), req);
   ASSERT_NE(world, nullptr);
   s = Step(world->id, 1, 1.0, &r, false, false, ready, done);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
-  EXPECT_TRUE(absl::StrContains(s.error_message(), "steps on the host")) << s.error_message();
+  EXPECT_TRUE(absl::StrContains(s.error_message(), "local device sessions")) << s.error_message();
 }
 
 }  // namespace

@@ -94,14 +94,14 @@ std::unique_ptr<Daemon> Daemon::Start(const std::vector<std::string>& flags, boo
 
 std::unique_ptr<Daemon> Daemon::StartBinary(const std::string& binary,
                                             const std::vector<std::string>& flags,
-                                            const std::vector<std::string>& env) {
+                                            const std::vector<std::string>& env, bool tcp) {
   std::vector<std::string> prefix;
   if (!env.empty()) {
     prefix.push_back("/usr/bin/env");
     prefix.insert(prefix.end(), env.begin(), env.end());
   }
   prefix.push_back(binary);
-  return Launch(std::move(prefix), flags, /*tcp=*/false, "");
+  return Launch(std::move(prefix), flags, tcp, "");
 }
 
 std::unique_ptr<Daemon> Daemon::Launch(std::vector<std::string> prefix,

@@ -61,10 +61,11 @@ class Daemon {
   static std::unique_ptr<Daemon> Start(const std::vector<std::string>& flags = {},
                                        bool tcp = false, const std::string& dir = "");
   // The same with another daemon binary (e.g. the test-only diond_testdevice) and extra
-  // environment variables ("NAME=value").
+  // environment variables ("NAME=value"); `tcp` as for Start.
   static std::unique_ptr<Daemon> StartBinary(const std::string& binary,
                                              const std::vector<std::string>& flags = {},
-                                             const std::vector<std::string>& env = {});
+                                             const std::vector<std::string>& env = {},
+                                             bool tcp = false);
 
   v1::Optimizer::Stub& stub() { return *stub_; }
   // A stub on the loopback TCP port that sends "authorization: Bearer <token>" on every call
