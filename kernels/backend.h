@@ -114,8 +114,8 @@ struct OpsBackend {
   absl::Status (*synchronize)(const Context& ctx) = nullptr;
   // The device-flag forms of all_finite / widen_scale_check_finite (last view: the flag).
   absl::Status (*all_finite_flag)(const Context&, ConstTensorView, TensorView) = nullptr;
-  absl::Status (*widen_scale_check_finite_flag)(const Context&, ConstTensorView, float,
-                                                TensorView, TensorView) = nullptr;
+  absl::Status (*widen_scale_check_finite_flag)(const Context&, ConstTensorView, float, TensorView,
+                                                TensorView) = nullptr;
   // ---- end asynccopy ----
 };
 

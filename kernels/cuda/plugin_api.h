@@ -249,8 +249,7 @@ typedef struct DiondOpsApiV1 {
   // stream_synchronize (which kernels::Synchronize calls) or synchronous entry; until then the
   // host memory stays valid and the host neither writes `host` (H2D) nor reads it (D2H).
   // ABI bump needed at the merge (DIOND_OPS_API_VERSION). ----
-  int (*copy_from_host_async)(const DiondOpsCall* call, const void* host, void* dst,
-                              size_t bytes);
+  int (*copy_from_host_async)(const DiondOpsCall* call, const void* host, void* dst, size_t bytes);
   int (*copy_to_host_async)(const DiondOpsCall* call, const void* src, void* host, size_t bytes);
   // nonfinite: one f32 element on the device, set to 1 when an element of x (of out) is NaN or
   // ±Inf and left as it was otherwise.

@@ -347,10 +347,10 @@ TEST_F(PluginBackendTest, FinitenessFlagsStayOnTheDeviceAndOrTogether) {
   auto two = ctx_->Allocate(DType::kF32, {2});
   EXPECT_THAT(AllFiniteFlag(*ctx_, finite.cview(), two->view()),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("nonfinite")));
-  EXPECT_THAT(WidenScaleCheckFiniteFlag(*ctx_, finite.cview(), 1.0f, out->view(),
-                                        TensorView(out->data(), ContiguousLayout(DType::kF32, {1}),
-                                                   kDev)),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("overlaps out")));
+  EXPECT_THAT(
+      WidenScaleCheckFiniteFlag(*ctx_, finite.cview(), 1.0f, out->view(),
+                                TensorView(out->data(), ContiguousLayout(DType::kF32, {1}), kDev)),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("overlaps out")));
 }
 
 TEST(CpuAsyncCopies, AreImmediateCopiesAndTheFlagsMatchTheHostBoolOps) {

@@ -7,22 +7,22 @@
 
 #include <atomic>
 #include <cerrno>
-#include <deque>
-#include <functional>
-#include <tuple>
-#include <type_traits>
-#include <vector>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <functional>
 #include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <set>
 #include <string>
+#include <tuple>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "kernels/context.h"
@@ -241,9 +241,9 @@ const Context& Cpu() {
 
 // The body of an entry (the stream is checked, and the entry queued or waited for, by the
 // Queued / SyncPoint wrappers of the table).
-#define DIOND_TEST_OP_BEGIN    \
-  EntryGuard entry_guard_;     \
-  int rc = DIOND_OPS_OK;       \
+#define DIOND_TEST_OP_BEGIN \
+  EntryGuard entry_guard_;  \
+  int rc = DIOND_OPS_OK;    \
   (void)rc
 
 // ---- memory ----
@@ -711,9 +711,8 @@ int GatherQueued(const DiondOpsCall* call, DiondIn a, int32_t axis, const int64_
   if (call->stream == nullptr) return Gather(call, a, axis, idx, count, out);
   auto indices = std::make_shared<std::vector<int64_t>>(idx, idx + count);
   const DiondTensor ta = *a, to = *out;
-  Enqueue(call, "Gather", [=](const DiondOpsCall* c) {
-    return Gather(c, &ta, axis, indices->data(), count, &to);
-  });
+  Enqueue(call, "Gather",
+          [=](const DiondOpsCall* c) { return Gather(c, &ta, axis, indices->data(), count, &to); });
   return DIOND_OPS_OK;
 }
 int ScatterQueued(const DiondOpsCall* call, DiondIn src, int32_t axis, const int64_t* idx,

@@ -219,8 +219,8 @@ absl::Status Session::InitDeviceSide(const kernels::Context& ctx, const DeviceHo
         s.code(), absl::StrCat("the session's device staging (", 8 * total + 4 * largest + 4,
                                " bytes: fp32 parameters and gradients, ", 8 * total,
                                "; one tensor's conversion buffer, ", 4 * largest,
-                               "; the non-finite flag, 4) does not fit on the device: ", s.message(),
-                               pool.empty() ? "" : absl::StrCat(" (", pool, ")")));
+                               "; the non-finite flag, 4) does not fit on the device: ",
+                               s.message(), pool.empty() ? "" : absl::StrCat(" (", pool, ")")));
   };
   for (kernels::Buffer* b : {&d->params, &d->grads}) {
     auto buf = d->ctx->Allocate(DType::kF32, {total});
@@ -371,13 +371,13 @@ absl::Status Session::ReadGradientsToDevice(StepRun& run) {
       if (cuda != nullptr) {
         const uint8_t* src = cuda->data() + t.grad_offset;
         if (t.dtype == DType::kF32 && !run.scaled) {
-          DIOND_RETURN_IF_ERROR(kernels::AllFiniteFlag(
-              dc, DeviceView(d.device, DType::kF32, src, t.numel), flag));
+          DIOND_RETURN_IF_ERROR(
+              kernels::AllFiniteFlag(dc, DeviceView(d.device, DType::kF32, src, t.numel), flag));
           run.grads[i] = reinterpret_cast<const float*>(src);
         } else {
           DIOND_RETURN_IF_ERROR(kernels::WidenScaleCheckFiniteFlag(
-              dc, DeviceView(d.device, t.dtype, static_cast<const void*>(src), t.numel),
-              run.scale, DeviceView(d.device, DType::kF32, dst, t.numel), flag));
+              dc, DeviceView(d.device, t.dtype, static_cast<const void*>(src), t.numel), run.scale,
+              DeviceView(d.device, DType::kF32, dst, t.numel), flag));
           run.grads[i] = dst;
         }
         continue;
@@ -386,8 +386,8 @@ absl::Status Session::ReadGradientsToDevice(StepRun& run) {
       const size_t bytes = static_cast<size_t>(t.numel) * kernels::DTypeSize(t.dtype);
       if (t.dtype == DType::kF32 && !run.scaled) {
         DIOND_RETURN_IF_ERROR(CopyToDeviceAsync(dc, src, dst, bytes));
-        DIOND_RETURN_IF_ERROR(kernels::AllFiniteFlag(
-            dc, DeviceView(d.device, DType::kF32, dst, t.numel), flag));
+        DIOND_RETURN_IF_ERROR(
+            kernels::AllFiniteFlag(dc, DeviceView(d.device, DType::kF32, dst, t.numel), flag));
       } else {
         DIOND_RETURN_IF_ERROR(CopyToDeviceAsync(dc, src, d.raw.data(), bytes));
         DIOND_RETURN_IF_ERROR(kernels::WidenScaleCheckFiniteFlag(

@@ -285,8 +285,7 @@ TEST(DeviceSessionCounters, OneStreamPerSessionCopiesPerStepAndPairedHostRegistr
     // (one float) and waits once for the new weights: 2 + groups host waits per step.
     const int64_t groups = static_cast<int64_t>(d.groups.size());
     EXPECT_EQ(c["copies_to_device"] - start["copies_to_device"], 2 * tensors * kSteps);
-    EXPECT_EQ(c["async_copies_to_device"] - start["async_copies_to_device"],
-              2 * tensors * kSteps);
+    EXPECT_EQ(c["async_copies_to_device"] - start["async_copies_to_device"], 2 * tensors * kSteps);
     EXPECT_EQ(c["copies_to_host"] - start["copies_to_host"], (tensors + groups + 1) * kSteps);
     EXPECT_EQ(c["async_copies_to_host"] - start["async_copies_to_host"], tensors * kSteps);
     EXPECT_EQ(c["bytes_to_device"] - start["bytes_to_device"], 2 * 4 * numel * kSteps);
@@ -374,13 +373,13 @@ TEST_P(DeviceStepSyncs, TwoHostWaitsPerStepBesideTheRulesListedOnes) {
   EXPECT_TRUE(CloseSession(dev_->stub(), g->id).ok());
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Rules, DeviceStepSyncs,
-    ::testing::Values(AlgorithmKind::kMuon, AlgorithmKind::kNorMuon, AlgorithmKind::kAdamW,
-                      AlgorithmKind::kLion, AlgorithmKind::kDion, AlgorithmKind::kDion2),
-    [](const ::testing::TestParamInfo<AlgorithmKind>& i) {
-      return std::string(AlgorithmName(i.param));
-    });
+INSTANTIATE_TEST_SUITE_P(Rules, DeviceStepSyncs,
+                         ::testing::Values(AlgorithmKind::kMuon, AlgorithmKind::kNorMuon,
+                                           AlgorithmKind::kAdamW, AlgorithmKind::kLion,
+                                           AlgorithmKind::kDion, AlgorithmKind::kDion2),
+                         [](const ::testing::TestParamInfo<AlgorithmKind>& i) {
+                           return std::string(AlgorithmName(i.param));
+                         });
 
 TEST(DeviceSessionBudget, ASessionOverThePoolGetsResourceExhaustedWithTheNumbers) {
   constexpr int64_t kBudget = int64_t{256} << 20;
