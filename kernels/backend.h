@@ -103,6 +103,20 @@ struct OpsBackend {
   absl::Status (*widen_scale_check_finite)(const Context&, ConstTensorView, float, TensorView,
                                            bool*) = nullptr;
   absl::Status (*fnv1a_checksum)(const Context&, ConstTensorView, uint64_t*) = nullptr;
+
+  // ---- asynccopy (ops.h "asynccopy" block) ----
+  // Host <-> device copies of `bytes` bytes queued on ctx.stream() (no wait; the host memory
+  // stays untouched by the host until `synchronize`), and the wait for the context's stream.
+  absl::Status (*copy_from_host_async)(const Context& ctx, const void* host, void* device_dst,
+                                       size_t bytes) = nullptr;
+  absl::Status (*copy_to_host_async)(const Context& ctx, const void* device_src, void* host,
+                                     size_t bytes) = nullptr;
+  absl::Status (*synchronize)(const Context& ctx) = nullptr;
+  // The device-flag forms of all_finite / widen_scale_check_finite (last view: the flag).
+  absl::Status (*all_finite_flag)(const Context&, ConstTensorView, TensorView) = nullptr;
+  absl::Status (*widen_scale_check_finite_flag)(const Context&, ConstTensorView, float, TensorView,
+                                                TensorView) = nullptr;
+  // ---- end asynccopy ----
 };
 
 // Registers `backend` (static storage duration) for every device of `type`. INVALID_ARGUMENT for

@@ -331,6 +331,32 @@ absl::Status CopyFromHost(const Context& ctx, ConstTensorView host_src, TensorVi
 absl::Status CopyToHost(const Context& ctx, ConstTensorView src, TensorView host_dst);
 // ================================ end devrules ================================================
 
+// ================================ asynccopy: stream-ordered copies, device-side flags ==========
+// The asynchronous forms of the two copies above and the one wait that completes them
+// (docs/GPU.md "Sync points"). Same arguments and checks as CopyFromHost / CopyToHost, but the
+// copy is only QUEUED on ctx.stream(), after every op queued before it: when the call returns
+// the copy may not have happened yet. Until Synchronize(ctx) (or a synchronous entry of the same
+// context: CopyFromHost / CopyToHost, or an op that hands a value to the host) has returned, the
+// host memory must stay valid, and the host must not write host_src (the device may read the new
+// bytes or the old) nor read host_dst (it may still hold the old bytes). On the CPU context both
+// are plain copies and Synchronize does nothing. A failure of a queued copy may be reported by
+// the call or by the next sync point of the context.
+absl::Status CopyFromHostAsync(const Context& ctx, ConstTensorView host_src, TensorView dst);
+absl::Status CopyToHostAsync(const Context& ctx, ConstTensorView src, TensorView host_dst);
+// Waits until everything queued on ctx.stream() has run (a SYNC POINT); returns the first failure
+// of queued work not reported yet.
+absl::Status Synchronize(const Context& ctx);
+
+// AllFinite / WidenScaleCheckFinite with the answer kept on the device, so that a step scans
+// every tensor and reads ONE flag back: `nonfinite` (f32, contiguous, one element, on
+// ctx.device(), aliasing neither x nor out) is set to 1 when an element of x (resp. of out) is
+// NaN or ±Inf, and left as it was otherwise (an OR of the tensors' non-finiteness, so the caller
+// fills it with 0 once per step). Otherwise as the host-bool ops above; not sync points.
+absl::Status AllFiniteFlag(const Context& ctx, ConstTensorView x, TensorView nonfinite);
+absl::Status WidenScaleCheckFiniteFlag(const Context& ctx, ConstTensorView x, float scale,
+                                       TensorView out, TensorView nonfinite);
+// ================================ end asynccopy ===============================================
+
 }  // namespace diond::kernels
 
 #endif  // DIOND_KERNELS_OPS_H_

@@ -71,6 +71,12 @@ bool Complete(const OpsBackend& b) {
       reinterpret_cast<const void*>(b.all_finite),
       reinterpret_cast<const void*>(b.widen_scale_check_finite),
       reinterpret_cast<const void*>(b.fnv1a_checksum),
+      // asynccopy
+      reinterpret_cast<const void*>(b.copy_from_host_async),
+      reinterpret_cast<const void*>(b.copy_to_host_async),
+      reinterpret_cast<const void*>(b.synchronize),
+      reinterpret_cast<const void*>(b.all_finite_flag),
+      reinterpret_cast<const void*>(b.widen_scale_check_finite_flag),
   };
   for (const void* e : entries) {
     if (e == nullptr) return false;

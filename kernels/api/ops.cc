@@ -634,4 +634,69 @@ absl::Status CopyToHost(const Context& ctx, ConstTensorView src, TensorView host
 }
 // ================================ end devrules ================================================
 
+// ================================ asynccopy ===================================================
+
+absl::Status CopyFromHostAsync(const Context& ctx, ConstTensorView host_src, TensorView dst) {
+  DIOND_RETURN_IF_ERROR(
+      CheckHostDeviceCopy(ctx, "CopyFromHostAsync", "host_src", host_src, "dst", dst));
+  const size_t bytes = static_cast<size_t>(dst.NumElements()) * DTypeSize(dst.dtype());
+  if (bytes == 0) return absl::OkStatus();
+  return ctx.backend().copy_from_host_async(ctx, host_src.data(), dst.data(), bytes);
+}
+
+absl::Status CopyToHostAsync(const Context& ctx, ConstTensorView src, TensorView host_dst) {
+  DIOND_RETURN_IF_ERROR(
+      CheckHostDeviceCopy(ctx, "CopyToHostAsync", "host_dst", host_dst, "src", src));
+  const size_t bytes = static_cast<size_t>(src.NumElements()) * DTypeSize(src.dtype());
+  if (bytes == 0) return absl::OkStatus();
+  return ctx.backend().copy_to_host_async(ctx, src.data(), host_dst.data(), bytes);
+}
+
+absl::Status Synchronize(const Context& ctx) { return ctx.backend().synchronize(ctx); }
+
+namespace {
+// The device flag of AllFiniteFlag / WidenScaleCheckFiniteFlag: one f32 element on the context's
+// device, contiguous, not overlapping the tensors the op reads or writes.
+absl::Status CheckNonFiniteFlag(const Context& ctx, const char* op, TensorView flag,
+                                ConstTensorView x, ConstTensorView out) {
+  DIOND_RETURN_IF_ERROR(CheckContiguous(ctx, op, "nonfinite", flag));
+  DIOND_RETURN_IF_ERROR(CheckDType(op, "nonfinite", flag.layout(), DType::kF32));
+  if (flag.NumElements() != 1) {
+    return Invalid(op, "nonfinite ", flag.DebugString(), " has ", flag.NumElements(),
+                   " elements, want 1");
+  }
+  auto overlaps = [&](ConstTensorView v) {
+    if (v.empty() || v.data() == nullptr) return false;
+    const auto* f = static_cast<const uint8_t*>(flag.data());
+    const auto* b = static_cast<const uint8_t*>(v.data());
+    const size_t bytes = static_cast<size_t>(v.NumElements()) * DTypeSize(v.dtype());
+    return f + 4 > b && f < b + bytes;
+  };
+  if (overlaps(x)) return Invalid(op, "nonfinite overlaps x ", x.DebugString());
+  if (overlaps(out)) return Invalid(op, "nonfinite overlaps out ", out.DebugString());
+  return absl::OkStatus();
+}
+}  // namespace
+
+absl::Status AllFiniteFlag(const Context& ctx, ConstTensorView x, TensorView nonfinite) {
+  constexpr const char* kOp = "AllFiniteFlag";
+  DIOND_RETURN_IF_ERROR(CheckContiguous(ctx, kOp, "x", x));
+  DIOND_RETURN_IF_ERROR(CheckNonFiniteFlag(ctx, kOp, nonfinite, x, {}));
+  return ctx.backend().all_finite_flag(ctx, x, nonfinite);
+}
+
+absl::Status WidenScaleCheckFiniteFlag(const Context& ctx, ConstTensorView x, float scale,
+                                       TensorView out, TensorView nonfinite) {
+  constexpr const char* kOp = "WidenScaleCheckFiniteFlag";
+  DIOND_RETURN_IF_ERROR(CheckContiguous(ctx, kOp, "x", x));
+  DIOND_RETURN_IF_ERROR(CheckF32Out(ctx, kOp, out, x.NumElements()));
+  DIOND_RETURN_IF_ERROR(CheckFinite(kOp, "scale", scale));
+  if (x.data() == out.data() && x.dtype() != DType::kF32) {
+    return Invalid(kOp, "out aliases a ", x.DebugString(), " x (only an f32 x may be aliased)");
+  }
+  DIOND_RETURN_IF_ERROR(CheckNonFiniteFlag(ctx, kOp, nonfinite, x, out));
+  return ctx.backend().widen_scale_check_finite_flag(ctx, x, scale, out, nonfinite);
+}
+// ================================ end asynccopy ===============================================
+
 }  // namespace diond::kernels

@@ -29,6 +29,27 @@ absl::Status CopyToHost(const Context&, const void* src, void* host, size_t byte
   return absl::OkStatus();
 }
 
+// asynccopy: host memory is the CPU's device memory, so the queued copies are plain copies and
+// there is no stream to wait for; the flag forms run the host-bool scans.
+absl::Status Synchronize(const Context&) { return absl::OkStatus(); }
+
+absl::Status AllFiniteFlag(const Context& ctx, ConstTensorView x, TensorView nonfinite) {
+  bool finite = true;
+  if (absl::Status s = cpu::AllFinite(ctx, x, &finite); !s.ok()) return s;
+  if (!finite) *static_cast<float*>(nonfinite.data()) = 1.0f;
+  return absl::OkStatus();
+}
+
+absl::Status WidenScaleCheckFiniteFlag(const Context& ctx, ConstTensorView x, float scale,
+                                       TensorView out, TensorView nonfinite) {
+  bool finite = true;
+  if (absl::Status s = cpu::WidenScaleCheckFinite(ctx, x, scale, out, &finite); !s.ok()) {
+    return s;
+  }
+  if (!finite) *static_cast<float*>(nonfinite.data()) = 1.0f;
+  return absl::OkStatus();
+}
+
 OpsBackend MakeTable() {
   OpsBackend t;
   t.name = "cpu";
@@ -70,6 +91,12 @@ OpsBackend MakeTable() {
   t.all_finite = &AllFinite;
   t.widen_scale_check_finite = &WidenScaleCheckFinite;
   t.fnv1a_checksum = &Fnv1aChecksum;
+  // asynccopy
+  t.copy_from_host_async = &CopyFromHost;
+  t.copy_to_host_async = &CopyToHost;
+  t.synchronize = &Synchronize;
+  t.all_finite_flag = &AllFiniteFlag;
+  t.widen_scale_check_finite_flag = &WidenScaleCheckFiniteFlag;
   return t;
 }
 

@@ -79,6 +79,12 @@ int OpGraphBeginCapture(const DiondOpsCall* call);
 int OpGraphEndCapture(const DiondOpsCall* call, void** graph);
 int OpGraphLaunch(const DiondOpsCall* call, void* graph);
 void OpGraphDestroy(int device, void* graph);
+// asynccopy (ops_memory.cu, ops_reduce.cu)
+int OpCopyFromHostAsync(const DiondOpsCall* call, const void* host, void* dst, size_t bytes);
+int OpCopyToHostAsync(const DiondOpsCall* call, const void* src, void* host, size_t bytes);
+int OpAllFiniteFlag(const DiondOpsCall*, DiondIn x, DiondOut nonfinite);
+int OpWidenScaleCheckFiniteFlag(const DiondOpsCall*, DiondIn x, float scale, DiondOut out,
+                                DiondOut nonfinite);
 
 // ops_handoff.cu (handoff: device UUIDs, IPC memory handles, VMM fds, interprocess events)
 int OpDeviceUuids(const DiondOpsCall* call, uint8_t* uuids, int32_t capacity, int32_t* count);

@@ -162,6 +162,22 @@ int OpCopyToHost(const DiondOpsCall* call, const void* src, void* host, size_t b
   return Sync(call, "copy_to_host");
 }
 
+// asynccopy: the same copies, only queued (no wait). From pinned (host_register'ed) memory the
+// DMA overlaps the stream's kernels; from pageable memory the runtime stages it.
+int OpCopyFromHostAsync(const DiondOpsCall* call, const void* host, void* dst, size_t bytes) {
+  DIOND_RC(UseDevice(call, "copy_from_host_async"));
+  DIOND_CU("copy_from_host_async",
+           cudaMemcpyAsync(dst, host, bytes, cudaMemcpyHostToDevice, StreamOf(call)));
+  return DIOND_OPS_OK;
+}
+
+int OpCopyToHostAsync(const DiondOpsCall* call, const void* src, void* host, size_t bytes) {
+  DIOND_RC(UseDevice(call, "copy_to_host_async"));
+  DIOND_CU("copy_to_host_async",
+           cudaMemcpyAsync(host, src, bytes, cudaMemcpyDeviceToHost, StreamOf(call)));
+  return DIOND_OPS_OK;
+}
+
 int OpStreamCreate(const DiondOpsCall* call, void** stream) {
   DIOND_RC(UseDevice(call, "stream_create"));
   cudaStream_t s = nullptr;

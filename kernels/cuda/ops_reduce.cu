@@ -211,6 +211,36 @@ int OpWidenScaleCheckFinite(const DiondOpsCall* call, DiondIn x, float scale, Di
   return FiniteFlagToHost(call, kOp, f, all_finite);
 }
 
+// asynccopy: the scans above with the answer left on the device. Every thread that finds a
+// non-finite element stores 1.0f into the flag (the same value: the race is benign); nothing is
+// read back, so these are not sync points.
+int OpAllFiniteFlag(const DiondOpsCall* call, DiondIn x, DiondOut nonfinite) {
+  constexpr const char* kOp = "AllFiniteFlag";
+  DIOND_RC(UseDevice(call, kOp));
+  const void* p = x->data;
+  const int dt = x->dtype;
+  float* f = static_cast<float*>(nonfinite->data);
+  return Launch(call, kOp, NumElements(*x), [=] __device__(int64_t i) {
+    if (math::NonFiniteBit(LoadAs(p, dt, i)) != 0u) *f = 1.0f;
+  });
+}
+
+int OpWidenScaleCheckFiniteFlag(const DiondOpsCall* call, DiondIn x, float scale, DiondOut out,
+                                DiondOut nonfinite) {
+  constexpr const char* kOp = "WidenScaleCheckFiniteFlag";
+  DIOND_RC(UseDevice(call, kOp));
+  const void* p = x->data;
+  const int dt = x->dtype;
+  float* o = static_cast<float*>(out->data);
+  float* f = static_cast<float*>(nonfinite->data);
+  const bool unit = scale == 1.0f;  // as the CPU: no multiply at scale 1
+  return Launch(call, kOp, NumElements(*x), [=] __device__(int64_t i) {
+    const float v = unit ? LoadAs(p, dt, i) : LoadAs(p, dt, i) * scale;
+    o[i] = v;
+    if (math::NonFiniteBit(v) != 0u) *f = 1.0f;
+  });
+}
+
 // FNV-1a chains every byte, so it is serial by definition: the bytes come to the host (one copy,
 // a sync point) and are hashed there with the CPU's per-byte function. Only the world's replica
 // checksums use it, once per step over the replicated tensors.

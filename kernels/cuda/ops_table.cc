@@ -64,6 +64,11 @@ const DiondOpsApiV1* OpsApi() {
       &OpGraphEndCapture,
       &OpGraphLaunch,
       &OpGraphDestroy,
+      // asynccopy
+      &OpCopyFromHostAsync,
+      &OpCopyToHostAsync,
+      &OpAllFiniteFlag,
+      &OpWidenScaleCheckFiniteFlag,
   };
   return &kOps;
 }

@@ -243,6 +243,20 @@ typedef struct DiondOpsApiV1 {
   int (*graph_launch)(const DiondOpsCall* call, void* graph);
   void (*graph_destroy)(int device, void* graph);
   // ---- end devsession ----
+  // ---- asynccopy (ops.h "asynccopy" block): stream-ordered host <-> device copies and the
+  // finiteness scans with a device-side flag. Not sync points: the copies are queued on
+  // call->stream (cudaMemcpyAsync) after the work queued before them, and complete at the next
+  // stream_synchronize (which kernels::Synchronize calls) or synchronous entry; until then the
+  // host memory stays valid and the host neither writes `host` (H2D) nor reads it (D2H).
+  // ABI bump needed at the merge (DIOND_OPS_API_VERSION). ----
+  int (*copy_from_host_async)(const DiondOpsCall* call, const void* host, void* dst, size_t bytes);
+  int (*copy_to_host_async)(const DiondOpsCall* call, const void* src, void* host, size_t bytes);
+  // nonfinite: one f32 element on the device, set to 1 when an element of x (of out) is NaN or
+  // ±Inf and left as it was otherwise.
+  int (*all_finite_flag)(const DiondOpsCall*, DiondIn x, DiondOut nonfinite);
+  int (*widen_scale_check_finite_flag)(const DiondOpsCall*, DiondIn x, float scale, DiondOut out,
+                                       DiondOut nonfinite);
+  // ---- end asynccopy ----
 } DiondOpsApiV1;
 
 // handoff: sizes of the records above.

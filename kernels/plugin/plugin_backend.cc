@@ -366,6 +366,39 @@ absl::Status Fnv1aChecksum(const Context& ctx, ConstTensorView x, uint64_t* chec
   return DIOND_DONE("Fnv1aChecksum", Api<S>().fnv1a_checksum(&call.c, &tx, checksum));
 }
 
+// ---- asynccopy ----
+template <int S>
+absl::Status CopyFromHostAsync(const Context& ctx, const void* host, void* dst, size_t bytes) {
+  Call call(ctx);
+  return DIOND_DONE("copy_from_host_async",
+                    Api<S>().copy_from_host_async(&call.c, host, dst, bytes));
+}
+template <int S>
+absl::Status CopyToHostAsync(const Context& ctx, const void* src, void* host, size_t bytes) {
+  Call call(ctx);
+  return DIOND_DONE("copy_to_host_async", Api<S>().copy_to_host_async(&call.c, src, host, bytes));
+}
+template <int S>
+absl::Status Synchronize(const Context& ctx) {
+  Call call(ctx);
+  return DIOND_DONE("stream_synchronize", Api<S>().stream_synchronize(&call.c));
+}
+template <int S>
+absl::Status AllFiniteFlag(const Context& ctx, ConstTensorView x, TensorView nonfinite) {
+  Call call(ctx);
+  const DiondTensor tx = T(x), tf = T(nonfinite);
+  return DIOND_DONE("AllFiniteFlag", Api<S>().all_finite_flag(&call.c, &tx, &tf));
+}
+template <int S>
+absl::Status WidenScaleCheckFiniteFlag(const Context& ctx, ConstTensorView x, float scale,
+                                       TensorView out, TensorView nonfinite) {
+  Call call(ctx);
+  const DiondTensor tx = T(x), to = T(out), tf = T(nonfinite);
+  return DIOND_DONE("WidenScaleCheckFiniteFlag",
+                    Api<S>().widen_scale_check_finite_flag(&call.c, &tx, scale, &to, &tf));
+}
+// ---- end asynccopy ----
+
 #undef DIOND_DONE
 
 template <int S>
@@ -407,6 +440,12 @@ OpsBackend MakeTable(const char* name) {
   b.all_finite = &AllFinite<S>;
   b.widen_scale_check_finite = &WidenScaleCheckFinite<S>;
   b.fnv1a_checksum = &Fnv1aChecksum<S>;
+  // asynccopy
+  b.copy_from_host_async = &CopyFromHostAsync<S>;
+  b.copy_to_host_async = &CopyToHostAsync<S>;
+  b.synchronize = &Synchronize<S>;
+  b.all_finite_flag = &AllFiniteFlag<S>;
+  b.widen_scale_check_finite_flag = &WidenScaleCheckFiniteFlag<S>;
   return b;
 }
 
@@ -468,6 +507,11 @@ bool HasNullEntry(const DiondOpsApiV1& o) {
       reinterpret_cast<const void*>(o.graph_end_capture),
       reinterpret_cast<const void*>(o.graph_launch),
       reinterpret_cast<const void*>(o.graph_destroy),
+      // asynccopy
+      reinterpret_cast<const void*>(o.copy_from_host_async),
+      reinterpret_cast<const void*>(o.copy_to_host_async),
+      reinterpret_cast<const void*>(o.all_finite_flag),
+      reinterpret_cast<const void*>(o.widen_scale_check_finite_flag),
   };
   for (const void* e : entries) {
     if (e == nullptr) return true;

@@ -7,6 +7,7 @@
 #include "kernels/plugin/plugin_backend.h"
 
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <vector>
 
@@ -225,6 +226,150 @@ TEST_F(PluginBackendTest, DeviceTrafficIsExplicitAndOnTheSessionStream) {
   ASSERT_THAT(bad.status(), IsOk());
   EXPECT_THAT(Fill(**bad, 1.0f, y->view()),
               StatusIs(absl::StatusCode::kInternal, HasSubstr("unknown stream")));
+}
+
+// ---- asynccopy: stream-ordered copies, the TEST backend's deferred stream work, device flags ----
+
+TEST_F(PluginBackendTest, AsyncCopiesCompleteOnlyWhenTheStreamIsWaitedFor) {
+  testing::ResetHostTestDevice(0);
+  std::vector<float> h = testing::RandomVector(64, 3);
+  const std::vector<float> h2 = testing::RandomVector(64, 4);
+  auto x = ctx_->Allocate(DType::kF32, {64});
+  auto y = ctx_->Allocate(DType::kF32, {64});
+  ASSERT_THAT(x.status(), IsOk());
+  ASSERT_THAT(y.status(), IsOk());
+  ASSERT_THAT(CopyFromHostAsync(*ctx_, MakeView(h.data(), {64}), x->view()), IsOk());
+  // The host writes the source before the wait: on the stream the copy has not run yet, so the
+  // device gets the new bytes (the contract forbids this; the TEST backend makes it visible).
+  h = h2;
+  ASSERT_THAT(Scale(*ctx_, 2.0f, x->cview(), y->view()), IsOk());
+  std::vector<float> out(64, -7.0f);
+  ASSERT_THAT(CopyToHostAsync(*ctx_, y->cview(), MakeView(out.data(), {64})), IsOk());
+  // Before the wait the destination holds its old bytes: a host read here is the missing sync.
+  EXPECT_EQ(out, std::vector<float>(64, -7.0f));
+  testing::HostTestDeviceCounters c = testing::GetHostTestDeviceCounters();
+  EXPECT_EQ(c.syncs, 0) << "nothing waited yet";
+  EXPECT_EQ(c.deferred, 3) << "the two copies and the scale are queued";
+  EXPECT_EQ(c.copies_to_device, 0) << "counted when they run";
+  ASSERT_THAT(Synchronize(*ctx_), IsOk());
+  std::vector<float> want(64);
+  ASSERT_THAT(Scale(*cpu_, 2.0f, MakeView(h2.data(), {64}), MakeView(want.data(), {64})), IsOk());
+  EXPECT_EQ(out, want);
+  c = testing::GetHostTestDeviceCounters();
+  EXPECT_EQ(c.syncs, 1);
+  EXPECT_EQ(c.copies_to_device, 1);
+  EXPECT_EQ(c.async_copies_to_device, 1);
+  EXPECT_EQ(c.copies_to_host, 1);
+  EXPECT_EQ(c.async_copies_to_host, 1);
+  EXPECT_EQ(c.bytes_to_host, 64 * 4);
+  EXPECT_EQ(c.ops_on_default_stream, 0);
+
+  // A synchronous copy waits for what was queued before it (one sync, the stream's order kept).
+  ASSERT_THAT(Fill(*ctx_, 3.0f, y->view()), IsOk());
+  std::vector<float> back(64, 0.0f);
+  ASSERT_THAT(CopyToHost(*ctx_, y->cview(), MakeView(back.data(), {64})), IsOk());
+  EXPECT_EQ(back, std::vector<float>(64, 3.0f));
+  EXPECT_EQ(testing::GetHostTestDeviceCounters().syncs, 2);
+
+  // Validation as the synchronous copies: a device view on the host side is refused at once.
+  EXPECT_THAT(CopyToHostAsync(*ctx_, y->cview(), x->view()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("host_dst")));
+  EXPECT_THAT(CopyFromHostAsync(*ctx_, MakeView(back.data(), {32}), y->view()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("dst")));
+}
+
+TEST_F(PluginBackendTest, AQueuedFailureIsReturnedByTheNextWaitOnly) {
+  // The adapter never sends a mismatched ApplyUpdate record; through the C table directly the
+  // TEST backend refuses it, but only when the stream runs it.
+  const DiondOpsApiV1* api = testing::HostTestDeviceOps();
+  auto x = ctx_->Allocate(DType::kF32, {4});
+  ASSERT_THAT(x.status(), IsOk());
+  ASSERT_THAT(Fill(*ctx_, 5.0f, x->view()), IsOk());
+  DiondTensor t{x->data(), static_cast<int32_t>(DType::kF32), 1, {4, 0, 0}, {1, 0, 0}};
+  const DiondApplyUpdateScalars bad{0.5f, 0.25f, 0.5f, 0, 0};  // decay != 1 - lr_wd
+  char err[256] = {0};
+  DiondOpsCall call{0, stream_, err, sizeof(err)};
+  EXPECT_EQ(api->apply_update(&call, &bad, &t, &t, &t), DIOND_OPS_OK) << "queued, not run";
+  EXPECT_EQ(api->fill(&call, 1.0f, &t), DIOND_OPS_OK);
+  EXPECT_EQ(api->stream_synchronize(&call), DIOND_OPS_INTERNAL);
+  EXPECT_THAT(std::string(err), HasSubstr("decay != 1 - lr_wd"));
+  err[0] = 0;
+  EXPECT_EQ(api->stream_synchronize(&call), DIOND_OPS_OK) << "reported once";
+  // The work queued after the failure was dropped with it (the fill of 1 never ran); what was
+  // queued before it (the fill of 5) did.
+  std::vector<float> back(4, 0.0f);
+  ASSERT_THAT(CopyToHost(*ctx_, x->cview(), MakeView(back.data(), {4})), IsOk());
+  EXPECT_EQ(back, std::vector<float>(4, 5.0f));
+}
+
+TEST_F(PluginBackendTest, FinitenessFlagsStayOnTheDeviceAndOrTogether) {
+  testing::ResetHostTestDevice(0);
+  std::vector<float> v = testing::RandomVector(32, 5);
+  Buffer finite = Upload(v, {32});
+  v[17] = std::numeric_limits<float>::quiet_NaN();
+  Buffer nan = Upload(v, {32});
+  auto flag = ctx_->Allocate(DType::kF32, {1});
+  auto out = ctx_->Allocate(DType::kF32, {32});
+  ASSERT_THAT(flag.status(), IsOk());
+  auto read_flag = [&] {
+    float f = -1.0f;
+    EXPECT_THAT(CopyToHost(*ctx_, flag->cview(), MakeView(&f, {1})), IsOk());
+    return f;
+  };
+  ASSERT_THAT(Fill(*ctx_, 0.0f, flag->view()), IsOk());
+  const int64_t syncs = testing::GetHostTestDeviceCounters().syncs;
+  ASSERT_THAT(AllFiniteFlag(*ctx_, finite.cview(), flag->view()), IsOk());
+  EXPECT_EQ(testing::GetHostTestDeviceCounters().syncs, syncs) << "not a sync point";
+  EXPECT_EQ(read_flag(), 0.0f);
+  ASSERT_THAT(AllFiniteFlag(*ctx_, nan.cview(), flag->view()), IsOk());
+  ASSERT_THAT(AllFiniteFlag(*ctx_, finite.cview(), flag->view()), IsOk());
+  EXPECT_EQ(read_flag(), 1.0f) << "a later finite tensor leaves the flag set";
+
+  // Widen + scale: finite bf16 inputs whose scaled values overflow set the flag; the widened
+  // output is the host-bool op's, bit for bit.
+  const std::vector<float> big(32, 3e38f);
+  Buffer b16 = Upload(big, {32}, DType::kBf16);
+  ASSERT_THAT(Fill(*ctx_, 0.0f, flag->view()), IsOk());
+  ASSERT_THAT(WidenScaleCheckFiniteFlag(*ctx_, b16.cview(), 0.5f, out->view(), flag->view()),
+              IsOk());
+  EXPECT_EQ(read_flag(), 0.0f);
+  ASSERT_THAT(WidenScaleCheckFiniteFlag(*ctx_, b16.cview(), 4.0f, out->view(), flag->view()),
+              IsOk());
+  EXPECT_EQ(read_flag(), 1.0f);
+  Tensor hb = HostTensor(big, {32}, DType::kBf16);
+  Tensor want = *Tensor::Allocate(DType::kF32, {32});
+  bool ok = true;
+  ASSERT_THAT(WidenScaleCheckFinite(*cpu_, hb.cview(), 4.0f, want.view(), &ok), IsOk());
+  EXPECT_FALSE(ok);
+  EXPECT_EQ(Download(*out), Bytes(want));
+
+  // The flag is one f32 element that overlaps nothing the op reads or writes.
+  auto two = ctx_->Allocate(DType::kF32, {2});
+  EXPECT_THAT(AllFiniteFlag(*ctx_, finite.cview(), two->view()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("nonfinite")));
+  EXPECT_THAT(
+      WidenScaleCheckFiniteFlag(*ctx_, finite.cview(), 1.0f, out->view(),
+                                TensorView(out->data(), ContiguousLayout(DType::kF32, {1}), kDev)),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("overlaps out")));
+}
+
+TEST(CpuAsyncCopies, AreImmediateCopiesAndTheFlagsMatchTheHostBoolOps) {
+  auto cpu = Context::CpuDefault(1);
+  std::vector<float> src = testing::RandomVector(16, 9), dst(16, 0.0f);
+  ASSERT_THAT(CopyFromHostAsync(*cpu, MakeView(src.data(), {16}), MakeView(dst.data(), {16})),
+              IsOk());
+  EXPECT_EQ(dst, src) << "the CPU has no stream: the copy is done when the call returns";
+  std::vector<float> back(16, 0.0f);
+  ASSERT_THAT(CopyToHostAsync(*cpu, MakeView(dst.data(), {16}), MakeView(back.data(), {16})),
+              IsOk());
+  EXPECT_EQ(back, src);
+  EXPECT_THAT(Synchronize(*cpu), IsOk());
+  float flag = 0.0f;
+  ASSERT_THAT(AllFiniteFlag(*cpu, MakeView(src.data(), {16}), MakeView(&flag, {1})), IsOk());
+  EXPECT_EQ(flag, 0.0f);
+  src[3] = -std::numeric_limits<float>::infinity();
+  ASSERT_THAT(AllFiniteFlag(*cpu, MakeView(src.data(), {16}), MakeView(&flag, {1})), IsOk());
+  EXPECT_EQ(flag, 1.0f);
 }
 
 TEST_F(PluginBackendTest, PoolAccountsEveryByteAndRefusesOverBudget) {

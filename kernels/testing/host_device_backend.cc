@@ -10,14 +10,19 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <functional>
 #include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <set>
 #include <string>
+#include <tuple>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "kernels/context.h"
@@ -123,6 +128,95 @@ void CountSync() {
   ++St().counters.syncs;
 }
 
+// ---- asynccopy: the streams' deferred work ----
+// An entry issued on a stream of ours (not the default stream) that only writes device memory
+// is not run by the call: it is queued on its stream, and the queue runs, in issue order, when
+// the host waits for the stream (stream_synchronize, a synchronous copy, an entry that hands a
+// value to the host) or when device memory is freed. So, as on a GPU, a host read of a
+// copy_to_host_async destination before the wait sees the old bytes, and a host write of a
+// copy_from_host_async source before the wait reaches the device. A queued entry's failure is
+// kept (the first one per stream; the rest of the queue is dropped) and returned by the next
+// wait, like a CUDA stream's sticky error.
+struct Work {
+  int device = 0;
+  const char* op = "";
+  std::function<int(const DiondOpsCall*)> run;
+};
+struct Queues {
+  std::mutex mu;
+  std::unordered_map<void*, std::deque<Work>> pending;
+  struct Error {
+    int code = DIOND_OPS_OK;
+    std::string message;
+  };
+  std::unordered_map<void*, Error> failed;
+};
+Queues& Qs() {
+  static Queues* q = new Queues;
+  return *q;
+}
+
+void Enqueue(const DiondOpsCall* call, const char* op,
+             std::function<int(const DiondOpsCall*)> run) {
+  Queues& q = Qs();
+  std::lock_guard<std::mutex> lock(q.mu);
+  q.pending[call->stream].push_back(Work{call->device, op, std::move(run)});
+  std::lock_guard<std::mutex> c(St().mu);
+  ++St().counters.deferred;
+}
+
+// Runs the queue of `stream` (the caller holds an EntryGuard). One item at a time, popped under
+// the lock and run outside it.
+void Drain(void* stream) {
+  Queues& q = Qs();
+  for (;;) {
+    Work w;
+    {
+      std::lock_guard<std::mutex> lock(q.mu);
+      auto it = q.pending.find(stream);
+      if (it == q.pending.end() || it->second.empty()) return;
+      w = std::move(it->second.front());
+      it->second.pop_front();
+    }
+    char err[512] = {0};
+    const DiondOpsCall c{w.device, stream, err, sizeof(err)};
+    const int rc = w.run(&c);
+    if (rc == DIOND_OPS_OK) continue;
+    std::lock_guard<std::mutex> lock(q.mu);
+    q.pending[stream].clear();
+    Queues::Error& e = q.failed[stream];
+    if (e.code == DIOND_OPS_OK) {
+      e.code = rc;
+      e.message = std::string("host-test device: a queued ") + w.op + " failed: " + err;
+    }
+    return;
+  }
+}
+void DrainAll() {
+  std::vector<void*> streams;
+  {
+    std::lock_guard<std::mutex> lock(Qs().mu);
+    for (const auto& [stream, work] : Qs().pending) {
+      if (!work.empty()) streams.push_back(stream);
+    }
+  }
+  for (void* s : streams) Drain(s);
+}
+// Drains the call's stream and takes its kept failure, if any (then *rc is set and true).
+bool WaitForStream(const DiondOpsCall* call, int* rc) {
+  Drain(call->stream);
+  std::lock_guard<std::mutex> lock(Qs().mu);
+  auto it = Qs().failed.find(call->stream);
+  if (it == Qs().failed.end()) return false;
+  Queues::Error e = std::move(it->second);
+  Qs().failed.erase(it);
+  if (call->err != nullptr && call->err_len > 0) {
+    std::snprintf(call->err, call->err_len, "%s", e.message.c_str());
+  }
+  *rc = e.code;
+  return true;
+}
+
 TensorLayout L(const DiondTensor& t) {
   TensorLayout l;
   l.dtype = static_cast<DType>(t.dtype);
@@ -145,10 +239,12 @@ const Context& Cpu() {
   return *ctx;
 }
 
-#define DIOND_TEST_OP_BEGIN    \
-  EntryGuard entry_guard_;     \
-  int rc = DIOND_OPS_OK;       \
-  if (!CheckStream(call, &rc)) return rc
+// The body of an entry (the stream is checked, and the entry queued or waited for, by the
+// Queued / SyncPoint wrappers of the table).
+#define DIOND_TEST_OP_BEGIN \
+  EntryGuard entry_guard_;  \
+  int rc = DIOND_OPS_OK;    \
+  (void)rc
 
 // ---- memory ----
 int Allocate(const DiondOpsCall* call, size_t bytes, void** ptr) {
@@ -185,6 +281,9 @@ int Allocate(const DiondOpsCall* call, size_t bytes, void** ptr) {
 }
 void Deallocate(int device, void* stream, void* ptr, size_t bytes) {
   if (ptr == nullptr) return;
+  // Queued work may still read or write the block (on a GPU the pool orders the free after it).
+  EntryGuard entry_guard;
+  DrainAll();
   State& st = St();
   std::lock_guard<std::mutex> lock(st.mu);
   auto it = st.blocks.find(ptr);
@@ -206,7 +305,6 @@ int CopyFromHost(const DiondOpsCall* call, const void* host, void* dst, size_t b
   std::lock_guard<std::mutex> lock(St().mu);
   ++St().counters.copies_to_device;
   St().counters.bytes_to_device += static_cast<int64_t>(bytes);
-  ++St().counters.syncs;
   return DIOND_OPS_OK;
 }
 int CopyToHost(const DiondOpsCall* call, const void* src, void* host, size_t bytes) {
@@ -215,7 +313,25 @@ int CopyToHost(const DiondOpsCall* call, const void* src, void* host, size_t byt
   std::lock_guard<std::mutex> lock(St().mu);
   ++St().counters.copies_to_host;
   St().counters.bytes_to_host += static_cast<int64_t>(bytes);
-  ++St().counters.syncs;
+  return DIOND_OPS_OK;
+}
+// asynccopy: the queued copies (run when their stream is drained).
+int CopyFromHostAsync(const DiondOpsCall* call, const void* host, void* dst, size_t bytes) {
+  DIOND_TEST_OP_BEGIN;
+  std::memcpy(dst, host, bytes);
+  std::lock_guard<std::mutex> lock(St().mu);
+  ++St().counters.copies_to_device;
+  ++St().counters.async_copies_to_device;
+  St().counters.bytes_to_device += static_cast<int64_t>(bytes);
+  return DIOND_OPS_OK;
+}
+int CopyToHostAsync(const DiondOpsCall* call, const void* src, void* host, size_t bytes) {
+  DIOND_TEST_OP_BEGIN;
+  std::memcpy(host, src, bytes);
+  std::lock_guard<std::mutex> lock(St().mu);
+  ++St().counters.copies_to_host;
+  ++St().counters.async_copies_to_host;
+  St().counters.bytes_to_host += static_cast<int64_t>(bytes);
   return DIOND_OPS_OK;
 }
 int StreamCreate(const DiondOpsCall* call, void** stream) {
@@ -229,6 +345,14 @@ int StreamCreate(const DiondOpsCall* call, void** stream) {
   return DIOND_OPS_OK;
 }
 void StreamDestroy(int device, void* stream) {
+  {
+    // What was queued runs first (cudaStreamDestroy lets queued work complete).
+    EntryGuard entry_guard;
+    Drain(stream);
+    std::lock_guard<std::mutex> lock(Qs().mu);
+    Qs().pending.erase(stream);
+    Qs().failed.erase(stream);
+  }
   State& st = St();
   std::lock_guard<std::mutex> lock(st.mu);
   if (st.streams.erase(stream) == 1) {
@@ -237,8 +361,7 @@ void StreamDestroy(int device, void* stream) {
   }
 }
 int StreamSynchronize(const DiondOpsCall* call) {
-  DIOND_TEST_OP_BEGIN;
-  CountSync();
+  (void)call;  // the SyncPoint wrapper drains the stream and counts the sync
   return DIOND_OPS_OK;
 }
 int MemoryStats(const DiondOpsCall* call, uint64_t* in_use, uint64_t* peak) {
@@ -342,14 +465,12 @@ int AxisNorms(const DiondOpsCall* call, DiondIn a, int32_t axis, int32_t norm, D
 int TopKByL1Norm(const DiondOpsCall* call, DiondIn a, int32_t axis, int64_t k, int64_t* indices,
                  DiondOut scores) {
   DIOND_TEST_OP_BEGIN;
-  CountSync();
   return FromStatus(call, kernels::TopKByL1Norm(Cpu(), In(a), static_cast<Axis>(axis), k,
                                                 absl::MakeSpan(indices, static_cast<size_t>(k)),
                                                 Out(scores)));
 }
 int IsAllZero(const DiondOpsCall* call, DiondIn a, int32_t* all_zero) {
   DIOND_TEST_OP_BEGIN;
-  CountSync();
   bool z = false;
   rc = FromStatus(call, kernels::IsAllZero(Cpu(), In(a), &z));
   *all_zero = z ? 1 : 0;
@@ -515,6 +636,97 @@ int Fnv1aChecksum(const DiondOpsCall* call, DiondIn x, uint64_t* checksum) {
   DIOND_TEST_OP_BEGIN;
   return FromStatus(call, kernels::Fnv1aChecksum(Cpu(), In(x), checksum));
 }
+// asynccopy: the flag forms (queued; the flag stays in device memory).
+int AllFiniteFlag(const DiondOpsCall* call, DiondIn x, DiondOut nonfinite) {
+  DIOND_TEST_OP_BEGIN;
+  bool f = false;
+  rc = FromStatus(call, kernels::AllFinite(Cpu(), In(x), &f));
+  if (rc == DIOND_OPS_OK && !f) *static_cast<float*>(nonfinite->data) = 1.0f;
+  return rc;
+}
+int WidenScaleCheckFiniteFlag(const DiondOpsCall* call, DiondIn x, float scale, DiondOut out,
+                              DiondOut nonfinite) {
+  DIOND_TEST_OP_BEGIN;
+  bool f = false;
+  rc = FromStatus(call, kernels::WidenScaleCheckFinite(Cpu(), In(x), scale, Out(out), &f));
+  if (rc == DIOND_OPS_OK && !f) *static_cast<float*>(nonfinite->data) = 1.0f;
+  return rc;
+}
+
+// ---- asynccopy: the table's wrappers ----
+// An argument of a queued entry, kept until the entry runs: records passed by pointer (tensors,
+// scalar structs) are copied, everything else (scalars, device and host pointers) kept as is.
+template <typename T, typename = void>
+struct Held {
+  explicit Held(T x) : v(x) {}
+  T get() const { return v; }
+  T v;
+};
+template <typename T>
+struct Held<const T*, std::enable_if_t<std::is_class_v<T>>> {
+  explicit Held(const T* p) : v(*p) {}
+  const T* get() const { return &v; }
+  T v;
+};
+
+// Queued<F, Fn>::Entry: checks the stream; on the default stream runs Fn at once, on a stream
+// of ours queues it (index lists of Gather / Scatter are copied by their own wrappers below).
+template <typename F, F Fn>
+struct Queued;
+template <typename... A, int (*Fn)(const DiondOpsCall*, A...)>
+struct Queued<int (*)(const DiondOpsCall*, A...), Fn> {
+  static int Entry(const DiondOpsCall* call, A... a) {
+    int rc = DIOND_OPS_OK;
+    if (!CheckStream(call, &rc)) return rc;
+    if (call->stream == nullptr) return Fn(call, a...);
+    auto held = std::make_shared<std::tuple<Held<A>...>>(Held<A>(a)...);
+    Enqueue(call, name, [held](const DiondOpsCall* c) {
+      return std::apply([c](const auto&... h) { return Fn(c, h.get()...); }, *held);
+    });
+    return DIOND_OPS_OK;
+  }
+  inline static const char* name = "entry";  // the body's own message names the op
+};
+
+// SyncPoint<F, Fn>::Entry: the host waits for the stream (its queue runs, and a queued failure
+// is returned), counts one sync, then Fn runs.
+template <typename F, F Fn>
+struct SyncPoint;
+template <typename... A, int (*Fn)(const DiondOpsCall*, A...)>
+struct SyncPoint<int (*)(const DiondOpsCall*, A...), Fn> {
+  static int Entry(const DiondOpsCall* call, A... a) {
+    int rc = DIOND_OPS_OK;
+    if (!CheckStream(call, &rc)) return rc;
+    EntryGuard entry_guard;
+    if (WaitForStream(call, &rc)) return rc;
+    CountSync();
+    return Fn(call, a...);
+  }
+};
+
+int GatherQueued(const DiondOpsCall* call, DiondIn a, int32_t axis, const int64_t* idx,
+                 int64_t count, DiondOut out) {
+  int rc = DIOND_OPS_OK;
+  if (!CheckStream(call, &rc)) return rc;
+  if (call->stream == nullptr) return Gather(call, a, axis, idx, count, out);
+  auto indices = std::make_shared<std::vector<int64_t>>(idx, idx + count);
+  const DiondTensor ta = *a, to = *out;
+  Enqueue(call, "Gather",
+          [=](const DiondOpsCall* c) { return Gather(c, &ta, axis, indices->data(), count, &to); });
+  return DIOND_OPS_OK;
+}
+int ScatterQueued(const DiondOpsCall* call, DiondIn src, int32_t axis, const int64_t* idx,
+                  int64_t count, float alpha, float beta, DiondOut dst) {
+  int rc = DIOND_OPS_OK;
+  if (!CheckStream(call, &rc)) return rc;
+  if (call->stream == nullptr) return Scatter(call, src, axis, idx, count, alpha, beta, dst);
+  auto indices = std::make_shared<std::vector<int64_t>>(idx, idx + count);
+  const DiondTensor ts = *src, td = *dst;
+  Enqueue(call, "Scatter", [=](const DiondOpsCall* c) {
+    return Scatter(c, &ts, axis, indices->data(), count, alpha, beta, &td);
+  });
+  return DIOND_OPS_OK;
+}
 
 #undef DIOND_TEST_OP_BEGIN
 
@@ -531,48 +743,50 @@ int EventDestroy(const DiondOpsCall* call, void* event);
 int StreamWaitEvent(const DiondOpsCall* call, void* event);
 int EventRecord(const DiondOpsCall* call, void* event);
 
+#define DIOND_QUEUED(fn) &Queued<decltype(&fn), &fn>::Entry
+#define DIOND_SYNC_POINT(fn) &SyncPoint<decltype(&fn), &fn>::Entry
 const DiondOpsApiV1 kOps = {
     DIOND_OPS_API_VERSION,
     "host-test device (TEST BACKEND)",
     &Allocate,
     &Deallocate,
-    &CopyFromHost,
-    &CopyToHost,
+    DIOND_SYNC_POINT(CopyFromHost),
+    DIOND_SYNC_POINT(CopyToHost),
     &StreamCreate,
     &StreamDestroy,
-    &StreamSynchronize,
+    DIOND_SYNC_POINT(StreamSynchronize),
     &MemoryStats,
-    &Gemm,
-    &SymmetricProduct,
-    &SymmetricProductBf16,
-    &ThinQr,
-    &CholeskyQr,
-    &RandomizedCholeskyQr,
-    &FrobeniusNorm,
-    &AxisNorms,
-    &TopKByL1Norm,
-    &IsAllZero,
-    &Gather,
-    &Scatter,
-    &Copy,
-    &Fill,
-    &Axpby,
-    &AddScalar,
-    &Unary,
-    &Binary,
-    &AdamWStep,
-    &LionStep,
-    &AddToDiagonal,
-    &Bf16RoundedAxpby,
-    &AdamWStepTracked,
-    &LionStepTracked,
-    &MomentumUpdate,
-    &ApplyUpdate,
-    &NormalizeNeurons,
-    &CopyWithChange,
-    &AllFinite,
-    &WidenScaleCheckFinite,
-    &Fnv1aChecksum,
+    DIOND_QUEUED(Gemm),
+    DIOND_QUEUED(SymmetricProduct),
+    DIOND_QUEUED(SymmetricProductBf16),
+    DIOND_QUEUED(ThinQr),
+    DIOND_SYNC_POINT(CholeskyQr),
+    DIOND_SYNC_POINT(RandomizedCholeskyQr),
+    DIOND_QUEUED(FrobeniusNorm),
+    DIOND_QUEUED(AxisNorms),
+    DIOND_SYNC_POINT(TopKByL1Norm),
+    DIOND_SYNC_POINT(IsAllZero),
+    &GatherQueued,
+    &ScatterQueued,
+    DIOND_QUEUED(Copy),
+    DIOND_QUEUED(Fill),
+    DIOND_QUEUED(Axpby),
+    DIOND_QUEUED(AddScalar),
+    DIOND_QUEUED(Unary),
+    DIOND_QUEUED(Binary),
+    DIOND_QUEUED(AdamWStep),
+    DIOND_QUEUED(LionStep),
+    DIOND_QUEUED(AddToDiagonal),
+    DIOND_QUEUED(Bf16RoundedAxpby),
+    DIOND_QUEUED(AdamWStepTracked),
+    DIOND_QUEUED(LionStepTracked),
+    DIOND_QUEUED(MomentumUpdate),
+    DIOND_QUEUED(ApplyUpdate),
+    DIOND_QUEUED(NormalizeNeurons),
+    DIOND_QUEUED(CopyWithChange),
+    DIOND_SYNC_POINT(AllFinite),
+    DIOND_SYNC_POINT(WidenScaleCheckFinite),
+    DIOND_SYNC_POINT(Fnv1aChecksum),
     // handoff
     &DeviceUuids,
     &IpcOpenMemHandle,
@@ -590,7 +804,15 @@ const DiondOpsApiV1 kOps = {
     &GraphEndCapture,
     &GraphLaunch,
     &GraphDestroy,
+    // asynccopy
+    DIOND_QUEUED(CopyFromHostAsync),
+    DIOND_QUEUED(CopyToHostAsync),
+    DIOND_QUEUED(AllFiniteFlag),
+    DIOND_QUEUED(WidenScaleCheckFiniteFlag),
 };
+
+#undef DIOND_QUEUED
+#undef DIOND_SYNC_POINT
 
 }  // namespace
 

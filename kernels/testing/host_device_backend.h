@@ -19,6 +19,17 @@
 // a GPU. Tests that prove that code above the kernels touches device memory only through the ops
 // API turn it on; the default is the lenient mode (plain host memory), which the other tests use.
 //
+// DEFERRED STREAM WORK (asynccopy): an entry issued on a stream this backend created that only
+// writes device memory (every op but the sync points below, and the asynchronous copies) is not
+// run by the call but queued on its stream; the queue runs in issue order when the host waits
+// for the stream: stream_synchronize, copy_from_host / copy_to_host, and the entries that hand a
+// value to the host (top_k_by_l1_norm, is_all_zero, cholesky_qr, randomized_cholesky_qr,
+// all_finite, widen_scale_check_finite, fnv1a_checksum), each of which counts one sync; freeing
+// device memory and destroying a stream also run what is queued first. So a host read of a
+// copy_to_host_async destination, or a host write of a copy_from_host_async source, before the
+// wait shows at once (stale bytes, a changed copy), as it would on a GPU. Entries on the default
+// (null) stream run at once. A queued entry's failure is returned by the next wait.
+//
 // Counters make the device traffic observable to tests (copies, bytes, syncs, streams).
 #ifndef DIOND_KERNELS_TESTING_HOST_DEVICE_BACKEND_H_
 #define DIOND_KERNELS_TESTING_HOST_DEVICE_BACKEND_H_
@@ -35,7 +46,13 @@ const DiondOpsApiV1* HostTestDeviceOps();
 struct HostTestDeviceCounters {
   int64_t copies_to_device = 0, copies_to_host = 0;
   int64_t bytes_to_device = 0, bytes_to_host = 0;
-  int64_t syncs = 0;  // stream_synchronize calls + sync-point entries (top_k, is_all_zero, copies)
+  // The host's waits for a stream: stream_synchronize calls and the sync-point entries above
+  // (the synchronous copies among them).
+  int64_t syncs = 0;
+  // asynccopy: of the copies above, those queued by copy_from_host_async / copy_to_host_async;
+  // and the entries queued on a stream (run later) rather than run by the call.
+  int64_t async_copies_to_device = 0, async_copies_to_host = 0;
+  int64_t deferred = 0;
   int64_t streams_created = 0, streams_live = 0;
   int64_t ops = 0;  // op entries run
   int64_t ops_on_default_stream = 0;  // op entries called with a null stream

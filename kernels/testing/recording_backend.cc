@@ -98,6 +98,12 @@ OpsBackend MakeTable() {
   Set<&OpsBackend::all_finite>(t, "all_finite");
   Set<&OpsBackend::widen_scale_check_finite>(t, "widen_scale_check_finite");
   Set<&OpsBackend::fnv1a_checksum>(t, "fnv1a_checksum");
+  // asynccopy
+  Set<&OpsBackend::copy_from_host_async>(t, "copy_from_host_async");
+  Set<&OpsBackend::copy_to_host_async>(t, "copy_to_host_async");
+  Set<&OpsBackend::synchronize>(t, "synchronize");
+  Set<&OpsBackend::all_finite_flag>(t, "all_finite_flag");
+  Set<&OpsBackend::widen_scale_check_finite_flag>(t, "widen_scale_check_finite_flag");
   return t;
 }
 

@@ -9,10 +9,12 @@
 // every group staged its update and the regions were found intact, and the optimizer state is
 // committed last, exactly where the host session writes and commits.
 //
-// The host <-> device copies go through the ops table's copy entries (synchronous for the
-// caller: each is a sync point). A minimal private helper until kernels/ops.h exposes
-// CopyFromHost / CopyToHost (the devrules branch); then these two functions become calls of
-// those.
+// The step's host <-> device copies are stream-ordered (docs/GPU.md "Sync points"): every
+// gradient and parameter copy host -> device is queued on the session stream, the finiteness of
+// every gradient is OR-ed into one device flag, and the flag is read back once (one host sync,
+// which completes the copies) before the rules run; the new weights device -> host are queued
+// too and waited for once before the answer. The synchronous helpers (CopyToDevice /
+// CopyToHost) stay for the copies outside a step (SetState, PullParameters, the probe).
 #include <algorithm>
 #include <cstring>
 
@@ -40,6 +42,13 @@ struct Session::DeviceSide {
   // fp32 staging of every parameter and every gradient (offset[i] elements in), and one
   // tensor's worth of trainer-dtype bytes for the widening and narrowing.
   kernels::Buffer grads, params, raw;
+  // One f32 on the device: 1 when a gradient of this step was found non-finite (AllFiniteFlag),
+  // read back once per step into nonfinite_host.
+  kernels::Buffer nonfinite;
+  float nonfinite_host = 0.0f;
+  // The step's parameter reads were queued with its gradient reads (ReadGradientsToDevice), so
+  // ReadParametersToDevice has nothing left to copy.
+  bool params_queued = false;
   std::vector<int64_t> offset;
   int64_t staging_bytes = 0;
   bool graph_decided = false;  // DecideStepGraph ran
@@ -55,6 +64,10 @@ struct Session::DeviceSide {
   IpcEvent ready, done;
 
   const kernels::Context& update_ctx() const { return hooks.rules_on_device ? *ctx : *host; }
+  // Queues every parameter's read into the staging (host -> device, or device to device from a
+  // CUDA region, widened there) on the session stream; the host memory is read only when the
+  // stream gets there, so the caller waits for the stream before the regions are checked.
+  static absl::Status QueueParameterReads(Session& s, StepRun& run);
   float* grad(size_t i) { return grads.As<float>() + offset[i]; }
   float* param(size_t i) { return params.As<float>() + offset[i]; }
 };
@@ -64,6 +77,7 @@ void Session::DeviceSideDeleter::operator()(DeviceSide* d) const {
   d->grads.Reset();
   d->params.Reset();
   d->raw.Reset();
+  d->nonfinite.Reset();
   d->ctx.reset();  // its scratch blocks go back to the pool
   for (DeviceSide::IpcEvent* e : {&d->ready, &d->done}) {
     if (e->event == nullptr) continue;
@@ -87,7 +101,7 @@ int64_t Session::DeviceStagingBytesFor(const Layout& layout) {
     total += t.numel;
     largest = std::max(largest, t.numel);
   }
-  return 2 * rounded(4 * total) + rounded(4 * largest);
+  return 2 * rounded(4 * total) + rounded(4 * largest) + rounded(4);  // + the non-finite flag
 }
 
 int64_t Session::DeviceBytes() const {
@@ -122,17 +136,17 @@ std::string Session::DecideStepGraph() {
     reason = "unsupported";
     why = std::string(s.message());
   } else {
-    // The backend captures, but this step cannot be captured: its copies are synchronous and
-    // it reads the finiteness flags (and the rules' sync points) back on the host. The empty
-    // capture is ended and dropped.
+    // The backend captures, but this step cannot be captured: it reads its finiteness flag back
+    // once (the non-finite policy is decided on the host), and the rules have their own sync
+    // points. The empty capture is ended and dropped.
     auto graph = d.hooks.end_capture ? d.hooks.end_capture(d.device, d.stream)
                                      : absl::StatusOr<void*>(nullptr);
     if (graph.ok() && *graph != nullptr && d.hooks.destroy_graph) {
       d.hooks.destroy_graph(d.device, *graph);
     }
     reason = "sync_points";
-    why = "the step has host sync points (synchronous copies, the finiteness flags read back), "
-          "which a stream capture cannot hold";
+    why = "the step has host sync points (the finiteness flag read back before the update, the "
+          "rules' own read-backs), which a stream capture cannot hold";
   }
   DIOND_LOG(INFO) << "session " << id_ << ": steps run eagerly, not as a captured graph (reason "
                   << reason << ": " << why << ")";
@@ -164,6 +178,19 @@ absl::Status CopyToHost(const kernels::Context& ctx, const void* device, void* h
   if (bytes == 0) return absl::OkStatus();
   return ctx.backend().copy_to_host(ctx, device, host, bytes);
 }
+// Queued on the context's stream (kernels::CopyFromHostAsync / CopyToHostAsync): `host` stays
+// valid and untouched by the host until SyncStream (or a synchronous copy) of the same context.
+absl::Status CopyToDeviceAsync(const kernels::Context& ctx, const void* host, void* device,
+                               size_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  return ctx.backend().copy_from_host_async(ctx, host, device, bytes);
+}
+absl::Status CopyToHostAsync(const kernels::Context& ctx, const void* device, void* host,
+                             size_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  return ctx.backend().copy_to_host_async(ctx, device, host, bytes);
+}
+absl::Status SyncStream(const kernels::Context& ctx) { return kernels::Synchronize(ctx); }
 
 }  // namespace
 
@@ -189,11 +216,11 @@ absl::Status Session::InitDeviceSide(const kernels::Context& ctx, const DeviceHo
   auto fail = [&](const absl::Status& s) {
     const std::string pool = hooks.last_allocation_error ? hooks.last_allocation_error() : "";
     return absl::Status(
-        s.code(), absl::StrCat("the session's device staging (", 8 * total + 4 * largest,
+        s.code(), absl::StrCat("the session's device staging (", 8 * total + 4 * largest + 4,
                                " bytes: fp32 parameters and gradients, ", 8 * total,
                                "; one tensor's conversion buffer, ", 4 * largest,
-                               ") does not fit on the device: ", s.message(),
-                               pool.empty() ? "" : absl::StrCat(" (", pool, ")")));
+                               "; the non-finite flag, 4) does not fit on the device: ",
+                               s.message(), pool.empty() ? "" : absl::StrCat(" (", pool, ")")));
   };
   for (kernels::Buffer* b : {&d->params, &d->grads}) {
     auto buf = d->ctx->Allocate(DType::kF32, {total});
@@ -203,6 +230,9 @@ absl::Status Session::InitDeviceSide(const kernels::Context& ctx, const DeviceHo
   auto raw = d->ctx->Allocate(DType::kF32, {largest});
   if (!raw.ok()) return fail(raw.status());
   d->raw = std::move(*raw);
+  auto flag = d->ctx->Allocate(DType::kF32, {1});
+  if (!flag.ok()) return fail(flag.status());
+  d->nonfinite = std::move(*flag);
   d->staging_bytes = DeviceStagingBytesFor(layout_);
   device_ = std::move(d);
   return absl::OkStatus();
@@ -352,7 +382,7 @@ absl::Status Session::ReadGradientsToDevice(StepRun& run) {
   const kernels::Context& dc = *d.ctx;
   const size_t n = layout_.tensors.size();
   run.grads.assign(n, nullptr);
-  bool finite = true;
+  d.params_queued = false;
   // The trainer's gradients are ready once its ready_event completes: everything this step
   // runs on the session stream is ordered after it.
   {
@@ -361,66 +391,78 @@ absl::Status Session::ReadGradientsToDevice(StepRun& run) {
   }
   // A CUDA GRADIENTS region lies on this device: its f32 gradients are read in place (as a host
   // session reads a shm arena), the others widened / scaled straight from it into the staging,
-  // all on the session stream: device to device, no host copy.
+  // all on the session stream: device to device, no host copy. From host memory: one queued
+  // copy per gradient (into the staging, or into the conversion buffer that the widening reads
+  // next: the stream orders the next tensor's copy after it). Every scan ORs into one device
+  // flag; nothing is waited for until the flag is read back.
   const CudaRegion* cuda = grads_.cuda.get();
+  const kernels::TensorView flag = DeviceView(d.device, DType::kF32, d.nonfinite.data(), 1);
   {
     absl::MutexLock compute(run.compute_mu);
+    DIOND_RETURN_IF_ERROR(kernels::Fill(dc, 0.0f, flag));
     for (size_t i = 0; i < n; ++i) {
       const TensorPlacement& t = layout_.tensors[i];
       float* dst = d.grad(i);
-      bool ok = true;
       if (cuda != nullptr) {
         const uint8_t* src = cuda->data() + t.grad_offset;
         if (t.dtype == DType::kF32 && !run.scaled) {
           DIOND_RETURN_IF_ERROR(
-              kernels::AllFinite(dc, DeviceView(d.device, DType::kF32, src, t.numel), &ok));
+              kernels::AllFiniteFlag(dc, DeviceView(d.device, DType::kF32, src, t.numel), flag));
           run.grads[i] = reinterpret_cast<const float*>(src);
         } else {
-          DIOND_RETURN_IF_ERROR(kernels::WidenScaleCheckFinite(
-              dc, DeviceView(d.device, t.dtype, static_cast<const void*>(src), t.numel),
-              run.scale, DeviceView(d.device, DType::kF32, dst, t.numel), &ok));
+          DIOND_RETURN_IF_ERROR(kernels::WidenScaleCheckFiniteFlag(
+              dc, DeviceView(d.device, t.dtype, static_cast<const void*>(src), t.numel), run.scale,
+              DeviceView(d.device, DType::kF32, dst, t.numel), flag));
           run.grads[i] = dst;
         }
-        finite = finite && ok;
         continue;
       }
       const uint8_t* src = grads_.data + t.grad_offset;
       const size_t bytes = static_cast<size_t>(t.numel) * kernels::DTypeSize(t.dtype);
       if (t.dtype == DType::kF32 && !run.scaled) {
-        DIOND_RETURN_IF_ERROR(CopyToDevice(dc, src, dst, bytes));
+        DIOND_RETURN_IF_ERROR(CopyToDeviceAsync(dc, src, dst, bytes));
         DIOND_RETURN_IF_ERROR(
-            kernels::AllFinite(dc, DeviceView(d.device, DType::kF32, dst, t.numel), &ok));
+            kernels::AllFiniteFlag(dc, DeviceView(d.device, DType::kF32, dst, t.numel), flag));
       } else {
-        DIOND_RETURN_IF_ERROR(CopyToDevice(dc, src, d.raw.data(), bytes));
-        DIOND_RETURN_IF_ERROR(kernels::WidenScaleCheckFinite(
+        DIOND_RETURN_IF_ERROR(CopyToDeviceAsync(dc, src, d.raw.data(), bytes));
+        DIOND_RETURN_IF_ERROR(kernels::WidenScaleCheckFiniteFlag(
             dc, DeviceView(d.device, t.dtype, static_cast<const void*>(d.raw.data()), t.numel),
-            run.scale, DeviceView(d.device, DType::kF32, dst, t.numel), &ok));
+            run.scale, DeviceView(d.device, DType::kF32, dst, t.numel), flag));
       }
       run.grads[i] = dst;
-      finite = finite && ok;
     }
   }
-  run.finite = finite;
+  // The parameters' reads are queued behind the gradients' (a skipped step only wrote the
+  // staging), so that the one wait below completes every host -> device copy of the step.
+  DIOND_RETURN_IF_ERROR(DeviceSide::QueueParameterReads(*this, run));
+  d.params_queued = true;
+  {
+    // The step's one host wait before the update: the flag comes back, after every copy and
+    // scan queued before it.
+    absl::MutexLock compute(run.compute_mu);
+    DIOND_RETURN_IF_ERROR(CopyToHost(dc, d.nonfinite.data(), &d.nonfinite_host, sizeof(float)));
+  }
+  run.finite = d.nonfinite_host == 0.0f;
   return CheckRegions(run.when, Role::kGradients);
 }
 
-absl::Status Session::ReadParametersToDevice(StepRun& run) {
-  DeviceSide& d = *device_;
+absl::Status Session::DeviceSide::QueueParameterReads(Session& s, StepRun& run) {
+  DeviceSide& d = *s.device_;
   const kernels::Context& dc = *d.ctx;
-  const size_t n = layout_.tensors.size();
+  const size_t n = s.layout_.tensors.size();
   run.params.assign(n, nullptr);
   run.via_scratch.assign(n, true);  // every parameter comes back from the device staging
-  param_scratch_.resize(n);
+  s.param_scratch_.resize(n);
   absl::MutexLock compute(run.compute_mu);
   // A CUDA PARAMETERS region: copied (and widened) device to device into the staging, which
   // the update writes; the region itself is written only by WriteWeightsFromDevice.
-  const CudaRegion* cuda = params_.cuda.get();
+  const CudaRegion* cuda = s.params_.cuda.get();
   for (size_t i = 0; i < n; ++i) {
-    const TensorPlacement& t = layout_.tensors[i];
-    const bool master = !master_.empty() && !master_[i].empty();
+    const TensorPlacement& t = s.layout_.tensors[i];
+    const bool master = !s.master_.empty() && !s.master_[i].empty();
     float* dst = d.param(i);
-    if (master && master_valid_) {
-      DIOND_RETURN_IF_ERROR(CopyToDevice(dc, master_[i].data(), dst, 4 * t.numel));
+    if (master && s.master_valid_) {
+      DIOND_RETURN_IF_ERROR(CopyToDeviceAsync(dc, s.master_[i].data(), dst, 4 * t.numel));
       run.params[i] = dst;
       continue;
     }
@@ -433,11 +475,11 @@ absl::Status Session::ReadParametersToDevice(StepRun& run) {
       run.params[i] = dst;
       continue;
     }
-    const uint8_t* arena = params_.data + t.param_offset;
+    const uint8_t* arena = s.params_.data + t.param_offset;
     if (t.dtype == DType::kF32) {
-      DIOND_RETURN_IF_ERROR(CopyToDevice(dc, arena, dst, 4 * t.numel));
+      DIOND_RETURN_IF_ERROR(CopyToDeviceAsync(dc, arena, dst, 4 * t.numel));
     } else {
-      DIOND_RETURN_IF_ERROR(CopyToDevice(
+      DIOND_RETURN_IF_ERROR(CopyToDeviceAsync(
           dc, arena, d.raw.data(), static_cast<size_t>(t.numel) * kernels::DTypeSize(t.dtype)));
       DIOND_RETURN_IF_ERROR(kernels::Copy(
           dc, DeviceView(d.device, t.dtype, static_cast<const void*>(d.raw.data()), t.numel),
@@ -448,18 +490,35 @@ absl::Status Session::ReadParametersToDevice(StepRun& run) {
   return absl::OkStatus();
 }
 
+absl::Status Session::ReadParametersToDevice(StepRun& run) {
+  DeviceSide& d = *device_;
+  if (d.params_queued) {
+    // Queued and completed with the gradients' reads (ReadGradientsToDevice).
+    d.params_queued = false;
+    return absl::OkStatus();
+  }
+  DIOND_RETURN_IF_ERROR(DeviceSide::QueueParameterReads(*this, run));
+  // The host memory was read once the stream got there: wait, so that the regions' check that
+  // follows covers these reads.
+  absl::MutexLock compute(run.compute_mu);
+  return SyncStream(*d.ctx);
+}
+
 absl::Status Session::WriteWeightsFromDevice(StepRun& run) {
   DeviceSide& d = *device_;
   const kernels::Context& dc = *d.ctx;
   absl::MutexLock compute(run.compute_mu);
   CudaRegion* cuda = params_.cuda.get();
+  // Every copy device -> host is queued (narrowed first on the device where the trainer's dtype
+  // is not f32: the conversion buffer is reused tensor after tensor in stream order), then
+  // waited for once.
   for (size_t i = 0; i < layout_.tensors.size(); ++i) {
     const TensorPlacement& t = layout_.tensors[i];
     const float* src = d.param(i);
     if (!master_.empty() && !master_[i].empty()) {
       // The next master weights, swapped in at the commit.
       param_scratch_[i].resize(static_cast<size_t>(t.numel));
-      DIOND_RETURN_IF_ERROR(CopyToHost(dc, src, param_scratch_[i].data(), 4 * t.numel));
+      DIOND_RETURN_IF_ERROR(CopyToHostAsync(dc, src, param_scratch_[i].data(), 4 * t.numel));
     }
     if (cuda != nullptr) {
       // Device to device into the trainer's GPU memory, narrowed on the way.
@@ -471,16 +530,19 @@ absl::Status Session::WriteWeightsFromDevice(StepRun& run) {
     }
     uint8_t* arena = params_.data + t.param_offset;
     if (t.dtype == DType::kF32) {
-      DIOND_RETURN_IF_ERROR(CopyToHost(dc, src, arena, 4 * t.numel));
+      DIOND_RETURN_IF_ERROR(CopyToHostAsync(dc, src, arena, 4 * t.numel));
     } else {
       DIOND_RETURN_IF_ERROR(
           kernels::Copy(dc, DeviceView(d.device, DType::kF32, src, t.numel),
                         DeviceView(d.device, t.dtype, d.raw.data(), t.numel)));
-      DIOND_RETURN_IF_ERROR(CopyToHost(
+      DIOND_RETURN_IF_ERROR(CopyToHostAsync(
           dc, d.raw.data(), arena, static_cast<size_t>(t.numel) * kernels::DTypeSize(t.dtype)));
     }
   }
-  return absl::OkStatus();
+  // The step's one host wait after the update: the trainer's arena (and the next master
+  // weights) hold the new bytes when the answer leaves. Over a CUDA PARAMETERS region too: a
+  // trainer without a done_event takes the answer as "the weights are written".
+  return SyncStream(dc);
 }
 
 }  // namespace diond::session

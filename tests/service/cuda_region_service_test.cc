@@ -360,6 +360,14 @@ TEST_P(CudaEqualsShm, BitForBitOverSeveralStepsWithNoHostCopies) {
     EXPECT_EQ(after.bytes_to_host - before.bytes_to_host,
               before.bytes_to_host - start.bytes_to_host - 4 * numel)
         << "step " << t;
+    // asynccopy: the shm step's copies are all queued; both steps wait as often (the flag's
+    // read-back, the final wait, the rules' own), and the CUDA step queues no copy at all.
+    EXPECT_EQ(before.async_copies_to_device - start.async_copies_to_device, 2 * tensors)
+        << "step " << t;
+    EXPECT_EQ(before.async_copies_to_host - start.async_copies_to_host, tensors) << "step " << t;
+    EXPECT_EQ(after.async_copies_to_device - before.async_copies_to_device, 0) << "step " << t;
+    EXPECT_EQ(after.async_copies_to_host - before.async_copies_to_host, 0) << "step " << t;
+    EXPECT_EQ(after.syncs - before.syncs, before.syncs - start.syncs) << "step " << t;
     for (size_t i = 0; i < d.params.size(); ++i) {
       EXPECT_EQ(gpu->ParamBytes(i), shm->ParamBytes(i)) << d.params[i].name << ", step " << t;
     }

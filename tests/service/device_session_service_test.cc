@@ -278,14 +278,20 @@ TEST(DeviceSessionCounters, OneStreamPerSessionCopiesPerStepAndPairedHostRegistr
     // Two regions (PARAMETERS, GRADIENTS), each registered once for DMA.
     EXPECT_EQ(c["host_registers"] - start["host_registers"], 2);
     EXPECT_EQ(c["host_registered_live"], 2);
-    // Per step and fp32 tensor: gradients and weights host -> device, weights device -> host.
-    // The rules run on the device too, and each group's step has one sync point, the read-back
-    // of its parameters' Σ(Δx)² (one float per parameter; docs/KERNELS.md §4.3).
+    // Per step and fp32 tensor: gradients and weights host -> device, weights device -> host,
+    // all queued on the session stream (asynchronous). The rules run on the device too, and
+    // each group's step has one sync point, the read-back of its parameters' Σ(Δx)² (one float
+    // per parameter; docs/KERNELS.md §4.3); the step itself reads its non-finite flag back once
+    // (one float) and waits once for the new weights: 2 + groups host waits per step.
     const int64_t groups = static_cast<int64_t>(d.groups.size());
     EXPECT_EQ(c["copies_to_device"] - start["copies_to_device"], 2 * tensors * kSteps);
-    EXPECT_EQ(c["copies_to_host"] - start["copies_to_host"], (tensors + groups) * kSteps);
+    EXPECT_EQ(c["async_copies_to_device"] - start["async_copies_to_device"], 2 * tensors * kSteps);
+    EXPECT_EQ(c["copies_to_host"] - start["copies_to_host"], (tensors + groups + 1) * kSteps);
+    EXPECT_EQ(c["async_copies_to_host"] - start["async_copies_to_host"], tensors * kSteps);
     EXPECT_EQ(c["bytes_to_device"] - start["bytes_to_device"], 2 * 4 * numel * kSteps);
-    EXPECT_EQ(c["bytes_to_host"] - start["bytes_to_host"], 4 * (numel + tensors) * kSteps);
+    EXPECT_EQ(c["bytes_to_host"] - start["bytes_to_host"], 4 * (numel + tensors + 1) * kSteps);
+    EXPECT_EQ(c["syncs"] - start["syncs"], (2 + groups) * kSteps);
+    EXPECT_GT(c["deferred"], start["deferred"]) << "the step's work is queued on its stream";
     EXPECT_GT(c["pool_in_use"], start["pool_in_use"]);  // the staging
     // Every op of the session ran on its own stream.
     EXPECT_GT(c["ops"], start["ops"]);
@@ -304,6 +310,76 @@ TEST(DeviceSessionCounters, OneStreamPerSessionCopiesPerStepAndPairedHostRegistr
   EXPECT_EQ(c["host_registered_live"], 0);
   EXPECT_EQ(c["host_register_errors"], 0);
 }
+
+// asynccopy: the host waits of a device step over shm, per algorithm of the main group (the
+// "vec" group is AdamW): the step's own two (the non-finite flag read back once before the
+// rules, one wait for the new weights before the answer), plus the rules' listed sync points
+// (docs/GPU.md "Sync points": Muon, NorMuon, AdamW, Lion one per group, the update norms).
+// For every rule, each host wait but the step's final one is a synchronous read-back, so no
+// copy of the step itself waits. The weights equal the CPU daemon's bit for bit (the TEST
+// backend runs the queued work in stream order only when the step waits: a missing wait would
+// hand the trainer stale weights).
+class DeviceStepSyncs : public DeviceSessions,
+                        public ::testing::WithParamInterface<AlgorithmKind> {};
+
+TEST_P(DeviceStepSyncs, TwoHostWaitsPerStepBesideTheRulesListedOnes) {
+  const AlgorithmKind kind = GetParam();
+  const SessionDesc d = Desc(kind);
+  const int64_t tensors = static_cast<int64_t>(d.params.size());
+  auto c = CreateShmSession(cpu_->stub(), d.Request());
+  auto g = CreateShmSession(dev_->stub(), d.Request());
+  ASSERT_NE(c, nullptr);
+  ASSERT_NE(g, nullptr);
+  ASSERT_TRUE(SetState(cpu_->stub(), c->id, InitialParams(d)).ok());
+  ASSERT_TRUE(SetState(dev_->stub(), g->id, InitialParams(d)).ok());
+  // The counters line of the session's creation (SetState over shm does not touch the device).
+  const std::map<std::string, int64_t> before = LastCounters(*dev_);
+  ASSERT_FALSE(before.empty()) << dev_->Log();
+  for (int64_t t = 1; t <= kSteps; ++t) {
+    for (size_t i = 0; i < d.params.size(); ++i) {
+      c->WriteGrad(i, SyntheticValues(7, t, i, d.Numel(i)));
+      g->WriteGrad(i, SyntheticValues(7, t, i, d.Numel(i)));
+    }
+    ASSERT_TRUE(DoStep(cpu_->stub(), c->id, t).ok());
+    ASSERT_TRUE(DoStep(dev_->stub(), g->id, t).ok());
+    for (size_t i = 0; i < d.params.size(); ++i) {
+      EXPECT_EQ(g->ParamBytes(i), c->ParamBytes(i)) << d.params[i].name << ", step " << t;
+    }
+  }
+  const std::map<std::string, int64_t> after = LastCounters(*dev_);
+  auto per_step = [&](const char* k) -> double {
+    return static_cast<double>(after.at(k) - before.at(k)) / kSteps;
+  };
+  const double syncs = per_step("syncs");
+  const double sync_reads = per_step("copies_to_host") - per_step("async_copies_to_host");
+  // The step's own copies are all queued: gradients and weights up, weights down.
+  EXPECT_EQ(per_step("async_copies_to_device"), 2 * tensors);
+  EXPECT_EQ(per_step("async_copies_to_host"), tensors);
+  // At least the step's two waits and each group's update norms.
+  EXPECT_GE(syncs, 2 + 2) << AlgorithmName(kind);
+  if (kind == AlgorithmKind::kMuon || kind == AlgorithmKind::kNorMuon ||
+      kind == AlgorithmKind::kAdamW || kind == AlgorithmKind::kLion) {
+    // Rules without uploads or other sync points of their own in a step (docs/GPU.md): exactly
+    // the step's two waits and one per group, and every wait but the last is a synchronous
+    // read-back (the flag's, then each group's update norms).
+    EXPECT_EQ(per_step("copies_to_device"), 2 * tensors) << "no synchronous upload";
+    EXPECT_EQ(syncs, 2 + 2) << AlgorithmName(kind) << ": the step's 2, one per group";
+    EXPECT_EQ(syncs, sync_reads + 1) << AlgorithmName(kind);
+    EXPECT_EQ(sync_reads, 1 + 2) << AlgorithmName(kind);
+  }
+  // Dion and Dion2 add their own (the all-zero flags, the initial Q's upload, the top-k
+  // indices, the Cholesky-QR fallback), bounded per bucket by device_step_test.
+  EXPECT_TRUE(CloseSession(cpu_->stub(), c->id).ok());
+  EXPECT_TRUE(CloseSession(dev_->stub(), g->id).ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(Rules, DeviceStepSyncs,
+                         ::testing::Values(AlgorithmKind::kMuon, AlgorithmKind::kNorMuon,
+                                           AlgorithmKind::kAdamW, AlgorithmKind::kLion,
+                                           AlgorithmKind::kDion, AlgorithmKind::kDion2),
+                         [](const ::testing::TestParamInfo<AlgorithmKind>& i) {
+                           return std::string(AlgorithmName(i.param));
+                         });
 
 TEST(DeviceSessionBudget, ASessionOverThePoolGetsResourceExhaustedWithTheNumbers) {
   constexpr int64_t kBudget = int64_t{256} << 20;
@@ -360,7 +436,8 @@ int64_t StagingBytes(const SessionDesc& d) {
     numel += d.Numel(i);
     largest = std::max(largest, d.Numel(i));
   }
-  return 2 * Lines(4 * numel) + Lines(4 * largest);
+  // fp32 parameters and gradients, one tensor's conversion buffer, the step's non-finite flag.
+  return 2 * Lines(4 * numel) + Lines(4 * largest) + Lines(4);
 }
 
 // Creates a session from `d` (no regions) and returns its id, or the error.

@@ -56,7 +56,10 @@ void ConfigureTestDevice(DaemonOptions* options) {
                         " host_registers=", c.host_registers, " host_unregisters=",
                         c.host_unregisters, " host_registered_live=", c.host_registered_live,
                         " host_register_errors=", c.host_register_errors, " ops=", c.ops,
-                        " ops_on_default_stream=", c.ops_on_default_stream, pool);
+                        " ops_on_default_stream=", c.ops_on_default_stream,
+                        " syncs=", c.syncs, " async_copies_to_device=", c.async_copies_to_device,
+                        " async_copies_to_host=", c.async_copies_to_host,
+                        " deferred=", c.deferred, pool);
   };
 }
 
