@@ -29,7 +29,7 @@ namespace diond::kernels {
 
 // Bumped when an entry is added, removed or changes signature; RegisterOpsBackend refuses a
 // table of another version.
-inline constexpr uint32_t kOpsBackendVersion = 4;  // 2: ortho; 3: kops; 4: steps
+inline constexpr uint32_t kOpsBackendVersion = 5;  // 2: ortho; 3: kops; 4: steps; 5: async copies
 
 struct OpsBackend {
   uint32_t version = kOpsBackendVersion;

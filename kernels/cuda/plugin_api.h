@@ -69,10 +69,11 @@ typedef struct DiondNcclApiV1 {
 //
 // Adding an op (docs/GPU.md): append its entry at the END of DiondOpsApiV1 (never reorder),
 // bump DIOND_OPS_API_VERSION, and append the adapter's forwarding function.
-#define DIOND_OPS_API_VERSION 5  // 2: ortho ops; 3: kops ops, TopK/Lerp/CautiousWeightDecay gone;
+#define DIOND_OPS_API_VERSION 6  // 2: ortho ops; 3: kops ops, TopK/Lerp/CautiousWeightDecay gone;
                                  // 4: the session's ops (steps); 5: device UUIDs, IPC/VMM
                                  // imports and events (handoff), host registration and stream
-                                 // capture (devsession)
+                                 // capture (devsession); 6: stream-ordered copies and the
+                                 // device-side finiteness flags (asynccopy)
 enum {
   DIOND_OPS_OK = 0,
   DIOND_OPS_INTERNAL = -1,             // a library/kernel failure (absl INTERNAL)
@@ -248,7 +249,7 @@ typedef struct DiondOpsApiV1 {
   // call->stream (cudaMemcpyAsync) after the work queued before them, and complete at the next
   // stream_synchronize (which kernels::Synchronize calls) or synchronous entry; until then the
   // host memory stays valid and the host neither writes `host` (H2D) nor reads it (D2H).
-  // ABI bump needed at the merge (DIOND_OPS_API_VERSION). ----
+  // (DIOND_OPS_API_VERSION 6.) ----
   int (*copy_from_host_async)(const DiondOpsCall* call, const void* host, void* dst, size_t bytes);
   int (*copy_to_host_async)(const DiondOpsCall* call, const void* src, void* host, size_t bytes);
   // nonfinite: one f32 element on the device, set to 1 when an element of x (of out) is NaN or

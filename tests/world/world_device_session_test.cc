@@ -306,8 +306,9 @@ std::vector<std::set<size_t>> OwnedParams(std::vector<std::unique_ptr<Daemon>>& 
 
 // The copies of a world device session's steps, from the TEST backend's counters (the line the
 // test daemon logs after every step), on every rank: the local device step's (gradients and
-// weights host -> device, the new weights device -> host, one read-back of Σ(Δx)² per group the
-// rank steps: one float per parameter of the group) plus what the collectives need and nothing
+// weights host -> device, the new weights device -> host, one read-back of the gradients'
+// finiteness flag (one float), one read-back of Σ(Δx)² per group the rank steps: one float per
+// parameter of the group) plus what the collectives need and nothing
 // else. REPLICATED: the owned parameters device -> host for the all-gather, the others' host ->
 // device. AVERAGE adds every gradient device -> host for the reduce-scatter and the owned
 // averaged gradients host -> device. Muon and AdamW exchange whole parameters (no compact form).
@@ -348,11 +349,11 @@ TEST_F(DeviceWorld, CopiesCarryOnlyWhatTheCollectivesNeed) {
       int64_t norm_floats = 0;  // Σ(Δx)² read-backs: every parameter of a stepped group
       for (const ParamDesc& p : desc.params) norm_floats += groups.count(p.group);
       const int64_t to_device = 2 * n + (n - mine) + (average ? mine : 0);
-      const int64_t to_host = n + stepped_groups + mine + (average ? n : 0);
+      const int64_t to_host = n + 1 + stepped_groups + mine + (average ? n : 0);
       const int64_t bytes_to_device =
           4 * (2 * total + (total - mine_elements) + (average ? mine_elements : 0));
       const int64_t bytes_to_host =
-          4 * (total + norm_floats + mine_elements + (average ? total : 0));
+          4 * (total + 1 + norm_floats + mine_elements + (average ? total : 0));
       std::map<std::string, int64_t> got;
       for (const char* k : {"copies_to_device", "copies_to_host", "bytes_to_device",
                             "bytes_to_host"}) {
