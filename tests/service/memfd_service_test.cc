@@ -18,6 +18,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -547,20 +548,27 @@ TEST_F(Memfd_, NoFdLeaksAcrossAThousandRegistrations) {
     }
   };
   for (int i = 0; i < 20; ++i) cycle(i);  // warm-up: gRPC's own fds settle
-  const int before = CountFds(daemon_->pid());
+  // The channel's thread closes a connection once it sees the client's close, so a count taken
+  // right after a cycle may still include the last one (CI saw 17 before, 16 after): the
+  // settled, lowest count over a second.
+  int before = CountFds(daemon_->pid());
+  for (int i = 0; i < 10; ++i) {
+    usleep(100000);
+    before = std::min(before, CountFds(daemon_->pid()));
+  }
   ASSERT_GT(before, 0);
   for (int i = 0; i < 1000; ++i) {
     cycle(i);
     if (HasFatalFailure()) return;
   }
   // The channel's thread closes a connection once it sees the client's close; wait for it
-  // (up to 10 s; the count must come back exactly).
+  // (up to 10 s; one fd kept per registration would leave 1,000 more).
   int after = CountFds(daemon_->pid());
-  for (int i = 0; i < 100 && after != before; ++i) {
+  for (int i = 0; i < 100 && after > before; ++i) {
     usleep(100000);
     after = CountFds(daemon_->pid());
   }
-  EXPECT_EQ(after, before) << "the daemon's open fds after 1,000 memfd registrations";
+  EXPECT_LE(after, before) << "the daemon's open fds after 1,000 memfd registrations";
   EXPECT_TRUE(CloseSession(daemon_->stub(), id).ok());
 }
 
