@@ -29,7 +29,8 @@ namespace diond::kernels {
 
 // Bumped when an entry is added, removed or changes signature; RegisterOpsBackend refuses a
 // table of another version.
-inline constexpr uint32_t kOpsBackendVersion = 5;  // 2: ortho; 3: kops; 4: steps; 5: async copies
+inline constexpr uint32_t kOpsBackendVersion = 6;  // 2: ortho; 3: kops; 4: steps; 5: async copies;
+                                                 // 6: decay_scatter_with_change
 
 struct OpsBackend {
   uint32_t version = kOpsBackendVersion;
@@ -117,6 +118,10 @@ struct OpsBackend {
   absl::Status (*widen_scale_check_finite_flag)(const Context&, ConstTensorView, float, TensorView,
                                                 TensorView) = nullptr;
   // ---- end asynccopy ----
+  // Dion2's deferred parameter write (ops.h DecayScatterWithChange; version 6).
+  absl::Status (*decay_scatter_with_change)(const Context&, float, ConstTensorView, Axis,
+                                            absl::Span<const int64_t>, float, TensorView,
+                                            TensorView) = nullptr;
 };
 
 // Registers `backend` (static storage duration) for every device of `type`. INVALID_ARGUMENT for

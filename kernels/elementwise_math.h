@@ -34,6 +34,15 @@ DIOND_HD float Lerp(float start, float end, float weight) {
 
 DIOND_HD float Sign(float v) { return v > 0.0f ? 1.0f : (v < 0.0f ? -1.0f : 0.0f); }
 
+// ---- DecayScatterWithChange (Dion2's parameter write, ALGORITHMS.md §7.2 steps 10-11) -------
+// An element outside the selected slices decays; a selected one takes the update on top of the
+// decayed value: alpha·s + decay·x, the values of Scale(decay) then Scatter(alpha, beta = 1).
+DIOND_HD float DecayElement(float decay, float x) { return decay * x; }
+DIOND_HD float DecayScatterElement(float decay, float alpha, float x, float s) {
+  const float d = decay * x;
+  return alpha * s + d;
+}
+
 // ---- AdamW (ALGORITHMS.md §20.6) ----------------------------------------------------------
 // The per-call scalars, as PyTorch 2.x's fused CPU AdamW forms them (double arithmetic on the f32
 // hyperparameters, cast to f32 at use); the CPU backend's AdamWStep (kernels/cpu/fused.cc)

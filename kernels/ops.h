@@ -300,6 +300,20 @@ absl::Status NormalizeNeurons(const Context& ctx, float w, TensorView o, TensorV
 absl::Status CopyWithChange(const Context& ctx, ConstTensorView src, TensorView dst,
                             TensorView update_sq);
 
+// Dion2's deferred parameter write (ALGORITHMS.md §7.2 steps 10-11), in place and in one pass
+// over x: every element decays, then the selected slices take the update,
+//   x ← decay·x;  x[slices I] ← alpha·src + x[slices I]
+// (the values of Scale(decay) followed by Scatter(alpha, beta = 1), bit for bit), and
+// update_sq (f32, one element) ← Σ (x_after − x_before)², summed in double as CopyWithChange.
+// x: f32 contiguous, rank 2 (one matrix) or rank 3 [batch, rows, cols]; unlike Scatter, each
+// matrix has its own k = indices.size() / batch indices (matrix b: indices[b·k, (b+1)·k)), in
+// range and distinct within the matrix. src: f32 contiguous [batch,] k×cols (kRows) or
+// rows×k (kCols), not overlapping x. GroupOptimizer calls it at commit, after the step's
+// fallible phases, so the parameters are never staged for Dion2.
+absl::Status DecayScatterWithChange(const Context& ctx, float decay, ConstTensorView src,
+                                    Axis axis, absl::Span<const int64_t> indices, float alpha,
+                                    TensorView x, TensorView update_sq);
+
 // ================================ steps ======================================================
 // The session's per-element passes over a trainer's memory (server/session, one Step).
 

@@ -77,6 +77,7 @@ bool Complete(const OpsBackend& b) {
       reinterpret_cast<const void*>(b.synchronize),
       reinterpret_cast<const void*>(b.all_finite_flag),
       reinterpret_cast<const void*>(b.widen_scale_check_finite_flag),
+      reinterpret_cast<const void*>(b.decay_scatter_with_change),
   };
   for (const void* e : entries) {
     if (e == nullptr) return false;

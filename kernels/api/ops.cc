@@ -556,6 +556,59 @@ absl::Status CopyWithChange(const Context& ctx, ConstTensorView src, TensorView 
   return ctx.backend().copy_with_change(ctx, src, dst, update_sq);
 }
 
+absl::Status DecayScatterWithChange(const Context& ctx, float decay, ConstTensorView src,
+                                    Axis axis, absl::Span<const int64_t> indices, float alpha,
+                                    TensorView x, TensorView update_sq) {
+  constexpr const char* kOp = "DecayScatterWithChange";
+  DIOND_RETURN_IF_ERROR(CheckContiguous(ctx, kOp, "x", x));
+  DIOND_RETURN_IF_ERROR(CheckDType(kOp, "x", x.layout(), DType::kF32));
+  DIOND_RETURN_IF_ERROR(CheckContiguous(ctx, kOp, "src", src));
+  DIOND_RETURN_IF_ERROR(CheckDType(kOp, "src", src.layout(), DType::kF32));
+  DIOND_RETURN_IF_ERROR(CheckAxis(kOp, axis));
+  if (x.rank() != 2 && x.rank() != 3) {
+    return Invalid(kOp, "x is ", x.DebugString(), ", want rank 2 or 3");
+  }
+  const int64_t batch = x.rank() == 3 ? x.dim(0) : 1;
+  const int64_t rows = x.dim(x.rank() - 2), cols = x.dim(x.rank() - 1);
+  const int64_t count = static_cast<int64_t>(indices.size());
+  if (batch == 0 || count % batch != 0) {
+    return Invalid(kOp, count, " indices for ", batch, " matrices: want k per matrix");
+  }
+  const int64_t k = count / batch;
+  const int64_t limit = axis == Axis::kRows ? rows : cols;
+  const int64_t want_r = axis == Axis::kRows ? k : rows;
+  const int64_t want_c = axis == Axis::kRows ? cols : k;
+  if (src.rank() != x.rank() || src.dim(src.rank() - 2) != want_r ||
+      src.dim(src.rank() - 1) != want_c || (x.rank() == 3 && src.dim(0) != batch)) {
+    return Invalid(kOp, "src is ", src.DebugString(), ", want ", want_r, "x", want_c,
+                   " matrices, batch ", batch, " (x ", x.DebugString(), ", ", k,
+                   " indices per matrix)");
+  }
+  std::vector<int64_t> sorted(indices.begin(), indices.end());
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t j = b * k; j < (b + 1) * k; ++j) {
+      if (indices[j] < 0 || indices[j] >= limit) {
+        return Invalid(kOp, "indices[", j, "] = ", indices[j], " is outside [0, ", limit, ")");
+      }
+    }
+    auto first = sorted.begin() + b * k, last = first + k;
+    std::sort(first, last);
+    auto dup = std::adjacent_find(first, last);
+    if (dup != last) return Invalid(kOp, "index ", *dup, " appears more than once in matrix ", b);
+  }
+  if (Overlap(src.data(), src.NumElements(), x.data(), x.NumElements())) {
+    return Invalid(kOp, "src overlaps x");
+  }
+  DIOND_RETURN_IF_ERROR(CheckScalarOut(ctx, kOp, update_sq, x));
+  if (Overlap(update_sq.data(), 1, src.data(), src.NumElements())) {
+    return Invalid(kOp, "update_sq overlaps src");
+  }
+  DIOND_RETURN_IF_ERROR(CheckFinite(kOp, "decay", decay));
+  DIOND_RETURN_IF_ERROR(CheckFinite(kOp, "alpha", alpha));
+  return ctx.backend().decay_scatter_with_change(ctx, decay, src, axis, indices, alpha, x,
+                                                 update_sq);
+}
+
 // ================================ steps ======================================================
 
 absl::Status AllFinite(const Context& ctx, ConstTensorView x, bool* all_finite) {

@@ -87,6 +87,7 @@ OpsBackend MakeTable() {
   t.apply_update = &ApplyUpdate;
   t.normalize_neurons = &NormalizeNeurons;
   t.copy_with_change = &CopyWithChange;
+  t.decay_scatter_with_change = &DecayScatterWithChange;
   // steps
   t.all_finite = &AllFinite;
   t.widen_scale_check_finite = &WidenScaleCheckFinite;

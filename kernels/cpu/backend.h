@@ -71,6 +71,9 @@ absl::Status ApplyUpdate(const Context& ctx, const ApplyUpdateParams& p, ConstTe
 absl::Status NormalizeNeurons(const Context& ctx, float w, TensorView o, TensorView v);
 absl::Status CopyWithChange(const Context& ctx, ConstTensorView src, TensorView dst,
                             TensorView update_sq);
+absl::Status DecayScatterWithChange(const Context& ctx, float decay, ConstTensorView src,
+                                    Axis axis, absl::Span<const int64_t> indices, float alpha,
+                                    TensorView x, TensorView update_sq);
 
 
 // ortho (ortho_ops.cc)

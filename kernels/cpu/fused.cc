@@ -2,7 +2,9 @@
 // the kops block (tracked AdamW/Lion, MomentumUpdate, ApplyUpdate, NormalizeNeurons).
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "common/status_macros.h"
 #include "kernels/cpu/loops.h"
@@ -137,6 +139,59 @@ DIOND_CPU_CLONES double CopyWithChangeRange(const float* src, float* dst, int64_
   for (int l = 0; i < n; ++i, ++l) {
     lanes[l] += Sq(src[i], dst[i]);
     dst[i] = src[i];
+  }
+  return SumLanes(lanes);
+}
+
+// DecayScatterWithChange's rows (element order within a row, kSumLanes lanes): a row outside
+// the slices, a selected row (kRows; s its update row), and a row of a kCols matrix, whose
+// selected columns have slot[c] >= 0 (the column of s_row).
+DIOND_CPU_CLONES double DecayRowRange(float decay, float* x, int64_t n) {
+  double lanes[kSumLanes] = {};
+  int64_t i = 0;
+  for (; i + kSumLanes <= n; i += kSumLanes) {
+    for (int l = 0; l < kSumLanes; ++l) {
+      const float v = math::DecayElement(decay, x[i + l]);
+      lanes[l] += Sq(v, x[i + l]);
+      x[i + l] = v;
+    }
+  }
+  for (int l = 0; i < n; ++i, ++l) {
+    const float v = math::DecayElement(decay, x[i]);
+    lanes[l] += Sq(v, x[i]);
+    x[i] = v;
+  }
+  return SumLanes(lanes);
+}
+
+DIOND_CPU_CLONES double DecayScatterRowRange(float decay, float alpha, const float* s, float* x,
+                                             int64_t n) {
+  double lanes[kSumLanes] = {};
+  int64_t i = 0;
+  for (; i + kSumLanes <= n; i += kSumLanes) {
+    for (int l = 0; l < kSumLanes; ++l) {
+      const float v = math::DecayScatterElement(decay, alpha, x[i + l], s[i + l]);
+      lanes[l] += Sq(v, x[i + l]);
+      x[i + l] = v;
+    }
+  }
+  for (int l = 0; i < n; ++i, ++l) {
+    const float v = math::DecayScatterElement(decay, alpha, x[i], s[i]);
+    lanes[l] += Sq(v, x[i]);
+    x[i] = v;
+  }
+  return SumLanes(lanes);
+}
+
+DIOND_CPU_CLONES double DecayScatterColsRange(float decay, float alpha, const float* s_row,
+                                              const int32_t* slot, float* x, int64_t n) {
+  double lanes[kSumLanes] = {};
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t j = slot[i];
+    const float v = j < 0 ? math::DecayElement(decay, x[i])
+                          : math::DecayScatterElement(decay, alpha, x[i], s_row[j]);
+    lanes[i % kSumLanes] += Sq(v, x[i]);
+    x[i] = v;
   }
   return SumLanes(lanes);
 }
@@ -279,6 +334,45 @@ absl::Status CopyWithChange(const Context& ctx, ConstTensorView src, TensorView 
   const double sq = cpu::ParallelSum(dst.NumElements(), [&](int64_t b, int64_t e) {
     return CopyWithChangeRange(sp + b, dp + b, e - b);
   });
+  *update_sq.As<float>() = static_cast<float>(sq);
+  return absl::OkStatus();
+}
+
+absl::Status DecayScatterWithChange(const Context& ctx, float decay, ConstTensorView src,
+                                    Axis axis, absl::Span<const int64_t> indices, float alpha,
+                                    TensorView x, TensorView update_sq) {
+  cpu::ApplyThreadPolicy(ctx);
+  const int64_t batch = x.rank() == 3 ? x.dim(0) : 1;
+  const int64_t rows = x.dim(x.rank() - 2), cols = x.dim(x.rank() - 1);
+  const int64_t k = static_cast<int64_t>(indices.size()) / batch;
+  const bool by_rows = axis == Axis::kRows;
+  // Per row (kRows) or per column (kCols) of every matrix: its slot in src, or -1.
+  std::vector<int32_t> slot(static_cast<size_t>(batch * (by_rows ? rows : cols)), -1);
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t j = 0; j < k; ++j) {
+      slot[static_cast<size_t>(b * (by_rows ? rows : cols) + indices[b * k + j])] =
+          static_cast<int32_t>(j);
+    }
+  }
+  float* xp = x.As<float>();
+  const float* sp = src.As<float>();
+  const int64_t sub = by_rows ? k * cols : rows * k;  // src elements per matrix
+  const double sq = cpu::ParallelSum(batch * rows, [&](int64_t r0, int64_t r1) {
+    double acc = 0.0;
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t b = r / rows, i = r % rows;
+      float* xrow = xp + r * cols;
+      if (by_rows) {
+        const int32_t j = slot[static_cast<size_t>(r)];
+        acc += j < 0 ? DecayRowRange(decay, xrow, cols)
+                     : DecayScatterRowRange(decay, alpha, sp + b * sub + j * cols, xrow, cols);
+      } else {
+        acc += DecayScatterColsRange(decay, alpha, sp + b * sub + i * k,
+                                     slot.data() + b * cols, xrow, cols);
+      }
+    }
+    return acc;
+  }, std::max<int64_t>(1, cpu::kParallelGrain / std::max<int64_t>(1, cols)));
   *update_sq.As<float>() = static_cast<float>(sq);
   return absl::OkStatus();
 }

@@ -1,5 +1,5 @@
 // Tests of the kops block of kernels/ops.h: the tracked AdamW/Lion steps, MomentumUpdate,
-// ApplyUpdate, NormalizeNeurons and CopyWithChange, each against an independent scalar formulation written here
+// ApplyUpdate, NormalizeNeurons, CopyWithChange and DecayScatterWithChange, each against an independent scalar formulation written here
 // (or, for the tracked steps, against the untracked op and a double sum of the changes).
 #include <cmath>
 #include <vector>
@@ -229,6 +229,78 @@ TEST(CopyWithChange, CopiesAndReportsTheSquaredChange) {
   EXPECT_THAT(CopyWithChange(*ctx, MakeView(src.data(), {kN}), MakeView(dst.data(), {kN}),
                              MakeView(dst.data() + 7, {1})),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("overlaps")));
+}
+
+// Dion2's deferred parameter write against the two ops it replaces (Scale by the decay, then a
+// Scatter of alpha·src with beta 1, matrix by matrix), bit for bit, and a double sum of the
+// changes; both axes, one matrix and a batch with its own indices per matrix.
+TEST(DecayScatterWithChange, IsScaleThenScatterBitForBitAndReportsTheChange) {
+  for (int threads : {1, 2}) {
+    auto ctx = Context::CpuDefault(threads);
+    for (const Axis axis : {Axis::kRows, Axis::kCols}) {
+      for (const int64_t batch : {int64_t{1}, int64_t{3}}) {
+        const int64_t rows = 97, cols = 389;  // not multiples of the vector width
+        const int64_t len = axis == Axis::kRows ? rows : cols, k = len / 4 + 1;
+        const int64_t sr = axis == Axis::kRows ? k : rows, sc = axis == Axis::kRows ? cols : k;
+        const auto x0 = RandomVector(batch * rows * cols, 40 + batch, 0.1f);
+        const auto src = RandomVector(batch * sr * sc, 41 + batch);
+        std::vector<int64_t> idx;
+        for (int64_t b = 0; b < batch; ++b) {
+          for (int64_t j = 0; j < k; ++j) idx.push_back((j * 7 + 3 * b + 1) % len);  // distinct
+        }
+        const float decay = 0.99f, alpha = -0.0123f;
+        std::vector<float> want = x0;
+        for (int64_t b = 0; b < batch; ++b) {
+          TensorView xm = MakeView(want.data() + b * rows * cols, {rows, cols});
+          ASSERT_THAT(Scale(*ctx, decay, xm, xm), IsOk());
+          ASSERT_THAT(Scatter(*ctx, MakeView(src.data() + b * sr * sc, {sr, sc}), axis,
+                              absl::MakeConstSpan(idx.data() + b * k, static_cast<size_t>(k)),
+                              alpha, 1.0f, xm),
+                      IsOk());
+        }
+        std::vector<float> x = x0;
+        float sq = -1.0f;
+        const ConstTensorView sv = batch == 1 ? MakeView(src.data(), {sr, sc})
+                                              : MakeView(src.data(), {batch, sr, sc});
+        const TensorView xv = batch == 1 ? MakeView(x.data(), {rows, cols})
+                                         : MakeView(x.data(), {batch, rows, cols});
+        ASSERT_THAT(DecayScatterWithChange(*ctx, decay, sv, axis, idx, alpha, xv,
+                                           MakeView(&sq, {1})),
+                    IsOk());
+        ASSERT_EQ(x, want) << "axis " << static_cast<int>(axis) << " batch " << batch;
+        const double change = SumSqDiff(x, x0);
+        EXPECT_NEAR(sq, change, 1e-6 * change);
+      }
+    }
+  }
+}
+
+TEST(DecayScatterWithChange, RefusesBadIndicesShapesAndOverlaps) {
+  auto ctx = Context::CpuDefault(2);
+  std::vector<float> x(2 * 8 * 6, 1.0f), src(2 * 2 * 6, 0.5f);
+  float sq = 0.0f;
+  const ConstTensorView good = MakeView(src.data(), {2, 2, 6});
+  auto call = [&](std::vector<int64_t> idx, ConstTensorView s, TensorView out_sq) {
+    return DecayScatterWithChange(*ctx, 0.9f, s, Axis::kRows, idx, -1.0f,
+                                  MakeView(x.data(), {2, 8, 6}), out_sq);
+  };
+  EXPECT_THAT(call({0, 1, 2, 3}, good, MakeView(&sq, {1})), IsOk());
+  EXPECT_THAT(call({0, 0, 2, 3}, good, MakeView(&sq, {1})),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("more than once")));
+  // The same index in two matrices is fine: each matrix has its own selection.
+  EXPECT_THAT(call({0, 1, 0, 1}, good, MakeView(&sq, {1})), IsOk());
+  EXPECT_THAT(call({0, 8, 2, 3}, good, MakeView(&sq, {1})),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("outside")));
+  EXPECT_THAT(call({0, 1, 2}, good, MakeView(&sq, {1})),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("per matrix")));
+  EXPECT_THAT(call({0, 1, 2, 3}, MakeView(src.data(), {2, 3, 4}), MakeView(&sq, {1})),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("src is")));
+  EXPECT_THAT(call({0, 1, 2, 3}, good, MakeView(x.data() + 5, {1})),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("overlaps")));
+  EXPECT_THAT(DecayScatterWithChange(*ctx, 0.9f, MakeView(x.data() + 10, {2, 2, 6}), Axis::kRows,
+                                     std::vector<int64_t>{0, 1, 2, 3}, -1.0f,
+                                     MakeView(x.data(), {2, 8, 6}), MakeView(&sq, {1})),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("src overlaps x")));
 }
 
 // ---- kbw: the ISA clones of the fused loops (loops.h DIOND_CPU_CLONES) give the bits of the

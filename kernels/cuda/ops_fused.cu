@@ -1,5 +1,6 @@
 // kops's fused optimizer phases on the CUDA backend (ops.h "kops" block): tracked AdamW/Lion,
-// MomentumUpdate, ApplyUpdate, NormalizeNeurons, CopyWithChange. NEVER RUN ON A GPU so far (no
+// MomentumUpdate, ApplyUpdate, NormalizeNeurons, CopyWithChange, DecayScatterWithChange (Dion2's
+// deferred parameter write). NEVER RUN ON A GPU so far (no
 // GPU was available when they were written); cuda_ops_test (label gpu) checks them.
 //
 // Per element, every kernel calls the op's function of kernels/elementwise_math.h, the one the
@@ -16,6 +17,8 @@
 //     column order, as the CPU's, so V and D before the rescale are bit-identical; ‖O‖² and ‖D‖²
 //     of a unit are the row sums added in row order, where the CPU adds the elements in order,
 //     so the rescale factor, and with it every element of the result, may differ by one f32 ulp.
+#include <vector>
+
 #include "kernels/cuda/ops_common.cuh"
 #include "kernels/cuda/ops_internal.h"
 
@@ -229,6 +232,53 @@ int OpCopyWithChange(const DiondOpsCall* call, DiondIn src, DiondOut dst, DiondO
         const double t = Sq(sp[i], dp[i]);
         dp[i] = sp[i];
         return t;
+      },
+      static_cast<float*>(update_sq->data));
+}
+
+// One thread per element of x: its row (kRows) or column (kCols) has a slot in src or -1, from
+// a map built on the host from the indices and uploaded once per call (batch·rows or
+// batch·cols int32; pageable memory, so the copy has left `map` when cudaMemcpyAsync returns).
+int OpDecayScatterWithChange(const DiondOpsCall* call, float decay, DiondIn src, int32_t axis,
+                             const int64_t* indices, int64_t count, float alpha, DiondOut x,
+                             DiondOut update_sq) {
+  constexpr const char* kOp = "DecayScatterWithChange";
+  DIOND_RC(UseDevice(call, kOp));
+  const int64_t batch = x->rank == 3 ? x->dims[0] : 1;
+  const int64_t rows = x->dims[x->rank - 2], cols = x->dims[x->rank - 1];
+  const int64_t k = batch > 0 ? count / batch : 0;
+  const bool by_rows = axis == 0;
+  const int64_t len = by_rows ? rows : cols;
+  std::vector<int32_t> map(static_cast<size_t>(batch * len), -1);
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t j = 0; j < k; ++j) {
+      map[static_cast<size_t>(b * len + indices[b * k + j])] = static_cast<int32_t>(j);
+    }
+  }
+  Scratch slots;
+  DIOND_RC(slots.Allocate(call, kOp, map.size() * sizeof(int32_t)));
+  if (!map.empty()) {
+    DIOND_CU(kOp, cudaMemcpyAsync(slots.As<int32_t>(), map.data(), map.size() * sizeof(int32_t),
+                                  cudaMemcpyHostToDevice, StreamOf(call)));
+  }
+  const int32_t* sl = slots.As<int32_t>();
+  const float* sp = static_cast<const float*>(src->data);
+  float* xp = static_cast<float*>(x->data);
+  const int64_t per = rows * cols, sub = by_rows ? k * cols : rows * k;
+  return LaunchSum(
+      call, kOp, batch * per,
+      [=] __device__(int64_t e) {
+        const int64_t b = e / per, r = (e % per) / cols, c = e % cols;
+        const int32_t j = sl[b * len + (by_rows ? r : c)];
+        const float before = xp[e];
+        const float after =
+            j < 0 ? math::DecayElement(decay, before)
+                  : math::DecayScatterElement(
+                        decay, alpha, before,
+                        sp[b * sub + (by_rows ? static_cast<int64_t>(j) * cols + c
+                                              : r * k + j)]);
+        xp[e] = after;
+        return Sq(after, before);
       },
       static_cast<float*>(update_sq->data));
 }

@@ -85,6 +85,10 @@ int OpCopyToHostAsync(const DiondOpsCall* call, const void* src, void* host, siz
 int OpAllFiniteFlag(const DiondOpsCall*, DiondIn x, DiondOut nonfinite);
 int OpWidenScaleCheckFiniteFlag(const DiondOpsCall*, DiondIn x, float scale, DiondOut out,
                                 DiondOut nonfinite);
+// ops_fused.cu (version 7)
+int OpDecayScatterWithChange(const DiondOpsCall*, float decay, DiondIn src, int32_t axis,
+                             const int64_t* indices, int64_t count, float alpha, DiondOut x,
+                             DiondOut update_sq);
 
 // ops_handoff.cu (handoff: device UUIDs, IPC memory handles, VMM fds, interprocess events)
 int OpDeviceUuids(const DiondOpsCall* call, uint8_t* uuids, int32_t capacity, int32_t* count);

@@ -69,6 +69,8 @@ const DiondOpsApiV1* OpsApi() {
       &OpCopyToHostAsync,
       &OpAllFiniteFlag,
       &OpWidenScaleCheckFiniteFlag,
+      // version 7
+      &OpDecayScatterWithChange,
   };
   return &kOps;
 }

@@ -69,11 +69,12 @@ typedef struct DiondNcclApiV1 {
 //
 // Adding an op (docs/GPU.md): append its entry at the END of DiondOpsApiV1 (never reorder),
 // bump DIOND_OPS_API_VERSION, and append the adapter's forwarding function.
-#define DIOND_OPS_API_VERSION 6  // 2: ortho ops; 3: kops ops, TopK/Lerp/CautiousWeightDecay gone;
+#define DIOND_OPS_API_VERSION 7  // 2: ortho ops; 3: kops ops, TopK/Lerp/CautiousWeightDecay gone;
                                  // 4: the session's ops (steps); 5: device UUIDs, IPC/VMM
                                  // imports and events (handoff), host registration and stream
                                  // capture (devsession); 6: stream-ordered copies and the
-                                 // device-side finiteness flags (asynccopy)
+                                 // device-side finiteness flags (asynccopy); 7: Dion2's
+                                 // deferred parameter write (decay_scatter_with_change)
 enum {
   DIOND_OPS_OK = 0,
   DIOND_OPS_INTERNAL = -1,             // a library/kernel failure (absl INTERNAL)
@@ -258,6 +259,12 @@ typedef struct DiondOpsApiV1 {
   int (*widen_scale_check_finite_flag)(const DiondOpsCall*, DiondIn x, float scale, DiondOut out,
                                        DiondOut nonfinite);
   // ---- end asynccopy ----
+  // ---- ops API version 7: Dion2's deferred parameter write (ops.h DecayScatterWithChange):
+  // x (rank 2 or 3, f32, in place), count = batch·k host indices, k per matrix; update_sq: one
+  // f32 element on the device. ----
+  int (*decay_scatter_with_change)(const DiondOpsCall*, float decay, DiondIn src, int32_t axis,
+                                   const int64_t* indices, int64_t count, float alpha, DiondOut x,
+                                   DiondOut update_sq);
 } DiondOpsApiV1;
 
 // handoff: sizes of the records above.

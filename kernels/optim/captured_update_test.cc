@@ -68,6 +68,12 @@ TEST_P(CapturedUpdate, NonOwnerReproducesTheOwnerBitForBit) {
     ASSERT_THAT((*plain)->Step(*ctx, {y[0].data(), y[1].data(), y[2].data()},
                                {g[0].data(), nullptr, g[2].data()}, plain_opts),
                 IsOk());
+    // The plain run of Dion2/NorDion2 writes the parameters at commit (UpdateRule::
+    // DefersParamWrite), the capturing one stages them: same parameters (below) and the same
+    // update norm up to the order of its double sum.
+    const double a = (*owner)->last_update_norm(), b = (*plain)->last_update_norm();
+    EXPECT_GT(a, 0.0);
+    EXPECT_NEAR(b, a, 1e-6 * a) << "step " << step;
     ASSERT_EQ(cap.payload.size(), 3u);
     EXPECT_TRUE(cap.payload[1].empty()) << "no gradient, no payload";
     for (size_t p : {0u, 2u}) {

@@ -106,6 +106,10 @@ bool UpdateRule::InitState(const GroupConfig&, const ParamShape&, size_t, int64_
   return false;
 }
 
+absl::Status UpdateRule::CommitParams(const kernels::Context&, const BucketArgs&) const {
+  return absl::InternalError("CommitParams: this rule does not defer its parameter write");
+}
+
 namespace {
 
 int64_t NumElements(const ParamShape& s) {
@@ -132,6 +136,11 @@ struct Staged {
   std::vector<size_t> slots;  // positions in Bucket::members that participated
   kernels::Buffer x;  // the gradients are not staged: the rules read the caller's buffers
   std::vector<kernels::Buffer> state;
+  // A deferred parameter write (UpdateRule::DefersParamWrite): x holds the rule's compact update,
+  // `keep` its host data, and the commit calls CommitParams with the step's scalars.
+  bool deferred = false;
+  std::vector<int64_t> keep;
+  internal::StepScalars scalars;
 };
 
 // f32 vector views on the state's device (the device contract of group_optimizer.h).
@@ -281,6 +290,11 @@ class BucketedOptimizer final : public GroupOptimizer {
           args.capture.push_back(&capture_->payload[b.members[st.slots[j]]]);
         }
       }
+      // A rule that can write the parameters at commit does so unless the step captures its
+      // compact update (the owner's payload is read from the staged parameters).
+      st.deferred = rule_->DefersParamWrite() && args.capture.empty();
+      st.scalars = args.scalars;
+      if (st.deferred) args.keep = &st.keep;
       DIOND_RETURN_IF_ERROR(rule_->Apply(ctx, args));
       staged_.push_back(std::move(st));
     }
@@ -303,6 +317,24 @@ class BucketedOptimizer final : public GroupOptimizer {
     for (Staged& st : staged_) {
       Bucket& b = buckets_[st.bucket];
       const int64_t numel = b.numel;
+      if (st.deferred) {
+        // The rule applies its compact update to the parameters in place (Σ(Δx)² with it).
+        internal::BucketArgs args;
+        args.config = &config();
+        args.shape = &b.shape;
+        args.count = static_cast<int64_t>(st.slots.size());
+        args.x = st.x.As<float>();
+        args.keep = &st.keep;
+        args.scalars = st.scalars;
+        args.step = step_number_;
+        for (size_t j = 0; j < st.slots.size(); ++j) {
+          const size_t p = b.members[st.slots[j]];
+          args.commit_x.push_back(params[p]);
+          args.commit_sq.push_back(sq + p);
+        }
+        s.Update(rule_->CommitParams(ctx, args));
+        continue;
+      }
       for (size_t j = 0; j < st.slots.size(); ++j) {
         const size_t p = b.members[st.slots[j]];
         // One pass: the parameter takes the staged value, and Σ(Δx)² comes with it.

@@ -483,6 +483,30 @@ TEST_F(DeviceOpsTest, CopyWithChangeIsBitIdentical) {
   EXPECT_EQ(Host(sq.d)[0], 0.0f);
 }
 
+TEST_F(DeviceOpsTest, DecayScatterWithChangeIsBitIdentical) {
+  // Both axes, a batch of 3 matrices with their own indices; x in place on both sides.
+  for (const Axis axis : {Axis::kRows, Axis::kCols}) {
+    const int64_t batch = 3, rows = 23, cols = 37;
+    const int64_t len = axis == Axis::kRows ? rows : cols, k = 6;
+    const int64_t sr = axis == Axis::kRows ? k : rows, sc = axis == Axis::kRows ? cols : k;
+    Pair x = Make({batch, rows, cols}, 133), src = Make({batch, sr, sc}, 134), sq = Make({1}, 135);
+    std::vector<int64_t> idx;
+    for (int64_t b = 0; b < batch; ++b) {
+      for (int64_t j = 0; j < k; ++j) idx.push_back((5 * j + b) % len);
+    }
+    const std::string c = axis == Axis::kRows ? " rows" : " cols";
+    ASSERT_THAT(DecayScatterWithChange(*dev_, 0.995f, src.d.cview(), axis, idx, -0.02f,
+                                       x.d.view(), sq.d.view()),
+                IsOk());
+    ASSERT_THAT(DecayScatterWithChange(*cpu_, 0.995f, src.h.cview(), axis, idx, -0.02f,
+                                       x.h.view(), sq.h.view()),
+                IsOk());
+    Expect(x, Tol::kExact, "decay_scatter_with_change x" + c);
+    Expect(sq, Tol::kSum, "decay_scatter_with_change update_sq" + c);
+    EXPECT_GT(sq.h.As<float>()[0], 0.0f);
+  }
+}
+
 TEST_F(DeviceOpsTest, OrthogonalizerOpsAreBitIdentical) {
   Pair x = Make({9, 40}, 70), y = Make({9, 40}, 71), o = Make({9, 40}, 72);
   for (float alpha : {0.0f, -1.25f}) {

@@ -397,6 +397,17 @@ absl::Status WidenScaleCheckFiniteFlag(const Context& ctx, ConstTensorView x, fl
   return DIOND_DONE("WidenScaleCheckFiniteFlag",
                     Api<S>().widen_scale_check_finite_flag(&call.c, &tx, scale, &to, &tf));
 }
+template <int S>
+absl::Status DecayScatterWithChange(const Context& ctx, float decay, ConstTensorView src,
+                                    Axis axis, absl::Span<const int64_t> indices, float alpha,
+                                    TensorView x, TensorView update_sq) {
+  Call call(ctx);
+  const DiondTensor ts = T(src), tx = T(x), tq = T(update_sq);
+  return DIOND_DONE("DecayScatterWithChange",
+                    Api<S>().decay_scatter_with_change(
+                        &call.c, decay, &ts, static_cast<int32_t>(axis), indices.data(),
+                        static_cast<int64_t>(indices.size()), alpha, &tx, &tq));
+}
 // ---- end asynccopy ----
 
 #undef DIOND_DONE
@@ -446,6 +457,7 @@ OpsBackend MakeTable(const char* name) {
   b.synchronize = &Synchronize<S>;
   b.all_finite_flag = &AllFiniteFlag<S>;
   b.widen_scale_check_finite_flag = &WidenScaleCheckFiniteFlag<S>;
+  b.decay_scatter_with_change = &DecayScatterWithChange<S>;
   return b;
 }
 
@@ -512,6 +524,7 @@ bool HasNullEntry(const DiondOpsApiV1& o) {
       reinterpret_cast<const void*>(o.copy_to_host_async),
       reinterpret_cast<const void*>(o.all_finite_flag),
       reinterpret_cast<const void*>(o.widen_scale_check_finite_flag),
+      reinterpret_cast<const void*>(o.decay_scatter_with_change),
   };
   for (const void* e : entries) {
     if (e == nullptr) return true;

@@ -652,6 +652,15 @@ int WidenScaleCheckFiniteFlag(const DiondOpsCall* call, DiondIn x, float scale, 
   if (rc == DIOND_OPS_OK && !f) *static_cast<float*>(nonfinite->data) = 1.0f;
   return rc;
 }
+int DecayScatterWithChange(const DiondOpsCall* call, float decay, DiondIn src, int32_t axis,
+                           const int64_t* idx, int64_t count, float alpha, DiondOut x,
+                           DiondOut update_sq) {
+  DIOND_TEST_OP_BEGIN;
+  return FromStatus(call, kernels::DecayScatterWithChange(
+                              Cpu(), decay, In(src), static_cast<Axis>(axis),
+                              absl::MakeConstSpan(idx, static_cast<size_t>(count)), alpha,
+                              Out(x), Out(update_sq)));
+}
 
 // ---- asynccopy: the table's wrappers ----
 // An argument of a queued entry, kept until the entry runs: records passed by pointer (tensors,
@@ -724,6 +733,21 @@ int ScatterQueued(const DiondOpsCall* call, DiondIn src, int32_t axis, const int
   const DiondTensor ts = *src, td = *dst;
   Enqueue(call, "Scatter", [=](const DiondOpsCall* c) {
     return Scatter(c, &ts, axis, indices->data(), count, alpha, beta, &td);
+  });
+  return DIOND_OPS_OK;
+}
+int DecayScatterWithChangeQueued(const DiondOpsCall* call, float decay, DiondIn src, int32_t axis,
+                                 const int64_t* idx, int64_t count, float alpha, DiondOut x,
+                                 DiondOut update_sq) {
+  int rc = DIOND_OPS_OK;
+  if (!CheckStream(call, &rc)) return rc;
+  if (call->stream == nullptr) {
+    return DecayScatterWithChange(call, decay, src, axis, idx, count, alpha, x, update_sq);
+  }
+  auto indices = std::make_shared<std::vector<int64_t>>(idx, idx + count);
+  const DiondTensor ts = *src, tx = *x, tq = *update_sq;
+  Enqueue(call, "DecayScatterWithChange", [=](const DiondOpsCall* c) {
+    return DecayScatterWithChange(c, decay, &ts, axis, indices->data(), count, alpha, &tx, &tq);
   });
   return DIOND_OPS_OK;
 }
@@ -809,6 +833,8 @@ const DiondOpsApiV1 kOps = {
     DIOND_QUEUED(CopyToHostAsync),
     DIOND_QUEUED(AllFiniteFlag),
     DIOND_QUEUED(WidenScaleCheckFiniteFlag),
+    // version 7
+    &DecayScatterWithChangeQueued,
 };
 
 #undef DIOND_QUEUED

@@ -104,6 +104,7 @@ OpsBackend MakeTable() {
   Set<&OpsBackend::synchronize>(t, "synchronize");
   Set<&OpsBackend::all_finite_flag>(t, "all_finite_flag");
   Set<&OpsBackend::widen_scale_check_finite_flag>(t, "widen_scale_check_finite_flag");
+  Set<&OpsBackend::decay_scatter_with_change>(t, "decay_scatter_with_change");
   return t;
 }
 

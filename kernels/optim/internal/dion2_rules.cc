@@ -109,7 +109,13 @@ class Dion2Rule final : public UpdateRule {
     const int64_t sub_size = sub_rows * sub_cols;
     kernels::ScratchArena::Scope scope(ctx.scratch());
     std::vector<int64_t> idx(static_cast<size_t>(units.batch * k));
-    DIOND_ASSIGN_OR_RETURN(float* const s, ScratchFloats(ctx, units.batch * sub_size));
+    // S (then O) lives in the scratch, or, when the parameter write is deferred to the commit,
+    // at the start of the staged parameters (batch·sub_size <= their size): the compact update
+    // CommitParams applies.
+    float* s = a.x;
+    if (a.keep == nullptr) {
+      DIOND_ASSIGN_OR_RETURN(s, ScratchFloats(ctx, units.batch * sub_size));
+    }
     float* scores = nullptr;
     std::vector<float> scores_host;
     if (bf16) {
@@ -166,6 +172,12 @@ class Dion2Rule final : public UpdateRule {
       }
     }
 
+    if (a.keep != nullptr) {
+      // Deferred: steps 9-11 run at commit (CommitParams), on the caller's parameters.
+      a.keep->assign(idx.begin(), idx.end());
+      return absl::OkStatus();
+    }
+
     // 9-11. α from the full (effective) matrix shape; decay every entry; update selected ones.
     const auto [fan_out, fan_in] = LrFans(cfg, eff);
     const float alpha = AdjustedLr(a.scalars.lr, h.adjust_lr, fan_out, fan_in);
@@ -203,6 +215,41 @@ class Dion2Rule final : public UpdateRule {
           o += sub_size;
         }
       }
+    }
+    return absl::OkStatus();
+  }
+
+  bool DefersParamWrite() const override { return true; }
+
+  // Steps 9-11 of a deferred Apply, per parameter in one pass over it (DecayScatterWithChange):
+  // every entry decays, the selected slices take −α·O, and Σ(Δx)² comes with it. The values are
+  // those of the staged path (Scale, then Scatter with beta 1), bit for bit.
+  absl::Status CommitParams(const kernels::Context& ctx, const BucketArgs& a) const override {
+    const GroupConfig& cfg = *a.config;
+    const Hyperparams& h = cfg.hyperparams;
+    const bool nordion = cfg.algorithm == AlgorithmKind::kNorDion2;
+    const kernels::Device dev = ctx.device();
+    const ParamShape eff = EffectiveShape(cfg, *a.shape);
+    const MatrixBatch units = TrailingMatrices(a.count, eff);
+    const int64_t R = units.rows, C = units.cols;
+    const Axis axis = (nordion || R <= C) ? Axis::kRows : Axis::kCols;
+    const int64_t k = SelectionCount(axis == Axis::kRows ? R : C, h.fraction);
+    const int64_t sub_size = (axis == Axis::kRows ? k * C : R * k);
+    const int64_t per_param = units.batch / a.count;
+    if (static_cast<int64_t>(a.keep->size()) != units.batch * k) {
+      return absl::InternalError("Dion2 commit: the kept selection does not match the bucket");
+    }
+    const auto [fan_out, fan_in] = LrFans(cfg, eff);
+    const float alpha = AdjustedLr(a.scalars.lr, h.adjust_lr, fan_out, fan_in);
+    const float decay = DecayFactor(a.scalars.lr, a.scalars.weight_decay);
+    const MatrixBatch one{per_param, axis == Axis::kRows ? k : R, axis == Axis::kRows ? C : k};
+    for (int64_t p = 0; p < a.count; ++p) {
+      DIOND_RETURN_IF_ERROR(kernels::DecayScatterWithChange(
+          ctx, decay, CView3(a.x + p * per_param * sub_size, one, dev), axis,
+          absl::MakeConstSpan(a.keep->data() + p * per_param * k,
+                              static_cast<size_t>(per_param * k)),
+          -alpha, View3(a.commit_x[p], MatrixBatch{per_param, R, C}, dev),
+          Vec(a.commit_sq[p], 1, dev)));
     }
     return absl::OkStatus();
   }

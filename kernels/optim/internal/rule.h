@@ -14,6 +14,9 @@
 // the step copies nothing in; the commit copies x back (with the update norm) and swaps in the
 // staged state when every parameter of the bucket took part.
 // In-place rules (UpdateRule::InPlace) get x == x_in[0] and state[k] == state_in[k][0] instead.
+// Deferred-write rules (UpdateRule::DefersParamWrite) leave their parameter update in x in a
+// compact form of their own, and GroupOptimizer's commit calls CommitParams, which applies it to
+// the caller's parameters in place: the parameters are neither staged nor copied back.
 // Rules are stateless objects; everything persistent is in the state stacks.
 #ifndef DIOND_KERNELS_OPTIM_INTERNAL_RULE_H_
 #define DIOND_KERNELS_OPTIM_INTERNAL_RULE_H_
@@ -66,6 +69,14 @@ struct BucketArgs {
   // Per parameter of the bucket: HOST memory holding its AdamW step_dev (the host mirror of the
   // device state; the rule reads it and writes the advanced value). Set by GroupOptimizer.
   std::vector<float*> step_count;
+  // Deferred-write rules only (UpdateRule::DefersParamWrite): host memory that Apply fills and
+  // CommitParams reads (Dion2: the selected indices), kept with the bucket's staging (sized once,
+  // so later steps allocate nothing). Null when the rule is to write args.x in full.
+  std::vector<int64_t>* keep = nullptr;
+  // CommitParams only: per parameter of the bucket, the caller's parameter (updated in place) and
+  // one f32 element (on the context's device) for its Σ(x_after − x_before)².
+  std::vector<float*> commit_x;
+  std::vector<float*> commit_sq;
 };
 
 class UpdateRule {
@@ -90,6 +101,14 @@ class UpdateRule {
   // directly on the caller's parameters and the persistent state, one parameter at a time
   // (count 1), with args.update_sq set, and stages nothing. AdamW and Lion.
   virtual bool InPlace() const { return false; }
+  // True for a rule that can defer its parameter write to the commit (Dion2, NorDion2): given
+  // args.keep, Apply writes only the compact update (into args.x and *args.keep) and the state,
+  // and CommitParams later applies that update to args.commit_x in place, with ops that cannot
+  // fail on valid views (the promise that a failed step changes nothing holds: every fallible
+  // phase ran in Apply). CommitParams gets the Apply's args.x, keep, count, shape and scalars.
+  // GroupOptimizer defers only when the step captures no compact update.
+  virtual bool DefersParamWrite() const { return false; }
+  virtual absl::Status CommitParams(const kernels::Context& ctx, const BucketArgs& args) const;
 };
 
 std::unique_ptr<UpdateRule> MakeMuonRule();      // Muon and NorMuon (muon_rules.cc)
