@@ -69,6 +69,16 @@ DIOND_CPU_CLONES void AxpbyF32Range(float a, const float* x, float b, const floa
                                     int64_t n) {
   for (int64_t i = 0; i < n; ++i) o[i] = a * x[i] + b * y[i];
 }
+// Binary's f32 case of a contiguous x and a one-element y (the orthogonalizers' normalization
+// by a device-side scalar): the general loop's per-element switch and strided read of y kept it
+// scalar. Same arithmetic: x·b or x / b (a division, not a multiply by a reciprocal).
+DIOND_CPU_CLONES void MulScalarF32Range(const float* x, float b, float* o, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) o[i] = x[i] * b;
+}
+DIOND_CPU_CLONES void DivScalarF32Range(const float* x, float b, float* o, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) o[i] = x[i] / b;
+}
+
 DIOND_CPU_CLONES void ScaleF32Range(float a, const float* x, float* o, int64_t n) {
   for (int64_t i = 0; i < n; ++i) o[i] = a * x[i];
 }
@@ -227,6 +237,21 @@ absl::Status Binary(const Context& ctx, BinaryOp op, ConstTensorView x, ConstTen
                     TensorView out) {
   cpu::ApplyThreadPolicy(ctx);
   if (x.NumElements() == 0) return absl::OkStatus();
+  if ((op == BinaryOp::kMul || op == BinaryOp::kDiv) && x.dtype() == DType::kF32 &&
+      y.dtype() == DType::kF32 && out.dtype() == DType::kF32 && y.NumElements() == 1 &&
+      x.layout().IsContiguous() && out.layout().IsContiguous()) {
+    const float b = *static_cast<const float*>(y.data());
+    const float* xp = static_cast<const float*>(x.data());
+    float* op_ = static_cast<float*>(out.data());
+    ParallelRange(x.NumElements(), [&](int64_t s, int64_t e) {
+      if (op == BinaryOp::kMul) {
+        MulScalarF32Range(xp + s, b, op_ + s, e - s);
+      } else {
+        DivScalarF32Range(xp + s, b, op_ + s, e - s);
+      }
+    });
+    return absl::OkStatus();
+  }
   const TensorLayout xl = Pad3(x.layout());
   TensorLayout yl = Pad3(y.layout());
   for (int i = 0; i < 3; ++i) {

@@ -144,8 +144,8 @@ DIOND_CPU_CLONES double CopyWithChangeRange(const float* src, float* dst, int64_
 }
 
 // DecayScatterWithChange's rows (element order within a row, kSumLanes lanes): a row outside
-// the slices, a selected row (kRows; s its update row), and a row of a kCols matrix, whose
-// selected columns have slot[c] >= 0 (the column of s_row).
+// the slices, and a selected row (kRows; s its update row). A row of a kCols matrix is a
+// decayed row whose selected columns are then finished from their saved values.
 DIOND_CPU_CLONES double DecayRowRange(float decay, float* x, int64_t n) {
   double lanes[kSumLanes] = {};
   int64_t i = 0;
@@ -183,18 +183,6 @@ DIOND_CPU_CLONES double DecayScatterRowRange(float decay, float alpha, const flo
   return SumLanes(lanes);
 }
 
-DIOND_CPU_CLONES double DecayScatterColsRange(float decay, float alpha, const float* s_row,
-                                              const int32_t* slot, float* x, int64_t n) {
-  double lanes[kSumLanes] = {};
-  for (int64_t i = 0; i < n; ++i) {
-    const int32_t j = slot[i];
-    const float v = j < 0 ? math::DecayElement(decay, x[i])
-                          : math::DecayScatterElement(decay, alpha, x[i], s_row[j]);
-    lanes[i % kSumLanes] += Sq(v, x[i]);
-    x[i] = v;
-  }
-  return SumLanes(lanes);
-}
 
 }  // namespace
 
@@ -346,12 +334,13 @@ absl::Status DecayScatterWithChange(const Context& ctx, float decay, ConstTensor
   const int64_t rows = x.dim(x.rank() - 2), cols = x.dim(x.rank() - 1);
   const int64_t k = static_cast<int64_t>(indices.size()) / batch;
   const bool by_rows = axis == Axis::kRows;
-  // Per row (kRows) or per column (kCols) of every matrix: its slot in src, or -1.
-  std::vector<int32_t> slot(static_cast<size_t>(batch * (by_rows ? rows : cols)), -1);
-  for (int64_t b = 0; b < batch; ++b) {
-    for (int64_t j = 0; j < k; ++j) {
-      slot[static_cast<size_t>(b * (by_rows ? rows : cols) + indices[b * k + j])] =
-          static_cast<int32_t>(j);
+  // kRows: per row of every matrix, its slot in src, or -1.
+  std::vector<int32_t> slot(static_cast<size_t>(by_rows ? batch * rows : 0), -1);
+  if (by_rows) {
+    for (int64_t b = 0; b < batch; ++b) {
+      for (int64_t j = 0; j < k; ++j) {
+        slot[static_cast<size_t>(b * rows + indices[b * k + j])] = static_cast<int32_t>(j);
+      }
     }
   }
   float* xp = x.As<float>();
@@ -359,6 +348,7 @@ absl::Status DecayScatterWithChange(const Context& ctx, float decay, ConstTensor
   const int64_t sub = by_rows ? k * cols : rows * k;  // src elements per matrix
   const double sq = cpu::ParallelSum(batch * rows, [&](int64_t r0, int64_t r1) {
     double acc = 0.0;
+    std::vector<float> old(static_cast<size_t>(by_rows ? 0 : k));  // kCols: a row's selected
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t b = r / rows, i = r % rows;
       float* xrow = xp + r * cols;
@@ -367,8 +357,20 @@ absl::Status DecayScatterWithChange(const Context& ctx, float decay, ConstTensor
         acc += j < 0 ? DecayRowRange(decay, xrow, cols)
                      : DecayScatterRowRange(decay, alpha, sp + b * sub + j * cols, xrow, cols);
       } else {
-        acc += DecayScatterColsRange(decay, alpha, sp + b * sub + i * k,
-                                     slot.data() + b * cols, xrow, cols);
+        // The row decays in one vectorized pass (its Σ over every column); then each selected
+        // column takes α·s on top of its decayed value, and its term of the sum is corrected
+        // from the decayed change to the final one (values as the rows path; the sum differs
+        // from element order in the last bits, as GPU.md's sums do).
+        const int64_t* ib = indices.data() + b * k;
+        const float* srow = sp + b * sub + i * k;
+        for (int64_t j = 0; j < k; ++j) old[static_cast<size_t>(j)] = xrow[ib[j]];
+        acc += DecayRowRange(decay, xrow, cols);
+        for (int64_t j = 0; j < k; ++j) {
+          const float before = old[static_cast<size_t>(j)];
+          const float v = math::DecayScatterElement(decay, alpha, before, srow[j]);
+          acc += Sq(v, before) - Sq(xrow[ib[j]], before);
+          xrow[ib[j]] = v;
+        }
       }
     }
     return acc;
