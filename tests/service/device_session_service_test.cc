@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <limits>
 #include <map>
-#include <regex>
 #include <string>
 
 #include "absl/strings/match.h"
@@ -24,21 +23,6 @@ namespace {
 using optim::AlgorithmKind;
 
 constexpr int kSteps = 3;
-
-// The last "test device counters: k=v ..." line of the test daemon's log, as k -> v.
-std::map<std::string, int64_t> LastCounters(const Daemon& d) {
-  const std::string log = d.Log();
-  const size_t at = log.rfind("test device counters:");
-  std::map<std::string, int64_t> out;
-  if (at == std::string::npos) return out;
-  const std::string line = log.substr(at, log.find('\n', at) - at);
-  static const std::regex kv("([a-z_]+)=([0-9]+)");
-  for (std::sregex_iterator it(line.begin(), line.end(), kv), end; it != end; ++it) {
-    int64_t v = 0;
-    if (absl::SimpleAtoi((*it)[2].str(), &v)) out[(*it)[1].str()] = v;
-  }
-  return out;
-}
 
 SessionDesc Desc(AlgorithmKind algorithm) { return TwoMatricesAndABias(algorithm); }
 

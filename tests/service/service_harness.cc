@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <regex>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -620,6 +621,20 @@ grpc::Status CloseSession(v1::Optimizer::Stub& stub, const std::string& session)
   req.set_session_id(session);
   v1::CloseSessionResponse resp;
   return stub.CloseSession(ctx.get(), req, &resp);
+}
+
+std::map<std::string, int64_t> LastCounters(const Daemon& d) {
+  const std::string log = d.Log();
+  const size_t at = log.rfind("test device counters:");
+  std::map<std::string, int64_t> out;
+  if (at == std::string::npos) return out;
+  const std::string line = log.substr(at, log.find('\n', at) - at);
+  static const std::regex kv("([a-z_]+)=([0-9]+)");
+  for (std::sregex_iterator it(line.begin(), line.end(), kv), end; it != end; ++it) {
+    int64_t v = 0;
+    if (absl::SimpleAtoi((*it)[2].str(), &v)) out[(*it)[1].str()] = v;
+  }
+  return out;
 }
 
 }  // namespace diond::service_testing

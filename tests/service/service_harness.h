@@ -99,6 +99,10 @@ class Daemon {
   std::unique_ptr<v1::Optimizer::Stub> stub_;
 };
 
+// The counters of the last "test device counters: k=v ..." line of a test-device daemon's log
+// (tests/service/test_device_daemon.cc), as k -> v; empty when the log has none.
+std::map<std::string, int64_t> LastCounters(const Daemon& d);
+
 // A POSIX shm segment created (O_EXCL) and mapped by the test, unlinked and unmapped on
 // destruction. Names carry kShmPrefix and the test's pid so that leaks can be found by name.
 inline constexpr char kShmPrefix[] = "diond-svc-test-";

@@ -25,7 +25,6 @@
 #include <iostream>
 #include <limits>
 #include <map>
-#include <regex>
 #include <set>
 #include <string>
 #include <thread>
@@ -77,21 +76,6 @@ void OnAllRanks(const std::function<void(int)>& f) {
   std::vector<std::thread> t;
   for (int r = 0; r < kWorld; ++r) t.emplace_back(f, r);
   for (auto& th : t) th.join();
-}
-
-// The last "test device counters: k=v ..." line of the test daemon's log, as k -> v.
-std::map<std::string, int64_t> LastCounters(const Daemon& d) {
-  const std::string log = d.Log();
-  const size_t at = log.rfind("test device counters:");
-  std::map<std::string, int64_t> out;
-  if (at == std::string::npos) return out;
-  const std::string line = log.substr(at, log.find('\n', at) - at);
-  static const std::regex kv("([a-z_]+)=([0-9]+)");
-  for (std::sregex_iterator it(line.begin(), line.end(), kv), end; it != end; ++it) {
-    int64_t v = 0;
-    if (absl::SimpleAtoi((*it)[2].str(), &v)) out[(*it)[1].str()] = v;
-  }
-  return out;
 }
 
 // Whether the log has a checksum warning of world session `key` ("... differs on rank(s) ...").
