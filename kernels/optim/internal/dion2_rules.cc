@@ -227,22 +227,20 @@ class Dion2Rule final : public UpdateRule {
   absl::Status CommitParams(const kernels::Context& ctx, const BucketArgs& a) const override {
     const GroupConfig& cfg = *a.config;
     const Hyperparams& h = cfg.hyperparams;
-    const bool nordion = cfg.algorithm == AlgorithmKind::kNorDion2;
     const kernels::Device dev = ctx.device();
     const ParamShape eff = EffectiveShape(cfg, *a.shape);
-    const MatrixBatch units = TrailingMatrices(a.count, eff);
-    const int64_t R = units.rows, C = units.cols;
-    const Axis axis = (nordion || R <= C) ? Axis::kRows : Axis::kCols;
-    const int64_t k = SelectionCount(axis == Axis::kRows ? R : C, h.fraction);
-    const int64_t sub_size = (axis == Axis::kRows ? k * C : R * k);
-    const int64_t per_param = units.batch / a.count;
-    if (static_cast<int64_t>(a.keep->size()) != units.batch * k) {
+    const Selection sel = SelectionOf(cfg, *a.shape, a.count);
+    const int64_t R = sel.units.rows, C = sel.units.cols, k = sel.k;
+    const Axis axis = sel.axis;
+    const int64_t sub_size = sel.sub_rows * sel.sub_cols;
+    const int64_t per_param = sel.units.batch / a.count;
+    if (static_cast<int64_t>(a.keep->size()) != sel.units.batch * k) {
       return absl::InternalError("Dion2 commit: the kept selection does not match the bucket");
     }
     const auto [fan_out, fan_in] = LrFans(cfg, eff);
     const float alpha = AdjustedLr(a.scalars.lr, h.adjust_lr, fan_out, fan_in);
     const float decay = DecayFactor(a.scalars.lr, a.scalars.weight_decay);
-    const MatrixBatch one{per_param, axis == Axis::kRows ? k : R, axis == Axis::kRows ? C : k};
+    const MatrixBatch one{per_param, sel.sub_rows, sel.sub_cols};
     for (int64_t p = 0; p < a.count; ++p) {
       DIOND_RETURN_IF_ERROR(kernels::DecayScatterWithChange(
           ctx, decay, CView3(a.x + p * per_param * sub_size, one, dev), axis,
