@@ -60,6 +60,8 @@ absl::StatusOr<LogFormat> ParseLogFormat(absl::string_view text) {
 void SetLogFormat(LogFormat format) { g_format.store(static_cast<int>(format)); }
 LogFormat GetLogFormat() { return static_cast<LogFormat>(g_format.load()); }
 
+LogContextSnapshot CurrentLogContext() { return {t_session, t_step}; }
+
 ScopedLogContext::ScopedLogContext(absl::string_view session, int64_t step)
     : prev_session_(t_session), prev_step_(t_step) {
   // Without a step, a nested context of the same session keeps the enclosing step.

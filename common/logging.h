@@ -39,6 +39,13 @@ absl::StatusOr<LogFormat> ParseLogFormat(absl::string_view text);
 void SetLogFormat(LogFormat format);
 LogFormat GetLogFormat();
 
+// The calling thread's log context (what ScopedLogContext set), to carry work to another thread.
+struct LogContextSnapshot {
+  std::string session;
+  int64_t step = -1;
+};
+LogContextSnapshot CurrentLogContext();
+
 // While alive, log lines of this thread carry `session` (and `step` when >= 0). Nests: the
 // innermost wins, except that a context without a step inside one of the same session keeps
 // that step; the previous context comes back on destruction. The strings are copied.

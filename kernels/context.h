@@ -15,9 +15,13 @@
 //     both, and never nests one inside the other (no BLAS call inside an OpenMP region).
 //   * Batched ops loop over matrices sequentially, each matrix using all T threads; they never
 //     run matrices concurrently on separate threads (that would multiply T).
-//   * One thread drives ops at a time per process. The pools are process-wide, so two threads
-//     calling ops concurrently (with any contexts) oversubscribe the cores; the daemon's step
-//     pipeline serializes compute on one thread.
+//   * One thread drives ops at a time per process, and it is always the same thread. The
+//     pools are process-wide, so two threads calling ops concurrently (with any contexts)
+//     oversubscribe the cores. Taking turns is not enough either: libgomp keeps one pool per
+//     calling thread, and once its pools' threads outnumber the cores every idle worker spins
+//     only ~100 iterations before sleeping on a futex, so each parallel region pays a wake-up
+//     (docs/TOOLCHAIN.md P22). The daemon runs all compute on one thread
+//     (server/session/compute_thread.h); CpuParallelCallerThreads() below counts the threads.
 //   * OpenBLAS's and libgomp's idle workers spin briefly after a region; the hot loops keep to
 //     one engine per phase (orthogonalization in both precisions: oneDNN + OpenMP only, with
 //     Fp32GemmEngine::kAuto's choice of oneDNN for its f32 GEMMs and symmetric products, except
@@ -175,6 +179,14 @@ class Context {
   std::shared_ptr<AllocationStats> stats_;
   std::unique_ptr<ScratchArena> scratch_;
 };
+
+// How many distinct threads of this process have run a CPU op with a thread count above one
+// (each such thread owns an OpenMP pool; see THREADING POLICY). Monotonic; the daemon expects 1
+// (its compute thread) and warns otherwise.
+int CpuParallelCallerThreads();
+// Counts the calling thread for CpuParallelCallerThreads, once (the CPU backend calls it on
+// entry of every op whose thread count is above one).
+void NoteCpuParallelCaller();
 
 }  // namespace diond::kernels
 

@@ -2,6 +2,7 @@
 // kernels/backend.h. Knows no backend: the table comes from the registry.
 #include "kernels/context.h"
 
+#include <atomic>
 #include <cstring>
 #include <mutex>
 
@@ -287,5 +288,18 @@ Device ComputeDevice(const SelectedDevice& selected) {
 }
 
 void Context::SetNumThreads(int num_threads) { num_threads_ = ResolveThreads(num_threads); }
+
+namespace {
+std::atomic<int> g_cpu_parallel_callers{0};
+}  // namespace
+
+int CpuParallelCallerThreads() { return g_cpu_parallel_callers.load(std::memory_order_relaxed); }
+
+void NoteCpuParallelCaller() {
+  thread_local bool counted = false;
+  if (counted) return;
+  counted = true;
+  g_cpu_parallel_callers.fetch_add(1, std::memory_order_relaxed);
+}
 
 }  // namespace diond::kernels

@@ -18,6 +18,7 @@ void ApplyThreadPolicy(const Context& ctx) {
   // is called only when the requested value changes.
   static std::atomic<int> blas_threads{-1};
   const int t = ctx.num_threads();
+  if (t > 1) NoteCpuParallelCaller();
   if (blas_threads.load(std::memory_order_relaxed) != t) {
     openblas_set_num_threads(t);
     blas_threads.store(t, std::memory_order_relaxed);

@@ -27,7 +27,14 @@ absl::string_view RoleName(Role r) {
 
 absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, SessionSpec spec,
                                                          const kernels::Context* ctx,
-                                                         const DeviceHooks* hooks) {
+                                                         const DeviceHooks* hooks,
+                                                         ComputeThread* compute) {
+  if (compute != nullptr && !compute->OnThread()) {
+    // The state is allocated and initialized by the ops: on the compute thread.
+    absl::StatusOr<std::unique_ptr<Session>> made = absl::InternalError("not run");
+    compute->Run([&] { made = Create(std::move(id), std::move(spec), ctx, hooks, compute); });
+    return made;
+  }
   if (spec.params.empty()) {
     return absl::InvalidArgumentError("a session needs at least one parameter");
   }
@@ -66,6 +73,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, Session
   std::unique_ptr<Session> s(new Session);
   s->id_ = std::move(id);
   s->layout_ = std::move(layout);
+  s->compute_ = compute;
   absl::MutexLock lock(&s->mu_);
   s->group_of_param_.resize(spec.params.size());
   s->slot_in_group_.resize(spec.params.size());

@@ -19,8 +19,9 @@
 // (the world's phases), session_state.cc (state and parameter transfer, snapshots).
 //
 // Thread-safety: all public methods are thread-safe; one session's calls are serialized by its
-// mutex. Compute (Step) additionally holds the manager's compute mutex, because the CPU backend's
-// thread pools are process-wide (kernels/context.h threading policy).
+// mutex. Every pass of compute runs on the compute thread given to Create (one per daemon:
+// the CPU backend's thread pools are process-wide, and libgomp's are per calling thread;
+// kernels/context.h threading policy, compute_thread.h).
 #ifndef DIOND_SERVER_SESSION_SESSION_H_
 #define DIOND_SERVER_SESSION_SESSION_H_
 
@@ -28,7 +29,6 @@
 #include <functional>
 #include <memory>
 #include <optional>
-#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -40,6 +40,7 @@
 #include "kernels/context.h"
 #include "kernels/optim/group_optimizer.h"
 #include "server/fdchannel/unique_fd.h"
+#include "server/session/compute_thread.h"
 #include "server/session/cuda_region.h"
 #include "server/session/shard_plan.h"
 #include "server/session/shm_region.h"
@@ -144,9 +145,12 @@ class Session {
   // its state and staging on the device as well; its collectives run over Gloo on host buffers
   // filled and drained by explicit copies (docs/GPU.md "World sessions"; NCCL on the step path
   // is not built).
+  // `compute` (may be null: every pass then runs on the calling thread) runs every pass of
+  // compute of the session, Create's own included, and must outlive the session.
   static absl::StatusOr<std::unique_ptr<Session>> Create(std::string id, SessionSpec spec,
                                                          const kernels::Context* ctx = nullptr,
-                                                         const DeviceHooks* hooks = nullptr);
+                                                         const DeviceHooks* hooks = nullptr,
+                                                         ComputeThread* compute = nullptr);
   // The device session's numbers (streams made, staging bytes); false for a host session.
   bool is_device_session() const { return device_ != nullptr; }
   int64_t DeviceStagingBytes() const;
@@ -201,8 +205,9 @@ class Session {
   // NOT_FOUND for an unknown region id.
   absl::Status UnregisterRegion(const std::string& region_id);
 
-  // One optimizer step (idempotent on step_index; see the proto). `compute_mu` serializes
-  // compute across sessions.
+  // One optimizer step (idempotent on step_index; see the proto). Its passes of compute run on
+  // the compute thread given to Create (shared by the daemon's sessions), its collectives on the
+  // calling thread.
   //
   // Asynchronous steps (request.asynchronous; docs/DATA_PLANE.md "Asynchronous Step"): the
   // request is validated here, the step runs on a thread of the session's, and the answer is
@@ -210,9 +215,8 @@ class Session {
   // succeeded, before its result can be collected (SessionManager records the step and takes
   // the automatic checkpoint there; Snapshot works meanwhile). The next Step waits for the
   // queued one and collects its result (StepResult::previous) or fails with its error; a Step
-  // with `wait` only collects. `ctx` and `compute_mu` must outlive the queued step.
+  // with `wait` only collects. `ctx` must outlive the queued step.
   absl::StatusOr<StepResult> Step(const StepRequest& request, const kernels::Context& ctx,
-                                  absl::Mutex* compute_mu,
                                   std::function<void(const StepResult&)> after_async = nullptr);
   // Waits until no asynchronous step of this session runs, then drops its uncollected outcome
   // (a failure is logged): CloseSession, AttachSession and daemon shutdown. `closing`: the
@@ -420,12 +424,11 @@ class Session {
   // Takes the finished queued step's outcome and joins its thread.
   QueuedStep TakeQueuedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The queued step's thread body.
-  void RunQueuedStep(StepRequest request, const kernels::Context* ctx, absl::Mutex* compute_mu,
+  void RunQueuedStep(StepRequest request, const kernels::Context* ctx,
                      std::function<void(const StepResult&)> after_async);
   // The synchronous step (session_step.cc), once the queue has been dealt with.
   absl::StatusOr<StepResult> StepLocked(const StepRequest& request, const kernels::Context& ctx,
-                                        absl::Mutex* compute_mu, absl::Time start)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                                        absl::Time start) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // ---- the step (session_step.cc; the world's phases in session_world.cc) ----
   // One Step's working set, passed through its phases (docs/ARCHITECTURE.md §2).
@@ -447,11 +450,14 @@ class Session {
   // through the scratch buffers.
   absl::Status ReadParametersPhase(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Phase 6: every group's update staged (GroupOptimizer::Stage); nothing changes yet.
-  absl::Status StageUpdatesPhase(StepRun& run, const kernels::Context& ctx,
-                                 absl::Mutex* compute_mu) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status StageUpdatesPhase(StepRun& run, const kernels::Context& ctx)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Phase 7: the new weights into the arenas (GroupOptimizer::WriteStagedParams, then the
   // narrowing of non-f32 parameters); the state is still unchanged.
   void WriteWeightsPhase(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // After the exchange: the weights of other dtypes (and the master weights' narrowed copies)
+  // into the arena; a device session: every new weight back from the device staging.
+  absl::Status WriteOtherWeightsPhase(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Device sessions: phases 3, 5 and the write-back through the device staging.
   absl::Status ReadGradientsToDevice(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status ReadParametersToDevice(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -460,8 +466,8 @@ class Session {
   absl::Status WriteWeightsFromDevice(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Phase 8 (world): exchange the owners' updates (all-gather-v), apply the others' compact
   // updates, compare checksums. A world of one: nothing.
-  absl::Status ExchangeUpdatesPhase(StepRun& run, const kernels::Context& ctx,
-                                    absl::Mutex* compute_mu) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status ExchangeUpdatesPhase(StepRun& run, const kernels::Context& ctx)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Phase 9: the staged state becomes current, master weights swapped in, the step recorded.
   StepResult CommitStepPhase(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // On a failure after phase 6: every group's staged results dropped (state unchanged).
@@ -490,9 +496,8 @@ class Session {
   // a differing copy is replaced by the owner's (broadcast). Returns how many this rank healed.
   // `ctx`: a CPU context for host `params`; a device session checksums its device staging on
   // its own context (only the checksums cross, and a healed tensor's values).
-  absl::StatusOr<int64_t> CheckReplicas(const kernels::Context& ctx, absl::Mutex* compute_mu,
-                                        comm::Communicator* comm, int64_t step,
-                                        const std::vector<float*>& params)
+  absl::StatusOr<int64_t> CheckReplicas(const kernels::Context& ctx, comm::Communicator* comm,
+                                        int64_t step, const std::vector<float*>& params)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   struct WorldPart {
     std::shared_ptr<WorldLink> world;  // null: a world of one
@@ -555,6 +560,8 @@ class Session {
   // The thread count of the context the session was created for (0: the CPU default): the host
   // context gets the same, so its ops leave OpenBLAS's process-wide pool size alone.
   int host_threads_ = 0;
+  // Where the session's compute runs (compute_thread.h); null: on the calling thread.
+  ComputeThread* compute_ = nullptr;
   // The asynchronous step queued and not yet collected (at most one), and its thread (joined
   // when the outcome is taken, and by the destructor).
   std::optional<QueuedStep> queued_ ABSL_GUARDED_BY(mu_);

@@ -65,12 +65,11 @@ int64_t Session::DrainQueuedStep(bool closing) {
 }
 
 void Session::RunQueuedStep(StepRequest request, const kernels::Context* ctx,
-                            absl::Mutex* compute_mu,
                             std::function<void(const StepResult&)> after_async) {
   absl::StatusOr<StepResult> r;
   {
     absl::MutexLock lock(&mu_);
-    r = StepLocked(request, *ctx, compute_mu, absl::Now());
+    r = StepLocked(request, *ctx, absl::Now());
     if (r.ok()) last_async_failure_.clear();
     queued_->state = QueuedState::kCompleting;
   }
@@ -89,8 +88,7 @@ void Session::RunQueuedStep(StepRequest request, const kernels::Context* ctx,
   queued_->state = QueuedState::kDone;
 }
 
-absl::StatusOr<StepResult> Session::Step(const StepRequest& request,
-                                         const kernels::Context& ctx, absl::Mutex* compute_mu,
+absl::StatusOr<StepResult> Session::Step(const StepRequest& request, const kernels::Context& ctx,
                                          std::function<void(const StepResult&)> after_async) {
   const absl::Time start = absl::Now();
   absl::MutexLock lock(&mu_);
@@ -188,15 +186,15 @@ absl::StatusOr<StepResult> Session::Step(const StepRequest& request,
     }
     queued_.emplace();
     queued_->step_index = request.step_index;
-    queued_thread_ = std::thread(&Session::RunQueuedStep, this, request, &ctx, compute_mu,
-                                 std::move(after_async));
+    queued_thread_ =
+        std::thread(&Session::RunQueuedStep, this, request, &ctx, std::move(after_async));
     StepResult r;
     r.step_index = request.step_index;
     r.queued = true;
     r.previous = std::move(previous);
     return r;
   }
-  absl::StatusOr<StepResult> r = StepLocked(request, ctx, compute_mu, start);
+  absl::StatusOr<StepResult> r = StepLocked(request, ctx, start);
   if (!r.ok()) {
     if (previous.empty()) return r.status();
     return absl::Status(r.status().code(),

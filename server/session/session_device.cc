@@ -385,10 +385,7 @@ absl::Status Session::ReadGradientsToDevice(StepRun& run) {
   d.params_queued = false;
   // The trainer's gradients are ready once its ready_event completes: everything this step
   // runs on the session stream is ordered after it.
-  {
-    absl::MutexLock compute(run.compute_mu);
-    DIOND_RETURN_IF_ERROR(WaitReadyEvent(*run.request));
-  }
+  DIOND_RETURN_IF_ERROR(WaitReadyEvent(*run.request));
   // A CUDA GRADIENTS region lies on this device: its f32 gradients are read in place (as a host
   // session reads a shm arena), the others widened / scaled straight from it into the staging,
   // all on the session stream: device to device, no host copy. From host memory: one queued
@@ -398,7 +395,6 @@ absl::Status Session::ReadGradientsToDevice(StepRun& run) {
   const CudaRegion* cuda = grads_.cuda.get();
   const kernels::TensorView flag = DeviceView(d.device, DType::kF32, d.nonfinite.data(), 1);
   {
-    absl::MutexLock compute(run.compute_mu);
     DIOND_RETURN_IF_ERROR(kernels::Fill(dc, 0.0f, flag));
     for (size_t i = 0; i < n; ++i) {
       const TensorPlacement& t = layout_.tensors[i];
@@ -439,7 +435,6 @@ absl::Status Session::ReadGradientsToDevice(StepRun& run) {
   {
     // The step's one host wait before the update: the flag comes back, after every copy and
     // scan queued before it.
-    absl::MutexLock compute(run.compute_mu);
     DIOND_RETURN_IF_ERROR(CopyToHost(dc, d.nonfinite.data(), &d.nonfinite_host, sizeof(float)));
   }
   run.finite = d.nonfinite_host == 0.0f;
@@ -453,7 +448,6 @@ absl::Status Session::DeviceSide::QueueParameterReads(Session& s, StepRun& run) 
   run.params.assign(n, nullptr);
   run.via_scratch.assign(n, true);  // every parameter comes back from the device staging
   s.param_scratch_.resize(n);
-  absl::MutexLock compute(run.compute_mu);
   // A CUDA PARAMETERS region: copied (and widened) device to device into the staging, which
   // the update writes; the region itself is written only by WriteWeightsFromDevice.
   const CudaRegion* cuda = s.params_.cuda.get();
@@ -500,14 +494,12 @@ absl::Status Session::ReadParametersToDevice(StepRun& run) {
   DIOND_RETURN_IF_ERROR(DeviceSide::QueueParameterReads(*this, run));
   // The host memory was read once the stream got there: wait, so that the regions' check that
   // follows covers these reads.
-  absl::MutexLock compute(run.compute_mu);
   return SyncStream(*d.ctx);
 }
 
 absl::Status Session::WriteWeightsFromDevice(StepRun& run) {
   DeviceSide& d = *device_;
   const kernels::Context& dc = *d.ctx;
-  absl::MutexLock compute(run.compute_mu);
   CudaRegion* cuda = params_.cuda.get();
   // Every copy device -> host is queued (narrowed first on the device where the trainer's dtype
   // is not f32: the conversion buffer is reused tensor after tensor in stream order), then

@@ -45,10 +45,11 @@ namespace diond::session {
 // One Step's working set (session_step.cc, session_world.cc), filled phase by phase.
 struct Session::StepRun {
   const StepRequest* request = nullptr;
-  // The step's context (its ops) and the manager's compute mutex, held around every pass of ops
-  // (the CPU backend's thread pools are process-wide), never around a collective.
+  // The step's context (its ops) and the compute thread that runs every pass of ops (the
+  // session's compute_; never a collective, except compressed Dion's replica average inside
+  // the update), null: the calling thread.
   const kernels::Context* ctx = nullptr;
-  absl::Mutex* compute_mu = nullptr;
+  ComputeThread* compute = nullptr;
   absl::Time start;
   // What errors start with: "step N" (a world session: "world session 'k' (rank r of n), step N").
   std::string when;

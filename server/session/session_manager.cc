@@ -281,7 +281,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::CreateSessionWithId(std
   // The state goes where the steps run: ctx_ is on the daemon's compute device.
   DIOND_ASSIGN_OR_RETURN(std::unique_ptr<Session> s,
                          Session::Create(std::move(id), std::move(spec), ctx_.get(),
-                                         &options_.device_hooks));
+                                         &options_.device_hooks, &compute_));
   if (s->is_world_session()) {
     uint64_t epoch = 0;
     DIOND_ASSIGN_OR_RETURN(ShardPlan plan, AgreeOnPlan(s->spec(), &epoch));
@@ -388,15 +388,24 @@ absl::StatusOr<StepResult> SessionManager::Step(const std::string& id,
   DIOND_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Get(id));
   // An asynchronous step's bookkeeping runs on its own thread once it succeeded (the session
   // is then still reachable here: Close drains it before dropping the session).
-  DIOND_ASSIGN_OR_RETURN(
-      StepResult r,
-      s->Step(request, *ctx_, &compute_mu_, [this, id](const StepResult& done) {
-        ScopedLogContext async_log_context(id, done.step_index);
-        AfterStep(id, done);
-      }));
+  DIOND_ASSIGN_OR_RETURN(StepResult r, s->Step(request, *ctx_, [this, id](const StepResult& done) {
+    ScopedLogContext async_log_context(id, done.step_index);
+    AfterStep(id, done);
+  }));
+  CheckComputeThreads();
   if (r.queued) return r;
   AfterStep(id, r);
   return r;
+}
+
+void SessionManager::CheckComputeThreads() {
+  const int threads = kernels::CpuParallelCallerThreads();
+  if (threads <= 1 || warned_compute_threads_.exchange(true)) return;
+  DIOND_LOG(WARNING) << threads << " threads of this process have run multi-threaded CPU ops; "
+                     << "every session's compute should run on the one compute thread "
+                     << "(libgomp then keeps one pool; with more, its idle workers sleep after "
+                     << "~100 spins and every parallel region waits for a futex wake-up: "
+                     << "slower steps). This is a bug of the daemon: please report it";
 }
 
 void SessionManager::AfterStep(const std::string& id, const StepResult& r) {

@@ -2,11 +2,13 @@
 // automatic and explicit checkpoints, and the one compute context the steps share.
 //
 // Thread-safety: thread-safe. Sessions are independent; RPCs on different sessions run in
-// parallel up to compute, which is serialized by one mutex (the CPU backend's thread pools are
-// process-wide; see kernels/context.h).
+// parallel up to compute, which runs on one compute thread shared by all sessions (the CPU
+// backend's thread pools are process-wide, and libgomp's are per calling thread; see
+// kernels/context.h and compute_thread.h).
 #ifndef DIOND_SERVER_SESSION_SESSION_MANAGER_H_
 #define DIOND_SERVER_SESSION_SESSION_MANAGER_H_
 
+#include <atomic>
 #include <functional>
 #include <map>
 #include <memory>
@@ -19,6 +21,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "kernels/context.h"
+#include "server/session/compute_thread.h"
 #include "server/session/session.h"
 
 namespace diond::comm {
@@ -168,6 +171,8 @@ class SessionManager {
   // Computes the shard plan of world session `spec` and agrees on it with the other ranks.
   absl::StatusOr<ShardPlan> AgreeOnPlan(const SessionSpec& spec, uint64_t* epoch);
   std::string NewId();
+  // Warns once when the CPU ops ran on more than one thread (kernels::CpuParallelCallerThreads).
+  void CheckComputeThreads();
   // CreateSession with a given id (--recover keeps the checkpoint's).
   absl::StatusOr<std::shared_ptr<Session>> CreateSessionWithId(std::string id, SessionSpec spec);
   absl::StatusOr<std::shared_ptr<Session>> RestoreSnapshot(const std::string& id,
@@ -177,7 +182,10 @@ class SessionManager {
   ManagerOptions options_;
   ManagerObserver observer_;
   std::unique_ptr<kernels::Context> ctx_;
-  absl::Mutex compute_mu_;
+  // Every session's compute runs here (one thread, so one OpenMP pool); declared before the
+  // sessions, so that it outlives them.
+  ComputeThread compute_;
+  std::atomic<bool> warned_compute_threads_{false};
   absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> names_ ABSL_GUARDED_BY(mu_);  // session_name -> id

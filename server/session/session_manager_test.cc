@@ -9,6 +9,7 @@
 #include <map>
 #include <cstdlib>
 #include <string>
+#include <thread>
 
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
@@ -118,6 +119,78 @@ TEST(SessionManager, CheckpointPathsAreEchoedOnOneLine) {
   EXPECT_THAT(loaded.status(), StatusIs(absl::StatusCode::kNotFound, HasSubstr("no?such?")));
   EXPECT_EQ(std::string(loaded.status().message()).find_first_of("\n\r"), std::string::npos);
   EXPECT_TRUE((*m)->List().empty());
+}
+
+// Every pass of compute of every API runs on the manager's one compute thread, whatever thread
+// calls: libgomp keeps one OpenMP pool per thread that runs a parallel region, and two pools on
+// these cores throttle every idle worker's spinning (compute_thread.h). Each call below comes
+// from a thread of its own that never ran an op, so an API that computed on its caller's thread
+// would count that thread.
+TEST(SessionManager, EveryPassOfComputeRunsOnTheComputeThread) {
+  auto on_fresh_thread = [](auto f) { std::thread(f).join(); };
+  const int before = kernels::CpuParallelCallerThreads();
+  ManagerOptions o;
+  o.compute_threads = 2;  // ops with more than one thread are the ones counted
+  o.state_dir = TempDir();
+  std::unique_ptr<SessionManager> m;
+  on_fresh_thread([&] {
+    auto made = SessionManager::Create(o);
+    ASSERT_THAT(made, IsOk());
+    m = *std::move(made);
+  });
+  SessionSpec spec = SmallSpec();
+  spec.params[0].dtype = DType::kBf16;  // the arena's bf16 <-> fp32 conversions are ops too
+  GroupSpec dion2;
+  dion2.name = "d";
+  dion2.config.algorithm = optim::AlgorithmKind::kDion2;
+  dion2.config.hyperparams = optim::DefaultHyperparams(dion2.config.algorithm);
+  spec.groups.push_back(dion2);
+  spec.params.push_back({"v", {16, 12}, DType::kF32, "d"});
+  std::shared_ptr<Session> s;
+  on_fresh_thread([&] {
+    auto made = m->CreateSession(spec);
+    ASSERT_THAT(made, IsOk());
+    s = *made;
+  });
+  ASSERT_NE(s, nullptr);
+  const std::vector<NamedTensor> params = {{"w", {8, 6}, std::vector<float>(48, 0.5f)},
+                                           {"b", {6}, std::vector<float>(6, -1.0f)},
+                                           {"v", {16, 12}, std::vector<float>(192, 0.25f)}};
+  on_fresh_thread([&] { ASSERT_THAT(s->SetState(params), IsOk()); });
+  std::vector<TensorWrite> grads;
+  for (const TensorPlacement& t : s->layout().tensors) {
+    std::string bytes(static_cast<size_t>(t.size_bytes), '\0');
+    for (size_t k = 0; k + 1 < bytes.size(); k += 2) bytes[k + 1] = 0x3c;  // small positives
+    grads.push_back({t.name, 0, bytes});
+  }
+  on_fresh_thread([&] { ASSERT_THAT(s->ApplyGradientWrites(grads), IsOk()); });
+  for (int64_t k = 1; k <= 3; ++k) {
+    on_fresh_thread([&] {
+      StepRequest r;
+      r.step_index = k;
+      auto step = m->Step(s->id(), r);
+      ASSERT_THAT(step, IsOk());
+      EXPECT_FALSE(step->skipped);
+      EXPECT_GT(step->compute_micros, 0);
+    });
+  }
+  std::string path;
+  on_fresh_thread([&] {
+    auto state = s->GetState(/*include_parameters=*/true);
+    ASSERT_THAT(state, IsOk());
+    EXPECT_NE((*state)[0].data, params[0].data);  // the steps changed the weights
+    auto saved = m->SaveCheckpoint(s->id(), "");
+    ASSERT_THAT(saved, IsOk());
+    path = saved->first;
+  });
+  on_fresh_thread([&] { ASSERT_THAT(m->Close(s->id()), IsOk()); });
+  on_fresh_thread([&] {
+    auto loaded = m->LoadCheckpoint(path);
+    ASSERT_THAT(loaded, IsOk());
+    EXPECT_EQ((*loaded)->last_step_index(), 3);
+  });
+  EXPECT_EQ(kernels::CpuParallelCallerThreads() - before, 1)
+      << "an API ran CPU ops on its caller's thread instead of the compute thread";
 }
 
 // Found by session_fuzz: Step echoed an unknown group_step name raw.

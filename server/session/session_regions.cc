@@ -68,8 +68,10 @@ absl::StatusOr<std::string> Session::RegisterMappedRegion(
   if (from_pending) {
     for (size_t i = 0; i < layout_.tensors.size(); ++i) {
       const TensorPlacement& t = layout_.tensors[i];
-      internal::NarrowFromF32(HostContext(), t.dtype, pending_params_[i].data(), t.numel,
-                              region->data() + t.param_offset);
+      RunOnCompute(compute_, [&] {
+        internal::NarrowFromF32(HostContext(), t.dtype, pending_params_[i].data(), t.numel,
+                                region->data() + t.param_offset);
+      });
     }
   } else if (!b.host.empty()) {
     std::memcpy(region->data(), b.host.data(), static_cast<size_t>(need));
@@ -201,8 +203,10 @@ absl::Status Session::EnsureHostArena(Role r) {
   if (r == Role::kParameters && !pending_params_.empty()) {
     for (size_t i = 0; i < layout_.tensors.size(); ++i) {
       const TensorPlacement& t = layout_.tensors[i];
-      internal::NarrowFromF32(HostContext(), t.dtype, pending_params_[i].data(), t.numel,
-                              b.data + t.param_offset);
+      RunOnCompute(compute_, [&] {
+        internal::NarrowFromF32(HostContext(), t.dtype, pending_params_[i].data(), t.numel,
+                                b.data + t.param_offset);
+      });
       if (!master_.empty() && !master_[i].empty()) master_[i] = pending_params_[i];
     }
     master_valid_ = !master_.empty();
@@ -224,10 +228,13 @@ absl::Status Session::ReadParamF32(size_t i, float* out) {
   if (params_.cuda != nullptr) {
     std::vector<uint8_t> bytes;
     DIOND_RETURN_IF_ERROR(CudaParamToHost(i, &bytes));
-    internal::WidenToF32(HostContext(), t.dtype, bytes.data(), t.numel, out);
+    RunOnCompute(compute_,
+                 [&] { internal::WidenToF32(HostContext(), t.dtype, bytes.data(), t.numel, out); });
     return absl::OkStatus();
   }
-  internal::WidenToF32(HostContext(), t.dtype, params_.data + t.param_offset, t.numel, out);
+  RunOnCompute(compute_, [&] {
+    internal::WidenToF32(HostContext(), t.dtype, params_.data + t.param_offset, t.numel, out);
+  });
   return absl::OkStatus();
 }
 
@@ -235,10 +242,14 @@ absl::Status Session::WriteParamF32(size_t i, const float* in) {
   const TensorPlacement& t = layout_.tensors[i];
   if (params_.cuda != nullptr) {
     std::vector<uint8_t> bytes(static_cast<size_t>(t.size_bytes));
-    internal::NarrowFromF32(HostContext(), t.dtype, in, t.numel, bytes.data());
+    RunOnCompute(compute_, [&] {
+      internal::NarrowFromF32(HostContext(), t.dtype, in, t.numel, bytes.data());
+    });
     DIOND_RETURN_IF_ERROR(CudaParamFromHost(i, bytes));
   } else {
-    internal::NarrowFromF32(HostContext(), t.dtype, in, t.numel, params_.data + t.param_offset);
+    RunOnCompute(compute_, [&] {
+      internal::NarrowFromF32(HostContext(), t.dtype, in, t.numel, params_.data + t.param_offset);
+    });
   }
   if (!master_.empty() && !master_[i].empty()) {
     std::memcpy(master_[i].data(), in, static_cast<size_t>(t.numel) * 4);

@@ -189,9 +189,11 @@ absl::Status Session::ApplyStateWrites(const std::vector<TensorWrite>& writes) {
         is_param = true;
         t.shape = p.shape;
         t.data.resize(static_cast<size_t>(p.numel));
-        internal::WidenToF32(HostContext(), p.dtype,
-                             reinterpret_cast<const uint8_t*>(bytes.data()), p.numel,
-                             t.data.data());
+        RunOnCompute(compute_, [&] {
+          internal::WidenToF32(HostContext(), p.dtype,
+                               reinterpret_cast<const uint8_t*>(bytes.data()), p.numel,
+                               t.data.data());
+        });
       }
     }
     if (!is_param) {
@@ -269,8 +271,9 @@ absl::StatusOr<std::vector<NamedTensor>> Session::GetStateLocked(bool include_pa
       s.name = absl::StrCat(t.name, "/state.", st);
       s.shape = shape;
       s.data.resize(static_cast<size_t>(internal::NumElements(shape)));
-      DIOND_RETURN_IF_ERROR(
-          g.optimizer->GetState(StateContext(), slot_in_group_[i], st, absl::MakeSpan(s.data)));
+      DIOND_RETURN_IF_ERROR(CallOnCompute(compute_, [&] {
+        return g.optimizer->GetState(StateContext(), slot_in_group_[i], st, absl::MakeSpan(s.data));
+      }));
       out.push_back(std::move(s));
     }
   }
@@ -325,11 +328,13 @@ absl::Status Session::SetStateLocked(const std::vector<NamedTensor>& tensors) {
   } else if (!param_writes.empty() && pending_params_.empty()) {
     DIOND_RETURN_IF_ERROR(CheckRegions("SetState", Role::kParameters));
     DIOND_RETURN_IF_ERROR(EnsureHostArena(Role::kParameters));
-    for (const auto& [i, t] : param_writes) {
-      const TensorPlacement& p = layout_.tensors[i];
-      internal::NarrowFromF32(HostContext(), p.dtype, t->data.data(), p.numel,
-                              params_.data + p.param_offset);
-    }
+    RunOnCompute(compute_, [&] {
+      for (const auto& [i, t] : param_writes) {
+        const TensorPlacement& p = layout_.tensors[i];
+        internal::NarrowFromF32(HostContext(), p.dtype, t->data.data(), p.numel,
+                                params_.data + p.param_offset);
+      }
+    });
     DIOND_RETURN_IF_ERROR(CheckRegions("SetState", Role::kParameters));
   }
   for (const auto& [i, t] : param_writes) {
@@ -350,8 +355,9 @@ absl::Status Session::SetStateLocked(const std::vector<NamedTensor>& tensors) {
     // World sessions: every trainer may send the whole state; each rank keeps its owned share
     // (the owner of this parameter keeps this tensor).
     if (groups_[g].optimizer->StateReleased(slot_in_group_[p])) continue;
-    DIOND_RETURN_IF_ERROR(
-        groups_[g].optimizer->SetState(StateContext(), slot_in_group_[p], st, t.data));
+    DIOND_RETURN_IF_ERROR(CallOnCompute(compute_, [&] {
+      return groups_[g].optimizer->SetState(StateContext(), slot_in_group_[p], st, t.data);
+    }));
   }
   return absl::OkStatus();
 }

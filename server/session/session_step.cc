@@ -38,8 +38,7 @@ int64_t GroupStep(const StepRequest& request, const std::string& group) {
 }  // namespace
 
 absl::StatusOr<StepResult> Session::StepLocked(const StepRequest& request,
-                                               const kernels::Context& ctx,
-                                               absl::Mutex* compute_mu, absl::Time start) {
+                                               const kernels::Context& ctx, absl::Time start) {
   std::optional<StepResult> replay;
   DIOND_RETURN_IF_ERROR(ValidateStepLocked(request, &replay));
   if (replay.has_value()) return *replay;
@@ -58,7 +57,7 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequest& request,
                                        : ctx.device().type != kernels::DeviceType::kCpu
                                            ? HostContext()
                                            : ctx;
-  run.compute_mu = compute_mu;
+  run.compute = compute_;
   run.start = start;
   run.when = absl::StrCat("step ", request.step_index);
   if (world_.has_value()) {
@@ -73,7 +72,9 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequest& request,
   if (device_ != nullptr && last_step_index_ >= 1) run.result.graph_fallback = DecideStepGraph();
 
   DIOND_RETURN_IF_ERROR(JoinWorldPhase(run));
-  DIOND_RETURN_IF_ERROR(ReadGradientsPhase(run));
+  // The phases that only compute run on the daemon's compute thread (compute_thread.h); the
+  // world's collectives run here, between them.
+  DIOND_RETURN_IF_ERROR(CallOnCompute(compute_, [&] { return ReadGradientsPhase(run); }));
   DIOND_RETURN_IF_ERROR(ReduceGradientsPhase(run));
   if (!run.finite) {
     // A world: every rank decides alike (REPLICATED: the same gradients; AVERAGE: the flags were
@@ -92,43 +93,30 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequest& request,
     last_result_ = run.result;
     return run.result;
   }
-  if (absl::Status s = ReadParametersPhase(run); !s.ok()) {
+  if (absl::Status s = CallOnCompute(compute_, [&] { return ReadParametersPhase(run); }); !s.ok()) {
     return run.comm != nullptr ? BreakWorld(run, s) : s;
   }
   if (absl::Status s = CheckRegions(run.when); !s.ok()) {
     return run.comm != nullptr ? BreakWorld(run, s) : s;
   }
-  DIOND_RETURN_IF_ERROR(StageUpdatesPhase(run, update_ctx, compute_mu));
+  DIOND_RETURN_IF_ERROR(
+      CallOnCompute(compute_, [&] { return StageUpdatesPhase(run, update_ctx); }));
   // Everything the update read came from intact memory: nothing has been written yet.
   if (absl::Status s = CheckRegions(run.when); !s.ok()) {
     DiscardStep(run);
     return run.comm != nullptr ? BreakWorld(run, s) : s;
   }
-  WriteWeightsPhase(run);
-  if (absl::Status s = ExchangeUpdatesPhase(run, update_ctx, compute_mu); !s.ok()) {
+  RunOnCompute(compute_, [&] { WriteWeightsPhase(run); });
+  if (absl::Status s = ExchangeUpdatesPhase(run, update_ctx); !s.ok()) {
     DiscardStep(run);
     return s;
   }
   // The weights of other dtypes (and the master weights' narrowed copies) into the arena; a
   // device session: every new weight back from the device staging.
-  if (device_ != nullptr) {
-    if (absl::Status s = WriteWeightsFromDevice(run); !s.ok()) {
-      DiscardStep(run);
-      return s;
-    }
-  } else {
-    absl::MutexLock compute(compute_mu);
-    for (size_t i = 0; i < layout_.tensors.size(); ++i) {
-      if (!run.via_scratch[i]) continue;
-      const TensorPlacement& t = layout_.tensors[i];
-      absl::Status s = kernels::Copy(
-          *run.ctx, internal::HostView(DType::kF32, run.params[i], t.numel),
-          internal::HostView(t.dtype, params_.data + t.param_offset, t.numel));
-      if (!s.ok()) {
-        DiscardStep(run);
-        return s;
-      }
-    }
+  if (absl::Status s = CallOnCompute(compute_, [&] { return WriteOtherWeightsPhase(run); });
+      !s.ok()) {
+    DiscardStep(run);
+    return s;
   }
   if (params_.region != nullptr && !params_.region->CheckIntact().ok()) {
     // The trainer's weights went with its segment while they were written. The step is not
@@ -153,7 +141,21 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequest& request,
         "(the optimizer state and the step index are unchanged), but the new weights were "
         "written into the PARAMETERS region: restore them with SetState"));
   }
-  return CommitStepPhase(run);
+  StepResult result;
+  RunOnCompute(compute_, [&] { result = CommitStepPhase(run); });
+  return result;
+}
+
+absl::Status Session::WriteOtherWeightsPhase(StepRun& run) {
+  if (device_ != nullptr) return WriteWeightsFromDevice(run);
+  for (size_t i = 0; i < layout_.tensors.size(); ++i) {
+    if (!run.via_scratch[i]) continue;
+    const TensorPlacement& t = layout_.tensors[i];
+    DIOND_RETURN_IF_ERROR(
+        kernels::Copy(*run.ctx, internal::HostView(DType::kF32, run.params[i], t.numel),
+                      internal::HostView(t.dtype, params_.data + t.param_offset, t.numel)));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Session::ValidateStepLocked(const StepRequest& request,
@@ -245,7 +247,6 @@ absl::Status Session::ReadGradientsPhase(StepRun& run) {
   grad_scratch_.resize(n);  // each buffer keeps its capacity between steps
   bool finite = true;
   {
-    absl::MutexLock compute(run.compute_mu);
     for (size_t i = 0; i < n; ++i) {
       const TensorPlacement& t = layout_.tensors[i];
       const uint8_t* src = grads_.data + t.grad_offset;
@@ -283,7 +284,6 @@ absl::Status Session::ReadParametersPhase(StepRun& run) {
   run.params.assign(n, nullptr);
   run.via_scratch.assign(n, false);
   param_scratch_.resize(n);
-  absl::MutexLock compute(run.compute_mu);
   for (size_t i = 0; i < n; ++i) {
     const TensorPlacement& t = layout_.tensors[i];
     uint8_t* arena = params_.data + t.param_offset;
@@ -307,8 +307,7 @@ absl::Status Session::ReadParametersPhase(StepRun& run) {
   return absl::OkStatus();
 }
 
-absl::Status Session::StageUpdatesPhase(StepRun& run, const kernels::Context& ctx,
-                                        absl::Mutex* compute_mu) {
+absl::Status Session::StageUpdatesPhase(StepRun& run, const kernels::Context& ctx) {
   const StepRequest& request = *run.request;
   const size_t groups = groups_.size();
   run.opts.assign(groups, {});
@@ -325,7 +324,6 @@ absl::Status Session::StageUpdatesPhase(StepRun& run, const kernels::Context& ct
     run.opts[gi].step = GroupStep(request, g.name);  // the reference's group step (cqr warm-up)
   }
   const absl::Time compute_start = absl::Now();
-  absl::MutexLock compute(compute_mu);
   for (size_t gi = 0; gi < groups; ++gi) {
     Group& g = groups_[gi];
     if (g.optimizer == nullptr) continue;

@@ -70,9 +70,14 @@ absl::Status Session::AttachWorld(std::shared_ptr<WorldLink> world, ShardPlan pl
     }
     // keep has one entry per parameter by construction; what can fail is the allocation of the
     // smaller buffers (a device pool), which changes nothing of that group.
-    absl::Status released = g.optimizer->ReleaseState(StateContext(), keep);
+    // The pool's last allocation error is the compute thread's (thread-local): read it there.
+    std::string pool;
+    absl::Status released = CallOnCompute(compute_, [&] {
+      absl::Status st = g.optimizer->ReleaseState(StateContext(), keep);
+      if (!st.ok()) pool = DeviceAllocationError();
+      return st;
+    });
     if (!released.ok()) {
-      const std::string pool = DeviceAllocationError();
       return absl::Status(released.code(),
                           absl::StrCat("world session '", Bounded(spec_.world_key),
                                        "': sharding the state of group '", Bounded(g.name),
@@ -89,21 +94,21 @@ absl::Status Session::AttachWorld(std::shared_ptr<WorldLink> world, ShardPlan pl
 }
 
 absl::StatusOr<int64_t> Session::CheckReplicas(const kernels::Context& ctx,
-                                               absl::Mutex* compute_mu, comm::Communicator* comm,
-                                               int64_t step, const std::vector<float*>& params) {
+                                               comm::Communicator* comm, int64_t step,
+                                               const std::vector<float*>& params) {
   const WorldPart& w = *world_;
   const size_t n = layout_.tensors.size();
   const int world_size = w.plan.world_size;
   std::vector<uint64_t> mine(n);
-  {
-    absl::MutexLock compute(compute_mu);
+  DIOND_RETURN_IF_ERROR(CallOnCompute(compute_, [&]() -> absl::Status {
     for (size_t i = 0; i < n; ++i) {  // FNV-1a 64 over the fp32 bytes, where they lie
       const kernels::ConstTensorView view(
           params[i], kernels::ContiguousLayout(DType::kF32, {layout_.tensors[i].numel}),
           ctx.device());
       DIOND_RETURN_IF_ERROR(kernels::Fnv1aChecksum(ctx, view, &mine[i]));
     }
-  }
+    return absl::OkStatus();
+  }));
   std::vector<uint64_t> all(n * static_cast<size_t>(world_size));
   DIOND_RETURN_IF_ERROR(comm->AllGatherBytes(
       absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(mine.data()), n * 8),
@@ -130,13 +135,13 @@ absl::StatusOr<int64_t> Session::CheckReplicas(const kernels::Context& ctx,
       // A device session: the owner's copy crosses through a host buffer.
       std::vector<float> host(static_cast<size_t>(numel));
       if (w.rank == owner) {
-        absl::MutexLock compute(compute_mu);
-        DIOND_RETURN_IF_ERROR(StepTensorToHost(params[i], host.data(), numel));
+        DIOND_RETURN_IF_ERROR(CallOnCompute(
+            compute_, [&] { return StepTensorToHost(params[i], host.data(), numel); }));
       }
       DIOND_RETURN_IF_ERROR(comm->Broadcast(absl::MakeSpan(host), owner));
       if (w.rank != owner) {
-        absl::MutexLock compute(compute_mu);
-        DIOND_RETURN_IF_ERROR(HostToStepTensor(host.data(), params[i], numel));
+        DIOND_RETURN_IF_ERROR(CallOnCompute(
+            compute_, [&] { return HostToStepTensor(host.data(), params[i], numel); }));
       }
     }
     for (int r : differ) healed += r == w.rank ? 1 : 0;
@@ -216,8 +221,7 @@ absl::Status Session::ReduceGradientsPhase(StepRun& run) {
   for (int64_t e : w.owned_elements) block = std::max(block, e);
   block += 1;
   std::vector<float> input(static_cast<size_t>(block) * world_size, 0.0f);
-  {
-    absl::MutexLock compute(run.compute_mu);
+  DIOND_RETURN_IF_ERROR(CallOnCompute(run.compute, [&]() -> absl::Status {
     for (int j = 0; j < world_size; ++j) {
       float* dst = input.data() + static_cast<size_t>(j) * block;
       for (size_t i : w.owned[j]) {
@@ -238,7 +242,8 @@ absl::Status Session::ReduceGradientsPhase(StepRun& run) {
       }
       input[static_cast<size_t>(j + 1) * block - 1] = run.finite ? 0.0f : 1.0f;
     }
-  }
+    return absl::OkStatus();
+  }));
   run.averaged.resize(static_cast<size_t>(block));
   absl::Status st = run.comm->ReduceScatterSum(input, absl::MakeSpan(run.averaged));
   if (!st.ok()) {
@@ -251,32 +256,34 @@ absl::Status Session::ReduceGradientsPhase(StepRun& run) {
   // The average: the sum divided by the world size (a division, not a multiplication by its
   // inverse, so that the bits match the reference's mean).
   const float divisor = static_cast<float>(world_size);
-  absl::MutexLock compute(run.compute_mu);
-  float* a = run.averaged.data();
-  for (size_t i : w.owned[w.rank]) {
-    const int64_t numel = layout_.tensors[i].numel;
-    DIOND_RETURN_IF_ERROR(kernels::Binary(
-        *run.ctx, kernels::BinaryOp::kDiv, internal::HostView(DType::kF32, a, numel),
-        internal::HostView(DType::kF32, &divisor, 1), internal::HostView(DType::kF32, a, numel)));
-    if (device_ != nullptr) {
-      // Host -> device: only this rank's averaged gradients, into its gradient staging.
-      float* staging = DeviceGradStaging(i);
-      if (absl::Status s = HostToStepTensor(a, staging, numel); !s.ok()) {
-        return BreakWorld(run, absl::Status(s.code(), absl::StrCat(
-                                                 run.when, ": copying the averaged gradients to "
-                                                 "the device failed: ", s.message())));
+  return CallOnCompute(run.compute, [&]() -> absl::Status {
+    float* a = run.averaged.data();
+    for (size_t i : w.owned[w.rank]) {
+      const int64_t numel = layout_.tensors[i].numel;
+      DIOND_RETURN_IF_ERROR(kernels::Binary(
+          *run.ctx, kernels::BinaryOp::kDiv, internal::HostView(DType::kF32, a, numel),
+          internal::HostView(DType::kF32, &divisor, 1), internal::HostView(DType::kF32, a, numel)));
+      if (device_ != nullptr) {
+        // Host -> device: only this rank's averaged gradients, into its gradient staging.
+        float* staging = DeviceGradStaging(i);
+        if (absl::Status s = HostToStepTensor(a, staging, numel); !s.ok()) {
+          return BreakWorld(
+              run, absl::Status(s.code(), absl::StrCat(run.when,
+                                                       ": copying the averaged gradients to "
+                                                       "the device failed: ",
+                                                       s.message())));
+        }
+        run.grads[i] = staging;
+      } else {
+        run.grads[i] = a;
       }
-      run.grads[i] = staging;
-    } else {
-      run.grads[i] = a;
+      a += numel;
     }
-    a += numel;
-  }
-  return absl::OkStatus();
+    return absl::OkStatus();
+  });
 }
 
-absl::Status Session::ExchangeUpdatesPhase(StepRun& run, const kernels::Context& ctx,
-                                           absl::Mutex* compute_mu) {
+absl::Status Session::ExchangeUpdatesPhase(StepRun& run, const kernels::Context& ctx) {
   if (!world_.has_value()) return absl::OkStatus();
   WorldPart& w = *world_;
   const int world_size = w.plan.world_size;
@@ -316,11 +323,8 @@ absl::Status Session::ExchangeUpdatesPhase(StepRun& run, const kernels::Context&
         const int64_t numel = layout_.tensors[i].numel;
         const size_t at = mine.size();
         mine.resize(at + static_cast<size_t>(numel), 0.0f);
-        absl::Status copied;
-        {
-          absl::MutexLock compute(compute_mu);
-          copied = StepTensorToHost(params[i], mine.data() + at, numel);
-        }
+        const absl::Status copied = CallOnCompute(
+            compute_, [&] { return StepTensorToHost(params[i], mine.data() + at, numel); });
         if (!copied.ok() && compute_status.ok()) {
           // Reported to every rank through the status value below.
           compute_status = absl::Status(copied.code(), absl::StrCat(
@@ -377,8 +381,7 @@ absl::Status Session::ExchangeUpdatesPhase(StepRun& run, const kernels::Context&
     }
     // The others' updated parameters into this rank's copies (host -> device on a device
     // session; always, so that every replica holds the owners' values).
-    {
-      absl::MutexLock compute(compute_mu);
+    RunOnCompute(compute_, [&] {
       for (const auto& [i, offset] : whole) {
         absl::Status s = HostToStepTensor(all.data() + offset, params[i], layout_.tensors[i].numel);
         if (!s.ok() && compute_status.ok()) {
@@ -387,24 +390,25 @@ absl::Status Session::ExchangeUpdatesPhase(StepRun& run, const kernels::Context&
               " failed: ", s.message()));
         }
       }
-    }
+    });
     // The others' compact updates, applied here through the rules' own code (bit-identical to
     // what their owners computed).
     if (failed.empty() && compute_status.ok() && !compact.empty()) {
-      absl::MutexLock compute(compute_mu);
-      for (const auto& [i, offset] : compact) {
-        const size_t gi = group_of_param_[i];
-        absl::Status s = optim::ApplyCapturedUpdate(
-            ctx, groups_[gi].optimizer->config(), layout_.tensors[i].shape, run.opts[gi],
-            absl::MakeConstSpan(all.data() + offset, static_cast<size_t>(w.compact[i])),
-            params[i]);
-        if (!s.ok()) {
-          compute_status = absl::InternalError(absl::StrCat(
-              "applying the compact update of '", Bounded(layout_.tensors[i].name),
-              "' from rank ", w.plan.owner[i], ": ", s.message()));
-          break;
+      RunOnCompute(compute_, [&] {
+        for (const auto& [i, offset] : compact) {
+          const size_t gi = group_of_param_[i];
+          absl::Status s = optim::ApplyCapturedUpdate(
+              ctx, groups_[gi].optimizer->config(), layout_.tensors[i].shape, run.opts[gi],
+              absl::MakeConstSpan(all.data() + offset, static_cast<size_t>(w.compact[i])),
+              params[i]);
+          if (!s.ok()) {
+            compute_status = absl::InternalError(
+                absl::StrCat("applying the compact update of '", Bounded(layout_.tensors[i].name),
+                             "' from rank ", w.plan.owner[i], ": ", s.message()));
+            break;
+          }
         }
-      }
+      });
     }
     if (compute_status.ok() && !failed.empty()) {
       compute_status = absl::InternalError(absl::StrCat(
@@ -413,8 +417,8 @@ absl::Status Session::ExchangeUpdatesPhase(StepRun& run, const kernels::Context&
     }
     if (compute_status.ok() && w.checksum_every > 0 &&
         request.step_index % w.checksum_every == 0) {
-      auto healed = CheckReplicas(device_ != nullptr ? *DeviceContext() : *run.ctx, compute_mu,
-                                  comm, request.step_index, params);
+      auto healed = CheckReplicas(device_ != nullptr ? *DeviceContext() : *run.ctx, comm,
+                                  request.step_index, params);
       if (!healed.ok()) {
         return BreakWorld(run, absl::UnavailableError(absl::StrCat(
                                    where, "checksum comparison failed: ",
@@ -456,8 +460,10 @@ absl::Status Session::SynchronizeForCheckpoint() {
     if (!w.replicated[i]) continue;
     Group& g = groups_[group_of_param_[i]];
     std::vector<float> m(static_cast<size_t>(layout_.tensors[i].numel));
-    DIOND_RETURN_IF_ERROR(g.optimizer->GetState(StateContext(), slot_in_group_[i],
-                                                optim::kStateMomentum, absl::MakeSpan(m)));
+    DIOND_RETURN_IF_ERROR(CallOnCompute(compute_, [&] {
+      return g.optimizer->GetState(StateContext(), slot_in_group_[i], optim::kStateMomentum,
+                                   absl::MakeSpan(m));
+    }));
     absl::Status st = (*c)->AllReduceAverage(absl::MakeSpan(m));
     if (!st.ok()) {
       w.broken = absl::UnavailableError(absl::StrCat(
@@ -465,8 +471,9 @@ absl::Status Session::SynchronizeForCheckpoint() {
           st.message()));
       return w.broken;
     }
-    DIOND_RETURN_IF_ERROR(
-        g.optimizer->SetState(StateContext(), slot_in_group_[i], optim::kStateMomentum, m));
+    DIOND_RETURN_IF_ERROR(CallOnCompute(compute_, [&] {
+      return g.optimizer->SetState(StateContext(), slot_in_group_[i], optim::kStateMomentum, m);
+    }));
   }
   (*c)->TakeBytesSent();
   return absl::OkStatus();
