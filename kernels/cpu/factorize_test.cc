@@ -1,5 +1,11 @@
-// Tests of ThinQr, CholeskyQr and RandomizedCholeskyQr: orthonormal Q, Q·R = A.
+// Tests of ThinQr, CholeskyQr and RandomizedCholeskyQr: orthonormal Q, Q·R = A, and the same
+// bits as LAPACKE's row-major wrappers (the ops call the column-major routines on their own
+// transposed copies).
+#include <cblas.h>
+#include <lapacke.h>
+
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "common/status_matchers.h"
@@ -99,6 +105,100 @@ TEST_P(QrTest, RandomizedCholeskyQrIsOrthonormal) {
 INSTANTIATE_TEST_SUITE_P(Shapes, QrTest,
                          ::testing::Values(QrShape{50, 7}, QrShape{33, 33}, QrShape{64, 48},
                                            QrShape{9, 1}));
+
+// The ops call LAPACK column-major on transposed copies (factorize.cc); the reference here is
+// the straightforward row-major call through LAPACKE's wrappers, bit for bit.
+class QrBitsTest : public ::testing::TestWithParam<QrShape> {};
+
+TEST_P(QrBitsTest, ThinQrIsBitForBitTheRowMajorLapackeCall) {
+  const auto [m, n] = GetParam();
+  auto ctx = Context::CpuDefault();
+  const auto a = RandomVector(m * n, 61);
+  // Through a row stride wider than the matrix, as the rules' views can have.
+  const int64_t ld = n + 3;
+  std::vector<float> padded(m * ld, -7.0f);
+  for (int64_t i = 0; i < m; ++i) std::memcpy(&padded[i * ld], &a[i * n], n * sizeof(float));
+  std::vector<float> q(m * ld, -7.0f), r(n * n, 9.0f);
+  ASSERT_THAT(ThinQr(*ctx, ConstTensorView(MakeView(padded.data(), {m, ld})).ColRange(0, n),
+                     MakeView(q.data(), {m, ld}).ColRange(0, n), MakeView(r.data(), {n, n})),
+              IsOk());
+
+  std::vector<float> want = a, tau(n), want_r(n * n, 0.0f);
+  ASSERT_EQ(LAPACKE_sgeqrf(LAPACK_ROW_MAJOR, m, n, want.data(), n, tau.data()), 0);
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = i; j < n; ++j) want_r[i * n + j] = want[i * n + j];
+  }
+  ASSERT_EQ(LAPACKE_sorgqr(LAPACK_ROW_MAJOR, m, n, n, want.data(), n, tau.data()), 0);
+  for (int64_t i = 0; i < m; ++i) {
+    ASSERT_EQ(std::memcmp(&q[i * ld], &want[i * n], n * sizeof(float)), 0) << "Q row " << i;
+    for (int64_t j = n; j < ld; ++j) ASSERT_EQ(q[i * ld + j], -7.0f) << "wrote past the row";
+  }
+  EXPECT_EQ(std::memcmp(r.data(), want_r.data(), r.size() * sizeof(float)), 0) << "R";
+}
+
+// Cholesky QR as it was computed before: the Gram matrix from the op, LAPACKE's row-major
+// spotrf, then the row-major triangular solve.
+void RowMajorCholeskyQr(const Context& ctx, std::vector<float>& q, int64_t m, int64_t n,
+                        std::vector<float>* r) {
+  std::vector<float> g(n * n);
+  ASSERT_THAT(SymmetricProduct(ctx, GramSide::kAtA, 1.0f, MakeView(q.data(), {m, n}), 0.0f,
+                               MakeView(g.data(), {n, n})),
+              IsOk());
+  ASSERT_EQ(LAPACKE_spotrf(LAPACK_ROW_MAJOR, 'U', n, g.data(), n), 0);
+  cblas_strsm(CblasRowMajor, CblasRight, CblasUpper, CblasNoTrans, CblasNonUnit, m, n, 1.0f,
+              g.data(), n, q.data(), n);
+  if (r != nullptr) {
+    r->assign(n * n, 0.0f);
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t j = i; j < n; ++j) (*r)[i * n + j] = g[i * n + j];
+    }
+  }
+}
+
+TEST_P(QrBitsTest, CholeskyQrIsBitForBitTheRowMajorLapackeCall) {
+  const auto [m, n] = GetParam();
+  auto ctx = Context::CpuDefault();
+  const auto a = RandomVector(m * n, 62);
+  std::vector<float> q(m * n), r(n * n);
+  ASSERT_THAT(CholeskyQr(*ctx, MakeView(a.data(), {m, n}), MakeView(q.data(), {m, n}),
+                         MakeView(r.data(), {n, n})),
+              IsOk());
+  std::vector<float> want = a, want_r;
+  RowMajorCholeskyQr(*ctx, want, m, n, &want_r);
+  EXPECT_EQ(std::memcmp(q.data(), want.data(), q.size() * sizeof(float)), 0) << "Q";
+  EXPECT_EQ(std::memcmp(r.data(), want_r.data(), r.size() * sizeof(float)), 0) << "R";
+}
+
+TEST_P(QrBitsTest, RandomizedCholeskyQrIsBitForBitTheRowMajorLapackeCalls) {
+  const auto [m, n] = GetParam();
+  auto ctx = Context::CpuDefault();
+  const auto a = RandomVector(m * n, 63);
+  const int64_t s = n + 8;
+  const auto sketch = RandomVector(s * m, 64, 1.0f / std::sqrt(static_cast<float>(s)));
+  std::vector<float> q(m * n);
+  ASSERT_THAT(RandomizedCholeskyQr(*ctx, MakeView(a.data(), {m, n}),
+                                   MakeView(sketch.data(), {s, m}), MakeView(q.data(), {m, n})),
+              IsOk());
+  // S·A by the op, R₁ from LAPACKE's row-major sgeqrf, A·R₁⁻¹, then Cholesky QR as above.
+  std::vector<float> sa(s * n), tau(n), r1(n * n, 0.0f), want = a;
+  ASSERT_THAT(Gemm(*ctx, GemmParams{}, MakeView(sketch.data(), {s, m}), MakeView(a.data(), {m, n}),
+                   MakeView(sa.data(), {s, n})),
+              IsOk());
+  ASSERT_EQ(LAPACKE_sgeqrf(LAPACK_ROW_MAJOR, s, n, sa.data(), n, tau.data()), 0);
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = i; j < n; ++j) r1[i * n + j] = sa[i * n + j];
+  }
+  cblas_strsm(CblasRowMajor, CblasRight, CblasUpper, CblasNoTrans, CblasNonUnit, m, n, 1.0f,
+              r1.data(), n, want.data(), n);
+  RowMajorCholeskyQr(*ctx, want, m, n, nullptr);
+  EXPECT_EQ(std::memcmp(q.data(), want.data(), q.size() * sizeof(float)), 0);
+}
+
+// Square, tall, thin, odd sizes, and Dion's own (768², 3072×192) at sizes where LAPACK blocks.
+INSTANTIATE_TEST_SUITE_P(Shapes, QrBitsTest,
+                         ::testing::Values(QrShape{50, 7}, QrShape{33, 33}, QrShape{200, 64},
+                                           QrShape{257, 100}, QrShape{9, 1}, QrShape{768, 192},
+                                           QrShape{300, 300}));
 
 TEST(Qr, BatchedAndAliased) {
   auto ctx = Context::CpuDefault();
