@@ -189,10 +189,9 @@ absl::Status Session::ApplyStateWrites(const std::vector<TensorWrite>& writes) {
         is_param = true;
         t.shape = p.shape;
         t.data.resize(static_cast<size_t>(p.numel));
+        const uint8_t* src = reinterpret_cast<const uint8_t*>(bytes.data());
         RunOnCompute(compute_, [&] {
-          internal::WidenToF32(HostContext(), p.dtype,
-                               reinterpret_cast<const uint8_t*>(bytes.data()), p.numel,
-                               t.data.data());
+          internal::WidenToF32(HostContext(), p.dtype, src, p.numel, t.data.data());
         });
       }
     }
