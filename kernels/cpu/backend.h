@@ -20,6 +20,10 @@ const OpsBackend& CpuBackend();
 void* HostAllocate(Device device, size_t bytes);
 void HostDeallocate(Device device, void* p, size_t bytes);
 
+// Copies the lower triangle of the n×n matrix at c (row stride ldc) onto the upper one
+// (gemm.cc; the symmetric products and the Cholesky factorizations use it).
+void MirrorLowerToUpper(float* c, int64_t n, int64_t ldc);
+
 absl::Status Gemm(const Context& ctx, const GemmParams& params, ConstTensorView a,
                   ConstTensorView b, TensorView c);
 absl::Status SymmetricProduct(const Context& ctx, GramSide side, float alpha, ConstTensorView a,

@@ -12,9 +12,6 @@
 
 namespace diond::kernels::cpu {
 
-// gemm.cc: the lower triangle of the n×n matrix c (row stride ldc) copied onto the upper one.
-void MirrorLowerToUpper(float* c, int64_t n, int64_t ldc);
-
 namespace {
 
 float* F32(TensorView v) { return static_cast<float*>(v.data()); }

@@ -83,16 +83,27 @@ TEST_P(QrTest, CholeskyQrIsOrthonormalOnWellConditionedInput) {
   EXPECT_LT(ReconstructionError(q, r, a, m, n), kQrTol);
 }
 
+// RandomizedCholeskyQr of a random m×n matrix (seed) with an (n + 8)×m sketch (seed + 1):
+// fills *a, *sketch and returns Q.
+std::vector<float> RunRandomizedCholeskyQr(const Context& ctx, int64_t m, int64_t n,
+                                           uint32_t seed, std::vector<float>* a,
+                                           std::vector<float>* sketch) {
+  *a = RandomVector(m * n, seed);
+  const int64_t s = n + 8;
+  *sketch = RandomVector(s * m, seed + 1, 1.0f / std::sqrt(static_cast<float>(s)));
+  std::vector<float> q(m * n);
+  EXPECT_THAT(RandomizedCholeskyQr(ctx, MakeView(a->data(), {m, n}),
+                                   MakeView(sketch->data(), {s, m}), MakeView(q.data(), {m, n})),
+              IsOk());
+  return q;
+}
+
 TEST_P(QrTest, RandomizedCholeskyQrIsOrthonormal) {
   const auto [m, n] = GetParam();
   auto ctx = Context::CpuDefault();
-  const auto a = RandomVector(m * n, 43);
-  const int64_t s = n + 8;
-  const auto sketch = RandomVector(s * m, 44, 1.0f / std::sqrt(static_cast<float>(s)));
-  std::vector<float> q(m * n);
-  ASSERT_THAT(RandomizedCholeskyQr(*ctx, MakeView(a.data(), {m, n}),
-                                   MakeView(sketch.data(), {s, m}), MakeView(q.data(), {m, n})),
-              IsOk());
+  std::vector<float> a, sketch;
+  const std::vector<float> q = RunRandomizedCholeskyQr(*ctx, m, n, 43, &a, &sketch);
+  ASSERT_FALSE(::testing::Test::HasFailure());
   // After the sketch preconditioning P₁ is well conditioned (cond ≈ O(1)), so the Cholesky step
   // is as accurate as Householder QR: same bound as kQrTol.
   EXPECT_LT(OrthoError(q, m, n), kQrTol);
@@ -172,13 +183,10 @@ TEST_P(QrBitsTest, CholeskyQrIsBitForBitTheRowMajorLapackeCall) {
 TEST_P(QrBitsTest, RandomizedCholeskyQrIsBitForBitTheRowMajorLapackeCalls) {
   const auto [m, n] = GetParam();
   auto ctx = Context::CpuDefault();
-  const auto a = RandomVector(m * n, 63);
+  std::vector<float> a, sketch;
+  const std::vector<float> q = RunRandomizedCholeskyQr(*ctx, m, n, 63, &a, &sketch);
+  ASSERT_FALSE(::testing::Test::HasFailure());
   const int64_t s = n + 8;
-  const auto sketch = RandomVector(s * m, 64, 1.0f / std::sqrt(static_cast<float>(s)));
-  std::vector<float> q(m * n);
-  ASSERT_THAT(RandomizedCholeskyQr(*ctx, MakeView(a.data(), {m, n}),
-                                   MakeView(sketch.data(), {s, m}), MakeView(q.data(), {m, n})),
-              IsOk());
   // S·A by the op, R₁ from LAPACKE's row-major sgeqrf, A·R₁⁻¹, then Cholesky QR as above.
   std::vector<float> sa(s * n), tau(n), r1(n * n, 0.0f), want = a;
   ASSERT_THAT(Gemm(*ctx, GemmParams{}, MakeView(sketch.data(), {s, m}), MakeView(a.data(), {m, n}),
