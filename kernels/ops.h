@@ -69,7 +69,7 @@ enum class GramSide : uint8_t {
 // Symmetric product C ← alpha·A·Aᵀ + beta·C (or Aᵀ·A): one triangle is computed, then mirrored
 // so the whole C is written (C is exactly symmetric). The triangle: with the context's
 // Fp32GemmEngine kOpenBlas, cblas_ssyrk; kOneDnn, the lower block triangle from oneDNN f32
-// GEMMs on row panels (about half the flops at the GEMM rate); kAuto, oneDNN's except for
+// GEMMs on column panels (about half the flops at the GEMM rate); kAuto, oneDNN's except for
 // small products (kernels/cpu/gemm.cc).
 // A f32, C f32 square of the right size; rank 2 or 3 (same batch). beta != 0 reads only C's
 // lower triangle (C is assumed symmetric).
@@ -77,16 +77,19 @@ absl::Status SymmetricProduct(const Context& ctx, GramSide side, float alpha, Co
                               float beta, TensorView c);
 
 // bf16 symmetric product (the oneDNN bf16 mode of the orthogonalizers, Bf16Matmul::kOneDnnBf16;
-// NOT bf16_reference's default, which reproduces the reference's float32 GEMMs,
-// docs/CONFORMANCE.md): C ← A·Aᵀ for A bf16 [rows, cols] (rank 2 or 3), C f32 [rows, rows]
-// (same batch). The rows are cut into panels of `block` rows (the last may be shorter); panel p
-// (rows i0..i0+r) gets only its part of the lower block triangle, C[i0:i0+r, 0:i0+r], as the
-// transpose of one bf16 GEMM A[0:i0+r]·A[i0:i0+r]ᵀ with f32 accumulation (bit for bit Gemm of
-// the same operands into a dense [i0+r, r] f32 matrix), then the lower triangle is mirrored onto
-// the upper one, so C is exactly symmetric. (nb + 1) / (2·nb) of the full GEMM's FLOPs for nb
-// panels (oneDNN has no bf16 SYRK), but measured no faster than the full bf16 GEMM on the
-// target machine (docs/BENCHMARKS.md), so the orthogonalizers do not use it.
-// Scratch: one [block, rows] f32 panel from ctx.scratch(). block >= 1.
+// NOT bf16_reference's float32_gemm engine, which reproduces the reference's float32 GEMMs,
+// docs/CONFORMANCE.md): C = A·Aᵀ for A bf16 [rows, cols] (rank 2 or 3), C f32 or bf16 [rows,
+// rows] (same batch), accumulated in f32; a bf16 C gets each sum rounded once to nearest-even,
+// as Gemm with a bf16 C. Only the lower block triangle is computed, in column panels of `block`
+// columns (the last may be narrower): panel [j0, j0 + r) is one bf16 GEMM A[j0:]·A[j0:j0+r]ᵀ;
+// then the lower triangle is mirrored onto the upper one, so C is exactly symmetric. (nb + 1) /
+// (2·nb) of the full GEMM's FLOPs for nb panels (oneDNN has no bf16 SYRK). On the CPU every
+// entry is bit for bit the full Gemm(A, A, trans_b)'s (kernels/cpu/gemm.cc says why; gemm_test
+// checks it), so the orthogonalizers use it for Y·Yᵀ and for A·A = A·Aᵀ of a symmetric A without
+// changing a bit; the CUDA backend runs the same lower block triangle as cuBLAS GEMMs of block
+// pairs. `block` is a hint: the CPU backend widens panels to at least 16 columns (oneDNN computes
+// a one-column product with another kernel, whose sums differ in the last bit). Scratch (CPU):
+// one [rows, max(block, 16)] panel of C's dtype from ctx.scratch(). block >= 1.
 absl::Status SymmetricProductBf16(const Context& ctx, ConstTensorView a, int64_t block,
                                   TensorView c);
 

@@ -197,7 +197,9 @@ absl::Status SymmetricProductBf16(const Context& ctx, ConstTensorView a, int64_t
   DIOND_RETURN_IF_ERROR(CheckMatrix(ctx, kOp, "a", a));
   DIOND_RETURN_IF_ERROR(CheckMatrix(ctx, kOp, "c", c));
   DIOND_RETURN_IF_ERROR(CheckDType(kOp, "a", a.layout(), DType::kBf16));
-  DIOND_RETURN_IF_ERROR(CheckDType(kOp, "c", c.layout(), DType::kF32));
+  if (c.dtype() != DType::kF32 && c.dtype() != DType::kBf16) {
+    return Invalid(kOp, "c has dtype ", DTypeName(c.dtype()), ", want f32 or bf16");
+  }
   if (block < 1) return Invalid(kOp, "block is ", block, ", want >= 1");
   if (c.Rows() != a.Rows() || c.Cols() != a.Rows()) {
     return Invalid(kOp, "c is ", c.DebugString(), ", want [", a.Rows(), ", ", a.Rows(), "]");

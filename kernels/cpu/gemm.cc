@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #include "common/status_macros.h"
 #include "kernels/cpu/onednn_matmul.h"
@@ -136,55 +137,71 @@ absl::Status Gemm(const Context& ctx, const GemmParams& p, ConstTensorView a, Co
 // took 19 % of a 1024² fp32 Polar Express call. Measured serially (standalone loop, 2-core
 // machine under load, best of 20): 768² 0.73 → 0.11 ms, 1024² 3.5 → 0.24 ms, 3072² 32 → 6 ms.
 // Serial on purpose: an OpenMP region measured no faster at these sizes, and slower when it
-// competes with OpenBLAS's own threads (context.h threading policy).
-void MirrorLowerToUpper(float* c, int64_t n, int64_t ldc) {
+// competes with OpenBLAS's own threads (context.h threading policy). T: float or BFloat16 (the
+// bits are copied, never converted).
+template <typename T>
+void MirrorLower(T* c, int64_t n, int64_t ldc) {
   constexpr int64_t kTile = 16;
   for (int64_t jb = 0; jb < n; jb += kTile) {
     const int64_t je = std::min(jb + kTile, n);
     for (int64_t ib = jb; ib < n; ib += kTile) {
       const int64_t ie = std::min(ib + kTile, n);
       for (int64_t j = jb; j < je; ++j) {
-        float* out = c + j * ldc;
+        T* out = c + j * ldc;
         for (int64_t i = std::max(ib, j + 1); i < ie; ++i) out[i] = c[i * ldc + j];
       }
     }
   }
 }
 
+void MirrorLowerToUpper(float* c, int64_t n, int64_t ldc) { MirrorLower(c, n, ldc); }
+
 namespace {
 
-// The lower block triangle of C ← alpha·op(A)·op(A)ᵀ + beta·C with oneDNN f32 GEMMs on block
-// pairs: row panel [i0, e) of C is P = op(A)[i0:e]·op(A)[0:e]ᵀ (r×e, a dense scratch panel, so
-// that oneDNN keeps its fast kernel; a strided destination measured slower, see
-// SymmetricProductBf16), then C[i0:e, 0:e] ← alpha·P + beta·C[i0:e, 0:e]. About half the
-// flops of the full product (n²k/2 + n·block·k/2); the caller mirrors the lower triangle.
-absl::Status LowerBlocksOneDnnF32(const Context& ctx, bool aat, float alpha, ConstTensorView a,
-                                  float beta, float* c, int64_t ldc, int64_t n, int64_t block) {
+// The lower triangle of C ← alpha·op(A)·op(A)ᵀ + beta·C (one matrix; op(A) = A for kAAt, Aᵀ
+// for kAtA; n×n) in column panels of `block` columns, each one oneDNN GEMM into a dense scratch
+// panel of C's dtype: panel [j0, e) is P = alpha·op(A)[j0:n]·op(A)[j0:e]ᵀ ((n − j0)×r, r = e −
+// j0), whose row i holds C[j0 + i, j0:e]; its entries on and below the diagonal are copied into
+// C (beta == 0) or added (C ← P + beta·C, f32 C only). The caller mirrors the lower triangle.
+// (nb + 1) / (2·nb) of the full product's flops for nb panels.
+//
+// Why this shape: each panel GEMM writes a dense destination, so oneDNN 2.6 keeps its brgemm
+// kernel (a destination row stride wider than the panel sends it to the generic gemm:jit, ~5
+// GFLOP/s); and for A·Aᵀ of a row-major A, every entry of a panel is bit for bit the full
+// product's (oneDNN accumulates each entry along k in the same order whatever the m and n of
+// the call, and its A·Aᵀ is exactly symmetric; gemm_test checks both on the machine it runs
+// on), so the bf16 orthogonalizer can use it without changing a bit. In bf16, column panels
+// measured slightly faster than row panels ([i0, e) × [0, e)) on the target machine, and both
+// 1.3-1.7x faster than the full product at n = 768-1024; in f32 the two orientations measured
+// the same (docs/BENCHMARKS.md, "Half-work Gram products").
+template <typename T>
+absl::Status LowerColumnPanels(const Context& ctx, bool aat, float alpha, ConstTensorView a,
+                               float beta, T* c, int64_t ldc, int64_t block) {
+  const int64_t n = aat ? a.Rows() : a.Cols();
+  const DType ct = std::is_same_v<T, float> ? DType::kF32 : DType::kBf16;
   GemmParams p;
   p.engine = Fp32GemmEngine::kOneDnn;
   p.alpha = alpha;
+  p.trans_a = aat ? Trans::kNo : Trans::kYes;
+  p.trans_b = aat ? Trans::kYes : Trans::kNo;
   ScratchArena::Scope scope(ctx.scratch());
-  DIOND_ASSIGN_OR_RETURN(Tensor panel, Tensor::Allocate(DType::kF32, {block * n}, &ctx.scratch()));
-  for (int64_t i0 = 0; i0 < n; i0 += block) {
-    const int64_t r = std::min(block, n - i0), e = i0 + r;
-    TensorView pv = MakeView(panel.As<float>(), {r, e});
-    if (aat) {  // rows of A
-      p.trans_a = Trans::kNo;
-      p.trans_b = Trans::kYes;
-      DIOND_RETURN_IF_ERROR(cpu::Gemm(ctx, p, a.RowRange(i0, r), a.RowRange(0, e), pv));
-    } else {    // columns of A (AᵀA)
-      p.trans_a = Trans::kYes;
-      p.trans_b = Trans::kNo;
-      DIOND_RETURN_IF_ERROR(cpu::Gemm(ctx, p, a.ColRange(i0, r), a.ColRange(0, e), pv));
+  DIOND_ASSIGN_OR_RETURN(Tensor panel, Tensor::Allocate(ct, {n * block}, &ctx.scratch()));
+  T* ps = static_cast<T*>(panel.data());
+  for (int64_t j0 = 0; j0 < n; j0 += block) {
+    const int64_t r = std::min(block, n - j0), h = n - j0;
+    TensorView pv = MakeView(ps, {h, r});
+    if (aat) {
+      DIOND_RETURN_IF_ERROR(cpu::Gemm(ctx, p, a.RowRange(j0, h), a.RowRange(j0, r), pv));
+    } else {
+      DIOND_RETURN_IF_ERROR(cpu::Gemm(ctx, p, a.ColRange(j0, h), a.ColRange(j0, r), pv));
     }
-    const float* ps = panel.As<float>();
-    for (int64_t i = 0; i < r; ++i) {
-      float* crow = c + (i0 + i) * ldc;
-      const float* prow = ps + i * e;
-      const int64_t len = i0 + i + 1;  // the lower triangle of this row
+    for (int64_t i = 0; i < h; ++i) {
+      T* crow = c + (j0 + i) * ldc + j0;
+      const T* prow = ps + i * r;
+      const int64_t len = std::min(r, i + 1);  // on and below the diagonal
       if (beta == 0.0f) {
-        std::memcpy(crow, prow, static_cast<size_t>(len) * sizeof(float));
-      } else {
+        std::memcpy(crow, prow, static_cast<size_t>(len) * sizeof(T));
+      } else if constexpr (std::is_same_v<T, float>) {
         for (int64_t j = 0; j < len; ++j) crow[j] = prow[j] + beta * crow[j];
       }
     }
@@ -192,7 +209,9 @@ absl::Status LowerBlocksOneDnnF32(const Context& ctx, bool aat, float alpha, Con
   return absl::OkStatus();
 }
 
-// Panel height of the oneDNN block scheme: a quarter of n rounded up to 64, at least 128.
+// Panel width of SymmetricProduct's f32 oneDNN scheme: a quarter of n rounded up to 64, at least
+// 128 (a sweep of 128, 256, 384 and n put the quarter panels at or near the best,
+// docs/BENCHMARKS.md "f32 engines").
 int64_t SymmetricBlock(int64_t n) {
   const int64_t q = ((n + 3) / 4 + 63) / 64 * 64;
   return std::min(n, std::max<int64_t>(128, q));
@@ -216,8 +235,8 @@ absl::Status SymmetricProduct(const Context& ctx, GramSide side, float alpha, Co
         for (int64_t j = 0; j <= r; ++j) cp[r * ldc + j] = beta == 0.0f ? 0.0f : beta * cp[r * ldc + j];
       }
     } else if (onednn) {
-      DIOND_RETURN_IF_ERROR(LowerBlocksOneDnnF32(ctx, aat, alpha, a.Matrix(i),
-                                                 beta, cp, ldc, n, SymmetricBlock(n)));
+      DIOND_RETURN_IF_ERROR(LowerColumnPanels(ctx, aat, alpha, a.Matrix(i), beta, cp, ldc,
+                                              SymmetricBlock(n)));
     } else {
       cblas_ssyrk(CblasRowMajor, CblasLower, aat ? CblasNoTrans : CblasTrans, static_cast<int>(n),
                   static_cast<int>(k), alpha, ap, static_cast<int>(Ld(a.layout())), beta, cp,
@@ -228,36 +247,28 @@ absl::Status SymmetricProduct(const Context& ctx, GramSide side, float alpha, Co
   return absl::OkStatus();
 }
 
-// Panel by panel (ops.h). Measured on the target machine (bench/symmetric_bench.cc, under
-// load): oneDNN 2.6 ran the earlier block-pair version, whose GEMMs wrote a block of C in place
-// (a destination row stride larger than its width), on its generic gemm:jit kernel at ~5
-// GFLOP/s; with a dense destination it picks brg:avx512_core_bf16. Even so, the panels' 5/8 to
-// 2/3 of the FLOPs take about as long as the full GEMM at 1 thread (768²: 1.1-1.2x, 768×3072:
-// 0.9-1.0x, 2048²: 1.1-1.3x): the smaller GEMMs run at lower efficiency.
+// Column panels of `block` columns, at least 16 (LowerColumnPanels), f32 or bf16 C, mirrored
+// (ops.h).
 absl::Status SymmetricProductBf16(const Context& ctx, ConstTensorView a, int64_t block,
                                   TensorView c) {
   cpu::ApplyThreadPolicy(ctx);
   const int64_t n = a.Rows();
   if (n == 0 || c.Batch() == 0) return absl::OkStatus();
-  block = std::min(block, n);
-  GemmParams p;
-  p.trans_b = Trans::kYes;
-  ScratchArena::Scope scope(ctx.scratch());
-  DIOND_ASSIGN_OR_RETURN(Tensor panel, Tensor::Allocate(DType::kF32, {block * n}, &ctx.scratch()));
+  // Panels at least 16 columns wide: oneDNN computes a one-column product with another kernel
+  // whose f32 sums differ from the full product's in the last bit (gemm_test, block 1).
+  block = std::min(std::max<int64_t>(block, 16), n);
   for (int64_t bi = 0; bi < c.Batch(); ++bi) {
-    ConstTensorView am = a.Matrix(bi);
     TensorView cm = c.Matrix(bi);
-    for (int64_t i0 = 0; i0 < n; i0 += block) {
-      const int64_t r = std::min(block, n - i0), e = i0 + r;
-      // P = A[0:e]·A[i0:e]ᵀ (e×r): its transpose is C[i0:e, 0:e]. The small operand is the
-      // GEMM's weights, which oneDNN packs on every call.
-      TensorView pv = MakeView(panel.As<float>(), {e, r});
-      DIOND_RETURN_IF_ERROR(cpu::Gemm(ctx, p, am.RowRange(0, e), am.RowRange(i0, r), pv));
-      DIOND_RETURN_IF_ERROR(
-          cpu::Copy(ctx, ConstTensorView(pv).Transposed(), cm.RowRange(i0, r).ColRange(0, e)));
+    const int64_t ldc = Ld(cm.layout());
+    if (c.dtype() == DType::kBf16) {
+      auto* cp = static_cast<BFloat16*>(cm.data());
+      DIOND_RETURN_IF_ERROR(LowerColumnPanels(ctx, true, 1.0f, a.Matrix(bi), 0.0f, cp, ldc, block));
+      MirrorLower(cp, n, ldc);
+    } else {
+      auto* cp = static_cast<float*>(cm.data());
+      DIOND_RETURN_IF_ERROR(LowerColumnPanels(ctx, true, 1.0f, a.Matrix(bi), 0.0f, cp, ldc, block));
+      MirrorLower(cp, n, ldc);
     }
-    const int64_t ldc = cm.layout().RowStride();
-    MirrorLowerToUpper(static_cast<float*>(cm.data()), n, ldc);
   }
   return absl::OkStatus();
 }

@@ -47,8 +47,10 @@ int RunGemm(const DiondOpsCall* call, const char* op, cublasHandle_t h, const Ge
   return DIOND_OPS_OK;
 }
 
-// The row-major lower triangle of each n×n matrix mirrored onto the upper one.
-int MirrorLower(const DiondOpsCall* call, const char* op, float* c, int64_t n, int64_t ldc,
+// The row-major lower triangle of each n×n matrix mirrored onto the upper one. T: float, or
+// uint16_t for bf16 (the bits are copied).
+template <typename T>
+int MirrorLower(const DiondOpsCall* call, const char* op, T* c, int64_t n, int64_t ldc,
                 int64_t batch, int64_t stride) {
   return Launch(call, op, batch * n * n, [=] __device__(int64_t e) {
     const int64_t j = e % n, r = e / n, i = r % n, b = r / n;
@@ -145,8 +147,13 @@ int OpSymmetricProductBf16(const DiondOpsCall* call, DiondIn a, int64_t block, D
   for (const GemmCall& g : cuda_calls::DescribeBlockedGram(ra, block, rc)) {
     DIOND_RC(RunGemm(call, kOp, h, g, a->data, a->dtype, a->data, a->dtype, c->data, c->dtype));
   }
+  const int64_t stride = rc.batch <= 1 ? 0 : rc.batch_stride;
+  if (c->dtype == DIOND_DT_BF16) {  // each f32 sum rounded once to bf16 by cuBLAS
+    return MirrorLower(call, kOp, static_cast<uint16_t*>(c->data), ra.rows, rc.row_stride,
+                       rc.batch, stride);
+  }
   return MirrorLower(call, kOp, static_cast<float*>(c->data), ra.rows, rc.row_stride, rc.batch,
-                     rc.batch <= 1 ? 0 : rc.batch_stride);
+                     stride);
 }
 
 int OpThinQr(const DiondOpsCall* call, DiondIn a, DiondOut q, DiondOut r) {

@@ -115,6 +115,23 @@ absl::Status Bf16F32StorageIterations(const Context& ctx,
 // gb: g×g bf16), every matmul a oneDNN bf16 GEMM with a bf16 result; the elementwise steps of
 // eager PyTorch (bf(b·A), bf(c·AA), their sum; bf(a·Y), its sum with P), each rounding its
 // result once, are one Bf16RoundedAxpby each on bf16 storage: the same values in one pass.
+//
+// The two Gram-like products use the half-work SymmetricProductBf16 where it pays (HalfGram):
+// A = Y·Yᵀ (wide and square Y) and A·A, computed as A·Aᵀ (A is exactly symmetric: it is the
+// mirror of one triangle, or oneDNN's Y·Yᵀ / Yᵀ·Y, which is exactly symmetric). On the CPU both
+// are bit for bit the full GEMMs they replace (ops.h; gemm_test and orthogonalize_test check it),
+// so the values are the reference's as before. A tall Y's Yᵀ·Y stays a full GEMM: oneDNN's
+// panels of a transposed operand are not bit for bit its full product (measured: a few entries in
+// 10⁵ differ at 3072×768).
+bool HalfGram(int64_t g, int64_t k) {
+  // Measured (docs/BENCHMARKS.md "Half-work Gram products"): 1.3-1.7x faster than the full bf16
+  // GEMM from g = 768 and from g = 192 with k = 3072, no faster at 192×768.
+  return g >= 128 && g * g * k >= (int64_t{1} << 26);
+}
+int64_t HalfGramBlock(int64_t g) {  // a fifth of g rounded up to 32, at least 64
+  return std::min(g, std::max<int64_t>(64, ((g + 4) / 5 + 31) / 32 * 32));
+}
+
 absl::Status OneDnnBf16Iterations(const Context& ctx, absl::Span<const OrthoCoefficients> coeffs,
                                   bool tall, TensorView y, TensorView p, TensorView ga,
                                   TensorView gaa, TensorView gb) {
@@ -124,9 +141,19 @@ absl::Status OneDnnBf16Iterations(const Context& ctx, absl::Span<const OrthoCoef
   } else {
     gram.trans_b = Trans::kYes;  // A = Y·Yᵀ
   }
+  const int64_t g = ga.Rows(), inner = tall ? y.Rows() : y.Cols();
+  const bool half_y = !tall && HalfGram(g, inner), half_a = HalfGram(g, g);
   for (const OrthoCoefficients& k : coeffs) {
-    DIOND_RETURN_IF_ERROR(Gemm(ctx, gram, y, y, ga));               // A = bf(Y·Yᵀ) | bf(Yᵀ·Y)
-    DIOND_RETURN_IF_ERROR(Gemm(ctx, plain, ga, ga, gaa));           // AA = bf(A·A)
+    if (half_y) {                                                   // A = bf(Y·Yᵀ)
+      DIOND_RETURN_IF_ERROR(SymmetricProductBf16(ctx, y, HalfGramBlock(g), ga));
+    } else {                                                        // A = bf(Y·Yᵀ) | bf(Yᵀ·Y)
+      DIOND_RETURN_IF_ERROR(Gemm(ctx, gram, y, y, ga));
+    }
+    if (half_a) {                                                   // AA = bf(A·Aᵀ) = bf(A·A)
+      DIOND_RETURN_IF_ERROR(SymmetricProductBf16(ctx, ga, HalfGramBlock(g), gaa));
+    } else {                                                        // AA = bf(A·A)
+      DIOND_RETURN_IF_ERROR(Gemm(ctx, plain, ga, ga, gaa));
+    }
     // B = bf(bf(b·A) + bf(c·AA))
     DIOND_RETURN_IF_ERROR(Bf16RoundedAxpby(ctx, F32(k.b), ga, F32(k.c), gaa, gb));
     if (tall) {  // P = bf(Y·B)

@@ -280,6 +280,61 @@ TEST(Orthogonalize, Bf16ReferenceIsTheEagerBf16SequenceBitForBit) {
   }
 }
 
+// The oneDNN bf16 engine (Bf16Matmul::kOneDnnBf16) written out eagerly: bf16 storage, every
+// matmul one full oneDNN bf16 Gemm with a bf16 result (never the half-work SymmetricProductBf16),
+// every elementwise step its own op rounding once. Polar Express only.
+std::vector<float> EagerOneDnnPolarExpress(const Context& ctx, const std::vector<float>& g,
+                                           int64_t m, int64_t n) {
+  const bool tall = m > n;
+  const int64_t k = std::min(m, n);
+  std::vector<BFloat16> y(m * n), p(m * n), a(k * k), aa(k * k), b(k * k);
+  auto Y = MakeView(y.data(), {m, n}), P = MakeView(p.data(), {m, n});
+  auto A = MakeView(a.data(), {k, k}), AA = MakeView(aa.data(), {k, k}),
+       B = MakeView(b.data(), {k, k});
+  EXPECT_THAT(Copy(ctx, MakeView(g.data(), {m, n}), Y), IsOk());
+  float norm = 0.0f;
+  EXPECT_THAT(FrobeniusNorm(ctx, Y, MakeView(&norm, {1})), IsOk());
+  float d = RoundToBf16(RoundToBf16(RoundToBf16(norm) * 1.02f) + 1e-8f);
+  EXPECT_THAT(Binary(ctx, BinaryOp::kDiv, Y, MakeView(&d, {1, 1}), Y), IsOk());
+  GemmParams gram, plain;
+  (tall ? gram.trans_a : gram.trans_b) = Trans::kYes;
+  for (const OrthoCoefficients& c : PolarExpressCoefficients()) {
+    EXPECT_THAT(Gemm(ctx, gram, Y, Y, A), IsOk());
+    EXPECT_THAT(Gemm(ctx, plain, A, A, AA), IsOk());
+    EXPECT_THAT(Scale(ctx, static_cast<float>(c.b), A, B), IsOk());
+    EXPECT_THAT(Scale(ctx, static_cast<float>(c.c), AA, AA), IsOk());
+    EXPECT_THAT(Axpby(ctx, 1.0f, B, 1.0f, AA, B), IsOk());
+    EXPECT_THAT(tall ? Gemm(ctx, plain, Y, B, P) : Gemm(ctx, plain, B, Y, P), IsOk());
+    EXPECT_THAT(Scale(ctx, static_cast<float>(c.a), Y, Y), IsOk());
+    EXPECT_THAT(Axpby(ctx, 1.0f, Y, 1.0f, P, Y), IsOk());
+  }
+  std::vector<float> out(m * n);
+  for (int64_t i = 0; i < m * n; ++i) out[i] = Bf16ToFloat(y[i]);
+  return out;
+}
+
+// The oneDNN engine computes Y·Yᵀ and A·A with the half-work SymmetricProductBf16 on shapes
+// large enough for it to pay (orthogonalize.cc HalfGram); the values must stay the full
+// products' bit for bit: wide (both products halved), square, tall (only A·A halved) and a small
+// wide shape (neither), with 2 threads.
+TEST(Orthogonalize, OneDnnBf16IsTheEagerFullGemmSequenceBitForBit) {
+  auto ctx = Context::CpuDefault(2);
+  for (auto [m, n] : std::vector<std::pair<int64_t, int64_t>>{
+           {200, 2000}, {512, 512}, {1536, 416}, {48, 80}}) {
+    const auto g = Gaussian(m * n, 37);
+    const std::vector<float> want = EagerOneDnnPolarExpress(*ctx, g, m, n);
+    std::vector<float> got(m * n);
+    OrthogonalizeOptions o;
+    o.precision = OrthoPrecision::kBf16Reference;
+    o.bf16_matmul = Bf16Matmul::kOneDnnBf16;
+    ASSERT_THAT(Orthogonalize(*ctx, o, MakeView(g.data(), {m, n}), MakeView(got.data(), {m, n})),
+                IsOk());
+    int64_t differ = 0;
+    for (int64_t i = 0; i < m * n; ++i) differ += got[i] != want[i];
+    EXPECT_EQ(differ, 0) << m << "x" << n;
+  }
+}
+
 TEST(Orthogonalize, ZeroInputGivesZeroAndAliasingWorks) {
   auto ctx = Context::CpuDefault();
   std::vector<float> z(12, 0.0f);
