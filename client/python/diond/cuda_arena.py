@@ -122,14 +122,10 @@ class _DeviceMemory:
         self.ptr, self.nbytes = ptr, nbytes
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "strides": None,
                                          "data": (ptr, False), "version": 2}
-        self._finalizer = weakref.finalize(self, free)
-
-    @property
-    def freed(self):
-        return not self._finalizer.alive
+        self.finalizer = weakref.finalize(self, free)
 
     def release(self):
-        self._finalizer()
+        self.finalizer()
 
 
 class CudaArena:
@@ -150,6 +146,7 @@ class CudaArena:
         self.fd = -1
         self.tensor = None
         self._memory = None
+        self._finalizer = None  # the allocation's (it holds no reference to the memory)
         drv = driver or load_driver()
         undo = _Undo()
         try:
@@ -184,6 +181,7 @@ class CudaArena:
                 ptr = self._allocate_vmm(drv, undo, ctx, dev, param_bytes, grad_bytes)
         undo.push(_in_context, drv, ctx, "cuCtxSynchronize")  # runs first: work on it is done
         self._memory = _DeviceMemory(ptr.value, self.plan.total_bytes, undo)
+        self._finalizer = self._memory.finalizer
 
     def _allocate_vmm(self, drv, undo, ctx, dev, param_bytes, grad_bytes):
         for attr, what in ((CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
@@ -271,7 +269,9 @@ class CudaArena:
 
     @property
     def freed(self):
-        return self._memory is None or self._memory.freed
+        """True once the allocation is released (close() alone does not free it while a tensor
+        over it lives)."""
+        return self._finalizer is None or not self._finalizer.alive
 
     def unlink(self):
         pass  # nothing named to remove (the same two calls as a shm arena)

@@ -100,11 +100,19 @@ _SIGNATURES = {
 }
 
 
-class Driver:
-    """libcuda.so.1, loaded and initialized (cuInit). ``call(name, *args)`` runs a driver
-    function and raises CudaDriverError unless it returns CUDA_SUCCESS."""
+# Names for the codes that arrive when cuGetErrorName cannot answer (a stub answers nothing).
+_KNOWN_ERRORS = {
+    34: "CUDA_ERROR_STUB_LIBRARY (this libcuda is the CUDA toolkit's link stub, not the driver)",
+    100: "CUDA_ERROR_NO_DEVICE",
+}
 
-    def __init__(self, path=LIBCUDA):
+
+class Driver:
+    """libcuda.so.1, loaded and initialized (cuInit; init=False skips it). ``call(name, *args)``
+    runs a driver function and raises CudaDriverError unless it returns CUDA_SUCCESS; a function
+    this driver lacks is a CudaDriverError when called. ``missing()`` lists those."""
+
+    def __init__(self, path=LIBCUDA, init=True):
         try:
             self._lib = ctypes.CDLL(path)
         except OSError as e:
@@ -123,14 +131,18 @@ class Driver:
                     fn.restype = ctypes.c_int
                     self._fns[name] = fn
                     break
-        self.call("cuInit", 0)
+        if init:
+            self.call("cuInit", 0)
+
+    def missing(self):
+        return sorted(set(_SIGNATURES) - set(self._fns))
 
     def error_name(self, code):
         fn = self._fns.get("cuGetErrorName")
         out = ctypes.c_char_p()
         if fn is not None and fn(code, ctypes.byref(out)) == 0 and out.value:
             return out.value.decode("ascii", "replace")
-        return "CUresult %d" % code
+        return _KNOWN_ERRORS.get(code, "CUresult %d" % code)
 
     def call(self, name, *args):
         fn = self._fns.get(name)

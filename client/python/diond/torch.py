@@ -741,11 +741,14 @@ class Optimizer(torch.optim.Optimizer):
                 views = self._cuda_views(arena, from_daemon)
                 arena.register(self.client, self.session_id, fd_path, self._param_arena_bytes,
                                self._grad_arena_bytes)
-            except (cuda_arena.CudaDriverError, DiondError, OSError) as e:
+            except BaseException as e:
                 views = None  # the last views of the allocation: it is freed with them
                 if arena is not None:
                     arena.close()
-                if i + 1 == len(order):
+                # The next kind may work where the driver, the fd channel or the daemon refused
+                # this one; anything else (a bug, an interrupt) would fail it too.
+                fallback = isinstance(e, (cuda_arena.CudaDriverError, DiondError, OSError))
+                if i + 1 == len(order) or not fallback:
                     raise
                 warnings.warn("diond: the %s arena failed on %s (%s); falling back to %s"
                               % (kind, self._device, e, order[i + 1]), RuntimeWarning,

@@ -264,7 +264,47 @@ def test_driver_loader_reports_a_missing_or_broken_libcuda(tmp_path):
             cudadrv.load_driver()
         with pytest.raises(cudadrv.CudaDriverError, match="libcuda.so.1"):
             cuda_arena.CudaArena(torch.device("cuda:0"), "cuda_vmm", 1024, 1024)
+    # The toolkit's link stub (where a toolkit is installed) is a real libcuda without a
+    # driver behind it: every call binds, and cuInit names the stub.
+    stub = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "lib64", "stubs",
+                        "libcuda.so")
+    if os.path.isfile(stub):
+        drv = cudadrv.Driver(stub, init=False)
+        assert drv.missing() == []
+        with pytest.raises(cudadrv.CudaDriverError) as e:
+            drv.call("cuInit", 0)
+        assert (e.value.call, e.value.code) == ("cuInit", 34)
+        assert "cuInit failed: CUDA_ERROR_STUB_LIBRARY" in str(e.value)
+        with pytest.raises(cudadrv.CudaDriverError, match="CUDA_ERROR_STUB_LIBRARY"):
+            cudadrv.load_driver(stub)
     with pytest.raises(ValueError, match="needs a CUDA device with an index, got cpu"):
         cuda_arena.CudaArena(torch.device("cpu"), "cuda_ipc", 1024, 1024)
     with pytest.raises(ValueError, match="kind must be one of cuda_vmm, cuda_ipc"):
         cuda_arena.CudaArena(torch.device("cuda:0"), "shm", 1024, 1024)
+
+
+def test_device_memory_is_released_once_in_reverse_order_whatever_fails():
+    # The cleanup machinery of CudaArena, with Python callables in place of driver calls: the
+    # release order and the run-once rule do not depend on the GPU.
+    calls = []
+
+    def step(name, fail=False):
+        calls.append(name)
+        if fail:
+            raise cudadrv.CudaDriverError(name, 1, "%s failed" % name)
+
+    undo = cuda_arena._Undo()
+    for name in ("retain", "create", "reserve", "map"):
+        undo.push(step, "undo " + name, name == "reserve")
+    mem = cuda_arena._DeviceMemory(0x1000, 4096, undo)
+    assert mem.__cuda_array_interface__["data"] == (0x1000, False)
+    assert mem.__cuda_array_interface__["shape"] == (4096,)
+    finalizer = mem.finalizer
+    del mem  # the last reference: freed now
+    assert not finalizer.alive
+    assert calls == ["undo map", "undo reserve", "undo create", "undo retain"]
+    assert undo() == []  # nothing left to run twice
+    mem = cuda_arena._DeviceMemory(0x2000, 256, lambda: calls.append("free"))
+    mem.release()
+    mem.release()
+    assert calls[-1] == "free" and calls.count("free") == 1
