@@ -133,7 +133,8 @@ class CudaArena:
 
     Attributes: kind, device, plan (param_offset, grad_offset, total_bytes), granularity,
     uuid (16 bytes), tensor (uint8, the whole allocation), region_ids (after register()).
-    Raises CudaDriverError (naming the driver call) or ValueError, leaving nothing allocated.
+    Raises CudaDriverError (naming the driver call), ValueError, or RuntimeError when torch
+    cannot wrap the memory in place, leaving nothing allocated.
     """
 
     def __init__(self, device, kind, param_arena_bytes, grad_arena_bytes, driver=None):
@@ -158,6 +159,7 @@ class CudaArena:
             if self._memory is not None:
                 self.tensor = None
                 self._memory.release()
+                self._memory = None
             else:
                 undo()
             raise
