@@ -7,6 +7,9 @@
 #   ops_json    cuda_ops_test's per-op / per-rule results as JSON
 #   conformance diond-conformance --device cuda:0 --mode both on every vector
 #   example     examples/python/train_gpt.py against a daemon started with --device=cuda:0
+#   python_cuda issue 12's Python CUDA arenas (client/python/tests/test_cuda_arena.py, legacy IPC
+#               and VMM fd against GPU daemons; test_cuda_region.py), with $DIOND_GPU_PYTHON
+#               (default /usr/bin/python3): its torch must see the GPU, else the step fails
 #   bench       diond-gpu-bench (ratios of item 7) as JSON
 # Without a GPU it exits 77 with one line, before building anything. Exit status: 0 when every
 # step passed, 1 otherwise (the summary says which).
@@ -45,7 +48,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >"
 # 1. Build only what the check runs, for sm_90 only.
 # (every binary with a `gpu`-labelled ctest case, plus the tools the later steps run)
 targets="diond diond_cuda diond_conformance diond_gpu_bench cuda_ops_test nccl_communicator_test"
-targets="$targets gpu_device_test"
+targets="$targets gpu_device_test diond_proto_python"
 run_step build 540 env DIOND_SKIP_DEPS=1 DIOND_JOBS="$jobs" DIOND_TARGETS="$targets" \
   bash "$root/scripts/build.sh" "$build" -DDIOND_WITH_CUDA=ON \
   -DCMAKE_CUDA_ARCHITECTURES="90-real;90-virtual" -DDIOND_WERROR=ON
@@ -72,7 +75,18 @@ if [ $build_rc -eq 0 ]; then
   kill "$daemon" 2>/dev/null
   wait "$daemon" 2>/dev/null
   rm -rf "$dir"
-  # 5. The GPU benchmarks.
+  # 5. The Python CUDA arenas (issue 12): the tests skip without a GPU in torch, so check that
+  # first rather than record a pass that tested nothing.
+  run_step python_cuda 300 env DIOND_BINARY="$build/bin/diond" \
+    PYTHONPATH="$build/python:$root/client/python" bash -c '
+    "$0" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" || {
+      echo "python_cuda: torch in $0 sees no GPU; set DIOND_GPU_PYTHON to a CUDA torch" >&2
+      exit 1
+    }
+    exec "$0" -m pytest -q -p no:cacheprovider -rs --junitxml="$1" "${@:2}"' \
+    "${DIOND_GPU_PYTHON:-$python}" "$out/python-cuda.xml" \
+    "$root/client/python/tests/test_cuda_arena.py" "$root/client/python/tests/test_cuda_region.py"
+  # 6. The GPU benchmarks.
   run_step bench 300 "$build/bin/diond-gpu-bench" --cuda_plugin "$build/bin/libdiond_cuda.so" \
     --out "$out/gpu-bench.json"
 fi

@@ -390,12 +390,34 @@ class Client:
                                  fd_token=fd_token))
         return self._unary("RegisterRegion", req, timeout).region_id
 
+    def register_cuda_ipc_region(self, session_id, role, mem_handle, gpu_uuid, offset_bytes,
+                                 size_bytes, timeout=None):
+        """RegisterRegion of a legacy CUDA IPC allocation (REGION_KIND_CUDA_IPC): `mem_handle`
+        (64 bytes) names the allocation base, `gpu_uuid` (16 bytes) the trainer's GPU, and the
+        region is [offset_bytes, offset_bytes + size_bytes) of it. ValueError / TypeError for a
+        malformed field, before anything is sent. Returns region_id."""
+        from .cuda_region import cuda_ipc_region_request
+        req = cuda_ipc_region_request(session_id, role, mem_handle, gpu_uuid, offset_bytes,
+                                      size_bytes)
+        return self._unary("RegisterRegion", req, timeout).region_id
+
+    def register_cuda_vmm_region(self, session_id, role, fd_token, gpu_uuid, offset_bytes,
+                                 size_bytes, granularity_bytes, timeout=None):
+        """RegisterRegion of a CUDA VMM allocation (REGION_KIND_CUDA_VMM_FD) whose exported fd
+        went over the fd channel first (diond.fdchannel.send_fd with KIND_CUDA_VMM returns
+        `fd_token`; one token per region). ValueError / TypeError for a malformed field, before
+        anything is sent. Returns region_id."""
+        from .cuda_region import cuda_vmm_region_request
+        req = cuda_vmm_region_request(session_id, role, fd_token, gpu_uuid, offset_bytes,
+                                      size_bytes, granularity_bytes)
+        return self._unary("RegisterRegion", req, timeout).region_id
+
     def unregister_region(self, session_id, region_id, timeout=None):
         self._unary("UnregisterRegion",
                     pb.UnregisterRegionRequest(session_id=session_id, region_id=region_id), timeout)
 
     def step(self, session_id, step_index, lr_override=None, gradient_scale=0.0, timeout=None,
-             group_step=None, asynchronous=False):
+             group_step=None, asynchronous=False, ready_event=b"", done_event=b""):
         """Step; idempotent on step_index (repeat the last index to get its recorded answer).
         group_step: {group: the trainer's 1-based step number for it} (Dion's cqr warm-up counts
         it; groups not named use step_index).
@@ -403,9 +425,18 @@ class Client:
         asynchronous=True: the daemon validates the request, queues the step and answers at once
         (.queued is True); the result comes with the next step() (.previous) or wait_step().
         Until then the session's regions and state belong to the step: do not read or write the
-        arenas (docs/DATA_PLANE.md "Asynchronous Step")."""
+        arenas (docs/DATA_PLANE.md "Asynchronous Step").
+
+        ready_event, done_event: the 64-byte handles (torch.cuda.Event.ipc_handle()) of the
+        trainer's interprocess events for CUDA regions (docs/DATA_PLANE.md "The event
+        protocol"); empty = none. ValueError for another size, before anything is sent."""
+        if ready_event or done_event:
+            from .cuda_region import check_event_handle
+            ready_event = check_event_handle("ready_event", ready_event) if ready_event else b""
+            done_event = check_event_handle("done_event", done_event) if done_event else b""
         req = pb.StepRequest(session_id=session_id, step_index=step_index,
-                             gradient_scale=gradient_scale, asynchronous=bool(asynchronous))
+                             gradient_scale=gradient_scale, asynchronous=bool(asynchronous),
+                             ready_event=ready_event, done_event=done_event)
         if lr_override:
             for g, lr in lr_override.items():
                 req.lr_override[g] = float(lr)

@@ -14,14 +14,19 @@ weight_decay 0.01, epsilon 1e-8, ...). An option a group's algorithm does not ha
 option or a value out of range raises ValueError/TypeError before anything reaches the daemon.
 
 Shared-memory mode (the default on a Unix socket): the constructor moves every parameter's
-``.data`` and ``.grad`` into two arenas in one shared host buffer, so the model's tensors
-become views of memory the daemon maps as well (``arena="memfd"``: a sealed memfd passed over
-the daemon's fd channel, the default on Linux when the daemon offers it; ``arena="shm"``: a
-POSIX shared-memory segment; docs/DATA_PLANE.md); ``backward()`` accumulates into the gradient
-arena and ``step()`` is one small ``Step`` RPC after which the daemon has written the new weights
-in place. Remote mode (``remote=True``, the default for TCP targets): weights go up with
-``SetState`` once, gradients with ``PushGradients`` every step, and the new weights come back
-with ``PullParameters`` (both modes give bit-identical numbers).
+``.data`` and ``.grad`` into two arenas in one shared buffer, so the model's tensors become
+views of memory the daemon maps as well (docs/DATA_PLANE.md). CPU parameters: a host buffer
+(``arena="memfd"``: a sealed memfd passed over the daemon's fd channel, the default on Linux when
+the daemon offers it; ``arena="shm"``: a POSIX shared-memory segment). CUDA parameters: one
+allocation on their GPU (``arena="cuda_vmm"``: a VMM allocation whose fd goes over the fd
+channel; ``arena="cuda_ipc"``: a legacy CUDA IPC handle), for a daemon computing on that GPU;
+``step()`` then orders the daemon's work and the trainer's stream with two interprocess events,
+without a host synchronization. ``backward()`` accumulates into the gradient arena and
+``step()`` is one small ``Step`` RPC after which the daemon has written the new weights in
+place. All parameters must be on one device (CPU or one GPU). Remote mode (``remote=True``,
+the default for TCP targets; any devices): weights go up with ``SetState`` once, gradients with
+``PushGradients`` every step, and the new weights come back with ``PullParameters`` (both modes
+give bit-identical numbers).
 
 Differences from a PyTorch optimizer, by design:
   * the daemon updates every parameter at every step; a parameter whose ``.grad`` is None steps
@@ -35,13 +40,14 @@ Differences from a PyTorch optimizer, by design:
 import math
 import os
 import secrets
+import warnings
 import weakref
 from multiprocessing import shared_memory
 
 import grpc
 import torch
 
-from . import fdchannel
+from . import cuda_arena, fdchannel
 from .client import Client, DiondError, pb
 
 __all__ = ["Optimizer", "ALGORITHMS"]
@@ -124,6 +130,8 @@ _ALIASES = {"rcqr_oversample": "oversample"}
 # Constructor arguments of _COMPAT that the reference also reads per group.
 _GROUP_COMPAT = {"selection_scope"}
 _SEGMENT_ALIGN = 4096
+_HOST_ARENAS = ("memfd", "shm")
+_CUDA_ARENAS = ("cuda_vmm", "cuda_ipc")
 
 
 def _is_num(v):
@@ -264,8 +272,35 @@ def _align(n, a):
     return (n + a - 1) // a * a
 
 
+def _describe(wheres, limit=4):
+    more = len(wheres) - limit
+    return ", ".join(wheres[:limit]) + (" and %d more" % more if more > 0 else "")
+
+
+def _arena_device(params):
+    """The one device of shared-memory mode's arenas. params: [(where, torch.device)], where
+    names the parameter for messages. ValueError when the parameters span several devices (CPU
+    and GPU, or several GPUs: one arena lives on one device) or a device that is neither the CPU
+    nor a CUDA GPU."""
+    by_device = {}
+    for where, device in params:
+        by_device.setdefault(device, []).append(where)
+    for device, wheres in by_device.items():
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError("shared-memory mode takes CPU or CUDA parameters; %s %s on %s: use "
+                             "remote=True" % (_describe(wheres),
+                                              "is" if len(wheres) == 1 else "are", device))
+    if len(by_device) > 1:
+        raise ValueError(
+            "shared-memory mode keeps every parameter in one arena on one device, but these "
+            "parameters are on %d devices: %s. Move them to one device (one optimizer per GPU), "
+            "or use remote=True" % (len(by_device), "; ".join(
+                "%s on %s" % (_describe(w), d) for d, w in by_device.items())))
+    return next(iter(by_device)) if by_device else torch.device("cpu")
+
+
 def _release(shm, session, client):
-    """Finalizer: end the session and free the segment even if close() was never called."""
+    """Finalizer: end the session and free the arena even if close() was never called."""
     if client is not None:
         try:
             client.close_session(session, timeout=2.0)
@@ -293,10 +328,17 @@ class Optimizer(torch.optim.Optimizer):
         default socket), or a connected ``diond.Client``.
       remote: True for remote mode (no shared memory), False for shared memory; default: shared
         memory on a Unix socket, remote over TCP.
-      arena: the shared memory of shared-memory mode: "memfd" (a sealed memfd sent over the
-        daemon's fd channel: it cannot shrink under the daemon), "shm" (a POSIX shm segment), or
-        None (default): "memfd" when this is Linux and the daemon lists REGION_KIND_MEMFD with an
-        fd channel, else "shm". ``self.arena`` tells which one is used.
+      arena: the shared memory of shared-memory mode. For CPU parameters: "memfd" (a sealed
+        memfd sent over the daemon's fd channel: it cannot shrink under the daemon), "shm" (a
+        POSIX shm segment), or None (default): "memfd" when this is Linux and the daemon lists
+        REGION_KIND_MEMFD with an fd channel, else "shm". For CUDA parameters (all on one GPU;
+        the daemon must compute on that GPU): "cuda_vmm" (a VMM allocation exported as an fd),
+        "cuda_ipc" (a legacy CUDA IPC handle), or None (default): the first of the two that the
+        daemon lists in its region kinds and that works here, falling back from "cuda_vmm" to
+        "cuda_ipc" with a RuntimeWarning that says why. An explicit kind the daemon does not
+        offer, or one for the other device type, raises ValueError. ``self.arena`` tells which
+        one is used. Parameters on several devices (CPU and GPU, or two GPUs) are refused with
+        a ValueError naming them; remote=True takes any mix.
       fp32_master_weights: for bf16/f16 parameters, let the daemon keep float32 master weights.
         (state_dict() does not carry them: SetState takes parameters in their own dtype, so a
         resumed session restarts from the bf16/f16 weights; bit-identical resume needs
@@ -373,13 +415,14 @@ class Optimizer(torch.optim.Optimizer):
         if resume and self.world_key:
             raise ValueError("resume=True is for local sessions; world sessions restore from "
                              "checkpoints on every rank")
-        if arena not in (None, "memfd", "shm"):
-            raise ValueError("arena must be 'memfd', 'shm' or None, got %r" % (arena,))
+        if arena not in (None,) + _HOST_ARENAS + _CUDA_ARENAS:
+            raise ValueError("arena must be 'memfd', 'shm', 'cuda_vmm', 'cuda_ipc' or None, got %r"
+                             % (arena,))
         if arena == "memfd" and not fdchannel.supported():
             raise ValueError("arena='memfd' needs Linux and Python >= 3.9 (os.memfd_create, "
                              "socket.send_fds); use arena='shm'")
         self._arena_choice = arena
-        self.arena = None  # "memfd" or "shm" once the arenas exist
+        self.arena = None  # "memfd", "shm", "cuda_vmm" or "cuda_ipc" once the arenas exist
         self._explicit_defaults = set(options)
         self._closed = True  # until the session exists
         self._queued = None  # the step index queued by step(asynchronous=True), not collected
@@ -395,8 +438,13 @@ class Optimizer(torch.optim.Optimizer):
         self.remote = (not self.client.is_unix) if remote is None else bool(remote)
         self.fp32_master_weights = bool(fp32_master_weights)
         self._shm = None
+        self._cuda_arena = None
+        self._device = None  # the arenas' device (shared-memory mode)
+        self._events = None  # the interprocess events of CUDA arenas, created at the first step
         attached = None
         try:
+            if not self.remote:
+                self._device = self._check_arena_device(arena)
             if resume:
                 _, specs = self._declare()
                 try:
@@ -435,7 +483,8 @@ class Optimizer(torch.optim.Optimizer):
             g["step"] = self._step_index
         self.last_step = None  # the last StepResponse
         self._finalizer = weakref.finalize(
-            self, _release, self._shm, self.session_id, self.client if self._owns_client else None)
+            self, _release, self._shm if self._shm is not None else self._cuda_arena,
+            self.session_id, self.client if self._owns_client else None)
 
     # -- construction -------------------------------------------------------------------------
     def add_param_group(self, param_group):
@@ -517,6 +566,19 @@ class Optimizer(torch.optim.Optimizer):
                     "option %s=%r is used by no parameter group (algorithms: %s)"
                     % (k, self.defaults[k],
                        ", ".join(sorted({g["algorithm"] for g in self.param_groups}))))
+
+    def _check_arena_device(self, choice):
+        """The arenas' device (every parameter's), checked against the arena choice."""
+        device = _arena_device([
+            ("param group %d, parameter %d (shape %s)" % (gi, j, list(p.shape)), p.device)
+            for gi, g in enumerate(self.param_groups) for j, p in enumerate(g["params"])])
+        if device.type == "cuda" and choice in _HOST_ARENAS:
+            raise ValueError("arena=%r is host memory, but the parameters are on %s; use "
+                             "'cuda_vmm', 'cuda_ipc' or None (or remote=True)" % (choice, device))
+        if device.type == "cpu" and choice in _CUDA_ARENAS:
+            raise ValueError("arena=%r is GPU memory, but the parameters are on the CPU; use "
+                             "'memfd', 'shm' or None" % (choice,))
+        return device
 
     def _params(self):
         for g in self.param_groups:
@@ -602,10 +664,9 @@ class Optimizer(torch.optim.Optimizer):
         if not self.client.is_unix:
             raise ValueError("shared memory needs a Unix-socket target (got %s); use remote=True"
                              % self.client.target)
-        for p in self._params():
-            if p.device.type != "cpu":
-                raise ValueError("shared-memory mode needs CPU parameters (got %s); use "
-                                 "remote=True" % p.device)
+        if self._device.type == "cuda":
+            self._attach_cuda_arenas(from_daemon)
+            return
         grad_base = _align(self._param_arena_bytes, _SEGMENT_ALIGN)
         size = grad_base + self._grad_arena_bytes
         fd_path, kinds = self._data_plane
@@ -663,6 +724,68 @@ class Optimizer(torch.optim.Optimizer):
                 self.client.register_region(self.session_id, pb.REGION_ROLE_GRADIENTS,
                                             self._shm.name, grad_base, self._grad_arena_bytes),
             ]
+
+    def _attach_cuda_arenas(self, from_daemon):
+        """One allocation on the parameters' GPU (cuda_arena.CudaArena) holds both arenas; the
+        first kind that allocates, exports and registers is kept (VMM, then legacy IPC, for
+        arena=None). The model's tensors become views of it only once both regions are
+        registered, so a kind that failed leaves the model as it was."""
+        fd_path, kinds = self._data_plane
+        usable = bool(fd_path) and fdchannel.supported() and os.access(fd_path, os.W_OK)
+        order = cuda_arena.candidate_kinds(self._arena_choice, kinds, usable, self.client.target)
+        for i, kind in enumerate(order):
+            arena = None
+            try:
+                arena = cuda_arena.CudaArena(self._device, kind, self._param_arena_bytes,
+                                             self._grad_arena_bytes)
+                views = self._cuda_views(arena, from_daemon)
+                arena.register(self.client, self.session_id, fd_path, self._param_arena_bytes,
+                               self._grad_arena_bytes)
+            except BaseException as e:
+                views = None  # the last views of the allocation: it is freed with them
+                if arena is not None:
+                    arena.close()
+                # The next kind may work where the driver, the fd channel or the daemon refused
+                # this one; anything else (a bug, an interrupt) would fail it too.
+                fallback = isinstance(e, (cuda_arena.CudaDriverError, DiondError, OSError))
+                if i + 1 == len(order) or not fallback:
+                    raise
+                warnings.warn("diond: the %s arena failed on %s (%s); falling back to %s"
+                              % (kind, self._device, e, order[i + 1]), RuntimeWarning,
+                              stacklevel=4)
+                continue
+            break
+        self._cuda_arena = arena
+        self.arena = kind
+        plan = arena.plan
+        self._grad_arena = arena.view(plan.grad_offset, self._grad_arena_bytes)
+        self._pviews, self._gviews = [], []
+        for p, (pv, gv) in zip(self._params(), views):
+            p.data = pv
+            p.grad = gv
+            self._pviews.append(pv)
+            self._gviews.append(gv)
+
+    def _cuda_views(self, arena, from_daemon):
+        """[(parameter view, gradient view)] of `arena`, filled with the model's values (unless
+        the weights come from the daemon) and synchronized: registration may read them."""
+        out = []
+        with torch.no_grad():
+            for n, p in zip(self._names, self._params()):
+                t = self._layout[n]
+                nbytes = p.numel() * p.element_size()
+                pv = arena.view(arena.plan.param_offset + t.param_offset_bytes, nbytes)
+                gv = arena.view(arena.plan.grad_offset + t.grad_offset_bytes, nbytes)
+                pv, gv = pv.view(p.dtype).view(p.shape), gv.view(p.dtype).view(p.shape)
+                if not from_daemon:
+                    pv.copy_(p.data)
+                if p.grad is not None and not from_daemon:
+                    gv.copy_(p.grad)
+                else:
+                    gv.zero_()
+                out.append((pv, gv))
+        torch.cuda.current_stream(self._device).synchronize()
+        return out
 
     def _upload_parameters(self):
         self.client.set_state(self.session_id,
@@ -762,19 +885,44 @@ class Optimizer(torch.optim.Optimizer):
             self.client.push_gradients(self.session_id, grads)
         else:
             self._sync_views()
+        events = self._record_ready() if self._cuda_arena is not None else {}
         # The groups' own step counters (restored by load_state_dict, as the reference's), for
         # Dion's cqr warm-up.
         steps = {name: int(g.get("step", 0)) + 1
                  for name, g in zip(self._group_names, self.param_groups)
                  if g["algorithm"] == "dion"}
         resp = self.client.step(self.session_id, self._step_index + 1, lr_override=lrs,
-                                group_step=steps, asynchronous=asynchronous)
+                                group_step=steps, asynchronous=asynchronous, **events)
         self.last_step = resp
         if resp.queued:
             self._queued = self._step_index + 1
             return loss
         self._finish_step()
         return loss
+
+    def _record_ready(self):
+        """The event protocol (docs/DATA_PLANE.md), trainer side: two interprocess events on the
+        arenas' GPU, created once (the daemon opens each handle once and keeps it); "gradients
+        ready" is recorded on the current stream now, after backward, and the daemon's stream
+        waits on it before it reads the gradients. Returns the Step fields."""
+        stream = torch.cuda.current_stream(self._device)
+        if self._events is None:
+            with torch.cuda.device(self._device):
+                ready = torch.cuda.Event(enable_timing=False, interprocess=True)
+                done = torch.cuda.Event(enable_timing=False, interprocess=True)
+                ready.record(stream)
+                self._events = (ready, done, bytes(ready.ipc_handle()), bytes(done.ipc_handle()))
+        else:
+            self._events[0].record(stream)
+        return {"ready_event": self._events[2], "done_event": self._events[3]}
+
+    def _wait_done(self):
+        """The current stream waits on "weights done", which the daemon recorded once the new
+        weights were written (also for a skipped step): the next forward reads them, with no
+        host synchronization. A step that failed recorded nothing; waiting then completes at
+        once (CUDA's rule for an event's last record)."""
+        if self._events is not None:
+            torch.cuda.current_stream(self._device).wait_event(self._events[1])
 
     def synchronize(self):
         """Waits for the step queued by step(asynchronous=True) and returns its StepResponse
@@ -790,7 +938,11 @@ class Optimizer(torch.optim.Optimizer):
         return resp
 
     def _finish_step(self):
-        """A step applied: the counters advance; remote mode fetches the new weights."""
+        """A step applied: the counters advance; remote mode fetches the new weights; CUDA
+        arenas order the trainer's stream after the daemon's writes. An asynchronous step waits
+        here, at its collection, not when it was queued: only then has the daemon recorded
+        "weights done" for it (a wait enqueued earlier would see the previous step's record)."""
+        self._wait_done()
         self._step_index += 1
         if self.remote:
             direct, staged = {}, {}
@@ -895,8 +1047,8 @@ class Optimizer(torch.optim.Optimizer):
 
     # -- lifetime -----------------------------------------------------------------------------
     def _detach(self):
-        """Give the model back ordinary tensors (copies of the arenas) and free the segment."""
-        if self._shm is None:
+        """Give the model back ordinary tensors (copies of the arenas) and free the arenas."""
+        if self._shm is None and self._cuda_arena is None:
             return
         with torch.no_grad():
             for p, pv, gv in zip(self._params(), getattr(self, "_pviews", []),
@@ -909,6 +1061,12 @@ class Optimizer(torch.optim.Optimizer):
                     except RuntimeError:  # .data was replaced by another dtype or shape
                         p.grad = None
         self._pviews, self._gviews, self._grad_arena = [], [], None
+        if self._cuda_arena is not None:
+            # The copies above are queued on the current stream: the allocation is freed after a
+            # cuCtxSynchronize, once no view of it is left (cuda_arena.CudaArena.close).
+            arena, self._cuda_arena, self._events = self._cuda_arena, None, None
+            arena.close()
+            return
         shm, self._shm = self._shm, None
         try:
             shm.unlink()
