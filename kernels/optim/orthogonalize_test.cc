@@ -217,6 +217,32 @@ TEST(Orthogonalize, Bf16MatmulEnginesAgree) {
   }
 }
 
+// ORTH-1/2 of the eager bf16 sequence: Y = bf(G), then Y / bf(bf(bf(‖Y‖_F)·1.02) + ε).
+void EagerBf16Normalize(const Context& ctx, const std::vector<float>& g, TensorView y) {
+  EXPECT_THAT(Copy(ctx, MakeView(g.data(), {y.Rows(), y.Cols()}), y), IsOk());
+  float norm = 0.0f;
+  EXPECT_THAT(FrobeniusNorm(ctx, y, MakeView(&norm, {1})), IsOk());
+  float d = RoundToBf16(RoundToBf16(RoundToBf16(norm) * 1.02f) + 1e-8f);
+  EXPECT_THAT(Binary(ctx, BinaryOp::kDiv, y, MakeView(&d, {1, 1}), y), IsOk());
+}
+
+// Orthogonalize with `o` on a Gaussian m×n input equals `eager`'s values bit for bit.
+template <typename Eager>
+void ExpectEagerBitForBit(const OrthogonalizeOptions& o, Eager eager,
+                          const std::vector<std::pair<int64_t, int64_t>>& shapes, uint32_t seed) {
+  auto ctx = Context::CpuDefault(2);
+  for (auto [m, n] : shapes) {
+    const auto g = Gaussian(m * n, seed);
+    const std::vector<float> want = eager(*ctx, g, m, n);
+    std::vector<float> got(m * n);
+    ASSERT_THAT(Orthogonalize(*ctx, o, MakeView(g.data(), {m, n}), MakeView(got.data(), {m, n})),
+                IsOk());
+    int64_t differ = 0;
+    for (int64_t i = 0; i < m * n; ++i) differ += got[i] != want[i];
+    EXPECT_EQ(differ, 0) << m << "x" << n;
+  }
+}
+
 // The eager bf16 op sequence of the reference (orthogonalize.h, kBf16Reference), written out
 // with bf16 storage: every matmul the f32 OpenBLAS GEMM of exactly widened bf16 operands rounded
 // once to bf16, every elementwise step its own op rounding once. Polar Express only (NS5 differs
@@ -232,11 +258,7 @@ std::vector<float> EagerBf16PolarExpress(const Context& ctx, const std::vector<f
        B = MakeView(b.data(), {k, k});
   auto Yf = MakeView(yf.data(), {m, n}), Pf = MakeView(pf.data(), {m, n});
   auto Af = MakeView(af.data(), {k, k}), Af2 = MakeView(af2.data(), {k, k});
-  EXPECT_THAT(Copy(ctx, MakeView(g.data(), {m, n}), Y), IsOk());
-  float norm = 0.0f;
-  EXPECT_THAT(FrobeniusNorm(ctx, Y, MakeView(&norm, {1})), IsOk());
-  float d = RoundToBf16(RoundToBf16(RoundToBf16(norm) * 1.02f) + 1e-8f);
-  EXPECT_THAT(Binary(ctx, BinaryOp::kDiv, Y, MakeView(&d, {1, 1}), Y), IsOk());
+  EagerBf16Normalize(ctx, g, Y);
   GemmParams gram, plain;
   gram.engine = plain.engine = Fp32GemmEngine::kOpenBlas;
   (tall ? gram.trans_a : gram.trans_b) = Trans::kYes;
@@ -265,19 +287,9 @@ std::vector<float> EagerBf16PolarExpress(const Context& ctx, const std::vector<f
 // the values must stay those of the eager sequence bit for bit, on shapes whose inner
 // dimensions span several OpenBLAS K-blocks, with 2 threads.
 TEST(Orthogonalize, Bf16ReferenceIsTheEagerBf16SequenceBitForBit) {
-  auto ctx = Context::CpuDefault(2);
-  for (auto [m, n] : std::vector<std::pair<int64_t, int64_t>>{{96, 1100}, {1100, 96}, {160, 160}}) {
-    const auto g = Gaussian(m * n, 31);
-    const std::vector<float> want = EagerBf16PolarExpress(*ctx, g, m, n);
-    std::vector<float> got(m * n);
-    OrthogonalizeOptions o;
-    o.precision = OrthoPrecision::kBf16Reference;
-    ASSERT_THAT(Orthogonalize(*ctx, o, MakeView(g.data(), {m, n}), MakeView(got.data(), {m, n})),
-                IsOk());
-    int64_t differ = 0;
-    for (int64_t i = 0; i < m * n; ++i) differ += got[i] != want[i];
-    EXPECT_EQ(differ, 0) << m << "x" << n;
-  }
+  OrthogonalizeOptions o;
+  o.precision = OrthoPrecision::kBf16Reference;
+  ExpectEagerBitForBit(o, EagerBf16PolarExpress, {{96, 1100}, {1100, 96}, {160, 160}}, 31);
 }
 
 // The oneDNN bf16 engine (Bf16Matmul::kOneDnnBf16) written out eagerly: bf16 storage, every
@@ -291,11 +303,7 @@ std::vector<float> EagerOneDnnPolarExpress(const Context& ctx, const std::vector
   auto Y = MakeView(y.data(), {m, n}), P = MakeView(p.data(), {m, n});
   auto A = MakeView(a.data(), {k, k}), AA = MakeView(aa.data(), {k, k}),
        B = MakeView(b.data(), {k, k});
-  EXPECT_THAT(Copy(ctx, MakeView(g.data(), {m, n}), Y), IsOk());
-  float norm = 0.0f;
-  EXPECT_THAT(FrobeniusNorm(ctx, Y, MakeView(&norm, {1})), IsOk());
-  float d = RoundToBf16(RoundToBf16(RoundToBf16(norm) * 1.02f) + 1e-8f);
-  EXPECT_THAT(Binary(ctx, BinaryOp::kDiv, Y, MakeView(&d, {1, 1}), Y), IsOk());
+  EagerBf16Normalize(ctx, g, Y);
   GemmParams gram, plain;
   (tall ? gram.trans_a : gram.trans_b) = Trans::kYes;
   for (const OrthoCoefficients& c : PolarExpressCoefficients()) {
@@ -318,21 +326,11 @@ std::vector<float> EagerOneDnnPolarExpress(const Context& ctx, const std::vector
 // products' bit for bit: wide (both products halved), square, tall (only A·A halved) and a small
 // wide shape (neither), with 2 threads.
 TEST(Orthogonalize, OneDnnBf16IsTheEagerFullGemmSequenceBitForBit) {
-  auto ctx = Context::CpuDefault(2);
-  for (auto [m, n] : std::vector<std::pair<int64_t, int64_t>>{
-           {200, 2000}, {512, 512}, {1536, 416}, {48, 80}}) {
-    const auto g = Gaussian(m * n, 37);
-    const std::vector<float> want = EagerOneDnnPolarExpress(*ctx, g, m, n);
-    std::vector<float> got(m * n);
-    OrthogonalizeOptions o;
-    o.precision = OrthoPrecision::kBf16Reference;
-    o.bf16_matmul = Bf16Matmul::kOneDnnBf16;
-    ASSERT_THAT(Orthogonalize(*ctx, o, MakeView(g.data(), {m, n}), MakeView(got.data(), {m, n})),
-                IsOk());
-    int64_t differ = 0;
-    for (int64_t i = 0; i < m * n; ++i) differ += got[i] != want[i];
-    EXPECT_EQ(differ, 0) << m << "x" << n;
-  }
+  OrthogonalizeOptions o;
+  o.precision = OrthoPrecision::kBf16Reference;
+  o.bf16_matmul = Bf16Matmul::kOneDnnBf16;
+  ExpectEagerBitForBit(o, EagerOneDnnPolarExpress, {{200, 2000}, {512, 512}, {1536, 416}, {48, 80}},
+                       37);
 }
 
 TEST(Orthogonalize, ZeroInputGivesZeroAndAliasingWorks) {

@@ -299,6 +299,17 @@ def _arena_device(params):
     return next(iter(by_device)) if by_device else torch.device("cpu")
 
 
+def _fill_views(p, pv, gv, from_daemon):
+    """An arena's views of parameter p take its values (unless the weights come from the daemon)
+    and its gradient (zeros when it has none, or when the weights come from the daemon)."""
+    if not from_daemon:
+        pv.copy_(p.data)
+    if p.grad is not None and not from_daemon:
+        gv.copy_(p.grad)
+    else:
+        gv.zero_()
+
+
 def _release(shm, session, client):
     """Finalizer: end the session and free the arena even if close() was never called."""
     if client is not None:
@@ -697,12 +708,7 @@ class Optimizer(torch.optim.Optimizer):
                                       offset=t.param_offset_bytes).view(p.shape)
                 gv = torch.frombuffer(buf, dtype=p.dtype, count=count,
                                       offset=grad_base + t.grad_offset_bytes).view(p.shape)
-                if not from_daemon:
-                    pv.copy_(p.data)
-                if p.grad is not None and not from_daemon:
-                    gv.copy_(p.grad)
-                else:
-                    gv.zero_()
+                _fill_views(p, pv, gv, from_daemon)
                 p.data = pv
                 p.grad = gv
                 self._pviews.append(pv)
@@ -777,12 +783,7 @@ class Optimizer(torch.optim.Optimizer):
                 pv = arena.view(arena.plan.param_offset + t.param_offset_bytes, nbytes)
                 gv = arena.view(arena.plan.grad_offset + t.grad_offset_bytes, nbytes)
                 pv, gv = pv.view(p.dtype).view(p.shape), gv.view(p.dtype).view(p.shape)
-                if not from_daemon:
-                    pv.copy_(p.data)
-                if p.grad is not None and not from_daemon:
-                    gv.copy_(p.grad)
-                else:
-                    gv.zero_()
+                _fill_views(p, pv, gv, from_daemon)
                 out.append((pv, gv))
         torch.cuda.current_stream(self._device).synchronize()
         return out
