@@ -233,6 +233,21 @@ int main(int argc, char** argv) {
   Check(c.Barrier(), "final barrier");
   std::printf("rank %d: %s\n", rank, failures == 0 ? "all collectives OK" : "FAILED");
   std::fflush(stdout);
+  // Leave only when every rank has passed the final barrier. A rank whose barrier has returned
+  // may still be the one a slower peer is reading from: Gloo's all-to-all barrier returns on a
+  // rank once its own receives and sends are done, and a process that exits then closes its
+  // sockets under a peer still inside the barrier, which fails that peer with "Connection
+  // closed by peer" (a flake this test once hit at W = 3). The rendezvous goes through files in
+  // DIR, outside the world under test.
+  {
+    std::ofstream(absl::StrCat(dir, "/done", rank)) << "1";
+    const absl::Time until = absl::Now() + absl::Seconds(30);
+    for (int r = 0; r < w; ++r) {
+      while (access(absl::StrCat(dir, "/done", r).c_str(), F_OK) != 0 && absl::Now() < until) {
+        absl::SleepFor(absl::Milliseconds(5));
+      }
+    }
+  }
   // Rank 0 serves the others' heartbeats: let them leave first.
   if (rank == 0) absl::SleepFor(absl::Milliseconds(300));
   world->reset();
