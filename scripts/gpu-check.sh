@@ -11,6 +11,8 @@
 #               and VMM fd against GPU daemons; test_cuda_region.py), with $DIOND_GPU_PYTHON
 #               (default /usr/bin/python3): its torch must see the GPU, else the step fails
 #   bench       diond-gpu-bench (ratios of item 7) as JSON
+#   ipc_bench   diond-ipc-bench (issue 12): a GPU daemon's Step through a CudaArena (legacy IPC)
+#               and a ShmArena ÷ the same update in-process, as JSON
 # Without a GPU it exits 77 with one line, before building anything. Exit status: 0 when every
 # step passed, 1 otherwise (the summary says which).
 set -uo pipefail
@@ -48,7 +50,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >"
 # 1. Build only what the check runs, for sm_90 only.
 # (every binary with a `gpu`-labelled ctest case, plus the tools the later steps run)
 targets="diond diond_cuda diond_conformance diond_gpu_bench cuda_ops_test nccl_communicator_test"
-targets="$targets gpu_device_test diond_proto_python"
+targets="$targets gpu_device_test diond_proto_python client_cuda_arena_test diond_ipc_bench"
 run_step build 540 env DIOND_SKIP_DEPS=1 DIOND_JOBS="$jobs" DIOND_TARGETS="$targets" \
   bash "$root/scripts/build.sh" "$build" -DDIOND_WITH_CUDA=ON \
   -DCMAKE_CUDA_ARCHITECTURES="90-real;90-virtual" -DDIOND_WERROR=ON
@@ -89,6 +91,8 @@ if [ $build_rc -eq 0 ]; then
   # 6. The GPU benchmarks.
   run_step bench 300 "$build/bin/diond-gpu-bench" --cuda_plugin "$build/bin/libdiond_cuda.so" \
     --out "$out/gpu-bench.json"
+  run_step ipc_bench 300 "$build/bin/diond-ipc-bench" --diond "$build/bin/diond" \
+    --cuda_plugin "$build/bin/libdiond_cuda.so" --out "$out/ipc-bench.json"
 fi
 
 # Summary: JSON + Markdown.
@@ -111,9 +115,13 @@ if os.path.exists(ops):
             cases.append({"case": suite["name"] + "." + t["name"],
                           "result": "FAIL" if t.get("failures") else t.get("result", "?")})
     summary["ops_and_rules"] = cases
-bench = os.path.join(out, "gpu-bench.json")
-if os.path.exists(bench):
-    summary["bench"] = json.load(open(bench))
+summary["bench"] = {}
+for key, name in (("gpu", "gpu-bench.json"), ("ipc", "ipc-bench.json")):
+    path = os.path.join(out, name)
+    if os.path.exists(path):
+        summary["bench"][key] = json.load(open(path))
+if not summary["bench"]:
+    del summary["bench"]
 json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=2)
 md = ["# diond GPU check", "", "GPU: " + summary["gpu"], "",
       "| step | exit | seconds |", "|---|---|---|"]

@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 #include <unistd.h>
 
+#include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -13,6 +14,61 @@
 namespace diond::client {
 namespace {
 
+// The VMM calls are driver API. They are reached through the runtime's
+// cudaGetDriverEntryPointByVersion rather than by linking libcuda, so that a program linking
+// this library starts on a machine without a driver (where the runtime then reports "no device"
+// as an error status instead of the loader refusing the program), as the daemon's CUDA plugin
+// does.
+struct Driver {
+  CUresult (*granularity)(size_t*, const CUmemAllocationProp*,
+                          CUmemAllocationGranularity_flags) = nullptr;
+  CUresult (*create)(CUmemGenericAllocationHandle*, size_t, const CUmemAllocationProp*,
+                     unsigned long long) = nullptr;  // NOLINT(runtime/int): the driver's type
+  CUresult (*reserve)(CUdeviceptr*, size_t, size_t, CUdeviceptr,
+                      unsigned long long) = nullptr;  // NOLINT(runtime/int)
+  CUresult (*map)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,
+                  unsigned long long) = nullptr;  // NOLINT(runtime/int)
+  CUresult (*set_access)(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t) = nullptr;
+  CUresult (*export_fd)(void*, CUmemGenericAllocationHandle, CUmemAllocationHandleType,
+                        unsigned long long) = nullptr;  // NOLINT(runtime/int)
+  CUresult (*unmap)(CUdeviceptr, size_t) = nullptr;
+  CUresult (*address_free)(CUdeviceptr, size_t) = nullptr;
+  CUresult (*release)(CUmemGenericAllocationHandle) = nullptr;
+  CUresult (*error_name)(CUresult, const char**) = nullptr;
+  std::string missing;  // the first entry point not found; empty = all found
+};
+
+template <typename F>
+void Resolve(const char* name, F* fn, std::string* missing) {
+  void* p = nullptr;
+  cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+  const cudaError_t e = cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &q);
+  if (e != cudaSuccess || q != cudaDriverEntryPointSuccess || p == nullptr) {
+    if (missing->empty()) *missing = name;
+    return;
+  }
+  *fn = reinterpret_cast<F>(p);
+}
+
+// Resolved once, after the runtime has initialized the device (cudaSetDevice).
+const Driver& Drv() {
+  static const Driver* d = [] {
+    auto* r = new Driver;
+    Resolve("cuMemGetAllocationGranularity", &r->granularity, &r->missing);
+    Resolve("cuMemCreate", &r->create, &r->missing);
+    Resolve("cuMemAddressReserve", &r->reserve, &r->missing);
+    Resolve("cuMemMap", &r->map, &r->missing);
+    Resolve("cuMemSetAccess", &r->set_access, &r->missing);
+    Resolve("cuMemExportToShareableHandle", &r->export_fd, &r->missing);
+    Resolve("cuMemUnmap", &r->unmap, &r->missing);
+    Resolve("cuMemAddressFree", &r->address_free, &r->missing);
+    Resolve("cuMemRelease", &r->release, &r->missing);
+    Resolve("cuGetErrorName", &r->error_name, &r->missing);
+    return r;
+  }();
+  return *d;
+}
+
 absl::Status Rt(const char* what, cudaError_t e) {
   if (e == cudaSuccess) return absl::OkStatus();
   return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
@@ -20,14 +76,14 @@ absl::Status Rt(const char* what, cudaError_t e) {
 absl::Status Drv(const char* what, CUresult r) {
   if (r == CUDA_SUCCESS) return absl::OkStatus();
   const char* name = nullptr;
-  cuGetErrorName(r, &name);
+  if (Drv().error_name != nullptr) Drv().error_name(r, &name);
   return absl::InternalError(absl::StrCat(what, ": ", name != nullptr ? name : "CUDA error"));
 }
 
 }  // namespace
 
-absl::StatusOr<CudaArena> CudaArena::Create(const Client* client, const Layout& layout,
-                                            int device, Export kind) {
+absl::StatusOr<CudaArena> CudaArena::Create(const Client* client, const Layout& layout, int device,
+                                            Export kind) {
   CudaArena a;
   a.client_ = client;
   a.layout_ = layout;
@@ -46,7 +102,11 @@ absl::Status CudaArena::Allocate() {
     plan_ = *plan;
     return Rt("cudaMalloc", cudaMalloc(&base_, static_cast<size_t>(plan_.bytes)));
   }
-  if (absl::Status s = Drv("cuInit", cuInit(0)); !s.ok()) return s;
+  const Driver& drv = Drv();
+  if (!drv.missing.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "a VMM arena needs the CUDA driver's ", drv.missing, ", which this driver does not have"));
+  }
   CUmemAllocationProp prop{};
   prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
   prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
@@ -54,8 +114,7 @@ absl::Status CudaArena::Allocate() {
   prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
   size_t g = 0;
   if (absl::Status s = Drv("cuMemGetAllocationGranularity",
-                           cuMemGetAllocationGranularity(&g, &prop,
-                                                         CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
+                           drv.granularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
       !s.ok()) {
     return s;
   }
@@ -64,36 +123,36 @@ absl::Status CudaArena::Allocate() {
   if (!plan.ok()) return plan.status();
   plan_ = *plan;
   CUmemGenericAllocationHandle h = 0;
-  if (absl::Status s = Drv("cuMemCreate", cuMemCreate(&h, static_cast<size_t>(plan_.bytes), &prop, 0));
+  if (absl::Status s =
+          Drv("cuMemCreate", drv.create(&h, static_cast<size_t>(plan_.bytes), &prop, 0));
       !s.ok()) {
     return s;
   }
   vmm_handle_ = h;
   CUdeviceptr va = 0;
-  if (absl::Status s = Drv("cuMemAddressReserve",
-                           cuMemAddressReserve(&va, static_cast<size_t>(plan_.bytes), g, 0, 0));
+  if (absl::Status s =
+          Drv("cuMemAddressReserve", drv.reserve(&va, static_cast<size_t>(plan_.bytes), g, 0, 0));
       !s.ok()) {
     return s;
   }
   base_ = reinterpret_cast<void*>(va);
-  if (absl::Status s = Drv("cuMemMap", cuMemMap(va, static_cast<size_t>(plan_.bytes), 0, h, 0));
+  if (absl::Status s = Drv("cuMemMap", drv.map(va, static_cast<size_t>(plan_.bytes), 0, h, 0));
       !s.ok()) {
-    cuMemAddressFree(va, static_cast<size_t>(plan_.bytes));
+    drv.address_free(va, static_cast<size_t>(plan_.bytes));
     base_ = nullptr;
     return s;
   }
   CUmemAccessDesc access{};
   access.location = prop.location;
   access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  if (absl::Status s = Drv("cuMemSetAccess",
-                           cuMemSetAccess(va, static_cast<size_t>(plan_.bytes), &access, 1));
+  if (absl::Status s =
+          Drv("cuMemSetAccess", drv.set_access(va, static_cast<size_t>(plan_.bytes), &access, 1));
       !s.ok()) {
     return s;
   }
   int fd = -1;
   if (absl::Status s = Drv("cuMemExportToShareableHandle",
-                           cuMemExportToShareableHandle(&fd, h,
-                                                        CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+                           drv.export_fd(&fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
       !s.ok()) {
     return s;
   }
@@ -120,16 +179,16 @@ absl::Status CudaArena::Register(const Client* client) {
     const int64_t size = params ? layout_.param_arena_bytes : layout_.grad_arena_bytes;
     absl::StatusOr<v1::RegisterRegionRequest> req;
     if (kind_ == Export::kLegacyIpc) {
-      req = CudaIpcRegionRequest(layout_.session_id, role,
-                                 absl::Span<const uint8_t>(
-                                     reinterpret_cast<const uint8_t*>(ipc.reserved), 64),
-                                 uuid, offset, size);
+      req = CudaIpcRegionRequest(
+          layout_.session_id, role,
+          absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(ipc.reserved), 64), uuid,
+          offset, size);
     } else {
       // One token per region: the channel's tokens are single-use.
       auto token = SendFdToChannel(layout_.fd_channel_socket, fd_, kFdKindCudaVmm);
       if (!token.ok()) return token.status();
-      req = CudaVmmRegionRequest(layout_.session_id, role, *token, uuid, offset, size,
-                                 granularity_);
+      req =
+          CudaVmmRegionRequest(layout_.session_id, role, *token, uuid, offset, size, granularity_);
     }
     if (!req.ok()) return req.status();
     auto resp = client->RegisterRegion(*req);
@@ -151,13 +210,13 @@ void CudaArena::Reset() {
       cudaFree(base_);
     } else {
       const CUdeviceptr va = reinterpret_cast<CUdeviceptr>(base_);
-      cuMemUnmap(va, static_cast<size_t>(plan_.bytes));
-      cuMemAddressFree(va, static_cast<size_t>(plan_.bytes));
+      Drv().unmap(va, static_cast<size_t>(plan_.bytes));
+      Drv().address_free(va, static_cast<size_t>(plan_.bytes));
     }
     base_ = nullptr;
   }
   if (vmm_handle_ != 0) {
-    cuMemRelease(static_cast<CUmemGenericAllocationHandle>(vmm_handle_));
+    Drv().release(static_cast<CUmemGenericAllocationHandle>(vmm_handle_));
     vmm_handle_ = 0;
   }
   if (fd_ >= 0) {

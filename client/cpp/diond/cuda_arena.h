@@ -4,9 +4,12 @@
 // cuMemExportToShareableHandle, sent over the fd channel; REGION_KIND_CUDA_VMM_FD). The layout of
 // the allocation is PlanCudaArena's (cuda_region_request.h).
 //
-// Built only where the CUDA toolkit is found (target diond::client_cuda). It has never run on a
-// GPU: none was available where it was written. A daemon on a GPU (--device=cuda:N) maps both
-// kinds into its device sessions; a CPU daemon answers FAILED_PRECONDITION (docs/DATA_PLANE.md).
+// Built only where the CUDA toolkit is found (target diond::client_cuda). It links the CUDA runtime
+// only; the VMM calls are the driver's, reached through cudaGetDriverEntryPointByVersion. It has
+// never run on a GPU: none was available where it was written (its GPU test is
+// client/cpp/tests/cuda_arena_test.cc, label gpu, run by scripts/gpu-check.sh). A daemon on a GPU
+// (--device=cuda:N) maps both kinds into its device sessions; a CPU daemon answers
+// FAILED_PRECONDITION (docs/DATA_PLANE.md).
 //
 // Lifetime: RAII and move-only. Destruction (or Reset) unregisters the regions (best effort) and
 // frees the allocation (and closes the exported fd). The Client must outlive the arena.
