@@ -29,9 +29,11 @@ check "kernels/ uses prometheus-cpp" "$prom" kernels
 check "kernels/ includes server or client" '#include *"(server|client)/' kernels
 # One exception: the C++ client's CudaArena (client/cpp/diond/cuda_arena.cc), the trainer-side
 # allocator of the GPU data plane, built only where the CUDA toolkit is found (its own target,
-# diond::client_cuda; diond_client itself stays CUDA-free).
+# diond::client_cuda; diond_client itself stays CUDA-free), and its GPU test, which plays the
+# trainer (client/cpp/tests/cuda_arena_test.cc, built with it).
 check "CUDA headers outside kernels/cuda" "$cuda" common server tests \
-  $(find client -type f ! -path client/cpp/diond/cuda_arena.cc) \
+  $(find client -type f ! -path client/cpp/diond/cuda_arena.cc \
+      ! -path client/cpp/tests/cuda_arena_test.cc) \
   $(find kernels -path kernels/cuda -prune -o -type f -print)
 # The ops API (ARCHITECTURE.md §3, docs/KERNELS.md): only the backends themselves and their tests
 # see a backend's headers; kernels/optim, server/ and the API (kernels/*.h, kernels/api/) call the
