@@ -90,14 +90,15 @@ def test_first_step_matches_the_reference(daemon, case):
                     g = relf(p.grad.numpy(), stored)
                     assert g < (1e-5 if t == 1 else 1e-2), "step %d: gradient relF %.3g" % (t, g)
                     # Step with the reference's own gradient. At step 1 the model's is equal
-                    # to it only on CPUs whose f32 kernels PyTorch runs in the generating
-                    # machine's order: on an AMD EPYC with avx512_bf16 about 87 % of its
-                    # elements differ in the last bits (relF ~2e-7), and on these ill-conditioned
-                    # gradients that flips bf16 roundings in the Polar Express and moves the
-                    # update by up to 2 % (the reference class itself, replayed there on the
-                    # stored gradients, gives the stored weights bit for bit). From step 2 on,
-                    # f32-level differences in our weights (NorMuon's norms accumulate in
-                    # double) would likewise feed back through the model.
+                    # to it only under the OpenBLAS kernels the vectors were made with
+                    # (OPENBLAS_CORETYPE=Haswell): on an AMD EPYC with AVX-512 and the variable
+                    # unset, about 87 % of its elements differ in the last bits (relF ~2e-7),
+                    # and on these ill-conditioned gradients that flips bf16 roundings in the
+                    # Polar Express and moves the update by up to 2 % (the reference class
+                    # itself, replayed there on the stored gradients, gives the stored weights
+                    # bit for bit). From step 2 on, f32-level differences in our weights
+                    # (NorMuon's norms accumulate in double) would likewise feed back through
+                    # the model.
                     p.grad.copy_(torch.from_numpy(stored.copy()))
                 opt.step()
                 for name, p, q in zip(names, params, pre):
