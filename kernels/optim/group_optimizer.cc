@@ -64,11 +64,13 @@ absl::Status GroupOptimizer::Stage(const kernels::Context& ctx, absl::Span<float
   const double wd = options.weight_decay.value_or(config_.hyperparams.weight_decay);
   capture_ = options.capture;
   replica_average_ = options.replica_average ? &options.replica_average : nullptr;
+  replica_average_on_device_ = options.replica_average_on_device;
   step_number_ = options.step.value_or(steps_taken_ + 1);
   in_place_ = options.in_place;
   absl::Status s = StageStep(ctx, params, grads, static_cast<float>(lr), static_cast<float>(wd));
   capture_ = nullptr;
   replica_average_ = nullptr;
+  replica_average_on_device_ = false;
   if (!s.ok()) {
     DiscardStaged();
     return s;
@@ -285,6 +287,8 @@ class BucketedOptimizer final : public GroupOptimizer {
       args.scalars = {lr, weight_decay};
       args.step = step_number_;
       args.replica_average = replica_average_;
+    args.replica_average_on_device = replica_average_on_device_;
+      args.replica_average_on_device = replica_average_on_device_;
       if (capture_ != nullptr && CapturedUpdateSize(config(), b.shape) > 0) {
         for (size_t j = 0; j < np; ++j) {
           args.capture.push_back(&capture_->payload[b.members[st.slots[j]]]);

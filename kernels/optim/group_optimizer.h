@@ -162,6 +162,7 @@ class GroupOptimizer {
   StepCapture* capture_ = nullptr;
   // StepOptions::replica_average of the step being staged (null when not set).
   const std::function<absl::Status(absl::Span<float>)>* replica_average_ = nullptr;
+  bool replica_average_on_device_ = false;
   // The step number of the step being staged (StepOptions::step or steps_taken() + 1).
   int64_t step_number_ = 1;
   // StepOptions::in_place of the step being staged.

@@ -195,6 +195,10 @@ struct StepOptions {
   // identical on every replica. A bucket's B ≡ 0 case is then decided on the averaged P.
   // Other algorithms ignore it. Empty (the default) changes nothing.
   std::function<absl::Status(absl::Span<float>)> replica_average;
+  // Where replica_average reads and writes: false (the default), host memory (a device Context
+  // reads the buffer back and writes it again: two sync points); true, the memory of the step's
+  // Context (a device collective, e.g. NCCL, averages it in place).
+  bool replica_average_on_device = false;
   // The caller's promise that nothing can fail between Stage and CommitStagedState and that the
   // params and grads memory cannot fault (e.g. sealed memfd or the daemon's own memory, in a
   // local session). In-place rules (AdamW, Lion) then step params and state directly in Stage,

@@ -44,12 +44,14 @@ World::~World() {
   }
   if (heartbeat_.joinable()) heartbeat_.join();
   if (builder_.joinable()) builder_.join();
-  std::shared_ptr<Communicator> c;
+  std::shared_ptr<Communicator> c, d;
   {
     absl::MutexLock lock(&mu_);
     c = std::move(comm_);
+    d = std::move(device_comm_);
   }
   if (c) c->Abort(absl::UnavailableError("the world is shutting down"));
+  if (d) d->Abort(absl::UnavailableError("the world is shutting down"));
 }
 
 absl::StatusOr<MembershipView> World::JoinWithRetry(bool rebuild, absl::Duration bound) {
@@ -91,7 +93,7 @@ void World::UpdateView(const MembershipView& v) {
 
 void World::Break(uint64_t generation, const absl::Status& why) {
   std::vector<std::function<void(uint64_t, const absl::Status&)>> callbacks;
-  std::shared_ptr<Communicator> dead;
+  std::shared_ptr<Communicator> dead, dead_device;
   {
     absl::MutexLock lock(&mu_);
     if (comm_ == nullptr || comm_generation_ != generation) {
@@ -99,10 +101,12 @@ void World::Break(uint64_t generation, const absl::Status& why) {
       return;
     }
     dead = std::move(comm_);
+    dead_device = std::move(device_comm_);
     status_ = why;
     callbacks = broken_callbacks_;
   }
   dead->Abort(why);
+  if (dead_device) dead_device->Abort(why);
   DIOND_LOG(WARNING) << "world: generation " << generation << " broken: " << why.message();
   if (options_.on_broken) options_.on_broken(generation, why);
   for (auto& cb : callbacks) cb(generation, why);
@@ -149,6 +153,10 @@ void World::HeartbeatLoop() {
     {
       absl::MutexLock l(&mu_);
       c = comm_;
+      // A device collective that failed (e.g. NCCL's async error) breaks the generation too.
+      if (c && device_comm_ && !device_comm_->status().ok() && c->status().ok()) {
+        c->Abort(device_comm_->status());
+      }
       view_generation = view_.generation;
       failed = failed_generation_;
       built = comm_generation_;
@@ -194,8 +202,22 @@ void World::BuildLoop() {
     go.timeout = options_.peer_timeout;
     go.observer = options_.collective_observer;
     const absl::Time t0 = absl::Now();
-    absl::StatusOr<std::unique_ptr<GlooCommunicator>> c = GlooCommunicator::Create(kv_, go);
-    std::shared_ptr<Communicator> installed;
+    absl::StatusOr<std::unique_ptr<Communicator>> c = GlooCommunicator::Create(kv_, go);
+    std::unique_ptr<Communicator> device;
+    if (c.ok() && options_.device_communicator_factory) {
+      absl::StatusOr<std::unique_ptr<Communicator>> d = options_.device_communicator_factory(
+          kv_, absl::StrCat(GenerationPrefix(v.coordinator_incarnation, v.generation), "dev/"),
+          options_.rank, options_.world_size, options_.peer_timeout,
+          options_.collective_observer);
+      if (d.ok()) {
+        device = std::move(*d);
+      } else {
+        (*c)->Abort(d.status());
+        c = absl::Status(d.status().code(),
+                         absl::StrCat("device communicator: ", d.status().message()));
+      }
+    }
+    std::shared_ptr<Communicator> installed, installed_device;
     {
       absl::MutexLock lock(&mu_);
       if (!c.ok()) {
@@ -203,9 +225,11 @@ void World::BuildLoop() {
         status_ = c.status();
       } else if (view_.generation == v.generation && !stop_) {
         comm_ = std::shared_ptr<Communicator>(std::move(*c));
+        device_comm_ = std::shared_ptr<Communicator>(std::move(device));
         comm_generation_ = v.generation;
         status_ = absl::OkStatus();
         installed = comm_;
+        installed_device = device_comm_;
       } else {
         comm_generation_ = v.generation;  // superseded while connecting; never reuse its prefix
       }
@@ -215,8 +239,10 @@ void World::BuildLoop() {
                          << " failed: " << c.status().message();
     } else if (installed) {
       DIOND_LOG(INFO) << "world: rank " << options_.rank << " of " << options_.world_size
-                      << " ready, generation " << v.generation << " (gloo connected in "
-                      << absl::FormatDuration(absl::Now() - t0) << ")";
+                      << " ready, generation " << v.generation << " (gloo"
+                      << (installed_device ? absl::StrCat(" and ", installed_device->backend())
+                                           : std::string())
+                      << " connected in " << absl::FormatDuration(absl::Now() - t0) << ")";
       if (options_.on_ready) options_.on_ready(v.generation);
     }
   }
@@ -231,6 +257,11 @@ absl::StatusOr<std::shared_ptr<Communicator>> World::communicator() const {
   absl::MutexLock lock(&mu_);
   if (comm_ == nullptr) return status_;
   return comm_;
+}
+
+std::shared_ptr<Communicator> World::device_communicator() const {
+  absl::MutexLock lock(&mu_);
+  return comm_ != nullptr ? device_comm_ : nullptr;
 }
 
 uint64_t World::epoch() const {

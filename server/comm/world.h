@@ -6,7 +6,8 @@
 //    coordinator is unreachable or a lost predecessor still holds the rank). A world-size
 //    mismatch or a bad rank fails at once with FAILED_PRECONDITION / INVALID_ARGUMENT.
 // 2. A background thread heartbeats every heartbeat_interval. Once every rank is live, a second
-//    thread builds a GlooCommunicator for that generation, under the generation's own key prefix.
+//    thread builds a GlooCommunicator for that generation, under the generation's own key prefix
+//    (and, with WorldOptions::device_communicator_factory, a device communicator beside it).
 // 3. When a rank is lost (coordinator's verdict, seen at the next heartbeat), the coordinator is
 //    unreachable for peer_timeout, or a collective fails, the world is *broken*: the communicator
 //    is aborted (pending and later calls fail with UNAVAILABLE and the reason, which names the
@@ -42,6 +43,14 @@ struct WorldOptions {
   absl::Duration peer_timeout = absl::Seconds(10);
   absl::Duration join_timeout = absl::Seconds(60);
   CollectiveObserver collective_observer;
+  // Device collectives (NCCL on a GPU daemon; docs/DISTRIBUTED.md "On device daemons").
+  // When set, every generation also gets a communicator on device memory, built by this factory
+  // right after the host one, under its own key prefix ("<generation prefix>dev/"). A failure
+  // fails the generation like a failed Gloo build. Unset: device sessions stage through Gloo.
+  std::function<absl::StatusOr<std::unique_ptr<Communicator>>(
+      KeyValueStore* kv, const std::string& prefix, int rank, int size, absl::Duration timeout,
+      CollectiveObserver observer)>
+      device_communicator_factory;
   // Metrics and logs hooks; each may be empty.
   std::function<void(int live_ranks)> on_peers;
   std::function<void(uint64_t generation)> on_ready;
@@ -67,6 +76,10 @@ class World {
   // The current communicator, or status(). Holders may keep it: after a break it stays valid but
   // aborted (every call fails with UNAVAILABLE).
   absl::StatusOr<std::shared_ptr<Communicator>> communicator() const;
+  // The current generation's device communicator (memory() == kDevice), or null when the
+  // options have no factory or no generation is up. Like communicator(): kept valid but aborted
+  // after a break.
+  std::shared_ptr<Communicator> device_communicator() const;
   // Generation of the current communicator (the "epoch"); 0 while none is up.
   uint64_t epoch() const;
   // Blocks until a communicator is up (OK) or `timeout` passes (the last status()).
@@ -94,6 +107,7 @@ class World {
   mutable absl::Mutex mu_;
   MembershipView view_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<Communicator> comm_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<Communicator> device_comm_ ABSL_GUARDED_BY(mu_);  // with comm_, or null
   uint64_t comm_generation_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t failed_generation_ ABSL_GUARDED_BY(mu_) = 0;  // last generation whose build failed
   absl::Status status_ ABSL_GUARDED_BY(mu_);

@@ -9,6 +9,7 @@
 #include "common/status_macros.h"
 #include "kernels/backend.h"
 #include "kernels/plugin/plugin_backend.h"
+#include "server/comm/nccl_communicator.h"
 #include "nlohmann/json.hpp"
 #include "prometheus/registry.h"
 #include "server/metrics.h"
@@ -135,6 +136,10 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
                                       reg.message());
     } else {
       d->compute_device_ = kernels::ComputeDevice(d->device_);
+      if (d->compute_device_.type == kernels::DeviceType::kCuda) {
+        auto plugin = kernels::LoadCudaPlugin(options.cuda_plugin);
+        if (plugin.ok()) d->cuda_plugin_ = *plugin;
+      }
     }
   } else {
     d->compute_device_ = kernels::ComputeDevice(d->device_);
@@ -383,6 +388,28 @@ absl::Status Daemon::JoinWorld(const WorldConfig& wc) {
     m->CountWorldFailure();
     m->SetWorldGeneration(0);
   };
+  if (cuda_plugin_ != nullptr && compute_device_.type == kernels::DeviceType::kCuda &&
+      cuda_plugin_->nccl != nullptr) {
+    // World sessions on the GPU exchange in device memory over NCCL (docs/DISTRIBUTED.md
+    // "On device daemons"); Gloo stays for the host-side control traffic.
+    const DiondCudaPluginV1* plugin = cuda_plugin_;
+    const int device = compute_device_.index;
+    wo.device_communicator_factory =
+        [plugin, device](comm::KeyValueStore* store, const std::string& prefix, int rank,
+                         int size, absl::Duration timeout, comm::CollectiveObserver observer)
+        -> absl::StatusOr<std::unique_ptr<comm::Communicator>> {
+      comm::NcclOptions no;
+      no.rank = rank;
+      no.size = size;
+      no.device = device;
+      no.prefix = prefix;
+      no.timeout = timeout;
+      no.observer = std::move(observer);
+      DIOND_ASSIGN_OR_RETURN(std::unique_ptr<comm::NcclCommunicator> c,
+                             comm::NcclCommunicator::Create(plugin, store, no));
+      return std::unique_ptr<comm::Communicator>(std::move(c));
+    };
+  }
   auto world = comm::World::Join(wo, membership, kv);
   if (!world.ok()) {
     std::string where = coordinator_ ? "" : absl::StrCat(" (coordinator ", wc.coordinator, ")");

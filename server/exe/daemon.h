@@ -117,6 +117,9 @@ class Daemon {
   kernels::SelectedDevice device_;
   std::unique_ptr<rpc::PeerCredentials> peer_credentials_;  // how this daemon proves itself to the coordinator
   kernels::Device compute_device_;  // where steps run (kernels::ComputeDevice of device_)
+  // The CUDA plugin when steps run on a GPU: its NCCL table carries world sessions' collectives
+  // on device memory (JoinWorld); null otherwise.
+  const DiondCudaPluginV1* cuda_plugin_ = nullptr;
   std::string compute_note_;        // why / how, for the start-up line (DescribeDevice)
   std::string metrics_address_;
   std::unique_ptr<DaemonMetrics> metrics_;

@@ -368,6 +368,11 @@ class Session {
   const kernels::Context* DeviceContext() const;
   // A device session's staging of gradient i (where a world's averaged gradient goes).
   float* DeviceGradStaging(size_t i);
+  // A device session's buffers for the world phases (session_world.cc), on its device: made on
+  // first use with at least `n` floats, zero-filled, and kept (a world's sizes are fixed by its
+  // shard plan, so steps 2.. allocate nothing). RESOURCE_EXHAUSTED from the device pool.
+  enum class WorldBuffer { kReduceIn, kReduceOut, kDivisor, kExchangeMine, kExchangeAll, kCount };
+  absl::StatusOr<float*> DeviceWorldBuffer(WorldBuffer which, int64_t n);
   struct Group {
     std::string name;
     std::unique_ptr<optim::GroupOptimizer> optimizer;
@@ -495,9 +500,18 @@ class Session {
   // Every rank's checksum of every parameter (fp32 values in `params`) compared with the owner's;
   // a differing copy is replaced by the owner's (broadcast). Returns how many this rank healed.
   // `ctx`: a CPU context for host `params`; a device session checksums its device staging on
-  // its own context (only the checksums cross, and a healed tensor's values).
+  // its own context (only the checksums cross, on `comm`) and heals through `dcomm`, its step's
+  // device collectives (null for a host session).
   absl::StatusOr<int64_t> CheckReplicas(const kernels::Context& ctx, comm::Communicator* comm,
-                                        int64_t step, const std::vector<float*>& params)
+                                        comm::Communicator* dcomm, int64_t step,
+                                        const std::vector<float*>& params)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The bytes this step sent through the world's communicators (host and device), since
+  // JoinWorldPhase; resets them.
+  int64_t TakeWorldBytes(StepRun& run);
+  // The device halves of the world phases (session_world.cc): block = floats per rank of the
+  // reduce-scatter (its gradients, padded, and the non-finite flag).
+  absl::Status ReduceGradientsOnDevice(StepRun& run, int64_t block)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   struct WorldPart {
     std::shared_ptr<WorldLink> world;  // null: a world of one

@@ -46,6 +46,8 @@ struct Session::DeviceSide {
   // read back once per step into nonfinite_host.
   kernels::Buffer nonfinite;
   float nonfinite_host = 0.0f;
+  // The world phases' device buffers (Session::DeviceWorldBuffer), made on first use.
+  kernels::Buffer world[static_cast<size_t>(WorldBuffer::kCount)];
   // The step's parameter reads were queued with its gradient reads (ReadGradientsToDevice), so
   // ReadParametersToDevice has nothing left to copy.
   bool params_queued = false;
@@ -78,6 +80,7 @@ void Session::DeviceSideDeleter::operator()(DeviceSide* d) const {
   d->params.Reset();
   d->raw.Reset();
   d->nonfinite.Reset();
+  for (kernels::Buffer& b : d->world) b.Reset();
   d->ctx.reset();  // its scratch blocks go back to the pool
   for (DeviceSide::IpcEvent* e : {&d->ready, &d->done}) {
     if (e->event == nullptr) continue;
@@ -294,6 +297,33 @@ const kernels::Context* Session::DeviceContext() const {
 
 float* Session::DeviceGradStaging(size_t i) {
   return device_ != nullptr ? device_->grad(i) : nullptr;
+}
+
+absl::StatusOr<float*> Session::DeviceWorldBuffer(WorldBuffer which, int64_t n) {
+  if (device_ == nullptr) return absl::InternalError("DeviceWorldBuffer on a host session");
+  kernels::Buffer& b = device_->world[static_cast<size_t>(which)];
+  if (b.empty() || b.NumElements() < n) {
+    b.Reset();
+    // The pool's error is the compute thread's (thread-local): read it there.
+    std::string pool;
+    absl::Status made = CallOnCompute(compute_, [&]() -> absl::Status {
+      absl::StatusOr<kernels::Buffer> z =
+          device_->ctx->Zeros(DType::kF32, {std::max<int64_t>(n, 1)});
+      if (!z.ok()) {
+        pool = DeviceAllocationError();
+        return z.status();
+      }
+      b = *std::move(z);
+      return absl::OkStatus();
+    });
+    if (!made.ok()) {
+      return absl::Status(made.code(),
+                          absl::StrCat("allocating ", n * 4, " bytes on the device for the world "
+                                       "exchange failed: ", made.message(),
+                                       pool.empty() ? "" : absl::StrCat(" (", pool, ")")));
+    }
+  }
+  return b.As<float>();
 }
 
 absl::Status Session::StepTensorToHost(const float* tensor, float* host, int64_t n) {

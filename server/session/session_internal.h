@@ -15,6 +15,7 @@
 #include "kernels/optim/group_optimizer.h"
 #include "kernels/tensor.h"
 #include "server/comm/communicator.h"
+#include "server/session/device_comm.h"
 #include "server/session/session.h"
 #include "server/session/types.h"
 
@@ -58,6 +59,10 @@ struct Session::StepRun {
   // The world's communicator for this step; null: a world of one (every phase of the world is
   // then a no-op).
   std::shared_ptr<comm::Communicator> comm;
+  // A device session in a world: its collectives on device memory (device_comm.h), over the
+  // world's device communicator (device_world_comm, NCCL; null: staged through `comm`).
+  std::shared_ptr<comm::Communicator> device_world_comm;
+  std::unique_ptr<StepDeviceComm> dcomm;
   std::vector<const float*> grads;  // per parameter: fp32 gradient (arena, scratch or averaged)
   std::vector<float*> params;       // per parameter: fp32 weights (arena or scratch)
   // Per parameter: params[i] is param_scratch_[i] (another dtype, or master weights): narrowed

@@ -353,8 +353,12 @@ absl::Status Session::StageUpdatesPhase(StepRun& run, const kernels::Context& ct
     if (run.comm != nullptr) {
       opts.capture = &run.captures[gi];
       if (run.compressed[gi]) {
-        comm::Communicator* c = run.comm.get();
+        // A device session whose rules run on the device averages P and R where they are (the
+        // step's device collectives); otherwise on host memory.
+        const bool on_device = run.dcomm != nullptr && &ctx == DeviceContext();
+        comm::Communicator* c = on_device ? run.dcomm.get() : run.comm.get();
         opts.replica_average = [c](absl::Span<float> v) { return c->AllReduceAverage(v); };
+        opts.replica_average_on_device = on_device;
       }
     }
     absl::Status s = g.optimizer->Stage(ctx, run.group_params[gi], gg, opts);

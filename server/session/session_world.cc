@@ -4,13 +4,14 @@
 // of one (no communicator) every phase does nothing.
 //
 // On a device daemon a world session is a device session (session_device.cc): its state, the
-// staged gradients and weights live on the device and the rules run on its device Context. The
-// collectives are Gloo's, on host buffers: each phase copies device -> host exactly what the
-// collective sends (every gradient for the reduce-scatter; this rank's owned non-compact
-// parameters for the exchange; the compact payloads are host vectors already) and host -> device
-// what it received and keeps (the owned averaged gradients; the other ranks' parameters), through
-// StepTensorToHost / HostToStepTensor. The checksums are computed on the device; only they cross
-// (and a healed parameter's values). The numbers are those of the host path, bit for bit.
+// staged gradients and weights live on the device and the rules run on its device Context. Its
+// world phases pack, exchange and unpack in device buffers (Session::DeviceWorldBuffer) through
+// the step's StepDeviceComm (device_comm.h): the world's device communicator (NCCL) when it has
+// one, else the host one (Gloo) staged through host buffers inside that communicator. Only the
+// scalars the host decides on cross to the host: the non-finite flags, the update norms, the
+// status values, and the compact updates that are applied through the rules' host API. The
+// checksums are computed on the device and compared on the host. On the staged path the numbers
+// are those of a host session, bit for bit.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -94,7 +95,8 @@ absl::Status Session::AttachWorld(std::shared_ptr<WorldLink> world, ShardPlan pl
 }
 
 absl::StatusOr<int64_t> Session::CheckReplicas(const kernels::Context& ctx,
-                                               comm::Communicator* comm, int64_t step,
+                                               comm::Communicator* comm,
+                                               comm::Communicator* dcomm, int64_t step,
                                                const std::vector<float*>& params) {
   const WorldPart& w = *world_;
   const size_t n = layout_.tensors.size();
@@ -128,22 +130,10 @@ absl::StatusOr<int64_t> Session::CheckReplicas(const kernels::Context& ctx,
                        << absl::StrJoin(differ, ", ") << " from its owner (rank " << owner
                        << "); replacing it with the owner's copy";
     const int64_t numel = layout_.tensors[i].numel;
-    if (device_ == nullptr) {
-      DIOND_RETURN_IF_ERROR(comm->Broadcast(absl::MakeSpan(params[i], static_cast<size_t>(numel)),
-                                            owner));
-    } else {
-      // A device session: the owner's copy crosses through a host buffer.
-      std::vector<float> host(static_cast<size_t>(numel));
-      if (w.rank == owner) {
-        DIOND_RETURN_IF_ERROR(CallOnCompute(
-            compute_, [&] { return StepTensorToHost(params[i], host.data(), numel); }));
-      }
-      DIOND_RETURN_IF_ERROR(comm->Broadcast(absl::MakeSpan(host), owner));
-      if (w.rank != owner) {
-        DIOND_RETURN_IF_ERROR(CallOnCompute(
-            compute_, [&] { return HostToStepTensor(host.data(), params[i], numel); }));
-      }
-    }
+    // A device session broadcasts on the device (dcomm), a host session on the host.
+    DIOND_RETURN_IF_ERROR((dcomm != nullptr ? dcomm : comm)
+                              ->Broadcast(absl::MakeSpan(params[i], static_cast<size_t>(numel)),
+                                          owner));
     for (int r : differ) healed += r == w.rank ? 1 : 0;
   }
   return healed;
@@ -191,8 +181,10 @@ absl::Status Session::JoinWorldPhase(StepRun& run) {
   absl::StatusOr<std::shared_ptr<comm::Communicator>> c =
       absl::UnavailableError("the daemon is shutting down");
   uint64_t epoch = 0;
+  std::shared_ptr<comm::Communicator> device_comm;
   w.world->With([&](comm::World& world) {
     c = world.communicator();
+    device_comm = world.device_communicator();
     epoch = world.epoch();
   });
   if (!c.ok()) return absl::UnavailableError(absl::StrCat(where, c.status().message()));
@@ -205,7 +197,19 @@ absl::Status Session::JoinWorldPhase(StepRun& run) {
   }
   run.comm = *std::move(c);
   run.comm->TakeBytesSent();  // per-step accounting starts here
+  if (device_ != nullptr) {
+    run.device_world_comm = std::move(device_comm);
+    if (run.device_world_comm != nullptr) run.device_world_comm->TakeBytesSent();
+    run.dcomm = std::make_unique<StepDeviceComm>(DeviceContext(), compute_, run.comm,
+                                                 run.device_world_comm);
+  }
   return absl::OkStatus();
+}
+
+int64_t Session::TakeWorldBytes(StepRun& run) {
+  int64_t bytes = run.comm->TakeBytesSent();
+  if (run.device_world_comm != nullptr) bytes += run.device_world_comm->TakeBytesSent();
+  return bytes;
 }
 
 absl::Status Session::ReduceGradientsPhase(StepRun& run) {
@@ -220,24 +224,16 @@ absl::Status Session::ReduceGradientsPhase(StepRun& run) {
   int64_t block = 0;
   for (int64_t e : w.owned_elements) block = std::max(block, e);
   block += 1;
+  if (device_ != nullptr) return ReduceGradientsOnDevice(run, block);
   std::vector<float> input(static_cast<size_t>(block) * world_size, 0.0f);
   DIOND_RETURN_IF_ERROR(CallOnCompute(run.compute, [&]() -> absl::Status {
     for (int j = 0; j < world_size; ++j) {
       float* dst = input.data() + static_cast<size_t>(j) * block;
       for (size_t i : w.owned[j]) {
         const int64_t numel = layout_.tensors[i].numel;
-        if (device_ != nullptr) {
-          // Device -> host: every staged gradient goes to its owner.
-          if (absl::Status s = StepTensorToHost(run.grads[i], dst, numel); !s.ok()) {
-            return BreakWorld(run, absl::Status(s.code(), absl::StrCat(
-                                                     run.when, ": copying the gradients for the "
-                                                     "reduce-scatter failed: ", s.message())));
-          }
-        } else {
-          DIOND_RETURN_IF_ERROR(
-              kernels::Copy(*run.ctx, internal::HostView(DType::kF32, run.grads[i], numel),
-                            internal::HostView(DType::kF32, dst, numel)));
-        }
+        DIOND_RETURN_IF_ERROR(
+            kernels::Copy(*run.ctx, internal::HostView(DType::kF32, run.grads[i], numel),
+                          internal::HostView(DType::kF32, dst, numel)));
         dst += numel;
       }
       input[static_cast<size_t>(j + 1) * block - 1] = run.finite ? 0.0f : 1.0f;
@@ -263,24 +259,89 @@ absl::Status Session::ReduceGradientsPhase(StepRun& run) {
       DIOND_RETURN_IF_ERROR(kernels::Binary(
           *run.ctx, kernels::BinaryOp::kDiv, internal::HostView(DType::kF32, a, numel),
           internal::HostView(DType::kF32, &divisor, 1), internal::HostView(DType::kF32, a, numel)));
-      if (device_ != nullptr) {
-        // Host -> device: only this rank's averaged gradients, into its gradient staging.
-        float* staging = DeviceGradStaging(i);
-        if (absl::Status s = HostToStepTensor(a, staging, numel); !s.ok()) {
-          return BreakWorld(
-              run, absl::Status(s.code(), absl::StrCat(run.when,
-                                                       ": copying the averaged gradients to "
-                                                       "the device failed: ",
-                                                       s.message())));
-        }
-        run.grads[i] = staging;
-      } else {
-        run.grads[i] = a;
-      }
+      run.grads[i] = a;
       a += numel;
     }
     return absl::OkStatus();
   });
+}
+
+namespace {
+kernels::TensorView DevView(const kernels::Context& ctx, float* p, int64_t n) {
+  return kernels::TensorView(p, kernels::ContiguousLayout(DType::kF32, {n}), ctx.device());
+}
+kernels::ConstTensorView DevCView(const kernels::Context& ctx, const float* p, int64_t n) {
+  return kernels::ConstTensorView(p, kernels::ContiguousLayout(DType::kF32, {n}), ctx.device());
+}
+}  // namespace
+
+// The device form of the reduce-scatter: the same blocks, packed on the device (a device copy
+// per owned gradient and a Fill per flag slot; the padding stays zero from the allocation),
+// reduce-scattered by the step's device collectives, divided on the device straight into the
+// gradient staging. One sync point of its own: the summed non-finite flag read back.
+absl::Status Session::ReduceGradientsOnDevice(StepRun& run, int64_t block) {
+  WorldPart& w = *world_;
+  const int world_size = w.plan.world_size;
+  const kernels::Context& dctx = *DeviceContext();
+  auto fail = [&](const absl::Status& s, absl::string_view what) {
+    return BreakWorld(run, absl::Status(s.code(), absl::StrCat(run.when, ": ", what, " failed: ",
+                                                               s.message())));
+  };
+  float *in = nullptr, *out = nullptr, *div = nullptr;
+  {
+    absl::StatusOr<float*> a = DeviceWorldBuffer(WorldBuffer::kReduceIn, block * world_size);
+    absl::StatusOr<float*> b = a.ok() ? DeviceWorldBuffer(WorldBuffer::kReduceOut, block) : a;
+    absl::StatusOr<float*> c = b.ok() ? DeviceWorldBuffer(WorldBuffer::kDivisor, 1) : b;
+    if (!c.ok()) return fail(c.status(), "the reduce-scatter's device buffers");
+    in = *a;
+    out = *b;
+    div = *c;
+  }
+  absl::Status packed = CallOnCompute(run.compute, [&]() -> absl::Status {
+    for (int j = 0; j < world_size; ++j) {
+      float* dst = in + static_cast<int64_t>(j) * block;
+      for (size_t i : w.owned[j]) {
+        const int64_t numel = layout_.tensors[i].numel;
+        DIOND_RETURN_IF_ERROR(kernels::Copy(dctx, DevCView(dctx, run.grads[i], numel),
+                                            DevView(dctx, dst, numel)));
+        dst += numel;
+      }
+      DIOND_RETURN_IF_ERROR(kernels::Fill(dctx, run.finite ? 0.0f : 1.0f,
+                                          DevView(dctx, in + (j + 1) * block - 1, 1)));
+    }
+    return kernels::Fill(dctx, static_cast<float>(world_size), DevView(dctx, div, 1));
+  });
+  if (!packed.ok()) return fail(packed, "packing the gradients for the reduce-scatter");
+  absl::Status st = run.dcomm->ReduceScatterSum(
+      absl::MakeConstSpan(in, static_cast<size_t>(block * world_size)),
+      absl::MakeSpan(out, static_cast<size_t>(block)));
+  if (!st.ok()) {
+    return BreakWorld(run, absl::UnavailableError(absl::StrCat(
+                               run.when, ": gradient reduce-scatter failed: ",
+                               DescribeWorldFailure(st),
+                               "; create the session again and resume from the last checkpoint")));
+  }
+  float flag = 0.0f;
+  absl::Status read = CallOnCompute(
+      run.compute, [&] { return StepTensorToHost(out + block - 1, &flag, 1); });
+  if (!read.ok()) return fail(read, "reading the world's non-finite flag");
+  run.finite = flag == 0.0f;
+  // The average, as on the host: a division by the world size, into the gradient staging.
+  absl::Status divided = CallOnCompute(run.compute, [&]() -> absl::Status {
+    const float* a = out;
+    for (size_t i : w.owned[w.rank]) {
+      const int64_t numel = layout_.tensors[i].numel;
+      float* staging = DeviceGradStaging(i);
+      DIOND_RETURN_IF_ERROR(kernels::Binary(dctx, kernels::BinaryOp::kDiv,
+                                            DevCView(dctx, a, numel), DevCView(dctx, div, 1),
+                                            DevView(dctx, staging, numel)));
+      run.grads[i] = staging;
+      a += numel;
+    }
+    return absl::OkStatus();
+  });
+  if (!divided.ok()) return fail(divided, "averaging the gradients on the device");
+  return absl::OkStatus();
 }
 
 absl::Status Session::ExchangeUpdatesPhase(StepRun& run, const kernels::Context& ctx) {
@@ -295,57 +356,120 @@ absl::Status Session::ExchangeUpdatesPhase(StepRun& run, const kernels::Context&
   // Exchange: every rank's updated owned parameters (fp32), plus one status value per rank, by
   // one all-gather-v; everyone writes them into its own arena.
   if (run.comm != nullptr) {
-    comm::Communicator* comm = run.comm.get();
+    // The wire: host vectors for a host session; device buffers and the step's device
+    // collectives for a device session. Its four moves, each on the compute thread:
+    const bool on_device = device_ != nullptr;
+    const kernels::Context* dctx = DeviceContext();
+    comm::Communicator* wire_comm = on_device ? run.dcomm.get() : run.comm.get();
     // Block of rank j: its payloads, then per group its squared update norm as two floats
     // (hi, lo: a double to ~48 bits), then its status.
     const int64_t extra = 2 * static_cast<int64_t>(groups_.size()) + 1;
     std::vector<int64_t> counts(static_cast<size_t>(world_size));
-    for (int j = 0; j < world_size; ++j) counts[j] = w.owned_payload[j] + extra;
-    std::vector<float> mine;
-    mine.reserve(static_cast<size_t>(counts[w.rank]));
+    int64_t total = 0;
+    for (int j = 0; j < world_size; ++j) {
+      counts[j] = w.owned_payload[j] + extra;
+      total += counts[j];
+    }
+    std::vector<float> mine_host, all_host;
+    float *mine = nullptr, *all = nullptr;
+    if (on_device) {
+      absl::StatusOr<float*> m = DeviceWorldBuffer(WorldBuffer::kExchangeMine, counts[w.rank]);
+      absl::StatusOr<float*> a = m.ok() ? DeviceWorldBuffer(WorldBuffer::kExchangeAll, total) : m;
+      if (!a.ok()) {
+        return BreakWorld(run, absl::Status(a.status().code(),
+                                            absl::StrCat(where, a.status().message(),
+                                                         "; the world session must be created "
+                                                         "again")));
+      }
+      mine = *m;
+      all = *a;
+    } else {
+      mine_host.resize(static_cast<size_t>(counts[w.rank]));
+      all_host.resize(static_cast<size_t>(total));
+      mine = mine_host.data();
+      all = all_host.data();
+    }
+    // wire[at..at+n) <- a step tensor (device or host memory, like the wire's).
+    auto from_step = [&](const float* src, int64_t at, int64_t n) {
+      return CallOnCompute(compute_, [&] {
+        return on_device ? kernels::Copy(*dctx, DevCView(*dctx, src, n),
+                                         DevView(*dctx, mine + at, n))
+                         : StepTensorToHost(src, mine + at, n);
+      });
+    };
+    // wire[at..at+n) <- host floats.
+    auto from_host = [&](const float* src, int64_t at, int64_t n) {
+      if (!on_device) {
+        std::copy(src, src + n, mine + at);
+        return absl::OkStatus();
+      }
+      return CallOnCompute(compute_, [&] { return HostToStepTensor(src, mine + at, n); });
+    };
+    // A step tensor <- all[at..at+n).
+    auto to_step = [&](int64_t at, float* dst, int64_t n) {
+      return CallOnCompute(compute_, [&] {
+        return on_device ? kernels::Copy(*dctx, DevCView(*dctx, all + at, n),
+                                         DevView(*dctx, dst, n))
+                         : HostToStepTensor(all + at, dst, n);
+      });
+    };
+    // all[at..at+n) on the host: a view of the host wire, or a copy of the device one.
+    std::vector<float> host_copy;
+    auto to_host = [&](int64_t at, int64_t n) -> absl::StatusOr<absl::Span<const float>> {
+      if (!on_device) return absl::MakeConstSpan(all + at, static_cast<size_t>(n));
+      host_copy.resize(static_cast<size_t>(n));
+      DIOND_RETURN_IF_ERROR(CallOnCompute(
+          compute_, [&] { return StepTensorToHost(all + at, host_copy.data(), n); }));
+      return absl::MakeConstSpan(host_copy);
+    };
+
+    int64_t at = 0;
     for (size_t i : w.owned[w.rank]) {
+      absl::Status put;
       if (w.compact[i] > 0) {
         const auto& payloads = run.captures[group_of_param_[i]].payload;
         const std::vector<float>* p =
             payloads.size() > slot_in_group_[i] ? &payloads[slot_in_group_[i]] : nullptr;
         if (p != nullptr && static_cast<int64_t>(p->size()) == w.compact[i]) {
-          mine.insert(mine.end(), p->begin(), p->end());
+          put = from_host(p->data(), at, w.compact[i]);
         } else {
-          // Only after a failed compute (reported through the status value below).
-          mine.resize(mine.size() + static_cast<size_t>(w.compact[i]), 0.0f);
+          // Only after a failed compute (reported through the status value below); the
+          // block's bytes are then never read.
           if (compute_status.ok()) {
             compute_status = absl::InternalError(absl::StrCat(
                 "no compact update captured for '", Bounded(layout_.tensors[i].name), "'"));
           }
         }
+        at += w.compact[i];
       } else {
-        // The whole parameter (device -> host on a device session).
+        // The whole parameter.
         const int64_t numel = layout_.tensors[i].numel;
-        const size_t at = mine.size();
-        mine.resize(at + static_cast<size_t>(numel), 0.0f);
-        const absl::Status copied = CallOnCompute(
-            compute_, [&] { return StepTensorToHost(params[i], mine.data() + at, numel); });
-        if (!copied.ok() && compute_status.ok()) {
-          // Reported to every rank through the status value below.
-          compute_status = absl::Status(copied.code(), absl::StrCat(
-              "copying '", Bounded(layout_.tensors[i].name), "' for the exchange failed: ",
-              copied.message()));
-        }
+        put = from_step(params[i], at, numel);
+        at += numel;
+      }
+      if (!put.ok() && compute_status.ok()) {
+        // Reported to every rank through the status value below.
+        compute_status = absl::Status(put.code(), absl::StrCat(
+            "copying '", Bounded(layout_.tensors[i].name), "' for the exchange failed: ",
+            put.message()));
       }
     }
+    std::vector<float> tail;
+    tail.reserve(static_cast<size_t>(extra));
     for (double sq : update_sq) {
       const float hi = static_cast<float>(sq);
-      mine.push_back(hi);
-      mine.push_back(static_cast<float>(sq - static_cast<double>(hi)));
+      tail.push_back(hi);
+      tail.push_back(static_cast<float>(sq - static_cast<double>(hi)));
     }
     // This rank's failure, or its trainer's memory gone while it was read: the step fails on
     // every rank.
     const bool ok_here = compute_status.ok() && CheckRegions(run.when).ok();
-    mine.push_back(ok_here ? 0.0f : 1.0f);
-    int64_t total = 0;
-    for (int64_t c : counts) total += c;
-    std::vector<float> all(static_cast<size_t>(total));
-    absl::Status st = comm->AllGatherV(mine, counts, absl::MakeSpan(all));
+    tail.push_back(ok_here ? 0.0f : 1.0f);
+    absl::Status st = from_host(tail.data(), at, extra);
+    if (st.ok()) {
+      st = wire_comm->AllGatherV(absl::MakeConstSpan(mine, static_cast<size_t>(counts[w.rank])),
+                                 counts, absl::MakeSpan(all, static_cast<size_t>(total)));
+    }
     if (!st.ok()) {
       return BreakWorld(run, absl::UnavailableError(absl::StrCat(
                                  where, "exchange of the updated parameters failed: ",
@@ -356,7 +480,7 @@ absl::Status Session::ExchangeUpdatesPhase(StepRun& run, const kernels::Context&
     std::vector<int> failed;
     std::vector<std::pair<size_t, int64_t>> compact;  // (parameter, offset in `all`)
     std::vector<std::pair<size_t, int64_t>> whole;    // the others' parameters, (i, offset)
-    int64_t at = 0;
+    at = 0;
     for (int j = 0; j < world_size; ++j) {
       for (size_t i : w.owned[j]) {
         const int64_t numel = layout_.tensors[i].numel;
@@ -368,47 +492,55 @@ absl::Status Session::ExchangeUpdatesPhase(StepRun& run, const kernels::Context&
           at += numel;
         }
       }
-      for (size_t gi = 0; gi < groups_.size(); ++gi, at += 2) {
-        if (j == 0) update_sq[gi] = 0;  // from here on: the world's sum
-        update_sq[gi] += static_cast<double>(all[static_cast<size_t>(at)]) +
-                         static_cast<double>(all[static_cast<size_t>(at) + 1]);
+      absl::StatusOr<absl::Span<const float>> t = to_host(at, extra);
+      if (!t.ok()) {
+        return BreakWorld(run, absl::Status(t.status().code(), absl::StrCat(
+                                                   where, "reading rank ", j, "'s norms: ",
+                                                   t.status().message(),
+                                                   "; the world session must be created "
+                                                   "again")));
       }
-      if (all[static_cast<size_t>(at)] != 0.0f && j != w.rank) failed.push_back(j);
-      ++at;
+      for (size_t gi = 0; gi < groups_.size(); ++gi) {
+        if (j == 0) update_sq[gi] = 0;  // from here on: the world's sum
+        update_sq[gi] += static_cast<double>((*t)[2 * gi]) + static_cast<double>((*t)[2 * gi + 1]);
+      }
+      if ((*t)[static_cast<size_t>(extra) - 1] != 0.0f && j != w.rank) failed.push_back(j);
+      at += extra;
     }
     if (compute_status.ok() && !ok_here) {
       compute_status = CheckRegions(run.when);
     }
-    // The others' updated parameters into this rank's copies (host -> device on a device
-    // session; always, so that every replica holds the owners' values).
-    RunOnCompute(compute_, [&] {
-      for (const auto& [i, offset] : whole) {
-        absl::Status s = HostToStepTensor(all.data() + offset, params[i], layout_.tensors[i].numel);
-        if (!s.ok() && compute_status.ok()) {
-          compute_status = absl::Status(s.code(), absl::StrCat(
-              "writing '", Bounded(layout_.tensors[i].name), "' from rank ", w.plan.owner[i],
-              " failed: ", s.message()));
-        }
+    // The others' updated parameters into this rank's copies (always, so that every replica
+    // holds the owners' values).
+    for (const auto& [i, offset] : whole) {
+      absl::Status s = to_step(offset, params[i], layout_.tensors[i].numel);
+      if (!s.ok() && compute_status.ok()) {
+        compute_status = absl::Status(s.code(), absl::StrCat(
+            "writing '", Bounded(layout_.tensors[i].name), "' from rank ", w.plan.owner[i],
+            " failed: ", s.message()));
       }
-    });
+    }
     // The others' compact updates, applied here through the rules' own code (bit-identical to
     // what their owners computed).
-    if (failed.empty() && compute_status.ok() && !compact.empty()) {
-      RunOnCompute(compute_, [&] {
-        for (const auto& [i, offset] : compact) {
-          const size_t gi = group_of_param_[i];
-          absl::Status s = optim::ApplyCapturedUpdate(
-              ctx, groups_[gi].optimizer->config(), layout_.tensors[i].shape, run.opts[gi],
-              absl::MakeConstSpan(all.data() + offset, static_cast<size_t>(w.compact[i])),
-              params[i]);
-          if (!s.ok()) {
-            compute_status = absl::InternalError(
-                absl::StrCat("applying the compact update of '", Bounded(layout_.tensors[i].name),
-                             "' from rank ", w.plan.owner[i], ": ", s.message()));
-            break;
-          }
+    if (failed.empty() && compute_status.ok()) {
+      for (const auto& [i, offset] : compact) {
+        const size_t gi = group_of_param_[i];
+        absl::StatusOr<absl::Span<const float>> payload = to_host(offset, w.compact[i]);
+        absl::Status s = payload.status();
+        if (s.ok()) {
+          s = CallOnCompute(compute_, [&] {
+            return optim::ApplyCapturedUpdate(ctx, groups_[gi].optimizer->config(),
+                                              layout_.tensors[i].shape, run.opts[gi], *payload,
+                                              params[i]);
+          });
         }
-      });
+        if (!s.ok()) {
+          compute_status = absl::InternalError(
+              absl::StrCat("applying the compact update of '", Bounded(layout_.tensors[i].name),
+                           "' from rank ", w.plan.owner[i], ": ", s.message()));
+          break;
+        }
+      }
     }
     if (compute_status.ok() && !failed.empty()) {
       compute_status = absl::InternalError(absl::StrCat(
@@ -417,7 +549,7 @@ absl::Status Session::ExchangeUpdatesPhase(StepRun& run, const kernels::Context&
     }
     if (compute_status.ok() && w.checksum_every > 0 &&
         request.step_index % w.checksum_every == 0) {
-      auto healed = CheckReplicas(device_ != nullptr ? *DeviceContext() : *run.ctx, comm,
+      auto healed = CheckReplicas(on_device ? *dctx : *run.ctx, run.comm.get(), run.dcomm.get(),
                                   request.step_index, params);
       if (!healed.ok()) {
         return BreakWorld(run, absl::UnavailableError(absl::StrCat(
@@ -428,7 +560,7 @@ absl::Status Session::ExchangeUpdatesPhase(StepRun& run, const kernels::Context&
       }
       run.result.checksum_mismatches = *healed;
     }
-    run.result.world_bytes_sent = comm->TakeBytesSent();
+    run.result.world_bytes_sent = TakeWorldBytes(run);
   }
   if (!compute_status.ok()) {
     // Some groups may have been applied on some ranks: the replicas can no longer be trusted.

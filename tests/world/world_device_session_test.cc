@@ -292,10 +292,15 @@ std::vector<std::set<size_t>> OwnedParams(std::vector<std::unique_ptr<Daemon>>& 
 // test daemon logs after every step), on every rank: the local device step's (gradients and
 // weights host -> device, the new weights device -> host, one read-back of the gradients'
 // finiteness flag (one float), one read-back of Σ(Δx)² per group the rank steps: one float per
-// parameter of the group) plus what the collectives need and nothing
-// else. REPLICATED: the owned parameters device -> host for the all-gather, the others' host ->
-// device. AVERAGE adds every gradient device -> host for the reduce-scatter and the owned
-// averaged gradients host -> device. Muon and AdamW exchange whole parameters (no compact form).
+// parameter of the group) plus what the collectives need and nothing else. The world phases pack
+// and unpack on the device (device-to-device copies, not counted here); with no device
+// communicator in this world (no NCCL), the step's device collectives stage each call through
+// host buffers, one copy each way (server/session/device_comm.h). REPLICATED, per step: this
+// rank's all-gather block (its owned parameters and its tail of 2G+1 floats: norms and status)
+// goes down, the whole gathered wire comes up, the tail is written to the device first (one
+// copy) and every rank's tail is read back (W copies). AVERAGE adds the reduce-scatter's input
+// (W blocks of the largest owned size + 1) down, this rank's block up, and the summed non-finite
+// flag down. Muon and AdamW exchange whole parameters (no compact form).
 TEST_F(DeviceWorld, CopiesCarryOnlyWhatTheCollectivesNeed) {
   const SessionDesc desc = Desc(AlgorithmKind::kMuon);
   const int64_t n = static_cast<int64_t>(desc.params.size());
@@ -332,12 +337,21 @@ TEST_F(DeviceWorld, CopiesCarryOnlyWhatTheCollectivesNeed) {
       const int64_t stepped_groups = static_cast<int64_t>(groups.size());
       int64_t norm_floats = 0;  // Σ(Δx)² read-backs: every parameter of a stepped group
       for (const ParamDesc& p : desc.params) norm_floats += groups.count(p.group);
-      const int64_t to_device = 2 * n + (n - mine) + (average ? mine : 0);
-      const int64_t to_host = n + 1 + stepped_groups + mine + (average ? n : 0);
+      const int64_t extra = 2 * static_cast<int64_t>(desc.groups.size()) + 1;
+      int64_t block = 0;  // the reduce-scatter's block: the largest owned share, + the flag
+      for (int q = 0; q < kWorld; ++q) {
+        int64_t e = 0;
+        for (size_t i : owned[q]) e += desc.Numel(i);
+        block = std::max(block, e);
+      }
+      block += 1;
+      const int64_t to_device = 2 * n + 2 + (average ? 1 : 0);
+      const int64_t to_host = n + 1 + stepped_groups + 1 + kWorld + (average ? 2 : 0);
       const int64_t bytes_to_device =
-          4 * (2 * total + (total - mine_elements) + (average ? mine_elements : 0));
+          4 * (2 * total + extra + (total + kWorld * extra) + (average ? block : 0));
       const int64_t bytes_to_host =
-          4 * (total + 1 + norm_floats + mine_elements + (average ? total : 0));
+          4 * (total + 1 + norm_floats + (mine_elements + extra) + kWorld * extra +
+               (average ? kWorld * block + 1 : 0));
       std::map<std::string, int64_t> got;
       for (const char* k : {"copies_to_device", "copies_to_host", "bytes_to_device",
                             "bytes_to_host"}) {

@@ -151,13 +151,14 @@ absl::Status ApplyFactors(const kernels::Context& ctx, const DionDims& d, int64_
   return kernels::Gemm(ctx, gu, CView3(P, pb, dev), CView3(q_new, qb, dev), View3(x, mb, dev));
 }
 
-// Compressed sync (§9.7): the caller's replica_average runs on host memory. On the CPU the
-// buffer is handed over as it is; on a device it is read back, averaged and written back (two
-// sync points).
+// Compressed sync (§9.7): the caller's replica_average runs on host memory, or on the context's
+// memory when it says so (on_device: a device collective). On the CPU, or on_device, the buffer
+// is handed over as it is; otherwise a device buffer is read back, averaged and written back
+// (two sync points).
 absl::Status ReplicaAverage(const kernels::Context& ctx,
                             const std::function<absl::Status(absl::Span<float>)>& average,
-                            float* buf, int64_t n) {
-  if (ctx.device().type == kernels::DeviceType::kCpu) {
+                            bool on_device, float* buf, int64_t n) {
+  if (ctx.device().type == kernels::DeviceType::kCpu || on_device) {
     return average(absl::MakeSpan(buf, static_cast<size_t>(n)));
   }
   std::vector<float> host(static_cast<size_t>(n));
@@ -251,7 +252,8 @@ class DionRule final : public UpdateRule {
     // Whether each matrix's momentum is all zero (judged on P under compressed sync, §9.7).
     absl::InlinedVector<bool, 16> zero(static_cast<size_t>(N), false);
     if (args.replica_average != nullptr) {
-      DIOND_RETURN_IF_ERROR(ReplicaAverage(ctx, *args.replica_average, P, psize));
+      DIOND_RETURN_IF_ERROR(ReplicaAverage(ctx, *args.replica_average,
+                                           args.replica_average_on_device, P, psize));
     }
     DIOND_RETURN_IF_ERROR(args.replica_average != nullptr
                               ? AllZeroFlags(ctx, P, N, d.a * d.r, absl::MakeSpan(zero))
@@ -265,7 +267,8 @@ class DionRule final : public UpdateRule {
     DIOND_RETURN_IF_ERROR(kernels::Gemm(ctx, gr, CView3(M, mb, dev), CView3(P, pb, dev), View3(R, qb, dev)));
     // Compressed sync: R ← mean over replicas of B_iᵀ·P.
     if (args.replica_average != nullptr) {
-      DIOND_RETURN_IF_ERROR(ReplicaAverage(ctx, *args.replica_average, R, qsize));
+      DIOND_RETURN_IF_ERROR(ReplicaAverage(ctx, *args.replica_average,
+                                           args.replica_average_on_device, R, qsize));
     }
 
     // 6. All-zero momentum: P ← 0, R ← Q (P13); otherwise NaN → 0, ±inf → ±FLT_MAX.

@@ -63,6 +63,8 @@ struct BucketArgs {
   std::vector<std::vector<float>*> capture;
   // StepOptions::replica_average (Dion's compressed sync), or null.
   const std::function<absl::Status(absl::Span<float>)>* replica_average = nullptr;
+  // StepOptions::replica_average_on_device.
+  bool replica_average_on_device = false;
   // In-place rules only (UpdateRule::InPlace): per parameter of the bucket, one f32 element (on
   // the context's device) where the rule writes Σ(x_after − x_before)², or null.
   float* update_sq = nullptr;

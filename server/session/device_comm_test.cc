@@ -1,0 +1,253 @@
+// StepDeviceComm (device_comm.h) on the TEST backend in strict mode (its "device" memory faults
+// on any host access outside the backend's entries), two ranks on threads:
+// - staged over Gloo: every collective on device buffers gives the values computed here by hand
+//   (the exact copy counts of a whole world step are checked by tests/world's
+//   DeviceWorld.CopiesCarryOnlyWhatTheCollectivesNeed);
+// - forwarded to a device communicator (what NCCL is on a GPU daemon): the same device pointers
+//   reach it, after the session's stream was waited for (one sync before the call), and the
+//   host communicator is never used.
+#include "server/session/device_comm.h"
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/status_matchers.h"
+#include "gtest/gtest.h"
+#include "kernels/backend.h"
+#include "kernels/device.h"
+#include "kernels/plugin/plugin_backend.h"
+#include "kernels/ops.h"
+#include "kernels/testing/host_device_backend.h"
+#include "server/comm/gloo_communicator.h"
+#include "server/comm/memory_store.h"
+
+namespace diond::session {
+namespace {
+
+using ::diond::testing::IsOk;
+using kernels::Buffer;
+using kernels::Context;
+using kernels::DType;
+
+constexpr kernels::Device kDev{kernels::DeviceType::kTest, 0};
+
+class DeviceComm : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    kernels::UnregisterOpsBackendForTest(kernels::DeviceType::kTest);
+    ASSERT_THAT(kernels::RegisterPluginOps(kernels::DeviceType::kTest,
+                                           kernels::testing::HostTestDeviceOps()),
+                IsOk());
+    kernels::testing::SetHostTestDeviceStrict(true);
+  }
+  void TearDown() override {
+    kernels::testing::SetHostTestDeviceStrict(false);
+    kernels::UnregisterOpsBackendForTest(kernels::DeviceType::kTest);
+  }
+};
+
+// One rank's device side: a stream and a Context on it.
+struct Rank {
+  kernels::StreamHandle stream = nullptr;
+  std::unique_ptr<Context> ctx;
+  Rank() {
+    auto s = kernels::CreateDeviceStream(kDev);
+    EXPECT_THAT(s.status(), IsOk());
+    stream = *s;
+    kernels::ContextOptions o;
+    o.device = kDev;
+    o.stream = stream;
+    o.num_threads = 1;
+    auto c = Context::Create(o);
+    EXPECT_THAT(c.status(), IsOk());
+    ctx = std::move(*c);
+  }
+  ~Rank() {
+    ctx.reset();
+    kernels::DestroyDeviceStream(kDev, stream);
+  }
+  Buffer Up(const std::vector<float>& v) {
+    auto b = ctx->Allocate(DType::kF32, {static_cast<int64_t>(v.size())});
+    EXPECT_THAT(b.status(), IsOk());
+    EXPECT_THAT(kernels::CopyFromHost(
+                    *ctx, kernels::MakeView(v.data(), {static_cast<int64_t>(v.size())}),
+                    b->view()),
+                IsOk());
+    return std::move(*b);
+  }
+  std::vector<float> Down(const Buffer& b) {
+    std::vector<float> v(static_cast<size_t>(b.NumElements()));
+    EXPECT_THAT(kernels::CopyToHost(*ctx, b.cview(),
+                                    kernels::MakeView(v.data(), {b.NumElements()})),
+                IsOk());
+    return v;
+  }
+};
+
+absl::Span<float> S(Buffer& b) {
+  return absl::MakeSpan(b.As<float>(), static_cast<size_t>(b.NumElements()));
+}
+
+// Runs body(rank, comm, device side) on two ranks joined by Gloo, staged.
+void TwoRanks(const std::string& prefix,
+              const std::function<void(int, StepDeviceComm&, Rank&)>& body) {
+  comm::MemoryKeyValueStore kv;
+  std::thread peers[2];
+  for (int r = 0; r < 2; ++r) {
+    peers[r] = std::thread([&, r] {
+      comm::GlooOptions o;
+      o.rank = r;
+      o.size = 2;
+      o.prefix = prefix;
+      o.timeout = absl::Seconds(10);
+      auto host = comm::GlooCommunicator::Create(&kv, o);
+      ASSERT_THAT(host.status(), IsOk());
+      Rank dev;
+      StepDeviceComm c(dev.ctx.get(), nullptr,
+                       std::shared_ptr<comm::Communicator>(std::move(*host)), nullptr);
+      EXPECT_TRUE(c.staged());
+      EXPECT_EQ(c.backend(), "gloo+staged");
+      EXPECT_EQ(c.memory(), comm::MemorySpace::kDevice);
+      body(r, c, dev);
+    });
+  }
+  for (auto& t : peers) t.join();
+}
+
+TEST_F(DeviceComm, StagedCollectivesOnDeviceBuffersGiveTheHostResults) {
+  TwoRanks("staged/", [](int r, StepDeviceComm& c, Rank& dev) {
+    const float k = static_cast<float>(r + 1);  // rank 0 holds 1s, rank 1 holds 2s (scaled)
+    {  // all-reduce, sum and average, in place
+      Buffer b = dev.Up({1 * k, 10 * k, 100 * k});
+      ASSERT_THAT(c.AllReduceSum(S(b)), IsOk());
+      EXPECT_EQ(dev.Down(b), (std::vector<float>{3, 30, 300}));
+      Buffer a = dev.Up({2 * k, 4 * k});
+      ASSERT_THAT(c.AllReduceAverage(S(a)), IsOk());
+      EXPECT_EQ(dev.Down(a), (std::vector<float>{3, 6}));
+    }
+    {  // reduce-scatter: block r of the sum
+      Buffer in = dev.Up({1 * k, 2 * k, 3 * k, 4 * k});
+      Buffer out = dev.Up({-1, -1});
+      ASSERT_THAT(c.ReduceScatterSum(S(in), S(out)), IsOk());
+      EXPECT_EQ(dev.Down(out), r == 0 ? (std::vector<float>{3, 6}) : (std::vector<float>{9, 12}));
+    }
+    {  // all-gather, all-gather-v (3 floats from rank 0, 1 from rank 1), all-to-all
+      Buffer in = dev.Up({k, -k});
+      Buffer out = dev.Up({0, 0, 0, 0});
+      ASSERT_THAT(c.AllGather(S(in), S(out)), IsOk());
+      EXPECT_EQ(dev.Down(out), (std::vector<float>{1, -1, 2, -2}));
+      const std::vector<int64_t> counts = {3, 1};
+      Buffer vin = r == 0 ? dev.Up({7, 8, 9}) : dev.Up({5});
+      Buffer vout = dev.Up({0, 0, 0, 0});
+      ASSERT_THAT(c.AllGatherV(S(vin), counts, S(vout)), IsOk());
+      EXPECT_EQ(dev.Down(vout), (std::vector<float>{7, 8, 9, 5}));
+      Buffer ain = dev.Up({10 * k, 20 * k});
+      Buffer aout = dev.Up({0, 0});
+      ASSERT_THAT(c.AllToAll(S(ain), S(aout)), IsOk());
+      // Block j of the output: rank j's block r.
+      EXPECT_EQ(dev.Down(aout), r == 0 ? (std::vector<float>{10, 20}) : (std::vector<float>{20, 40}));
+    }
+    {  // broadcast from rank 1
+      Buffer b = dev.Up({k, k, k});
+      ASSERT_THAT(c.Broadcast(S(b), 1), IsOk());
+      EXPECT_EQ(dev.Down(b), (std::vector<float>{2, 2, 2}));
+    }
+    {  // the byte forms, on device memory too
+      std::vector<float> host_bytes(1);  // 4 bytes per rank
+      uint8_t v[4] = {static_cast<uint8_t>(r), 1, 2, 3};
+      std::memcpy(host_bytes.data(), v, 4);
+      Buffer bytes_in = dev.Up(host_bytes);
+      Buffer bytes_out = dev.Up({0, 0});
+      ASSERT_THAT(c.AllGatherBytes(absl::MakeConstSpan(bytes_in.As<uint8_t>(), 4),
+                                   absl::MakeSpan(bytes_out.As<uint8_t>(), 8)),
+                  IsOk());
+      std::vector<float> got = dev.Down(bytes_out);
+      uint8_t g[8];
+      std::memcpy(g, got.data(), 8);
+      EXPECT_EQ(g[0], 0);
+      EXPECT_EQ(g[4], 1);
+      EXPECT_EQ(g[5], 1);
+      ASSERT_THAT(c.BroadcastBytes(absl::MakeSpan(bytes_in.As<uint8_t>(), 4), 0), IsOk());
+      std::memcpy(g, dev.Down(bytes_in).data(), 4);
+      EXPECT_EQ(g[0], 0);  // rank 0's first byte everywhere
+    }
+    EXPECT_THAT(c.Barrier(), IsOk());
+  });
+}
+
+TEST_F(DeviceComm, StagedArgumentErrorsComeBeforeAnyCopy) {
+  TwoRanks("errors/", [](int, StepDeviceComm& c, Rank& dev) {
+    Buffer in = dev.Up({1, 2});
+    Buffer out = dev.Up({0, 0, 0});
+    const std::vector<int64_t> bad = {1, 1};  // sums to 2, output holds 3
+    EXPECT_EQ(c.AllGatherV(S(in), bad, S(out)).code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(c.Broadcast(S(in), 5).code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(c.Barrier(), IsOk());  // the world is still in step
+  });
+}
+
+// What the world's device communicator (NCCL on a GPU daemon) sees: a one-rank recorder.
+class RecordingDeviceComm final : public comm::Communicator {
+ public:
+  RecordingDeviceComm() : comm::Communicator(0, 1, nullptr) {}
+  comm::MemorySpace memory() const override { return comm::MemorySpace::kDevice; }
+  absl::string_view backend() const override { return "recording"; }
+  absl::Status AllReduceSum(absl::Span<float> d) override { return Seen(d.data()); }
+  absl::Status AllReduceAverage(absl::Span<float> d) override { return Seen(d.data()); }
+  absl::Status ReduceScatterSum(absl::Span<const float> i, absl::Span<float>) override {
+    return Seen(i.data());
+  }
+  absl::Status AllGather(absl::Span<const float> i, absl::Span<float>) override {
+    return Seen(i.data());
+  }
+  absl::Status AllGatherV(absl::Span<const float> i, absl::Span<const int64_t>,
+                          absl::Span<float>) override {
+    return Seen(i.data());
+  }
+  absl::Status AllToAll(absl::Span<const float> i, absl::Span<float>) override {
+    return Seen(i.data());
+  }
+  absl::Status Broadcast(absl::Span<float> d, int) override { return Seen(d.data()); }
+  absl::Status Barrier() override { return Seen(nullptr); }
+  absl::Status AllGatherBytes(absl::Span<const uint8_t> i, absl::Span<uint8_t>) override {
+    return Seen(i.data());
+  }
+  absl::Status BroadcastBytes(absl::Span<uint8_t> d, int) override { return Seen(d.data()); }
+
+  std::vector<const void*> pointers;
+
+ private:
+  absl::Status Seen(const void* p) {
+    pointers.push_back(p);
+    return absl::OkStatus();
+  }
+};
+
+TEST_F(DeviceComm, ADeviceCommunicatorGetsTheSamePointersAfterTheStreamIsWaitedFor) {
+  Rank dev;
+  // The host communicator is never used on this path: a recorder too, so any use shows.
+  auto host = std::make_shared<RecordingDeviceComm>();
+  auto device = std::make_shared<RecordingDeviceComm>();
+  StepDeviceComm c(dev.ctx.get(), nullptr, host, device);
+  EXPECT_FALSE(c.staged());
+  EXPECT_EQ(c.backend(), "recording");
+  Buffer b = dev.Up({1, 2, 3, 4});
+  const auto syncs0 = kernels::testing::GetHostTestDeviceCounters().syncs;
+  // Work queued on the session stream (a Fill is deferred until the host waits).
+  ASSERT_THAT(kernels::Fill(*dev.ctx, 5.0f, b.view()), IsOk());
+  ASSERT_THAT(c.AllReduceSum(S(b)), IsOk());
+  const auto syncs1 = kernels::testing::GetHostTestDeviceCounters().syncs;
+  EXPECT_EQ(syncs1 - syncs0, 1) << "the session's stream must be waited for before the call";
+  ASSERT_THAT(c.AllGather(absl::MakeConstSpan(b.As<float>(), 2), S(b)), IsOk());
+  ASSERT_THAT(c.Broadcast(S(b), 0), IsOk());
+  ASSERT_EQ(device->pointers.size(), 3u);
+  for (const void* p : device->pointers) EXPECT_EQ(p, b.data());
+  EXPECT_TRUE(host->pointers.empty());
+  EXPECT_EQ(dev.Down(b), (std::vector<float>{5, 5, 5, 5}));
+}
+
+}  // namespace
+}  // namespace diond::session
