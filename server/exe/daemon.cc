@@ -388,8 +388,21 @@ absl::Status Daemon::JoinWorld(const WorldConfig& wc) {
     m->CountWorldFailure();
     m->SetWorldGeneration(0);
   };
-  if (cuda_plugin_ != nullptr && compute_device_.type == kernels::DeviceType::kCuda &&
-      cuda_plugin_->nccl != nullptr) {
+  if (compute_device_.type != kernels::DeviceType::kCpu) {
+    const bool nccl = wc.device_nccl && cuda_plugin_ != nullptr &&
+                      compute_device_.type == kernels::DeviceType::kCuda &&
+                      cuda_plugin_->nccl != nullptr;
+    DIOND_LOG(INFO) << "world: device sessions exchange "
+                    << (nccl ? "over NCCL on device memory"
+                             : absl::StrCat("over Gloo, staged through host memory (",
+                                            !wc.device_nccl ? "--world_device_collectives=gloo"
+                                            : compute_device_.type != kernels::DeviceType::kCuda
+                                                ? "not a CUDA device"
+                                                : "the CUDA plugin has no NCCL",
+                                            ")"));
+  }
+  if (wc.device_nccl && cuda_plugin_ != nullptr &&
+      compute_device_.type == kernels::DeviceType::kCuda && cuda_plugin_->nccl != nullptr) {
     // World sessions on the GPU exchange in device memory over NCCL (docs/DISTRIBUTED.md
     // "On device daemons"); Gloo stays for the host-side control traffic.
     const DiondCudaPluginV1* plugin = cuda_plugin_;

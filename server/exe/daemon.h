@@ -49,6 +49,9 @@ struct WorldConfig {
   absl::Duration peer_timeout = absl::Seconds(10);
   absl::Duration join_timeout = absl::Seconds(60);
   comm::StoreLimits store_limits;  // rank 0's rendezvous store quotas
+  // --world_device_collectives=auto: NCCL for world device sessions when steps run on a GPU and
+  // the plugin has NCCL; false (gloo): always Gloo, staged through host memory.
+  bool device_nccl = true;
 };
 
 struct DaemonOptions {

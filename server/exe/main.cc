@@ -155,6 +155,10 @@ ABSL_FLAG(absl::Duration, heartbeat_interval, absl::Seconds(1),
           "How often each daemon heartbeats the coordinator.");
 ABSL_FLAG(absl::Duration, peer_timeout, absl::Seconds(10),
           "A daemon silent this long is lost; also bounds every collective and rendezvous wait.");
+ABSL_FLAG(std::string, world_device_collectives, "auto",
+          "How world sessions of a daemon whose steps run on a GPU exchange: auto (NCCL on device "
+          "memory when the CUDA plugin has it, else Gloo staged through host memory) or gloo "
+          "(always Gloo, staged). CPU daemons always use Gloo.");
 ABSL_FLAG(absl::Duration, join_timeout, absl::Seconds(60),
           "How long a daemon tries to reach the coordinator and join before it exits non-zero.");
 
@@ -352,6 +356,13 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "diond: --world_size must be at least 1\n");
     return 2;
   }
+  const std::string device_collectives = absl::GetFlag(FLAGS_world_device_collectives);
+  if (device_collectives != "auto" && device_collectives != "gloo") {
+    std::fprintf(stderr, "diond: --world_device_collectives must be auto or gloo, not \"%s\"\n",
+                 device_collectives.c_str());
+    return 2;
+  }
+  world.device_nccl = device_collectives == "auto";
   if (world.world_size > 1) {
     char host[256] = {0};
     gethostname(host, sizeof(host) - 1);

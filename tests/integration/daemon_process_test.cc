@@ -318,7 +318,9 @@ TEST(DaemonProcess, BadFlagsExitWithUsageErrorNotACrash) {
            {DIOND_BINARY, "--listen=0.0.0.0:0", "--metrics_address="},
            // Issue 13, "Found 11": the plain-HTTP metrics endpoint follows the same rule.
            {DIOND_BINARY, "--listen=unix:" + dir + "/m.sock", "--metrics_address=0.0.0.0:0"},
-           {DIOND_BINARY, "--listen=unix:" + dir + "/m.sock", "--max_stream_bytes=-1"}}) {
+           {DIOND_BINARY, "--listen=unix:" + dir + "/m.sock", "--max_stream_bytes=-1"},
+           {DIOND_BINARY, "--listen=unix:" + dir + "/m.sock",
+            "--world_device_collectives=mpi"}}) {
     Subprocess p(argv, dir + "/log.txt");
     auto code = p.Wait(absl::Seconds(30));
     ASSERT_TRUE(code.has_value());
