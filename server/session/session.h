@@ -154,6 +154,9 @@ class Session {
   // The device session's numbers (streams made, staging bytes); false for a host session.
   bool is_device_session() const { return device_ != nullptr; }
   int64_t DeviceStagingBytes() const;
+  // Of DeviceBytes: a world device session's exchange buffers (made by AttachWorld; 0 for a host
+  // session or outside a world).
+  int64_t DeviceWorldBytes() const;
   // The bytes a device session's staging takes from the device pool for `layout` (fp32
   // parameters and gradients, one tensor's conversion buffer, each rounded as Context::Allocate
   // rounds): what Create allocates first, so SessionManager checks it before anything exists.
@@ -368,10 +371,12 @@ class Session {
   const kernels::Context* DeviceContext() const;
   // A device session's staging of gradient i (where a world's averaged gradient goes).
   float* DeviceGradStaging(size_t i);
-  // A device session's buffers for the world phases (session_world.cc), on its device: made on
-  // first use with at least `n` floats, zero-filled, and kept (a world's sizes are fixed by its
-  // shard plan, so steps 2.. allocate nothing). RESOURCE_EXHAUSTED from the device pool.
-  enum class WorldBuffer { kReduceIn, kReduceOut, kDivisor, kExchangeMine, kExchangeAll, kCount };
+  // A device session's buffers for the world phases (session_world.cc), on its device: made by
+  // AttachWorld at their final sizes (a world's sizes are fixed by its shard plan, so no step
+  // allocates), zero-filled, kept; a later call with a larger `n` would replace one. kWire is the
+  // reduce-scatter's input and then the exchange's gathered output (never live at once): one
+  // buffer of about the parameters' fp32 size. RESOURCE_EXHAUSTED from the device pool.
+  enum class WorldBuffer { kWire, kReduceOut, kDivisor, kExchangeMine, kCount };
   absl::StatusOr<float*> DeviceWorldBuffer(WorldBuffer which, int64_t n);
   struct Group {
     std::string name;

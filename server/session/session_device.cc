@@ -299,6 +299,13 @@ float* Session::DeviceGradStaging(size_t i) {
   return device_ != nullptr ? device_->grad(i) : nullptr;
 }
 
+int64_t Session::DeviceWorldBytes() const {
+  if (device_ == nullptr) return 0;
+  int64_t bytes = 0;
+  for (const kernels::Buffer& b : device_->world) bytes += static_cast<int64_t>(b.bytes());
+  return bytes;
+}
+
 absl::StatusOr<float*> Session::DeviceWorldBuffer(WorldBuffer which, int64_t n) {
   if (device_ == nullptr) return absl::InternalError("DeviceWorldBuffer on a host session");
   kernels::Buffer& b = device_->world[static_cast<size_t>(which)];

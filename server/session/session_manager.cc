@@ -308,7 +308,12 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::CreateSessionWithId(std
         shared->BudgetBytes(),
         shared->is_device_session()
             ? absl::StrCat("device pool ", shared->DeviceBytes(), " as allocated: staging ",
-                           shared->DeviceStagingBytes(), ", the rest state; host ",
+                           shared->DeviceStagingBytes(),
+                           shared->DeviceWorldBytes() > 0
+                               ? absl::StrCat(", world exchange buffers ",
+                                              shared->DeviceWorldBytes())
+                               : std::string(),
+                           ", the rest state; host ",
                            shared->BudgetBytes() - shared->DeviceBytes(),
                            "; all released again")
             : "optimizer state"));

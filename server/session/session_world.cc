@@ -89,6 +89,33 @@ absl::Status Session::AttachWorld(std::shared_ptr<WorldLink> world, ShardPlan pl
   }
   for (const auto& m : master_) bytes += 4 * static_cast<int64_t>(m.size());
   state_bytes_.store(bytes);
+  if (device_ != nullptr && w.world != nullptr) {
+    // A device session's world buffers, made now at their final sizes: an over-budget world
+    // session fails here, at creation, not in the middle of a step its peers have entered.
+    const int64_t extra = 2 * static_cast<int64_t>(groups_.size()) + 1;
+    int64_t total = 0, block = 0;
+    for (int j = 0; j < plan.world_size; ++j) {
+      total += w.owned_payload[j] + extra;
+      block = std::max(block, w.owned_elements[j]);
+    }
+    block += 1;
+    const bool reduce = spec_.gradient_sync != GradientSync::kReplicated;
+    std::vector<std::pair<WorldBuffer, int64_t>> need = {
+        {WorldBuffer::kExchangeMine, w.owned_payload[w.rank] + extra},
+        {WorldBuffer::kWire, std::max(total, reduce ? block * plan.world_size : 0)}};
+    if (reduce) {
+      need.push_back({WorldBuffer::kReduceOut, block});
+      need.push_back({WorldBuffer::kDivisor, 1});
+    }
+    for (const auto& [which, n] : need) {
+      absl::StatusOr<float*> b = DeviceWorldBuffer(which, n);
+      if (!b.ok()) {
+        return absl::Status(b.status().code(),
+                            absl::StrCat("world session '", Bounded(spec_.world_key), "': ",
+                                         b.status().message()));
+      }
+    }
+  }
   w.plan = std::move(plan);
   world_ = std::move(w);
   return absl::OkStatus();
@@ -276,7 +303,8 @@ kernels::ConstTensorView DevCView(const kernels::Context& ctx, const float* p, i
 }  // namespace
 
 // The device form of the reduce-scatter: the same blocks, packed on the device (a device copy
-// per owned gradient and a Fill per flag slot; the padding stays zero from the allocation),
+// per owned gradient and a Fill per flag slot; the padding between a block's gradients and its
+// flag holds whatever the wire held before, the last exchange's bytes: summed, never read),
 // reduce-scattered by the step's device collectives, divided on the device straight into the
 // gradient staging. One sync point of its own: the summed non-finite flag read back.
 absl::Status Session::ReduceGradientsOnDevice(StepRun& run, int64_t block) {
@@ -289,7 +317,7 @@ absl::Status Session::ReduceGradientsOnDevice(StepRun& run, int64_t block) {
   };
   float *in = nullptr, *out = nullptr, *div = nullptr;
   {
-    absl::StatusOr<float*> a = DeviceWorldBuffer(WorldBuffer::kReduceIn, block * world_size);
+    absl::StatusOr<float*> a = DeviceWorldBuffer(WorldBuffer::kWire, block * world_size);
     absl::StatusOr<float*> b = a.ok() ? DeviceWorldBuffer(WorldBuffer::kReduceOut, block) : a;
     absl::StatusOr<float*> c = b.ok() ? DeviceWorldBuffer(WorldBuffer::kDivisor, 1) : b;
     if (!c.ok()) return fail(c.status(), "the reduce-scatter's device buffers");
@@ -374,7 +402,7 @@ absl::Status Session::ExchangeUpdatesPhase(StepRun& run, const kernels::Context&
     float *mine = nullptr, *all = nullptr;
     if (on_device) {
       absl::StatusOr<float*> m = DeviceWorldBuffer(WorldBuffer::kExchangeMine, counts[w.rank]);
-      absl::StatusOr<float*> a = m.ok() ? DeviceWorldBuffer(WorldBuffer::kExchangeAll, total) : m;
+      absl::StatusOr<float*> a = m.ok() ? DeviceWorldBuffer(WorldBuffer::kWire, total) : m;
       if (!a.ok()) {
         return BreakWorld(run, absl::Status(a.status().code(),
                                             absl::StrCat(where, a.status().message(),

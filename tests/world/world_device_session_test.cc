@@ -464,14 +464,33 @@ TEST_F(DeviceWorld, BudgetsCountTheWorldSessionsDevicePoolBytes) {
   }
   auto lines = [](int64_t bytes) { return (bytes + 63) / 64 * 64; };
   const int64_t staging = 2 * lines(4 * numel) + lines(4 * largest);
+  // The exchange's device buffers, made at creation (REPLICATED: no reduce-scatter): this rank's
+  // all-gather block (its owned elements and a tail of 2G+1 floats) and the whole wire.
+  for (int r = 0; r < kWorld; ++r) held[r] = pool(r) - before[r];  // before any other call
+  const int64_t extra = 2 * static_cast<int64_t>(desc.groups.size()) + 1;
+  std::vector<int64_t> owned_elements(kWorld, 0);
+  for (int r = 0; r < kWorld; ++r) {
+    TensorMap state;
+    ASSERT_TRUE(GetState((*dev_)[r]->stub(), ids[r], false, &state).ok());
+    for (size_t i = 0; i < desc.params.size(); ++i) {
+      for (const auto& [name, bytes] : state) {
+        if (absl::StartsWith(name, desc.params[i].name + "/state.")) {
+          owned_elements[r] += desc.Numel(i);
+          break;
+        }
+      }
+    }
+  }
   int64_t state_sum = 0;
   for (int r = 0; r < kWorld; ++r) {
-    held[r] = pool(r) - before[r];
+    const int64_t exchange =
+        lines(4 * (owned_elements[r] + extra)) + lines(4 * (numel + kWorld * extra));
     std::cout << "rank " << r << ": the world session holds " << held[r]
-              << " pool bytes (staging " << staging << "); the local session " << local << "\n";
-    EXPECT_GT(held[r], staging) << "rank " << r << " holds no state";
-    EXPECT_LT(held[r], local) << "rank " << r << " holds more than its share";
-    state_sum += held[r] - staging;
+              << " pool bytes (staging " << staging << ", exchange " << exchange
+              << "); the local session " << local << "\n";
+    EXPECT_GT(held[r], staging + exchange) << "rank " << r << " holds no state";
+    EXPECT_LT(held[r] - exchange, local) << "rank " << r << " holds more than its share";
+    state_sum += held[r] - staging - exchange;
   }
   // The state is sharded: together the ranks hold one session's state, plus at most one 64-byte
   // line of Context::Allocate's rounding per state buffer (a rank's buffers of a shape bucket
@@ -486,7 +505,7 @@ TEST_F(DeviceWorld, BudgetsCountTheWorldSessionsDevicePoolBytes) {
   EXPECT_LE(state_sum, local - staging + 64 * kWorld * state_tensors);
   for (int r = 0; r < kWorld; ++r) EXPECT_TRUE(CloseSession((*dev_)[r]->stub(), ids[r]).ok());
 
-  // Enforced: a world whose daemons allow the larger share only.
+  // Enforced: daemons that allow exactly the larger share create and step the world session.
   const int64_t limit = std::max(held[0], held[1]);
   std::vector<std::unique_ptr<Daemon>> d;
   for (int r = 0; r < kWorld; ++r) {
@@ -496,17 +515,37 @@ TEST_F(DeviceWorld, BudgetsCountTheWorldSessionsDevicePoolBytes) {
     ASSERT_NE(d.back(), nullptr);
   }
   {
-    v1::CreateSessionResponse resp;
-    grpc::Status st = d[0]->stub().CreateSession(Ctx().get(), desc.Request(), &resp);
-    EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
-    EXPECT_TRUE(absl::StrContains(st.error_message(), absl::StrCat("session needs ", local)))
-        << st.error_message();
+    auto s = CreateEverywhere(d, desc, v1::GRADIENT_SYNC_REPLICATED, "dev-budget-enforced");
+    ASSERT_EQ(static_cast<int>(s.size()), kWorld);
+    for (int r = 0; r < kWorld; ++r) WriteSyntheticGrads(s[r].get(), desc, 7, 1);
+    StepAll(d, s, 1);
   }
-  auto s = CreateEverywhere(d, desc, v1::GRADIENT_SYNC_REPLICATED, "dev-budget-enforced");
-  ASSERT_EQ(static_cast<int>(s.size()), kWorld);
-  for (int r = 0; r < kWorld; ++r) WriteSyntheticGrads(s[r].get(), desc, 7, 1);
-  StepAll(d, s, 1);
-  s.clear();
+  d.clear();
+  // One byte less than the larger share: that rank refuses it with the numbers, the world
+  // exchange buffers named (they are made at creation, not in a step).
+  const int big = held[0] >= held[1] ? 0 : 1;
+  for (int r = 0; r < kWorld; ++r) {
+    std::vector<std::string> flags = WorldFlags(r, r == 0 ? 0 : d[0]->tcp_port());
+    flags.push_back(absl::StrCat("--max_session_bytes=", held[big] - 1));
+    d.push_back(Daemon::StartBinary(DIOND_TESTDEVICE_BINARY, flags, {}, /*tcp=*/true));
+    ASSERT_NE(d.back(), nullptr);
+  }
+  {
+    req.set_world_key("dev-budget-short");
+    std::vector<grpc::Status> made(kWorld);
+    OnAllRanks([&](int r) {
+      v1::CreateSessionResponse resp;
+      made[r] = d[r]->stub().CreateSession(Ctx().get(), req, &resp);
+    });
+    EXPECT_EQ(made[big].error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+        << made[big].error_message();
+    EXPECT_TRUE(absl::StrContains(made[big].error_message(),
+                                  absl::StrCat("session needs ", held[big])))
+        << made[big].error_message();
+    EXPECT_TRUE(absl::StrContains(made[big].error_message(), "world exchange buffers"))
+        << made[big].error_message();
+    EXPECT_EQ(SessionCount(d[big]->stub()), 0u);
+  }
   d.clear();
 
   // A pool that holds the whole state but not the smaller buffers the sharding allocates before
