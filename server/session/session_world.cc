@@ -551,7 +551,11 @@ absl::Status Session::ExchangeUpdatesPhase(StepRun& run, const kernels::Context&
     // The others' compact updates, applied here through the rules' own code (bit-identical to
     // what their owners computed).
     if (failed.empty() && compute_status.ok()) {
-      for (const auto& [i, offset] : compact) {
+      for (const auto& entry : compact) {
+        // Plain names: a lambda below uses them (C++17 lambdas cannot capture a structured
+        // binding).
+        const size_t i = entry.first;
+        const int64_t offset = entry.second;
         const size_t gi = group_of_param_[i];
         absl::StatusOr<absl::Span<const float>> payload = to_host(offset, w.compact[i]);
         absl::Status s = payload.status();
