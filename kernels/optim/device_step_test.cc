@@ -64,29 +64,18 @@ int64_t Numel(const ParamShape& s) {
 class StrictDevice : public ::testing::Test {
  protected:
   void SetUp() override {
-    kernels::UnregisterOpsBackendForTest(DeviceType::kTest);
-    ASSERT_THAT(kernels::RegisterPluginOps(DeviceType::kTest,
-                                           kernels::testing::HostTestDeviceOps()),
-                IsOk());
-    kernels::testing::SetHostTestDeviceStrict(true);
-    auto stream = kernels::CreateDeviceStream(kDev);
-    ASSERT_THAT(stream.status(), IsOk());
-    stream_ = *stream;
-    kernels::ContextOptions o;
-    o.device = kDev;
-    o.stream = stream_;
-    o.num_threads = 1;
-    auto ctx = Context::Create(o);
-    ASSERT_THAT(ctx.status(), IsOk());
-    dev_ = std::move(*ctx);
+    ASSERT_THAT(device_.status(), IsOk());
+    auto sc = kernels::testing::HostTestStreamContext::Create(kDev);
+    ASSERT_THAT(sc.status(), IsOk());
+    sc_ = std::move(*sc);
+    dev_ = &sc_->ctx();
     cpu_ = Context::CpuDefault(1);
   }
   void TearDown() override {
-    dev_.reset();
-    if (stream_ != nullptr) kernels::DestroyDeviceStream(kDev, stream_);
-    kernels::testing::SetHostTestDeviceStrict(false);
-    kernels::UnregisterOpsBackendForTest(DeviceType::kTest);
+    dev_ = nullptr;
+    sc_.reset();
   }
+  kernels::testing::ScopedHostTestDevice device_{/*strict=*/true};
 
   // A device buffer holding `v` (uploaded with the public copy).
   Buffer Upload(const std::vector<float>& v) {
@@ -107,8 +96,9 @@ class StrictDevice : public ::testing::Test {
     return v;
   }
 
-  kernels::StreamHandle stream_ = nullptr;
-  std::unique_ptr<Context> dev_, cpu_;
+  std::unique_ptr<kernels::testing::HostTestStreamContext> sc_;
+  Context* dev_ = nullptr;
+  std::unique_ptr<Context> cpu_;
 };
 
 // ---- the guard itself ----------------------------------------------------------------------

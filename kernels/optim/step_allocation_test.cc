@@ -141,17 +141,8 @@ TEST(StepAllocation, AContextOnAnotherDeviceIsRefused) {
 
 class StepAllocationOnDevice : public ::testing::TestWithParam<Case> {
  protected:
-  void SetUp() override {
-    kernels::UnregisterOpsBackendForTest(kernels::DeviceType::kTest);
-    ASSERT_THAT(kernels::RegisterPluginOps(kernels::DeviceType::kTest,
-                                           kernels::testing::HostTestDeviceOps()),
-                IsOk());
-    kernels::testing::SetHostTestDeviceStrict(true);
-  }
-  void TearDown() override {
-    kernels::testing::SetHostTestDeviceStrict(false);
-    kernels::UnregisterOpsBackendForTest(kernels::DeviceType::kTest);
-  }
+  void SetUp() override { ASSERT_THAT(device_.status(), IsOk()); }
+  kernels::testing::ScopedHostTestDevice device_{/*strict=*/true};
 };
 
 TEST_P(StepAllocationOnDevice, StepsAfterTheFirstAllocateNothingThroughTheContext) {

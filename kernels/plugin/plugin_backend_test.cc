@@ -31,26 +31,20 @@ constexpr Device kDev{DeviceType::kTest, 0};
 class PluginBackendTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    UnregisterOpsBackendForTest(DeviceType::kTest);
-    ASSERT_THAT(RegisterPluginOps(DeviceType::kTest, testing::HostTestDeviceOps()), IsOk());
+    ASSERT_THAT(device_.status(), IsOk());
     testing::ResetHostTestDevice(0);
-    auto stream = CreateDeviceStream(kDev);
-    ASSERT_THAT(stream.status(), IsOk());
-    stream_ = *stream;
-    ContextOptions o;
-    o.device = kDev;
-    o.stream = stream_;
-    o.num_threads = 1;
-    auto ctx = Context::Create(o);
-    ASSERT_THAT(ctx.status(), IsOk());
-    ctx_ = std::move(*ctx);
+    auto sc = testing::HostTestStreamContext::Create(kDev);
+    ASSERT_THAT(sc.status(), IsOk());
+    sc_ = std::move(*sc);
+    ctx_ = &sc_->ctx();
+    stream_ = sc_->stream();
     cpu_ = Context::CpuDefault(1);
   }
   void TearDown() override {
-    ctx_.reset();
-    DestroyDeviceStream(kDev, stream_);
-    UnregisterOpsBackendForTest(DeviceType::kTest);
+    ctx_ = nullptr;
+    sc_.reset();
   }
+  testing::ScopedHostTestDevice device_{/*strict=*/false};
 
   // A device buffer holding `v` (f32) or its bf16 rounding.
   Buffer Upload(const std::vector<float>& v, const std::vector<int64_t>& shape,
@@ -87,8 +81,9 @@ class PluginBackendTest : public ::testing::Test {
     return std::move(*t);
   }
 
+  std::unique_ptr<testing::HostTestStreamContext> sc_;
   StreamHandle stream_ = nullptr;
-  std::unique_ptr<Context> ctx_;
+  Context* ctx_ = nullptr;
   std::unique_ptr<Context> cpu_;
 };
 

@@ -28,6 +28,7 @@
 #include "kernels/context.h"
 #include "kernels/elementwise_math.h"
 #include "kernels/ops.h"
+#include "kernels/plugin/plugin_backend.h"
 
 namespace diond::kernels::testing {
 namespace {
@@ -1215,6 +1216,39 @@ HostTestHandoffCounters GetHostTestHandoffCounters() {
   c.vmm_mapped_now = static_cast<int64_t>(Ho().vmm_imports.size());
   c.events_open_now = static_cast<int64_t>(Ho().events.size());
   return c;
+}
+
+ScopedHostTestDevice::ScopedHostTestDevice(bool strict) {
+  UnregisterOpsBackendForTest(DeviceType::kTest);
+  status_ = RegisterPluginOps(DeviceType::kTest, HostTestDeviceOps());
+  SetHostTestDeviceStrict(strict);
+}
+
+ScopedHostTestDevice::~ScopedHostTestDevice() {
+  SetHostTestDeviceStrict(false);
+  UnregisterOpsBackendForTest(DeviceType::kTest);
+}
+
+absl::StatusOr<std::unique_ptr<HostTestStreamContext>> HostTestStreamContext::Create(
+    Device device, int num_threads) {
+  std::unique_ptr<HostTestStreamContext> s(new HostTestStreamContext);
+  s->device_ = device;
+  absl::StatusOr<StreamHandle> stream = CreateDeviceStream(device);
+  if (!stream.ok()) return stream.status();
+  s->stream_ = *stream;
+  ContextOptions o;
+  o.device = device;
+  o.stream = s->stream_;
+  o.num_threads = num_threads;
+  absl::StatusOr<std::unique_ptr<Context>> ctx = Context::Create(o);
+  if (!ctx.ok()) return ctx.status();  // the destructor destroys the stream
+  s->ctx_ = std::move(*ctx);
+  return s;
+}
+
+HostTestStreamContext::~HostTestStreamContext() {
+  ctx_.reset();
+  if (stream_ != nullptr) DestroyDeviceStream(device_, stream_);
 }
 
 }  // namespace diond::kernels::testing

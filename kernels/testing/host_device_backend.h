@@ -37,6 +37,11 @@
 #include <array>
 #include <cstdint>
 
+#include <memory>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/context.h"
 #include "kernels/cuda/plugin_api.h"
 
 namespace diond::kernels::testing {
@@ -97,6 +102,41 @@ struct HostTestHandoffCounters {
   int64_t ipc_open_now = 0, vmm_mapped_now = 0, events_open_now = 0;  // live right now
 };
 HostTestHandoffCounters GetHostTestHandoffCounters();
+
+// ---- fixtures: the set-up every test of the TEST backend repeats ----
+// Registers this backend as DeviceType::kTest (replacing any earlier registration) and sets
+// strict mode as asked; the destructor turns strict mode off and unregisters the backend. One
+// at a time per process. status(): the registration's result (check it in SetUp).
+class ScopedHostTestDevice {
+ public:
+  explicit ScopedHostTestDevice(bool strict = true);
+  ~ScopedHostTestDevice();
+  ScopedHostTestDevice(const ScopedHostTestDevice&) = delete;
+  ScopedHostTestDevice& operator=(const ScopedHostTestDevice&) = delete;
+  const absl::Status& status() const { return status_; }
+
+ private:
+  absl::Status status_;
+};
+
+// A stream of the TEST device `device` and a Context on it (`num_threads` threads), as a device
+// session holds them; destroyed Context first, then the stream. Needs the backend registered.
+class HostTestStreamContext {
+ public:
+  static absl::StatusOr<std::unique_ptr<HostTestStreamContext>> Create(Device device,
+                                                                       int num_threads = 1);
+  ~HostTestStreamContext();
+  HostTestStreamContext(const HostTestStreamContext&) = delete;
+  HostTestStreamContext& operator=(const HostTestStreamContext&) = delete;
+  Context& ctx() const { return *ctx_; }
+  StreamHandle stream() const { return stream_; }
+
+ private:
+  HostTestStreamContext() = default;
+  Device device_;
+  StreamHandle stream_ = nullptr;
+  std::unique_ptr<Context> ctx_;
+};
 
 }  // namespace diond::kernels::testing
 

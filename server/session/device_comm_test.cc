@@ -36,38 +36,19 @@ constexpr kernels::Device kDev{kernels::DeviceType::kTest, 0};
 
 class DeviceComm : public ::testing::Test {
  protected:
-  void SetUp() override {
-    kernels::UnregisterOpsBackendForTest(kernels::DeviceType::kTest);
-    ASSERT_THAT(kernels::RegisterPluginOps(kernels::DeviceType::kTest,
-                                           kernels::testing::HostTestDeviceOps()),
-                IsOk());
-    kernels::testing::SetHostTestDeviceStrict(true);
-  }
-  void TearDown() override {
-    kernels::testing::SetHostTestDeviceStrict(false);
-    kernels::UnregisterOpsBackendForTest(kernels::DeviceType::kTest);
-  }
+  void SetUp() override { ASSERT_THAT(device_.status(), IsOk()); }
+  kernels::testing::ScopedHostTestDevice device_{/*strict=*/true};
 };
 
 // One rank's device side: a stream and a Context on it.
 struct Rank {
-  kernels::StreamHandle stream = nullptr;
-  std::unique_ptr<Context> ctx;
+  std::unique_ptr<kernels::testing::HostTestStreamContext> sc;
+  Context* ctx = nullptr;
   Rank() {
-    auto s = kernels::CreateDeviceStream(kDev);
+    auto s = kernels::testing::HostTestStreamContext::Create(kDev);
     EXPECT_THAT(s.status(), IsOk());
-    stream = *s;
-    kernels::ContextOptions o;
-    o.device = kDev;
-    o.stream = stream;
-    o.num_threads = 1;
-    auto c = Context::Create(o);
-    EXPECT_THAT(c.status(), IsOk());
-    ctx = std::move(*c);
-  }
-  ~Rank() {
-    ctx.reset();
-    kernels::DestroyDeviceStream(kDev, stream);
+    sc = std::move(*s);
+    ctx = &sc->ctx();
   }
   Buffer Up(const std::vector<float>& v) {
     auto b = ctx->Allocate(DType::kF32, {static_cast<int64_t>(v.size())});
@@ -106,7 +87,7 @@ void TwoRanks(const std::string& prefix,
       auto host = comm::GlooCommunicator::Create(&kv, o);
       ASSERT_THAT(host.status(), IsOk());
       Rank dev;
-      StepDeviceComm c(dev.ctx.get(), nullptr,
+      StepDeviceComm c(dev.ctx, nullptr,
                        std::shared_ptr<comm::Communicator>(std::move(*host)), nullptr);
       EXPECT_TRUE(c.staged());
       EXPECT_EQ(c.backend(), "gloo+staged");
@@ -231,7 +212,7 @@ TEST_F(DeviceComm, ADeviceCommunicatorGetsTheSamePointersAfterTheStreamIsWaitedF
   // The host communicator is never used on this path: a recorder too, so any use shows.
   auto host = std::make_shared<RecordingDeviceComm>();
   auto device = std::make_shared<RecordingDeviceComm>();
-  StepDeviceComm c(dev.ctx.get(), nullptr, host, device);
+  StepDeviceComm c(dev.ctx, nullptr, host, device);
   EXPECT_FALSE(c.staged());
   EXPECT_EQ(c.backend(), "recording");
   Buffer b = dev.Up({1, 2, 3, 4});
