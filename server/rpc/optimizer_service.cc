@@ -20,13 +20,6 @@
 namespace diond::rpc {
 namespace {
 
-grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* ctx, const absl::Status& s) {
-  grpc::ServerUnaryReactor* r = ctx->DefaultReactor();
-  r->Finish(ToGrpcStatus(s));
-  return r;
-}
-
-
 // Collects the chunks of a client stream (ChunkCollector: each is checked before it is buffered),
 // then hands them to `apply` once the client has finished. A cancelled (truncated) stream
 // applies nothing: OnReadDone(false) means either a half-close or a cancellation, so the
@@ -37,10 +30,11 @@ class ChunkReader : public grpc::ServerReadReactor<v1::TensorChunk> {
   using Apply = std::function<absl::Status(const std::string& session,
                                            std::vector<session::TensorWrite> writes,
                                            int64_t bytes, int64_t chunks)>;
-  ChunkReader(grpc::CallbackServerContext* ctx, session::SessionManager* manager,
-              session::StreamKind kind, const OptimizerServiceOptions& options,
-              ChunkCollector::Check check, Apply apply)
+  ChunkReader(grpc::CallbackServerContext* ctx, HandlerPool* pool,
+              session::SessionManager* manager, session::StreamKind kind,
+              const OptimizerServiceOptions& options, ChunkCollector::Check check, Apply apply)
       : ctx_(ctx),
+        pool_(pool),
         collector_(manager, kind, options.max_chunk_bytes, options.max_stream_bytes,
                    std::move(check)),
         apply_(std::move(apply)) {
@@ -53,9 +47,12 @@ class ChunkReader : public grpc::ServerReadReactor<v1::TensorChunk> {
         Finish(grpc::Status(grpc::StatusCode::CANCELLED, "stream cancelled; nothing applied"));
         return;
       }
-      // The client half-closed: the stream is complete.
-      Finish(ToGrpcStatus(apply_(collector_.session(), collector_.TakeWrites(),
-                                 collector_.bytes(), collector_.chunks())));
+      // The client half-closed: the stream is complete. Applying it takes the session's lock,
+      // which a step may hold: on the handler pool.
+      pool_->Run([this] {
+        Finish(ToGrpcStatus(apply_(collector_.session(), collector_.TakeWrites(),
+                                   collector_.bytes(), collector_.chunks())));
+      });
       return;
     }
     if (absl::Status c = collector_.Add(&chunk_); !c.ok()) {
@@ -69,28 +66,37 @@ class ChunkReader : public grpc::ServerReadReactor<v1::TensorChunk> {
 
  private:
   grpc::CallbackServerContext* ctx_;
+  HandlerPool* pool_;
   ChunkCollector collector_;
   Apply apply_;
   v1::TensorChunk chunk_;
 };
 
-// Writes a precomputed sequence of chunks, one at a time (flow-controlled by gRPC). `next`
-// produces the next chunk or returns false at the end; an error status ends the stream.
+// Writes a sequence of chunks, one at a time (flow-controlled by gRPC). `next` produces the next
+// chunk or returns false at the end; an error status ends the stream. With a pool, `next` runs
+// there (it reads the session under its lock, which a step may hold); without, inline.
 class ChunkWriter : public grpc::ServerWriteReactor<v1::TensorChunk> {
  public:
   using Next = std::function<absl::StatusOr<bool>(v1::TensorChunk* chunk)>;
-  explicit ChunkWriter(Next next) : next_(std::move(next)) { WriteNext(); }
+  ChunkWriter(HandlerPool* pool, Next next) : pool_(pool), next_(std::move(next)) { Schedule(); }
 
   void OnWriteDone(bool ok) override {
     if (!ok) {
       Finish(grpc::Status(grpc::StatusCode::CANCELLED, "client went away"));
       return;
     }
-    WriteNext();
+    Schedule();
   }
   void OnDone() override { delete this; }
 
  private:
+  void Schedule() {
+    if (pool_ == nullptr) {
+      WriteNext();
+    } else {
+      pool_->Run([this] { WriteNext(); });
+    }
+  }
   void WriteNext() {
     chunk_.Clear();
     absl::StatusOr<bool> more = next_(&chunk_);
@@ -102,15 +108,23 @@ class ChunkWriter : public grpc::ServerWriteReactor<v1::TensorChunk> {
       StartWrite(&chunk_);
     }
   }
+  HandlerPool* pool_;
   Next next_;
   v1::TensorChunk chunk_;
 };
 
 grpc::ServerWriteReactor<v1::TensorChunk>* FailWrite(const absl::Status& s) {
-  return new ChunkWriter([s](v1::TensorChunk*) -> absl::StatusOr<bool> { return s; });
+  return new ChunkWriter(nullptr, [s](v1::TensorChunk*) -> absl::StatusOr<bool> { return s; });
 }
 
 }  // namespace
+
+grpc::ServerUnaryReactor* OptimizerService::Offload(grpc::CallbackServerContext* ctx,
+                                                    std::function<absl::Status()> work) {
+  grpc::ServerUnaryReactor* r = ctx->DefaultReactor();
+  pool_->Run([r, work = std::move(work)] { r->Finish(ToGrpcStatus(work())); });
+  return r;
+}
 
 std::function<absl::Status(const std::string&)> OptimizerService::OwnerCheck(
     grpc::CallbackServerContext* ctx) const {
@@ -125,57 +139,61 @@ std::function<absl::Status(const std::string&)> OptimizerService::OwnerCheck(
 grpc::ServerUnaryReactor* OptimizerService::CreateSession(grpc::CallbackServerContext* ctx,
                                                           const v1::CreateSessionRequest* req,
                                                           v1::CreateSessionResponse* resp) {
-  auto p = auth_->Authenticate(*ctx);
-  if (!p.ok()) return Finish(ctx, p.status());
-  auto spec = SpecFromProto(*req);
-  if (!spec.ok()) return Finish(ctx, spec.status());
-  spec->owner = p->name;
-  auto s = manager_->CreateSession(*std::move(spec));
-  if (!s.ok()) return Finish(ctx, s.status());
-  LayoutToProto(**s, resp);
-  DataPlaneToProto(**s, resp);
-  return Finish(ctx, absl::OkStatus());
+  return Offload(ctx, [=]() -> absl::Status {
+    auto p = auth_->Authenticate(*ctx);
+    if (!p.ok()) return p.status();
+    auto spec = SpecFromProto(*req);
+    if (!spec.ok()) return spec.status();
+    spec->owner = p->name;
+    auto s = manager_->CreateSession(*std::move(spec));
+    if (!s.ok()) return s.status();
+    LayoutToProto(**s, resp);
+    DataPlaneToProto(**s, resp);
+    return absl::OkStatus();
+  });
 }
 
 grpc::ServerUnaryReactor* OptimizerService::RegisterRegion(grpc::CallbackServerContext* ctx,
                                                            const v1::RegisterRegionRequest* req,
                                                            v1::RegisterRegionResponse* resp) {
-  auto p = auth_->Authenticate(*ctx);
-  if (!p.ok()) return Finish(ctx, p.status());
-  auto s = OwnedSession(manager_, *p, req->session_id());
-  if (!s.ok()) return Finish(ctx, s.status());
-  auto role_or = RegionRoleFromProto(*req);
-  if (!role_or.ok()) return Finish(ctx, role_or.status());
-  const session::Role role = *role_or;
-  switch (req->kind()) {
-    case v1::REGION_KIND_MEMFD: {
-      auto id = RegisterMemfd(*p, s->get(), role, req->memfd());
-      if (!id.ok()) return Finish(ctx, id.status());
-      resp->set_region_id(*id);
-      return Finish(ctx, absl::OkStatus());
+  return Offload(ctx, [=]() -> absl::Status {
+    auto p = auth_->Authenticate(*ctx);
+    if (!p.ok()) return p.status();
+    auto s = OwnedSession(manager_, *p, req->session_id());
+    if (!s.ok()) return s.status();
+    auto role_or = RegionRoleFromProto(*req);
+    if (!role_or.ok()) return role_or.status();
+    const session::Role role = *role_or;
+    switch (req->kind()) {
+      case v1::REGION_KIND_MEMFD: {
+        auto id = RegisterMemfd(*p, s->get(), role, req->memfd());
+        if (!id.ok()) return id.status();
+        resp->set_region_id(*id);
+        return absl::OkStatus();
+      }
+      case v1::REGION_KIND_CUDA_IPC:
+      case v1::REGION_KIND_CUDA_VMM_FD: {
+        auto id = RegisterCuda(*p, s->get(), role, *req);
+        if (!id.ok()) return id.status();
+        resp->set_region_id(*id);
+        return absl::OkStatus();
+      }
+      default:
+        break;  // REGION_KIND_SYSTEM_SHM, below
     }
-    case v1::REGION_KIND_CUDA_IPC:
-    case v1::REGION_KIND_CUDA_VMM_FD: {
-      auto id = RegisterCuda(*p, s->get(), role, *req);
-      if (!id.ok()) return Finish(ctx, id.status());
-      resp->set_region_id(*id);
-      return Finish(ctx, absl::OkStatus());
+    if (!options_.allow_shm_from_tcp && !p->local) {
+      return absl::PermissionDeniedError(absl::StrCat(
+                             "shared-memory registration from ", ctx->peer(),
+                             " is off: connect over the Unix socket, or start diond with "
+                             "--allow_shm_from_tcp"));
     }
-    default:
-      break;  // REGION_KIND_SYSTEM_SHM, below
-  }
-  if (!options_.allow_shm_from_tcp && !p->local) {
-    return Finish(ctx, absl::PermissionDeniedError(absl::StrCat(
-                           "shared-memory registration from ", ctx->peer(),
-                           " is off: connect over the Unix socket, or start diond with "
-                           "--allow_shm_from_tcp")));
-  }
-  const v1::SystemShmRegion& shm = req->system_shm();
-  if (absl::Status o = CheckSegmentOwner(*p, shm.name()); !o.ok()) return Finish(ctx, o);
-  auto id = (*s)->RegisterShmRegion(role, shm.name(), shm.offset_bytes(), shm.size_bytes());
-  if (!id.ok()) return Finish(ctx, id.status());
-  resp->set_region_id(*id);
-  return Finish(ctx, absl::OkStatus());
+    const v1::SystemShmRegion& shm = req->system_shm();
+    if (absl::Status o = CheckSegmentOwner(*p, shm.name()); !o.ok()) return o;
+    auto id = (*s)->RegisterShmRegion(role, shm.name(), shm.offset_bytes(), shm.size_bytes());
+    if (!id.ok()) return id.status();
+    resp->set_region_id(*id);
+    return absl::OkStatus();
+  });
 }
 
 absl::StatusOr<std::string> OptimizerService::RegisterMemfd(const Principal& p,
@@ -305,42 +323,47 @@ void OptimizerService::DataPlaneToProto(const session::Session& s,
 grpc::ServerUnaryReactor* OptimizerService::UnregisterRegion(
     grpc::CallbackServerContext* ctx, const v1::UnregisterRegionRequest* req,
     v1::UnregisterRegionResponse*) {
-  auto p = auth_->Authenticate(*ctx);
-  if (!p.ok()) return Finish(ctx, p.status());
-  auto s = OwnedSession(manager_, *p, req->session_id());
-  if (!s.ok()) return Finish(ctx, s.status());
-  return Finish(ctx, (*s)->UnregisterRegion(req->region_id()));
+  return Offload(ctx, [=]() -> absl::Status {
+    auto p = auth_->Authenticate(*ctx);
+    if (!p.ok()) return p.status();
+    auto s = OwnedSession(manager_, *p, req->session_id());
+    if (!s.ok()) return s.status();
+    return (*s)->UnregisterRegion(req->region_id());
+  });
 }
 
 grpc::ServerUnaryReactor* OptimizerService::Step(grpc::CallbackServerContext* ctx,
                                                  const v1::StepRequest* req,
                                                  v1::StepResponse* resp) {
-  auto p = auth_->Authenticate(*ctx);
-  if (!p.ok()) return Finish(ctx, p.status());
-  if (auto o = OwnedSession(manager_, *p, req->session_id()); !o.ok()) {
-    return Finish(ctx, o.status());
-  }
-  auto r = manager_->Step(req->session_id(), StepRequestFromProto(*req));
-  if (!r.ok()) return Finish(ctx, r.status());
-  auto fill = [](const session::StepResult& from, v1::StepResponse* to) {
-    to->set_step_index(from.step_index);
-    to->set_skipped(from.skipped);
-    to->set_replayed(from.replayed);
-    for (const auto& [g, n] : from.update_norms) (*to->mutable_update_norms())[g] = n;
-    to->set_compute_micros(from.compute_micros);
-    to->set_total_micros(from.total_micros);
-    to->set_world_bytes_sent(from.world_bytes_sent);
-    to->set_queued(from.queued);
-  };
-  fill(*r, resp);
-  if (!r->previous.empty()) fill(r->previous.front(), resp->mutable_previous());
-  return Finish(ctx, absl::OkStatus());
+  return Offload(ctx, [=]() -> absl::Status {
+    auto p = auth_->Authenticate(*ctx);
+    if (!p.ok()) return p.status();
+    if (auto o = OwnedSession(manager_, *p, req->session_id()); !o.ok()) {
+      return o.status();
+    }
+    auto r = manager_->Step(req->session_id(), StepRequestFromProto(*req));
+    if (!r.ok()) return r.status();
+    auto fill = [](const session::StepResult& from, v1::StepResponse* to) {
+      to->set_step_index(from.step_index);
+      to->set_skipped(from.skipped);
+      to->set_replayed(from.replayed);
+      for (const auto& [g, n] : from.update_norms) (*to->mutable_update_norms())[g] = n;
+      to->set_compute_micros(from.compute_micros);
+      to->set_total_micros(from.total_micros);
+      to->set_world_bytes_sent(from.world_bytes_sent);
+      to->set_queued(from.queued);
+    };
+    fill(*r, resp);
+    if (!r->previous.empty()) fill(r->previous.front(), resp->mutable_previous());
+    return absl::OkStatus();
+  });
 }
 
 grpc::ServerReadReactor<v1::TensorChunk>* OptimizerService::PushGradients(
     grpc::CallbackServerContext* ctx, v1::PushGradientsResponse* resp) {
   session::SessionManager* manager = manager_;
-  return new ChunkReader(ctx, manager_, session::StreamKind::kGradients, options_, OwnerCheck(ctx),
+  return new ChunkReader(ctx, pool_.get(), manager_, session::StreamKind::kGradients, options_,
+                         OwnerCheck(ctx),
                          [manager, resp](const std::string& id,
                                          std::vector<session::TensorWrite> writes, int64_t bytes,
                                          int64_t chunks) -> absl::Status {
@@ -379,7 +402,8 @@ grpc::ServerWriteReactor<v1::TensorChunk>* OptimizerService::PullParameters(
         }
       }
       if (!found) {
-        return FailWrite(absl::InvalidArgumentError(absl::StrCat("unknown parameter '", Bounded(n), "'")));
+        return FailWrite(
+            absl::InvalidArgumentError(absl::StrCat("unknown parameter '", Bounded(n), "'")));
       }
     }
   }
@@ -388,7 +412,7 @@ grpc::ServerWriteReactor<v1::TensorChunk>* OptimizerService::PullParameters(
   std::shared_ptr<session::Session> sess = *s;
   size_t index = 0;
   int64_t offset = 0;
-  return new ChunkWriter([sess, tensors, chunk, index, offset](
+  return new ChunkWriter(pool_.get(), [sess, tensors, chunk, index, offset](
                              v1::TensorChunk* out) mutable -> absl::StatusOr<bool> {
     if (index >= tensors.size()) return false;
     const session::TensorPlacement& t = tensors[index];
@@ -416,14 +440,15 @@ grpc::ServerWriteReactor<v1::TensorChunk>* OptimizerService::PullParameters(
 grpc::ServerUnaryReactor* OptimizerService::SetHyperparameters(
     grpc::CallbackServerContext* ctx, const v1::SetHyperparametersRequest* req,
     v1::SetHyperparametersResponse*) {
-  auto p = auth_->Authenticate(*ctx);
-  if (!p.ok()) return Finish(ctx, p.status());
-  auto s = OwnedSession(manager_, *p, req->session_id());
-  if (!s.ok()) return Finish(ctx, s.status());
-  auto change = HyperparameterChangeFromProto(*req);
-  if (!change.ok()) return Finish(ctx, change.status());
-  return Finish(ctx, (*s)->SetGroupHyperparameters(change->group, change->lr,
-                                                   change->weight_decay));
+  return Offload(ctx, [=]() -> absl::Status {
+    auto p = auth_->Authenticate(*ctx);
+    if (!p.ok()) return p.status();
+    auto s = OwnedSession(manager_, *p, req->session_id());
+    if (!s.ok()) return s.status();
+    auto change = HyperparameterChangeFromProto(*req);
+    if (!change.ok()) return change.status();
+    return (*s)->SetGroupHyperparameters(change->group, change->lr, change->weight_decay);
+  });
 }
 
 grpc::ServerWriteReactor<v1::TensorChunk>* OptimizerService::GetState(
@@ -432,14 +457,19 @@ grpc::ServerWriteReactor<v1::TensorChunk>* OptimizerService::GetState(
   if (!p.ok()) return FailWrite(p.status());
   auto s = OwnedSession(manager_, *p, req->session_id());
   if (!s.ok()) return FailWrite(s.status());
-  auto state = (*s)->GetState(req->include_parameters());
-  if (!state.ok()) return FailWrite(state.status());
-  auto tensors = std::make_shared<std::vector<session::NamedTensor>>(*std::move(state));
+  std::shared_ptr<session::Session> sess = *s;
+  const bool include_parameters = req->include_parameters();
+  std::shared_ptr<std::vector<session::NamedTensor>> tensors;  // read at the first chunk
   const int64_t chunk = options_.max_chunk_bytes / 4 * 4;
   size_t index = 0;
   int64_t offset = 0;
-  return new ChunkWriter([tensors, chunk, index, offset](
-                             v1::TensorChunk* out) mutable -> absl::StatusOr<bool> {
+  return new ChunkWriter(pool_.get(), [sess, include_parameters, tensors, chunk, index, offset](
+                                          v1::TensorChunk* out) mutable -> absl::StatusOr<bool> {
+    if (tensors == nullptr) {
+      auto state = sess->GetState(include_parameters);
+      if (!state.ok()) return state.status();
+      tensors = std::make_shared<std::vector<session::NamedTensor>>(*std::move(state));
+    }
     if (index >= tensors->size()) return false;
     const session::NamedTensor& t = (*tensors)[index];
     const int64_t total = static_cast<int64_t>(t.data.size()) * 4;
@@ -465,7 +495,8 @@ grpc::ServerWriteReactor<v1::TensorChunk>* OptimizerService::GetState(
 grpc::ServerReadReactor<v1::TensorChunk>* OptimizerService::SetState(
     grpc::CallbackServerContext* ctx, v1::SetStateResponse* resp) {
   session::SessionManager* manager = manager_;
-  return new ChunkReader(ctx, manager_, session::StreamKind::kState, options_, OwnerCheck(ctx),
+  return new ChunkReader(ctx, pool_.get(), manager_, session::StreamKind::kState, options_,
+                         OwnerCheck(ctx),
                          [manager, resp](const std::string& id,
                                          std::vector<session::TensorWrite> writes, int64_t,
                                          int64_t) -> absl::Status {
@@ -483,100 +514,110 @@ grpc::ServerReadReactor<v1::TensorChunk>* OptimizerService::SetState(
 grpc::ServerUnaryReactor* OptimizerService::SaveCheckpoint(grpc::CallbackServerContext* ctx,
                                                            const v1::SaveCheckpointRequest* req,
                                                            v1::SaveCheckpointResponse* resp) {
-  auto p = auth_->Authenticate(*ctx);
-  if (!p.ok()) return Finish(ctx, p.status());
-  if (auto o = OwnedSession(manager_, *p, req->session_id()); !o.ok()) {
-    return Finish(ctx, o.status());
-  }
-  if (absl::Status a = CheckPathAllowed(*p, req->directory(), "directory"); !a.ok()) {
-    return Finish(ctx, a);
-  }
-  auto saved = manager_->SaveCheckpoint(req->session_id(), req->directory());
-  if (!saved.ok()) return Finish(ctx, saved.status());
-  resp->set_path(saved->first);
-  resp->set_bytes(saved->second);
-  auto s = manager_->Get(req->session_id());
-  if (s.ok()) resp->set_step_index((*s)->last_step_index());
-  return Finish(ctx, absl::OkStatus());
+  return Offload(ctx, [=]() -> absl::Status {
+    auto p = auth_->Authenticate(*ctx);
+    if (!p.ok()) return p.status();
+    if (auto o = OwnedSession(manager_, *p, req->session_id()); !o.ok()) {
+      return o.status();
+    }
+    if (absl::Status a = CheckPathAllowed(*p, req->directory(), "directory"); !a.ok()) {
+      return a;
+    }
+    auto saved = manager_->SaveCheckpoint(req->session_id(), req->directory());
+    if (!saved.ok()) return saved.status();
+    resp->set_path(saved->first);
+    resp->set_bytes(saved->second);
+    auto s = manager_->Get(req->session_id());
+    if (s.ok()) resp->set_step_index((*s)->last_step_index());
+    return absl::OkStatus();
+  });
 }
 
 grpc::ServerUnaryReactor* OptimizerService::LoadCheckpoint(grpc::CallbackServerContext* ctx,
                                                            const v1::LoadCheckpointRequest* req,
                                                            v1::LoadCheckpointResponse* resp) {
-  auto p = auth_->Authenticate(*ctx);
-  if (!p.ok()) return Finish(ctx, p.status());
-  if (req->path().empty()) {
-    return Finish(ctx, absl::InvalidArgumentError("LoadCheckpoint needs a path"));
-  }
-  if (absl::Status a = CheckPathAllowed(*p, req->path(), "path"); !a.ok()) {
-    return Finish(ctx, a);
-  }
-  if (req->shard_paths_size() > 1024) {
-    return Finish(ctx, absl::InvalidArgumentError(absl::StrCat(
-        req->shard_paths_size(), " shard_paths: at most 1024")));
-  }
-  std::vector<std::string> shards;
-  for (const std::string& path : req->shard_paths()) {
-    if (absl::Status st = CheckPathAllowed(*p, path, "shard_paths"); !st.ok()) {
-      return Finish(ctx, st);
+  return Offload(ctx, [=]() -> absl::Status {
+    auto p = auth_->Authenticate(*ctx);
+    if (!p.ok()) return p.status();
+    if (req->path().empty()) {
+      return absl::InvalidArgumentError("LoadCheckpoint needs a path");
     }
-    shards.push_back(path);
-  }
-  // The restored session keeps the owner its checkpoint records; a non-admin may load only
-  // its own (SessionManager::LoadCheckpoint).
-  auto s = manager_->LoadCheckpoint(req->path(), shards, session::Caller{p->name, p->admin});
-  if (!s.ok()) return Finish(ctx, s.status());
-  LayoutToProto(**s, resp->mutable_session());
-  DataPlaneToProto(**s, resp->mutable_session());
-  resp->set_step_index((*s)->last_step_index());
-  return Finish(ctx, absl::OkStatus());
+    if (absl::Status a = CheckPathAllowed(*p, req->path(), "path"); !a.ok()) {
+      return a;
+    }
+    if (req->shard_paths_size() > 1024) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          req->shard_paths_size(), " shard_paths: at most 1024"));
+    }
+    std::vector<std::string> shards;
+    for (const std::string& path : req->shard_paths()) {
+      if (absl::Status st = CheckPathAllowed(*p, path, "shard_paths"); !st.ok()) {
+        return st;
+      }
+      shards.push_back(path);
+    }
+    // The restored session keeps the owner its checkpoint records; a non-admin may load only
+    // its own (SessionManager::LoadCheckpoint).
+    auto s = manager_->LoadCheckpoint(req->path(), shards, session::Caller{p->name, p->admin});
+    if (!s.ok()) return s.status();
+    LayoutToProto(**s, resp->mutable_session());
+    DataPlaneToProto(**s, resp->mutable_session());
+    resp->set_step_index((*s)->last_step_index());
+    return absl::OkStatus();
+  });
 }
 
 grpc::ServerUnaryReactor* OptimizerService::AttachSession(grpc::CallbackServerContext* ctx,
                                                           const v1::AttachSessionRequest* req,
                                                           v1::AttachSessionResponse* resp) {
-  auto p = auth_->Authenticate(*ctx);
-  if (!p.ok()) return Finish(ctx, p.status());
-  // The session manager compares the principal with the session's owner (admins may attach to
-  // any session).
-  std::vector<session::ParamSpec> expect;
-  if (req->parameters_size() > 0) {
-    v1::CreateSessionRequest declared;
-    *declared.mutable_parameters() = req->parameters();
-    auto spec = SpecFromProto(declared);
-    if (!spec.ok()) return Finish(ctx, spec.status());
-    expect = std::move(spec->params);
-  }
-  auto s = manager_->Attach(req->session_name(), p->name, expect, p->admin);
-  if (!s.ok()) return Finish(ctx, s.status());
-  LayoutToProto(**s, resp->mutable_session());
-  DataPlaneToProto(**s, resp->mutable_session());
-  resp->set_step_index((*s)->last_step_index());
-  return Finish(ctx, absl::OkStatus());
+  return Offload(ctx, [=]() -> absl::Status {
+    auto p = auth_->Authenticate(*ctx);
+    if (!p.ok()) return p.status();
+    // The session manager compares the principal with the session's owner (admins may attach to
+    // any session).
+    std::vector<session::ParamSpec> expect;
+    if (req->parameters_size() > 0) {
+      v1::CreateSessionRequest declared;
+      *declared.mutable_parameters() = req->parameters();
+      auto spec = SpecFromProto(declared);
+      if (!spec.ok()) return spec.status();
+      expect = std::move(spec->params);
+    }
+    auto s = manager_->Attach(req->session_name(), p->name, expect, p->admin);
+    if (!s.ok()) return s.status();
+    LayoutToProto(**s, resp->mutable_session());
+    DataPlaneToProto(**s, resp->mutable_session());
+    resp->set_step_index((*s)->last_step_index());
+    return absl::OkStatus();
+  });
 }
 
 grpc::ServerUnaryReactor* OptimizerService::CloseSession(grpc::CallbackServerContext* ctx,
                                                          const v1::CloseSessionRequest* req,
                                                          v1::CloseSessionResponse*) {
-  auto p = auth_->Authenticate(*ctx);
-  if (!p.ok()) return Finish(ctx, p.status());
-  if (auto o = OwnedSession(manager_, *p, req->session_id()); !o.ok()) {
-    return Finish(ctx, o.status());
-  }
-  return Finish(ctx, manager_->Close(req->session_id()));
+  return Offload(ctx, [=]() -> absl::Status {
+    auto p = auth_->Authenticate(*ctx);
+    if (!p.ok()) return p.status();
+    if (auto o = OwnedSession(manager_, *p, req->session_id()); !o.ok()) {
+      return o.status();
+    }
+    return manager_->Close(req->session_id());
+  });
 }
 
 grpc::ServerUnaryReactor* OptimizerService::ListSessions(grpc::CallbackServerContext* ctx,
                                                          const v1::ListSessionsRequest*,
                                                          v1::ListSessionsResponse* resp) {
-  auto p = auth_->Authenticate(*ctx);
-  if (!p.ok()) return Finish(ctx, p.status());
-  const absl::Time now = absl::Now();
-  for (const session::SessionInfo& info : manager_->List()) {
-    if (!MayUseSession(*p, info.owner)) continue;  // only one's own sessions
-    SessionInfoToProto(info, now, resp->add_sessions());
-  }
-  return Finish(ctx, absl::OkStatus());
+  return Offload(ctx, [=]() -> absl::Status {
+    auto p = auth_->Authenticate(*ctx);
+    if (!p.ok()) return p.status();
+    const absl::Time now = absl::Now();
+    for (const session::SessionInfo& info : manager_->List()) {
+      if (!MayUseSession(*p, info.owner)) continue;  // only one's own sessions
+      SessionInfoToProto(info, now, resp->add_sessions());
+    }
+    return absl::OkStatus();
+  });
 }
 
 }  // namespace diond::rpc

@@ -1,15 +1,18 @@
 // The diond.v1.Optimizer gRPC service (callback API, STYLE.md O2). Handlers stay thin: parse,
 // convert to domain structs (server/rpc/convert.h), call the SessionManager, convert back, and
-// map the status once (status_conversion.h).
+// map the status once (status_conversion.h). The unary handlers and the streams' final apply run
+// on the service's HandlerPool, never on gRPC's few callback threads (handler_pool.h says why).
 #ifndef DIOND_SERVER_RPC_OPTIMIZER_SERVICE_H_
 #define DIOND_SERVER_RPC_OPTIMIZER_SERVICE_H_
 
 #include <functional>
+#include <memory>
 #include <string>
 
 #include "diond/v1/optimizer.grpc.pb.h"
 #include "server/fdchannel/fd_channel.h"
 #include "server/rpc/auth.h"
+#include "server/rpc/handler_pool.h"
 #include "server/session/session_manager.h"
 
 namespace diond::rpc {
@@ -28,6 +31,10 @@ struct OptimizerServiceOptions {
   // True when the daemon computes on a device (a GPU, or the test-only TEST backend): its device
   // sessions take the CUDA region kinds. A CPU daemon refuses them with FAILED_PRECONDITION.
   bool gpu_daemon = false;
+  // The most handler threads (handler_pool.h): calls that need a thread beyond them wait in
+  // order. Each call in flight that waits (a world session's CreateSession for its peers, a Step
+  // in a collective) holds one.
+  int handler_threads = 64;
 };
 
 class OptimizerService final : public diond::v1::Optimizer::CallbackService {
@@ -37,7 +44,10 @@ class OptimizerService final : public diond::v1::Optimizer::CallbackService {
   // PERMISSION_DENIED unless the caller is an admin.
   OptimizerService(session::SessionManager* manager, const Authenticator* auth,
                    OptimizerServiceOptions options)
-      : manager_(manager), auth_(auth), options_(options) {}
+      : manager_(manager),
+        auth_(auth),
+        options_(options),
+        pool_(std::make_unique<HandlerPool>(options_.handler_threads)) {}
 
   grpc::ServerUnaryReactor* CreateSession(grpc::CallbackServerContext* ctx,
                                           const v1::CreateSessionRequest* req,
@@ -93,9 +103,16 @@ class OptimizerService final : public diond::v1::Optimizer::CallbackService {
   // For the client-streaming RPCs: authenticates now, checks ownership on the first chunk.
   std::function<absl::Status(const std::string&)> OwnerCheck(
       grpc::CallbackServerContext* ctx) const;
+  // Runs `work` on the handler pool (handler_pool.h: never on gRPC's callback threads) and
+  // finishes the call with its status from there.
+  grpc::ServerUnaryReactor* Offload(grpc::CallbackServerContext* ctx,
+                                    std::function<absl::Status()> work);
   session::SessionManager* manager_;
   const Authenticator* auth_;
   OptimizerServiceOptions options_;
+  // Declared last: destroyed first, after it ran what was queued (the server is shut down and
+  // destroyed before the service, so no call arrives meanwhile).
+  std::unique_ptr<HandlerPool> pool_;
 };
 
 }  // namespace diond::rpc

@@ -11,6 +11,7 @@
 // Bytes: the counted bytes per step match docs/DISTRIBUTED.md's formulas within 5%.
 // Agreement: trainers that declare different sessions are refused with FAILED_PRECONDITION
 // naming the ranks.
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <functional>
@@ -756,6 +757,66 @@ TEST(WorldSessionFailure, KillRestartResumeFromCheckpoint) {
 
 // A daemon without a world (--world_size=1) runs a world session as a world of one: every mode is
 // accepted, nothing is sent, and the weights are those of a local session.
+// A world session's CreateSession waits for the same session on the other ranks, and a Step for
+// their part of the collectives. Those waits used to hold gRPC's callback threads (cores / 2, at
+// least 2, for the whole process): two of them on a two-core rank 0 left no thread for any other
+// call, so it answered nothing (not a ListSessions) and served no heartbeat (the other ranks were
+// declared lost after --peer_timeout). The handlers now wait on the service's own pool
+// (server/rpc/handler_pool.h). 20 waits are more than gRPC's 16-thread cap on any machine.
+TEST(WorldSessionWaits, TheDaemonServesOtherCallsWhileWorldSessionsWaitForTheirPeers) {
+  constexpr int kWaiting = 20;
+  auto d = StartWorld(2);
+  ASSERT_EQ(d.size(), 2u);
+  const SessionDesc desc = TwoMatricesAndABias(AlgorithmKind::kMuon);
+  auto request = [&](int k) {
+    v1::CreateSessionRequest req = desc.Request();
+    req.set_world_key(absl::StrCat("wait-", k));
+    return req;
+  };
+  std::vector<std::string> ids[2];
+  ids[0].resize(kWaiting);
+  ids[1].resize(kWaiting);
+  auto create_all = [&](int rank) {
+    std::vector<std::thread> t;
+    for (int k = 0; k < kWaiting; ++k) {
+      t.emplace_back([&, k, rank] {
+        auto ctx = Ctx();
+        v1::CreateSessionResponse resp;
+        grpc::Status s = d[rank]->stub().CreateSession(ctx.get(), request(k), &resp);
+        EXPECT_TRUE(s.ok()) << "rank " << rank << ", session " << k << ": " << s.error_message();
+        ids[rank][k] = resp.session_id();
+      });
+    }
+    return t;
+  };
+  // Rank 0's trainers create their world sessions; rank 1's have not yet: all 20 wait.
+  std::vector<std::thread> rank0 = create_all(0);
+  absl::SleepFor(absl::Milliseconds(500));
+  // Rank 0 still answers at once, and still serves rank 1's heartbeats past --peer_timeout (3s).
+  for (int i = 0; i < 4; ++i) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    v1::ListSessionsResponse list;
+    grpc::Status s = d[0]->stub().ListSessions(&ctx, v1::ListSessionsRequest(), &list);
+    EXPECT_TRUE(s.ok()) << "ListSessions while " << kWaiting
+                        << " world CreateSessions wait: " << s.error_message();
+    absl::SleepFor(absl::Seconds(1));
+  }
+  EXPECT_FALSE(absl::StrContains(d[0]->Log(), "lost")) << d[0]->Log();
+  // Rank 1's trainers come: every session is created on both ranks.
+  std::vector<std::thread> rank1 = create_all(1);
+  for (auto& t : rank0) t.join();
+  for (auto& t : rank1) t.join();
+  for (int r = 0; r < 2; ++r) {
+    for (int k = 0; k < kWaiting; ++k) {
+      EXPECT_FALSE(ids[r][k].empty()) << "rank " << r << ", session " << k;
+      if (!ids[r][k].empty()) {
+        EXPECT_TRUE(CloseSession(d[r]->stub(), ids[r][k]).ok());
+      }
+    }
+  }
+}
+
 TEST(WorldSessionOfOne, RunsLikeALocalSession) {
   auto d = Daemon::Start();
   ASSERT_NE(d, nullptr);
