@@ -313,8 +313,9 @@ void OptimizerService::DataPlaneToProto(const session::Session& s,
     resp->set_fd_channel_socket(options_.fd_channel->path());
     resp->add_region_kinds(v1::REGION_KIND_MEMFD);
   }
-  // The CUDA kinds: a local device session of a GPU daemon (a world session steps host arenas).
-  if (options_.gpu_daemon && s.is_device_session() && !s.is_world_session()) {
+  // The CUDA kinds: a device session of a GPU daemon, local or of a world (its world phases
+  // run on device buffers, docs/GPU.md "World sessions").
+  if (options_.gpu_daemon && s.is_device_session()) {
     resp->add_region_kinds(v1::REGION_KIND_CUDA_IPC);
     if (options_.fd_channel != nullptr) resp->add_region_kinds(v1::REGION_KIND_CUDA_VMM_FD);
   }

@@ -363,13 +363,6 @@ absl::Status Session::PrepareEventsLocked(const StepRequest& request) {
           "cudaIpcEventHandle_t; got ", handle->size(), " bytes"));
     }
   }
-  if (is_world_session()) {
-    // Not built for world sessions: their trainers' arenas are host memory (no CUDA regions),
-    // and nothing orders a trainer's stream with the world's collectives.
-    return absl::FailedPreconditionError(absl::StrCat(
-        "step ", request.step_index, ": ready_event / done_event are for local device sessions; "
-        "a world session exchanges through host buffers and steps host arenas: send no events"));
-  }
   if (device_ == nullptr || device_->stream == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat(
         "step ", request.step_index, ": ready_event / done_event order a device session's "

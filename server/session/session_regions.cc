@@ -100,13 +100,6 @@ absl::StatusOr<std::string> Session::OpenCudaRegion(
     Role role,
     absl::FunctionRef<absl::StatusOr<std::unique_ptr<CudaRegion>>(kernels::Device)> open) {
   std::optional<kernels::Device> device = DeviceOfSession();
-  if (is_world_session()) {
-    // A world device session steps host arenas only (its exchange is staged through host
-    // buffers; CUDA regions in a world are not built, docs/GPU.md "World sessions").
-    return absl::FailedPreconditionError(absl::StrCat(
-        "session ", id_, " is a world session: CUDA regions are for local device sessions; "
-        "register host memory (REGION_KIND_MEMFD or REGION_KIND_SYSTEM_SHM)"));
-  }
   if (!device.has_value()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "session ", id_, " steps on the host (the daemon computes on the CPU): CUDA regions "
@@ -119,10 +112,6 @@ absl::StatusOr<std::string> Session::OpenCudaRegion(
 
 absl::StatusOr<std::string> Session::RegisterCudaRegion(Role role,
                                                         std::unique_ptr<CudaRegion> region) {
-  if (is_world_session()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "session ", id_, " is a world session: CUDA regions are for local device sessions"));
-  }
   const int64_t need = role == Role::kParameters ? layout_.param_arena_bytes
                                                  : layout_.grad_arena_bytes;
   if (region->size() < need) {

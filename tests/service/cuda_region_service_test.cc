@@ -17,10 +17,12 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <functional>
 #include <cstdlib>
 #include <limits>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -144,15 +146,80 @@ struct CudaSession {
   }
 };
 
+grpc::Status RegisterRegion(v1::Optimizer::Stub& stub, const v1::RegisterRegionRequest& req,
+                            std::string* id = nullptr) {
+  auto ctx = Ctx();
+  v1::RegisterRegionResponse resp;
+  grpc::Status s = stub.RegisterRegion(ctx.get(), req, &resp);
+  if (id != nullptr) *id = resp.region_id();
+  return s;
+}
+
+// CreateSession on `stub`, one TEST allocation of the trainer (`trainer`, its Context), both
+// roles registered (CUDA_IPC: one handle for both; VMM: the allocation exported twice, each fd
+// over the daemon's fd channel `fd_channel`). ADD_FAILUREs and returns null on error.
+std::unique_ptr<CudaSession> CreateCudaSession(v1::Optimizer::Stub& stub,
+                                               const std::string& fd_channel,
+                                               const kernels::Context& trainer,
+                                               const v1::CreateSessionRequest& req, bool vmm) {
+  auto c = std::make_unique<CudaSession>();
+  auto cctx = Ctx();
+  grpc::Status s = stub.CreateSession(cctx.get(), req, &c->layout);
+  if (!s.ok()) {
+    ADD_FAILURE() << s.error_message();
+    return nullptr;
+  }
+  c->id = c->layout.session_id();
+  c->grad_base = (c->layout.param_arena_bytes() + 4095) / 4096 * 4096;
+  const int64_t g = static_cast<int64_t>(kt::kHostTestVmmGranularity);
+  const int64_t bytes = (c->grad_base + c->layout.grad_arena_bytes() + g - 1) / g * g;
+  c->mem = std::make_unique<DeviceMemory>(trainer, static_cast<size_t>(bytes));
+  auto reg = [&](v1::RegionRole role, int64_t offset, int64_t size, std::string* id) {
+    if (!vmm) {
+      return RegisterRegion(stub, IpcRequest(c->id, role, c->mem->IpcHandle(), offset, size), id);
+    }
+    const int fd = kt::HostTestExportVmmFd(0, c->mem->ptr());
+    EXPECT_GE(fd, 0);
+    auto token = client::SendFdToChannel(fd_channel, fd, client::kFdKindCudaVmm);
+    close(fd);
+    EXPECT_TRUE(token.ok()) << token.status();
+    return RegisterRegion(stub, VmmRequest(c->id, role, token.ok() ? *token : "", offset, size),
+                          id);
+  };
+  s = reg(v1::REGION_ROLE_PARAMETERS, 0, c->layout.param_arena_bytes(), &c->param_region);
+  if (s.ok()) {
+    s = reg(v1::REGION_ROLE_GRADIENTS, c->grad_base, c->layout.grad_arena_bytes(),
+            &c->grad_region);
+  }
+  if (!s.ok()) {
+    ADD_FAILURE() << s.error_message();
+    return nullptr;
+  }
+  return c;
+}
+
+// The TEST backend as DeviceType::kTest's ops, strict (the daemons' and the trainer's "GPU
+// memory" faults on any host access outside the backend's entries).
+void RegisterStrictTestDevice() {
+  kernels::UnregisterOpsBackendForTest(kernels::DeviceType::kTest);
+  ASSERT_TRUE(kernels::RegisterPluginOps(kernels::DeviceType::kTest, kt::HostTestDeviceOps()).ok());
+  kt::ResetHostTestDevice(0);
+  kt::SetHostTestDeviceStrict(true);
+}
+
+// The trainer's Context on TEST device 0.
+std::unique_ptr<kernels::Context> TrainerContext() {
+  kernels::ContextOptions co;
+  co.device = kDev0;
+  co.num_threads = 1;
+  auto ctx = kernels::Context::Create(co);
+  EXPECT_TRUE(ctx.ok()) << ctx.status();
+  return ctx.ok() ? *std::move(ctx) : nullptr;
+}
+
 class CudaRegions : public ::testing::Test {
  protected:
-  static void SetUpTestSuite() {
-    kernels::UnregisterOpsBackendForTest(kernels::DeviceType::kTest);
-    ASSERT_TRUE(
-        kernels::RegisterPluginOps(kernels::DeviceType::kTest, kt::HostTestDeviceOps()).ok());
-    kt::ResetHostTestDevice(0);
-    kt::SetHostTestDeviceStrict(true);
-  }
+  static void SetUpTestSuite() { RegisterStrictTestDevice(); }
 
   void SetUp() override {
     baseline_ = kt::GetHostTestHandoffCounters();
@@ -172,12 +239,8 @@ class CudaRegions : public ::testing::Test {
     channel_ = grpc::CreateChannel(absl::StrCat("unix:", dir_, "/d.sock"),
                                    grpc::InsecureChannelCredentials());
     stub_ = v1::Optimizer::NewStub(channel_);
-    kernels::ContextOptions co;
-    co.device = kDev0;
-    co.num_threads = 1;
-    auto ctx = kernels::Context::Create(co);
-    ASSERT_TRUE(ctx.ok()) << ctx.status();
-    trainer_ = *std::move(ctx);
+    trainer_ = TrainerContext();
+    ASSERT_NE(trainer_, nullptr);
   }
 
   void TearDown() override {
@@ -202,11 +265,7 @@ class CudaRegions : public ::testing::Test {
   std::string FdChannel() const { return daemon_->fd_channel_path(); }
 
   grpc::Status Register(const v1::RegisterRegionRequest& req, std::string* id = nullptr) {
-    auto ctx = Ctx();
-    v1::RegisterRegionResponse resp;
-    grpc::Status s = stub().RegisterRegion(ctx.get(), req, &resp);
-    if (id != nullptr) *id = resp.region_id();
-    return s;
+    return RegisterRegion(stub(), req, id);
   }
 
   grpc::Status Create(const v1::CreateSessionRequest& req, v1::CreateSessionResponse* resp) {
@@ -214,39 +273,8 @@ class CudaRegions : public ::testing::Test {
     return stub().CreateSession(ctx.get(), req, resp);
   }
 
-  // CreateSession, one TEST allocation, both roles registered (CUDA_IPC: one handle for both;
-  // VMM: the allocation exported twice, each fd over the fd channel).
   std::unique_ptr<CudaSession> CreateCudaSession(const v1::CreateSessionRequest& req, bool vmm) {
-    auto c = std::make_unique<CudaSession>();
-    grpc::Status s = Create(req, &c->layout);
-    if (!s.ok()) {
-      ADD_FAILURE() << s.error_message();
-      return nullptr;
-    }
-    c->id = c->layout.session_id();
-    c->grad_base = (c->layout.param_arena_bytes() + 4095) / 4096 * 4096;
-    const int64_t g = static_cast<int64_t>(kt::kHostTestVmmGranularity);
-    const int64_t bytes = (c->grad_base + c->layout.grad_arena_bytes() + g - 1) / g * g;
-    c->mem = std::make_unique<DeviceMemory>(*trainer_, static_cast<size_t>(bytes));
-    auto reg = [&](v1::RegionRole role, int64_t offset, int64_t size, std::string* id) {
-      if (!vmm) return Register(IpcRequest(c->id, role, c->mem->IpcHandle(), offset, size), id);
-      const int fd = kt::HostTestExportVmmFd(0, c->mem->ptr());
-      EXPECT_GE(fd, 0);
-      auto token = client::SendFdToChannel(FdChannel(), fd, client::kFdKindCudaVmm);
-      close(fd);
-      EXPECT_TRUE(token.ok()) << token.status();
-      return Register(VmmRequest(c->id, role, token.ok() ? *token : "", offset, size), id);
-    };
-    s = reg(v1::REGION_ROLE_PARAMETERS, 0, c->layout.param_arena_bytes(), &c->param_region);
-    if (s.ok()) {
-      s = reg(v1::REGION_ROLE_GRADIENTS, c->grad_base, c->layout.grad_arena_bytes(),
-              &c->grad_region);
-    }
-    if (!s.ok()) {
-      ADD_FAILURE() << s.error_message();
-      return nullptr;
-    }
-    return c;
+    return service_testing::CreateCudaSession(stub(), FdChannel(), *trainer_, req, vmm);
   }
 
   grpc::Status Step(const std::string& id, int64_t index, double scale, v1::StepResponse* resp,
@@ -559,23 +587,6 @@ TEST_F(CudaRegions, BadRequestsAreRefusedClearlyAndOpenNothing) {
   EXPECT_EQ(kt::GetHostTestHandoffCounters().ipc_open_now, baseline_.ipc_open_now);
 }
 
-TEST_F(CudaRegions, AWorldSessionRefusesThem) {
-  // A world session (of one) on a device daemon is a device session, but its exchange is staged
-  // through host buffers and it steps host arenas only: no CUDA kinds offered, none registered.
-  v1::CreateSessionRequest req = Desc(AlgorithmKind::kAdamW).Request();
-  req.set_world_key("cuda-region-world");
-  v1::CreateSessionResponse layout;
-  grpc::Status s = Create(req, &layout);
-  ASSERT_TRUE(s.ok()) << s.error_message();
-  EXPECT_FALSE(HasKind(layout, v1::REGION_KIND_CUDA_IPC));
-  DeviceMemory mem(*trainer_, 1 << 16);
-  s = Register(IpcRequest(layout.session_id(), v1::REGION_ROLE_PARAMETERS, mem.IpcHandle(), 0,
-                          layout.param_arena_bytes()));
-  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
-  EXPECT_TRUE(absl::StrContains(s.error_message(), "device session")) << s.error_message();
-  EXPECT_EQ(kt::GetHostTestHandoffCounters().ipc_opens, baseline_.ipc_opens);
-}
-
 // The trainer's side of an interprocess event (cudaEventCreate + cudaIpcGetEventHandle).
 std::string NewEvent(int device = 0) {
   std::string h(DIOND_CUDA_IPC_HANDLE_BYTES, '\0');
@@ -688,7 +699,7 @@ TEST_F(CudaRegions, TheSessionStreamWaitsOnTheTrainersEventAndRecordsItsOwn) {
   EXPECT_EQ(kt::GetHostTestHandoffCounters().events_open_now, start.events_open_now);
 }
 
-TEST_F(CudaRegions, ASkippedStepRecordsTheDoneEventAndAHostSessionRefusesEvents) {
+TEST_F(CudaRegions, ASkippedStepRecordsTheDoneEventAndAWorldSessionTakesEventsToo) {
   auto gpu = CreateCudaSession(Desc(AlgorithmKind::kAdamW).Request(), /*vmm=*/true);
   ASSERT_NE(gpu, nullptr);
   const SessionDesc d = Desc(AlgorithmKind::kAdamW);
@@ -705,15 +716,253 @@ TEST_F(CudaRegions, ASkippedStepRecordsTheDoneEventAndAHostSessionRefusesEvents)
   EXPECT_TRUE(r.skipped());
   EXPECT_EQ(Records(done), 1);  // the trainer may go on: its weights are as they were
   EXPECT_EQ(gpu->Params(), weights);
-  // A world session steps host arenas and exchanges through host buffers: events are refused.
+  // A world session (of one, over shm) orders its stream with the trainer's events as a local
+  // one does: one wait, one record.
   v1::CreateSessionRequest req = d.Request();
   req.set_world_key("cuda-region-events");
   auto world = CreateShmSession(stub(), req);
   ASSERT_NE(world, nullptr);
+  ASSERT_TRUE(SetState(stub(), world->id, InitialParams(d)).ok());
+  WriteSyntheticGrads(world.get(), d, 7, 1);
+  const auto h0 = kt::GetHostTestHandoffCounters();
   s = Step(world->id, 1, 1.0, &r, false, false, ready, done);
-  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
-  EXPECT_TRUE(absl::StrContains(s.error_message(), "local device sessions")) << s.error_message();
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_FALSE(r.skipped());
+  const auto h1 = kt::GetHostTestHandoffCounters();
+  EXPECT_EQ(h1.stream_waits - h0.stream_waits, 1);
+  EXPECT_EQ(h1.event_records - h0.event_records, 1);
+  EXPECT_EQ(Records(done), 2);
 }
+
+
+// ---- World sessions over CUDA regions (docs/GPU.md "World sessions") ----
+// Two daemons in this process form a world of two on TEST device 0 (the hand-off emulation is
+// same-process only), over loopback TCP (the Peer service, the world secret) and Gloo. On both
+// ranks one world session steps over CUDA regions (rank 0 a legacy IPC handle, rank 1 VMM fds
+// over the fd channel) with the trainer's ready_event and done_event, and its twin world session
+// (another world_key, same weights and gradients) over shm. After every step each rank's CUDA
+// arena must equal its shm arena bit for bit, with the same update norms, world bytes and
+// skip decisions; each step waits once on each rank's ready_event and records its done_event
+// once; GetState equals at the end; the checksums (--checksum_every=2) run on the device.
+constexpr int kWorld = 2;
+
+struct WorldRegionRun {
+  AlgorithmKind algorithm;
+  v1::GradientSync sync;
+};
+
+class CudaRegionWorld : public ::testing::TestWithParam<WorldRegionRun> {
+ protected:
+  static void SetUpTestSuite() { RegisterStrictTestDevice(); }
+
+  void SetUp() override {
+    baseline_ = kt::GetHostTestHandoffCounters();
+    live_ = session::CudaRegion::LiveCount();
+    char tmpl[] = "/tmp/diond-cuda-world-XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+    const std::string secret = dir_ + "/world.secret", tokens = dir_ + "/tokens";
+    WriteText(secret, kWorldSecret);
+    WriteText(tokens, absl::StrCat(kTcpToken, " svc-test admin\n"));
+    for (int r = 0; r < kWorld; ++r) {
+      server::DaemonOptions o;
+      auto listen =
+          rpc::ParseListenAddresses(absl::StrCat("unix:", dir_, "/d", r, ".sock,127.0.0.1:0"));
+      ASSERT_TRUE(listen.ok()) << listen.status();
+      o.listen = *listen;
+      o.auth_token_file = tokens;
+      o.world_secret_file = secret;
+      o.device.mode = kernels::DeviceRequest::Mode::kCpu;
+      o.test_device = true;
+      o.sessions.checksum_every = 2;
+      o.world.world_size = kWorld;
+      o.world.rank = r;
+      o.world.heartbeat_interval = absl::Milliseconds(200);
+      o.world.peer_timeout = absl::Seconds(5);
+      if (r > 0) {
+        int port = 0;
+        for (const auto& a : daemons_[0]->bound()) {
+          if (a.kind == rpc::ListenAddress::Kind::kTcp) port = a.port;
+        }
+        ASSERT_NE(port, 0);
+        o.world.coordinator = absl::StrCat("127.0.0.1:", port);
+      }
+      auto d = server::Daemon::Start(o);
+      ASSERT_TRUE(d.ok()) << d.status();
+      daemons_.push_back(*std::move(d));
+      channels_.push_back(grpc::CreateChannel(absl::StrCat("unix:", dir_, "/d", r, ".sock"),
+                                              grpc::InsecureChannelCredentials()));
+      stubs_.push_back(v1::Optimizer::NewStub(channels_.back()));
+    }
+    trainer_ = TrainerContext();
+    ASSERT_NE(trainer_, nullptr);
+  }
+
+  void TearDown() override {
+    stubs_.clear();
+    channels_.clear();
+    for (auto it = daemons_.rbegin(); it != daemons_.rend(); ++it) (*it)->Shutdown(absl::Seconds(5));
+    daemons_.clear();
+    const auto now = kt::GetHostTestHandoffCounters();
+    EXPECT_EQ(now.ipc_open_now, baseline_.ipc_open_now);
+    EXPECT_EQ(now.vmm_mapped_now, baseline_.vmm_mapped_now);
+    EXPECT_EQ(now.events_open_now, baseline_.events_open_now);
+    EXPECT_EQ(session::CudaRegion::LiveCount(), live_);
+    if (!dir_.empty()) std::system(absl::StrCat("rm -rf '", dir_, "'").c_str());
+  }
+
+  static void OnAllRanks(const std::function<void(int)>& f) {
+    std::vector<std::thread> t;
+    for (int r = 0; r < kWorld; ++r) t.emplace_back(f, r);
+    for (auto& th : t) th.join();
+  }
+
+  v1::Optimizer::Stub& stub(int r) { return *stubs_[static_cast<size_t>(r)]; }
+
+  grpc::Status StepWithEvents(int r, const std::string& id, int64_t index, v1::StepResponse* resp,
+                              const std::string& ready, const std::string& done) {
+    auto ctx = Ctx();
+    v1::StepRequest req;
+    req.set_session_id(id);
+    req.set_step_index(index);
+    req.set_ready_event(ready);
+    req.set_done_event(done);
+    return stub(r).Step(ctx.get(), req, resp);
+  }
+
+  std::string dir_;
+  std::vector<std::unique_ptr<server::Daemon>> daemons_;
+  std::vector<std::shared_ptr<grpc::Channel>> channels_;
+  std::vector<std::unique_ptr<v1::Optimizer::Stub>> stubs_;
+  std::unique_ptr<kernels::Context> trainer_;
+  kt::HostTestHandoffCounters baseline_;
+  int64_t live_ = 0;
+};
+
+TEST_P(CudaRegionWorld, EqualsTheShmWorldBitForBitWithTheTrainersEvents) {
+  const WorldRegionRun run = GetParam();
+  SessionDesc d = Desc(run.algorithm);
+  if (run.algorithm == AlgorithmKind::kDion) {  // a compact P / Q_new exchange
+    d.groups[0].proto.mutable_hyperparameters()->set_rank_fraction(0.25);
+    d.groups[0].config.hyperparams.rank_fraction = 0.25;
+  }
+  const std::string label = absl::StrCat(static_cast<int>(run.algorithm), "-",
+                                         static_cast<int>(run.sync));
+  v1::CreateSessionRequest shm_req = d.Request(), gpu_req = d.Request();
+  shm_req.set_gradient_sync(run.sync);
+  gpu_req.set_gradient_sync(run.sync);
+  shm_req.set_world_key("shm-" + label);
+  gpu_req.set_world_key("cuda-" + label);
+  std::vector<std::unique_ptr<ShmSession>> shm(kWorld);
+  std::vector<std::unique_ptr<CudaSession>> gpu(kWorld);
+  OnAllRanks([&](int r) { shm[r] = CreateShmSession(stub(r), shm_req); });
+  OnAllRanks([&](int r) {
+    gpu[r] = CreateCudaSession(stub(r), daemons_[r]->fd_channel_path(), *trainer_, gpu_req,
+                               /*vmm=*/r == 1);
+  });
+  for (int r = 0; r < kWorld; ++r) {
+    ASSERT_NE(shm[r], nullptr) << r;
+    ASSERT_NE(gpu[r], nullptr) << r;
+    // A world device session offers the CUDA kinds.
+    EXPECT_TRUE(HasKind(gpu[r]->layout, v1::REGION_KIND_CUDA_IPC)) << r;
+    EXPECT_TRUE(HasKind(gpu[r]->layout, v1::REGION_KIND_CUDA_VMM_FD)) << r;
+    ASSERT_TRUE(SetState(stub(r), shm[r]->id, InitialParams(d)).ok());
+    ASSERT_TRUE(SetState(stub(r), gpu[r]->id, InitialParams(d)).ok());
+  }
+  std::vector<std::string> ready, done;
+  for (int r = 0; r < kWorld; ++r) {
+    ready.push_back(NewEvent());
+    done.push_back(NewEvent());
+  }
+  const bool replicated = run.sync == v1::GRADIENT_SYNC_REPLICATED;
+  constexpr int64_t kWorldSteps = 4, kNanStep = 3;
+  std::string before_nan[kWorld];
+  for (int64_t t = 1; t <= kWorldSteps; ++t) {
+    for (int r = 0; r < kWorld; ++r) {
+      const uint64_t seed = replicated ? 7 : 7 + static_cast<uint64_t>(r);
+      for (size_t i = 0; i < d.params.size(); ++i) {
+        std::vector<float> grad = SyntheticValues(seed, t, i, d.Numel(i));
+        // Step 3: a NaN (on rank 1 only where the gradients are the ranks' own): skipped on all.
+        if (t == kNanStep && i == 0 && (replicated || r == 1)) {
+          grad[2] = std::numeric_limits<float>::quiet_NaN();
+        }
+        shm[r]->WriteGrad(i, grad);
+        gpu[r]->WriteGrad(i, grad);
+      }
+      if (t == kNanStep) before_nan[r] = gpu[r]->Params();
+    }
+    std::vector<v1::StepResponse> rs(kWorld), rg(kWorld);
+    OnAllRanks([&](int r) {
+      grpc::Status st = DoStep(stub(r), shm[r]->id, t, &rs[r]);
+      EXPECT_TRUE(st.ok()) << "shm rank " << r << " step " << t << ": " << st.error_message();
+    });
+    const auto h0 = kt::GetHostTestHandoffCounters();
+    OnAllRanks([&](int r) {
+      grpc::Status st = StepWithEvents(r, gpu[r]->id, t, &rg[r], ready[r], done[r]);
+      EXPECT_TRUE(st.ok()) << "cuda rank " << r << " step " << t << ": " << st.error_message();
+    });
+    const auto h1 = kt::GetHostTestHandoffCounters();
+    // One wait on each rank's ready_event and one record of its done_event, skipped or not.
+    EXPECT_EQ(h1.stream_waits - h0.stream_waits, kWorld) << "step " << t;
+    EXPECT_EQ(h1.event_records - h0.event_records, kWorld) << "step " << t;
+    for (int r = 0; r < kWorld; ++r) {
+      SCOPED_TRACE(absl::StrCat("rank ", r, ", step ", t));
+      EXPECT_EQ(Records(done[r]), t);
+      EXPECT_EQ(Records(ready[r]), 0) << "the daemon recorded the trainer's event";
+      EXPECT_EQ(rg[r].skipped(), t == kNanStep);
+      EXPECT_EQ(rs[r].skipped(), t == kNanStep);
+      EXPECT_EQ(rg[r].world_bytes_sent(), rs[r].world_bytes_sent());
+      for (size_t i = 0; i < d.params.size(); ++i) {
+        EXPECT_EQ(gpu[r]->ParamBytes(i), shm[r]->ParamBytes(i)) << d.params[i].name;
+      }
+      if (t == kNanStep) {
+        EXPECT_EQ(gpu[r]->Params(), before_nan[r]);
+      }
+      ASSERT_EQ(rg[r].update_norms_size(), rs[r].update_norms_size());
+      for (const auto& [group, norm] : rs[r].update_norms()) {
+        EXPECT_EQ(rg[r].update_norms().at(group), norm) << group;
+      }
+    }
+  }
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_NE(gpu[r]->ParamBytes(0), InitialParams(d)[0].data) << r;  // the weights did change
+    TensorMap a, b;
+    ASSERT_TRUE(GetState(stub(r), gpu[r]->id, true, &a).ok());
+    ASSERT_TRUE(GetState(stub(r), shm[r]->id, true, &b).ok());
+    EXPECT_EQ(a, b) << "rank " << r;
+  }
+  // Every replica holds the same weights (the exchange wrote the owners' values everywhere).
+  if (replicated || run.sync == v1::GRADIENT_SYNC_AVERAGE) {
+    EXPECT_EQ(gpu[0]->Params(), gpu[1]->Params());
+  }
+  OnAllRanks([&](int r) {
+    EXPECT_TRUE(CloseSession(stub(r), gpu[r]->id).ok());
+    EXPECT_TRUE(CloseSession(stub(r), shm[r]->id).ok());
+  });
+}
+
+std::string WorldRunName(const ::testing::TestParamInfo<WorldRegionRun>& info) {
+  std::string a;
+  switch (info.param.algorithm) {
+    case AlgorithmKind::kAdamW: a = "AdamW"; break;
+    case AlgorithmKind::kMuon: a = "Muon"; break;
+    case AlgorithmKind::kDion: a = "Dion"; break;
+    case AlgorithmKind::kLion: a = "Lion"; break;
+    default: a = "Other"; break;
+  }
+  const v1::GradientSync s = info.param.sync;
+  return a + (s == v1::GRADIENT_SYNC_REPLICATED ? "Replicated"
+              : s == v1::GRADIENT_SYNC_AVERAGE  ? "Average"
+                                                : "DionCompressed");
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    CudaRegions, CudaRegionWorld,
+    ::testing::Values(WorldRegionRun{AlgorithmKind::kAdamW, v1::GRADIENT_SYNC_REPLICATED},
+                      WorldRegionRun{AlgorithmKind::kMuon, v1::GRADIENT_SYNC_AVERAGE},
+                      WorldRegionRun{AlgorithmKind::kDion, v1::GRADIENT_SYNC_AVERAGE},
+                      WorldRegionRun{AlgorithmKind::kDion, v1::GRADIENT_SYNC_DION_COMPRESSED}),
+    WorldRunName);
 
 }  // namespace
 }  // namespace diond::service_testing

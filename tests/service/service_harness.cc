@@ -70,13 +70,13 @@ bool HasFlag(const std::vector<std::string>& flags, absl::string_view name) {
   return false;
 }
 
+}  // namespace
+
 void WriteText(const std::string& path, const std::string& text) {
   std::ofstream out(path, std::ios::trunc);
   out << text;
   chmod(path.c_str(), 0600);
 }
-
-}  // namespace
 
 std::shared_ptr<grpc::Channel> TokenChannel(const std::string& target, const std::string& token,
                                             std::shared_ptr<grpc::ChannelCredentials> creds) {

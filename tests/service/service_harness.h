@@ -38,6 +38,8 @@ inline constexpr int kRpcDeadlineSeconds = 60;
 
 // The credentials Daemon::Start gives daemons by default (see Start).
 inline constexpr char kTcpToken[] = "svc-test-admin-token-0123456789";
+// Writes `text` to `path` (mode 0600: a secret or token file the daemon reads).
+void WriteText(const std::string& path, const std::string& text);
 inline constexpr char kWorldSecret[] = "svc-test-world-secret-0123456789";
 
 // A channel that sends "authorization: Bearer <token>" on every call (no credential when
