@@ -16,6 +16,8 @@
 // UnregisterRegion, CloseSession and daemon stop.
 #include <unistd.h>
 
+#include <algorithm>
+#include <cctype>
 #include <cstdint>
 #include <functional>
 #include <cstdlib>
@@ -217,16 +219,38 @@ std::unique_ptr<kernels::Context> TrainerContext() {
   return ctx.ok() ? *std::move(ctx) : nullptr;
 }
 
-class CudaRegions : public ::testing::Test {
+// What every fixture here starts from and checks at the end: the hand-off counters and live
+// regions before, a scratch folder, and nothing the daemons opened left open once they stopped.
+class Handoffs {
+ protected:
+  void BeginHandoffs(const std::string& folder_prefix) {
+    baseline_ = kt::GetHostTestHandoffCounters();
+    live_ = session::CudaRegion::LiveCount();
+    std::string tmpl = folder_prefix + "XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
+    dir_ = tmpl;
+  }
+  // Call after the daemons stopped.
+  void EndHandoffs() {
+    const auto now = kt::GetHostTestHandoffCounters();
+    EXPECT_EQ(now.ipc_open_now, baseline_.ipc_open_now);
+    EXPECT_EQ(now.vmm_mapped_now, baseline_.vmm_mapped_now);
+    EXPECT_EQ(now.events_open_now, baseline_.events_open_now);
+    EXPECT_EQ(session::CudaRegion::LiveCount(), live_);
+    if (!dir_.empty()) std::system(absl::StrCat("rm -rf '", dir_, "'").c_str());
+  }
+
+  std::string dir_;
+  kt::HostTestHandoffCounters baseline_;
+  int64_t live_ = 0;
+};
+
+class CudaRegions : public ::testing::Test, protected Handoffs {
  protected:
   static void SetUpTestSuite() { RegisterStrictTestDevice(); }
 
   void SetUp() override {
-    baseline_ = kt::GetHostTestHandoffCounters();
-    live_ = session::CudaRegion::LiveCount();
-    char tmpl[] = "/tmp/diond-cuda-svc-XXXXXX";
-    ASSERT_NE(mkdtemp(tmpl), nullptr);
-    dir_ = tmpl;
+    BeginHandoffs("/tmp/diond-cuda-svc-");
     server::DaemonOptions o;
     auto listen = rpc::ParseListenAddresses(absl::StrCat("unix:", dir_, "/d.sock"));
     ASSERT_TRUE(listen.ok()) << listen.status();
@@ -245,13 +269,7 @@ class CudaRegions : public ::testing::Test {
 
   void TearDown() override {
     StopDaemon();
-    // Nothing the daemon opened is left open once it stopped.
-    const auto now = kt::GetHostTestHandoffCounters();
-    EXPECT_EQ(now.ipc_open_now, baseline_.ipc_open_now);
-    EXPECT_EQ(now.vmm_mapped_now, baseline_.vmm_mapped_now);
-    EXPECT_EQ(now.events_open_now, baseline_.events_open_now);
-    EXPECT_EQ(session::CudaRegion::LiveCount(), live_);
-    if (!dir_.empty()) std::system(absl::StrCat("rm -rf '", dir_, "'").c_str());
+    EndHandoffs();
   }
 
   void StopDaemon() {
@@ -299,13 +317,10 @@ class CudaRegions : public ::testing::Test {
     return m;
   }
 
-  std::string dir_;
   std::unique_ptr<server::Daemon> daemon_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Optimizer::Stub> stub_;
   std::unique_ptr<kernels::Context> trainer_;
-  kt::HostTestHandoffCounters baseline_;
-  int64_t live_ = 0;
 };
 
 bool HasKind(const v1::CreateSessionResponse& r, v1::RegionKind kind) {
@@ -426,15 +441,15 @@ TEST_P(CudaEqualsShm, BitForBitOverSeveralStepsWithNoHostCopies) {
   EXPECT_EQ(closed.vmm_mapped_now, baseline_.vmm_mapped_now);
 }
 
+// "AdamW", "Muon", ... (a test name's part: letters and digits only).
+std::string AlgorithmLabel(AlgorithmKind algorithm) {
+  std::string a(optim::AlgorithmName(algorithm));
+  a.erase(std::remove_if(a.begin(), a.end(), [](char c) { return !std::isalnum(c); }), a.end());
+  return a;
+}
+
 std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
-  std::string a;
-  switch (info.param.algorithm) {
-    case AlgorithmKind::kAdamW: a = "AdamW"; break;
-    case AlgorithmKind::kMuon: a = "Muon"; break;
-    case AlgorithmKind::kDion: a = "Dion"; break;
-    case AlgorithmKind::kLion: a = "Lion"; break;
-    default: a = "Other"; break;
-  }
+  const std::string a = AlgorithmLabel(info.param.algorithm);
   return absl::StrCat(a, info.param.vmm ? "_Vmm" : "_Ipc", info.param.async ? "_Async" : "");
 }
 
@@ -751,16 +766,12 @@ struct WorldRegionRun {
   v1::GradientSync sync;
 };
 
-class CudaRegionWorld : public ::testing::TestWithParam<WorldRegionRun> {
+class CudaRegionWorld : public ::testing::TestWithParam<WorldRegionRun>, protected Handoffs {
  protected:
   static void SetUpTestSuite() { RegisterStrictTestDevice(); }
 
   void SetUp() override {
-    baseline_ = kt::GetHostTestHandoffCounters();
-    live_ = session::CudaRegion::LiveCount();
-    char tmpl[] = "/tmp/diond-cuda-world-XXXXXX";
-    ASSERT_NE(mkdtemp(tmpl), nullptr);
-    dir_ = tmpl;
+    BeginHandoffs("/tmp/diond-cuda-world-");
     const std::string secret = dir_ + "/world.secret", tokens = dir_ + "/tokens";
     WriteText(secret, kWorldSecret);
     WriteText(tokens, absl::StrCat(kTcpToken, " svc-test admin\n"));
@@ -801,14 +812,11 @@ class CudaRegionWorld : public ::testing::TestWithParam<WorldRegionRun> {
   void TearDown() override {
     stubs_.clear();
     channels_.clear();
-    for (auto it = daemons_.rbegin(); it != daemons_.rend(); ++it) (*it)->Shutdown(absl::Seconds(5));
+    for (auto it = daemons_.rbegin(); it != daemons_.rend(); ++it) {
+      (*it)->Shutdown(absl::Seconds(5));
+    }
     daemons_.clear();
-    const auto now = kt::GetHostTestHandoffCounters();
-    EXPECT_EQ(now.ipc_open_now, baseline_.ipc_open_now);
-    EXPECT_EQ(now.vmm_mapped_now, baseline_.vmm_mapped_now);
-    EXPECT_EQ(now.events_open_now, baseline_.events_open_now);
-    EXPECT_EQ(session::CudaRegion::LiveCount(), live_);
-    if (!dir_.empty()) std::system(absl::StrCat("rm -rf '", dir_, "'").c_str());
+    EndHandoffs();
   }
 
   static void OnAllRanks(const std::function<void(int)>& f) {
@@ -830,13 +838,10 @@ class CudaRegionWorld : public ::testing::TestWithParam<WorldRegionRun> {
     return stub(r).Step(ctx.get(), req, resp);
   }
 
-  std::string dir_;
   std::vector<std::unique_ptr<server::Daemon>> daemons_;
   std::vector<std::shared_ptr<grpc::Channel>> channels_;
   std::vector<std::unique_ptr<v1::Optimizer::Stub>> stubs_;
   std::unique_ptr<kernels::Context> trainer_;
-  kt::HostTestHandoffCounters baseline_;
-  int64_t live_ = 0;
 };
 
 TEST_P(CudaRegionWorld, EqualsTheShmWorldBitForBitWithTheTrainersEvents) {
@@ -942,14 +947,7 @@ TEST_P(CudaRegionWorld, EqualsTheShmWorldBitForBitWithTheTrainersEvents) {
 }
 
 std::string WorldRunName(const ::testing::TestParamInfo<WorldRegionRun>& info) {
-  std::string a;
-  switch (info.param.algorithm) {
-    case AlgorithmKind::kAdamW: a = "AdamW"; break;
-    case AlgorithmKind::kMuon: a = "Muon"; break;
-    case AlgorithmKind::kDion: a = "Dion"; break;
-    case AlgorithmKind::kLion: a = "Lion"; break;
-    default: a = "Other"; break;
-  }
+  const std::string a = AlgorithmLabel(info.param.algorithm);
   const v1::GradientSync s = info.param.sync;
   return a + (s == v1::GRADIENT_SYNC_REPLICATED ? "Replicated"
               : s == v1::GRADIENT_SYNC_AVERAGE  ? "Average"
