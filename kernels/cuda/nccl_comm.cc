@@ -1,7 +1,8 @@
 // NCCL communicators for the daemon world (ARCHITECTURE.md §6). Each communicator owns a
-// non-blocking NCCL comm and a stream; every call enqueues on that stream and polls for
+// non-blocking NCCL comm and a stream. The synchronous calls enqueue on that stream and poll for
 // completion and for NCCL's asynchronous errors, so a lost peer turns into an error after
-// timeout_ms (with the comm aborted) instead of a hang.
+// timeout_ms (with the comm aborted) instead of a hang. The stream-ordered calls (`*On`) enqueue
+// on the caller's stream and return; the caller polls AsyncError and aborts (CommDestroy).
 #include "kernels/cuda/nccl_comm.h"
 
 #include <chrono>
@@ -92,6 +93,22 @@ int Run(void* handle, int64_t timeout_ms, const char* what, char* err, size_t le
     }
     std::this_thread::sleep_for(std::chrono::microseconds(20));
   }
+}
+
+// Queues `enqueue` on the caller's stream (stream-ordered form): returns once NCCL took the
+// collective (a non-blocking comm may answer ncclInProgress until then), without waiting for the
+// stream. The wait for NCCL's enqueue is bounded by kEnqueueTimeout: it never waits for a peer.
+constexpr std::chrono::seconds kEnqueueTimeout{60};
+
+template <typename F>
+int Queue(void* handle, const char* what, char* err, size_t len, F enqueue) {
+  auto* c = static_cast<Comm*>(handle);
+  if (c == nullptr || c->comm == nullptr) return Fail(err, len, what, "communicator is aborted");
+  cudaError_t e = cudaSetDevice(c->device);
+  if (e != cudaSuccess) return CudaFail(err, len, what, e);
+  ncclResult_t r = enqueue(c);
+  if (r != ncclSuccess && r != ncclInProgress) return NcclFail(err, len, what, r);
+  return WaitComm(c, Clock::now() + kEnqueueTimeout, what, err, len);
 }
 
 int GetUniqueId(uint8_t* id, char* err, size_t len) {
@@ -201,10 +218,88 @@ int CopyToHost(int device, void* dst, const void* src, size_t bytes, char* err, 
   return e == cudaSuccess ? 0 : CudaFail(err, len, "cudaMemcpy D2H", e);
 }
 
+// ---- version 2: stream-ordered ----
+
+cudaStream_t S(void* stream) { return static_cast<cudaStream_t>(stream); }
+
+int AllReduceOn(void* comm, const void* send, void* recv, size_t count, int dtype, int op,
+                void* stream, char* err, size_t len) {
+  return Queue(comm, "ncclAllReduce", err, len, [&](Comm* c) {
+    return ncclAllReduce(send, recv, count, DType(dtype), Op(op), c->comm, S(stream));
+  });
+}
+
+int ReduceScatterOn(void* comm, const void* send, void* recv, size_t recv_count, int dtype, int op,
+                    void* stream, char* err, size_t len) {
+  return Queue(comm, "ncclReduceScatter", err, len, [&](Comm* c) {
+    return ncclReduceScatter(send, recv, recv_count, DType(dtype), Op(op), c->comm, S(stream));
+  });
+}
+
+int AllGatherOn(void* comm, const void* send, void* recv, size_t send_count, int dtype,
+                void* stream, char* err, size_t len) {
+  return Queue(comm, "ncclAllGather", err, len, [&](Comm* c) {
+    return ncclAllGather(send, recv, send_count, DType(dtype), c->comm, S(stream));
+  });
+}
+
+int AllGatherVOn(void* comm, const void* send, void* recv, const int64_t* counts, int dtype,
+                 void* stream, char* err, size_t len) {
+  const size_t elem = dtype == DIOND_NCCL_U8 ? 1 : 4;
+  return Queue(comm, "ncclBroadcast (all-gather-v)", err, len, [&](Comm* c) -> ncclResult_t {
+    int rank = 0;
+    ncclResult_t r = ncclCommUserRank(c->comm, &rank);
+    if (r != ncclSuccess) return r;
+    r = ncclGroupStart();
+    if (r != ncclSuccess) return r;
+    size_t at = 0;
+    for (int j = 0; j < c->nranks; ++j) {
+      const size_t n = static_cast<size_t>(counts[j]);
+      char* dst = static_cast<char*>(recv) + at * elem;
+      if (n > 0) {
+        r = ncclBroadcast(j == rank ? send : dst, dst, n, DType(dtype), j, c->comm, S(stream));
+        if (r != ncclSuccess && r != ncclInProgress) {
+          ncclGroupEnd();
+          return r;
+        }
+      }
+      at += n;
+    }
+    return ncclGroupEnd();
+  });
+}
+
+int AllToAllOn(void* comm, const void* send, void* recv, size_t block_count, int dtype,
+               void* stream, char* err, size_t len) {
+  return Queue(comm, "ncclAlltoAll", err, len, [&](Comm* c) {
+    return ncclAlltoAll(send, recv, block_count, DType(dtype), c->comm, S(stream));
+  });
+}
+
+int BroadcastOn(void* comm, const void* send, void* recv, size_t count, int dtype, int root,
+                void* stream, char* err, size_t len) {
+  return Queue(comm, "ncclBroadcast", err, len, [&](Comm* c) {
+    return ncclBroadcast(send, recv, count, DType(dtype), root, c->comm, S(stream));
+  });
+}
+
+int AsyncError(void* comm, char* err, size_t len) {
+  auto* c = static_cast<Comm*>(comm);
+  if (c == nullptr || c->comm == nullptr) return Fail(err, len, "nccl", "communicator is aborted");
+  ncclResult_t state = ncclSuccess;
+  ncclResult_t r = ncclCommGetAsyncError(c->comm, &state);
+  if (r != ncclSuccess) return NcclFail(err, len, "ncclCommGetAsyncError", r);
+  if (state == ncclSuccess || state == ncclInProgress) return 0;
+  return NcclFail(err, len, "nccl asynchronous error", state);
+}
+
 const DiondNcclApiV1 kNccl = {
-    1,          &GetUniqueId, &CommCreate,   &CommDestroy, &AllReduce,    &ReduceScatter,
+    2,          &GetUniqueId, &CommCreate,   &CommDestroy, &AllReduce,    &ReduceScatter,
     &AllGather, &AllToAll,    &Broadcast,    &DeviceMalloc, &DeviceFree,  &CopyToDevice,
     &CopyToHost,
+    // version 2
+    &AllReduceOn, &ReduceScatterOn, &AllGatherOn, &AllGatherVOn, &AllToAllOn, &BroadcastOn,
+    &AsyncError,
 };
 
 }  // namespace

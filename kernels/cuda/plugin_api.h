@@ -4,8 +4,8 @@
 // toolkit and reaches the plugin only through dlopen + dlsym("diond_cuda_plugin_v2"). The ABI is
 // versioned (STYLE.md O3): a major bump breaks callers, a minor bump only appends members.
 // Major 2 (the ops table lost the TopK, Lerp and CautiousWeightDecay entries, so its members
-// moved): every member below exists, so nothing is gated on abi_minor any more; the entry
-// symbol carries the major. The record type names keep their V1 suffix (their layout is
+// moved): every member below exists in 2.0, except DiondNcclApiV1's version-2 members (2.1: the
+// daemon uses them only when nccl->version >= 2); the entry symbol carries the major. The record type names keep their V1 suffix (their layout is
 // versioned by abi_major and DiondOpsApiV1::version).
 #ifndef DIOND_KERNELS_CUDA_PLUGIN_API_H_
 #define DIOND_KERNELS_CUDA_PLUGIN_API_H_
@@ -18,20 +18,26 @@ extern "C" {
 #endif
 
 #define DIOND_CUDA_PLUGIN_ABI_MAJOR 2
-#define DIOND_CUDA_PLUGIN_ABI_MINOR 0
+#define DIOND_CUDA_PLUGIN_ABI_MINOR 1  // 1: stream-ordered NCCL collectives (DiondNcclApiV1 v2)
 #define DIOND_CUDA_PLUGIN_ENTRY "diond_cuda_plugin_v2"
 
 // ---- NCCL communicators ----------------------------------------------------------------------
 // Every function returns 0 on success, or -1 with a message in `err` (which may be NULL).
-// Collectives are synchronous: they run on the communicator's own stream and return when it is
-// done, or abort the communicator and fail after `timeout_ms` (a lost peer must never hang the
-// daemon). Buffers are device pointers of the communicator's device.
+// Buffers are device pointers of the communicator's device. Two forms of collectives:
+// - version 1, synchronous: they run on the communicator's own stream and return when it is
+//   done, or abort the communicator and fail after `timeout_ms` (a lost peer must never hang
+//   the daemon);
+// - version 2 (ABI 2.1), stream-ordered (`*_on`): queued on the caller's stream behind what is
+//   queued there, returning once NCCL took them (no wait for the stream). A peer that never
+//   comes leaves the collective waiting on the device; the caller polls `async_error` (the
+//   daemon does at every heartbeat) and aborts the communicator (`comm_destroy`), which ends
+//   the waiting kernels. Calls on one communicator must not overlap (the daemon serializes).
 #define DIOND_NCCL_UNIQUE_ID_BYTES 128
 enum { DIOND_NCCL_F32 = 0, DIOND_NCCL_U8 = 1 };
 enum { DIOND_NCCL_SUM = 0, DIOND_NCCL_AVG = 1 };
 
 typedef struct DiondNcclApiV1 {
-  uint32_t version;  // 1
+  uint32_t version;  // 2 (ABI 2.1); 1 has none of the stream-ordered members
   // Writes DIOND_NCCL_UNIQUE_ID_BYTES bytes; rank 0 makes it and shares it through the store.
   int (*get_unique_id)(uint8_t* id, char* err, size_t err_len);
   // Creates a communicator on `device`; blocks until all `nranks` ranks arrive or timeout_ms.
@@ -59,6 +65,26 @@ typedef struct DiondNcclApiV1 {
                         size_t err_len);
   int (*copy_to_host)(int device, void* dst, const void* src, size_t bytes, char* err,
                       size_t err_len);
+  // ---- version 2: stream-ordered collectives (see above); `stream` is a cudaStream_t of the
+  // communicator's device ----
+  int (*all_reduce_on)(void* comm, const void* send, void* recv, size_t count, int dtype, int op,
+                       void* stream, char* err, size_t err_len);
+  int (*reduce_scatter_on)(void* comm, const void* send, void* recv, size_t recv_count, int dtype,
+                           int op, void* stream, char* err, size_t err_len);
+  int (*all_gather_on)(void* comm, const void* send, void* recv, size_t send_count, int dtype,
+                       void* stream, char* err, size_t err_len);
+  // All-gather of unequal blocks: `counts` (host memory, nranks entries) are the blocks'
+  // elements; `send` holds counts[rank], `recv` their sum, rank j's block at the sum of
+  // counts[0..j). One NCCL group of a broadcast per rank: no padding, no host copy.
+  int (*all_gather_v_on)(void* comm, const void* send, void* recv, const int64_t* counts,
+                         int dtype, void* stream, char* err, size_t err_len);
+  int (*all_to_all_on)(void* comm, const void* send, void* recv, size_t block_count, int dtype,
+                       void* stream, char* err, size_t err_len);
+  int (*broadcast_on)(void* comm, const void* send, void* recv, size_t count, int dtype,
+                      int root, void* stream, char* err, size_t err_len);
+  // 0 while the communicator is healthy (collectives in flight included); -1 with NCCL's
+  // asynchronous error (ncclCommGetAsyncError) or "aborted". Never blocks.
+  int (*async_error)(void* comm, char* err, size_t err_len);
 } DiondNcclApiV1;
 
 // ---- the ops backend ---------------------------------------------------------------------------

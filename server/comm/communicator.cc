@@ -20,8 +20,17 @@ absl::string_view CollectiveOpName(CollectiveOp op) {
 }
 
 void Communicator::Abort(const absl::Status& why) {
-  absl::MutexLock lock(&abort_mu_);
-  if (aborted_.ok()) aborted_ = why.ok() ? absl::UnavailableError("communicator aborted") : why;
+  {
+    absl::MutexLock lock(&abort_mu_);
+    if (!aborted_.ok()) return;
+    aborted_ = why.ok() ? absl::UnavailableError("communicator aborted") : why;
+  }
+  OnAbort();
+}
+
+absl::StatusOr<std::unique_ptr<Communicator>> Communicator::OnStream(void*) {
+  return absl::UnimplementedError(absl::StrCat("the ", backend(),
+                                               " communicator cannot queue on a device stream"));
 }
 
 absl::Status Communicator::status() const {

@@ -20,9 +20,11 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
@@ -82,10 +84,23 @@ class Communicator {
   virtual absl::Status BroadcastBytes(absl::Span<uint8_t> data, int root) = 0;
 
   // Marks the communicator dead: later calls fail with UNAVAILABLE and `why`. In-flight calls
-  // fail when their peers go (bounded by the timeout the communicator was built with).
+  // fail when their peers go (bounded by the timeout the communicator was built with); a backend
+  // with collectives queued on device streams ends them here (OnAbort).
   void Abort(const absl::Status& why);
   // OK while usable; the abort reason afterwards.
   absl::Status status() const;
+  // Checks the health without blocking; the World calls it at every heartbeat. A backend whose
+  // collectives fail asynchronously (NCCL, queued on a stream) aborts itself here when one did.
+  // Returns status() afterwards.
+  virtual absl::Status Poll() { return status(); }
+
+  // Device communicators that can queue on a caller's stream (docs/GPU.md "World sessions"): a
+  // Communicator on the same connection whose collectives are queued on `stream` (an opaque
+  // device stream, kernels::StreamHandle) behind the work queued there and return once queued,
+  // with no host wait. A peer that never comes is ended by Poll / Abort of this communicator.
+  // The view counts its bytes here, fails once this one is aborted, and must not outlive it.
+  // UNIMPLEMENTED by default (host communicators; NCCL tables without stream-ordered calls).
+  virtual absl::StatusOr<std::unique_ptr<Communicator>> OnStream(void* stream);
 
   // Bytes this rank has sent since creation or the last TakeBytesSent().
   int64_t bytes_sent() const { return bytes_sent_.load(std::memory_order_relaxed); }
@@ -102,6 +117,8 @@ class Communicator {
                                absl::Span<float> output, int64_t* largest) const;
   // Called by backends after every collective.
   void Record(CollectiveOp op, int64_t bytes, double seconds, const absl::Status& result);
+  // Called once, by the first Abort, outside any lock of this class.
+  virtual void OnAbort() {}
 
  private:
   const int rank_;

@@ -20,8 +20,40 @@ NcclCommunicator::NcclCommunicator(const NcclOptions& options, const DiondNcclAp
 
 NcclCommunicator::~NcclCommunicator() {
   absl::MutexLock lock(&mu_);
-  if (scratch_ != nullptr) api_->device_free(options_.device, scratch_);
+  // The comm first: its abort ends any kernel still using the buffers below.
   if (comm_ != nullptr) api_->comm_destroy(comm_);
+  if (scratch_ != nullptr) api_->device_free(options_.device, scratch_);
+  if (barrier_ != nullptr) api_->device_free(options_.device, barrier_);
+}
+
+void NcclCommunicator::DestroyCommIfAborted() {
+  if (comm_ == nullptr || status().ok()) return;
+  api_->comm_destroy(comm_);  // ncclCommAbort: queued collectives end
+  comm_ = nullptr;
+}
+
+void NcclCommunicator::OnAbort() {
+  // A call in progress holds the lock: it destroys the comm when it sees the abort.
+  if (mu_.TryLock()) {
+    DestroyCommIfAborted();
+    mu_.Unlock();
+  }
+}
+
+absl::Status NcclCommunicator::Poll() {
+  if (!mu_.TryLock()) return status();  // a call in progress watches NCCL itself
+  absl::Status error;
+  if (status().ok() && api_->version >= 2 && comm_ != nullptr) {
+    char err[kErr] = {0};
+    if (api_->async_error(comm_, err, sizeof(err)) != 0) {
+      error = absl::UnavailableError(absl::StrCat("nccl on rank ", rank(), " of ", size(), ": ",
+                                                  err));
+    }
+  }
+  if (!error.ok()) Abort(error);  // OnAbort cannot take the lock: destroyed just below
+  DestroyCommIfAborted();
+  mu_.Unlock();
+  return status();
 }
 
 absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
@@ -62,19 +94,163 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
 }
 
 template <typename F>
-absl::Status NcclCommunicator::Call(CollectiveOp op, int64_t bytes, F&& f) {
+absl::Status NcclCommunicator::Run(CollectiveOp op, int64_t bytes, const char* form, F&& f) {
   DIOND_RETURN_IF_ERROR(status());
   absl::MutexLock lock(&mu_);
+  absl::Status s = status();  // aborted while waiting for the lock
   const absl::Time t0 = absl::Now();
   char err[kErr] = {0};
-  absl::Status s;
-  if (f(absl::ToInt64Milliseconds(options_.timeout), err) != 0) {
+  if (s.ok() && comm_ == nullptr) s = absl::UnavailableError("the NCCL communicator is gone");
+  if (s.ok() && f(err) != 0) {
     s = absl::UnavailableError(absl::StrCat(CollectiveOpName(op), " failed on rank ", rank(),
-                                            " of ", size(), " (nccl): ", err));
+                                            " of ", size(), " (", form, "): ", err));
     Abort(s);
   }
+  DestroyCommIfAborted();
   Record(op, s.ok() ? bytes : 0, absl::ToDoubleSeconds(absl::Now() - t0), s);
   return s;
+}
+
+template <typename F>
+absl::Status NcclCommunicator::Call(CollectiveOp op, int64_t bytes, F&& f) {
+  const int64_t timeout_ms = absl::ToInt64Milliseconds(options_.timeout);
+  return Run(op, bytes, "nccl", [&](char* e) { return f(timeout_ms, e); });
+}
+
+template <typename F>
+absl::Status NcclCommunicator::Queue(CollectiveOp op, int64_t bytes, F&& f) {
+  // The time recorded is the enqueue's: the collective runs later on the caller's stream.
+  return Run(op, bytes, "nccl, queued", std::forward<F>(f));
+}
+
+// The stream-ordered face of a NcclCommunicator: the same comm, the caller's stream.
+class NcclCommunicator::StreamView final : public Communicator {
+ public:
+  StreamView(NcclCommunicator* parent, void* stream)
+      : Communicator(parent->rank(), parent->size(), nullptr), p_(parent), stream_(stream) {}
+
+  MemorySpace memory() const override { return MemorySpace::kDevice; }
+  absl::string_view backend() const override { return "nccl"; }
+  absl::Status Poll() override { return p_->Poll(); }
+
+  absl::Status AllReduceSum(absl::Span<float> data) override {
+    return AllReduce(data, DIOND_NCCL_SUM);
+  }
+  absl::Status AllReduceAverage(absl::Span<float> data) override {
+    return AllReduce(data, DIOND_NCCL_AVG);
+  }
+  absl::Status ReduceScatterSum(absl::Span<const float> input,
+                                absl::Span<float> output) override {
+    if (input.size() != output.size() * size()) {
+      return absl::InvalidArgumentError(absl::StrCat("reduce_scatter: input has ", input.size(),
+                                                     " elements, expected ", size(), " x ",
+                                                     output.size()));
+    }
+    const int64_t x = static_cast<int64_t>(input.size()) * 4;
+    return p_->Queue(CollectiveOp::kReduceScatter, RingAllGatherBytes(x, size()), [&](char* e) {
+      return p_->api_->reduce_scatter_on(p_->comm_, input.data(), output.data(), output.size(),
+                                         DIOND_NCCL_F32, DIOND_NCCL_SUM, stream_, e, kErr);
+    });
+  }
+  absl::Status AllGather(absl::Span<const float> input, absl::Span<float> output) override {
+    if (output.size() != input.size() * size()) {
+      return absl::InvalidArgumentError(absl::StrCat("all_gather: output has ", output.size(),
+                                                     " elements, expected ", size(), " x ",
+                                                     input.size()));
+    }
+    return Gather(input.data(), output.data(), input.size(), DIOND_NCCL_F32,
+                  static_cast<int64_t>(output.size()) * 4);
+  }
+  absl::Status AllGatherBytes(absl::Span<const uint8_t> input,
+                              absl::Span<uint8_t> output) override {
+    if (output.size() != input.size() * size()) {
+      return absl::InvalidArgumentError(absl::StrCat("all_gather: output has ", output.size(),
+                                                     " bytes, expected ", size(), " x ",
+                                                     input.size()));
+    }
+    return Gather(input.data(), output.data(), input.size(), DIOND_NCCL_U8,
+                  static_cast<int64_t>(output.size()));
+  }
+  absl::Status AllGatherV(absl::Span<const float> input, absl::Span<const int64_t> counts,
+                          absl::Span<float> output) override {
+    int64_t largest = 0;
+    DIOND_RETURN_IF_ERROR(CheckAllGatherV(input, counts, output, &largest));
+    // Each rank sends its block to the W - 1 others (one broadcast per rank).
+    const int64_t bytes = static_cast<int64_t>(input.size()) * 4 * (size() - 1);
+    return p_->Queue(CollectiveOp::kAllGatherV, bytes, [&](char* e) {
+      return p_->api_->all_gather_v_on(p_->comm_, input.data(), output.data(), counts.data(),
+                                       DIOND_NCCL_F32, stream_, e, kErr);
+    });
+  }
+  absl::Status AllToAll(absl::Span<const float> input, absl::Span<float> output) override {
+    const int w = size();
+    if (input.size() != output.size() || input.size() % w != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("all_to_all: input has ", input.size(),
+                                                     " elements, output ", output.size(),
+                                                     "; both must be equal and divisible by ",
+                                                     w));
+    }
+    const int64_t x = static_cast<int64_t>(input.size()) * 4;
+    return p_->Queue(CollectiveOp::kAllToAll, RingAllGatherBytes(x, w), [&](char* e) {
+      return p_->api_->all_to_all_on(p_->comm_, input.data(), output.data(), input.size() / w,
+                                     DIOND_NCCL_F32, stream_, e, kErr);
+    });
+  }
+  absl::Status Broadcast(absl::Span<float> data, int root) override {
+    return BroadcastBytes(
+        absl::MakeSpan(reinterpret_cast<uint8_t*>(data.data()), data.size() * 4), root);
+  }
+  absl::Status BroadcastBytes(absl::Span<uint8_t> data, int root) override {
+    if (root < 0 || root >= size()) {
+      return absl::InvalidArgumentError(absl::StrCat("broadcast: root ", root, " outside [0, ",
+                                                     size(), ")"));
+    }
+    const int64_t bytes =
+        rank() == (root + size() - 1) % size() ? 0 : static_cast<int64_t>(data.size());
+    return p_->Queue(CollectiveOp::kBroadcast, size() > 1 ? bytes : 0, [&](char* e) {
+      return p_->api_->broadcast_on(p_->comm_, data.data(), data.data(), data.size(),
+                                    DIOND_NCCL_U8, root, stream_, e, kErr);
+    });
+  }
+  absl::Status Barrier() override {
+    // A one-element all-reduce queued on the stream (NCCL's barrier).
+    return p_->Queue(CollectiveOp::kBarrier, 0, [&](char* e) -> int {
+      p_->mu_.AssertHeld();
+      if (p_->barrier_ == nullptr &&
+          p_->api_->device_malloc(p_->options_.device, 4, &p_->barrier_, e, kErr) != 0) {
+        return -1;
+      }
+      return p_->api_->all_reduce_on(p_->comm_, p_->barrier_, p_->barrier_, 1, DIOND_NCCL_F32,
+                                     DIOND_NCCL_SUM, stream_, e, kErr);
+    });
+  }
+
+ private:
+  absl::Status AllReduce(absl::Span<float> data, int op) {
+    const int64_t x = static_cast<int64_t>(data.size()) * 4;
+    return p_->Queue(CollectiveOp::kAllReduce, RingAllReduceBytes(x, size()), [&](char* e) {
+      return p_->api_->all_reduce_on(p_->comm_, data.data(), data.data(), data.size(),
+                                     DIOND_NCCL_F32, op, stream_, e, kErr);
+    });
+  }
+  absl::Status Gather(const void* in, void* out, size_t count, int dtype, int64_t x) {
+    return p_->Queue(CollectiveOp::kAllGather, RingAllGatherBytes(x, size()), [&](char* e) {
+      return p_->api_->all_gather_on(p_->comm_, in, out, count, dtype, stream_, e, kErr);
+    });
+  }
+
+  NcclCommunicator* p_;
+  void* stream_;
+};
+
+absl::StatusOr<std::unique_ptr<Communicator>> NcclCommunicator::OnStream(void* stream) {
+  if (api_->version < 2) {
+    return absl::UnimplementedError(absl::StrCat(
+        "the CUDA plugin's NCCL table is version ", api_->version,
+        ": no stream-ordered collectives (the plugin predates ABI 2.1)"));
+  }
+  DIOND_RETURN_IF_ERROR(status());
+  return std::unique_ptr<Communicator>(new StreamView(this, stream));
 }
 
 absl::StatusOr<void*> NcclCommunicator::Scratch(size_t bytes) {

@@ -8,6 +8,14 @@
 // ring formulas (NCCL does not report them). AllGatherV is padded to the largest block through a
 // device staging buffer.
 //
+// Stream-ordered (plugin NCCL table version 2): OnStream(stream) gives a view whose collectives
+// are queued on the caller's stream and return once queued (AllGatherV as one NCCL group of
+// broadcasts, no padding). Their failures arrive asynchronously: Poll (the World's heartbeat)
+// asks NCCL and aborts on an error, and Abort (a lost peer, the world breaking) aborts the NCCL
+// comm, which ends the kernels still waiting on the stream. A view's collective after that fails
+// at once; work that read the stream meanwhile read garbage, so the caller checks status() after
+// its host read-backs (the session does after the exchange).
+//
 // Thread-safety: thread-safe; collectives are serialized.
 #ifndef DIOND_SERVER_COMM_NCCL_COMMUNICATOR_H_
 #define DIOND_SERVER_COMM_NCCL_COMMUNICATOR_H_
@@ -57,10 +65,26 @@ class NcclCommunicator final : public Communicator {
   absl::Status AllGatherBytes(absl::Span<const uint8_t> input, absl::Span<uint8_t> output) override;
   absl::Status BroadcastBytes(absl::Span<uint8_t> data, int root) override;
 
+  absl::Status Poll() override;
+  absl::StatusOr<std::unique_ptr<Communicator>> OnStream(void* stream) override;
+
+ protected:
+  void OnAbort() override;
+
  private:
+  class StreamView;
   NcclCommunicator(const NcclOptions& options, const DiondNcclApiV1* api);
+  // Runs f(err) under the lock, aborting on failure; counts `bytes` when it succeeded.
+  template <typename F>
+  absl::Status Run(CollectiveOp op, int64_t bytes, const char* form, F&& f);
+  // A synchronous call: f(timeout_ms, err).
   template <typename F>
   absl::Status Call(CollectiveOp op, int64_t bytes, F&& f);
+  // A stream-ordered call: f(err) queues it; bytes are counted when it was queued.
+  template <typename F>
+  absl::Status Queue(CollectiveOp op, int64_t bytes, F&& f);
+  // Once aborted: aborts and frees the NCCL comm (ending queued kernels) if not done yet.
+  void DestroyCommIfAborted() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Device scratch of at least `bytes` (grown on demand).
   absl::StatusOr<void*> Scratch(size_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -70,6 +94,8 @@ class NcclCommunicator final : public Communicator {
   absl::Mutex mu_;
   void* scratch_ ABSL_GUARDED_BY(mu_) = nullptr;
   size_t scratch_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  // One float for the views' barriers (never reallocated: a queued barrier may still use it).
+  void* barrier_ ABSL_GUARDED_BY(mu_) = nullptr;
 };
 
 }  // namespace diond::comm

@@ -153,9 +153,10 @@ void World::HeartbeatLoop() {
     {
       absl::MutexLock l(&mu_);
       c = comm_;
-      // A device collective that failed (e.g. NCCL's async error) breaks the generation too.
-      if (c && device_comm_ && !device_comm_->status().ok() && c->status().ok()) {
-        c->Abort(device_comm_->status());
+      // A device collective that failed breaks the generation too; Poll asks the backend (NCCL's
+      // asynchronous error: collectives queued on a session's stream report nothing else).
+      if (c && device_comm_ && c->status().ok()) {
+        if (absl::Status d = device_comm_->Poll(); !d.ok()) c->Abort(d);
       }
       view_generation = view_.generation;
       failed = failed_generation_;

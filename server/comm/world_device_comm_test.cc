@@ -44,7 +44,22 @@ class FakeDeviceComm final : public Communicator {
     return status();
   }
   absl::Status BroadcastBytes(absl::Span<uint8_t>, int) override { return status(); }
+  // NCCL's asynchronous error, as the plugin reports it to Poll (set by a test); Poll counted.
+  absl::Status Poll() override {
+    polls.fetch_add(1);
+    absl::MutexLock lock(&mu);
+    if (!async_error.ok()) Abort(async_error);
+    return status();
+  }
+  void SetAsyncError(absl::Status s) {
+    absl::MutexLock lock(&mu);
+    async_error = std::move(s);
+  }
+  void OnAbort() override { aborts.fetch_add(1); }
   const std::string prefix;
+  std::atomic<int> polls{0}, aborts{0};
+  absl::Mutex mu;
+  absl::Status async_error ABSL_GUARDED_BY(mu);
 };
 
 struct Fixture {
@@ -123,6 +138,35 @@ TEST(WorldDeviceComm, ADeviceCollectiveFailureBreaksTheGeneration) {
   EXPECT_FALSE((*host)->status().ok()) << "the host communicator of the generation was not aborted";
   EXPECT_TRUE(absl::StrContains((*host)->status().message(), "NCCL async error"))
       << (*host)->status().message();
+}
+
+// Collectives queued on a session's stream fail asynchronously: the World polls the device
+// communicator at every heartbeat, and an error there breaks the generation (both communicators
+// aborted, the device one once: that ends NCCL's kernels still waiting on the stream).
+TEST(WorldDeviceComm, AnAsynchronousErrorFoundByThePollBreaksTheGeneration) {
+  Fixture f;
+  for (int r = 0; r < Fixture::kW; ++r) {
+    ASSERT_TRUE(f.worlds[r] != nullptr);
+    ASSERT_THAT(f.worlds[r]->WaitReady(absl::Seconds(10)), IsOk());
+  }
+  std::shared_ptr<Communicator> d = f.worlds[0]->device_communicator();
+  ASSERT_NE(d, nullptr);
+  auto& fake = static_cast<FakeDeviceComm&>(*d);
+  auto host = f.worlds[0]->communicator();
+  ASSERT_THAT(host.status(), IsOk());
+  // Polled while healthy, nothing happens.
+  const absl::Time polled = absl::Now() + absl::Seconds(5);
+  while (fake.polls.load() < 3 && absl::Now() < polled) absl::SleepFor(absl::Milliseconds(20));
+  EXPECT_GE(fake.polls.load(), 3) << "the heartbeat does not poll the device communicator";
+  EXPECT_THAT((*host)->status(), IsOk());
+  EXPECT_EQ(fake.aborts.load(), 0);
+  fake.SetAsyncError(absl::UnavailableError("nccl asynchronous error: remote process exited"));
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  while ((*host)->status().ok() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(20));
+  EXPECT_FALSE((*host)->status().ok()) << "the host communicator of the generation was not aborted";
+  EXPECT_TRUE(absl::StrContains((*host)->status().message(), "remote process exited"))
+      << (*host)->status().message();
+  EXPECT_EQ(fake.aborts.load(), 1);
 }
 
 TEST(WorldDeviceComm, AFactoryFailureFailsTheGenerationAndSaysSo) {

@@ -17,8 +17,29 @@ StepDeviceComm::StepDeviceComm(const kernels::Context* ctx, ComputeThread* compu
       compute_(compute),
       host_(std::move(host)),
       device_(std::move(device)) {
-  backend_name_ = device_ != nullptr ? std::string(device_->backend())
-                                     : absl::StrCat(host_->backend(), "+staged");
+  if (device_ != nullptr && ctx_->stream() != nullptr) {
+    // Queued on the session's stream when the device communicator can (NCCL, plugin ABI 2.1):
+    // no wait for the stream before each collective.
+    absl::StatusOr<std::unique_ptr<comm::Communicator>> q = device_->OnStream(ctx_->stream());
+    if (q.ok()) queued_ = std::move(*q);
+  }
+  backend_name_ = device_ == nullptr ? absl::StrCat(host_->backend(), "+staged")
+                  : queued_ != nullptr ? absl::StrCat(device_->backend(), "+stream")
+                                       : std::string(device_->backend());
+}
+
+comm::Communicator* StepDeviceComm::Direct() const {
+  return queued_ != nullptr ? queued_.get() : device_.get();
+}
+
+absl::Status StepDeviceComm::BeforeDirect() {
+  // Queued: the session's stream orders the collective after the work that produced its input.
+  // Forwarded: the communicator runs on its own stream, so the session's must be done first.
+  return queued_ != nullptr ? absl::OkStatus() : SyncSession();
+}
+
+absl::Status StepDeviceComm::DeviceStatus() {
+  return device_ != nullptr ? device_->Poll() : absl::OkStatus();
 }
 
 absl::Status StepDeviceComm::SyncSession() {
@@ -58,9 +79,9 @@ absl::Span<const float> CF(const void* p, size_t n) {
 }  // namespace
 
 absl::Status StepDeviceComm::AllReduceSum(absl::Span<float> data) {
-  if (device_ != nullptr) {
-    DIOND_RETURN_IF_ERROR(SyncSession());
-    return device_->AllReduceSum(data);
+  if (comm::Communicator* d = Direct()) {
+    DIOND_RETURN_IF_ERROR(BeforeDirect());
+    return d->AllReduceSum(data);
   }
   const size_t b = data.size() * 4;
   return Staged(data.data(), b, data.data(), b,
@@ -68,9 +89,9 @@ absl::Status StepDeviceComm::AllReduceSum(absl::Span<float> data) {
 }
 
 absl::Status StepDeviceComm::AllReduceAverage(absl::Span<float> data) {
-  if (device_ != nullptr) {
-    DIOND_RETURN_IF_ERROR(SyncSession());
-    return device_->AllReduceAverage(data);
+  if (comm::Communicator* d = Direct()) {
+    DIOND_RETURN_IF_ERROR(BeforeDirect());
+    return d->AllReduceAverage(data);
   }
   const size_t b = data.size() * 4;
   return Staged(data.data(), b, data.data(), b,
@@ -79,9 +100,9 @@ absl::Status StepDeviceComm::AllReduceAverage(absl::Span<float> data) {
 
 absl::Status StepDeviceComm::ReduceScatterSum(absl::Span<const float> input,
                                               absl::Span<float> output) {
-  if (device_ != nullptr) {
-    DIOND_RETURN_IF_ERROR(SyncSession());
-    return device_->ReduceScatterSum(input, output);
+  if (comm::Communicator* d = Direct()) {
+    DIOND_RETURN_IF_ERROR(BeforeDirect());
+    return d->ReduceScatterSum(input, output);
   }
   return Staged(input.data(), input.size() * 4, output.data(), output.size() * 4,
                 [&](void* in, void* out) {
@@ -90,9 +111,9 @@ absl::Status StepDeviceComm::ReduceScatterSum(absl::Span<const float> input,
 }
 
 absl::Status StepDeviceComm::AllGather(absl::Span<const float> input, absl::Span<float> output) {
-  if (device_ != nullptr) {
-    DIOND_RETURN_IF_ERROR(SyncSession());
-    return device_->AllGather(input, output);
+  if (comm::Communicator* d = Direct()) {
+    DIOND_RETURN_IF_ERROR(BeforeDirect());
+    return d->AllGather(input, output);
   }
   return Staged(input.data(), input.size() * 4, output.data(), output.size() * 4,
                 [&](void* in, void* out) {
@@ -105,9 +126,9 @@ absl::Status StepDeviceComm::AllGatherV(absl::Span<const float> input,
                                         absl::Span<float> output) {
   int64_t largest = 0;
   DIOND_RETURN_IF_ERROR(CheckAllGatherV(input, counts, output, &largest));
-  if (device_ != nullptr) {
-    DIOND_RETURN_IF_ERROR(SyncSession());
-    return device_->AllGatherV(input, counts, output);
+  if (comm::Communicator* d = Direct()) {
+    DIOND_RETURN_IF_ERROR(BeforeDirect());
+    return d->AllGatherV(input, counts, output);
   }
   return Staged(input.data(), input.size() * 4, output.data(), output.size() * 4,
                 [&](void* in, void* out) {
@@ -116,9 +137,9 @@ absl::Status StepDeviceComm::AllGatherV(absl::Span<const float> input,
 }
 
 absl::Status StepDeviceComm::AllToAll(absl::Span<const float> input, absl::Span<float> output) {
-  if (device_ != nullptr) {
-    DIOND_RETURN_IF_ERROR(SyncSession());
-    return device_->AllToAll(input, output);
+  if (comm::Communicator* d = Direct()) {
+    DIOND_RETURN_IF_ERROR(BeforeDirect());
+    return d->AllToAll(input, output);
   }
   return Staged(input.data(), input.size() * 4, output.data(), output.size() * 4,
                 [&](void* in, void* out) {
@@ -127,9 +148,9 @@ absl::Status StepDeviceComm::AllToAll(absl::Span<const float> input, absl::Span<
 }
 
 absl::Status StepDeviceComm::Broadcast(absl::Span<float> data, int root) {
-  if (device_ != nullptr) {
-    DIOND_RETURN_IF_ERROR(SyncSession());
-    return device_->Broadcast(data, root);
+  if (comm::Communicator* d = Direct()) {
+    DIOND_RETURN_IF_ERROR(BeforeDirect());
+    return d->Broadcast(data, root);
   }
   if (root < 0 || root >= size()) {
     return absl::InvalidArgumentError(
@@ -145,18 +166,18 @@ absl::Status StepDeviceComm::Broadcast(absl::Span<float> data, int root) {
 }
 
 absl::Status StepDeviceComm::Barrier() {
-  if (device_ != nullptr) {
-    DIOND_RETURN_IF_ERROR(SyncSession());
-    return device_->Barrier();
+  if (comm::Communicator* d = Direct()) {
+    DIOND_RETURN_IF_ERROR(BeforeDirect());
+    return d->Barrier();
   }
   return host_->Barrier();
 }
 
 absl::Status StepDeviceComm::AllGatherBytes(absl::Span<const uint8_t> input,
                                             absl::Span<uint8_t> output) {
-  if (device_ != nullptr) {
-    DIOND_RETURN_IF_ERROR(SyncSession());
-    return device_->AllGatherBytes(input, output);
+  if (comm::Communicator* d = Direct()) {
+    DIOND_RETURN_IF_ERROR(BeforeDirect());
+    return d->AllGatherBytes(input, output);
   }
   return Staged(input.data(), input.size(), output.data(), output.size(),
                 [&](void* in, void* out) {
@@ -167,9 +188,9 @@ absl::Status StepDeviceComm::AllGatherBytes(absl::Span<const uint8_t> input,
 }
 
 absl::Status StepDeviceComm::BroadcastBytes(absl::Span<uint8_t> data, int root) {
-  if (device_ != nullptr) {
-    DIOND_RETURN_IF_ERROR(SyncSession());
-    return device_->BroadcastBytes(data, root);
+  if (comm::Communicator* d = Direct()) {
+    DIOND_RETURN_IF_ERROR(BeforeDirect());
+    return d->BroadcastBytes(data, root);
   }
   const size_t b = data.size();
   return Staged(data.data(), b, data.data(), b, [&](void* in, void*) {

@@ -3,9 +3,13 @@
 // (session_world.cc) pack, exchange and unpack in device buffers through this one Communicator,
 // whatever carries the bytes:
 //
-// - a device communicator of the world (NCCL on a GPU daemon, comm::MemorySpace::kDevice): the
-//   session's stream is synchronized first (the data was produced there; the communicator runs
-//   on its own stream), then the call is forwarded with the same device pointers;
+// - a device communicator of the world (NCCL on a GPU daemon, comm::MemorySpace::kDevice) that
+//   can queue on a stream (Communicator::OnStream; NCCL with plugin ABI 2.1): each collective is
+//   queued on the session's stream behind the work that produced its input, with no host wait;
+//   a failure shows later, in DeviceStatus (the session checks it after its read-backs);
+// - a device communicator that cannot: the session's stream is synchronized first (the data was
+//   produced there; the communicator runs on its own stream), then the call is forwarded with
+//   the same device pointers;
 // - otherwise the world's host communicator (Gloo), staged: the inputs are copied device -> host
 //   through the session's Context, the host collective runs, and the outputs are copied back
 //   host -> device. Each staged call therefore has two sync points and one host buffer.
@@ -45,6 +49,11 @@ class StepDeviceComm final : public comm::Communicator {
   // The underlying one's name, with "+staged" when the bytes cross through host buffers.
   absl::string_view backend() const override { return backend_name_; }
   bool staged() const { return device_ == nullptr; }
+  // Whether the collectives are queued on the session's stream (no host wait each).
+  bool queued() const { return queued_ != nullptr; }
+  // The device communicator's health (Communicator::Poll; OK when staged). Queued collectives
+  // fail asynchronously: after reading back what they produced, check this before trusting it.
+  absl::Status DeviceStatus();
 
   absl::Status AllReduceSum(absl::Span<float> data) override;
   absl::Status AllReduceAverage(absl::Span<float> data) override;
@@ -59,8 +68,13 @@ class StepDeviceComm final : public comm::Communicator {
   absl::Status BroadcastBytes(absl::Span<uint8_t> data, int root) override;
 
  private:
-  // Waits for the session's stream (the device path) or is a no-op (staged).
+  // Waits for the session's stream.
   absl::Status SyncSession();
+  // The communicator the device path calls (the queued view, else the device communicator);
+  // null when staged.
+  comm::Communicator* Direct() const;
+  // What the device path does before a call: nothing when queued, else SyncSession().
+  absl::Status BeforeDirect();
   // Device <-> host copies of `bytes` bytes through the session's Context, on its compute thread.
   absl::Status ToHost(const void* device, void* host, size_t bytes);
   absl::Status ToDevice(const void* host, void* device, size_t bytes);
@@ -73,6 +87,7 @@ class StepDeviceComm final : public comm::Communicator {
   ComputeThread* compute_;
   std::shared_ptr<comm::Communicator> host_;
   std::shared_ptr<comm::Communicator> device_;
+  std::unique_ptr<comm::Communicator> queued_;  // device_->OnStream(session stream), or null
   std::string backend_name_;
   // Reused host staging (grown on demand; per step, so not a per-call allocation in a loop).
   std::vector<uint8_t> in_, out_;

@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
@@ -198,7 +199,25 @@ class RecordingDeviceComm final : public comm::Communicator {
   }
   absl::Status BroadcastBytes(absl::Span<uint8_t> d, int) override { return Seen(d.data()); }
 
+  // Stream-ordered like NCCL with plugin ABI 2.1 (`queues`): OnStream gives `view`, a recorder
+  // that keeps the stream it was made for. Poll reports `async_error` (NCCL's asynchronous error).
+  absl::StatusOr<std::unique_ptr<comm::Communicator>> OnStream(void* stream) override {
+    if (!queues) return comm::Communicator::OnStream(stream);
+    auto v = std::make_unique<RecordingDeviceComm>();
+    view = v.get();
+    view_stream = stream;
+    return std::unique_ptr<comm::Communicator>(std::move(v));
+  }
+  absl::Status Poll() override {
+    if (!async_error.ok()) Abort(async_error);
+    return status();
+  }
+
   std::vector<const void*> pointers;
+  bool queues = false;
+  RecordingDeviceComm* view = nullptr;
+  void* view_stream = nullptr;
+  absl::Status async_error;
 
  private:
   absl::Status Seen(const void* p) {
@@ -228,6 +247,55 @@ TEST_F(DeviceComm, ADeviceCommunicatorGetsTheSamePointersAfterTheStreamIsWaitedF
   for (const void* p : device->pointers) EXPECT_EQ(p, b.data());
   EXPECT_TRUE(host->pointers.empty());
   EXPECT_EQ(dev.Down(b), (std::vector<float>{5, 5, 5, 5}));
+}
+
+// A device communicator that can queue on a stream (NCCL, plugin ABI 2.1) gets the session's own
+// stream once, and every collective goes to that view with the same pointers and no wait for the
+// stream: the work before it (a Fill) is still queued when the collective is handed over.
+// Its asynchronous failure shows in DeviceStatus.
+TEST_F(DeviceComm, AQueuingDeviceCommunicatorGetsTheSessionStreamAndNoWait) {
+  Rank dev;
+  auto host = std::make_shared<RecordingDeviceComm>();
+  auto device = std::make_shared<RecordingDeviceComm>();
+  device->queues = true;
+  StepDeviceComm c(dev.ctx, nullptr, host, device);
+  EXPECT_FALSE(c.staged());
+  EXPECT_TRUE(c.queued());
+  EXPECT_EQ(c.backend(), "recording+stream");
+  ASSERT_NE(device->view, nullptr);
+  ASSERT_NE(dev.ctx->stream(), nullptr);
+  EXPECT_EQ(device->view_stream, dev.ctx->stream());
+  Buffer b = dev.Up({1, 2, 3, 4});
+  const auto before = kernels::testing::GetHostTestDeviceCounters();
+  ASSERT_THAT(kernels::Fill(*dev.ctx, 5.0f, b.view()), IsOk());
+  ASSERT_THAT(c.AllReduceSum(S(b)), IsOk());
+  ASSERT_THAT(c.ReduceScatterSum(absl::MakeConstSpan(b.As<float>(), 4), S(b)), IsOk());
+  const int64_t counts[] = {4};
+  ASSERT_THAT(c.AllGatherV(absl::MakeConstSpan(b.As<float>(), 4), counts, S(b)), IsOk());
+  ASSERT_THAT(c.Broadcast(S(b), 0), IsOk());
+  const auto after = kernels::testing::GetHostTestDeviceCounters();
+  EXPECT_EQ(after.syncs, before.syncs) << "a queued collective must not wait for the stream";
+  ASSERT_EQ(device->view->pointers.size(), 4u);
+  for (const void* p : device->view->pointers) EXPECT_EQ(p, b.data());
+  EXPECT_TRUE(device->pointers.empty()) << "the communicator's own (synchronous) calls were used";
+  EXPECT_TRUE(host->pointers.empty());
+  EXPECT_EQ(dev.Down(b), (std::vector<float>{5, 5, 5, 5}));
+  // The failure of a queued collective arrives later, through the device communicator.
+  EXPECT_THAT(c.DeviceStatus(), IsOk());
+  device->async_error = absl::UnavailableError("nccl asynchronous error: remote process exited");
+  EXPECT_EQ(c.DeviceStatus().code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(absl::StrContains(c.DeviceStatus().message(), "remote process exited"));
+}
+
+// A device communicator that cannot queue (a plugin before ABI 2.1: OnStream is UNIMPLEMENTED)
+// keeps the synchronous path.
+TEST_F(DeviceComm, ADeviceCommunicatorThatCannotQueueIsCalledAfterTheWait) {
+  Rank dev;
+  auto device = std::make_shared<RecordingDeviceComm>();
+  StepDeviceComm c(dev.ctx, nullptr, std::make_shared<RecordingDeviceComm>(), device);
+  EXPECT_FALSE(c.queued());
+  EXPECT_EQ(device->view, nullptr);
+  EXPECT_THAT(c.DeviceStatus(), IsOk());
 }
 
 }  // namespace

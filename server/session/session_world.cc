@@ -353,6 +353,14 @@ absl::Status Session::ReduceGradientsOnDevice(StepRun& run, int64_t block) {
   absl::Status read = CallOnCompute(
       run.compute, [&] { return StepTensorToHost(out + block - 1, &flag, 1); });
   if (!read.ok()) return fail(read, "reading the world's non-finite flag");
+  // A queued reduce-scatter fails asynchronously (the read-back returned because the world's
+  // abort ended it): its output is then garbage.
+  if (absl::Status d = run.dcomm->DeviceStatus(); !d.ok()) {
+    return BreakWorld(run, absl::UnavailableError(absl::StrCat(
+                               run.when, ": gradient reduce-scatter failed: ",
+                               DescribeWorldFailure(d),
+                               "; create the session again and resume from the last checkpoint")));
+  }
   run.finite = flag == 0.0f;
   // The average, as on the host: a division by the world size, into the gradient staging.
   absl::Status divided = CallOnCompute(run.compute, [&]() -> absl::Status {
@@ -534,6 +542,18 @@ absl::Status Session::ExchangeUpdatesPhase(StepRun& run, const kernels::Context&
       }
       if ((*t)[static_cast<size_t>(extra) - 1] != 0.0f && j != w.rank) failed.push_back(j);
       at += extra;
+    }
+    // Queued collectives (NCCL on the session's stream) fail asynchronously: every rank's tail
+    // was read back, so the stream got past the exchange, ended by the world's abort if a peer
+    // was lost; nothing read from the wire is trusted until the device communicator is healthy.
+    if (on_device) {
+      if (absl::Status d = run.dcomm->DeviceStatus(); !d.ok()) {
+        return BreakWorld(run, absl::UnavailableError(absl::StrCat(
+                                   where, "exchange of the updated parameters failed: ",
+                                   DescribeWorldFailure(d),
+                                   "; create the session again and resume from the last "
+                                   "checkpoint")));
+      }
     }
     if (compute_status.ok() && !ok_here) {
       compute_status = CheckRegions(run.when);

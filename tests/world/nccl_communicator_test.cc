@@ -1,8 +1,9 @@
 // GPU only (label `gpu`): a one-rank NCCL communicator through the CUDA plugin's C ABI. Creates
 // it (unique id through an in-memory store), all-reduces a small device buffer, checks it. Then
 // the step path of a world device session (server/session/device_comm.h): a StepDeviceComm on a
-// cuda:0 session Context forwarding to that NCCL communicator, whose inputs were written by ops
-// still queued on the session's stream (the wait before the collective must order them).
+// cuda:0 session Context queuing its collectives on the session's stream through that NCCL
+// communicator (plugin ABI 2.1), whose inputs were written by ops still queued on the same stream
+// (the stream must order them; no host wait comes between).
 // Skips without the plugin, a driver or a device.
 #include "server/comm/nccl_communicator.h"
 
@@ -84,14 +85,16 @@ TEST(NcclCommunicator, AStepDeviceCommOrdersTheSessionStreamBeforeNccl) {
     session::StepDeviceComm c(ctx->get(), nullptr, std::shared_ptr<Communicator>(std::move(*gloo)),
                               std::shared_ptr<Communicator>(std::move(*nccl)));
     EXPECT_FALSE(c.staged());
-    EXPECT_EQ(c.backend(), "nccl");
+    // Plugin ABI 2.1: the collectives are queued on the session's stream.
+    EXPECT_TRUE(c.queued());
+    EXPECT_EQ(c.backend(), "nccl+stream");
     const int64_t n = 1 << 22;  // 16 MiB: long enough for an unordered read to see it unwritten
     auto a = (*ctx)->Zeros(kernels::DType::kF32, {n});
     auto b = (*ctx)->Zeros(kernels::DType::kF32, {n});
     ASSERT_THAT(a.status(), IsOk());
     ASSERT_THAT(b.status(), IsOk());
     for (int round = 1; round <= 3; ++round) {
-      // Queued on the session stream; the collective runs on NCCL's own stream.
+      // Queued on the session stream, and the collectives behind it on the same stream.
       ASSERT_THAT(kernels::Fill(**ctx, static_cast<float>(round), a->view()), IsOk());
       ASSERT_THAT(c.AllReduceSum(absl::MakeSpan(a->As<float>(), static_cast<size_t>(n))), IsOk());
       ASSERT_THAT(c.ReduceScatterSum(absl::MakeConstSpan(a->As<float>(), static_cast<size_t>(n)),
@@ -110,6 +113,7 @@ TEST(NcclCommunicator, AStepDeviceCommOrdersTheSessionStreamBeforeNccl) {
       EXPECT_EQ(wrong, 0u) << "round " << round << ": NCCL read the buffer before the session's "
                            << "Fill had run";
     }
+    EXPECT_THAT(c.DeviceStatus(), IsOk());
   }
   ctx->reset();
   kernels::DestroyDeviceStream(dev, *stream);
