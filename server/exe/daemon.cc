@@ -118,6 +118,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
           " (plain HTTP); use a loopback address, or --allow_insecure_remote"));
     }
   }
+  if (options.rpc_handler_threads < 1 || options.rpc_handler_threads > 4096) {
+    return absl::InvalidArgumentError(absl::StrCat("--rpc_handler_threads=",
+                                                   options.rpc_handler_threads,
+                                                   ": must be 1 to 4096"));
+  }
   if (options.max_stream_bytes < 0) {
     return absl::InvalidArgumentError("--max_stream_bytes must be >= 0");
   }
@@ -315,6 +320,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   ro.service.allow_shm_from_tcp = options.allow_shm_from_tcp;
   ro.health_address = options.health_address;
   ro.service.max_stream_bytes = options.max_stream_bytes;
+  ro.service.handler_threads = options.rpc_handler_threads;
   if (wc.world_size > 1 && wc.rank == 0) {
     comm::CoordinatorOptions co;
     co.store_limits = wc.store_limits;

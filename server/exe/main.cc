@@ -106,6 +106,9 @@ ABSL_FLAG(int64_t, checksum_every, 100,
 ABSL_FLAG(bool, allow_insecure_remote, false,
           "Allow TCP listeners and the --metrics_address endpoint on non-loopback addresses "
           "without TLS. Off by default.");
+ABSL_FLAG(int32_t, rpc_handler_threads, 64,
+          "Most threads running the Optimizer service's calls (a call waiting for its world's "
+          "peers or a collective holds one; past the cap calls wait their turn). 1 to 4096.");
 ABSL_FLAG(int64_t, max_stream_bytes, int64_t{4} << 30,
           "Most bytes one PushGradients or SetState stream may carry (they are buffered until "
           "the stream ends); more is RESOURCE_EXHAUSTED. A stream is also bounded by the "
@@ -332,6 +335,7 @@ int main(int argc, char** argv) {
   options.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
   options.world_secret_file = absl::GetFlag(FLAGS_world_secret_file);
   options.max_stream_bytes = absl::GetFlag(FLAGS_max_stream_bytes);
+  options.rpc_handler_threads = absl::GetFlag(FLAGS_rpc_handler_threads);
   options.fd_channel_socket = absl::GetFlag(FLAGS_fd_channel_socket);
   options.fd_token_ttl = absl::GetFlag(FLAGS_fd_token_ttl);
   options.fd_max_pending_per_uid = absl::GetFlag(FLAGS_fd_max_pending_per_uid);

@@ -319,6 +319,7 @@ TEST(DaemonProcess, BadFlagsExitWithUsageErrorNotACrash) {
            // Issue 13, "Found 11": the plain-HTTP metrics endpoint follows the same rule.
            {DIOND_BINARY, "--listen=unix:" + dir + "/m.sock", "--metrics_address=0.0.0.0:0"},
            {DIOND_BINARY, "--listen=unix:" + dir + "/m.sock", "--max_stream_bytes=-1"},
+           {DIOND_BINARY, "--listen=unix:" + dir + "/m.sock", "--rpc_handler_threads=0"},
            {DIOND_BINARY, "--listen=unix:" + dir + "/m.sock",
             "--world_device_collectives=mpi"}}) {
     Subprocess p(argv, dir + "/log.txt");
