@@ -1,5 +1,7 @@
 #include "server/rpc/handler_pool.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <utility>
 
@@ -40,6 +42,8 @@ int HandlerPool::busy() const {
 bool HandlerPool::HasWorkOrStops() const { return stopping_ || !queue_.empty(); }
 
 void HandlerPool::Loop() {
+  // Named for top -H / gdb (a thread otherwise inherits its creator's name, gRPC's).
+  pthread_setname_np(pthread_self(), "diond-rpc");
   mu_.Lock();
   for (;;) {
     // Idle from here until work is taken (busy_ and idle_ change under one hold of the lock, so
