@@ -96,19 +96,18 @@ int Run(void* handle, int64_t timeout_ms, const char* what, char* err, size_t le
 }
 
 // Queues `enqueue` on the caller's stream (stream-ordered form): returns once NCCL took the
-// collective (a non-blocking comm may answer ncclInProgress until then), without waiting for the
-// stream. The wait for NCCL's enqueue is bounded by kEnqueueTimeout: it never waits for a peer.
-constexpr std::chrono::seconds kEnqueueTimeout{60};
-
+// collective (a non-blocking comm may answer ncclInProgress until then, e.g. while it connects
+// to its peers on the first call), without waiting for the stream. That wait is bounded by
+// timeout_ms (the comm is aborted past it); the collective itself is not.
 template <typename F>
-int Queue(void* handle, const char* what, char* err, size_t len, F enqueue) {
+int Queue(void* handle, int64_t timeout_ms, const char* what, char* err, size_t len, F enqueue) {
   auto* c = static_cast<Comm*>(handle);
   if (c == nullptr || c->comm == nullptr) return Fail(err, len, what, "communicator is aborted");
   cudaError_t e = cudaSetDevice(c->device);
   if (e != cudaSuccess) return CudaFail(err, len, what, e);
   ncclResult_t r = enqueue(c);
   if (r != ncclSuccess && r != ncclInProgress) return NcclFail(err, len, what, r);
-  return WaitComm(c, Clock::now() + kEnqueueTimeout, what, err, len);
+  return WaitComm(c, Clock::now() + std::chrono::milliseconds(timeout_ms), what, err, len);
 }
 
 int GetUniqueId(uint8_t* id, char* err, size_t len) {
@@ -223,30 +222,31 @@ int CopyToHost(int device, void* dst, const void* src, size_t bytes, char* err, 
 cudaStream_t S(void* stream) { return static_cast<cudaStream_t>(stream); }
 
 int AllReduceOn(void* comm, const void* send, void* recv, size_t count, int dtype, int op,
-                void* stream, char* err, size_t len) {
-  return Queue(comm, "ncclAllReduce", err, len, [&](Comm* c) {
+                int64_t timeout_ms, void* stream, char* err, size_t len) {
+  return Queue(comm, timeout_ms, "ncclAllReduce", err, len, [&](Comm* c) {
     return ncclAllReduce(send, recv, count, DType(dtype), Op(op), c->comm, S(stream));
   });
 }
 
 int ReduceScatterOn(void* comm, const void* send, void* recv, size_t recv_count, int dtype, int op,
-                    void* stream, char* err, size_t len) {
-  return Queue(comm, "ncclReduceScatter", err, len, [&](Comm* c) {
+                    int64_t timeout_ms, void* stream, char* err, size_t len) {
+  return Queue(comm, timeout_ms, "ncclReduceScatter", err, len, [&](Comm* c) {
     return ncclReduceScatter(send, recv, recv_count, DType(dtype), Op(op), c->comm, S(stream));
   });
 }
 
 int AllGatherOn(void* comm, const void* send, void* recv, size_t send_count, int dtype,
-                void* stream, char* err, size_t len) {
-  return Queue(comm, "ncclAllGather", err, len, [&](Comm* c) {
+                int64_t timeout_ms, void* stream, char* err, size_t len) {
+  return Queue(comm, timeout_ms, "ncclAllGather", err, len, [&](Comm* c) {
     return ncclAllGather(send, recv, send_count, DType(dtype), c->comm, S(stream));
   });
 }
 
 int AllGatherVOn(void* comm, const void* send, void* recv, const int64_t* counts, int dtype,
-                 void* stream, char* err, size_t len) {
+                 int64_t timeout_ms, void* stream, char* err, size_t len) {
   const size_t elem = dtype == DIOND_NCCL_U8 ? 1 : 4;
-  return Queue(comm, "ncclBroadcast (all-gather-v)", err, len, [&](Comm* c) -> ncclResult_t {
+  const char* what = "ncclBroadcast (all-gather-v)";
+  return Queue(comm, timeout_ms, what, err, len, [&](Comm* c) -> ncclResult_t {
     int rank = 0;
     ncclResult_t r = ncclCommUserRank(c->comm, &rank);
     if (r != ncclSuccess) return r;
@@ -270,15 +270,15 @@ int AllGatherVOn(void* comm, const void* send, void* recv, const int64_t* counts
 }
 
 int AllToAllOn(void* comm, const void* send, void* recv, size_t block_count, int dtype,
-               void* stream, char* err, size_t len) {
-  return Queue(comm, "ncclAlltoAll", err, len, [&](Comm* c) {
+               int64_t timeout_ms, void* stream, char* err, size_t len) {
+  return Queue(comm, timeout_ms, "ncclAlltoAll", err, len, [&](Comm* c) {
     return ncclAlltoAll(send, recv, block_count, DType(dtype), c->comm, S(stream));
   });
 }
 
 int BroadcastOn(void* comm, const void* send, void* recv, size_t count, int dtype, int root,
-                void* stream, char* err, size_t len) {
-  return Queue(comm, "ncclBroadcast", err, len, [&](Comm* c) {
+                int64_t timeout_ms, void* stream, char* err, size_t len) {
+  return Queue(comm, timeout_ms, "ncclBroadcast", err, len, [&](Comm* c) {
     return ncclBroadcast(send, recv, count, DType(dtype), root, c->comm, S(stream));
   });
 }

@@ -5,8 +5,9 @@
 // versioned (STYLE.md O3): a major bump breaks callers, a minor bump only appends members.
 // Major 2 (the ops table lost the TopK, Lerp and CautiousWeightDecay entries, so its members
 // moved): every member below exists in 2.0, except DiondNcclApiV1's version-2 members (2.1: the
-// daemon uses them only when nccl->version >= 2); the entry symbol carries the major. The record type names keep their V1 suffix (their layout is
-// versioned by abi_major and DiondOpsApiV1::version).
+// daemon uses them only when nccl->version >= 2); the entry symbol carries the major. The
+// record type names keep their V1 suffix (their layout is versioned by abi_major,
+// DiondOpsApiV1::version and DiondNcclApiV1::version).
 #ifndef DIOND_KERNELS_CUDA_PLUGIN_API_H_
 #define DIOND_KERNELS_CUDA_PLUGIN_API_H_
 
@@ -28,10 +29,13 @@ extern "C" {
 //   done, or abort the communicator and fail after `timeout_ms` (a lost peer must never hang
 //   the daemon);
 // - version 2 (ABI 2.1), stream-ordered (`*_on`): queued on the caller's stream behind what is
-//   queued there, returning once NCCL took them (no wait for the stream). A peer that never
-//   comes leaves the collective waiting on the device; the caller polls `async_error` (the
-//   daemon does at every heartbeat) and aborts the communicator (`comm_destroy`), which ends
-//   the waiting kernels. Calls on one communicator must not overlap (the daemon serializes).
+//   queued there, returning once NCCL took them (no wait for the stream). `timeout_ms` bounds
+//   only NCCL's enqueue (a non-blocking comm may set up its connections to the peers there, on
+//   the first call): past it the communicator is aborted and the call fails. A peer that never
+//   comes leaves the collective itself waiting on the device; the caller polls `async_error`
+//   (the daemon does at every heartbeat) and aborts the communicator (`comm_destroy`), which
+//   ends the waiting kernels. Calls on one communicator must not overlap (the daemon
+//   serializes).
 #define DIOND_NCCL_UNIQUE_ID_BYTES 128
 enum { DIOND_NCCL_F32 = 0, DIOND_NCCL_U8 = 1 };
 enum { DIOND_NCCL_SUM = 0, DIOND_NCCL_AVG = 1 };
@@ -68,20 +72,20 @@ typedef struct DiondNcclApiV1 {
   // ---- version 2: stream-ordered collectives (see above); `stream` is a cudaStream_t of the
   // communicator's device ----
   int (*all_reduce_on)(void* comm, const void* send, void* recv, size_t count, int dtype, int op,
-                       void* stream, char* err, size_t err_len);
+                       int64_t timeout_ms, void* stream, char* err, size_t err_len);
   int (*reduce_scatter_on)(void* comm, const void* send, void* recv, size_t recv_count, int dtype,
-                           int op, void* stream, char* err, size_t err_len);
+                           int op, int64_t timeout_ms, void* stream, char* err, size_t err_len);
   int (*all_gather_on)(void* comm, const void* send, void* recv, size_t send_count, int dtype,
-                       void* stream, char* err, size_t err_len);
+                       int64_t timeout_ms, void* stream, char* err, size_t err_len);
   // All-gather of unequal blocks: `counts` (host memory, nranks entries) are the blocks'
   // elements; `send` holds counts[rank], `recv` their sum, rank j's block at the sum of
   // counts[0..j). One NCCL group of a broadcast per rank: no padding, no host copy.
   int (*all_gather_v_on)(void* comm, const void* send, void* recv, const int64_t* counts,
-                         int dtype, void* stream, char* err, size_t err_len);
+                         int dtype, int64_t timeout_ms, void* stream, char* err, size_t err_len);
   int (*all_to_all_on)(void* comm, const void* send, void* recv, size_t block_count, int dtype,
-                       void* stream, char* err, size_t err_len);
+                       int64_t timeout_ms, void* stream, char* err, size_t err_len);
   int (*broadcast_on)(void* comm, const void* send, void* recv, size_t count, int dtype,
-                      int root, void* stream, char* err, size_t err_len);
+                      int root, int64_t timeout_ms, void* stream, char* err, size_t err_len);
   // 0 while the communicator is healthy (collectives in flight included); -1 with NCCL's
   // asynchronous error (ncclCommGetAsyncError) or "aborted". Never blocks.
   int (*async_error)(void* comm, char* err, size_t err_len);

@@ -119,8 +119,10 @@ absl::Status NcclCommunicator::Call(CollectiveOp op, int64_t bytes, F&& f) {
 
 template <typename F>
 absl::Status NcclCommunicator::Queue(CollectiveOp op, int64_t bytes, F&& f) {
-  // The time recorded is the enqueue's: the collective runs later on the caller's stream.
-  return Run(op, bytes, "nccl, queued", std::forward<F>(f));
+  // The timeout bounds the enqueue only; the time recorded is the enqueue's: the collective
+  // runs later on the caller's stream.
+  const int64_t timeout_ms = absl::ToInt64Milliseconds(options_.timeout);
+  return Run(op, bytes, "nccl, queued", [&](char* e) { return f(timeout_ms, e); });
 }
 
 // The stream-ordered face of a NcclCommunicator: the same comm, the caller's stream.
@@ -147,9 +149,10 @@ class NcclCommunicator::StreamView final : public Communicator {
                                                      output.size()));
     }
     const int64_t x = static_cast<int64_t>(input.size()) * 4;
-    return p_->Queue(CollectiveOp::kReduceScatter, RingAllGatherBytes(x, size()), [&](char* e) {
+    return p_->Queue(CollectiveOp::kReduceScatter, RingAllGatherBytes(x, size()),
+                     [&](int64_t t, char* e) {
       return p_->api_->reduce_scatter_on(p_->comm_, input.data(), output.data(), output.size(),
-                                         DIOND_NCCL_F32, DIOND_NCCL_SUM, stream_, e, kErr);
+                                         DIOND_NCCL_F32, DIOND_NCCL_SUM, t, stream_, e, kErr);
     });
   }
   absl::Status AllGather(absl::Span<const float> input, absl::Span<float> output) override {
@@ -177,9 +180,9 @@ class NcclCommunicator::StreamView final : public Communicator {
     DIOND_RETURN_IF_ERROR(CheckAllGatherV(input, counts, output, &largest));
     // Each rank sends its block to the W - 1 others (one broadcast per rank).
     const int64_t bytes = static_cast<int64_t>(input.size()) * 4 * (size() - 1);
-    return p_->Queue(CollectiveOp::kAllGatherV, bytes, [&](char* e) {
+    return p_->Queue(CollectiveOp::kAllGatherV, bytes, [&](int64_t t, char* e) {
       return p_->api_->all_gather_v_on(p_->comm_, input.data(), output.data(), counts.data(),
-                                       DIOND_NCCL_F32, stream_, e, kErr);
+                                       DIOND_NCCL_F32, t, stream_, e, kErr);
     });
   }
   absl::Status AllToAll(absl::Span<const float> input, absl::Span<float> output) override {
@@ -191,9 +194,9 @@ class NcclCommunicator::StreamView final : public Communicator {
                                                      w));
     }
     const int64_t x = static_cast<int64_t>(input.size()) * 4;
-    return p_->Queue(CollectiveOp::kAllToAll, RingAllGatherBytes(x, w), [&](char* e) {
+    return p_->Queue(CollectiveOp::kAllToAll, RingAllGatherBytes(x, w), [&](int64_t t, char* e) {
       return p_->api_->all_to_all_on(p_->comm_, input.data(), output.data(), input.size() / w,
-                                     DIOND_NCCL_F32, stream_, e, kErr);
+                                     DIOND_NCCL_F32, t, stream_, e, kErr);
     });
   }
   absl::Status Broadcast(absl::Span<float> data, int root) override {
@@ -207,35 +210,37 @@ class NcclCommunicator::StreamView final : public Communicator {
     }
     const int64_t bytes =
         rank() == (root + size() - 1) % size() ? 0 : static_cast<int64_t>(data.size());
-    return p_->Queue(CollectiveOp::kBroadcast, size() > 1 ? bytes : 0, [&](char* e) {
+    return p_->Queue(CollectiveOp::kBroadcast, size() > 1 ? bytes : 0, [&](int64_t t, char* e) {
       return p_->api_->broadcast_on(p_->comm_, data.data(), data.data(), data.size(),
-                                    DIOND_NCCL_U8, root, stream_, e, kErr);
+                                    DIOND_NCCL_U8, root, t, stream_, e, kErr);
     });
   }
   absl::Status Barrier() override {
     // A one-element all-reduce queued on the stream (NCCL's barrier).
-    return p_->Queue(CollectiveOp::kBarrier, 0, [&](char* e) -> int {
+    return p_->Queue(CollectiveOp::kBarrier, 0, [&](int64_t t, char* e) -> int {
       p_->mu_.AssertHeld();
       if (p_->barrier_ == nullptr &&
           p_->api_->device_malloc(p_->options_.device, 4, &p_->barrier_, e, kErr) != 0) {
         return -1;
       }
       return p_->api_->all_reduce_on(p_->comm_, p_->barrier_, p_->barrier_, 1, DIOND_NCCL_F32,
-                                     DIOND_NCCL_SUM, stream_, e, kErr);
+                                     DIOND_NCCL_SUM, t, stream_, e, kErr);
     });
   }
 
  private:
   absl::Status AllReduce(absl::Span<float> data, int op) {
     const int64_t x = static_cast<int64_t>(data.size()) * 4;
-    return p_->Queue(CollectiveOp::kAllReduce, RingAllReduceBytes(x, size()), [&](char* e) {
+    return p_->Queue(CollectiveOp::kAllReduce, RingAllReduceBytes(x, size()),
+                     [&](int64_t t, char* e) {
       return p_->api_->all_reduce_on(p_->comm_, data.data(), data.data(), data.size(),
-                                     DIOND_NCCL_F32, op, stream_, e, kErr);
+                                     DIOND_NCCL_F32, op, t, stream_, e, kErr);
     });
   }
   absl::Status Gather(const void* in, void* out, size_t count, int dtype, int64_t x) {
-    return p_->Queue(CollectiveOp::kAllGather, RingAllGatherBytes(x, size()), [&](char* e) {
-      return p_->api_->all_gather_on(p_->comm_, in, out, count, dtype, stream_, e, kErr);
+    return p_->Queue(CollectiveOp::kAllGather, RingAllGatherBytes(x, size()),
+                     [&](int64_t t, char* e) {
+      return p_->api_->all_gather_on(p_->comm_, in, out, count, dtype, t, stream_, e, kErr);
     });
   }
 

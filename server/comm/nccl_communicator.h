@@ -80,7 +80,8 @@ class NcclCommunicator final : public Communicator {
   // A synchronous call: f(timeout_ms, err).
   template <typename F>
   absl::Status Call(CollectiveOp op, int64_t bytes, F&& f);
-  // A stream-ordered call: f(err) queues it; bytes are counted when it was queued.
+  // A stream-ordered call: f(timeout_ms, err) queues it (the timeout bounds the enqueue only);
+  // bytes are counted when it was queued.
   template <typename F>
   absl::Status Queue(CollectiveOp op, int64_t bytes, F&& f);
   // Once aborted: aborts and frees the NCCL comm (ending queued kernels) if not done yet.
