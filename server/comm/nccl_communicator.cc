@@ -41,18 +41,20 @@ void NcclCommunicator::OnAbort() {
 }
 
 absl::Status NcclCommunicator::Poll() {
-  if (!mu_.TryLock()) return status();  // a call in progress watches NCCL itself
   absl::Status error;
-  if (status().ok() && api_->version >= 2 && comm_ != nullptr) {
-    char err[kErr] = {0};
-    if (api_->async_error(comm_, err, sizeof(err)) != 0) {
-      error = absl::UnavailableError(absl::StrCat("nccl on rank ", rank(), " of ", size(), ": ",
-                                                  err));
+  {
+    if (!mu_.TryLock()) return status();  // a call in progress watches NCCL itself
+    if (status().ok() && api_->version >= 2 && comm_ != nullptr) {
+      char err[kErr] = {0};
+      if (api_->async_error(comm_, err, sizeof(err)) != 0) {
+        error = absl::UnavailableError(absl::StrCat("nccl on rank ", rank(), " of ", size(),
+                                                    ": ", err));
+      }
     }
+    DestroyCommIfAborted();  // aborted earlier while a call held the lock
+    mu_.Unlock();
   }
-  if (!error.ok()) Abort(error);  // OnAbort cannot take the lock: destroyed just below
-  DestroyCommIfAborted();
-  mu_.Unlock();
+  if (!error.ok()) Abort(error);  // outside the lock: OnAbort takes it and destroys the comm
   return status();
 }
 
