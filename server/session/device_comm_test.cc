@@ -8,6 +8,8 @@
 //   host communicator is never used.
 #include "server/session/device_comm.h"
 
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -77,6 +79,10 @@ absl::Span<float> S(Buffer& b) {
 void TwoRanks(const std::string& prefix,
               const std::function<void(int, StepDeviceComm&, Rank&)>& body) {
   comm::MemoryKeyValueStore kv;
+  // Neither rank closes its Gloo pairs before both finished `body`: a rank whose last
+  // collective (a barrier) returned first would otherwise close them under a peer still in it
+  // ("Connection closed by peer").
+  std::atomic<int> done{0};
   std::thread peers[2];
   for (int r = 0; r < 2; ++r) {
     peers[r] = std::thread([&, r] {
@@ -94,6 +100,8 @@ void TwoRanks(const std::string& prefix,
       EXPECT_EQ(c.backend(), "gloo+staged");
       EXPECT_EQ(c.memory(), comm::MemorySpace::kDevice);
       body(r, c, dev);
+      done.fetch_add(1);
+      while (done.load() < 2) std::this_thread::sleep_for(std::chrono::milliseconds(1));
     });
   }
   for (auto& t : peers) t.join();
