@@ -6,6 +6,7 @@
 #include <iostream>
 #include <utility>
 
+#include "kernels/graph.h"
 #include "kernels/ops.h"
 #include "kernels/plugin/plugin_backend.h"
 
@@ -70,7 +71,8 @@ absl::StatusOr<kernels::Buffer> GpuBench::Filled(kernels::DType t,
 
 absl::StatusOr<double> GpuBench::StepTime(optim::AlgorithmKind kind,
                                           const std::vector<optim::ParamShape>& shapes,
-                                          double rank_fraction, optim::Precision precision) const {
+                                          double rank_fraction, optim::Precision precision,
+                                          bool graph) const {
   optim::GroupConfig cfg;
   cfg.algorithm = kind;
   cfg.hyperparams = optim::DefaultHyperparams(kind);
@@ -91,7 +93,29 @@ absl::StatusOr<double> GpuBench::StepTime(optim::AlgorithmKind kind,
     params.push_back(std::move(*p));
     grads.push_back(std::move(*g));
   }
-  return Time([&] { return (*opt)->Step(*ctx, pp, gp); });
+  if (!graph) return Time([&] { return (*opt)->Step(*ctx, pp, gp); });
+  // The first step eagerly (as a session's), then Stage through the graph.
+  if (absl::Status s = (*opt)->Step(*ctx, pp, gp); !s.ok()) return s;
+  kernels::GraphHooks hooks;
+  hooks.begin_capture = &kernels::BeginStreamCapture;
+  hooks.end_capture = &kernels::EndStreamCapture;
+  hooks.launch = &kernels::LaunchGraph;
+  hooks.destroy = &kernels::DestroyGraph;
+  kernels::StepGraph sg(ctx.get(), hooks);
+  int64_t step = 1;
+  return Time([&]() -> absl::Status {
+    optim::StepOptions o;
+    o.lr = 0.01 / static_cast<double>(++step);
+    auto out = sg.Run([&] { return (*opt)->Stage(*ctx, pp, gp, o); });
+    if (!out.ok()) return out.status();
+    if (out->mode == kernels::StepGraph::Mode::kEager) {
+      return absl::FailedPreconditionError(
+          "the update ran eagerly (" + out->reason + ": " + out->detail + ")");
+    }
+    (*opt)->WriteStagedParams(pp);
+    (*opt)->CommitStagedState();
+    return absl::OkStatus();
+  });
 }
 
 nlohmann::json Err(const absl::Status& s) {

@@ -33,9 +33,13 @@ struct GpuBench {
   absl::StatusOr<kernels::Buffer> Filled(kernels::DType t, const std::vector<int64_t>& shape,
                                          float value) const;
   // One GroupOptimizer step on device-resident parameters (0.01) and gradients (0.001), timed.
+  // With `graph`, the step's update (Stage) runs through a kernels::StepGraph as a device
+  // session runs it (docs/GPU.md "CUDA graphs"): captured at the warm-up, replayed in the timed
+  // steps, with a new learning rate each step; an error names the fallback reason if it cannot.
   absl::StatusOr<double> StepTime(optim::AlgorithmKind kind,
                                   const std::vector<optim::ParamShape>& shapes,
-                                  double rank_fraction, optim::Precision precision) const;
+                                  double rank_fraction, optim::Precision precision,
+                                  bool graph = false) const;
 };
 
 // {"error": "<status>"}: a measurement that could not run, written with its reason.

@@ -29,8 +29,9 @@ namespace diond::kernels {
 
 // Bumped when an entry is added, removed or changes signature; RegisterOpsBackend refuses a
 // table of another version.
-inline constexpr uint32_t kOpsBackendVersion = 6;  // 2: ortho; 3: kops; 4: steps; 5: async copies;
-                                                 // 6: decay_scatter_with_change
+inline constexpr uint32_t kOpsBackendVersion = 7;  // 2: ortho; 3: kops; 4: steps; 5: async copies;
+                                                 // 6: decay_scatter_with_change; 7: the fused
+                                                 // steps' scalars_on_device (kernels/graph.h)
 
 struct OpsBackend {
   uint32_t version = kOpsBackendVersion;
@@ -76,6 +77,10 @@ struct OpsBackend {
   absl::Status (*unary)(const Context&, UnaryOp, ConstTensorView, TensorView) = nullptr;
   absl::Status (*binary)(const Context&, BinaryOp, ConstTensorView, ConstTensorView,
                          TensorView) = nullptr;
+  // adamw_step, lion_step, their tracked forms and apply_update: when the params' non-null
+  // scalars_on_device is set (kernels/graph.h does, after validation), the op reads its scalars
+  // from that device record when it runs, not from the params' fields. A backend without graphs
+  // (the CPU) never gets it: the recorder runs only on a device context.
   absl::Status (*adamw_step)(const Context&, const AdamWParams&, ConstTensorView, TensorView,
                              TensorView, TensorView) = nullptr;
   absl::Status (*lion_step)(const Context&, const LionParams&, ConstTensorView, TensorView,

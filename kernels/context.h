@@ -169,12 +169,18 @@ class Context {
   // Changes the thread count used by later ops (<= 0: number of cores).
   void SetNumThreads(int num_threads);
 
+  // kernels/graph.h only: routes this context's ops through `table` (its recording table) until
+  // called again with nullptr, which restores the device's registered table. Buffers allocated
+  // meanwhile are freed through the registered table.
+  void InterposeBackend(const OpsBackend* table);
+
  private:
   Context(const ContextOptions& options, const OpsBackend* backend);
   static void* ArenaAllocate(void* user, size_t bytes);
   static void ArenaDeallocate(void* user, void* p, size_t bytes);
   ContextOptions options_;
   const OpsBackend* backend_;
+  const OpsBackend* registered_;  // backend_ unless a table is interposed
   int num_threads_ = 1;
   std::shared_ptr<AllocationStats> stats_;
   std::unique_ptr<ScratchArena> scratch_;

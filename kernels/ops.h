@@ -208,6 +208,10 @@ absl::Status Binary(const Context& ctx, BinaryOp op, ConstTensorView x, ConstTen
 // cautious (§20.6 step 6, literal order): after the update, x ← x + f32(lr·wd)·x₀·[m·x₀ < 0]
 // with x₀ = x before the step and m the updated first moment (undoes the decay where the
 // update and the weight disagree in sign).
+struct AdamWScalarRecord;  // below ("graph")
+struct LionScalarRecord;
+struct ApplyUpdateScalarRecord;
+
 struct AdamWParams {
   float lr = 0.0f;
   float beta1 = 0.9f;
@@ -216,6 +220,10 @@ struct AdamWParams {
   float weight_decay = 0.0f;
   int64_t step = 1;
   bool cautious = false;
+  // Set only by kernels/graph.h between validation and the backend (a caller's non-null value
+  // is refused): the op's scalars are the record at this DEVICE address, read when the op runs,
+  // and the fields above are ignored by the backend.
+  const AdamWScalarRecord* scalars_on_device = nullptr;
 };
 absl::Status AdamWStep(const Context& ctx, const AdamWParams& p, ConstTensorView grad,
                        TensorView x, TensorView m, TensorView v);
@@ -229,6 +237,7 @@ struct LionParams {
   float beta2 = 0.99f;
   float weight_decay = 0.0f;
   bool cautious = false;
+  const LionScalarRecord* scalars_on_device = nullptr;  // as AdamWParams::scalars_on_device
 };
 absl::Status LionStep(const Context& ctx, const LionParams& p, ConstTensorView grad, TensorView x,
                       TensorView m);
@@ -286,6 +295,7 @@ struct ApplyUpdateParams {
   float lr_wd = 0.0f;  // lr·weight_decay, f32
   bool cautious = false;
   bool round_bf16 = false;
+  const ApplyUpdateScalarRecord* scalars_on_device = nullptr;  // as AdamWParams::scalars_on_device
 };
 absl::Status ApplyUpdate(const Context& ctx, const ApplyUpdateParams& p, ConstTensorView update,
                          ConstTensorView x_in, TensorView x);
@@ -373,6 +383,30 @@ absl::Status AllFiniteFlag(const Context& ctx, ConstTensorView x, TensorView non
 absl::Status WidenScaleCheckFiniteFlag(const Context& ctx, ConstTensorView x, float scale,
                                        TensorView out, TensorView nonfinite);
 // ================================ end asynccopy ===============================================
+
+// ================================ graph: device-side scalars ===================================
+// The per-call scalars of the fused steps as a device reads them from its own memory, so that a
+// captured graph (kernels/graph.h) replays with new hyperparameters: the graph keeps the record's
+// address, and the host rewrites the record before each launch. Formed on the host exactly as
+// the backends form them for a call by value (kernels/elementwise_math.h), so a replay computes
+// the same bits as the eager op. Layout-identical to the plugin ABI's DiondAdamWScalars,
+// DiondLionScalars and DiondApplyUpdateScalars (kernels/cuda/plugin_api.h; checked there).
+struct AdamWScalarRecord {
+  float decay, lr_wd, one_minus_b1, one_minus_b2, beta2, step_size, sqrt_bc2, eps;
+  int32_t cautious;
+};
+struct LionScalarRecord {
+  float w1, w2, lr_wd, decay, lr;
+  int32_t cautious;
+};
+struct ApplyUpdateScalarRecord {
+  float alpha, decay, lr_wd;
+  int32_t cautious, round_bf16;
+};
+AdamWScalarRecord ScalarRecordOf(const AdamWParams& p);
+LionScalarRecord ScalarRecordOf(const LionParams& p);
+ApplyUpdateScalarRecord ScalarRecordOf(const ApplyUpdateParams& p);
+// ================================ end graph ===================================================
 
 }  // namespace diond::kernels
 

@@ -167,8 +167,14 @@ DaemonMetrics::DaemonMetrics(std::shared_ptr<prometheus::Registry> registry,
       graph_fallbacks_(prometheus::BuildCounter()
                            .Name("diond_step_graph_fallbacks_total")
                            .Help("Device sessions whose steps run eagerly instead of as a "
-                                 "captured graph, by reason (unsupported, sync_points).")
+                                 "captured graph, by reason (unsupported, sync_point, "
+                                 "capture_failed, world).")
                            .Register(*registry_)),
+      graph_steps_(prometheus::BuildCounter()
+                       .Name("diond_step_graphs_total")
+                       .Help("Device steps whose update ran as a graph, by mode: captured (a "
+                             "new graph) or replayed.")
+                       .Register(*registry_)),
       steps_(prometheus::BuildCounter()
                  .Name("diond_steps_total")
                  .Help("Step RPCs that succeeded, by outcome (applied, skipped, replayed).")
@@ -265,7 +271,10 @@ DaemonMetrics::DaemonMetrics(std::shared_ptr<prometheus::Registry> registry,
                       .Add({})),
       session_collector_(std::make_shared<SessionCollector>()) {
   world_size_.Set(1);
-  for (const char* reason : {"unsupported", "sync_points"}) graph_fallbacks_.Add({{"reason", reason}});
+  for (const char* reason : {"unsupported", "sync_point", "capture_failed", "world"}) {
+    graph_fallbacks_.Add({{"reason", reason}});
+  }
+  for (const char* mode : {"captured", "replayed"}) graph_steps_.Add({{"mode", mode}});
   prometheus::BuildGauge()
       .Name("diond_build_info")
       .Help("Always 1; labels describe the running daemon.")
@@ -289,6 +298,10 @@ void DaemonMetrics::SetSessions(int64_t sessions) { sessions_.Set(static_cast<do
 
 void DaemonMetrics::CountGraphFallback(const std::string& reason) {
   graph_fallbacks_.Add({{"reason", reason}}).Increment();
+}
+
+void DaemonMetrics::CountGraphStep(const std::string& mode) {
+  graph_steps_.Add({{"mode", mode}}).Increment();
 }
 
 void DaemonMetrics::SetDeviceMemory(double in_use_bytes, double peak_bytes) {

@@ -61,8 +61,11 @@ class DaemonMetrics {
   void SetSessions(int64_t sessions);
   // A device daemon's pool (docs/OPERATIONS.md): bytes in use now and the high-water mark.
   void SetDeviceMemory(double in_use_bytes, double peak_bytes);
-  // A device session decided to run its steps eagerly (reason: "unsupported", "sync_points").
+  // A device session decided to run its steps eagerly (reason: "unsupported", "sync_point",
+  // "capture_failed", "world").
   void CountGraphFallback(const std::string& reason);
+  // A device step's update ran as a graph (mode: "captured", "replayed").
+  void CountGraphStep(const std::string& mode);
   void ObserveStep(absl::string_view outcome, double total_seconds, double compute_seconds);
   void ObserveCheckpoint(int64_t bytes);  // also sets the last-success timestamp to now
   void CountCheckpointFailure();
@@ -91,6 +94,7 @@ class DaemonMetrics {
   prometheus::Gauge& device_memory_in_use_;
   prometheus::Gauge& device_memory_peak_;
   prometheus::Family<prometheus::Counter>& graph_fallbacks_;
+  prometheus::Family<prometheus::Counter>& graph_steps_;
   prometheus::Family<prometheus::Counter>& steps_;
   prometheus::Histogram& step_seconds_;
   prometheus::Histogram& step_compute_seconds_;

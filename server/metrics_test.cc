@@ -40,6 +40,30 @@ TEST(DaemonMetrics, BuildInfoAndRpcCountsByMethodAndCode) {
       << text;
 }
 
+TEST(DaemonMetrics, StepGraphSeriesExistAtZeroAndCountByModeAndReason) {
+  auto registry = std::make_shared<prometheus::Registry>();
+  DaemonMetrics m(registry, {"1.2.3", "test:0", false});
+  std::string text = Expose(*registry);
+  for (const char* line :
+       {"diond_step_graphs_total{mode=\"captured\"} 0", "diond_step_graphs_total{mode=\"replayed\"} 0",
+        "diond_step_graph_fallbacks_total{reason=\"unsupported\"} 0",
+        "diond_step_graph_fallbacks_total{reason=\"sync_point\"} 0",
+        "diond_step_graph_fallbacks_total{reason=\"capture_failed\"} 0",
+        "diond_step_graph_fallbacks_total{reason=\"world\"} 0"}) {
+    EXPECT_NE(text.find(line), std::string::npos) << line << " in\n" << text;
+  }
+  m.CountGraphStep("captured");
+  m.CountGraphStep("replayed");
+  m.CountGraphStep("replayed");
+  m.CountGraphFallback("sync_point");
+  text = Expose(*registry);
+  for (const char* line : {"diond_step_graphs_total{mode=\"captured\"} 1",
+                           "diond_step_graphs_total{mode=\"replayed\"} 2",
+                           "diond_step_graph_fallbacks_total{reason=\"sync_point\"} 1"}) {
+    EXPECT_NE(text.find(line), std::string::npos) << line << " in\n" << text;
+  }
+}
+
 TEST(DaemonMetrics, LimitsCheckpointsAndScrapeTimeSessionGauges) {
   auto registry = std::make_shared<prometheus::Registry>();
   DaemonMetrics m(registry, {"1.2.3", "cpu", false});

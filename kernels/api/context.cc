@@ -175,7 +175,7 @@ int ResolveThreads(int n) { return n > 0 ? (n > 1024 ? 1024 : n) : DefaultCpuThr
 // Context is still alive.
 void* Context::ArenaAllocate(void* user, size_t bytes) {
   auto* c = static_cast<Context*>(user);
-  void* p = c->backend_->allocate(c->options_.device, bytes);
+  void* p = c->registered_->allocate(c->options_.device, bytes);
   if (p != nullptr) {
     c->stats_->allocations.fetch_add(1);
     c->stats_->bytes_in_use.fetch_add(static_cast<int64_t>(bytes));
@@ -185,13 +185,14 @@ void* Context::ArenaAllocate(void* user, size_t bytes) {
 
 void Context::ArenaDeallocate(void* user, void* p, size_t bytes) {
   auto* c = static_cast<Context*>(user);
-  c->backend_->deallocate(c->options_.device, p, bytes);
+  c->registered_->deallocate(c->options_.device, p, bytes);
   c->stats_->bytes_in_use.fetch_sub(static_cast<int64_t>(bytes));
 }
 
 Context::Context(const ContextOptions& options, const OpsBackend* backend)
     : options_(options),
       backend_(backend),
+      registered_(backend),
       num_threads_(ResolveThreads(options.num_threads)),
       stats_(std::make_shared<AllocationStats>()),
       scratch_(std::make_unique<ScratchArena>(
@@ -200,6 +201,10 @@ Context::Context(const ContextOptions& options, const OpsBackend* backend)
                                        this})) {}
 
 Context::~Context() = default;
+
+void Context::InterposeBackend(const OpsBackend* table) {
+  backend_ = table != nullptr ? table : registered_;
+}
 
 absl::StatusOr<std::unique_ptr<Context>> Context::Create(const ContextOptions& options) {
   const OpsBackend* backend = FindOpsBackend(options.device.type);
@@ -224,7 +229,7 @@ absl::StatusOr<std::unique_ptr<Context>> Context::Create(const ContextOptions& o
 
 Allocator Context::allocator() const {
   Allocator a;
-  a.backend_ = backend_;
+  a.backend_ = registered_;  // memory never goes through an interposed table
   a.device_ = options_.device;
   a.stats_ = stats_;
   return a;

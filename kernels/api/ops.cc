@@ -10,6 +10,7 @@
 #include "common/status_macros.h"
 #include "kernels/api/validate.h"
 #include "kernels/backend.h"
+#include "kernels/elementwise_math.h"
 
 namespace diond::kernels {
 namespace {
@@ -376,6 +377,9 @@ absl::Status Binary(const Context& ctx, BinaryOp op, ConstTensorView x, ConstTen
 
 namespace {
 
+constexpr const char* kSetByGraph =
+    "scalars_on_device is set by kernels/graph.h only (leave it null)";
+
 absl::Status CheckAdamWArgs(const Context& ctx, const char* kOp, const AdamWParams& p,
                             ConstTensorView grad, TensorView x, TensorView m, TensorView v) {
   DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "x", x, x));
@@ -387,6 +391,7 @@ absl::Status CheckAdamWArgs(const Context& ctx, const char* kOp, const AdamWPara
                            {"weight_decay", p.weight_decay}}) {
     DIOND_RETURN_IF_ERROR(CheckFinite(kOp, name, val));
   }
+  if (p.scalars_on_device != nullptr) return Invalid(kOp, kSetByGraph);
   if (p.step < 1) return Invalid(kOp, "step is ", p.step, ", want >= 1");
   if (!(p.beta1 >= 0.0f && p.beta1 < 1.0f) || !(p.beta2 >= 0.0f && p.beta2 < 1.0f)) {
     return Invalid(kOp, "betas (", p.beta1, ", ", p.beta2, ") must lie in [0, 1)");
@@ -403,6 +408,7 @@ absl::Status CheckLionArgs(const Context& ctx, const char* kOp, const LionParams
                            {"beta2", p.beta2}, {"weight_decay", p.weight_decay}}) {
     DIOND_RETURN_IF_ERROR(CheckFinite(kOp, name, val));
   }
+  if (p.scalars_on_device != nullptr) return Invalid(kOp, kSetByGraph);
   return absl::OkStatus();
 }
 
@@ -518,6 +524,7 @@ absl::Status ApplyUpdate(const Context& ctx, const ApplyUpdateParams& p, ConstTe
   }
   DIOND_RETURN_IF_ERROR(CheckFinite(kOp, "alpha", p.alpha));
   DIOND_RETURN_IF_ERROR(CheckFinite(kOp, "lr_wd", p.lr_wd));
+  if (p.scalars_on_device != nullptr) return Invalid(kOp, kSetByGraph);
   return ctx.backend().apply_update(ctx, p, update, x_in, x);
 }
 
@@ -753,5 +760,26 @@ absl::Status WidenScaleCheckFiniteFlag(const Context& ctx, ConstTensorView x, fl
   return ctx.backend().widen_scale_check_finite_flag(ctx, x, scale, out, nonfinite);
 }
 // ================================ end asynccopy ===============================================
+
+// ================================ graph: device-side scalars ===================================
+
+AdamWScalarRecord ScalarRecordOf(const AdamWParams& p) {
+  const math::AdamWScalars s = math::MakeAdamWScalars(p.lr, p.beta1, p.beta2, p.epsilon,
+                                                      p.weight_decay, p.step, p.cautious);
+  return AdamWScalarRecord{s.decay, s.lr_wd,     s.one_minus_b1, s.one_minus_b2,
+                           s.beta2, s.step_size, s.sqrt_bc2,     s.eps,
+                           s.cautious ? 1 : 0};
+}
+LionScalarRecord ScalarRecordOf(const LionParams& p) {
+  const math::LionScalars s =
+      math::MakeLionScalars(p.lr, p.beta1, p.beta2, p.weight_decay, p.cautious);
+  return LionScalarRecord{s.w1, s.w2, s.lr_wd, s.decay, s.lr, s.cautious ? 1 : 0};
+}
+ApplyUpdateScalarRecord ScalarRecordOf(const ApplyUpdateParams& p) {
+  const math::ApplyUpdateScalars s =
+      math::MakeApplyUpdateScalars(p.alpha, p.lr_wd, p.cautious, p.round_bf16);
+  return ApplyUpdateScalarRecord{s.alpha, s.decay, s.lr_wd, s.cautious ? 1 : 0,
+                                 s.round_bf16 ? 1 : 0};
+}
 
 }  // namespace diond::kernels

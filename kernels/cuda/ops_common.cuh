@@ -190,6 +190,47 @@ inline int Sync(const DiondOpsCall* call, const char* op) {
   return DIOND_OPS_OK;
 }
 
+// ---- the fused steps' scalars (ops_elementwise.cu, ops_fused.cu): the plugin's records as the
+// shared element functions take them, and where a kernel gets them: ByValue (formed on the host
+// at the call, passed in the kernel's arguments) or OnDevice (graph: a device record read by
+// every thread when the kernel runs, so a replayed graph gets the record the host uploaded
+// before the launch; DIOND_OPS_API_VERSION 8).
+__host__ __device__ inline kernels::math::AdamWScalars AdamWOf(const DiondAdamWScalars* c) {
+  return kernels::math::AdamWScalars{c->decay,    c->lr_wd,     c->one_minus_b1, c->one_minus_b2,
+                                     c->beta2,    c->step_size, c->sqrt_bc2,     c->eps,
+                                     c->cautious != 0};
+}
+__host__ __device__ inline kernels::math::LionScalars LionOf(const DiondLionScalars* c) {
+  return kernels::math::LionScalars{c->w1, c->w2, c->lr_wd, c->decay, c->lr, c->cautious != 0};
+}
+__host__ __device__ inline kernels::math::ApplyUpdateScalars ApplyUpdateOf(
+    const DiondApplyUpdateScalars* c) {
+  kernels::math::ApplyUpdateScalars s;
+  s.alpha = c->alpha;
+  s.decay = c->decay;
+  s.lr_wd = c->lr_wd;
+  s.cautious = c->cautious != 0;
+  s.round_bf16 = c->round_bf16 != 0;
+  return s;
+}
+template <typename S>
+struct ByValue {
+  S s;
+  __device__ S operator()() const { return s; }
+};
+template <typename S, typename R, S (*Of)(const R*)>
+struct OnDevice {
+  const R* c;
+  __device__ S operator()() const { return Of(c); }
+};
+using AdamWByValue = ByValue<kernels::math::AdamWScalars>;
+using AdamWOnDevice = OnDevice<kernels::math::AdamWScalars, DiondAdamWScalars, &AdamWOf>;
+using LionByValue = ByValue<kernels::math::LionScalars>;
+using LionOnDevice = OnDevice<kernels::math::LionScalars, DiondLionScalars, &LionOf>;
+using ApplyUpdateByValue = ByValue<kernels::math::ApplyUpdateScalars>;
+using ApplyUpdateOnDevice =
+    OnDevice<kernels::math::ApplyUpdateScalars, DiondApplyUpdateScalars, &ApplyUpdateOf>;
+
 }  // namespace diond::cuda
 
 #endif  // DIOND_KERNELS_CUDA_OPS_COMMON_CUH_

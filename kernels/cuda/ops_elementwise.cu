@@ -183,29 +183,45 @@ int OpBf16RoundedAxpby(const DiondOpsCall* call, float alpha, DiondIn x, float b
   });
 }
 
-int OpAdamWStep(const DiondOpsCall* call, const DiondAdamWScalars* c, DiondIn grad, DiondOut x,
-                DiondOut m, DiondOut v) {
+namespace {
+template <typename Scalars>
+int AdamWWith(const DiondOpsCall* call, Scalars scalars, DiondIn grad, DiondOut x, DiondOut m,
+              DiondOut v) {
   DIOND_RC(UseDevice(call, "AdamWStep"));
-  const math::AdamWScalars s{c->decay, c->lr_wd,     c->one_minus_b1, c->one_minus_b2, c->beta2,
-                             c->step_size, c->sqrt_bc2, c->eps, c->cautious != 0};
   const float* g = static_cast<const float*>(grad->data);
   float* xp = static_cast<float*>(x->data);
   float* mp = static_cast<float*>(m->data);
   float* vp = static_cast<float*>(v->data);
   return Launch(call, "AdamWStep", NumElements(*x), [=] __device__(int64_t i) {
-    math::AdamWElement(s, g[i], xp[i], mp[i], vp[i]);
+    math::AdamWElement(scalars(), g[i], xp[i], mp[i], vp[i]);
   });
 }
-
-int OpLionStep(const DiondOpsCall* call, const DiondLionScalars* c, DiondIn grad, DiondOut x,
-               DiondOut m) {
+template <typename Scalars>
+int LionWith(const DiondOpsCall* call, Scalars scalars, DiondIn grad, DiondOut x, DiondOut m) {
   DIOND_RC(UseDevice(call, "LionStep"));
-  const math::LionScalars s{c->w1, c->w2, c->lr_wd, c->decay, c->lr, c->cautious != 0};
   const float* g = static_cast<const float*>(grad->data);
   float* xp = static_cast<float*>(x->data);
   float* mp = static_cast<float*>(m->data);
   return Launch(call, "LionStep", NumElements(*x),
-                [=] __device__(int64_t i) { math::LionElement(s, g[i], xp[i], mp[i]); });
+                [=] __device__(int64_t i) { math::LionElement(scalars(), g[i], xp[i], mp[i]); });
+}
+}  // namespace
+
+int OpAdamWStep(const DiondOpsCall* call, const DiondAdamWScalars* c, DiondIn grad, DiondOut x,
+                DiondOut m, DiondOut v) {
+  return AdamWWith(call, AdamWByValue{AdamWOf(c)}, grad, x, m, v);
+}
+int OpAdamWStepDev(const DiondOpsCall* call, const DiondAdamWScalars* c, DiondIn grad,
+                   DiondOut x, DiondOut m, DiondOut v) {
+  return AdamWWith(call, AdamWOnDevice{c}, grad, x, m, v);
+}
+int OpLionStep(const DiondOpsCall* call, const DiondLionScalars* c, DiondIn grad, DiondOut x,
+               DiondOut m) {
+  return LionWith(call, LionByValue{LionOf(c)}, grad, x, m);
+}
+int OpLionStepDev(const DiondOpsCall* call, const DiondLionScalars* c, DiondIn grad, DiondOut x,
+                  DiondOut m) {
+  return LionWith(call, LionOnDevice{c}, grad, x, m);
 }
 
 int OpGather(const DiondOpsCall* call, DiondIn a, int32_t axis, const int64_t* indices,

@@ -78,22 +78,11 @@ int LaunchSum(const DiondOpsCall* call, const char* op, int64_t n, F f, float* o
   return DIOND_OPS_OK;
 }
 
-math::AdamWScalars AdamWOf(const DiondAdamWScalars* c) {
-  return math::AdamWScalars{c->decay,     c->lr_wd,    c->one_minus_b1, c->one_minus_b2,
-                            c->beta2,     c->step_size, c->sqrt_bc2,    c->eps,
-                            c->cautious != 0};
-}
-math::LionScalars LionOf(const DiondLionScalars* c) {
-  return math::LionScalars{c->w1, c->w2, c->lr_wd, c->decay, c->lr, c->cautious != 0};
-}
-
-}  // namespace
-
-int OpAdamWStepTracked(const DiondOpsCall* call, const DiondAdamWScalars* c, DiondIn grad,
-                       DiondOut x, DiondOut m, DiondOut v, DiondOut update_sq) {
+template <typename Scalars>
+int AdamWTracked(const DiondOpsCall* call, Scalars scalars, DiondIn grad, DiondOut x, DiondOut m,
+                 DiondOut v, DiondOut update_sq) {
   constexpr const char* kOp = "AdamWStep (tracked)";
   DIOND_RC(UseDevice(call, kOp));
-  const math::AdamWScalars s = AdamWOf(c);
   const float* g = static_cast<const float*>(grad->data);
   float* xp = static_cast<float*>(x->data);
   float* mp = static_cast<float*>(m->data);
@@ -101,6 +90,7 @@ int OpAdamWStepTracked(const DiondOpsCall* call, const DiondAdamWScalars* c, Dio
   return LaunchSum(
       call, kOp, NumElements(*x),
       [=] __device__(int64_t i) {
+        const math::AdamWScalars s = scalars();
         const float before = xp[i];
         float xi = before, mi = mp[i], vi = vp[i];
         math::AdamWElement(s, g[i], xi, mi, vi);
@@ -112,17 +102,18 @@ int OpAdamWStepTracked(const DiondOpsCall* call, const DiondAdamWScalars* c, Dio
       static_cast<float*>(update_sq->data));
 }
 
-int OpLionStepTracked(const DiondOpsCall* call, const DiondLionScalars* c, DiondIn grad,
-                      DiondOut x, DiondOut m, DiondOut update_sq) {
+template <typename Scalars>
+int LionTracked(const DiondOpsCall* call, Scalars scalars, DiondIn grad, DiondOut x, DiondOut m,
+                DiondOut update_sq) {
   constexpr const char* kOp = "LionStep (tracked)";
   DIOND_RC(UseDevice(call, kOp));
-  const math::LionScalars s = LionOf(c);
   const float* g = static_cast<const float*>(grad->data);
   float* xp = static_cast<float*>(x->data);
   float* mp = static_cast<float*>(m->data);
   return LaunchSum(
       call, kOp, NumElements(*x),
       [=] __device__(int64_t i) {
+        const math::LionScalars s = scalars();
         const float before = xp[i];
         float xi = before, mi = mp[i];
         math::LionElement(s, g[i], xi, mi);
@@ -131,6 +122,25 @@ int OpLionStepTracked(const DiondOpsCall* call, const DiondLionScalars* c, Diond
         return Sq(xi, before);
       },
       static_cast<float*>(update_sq->data));
+}
+
+}  // namespace
+
+int OpAdamWStepTracked(const DiondOpsCall* call, const DiondAdamWScalars* c, DiondIn grad,
+                       DiondOut x, DiondOut m, DiondOut v, DiondOut update_sq) {
+  return AdamWTracked(call, AdamWByValue{AdamWOf(c)}, grad, x, m, v, update_sq);
+}
+int OpAdamWStepTrackedDev(const DiondOpsCall* call, const DiondAdamWScalars* c, DiondIn grad,
+                          DiondOut x, DiondOut m, DiondOut v, DiondOut update_sq) {
+  return AdamWTracked(call, AdamWOnDevice{c}, grad, x, m, v, update_sq);
+}
+int OpLionStepTracked(const DiondOpsCall* call, const DiondLionScalars* c, DiondIn grad,
+                      DiondOut x, DiondOut m, DiondOut update_sq) {
+  return LionTracked(call, LionByValue{LionOf(c)}, grad, x, m, update_sq);
+}
+int OpLionStepTrackedDev(const DiondOpsCall* call, const DiondLionScalars* c, DiondIn grad,
+                         DiondOut x, DiondOut m, DiondOut update_sq) {
+  return LionTracked(call, LionOnDevice{c}, grad, x, m, update_sq);
 }
 
 int OpMomentumUpdate(const DiondOpsCall* call, float mu, int32_t nesterov, DiondIn grad,
@@ -149,22 +159,28 @@ int OpMomentumUpdate(const DiondOpsCall* call, float mu, int32_t nesterov, Diond
   });
 }
 
-int OpApplyUpdate(const DiondOpsCall* call, const DiondApplyUpdateScalars* c, DiondIn update,
-                  DiondIn x_in, DiondOut x) {
+namespace {
+template <typename Scalars>
+int ApplyUpdateWith(const DiondOpsCall* call, Scalars scalars, DiondIn update, DiondIn x_in,
+                    DiondOut x) {
   constexpr const char* kOp = "ApplyUpdate";
   DIOND_RC(UseDevice(call, kOp));
-  math::ApplyUpdateScalars s;
-  s.alpha = c->alpha;
-  s.decay = c->decay;
-  s.lr_wd = c->lr_wd;
-  s.cautious = c->cautious != 0;
-  s.round_bf16 = c->round_bf16 != 0;
   const float* up = static_cast<const float*>(update->data);
   const float* ip = static_cast<const float*>(x_in->data);  // may be x itself
   float* xp = static_cast<float*>(x->data);
   return Launch(call, kOp, NumElements(*x), [=] __device__(int64_t i) {
-    xp[i] = math::ApplyUpdateElement(s, ip[i], up[i]);
+    xp[i] = math::ApplyUpdateElement(scalars(), ip[i], up[i]);
   });
+}
+}  // namespace
+
+int OpApplyUpdate(const DiondOpsCall* call, const DiondApplyUpdateScalars* c, DiondIn update,
+                  DiondIn x_in, DiondOut x) {
+  return ApplyUpdateWith(call, ApplyUpdateByValue{ApplyUpdateOf(c)}, update, x_in, x);
+}
+int OpApplyUpdateDev(const DiondOpsCall* call, const DiondApplyUpdateScalars* c, DiondIn update,
+                     DiondIn x_in, DiondOut x) {
+  return ApplyUpdateWith(call, ApplyUpdateOnDevice{c}, update, x_in, x);
 }
 
 int OpNormalizeNeurons(const DiondOpsCall* call, float w, DiondOut o, DiondOut v) {

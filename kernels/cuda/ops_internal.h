@@ -56,6 +56,11 @@ int OpAdamWStep(const DiondOpsCall*, const DiondAdamWScalars*, DiondIn grad, Dio
                 DiondOut m, DiondOut v);
 int OpLionStep(const DiondOpsCall*, const DiondLionScalars*, DiondIn grad, DiondOut x,
                DiondOut m);
+// ... with the scalars in DEVICE memory, read by the kernel (graph: DIOND_OPS_API_VERSION 8).
+int OpAdamWStepDev(const DiondOpsCall*, const DiondAdamWScalars*, DiondIn grad, DiondOut x,
+                   DiondOut m, DiondOut v);
+int OpLionStepDev(const DiondOpsCall*, const DiondLionScalars*, DiondIn grad, DiondOut x,
+                  DiondOut m);
 
 // ops_fused.cu (kops's fused optimizer phases)
 int OpAdamWStepTracked(const DiondOpsCall*, const DiondAdamWScalars*, DiondIn grad, DiondOut x,
@@ -66,6 +71,13 @@ int OpMomentumUpdate(const DiondOpsCall*, float mu, int32_t nesterov, DiondIn gr
                      DiondIn m_in, DiondOut m, DiondOut u);
 int OpApplyUpdate(const DiondOpsCall*, const DiondApplyUpdateScalars*, DiondIn update,
                   DiondIn x_in, DiondOut x);
+// ... with the scalars in DEVICE memory, read by the kernels (graph).
+int OpAdamWStepTrackedDev(const DiondOpsCall*, const DiondAdamWScalars*, DiondIn grad,
+                          DiondOut x, DiondOut m, DiondOut v, DiondOut update_sq);
+int OpLionStepTrackedDev(const DiondOpsCall*, const DiondLionScalars*, DiondIn grad, DiondOut x,
+                         DiondOut m, DiondOut update_sq);
+int OpApplyUpdateDev(const DiondOpsCall*, const DiondApplyUpdateScalars*, DiondIn update,
+                     DiondIn x_in, DiondOut x);
 int OpNormalizeNeurons(const DiondOpsCall*, float w, DiondOut o, DiondOut v);
 int OpCopyWithChange(const DiondOpsCall*, DiondIn src, DiondOut dst, DiondOut update_sq);
 int OpAllFinite(const DiondOpsCall*, DiondIn x, int32_t* all_finite);

@@ -71,6 +71,12 @@ const DiondOpsApiV1* OpsApi() {
       &OpWidenScaleCheckFiniteFlag,
       // version 7
       &OpDecayScatterWithChange,
+      // version 8 (graph: device-side scalars)
+      &OpAdamWStepDev,
+      &OpLionStepDev,
+      &OpAdamWStepTrackedDev,
+      &OpLionStepTrackedDev,
+      &OpApplyUpdateDev,
   };
   return &kOps;
 }

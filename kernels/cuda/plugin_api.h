@@ -99,12 +99,13 @@ typedef struct DiondNcclApiV1 {
 //
 // Adding an op (docs/GPU.md): append its entry at the END of DiondOpsApiV1 (never reorder),
 // bump DIOND_OPS_API_VERSION, and append the adapter's forwarding function.
-#define DIOND_OPS_API_VERSION 7  // 2: ortho ops; 3: kops ops, TopK/Lerp/CautiousWeightDecay gone;
+#define DIOND_OPS_API_VERSION 8  // 2: ortho ops; 3: kops ops, TopK/Lerp/CautiousWeightDecay gone;
                                  // 4: the session's ops (steps); 5: device UUIDs, IPC/VMM
                                  // imports and events (handoff), host registration and stream
                                  // capture (devsession); 6: stream-ordered copies and the
                                  // device-side finiteness flags (asynccopy); 7: Dion2's
-                                 // deferred parameter write (decay_scatter_with_change)
+                                 // deferred parameter write (decay_scatter_with_change);
+                                 // 8: the fused steps with device-side scalars (*_dev)
 enum {
   DIOND_OPS_OK = 0,
   DIOND_OPS_INTERNAL = -1,             // a library/kernel failure (absl INTERNAL)
@@ -295,6 +296,21 @@ typedef struct DiondOpsApiV1 {
   int (*decay_scatter_with_change)(const DiondOpsCall*, float decay, DiondIn src, int32_t axis,
                                    const int64_t* indices, int64_t count, float alpha, DiondOut x,
                                    DiondOut update_sq);
+  // ---- ops API version 8: device-side scalars (kernels/graph.h, a captured step replayed with
+  // new hyperparameters). The same ops as adamw_step, lion_step, adamw_step_tracked,
+  // lion_step_tracked and apply_update, but the scalars pointer is DEVICE memory, read by the
+  // kernels when they run (not when the call is made): a graph captured with it picks up the
+  // record the host uploaded before each launch. ----
+  int (*adamw_step_dev)(const DiondOpsCall*, const DiondAdamWScalars*, DiondIn grad, DiondOut x,
+                        DiondOut m, DiondOut v);
+  int (*lion_step_dev)(const DiondOpsCall*, const DiondLionScalars*, DiondIn grad, DiondOut x,
+                       DiondOut m);
+  int (*adamw_step_tracked_dev)(const DiondOpsCall*, const DiondAdamWScalars*, DiondIn grad,
+                                DiondOut x, DiondOut m, DiondOut v, DiondOut update_sq);
+  int (*lion_step_tracked_dev)(const DiondOpsCall*, const DiondLionScalars*, DiondIn grad,
+                               DiondOut x, DiondOut m, DiondOut update_sq);
+  int (*apply_update_dev)(const DiondOpsCall*, const DiondApplyUpdateScalars*, DiondIn update,
+                          DiondIn x_in, DiondOut x);
 } DiondOpsApiV1;
 
 // handoff: sizes of the records above.

@@ -447,6 +447,85 @@ TEST_F(DeviceOpsTest, MomentumAndApplyUpdateAreBitIdentical) {
   }
 }
 
+// graph: the fused steps with their scalar record in device memory (ops.h `scalars_on_device`,
+// the plugin's *_dev entries), called through the table as kernels/graph.h calls them, equal the
+// CPU's eager ops; the params' own fields are set to nonsense, so only the record can give the
+// right bits. (That a replayed graph reads the record when it runs is step_graph_test's.)
+TEST_F(DeviceOpsTest, DeviceScalarFormsOfTheFusedStepsAreBitIdentical) {
+  const int64_t n = 2500;
+  Pair g = Make({n}, 120), x = Make({n}, 121), m = Make({n}, 122), v = Make({n}, 123),
+       sq = Make({1}, 124), u = Make({n}, 125);
+  ASSERT_THAT(Unary(*dev_, UnaryOp::kSquare, v.d.cview(), v.d.view()), IsOk());
+  ASSERT_THAT(Unary(*cpu_, UnaryOp::kSquare, v.h.cview(), v.h.view()), IsOk());
+  auto record = dev_->Allocate(DType::kF32, {16});
+  ASSERT_THAT(record.status(), IsOk());
+  auto put = [&](const void* rec, size_t bytes) {
+    ASSERT_THAT(dev_->backend().copy_from_host(*dev_, rec, record->data(), bytes), IsOk());
+  };
+  const OpsBackend& be = dev_->backend();
+  for (bool tracked : {false, true}) {
+    for (bool cautious : {false, true}) {
+      const std::string c = std::string(tracked ? " tracked" : "") + (cautious ? " cautious" : "");
+      AdamWParams ap;
+      ap.lr = 2e-2f;
+      ap.weight_decay = 0.1f;
+      ap.step = 4;
+      ap.cautious = cautious;
+      const AdamWScalarRecord ar = ScalarRecordOf(ap);
+      put(&ar, sizeof(ar));
+      AdamWParams ad = ap;
+      ad.lr = 99.0f;  // ignored: the record rules
+      ad.scalars_on_device = static_cast<const AdamWScalarRecord*>(record->data());
+      ASSERT_THAT(tracked ? be.adamw_step_tracked(*dev_, ad, g.d.cview(), x.d.view(), m.d.view(),
+                                                  v.d.view(), sq.d.view())
+                          : be.adamw_step(*dev_, ad, g.d.cview(), x.d.view(), m.d.view(),
+                                          v.d.view()),
+                  IsOk());
+      ASSERT_THAT(tracked ? AdamWStep(*cpu_, ap, g.h.cview(), x.h.view(), m.h.view(), v.h.view(),
+                                      sq.h.view())
+                          : AdamWStep(*cpu_, ap, g.h.cview(), x.h.view(), m.h.view(),
+                                      v.h.view()),
+                  IsOk());
+      Expect(x, Tol::kExact, "adamw_step_dev x" + c);
+      Expect(m, Tol::kExact, "adamw_step_dev m" + c);
+      Expect(v, Tol::kExact, "adamw_step_dev v" + c);
+      if (tracked) Expect(sq, Tol::kSum, "adamw_step_dev update_sq" + c);
+      LionParams lp;
+      lp.lr = 1e-3f;
+      lp.weight_decay = 0.5f;
+      lp.cautious = cautious;
+      const LionScalarRecord lr = ScalarRecordOf(lp);
+      put(&lr, sizeof(lr));
+      LionParams ld = lp;
+      ld.lr = 99.0f;
+      ld.scalars_on_device = static_cast<const LionScalarRecord*>(record->data());
+      ASSERT_THAT(tracked ? be.lion_step_tracked(*dev_, ld, g.d.cview(), x.d.view(), m.d.view(),
+                                                 sq.d.view())
+                          : be.lion_step(*dev_, ld, g.d.cview(), x.d.view(), m.d.view()),
+                  IsOk());
+      ASSERT_THAT(tracked ? LionStep(*cpu_, lp, g.h.cview(), x.h.view(), m.h.view(), sq.h.view())
+                          : LionStep(*cpu_, lp, g.h.cview(), x.h.view(), m.h.view()),
+                  IsOk());
+      Expect(x, Tol::kExact, "lion_step_dev x" + c);
+      Expect(m, Tol::kExact, "lion_step_dev m" + c);
+      if (tracked) Expect(sq, Tol::kSum, "lion_step_dev update_sq" + c);
+      ApplyUpdateParams up;
+      up.alpha = -0.3f;
+      up.lr_wd = 0.002f;
+      up.cautious = cautious;
+      up.round_bf16 = tracked;  // both roundings
+      const ApplyUpdateScalarRecord ur = ScalarRecordOf(up);
+      put(&ur, sizeof(ur));
+      ApplyUpdateParams ud = up;
+      ud.alpha = 99.0f;
+      ud.scalars_on_device = static_cast<const ApplyUpdateScalarRecord*>(record->data());
+      ASSERT_THAT(be.apply_update(*dev_, ud, u.d.cview(), x.d.cview(), x.d.view()), IsOk());
+      ASSERT_THAT(ApplyUpdate(*cpu_, up, u.h.cview(), x.h.cview(), x.h.view()), IsOk());
+      Expect(x, Tol::kExact, "apply_update_dev" + c);
+    }
+  }
+}
+
 TEST_F(DeviceOpsTest, NormalizeNeuronsMatches) {
   // Rank 2 and a batch of units; w below and above 0.5 (the two lerp branches).
   for (std::vector<int64_t> shape :

@@ -2,6 +2,7 @@
 #include "kernels/plugin/plugin_backend.h"
 
 #include <atomic>
+#include <cstddef>
 #include <cstring>
 #include <vector>
 
@@ -244,32 +245,58 @@ absl::Status Binary(const Context& ctx, BinaryOp op, ConstTensorView x, ConstTen
   return DIOND_DONE("Binary",
                     Api<S>().binary(&call.c, static_cast<int32_t>(op), &tx, &ty, &to));
 }
-DiondAdamWScalars AdamWScalarsOf(const AdamWParams& p) {
-  const math::AdamWScalars s = math::MakeAdamWScalars(p.lr, p.beta1, p.beta2, p.epsilon,
-                                                      p.weight_decay, p.step, p.cautious);
-  return DiondAdamWScalars{s.decay,    s.lr_wd,     s.one_minus_b1, s.one_minus_b2,
-                           s.beta2,    s.step_size, s.sqrt_bc2,     s.eps,
-                           s.cautious ? 1 : 0};
+// graph: the device-side records of ops.h are the plugin's records, field for field.
+static_assert(sizeof(AdamWScalarRecord) == sizeof(DiondAdamWScalars) &&
+              offsetof(AdamWScalarRecord, eps) == offsetof(DiondAdamWScalars, eps) &&
+              offsetof(AdamWScalarRecord, cautious) == offsetof(DiondAdamWScalars, cautious));
+static_assert(sizeof(LionScalarRecord) == sizeof(DiondLionScalars) &&
+              offsetof(LionScalarRecord, lr) == offsetof(DiondLionScalars, lr) &&
+              offsetof(LionScalarRecord, cautious) == offsetof(DiondLionScalars, cautious));
+static_assert(sizeof(ApplyUpdateScalarRecord) == sizeof(DiondApplyUpdateScalars) &&
+              offsetof(ApplyUpdateScalarRecord, lr_wd) == offsetof(DiondApplyUpdateScalars, lr_wd) &&
+              offsetof(ApplyUpdateScalarRecord, round_bf16) ==
+                  offsetof(DiondApplyUpdateScalars, round_bf16));
+const DiondAdamWScalars* Dev(const AdamWParams& p) {
+  return reinterpret_cast<const DiondAdamWScalars*>(p.scalars_on_device);
 }
-DiondLionScalars LionScalarsOf(const LionParams& p) {
-  const math::LionScalars s =
-      math::MakeLionScalars(p.lr, p.beta1, p.beta2, p.weight_decay, p.cautious);
-  return DiondLionScalars{s.w1, s.w2, s.lr_wd, s.decay, s.lr, s.cautious ? 1 : 0};
+const DiondLionScalars* Dev(const LionParams& p) {
+  return reinterpret_cast<const DiondLionScalars*>(p.scalars_on_device);
 }
+const DiondApplyUpdateScalars* Dev(const ApplyUpdateParams& p) {
+  return reinterpret_cast<const DiondApplyUpdateScalars*>(p.scalars_on_device);
+}
+
+// By value: the same records as ops.h forms for a graph (one formation, checked equal above).
+template <typename D, typename P>
+D RecordOf(const P& p) {
+  const auto r = ScalarRecordOf(p);
+  static_assert(sizeof(r) == sizeof(D));
+  D d;
+  std::memcpy(&d, &r, sizeof(d));
+  return d;
+}
+DiondAdamWScalars AdamWScalarsOf(const AdamWParams& p) { return RecordOf<DiondAdamWScalars>(p); }
+DiondLionScalars LionScalarsOf(const LionParams& p) { return RecordOf<DiondLionScalars>(p); }
 template <int S>
 absl::Status AdamWStep(const Context& ctx, const AdamWParams& p, ConstTensorView grad,
                        TensorView x, TensorView m, TensorView v) {
   Call call(ctx);
-  const DiondAdamWScalars c = AdamWScalarsOf(p);
   const DiondTensor tg = T(grad), tx = T(x), tm = T(m), tv = T(v);
+  if (p.scalars_on_device != nullptr) {
+    return DIOND_DONE("AdamWStep", Api<S>().adamw_step_dev(&call.c, Dev(p), &tg, &tx, &tm, &tv));
+  }
+  const DiondAdamWScalars c = AdamWScalarsOf(p);
   return DIOND_DONE("AdamWStep", Api<S>().adamw_step(&call.c, &c, &tg, &tx, &tm, &tv));
 }
 template <int S>
 absl::Status LionStep(const Context& ctx, const LionParams& p, ConstTensorView grad, TensorView x,
                       TensorView m) {
   Call call(ctx);
-  const DiondLionScalars c = LionScalarsOf(p);
   const DiondTensor tg = T(grad), tx = T(x), tm = T(m);
+  if (p.scalars_on_device != nullptr) {
+    return DIOND_DONE("LionStep", Api<S>().lion_step_dev(&call.c, Dev(p), &tg, &tx, &tm));
+  }
+  const DiondLionScalars c = LionScalarsOf(p);
   return DIOND_DONE("LionStep", Api<S>().lion_step(&call.c, &c, &tg, &tx, &tm));
 }
 
@@ -293,8 +320,12 @@ template <int S>
 absl::Status AdamWStepTracked(const Context& ctx, const AdamWParams& p, ConstTensorView grad,
                               TensorView x, TensorView m, TensorView v, TensorView update_sq) {
   Call call(ctx);
-  const DiondAdamWScalars c = AdamWScalarsOf(p);
   const DiondTensor tg = T(grad), tx = T(x), tm = T(m), tv = T(v), tq = T(update_sq);
+  if (p.scalars_on_device != nullptr) {
+    return DIOND_DONE("AdamWStep (tracked)", Api<S>().adamw_step_tracked_dev(
+                                                 &call.c, Dev(p), &tg, &tx, &tm, &tv, &tq));
+  }
+  const DiondAdamWScalars c = AdamWScalarsOf(p);
   return DIOND_DONE("AdamWStep (tracked)",
                     Api<S>().adamw_step_tracked(&call.c, &c, &tg, &tx, &tm, &tv, &tq));
 }
@@ -302,8 +333,12 @@ template <int S>
 absl::Status LionStepTracked(const Context& ctx, const LionParams& p, ConstTensorView grad,
                              TensorView x, TensorView m, TensorView update_sq) {
   Call call(ctx);
-  const DiondLionScalars c = LionScalarsOf(p);
   const DiondTensor tg = T(grad), tx = T(x), tm = T(m), tq = T(update_sq);
+  if (p.scalars_on_device != nullptr) {
+    return DIOND_DONE("LionStep (tracked)", Api<S>().lion_step_tracked_dev(
+                                                &call.c, Dev(p), &tg, &tx, &tm, &tq));
+  }
+  const DiondLionScalars c = LionScalarsOf(p);
   return DIOND_DONE("LionStep (tracked)",
                     Api<S>().lion_step_tracked(&call.c, &c, &tg, &tx, &tm, &tq));
 }
@@ -319,10 +354,12 @@ template <int S>
 absl::Status ApplyUpdate(const Context& ctx, const ApplyUpdateParams& p, ConstTensorView update,
                          ConstTensorView x_in, TensorView x) {
   Call call(ctx);
-  const math::ApplyUpdateScalars s =
-      math::MakeApplyUpdateScalars(p.alpha, p.lr_wd, p.cautious, p.round_bf16);
-  const DiondApplyUpdateScalars c{s.alpha, s.decay, s.lr_wd, s.cautious ? 1 : 0,
-                                  s.round_bf16 ? 1 : 0};
+  if (p.scalars_on_device != nullptr) {
+    const DiondTensor tu = T(update), ti = T(x_in), tx = T(x);
+    return DIOND_DONE("ApplyUpdate",
+                      Api<S>().apply_update_dev(&call.c, Dev(p), &tu, &ti, &tx));
+  }
+  const DiondApplyUpdateScalars c = RecordOf<DiondApplyUpdateScalars>(p);
   const DiondTensor tu = T(update), ti = T(x_in), tx = T(x);
   return DIOND_DONE("ApplyUpdate", Api<S>().apply_update(&call.c, &c, &tu, &ti, &tx));
 }
@@ -525,6 +562,12 @@ bool HasNullEntry(const DiondOpsApiV1& o) {
       reinterpret_cast<const void*>(o.all_finite_flag),
       reinterpret_cast<const void*>(o.widen_scale_check_finite_flag),
       reinterpret_cast<const void*>(o.decay_scatter_with_change),
+      // graph
+      reinterpret_cast<const void*>(o.adamw_step_dev),
+      reinterpret_cast<const void*>(o.lion_step_dev),
+      reinterpret_cast<const void*>(o.adamw_step_tracked_dev),
+      reinterpret_cast<const void*>(o.lion_step_tracked_dev),
+      reinterpret_cast<const void*>(o.apply_update_dev),
   };
   for (const void* e : entries) {
     if (e == nullptr) return true;

@@ -422,15 +422,41 @@ TEST_F(PluginBackendTest, HostRegistrationsArePairedAndCounted) {
               StatusIs(absl::StatusCode::kFailedPrecondition));
 }
 
-TEST_F(PluginBackendTest, TheTestBackendCannotCaptureStreams) {
-  // devsession: the graph entries go through the adapter; the host backend refuses capture
-  // with "unsupported" (what the daemon's eager fallback reports).
-  EXPECT_THAT(BeginStreamCapture(kDev, stream_),
-              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("unsupported")));
+TEST_F(PluginBackendTest, TheTestBackendEmulatesStreamCapture) {
+  // devsession / graph: the graph entries go through the adapter; the host backend records what
+  // a capturing stream is given instead of running it, and a launch queues it again.
+  auto b = ctx_->Allocate(DType::kF32, {4});
+  ASSERT_THAT(b.status(), IsOk());
+  ASSERT_THAT(Fill(*ctx_, 1.0f, b->view()), IsOk());
+  ASSERT_THAT(Synchronize(*ctx_), IsOk());
+  EXPECT_THAT(BeginStreamCapture(kDev, nullptr),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("default stream")));
   EXPECT_THAT(EndStreamCapture(kDev, stream_).status(),
-              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("unsupported")));
-  EXPECT_THAT(LaunchGraph(kDev, stream_, nullptr),
-              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("unsupported")));
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("not capturing")));
+  ASSERT_THAT(BeginStreamCapture(kDev, stream_), IsOk());
+  EXPECT_THAT(BeginStreamCapture(kDev, stream_),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("already capturing")));
+  ASSERT_THAT(AddScalar(*ctx_, 1.0f, b->view(), 2.0f, b->view()), IsOk());  // x + 2, captured
+  auto graph = EndStreamCapture(kDev, stream_);
+  ASSERT_THAT(graph.status(), IsOk());
+  ASSERT_NE(*graph, nullptr);
+  std::vector<float> host(4);
+  auto read = [&] {
+    EXPECT_THAT(ctx_->backend().copy_to_host(*ctx_, b->data(), host.data(), 16), IsOk());
+    return host[0];
+  };
+  EXPECT_EQ(read(), 1.0f) << "a captured op does not run";
+  ASSERT_THAT(LaunchGraph(kDev, stream_, *graph), IsOk());
+  EXPECT_EQ(read(), 3.0f);
+  ASSERT_THAT(LaunchGraph(kDev, stream_, *graph), IsOk());
+  ASSERT_THAT(LaunchGraph(kDev, stream_, *graph), IsOk());
+  EXPECT_EQ(read(), 7.0f);
+  const testing::HostTestDeviceCounters c = testing::GetHostTestDeviceCounters();
+  EXPECT_EQ(c.graph_captures, 1);
+  EXPECT_EQ(c.graphs_made, 1);
+  EXPECT_EQ(c.graph_launches, 3);
+  EXPECT_THAT(LaunchGraph(kDev, stream_, nullptr), StatusIs(absl::StatusCode::kInternal));
+  DestroyGraph(kDev, *graph);
   DestroyGraph(kDev, nullptr);  // a no-op
 }
 

@@ -157,10 +157,33 @@ Queues& Qs() {
   return *q;
 }
 
+// ---- graph: stream capture emulated. While a stream captures, the work its entries would queue
+// is appended to the capture instead (nothing runs); a sync point on it fails and invalidates
+// the capture, as cudaStreamBeginCapture's global mode does. The ended capture is a graph: its
+// works, each a copy of the closure with the arguments it was given (a device-side scalar
+// record is read when the work runs, other scalars were copied at the call). A launch queues
+// copies of them on the launching stream, so a replay runs exactly what was captured.
+struct Capture {
+  std::vector<Work> works;
+  std::string invalid;  // why the capture is invalid ("" while valid)
+};
+struct Graph {
+  std::vector<Work> works;
+};
+// Under Queues::mu.
+std::unordered_map<void*, Capture>& Capturing() {
+  static auto* m = new std::unordered_map<void*, Capture>;
+  return *m;
+}
+
 void Enqueue(const DiondOpsCall* call, const char* op,
              std::function<int(const DiondOpsCall*)> run) {
   Queues& q = Qs();
   std::lock_guard<std::mutex> lock(q.mu);
+  if (auto it = Capturing().find(call->stream); it != Capturing().end()) {
+    it->second.works.push_back(Work{call->device, op, std::move(run)});
+    return;
+  }
   q.pending[call->stream].push_back(Work{call->device, op, std::move(run)});
   std::lock_guard<std::mutex> c(St().mu);
   ++St().counters.deferred;
@@ -408,19 +431,72 @@ int HostUnregister(const DiondOpsCall* call, void* ptr) {
   return DIOND_OPS_OK;
 }
 
-// ---- devsession: no stream capture on the host ----
+// ---- devsession / graph: stream capture (see Capture above) ----
 int GraphBeginCapture(const DiondOpsCall* call) {
-  return Fail(call, DIOND_OPS_FAILED_PRECONDITION,
-              "host-test device: stream capture (CUDA graphs) unsupported");
+  int rc = DIOND_OPS_OK;
+  if (!CheckStream(call, &rc)) return rc;
+  if (call->stream == nullptr) {
+    return Fail(call, DIOND_OPS_FAILED_PRECONDITION,
+                "host-test device: the default stream cannot be captured");
+  }
+  std::lock_guard<std::mutex> lock(Qs().mu);
+  if (!Capturing().emplace(call->stream, Capture{}).second) {
+    return Fail(call, DIOND_OPS_FAILED_PRECONDITION,
+                "host-test device: the stream is already capturing");
+  }
+  std::lock_guard<std::mutex> c(St().mu);
+  ++St().counters.graph_captures;
+  return DIOND_OPS_OK;
 }
 int GraphEndCapture(const DiondOpsCall* call, void** graph) {
   *graph = nullptr;
-  return Fail(call, DIOND_OPS_FAILED_PRECONDITION, "host-test device: stream capture unsupported");
+  Capture cap;
+  {
+    std::lock_guard<std::mutex> lock(Qs().mu);
+    auto it = Capturing().find(call->stream);
+    if (it == Capturing().end()) {
+      return Fail(call, DIOND_OPS_FAILED_PRECONDITION,
+                  "host-test device: the stream is not capturing");
+    }
+    cap = std::move(it->second);
+    Capturing().erase(it);
+  }
+  if (!cap.invalid.empty()) {
+    return Fail(call, DIOND_OPS_FAILED_PRECONDITION,
+                "host-test device: the capture was invalidated: " + cap.invalid);
+  }
+  *graph = new Graph{std::move(cap.works)};
+  std::lock_guard<std::mutex> c(St().mu);
+  ++St().counters.graphs_made;
+  return DIOND_OPS_OK;
 }
-int GraphLaunch(const DiondOpsCall* call, void*) {
-  return Fail(call, DIOND_OPS_FAILED_PRECONDITION, "host-test device: graphs unsupported");
+int GraphLaunch(const DiondOpsCall* call, void* graph) {
+  int rc = DIOND_OPS_OK;
+  if (!CheckStream(call, &rc)) return rc;
+  if (graph == nullptr) return Fail(call, DIOND_OPS_INTERNAL, "host-test device: null graph");
+  for (const Work& w : static_cast<const Graph*>(graph)->works) Enqueue(call, w.op, w.run);
+  std::lock_guard<std::mutex> c(St().mu);
+  ++St().counters.graph_launches;
+  return DIOND_OPS_OK;
 }
-void GraphDestroy(int, void*) {}
+void GraphDestroy(int, void* graph) { delete static_cast<Graph*>(graph); }
+
+// A sync point on a capturing stream: refused, and the capture invalidated (true, *rc set).
+bool RefuseWhileCapturing(const DiondOpsCall* call, int* rc) {
+  std::lock_guard<std::mutex> lock(Qs().mu);
+  auto it = Capturing().find(call->stream);
+  if (it == Capturing().end()) return false;
+  if (it->second.invalid.empty()) {
+    it->second.invalid = "a synchronous entry was called on the capturing stream";
+  }
+  {
+    std::lock_guard<std::mutex> c(St().mu);
+    ++St().counters.captures_invalidated;
+  }
+  *rc = Fail(call, DIOND_OPS_FAILED_PRECONDITION,
+             "host-test device: operation not permitted when the stream is capturing");
+  return true;
+}
 
 // ---- ops: the CPU backend on host memory ----
 int Gemm(const DiondOpsCall* call, const DiondGemmArgs* g, DiondIn a, DiondIn b, DiondOut c) {
@@ -707,6 +783,7 @@ struct SyncPoint<int (*)(const DiondOpsCall*, A...), Fn> {
   static int Entry(const DiondOpsCall* call, A... a) {
     int rc = DIOND_OPS_OK;
     if (!CheckStream(call, &rc)) return rc;
+    if (RefuseWhileCapturing(call, &rc)) return rc;
     EntryGuard entry_guard;
     if (WaitForStream(call, &rc)) return rc;
     CountSync();
@@ -752,6 +829,106 @@ int DecayScatterWithChangeQueued(const DiondOpsCall* call, float decay, DiondIn 
   });
   return DIOND_OPS_OK;
 }
+
+// ---- graph: the fused steps with DEVICE-side scalars (*_dev). The record's address is kept
+// (not its bytes) and the record is read when the queued work runs, as a GPU kernel reads it: a
+// graph replays with whatever the host uploaded before the launch. The address must lie in a
+// block of this backend (device memory), else the entry fails.
+template <typename R>
+struct DeviceRecord {
+  const R* p;
+};
+bool OnDevice(const void* p, size_t bytes) {
+  State& st = St();
+  std::lock_guard<std::mutex> lock(st.mu);
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  for (const auto& [block, n] : st.blocks) {
+    const auto b = reinterpret_cast<uintptr_t>(block);
+    if (a >= b && a + bytes <= b + n) return true;
+  }
+  return false;
+}
+template <typename R>
+int ReadRecord(const DiondOpsCall* call, DeviceRecord<R> r, R* out) {
+  if (r.p == nullptr || !OnDevice(r.p, sizeof(R))) {
+    return Fail(call, DIOND_OPS_INTERNAL,
+                "host-test device: a *_dev entry's scalars are not in device memory");
+  }
+  std::memcpy(out, r.p, sizeof(R));  // inside the entry's guard (strict mode)
+  return DIOND_OPS_OK;
+}
+int AdamWStepDevBody(const DiondOpsCall* call, DeviceRecord<DiondAdamWScalars> r, DiondIn grad,
+                     DiondOut x, DiondOut m, DiondOut v) {
+  DIOND_TEST_OP_BEGIN;
+  DiondAdamWScalars c;
+  if ((rc = ReadRecord(call, r, &c)) != DIOND_OPS_OK) return rc;
+  return AdamWStep(call, &c, grad, x, m, v);
+}
+int LionStepDevBody(const DiondOpsCall* call, DeviceRecord<DiondLionScalars> r, DiondIn grad,
+                    DiondOut x, DiondOut m) {
+  DIOND_TEST_OP_BEGIN;
+  DiondLionScalars c;
+  if ((rc = ReadRecord(call, r, &c)) != DIOND_OPS_OK) return rc;
+  return LionStep(call, &c, grad, x, m);
+}
+int AdamWStepTrackedDevBody(const DiondOpsCall* call, DeviceRecord<DiondAdamWScalars> r,
+                            DiondIn grad, DiondOut x, DiondOut m, DiondOut v, DiondOut update_sq) {
+  DIOND_TEST_OP_BEGIN;
+  DiondAdamWScalars c;
+  if ((rc = ReadRecord(call, r, &c)) != DIOND_OPS_OK) return rc;
+  return AdamWStepTracked(call, &c, grad, x, m, v, update_sq);
+}
+int LionStepTrackedDevBody(const DiondOpsCall* call, DeviceRecord<DiondLionScalars> r,
+                           DiondIn grad, DiondOut x, DiondOut m, DiondOut update_sq) {
+  DIOND_TEST_OP_BEGIN;
+  DiondLionScalars c;
+  if ((rc = ReadRecord(call, r, &c)) != DIOND_OPS_OK) return rc;
+  return LionStepTracked(call, &c, grad, x, m, update_sq);
+}
+int ApplyUpdateDevBody(const DiondOpsCall* call, DeviceRecord<DiondApplyUpdateScalars> r,
+                       DiondIn update, DiondIn x_in, DiondOut x) {
+  DIOND_TEST_OP_BEGIN;
+  DiondApplyUpdateScalars c;
+  if ((rc = ReadRecord(call, r, &c)) != DIOND_OPS_OK) return rc;
+  return ApplyUpdate(call, &c, update, x_in, x);
+}
+void CountDeviceScalarOp() {
+  std::lock_guard<std::mutex> lock(St().mu);
+  ++St().counters.device_scalar_ops;
+}
+// Each *_dev entry: the record's address wrapped, then queued like any op.
+#define DIOND_DEV_ENTRY(name, R, ...)                                                        \
+  int name(const DiondOpsCall* call, const R* c, __VA_ARGS__)
+DIOND_DEV_ENTRY(AdamWStepDev, DiondAdamWScalars, DiondIn grad, DiondOut x, DiondOut m,
+                DiondOut v) {
+  CountDeviceScalarOp();
+  return Queued<decltype(&AdamWStepDevBody), &AdamWStepDevBody>::Entry(
+      call, DeviceRecord<DiondAdamWScalars>{c}, grad, x, m, v);
+}
+DIOND_DEV_ENTRY(LionStepDev, DiondLionScalars, DiondIn grad, DiondOut x, DiondOut m) {
+  CountDeviceScalarOp();
+  return Queued<decltype(&LionStepDevBody), &LionStepDevBody>::Entry(
+      call, DeviceRecord<DiondLionScalars>{c}, grad, x, m);
+}
+DIOND_DEV_ENTRY(AdamWStepTrackedDev, DiondAdamWScalars, DiondIn grad, DiondOut x, DiondOut m,
+                DiondOut v, DiondOut update_sq) {
+  CountDeviceScalarOp();
+  return Queued<decltype(&AdamWStepTrackedDevBody), &AdamWStepTrackedDevBody>::Entry(
+      call, DeviceRecord<DiondAdamWScalars>{c}, grad, x, m, v, update_sq);
+}
+DIOND_DEV_ENTRY(LionStepTrackedDev, DiondLionScalars, DiondIn grad, DiondOut x, DiondOut m,
+                DiondOut update_sq) {
+  CountDeviceScalarOp();
+  return Queued<decltype(&LionStepTrackedDevBody), &LionStepTrackedDevBody>::Entry(
+      call, DeviceRecord<DiondLionScalars>{c}, grad, x, m, update_sq);
+}
+DIOND_DEV_ENTRY(ApplyUpdateDev, DiondApplyUpdateScalars, DiondIn update, DiondIn x_in,
+                DiondOut x) {
+  CountDeviceScalarOp();
+  return Queued<decltype(&ApplyUpdateDevBody), &ApplyUpdateDevBody>::Entry(
+      call, DeviceRecord<DiondApplyUpdateScalars>{c}, update, x_in, x);
+}
+#undef DIOND_DEV_ENTRY
 
 #undef DIOND_TEST_OP_BEGIN
 
@@ -836,6 +1013,12 @@ const DiondOpsApiV1 kOps = {
     DIOND_QUEUED(WidenScaleCheckFiniteFlag),
     // version 7
     &DecayScatterWithChangeQueued,
+    // version 8 (graph)
+    &AdamWStepDev,
+    &LionStepDev,
+    &AdamWStepTrackedDev,
+    &LionStepTrackedDev,
+    &ApplyUpdateDev,
 };
 
 #undef DIOND_QUEUED

@@ -66,6 +66,10 @@ struct HostTestDeviceCounters {
   // registered, or a range overlapping a registered one), each also refused with INTERNAL.
   int64_t host_registers = 0, host_unregisters = 0, host_registered_live = 0;
   int64_t host_register_errors = 0;
+  // graph: stream captures begun / ended into a graph / invalidated by a sync point, graph
+  // launches, and the *_dev entries (device-side scalars) queued.
+  int64_t graph_captures = 0, graphs_made = 0, captures_invalidated = 0, graph_launches = 0;
+  int64_t device_scalar_ops = 0;
 };
 HostTestDeviceCounters GetHostTestDeviceCounters();
 // Strict mode on or off (see above). It applies to allocations made while it is on; turning it

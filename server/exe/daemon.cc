@@ -181,13 +181,18 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
       return kernels::HostUnregister(dev, p);
     };
     hooks.last_allocation_error = [] { return kernels::LastDeviceAllocationError(); };
-    hooks.begin_capture = [](kernels::Device dev, kernels::StreamHandle s) {
-      return kernels::BeginStreamCapture(dev, s);
-    };
-    hooks.end_capture = [](kernels::Device dev, kernels::StreamHandle s) {
-      return kernels::EndStreamCapture(dev, s);
-    };
-    hooks.destroy_graph = [](kernels::Device dev, void* g) { kernels::DestroyGraph(dev, g); };
+    if (options.step_graphs) {
+      hooks.begin_capture = [](kernels::Device dev, kernels::StreamHandle s) {
+        return kernels::BeginStreamCapture(dev, s);
+      };
+      hooks.end_capture = [](kernels::Device dev, kernels::StreamHandle s) {
+        return kernels::EndStreamCapture(dev, s);
+      };
+      hooks.launch_graph = [](kernels::Device dev, kernels::StreamHandle s, void* g) {
+        return kernels::LaunchGraph(dev, s, g);
+      };
+      hooks.destroy_graph = [](kernels::Device dev, void* g) { kernels::DestroyGraph(dev, g); };
+    }
   }
   BuildInfo info;
   info.version = kVersion;
@@ -230,6 +235,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   observer.on_step = [metrics, device_report](const std::string&, const session::StepResult& r) {
     if (device_report) device_report();
     if (!r.replayed && !r.graph_fallback.empty()) metrics->CountGraphFallback(r.graph_fallback);
+    if (!r.replayed && !r.graph_step.empty()) metrics->CountGraphStep(r.graph_step);
     metrics->ObserveStep(r.replayed ? "replayed" : r.skipped ? "skipped" : "applied",
                          r.total_micros * 1e-6, r.compute_micros * 1e-6);
     if (!r.replayed && r.checksum_mismatches > 0) {

@@ -109,6 +109,10 @@ ABSL_FLAG(bool, allow_insecure_remote, false,
 ABSL_FLAG(int32_t, rpc_handler_threads, 64,
           "Most threads running the Optimizer service's calls (a call waiting for its world's "
           "peers or a collective holds one; past the cap calls wait their turn). 1 to 4096.");
+ABSL_FLAG(bool, step_graphs, true,
+          "Device daemons: from its second step, a session's update is captured once as a "
+          "device graph and replayed with its new scalars (docs/GPU.md); false runs every step "
+          "eagerly.");
 ABSL_FLAG(int64_t, max_stream_bytes, int64_t{4} << 30,
           "Most bytes one PushGradients or SetState stream may carry (they are buffered until "
           "the stream ends); more is RESOURCE_EXHAUSTED. A stream is also bounded by the "
@@ -336,6 +340,7 @@ int main(int argc, char** argv) {
   options.world_secret_file = absl::GetFlag(FLAGS_world_secret_file);
   options.max_stream_bytes = absl::GetFlag(FLAGS_max_stream_bytes);
   options.rpc_handler_threads = absl::GetFlag(FLAGS_rpc_handler_threads);
+  options.step_graphs = absl::GetFlag(FLAGS_step_graphs);
   options.fd_channel_socket = absl::GetFlag(FLAGS_fd_channel_socket);
   options.fd_token_ttl = absl::GetFlag(FLAGS_fd_token_ttl);
   options.fd_max_pending_per_uid = absl::GetFlag(FLAGS_fd_max_pending_per_uid);

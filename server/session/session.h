@@ -73,6 +73,7 @@ struct DeviceHooks {
   // destroy. Empty or failing begin_capture: the backend cannot capture.
   std::function<absl::Status(kernels::Device, kernels::StreamHandle)> begin_capture;
   std::function<absl::StatusOr<void*>(kernels::Device, kernels::StreamHandle)> end_capture;
+  std::function<absl::Status(kernels::Device, kernels::StreamHandle, void*)> launch_graph;
   std::function<void(kernels::Device, void*)> destroy_graph;
   // The update rules run on a device Context (kernels/optim drives device memory): the state is
   // then allocated on the device and GroupOptimizer::Stage gets device pointers. False: the
@@ -350,10 +351,12 @@ class Session {
   const kernels::Context* DeviceUpdateContext() const;
   // The pool's numbers of the last failed device allocation ("" for a host session).
   std::string DeviceAllocationError() const;
-  // At a device session's second step: whether its steps can be captured and replayed as a
-  // graph. Not yet (docs/GPU.md): returns the fallback reason ("unsupported", "sync_points") and
-  // logs one line; the steps then run eagerly. Returned again until a successful step carried
-  // it (GraphFallbackReported), "" afterwards.
+  // At a device session's second step: whether its update phase can be captured and replayed
+  // as a graph (docs/GPU.md "CUDA graphs"). "" when it may (a kernels::StepGraph is made, and
+  // StagePhase tries it); else the fallback reason ("unsupported", "world"), with one log line,
+  // and the steps run eagerly. A fallback found later by StagePhase ("sync_point",
+  // "capture_failed") is kept the same way. Returned again until a successful step carried it
+  // (GraphFallbackReported), "" afterwards.
   std::string DecideStepGraph();
   // A successful step's result carried DecideStepGraph's reason (later steps carry none).
   void GraphFallbackReported();
@@ -460,6 +463,10 @@ class Session {
   // through the scratch buffers.
   absl::Status ReadParametersPhase(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Phase 6: every group's update staged (GroupOptimizer::Stage); nothing changes yet.
+  // StageUpdatesPhase, through the session's StepGraph when it has one (session_device.cc):
+  // replayed or captured, else (and from then on, unless the step itself failed) run eagerly.
+  absl::Status StagePhase(StepRun& run, const kernels::Context& ctx)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status StageUpdatesPhase(StepRun& run, const kernels::Context& ctx)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Phase 7: the new weights into the arenas (GroupOptimizer::WriteStagedParams, then the

@@ -22,6 +22,7 @@
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "kernels/backend.h"
+#include "kernels/graph.h"
 #include "kernels/ops.h"
 #include "server/session/session.h"
 #include "server/session/session_internal.h"
@@ -54,7 +55,10 @@ struct Session::DeviceSide {
   std::vector<int64_t> offset;
   int64_t staging_bytes = 0;
   bool graph_decided = false;  // DecideStepGraph ran
-  std::string graph_reason;    // its fallback reason
+  std::string graph_reason;    // the fallback reason (DecideStepGraph's or StagePhase's)
+  // The update phase's graphs (kernels/graph.h), made by DecideStepGraph when the step may be
+  // captured; dropped at a lasting fallback.
+  std::unique_ptr<kernels::StepGraph> graph;
   bool graph_reported = false;  // a successful step's result carried it (counted once)
   // The trainer's interprocess events of the last Step that named them (PrepareEventsLocked):
   // the handle and the event opened from it; destroyed with the session or when the trainer
@@ -76,6 +80,7 @@ struct Session::DeviceSide {
 
 void Session::DeviceSideDeleter::operator()(DeviceSide* d) const {
   if (d == nullptr) return;
+  d->graph.reset();  // its executable graphs and scalar blocks, before the context and stream
   d->grads.Reset();
   d->params.Reset();
   d->raw.Reset();
@@ -132,29 +137,66 @@ std::string Session::DecideStepGraph() {
   if (d.graph_decided) return d.graph_reported ? "" : d.graph_reason;
   d.graph_decided = true;
   std::string reason, why;
-  if (!d.hooks.begin_capture || d.stream == nullptr) {
+  if (!d.hooks.begin_capture || !d.hooks.end_capture || !d.hooks.launch_graph ||
+      d.stream == nullptr) {
     reason = "unsupported";
-    why = "the device backend has no stream capture";
-  } else if (absl::Status s = d.hooks.begin_capture(d.device, d.stream); !s.ok()) {
+    why = "the device backend has no stream capture (or --step_graphs=false)";
+  } else if (!d.hooks.rules_on_device) {
     reason = "unsupported";
-    why = std::string(s.message());
+    why = "the update rules do not run on the device context";
+  } else if (world_.has_value()) {
+    reason = "world";
+    why = "a world session runs collectives inside and between its phases, which a captured "
+          "graph of one daemon cannot hold";
   } else {
-    // The backend captures, but this step cannot be captured: it reads its finiteness flag back
-    // once (the non-finite policy is decided on the host), and the rules have their own sync
-    // points. The empty capture is ended and dropped.
-    auto graph = d.hooks.end_capture ? d.hooks.end_capture(d.device, d.stream)
-                                     : absl::StatusOr<void*>(nullptr);
-    if (graph.ok() && *graph != nullptr && d.hooks.destroy_graph) {
-      d.hooks.destroy_graph(d.device, *graph);
-    }
-    reason = "sync_points";
-    why = "the step has host sync points (the finiteness flag read back before the update, the "
-          "rules' own read-backs), which a stream capture cannot hold";
+    // The first Run of the graph (StagePhase, this step) captures, or says why it cannot.
+    kernels::GraphHooks gh;
+    gh.begin_capture = d.hooks.begin_capture;
+    gh.end_capture = d.hooks.end_capture;
+    gh.launch = d.hooks.launch_graph;
+    gh.destroy = d.hooks.destroy_graph;
+    d.graph = std::make_unique<kernels::StepGraph>(d.ctx.get(), std::move(gh));
+    return "";
   }
   DIOND_LOG(INFO) << "session " << id_ << ": steps run eagerly, not as a captured graph (reason "
                   << reason << ": " << why << ")";
   d.graph_reason = reason;
   return reason;
+}
+
+absl::Status Session::StagePhase(StepRun& run, const kernels::Context& ctx) {
+  if (device_ == nullptr || device_->graph == nullptr) return StageUpdatesPhase(run, ctx);
+  DeviceSide& d = *device_;
+  absl::StatusOr<kernels::StepGraph::Outcome> out =
+      d.graph->Run([&] { return StageUpdatesPhase(run, ctx); });
+  if (!out.ok()) {
+    // The graph was chosen, and its upload or launch failed: what it queued is not trusted.
+    DiscardStep(run);
+    return absl::Status(out.status().code(),
+                        absl::StrCat(run.when, ": launching the update's graph failed: ",
+                                     out.status().message(), "; the step was not applied"));
+  }
+  if (out->mode != kernels::StepGraph::Mode::kEager) {
+    const bool captured = out->mode == kernels::StepGraph::Mode::kCaptured;
+    run.result.graph_step = captured ? "captured" : "replayed";
+    if (captured) {
+      DIOND_LOG(INFO) << "session " << id_ << ": " << run.when << ": the update was captured as a "
+                      << "graph (" << out->ops << " ops, " << out->records
+                      << " scalar records; " << d.graph->graphs() << " graph(s) held)";
+    }
+    return absl::OkStatus();
+  }
+  if (out->reason != "phase_failed") {
+    // A lasting reason: this session's steps run eagerly from now on.
+    DIOND_LOG(INFO) << "session " << id_ << ": steps run eagerly, not as a captured graph (reason "
+                    << out->reason << ": " << out->detail << ")";
+    d.graph.reset();
+    d.graph_reason = out->reason;
+    d.graph_reported = false;
+    run.result.graph_fallback = out->reason;
+  }
+  // Nothing of the update ran (a recording or a failed capture executes nothing): run it now.
+  return StageUpdatesPhase(run, ctx);
 }
 
 void Session::GraphFallbackReported() {

@@ -68,7 +68,8 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequest& request,
   run.scale = static_cast<float>(scale);
   run.scaled = scale != 1.0;
   run.result.step_index = request.step_index;
-  // After the first step: capture the step as a graph, or say why it runs eagerly.
+  // After the first step: whether the update may run as a captured graph (StagePhase tries it),
+  // or why it runs eagerly.
   if (device_ != nullptr && last_step_index_ >= 1) run.result.graph_fallback = DecideStepGraph();
 
   DIOND_RETURN_IF_ERROR(JoinWorldPhase(run));
@@ -99,8 +100,7 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequest& request,
   if (absl::Status s = CheckRegions(run.when); !s.ok()) {
     return run.comm != nullptr ? BreakWorld(run, s) : s;
   }
-  DIOND_RETURN_IF_ERROR(
-      CallOnCompute(compute_, [&] { return StageUpdatesPhase(run, update_ctx); }));
+  DIOND_RETURN_IF_ERROR(CallOnCompute(compute_, [&] { return StagePhase(run, update_ctx); }));
   // Everything the update read came from intact memory: nothing has been written yet.
   if (absl::Status s = CheckRegions(run.when); !s.ok()) {
     DiscardStep(run);

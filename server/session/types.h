@@ -116,10 +116,14 @@ struct StepResult {
   bool queued = false;  // an asynchronous step: validated and queued, not run yet
   // The queued asynchronous step's result, collected by this call (at most one).
   std::vector<StepResult> previous;
-  // Device sessions: set on the step (the second) where the session decided to run its steps
-  // eagerly instead of replaying a captured graph: "unsupported" (the backend cannot capture) or
-  // "sync_points" (the step holds host sync points). Empty otherwise.
+  // Device sessions: set on the step where the session decided to run its steps eagerly
+  // instead of replaying a captured graph: "unsupported" (the backend cannot capture),
+  // "sync_point" (the update calls an op that waits for the device), "capture_failed", "world"
+  // (a world session). Empty otherwise.
   std::string graph_fallback;
+  // Device sessions: "captured" or "replayed" when the step's update ran as a graph (docs/GPU.md
+  // "CUDA graphs"), empty when it ran eagerly.
+  std::string graph_step;
 };
 
 // A named float32 tensor (state, parameters) as it crosses the session boundary.

@@ -10,6 +10,7 @@
 #include <limits>
 #include <map>
 #include <string>
+#include <tuple>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -248,15 +249,23 @@ TEST(DeviceSessionCounters, OneStreamPerSessionCopiesPerStepAndPairedHostRegistr
       }
       ASSERT_TRUE(DoStep(dev->stub(), s->id, t).ok());
     }
-    // At its second step the session found that the TEST backend cannot capture a graph: one
-    // log line, and its steps run eagerly.
+    // From its second step the session's update runs as a graph: over shm the groups step
+    // staged copies whose state and staging swap at each commit, so two graphs are captured
+    // (steps 2 and 3), each logged once, and replayed from then on; nothing fell back.
     const std::string log = dev->Log();
-    const std::string fallback = absl::StrCat(
-        "session ", s->id, ": steps run eagerly, not as a captured graph (reason unsupported: ");
-    EXPECT_TRUE(absl::StrContains(log, fallback)) << log;
-    EXPECT_EQ(log.find(fallback), log.rfind(fallback)) << "logged more than once";
-    EXPECT_TRUE(absl::StrContains(log, "stream capture (CUDA graphs) unsupported")) << log;
+    EXPECT_FALSE(absl::StrContains(log, "steps run eagerly")) << log;
+    const std::string captured =
+        absl::StrCat("session ", s->id, ": step 2: the update was captured as a graph (");
+    EXPECT_TRUE(absl::StrContains(log, captured)) << log;
+    EXPECT_TRUE(absl::StrContains(log, absl::StrCat("session ", s->id,
+                                                    ": step 3: the update was captured")))
+        << log;
     std::map<std::string, int64_t> c = LastCounters(*dev);
+    EXPECT_EQ(c["graphs_made"] - start["graphs_made"], 2);
+    EXPECT_EQ(c["graph_launches"] - start["graph_launches"], kSteps - 1);
+    EXPECT_EQ(c["captures_invalidated"], start["captures_invalidated"]);
+    // Muon's ApplyUpdate and the AdamW group's step read their scalars from the device.
+    EXPECT_GT(c["device_scalar_ops"], start["device_scalar_ops"]);
     EXPECT_EQ(c["streams_created"] - start["streams_created"], 1);
     EXPECT_EQ(c["streams_live"], start["streams_live"] + 1);
     // Two regions (PARAMETERS, GRADIENTS), each registered once for DMA.
@@ -268,11 +277,17 @@ TEST(DeviceSessionCounters, OneStreamPerSessionCopiesPerStepAndPairedHostRegistr
     // per parameter; docs/KERNELS.md §4.3); the step itself reads its non-finite flag back once
     // (one float) and waits once for the new weights: 2 + groups host waits per step.
     const int64_t groups = static_cast<int64_t>(d.groups.size());
-    EXPECT_EQ(c["copies_to_device"] - start["copies_to_device"], 2 * tensors * kSteps);
-    EXPECT_EQ(c["async_copies_to_device"] - start["async_copies_to_device"], 2 * tensors * kSteps);
+    // Each graph launch adds one queued upload: the step's scalar records (a few dozen bytes).
+    const int64_t launches = kSteps - 1;
+    EXPECT_EQ(c["copies_to_device"] - start["copies_to_device"], 2 * tensors * kSteps + launches);
+    EXPECT_EQ(c["async_copies_to_device"] - start["async_copies_to_device"],
+              2 * tensors * kSteps + launches);
     EXPECT_EQ(c["copies_to_host"] - start["copies_to_host"], (tensors + groups + 1) * kSteps);
     EXPECT_EQ(c["async_copies_to_host"] - start["async_copies_to_host"], tensors * kSteps);
-    EXPECT_EQ(c["bytes_to_device"] - start["bytes_to_device"], 2 * 4 * numel * kSteps);
+    const int64_t record_bytes =
+        c["bytes_to_device"] - start["bytes_to_device"] - 2 * 4 * numel * kSteps;
+    EXPECT_GT(record_bytes, 0);
+    EXPECT_LE(record_bytes, 256 * launches);
     EXPECT_EQ(c["bytes_to_host"] - start["bytes_to_host"], 4 * (numel + tensors + 1) * kSteps);
     EXPECT_EQ(c["syncs"] - start["syncs"], (2 + groups) * kSteps);
     EXPECT_GT(c["deferred"], start["deferred"]) << "the step's work is queued on its stream";
@@ -336,8 +351,11 @@ TEST_P(DeviceStepSyncs, TwoHostWaitsPerStepBesideTheRulesListedOnes) {
   };
   const double syncs = per_step("syncs");
   const double sync_reads = per_step("copies_to_host") - per_step("async_copies_to_host");
-  // The step's own copies are all queued: gradients and weights up, weights down.
-  EXPECT_EQ(per_step("async_copies_to_device"), 2 * tensors);
+  // The step's own copies are all queued: gradients and weights up, weights down; and from the
+  // second step, where the update runs as a graph, the upload of its scalar records.
+  auto delta = [&](const char* k) { return after.at(k) - before.at(k); };
+  const int64_t launches = delta("graph_launches");
+  EXPECT_EQ(delta("async_copies_to_device"), 2 * tensors * kSteps + launches);
   EXPECT_EQ(per_step("async_copies_to_host"), tensors);
   // At least the step's two waits and each group's update norms.
   EXPECT_GE(syncs, 2 + 2) << AlgorithmName(kind);
@@ -346,7 +364,9 @@ TEST_P(DeviceStepSyncs, TwoHostWaitsPerStepBesideTheRulesListedOnes) {
     // Rules without uploads or other sync points of their own in a step (docs/GPU.md): exactly
     // the step's two waits and one per group, and every wait but the last is a synchronous
     // read-back (the flag's, then each group's update norms).
-    EXPECT_EQ(per_step("copies_to_device"), 2 * tensors) << "no synchronous upload";
+    EXPECT_EQ(launches, kSteps - 1) << AlgorithmName(kind) << ": graphs from step 2";
+    EXPECT_EQ(delta("copies_to_device"), 2 * tensors * kSteps + launches)
+        << "no synchronous upload";
     EXPECT_EQ(syncs, 2 + 2) << AlgorithmName(kind) << ": the step's 2, one per group";
     EXPECT_EQ(syncs, sync_reads + 1) << AlgorithmName(kind);
     EXPECT_EQ(sync_reads, 1 + 2) << AlgorithmName(kind);
@@ -358,6 +378,84 @@ TEST_P(DeviceStepSyncs, TwoHostWaitsPerStepBesideTheRulesListedOnes) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Rules, DeviceStepSyncs,
+                         ::testing::Values(AlgorithmKind::kMuon, AlgorithmKind::kNorMuon,
+                                           AlgorithmKind::kAdamW, AlgorithmKind::kLion,
+                                           AlgorithmKind::kDion, AlgorithmKind::kDion2),
+                         [](const ::testing::TestParamInfo<AlgorithmKind>& i) {
+                           return std::string(AlgorithmName(i.param));
+                         });
+
+// graph (docs/GPU.md "CUDA graphs"): from the second step a device session's update runs as a
+// captured graph, replayed with the step's own scalars. The TEST backend emulates the capture
+// (kernels/testing/host_device_backend.h): a replay that kept the scalars of the step it was
+// captured in would differ from the CPU daemon, which gets the same learning-rate schedule (a
+// new lr_override for each group at every step).
+class DeviceStepGraphs : public DeviceSessions,
+                         public ::testing::WithParamInterface<AlgorithmKind> {};
+
+TEST_P(DeviceStepGraphs, ReplayedUpdatesWithANewLearningRateEachStepEqualTheCpuDaemon) {
+  const AlgorithmKind kind = GetParam();
+  const SessionDesc d = Desc(kind);
+  auto c = CreateShmSession(cpu_->stub(), d.Request());
+  auto g = CreateShmSession(dev_->stub(), d.Request());
+  ASSERT_NE(c, nullptr);
+  ASSERT_NE(g, nullptr);
+  ASSERT_TRUE(SetState(cpu_->stub(), c->id, InitialParams(d)).ok());
+  ASSERT_TRUE(SetState(dev_->stub(), g->id, InitialParams(d)).ok());
+  const std::map<std::string, int64_t> before = LastCounters(*dev_);
+  constexpr int64_t kGraphSteps = 9;
+  for (int64_t t = 1; t <= kGraphSteps; ++t) {
+    for (size_t i = 0; i < d.params.size(); ++i) {
+      c->WriteGrad(i, SyntheticValues(11, t, i, d.Numel(i)));
+      g->WriteGrad(i, SyntheticValues(11, t, i, d.Numel(i)));
+    }
+    v1::StepRequest req;
+    req.set_step_index(t);
+    (*req.mutable_lr_override())["main"] = 0.02 / static_cast<double>(t);
+    (*req.mutable_lr_override())["vec"] = 0.001 * static_cast<double>(t);
+    v1::StepResponse rc, rg;
+    for (auto [daemon, session, resp] : {std::make_tuple(cpu_, c.get(), &rc),
+                                         std::make_tuple(dev_, g.get(), &rg)}) {
+      req.set_session_id(session->id);
+      auto ctx = Ctx();
+      grpc::Status s = daemon->stub().Step(ctx.get(), req, resp);
+      ASSERT_TRUE(s.ok()) << s.error_message();
+    }
+    for (size_t i = 0; i < d.params.size(); ++i) {
+      EXPECT_EQ(g->ParamBytes(i), c->ParamBytes(i)) << d.params[i].name << ", step " << t;
+    }
+    for (const auto& [group, norm] : rc.update_norms()) {
+      EXPECT_EQ(rg.update_norms().at(group), norm) << group << ", step " << t;
+    }
+  }
+  EXPECT_EQ(State(*dev_, g->id), State(*cpu_, c->id));
+  const std::map<std::string, int64_t> after = LastCounters(*dev_);
+  const int64_t launches = after.at("graph_launches") - before.at("graph_launches");
+  const int64_t made = after.at("graphs_made") - before.at("graphs_made");
+  const std::string log = dev_->Log();
+  if (kind == AlgorithmKind::kDion || kind == AlgorithmKind::kDion2) {
+    // Their rules read values back inside the update (all-zero flags, top-k indices): the
+    // recording finds it, nothing is captured, and the session says so once.
+    EXPECT_EQ(launches, 0);
+    EXPECT_EQ(after.at("graph_captures"), before.at("graph_captures"));
+    EXPECT_TRUE(absl::StrContains(log, absl::StrCat("session ", g->id,
+                                                    ": steps run eagerly, not as a captured "
+                                                    "graph (reason sync_point: ")))
+        << log;
+  } else {
+    // Every step from the second ran as a graph; two forms (the staged state swaps at each
+    // commit) are captured, the others replayed with their own scalars.
+    EXPECT_EQ(launches, kGraphSteps - 1) << AlgorithmName(kind);
+    EXPECT_EQ(made, 2) << AlgorithmName(kind);
+    EXPECT_EQ(after.at("captures_invalidated"), before.at("captures_invalidated"));
+    EXPECT_FALSE(absl::StrContains(log, absl::StrCat("session ", g->id, ": steps run eagerly")))
+        << log;
+  }
+  EXPECT_TRUE(CloseSession(cpu_->stub(), c->id).ok());
+  EXPECT_TRUE(CloseSession(dev_->stub(), g->id).ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(Rules, DeviceStepGraphs,
                          ::testing::Values(AlgorithmKind::kMuon, AlgorithmKind::kNorMuon,
                                            AlgorithmKind::kAdamW, AlgorithmKind::kLion,
                                            AlgorithmKind::kDion, AlgorithmKind::kDion2),

@@ -59,7 +59,10 @@ void ConfigureTestDevice(DaemonOptions* options) {
                         " ops_on_default_stream=", c.ops_on_default_stream,
                         " syncs=", c.syncs, " async_copies_to_device=", c.async_copies_to_device,
                         " async_copies_to_host=", c.async_copies_to_host,
-                        " deferred=", c.deferred, pool);
+                        " deferred=", c.deferred, " graph_captures=", c.graph_captures,
+                        " graphs_made=", c.graphs_made, " captures_invalidated=",
+                        c.captures_invalidated, " graph_launches=", c.graph_launches,
+                        " device_scalar_ops=", c.device_scalar_ops, pool);
   };
 }
 
