@@ -353,7 +353,8 @@ class Session {
   std::string DeviceAllocationError() const;
   // At a device session's second step: whether its update phase can be captured and replayed
   // as a graph (docs/GPU.md "CUDA graphs"). "" when it may (a kernels::StepGraph is made, and
-  // StagePhase tries it); else the fallback reason ("unsupported", "world"), with one log line,
+  // StagePhase tries it); else the fallback reason ("unsupported", "world": compressed Dion),
+  // with one log line,
   // and the steps run eagerly. A fallback found later by StagePhase ("sync_point",
   // "capture_failed") is kept the same way. Returned again until a successful step carried it
   // (GraphFallbackReported), "" afterwards.
@@ -463,9 +464,14 @@ class Session {
   // through the scratch buffers.
   absl::Status ReadParametersPhase(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Phase 6: every group's update staged (GroupOptimizer::Stage); nothing changes yet.
-  // StageUpdatesPhase, through the session's StepGraph when it has one (session_device.cc):
-  // replayed or captured, else (and from then on, unless the step itself failed) run eagerly.
+  // StageGroups through the session's StepGraph when it has one (session_device.cc): replayed
+  // or captured, else (and from then on, unless the step itself failed) run eagerly.
   absl::Status StagePhase(StepRun& run, const kernels::Context& ctx)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Every group's GroupOptimizer::Stage; the first failure, named. Re-runnable (a recording
+  // runs it before the capture): it sets up the run's per-group fields itself and leaves the
+  // failure's consequences (discard, the world's status) to StageUpdatesPhase.
+  absl::Status StageGroups(StepRun& run, const kernels::Context& ctx)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status StageUpdatesPhase(StepRun& run, const kernels::Context& ctx)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -144,11 +144,14 @@ std::string Session::DecideStepGraph() {
   } else if (!d.hooks.rules_on_device) {
     reason = "unsupported";
     why = "the update rules do not run on the device context";
-  } else if (world_.has_value()) {
+  } else if (world_.has_value() &&
+             std::find(world_->replicated.begin(), world_->replicated.end(), true) !=
+                 world_->replicated.end()) {
     reason = "world";
-    why = "a world session runs collectives inside and between its phases, which a captured "
-          "graph of one daemon cannot hold";
+    why = "compressed Dion averages P and R with the other ranks inside its update, which a "
+          "captured graph of one daemon cannot hold";
   } else {
+    // (A world session's collectives run between the phases, outside the captured update.)
     // The first Run of the graph (StagePhase, this step) captures, or says why it cannot.
     kernels::GraphHooks gh;
     gh.begin_capture = d.hooks.begin_capture;
@@ -165,13 +168,13 @@ std::string Session::DecideStepGraph() {
 }
 
 absl::Status Session::StagePhase(StepRun& run, const kernels::Context& ctx) {
-  if (device_ == nullptr || device_->graph == nullptr) return StageUpdatesPhase(run, ctx);
+  if (device_ == nullptr || device_->graph == nullptr) return StageGroups(run, ctx);
   DeviceSide& d = *device_;
   absl::StatusOr<kernels::StepGraph::Outcome> out =
-      d.graph->Run([&] { return StageUpdatesPhase(run, ctx); });
+      d.graph->Run([&] { return StageGroups(run, ctx); });
   if (!out.ok()) {
-    // The graph was chosen, and its upload or launch failed: what it queued is not trusted.
-    DiscardStep(run);
+    // The graph was chosen, and its upload or launch failed: what it queued is not trusted
+    // (StageUpdatesPhase discards the staged groups).
     return absl::Status(out.status().code(),
                         absl::StrCat(run.when, ": launching the update's graph failed: ",
                                      out.status().message(), "; the step was not applied"));
@@ -195,8 +198,10 @@ absl::Status Session::StagePhase(StepRun& run, const kernels::Context& ctx) {
     d.graph_reported = false;
     run.result.graph_fallback = out->reason;
   }
-  // Nothing of the update ran (a recording or a failed capture executes nothing): run it now.
-  return StageUpdatesPhase(run, ctx);
+  // Nothing of the update ran (a recording or a failed capture executes nothing): drop what
+  // the passes staged (buffers never computed) and run it now.
+  DiscardStep(run);
+  return StageGroups(run, ctx);
 }
 
 void Session::GraphFallbackReported() {

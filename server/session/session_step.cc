@@ -100,7 +100,8 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequest& request,
   if (absl::Status s = CheckRegions(run.when); !s.ok()) {
     return run.comm != nullptr ? BreakWorld(run, s) : s;
   }
-  DIOND_RETURN_IF_ERROR(CallOnCompute(compute_, [&] { return StagePhase(run, update_ctx); }));
+  DIOND_RETURN_IF_ERROR(
+      CallOnCompute(compute_, [&] { return StageUpdatesPhase(run, update_ctx); }));
   // Everything the update read came from intact memory: nothing has been written yet.
   if (absl::Status s = CheckRegions(run.when); !s.ok()) {
     DiscardStep(run);
@@ -308,6 +309,28 @@ absl::Status Session::ReadParametersPhase(StepRun& run) {
 }
 
 absl::Status Session::StageUpdatesPhase(StepRun& run, const kernels::Context& ctx) {
+  const absl::Time compute_start = absl::Now();
+  // Every group's Stage, as a captured graph where the session has one (session_device.cc).
+  absl::Status s = StagePhase(run, ctx);
+  run.result.compute_micros = absl::ToInt64Microseconds(absl::Now() - compute_start);
+  if (s.ok()) return s;
+  if (!world_.has_value()) {
+    DiscardStep(run);
+    return s;
+  }
+  // A world: reported to the other ranks through the exchange's status values.
+  run.compute_status = s;
+  if (run.comm == nullptr) {  // a world of one
+    DiscardStep(run);
+    return BreakWorld(run, absl::Status(run.compute_status.code(),
+                                        absl::StrCat(run.when, ": ", run.compute_status.message(),
+                                                     "; the world session must be created "
+                                                     "again")));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Session::StageGroups(StepRun& run, const kernels::Context& ctx) {
   const StepRequest& request = *run.request;
   const size_t groups = groups_.size();
   run.opts.assign(groups, {});
@@ -323,7 +346,6 @@ absl::Status Session::StageUpdatesPhase(StepRun& run, const kernels::Context& ct
     run.opts[gi].weight_decay = g.weight_decay;
     run.opts[gi].step = GroupStep(request, g.name);  // the reference's group step (cqr warm-up)
   }
-  const absl::Time compute_start = absl::Now();
   for (size_t gi = 0; gi < groups; ++gi) {
     Group& g = groups_[gi];
     if (g.optimizer == nullptr) continue;
@@ -367,24 +389,13 @@ absl::Status Session::StageUpdatesPhase(StepRun& run, const kernels::Context& ct
       continue;
     }
     if (!world_.has_value()) {
-      DiscardStep(run);
       return absl::Status(s.code(), absl::StrCat("step ", request.step_index, ", group '",
                                                  Bounded(g.name), "': ", s.message()));
     }
-    // A world: reported to the other ranks through the exchange's status values.
-    run.compute_status = absl::Status(
+    return absl::Status(
         absl::IsUnavailable(s) ? absl::StatusCode::kUnavailable : s.code(),
         absl::StrCat("step ", request.step_index, ", group '", Bounded(g.name), "': ",
                      absl::IsUnavailable(s) ? DescribeWorldFailure(s) : std::string(s.message())));
-    break;
-  }
-  run.result.compute_micros = absl::ToInt64Microseconds(absl::Now() - compute_start);
-  if (!run.compute_status.ok() && run.comm == nullptr) {  // a world of one
-    DiscardStep(run);
-    return BreakWorld(run, absl::Status(run.compute_status.code(),
-                                        absl::StrCat(run.when, ": ", run.compute_status.message(),
-                                                     "; the world session must be created "
-                                                     "again")));
   }
   return absl::OkStatus();
 }

@@ -119,7 +119,7 @@ struct StepResult {
   // Device sessions: set on the step where the session decided to run its steps eagerly
   // instead of replaying a captured graph: "unsupported" (the backend cannot capture),
   // "sync_point" (the update calls an op that waits for the device), "capture_failed", "world"
-  // (a world session). Empty otherwise.
+  // (a world session with compressed Dion). Empty otherwise.
   std::string graph_fallback;
   // Device sessions: "captured" or "replayed" when the step's update ran as a graph (docs/GPU.md
   // "CUDA graphs"), empty when it ran eagerly.

@@ -135,11 +135,18 @@ std::vector<std::unique_ptr<ShmSession>> CreateEverywhere(std::vector<std::uniqu
   return s;
 }
 
+// Every rank's Step `step`; with `lr` (group -> learning rate), as the request's lr_override.
 std::vector<v1::StepResponse> StepAll(std::vector<std::unique_ptr<Daemon>>& d,
-                                      std::vector<std::unique_ptr<ShmSession>>& s, int64_t step) {
+                                      std::vector<std::unique_ptr<ShmSession>>& s, int64_t step,
+                                      const std::map<std::string, double>& lr = {}) {
   std::vector<v1::StepResponse> resp(kWorld);
   OnAllRanks([&](int r) {
-    grpc::Status st = DoStep(d[r]->stub(), s[r]->id, step, &resp[r]);
+    v1::StepRequest req;
+    req.set_session_id(s[r]->id);
+    req.set_step_index(step);
+    for (const auto& [group, value] : lr) (*req.mutable_lr_override())[group] = value;
+    auto ctx = Ctx();
+    grpc::Status st = d[r]->stub().Step(ctx.get(), req, &resp[r]);
     EXPECT_TRUE(st.ok()) << "rank " << r << " step " << step << ": " << st.error_message() << "\n"
                          << d[r]->Log();
   });
@@ -253,6 +260,56 @@ TEST_P(DeviceWorldRuns, EqualsTheCpuWorldBitForBit) {
   }
 }
 
+// graph (docs/GPU.md "CUDA graphs"): a world session's update runs as a captured graph on each
+// rank (its collectives run between the phases, outside it), replayed with the step's scalars.
+// A learning-rate schedule (a new lr_override for every group at each step) on both worlds: the
+// device world equals the CPU world bit for bit, and each rank replayed its graphs.
+TEST_F(DeviceWorld, GraphReplaysWithALearningRateScheduleEqualTheCpuWorld) {
+  const SessionDesc desc = Desc(AlgorithmKind::kMuon);
+  const std::string key = "dev-graph-schedule";
+  auto c = CreateEverywhere(*cpu_, desc, v1::GRADIENT_SYNC_AVERAGE, key);
+  auto g = CreateEverywhere(*dev_, desc, v1::GRADIENT_SYNC_AVERAGE, key);
+  ASSERT_EQ(static_cast<int>(c.size()), kWorld);
+  ASSERT_EQ(static_cast<int>(g.size()), kWorld);
+  std::vector<std::map<std::string, int64_t>> before(kWorld), after(kWorld);
+  for (int r = 0; r < kWorld; ++r) before[r] = LastCounters(*(*dev_)[r]);
+  constexpr int64_t kScheduleSteps = 7;
+  for (int64_t t = 1; t <= kScheduleSteps; ++t) {
+    std::map<std::string, double> lr;
+    for (size_t k = 0; k < desc.groups.size(); ++k) {
+      lr[desc.groups[k].proto.name()] = 0.01 * static_cast<double>(k + 1) / static_cast<double>(t);
+    }
+    for (int r = 0; r < kWorld; ++r) {
+      WriteSyntheticGrads(c[r].get(), desc, GradSeed(v1::GRADIENT_SYNC_AVERAGE, r), t);
+      WriteSyntheticGrads(g[r].get(), desc, GradSeed(v1::GRADIENT_SYNC_AVERAGE, r), t);
+    }
+    auto rc = StepAll(*cpu_, c, t, lr);
+    auto rg = StepAll(*dev_, g, t, lr);
+    for (int r = 0; r < kWorld; ++r) {
+      for (const auto& [group, norm] : rc[r].update_norms()) {
+        EXPECT_EQ(rg[r].update_norms().at(group), norm) << group << ", rank " << r;
+      }
+      for (size_t i = 0; i < desc.params.size(); ++i) {
+        ASSERT_EQ(g[r]->ParamBytes(i), c[r]->ParamBytes(i))
+            << desc.params[i].name << ", rank " << r << ", step " << t;
+      }
+    }
+  }
+  for (int r = 0; r < kWorld; ++r) {
+    after[r] = LastCounters(*(*dev_)[r]);
+    // Steps 2..7 as graphs: two forms captured (the staged state swaps at each commit), the
+    // other four replayed.
+    EXPECT_EQ(after[r]["graph_launches"] - before[r]["graph_launches"], kScheduleSteps - 1)
+        << "rank " << r;
+    EXPECT_EQ(after[r]["graphs_made"] - before[r]["graphs_made"], 2) << "rank " << r;
+    EXPECT_FALSE(absl::StrContains((*dev_)[r]->Log(),
+                                   absl::StrCat("session ", g[r]->id, ": steps run eagerly")))
+        << (*dev_)[r]->Log();
+    EXPECT_TRUE(CloseSession((*cpu_)[r]->stub(), c[r]->id).ok());
+    EXPECT_TRUE(CloseSession((*dev_)[r]->stub(), g[r]->id).ok());
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Algorithms, DeviceWorldRuns,
     ::testing::Values(WorldRun{AlgorithmKind::kAdamW, v1::GRADIENT_SYNC_REPLICATED},
@@ -355,12 +412,17 @@ TEST_F(DeviceWorld, CopiesCarryOnlyWhatTheCollectivesNeed) {
                (average ? kWorld * block + 1 : 0));
       std::map<std::string, int64_t> got;
       for (const char* k : {"copies_to_device", "copies_to_host", "bytes_to_device",
-                            "bytes_to_host"}) {
+                            "bytes_to_host", "graph_launches"}) {
         got[k] = end[r][k] - start[r][k];
       }
-      EXPECT_EQ(got["copies_to_device"], to_device * steps) << "rank " << r;
+      // From step 2 the rank's update runs as a captured graph (docs/GPU.md "CUDA graphs"),
+      // and each launch adds one upload: its scalar records (a few dozen bytes).
+      const int64_t launches = got["graph_launches"];
+      EXPECT_EQ(launches, steps) << "rank " << r;
+      EXPECT_EQ(got["copies_to_device"], to_device * steps + launches) << "rank " << r;
       EXPECT_EQ(got["copies_to_host"], to_host * steps) << "rank " << r;
-      EXPECT_EQ(got["bytes_to_device"], bytes_to_device * steps) << "rank " << r;
+      EXPECT_GT(got["bytes_to_device"], bytes_to_device * steps) << "rank " << r;
+      EXPECT_LE(got["bytes_to_device"], bytes_to_device * steps + 256 * launches) << "rank " << r;
       EXPECT_EQ(got["bytes_to_host"], bytes_to_host * steps) << "rank " << r;
       std::cout << "rank " << r << " (owns " << mine << " of " << n << ", " << mine_elements
                 << " of " << total << " elements), per step: " << got["copies_to_device"] / steps
