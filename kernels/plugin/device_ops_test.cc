@@ -20,6 +20,7 @@
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/test_util.h"
+#include "kernels/graph.h"
 #include "kernels/ops.h"
 #include "kernels/optim/group_optimizer.h"
 #include "kernels/plugin/plugin_backend.h"
@@ -650,6 +651,94 @@ INSTANTIATE_TEST_SUITE_P(
                       optim::AlgorithmKind::kDion, optim::AlgorithmKind::kDion2,
                       optim::AlgorithmKind::kNorDion2, optim::AlgorithmKind::kAdamW,
                       optim::AlgorithmKind::kLion),
+    [](const ::testing::TestParamInfo<optim::AlgorithmKind>& i) {
+      return std::string(optim::AlgorithmName(i.param));
+    });
+
+// graph (docs/GPU.md "CUDA graphs"): the update of the capturable rules through kernels::StepGraph
+// on this device (captured, then replayed with a new learning rate each step) against the same
+// optimizer stepped eagerly on it: bit for bit on the TEST backend (its capture is emulated); on
+// a GPU exact for AdamW/Lion, within kRule for the matrix rules (a library may pick other
+// algorithms under capture). On a GPU this is the check that the real capture of cuBLAS and the
+// *_dev kernels works: a fallback fails the test with its reason.
+class DeviceGraphTest : public DeviceOpsTest,
+                        public ::testing::WithParamInterface<optim::AlgorithmKind> {};
+
+TEST_P(DeviceGraphTest, ReplayedUpdatesMatchTheEagerStep) {
+  optim::GroupConfig config;
+  config.algorithm = GetParam();
+  config.hyperparams = optim::DefaultHyperparams(GetParam());
+  config.hyperparams.weight_decay = 0.05;
+  const std::vector<optim::ParamShape> shapes = {{32, 48}, {32, 48}, {24, 16}};
+  auto graph_opt = optim::CreateGroupOptimizer(*dev_, config, shapes);
+  auto eager_opt = optim::CreateGroupOptimizer(*dev_, config, shapes);
+  ASSERT_THAT(graph_opt.status(), IsOk());
+  ASSERT_THAT(eager_opt.status(), IsOk());
+  std::vector<Pair> xg, xe, g;
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    xg.push_back(Make(shapes[i], 170 + i));
+    xe.push_back(Make(shapes[i], 170 + i));
+    g.push_back(Make(shapes[i], 180 + i));
+  }
+  GraphHooks hooks;
+  hooks.begin_capture = &BeginStreamCapture;
+  hooks.end_capture = &EndStreamCapture;
+  hooks.launch = &LaunchGraph;
+  hooks.destroy = &DestroyGraph;
+  StepGraph sg(dev_.get(), hooks);
+  std::vector<float*> pg, pe;
+  std::vector<const float*> gg;
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    pg.push_back(xg[i].d.As<float>());
+    pe.push_back(xe[i].d.As<float>());
+    gg.push_back(g[i].d.As<float>());
+  }
+  constexpr int kSteps = 6;
+  for (int step = 1; step <= kSteps; ++step) {
+    // New gradients in the same buffers (as a session's staging).
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      const auto v = testing::RandomVector(g[i].h.NumElements(), 190 + 10 * step + i);
+      std::memcpy(g[i].h.data(), v.data(), v.size() * 4);
+      Upload(g[i]);
+    }
+    optim::StepOptions o;
+    o.lr = 0.02 / step;
+    if (step == 1) {
+      ASSERT_THAT((*graph_opt)->Stage(*dev_, pg, gg, o), IsOk());
+    } else {
+      auto out = sg.Run([&] { return (*graph_opt)->Stage(*dev_, pg, gg, o); });
+      ASSERT_THAT(out.status(), IsOk());
+      ASSERT_NE(out->mode, StepGraph::Mode::kEager) << out->reason << ": " << out->detail;
+    }
+    (*graph_opt)->WriteStagedParams(pg);
+    (*graph_opt)->CommitStagedState();
+    ASSERT_THAT((*eager_opt)->Stage(*dev_, pe, gg, o), IsOk());
+    (*eager_opt)->WriteStagedParams(pe);
+    (*eager_opt)->CommitStagedState();
+  }
+  EXPECT_EQ(sg.captures(), 2);  // the staged state's two forms
+  EXPECT_EQ(sg.replays(), kSteps - 3);
+  const bool elementwise = GetParam() == optim::AlgorithmKind::kAdamW ||
+                           GetParam() == optim::AlgorithmKind::kLion;
+#if DIOND_TEST_CUDA
+  const Tol tol = elementwise ? Tol::kExact : Tol::kRule;
+#else
+  const Tol tol = Tol::kExact;
+  (void)elementwise;
+#endif
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    // The eager run's parameters as the reference.
+    const std::vector<float> want = Host(xe[i].d);
+    std::memcpy(xg[i].h.data(), want.data(), want.size() * 4);
+    Expect(xg[i], tol, std::string(optim::AlgorithmName(GetParam())) + " graph param " +
+                           std::to_string(i));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Rules, DeviceGraphTest,
+    ::testing::Values(optim::AlgorithmKind::kMuon, optim::AlgorithmKind::kNorMuon,
+                      optim::AlgorithmKind::kAdamW, optim::AlgorithmKind::kLion),
     [](const ::testing::TestParamInfo<optim::AlgorithmKind>& i) {
       return std::string(optim::AlgorithmName(i.param));
     });
