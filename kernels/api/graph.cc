@@ -257,7 +257,9 @@ absl::StatusOr<StepGraph::Outcome> StepGraph::Run(const std::function<absl::Stat
   if (g != nullptr) {
     // This step's records (the same layout: the same ops) replace the last launch's, whose
     // upload has completed (the caller waited for the stream since).
-    std::memcpy(g->records.data(), rec.records.data(), rec.records.size());
+    if (!rec.records.empty()) {
+      std::memcpy(g->records.data(), rec.records.data(), rec.records.size());
+    }
     out.mode = Mode::kReplayed;
     ++replays_;
   } else {

@@ -409,6 +409,55 @@ TEST_F(StrictDevice, StepsHaveOnlyTheListedSyncPoints) {
   }
 }
 
+// WriteStagedParamsDeferringNorm: the Σ(Δx)² read-back is queued, not waited for; after the
+// caller's one wait, FinishStagedNorm gives the same norm (and the same parameters and state)
+// as WriteStagedParams, bit for bit, with one sync point less.
+TEST_F(StrictDevice, ADeferredNormIsTheSameNormWithoutItsWait) {
+  for (AlgorithmKind kind : {AlgorithmKind::kMuon, AlgorithmKind::kAdamW}) {
+    GroupConfig c = Base(kind, Precision::kFp32);
+    const std::vector<ParamShape> shapes = {{16, 24}, {16, 24}, {8, 8}};
+    auto a = CreateGroupOptimizer(*dev_, c, shapes);
+    auto b = CreateGroupOptimizer(*dev_, c, shapes);
+    ASSERT_THAT(a.status(), IsOk());
+    ASSERT_THAT(b.status(), IsOk());
+    std::vector<Buffer> xa, xb, g;
+    std::vector<float*> pa, pb;
+    std::vector<const float*> gp;
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      const auto v = RandomVector(static_cast<size_t>(Numel(shapes[i])), 30 + i);
+      xa.push_back(Upload(v));
+      xb.push_back(Upload(v));
+      g.push_back(Upload(RandomVector(static_cast<size_t>(Numel(shapes[i])), 40 + i)));
+      pa.push_back(xa.back().As<float>());
+      pb.push_back(xb.back().As<float>());
+      gp.push_back(g.back().As<float>());
+    }
+    for (int step = 1; step <= 3; ++step) {
+      ASSERT_THAT((*a)->Stage(*dev_, pa, gp), IsOk());
+      int64_t before = kernels::testing::GetHostTestDeviceCounters().syncs;
+      (*a)->WriteStagedParams(pa);
+      const int64_t eager_syncs = kernels::testing::GetHostTestDeviceCounters().syncs - before;
+      (*a)->CommitStagedState();
+      ASSERT_THAT((*b)->Stage(*dev_, pb, gp), IsOk());
+      before = kernels::testing::GetHostTestDeviceCounters().syncs;
+      (*b)->WriteStagedParamsDeferringNorm(pb);
+      EXPECT_EQ(kernels::testing::GetHostTestDeviceCounters().syncs - before, 0)
+          << AlgorithmName(kind) << " step " << step << ": the read-back is only queued";
+      EXPECT_EQ(eager_syncs, 1) << AlgorithmName(kind);
+      ASSERT_THAT(kernels::Synchronize(*dev_), IsOk());
+      (*b)->FinishStagedNorm();
+      EXPECT_EQ((*b)->staged_update_norm(), (*a)->last_update_norm()) << AlgorithmName(kind);
+      (*b)->CommitStagedState();
+      EXPECT_EQ((*b)->last_update_norm(), (*a)->last_update_norm());
+      EXPECT_GT((*b)->last_update_norm(), 0.0);
+      for (size_t i = 0; i < shapes.size(); ++i) {
+        EXPECT_TRUE(SameBits(Download(xb[i]), Download(xa[i])))
+            << AlgorithmName(kind) << " step " << step << " parameter " << i;
+      }
+    }
+  }
+}
+
 // Dion judges each matrix's momentum all-zero from one read-back per bucket (the matrices' L1
 // norms in one copy), not one per matrix: with Householder QR (no Cholesky branches) a step has
 // two sync points whatever the bucket size, the all-zero flags and the update norms

@@ -80,12 +80,30 @@ absl::Status GroupOptimizer::Stage(const kernels::Context& ctx, absl::Span<float
 
 void GroupOptimizer::WriteStagedParams(absl::Span<float* const> params) {
   update_sq_ = 0;
+  defer_norm_ = false;
   CommitStagedParams(params);
 }
 
-double GroupOptimizer::staged_update_norm() const { return std::sqrt(update_sq_); }
+void GroupOptimizer::WriteStagedParamsDeferringNorm(absl::Span<float* const> params) {
+  update_sq_ = 0;
+  defer_norm_ = true;
+  CommitStagedParams(params);
+  defer_norm_ = false;
+}
+
+void GroupOptimizer::FinishStagedNorm() {
+  if (!norm_pending_) return;
+  SumDeferredNorm();
+  norm_pending_ = false;
+}
+
+double GroupOptimizer::staged_update_norm() const {
+  assert(!norm_pending_ && "FinishStagedNorm after the wait, before the norm is read");
+  return std::sqrt(update_sq_);
+}
 
 void GroupOptimizer::CommitStagedState() {
+  assert(!norm_pending_ && "FinishStagedNorm after the wait, before the commit");
   CommitStagedStateImpl();
   last_update_norm_ = std::sqrt(update_sq_);
   ++steps_taken_;
@@ -353,15 +371,37 @@ class BucketedOptimizer final : public GroupOptimizer {
     ReadBackUpdateSq(ctx, params.size());
   }
 
-  // update_sq_ += Σ_p update_sq_buf_[p], the buffer read back in one copy (a sync point).
+  // update_sq_ += Σ_p update_sq_buf_[p], the buffer read back in one copy (a sync point), or,
+  // deferring the norm, the copy queued and the sum left to SumDeferredNorm.
   void ReadBackUpdateSq(const kernels::Context& ctx, size_t n) {
     if (n == 0) return;
+    if (defer_norm_) {
+      const int64_t count = static_cast<int64_t>(n);
+      absl::Status s = kernels::CopyToHostAsync(
+          ctx,
+          kernels::ConstTensorView(update_sq_buf_.data(),
+                                   kernels::ContiguousLayout(kernels::DType::kF32, {count}),
+                                   update_sq_buf_.device()),
+          kernels::MakeView(update_sq_host_.data(), {count}));
+      assert(s.ok());
+      (void)s;
+      deferred_count_ = n;
+      norm_pending_ = true;
+      return;
+    }
     absl::Status s = Download(ctx, update_sq_buf_.As<float>(), update_sq_host_.data(),
                               static_cast<int64_t>(n));
     assert(s.ok());
     (void)s;
     for (size_t p = 0; p < n; ++p) update_sq_ += static_cast<double>(update_sq_host_[p]);
   }
+  void SumDeferredNorm() override {
+    for (size_t p = 0; p < deferred_count_; ++p) {
+      update_sq_ += static_cast<double>(update_sq_host_[p]);
+    }
+    deferred_count_ = 0;
+  }
+  size_t deferred_count_ = 0;
 
   void CommitStagedStateImpl() override {
     step_dev_host_.swap(step_dev_staged_);  // the staged step counts become current
@@ -395,6 +435,8 @@ class BucketedOptimizer final : public GroupOptimizer {
 
   void DiscardStaged() override {
     in_place_step_ = false;
+    norm_pending_ = false;  // (a queued read-back lands in update_sq_host_, never summed)
+    deferred_count_ = 0;
     RecycleStaged();
   }
 

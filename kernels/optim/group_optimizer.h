@@ -88,6 +88,13 @@ class GroupOptimizer {
   absl::Status Stage(const kernels::Context& ctx, absl::Span<float* const> params,
                      absl::Span<const float* const> grads, const StepOptions& options = {});
   void WriteStagedParams(absl::Span<float* const> params);
+  // WriteStagedParams without its one sync point: the read-back of the change's Σ(Δx)² is only
+  // queued on the step's context (kernels::CopyToHostAsync). The caller waits for that
+  // context's stream (kernels::Synchronize: a device session's final wait, after it queued the
+  // new weights' copies too) and then calls FinishStagedNorm, before staged_update_norm or
+  // CommitStagedState. On the CPU the copy is immediate and FinishStagedNorm only sums.
+  void WriteStagedParamsDeferringNorm(absl::Span<float* const> params);
+  void FinishStagedNorm();
   // The norm of the change WriteStagedParams made (last_update_norm() once committed).
   double staged_update_norm() const;
   void CommitStagedState();
@@ -156,6 +163,11 @@ class GroupOptimizer {
   absl::Status CheckContextDevice(const kernels::Context& ctx, absl::string_view what) const;
   // Sum of squared parameter changes; CommitStagedParams adds to it.
   double update_sq_ = 0;
+  // WriteStagedParamsDeferringNorm: CommitStagedParams queues its read-back (defer_norm_), and
+  // SumDeferredNorm adds the copied values to update_sq_ once the caller waited.
+  bool defer_norm_ = false;
+  bool norm_pending_ = false;
+  virtual void SumDeferredNorm() {}
   // The device of the state and staging buffers; Step refuses a context on another device.
   kernels::Device state_device_;
   // StepOptions::capture of the step being staged (null when not capturing).

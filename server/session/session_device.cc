@@ -610,8 +610,13 @@ absl::Status Session::WriteWeightsFromDevice(StepRun& run) {
   }
   // The step's one host wait after the update: the trainer's arena (and the next master
   // weights) hold the new bytes when the answer leaves. Over a CUDA PARAMETERS region too: a
-  // trainer without a done_event takes the answer as "the weights are written".
-  return SyncStream(dc);
+  // trainer without a done_event takes the answer as "the weights are written". The groups'
+  // Σ(Δx)² read-backs (queued by WriteStagedParamsDeferringNorm) are complete with it.
+  DIOND_RETURN_IF_ERROR(SyncStream(dc));
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    if (run.staged[gi]) groups_[gi].optimizer->FinishStagedNorm();
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace diond::session

@@ -405,6 +405,13 @@ void Session::WriteWeightsPhase(StepRun& run) {
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     if (!run.staged[gi]) continue;
     optim::GroupOptimizer& opt = *groups_[gi].optimizer;
+    if (device_ != nullptr && !world_.has_value()) {
+      // A local device session: the norms' read-back is queued with the new weights' copies
+      // and summed after the step's final wait (WriteWeightsFromDevice), one host wait less per
+      // group (docs/GPU.md "Sync points").
+      opt.WriteStagedParamsDeferringNorm(run.group_params[gi]);
+      continue;
+    }
     opt.WriteStagedParams(run.group_params[gi]);
     // A world: this rank's share of the squared norm (a group every rank steps is counted on
     // rank 0 only).
