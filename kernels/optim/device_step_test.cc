@@ -22,6 +22,7 @@
 #include "kernels/context.h"
 #include "kernels/ops.h"
 #include "kernels/optim/group_optimizer.h"
+#include "kernels/optim/testing/same_bits.h"
 #include "kernels/optim/orthogonalize.h"
 #include "kernels/plugin/plugin_backend.h"
 #include "kernels/testing/host_device_backend.h"
@@ -40,25 +41,10 @@ using kernels::DeviceType;
 
 constexpr Device kDev{DeviceType::kTest, 0};
 
-int64_t Numel(const ParamShape& s) {
-  int64_t n = 1;
-  for (int64_t d : s) n *= d;
-  return n;
-}
-
-// Bitwise equality of two float vectors (NaN patterns included), naming the first mismatch.
+int64_t Numel(const ParamShape& s) { return testing::Numel(s); }
 ::testing::AssertionResult SameBits(const std::vector<float>& got,
                                     const std::vector<float>& want) {
-  if (got.size() != want.size()) {
-    return ::testing::AssertionFailure() << "size " << got.size() << " vs " << want.size();
-  }
-  for (size_t i = 0; i < got.size(); ++i) {
-    if (std::memcmp(&got[i], &want[i], sizeof(float)) != 0) {
-      return ::testing::AssertionFailure()
-             << "element " << i << ": device " << got[i] << ", cpu " << want[i];
-    }
-  }
-  return ::testing::AssertionSuccess();
+  return testing::SameBits(got, want, "device", "cpu");
 }
 
 class StrictDevice : public ::testing::Test {

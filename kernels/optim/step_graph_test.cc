@@ -20,6 +20,7 @@
 #include "kernels/graph.h"
 #include "kernels/ops.h"
 #include "kernels/optim/group_optimizer.h"
+#include "kernels/optim/testing/same_bits.h"
 #include "kernels/plugin/plugin_backend.h"
 #include "kernels/testing/host_device_backend.h"
 
@@ -47,24 +48,10 @@ kernels::GraphHooks TestHooks() {
   return h;
 }
 
-int64_t Numel(const ParamShape& s) {
-  int64_t n = 1;
-  for (int64_t d : s) n *= d;
-  return n;
-}
-
+int64_t Numel(const ParamShape& s) { return testing::Numel(s); }
 ::testing::AssertionResult SameBits(const std::vector<float>& got,
                                     const std::vector<float>& want) {
-  if (got.size() != want.size()) {
-    return ::testing::AssertionFailure() << "size " << got.size() << " vs " << want.size();
-  }
-  for (size_t i = 0; i < got.size(); ++i) {
-    if (std::memcmp(&got[i], &want[i], sizeof(float)) != 0) {
-      return ::testing::AssertionFailure()
-             << "element " << i << ": graph " << got[i] << ", eager " << want[i];
-    }
-  }
-  return ::testing::AssertionSuccess();
+  return testing::SameBits(got, want, "graph", "eager");
 }
 
 // One side of the comparison: a stream context, an optimizer, device parameters and gradients

@@ -61,6 +61,17 @@ class DeviceSessions : public ::testing::Test {
     ASSERT_NE(cpu_, nullptr);
     ASSERT_NE(dev_, nullptr);
   }
+  // The same session `d` over shm on the CPU daemon (*c) and the device daemon (*g), each given
+  // the initial weights.
+  void Twins(const SessionDesc& d, std::unique_ptr<ShmSession>* c,
+             std::unique_ptr<ShmSession>* g) {
+    *c = CreateShmSession(cpu_->stub(), d.Request());
+    *g = CreateShmSession(dev_->stub(), d.Request());
+    ASSERT_NE(*c, nullptr);
+    ASSERT_NE(*g, nullptr);
+    ASSERT_TRUE(SetState(cpu_->stub(), (*c)->id, InitialParams(d)).ok());
+    ASSERT_TRUE(SetState(dev_->stub(), (*g)->id, InitialParams(d)).ok());
+  }
   static Daemon* cpu_;
   static Daemon* dev_;
 };
@@ -81,12 +92,8 @@ class EveryAlgorithm : public DeviceSessions,
 
 TEST_P(EveryAlgorithm, OverShmEqualsTheCpuDaemonBitForBit) {
   const SessionDesc d = Desc(GetParam());
-  auto c = CreateShmSession(cpu_->stub(), d.Request());
-  auto g = CreateShmSession(dev_->stub(), d.Request());
-  ASSERT_NE(c, nullptr);
-  ASSERT_NE(g, nullptr);
-  ASSERT_TRUE(SetState(cpu_->stub(), c->id, InitialParams(d)).ok());
-  ASSERT_TRUE(SetState(dev_->stub(), g->id, InitialParams(d)).ok());
+  std::unique_ptr<ShmSession> c, g;
+  ASSERT_NO_FATAL_FAILURE(Twins(d, &c, &g));
   for (int64_t t = 1; t <= kSteps; ++t) {
     for (size_t i = 0; i < d.params.size(); ++i) {
       const std::vector<float> grad = SyntheticValues(7, t, i, d.Numel(i));
@@ -327,12 +334,8 @@ TEST_P(DeviceStepSyncs, TwoHostWaitsPerStepBesideTheRulesListedOnes) {
   const AlgorithmKind kind = GetParam();
   const SessionDesc d = Desc(kind);
   const int64_t tensors = static_cast<int64_t>(d.params.size());
-  auto c = CreateShmSession(cpu_->stub(), d.Request());
-  auto g = CreateShmSession(dev_->stub(), d.Request());
-  ASSERT_NE(c, nullptr);
-  ASSERT_NE(g, nullptr);
-  ASSERT_TRUE(SetState(cpu_->stub(), c->id, InitialParams(d)).ok());
-  ASSERT_TRUE(SetState(dev_->stub(), g->id, InitialParams(d)).ok());
+  std::unique_ptr<ShmSession> c, g;
+  ASSERT_NO_FATAL_FAILURE(Twins(d, &c, &g));
   // The counters line of the session's creation (SetState over shm does not touch the device).
   const std::map<std::string, int64_t> before = LastCounters(*dev_);
   ASSERT_FALSE(before.empty()) << dev_->Log();
@@ -379,13 +382,15 @@ TEST_P(DeviceStepSyncs, TwoHostWaitsPerStepBesideTheRulesListedOnes) {
   EXPECT_TRUE(CloseSession(dev_->stub(), g->id).ok());
 }
 
-INSTANTIATE_TEST_SUITE_P(Rules, DeviceStepSyncs,
-                         ::testing::Values(AlgorithmKind::kMuon, AlgorithmKind::kNorMuon,
-                                           AlgorithmKind::kAdamW, AlgorithmKind::kLion,
-                                           AlgorithmKind::kDion, AlgorithmKind::kDion2),
-                         [](const ::testing::TestParamInfo<AlgorithmKind>& i) {
-                           return std::string(AlgorithmName(i.param));
-                         });
+// The rules of the per-rule device tests below, and their test names.
+const AlgorithmKind kDeviceRules[] = {AlgorithmKind::kMuon,  AlgorithmKind::kNorMuon,
+                                      AlgorithmKind::kAdamW, AlgorithmKind::kLion,
+                                      AlgorithmKind::kDion,  AlgorithmKind::kDion2};
+std::string RuleName(const ::testing::TestParamInfo<AlgorithmKind>& i) {
+  return std::string(AlgorithmName(i.param));
+}
+
+INSTANTIATE_TEST_SUITE_P(Rules, DeviceStepSyncs, ::testing::ValuesIn(kDeviceRules), RuleName);
 
 // graph (docs/GPU.md "CUDA graphs"): from the second step a device session's update runs as a
 // captured graph, replayed with the step's own scalars. The TEST backend emulates the capture
@@ -398,12 +403,8 @@ class DeviceStepGraphs : public DeviceSessions,
 TEST_P(DeviceStepGraphs, ReplayedUpdatesWithANewLearningRateEachStepEqualTheCpuDaemon) {
   const AlgorithmKind kind = GetParam();
   const SessionDesc d = Desc(kind);
-  auto c = CreateShmSession(cpu_->stub(), d.Request());
-  auto g = CreateShmSession(dev_->stub(), d.Request());
-  ASSERT_NE(c, nullptr);
-  ASSERT_NE(g, nullptr);
-  ASSERT_TRUE(SetState(cpu_->stub(), c->id, InitialParams(d)).ok());
-  ASSERT_TRUE(SetState(dev_->stub(), g->id, InitialParams(d)).ok());
+  std::unique_ptr<ShmSession> c, g;
+  ASSERT_NO_FATAL_FAILURE(Twins(d, &c, &g));
   const std::map<std::string, int64_t> before = LastCounters(*dev_);
   constexpr int64_t kGraphSteps = 9;
   for (int64_t t = 1; t <= kGraphSteps; ++t) {
@@ -457,13 +458,7 @@ TEST_P(DeviceStepGraphs, ReplayedUpdatesWithANewLearningRateEachStepEqualTheCpuD
   EXPECT_TRUE(CloseSession(dev_->stub(), g->id).ok());
 }
 
-INSTANTIATE_TEST_SUITE_P(Rules, DeviceStepGraphs,
-                         ::testing::Values(AlgorithmKind::kMuon, AlgorithmKind::kNorMuon,
-                                           AlgorithmKind::kAdamW, AlgorithmKind::kLion,
-                                           AlgorithmKind::kDion, AlgorithmKind::kDion2),
-                         [](const ::testing::TestParamInfo<AlgorithmKind>& i) {
-                           return std::string(AlgorithmName(i.param));
-                         });
+INSTANTIATE_TEST_SUITE_P(Rules, DeviceStepGraphs, ::testing::ValuesIn(kDeviceRules), RuleName);
 
 TEST(DeviceSessionBudget, ASessionOverThePoolGetsResourceExhaustedWithTheNumbers) {
   constexpr int64_t kBudget = int64_t{256} << 20;
