@@ -1,5 +1,5 @@
-// StepGraph: a phase of ops (an optimizer step's update) captured once as a device graph and
-// replayed, with its scalars in device memory (docs/GPU.md "CUDA graphs").
+// StepGraph: a phase of ops (a device step's reads, update or write-back) captured once as a device
+// graph and replayed, with its scalars in device memory (docs/GPU.md "CUDA graphs").
 //
 // How it works. Run(phase) first runs `phase` in a RECORDING pass: the context's ops go through a
 // recording table (Context::InterposeBackend) that validates nothing more and executes nothing; it
@@ -20,6 +20,15 @@
 // in the phase, a backend without stream capture, or a phase that fails. Nothing of the phase
 // has run then (a recording executes nothing; a failed capture executes nothing).
 //
+// Host memory (Options::host_copies). By default the queued host <-> device copies
+// (copy_from_host_async, copy_to_host_async) refuse a graph, like the other sync points. With
+// host_copies they are captured: the graph's copy reads (or writes) the same host address at every
+// replay, which is what a step over the trainer's arenas wants. The caller then promises that the
+// host memory is pinned (a device cannot capture a copy of pageable memory: CUDA stages it
+// synchronously, and refuses it under capture, as the TEST backend does), that it stays mapped
+// at that address while the graph is held, and that it calls Clear() when it does not (a region
+// unregistered or replaced). The host address and the byte count are part of the signature.
+//
 // The phase must be re-runnable: its host-side effects must be the same each time it runs
 // (GroupOptimizer::Stage resets what it staged). The context must have a stream and must not be
 // used by another thread during Run. Not thread-safe.
@@ -31,6 +40,7 @@
 #include <list>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -61,7 +71,12 @@ class StepGraph {
     int64_t records = 0;   // scalar records (fused steps) uploaded for the launch
   };
 
-  StepGraph(Context* ctx, GraphHooks hooks, size_t capacity = 4);
+  struct Options {
+    size_t capacity = 4;       // graphs kept (at least 1)
+    bool host_copies = false;  // see "Host memory" above
+  };
+  StepGraph(Context* ctx, GraphHooks hooks, Options options);
+  StepGraph(Context* ctx, GraphHooks hooks) : StepGraph(ctx, std::move(hooks), Options{}) {}
   ~StepGraph();
   StepGraph(const StepGraph&) = delete;
   StepGraph& operator=(const StepGraph&) = delete;
@@ -69,6 +84,9 @@ class StepGraph {
   // See above. An error only when launching or uploading failed after the graph was chosen (the
   // phase's work may then be partly queued: the caller treats it as a failed device step).
   absl::StatusOr<Outcome> Run(const std::function<absl::Status()>& phase);
+
+  // Drops every graph held (the next Run captures again).
+  void Clear();
 
   // Graphs held, and counts since construction.
   size_t graphs() const { return graphs_.size(); }
@@ -80,6 +98,7 @@ class StepGraph {
   Context* ctx_;
   GraphHooks hooks_;
   size_t capacity_;
+  bool host_copies_;
   std::list<std::unique_ptr<Graph>> graphs_;  // most recently used first
   int64_t captures_ = 0, replays_ = 0;
 };

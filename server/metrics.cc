@@ -166,14 +166,14 @@ DaemonMetrics::DaemonMetrics(std::shared_ptr<prometheus::Registry> registry,
                               .Add({})),
       graph_fallbacks_(prometheus::BuildCounter()
                            .Name("diond_step_graph_fallbacks_total")
-                           .Help("Device sessions whose steps run eagerly instead of as a "
-                                 "captured graph, by reason (unsupported, sync_point, "
-                                 "capture_failed, world).")
+                           .Help("Device sessions whose step phase (read, update, write) runs "
+                                 "eagerly instead of as a captured graph, by phase and reason "
+                                 "(unsupported, sync_point, capture_failed, world, pageable).")
                            .Register(*registry_)),
       graph_steps_(prometheus::BuildCounter()
                        .Name("diond_step_graphs_total")
-                       .Help("Device steps whose update ran as a graph, by mode: captured (a "
-                             "new graph) or replayed.")
+                       .Help("Device step phases (read, update, write) that ran as a graph, by "
+                             "phase and mode: captured (a new graph) or replayed.")
                        .Register(*registry_)),
       steps_(prometheus::BuildCounter()
                  .Name("diond_steps_total")
@@ -271,10 +271,20 @@ DaemonMetrics::DaemonMetrics(std::shared_ptr<prometheus::Registry> registry,
                       .Add({})),
       session_collector_(std::make_shared<SessionCollector>()) {
   world_size_.Set(1);
-  for (const char* reason : {"unsupported", "sync_point", "capture_failed", "world"}) {
-    graph_fallbacks_.Add({{"reason", reason}});
+  // Every phase's series exist at zero (docs/OPERATIONS.md): each phase with the reasons it
+  // can have (only the update calls the rules' sync points and compressed Dion's collectives;
+  // only the read and write phases copy host memory).
+  for (const char* phase : {"read", "update", "write"}) {
+    const bool update = std::string(phase) == "update";
+    for (const char* reason : {"unsupported", "sync_point", "capture_failed", "world", "pageable"}) {
+      const std::string r = reason;
+      if (update ? r == "pageable" : (r == "sync_point" || r == "world")) continue;
+      graph_fallbacks_.Add({{"phase", phase}, {"reason", reason}});
+    }
+    for (const char* mode : {"captured", "replayed"}) {
+      graph_steps_.Add({{"phase", phase}, {"mode", mode}});
+    }
   }
-  for (const char* mode : {"captured", "replayed"}) graph_steps_.Add({{"mode", mode}});
   prometheus::BuildGauge()
       .Name("diond_build_info")
       .Help("Always 1; labels describe the running daemon.")
@@ -296,12 +306,12 @@ void DaemonMetrics::ObserveRpc(absl::string_view method, absl::string_view code,
 
 void DaemonMetrics::SetSessions(int64_t sessions) { sessions_.Set(static_cast<double>(sessions)); }
 
-void DaemonMetrics::CountGraphFallback(const std::string& reason) {
-  graph_fallbacks_.Add({{"reason", reason}}).Increment();
+void DaemonMetrics::CountGraphFallback(const std::string& phase, const std::string& reason) {
+  graph_fallbacks_.Add({{"phase", phase}, {"reason", reason}}).Increment();
 }
 
-void DaemonMetrics::CountGraphStep(const std::string& mode) {
-  graph_steps_.Add({{"mode", mode}}).Increment();
+void DaemonMetrics::CountGraphStep(const std::string& phase, const std::string& mode) {
+  graph_steps_.Add({{"phase", phase}, {"mode", mode}}).Increment();
 }
 
 void DaemonMetrics::SetDeviceMemory(double in_use_bytes, double peak_bytes) {

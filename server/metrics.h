@@ -61,11 +61,11 @@ class DaemonMetrics {
   void SetSessions(int64_t sessions);
   // A device daemon's pool (docs/OPERATIONS.md): bytes in use now and the high-water mark.
   void SetDeviceMemory(double in_use_bytes, double peak_bytes);
-  // A device session decided to run its steps eagerly (reason: "unsupported", "sync_point",
-  // "capture_failed", "world").
-  void CountGraphFallback(const std::string& reason);
-  // A device step's update ran as a graph (mode: "captured", "replayed").
-  void CountGraphStep(const std::string& mode);
+  // A device session decided to run a phase of its steps ("read", "update", "write") eagerly
+  // (reason: "unsupported", "sync_point", "capture_failed", "world", "pageable").
+  void CountGraphFallback(const std::string& phase, const std::string& reason);
+  // A phase of a device step ran as a graph (mode: "captured", "replayed").
+  void CountGraphStep(const std::string& phase, const std::string& mode);
   void ObserveStep(absl::string_view outcome, double total_seconds, double compute_seconds);
   void ObserveCheckpoint(int64_t bytes);  // also sets the last-success timestamp to now
   void CountCheckpointFailure();

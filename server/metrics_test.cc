@@ -40,26 +40,39 @@ TEST(DaemonMetrics, BuildInfoAndRpcCountsByMethodAndCode) {
       << text;
 }
 
-TEST(DaemonMetrics, StepGraphSeriesExistAtZeroAndCountByModeAndReason) {
+TEST(DaemonMetrics, StepGraphSeriesExistAtZeroAndCountByPhaseModeAndReason) {
   auto registry = std::make_shared<prometheus::Registry>();
   DaemonMetrics m(registry, {"1.2.3", "test:0", false});
   std::string text = Expose(*registry);
+  // (prometheus-cpp writes the labels in name order.)
   for (const char* line :
-       {"diond_step_graphs_total{mode=\"captured\"} 0", "diond_step_graphs_total{mode=\"replayed\"} 0",
-        "diond_step_graph_fallbacks_total{reason=\"unsupported\"} 0",
-        "diond_step_graph_fallbacks_total{reason=\"sync_point\"} 0",
-        "diond_step_graph_fallbacks_total{reason=\"capture_failed\"} 0",
-        "diond_step_graph_fallbacks_total{reason=\"world\"} 0"}) {
+       {"diond_step_graphs_total{mode=\"captured\",phase=\"read\"} 0",
+        "diond_step_graphs_total{mode=\"replayed\",phase=\"update\"} 0",
+        "diond_step_graphs_total{mode=\"replayed\",phase=\"write\"} 0",
+        "diond_step_graph_fallbacks_total{phase=\"update\",reason=\"unsupported\"} 0",
+        "diond_step_graph_fallbacks_total{phase=\"update\",reason=\"sync_point\"} 0",
+        "diond_step_graph_fallbacks_total{phase=\"update\",reason=\"capture_failed\"} 0",
+        "diond_step_graph_fallbacks_total{phase=\"update\",reason=\"world\"} 0",
+        "diond_step_graph_fallbacks_total{phase=\"read\",reason=\"pageable\"} 0",
+        "diond_step_graph_fallbacks_total{phase=\"write\",reason=\"capture_failed\"} 0"}) {
     EXPECT_NE(text.find(line), std::string::npos) << line << " in\n" << text;
   }
-  m.CountGraphStep("captured");
-  m.CountGraphStep("replayed");
-  m.CountGraphStep("replayed");
-  m.CountGraphFallback("sync_point");
+  // Only the phases' possible reasons exist at zero.
+  EXPECT_EQ(text.find("phase=\"read\",reason=\"world\""), std::string::npos) << text;
+  EXPECT_EQ(text.find("phase=\"update\",reason=\"pageable\""), std::string::npos) << text;
+  m.CountGraphStep("update", "captured");
+  m.CountGraphStep("update", "replayed");
+  m.CountGraphStep("update", "replayed");
+  m.CountGraphStep("read", "replayed");
+  m.CountGraphFallback("update", "sync_point");
+  m.CountGraphFallback("write", "pageable");
   text = Expose(*registry);
-  for (const char* line : {"diond_step_graphs_total{mode=\"captured\"} 1",
-                           "diond_step_graphs_total{mode=\"replayed\"} 2",
-                           "diond_step_graph_fallbacks_total{reason=\"sync_point\"} 1"}) {
+  for (const char* line : {"diond_step_graphs_total{mode=\"captured\",phase=\"update\"} 1",
+                           "diond_step_graphs_total{mode=\"replayed\",phase=\"update\"} 2",
+                           "diond_step_graphs_total{mode=\"replayed\",phase=\"read\"} 1",
+                           "diond_step_graphs_total{mode=\"captured\",phase=\"read\"} 0",
+                           "diond_step_graph_fallbacks_total{phase=\"update\",reason=\"sync_point\"} 1",
+                           "diond_step_graph_fallbacks_total{phase=\"write\",reason=\"pageable\"} 1"}) {
     EXPECT_NE(text.find(line), std::string::npos) << line << " in\n" << text;
   }
 }

@@ -44,6 +44,9 @@ inline void HashArg(uint64_t& h, float v) {
   h = Mix(h, bits);
 }
 inline void HashArg(uint64_t& h, bool v) { h = Mix(h, v ? 1 : 2); }
+// The host and device addresses of the queued copies (Options::host_copies), and their size.
+inline void HashArg(uint64_t& h, const void* p) { h = Mix(h, reinterpret_cast<uintptr_t>(p)); }
+inline void HashArg(uint64_t& h, size_t v) { h = Mix(h, static_cast<uint64_t>(v)); }
 inline void HashArg(uint64_t& h, int64_t v) { h = Mix(h, static_cast<uint64_t>(v)); }
 template <typename E, typename = std::enable_if_t<std::is_enum_v<E>>>
 void HashArg(uint64_t& h, E v) {
@@ -65,6 +68,7 @@ inline void HashArg(uint64_t&, const ApplyUpdateParams&) {}
 
 struct Pass {
   bool capture = false;          // false: record only (execute nothing)
+  bool host_copies = false;      // StepGraph::Options::host_copies
   const OpsBackend* inner = nullptr;
   std::vector<uint64_t> signature;
   std::vector<unsigned char> records;  // host block of records, in op order
@@ -110,8 +114,10 @@ ApplyUpdateParams Forward(Pass& p, const ApplyUpdateParams& a) {
 
 // Every entry of OpsBackend after the memory ones, with whether it can be in a graph: kGraph
 // (queued device work), kWaits (hands a value to the host: a sync point), kHostMemory (reads or
-// writes host memory when it runs, which a replay would repeat on stale or freed memory).
-enum class Kind { kGraph, kWaits, kHostMemory };
+// writes host memory when it runs, which a replay would repeat on stale or freed memory),
+// kHostCopy (a queued copy between pinned host memory and the device: in a graph only with
+// Options::host_copies, the caller vouching for the host memory).
+enum class Kind { kGraph, kWaits, kHostMemory, kHostCopy };
 #define DIOND_GRAPH_OPS(X)                                                                 \
   X(copy_from_host, kWaits) X(copy_to_host, kWaits) X(gemm, kGraph)                        \
   X(symmetric_product, kGraph) X(symmetric_product_bf16, kGraph) X(thin_qr, kGraph)        \
@@ -123,8 +129,8 @@ enum class Kind { kGraph, kWaits, kHostMemory };
   X(bf16_rounded_axpby, kGraph) X(adamw_step_tracked, kGraph) X(lion_step_tracked, kGraph) \
   X(momentum_update, kGraph) X(apply_update, kGraph) X(normalize_neurons, kGraph)          \
   X(copy_with_change, kGraph) X(all_finite, kWaits) X(widen_scale_check_finite, kWaits)    \
-  X(fnv1a_checksum, kWaits) X(copy_from_host_async, kHostMemory)                           \
-  X(copy_to_host_async, kHostMemory) X(synchronize, kWaits) X(all_finite_flag, kGraph)     \
+  X(fnv1a_checksum, kWaits) X(copy_from_host_async, kHostCopy)                             \
+  X(copy_to_host_async, kHostCopy) X(synchronize, kWaits)     X(all_finite_flag, kGraph)     \
   X(widen_scale_check_finite_flag, kGraph) X(decay_scatter_with_change, kHostMemory)
 
 enum Op : int {
@@ -143,6 +149,18 @@ constexpr Kind kOpKinds[] = {
 #undef DIOND_X
 };
 
+// An op that cannot be in the pass's graph: the first one is noted, and the phase sees an error.
+absl::Status Refuse(Pass& p, int op, Kind kind) {
+  if (p.refused.empty()) {
+    p.refused = absl::StrCat(kOpNames[op], kind == Kind::kWaits
+                                               ? " (it waits for the device to hand a value to "
+                                                 "the host)"
+                                               : " (it reads or writes host memory)");
+  }
+  return absl::FailedPreconditionError(
+      absl::StrCat(kOpNames[op], " cannot be part of a captured graph"));
+}
+
 template <typename Sig>
 struct Wrap;
 template <typename... A>
@@ -151,16 +169,8 @@ struct Wrap<absl::Status (*)(const Context&, A...)> {
   static absl::Status Entry(const Context& ctx, A... a) {
     Pass& p = *active;
     constexpr Kind kind = kOpKinds[kOp];
-    if constexpr (kind != Kind::kGraph) {
-      if (p.refused.empty()) {
-        p.refused = absl::StrCat(kOpNames[kOp], kind == Kind::kWaits
-                                                    ? " (it waits for the device to hand a "
-                                                      "value to the host)"
-                                                    : " (it reads or writes host memory)");
-      }
-      return absl::FailedPreconditionError(
-          absl::StrCat(kOpNames[kOp], " cannot be part of a captured graph"));
-    } else {
+    if constexpr (kind == Kind::kGraph || kind == Kind::kHostCopy) {
+      if (kind == Kind::kHostCopy && !p.host_copies) return Refuse(p, kOp, kind);
       uint64_t h = Mix(0, static_cast<uint64_t>(kOp) + 1);
       (HashArg(h, a), ...);
       p.signature.push_back(h);
@@ -170,6 +180,8 @@ struct Wrap<absl::Status (*)(const Context&, A...)> {
         return absl::OkStatus();
       }
       return (p.inner->*M)(ctx, Forward(p, a)...);
+    } else {
+      return Refuse(p, kOp, kind);
     }
   }
 };
@@ -216,13 +228,19 @@ struct StepGraph::Graph {
   std::vector<unsigned char> records;  // their host copy, uploaded before each launch
 };
 
-StepGraph::StepGraph(Context* ctx, GraphHooks hooks, size_t capacity)
-    : ctx_(ctx), hooks_(std::move(hooks)), capacity_(std::max<size_t>(capacity, 1)) {}
+StepGraph::StepGraph(Context* ctx, GraphHooks hooks, Options options)
+    : ctx_(ctx),
+      hooks_(std::move(hooks)),
+      capacity_(std::max<size_t>(options.capacity, 1)),
+      host_copies_(options.host_copies) {}
 
-StepGraph::~StepGraph() {
+StepGraph::~StepGraph() { Clear(); }
+
+void StepGraph::Clear() {
   for (auto& g : graphs_) {
     if (g->exec != nullptr && hooks_.destroy) hooks_.destroy(ctx_->device(), g->exec);
   }
+  graphs_.clear();
 }
 
 absl::StatusOr<StepGraph::Outcome> StepGraph::Run(const std::function<absl::Status()>& phase) {
@@ -237,6 +255,7 @@ absl::StatusOr<StepGraph::Outcome> StepGraph::Run(const std::function<absl::Stat
     return eager("unsupported", "a graph pass is already running on this thread");
   }
   Pass rec;
+  rec.host_copies = host_copies_;
   absl::Status recorded = RunPass(ctx_, rec, phase);
   out.ops = static_cast<int64_t>(rec.signature.size());
   if (!rec.refused.empty()) {
@@ -282,6 +301,7 @@ absl::StatusOr<StepGraph::Outcome> StepGraph::Run(const std::function<absl::Stat
     }
     Pass cap;
     cap.capture = true;
+    cap.host_copies = host_copies_;
     cap.block = static_cast<unsigned char*>(fresh->block.data());
     absl::Status captured = RunPass(ctx_, cap, phase);
     absl::StatusOr<void*> exec = hooks_.end_capture(ctx_->device(), ctx_->stream());

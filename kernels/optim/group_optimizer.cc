@@ -84,9 +84,11 @@ void GroupOptimizer::WriteStagedParams(absl::Span<float* const> params) {
   CommitStagedParams(params);
 }
 
-void GroupOptimizer::WriteStagedParamsDeferringNorm(absl::Span<float* const> params) {
+void GroupOptimizer::WriteStagedParamsDeferringNorm(absl::Span<float* const> params,
+                                                    float* norm_host) {
   update_sq_ = 0;
   defer_norm_ = true;
+  defer_norm_to_ = norm_host;
   CommitStagedParams(params);
   defer_norm_ = false;
 }
@@ -377,12 +379,13 @@ class BucketedOptimizer final : public GroupOptimizer {
     if (n == 0) return;
     if (defer_norm_) {
       const int64_t count = static_cast<int64_t>(n);
+      deferred_to_ = defer_norm_to_ != nullptr ? defer_norm_to_ : update_sq_host_.data();
       absl::Status s = kernels::CopyToHostAsync(
           ctx,
           kernels::ConstTensorView(update_sq_buf_.data(),
                                    kernels::ContiguousLayout(kernels::DType::kF32, {count}),
                                    update_sq_buf_.device()),
-          kernels::MakeView(update_sq_host_.data(), {count}));
+          kernels::MakeView(deferred_to_, {count}));
       assert(s.ok());
       (void)s;
       deferred_count_ = n;
@@ -397,11 +400,12 @@ class BucketedOptimizer final : public GroupOptimizer {
   }
   void SumDeferredNorm() override {
     for (size_t p = 0; p < deferred_count_; ++p) {
-      update_sq_ += static_cast<double>(update_sq_host_[p]);
+      update_sq_ += static_cast<double>(deferred_to_[p]);
     }
     deferred_count_ = 0;
   }
   size_t deferred_count_ = 0;
+  float* deferred_to_ = nullptr;  // where the queued read-back lands
 
   void CommitStagedStateImpl() override {
     step_dev_host_.swap(step_dev_staged_);  // the staged step counts become current

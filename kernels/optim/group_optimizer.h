@@ -93,7 +93,11 @@ class GroupOptimizer {
   // context's stream (kernels::Synchronize: a device session's final wait, after it queued the
   // new weights' copies too) and then calls FinishStagedNorm, before staged_update_norm or
   // CommitStagedState. On the CPU the copy is immediate and FinishStagedNorm only sums.
-  void WriteStagedParamsDeferringNorm(absl::Span<float* const> params);
+  // `norm_host`, when given, is where the read-back lands (at least params.size() floats that
+  // stay valid until FinishStagedNorm: a device session's pinned memory, so that the copy can be
+  // part of a captured graph); else the optimizer's own host buffer.
+  void WriteStagedParamsDeferringNorm(absl::Span<float* const> params,
+                                      float* norm_host = nullptr);
   void FinishStagedNorm();
   // The norm of the change WriteStagedParams made (last_update_norm() once committed).
   double staged_update_norm() const;
@@ -167,6 +171,7 @@ class GroupOptimizer {
   // SumDeferredNorm adds the copied values to update_sq_ once the caller waited.
   bool defer_norm_ = false;
   bool norm_pending_ = false;
+  float* defer_norm_to_ = nullptr;  // WriteStagedParamsDeferringNorm's norm_host (or null)
   virtual void SumDeferredNorm() {}
   // The device of the state and staging buffers; Step refuses a context on another device.
   kernels::Device state_device_;

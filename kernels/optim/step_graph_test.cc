@@ -6,6 +6,8 @@
 // signature that missed a changed pointer would write into the wrong buffers: both fail the
 // bit-for-bit comparison with an eager twin below, stepped on another stream of the same device
 // with a learning rate and weight decay that change every step.
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -276,7 +278,7 @@ TEST_F(StepGraphTest, ARuleWithASyncPointRunsEagerlyAndTheRecordingChangedNothin
 TEST_F(StepGraphTest, AByValueScalarIsPartOfTheSignatureSoAChangeCapturesAgain) {
   auto b = ctx().Allocate(kernels::DType::kF32, {8});
   ASSERT_THAT(b.status(), IsOk());
-  StepGraph sg(&ctx(), TestHooks(), /*capacity=*/2);
+  StepGraph sg(&ctx(), TestHooks(), StepGraph::Options{/*capacity=*/2, /*host_copies=*/false});
   float value = 1.0f;
   auto phase = [&] { return kernels::Fill(ctx(), value, b->view()); };
   for (float v : {1.0f, 1.0f, 2.0f, 3.0f, 2.0f}) {
@@ -311,6 +313,91 @@ TEST_F(StepGraphTest, APhaseThatIssuesOtherOpsUnderCaptureIsNotKept) {
   EXPECT_THAT(out->detail, HasSubstr("other ops under capture"));
   EXPECT_EQ(sg.graphs(), 0u);
   EXPECT_EQ(kernels::testing::GetHostTestDeviceCounters().graph_launches, launches);
+}
+
+// A phase of host <-> device copies (a device session's reads and write-back): refused by
+// default; with Options::host_copies captured once and replayed, each replay copying the host
+// memory's bytes of that moment (a captured copy names the address, not the values).
+TEST_F(StepGraphTest, HostCopiesAreCapturedOnlyWhenAllowedAndReplayReadsTheCurrentBytes) {
+  constexpr int64_t kN = 256;
+  struct Pinned {
+    float* p = static_cast<float*>(std::aligned_alloc(4096, 4096));
+    ~Pinned() { std::free(p); }
+  } in, out;
+  ASSERT_NE(in.p, nullptr);
+  ASSERT_NE(out.p, nullptr);
+  ASSERT_THAT(kernels::HostRegister(kDev, in.p, 4096), IsOk());
+  ASSERT_THAT(kernels::HostRegister(kDev, out.p, 4096), IsOk());
+  auto b = ctx().Allocate(kernels::DType::kF32, {kN});
+  ASSERT_THAT(b.status(), IsOk());
+  // in -> device, x2 on the device, device -> out.
+  auto phase = [&]() -> absl::Status {
+    DIOND_RETURN_IF_ERROR(kernels::CopyFromHostAsync(
+        ctx(), kernels::MakeView(static_cast<const float*>(in.p), {kN}), b->view()));
+    DIOND_RETURN_IF_ERROR(kernels::Axpby(ctx(), 2.0f, b->view(), 0.0f, b->view(), b->view()));
+    return kernels::CopyToHostAsync(ctx(), b->view(), kernels::MakeView(out.p, {kN}));
+  };
+  {
+    StepGraph refusing(&ctx(), TestHooks());
+    auto r = refusing.Run(phase);
+    ASSERT_THAT(r.status(), IsOk());
+    EXPECT_EQ(r->mode, StepGraph::Mode::kEager);
+    EXPECT_EQ(r->reason, "sync_point");
+    EXPECT_THAT(r->detail, HasSubstr("copy_from_host_async (it reads or writes host memory)"));
+  }
+  StepGraph sg(&ctx(), TestHooks(), StepGraph::Options{4, /*host_copies=*/true});
+  const auto before = kernels::testing::GetHostTestDeviceCounters();
+  for (int step = 1; step <= 4; ++step) {
+    for (int64_t i = 0; i < kN; ++i) in.p[i] = static_cast<float>(step * 1000 + i);
+    std::fill(out.p, out.p + kN, -1.0f);
+    auto r = sg.Run(phase);
+    ASSERT_THAT(r.status(), IsOk());
+    ASSERT_NE(r->mode, StepGraph::Mode::kEager) << r->reason << ": " << r->detail;
+    EXPECT_EQ(r->mode, step == 1 ? StepGraph::Mode::kCaptured : StepGraph::Mode::kReplayed);
+    EXPECT_EQ(r->records, 0);
+    ASSERT_THAT(kernels::Synchronize(ctx()), IsOk());
+    for (int64_t i = 0; i < kN; ++i) {
+      ASSERT_EQ(out.p[i], 2.0f * static_cast<float>(step * 1000 + i)) << "step " << step;
+    }
+  }
+  const auto after = kernels::testing::GetHostTestDeviceCounters();
+  EXPECT_EQ(after.graph_launches - before.graph_launches, 4);
+  // The replayed copies are copies (as a GPU's memcpy nodes), one each way per launch.
+  EXPECT_EQ(after.async_copies_to_device - before.async_copies_to_device, 4);
+  EXPECT_EQ(after.async_copies_to_host - before.async_copies_to_host, 4);
+  // Another host buffer is another signature: a new capture, never a replay into the old one.
+  EXPECT_EQ(sg.graphs(), 1u);
+  sg.Clear();
+  EXPECT_EQ(sg.graphs(), 0u);
+  auto again = sg.Run(phase);
+  ASSERT_THAT(again.status(), IsOk());
+  EXPECT_EQ(again->mode, StepGraph::Mode::kCaptured);
+  ASSERT_THAT(kernels::Synchronize(ctx()), IsOk());
+  ASSERT_THAT(kernels::HostUnregister(kDev, in.p), IsOk());
+  ASSERT_THAT(kernels::HostUnregister(kDev, out.p), IsOk());
+}
+
+// Pageable host memory cannot be captured (CUDA stages such a copy synchronously and refuses it
+// under capture; the TEST backend refuses a copy outside a host_register'ed range): the capture
+// fails, the phase runs eagerly, and nothing of the failed capture ran.
+TEST_F(StepGraphTest, ACopyOfPageableHostMemoryFailsTheCaptureWithNothingRun) {
+  std::vector<float> pageable(64, 3.0f);
+  auto b = ctx().Allocate(kernels::DType::kF32, {64});
+  ASSERT_THAT(b.status(), IsOk());
+  ASSERT_THAT(kernels::Fill(ctx(), 7.0f, b->view()), IsOk());
+  StepGraph sg(&ctx(), TestHooks(), StepGraph::Options{4, /*host_copies=*/true});
+  const auto before = kernels::testing::GetHostTestDeviceCounters();
+  auto r = sg.Run([&] {
+    return kernels::CopyFromHostAsync(ctx(), kernels::MakeView(pageable.data(), {64}), b->view());
+  });
+  ASSERT_THAT(r.status(), IsOk());
+  EXPECT_EQ(r->mode, StepGraph::Mode::kEager);
+  EXPECT_EQ(r->reason, "capture_failed");
+  EXPECT_THAT(r->detail, HasSubstr("pageable"));
+  const auto after = kernels::testing::GetHostTestDeviceCounters();
+  EXPECT_EQ(after.captures_invalidated - before.captures_invalidated, 1);
+  EXPECT_EQ(after.graph_launches, before.graph_launches);
+  EXPECT_EQ(Read(*b), std::vector<float>(64, 7.0f));
 }
 
 TEST_F(StepGraphTest, ABackendWithoutCaptureIsUnsupported) {

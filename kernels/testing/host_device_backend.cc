@@ -791,6 +791,54 @@ struct SyncPoint<int (*)(const DiondOpsCall*, A...), Fn> {
   }
 };
 
+// The queued host copies: as Queued, except that under capture the host range must be
+// host_register'ed (pinned), as CUDA's: it cannot capture a copy of pageable memory (the runtime
+// stages such a copy synchronously), so the entry is refused and the capture invalidated.
+bool RefusePageableWhileCapturing(const DiondOpsCall* call, const void* host, size_t bytes,
+                                  int* rc) {
+  {
+    std::lock_guard<std::mutex> lock(Qs().mu);
+    if (Capturing().count(call->stream) == 0) return false;
+  }
+  bool pinned = false;
+  {
+    State& st = St();
+    std::lock_guard<std::mutex> lock(st.mu);
+    const uintptr_t a = reinterpret_cast<uintptr_t>(host);
+    auto it = st.host_ranges.upper_bound(a);
+    if (it != st.host_ranges.begin()) {
+      --it;
+      pinned = a >= it->first && a + bytes <= it->first + it->second;
+    }
+  }
+  if (pinned) return false;
+  std::lock_guard<std::mutex> lock(Qs().mu);
+  auto it = Capturing().find(call->stream);
+  if (it != Capturing().end() && it->second.invalid.empty()) {
+    it->second.invalid = "a copy of pageable (unregistered) host memory was captured";
+  }
+  {
+    std::lock_guard<std::mutex> c(St().mu);
+    ++St().counters.captures_invalidated;
+  }
+  *rc = Fail(call, DIOND_OPS_FAILED_PRECONDITION,
+             "host-test device: a copy of pageable host memory cannot be captured (register it "
+             "with host_register)");
+  return true;
+}
+int CopyFromHostAsyncQueued(const DiondOpsCall* call, const void* host, void* dst, size_t bytes) {
+  int rc = DIOND_OPS_OK;
+  if (!CheckStream(call, &rc)) return rc;
+  if (RefusePageableWhileCapturing(call, host, bytes, &rc)) return rc;
+  return Queued<decltype(&CopyFromHostAsync), &CopyFromHostAsync>::Entry(call, host, dst, bytes);
+}
+int CopyToHostAsyncQueued(const DiondOpsCall* call, const void* src, void* host, size_t bytes) {
+  int rc = DIOND_OPS_OK;
+  if (!CheckStream(call, &rc)) return rc;
+  if (RefusePageableWhileCapturing(call, host, bytes, &rc)) return rc;
+  return Queued<decltype(&CopyToHostAsync), &CopyToHostAsync>::Entry(call, src, host, bytes);
+}
+
 int GatherQueued(const DiondOpsCall* call, DiondIn a, int32_t axis, const int64_t* idx,
                  int64_t count, DiondOut out) {
   int rc = DIOND_OPS_OK;
@@ -1007,8 +1055,8 @@ const DiondOpsApiV1 kOps = {
     &GraphLaunch,
     &GraphDestroy,
     // asynccopy
-    DIOND_QUEUED(CopyFromHostAsync),
-    DIOND_QUEUED(CopyToHostAsync),
+    &CopyFromHostAsyncQueued,
+    &CopyToHostAsyncQueued,
     DIOND_QUEUED(AllFiniteFlag),
     DIOND_QUEUED(WidenScaleCheckFiniteFlag),
     // version 7

@@ -30,6 +30,12 @@
 // wait shows at once (stale bytes, a changed copy), as it would on a GPU. Entries on the default
 // (null) stream run at once. A queued entry's failure is returned by the next wait.
 //
+// STREAM CAPTURE (graph_*): while a stream captures, its queued entries are appended to the
+// capture instead (nothing runs), a sync point on it fails and invalidates the capture, and so
+// does a queued host copy whose host range is not host_register'ed (CUDA cannot capture a copy
+// of pageable memory). A launch queues the captured closures again; a replayed copy counts as a
+// copy.
+//
 // Counters make the device traffic observable to tests (copies, bytes, syncs, streams).
 #ifndef DIOND_KERNELS_TESTING_HOST_DEVICE_BACKEND_H_
 #define DIOND_KERNELS_TESTING_HOST_DEVICE_BACKEND_H_

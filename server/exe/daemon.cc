@@ -234,8 +234,12 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   };
   observer.on_step = [metrics, device_report](const std::string&, const session::StepResult& r) {
     if (device_report) device_report();
-    if (!r.replayed && !r.graph_fallback.empty()) metrics->CountGraphFallback(r.graph_fallback);
-    if (!r.replayed && !r.graph_step.empty()) metrics->CountGraphStep(r.graph_step);
+    if (!r.replayed) {
+      for (const auto& [phase, reason] : r.graph_fallbacks) {
+        metrics->CountGraphFallback(phase, reason);
+      }
+      for (const auto& [phase, mode] : r.graph_steps) metrics->CountGraphStep(phase, mode);
+    }
     metrics->ObserveStep(r.replayed ? "replayed" : r.skipped ? "skipped" : "applied",
                          r.total_micros * 1e-6, r.compute_micros * 1e-6);
     if (!r.replayed && r.checksum_mismatches > 0) {

@@ -70,8 +70,8 @@ struct DaemonOptions {
   std::string world_secret_file;            // the world's shared secret (Peer service)
   int64_t max_stream_bytes = int64_t{4} << 30;  // one PushGradients/SetState stream; 0 = no cap
   int rpc_handler_threads = 64;  // the Optimizer service's handler pool (server/rpc/handler_pool.h)
-  // Device sessions replay their update as a captured graph where they can (docs/GPU.md "CUDA
-  // graphs"); false: every step runs eagerly.
+  // Device sessions replay their step's phases as captured graphs where they can (docs/GPU.md
+  // "CUDA graphs"); false: every step runs eagerly.
   bool step_graphs = true;
   // The fd channel (docs/DATA_PLANE.md): its socket path; empty = "<first Unix --listen
   // path>.fd" (none without a Unix listen address); "none" = no fd channel.

@@ -110,9 +110,9 @@ ABSL_FLAG(int32_t, rpc_handler_threads, 64,
           "Most threads running the Optimizer service's calls (a call waiting for its world's "
           "peers or a collective holds one; past the cap calls wait their turn). 1 to 4096.");
 ABSL_FLAG(bool, step_graphs, true,
-          "Device daemons: from its second step, a session's update is captured once as a "
-          "device graph and replayed with its new scalars (docs/GPU.md); false runs every step "
-          "eagerly.");
+          "Device daemons: from its second step, a session's step runs as captured device graphs "
+          "(its reads, its update replayed with each step's scalars, its write-back; "
+          "docs/GPU.md); false runs every step eagerly.");
 ABSL_FLAG(int64_t, max_stream_bytes, int64_t{4} << 30,
           "Most bytes one PushGradients or SetState stream may carry (they are buffered until "
           "the stream ends); more is RESOURCE_EXHAUSTED. A stream is also bounded by the "

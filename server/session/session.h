@@ -351,16 +351,31 @@ class Session {
   const kernels::Context* DeviceUpdateContext() const;
   // The pool's numbers of the last failed device allocation ("" for a host session).
   std::string DeviceAllocationError() const;
-  // At a device session's second step: whether its update phase can be captured and replayed
-  // as a graph (docs/GPU.md "CUDA graphs"). "" when it may (a kernels::StepGraph is made, and
-  // StagePhase tries it); else the fallback reason ("unsupported", "world": compressed Dion),
-  // with one log line,
-  // and the steps run eagerly. A fallback found later by StagePhase ("sync_point",
-  // "capture_failed") is kept the same way. Returned again until a successful step carried it
-  // (GraphFallbackReported), "" afterwards.
-  std::string DecideStepGraph();
-  // A successful step's result carried DecideStepGraph's reason (later steps carry none).
-  void GraphFallbackReported();
+  // One Step's working set, passed through its phases (docs/ARCHITECTURE.md §2;
+  // session_internal.h).
+  struct StepRun;
+  // The phases of a device step that can run as captured graphs (docs/GPU.md "CUDA graphs").
+  enum class GraphPhase { kRead, kUpdate, kWrite };
+  // At a device session's second step, and when its regions changed since: which phases may be
+  // captured and replayed as graphs (a kernels::StepGraph is made for each; RunPhaseGraph tries
+  // it), and why the others run eagerly ("unsupported", "world": compressed Dion, "pageable":
+  // the read and write phases copy host memory that is not pinned), one log line each. Every
+  // lasting fallback (these, and those RunPhaseGraph finds: "sync_point", "capture_failed") goes
+  // into run.result.graph_fallbacks until a successful step carried it.
+  void DecideStepGraphs(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A successful step's result carried the fallbacks (later steps carry none).
+  void GraphFallbacksReported();
+  // Runs `body` (re-runnable: a recording runs it before the capture) through the phase's graph
+  // when it has one: replayed or captured, else eagerly (for good, unless the recording itself
+  // failed), after `undo` dropped what the passes set up. Without a graph: `body` eagerly.
+  absl::Status RunPhaseGraph(StepRun& run, GraphPhase which,
+                             const std::function<absl::Status()>& body,
+                             const std::function<void()>& undo) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The identity of the host memory the read and write phases copy, and why it cannot be in a
+  // graph ("" when all of it is pinned: CUDA regions, registered shm / memfd regions, the
+  // session's host words; and no master weights).
+  std::string HostGraphKey() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::string UnpinnedHostMemory() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // ---- world device sessions (session_device.cc; used by session_world.cc) ----
   // A world session's phases run their collectives on host buffers (Gloo). On a device session
   // these move `n` fp32 values between a step's device tensor (staging, state-side pointers of
@@ -445,8 +460,7 @@ class Session {
                                         absl::Time start) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // ---- the step (session_step.cc; the world's phases in session_world.cc) ----
-  // One Step's working set, passed through its phases (docs/ARCHITECTURE.md §2).
-  struct StepRun;
+  // (StepRun, one Step's working set passed through its phases, is declared above.)
   // Phase 1: the request against the session (order of step_index, gradient_scale, the
   // overrides, the bindings, the regions' size). Sets *replay when the request repeats the
   // recorded last step.
@@ -464,8 +478,9 @@ class Session {
   // through the scratch buffers.
   absl::Status ReadParametersPhase(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Phase 6: every group's update staged (GroupOptimizer::Stage); nothing changes yet.
-  // StageGroups through the session's StepGraph when it has one (session_device.cc): replayed
-  // or captured, else (and from then on, unless the step itself failed) run eagerly.
+  // StageGroups (and, in a local device session, QueueStagedWeights) through the update phase's
+  // graph when the session has one (RunPhaseGraph): replayed or captured, else (and from then
+  // on, unless the step itself failed) run eagerly.
   absl::Status StagePhase(StepRun& run, const kernels::Context& ctx)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Every group's GroupOptimizer::Stage; the first failure, named. Re-runnable (a recording
@@ -476,13 +491,22 @@ class Session {
   absl::Status StageUpdatesPhase(StepRun& run, const kernels::Context& ctx)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Phase 7: the new weights into the arenas (GroupOptimizer::WriteStagedParams, then the
-  // narrowing of non-f32 parameters); the state is still unchanged.
+  // narrowing of non-f32 parameters); the state is still unchanged. (A local device session
+  // wrote them into its staging in StagePhase, QueueStagedWeights.)
   void WriteWeightsPhase(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // After the exchange: the weights of other dtypes (and the master weights' narrowed copies)
   // into the arena; a device session: every new weight back from the device staging.
   absl::Status WriteOtherWeightsPhase(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Device sessions: phases 3, 5 and the write-back through the device staging.
   absl::Status ReadGradientsToDevice(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The read phase's queued work (the gradients' and parameters' copies, widenings and scans,
+  // the flag's read-back into the host words), and the write phase's (the new weights' copies
+  // into the trainer's memory, narrowed on the device).
+  absl::Status QueueStepReads(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status QueueWeightCopies() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A local device session: every staged group's new weights into the staging, with the norms'
+  // read-back queued into the host words (GroupOptimizer::WriteStagedParamsDeferringNorm).
+  void QueueStagedWeights(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status ReadParametersToDevice(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The new weights device -> host: narrowed on the device into the trainer's dtype and copied
   // into its arena; master weights copied to param_scratch_ for the commit's swap.

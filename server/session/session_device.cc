@@ -11,10 +11,13 @@
 //
 // The step's host <-> device copies are stream-ordered (docs/GPU.md "Sync points"): every
 // gradient and parameter copy host -> device is queued on the session stream, the finiteness of
-// every gradient is OR-ed into one device flag, and the flag is read back once (one host sync,
-// which completes the copies) before the rules run; the new weights device -> host are queued
-// too and waited for once before the answer. The synchronous helpers (CopyToDevice /
-// CopyToHost) stay for the copies outside a step (SetState, PullParameters, the probe).
+// every gradient is OR-ed into one device flag, and the flag's read-back into the session's
+// pinned host words is queued last and waited for once (which completes the copies) before the
+// rules run; the new weights device -> host are queued too and waited for once before the
+// answer. From the second step these three phases (read, update, write) run as captured graphs
+// where they can (DecideStepGraphs, RunPhaseGraph; docs/GPU.md "CUDA graphs"). The synchronous
+// helpers (CopyToDevice / CopyToHost) stay for the copies outside a step (SetState,
+// PullParameters, the probe).
 #include <algorithm>
 #include <cstring>
 
@@ -44,9 +47,15 @@ struct Session::DeviceSide {
   // tensor's worth of trainer-dtype bytes for the widening and narrowing.
   kernels::Buffer grads, params, raw;
   // One f32 on the device: 1 when a gradient of this step was found non-finite (AllFiniteFlag),
-  // read back once per step into nonfinite_host.
+  // read back once per step into words[0].
   kernels::Buffer nonfinite;
-  float nonfinite_host = 0.0f;
+  // The step's host words, in one page-aligned block of the session's, pinned with host_register
+  // where the backend has it (words_pinned), so that the copies into them can be part of a
+  // captured graph: [0] the non-finite flag's read-back, [1 + ...] the groups' Σ(Δx)² read-backs
+  // in a local session (WriteStagedParamsDeferringNorm), group after group.
+  float* words = nullptr;
+  size_t words_bytes = 0;
+  bool words_pinned = false;
   // The world phases' device buffers (Session::DeviceWorldBuffer), made on first use.
   kernels::Buffer world[static_cast<size_t>(WorldBuffer::kCount)];
   // The step's parameter reads were queued with its gradient reads (ReadGradientsToDevice), so
@@ -54,12 +63,23 @@ struct Session::DeviceSide {
   bool params_queued = false;
   std::vector<int64_t> offset;
   int64_t staging_bytes = 0;
-  bool graph_decided = false;  // DecideStepGraph ran
-  std::string graph_reason;    // the fallback reason (DecideStepGraph's or StagePhase's)
-  // The update phase's graphs (kernels/graph.h), made by DecideStepGraph when the step may be
-  // captured; dropped at a lasting fallback.
-  std::unique_ptr<kernels::StepGraph> graph;
-  bool graph_reported = false;  // a successful step's result carried it (counted once)
+  // The step's phases as captured graphs (kernels/graph.h, docs/GPU.md "CUDA graphs"): kRead
+  // (the uploads, widenings and scans, and the flag's read-back), kUpdate (the rules; in a local
+  // session also the new weights into the staging and the norms' read-back) and kWrite (the new
+  // weights back into the trainer's memory). Each decided by DecideStepGraphs at the second step.
+  struct PhaseGraph {
+    explicit PhaseGraph(const char* n) : name(n) {}
+    const char* name;
+    std::unique_ptr<kernels::StepGraph> graph;  // null: the phase runs eagerly
+    bool decided = false;
+    std::string reason;     // why the phase runs eagerly for good ("" while it may be a graph)
+    bool reported = false;  // a successful step's result carried `reason` (counted once)
+  };
+  PhaseGraph phases[3] = {PhaseGraph("read"), PhaseGraph("update"), PhaseGraph("write")};
+  PhaseGraph& phase(GraphPhase p) { return phases[static_cast<int>(p)]; }
+  // The host memory the read and write graphs copy (regions and their registrations), as of
+  // their decision: a different key drops those graphs and decides them again.
+  std::string host_key;
   // The trainer's interprocess events of the last Step that named them (PrepareEventsLocked):
   // the handle and the event opened from it; destroyed with the session or when the trainer
   // names another.
@@ -80,7 +100,7 @@ struct Session::DeviceSide {
 
 void Session::DeviceSideDeleter::operator()(DeviceSide* d) const {
   if (d == nullptr) return;
-  d->graph.reset();  // its executable graphs and scalar blocks, before the context and stream
+  for (auto& p : d->phases) p.graph.reset();  // graphs and scalar blocks, before the stream
   d->grads.Reset();
   d->params.Reset();
   d->raw.Reset();
@@ -94,6 +114,14 @@ void Session::DeviceSideDeleter::operator()(DeviceSide* d) const {
     }
   }
   if (d->stream != nullptr && d->hooks.destroy_stream) d->hooks.destroy_stream(d->device, d->stream);
+  if (d->words != nullptr) {
+    if (d->words_pinned && d->hooks.host_unregister) {
+      if (absl::Status s = d->hooks.host_unregister(d->device, d->words); !s.ok()) {
+        DIOND_LOG(WARNING) << "host_unregister of a session's host words failed: " << s.message();
+      }
+    }
+    std::free(d->words);
+  }
   delete d;
 }
 
@@ -132,80 +160,166 @@ std::string Session::DeviceAllocationError() const {
   return device_->hooks.last_allocation_error();
 }
 
-std::string Session::DecideStepGraph() {
-  DeviceSide& d = *device_;
-  if (d.graph_decided) return d.graph_reported ? "" : d.graph_reason;
-  d.graph_decided = true;
-  std::string reason, why;
-  if (!d.hooks.begin_capture || !d.hooks.end_capture || !d.hooks.launch_graph ||
-      d.stream == nullptr) {
-    reason = "unsupported";
-    why = "the device backend has no stream capture (or --step_graphs=false)";
-  } else if (!d.hooks.rules_on_device) {
-    reason = "unsupported";
-    why = "the update rules do not run on the device context";
-  } else if (world_.has_value() &&
-             std::find(world_->replicated.begin(), world_->replicated.end(), true) !=
-                 world_->replicated.end()) {
-    reason = "world";
-    why = "compressed Dion averages P and R with the other ranks inside its update, which a "
-          "captured graph of one daemon cannot hold";
-  } else {
-    // (A world session's collectives run between the phases, outside the captured update.)
-    // The first Run of the graph (StagePhase, this step) captures, or says why it cannot.
-    kernels::GraphHooks gh;
-    gh.begin_capture = d.hooks.begin_capture;
-    gh.end_capture = d.hooks.end_capture;
-    gh.launch = d.hooks.launch_graph;
-    gh.destroy = d.hooks.destroy_graph;
-    d.graph = std::make_unique<kernels::StepGraph>(d.ctx.get(), std::move(gh));
-    return "";
-  }
-  DIOND_LOG(INFO) << "session " << id_ << ": steps run eagerly, not as a captured graph (reason "
-                  << reason << ": " << why << ")";
-  d.graph_reason = reason;
-  return reason;
+std::string Session::HostGraphKey() const {
+  // A binding's identity: its region id (new at every registration), where it is mapped, its
+  // DMA registration, and a CUDA region's device memory.
+  auto one = [](const Binding& b) {
+    return absl::StrCat(b.region_id, "@", reinterpret_cast<uintptr_t>(b.data), "/",
+                        reinterpret_cast<uintptr_t>(b.dma.get()), "/",
+                        b.cuda != nullptr ? reinterpret_cast<uintptr_t>(b.cuda->data()) : 0);
+  };
+  return absl::StrCat(one(params_), ";", one(grads_));
 }
 
-absl::Status Session::StagePhase(StepRun& run, const kernels::Context& ctx) {
-  if (device_ == nullptr || device_->graph == nullptr) return StageGroups(run, ctx);
+std::string Session::UnpinnedHostMemory() const {
+  const DeviceSide& d = *device_;
+  if (!d.words_pinned) return "the session's host words are not registered for DMA";
+  for (const auto& m : master_) {
+    if (!m.empty()) return "the master weights are pageable host memory";
+  }
+  for (Role r : {Role::kParameters, Role::kGradients}) {
+    const Binding& b = r == Role::kParameters ? params_ : grads_;
+    if (b.cuda != nullptr || b.data == nullptr || b.dma != nullptr) continue;
+    return absl::StrCat("the ", RoleName(r), " ",
+                        b.region != nullptr ? b.region->Describe()
+                                            : std::string("host arena of the streamed path"),
+                        " is not registered for DMA (pinned)");
+  }
+  return "";
+}
+
+void Session::DecideStepGraphs(StepRun& run) {
   DeviceSide& d = *device_;
-  absl::StatusOr<kernels::StepGraph::Outcome> out =
-      d.graph->Run([&] { return StageGroups(run, ctx); });
+  if (std::string key = HostGraphKey(); key != d.host_key) {
+    // The regions changed since the phases that copy host memory were decided: their graphs
+    // hold the old addresses. Decided again below.
+    for (GraphPhase p : {GraphPhase::kRead, GraphPhase::kWrite}) {
+      DeviceSide::PhaseGraph& pg = d.phase(p);
+      pg.graph.reset();
+      pg.decided = false;
+      pg.reason.clear();
+      pg.reported = false;
+    }
+    d.host_key = std::move(key);
+  }
+  const bool capture = d.hooks.begin_capture && d.hooks.end_capture && d.hooks.launch_graph &&
+                       d.stream != nullptr;
+  for (GraphPhase p : {GraphPhase::kRead, GraphPhase::kUpdate, GraphPhase::kWrite}) {
+    DeviceSide::PhaseGraph& pg = d.phase(p);
+    if (!pg.decided) {
+      pg.decided = true;
+      std::string reason, why;
+      if (!capture) {
+        reason = "unsupported";
+        why = "the device backend has no stream capture (or --step_graphs=false)";
+      } else if (p == GraphPhase::kUpdate && !d.hooks.rules_on_device) {
+        reason = "unsupported";
+        why = "the update rules do not run on the device context";
+      } else if (p == GraphPhase::kUpdate && world_.has_value() &&
+                 std::find(world_->replicated.begin(), world_->replicated.end(), true) !=
+                     world_->replicated.end()) {
+        reason = "world";
+        why = "compressed Dion averages P and R with the other ranks inside its update, which a "
+              "captured graph of one daemon cannot hold";
+      } else if (p != GraphPhase::kUpdate) {
+        why = UnpinnedHostMemory();
+        if (!why.empty()) reason = "pageable";
+      }
+      if (reason.empty()) {
+        // (A world session's collectives run between the phases, outside the graphs.) The
+        // phase's first Run (this step) captures, or says why it cannot.
+        kernels::GraphHooks gh;
+        gh.begin_capture = d.hooks.begin_capture;
+        gh.end_capture = d.hooks.end_capture;
+        gh.launch = d.hooks.launch_graph;
+        gh.destroy = d.hooks.destroy_graph;
+        kernels::StepGraph::Options o;
+        // The read and write phases copy the trainer's (pinned) memory; a local session's update
+        // reads its norms back into the pinned host words.
+        o.host_copies = p != GraphPhase::kUpdate || !world_.has_value();
+        pg.graph = std::make_unique<kernels::StepGraph>(d.ctx.get(), std::move(gh), o);
+      } else {
+        DIOND_LOG(INFO) << "session " << id_ << ": the " << pg.name << " phase of its steps runs "
+                        << "eagerly, not as a captured graph (reason " << reason << ": " << why
+                        << ")";
+        pg.reason = reason;
+        pg.reported = false;
+      }
+    }
+    if (!pg.reason.empty() && !pg.reported) run.result.graph_fallbacks.emplace_back(pg.name, pg.reason);
+  }
+}
+
+absl::Status Session::RunPhaseGraph(StepRun& run, GraphPhase which,
+                                    const std::function<absl::Status()>& body,
+                                    const std::function<void()>& undo) {
+  if (device_ == nullptr || device_->phase(which).graph == nullptr) return body();
+  DeviceSide::PhaseGraph& pg = device_->phase(which);
+  absl::StatusOr<kernels::StepGraph::Outcome> out = pg.graph->Run(body);
   if (!out.ok()) {
-    // The graph was chosen, and its upload or launch failed: what it queued is not trusted
-    // (StageUpdatesPhase discards the staged groups).
+    // The graph was chosen, and its upload or launch failed: what it queued is not trusted (the
+    // caller fails the step; nothing is committed).
     return absl::Status(out.status().code(),
-                        absl::StrCat(run.when, ": launching the update's graph failed: ",
+                        absl::StrCat(run.when, ": launching the ", pg.name, " phase's graph failed: ",
                                      out.status().message(), "; the step was not applied"));
   }
   if (out->mode != kernels::StepGraph::Mode::kEager) {
     const bool captured = out->mode == kernels::StepGraph::Mode::kCaptured;
-    run.result.graph_step = captured ? "captured" : "replayed";
+    run.result.graph_steps.emplace_back(pg.name, captured ? "captured" : "replayed");
     if (captured) {
-      DIOND_LOG(INFO) << "session " << id_ << ": " << run.when << ": the update was captured as a "
-                      << "graph (" << out->ops << " ops, " << out->records
-                      << " scalar records; " << d.graph->graphs() << " graph(s) held)";
+      DIOND_LOG(INFO) << "session " << id_ << ": " << run.when << ": the " << pg.name
+                      << " phase was captured as a graph (" << out->ops << " ops, "
+                      << out->records << " scalar records; " << pg.graph->graphs()
+                      << " graph(s) held)";
     }
     return absl::OkStatus();
   }
   if (out->reason != "phase_failed") {
-    // A lasting reason: this session's steps run eagerly from now on.
-    DIOND_LOG(INFO) << "session " << id_ << ": steps run eagerly, not as a captured graph (reason "
-                    << out->reason << ": " << out->detail << ")";
-    d.graph.reset();
-    d.graph_reason = out->reason;
-    d.graph_reported = false;
-    run.result.graph_fallback = out->reason;
+    // A lasting reason: this phase runs eagerly from now on.
+    DIOND_LOG(INFO) << "session " << id_ << ": the " << pg.name << " phase of its steps runs "
+                    << "eagerly, not as a captured graph (reason " << out->reason << ": "
+                    << out->detail << ")";
+    pg.graph.reset();
+    pg.reason = out->reason;
+    pg.reported = false;
+    run.result.graph_fallbacks.emplace_back(pg.name, pg.reason);
   }
-  // Nothing of the update ran (a recording or a failed capture executes nothing): drop what
-  // the passes staged (buffers never computed) and run it now.
-  DiscardStep(run);
-  return StageGroups(run, ctx);
+  // Nothing of the phase ran (a recording or a failed capture executes nothing): undo what the
+  // passes set up on the host, and run it now.
+  if (undo) undo();
+  return body();
 }
 
-void Session::GraphFallbackReported() {
-  if (device_ != nullptr) device_->graph_reported = true;
+absl::Status Session::StagePhase(StepRun& run, const kernels::Context& ctx) {
+  // A local device session also writes the new weights into the staging here, with the norms'
+  // read-back (WriteWeightsPhase leaves them): one graph from the rules to the new weights.
+  const bool local_device = device_ != nullptr && !world_.has_value();
+  auto body = [&]() -> absl::Status {
+    DIOND_RETURN_IF_ERROR(StageGroups(run, ctx));
+    if (local_device) QueueStagedWeights(run);
+    return absl::OkStatus();
+  };
+  return RunPhaseGraph(run, GraphPhase::kUpdate, body, [&] { DiscardStep(run); });
+}
+
+void Session::QueueStagedWeights(StepRun& run) {
+  DeviceSide& d = *device_;
+  // A local device session: the norms' read-back is queued with the new weights' copies and
+  // summed after the step's final wait (WriteWeightsFromDevice), one host wait less per group
+  // (docs/GPU.md "Sync points"), into the pinned host words (group after group).
+  size_t word = 1;
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    if (!run.staged[gi]) continue;
+    const size_t n = run.group_params[gi].size();
+    assert(word + n <= d.words_bytes / sizeof(float));
+    groups_[gi].optimizer->WriteStagedParamsDeferringNorm(run.group_params[gi], d.words + word);
+    word += n;
+  }
+}
+
+void Session::GraphFallbacksReported() {
+  if (device_ == nullptr) return;
+  for (auto& p : device_->phases) p.reported = true;
 }
 
 namespace {
@@ -283,6 +397,23 @@ absl::Status Session::InitDeviceSide(const kernels::Context& ctx, const DeviceHo
   auto flag = d->ctx->Allocate(DType::kF32, {1});
   if (!flag.ok()) return fail(flag.status());
   d->nonfinite = std::move(*flag);
+  // The host words: the flag and one Σ(Δx)² per parameter, whole pages.
+  constexpr size_t kPage = 4096;
+  d->words_bytes = ((1 + layout_.tensors.size()) * sizeof(float) + kPage - 1) / kPage * kPage;
+  d->words = static_cast<float*>(std::aligned_alloc(kPage, d->words_bytes));
+  if (d->words == nullptr) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the session's host words (", d->words_bytes, " bytes) could not be allocated"));
+  }
+  std::memset(d->words, 0, d->words_bytes);
+  if (hooks.host_register) {
+    if (absl::Status s = hooks.host_register(d->device, d->words, d->words_bytes); s.ok()) {
+      d->words_pinned = true;
+    } else {
+      DIOND_LOG(WARNING) << "session " << id_ << ": its host words could not be registered for "
+                         << "DMA; its step phases run eagerly: " << s.message();
+    }
+  }
   d->staging_bytes = DeviceStagingBytesFor(layout_);
   device_ = std::move(d);
   return absl::OkStatus();
@@ -456,19 +587,31 @@ absl::Status Session::RecordDoneEvent(const StepRequest& request) {
 
 absl::Status Session::ReadGradientsToDevice(StepRun& run) {
   DeviceSide& d = *device_;
-  const kernels::Context& dc = *d.ctx;
-  const size_t n = layout_.tensors.size();
-  run.grads.assign(n, nullptr);
   d.params_queued = false;
   // The trainer's gradients are ready once its ready_event completes: everything this step
   // runs on the session stream is ordered after it.
   DIOND_RETURN_IF_ERROR(WaitReadyEvent(*run.request));
+  DIOND_RETURN_IF_ERROR(
+      RunPhaseGraph(run, GraphPhase::kRead, [&] { return QueueStepReads(run); }, nullptr));
+  d.params_queued = true;
+  // The step's one host wait before the update: the flag is back, after every copy and scan
+  // queued before it.
+  DIOND_RETURN_IF_ERROR(SyncStream(*d.ctx));
+  run.finite = d.words[0] == 0.0f;
+  return CheckRegions(run.when, Role::kGradients);
+}
+
+absl::Status Session::QueueStepReads(StepRun& run) {
+  DeviceSide& d = *device_;
+  const kernels::Context& dc = *d.ctx;
+  const size_t n = layout_.tensors.size();
+  run.grads.assign(n, nullptr);
   // A CUDA GRADIENTS region lies on this device: its f32 gradients are read in place (as a host
   // session reads a shm arena), the others widened / scaled straight from it into the staging,
   // all on the session stream: device to device, no host copy. From host memory: one queued
   // copy per gradient (into the staging, or into the conversion buffer that the widening reads
   // next: the stream orders the next tensor's copy after it). Every scan ORs into one device
-  // flag; nothing is waited for until the flag is read back.
+  // flag, whose read-back is queued last.
   const CudaRegion* cuda = grads_.cuda.get();
   const kernels::TensorView flag = DeviceView(d.device, DType::kF32, d.nonfinite.data(), 1);
   {
@@ -506,16 +649,9 @@ absl::Status Session::ReadGradientsToDevice(StepRun& run) {
     }
   }
   // The parameters' reads are queued behind the gradients' (a skipped step only wrote the
-  // staging), so that the one wait below completes every host -> device copy of the step.
+  // staging), so that the one wait that follows completes every host -> device copy of the step.
   DIOND_RETURN_IF_ERROR(DeviceSide::QueueParameterReads(*this, run));
-  d.params_queued = true;
-  {
-    // The step's one host wait before the update: the flag comes back, after every copy and
-    // scan queued before it.
-    DIOND_RETURN_IF_ERROR(CopyToHost(dc, d.nonfinite.data(), &d.nonfinite_host, sizeof(float)));
-  }
-  run.finite = d.nonfinite_host == 0.0f;
-  return CheckRegions(run.when, Role::kGradients);
+  return CopyToHostAsync(dc, d.nonfinite.data(), d.words, sizeof(float));
 }
 
 absl::Status Session::DeviceSide::QueueParameterReads(Session& s, StepRun& run) {
@@ -576,11 +712,26 @@ absl::Status Session::ReadParametersToDevice(StepRun& run) {
 
 absl::Status Session::WriteWeightsFromDevice(StepRun& run) {
   DeviceSide& d = *device_;
+  DIOND_RETURN_IF_ERROR(
+      RunPhaseGraph(run, GraphPhase::kWrite, [&] { return QueueWeightCopies(); }, nullptr));
+  // The step's one host wait after the update: the trainer's arena (and the next master
+  // weights) hold the new bytes when the answer leaves. Over a CUDA PARAMETERS region too: a
+  // trainer without a done_event takes the answer as "the weights are written". The groups'
+  // Σ(Δx)² read-backs (queued by QueueStagedWeights) are complete with it.
+  DIOND_RETURN_IF_ERROR(SyncStream(*d.ctx));
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    if (run.staged[gi]) groups_[gi].optimizer->FinishStagedNorm();
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Session::QueueWeightCopies() {
+  DeviceSide& d = *device_;
   const kernels::Context& dc = *d.ctx;
   CudaRegion* cuda = params_.cuda.get();
   // Every copy device -> host is queued (narrowed first on the device where the trainer's dtype
-  // is not f32: the conversion buffer is reused tensor after tensor in stream order), then
-  // waited for once.
+  // is not f32: the conversion buffer is reused tensor after tensor in stream order); the
+  // caller waits once.
   for (size_t i = 0; i < layout_.tensors.size(); ++i) {
     const TensorPlacement& t = layout_.tensors[i];
     const float* src = d.param(i);
@@ -607,14 +758,6 @@ absl::Status Session::WriteWeightsFromDevice(StepRun& run) {
       DIOND_RETURN_IF_ERROR(CopyToHostAsync(
           dc, d.raw.data(), arena, static_cast<size_t>(t.numel) * kernels::DTypeSize(t.dtype)));
     }
-  }
-  // The step's one host wait after the update: the trainer's arena (and the next master
-  // weights) hold the new bytes when the answer leaves. Over a CUDA PARAMETERS region too: a
-  // trainer without a done_event takes the answer as "the weights are written". The groups'
-  // Σ(Δx)² read-backs (queued by WriteStagedParamsDeferringNorm) are complete with it.
-  DIOND_RETURN_IF_ERROR(SyncStream(dc));
-  for (size_t gi = 0; gi < groups_.size(); ++gi) {
-    if (run.staged[gi]) groups_[gi].optimizer->FinishStagedNorm();
   }
   return absl::OkStatus();
 }

@@ -68,9 +68,9 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequest& request,
   run.scale = static_cast<float>(scale);
   run.scaled = scale != 1.0;
   run.result.step_index = request.step_index;
-  // After the first step: whether the update may run as a captured graph (StagePhase tries it),
-  // or why it runs eagerly.
-  if (device_ != nullptr && last_step_index_ >= 1) run.result.graph_fallback = DecideStepGraph();
+  // After the first step: which phases may run as captured graphs (RunPhaseGraph tries them),
+  // and why the others run eagerly.
+  if (device_ != nullptr && last_step_index_ >= 1) DecideStepGraphs(run);
 
   DIOND_RETURN_IF_ERROR(JoinWorldPhase(run));
   // The phases that only compute run on the daemon's compute thread (compute_thread.h); the
@@ -89,7 +89,7 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequest& request,
     DIOND_RETURN_IF_ERROR(RecordDoneEvent(*run.request));
     if (run.comm != nullptr) run.result.world_bytes_sent = run.comm->TakeBytesSent();
     run.result.total_micros = absl::ToInt64Microseconds(absl::Now() - start);
-    if (!run.result.graph_fallback.empty()) GraphFallbackReported();
+    if (!run.result.graph_fallbacks.empty()) GraphFallbacksReported();
     last_step_index_ = request.step_index;
     last_result_ = run.result;
     return run.result;
@@ -310,7 +310,7 @@ absl::Status Session::ReadParametersPhase(StepRun& run) {
 
 absl::Status Session::StageUpdatesPhase(StepRun& run, const kernels::Context& ctx) {
   const absl::Time compute_start = absl::Now();
-  // Every group's Stage, as a captured graph where the session has one (session_device.cc).
+  // Every group's Stage, as a captured graph where the session can (session_device.cc).
   absl::Status s = StagePhase(run, ctx);
   run.result.compute_micros = absl::ToInt64Microseconds(absl::Now() - compute_start);
   if (s.ok()) return s;
@@ -401,17 +401,13 @@ absl::Status Session::StageGroups(StepRun& run, const kernels::Context& ctx) {
 }
 
 void Session::WriteWeightsPhase(StepRun& run) {
+  // A local device session wrote its new weights into the staging with its update
+  // (StagePhase, QueueStagedWeights).
+  if (device_ != nullptr && !world_.has_value()) return;
   const absl::Time start = absl::Now();
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     if (!run.staged[gi]) continue;
     optim::GroupOptimizer& opt = *groups_[gi].optimizer;
-    if (device_ != nullptr && !world_.has_value()) {
-      // A local device session: the norms' read-back is queued with the new weights' copies
-      // and summed after the step's final wait (WriteWeightsFromDevice), one host wait less per
-      // group (docs/GPU.md "Sync points").
-      opt.WriteStagedParamsDeferringNorm(run.group_params[gi]);
-      continue;
-    }
     opt.WriteStagedParams(run.group_params[gi]);
     // A world: this rank's share of the squared norm (a group every rank steps is counted on
     // rank 0 only).
@@ -442,7 +438,7 @@ StepResult Session::CommitStepPhase(StepRun& run) {
         world_.has_value() ? std::sqrt(run.update_sq[gi]) : g.optimizer->last_update_norm();
   }
   run.result.total_micros = absl::ToInt64Microseconds(absl::Now() - run.start);
-  if (!run.result.graph_fallback.empty()) GraphFallbackReported();
+  if (!run.result.graph_fallbacks.empty()) GraphFallbacksReported();
   last_step_index_ = run.result.step_index;
   last_result_ = run.result;
   return run.result;

@@ -8,6 +8,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -116,14 +117,15 @@ struct StepResult {
   bool queued = false;  // an asynchronous step: validated and queued, not run yet
   // The queued asynchronous step's result, collected by this call (at most one).
   std::vector<StepResult> previous;
-  // Device sessions: set on the step where the session decided to run its steps eagerly
-  // instead of replaying a captured graph: "unsupported" (the backend cannot capture),
-  // "sync_point" (the update calls an op that waits for the device), "capture_failed", "world"
-  // (a world session with compressed Dion). Empty otherwise.
-  std::string graph_fallback;
-  // Device sessions: "captured" or "replayed" when the step's update ran as a graph (docs/GPU.md
-  // "CUDA graphs"), empty when it ran eagerly.
-  std::string graph_step;
+  // Device sessions (docs/GPU.md "CUDA graphs"): a step runs in three phases that can each be
+  // a captured graph, "read" (the uploads and scans), "update" (the rules) and "write" (the new
+  // weights and the update norms). graph_steps: (phase, "captured" | "replayed") for each phase
+  // that ran as a graph. graph_fallbacks: (phase, reason) on the step where a phase was found to
+  // run eagerly for good: "unsupported" (the backend cannot capture), "sync_point" (an op of the
+  // phase waits for the device), "capture_failed", "world" (a world session with compressed
+  // Dion), "pageable" (host memory the phase copies is not pinned).
+  std::vector<std::pair<std::string, std::string>> graph_steps;
+  std::vector<std::pair<std::string, std::string>> graph_fallbacks;
 };
 
 // A named float32 tensor (state, parameters) as it crosses the session boundary.

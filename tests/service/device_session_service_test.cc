@@ -176,6 +176,18 @@ TEST_P(Bf16Weights, WidenedAndNarrowedOnTheDeviceEqualTheCpuDaemonBitForBit) {
     }
   }
   EXPECT_NE(g->ParamBytes(0), Bf16Bytes(SyntheticValues(1, 0, 0, d.Numel(0))));
+  // The master weights are host vectors (pageable): no graph may copy them, so the read and
+  // write phases run eagerly and say why; without them all three phases are graphs.
+  const std::string log = dev_->Log();
+  for (const char* phase : {"read", "write"}) {
+    const std::string eager = absl::StrCat(
+        "session ", g->id, ": the ", phase, " phase of its steps runs eagerly, not as a captured "
+        "graph (reason pageable: the master weights are pageable host memory)");
+    EXPECT_EQ(absl::StrContains(log, eager), GetParam()) << phase << "\n" << log;
+  }
+  EXPECT_TRUE(absl::StrContains(
+      log, absl::StrCat("session ", g->id, ": step 2: the update phase was captured")))
+      << log;
   const TensorMap sc = State(*cpu_, c->id), sg = State(*dev_, g->id);
   EXPECT_EQ(sg, sc);  // the fp32 weights (the master weights when kept) and the state
   EXPECT_TRUE(CloseSession(cpu_->stub(), c->id).ok());
@@ -233,7 +245,76 @@ TEST_F(DeviceSessions, TheStreamedPathEqualsTheCpuDaemonBitForBit) {
     EXPECT_EQ(out[1], out[0]) << "step " << t;
     EXPECT_NE(out[1]["w"], InitialParams(d)[0].data);
   }
+  // The daemon's host arenas of the streamed path are not pinned: no graph copies them.
+  EXPECT_TRUE(absl::StrContains(dev_->Log(), absl::StrCat("session ", ids[1],
+                                                          ": the read phase of its steps runs "
+                                                          "eagerly, not as a captured graph "
+                                                          "(reason pageable: ")))
+      << dev_->Log();
   for (int k = 0; k < 2; ++k) EXPECT_TRUE(CloseSession(daemons[k]->stub(), ids[k]).ok());
+}
+
+// graph (docs/GPU.md "CUDA graphs"): the read and write phases' graphs copy the trainer's
+// memory at the addresses they were captured with. New regions (the trainer moves its arenas)
+// drop them and capture again at the next step; a graph that kept the old addresses would read
+// stale gradients and write the weights where the trainer no longer looks.
+TEST_F(DeviceSessions, NewRegionsAreCapturedAgainAndStillEqualTheCpuDaemon) {
+  const SessionDesc d = Desc(AlgorithmKind::kAdamW);
+  std::unique_ptr<ShmSession> c, g;
+  ASSERT_NO_FATAL_FAILURE(Twins(d, &c, &g));
+  auto step = [&](ShmSession* cs, ShmSession* gs, int64_t t) {
+    for (size_t i = 0; i < d.params.size(); ++i) {
+      cs->WriteGrad(i, SyntheticValues(13, t, i, d.Numel(i)));
+      gs->WriteGrad(i, SyntheticValues(13, t, i, d.Numel(i)));
+    }
+    ASSERT_TRUE(DoStep(cpu_->stub(), cs->id, t).ok());
+    grpc::Status s = DoStep(dev_->stub(), gs->id, t);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    for (size_t i = 0; i < d.params.size(); ++i) {
+      ASSERT_EQ(gs->ParamBytes(i), cs->ParamBytes(i)) << d.params[i].name << ", step " << t;
+    }
+  };
+  for (int64_t t = 1; t <= 3; ++t) ASSERT_NO_FATAL_FAILURE(step(c.get(), g.get(), t));
+  // The trainer moves to new segments, its weights copied over.
+  for (auto [daemon, session] : {std::make_pair(cpu_, c.get()), std::make_pair(dev_, g.get())}) {
+    for (const std::string& region : {session->param_region, session->grad_region}) {
+      v1::UnregisterRegionRequest req;
+      req.set_session_id(session->id);
+      req.set_region_id(region);
+      v1::UnregisterRegionResponse r;
+      auto ctx = Ctx();
+      grpc::Status st = daemon->stub().UnregisterRegion(ctx.get(), req, &r);
+      ASSERT_TRUE(st.ok()) << st.error_message();
+    }
+  }
+  auto c2 = BindShmSession(cpu_->stub(), c->layout);
+  auto g2 = BindShmSession(dev_->stub(), g->layout);
+  ASSERT_NE(c2, nullptr);
+  ASSERT_NE(g2, nullptr);
+  for (size_t i = 0; i < d.params.size(); ++i) {
+    c2->params_seg->Write(c2->tensor(i).param_offset_bytes(), c->ParamBytes(i));
+    g2->params_seg->Write(g2->tensor(i).param_offset_bytes(), g->ParamBytes(i));
+  }
+  // The old segments are left with other bytes: a graph still copying them would show.
+  for (size_t i = 0; i < d.params.size(); ++i) {
+    g->WriteGrad(i, std::vector<float>(static_cast<size_t>(d.Numel(i)), 1e3f));
+  }
+  for (int64_t t = 4; t <= 6; ++t) ASSERT_NO_FATAL_FAILURE(step(c2.get(), g2.get(), t));
+  const std::string log = dev_->Log();
+  for (const char* phase : {"read", "write"}) {
+    for (int64_t t : {2, 4}) {
+      EXPECT_TRUE(absl::StrContains(log, absl::StrCat("session ", g->id, ": step ", t, ": the ",
+                                                      phase, " phase was captured as a graph")))
+          << phase << ", step " << t << "\n" << log;
+    }
+  }
+  // The update reads only the device staging: its graphs stay.
+  EXPECT_FALSE(absl::StrContains(
+      log, absl::StrCat("session ", g->id, ": step 4: the update phase was captured")))
+      << log;
+  EXPECT_EQ(State(*dev_, g->id), State(*cpu_, c->id));
+  EXPECT_TRUE(CloseSession(cpu_->stub(), c->id).ok());
+  EXPECT_TRUE(CloseSession(dev_->stub(), g->id).ok());
 }
 
 TEST(DeviceSessionCounters, OneStreamPerSessionCopiesPerStepAndPairedHostRegistrations) {
@@ -256,42 +337,48 @@ TEST(DeviceSessionCounters, OneStreamPerSessionCopiesPerStepAndPairedHostRegistr
       }
       ASSERT_TRUE(DoStep(dev->stub(), s->id, t).ok());
     }
-    // From its second step the session's update runs as a graph: over shm the groups step
-    // staged copies whose state and staging swap at each commit, so two graphs are captured
+    // From its second step the session's step runs as three graphs (docs/GPU.md "CUDA graphs"):
+    // the reads and the writes, one form each, and the update: over shm the groups step staged
+    // copies whose state and staging swap at each commit, so two update graphs are captured
     // (steps 2 and 3), each logged once, and replayed from then on; nothing fell back.
     const std::string log = dev->Log();
-    EXPECT_FALSE(absl::StrContains(log, "steps run eagerly")) << log;
-    const std::string captured =
-        absl::StrCat("session ", s->id, ": step 2: the update was captured as a graph (");
-    EXPECT_TRUE(absl::StrContains(log, captured)) << log;
+    EXPECT_FALSE(absl::StrContains(log, "runs eagerly")) << log;
+    for (const char* phase : {"read", "update", "write"}) {
+      EXPECT_TRUE(absl::StrContains(log, absl::StrCat("session ", s->id, ": step 2: the ", phase,
+                                                      " phase was captured as a graph (")))
+          << phase << "\n" << log;
+    }
     EXPECT_TRUE(absl::StrContains(log, absl::StrCat("session ", s->id,
-                                                    ": step 3: the update was captured")))
+                                                    ": step 3: the update phase was captured")))
         << log;
     std::map<std::string, int64_t> c = LastCounters(*dev);
-    EXPECT_EQ(c["graphs_made"] - start["graphs_made"], 2);
-    EXPECT_EQ(c["graph_launches"] - start["graph_launches"], kSteps - 1);
+    EXPECT_EQ(c["graphs_made"] - start["graphs_made"], 1 + 2 + 1);
+    EXPECT_EQ(c["graph_launches"] - start["graph_launches"], 3 * (kSteps - 1));
     EXPECT_EQ(c["captures_invalidated"], start["captures_invalidated"]);
     // Muon's ApplyUpdate and the AdamW group's step read their scalars from the device.
     EXPECT_GT(c["device_scalar_ops"], start["device_scalar_ops"]);
     EXPECT_EQ(c["streams_created"] - start["streams_created"], 1);
     EXPECT_EQ(c["streams_live"], start["streams_live"] + 1);
-    // Two regions (PARAMETERS, GRADIENTS), each registered once for DMA.
-    EXPECT_EQ(c["host_registers"] - start["host_registers"], 2);
-    EXPECT_EQ(c["host_registered_live"], 2);
+    // Two regions (PARAMETERS, GRADIENTS), each registered once for DMA, and the session's
+    // host words (the flag's and the norms' read-backs).
+    EXPECT_EQ(c["host_registers"] - start["host_registers"], 3);
+    EXPECT_EQ(c["host_registered_live"], 3);
     // Per step and fp32 tensor: gradients and weights host -> device, weights device -> host,
     // all queued on the session stream (asynchronous). The rules run on the device too, and
     // each group reads its parameters' Σ(Δx)² back (one float per parameter; docs/KERNELS.md
     // §4.3), queued with the weights' copies; the step itself reads its non-finite flag back
-    // once (one float) and waits once for the new weights and the norms: 2 host waits per step.
+    // once (one float, queued, then waited for) and waits once for the new weights and the
+    // norms: 2 host waits per step. A replayed graph's copies are the same copies.
     const int64_t groups = static_cast<int64_t>(d.groups.size());
-    // Each graph launch adds one queued upload: the step's scalar records (a few dozen bytes).
+    // Each launch of the update's graph adds one queued upload: the step's scalar records (a few
+    // dozen bytes); the read and write graphs have none.
     const int64_t launches = kSteps - 1;
     EXPECT_EQ(c["copies_to_device"] - start["copies_to_device"], 2 * tensors * kSteps + launches);
     EXPECT_EQ(c["async_copies_to_device"] - start["async_copies_to_device"],
               2 * tensors * kSteps + launches);
     EXPECT_EQ(c["copies_to_host"] - start["copies_to_host"], (tensors + groups + 1) * kSteps);
     EXPECT_EQ(c["async_copies_to_host"] - start["async_copies_to_host"],
-              (tensors + groups) * kSteps);
+              (tensors + groups + 1) * kSteps);
     const int64_t record_bytes =
         c["bytes_to_device"] - start["bytes_to_device"] - 2 * 4 * numel * kSteps;
     EXPECT_GT(record_bytes, 0);
@@ -313,8 +400,8 @@ TEST(DeviceSessionCounters, OneStreamPerSessionCopiesPerStepAndPairedHostRegistr
   std::map<std::string, int64_t> c = LastCounters(*dev);
   EXPECT_EQ(c["streams_created"] - start["streams_created"], 2);
   EXPECT_EQ(c["streams_live"], start["streams_live"] + 1);
-  EXPECT_EQ(c["host_unregisters"] - start["host_unregisters"], 2);
-  EXPECT_EQ(c["host_registered_live"], 0);
+  EXPECT_EQ(c["host_unregisters"] - start["host_unregisters"], 3);
+  EXPECT_EQ(c["host_registered_live"], 1);  // the new session's host words
   EXPECT_EQ(c["host_register_errors"], 0);
 }
 
@@ -322,8 +409,8 @@ TEST(DeviceSessionCounters, OneStreamPerSessionCopiesPerStepAndPairedHostRegistr
 // "vec" group is AdamW): the step's own two (the non-finite flag read back once before the
 // rules, one wait for the new weights and the groups' update norms before the answer), plus the
 // rules' listed sync points (docs/GPU.md "Sync points": none for Muon, NorMuon, AdamW, Lion).
-// For every rule, each host wait but the step's final one is a synchronous read-back, so no
-// copy of the step itself waits. The weights equal the CPU daemon's bit for bit (the TEST
+// The step's own copies are all queued (the flag's read-back too), so Muon, NorMuon, AdamW and
+// Lion make no synchronous copy at all. The weights equal the CPU daemon's bit for bit (the TEST
 // backend runs the queued work in stream order only when the step waits: a missing wait would
 // hand the trainer stale weights).
 class DeviceStepSyncs : public DeviceSessions,
@@ -359,22 +446,24 @@ TEST_P(DeviceStepSyncs, TwoHostWaitsPerStepBesideTheRulesListedOnes) {
   // The step's own copies are all queued: gradients and weights up, weights down; and from the
   // second step, where the update runs as a graph, the upload of its scalar records.
   auto delta = [&](const char* k) { return after.at(k) - before.at(k); };
-  const int64_t launches = delta("graph_launches");
+  // (Three graphs a step from the second, two where the update runs eagerly: Dion, Dion2.)
+  const bool update_graph = kind == AlgorithmKind::kMuon || kind == AlgorithmKind::kNorMuon ||
+                            kind == AlgorithmKind::kAdamW || kind == AlgorithmKind::kLion;
+  EXPECT_EQ(delta("graph_launches"), (update_graph ? 3 : 2) * (kSteps - 1)) << AlgorithmName(kind);
+  const int64_t launches = update_graph ? kSteps - 1 : 0;  // those with scalar records
   EXPECT_EQ(delta("async_copies_to_device"), 2 * tensors * kSteps + launches);
-  // ... and down, with the new weights, each group's update norms (one queued copy a group).
-  EXPECT_EQ(per_step("async_copies_to_host"), tensors + kGroups);
+  // ... and down, with the new weights, each group's update norms (one queued copy a group), and
+  // the non-finite flag.
+  EXPECT_EQ(per_step("async_copies_to_host"), tensors + kGroups + 1);
   // At least the step's two waits.
   EXPECT_GE(syncs, 2) << AlgorithmName(kind);
-  if (kind == AlgorithmKind::kMuon || kind == AlgorithmKind::kNorMuon ||
-      kind == AlgorithmKind::kAdamW || kind == AlgorithmKind::kLion) {
+  if (update_graph) {
     // Rules without uploads or other sync points of their own in a step (docs/GPU.md): exactly
-    // the step's two waits, the first the flag's synchronous read-back.
-    EXPECT_EQ(launches, kSteps - 1) << AlgorithmName(kind) << ": graphs from step 2";
+    // the step's two waits, both for the stream (the flag comes back with the first).
     EXPECT_EQ(delta("copies_to_device"), 2 * tensors * kSteps + launches)
         << "no synchronous upload";
     EXPECT_EQ(syncs, 2) << AlgorithmName(kind) << ": the step's 2";
-    EXPECT_EQ(syncs, sync_reads + 1) << AlgorithmName(kind);
-    EXPECT_EQ(sync_reads, 1) << AlgorithmName(kind);
+    EXPECT_EQ(sync_reads, 0) << AlgorithmName(kind);
   }
   // Dion and Dion2 add their own (the all-zero flags, the initial Q's upload, the top-k
   // indices, the Cholesky-QR fallback), bounded per bucket by device_step_test.
@@ -436,24 +525,35 @@ TEST_P(DeviceStepGraphs, ReplayedUpdatesWithANewLearningRateEachStepEqualTheCpuD
   const int64_t launches = after.at("graph_launches") - before.at("graph_launches");
   const int64_t made = after.at("graphs_made") - before.at("graphs_made");
   const std::string log = dev_->Log();
+  // Every step from the second reads (uploads, scans) and writes (the new weights into the
+  // trainer's pinned shm) as graphs, one form each.
+  for (const char* phase : {"read", "write"}) {
+    EXPECT_TRUE(absl::StrContains(log, absl::StrCat("session ", g->id, ": step 2: the ", phase,
+                                                    " phase was captured as a graph")))
+        << phase << "\n" << log;
+  }
   if (kind == AlgorithmKind::kDion || kind == AlgorithmKind::kDion2) {
     // Their rules read values back inside the update (all-zero flags, top-k indices): the
-    // recording finds it, nothing is captured, and the session says so once.
-    EXPECT_EQ(launches, 0);
-    EXPECT_EQ(after.at("graph_captures"), before.at("graph_captures"));
+    // recording finds it, the update is not captured, and the session says so once.
+    EXPECT_EQ(launches, 2 * (kGraphSteps - 1));
+    EXPECT_EQ(made, 2);
     EXPECT_TRUE(absl::StrContains(log, absl::StrCat("session ", g->id,
-                                                    ": steps run eagerly, not as a captured "
-                                                    "graph (reason sync_point: ")))
+                                                    ": the update phase of its steps runs "
+                                                    "eagerly, not as a captured graph (reason "
+                                                    "sync_point: ")))
         << log;
   } else {
-    // Every step from the second ran as a graph; two forms (the staged state swaps at each
-    // commit) are captured, the others replayed with their own scalars.
-    EXPECT_EQ(launches, kGraphSteps - 1) << AlgorithmName(kind);
-    EXPECT_EQ(made, 2) << AlgorithmName(kind);
-    EXPECT_EQ(after.at("captures_invalidated"), before.at("captures_invalidated"));
-    EXPECT_FALSE(absl::StrContains(log, absl::StrCat("session ", g->id, ": steps run eagerly")))
+    // The update too; two forms of it (the staged state swaps at each commit) are captured,
+    // the others replayed with their own scalars.
+    EXPECT_EQ(launches, 3 * (kGraphSteps - 1)) << AlgorithmName(kind);
+    EXPECT_EQ(made, 1 + 2 + 1) << AlgorithmName(kind);
+    EXPECT_FALSE(absl::StrContains(log, absl::StrCat("session ", g->id, ": the update phase")))
         << log;
   }
+  EXPECT_EQ(after.at("captures_invalidated"), before.at("captures_invalidated"));
+  EXPECT_FALSE(absl::StrContains(log, "phase of its steps runs eagerly, not as a captured graph "
+                                      "(reason pageable"))
+      << log;
   EXPECT_TRUE(CloseSession(cpu_->stub(), c->id).ok());
   EXPECT_TRUE(CloseSession(dev_->stub(), g->id).ok());
 }

@@ -297,13 +297,14 @@ TEST_F(DeviceWorld, GraphReplaysWithALearningRateScheduleEqualTheCpuWorld) {
   }
   for (int r = 0; r < kWorld; ++r) {
     after[r] = LastCounters(*(*dev_)[r]);
-    // Steps 2..7 as graphs: two forms captured (the staged state swaps at each commit), the
-    // other four replayed.
-    EXPECT_EQ(after[r]["graph_launches"] - before[r]["graph_launches"], kScheduleSteps - 1)
+    // Steps 2..7 as graphs: the reads and the writes one form each; the update two forms
+    // captured (the staged state swaps at each commit), the other four replayed.
+    EXPECT_EQ(after[r]["graph_launches"] - before[r]["graph_launches"], 3 * (kScheduleSteps - 1))
         << "rank " << r;
-    EXPECT_EQ(after[r]["graphs_made"] - before[r]["graphs_made"], 2) << "rank " << r;
-    EXPECT_FALSE(absl::StrContains((*dev_)[r]->Log(),
-                                   absl::StrCat("session ", g[r]->id, ": steps run eagerly")))
+    EXPECT_EQ(after[r]["graphs_made"] - before[r]["graphs_made"], 1 + 2 + 1) << "rank " << r;
+    EXPECT_FALSE(absl::StrContains((*dev_)[r]->Log(), absl::StrCat("session ", g[r]->id,
+                                                                   ": the update phase of its "
+                                                                   "steps runs eagerly")))
         << (*dev_)[r]->Log();
     EXPECT_TRUE(CloseSession((*cpu_)[r]->stub(), c[r]->id).ok());
     EXPECT_TRUE(CloseSession((*dev_)[r]->stub(), g[r]->id).ok());
@@ -415,10 +416,11 @@ TEST_F(DeviceWorld, CopiesCarryOnlyWhatTheCollectivesNeed) {
                             "bytes_to_host", "graph_launches"}) {
         got[k] = end[r][k] - start[r][k];
       }
-      // From step 2 the rank's update runs as a captured graph (docs/GPU.md "CUDA graphs"),
-      // and each launch adds one upload: its scalar records (a few dozen bytes).
-      const int64_t launches = got["graph_launches"];
-      EXPECT_EQ(launches, steps) << "rank " << r;
+      // From step 2 the rank's step runs as captured graphs (docs/GPU.md "CUDA graphs"): its
+      // reads, its update and its writes; each launch of the update's adds one upload: its
+      // scalar records (a few dozen bytes).
+      EXPECT_EQ(got["graph_launches"], 3 * steps) << "rank " << r;
+      const int64_t launches = steps;  // of the update's graph
       EXPECT_EQ(got["copies_to_device"], to_device * steps + launches) << "rank " << r;
       EXPECT_EQ(got["copies_to_host"], to_host * steps) << "rank " << r;
       EXPECT_GT(got["bytes_to_device"], bytes_to_device * steps) << "rank " << r;
