@@ -121,13 +121,17 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, Session
   }
   if (spec.fp32_master_weights) {
     s->master_.resize(spec.params.size());
+    s->has_master_.assign(spec.params.size(), 0);
     for (size_t i = 0; i < spec.params.size(); ++i) {
       if (spec.params[i].dtype != DType::kF32) {
+        s->has_master_[i] = 1;
         s->master_[i].resize(static_cast<size_t>(s->layout_.tensors[i].numel));
         s->state_bytes_ += 4 * s->layout_.tensors[i].numel;
         s->master_bytes_ += 4 * s->layout_.tensors[i].numel;
       }
     }
+    // A device session keeps them on its device, with the rest of its optimizer state.
+    if (s->device_ != nullptr) DIOND_RETURN_IF_ERROR(s->InitDeviceMaster());
   }
   s->spec_ = std::move(spec);
   s->last_used_ = absl::Now();

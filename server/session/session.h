@@ -388,8 +388,10 @@ class Session {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A device session's Context (its device and stream); null for a host session.
   const kernels::Context* DeviceContext() const;
-  // A device session's staging of gradient i (where a world's averaged gradient goes).
+  // A device session's staging of gradient i (where a world's averaged gradient goes), and of
+  // parameter i (where the update writes the new weights).
   float* DeviceGradStaging(size_t i);
+  float* DeviceParamStaging(size_t i);
   // A device session's buffers for the world phases (session_world.cc), on its device: made by
   // AttachWorld at their final sizes (a world's sizes are fixed by its shard plan, so no step
   // allocates), zero-filled, kept; a later call with a larger `n` would replace one. kWire is the
@@ -417,6 +419,16 @@ class Session {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Parameter i as fp32 (master weights, or widened from the arena).
   absl::Status ReadParamF32(size_t i, float* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether parameter i has master weights, and their copy out of / into the session (host
+  // vectors, or a device session's device buffer through synchronous copies).
+  bool HasMaster(size_t i) const { return i < has_master_.size() && has_master_[i] != 0; }
+  absl::Status ReadMaster(size_t i, float* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status WriteMaster(size_t i, const float* in) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A device session with master weights: they move into one device buffer (allocated once;
+  // RESOURCE_EXHAUSTED from the pool), and the host vectors are released.
+  absl::Status InitDeviceMaster();
+  // A device session's master weights of parameter i, on its device.
+  float* DeviceMaster(size_t i);
   // A device session's CUDA PARAMETERS region: parameter i's trainer-dtype bytes copied to /
   // from the host (explicit copies on the session's stream).
   absl::Status CudaParamToHost(size_t i, std::vector<uint8_t>* bytes)
@@ -590,8 +602,13 @@ class Session {
   Binding params_ ABSL_GUARDED_BY(mu_);
   Binding grads_ ABSL_GUARDED_BY(mu_);
   int64_t next_region_ ABSL_GUARDED_BY(mu_) = 1;
-  // fp32 master weights for non-f32 parameters when spec_.fp32_master_weights.
+  // fp32 master weights for non-f32 parameters when spec_.fp32_master_weights (has_master_):
+  // host vectors, or, in a device session, the device buffer of its DeviceSide (device_master_:
+  // the vectors are then empty). Reached through HasMaster / ReadMaster / WriteMaster outside the
+  // step.
   std::vector<std::vector<float>> master_ ABSL_GUARDED_BY(mu_);
+  std::vector<char> has_master_;
+  bool device_master_ = false;
   bool master_valid_ ABSL_GUARDED_BY(mu_) = false;
   // Step's fp32 buffers for what cannot be used in place: gradients of another dtype or scaled,
   // parameters of another dtype, the next master weights. Kept between steps: allocating them

@@ -56,6 +56,10 @@ struct Session::DeviceSide {
   float* words = nullptr;
   size_t words_bytes = 0;
   bool words_pinned = false;
+  // The master weights (Session::InitDeviceMaster): fp32, master_offset[i] elements in for a
+  // parameter that has them (else -1); made once at creation, updated at each commit.
+  kernels::Buffer master;
+  std::vector<int64_t> master_offset;
   // The world phases' device buffers (Session::DeviceWorldBuffer), made on first use.
   kernels::Buffer world[static_cast<size_t>(WorldBuffer::kCount)];
   // The step's parameter reads were queued with its gradient reads (ReadGradientsToDevice), so
@@ -105,6 +109,7 @@ void Session::DeviceSideDeleter::operator()(DeviceSide* d) const {
   d->params.Reset();
   d->raw.Reset();
   d->nonfinite.Reset();
+  d->master.Reset();
   for (kernels::Buffer& b : d->world) b.Reset();
   d->ctx.reset();  // its scratch blocks go back to the pool
   for (DeviceSide::IpcEvent* e : {&d->ready, &d->done}) {
@@ -148,7 +153,9 @@ int64_t Session::DeviceBytes() const {
 
 int64_t Session::BudgetBytes() const {
   if (device_ == nullptr) return StateBytes();
-  return DeviceBytes() + (device_->hooks.rules_on_device ? master_bytes_ : StateBytes());
+  // The master weights are in the device pool (InitDeviceMaster), with the staging; the state
+  // too when the rules run on the device.
+  return DeviceBytes() + (device_->hooks.rules_on_device ? 0 : StateBytes() - master_bytes_);
 }
 
 const kernels::Context* Session::DeviceUpdateContext() const {
@@ -174,9 +181,6 @@ std::string Session::HostGraphKey() const {
 std::string Session::UnpinnedHostMemory() const {
   const DeviceSide& d = *device_;
   if (!d.words_pinned) return "the session's host words are not registered for DMA";
-  for (const auto& m : master_) {
-    if (!m.empty()) return "the master weights are pageable host memory";
-  }
   for (Role r : {Role::kParameters, Role::kGradients}) {
     const Binding& b = r == Role::kParameters ? params_ : grads_;
     if (b.cuda != nullptr || b.data == nullptr || b.dma != nullptr) continue;
@@ -477,6 +481,57 @@ float* Session::DeviceGradStaging(size_t i) {
   return device_ != nullptr ? device_->grad(i) : nullptr;
 }
 
+float* Session::DeviceParamStaging(size_t i) { return device_->param(i); }
+
+// (Master weights: ReadMaster / WriteMaster for host and device sessions alike.)
+absl::Status Session::ReadMaster(size_t i, float* out) {
+  const int64_t n = layout_.tensors[i].numel;
+  if (device_master_) {
+    return CopyToHost(*DeviceContext(), DeviceMaster(i), out, static_cast<size_t>(n) * 4);
+  }
+  std::memcpy(out, master_[i].data(), static_cast<size_t>(n) * 4);
+  return absl::OkStatus();
+}
+
+absl::Status Session::WriteMaster(size_t i, const float* in) {
+  const int64_t n = layout_.tensors[i].numel;
+  if (device_master_) {
+    return CopyToDevice(*DeviceContext(), in, DeviceMaster(i), static_cast<size_t>(n) * 4);
+  }
+  std::memcpy(master_[i].data(), in, static_cast<size_t>(n) * 4);
+  return absl::OkStatus();
+}
+
+
+float* Session::DeviceMaster(size_t i) {
+  return device_->master.As<float>() + device_->master_offset[i];
+}
+
+absl::Status Session::InitDeviceMaster() {
+  DeviceSide& d = *device_;
+  int64_t total = 0;
+  d.master_offset.assign(layout_.tensors.size(), -1);
+  for (size_t i = 0; i < layout_.tensors.size(); ++i) {
+    if (!HasMaster(i)) continue;
+    d.master_offset[i] = total;
+    total += layout_.tensors[i].numel;
+  }
+  if (total == 0) return absl::OkStatus();
+  auto buf = d.ctx->Allocate(DType::kF32, {total});
+  if (!buf.ok()) {
+    const std::string pool = DeviceAllocationError();
+    return absl::Status(buf.status().code(),
+                        absl::StrCat("the session's master weights (", 4 * total,
+                                     " bytes) do not fit on the device: ", buf.status().message(),
+                                     pool.empty() ? "" : absl::StrCat(" (", pool, ")")));
+  }
+  d.master = std::move(*buf);
+  // The host vectors are not used by a device session.
+  for (std::vector<float>& m : master_) std::vector<float>().swap(m);
+  device_master_ = true;
+  return absl::OkStatus();
+}
+
 int64_t Session::DeviceWorldBytes() const {
   if (device_ == nullptr) return 0;
   int64_t bytes = 0;
@@ -666,10 +721,13 @@ absl::Status Session::DeviceSide::QueueParameterReads(Session& s, StepRun& run) 
   const CudaRegion* cuda = s.params_.cuda.get();
   for (size_t i = 0; i < n; ++i) {
     const TensorPlacement& t = s.layout_.tensors[i];
-    const bool master = !s.master_.empty() && !s.master_[i].empty();
     float* dst = d.param(i);
-    if (master && s.master_valid_) {
-      DIOND_RETURN_IF_ERROR(CopyToDeviceAsync(dc, s.master_[i].data(), dst, 4 * t.numel));
+    if (s.HasMaster(i) && s.master_valid_) {
+      // The master weights, on the device: copied into the staging the update writes (they
+      // take its result at the commit).
+      DIOND_RETURN_IF_ERROR(kernels::Copy(
+          dc, DeviceView(d.device, DType::kF32, static_cast<const void*>(s.DeviceMaster(i)), t.numel),
+          DeviceView(d.device, DType::kF32, dst, t.numel)));
       run.params[i] = dst;
       continue;
     }
@@ -735,11 +793,7 @@ absl::Status Session::QueueWeightCopies() {
   for (size_t i = 0; i < layout_.tensors.size(); ++i) {
     const TensorPlacement& t = layout_.tensors[i];
     const float* src = d.param(i);
-    if (!master_.empty() && !master_[i].empty()) {
-      // The next master weights, swapped in at the commit.
-      param_scratch_[i].resize(static_cast<size_t>(t.numel));
-      DIOND_RETURN_IF_ERROR(CopyToHostAsync(dc, src, param_scratch_[i].data(), 4 * t.numel));
-    }
+    // (The next master weights stay in the staging: the commit copies them on the device.)
     if (cuda != nullptr) {
       // Device to device into the trainer's GPU memory, narrowed on the way.
       DIOND_RETURN_IF_ERROR(kernels::Copy(

@@ -82,9 +82,14 @@ absl::StatusOr<std::string> Session::RegisterMappedRegion(
   }
   if (from_pending) {
     for (size_t i = 0; i < layout_.tensors.size(); ++i) {
-      if (!master_.empty() && !master_[i].empty()) master_[i] = pending_params_[i];
+      if (!HasMaster(i)) continue;
+      if (absl::Status s = WriteMaster(i, pending_params_[i].data()); !s.ok()) {
+        return absl::Status(s.code(), absl::StrCat(RoleName(role), ": restoring the master "
+                                                   "weights failed: ", s.message(),
+                                                   "; nothing was registered"));
+      }
     }
-    master_valid_ = !master_.empty();
+    master_valid_ = !has_master_.empty();
     pending_params_.clear();
   }
   b.host.clear();
@@ -152,9 +157,15 @@ absl::StatusOr<std::string> Session::RegisterCudaRegion(Role role,
       }
     }
     for (size_t i = 0; i < layout_.tensors.size(); ++i) {
-      if (!master_.empty() && !master_[i].empty()) master_[i] = pending_params_[i];
+      if (!HasMaster(i)) continue;
+      if (absl::Status s = WriteMaster(i, pending_params_[i].data()); !s.ok()) {
+        ClearBinding(b);
+        return absl::Status(s.code(), absl::StrCat(RoleName(role), ": restoring the master "
+                                                   "weights failed: ", s.message(),
+                                                   "; nothing was registered"));
+      }
     }
-    master_valid_ = !master_.empty();
+    master_valid_ = !has_master_.empty();
     pending_params_.clear();
   }
   return b.region_id;
@@ -196,9 +207,9 @@ absl::Status Session::EnsureHostArena(Role r) {
         internal::NarrowFromF32(HostContext(), t.dtype, pending_params_[i].data(), t.numel,
                                 b.data + t.param_offset);
       });
-      if (!master_.empty() && !master_[i].empty()) master_[i] = pending_params_[i];
+      if (HasMaster(i)) DIOND_RETURN_IF_ERROR(WriteMaster(i, pending_params_[i].data()));
     }
-    master_valid_ = !master_.empty();
+    master_valid_ = !has_master_.empty();
     pending_params_.clear();
   }
   return absl::OkStatus();
@@ -206,10 +217,7 @@ absl::Status Session::EnsureHostArena(Role r) {
 
 absl::Status Session::ReadParamF32(size_t i, float* out) {
   const TensorPlacement& t = layout_.tensors[i];
-  if (!master_.empty() && !master_[i].empty() && master_valid_) {
-    std::memcpy(out, master_[i].data(), static_cast<size_t>(t.numel) * 4);
-    return absl::OkStatus();
-  }
+  if (HasMaster(i) && master_valid_) return ReadMaster(i, out);
   if (!pending_params_.empty()) {
     std::memcpy(out, pending_params_[i].data(), static_cast<size_t>(t.numel) * 4);
     return absl::OkStatus();
@@ -240,9 +248,7 @@ absl::Status Session::WriteParamF32(size_t i, const float* in) {
       internal::NarrowFromF32(HostContext(), t.dtype, in, t.numel, params_.data + t.param_offset);
     });
   }
-  if (!master_.empty() && !master_[i].empty()) {
-    std::memcpy(master_[i].data(), in, static_cast<size_t>(t.numel) * 4);
-  }
+  if (HasMaster(i)) DIOND_RETURN_IF_ERROR(WriteMaster(i, in));
   return absl::OkStatus();
 }
 

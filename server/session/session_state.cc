@@ -339,8 +339,8 @@ absl::Status Session::SetStateLocked(const std::vector<NamedTensor>& tensors) {
   for (const auto& [i, t] : param_writes) {
     if (!pending_params_.empty()) {
       pending_params_[i] = t->data;
-    } else if (!master_.empty() && !master_[i].empty()) {
-      master_[i] = t->data;
+    } else if (HasMaster(i)) {
+      DIOND_RETURN_IF_ERROR(WriteMaster(i, t->data.data()));
     }
   }
   for (const NamedTensor& t : tensors) {
@@ -460,7 +460,7 @@ absl::Status Session::Restore(const SessionSnapshot& snapshot) {
       }
     }
     pending_params_.clear();
-    master_valid_ = !master_.empty();
+    master_valid_ = !has_master_.empty();
   }
   last_step_index_ = snapshot.last_step_index;
   last_result_.reset();

@@ -288,7 +288,7 @@ absl::Status Session::ReadParametersPhase(StepRun& run) {
   for (size_t i = 0; i < n; ++i) {
     const TensorPlacement& t = layout_.tensors[i];
     uint8_t* arena = params_.data + t.param_offset;
-    const bool master = !master_.empty() && !master_[i].empty();
+    const bool master = HasMaster(i);  // (a host session: master_ holds them)
     if (!master && t.dtype == DType::kF32) {
       run.params[i] = reinterpret_cast<float*>(arena);  // in place
       continue;
@@ -426,11 +426,27 @@ StepResult Session::CommitStepPhase(StepRun& run) {
   }
   run.result.compute_micros += absl::ToInt64Microseconds(absl::Now() - commit_start);
   for (size_t i = 0; i < layout_.tensors.size(); ++i) {
-    if (run.via_scratch[i] && !master_.empty() && !master_[i].empty()) {
-      master_[i].swap(param_scratch_[i]);  // the updated copy becomes the master weights
+    if (!run.via_scratch[i] || !HasMaster(i)) continue;
+    if (device_master_) {
+      // The new weights in the device staging become the master weights: a copy queued on the
+      // session stream (ordered before the next step's reads), on valid views of the session's
+      // own buffers.
+      const int64_t n = layout_.tensors[i].numel;
+      absl::Status s = kernels::Copy(
+          *DeviceContext(),
+          kernels::ConstTensorView(DeviceParamStaging(i), kernels::ContiguousLayout(DType::kF32, {n}),
+                                   DeviceContext()->device()),
+          kernels::TensorView(DeviceMaster(i), kernels::ContiguousLayout(DType::kF32, {n}),
+                              DeviceContext()->device()));
+      if (!s.ok()) {
+        DIOND_LOG(ERROR) << "session " << id_ << ": queuing the master weights' update failed: "
+                         << s.message();
+      }
+      continue;
     }
+    master_[i].swap(param_scratch_[i]);  // the updated copy becomes the master weights
   }
-  if (!master_.empty()) master_valid_ = true;
+  if (!has_master_.empty()) master_valid_ = true;
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     const Group& g = groups_[gi];
     if (g.optimizer == nullptr) continue;

@@ -87,7 +87,7 @@ absl::Status Session::AttachWorld(std::shared_ptr<WorldLink> world, ShardPlan pl
     }
     bytes += 4 * g.optimizer->StateFloats();
   }
-  for (const auto& m : master_) bytes += 4 * static_cast<int64_t>(m.size());
+  bytes += master_bytes_;  // (host vectors, or a device session's device buffer)
   state_bytes_.store(bytes);
   if (device_ != nullptr && w.world != nullptr) {
     // A device session's world buffers, made now at their final sizes: an over-budget world

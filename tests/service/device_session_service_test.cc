@@ -7,6 +7,7 @@
 // does not fit the TEST pool's budget gets RESOURCE_EXHAUSTED with the numbers while the daemon
 // and the other sessions carry on.
 #include <algorithm>
+#include <filesystem>
 #include <limits>
 #include <map>
 #include <string>
@@ -169,25 +170,54 @@ TEST_P(Bf16Weights, WidenedAndNarrowedOnTheDeviceEqualTheCpuDaemonBitForBit) {
     }
     v1::StepResponse rc, rg;
     ASSERT_TRUE(StepScaled(cpu_->stub(), c->id, t, t == 3 ? 2.0 : 1.0, &rc).ok());
+    const std::map<std::string, int64_t> before = LastCounters(*dev_);
     grpc::Status sg = StepScaled(dev_->stub(), g->id, t, t == 3 ? 2.0 : 1.0, &rg);
     ASSERT_TRUE(sg.ok()) << sg.error_message();
     for (size_t i = 0; i < d.params.size(); ++i) {
       EXPECT_EQ(g->ParamBytes(i), c->ParamBytes(i)) << d.params[i].name << ", step " << t;
     }
+    if (t >= 2) {
+      // Host -> device per step: every gradient, and the weights without master weights (the
+      // master weights are on the device), plus the update graph's scalar records.
+      const std::map<std::string, int64_t> after = LastCounters(*dev_);
+      const int64_t n = static_cast<int64_t>(d.params.size());
+      const int64_t weights_up = GetParam() ? n - 2 : n;
+      EXPECT_EQ(after.at("copies_to_device") - before.at("copies_to_device"), n + weights_up + 1)
+          << "step " << t;
+    }
   }
   EXPECT_NE(g->ParamBytes(0), Bf16Bytes(SyntheticValues(1, 0, 0, d.Numel(0))));
-  // The master weights are host vectors (pageable): no graph may copy them, so the read and
-  // write phases run eagerly and say why; without them all three phases are graphs.
-  const std::string log = dev_->Log();
-  for (const char* phase : {"read", "write"}) {
-    const std::string eager = absl::StrCat(
-        "session ", g->id, ": the ", phase, " phase of its steps runs eagerly, not as a captured "
-        "graph (reason pageable: the master weights are pageable host memory)");
-    EXPECT_EQ(absl::StrContains(log, eager), GetParam()) << phase << "\n" << log;
+  // SetState of the weights (the master weights where kept), then one more step: the device
+  // session's master weights take them as the CPU daemon's do.
+  std::vector<Chunk> fresh;  // in the parameters' dtypes
+  for (size_t i = 0; i < d.params.size(); ++i) {
+    fresh.push_back({d.params[i].name, 0, bytes(i, SyntheticValues(5, 0, i, d.Numel(i)))});
   }
-  EXPECT_TRUE(absl::StrContains(
-      log, absl::StrCat("session ", g->id, ": step 2: the update phase was captured")))
+  for (auto [daemon, id] : {std::make_pair(cpu_, c->id), std::make_pair(dev_, g->id)}) {
+    grpc::Status st = SetState(daemon->stub(), id, fresh);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+  }
+  for (size_t i = 0; i < d.params.size(); ++i) {
+    ASSERT_EQ(g->ParamBytes(i), c->ParamBytes(i)) << d.params[i].name << " after SetState";
+    const std::string grad = bytes(i, SyntheticValues(7, kSteps + 1, i, d.Numel(i)));
+    c->WriteGradBytes(i, grad);
+    g->WriteGradBytes(i, grad);
+  }
+  ASSERT_TRUE(DoStep(cpu_->stub(), c->id, kSteps + 1).ok());
+  ASSERT_TRUE(DoStep(dev_->stub(), g->id, kSteps + 1).ok());
+  for (size_t i = 0; i < d.params.size(); ++i) {
+    EXPECT_EQ(g->ParamBytes(i), c->ParamBytes(i)) << d.params[i].name << ", after SetState";
+  }
+  // The master weights live on the device with the state: a step copies none of them between
+  // host and device, and all three phases run as graphs from the second step.
+  const std::string log = dev_->Log();
+  EXPECT_FALSE(absl::StrContains(log, absl::StrCat("session ", g->id, ": the read phase of")))
       << log;
+  for (const char* phase : {"read", "update", "write"}) {
+    EXPECT_TRUE(absl::StrContains(log, absl::StrCat("session ", g->id, ": step 2: the ", phase,
+                                                    " phase was captured")))
+        << phase << "\n" << log;
+  }
   const TensorMap sc = State(*cpu_, c->id), sg = State(*dev_, g->id);
   EXPECT_EQ(sg, sc);  // the fp32 weights (the master weights when kept) and the state
   EXPECT_TRUE(CloseSession(cpu_->stub(), c->id).ok());
@@ -315,6 +345,73 @@ TEST_F(DeviceSessions, NewRegionsAreCapturedAgainAndStillEqualTheCpuDaemon) {
   EXPECT_EQ(State(*dev_, g->id), State(*cpu_, c->id));
   EXPECT_TRUE(CloseSession(cpu_->stub(), c->id).ok());
   EXPECT_TRUE(CloseSession(dev_->stub(), g->id).ok());
+}
+
+// A checkpoint of a device session with fp32 master weights (they live on the device): saved,
+// loaded into a new session, bound to new segments (the restored master weights go back onto
+// the device), and stepped on: equal to the CPU daemon doing the same, bit for bit.
+TEST_F(DeviceSessions, AMasterWeightCheckpointRoundTripsThroughTheDevice) {
+  const SessionDesc d = Desc(AlgorithmKind::kAdamW);
+  v1::CreateSessionRequest req = d.Request();
+  req.set_fp32_master_weights(true);
+  for (int i = 0; i < 2; ++i) req.mutable_parameters(i)->set_dtype(v1::DTYPE_BF16);
+  const std::string dir = testing::MakeTempDir("diond_dev_ckpt");
+  std::unique_ptr<ShmSession> sessions[2];  // [0] the CPU daemon's, [1] the device daemon's
+  Daemon* daemons[2] = {cpu_, dev_};
+  auto bytes = [&](size_t i, const std::vector<float>& v) {
+    return i < 2 ? Bf16Bytes(v) : FloatBytes(v);
+  };
+  auto step = [&](ShmSession* s, Daemon* daemon, int64_t t) {
+    for (size_t i = 0; i < d.params.size(); ++i) {
+      s->WriteGradBytes(i, bytes(i, SyntheticValues(17, t, i, d.Numel(i))));
+    }
+    grpc::Status st = DoStep(daemon->stub(), s->id, t);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+  };
+  std::string paths[2];
+  for (int k = 0; k < 2; ++k) {
+    sessions[k] = CreateShmSession(daemons[k]->stub(), req);
+    ASSERT_NE(sessions[k], nullptr);
+    for (size_t i = 0; i < d.params.size(); ++i) {
+      sessions[k]->params_seg->Write(sessions[k]->tensor(i).param_offset_bytes(),
+                                     bytes(i, SyntheticValues(1, 0, i, d.Numel(i))));
+    }
+    for (int64_t t = 1; t <= 3; ++t) ASSERT_NO_FATAL_FAILURE(step(sessions[k].get(), daemons[k], t));
+    v1::SaveCheckpointRequest save;
+    save.set_session_id(sessions[k]->id);
+    save.set_directory(absl::StrCat(dir, "/", k));
+    v1::SaveCheckpointResponse saved;
+    grpc::Status st = daemons[k]->stub().SaveCheckpoint(Ctx().get(), save, &saved);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    paths[k] = saved.path();
+  }
+  EXPECT_EQ(State(*dev_, sessions[1]->id), State(*cpu_, sessions[0]->id));
+  std::unique_ptr<ShmSession> restored[2];
+  for (int k = 0; k < 2; ++k) {
+    v1::LoadCheckpointResponse loaded;
+    grpc::Status st = LoadCheckpointFrom(daemons[k]->stub(), paths[k], &loaded);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    // The held weights (the master weights) go into the new segments and onto the device.
+    restored[k] = BindShmSession(daemons[k]->stub(), loaded.session());
+    ASSERT_NE(restored[k], nullptr);
+    for (size_t i = 0; i < d.params.size(); ++i) {
+      ASSERT_EQ(restored[k]->ParamBytes(i), sessions[k]->ParamBytes(i)) << d.params[i].name;
+    }
+  }
+  EXPECT_EQ(State(*dev_, restored[1]->id), State(*cpu_, restored[0]->id));
+  for (int64_t t = 4; t <= 6; ++t) {
+    for (int k = 0; k < 2; ++k) ASSERT_NO_FATAL_FAILURE(step(restored[k].get(), daemons[k], t));
+    for (size_t i = 0; i < d.params.size(); ++i) {
+      EXPECT_EQ(restored[1]->ParamBytes(i), restored[0]->ParamBytes(i))
+          << d.params[i].name << ", step " << t;
+    }
+  }
+  EXPECT_EQ(State(*dev_, restored[1]->id), State(*cpu_, restored[0]->id));
+  for (int k = 0; k < 2; ++k) {
+    EXPECT_TRUE(CloseSession(daemons[k]->stub(), sessions[k]->id).ok());
+    EXPECT_TRUE(CloseSession(daemons[k]->stub(), restored[k]->id).ok());
+  }
+  std::filesystem::remove_all(dir);
 }
 
 TEST(DeviceSessionCounters, OneStreamPerSessionCopiesPerStepAndPairedHostRegistrations) {
