@@ -115,6 +115,18 @@ if os.path.exists(ops):
             cases.append({"case": suite["name"] + "." + t["name"],
                           "result": "FAIL" if t.get("failures") else t.get("result", "?")})
     summary["ops_and_rules"] = cases
+# Whether the GPU daemon's steps ran as CUDA graphs (docs/GPU.md "CUDA graphs"): its log says
+# which phases were captured and which fell back, and why (a real cudaStreamBeginCapture over
+# cuBLAS / cuSOLVER / pinned-memory copies is first exercised here).
+log = os.path.join(out, "daemon.log")
+if os.path.exists(log):
+    import re
+    text = open(log, errors="replace").read()
+    captured = sorted(set(re.findall(r"the (\w+) phase was captured as a graph", text)))
+    eager = [{"phase": m[0], "reason": m[1], "detail": m[2]} for m in
+             re.findall(r"the (\w+) phase of its steps runs eagerly, not as a captured graph "
+                        r"\(reason (\w+): (.*)\)", text)]
+    summary["step_graphs"] = {"captured": captured, "eager": eager}
 summary["bench"] = {}
 for key, name in (("gpu", "gpu-bench.json"), ("ipc", "ipc-bench.json")):
     path = os.path.join(out, name)
@@ -129,6 +141,11 @@ md += ["| %s | %d | %d |" % (s["step"], s["exit"], s["seconds"]) for s in steps]
 if "ops_and_rules" in summary:
     md += ["", "## GPU vs CPU, per op and per rule", "", "| case | result |", "|---|---|"]
     md += ["| %s | %s |" % (c["case"], c["result"]) for c in summary["ops_and_rules"]]
+if "step_graphs" in summary:
+    g = summary["step_graphs"]
+    md += ["", "## Step graphs of the GPU daemon (example run)", "",
+           "captured: " + (", ".join(g["captured"]) or "none")]
+    md += ["- %s phase eager: %s (%s)" % (e["phase"], e["reason"], e["detail"]) for e in g["eager"]]
 if "bench" in summary:
     md += ["", "## Benchmarks (ratios measured in the same run)", "", "```",
            json.dumps(summary["bench"], indent=2), "```"]
