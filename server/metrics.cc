@@ -136,8 +136,7 @@ class DaemonMetrics::SessionCollector : public prometheus::Collectable {
   std::function<SessionTotals()> source_ ABSL_GUARDED_BY(mu_);
 };
 
-DaemonMetrics::DaemonMetrics(std::shared_ptr<prometheus::Registry> registry,
-                             const BuildInfo& info)
+DaemonMetrics::DaemonMetrics(std::shared_ptr<prometheus::Registry> registry, const BuildInfo& info)
     : registry_(std::move(registry)),
       rpcs_(prometheus::BuildCounter()
                 .Name("diond_rpcs_total")
@@ -276,7 +275,8 @@ DaemonMetrics::DaemonMetrics(std::shared_ptr<prometheus::Registry> registry,
   // only the read and write phases copy host memory).
   for (const char* phase : {"read", "update", "write"}) {
     const bool update = std::string(phase) == "update";
-    for (const char* reason : {"unsupported", "sync_point", "capture_failed", "world", "pageable"}) {
+    for (const char* reason :
+         {"unsupported", "sync_point", "capture_failed", "world", "pageable"}) {
       const std::string r = reason;
       if (update ? r == "pageable" : (r == "sync_point" || r == "world")) continue;
       graph_fallbacks_.Add({{"phase", phase}, {"reason", reason}});

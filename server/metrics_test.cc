@@ -67,12 +67,13 @@ TEST(DaemonMetrics, StepGraphSeriesExistAtZeroAndCountByPhaseModeAndReason) {
   m.CountGraphFallback("update", "sync_point");
   m.CountGraphFallback("write", "pageable");
   text = Expose(*registry);
-  for (const char* line : {"diond_step_graphs_total{mode=\"captured\",phase=\"update\"} 1",
-                           "diond_step_graphs_total{mode=\"replayed\",phase=\"update\"} 2",
-                           "diond_step_graphs_total{mode=\"replayed\",phase=\"read\"} 1",
-                           "diond_step_graphs_total{mode=\"captured\",phase=\"read\"} 0",
-                           "diond_step_graph_fallbacks_total{phase=\"update\",reason=\"sync_point\"} 1",
-                           "diond_step_graph_fallbacks_total{phase=\"write\",reason=\"pageable\"} 1"}) {
+  for (const char* line :
+       {"diond_step_graphs_total{mode=\"captured\",phase=\"update\"} 1",
+        "diond_step_graphs_total{mode=\"replayed\",phase=\"update\"} 2",
+        "diond_step_graphs_total{mode=\"replayed\",phase=\"read\"} 1",
+        "diond_step_graphs_total{mode=\"captured\",phase=\"read\"} 0",
+        "diond_step_graph_fallbacks_total{phase=\"update\",reason=\"sync_point\"} 1",
+        "diond_step_graph_fallbacks_total{phase=\"write\",reason=\"pageable\"} 1"}) {
     EXPECT_NE(text.find(line), std::string::npos) << line << " in\n" << text;
   }
 }

@@ -118,6 +118,7 @@ ApplyUpdateParams Forward(Pass& p, const ApplyUpdateParams& a) {
 // kHostCopy (a queued copy between pinned host memory and the device: in a graph only with
 // Options::host_copies, the caller vouching for the host memory).
 enum class Kind { kGraph, kWaits, kHostMemory, kHostCopy };
+// clang-format off
 #define DIOND_GRAPH_OPS(X)                                                                 \
   X(copy_from_host, kWaits) X(copy_to_host, kWaits) X(gemm, kGraph)                        \
   X(symmetric_product, kGraph) X(symmetric_product_bf16, kGraph) X(thin_qr, kGraph)        \
@@ -130,8 +131,9 @@ enum class Kind { kGraph, kWaits, kHostMemory, kHostCopy };
   X(momentum_update, kGraph) X(apply_update, kGraph) X(normalize_neurons, kGraph)          \
   X(copy_with_change, kGraph) X(all_finite, kWaits) X(widen_scale_check_finite, kWaits)    \
   X(fnv1a_checksum, kWaits) X(copy_from_host_async, kHostCopy)                             \
-  X(copy_to_host_async, kHostCopy) X(synchronize, kWaits)     X(all_finite_flag, kGraph)     \
+  X(copy_to_host_async, kHostCopy) X(synchronize, kWaits) X(all_finite_flag, kGraph)       \
   X(widen_scale_check_finite_flag, kGraph) X(decay_scatter_with_change, kHostMemory)
+// clang-format on
 
 enum Op : int {
 #define DIOND_X(member, kind) kOp_##member,

@@ -96,8 +96,7 @@ class GroupOptimizer {
   // `norm_host`, when given, is where the read-back lands (at least params.size() floats that
   // stay valid until FinishStagedNorm: a device session's pinned memory, so that the copy can be
   // part of a captured graph); else the optimizer's own host buffer.
-  void WriteStagedParamsDeferringNorm(absl::Span<float* const> params,
-                                      float* norm_host = nullptr);
+  void WriteStagedParamsDeferringNorm(absl::Span<float* const> params, float* norm_host = nullptr);
   void FinishStagedNorm();
   // The norm of the change WriteStagedParams made (last_update_norm() once committed).
   double staged_update_norm() const;

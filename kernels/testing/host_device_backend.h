@@ -1,5 +1,6 @@
 // TEST BACKEND — NOT A PRODUCT FEATURE. A "device" whose memory is host memory, behind the same
-// plugin C ABI as the CUDA backend (kernels/cuda/plugin_api.h, DiondOpsApiV1), for DeviceType::kTest.
+// plugin C ABI as the CUDA backend (kernels/cuda/plugin_api.h, DiondOpsApiV1), for
+// DeviceType::kTest.
 //
 // It lets CI run, without a GPU, everything of the device path that is not CUDA itself: the
 // adapter (kernels/plugin/plugin_backend.h) and its TensorView ↔ DiondTensor conversion, the

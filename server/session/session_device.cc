@@ -184,10 +184,10 @@ std::string Session::UnpinnedHostMemory() const {
   for (Role r : {Role::kParameters, Role::kGradients}) {
     const Binding& b = r == Role::kParameters ? params_ : grads_;
     if (b.cuda != nullptr || b.data == nullptr || b.dma != nullptr) continue;
-    return absl::StrCat("the ", RoleName(r), " ",
-                        b.region != nullptr ? b.region->Describe()
-                                            : std::string("host arena of the streamed path"),
-                        " is not registered for DMA (pinned)");
+    return absl::StrCat(
+        "the ", RoleName(r), " ",
+        b.region != nullptr ? b.region->Describe() : std::string("host arena of the streamed path"),
+        " is not registered for DMA (pinned)");
   }
   return "";
 }
@@ -206,8 +206,8 @@ void Session::DecideStepGraphs(StepRun& run) {
     }
     d.host_key = std::move(key);
   }
-  const bool capture = d.hooks.begin_capture && d.hooks.end_capture && d.hooks.launch_graph &&
-                       d.stream != nullptr;
+  const bool capture =
+      d.hooks.begin_capture && d.hooks.end_capture && d.hooks.launch_graph && d.stream != nullptr;
   for (GraphPhase p : {GraphPhase::kRead, GraphPhase::kUpdate, GraphPhase::kWrite}) {
     DeviceSide::PhaseGraph& pg = d.phase(p);
     if (!pg.decided) {
@@ -223,8 +223,9 @@ void Session::DecideStepGraphs(StepRun& run) {
                  std::find(world_->replicated.begin(), world_->replicated.end(), true) !=
                      world_->replicated.end()) {
         reason = "world";
-        why = "compressed Dion averages P and R with the other ranks inside its update, which a "
-              "captured graph of one daemon cannot hold";
+        why =
+            "compressed Dion averages P and R with the other ranks inside its update, which a "
+            "captured graph of one daemon cannot hold";
       } else if (p != GraphPhase::kUpdate) {
         why = UnpinnedHostMemory();
         if (!why.empty()) reason = "pageable";
@@ -250,7 +251,9 @@ void Session::DecideStepGraphs(StepRun& run) {
         pg.reported = false;
       }
     }
-    if (!pg.reason.empty() && !pg.reported) run.result.graph_fallbacks.emplace_back(pg.name, pg.reason);
+    if (!pg.reason.empty() && !pg.reported) {
+      run.result.graph_fallbacks.emplace_back(pg.name, pg.reason);
+    }
   }
 }
 
@@ -264,17 +267,17 @@ absl::Status Session::RunPhaseGraph(StepRun& run, GraphPhase which,
     // The graph was chosen, and its upload or launch failed: what it queued is not trusted (the
     // caller fails the step; nothing is committed).
     return absl::Status(out.status().code(),
-                        absl::StrCat(run.when, ": launching the ", pg.name, " phase's graph failed: ",
-                                     out.status().message(), "; the step was not applied"));
+                        absl::StrCat(run.when, ": launching the ", pg.name,
+                                     " phase's graph failed: ", out.status().message(),
+                                     "; the step was not applied"));
   }
   if (out->mode != kernels::StepGraph::Mode::kEager) {
     const bool captured = out->mode == kernels::StepGraph::Mode::kCaptured;
     run.result.graph_steps.emplace_back(pg.name, captured ? "captured" : "replayed");
     if (captured) {
       DIOND_LOG(INFO) << "session " << id_ << ": " << run.when << ": the " << pg.name
-                      << " phase was captured as a graph (" << out->ops << " ops, "
-                      << out->records << " scalar records; " << pg.graph->graphs()
-                      << " graph(s) held)";
+                      << " phase was captured as a graph (" << out->ops << " ops, " << out->records
+                      << " scalar records; " << pg.graph->graphs() << " graph(s) held)";
     }
     return absl::OkStatus();
   }
@@ -406,8 +409,8 @@ absl::Status Session::InitDeviceSide(const kernels::Context& ctx, const DeviceHo
   d->words_bytes = ((1 + layout_.tensors.size()) * sizeof(float) + kPage - 1) / kPage * kPage;
   d->words = static_cast<float*>(std::aligned_alloc(kPage, d->words_bytes));
   if (d->words == nullptr) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("the session's host words (", d->words_bytes, " bytes) could not be allocated"));
+    return absl::ResourceExhaustedError(absl::StrCat("the session's host words (", d->words_bytes,
+                                                     " bytes) could not be allocated"));
   }
   std::memset(d->words, 0, d->words_bytes);
   if (hooks.host_register) {
@@ -501,7 +504,6 @@ absl::Status Session::WriteMaster(size_t i, const float* in) {
   std::memcpy(master_[i].data(), in, static_cast<size_t>(n) * 4);
   return absl::OkStatus();
 }
-
 
 float* Session::DeviceMaster(size_t i) {
   return device_->master.As<float>() + device_->master_offset[i];
@@ -646,8 +648,8 @@ absl::Status Session::ReadGradientsToDevice(StepRun& run) {
   // The trainer's gradients are ready once its ready_event completes: everything this step
   // runs on the session stream is ordered after it.
   DIOND_RETURN_IF_ERROR(WaitReadyEvent(*run.request));
-  DIOND_RETURN_IF_ERROR(
-      RunPhaseGraph(run, GraphPhase::kRead, [&] { return QueueStepReads(run); }, nullptr));
+  DIOND_RETURN_IF_ERROR(RunPhaseGraph(
+      run, GraphPhase::kRead, [&] { return QueueStepReads(run); }, nullptr));
   d.params_queued = true;
   // The step's one host wait before the update: the flag is back, after every copy and scan
   // queued before it.
@@ -726,7 +728,8 @@ absl::Status Session::DeviceSide::QueueParameterReads(Session& s, StepRun& run) 
       // The master weights, on the device: copied into the staging the update writes (they
       // take its result at the commit).
       DIOND_RETURN_IF_ERROR(kernels::Copy(
-          dc, DeviceView(d.device, DType::kF32, static_cast<const void*>(s.DeviceMaster(i)), t.numel),
+          dc,
+          DeviceView(d.device, DType::kF32, static_cast<const void*>(s.DeviceMaster(i)), t.numel),
           DeviceView(d.device, DType::kF32, dst, t.numel)));
       run.params[i] = dst;
       continue;
@@ -770,8 +773,8 @@ absl::Status Session::ReadParametersToDevice(StepRun& run) {
 
 absl::Status Session::WriteWeightsFromDevice(StepRun& run) {
   DeviceSide& d = *device_;
-  DIOND_RETURN_IF_ERROR(
-      RunPhaseGraph(run, GraphPhase::kWrite, [&] { return QueueWeightCopies(); }, nullptr));
+  DIOND_RETURN_IF_ERROR(RunPhaseGraph(
+      run, GraphPhase::kWrite, [&] { return QueueWeightCopies(); }, nullptr));
   // The step's one host wait after the update: the trainer's arena (and the next master
   // weights) hold the new bytes when the answer leaves. Over a CUDA PARAMETERS region too: a
   // trainer without a done_event takes the answer as "the weights are written". The groups'

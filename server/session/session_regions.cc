@@ -84,9 +84,10 @@ absl::StatusOr<std::string> Session::RegisterMappedRegion(
     for (size_t i = 0; i < layout_.tensors.size(); ++i) {
       if (!HasMaster(i)) continue;
       if (absl::Status s = WriteMaster(i, pending_params_[i].data()); !s.ok()) {
-        return absl::Status(s.code(), absl::StrCat(RoleName(role), ": restoring the master "
-                                                   "weights failed: ", s.message(),
-                                                   "; nothing was registered"));
+        return absl::Status(s.code(), absl::StrCat(RoleName(role),
+                                                   ": restoring the master "
+                                                   "weights failed: ",
+                                                   s.message(), "; nothing was registered"));
       }
     }
     master_valid_ = !has_master_.empty();
@@ -160,9 +161,10 @@ absl::StatusOr<std::string> Session::RegisterCudaRegion(Role role,
       if (!HasMaster(i)) continue;
       if (absl::Status s = WriteMaster(i, pending_params_[i].data()); !s.ok()) {
         ClearBinding(b);
-        return absl::Status(s.code(), absl::StrCat(RoleName(role), ": restoring the master "
-                                                   "weights failed: ", s.message(),
-                                                   "; nothing was registered"));
+        return absl::Status(s.code(), absl::StrCat(RoleName(role),
+                                                   ": restoring the master "
+                                                   "weights failed: ",
+                                                   s.message(), "; nothing was registered"));
       }
     }
     master_valid_ = !has_master_.empty();
@@ -207,7 +209,14 @@ absl::Status Session::EnsureHostArena(Role r) {
         internal::NarrowFromF32(HostContext(), t.dtype, pending_params_[i].data(), t.numel,
                                 b.data + t.param_offset);
       });
-      if (HasMaster(i)) DIOND_RETURN_IF_ERROR(WriteMaster(i, pending_params_[i].data()));
+      if (!HasMaster(i)) continue;
+      if (absl::Status s = WriteMaster(i, pending_params_[i].data()); !s.ok()) {
+        // Nothing is bound; the held weights stay held for the next attempt.
+        b.host.clear();
+        b.data = nullptr;
+        return absl::Status(s.code(), absl::StrCat("restoring the master weights failed: ",
+                                                   s.message()));
+      }
     }
     master_valid_ = !has_master_.empty();
     pending_params_.clear();

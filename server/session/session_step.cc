@@ -434,13 +434,14 @@ StepResult Session::CommitStepPhase(StepRun& run) {
       const int64_t n = layout_.tensors[i].numel;
       absl::Status s = kernels::Copy(
           *DeviceContext(),
-          kernels::ConstTensorView(DeviceParamStaging(i), kernels::ContiguousLayout(DType::kF32, {n}),
+          kernels::ConstTensorView(DeviceParamStaging(i),
+                                   kernels::ContiguousLayout(DType::kF32, {n}),
                                    DeviceContext()->device()),
           kernels::TensorView(DeviceMaster(i), kernels::ContiguousLayout(DType::kF32, {n}),
                               DeviceContext()->device()));
       if (!s.ok()) {
-        DIOND_LOG(ERROR) << "session " << id_ << ": queuing the master weights' update failed: "
-                         << s.message();
+        DIOND_LOG(ERROR) << "session " << id_
+                         << ": queuing the master weights' update failed: " << s.message();
       }
       continue;
     }

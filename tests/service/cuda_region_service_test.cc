@@ -423,8 +423,7 @@ TEST_P(CudaEqualsShm, BitForBitOverSeveralStepsWithNoHostCopies) {
         << "step " << t;
     EXPECT_EQ(after.async_copies_to_device - before.async_copies_to_device, update_graph)
         << "step " << t;
-    EXPECT_EQ(after.async_copies_to_host - before.async_copies_to_host, groups + 1)
-        << "step " << t;
+    EXPECT_EQ(after.async_copies_to_host - before.async_copies_to_host, groups + 1) << "step " << t;
     EXPECT_EQ(after.syncs - before.syncs, before.syncs - start.syncs) << "step " << t;
     for (size_t i = 0; i < d.params.size(); ++i) {
       EXPECT_EQ(gpu->ParamBytes(i), shm->ParamBytes(i)) << d.params[i].name << ", step " << t;

@@ -214,9 +214,10 @@ TEST_P(Bf16Weights, WidenedAndNarrowedOnTheDeviceEqualTheCpuDaemonBitForBit) {
   EXPECT_FALSE(absl::StrContains(log, absl::StrCat("session ", g->id, ": the read phase of")))
       << log;
   for (const char* phase : {"read", "update", "write"}) {
-    EXPECT_TRUE(absl::StrContains(log, absl::StrCat("session ", g->id, ": step 2: the ", phase,
-                                                    " phase was captured")))
-        << phase << "\n" << log;
+    EXPECT_TRUE(absl::StrContains(
+        log, absl::StrCat("session ", g->id, ": step 2: the ", phase, " phase was captured")))
+        << phase << "\n"
+        << log;
   }
   const TensorMap sc = State(*cpu_, c->id), sg = State(*dev_, g->id);
   EXPECT_EQ(sg, sc);  // the fp32 weights (the master weights when kept) and the state
@@ -335,7 +336,8 @@ TEST_F(DeviceSessions, NewRegionsAreCapturedAgainAndStillEqualTheCpuDaemon) {
     for (int64_t t : {2, 4}) {
       EXPECT_TRUE(absl::StrContains(log, absl::StrCat("session ", g->id, ": step ", t, ": the ",
                                                       phase, " phase was captured as a graph")))
-          << phase << ", step " << t << "\n" << log;
+          << phase << ", step " << t << "\n"
+          << log;
     }
   }
   // The update reads only the device staging: its graphs stay.
@@ -376,7 +378,8 @@ TEST_F(DeviceSessions, AMasterWeightCheckpointRoundTripsThroughTheDevice) {
       sessions[k]->params_seg->Write(sessions[k]->tensor(i).param_offset_bytes(),
                                      bytes(i, SyntheticValues(1, 0, i, d.Numel(i))));
     }
-    for (int64_t t = 1; t <= 3; ++t) ASSERT_NO_FATAL_FAILURE(step(sessions[k].get(), daemons[k], t));
+    for (int64_t t = 1; t <= 3; ++t)
+      ASSERT_NO_FATAL_FAILURE(step(sessions[k].get(), daemons[k], t));
     v1::SaveCheckpointRequest save;
     save.set_session_id(sessions[k]->id);
     save.set_directory(absl::StrCat(dir, "/", k));
@@ -443,10 +446,11 @@ TEST(DeviceSessionCounters, OneStreamPerSessionCopiesPerStepAndPairedHostRegistr
     for (const char* phase : {"read", "update", "write"}) {
       EXPECT_TRUE(absl::StrContains(log, absl::StrCat("session ", s->id, ": step 2: the ", phase,
                                                       " phase was captured as a graph (")))
-          << phase << "\n" << log;
+          << phase << "\n"
+          << log;
     }
-    EXPECT_TRUE(absl::StrContains(log, absl::StrCat("session ", s->id,
-                                                    ": step 3: the update phase was captured")))
+    EXPECT_TRUE(absl::StrContains(
+        log, absl::StrCat("session ", s->id, ": step 3: the update phase was captured")))
         << log;
     std::map<std::string, int64_t> c = LastCounters(*dev);
     EXPECT_EQ(c["graphs_made"] - start["graphs_made"], 1 + 2 + 1);
@@ -627,7 +631,8 @@ TEST_P(DeviceStepGraphs, ReplayedUpdatesWithANewLearningRateEachStepEqualTheCpuD
   for (const char* phase : {"read", "write"}) {
     EXPECT_TRUE(absl::StrContains(log, absl::StrCat("session ", g->id, ": step 2: the ", phase,
                                                     " phase was captured as a graph")))
-        << phase << "\n" << log;
+        << phase << "\n"
+        << log;
   }
   if (kind == AlgorithmKind::kDion || kind == AlgorithmKind::kDion2) {
     // Their rules read values back inside the update (all-zero flags, top-k indices): the
@@ -648,8 +653,9 @@ TEST_P(DeviceStepGraphs, ReplayedUpdatesWithANewLearningRateEachStepEqualTheCpuD
         << log;
   }
   EXPECT_EQ(after.at("captures_invalidated"), before.at("captures_invalidated"));
-  EXPECT_FALSE(absl::StrContains(log, "phase of its steps runs eagerly, not as a captured graph "
-                                      "(reason pageable"))
+  EXPECT_FALSE(absl::StrContains(log,
+                                 "phase of its steps runs eagerly, not as a captured graph "
+                                 "(reason pageable"))
       << log;
   EXPECT_TRUE(CloseSession(cpu_->stub(), c->id).ok());
   EXPECT_TRUE(CloseSession(dev_->stub(), g->id).ok());
