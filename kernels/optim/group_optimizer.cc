@@ -396,7 +396,9 @@ class BucketedOptimizer final : public GroupOptimizer {
                               static_cast<int64_t>(n));
     assert(s.ok());
     (void)s;
-    for (size_t p = 0; p < n; ++p) update_sq_ += static_cast<double>(update_sq_host_[p]);
+    deferred_to_ = update_sq_host_.data();
+    deferred_count_ = n;
+    SumDeferredNorm();
   }
   void SumDeferredNorm() override {
     for (size_t p = 0; p < deferred_count_; ++p) {
@@ -439,7 +441,7 @@ class BucketedOptimizer final : public GroupOptimizer {
 
   void DiscardStaged() override {
     in_place_step_ = false;
-    norm_pending_ = false;  // (a queued read-back lands in update_sq_host_, never summed)
+    norm_pending_ = false;  // (a queued read-back still lands where it was sent, never summed)
     deferred_count_ = 0;
     RecycleStaged();
   }

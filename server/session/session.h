@@ -388,10 +388,8 @@ class Session {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A device session's Context (its device and stream); null for a host session.
   const kernels::Context* DeviceContext() const;
-  // A device session's staging of gradient i (where a world's averaged gradient goes), and of
-  // parameter i (where the update writes the new weights).
+  // A device session's staging of gradient i (where a world's averaged gradient goes).
   float* DeviceGradStaging(size_t i);
-  float* DeviceParamStaging(size_t i);
   // A device session's buffers for the world phases (session_world.cc), on its device: made by
   // AttachWorld at their final sizes (a world's sizes are fixed by its shard plan, so no step
   // allocates), zero-filled, kept; a later call with a larger `n` would replace one. kWire is the
@@ -427,8 +425,11 @@ class Session {
   // A device session with master weights: they move into one device buffer (allocated once;
   // RESOURCE_EXHAUSTED from the pool), and the host vectors are released.
   absl::Status InitDeviceMaster();
-  // A device session's master weights of parameter i, on its device.
+  // A device session's master weights of parameter i, on its device, and the commit's update of
+  // them: the new weights in the staging copied over, queued on the session stream (ordered
+  // before the next step's reads).
   float* DeviceMaster(size_t i);
+  void QueueMasterCommit(size_t i);
   // A device session's CUDA PARAMETERS region: parameter i's trainer-dtype bytes copied to /
   // from the host (explicit copies on the session's stream).
   absl::Status CudaParamToHost(size_t i, std::vector<uint8_t>* bytes)

@@ -484,8 +484,6 @@ float* Session::DeviceGradStaging(size_t i) {
   return device_ != nullptr ? device_->grad(i) : nullptr;
 }
 
-float* Session::DeviceParamStaging(size_t i) { return device_->param(i); }
-
 // (Master weights: ReadMaster / WriteMaster for host and device sessions alike.)
 absl::Status Session::ReadMaster(size_t i, float* out) {
   const int64_t n = layout_.tensors[i].numel;
@@ -507,6 +505,19 @@ absl::Status Session::WriteMaster(size_t i, const float* in) {
 
 float* Session::DeviceMaster(size_t i) {
   return device_->master.As<float>() + device_->master_offset[i];
+}
+
+void Session::QueueMasterCommit(size_t i) {
+  DeviceSide& d = *device_;
+  const int64_t n = layout_.tensors[i].numel;
+  // Valid views of the session's own buffers: a failure would be a bug, and is logged.
+  absl::Status s = kernels::Copy(
+      *d.ctx, DeviceView(d.device, DType::kF32, static_cast<const void*>(d.param(i)), n),
+      DeviceView(d.device, DType::kF32, DeviceMaster(i), n));
+  if (!s.ok()) {
+    DIOND_LOG(ERROR) << "session " << id_ << ": queuing the master weights' update failed: "
+                     << s.message();
+  }
 }
 
 absl::Status Session::InitDeviceMaster() {

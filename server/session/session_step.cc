@@ -428,21 +428,7 @@ StepResult Session::CommitStepPhase(StepRun& run) {
   for (size_t i = 0; i < layout_.tensors.size(); ++i) {
     if (!run.via_scratch[i] || !HasMaster(i)) continue;
     if (device_master_) {
-      // The new weights in the device staging become the master weights: a copy queued on the
-      // session stream (ordered before the next step's reads), on valid views of the session's
-      // own buffers.
-      const int64_t n = layout_.tensors[i].numel;
-      absl::Status s = kernels::Copy(
-          *DeviceContext(),
-          kernels::ConstTensorView(DeviceParamStaging(i),
-                                   kernels::ContiguousLayout(DType::kF32, {n}),
-                                   DeviceContext()->device()),
-          kernels::TensorView(DeviceMaster(i), kernels::ContiguousLayout(DType::kF32, {n}),
-                              DeviceContext()->device()));
-      if (!s.ok()) {
-        DIOND_LOG(ERROR) << "session " << id_
-                         << ": queuing the master weights' update failed: " << s.message();
-      }
+      QueueMasterCommit(i);
       continue;
     }
     master_[i].swap(param_scratch_[i]);  // the updated copy becomes the master weights
