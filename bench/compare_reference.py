@@ -51,6 +51,12 @@ Also in the same run:
     gradient, m, v; write parameter, m, v) ÷ that bandwidth.
   * Orthogonalization GFLOP/s ÷ GEMM ceiling: runs `--bench` (diond_bench) filtered to the GEMM
     ceilings and the Polar Express benchmarks at --threads threads, and reports its counters.
+  * The floor: per matrix row and diond column, the flops of the step's dense linear algebra at
+    the fewest its arithmetic allows, at the GEMM ceiling of their precision, ÷ the reference's
+    median: the lowest ratio any implementation of that arithmetic could reach on this machine
+    (`floor_rows`; docs/BENCHMARKS.md, "The floor").
+
+`--render JSON` runs nothing: it prints (and writes to --markdown) the tables of an earlier --json.
 
 Nothing asserts on time. Exit status: 0 unless something failed to run.
 """
@@ -139,6 +145,120 @@ def numel(shape):
     for d in shape:
         n *= d
     return n
+
+
+# ---- The floor: the least time the row's arithmetic allows on this machine ----------------------
+#
+# Issue 10's targets are ratios to the reference. A target is reachable only if diond's step can
+# take that little time; the step's dense linear algebra alone cannot run faster than the GEMM
+# ceiling measured in the same run (diond_bench, 2048³). So, per matrix row and diond column,
+# the table "The floor" counts the flops of that linear algebra at the fewest the column's
+# arithmetic allows (below), divides by the ceiling of its precision, and divides that time by
+# the reference's median: the lowest ratio any implementation of that arithmetic could reach
+# here. Elementwise passes, memory traffic, thread start-up and the client round trip are left
+# out, so the floor is a lower bound: when it is above a target, the target cannot be met on this
+# machine. (AdamW is bandwidth-bound and has no such row: the triad measured through PyTorch is
+# no upper bound on this machine's bandwidth, docs/BENCHMARKS.md.)
+TARGETS = {("muon", "fp32"): 1.0, ("normuon", "fp32"): 1.0, ("muon", "bf16"): 0.6,
+           ("normuon", "bf16"): 0.6, ("dion_r1", "fp32"): 0.5, ("dion_r4", "fp32"): 0.5,
+           ("dion2", "fp32"): 0.5, ("dion2", "bf16"): 0.5, ("dion3", "fp32"): 0.5,
+           ("dion3", "bf16"): 0.5}
+
+
+def polar_express_flops(m, n, symmetric=True):
+    """Flops of Polar Express (5 iterations) on an m×n matrix, g = min, h = max: per iteration
+    the Gram product (2g²h in full), A·A (2g³) and B·Y (2g²h). With `symmetric` the two symmetric
+    products count as one triangle each (g²h and g³: the least the arithmetic needs; diond's fp32
+    kernel and, where it pays, its oneDNN bf16 one compute that), else in full (the bf16
+    float32_gemm engine, whose bit-exact arithmetic needs the full products)."""
+    g, h = min(m, n), max(m, n)
+    per = (g * g * h + g ** 3 + 2 * g * g * h) if symmetric else 2 * (2 * g * g * h + g ** 3)
+    return 5 * per
+
+
+def dion_flops(m, n, rank_fraction):
+    """One Dion step on an m×n matrix (a = max, b = min, r = ⌈fraction·b⌉, rank_multiple_of 1):
+    the four products B·Q, Bᵀ·P, P·Rᵀ and P·Q_newᵀ (2abr each), and P's orthonormalization by
+    the default qr_method "rcqr": a Householder QR with its Q formed (geqrf + orgqr, 8r³/3) when P
+    is square, else the randomized Cholesky QR: sketch S·P (k×a by a×r, k = 128·⌈1.25r/128⌉), the
+    R of S·P (2kr² − 2r³/3), two triangular solves (ar² each), PᵀP as one triangle (ar²) and its
+    Cholesky factorization (r³/3)."""
+    a, b = max(m, n), min(m, n)
+    r = min(int(math.ceil(rank_fraction * b)), b)
+    flops = 4 * 2 * a * b * r
+    if a <= r:
+        flops += 8 * r ** 3 / 3
+    else:
+        k = 128 * int(math.ceil(1.25 * r / 128))
+        flops += 2 * k * a * r + (2 * k * r * r - 2 * r ** 3 / 3) + 3 * a * r * r + r ** 3 / 3
+    return flops
+
+
+def selected_shape(m, n, fraction, rows_always):
+    """The submatrix Dion2 (the shorter side) or NorDion2 (rows, rows_always) orthogonalizes."""
+    if rows_always or m <= n:
+        return (min(int(math.ceil(fraction * m)), m), n)
+    return (m, min(int(math.ceil(fraction * n)), n))
+
+
+def column_engine(mode, auto_engine):
+    """"fp32", or the bf16 matmul engine a bf16_reference column ran on ("onednn" or
+    "float32_gemm")."""
+    o = mode_options(mode, auto_engine)
+    if o["precision"] == "fp32":
+        return "fp32"
+    return auto_engine if o["bf16_matmul"] == "auto" else o["bf16_matmul"]
+
+
+def step_flops(key, engine, layers):
+    """(flops, precision of the ceiling) of one step of a matrix row on `engine`
+    (column_engine); None for a row without a model."""
+    shapes = matrix_shapes(layers)
+    prec = "bf16" if engine == "onednn" else "fp32"
+    half = engine != "float32_gemm"
+    if key in ("muon", "normuon"):
+        return sum(polar_express_flops(m, n, half) for m, n in shapes), prec
+    if key in ("dion2", "dion3"):
+        subs = [selected_shape(m, n, 0.25, key == "dion3") for m, n in shapes]
+        return sum(polar_express_flops(m, n, half) for m, n in subs), prec
+    if key in ("dion_r1", "dion_r4") and engine == "fp32":
+        f = 1.0 if key == "dion_r1" else 0.25
+        return sum(dion_flops(m, n, f) for m, n in shapes), "fp32"
+    return None
+
+
+def floor_rows(res):
+    """Per row and diond column: the floor (see above) and the lowest reachable ratio."""
+    o = res.get("ortho") or {}
+    ceil = o.get("ceilings", {})
+    ceilings = {"fp32": max([v for k, v in ceil.items() if k.startswith("f32")] or [0]),
+                "bf16": ceil.get("bf16_onednn", 0)}
+    out = []
+    for key in ROW_KEYS:
+        row = res["rows"].get(key)
+        if not row:
+            continue
+        ref = row["reference"]["median_s"]
+        for mode, name in res.get("modes", {}).items():
+            d = row.get(mode)
+            if d is None:
+                continue
+            model = step_flops(key, column_engine(mode, res.get("bf16_matmul_auto", "")),
+                               res["layers"])
+            if model is None or not ceilings[model[1]]:
+                continue
+            flops, prec = model
+            floor_s = flops / (ceilings[prec] * 1e9)
+            work = "%.0f GFLOP at the %s ceiling %.0f GFLOP/s" % (flops / 1e9, prec,
+                                                                  ceilings[prec])
+            # Issue 10's targets are for fp32 and the default bf16 column (bf16_matmul auto).
+            target = (TARGETS.get((key, "fp32" if mode == "fp32" else "bf16"))
+                      if mode in ("fp32", "bf16_reference") else None)
+            out.append({"row": key, "label": row["label"], "mode": mode, "column": name,
+                        "work": work, "floor_s": floor_s, "reference_s": ref,
+                        "floor_ratio": floor_s / ref, "measured_ratio": d["median_s"] / ref,
+                        "target": target})
+    return out
 
 
 def log(*args):
@@ -282,7 +402,7 @@ def reference_classes(torch, checkout):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--reference", required=True, help="microsoft/dion checkout (its root)")
+    ap.add_argument("--reference", help="microsoft/dion checkout (its root)")
     ap.add_argument("--diond", default=os.path.join(ROOT, "build", "bin", "diond"))
     ap.add_argument("--bench", default=os.path.join(ROOT, "build", "bench", "diond_bench"),
                     help="diond_bench for the orthogonalization/ceiling rows ('' to skip)")
@@ -301,7 +421,21 @@ def main():
     ap.add_argument("--triad-mib", type=int, default=256)
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--markdown", help="write the Markdown table here (also printed)")
+    ap.add_argument("--render", metavar="JSON",
+                    help="run nothing: print (and --markdown) the tables of an earlier --json")
     args = ap.parse_args()
+    if args.render:
+        with open(args.render) as f:
+            res = json.load(f)
+        res["floor"] = floor_rows(res)
+        md = markdown(res)
+        print(md)
+        if args.markdown:
+            with open(args.markdown, "w") as f:
+                f.write(md)
+        return
+    if not args.reference:
+        ap.error("--reference is required (or --render an earlier --json)")
     if args.rounds < 1 or args.warmup < 0 or args.layers < 1:
         ap.error("--rounds >= 1, --warmup >= 0, --layers >= 1")
     args.auto_engine = auto_bf16_matmul()
@@ -389,6 +523,7 @@ def main():
         result["ortho"] = ortho_bench(args.bench, args.threads)
     result["load_after"] = open("/proc/loadavg").read().split()[:3]
     result["wall_s"] = time.time() - started
+    result["floor"] = floor_rows(result)
     md = markdown(result)
     print(md)
     if args.markdown:
@@ -467,6 +602,24 @@ def markdown(res):
             out.append("| %s (%s) | %s | %.0f | %.0f | %.0f | **%.2f** |"
                        % (r["method"], r["label"], r["shape"], r["ms"], r["eff_GFLOPs"] or 0,
                           r["ceiling_GFLOPs"] or 0, r["of_ceiling"] or 0))
+    floors = res.get("floor") or []
+    if floors:
+        out.append("")
+        out.append("The floor: the least time one step's dense linear algebra takes at this run's "
+                   "GEMM ceiling of its precision, a lower bound "
+                   "(bench/compare_reference.py, `floor_rows`). A target below the lowest "
+                   "reachable ratio cannot be met on this machine by any implementation of that "
+                   "arithmetic.")
+        out.append("")
+        out.append("| algorithm | diond column | one step's work | floor (s) | reference median "
+                   "(s) | lowest reachable ratio | target | measured ratio |")
+        out.append("|" + " --- |" * 8)
+        for f in floors:
+            t = f["target"]
+            out.append("| %s | %s | %s | %.3f | %.3f | **%.2f**%s | %s | %.2f |"
+                       % (f["label"], f["column"], f["work"], f["floor_s"], f["reference_s"],
+                          f["floor_ratio"], " (above the target)" if t and f["floor_ratio"] > t
+                          else "", "≤ %.1f" % t if t else "—", f["measured_ratio"]))
     return "\n".join(out) + "\n"
 
 
