@@ -426,13 +426,7 @@ def main():
     args = ap.parse_args()
     if args.render:
         with open(args.render) as f:
-            res = json.load(f)
-        res["floor"] = floor_rows(res)
-        md = markdown(res)
-        print(md)
-        if args.markdown:
-            with open(args.markdown, "w") as f:
-                f.write(md)
+            emit(json.load(f), args.markdown)
         return
     if not args.reference:
         ap.error("--reference is required (or --render an earlier --json)")
@@ -523,15 +517,20 @@ def main():
         result["ortho"] = ortho_bench(args.bench, args.threads)
     result["load_after"] = open("/proc/loadavg").read().split()[:3]
     result["wall_s"] = time.time() - started
-    result["floor"] = floor_rows(result)
-    md = markdown(result)
-    print(md)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(md)
+    emit(result, args.markdown)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
+
+
+def emit(res, markdown_path):
+    """Adds the floor to a result, prints its tables and writes them to `markdown_path`."""
+    res["floor"] = floor_rows(res)
+    md = markdown(res)
+    print(md)
+    if markdown_path:
+        with open(markdown_path, "w") as f:
+            f.write(md)
 
 
 def markdown(res):
