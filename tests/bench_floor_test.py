@@ -45,6 +45,18 @@ class PolarExpressFlops(unittest.TestCase):
                          2 * cr.polar_express_flops(512, 512, symmetric=False))
 
 
+class OrthoCap(unittest.TestCase):
+    def test_the_best_of_ceiling_each_benchmark_row_can_show(self):
+        # Square: 6 units of m³ counted, 4 needed. 1024×4096: (16 + 2) / (4 + 1 + 8) = 18/13.
+        self.assertAlmostEqual(cr.ortho_of_ceiling_cap("PE_fp32", "1024×1024"), 1.5)
+        self.assertAlmostEqual(cr.ortho_of_ceiling_cap("PE_bf16onednn", "1024×4096"), 18 / 13)
+        self.assertAlmostEqual(cr.ortho_of_ceiling_cap("PE_fp32openblas", "4096×1024"), 18 / 13)
+        # The float32_gemm engine needs the full products: its row cannot exceed 1.
+        self.assertAlmostEqual(cr.ortho_of_ceiling_cap("PE_bf16", "1024×1024"), 1.0)
+        self.assertIsNone(cr.ortho_of_ceiling_cap("NS5_fp32", "1024×1024"))
+        self.assertIsNone(cr.ortho_of_ceiling_cap("PE_fp32", "None×None"))
+
+
 class DionFlops(unittest.TestCase):
     def test_square_rank_one_uses_householder_qr(self):
         # 768×768, rank fraction 1 (r = 768, P square): four 2·768³ products and geqrf + orgqr
