@@ -234,12 +234,12 @@ def step_flops(key, engine, layers):
     half = engine != "float32_gemm"
     if key in ("muon", "normuon"):
         return sum(polar_express_flops(m, n, half) for m, n in shapes), prec
+    kwargs = {r[0]: r[5] for r in MATRIX_ROWS}.get(key, {})  # the row's own options
     if key in ("dion2", "dion3"):
-        subs = [selected_shape(m, n, 0.25, key == "dion3") for m, n in shapes]
+        subs = [selected_shape(m, n, kwargs["fraction"], key == "dion3") for m, n in shapes]
         return sum(polar_express_flops(m, n, half) for m, n in subs), prec
     if key in ("dion_r1", "dion_r4") and engine == "fp32":
-        f = 1.0 if key == "dion_r1" else 0.25
-        return sum(dion_flops(m, n, f) for m, n in shapes), "fp32"
+        return sum(dion_flops(m, n, kwargs["rank_fraction"]) for m, n in shapes), "fp32"
     return None
 
 

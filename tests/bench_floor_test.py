@@ -99,6 +99,13 @@ class StepFlops(unittest.TestCase):
         self.assertEqual(full[0], sum(cr.polar_express_flops(m, n, False)
                                       for m, n in cr.matrix_shapes(1)))
 
+    def test_the_rows_options_decide_the_shapes(self):
+        # Dion2 (¼) on one layer: 4 × 192×768, 192×3072 and 3072×192; Dion rank ¼ at r = 192.
+        want = 4 * cr.polar_express_flops(192, 768) + 2 * cr.polar_express_flops(192, 3072)
+        self.assertEqual(cr.step_flops("dion2", "fp32", 1), (want, "fp32"))
+        self.assertAlmostEqual(cr.step_flops("dion_r4", "fp32", 1)[0],
+                               4 * cr.dion_flops(768, 768, 0.25) + 2 * cr.dion_flops(3072, 768, 0.25))
+
     def test_layers_scale_the_work_and_dion_has_no_bf16_column(self):
         self.assertEqual(cr.step_flops("dion_r4", "fp32", 12)[0],
                          12 * cr.step_flops("dion_r4", "fp32", 1)[0])
