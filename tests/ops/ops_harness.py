@@ -79,8 +79,10 @@ def scrape(port):
 class Trainer(threading.Thread):
     """Steps one session until stopped: gradients every step, a NaN step (skipped) every 13th,
     a replay of the previous step and a wrong step index (FAILED_PRECONDITION) every 7th, so
-    every step outcome and an error code keep appearing. `barrier`: world trainers step in
-    lockstep (each world Step waits for the other rank's)."""
+    every step outcome and an error code keep appearing. The trainers of one world session step in
+    lockstep (each world Step waits for the other rank's), so they must stop after the same step:
+    `last_step`, set by OpsWorld.stop_trainers before the stop event, is the step they both finish
+    first (None: stop after the current step)."""
 
     def __init__(self, target, session_id, pause=0.05, name="trainer"):
         super().__init__(name=name, daemon=True)
@@ -88,13 +90,17 @@ class Trainer(threading.Thread):
         self.session_id = session_id
         self.pause = pause
         self.stop_event = threading.Event()
+        self.last_step = None
         self.steps = 0
         self.error = None
+
+    def _stopping(self, done):
+        return self.stop_event.is_set() and (self.last_step is None or done >= self.last_step)
 
     def run(self):
         try:
             step = 0
-            while not self.stop_event.is_set():
+            while not self._stopping(step):
                 step += 1
                 self.client.push_gradients(self.session_id, grads(step, nan=step % 13 == 0))
                 self.client.step(self.session_id, step)
@@ -217,6 +223,16 @@ class OpsWorld:
 
     def stop_trainers(self):
         trainers, self.trainers = self.trainers, []
+        # The world trainers stop after one common step. Had each stopped after its own current
+        # step, one could already be in the next step, which then waits for a peer that never
+        # comes and fails with the peer timeout (seen in CI: "lost rank 0 ... Read timeout").
+        # They are at most one step apart (lockstep) and a step takes at least `pause`, so two
+        # steps past the furthest completed one is a step neither has entered yet.
+        world = [t for t in trainers if t.name.startswith("world")]
+        if world:
+            last = max(t.steps for t in world) + 2
+            for t in world:
+                t.last_step = last
         for t in trainers:
             t.stop_event.set()
         for t in trainers:
