@@ -422,6 +422,10 @@ class Session {
   bool HasMaster(size_t i) const { return i < has_master_.size() && has_master_[i] != 0; }
   absl::Status ReadMaster(size_t i, float* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status WriteMaster(size_t i, const float* in) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The weights held while no PARAMETERS arena was bound (pending_params_) become the master
+  // weights, once the new arena holds them too: pending_params_ is released and master_valid_
+  // set. On error (WriteMaster's status) the held weights stay held for the next attempt.
+  absl::Status AdoptHeldWeightsAsMaster() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A device session with master weights: they move into one device buffer (allocated once;
   // RESOURCE_EXHAUSTED from the pool), and the host vectors are released.
   absl::Status InitDeviceMaster();

@@ -81,17 +81,11 @@ absl::StatusOr<std::string> Session::RegisterMappedRegion(
         absl::StrCat(RoleName(role), " ", intact.message(), "; nothing was registered"));
   }
   if (from_pending) {
-    for (size_t i = 0; i < layout_.tensors.size(); ++i) {
-      if (!HasMaster(i)) continue;
-      if (absl::Status s = WriteMaster(i, pending_params_[i].data()); !s.ok()) {
-        return absl::Status(s.code(), absl::StrCat(RoleName(role),
-                                                   ": restoring the master "
-                                                   "weights failed: ",
-                                                   s.message(), "; nothing was registered"));
-      }
+    if (absl::Status s = AdoptHeldWeightsAsMaster(); !s.ok()) {
+      return absl::Status(s.code(),
+                          absl::StrCat(RoleName(role), ": restoring the master weights failed: ",
+                                       s.message(), "; nothing was registered"));
     }
-    master_valid_ = !has_master_.empty();
-    pending_params_.clear();
   }
   b.host.clear();
   b.host.shrink_to_fit();
@@ -157,18 +151,12 @@ absl::StatusOr<std::string> Session::RegisterCudaRegion(Role role,
                                                    "; nothing was registered"));
       }
     }
-    for (size_t i = 0; i < layout_.tensors.size(); ++i) {
-      if (!HasMaster(i)) continue;
-      if (absl::Status s = WriteMaster(i, pending_params_[i].data()); !s.ok()) {
-        ClearBinding(b);
-        return absl::Status(s.code(), absl::StrCat(RoleName(role),
-                                                   ": restoring the master "
-                                                   "weights failed: ",
-                                                   s.message(), "; nothing was registered"));
-      }
+    if (absl::Status s = AdoptHeldWeightsAsMaster(); !s.ok()) {
+      ClearBinding(b);
+      return absl::Status(s.code(),
+                          absl::StrCat(RoleName(role), ": restoring the master weights failed: ",
+                                       s.message(), "; nothing was registered"));
     }
-    master_valid_ = !has_master_.empty();
-    pending_params_.clear();
   }
   return b.region_id;
 }
@@ -209,18 +197,23 @@ absl::Status Session::EnsureHostArena(Role r) {
         internal::NarrowFromF32(HostContext(), t.dtype, pending_params_[i].data(), t.numel,
                                 b.data + t.param_offset);
       });
-      if (!HasMaster(i)) continue;
-      if (absl::Status s = WriteMaster(i, pending_params_[i].data()); !s.ok()) {
-        // Nothing is bound; the held weights stay held for the next attempt.
-        b.host.clear();
-        b.data = nullptr;
-        return absl::Status(s.code(), absl::StrCat("restoring the master weights failed: ",
-                                                   s.message()));
-      }
     }
-    master_valid_ = !has_master_.empty();
-    pending_params_.clear();
+    if (absl::Status s = AdoptHeldWeightsAsMaster(); !s.ok()) {
+      b.host.clear();  // nothing is bound
+      b.data = nullptr;
+      return absl::Status(s.code(),
+                          absl::StrCat("restoring the master weights failed: ", s.message()));
+    }
   }
+  return absl::OkStatus();
+}
+
+absl::Status Session::AdoptHeldWeightsAsMaster() {
+  for (size_t i = 0; i < layout_.tensors.size(); ++i) {
+    if (HasMaster(i)) DIOND_RETURN_IF_ERROR(WriteMaster(i, pending_params_[i].data()));
+  }
+  master_valid_ = !has_master_.empty();
+  pending_params_.clear();
   return absl::OkStatus();
 }
 
