@@ -44,9 +44,9 @@ struct GemmParams {
   float alpha = 1.0f;
   float beta = 0.0f;  // 0: C is not read (NaN/garbage in C is ignored)
   // f32 inputs only: which library (kAuto follows the context's Fp32GemmEngine; kAuto there
-  // picks by shape: oneDNN, 1.6-3.4x faster on the rules' shapes on the target machine, except
-  // small and matrix-vector products, which stay on OpenBLAS; kernels/cpu/gemm.cc,
-  // docs/BENCHMARKS.md "f32 engines").
+  // picks by shape: small and matrix-vector products stay on OpenBLAS, the others take the
+  // engine of kernels/engine_choice.h: oneDNN, or what the start-up calibration measured faster;
+  // kernels/cpu/gemm.cc, docs/BENCHMARKS.md "f32 engines").
   Fp32GemmEngine engine = Fp32GemmEngine::kAuto;
 };
 
@@ -69,8 +69,8 @@ enum class GramSide : uint8_t {
 // Symmetric product C ← alpha·A·Aᵀ + beta·C (or Aᵀ·A): one triangle is computed, then mirrored
 // so the whole C is written (C is exactly symmetric). The triangle: with the context's
 // Fp32GemmEngine kOpenBlas, cblas_ssyrk; kOneDnn, the lower block triangle from oneDNN f32
-// GEMMs on column panels (about half the flops at the GEMM rate); kAuto, oneDNN's except for
-// small products (kernels/cpu/gemm.cc).
+// GEMMs on column panels (about half the flops at the GEMM rate); kAuto, small products on
+// ssyrk, the others on kernels/engine_choice.h's fp32_symmetric (kernels/cpu/gemm.cc).
 // A f32, C f32 square of the right size; rank 2 or 3 (same batch). beta != 0 reads only C's
 // lower triangle (C is assumed symmetric).
 absl::Status SymmetricProduct(const Context& ctx, GramSide side, float alpha, ConstTensorView a,

@@ -292,7 +292,13 @@ DaemonMetrics::DaemonMetrics(std::shared_ptr<prometheus::Registry> registry, con
       .Add({{"version", info.version},
             {"device", info.device},
             {"compute_device", info.compute_device},
-            {"cuda_plugin", info.cuda_plugin ? "true" : "false"}})
+            {"cuda_plugin", info.cuda_plugin ? "true" : "false"},
+            {"openblas_core", info.openblas_core},
+            {"openblas_core_source", info.openblas_core_source},
+            {"fp32_gemm_auto", info.fp32_gemm_auto},
+            {"fp32_symmetric_auto", info.fp32_symmetric_auto},
+            {"bf16_matmul_auto", info.bf16_matmul_auto},
+            {"engines_calibrated", info.engines_calibrated ? "true" : "false"}})
       .Set(1);
 }
 

@@ -31,6 +31,14 @@ struct BuildInfo {
   std::string device;       // e.g. "cpu" or "cuda:0": the selected device
   bool cuda_plugin = false; // built with the CUDA plugin
   std::string compute_device = "cpu";  // where steps run (kernels::ComputeDevice)
+  // The CPU's BLAS (kernels/host_blas.h) and what the `auto` engines resolve to
+  // (kernels/engine_choice.h): "onednn" / "openblas"; bf16: "onednn" / "float32_gemm".
+  std::string openblas_core = "unknown";
+  std::string openblas_core_source = "unknown";  // autodetected, operator or diond
+  std::string fp32_gemm_auto = "onednn";
+  std::string fp32_symmetric_auto = "onednn";
+  std::string bf16_matmul_auto = "float32_gemm";
+  bool engines_calibrated = false;
 };
 
 // What the sessions hold, read at scrape time (SessionCollector).

@@ -17,12 +17,18 @@ std::string Expose(prometheus::Collectable& c) {
 
 TEST(DaemonMetrics, BuildInfoAndRpcCountsByMethodAndCode) {
   auto registry = std::make_shared<prometheus::Registry>();
-  DaemonMetrics m(registry, {"1.2.3", "cpu", false});
+  BuildInfo info{"1.2.3", "cpu", false};
+  info.openblas_core = "SkylakeX";
+  info.openblas_core_source = "diond";
+  info.fp32_gemm_auto = "openblas";
+  info.bf16_matmul_auto = "onednn";
+  info.engines_calibrated = true;
+  DaemonMetrics m(registry, info);
   m.ObserveRpc("/diond.v1.Optimizer/Step", "OK", 0.001);
   m.ObserveRpc("/diond.v1.Optimizer/Step", "OK", 0.003);
   m.ObserveRpc("/diond.v1.Optimizer/Step", "INVALID_ARGUMENT", 0.0001);
   std::string text = Expose(*registry);
-  EXPECT_NE(text.find(R"(diond_build_info{compute_device="cpu",cuda_plugin="false",device="cpu",version="1.2.3"} 1)"),
+  EXPECT_NE(text.find(R"(diond_build_info{bf16_matmul_auto="onednn",compute_device="cpu",cuda_plugin="false",device="cpu",engines_calibrated="true",fp32_gemm_auto="openblas",fp32_symmetric_auto="onednn",openblas_core="SkylakeX",openblas_core_source="diond",version="1.2.3"} 1)"),
             std::string::npos)
       << text;
   EXPECT_NE(text.find(R"(diond_rpcs_total{code="OK",method="/diond.v1.Optimizer/Step"} 2)"),
@@ -80,7 +86,13 @@ TEST(DaemonMetrics, StepGraphSeriesExistAtZeroAndCountByPhaseModeAndReason) {
 
 TEST(DaemonMetrics, LimitsCheckpointsAndScrapeTimeSessionGauges) {
   auto registry = std::make_shared<prometheus::Registry>();
-  DaemonMetrics m(registry, {"1.2.3", "cpu", false});
+  BuildInfo info{"1.2.3", "cpu", false};
+  info.openblas_core = "SkylakeX";
+  info.openblas_core_source = "diond";
+  info.fp32_gemm_auto = "openblas";
+  info.bf16_matmul_auto = "onednn";
+  info.engines_calibrated = true;
+  DaemonMetrics m(registry, info);
   std::vector<std::shared_ptr<prometheus::Collectable>> sources = m.collectables();
   ASSERT_EQ(sources.size(), 2u);
   auto expose_all = [&] {

@@ -1,5 +1,5 @@
 // Gemm and SymmetricProduct (kernels/ops.h) on the CPU: f32 on oneDNN or OpenBLAS (kAuto picks
-// by shape, AutoGemmEngine), bf16 on oneDNN (Debian's OpenBLAS exports no cblas_sbgemm, TOOLCHAIN.md §12).
+// by shape and by the start-up calibration, AutoGemmEngine), bf16 on oneDNN (Debian's OpenBLAS exports no cblas_sbgemm, TOOLCHAIN.md §12).
 #include <cblas.h>
 
 #include <algorithm>
@@ -10,6 +10,7 @@
 #include "kernels/cpu/onednn_matmul.h"
 #include "kernels/cpu/threading.h"
 #include "kernels/cpu/backend.h"
+#include "kernels/engine_choice.h"
 
 namespace diond::kernels::cpu {
 namespace {
@@ -54,14 +55,17 @@ absl::Status ScaleOnly(const Context& ctx, float beta, TensorView c) {
 //   768×768 (k 3072, X·Xᵀ) 0.72, (XᵀX) 0.47; 1024×1024 (k 1024) 0.81, (k 4096) 0.67;
 //   4 × 768² 0.68; 2048² 0.60.
 // So oneDNN, except for products below 128³ multiply-adds (a threshold between the two small
-// shapes measured, not tuned) and for matrix-vector shapes, which stay on OpenBLAS. The older
+// shapes measured, not tuned) and for matrix-vector shapes, which stay on OpenBLAS. Those ratios
+// hold for OpenBLAS on its AVX2/AVX-512 kernels; on another machine (or a generic core) the
+// large-product engine is what the start-up calibration measured faster (CurrentAutoEngines,
+// kernels/engine_calibration.h; oneDNN until one ran). The older
 // note that both run at the same speed (docs/BENCHMARKS.md, 2048³ ~210 GFLOP/s each) predates
 // OPENBLAS_CORETYPE=Haswell on this machine; the quiet run measured 424 vs 252 GFLOP/s.
 constexpr int64_t kOneDnnMinWork = int64_t{128} * 128 * 128;
 
 Fp32GemmEngine AutoGemmEngine(int64_t m, int64_t n, int64_t k) {
   if (m == 1 || n == 1 || m * n * k < kOneDnnMinWork) return Fp32GemmEngine::kOpenBlas;
-  return Fp32GemmEngine::kOneDnn;
+  return CurrentAutoEngines().fp32_gemm;
 }
 
 // The f32 symmetric-product engine for an n×n result of inner size k: the context's choice, or
@@ -69,7 +73,8 @@ Fp32GemmEngine AutoGemmEngine(int64_t m, int64_t n, int64_t k) {
 // GEMMs, kOpenBlas is ssyrk.
 Fp32GemmEngine SymmetricEngine(const Context& ctx, int64_t n, int64_t k) {
   if (ctx.fp32_gemm_engine() != Fp32GemmEngine::kAuto) return ctx.fp32_gemm_engine();
-  return n * n * k < 2 * kOneDnnMinWork ? Fp32GemmEngine::kOpenBlas : Fp32GemmEngine::kOneDnn;
+  return n * n * k < 2 * kOneDnnMinWork ? Fp32GemmEngine::kOpenBlas
+                                         : CurrentAutoEngines().fp32_symmetric;
 }
 
 }  // namespace

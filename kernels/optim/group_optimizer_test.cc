@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common/status_matchers.h"
+#include "kernels/engine_choice.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/test_util.h"
@@ -424,6 +425,19 @@ TEST(Bf16MatmulEngineTest, AutoFollowsTheCpuFlags) {
             all ? Bf16MatmulEngine::kOneDnn : Bf16MatmulEngine::kFloat32Gemm);
   EXPECT_EQ(ResolveBf16Matmul(Bf16MatmulEngine::kFloat32Gemm), Bf16MatmulEngine::kFloat32Gemm);
   EXPECT_EQ(ResolveBf16Matmul(Bf16MatmulEngine::kOneDnn), Bf16MatmulEngine::kOneDnn);
+  // After a start-up calibration, kAuto is what it measured, whatever the ISA rule says.
+  const kernels::AutoEngines before = kernels::CurrentAutoEngines();
+  kernels::AutoEngines measured = before;
+  measured.bf16_measured = true;
+  for (bool onednn : {false, true}) {
+    measured.bf16_onednn = onednn;
+    kernels::SetAutoEngines(measured);
+    EXPECT_EQ(ResolveBf16Matmul(Bf16MatmulEngine::kAuto),
+              onednn ? Bf16MatmulEngine::kOneDnn : Bf16MatmulEngine::kFloat32Gemm);
+    EXPECT_EQ(ResolveBf16Matmul(Bf16MatmulEngine::kFloat32Gemm), Bf16MatmulEngine::kFloat32Gemm);
+  }
+  kernels::SetAutoEngines(before);
+  EXPECT_EQ(ResolveBf16Matmul(Bf16MatmulEngine::kAuto), IsaBf16Matmul());
 }
 
 }  // namespace

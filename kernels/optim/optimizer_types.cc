@@ -5,6 +5,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/engine_choice.h"
 
 namespace diond::optim {
 
@@ -104,6 +105,14 @@ absl::StatusOr<Bf16MatmulEngine> ParseBf16MatmulEngine(absl::string_view name) {
 
 Bf16MatmulEngine ResolveBf16Matmul(Bf16MatmulEngine e) {
   if (e != Bf16MatmulEngine::kAuto) return e;
+  const kernels::AutoEngines measured = kernels::CurrentAutoEngines();
+  if (measured.bf16_measured) {
+    return measured.bf16_onednn ? Bf16MatmulEngine::kOneDnn : Bf16MatmulEngine::kFloat32Gemm;
+  }
+  return IsaBf16Matmul();
+}
+
+Bf16MatmulEngine IsaBf16Matmul() {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   // GCC's and Clang's checks read CPUID and that the OS saves the AVX-512 state (XGETBV).
   static const bool avx512_core =

@@ -89,8 +89,9 @@ absl::StatusOr<Precision> ParsePrecision(absl::string_view name);
 // kBf16Reference only: how the orthogonalizer multiplies its bf16 matrices (both accumulate in
 // float32 and round each product once to bf16; docs/CONFORMANCE.md "bf16 matmul engine").
 enum class Bf16MatmulEngine : uint8_t {
-  // What PyTorch itself does on this CPU: oneDNN's bf16 matmul where PyTorch routes bf16 matmuls
-  // to oneDNN (x86 CPUs with AVX-512 core: AVX512F/BW/VL/DQ, PyTorch's mkldnn_bf16_device_check),
+  // The faster of the two below as the start-up calibration measured it; without one, what
+  // PyTorch itself does on this CPU: oneDNN's bf16 matmul where PyTorch routes bf16 matmuls to
+  // oneDNN (x86 CPUs with AVX-512 core: AVX512F/BW/VL/DQ, PyTorch's mkldnn_bf16_device_check),
   // the float32 GEMM elsewhere. ResolveBf16Matmul says which one.
   kAuto,
   // The float32 OpenBLAS GEMM of the widened bf16 operands: the stored trajectories' arithmetic
@@ -103,10 +104,13 @@ enum class Bf16MatmulEngine : uint8_t {
 absl::string_view Bf16MatmulEngineName(Bf16MatmulEngine e);  // "auto", "float32_gemm", "onednn"
 // Accepts the names above. INVALID_ARGUMENT (naming bf16_matmul and the value) otherwise.
 absl::StatusOr<Bf16MatmulEngine> ParseBf16MatmulEngine(absl::string_view name);
-// kAuto resolved on this host: kOneDnn iff the CPU has AVX512F, AVX512BW, AVX512VL and
-// AVX512DQ (the check PyTorch makes before using oneDNN's bf16 matmul), else kFloat32Gemm.
-// The other values are returned unchanged.
+// kAuto resolved in this process: the engine the start-up calibration measured faster
+// (kernels/engine_choice.h; the daemon and diond_bench calibrate), else IsaBf16Matmul(). Both
+// engines keep the reference's rounding points. The other values are returned unchanged.
 Bf16MatmulEngine ResolveBf16Matmul(Bf16MatmulEngine e);
+// kOneDnn iff the CPU has AVX512F, AVX512BW, AVX512VL and AVX512DQ (the check PyTorch makes
+// before using oneDNN's bf16 matmul), else kFloat32Gemm.
+Bf16MatmulEngine IsaBf16Matmul();
 
 // Every hyperparameter of every algorithm. Values are given in double as the caller has them;
 // the update rules round each one to float32 before any arithmetic (P1). Fields an algorithm

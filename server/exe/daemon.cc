@@ -8,6 +8,8 @@
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "kernels/backend.h"
+#include "kernels/engine_choice.h"
+#include "kernels/optim/optimizer_types.h"
 #include "kernels/plugin/plugin_backend.h"
 #include "server/comm/nccl_communicator.h"
 #include "nlohmann/json.hpp"
@@ -199,6 +201,27 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   info.device = DeviceLabel(d->device_.type, d->device_.index);
   info.compute_device = DeviceLabel(d->compute_device_.type, d->compute_device_.index);
   info.cuda_plugin = d->device_.cuda_plugin_loaded;
+  {
+    const kernels::AutoEngines engines = kernels::CurrentAutoEngines();
+    auto name = [](kernels::Fp32GemmEngine e) {
+      return e == kernels::Fp32GemmEngine::kOpenBlas ? "openblas" : "onednn";
+    };
+    if (!options.openblas_core.empty()) info.openblas_core = options.openblas_core;
+    if (!options.openblas_core_source.empty()) {
+      info.openblas_core_source = options.openblas_core_source;
+    }
+    info.fp32_gemm_auto = name(engines.fp32_gemm);
+    info.fp32_symmetric_auto = name(engines.fp32_symmetric);
+    info.bf16_matmul_auto = std::string(optim::Bf16MatmulEngineName(
+        optim::ResolveBf16Matmul(optim::Bf16MatmulEngine::kAuto)));
+    info.engines_calibrated = engines.bf16_measured;
+    d->cpu_blas_ = absl::StrCat("OpenBLAS core ", info.openblas_core, " (",
+                                info.openblas_core_source, "); auto engines",
+                                engines.bf16_measured ? " (calibrated)" : "", ": fp32 GEMM ",
+                                info.fp32_gemm_auto, ", fp32 symmetric ",
+                                info.fp32_symmetric_auto, ", bf16_reference ",
+                                info.bf16_matmul_auto);
+  }
   d->metrics_ = std::make_unique<DaemonMetrics>(std::make_shared<prometheus::Registry>(), info);
 
   // Metrics start after the CUDA plugin is loaded: the plugin's TLS is dynamic (dlopen), so
@@ -476,7 +499,7 @@ std::string Daemon::Describe() const {
                          coordinator_ ? " (coordinator)" : "");
   }
   return absl::StrCat("diond ", kVersion, " serving on ", absl::StrJoin(names, ", "), "; ",
-                      metrics, "; ", device, world);
+                      metrics, "; ", device, world, "; ", cpu_blas_);
 }
 
 std::string Daemon::fd_channel_path() const {

@@ -80,6 +80,11 @@ struct DaemonOptions {
   int fd_max_pending_per_uid = 64;
   session::ManagerOptions sessions;
   WorldConfig world;
+  // The CPU's BLAS set-up as main() left it (kernels/host_blas.h, kernels/engine_calibration.h):
+  // exported in diond_build_info and the start-up line. Empty = not reported.
+  std::string openblas_core;         // the core OpenBLAS runs, e.g. "Zen"
+  std::string openblas_core_source;  // "autodetected", "operator" or "diond"
+  std::string engine_calibration;    // the calibration's report; empty: none ran
   // TEST-ONLY (the diond_testdevice binary, server/exe/test_device_main.cc): the steps run on
   // the host-memory TEST backend, which the caller registered for DeviceType::kTest. Never set
   // by diond. `test_device_report` (optional) is logged after every step and session change.
@@ -128,6 +133,7 @@ class Daemon {
   // on device memory (JoinWorld); null otherwise.
   const DiondCudaPluginV1* cuda_plugin_ = nullptr;
   std::string compute_note_;        // why / how, for the start-up line (DescribeDevice)
+  std::string cpu_blas_;            // "OpenBLAS core Zen (autodetected); auto engines ...", ditto
   std::string metrics_address_;
   std::unique_ptr<DaemonMetrics> metrics_;
   std::unique_ptr<RpcMetrics> rpc_metrics_;  // the RPC layer's observer, into metrics_

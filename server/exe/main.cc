@@ -21,6 +21,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "common/logging.h"
+#include "kernels/context.h"
+#include "kernels/engine_calibration.h"
+#include "kernels/engine_choice.h"
+#include "kernels/host_blas.h"
+#include "kernels/optim/optimizer_types.h"
 #include "server/comm/world_flags.h"
 #include "server/exe/daemon.h"
 #include "server/rpc/listen.h"
@@ -100,6 +105,11 @@ ABSL_FLAG(bool, recover, false,
           "and session_name, so trainers re-attach (AttachSession) after a daemon restart. "
           "Sessions closed by their client and world sessions are not restored.");
 ABSL_FLAG(int, compute_threads, 0, "CPU threads for optimizer math; 0 = all cores.");
+ABSL_FLAG(bool, calibrate_engines, true,
+          "At start-up, time oneDNN against OpenBLAS for fp32 GEMMs and oneDNN bf16 against the "
+          "widened fp32 GEMM for bf16_reference (512³, tens of milliseconds) and let the `auto` "
+          "engines take the faster; false: oneDNN for fp32, PyTorch's ISA rule for bf16. The "
+          "start-up line and diond_build_info say what was chosen (docs/OPERATIONS.md).");
 ABSL_FLAG(int64_t, checksum_every, 100,
           "World sessions: every N-th step the daemons compare parameter checksums; a copy that "
           "differs from its owner's is logged, counted and replaced by the owner's; 0 = never.");
@@ -226,6 +236,10 @@ void WatchStdinForEof() {
 //   oneDNN GEMMs around them that loop competed with oneDNN's OpenMP threads for the cores:
 //   about 20 % of a Dion step's cycles were sched_yield (perf, one GPT-2 layer). So
 //   OPENBLAS_THREAD_TIMEOUT=18: 2^18 cycles, about a tenth of a millisecond too.
+// - OpenBLAS picks its kernel set by CPU model when it is loaded and falls back to generic
+//   (Prescott) kernels on a model it does not know; OPENBLAS_CORETYPE is set to the core the
+//   CPU's features call for (kernels/host_blas.h, DecideOpenBlasCore) when OpenBLAS fell back
+//   on a CPU with AVX2 or AVX-512 and the operator has not set it.
 // Each is set only when the operator has set neither of its variables (any value of them is
 // respected); then the daemon re-executes itself (same pid, same arguments) before it has opened
 // anything. Returns the names of the variables set here, space-separated (empty: none; execv
@@ -248,6 +262,11 @@ std::string SetThreadWaitLimits(char** argv) {
     setenv(w.name, w.value, 1);
     absl::StrAppend(&set, set.empty() ? "" : " ", w.name);
   }
+  const diond::kernels::OpenBlasCoreDecision core = diond::kernels::PlanOpenBlasCore();
+  if (!core.set.empty()) {
+    diond::kernels::ApplyOpenBlasCoreDecision(core);
+    absl::StrAppend(&set, set.empty() ? "" : " ", "OPENBLAS_CORETYPE");
+  }
   if (set.empty()) return set;
   setenv(kWaitMarker, set.c_str(), 1);
   // The binary's real path, not /proc/self/exe itself: the kernel names the process after the
@@ -264,14 +283,25 @@ std::string SetThreadWaitLimits(char** argv) {
   for (const WaitLimit& w : kWaitLimits) {
     if (absl::StrContains(set, w.name)) unsetenv(w.name);
   }
+  diond::kernels::RevertOpenBlasCoreDecision();
   unsetenv(kWaitMarker);
   return "";
 }
 
+// The names of `set` that are thread-wait variables (the thread-waiting line's list).
+std::string WaitVariablesOf(const std::string& set) {
+  std::string out;
+  for (const WaitLimit& w : kWaitLimits) {
+    if (absl::StrContains(set, w.name)) absl::StrAppend(&out, out.empty() ? "" : " ", w.name);
+  }
+  return out;
+}
+
 int main(int argc, char** argv) {
-  const std::string wait_set_here = SetThreadWaitLimits(argv);
-  // The marker is ours; keep it out of the environment of anything the daemon starts.
+  const std::string wait_set_here = WaitVariablesOf(SetThreadWaitLimits(argv));
+  // The markers are ours; keep them out of the environment of anything the daemon starts.
   unsetenv(kWaitMarker);
+  const diond::kernels::OpenBlasCoreReport blas_core = diond::kernels::ReportOpenBlasCore();
   // Block the stop signals before any thread exists, so every thread inherits the mask and the
   // main thread alone receives them in sigwait below.
   sigset_t stop_signals;
@@ -418,6 +448,22 @@ int main(int argc, char** argv) {
     }
   }
 
+  options.openblas_core = blas_core.core;
+  options.openblas_core_source = blas_core.source;
+  if (absl::GetFlag(FLAGS_calibrate_engines)) {
+    // Before any session exists: the choice is process-wide (kernels/engine_choice.h).
+    auto ctx = diond::kernels::Context::CpuDefault(options.sessions.compute_threads);
+    auto cal = diond::kernels::CalibrateAutoEngines(
+        *ctx, diond::optim::IsaBf16Matmul() == diond::optim::Bf16MatmulEngine::kOneDnn);
+    if (cal.ok()) {
+      diond::kernels::SetAutoEngines(cal->engines);
+      options.engine_calibration = cal->Describe();
+    } else {
+      options.engine_calibration = absl::StrCat("calibration failed (", cal.status().message(),
+                                                "): the defaults");
+    }
+  }
+
 #ifdef DIOND_TEST_DEVICE_BINARY
   diond::server::ConfigureTestDevice(&options);
 #endif
@@ -427,6 +473,12 @@ int main(int argc, char** argv) {
     return 1;
   }
   DIOND_LOG(INFO) << (*daemon)->Describe();
+  if (blas_core.ok) {
+    DIOND_LOG(INFO) << blas_core.line;
+  } else {
+    DIOND_LOG(WARNING) << blas_core.line;
+  }
+  if (!options.engine_calibration.empty()) DIOND_LOG(INFO) << options.engine_calibration;
   {
     std::string line = "thread waiting:";
     for (const char* v : {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OPENBLAS_THREAD_TIMEOUT",

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -267,6 +268,138 @@ TEST(DaemonProcess, IdleOpenMpThreadsSleepUnlessTheOperatorSaysOtherwise) {
   } else {
     unsetenv("OPENBLAS_THREAD_TIMEOUT");
   }
+}
+
+// The core the CPU's features call for (kernels/host_blas.h), read independently from
+// /proc/cpuinfo's flags: "" when the CPU has neither AVX2 + FMA nor AVX-512.
+std::string ExpectedOpenBlasCore() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line, flags, vendor;
+  while (std::getline(in, line)) {
+    if (vendor.empty() && absl::StartsWith(line, "vendor_id")) vendor = line;
+    if (absl::StartsWith(line, "flags")) {
+      flags = line + " ";
+      break;
+    }
+  }
+  auto has = [&](const char* f) { return absl::StrContains(flags, absl::StrCat(" ", f, " ")); };
+  if (has("avx512f") && has("avx512bw") && has("avx512vl") && has("avx512dq") && has("avx512cd")) {
+    return has("avx512_bf16") ? "Cooperlake" : "SkylakeX";
+  }
+  if (has("avx2") && has("fma")) {
+    return absl::StrContains(vendor, "AuthenticAMD") || absl::StrContains(vendor, "Hygon")
+               ? "Zen"
+               : "Haswell";
+  }
+  return "";
+}
+
+std::string EnvValue(const std::vector<std::string>& env, const std::string& name) {
+  for (const std::string& v : env) {
+    if (absl::StartsWith(v, name + "=")) return v.substr(name.size() + 1);
+  }
+  return "(unset)";
+}
+
+// OpenBLAS falls back to its generic Prescott kernels on a CPU model it does not know. The
+// daemon then re-executes itself with OPENBLAS_CORETYPE set to the core of the CPU's features,
+// unless the operator set it; the start-up line, a log line and diond_build_info say which
+// core runs and who chose it. DIOND_TEST_OPENBLAS_CORENAME makes this CPU look unknown.
+TEST(DaemonProcess, PicksTheOpenBlasCoreWhenOpenBlasFellBack) {
+  const std::string want = ExpectedOpenBlasCore();
+  if (want.empty()) GTEST_SKIP() << "this CPU has no AVX2: the generic kernels are right";
+  const char* saved = std::getenv("OPENBLAS_CORETYPE");
+  const std::string saved_value = saved != nullptr ? saved : "";
+  unsetenv("OPENBLAS_CORETYPE");
+  setenv("DIOND_TEST_OPENBLAS_CORENAME", "Prescott", 1);
+  {
+    auto d = StartDaemon({"--device=cpu"});
+    ASSERT_NE(d, nullptr);
+    const std::vector<std::string> env = ProcessEnvironment(d->proc->pid());
+    EXPECT_EQ(EnvValue(env, "OPENBLAS_CORETYPE"), want) << d->proc->Log();
+    const std::string log = d->proc->Log();
+    EXPECT_TRUE(absl::StrContains(log, absl::StrCat("OpenBLAS core ", want,
+                                                    " (set by diond: OpenBLAS autodetected "
+                                                    "Prescott, a generic core")))
+        << log;
+    EXPECT_FALSE(absl::StrContains(log, "did not load")) << log;  // the core diond set loaded
+    EXPECT_TRUE(absl::StrContains(log, absl::StrCat("OpenBLAS core ", want, " (diond)"))) << log;
+    const std::string metrics = HttpGet(d->metrics_port, "/metrics");
+    EXPECT_TRUE(absl::StrContains(metrics, absl::StrCat("openblas_core=\"", want, "\"")))
+        << metrics;
+    EXPECT_TRUE(absl::StrContains(metrics, "openblas_core_source=\"diond\"")) << metrics;
+    std::ifstream comm("/proc/" + std::to_string(d->proc->pid()) + "/comm");
+    std::string name;
+    std::getline(comm, name);
+    EXPECT_EQ(name, "diond");
+    d->proc->Signal(SIGTERM);
+    EXPECT_EQ(d->proc->Wait(absl::Seconds(30)), std::optional<int>(0));
+  }
+  // The operator's value is kept, even one that selects the generic kernels; the log warns.
+  setenv("OPENBLAS_CORETYPE", "Prescott", 1);
+  {
+    auto d = StartDaemon({"--device=cpu"});
+    ASSERT_NE(d, nullptr);
+    const std::vector<std::string> env = ProcessEnvironment(d->proc->pid());
+    EXPECT_EQ(EnvValue(env, "OPENBLAS_CORETYPE"), "Prescott");
+    const std::string log = d->proc->Log();
+    EXPECT_TRUE(absl::StrContains(log, "OpenBLAS core Prescott (OPENBLAS_CORETYPE=Prescott, the "
+                                       "operator's"))
+        << log;
+    EXPECT_TRUE(absl::StrContains(log, "WARNING: generic kernels")) << log;
+    const std::string metrics = HttpGet(d->metrics_port, "/metrics");
+    EXPECT_TRUE(absl::StrContains(metrics, "openblas_core=\"Prescott\"")) << metrics;
+    EXPECT_TRUE(absl::StrContains(metrics, "openblas_core_source=\"operator\"")) << metrics;
+    d->proc->Signal(SIGTERM);
+    EXPECT_EQ(d->proc->Wait(absl::Seconds(30)), std::optional<int>(0));
+  }
+  unsetenv("DIOND_TEST_OPENBLAS_CORENAME");
+  unsetenv("OPENBLAS_CORETYPE");
+  // No fallback: nothing set, the autodetected core reported.
+  {
+    auto d = StartDaemon({"--device=cpu", "--calibrate_engines=false"});
+    ASSERT_NE(d, nullptr);
+    const std::vector<std::string> env = ProcessEnvironment(d->proc->pid());
+    EXPECT_EQ(EnvValue(env, "OPENBLAS_CORETYPE"), "(unset)");
+    const std::string log = d->proc->Log();
+    EXPECT_TRUE(absl::StrContains(log, "(autodetected; CPU ")) << log;
+    const std::string metrics = HttpGet(d->metrics_port, "/metrics");
+    EXPECT_TRUE(absl::StrContains(metrics, "openblas_core_source=\"autodetected\"")) << metrics;
+    // Without a calibration the defaults: oneDNN for fp32.
+    EXPECT_TRUE(absl::StrContains(metrics, "engines_calibrated=\"false\"")) << metrics;
+    EXPECT_TRUE(absl::StrContains(metrics, "fp32_gemm_auto=\"onednn\"")) << metrics;
+    EXPECT_FALSE(absl::StrContains(log, "calibration took")) << log;
+    d->proc->Signal(SIGTERM);
+    EXPECT_EQ(d->proc->Wait(absl::Seconds(30)), std::optional<int>(0));
+  }
+  if (saved != nullptr) setenv("OPENBLAS_CORETYPE", saved_value.c_str(), 1);
+}
+
+// The start-up calibration: its report is logged, and the start-up line and diond_build_info
+// carry the same choices.
+TEST(DaemonProcess, CalibratesTheAutoEnginesAndReportsThem) {
+  auto d = StartDaemon({"--device=cpu"});
+  ASSERT_NE(d, nullptr);
+  const std::string log = d->proc->Log();
+  ASSERT_TRUE(absl::StrContains(log, "auto engines (512³, calibrated): fp32 GEMM ")) << log;
+  EXPECT_TRUE(absl::StrContains(log, "calibration took")) << log;
+  const std::string metrics = HttpGet(d->metrics_port, "/metrics");
+  EXPECT_TRUE(absl::StrContains(metrics, "engines_calibrated=\"true\"")) << metrics;
+  for (const char* label : {"fp32_gemm_auto", "fp32_symmetric_auto", "bf16_matmul_auto"}) {
+    // The engine the calibration report names is the one exported.
+    const size_t at = metrics.find(absl::StrCat(label, "=\""));
+    ASSERT_NE(at, std::string::npos) << label << metrics;
+    const size_t start = at + std::strlen(label) + 2;
+    const std::string value = metrics.substr(start, metrics.find('"', start) - start);
+    const std::string in_report =
+        std::string(label) == "fp32_gemm_auto"        ? absl::StrCat("fp32 GEMM ", value, " (")
+        : std::string(label) == "fp32_symmetric_auto" ? absl::StrCat("fp32 symmetric ", value, " (")
+                                                      : absl::StrCat("bf16_reference ", value, " (");
+    EXPECT_TRUE(absl::StrContains(log, in_report)) << label << "=" << value << "\n" << log;
+  }
+  EXPECT_TRUE(absl::StrContains(log, "; auto engines (calibrated): fp32 GEMM ")) << log;
+  d->proc->Signal(SIGTERM);
+  EXPECT_EQ(d->proc->Wait(absl::Seconds(30)), std::optional<int>(0));
 }
 
 // The daemon exports its thread-stack floor (server/exe/thread_stack_floor.c), so civetweb's

@@ -2,7 +2,10 @@
 //
 //   diond-conformance [--mode fp32|bf16_reference|both] [--threads N]
 //                     [--device cpu|cuda:N|test] [--bf16_matmul auto|float32_gemm|onednn]
-//                     [--cuda_plugin PATH] FILE_OR_FOLDER...
+//                     [--fp32_gemm auto|onednn|openblas] [--cuda_plugin PATH] FILE_OR_FOLDER...
+//
+// Like the daemon, it re-executes itself with OPENBLAS_CORETYPE when OpenBLAS fell back to its
+// generic kernels on an AVX2/AVX-512 CPU (kernels/host_blas.h) and says which core ran.
 //
 // --device test (FOR CI ONLY): the host-memory TEST backend (kernels/testing) in strict mode,
 // where host access of its "device" memory faults; every case is also run on the CPU and the
@@ -19,6 +22,8 @@
 #include "absl/flags/usage.h"
 #include "kernels/context.h"
 #include "kernels/device.h"
+#include "kernels/engine_choice.h"
+#include "kernels/host_blas.h"
 #include "kernels/optim/conformance/runner.h"
 #include "kernels/plugin/plugin_backend.h"
 #include "kernels/testing/host_device_backend.h"
@@ -34,6 +39,10 @@ ABSL_FLAG(std::string, device, "cpu",
           "with the reason when there is no plugin or GPU; docs/GPU.md), or test: FOR CI ONLY, "
           "the host-memory TEST backend in strict mode (host access of its device memory "
           "faults), every case also run on the CPU and required to match it bit for bit");
+ABSL_FLAG(std::string, fp32_gemm, "auto",
+          "the engine Fp32GemmEngine::kAuto gives large f32 GEMMs and symmetric products: auto "
+          "(oneDNN, the daemon's default), onednn or openblas (the two a daemon's start-up "
+          "calibration may pick)");
 ABSL_FLAG(std::string, cuda_plugin, "",
           "path of libdiond_cuda.so (default: next to this executable, then the loader's path)");
 
@@ -41,7 +50,22 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "diond-conformance [--mode fp32|bf16_reference|both] [--device cpu|cuda:N|test] "
       "[--bf16_matmul auto|float32_gemm|onednn] FILE_OR_FOLDER...");
+  const diond::kernels::OpenBlasCoreReport core = diond::kernels::ReexecWithOpenBlasCore(argv);
   std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
+  std::cerr << "diond-conformance: " << core.line << "\n";
+  {
+    const std::string fp32 = absl::GetFlag(FLAGS_fp32_gemm);
+    if (fp32 != "auto" && fp32 != "onednn" && fp32 != "openblas") {
+      std::cerr << "diond-conformance: --fp32_gemm '" << fp32
+                << "' is unknown (want auto, onednn or openblas)\n";
+      return 2;
+    }
+    diond::kernels::AutoEngines engines = diond::kernels::CurrentAutoEngines();
+    engines.fp32_gemm = engines.fp32_symmetric = fp32 == "openblas"
+                                                      ? diond::kernels::Fp32GemmEngine::kOpenBlas
+                                                      : diond::kernels::Fp32GemmEngine::kOneDnn;
+    diond::kernels::SetAutoEngines(engines);
+  }
   std::vector<std::string> paths(positional.begin() + 1, positional.end());
   if (paths.empty()) {
     std::cerr << "usage: diond-conformance [--mode fp32|bf16_reference|both] FILE_OR_FOLDER...\n";
