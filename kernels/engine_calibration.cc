@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -51,7 +52,6 @@ const char* CalibrationCaseName(CalibrationCase c) {
 CalibrationTimer BestOfTimer(int runs) {
   return [runs](CalibrationCase, absl::FunctionRef<absl::Status()> work)
              -> absl::StatusOr<double> {
-    DIOND_RETURN_IF_ERROR(work());  // warm-up: oneDNN's primitive, OpenBLAS's buffers
     double best = 0;
     for (int i = 0; i < std::max(runs, 1); ++i) {
       const auto t0 = std::chrono::steady_clock::now();
@@ -135,43 +135,61 @@ absl::StatusOr<Calibration> CalibrateAutoEngines(const Context& ctx, bool bf16_d
   auto symmetric = [&](const Context& sctx) {
     return SymmetricProduct(sctx, GramSide::kAAt, 1.0f, a.view(), 0.0f, c.view());
   };
-  auto run = [&](CalibrationCase which, absl::FunctionRef<absl::Status()> work) -> absl::Status {
-    const int i = static_cast<int>(which);
-    absl::StatusOr<double> t = timer(which, work);
-    if (t.ok() && *t > 0) {
-      cal.seconds[i] = *t;
-      return absl::OkStatus();
-    }
-    cal.seconds[i] = 0;
-    cal.unavailable[i] = t.ok() ? std::string("no time measured")
-                                : std::string(t.status().message());
-    return t.ok() ? absl::InternalError(absl::StrCat(CalibrationCaseName(which),
-                                                     ": no time measured"))
-                  : t.status();
-  };
-  // A pair fails only when neither engine ran.
-  auto pair = [&](absl::Status first, absl::Status second) -> absl::Status {
-    if (first.ok() || second.ok()) return absl::OkStatus();
-    return first;
-  };
-  DIOND_RETURN_IF_ERROR(
-      pair(run(CalibrationCase::kFp32GemmOneDnn, [&] { return gemm(Fp32GemmEngine::kOneDnn); }),
-           run(CalibrationCase::kFp32GemmOpenBlas,
-               [&] { return gemm(Fp32GemmEngine::kOpenBlas); })));
-  DIOND_RETURN_IF_ERROR(
-      pair(run(CalibrationCase::kFp32SymmetricOneDnn, [&] { return symmetric(*onednn_ctx); }),
-           run(CalibrationCase::kFp32SymmetricOpenBlas,
-               [&] { return symmetric(*openblas_ctx); })));
   // bf16_reference's two engines as the orthogonalizers run them (kernels/optim/orthogonalize.cc):
   // a oneDNN bf16 GEMM with a bf16 result, or the OpenBLAS sgemm of the widened operands (held
   // in f32 storage) followed by the one rounding pass.
-  DIOND_RETURN_IF_ERROR(pair(
-      run(CalibrationCase::kBf16OneDnn,
-          [&] { return Gemm(ctx, GemmParams{}, a16.view(), b16.view(), c16.view()); }),
-      run(CalibrationCase::kBf16Float32Gemm, [&]() -> absl::Status {
-        DIOND_RETURN_IF_ERROR(gemm(Fp32GemmEngine::kOpenBlas));
-        return Bf16RoundedAxpby(ctx, 0.0f, {}, 1.0f, c.view(), c.view());
-      })));
+  auto bf16_onednn = [&] { return Gemm(ctx, GemmParams{}, a16.view(), b16.view(), c16.view()); };
+  auto bf16_f32 = [&]() -> absl::Status {
+    DIOND_RETURN_IF_ERROR(gemm(Fp32GemmEngine::kOpenBlas));
+    return Bf16RoundedAxpby(ctx, 0.0f, {}, 1.0f, c.view(), c.view());
+  };
+  auto gemm_onednn = [&] { return gemm(Fp32GemmEngine::kOneDnn); };
+  auto gemm_openblas = [&] { return gemm(Fp32GemmEngine::kOpenBlas); };
+  auto sym_onednn = [&] { return symmetric(*onednn_ctx); };
+  auto sym_openblas = [&] { return symmetric(*openblas_ctx); };
+  // Within a round every oneDNN case comes first: OpenBLAS's idle workers keep calling
+  // sched_yield after a call (up to ~0.1 s without OPENBLAS_THREAD_TIMEOUT, TOOLCHAIN.md P21) and
+  // slow the oneDNN call right after them. The rounds interleave the engines, so a burst of load
+  // from other processes hits both alike, and each case keeps its best round.
+  struct Item {
+    CalibrationCase which;
+    absl::FunctionRef<absl::Status()> work;
+  };
+  const Item items[] = {
+      {CalibrationCase::kFp32GemmOneDnn, gemm_onednn},
+      {CalibrationCase::kFp32SymmetricOneDnn, sym_onednn},
+      {CalibrationCase::kBf16OneDnn, bf16_onednn},
+      {CalibrationCase::kFp32GemmOpenBlas, gemm_openblas},
+      {CalibrationCase::kFp32SymmetricOpenBlas, sym_openblas},
+      {CalibrationCase::kBf16Float32Gemm, bf16_f32},
+  };
+  // Round 0 is the warm-up (oneDNN's primitives, OpenBLAS's buffers): its times are dropped,
+  // and a case that fails in it is unavailable.
+  absl::Status first_error[kCalibrationCases];
+  for (int round = 0; round <= kCalibrationRounds; ++round) {
+    for (const Item& item : items) {
+      const int i = static_cast<int>(item.which);
+      if (!cal.unavailable[i].empty()) continue;
+      absl::StatusOr<double> t = timer(item.which, item.work);
+      if (!t.ok() || *t <= 0) {
+        cal.unavailable[i] = t.ok() ? std::string("no time measured")
+                                    : std::string(t.status().message());
+        first_error[i] = t.ok() ? absl::InternalError(cal.unavailable[i]) : t.status();
+        cal.seconds[i] = 0;
+        continue;
+      }
+      if (round == 0) continue;
+      cal.seconds[i] = round == 1 ? *t : std::min(cal.seconds[i], *t);
+    }
+  }
+  // A pair fails only when neither of its engines ran.
+  for (const auto& [x, y] :
+       {std::pair{CalibrationCase::kFp32GemmOneDnn, CalibrationCase::kFp32GemmOpenBlas},
+        std::pair{CalibrationCase::kFp32SymmetricOneDnn, CalibrationCase::kFp32SymmetricOpenBlas},
+        std::pair{CalibrationCase::kBf16OneDnn, CalibrationCase::kBf16Float32Gemm}}) {
+    const int xi = static_cast<int>(x), yi = static_cast<int>(y);
+    if (!cal.unavailable[xi].empty() && !cal.unavailable[yi].empty()) return first_error[xi];
+  }
   cal.engines = ChooseAutoEngines(cal.seconds, bf16_default_onednn);
   cal.cost_seconds = Seconds(std::chrono::steady_clock::now() - t0);
   return cal;

@@ -31,11 +31,14 @@ enum class CalibrationCase : int {
 constexpr int kCalibrationCases = 6;
 const char* CalibrationCaseName(CalibrationCase c);  // "fp32_gemm_onednn", ...
 
-// Times one case: runs `work` (which returns its status) as often as it likes and returns
-// seconds per run. The default runs it once to warm up, then best of 3 on steady_clock.
+// Times one case once per round: runs `work` (which returns its status) as often as it likes
+// and returns seconds per run. The default times `runs` runs on steady_clock and returns the
+// best. The calibration calls it for every case in a warm-up round (time dropped; a case that
+// fails there cannot run here), then in kCalibrationRounds rounds, each case keeping its best.
 using CalibrationTimer =
     std::function<absl::StatusOr<double>(CalibrationCase, absl::FunctionRef<absl::Status()>)>;
-CalibrationTimer BestOfTimer(int runs = 3);
+CalibrationTimer BestOfTimer(int runs = 1);
+constexpr int kCalibrationRounds = 5;
 
 struct Calibration {
   AutoEngines engines;
