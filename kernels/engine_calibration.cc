@@ -92,7 +92,8 @@ std::string Calibration::Describe() const {
       "); fp32 symmetric ", EngineName(engines.fp32_symmetric), " (onednn ",
       ms(CalibrationCase::kFp32SymmetricOneDnn), ", openblas ",
       ms(CalibrationCase::kFp32SymmetricOpenBlas), "); bf16_reference ",
-      engines.bf16_onednn ? "onednn" : "float32_gemm", " (onednn ", ms(CalibrationCase::kBf16OneDnn),
+      engines.bf16_onednn ? "onednn" : "float32_gemm", " (onednn ",
+      ms(CalibrationCase::kBf16OneDnn),
       ", float32_gemm ", ms(CalibrationCase::kBf16Float32Gemm), "; default without a measurement ",
       bf16_default_onednn ? "onednn" : "float32_gemm", "); calibration took ",
       absl::StrFormat("%.0f ms", cost_seconds * 1e3));

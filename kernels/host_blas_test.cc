@@ -102,10 +102,10 @@ TEST(ReadCpuFacts, AgreesWithTheCompiler) {
 #if defined(__x86_64__)
   EXPECT_EQ(f.avx2, __builtin_cpu_supports("avx2") != 0);
   EXPECT_EQ(f.fma, __builtin_cpu_supports("fma") != 0);
-  EXPECT_EQ(f.avx512_core, __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                               __builtin_cpu_supports("avx512vl") &&
-                               __builtin_cpu_supports("avx512dq") &&
-                               __builtin_cpu_supports("avx512cd"));
+  EXPECT_EQ(f.avx512_core,
+            __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                __builtin_cpu_supports("avx512cd"));
   EXPECT_GT(f.family, 0);
 #endif
   EXPECT_FALSE(DescribeCpu(f).empty());

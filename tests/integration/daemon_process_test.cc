@@ -391,10 +391,10 @@ TEST(DaemonProcess, CalibratesTheAutoEnginesAndReportsThem) {
     ASSERT_NE(at, std::string::npos) << label << metrics;
     const size_t start = at + std::strlen(label) + 2;
     const std::string value = metrics.substr(start, metrics.find('"', start) - start);
-    const std::string in_report =
-        std::string(label) == "fp32_gemm_auto"        ? absl::StrCat("fp32 GEMM ", value, " (")
-        : std::string(label) == "fp32_symmetric_auto" ? absl::StrCat("fp32 symmetric ", value, " (")
-                                                      : absl::StrCat("bf16_reference ", value, " (");
+    const std::string what = std::string(label) == "fp32_gemm_auto"        ? "fp32 GEMM "
+                             : std::string(label) == "fp32_symmetric_auto" ? "fp32 symmetric "
+                                                                           : "bf16_reference ";
+    const std::string in_report = absl::StrCat(what, value, " (");
     EXPECT_TRUE(absl::StrContains(log, in_report)) << label << "=" << value << "\n" << log;
   }
   EXPECT_TRUE(absl::StrContains(log, "; auto engines (calibrated): fp32 GEMM ")) << log;
