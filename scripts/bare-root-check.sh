@@ -22,7 +22,7 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 bundle_file=$(readlink -f "${1:?usage: scripts/bare-root-check.sh BUNDLE.tar.xz}")
 cache=${DIOND_BARE_ROOT_CACHE:-/var/cache/diond}
-mirror=${DIOND_BARE_ROOT_MIRROR:-http://deb.debian.org/debian}
+mirror=${DIOND_BARE_ROOT_MIRROR:-}   # empty: debootstrap's default Debian mirror
 suite=trixie
 steps=${DIOND_BARE_ROOT_STEPS:-20}
 # The Python runtime of the trainer's side; pinned so that every run tests the same one.
@@ -48,7 +48,8 @@ make_root() {  # make_root DIR [PACKAGES]
   command -v debootstrap >/dev/null || skip "no cached root $dir and no debootstrap (apt-get install debootstrap)"
   echo "bare-root-check: making $dir (debootstrap --variant=minbase $suite${include:+, $include})"
   rm -rf "$dir.tmp"
-  debootstrap --variant=minbase ${include:+--include=$include} "$suite" "$dir.tmp" "$mirror" \
+  # shellcheck disable=SC2086
+  debootstrap --variant=minbase ${include:+--include=$include} "$suite" "$dir.tmp" $mirror \
     >"$dir.log" 2>&1 || { tail -20 "$dir.log"; echo "bare-root-check: debootstrap failed" >&2; exit 1; }
   chroot "$dir.tmp" apt-get clean
   mkdir -p "$dir.tmp/opt/diond" "$dir.tmp/opt/site" "$dir.tmp/run/diond-bare"
