@@ -19,7 +19,6 @@
 # Exit 77 when it cannot run here (not root, or no cache and no debootstrap); CI sets
 # DIOND_REQUIRE_BARE_ROOT=1 to make that a failure.
 set -euo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
 bundle_file=$(readlink -f "${1:?usage: scripts/bare-root-check.sh BUNDLE.tar.xz}")
 cache=${DIOND_BARE_ROOT_CACHE:-/var/cache/diond}
 mirror=${DIOND_BARE_ROOT_MIRROR:-}   # empty: debootstrap's default Debian mirror

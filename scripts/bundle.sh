@@ -33,6 +33,7 @@ fi
 if [ -z "$build" ]; then
   build=$root/build-bundle-$flavour
   # Everything: the gpu-labelled tests are found by their ctest label after the build.
+  # shellcheck disable=SC2086  # DIOND_BUNDLE_CMAKE_ARGS: several flags
   if [ -n "$archs" ]; then
     bash "$root/scripts/build.sh" "$build" -DDIOND_WITH_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=$archs" \
       ${DIOND_BUNDLE_CMAKE_ARGS:-}

@@ -171,8 +171,10 @@ elif [ "$prepared" -eq 0 ]; then
       --metrics_address= --health_address= >"$logs/daemon.log" 2>&1 &
     daemon=$!
     for _ in $(seq 100); do [ -S "$dir/diond.sock" ] && break; sleep 0.1; done
+    corpus=/usr/share/common-licenses   # the example's default; else the bundle's docs
+    [ -d "$corpus" ] || [ $mode != bundle ] || corpus=$b/docs
     run_step example 120 env PYTHONPATH="$pypath" DIOND_BINARY="$bin/diond" \
-      "$python" "$example" --target "unix:$dir/diond.sock" --steps 100 \
+      "$python" "$example" --target "unix:$dir/diond.sock" --steps 100 --corpus "$corpus" \
       --summary-json "$logs/train_gpt.json"
     kill "$daemon" 2>/dev/null
     wait "$daemon" 2>/dev/null
@@ -287,7 +289,10 @@ EOF
 tar -czf "$out/gpu-check-logs.tar.gz" -C "$work" logs
 rm -rf "$work"
 [ "$gpu_rc" = 77 ] && exit 77
-python_ok=1
-for s in "${steps[@]}"; do set -- $s; [ "$2" = 0 ] || python_ok=0; done
-[ $python_ok = 1 ] && [ ${#steps[@]} -gt 0 ] && exit 0
+all_ok=1
+for s in "${steps[@]}"; do
+  read -r _ rc _ <<<"$s"
+  [ "$rc" = 0 ] || all_ok=0
+done
+[ $all_ok = 1 ] && [ ${#steps[@]} -gt 0 ] && exit 0
 exit 1

@@ -11,7 +11,9 @@ Layout of the archive (one top folder, diond-<flavour>/):
                  their commands rewritten to bundle paths) and paths.json (absolute build paths
                  compiled into the executables, and the bundle file each stands for)
   client/python/ the Python client with its generated stubs, and its test suite
-  examples/python/, tests/conformance/ (the vectors), tools/ (check-libs.sh, run_gpu_tests.py)
+  examples/python/, tests/conformance/ (the vectors), tools/ (check-libs.sh, run_gpu_tests.py),
+                 docs/ and README.md (also the example's corpus where a machine has no
+                 /usr/share/common-licenses)
   MANIFEST.json  flavour, CUDA architectures, commit, files, packed libraries and their origin
 Every ELF is stripped and gets an $ORIGIN-relative RUNPATH (patchelf), so nothing needs
 LD_LIBRARY_PATH to find the packed libraries.
@@ -194,6 +196,9 @@ def pack(build, src, flavour, archs, stage):
     add_tree(os.path.join(src, "examples/python"), "examples/python", r"\.py$")
     add_tree(os.path.join(src, "tests/conformance"), "tests/conformance",
              r"\.(json|safetensors|md)$")
+    add_tree(os.path.join(src, "docs"), "docs", r"\.md$")
+    readme = "README" + ".md"
+    files[readme] = os.path.join(src, readme)
     for tool in ("check-libs.sh", "run_gpu_tests.py"):
         files["tools/" + tool] = os.path.join(src, "scripts/bundle", tool)
 
