@@ -6,9 +6,9 @@
 # summary.json and gpu-check-logs.tar.gz (every log, JUnit and JSON result of the run).
 # Bundle mode (scripts/bundle.sh made FILE; nothing is built):
 #   unpack      the bundle into a temporary folder
-#   libs        the CUDA libraries are looked up on this machine (the toolkit's lib64 and lib,
-#               the driver's folder, the nvidia/*/lib folders of python3's packages: NCCL comes
-#               from there) and put on LD_LIBRARY_PATH (only those: the bundle's own libraries
+#   libs        the CUDA libraries are looked up on this machine (the nvidia/*/lib folders of
+#               python3's packages, where NCCL comes from, then the toolkit's lib64 and lib and
+#               the driver's folder) and put on LD_LIBRARY_PATH (only those: the bundle's own libraries
 #               come through its $ORIGIN RUNPATH); then tools/check-libs.sh checks with ldd that
 #               every library of every binary resolves, naming any that does not
 #   without a GPU the check stops here: exit 77 (1 if a library did not resolve)
@@ -87,20 +87,28 @@ run_step() {  # run_step NAME TIMEOUT_S COMMAND...  (skipped unless in --steps, 
 
 # Where this machine keeps its CUDA libraries: the toolkit, the driver's folder, and the
 # nvidia/*/lib folders of python3's packages (the torch venv's wheels; NCCL is only there).
+# The venv's come first: they are the ones its torch loads (LD_LIBRARY_PATH outranks torch's own
+# RUNPATH), so the daemon and the trainer in one check use the same CUDA libraries.
 cuda_lib_dirs() {
   local d sub
-  for d in ${CUDA_HOME:+"$CUDA_HOME"} /usr/local/cuda; do
-    for sub in lib64 lib targets/x86_64-linux/lib; do [ -d "$d/$sub" ] && echo "$d/$sub"; done
-  done
-  for d in /usr/local/nvidia/lib64 /usr/local/nvidia/lib; do [ -d "$d" ] && echo "$d"; done
-  python3 - 2>/dev/null <<'EOF'
+  "${DIOND_GPU_PYTHON:-python3}" - 2>/dev/null <<'EOF'
 import glob, importlib.util, os
 spec = importlib.util.find_spec("nvidia")
 for base in (spec.submodule_search_locations if spec else []):
     for d in sorted(glob.glob(os.path.join(base, "*", "lib"))):
         print(d)
 EOF
+  for d in ${CUDA_HOME:+"$CUDA_HOME"} /usr/local/cuda; do
+    for sub in lib64 lib targets/x86_64-linux/lib; do [ -d "$d/$sub" ] && echo "$d/$sub"; done
+  done
+  for d in /usr/local/nvidia/lib64 /usr/local/nvidia/lib; do [ -d "$d" ] && echo "$d"; done
 }
+# tar.xz without an xz program (a minimal image may lack xz-utils): Python's lzma.
+unpack_cmd='if command -v xz >/dev/null 2>&1; then exec tar -xJf "$1" -C "$2"; fi
+exec "$0" -c "import sys, tarfile
+kw = dict(filter=tarfile.tar_filter) if sys.version_info >= (3, 12) else dict()
+tarfile.open(sys.argv[1]).extractall(sys.argv[2], **kw)" "$1" "$2"'
+
 
 if have_gpu; then
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >"$logs/gpu.txt" 2>&1
@@ -111,7 +119,7 @@ fi
 if [ -n "$bundle_file" ]; then
   mode=bundle
   python=${DIOND_GPU_PYTHON:-python3}
-  run_step unpack 120 tar -xJf "$bundle_file" -C "$work"
+  run_step unpack 120 bash -c "$unpack_cmd" "${DIOND_GPU_PYTHON:-python3}" "$bundle_file" "$work"
   b=$(find "$work" -mindepth 2 -maxdepth 2 -name MANIFEST.json -printf '%h\n' | head -1)
   dirs=$(cuda_lib_dirs | awk '!seen[$0]++' | paste -sd:)
   export LD_LIBRARY_PATH="$dirs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
