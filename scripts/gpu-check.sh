@@ -241,9 +241,10 @@ for path in files:
         doc = json.load(open(path))
     except ValueError:
         continue
+    exe = os.path.basename(path).split(".")[0] + ": " if "gpu-tests" in path else ""
     for suite in doc.get("testsuites", []):
         for t in suite.get("testsuite", []):
-            cases.append({"case": suite["name"] + "." + t["name"],
+            cases.append({"case": exe + suite["name"] + "." + t["name"],
                           "result": "FAIL" if t.get("failures") else t.get("result", "?")})
 if cases:
     summary["ops_and_rules"] = cases

@@ -148,7 +148,7 @@ class RunnerTest(unittest.TestCase):
         self.assertFalse(os.path.lexists(compiled), "the link outlived the run")
         self.assertFalse(os.path.exists(os.path.join(self.tmp, "gone")),
                          "folders made for the link outlived the run")
-        with open(os.path.join(self.tmp, "logs", "fails.log")) as f:
+        with open(os.path.join(self.tmp, "logs", "bash.fails.log")) as f:
             self.assertIn("broken", f.read())
 
     def test_every_case_skipped_is_a_failure(self):

@@ -8,7 +8,8 @@ environment), each command with @BUNDLE@ for the bundle's folder. Absolute build
 into the executables (tests/gpu/paths.json, e.g. a test's default plugin path) are made to exist
 first, each as a symbolic link to the bundle file it stands for, and removed afterwards; an
 existing path is never touched (the case may then fail, and the log says why).
-Each case: LOG_DIR/<case>.log, and for GoogleTest cases LOG_DIR/gtest/<case>.json. A case is
+Each case: LOG_DIR/<executable>.<case>.log, and for GoogleTest cases
+LOG_DIR/gtest/<executable>.<case>.json. A case is
 skipped like ctest skips it (SKIP_REGULAR_EXPRESSION, SKIP_RETURN_CODE). Cases not started
 before --deadline are recorded as not run. Exit status: 0 when no case failed or was left out.
 """
@@ -94,9 +95,12 @@ def main():
                                 "detail": "the check's time budget ran out before this case"})
                 continue
             cmd = [arg.replace("@BUNDLE@", bundle) for arg in c["command"]]
+            # Two executables may have cases of one name (ctest keeps both): the file names of a
+            # case's log and JSON start with its executable's.
+            stem = safe(os.path.basename(cmd[0])) + "." + safe(name)
             gtest = any(arg.startswith("--gtest_filter=") for arg in cmd)
             if gtest:
-                cmd.append("--gtest_output=json:" + os.path.join(a.logs, "gtest", safe(name) + ".json"))
+                cmd.append("--gtest_output=json:" + os.path.join(a.logs, "gtest", stem + ".json"))
             env = dict(os.environ)
             for kv in c.get("environment", []):
                 k, _, v = kv.partition("=")
@@ -115,7 +119,7 @@ def main():
             except OSError as e:
                 out, rc = "cannot start %s: %s" % (cmd[0], e), None
             secs = time.time() - t0
-            with open(os.path.join(a.logs, safe(name) + ".log"), "w") as f:
+            with open(os.path.join(a.logs, stem + ".log"), "w") as f:
                 f.write("$ %s\n%s" % (" ".join(cmd), out))
             skip_re = c.get("skip_regex") or []
             if isinstance(skip_re, str):
@@ -128,9 +132,10 @@ def main():
             else:
                 status = "failed"
             detail = "" if status == "passed" else (out[-2000:] if rc is not None else out[-500:])
-            results.append({"name": name, "status": status, "seconds": round(secs, 2),
+            results.append({"name": stem.split(".")[0] + ": " + name, "status": status,
+                            "seconds": round(secs, 2),
                             "exit": rc, "detail": detail})
-            log("%-8s %6.1f s  %s" % (status, secs, name))
+            log("%-8s %6.1f s  %s" % (status, secs, results[-1]["name"]))
     finally:
         unlink_compiled_paths(made)
 
