@@ -1,15 +1,20 @@
-# diond container image. Multi-stage: build on the CUDA devel image, run on the matching runtime
-# image. Uses the same dependency script and build script as CI (scripts/install-deps.sh,
-# scripts/build.sh). The CUDA plugin is built when BUILD_CUDA=ON (default); the daemon binary
-# itself links no CUDA library and runs on CPU-only nodes too.
+# diond container image. Multi-stage: the build stage makes the release bundle
+# (scripts/bundle.sh: the binaries with every library they load but glibc, the GCC runtime and
+# NVIDIA's, each found through an $ORIGIN RUNPATH); the runtime stage unpacks that bundle onto
+# the CUDA runtime image and installs no package, so the image holds what
+# scripts/bare-root-check.sh runs in a bare Debian 13 root (docs/GPU.md "The bundle").
 #
-#   docker build -t diond .                       # with the CUDA plugin
-#   docker build --build-arg BUILD_CUDA=OFF -t diond:cpu .
+#   docker build -t diond .                       # release bundle: sm_80, sm_90, sm_100 + PTX
+#   docker build --build-arg BUILD_CUDA=OFF -t diond:cpu .          # cpu bundle, no plugin
+#   docker build --build-arg BUNDLE=given -t diond .  # the bundle at dist/diond.tar.xz, as made
+#                                                    # by scripts/bundle.sh (e.g. the one CI ran)
 #
 # Note: Debian 12 is the development platform; NVIDIA publishes no Debian CUDA image, so the
-# image is Ubuntu 24.04, whose package names match.
+# image is Ubuntu 24.04, whose package names match (glibc 2.39: newer than a Debian 12 bundle
+# needs).
 ARG CUDA_VERSION=13.0.0
 ARG BASE_OS=ubuntu24.04
+ARG BUNDLE=built
 
 FROM nvidia/cuda:${CUDA_VERSION}-devel-${BASE_OS} AS build
 ARG BUILD_CUDA=ON
@@ -17,17 +22,30 @@ WORKDIR /src
 COPY scripts/install-deps.sh scripts/install-deps.sh
 RUN bash scripts/install-deps.sh --build && rm -rf /var/lib/apt/lists/*
 COPY . .
-RUN DIOND_SKIP_DEPS=1 DIOND_JOBS=$(nproc) bash scripts/build.sh /build \
-      -DCMAKE_BUILD_TYPE=Release -DDIOND_WITH_CUDA=${BUILD_CUDA} \
-      -DDIOND_BUILD_TESTS=OFF -DDIOND_BUILD_BENCHMARKS=OFF \
- && mkdir -p /out/bin && cp /build/bin/* /out/bin/
+# The tests are built too: the bundle carries the gpu-labelled ones (scripts/gpu-check.sh).
+RUN flavour=release; [ "$BUILD_CUDA" = ON ] || flavour=cpu; \
+    DIOND_SKIP_DEPS=1 DIOND_JOBS=$(nproc) DIOND_BUNDLE_CMAKE_ARGS=-DCMAKE_BUILD_TYPE=Release \
+      bash scripts/bundle.sh --flavour "$flavour" /out/diond.tar.xz
+
+# The bundle the runtime stage takes: built above, or given in the build context.
+FROM scratch AS bundle-built
+COPY --from=build /out/diond.tar.xz /diond.tar.xz
+FROM scratch AS bundle-given
+COPY dist/diond.tar.xz /diond.tar.xz
+# hadolint ignore=DL3006
+FROM bundle-${BUNDLE} AS bundle
 
 FROM nvidia/cuda:${CUDA_VERSION}-runtime-${BASE_OS} AS runtime
-COPY scripts/install-deps.sh /tmp/install-deps.sh
-RUN bash /tmp/install-deps.sh --runtime && rm -rf /var/lib/apt/lists/* /tmp/install-deps.sh \
+COPY --from=bundle /diond.tar.xz /tmp/diond.tar.xz
+# Unpack (one top folder, diond-<flavour>/) into /opt/diond, then check with ldd that every
+# library of every binary resolves here: the bundle's inside /opt/diond/lib, the CUDA ones
+# from this image (NVIDIA's libraries are never packed).
+RUN mkdir -p /opt/diond \
+ && tar -xJf /tmp/diond.tar.xz -C /opt/diond --strip-components=1 \
+ && rm /tmp/diond.tar.xz \
+ && bash /opt/diond/tools/check-libs.sh /opt/diond \
  && useradd --system --uid 10001 --home-dir /var/lib/diond --create-home diond \
  && mkdir -p /run/diond && chown diond:diond /run/diond
-COPY --from=build /out/bin/ /opt/diond/bin/
 # GOMP_SPINCOUNT, OPENBLAS_THREAD_TIMEOUT: idle OpenMP and OpenBLAS threads wait about 0.1 ms,
 # then sleep, instead of spinning against each other and the trainer (docs/TOOLCHAIN.md P20, P21;
 # the daemon sets the same when unset).

@@ -20,10 +20,12 @@ LIBS=(
 BUILD=(
   build-essential cmake pkg-config git ca-certificates protobuf-compiler protobuf-compiler-grpc
   libgtest-dev libgmock-dev libbenchmark-dev ccache
+  patchelf binutils xz-utils python3  # scripts/bundle.sh
 )
 TEST=(
   python3-grpcio python3-protobuf python3-numpy python3-pytest python3-torch
   prometheus curl procps binutils
+  debootstrap  # scripts/bare-root-check.sh
 )
 # The Rust client (client/rust) builds offline from these crates: they fill the local registry
 # /usr/share/cargo/registry that client/rust/.cargo/config.toml points cargo at. Debian's cargo
