@@ -387,6 +387,7 @@ class Optimizer(torch.optim.Optimizer):
         self._queued = None
         if self._finalizer is not None:
             self._finalizer.detach()
+        self._bind.owns_client = False  # the connection goes on to the new session
         self._bind.release()
         self._bind = _Binding()
         self._bind.client, self._bind.owns_client = self.client, self._owns_client
