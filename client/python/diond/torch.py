@@ -28,6 +28,11 @@ the default for TCP targets; any devices): weights go up with ``SetState`` once,
 ``PushGradients`` every step, and the new weights come back with ``PullParameters`` (both modes
 give bit-identical numbers).
 
+Lifetime: the model outlives the optimizer. However the optimizer goes (close(), garbage
+collection, interpreter exit), the parameters and gradients that view its arena become ordinary
+tensors holding the latest values; the arena's mapping is never unmapped under a live view. A
+forked child gets private copies at the fork, and its copy of the optimizer is closed.
+
 Differences from a PyTorch optimizer, by design:
   * the daemon updates every parameter at every step; a parameter whose ``.grad`` is None steps
     with a zero gradient (``zero_grad()`` zeroes in place, whatever ``set_to_none`` says, so the
@@ -218,6 +223,10 @@ class Optimizer(torch.optim.Optimizer):
         resumed session restarts from the bf16/f16 weights; bit-identical resume needs
         fp32_master_weights=False or float32 parameters.)
       non_finite_policy: "skip" (a step with NaN/Inf gradients changes nothing) or "error".
+      track_writes: where the daemon keeps its own copy of the weights (remote mode, fp32 master
+        weights), send the parameters the trainer wrote since the last step (load_state_dict,
+        copy_, nn.init: torch's version counter) before the next one. Writes through ``p.data``
+        are not counted by torch: call sync_parameters() after those.
       timeout: deadline of every RPC, seconds. connect_timeout: for the connection.
       token, tls_ca, tls_cert, tls_key, tls_server_name: credentials, passed to ``diond.Client``
         (a bearer token for TCP targets; TLS and mutual TLS).
