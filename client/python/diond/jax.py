@@ -129,6 +129,7 @@ class Optimizer:
         self.client = target if isinstance(target, Client) else Client(target, timeout=timeout)
         self._owns_client = not isinstance(target, Client)
         self.remote = (not self.client.is_unix) if remote is None else bool(remote)
+        self._pid = os.getpid()  # a forked child never closes its parent's session
         self.step_count = 0  # steps of the run (restored by load_state_dict)
         self._rpc_index = 0  # steps of this session
         self._arena = None
@@ -281,10 +282,13 @@ class Optimizer:
     def _check_open(self):
         if self.session_id is None:
             raise RuntimeError("diond.jax.Optimizer is closed")
+        if self._pid != os.getpid():
+            raise RuntimeError("diond.jax.Optimizer: this session belongs to process %d (this is "
+                               "a forked child); build a new Optimizer here" % self._pid)
 
     def close(self):
         """Ends the session. The arrays step() returned are the caller's (copies)."""
-        if self.session_id is not None:
+        if self.session_id is not None and getattr(self, "_pid", None) == os.getpid():
             try:
                 self.client.close_session(self.session_id, timeout=5.0)
             except Exception:
@@ -294,9 +298,9 @@ class Optimizer:
             self._pviews = self._gviews = []
             self._arena.close()
             self._arena = None
-        if self._owns_client:
+        if self._owns_client and getattr(self, "_pid", None) == os.getpid():
             self.client.close()
-            self._owns_client = False
+        self._owns_client = False
 
     def __enter__(self):
         return self

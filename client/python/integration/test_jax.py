@@ -118,3 +118,32 @@ def test_bad_labels_are_refused(daemon):
     with pytest.raises(ValueError, match="needs matrices"):
         diond.jax.Optimizer(params, labels=jax.tree_util.tree_map(lambda _: "matrix", params),
                             target=daemon.target)
+
+
+def test_forked_child_leaves_the_parents_session_alone(daemon):
+    import gc
+    import os
+    params = init(jax.random.PRNGKey(4))
+    opt = diond.jax.Optimizer(params, target=daemon.target)
+    _, grads = grad_fn(params, *data(0))
+    params = opt.step(grads)
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            try:
+                opt.step(grads)
+                code = 2  # the child stepped the parent's session
+            except RuntimeError:
+                pass
+            opt.__del__()  # what garbage collection in the child does
+            gc.collect()
+        except BaseException:
+            code = 3
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert status == 0
+    _, grads = grad_fn(params, *data(1))
+    opt.step(grads)  # the session is still open
+    assert opt.step_count == 2
+    opt.close()
