@@ -35,3 +35,47 @@ def test_model_outlives_optimizer(daemon, scenario, mode):
     # forked child closed none of its parent's early.
     with diond.Client(daemon.target) as c:
         assert c.list_sessions() == []
+
+
+@pytest.mark.parametrize("arena", ["memfd", "shm"])
+def test_arena_goes_with_its_last_view_and_is_not_leaked(daemon, arena):
+    """Dropped optimizers leave no mapping behind; a view the user kept keeps the mapping (and
+    its values) until it goes."""
+    import gc
+
+    import torch
+
+    import diond.torch
+
+    if arena == "memfd" and not fdchannel.supported():
+        pytest.skip("memfd needs Linux")
+
+    def mappings():
+        with open("/proc/self/maps") as f:
+            return sum(1 for line in f if "diond" in line)
+
+    base = mappings()
+    m = torch.nn.Linear(256, 256)
+
+    def make():
+        return diond.torch.Optimizer([dict(params=[m.weight], algorithm="muon"),
+                                      dict(params=[m.bias], algorithm="adamw")],
+                                     target=daemon.target, arena=arena)
+
+    for _ in range(10):
+        opt = make()
+        m(torch.randn(2, 256)).sum().backward()
+        opt.step()
+        del opt
+        gc.collect()
+    assert mappings() == base
+    opt = make()
+    assert mappings() == base + 1
+    kept = m.weight.data  # a view of the arena, held past the optimizer
+    value = kept.clone()
+    opt.close()
+    assert mappings() == base + 1 and torch.equal(kept, value)
+    assert m.weight.data.data_ptr() != kept.data_ptr()  # the model has its own copy
+    del kept
+    gc.collect()
+    assert mappings() == base
