@@ -30,7 +30,7 @@ from .client import Client, pb
 from .options import (APPLIES, DEFAULTS, MATRIX_ALGORITHMS, _NONFINITE, check_group,
                       check_options, group_proto, unused_options, validate_options)
 
-__all__ = ["Optimizer"]
+__all__ = ["Optimizer", "as_optax"]
 
 _SEGMENT_ALIGN = 4096
 _DTYPES = {np.dtype(np.float32): (pb.DTYPE_F32, np.float32),
@@ -313,3 +313,29 @@ class Optimizer:
             self.close()
         except Exception:
             pass
+
+
+def as_optax(optimizer):
+    """An ``optax.GradientTransformation`` over `optimizer` (a diond.jax.Optimizer), for code
+    written against optax: ``updates, state = tx.update(grads, state, params)`` steps the daemon
+    and returns ``new - params``. Two limits, by construction:
+      * it cannot run inside ``jit`` (nor ``pmap``/``scan``): update talks to the daemon and
+        copies host memory; call it from Python between jitted functions;
+      * ``optax.apply_updates(params, updates)`` computes ``params + (new - params)``, which may
+        differ from the daemon's ``new`` in the last bit (float rounding of the delta); use
+        ``optimizer.step(grads)`` for the daemon's exact weights.
+    The optax state is empty: the optimizer state lives in the daemon (optimizer.state_dict())."""
+    import optax
+
+    def init(params):
+        del params
+        return optax.EmptyState()
+
+    def update(grads, state, params=None):
+        if params is None:
+            raise ValueError("diond's optax adapter needs params (the current parameters) to "
+                             "return updates as new - params")
+        new = optimizer.step(grads)
+        return jax.tree_util.tree_map(lambda n, p: (n - p).astype(n.dtype), new, params), state
+
+    return optax.GradientTransformation(init, update)

@@ -147,3 +147,24 @@ def test_forked_child_leaves_the_parents_session_alone(daemon):
     opt.step(grads)  # the session is still open
     assert opt.step_count == 2
     opt.close()
+
+
+def test_optax_adapter_trains_and_rounds_only_in_the_last_bits(daemon):
+    params = init(jax.random.PRNGKey(5))
+    with diond.jax.Optimizer(params, target=daemon.target) as opt:
+        tx = diond.jax.as_optax(opt)
+        state = tx.init(params)
+        first = None
+        for s in range(40):
+            value, grads = grad_fn(params, *data(s % 8))
+            first = float(value) if first is None else first
+            updates, state = tx.update(grads, state, params)
+            params = optax.apply_updates(params, updates)
+            exact = opt.params()
+            for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(exact)):
+                # params + (new - params) is new up to the rounding of the delta
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+            params = exact  # keep the trainer's copy the daemon's, as step() would
+        assert float(loss(params, *data(0))) < 0.7 * first
+        with pytest.raises(ValueError, match="needs params"):
+            tx.update(grads, state)
