@@ -3,7 +3,6 @@ from a config (nothing downloaded) trains, a checkpoint resumed with resume_from
 continues bit for bit, and a model trained in a function outlives its Trainer and optimizer."""
 import gc
 
-import pytest
 import torch
 import transformers
 
