@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test suite of diond from a fresh machine: installs dependencies, builds, then runs
-# ctest (all tests except the `gpu` label, which needs a GPU), the Python suite and the Rust
-# client's cargo tests.
+# ctest (all tests except the `gpu` label, which needs a GPU), the Python suite, the integration
+# suite (HF Trainer, Lightning, JAX; scripts/test-integrations.sh) and the Rust client's cargo
+# tests.
 # The repository is all it needs: the golden vectors are in tests/conformance/, the design in
 # docs/. A clone with nothing beside it passes; .ci/run proves it by running this script in such
 # a clone, and the ctest repo_hygiene_test fails if a tracked file refers to a path outside the
@@ -34,6 +35,9 @@ if [ -d "$root/client/python/tests" ]; then
   set -e
   if [ $rc -ne 0 ] && [ $rc -ne 5 ]; then exit $rc; fi
 fi
+# HF Trainer, Lightning and JAX: their pinned packages go into a venv in the build folder.
+echo "== integrations (scripts/test-integrations.sh) =="
+bash "$root/scripts/test-integrations.sh" "$build"
 # The Rust client: cargo test --offline against the daemon of this build (the tests start it
 # themselves; the conformance test also runs build/bin/diond-golden-replay). Crates come from
 # Debian's registry (client/rust/.cargo/config.toml); whichever cargo is first on PATH is used.

@@ -78,8 +78,8 @@ class MemfdArena:
 
     Created with MFD_ALLOW_SEALING, sized, then sealed with F_SEAL_SHRINK | F_SEAL_GROW: nobody
     can change its size any more, so the daemon's mapping can never fault. ``buf`` is a writable
-    memoryview of the whole memfd. ``close()`` unmaps it and closes the fd (the daemon keeps its
-    own fd and mapping until the region is unregistered)."""
+    memoryview of the whole memfd. ``close()`` closes the fd; the mapping goes with the last view
+    of ``buf`` (diond.host_arena says why it is never unmapped explicitly)."""
 
     def __init__(self, size, name="diond-arena"):
         if size <= 0:
@@ -106,12 +106,12 @@ class MemfdArena:
         pass  # a memfd has no name to remove
 
     def close(self):
-        """Unmaps and closes. BufferError while views of ``buf`` are alive (the mapping then
-        goes with the last view; the fd is closed anyway)."""
+        """Closes the fd and drops this object's references to the mapping, which goes with the
+        last view of ``buf`` (a tensor made by torch.frombuffer holds one; unmapping under it
+        would crash its next use). The daemon keeps its own fd and mapping until the region is
+        unregistered."""
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-        if self.buf is not None:
-            self.buf.release()
-            self.buf = None
-        self._map.close()
+        self.buf = None
+        self._map = None

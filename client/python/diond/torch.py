@@ -28,6 +28,11 @@ the default for TCP targets; any devices): weights go up with ``SetState`` once,
 ``PushGradients`` every step, and the new weights come back with ``PullParameters`` (both modes
 give bit-identical numbers).
 
+Lifetime: the model outlives the optimizer. However the optimizer goes (close(), garbage
+collection, interpreter exit), the parameters and gradients that view its arena become ordinary
+tensors holding the latest values; the arena's mapping is never unmapped under a live view. A
+forked child gets private copies at the fork, and its copy of the optimizer is closed.
+
 Differences from a PyTorch optimizer, by design:
   * the daemon updates every parameter at every step; a parameter whose ``.grad`` is None steps
     with a zero gradient (``zero_grad()`` zeroes in place, whatever ``set_to_none`` says, so the
@@ -39,233 +44,25 @@ Differences from a PyTorch optimizer, by design:
 """
 import math
 import os
-import secrets
 import warnings
 import weakref
-from multiprocessing import shared_memory
 
 import grpc
 import torch
 
-from . import cuda_arena, fdchannel
+from . import cuda_arena, fdchannel, host_arena
 from .client import Client, DiondError, pb
+from .options import (ALGORITHMS, APPLIES, DEFAULTS, MATRIX_ALGORITHMS, _GRADIENT_SYNC,
+                      _NONFINITE, check_group, check_options, group_proto, same_option,
+                      unused_options, validate_options)
 
 __all__ = ["Optimizer", "ALGORITHMS"]
 
-# Group algorithm names -> proto enum ("dion3" and "nordion2" are one class upstream).
-ALGORITHMS = {
-    "muon": pb.ALGORITHM_MUON,
-    "normuon": pb.ALGORITHM_NORMUON,
-    "dion": pb.ALGORITHM_DION,
-    "dion2": pb.ALGORITHM_DION2,
-    "dion3": pb.ALGORITHM_DION3,
-    "nordion2": pb.ALGORITHM_DION3,
-    "adamw": pb.ALGORITHM_ADAMW,
-    "lion": pb.ALGORITHM_LION,
-}
-_MATRIX = {"muon", "normuon", "dion", "dion2", "dion3", "nordion2"}
-
-# The reference's constructor defaults (ALGORITHMS.md §5.1, §6.1, §7.1, §8.1, §9.1, §13).
-DEFAULTS = dict(
-    algorithm="muon", lr=0.01, mu=0.95, betas=(0.9, 0.95), weight_decay=0.01, epsilon=1e-8,
-    nesterov=False, cautious_wd=False, adjust_lr="spectral_norm", flatten=False,
-    use_polar_express=True, muon_beta2=0.95, rank_fraction=1.0, rank_multiple_of=1,
-    fraction=0.25, ef_decay=0.95, num_heads=None, split_sizes=None, precision="fp32", seed=0,
-    qr_method="rcqr", cqr_warmup_steps=150, oversample=1.25, bf16_matmul="auto",
-)
-_COMMON = {"lr", "weight_decay", "precision"}
-# Which options each algorithm has (anything else set on a group of that algorithm is an error).
-APPLIES = {
-    "muon": _COMMON | {"mu", "epsilon", "nesterov", "cautious_wd", "adjust_lr", "flatten",
-                       "use_polar_express", "num_heads", "split_sizes", "bf16_matmul"},
-    "normuon": _COMMON | {"mu", "epsilon", "nesterov", "cautious_wd", "adjust_lr", "flatten",
-                          "use_polar_express", "num_heads", "split_sizes", "muon_beta2",
-                          "bf16_matmul"},
-    "dion": _COMMON | {"mu", "epsilon", "rank_fraction", "rank_multiple_of", "seed",
-                       "qr_method", "cqr_warmup_steps", "oversample"},
-    "dion2": _COMMON | {"fraction", "ef_decay", "epsilon", "adjust_lr", "flatten",
-                        "use_polar_express", "num_heads", "bf16_matmul"},
-    "dion3": _COMMON | {"fraction", "mu", "muon_beta2", "epsilon", "adjust_lr", "flatten",
-                        "use_polar_express", "num_heads", "bf16_matmul"},
-    "adamw": _COMMON | {"betas", "epsilon", "cautious_wd"},
-    "lion": _COMMON | {"betas", "cautious_wd"},
-}
-APPLIES["nordion2"] = APPLIES["dion3"]
-# Keys a group may carry besides the options (params, a name for logs and metrics, the
-# reference's host step counter, what LR schedulers add).
-_GROUP_META = {"params", "param_names", "algorithm", "name", "step", "initial_lr"}
-
-# Constructor arguments of the reference classes that select implementations diond does not
-# need: accepted with the values that compute the same numbers, refused otherwise.
-_COMPAT = {
-    "use_triton": (lambda v: True, "Triton kernels compute the same functions"),
-    "triton_post_ortho": (lambda v: True, "a fused kernel of the same computation"),
-    "use_gram_newton_schulz": (lambda v: not v, "Gram Newton-Schulz is not implemented"),
-    "newton_schulz_func": (lambda v: v is None, "custom orthogonalizers cannot run in the daemon"),
-    "distributed_mesh": (lambda v: v is None, "the daemon world replaces device meshes"),
-    "replicate_mesh": (lambda v: v is None, "the daemon world replaces device meshes"),
-    "outer_shard_mesh": (lambda v: v is None, "the daemon world replaces device meshes"),
-    "inner_shard_mesh": (lambda v: v is None, "the daemon world replaces device meshes"),
-    "replicate_mesh_grad_sync": (lambda v: True, "single trainer"),
-    "selection_scope": (lambda v: v in ("local", "global"), "must be 'local' or 'global'"),
-    "verbose": (lambda v: True, ""),
-    "power_iters": (lambda v: v == 1, "Dion supports power_iters=1 only"),
-    "mixed_precision_config": (lambda v: v is None, "state is float32 in the daemon"),
-}
-
 _DTYPES = {torch.float32: pb.DTYPE_F32, torch.bfloat16: pb.DTYPE_BF16,
            torch.float16: pb.DTYPE_F16}
-_ADJUST = {"spectral_norm": pb.ADJUST_LR_SPECTRAL_NORM, "rms_norm": pb.ADJUST_LR_RMS_NORM,
-           None: pb.ADJUST_LR_NONE, "none": pb.ADJUST_LR_NONE}
-_PRECISION = {"fp32": pb.PRECISION_FP32, "bf16_reference": pb.PRECISION_BF16_REFERENCE}
-_BF16_MATMUL = {"auto": pb.BF16_MATMUL_AUTO, "float32_gemm": pb.BF16_MATMUL_FLOAT32_GEMM,
-                "onednn": pb.BF16_MATMUL_ONEDNN}
-_NONFINITE = {"skip": pb.NON_FINITE_POLICY_SKIP, "error": pb.NON_FINITE_POLICY_ERROR}
-_GRADIENT_SYNC = {"replicated": pb.GRADIENT_SYNC_REPLICATED, "average": pb.GRADIENT_SYNC_AVERAGE,
-                  "dion_compressed": pb.GRADIENT_SYNC_DION_COMPRESSED}
-_QR_METHOD = {"rcqr": pb.QR_METHOD_RCQR, "qr": pb.QR_METHOD_QR, "cqr": pb.QR_METHOD_CQR}
-# Reference spellings of an option: dion's constructor takes rcqr_oversample and stores it in
-# each group as "oversample".
-_ALIASES = {"rcqr_oversample": "oversample"}
-# Constructor arguments of _COMPAT that the reference also reads per group.
-_GROUP_COMPAT = {"selection_scope"}
 _SEGMENT_ALIGN = 4096
 _HOST_ARENAS = ("memfd", "shm")
 _CUDA_ARENAS = ("cuda_vmm", "cuda_ipc")
-
-
-def _is_num(v):
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _check_range(name, v, lo, hi, lo_open=False, hi_open=False, where=""):
-    if isinstance(v, torch.Tensor) and v.numel() == 1:
-        v = v.item()
-    if not _is_num(v) or not math.isfinite(v):
-        raise ValueError("%s%s must be a finite number, got %r" % (where, name, v))
-    if (v < lo or (lo_open and v == lo)) or (hi is not None and (v > hi or (hi_open and v == hi))):
-        rng = "%s%g, %s%s" % ("(" if lo_open else "[", lo, "inf" if hi is None else "%g" % hi,
-                              ")" if hi_open or hi is None else "]")
-        raise ValueError("%s%s = %r is out of range %s" % (where, name, v, rng))
-    return float(v)
-
-
-def _validate_options(opts, algo, where):
-    """Range checks of every option the algorithm uses (the reference's ValueErrors)."""
-    use = APPLIES[algo]
-    _check_range("lr", opts["lr"], 0, None, where=where)
-    _check_range("weight_decay", opts["weight_decay"], 0, None, where=where)
-    if "mu" in use:
-        _check_range("mu", opts["mu"], 0, 1, hi_open=True, where=where)
-    if "betas" in use:
-        b = opts["betas"]
-        if not isinstance(b, (tuple, list)) or len(b) != 2:
-            raise ValueError("%sbetas must be a pair (beta1, beta2), got %r" % (where, b))
-        for i, x in enumerate(b):
-            _check_range("betas[%d]" % i, x, 0, 1, hi_open=True, where=where)
-    if "epsilon" in use:
-        _check_range("epsilon", opts["epsilon"], 0, None, where=where)
-    if "muon_beta2" in use:
-        _check_range("muon_beta2", opts["muon_beta2"], 0, 1, hi_open=True, where=where)
-    if "fraction" in use:
-        _check_range("fraction", opts["fraction"], 0, 1, lo_open=True, where=where)
-    if "ef_decay" in use:
-        _check_range("ef_decay", opts["ef_decay"], 0, 1, where=where)
-    if "rank_fraction" in use:
-        _check_range("rank_fraction", opts["rank_fraction"], 0, 1, lo_open=True, where=where)
-    if "rank_multiple_of" in use:
-        r = opts["rank_multiple_of"]
-        if not isinstance(r, int) or isinstance(r, bool) or r < 1:
-            raise ValueError("%srank_multiple_of must be an int >= 1, got %r" % (where, r))
-    if "seed" in use:
-        s = opts["seed"]
-        if not isinstance(s, int) or isinstance(s, bool) or not 0 <= s < 2 ** 64:
-            raise ValueError("%sseed must be an int in [0, 2**64), got %r" % (where, s))
-    if "qr_method" in use and opts["qr_method"] not in _QR_METHOD:
-        raise ValueError("%sqr_method must be 'rcqr', 'qr' or 'cqr', got %r"
-                         % (where, opts["qr_method"]))
-    if "cqr_warmup_steps" in use:
-        w = opts["cqr_warmup_steps"]
-        if not isinstance(w, int) or isinstance(w, bool) or w < 0:
-            raise ValueError("%scqr_warmup_steps must be an int >= 0, got %r" % (where, w))
-    if "oversample" in use:
-        _check_range("oversample (rcqr_oversample)", opts["oversample"], 0, 16, lo_open=True,
-                     where=where)
-    for flag in ("nesterov", "cautious_wd", "flatten", "use_polar_express"):
-        if flag in use and not isinstance(opts[flag], bool):
-            raise ValueError("%s%s must be a bool, got %r" % (where, flag, opts[flag]))
-    if "adjust_lr" in use and opts["adjust_lr"] not in _ADJUST:
-        raise ValueError("%sadjust_lr must be 'spectral_norm', 'rms_norm' or None, got %r"
-                         % (where, opts["adjust_lr"]))
-    if opts["precision"] not in _PRECISION:
-        raise ValueError("%sprecision must be 'fp32' or 'bf16_reference', got %r"
-                         % (where, opts["precision"]))
-    if "bf16_matmul" in use and opts["bf16_matmul"] not in _BF16_MATMUL:
-        raise ValueError("%sbf16_matmul must be 'auto', 'float32_gemm' or 'onednn', got %r"
-                         % (where, opts["bf16_matmul"]))
-    if "num_heads" in use and opts["num_heads"] is not None:
-        h = opts["num_heads"]
-        if not isinstance(h, int) or isinstance(h, bool) or h < 1:
-            raise ValueError("%snum_heads must be a positive int or None, got %r" % (where, h))
-        if h > 1 and opts.get("flatten"):
-            raise ValueError("%snum_heads cannot be combined with flatten=True" % where)
-    if "split_sizes" in use and opts["split_sizes"] is not None:
-        s = opts["split_sizes"]
-        if (not isinstance(s, (tuple, list)) or len(s) < 2
-                or any(not isinstance(x, int) or isinstance(x, bool) or x < 1 for x in s)):
-            raise ValueError("%ssplit_sizes must be a list of >= 2 positive ints, got %r"
-                             % (where, s))
-        if opts.get("num_heads") not in (None, 1):
-            raise ValueError("%ssplit_sizes cannot be combined with num_heads" % where)
-        if opts.get("flatten"):
-            raise ValueError("%ssplit_sizes cannot be combined with flatten=True" % where)
-
-
-def _group_proto(name, g):
-    algo = g["algorithm"]
-    use = APPLIES[algo]
-    h = pb.Hyperparameters(lr=float(g["lr"]), weight_decay=float(g["weight_decay"]))
-    if "mu" in use:
-        h.mu = float(g["mu"])
-    if "betas" in use:
-        h.beta1, h.beta2 = float(g["betas"][0]), float(g["betas"][1])
-    if "epsilon" in use:
-        h.epsilon = float(g["epsilon"])
-    if "nesterov" in use:
-        h.nesterov = bool(g["nesterov"])
-    if "cautious_wd" in use:
-        h.cautious_wd = bool(g["cautious_wd"])
-    if "adjust_lr" in use:
-        h.adjust_lr = _ADJUST[g["adjust_lr"]]
-    if "use_polar_express" in use:
-        h.orthogonalizer = (pb.ORTHOGONALIZER_POLAR_EXPRESS if g["use_polar_express"]
-                            else pb.ORTHOGONALIZER_NEWTON_SCHULZ)
-    if "muon_beta2" in use:
-        h.muon_beta2 = float(g["muon_beta2"])
-    if "rank_fraction" in use:
-        h.rank_fraction = float(g["rank_fraction"])
-        h.rank_multiple_of = int(g["rank_multiple_of"])
-    if "fraction" in use:
-        h.fraction = float(g["fraction"])
-    if "ef_decay" in use:
-        h.ef_decay = float(g["ef_decay"])
-    if "qr_method" in use:
-        h.qr_method = _QR_METHOD[g["qr_method"]]
-        h.cqr_warmup_steps = int(g["cqr_warmup_steps"])
-        h.oversample = float(g["oversample"])
-    pg = pb.ParameterGroup(name=name, algorithm=ALGORITHMS[algo], hyperparameters=h,
-                           precision=_PRECISION[g["precision"]])
-    if "num_heads" in use and g["num_heads"] is not None:
-        pg.num_heads = int(g["num_heads"])
-    if "split_sizes" in use and g["split_sizes"] is not None:
-        pg.split_sizes.extend(int(x) for x in g["split_sizes"])
-    if "flatten" in use:
-        pg.flatten = bool(g["flatten"])
-    if "seed" in use:
-        pg.seed = int(g["seed"])
-    if "bf16_matmul" in use:
-        pg.bf16_matmul = _BF16_MATMUL[g["bf16_matmul"]]
-    return pg
 
 
 def _align(n, a):
@@ -310,23 +107,94 @@ def _fill_views(p, pv, gv, from_daemon):
         gv.zero_()
 
 
-def _release(shm, session, client):
-    """Finalizer: end the session and free the arena even if close() was never called."""
-    if client is not None:
-        try:
-            client.close_session(session, timeout=2.0)
-        except Exception:
-            pass
-        client.close()
-    if shm is not None:
-        try:
-            shm.unlink()
-        except Exception:
-            pass
-        try:
+# Bindings of live optimizers with host arenas, for the fork handler.
+_LIVE = weakref.WeakSet()
+
+
+class _Binding:
+    """What a model borrows from its optimizer's session: the arena its tensors view, the
+    session, the connection. Shared by the optimizer and its finalizer, so that the model gets
+    ordinary tensors back however the optimizer goes: close(), garbage collection (also in a
+    reference cycle), interpreter exit, an exception unwinding the training loop. In a forked
+    child the session is the parent's: the child only takes private copies (at the fork)."""
+
+    def __init__(self):
+        self.pid = os.getpid()
+        self.params = []  # the parameters whose .data/.grad were made views
+        self.pviews, self.gviews = [], []
+        self.grad_arena = None
+        self.shm = None  # host_arena.ShmArena or fdchannel.MemfdArena
+        self.cuda_arena = None
+        self.session_id = None
+        self.client = None
+        self.owns_client = False
+        self.closed = True
+
+    def give_back(self):
+        """Parameters and gradients that still view the arena become copies of it (ordinary
+        memory holding the latest values), then the arena is let go: its mapping goes with the
+        last tensor still viewing it (a view the user kept stays valid)."""
+        with torch.no_grad():
+            for p, pv, gv in zip(self.params, self.pviews, self.gviews):
+                if p.data.data_ptr() == pv.data_ptr():
+                    p.data = pv.clone()
+                if p.grad is not None and p.grad.data_ptr() == gv.data_ptr():
+                    try:
+                        p.grad = gv.clone()
+                    except RuntimeError:  # .data was replaced by another dtype or shape
+                        p.grad = None
+        self.params, self.pviews, self.gviews, self.grad_arena = [], [], [], None
+        _LIVE.discard(self)
+        if self.cuda_arena is not None:
+            # The copies above are queued on the current stream: the allocation is freed after a
+            # cuCtxSynchronize, once no view of it is left (cuda_arena.CudaArena.close).
+            arena, self.cuda_arena = self.cuda_arena, None
+            arena.close()
+        if self.shm is not None:
+            shm, self.shm = self.shm, None
             shm.close()
-        except Exception:  # views still exported: the mapping goes with the last view
+
+    def release(self):
+        """Ends the session (CloseSession waits for a queued step, so the arena holds its
+        result), gives the model its tensors back and closes an owned connection. Never raises:
+        it runs from finalizers and close(), also after the daemon died."""
+        self.closed = True
+        if self.pid == os.getpid() and self.session_id is not None and self.client is not None:
+            try:
+                self.client.close_session(self.session_id, timeout=5.0)
+            except Exception:
+                pass
+        try:
+            self.give_back()
+        finally:
+            if self.owns_client and self.client is not None and self.pid == os.getpid():
+                try:
+                    self.client.close()
+                except Exception:
+                    pass
+            self.client = None
+
+
+def _after_fork_in_child():
+    """A forked child gets private copies of the parameters and gradients that view a host
+    arena (MAP_SHARED, so the child's writes would reach the parent's model and the daemon, and
+    the parent's steps would change the child's model). Its copies of those optimizers are
+    closed; the sessions stay the parent's."""
+    for b in list(_LIVE):
+        b.closed = True
+        try:
+            b.give_back()
+        except Exception:  # pragma: no cover - a child must not die in an at-fork hook
             pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _binding_attr(name, doc):
+    return property(lambda self: getattr(self._bind, name),
+                    lambda self, v: setattr(self._bind, name, v), doc=doc)
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -355,6 +223,10 @@ class Optimizer(torch.optim.Optimizer):
         resumed session restarts from the bf16/f16 weights; bit-identical resume needs
         fp32_master_weights=False or float32 parameters.)
       non_finite_policy: "skip" (a step with NaN/Inf gradients changes nothing) or "error".
+      track_writes: where the daemon keeps its own copy of the weights (remote mode, fp32 master
+        weights), send the parameters the trainer wrote since the last step (load_state_dict,
+        copy_, nn.init: torch's version counter) before the next one. Writes through ``p.data``
+        are not counted by torch: call sync_parameters() after those.
       timeout: deadline of every RPC, seconds. connect_timeout: for the connection.
       token, tls_ca, tls_cert, tls_key, tls_server_name: credentials, passed to ``diond.Client``
         (a bearer token for TCP targets; TLS and mutual TLS).
@@ -388,27 +260,19 @@ class Optimizer(torch.optim.Optimizer):
         load_state_dict() as the reference's).
     """
 
+    _pviews = _binding_attr("pviews", "the parameters' views of the arena")
+    _gviews = _binding_attr("gviews", "the gradients' views of the arena")
+    _grad_arena = _binding_attr("grad_arena", "the gradient arena as one uint8 tensor")
+    _shm = _binding_attr("shm", "the host arena (ShmArena or MemfdArena)")
+    _cuda_arena = _binding_attr("cuda_arena", "the CUDA arena")
+    _closed = _binding_attr("closed", "no session (not yet, closed, or a forked child's copy)")
+
     def __init__(self, params, *, target=None, remote=None, fp32_master_weights=False,
                  non_finite_policy="skip", timeout=60.0, connect_timeout=10.0,
                  client_name="diond.torch", world_key="", gradient_sync="replicated",
                  token=None, tls_ca=None, tls_cert=None, tls_key=None, tls_server_name=None,
-                 session="", resume=False, arena=None, **options):
-        for alias, name in _ALIASES.items():
-            if alias in options:
-                if name in options:
-                    raise ValueError("give %s or %s, not both" % (alias, name))
-                options[name] = options.pop(alias)
-        for k in list(options):
-            if k in _COMPAT:
-                ok, why = _COMPAT[k]
-                v = options.pop(k)
-                if not ok(v):
-                    raise ValueError("%s=%r is not supported by diond (%s)" % (k, v, why))
-            elif k not in DEFAULTS:
-                raise TypeError("Optimizer got an unexpected option %r; group options are: %s"
-                                % (k, ", ".join(sorted(DEFAULTS))))
-        defaults = dict(DEFAULTS)
-        defaults.update(options)
+                 session="", resume=False, arena=None, track_writes=True, **options):
+        defaults, self._explicit_defaults = check_options(options)
         if non_finite_policy not in _NONFINITE:
             raise ValueError("non_finite_policy must be 'skip' or 'error', got %r"
                              % (non_finite_policy,))
@@ -432,10 +296,11 @@ class Optimizer(torch.optim.Optimizer):
         if arena == "memfd" and not fdchannel.supported():
             raise ValueError("arena='memfd' needs Linux and Python >= 3.9 (os.memfd_create, "
                              "socket.send_fds); use arena='shm'")
+        self._bind = _Binding()
+        self.track_writes = bool(track_writes)
+        self._versions = None  # each parameter's torch version counter when the daemon had it
         self._arena_choice = arena
         self.arena = None  # "memfd", "shm", "cuda_vmm" or "cuda_ipc" once the arenas exist
-        self._explicit_defaults = set(options)
-        self._closed = True  # until the session exists
         self._queued = None  # the step index queued by step(asynchronous=True), not collected
         self._session_ready = False
         self._finalizer = None
@@ -446,10 +311,9 @@ class Optimizer(torch.optim.Optimizer):
         self.client = target if isinstance(target, Client) else Client(
             target, timeout=timeout, connect_timeout=connect_timeout, token=token,
             tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, tls_server_name=tls_server_name)
+        self._bind.client, self._bind.owns_client = self.client, self._owns_client
         self.remote = (not self.client.is_unix) if remote is None else bool(remote)
         self.fp32_master_weights = bool(fp32_master_weights)
-        self._shm = None
-        self._cuda_arena = None
         self._device = None  # the arenas' device (shared-memory mode)
         self._events = None  # the interprocess events of CUDA arenas, created at the first step
         attached = None
@@ -470,6 +334,7 @@ class Optimizer(torch.optim.Optimizer):
                 self._adopt_session(attached)
             else:
                 self._create_session(client_name, non_finite_policy)
+            self._client_name, self._non_finite_policy = client_name, non_finite_policy
             if self.remote:
                 if attached is not None:
                     self._download_parameters()
@@ -493,52 +358,69 @@ class Optimizer(torch.optim.Optimizer):
         for g in self.param_groups:
             g["step"] = self._step_index
         self.last_step = None  # the last StepResponse
-        self._finalizer = weakref.finalize(
-            self, _release, self._shm if self._shm is not None else self._cuda_arena,
-            self.session_id, self.client if self._owns_client else None)
+        self._bind.session_id = self.session_id
+        self._note_versions()
+        self._finalizer = weakref.finalize(self, _Binding.release, self._bind)
 
     # -- construction -------------------------------------------------------------------------
     def add_param_group(self, param_group):
-        if getattr(self, "_session_ready", False):
-            raise RuntimeError("diond.torch.Optimizer: parameter groups are fixed when the "
-                               "session is created; build a new Optimizer to add parameters")
-        if not isinstance(param_group, dict):
-            raise TypeError("param group must be a dict, got %s" % type(param_group).__name__)
+        """Adds a parameter group, as torch.optim's. After construction (e.g. Lightning's
+        BackboneFinetuning unfreezing layers) the daemon's session is rebuilt with the new
+        group: the existing groups' state comes out (GetState), the session is closed, a new one
+        is created with every group and the state goes back (SetState), so the existing groups
+        continue bit for bit (with fp32_master_weights the master copies restart from the
+        model's bf16/f16 weights: SetState takes parameters in their own dtype). The new group's
+        parameters start with no state and its step counter at 0. Not for world sessions. If
+        the new session cannot be made, the optimizer is closed (the model keeps its weights)
+        and the error is raised."""
+        if not getattr(self, "_session_ready", False):
+            self._add_group(param_group)
+            return
+        self._check_open()
+        if self.world_key:
+            raise RuntimeError("diond.torch.Optimizer: add_param_group is not supported in a "
+                               "world session (every rank would have to rebuild it at once); "
+                               "build every group at construction")
+        self.synchronize()
+        self._add_group(param_group)
+        try:
+            self._rebuild_session()
+        except BaseException:
+            self.param_groups.pop()
+            raise
+
+    def _rebuild_session(self):
+        saved = self.client.get_state(self.session_id)
+        # The old session goes first (its name becomes free); the model gets ordinary tensors
+        # with the latest weights and gradients, which the new arena then takes.
+        self._queued = None
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        self._bind.owns_client = False  # the connection goes on to the new session
+        self._bind.release()
+        self._bind = _Binding()
+        self._bind.client, self._bind.owns_client = self.client, self._owns_client
+        try:
+            self._create_session(self._client_name, self._non_finite_policy)
+            if self.remote:
+                self._upload_parameters()
+            else:
+                self._attach_arenas()
+            self.client.set_state(self.session_id,
+                                  {n: t.data for n, t in saved.items()})
+        except BaseException:
+            self._abort()
+            raise
+        self._bind.closed = False
+        self._bind.session_id = self.session_id
+        self._step_index = 0  # the new session's own Step index; the groups keep their "step"
+        self._note_versions()
+        self._finalizer = weakref.finalize(self, _Binding.release, self._bind)
+
+    def _add_group(self, param_group):
         gi = len(self.param_groups)
         where = "param group %d: " % gi
-        algo = param_group.get("algorithm", self.defaults["algorithm"])
-        if algo not in ALGORITHMS:
-            raise ValueError("%sunknown algorithm %r; expected one of %s"
-                             % (where, algo, ", ".join(ALGORITHMS)))
-        param_group = dict(param_group)
-        for alias, name in _ALIASES.items():
-            if alias in param_group:
-                if name in param_group:
-                    raise ValueError("%sgive %s or %s, not both" % (where, alias, name))
-                param_group[name] = param_group.pop(alias)
-        for k in list(param_group):
-            if k in _GROUP_META:
-                continue
-            if k in _GROUP_COMPAT:
-                ok, why = _COMPAT[k]
-                if not ok(param_group[k]):
-                    raise ValueError("%s%s=%r is not supported by diond (%s)"
-                                     % (where, k, param_group[k], why))
-                del param_group[k]  # diond never shards a matrix: both scopes select alike
-                continue
-            if k in _COMPAT:
-                raise ValueError("%s%r is a constructor argument, not a group option" % (where, k))
-            if k not in DEFAULTS:
-                raise ValueError("%sunknown option %r; options are: %s"
-                                 % (where, k, ", ".join(sorted(DEFAULTS))))
-            if k not in APPLIES[algo]:
-                raise ValueError("%soption %r does not apply to algorithm %r (it uses: %s)"
-                                 % (where, k, algo, ", ".join(sorted(APPLIES[algo]))))
-        if "name" in param_group and (not isinstance(param_group["name"], str)
-                                      or not param_group["name"]):
-            raise ValueError("%sname must be a non-empty string" % where)
-        g = dict(param_group)
-        g["algorithm"] = algo
+        algo, g = check_group(param_group, gi, self.defaults["algorithm"])
         # Let torch's own checks run (params list, duplicates, defaults filled in).
         super().add_param_group(g)
         g = self.param_groups[-1]
@@ -546,9 +428,13 @@ class Optimizer(torch.optim.Optimizer):
             if k in DEFAULTS and k not in APPLIES[algo] and k != "algorithm":
                 del g[k]
         g.setdefault("step", 0)
-        _validate_options(g, algo, where)
-        for j, p in enumerate(g["params"]):
-            self._check_param(p, gi, j, algo)
+        try:
+            validate_options(g, algo, where)
+            for j, p in enumerate(g["params"]):
+                self._check_param(p, gi, j, algo)
+        except BaseException:
+            self.param_groups.pop()
+            raise
 
     def _check_param(self, p, gi, j, algo):
         where = "param group %d, parameter %d (shape %s)" % (gi, j, list(p.shape))
@@ -563,20 +449,13 @@ class Optimizer(torch.optim.Optimizer):
                              "(p.data = p.data.contiguous())" % (where, list(p.stride())))
         if p.numel() == 0:
             raise ValueError("%s: empty parameters are not supported" % where)
-        if algo in _MATRIX and p.dim() < 2:
+        if algo in MATRIX_ALGORITHMS and p.dim() < 2:
             raise ValueError("%s: algorithm %r needs matrices (>= 2 dims); put biases, norms and "
                              "other vectors in an 'adamw' or 'lion' group" % (where, algo))
 
     def _check_constructor_options(self):
-        used = set()
-        for g in self.param_groups:
-            used |= APPLIES[g["algorithm"]]
-        for k in self._explicit_defaults - {"algorithm"}:
-            if k not in used and _norm(self.defaults[k]) != _norm(DEFAULTS[k]):
-                raise ValueError(
-                    "option %s=%r is used by no parameter group (algorithms: %s)"
-                    % (k, self.defaults[k],
-                       ", ".join(sorted({g["algorithm"] for g in self.param_groups}))))
+        unused_options(self._explicit_defaults, self.defaults,
+                       [g["algorithm"] for g in self.param_groups])
 
     def _check_arena_device(self, choice):
         """The arenas' device (every parameter's), checked against the arena choice."""
@@ -607,7 +486,7 @@ class Optimizer(torch.optim.Optimizer):
             if name in self._group_names:
                 raise ValueError("two parameter groups are named %r" % name)
             self._group_names.append(name)
-            groups.append(_group_proto(name, g))
+            groups.append(group_proto(name, g))
             for p in g["params"]:
                 n = "p%d" % idx
                 idx += 1
@@ -693,9 +572,10 @@ class Optimizer(torch.optim.Optimizer):
         if kind == "memfd":
             self._shm = fdchannel.MemfdArena(size, name="diond-%d" % os.getpid())
         else:
-            name = "diond-%d-%s" % (os.getpid(), secrets.token_hex(6))
-            self._shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+            self._shm = host_arena.ShmArena(size)
         self.arena = kind
+        self._bind.params = list(self._params())
+        _LIVE.add(self._bind)
         buf = self._shm.buf
         self._pviews, self._gviews = [], []
         self._grad_arena = torch.frombuffer(buf, dtype=torch.uint8, count=self._grad_arena_bytes,
@@ -763,6 +643,7 @@ class Optimizer(torch.optim.Optimizer):
             break
         self._cuda_arena = arena
         self.arena = kind
+        self._bind.params = list(self._params())
         plan = arena.plan
         self._grad_arena = arena.view(plan.grad_offset, self._grad_arena_bytes)
         self._pviews, self._gviews = [], []
@@ -793,14 +674,17 @@ class Optimizer(torch.optim.Optimizer):
                               {n: p.data for n, p in zip(self._names, self._params())})
 
     def sync_parameters(self):
-        """Send the model's current weights to the daemon. Needed only where the daemon keeps
-        its own copy (remote mode, fp32 master weights) and the weights were changed outside
-        step(), e.g. by model.load_state_dict(); load_state_dict() of this optimizer calls it."""
+        """Send the model's current weights to the daemon. Where the daemon keeps its own copy
+        (remote mode, fp32 master weights), step() already sends the parameters written since
+        the last step (track_writes=True, the default), except writes through ``p.data``, which
+        torch does not count: call this after those; load_state_dict() of this optimizer calls
+        it."""
         self._check_open()
         self.synchronize()
-        if self.remote or self.fp32_master_weights:
+        if self._own_copy():
             self._sync_views()
             self._upload_parameters()
+            self._note_versions()
 
     def _abort(self):
         try:
@@ -814,15 +698,22 @@ class Optimizer(torch.optim.Optimizer):
 
     # -- stepping -----------------------------------------------------------------------------
     def _check_open(self):
+        if self._bind.pid != os.getpid():
+            raise RuntimeError(
+                "diond.torch.Optimizer: this optimizer's session belongs to process %d, and this "
+                "is a forked child (its model holds private copies of the weights); build a new "
+                "Optimizer here to train in this process" % self._bind.pid)
         if self._closed:
             raise RuntimeError("diond.torch.Optimizer is closed")
 
     def _sync_views(self):
-        """Keep .data/.grad as arena views: whatever replaced them is copied back in."""
+        """Keep .data/.grad as arena views: whatever replaced them is copied back in. Returns
+        the indices of the parameters whose .data was replaced."""
+        replaced = set()
         if self.remote:
-            return
+            return replaced
         with torch.no_grad():
-            for p, pv, gv in zip(self._params(), self._pviews, self._gviews):
+            for i, (p, pv, gv) in enumerate(zip(self._params(), self._pviews, self._gviews)):
                 if p.data.data_ptr() != pv.data_ptr() or p.data.shape != pv.shape:
                     if p.data.shape != pv.shape or p.data.dtype != pv.dtype:
                         raise ValueError(
@@ -831,6 +722,7 @@ class Optimizer(torch.optim.Optimizer):
                             % (list(p.data.shape), p.data.dtype, list(pv.shape), pv.dtype))
                     pv.copy_(p.data)
                     p.data = pv
+                    replaced.add(i)
                 g = p.grad
                 if g is None:
                     gv.zero_()
@@ -843,6 +735,29 @@ class Optimizer(torch.optim.Optimizer):
                         g = g.to_dense()
                     gv.copy_(g)
                     p.grad = gv
+        return replaced
+
+    def _own_copy(self):
+        """True where the daemon keeps its own copy of the weights (remote mode, fp32 master
+        weights), which a write by the trainer does not reach by itself."""
+        return self.remote or self.fp32_master_weights
+
+    def _note_versions(self):
+        if self.track_writes and self._own_copy():
+            self._versions = [p._version for p in self._params()]
+
+    def _push_writes(self, replaced):
+        """Sends the parameters the trainer wrote since the daemon last had them: a write to
+        the parameter itself (load_state_dict, copy_, nn.init, any in-place op under no_grad)
+        advances its torch version counter; a replaced .data is seen by _sync_views. One
+        attribute read per parameter and step; a SetState of the written ones only."""
+        if not (self.track_writes and self._own_copy()) or self._versions is None:
+            return
+        names = [n for i, (n, p, v) in enumerate(zip(self._names, self._params(), self._versions))
+                 if p._version != v or i in replaced]
+        if names:
+            params = dict(zip(self._names, self._params()))
+            self.client.set_state(self.session_id, {n: params[n].data for n in names})
 
     def _lr_overrides(self):
         out = {}
@@ -884,14 +799,16 @@ class Optimizer(torch.optim.Optimizer):
             for n, p in zip(self._names, self._params()):
                 grads[n] = p.grad if p.grad is not None else torch.zeros_like(p.data)
             self.client.push_gradients(self.session_id, grads)
+            replaced = set()
         else:
-            self._sync_views()
+            replaced = self._sync_views()
+        self._push_writes(replaced)
         events = self._record_ready() if self._cuda_arena is not None else {}
-        # The groups' own step counters (restored by load_state_dict, as the reference's), for
-        # Dion's cqr warm-up.
+        # The groups' own step counters (restored by load_state_dict, as the reference's; a
+        # group added later counts from its own start), which the update rules see (bias
+        # correction, Dion's cqr warm-up) whatever the session's Step index.
         steps = {name: int(g.get("step", 0)) + 1
-                 for name, g in zip(self._group_names, self.param_groups)
-                 if g["algorithm"] == "dion"}
+                 for name, g in zip(self._group_names, self.param_groups)}
         resp = self.client.step(self.session_id, self._step_index + 1, lr_override=lrs,
                                 group_step=steps, asynchronous=asynchronous, **events)
         self.last_step = resp
@@ -958,6 +875,7 @@ class Optimizer(torch.optim.Optimizer):
                     p.data.copy_(new[n].torch().view(p.shape))
         for g in self.param_groups:
             g["step"] = g.get("step", 0) + 1
+        self._note_versions()
 
     def zero_grad(self, set_to_none=True):
         """Zeroes every gradient in place (also for set_to_none=True: the gradients must stay
@@ -1018,7 +936,7 @@ class Optimizer(torch.optim.Optimizer):
                 raise ValueError("param group %d: loaded state dict has %d parameters, this "
                                  "optimizer %d" % (gi, len(new["params"]), len(g["params"])))
             for k in APPLIES[g["algorithm"]] - {"lr", "weight_decay"}:
-                if k in new and _norm(new[k]) != _norm(g[k]):
+                if k in new and same_option(new[k]) != same_option(g[k]):
                     raise ValueError("param group %d: option %s = %r in the state dict, %r here; "
                                      "only lr and weight_decay can change in a session"
                                      % (gi, k, new[k], g[k]))
@@ -1049,54 +967,20 @@ class Optimizer(torch.optim.Optimizer):
     # -- lifetime -----------------------------------------------------------------------------
     def _detach(self):
         """Give the model back ordinary tensors (copies of the arenas) and free the arenas."""
-        if self._shm is None and self._cuda_arena is None:
-            return
-        with torch.no_grad():
-            for p, pv, gv in zip(self._params(), getattr(self, "_pviews", []),
-                                 getattr(self, "_gviews", [])):
-                if p.data.data_ptr() == pv.data_ptr():
-                    p.data = pv.clone()
-                if p.grad is not None and p.grad.data_ptr() == gv.data_ptr():
-                    try:
-                        p.grad = gv.clone()
-                    except RuntimeError:  # .data was replaced by another dtype or shape
-                        p.grad = None
-        self._pviews, self._gviews, self._grad_arena = [], [], None
-        if self._cuda_arena is not None:
-            # The copies above are queued on the current stream: the allocation is freed after a
-            # cuCtxSynchronize, once no view of it is left (cuda_arena.CudaArena.close).
-            arena, self._cuda_arena, self._events = self._cuda_arena, None, None
-            arena.close()
-            return
-        shm, self._shm = self._shm, None
-        try:
-            shm.unlink()
-        except FileNotFoundError:
-            pass
-        try:
-            shm.close()
-        except BufferError:
-            pass  # a view is still held elsewhere; the mapping goes with it
+        self._bind.give_back()
 
     def close(self):
         """Ends the session (CloseSession) and frees the shared memory; the model keeps its
         current weights and gradients as ordinary tensors. Safe to call twice, and after the
-        daemon died."""
+        daemon died. Dropping the optimizer does the same (its finalizer); in a forked child,
+        whose optimizer was closed at the fork, it does nothing."""
         if self._closed:
             return
         # CloseSession waits for a queued step in the daemon; its outcome is dropped with it.
         self._queued = None
-        self._closed = True
         if self._finalizer is not None:
             self._finalizer.detach()
-        try:
-            self.client.close_session(self.session_id, timeout=5.0)
-        except DiondError:
-            pass
-        finally:
-            self._detach()
-            if self._owns_client:
-                self.client.close()
+        self._bind.release()
 
     def __enter__(self):
         return self
@@ -1114,9 +998,4 @@ class Optimizer(torch.optim.Optimizer):
     def __getstate__(self):
         raise TypeError("diond.torch.Optimizer holds a live session; use state_dict()")
 
-
-def _norm(v):
-    if isinstance(v, list):
-        return tuple(v)
-    return v
 
