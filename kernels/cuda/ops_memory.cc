@@ -10,8 +10,8 @@
 #include <cstdio>
 #include <cstdint>
 
-#include "kernels/cuda/ops_common.cuh"
 #include "kernels/cuda/ops_internal.h"
+#include "kernels/cuda/runtime.h"
 
 namespace diond::cuda {
 namespace {
@@ -97,6 +97,11 @@ void CountAllocation(int device, size_t bytes) {
   }
 }
 void CountFree(int device, size_t bytes) { g_in_use[Slot(device)].fetch_sub(bytes); }
+
+int CheckLaunch(const DiondOpsCall* call, const char* op) {
+  DIOND_CU(op, cudaGetLastError());
+  return DIOND_OPS_OK;
+}
 
 int Scratch::Allocate(const DiondOpsCall* call, const char* op, size_t bytes) {
   if (bytes == 0) bytes = 1;
