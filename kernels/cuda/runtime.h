@@ -18,20 +18,26 @@ namespace diond::cuda {
 
 // Writes a printf-style message into call->err and returns `code`.
 int Fail(const DiondOpsCall* call, int code, const char* fmt, ...);
+// The failure of `what` (a runtime call of `op`) with error `e`: see DIOND_CU.
+int Failed(const DiondOpsCall* call, const char* op, const char* what, cudaError_t e);
+// A runtime call whose failure has no caller to go to (a free, a destroy): its error is read and
+// cleared so that it cannot fail a later call; a lost context is still recorded.
+void Drop(int device, cudaError_t e);
+// Whether a sticky error (an illegal address, a kernel fault...) has made `device`'s context
+// unusable; every entry then fails with FAILED_PRECONDITION "the CUDA context is lost".
+bool DeviceLost(int device);
 
 inline cudaStream_t StreamOf(const DiondOpsCall* call) {
   return static_cast<cudaStream_t>(call->stream);
 }
 
-#define DIOND_CU(op, expr)                                                                  \
-  do {                                                                                      \
-    const cudaError_t e_ = (expr);                                                          \
-    if (e_ != cudaSuccess) {                                                                \
-      return ::diond::cuda::Fail(call,                                                      \
-                                 e_ == cudaErrorMemoryAllocation ? DIOND_OPS_RESOURCE_EXHAUSTED \
-                                                                 : DIOND_OPS_INTERNAL,      \
-                                 "%s: %s failed: %s", op, #expr, cudaGetErrorString(e_));   \
-    }                                                                                       \
+// A failed runtime call: its error is read (and so cleared) here, where it happened, never by a
+// later launch check; the code is RESOURCE_EXHAUSTED for out of memory, FAILED_PRECONDITION for
+// a capture conflict or a lost context (DeviceLost), INTERNAL otherwise.
+#define DIOND_CU(op, expr)                                                 \
+  do {                                                                     \
+    const cudaError_t e_ = (expr);                                         \
+    if (e_ != cudaSuccess) return ::diond::cuda::Failed(call, op, #expr, e_); \
   } while (0)
 #define DIOND_CUBLAS(op, expr)                                                              \
   do {                                                                                      \
@@ -55,11 +61,14 @@ inline cudaStream_t StreamOf(const DiondOpsCall* call) {
     if (rc_ != DIOND_OPS_OK) return rc_; \
   } while (0)
 
-// Sets the call's device current (every entry starts with it).
+// Sets the call's device current (every entry starts with it); refuses a lost context.
 int UseDevice(const DiondOpsCall* call, const char* op);
 
-// The calling thread's cuBLAS / cuSOLVER handles for call->device, bound to call->stream.
-// cuBLAS runs in CUBLAS_DEFAULT_MATH (no TF32: fp32 GEMMs compute in true fp32).
+// The cuBLAS / cuSOLVER handles of call->stream: each stream made by stream_create has its own
+// pair and its own cuBLAS workspace, set once when the stream is made (so that no two streams
+// share a workspace, which cuBLAS documents as not reproducible, and no handle allocates while
+// its stream captures); the null stream uses the calling thread's pair. cuBLAS runs in
+// CUBLAS_DEFAULT_MATH (no TF32: fp32 GEMMs compute in true fp32).
 int Blas(const DiondOpsCall* call, const char* op, cublasHandle_t* h);
 int Solver(const DiondOpsCall* call, const char* op, cusolverDnHandle_t* h);
 
@@ -84,12 +93,12 @@ class Scratch {
   cudaStream_t stream_ = nullptr;
 };
 
-// Pool accounting (ops_memory.cu).
+// Pool accounting (ops_memory.cc).
 void CountAllocation(int device, size_t bytes);
 void CountFree(int device, size_t bytes);
 
-
-// After a kernel launch on call->stream: the launch's own error, if any.
+// After a kernel launch on call->stream: the launch's own error, if any (every earlier failure
+// was read where it happened).
 int CheckLaunch(const DiondOpsCall* call, const char* op);
 
 // Sync point: waits for call->stream.
