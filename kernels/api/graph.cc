@@ -116,12 +116,13 @@ ApplyUpdateParams Forward(Pass& p, const ApplyUpdateParams& a) {
 // (queued device work), kWaits (hands a value to the host: a sync point), kHostMemory (reads or
 // writes host memory when it runs, which a replay would repeat on stale or freed memory),
 // kHostCopy (a queued copy between pinned host memory and the device: in a graph only with
-// Options::host_copies, the caller vouching for the host memory).
-enum class Kind { kGraph, kWaits, kHostMemory, kHostCopy };
+// Options::host_copies, the caller vouching for the host memory), kNoCapture (its library does
+// not document stream capture: cuSOLVER's geqrf/orgqr behind thin_qr).
+enum class Kind { kGraph, kWaits, kHostMemory, kHostCopy, kNoCapture };
 // clang-format off
 #define DIOND_GRAPH_OPS(X)                                                                 \
   X(copy_from_host, kWaits) X(copy_to_host, kWaits) X(gemm, kGraph)                        \
-  X(symmetric_product, kGraph) X(symmetric_product_bf16, kGraph) X(thin_qr, kGraph)        \
+  X(symmetric_product, kGraph) X(symmetric_product_bf16, kGraph) X(thin_qr, kNoCapture)    \
   X(cholesky_qr, kWaits) X(randomized_cholesky_qr, kWaits) X(frobenius_norm, kGraph)       \
   X(axis_norms, kGraph) X(top_k_by_l1_norm, kWaits) X(is_all_zero, kWaits)                 \
   X(gather, kHostMemory) X(scatter, kHostMemory) X(copy, kGraph) X(fill, kGraph)           \
@@ -154,10 +155,12 @@ constexpr Kind kOpKinds[] = {
 // An op that cannot be in the pass's graph: the first one is noted, and the phase sees an error.
 absl::Status Refuse(Pass& p, int op, Kind kind) {
   if (p.refused.empty()) {
-    p.refused = absl::StrCat(kOpNames[op], kind == Kind::kWaits
-                                               ? " (it waits for the device to hand a value to "
-                                                 "the host)"
-                                               : " (it reads or writes host memory)");
+    p.refused = absl::StrCat(kOpNames[op],
+                             kind == Kind::kWaits
+                                 ? " (it waits for the device to hand a value to the host)"
+                             : kind == Kind::kNoCapture
+                                 ? " (its library, cuSOLVER, does not document stream capture)"
+                                 : " (it reads or writes host memory)");
   }
   return absl::FailedPreconditionError(
       absl::StrCat(kOpNames[op], " cannot be part of a captured graph"));

@@ -28,8 +28,18 @@ int Fail(char* err, size_t len, const char* what, const char* detail) {
   return -1;
 }
 
+// Reads (and so clears) the thread's pending runtime error, so that it cannot fail the next
+// kernel launch of the ops on this thread (docs/GPU.md "Errors").
 int CudaFail(char* err, size_t len, const char* what, cudaError_t e) {
+  cudaGetLastError();
   return Fail(err, len, what, cudaGetErrorString(e));
+}
+// A comm that failed before it was handed out: aborted (never destroyed: a peer may never come),
+// its stream destroyed, freed.
+void AbortAndFree(Comm* c) {
+  if (c->comm != nullptr) ncclCommAbort(c->comm);
+  if (c->stream != nullptr && cudaStreamDestroy(c->stream) != cudaSuccess) cudaGetLastError();
+  delete c;
 }
 
 int NcclFail(char* err, size_t len, const char* what, ncclResult_t r) {
@@ -48,7 +58,11 @@ int WaitComm(Comm* c, Clock::time_point deadline, const char* what, char* err, s
   while (true) {
     ncclResult_t state = ncclSuccess;
     ncclResult_t r = ncclCommGetAsyncError(c->comm, &state);
-    if (r != ncclSuccess) return NcclFail(err, len, what, r);
+    if (r != ncclSuccess) {
+      ncclCommAbort(c->comm);
+      c->comm = nullptr;
+      return NcclFail(err, len, what, r);
+    }
     if (state == ncclSuccess) return 0;
     if (state != ncclInProgress) {
       ncclCommAbort(c->comm);
@@ -128,7 +142,7 @@ int CommCreate(const uint8_t* id, int nranks, int rank, int device, int64_t time
   c->nranks = nranks;
   e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking);
   if (e != cudaSuccess) {
-    delete c;
+    AbortAndFree(c);
     return CudaFail(err, len, "cudaStreamCreate", e);
   }
   ncclUniqueId u;
@@ -137,14 +151,13 @@ int CommCreate(const uint8_t* id, int nranks, int rank, int device, int64_t time
   config.blocking = 0;
   ncclResult_t r = ncclCommInitRankConfig(&c->comm, nranks, u, rank, &config);
   if (r != ncclSuccess && r != ncclInProgress) {
-    cudaStreamDestroy(c->stream);
-    delete c;
-    return NcclFail(err, len, "ncclCommInitRankConfig", r);
+    const int rc = NcclFail(err, len, "ncclCommInitRankConfig", r);
+    AbortAndFree(c);  // a non-blocking init may have made the comm: abort it, never leak it
+    return rc;
   }
   if (WaitComm(c, Clock::now() + std::chrono::milliseconds(timeout_ms), "ncclCommInitRank", err,
                len) != 0) {
-    cudaStreamDestroy(c->stream);
-    delete c;
+    AbortAndFree(c);  // WaitComm aborted the comm when it failed it
     return -1;
   }
   *out = c;

@@ -72,9 +72,9 @@ int LaunchSum(const DiondOpsCall* call, const char* op, int64_t n, F f, float* o
   Scratch partial;
   DIOND_RC(partial.Allocate(call, op, blocks * sizeof(double)));
   SumKernel<<<blocks, kThreads, 0, StreamOf(call)>>>(n, f, partial.As<double>());
-  DIOND_CU(op, cudaGetLastError());
+  DIOND_RC(CheckLaunch(call, op));
   FinishSum<<<1, 1, 0, StreamOf(call)>>>(partial.As<double>(), blocks, out);
-  DIOND_CU(op, cudaGetLastError());
+  DIOND_RC(CheckLaunch(call, op));
   return DIOND_OPS_OK;
 }
 

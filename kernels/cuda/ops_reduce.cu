@@ -78,7 +78,7 @@ int SortedTopK(const DiondOpsCall* call, const char* op, const float* scores, in
   DIOND_RC(idx_out.Allocate(call, op, static_cast<size_t>(n) * 8));
   OrderKeys<<<GridFor(n), kThreads, 0, StreamOf(call)>>>(scores, n, keys_in.As<uint32_t>(),
                                                          idx_in.As<int64_t>());
-  DIOND_CU(op, cudaGetLastError());
+  DIOND_RC(CheckLaunch(call, op));
   size_t temp_bytes = 0;
   DIOND_CU(op, cub::DeviceRadixSort::SortPairsDescending(
                    nullptr, temp_bytes, keys_in.As<uint32_t>(), keys_out.As<uint32_t>(),

@@ -437,5 +437,21 @@ TEST_F(StepGraphTest, CallersCannotSetDeviceScalars) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("scalars_on_device")));
 }
 
+// ThinQr runs on cuSOLVER, which does not document stream capture: a phase with it runs eagerly.
+TEST_F(StepGraphTest, ThinQrIsNeverCaptured) {
+  auto a = ctx().Zeros(kernels::DType::kF32, {8, 4});
+  auto q = ctx().Allocate(kernels::DType::kF32, {8, 4});
+  ASSERT_THAT(a.status(), IsOk());
+  ASSERT_THAT(q.status(), IsOk());
+  StepGraph sg(&ctx(), TestHooks());
+  const int64_t captures = kernels::testing::GetHostTestDeviceCounters().graph_captures;
+  auto phase = [&]() { return kernels::ThinQr(ctx(), a->cview(), q->view()); };
+  auto r = sg.Run(phase);
+  ASSERT_THAT(r.status(), IsOk());
+  EXPECT_EQ(r->mode, StepGraph::Mode::kEager);
+  EXPECT_THAT(r->detail, HasSubstr("thin_qr (its library, cuSOLVER, does not document"));
+  EXPECT_EQ(kernels::testing::GetHostTestDeviceCounters().graph_captures, captures);
+}
+
 }  // namespace
 }  // namespace diond::optim

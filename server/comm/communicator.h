@@ -101,6 +101,13 @@ class Communicator {
   // The view counts its bytes here, fails once this one is aborted, and must not outlive it.
   // UNIMPLEMENTED by default (host communicators; NCCL tables without stream-ordered calls).
   virtual absl::StatusOr<std::unique_ptr<Communicator>> OnStream(void* stream);
+  // The caller's host is about to wait for this communicator's queued collectives (it reads
+  // back what they produced), and is done waiting. In between, a backend with queued
+  // collectives bounds the wait as a host collective is bounded: past its timeout (the world's
+  // --peer_timeout) Poll aborts it, which ends the waiting kernels; that catches a peer that
+  // heartbeats but never joins (its trainer is late). Nothing to bound by default.
+  virtual void BeginQueuedWait() {}
+  virtual void EndQueuedWait() {}
 
   // Bytes this rank has sent since creation or the last TakeBytesSent().
   int64_t bytes_sent() const { return bytes_sent_.load(std::memory_order_relaxed); }

@@ -40,8 +40,32 @@ void NcclCommunicator::OnAbort() {
   }
 }
 
+void NcclCommunicator::BeginQueuedWait() {
+  absl::MutexLock lock(&wait_mu_);
+  wait_deadline_ = absl::Now() + options_.timeout;
+}
+
+void NcclCommunicator::EndQueuedWait() {
+  absl::MutexLock lock(&wait_mu_);
+  wait_deadline_ = absl::InfiniteFuture();
+}
+
 absl::Status NcclCommunicator::Poll() {
   absl::Status error;
+  {
+    absl::MutexLock lock(&wait_mu_);
+    if (absl::Now() > wait_deadline_) {
+      error = absl::DeadlineExceededError(absl::StrCat(
+          "nccl on rank ", rank(), " of ", size(), ": the queued collectives did not complete "
+          "within ", absl::FormatDuration(options_.timeout),
+          " (--peer_timeout): a peer is up but has not joined them (its trainer is late?)"));
+      wait_deadline_ = absl::InfiniteFuture();
+    }
+  }
+  if (!error.ok()) {
+    Abort(error);  // OnAbort destroys the comm (ncclCommAbort): the waiting kernels end
+    return status();
+  }
   {
     if (!mu_.TryLock()) return status();  // a call in progress watches NCCL itself
     if (status().ok() && api_->version >= 2 && comm_ != nullptr) {
@@ -136,6 +160,8 @@ class NcclCommunicator::StreamView final : public Communicator {
   MemorySpace memory() const override { return MemorySpace::kDevice; }
   absl::string_view backend() const override { return "nccl"; }
   absl::Status Poll() override { return p_->Poll(); }
+  void BeginQueuedWait() override { p_->BeginQueuedWait(); }
+  void EndQueuedWait() override { p_->EndQueuedWait(); }
 
   absl::Status AllReduceSum(absl::Span<float> data) override {
     return AllReduce(data, DIOND_NCCL_SUM);

@@ -14,7 +14,9 @@
 // asks NCCL and aborts on an error, and Abort (a lost peer, the world breaking) aborts the NCCL
 // comm, which ends the kernels still waiting on the stream. A view's collective after that fails
 // at once; work that read the stream meanwhile read garbage, so the caller checks status() after
-// its host read-backs (the session does after the exchange).
+// its host read-backs (the session does after the exchange). A peer that heartbeats but never
+// joins is caught by the read-back's bound: between BeginQueuedWait and EndQueuedWait, Poll
+// aborts once `timeout` has passed, as a Gloo collective would time out.
 //
 // Thread-safety: thread-safe; collectives are serialized.
 #ifndef DIOND_SERVER_COMM_NCCL_COMMUNICATOR_H_
@@ -67,6 +69,9 @@ class NcclCommunicator final : public Communicator {
 
   absl::Status Poll() override;
   absl::StatusOr<std::unique_ptr<Communicator>> OnStream(void* stream) override;
+  // A host wait for the queued collectives: Poll aborts past `timeout` after BeginQueuedWait.
+  void BeginQueuedWait() override;
+  void EndQueuedWait() override;
 
  protected:
   void OnAbort() override;
@@ -97,6 +102,10 @@ class NcclCommunicator final : public Communicator {
   size_t scratch_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   // One float for the views' barriers (never reallocated: a queued barrier may still use it).
   void* barrier_ ABSL_GUARDED_BY(mu_) = nullptr;
+  // When a host wait for queued collectives (BeginQueuedWait) times out; InfiniteFuture while
+  // none. Its own lock: Poll must see it while a collective holds mu_.
+  absl::Mutex wait_mu_;
+  absl::Time wait_deadline_ ABSL_GUARDED_BY(wait_mu_) = absl::InfiniteFuture();
 };
 
 }  // namespace diond::comm

@@ -42,6 +42,14 @@ absl::Status StepDeviceComm::DeviceStatus() {
   return device_ != nullptr ? device_->Poll() : absl::OkStatus();
 }
 
+absl::Status StepDeviceComm::ReadBackQueued(const std::function<absl::Status()>& f) {
+  if (device_ == nullptr) return f();
+  device_->BeginQueuedWait();
+  absl::Status s = f();
+  device_->EndQueuedWait();
+  return s;
+}
+
 absl::Status StepDeviceComm::SyncSession() {
   return CallOnCompute(compute_, [&] { return kernels::Synchronize(*ctx_); });
 }

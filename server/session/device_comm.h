@@ -27,6 +27,7 @@
 #ifndef DIOND_SERVER_SESSION_DEVICE_COMM_H_
 #define DIOND_SERVER_SESSION_DEVICE_COMM_H_
 
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -54,6 +55,11 @@ class StepDeviceComm final : public comm::Communicator {
   // The device communicator's health (Communicator::Poll; OK when staged). Queued collectives
   // fail asynchronously: after reading back what they produced, check this before trusting it.
   absl::Status DeviceStatus();
+  // Runs f (a host read-back of what queued collectives produced) as a bounded wait: past the
+  // device communicator's timeout (--peer_timeout) the World's heartbeat aborts it, which ends
+  // the collectives and so the wait (Communicator::BeginQueuedWait). Never an unbounded wait of
+  // the compute thread on a remote peer.
+  absl::Status ReadBackQueued(const std::function<absl::Status()>& f);
 
   absl::Status AllReduceSum(absl::Span<float> data) override;
   absl::Status AllReduceAverage(absl::Span<float> data) override;

@@ -350,8 +350,9 @@ absl::Status Session::ReduceGradientsOnDevice(StepRun& run, int64_t block) {
                                "; create the session again and resume from the last checkpoint")));
   }
   float flag = 0.0f;
-  absl::Status read = CallOnCompute(
-      run.compute, [&] { return StepTensorToHost(out + block - 1, &flag, 1); });
+  absl::Status read = run.dcomm->ReadBackQueued([&] {
+    return CallOnCompute(run.compute, [&] { return StepTensorToHost(out + block - 1, &flag, 1); });
+  });
   if (!read.ok()) return fail(read, "reading the world's non-finite flag");
   // A queued reduce-scatter fails asynchronously (the read-back returned because the world's
   // abort ended it): its output is then garbage.
@@ -454,8 +455,10 @@ absl::Status Session::ExchangeUpdatesPhase(StepRun& run, const kernels::Context&
     auto to_host = [&](int64_t at, int64_t n) -> absl::StatusOr<absl::Span<const float>> {
       if (!on_device) return absl::MakeConstSpan(all + at, static_cast<size_t>(n));
       host_copy.resize(static_cast<size_t>(n));
-      DIOND_RETURN_IF_ERROR(CallOnCompute(
-          compute_, [&] { return StepTensorToHost(all + at, host_copy.data(), n); }));
+      DIOND_RETURN_IF_ERROR(run.dcomm->ReadBackQueued([&] {
+        return CallOnCompute(compute_,
+                             [&] { return StepTensorToHost(all + at, host_copy.data(), n); });
+      }));
       return absl::MakeConstSpan(host_copy);
     };
 

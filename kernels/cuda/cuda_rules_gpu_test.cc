@@ -1,0 +1,111 @@
+// GPU only (label `gpu`): the CUDA runtime rules that the TEST backend's host runtime
+// (kernels/testing/fake_cuda) enforces in CI, shown on the real runtime, each as the smallest
+// program. Needs a device: without one every case fails at its first call.
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "gtest/gtest.h"
+
+namespace {
+
+TEST(CudaRules, AnErrorStaysPendingUntilGetLastErrorReadsIt) {
+  void* p = nullptr;
+  EXPECT_EQ(cudaMalloc(&p, size_t{1} << 62), cudaErrorMemoryAllocation);
+  EXPECT_EQ(cudaPeekAtLastError(), cudaErrorMemoryAllocation);  // still pending
+  EXPECT_EQ(cudaGetLastError(), cudaErrorMemoryAllocation);     // read and cleared
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+TEST(CudaRules, TheLegacyStreamDuringABlockingStreamsCaptureFailsAndInvalidatesIt) {
+  for (unsigned flags : {cudaStreamDefault, cudaStreamNonBlocking}) {
+    cudaStream_t s = nullptr;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&s, flags), cudaSuccess);
+    ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    void* p = nullptr;
+    const cudaError_t alloc = cudaMallocAsync(&p, 1 << 20, nullptr);
+    cudaGraph_t g = nullptr;
+    const cudaError_t end = cudaStreamEndCapture(s, &g);
+    if (flags == cudaStreamDefault) {
+      EXPECT_EQ(alloc, cudaErrorStreamCaptureImplicit);
+      EXPECT_EQ(end, cudaErrorStreamCaptureInvalidated);
+    } else {
+      EXPECT_EQ(alloc, cudaSuccess);
+      EXPECT_EQ(end, cudaSuccess);
+      cudaFreeAsync(p, nullptr);
+    }
+    if (g != nullptr) cudaGraphDestroy(g);
+    cudaGetLastError();
+    cudaStreamDestroy(s);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  }
+}
+
+// A relaxed-mode allocation and wait on another stream, from the thread that is capturing.
+TEST(CudaRules, ARelaxedAllocationDuringThisThreadsCaptureLeavesItValid) {
+  cudaStream_t s = nullptr, alloc = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaStreamCreateWithFlags(&alloc, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  ASSERT_EQ(cudaThreadExchangeStreamCaptureMode(&mode), cudaSuccess);
+  void* p = nullptr;
+  EXPECT_EQ(cudaMallocAsync(&p, 1 << 20, alloc), cudaSuccess);
+  EXPECT_EQ(cudaStreamSynchronize(alloc), cudaSuccess);
+  ASSERT_EQ(cudaThreadExchangeStreamCaptureMode(&mode), cudaSuccess);
+  cudaGraph_t g = nullptr;
+  EXPECT_EQ(cudaStreamEndCapture(s, &g), cudaSuccess);
+  if (g != nullptr) cudaGraphDestroy(g);
+  cudaFreeAsync(p, alloc);
+  cudaStreamDestroy(alloc);
+  cudaStreamDestroy(s);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
+TEST(CudaRules, ScratchCapturedIntoAGraphIsGraphMemory) {
+  cudaStream_t s = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  void* p = nullptr;
+  ASSERT_EQ(cudaMallocAsync(&p, 8 << 20, s), cudaSuccess);
+  ASSERT_EQ(cudaMemsetAsync(p, 0, 8 << 20, s), cudaSuccess);
+  ASSERT_EQ(cudaFreeAsync(p, s), cudaSuccess);
+  cudaGraph_t g = nullptr;
+  ASSERT_EQ(cudaStreamEndCapture(s, &g), cudaSuccess);
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, g, 0), cudaSuccess);
+  ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  uint64_t reserved = 0;
+  ASSERT_EQ(cudaDeviceGetGraphMemAttribute(0, cudaGraphMemAttrReservedMemCurrent, &reserved),
+            cudaSuccess);
+  EXPECT_GE(reserved, uint64_t{8} << 20);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(g);
+  ASSERT_EQ(cudaDeviceGraphMemTrim(0), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetGraphMemAttribute(0, cudaGraphMemAttrReservedMemCurrent, &reserved),
+            cudaSuccess);
+  EXPECT_EQ(reserved, 0u);
+  cudaStreamDestroy(s);
+}
+
+TEST(CudaRules, ThePoolGivesBackWhatIsAboveItsReleaseThreshold) {
+  cudaMemPool_t pool = nullptr;
+  ASSERT_EQ(cudaDeviceGetDefaultMemPool(&pool, 0), cudaSuccess);
+  uint64_t threshold = 0;
+  ASSERT_EQ(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold),
+            cudaSuccess);
+  cudaStream_t s = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  void* p = nullptr;
+  ASSERT_EQ(cudaMallocAsync(&p, 256 << 20, s), cudaSuccess);
+  ASSERT_EQ(cudaFreeAsync(p, s), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  uint64_t reserved = 0;
+  ASSERT_EQ(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &reserved),
+            cudaSuccess);
+  EXPECT_LT(reserved, uint64_t{256} << 20);
+  cudaStreamDestroy(s);
+}
+
+}  // namespace
