@@ -31,10 +31,13 @@ check "kernels/ includes server or client" '#include *"(server|client)/' kernels
 # allocator of the GPU data plane, built only where the CUDA toolkit is found (its own target,
 # diond::client_cuda; diond_client itself stays CUDA-free), and its GPU test, which plays the
 # trainer (client/cpp/tests/cuda_arena_test.cc, built with it).
+# A second: kernels/testing/fake_cuda, the strict host stand-in for the CUDA runtime that the
+# plugin's host code is compiled against in cuda_runtime_rules_test; its headers carry CUDA's
+# names and no CUDA.
 check "CUDA headers outside kernels/cuda" "$cuda" common server tests \
   $(find client -type f ! -path client/cpp/diond/cuda_arena.cc \
       ! -path client/cpp/tests/cuda_arena_test.cc) \
-  $(find kernels -path kernels/cuda -prune -o -type f -print)
+  $(find kernels \( -path kernels/cuda -o -path kernels/testing/fake_cuda \) -prune -o -type f -print)
 # The ops API (ARCHITECTURE.md §3, docs/KERNELS.md): only the backends themselves and their tests
 # see a backend's headers; kernels/optim, server/ and the API (kernels/*.h, kernels/api/) call the
 # dispatcher in kernels/ops.h. kernels_api_alone_test proves the API also links without them.
