@@ -105,11 +105,14 @@ ABSL_FLAG(bool, recover, false,
           "and session_name, so trainers re-attach (AttachSession) after a daemon restart. "
           "Sessions closed by their client and world sessions are not restored.");
 ABSL_FLAG(int, compute_threads, 0, "CPU threads for optimizer math; 0 = all cores.");
-ABSL_FLAG(bool, calibrate_engines, true,
+ABSL_FLAG(bool, calibrate_engines, false,
           "At start-up, time oneDNN against OpenBLAS for fp32 GEMMs and oneDNN bf16 against the "
           "widened fp32 GEMM for bf16_reference (512³; 0.1-0.4 s on a loaded 2-core machine) and "
-          "let the `auto` engines take the faster; false: oneDNN for fp32, PyTorch's ISA rule for bf16. The "
-          "start-up line and diond_build_info say what was chosen (docs/OPERATIONS.md).");
+          "let the `auto` engines take the faster. Off by default: a measurement may choose "
+          "differently at the next start or on another rank, and the engines' bits differ, so a "
+          "resumed or replicated session would no longer repeat its numbers. Off: oneDNN for "
+          "fp32, PyTorch's ISA rule for bf16. The start-up line and diond_build_info say what "
+          "was chosen (docs/OPERATIONS.md).");
 ABSL_FLAG(int64_t, checksum_every, 100,
           "World sessions: every N-th step the daemons compare parameter checksums; a copy that "
           "differs from its owner's is logged, counted and replaced by the owner's; 0 = never.");

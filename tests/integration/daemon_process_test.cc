@@ -378,7 +378,7 @@ TEST(DaemonProcess, PicksTheOpenBlasCoreWhenOpenBlasFellBack) {
 // The start-up calibration: its report is logged, and the start-up line and diond_build_info
 // carry the same choices.
 TEST(DaemonProcess, CalibratesTheAutoEnginesAndReportsThem) {
-  auto d = StartDaemon({"--device=cpu"});
+  auto d = StartDaemon({"--device=cpu", "--calibrate_engines"});
   ASSERT_NE(d, nullptr);
   const std::string log = d->proc->Log();
   ASSERT_TRUE(absl::StrContains(log, "auto engines (512³, calibrated): fp32 GEMM ")) << log;
