@@ -25,6 +25,11 @@ AutoEngines CurrentAutoEngines();
 // Not thread-safe against concurrent GEMMs: call before the compute threads start.
 void SetAutoEngines(const AutoEngines& engines);
 
+// Whether oneDNN 2.6 has a bf16 matmul on this CPU: it needs the AVX-512 core (F, BW, VL, DQ,
+// with the OS saving their state). Without it every bf16 GEMM op fails (FAILED_PRECONDITION),
+// bf16_matmul=auto takes the widened fp32 GEMM, and an explicit onednn request is refused.
+bool CpuHasOneDnnBf16Matmul();
+
 }  // namespace diond::kernels
 
 #endif  // DIOND_KERNELS_ENGINE_CHOICE_H_

@@ -29,4 +29,16 @@ void SetAutoEngines(const AutoEngines& e) {
   g_bf16_onednn.store(e.bf16_onednn);
 }
 
+bool CpuHasOneDnnBf16Matmul() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  // GCC's and Clang's checks read CPUID and that the OS saves the AVX-512 state (XGETBV).
+  static const bool avx512_core =
+      __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  return avx512_core;
+#else
+  return false;
+#endif
+}
+
 }  // namespace diond::kernels

@@ -2,7 +2,9 @@
 
 #include <oneapi/dnnl/dnnl.hpp>
 
+#include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/engine_choice.h"
 
 namespace diond::kernels::cpu {
 namespace {
@@ -35,6 +37,13 @@ OneDnnMatmul::OneDnnMatmul(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) 
 OneDnnMatmul::~OneDnnMatmul() = default;
 
 absl::StatusOr<std::unique_ptr<OneDnnMatmul>> OneDnnMatmul::Create(const MatmulShape& s) {
+  const bool bf16 = s.a_type == DType::kBf16 || s.b_type == DType::kBf16 || s.c_type == DType::kBf16;
+  if (bf16 && !CpuHasOneDnnBf16Matmul()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "oneDNN matmul ", s.m, "x", s.k, "x", s.n, " (", DTypeName(s.a_type), "->",
+        DTypeName(s.c_type), "): this CPU has no AVX-512 core, and oneDNN 2.6 has no bf16 "
+        "matmul without it; use bf16_matmul=auto or float32_gemm"));
+  }
   try {
     auto impl = std::make_unique<Impl>();
     using dims = dnnl::memory::dims;

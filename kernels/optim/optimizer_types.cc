@@ -113,15 +113,8 @@ Bf16MatmulEngine ResolveBf16Matmul(Bf16MatmulEngine e) {
 }
 
 Bf16MatmulEngine IsaBf16Matmul() {
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  // GCC's and Clang's checks read CPUID and that the OS saves the AVX-512 state (XGETBV).
-  static const bool avx512_core =
-      __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  return avx512_core ? Bf16MatmulEngine::kOneDnn : Bf16MatmulEngine::kFloat32Gemm;
-#else
-  return Bf16MatmulEngine::kFloat32Gemm;
-#endif
+  return kernels::CpuHasOneDnnBf16Matmul() ? Bf16MatmulEngine::kOneDnn
+                                           : Bf16MatmulEngine::kFloat32Gemm;
 }
 
 Hyperparams DefaultHyperparams(AlgorithmKind kind) {

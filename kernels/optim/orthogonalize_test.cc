@@ -11,6 +11,7 @@
 
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
+#include "kernels/engine_choice.h"
 #include "kernels/ops.h"
 
 namespace diond::kernels {
@@ -193,6 +194,7 @@ TEST(Orthogonalize, Bf16AndFp32ModesAgreeAtBf16Scale) {
 // accumulation, so on a well-conditioned random matrix they agree far below the bf16-vs-fp32
 // difference (a few bf16 roundings flip at near-ties), and each gives bf16 values.
 TEST(Orthogonalize, Bf16MatmulEnginesAgree) {
+  if (!CpuHasOneDnnBf16Matmul()) GTEST_SKIP() << "oneDNN 2.6 has no bf16 matmul on this CPU (no AVX-512 core)";
   auto ctx = Context::CpuDefault();
   for (auto [m, n] : std::vector<std::pair<int64_t, int64_t>>{{64, 48}, {48, 80}}) {
     const auto g = Gaussian(m * n, 11);
@@ -326,6 +328,7 @@ std::vector<float> EagerOneDnnPolarExpress(const Context& ctx, const std::vector
 // products' bit for bit: wide (both products halved), square, tall (only A·A halved) and a small
 // wide shape (neither), with 2 threads.
 TEST(Orthogonalize, OneDnnBf16IsTheEagerFullGemmSequenceBitForBit) {
+  if (!CpuHasOneDnnBf16Matmul()) GTEST_SKIP() << "oneDNN 2.6 has no bf16 matmul on this CPU (no AVX-512 core)";
   OrthogonalizeOptions o;
   o.precision = OrthoPrecision::kBf16Reference;
   o.bf16_matmul = Bf16Matmul::kOneDnnBf16;

@@ -20,6 +20,7 @@
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/test_util.h"
+#include "kernels/engine_choice.h"
 #include "kernels/graph.h"
 #include "kernels/ops.h"
 #include "kernels/optim/group_optimizer.h"
@@ -183,6 +184,13 @@ TEST_F(DeviceOpsTest, Gemm) {
     p.trans_b = g.tb ? Trans::kYes : Trans::kNo;
     p.alpha = 0.75f;
     p.beta = 0.5f;
+    // oneDNN's bf16 matmul needs the AVX-512 core; the CPU refuses it at the call (the TEST
+    // device, which queues, would report it at its next synchronization).
+    if (g.in == DType::kBf16 && !CpuHasOneDnnBf16Matmul()) {
+      EXPECT_THAT(Gemm(*cpu_, p, a.h.cview(), b.h.cview(), c.h.view()),
+                  StatusIs(absl::StatusCode::kFailedPrecondition));
+      continue;
+    }
     ASSERT_THAT(Gemm(*dev_, p, a.d.cview(), b.d.cview(), c.d.view()), IsOk());
     ASSERT_THAT(Gemm(*cpu_, p, a.h.cview(), b.h.cview(), c.h.view()), IsOk());
     Expect(c, g.out == DType::kBf16 ? Tol::kFactor : Tol::kGemm, "gemm case " + std::to_string(i));
@@ -205,6 +213,11 @@ TEST_F(DeviceOpsTest, SymmetricProducts) {
   ASSERT_THAT(SymmetricProduct(*cpu_, GramSide::kAtA, 0.5f, a.h.cview(), 0.0f, d.h.view()), IsOk());
   Expect(d, Tol::kGemm, "syrk AtA");
   Pair b16 = Make({2, 40, 24}, 23, DType::kBf16), g = Make({2, 40, 40}, 24);
+  if (!CpuHasOneDnnBf16Matmul()) {  // oneDNN's bf16 matmul, as in Gemm above
+    EXPECT_THAT(SymmetricProductBf16(*cpu_, b16.h.cview(), 16, g.h.view()),
+                StatusIs(absl::StatusCode::kFailedPrecondition));
+    return;
+  }
   ASSERT_THAT(SymmetricProductBf16(*dev_, b16.d.cview(), 16, g.d.view()), IsOk());
   ASSERT_THAT(SymmetricProductBf16(*cpu_, b16.h.cview(), 16, g.h.view()), IsOk());
   Expect(g, Tol::kGemm, "bf16 blocked gram");
