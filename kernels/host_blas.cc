@@ -200,19 +200,23 @@ OpenBlasCoreReport ReportOpenBlasCore() {
   return r;
 }
 
+void ExecSelf(char** argv) {
+  // The binary's real path keeps the process's name (ps, pgrep); /proc/self/exe as fallback.
+  char self[4096];
+  const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  if (n > 0) {
+    self[n] = '\0';
+    execv(self, argv);
+  }
+  execv("/proc/self/exe", argv);
+}
+
 OpenBlasCoreReport ReexecWithOpenBlasCore(char** argv) {
   if (std::getenv(kCoreMarker) == nullptr) {
     const OpenBlasCoreDecision d = PlanOpenBlasCore();
     if (!d.set.empty()) {
       ApplyOpenBlasCoreDecision(d);
-      // The binary's real path keeps the process's name (ps, pgrep); /proc/self/exe as fallback.
-      char self[4096];
-      const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
-      if (n > 0) {
-        self[n] = '\0';
-        execv(self, argv);
-      }
-      execv("/proc/self/exe", argv);
+      ExecSelf(argv);
       std::fprintf(stderr, "warning: could not re-execute with %s=%s (%s)\n", kCoreVar,
                    d.set.c_str(), std::strerror(errno));
       RevertOpenBlasCoreDecision();

@@ -87,6 +87,11 @@ OpenBlasCoreReport ReportOpenBlasCore();
 // or when execv failed. Returns ReportOpenBlasCore of the final process.
 OpenBlasCoreReport ReexecWithOpenBlasCore(char** argv);
 
+// Re-executes this binary with argv: its real path, so that ps and pgrep keep its name (the
+// kernel names a process after the file it executes), else /proc/self/exe. Returns only if both
+// execv calls failed (errno says why).
+void ExecSelf(char** argv);
+
 }  // namespace diond::kernels
 
 #endif  // DIOND_KERNELS_HOST_BLAS_H_

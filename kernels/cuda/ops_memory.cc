@@ -213,16 +213,25 @@ int UseDevice(const DiondOpsCall* call, const char* op) {
   return DIOND_OPS_OK;
 }
 
+// The handles of the session stream a call names (each stream has its own, with its own cuBLAS
+// workspace): copied out under the device's lock.
+int StreamHandles(const DiondOpsCall* call, const char* op, Handles* out) {
+  DeviceState& d = g_devices[Slot(call->device)];
+  std::lock_guard<std::mutex> lock(d.mu);
+  auto it = d.streams.find(StreamOf(call));
+  if (it == d.streams.end()) {
+    return Fail(call, DIOND_OPS_INTERNAL, "%s: a stream that stream_create did not make", op);
+  }
+  *out = it->second.handles;
+  return DIOND_OPS_OK;
+}
+
 int Blas(const DiondOpsCall* call, const char* op, cublasHandle_t* out) {
   if (call->stream != nullptr) {
-    DeviceState& d = g_devices[Slot(call->device)];
-    std::lock_guard<std::mutex> lock(d.mu);
-    auto it = d.streams.find(StreamOf(call));
-    if (it == d.streams.end()) {
-      return Fail(call, DIOND_OPS_INTERNAL, "%s: a stream that stream_create did not make", op);
-    }
-    *out = it->second.handles.blas;
-    return DIOND_OPS_OK;
+    Handles handles;
+    const int rc = StreamHandles(call, op, &handles);
+    if (rc == DIOND_OPS_OK) *out = handles.blas;
+    return rc;
   }
   Handles* h = HandlesFor(call->device);
   if (h == nullptr) return Fail(call, DIOND_OPS_INTERNAL, "%s: too many devices", op);
@@ -237,14 +246,10 @@ int Blas(const DiondOpsCall* call, const char* op, cublasHandle_t* out) {
 
 int Solver(const DiondOpsCall* call, const char* op, cusolverDnHandle_t* out) {
   if (call->stream != nullptr) {
-    DeviceState& d = g_devices[Slot(call->device)];
-    std::lock_guard<std::mutex> lock(d.mu);
-    auto it = d.streams.find(StreamOf(call));
-    if (it == d.streams.end()) {
-      return Fail(call, DIOND_OPS_INTERNAL, "%s: a stream that stream_create did not make", op);
-    }
-    *out = it->second.handles.solver;
-    return DIOND_OPS_OK;
+    Handles handles;
+    const int rc = StreamHandles(call, op, &handles);
+    if (rc == DIOND_OPS_OK) *out = handles.solver;
+    return rc;
   }
   Handles* h = HandlesFor(call->device);
   if (h == nullptr) return Fail(call, DIOND_OPS_INTERNAL, "%s: too many devices", op);

@@ -272,15 +272,7 @@ std::string SetThreadWaitLimits(char** argv) {
   }
   if (set.empty()) return set;
   setenv(kWaitMarker, set.c_str(), 1);
-  // The binary's real path, not /proc/self/exe itself: the kernel names the process after the
-  // file it executes, and "exe" is what ps, top and pgrep would then show.
-  char self[4096];
-  const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
-  if (n > 0) {
-    self[n] = '\0';
-    execv(self, argv);
-  }
-  execv("/proc/self/exe", argv);
+  diond::kernels::ExecSelf(argv);
   std::fprintf(stderr, "diond: warning: could not re-execute with %s set (%s); set them in the "
                "environment (docs/OPERATIONS.md)\n", set.c_str(), std::strerror(errno));
   for (const WaitLimit& w : kWaitLimits) {
