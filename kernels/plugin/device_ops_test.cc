@@ -29,10 +29,12 @@
 // Distinct suite names, so that ctest lists both binaries' cases.
 #define DeviceOpsTest CudaOpsTest
 #define DeviceRuleTest CudaRuleTest
+#define DeviceGraphTest CudaGraphTest
 #else
 #include "kernels/testing/host_device_backend.h"
 #define DeviceOpsTest HostDeviceOpsTest
 #define DeviceRuleTest HostDeviceRuleTest
+#define DeviceGraphTest HostDeviceGraphTest
 #endif
 
 namespace diond::kernels {
