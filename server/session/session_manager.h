@@ -159,6 +159,9 @@ class SessionManager {
   // Called by the reaper thread; public for tests.
   void ReapIdleSessions(absl::Time now);
 
+  // The CPU threads of the compute context (--compute_threads as it took effect).
+  int compute_threads() const { return ctx_->num_threads(); }
+
  private:
   // A step's bookkeeping once it ran: the step time, the observer, the automatic checkpoint.
   void AfterStep(const std::string& id, const StepResult& r);
