@@ -275,6 +275,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   observer.on_checkpoint_failed = [metrics](const std::string&, const absl::Status&) {
     metrics->CountCheckpointFailure();
   };
+  observer.on_session_reaped = [metrics](const std::string&, const std::string& reason) {
+    metrics->CountSessionReaped(reason);
+  };
   session::ManagerOptions manager_options = options.sessions;
   manager_options.compute_device = d->compute_device_;
   manager_options.device_hooks = hooks;

@@ -493,7 +493,8 @@ TEST(DaemonBinary, HelpDocumentsEveryFlag) {
   auto [rc, out] = RunCommand(std::string(DIOND_BINARY) + " --help 2>&1");
   for (const char* flag : {"--listen", "--metrics_address", "--device", "--cuda_plugin",
                            "--log_level", "--drain_timeout", "--ready_file",
-                           "--allow_insecure_remote", "--max_stream_bytes"}) {
+                           "--allow_insecure_remote", "--max_stream_bytes",
+                           "--orphan_grace", "--orphan_grace_named"}) {
     EXPECT_TRUE(absl::StrContains(out, flag)) << flag << " missing from --help:\n" << out;
   }
   auto [vrc, version] = RunCommand(std::string(DIOND_BINARY) + " --version 2>&1");
