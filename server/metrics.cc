@@ -151,6 +151,12 @@ DaemonMetrics::DaemonMetrics(std::shared_ptr<prometheus::Registry> registry, con
                     .Help("Open optimizer sessions.")
                     .Register(*registry_)
                     .Add({})),
+      sessions_reaped_(prometheus::BuildCounter()
+                           .Name("diond_sessions_reaped_total")
+                           .Help("Sessions the daemon closed by itself, by reason: idle "
+                                 "(--session_idle_timeout) or orphan (every trainer process "
+                                 "that created or used it exited; --orphan_grace).")
+                           .Register(*registry_)),
       device_memory_in_use_(prometheus::BuildGauge()
                                 .Name("diond_device_memory_in_use_bytes")
                                 .Help("Bytes of the compute device's pool handed out and not "
@@ -270,6 +276,7 @@ DaemonMetrics::DaemonMetrics(std::shared_ptr<prometheus::Registry> registry, con
                       .Add({})),
       session_collector_(std::make_shared<SessionCollector>()) {
   world_size_.Set(1);
+  for (const char* reason : {"idle", "orphan"}) sessions_reaped_.Add({{"reason", reason}});
   // Every phase's series exist at zero (docs/OPERATIONS.md): each phase with the reasons it
   // can have (only the update calls the rules' sync points and compressed Dion's collectives;
   // only the read and write phases copy host memory).
@@ -341,6 +348,10 @@ void DaemonMetrics::ObserveCheckpoint(int64_t bytes) {
 }
 
 void DaemonMetrics::CountCheckpointFailure() { checkpoint_failures_.Increment(); }
+
+void DaemonMetrics::CountSessionReaped(const std::string& reason) {
+  sessions_reaped_.Add({{"reason", reason}}).Increment();
+}
 
 void DaemonMetrics::SetLimits(const Limits& limits) {
   max_session_bytes_.Set(static_cast<double>(limits.max_session_bytes));

@@ -77,6 +77,9 @@ class DaemonMetrics {
   void ObserveStep(absl::string_view outcome, double total_seconds, double compute_seconds);
   void ObserveCheckpoint(int64_t bytes);  // also sets the last-success timestamp to now
   void CountCheckpointFailure();
+  // The session manager closed a session by itself: `reason` "idle" (--session_idle_timeout)
+  // or "orphan" (--orphan_grace: its trainer processes exited).
+  void CountSessionReaped(const std::string& reason);
   void SetLimits(const Limits& limits);
   // Where the scrape-time session gauges (diond_state_bytes, diond_checkpoint_steps_behind) come
   // from; unset = zeros. Set once the session manager exists.
@@ -99,6 +102,7 @@ class DaemonMetrics {
   prometheus::Family<prometheus::Counter>& rpcs_;
   prometheus::Family<prometheus::Histogram>& rpc_seconds_;
   prometheus::Gauge& sessions_;
+  prometheus::Family<prometheus::Counter>& sessions_reaped_;
   prometheus::Gauge& device_memory_in_use_;
   prometheus::Gauge& device_memory_peak_;
   prometheus::Family<prometheus::Counter>& graph_fallbacks_;

@@ -84,6 +84,24 @@ TEST(DaemonMetrics, StepGraphSeriesExistAtZeroAndCountByPhaseModeAndReason) {
   }
 }
 
+TEST(DaemonMetrics, ReapedSessionsExistAtZeroAndCountByReason) {
+  auto registry = std::make_shared<prometheus::Registry>();
+  DaemonMetrics m(registry, {"1.2.3", "cpu", false});
+  std::string text = Expose(*registry);
+  for (const char* line : {"diond_sessions_reaped_total{reason=\"idle\"} 0\n",
+                           "diond_sessions_reaped_total{reason=\"orphan\"} 0\n"}) {
+    EXPECT_NE(text.find(line), std::string::npos) << line << " in\n" << text;
+  }
+  m.CountSessionReaped("orphan");
+  m.CountSessionReaped("orphan");
+  m.CountSessionReaped("idle");
+  text = Expose(*registry);
+  for (const char* line : {"diond_sessions_reaped_total{reason=\"idle\"} 1\n",
+                           "diond_sessions_reaped_total{reason=\"orphan\"} 2\n"}) {
+    EXPECT_NE(text.find(line), std::string::npos) << line << " in\n" << text;
+  }
+}
+
 TEST(DaemonMetrics, LimitsCheckpointsAndScrapeTimeSessionGauges) {
   auto registry = std::make_shared<prometheus::Registry>();
   BuildInfo info{"1.2.3", "cpu", false};

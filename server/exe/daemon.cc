@@ -275,11 +275,20 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   observer.on_checkpoint_failed = [metrics](const std::string&, const absl::Status&) {
     metrics->CountCheckpointFailure();
   };
+  observer.on_session_reaped = [metrics](const std::string&, const std::string& reason) {
+    metrics->CountSessionReaped(reason);
+  };
   session::ManagerOptions manager_options = options.sessions;
   manager_options.compute_device = d->compute_device_;
   manager_options.device_hooks = hooks;
   DIOND_ASSIGN_OR_RETURN(d->sessions_,
                          session::SessionManager::Create(manager_options, std::move(observer)));
+  if (d->device_.type == kernels::DeviceType::kCpu) {
+    // The threads the steps use (--compute_threads as the compute context took it), not the
+    // cores SelectDevice counted.
+    const int threads = d->sessions_->compute_threads();
+    d->device_.name = absl::StrCat("cpu (", threads, threads == 1 ? " thread)" : " threads)");
+  }
   Limits limits;
   limits.max_session_bytes = options.sessions.max_session_bytes;
   limits.memory_budget_bytes = options.sessions.memory_budget_bytes;

@@ -92,6 +92,17 @@ ABSL_FLAG(absl::Duration, session_idle_timeout, absl::ZeroDuration(),
           "Close sessions with no RPC for this long (checkpointing them first when --state_dir "
           "is set); 0 = never. Until then a session whose trainer vanished can be re-attached "
           "by its session_name.");
+ABSL_FLAG(absl::Duration, orphan_grace, absl::Seconds(60),
+          "Close a session (checkpointing it first when --state_dir is set) once every local "
+          "process that created, attached or called on it over the Unix socket has exited and "
+          "it has been unused this long; 0 = never. Sessions created or attached over TCP (or "
+          "by a process the daemon cannot see, e.g. of another pid namespace) and world sessions "
+          "are never reaped this way; named sessions follow --orphan_grace_named "
+          "(docs/OPERATIONS.md \"Orphan sessions\").");
+ABSL_FLAG(absl::Duration, orphan_grace_named, absl::ZeroDuration(),
+          "--orphan_grace for sessions with a session_name, which a restarted trainer "
+          "re-attaches to by that name; 0 = never (they wait for AttachSession, bounded by "
+          "--session_idle_timeout). Set it longer than a trainer restart takes.");
 ABSL_FLAG(std::string, state_dir, "",
           "Directory for checkpoints (<state_dir>/<session>/step-<N>); empty = SaveCheckpoint "
           "needs an explicit directory.");
@@ -377,6 +388,13 @@ int main(int argc, char** argv) {
   options.sessions.max_session_bytes = absl::GetFlag(FLAGS_max_session_bytes);
   options.sessions.memory_budget_bytes = absl::GetFlag(FLAGS_memory_budget_bytes);
   options.sessions.idle_timeout = absl::GetFlag(FLAGS_session_idle_timeout);
+  options.sessions.orphan_grace = absl::GetFlag(FLAGS_orphan_grace);
+  options.sessions.orphan_grace_named = absl::GetFlag(FLAGS_orphan_grace_named);
+  if (options.sessions.orphan_grace < absl::ZeroDuration() ||
+      options.sessions.orphan_grace_named < absl::ZeroDuration()) {
+    std::fprintf(stderr, "diond: --orphan_grace and --orphan_grace_named must be >= 0\n");
+    return 2;
+  }
   options.sessions.state_dir = absl::GetFlag(FLAGS_state_dir);
   options.sessions.checkpoint_every = absl::GetFlag(FLAGS_checkpoint_every);
   options.sessions.keep_checkpoints = absl::GetFlag(FLAGS_keep_checkpoints);

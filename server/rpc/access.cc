@@ -23,6 +23,8 @@ absl::StatusOr<std::shared_ptr<session::Session>> OwnedSession(session::SessionM
                                                     "' belongs to another principal (you are ",
                                                     Bounded(p.name), ")"));
   }
+  // A local process that uses the session keeps it from being an orphan while it lives.
+  if (p.local) manager->NoteProcess(id, p.process);
   return s;
 }
 

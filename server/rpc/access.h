@@ -17,7 +17,8 @@ namespace diond::rpc {
 bool MayUseSession(const Principal& p, const std::string& owner);
 
 // Session `id` if `p` may use it: NOT_FOUND as the manager says, PERMISSION_DENIED when it
-// belongs to another principal and `p` is no admin.
+// belongs to another principal and `p` is no admin. A local caller's process is noted as one
+// that uses the session (SessionManager::NoteProcess, the orphan reaper).
 absl::StatusOr<std::shared_ptr<session::Session>> OwnedSession(session::SessionManager* manager,
                                                                const Principal& p,
                                                                const std::string& id);

@@ -148,18 +148,18 @@ absl::StatusOr<std::string> ReadSecretFile(const std::string& path) {
   return text;
 }
 
-void UnixPeers::Record(int fd, uid_t uid) {
+void UnixPeers::Record(int fd, uid_t uid, const session::ProcessId& process) {
   absl::MutexLock lock(&mu_);
-  by_fd_[fd] = uid;
+  by_fd_[fd] = UnixPeer{uid, process};
 }
 
-bool UnixPeers::Lookup(absl::string_view peer, uid_t* uid) const {
+bool UnixPeers::Lookup(absl::string_view peer, UnixPeer* out) const {
   int fd = -1;
   if (!absl::ConsumePrefix(&peer, "fd:") || !absl::SimpleAtoi(peer, &fd)) return false;
   absl::MutexLock lock(&mu_);
   auto it = by_fd_.find(fd);
   if (it == by_fd_.end()) return false;
-  *uid = it->second;
+  *out = it->second;
   return true;
 }
 
@@ -185,12 +185,13 @@ absl::StatusOr<Principal> Authenticator::Authenticate(const grpc::ServerContextB
 
 absl::StatusOr<Principal> Authenticator::Authenticate(const CallCredentials& call) const {
   Principal p;
-  uid_t uid;
-  if (unix_peers_.Lookup(call.peer, &uid)) {
-    p.name = absl::StrCat("uid:", uid);
-    p.admin = uid == 0 || uid == self_uid_;
+  UnixPeer peer;
+  if (unix_peers_.Lookup(call.peer, &peer)) {
+    p.name = absl::StrCat("uid:", peer.uid);
+    p.admin = peer.uid == 0 || peer.uid == self_uid_;
     p.local = true;
-    p.uid = uid;
+    p.uid = peer.uid;
+    p.process = peer.process;
     return p;
   }
   if (call.has_authorization) {
@@ -348,10 +349,14 @@ void UnixListener::Loop() {
       close(fd);
       continue;
     }
+    // The start time tells this process apart from a later one with its pid. (Should the peer
+    // have exited between connect and accept and its pid been reused already, the newcomer is
+    // watched instead: its sessions are then kept longer, never reaped early.)
+    const session::ProcessId process = session::IdentifyProcess(cred.pid);
     fd = Renumber(fd);
     int flags = fcntl(fd, F_GETFL);
     fcntl(fd, F_SETFL, flags | O_NONBLOCK);
-    peers_->Record(fd, cred.uid);
+    peers_->Record(fd, cred.uid, process);
     grpc::AddInsecureChannelFromFd(server_, fd);  // gRPC owns (and closes) the fd now
   }
 }

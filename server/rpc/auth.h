@@ -26,6 +26,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "server/session/process_watch.h"
 
 namespace grpc {
 class Server;
@@ -39,6 +40,9 @@ struct Principal {
   bool admin = false;                  // sees and may use every session
   bool local = false;                  // came over the daemon's Unix socket
   uid_t uid = static_cast<uid_t>(-1);  // local only
+  // Local only: the peer process (SO_PEERCRED's pid, with its start time), when the daemon can
+  // see it; the session manager's orphan reaper watches it. Unknown over TCP.
+  session::ProcessId process;
 };
 
 // Metadata key of the world secret on Peer calls (peer.proto).
@@ -64,16 +68,25 @@ absl::StatusOr<std::string> ReadSecretFile(const std::string& path);
 // SHA-256, then compared with CRYPTO_memcmp).
 bool ConstantTimeEquals(absl::string_view a, absl::string_view b);
 
-// Maps the "fd:<N>" peer strings of connections UnixListener accepted to their uid.
+// Who is on the other end of an accepted Unix connection (SO_PEERCRED when it was accepted).
+struct UnixPeer {
+  uid_t uid = static_cast<uid_t>(-1);
+  // The process that connected: its pid and start time. Unknown when its pid is 0 (a process of
+  // another pid namespace, e.g. another container of a pod without a shared process namespace)
+  // or /proc does not show it.
+  session::ProcessId process;
+};
+
+// Maps the "fd:<N>" peer strings of connections UnixListener accepted to their peer.
 class UnixPeers {
  public:
-  void Record(int fd, uid_t uid);
+  void Record(int fd, uid_t uid, const session::ProcessId& process = {});
   // False if `peer` is not an accepted Unix connection.
-  bool Lookup(absl::string_view peer, uid_t* uid) const;
+  bool Lookup(absl::string_view peer, UnixPeer* out) const;
 
  private:
   mutable absl::Mutex mu_;
-  std::map<int, uid_t> by_fd_ ABSL_GUARDED_BY(mu_);
+  std::map<int, UnixPeer> by_fd_ ABSL_GUARDED_BY(mu_);
 };
 
 struct AuthOptions {

@@ -62,13 +62,33 @@ TEST(ReadSecretFile, StripsTrailingNewlinesAndBoundsTheSize) {
 
 TEST(UnixPeers, MapsAcceptedFdPeersOnly) {
   UnixPeers p;
-  p.Record(300, 1000);
-  uid_t uid = 0;
-  EXPECT_TRUE(p.Lookup("fd:300", &uid));
-  EXPECT_EQ(uid, 1000u);
-  EXPECT_FALSE(p.Lookup("fd:301", &uid));
-  EXPECT_FALSE(p.Lookup("ipv4:127.0.0.1:300", &uid));
-  EXPECT_FALSE(p.Lookup("unix:/tmp/x", &uid));
+  p.Record(300, 1000, session::ProcessId{4242, 77});
+  UnixPeer peer;
+  EXPECT_TRUE(p.Lookup("fd:300", &peer));
+  EXPECT_EQ(peer.uid, 1000u);
+  EXPECT_EQ(peer.process, (session::ProcessId{4242, 77}));
+  EXPECT_FALSE(p.Lookup("fd:301", &peer));
+  EXPECT_FALSE(p.Lookup("ipv4:127.0.0.1:300", &peer));
+  EXPECT_FALSE(p.Lookup("unix:/tmp/x", &peer));
+}
+
+// The orphan reaper watches the process of a Unix caller; TCP callers have none.
+TEST(Authenticator, AUnixCallerCarriesItsProcessATcpCallerNone) {
+  AuthOptions o;
+  o.allow_unauthenticated_tcp = true;
+  Authenticator auth(o);
+  auth.unix_peers()->Record(300, 1000, session::ProcessId{4242, 77});
+  CallCredentials unix_call;
+  unix_call.peer = "fd:300";
+  auto local = auth.Authenticate(unix_call);
+  ASSERT_TRUE(local.ok()) << local.status();
+  EXPECT_TRUE(local->local);
+  EXPECT_EQ(local->process, (session::ProcessId{4242, 77}));
+  CallCredentials tcp_call;
+  tcp_call.peer = "ipv4:127.0.0.1:5000";
+  auto remote = auth.Authenticate(tcp_call);
+  ASSERT_TRUE(remote.ok()) << remote.status();
+  EXPECT_FALSE(remote->process.known());
 }
 
 }  // namespace

@@ -145,7 +145,7 @@ grpc::ServerUnaryReactor* OptimizerService::CreateSession(grpc::CallbackServerCo
     auto spec = SpecFromProto(*req);
     if (!spec.ok()) return spec.status();
     spec->owner = p->name;
-    auto s = manager_->CreateSession(*std::move(spec));
+    auto s = manager_->CreateSession(*std::move(spec), p->process);
     if (!s.ok()) return s.status();
     LayoutToProto(**s, resp);
     DataPlaneToProto(**s, resp);
@@ -559,7 +559,8 @@ grpc::ServerUnaryReactor* OptimizerService::LoadCheckpoint(grpc::CallbackServerC
     }
     // The restored session keeps the owner its checkpoint records; a non-admin may load only
     // its own (SessionManager::LoadCheckpoint).
-    auto s = manager_->LoadCheckpoint(req->path(), shards, session::Caller{p->name, p->admin});
+    auto s = manager_->LoadCheckpoint(req->path(), shards,
+                                      session::Caller{p->name, p->admin, p->process});
     if (!s.ok()) return s.status();
     LayoutToProto(**s, resp->mutable_session());
     DataPlaneToProto(**s, resp->mutable_session());
@@ -584,7 +585,7 @@ grpc::ServerUnaryReactor* OptimizerService::AttachSession(grpc::CallbackServerCo
       if (!spec.ok()) return spec.status();
       expect = std::move(spec->params);
     }
-    auto s = manager_->Attach(req->session_name(), p->name, expect, p->admin);
+    auto s = manager_->Attach(req->session_name(), p->name, expect, p->admin, p->process);
     if (!s.ok()) return s.status();
     LayoutToProto(**s, resp->mutable_session());
     DataPlaneToProto(**s, resp->mutable_session());

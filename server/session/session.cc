@@ -227,4 +227,9 @@ int64_t Session::last_step_index() {
   return last_step_index_;
 }
 
+bool Session::HoldsParameters() {
+  absl::MutexLock lock(&mu_);
+  return params_.any() || !pending_params_.empty();
+}
+
 }  // namespace diond::session

@@ -277,6 +277,10 @@ class Session {
   void RecordStepTime(absl::Time when);
   void RecordCheckpoint(int64_t step, std::string path, absl::Time when);
   int64_t last_step_index();
+  // Whether the session holds weights (a PARAMETERS region, a daemon-owned arena, or the weights
+  // kept across an AttachSession): what a checkpoint needs. False for a session whose trainer
+  // never registered or sent them.
+  bool HoldsParameters();
 
   // Makes this a world session (docs/DISTRIBUTED.md), before its first Step: `world` links to the
   // daemon world (null = a world of one), `plan` the shard plan the ranks agreed on, `epoch`

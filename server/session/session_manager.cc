@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <map>
 #include <random>
@@ -60,6 +61,12 @@ SessionManager::SessionManager(const ManagerOptions& options, ManagerObserver ob
 
 absl::StatusOr<std::unique_ptr<SessionManager>> SessionManager::Create(
     const ManagerOptions& options, ManagerObserver observer) {
+  if (options.orphan_grace < absl::ZeroDuration() ||
+      options.orphan_grace_named < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--orphan_grace (", absl::FormatDuration(options.orphan_grace), ") and --orphan_grace_named (",
+        absl::FormatDuration(options.orphan_grace_named), ") must be >= 0"));
+  }
   if (options.checkpoint_every < 0 || options.checksum_every < 0 ||
       options.max_session_bytes < 0 ||
       options.memory_budget_bytes < 0) {
@@ -89,12 +96,20 @@ absl::StatusOr<std::unique_ptr<SessionManager>> SessionManager::Create(
     }
     if (options.recover) m->RecoverSessions();
   }
-  if (options.idle_timeout > absl::ZeroDuration()) {
+  // One reaper thread for idle and orphan sessions, looking at least four times per timeout.
+  absl::Duration period = absl::Seconds(1);
+  bool reap = false;
+  for (absl::Duration d : {options.idle_timeout, options.orphan_grace, options.orphan_grace_named}) {
+    if (d <= absl::ZeroDuration()) continue;
+    reap = true;
+    period = std::min(period, d / 4);
+  }
+  if (reap) {
     SessionManager* self = m.get();
-    absl::Duration period = std::min(absl::Seconds(1), options.idle_timeout / 4);
     m->reaper_ = std::thread([self, period] {
       while (!self->stop_.WaitForNotificationWithTimeout(period)) {
         self->ReapIdleSessions(absl::Now());
+        self->ReapOrphanSessions(absl::Now());
       }
     });
   }
@@ -244,8 +259,11 @@ absl::StatusOr<ShardPlan> SessionManager::AgreeOnPlan(const SessionSpec& spec, u
   return plan;
 }
 
-absl::StatusOr<std::shared_ptr<Session>> SessionManager::CreateSession(SessionSpec spec) {
-  return CreateSessionWithId(NewId(), std::move(spec));
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::CreateSession(SessionSpec spec,
+                                                                       const ProcessId& creator) {
+  DIOND_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, CreateSessionWithId(NewId(), std::move(spec)));
+  TrackProcess(s->id(), creator, /*binds=*/true);
+  return s;
 }
 
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::CreateSessionWithId(std::string id,
@@ -368,6 +386,7 @@ absl::Status SessionManager::Close(const std::string& id, bool by_client) {
     const std::string& name = it->second->spec().session_name;
     if (!name.empty()) names_.erase(name);
     sessions_.erase(it);
+    trainers_.erase(id);
     count = static_cast<int64_t>(sessions_.size());
   }
   if (by_client) MarkSessionClosed(options_.state_dir, id);
@@ -529,12 +548,13 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::LoadCheckpoint(
         "; a world session restored into a world of another size needs the other old ranks' "
         "checkpoints of the same step in shard_paths"));
   }
+  if (restored.ok()) TrackProcess((*restored)->id(), caller.process, /*binds=*/true);
   return restored;
 }
 
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(
     const std::string& name, const std::string& principal, const std::vector<ParamSpec>& expect,
-    bool admin) {
+    bool admin, const ProcessId& process) {
   DIOND_RETURN_IF_ERROR(ValidateSessionName(name));
   std::shared_ptr<Session> s;
   {
@@ -573,8 +593,10 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(
     }
   }
   s->DetachTrainer();
+  TrackProcess(s->id(), process, /*binds=*/true);
   DIOND_LOG(INFO) << "session " << s->id() << " ('" << name << "') re-attached at step "
-                  << s->last_step_index();
+                  << s->last_step_index()
+                  << (process.known() ? absl::StrCat(" by process ", process.pid) : std::string());
   return s;
 }
 
@@ -613,6 +635,75 @@ int64_t SessionManager::RecoverSessions() {
   return restored;
 }
 
+void SessionManager::NoteProcess(const std::string& id, const ProcessId& process) {
+  TrackProcess(id, process, /*binds=*/false);
+}
+
+void SessionManager::TrackProcess(const std::string& id, const ProcessId& process, bool binds) {
+  auto watched = [&process](const Trainers& t) {
+    for (const auto& w : t.live) {
+      if (w->id() == process) return true;
+    }
+    return false;
+  };
+  {
+    absl::MutexLock lock(&mu_);
+    if (sessions_.count(id) == 0) return;
+    auto it = trainers_.find(id);
+    if (!process.known()) {
+      // Nobody can tell when an unknown creator or attacher (TCP, another pid namespace) is
+      // gone: such a session is never an orphan. An unknown caller of other RPCs changes nothing.
+      if (binds) trainers_[id].untracked = true;
+      return;
+    }
+    if (it != trainers_.end() &&
+        (it->second.untracked || watched(it->second) ||
+         it->second.live.size() >= kMaxWatchedProcesses)) {
+      return;  // the common case of every Step: nothing to do
+    }
+  }
+  // Outside the lock: pidfd_open and a read of /proc.
+  auto watch = std::make_shared<ProcessWatch>(process);
+  const bool exited = watch->Exited();
+  absl::MutexLock lock(&mu_);
+  if (sessions_.count(id) == 0) return;
+  Trainers& t = trainers_[id];
+  if (t.untracked || watched(t) || t.live.size() >= kMaxWatchedProcesses) return;
+  if (exited) {  // gone already (it called, then died): the session has had a process
+    t.exited.push_back(process.pid);
+    return;
+  }
+  t.live.push_back(std::move(watch));
+  t.orphan_since = absl::InfinitePast();
+  t.noted = false;
+}
+
+bool SessionManager::CloseReaped(const std::string& id, const std::string& reason,
+                                 const std::string& why, bool for_good) {
+  ScopedLogContext log_context(id);
+  // A session that never held weights cannot be checkpointed, and has nothing to lose (it never
+  // stepped): it is closed without one rather than kept for good.
+  bool weights = true;
+  if (auto s = Get(id); s.ok()) weights = (*s)->HoldsParameters();
+  if (!options_.state_dir.empty() && weights) {
+    auto saved = SaveCheckpoint(id, "");
+    if (!saved.ok()) {
+      DIOND_LOG(ERROR) << "session " << id << ": checkpoint before " << reason
+                       << " close failed: " << saved.status() << "; keeping the session";
+      return false;
+    }
+  }
+  DIOND_LOG(INFO) << why
+                  << (!options_.state_dir.empty() && !weights
+                          ? " (no checkpoint: it never held parameters)"
+                          : "");
+  // Its client may have closed it meanwhile.
+  if (Close(id, /*by_client=*/for_good).ok() && observer_.on_session_reaped) {
+    observer_.on_session_reaped(id, reason);
+  }
+  return true;
+}
+
 void SessionManager::ReapIdleSessions(absl::Time now) {
   if (options_.idle_timeout <= absl::ZeroDuration()) return;
   std::vector<std::string> idle;
@@ -623,18 +714,125 @@ void SessionManager::ReapIdleSessions(absl::Time now) {
     }
   }
   for (const std::string& id : idle) {
-    ScopedLogContext log_context(id);
-    if (!options_.state_dir.empty()) {
-      auto saved = SaveCheckpoint(id, "");
-      if (!saved.ok()) {
-        DIOND_LOG(ERROR) << "session " << id << ": checkpoint before idle close failed: "
-                         << saved.status() << "; keeping the session";
+    CloseReaped(id, "idle",
+                absl::StrCat("session ", id, " idle for more than ",
+                             absl::FormatDuration(options_.idle_timeout), "; closing it"),
+                /*for_good=*/false);
+  }
+}
+
+void SessionManager::ReapOrphanSessions(absl::Time now) {
+  if (options_.orphan_grace <= absl::ZeroDuration() &&
+      options_.orphan_grace_named <= absl::ZeroDuration()) {
+    return;
+  }
+  // 1. Under the lock: the sessions that have had processes, with their watches.
+  struct Look {
+    std::string id;
+    std::shared_ptr<Session> session;
+    std::vector<std::shared_ptr<ProcessWatch>> watches;
+    std::vector<bool> exited;
+    bool all_exited = true;
+    absl::Time last_used;
+  };
+  std::vector<Look> looks;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [id, t] : trainers_) {
+      if (t.untracked || (t.live.empty() && t.exited.empty())) continue;
+      auto s = sessions_.find(id);
+      if (s == sessions_.end()) continue;
+      looks.push_back(Look{id, s->second, t.live, {}, true, absl::InfinitePast()});
+    }
+  }
+  // 2. Outside it: are they alive, and (for orphans) when were they last used? A Step holds
+  // its session's lock, which last_used() takes.
+  for (Look& l : looks) {
+    for (const auto& w : l.watches) {
+      l.exited.push_back(w->Exited());
+      l.all_exited = l.all_exited && l.exited.back();
+    }
+    if (l.all_exited) l.last_used = l.session->last_used();
+  }
+  // 3. Under the lock again: drop the exited watches, and decide.
+  struct Due {
+    std::string id, why;
+  };
+  std::vector<Due> due;
+  std::vector<std::pair<std::string, std::string>> lines;  // (session, message), logged after
+  {
+    absl::MutexLock lock(&mu_);
+    for (Look& l : looks) {
+      auto it = trainers_.find(l.id);
+      if (it == trainers_.end() || sessions_.count(l.id) == 0) continue;
+      Trainers& t = it->second;
+      for (size_t i = 0; i < l.watches.size(); ++i) {
+        if (!l.exited[i]) continue;
+        auto w = std::find(t.live.begin(), t.live.end(), l.watches[i]);
+        if (w == t.live.end()) continue;
+        t.exited.push_back((*w)->id().pid);
+        t.live.erase(w);
+      }
+      constexpr size_t kPidsLogged = 8;
+      if (t.exited.size() > kPidsLogged) {
+        t.exited.erase(t.exited.begin(), t.exited.end() - kPidsLogged);
+      }
+      if (!t.live.empty()) {  // alive, or a new process came meanwhile
+        t.orphan_since = absl::InfinitePast();
+        t.noted = false;
         continue;
       }
+      if (!l.all_exited) continue;  // emptied by a concurrent look: the next one decides
+      const Session& s = *l.session;
+      const std::string& name = s.spec().session_name;
+      const std::string who = absl::StrCat(
+          "session ", l.id, name.empty() ? std::string() : absl::StrCat(" ('", name, "')"),
+          ": every process that created or used it has exited (pid ", absl::StrJoin(t.exited, ", "),
+          ")");
+      const bool first = t.orphan_since == absl::InfinitePast();
+      if (first) t.orphan_since = now;
+      absl::Duration grace = name.empty() ? options_.orphan_grace : options_.orphan_grace_named;
+      const char* flag = name.empty() ? "--orphan_grace" : "--orphan_grace_named";
+      if (s.is_world_session() || grace <= absl::ZeroDuration()) {
+        if (!t.noted) {
+          t.noted = true;
+          lines.emplace_back(
+              l.id, absl::StrCat(
+                        who, "; it is kept: ",
+                        s.is_world_session()
+                            ? "world sessions are not reaped as orphans (the other ranks' "
+                              "trainers may still step it); close it, or use "
+                              "--session_idle_timeout"
+                            : absl::StrCat("named sessions wait for AttachSession (", flag,
+                                           "=0)")));
+        }
+        continue;
+      }
+      if (first) {
+        lines.emplace_back(l.id, absl::StrCat(who, "; it is closed once unused for ", flag, "=",
+                                              absl::FormatDuration(grace)));
+      }
+      const absl::Time since = std::max(t.orphan_since, l.last_used);
+      if (now - since < grace) continue;
+      due.push_back(Due{
+          l.id, absl::StrCat("session ", l.id,
+                             name.empty() ? std::string() : absl::StrCat(" ('", name, "')"),
+                             " reaped (orphan): its trainer process(es) (pid ",
+                             absl::StrJoin(t.exited, ", "), ") exited and it was unused for ",
+                             absl::FormatDuration(now - since), " (", flag, "=",
+                             absl::FormatDuration(grace), "); closing it")});
     }
-    DIOND_LOG(INFO) << "session " << id << " idle for more than "
-                    << absl::FormatDuration(options_.idle_timeout) << "; closing it";
-    Close(id, /*by_client=*/false).IgnoreError();  // its client may have closed it meanwhile
+  }
+  for (const auto& [id, message] : lines) {
+    ScopedLogContext log_context(id);
+    DIOND_LOG(INFO) << message;
+  }
+  for (const Due& d : due) {
+    // For good: --recover would bring it back with no process left to watch.
+    if (CloseReaped(d.id, "orphan", d.why, /*for_good=*/true)) continue;
+    // The checkpoint failed: try again a grace later, not at every look.
+    absl::MutexLock lock(&mu_);
+    if (auto it = trainers_.find(d.id); it != trainers_.end()) it->second.orphan_since = now;
   }
 }
 

@@ -22,6 +22,7 @@
 #include "absl/time/time.h"
 #include "kernels/context.h"
 #include "server/session/compute_thread.h"
+#include "server/session/process_watch.h"
 #include "server/session/session.h"
 
 namespace diond::comm {
@@ -35,6 +36,13 @@ struct ManagerOptions {
   int64_t max_session_bytes = 0;  // 0 = unlimited; optimizer state + master weights
   int64_t memory_budget_bytes = 0;  // 0 = unlimited; all sessions together
   absl::Duration idle_timeout = absl::ZeroDuration();  // 0 = never
+  // The orphan reaper (docs/OPERATIONS.md "Orphan sessions"): a session whose every creating,
+  // attaching or calling process is known and has exited is closed (checkpointed first with a
+  // state dir) once it has been an orphan, and unused, for this long. `orphan_grace` applies to
+  // sessions without a session_name, `orphan_grace_named` to named ones (which a restarted
+  // trainer may re-attach to); 0 = never. World sessions are never reaped as orphans.
+  absl::Duration orphan_grace = absl::ZeroDuration();
+  absl::Duration orphan_grace_named = absl::ZeroDuration();
   std::string state_dir;        // checkpoints root; empty = checkpoints need an explicit dir
   int64_t checkpoint_every = 0; // with state_dir: checkpoint after every N-th step
   // Keep only the newest N step-* checkpoints of each session after every save; 0 = keep all.
@@ -71,6 +79,8 @@ struct ManagerObserver {
       on_checkpoint;
   // A checkpoint of an existing session that could not be written (automatic or requested).
   std::function<void(const std::string& session, const absl::Status& why)> on_checkpoint_failed;
+  // The manager closed a session by itself; `reason` is "idle" or "orphan".
+  std::function<void(const std::string& session, const std::string& reason)> on_session_reaped;
 };
 
 // Who calls a SessionManager operation that checks ownership: the principal string the RPC
@@ -79,6 +89,9 @@ struct ManagerObserver {
 struct Caller {
   std::string principal;
   bool admin = true;
+  // The calling process when it is a local one the daemon can watch (the Unix socket's peer);
+  // unknown otherwise (TCP, in-process callers). See "Orphan sessions" below.
+  ProcessId process;
 };
 
 class SessionManager {
@@ -101,7 +114,13 @@ class SessionManager {
   // A spec with a world_key is a world session: the ranks agree on its shard plan through the
   // world's store first (FAILED_PRECONDITION naming the ranks whose plan differs; UNAVAILABLE
   // when the world is down or a rank's trainer does not create it within the timeout).
-  absl::StatusOr<std::shared_ptr<Session>> CreateSession(SessionSpec spec);
+  //
+  // `creator`: the process that asks, when it is a known local one; the session is then an
+  // orphan once it and every process that used the session later are gone (ReapOrphanSessions).
+  // An unknown creator (the default: TCP, in-process) makes the session one that is never
+  // reaped as an orphan.
+  absl::StatusOr<std::shared_ptr<Session>> CreateSession(SessionSpec spec,
+                                                         const ProcessId& creator = {});
   // A spec with a session_name must carry a valid one (INVALID_ARGUMENT) that no live session
   // has (ALREADY_EXISTS: re-attach with Attach instead).
   //
@@ -120,10 +139,20 @@ class SessionManager {
   // `expect`: when non-empty, the parameters the new trainer declares; FAILED_PRECONDITION naming
   // the first difference from the session's (and nothing changes) unless they are equal.
   // `admin`: the caller may use every session (the RPC layer's admin principals).
+  // `process`: the attaching process; it keeps the session from being an orphan from now on
+  // (an unknown one, as in CreateSession, exempts the session from the orphan reaper).
   absl::StatusOr<std::shared_ptr<Session>> Attach(const std::string& name,
                                                   const std::string& principal,
                                                   const std::vector<ParamSpec>& expect = {},
-                                                  bool admin = false);
+                                                  bool admin = false,
+                                                  const ProcessId& process = {});
+
+  // A known local process called on session `id` (any RPC that names it): it keeps the session
+  // from being an orphan while it lives (a trainer's forked child on its own connection, a
+  // helper that registers regions). Unknown processes and unknown ids are ignored; at most
+  // kMaxWatchedProcesses live processes are watched per session.
+  void NoteProcess(const std::string& id, const ProcessId& process);
+  static constexpr size_t kMaxWatchedProcesses = 64;
 
   // --recover: restores every session's latest readable checkpoint under <state_dir> with its
   // id and name. Returns how many it restored. Called by Create when options.recover.
@@ -158,6 +187,16 @@ class SessionManager {
   // Closes sessions idle for longer than the timeout (checkpointing first with a state dir).
   // Called by the reaper thread; public for tests.
   void ReapIdleSessions(absl::Time now);
+  // Orphan sessions (docs/OPERATIONS.md): a session whose processes (CreateSession, Attach,
+  // LoadCheckpoint, NoteProcess) were all known and have all exited becomes an orphan at the
+  // first look that finds them gone; it is closed like an idle one (checkpoint first; kept, and
+  // tried again a grace later, when that fails) once `now` is a grace past both that moment and
+  // its last use. Sessions with an unknown creator or attacher, world sessions and sessions
+  // whose grace is 0 are only logged, once. Called by the reaper thread; public for tests.
+  void ReapOrphanSessions(absl::Time now);
+
+  // The CPU threads of the compute context (--compute_threads as it took effect).
+  int compute_threads() const { return ctx_->num_threads(); }
 
  private:
   // A step's bookkeeping once it ran: the step time, the observer, the automatic checkpoint.
@@ -178,6 +217,23 @@ class SessionManager {
   absl::StatusOr<std::shared_ptr<Session>> RestoreSnapshot(const std::string& id,
                                                           const SessionSnapshot& snap,
                                                           const std::string& where);
+  // Records `process` as one that created or attached (`binds`) or used session `id`; see
+  // NoteProcess and CreateSession.
+  void TrackProcess(const std::string& id, const ProcessId& process, bool binds);
+  // The idle and orphan reapers' close: a checkpoint first with --state_dir (false, and the
+  // session stays, when it fails), then Close, the log line `why` and on_session_reaped.
+  // `for_good`: closed as by its client (--recover no longer restores it; its checkpoints stay).
+  bool CloseReaped(const std::string& id, const std::string& reason, const std::string& why,
+                   bool for_good);
+
+  // The processes of one session, for the orphan reaper.
+  struct Trainers {
+    bool untracked = false;  // an unknown process created or attached it: never an orphan
+    std::vector<std::shared_ptr<ProcessWatch>> live;  // watched, not yet seen exited
+    std::vector<pid_t> exited;                        // the last few seen exited (for the log)
+    absl::Time orphan_since = absl::InfinitePast();   // InfinitePast: not an orphan
+    bool noted = false;  // the "kept although orphaned" line was logged
+  };
 
   ManagerOptions options_;
   ManagerObserver observer_;
@@ -189,6 +245,7 @@ class SessionManager {
   absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> names_ ABSL_GUARDED_BY(mu_);  // session_name -> id
+  std::map<std::string, Trainers> trainers_ ABSL_GUARDED_BY(mu_);  // id -> its processes
   std::shared_ptr<WorldLink> world_ ABSL_GUARDED_BY(mu_);  // null: no world
   bool world_detached_ ABSL_GUARDED_BY(mu_) = false;
   comm::KeyValueStore* kv_ ABSL_GUARDED_BY(mu_) = nullptr;

@@ -3,10 +3,14 @@
 // real daemon in tests/service.
 #include "server/session/session_manager.h"
 
+#include <signal.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <map>
+#include <set>
 #include <cstdlib>
 #include <string>
 #include <thread>
@@ -18,6 +22,7 @@
 #include "kernels/testing/recording_backend.h"
 #include "server/session/checkpoint.h"
 #include "server/session/layout.h"
+#include "server/session/process_watch.h"
 
 namespace diond::session {
 namespace {
@@ -260,11 +265,271 @@ TEST(SessionManager, CheckpointsAreRecordedAndFailuresReported) {
 TEST(SessionManager, IdleReaperWithoutStateDirJustCloses) {
   ManagerOptions o;
   o.idle_timeout = absl::Hours(1);
-  auto m = SessionManager::Create(o);
+  std::vector<std::string> reaped;
+  ManagerObserver obs;
+  obs.on_session_reaped = [&](const std::string& id, const std::string& reason) {
+    reaped.push_back(id + " " + reason);
+  };
+  auto m = SessionManager::Create(o, obs);
   ASSERT_THAT(m, IsOk());
-  ASSERT_THAT((*m)->CreateSession(SmallSpec()), IsOk());
+  auto s = (*m)->CreateSession(SmallSpec());
+  ASSERT_THAT(s, IsOk());
   (*m)->ReapIdleSessions(absl::Now() + absl::Hours(2));
   EXPECT_TRUE((*m)->List().empty());
+  EXPECT_EQ(reaped, std::vector<std::string>{(*s)->id() + " idle"});
+}
+
+// A trainer process for the orphan reaper: a forked child that sleeps until Kill().
+class Trainer {
+ public:
+  Trainer() {
+    pid_ = fork();
+    if (pid_ == 0) {
+      for (;;) pause();
+    }
+    id_ = IdentifyProcess(pid_);
+  }
+  ~Trainer() { Kill(); }
+  const ProcessId& id() const { return id_; }
+  // SIGKILL and reap: from then on the process is gone for every way of looking.
+  void Kill() {
+    if (pid_ <= 0) return;
+    kill(pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
+    pid_ = -1;
+  }
+
+ private:
+  pid_t pid_ = -1;
+  ProcessId id_;
+};
+
+std::set<std::string> Ids(SessionManager& m) {
+  std::set<std::string> ids;
+  for (const SessionInfo& s : m.List()) ids.insert(s.id);
+  return ids;
+}
+
+// The reaper thread looks with the real clock and a grace of an hour never fires during a test;
+// the calls below pass their own `now`.
+ManagerOptions OrphanOptions() {
+  ManagerOptions o;
+  o.orphan_grace = absl::Hours(1);
+  return o;
+}
+
+TEST(SessionManager, AnOrphanIsClosedAfterTheGraceAndCheckpointedFirst) {
+  ManagerOptions o = OrphanOptions();
+  o.state_dir = TempDir();
+  std::vector<std::string> reaped;
+  ManagerObserver obs;
+  obs.on_session_reaped = [&](const std::string& id, const std::string& reason) {
+    reaped.push_back(id + " " + reason);
+  };
+  auto m = SessionManager::Create(o, obs);
+  ASSERT_THAT(m, IsOk());
+  Trainer crashing, living;
+  ASSERT_TRUE(crashing.id().known());
+  ASSERT_TRUE(living.id().known());
+  auto orphan = (*m)->CreateSession(SmallSpec(), crashing.id());
+  auto alive = (*m)->CreateSession(SmallSpec(), living.id());
+  auto tcp = (*m)->CreateSession(SmallSpec());  // no known process: a TCP or in-process caller
+  SessionSpec world_spec = SmallSpec();
+  world_spec.world_key = "job";  // a world of one: no daemon world attached
+  auto world = (*m)->CreateSession(world_spec, crashing.id());
+  SessionSpec named_spec = SmallSpec();
+  named_spec.session_name = "job/rank-0";
+  auto named = (*m)->CreateSession(named_spec, crashing.id());
+  for (auto* s : {&orphan, &alive, &tcp, &world, &named}) ASSERT_THAT(*s, IsOk());
+  const std::vector<NamedTensor> params = {{"w", {8, 6}, std::vector<float>(48, 0.5f)},
+                                           {"b", {6}, std::vector<float>(6, -1.0f)}};
+  ASSERT_THAT((*orphan)->SetState(params), IsOk());
+  const std::string id = (*orphan)->id();
+
+  const absl::Time t0 = absl::Now();
+  (*m)->ReapOrphanSessions(t0);
+  (*m)->ReapOrphanSessions(t0 + absl::Hours(2));
+  EXPECT_EQ(Ids(**m).size(), 5u) << "no process has exited yet";
+
+  crashing.Kill();
+  const absl::Time t1 = absl::Now();
+  (*m)->ReapOrphanSessions(t1);  // found orphaned now: the grace starts
+  (*m)->ReapOrphanSessions(t1 + absl::Minutes(59));
+  EXPECT_EQ(Ids(**m).size(), 5u) << "within the grace";
+  EXPECT_TRUE(reaped.empty());
+  (*m)->ReapOrphanSessions(t1 + absl::Minutes(61));
+  EXPECT_EQ(Ids(**m), (std::set<std::string>{(*alive)->id(), (*tcp)->id(), (*world)->id(),
+                                              (*named)->id()}));
+  EXPECT_EQ(reaped, std::vector<std::string>{id + " orphan"});
+  // Checkpointed before the close, as the idle reaper does.
+  auto latest = LatestCheckpoint(o.state_dir, id);
+  ASSERT_THAT(latest, IsOk());
+  auto restored = (*m)->LoadCheckpoint(*latest);
+  ASSERT_THAT(restored, IsOk());
+  auto state = (*restored)->GetState(/*include_parameters=*/true);
+  ASSERT_THAT(state, IsOk());
+  EXPECT_EQ((*state)[0].data, params[0].data);
+  // Nobody is left to re-attach: --recover does not bring it back (its checkpoints stay).
+  EXPECT_TRUE(SessionMarkedClosed(o.state_dir, id));
+  // The others stay, however long: a live trainer, an unknown one, a world session, a named
+  // session (--orphan_grace_named=0).
+  (*m)->ReapOrphanSessions(t1 + absl::Hours(100));
+  EXPECT_EQ(Ids(**m).count((*alive)->id()) + Ids(**m).count((*tcp)->id()) +
+                Ids(**m).count((*world)->id()) + Ids(**m).count((*named)->id()),
+            4u);
+  EXPECT_EQ(reaped.size(), 1u);
+}
+
+TEST(SessionManager, ANamedOrphanFollowsItsOwnGraceAndAnAttacherKeepsIt) {
+  ManagerOptions o = OrphanOptions();
+  o.orphan_grace_named = absl::Hours(3);
+  auto m = SessionManager::Create(o);
+  ASSERT_THAT(m, IsOk());
+  SessionSpec spec = SmallSpec();
+  spec.session_name = "job/rank-0";
+  Trainer first;
+  auto s = (*m)->CreateSession(spec, first.id());
+  ASSERT_THAT(s, IsOk());
+  const std::string id = (*s)->id();
+  first.Kill();
+  const absl::Time t0 = absl::Now();
+  (*m)->ReapOrphanSessions(t0);
+  (*m)->ReapOrphanSessions(t0 + absl::Hours(2));
+  EXPECT_EQ(Ids(**m).count(id), 1u) << "--orphan_grace_named, not --orphan_grace, applies";
+  // A restarted trainer re-attaches: it owns the session now.
+  Trainer second;
+  ASSERT_THAT((*m)->Attach("job/rank-0", "", {}, /*admin=*/true, second.id()), IsOk());
+  (*m)->ReapOrphanSessions(t0 + absl::Hours(10));
+  EXPECT_EQ(Ids(**m).count(id), 1u) << "the attacher lives";
+  second.Kill();
+  const absl::Time t1 = absl::Now() + absl::Hours(10);
+  (*m)->ReapOrphanSessions(t1);
+  (*m)->ReapOrphanSessions(t1 + absl::Hours(2));
+  EXPECT_EQ(Ids(**m).count(id), 1u);
+  (*m)->ReapOrphanSessions(t1 + absl::Hours(4));
+  EXPECT_EQ(Ids(**m).count(id), 0u) << "both trainers exited";
+}
+
+TEST(SessionManager, AnUnknownAttacherExemptsTheSession) {
+  ManagerOptions o = OrphanOptions();
+  o.orphan_grace_named = absl::Hours(1);
+  auto m = SessionManager::Create(o);
+  ASSERT_THAT(m, IsOk());
+  SessionSpec spec = SmallSpec();
+  spec.session_name = "job/rank-0";
+  Trainer local;
+  auto s = (*m)->CreateSession(spec, local.id());
+  ASSERT_THAT(s, IsOk());
+  // Attached over TCP: nobody can tell when that trainer is gone.
+  ASSERT_THAT((*m)->Attach("job/rank-0", "", {}, /*admin=*/true), IsOk());
+  local.Kill();
+  const absl::Time t0 = absl::Now();
+  (*m)->ReapOrphanSessions(t0);
+  (*m)->ReapOrphanSessions(t0 + absl::Hours(5));
+  EXPECT_EQ(Ids(**m).count((*s)->id()), 1u);
+}
+
+// A trainer that forked: its child uses the session over a connection of its own and is noted
+// at its first call; the session lives while either lives.
+TEST(SessionManager, AProcessThatUsesTheSessionKeepsItAlive) {
+  auto m = SessionManager::Create(OrphanOptions());
+  ASSERT_THAT(m, IsOk());
+  Trainer parent, child;
+  auto s = (*m)->CreateSession(SmallSpec(), parent.id());
+  ASSERT_THAT(s, IsOk());
+  const std::string id = (*s)->id();
+  (*m)->NoteProcess(id, child.id());
+  (*m)->NoteProcess(id, ProcessId{});     // an unknown caller changes nothing
+  (*m)->NoteProcess("s-none", child.id());  // nor does an unknown session
+  parent.Kill();
+  const absl::Time t0 = absl::Now();
+  (*m)->ReapOrphanSessions(t0);
+  (*m)->ReapOrphanSessions(t0 + absl::Hours(2));
+  EXPECT_EQ(Ids(**m).count(id), 1u) << "the child lives";
+  child.Kill();
+  const absl::Time t1 = absl::Now() + absl::Hours(2);
+  (*m)->ReapOrphanSessions(t1);
+  (*m)->ReapOrphanSessions(t1 + absl::Hours(2));
+  EXPECT_EQ(Ids(**m).count(id), 0u);
+}
+
+// A call that still comes after the last process exited (a forked child on its parent's
+// connection is seen as its parent) restarts the grace.
+TEST(SessionManager, TheGraceCountsFromTheLastUse) {
+  auto m = SessionManager::Create(OrphanOptions());
+  ASSERT_THAT(m, IsOk());
+  Trainer trainer;
+  auto s = (*m)->CreateSession(SmallSpec(), trainer.id());
+  ASSERT_THAT(s, IsOk());
+  trainer.Kill();
+  (*m)->ReapOrphanSessions(absl::Now() - absl::Hours(5));  // orphaned long ago
+  ASSERT_THAT((*s)->SetState({{"b", {6}, std::vector<float>(6, 1.0f)}}), IsOk());  // used now
+  const absl::Time used = absl::Now();
+  (*m)->ReapOrphanSessions(used + absl::Minutes(30));
+  EXPECT_EQ(Ids(**m).count((*s)->id()), 1u);
+  (*m)->ReapOrphanSessions(used + absl::Minutes(61));
+  EXPECT_EQ(Ids(**m).count((*s)->id()), 0u);
+}
+
+TEST(SessionManager, AnOrphanWhoseCheckpointFailsIsKeptAndTriedAgainAGraceLater) {
+  ManagerOptions o = OrphanOptions();
+  o.state_dir = TempDir();
+  auto m = SessionManager::Create(o);
+  ASSERT_THAT(m, IsOk());
+  Trainer trainer;
+  auto s = (*m)->CreateSession(SmallSpec(), trainer.id());
+  ASSERT_THAT(s, IsOk());
+  ASSERT_THAT((*s)->SetState({{"w", {8, 6}, std::vector<float>(48, 0.5f)},
+                              {"b", {6}, std::vector<float>(6, -1.0f)}}),
+              IsOk());
+  const std::string id = (*s)->id();
+  // A regular file where the session's checkpoint directory goes: the checkpoint fails.
+  const std::string blocker = o.state_dir + "/" + id;
+  FILE* f = std::fopen(blocker.c_str(), "w");
+  ASSERT_NE(f, nullptr);
+  std::fclose(f);
+  trainer.Kill();
+  const absl::Time t0 = absl::Now();
+  (*m)->ReapOrphanSessions(t0);
+  (*m)->ReapOrphanSessions(t0 + absl::Hours(2));
+  EXPECT_EQ(Ids(**m).count(id), 1u) << "no checkpoint, no close";
+  ASSERT_EQ(std::remove(blocker.c_str()), 0);
+  (*m)->ReapOrphanSessions(t0 + absl::Hours(2) + absl::Minutes(30));
+  EXPECT_EQ(Ids(**m).count(id), 1u) << "the next try waits a grace";
+  (*m)->ReapOrphanSessions(t0 + absl::Hours(3) + absl::Minutes(1));
+  EXPECT_EQ(Ids(**m).count(id), 0u);
+  EXPECT_THAT(LatestCheckpoint(o.state_dir, id), IsOk());
+}
+
+// A trainer that crashed before it registered its arenas leaves a session without weights:
+// nothing a checkpoint could hold, nor lose. It is closed without one (the idle reaper too).
+TEST(SessionManager, AReapedSessionThatNeverHeldWeightsIsClosedWithoutACheckpoint) {
+  ManagerOptions o = OrphanOptions();
+  o.idle_timeout = absl::Hours(1);
+  o.state_dir = TempDir();
+  auto m = SessionManager::Create(o);
+  ASSERT_THAT(m, IsOk());
+  Trainer trainer;
+  auto orphan = (*m)->CreateSession(SmallSpec(), trainer.id());
+  auto idle = (*m)->CreateSession(SmallSpec());
+  ASSERT_THAT(orphan, IsOk());
+  ASSERT_THAT(idle, IsOk());
+  EXPECT_FALSE((*orphan)->HoldsParameters());
+  trainer.Kill();
+  const absl::Time t0 = absl::Now();
+  (*m)->ReapOrphanSessions(t0);
+  (*m)->ReapOrphanSessions(t0 + absl::Hours(2));
+  EXPECT_EQ(Ids(**m), std::set<std::string>{(*idle)->id()});
+  EXPECT_FALSE(LatestCheckpoint(o.state_dir, (*orphan)->id()).ok());
+  (*m)->ReapIdleSessions(t0 + absl::Hours(2));
+  EXPECT_TRUE(Ids(**m).empty());
+}
+
+TEST(SessionManager, TheOrphanGraceMustNotBeNegative) {
+  ManagerOptions o;
+  o.orphan_grace = absl::Seconds(-1);
+  EXPECT_THAT(SessionManager::Create(o), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                  HasSubstr("--orphan_grace")));
 }
 
 TEST(SessionManager, CheckpointEveryNeedsStateDir) {

@@ -167,6 +167,20 @@ TEST(DaemonProcess, StartupLineSaysWhenNoGpuIsUsed) {
   EXPECT_EQ(d->proc->Wait(absl::Seconds(30)), std::optional<int>(0));
 }
 
+// The start-up line names the threads the steps use (--compute_threads), not the cores.
+TEST(DaemonProcess, StartupLineNamesTheComputeThreadsInEffect) {
+  for (int threads : {1, 3}) {
+    auto d = StartDaemon({"--device=cpu", absl::StrCat("--compute_threads=", threads)});
+    ASSERT_NE(d, nullptr);
+    const std::string want = threads == 1 ? "cpu (1 thread)" : "cpu (3 threads)";
+    std::string log = d->proc->Log();
+    EXPECT_TRUE(absl::StrContains(log, "; device " + want + ";")) << log;
+    EXPECT_EQ(d->ready["device"].get<std::string>(), want);
+    d->proc->Signal(SIGTERM);
+    EXPECT_EQ(d->proc->Wait(absl::Seconds(30)), std::optional<int>(0));
+  }
+}
+
 // The daemon's environment as the kernel holds it (the block execve was given).
 std::vector<std::string> ProcessEnvironment(pid_t pid) {
   std::string raw = ReadFile(absl::StrCat("/proc/", pid, "/environ"));
@@ -479,7 +493,8 @@ TEST(DaemonBinary, HelpDocumentsEveryFlag) {
   auto [rc, out] = RunCommand(std::string(DIOND_BINARY) + " --help 2>&1");
   for (const char* flag : {"--listen", "--metrics_address", "--device", "--cuda_plugin",
                            "--log_level", "--drain_timeout", "--ready_file",
-                           "--allow_insecure_remote", "--max_stream_bytes"}) {
+                           "--allow_insecure_remote", "--max_stream_bytes",
+                           "--orphan_grace", "--orphan_grace_named"}) {
     EXPECT_TRUE(absl::StrContains(out, flag)) << flag << " missing from --help:\n" << out;
   }
   auto [vrc, version] = RunCommand(std::string(DIOND_BINARY) + " --version 2>&1");
