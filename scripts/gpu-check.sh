@@ -143,6 +143,7 @@ else
   # (every binary with a `gpu`-labelled ctest case, plus the tools the later steps run)
   targets="diond diond_cuda diond_conformance diond_gpu_bench cuda_ops_test nccl_communicator_test"
   targets="$targets gpu_device_test diond_proto_python client_cuda_arena_test diond_ipc_bench"
+  targets="$targets cuda_lost_context_gpu_test cuda_rules_gpu_test"
   only='' run_step build 540 env DIOND_SKIP_DEPS=1 DIOND_JOBS="$(nproc)" DIOND_TARGETS="$targets" \
     bash "$root/scripts/build.sh" "$build" -DDIOND_WITH_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES="90-real;90-virtual" -DDIOND_WERROR=ON

@@ -75,6 +75,10 @@ struct DeviceHooks {
   std::function<absl::StatusOr<void*>(kernels::Device, kernels::StreamHandle)> end_capture;
   std::function<absl::Status(kernels::Device, kernels::StreamHandle, void*)> launch_graph;
   std::function<void(kernels::Device, void*)> destroy_graph;
+  // OK while the compute device's context is usable; FAILED_PRECONDITION with the reason once a
+  // sticky error has lost it (kernels::DeviceHealth). The session manager asks before every step
+  // (and refuses it) and after a failed one. Empty: never asked.
+  std::function<absl::Status(kernels::Device)> device_health;
   // The update rules run on a device Context (kernels/optim drives device memory): the state is
   // then allocated on the device and GroupOptimizer::Stage gets device pointers. False: the
   // rules still touch their state from the host, so the optimizers keep their state in host
