@@ -1178,6 +1178,19 @@ void SetHostTestDeviceLossTrigger(std::function<bool()> trigger) {
   Lost().trigger = std::move(trigger);
 }
 
+void QueueHostTestStreamWork(int device, StreamHandle stream, std::function<void()> work) {
+  char err[8] = {0};
+  const DiondOpsCall call{device, stream, err, sizeof(err)};
+  if (stream == nullptr) {
+    work();
+    return;
+  }
+  Enqueue(&call, "host work", [work = std::move(work)](const DiondOpsCall*) {
+    work();
+    return DIOND_OPS_OK;
+  });
+}
+
 // ---- handoff (issue 12): fake device UUIDs, "IPC handles" naming TEST allocations, VMM fds
 // and interprocess events, with the CUDA entries' refusals ----
 namespace {

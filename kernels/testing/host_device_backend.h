@@ -99,6 +99,12 @@ void ResetHostTestDevice(uint64_t budget_bytes);
 void LoseHostTestDeviceContext(const std::string& why);
 void SetHostTestDeviceLossTrigger(std::function<bool()> trigger);
 
+// Queues `work` on `stream` (one of this backend's): it runs when the stream's queue reaches it
+// (the next wait of the stream), in order with the entries queued there, as a CUDA host function
+// or a kernel waiting on a peer would; a null stream runs it now. For tests of what waits on a
+// stream (e.g. a collective that never completes).
+void QueueHostTestStreamWork(int device, StreamHandle stream, std::function<void()> work);
+
 // ---- handoff (issue 12): the GPU half emulated. The TEST backend has kHostTestDeviceCount
 // devices with fake UUIDs; the functions below play the trainer's side (what it would export
 // with cudaIpcGetMemHandle, cuMemExportToShareableHandle, cudaIpcGetEventHandle), and the table's

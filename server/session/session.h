@@ -54,6 +54,8 @@ class World;
 
 namespace diond::session {
 
+class StepDeviceComm;
+
 enum class Role { kParameters, kGradients };
 absl::string_view RoleName(Role r);
 
@@ -564,9 +566,9 @@ class Session {
   // a differing copy is replaced by the owner's (broadcast). Returns how many this rank healed.
   // `ctx`: a CPU context for host `params`; a device session checksums its device staging on
   // its own context (only the checksums cross, on `comm`) and heals through `dcomm`, its step's
-  // device collectives (null for a host session).
+  // device collectives (null for a host session), then waits for the heals (WaitQueued).
   absl::StatusOr<int64_t> CheckReplicas(const kernels::Context& ctx, comm::Communicator* comm,
-                                        comm::Communicator* dcomm, int64_t step,
+                                        StepDeviceComm* dcomm, int64_t step,
                                         const std::vector<float*>& params)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The bytes this step sent through the world's communicators (host and device), since
