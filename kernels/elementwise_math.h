@@ -142,6 +142,23 @@ DIOND_HD float ApplyUpdateElement(const ApplyUpdateScalars& s, float x, float u)
   return x - step;
 }
 
+// ---- The order of every row sum (AxisNorms by rows, FrobeniusNorm, TopKByL1Norm by rows,
+// NormalizeNeurons) ------------------------------------------------------------------------------
+// The terms t_0..t_{n-1} of one row are added in double into kRowSumLanes interleaved lanes
+// (term j into lane j % kRowSumLanes, in increasing j), and the lanes are then folded pairwise:
+// for h = 16, 8, 4, 2, 1, lane l += lane l + h for every l < h; the sum is lane 0. A CUDA warp
+// is exactly that (lane = thread; the fold is __shfl_down_sync by 16, 8, 4, 2, 1), and the CPU
+// runs it with 32 accumulators per row, so the two agree bit for bit for every row length: a
+// fixed order that a warp reads coalesced. Column sums stay in row order (one chain per column:
+// adjacent GPU threads already read adjacent columns).
+inline constexpr int kRowSumLanes = 32;
+DIOND_HD double FoldRowSumLanes(double* lanes) {
+  for (int h = kRowSumLanes / 2; h > 0; h /= 2) {
+    for (int l = 0; l < h; ++l) lanes[l] += lanes[l + h];
+  }
+  return lanes[0];
+}
+
 // NorMuon's neuron-wise normalization (§6.2 steps 5-10), per row r of one rows×cols unit:
 //   ν_r = (Σ_c o²) / cols in f32 (the double row sum rounded first); V_r ← lerp(V_r, ν_r, w);
 //   D = O / (√V_r + 1e-8)  (the 1e-8 literals are hard-coded upstream, P9);

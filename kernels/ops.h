@@ -126,12 +126,14 @@ enum class Axis : uint8_t {
 };
 
 // Frobenius norm of each matrix: out[b] = ‖A_b‖_F. A any float dtype, rank 1..3; out f32 with
-// Batch(A) elements (any rank/shape with that many elements, contiguous). Accumulates in double.
+// Batch(A) elements (any rank/shape with that many elements, contiguous). Accumulates in double:
+// each row in the row-sum order of elementwise_math.h (FoldRowSumLanes), the rows in order.
 absl::Status FrobeniusNorm(const Context& ctx, ConstTensorView a, TensorView out);
 
 // Per-row (axis kRows) or per-column (kCols) norms of each matrix. A any float dtype, rank 1..3
 // (row-major); out f32 contiguous with Batch·Rows (kRows) or Batch·Cols (kCols) elements, in
-// [batch][index] order. Accumulates in double, then rounds to f32.
+// [batch][index] order. Accumulates in double (a row in the row-sum order of elementwise_math.h,
+// FoldRowSumLanes; a column in row order), then rounds to f32.
 absl::Status AxisNorms(const Context& ctx, ConstTensorView a, Axis axis, NormType type,
                        TensorView out);
 
@@ -303,8 +305,10 @@ absl::Status ApplyUpdate(const Context& ctx, const ApplyUpdateParams& p, ConstTe
 // NorMuon's neuron-wise normalization and rescaling (§6.2 steps 5-10, §20.2 steps 5-9) of every
 // rows×cols unit of `o` (f32, rank 2 or 3 [batch, rows, cols], contiguous), in place:
 //   f = ‖O‖_F; ν = rowmean(O²); V ← lerp(V, ν, w); D = O/(√V + 1e-8); O ← D·f/max(‖D‖_F, 1e-8).
-// v: f32 contiguous with batch·rows elements ([batch][row]), updated in place. Sums in double,
-// in element order within a unit, so the result does not depend on the thread count.
+// v: f32 contiguous with batch·rows elements ([batch][row]), updated in place. Sums in double:
+// each row's in the row-sum order of elementwise_math.h (FoldRowSumLanes), a unit's ‖·‖² as its
+// row sums added in row order; so the result does not depend on the thread count, and every
+// backend gives the same bits.
 absl::Status NormalizeNeurons(const Context& ctx, float w, TensorView o, TensorView v);
 
 // Commit of a staged result, in one pass: dst ← src, and update_sq (f32, one element) ← Σ

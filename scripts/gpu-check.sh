@@ -20,6 +20,10 @@
 #   ops_json    (from source only) cuda_ops_test's per-op / per-rule results as JSON
 #   conformance diond-conformance --device cuda:0 --mode both on every vector
 #   example     examples/python/train_gpt.py against a daemon started with --device=cuda:0
+#   world       a world of two daemons on this one GPU (client/python/tests/
+#               test_world_one_device.py with DIOND_WORLD_DEVICE=cuda:0): NCCL refuses two ranks
+#               on one GPU, so they exchange over --world_device_collectives=gloo; each rank's
+#               weights must equal one GPU daemon's
 #   python_cuda the Python CUDA arenas (client/python/tests/test_cuda_arena.py,
 #               test_cuda_region.py) with $DIOND_GPU_PYTHON (bundle: python3 on PATH; source:
 #               /usr/bin/python3), whose torch must see the GPU, else the step fails
@@ -143,6 +147,7 @@ else
   # (every binary with a `gpu`-labelled ctest case, plus the tools the later steps run)
   targets="diond diond_cuda diond_conformance diond_gpu_bench cuda_ops_test nccl_communicator_test"
   targets="$targets gpu_device_test diond_proto_python client_cuda_arena_test diond_ipc_bench"
+  targets="$targets cuda_lost_context_gpu_test cuda_rules_gpu_test"
   only='' run_step build 540 env DIOND_SKIP_DEPS=1 DIOND_JOBS="$(nproc)" DIOND_TARGETS="$targets" \
     bash "$root/scripts/build.sh" "$build" -DDIOND_WITH_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES="90-real;90-virtual" -DDIOND_WERROR=ON
@@ -188,6 +193,10 @@ elif [ "$prepared" -eq 0 ]; then
     wait "$daemon" 2>/dev/null
     rm -rf "$dir"
   fi
+  # 3b. A world of two daemons on this one GPU, over Gloo (NCCL refuses two ranks on one GPU).
+  run_step world 90 env PYTHONPATH="$pypath" DIOND_BINARY="$bin/diond" DIOND_WORLD_DEVICE=cuda:0 \
+    DIOND_CUDA_PLUGIN="$plugin" "$python" -m pytest -q -p no:cacheprovider \
+    --junitxml="$logs/world.xml" "$pytests/test_world_one_device.py"
   # 4. The Python CUDA arenas: the tests skip without a GPU in torch, so check that first
   # rather than record a pass that tested nothing.
   run_step python_cuda 120 env DIOND_BINARY="$bin/diond" PYTHONPATH="$pypath" bash -c '

@@ -169,6 +169,13 @@ DaemonMetrics::DaemonMetrics(std::shared_ptr<prometheus::Registry> registry, con
                                     "the daemon started.")
                               .Register(*registry_)
                               .Add({})),
+      device_lost_(prometheus::BuildGauge()
+                       .Name("diond_device_lost")
+                       .Help("1 once a sticky error (an illegal address, a kernel fault) has "
+                             "lost the compute device's context: health is NOT_SERVING and "
+                             "device steps are refused until the daemon restarts; else 0.")
+                       .Register(*registry_)
+                       .Add({})),
       graph_fallbacks_(prometheus::BuildCounter()
                            .Name("diond_step_graph_fallbacks_total")
                            .Help("Device sessions whose step phase (read, update, write) runs "
@@ -331,6 +338,8 @@ void DaemonMetrics::SetDeviceMemory(double in_use_bytes, double peak_bytes) {
   device_memory_in_use_.Set(in_use_bytes);
   device_memory_peak_.Set(peak_bytes);
 }
+
+void DaemonMetrics::SetDeviceLost() { device_lost_.Set(1); }
 
 void DaemonMetrics::ObserveStep(absl::string_view outcome, double total_seconds,
                                 double compute_seconds) {

@@ -69,6 +69,8 @@ class DaemonMetrics {
   void SetSessions(int64_t sessions);
   // A device daemon's pool (docs/OPERATIONS.md): bytes in use now and the high-water mark.
   void SetDeviceMemory(double in_use_bytes, double peak_bytes);
+  // The compute device's context was lost (a sticky CUDA error): diond_device_lost becomes 1.
+  void SetDeviceLost();
   // A device session decided to run a phase of its steps ("read", "update", "write") eagerly
   // (reason: "unsupported", "sync_point", "capture_failed", "world", "pageable").
   void CountGraphFallback(const std::string& phase, const std::string& reason);
@@ -105,6 +107,7 @@ class DaemonMetrics {
   prometheus::Family<prometheus::Counter>& sessions_reaped_;
   prometheus::Gauge& device_memory_in_use_;
   prometheus::Gauge& device_memory_peak_;
+  prometheus::Gauge& device_lost_;
   prometheus::Family<prometheus::Counter>& graph_fallbacks_;
   prometheus::Family<prometheus::Counter>& graph_steps_;
   prometheus::Family<prometheus::Counter>& steps_;

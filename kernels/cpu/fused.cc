@@ -281,26 +281,21 @@ absl::Status NormalizeNeurons(const Context& ctx, float w, TensorView o, TensorV
   const float fcols = static_cast<float>(cols);
   float* const op = o.As<float>();
   float* const vp = v.As<float>();
-  // One unit per iteration; within a unit every sum runs in element order.
+  // One unit per iteration. Each row sum (Σo², then ΣD²) in the row-sum order (RowSumF32, the
+  // GPU's warp order); ‖O‖² and ‖D‖² of the unit are those row sums added in row order, as the
+  // GPU adds them, so the result is the GPU's bit for bit and independent of the thread count.
   auto unit = [&](int64_t b) {
     float* u = op + b * rows * cols;
     float* vu = vp + b * rows;
-    double f2 = 0.0;
-    for (int64_t e = 0; e < rows * cols; ++e) f2 += static_cast<double>(u[e]) * u[e];
+    double f2 = 0.0, d2 = 0.0;
     for (int64_t i = 0; i < rows; ++i) {
-      const float* row = u + i * cols;
-      double ss = 0.0;
-      for (int64_t c = 0; c < cols; ++c) ss += static_cast<double>(row[c]) * row[c];
-      vu[i] = math::NeuronVarianceElement(vu[i], ss, fcols, w);
-    }
-    double d2 = 0.0;
-    for (int64_t i = 0; i < rows; ++i) {
-      const float denom = math::NeuronDenominator(vu[i]);
       float* row = u + i * cols;
-      for (int64_t c = 0; c < cols; ++c) {
-        row[c] = row[c] / denom;
-        d2 += static_cast<double>(row[c]) * row[c];
-      }
+      const double ss = cpu::RowSumF32(/*l1=*/false, row, cols);
+      f2 += ss;
+      vu[i] = math::NeuronVarianceElement(vu[i], ss, fcols, w);
+      const float denom = math::NeuronDenominator(vu[i]);
+      for (int64_t c = 0; c < cols; ++c) row[c] = row[c] / denom;
+      d2 += cpu::RowSumF32(/*l1=*/false, row, cols);
     }
     const float scale = math::NeuronRescale(f2, d2);
     for (int64_t e = 0; e < rows * cols; ++e) u[e] *= scale;

@@ -1,6 +1,7 @@
 // Tests of the kops block of kernels/ops.h: the tracked AdamW/Lion steps, MomentumUpdate,
 // ApplyUpdate, NormalizeNeurons, CopyWithChange and DecayScatterWithChange, each against an independent scalar formulation written here
 // (or, for the tracked steps, against the untracked op and a double sum of the changes).
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -213,6 +214,76 @@ TEST(NormalizeNeurons, MatchesTheRecipeAndBatchesBitForBit) {
   EXPECT_THAT(NormalizeNeurons(*ctx, w, MakeView(o.data(), {batch, rows, cols}),
                                MakeView(short_v.data(), {rows})),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("v is")));
+}
+
+// The f32 recipe with every sum in the documented order (ops.h NormalizeNeurons): each row's Σo²
+// and ΣD² in the warp order (testing::WarpOrderSum), a unit's ‖O‖² and ‖D‖² as those row sums
+// added in row order; the CUDA backend's order, so this pins what a GPU must reproduce.
+void NormalizeInWarpOrder(std::vector<float>& o, std::vector<float>& v, int64_t rows,
+                          int64_t cols, float w) {
+  double f2 = 0.0, d2 = 0.0;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = o.data() + r * cols;
+    std::vector<double> sq;
+    for (int64_t c = 0; c < cols; ++c) sq.push_back(static_cast<double>(row[c]) * row[c]);
+    const double ss = testing::WarpOrderSum(sq);
+    f2 += ss;
+    const float nu = static_cast<float>(ss) / static_cast<float>(cols);
+    v[r] = w < 0.5f ? v[r] + w * (nu - v[r]) : nu - (nu - v[r]) * (1.0f - w);
+    const float denom = std::sqrt(v[r]) + 1e-8f;
+    sq.clear();
+    for (int64_t c = 0; c < cols; ++c) {
+      row[c] = row[c] / denom;
+      sq.push_back(static_cast<double>(row[c]) * row[c]);
+    }
+    d2 += testing::WarpOrderSum(sq);
+  }
+  const float f = static_cast<float>(std::sqrt(f2)), d = static_cast<float>(std::sqrt(d2));
+  const float scale = f / (d < 1e-8f ? 1e-8f : d);
+  for (float& e : o) e *= scale;
+}
+
+// Bit for bit against that recipe, on units whose rows straddle the 32 lanes and on a unit with
+// a row (testing::OrderProbeRow) whose Σo² rounds differently in index order: its V then shows
+// the order.
+TEST(NormalizeNeurons, SumsInTheWarpOrderBitForBit) {
+  auto ctx = Context::CpuDefault(2);
+  struct Shape {
+    int64_t batch, rows, cols;
+  };
+  for (const Shape sh : {Shape{1, 1, 1}, Shape{3, 7, 31}, Shape{2, 5, 32}, Shape{2, 9, 33},
+                         Shape{1, 4, 160}, Shape{2, 40, 65}}) {
+    auto o = RandomVector(sh.batch * sh.rows * sh.cols, 70 + static_cast<uint32_t>(sh.cols));
+    if (sh.cols == 160) {
+      const std::vector<float> probe = testing::OrderProbeRow(sh.cols, /*squares=*/true);
+      std::copy(probe.begin(), probe.end(), o.begin() + sh.cols);  // row 1 of unit 0
+    }
+    auto v = RandomVector(sh.batch * sh.rows, 71, 0.1f);
+    for (float& e : v) e = e * e;
+    for (const float w : {0.05f, 0.75f, 1.0f}) {
+      std::vector<float> got = o, gv = v;
+      ASSERT_THAT(NormalizeNeurons(*ctx, w, MakeView(got.data(), {sh.batch, sh.rows, sh.cols}),
+                                   MakeView(gv.data(), {sh.batch * sh.rows})),
+                  IsOk());
+      for (int64_t b = 0; b < sh.batch; ++b) {
+        std::vector<float> want(o.begin() + b * sh.rows * sh.cols,
+                                o.begin() + (b + 1) * sh.rows * sh.cols);
+        std::vector<float> wv(v.begin() + b * sh.rows, v.begin() + (b + 1) * sh.rows);
+        NormalizeInWarpOrder(want, wv, sh.rows, sh.cols, w);
+        for (int64_t r = 0; r < sh.rows; ++r) {
+          ASSERT_EQ(gv[b * sh.rows + r], wv[r]) << sh.cols << " unit " << b << " row " << r;
+        }
+        for (int64_t e = 0; e < sh.rows * sh.cols; ++e) {
+          ASSERT_EQ(got[b * sh.rows * sh.cols + e], want[e]) << sh.cols << " unit " << b;
+        }
+      }
+      if (sh.cols == 160 && w == 1.0f) {
+        // w = 1: V is the probe row's ν, (1 + 2^-23)/160 in this order (1/160 in index order).
+        EXPECT_EQ(gv[1], (1.0f + 0x1p-23f) / 160.0f);
+        EXPECT_NE(gv[1], 1.0f / 160.0f);
+      }
+    }
+  }
 }
 
 TEST(CopyWithChange, CopiesAndReportsTheSquaredChange) {

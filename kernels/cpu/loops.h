@@ -73,6 +73,11 @@ inline double SumLanes(const double* lanes) {
   return s;
 }
 
+// Σ_j |row[j]| (l1) or Σ_j row[j]² over one f32 row of `cols` contiguous elements, in double, in
+// the row-sum order of math::FoldRowSumLanes (elementwise_math.h): the order of the CUDA
+// backend's warp per row. Every row sum of the CPU backend (reduce.cc, NormalizeNeurons) uses it.
+double RowSumF32(bool l1, const float* row, int64_t cols);
+
 // Runs body(begin, end) over [0, n) split into one static range per OpenMP thread, or on the
 // calling thread when n < grain. Results never depend on the split (elementwise work only).
 template <typename F>

@@ -1,14 +1,17 @@
 // Reductions of kernels/ops.h: FrobeniusNorm, AxisNorms, TopKByL1Norm, IsAllZero.
-// Every sum is accumulated in double along one row or one column by one thread, in index order,
-// so results do not depend on the thread count (nor on the ISA clone of the f32 loops).
+// Every sum is accumulated in double along one row or one column by one thread: a row in the
+// lane order of math::FoldRowSumLanes (the CUDA backend's warp order), a column in row order; so
+// results depend neither on the thread count nor on the ISA clone of the f32 loops, and are the
+// GPU's bit for bit.
 #include <algorithm>
 #include <cmath>
 #include <numeric>
 #include <vector>
 
 #include "common/status_macros.h"
-#include "kernels/cpu/loops.h"
 #include "kernels/cpu/backend.h"
+#include "kernels/cpu/loops.h"
+#include "kernels/elementwise_math.h"
 
 namespace diond::kernels::cpu {
 namespace {
@@ -28,51 +31,39 @@ double Term(NormType t, float v) {
                             : static_cast<double>(v) * static_cast<double>(v);
 }
 
-// ---- kbw: f32 row and column sums per ISA (DIOND_CPU_CLONES, loops.h) -----------------------
-// Every row (column) is still summed in index order, in double: RowSumsF32 walks eight rows side
-// by side (eight independent chains instead of one, so the adds overlap instead of waiting on
-// each other's latency), ColSumsF32 adds one row to the column sums at a time (the columns are
-// independent lanes). Bit for bit the sums of the generic loops below.
+}  // namespace
 
-// Rows [r0, r1) of the batch-of-matrices layout (global row index r = matrix·rows + row).
-DIOND_CPU_CLONES void RowSumsF32(NormType type, const float* base, int64_t batch_stride,
-                                 int64_t row_stride, int64_t rows, int64_t cols, int64_t r0,
-                                 int64_t r1, double* sums) {
-  constexpr int kSide = 8;
-  auto row_of = [&](int64_t r) {
-    return base + (r / rows) * batch_stride + (r % rows) * row_stride;
-  };
-  const bool l1 = type == NormType::kL1;
-  int64_t r = r0;
-  for (; r + kSide <= r1; r += kSide) {
-    const float* p[kSide];
-    for (int l = 0; l < kSide; ++l) p[l] = row_of(r + l);
-    double s[kSide] = {};
-    if (l1) {
-      for (int64_t j = 0; j < cols; ++j) {
-        for (int l = 0; l < kSide; ++l) s[l] += std::fabs(static_cast<double>(p[l][j]));
-      }
-    } else {
-      for (int64_t j = 0; j < cols; ++j) {
-        for (int l = 0; l < kSide; ++l) {
-          const double v = p[l][j];
-          s[l] += v * v;
-        }
+// ---- kbw: f32 row and column sums per ISA (DIOND_CPU_CLONES, loops.h) -----------------------
+// A row is summed in double in the lane order of math::FoldRowSumLanes (elementwise_math.h), the
+// CUDA backend's warp order: 32 independent chains per row (the adds overlap instead of waiting
+// on each other's latency, and vectorize without reassociation), then the pairwise fold.
+// ColSumsF32 adds one row to the column sums at a time (the columns are independent lanes): each
+// column in row order. Every clone gives the same bits.
+DIOND_CPU_CLONES double RowSumF32(bool l1, const float* row, int64_t cols) {
+  constexpr int kLanes = math::kRowSumLanes;
+  double lanes[kLanes] = {};
+  int64_t j = 0;
+  if (l1) {
+    for (; j + kLanes <= cols; j += kLanes) {
+      for (int l = 0; l < kLanes; ++l) lanes[l] += std::fabs(static_cast<double>(row[j + l]));
+    }
+    for (int l = 0; j + l < cols; ++l) lanes[l] += std::fabs(static_cast<double>(row[j + l]));
+  } else {
+    for (; j + kLanes <= cols; j += kLanes) {
+      for (int l = 0; l < kLanes; ++l) {
+        const double v = row[j + l];
+        lanes[l] += v * v;
       }
     }
-    for (int l = 0; l < kSide; ++l) sums[r + l] = s[l];
-  }
-  for (; r < r1; ++r) {
-    const float* row = row_of(r);
-    double s = 0.0;
-    if (l1) {
-      for (int64_t j = 0; j < cols; ++j) s += std::fabs(static_cast<double>(row[j]));
-    } else {
-      for (int64_t j = 0; j < cols; ++j) s += static_cast<double>(row[j]) * row[j];
+    for (int l = 0; j + l < cols; ++l) {
+      const double v = row[j + l];
+      lanes[l] += v * v;
     }
-    sums[r] = s;
   }
+  return math::FoldRowSumLanes(lanes);
 }
+
+namespace {
 
 // Columns [c0, c1) of one matrix: out[j] = Σ_i Term(a[i, j]), rows in order.
 DIOND_CPU_CLONES void ColSumsF32(NormType type, const float* base, int64_t row_stride,
@@ -96,8 +87,12 @@ void RowSums(ConstTensorView a, NormType type, double* sums) {
   const TensorLayout& l = a.layout();
   if (a.dtype() == DType::kF32) {
     const float* base = static_cast<const float*>(a.data());
+    const bool l1 = type == NormType::kL1;
     cpu::ParallelRange(batch * rows, [&](int64_t b, int64_t e) {
-      RowSumsF32(type, base, l.BatchStride(), l.RowStride(), rows, cols, b, e, sums);
+      for (int64_t r = b; r < e; ++r) {
+        sums[r] = RowSumF32(l1, base + (r / rows) * l.BatchStride() + (r % rows) * l.RowStride(),
+                            cols);
+      }
     }, std::max<int64_t>(1, cpu::kParallelGrain / std::max<int64_t>(1, cols)));
     return;
   }
@@ -107,9 +102,11 @@ void RowSums(ConstTensorView a, NormType type, double* sums) {
     cpu::ParallelRange(batch * rows, [&](int64_t b, int64_t e) {
       for (int64_t r = b; r < e; ++r) {
         const A* row = base + (r / rows) * l.BatchStride() + (r % rows) * l.RowStride();
-        double s = 0.0;
-        for (int64_t j = 0; j < cols; ++j) s += Term(type, cpu::ToF32(row[j]));
-        sums[r] = s;
+        double lanes[math::kRowSumLanes] = {};
+        for (int64_t j = 0; j < cols; ++j) {
+          lanes[j % math::kRowSumLanes] += Term(type, cpu::ToF32(row[j]));
+        }
+        sums[r] = math::FoldRowSumLanes(lanes);
       }
     }, std::max<int64_t>(1, cpu::kParallelGrain / std::max<int64_t>(1, cols)));
   });

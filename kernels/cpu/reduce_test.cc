@@ -180,40 +180,79 @@ TEST(IsAllZero, DetectsNonZeroAndNaN) {
               StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
-// kbw: the f32 row and column sums (eight rows side by side, loops.h clones) are the double
-// sums in index order, rounded once: bit for bit, for row counts that are not a multiple of 8,
-// a padded row stride and a batch.
-TEST(Norms, F32RowAndColumnSumsAreTheIndexOrderDoubleSums) {
+// The f32 row sums are the double sums in the row-sum (warp) order of elementwise_math.h, the
+// column sums the double sums in row order, rounded once: bit for bit, for row lengths around
+// the 32 lanes, a padded row stride and a batch.
+TEST(Norms, RowSumsAreInTheWarpOrderColumnSumsInRowOrder) {
   auto ctx = Context::CpuDefault(2);
-  const int64_t b = 3, m = 29, n = 1500, ld = 1504;
-  const auto a = RandomVector(b * m * ld, 21);
-  TensorLayout l = ContiguousLayout(DType::kF32, {b, m, n});
-  l.strides[1] = ld;
-  l.strides[0] = m * ld;
-  ConstTensorView av(a.data(), l);
-  for (const NormType t : {NormType::kL1, NormType::kSumOfSquares}) {
-    std::vector<float> rows(b * m), cols(b * n);
-    ASSERT_THAT(AxisNorms(*ctx, av, Axis::kRows, t, MakeView(rows.data(), {b * m})), IsOk());
-    ASSERT_THAT(AxisNorms(*ctx, av, Axis::kCols, t, MakeView(cols.data(), {b * n})), IsOk());
-    auto term = [&](float v) {
-      return t == NormType::kL1 ? std::fabs(static_cast<double>(v))
-                                : static_cast<double>(v) * static_cast<double>(v);
-    };
-    int64_t wrong = 0;
-    for (int64_t bi = 0; bi < b; ++bi) {
-      const float* mat = a.data() + bi * m * ld;
-      for (int64_t i = 0; i < m; ++i) {
-        double s = 0.0;
-        for (int64_t j = 0; j < n; ++j) s += term(mat[i * ld + j]);
-        wrong += static_cast<float>(s) != rows[bi * m + i] ? 1 : 0;
+  for (const int64_t n : {int64_t{1}, int64_t{31}, int64_t{32}, int64_t{33}, int64_t{1500}}) {
+    const int64_t b = 3, m = 29, ld = n + 4;
+    const auto a = RandomVector(b * m * ld, 21 + static_cast<uint32_t>(n));
+    TensorLayout l = ContiguousLayout(DType::kF32, {b, m, n});
+    l.strides[1] = ld;
+    l.strides[0] = m * ld;
+    ConstTensorView av(a.data(), l);
+    for (const NormType t : {NormType::kL1, NormType::kSumOfSquares}) {
+      std::vector<float> rows(b * m), cols(b * n);
+      ASSERT_THAT(AxisNorms(*ctx, av, Axis::kRows, t, MakeView(rows.data(), {b * m})), IsOk());
+      ASSERT_THAT(AxisNorms(*ctx, av, Axis::kCols, t, MakeView(cols.data(), {b * n})), IsOk());
+      auto term = [&](float v) {
+        return t == NormType::kL1 ? std::fabs(static_cast<double>(v))
+                                  : static_cast<double>(v) * static_cast<double>(v);
+      };
+      int64_t wrong = 0;
+      for (int64_t bi = 0; bi < b; ++bi) {
+        const float* mat = a.data() + bi * m * ld;
+        for (int64_t i = 0; i < m; ++i) {
+          std::vector<double> terms;
+          for (int64_t j = 0; j < n; ++j) terms.push_back(term(mat[i * ld + j]));
+          wrong += static_cast<float>(testing::WarpOrderSum(terms)) != rows[bi * m + i] ? 1 : 0;
+        }
+        for (int64_t j = 0; j < n; ++j) {
+          std::vector<double> terms;
+          for (int64_t i = 0; i < m; ++i) terms.push_back(term(mat[i * ld + j]));
+          wrong += static_cast<float>(testing::IndexOrderSum(terms)) != cols[bi * n + j] ? 1 : 0;
+        }
       }
-      for (int64_t j = 0; j < n; ++j) {
-        double s = 0.0;
-        for (int64_t i = 0; i < m; ++i) s += term(mat[i * ld + j]);
-        wrong += static_cast<float>(s) != cols[bi * n + j] ? 1 : 0;
+      EXPECT_EQ(wrong, 0) << "n " << n << " norm " << static_cast<int>(t);
+    }
+  }
+}
+
+// Rows on which the order shows in the f32 result (testing::OrderProbeRow: 1 + 2^-23 in the warp
+// order, 1 in index order), f32 and bf16, L1 and sum of squares, AxisNorms and TopKByL1Norm's
+// scores: the CPU sums rows in the warp order, whatever the row's length.
+TEST(Norms, RowSumsTakeTheWarpOrderWhereItChangesTheResult) {
+  auto ctx = Context::CpuDefault(2);
+  for (const int64_t n : {int64_t{160}, int64_t{768}, int64_t{1000}}) {
+    for (const bool squares : {false, true}) {
+      const std::vector<float> row = testing::OrderProbeRow(n, squares);
+      ASSERT_EQ(static_cast<int64_t>(row.size()), n);
+      // Three rows: the probe, then two ordinary rows (the probe is not the last row).
+      std::vector<float> a(static_cast<size_t>(3 * n), 0.25f);
+      std::copy(row.begin(), row.end(), a.begin());
+      const std::vector<BFloat16> abf = testing::ToBf16(a);
+      for (const bool bf16 : {false, true}) {
+        ConstTensorView av = bf16 ? ConstTensorView(abf.data(), ContiguousLayout(DType::kBf16,
+                                                                                   {3, n}))
+                                  : MakeView(a.data(), {3, n});
+        std::vector<float> norms(3);
+        ASSERT_THAT(AxisNorms(*ctx, av, Axis::kRows,
+                              squares ? NormType::kSumOfSquares : NormType::kL1,
+                              MakeView(norms.data(), {3})),
+                    IsOk());
+        EXPECT_EQ(norms[0], 1.0f + 0x1p-23f) << "n " << n << (squares ? " Σx²" : " Σ|x|")
+                                             << (bf16 ? " bf16" : " f32");
+        if (!squares) {
+          std::vector<int64_t> idx(3);
+          std::vector<float> scores(3);
+          ASSERT_THAT(TopKByL1Norm(*ctx, av, Axis::kRows, 3, absl::MakeSpan(idx),
+                                   MakeView(scores.data(), {3})),
+                      IsOk());
+          EXPECT_EQ(scores[0], 1.0f + 0x1p-23f) << "n " << n << (bf16 ? " bf16" : " f32");
+        }
       }
     }
-    EXPECT_EQ(wrong, 0) << static_cast<int>(t);
   }
 }
 

@@ -109,6 +109,24 @@ int Launch(const DiondOpsCall* call, const char* op, int64_t n, F f) {
   return CheckLaunch(call, op);
 }
 
+// ---- row sums: a warp per row (math::FoldRowSumLanes, elementwise_math.h) --------------------
+// A kernel over rows gives each warp of a kThreads block one row at a time (row r = warp index,
+// grid-stride over RowGrid(rows) blocks); lane l adds the row's terms l, l + 32, ... in order into
+// a double, and FoldWarp folds the 32 lanes pairwise (16, 8, 4, 2, 1), which is the CPU's order
+// bit for bit (--fmad=false keeps every product and sum rounded as written). Every lane of a warp
+// must call FoldWarp (the shuffles name the whole warp); lane 0 gets the row's sum.
+constexpr int kWarp = 32;
+static_assert(kernels::math::kRowSumLanes == kWarp, "the row-sum order: one lane per warp thread");
+constexpr int kRowsPerBlock = kThreads / kWarp;
+inline unsigned RowGrid(int64_t rows) {
+  const int64_t blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  return static_cast<unsigned>(blocks < 65536 * 8 ? blocks : 65536 * 8);
+}
+__device__ __forceinline__ double FoldWarp(double s) {
+  for (int h = kWarp / 2; h > 0; h /= 2) s += __shfl_down_sync(0xffffffffu, s, h);
+  return s;
+}
+
 // ---- the fused steps' scalars (ops_elementwise.cu, ops_fused.cu): the plugin's records as the
 // shared element functions take them, and where a kernel gets them: ByValue (formed on the host
 // at the call, passed in the kernel's arguments) or OnDevice (graph: a device record read by

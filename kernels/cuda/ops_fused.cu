@@ -7,16 +7,15 @@
 // CPU loops call (built with --fmad=false): x, m, v, u and the normalized O are bit-identical to
 // the CPU's wherever the inputs to those functions are.
 //
-// Sums differ in order from the CPU's (docs/GPU.md, "Summation order"):
+// Sums that differ in order from the CPU's (docs/GPU.md, "Summation order"):
 //   * update_sq (the tracked steps, CopyWithChange): Σ(x_after − x_before)² in double, each thread
 //     over a grid-stride set of elements, a tree in shared memory per block, then the block
 //     partials in block order by one thread; the CPU sums in element order per thread range.
 //     Both are double sums of non-negative terms rounded once to f32, so they differ by at most
 //     one f32 ulp (relative 2^-23) on any realistic n.
-//   * NormalizeNeurons: the row sums of O² (hence ν and V) and of D² are one thread per row in
-//     column order, as the CPU's, so V and D before the rescale are bit-identical; ‖O‖² and ‖D‖²
-//     of a unit are the row sums added in row order, where the CPU adds the elements in order,
-//     so the rescale factor, and with it every element of the result, may differ by one f32 ulp.
+// NormalizeNeurons is the CPU's bit for bit: the row sums of O² (hence ν and V) and of D² are a
+// warp per row in the row-sum order of math::FoldRowSumLanes (the CPU's), and ‖O‖², ‖D‖² of a
+// unit are those row sums added in row order, as on the CPU.
 #include <vector>
 
 #include "kernels/cuda/ops_common.cuh"
@@ -124,6 +123,38 @@ int LionTracked(const DiondOpsCall* call, Scalars scalars, DiondIn grad, DiondOu
       static_cast<float*>(update_sq->data));
 }
 
+// NormalizeNeurons' rows, a warp per row (ops_common.cuh "row sums"): Σo² (kept for the unit's
+// ‖O‖²), V ← lerp(V, ν, w) by lane 0 (broadcast to the warp before anyone writes), the row
+// divided in place, and ΣD² (kept for ‖D‖²).
+__global__ void NormalizeRowsKernel(float* op, float* vp, int64_t rows, int64_t cols, float fcols,
+                                    float w, double* o_sq, double* d_sq) {
+  const int lane = static_cast<int>(threadIdx.x % kWarp);
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kRowsPerBlock;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(kRowsPerBlock) + threadIdx.x / kWarp;
+       i < rows; i += warps) {
+    float* row = op + i * cols;
+    double ss = 0.0;
+    for (int64_t c = lane; c < cols; c += kWarp) ss += static_cast<double>(row[c]) * row[c];
+    ss = FoldWarp(ss);
+    float vi = 0.0f;
+    if (lane == 0) {
+      vi = math::NeuronVarianceElement(vp[i], ss, fcols, w);
+      vp[i] = vi;
+      o_sq[i] = ss;
+    }
+    vi = __shfl_sync(0xffffffffu, vi, 0);
+    const float denom = math::NeuronDenominator(vi);
+    double dd = 0.0;
+    for (int64_t c = lane; c < cols; c += kWarp) {
+      const float q = row[c] / denom;
+      row[c] = q;
+      dd += static_cast<double>(q) * q;
+    }
+    dd = FoldWarp(dd);
+    if (lane == 0) d_sq[i] = dd;
+  }
+}
+
 }  // namespace
 
 int OpAdamWStepTracked(const DiondOpsCall* call, const DiondAdamWScalars* c, DiondIn grad,
@@ -207,22 +238,10 @@ int OpNormalizeNeurons(const DiondOpsCall* call, float w, DiondOut o, DiondOut v
   double* d_sq = o_sq + units_rows;
   float* scale = reinterpret_cast<float*>(d_sq + units_rows);
   const float fcols = static_cast<float>(cols);
-  // One thread per row: ν, V, D = O / (√V + 1e-8) and Σ D², every sum in column order.
-  DIOND_RC(Launch(call, kOp, units_rows, [=] __device__(int64_t i) {
-    float* row = op + i * cols;
-    double ss = 0.0;
-    for (int64_t c = 0; c < cols; ++c) ss += static_cast<double>(row[c]) * row[c];
-    o_sq[i] = ss;
-    const float vi = math::NeuronVarianceElement(vp[i], ss, fcols, w);
-    vp[i] = vi;
-    const float denom = math::NeuronDenominator(vi);
-    double dd = 0.0;
-    for (int64_t c = 0; c < cols; ++c) {
-      row[c] = row[c] / denom;
-      dd += static_cast<double>(row[c]) * row[c];
-    }
-    d_sq[i] = dd;
-  }));
+  // A warp per row: ν, V, D = O / (√V + 1e-8) and Σ D², each row sum in the CPU's row-sum order.
+  NormalizeRowsKernel<<<RowGrid(units_rows), kThreads, 0, StreamOf(call)>>>(
+      op, vp, units_rows, cols, fcols, w, o_sq, d_sq);
+  DIOND_RC(CheckLaunch(call, kOp));
   // One thread per unit: the rescale factor from the row sums, added in row order.
   DIOND_RC(Launch(call, kOp, batch, [=] __device__(int64_t b) {
     double f2 = 0.0, d2 = 0.0;

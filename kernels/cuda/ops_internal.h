@@ -21,6 +21,7 @@ int OpStreamCreate(const DiondOpsCall* call, void** stream);
 void OpStreamDestroy(int device, void* stream);
 int OpStreamSynchronize(const DiondOpsCall* call);
 int OpMemoryStats(const DiondOpsCall* call, uint64_t* in_use, uint64_t* peak);
+int OpDeviceHealth(const DiondOpsCall* call);
 
 // ops_blas.cu
 int OpGemm(const DiondOpsCall*, const DiondGemmArgs*, DiondIn a, DiondIn b, DiondOut c);

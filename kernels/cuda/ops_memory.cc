@@ -485,6 +485,20 @@ int OpMemoryStats(const DiondOpsCall* call, uint64_t* in_use, uint64_t* peak) {
   return DIOND_OPS_OK;
 }
 
+// The context's health: a sticky error that any entry has seen, or that a probe sees now. The
+// probe queries the device's allocation stream, which holds nothing (never a wait) and is never
+// captured; like every runtime call it returns the sticky error once the context is gone, even
+// on a thread that has made no other call (the daemon asks from its RPC threads).
+int OpDeviceHealth(const DiondOpsCall* call) {
+  Consume(call->device, cudaSuccess);
+  if (!DeviceLost(call->device) && Prepare(call->device) == cudaSuccess) {
+    const cudaError_t e = cudaStreamQuery(g_devices[Slot(call->device)].alloc_stream);
+    if (e != cudaSuccess && e != cudaErrorNotReady) Consume(call->device, e);
+  }
+  if (DeviceLost(call->device)) return LostFail(call, call->device);
+  return DIOND_OPS_OK;
+}
+
 // ---- devsession: host registration of the trainer's shm / memfd mappings ----
 int OpHostRegister(const DiondOpsCall* call, void* ptr, size_t bytes) {
   DIOND_RC(UseDevice(call, "host_register"));

@@ -1,9 +1,11 @@
 // Reductions and selection of the CUDA backend: FrobeniusNorm, AxisNorms, TopKByL1Norm,
 // IsAllZero.
 //
-// Sums: each row (or column) sum is accumulated in double by one thread in index order, exactly
-// as the CPU backend does (kernels/cpu/reduce.cc), so norms are bit-identical to the CPU's and
-// a top-k by norm selects the same slices. The Frobenius norm sums those row sums in row order.
+// Sums, in double and in the CPU backend's order (kernels/cpu/reduce.cc), so norms are
+// bit-identical to the CPU's and a top-k by norm selects the same slices: a row by one warp in
+// the row-sum order of math::FoldRowSumLanes (elementwise_math.h; coalesced loads), a column by
+// one thread in row order (adjacent threads read adjacent columns). The Frobenius norm adds the
+// row sums of a matrix in row order.
 // TopKByL1Norm: CUB's stable descending radix sort of (TopKOrderKey(score), index) pairs,
 // indices given ascending, which is the CPU's order exactly (elementwise_math.h; tested on the CPU).
 #include <cub/device/device_radix_sort.cuh>
@@ -22,14 +24,31 @@ __device__ __forceinline__ double Term(int l1, float v) {
   return l1 ? fabs(d) : d * d;
 }
 
-int RowSums(const DiondOpsCall* call, const char* op, const Mat3& a, int l1, double* sums) {
-  return Launch(call, op, a.batch * a.rows, [=] __device__(int64_t r) {
+// A warp per row (grid-stride over the rows, RowGrid): lane l adds the terms l, l + 32, ... in
+// order, and FoldWarp folds the lanes: math::FoldRowSumLanes's order exactly (the CPU's), with the
+// row read coalesced.
+__global__ void RowSumsKernel(Mat3 a, int l1, int64_t n_rows, double* sums) {
+  const int lane = static_cast<int>(threadIdx.x % kWarp);
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kRowsPerBlock;
+  // r is the same for every lane of a warp, so the shuffles see the whole warp.
+  for (int64_t r = blockIdx.x * static_cast<int64_t>(kRowsPerBlock) + threadIdx.x / kWarp;
+       r < n_rows; r += warps) {
     const int64_t b = r / a.rows, i = r % a.rows;
     const int64_t base = b * a.bs + i * a.rs;
     double s = 0.0;
-    for (int64_t j = 0; j < a.cols; ++j) s += Term(l1, LoadAs(a.p, a.dtype, base + j * a.cs));
-    sums[r] = s;
-  });
+    for (int64_t j = lane; j < a.cols; j += kWarp) {
+      s += Term(l1, LoadAs(a.p, a.dtype, base + j * a.cs));
+    }
+    s = FoldWarp(s);
+    if (lane == 0) sums[r] = s;
+  }
+}
+
+int RowSums(const DiondOpsCall* call, const char* op, const Mat3& a, int l1, double* sums) {
+  const int64_t n_rows = a.batch * a.rows;
+  if (n_rows <= 0) return DIOND_OPS_OK;
+  RowSumsKernel<<<RowGrid(n_rows), kThreads, 0, StreamOf(call)>>>(a, l1, n_rows, sums);
+  return CheckLaunch(call, op);
 }
 
 int ColSums(const DiondOpsCall* call, const char* op, const Mat3& a, int l1, double* sums) {

@@ -77,6 +77,8 @@ const DiondOpsApiV1* OpsApi() {
       &OpAdamWStepTrackedDev,
       &OpLionStepTrackedDev,
       &OpApplyUpdateDev,
+      // version 9
+      &OpDeviceHealth,
   };
   return &kOps;
 }

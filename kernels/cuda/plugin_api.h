@@ -99,13 +99,14 @@ typedef struct DiondNcclApiV1 {
 //
 // Adding an op (docs/GPU.md): append its entry at the END of DiondOpsApiV1 (never reorder),
 // bump DIOND_OPS_API_VERSION, and append the adapter's forwarding function.
-#define DIOND_OPS_API_VERSION 8  // 2: ortho ops; 3: kops ops, TopK/Lerp/CautiousWeightDecay gone;
+#define DIOND_OPS_API_VERSION 9  // 2: ortho ops; 3: kops ops, TopK/Lerp/CautiousWeightDecay gone;
                                  // 4: the session's ops (steps); 5: device UUIDs, IPC/VMM
                                  // imports and events (handoff), host registration and stream
                                  // capture (devsession); 6: stream-ordered copies and the
                                  // device-side finiteness flags (asynccopy); 7: Dion2's
                                  // deferred parameter write (decay_scatter_with_change);
-                                 // 8: the fused steps with device-side scalars (*_dev)
+                                 // 8: the fused steps with device-side scalars (*_dev);
+                                 // 9: device_health
 enum {
   DIOND_OPS_OK = 0,
   DIOND_OPS_INTERNAL = -1,             // a library/kernel failure (absl INTERNAL)
@@ -311,6 +312,12 @@ typedef struct DiondOpsApiV1 {
                                DiondOut x, DiondOut m, DiondOut update_sq);
   int (*apply_update_dev)(const DiondOpsCall*, const DiondApplyUpdateScalars*, DiondIn update,
                           DiondIn x_in, DiondOut x);
+  // ---- ops API version 9: the device's health. DIOND_OPS_OK while call->device's context is
+  // usable; DIOND_OPS_FAILED_PRECONDITION with the reason once a sticky error (an illegal
+  // address or another kernel fault, an uncorrectable ECC error) has lost it, after which every
+  // entry fails the same way until the process ends. Never blocks and is not a sync point: the
+  // daemon asks after every step and before every device step (docs/GPU.md "Errors"). ----
+  int (*device_health)(const DiondOpsCall* call);
 } DiondOpsApiV1;
 
 // handoff: sizes of the records above.

@@ -53,7 +53,7 @@ constexpr bool kExactEverywhere = true;
 
 // Tolerance classes (absolute, on O(1) data) for the CUDA backend; 0 = bit for bit. kSum: a
 // result that goes through a double sum which the GPU adds in another order than the CPU
-// (update_sq; NormalizeNeurons' ‖O‖ and ‖D‖, docs/GPU.md "Summation order"): the double sums
+// (update_sq, docs/GPU.md "Summation order"): the double sums
 // agree to ~1e-15 relative, so the f32 result may be one ulp off; checked as a relative
 // tolerance of 4 f32 ulps (RelTol below), exact on the TEST backend.
 enum class Tol { kExact, kGemm, kFactor, kRule, kSum };
@@ -295,6 +295,81 @@ TEST_F(DeviceOpsTest, ReductionsAndSelectionAreBitIdentical) {
   EXPECT_TRUE(dz);
   ASSERT_THAT(IsAllZero(*dev_, m.d.cview(), &hz), IsOk());
   EXPECT_FALSE(hz);
+}
+
+// Row sums, a warp per row on the GPU (docs/GPU.md "Reductions"): rows of awkward lengths (1,
+// 31, 32, 33, 160, 768, 1000), one row and thousands, a padded row stride, f32/bf16/f16, against
+// the CPU bit for bit: AxisNorms by rows (L1, L2, Σx²), FrobeniusNorm, TopKByL1Norm's scores and
+// order. Rows of testing::OrderProbeRow make the summation order visible in the f32 result (the
+// row-sum order gives 1 + 2^-23, index order 1). On the TEST backend this is the CPU against
+// itself; it checks the CUDA kernels in cuda_ops_test (label gpu), which runs on a GPU only.
+TEST_F(DeviceOpsTest, RowSumsOfAwkwardLengthsAreBitIdentical) {
+  struct Shape {
+    int64_t batch, rows, cols;
+  };
+  for (const Shape sh : {Shape{1, 1, 1}, Shape{2, 3, 31}, Shape{1, 7, 32}, Shape{3, 5, 33},
+                         Shape{2, 4, 160}, Shape{1, 768, 768}, Shape{1, 3, 1000},
+                         Shape{1, 5000, 3}}) {
+    for (const DType t : {DType::kF32, DType::kBf16, DType::kF16}) {
+      for (const int64_t pad : {int64_t{0}, int64_t{3}}) {
+        const int64_t ld = sh.cols + pad, n = sh.batch * sh.rows;
+        const std::string c = " " + std::to_string(sh.batch) + "x" + std::to_string(sh.rows) +
+                              "x" + std::to_string(sh.cols) + " pad " + std::to_string(pad) +
+                              " dtype " + std::to_string(static_cast<int>(t));
+        Pair a = Make({n * ld}, 200 + static_cast<uint32_t>(sh.cols), t);
+        if (sh.cols >= 160 && t != DType::kF16) {
+          // Row 0 probes Σ|x|, row 1 Σx² (f16 cannot hold their small terms).
+          for (int64_t r = 0; r < 2; ++r) {
+            const std::vector<float> probe = testing::OrderProbeRow(sh.cols, r == 1);
+            for (int64_t j = 0; j < sh.cols; ++j) {
+              if (t == DType::kF32) {
+                a.h.As<float>()[r * ld + j] = probe[j];
+              } else {
+                a.h.As<BFloat16>()[r * ld + j] = FloatToBf16(probe[j]);
+              }
+            }
+          }
+          Upload(a);
+        }
+        TensorLayout l = ContiguousLayout(t, {sh.batch, sh.rows, sh.cols});
+        l.strides[1] = ld;
+        l.strides[0] = sh.rows * ld;
+        const ConstTensorView dv(a.d.data(), l, kDev), hv(a.h.data(), l);
+        for (const NormType norm : {NormType::kL1, NormType::kL2, NormType::kSumOfSquares}) {
+          Pair out = Make({n}, 201);
+          ASSERT_THAT(AxisNorms(*dev_, dv, Axis::kRows, norm, out.d.view()), IsOk());
+          ASSERT_THAT(AxisNorms(*cpu_, hv, Axis::kRows, norm, out.h.view()), IsOk());
+          Expect(out, Tol::kExact, "row norms " + std::to_string(static_cast<int>(norm)) + c);
+          if (sh.cols >= 160 && t != DType::kF16 && norm != NormType::kL2) {
+            const float want = 1.0f + 0x1p-23f;
+            EXPECT_EQ(out.h.As<float>()[norm == NormType::kL1 ? 0 : 1], want) << c;
+          }
+        }
+        Pair fro = Make({sh.batch}, 202);
+        ASSERT_THAT(FrobeniusNorm(*dev_, dv, fro.d.view()), IsOk());
+        ASSERT_THAT(FrobeniusNorm(*cpu_, hv, fro.h.view()), IsOk());
+        Expect(fro, Tol::kExact, "frobenius" + c);
+        if (sh.batch == 1 && t != DType::kF16) {  // TopKByL1Norm: rank 2, f32 or bf16
+          const TensorLayout l2 = [&] {
+            TensorLayout m = ContiguousLayout(t, {sh.rows, sh.cols});
+            m.strides[0] = ld;
+            return m;
+          }();
+          const int64_t k = sh.rows;
+          std::vector<int64_t> got(static_cast<size_t>(k)), want(static_cast<size_t>(k));
+          Pair sc = Make({sh.rows}, 203);
+          ASSERT_THAT(TopKByL1Norm(*dev_, ConstTensorView(a.d.data(), l2, kDev), Axis::kRows, k,
+                                   absl::MakeSpan(got), sc.d.view()),
+                      IsOk());
+          ASSERT_THAT(TopKByL1Norm(*cpu_, ConstTensorView(a.h.data(), l2), Axis::kRows, k,
+                                   absl::MakeSpan(want), sc.h.view()),
+                      IsOk());
+          EXPECT_EQ(got, want) << c;
+          Expect(sc, Tol::kExact, "top-k scores" + c);
+        }
+      }
+    }
+  }
 }
 
 TEST_F(DeviceOpsTest, GatherScatterCopyAreBitIdentical) {
@@ -543,9 +618,13 @@ TEST_F(DeviceOpsTest, DeviceScalarFormsOfTheFusedStepsAreBitIdentical) {
 }
 
 TEST_F(DeviceOpsTest, NormalizeNeuronsMatches) {
-  // Rank 2 and a batch of units; w below and above 0.5 (the two lerp branches).
+  // Rank 2 and batches of units, rows around the 32 lanes, one 768×768 unit; w below and above
+  // 0.5 (the two lerp branches).
   for (std::vector<int64_t> shape :
-       {std::vector<int64_t>{24, 70}, std::vector<int64_t>{3, 17, 40}}) {
+       {std::vector<int64_t>{24, 70}, std::vector<int64_t>{3, 17, 40},
+        std::vector<int64_t>{1, 1}, std::vector<int64_t>{3, 33, 31},
+        std::vector<int64_t>{5, 2, 32}, std::vector<int64_t>{2, 9, 33},
+        std::vector<int64_t>{768, 768}}) {
     const int64_t units = shape.size() == 3 ? shape[0] : 1;
     const int64_t rows = shape[shape.size() - 2];
     Pair o = Make(shape, 120), v = Make({units * rows}, 121);
@@ -555,11 +634,9 @@ TEST_F(DeviceOpsTest, NormalizeNeuronsMatches) {
       const std::string c = " rank " + std::to_string(shape.size()) + " w " + std::to_string(w);
       ASSERT_THAT(NormalizeNeurons(*dev_, w, o.d.view(), v.d.view()), IsOk());
       ASSERT_THAT(NormalizeNeurons(*cpu_, w, o.h.view(), v.h.view()), IsOk());
-      Expect(v, Tol::kExact, "normalize_neurons v" + c);  // row sums: the CPU's order
-      Expect(o, Tol::kSum, "normalize_neurons o" + c);    // the rescale: another order
-      // The next round starts from the same O on both sides (the GPU's may be an ulp off).
-      const std::vector<float> back = Host(o.d);
-      std::memcpy(o.h.data(), back.data(), back.size() * 4);
+      // Every sum in the CPU's order (row sums a warp per row, a unit's in row order): exact.
+      Expect(v, Tol::kExact, "normalize_neurons v" + c);
+      Expect(o, Tol::kExact, "normalize_neurons o" + c);
     }
   }
 }

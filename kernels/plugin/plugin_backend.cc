@@ -568,6 +568,7 @@ bool HasNullEntry(const DiondOpsApiV1& o) {
       reinterpret_cast<const void*>(o.adamw_step_tracked_dev),
       reinterpret_cast<const void*>(o.lion_step_tracked_dev),
       reinterpret_cast<const void*>(o.apply_update_dev),
+      reinterpret_cast<const void*>(o.device_health),
   };
   for (const void* e : entries) {
     if (e == nullptr) return true;
@@ -658,6 +659,13 @@ absl::StatusOr<DeviceMemoryStats> GetDeviceMemoryStats(Device device) {
                              ops->name);
   if (!s.ok()) return s;
   return st;
+}
+
+absl::Status DeviceHealth(Device device) {
+  const DiondOpsApiV1* ops = OpsFor(device);
+  if (ops == nullptr) return absl::FailedPreconditionError("no device backend for this device");
+  Call call(device.index, nullptr);
+  return call.Done("device_health", ops->device_health(&call.c), ops->name);
 }
 
 // ---- handoff (issue 12): device UUIDs, CUDA IPC / VMM imports, interprocess events ----

@@ -52,6 +52,11 @@ struct DeviceMemoryStats {
   uint64_t peak = 0;
 };
 absl::StatusOr<DeviceMemoryStats> GetDeviceMemoryStats(Device device);
+// OK while `device`'s context is usable; FAILED_PRECONDITION with the backend's reason once a
+// sticky error (CUDA: an illegal address, a kernel fault) has lost it, for good: every device
+// entry then fails. Never blocks (the table's device_health). FAILED_PRECONDITION too when
+// nothing is adapted for the device's type.
+absl::Status DeviceHealth(Device device);
 
 // devsession: pins host memory (a trainer's shm / memfd mapping) for DMA through the table's
 // host_register (CUDA: cudaHostRegister) and undoes it (host_unregister, exactly once per

@@ -255,9 +255,20 @@ TEST_F(CudaRuntimeRulesTest, CaptureConflictIsNotOutOfMemory) {
   EXPECT_NE(std::string(alloc.err).find("capture"), std::string::npos) << alloc.err;
 }
 
+// (Last: a lost context stays lost for the process, as on a GPU.)
 TEST_F(CudaRuntimeRulesTest, LostContextIsReportedAndRefused) {
   void* s = NewStream();
+  Call healthy;
+  EXPECT_EQ(OpDeviceHealth(&healthy.c), DIOND_OPS_OK) << healthy.err;
   fake::LoseContext();
+  // device_health notices it by itself, before any other entry ran into it (the daemon asks
+  // after every step and turns its health NOT_SERVING).
+  Call health;
+  EXPECT_EQ(OpDeviceHealth(&health.c), DIOND_OPS_FAILED_PRECONDITION);
+  EXPECT_NE(std::string(health.err).find("the CUDA context is lost"), std::string::npos)
+      << health.err;
+  EXPECT_NE(std::string(health.err).find("illegal memory access"), std::string::npos)
+      << health.err;
   Call call(s);
   EXPECT_NE(OpStreamSynchronize(&call.c), DIOND_OPS_OK);
   // Every entry after it is refused with one clear message, the memory stats included (the

@@ -109,8 +109,49 @@ int FromStatus(const DiondOpsCall* call, const absl::Status& s) {
   return Fail(call, code, std::string(s.message()));
 }
 
-// Every op entry: the stream must be one of ours (or null: the default stream).
+// ---- a lost context (LoseHostTestDeviceContext): the stand-in for a sticky CUDA error. Its own
+// lock: the trigger is user code, asked outside St().mu.
+struct Loss {
+  std::mutex mu;
+  std::string why;  // "" while the context is usable
+  std::function<bool()> trigger;
+};
+Loss& Lost() {
+  static auto* l = new Loss;
+  return *l;
+}
+// The reason once lost ("" before); `ask`: an op entry, which asks the trigger first.
+std::string LossReason(bool ask) {
+  std::function<bool()> trigger;
+  {
+    std::lock_guard<std::mutex> lock(Lost().mu);
+    if (!Lost().why.empty() || !ask || !Lost().trigger) return Lost().why;
+    trigger = Lost().trigger;
+  }
+  if (!trigger()) return "";
+  std::lock_guard<std::mutex> lock(Lost().mu);
+  if (Lost().why.empty()) Lost().why = "an illegal memory access in a kernel, injected by the test";
+  Lost().trigger = nullptr;
+  return Lost().why;
+}
+// The CUDA plugin's refusal once a sticky error was seen (ops_memory.cc LostFail), worded alike.
+int LostFail(const DiondOpsCall* call, const std::string& why) {
+  return Fail(call, DIOND_OPS_FAILED_PRECONDITION,
+              "host-test device " + std::to_string(call->device) + ": the device context is lost (" +
+                  why + ", an unrecoverable error); no device work can run until the daemon "
+                  "restarts");
+}
+bool RefuseIfLost(const DiondOpsCall* call, int* rc, bool ask = false) {
+  const std::string why = LossReason(ask);
+  if (why.empty()) return false;
+  *rc = LostFail(call, why);
+  return true;
+}
+
+// Every op entry: the context must not be lost (the trigger is asked here), and the stream must
+// be one of ours (or null: the default stream).
 bool CheckStream(const DiondOpsCall* call, int* rc) {
+  if (RefuseIfLost(call, rc, /*ask=*/true)) return false;
   State& st = St();
   std::lock_guard<std::mutex> lock(st.mu);
   ++st.counters.ops;
@@ -204,7 +245,8 @@ void Drain(void* stream) {
     }
     char err[512] = {0};
     const DiondOpsCall c{w.device, stream, err, sizeof(err)};
-    const int rc = w.run(&c);
+    int rc = DIOND_OPS_OK;
+    if (!RefuseIfLost(&c, &rc)) rc = w.run(&c);  // nothing runs on a lost context
     if (rc == DIOND_OPS_OK) continue;
     std::lock_guard<std::mutex> lock(q.mu);
     q.pending[stream].clear();
@@ -272,6 +314,7 @@ const Context& Cpu() {
 
 // ---- memory ----
 int Allocate(const DiondOpsCall* call, size_t bytes, void** ptr) {
+  if (int rc = DIOND_OPS_OK; RefuseIfLost(call, &rc)) return rc;
   std::lock_guard<std::recursive_mutex> guard(GuardMu());  // guard_depth is read below
   State& st = St();
   std::lock_guard<std::mutex> lock(st.mu);
@@ -359,6 +402,7 @@ int CopyToHostAsync(const DiondOpsCall* call, const void* src, void* host, size_
   return DIOND_OPS_OK;
 }
 int StreamCreate(const DiondOpsCall* call, void** stream) {
+  if (int rc = DIOND_OPS_OK; RefuseIfLost(call, &rc)) return rc;
   State& st = St();
   std::lock_guard<std::mutex> lock(st.mu);
   void* s = new int(static_cast<int>(st.counters.streams_created));
@@ -388,7 +432,13 @@ int StreamSynchronize(const DiondOpsCall* call) {
   (void)call;  // the SyncPoint wrapper drains the stream and counts the sync
   return DIOND_OPS_OK;
 }
+int DeviceHealth(const DiondOpsCall* call) {
+  int rc = DIOND_OPS_OK;
+  RefuseIfLost(call, &rc);
+  return rc;
+}
 int MemoryStats(const DiondOpsCall* call, uint64_t* in_use, uint64_t* peak) {
+  if (int rc = DIOND_OPS_OK; RefuseIfLost(call, &rc)) return rc;
   State& st = St();
   std::lock_guard<std::mutex> lock(st.mu);
   *in_use = st.in_use;
@@ -398,6 +448,7 @@ int MemoryStats(const DiondOpsCall* call, uint64_t* in_use, uint64_t* peak) {
 
 // ---- devsession: host registration (pairing checked; the memory itself is untouched) ----
 int HostRegister(const DiondOpsCall* call, void* ptr, size_t bytes) {
+  if (int rc = DIOND_OPS_OK; RefuseIfLost(call, &rc)) return rc;
   State& st = St();
   std::lock_guard<std::mutex> lock(st.mu);
   ++st.counters.host_registers;
@@ -1067,6 +1118,8 @@ const DiondOpsApiV1 kOps = {
     &AdamWStepTrackedDev,
     &LionStepTrackedDev,
     &ApplyUpdateDev,
+    // version 9
+    &DeviceHealth,
 };
 
 #undef DIOND_QUEUED
@@ -1102,12 +1155,40 @@ bool HostTestDeviceStrict() {
 }
 
 void ResetHostTestDevice(uint64_t budget_bytes) {
+  {
+    std::lock_guard<std::mutex> lock(Lost().mu);
+    Lost().why.clear();
+    Lost().trigger = nullptr;
+  }
   std::lock_guard<std::mutex> lock(St().mu);
   const int64_t live = St().counters.streams_live;
   St().counters = HostTestDeviceCounters{};
   St().counters.streams_live = live;
   St().counters.host_registered_live = static_cast<int64_t>(St().host_ranges.size());
   St().budget = budget_bytes;
+}
+
+void LoseHostTestDeviceContext(const std::string& why) {
+  std::lock_guard<std::mutex> lock(Lost().mu);
+  if (Lost().why.empty()) Lost().why = why.empty() ? "lost by the test" : why;
+}
+
+void SetHostTestDeviceLossTrigger(std::function<bool()> trigger) {
+  std::lock_guard<std::mutex> lock(Lost().mu);
+  Lost().trigger = std::move(trigger);
+}
+
+void QueueHostTestStreamWork(int device, StreamHandle stream, std::function<void()> work) {
+  char err[8] = {0};
+  const DiondOpsCall call{device, stream, err, sizeof(err)};
+  if (stream == nullptr) {
+    work();
+    return;
+  }
+  Enqueue(&call, "host work", [work = std::move(work)](const DiondOpsCall*) {
+    work();
+    return DIOND_OPS_OK;
+  });
 }
 
 // ---- handoff (issue 12): fake device UUIDs, "IPC handles" naming TEST allocations, VMM fds

@@ -43,8 +43,9 @@
 
 #include <array>
 #include <cstdint>
-
+#include <functional>
 #include <memory>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -83,9 +84,26 @@ HostTestDeviceCounters GetHostTestDeviceCounters();
 // off opens the existing strict mappings for good. Thread-safe.
 void SetHostTestDeviceStrict(bool strict);
 bool HostTestDeviceStrict();
-// Resets the counters (not the pool) and sets the pool budget (0: unlimited).
-// (host_registered_live and streams_live are kept: they describe what exists.)
+// Resets the counters (not the pool) and sets the pool budget (0: unlimited); a lost context
+// (below) is usable again. (host_registered_live and streams_live are kept: they describe what
+// exists.)
 void ResetHostTestDevice(uint64_t budget_bytes);
+
+// ---- a lost context: the stand-in for a sticky CUDA error (an illegal address in a kernel),
+// after which the CUDA plugin refuses every entry. From LoseHostTestDeviceContext on (until
+// ResetHostTestDevice), every entry that takes a call, and every queued work when its stream
+// runs, fails with FAILED_PRECONDITION "host-test device N: the device context is lost (<why>,
+// an unrecoverable error); ...", and device_health reports it. SetHostTestDeviceLossTrigger:
+// `trigger` is asked at every op entry (outside the backend's locks) and loses the context the
+// first time it answers true; that entry fails, as the launch that faulted would.
+void LoseHostTestDeviceContext(const std::string& why);
+void SetHostTestDeviceLossTrigger(std::function<bool()> trigger);
+
+// Queues `work` on `stream` (one of this backend's): it runs when the stream's queue reaches it
+// (the next wait of the stream), in order with the entries queued there, as a CUDA host function
+// or a kernel waiting on a peer would; a null stream runs it now. For tests of what waits on a
+// stream (e.g. a collective that never completes).
+void QueueHostTestStreamWork(int device, StreamHandle stream, std::function<void()> work);
 
 // ---- handoff (issue 12): the GPU half emulated. The TEST backend has kHostTestDeviceCount
 // devices with fake UUIDs; the functions below play the trainer's side (what it would export

@@ -105,7 +105,10 @@ class Communicator {
   // back what they produced), and is done waiting. In between, a backend with queued
   // collectives bounds the wait as a host collective is bounded: past its timeout (the world's
   // --peer_timeout) Poll aborts it, which ends the waiting kernels; that catches a peer that
-  // heartbeats but never joins (its trainer is late). Nothing to bound by default.
+  // heartbeats but never joins (its trainer is late). Waits may overlap (each Begin has its
+  // End): every one stays bounded until its End. Call Begin right before the wait itself, not
+  // before queueing behind other work for the thread that waits (that time would count).
+  // Nothing to bound by default.
   virtual void BeginQueuedWait() {}
   virtual void EndQueuedWait() {}
 

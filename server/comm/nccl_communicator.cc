@@ -42,24 +42,25 @@ void NcclCommunicator::OnAbort() {
 
 void NcclCommunicator::BeginQueuedWait() {
   absl::MutexLock lock(&wait_mu_);
-  wait_deadline_ = absl::Now() + options_.timeout;
+  wait_deadlines_.insert(absl::Now() + options_.timeout);
 }
 
 void NcclCommunicator::EndQueuedWait() {
   absl::MutexLock lock(&wait_mu_);
-  wait_deadline_ = absl::InfiniteFuture();
+  // The earliest: whichever wait ends, every one still open keeps a deadline no later than its
+  // own Begin's (an overlapping wait ending first must not unbound an older one).
+  if (!wait_deadlines_.empty()) wait_deadlines_.erase(wait_deadlines_.begin());
 }
 
 absl::Status NcclCommunicator::Poll() {
   absl::Status error;
   {
     absl::MutexLock lock(&wait_mu_);
-    if (absl::Now() > wait_deadline_) {
+    if (!wait_deadlines_.empty() && absl::Now() > *wait_deadlines_.begin() && status().ok()) {
       error = absl::DeadlineExceededError(absl::StrCat(
           "nccl on rank ", rank(), " of ", size(), ": the queued collectives did not complete "
           "within ", absl::FormatDuration(options_.timeout),
           " (--peer_timeout): a peer is up but has not joined them (its trainer is late?)"));
-      wait_deadline_ = absl::InfiniteFuture();
     }
   }
   if (!error.ok()) {

@@ -23,6 +23,7 @@
 #define DIOND_SERVER_COMM_NCCL_COMMUNICATOR_H_
 
 #include <memory>
+#include <set>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -102,10 +103,11 @@ class NcclCommunicator final : public Communicator {
   size_t scratch_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   // One float for the views' barriers (never reallocated: a queued barrier may still use it).
   void* barrier_ ABSL_GUARDED_BY(mu_) = nullptr;
-  // When a host wait for queued collectives (BeginQueuedWait) times out; InfiniteFuture while
-  // none. Its own lock: Poll must see it while a collective holds mu_.
+  // When each open host wait for queued collectives (BeginQueuedWait) times out; an End retires
+  // the earliest, so while any wait is open the earliest deadline left is at most its own. Its
+  // own lock: Poll must see them while a collective holds mu_.
   absl::Mutex wait_mu_;
-  absl::Time wait_deadline_ ABSL_GUARDED_BY(wait_mu_) = absl::InfiniteFuture();
+  std::multiset<absl::Time> wait_deadlines_ ABSL_GUARDED_BY(wait_mu_);
 };
 
 }  // namespace diond::comm

@@ -85,6 +85,25 @@ TEST(NcclQueuedWait, AHostWaitPastTheTimeoutAbortsTheCommunicator) {
   view->reset();
 }
 
+// Two sessions' read-backs on one communicator overlap: the later one ending first must leave
+// the earlier one bounded (a single deadline that End clears would leave it waiting for ever).
+TEST(NcclQueuedWait, OverlappingWaitsAreEachBounded) {
+  g_aborts = 0;
+  auto c = Make(absl::Milliseconds(50));
+  ASSERT_NE(c, nullptr);
+  c->BeginQueuedWait();  // session A starts waiting
+  c->BeginQueuedWait();  // session B too
+  c->EndQueuedWait();    // B's read-back returned; A's still waits on a late peer
+  const absl::Time t0 = absl::Now();
+  absl::Status polled;
+  while ((polled = c->Poll()).ok() && absl::Now() - t0 < absl::Seconds(5)) {
+    absl::SleepFor(absl::Milliseconds(10));  // the World's heartbeat
+  }
+  EXPECT_EQ(polled.code(), absl::StatusCode::kDeadlineExceeded) << polled;
+  EXPECT_EQ(g_aborts.load(), 1) << "the remaining wait was left unbounded";
+  c->EndQueuedWait();
+}
+
 TEST(NcclQueuedWait, NoBoundOutsideAWaitOrAfterIt) {
   g_aborts = 0;
   auto c = Make(absl::Milliseconds(20));

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "kernels/backend.h"
@@ -44,6 +45,46 @@ class RpcMetrics final : public rpc::RpcObserver {
 
  private:
   DaemonMetrics* metrics_;
+};
+
+// The compute device's health (docs/GPU.md "Errors"): once a sticky error has lost its context,
+// the daemon says so once, everywhere: an ERROR line with the reason, diond_device_lost 1, and
+// gRPC health NOT_SERVING (the server and diond.v1.Optimizer); the session manager refuses
+// device steps (its device_health hook is Check). A lost context never comes back in-process.
+class DeviceWatch {
+ public:
+  DeviceWatch(kernels::Device device, DaemonMetrics* metrics)
+      : device_(device), metrics_(metrics) {}
+
+  // kernels::DeviceHealth; the first failure is reported as above.
+  absl::Status Check() {
+    absl::Status h = kernels::DeviceHealth(device_);
+    if (h.ok()) return h;
+    absl::MutexLock lock(&mu_);
+    if (!lost_) {
+      lost_ = true;
+      DIOND_LOG(ERROR) << "the compute device " << DeviceLabel(device_.type, device_.index)
+                       << " is lost: " << h.message()
+                       << "; gRPC health is NOT_SERVING and device steps are refused until the "
+                          "daemon restarts";
+      metrics_->SetDeviceLost();
+      if (rpc_ != nullptr) rpc_->SetOptimizerNotServing();
+    }
+    return h;
+  }
+  // The RPC server whose health follows (null: none any more).
+  void AttachRpc(rpc::RpcServer* rpc) {
+    absl::MutexLock lock(&mu_);
+    rpc_ = rpc;
+    if (lost_ && rpc_ != nullptr) rpc_->SetOptimizerNotServing();
+  }
+
+ private:
+  const kernels::Device device_;
+  DaemonMetrics* const metrics_;
+  absl::Mutex mu_;
+  bool lost_ ABSL_GUARDED_BY(mu_) = false;
+  rpc::RpcServer* rpc_ ABSL_GUARDED_BY(mu_) = nullptr;
 };
 
 std::string DeviceLabel(kernels::DeviceType type, int index) {
@@ -243,10 +284,14 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   if (d->compute_device_.type != kernels::DeviceType::kCpu) {
     const kernels::Device dev = d->compute_device_;
     std::function<std::string()> test_report = options.test_device_report;
-    device_report = [metrics, dev, test_report] {
+    d->device_watch_ = std::make_shared<DeviceWatch>(dev, metrics);
+    std::shared_ptr<DeviceWatch> watch = d->device_watch_;
+    hooks.device_health = [watch](kernels::Device) { return watch->Check(); };
+    device_report = [metrics, dev, test_report, watch] {
       if (auto m = kernels::GetDeviceMemoryStats(dev); m.ok()) {
         metrics->SetDeviceMemory(static_cast<double>(m->in_use), static_cast<double>(m->peak));
       }
+      (void)watch->Check();
       if (test_report) DIOND_LOG(INFO) << test_report();
     };
     device_report();
@@ -400,6 +445,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   ro.service.gpu_daemon = d->compute_device_.type != kernels::DeviceType::kCpu;
   d->rpc_metrics_ = std::make_unique<RpcMetrics>(d->metrics_.get());
   DIOND_ASSIGN_OR_RETURN(d->rpc_, rpc::RpcServer::Start(ro, d->rpc_metrics_.get()));
+  if (d->device_watch_) d->device_watch_->AttachRpc(d->rpc_.get());
   if (wc.world_size > 1) DIOND_RETURN_IF_ERROR(d->JoinWorld(wc));
   return d;
 }
@@ -545,6 +591,7 @@ void Daemon::Shutdown(absl::Duration drain) {
   world_.reset();
   // Parked Peer.Wait calls would hold the gRPC server's shutdown until their timeouts.
   if (coordinator_) coordinator_->store()->CancelWaiters();
+  if (device_watch_) device_watch_->AttachRpc(nullptr);
   if (rpc_) rpc_->Shutdown(drain);
   rpc_.reset();
   fd_channel_.reset();

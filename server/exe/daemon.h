@@ -36,6 +36,7 @@ namespace diond::server {
 using rpc::ListenAddress;  // the daemon listens where the RPC layer serves
 
 class DaemonMetrics;
+class DeviceWatch;
 class MetricsServer;
 class RpcMetrics;
 
@@ -136,6 +137,8 @@ class Daemon {
   std::string cpu_blas_;            // "OpenBLAS core Zen (autodetected); auto engines ...", ditto
   std::string metrics_address_;
   std::unique_ptr<DaemonMetrics> metrics_;
+  // A device daemon's watch on its compute device's context (daemon.cc); null on a CPU daemon.
+  std::shared_ptr<DeviceWatch> device_watch_;
   std::unique_ptr<RpcMetrics> rpc_metrics_;  // the RPC layer's observer, into metrics_
   std::unique_ptr<session::SessionManager> sessions_;
   std::unique_ptr<MetricsServer> metrics_server_;

@@ -147,6 +147,15 @@ absl::StatusOr<std::unique_ptr<RpcServer>> RpcServer::Start(const RpcServerOptio
   return s;
 }
 
+void RpcServer::SetOptimizerNotServing() {
+  for (grpc::Server* server : {server_.get(), health_server_.get()}) {
+    if (server == nullptr) continue;
+    auto* health = server->GetHealthCheckService();
+    health->SetServingStatus("", false);
+    health->SetServingStatus("diond.v1.Optimizer", false);
+  }
+}
+
 void RpcServer::Shutdown(absl::Duration drain) {
   if (shut_down_ || server_ == nullptr) return;
   shut_down_ = true;

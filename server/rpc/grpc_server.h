@@ -62,6 +62,11 @@ class RpcServer {
   // Marks health NOT_SERVING, stops accepting, waits up to `drain` for in-flight RPCs, cancels
   // the rest, and removes the Unix socket files. Idempotent.
   void Shutdown(absl::Duration drain);
+  // grpc.health.v1 answers NOT_SERVING for the server ("") and diond.v1.Optimizer, on every
+  // listener and --health_address, while the daemon keeps running (its compute device is lost);
+  // diond.v1.Peer keeps its status (the world's membership does not need the device).
+  // Thread-safe; for good.
+  void SetOptimizerNotServing();
 
  private:
   RpcServer();

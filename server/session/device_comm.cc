@@ -43,11 +43,24 @@ absl::Status StepDeviceComm::DeviceStatus() {
 }
 
 absl::Status StepDeviceComm::ReadBackQueued(const std::function<absl::Status()>& f) {
-  if (device_ == nullptr) return f();
-  device_->BeginQueuedWait();
-  absl::Status s = f();
-  device_->EndQueuedWait();
-  return s;
+  if (device_ == nullptr) return CallOnCompute(compute_, [&] { return f(); });
+  return CallOnCompute(compute_, [&] {
+    device_->BeginQueuedWait();
+    absl::Status s = f();
+    device_->EndQueuedWait();
+    return s;
+  });
+}
+
+absl::Status StepDeviceComm::WaitQueued() {
+  if (queued_ == nullptr) return absl::OkStatus();
+  DIOND_RETURN_IF_ERROR(ReadBackQueued([&] { return kernels::Synchronize(*ctx_); }));
+  return DeviceStatus();
+}
+
+absl::Status StepDeviceComm::ReplicaAverage(absl::Span<float> data) {
+  DIOND_RETURN_IF_ERROR(AllReduceAverage(data));
+  return WaitQueued();
 }
 
 absl::Status StepDeviceComm::SyncSession() {

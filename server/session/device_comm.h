@@ -55,11 +55,21 @@ class StepDeviceComm final : public comm::Communicator {
   // The device communicator's health (Communicator::Poll; OK when staged). Queued collectives
   // fail asynchronously: after reading back what they produced, check this before trusting it.
   absl::Status DeviceStatus();
-  // Runs f (a host read-back of what queued collectives produced) as a bounded wait: past the
-  // device communicator's timeout (--peer_timeout) the World's heartbeat aborts it, which ends
-  // the collectives and so the wait (Communicator::BeginQueuedWait). Never an unbounded wait of
-  // the compute thread on a remote peer.
+  // Runs f (a host read-back of what queued collectives produced) on the compute thread as a
+  // bounded wait: past the device communicator's timeout (--peer_timeout) the World's heartbeat
+  // aborts it, which ends the collectives and so the wait (Communicator::BeginQueuedWait). The
+  // bound starts when f starts, not while the step waits for the compute thread behind other
+  // sessions' work. Never an unbounded wait of the compute thread on a remote peer.
   absl::Status ReadBackQueued(const std::function<absl::Status()>& f);
+  // After collectives queued on the session's stream whose results the host reads later, at a
+  // wait that is not a read-back of this class (a sync point inside the rules, the step's final
+  // wait): waits for the stream now as ReadBackQueued does, then returns DeviceStatus(), so the
+  // wait behind them is bounded and their failure is known before their results are used. OK at
+  // once when nothing was queued (staged or forwarded collectives wait where they run).
+  absl::Status WaitQueued();
+  // Compressed Dion's replica average on device memory (StepOptions::replica_average): the
+  // all-reduce average, then WaitQueued (Dion reads P back right after, on the compute thread).
+  absl::Status ReplicaAverage(absl::Span<float> data);
 
   absl::Status AllReduceSum(absl::Span<float> data) override;
   absl::Status AllReduceAverage(absl::Span<float> data) override;

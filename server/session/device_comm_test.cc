@@ -17,6 +17,8 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
@@ -26,6 +28,7 @@
 #include "kernels/testing/host_device_backend.h"
 #include "server/comm/gloo_communicator.h"
 #include "server/comm/memory_store.h"
+#include "server/comm/nccl_communicator.h"
 
 namespace diond::session {
 namespace {
@@ -304,6 +307,140 @@ TEST_F(DeviceComm, ADeviceCommunicatorThatCannotQueueIsCalledAfterTheWait) {
   EXPECT_FALSE(c.queued());
   EXPECT_EQ(device->view, nullptr);
   EXPECT_THAT(c.DeviceStatus(), IsOk());
+}
+
+// ---- the bound on host waits behind queued collectives, with the real NcclCommunicator over a
+// host stand-in for the plugin's NCCL table whose queued all-reduce never completes (a peer that
+// heartbeats but whose trainer never joins): on the TEST stream it is work that ends only when the
+// communicator is aborted (comm_destroy), or after a 10 s cap that the tests treat as "hung".
+std::atomic<bool> g_nccl_aborted{false};
+std::atomic<bool> g_ended_by_abort{false};
+int g_nccl_comm = 0;
+
+int FakeUniqueId(uint8_t* id, char*, size_t) {
+  std::memset(id, 0, DIOND_NCCL_UNIQUE_ID_BYTES);
+  return 0;
+}
+int FakeCreate(const uint8_t*, int, int, int, int64_t, void** comm, char*, size_t) {
+  *comm = &g_nccl_comm;
+  return 0;
+}
+void FakeDestroy(void*) { g_nccl_aborted = true; }  // ncclCommAbort ends the waiting kernels
+int FakeHealthy(void*, char*, size_t) { return 0; }  // the peer heartbeats: no async error
+int FakeNeverEndingAllReduce(void*, const void*, void*, size_t, int, int, int64_t, void* stream,
+                             char*, size_t) {
+  kernels::testing::QueueHostTestStreamWork(0, stream, [] {
+    const absl::Time cap = absl::Now() + absl::Seconds(10);
+    while (!g_nccl_aborted.load() && absl::Now() < cap) absl::SleepFor(absl::Milliseconds(2));
+    g_ended_by_abort = g_nccl_aborted.load();
+  });
+  return 0;
+}
+const DiondCudaPluginV1* FakeNcclPlugin() {
+  static DiondNcclApiV1 nccl = [] {
+    DiondNcclApiV1 n{};
+    n.version = 2;
+    n.get_unique_id = &FakeUniqueId;
+    n.comm_create = &FakeCreate;
+    n.comm_destroy = &FakeDestroy;
+    n.all_reduce_on = &FakeNeverEndingAllReduce;
+    n.async_error = &FakeHealthy;
+    return n;
+  }();
+  static DiondCudaPluginV1 plugin = [] {
+    DiondCudaPluginV1 p{};
+    p.abi_major = DIOND_CUDA_PLUGIN_ABI_MAJOR;
+    p.abi_minor = DIOND_CUDA_PLUGIN_ABI_MINOR;
+    p.nccl = &nccl;
+    return p;
+  }();
+  return &plugin;
+}
+std::shared_ptr<comm::NcclCommunicator> FakeNccl(absl::Duration timeout) {
+  g_nccl_aborted = false;
+  g_ended_by_abort = false;
+  comm::MemoryKeyValueStore kv;
+  comm::NcclOptions o;
+  o.prefix = "w/";
+  o.timeout = timeout;
+  auto c = comm::NcclCommunicator::Create(FakeNcclPlugin(), &kv, o);
+  EXPECT_THAT(c.status(), IsOk());
+  return c.ok() ? std::shared_ptr<comm::NcclCommunicator>(std::move(*c)) : nullptr;
+}
+// The World's heartbeat: polls the device communicator until stopped.
+class Heartbeat {
+ public:
+  explicit Heartbeat(comm::Communicator* c) : thread_([this, c] {
+    while (!stop_.HasBeenNotified()) {
+      (void)c->Poll();
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+  }) {}
+  ~Heartbeat() {
+    stop_.Notify();
+    thread_.join();
+  }
+
+ private:
+  absl::Notification stop_;
+  std::thread thread_;
+};
+
+// Compressed Dion's replica average on device memory (the rules then read P back on the compute
+// thread): the wait behind the queued all-reduce ends within --peer_timeout, by the heartbeat's
+// abort, and the step learns why; the read-back after it (AllZeroFlags' download) waits on
+// nothing remote.
+TEST_F(DeviceComm, AReplicaAverageOnTheDeviceIsABoundedWait) {
+  Rank dev;
+  ComputeThread compute("test-compute");
+  auto nccl = FakeNccl(absl::Milliseconds(100));
+  ASSERT_NE(nccl, nullptr);
+  StepDeviceComm c(dev.ctx, &compute, std::make_shared<RecordingDeviceComm>(), nccl);
+  ASSERT_TRUE(c.queued());
+  Buffer p = dev.Up({1, 2, 3, 4});
+  absl::Status averaged, read;
+  {
+    Heartbeat beat(nccl.get());
+    averaged = c.ReplicaAverage(S(p));
+    read = CallOnCompute(&compute, [&] { return kernels::Synchronize(*dev.ctx); });
+  }
+  EXPECT_TRUE(g_ended_by_abort.load())
+      << "the host waited on the never-ending collective until the test's 10 s cap";
+  EXPECT_EQ(averaged.code(), absl::StatusCode::kDeadlineExceeded) << averaged;
+  EXPECT_TRUE(absl::StrContains(averaged.message(), "--peer_timeout")) << averaged;
+}
+
+// A read-back queued behind other sessions' work on the compute thread: its bound starts when it
+// runs there, so time spent waiting for the compute thread (longer than --peer_timeout here)
+// never aborts the world's communicator.
+TEST_F(DeviceComm, AReadBackIsBoundedFromWhenItRunsNotWhileItWaitsForTheComputeThread) {
+  Rank dev;
+  ComputeThread compute("test-compute");
+  auto nccl = FakeNccl(absl::Milliseconds(50));
+  ASSERT_NE(nccl, nullptr);
+  StepDeviceComm c(dev.ctx, &compute, std::make_shared<RecordingDeviceComm>(), nccl);
+  absl::Notification busy, armed;
+  bool polled_ok = false;
+  std::thread other([&] {
+    compute.Run([&] {  // another session's long compute phase
+      busy.Notify();
+      armed.WaitForNotificationWithTimeout(absl::Milliseconds(300));
+      absl::SleepFor(absl::Milliseconds(100));  // past a bound begun before this ends
+      polled_ok = nccl->Poll().ok();            // the World's heartbeat meanwhile
+    });
+  });
+  busy.WaitForNotification();
+  // The read-back, as the world phases pass it (a call on the compute thread).
+  const absl::Status read = c.ReadBackQueued([&] {
+    armed.Notify();
+    return CallOnCompute(&compute, [] { return absl::OkStatus(); });
+  });
+  other.join();
+  EXPECT_TRUE(polled_ok) << "the communicator was aborted while the read-back only waited for "
+                            "the compute thread";
+  EXPECT_THAT(read, IsOk());
+  EXPECT_THAT(nccl->Poll(), IsOk());
+  EXPECT_FALSE(g_nccl_aborted.load());
 }
 
 }  // namespace

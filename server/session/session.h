@@ -54,6 +54,8 @@ class World;
 
 namespace diond::session {
 
+class StepDeviceComm;
+
 enum class Role { kParameters, kGradients };
 absl::string_view RoleName(Role r);
 
@@ -75,6 +77,10 @@ struct DeviceHooks {
   std::function<absl::StatusOr<void*>(kernels::Device, kernels::StreamHandle)> end_capture;
   std::function<absl::Status(kernels::Device, kernels::StreamHandle, void*)> launch_graph;
   std::function<void(kernels::Device, void*)> destroy_graph;
+  // OK while the compute device's context is usable; FAILED_PRECONDITION with the reason once a
+  // sticky error has lost it (kernels::DeviceHealth). The session manager asks before every step
+  // (and refuses it) and after a failed one. Empty: never asked.
+  std::function<absl::Status(kernels::Device)> device_health;
   // The update rules run on a device Context (kernels/optim drives device memory): the state is
   // then allocated on the device and GroupOptimizer::Stage gets device pointers. False: the
   // rules still touch their state from the host, so the optimizers keep their state in host
@@ -564,9 +570,9 @@ class Session {
   // a differing copy is replaced by the owner's (broadcast). Returns how many this rank healed.
   // `ctx`: a CPU context for host `params`; a device session checksums its device staging on
   // its own context (only the checksums cross, on `comm`) and heals through `dcomm`, its step's
-  // device collectives (null for a host session).
+  // device collectives (null for a host session), then waits for the heals (WaitQueued).
   absl::StatusOr<int64_t> CheckReplicas(const kernels::Context& ctx, comm::Communicator* comm,
-                                        comm::Communicator* dcomm, int64_t step,
+                                        StepDeviceComm* dcomm, int64_t step,
                                         const std::vector<float*>& params)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The bytes this step sent through the world's communicators (host and device), since

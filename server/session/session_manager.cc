@@ -409,13 +409,32 @@ std::vector<SessionInfo> SessionManager::List() {
 absl::StatusOr<StepResult> SessionManager::Step(const std::string& id,
                                                 const StepRequest& request) {
   ScopedLogContext log_context(id, request.step_index);
+  // A lost device context (a sticky error) refuses every device step up front, before the
+  // session is touched; a step that failed is asked about too, so the loss is noticed (and
+  // reported by the hook: health, metrics) by the step that ran into it.
+  const auto& device_health = options_.device_hooks.device_health;
+  const bool on_device =
+      device_health && ctx_ != nullptr && ctx_->device().type != kernels::DeviceType::kCpu;
+  if (on_device) {
+    if (absl::Status h = device_health(ctx_->device()); !h.ok()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("step refused: ", h.message(), " (the daemon's health is NOT_SERVING; "
+                       "restart it and restore the sessions from their checkpoints)"));
+    }
+  }
   DIOND_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Get(id));
   // An asynchronous step's bookkeeping runs on its own thread once it succeeded (the session
   // is then still reachable here: Close drains it before dropping the session).
-  DIOND_ASSIGN_OR_RETURN(StepResult r, s->Step(request, *ctx_, [this, id](const StepResult& done) {
-    ScopedLogContext async_log_context(id, done.step_index);
-    AfterStep(id, done);
-  }));
+  absl::StatusOr<StepResult> stepped =
+      s->Step(request, *ctx_, [this, id](const StepResult& done) {
+        ScopedLogContext async_log_context(id, done.step_index);
+        AfterStep(id, done);
+      });
+  if (!stepped.ok()) {
+    if (on_device) (void)device_health(ctx_->device());
+    return stepped.status();
+  }
+  StepResult r = *std::move(stepped);
   CheckComputeThreads();
   if (r.queued) return r;
   AfterStep(id, r);

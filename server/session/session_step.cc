@@ -378,8 +378,12 @@ absl::Status Session::StageGroups(StepRun& run, const kernels::Context& ctx) {
         // A device session whose rules run on the device averages P and R where they are (the
         // step's device collectives); otherwise on host memory.
         const bool on_device = run.dcomm != nullptr && &ctx == DeviceContext();
-        comm::Communicator* c = on_device ? run.dcomm.get() : run.comm.get();
-        opts.replica_average = [c](absl::Span<float> v) { return c->AllReduceAverage(v); };
+        comm::Communicator* c = run.comm.get();
+        StepDeviceComm* d = run.dcomm.get();
+        // On the device, a bounded wait follows the queued all-reduce (Dion reads P back next).
+        opts.replica_average = [c, d, on_device](absl::Span<float> v) {
+          return on_device ? d->ReplicaAverage(v) : c->AllReduceAverage(v);
+        };
         opts.replica_average_on_device = on_device;
       }
     }

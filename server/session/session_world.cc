@@ -123,7 +123,7 @@ absl::Status Session::AttachWorld(std::shared_ptr<WorldLink> world, ShardPlan pl
 
 absl::StatusOr<int64_t> Session::CheckReplicas(const kernels::Context& ctx,
                                                comm::Communicator* comm,
-                                               comm::Communicator* dcomm, int64_t step,
+                                               StepDeviceComm* dcomm, int64_t step,
                                                const std::vector<float*>& params) {
   const WorldPart& w = *world_;
   const size_t n = layout_.tensors.size();
@@ -143,6 +143,7 @@ absl::StatusOr<int64_t> Session::CheckReplicas(const kernels::Context& ctx,
       absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(mine.data()), n * 8),
       absl::MakeSpan(reinterpret_cast<uint8_t*>(all.data()), all.size() * 8)));
   int64_t healed = 0;
+  bool broadcast = false;
   for (size_t i = 0; i < n; ++i) {
     const int owner = w.plan.owner[i];
     const uint64_t want = all[static_cast<size_t>(owner) * n + i];
@@ -161,8 +162,12 @@ absl::StatusOr<int64_t> Session::CheckReplicas(const kernels::Context& ctx,
     DIOND_RETURN_IF_ERROR((dcomm != nullptr ? dcomm : comm)
                               ->Broadcast(absl::MakeSpan(params[i], static_cast<size_t>(numel)),
                                           owner));
+    broadcast = true;
     for (int r : differ) healed += r == w.rank ? 1 : 0;
   }
+  // Broadcasts queued on the session's stream would otherwise be waited for, unbounded, by the
+  // step's final wait.
+  if (broadcast && dcomm != nullptr) DIOND_RETURN_IF_ERROR(dcomm->WaitQueued());
   return healed;
 }
 
@@ -350,9 +355,8 @@ absl::Status Session::ReduceGradientsOnDevice(StepRun& run, int64_t block) {
                                "; create the session again and resume from the last checkpoint")));
   }
   float flag = 0.0f;
-  absl::Status read = run.dcomm->ReadBackQueued([&] {
-    return CallOnCompute(run.compute, [&] { return StepTensorToHost(out + block - 1, &flag, 1); });
-  });
+  absl::Status read =
+      run.dcomm->ReadBackQueued([&] { return StepTensorToHost(out + block - 1, &flag, 1); });
   if (!read.ok()) return fail(read, "reading the world's non-finite flag");
   // A queued reduce-scatter fails asynchronously (the read-back returned because the world's
   // abort ended it): its output is then garbage.
@@ -455,10 +459,8 @@ absl::Status Session::ExchangeUpdatesPhase(StepRun& run, const kernels::Context&
     auto to_host = [&](int64_t at, int64_t n) -> absl::StatusOr<absl::Span<const float>> {
       if (!on_device) return absl::MakeConstSpan(all + at, static_cast<size_t>(n));
       host_copy.resize(static_cast<size_t>(n));
-      DIOND_RETURN_IF_ERROR(run.dcomm->ReadBackQueued([&] {
-        return CallOnCompute(compute_,
-                             [&] { return StepTensorToHost(all + at, host_copy.data(), n); });
-      }));
+      DIOND_RETURN_IF_ERROR(run.dcomm->ReadBackQueued(
+          [&] { return StepTensorToHost(all + at, host_copy.data(), n); }));
       return absl::MakeConstSpan(host_copy);
     };
 

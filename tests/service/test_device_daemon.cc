@@ -7,7 +7,12 @@
 // Test hooks (this binary only):
 //   * after every step and every change of the session count it logs one line
 //     "test device counters: copies_to_device=N copies_to_host=N ... pool_peak=N";
-//   * DIOND_TEST_DEVICE_BUDGET_BYTES=B limits the TEST pool to B bytes (0 or unset: unlimited).
+//   * DIOND_TEST_DEVICE_BUDGET_BYTES=B limits the TEST pool to B bytes (0 or unset: unlimited);
+//   * DIOND_TEST_DEVICE_LOSE_CONTEXT_FILE=PATH: once PATH exists, the next op entry of the TEST
+//     backend loses the device context, as an illegal address in a kernel would on a GPU
+//     (host_device_backend.h "a lost context"): every device entry fails from then on.
+#include <unistd.h>
+
 #include <cstdlib>
 #include <string>
 
@@ -38,6 +43,11 @@ void ConfigureTestDevice(DaemonOptions* options) {
     }
   }
   kernels::testing::ResetHostTestDevice(budget);
+  if (const char* f = std::getenv("DIOND_TEST_DEVICE_LOSE_CONTEXT_FILE"); f != nullptr && *f) {
+    const std::string path = f;
+    kernels::testing::SetHostTestDeviceLossTrigger(
+        [path] { return access(path.c_str(), F_OK) == 0; });
+  }
   // Strict: the "device" memory is PROT_NONE outside the backend's own entries, so any host
   // access of it by the daemon (a session reading state or staging directly) faults at once.
   kernels::testing::SetHostTestDeviceStrict(true);

@@ -356,6 +356,16 @@ cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
   Release();
   return cudaSuccess;
 }
+// Work completes as it is queued here: a stream is always idle (a capturing one cannot be asked).
+cudaError_t cudaStreamQuery(cudaStream_t stream) {
+  FAKE_ENTRY("cudaStreamQuery");
+  FakeCudaStream* s = S(stream);
+  if (s->capturing) {
+    Invalidate(s, "the capturing stream was queried");
+    return Ret(cudaErrorStreamCaptureUnsupported);
+  }
+  return cudaSuccess;
+}
 cudaError_t cudaStreamIsCapturing(cudaStream_t stream, cudaStreamCaptureStatus* status) {
   FAKE_ENTRY("cudaStreamIsCapturing");
   const FakeCudaStream* s = S(stream);
