@@ -297,7 +297,7 @@ TEST_F(DeviceOpsTest, ReductionsAndSelectionAreBitIdentical) {
   EXPECT_FALSE(hz);
 }
 
-// Row sums, a warp per row on the GPU (docs/GPU.md "Reductions"): rows of awkward lengths (1,
+// Row sums, a warp per row on the GPU (docs/GPU.md "Design"): rows of awkward lengths (1,
 // 31, 32, 33, 160, 768, 1000), one row and thousands, a padded row stride, f32/bf16/f16, against
 // the CPU bit for bit: AxisNorms by rows (L1, L2, Σx²), FrobeniusNorm, TopKByL1Norm's scores and
 // order. Rows of testing::OrderProbeRow make the summation order visible in the f32 result (the
