@@ -10,6 +10,7 @@ run and removed afterwards.
 
 usage: bundle_tools_test.py REPO_ROOT
 """
+import importlib.util
 import json
 import os
 import shutil
@@ -22,6 +23,14 @@ REPO = os.path.abspath(sys.argv.pop(1) if len(sys.argv) > 1 else
                        os.path.join(os.path.dirname(__file__), ".."))
 CHECK_LIBS = os.path.join(REPO, "scripts/bundle/check-libs.sh")
 RUNNER = os.path.join(REPO, "scripts/bundle/run_gpu_tests.py")
+PACK = os.path.join(REPO, "scripts/bundle/pack.py")
+
+
+def load_pack():
+    spec = importlib.util.spec_from_file_location("diond_pack", PACK)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def ldd_deps(path):
@@ -174,6 +183,58 @@ class RunnerTest(unittest.TestCase):
         self.assertIn("already exists here; it is left alone", r.stdout)
         with open(self.compiled) as f:
             self.assertEqual(f.read(), "someone else's")
+
+
+class RunpathTest(unittest.TestCase):
+    """The build links OpenBLAS from .../openblas-pthread, whose tail "read" the linker shares
+    with the symbol read(); the bundle's RUNPATH rewrite must not rename it."""
+
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp()
+        src = os.path.join(self.tmp, "t.c")
+        with open(src, "w") as f:
+            f.write("#include <unistd.h>\n"
+                    "int main(void) { char b[1]; return (int)read(0, b, 0); }\n")
+        self.exe = os.path.join(self.tmp, "t")
+        subprocess.run(["cc", src, "-o", self.exe, "-Wl,--enable-new-dtags",
+                        "-Wl,-rpath,/usr/lib/x86_64-linux-gnu/openblas-pthread"], check=True)
+        self.pack = load_pack()
+
+    def tearDown(self):
+        shutil.rmtree(self.tmp)
+
+    def names(self):
+        return self.pack.dynamic_names(self.exe)[0]
+
+    def test_a_symbol_sharing_the_old_runpath_keeps_its_name(self):
+        self.assertIn("read@GLIBC_2.2.5", self.names())
+        self.pack.set_runpath(self.exe, "$ORIGIN/../lib")
+        self.assertIn("read@GLIBC_2.2.5", self.names())
+        self.assertFalse([n for n in self.names() if n.startswith("XX")])
+        dyn = subprocess.run(["readelf", "-d", self.exe], capture_output=True, text=True).stdout
+        self.assertIn("Library runpath: [$ORIGIN/../lib]", dyn)
+        r = subprocess.run([self.exe], stdin=subprocess.DEVNULL)
+        self.assertEqual(r.returncode, 0)
+
+    def test_a_rewrite_that_changes_a_name_is_refused(self):
+        # A patchelf that also adds a library stands for any rewrite that changes a name.
+        fake = os.path.join(self.tmp, "fakebin")
+        os.makedirs(fake)
+        with open(os.path.join(fake, "patchelf"), "w") as f:
+            f.write("#!/bin/sh\nfor a; do last=$a; done\n"
+                    "%s \"$@\" && exec %s --add-needed libextra.so.1 \"$last\"\n"
+                    % (shutil.which("patchelf"), shutil.which("patchelf")))
+        os.chmod(os.path.join(fake, "patchelf"), 0o755)
+        env = dict(os.environ, PATH=fake + os.pathsep + os.environ["PATH"])
+        r = subprocess.run([sys.executable, "-c",
+                            "import importlib.util as u, sys;"
+                            "s = u.spec_from_file_location('p', sys.argv[1]);"
+                            "m = u.module_from_spec(s); s.loader.exec_module(m);"
+                            "m.set_runpath(sys.argv[2], '$ORIGIN')", PACK, self.exe],
+                           capture_output=True, text=True, env=env)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("changed its dynamic names", r.stderr)
+        self.assertIn("libextra.so.1", r.stderr)
 
 
 if __name__ == "__main__":

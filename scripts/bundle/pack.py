@@ -94,6 +94,32 @@ def ldd(path):
     return deps
 
 
+def dynamic_names(path):
+    """The dynamic symbols (name@version, defined or not) and the DT_NEEDED entries of `path`."""
+    syms = subprocess.run(["nm", "-D", "-P", path], capture_output=True, text=True, check=True)
+    dyn = subprocess.run(["readelf", "-d", "-W", path], capture_output=True, text=True, check=True)
+    return ({line.split()[0] for line in syms.stdout.splitlines() if line.strip()},
+            re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", dyn.stdout))
+
+
+def set_runpath(path, rpath):
+    """Gives `path` the RUNPATH `rpath`, keeping every dynamic name as it was.
+
+    The linker tail-merges .dynstr, so a symbol such as `read` can live at the end of an old
+    RUNPATH ".../openblas-pthread"; `patchelf --set-rpath` overwrites the old string with X's
+    in place, renaming the symbol (NixOS/patchelf#162). Removing the RUNPATH first makes
+    patchelf add the new one as a fresh string and leave the old bytes alone.
+    """
+    before = dynamic_names(path)
+    subprocess.run(["patchelf", "--remove-rpath", path], check=True)
+    subprocess.run(["patchelf", "--set-rpath", rpath, path], check=True)
+    after = dynamic_names(path)
+    if after != before:
+        die("%s: setting its RUNPATH changed its dynamic names (lost %s, gained %s)"
+            % (path, sorted(before[0] - after[0]) + [n for n in before[1] if n not in after[1]],
+               sorted(after[0] - before[0]) + [n for n in after[1] if n not in before[1]]))
+
+
 def compiled_paths(path, prefixes):
     """Absolute paths under `prefixes` that appear as C strings in the file."""
     with open(path, "rb") as f:
@@ -122,7 +148,7 @@ def main():
     if archs != FLAVOURS[a.flavour]:
         die("%s builds CUDA architectures %r; the %s flavour needs %r"
             % (build, archs, a.flavour, FLAVOURS[a.flavour]))
-    for tool in ("ldd", "strip", "patchelf", "ctest"):
+    for tool in ("ldd", "strip", "patchelf", "ctest", "nm", "readelf"):
         if shutil.which(tool) is None:
             die("%s not found (apt-get install patchelf binutils)" % tool)
 
@@ -248,8 +274,7 @@ def pack(build, src, flavour, archs, stage):
         subprocess.run(["strip", "--strip-unneeded", dest], check=True)
         depth = rel.count("/")
         up = "/".join([".."] * depth)
-        rpath = "$ORIGIN" if rel.startswith("lib/") else "$ORIGIN/%s/lib" % up
-        subprocess.run(["patchelf", "--set-rpath", rpath, dest], check=True)
+        set_runpath(dest, "$ORIGIN" if rel.startswith("lib/") else "$ORIGIN/%s/lib" % up)
 
     with open(os.path.join(stage, "tests/gpu/tests.json"), "w") as f:
         json.dump({"cases": cases}, f, indent=1)
