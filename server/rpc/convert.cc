@@ -193,6 +193,8 @@ session::StepRequest StepRequestFromProto(const v1::StepRequest& req) {
   sr.wait = req.wait();
   sr.ready_event = req.ready_event();
   sr.done_event = req.done_event();
+  sr.params_without_grad.assign(req.params_without_grad().begin(),
+                                req.params_without_grad().end());
   return sr;
 }
 

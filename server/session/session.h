@@ -498,6 +498,12 @@ class Session {
   // Phase 3: every gradient as fp32 and the finiteness scan: trainer f32 gradients are read in
   // place (no copy), others widened and scaled in the same pass as the scan.
   absl::Status ReadGradientsPhase(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Phase 3b (world): the ranks agree on the parameters without a gradient
+  // (StepRequest.params_without_grad) by one all-reduce of a count per parameter: under AVERAGE
+  // a parameter is stepped when any rank has its gradient (the others add zeros); under
+  // REPLICATED, and for compressed Dion's groups, every rank must name the same ones, else
+  // FAILED_PRECONDITION on every rank with nothing changed. A world of one: nothing.
+  absl::Status AgreeGradientsPhase(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Phase 4 (world AVERAGE): reduce-scatter the gradients to their owners, with the ranks'
   // non-finite flags. A world of one: nothing.
   absl::Status ReduceGradientsPhase(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

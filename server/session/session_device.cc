@@ -685,6 +685,8 @@ absl::Status Session::QueueStepReads(StepRun& run) {
   {
     DIOND_RETURN_IF_ERROR(kernels::Fill(dc, 0.0f, flag));
     for (size_t i = 0; i < n; ++i) {
+      // No gradient in this step: never read (a step with another mask is another graph).
+      if (run.no_grad[i]) continue;
       const TensorPlacement& t = layout_.tensors[i];
       float* dst = d.grad(i);
       if (cuda != nullptr) {

@@ -69,6 +69,11 @@ struct Session::StepRun {
   // into the arena after the update, and swapped into master_ at the commit.
   std::vector<bool> via_scratch;
   bool finite = true;
+  // Per parameter: no gradient in this step (StepRequest.params_without_grad; a world: agreed
+  // by every rank, AgreeGradientsPhase). Such a parameter and its state are left alone, and its
+  // gradient is never read (grads[i] stays null, or points at zeros for the world's average).
+  std::vector<bool> no_grad;
+  bool any_no_grad = false;
   std::vector<float> averaged;  // world AVERAGE: this rank's reduce-scattered gradients
   // Per group: this step's options, the owner's compact updates, what the group stages.
   std::vector<optim::StepOptions> opts;

@@ -68,6 +68,9 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequest& request,
   run.scale = static_cast<float>(scale);
   run.scaled = scale != 1.0;
   run.result.step_index = request.step_index;
+  run.no_grad.assign(layout_.tensors.size(), false);
+  for (int32_t i : request.params_without_grad) run.no_grad[static_cast<size_t>(i)] = true;
+  run.any_no_grad = !request.params_without_grad.empty();
   // After the first step: which phases may run as captured graphs (RunPhaseGraph tries them),
   // and why the others run eagerly.
   if (device_ != nullptr && last_step_index_ >= 1) DecideStepGraphs(run);
@@ -76,6 +79,7 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequest& request,
   // The phases that only compute run on the daemon's compute thread (compute_thread.h); the
   // world's collectives run here, between them.
   DIOND_RETURN_IF_ERROR(CallOnCompute(compute_, [&] { return ReadGradientsPhase(run); }));
+  DIOND_RETURN_IF_ERROR(AgreeGradientsPhase(run));
   DIOND_RETURN_IF_ERROR(ReduceGradientsPhase(run));
   if (!run.finite) {
     // A world: every rank decides alike (REPLICATED: the same gradients; AVERAGE: the flags were
@@ -218,6 +222,22 @@ absl::Status Session::ValidateStepLocked(const StepRequest& request,
           absl::StrCat("group_step['", Bounded(group), "'] = ", n, " must be >= 1"));
     }
   }
+  if (!request.params_without_grad.empty()) {
+    std::vector<bool> seen(layout_.tensors.size(), false);
+    for (int32_t i : request.params_without_grad) {
+      if (i < 0 || static_cast<size_t>(i) >= seen.size()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("params_without_grad: index ", i, " is not a parameter of the session (",
+                         seen.size(), " parameters)"));
+      }
+      if (seen[static_cast<size_t>(i)]) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "params_without_grad: index ", i, " ('", Bounded(layout_.tensors[i].name),
+            "') is named twice"));
+      }
+      seen[static_cast<size_t>(i)] = true;
+    }
+  }
   if ((params_.cuda != nullptr || grads_.cuda != nullptr) && device_ == nullptr) {
     // RegisterCudaRegion binds CUDA regions to device sessions only; never stepped from the host.
     return absl::FailedPreconditionError(absl::StrCat(
@@ -249,6 +269,7 @@ absl::Status Session::ReadGradientsPhase(StepRun& run) {
   bool finite = true;
   {
     for (size_t i = 0; i < n; ++i) {
+      if (run.no_grad[i]) continue;  // never read: its bytes need not be finite
       const TensorPlacement& t = layout_.tensors[i];
       const uint8_t* src = grads_.data + t.grad_offset;
       bool ok = true;
@@ -355,8 +376,10 @@ absl::Status Session::StageGroups(StepRun& run, const kernels::Context& ctx) {
       // A world: each rank updates what it owns (the others get no gradient, which leaves them
       // and their state alone); compressed Dion: every rank steps every matrix on its own
       // gradients.
-      const bool mine = !world_.has_value() || world_->replicated[i] ||
-                        world_->plan.owner[i] == world_->rank;
+      // A parameter without a gradient in this step gets none either (torch.optim's rule).
+      const bool mine = (!world_.has_value() || world_->replicated[i] ||
+                         world_->plan.owner[i] == world_->rank) &&
+                        !run.no_grad[i];
       run.group_params[gi].push_back(run.params[i]);
       gg.push_back(mine ? run.grads[i] : nullptr);
       any = any || mine;
@@ -441,8 +464,10 @@ StepResult Session::CommitStepPhase(StepRun& run) {
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     const Group& g = groups_[gi];
     if (g.optimizer == nullptr) continue;
-    run.result.update_norms[g.name] =
-        world_.has_value() ? std::sqrt(run.update_sq[gi]) : g.optimizer->last_update_norm();
+    // (A local group with no gradient at all in this step staged nothing: it changed nothing.)
+    run.result.update_norms[g.name] = world_.has_value() ? std::sqrt(run.update_sq[gi])
+                                      : run.staged[gi]   ? g.optimizer->last_update_norm()
+                                                         : 0.0;
   }
   run.result.total_micros = absl::ToInt64Microseconds(absl::Now() - run.start);
   if (!run.result.graph_fallbacks.empty()) GraphFallbacksReported();

@@ -244,6 +244,40 @@ int64_t Session::TakeWorldBytes(StepRun& run) {
   return bytes;
 }
 
+absl::Status Session::AgreeGradientsPhase(StepRun& run) {
+  if (run.comm == nullptr) return absl::OkStatus();
+  WorldPart& w = *world_;
+  const size_t n = layout_.tensors.size();
+  // One count per parameter, and the non-finite flag of this rank's trainer as seen before
+  // the agreement (unchanged by it: masked gradients were never scanned).
+  std::vector<float> counts(n);
+  for (size_t i = 0; i < n; ++i) counts[i] = run.no_grad[i] ? 0.0f : 1.0f;
+  absl::Status st = run.comm->AllReduceSum(absl::MakeSpan(counts));
+  if (!st.ok()) {
+    return BreakWorld(run, absl::UnavailableError(absl::StrCat(
+                               run.when, ": agreeing on the parameters without a gradient failed: ",
+                               DescribeWorldFailure(st),
+                               "; create the session again and resume from the last checkpoint")));
+  }
+  const float all = static_cast<float>(w.plan.world_size);
+  const bool replicated_sync = spec_.gradient_sync == GradientSync::kReplicated;
+  run.any_no_grad = false;
+  for (size_t i = 0; i < n; ++i) {
+    if (counts[i] != 0.0f && counts[i] != all && (replicated_sync || w.replicated[i])) {
+      // Every rank sees the same counts, so every rank fails here alike, before any change.
+      return absl::FailedPreconditionError(absl::StrCat(
+          run.when, ": parameter '", Bounded(layout_.tensors[i].name), "' has a gradient on ",
+          static_cast<int>(counts[i]), " of ", w.plan.world_size, " ranks; ",
+          replicated_sync ? "under REPLICATED" : "in a compressed Dion group",
+          " every rank's trainer must name the same params_without_grad. Nothing was changed"));
+    }
+    // Stepped when any rank has its gradient; a rank without it contributes zeros.
+    run.no_grad[i] = counts[i] == 0.0f;
+    run.any_no_grad = run.any_no_grad || run.no_grad[i];
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Session::ReduceGradientsPhase(StepRun& run) {
   if (run.comm == nullptr || spec_.gradient_sync == GradientSync::kReplicated) {
     return absl::OkStatus();
@@ -263,9 +297,12 @@ absl::Status Session::ReduceGradientsPhase(StepRun& run) {
       float* dst = input.data() + static_cast<size_t>(j) * block;
       for (size_t i : w.owned[j]) {
         const int64_t numel = layout_.tensors[i].numel;
-        DIOND_RETURN_IF_ERROR(
-            kernels::Copy(*run.ctx, internal::HostView(DType::kF32, run.grads[i], numel),
-                          internal::HostView(DType::kF32, dst, numel)));
+        // A gradient this rank's trainer does not have counts as zeros (`input` is zeroed).
+        if (run.grads[i] != nullptr) {
+          DIOND_RETURN_IF_ERROR(
+              kernels::Copy(*run.ctx, internal::HostView(DType::kF32, run.grads[i], numel),
+                            internal::HostView(DType::kF32, dst, numel)));
+        }
         dst += numel;
       }
       input[static_cast<size_t>(j + 1) * block - 1] = run.finite ? 0.0f : 1.0f;
@@ -288,6 +325,11 @@ absl::Status Session::ReduceGradientsPhase(StepRun& run) {
     float* a = run.averaged.data();
     for (size_t i : w.owned[w.rank]) {
       const int64_t numel = layout_.tensors[i].numel;
+      if (run.no_grad[i]) {  // no rank has it: not stepped
+        run.grads[i] = nullptr;
+        a += numel;
+        continue;
+      }
       DIOND_RETURN_IF_ERROR(kernels::Binary(
           *run.ctx, kernels::BinaryOp::kDiv, internal::HostView(DType::kF32, a, numel),
           internal::HostView(DType::kF32, &divisor, 1), internal::HostView(DType::kF32, a, numel)));
@@ -335,8 +377,11 @@ absl::Status Session::ReduceGradientsOnDevice(StepRun& run, int64_t block) {
       float* dst = in + static_cast<int64_t>(j) * block;
       for (size_t i : w.owned[j]) {
         const int64_t numel = layout_.tensors[i].numel;
-        DIOND_RETURN_IF_ERROR(kernels::Copy(dctx, DevCView(dctx, run.grads[i], numel),
-                                            DevView(dctx, dst, numel)));
+        // A gradient this rank's trainer does not have counts as zeros.
+        DIOND_RETURN_IF_ERROR(run.grads[i] != nullptr
+                                  ? kernels::Copy(dctx, DevCView(dctx, run.grads[i], numel),
+                                                  DevView(dctx, dst, numel))
+                                  : kernels::Fill(dctx, 0.0f, DevView(dctx, dst, numel)));
         dst += numel;
       }
       DIOND_RETURN_IF_ERROR(kernels::Fill(dctx, run.finite ? 0.0f : 1.0f,
@@ -372,6 +417,11 @@ absl::Status Session::ReduceGradientsOnDevice(StepRun& run, int64_t block) {
     const float* a = out;
     for (size_t i : w.owned[w.rank]) {
       const int64_t numel = layout_.tensors[i].numel;
+      if (run.no_grad[i]) {  // no rank has it: not stepped
+        run.grads[i] = nullptr;
+        a += numel;
+        continue;
+      }
       float* staging = DeviceGradStaging(i);
       DIOND_RETURN_IF_ERROR(kernels::Binary(dctx, kernels::BinaryOp::kDiv,
                                             DevCView(dctx, a, numel), DevCView(dctx, div, 1),
@@ -467,6 +517,11 @@ absl::Status Session::ExchangeUpdatesPhase(StepRun& run, const kernels::Context&
     int64_t at = 0;
     for (size_t i : w.owned[w.rank]) {
       absl::Status put;
+      if (run.no_grad[i]) {
+        // Not stepped on any rank (AgreeGradientsPhase): its slot is sent but never read.
+        at += w.compact[i] > 0 ? w.compact[i] : layout_.tensors[i].numel;
+        continue;
+      }
       if (w.compact[i] > 0) {
         const auto& payloads = run.captures[group_of_param_[i]].payload;
         const std::vector<float>* p =
@@ -525,11 +580,13 @@ absl::Status Session::ExchangeUpdatesPhase(StepRun& run, const kernels::Context&
     for (int j = 0; j < world_size; ++j) {
       for (size_t i : w.owned[j]) {
         const int64_t numel = layout_.tensors[i].numel;
+        // A parameter nobody stepped keeps its value on every rank.
+        const bool apply = j != w.rank && !run.no_grad[i];
         if (w.compact[i] > 0) {
-          if (j != w.rank) compact.emplace_back(i, at);
+          if (apply) compact.emplace_back(i, at);
           at += w.compact[i];
         } else {
-          if (j != w.rank) whole.emplace_back(i, at);
+          if (apply) whole.emplace_back(i, at);
           at += numel;
         }
       }

@@ -103,6 +103,9 @@ struct StepRequest {
   // new weights are written.
   std::string ready_event;
   std::string done_event;
+  // StepRequest.params_without_grad: indices into Layout::tensors whose parameter (and state)
+  // this step leaves alone. Validated by the session (range, repeats).
+  std::vector<int32_t> params_without_grad;
 };
 
 struct StepResult {

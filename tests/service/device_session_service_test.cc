@@ -582,6 +582,166 @@ std::string RuleName(const ::testing::TestParamInfo<AlgorithmKind>& i) {
 
 INSTANTIATE_TEST_SUITE_P(Rules, DeviceStepSyncs, ::testing::ValuesIn(kDeviceRules), RuleName);
 
+// StepRequest.params_without_grad (torch.optim's `p.grad is None`), every algorithm in both
+// precisions, over shm on the CPU daemon and on the device daemon. Independent expectations:
+//   * a parameter without a gradient keeps its weights and its state byte for byte (its
+//     gradient holds NaNs, which would skip the step if they were read);
+//   * the others equal, bit for bit, a session that does not have the skipped parameters at all
+//     (given the same initial state): a parameter without a gradient changes nothing for the
+//     rest of its group, its megabatch included;
+//   * the device session equals the CPU daemon's bit for bit, its captured graphs included
+//     (a step with another set of skipped parameters is another graph).
+// Then every parameter has its gradient again and each continues from its own state.
+class WithoutGrad
+    : public DeviceSessions,
+      public ::testing::WithParamInterface<std::tuple<AlgorithmKind, optim::Precision>> {};
+
+TEST_P(WithoutGrad, SkippedParametersAndStateStayAndTheOthersIgnoreThem) {
+  const auto [kind, precision] = GetParam();
+  auto make = [&, kind = kind, precision = precision](const std::vector<std::string>& names) {
+    SessionDesc d;
+    GroupDesc main = MakeGroup("main", kind, 0.01);
+    main.config.precision = precision;
+    main.proto.set_precision(precision == optim::Precision::kFp32 ? v1::PRECISION_FP32
+                                                                  : v1::PRECISION_BF16_REFERENCE);
+    d.groups = {main, MakeGroup("vec", AlgorithmKind::kAdamW, 0.001)};
+    for (const std::string& n : names) {
+      const bool vec = n[0] == 'b';
+      d.params.push_back({n,
+                          vec        ? std::vector<int64_t>{16}
+                          : n == "u" ? std::vector<int64_t>{16, 24}
+                                     : std::vector<int64_t>{24, 16},
+                          vec ? "vec" : "main"});
+    }
+    return d;
+  };
+  const std::vector<std::string> all = {"w0", "w1", "w2", "u", "b0", "b1"};
+  const SessionDesc d = make(all);
+  const SessionDesc r = make({"w0", "w2", "u", "b0"});  // without w1 and b1
+  const std::vector<int32_t> frozen = {1, 5};           // w1, b1
+  std::unique_ptr<ShmSession> c, g;
+  ASSERT_NO_FATAL_FAILURE(Twins(d, &c, &g));
+  std::unique_ptr<ShmSession> rc = CreateShmSession(cpu_->stub(), r.Request());
+  ASSERT_NE(rc, nullptr);
+  {
+    // The reduced session starts from the same weights and state (Dion's Q is drawn per
+    // session, not per name).
+    TensorMap full = State(*cpu_, c->id);
+    std::vector<Chunk> init;
+    for (const ParamDesc& p : r.params) {
+      for (const auto& [k, v] : full) {
+        if (k == p.name || absl::StartsWith(k, p.name + "/state.")) {
+          for (Chunk& ch : SplitTensor(k, v)) init.push_back(std::move(ch));
+        }
+      }
+    }
+    ASSERT_TRUE(SetState(cpu_->stub(), rc->id, init).ok());
+  }
+  const TensorMap start = State(*cpu_, c->id);
+  auto step_all = [&](int64_t t, const std::vector<int32_t>& without) {
+    std::vector<bool> none(all.size(), false);
+    for (int32_t i : without) none[static_cast<size_t>(i)] = true;
+    size_t k = 0;
+    for (size_t i = 0; i < all.size(); ++i) {
+      std::vector<float> grad = SyntheticValues(13, t, i, d.Numel(i));
+      if (!none[i]) {
+        if (t <= 4) rc->WriteGrad(k++, grad);
+      } else {
+        grad.assign(grad.size(), std::nanf(""));
+      }
+      c->WriteGrad(i, grad);
+      g->WriteGrad(i, grad);
+    }
+    v1::StepResponse a, b;
+    grpc::Status sc = DoStepWithout(cpu_->stub(), c->id, t, without, &a);
+    grpc::Status sg = DoStepWithout(dev_->stub(), g->id, t, without, &b);
+    ASSERT_TRUE(sc.ok()) << sc.error_message();
+    ASSERT_TRUE(sg.ok()) << sg.error_message() << "\n" << dev_->Log();
+    EXPECT_FALSE(a.skipped());
+    EXPECT_FALSE(b.skipped());
+    if (t <= 4) {
+      grpc::Status sr = DoStep(cpu_->stub(), rc->id, t);
+      ASSERT_TRUE(sr.ok()) << sr.error_message();
+    }
+    for (size_t i = 0; i < all.size(); ++i) {
+      EXPECT_EQ(g->ParamBytes(i), c->ParamBytes(i)) << all[i] << ", step " << t;
+    }
+  };
+  for (int64_t t = 1; t <= 4; ++t) {
+    ASSERT_NO_FATAL_FAILURE(step_all(t, frozen));
+    size_t k = 0;
+    for (size_t i = 0; i < all.size(); ++i) {
+      if (i == 1 || i == 5) {
+        EXPECT_EQ(c->ParamBytes(i), start.at(all[i])) << all[i] << " moved at step " << t;
+        continue;
+      }
+      EXPECT_EQ(c->ParamBytes(i), rc->ParamBytes(k++)) << all[i] << ", step " << t;
+    }
+  }
+  EXPECT_NE(c->ParamBytes(0), start.at("w0"));
+  TensorMap now = State(*cpu_, c->id);
+  for (const auto& [k, v] : start) {
+    if (absl::StartsWith(k, "w1/") || absl::StartsWith(k, "b1/")) {
+      EXPECT_EQ(now.at(k), v) << k;
+    }
+  }
+  EXPECT_EQ(State(*dev_, g->id), now);
+  // Everything has its gradient again; then another set goes without (another graph form).
+  ASSERT_NO_FATAL_FAILURE(step_all(5, {}));
+  EXPECT_NE(c->ParamBytes(1), start.at("w1"));
+  ASSERT_NO_FATAL_FAILURE(step_all(6, {3, 4}));
+  ASSERT_NO_FATAL_FAILURE(step_all(7, {3, 4}));
+  EXPECT_EQ(State(*dev_, g->id), State(*cpu_, c->id));
+  for (auto& [daemon, s] : {std::make_pair(cpu_, c.get()), std::make_pair(dev_, g.get())}) {
+    EXPECT_TRUE(CloseSession(daemon->stub(), s->id).ok());
+  }
+  EXPECT_TRUE(CloseSession(cpu_->stub(), rc->id).ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    DeviceSessions, WithoutGrad,
+    ::testing::Values(std::make_tuple(AlgorithmKind::kMuon, optim::Precision::kFp32),
+                      std::make_tuple(AlgorithmKind::kNorMuon, optim::Precision::kFp32),
+                      std::make_tuple(AlgorithmKind::kDion, optim::Precision::kFp32),
+                      std::make_tuple(AlgorithmKind::kDion2, optim::Precision::kFp32),
+                      std::make_tuple(AlgorithmKind::kNorDion2, optim::Precision::kFp32),
+                      std::make_tuple(AlgorithmKind::kAdamW, optim::Precision::kFp32),
+                      std::make_tuple(AlgorithmKind::kLion, optim::Precision::kFp32),
+                      std::make_tuple(AlgorithmKind::kMuon, optim::Precision::kBf16Reference),
+                      std::make_tuple(AlgorithmKind::kNorMuon, optim::Precision::kBf16Reference),
+                      std::make_tuple(AlgorithmKind::kDion2, optim::Precision::kBf16Reference),
+                      std::make_tuple(AlgorithmKind::kNorDion2,
+                                      optim::Precision::kBf16Reference)),
+    [](const auto& info) {
+      return absl::StrCat(AlgorithmName(std::get<0>(info.param)), "_",
+                          optim::PrecisionName(std::get<1>(info.param)));
+    });
+
+// Bad sets of parameters without a gradient are refused before anything changes, and the same
+// step index then runs.
+TEST_F(DeviceSessions, BadParamsWithoutGradAreRefusedAndChangeNothing) {
+  const SessionDesc d = Desc(AlgorithmKind::kMuon);
+  std::unique_ptr<ShmSession> c, g;
+  ASSERT_NO_FATAL_FAILURE(Twins(d, &c, &g));
+  for (auto& [daemon, s] : {std::make_pair(cpu_, c.get()), std::make_pair(dev_, g.get())}) {
+    WriteSyntheticGrads(s, d, 3, 1);
+    const TensorMap before = State(*daemon, s->id);
+    const int32_t n = static_cast<int32_t>(d.params.size());
+    for (const auto& [bad, says] : std::vector<std::pair<std::vector<int32_t>, std::string>>{
+             {{n}, "is not a parameter of the session"},
+             {{-1}, "is not a parameter of the session"},
+             {{0, 1, 0}, "is named twice"},
+             {{std::numeric_limits<int32_t>::max()}, "is not a parameter"}}) {
+      grpc::Status st = DoStepWithout(daemon->stub(), s->id, 1, bad);
+      EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << says;
+      EXPECT_TRUE(absl::StrContains(st.error_message(), says)) << st.error_message();
+    }
+    EXPECT_EQ(State(*daemon, s->id), before);
+    EXPECT_TRUE(DoStepWithout(daemon->stub(), s->id, 1, {0}).ok());
+    EXPECT_TRUE(CloseSession(daemon->stub(), s->id).ok());
+  }
+}
+
 // graph (docs/GPU.md "CUDA graphs"): from the second step a device session's update runs as a
 // captured graph, replayed with the step's own scalars. The TEST backend emulates the capture
 // (kernels/testing/host_device_backend.h): a replay that kept the scalars of the step it was

@@ -525,17 +525,29 @@ std::vector<std::string> Replay::StateNames(size_t param) const {
 
 absl::Status Replay::Step(const kernels::Context& ctx,
                           const std::vector<std::vector<float>>& grads) {
+  return Step(ctx, grads, std::vector<bool>(params_.size(), false));
+}
+
+absl::Status Replay::Step(const kernels::Context& ctx,
+                          const std::vector<std::vector<float>>& grads,
+                          const std::vector<bool>& no_grad) {
   for (Group& g : groups_) {
     if (g.opt == nullptr) continue;
     std::vector<float*> p;
     std::vector<const float*> gr;
+    bool any = false;
     for (size_t i : g.params) {
       p.push_back(params_[i].data());
-      gr.push_back(grads[i].data());
+      gr.push_back(no_grad[i] ? nullptr : grads[i].data());
+      any = any || !no_grad[i];
     }
-    absl::Status s = g.opt->Step(ctx, p, gr, optim::StepOptions{});
+    if (!any) continue;  // as the session: a group without any gradient is not stepped
+    optim::StepOptions o;
+    o.step = steps_ + 1;  // the session's step index, whichever groups stepped before
+    absl::Status s = g.opt->Step(ctx, p, gr, o);
     if (!s.ok()) return s;
   }
+  ++steps_;
   return absl::OkStatus();
 }
 
@@ -611,6 +623,18 @@ grpc::Status DoStep(v1::Optimizer::Stub& stub, const std::string& session, int64
   v1::StepRequest req;
   req.set_session_id(session);
   req.set_step_index(index);
+  v1::StepResponse local;
+  return stub.Step(ctx.get(), req, resp ? resp : &local);
+}
+
+grpc::Status DoStepWithout(v1::Optimizer::Stub& stub, const std::string& session, int64_t index,
+                           const std::vector<int32_t>& params_without_grad,
+                           v1::StepResponse* resp) {
+  auto ctx = Ctx();
+  v1::StepRequest req;
+  req.set_session_id(session);
+  req.set_step_index(index);
+  req.mutable_params_without_grad()->Add(params_without_grad.begin(), params_without_grad.end());
   v1::StepResponse local;
   return stub.Step(ctx.get(), req, resp ? resp : &local);
 }

@@ -213,6 +213,10 @@ class Replay {
   std::vector<std::string> StateNames(size_t param) const;
   // One step over every group, in declaration order (as Session::Step does).
   absl::Status Step(const kernels::Context& ctx, const std::vector<std::vector<float>>& grads);
+  // The same, where no_grad[i] means "parameter i has no gradient" (a null gradient, as the
+  // session passes for StepRequest.params_without_grad).
+  absl::Status Step(const kernels::Context& ctx, const std::vector<std::vector<float>>& grads,
+                    const std::vector<bool>& no_grad);
 
  private:
   struct Group {
@@ -222,6 +226,7 @@ class Replay {
   std::vector<Group> groups_;
   std::vector<size_t> group_of_, slot_of_;
   std::vector<std::vector<float>> params_;
+  int64_t steps_ = 0;
 };
 
 // A session bound to shm: one segment holding the parameter arena at offset 0 and the gradient
@@ -253,6 +258,10 @@ std::unique_ptr<ShmSession> BindShmSession(v1::Optimizer::Stub& stub,
 
 grpc::Status DoStep(v1::Optimizer::Stub& stub, const std::string& session, int64_t index,
                     v1::StepResponse* resp = nullptr);
+// Step with StepRequest.params_without_grad.
+grpc::Status DoStepWithout(v1::Optimizer::Stub& stub, const std::string& session, int64_t index,
+                           const std::vector<int32_t>& params_without_grad,
+                           v1::StepResponse* resp = nullptr);
 grpc::Status CloseSession(v1::Optimizer::Stub& stub, const std::string& session);
 
 }  // namespace diond::service_testing

@@ -23,6 +23,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/service/golden_case.h"
 #include "tests/integration/subprocess.h"
@@ -563,6 +564,188 @@ TEST_P(WorldSession, DionCompressedFollowsAverage) {
   EXPECT_LE(RelFro(BytesToFloats(after[0]["w0/state.momentum"]), mean), 1e-6);
 }
 
+// StepRequest.params_without_grad (torch.optim's `p.grad is None`) in a world of two: every
+// algorithm in both precisions. Independent expectations: a parameter without a gradient keeps
+// its weights and every rank's copy of its state byte for byte (its gradient holds NaNs, so a
+// read of it would show), and every rank holds exactly what one worker running the same groups
+// with null gradients for those parameters holds.
+class WorldSessionOfTwo : public WorldSession {};
+
+TEST_P(WorldSessionOfTwo, ParamsWithoutGradKeepWeightsAndStateOnEveryRank) {
+  const int w = GetParam();
+  auto ctx = kernels::Context::CpuDefault();
+  std::vector<std::pair<std::string, optim::Precision>> runs;
+  for (const std::string algo : {"muon", "normuon", "dion2", "nordion2", "dion", "adamw", "lion"}) {
+    runs.push_back({algo, optim::Precision::kFp32});
+  }
+  for (const std::string algo : {"muon", "normuon", "dion2", "nordion2"}) {
+    runs.push_back({algo, optim::Precision::kBf16Reference});
+  }
+  for (const auto& [algo, precision] : runs) {
+    SCOPED_TRACE(absl::StrCat(algo, " ", optim::PrecisionName(precision)));
+    MultiCase m = Build(algo, precision);
+    ASSERT_FALSE(m.cases.empty());
+    const size_t n = m.desc.params.size();
+    v1::CreateSessionRequest req = m.desc.Request();
+    req.set_world_key(absl::StrCat("nograd-", algo, "-", optim::PrecisionName(precision)));
+    auto s = CreateEverywhere(req);
+    ASSERT_EQ(static_cast<int>(s.size()), w);
+    const std::vector<Chunk> init = InitialChunks(m);
+    for (int r = 0; r < w; ++r) ASSERT_TRUE(SetState(daemons_[r]->stub(), s[r]->id, init).ok());
+    auto replay = Replay::Create(m.desc);
+    ASSERT_TRUE(replay.ok()) << replay.status();
+    for (size_t i = 0; i < n; ++i) {
+      const GoldenCase& c = m.cases[m.case_of[i]];
+      (*replay)->params()[i] = c.param_init;
+      for (const auto& [name, v] : c.state_init) ASSERT_TRUE((*replay)->SetState(i, name, v).ok());
+    }
+    // Step 1: every gradient; 2: two parameters without; 3: one; 4: the whole first group.
+    const std::vector<std::vector<int32_t>> masks = {{}, {0, 3}, {1}, {0, 1}};
+    const int64_t steps = std::min<int64_t>(m.steps, static_cast<int64_t>(masks.size()));
+    for (int64_t step = 1; step <= steps; ++step) {
+      const std::vector<int32_t>& mask = masks[static_cast<size_t>(step - 1)];
+      std::vector<bool> no_grad(n, false);
+      for (int32_t i : mask) {
+        if (static_cast<size_t>(i) < n) no_grad[static_cast<size_t>(i)] = true;
+      }
+      std::vector<int32_t> sent;
+      for (size_t i = 0; i < n; ++i) {
+        if (no_grad[i]) sent.push_back(static_cast<int32_t>(i));
+      }
+      std::vector<std::vector<float>> grads;
+      for (size_t i = 0; i < n; ++i) {
+        grads.push_back(m.Grad(i, step));
+        std::vector<float> written = grads.back();
+        if (no_grad[i]) written.assign(written.size(), std::nanf(""));
+        for (int r = 0; r < w; ++r) s[r]->WriteGrad(i, written);
+      }
+      std::vector<std::vector<std::string>> before(static_cast<size_t>(w));
+      std::vector<TensorMap> state_before(static_cast<size_t>(w)), state_after(static_cast<size_t>(w));
+      for (int r = 0; r < w; ++r) {
+        for (size_t i = 0; i < n; ++i) before[r].push_back(s[r]->ParamBytes(i));
+        ASSERT_TRUE(GetState(daemons_[r]->stub(), s[r]->id, false, &state_before[r]).ok());
+      }
+      ASSERT_TRUE((*replay)->Step(*ctx, grads, no_grad).ok());
+      std::vector<v1::StepResponse> resp(static_cast<size_t>(w));
+      OnAllRanks(w, [&](int r) {
+        grpc::Status st = DoStepWithout(daemons_[r]->stub(), s[r]->id, step, sent, &resp[r]);
+        EXPECT_TRUE(st.ok()) << "rank " << r << " step " << step << ": " << st.error_message();
+      });
+      for (int r = 0; r < w; ++r) {
+        EXPECT_FALSE(resp[r].skipped()) << "rank " << r << ": a NaN it should not have read";
+        ASSERT_TRUE(GetState(daemons_[r]->stub(), s[r]->id, false, &state_after[r]).ok());
+      }
+      for (size_t i = 0; i < n; ++i) {
+        const std::string want = FloatBytes((*replay)->params()[i]);
+        for (int r = 0; r < w; ++r) {
+          const std::string got = s[r]->ParamBytes(i);
+          ASSERT_EQ(got, want) << "rank " << r << ", " << m.desc.params[i].name << ", step " << step;
+          if (!no_grad[i]) continue;
+          EXPECT_EQ(got, before[r][i]) << "rank " << r << ", " << m.desc.params[i].name;
+          const std::string prefix = m.desc.params[i].name + "/state.";
+          for (const auto& [k, v] : state_before[r]) {
+            if (absl::StartsWith(k, prefix)) {
+              EXPECT_EQ(state_after[r][k], v) << "rank " << r << " " << k;
+            }
+          }
+        }
+      }
+    }
+    for (int r = 0; r < w; ++r) EXPECT_TRUE(CloseSession(daemons_[r]->stub(), s[r]->id).ok());
+  }
+}
+
+// AVERAGE: a parameter is stepped when any rank's trainer has its gradient (the others add
+// zeros, as DDP does); under REPLICATED the ranks must agree, else every rank refuses the step
+// and nothing changes; a retry with agreeing sets then applies it.
+TEST_P(WorldSessionOfTwo, ParamsWithoutGradAcrossRanks) {
+  const int w = GetParam();
+  auto ctx = kernels::Context::CpuDefault();
+  SessionDesc desc;
+  desc.groups.push_back(MakeGroup("m", AlgorithmKind::kMuon, 0.02));
+  desc.groups.push_back(MakeGroup("a", AlgorithmKind::kAdamW, 0.01));
+  for (int j = 0; j < 3; ++j) desc.params.push_back({absl::StrCat("w", j), {32, 24}, "m"});
+  for (int j = 0; j < 2; ++j) desc.params.push_back({absl::StrCat("b", j), {40}, "a"});
+  const size_t n = desc.params.size();
+  std::vector<Chunk> init;
+  std::vector<std::vector<float>> start(n);
+  for (size_t i = 0; i < n; ++i) {
+    start[i] = SyntheticValues(1, 0, i, desc.Numel(i));
+    for (Chunk& c : SplitTensor(desc.params[i].name, FloatBytes(start[i]))) init.push_back(std::move(c));
+  }
+  // Rank 0's trainer has no gradient for w0 and b0; no rank has one for w2.
+  auto mask_of = [](int r) {
+    return r == 0 ? std::vector<int32_t>{0, 2, 3} : std::vector<int32_t>{2};
+  };
+  {
+    v1::CreateSessionRequest req = desc.Request();
+    req.set_world_key("nograd-average");
+    req.set_gradient_sync(v1::GRADIENT_SYNC_AVERAGE);
+    auto s = CreateEverywhere(req);
+    ASSERT_EQ(static_cast<int>(s.size()), w);
+    for (int r = 0; r < w; ++r) ASSERT_TRUE(SetState(daemons_[r]->stub(), s[r]->id, init).ok());
+    auto replay = Replay::Create(desc);
+    ASSERT_TRUE(replay.ok());
+    (*replay)->params() = start;
+    for (int64_t step = 1; step <= 3; ++step) {
+      std::vector<std::vector<float>> mean(n);
+      std::vector<bool> no_grad(n, false);
+      no_grad[2] = true;
+      for (size_t i = 0; i < n; ++i) {
+        mean[i].assign(static_cast<size_t>(desc.Numel(i)), 0.0f);
+        for (int r = 0; r < w; ++r) {
+          const std::vector<int32_t> mask = mask_of(r);
+          const bool none = std::find(mask.begin(), mask.end(), static_cast<int32_t>(i)) != mask.end();
+          std::vector<float> g = SyntheticValues(100 + r, step, i, desc.Numel(i));
+          if (none) g.assign(g.size(), std::nanf(""));  // never read
+          s[r]->WriteGrad(i, g);
+          if (!none) {
+            for (size_t e = 0; e < g.size(); ++e) mean[i][e] += g[e];
+          }
+        }
+        for (float& v : mean[i]) v /= static_cast<float>(w);
+      }
+      std::vector<v1::StepResponse> resp(static_cast<size_t>(w));
+      OnAllRanks(w, [&](int r) {
+        grpc::Status st = DoStepWithout(daemons_[r]->stub(), s[r]->id, step, mask_of(r), &resp[r]);
+        EXPECT_TRUE(st.ok()) << "rank " << r << ": " << st.error_message();
+      });
+      ASSERT_TRUE((*replay)->Step(*ctx, mean, no_grad).ok());
+      for (size_t i = 0; i < n; ++i) {
+        const std::string rank0 = s[0]->ParamBytes(i);
+        for (int r = 1; r < w; ++r) ASSERT_EQ(s[r]->ParamBytes(i), rank0) << "param " << i;
+        // The same tolerance as AverageFollowsOneWorkerOnTheMeanGradient (the ring's sum order).
+        EXPECT_LE(RelFro(BytesToFloats(rank0), (*replay)->params()[i]), 1e-5)
+            << desc.params[i].name << " step " << step;
+      }
+      EXPECT_EQ(s[0]->ParamBytes(2), FloatBytes(start[2])) << "w2 has no gradient anywhere";
+    }
+  }
+  {
+    v1::CreateSessionRequest req = desc.Request();
+    req.set_world_key("nograd-replicated");
+    auto s = CreateEverywhere(req);
+    ASSERT_EQ(static_cast<int>(s.size()), w);
+    for (int r = 0; r < w; ++r) {
+      ASSERT_TRUE(SetState(daemons_[r]->stub(), s[r]->id, init).ok());
+      WriteSyntheticGrads(s[r].get(), desc, 5, 1);
+    }
+    std::vector<grpc::Status> st(static_cast<size_t>(w));
+    OnAllRanks(w, [&](int r) { st[r] = DoStepWithout(daemons_[r]->stub(), s[r]->id, 1, mask_of(r)); });
+    for (int r = 0; r < w; ++r) {
+      EXPECT_EQ(st[r].error_code(), grpc::StatusCode::FAILED_PRECONDITION) << "rank " << r;
+      EXPECT_THAT(st[r].error_message(), ::testing::HasSubstr("must name the same"));
+      for (size_t i = 0; i < n; ++i) EXPECT_EQ(s[r]->ParamBytes(i), FloatBytes(start[i]));
+    }
+    OnAllRanks(w, [&](int r) { st[r] = DoStepWithout(daemons_[r]->stub(), s[r]->id, 1, {2}); });
+    for (int r = 0; r < w; ++r) {
+      EXPECT_TRUE(st[r].ok()) << "rank " << r << ": " << st[r].error_message();
+      EXPECT_NE(s[r]->ParamBytes(0), FloatBytes(start[0]));
+      EXPECT_EQ(s[r]->ParamBytes(2), FloatBytes(start[2]));
+    }
+  }
+}
+
 TEST_P(WorldSession, DisagreeingTrainersAreRefusedNamingTheRanks) {
   const int w = GetParam();
   SessionDesc desc;
@@ -867,6 +1050,7 @@ TEST(WorldSessionOfOne, RunsLikeALocalSession) {
 
 INSTANTIATE_TEST_SUITE_P(W, WorldSession, ::testing::Values(2, 3, 4),
                          [](const auto& info) { return absl::StrCat("W", info.param); });
+INSTANTIATE_TEST_SUITE_P(W, WorldSessionOfTwo, ::testing::Values(2));
 
 // Elastic restore (issue 14): the checkpoints of a world of W_old ranks restored into a world of
 // W_new ranks. Every new rank loads one old rank's checkpoint with the others' as shard_paths and

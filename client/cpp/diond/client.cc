@@ -310,6 +310,8 @@ absl::StatusOr<StepResult> Client::Step(const std::string& session_id, int64_t s
   req.mutable_group_step()->insert(options.group_step.begin(), options.group_step.end());
   req.set_gradient_scale(options.gradient_scale);
   req.set_asynchronous(options.asynchronous);
+  req.mutable_params_without_grad()->Add(options.params_without_grad.begin(),
+                                         options.params_without_grad.end());
   auto resp = Step(req);
   if (!resp.ok()) return resp.status();
   return diond::client::FromProto(*resp);

@@ -143,6 +143,9 @@ struct StepOptions {
   // session's arenas belong to the step until its result is collected (WaitStep, or the next
   // Step): the trainer must not read or write them meanwhile.
   bool asynchronous = false;
+  // The parameters (indices in the session's declaration order) without a gradient in this
+  // step, as torch.optim's `p.grad is None`: the step leaves them and their state unchanged.
+  std::vector<int32_t> params_without_grad;
 };
 
 struct SessionInfo {

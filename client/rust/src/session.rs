@@ -22,6 +22,9 @@ pub struct StepOptions {
     /// (`queued` set); the result comes with the next step (`previous`) or
     /// [`Session::wait_step`]. The arena belongs to the step until then: do not touch it.
     pub asynchronous: bool,
+    /// The parameters (indices in the session's declaration order) without a gradient in this
+    /// step, as torch.optim's `p.grad is None`: the step leaves them and their state alone.
+    pub params_without_grad: Vec<i32>,
 }
 
 /// How [`Session::step`] retries a step whose outcome it did not learn.
@@ -237,6 +240,7 @@ impl Session {
             lr_override: opts.lr_override.clone(),
             gradient_scale: opts.gradient_scale,
             asynchronous: opts.asynchronous,
+            params_without_grad: opts.params_without_grad.clone(),
             ..Default::default()
         };
         let mut wait = self.retry.backoff;
