@@ -417,10 +417,18 @@ class Client:
                     pb.UnregisterRegionRequest(session_id=session_id, region_id=region_id), timeout)
 
     def step(self, session_id, step_index, lr_override=None, gradient_scale=0.0, timeout=None,
-             group_step=None, asynchronous=False, ready_event=b"", done_event=b""):
+             group_step=None, asynchronous=False, ready_event=b"", done_event=b"",
+             params_without_grad=None):
         """Step; idempotent on step_index (repeat the last index to get its recorded answer).
         group_step: {group: the trainer's 1-based step number for it} (Dion's cqr warm-up counts
         it; groups not named use step_index).
+
+        params_without_grad: the indices (in the order of CreateSessionRequest.parameters) of
+        the parameters that have no gradient in this step, as torch.optim's ``p.grad is None``:
+        the step leaves them and their optimizer state as they are and does not read their
+        gradients (docs/ALGORITHMS.md §2.6). An index out of range or named twice fails the step
+        with INVALID_ARGUMENT; in a world session under REPLICATED every rank must name the same
+        ones (FAILED_PRECONDITION on every rank otherwise, nothing changed).
 
         asynchronous=True: the daemon validates the request, queues the step and answers at once
         (.queued is True); the result comes with the next step() (.previous) or wait_step().
@@ -443,6 +451,8 @@ class Client:
         if group_step:
             for g, n in group_step.items():
                 req.group_step[g] = int(n)
+        if params_without_grad:
+            req.params_without_grad.extend(int(i) for i in params_without_grad)
         return self._unary("Step", req, timeout)
 
     def wait_step(self, session_id, step_index=0, timeout=None):

@@ -125,6 +125,10 @@ class Optimizer:
                     name=names[i], shape=list(self._shapes[i]),
                     dtype=_DTYPES[self._dtypes[i]][0], group=label))
         unused_options(explicit, defaults, [g["algorithm"] for g in self.param_groups])
+        # The session lists the parameters group by group, not in leaf order: a Step's
+        # params_without_grad takes the session's indices.
+        at = {spec.name: k for k, spec in enumerate(self._specs)}
+        self._session_index = [at[n] for n in names]
 
         self.client = target if isinstance(target, Client) else Client(target, timeout=timeout)
         self._owns_client = not isinstance(target, Client)
@@ -134,6 +138,7 @@ class Optimizer:
         self._rpc_index = 0  # steps of this session
         self._arena = None
         self.session_id = None
+        self._pushed = False  # remote mode: gradients uploaded to the session at least once
         try:
             resp = self.client.create_session(
                 parameters=self._specs, groups=protos,
@@ -197,13 +202,16 @@ class Optimizer:
                                         self._arena.name, grad_base, resp.grad_arena_bytes)
 
     # -- stepping -----------------------------------------------------------------------------
-    def _leaves(self, tree, what):
-        leaves, treedef = jax.tree_util.tree_flatten(tree)
+    def _leaves(self, tree, what, none_ok=False):
+        """The leaves of `tree`, which must have the parameters' structure; none_ok: a None
+        leaf stands for its parameter (jax flattens None away unless it is taken as a leaf)."""
+        is_leaf = (lambda x: x is None) if none_ok else None
+        leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_leaf)
         if treedef != self._treedef:
             raise ValueError("%s must have the structure of the parameters: %s vs. %s"
                              % (what, treedef, self._treedef))
         for i, x in enumerate(leaves):
-            if tuple(np.shape(x)) != self._shapes[i]:
+            if x is not None and tuple(np.shape(x)) != self._shapes[i]:
                 raise ValueError("%s %s has shape %s, the parameter %s" % (
                     what, self._paths[i], list(np.shape(x)), list(self._shapes[i])))
         return leaves
@@ -213,21 +221,31 @@ class Optimizer:
 
     def step(self, grads, lr=None):
         """One step on `grads` (the parameters' structure); returns the new parameters (jax
-        arrays). lr: an optional {label: lr} for this step (a schedule)."""
+        arrays). lr: an optional {label: lr} for this step (a schedule). A None leaf is a
+        parameter without a gradient in this step: it and its optimizer state stay as they are
+        (torch.optim's rule for a None .grad, docs/ALGORITHMS.md §2.6)."""
         self._check_open()
-        leaves = self._leaves(grads, "grads")
+        leaves = self._leaves(grads, "grads", none_ok=True)
+        without = sorted(self._session_index[i] for i, g in enumerate(leaves) if g is None)
         if self.remote:
-            self.client.push_gradients(self.session_id, {
-                n: self._wire(np.asarray(g), i) for i, (n, g) in enumerate(zip(self._names,
-                                                                              leaves))})
+            wire = {n: self._wire(np.asarray(g), i)
+                    for i, (n, g) in enumerate(zip(self._names, leaves)) if g is not None}
+            if not wire and not self._pushed:
+                # A Step needs gradients uploaded once; these zeros are not read (masked).
+                wire = {self._names[0]: self._wire(np.zeros(self._shapes[0]), 0)}
+            if wire:
+                self.client.push_gradients(self.session_id, wire)
+                self._pushed = True
         else:
             for i, (gv, g) in enumerate(zip(self._gviews, leaves)):
-                gv[...] = self._wire(np.asarray(g), i)
+                if g is not None:
+                    gv[...] = self._wire(np.asarray(g), i)
         steps = {name: self.step_count + 1 for name in self._group_names}
         # The session's Step index counts this session's steps; the groups' step numbers (bias
         # correction, Dion's warm-up) count the run's, restored by load_state_dict.
         self.last_step = self.client.step(self.session_id, self._rpc_index + 1,
-                                          lr_override=dict(lr or {}), group_step=steps)
+                                          lr_override=dict(lr or {}), group_step=steps,
+                                          params_without_grad=without)
         self._rpc_index += 1
         self.step_count += 1
         return self.params()

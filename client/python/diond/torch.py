@@ -33,10 +33,25 @@ collection, interpreter exit), the parameters and gradients that view its arena 
 tensors holding the latest values; the arena's mapping is never unmapped under a live view. A
 forked child gets private copies at the fork, and its copy of the optimizer is closed.
 
+Parameters without a gradient: as torch.optim, step() leaves a parameter that has no gradient
+(torch's ``p.grad is None``) and its optimizer state untouched: no momentum or weight decay, and
+AdamW's own step count stays where it was; the groups' step counters advance, as microsoft/dion's
+``group["step"]``. In remote mode that is ``p.grad is None``. In shared-memory mode ``.grad`` is
+always a view of the gradient arena, so the optimizer keeps the answer beside it: a parameter has
+a gradient once backward reached it (a tensor hook on each parameter that requires grad, one
+Python call per parameter per backward), a tensor was assigned to its ``.grad``, an in-place
+write left its ``.grad`` non-zero (``p.grad.copy_(g)``), or it had a ``.grad`` when the optimizer
+was built. ``zero_grad()`` (set_to_none=True) or a ``.grad`` set to None
+(``model.zero_grad(set_to_none=True)``) takes it away; ``zero_grad(set_to_none=False)`` keeps it
+(a zero gradient, stepped as torch steps it). One edge: on torch 2.x ``torch.autograd.grad``
+with respect to a parameter runs its hooks without writing ``.grad``, which counts as a gradient
+here. In a world session under REPLICATED every rank's trainer must have the same parameters
+without a gradient (docs/ALGORITHMS.md §2.6).
+
 Differences from a PyTorch optimizer, by design:
-  * the daemon updates every parameter at every step; a parameter whose ``.grad`` is None steps
-    with a zero gradient (``zero_grad()`` zeroes in place, whatever ``set_to_none`` says, so the
-    gradients stay views of the arena);
+  * in shared-memory mode ``.grad`` is never None: ``zero_grad()`` zeroes in place, whatever
+    ``set_to_none`` says, so the gradients stay views of the arena (see above for what marks a
+    parameter as having no gradient);
   * optimizer state lives in the daemon: ``state_dict()`` fetches it (GetState) and
     ``load_state_dict()`` sends it (SetState); ``self.state`` stays empty;
   * only ``lr`` (sent with every step, so schedulers just work) and ``weight_decay`` (sent with
@@ -98,13 +113,52 @@ def _arena_device(params):
 
 def _fill_views(p, pv, gv, from_daemon):
     """An arena's views of parameter p take its values (unless the weights come from the daemon)
-    and its gradient (zeros when it has none, or when the weights come from the daemon)."""
+    and its gradient (zeros when it has none, or when the weights come from the daemon). Returns
+    whether p has a gradient."""
     if not from_daemon:
         pv.copy_(p.data)
     if p.grad is not None and not from_daemon:
         gv.copy_(p.grad)
-    else:
-        gv.zero_()
+        return True
+    gv.zero_()
+    return False
+
+
+class _GradFlags:
+    """Which parameters have a gradient (torch's ``p.grad is not None``) in shared-memory mode,
+    where every .grad stays a view of the gradient arena. ``has`` is set by the parameters'
+    hooks (_has_grad_hook) and by the optimizer (a tensor assigned to .grad, an in-place write);
+    ``versions`` are the views' torch version counters when last looked at."""
+
+    __slots__ = ("has", "versions", "__weakref__")
+
+    def __init__(self, has):
+        self.has = list(has)
+        self.versions = []
+
+    def note(self, gviews):
+        self.versions = [gv._version for gv in gviews]
+
+    def wrote(self, i, gv):
+        """Whether an in-place write gave parameter i a gradient: its view was written since
+        note() and is not all zeros. The zeros exception: nn.Module.zero_grad(set_to_none=False)
+        zeroes every .grad in place, where torch leaves a None gradient None. Reads the view
+        only when its version moved."""
+        return gv._version != self.versions[i] and bool(gv.any())
+
+
+def _has_grad_hook(flags, i):
+    """A tensor hook: backward reached parameter i. It returns None (the gradient goes on
+    unchanged) and holds the flags weakly, so the model's hooks never keep an optimizer's
+    state alive."""
+    ref = weakref.ref(flags)
+
+    def hook(grad):
+        f = ref()
+        if f is not None:
+            f.has[i] = True
+
+    return hook
 
 
 # Bindings of live optimizers with host arenas, for the fork handler.
@@ -122,6 +176,8 @@ class _Binding:
         self.pid = os.getpid()
         self.params = []  # the parameters whose .data/.grad were made views
         self.pviews, self.gviews = [], []
+        self.flags = None  # _GradFlags of shared-memory mode
+        self.hooks = {}  # parameter index -> the handle of its _has_grad_hook
         self.grad_arena = None
         self.shm = None  # host_arena.ShmArena or fdchannel.MemfdArena
         self.cuda_arena = None
@@ -133,12 +189,20 @@ class _Binding:
     def give_back(self):
         """Parameters and gradients that still view the arena become copies of it (ordinary
         memory holding the latest values), then the arena is let go: its mapping goes with the
-        last tensor still viewing it (a view the user kept stays valid)."""
+        last tensor still viewing it (a view the user kept stays valid). A parameter without a
+        gradient gets None, as torch would have it."""
+        for h in self.hooks.values():
+            h.remove()
+        self.hooks = {}
+        flags, self.flags = self.flags, None
         with torch.no_grad():
-            for p, pv, gv in zip(self.params, self.pviews, self.gviews):
+            for i, (p, pv, gv) in enumerate(zip(self.params, self.pviews, self.gviews)):
                 if p.data.data_ptr() == pv.data_ptr():
                     p.data = pv.clone()
                 if p.grad is not None and p.grad.data_ptr() == gv.data_ptr():
+                    if flags is not None and not (flags.has[i] or flags.wrote(i, gv)):
+                        p.grad = None
+                        continue
                     try:
                         p.grad = gv.clone()
                     except RuntimeError:  # .data was replaced by another dtype or shape
@@ -518,6 +582,7 @@ class Optimizer(torch.optim.Optimizer):
         self._data_plane = (resp.fd_channel_socket, list(resp.region_kinds))
         self._param_arena_bytes = resp.param_arena_bytes
         self._grad_arena_bytes = resp.grad_arena_bytes
+        self._pushed = False  # remote mode: gradients uploaded to this session at least once
         # weight_decay is sent again at the first step (the daemon's may be another trainer's).
         self._sent = [(float(g["lr"]), None) for g in self.param_groups]
 
@@ -545,6 +610,7 @@ class Optimizer(torch.optim.Optimizer):
         self._data_plane = (resp.fd_channel_socket, list(resp.region_kinds))
         self._param_arena_bytes = resp.param_arena_bytes
         self._grad_arena_bytes = resp.grad_arena_bytes
+        self._pushed = False  # remote mode: gradients uploaded to this session at least once
         # What the daemon has for each group, to notice changes made through param_groups.
         self._sent = [(float(g["lr"]), float(g["weight_decay"])) for g in self.param_groups]
 
@@ -580,19 +646,22 @@ class Optimizer(torch.optim.Optimizer):
         self._pviews, self._gviews = [], []
         self._grad_arena = torch.frombuffer(buf, dtype=torch.uint8, count=self._grad_arena_bytes,
                                             offset=grad_base)
+        has = []
         with torch.no_grad():
             for n, p in zip(self._names, self._params()):
                 t = self._layout[n]
                 count = p.numel()
                 pv = torch.frombuffer(buf, dtype=p.dtype, count=count,
                                       offset=t.param_offset_bytes).view(p.shape)
+                # Each gradient view has its own version counter (_GradFlags.wrote).
                 gv = torch.frombuffer(buf, dtype=p.dtype, count=count,
                                       offset=grad_base + t.grad_offset_bytes).view(p.shape)
-                _fill_views(p, pv, gv, from_daemon)
+                has.append(_fill_views(p, pv, gv, from_daemon))
                 p.data = pv
                 p.grad = gv
                 self._pviews.append(pv)
                 self._gviews.append(gv)
+        self._track_gradients(has)
         if kind == "memfd":
             # One token per region: each RegisterRegion takes (and the daemon keeps) its own fd.
             self._regions = [
@@ -647,15 +716,20 @@ class Optimizer(torch.optim.Optimizer):
         plan = arena.plan
         self._grad_arena = arena.view(plan.grad_offset, self._grad_arena_bytes)
         self._pviews, self._gviews = [], []
-        for p, (pv, gv) in zip(self._params(), views):
+        for p, (pv, gv, _) in zip(self._params(), views):
+            # A narrow() of the allocation shares its version counter with every other view;
+            # set_() aliases the same memory with a counter of its own (_GradFlags.wrote).
+            gv = torch.empty(0, dtype=gv.dtype, device=gv.device).set_(gv)
             p.data = pv
             p.grad = gv
             self._pviews.append(pv)
             self._gviews.append(gv)
+        self._track_gradients([h for _, _, h in views])
 
     def _cuda_views(self, arena, from_daemon):
-        """[(parameter view, gradient view)] of `arena`, filled with the model's values (unless
-        the weights come from the daemon) and synchronized: registration may read them."""
+        """[(parameter view, gradient view, whether the parameter has a gradient)] of `arena`,
+        filled with the model's values (unless the weights come from the daemon) and
+        synchronized: registration may read them."""
         out = []
         with torch.no_grad():
             for n, p in zip(self._names, self._params()):
@@ -664,10 +738,24 @@ class Optimizer(torch.optim.Optimizer):
                 pv = arena.view(arena.plan.param_offset + t.param_offset_bytes, nbytes)
                 gv = arena.view(arena.plan.grad_offset + t.grad_offset_bytes, nbytes)
                 pv, gv = pv.view(p.dtype).view(p.shape), gv.view(p.dtype).view(p.shape)
-                _fill_views(p, pv, gv, from_daemon)
-                out.append((pv, gv))
+                out.append((pv, gv, _fill_views(p, pv, gv, from_daemon)))
         torch.cuda.current_stream(self._device).synchronize()
         return out
+
+    def _track_gradients(self, has):
+        """Shared-memory mode: which parameters have a gradient (_GradFlags), starting from
+        `has`, and the hooks that tell."""
+        self._bind.flags = _GradFlags(has)
+        self._bind.flags.note(self._gviews)
+        self._hook_parameters()
+
+    def _hook_parameters(self):
+        """A _has_grad_hook on every parameter that requires grad and has none yet; a parameter
+        that starts requiring grad later gets its hook at the next step() or zero_grad()."""
+        b = self._bind
+        for i, p in enumerate(b.params):
+            if p.requires_grad and i not in b.hooks:
+                b.hooks[i] = p.register_hook(_has_grad_hook(b.flags, i))
 
     def _upload_parameters(self):
         self.client.set_state(self.session_id,
@@ -707,11 +795,13 @@ class Optimizer(torch.optim.Optimizer):
             raise RuntimeError("diond.torch.Optimizer is closed")
 
     def _sync_views(self):
-        """Keep .data/.grad as arena views: whatever replaced them is copied back in. Returns
-        the indices of the parameters whose .data was replaced."""
+        """Keep .data/.grad as arena views: whatever replaced them is copied back in, and the
+        gradient flags follow (a .grad set to None: no gradient; a tensor assigned: one).
+        Returns the indices of the parameters whose .data was replaced."""
         replaced = set()
         if self.remote:
             return replaced
+        has = self._bind.flags.has
         with torch.no_grad():
             for i, (p, pv, gv) in enumerate(zip(self._params(), self._pviews, self._gviews)):
                 if p.data.data_ptr() != pv.data_ptr() or p.data.shape != pv.shape:
@@ -725,8 +815,10 @@ class Optimizer(torch.optim.Optimizer):
                     replaced.add(i)
                 g = p.grad
                 if g is None:
+                    # Zeroed: the next backward accumulates into it.
                     gv.zero_()
                     p.grad = gv
+                    has[i] = False
                 elif g.data_ptr() != gv.data_ptr():
                     if g.shape != gv.shape:
                         raise ValueError("gradient of shape %s for a parameter of shape %s"
@@ -735,6 +827,10 @@ class Optimizer(torch.optim.Optimizer):
                         g = g.to_dense()
                     gv.copy_(g)
                     p.grad = gv
+                    has[i] = True
+                elif not has[i]:
+                    has[i] = self._bind.flags.wrote(i, gv)
+            self._bind.flags.note(self._gviews)
         return replaced
 
     def _own_copy(self):
@@ -795,13 +891,20 @@ class Optimizer(torch.optim.Optimizer):
                 loss = closure()
         lrs = self._lr_overrides()
         if self.remote:
-            grads = {}
-            for n, p in zip(self._names, self._params()):
-                grads[n] = p.grad if p.grad is not None else torch.zeros_like(p.data)
-            self.client.push_gradients(self.session_id, grads)
+            params = list(self._params())
+            without = [i for i, p in enumerate(params) if p.grad is None]
+            grads = {n: p.grad for n, p in zip(self._names, params) if p.grad is not None}
+            if not grads and not self._pushed:
+                # A Step needs gradients uploaded once; these zeros are not read (masked).
+                grads = {self._names[0]: torch.zeros_like(params[0].data)}
+            if grads:
+                self.client.push_gradients(self.session_id, grads)
+                self._pushed = True
             replaced = set()
         else:
+            self._hook_parameters()
             replaced = self._sync_views()
+            without = [i for i, h in enumerate(self._bind.flags.has) if not h]
         self._push_writes(replaced)
         events = self._record_ready() if self._cuda_arena is not None else {}
         # The groups' own step counters (restored by load_state_dict, as the reference's; a
@@ -810,7 +913,8 @@ class Optimizer(torch.optim.Optimizer):
         steps = {name: int(g.get("step", 0)) + 1
                  for name, g in zip(self._group_names, self.param_groups)}
         resp = self.client.step(self.session_id, self._step_index + 1, lr_override=lrs,
-                                group_step=steps, asynchronous=asynchronous, **events)
+                                group_step=steps, asynchronous=asynchronous,
+                                params_without_grad=without, **events)
         self.last_step = resp
         if resp.queued:
             self._queued = self._step_index + 1
@@ -879,7 +983,9 @@ class Optimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none=True):
         """Zeroes every gradient in place (also for set_to_none=True: the gradients must stay
-        views of the gradient arena)."""
+        views of the gradient arena). set_to_none=True also takes every parameter's gradient
+        away, as torch's None, until backward (or an assignment to .grad) gives it one again;
+        with False a parameter that had a gradient keeps it, zeroed, and is stepped."""
         if not self._closed:
             self.synchronize()
         with torch.no_grad():
@@ -891,10 +997,21 @@ class Optimizer(torch.optim.Optimizer):
                         else:
                             p.grad.zero_()
                 return
+            self._hook_parameters()  # before the backward that follows
+            flags = self._bind.flags
+            for i, (p, gv) in enumerate(zip(self._params(), self._gviews)):
+                g = p.grad
+                if set_to_none or g is None:
+                    flags.has[i] = False
+                elif g.data_ptr() != gv.data_ptr():
+                    flags.has[i] = True
+                elif not flags.has[i]:
+                    flags.has[i] = flags.wrote(i, gv)  # before the memset hides the write
             self._grad_arena.zero_()  # one memset for every gradient
             for p, gv in zip(self._params(), self._gviews):
                 if p.grad is None or p.grad.data_ptr() != gv.data_ptr():
                     p.grad = gv
+            flags.note(self._gviews)
 
     # -- state --------------------------------------------------------------------------------
     def _index_of(self):

@@ -168,3 +168,41 @@ def test_optax_adapter_trains_and_rounds_only_in_the_last_bits(daemon):
         assert float(loss(params, *data(0))) < 0.7 * first
         with pytest.raises(ValueError, match="needs params"):
             tx.update(grads, state)
+
+
+@pytest.mark.parametrize("mode", ["memfd", "remote"])
+def test_a_none_gradient_leaves_its_parameter_alone(daemon, mode):
+    """A None leaf in step()'s gradients is a parameter without a gradient (torch.optim's rule):
+    its weights and state stay bit for bit, and the other leaves are those of an optimizer that
+    does not hold it, bit for bit."""
+    kw = dict(remote=True) if mode == "remote" else dict(arena=mode)
+    groups = {"matrix": dict(algorithm="muon", lr=0.02), "vector": dict(algorithm="adamw")}
+    p0 = init(jax.random.PRNGKey(4))
+    # layer2 is last in the flattened order, so the others keep their indices and names. The
+    # session lists the parameters group by group (vectors, then matrices), where layer2's
+    # leaves are not last: a mask sent in leaf order would hit layer1's matrix.
+    lean0 = {k: v for k, v in p0.items() if k != "layer2"}
+    with diond.jax.Optimizer(p0, groups=groups, target=daemon.target, **kw) as opt, \
+            diond.jax.Optimizer(lean0, groups=groups, target=daemon.target, **kw) as lean:
+        params, lean_params, before = p0, lean0, None
+        for s in range(4):
+            _, grads = grad_fn(params, *data(s))
+            if s >= 1:
+                grads["layer2"] = {"w": None, "b": None}
+                held = opt.state_dict()["state"]
+            params = opt.step(grads)
+            lean_params = lean.step({k: v for k, v in grads.items() if k != "layer2"})
+            for k in lean_params:
+                for a, b in zip(jax.tree_util.tree_leaves(params[k]),
+                                jax.tree_util.tree_leaves(lean_params[k])):
+                    assert np.array_equal(np.asarray(a), np.asarray(b)), (s, k)
+            if before is not None and s >= 1:
+                for a, b in zip(jax.tree_util.tree_leaves(params["layer2"]),
+                                jax.tree_util.tree_leaves(before)):
+                    assert np.array_equal(np.asarray(a), np.asarray(b)), s
+                now = opt.state_dict()["state"]
+                for path in held:
+                    if "layer2" in path:
+                        for name in held[path]:
+                            assert np.array_equal(held[path][name], now[path][name]), path
+            before = params["layer2"]
