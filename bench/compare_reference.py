@@ -149,16 +149,16 @@ def numel(shape):
 
 # ---- The floor: the least time the row's arithmetic allows on this machine ----------------------
 #
-# Issue 10's targets are ratios to the reference. A target is reachable only if diond's step can
-# take that little time; the step's dense linear algebra alone cannot run faster than the GEMM
-# ceiling measured in the same run (diond_bench, 2048³). So, per matrix row and diond column,
-# the table "The floor" counts the flops of that linear algebra at the fewest the column's
-# arithmetic allows (below), divides by the ceiling of its precision, and divides that time by
-# the reference's median: the lowest ratio any implementation of that arithmetic could reach
-# here. Elementwise passes, memory traffic, thread start-up and the client round trip are left
-# out, so the floor is a lower bound: when it is above a target, the target cannot be met on this
-# machine. (AdamW is bandwidth-bound and has no such row: the triad measured through PyTorch is
-# no upper bound on this machine's bandwidth, docs/BENCHMARKS.md.)
+# The speed targets (TARGETS below) are ratios to the reference. A target is reachable only if
+# diond's step can take that little time; the step's dense linear algebra alone cannot run faster
+# than the GEMM ceiling measured in the same run (diond_bench, 2048³). So, per matrix row and diond
+# column, the table "The floor" counts the flops of that linear algebra at the fewest the column's
+# arithmetic allows (below), divides by the ceiling of its precision, and divides that time by the
+# reference's median: the lowest ratio any implementation of that arithmetic could reach here.
+# Elementwise passes, memory traffic, thread start-up and the client round trip are left out, so the
+# floor is a lower bound: when it is above a target, the target cannot be met on this machine.
+# (AdamW is bandwidth-bound and has no such row: the triad measured through PyTorch is no upper
+# bound on this machine's bandwidth, docs/BENCHMARKS.md.)
 TARGETS = {("muon", "fp32"): 1.0, ("normuon", "fp32"): 1.0, ("muon", "bf16"): 0.6,
            ("normuon", "bf16"): 0.6, ("dion_r1", "fp32"): 0.5, ("dion_r4", "fp32"): 0.5,
            ("dion2", "fp32"): 0.5, ("dion2", "bf16"): 0.5, ("dion3", "fp32"): 0.5,
@@ -267,7 +267,7 @@ def floor_rows(res):
             floor_s = flops / (ceilings[prec] * 1e9)
             work = "%.0f GFLOP at the %s ceiling %.0f GFLOP/s" % (flops / 1e9, prec,
                                                                   ceilings[prec])
-            # Issue 10's targets are for fp32 and the default bf16 column (bf16_matmul auto).
+            # The targets are for fp32 and the default bf16 column (bf16_matmul auto).
             target = (TARGETS.get((key, "fp32" if mode == "fp32" else "bf16"))
                       if mode in ("fp32", "bf16_reference") else None)
             out.append({"row": key, "label": row["label"], "mode": mode, "column": name,

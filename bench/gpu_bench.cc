@@ -1,5 +1,6 @@
-// diond-gpu-bench: the GPU benchmarks of issue 11 item 7, each a ratio measured in the same run
-// on one GPU through the CUDA plugin's ops backend (docs/GPU.md):
+// diond-gpu-bench: the GPU benchmarks, each a ratio of two times measured in the same run (so that
+// the GPU's clock and load cancel out) on one GPU through the CUDA plugin's ops backend
+// (docs/GPU.md):
 //   * orthogonalization TFLOP/s ÷ cuBLAS bf16 GEMM TFLOP/s, on 4096², 8192² and 4096×16384;
 //   * Dion (rank 1/16) step time ÷ Muon step time on one 16384×53248 matrix;
 //   * the GPT-2-small matrix set's step time, CUDA graph vs eager.

@@ -1,5 +1,5 @@
-// diond-ipc-bench: issue 12's GPU benchmark. The Step of a daemon on the same GPU, driven through
-// the C++ client, against the same update run in this process (GpuBench::StepTime: one
+// diond-ipc-bench: what the data plane costs on a GPU. The Step of a daemon on the same GPU, driven
+// through the C++ client, against the same update run in this process (GpuBench::StepTime: one
 // GroupOptimizer on the plugin's ops backend), as ratios measured in the same run:
 //   * cuda_ipc: the trainer's weights and gradients in a CudaArena exported as a legacy IPC
 //     handle (the daemon reads and writes them in place on the device);

@@ -140,7 +140,8 @@ def crs(paths):
     return 1 if bad else 0
 
 
-# The rows of issue 16's dashboard, each matched by a word in a panel title.
+# The rows the dashboard must have (docs/OPERATIONS.md "Dashboard"), each matched by a word in a
+# panel title.
 REQUIRED_PANELS = ["steps per second", "step outcomes", "step latency", "service time",
                    "bytes per step", "sessions", "memory", "checkpoint age",
                    "checkpoint failures", "world membership", "checksum mismatches",

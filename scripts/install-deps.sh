@@ -26,6 +26,7 @@ TEST=(
   python3-grpcio python3-protobuf python3-numpy python3-pytest python3-torch
   prometheus curl procps binutils
   debootstrap  # scripts/bare-root-check.sh
+  universal-ctags  # tests/size_limits_test.py: function extents
 )
 # The Rust client (client/rust) builds offline from these crates: they fill the local registry
 # /usr/share/cargo/registry that client/rust/.cargo/config.toml points cargo at. Debian's cargo

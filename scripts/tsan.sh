@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# TSan of the service and world tests (issue 13, "Deliver 7"), with an Abseil built with TSan.
+# TSan of the service and world tests, with an Abseil built with TSan.
 #   scripts/tsan.sh [BUILD_DIR=build-tsan] [CTEST_ARGS...]   (default: -L 'service|world' -LE gpu)
 # Debian's libabsl is not built with -fsanitize=thread, so TSan sees no absl::Mutex lock or
 # unlock and reports every absl::Mutex-guarded access as a race (tests/sanitizer/

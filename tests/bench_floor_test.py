@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """The floor model of bench/compare_reference.py ("The floor" in docs/BENCHMARKS.md).
 
-The floor says which of issue 10's targets no implementation of a column's arithmetic could
-meet on the machine a comparison ran on, so its flop counts must be right. They are checked here
-against counts worked out by hand for single shapes (the numbers in the tests, not the model's
-formulas), against the effective-flop convention of bench/orthogonalize_bench.cc, and the
-table itself is rendered from a synthetic result through the script's --render path, as a user
-would. Standard library only.
+The floor says which speed targets (TARGETS in bench/compare_reference.py) no implementation of
+a column's arithmetic could meet on the machine a comparison ran on, so its flop counts must be
+right. They are checked here against counts worked out by hand for single shapes (the numbers in
+the tests, not the model's formulas), against the effective-flop convention of
+bench/orthogonalize_bench.cc, and the table itself is rendered from a synthetic result through
+the script's --render path, as a user would. Standard library only.
 
 usage: bench_floor_test.py REPO_ROOT
 """

@@ -120,6 +120,8 @@ def resolve(root, name, citing_file):
             parts = parts[1:]
         candidates = ["/".join(parts),
                       os.path.normpath(os.path.join(os.path.dirname(citing_file), name))]
+    elif name == "README.md":
+        candidates = [name, "docs/" + name]  # a bare README.md is the top-level one
     else:
         candidates = ["docs/" + name, name]
     for c in candidates:

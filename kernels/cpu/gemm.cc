@@ -137,10 +137,11 @@ absl::Status Gemm(const Context& ctx, const GemmParams& p, ConstTensorView a, Co
 
 // Copies the lower triangle of the n×n matrix at c (row stride ldc) onto the upper one, in
 // 16×16 tiles walked so that the writes are contiguous (row j of the upper part gets column j of
-// the lower one). The earlier version walked 64×64 tiles with the writes down a column: with a
-// row stride of 1024 floats (4 KiB) every write of a tile fell in the same L1 set, and the mirror
-// took 19 % of a 1024² fp32 Polar Express call. Measured serially (standalone loop, 2-core
-// machine under load, best of 20): 768² 0.73 → 0.11 ms, 1024² 3.5 → 0.24 ms, 3072² 32 → 6 ms.
+// the lower one). Not 64×64 tiles with the writes down a column: with a row stride of 1024 floats
+// (4 KiB) every write of such a tile falls in the same L1 set, and that mirror took 19 % of a
+// 1024² fp32 Polar Express call. Measured serially (standalone loop, 2-core machine under load,
+// best of 20), column-wise 64×64 → these tiles: 768² 0.73 → 0.11 ms, 1024² 3.5 → 0.24 ms,
+// 3072² 32 → 6 ms.
 // Serial on purpose: an OpenMP region measured no faster at these sizes, and slower when it
 // competes with OpenBLAS's own threads (context.h threading policy). T: float or BFloat16 (the
 // bits are copied, never converted).

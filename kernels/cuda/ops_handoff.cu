@@ -1,4 +1,4 @@
-// The handoff block of the CUDA plugin's ops table (issue 12; docs/DATA_PLANE.md): device UUIDs,
+// The handoff block of the CUDA plugin's ops table (docs/DATA_PLANE.md): device UUIDs,
 // legacy CUDA IPC memory handles, VMM allocations imported from a POSIX fd, and interprocess
 // events. The runtime API where it has the call; the VMM calls are driver API, reached through
 // cudaGetDriverEntryPointByVersion (the non-deprecated form of cudaGetDriverEntryPoint) so that

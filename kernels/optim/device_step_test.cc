@@ -1,5 +1,5 @@
-// Every update rule on a device Context (issue 11 item 2/5, kernel side): GroupOptimizer with its
-// state, staging and scratch, and the caller's parameters and gradients, in the memory of the
+// Every update rule on a device Context (the kernel side of device sessions): GroupOptimizer with
+// its state, staging and scratch, and the caller's parameters and gradients, in the memory of the
 // host-memory TEST backend (kernels/testing/host_device_backend.h) in STRICT mode, where any host
 // read or write of that memory outside an op or an explicit copy faults (SIGSEGV). The TEST
 // backend runs the CPU's arithmetic, so each result must equal the same rule on the CPU context

@@ -19,8 +19,8 @@ namespace diond::optim {
 // w *= 1 - lr * weight_decay, where each rule's update is bounded (orthogonalized matrices have
 // entries <= 1 times an lr adjustment of at most ~1e3, Adam's ratio and Lion's sign are O(1)):
 // with lr, weight_decay <= 1e4 no single step can overflow fp32 (max ~3.4e38) from finite
-// weights, and every value stays exactly representable as a float. 1e308 used to be accepted
-// and wrote NaN into every weight (Muon) or failed only at Step time (AdamW, Lion).
+// weights, and every value stays exactly representable as a float. Without the bounds, an lr of
+// 1e308 writes NaN into every weight (Muon) or fails only at Step time (AdamW, Lion).
 inline constexpr double kMaxLr = 1e4;
 inline constexpr double kMaxWeightDecay = 1e4;
 inline constexpr double kMaxEpsilon = 1e4;

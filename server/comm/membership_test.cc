@@ -80,7 +80,7 @@ TEST(Coordinator, RebuildStartsANewGeneration) {
   EXPECT_EQ(c.Join(again)->generation, v->generation + 1);
 }
 
-// Issue 13, Found 2: a stranger who read the membership (rank, address, incarnation) can neither
+// The membership is not a secret: a stranger who read it (rank, address, incarnation) can neither
 // take a live rank over with a forged address nor keep a dead one alive with forged heartbeats.
 TEST(Coordinator, ForgedJoinsAndHeartbeatsWithoutTheProofAreRefused) {
   Coordinator c(Opts(2));

@@ -115,7 +115,8 @@ TEST(GlooStore, WaitHonoursTheShorterTimeout) {
   t.join();
 }
 
-// Issue 13, Found 2: unbounded values (100 x 8 MiB) are refused; nothing is stored past a quota.
+// A caller must not fill rank 0's memory: unbounded values (100 x 8 MiB) are refused; nothing is
+// stored past a quota.
 TEST(MemoryKeyValueStore, QuotasRefuseOversizedKeysValuesAndTotals) {
   StoreLimits l;
   l.max_key_bytes = 64;

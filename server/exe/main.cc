@@ -199,7 +199,8 @@ bool IsMainFlagFile(absl::string_view file) {
   return file.find("server/exe/main.cc") != absl::string_view::npos;
 }
 
-// Mode 0600 whatever the umask (issue 13, "Found 11"): only the daemon's user reads it.
+// Mode 0600 whatever the umask: under umask 0 the file would be world-writable, and only the
+// daemon's user needs to read it.
 bool WriteFileAtomically(const std::string& path, const std::string& text) {
   std::string tmp = absl::StrCat(path, ".tmp.", getpid());
   int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);

@@ -1,10 +1,11 @@
 // The chunk checks of the PushGradients and SetState streams, apart from the gRPC reactor
 // (optimizer_service.cc's ChunkReader) so that tests/fuzz/session_fuzz.cc runs the same code.
 //
-// Nothing is buffered that could not be applied (issue 13, "Found 7"): the first chunk must
-// name an existing session, every chunk must name one of its tensors and lie inside it
-// (Session::CheckStreamChunk), and the bytes buffered are bounded by the tensors the session
-// can take in this stream and by --max_stream_bytes. The first violation ends the stream.
+// Nothing is buffered that could not be applied, so that a flood of chunks cannot grow the daemon's
+// memory before it is refused: the first chunk must name an existing session, every chunk must name
+// one of its tensors and lie inside it (Session::CheckStreamChunk), and the bytes buffered are
+// bounded by the tensors the session can take in this stream and by --max_stream_bytes. The first
+// violation ends the stream.
 #ifndef DIOND_SERVER_RPC_CHUNK_COLLECTOR_H_
 #define DIOND_SERVER_RPC_CHUNK_COLLECTOR_H_
 

@@ -1,4 +1,4 @@
-// The daemon side of CUDA regions (issue 12; docs/DATA_PLANE.md "CUDA regions"): trainer GPU
+// The daemon side of CUDA regions (docs/DATA_PLANE.md "CUDA regions"): trainer GPU
 // memory opened in the daemon's process through the plugin ABI's handoff block
 // (kernels/plugin/plugin_backend.h), on the device the trainer's UUID maps to.
 //

@@ -87,8 +87,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, Session
   }
   // Where the state lives: a device session's update context (the device when the rules run
   // there, else a CPU context over host-addressable device staging), world sessions included
-  // (their collectives are staged through host buffers, session_world.cc); otherwise `ctx`'s
-  // device.
+  // (their world phases exchange in device buffers, session_world.cc); otherwise `ctx`'s device.
   const bool on_device = ctx != nullptr && ctx->device().type != kernels::DeviceType::kCpu;
   const DeviceHooks no_hooks;
   if (on_device) {

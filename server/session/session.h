@@ -149,9 +149,11 @@ class Session {
   // device staging for every parameter and gradient as fp32 (plus one tensor's worth in the
   // trainer's dtype for the conversions), allocated here once. RESOURCE_EXHAUSTED naming the
   // bytes and the pool's numbers when they do not fit. A world session on a device daemon keeps
-  // its state and staging on the device as well; its collectives run over Gloo on host buffers
-  // filled and drained by explicit copies (docs/GPU.md "World sessions"; NCCL on the step path
-  // is not built).
+  // its state and staging on the device as well, and its world phases exchange in device
+  // buffers (DeviceWorldBuffer) through the step's StepDeviceComm: NCCL queued on the session's
+  // stream where the world has a device communicator, else Gloo staged through host buffers
+  // (--world_device_collectives=gloo, a plugin without NCCL, the TEST backend; docs/GPU.md
+  // "World sessions", ARCHITECTURE.md §6).
   // `compute` (may be null: every pass then runs on the calling thread) runs every pass of
   // compute of the session, Create's own included, and must outlive the session.
   static absl::StatusOr<std::unique_ptr<Session>> Create(std::string id, SessionSpec spec,
@@ -197,8 +199,8 @@ class Session {
   absl::StatusOr<std::string> RegisterMemfdRegion(Role role, fdchannel::UniqueFd fd,
                                                   int64_t offset, int64_t size);
   // Binds trainer GPU memory opened by CudaRegion (cuda_region.h) to `role`: INVALID_ARGUMENT
-  // for a region smaller than the role's arena; FAILED_PRECONDITION for a world session, if the
-  // role is bound, or
+  // for a region smaller than the role's arena; FAILED_PRECONDITION for a host session, for a
+  // region on another device, if the role is bound, or
   // holds data in host memory (remote-mode uploads) that has no place on the GPU; weights
   // restored from a checkpoint (or kept from a previous trainer) are copied into a device
   // session's PARAMETERS region. The region is released on UnregisterRegion and with the
@@ -207,8 +209,9 @@ class Session {
   absl::StatusOr<std::string> RegisterCudaRegion(Role role, std::unique_ptr<CudaRegion> region);
   // RegisterRegion's CUDA kinds: `open` opens the trainer's memory on the session's compute
   // device (CudaRegion::OpenIpc / OpenVmm), then RegisterCudaRegion binds it. FAILED_PRECONDITION
-  // (nothing opened) for a host session (a CPU daemon's) and for a world session (it steps host
-  // arenas; its exchange is staged through host buffers).
+  // (nothing opened) for a host session (a CPU daemon's). A world session on a device daemon is
+  // a device session and takes CUDA regions as a local one does (docs/DATA_PLANE.md "CUDA
+  // regions").
   absl::StatusOr<std::string> OpenCudaRegion(
       Role role,
       absl::FunctionRef<absl::StatusOr<std::unique_ptr<CudaRegion>>(kernels::Device)> open);
@@ -387,11 +390,12 @@ class Session {
   std::string HostGraphKey() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string UnpinnedHostMemory() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // ---- world device sessions (session_device.cc; used by session_world.cc) ----
-  // A world session's phases run their collectives on host buffers (Gloo). On a device session
-  // these move `n` fp32 values between a step's device tensor (staging, state-side pointers of
-  // ctx's device) and such a host buffer, on the session stream; the host side is complete
-  // (readable / reusable) when they return: the collective that follows reads it at once.
-  // A host session: plain host copies (the step's tensors are host memory).
+  // The world phases' collectives run on device buffers (DeviceWorldBuffer, through
+  // StepDeviceComm). These two move `n` fp32 values between a step's device tensor (staging, a
+  // world buffer, state-side pointers of ctx's device) and host memory, on the session stream,
+  // for what the host itself reads or writes: the non-finite flag, values packed on the host, a
+  // host copy of the gathered exchange. The host side is complete (readable / reusable) when
+  // they return. A host session: plain host copies (the step's tensors are host memory).
   absl::Status StepTensorToHost(const float* tensor, float* host, int64_t n)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status HostToStepTensor(const float* host, float* tensor, int64_t n)

@@ -40,8 +40,9 @@ struct Session::DeviceSide {
   // On `device`, with `stream`: the session's copies, conversions and scans (and the update when
   // the rules run on the device).
   std::unique_ptr<kernels::Context> ctx;
-  // The rules do not run on the device yet (DeviceHooks::rules_on_device false): a CPU context
-  // that steps the (host-addressable) device staging.
+  // Only when the rules do not run on the device (DeviceHooks::rules_on_device false, which the
+  // daemon allows only for host-addressable device memory): a CPU context that steps the device
+  // staging.
   std::unique_ptr<kernels::Context> host;
   // fp32 staging of every parameter and every gradient (offset[i] elements in), and one
   // tensor's worth of trainer-dtype bytes for the widening and narrowing.
@@ -474,7 +475,8 @@ absl::Status Session::CudaParamFromHost(size_t i, const std::vector<uint8_t>& by
                       bytes.size());
 }
 
-// ---- world device sessions: the host buffers of the collectives (session_world.cc) ----
+// ---- world device sessions: the context, staging, exchange buffers and host copies that the world
+// phases use (session_world.cc) ----
 
 const kernels::Context* Session::DeviceContext() const {
   return device_ != nullptr ? device_->ctx.get() : nullptr;

@@ -4,18 +4,18 @@
 // can be formed; the segment is opened with shm_open("/" + name), its real length read with
 // fstat, and (offset, size) checked against it before mmap. Unmapped on destruction.
 //
-// Guard against a trainer that shrinks (ftruncate) its segment (issue 13, "Found 3"): touching a
-// page of a MAP_SHARED mapping beyond the end of its file raises SIGBUS, which would kill the
-// daemon and every session in it. Every mapped region is entered in a process-wide table that
-// a SIGBUS handler (installed once, with SA_SIGINFO) consults: a fault inside a registered
-// region maps anonymous zero pages over the rest of the region (MAP_FIXED) and marks the region
-// broken, so the faulting access completes harmlessly; the caller checks `broken()` after each
-// access and fails its request with FAILED_PRECONDITION. A fault outside every registered region
-// goes to the previous handler, or kills the process as before (the default action). As a cheap
-// first line, `CheckIntact()` compares the segment's current size (fstat) with the region.
+// Guard against a trainer that shrinks (ftruncate) its segment: touching a page of a MAP_SHARED
+// mapping beyond the end of its file raises SIGBUS, which would kill the daemon and every session
+// in it. Every mapped region is entered in a process-wide table that a SIGBUS handler (installed
+// once, with SA_SIGINFO) consults: a fault inside a registered region maps anonymous zero pages
+// over the rest of the region (MAP_FIXED) and marks the region broken, so the faulting access
+// completes harmlessly; the caller checks `broken()` after each access and fails its request with
+// FAILED_PRECONDITION. A fault outside every registered region goes to the previous handler, or
+// kills the process as before (the default action). As a cheap first line, `CheckIntact()` compares
+// the segment's current size (fstat) with the region.
 //
-// A segment (device, inode) belongs to one session (issue 13, "Found 10"): Open refuses a
-// segment that a region of another owner has mapped.
+// A segment (device, inode) belongs to one session: Open refuses a segment that a region of
+// another owner has mapped, so that one principal cannot read or write another's arena.
 #ifndef DIOND_SERVER_SESSION_SHM_REGION_H_
 #define DIOND_SERVER_SESSION_SHM_REGION_H_
 

@@ -1,5 +1,5 @@
 // libFuzzer target (main-build mode only, -DDIOND_BUILD_FUZZERS=ON): the Optimizer service's
-// authentication and access checks, with the server's own code (issue 13, "Deliver 1" and "5"):
+// authentication and access checks, with the server's own code:
 //   - Authenticator::Authenticate on what a call presents: its peer string (Unix connections
 //     recorded with their SO_PEERCRED uid, unknown "fd:" numbers, TCP peers, raw bytes), its
 //     "authorization" metadata (the right bearer tokens, and the same cut short, lengthened, with

@@ -2,7 +2,7 @@
 // conversion (server/rpc/convert.cc), the layout computation (server/session/layout.cc) and every
 // group's validation (kernels/optim/validation.cc), i.e. everything CreateSession does before it
 // allocates. Properties beyond "no crash, no sanitizer report": every error message is bounded
-// (issue 13, "Found 8"), and an accepted layout is aligned, in order and non-overlapping.
+// (it may echo client input), and an accepted layout is aligned, in order and non-overlapping.
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>

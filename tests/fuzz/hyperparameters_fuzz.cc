@@ -1,7 +1,7 @@
 // libFuzzer target: the Hyperparameters message as CreateSession and SetHyperparameters read it
 // (server/rpc/convert.cc: ApplyHyperparameters, HyperparameterChangeFromProto), then the
 // group's validation (kernels/optim/validation.cc, ValidateGroup and CheckStepKnob) for every
-// algorithm. Properties, besides no crash and no sanitizer report (issue 13, "Found 9"):
+// algorithm. Properties, besides no crash and no sanitizer report:
 //  - ApplyHyperparameters either sets exactly the fields the message sets, to their values, or
 //    fails and changes nothing (no partial mutation);
 //  - SetHyperparameters accepts only lr and weight_decay, and passes them through unchanged;

@@ -1,8 +1,7 @@
 // libFuzzer target: a checkpoint directory made from arbitrary bytes, read back by
 // ReadCheckpoint (server/session/checkpoint.cc), the function LoadCheckpoint and --recover use.
 // The input is the text of manifest.json, optionally followed by the line "#tensors" and the
-// bytes of tensors.safetensors. Properties, besides no crash and no sanitizer report (issue 13,
-// "Found 4" and "Found 6"):
+// bytes of tensors.safetensors. Properties, besides no crash and no sanitizer report:
 //  - a refused checkpoint is DATA_LOSS with a bounded, one-line message;
 //  - an accepted one is within the schema's ranges (step index, shapes matching the data), and
 //    written again by WriteCheckpoint and read back it is the same snapshot: the same spec (as

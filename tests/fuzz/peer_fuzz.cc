@@ -2,7 +2,7 @@
 // from arbitrary bytes, each decoded from protobuf wire bytes and handled as the Peer service
 // handles it (server/rpc/peer_requests.cc, then comm::Coordinator and its MemoryKeyValueStore),
 // against a small world with small store quotas. Properties, besides no crash and no sanitizer
-// report (issue 13, "Found 2" and "Deliver 3"):
+// report:
 //  - the store never holds more keys or bytes than its quotas; a refused Set changes nothing
 //    and an accepted one is read back exactly;
 //  - a WaitAsync callback runs exactly once;

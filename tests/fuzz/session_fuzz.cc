@@ -8,7 +8,7 @@
 //   SetHyperparameters (HyperparameterChangeFromProto), SaveCheckpoint and LoadCheckpoint
 //   (relative paths under a state dir, as a non-admin peer may name), and the trainer shrinking
 //   or growing its segment (ftruncate) between requests.
-// Properties, besides no crash and no sanitizer report (issue 13, "Found 3", "6", "7", "8"):
+// Properties, besides no crash and no sanitizer report:
 //  - a refused request changes nothing: the session's parameters and state (GetState) and its
 //    step index are bit for bit what they were; so does an accepted SetHyperparameters,
 //    SaveCheckpoint or LoadCheckpoint (into another session);

@@ -463,7 +463,7 @@ TEST(DaemonProcess, BadFlagsExitWithUsageErrorNotACrash) {
            {DIOND_BINARY, "--listen=nonsense"},
            {DIOND_BINARY, "--log_level=loud"},
            {DIOND_BINARY, "--listen=0.0.0.0:0", "--metrics_address="},
-           // Issue 13, "Found 11": the plain-HTTP metrics endpoint follows the same rule.
+           // The plain-HTTP metrics endpoint follows the same rule.
            {DIOND_BINARY, "--listen=unix:" + dir + "/m.sock", "--metrics_address=0.0.0.0:0"},
            {DIOND_BINARY, "--listen=unix:" + dir + "/m.sock", "--max_stream_bytes=-1"},
            {DIOND_BINARY, "--listen=unix:" + dir + "/m.sock", "--rpc_handler_threads=0"},
@@ -477,8 +477,8 @@ TEST(DaemonProcess, BadFlagsExitWithUsageErrorNotACrash) {
   }
 }
 
-// Issue 13, "Found 11": the ready file was created 0666 under umask 0. It is 0600 whatever the
-// umask (only the daemon's user reads it).
+// The ready file is 0600 whatever the umask (only the daemon's user reads it): a file created
+// with the default mode is 0666 under umask 0.
 TEST(DaemonProcess, ReadyFileIsPrivateWhateverTheUmask) {
   const mode_t old_umask = umask(0);  // inherited by the daemon
   auto d = StartDaemon();

@@ -6,8 +6,8 @@
 //   create                    CreateSession (one 4x4 AdamW parameter) -> "session <id>"
 //   list                      ListSessions -> "listed <id> <owner>" lines, then "count <n>"
 //   all <session>             every RPC that names the session -> "<Rpc> <CODE>" lines; the
-//                             mutating ones carry the attacks of issue 13, Found 1 (NaN state,
-//                             lr=1e6); CloseSession comes last
+//                             mutating ones carry harmful values (NaN state, lr=1e6), so
+//                             that a refusal is what keeps them out; CloseSession comes last
 //   pull <session>            PullParameters -> "pull <CODE> <fnv1a of the bytes>"
 //   register <session> <shm>  RegisterRegion of an existing shm segment -> "register <CODE>"
 //

@@ -1,4 +1,4 @@
-// Authentication and session ownership against the real daemon (issue 13, Deliver 1-2): a
+// Authentication and session ownership against the real daemon (docs/OPERATIONS.md "Security"): a
 // foreign uid on the Unix socket, a wrong, missing or foreign bearer token over TCP, and foreign
 // or missing TLS client certificates are refused on every RPC that names a session; ListSessions
 // shows a caller its own sessions only; admins (root on the socket, an admin token) see and use
@@ -155,9 +155,9 @@ class AuthTest : public ::testing::Test {
   std::unique_ptr<Daemon> daemon_;
 };
 
-// Issue 13, Found 1, over the Unix socket: another local user can neither see, read, change,
-// step nor close a session; over TCP neither without a token, with a wrong one, nor with
-// another principal's token. Admins can.
+// Over the Unix socket another local user can neither see, read, change, step nor close a session;
+// over TCP neither without a token, with a wrong one, nor with another principal's token. Admins
+// can.
 TEST_F(AuthTest, UnixUidsOwnTheirSessionsAndEveryoneElseIsRefused) {
   StartDaemon();
   ProbeResult created = Probe(Unix(), Uid(kNobody), {"create"});

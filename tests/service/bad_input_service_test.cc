@@ -12,8 +12,8 @@
 //   half  : PARAMETERS registered at offset 0 of a segment that has room for both arenas,
 //           GRADIENTS free (for the overlap case);
 //   shrunk: both arenas registered in one segment, weights uploaded, then the segment truncated
-//           to 0 bytes by its trainer (issue 13, "Found 3").
-// Every message must also be bounded (issue 13, "Found 8"): under 1 KiB whatever was sent.
+//           to 0 bytes by its trainer.
+// Every message must also be bounded (it may echo client input): under 1 KiB whatever was sent.
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -389,7 +389,7 @@ std::vector<BadCase> Cases() {
        }},
       {"CloseUnknownSession", Code::NOT_FOUND, "unknown session 's-nope'",
        [] { return CloseSession(Stub(), "s-nope"); }},
-      // ---- issue 13: a truncated segment (Found 3) ----
+      // ---- a truncated segment ----
       {"StepOnTruncatedSegment", Code::FAILED_PRECONDITION, "shrank: its segment now has 0 bytes",
        [] { return DoStep(Stub(), world->shrunk, 1); }},
       {"PullFromTruncatedSegment", Code::FAILED_PRECONDITION, "shrank",
@@ -398,7 +398,7 @@ std::vector<BadCase> Cases() {
        [] { return PushGradients(Stub(), world->shrunk, {{"w", 0, Bytes(128)}, {"b", 0, Bytes(16)}}); }},
       {"SetStateIntoTruncatedSegment", Code::FAILED_PRECONDITION, "shrank",
        [] { return SetState(Stub(), world->shrunk, {{"b", 0, Bytes(16)}, {"b/state.momentum", 0, Bytes(16)}}); }},
-      // ---- issue 13: streams validated as they arrive, bounded (Found 7) ----
+      // ---- streams validated as they arrive, bounded ----
       {"PushManyChunksToUnknownSession", Code::NOT_FOUND, "unknown session 's-nope'",
        [] { return PushGradients(Stub(), "s-nope", std::vector<Chunk>(64, Chunk{"w", 0, Bytes(1 << 20)})); }},
       {"SetStateManyChunksToUnknownSession", Code::NOT_FOUND, "unknown session 's-nope'",
@@ -426,7 +426,7 @@ std::vector<BadCase> Cases() {
          w->WritesDone();
          return w->Finish();
        }},
-      // ---- issue 13: bounded messages (Found 8) ----
+      // ---- bounded messages ----
       {"PushHugeTensorName", Code::INVALID_ARGUMENT, "(1048576 bytes)",
        [good] { return PushGradients(Stub(), good(), {{std::string(1 << 20, 'n'), 0, Bytes(16)}}); }},
       {"SetStateHugeTensorName", Code::INVALID_ARGUMENT, "(1048591 bytes)",
@@ -464,7 +464,7 @@ std::vector<BadCase> Cases() {
          v1::UnregisterRegionResponse resp;
          return Stub().UnregisterRegion(Ctx().get(), r, &resp);
        }},
-      // ---- issue 13: every option validated at CreateSession (Found 9) ----
+      // ---- every option validated at CreateSession ----
       {"MuonLrOverflowsFp32", Code::INVALID_ARGUMENT, "lr = 1e+308 is outside [0, 10000]",
        [] { auto r = Valid(); r.mutable_groups(0)->mutable_hyperparameters()->set_lr(1e308); return Create(r); }},
       {"AdamWLrOverflowsFp32", Code::INVALID_ARGUMENT, "lr = 1e+308 is outside [0, 10000]",
@@ -484,7 +484,7 @@ std::vector<BadCase> Cases() {
        [good] { return SetHp(good(), "m", [](v1::Hyperparameters* h) { h->set_lr(1e308); }); }},
       {"LrOverrideOverflowsFp32", Code::INVALID_ARGUMENT, "lr_override['m'] = 1e+308 is outside",
        [] { return StepWith([](v1::StepRequest* r) { (*r->mutable_lr_override())["m"] = 1e308; }); }},
-      // ---- issue 13: a segment belongs to one session (Found 10) ----
+      // ---- a segment belongs to one session ----
       {"RegisterAnotherSessionsSegment", Code::FAILED_PRECONDITION, "registered by another session",
        [arena] { return Register(Region(world->fresh, v1::REGION_ROLE_PARAMETERS, world->good->params_seg->name(), 0, arena())); }},
       {"RegisterAnotherSessionsSegmentElsewhere", Code::FAILED_PRECONDITION, "registered by another session",
@@ -617,8 +617,8 @@ grpc::Status Flood(v1::Optimizer::Stub& stub, bool set_state, const std::string&
   return w->Finish();
 }
 
-// Issue 13, "Found 7": 200 chunks of 4 MiB to an unknown session peaked at 870 MB of daemon RSS
-// when every stream was buffered whole before the session was looked up.
+// A stream is checked chunk by chunk before it is buffered: buffered whole, 200 chunks of 4 MiB to
+// an unknown session take 870 MB of daemon RSS before the session is looked up.
 TEST(StreamBounds, FloodsAreRefusedBeforeTheyAreBuffered) {
   auto daemon = Daemon::Start({"--max_stream_bytes=8388608"});
   ASSERT_NE(daemon, nullptr);

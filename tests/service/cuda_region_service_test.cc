@@ -1,10 +1,10 @@
-// CUDA regions through the daemon's RPCs (issue 12 items 1 and 2), on the host-memory TEST
-// backend: no GPU runs any of this. The TEST backend's handoff emulation (CUDA IPC handles, VMM
-// fds) works within one process only, so the daemon (server::Daemon, the one diond runs) runs in
-// this test's process, serving its Unix socket and fd channel; the test plays the trainer over
+// CUDA regions through the daemon's RPCs (docs/DATA_PLANE.md "CUDA regions"), on the host-memory
+// TEST backend: no GPU runs any of this. The TEST backend's handoff emulation (CUDA IPC handles,
+// VMM fds) works within one process only, so the daemon (server::Daemon, the one diond runs) runs
+// in this test's process, serving its Unix socket and fd channel; the test plays the trainer over
 // gRPC and the fd channel as a trainer process would, with its "GPU memory" made by the TEST
-// backend in STRICT mode: that memory is PROT_NONE outside the backend's own entries, so any
-// host dereference by the daemon faults at once (the test process dies).
+// backend in STRICT mode: that memory is PROT_NONE outside the backend's own entries, so any host
+// dereference by the daemon faults at once (the test process dies).
 //
 // Checked: the region kinds advertised; RegisterRegion CUDA_IPC / CUDA_VMM_FD (with its fd over
 // the real fd channel) and every refusal (foreign GPU, another device, bad handle, out of range,

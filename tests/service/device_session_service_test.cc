@@ -1,5 +1,5 @@
-// Device sessions over real processes, sockets and shared memory (issue 11 items 2, 3, 5): the
-// test-only daemon diond_testdevice computes on the host-memory TEST backend behind the plugin
+// Device sessions over real processes, sockets and shared memory (docs/GPU.md "Device sessions"):
+// the test-only daemon diond_testdevice computes on the host-memory TEST backend behind the plugin
 // ABI, so every session is a device session (its own stream, fp32 device staging, host <-> device
 // copies, host registration of its shm regions). Its results must equal the normal CPU daemon's
 // bit for bit, for every algorithm, over several steps, over shm and over the streamed path;

@@ -1,5 +1,4 @@
-// Durability through the real daemon (issue 14, issue 13 items 4-6; docs/OPERATIONS.md,
-// "Checkpoints and restarts"):
+// Durability through the real daemon (docs/OPERATIONS.md "Checkpoints and restarts"):
 //  - a re-save never loses the last good checkpoint: 10,000 LoadCheckpoint calls while another
 //    thread re-saves the same step with changing weights all succeed, each with one consistent
 //    version; SIGKILLs during re-saves always leave a loadable step-<N>;

@@ -1,11 +1,11 @@
-// A trainer that truncates (ftruncate) its registered shm segment must not kill the daemon
-// (issue 13, "Found 3" / "Deliver 4"). Against the real daemon: the victim session's segments
+// A trainer that truncates (ftruncate) its registered shm segment must not kill the daemon (a
+// SIGBUS would end every session in it). Against the real daemon: the victim session's segments
 // shrink before a Step and during one (from another thread, at delays spread over the step, many
 // times); every time the daemon survives, the Step either succeeds or fails with
-// FAILED_PRECONDITION "... shrank ...", a failed Step leaves the victim's optimizer state and
-// step index unchanged (or, when only the write-back met the truncation, the step counts and the
-// daemon holds the new weights, equal to an in-process replay), and a bystander session's steps
-// keep succeeding with bytes equal to the in-process replay.
+// FAILED_PRECONDITION "... shrank ...", a failed Step leaves the victim's optimizer state and step
+// index unchanged (or, when only the write-back met the truncation, the step counts and the daemon
+// holds the new weights, equal to an in-process replay), and a bystander session's steps keep
+// succeeding with bytes equal to the in-process replay.
 #include <sys/mman.h>
 #include <unistd.h>
 

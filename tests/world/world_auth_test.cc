@@ -1,4 +1,4 @@
-// The authenticated world (issue 13, Found 2 and Deliver 3), against real daemons on loopback:
+// The authenticated world (docs/OPERATIONS.md "Security"), against real daemons on loopback:
 // rank 0's Peer service refuses callers without the world secret; with it, a fake rank still
 // cannot take over a live rank (the Join proof), forge heartbeats for a dead one, store data past
 // the quotas or register a huge address.

@@ -941,10 +941,10 @@ TEST(WorldSessionFailure, KillRestartResumeFromCheckpoint) {
 // A daemon without a world (--world_size=1) runs a world session as a world of one: every mode is
 // accepted, nothing is sent, and the weights are those of a local session.
 // A world session's CreateSession waits for the same session on the other ranks, and a Step for
-// their part of the collectives. Those waits used to hold gRPC's callback threads (cores / 2, at
-// least 2, for the whole process): two of them on a two-core rank 0 left no thread for any other
-// call, so it answered nothing (not a ListSessions) and served no heartbeat (the other ranks were
-// declared lost after --peer_timeout). The handlers now wait on the service's own pool
+// their part of the collectives. Those waits must not hold gRPC's callback threads (cores / 2, at
+// least 2, for the whole process): two of them on a two-core rank 0 would leave no thread for any
+// other call, so it would answer nothing (not a ListSessions) and serve no heartbeat (the other
+// ranks would be declared lost after --peer_timeout). The handlers wait on the service's own pool
 // (server/rpc/handler_pool.h). 20 waits are more than gRPC's 16-thread cap on any machine.
 TEST(WorldSessionWaits, TheDaemonServesOtherCallsWhileWorldSessionsWaitForTheirPeers) {
   constexpr int kWaiting = 20;
@@ -1052,7 +1052,7 @@ INSTANTIATE_TEST_SUITE_P(W, WorldSession, ::testing::Values(2, 3, 4),
                          [](const auto& info) { return absl::StrCat("W", info.param); });
 INSTANTIATE_TEST_SUITE_P(W, WorldSessionOfTwo, ::testing::Values(2));
 
-// Elastic restore (issue 14): the checkpoints of a world of W_old ranks restored into a world of
+// Elastic restore: the checkpoints of a world of W_old ranks restored into a world of
 // W_new ranks. Every new rank loads one old rank's checkpoint with the others' as shard_paths and
 // keeps its share under the new shard plan; K more steps equal the uninterrupted W = 1 run bit
 // for bit (Muon, Dion2 and AdamW are deterministic).
