@@ -44,7 +44,8 @@ RUN mkdir -p /opt/diond \
  && tar -xJf /tmp/diond.tar.xz -C /opt/diond --strip-components=1 \
  && rm /tmp/diond.tar.xz \
  && bash /opt/diond/tools/check-libs.sh /opt/diond \
- && useradd --system --uid 10001 --home-dir /var/lib/diond --create-home diond \
+ && groupadd --system --gid 10001 diond \
+ && useradd --system --uid 10001 --gid 10001 --home-dir /var/lib/diond --create-home diond \
  && mkdir -p /run/diond && chown diond:diond /run/diond
 # GOMP_SPINCOUNT, OPENBLAS_THREAD_TIMEOUT: idle OpenMP and OpenBLAS threads wait about 0.1 ms,
 # then sleep, instead of spinning against each other and the trainer (docs/TOOLCHAIN.md P20, P21;
@@ -53,7 +54,8 @@ ENV PATH=/opt/diond/bin:$PATH \
     DIOND_TARGET=unix:/run/diond/diond.sock \
     GOMP_SPINCOUNT=10000 \
     OPENBLAS_THREAD_TIMEOUT=18
-USER diond
+# By uid: a name the host cannot resolve would not do for runAsNonRoot checks.
+USER 10001:10001
 EXPOSE 50551 9464
 # gRPC health (grpc.health.v1) over the Unix socket, through diondctl.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=20s --retries=3 \

