@@ -18,6 +18,7 @@
 #include "server/metrics.h"
 #include "server/comm/membership.h"
 #include "server/comm/world.h"
+#include "server/checkpoint/directory_store.h"
 #include "server/fdchannel/fd_channel.h"
 #include "server/rpc/auth.h"
 #include "server/rpc/grpc_server.h"
@@ -326,6 +327,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   session::ManagerOptions manager_options = options.sessions;
   manager_options.compute_device = d->compute_device_;
   manager_options.device_hooks = hooks;
+  // Explicit absolute checkpoint paths work without --state_dir too.
+  manager_options.checkpoints =
+      std::make_shared<checkpoint::DirectoryStore>(manager_options.state_dir);
   DIOND_ASSIGN_OR_RETURN(d->sessions_,
                          session::SessionManager::Create(manager_options, std::move(observer)));
   if (d->device_.type == kernels::DeviceType::kCpu) {
