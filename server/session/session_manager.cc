@@ -3,7 +3,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cctype>
 #include <map>
 #include <random>
 #include <set>
@@ -19,6 +18,7 @@
 #include "server/comm/key_value_store.h"
 #include "server/comm/world.h"
 #include "server/session/layout.h"
+#include "server/session/world_plan.h"
 
 namespace diond::session {
 namespace {
@@ -179,19 +179,9 @@ void SessionManager::DetachWorld() {
 
 absl::StatusOr<ShardPlan> SessionManager::AgreeOnPlan(const SessionSpec& spec, uint64_t* epoch) {
   const std::string& key = spec.world_key;
-  if (key.size() > 128) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("world_key of ", key.size(), " bytes: at most 128"));
-  }
-  for (char c : key) {
-    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.')) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "world_key '", Bounded(key), "' may only contain letters, digits, '-', '_' and '.'"));
-    }
-  }
+  DIOND_RETURN_IF_ERROR(ValidateWorldKey(key));
   std::shared_ptr<WorldLink> world;
   comm::KeyValueStore* kv;
-  int64_t use = 0;
   {
     absl::MutexLock lock(&mu_);
     if (world_detached_) return absl::UnavailableError("the daemon is shutting down");
@@ -202,24 +192,8 @@ absl::StatusOr<ShardPlan> SessionManager::AgreeOnPlan(const SessionSpec& spec, u
   if (world == nullptr) return ComputeShardPlan(spec, 1);  // a world of one
   const std::string where = absl::StrCat("world session '", Bounded(key), "' (rank ", world->rank(),
                                          " of ", world->size(), "): ");
-  // Wait for a communicator (polled: the link must not be held for long).
-  absl::Status ready = absl::UnavailableError("the daemon is shutting down");
-  const absl::Time deadline = absl::Now() + options_.world_session_timeout;
-  while (true) {
-    if (!world->With([&](comm::World& w) {
-          ready = w.status();
-          *epoch = w.epoch();
-        })) {
-      ready = absl::UnavailableError("the daemon is shutting down");
-      break;
-    }
-    if (ready.ok() || absl::Now() >= deadline) break;
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  if (!ready.ok()) {
-    return absl::UnavailableError(absl::StrCat(where, "the daemon world is not up: ",
-                                               ready.message()));
-  }
+  DIOND_ASSIGN_OR_RETURN(*epoch, WaitForWorld(*world, options_.world_session_timeout, where));
+  int64_t use = 0;
   {
     // Counted per generation: after a rebuild (a restarted rank starts from nothing) every rank
     // counts from 1 again.
@@ -228,36 +202,8 @@ absl::StatusOr<ShardPlan> SessionManager::AgreeOnPlan(const SessionSpec& spec, u
   }
   DIOND_ASSIGN_OR_RETURN(ShardPlan plan, ComputeShardPlan(spec, world->size()));
   if (kv == nullptr) return absl::InternalError(absl::StrCat(where, "no rendezvous store"));
-  const std::string prefix =
-      absl::StrCat("diond/world_session/", *epoch, "/", key, "/", use, "/plan/");
-  DIOND_RETURN_IF_ERROR(kv->Set(absl::StrCat(prefix, world->rank()),
-                                ShardPlanHashHex(plan.hash)));
-  std::vector<std::string> keys;
-  for (int r = 0; r < world->size(); ++r) keys.push_back(absl::StrCat(prefix, r));
-  absl::Status waited = kv->Wait(keys, options_.world_session_timeout);
-  if (!waited.ok()) {
-    std::vector<int> missing;
-    for (int r = 0; r < world->size(); ++r) {
-      if (!kv->Get(keys[r]).ok()) missing.push_back(r);
-    }
-    return absl::UnavailableError(absl::StrCat(
-        where, "the trainers of rank(s) ", absl::StrJoin(missing, ", "),
-        " did not create it within ", absl::FormatDuration(options_.world_session_timeout),
-        ": ", waited.message()));
-  }
-  std::vector<std::string> hashes;
-  std::vector<int> differ;
-  for (int r = 0; r < world->size(); ++r) {
-    DIOND_ASSIGN_OR_RETURN(std::string h, kv->Get(keys[r]));
-    hashes.push_back(absl::StrCat("rank ", r, ": ", h));
-    if (h != ShardPlanHashHex(plan.hash)) differ.push_back(r);
-  }
-  if (!differ.empty()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        where, "the ranks disagree on the shard plan; rank(s) ", absl::StrJoin(differ, ", "),
-        " declared different parameters, shapes, dtypes, groups, options or gradient_sync than "
-        "rank ", world->rank(), " (plan hashes ", absl::StrJoin(hashes, ", "), ")"));
-  }
+  DIOND_RETURN_IF_ERROR(AgreeOnShardPlan(plan, *world, *kv, *epoch, key, use,
+                                         options_.world_session_timeout, where));
   return plan;
 }
 

@@ -212,7 +212,8 @@ class SessionManager {
   // --memory_budget_bytes; the message names the bytes needed, the limit and the bytes in use.
   absl::Status CheckBudget(int64_t bytes, absl::string_view what)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Computes the shard plan of world session `spec` and agrees on it with the other ranks.
+  // Computes the shard plan of world session `spec` and agrees on it with the other ranks
+  // (world_plan.h); *epoch: the world's generation it was agreed in.
   absl::StatusOr<ShardPlan> AgreeOnPlan(const SessionSpec& spec, uint64_t* epoch);
   std::string NewId();
   // Warns once when the CPU ops ran on more than one thread (kernels::CpuParallelCallerThreads).
