@@ -56,17 +56,33 @@ fi
 server_outside_rpc=$(find server -path server/rpc -prune -o -type f \( -name '*.h' -o -name '*.cc' \) -print)
 check "server/ (outside rpc/) uses gRPC or proto" "$grpc" $server_outside_rpc
 # The server's rooms (ARCHITECTURE.md §3): the arrows run one way,
-#   exe/ -> rpc/ -> session/ -> comm/,  exe/ -> the core (server/*.h: metrics, version).
+#   exe/ -> rpc/ -> session/ -> comm/,  exe/ -> checkpoint/ -> session/,
+#   exe/ -> the core (server/*.h: metrics, version).
 # Each room may include its own headers and those of the rooms below it, nothing else.
 server_core=$(find server -maxdepth 1 -type f \( -name '*.h' -o -name '*.cc' \))
-check "server/comm includes a room above it" '#include *"server/([a-z_]+\.h|session/|rpc/|exe/)' \
-  server/comm
-check "server/session includes a room above it" '#include *"server/([a-z_]+\.h|rpc/|exe/)' \
-  server/session
-check "server/rpc includes exe/ or the daemon core (metrics, version)" \
-  '#include *"server/([a-z_]+\.h|exe/)' server/rpc
-check "the server core (server/*.h) includes a room" '#include *"server/(comm|session|rpc|exe)/' \
-  $server_core
+check "server/comm includes a room above it" \
+  '#include *"server/([a-z_]+\.h|session/|checkpoint/|rpc/|exe/)' server/comm
+# The session room decides when to checkpoint and reaches the store only through its own
+# interface (session/checkpoint_store.h); its tests wire the checkpoint room's store in, as the
+# composition root does.
+check "server/session includes a room above it" \
+  '#include *"server/([a-z_]+\.h|rpc/|exe/)' server/session
+check "server/session (outside its tests) includes server/checkpoint" '#include *"server/checkpoint/' \
+  $(find server/session -type f ! -name '*_test.cc')
+# The checkpoint room sees of the session room only the types it stores and the interface it
+# implements, and no other room.
+check "server/checkpoint includes a room other than session's" \
+  '#include *"server/([a-z_]+\.h|comm/|rpc/|exe/|fdchannel/)' server/checkpoint
+hits=$(grep -rEn --include='*.h' --include='*.cc' '#include *"server/session/' server/checkpoint |
+         grep -Ev '"server/session/(types|session|checkpoint_store)\.h"' || true)
+if [ -n "$hits" ]; then
+  echo "LAYERING VIOLATION: server/checkpoint includes a session header other than its types"
+  echo "$hits"; fail=1
+fi
+check "server/rpc includes exe/, checkpoint/ or the daemon core (metrics, version)" \
+  '#include *"server/([a-z_]+\.h|exe/|checkpoint/)' server/rpc
+check "the server core (server/*.h) includes a room" \
+  '#include *"server/(comm|session|checkpoint|rpc|exe)/' $server_core
 # (tests/service/test_device_daemon.cc is the test-only diond_testdevice's part of the
 # composition root: it fills DaemonOptions with the TEST backend, docs/GPU.md. So does
 # tests/service/cuda_region_service_test.cc, which runs the daemon in its own process because

@@ -18,6 +18,7 @@
 #include "server/metrics.h"
 #include "server/comm/membership.h"
 #include "server/comm/world.h"
+#include "server/checkpoint/directory_store.h"
 #include "server/fdchannel/fd_channel.h"
 #include "server/rpc/auth.h"
 #include "server/rpc/grpc_server.h"
@@ -136,9 +137,10 @@ absl::StatusOr<std::string> ReadWholeFile(const std::string& path, const char* f
   return text.str();
 }
 
-}  // namespace
-
-absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& options) {
+// The flags that decide what may listen where, checked before anything starts: TCP off loopback
+// needs TLS (or --allow_insecure_remote), and so does /metrics (plain HTTP, every session's
+// counters).
+absl::Status CheckListenerFlags(const DaemonOptions& options) {
   const bool tls = !options.tls_cert_file.empty();
   for (const auto& a : options.listen) {
     if (a.kind == ListenAddress::Kind::kTcp && !a.loopback && !tls &&
@@ -148,7 +150,6 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
           " without TLS; use a loopback or unix address, or --allow_insecure_remote"));
     }
   }
-  // The metrics endpoint is plain HTTP and names every session's counters: the same rule.
   if (!options.metrics_address.empty() && !options.allow_insecure_remote) {
     auto m = ParseListenAddresses(options.metrics_address);
     if (!m.ok() || m->size() != 1 || (*m)[0].kind != ListenAddress::Kind::kTcp) {
@@ -169,133 +170,41 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   if (options.max_stream_bytes < 0) {
     return absl::InvalidArgumentError("--max_stream_bytes must be >= 0");
   }
-  std::unique_ptr<Daemon> d(new Daemon);
-  DIOND_ASSIGN_OR_RETURN(d->device_, kernels::SelectDevice(options.device, options.cuda_plugin));
+  return absl::OkStatus();
+}
 
-  // The device the steps run on: a GPU once the plugin's ops are registered and the update
-  // rules run on a device context; else the CPU, said plainly in the start-up line and metrics.
-  session::DeviceHooks hooks;
-  if (options.test_device) {
-    d->compute_device_ = kernels::Device{kernels::DeviceType::kTest, 0};
-  } else if (d->device_.type == kernels::DeviceType::kCuda) {
-    if (absl::Status reg = kernels::RegisterCudaOps(options.cuda_plugin); !reg.ok()) {
-      d->compute_device_ = kernels::Device{kernels::DeviceType::kCpu, 0};
-      d->compute_note_ = absl::StrCat("steps run on the cpu: the CUDA ops did not register: ",
-                                      reg.message());
-    } else {
-      d->compute_device_ = kernels::ComputeDevice(d->device_);
-      if (d->compute_device_.type == kernels::DeviceType::kCuda) {
-        auto plugin = kernels::LoadCudaPlugin(options.cuda_plugin);
-        if (plugin.ok()) d->cuda_plugin_ = *plugin;
-      }
-    }
-  } else {
-    d->compute_device_ = kernels::ComputeDevice(d->device_);
-  }
-  if (d->compute_device_.type != kernels::DeviceType::kCpu) {
-    const absl::Status rules = session::CheckRulesRunOnDevice();
-    hooks.rules_on_device = rules.ok();
-    const std::string where = DeviceLabel(d->compute_device_.type, d->compute_device_.index);
-    if (!rules.ok() && d->compute_device_.type == kernels::DeviceType::kCuda) {
-      // The rules would be handed device pointers they read from the host: not on a GPU.
-      d->compute_note_ = absl::StrCat("steps run on the cpu: the update rules do not run on a ",
-                                      where, " context yet (", rules.message(), ")");
-      d->compute_device_ = kernels::Device{kernels::DeviceType::kCpu, 0};
-    } else if (options.test_device) {
-      d->compute_note_ = absl::StrCat(
-          "steps run on ", where,
-          " (TEST DEVICE BACKEND: host memory behind the plugin ABI; not a product "
-          "feature): device sessions with their own stream and device staging",
-          rules.ok() ? "; the update rules run on the device context"
-                     : absl::StrCat("; the update rules step the host-addressable staging from "
-                                    "the CPU, as they do not run on a device context yet (",
-                                    rules.message(), ")"));
-    }
-  }
-  if (d->compute_device_.type != kernels::DeviceType::kCpu) {
-    hooks.create_stream = [](kernels::Device dev) { return kernels::CreateDeviceStream(dev); };
-    hooks.destroy_stream = [](kernels::Device dev, kernels::StreamHandle s) {
-      kernels::DestroyDeviceStream(dev, s);
-    };
-    hooks.host_register = [](kernels::Device dev, void* p, size_t bytes) {
-      return kernels::HostRegister(dev, p, bytes);
-    };
-    hooks.host_unregister = [](kernels::Device dev, void* p) {
-      return kernels::HostUnregister(dev, p);
-    };
-    hooks.last_allocation_error = [] { return kernels::LastDeviceAllocationError(); };
-    if (options.step_graphs) {
-      hooks.begin_capture = [](kernels::Device dev, kernels::StreamHandle s) {
-        return kernels::BeginStreamCapture(dev, s);
-      };
-      hooks.end_capture = [](kernels::Device dev, kernels::StreamHandle s) {
-        return kernels::EndStreamCapture(dev, s);
-      };
-      hooks.launch_graph = [](kernels::Device dev, kernels::StreamHandle s, void* g) {
-        return kernels::LaunchGraph(dev, s, g);
-      };
-      hooks.destroy_graph = [](kernels::Device dev, void* g) { kernels::DestroyGraph(dev, g); };
-    }
-  }
-  BuildInfo info;
-  info.version = kVersion;
-  info.device = DeviceLabel(d->device_.type, d->device_.index);
-  info.compute_device = DeviceLabel(d->compute_device_.type, d->compute_device_.index);
-  info.cuda_plugin = d->device_.cuda_plugin_loaded;
-  {
-    const kernels::AutoEngines engines = kernels::CurrentAutoEngines();
-    auto name = [](kernels::Fp32GemmEngine e) {
-      return e == kernels::Fp32GemmEngine::kOpenBlas ? "openblas" : "onednn";
-    };
-    if (!options.openblas_core.empty()) info.openblas_core = options.openblas_core;
-    if (!options.openblas_core_source.empty()) {
-      info.openblas_core_source = options.openblas_core_source;
-    }
-    info.fp32_gemm_auto = name(engines.fp32_gemm);
-    info.fp32_symmetric_auto = name(engines.fp32_symmetric);
-    info.bf16_matmul_auto = std::string(optim::Bf16MatmulEngineName(
-        optim::ResolveBf16Matmul(optim::Bf16MatmulEngine::kAuto)));
-    info.engines_calibrated = engines.bf16_measured;
-    d->cpu_blas_ = absl::StrCat("OpenBLAS core ", info.openblas_core, " (",
-                                info.openblas_core_source, "); auto engines",
-                                engines.bf16_measured ? " (calibrated)" : "", ": fp32 GEMM ",
-                                info.fp32_gemm_auto, ", fp32 symmetric ",
-                                info.fp32_symmetric_auto, ", bf16_reference ",
-                                info.bf16_matmul_auto);
-  }
-  d->metrics_ = std::make_unique<DaemonMetrics>(std::make_shared<prometheus::Registry>(), info);
+// A device session's hooks into the backend on `device` (not the CPU): its stream, host
+// registration, and with --step_graphs the graph capture (docs/GPU.md "CUDA graphs").
+void SetDeviceHooks(const DaemonOptions& options, session::DeviceHooks* hooks) {
+  hooks->create_stream = [](kernels::Device dev) { return kernels::CreateDeviceStream(dev); };
+  hooks->destroy_stream = [](kernels::Device dev, kernels::StreamHandle s) {
+    kernels::DestroyDeviceStream(dev, s);
+  };
+  hooks->host_register = [](kernels::Device dev, void* p, size_t bytes) {
+    return kernels::HostRegister(dev, p, bytes);
+  };
+  hooks->host_unregister = [](kernels::Device dev, void* p) {
+    return kernels::HostUnregister(dev, p);
+  };
+  hooks->last_allocation_error = [] { return kernels::LastDeviceAllocationError(); };
+  if (!options.step_graphs) return;
+  hooks->begin_capture = [](kernels::Device dev, kernels::StreamHandle s) {
+    return kernels::BeginStreamCapture(dev, s);
+  };
+  hooks->end_capture = [](kernels::Device dev, kernels::StreamHandle s) {
+    return kernels::EndStreamCapture(dev, s);
+  };
+  hooks->launch_graph = [](kernels::Device dev, kernels::StreamHandle s, void* g) {
+    return kernels::LaunchGraph(dev, s, g);
+  };
+  hooks->destroy_graph = [](kernels::Device dev, void* g) { kernels::DestroyGraph(dev, g); };
+}
 
-  // Metrics start after the CUDA plugin is loaded: the plugin's TLS is dynamic (dlopen), so
-  // civetweb's small-stack threads still start (TOOLCHAIN.md P1).
-  if (!options.metrics_address.empty()) {
-    d->metrics_address_ = options.metrics_address;
-    DIOND_ASSIGN_OR_RETURN(d->metrics_server_,
-                           MetricsServer::Start(options.metrics_address, [&] {
-                             auto sources = d->metrics_->collectables();
-                             sources.push_back(MakeProcessCollector());
-                             return sources;
-                           }()));
-  }
+// The session manager's hooks into the metrics. `device_report` (may be empty) runs after every
+// step and every change of the session count.
+session::ManagerObserver MetricsObserver(DaemonMetrics* metrics,
+                                         std::function<void()> device_report) {
   session::ManagerObserver observer;
-  DaemonMetrics* metrics = d->metrics_.get();
-  // A device daemon: the pool's bytes in use and high-water mark after every step and every
-  // change of the session count (and the TEST binary's counters line).
-  std::function<void()> device_report;
-  if (d->compute_device_.type != kernels::DeviceType::kCpu) {
-    const kernels::Device dev = d->compute_device_;
-    std::function<std::string()> test_report = options.test_device_report;
-    d->device_watch_ = std::make_shared<DeviceWatch>(dev, metrics);
-    std::shared_ptr<DeviceWatch> watch = d->device_watch_;
-    hooks.device_health = [watch](kernels::Device) { return watch->Check(); };
-    device_report = [metrics, dev, test_report, watch] {
-      if (auto m = kernels::GetDeviceMemoryStats(dev); m.ok()) {
-        metrics->SetDeviceMemory(static_cast<double>(m->in_use), static_cast<double>(m->peak));
-      }
-      (void)watch->Check();
-      if (test_report) DIOND_LOG(INFO) << test_report();
-    };
-    device_report();
-  }
   observer.on_sessions_changed = [metrics, device_report](int64_t n) {
     metrics->SetSessions(n);
     if (device_report) device_report();
@@ -323,35 +232,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   observer.on_session_reaped = [metrics](const std::string&, const std::string& reason) {
     metrics->CountSessionReaped(reason);
   };
-  session::ManagerOptions manager_options = options.sessions;
-  manager_options.compute_device = d->compute_device_;
-  manager_options.device_hooks = hooks;
-  DIOND_ASSIGN_OR_RETURN(d->sessions_,
-                         session::SessionManager::Create(manager_options, std::move(observer)));
-  if (d->device_.type == kernels::DeviceType::kCpu) {
-    // The threads the steps use (--compute_threads as the compute context took it), not the
-    // cores SelectDevice counted.
-    const int threads = d->sessions_->compute_threads();
-    d->device_.name = absl::StrCat("cpu (", threads, threads == 1 ? " thread)" : " threads)");
-  }
-  Limits limits;
-  limits.max_session_bytes = options.sessions.max_session_bytes;
-  limits.memory_budget_bytes = options.sessions.memory_budget_bytes;
-  limits.checkpoint_every = options.sessions.state_dir.empty() ? 0
-                                                               : options.sessions.checkpoint_every;
-  limits.world_size = options.world.world_size;
-  limits.rank = options.world.world_size > 1 ? options.world.rank : 0;
-  metrics->SetLimits(limits);
-  session::SessionManager* manager = d->sessions_.get();
-  metrics->SetSessionSource([manager] {
-    SessionTotals totals;
-    for (const session::SessionInfo& s : manager->List()) {
-      totals.state_bytes += s.budget_bytes;  // what the budgets count (device pool bytes too)
-      totals.steps_behind =
-          std::max(totals.steps_behind, s.last_step_index - s.last_checkpoint_step);
-    }
-    return totals;
-  });
+  return observer;
+}
+
+// The RPC server's credentials from the files the flags name: bearer tokens and TLS.
+absl::StatusOr<rpc::RpcServerOptions> RpcSecurity(const DaemonOptions& options) {
   rpc::RpcServerOptions ro;
   if (!options.auth_token_file.empty()) {
     DIOND_ASSIGN_OR_RETURN(std::string text,
@@ -364,7 +249,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     ro.auth.tokens = *std::move(tokens);
   }
   ro.auth.allow_unauthenticated_tcp = options.allow_unauthenticated_tcp;
-  if (tls) {
+  if (!options.tls_cert_file.empty()) {
     DIOND_ASSIGN_OR_RETURN(ro.tls_cert, ReadWholeFile(options.tls_cert_file, "--tls_cert"));
   }
   if (!options.tls_key_file.empty()) {
@@ -374,7 +259,170 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     DIOND_ASSIGN_OR_RETURN(ro.tls_client_ca,
                            ReadWholeFile(options.tls_client_ca_file, "--tls_client_ca"));
   }
+  return ro;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& options) {
+  DIOND_RETURN_IF_ERROR(CheckListenerFlags(options));
+  std::unique_ptr<Daemon> d(new Daemon);
+  DIOND_ASSIGN_OR_RETURN(session::DeviceHooks hooks, d->SelectDevices(options));
+  DIOND_RETURN_IF_ERROR(d->StartMetrics(options));
+  DIOND_RETURN_IF_ERROR(d->StartSessions(options, std::move(hooks)));
+  DIOND_ASSIGN_OR_RETURN(rpc::RpcServerOptions ro, RpcSecurity(options));
+  DIOND_RETURN_IF_ERROR(d->PrepareWorld(options, &ro));
+  DIOND_RETURN_IF_ERROR(d->StartFdChannel(options, &ro));
+  DIOND_RETURN_IF_ERROR(d->StartRpc(options, std::move(ro)));
+  if (options.world.world_size > 1) DIOND_RETURN_IF_ERROR(d->JoinWorld(options.world));
+  return d;
+}
+
+absl::StatusOr<session::DeviceHooks> Daemon::SelectDevices(const DaemonOptions& options) {
+  DIOND_ASSIGN_OR_RETURN(device_, kernels::SelectDevice(options.device, options.cuda_plugin));
+  // The device the steps run on: a GPU once the plugin's ops are registered and the update
+  // rules run on a device context; else the CPU, said plainly in the start-up line and metrics.
+  session::DeviceHooks hooks;
+  if (options.test_device) {
+    compute_device_ = kernels::Device{kernels::DeviceType::kTest, 0};
+  } else if (device_.type == kernels::DeviceType::kCuda) {
+    if (absl::Status reg = kernels::RegisterCudaOps(options.cuda_plugin); !reg.ok()) {
+      compute_device_ = kernels::Device{kernels::DeviceType::kCpu, 0};
+      compute_note_ = absl::StrCat("steps run on the cpu: the CUDA ops did not register: ",
+                                   reg.message());
+    } else {
+      compute_device_ = kernels::ComputeDevice(device_);
+      if (compute_device_.type == kernels::DeviceType::kCuda) {
+        auto plugin = kernels::LoadCudaPlugin(options.cuda_plugin);
+        if (plugin.ok()) cuda_plugin_ = *plugin;
+      }
+    }
+  } else {
+    compute_device_ = kernels::ComputeDevice(device_);
+  }
+  if (compute_device_.type != kernels::DeviceType::kCpu) {
+    const absl::Status rules = session::CheckRulesRunOnDevice();
+    hooks.rules_on_device = rules.ok();
+    const std::string where = DeviceLabel(compute_device_.type, compute_device_.index);
+    if (!rules.ok() && compute_device_.type == kernels::DeviceType::kCuda) {
+      // The rules would be handed device pointers they read from the host: not on a GPU.
+      compute_note_ = absl::StrCat("steps run on the cpu: the update rules do not run on a ",
+                                   where, " context yet (", rules.message(), ")");
+      compute_device_ = kernels::Device{kernels::DeviceType::kCpu, 0};
+    } else if (options.test_device) {
+      compute_note_ = absl::StrCat(
+          "steps run on ", where,
+          " (TEST DEVICE BACKEND: host memory behind the plugin ABI; not a product "
+          "feature): device sessions with their own stream and device staging",
+          rules.ok() ? "; the update rules run on the device context"
+                     : absl::StrCat("; the update rules step the host-addressable staging from "
+                                    "the CPU, as they do not run on a device context yet (",
+                                    rules.message(), ")"));
+    }
+  }
+  if (compute_device_.type != kernels::DeviceType::kCpu) SetDeviceHooks(options, &hooks);
+  return hooks;
+}
+
+absl::Status Daemon::StartMetrics(const DaemonOptions& options) {
+  BuildInfo info;
+  info.version = kVersion;
+  info.device = DeviceLabel(device_.type, device_.index);
+  info.compute_device = DeviceLabel(compute_device_.type, compute_device_.index);
+  info.cuda_plugin = device_.cuda_plugin_loaded;
+  const kernels::AutoEngines engines = kernels::CurrentAutoEngines();
+  auto name = [](kernels::Fp32GemmEngine e) {
+    return e == kernels::Fp32GemmEngine::kOpenBlas ? "openblas" : "onednn";
+  };
+  if (!options.openblas_core.empty()) info.openblas_core = options.openblas_core;
+  if (!options.openblas_core_source.empty()) {
+    info.openblas_core_source = options.openblas_core_source;
+  }
+  info.fp32_gemm_auto = name(engines.fp32_gemm);
+  info.fp32_symmetric_auto = name(engines.fp32_symmetric);
+  info.bf16_matmul_auto = std::string(
+      optim::Bf16MatmulEngineName(optim::ResolveBf16Matmul(optim::Bf16MatmulEngine::kAuto)));
+  info.engines_calibrated = engines.bf16_measured;
+  cpu_blas_ = absl::StrCat("OpenBLAS core ", info.openblas_core, " (", info.openblas_core_source,
+                           "); auto engines", engines.bf16_measured ? " (calibrated)" : "",
+                           ": fp32 GEMM ", info.fp32_gemm_auto, ", fp32 symmetric ",
+                           info.fp32_symmetric_auto, ", bf16_reference ", info.bf16_matmul_auto);
+  metrics_ = std::make_unique<DaemonMetrics>(std::make_shared<prometheus::Registry>(), info);
+
+  // Metrics start after the CUDA plugin is loaded: the plugin's TLS is dynamic (dlopen), so
+  // civetweb's small-stack threads still start (TOOLCHAIN.md P1).
+  if (options.metrics_address.empty()) return absl::OkStatus();
+  metrics_address_ = options.metrics_address;
+  auto sources = metrics_->collectables();
+  sources.push_back(MakeProcessCollector());
+  DIOND_ASSIGN_OR_RETURN(metrics_server_,
+                         MetricsServer::Start(options.metrics_address, std::move(sources)));
+  return absl::OkStatus();
+}
+
+std::function<void()> Daemon::WatchDevice(const DaemonOptions& options,
+                                          session::DeviceHooks* hooks) {
+  if (compute_device_.type == kernels::DeviceType::kCpu) return nullptr;
+  // A device daemon: the pool's bytes in use and high-water mark after every step and every
+  // change of the session count (and the TEST binary's counters line).
+  DaemonMetrics* metrics = metrics_.get();
+  const kernels::Device dev = compute_device_;
+  std::function<std::string()> test_report = options.test_device_report;
+  device_watch_ = std::make_shared<DeviceWatch>(dev, metrics);
+  std::shared_ptr<DeviceWatch> watch = device_watch_;
+  hooks->device_health = [watch](kernels::Device) { return watch->Check(); };
+  std::function<void()> report = [metrics, dev, test_report, watch] {
+    if (auto m = kernels::GetDeviceMemoryStats(dev); m.ok()) {
+      metrics->SetDeviceMemory(static_cast<double>(m->in_use), static_cast<double>(m->peak));
+    }
+    (void)watch->Check();
+    if (test_report) DIOND_LOG(INFO) << test_report();
+  };
+  report();
+  return report;
+}
+
+absl::Status Daemon::StartSessions(const DaemonOptions& options, session::DeviceHooks hooks) {
+  DaemonMetrics* metrics = metrics_.get();
+  std::function<void()> device_report = WatchDevice(options, &hooks);
+  session::ManagerOptions manager_options = options.sessions;
+  manager_options.compute_device = compute_device_;
+  manager_options.device_hooks = std::move(hooks);
+  // Explicit absolute checkpoint paths work without --state_dir too.
+  manager_options.checkpoints =
+      std::make_shared<checkpoint::DirectoryStore>(manager_options.state_dir);
+  DIOND_ASSIGN_OR_RETURN(sessions_, session::SessionManager::Create(
+                                        manager_options, MetricsObserver(metrics, device_report)));
+  if (device_.type == kernels::DeviceType::kCpu) {
+    // The threads the steps use (--compute_threads as the compute context took it), not the
+    // cores SelectDevice counted.
+    const int threads = sessions_->compute_threads();
+    device_.name = absl::StrCat("cpu (", threads, threads == 1 ? " thread)" : " threads)");
+  }
+  Limits limits;
+  limits.max_session_bytes = options.sessions.max_session_bytes;
+  limits.memory_budget_bytes = options.sessions.memory_budget_bytes;
+  limits.checkpoint_every = options.sessions.state_dir.empty() ? 0
+                                                               : options.sessions.checkpoint_every;
+  limits.world_size = options.world.world_size;
+  limits.rank = options.world.world_size > 1 ? options.world.rank : 0;
+  metrics->SetLimits(limits);
+  session::SessionManager* manager = sessions_.get();
+  metrics->SetSessionSource([manager] {
+    SessionTotals totals;
+    for (const session::SessionInfo& s : manager->List()) {
+      totals.state_bytes += s.budget_bytes;  // what the budgets count (device pool bytes too)
+      totals.steps_behind =
+          std::max(totals.steps_behind, s.last_step_index - s.last_checkpoint_step);
+    }
+    return totals;
+  });
+  return absl::OkStatus();
+}
+
+absl::Status Daemon::PrepareWorld(const DaemonOptions& options, rpc::RpcServerOptions* ro) {
   const WorldConfig& wc = options.world;
+  const bool tls = !options.tls_cert_file.empty();
   std::string world_secret;
   if (!options.world_secret_file.empty()) {
     auto secret = rpc::ReadSecretFile(options.world_secret_file);
@@ -384,39 +432,37 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     }
     world_secret = *std::move(secret);
   }
-  if (wc.world_size > 1 && world_secret.empty() && ro.tls_client_ca.empty()) {
+  if (wc.world_size > 1 && world_secret.empty() && ro->tls_client_ca.empty()) {
     return absl::InvalidArgumentError(
         "a daemon world (--world_size > 1) needs --world_secret_file (the same secret on every "
         "rank) or mutual TLS (--tls_cert, --tls_key, --tls_client_ca on every rank)");
   }
-  if (wc.world_size > 1 && tls && ro.tls_client_ca.empty()) {
+  if (wc.world_size > 1 && tls && ro->tls_client_ca.empty()) {
     return absl::InvalidArgumentError(
         "a daemon world with TLS needs --tls_client_ca: the CA that verifies the coordinator's "
         "certificate");
   }
-  d->peer_credentials_ = std::make_unique<rpc::PeerCredentials>();
-  d->peer_credentials_->world_secret = world_secret;
+  peer_credentials_ = std::make_unique<rpc::PeerCredentials>();
+  peer_credentials_->world_secret = world_secret;
   if (tls) {
-    d->peer_credentials_->tls_ca = ro.tls_client_ca;
-    d->peer_credentials_->tls_cert = ro.tls_cert;
-    d->peer_credentials_->tls_key = ro.tls_key;
+    peer_credentials_->tls_ca = ro->tls_client_ca;
+    peer_credentials_->tls_cert = ro->tls_cert;
+    peer_credentials_->tls_key = ro->tls_key;
   }
-  ro.world_secret = world_secret;
-  ro.listen = options.listen;
-  ro.manager = d->sessions_.get();
-  ro.service.allow_shm_from_tcp = options.allow_shm_from_tcp;
-  ro.health_address = options.health_address;
-  ro.service.max_stream_bytes = options.max_stream_bytes;
-  ro.service.handler_threads = options.rpc_handler_threads;
+  ro->world_secret = world_secret;
   if (wc.world_size > 1 && wc.rank == 0) {
     comm::CoordinatorOptions co;
     co.store_limits = wc.store_limits;
     co.world_size = wc.world_size;
     co.heartbeat_interval = wc.heartbeat_interval;
     co.peer_timeout = wc.peer_timeout;
-    d->coordinator_ = std::make_unique<comm::Coordinator>(co);
-    ro.coordinator = d->coordinator_.get();
+    coordinator_ = std::make_unique<comm::Coordinator>(co);
+    ro->coordinator = coordinator_.get();
   }
+  return absl::OkStatus();
+}
+
+absl::Status Daemon::StartFdChannel(const DaemonOptions& options, rpc::RpcServerOptions* ro) {
   std::string fd_path = options.fd_channel_socket;
   if (fd_path.empty()) {
     for (const auto& a : options.listen) {
@@ -426,28 +472,36 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
       }
     }
   }
-  if (!fd_path.empty() && fd_path != "none") {
-    fdchannel::TokenOptions to;
-    to.ttl = options.fd_token_ttl;
-    to.max_pending_per_uid = options.fd_max_pending_per_uid;
-    auto channel = fdchannel::FdChannel::Start(fd_path, to);
-    if (channel.ok()) {
-      d->fd_channel_ = *std::move(channel);
-      ro.service.fd_channel = d->fd_channel_.get();
-    } else if (!options.fd_channel_socket.empty()) {
-      return channel.status();  // asked for by name: a start-up error
-    } else {  // derived (e.g. a socket path too long for ".fd"): run without, as documented
-      DIOND_LOG(WARNING) << "no fd channel (MEMFD regions are off): " << channel.status().message()
-                         << "; name one with --fd_channel_socket";
-    }
+  if (fd_path.empty() || fd_path == "none") return absl::OkStatus();
+  fdchannel::TokenOptions to;
+  to.ttl = options.fd_token_ttl;
+  to.max_pending_per_uid = options.fd_max_pending_per_uid;
+  auto channel = fdchannel::FdChannel::Start(fd_path, to);
+  if (channel.ok()) {
+    fd_channel_ = *std::move(channel);
+    ro->service.fd_channel = fd_channel_.get();
+  } else if (!options.fd_channel_socket.empty()) {
+    return channel.status();  // asked for by name: a start-up error
+  } else {  // derived (e.g. a socket path too long for ".fd"): run without, as documented
+    DIOND_LOG(WARNING) << "no fd channel (MEMFD regions are off): " << channel.status().message()
+                       << "; name one with --fd_channel_socket";
   }
+  return absl::OkStatus();
+}
+
+absl::Status Daemon::StartRpc(const DaemonOptions& options, rpc::RpcServerOptions ro) {
+  ro.listen = options.listen;
+  ro.manager = sessions_.get();
+  ro.service.allow_shm_from_tcp = options.allow_shm_from_tcp;
+  ro.health_address = options.health_address;
+  ro.service.max_stream_bytes = options.max_stream_bytes;
+  ro.service.handler_threads = options.rpc_handler_threads;
   // Device sessions (a GPU's, or the test-only TEST backend's) take the CUDA region kinds.
-  ro.service.gpu_daemon = d->compute_device_.type != kernels::DeviceType::kCpu;
-  d->rpc_metrics_ = std::make_unique<RpcMetrics>(d->metrics_.get());
-  DIOND_ASSIGN_OR_RETURN(d->rpc_, rpc::RpcServer::Start(ro, d->rpc_metrics_.get()));
-  if (d->device_watch_) d->device_watch_->AttachRpc(d->rpc_.get());
-  if (wc.world_size > 1) DIOND_RETURN_IF_ERROR(d->JoinWorld(wc));
-  return d;
+  ro.service.gpu_daemon = compute_device_.type != kernels::DeviceType::kCpu;
+  rpc_metrics_ = std::make_unique<RpcMetrics>(metrics_.get());
+  DIOND_ASSIGN_OR_RETURN(rpc_, rpc::RpcServer::Start(ro, rpc_metrics_.get()));
+  if (device_watch_) device_watch_->AttachRpc(rpc_.get());
+  return absl::OkStatus();
 }
 
 absl::Status Daemon::JoinWorld(const WorldConfig& wc) {

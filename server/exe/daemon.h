@@ -22,6 +22,7 @@ namespace diond::rpc {
 class RpcServer;
 class PeerClient;
 struct PeerCredentials;
+struct RpcServerOptions;
 }
 namespace diond::fdchannel {
 class FdChannel;
@@ -126,6 +127,23 @@ class Daemon {
 
  private:
   Daemon();
+  // Start's steps, in the order it runs them.
+  // The selected device and the one the steps run on (with the note the start-up line gives),
+  // and the session hooks into it.
+  absl::StatusOr<session::DeviceHooks> SelectDevices(const DaemonOptions& options);
+  // The metrics registry with diond_build_info, and the /metrics endpoint when asked for.
+  absl::Status StartMetrics(const DaemonOptions& options);
+  // The session manager on the compute device, reporting into the metrics, with the checkpoint
+  // store on --state_dir.
+  absl::Status StartSessions(const DaemonOptions& options, session::DeviceHooks hooks);
+  // A device daemon's DeviceWatch, hooked into `hooks`; returns the report to run after steps
+  // and session changes (empty on the CPU).
+  std::function<void()> WatchDevice(const DaemonOptions& options, session::DeviceHooks* hooks);
+  // The world's credentials (secret or mutual TLS) and, on rank 0, the coordinator the RPC
+  // server serves.
+  absl::Status PrepareWorld(const DaemonOptions& options, rpc::RpcServerOptions* ro);
+  absl::Status StartFdChannel(const DaemonOptions& options, rpc::RpcServerOptions* ro);
+  absl::Status StartRpc(const DaemonOptions& options, rpc::RpcServerOptions ro);
   absl::Status JoinWorld(const WorldConfig& config);
   kernels::SelectedDevice device_;
   std::unique_ptr<rpc::PeerCredentials> peer_credentials_;  // how this daemon proves itself to the coordinator

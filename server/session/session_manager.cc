@@ -3,7 +3,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cctype>
 #include <map>
 #include <random>
 #include <set>
@@ -18,8 +17,8 @@
 #include "common/status_macros.h"
 #include "server/comm/key_value_store.h"
 #include "server/comm/world.h"
-#include "server/session/checkpoint.h"
 #include "server/session/layout.h"
+#include "server/session/world_plan.h"
 
 namespace diond::session {
 namespace {
@@ -81,13 +80,16 @@ absl::StatusOr<std::unique_ptr<SessionManager>> SessionManager::Create(
   if (options.recover && options.state_dir.empty()) {
     return absl::InvalidArgumentError("--recover needs --state_dir");
   }
+  if (!options.state_dir.empty() && options.checkpoints == nullptr) {
+    return absl::InvalidArgumentError("--state_dir needs a checkpoint store (ManagerOptions)");
+  }
   std::unique_ptr<SessionManager> m(new SessionManager(options, std::move(observer)));
   kernels::ContextOptions co;
   co.num_threads = options.compute_threads;
   co.device = options.compute_device;
   DIOND_ASSIGN_OR_RETURN(m->ctx_, kernels::Context::Create(co));
   if (!options.state_dir.empty()) {
-    const int64_t removed = RemoveStaleTemporaries(options.state_dir);
+    const int64_t removed = options.checkpoints->RemoveStaleTemporaries();
     if (removed > 0) {
       DIOND_LOG(INFO) << "removed " << removed
                       << " stale temporary checkpoint director" << (removed == 1 ? "y" : "ies")
@@ -177,19 +179,9 @@ void SessionManager::DetachWorld() {
 
 absl::StatusOr<ShardPlan> SessionManager::AgreeOnPlan(const SessionSpec& spec, uint64_t* epoch) {
   const std::string& key = spec.world_key;
-  if (key.size() > 128) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("world_key of ", key.size(), " bytes: at most 128"));
-  }
-  for (char c : key) {
-    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.')) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "world_key '", Bounded(key), "' may only contain letters, digits, '-', '_' and '.'"));
-    }
-  }
+  DIOND_RETURN_IF_ERROR(ValidateWorldKey(key));
   std::shared_ptr<WorldLink> world;
   comm::KeyValueStore* kv;
-  int64_t use = 0;
   {
     absl::MutexLock lock(&mu_);
     if (world_detached_) return absl::UnavailableError("the daemon is shutting down");
@@ -200,24 +192,8 @@ absl::StatusOr<ShardPlan> SessionManager::AgreeOnPlan(const SessionSpec& spec, u
   if (world == nullptr) return ComputeShardPlan(spec, 1);  // a world of one
   const std::string where = absl::StrCat("world session '", Bounded(key), "' (rank ", world->rank(),
                                          " of ", world->size(), "): ");
-  // Wait for a communicator (polled: the link must not be held for long).
-  absl::Status ready = absl::UnavailableError("the daemon is shutting down");
-  const absl::Time deadline = absl::Now() + options_.world_session_timeout;
-  while (true) {
-    if (!world->With([&](comm::World& w) {
-          ready = w.status();
-          *epoch = w.epoch();
-        })) {
-      ready = absl::UnavailableError("the daemon is shutting down");
-      break;
-    }
-    if (ready.ok() || absl::Now() >= deadline) break;
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  if (!ready.ok()) {
-    return absl::UnavailableError(absl::StrCat(where, "the daemon world is not up: ",
-                                               ready.message()));
-  }
+  DIOND_ASSIGN_OR_RETURN(*epoch, WaitForWorld(*world, options_.world_session_timeout, where));
+  int64_t use = 0;
   {
     // Counted per generation: after a rebuild (a restarted rank starts from nothing) every rank
     // counts from 1 again.
@@ -226,36 +202,8 @@ absl::StatusOr<ShardPlan> SessionManager::AgreeOnPlan(const SessionSpec& spec, u
   }
   DIOND_ASSIGN_OR_RETURN(ShardPlan plan, ComputeShardPlan(spec, world->size()));
   if (kv == nullptr) return absl::InternalError(absl::StrCat(where, "no rendezvous store"));
-  const std::string prefix =
-      absl::StrCat("diond/world_session/", *epoch, "/", key, "/", use, "/plan/");
-  DIOND_RETURN_IF_ERROR(kv->Set(absl::StrCat(prefix, world->rank()),
-                                ShardPlanHashHex(plan.hash)));
-  std::vector<std::string> keys;
-  for (int r = 0; r < world->size(); ++r) keys.push_back(absl::StrCat(prefix, r));
-  absl::Status waited = kv->Wait(keys, options_.world_session_timeout);
-  if (!waited.ok()) {
-    std::vector<int> missing;
-    for (int r = 0; r < world->size(); ++r) {
-      if (!kv->Get(keys[r]).ok()) missing.push_back(r);
-    }
-    return absl::UnavailableError(absl::StrCat(
-        where, "the trainers of rank(s) ", absl::StrJoin(missing, ", "),
-        " did not create it within ", absl::FormatDuration(options_.world_session_timeout),
-        ": ", waited.message()));
-  }
-  std::vector<std::string> hashes;
-  std::vector<int> differ;
-  for (int r = 0; r < world->size(); ++r) {
-    DIOND_ASSIGN_OR_RETURN(std::string h, kv->Get(keys[r]));
-    hashes.push_back(absl::StrCat("rank ", r, ": ", h));
-    if (h != ShardPlanHashHex(plan.hash)) differ.push_back(r);
-  }
-  if (!differ.empty()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        where, "the ranks disagree on the shard plan; rank(s) ", absl::StrJoin(differ, ", "),
-        " declared different parameters, shapes, dtypes, groups, options or gradient_sync than "
-        "rank ", world->rank(), " (plan hashes ", absl::StrJoin(hashes, ", "), ")"));
-  }
+  DIOND_RETURN_IF_ERROR(AgreeOnShardPlan(plan, *world, *kv, *epoch, key, use,
+                                         options_.world_session_timeout, where));
   return plan;
 }
 
@@ -389,7 +337,7 @@ absl::Status SessionManager::Close(const std::string& id, bool by_client) {
     trainers_.erase(id);
     count = static_cast<int64_t>(sessions_.size());
   }
-  if (by_client) MarkSessionClosed(options_.state_dir, id);
+  if (by_client && options_.checkpoints != nullptr) options_.checkpoints->MarkClosed(id);
   DIOND_LOG(INFO) << "session " << id << " closed";
   if (observer_.on_sessions_changed) observer_.on_sessions_changed(count);
   return absl::OkStatus();
@@ -482,20 +430,22 @@ absl::StatusOr<std::pair<std::string, int64_t>> SessionManager::SaveCheckpoint(
     if (observer_.on_checkpoint_failed) observer_.on_checkpoint_failed(id, why);
     return why;
   };
-  absl::StatusOr<CheckpointDir> opened =
-      OpenCheckpointDir(options_.state_dir, root.empty() ? options_.state_dir : root, true);
-  if (!opened.ok()) return failed(opened.status());
-  CheckpointDir& dir = *opened;
-  // DION_COMPRESSED world sessions average the decoupled momenta first (a collective).
-  if (absl::Status st = s->SynchronizeForCheckpoint(); !st.ok()) return failed(st);
-  absl::StatusOr<SessionSnapshot> snapped = s->Snapshot();
-  if (!snapped.ok()) return failed(snapped.status());
-  SessionSnapshot& snap = *snapped;
-  auto written = WriteCheckpoint(dir, id, snap, options_.keep_checkpoints);
+  if (options_.checkpoints == nullptr) {
+    return failed(absl::FailedPreconditionError("this daemon has no checkpoint store"));
+  }
+  int64_t step = 0;
+  auto written = options_.checkpoints->Save(
+      root, id, options_.keep_checkpoints, [&]() -> absl::StatusOr<SessionSnapshot> {
+        // DION_COMPRESSED world sessions average the decoupled momenta first (a collective).
+        DIOND_RETURN_IF_ERROR(s->SynchronizeForCheckpoint());
+        absl::StatusOr<SessionSnapshot> snap = s->Snapshot();
+        if (snap.ok()) step = snap->last_step_index;
+        return snap;
+      });
   if (!written.ok()) return failed(written.status());
   auto& saved = *written;
-  s->RecordCheckpoint(snap.last_step_index, saved.first, absl::Now());
-  DIOND_LOG(INFO) << "session " << id << ": checkpoint of step " << snap.last_step_index
+  s->RecordCheckpoint(step, saved.first, absl::Now());
+  DIOND_LOG(INFO) << "session " << id << ": checkpoint of step " << step
                   << " written to " << saved.first << " (" << saved.second << " bytes)";
   if (observer_.on_checkpoint) observer_.on_checkpoint(id, saved.first, saved.second);
   return saved;
@@ -524,40 +474,18 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::RestoreSnapshot(
 
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::LoadCheckpoint(
     const std::string& path, const std::vector<std::string>& shard_paths, const Caller& caller) {
+  if (options_.checkpoints == nullptr) {
+    return absl::FailedPreconditionError("this daemon has no checkpoint store");
+  }
   // Relative: beneath --state_dir, never the daemon's working directory.
-  DIOND_ASSIGN_OR_RETURN(SessionSnapshot snap, ReadCheckpoint(options_.state_dir, path));
+  DIOND_ASSIGN_OR_RETURN(SessionSnapshot snap, options_.checkpoints->Read(path));
   if (!caller.admin && !snap.spec.owner.empty() && snap.spec.owner != caller.principal) {
     return absl::PermissionDeniedError(
         absl::StrCat("checkpoint ", path, " belongs to another principal"));
   }
   if (snap.spec.owner.empty()) snap.spec.owner = caller.principal;
   if (!shard_paths.empty()) {
-    if (snap.spec.world_key.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "shard_paths are for world sessions; ", path, " holds a local session"));
-    }
-    // The ranks' specs are equal but for the per-rank names.
-    auto comparable = [](SessionSpec spec) {
-      spec.client_name.clear();
-      spec.session_name.clear();
-      spec.owner.clear();
-      return SpecToJson(spec);
-    };
-    const std::string want = comparable(snap.spec);
-    std::set<std::string> have;
-    for (const NamedTensor& t : snap.tensors) have.insert(t.name);
-    for (const std::string& shard_path : shard_paths) {
-      DIOND_ASSIGN_OR_RETURN(SessionSnapshot shard, ReadCheckpoint(options_.state_dir, shard_path));
-      if (shard.last_step_index != snap.last_step_index || comparable(shard.spec) != want) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "shard ", shard_path, " (step ", shard.last_step_index,
-            ") is not a checkpoint of the same world session at the same step as ", path,
-            " (step ", snap.last_step_index, ")"));
-      }
-      for (NamedTensor& t : shard.tensors) {
-        if (have.insert(t.name).second) snap.tensors.push_back(std::move(t));
-      }
-    }
+    DIOND_RETURN_IF_ERROR(options_.checkpoints->AddShards(path, shard_paths, &snap));
   }
   auto restored = RestoreSnapshot(NewId(), snap, path);
   if (!restored.ok() && absl::IsDataLoss(restored.status()) && !snap.spec.world_key.empty() &&
@@ -621,10 +549,9 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(
 
 int64_t SessionManager::RecoverSessions() {
   int64_t restored = 0;
-  for (const std::string& id : CheckpointSessions(options_.state_dir)) {
-    if (SessionMarkedClosed(options_.state_dir, id)) continue;
-    for (const std::string& path : CheckpointsNewestFirst(options_.state_dir, id)) {
-      auto snap = ReadCheckpoint(options_.state_dir, path);
+  for (const std::string& id : options_.checkpoints->RecoverableSessions()) {
+    for (const std::string& path : options_.checkpoints->CheckpointsNewestFirst(id)) {
+      auto snap = options_.checkpoints->Read(path);
       if (!snap.ok()) {
         DIOND_LOG(ERROR) << "--recover: " << snap.status() << "; trying an older checkpoint";
         continue;

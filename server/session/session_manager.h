@@ -21,6 +21,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "kernels/context.h"
+#include "server/session/checkpoint_store.h"
 #include "server/session/compute_thread.h"
 #include "server/session/process_watch.h"
 #include "server/session/session.h"
@@ -44,6 +45,10 @@ struct ManagerOptions {
   absl::Duration orphan_grace = absl::ZeroDuration();
   absl::Duration orphan_grace_named = absl::ZeroDuration();
   std::string state_dir;        // checkpoints root; empty = checkpoints need an explicit dir
+  // Where checkpoints are written and read (checkpoint_store.h), opened on the same state_dir;
+  // required with a state_dir. Null: SaveCheckpoint and LoadCheckpoint fail with
+  // FAILED_PRECONDITION. Shared so that options stay copyable.
+  std::shared_ptr<CheckpointStore> checkpoints;
   int64_t checkpoint_every = 0; // with state_dir: checkpoint after every N-th step
   // Keep only the newest N step-* checkpoints of each session after every save; 0 = keep all.
   int64_t keep_checkpoints = 0;
@@ -207,7 +212,8 @@ class SessionManager {
   // --memory_budget_bytes; the message names the bytes needed, the limit and the bytes in use.
   absl::Status CheckBudget(int64_t bytes, absl::string_view what)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Computes the shard plan of world session `spec` and agrees on it with the other ranks.
+  // Computes the shard plan of world session `spec` and agrees on it with the other ranks
+  // (world_plan.h); *epoch: the world's generation it was agreed in.
   absl::StatusOr<ShardPlan> AgreeOnPlan(const SessionSpec& spec, uint64_t* epoch);
   std::string NewId();
   // Warns once when the CPU ops ran on more than one thread (kernels::CpuParallelCallerThreads).

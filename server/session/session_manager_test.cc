@@ -16,11 +16,14 @@
 #include <thread>
 
 #include "common/status_matchers.h"
+#include "common/strict_json.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "kernels/testing/recording_backend.h"
-#include "server/session/checkpoint.h"
+#include "server/checkpoint/directory_store.h"
+#include "server/checkpoint/manifest.h"
+#include "server/checkpoint/store.h"
 #include "server/session/layout.h"
 #include "server/session/process_watch.h"
 
@@ -31,6 +34,11 @@ using ::diond::testing::IsOk;
 using ::diond::testing::StatusIs;
 using ::testing::Contains;
 using ::testing::HasSubstr;
+using checkpoint::LatestCheckpoint;
+using checkpoint::SessionMarkedClosed;
+using checkpoint::SpecFromJson;
+using checkpoint::SpecToJson;
+using strict_json::JsonDepth;
 
 SessionSpec SmallSpec() {
   SessionSpec spec;
@@ -92,6 +100,7 @@ TEST(SessionManager, IdleSessionsAreClosedAndCheckpointedFirst) {
   ManagerOptions o;
   o.idle_timeout = absl::Hours(1);  // the reaper thread never fires during the test
   o.state_dir = dir;
+  o.checkpoints = std::make_shared<checkpoint::DirectoryStore>(o.state_dir);
   auto m = SessionManager::Create(o);
   ASSERT_THAT(m, IsOk());
   auto s = (*m)->CreateSession(SmallSpec());
@@ -118,6 +127,7 @@ TEST(SessionManager, IdleSessionsAreClosedAndCheckpointedFirst) {
 TEST(SessionManager, CheckpointPathsAreEchoedOnOneLine) {
   ManagerOptions o;
   o.state_dir = TempDir();
+  o.checkpoints = std::make_shared<checkpoint::DirectoryStore>(o.state_dir);
   auto m = SessionManager::Create(o);
   ASSERT_THAT(m, IsOk());
   auto loaded = (*m)->LoadCheckpoint("no\nsuch\r/step-1");
@@ -137,6 +147,7 @@ TEST(SessionManager, EveryPassOfComputeRunsOnTheComputeThread) {
   ManagerOptions o;
   o.compute_threads = 2;  // ops with more than one thread are the ones counted
   o.state_dir = TempDir();
+  o.checkpoints = std::make_shared<checkpoint::DirectoryStore>(o.state_dir);
   std::unique_ptr<SessionManager> m;
   on_fresh_thread([&] {
     auto made = SessionManager::Create(o);
@@ -217,6 +228,7 @@ TEST(SessionManager, CheckpointsAreRecordedAndFailuresReported) {
   std::string dir = TempDir();
   ManagerOptions o;
   o.state_dir = dir;
+  o.checkpoints = std::make_shared<checkpoint::DirectoryStore>(o.state_dir);
   std::vector<std::string> failed;
   int written = 0;
   ManagerObserver obs;
@@ -321,6 +333,7 @@ ManagerOptions OrphanOptions() {
 TEST(SessionManager, AnOrphanIsClosedAfterTheGraceAndCheckpointedFirst) {
   ManagerOptions o = OrphanOptions();
   o.state_dir = TempDir();
+  o.checkpoints = std::make_shared<checkpoint::DirectoryStore>(o.state_dir);
   std::vector<std::string> reaped;
   ManagerObserver obs;
   obs.on_session_reaped = [&](const std::string& id, const std::string& reason) {
@@ -474,6 +487,7 @@ TEST(SessionManager, TheGraceCountsFromTheLastUse) {
 TEST(SessionManager, AnOrphanWhoseCheckpointFailsIsKeptAndTriedAgainAGraceLater) {
   ManagerOptions o = OrphanOptions();
   o.state_dir = TempDir();
+  o.checkpoints = std::make_shared<checkpoint::DirectoryStore>(o.state_dir);
   auto m = SessionManager::Create(o);
   ASSERT_THAT(m, IsOk());
   Trainer trainer;
@@ -507,6 +521,7 @@ TEST(SessionManager, AReapedSessionThatNeverHeldWeightsIsClosedWithoutACheckpoin
   ManagerOptions o = OrphanOptions();
   o.idle_timeout = absl::Hours(1);
   o.state_dir = TempDir();
+  o.checkpoints = std::make_shared<checkpoint::DirectoryStore>(o.state_dir);
   auto m = SessionManager::Create(o);
   ASSERT_THAT(m, IsOk());
   Trainer trainer;

@@ -2,13 +2,15 @@
 
 #include <set>
 
-#include "server/session/checkpoint.h"
-
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "server/checkpoint/manifest.h"
 
 namespace diond::session {
 namespace {
+
+using checkpoint::SpecFromJson;
+using checkpoint::SpecToJson;
 
 GroupSpec Group(const std::string& name, optim::AlgorithmKind kind) {
   GroupSpec g;

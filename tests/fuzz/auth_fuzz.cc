@@ -51,7 +51,8 @@
 #include "server/rpc/access.h"
 #include "server/rpc/auth.h"
 #include "server/rpc/convert.h"
-#include "server/session/checkpoint.h"
+#include "server/checkpoint/directory_store.h"
+#include "server/checkpoint/sandbox.h"
 #include "server/session/session_manager.h"
 #include "tests/fuzz/fuzz_support.h"
 
@@ -296,6 +297,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 
   diond::session::ManagerOptions options;
   options.state_dir = g_state_dir;
+  options.checkpoints = std::make_shared<diond::checkpoint::DirectoryStore>(g_state_dir);
   options.compute_threads = 1;
   auto manager = diond::session::SessionManager::Create(options);
   Require(manager.ok(), "SessionManager::Create");
@@ -461,7 +463,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           }
           break;
         }
-        auto dir = diond::session::OpenCheckpointDir(g_state_dir, path, kind % 8 == 5);
+        auto dir = diond::checkpoint::OpenCheckpointDir(g_state_dir, path, kind % 8 == 5);
         if (!dir.ok()) {
           RequireBounded(dir.status(), sent);
           break;

@@ -1,5 +1,5 @@
 // libFuzzer target: a checkpoint directory made from arbitrary bytes, read back by
-// ReadCheckpoint (server/session/checkpoint.cc), the function LoadCheckpoint and --recover use.
+// ReadCheckpoint (server/checkpoint/read.cc), the function LoadCheckpoint and --recover use.
 // The input is the text of manifest.json, optionally followed by the line "#tensors" and the
 // bytes of tensors.safetensors. Properties, besides no crash and no sanitizer report:
 //  - a refused checkpoint is DATA_LOSS with a bounded, one-line message;
@@ -19,7 +19,9 @@
 #include <string>
 
 #include "common/logging.h"
-#include "server/session/checkpoint.h"
+#include "server/checkpoint/manifest.h"
+#include "server/checkpoint/sandbox.h"
+#include "server/checkpoint/store.h"
 #include "tests/fuzz/fuzz_support.h"
 
 namespace {
@@ -43,7 +45,7 @@ void WriteFile(const std::string& path, const char* data, size_t size) {
 bool SameBits(double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; }
 
 void RequireSame(const SessionSnapshot& a, const SessionSnapshot& b) {
-  Require(diond::session::SpecToJson(a.spec) == diond::session::SpecToJson(b.spec),
+  Require(diond::checkpoint::SpecToJson(a.spec) == diond::checkpoint::SpecToJson(b.spec),
           "spec changed through a save and a load");
   Require(a.last_step_index == b.last_step_index, "step index changed");
   Require(a.last_result.has_value() == b.last_result.has_value(), "last step record changed");
@@ -100,7 +102,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   WriteFile(g_dir + "/manifest.json", manifest.data(), manifest.size());
   WriteFile(g_dir + "/tensors.safetensors", tensors.data(), tensors.size());
 
-  auto snap = diond::session::ReadCheckpoint(g_dir);
+  auto snap = diond::checkpoint::ReadCheckpoint(g_dir);
   if (std::getenv("DIOND_FUZZ_VERBOSE") != nullptr) {  // to see why a seed is refused
     std::fprintf(stderr, "ReadCheckpoint: %s\n", snap.status().ToString().c_str());
   }
@@ -110,7 +112,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     return 0;
   }
   Require(snap->last_step_index >= 0 &&
-              snap->last_step_index <= diond::session::kMaxCheckpointStepIndex,
+              snap->last_step_index <= diond::checkpoint::kMaxCheckpointStepIndex,
           "step index out of range");
   for (const auto& t : snap->tensors) {
     int64_t n = 1;
@@ -121,15 +123,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     Require(static_cast<int64_t>(t.data.size()) == n, "tensor data does not match its shape");
   }
   // The spec alone round-trips through its JSON form.
-  auto spec = diond::session::SpecFromJson(diond::session::SpecToJson(snap->spec));
+  auto spec = diond::checkpoint::SpecFromJson(diond::checkpoint::SpecToJson(snap->spec));
   Require(spec.ok(), "an accepted spec is refused once written again");
 
   // Written again and read back: the same snapshot.
-  auto root = diond::session::OpenCheckpointDir("", g_root, /*create=*/false);
+  auto root = diond::checkpoint::OpenCheckpointDir("", g_root, /*create=*/false);
   Require(root.ok(), "cannot open the output directory");
-  auto written = diond::session::WriteCheckpoint(*root, snap->session_id, *snap);
+  auto written = diond::checkpoint::WriteCheckpoint(*root, snap->session_id, *snap);
   Require(written.ok(), "an accepted checkpoint cannot be written again");
-  auto again = diond::session::ReadCheckpoint(written->first);
+  auto again = diond::checkpoint::ReadCheckpoint(written->first);
   Require(again.ok(), "a checkpoint written by WriteCheckpoint is refused");
   RequireSame(*snap, *again);
   std::error_code ec;

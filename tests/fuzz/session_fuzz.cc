@@ -37,6 +37,7 @@
 #include "diond/v1/optimizer.pb.h"
 #include "google/protobuf/stubs/logging.h"
 #include "server/rpc/chunk_collector.h"
+#include "server/checkpoint/directory_store.h"
 #include "server/rpc/convert.h"
 #include "server/session/session_manager.h"
 #include "server/session/shm_region.h"
@@ -132,6 +133,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   Require(ftruncate(g_segment_fd, 0) == 0 && ftruncate(g_segment_fd, 65536) == 0, "ftruncate");
   diond::session::ManagerOptions options;
   options.state_dir = g_state_dir;
+  options.checkpoints = std::make_shared<diond::checkpoint::DirectoryStore>(g_state_dir);
   options.compute_threads = 1;
   auto manager = diond::session::SessionManager::Create(options);
   Require(manager.ok(), "SessionManager::Create");
