@@ -42,47 +42,12 @@ const char* DeviceTypeName(DeviceType t) {
 
 // Every entry of the table is set (an op left null would crash at its first call).
 bool Complete(const OpsBackend& b) {
-  const void* entries[] = {
-      reinterpret_cast<const void*>(b.allocate), reinterpret_cast<const void*>(b.deallocate),
-      reinterpret_cast<const void*>(b.copy_from_host),
-      reinterpret_cast<const void*>(b.copy_to_host), reinterpret_cast<const void*>(b.gemm),
-      reinterpret_cast<const void*>(b.symmetric_product),
-      reinterpret_cast<const void*>(b.symmetric_product_bf16), reinterpret_cast<const void*>(b.thin_qr),
-      reinterpret_cast<const void*>(b.cholesky_qr),
-      reinterpret_cast<const void*>(b.randomized_cholesky_qr),
-      reinterpret_cast<const void*>(b.frobenius_norm), reinterpret_cast<const void*>(b.axis_norms),
-      reinterpret_cast<const void*>(b.top_k_by_l1_norm),
-      reinterpret_cast<const void*>(b.is_all_zero), reinterpret_cast<const void*>(b.gather),
-      reinterpret_cast<const void*>(b.scatter), reinterpret_cast<const void*>(b.copy),
-      reinterpret_cast<const void*>(b.fill), reinterpret_cast<const void*>(b.axpby),
-      reinterpret_cast<const void*>(b.add_scalar),
-      reinterpret_cast<const void*>(b.unary), reinterpret_cast<const void*>(b.binary),
-      reinterpret_cast<const void*>(b.adamw_step), reinterpret_cast<const void*>(b.lion_step),
-      // ortho
-      reinterpret_cast<const void*>(b.add_to_diagonal),
-      reinterpret_cast<const void*>(b.bf16_rounded_axpby),
-      // kops
-      reinterpret_cast<const void*>(b.adamw_step_tracked),
-      reinterpret_cast<const void*>(b.lion_step_tracked),
-      reinterpret_cast<const void*>(b.momentum_update),
-      reinterpret_cast<const void*>(b.apply_update),
-      reinterpret_cast<const void*>(b.normalize_neurons),
-      reinterpret_cast<const void*>(b.copy_with_change),
-      // steps
-      reinterpret_cast<const void*>(b.all_finite),
-      reinterpret_cast<const void*>(b.widen_scale_check_finite),
-      reinterpret_cast<const void*>(b.fnv1a_checksum),
-      // asynccopy
-      reinterpret_cast<const void*>(b.copy_from_host_async),
-      reinterpret_cast<const void*>(b.copy_to_host_async),
-      reinterpret_cast<const void*>(b.synchronize),
-      reinterpret_cast<const void*>(b.all_finite_flag),
-      reinterpret_cast<const void*>(b.widen_scale_check_finite_flag),
-      reinterpret_cast<const void*>(b.decay_scatter_with_change),
-  };
-  for (const void* e : entries) {
-    if (e == nullptr) return false;
-  }
+  if (b.allocate == nullptr || b.deallocate == nullptr) return false;
+#define DIOND_OP(name, Name, kind, cpp_params, c_params) \
+  if (b.name == nullptr) return false;
+#define DIOND_HOST_OP(name, Name, kind, cpp_params, c_entry) \
+  if (b.name == nullptr) return false;
+#include "kernels/ops.def"
   return b.name != nullptr;
 }
 

@@ -112,44 +112,28 @@ ApplyUpdateParams Forward(Pass& p, const ApplyUpdateParams& a) {
   return b;
 }
 
-// Every entry of OpsBackend after the memory ones, with whether it can be in a graph: kGraph
+// The `kind` of every op of kernels/ops.def, whether it can be in a graph: kGraph
 // (queued device work), kWaits (hands a value to the host: a sync point), kHostMemory (reads or
 // writes host memory when it runs, which a replay would repeat on stale or freed memory),
 // kHostCopy (a queued copy between pinned host memory and the device: in a graph only with
 // Options::host_copies, the caller vouching for the host memory), kNoCapture (its library does
 // not document stream capture: cuSOLVER's geqrf/orgqr behind thin_qr).
 enum class Kind { kGraph, kWaits, kHostMemory, kHostCopy, kNoCapture };
-// clang-format off
-#define DIOND_GRAPH_OPS(X)                                                                 \
-  X(copy_from_host, kWaits) X(copy_to_host, kWaits) X(gemm, kGraph)                        \
-  X(symmetric_product, kGraph) X(symmetric_product_bf16, kGraph) X(thin_qr, kNoCapture)    \
-  X(cholesky_qr, kWaits) X(randomized_cholesky_qr, kWaits) X(frobenius_norm, kGraph)       \
-  X(axis_norms, kGraph) X(top_k_by_l1_norm, kWaits) X(is_all_zero, kWaits)                 \
-  X(gather, kHostMemory) X(scatter, kHostMemory) X(copy, kGraph) X(fill, kGraph)           \
-  X(axpby, kGraph) X(add_scalar, kGraph) X(unary, kGraph) X(binary, kGraph)                \
-  X(adamw_step, kGraph) X(lion_step, kGraph) X(add_to_diagonal, kGraph)                    \
-  X(bf16_rounded_axpby, kGraph) X(adamw_step_tracked, kGraph) X(lion_step_tracked, kGraph) \
-  X(momentum_update, kGraph) X(apply_update, kGraph) X(normalize_neurons, kGraph)          \
-  X(copy_with_change, kGraph) X(all_finite, kWaits) X(widen_scale_check_finite, kWaits)    \
-  X(fnv1a_checksum, kWaits) X(copy_from_host_async, kHostCopy)                             \
-  X(copy_to_host_async, kHostCopy) X(synchronize, kWaits) X(all_finite_flag, kGraph)       \
-  X(widen_scale_check_finite_flag, kGraph) X(decay_scatter_with_change, kHostMemory)
-// clang-format on
-
+// The ops of kernels/ops.def (its OpsBackend rows, in its order), with their kinds.
 enum Op : int {
-#define DIOND_X(member, kind) kOp_##member,
-  DIOND_GRAPH_OPS(DIOND_X)
-#undef DIOND_X
+#define DIOND_OP(name, Name, kind, cpp_params, c_params) kOp_##name,
+#define DIOND_HOST_OP(name, Name, kind, cpp_params, c_entry) kOp_##name,
+#include "kernels/ops.def"
 };
 constexpr const char* kOpNames[] = {
-#define DIOND_X(member, kind) #member,
-    DIOND_GRAPH_OPS(DIOND_X)
-#undef DIOND_X
+#define DIOND_OP(name, Name, kind, cpp_params, c_params) #name,
+#define DIOND_HOST_OP(name, Name, kind, cpp_params, c_entry) #name,
+#include "kernels/ops.def"
 };
 constexpr Kind kOpKinds[] = {
-#define DIOND_X(member, kind) Kind::kind,
-    DIOND_GRAPH_OPS(DIOND_X)
-#undef DIOND_X
+#define DIOND_OP(name, Name, kind, cpp_params, c_params) Kind::kind,
+#define DIOND_HOST_OP(name, Name, kind, cpp_params, c_entry) Kind::kind,
+#include "kernels/ops.def"
 };
 
 // An op that cannot be in the pass's graph: the first one is noted, and the phase sees an error.
@@ -204,9 +188,11 @@ const OpsBackend& RecordingTable() {
     t->name = "graph-recorder";
     t->allocate = &ForwardAllocate;
     t->deallocate = &ForwardDeallocate;
-#define DIOND_X(member, kind) \
+#define DIOND_X(member) \
   t->member = &Wrap<decltype(OpsBackend::member)>::template Entry<&OpsBackend::member, kOp_##member>;
-    DIOND_GRAPH_OPS(DIOND_X)
+#define DIOND_OP(name, Name, kind, cpp_params, c_params) DIOND_X(name)
+#define DIOND_HOST_OP(name, Name, kind, cpp_params, c_entry) DIOND_X(name)
+#include "kernels/ops.def"
 #undef DIOND_X
     return t;
   }();

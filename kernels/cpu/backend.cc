@@ -31,6 +31,12 @@ absl::Status CopyToHost(const Context&, const void* src, void* host, size_t byte
 
 // asynccopy: host memory is the CPU's device memory, so the queued copies are plain copies and
 // there is no stream to wait for; the flag forms run the host-bool scans.
+absl::Status CopyFromHostAsync(const Context& ctx, const void* host, void* dst, size_t bytes) {
+  return CopyFromHost(ctx, host, dst, bytes);
+}
+absl::Status CopyToHostAsync(const Context& ctx, const void* src, void* host, size_t bytes) {
+  return CopyToHost(ctx, src, host, bytes);
+}
 absl::Status Synchronize(const Context&) { return absl::OkStatus(); }
 
 absl::Status AllFiniteFlag(const Context& ctx, ConstTensorView x, TensorView nonfinite) {
@@ -55,49 +61,9 @@ OpsBackend MakeTable() {
   t.name = "cpu";
   t.allocate = &HostAllocate;
   t.deallocate = &HostDeallocate;
-  t.copy_from_host = &CopyFromHost;
-  t.copy_to_host = &CopyToHost;
-  t.gemm = &Gemm;
-  t.symmetric_product = &SymmetricProduct;
-  t.symmetric_product_bf16 = &SymmetricProductBf16;
-  t.thin_qr = &ThinQr;
-  t.cholesky_qr = &CholeskyQr;
-  t.randomized_cholesky_qr = &RandomizedCholeskyQr;
-  t.frobenius_norm = &FrobeniusNorm;
-  t.axis_norms = &AxisNorms;
-  t.top_k_by_l1_norm = &TopKByL1Norm;
-  t.is_all_zero = &IsAllZero;
-  t.gather = &Gather;
-  t.scatter = &Scatter;
-  t.copy = &Copy;
-  t.fill = &Fill;
-  t.axpby = &Axpby;
-  t.add_scalar = &AddScalar;
-  t.unary = &Unary;
-  t.binary = &Binary;
-  t.adamw_step = &AdamWStep;
-  t.lion_step = &LionStep;
-  // ortho
-  t.add_to_diagonal = &AddToDiagonal;
-  t.bf16_rounded_axpby = &Bf16RoundedAxpby;
-  // kops
-  t.adamw_step_tracked = &AdamWStepTracked;
-  t.lion_step_tracked = &LionStepTracked;
-  t.momentum_update = &MomentumUpdate;
-  t.apply_update = &ApplyUpdate;
-  t.normalize_neurons = &NormalizeNeurons;
-  t.copy_with_change = &CopyWithChange;
-  t.decay_scatter_with_change = &DecayScatterWithChange;
-  // steps
-  t.all_finite = &AllFinite;
-  t.widen_scale_check_finite = &WidenScaleCheckFinite;
-  t.fnv1a_checksum = &Fnv1aChecksum;
-  // asynccopy
-  t.copy_from_host_async = &CopyFromHost;
-  t.copy_to_host_async = &CopyToHost;
-  t.synchronize = &Synchronize;
-  t.all_finite_flag = &AllFiniteFlag;
-  t.widen_scale_check_finite_flag = &WidenScaleCheckFiniteFlag;
+#define DIOND_OP(name, Name, kind, cpp_params, c_params) t.name = &Name;
+#define DIOND_HOST_OP(name, Name, kind, cpp_params, c_entry) t.name = &Name;
+#include "kernels/ops.def"
   return t;
 }
 

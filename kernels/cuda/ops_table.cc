@@ -1,85 +1,21 @@
-// The CUDA plugin's ops table (DiondOpsApiV1, kernels/cuda/plugin_api.h): the entries of
-// ops_*.cu in the table's order. plugin.cc puts it into DiondCudaPluginV1::ops.
+// The CUDA plugin's ops table (DiondOpsApiV1, kernels/cuda/plugin_api.h): every row of
+// kernels/ops.def, entry `name` implemented by OpName of kernels/cuda/ops_*. plugin.cc puts it
+// into DiondCudaPluginV1::ops.
 #include "kernels/cuda/ops_internal.h"
 
 namespace diond::cuda {
 
 const DiondOpsApiV1* OpsApi() {
-  static const DiondOpsApiV1 kOps = {
-      DIOND_OPS_API_VERSION,
-      "cuda",
-      &OpAllocate,
-      &OpDeallocate,
-      &OpCopyFromHost,
-      &OpCopyToHost,
-      &OpStreamCreate,
-      &OpStreamDestroy,
-      &OpStreamSynchronize,
-      &OpMemoryStats,
-      &OpGemm,
-      &OpSymmetricProduct,
-      &OpSymmetricProductBf16,
-      &OpThinQr,
-      &OpCholeskyQr,
-      &OpRandomizedCholeskyQr,
-      &OpFrobeniusNorm,
-      &OpAxisNorms,
-      &OpTopKByL1Norm,
-      &OpIsAllZero,
-      &OpGather,
-      &OpScatter,
-      &OpCopy,
-      &OpFill,
-      &OpAxpby,
-      &OpAddScalar,
-      &OpUnary,
-      &OpBinary,
-      &OpAdamWStep,
-      &OpLionStep,
-      &OpAddToDiagonal,
-      &OpBf16RoundedAxpby,
-      &OpAdamWStepTracked,
-      &OpLionStepTracked,
-      &OpMomentumUpdate,
-      &OpApplyUpdate,
-      &OpNormalizeNeurons,
-      &OpCopyWithChange,
-      &OpAllFinite,
-      &OpWidenScaleCheckFinite,
-      &OpFnv1aChecksum,
-      // handoff (ops_handoff.cu)
-      &OpDeviceUuids,
-      &OpIpcOpenMemHandle,
-      &OpIpcCloseMemHandle,
-      &OpVmmImportFd,
-      &OpVmmUnmap,
-      &OpIpcOpenEvent,
-      &OpEventDestroy,
-      &OpStreamWaitEvent,
-      &OpEventRecord,
-      // devsession
-      &OpHostRegister,
-      &OpHostUnregister,
-      &OpGraphBeginCapture,
-      &OpGraphEndCapture,
-      &OpGraphLaunch,
-      &OpGraphDestroy,
-      // asynccopy
-      &OpCopyFromHostAsync,
-      &OpCopyToHostAsync,
-      &OpAllFiniteFlag,
-      &OpWidenScaleCheckFiniteFlag,
-      // version 7
-      &OpDecayScatterWithChange,
-      // version 8 (graph: device-side scalars)
-      &OpAdamWStepDev,
-      &OpLionStepDev,
-      &OpAdamWStepTrackedDev,
-      &OpLionStepTrackedDev,
-      &OpApplyUpdateDev,
-      // version 9
-      &OpDeviceHealth,
-  };
+  static const DiondOpsApiV1 kOps = [] {
+    DiondOpsApiV1 t{};
+    t.version = DIOND_OPS_API_VERSION;
+    t.name = "cuda";
+#define DIOND_ENTRY(name, Name, ret, c_params) t.name = &Op##Name;
+#define DIOND_OP(name, Name, kind, cpp_params, c_params) t.name = &Op##Name;
+#define DIOND_OP_DEV(name, Name, host_op, c_params) t.name = &Op##Name;
+#include "kernels/ops.def"
+    return t;
+  }();
   return &kOps;
 }
 

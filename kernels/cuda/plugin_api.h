@@ -92,13 +92,15 @@ typedef struct DiondNcclApiV1 {
 } DiondNcclApiV1;
 
 // ---- the ops backend ---------------------------------------------------------------------------
-// One entry per entry of the C++ OpsBackend table (kernels/backend.h), in the same order, with
-// plain C arguments. kernels/plugin_backend.h adapts this table to an OpsBackend. The host side
-// has validated every argument (kernels/ops.h) before an entry runs: an entry reports only its
-// own failures, as one of the codes below with a message in call->err.
+// The C form of the ops backend. Its members are expanded from kernels/ops.def, the one list of
+// ops: the entries of the C++ OpsBackend table (kernels/backend.h) with plain C arguments, in
+// the same order, and the device entries of a session; kernels/plugin/plugin_backend.h adapts
+// this table to an OpsBackend. The host side has validated every argument (kernels/ops.h)
+// before an entry runs: an entry reports only its own failures, as one of the codes below with
+// a message in call->err.
 //
-// Adding an op (docs/GPU.md): append its entry at the END of DiondOpsApiV1 (never reorder),
-// bump DIOND_OPS_API_VERSION, and append the adapter's forwarding function.
+// Adding an op (docs/GPU.md): append its row at the END of kernels/ops.def (never reorder) and
+// bump DIOND_OPS_API_VERSION.
 #define DIOND_OPS_API_VERSION 9  // 2: ortho ops; 3: kops ops, TopK/Lerp/CautiousWeightDecay gone;
                                  // 4: the session's ops (steps); 5: device UUIDs, IPC/VMM
                                  // imports and events (handoff), host registration and stream
@@ -164,160 +166,11 @@ typedef const DiondTensor* DiondOut;  // the tensor's memory is written; the rec
 
 typedef struct DiondOpsApiV1 {
   uint32_t version;  // DIOND_OPS_API_VERSION of the plugin
-  const char* name;  // "cuda", "host-test (TEST BACKEND)"
-  // ---- memory: a stream-ordered pool per device ----
-  int (*allocate)(const DiondOpsCall* call, size_t bytes, void** ptr);
-  void (*deallocate)(int device, void* stream, void* ptr, size_t bytes);
-  // Host <-> device copies, synchronous for the caller (queued on the stream, then waited for).
-  int (*copy_from_host)(const DiondOpsCall* call, const void* host, void* dst, size_t bytes);
-  int (*copy_to_host)(const DiondOpsCall* call, const void* src, void* host, size_t bytes);
-  // Streams (one per session), and waiting for one.
-  int (*stream_create)(const DiondOpsCall* call, void** stream);
-  void (*stream_destroy)(int device, void* stream);
-  int (*stream_synchronize)(const DiondOpsCall* call);
-  // Pool accounting of `device`: bytes handed out and not freed, and the high-water mark.
-  int (*memory_stats)(const DiondOpsCall* call, uint64_t* in_use, uint64_t* peak);
-  // ---- ops (kernels/ops.h; axis: 0 rows, 1 cols; norm: 0 L1, 1 L2, 2 sum of squares) ----
-  int (*gemm)(const DiondOpsCall*, const DiondGemmArgs*, DiondIn a, DiondIn b, DiondOut c);
-  int (*symmetric_product)(const DiondOpsCall*, int32_t aat, float alpha, DiondIn a, float beta,
-                           DiondOut c);
-  int (*symmetric_product_bf16)(const DiondOpsCall*, DiondIn a, int64_t block, DiondOut c);
-  int (*thin_qr)(const DiondOpsCall*, DiondIn a, DiondOut q, DiondOut r);
-  int (*cholesky_qr)(const DiondOpsCall*, DiondIn a, DiondOut q, DiondOut r);
-  int (*randomized_cholesky_qr)(const DiondOpsCall*, DiondIn a, DiondIn sketch, DiondOut q);
-  int (*frobenius_norm)(const DiondOpsCall*, DiondIn a, DiondOut out);
-  int (*axis_norms)(const DiondOpsCall*, DiondIn a, int32_t axis, int32_t norm, DiondOut out);
-  // Indices are host memory (k of them): a sync point.
-  int (*top_k_by_l1_norm)(const DiondOpsCall*, DiondIn a, int32_t axis, int64_t k,
-                          int64_t* indices, DiondOut scores_out);
-  int (*is_all_zero)(const DiondOpsCall*, DiondIn a, int32_t* all_zero);  // a sync point
-  // Indices are host memory (count of them).
-  int (*gather)(const DiondOpsCall*, DiondIn a, int32_t axis, const int64_t* indices,
-                int64_t count, DiondOut out);
-  int (*scatter)(const DiondOpsCall*, DiondIn src, int32_t axis, const int64_t* indices,
-                 int64_t count, float alpha, float beta, DiondOut dst);
-  int (*copy)(const DiondOpsCall*, DiondIn src, DiondOut dst);
-  int (*fill)(const DiondOpsCall*, float value, DiondOut dst);
-  int (*axpby)(const DiondOpsCall*, float alpha, DiondIn x, float beta, DiondIn y, DiondOut out);
-  int (*add_scalar)(const DiondOpsCall*, float alpha, DiondIn x, float beta, DiondOut out);
-  int (*unary)(const DiondOpsCall*, int32_t op, DiondIn x, DiondOut out);   // math::kUnary*
-  int (*binary)(const DiondOpsCall*, int32_t op, DiondIn x, DiondIn y, DiondOut out);
-  int (*adamw_step)(const DiondOpsCall*, const DiondAdamWScalars*, DiondIn grad, DiondOut x,
-                    DiondOut m, DiondOut v);
-  int (*lion_step)(const DiondOpsCall*, const DiondLionScalars*, DiondIn grad, DiondOut x,
-                   DiondOut m);
-  // ---- ops API version 2: the orthogonalizers' ops (ops.h, ortho block) ----
-  int (*add_to_diagonal)(const DiondOpsCall*, float value, DiondOut a);
-  int (*bf16_rounded_axpby)(const DiondOpsCall*, float alpha, DiondIn x, float beta, DiondIn y,
-                            DiondOut out);
-  // ---- ops API version 3: kops's fused optimizer phases (ops.h, kops block) ----
-  // update_sq: one f32 element on the device, Σ(x_after − x_before)² summed in double.
-  int (*adamw_step_tracked)(const DiondOpsCall*, const DiondAdamWScalars*, DiondIn grad,
-                            DiondOut x, DiondOut m, DiondOut v, DiondOut update_sq);
-  int (*lion_step_tracked)(const DiondOpsCall*, const DiondLionScalars*, DiondIn grad, DiondOut x,
-                           DiondOut m, DiondOut update_sq);
-  // m_in may be m itself (in place).
-  int (*momentum_update)(const DiondOpsCall*, float mu, int32_t nesterov, DiondIn grad,
-                         DiondIn m_in, DiondOut m, DiondOut u);
-  // x_in may be x itself (in place).
-  int (*apply_update)(const DiondOpsCall*, const DiondApplyUpdateScalars*, DiondIn update,
-                      DiondIn x_in, DiondOut x);
-  // o: rank 2 or 3 f32 contiguous, v: one f32 per row of every unit; both in place.
-  int (*normalize_neurons)(const DiondOpsCall*, float w, DiondOut o, DiondOut v);
-  int (*copy_with_change)(const DiondOpsCall*, DiondIn src, DiondOut dst, DiondOut update_sq);
-  // ---- ops API version 4: the session's passes (ops.h "steps" block); each a sync point ----
-  int (*all_finite)(const DiondOpsCall*, DiondIn x, int32_t* all_finite);
-  int (*widen_scale_check_finite)(const DiondOpsCall*, DiondIn x, float scale, DiondOut out,
-                                  int32_t* all_finite);
-  int (*fnv1a_checksum)(const DiondOpsCall*, DiondIn x, uint64_t* checksum);
-  // ---- handoff (issue 12; docs/DATA_PLANE.md): device identity, trainer memory imported
-  // from another process, interprocess events (DIOND_OPS_API_VERSION 5). call->device is the daemon's
-  // device index the entry acts on; call->stream the stream of the stream entries. ----
-  // The UUIDs of every device the plugin can see, DIOND_GPU_UUID_BYTES each, in device-index
-  // order (cudaGetDeviceProperties().uuid): writes min(capacity, devices) of them and sets
-  // *count to the number of devices. The daemon maps a trainer's UUID to its own index with it.
-  int (*device_uuids)(const DiondOpsCall*, uint8_t* uuids, int32_t capacity, int32_t* count);
-  // A legacy CUDA IPC memory handle (cudaIpcMemHandle_t, DIOND_CUDA_IPC_HANDLE_BYTES) opened on
-  // call->device (cudaIpcOpenMemHandle, lazy peer access): *ptr is the base of the exporter's
-  // allocation, *bytes its size (cuMemGetAddressRange), against which the caller checks the
-  // region's offset and size. FAILED_PRECONDITION for a handle that cannot be opened.
-  int (*ipc_open_mem_handle)(const DiondOpsCall*, const uint8_t* handle, void** ptr,
-                             uint64_t* bytes);
-  int (*ipc_close_mem_handle)(const DiondOpsCall*, void* ptr);
-  // A VMM allocation exported as a POSIX fd (cuMemExportToShareableHandle) mapped into this
-  // process on call->device: cuMemImportFromShareableHandle, cuMemAddressReserve(bytes),
-  // cuMemMap, cuMemSetAccess(read/write for call->device). `bytes` must be a non-zero multiple
-  // of `granularity`, and `granularity` a multiple of the allocation's minimum granularity
-  // (FAILED_PRECONDITION naming both otherwise). The fd stays the caller's (not closed).
-  // *ptr: the mapping's base; *handle: what vmm_unmap releases.
-  int (*vmm_import_fd)(const DiondOpsCall*, int32_t fd, uint64_t bytes, uint64_t granularity,
-                       void** ptr, void** handle);
-  // cuMemUnmap, cuMemAddressFree and cuMemRelease of what vmm_import_fd mapped.
-  int (*vmm_unmap)(const DiondOpsCall*, void* ptr, uint64_t bytes, void* handle);
-  // An interprocess event (cudaIpcEventHandle_t, DIOND_CUDA_IPC_HANDLE_BYTES) opened on
-  // call->device; event_destroy frees it.
-  int (*ipc_open_event)(const DiondOpsCall*, const uint8_t* handle, void** event);
-  int (*event_destroy)(const DiondOpsCall*, void* event);
-  // call->stream waits for the event's last record (cudaStreamWaitEvent; no host wait).
-  int (*stream_wait_event)(const DiondOpsCall*, void* event);
-  // Records the event on call->stream (cudaEventRecord).
-  int (*event_record)(const DiondOpsCall*, void* event);
-  // ---- devsession: host registration of trainer memory (shm / memfd mappings) for DMA ----
-  // Pins [ptr, ptr + bytes) of host memory for asynchronous copies (CUDA: cudaHostRegister,
-  // portable + mapped flags off); host_unregister undoes exactly one host_register of `ptr`.
-  // Registration is process-wide (not per device): call->device only names the device whose
-  // context makes the call. Never a sync point.
-  int (*host_register)(const DiondOpsCall* call, void* ptr, size_t bytes);
-  int (*host_unregister)(const DiondOpsCall* call, void* ptr);
-  // Stream capture (CUDA graphs) of call->stream: begin, end (the instantiated executable graph
-  // in *graph), replay on call->stream, destroy. A backend that cannot capture returns
-  // DIOND_OPS_FAILED_PRECONDITION with a message containing "unsupported".
-  int (*graph_begin_capture)(const DiondOpsCall* call);
-  int (*graph_end_capture)(const DiondOpsCall* call, void** graph);
-  int (*graph_launch)(const DiondOpsCall* call, void* graph);
-  void (*graph_destroy)(int device, void* graph);
-  // ---- end devsession ----
-  // ---- asynccopy (ops.h "asynccopy" block): stream-ordered host <-> device copies and the
-  // finiteness scans with a device-side flag. Not sync points: the copies are queued on
-  // call->stream (cudaMemcpyAsync) after the work queued before them, and complete at the next
-  // stream_synchronize (which kernels::Synchronize calls) or synchronous entry; until then the
-  // host memory stays valid and the host neither writes `host` (H2D) nor reads it (D2H).
-  // (DIOND_OPS_API_VERSION 6.) ----
-  int (*copy_from_host_async)(const DiondOpsCall* call, const void* host, void* dst, size_t bytes);
-  int (*copy_to_host_async)(const DiondOpsCall* call, const void* src, void* host, size_t bytes);
-  // nonfinite: one f32 element on the device, set to 1 when an element of x (of out) is NaN or
-  // ±Inf and left as it was otherwise.
-  int (*all_finite_flag)(const DiondOpsCall*, DiondIn x, DiondOut nonfinite);
-  int (*widen_scale_check_finite_flag)(const DiondOpsCall*, DiondIn x, float scale, DiondOut out,
-                                       DiondOut nonfinite);
-  // ---- end asynccopy ----
-  // ---- ops API version 7: Dion2's deferred parameter write (ops.h DecayScatterWithChange):
-  // x (rank 2 or 3, f32, in place), count = batch·k host indices, k per matrix; update_sq: one
-  // f32 element on the device. ----
-  int (*decay_scatter_with_change)(const DiondOpsCall*, float decay, DiondIn src, int32_t axis,
-                                   const int64_t* indices, int64_t count, float alpha, DiondOut x,
-                                   DiondOut update_sq);
-  // ---- ops API version 8: device-side scalars (kernels/graph.h, a captured step replayed with
-  // new hyperparameters). The same ops as adamw_step, lion_step, adamw_step_tracked,
-  // lion_step_tracked and apply_update, but the scalars pointer is DEVICE memory, read by the
-  // kernels when they run (not when the call is made): a graph captured with it picks up the
-  // record the host uploaded before each launch. ----
-  int (*adamw_step_dev)(const DiondOpsCall*, const DiondAdamWScalars*, DiondIn grad, DiondOut x,
-                        DiondOut m, DiondOut v);
-  int (*lion_step_dev)(const DiondOpsCall*, const DiondLionScalars*, DiondIn grad, DiondOut x,
-                       DiondOut m);
-  int (*adamw_step_tracked_dev)(const DiondOpsCall*, const DiondAdamWScalars*, DiondIn grad,
-                                DiondOut x, DiondOut m, DiondOut v, DiondOut update_sq);
-  int (*lion_step_tracked_dev)(const DiondOpsCall*, const DiondLionScalars*, DiondIn grad,
-                               DiondOut x, DiondOut m, DiondOut update_sq);
-  int (*apply_update_dev)(const DiondOpsCall*, const DiondApplyUpdateScalars*, DiondIn update,
-                          DiondIn x_in, DiondOut x);
-  // ---- ops API version 9: the device's health. DIOND_OPS_OK while call->device's context is
-  // usable; DIOND_OPS_FAILED_PRECONDITION with the reason once a sticky error (an illegal
-  // address or another kernel fault, an uncorrectable ECC error) has lost it, after which every
-  // entry fails the same way until the process ends. Never blocks and is not a sync point: the
-  // daemon asks after every step and before every device step (docs/GPU.md "Errors"). ----
-  int (*device_health)(const DiondOpsCall* call);
+  const char* name;  // "cuda", "host-test device (TEST BACKEND)"
+#define DIOND_ENTRY(name, Name, ret, c_params) ret(*name) c_params;
+#define DIOND_OP(name, Name, kind, cpp_params, c_params) int(*name) c_params;
+#define DIOND_OP_DEV(name, Name, host_op, c_params) int(*name) c_params;
+#include "kernels/ops.def"
 } DiondOpsApiV1;
 
 // handoff: sizes of the records above.

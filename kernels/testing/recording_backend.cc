@@ -62,49 +62,9 @@ OpsBackend MakeTable() {
   t.name = "test-recording";
   t.allocate = &Allocate;
   t.deallocate = &Deallocate;
-  Set<&OpsBackend::copy_from_host>(t, "copy_from_host");
-  Set<&OpsBackend::copy_to_host>(t, "copy_to_host");
-  Set<&OpsBackend::gemm>(t, "gemm");
-  Set<&OpsBackend::symmetric_product>(t, "symmetric_product");
-  Set<&OpsBackend::symmetric_product_bf16>(t, "symmetric_product_bf16");
-  Set<&OpsBackend::thin_qr>(t, "thin_qr");
-  Set<&OpsBackend::cholesky_qr>(t, "cholesky_qr");
-  Set<&OpsBackend::randomized_cholesky_qr>(t, "randomized_cholesky_qr");
-  Set<&OpsBackend::frobenius_norm>(t, "frobenius_norm");
-  Set<&OpsBackend::axis_norms>(t, "axis_norms");
-  Set<&OpsBackend::top_k_by_l1_norm>(t, "top_k_by_l1_norm");
-  Set<&OpsBackend::is_all_zero>(t, "is_all_zero");
-  Set<&OpsBackend::gather>(t, "gather");
-  Set<&OpsBackend::scatter>(t, "scatter");
-  Set<&OpsBackend::copy>(t, "copy");
-  Set<&OpsBackend::fill>(t, "fill");
-  Set<&OpsBackend::axpby>(t, "axpby");
-  Set<&OpsBackend::add_scalar>(t, "add_scalar");
-  Set<&OpsBackend::unary>(t, "unary");
-  Set<&OpsBackend::binary>(t, "binary");
-  Set<&OpsBackend::adamw_step>(t, "adamw_step");
-  Set<&OpsBackend::lion_step>(t, "lion_step");
-  // ortho
-  Set<&OpsBackend::add_to_diagonal>(t, "add_to_diagonal");
-  Set<&OpsBackend::bf16_rounded_axpby>(t, "bf16_rounded_axpby");
-  // kops
-  Set<&OpsBackend::adamw_step_tracked>(t, "adamw_step_tracked");
-  Set<&OpsBackend::lion_step_tracked>(t, "lion_step_tracked");
-  Set<&OpsBackend::momentum_update>(t, "momentum_update");
-  Set<&OpsBackend::apply_update>(t, "apply_update");
-  Set<&OpsBackend::normalize_neurons>(t, "normalize_neurons");
-  Set<&OpsBackend::copy_with_change>(t, "copy_with_change");
-  // steps
-  Set<&OpsBackend::all_finite>(t, "all_finite");
-  Set<&OpsBackend::widen_scale_check_finite>(t, "widen_scale_check_finite");
-  Set<&OpsBackend::fnv1a_checksum>(t, "fnv1a_checksum");
-  // asynccopy
-  Set<&OpsBackend::copy_from_host_async>(t, "copy_from_host_async");
-  Set<&OpsBackend::copy_to_host_async>(t, "copy_to_host_async");
-  Set<&OpsBackend::synchronize>(t, "synchronize");
-  Set<&OpsBackend::all_finite_flag>(t, "all_finite_flag");
-  Set<&OpsBackend::widen_scale_check_finite_flag>(t, "widen_scale_check_finite_flag");
-  Set<&OpsBackend::decay_scatter_with_change>(t, "decay_scatter_with_change");
+#define DIOND_OP(name, Name, kind, cpp_params, c_params) Set<&OpsBackend::name>(t, #name);
+#define DIOND_HOST_OP(name, Name, kind, cpp_params, c_entry) Set<&OpsBackend::name>(t, #name);
+#include "kernels/ops.def"
   return t;
 }
 
