@@ -1,4 +1,4 @@
-// Bounded echoes of client input in error messages (issue 13, "Found 8"): a name, a path or a
+// Bounded echoes of client input in error messages: a name, a path or a
 // list that a client sent may be megabytes long, and a status message that repeats it whole
 // makes a default gRPC client fail with "received initial metadata size exceeds limit" instead
 // of showing the real error. Every message that echoes a client value goes through these.

@@ -1,4 +1,4 @@
-// The GPU half's device objects (issue 12, handoff block of the plugin ABI) through the adapter
+// The GPU half's device objects (the handoff block of the plugin ABI) through the adapter
 // (plugin_backend.h) on the TEST backend's emulation: device UUIDs, legacy IPC memory handles,
 // VMM fds and interprocess events, with every refusal the CUDA entries make (bad, unknown,
 // freed, closed, twice-opened, foreign-device handles; bad sizes and granularities), and the

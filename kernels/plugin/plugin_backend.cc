@@ -272,7 +272,7 @@ absl::Status DeviceHealth(Device device) {
   return call.Done("device_health", ops->device_health(&call.c), ops->name);
 }
 
-// ---- handoff (issue 12): device UUIDs, CUDA IPC / VMM imports, interprocess events ----
+// ---- handoff: device UUIDs, CUDA IPC / VMM imports, interprocess events ----
 
 namespace {
 

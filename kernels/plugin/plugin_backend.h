@@ -77,7 +77,7 @@ void DestroyGraph(Device device, void* graph);
 // request, so code that reports an over-budget session appends this.
 std::string LastDeviceAllocationError();
 
-// ---- handoff (issue 12; docs/DATA_PLANE.md): the GPU half's device objects through the same
+// ---- handoff (docs/DATA_PLANE.md): the GPU half's device objects through the same
 // table (kCuda or kTest). FAILED_PRECONDITION when nothing is adapted for the device's type;
 // the plugin's refusals keep its code (FAILED_PRECONDITION for a handle it cannot open). ----
 using GpuUuid = std::array<uint8_t, DIOND_GPU_UUID_BYTES>;

@@ -105,7 +105,7 @@ void SetHostTestDeviceLossTrigger(std::function<bool()> trigger);
 // stream (e.g. a collective that never completes).
 void QueueHostTestStreamWork(int device, StreamHandle stream, std::function<void()> work);
 
-// ---- handoff (issue 12): the GPU half emulated. The TEST backend has kHostTestDeviceCount
+// ---- handoff: the GPU half emulated. The TEST backend has kHostTestDeviceCount
 // devices with fake UUIDs; the functions below play the trainer's side (what it would export
 // with cudaIpcGetMemHandle, cuMemExportToShareableHandle, cudaIpcGetEventHandle), and the table's
 // entries open what they made, refusing bad, unknown, freed, closed and foreign ones as the CUDA

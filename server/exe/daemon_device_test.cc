@@ -1,4 +1,4 @@
-// The device wiring of the daemon (issue 10 item 6): the selected device reaches the compute
+// The device wiring of the daemon: the selected device reaches the compute
 // only when an ops backend exists for it; otherwise the start-up line says the steps run on the
 // CPU. A GPU host is emulated with a SelectedDevice of type kCuda (no GPU is needed).
 #include "gtest/gtest.h"

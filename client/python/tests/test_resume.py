@@ -1,4 +1,4 @@
-"""Re-attach after a restart (issue 14): a trainer process is SIGKILLed after 10 steps; a new
+"""Re-attach after a restart: a trainer process is SIGKILLed after 10 steps; a new
 trainer with a freshly initialised model re-attaches by session name (resume=True), gets the
 daemon's weights, step counter and optimizer state, and 10 more steps equal 20 uninterrupted ones
 bit for bit. The same when the daemon is SIGKILLed too and restarted with --recover."""
