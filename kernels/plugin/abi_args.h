@@ -292,10 +292,12 @@ struct FromC<bool*> {  // a sync point's answer: written back whatever the resul
 // The Held values of a C++ parameter list P... taken from the C arguments `c` (a tuple).
 template <typename... P>
 struct Unpack {
-  static constexpr int kWidths[] = {FromC<std::decay_t<P>>::kWidth..., 0};
+  // (A local array, not a static member: clang cannot read a static constexpr array of a class
+  // template while that class's own constants are being initialized.)
   static constexpr size_t Offset(size_t i) {
+    constexpr int widths[] = {FromC<std::decay_t<P>>::kWidth..., 0};
     size_t o = 0;
-    for (size_t j = 0; j < i; ++j) o += kWidths[j];
+    for (size_t j = 0; j < i; ++j) o += widths[j];
     return o;
   }
   static constexpr size_t kCArgs = Offset(sizeof...(P));
