@@ -1,9 +1,11 @@
 // GPU only (label `gpu`): the CUDA runtime rules that the TEST backend's host runtime
 // (kernels/testing/fake_cuda) enforces in CI, shown on the real runtime, each as the smallest
 // program. Needs a device: without one every case fails at its first call.
+#include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "gtest/gtest.h"
 
@@ -106,6 +108,65 @@ TEST(CudaRules, ThePoolGivesBackWhatIsAboveItsReleaseThreshold) {
             cudaSuccess);
   EXPECT_LT(reserved, uint64_t{256} << 20);
   cudaStreamDestroy(s);
+}
+
+// cuBLAS documents that streams sharing one handle's workspace may give results that are not
+// reproducible; with a handle and a workspace per stream, as the plugin keeps one pair per
+// session stream, the same product run on several streams at once has a lone run's bits.
+TEST(CudaRules, AHandleAndWorkspacePerStreamGiveEveryStreamALoneRunsBits) {
+  constexpr int kN = 1024, kStreams = 4;
+  constexpr size_t kBytes = size_t{kN} * kN * sizeof(float), kWorkspace = size_t{32} << 20;
+  std::vector<float> a(size_t{kN} * kN), b(size_t{kN} * kN);
+  for (size_t i = 0; i < a.size(); ++i) {
+    a[i] = static_cast<float>((i * 37) % 101) / 101.0f - 0.5f;
+    b[i] = static_cast<float>((i * 53) % 97) / 97.0f - 0.5f;
+  }
+  void *va = nullptr, *vb = nullptr;
+  ASSERT_EQ(cudaMalloc(&va, kBytes), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&vb, kBytes), cudaSuccess);
+  float* da = static_cast<float*>(va);
+  float* db = static_cast<float*>(vb);
+  ASSERT_EQ(cudaMemcpy(da, a.data(), kBytes, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(db, b.data(), kBytes, cudaMemcpyHostToDevice), cudaSuccess);
+  cudaStream_t s[kStreams] = {};
+  cublasHandle_t h[kStreams] = {};
+  void* ws[kStreams] = {};
+  float* dc[kStreams] = {};
+  for (int k = 0; k < kStreams; ++k) {
+    ASSERT_EQ(cudaStreamCreateWithFlags(&s[k], cudaStreamNonBlocking), cudaSuccess);
+    ASSERT_EQ(cublasCreate(&h[k]), CUBLAS_STATUS_SUCCESS);
+    ASSERT_EQ(cublasSetStream(h[k], s[k]), CUBLAS_STATUS_SUCCESS);
+    ASSERT_EQ(cudaMalloc(&ws[k], kWorkspace), cudaSuccess);
+    ASSERT_EQ(cublasSetWorkspace(h[k], ws[k], kWorkspace), CUBLAS_STATUS_SUCCESS);
+    void* vc = nullptr;
+    ASSERT_EQ(cudaMalloc(&vc, kBytes), cudaSuccess);
+    dc[k] = static_cast<float*>(vc);
+  }
+  const float one = 1.0f, zero = 0.0f;
+  auto gemm = [&](int k) {
+    return cublasSgemm(h[k], CUBLAS_OP_N, CUBLAS_OP_N, kN, kN, kN, &one, da, kN, db, kN, &zero,
+                       dc[k], kN);
+  };
+  ASSERT_EQ(gemm(0), CUBLAS_STATUS_SUCCESS);
+  ASSERT_EQ(cudaStreamSynchronize(s[0]), cudaSuccess);
+  std::vector<float> lone(a.size()), got(a.size());
+  ASSERT_EQ(cudaMemcpy(lone.data(), dc[0], kBytes, cudaMemcpyDeviceToHost), cudaSuccess);
+  for (int round = 0; round < 5; ++round) {
+    for (int k = 0; k < kStreams; ++k) ASSERT_EQ(gemm(k), CUBLAS_STATUS_SUCCESS);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    for (int k = 0; k < kStreams; ++k) {
+      ASSERT_EQ(cudaMemcpy(got.data(), dc[k], kBytes, cudaMemcpyDeviceToHost), cudaSuccess);
+      EXPECT_EQ(got, lone) << "stream " << k << ", round " << round;
+    }
+  }
+  for (int k = 0; k < kStreams; ++k) {
+    cublasDestroy(h[k]);
+    cudaFree(ws[k]);
+    cudaFree(dc[k]);
+    cudaStreamDestroy(s[k]);
+  }
+  cudaFree(da);
+  cudaFree(db);
 }
 
 }  // namespace
