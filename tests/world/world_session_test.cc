@@ -23,6 +23,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/status_macros.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/service/golden_case.h"
@@ -129,6 +130,30 @@ std::vector<Chunk> InitialChunks(const MultiCase& m) {
   return chunks;
 }
 
+// Every algorithm in fp32, and the bf16-emulating orthogonalizers (owners run the same code; the
+// exchange is fp32).
+std::vector<std::pair<std::string, optim::Precision>> EveryAlgorithmAndPrecision() {
+  std::vector<std::pair<std::string, optim::Precision>> runs;
+  for (const std::string algo : {"muon", "normuon", "dion2", "nordion2", "dion", "adamw", "lion"}) {
+    runs.push_back({algo, optim::Precision::kFp32});
+  }
+  for (const std::string algo : {"muon", "normuon", "dion2", "nordion2"}) {
+    runs.push_back({algo, optim::Precision::kBf16Reference});
+  }
+  return runs;
+}
+
+// W = 1: the same groups in this process, from the golden cases' initial weights and state.
+absl::StatusOr<std::unique_ptr<Replay>> InitialReplay(const MultiCase& m) {
+  DIOND_ASSIGN_OR_RETURN(std::unique_ptr<Replay> replay, Replay::Create(m.desc));
+  for (size_t i = 0; i < m.desc.params.size(); ++i) {
+    const GoldenCase& c = m.cases[m.case_of[i]];
+    replay->params()[i] = c.param_init;
+    for (const auto& [name, v] : c.state_init) DIOND_RETURN_IF_ERROR(replay->SetState(i, name, v));
+  }
+  return replay;
+}
+
 class WorldSession : public ::testing::TestWithParam<int> {
  protected:
   void SetUp() override {
@@ -163,15 +188,7 @@ std::vector<v1::StepResponse> StepAll(std::vector<std::unique_ptr<Daemon>>& d,
 TEST_P(WorldSession, EveryAlgorithmMatchesOneWorkerBitForBit) {
   const int w = GetParam();
   auto ctx = kernels::Context::CpuDefault();
-  std::vector<std::pair<std::string, optim::Precision>> runs;
-  for (const std::string algo : {"muon", "normuon", "dion2", "nordion2", "dion", "adamw", "lion"}) {
-    runs.push_back({algo, optim::Precision::kFp32});
-  }
-  // The bf16-emulating orthogonalizer too (owners run the same code; the exchange is fp32).
-  for (const std::string algo : {"muon", "normuon", "dion2", "nordion2"}) {
-    runs.push_back({algo, optim::Precision::kBf16Reference});
-  }
-  for (const auto& [algo, precision] : runs) {
+  for (const auto& [algo, precision] : EveryAlgorithmAndPrecision()) {
     SCOPED_TRACE(absl::StrCat(algo, " ", optim::PrecisionName(precision)));
     MultiCase m = Build(algo, precision);
     ASSERT_FALSE(m.cases.empty());
@@ -182,14 +199,8 @@ TEST_P(WorldSession, EveryAlgorithmMatchesOneWorkerBitForBit) {
     const std::vector<Chunk> init = InitialChunks(m);
     for (int r = 0; r < w; ++r) ASSERT_TRUE(SetState(daemons_[r]->stub(), s[r]->id, init).ok());
 
-    // W = 1: the same groups run in this process.
-    auto replay = Replay::Create(m.desc);
+    auto replay = InitialReplay(m);
     ASSERT_TRUE(replay.ok()) << replay.status();
-    for (size_t i = 0; i < m.desc.params.size(); ++i) {
-      const GoldenCase& c = m.cases[m.case_of[i]];
-      (*replay)->params()[i] = c.param_init;
-      for (const auto& [name, v] : c.state_init) ASSERT_TRUE((*replay)->SetState(i, name, v).ok());
-    }
     for (int64_t step = 1; step <= m.steps; ++step) {
       std::vector<std::vector<float>> grads;
       for (size_t i = 0; i < m.desc.params.size(); ++i) grads.push_back(m.Grad(i, step));
@@ -574,14 +585,7 @@ class WorldSessionOfTwo : public WorldSession {};
 TEST_P(WorldSessionOfTwo, ParamsWithoutGradKeepWeightsAndStateOnEveryRank) {
   const int w = GetParam();
   auto ctx = kernels::Context::CpuDefault();
-  std::vector<std::pair<std::string, optim::Precision>> runs;
-  for (const std::string algo : {"muon", "normuon", "dion2", "nordion2", "dion", "adamw", "lion"}) {
-    runs.push_back({algo, optim::Precision::kFp32});
-  }
-  for (const std::string algo : {"muon", "normuon", "dion2", "nordion2"}) {
-    runs.push_back({algo, optim::Precision::kBf16Reference});
-  }
-  for (const auto& [algo, precision] : runs) {
+  for (const auto& [algo, precision] : EveryAlgorithmAndPrecision()) {
     SCOPED_TRACE(absl::StrCat(algo, " ", optim::PrecisionName(precision)));
     MultiCase m = Build(algo, precision);
     ASSERT_FALSE(m.cases.empty());
@@ -592,13 +596,8 @@ TEST_P(WorldSessionOfTwo, ParamsWithoutGradKeepWeightsAndStateOnEveryRank) {
     ASSERT_EQ(static_cast<int>(s.size()), w);
     const std::vector<Chunk> init = InitialChunks(m);
     for (int r = 0; r < w; ++r) ASSERT_TRUE(SetState(daemons_[r]->stub(), s[r]->id, init).ok());
-    auto replay = Replay::Create(m.desc);
+    auto replay = InitialReplay(m);
     ASSERT_TRUE(replay.ok()) << replay.status();
-    for (size_t i = 0; i < n; ++i) {
-      const GoldenCase& c = m.cases[m.case_of[i]];
-      (*replay)->params()[i] = c.param_init;
-      for (const auto& [name, v] : c.state_init) ASSERT_TRUE((*replay)->SetState(i, name, v).ok());
-    }
     // Step 1: every gradient; 2: two parameters without; 3: one; 4: the whole first group.
     const std::vector<std::vector<int32_t>> masks = {{}, {0, 3}, {1}, {0, 1}};
     const int64_t steps = std::min<int64_t>(m.steps, static_cast<int64_t>(masks.size()));
