@@ -6,12 +6,12 @@
 // DIOND_BENCH_CALIBRATE=0, so kAuto rows measure what a daemon here would run. (Without the
 // wait settings OpenBLAS's workers yield for ~0.1 s after each call and the calibration's oneDNN
 // times come out 2-30x too slow.) All of it is in the report's context.
+#include <unistd.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
-
-#include <unistd.h>
 
 #include "benchmark/benchmark.h"
 #include "kernels/context.h"

@@ -45,11 +45,11 @@ void RunGemm(benchmark::State& state, Fp32GemmEngine engine) {
   double best = 0.0, total_s = 0.0;
   for (auto _ : state) {
     const auto t0 = std::chrono::steady_clock::now();
-    absl::Status s = kBf16 ? kernels::Gemm(*ctx, p, MakeView(a16.data(), {n, n}),
-                                           MakeView(b16.data(), {n, n}),
-                                           MakeView(c16.data(), {n, n}))
-                           : kernels::Gemm(*ctx, p, MakeView(a.data(), {n, n}),
-                                           MakeView(b.data(), {n, n}), MakeView(c.data(), {n, n}));
+    absl::Status s = kBf16
+                         ? kernels::Gemm(*ctx, p, MakeView(a16.data(), {n, n}),
+                                         MakeView(b16.data(), {n, n}), MakeView(c16.data(), {n, n}))
+                         : kernels::Gemm(*ctx, p, MakeView(a.data(), {n, n}),
+                                         MakeView(b.data(), {n, n}), MakeView(c.data(), {n, n}));
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (!s.ok()) {
       state.SkipWithError(std::string(s.message()).c_str());

@@ -21,7 +21,8 @@ enum class Factorization { kThinQr, kCholeskyQr, kRandomizedCholeskyQr };
 void BM_Factorize(benchmark::State& state, Factorization f) {
   const int64_t m = state.range(0), n = state.range(1);
   const int threads = static_cast<int>(state.range(2));
-  const int64_t s = 128 * ((static_cast<int64_t>(std::ceil(1.25 * static_cast<double>(n))) + 127) / 128);
+  const int64_t s =
+      128 * ((static_cast<int64_t>(std::ceil(1.25 * static_cast<double>(n))) + 127) / 128);
   kernels::ContextOptions copts;
   copts.num_threads = threads;
   auto ctx_or = kernels::Context::Create(copts);
@@ -41,8 +42,12 @@ void BM_Factorize(benchmark::State& state, Factorization f) {
   for (auto _ : state) {
     absl::Status st;
     switch (f) {
-      case Factorization::kThinQr: st = kernels::ThinQr(ctx, av, qv); break;
-      case Factorization::kCholeskyQr: st = kernels::CholeskyQr(ctx, av, qv); break;
+      case Factorization::kThinQr:
+        st = kernels::ThinQr(ctx, av, qv);
+        break;
+      case Factorization::kCholeskyQr:
+        st = kernels::CholeskyQr(ctx, av, qv);
+        break;
       case Factorization::kRandomizedCholeskyQr:
         st = kernels::RandomizedCholeskyQr(ctx, av, sv, qv);
         break;
@@ -53,15 +58,22 @@ void BM_Factorize(benchmark::State& state, Factorization f) {
     }
     benchmark::DoNotOptimize(q.data());
   }
-  const double md = static_cast<double>(m), nd = static_cast<double>(n), sd = static_cast<double>(s);
+  const double md = static_cast<double>(m), nd = static_cast<double>(n),
+               sd = static_cast<double>(s);
   double flop = 0.0;
   switch (f) {
-    case Factorization::kThinQr: flop = 4.0 * md * nd * nd - 4.0 * nd * nd * nd / 3.0; break;
-    case Factorization::kCholeskyQr: flop = 2.0 * md * nd * nd; break;
-    case Factorization::kRandomizedCholeskyQr: flop = 2.0 * sd * md * nd + 4.0 * md * nd * nd; break;
+    case Factorization::kThinQr:
+      flop = 4.0 * md * nd * nd - 4.0 * nd * nd * nd / 3.0;
+      break;
+    case Factorization::kCholeskyQr:
+      flop = 2.0 * md * nd * nd;
+      break;
+    case Factorization::kRandomizedCholeskyQr:
+      flop = 2.0 * sd * md * nd + 4.0 * md * nd * nd;
+      break;
   }
-  state.counters["GFLOP/s"] = benchmark::Counter(flop, benchmark::Counter::kIsIterationInvariantRate,
-                                                 benchmark::Counter::kIs1000);
+  state.counters["GFLOP/s"] = benchmark::Counter(
+      flop, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
   state.counters["GFLOP/s"].value /= 1e9;
 }
 

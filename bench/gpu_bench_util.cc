@@ -109,8 +109,8 @@ absl::StatusOr<double> GpuBench::StepTime(optim::AlgorithmKind kind,
     auto out = sg.Run([&] { return (*opt)->Stage(*ctx, pp, gp, o); });
     if (!out.ok()) return out.status();
     if (out->mode == kernels::StepGraph::Mode::kEager) {
-      return absl::FailedPreconditionError(
-          "the update ran eagerly (" + out->reason + ": " + out->detail + ")");
+      return absl::FailedPreconditionError("the update ran eagerly (" + out->reason + ": " +
+                                           out->detail + ")");
     }
     (*opt)->WriteStagedParams(pp);
     (*opt)->CommitStagedState();

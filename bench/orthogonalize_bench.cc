@@ -48,19 +48,22 @@ void BM_Orthogonalize(benchmark::State& state, OrthoMethod method, OrthoPrecisio
   // The default bf16_reference matmuls are f32 GEMMs (orthogonalize.h); only the oneDNN variant
   // runs on the bf16 ceiling.
   const bool onednn = bf16 && bf16_matmul == kernels::Bf16Matmul::kOneDnnBf16;
-  kernels::TensorView out = bf16 ? kernels::TensorView(kernels::MakeView(out16.data(), {rows, cols}))
-                                 : kernels::TensorView(kernels::MakeView(out32.data(), {rows, cols}));
+  kernels::TensorView out =
+      bf16 ? kernels::TensorView(kernels::MakeView(out16.data(), {rows, cols}))
+           : kernels::TensorView(kernels::MakeView(out32.data(), {rows, cols}));
   double total_s = 0.0;
   for (auto _ : state) {
     const auto t0 = std::chrono::steady_clock::now();
-    absl::Status s = kernels::Orthogonalize(*ctx, o, kernels::MakeView(g.data(), {rows, cols}), out);
+    absl::Status s =
+        kernels::Orthogonalize(*ctx, o, kernels::MakeView(g.data(), {rows, cols}), out);
     total_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (!s.ok()) {
       state.SkipWithError(std::string(s.message()).c_str());
       return;
     }
   }
-  const double m = static_cast<double>(std::min(rows, cols)), n = static_cast<double>(std::max(rows, cols));
+  const double m = static_cast<double>(std::min(rows, cols)),
+               n = static_cast<double>(std::max(rows, cols));
   const double flop = 5.0 * (4.0 * m * m * n + 2.0 * m * m * m);
   const double gflops = total_s > 0 ? flop * state.iterations() / total_s / 1e9 : 0.0;
   const double ceiling = Ceiling(onednn ? "bf16" : "fp32", threads);

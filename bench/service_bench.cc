@@ -101,8 +101,8 @@ int main(int argc, char** argv) {
   // ---- daemon ----
   std::string dir = diond::testing::MakeTempDir("diond_bench");
   diond::testing::Subprocess daemon(
-      {diond, "--device=cpu", "--listen=unix:" + dir + "/d.sock", "--metrics_address=",
-       "--ready_file=" + dir + "/ready.json", "--log_level=warning"},
+      {diond, "--device=cpu", "--listen=unix:" + dir + "/d.sock",
+       "--metrics_address=", "--ready_file=" + dir + "/ready.json", "--log_level=warning"},
       dir + "/diond.log");
   for (int i = 0; i < 600 && diond::testing::ReadFile(dir + "/ready.json").empty(); ++i) {
     absl::SleepFor(absl::Milliseconds(50));

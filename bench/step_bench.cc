@@ -17,8 +17,8 @@ using diond::optim::AlgorithmKind;
 void BM_LayerStep(benchmark::State& state) {
   const auto kind = static_cast<AlgorithmKind>(state.range(0));
   const auto precision = static_cast<diond::optim::Precision>(state.range(1));
-  const std::vector<diond::optim::ParamShape> shapes = {
-      {768, 768}, {768, 768}, {768, 768}, {768, 768}, {768, 3072}, {3072, 768}};
+  const std::vector<diond::optim::ParamShape> shapes = {{768, 768}, {768, 768},  {768, 768},
+                                                        {768, 768}, {768, 3072}, {3072, 768}};
   diond::optim::GroupConfig cfg;
   cfg.algorithm = kind;
   cfg.hyperparams = diond::optim::DefaultHyperparams(kind);

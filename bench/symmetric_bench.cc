@@ -34,9 +34,9 @@ void RunSym(benchmark::State& state, bool blocked, bool bf16_out) {
   for (auto _ : state) {
     const auto t0 = std::chrono::steady_clock::now();
     absl::Status s =
-        blocked ? kernels::SymmetricProductBf16(*ctx, MakeView(x.data(), {n, k}), block, out())
-                : kernels::Gemm(*ctx, p, MakeView(x.data(), {n, k}), MakeView(x.data(), {n, k}),
-                                out());
+        blocked
+            ? kernels::SymmetricProductBf16(*ctx, MakeView(x.data(), {n, k}), block, out())
+            : kernels::Gemm(*ctx, p, MakeView(x.data(), {n, k}), MakeView(x.data(), {n, k}), out());
     total_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (!s.ok()) {
       state.SkipWithError(std::string(s.message()).c_str());

@@ -40,11 +40,16 @@ absl::StatusOr<LogLevel> ParseLogLevel(absl::string_view text) {
 
 absl::string_view LogLevelName(LogLevel level) {
   switch (level) {
-    case LogLevel::kDebug: return "DEBUG";
-    case LogLevel::kInfo: return "INFO";
-    case LogLevel::kWarning: return "WARNING";
-    case LogLevel::kError: return "ERROR";
-    case LogLevel::kFatal: return "FATAL";
+    case LogLevel::kDebug:
+      return "DEBUG";
+    case LogLevel::kInfo:
+      return "INFO";
+    case LogLevel::kWarning:
+      return "WARNING";
+    case LogLevel::kError:
+      return "ERROR";
+    case LogLevel::kFatal:
+      return "FATAL";
   }
   return "?";
 }
@@ -76,7 +81,9 @@ ScopedLogContext::~ScopedLogContext() {
 }
 
 void SetMinLogLevel(LogLevel level) { g_min_level.store(static_cast<int>(level)); }
-LogLevel MinLogLevel() { return static_cast<LogLevel>(g_min_level.load(std::memory_order_relaxed)); }
+LogLevel MinLogLevel() {
+  return static_cast<LogLevel>(g_min_level.load(std::memory_order_relaxed));
+}
 void SetLogSinkForTest(LogSink sink) { g_sink.store(sink); }
 
 namespace logging_internal {

@@ -96,21 +96,20 @@ struct Voidify {
 #define DIOND_LOG_LEVEL_ERROR ::diond::LogLevel::kError
 #define DIOND_LOG_LEVEL_FATAL ::diond::LogLevel::kFatal
 
-#define DIOND_LOG(severity)                                                  \
-  !::diond::LogEnabled(DIOND_LOG_LEVEL_##severity)                           \
-      ? (void)0                                                              \
-      : ::diond::logging_internal::Voidify() &                               \
-            ::diond::logging_internal::LogMessage(DIOND_LOG_LEVEL_##severity, \
-                                                  __FILE__, __LINE__)        \
+#define DIOND_LOG(severity)                                                                       \
+  !::diond::LogEnabled(DIOND_LOG_LEVEL_##severity)                                                \
+      ? (void)0                                                                                   \
+      : ::diond::logging_internal::Voidify() &                                                    \
+            ::diond::logging_internal::LogMessage(DIOND_LOG_LEVEL_##severity, __FILE__, __LINE__) \
                 .stream()
 
 // Fatal check for broken internal invariants only; never for request-derived values.
-#define DIOND_CHECK(cond)                                                                  \
-  (cond) ? (void)0                                                                         \
-         : ::diond::logging_internal::Voidify() &                                          \
-               ::diond::logging_internal::LogMessage(::diond::LogLevel::kFatal, __FILE__, \
-                                                     __LINE__)                             \
-                       .stream()                                                           \
-                   << "Check failed: " #cond " "
+#define DIOND_CHECK(cond)                                                                        \
+  (cond)                                                                                         \
+      ? (void)0                                                                                  \
+      : ::diond::logging_internal::Voidify() &                                                   \
+            ::diond::logging_internal::LogMessage(::diond::LogLevel::kFatal, __FILE__, __LINE__) \
+                    .stream()                                                                    \
+                << "Check failed: " #cond " "
 
 #endif  // DIOND_COMMON_LOGGING_H_

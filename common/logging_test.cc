@@ -3,8 +3,8 @@
 #include <string>
 #include <vector>
 
-#include "common/status_matchers.h"
 #include "absl/time/time.h"
+#include "common/status_matchers.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 
@@ -87,7 +87,8 @@ TEST(Logging, JsonFormatIsOneObjectPerLineWithContext) {
 }
 
 TEST(LoggingDeathTest, CheckAbortsWithMessage) {
-  EXPECT_DEATH({ DIOND_CHECK(1 + 1 == 3) << "math broke"; }, "Check failed: 1 \\+ 1 == 3 math broke");
+  EXPECT_DEATH({ DIOND_CHECK(1 + 1 == 3) << "math broke"; },
+               "Check failed: 1 \\+ 1 == 3 math broke");
 }
 
 }  // namespace

@@ -36,11 +36,16 @@ absl::Status CorruptTensor(absl::string_view source, absl::string_view tensor,
 }
 
 bool ParseDtype(const std::string& s, SafetensorsDtype* out) {
-  if (s == "F32") *out = SafetensorsDtype::kF32;
-  else if (s == "F64") *out = SafetensorsDtype::kF64;
-  else if (s == "BF16") *out = SafetensorsDtype::kBF16;
-  else if (s == "F16") *out = SafetensorsDtype::kF16;
-  else return false;
+  if (s == "F32")
+    *out = SafetensorsDtype::kF32;
+  else if (s == "F64")
+    *out = SafetensorsDtype::kF64;
+  else if (s == "BF16")
+    *out = SafetensorsDtype::kBF16;
+  else if (s == "F16")
+    *out = SafetensorsDtype::kF16;
+  else
+    return false;
   return true;
 }
 
@@ -89,8 +94,8 @@ absl::Status ParseTensorEntry(absl::string_view source, const std::string& name,
   auto sh = v.find("shape");
   if (sh == v.end() || !sh->is_array()) return CorruptTensor(source, name, "missing shape");
   for (const json& d : *sh) {
-    if (!d.is_number_integer() || (d.is_number_integer() && !d.is_number_unsigned() &&
-                                   d.get<int64_t>() < 0)) {
+    if (!d.is_number_integer() ||
+        (d.is_number_integer() && !d.is_number_unsigned() && d.get<int64_t>() < 0)) {
       return CorruptTensor(source, name, "shape has a non-integer or negative dimension");
     }
     if (d.is_number_unsigned() && d.get<uint64_t>() > (uint64_t{1} << 62)) {
@@ -106,9 +111,9 @@ absl::Status ParseTensorEntry(absl::string_view source, const std::string& name,
   info->begin = (*off)[0].get<uint64_t>();
   info->end = (*off)[1].get<uint64_t>();
   if (info->begin > info->end) {
-    return CorruptTensor(source, name,
-                         absl::StrCat("data_offsets [", info->begin, ", ", info->end,
-                                      "] are reversed"));
+    return CorruptTensor(
+        source, name,
+        absl::StrCat("data_offsets [", info->begin, ", ", info->end, "] are reversed"));
   }
   if (info->end > data_size) {
     return CorruptTensor(source, name,
@@ -119,8 +124,8 @@ absl::Status ParseTensorEntry(absl::string_view source, const std::string& name,
   if (!CheckedProduct(info->shape, &count)) {
     return CorruptTensor(source, name, "element count overflows");
   }
-  const uint64_t want = static_cast<uint64_t>(count) *
-                        static_cast<uint64_t>(SafetensorsDtypeSize(info->dtype));
+  const uint64_t want =
+      static_cast<uint64_t>(count) * static_cast<uint64_t>(SafetensorsDtypeSize(info->dtype));
   if (info->end - info->begin != want) {
     return CorruptTensor(source, name,
                          absl::StrCat("byte size ", info->end - info->begin, " != ", want,
@@ -134,20 +139,27 @@ absl::Status ParseTensorEntry(absl::string_view source, const std::string& name,
 
 absl::string_view SafetensorsDtypeName(SafetensorsDtype dtype) {
   switch (dtype) {
-    case SafetensorsDtype::kF32: return "F32";
-    case SafetensorsDtype::kF64: return "F64";
-    case SafetensorsDtype::kBF16: return "BF16";
-    case SafetensorsDtype::kF16: return "F16";
+    case SafetensorsDtype::kF32:
+      return "F32";
+    case SafetensorsDtype::kF64:
+      return "F64";
+    case SafetensorsDtype::kBF16:
+      return "BF16";
+    case SafetensorsDtype::kF16:
+      return "F16";
   }
   return "?";
 }
 
 int64_t SafetensorsDtypeSize(SafetensorsDtype dtype) {
   switch (dtype) {
-    case SafetensorsDtype::kF32: return 4;
-    case SafetensorsDtype::kF64: return 8;
+    case SafetensorsDtype::kF32:
+      return 4;
+    case SafetensorsDtype::kF64:
+      return 8;
     case SafetensorsDtype::kBF16:
-    case SafetensorsDtype::kF16: return 2;
+    case SafetensorsDtype::kF16:
+      return 2;
   }
   return 0;
 }
@@ -170,7 +182,8 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::ReadFile(const std::string& pat
   return Parse(std::move(ss).str(), path);
 }
 
-absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(std::string bytes, absl::string_view source) {
+absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(std::string bytes,
+                                                       absl::string_view source) {
   if (bytes.size() < 8) {
     return Corrupt(source, absl::StrCat("truncated: ", bytes.size(),
                                         " bytes, fewer than the 8-byte header length"));
@@ -187,8 +200,7 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(std::string bytes, absl::
   }
   const char* hbegin = bytes.data() + 8;
   bool too_deep = false;
-  json::parser_callback_t limit_depth = [&too_deep](int depth, json::parse_event_t,
-                                                     json&) -> bool {
+  json::parser_callback_t limit_depth = [&too_deep](int depth, json::parse_event_t, json&) -> bool {
     if (depth > kMaxJsonDepth) too_deep = true;
     return !too_deep;
   };
@@ -257,8 +269,7 @@ const SafetensorsTensorInfo* SafetensorsFile::Find(absl::string_view name) const
 absl::StatusOr<absl::string_view> SafetensorsFile::RawBytes(absl::string_view name) const {
   const SafetensorsTensorInfo* t = Find(name);
   if (t == nullptr) {
-    return absl::NotFoundError(
-        absl::StrCat("safetensors '", source_, "': no tensor '", name, "'"));
+    return absl::NotFoundError(absl::StrCat("safetensors '", source_, "': no tensor '", name, "'"));
   }
   return absl::string_view(bytes_.data() + data_start_ + t->begin, t->end - t->begin);
 }
@@ -266,8 +277,7 @@ absl::StatusOr<absl::string_view> SafetensorsFile::RawBytes(absl::string_view na
 absl::StatusOr<std::vector<float>> SafetensorsFile::ReadFloat(absl::string_view name) const {
   const SafetensorsTensorInfo* t = Find(name);
   if (t == nullptr) {
-    return absl::NotFoundError(
-        absl::StrCat("safetensors '", source_, "': no tensor '", name, "'"));
+    return absl::NotFoundError(absl::StrCat("safetensors '", source_, "': no tensor '", name, "'"));
   }
   const char* p = bytes_.data() + data_start_ + t->begin;
   const int64_t count = t->NumElements();
@@ -305,8 +315,8 @@ absl::StatusOr<std::vector<float>> SafetensorsFile::ReadFloat(absl::string_view 
 absl::StatusOr<std::vector<float>> SafetensorsFile::ReadFloat(
     absl::string_view name, absl::Span<const int64_t> expected_shape) const {
   const SafetensorsTensorInfo* t = Find(name);
-  if (t != nullptr && !std::equal(t->shape.begin(), t->shape.end(), expected_shape.begin(),
-                                  expected_shape.end())) {
+  if (t != nullptr &&
+      !std::equal(t->shape.begin(), t->shape.end(), expected_shape.begin(), expected_shape.end())) {
     return absl::InvalidArgumentError(absl::StrCat(
         "safetensors '", source_, "': tensor '", name, "' has shape [",
         absl::StrJoin(t->shape, ","), "], expected [", absl::StrJoin(expected_shape, ","), "]"));
@@ -321,7 +331,8 @@ void SafetensorsWriter::SetMetadata(std::string key, std::string value) {
 absl::Status SafetensorsWriter::AddF32(std::string name, std::vector<int64_t> shape,
                                        absl::Span<const float> data) {
   if (name.empty() || name == "__metadata__") {
-    return absl::InvalidArgumentError(absl::StrCat("safetensors: invalid tensor name '", name, "'"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("safetensors: invalid tensor name '", name, "'"));
   }
   for (const Entry& e : entries_) {
     if (e.name == name) {
@@ -335,12 +346,12 @@ absl::Status SafetensorsWriter::AddF32(std::string name, std::vector<int64_t> sh
         "safetensors: tensor '", name, "': invalid shape [", absl::StrJoin(shape, ","), "]"));
   }
   if (static_cast<int64_t>(data.size()) != count) {
-    return absl::InvalidArgumentError(absl::StrCat("safetensors: tensor '", name, "': ",
-                                                   data.size(), " values for shape [",
+    return absl::InvalidArgumentError(absl::StrCat("safetensors: tensor '", name,
+                                                   "': ", data.size(), " values for shape [",
                                                    absl::StrJoin(shape, ","), "]"));
   }
-  entries_.push_back(Entry{std::move(name), std::move(shape),
-                           std::vector<float>(data.begin(), data.end())});
+  entries_.push_back(
+      Entry{std::move(name), std::move(shape), std::vector<float>(data.begin(), data.end())});
   return absl::OkStatus();
 }
 
@@ -355,7 +366,8 @@ std::string SafetensorsWriter::Serialize() const {
   uint64_t offset = 0;
   for (const Entry& e : entries_) {
     const uint64_t bytes = 4 * e.data.size();
-    header[e.name] = {{"dtype", "F32"}, {"shape", e.shape}, {"data_offsets", {offset, offset + bytes}}};
+    header[e.name] = {
+        {"dtype", "F32"}, {"shape", e.shape}, {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
   }
   std::string text = header.dump();

@@ -74,10 +74,9 @@ TEST(SafetensorsTest, ConvertsOtherDtypes) {
   data.append(reinterpret_cast<const char*>(bf), 4);
   data.append(reinterpret_cast<const char*>(hf), 4);
   data.append(reinterpret_cast<const char*>(&d), 8);
-  const std::string header =
-      R"({"a":{"dtype":"BF16","shape":[2],"data_offsets":[0,4]},)"
-      R"("h":{"dtype":"F16","shape":[2],"data_offsets":[4,8]},)"
-      R"("d":{"dtype":"F64","shape":[],"data_offsets":[8,16]}})";
+  const std::string header = R"({"a":{"dtype":"BF16","shape":[2],"data_offsets":[0,4]},)"
+                             R"("h":{"dtype":"F16","shape":[2],"data_offsets":[4,8]},)"
+                             R"("d":{"dtype":"F64","shape":[],"data_offsets":[8,16]}})";
   auto f = SafetensorsFile::Parse(Image(header, data), "mem");
   ASSERT_THAT(f, IsOk());
   EXPECT_THAT(*f->ReadFloat("a"), ElementsAre(1.0f, -2.0f));
@@ -106,32 +105,28 @@ std::vector<BadCase> BadCases() {
   cases.push_back({"deep", Image(std::string(50, '[') + std::string(50, ']'), ""), "nested"});
   cases.push_back({"data_truncated", Image(t, ok_data.substr(0, 6)), "'t'"});
   cases.push_back({"trailing_bytes", Image(t, ok_data + "xx"), "cover"});
+  cases.push_back({"size_mismatch",
+                   Image(R"({"t":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", ok_data),
+                   "'t'"});
+  cases.push_back({"reversed",
+                   Image(R"({"t":{"dtype":"F32","shape":[0],"data_offsets":[8,0]}})", ok_data),
+                   "reversed"});
+  cases.push_back({"overlap",
+                   Image(R"({"t":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                         R"("u":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
+                         ok_data),
+                   "overlap"});
   cases.push_back(
-      {"size_mismatch",
-       Image(R"({"t":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", ok_data), "'t'"});
-  cases.push_back(
-      {"reversed",
-       Image(R"({"t":{"dtype":"F32","shape":[0],"data_offsets":[8,0]}})", ok_data), "reversed"});
-  cases.push_back(
-      {"overlap",
-       Image(R"({"t":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
-             R"("u":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
-             ok_data),
-       "overlap"});
-  cases.push_back(
-      {"gap",
-       Image(R"({"u":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", ok_data), "gap"});
-  cases.push_back(
-      {"bad_dtype",
-       Image(R"({"t":{"dtype":"I32","shape":[2],"data_offsets":[0,8]}})", ok_data), "I32"});
-  cases.push_back(
-      {"negative_dim",
-       Image(R"({"t":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", ok_data),
-       "negative"});
-  cases.push_back(
-      {"float_offset",
-       Image(R"({"t":{"dtype":"F32","shape":[2],"data_offsets":[0,8.0]}})", ok_data),
-       "data_offsets"});
+      {"gap", Image(R"({"u":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", ok_data), "gap"});
+  cases.push_back({"bad_dtype",
+                   Image(R"({"t":{"dtype":"I32","shape":[2],"data_offsets":[0,8]}})", ok_data),
+                   "I32"});
+  cases.push_back({"negative_dim",
+                   Image(R"({"t":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", ok_data),
+                   "negative"});
+  cases.push_back({"float_offset",
+                   Image(R"({"t":{"dtype":"F32","shape":[2],"data_offsets":[0,8.0]}})", ok_data),
+                   "data_offsets"});
   cases.push_back(
       {"no_shape", Image(R"({"t":{"dtype":"F32","data_offsets":[0,8]}})", ok_data), "shape"});
   cases.push_back(
@@ -139,8 +134,8 @@ std::vector<BadCase> BadCases() {
        Image(R"({"t":{"dtype":"F32","shape":[4611686018427387904,4],"data_offsets":[0,8]}})",
              ok_data),
        "overflow"});
-  cases.push_back({"metadata_not_string",
-                   Image(R"({"__metadata__":{"T":6}})", ""), "__metadata__"});
+  cases.push_back(
+      {"metadata_not_string", Image(R"({"__metadata__":{"T":6}})", ""), "__metadata__"});
   cases.push_back({"entry_not_object", Image(R"({"t":5})", ""), "'t'"});
   return cases;
 }

@@ -12,9 +12,9 @@
 #include "absl/status/statusor.h"
 
 // Evaluates `expr` (an absl::Status) and returns it from the enclosing function if not OK.
-#define DIOND_RETURN_IF_ERROR(expr)                                   \
-  do {                                                                \
-    ::absl::Status _diond_status = (expr);                            \
+#define DIOND_RETURN_IF_ERROR(expr)                                    \
+  do {                                                                 \
+    ::absl::Status _diond_status = (expr);                             \
     if (ABSL_PREDICT_FALSE(!_diond_status.ok())) return _diond_status; \
   } while (false)
 
@@ -23,12 +23,11 @@
 
 // Evaluates `expr` (an absl::StatusOr<T>); on error returns its status, else moves the value into
 // `lhs`, which may be a declaration (`auto x`) or an existing lvalue.
-#define DIOND_ASSIGN_OR_RETURN(lhs, expr)                                               \
-  DIOND_ASSIGN_OR_RETURN_IMPL_(DIOND_STATUS_MACROS_CONCAT_(_diond_statusor, __LINE__), \
-                               lhs, expr)
+#define DIOND_ASSIGN_OR_RETURN(lhs, expr) \
+  DIOND_ASSIGN_OR_RETURN_IMPL_(DIOND_STATUS_MACROS_CONCAT_(_diond_statusor, __LINE__), lhs, expr)
 
-#define DIOND_ASSIGN_OR_RETURN_IMPL_(statusor, lhs, expr)          \
-  auto statusor = (expr);                                          \
+#define DIOND_ASSIGN_OR_RETURN_IMPL_(statusor, lhs, expr)           \
+  auto statusor = (expr);                                           \
   if (ABSL_PREDICT_FALSE(!statusor.ok())) return statusor.status(); \
   lhs = std::move(statusor).value()
 

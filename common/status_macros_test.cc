@@ -33,8 +33,7 @@ absl::StatusOr<int> Quarter(int x) {
 
 TEST(StatusMacros, ReturnIfErrorStopsAtFirstError) {
   int reached = 0;
-  EXPECT_THAT(Chain(true, &reached),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("7")));
+  EXPECT_THAT(Chain(true, &reached), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("7")));
   EXPECT_EQ(reached, 0);
   EXPECT_THAT(Chain(false, &reached), IsOk());
   EXPECT_EQ(reached, 1);

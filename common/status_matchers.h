@@ -33,8 +33,7 @@ MATCHER_P(StatusIs, code, "has code " + ::testing::PrintToString(code)) {
 MATCHER_P2(StatusIs, code, message_matcher, "has code and message") {
   const absl::Status& s = GetStatus(arg);
   *result_listener << "status is " << s;
-  return s.code() == code &&
-         ::testing::Matches(message_matcher)(std::string(s.message()));
+  return s.code() == code && ::testing::Matches(message_matcher)(std::string(s.message()));
 }
 
 }  // namespace diond::testing

@@ -88,8 +88,8 @@ absl::StatusOr<int64_t> IntValue(const Json& v, const std::string& field, int64_
   return i;
 }
 
-absl::StatusOr<int64_t> GetInt(const Json& o, const char* key, const std::string& where,
-                               int64_t lo, int64_t hi) {
+absl::StatusOr<int64_t> GetInt(const Json& o, const char* key, const std::string& where, int64_t lo,
+                               int64_t hi) {
   DIOND_ASSIGN_OR_RETURN(const Json* v, Field(o, key, where));
   return IntValue(*v, absl::StrCat(where, key), lo, hi);
 }

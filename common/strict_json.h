@@ -38,8 +38,8 @@ absl::StatusOr<std::string> GetString(const Json& o, const char* key, const std:
 absl::StatusOr<bool> GetBool(const Json& o, const char* key, const std::string& where);
 // An integer in [lo, hi] (`field` names it in messages).
 absl::StatusOr<int64_t> IntValue(const Json& v, const std::string& field, int64_t lo, int64_t hi);
-absl::StatusOr<int64_t> GetInt(const Json& o, const char* key, const std::string& where,
-                               int64_t lo, int64_t hi);
+absl::StatusOr<int64_t> GetInt(const Json& o, const char* key, const std::string& where, int64_t lo,
+                               int64_t hi);
 // A finite number >= `lo`.
 absl::StatusOr<double> GetNumber(const Json& o, const char* key, const std::string& where,
                                  double lo = -std::numeric_limits<double>::infinity());

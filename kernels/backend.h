@@ -30,8 +30,8 @@ namespace diond::kernels {
 // Bumped when an entry is added, removed or changes signature; RegisterOpsBackend refuses a
 // table of another version.
 inline constexpr uint32_t kOpsBackendVersion = 7;  // 2: ortho; 3: kops; 4: steps; 5: async copies;
-                                                 // 6: decay_scatter_with_change; 7: the fused
-                                                 // steps' scalars_on_device (kernels/graph.h)
+                                                   // 6: decay_scatter_with_change; 7: the fused
+                                                   // steps' scalars_on_device (kernels/graph.h)
 
 struct OpsBackend {
   uint32_t version = kOpsBackendVersion;

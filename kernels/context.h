@@ -54,18 +54,18 @@ enum class Fp32GemmEngine { kAuto, kOpenBlas, kOneDnn };
 struct OpsBackend;  // kernels/backend.h
 
 struct ContextOptions {
-  Device device;                 // needs a registered backend (kernels/backend.h)
-  int num_threads = 0;           // <= 0: number of online cores (DefaultCpuThreads())
+  Device device;        // needs a registered backend (kernels/backend.h)
+  int num_threads = 0;  // <= 0: number of online cores (DefaultCpuThreads())
   size_t scratch_block_bytes = size_t{64} << 20;
-  StreamHandle stream = nullptr; // must be null for the CPU
+  StreamHandle stream = nullptr;  // must be null for the CPU
   Fp32GemmEngine fp32_gemm = Fp32GemmEngine::kAuto;
 };
 
 // Counters of the memory a Context hands out (Context::Allocate and its scratch arena's blocks),
 // shared with the Buffers it made so that they stay valid after the Context is gone.
 struct AllocationStats {
-  std::atomic<int64_t> allocations{0};    // successful allocations, ever
-  std::atomic<int64_t> bytes_in_use{0};   // bytes allocated and not yet freed
+  std::atomic<int64_t> allocations{0};   // successful allocations, ever
+  std::atomic<int64_t> bytes_in_use{0};  // bytes allocated and not yet freed
 };
 
 // An owning, contiguous tensor in the memory of a backend's device, made by Context::Allocate.

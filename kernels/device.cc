@@ -132,8 +132,8 @@ absl::StatusOr<SelectedDevice> SelectDevice(const DeviceRequest& request,
     return cpu;
   }
   if (request.cuda_index >= count) {
-    return absl::FailedPreconditionError(absl::StrCat("device cuda:", request.cuda_index,
-                                                      " does not exist; ", count, " present"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("device cuda:", request.cuda_index, " does not exist; ", count, " present"));
   }
   SelectedDevice gpu;
   gpu.type = DeviceType::kCuda;

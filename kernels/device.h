@@ -33,7 +33,7 @@ absl::StatusOr<DeviceRequest> ParseDeviceRequest(absl::string_view text);
 struct SelectedDevice {
   DeviceType type = DeviceType::kCpu;
   int index = 0;
-  std::string name;         // e.g. "cpu (2 threads)" or "NVIDIA H200"
+  std::string name;             // e.g. "cpu (2 threads)" or "NVIDIA H200"
   std::string fallback_reason;  // why auto mode fell back to the CPU; empty otherwise
   bool cuda_plugin_loaded = false;
 };

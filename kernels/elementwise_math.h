@@ -75,10 +75,10 @@ DIOND_HD void AdamWElement(const AdamWScalars& s, float g, float& x, float& m, f
 // ---- Lion (ALGORITHMS.md §20.7) -----------------------------------------------------------
 // f32 arithmetic on the f32 hyperparameters (ALGORITHMS.md §0: 0-d f32 tensors).
 struct LionScalars {
-  float w1;      // 1 - beta1
-  float w2;      // 1 - beta2
-  float lr_wd;   // lr*wd
-  float decay;   // 1 - lr*wd
+  float w1;     // 1 - beta1
+  float w2;     // 1 - beta2
+  float lr_wd;  // lr*wd
+  float decay;  // 1 - lr*wd
   float lr;
   bool cautious;
 };
@@ -235,13 +235,24 @@ DIOND_HD float FloatFromBf16Bits(uint16_t h) {
   return f;
 }
 
-// Op codes: the values of kernels::UnaryOp / BinaryOp (static_assert'ed in kernels/plugin_backend.cc).
+// Op codes: the values of kernels::UnaryOp / BinaryOp (static_assert'ed in
+// kernels/plugin_backend.cc).
 enum : int {
-  kUnarySign = 0, kUnaryAbs = 1, kUnarySqrt = 2, kUnarySquare = 3, kUnaryNeg = 4,
+  kUnarySign = 0,
+  kUnaryAbs = 1,
+  kUnarySqrt = 2,
+  kUnarySquare = 3,
+  kUnaryNeg = 4,
   kUnaryNanToNum = 5,
 };
-enum : int { kBinaryAdd = 0, kBinarySub = 1, kBinaryMul = 2, kBinaryDiv = 3, kBinaryMax = 4,
-             kBinaryMin = 5 };
+enum : int {
+  kBinaryAdd = 0,
+  kBinarySub = 1,
+  kBinaryMul = 2,
+  kBinaryDiv = 3,
+  kBinaryMax = 4,
+  kBinaryMin = 5
+};
 
 DIOND_HD float QuietNan() {
   const uint32_t u = 0x7fc00000u;
@@ -253,12 +264,17 @@ DIOND_HD float QuietNan() {
 // ops.h Unary: sign(±0) = sign(NaN) = 0; nan_to_num maps NaN → 0, ±Inf → ±FLT_MAX.
 DIOND_HD float UnaryElement(int op, float v) {
   switch (op) {
-    case kUnarySign: return Sign(v);
-    case kUnaryAbs: return fabsf(v);
-    case kUnarySqrt: return sqrtf(v);
-    case kUnarySquare: return v * v;
-    case kUnaryNeg: return -v;
-    default: {  // kUnaryNanToNum
+    case kUnarySign:
+      return Sign(v);
+    case kUnaryAbs:
+      return fabsf(v);
+    case kUnarySqrt:
+      return sqrtf(v);
+    case kUnarySquare:
+      return v * v;
+    case kUnaryNeg:
+      return -v;
+    default: {                            // kUnaryNanToNum
       const float big = 3.40282347e+38f;  // FLT_MAX
       return v != v ? 0.0f : (fabsf(v) == INFINITY ? (v > 0.0f ? big : -big) : v);
     }
@@ -268,12 +284,18 @@ DIOND_HD float UnaryElement(int op, float v) {
 // ops.h Binary: max/min propagate NaN (torch.maximum / torch.minimum).
 DIOND_HD float BinaryElement(int op, float a, float b) {
   switch (op) {
-    case kBinaryAdd: return a + b;
-    case kBinarySub: return a - b;
-    case kBinaryMul: return a * b;
-    case kBinaryDiv: return a / b;
-    case kBinaryMax: return (a != a || b != b) ? QuietNan() : (a > b ? a : b);
-    default: return (a != a || b != b) ? QuietNan() : (a < b ? a : b);  // kBinaryMin
+    case kBinaryAdd:
+      return a + b;
+    case kBinarySub:
+      return a - b;
+    case kBinaryMul:
+      return a * b;
+    case kBinaryDiv:
+      return a / b;
+    case kBinaryMax:
+      return (a != a || b != b) ? QuietNan() : (a > b ? a : b);
+    default:
+      return (a != a || b != b) ? QuietNan() : (a < b ? a : b);  // kBinaryMin
   }
 }
 

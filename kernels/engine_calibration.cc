@@ -39,19 +39,24 @@ bool Prefer(double other, double def) {
 
 const char* CalibrationCaseName(CalibrationCase c) {
   switch (c) {
-    case CalibrationCase::kFp32GemmOneDnn: return "fp32_gemm_onednn";
-    case CalibrationCase::kFp32GemmOpenBlas: return "fp32_gemm_openblas";
-    case CalibrationCase::kFp32SymmetricOneDnn: return "fp32_symmetric_onednn";
-    case CalibrationCase::kFp32SymmetricOpenBlas: return "fp32_symmetric_openblas";
-    case CalibrationCase::kBf16OneDnn: return "bf16_onednn";
-    case CalibrationCase::kBf16Float32Gemm: return "bf16_float32_gemm";
+    case CalibrationCase::kFp32GemmOneDnn:
+      return "fp32_gemm_onednn";
+    case CalibrationCase::kFp32GemmOpenBlas:
+      return "fp32_gemm_openblas";
+    case CalibrationCase::kFp32SymmetricOneDnn:
+      return "fp32_symmetric_onednn";
+    case CalibrationCase::kFp32SymmetricOpenBlas:
+      return "fp32_symmetric_openblas";
+    case CalibrationCase::kBf16OneDnn:
+      return "bf16_onednn";
+    case CalibrationCase::kBf16Float32Gemm:
+      return "bf16_float32_gemm";
   }
   return "unknown";
 }
 
 CalibrationTimer BestOfTimer(int runs) {
-  return [runs](CalibrationCase, absl::FunctionRef<absl::Status()> work)
-             -> absl::StatusOr<double> {
+  return [runs](CalibrationCase, absl::FunctionRef<absl::Status()> work) -> absl::StatusOr<double> {
     double best = 0;
     for (int i = 0; i < std::max(runs, 1); ++i) {
       const auto t0 = std::chrono::steady_clock::now();
@@ -69,10 +74,10 @@ AutoEngines ChooseAutoEngines(const double (&s)[kCalibrationCases], bool bf16_de
   e.fp32_gemm = Prefer(at(CalibrationCase::kFp32GemmOpenBlas), at(CalibrationCase::kFp32GemmOneDnn))
                     ? Fp32GemmEngine::kOpenBlas
                     : Fp32GemmEngine::kOneDnn;
-  e.fp32_symmetric = Prefer(at(CalibrationCase::kFp32SymmetricOpenBlas),
-                            at(CalibrationCase::kFp32SymmetricOneDnn))
-                         ? Fp32GemmEngine::kOpenBlas
-                         : Fp32GemmEngine::kOneDnn;
+  e.fp32_symmetric =
+      Prefer(at(CalibrationCase::kFp32SymmetricOpenBlas), at(CalibrationCase::kFp32SymmetricOneDnn))
+          ? Fp32GemmEngine::kOpenBlas
+          : Fp32GemmEngine::kOneDnn;
   const double onednn = at(CalibrationCase::kBf16OneDnn);
   const double f32 = at(CalibrationCase::kBf16Float32Gemm);
   e.bf16_measured = true;
@@ -93,10 +98,9 @@ std::string Calibration::Describe() const {
       ms(CalibrationCase::kFp32SymmetricOneDnn), ", openblas ",
       ms(CalibrationCase::kFp32SymmetricOpenBlas), "); bf16_reference ",
       engines.bf16_onednn ? "onednn" : "float32_gemm", " (onednn ",
-      ms(CalibrationCase::kBf16OneDnn),
-      ", float32_gemm ", ms(CalibrationCase::kBf16Float32Gemm), "; default without a measurement ",
-      bf16_default_onednn ? "onednn" : "float32_gemm", "); calibration took ",
-      absl::StrFormat("%.0f ms", cost_seconds * 1e3));
+      ms(CalibrationCase::kBf16OneDnn), ", float32_gemm ", ms(CalibrationCase::kBf16Float32Gemm),
+      "; default without a measurement ", bf16_default_onednn ? "onednn" : "float32_gemm",
+      "); calibration took ", absl::StrFormat("%.0f ms", cost_seconds * 1e3));
 }
 
 absl::StatusOr<Calibration> CalibrateAutoEngines(const Context& ctx, bool bf16_default_onednn,
@@ -173,8 +177,8 @@ absl::StatusOr<Calibration> CalibrateAutoEngines(const Context& ctx, bool bf16_d
       if (!cal.unavailable[i].empty()) continue;
       absl::StatusOr<double> t = timer(item.which, item.work);
       if (!t.ok() || *t <= 0) {
-        cal.unavailable[i] = t.ok() ? std::string("no time measured")
-                                    : std::string(t.status().message());
+        cal.unavailable[i] =
+            t.ok() ? std::string("no time measured") : std::string(t.status().message());
         first_error[i] = t.ok() ? absl::InternalError(cal.unavailable[i]) : t.status();
         cal.seconds[i] = 0;
         continue;

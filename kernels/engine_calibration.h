@@ -23,10 +23,10 @@ namespace diond::kernels {
 enum class CalibrationCase : int {
   kFp32GemmOneDnn,
   kFp32GemmOpenBlas,
-  kFp32SymmetricOneDnn,   // SymmetricProduct, oneDNN's lower column panels
-  kFp32SymmetricOpenBlas, // SymmetricProduct, ssyrk
-  kBf16OneDnn,            // bf16 × bf16 → bf16 oneDNN GEMM
-  kBf16Float32Gemm,       // the widened operands' OpenBLAS sgemm, rounded once to bf16
+  kFp32SymmetricOneDnn,    // SymmetricProduct, oneDNN's lower column panels
+  kFp32SymmetricOpenBlas,  // SymmetricProduct, ssyrk
+  kBf16OneDnn,             // bf16 × bf16 → bf16 oneDNN GEMM
+  kBf16Float32Gemm,        // the widened operands' OpenBLAS sgemm, rounded once to bf16
 };
 constexpr int kCalibrationCases = 6;
 const char* CalibrationCaseName(CalibrationCase c);  // "fp32_gemm_onednn", ...
@@ -44,8 +44,8 @@ struct Calibration {
   AutoEngines engines;
   double seconds[kCalibrationCases] = {};  // per case, as the timer returned them; 0: unavailable
   std::string unavailable[kCalibrationCases];  // why a case could not run ("" = it ran)
-  double cost_seconds = 0;                 // wall time of the whole calibration
-  bool bf16_default_onednn = false;        // the ISA rule's choice (the bf16 default)
+  double cost_seconds = 0;                     // wall time of the whole calibration
+  bool bf16_default_onednn = false;            // the ISA rule's choice (the bf16 default)
   // "fp32 GEMM onednn (512³: onednn 4.1 ms, openblas 6.0 ms), ... ; calibration 61 ms"
   std::string Describe() const;
 };
@@ -58,8 +58,7 @@ absl::StatusOr<Calibration> CalibrateAutoEngines(const Context& ctx, bool bf16_d
 
 // The choice rule on given timings (what CalibrateAutoEngines applies; a time <= 0 is an
 // unavailable engine): exposed for tests.
-AutoEngines ChooseAutoEngines(const double (&seconds)[kCalibrationCases],
-                              bool bf16_default_onednn);
+AutoEngines ChooseAutoEngines(const double (&seconds)[kCalibrationCases], bool bf16_default_onednn);
 
 }  // namespace diond::kernels
 

@@ -18,8 +18,7 @@ using C = CalibrationCase;
 // A timer that returns the time the test dictates without running the work (the choice rule
 // is the property under test; RealTimerAndStore runs the work).
 CalibrationTimer FakeTimer(std::map<C, double> seconds, std::map<C, int>* calls) {
-  return [seconds, calls](C which, absl::FunctionRef<absl::Status()>)
-             -> absl::StatusOr<double> {
+  return [seconds, calls](C which, absl::FunctionRef<absl::Status()>) -> absl::StatusOr<double> {
     ++(*calls)[which];
     return seconds.at(which);
   };
@@ -27,9 +26,9 @@ CalibrationTimer FakeTimer(std::map<C, double> seconds, std::map<C, int>* calls)
 
 std::map<C, double> Times(double gemm_onednn, double gemm_openblas, double sym_onednn,
                           double sym_openblas, double bf16_onednn, double bf16_f32) {
-  return {{C::kFp32GemmOneDnn, gemm_onednn},   {C::kFp32GemmOpenBlas, gemm_openblas},
+  return {{C::kFp32GemmOneDnn, gemm_onednn},     {C::kFp32GemmOpenBlas, gemm_openblas},
           {C::kFp32SymmetricOneDnn, sym_onednn}, {C::kFp32SymmetricOpenBlas, sym_openblas},
-          {C::kBf16OneDnn, bf16_onednn},       {C::kBf16Float32Gemm, bf16_f32}};
+          {C::kBf16OneDnn, bf16_onednn},         {C::kBf16Float32Gemm, bf16_f32}};
 }
 
 TEST(EngineCalibration, PicksWhatTheTimerSays) {
@@ -42,8 +41,8 @@ TEST(EngineCalibration, PicksWhatTheTimerSays) {
   };
   const Case cases[] = {
       // The Emerald Rapids report: OpenBLAS on Prescott is 6x slower, oneDNN bf16 below fp32.
-      {Times(1.0, 6.0, 1.0, 6.0, 1.6, 6.5), true, Fp32GemmEngine::kOneDnn,
-       Fp32GemmEngine::kOneDnn, true},
+      {Times(1.0, 6.0, 1.0, 6.0, 1.6, 6.5), true, Fp32GemmEngine::kOneDnn, Fp32GemmEngine::kOneDnn,
+       true},
       // With the right core, OpenBLAS's fp32 beats oneDNN's bf16: the widened GEMM wins.
       {Times(1.0, 1.1, 1.0, 0.8, 1.6, 1.2), true, Fp32GemmEngine::kOneDnn,
        Fp32GemmEngine::kOpenBlas, false},
@@ -77,12 +76,14 @@ TEST(EngineCalibration, PicksWhatTheTimerSays) {
     const std::string d = cal.Describe();
     EXPECT_NE(d.find(std::string("fp32 GEMM ") +
                      (c.gemm == Fp32GemmEngine::kOneDnn ? "onednn" : "openblas")),
-              std::string::npos) << d;
-    EXPECT_NE(d.find(std::string("bf16_reference ") +
-                     (c.bf16_onednn ? "onednn" : "float32_gemm")),
-              std::string::npos) << d;
+              std::string::npos)
+        << d;
+    EXPECT_NE(d.find(std::string("bf16_reference ") + (c.bf16_onednn ? "onednn" : "float32_gemm")),
+              std::string::npos)
+        << d;
     EXPECT_NE(d.find(absl::StrFormat("openblas %.2f ms", c.t.at(C::kFp32GemmOpenBlas) * 1e3)),
-              std::string::npos) << d;
+              std::string::npos)
+        << d;
   }
 }
 
@@ -122,8 +123,7 @@ TEST(EngineCalibration, FailingEngineIsNeverChosen) {
     }
     return 1.0;
   };
-  EXPECT_EQ(CalibrateAutoEngines(*ctx, true, neither).status().code(),
-            absl::StatusCode::kInternal);
+  EXPECT_EQ(CalibrateAutoEngines(*ctx, true, neither).status().code(), absl::StatusCode::kInternal);
 }
 
 // The real timer: positive times, a cost that includes them, and the process-wide choice is
@@ -141,8 +141,8 @@ TEST(EngineCalibration, RealTimerAndStore) {
       EXPECT_FALSE(cal.engines.bf16_onednn);
       continue;
     }
-    EXPECT_TRUE(cal.unavailable[i].empty()) << CalibrationCaseName(static_cast<C>(i)) << ": "
-                                            << cal.unavailable[i];
+    EXPECT_TRUE(cal.unavailable[i].empty())
+        << CalibrationCaseName(static_cast<C>(i)) << ": " << cal.unavailable[i];
     EXPECT_GT(cal.seconds[i], 0) << CalibrationCaseName(static_cast<C>(i));
     sum += cal.seconds[i];
   }
@@ -180,10 +180,12 @@ TEST(EngineCalibration, AutoGemmFollowsTheStore) {
       SetAutoEngines(set);
       GemmParams p;
       ASSERT_THAT(Gemm(*ctx, p, MakeView(a.data(), {m, k}), MakeView(b.data(), {k, m}),
-                       MakeView(c_auto.data(), {m, m})), IsOk());
+                       MakeView(c_auto.data(), {m, m})),
+                  IsOk());
       p.engine = e;
       ASSERT_THAT(Gemm(*ctx, p, MakeView(a.data(), {m, k}), MakeView(b.data(), {k, m}),
-                       MakeView(c_ref.data(), {m, m})), IsOk());
+                       MakeView(c_ref.data(), {m, m})),
+                  IsOk());
       EXPECT_EQ(c_auto, c_ref);
       per_engine.push_back(c_ref);
     }

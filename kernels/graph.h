@@ -66,9 +66,9 @@ class StepGraph {
     // reads host memory), "unsupported" (the backend cannot capture), "capture_failed",
     // "phase_failed" (the recording pass returned an error: the eager run will report it).
     std::string reason;
-    std::string detail;    // a sentence for the log
-    int64_t ops = 0;       // ops of the phase
-    int64_t records = 0;   // scalar records (fused steps) uploaded for the launch
+    std::string detail;   // a sentence for the log
+    int64_t ops = 0;      // ops of the phase
+    int64_t records = 0;  // scalar records (fused steps) uploaded for the launch
   };
 
   struct Options {

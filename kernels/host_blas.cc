@@ -30,9 +30,12 @@ bool SameCore(const std::string& a, const std::string& b) {
 
 const char* VendorName(CpuFacts::Vendor v) {
   switch (v) {
-    case CpuFacts::Vendor::kIntel: return "GenuineIntel";
-    case CpuFacts::Vendor::kAmd: return "AuthenticAMD";
-    case CpuFacts::Vendor::kOther: break;
+    case CpuFacts::Vendor::kIntel:
+      return "GenuineIntel";
+    case CpuFacts::Vendor::kAmd:
+      return "AuthenticAMD";
+    case CpuFacts::Vendor::kOther:
+      break;
   }
   return "other vendor";
 }
@@ -74,8 +77,7 @@ CpuFacts ReadCpuFacts() {
     __cpuid_count(7, 0, a, b, c, d);
     f.avx2 = avx && ymm_state && Bit(b, 5);
     f.fma = fma && ymm_state;
-    f.avx512_core = zmm_state && Bit(b, 16) && Bit(b, 17) && Bit(b, 28) && Bit(b, 30) &&
-                    Bit(b, 31);
+    f.avx512_core = zmm_state && Bit(b, 16) && Bit(b, 17) && Bit(b, 28) && Bit(b, 30) && Bit(b, 31);
     f.amx = tile_state && Bit(d, 24);
     unsigned a1 = 0, b1 = 0, c1 = 0, d1 = 0;
     __cpuid_count(7, 1, a1, b1, c1, d1);
@@ -86,8 +88,8 @@ CpuFacts ReadCpuFacts() {
 }
 
 std::string DescribeCpu(const CpuFacts& cpu) {
-  std::string s = absl::StrCat(VendorName(cpu.vendor), " family ", cpu.family, " model ",
-                               cpu.model, ":");
+  std::string s =
+      absl::StrCat(VendorName(cpu.vendor), " family ", cpu.family, " model ", cpu.model, ":");
   if (cpu.avx2) absl::StrAppend(&s, " avx2");
   if (cpu.fma) absl::StrAppend(&s, " fma");
   if (cpu.avx512_core) absl::StrAppend(&s, " avx512");
@@ -135,26 +137,23 @@ OpenBlasCoreDecision DecideOpenBlasCore(const CpuFacts& cpu, const std::string& 
     return d;
   }
   d.set = want;
-  d.reason = absl::StrCat("OpenBLAS autodetected ", loaded_core,
-                          ", a generic core, on a CPU with ",
-                          cpu.avx512_core ? "AVX-512" : "AVX2 + FMA",
-                          " (it does not know this model)");
+  d.reason =
+      absl::StrCat("OpenBLAS autodetected ", loaded_core, ", a generic core, on a CPU with ",
+                   cpu.avx512_core ? "AVX-512" : "AVX2 + FMA", " (it does not know this model)");
   return d;
 }
 
 OpenBlasCoreDecision PlanOpenBlasCore() {
   const char* simulated = std::getenv(kTestCoreVar);
-  const std::string loaded = simulated != nullptr && *simulated != '\0'
-                                 ? std::string(simulated)
-                                 : LoadedOpenBlasCore();
+  const std::string loaded =
+      simulated != nullptr && *simulated != '\0' ? std::string(simulated) : LoadedOpenBlasCore();
   return DecideOpenBlasCore(ReadCpuFacts(), loaded, std::getenv(kCoreVar));
 }
 
 void ApplyOpenBlasCoreDecision(const OpenBlasCoreDecision& decision) {
   if (decision.set.empty()) return;
   setenv(kCoreVar, decision.set.c_str(), 1);
-  setenv(kCoreMarker, decision.autodetected.empty() ? "Unknown" : decision.autodetected.c_str(),
-         1);
+  setenv(kCoreMarker, decision.autodetected.empty() ? "Unknown" : decision.autodetected.c_str(), 1);
 }
 
 void RevertOpenBlasCoreDecision() {
@@ -194,8 +193,10 @@ OpenBlasCoreReport ReportOpenBlasCore() {
                         "; CPU ", cpu_text, ")");
   if (!r.ok) {
     absl::StrAppend(&r.line, "; WARNING: generic kernels on a CPU with ",
-                    cpu.avx512_core ? "AVX-512" : "AVX2", ", GEMMs and LAPACK run several times "
-                    "slower; ", CoreForFeatures(cpu), " is the core for this CPU");
+                    cpu.avx512_core ? "AVX-512" : "AVX2",
+                    ", GEMMs and LAPACK run several times "
+                    "slower; ",
+                    CoreForFeatures(cpu), " is the core for this CPU");
   }
   return r;
 }

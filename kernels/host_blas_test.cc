@@ -8,8 +8,7 @@
 namespace diond::kernels {
 namespace {
 
-CpuFacts Cpu(CpuFacts::Vendor vendor, int family, int model, bool avx2, bool avx512,
-             bool bf16) {
+CpuFacts Cpu(CpuFacts::Vendor vendor, int family, int model, bool avx2, bool avx512, bool bf16) {
   CpuFacts f;
   f.vendor = vendor;
   f.family = family;
@@ -70,7 +69,8 @@ TEST(DecideOpenBlasCore, Table) {
     EXPECT_FALSE(d.reason.empty()) << r.name;
     if (r.operator_value != nullptr) {
       EXPECT_NE(d.reason.find(std::string("OPENBLAS_CORETYPE=") + r.operator_value),
-                std::string::npos) << r.name << ": " << d.reason;
+                std::string::npos)
+          << r.name << ": " << d.reason;
     }
   }
 }
@@ -80,8 +80,8 @@ TEST(DecideOpenBlasCore, GenericCores) {
                               "Bulldozer", "Excavator", "Atom", "Unknown", ""}) {
     EXPECT_TRUE(IsGenericOpenBlasCore(generic)) << generic;
   }
-  for (const char* fast : {"Haswell", "haswell", "Zen", "SkylakeX", "Cooperlake",
-                           "SapphireRapids"}) {
+  for (const char* fast :
+       {"Haswell", "haswell", "Zen", "SkylakeX", "Cooperlake", "SapphireRapids"}) {
     EXPECT_FALSE(IsGenericOpenBlasCore(fast)) << fast;
   }
 }
@@ -145,8 +145,7 @@ TEST(ReportOpenBlasCore, SaysWhoChose) {
   OpenBlasCoreReport r = ReportOpenBlasCore();
   EXPECT_EQ(r.core, loaded);
   EXPECT_EQ(r.source, "autodetected");
-  EXPECT_NE(r.line.find("OpenBLAS core " + loaded + " (autodetected"), std::string::npos)
-      << r.line;
+  EXPECT_NE(r.line.find("OpenBLAS core " + loaded + " (autodetected"), std::string::npos) << r.line;
 
   OpenBlasCoreDecision d;
   d.set = loaded;  // what this process already runs, so the "loaded" check holds

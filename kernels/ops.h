@@ -185,7 +185,7 @@ absl::Status AddScalar(const Context& ctx, float alpha, ConstTensorView x, float
                        TensorView out);
 
 enum class UnaryOp : uint8_t {
-  kSign,    // −1, 0 or +1; sign(±0) = 0 and sign(NaN) = 0 (PyTorch CPU)
+  kSign,  // −1, 0 or +1; sign(±0) = 0 and sign(NaN) = 0 (PyTorch CPU)
   kAbs,
   kSqrt,
   kSquare,
@@ -227,8 +227,8 @@ struct AdamWParams {
   // and the fields above are ignored by the backend.
   const AdamWScalarRecord* scalars_on_device = nullptr;
 };
-absl::Status AdamWStep(const Context& ctx, const AdamWParams& p, ConstTensorView grad,
-                       TensorView x, TensorView m, TensorView v);
+absl::Status AdamWStep(const Context& ctx, const AdamWParams& p, ConstTensorView grad, TensorView x,
+                       TensorView m, TensorView v);
 
 // Fused Lion step (ALGORITHMS.md §20.7): u ← sign(lerp(m, g, 1 − β1)); m ← lerp(m, g, 1 − β2);
 // x ← x·(1 − lr·wd) (cautious: x ← x − (lr·wd)·x·[x·u ≥ 0]); x ← x − lr·u.
@@ -276,8 +276,8 @@ absl::Status Bf16RoundedAxpby(const Context& ctx, float alpha, ConstTensorView x
 // x: update_sq (f32, contiguous, one element) ← Σ (x_after − x_before)², accumulated in double
 // (fixed order for a fixed thread count) and rounded once. Same x, m, v as the ops above, bit
 // for bit; the parameters are read and written once (GroupOptimizer's in-place AdamW/Lion path).
-absl::Status AdamWStep(const Context& ctx, const AdamWParams& p, ConstTensorView grad,
-                       TensorView x, TensorView m, TensorView v, TensorView update_sq);
+absl::Status AdamWStep(const Context& ctx, const AdamWParams& p, ConstTensorView grad, TensorView x,
+                       TensorView m, TensorView v, TensorView update_sq);
 absl::Status LionStep(const Context& ctx, const LionParams& p, ConstTensorView grad, TensorView x,
                       TensorView m, TensorView update_sq);
 
@@ -328,9 +328,9 @@ absl::Status CopyWithChange(const Context& ctx, ConstTensorView src, TensorView 
 // range and distinct within the matrix. src: f32 contiguous [batch,] k×cols (kRows) or
 // rows×k (kCols), not overlapping x. GroupOptimizer calls it at commit, after the step's
 // fallible phases, so the parameters are never staged for Dion2.
-absl::Status DecayScatterWithChange(const Context& ctx, float decay, ConstTensorView src,
-                                    Axis axis, absl::Span<const int64_t> indices, float alpha,
-                                    TensorView x, TensorView update_sq);
+absl::Status DecayScatterWithChange(const Context& ctx, float decay, ConstTensorView src, Axis axis,
+                                    absl::Span<const int64_t> indices, float alpha, TensorView x,
+                                    TensorView update_sq);
 
 // ================================ steps ======================================================
 // The session's per-element passes over a trainer's memory (server/session, one Step).

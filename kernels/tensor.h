@@ -126,9 +126,8 @@ class BasicTensorView {
   BasicTensorView(Ptr data, const TensorLayout& layout, Device device = Device{})
       : data_(data), layout_(layout), device_(device) {}
   // TensorView converts to ConstTensorView.
-  template <typename Other,
-            typename = std::enable_if_t<std::is_convertible_v<Other, Ptr> &&
-                                        !std::is_same_v<Other, Ptr>>>
+  template <typename Other, typename = std::enable_if_t<std::is_convertible_v<Other, Ptr> &&
+                                                        !std::is_same_v<Other, Ptr>>>
   BasicTensorView(const BasicTensorView<Other>& o)  // NOLINT(google-explicit-constructor)
       : data_(o.data()), layout_(o.layout()), device_(o.device()) {}
 

@@ -20,8 +20,8 @@ namespace {
 
 // Latency buckets from 50 µs to ~100 s: Step over shm is sub-millisecond, checkpoints are seconds.
 prometheus::Histogram::BucketBoundaries RpcBuckets() {
-  return {5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2,
-          5e-2, 0.1,  0.25,   0.5,  1.0,  2.5,    5.0,  10.0, 30.0, 100.0};
+  return {5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,
+          0.1,  0.25, 0.5,    1.0,  2.5,  5.0,    10.0, 30.0, 100.0};
 }
 
 prometheus::MetricFamily Gauge(const std::string& name, const std::string& help, double v) {
@@ -46,8 +46,7 @@ class ProcessCollector : public prometheus::Collectable {
     if (std::getline(stat, line)) {
       // Fields after the parenthesised command name; see proc(5).
       size_t close = line.rfind(')');
-      std::vector<std::string> f =
-          absl::StrSplit(line.substr(close + 2), ' ', absl::SkipEmpty());
+      std::vector<std::string> f = absl::StrSplit(line.substr(close + 2), ' ', absl::SkipEmpty());
       // f[0] is field 3 (state); utime=14, stime=15, num_threads=20, starttime=22, vsize=23,
       // rss=24 -> indices field-3.
       if (f.size() > 21) {
@@ -60,8 +59,8 @@ class ProcessCollector : public prometheus::Collectable {
         m.counter.value = (utime + stime) / ticks;
         cpu.metric.push_back(m);
         out.push_back(cpu);
-        out.push_back(Gauge("process_threads", "Number of OS threads in the process.",
-                            std::stod(f[17])));
+        out.push_back(
+            Gauge("process_threads", "Number of OS threads in the process.", std::stod(f[17])));
         double boot = BootTimeSeconds();
         out.push_back(Gauge("process_start_time_seconds",
                             "Start time of the process since unix epoch in seconds.",
@@ -316,8 +315,7 @@ DaemonMetrics::DaemonMetrics(std::shared_ptr<prometheus::Registry> registry, con
       .Set(1);
 }
 
-void DaemonMetrics::ObserveRpc(absl::string_view method, absl::string_view code,
-                               double seconds) {
+void DaemonMetrics::ObserveRpc(absl::string_view method, absl::string_view code, double seconds) {
   std::map<std::string, std::string> labels{{"method", std::string(method)},
                                             {"code", std::string(code)}};
   rpcs_.Add(labels).Increment();

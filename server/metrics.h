@@ -28,8 +28,8 @@ namespace diond::server {
 
 struct BuildInfo {
   std::string version;
-  std::string device;       // e.g. "cpu" or "cuda:0": the selected device
-  bool cuda_plugin = false; // built with the CUDA plugin
+  std::string device;                  // e.g. "cpu" or "cuda:0": the selected device
+  bool cuda_plugin = false;            // built with the CUDA plugin
   std::string compute_device = "cpu";  // where steps run (kernels::ComputeDevice)
   // The CPU's BLAS (kernels/host_blas.h) and what the `auto` engines resolve to
   // (kernels/engine_choice.h): "onednn" / "openblas"; bf16: "onednn" / "float32_gemm".
@@ -43,8 +43,8 @@ struct BuildInfo {
 
 // What the sessions hold, read at scrape time (SessionCollector).
 struct SessionTotals {
-  int64_t state_bytes = 0;    // what --memory_budget_bytes counts, all sessions together
-  int64_t steps_behind = 0;   // max over sessions: steps since its last checkpoint (or restore)
+  int64_t state_bytes = 0;   // what --memory_budget_bytes counts, all sessions together
+  int64_t steps_behind = 0;  // max over sessions: steps since its last checkpoint (or restore)
 };
 
 // Configured limits, exported as gauges (0 = unlimited / off) so dashboards and alerts can

@@ -2,8 +2,8 @@
 
 #include <string>
 
-#include "common/status_matchers.h"
 #include "absl/time/clock.h"
+#include "common/status_matchers.h"
 #include "gtest/gtest.h"
 #include "prometheus/text_serializer.h"
 
@@ -28,21 +28,26 @@ TEST(DaemonMetrics, BuildInfoAndRpcCountsByMethodAndCode) {
   m.ObserveRpc("/diond.v1.Optimizer/Step", "OK", 0.003);
   m.ObserveRpc("/diond.v1.Optimizer/Step", "INVALID_ARGUMENT", 0.0001);
   std::string text = Expose(*registry);
-  EXPECT_NE(text.find(R"(diond_build_info{bf16_matmul_auto="onednn",compute_device="cpu",cuda_plugin="false",device="cpu",engines_calibrated="true",fp32_gemm_auto="openblas",fp32_symmetric_auto="onednn",openblas_core="SkylakeX",openblas_core_source="diond",version="1.2.3"} 1)"),
-            std::string::npos)
+  EXPECT_NE(
+      text.find(
+          R"(diond_build_info{bf16_matmul_auto="onednn",compute_device="cpu",cuda_plugin="false",device="cpu",engines_calibrated="true",fp32_gemm_auto="openblas",fp32_symmetric_auto="onednn",openblas_core="SkylakeX",openblas_core_source="diond",version="1.2.3"} 1)"),
+      std::string::npos)
       << text;
   EXPECT_NE(text.find(R"(diond_rpcs_total{code="OK",method="/diond.v1.Optimizer/Step"} 2)"),
             std::string::npos)
       << text;
   EXPECT_NE(
-      text.find(
-          R"(diond_rpcs_total{code="INVALID_ARGUMENT",method="/diond.v1.Optimizer/Step"} 1)"),
+      text.find(R"(diond_rpcs_total{code="INVALID_ARGUMENT",method="/diond.v1.Optimizer/Step"} 1)"),
       std::string::npos);
-  EXPECT_NE(text.find(R"(diond_rpc_duration_seconds_count{code="OK",method="/diond.v1.Optimizer/Step"} 2)"),
-            std::string::npos);
+  EXPECT_NE(
+      text.find(
+          R"(diond_rpc_duration_seconds_count{code="OK",method="/diond.v1.Optimizer/Step"} 2)"),
+      std::string::npos);
   // 0.001 + 0.003 observed in the OK series.
-  EXPECT_NE(text.find(R"(diond_rpc_duration_seconds_sum{code="OK",method="/diond.v1.Optimizer/Step"} 0.004)"),
-            std::string::npos)
+  EXPECT_NE(
+      text.find(
+          R"(diond_rpc_duration_seconds_sum{code="OK",method="/diond.v1.Optimizer/Step"} 0.004)"),
+      std::string::npos)
       << text;
 }
 
@@ -120,11 +125,11 @@ TEST(DaemonMetrics, LimitsCheckpointsAndScrapeTimeSessionGauges) {
   };
   // Defaults: no world, no limits, no source yet (zeros), never checkpointed.
   std::string text = expose_all();
-  for (const char* line : {"diond_world_size 1\n", "diond_world_rank 0\n",
-                           "diond_memory_budget_bytes 0\n", "diond_state_bytes 0\n",
-                           "diond_checkpoint_steps_behind 0\n",
-                           "diond_checkpoint_last_success_timestamp_seconds 0\n",
-                           "diond_checkpoint_failures_total 0\n"}) {
+  for (const char* line :
+       {"diond_world_size 1\n", "diond_world_rank 0\n", "diond_memory_budget_bytes 0\n",
+        "diond_state_bytes 0\n", "diond_checkpoint_steps_behind 0\n",
+        "diond_checkpoint_last_success_timestamp_seconds 0\n",
+        "diond_checkpoint_failures_total 0\n"}) {
     EXPECT_NE(text.find(line), std::string::npos) << line << " in\n" << text;
   }
   Limits limits;
@@ -148,11 +153,11 @@ TEST(DaemonMetrics, LimitsCheckpointsAndScrapeTimeSessionGauges) {
   m.ObserveCheckpoint(10);
   text = expose_all();
   EXPECT_EQ(calls, 1);  // read at scrape time, once per scrape
-  for (const char* line : {"diond_max_session_bytes 1000\n", "diond_memory_budget_bytes 5000\n",
-                           "diond_checkpoint_interval_steps 50\n", "diond_world_size 4\n",
-                           "diond_world_rank 3\n", "diond_state_bytes 4321\n",
-                           "diond_checkpoint_steps_behind 77\n",
-                           "diond_checkpoint_failures_total 2\n"}) {
+  for (const char* line :
+       {"diond_max_session_bytes 1000\n", "diond_memory_budget_bytes 5000\n",
+        "diond_checkpoint_interval_steps 50\n", "diond_world_size 4\n", "diond_world_rank 3\n",
+        "diond_state_bytes 4321\n", "diond_checkpoint_steps_behind 77\n",
+        "diond_checkpoint_failures_total 2\n"}) {
     EXPECT_NE(text.find(line), std::string::npos) << line << " in\n" << text;
   }
   const std::string key = "diond_checkpoint_last_success_timestamp_seconds ";

@@ -95,7 +95,7 @@ bool ReadFile(const std::string& path, std::string* out) {
 struct Connection {
   std::string target;
   std::shared_ptr<grpc::Channel> channel;
-  std::string token;  // empty = none
+  std::string token;         // empty = none
   std::string world_secret;  // empty = none; sent on Peer calls only
 };
 
@@ -137,10 +137,9 @@ bool Connect(Connection* c) {
     return false;
   }
   grpc::SslCredentialsOptions ssl;
-  for (auto [flag, path, out] :
-       {std::make_tuple("--tls_ca_file", ca, &ssl.pem_root_certs),
-        std::make_tuple("--tls_cert_file", cert, &ssl.pem_cert_chain),
-        std::make_tuple("--tls_key_file", key, &ssl.pem_private_key)}) {
+  for (auto [flag, path, out] : {std::make_tuple("--tls_ca_file", ca, &ssl.pem_root_certs),
+                                 std::make_tuple("--tls_cert_file", cert, &ssl.pem_cert_chain),
+                                 std::make_tuple("--tls_key_file", key, &ssl.pem_private_key)}) {
     if (!path.empty() && !ReadFile(path, out)) {
       std::fprintf(stderr, "diondctl: cannot read %s %s\n", flag, path.c_str());
       return false;
@@ -233,7 +232,8 @@ void PrintTable(const std::vector<Column<Row>>& columns, const std::vector<Row>&
   auto print = [&](const std::vector<std::string>& line) {
     std::string out;
     for (size_t i = 0; i < line.size(); ++i) {
-      absl::StrAppend(&out, line[i], i + 1 < line.size() ? std::string(width[i] - line[i].size() + 2, ' ') : "");
+      absl::StrAppend(&out, line[i],
+                      i + 1 < line.size() ? std::string(width[i] - line[i].size() + 2, ' ') : "");
     }
     std::printf("%s\n", out.c_str());
   };
@@ -248,13 +248,15 @@ void PrintTable(const std::vector<Column<Row>>& columns, const std::vector<Row>&
 std::vector<Column<SessionInfo>> SessionColumns(absl::Time now) {
   std::vector<Column<SessionInfo>> cols = {
       {"SESSION", [](const SessionInfo& s) { return s.session_id(); }},
-      {"CLIENT", [](const SessionInfo& s) { return s.client_name().empty() ? "-" : s.client_name(); }},
+      {"CLIENT",
+       [](const SessionInfo& s) { return s.client_name().empty() ? "-" : s.client_name(); }},
       {"GROUPS", [](const SessionInfo& s) { return Groups(s); }},
       {"PARAMS", [](const SessionInfo& s) { return absl::StrCat(s.parameters()); }},
       {"STATE_BYTES", [](const SessionInfo& s) { return Bytes(s.state_bytes()); }},
       {"STEP", [](const SessionInfo& s) { return absl::StrCat(s.last_step_index()); }},
       {"LAST_STEP", [now](const SessionInfo& s) { return Ago(s.last_step_unix_micros(), now); }},
-      {"CHECKPOINT", [](const SessionInfo& s) {
+      {"CHECKPOINT",
+       [](const SessionInfo& s) {
          return s.last_checkpoint_step() == 0 && s.last_checkpoint_path().empty()
                     ? std::string("-")
                     : absl::StrCat("step ", s.last_checkpoint_step());
@@ -265,9 +267,9 @@ std::vector<Column<SessionInfo>> SessionColumns(absl::Time now) {
   if (owner != nullptr && owner->type() == google::protobuf::FieldDescriptor::TYPE_STRING &&
       !owner->is_repeated()) {
     cols.insert(cols.begin() + 1, {"OWNER", [owner](const SessionInfo& s) {
-                  std::string o = s.GetReflection()->GetString(s, owner);
-                  return o.empty() ? std::string("-") : o;
-                }});
+                                     std::string o = s.GetReflection()->GetString(s, owner);
+                                     return o.empty() ? std::string("-") : o;
+                                   }});
   }
   return cols;
 }
@@ -290,8 +292,10 @@ int Health(const Connection& c, const std::string& service) {
   const std::string status =
       grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status());
   if (absl::GetFlag(FLAGS_json)) {
-    std::printf("%s\n", nlohmann::json{{"target", c.target}, {"service", service},
-                                       {"status", status}}.dump().c_str());
+    std::printf("%s\n",
+                nlohmann::json{{"target", c.target}, {"service", service}, {"status", status}}
+                    .dump()
+                    .c_str());
   } else {
     std::printf("%s %s\n", c.target.c_str(), status.c_str());
   }
@@ -316,8 +320,9 @@ int Sessions(const Connection& c) {
     return 0;
   }
   std::vector<SessionInfo> rows(resp.sessions().begin(), resp.sessions().end());
-  std::sort(rows.begin(), rows.end(),
-            [](const SessionInfo& a, const SessionInfo& b) { return a.session_id() < b.session_id(); });
+  std::sort(rows.begin(), rows.end(), [](const SessionInfo& a, const SessionInfo& b) {
+    return a.session_id() < b.session_id();
+  });
   PrintTable(SessionColumns(absl::Now()), rows);
   std::printf("%d session(s)\n", resp.sessions_size());
   return 0;
@@ -349,8 +354,8 @@ int Inspect(const Connection& c, const std::string& id) {
         !owner->is_repeated()) {
       std::printf("owner               %s\n", s.GetReflection()->GetString(s, owner).c_str());
     }
-    std::printf("world key           %s\n", s.world_key().empty() ? "- (local session)"
-                                                                   : s.world_key().c_str());
+    std::printf("world key           %s\n",
+                s.world_key().empty() ? "- (local session)" : s.world_key().c_str());
     std::printf("parameters          %lld\n", static_cast<long long>(s.parameters()));
     std::printf("state bytes         %s (%lld)\n", Bytes(s.state_bytes()).c_str(),
                 static_cast<long long>(s.state_bytes()));
@@ -359,12 +364,11 @@ int Inspect(const Connection& c, const std::string& id) {
     std::printf("last step           %lld\n", static_cast<long long>(s.last_step_index()));
     std::printf("last step at        %s\n", when(s.last_step_unix_micros()).c_str());
     std::printf("last used at        %s\n", when(s.last_used_unix_micros()).c_str());
-    std::printf("last checkpoint     %s\n",
-                s.last_checkpoint_path().empty()
-                    ? "-"
-                    : absl::StrCat("step ", s.last_checkpoint_step(), " at ",
-                                   s.last_checkpoint_path())
-                          .c_str());
+    std::printf("last checkpoint     %s\n", s.last_checkpoint_path().empty()
+                                                ? "-"
+                                                : absl::StrCat("step ", s.last_checkpoint_step(),
+                                                               " at ", s.last_checkpoint_path())
+                                                      .c_str());
     std::printf("last checkpoint at  %s\n", when(s.last_checkpoint_unix_micros()).c_str());
     std::printf("groups:\n");
     std::vector<diond::v1::SessionGroupInfo> groups(s.groups().begin(), s.groups().end());
@@ -453,19 +457,23 @@ int World(const Connection& c) {
   std::vector<int> ranks;
   for (int r = 0; r < m.world_size(); ++r) ranks.push_back(r);
   PrintTable<int>({{"RANK", [](int r) { return absl::StrCat(r); }},
-                   {"ADDRESS", [&](int r) {
+                   {"ADDRESS",
+                    [&](int r) {
                       auto it = by_rank.find(r);
                       return it == by_rank.end() ? std::string("-") : it->second->address();
                     }},
-                   {"STATE", [&](int r) {
+                   {"STATE",
+                    [&](int r) {
                       auto it = by_rank.find(r);
                       if (it == by_rank.end()) return std::string("never joined");
                       return std::string(it->second->live() ? "live" : "lost");
                     }},
-                   {"INCARNATION", [&](int r) {
+                   {"INCARNATION",
+                    [&](int r) {
                       auto it = by_rank.find(r);
-                      return it == by_rank.end() ? std::string("-")
-                                                 : absl::StrFormat("%016x", it->second->incarnation());
+                      return it == by_rank.end()
+                                 ? std::string("-")
+                                 : absl::StrFormat("%016x", it->second->incarnation());
                     }}},
                   ranks);
   std::printf("lost ranks: %s\n", lost.empty() ? "none" : absl::StrJoin(lost, ", ").c_str());
@@ -560,9 +568,9 @@ struct Scrape {
   absl::Time at;
   std::vector<Sample> samples;
 
-  double Sum(absl::string_view name,
-             const std::function<bool(const std::map<std::string, std::string>&)>& keep =
-                 nullptr) const {
+  double Sum(
+      absl::string_view name,
+      const std::function<bool(const std::map<std::string, std::string>&)>& keep = nullptr) const {
     double total = 0;
     for (const Sample& s : samples) {
       if (s.name == name && (!keep || keep(s.labels))) total += s.value;
@@ -665,12 +673,11 @@ int Top() {
     const auto compute_after = cur.Buckets("diond_step_compute_seconds");
     const double steps_in_window = cur.Sum("diond_step_duration_seconds_count") -
                                    prev.Sum("diond_step_duration_seconds_count");
-    const double mean_ms =
-        steps_in_window > 0 ? 1e3 *
-                                  (cur.Sum("diond_step_duration_seconds_sum") -
-                                   prev.Sum("diond_step_duration_seconds_sum")) /
-                                  steps_in_window
-                            : NAN;
+    const double mean_ms = steps_in_window > 0 ? 1e3 *
+                                                     (cur.Sum("diond_step_duration_seconds_sum") -
+                                                      prev.Sum("diond_step_duration_seconds_sum")) /
+                                                     steps_in_window
+                                               : NAN;
     auto ms = [](std::optional<double> v) { return v ? *v * 1e3 : NAN; };
     const double p50 = ms(Quantile(total_before, total_after, 0.5));
     const double p99 = ms(Quantile(total_before, total_after, 0.99));
@@ -688,7 +695,8 @@ int Top() {
           {"time", absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ", cur.at, absl::UTCTimeZone())},
           {"iteration", n},
           {"interval_seconds", dt},
-          {"steps_per_second", {{"applied", applied}, {"skipped", skipped}, {"replayed", replayed}}},
+          {"steps_per_second",
+           {{"applied", applied}, {"skipped", skipped}, {"replayed", replayed}}},
           {"step_errors_per_second", step_errors},
           {"rpc_errors_per_second", rpc_errors},
           {"step_ms", {{"mean", num(mean_ms)}, {"p50", num(p50)}, {"p99", num(p99)}}},
@@ -701,7 +709,9 @@ int Top() {
       std::printf("%s\n", j.dump().c_str());
     } else {
       if (tty) std::printf("\033[H\033[2J");
-      auto f = [](double v) { return std::isnan(v) ? std::string("-") : absl::StrFormat("%.2f", v); };
+      auto f = [](double v) {
+        return std::isnan(v) ? std::string("-") : absl::StrFormat("%.2f", v);
+      };
       std::printf("diond top  %s  (%s, every %s)\n",
                   absl::FormatTime("%H:%M:%S", cur.at, absl::UTCTimeZone()).c_str(), url.c_str(),
                   absl::FormatDuration(interval).c_str());
@@ -712,9 +722,9 @@ int Top() {
                   f(c99).c_str());
       std::printf("sessions    %.0f   state %s%s\n", sessions,
                   Bytes(static_cast<int64_t>(state_bytes)).c_str(),
-                  budget > 0 ? absl::StrCat(" of ", Bytes(static_cast<int64_t>(budget)),
-                                            " budget").c_str()
-                             : "");
+                  budget > 0
+                      ? absl::StrCat(" of ", Bytes(static_cast<int64_t>(budget)), " budget").c_str()
+                      : "");
       if (world_size > 1) {
         std::printf("world       %.0f of %.0f ranks live   collectives %s/s\n", peers, world_size,
                     Bytes(static_cast<int64_t>(collective_bps)).c_str());

@@ -58,17 +58,17 @@ int Slot(DeviceType type) { return static_cast<int>(type); }
 absl::Status RegisterOpsBackend(DeviceType type, const OpsBackend* backend) {
   const int slot = Slot(type);
   if (slot < 0 || slot >= kDeviceTypes) {
-    return absl::InvalidArgumentError(absl::StrCat("RegisterOpsBackend: unknown device type ", slot));
+    return absl::InvalidArgumentError(
+        absl::StrCat("RegisterOpsBackend: unknown device type ", slot));
   }
   if (backend == nullptr) return absl::InvalidArgumentError("RegisterOpsBackend: null table");
   if (backend->version != kOpsBackendVersion) {
-    return absl::InvalidArgumentError(absl::StrCat("RegisterOpsBackend: table version ",
-                                                   backend->version, ", want ",
-                                                   kOpsBackendVersion));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "RegisterOpsBackend: table version ", backend->version, ", want ", kOpsBackendVersion));
   }
   if (!Complete(*backend)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "RegisterOpsBackend: the table for ", DeviceTypeName(type), " has a null entry"));
+    return absl::InvalidArgumentError(absl::StrCat("RegisterOpsBackend: the table for ",
+                                                   DeviceTypeName(type), " has a null entry"));
   }
   Registry& r = GetRegistry();
   std::lock_guard<std::mutex> lock(r.mu);
@@ -162,8 +162,8 @@ Context::Context(const ContextOptions& options, const OpsBackend* backend)
       stats_(std::make_shared<AllocationStats>()),
       scratch_(std::make_unique<ScratchArena>(
           options.scratch_block_bytes,
-          ScratchArena::BlockAllocator{&Context::ArenaAllocate, &Context::ArenaDeallocate,
-                                       this})) {}
+          ScratchArena::BlockAllocator{&Context::ArenaAllocate, &Context::ArenaDeallocate, this})) {
+}
 
 Context::~Context() = default;
 
@@ -174,9 +174,9 @@ void Context::InterposeBackend(const OpsBackend* table) {
 absl::StatusOr<std::unique_ptr<Context>> Context::Create(const ContextOptions& options) {
   const OpsBackend* backend = FindOpsBackend(options.device.type);
   if (backend == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "Context: device ", DeviceTypeName(options.device.type), ":", options.device.index,
-        " has no ops backend in this build; use the CPU"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("Context: device ", DeviceTypeName(options.device.type), ":",
+                     options.device.index, " has no ops backend in this build; use the CPU"));
   }
   if (options.device.index < 0) {
     return absl::InvalidArgumentError(
@@ -218,9 +218,9 @@ absl::StatusOr<Buffer> Allocator::Allocate(DType dtype, const std::vector<int64_
   int64_t n = 1;
   for (int64_t d : shape) {
     if (d < 0 || (d > 0 && n > (int64_t{1} << 40) / d)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "Allocate: shape [", absl::StrJoin(shape, ", "), "] is ",
-          d < 0 ? "negative" : "too large"));
+      return absl::InvalidArgumentError(absl::StrCat("Allocate: shape [",
+                                                     absl::StrJoin(shape, ", "), "] is ",
+                                                     d < 0 ? "negative" : "too large"));
     }
     n *= d;
   }
@@ -228,8 +228,8 @@ absl::StatusOr<Buffer> Allocator::Allocate(DType dtype, const std::vector<int64_
   const size_t capacity = ((bytes ? bytes : 1) + 63) & ~size_t{63};
   void* p = backend_->allocate(device_, capacity);
   if (p == nullptr) {
-    return absl::ResourceExhaustedError(absl::StrCat("Allocate: ", backend_->name,
-                                                     " cannot allocate ", bytes, " bytes"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("Allocate: ", backend_->name, " cannot allocate ", bytes, " bytes"));
   }
   stats_->allocations.fetch_add(1);
   stats_->bytes_in_use.fetch_add(static_cast<int64_t>(capacity));

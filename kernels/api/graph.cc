@@ -29,8 +29,8 @@ inline uint64_t Mix(uint64_t h, uint64_t v) {
 template <typename P>
 void HashArg(uint64_t& h, const BasicTensorView<P>& v) {
   h = Mix(h, reinterpret_cast<uintptr_t>(v.data()));
-  h = Mix(h, (static_cast<uint64_t>(v.device().type) << 32) ^
-                 static_cast<uint32_t>(v.device().index));
+  h = Mix(h,
+          (static_cast<uint64_t>(v.device().type) << 32) ^ static_cast<uint32_t>(v.device().index));
   const TensorLayout& l = v.layout();
   h = Mix(h, (static_cast<uint64_t>(l.dtype) << 8) ^ static_cast<uint64_t>(l.rank));
   for (int i = 0; i < kMaxRank; ++i) {
@@ -67,8 +67,8 @@ inline void HashArg(uint64_t&, const ApplyUpdateParams&) {}
 // ---- a pass of the phase --------------------------------------------------------------------
 
 struct Pass {
-  bool capture = false;          // false: record only (execute nothing)
-  bool host_copies = false;      // StepGraph::Options::host_copies
+  bool capture = false;      // false: record only (execute nothing)
+  bool host_copies = false;  // StepGraph::Options::host_copies
   const OpsBackend* inner = nullptr;
   std::vector<uint64_t> signature;
   std::vector<unsigned char> records;  // host block of records, in op order
@@ -139,12 +139,11 @@ constexpr Kind kOpKinds[] = {
 // An op that cannot be in the pass's graph: the first one is noted, and the phase sees an error.
 absl::Status Refuse(Pass& p, int op, Kind kind) {
   if (p.refused.empty()) {
-    p.refused = absl::StrCat(kOpNames[op],
-                             kind == Kind::kWaits
-                                 ? " (it waits for the device to hand a value to the host)"
-                             : kind == Kind::kNoCapture
-                                 ? " (its library, cuSOLVER, does not document stream capture)"
-                                 : " (it reads or writes host memory)");
+    p.refused = absl::StrCat(
+        kOpNames[op],
+        kind == Kind::kWaits       ? " (it waits for the device to hand a value to the host)"
+        : kind == Kind::kNoCapture ? " (its library, cuSOLVER, does not document stream capture)"
+                                   : " (it reads or writes host memory)");
   }
   return absl::FailedPreconditionError(
       absl::StrCat(kOpNames[op], " cannot be part of a captured graph"));
@@ -189,7 +188,8 @@ const OpsBackend& RecordingTable() {
     t->allocate = &ForwardAllocate;
     t->deallocate = &ForwardDeallocate;
 #define DIOND_X(member) \
-  t->member = &Wrap<decltype(OpsBackend::member)>::template Entry<&OpsBackend::member, kOp_##member>;
+  t->member =           \
+      &Wrap<decltype(OpsBackend::member)>::template Entry<&OpsBackend::member, kOp_##member>;
 #define DIOND_OP(name, Name, kind, cpp_params, c_params) DIOND_X(name)
 #define DIOND_HOST_OP(name, Name, kind, cpp_params, c_entry) DIOND_X(name)
 #include "kernels/ops.def"
@@ -279,11 +279,11 @@ absl::StatusOr<StepGraph::Outcome> StepGraph::Run(const std::function<absl::Stat
     auto fresh = std::make_unique<Graph>();
     fresh->records = rec.records;
     if (!rec.records.empty()) {
-      auto block = ctx_->Allocate(DType::kF32, {static_cast<int64_t>(
-                                                    (rec.records.size() + 3) / 4)});
+      auto block =
+          ctx_->Allocate(DType::kF32, {static_cast<int64_t>((rec.records.size() + 3) / 4)});
       if (!block.ok()) {
-        return eager("capture_failed", absl::StrCat("the graph's scalar block: ",
-                                                    block.status().message()));
+        return eager("capture_failed",
+                     absl::StrCat("the graph's scalar block: ", block.status().message()));
       }
       fresh->block = *std::move(block);
     }

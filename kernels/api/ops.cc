@@ -54,8 +54,8 @@ absl::Status CheckQrArgs(const Context& ctx, const char* op, ConstTensorView a, 
     DIOND_RETURN_IF_ERROR(CheckDType(op, "r", r.layout(), DType::kF32));
     if (r.Rows() != a.Cols() || r.Cols() != a.Cols() || r.Batch() != a.Batch()) {
       return Invalid(op, "r is ", r.DebugString(), ", want ",
-                     a.Batch() > 1 || a.rank() == 3 ? "[batch, n, n]" : "[n, n]", " with n = ",
-                     a.Cols());
+                     a.Batch() > 1 || a.rank() == 3 ? "[batch, n, n]" : "[n, n]",
+                     " with n = ", a.Cols());
     }
   }
   return absl::OkStatus();
@@ -118,8 +118,8 @@ absl::Status CheckSlices(const Context& ctx, const char* op, ConstTensorView ful
 }
 
 // All views contiguous f32 of x's shape (direction/grad may be any float dtype when allowed).
-absl::Status CheckF32Like(const Context& ctx, const char* op, const char* name,
-                          ConstTensorView v, ConstTensorView x, bool any_dtype = false) {
+absl::Status CheckF32Like(const Context& ctx, const char* op, const char* name, ConstTensorView v,
+                          ConstTensorView x, bool any_dtype = false) {
   DIOND_RETURN_IF_ERROR(CheckContiguous(ctx, op, name, v));
   if (!any_dtype) DIOND_RETURN_IF_ERROR(CheckDType(op, name, v.layout(), DType::kF32));
   if (!SameShape(v.layout(), x.layout())) {
@@ -157,14 +157,12 @@ absl::Status Gemm(const Context& ctx, const GemmParams& p, ConstTensorView a, Co
   if (b.Batch() != 1 && b.Batch() != batch) {
     return Invalid(kOp, "b has batch ", b.Batch(), ", c has batch ", batch);
   }
-  const bool f32 = a.dtype() == DType::kF32 && b.dtype() == DType::kF32 &&
-                   c.dtype() == DType::kF32;
+  const bool f32 = a.dtype() == DType::kF32 && b.dtype() == DType::kF32 && c.dtype() == DType::kF32;
   const bool bf16 = a.dtype() == DType::kBf16 && b.dtype() == DType::kBf16 &&
                     (c.dtype() == DType::kF32 || c.dtype() == DType::kBf16);
   if (!f32 && !bf16) {
-    return Invalid(kOp, "unsupported dtypes a ", DTypeName(a.dtype()), ", b ",
-                   DTypeName(b.dtype()), ", c ", DTypeName(c.dtype()),
-                   " (want f32,f32->f32 or bf16,bf16->f32|bf16)");
+    return Invalid(kOp, "unsupported dtypes a ", DTypeName(a.dtype()), ", b ", DTypeName(b.dtype()),
+                   ", c ", DTypeName(c.dtype()), " (want f32,f32->f32 or bf16,bf16->f32|bf16)");
   }
   return ctx.backend().gemm(ctx, p, a, b, c);
 }
@@ -343,7 +341,6 @@ absl::Status AddScalar(const Context& ctx, float alpha, ConstTensorView x, float
   return ctx.backend().add_scalar(ctx, alpha, x, beta, out);
 }
 
-
 absl::Status Unary(const Context& ctx, UnaryOp op, ConstTensorView x, TensorView out) {
   constexpr const char* kOp = "Unary";
   DIOND_RETURN_IF_ERROR(CheckSameShapeContiguous(ctx, kOp, x, "x", out));
@@ -374,7 +371,6 @@ absl::Status Binary(const Context& ctx, BinaryOp op, ConstTensorView x, ConstTen
   return ctx.backend().binary(ctx, op, x, y, out);
 }
 
-
 namespace {
 
 constexpr const char* kSetByGraph =
@@ -386,8 +382,10 @@ absl::Status CheckAdamWArgs(const Context& ctx, const char* kOp, const AdamWPara
   DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "grad", grad, x));
   DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "m", m, x));
   DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "v", v, x));
-  for (auto [name, val] : {std::pair<const char*, float>{"lr", p.lr}, {"beta1", p.beta1},
-                           {"beta2", p.beta2}, {"epsilon", p.epsilon},
+  for (auto [name, val] : {std::pair<const char*, float>{"lr", p.lr},
+                           {"beta1", p.beta1},
+                           {"beta2", p.beta2},
+                           {"epsilon", p.epsilon},
                            {"weight_decay", p.weight_decay}}) {
     DIOND_RETURN_IF_ERROR(CheckFinite(kOp, name, val));
   }
@@ -404,8 +402,10 @@ absl::Status CheckLionArgs(const Context& ctx, const char* kOp, const LionParams
   DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "x", x, x));
   DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "grad", grad, x));
   DIOND_RETURN_IF_ERROR(CheckF32Like(ctx, kOp, "m", m, x));
-  for (auto [name, val] : {std::pair<const char*, float>{"lr", p.lr}, {"beta1", p.beta1},
-                           {"beta2", p.beta2}, {"weight_decay", p.weight_decay}}) {
+  for (auto [name, val] : {std::pair<const char*, float>{"lr", p.lr},
+                           {"beta1", p.beta1},
+                           {"beta2", p.beta2},
+                           {"weight_decay", p.weight_decay}}) {
     DIOND_RETURN_IF_ERROR(CheckFinite(kOp, name, val));
   }
   if (p.scalars_on_device != nullptr) return Invalid(kOp, kSetByGraph);
@@ -433,11 +433,10 @@ absl::Status CheckScalarOut(const Context& ctx, const char* kOp, TensorView out,
   return absl::OkStatus();
 }
 
-
 }  // namespace
 
-absl::Status AdamWStep(const Context& ctx, const AdamWParams& p, ConstTensorView grad,
-                       TensorView x, TensorView m, TensorView v) {
+absl::Status AdamWStep(const Context& ctx, const AdamWParams& p, ConstTensorView grad, TensorView x,
+                       TensorView m, TensorView v) {
   DIOND_RETURN_IF_ERROR(CheckAdamWArgs(ctx, "AdamWStep", p, grad, x, m, v));
   return ctx.backend().adamw_step(ctx, p, grad, x, m, v);
 }
@@ -479,8 +478,8 @@ absl::Status Bf16RoundedAxpby(const Context& ctx, float alpha, ConstTensorView x
 
 // ================================ kops: fused optimizer phases ================================
 
-absl::Status AdamWStep(const Context& ctx, const AdamWParams& p, ConstTensorView grad,
-                       TensorView x, TensorView m, TensorView v, TensorView update_sq) {
+absl::Status AdamWStep(const Context& ctx, const AdamWParams& p, ConstTensorView grad, TensorView x,
+                       TensorView m, TensorView v, TensorView update_sq) {
   DIOND_RETURN_IF_ERROR(CheckAdamWArgs(ctx, "AdamWStep", p, grad, x, m, v));
   DIOND_RETURN_IF_ERROR(CheckScalarOut(ctx, "AdamWStep", update_sq, x));
   return ctx.backend().adamw_step_tracked(ctx, p, grad, x, m, v, update_sq);
@@ -565,9 +564,9 @@ absl::Status CopyWithChange(const Context& ctx, ConstTensorView src, TensorView 
   return ctx.backend().copy_with_change(ctx, src, dst, update_sq);
 }
 
-absl::Status DecayScatterWithChange(const Context& ctx, float decay, ConstTensorView src,
-                                    Axis axis, absl::Span<const int64_t> indices, float alpha,
-                                    TensorView x, TensorView update_sq) {
+absl::Status DecayScatterWithChange(const Context& ctx, float decay, ConstTensorView src, Axis axis,
+                                    absl::Span<const int64_t> indices, float alpha, TensorView x,
+                                    TensorView update_sq) {
   constexpr const char* kOp = "DecayScatterWithChange";
   DIOND_RETURN_IF_ERROR(CheckContiguous(ctx, kOp, "x", x));
   DIOND_RETURN_IF_ERROR(CheckDType(kOp, "x", x.layout(), DType::kF32));
@@ -654,8 +653,7 @@ namespace {
 // The two sides of an explicit copy: `dev` on the context's device, `host` a CPU view, both
 // contiguous, same shape and dtype.
 absl::Status CheckHostDeviceCopy(const Context& ctx, const char* op, const char* host_name,
-                                 ConstTensorView host, const char* dev_name,
-                                 ConstTensorView dev) {
+                                 ConstTensorView host, const char* dev_name, ConstTensorView dev) {
   DIOND_RETURN_IF_ERROR(CheckContiguous(ctx, op, dev_name, dev));
   if (host.device().type != DeviceType::kCpu) {
     return Invalid(op, host_name, " is on device ", static_cast<int>(host.device().type), ":",
@@ -764,11 +762,10 @@ absl::Status WidenScaleCheckFiniteFlag(const Context& ctx, ConstTensorView x, fl
 // ================================ graph: device-side scalars ===================================
 
 AdamWScalarRecord ScalarRecordOf(const AdamWParams& p) {
-  const math::AdamWScalars s = math::MakeAdamWScalars(p.lr, p.beta1, p.beta2, p.epsilon,
-                                                      p.weight_decay, p.step, p.cautious);
-  return AdamWScalarRecord{s.decay, s.lr_wd,     s.one_minus_b1, s.one_minus_b2,
-                           s.beta2, s.step_size, s.sqrt_bc2,     s.eps,
-                           s.cautious ? 1 : 0};
+  const math::AdamWScalars s =
+      math::MakeAdamWScalars(p.lr, p.beta1, p.beta2, p.epsilon, p.weight_decay, p.step, p.cautious);
+  return AdamWScalarRecord{s.decay,     s.lr_wd,    s.one_minus_b1, s.one_minus_b2,    s.beta2,
+                           s.step_size, s.sqrt_bc2, s.eps,          s.cautious ? 1 : 0};
 }
 LionScalarRecord ScalarRecordOf(const LionParams& p) {
   const math::LionScalars s =

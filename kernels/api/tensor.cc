@@ -28,7 +28,7 @@ Float16 FloatToF16(float f) {
   std::memcpy(&u, &f, 4);
   const uint32_t sign = (u >> 16) & 0x8000u;
   const uint32_t abs = u & 0x7fffffffu;
-  if (abs > 0x7f800000u) return Float16{static_cast<uint16_t>(sign | 0x7e00u)};  // NaN
+  if (abs > 0x7f800000u) return Float16{static_cast<uint16_t>(sign | 0x7e00u)};   // NaN
   if (abs >= 0x477ff000u) return Float16{static_cast<uint16_t>(sign | 0x7c00u)};  // ≥ 65520: Inf
   if (abs < 0x38800000u) {  // below the smallest normal f16 (2^-14): subnormal or zero
     if (abs < 0x33000000u) return Float16{static_cast<uint16_t>(sign)};  // < 2^-25 rounds to 0
@@ -128,8 +128,8 @@ ScratchArena::~ScratchArena() {
 
 absl::StatusOr<void*> ScratchArena::Allocate(size_t bytes, size_t alignment) {
   if (alignment == 0 || (alignment & (alignment - 1)) != 0 || alignment > 4096) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("ScratchArena::Allocate: alignment ", alignment, " is not a power of two <= 4096"));
+    return absl::InvalidArgumentError(absl::StrCat("ScratchArena::Allocate: alignment ", alignment,
+                                                   " is not a power of two <= 4096"));
   }
   if (bytes == 0) bytes = 1;
   // Try the current block, then later (already reserved) blocks, then a new block.

@@ -4,8 +4,8 @@
 
 namespace diond::kernels::api {
 
-absl::Status CheckView(const Context& ctx, const char* op, const char* name,
-                       const TensorLayout& l, const void* data, Device device, int min_rank) {
+absl::Status CheckView(const Context& ctx, const char* op, const char* name, const TensorLayout& l,
+                       const void* data, Device device, int min_rank) {
   if (l.rank < min_rank || l.rank > kMaxRank) {
     return Invalid(op, name, " has rank ", l.rank, ", want ", min_rank, "..", kMaxRank);
   }

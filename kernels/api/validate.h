@@ -1,4 +1,5 @@
-// Device-independent argument checks of the ops dispatcher (kernels/api/ops.cc). Each returns INVALID_ARGUMENT with a message of the form
+// Device-independent argument checks of the ops dispatcher (kernels/api/ops.cc). Each returns
+// INVALID_ARGUMENT with a message of the form
 // "<Op>: <argument> is <layout>, <what was wanted>" (STYLE.md E2).
 #ifndef DIOND_KERNELS_API_VALIDATE_H_
 #define DIOND_KERNELS_API_VALIDATE_H_
@@ -18,8 +19,8 @@ absl::Status Invalid(const char* op, const Args&... args) {
 }
 
 // rank in [min_rank, 3], dims >= 0, non-null data when non-empty, on ctx's device.
-absl::Status CheckView(const Context& ctx, const char* op, const char* name,
-                       const TensorLayout& l, const void* data, Device device, int min_rank = 0);
+absl::Status CheckView(const Context& ctx, const char* op, const char* name, const TensorLayout& l,
+                       const void* data, Device device, int min_rank = 0);
 
 // CheckView plus: rank 2 or 3 (rank 1 accepted if allow_vector), unit column stride (when
 // cols > 1), row stride >= cols, batch stride >= 0.

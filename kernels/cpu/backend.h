@@ -53,8 +53,8 @@ absl::Status AddScalar(const Context& ctx, float alpha, ConstTensorView x, float
 absl::Status Unary(const Context& ctx, UnaryOp op, ConstTensorView x, TensorView out);
 absl::Status Binary(const Context& ctx, BinaryOp op, ConstTensorView x, ConstTensorView y,
                     TensorView out);
-absl::Status AdamWStep(const Context& ctx, const AdamWParams& p, ConstTensorView grad,
-                       TensorView x, TensorView m, TensorView v);
+absl::Status AdamWStep(const Context& ctx, const AdamWParams& p, ConstTensorView grad, TensorView x,
+                       TensorView m, TensorView v);
 // steps (session_ops.cc)
 absl::Status AllFinite(const Context& ctx, ConstTensorView x, bool* all_finite);
 absl::Status WidenScaleCheckFinite(const Context& ctx, ConstTensorView x, float scale,
@@ -75,10 +75,9 @@ absl::Status ApplyUpdate(const Context& ctx, const ApplyUpdateParams& p, ConstTe
 absl::Status NormalizeNeurons(const Context& ctx, float w, TensorView o, TensorView v);
 absl::Status CopyWithChange(const Context& ctx, ConstTensorView src, TensorView dst,
                             TensorView update_sq);
-absl::Status DecayScatterWithChange(const Context& ctx, float decay, ConstTensorView src,
-                                    Axis axis, absl::Span<const int64_t> indices, float alpha,
-                                    TensorView x, TensorView update_sq);
-
+absl::Status DecayScatterWithChange(const Context& ctx, float decay, ConstTensorView src, Axis axis,
+                                    absl::Span<const int64_t> indices, float alpha, TensorView x,
+                                    TensorView update_sq);
 
 // ortho (ortho_ops.cc)
 absl::Status AddToDiagonal(const Context& ctx, float value, TensorView a);

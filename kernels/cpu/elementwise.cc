@@ -5,9 +5,9 @@
 #include <cstring>
 
 #include "common/status_macros.h"
+#include "kernels/cpu/backend.h"
 #include "kernels/cpu/loops.h"
 #include "kernels/elementwise_math.h"
-#include "kernels/cpu/backend.h"
 
 namespace diond::kernels::cpu {
 namespace {
@@ -149,16 +149,19 @@ absl::Status Copy(const Context& ctx, ConstTensorView src, TensorView dst) {
       using D = decltype(dt);
       const S* sp = static_cast<const S*>(src.data());
       D* dp = static_cast<D*>(dst.data());
-      ParallelRange(s.dims[0] * s.dims[1], [&](int64_t b, int64_t e) {
-        for (int64_t r = b; r < e; ++r) {
-          const int64_t i0 = r / s.dims[1], i1 = r % s.dims[1];
-          const S* si = sp + i0 * s.strides[0] + i1 * s.strides[1];
-          D* di = dp + i0 * d.strides[0] + i1 * d.strides[1];
-          for (int64_t j = 0; j < s.dims[2]; ++j) {
-            di[j * d.strides[2]] = FromF32<D>(ToF32(si[j * s.strides[2]]));
-          }
-        }
-      }, std::max<int64_t>(1, cpu::kParallelGrain / std::max<int64_t>(1, s.dims[2])));
+      ParallelRange(
+          s.dims[0] * s.dims[1],
+          [&](int64_t b, int64_t e) {
+            for (int64_t r = b; r < e; ++r) {
+              const int64_t i0 = r / s.dims[1], i1 = r % s.dims[1];
+              const S* si = sp + i0 * s.strides[0] + i1 * s.strides[1];
+              D* di = dp + i0 * d.strides[0] + i1 * d.strides[1];
+              for (int64_t j = 0; j < s.dims[2]; ++j) {
+                di[j * d.strides[2]] = FromF32<D>(ToF32(si[j * s.strides[2]]));
+              }
+            }
+          },
+          std::max<int64_t>(1, cpu::kParallelGrain / std::max<int64_t>(1, s.dims[2])));
     });
   });
   return absl::OkStatus();
@@ -284,17 +287,20 @@ absl::Status Binary(const Context& ctx, BinaryOp op, ConstTensorView x, ConstTen
         const Y* yp = static_cast<const Y*>(y.data());
         O* op_ = static_cast<O*>(out.data());
         const int64_t rows = xl.dims[0] * xl.dims[1], cols = xl.dims[2];
-        ParallelRange(rows, [&](int64_t b, int64_t e) {
-          for (int64_t r = b; r < e; ++r) {
-            const int64_t i0 = r / xl.dims[1], i1 = r % xl.dims[1];
-            const Y* yr = yp + i0 * yl.strides[0] + i1 * yl.strides[1];
-            const X* xr = xp + r * cols;
-            O* orow = op_ + r * cols;
-            for (int64_t j = 0; j < cols; ++j) {
-              orow[j] = FromF32<O>(apply(ToF32(xr[j]), ToF32(yr[j * yl.strides[2]])));
-            }
-          }
-        }, std::max<int64_t>(1, cpu::kParallelGrain / std::max<int64_t>(1, cols)));
+        ParallelRange(
+            rows,
+            [&](int64_t b, int64_t e) {
+              for (int64_t r = b; r < e; ++r) {
+                const int64_t i0 = r / xl.dims[1], i1 = r % xl.dims[1];
+                const Y* yr = yp + i0 * yl.strides[0] + i1 * yl.strides[1];
+                const X* xr = xp + r * cols;
+                O* orow = op_ + r * cols;
+                for (int64_t j = 0; j < cols; ++j) {
+                  orow[j] = FromF32<O>(apply(ToF32(xr[j]), ToF32(yr[j * yl.strides[2]])));
+                }
+              }
+            },
+            std::max<int64_t>(1, cpu::kParallelGrain / std::max<int64_t>(1, cols)));
       });
     });
   });

@@ -156,9 +156,9 @@ TEST(LionStep, MatchesRecipe) {
   p.beta2 = 0.99f;
   p.weight_decay = 0.1f;
   const auto x0 = x, m0 = m;
-  ASSERT_THAT(LionStep(*ctx, p, MakeView(g.data(), {3}), MakeView(x.data(), {3}),
-                       MakeView(m.data(), {3})),
-              IsOk());
+  ASSERT_THAT(
+      LionStep(*ctx, p, MakeView(g.data(), {3}), MakeView(x.data(), {3}), MakeView(m.data(), {3})),
+      IsOk());
   for (int i = 0; i < 3; ++i) {
     const float c = m0[i] + (1.0f - p.beta1) * (g[i] - m0[i]);
     const float u = c > 0 ? 1.0f : (c < 0 ? -1.0f : 0.0f);

@@ -7,8 +7,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
-#include "kernels/cpu/threading.h"
 #include "kernels/cpu/backend.h"
+#include "kernels/cpu/threading.h"
 
 namespace diond::kernels::cpu {
 
@@ -39,14 +39,14 @@ void CopyUpper(const float* src, int64_t lds, float* dst, int64_t ldd, int64_t n
 
 // t (m×n, column-major, leading dimension m) ← a (m×n, row-major, row stride lda).
 void ToColMajor(const float* a, int64_t m, int64_t n, int64_t lda, float* t) {
-  cblas_somatcopy(CblasRowMajor, CblasTrans, static_cast<blasint>(m), static_cast<blasint>(n),
-                  1.0f, a, static_cast<blasint>(lda), t, static_cast<blasint>(m));
+  cblas_somatcopy(CblasRowMajor, CblasTrans, static_cast<blasint>(m), static_cast<blasint>(n), 1.0f,
+                  a, static_cast<blasint>(lda), t, static_cast<blasint>(m));
 }
 
 // a (m×n, row-major, row stride lda) ← t (m×n, column-major, leading dimension m).
 void FromColMajor(const float* t, int64_t m, int64_t n, float* a, int64_t lda) {
-  cblas_somatcopy(CblasRowMajor, CblasTrans, static_cast<blasint>(n), static_cast<blasint>(m),
-                  1.0f, t, static_cast<blasint>(m), a, static_cast<blasint>(lda));
+  cblas_somatcopy(CblasRowMajor, CblasTrans, static_cast<blasint>(n), static_cast<blasint>(m), 1.0f,
+                  t, static_cast<blasint>(m), a, static_cast<blasint>(lda));
 }
 
 // r (n×n, row-major, ldr) ← the upper triangle of the column-major t (leading dimension ldt),
@@ -65,15 +65,15 @@ absl::Status HouseholderQrInPlace(const char* op, int64_t index, float* w, int64
   lapack_int info = LAPACKE_sgeqrf(LAPACK_COL_MAJOR, static_cast<lapack_int>(m),
                                    static_cast<lapack_int>(n), t, static_cast<lapack_int>(m), tau);
   if (info != 0) {
-    return absl::InternalError(absl::StrCat(op, ": sgeqrf failed on matrix ", index, " (info ",
-                                            info, ")"));
+    return absl::InternalError(
+        absl::StrCat(op, ": sgeqrf failed on matrix ", index, " (info ", info, ")"));
   }
   if (r != nullptr) CopyUpperFromColMajor(t, m, r, ldr, n);
   info = LAPACKE_sorgqr(LAPACK_COL_MAJOR, static_cast<lapack_int>(m), static_cast<lapack_int>(n),
                         static_cast<lapack_int>(n), t, static_cast<lapack_int>(m), tau);
   if (info != 0) {
-    return absl::InternalError(absl::StrCat(op, ": sorgqr failed on matrix ", index, " (info ",
-                                            info, ")"));
+    return absl::InternalError(
+        absl::StrCat(op, ": sorgqr failed on matrix ", index, " (info ", info, ")"));
   }
   FromColMajor(t, m, n, w, ld);
   return absl::OkStatus();
@@ -96,9 +96,11 @@ absl::Status CholeskyQrInPlace(const Context& ctx, const char* op, int64_t index
   const lapack_int info = LAPACKE_spotrf(LAPACK_COL_MAJOR, 'U', static_cast<lapack_int>(n), g,
                                          static_cast<lapack_int>(n));
   if (info != 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        op, ": matrix ", index, " (", m, "x", n, ") is numerically rank-deficient: the Gram "
-        "matrix is not positive definite (spotrf info ", info, ")"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(op, ": matrix ", index, " (", m, "x", n,
+                     ") is numerically rank-deficient: the Gram "
+                     "matrix is not positive definite (spotrf info ",
+                     info, ")"));
   }
   MirrorLowerToUpper(g, n, n);
   cblas_strsm(CblasRowMajor, CblasRight, CblasUpper, CblasNoTrans, CblasNonUnit,
@@ -167,12 +169,12 @@ absl::Status RandomizedCholeskyQr(const Context& ctx, ConstTensorView a, ConstTe
     // runs LAPACK on OpenBLAS's pool: one pool at a time, in sequence (context.h policy).
     DIOND_RETURN_IF_ERROR(cpu::Gemm(ctx, GemmParams{}, sb, qb, MakeView(sa.As<float>(), {s, n})));
     ToColMajor(sa.As<float>(), s, n, n, t.As<float>());
-    const lapack_int info = LAPACKE_sgeqrf(LAPACK_COL_MAJOR, static_cast<lapack_int>(s),
-                                           static_cast<lapack_int>(n), t.As<float>(),
-                                           static_cast<lapack_int>(s), tau.As<float>());
+    const lapack_int info =
+        LAPACKE_sgeqrf(LAPACK_COL_MAJOR, static_cast<lapack_int>(s), static_cast<lapack_int>(n),
+                       t.As<float>(), static_cast<lapack_int>(s), tau.As<float>());
     if (info != 0) {
-      return absl::InternalError(absl::StrCat(kOp, ": sgeqrf failed on matrix ", b, " (info ",
-                                              info, ")"));
+      return absl::InternalError(
+          absl::StrCat(kOp, ": sgeqrf failed on matrix ", b, " (info ", info, ")"));
     }
     CopyUpperFromColMajor(t.As<float>(), s, r1.As<float>(), n, n);
     // A zero diagonal entry of R₁ means S·A is rank-deficient; trsm would divide by zero.

@@ -85,9 +85,8 @@ TEST_P(QrTest, CholeskyQrIsOrthonormalOnWellConditionedInput) {
 
 // RandomizedCholeskyQr of a random m×n matrix (seed) with an (n + 8)×m sketch (seed + 1):
 // fills *a, *sketch and returns Q.
-std::vector<float> RunRandomizedCholeskyQr(const Context& ctx, int64_t m, int64_t n,
-                                           uint32_t seed, std::vector<float>* a,
-                                           std::vector<float>* sketch) {
+std::vector<float> RunRandomizedCholeskyQr(const Context& ctx, int64_t m, int64_t n, uint32_t seed,
+                                           std::vector<float>* a, std::vector<float>* sketch) {
   *a = RandomVector(m * n, seed);
   const int64_t s = n + 8;
   *sketch = RandomVector(s * m, seed + 1, 1.0f / std::sqrt(static_cast<float>(s)));

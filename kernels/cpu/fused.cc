@@ -7,9 +7,9 @@
 #include <vector>
 
 #include "common/status_macros.h"
+#include "kernels/cpu/backend.h"
 #include "kernels/cpu/loops.h"
 #include "kernels/elementwise_math.h"
-#include "kernels/cpu/backend.h"
 
 namespace diond::kernels::cpu {
 
@@ -183,11 +183,10 @@ DIOND_CPU_CLONES double DecayScatterRowRange(float decay, float alpha, const flo
   return SumLanes(lanes);
 }
 
-
 }  // namespace
 
-absl::Status AdamWStep(const Context& ctx, const AdamWParams& p, ConstTensorView grad,
-                       TensorView x, TensorView m, TensorView v) {
+absl::Status AdamWStep(const Context& ctx, const AdamWParams& p, ConstTensorView grad, TensorView x,
+                       TensorView m, TensorView v) {
   cpu::ApplyThreadPolicy(ctx);
   const math::AdamWScalars s = AdamWScalarsOf(p);
   float* xp = x.As<float>();
@@ -222,9 +221,8 @@ absl::Status LionStep(const Context& ctx, const LionParams& p, ConstTensorView g
   float* xp = x.As<float>();
   float* mp = m.As<float>();
   const float* gp = grad.As<float>();
-  cpu::ParallelRange(x.NumElements(), [&](int64_t b, int64_t e) {
-    LionRange(s, gp + b, xp + b, mp + b, e - b);
-  });
+  cpu::ParallelRange(x.NumElements(),
+                     [&](int64_t b, int64_t e) { LionRange(s, gp + b, xp + b, mp + b, e - b); });
   return absl::OkStatus();
 }
 
@@ -321,9 +319,9 @@ absl::Status CopyWithChange(const Context& ctx, ConstTensorView src, TensorView 
   return absl::OkStatus();
 }
 
-absl::Status DecayScatterWithChange(const Context& ctx, float decay, ConstTensorView src,
-                                    Axis axis, absl::Span<const int64_t> indices, float alpha,
-                                    TensorView x, TensorView update_sq) {
+absl::Status DecayScatterWithChange(const Context& ctx, float decay, ConstTensorView src, Axis axis,
+                                    absl::Span<const int64_t> indices, float alpha, TensorView x,
+                                    TensorView update_sq) {
   cpu::ApplyThreadPolicy(ctx);
   const int64_t batch = x.rank() == 3 ? x.dim(0) : 1;
   const int64_t rows = x.dim(x.rank() - 2), cols = x.dim(x.rank() - 1);
@@ -341,35 +339,38 @@ absl::Status DecayScatterWithChange(const Context& ctx, float decay, ConstTensor
   float* xp = x.As<float>();
   const float* sp = src.As<float>();
   const int64_t sub = by_rows ? k * cols : rows * k;  // src elements per matrix
-  const double sq = cpu::ParallelSum(batch * rows, [&](int64_t r0, int64_t r1) {
-    double acc = 0.0;
-    std::vector<float> old(static_cast<size_t>(by_rows ? 0 : k));  // kCols: a row's selected
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t b = r / rows, i = r % rows;
-      float* xrow = xp + r * cols;
-      if (by_rows) {
-        const int32_t j = slot[static_cast<size_t>(r)];
-        acc += j < 0 ? DecayRowRange(decay, xrow, cols)
-                     : DecayScatterRowRange(decay, alpha, sp + b * sub + j * cols, xrow, cols);
-      } else {
-        // The row decays in one vectorized pass (its Σ over every column); then each selected
-        // column takes α·s on top of its decayed value, and its term of the sum is corrected
-        // from the decayed change to the final one (values as the rows path; the sum differs
-        // from element order in the last bits, as GPU.md's sums do).
-        const int64_t* ib = indices.data() + b * k;
-        const float* srow = sp + b * sub + i * k;
-        for (int64_t j = 0; j < k; ++j) old[static_cast<size_t>(j)] = xrow[ib[j]];
-        acc += DecayRowRange(decay, xrow, cols);
-        for (int64_t j = 0; j < k; ++j) {
-          const float before = old[static_cast<size_t>(j)];
-          const float v = math::DecayScatterElement(decay, alpha, before, srow[j]);
-          acc += Sq(v, before) - Sq(xrow[ib[j]], before);
-          xrow[ib[j]] = v;
+  const double sq = cpu::ParallelSum(
+      batch * rows,
+      [&](int64_t r0, int64_t r1) {
+        double acc = 0.0;
+        std::vector<float> old(static_cast<size_t>(by_rows ? 0 : k));  // kCols: a row's selected
+        for (int64_t r = r0; r < r1; ++r) {
+          const int64_t b = r / rows, i = r % rows;
+          float* xrow = xp + r * cols;
+          if (by_rows) {
+            const int32_t j = slot[static_cast<size_t>(r)];
+            acc += j < 0 ? DecayRowRange(decay, xrow, cols)
+                         : DecayScatterRowRange(decay, alpha, sp + b * sub + j * cols, xrow, cols);
+          } else {
+            // The row decays in one vectorized pass (its Σ over every column); then each selected
+            // column takes α·s on top of its decayed value, and its term of the sum is corrected
+            // from the decayed change to the final one (values as the rows path; the sum differs
+            // from element order in the last bits, as GPU.md's sums do).
+            const int64_t* ib = indices.data() + b * k;
+            const float* srow = sp + b * sub + i * k;
+            for (int64_t j = 0; j < k; ++j) old[static_cast<size_t>(j)] = xrow[ib[j]];
+            acc += DecayRowRange(decay, xrow, cols);
+            for (int64_t j = 0; j < k; ++j) {
+              const float before = old[static_cast<size_t>(j)];
+              const float v = math::DecayScatterElement(decay, alpha, before, srow[j]);
+              acc += Sq(v, before) - Sq(xrow[ib[j]], before);
+              xrow[ib[j]] = v;
+            }
+          }
         }
-      }
-    }
-    return acc;
-  }, std::max<int64_t>(1, cpu::kParallelGrain / std::max<int64_t>(1, cols)));
+        return acc;
+      },
+      std::max<int64_t>(1, cpu::kParallelGrain / std::max<int64_t>(1, cols)));
   *update_sq.As<float>() = static_cast<float>(sq);
   return absl::OkStatus();
 }

@@ -1,6 +1,7 @@
 // Tests of the kops block of kernels/ops.h: the tracked AdamW/Lion steps, MomentumUpdate,
-// ApplyUpdate, NormalizeNeurons, CopyWithChange and DecayScatterWithChange, each against an independent scalar formulation written here
-// (or, for the tracked steps, against the untracked op and a double sum of the changes).
+// ApplyUpdate, NormalizeNeurons, CopyWithChange and DecayScatterWithChange, each against an
+// independent scalar formulation written here (or, for the tracked steps, against the untracked op
+// and a double sum of the changes).
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -48,8 +49,7 @@ TEST(AdamWStepTracked, SameResultAsTheUntrackedOpAndReportsTheChange) {
                 IsOk());
     float sq = -1.0f;
     ASSERT_THAT(AdamWStep(*ctx, p, MakeView(g.data(), {kN}), MakeView(xb.data(), {kN}),
-                          MakeView(mb.data(), {kN}), MakeView(vb.data(), {kN}),
-                          MakeView(&sq, {1})),
+                          MakeView(mb.data(), {kN}), MakeView(vb.data(), {kN}), MakeView(&sq, {1})),
                 IsOk());
     EXPECT_EQ(xa, xb);
     EXPECT_EQ(ma, mb);
@@ -85,10 +85,10 @@ TEST(TrackedSteps, RejectABadUpdateSqView) {
   std::vector<float> x(8, 1.0f), g(8, 0.5f), m(8), v(8), two(2);
   AdamWParams p;
   p.lr = 0.1f;
-  EXPECT_THAT(AdamWStep(*ctx, p, MakeView(g.data(), {8}), MakeView(x.data(), {8}),
-                        MakeView(m.data(), {8}), MakeView(v.data(), {8}),
-                        MakeView(two.data(), {2})),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("update_sq")));
+  EXPECT_THAT(
+      AdamWStep(*ctx, p, MakeView(g.data(), {8}), MakeView(x.data(), {8}), MakeView(m.data(), {8}),
+                MakeView(v.data(), {8}), MakeView(two.data(), {2})),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("update_sq")));
   EXPECT_THAT(LionStep(*ctx, LionParams{}, MakeView(g.data(), {8}), MakeView(x.data(), {8}),
                        MakeView(m.data(), {8}), MakeView(x.data() + 3, {1})),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("overlaps x")));
@@ -102,14 +102,14 @@ TEST(MomentumUpdate, MatchesTheRecipeWithAndWithoutNesterov) {
   for (bool nesterov : {false, true}) {
     // In place, and out of place from m0 (the input left untouched): the same values.
     std::vector<float> m = m0, u(kN), in = m0, out(kN), u2(kN);
-    ASSERT_THAT(MomentumUpdate(*ctx, mu, nesterov, MakeView(g.data(), {kN}),
-                               MakeView(m.data(), {kN}), MakeView(m.data(), {kN}),
-                               MakeView(u.data(), {kN})),
-                IsOk());
-    ASSERT_THAT(MomentumUpdate(*ctx, mu, nesterov, MakeView(g.data(), {kN}),
-                               MakeView(in.data(), {kN}), MakeView(out.data(), {kN}),
-                               MakeView(u2.data(), {kN})),
-                IsOk());
+    ASSERT_THAT(
+        MomentumUpdate(*ctx, mu, nesterov, MakeView(g.data(), {kN}), MakeView(m.data(), {kN}),
+                       MakeView(m.data(), {kN}), MakeView(u.data(), {kN})),
+        IsOk());
+    ASSERT_THAT(
+        MomentumUpdate(*ctx, mu, nesterov, MakeView(g.data(), {kN}), MakeView(in.data(), {kN}),
+                       MakeView(out.data(), {kN}), MakeView(u2.data(), {kN})),
+        IsOk());
     EXPECT_EQ(in, m0);
     EXPECT_EQ(out, m);
     EXPECT_EQ(u2, u);
@@ -124,10 +124,10 @@ TEST(MomentumUpdate, MatchesTheRecipeWithAndWithoutNesterov) {
                              MakeView(m.data(), {kN}), MakeView(m.data(), {kN})),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("u overlaps")));
   std::vector<float> u(kN - 1);
-  EXPECT_THAT(MomentumUpdate(*ctx, mu, true, MakeView(g.data(), {kN - 1}),
-                             MakeView(m.data() + 1, {kN - 1}), MakeView(m.data(), {kN - 1}),
-                             MakeView(u.data(), {kN - 1})),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("partly overlaps")));
+  EXPECT_THAT(
+      MomentumUpdate(*ctx, mu, true, MakeView(g.data(), {kN - 1}), MakeView(m.data() + 1, {kN - 1}),
+                     MakeView(m.data(), {kN - 1}), MakeView(u.data(), {kN - 1})),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("partly overlaps")));
   EXPECT_EQ(m, m0);
 }
 
@@ -164,8 +164,8 @@ TEST(ApplyUpdate, DecaysThenSubtractsTheRoundedStep) {
 }
 
 // The NorMuon recipe of ALGORITHMS.md §6.2 in double, for one unit.
-void NormalizeReference(std::vector<double>& o, std::vector<double>& v, int64_t rows,
-                        int64_t cols, double w) {
+void NormalizeReference(std::vector<double>& o, std::vector<double>& v, int64_t rows, int64_t cols,
+                        double w) {
   double f2 = 0, d2 = 0;
   for (double e : o) f2 += e * e;
   for (int64_t r = 0; r < rows; ++r) {
@@ -219,8 +219,8 @@ TEST(NormalizeNeurons, MatchesTheRecipeAndBatchesBitForBit) {
 // The f32 recipe with every sum in the documented order (ops.h NormalizeNeurons): each row's Σo²
 // and ΣD² in the warp order (testing::WarpOrderSum), a unit's ‖O‖² and ‖D‖² as those row sums
 // added in row order; the CUDA backend's order, so this pins what a GPU must reproduce.
-void NormalizeInWarpOrder(std::vector<float>& o, std::vector<float>& v, int64_t rows,
-                          int64_t cols, float w) {
+void NormalizeInWarpOrder(std::vector<float>& o, std::vector<float>& v, int64_t rows, int64_t cols,
+                          float w) {
   double f2 = 0.0, d2 = 0.0;
   for (int64_t r = 0; r < rows; ++r) {
     float* row = o.data() + r * cols;
@@ -331,13 +331,13 @@ TEST(DecayScatterWithChange, IsScaleThenScatterBitForBitAndReportsTheChange) {
         }
         std::vector<float> x = x0;
         float sq = -1.0f;
-        const ConstTensorView sv = batch == 1 ? MakeView(src.data(), {sr, sc})
-                                              : MakeView(src.data(), {batch, sr, sc});
-        const TensorView xv = batch == 1 ? MakeView(x.data(), {rows, cols})
-                                         : MakeView(x.data(), {batch, rows, cols});
-        ASSERT_THAT(DecayScatterWithChange(*ctx, decay, sv, axis, idx, alpha, xv,
-                                           MakeView(&sq, {1})),
-                    IsOk());
+        const ConstTensorView sv =
+            batch == 1 ? MakeView(src.data(), {sr, sc}) : MakeView(src.data(), {batch, sr, sc});
+        const TensorView xv =
+            batch == 1 ? MakeView(x.data(), {rows, cols}) : MakeView(x.data(), {batch, rows, cols});
+        ASSERT_THAT(
+            DecayScatterWithChange(*ctx, decay, sv, axis, idx, alpha, xv, MakeView(&sq, {1})),
+            IsOk());
         ASSERT_EQ(x, want) << "axis " << static_cast<int>(axis) << " batch " << batch;
         const double change = SumSqDiff(x, x0);
         EXPECT_NEAR(sq, change, 1e-6 * change);
@@ -394,8 +394,7 @@ TEST(AdamWStep, EveryElementIsTheOpsHFormulaBitForBit) {
     std::vector<float> x = x0, m = m0, v = v0;
     float sq = 0.0f;
     ASSERT_THAT(AdamWStep(*ctx, p, MakeView(g.data(), {n}), MakeView(x.data(), {n}),
-                          MakeView(m.data(), {n}), MakeView(v.data(), {n}),
-                          MakeView(&sq, {1})),
+                          MakeView(m.data(), {n}), MakeView(v.data(), {n}), MakeView(&sq, {1})),
                 IsOk());
     // ops.h: the scalars in double from the f32 hyperparameters, cast to f32 at use.
     const double lr = p.lr, wd = p.weight_decay, b1 = p.beta1, b2 = p.beta2;

@@ -3,8 +3,8 @@
 #include <type_traits>
 
 #include "common/status_macros.h"
-#include "kernels/cpu/loops.h"
 #include "kernels/cpu/backend.h"
+#include "kernels/cpu/loops.h"
 
 namespace diond::kernels::cpu {
 
@@ -27,20 +27,23 @@ absl::Status Gather(const Context& ctx, ConstTensorView a, Axis axis,
         const A* ap = static_cast<const A*>(am.data());
         O* op = static_cast<O*>(om.data());
         const int64_t lda = am.layout().RowStride(), ldo = om.layout().RowStride();
-        cpu::ParallelRange(rows, [&](int64_t r0, int64_t r1) {
-          for (int64_t i = r0; i < r1; ++i) {
-            O* orow = op + i * ldo;
-            if (axis == Axis::kRows) {
-              const A* arow = ap + idx[i] * lda;
-              for (int64_t j = 0; j < cols; ++j) orow[j] = cpu::FromF32<O>(cpu::ToF32(arow[j]));
-            } else {
-              const A* arow = ap + i * lda;
-              for (int64_t j = 0; j < cols; ++j) {
-                orow[j] = cpu::FromF32<O>(cpu::ToF32(arow[idx[j]]));
+        cpu::ParallelRange(
+            rows,
+            [&](int64_t r0, int64_t r1) {
+              for (int64_t i = r0; i < r1; ++i) {
+                O* orow = op + i * ldo;
+                if (axis == Axis::kRows) {
+                  const A* arow = ap + idx[i] * lda;
+                  for (int64_t j = 0; j < cols; ++j) orow[j] = cpu::FromF32<O>(cpu::ToF32(arow[j]));
+                } else {
+                  const A* arow = ap + i * lda;
+                  for (int64_t j = 0; j < cols; ++j) {
+                    orow[j] = cpu::FromF32<O>(cpu::ToF32(arow[idx[j]]));
+                  }
+                }
               }
-            }
-          }
-        }, std::max<int64_t>(1, cpu::kParallelGrain / std::max<int64_t>(1, cols)));
+            },
+            std::max<int64_t>(1, cpu::kParallelGrain / std::max<int64_t>(1, cols)));
       }
     });
   });
@@ -88,13 +91,16 @@ absl::Status Scatter(const Context& ctx, ConstTensorView src, Axis axis,
             }
           }
         };
-        cpu::ParallelRange(rows, [&](int64_t r0, int64_t r1) {
-          if (beta == 0.0f) {
-            body(std::false_type{}, r0, r1);
-          } else {
-            body(std::true_type{}, r0, r1);
-          }
-        }, std::max<int64_t>(1, cpu::kParallelGrain / std::max<int64_t>(1, cols)));
+        cpu::ParallelRange(
+            rows,
+            [&](int64_t r0, int64_t r1) {
+              if (beta == 0.0f) {
+                body(std::false_type{}, r0, r1);
+              } else {
+                body(std::true_type{}, r0, r1);
+              }
+            },
+            std::max<int64_t>(1, cpu::kParallelGrain / std::max<int64_t>(1, cols)));
       }
     });
   });

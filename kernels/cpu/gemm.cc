@@ -1,5 +1,6 @@
 // Gemm and SymmetricProduct (kernels/ops.h) on the CPU: f32 on oneDNN or OpenBLAS (kAuto picks
-// by shape and by the start-up calibration, AutoGemmEngine), bf16 on oneDNN (Debian's OpenBLAS exports no cblas_sbgemm, TOOLCHAIN.md §12).
+// by shape and by the start-up calibration, AutoGemmEngine), bf16 on oneDNN (Debian's OpenBLAS
+// exports no cblas_sbgemm, TOOLCHAIN.md §12).
 #include <cblas.h>
 
 #include <algorithm>
@@ -7,9 +8,9 @@
 #include <type_traits>
 
 #include "common/status_macros.h"
+#include "kernels/cpu/backend.h"
 #include "kernels/cpu/onednn_matmul.h"
 #include "kernels/cpu/threading.h"
-#include "kernels/cpu/backend.h"
 #include "kernels/engine_choice.h"
 
 namespace diond::kernels::cpu {
@@ -74,7 +75,7 @@ Fp32GemmEngine AutoGemmEngine(int64_t m, int64_t n, int64_t k) {
 Fp32GemmEngine SymmetricEngine(const Context& ctx, int64_t n, int64_t k) {
   if (ctx.fp32_gemm_engine() != Fp32GemmEngine::kAuto) return ctx.fp32_gemm_engine();
   return n * n * k < 2 * kOneDnnMinWork ? Fp32GemmEngine::kOpenBlas
-                                         : CurrentAutoEngines().fp32_symmetric;
+                                        : CurrentAutoEngines().fp32_symmetric;
 }
 
 }  // namespace
@@ -85,8 +86,7 @@ absl::Status Gemm(const Context& ctx, const GemmParams& p, ConstTensorView a, Co
   const int64_t m = ta ? a.Cols() : a.Rows(), ka = ta ? a.Rows() : a.Cols();
   const int64_t n = tb ? b.Rows() : b.Cols();
   const int64_t batch = c.Batch();
-  const bool f32 = a.dtype() == DType::kF32 && b.dtype() == DType::kF32 &&
-                   c.dtype() == DType::kF32;
+  const bool f32 = a.dtype() == DType::kF32 && b.dtype() == DType::kF32 && c.dtype() == DType::kF32;
   cpu::ApplyThreadPolicy(ctx);
   if (m == 0 || n == 0 || batch == 0) return absl::OkStatus();
   const int64_t k = ka;
@@ -97,12 +97,12 @@ absl::Status Gemm(const Context& ctx, const GemmParams& p, ConstTensorView a, Co
   if (engine == Fp32GemmEngine::kAuto) engine = AutoGemmEngine(m, n, k);
   if (f32 && engine == Fp32GemmEngine::kOpenBlas) {
     for (int64_t i = 0; i < batch; ++i) {
-      const float* ap = reinterpret_cast<const float*>(BytePtr(a.data(), a.Batch() == 1 ? 0 : i,
-                                                               a.layout()));
-      const float* bp = reinterpret_cast<const float*>(BytePtr(b.data(), b.Batch() == 1 ? 0 : i,
-                                                               b.layout()));
-      float* cp = const_cast<float*>(
-          reinterpret_cast<const float*>(BytePtr(c.data(), i, c.layout())));
+      const float* ap =
+          reinterpret_cast<const float*>(BytePtr(a.data(), a.Batch() == 1 ? 0 : i, a.layout()));
+      const float* bp =
+          reinterpret_cast<const float*>(BytePtr(b.data(), b.Batch() == 1 ? 0 : i, b.layout()));
+      float* cp =
+          const_cast<float*>(reinterpret_cast<const float*>(BytePtr(c.data(), i, c.layout())));
       cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
                   static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), p.alpha, ap,
                   static_cast<int>(Ld(a.layout())), bp, static_cast<int>(Ld(b.layout())), p.beta,
@@ -234,15 +234,17 @@ absl::Status SymmetricProduct(const Context& ctx, GramSide side, float alpha, Co
   const bool onednn = SymmetricEngine(ctx, n, k) == Fp32GemmEngine::kOneDnn;
   for (int64_t i = 0; i < c.Batch(); ++i) {
     const float* ap = reinterpret_cast<const float*>(BytePtr(a.data(), i, a.layout()));
-    float* cp = const_cast<float*>(reinterpret_cast<const float*>(BytePtr(c.data(), i, c.layout())));
+    float* cp =
+        const_cast<float*>(reinterpret_cast<const float*>(BytePtr(c.data(), i, c.layout())));
     const int64_t ldc = Ld(c.layout());
     if (k == 0) {
       for (int64_t r = 0; r < n; ++r) {
-        for (int64_t j = 0; j <= r; ++j) cp[r * ldc + j] = beta == 0.0f ? 0.0f : beta * cp[r * ldc + j];
+        for (int64_t j = 0; j <= r; ++j)
+          cp[r * ldc + j] = beta == 0.0f ? 0.0f : beta * cp[r * ldc + j];
       }
     } else if (onednn) {
-      DIOND_RETURN_IF_ERROR(LowerColumnPanels(ctx, aat, alpha, a.Matrix(i), beta, cp, ldc,
-                                              SymmetricBlock(n)));
+      DIOND_RETURN_IF_ERROR(
+          LowerColumnPanels(ctx, aat, alpha, a.Matrix(i), beta, cp, ldc, SymmetricBlock(n)));
     } else {
       cblas_ssyrk(CblasRowMajor, CblasLower, aat ? CblasNoTrans : CblasTrans, static_cast<int>(n),
                   static_cast<int>(k), alpha, ap, static_cast<int>(Ld(a.layout())), beta, cp,

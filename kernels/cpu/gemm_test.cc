@@ -71,7 +71,8 @@ INSTANTIATE_TEST_SUITE_P(
 // an INTERNAL error; where it has one, the same call runs.
 TEST(Bf16Gemm, IsRefusedWithTheReasonExactlyWhereOneDnnHasNoBf16) {
   auto ctx = Context::CpuDefault();
-  const auto a16 = testing::ToBf16(RandomVector(6 * 4, 3)), b16 = testing::ToBf16(RandomVector(4 * 5, 4));
+  const auto a16 = testing::ToBf16(RandomVector(6 * 4, 3)),
+             b16 = testing::ToBf16(RandomVector(4 * 5, 4));
   std::vector<float> c(6 * 5);
   const absl::Status st = Gemm(*ctx, {}, MakeView(a16.data(), {6, 4}), MakeView(b16.data(), {4, 5}),
                                MakeView(c.data(), {6, 5}));
@@ -84,7 +85,8 @@ TEST(Bf16Gemm, IsRefusedWithTheReasonExactlyWhereOneDnnHasNoBf16) {
 }
 
 TEST(Bf16Gemm, RoundsTheF32AccumulationOnce) {
-  if (!CpuHasOneDnnBf16Matmul()) GTEST_SKIP() << "oneDNN 2.6 has no bf16 matmul on this CPU (no AVX-512 core)";
+  if (!CpuHasOneDnnBf16Matmul())
+    GTEST_SKIP() << "oneDNN 2.6 has no bf16 matmul on this CPU (no AVX-512 core)";
   auto ctx = Context::CpuDefault();
   const int64_t m = 37, n = 45, k = 70;
   for (bool ta : {false, true}) {
@@ -263,7 +265,8 @@ struct HalfGramCase {
 class SymmetricProductBf16Test : public ::testing::TestWithParam<HalfGramCase> {};
 
 TEST_P(SymmetricProductBf16Test, IsTheFullGemmBitForBitAndExactlySymmetric) {
-  if (!CpuHasOneDnnBf16Matmul()) GTEST_SKIP() << "oneDNN 2.6 has no bf16 matmul on this CPU (no AVX-512 core)";
+  if (!CpuHasOneDnnBf16Matmul())
+    GTEST_SKIP() << "oneDNN 2.6 has no bf16 matmul on this CPU (no AVX-512 core)";
   const HalfGramCase tc = GetParam();
   const int64_t batch = tc.batch, n = tc.n, k = tc.k, ld = k + 5;  // padded rows
   const auto af = testing::RandomVector(batch * n * ld, 7);
@@ -310,15 +313,12 @@ TEST_P(SymmetricProductBf16Test, IsTheFullGemmBitForBitAndExactlySymmetric) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, SymmetricProductBf16Test,
-                         ::testing::Values(HalfGramCase{2, 70, 48, 32},
-                                           HalfGramCase{1, 300, 200, 64},
-                                           HalfGramCase{1, 768, 768, 160},
-                                           HalfGramCase{2, 192, 3072, 64},
-                                           HalfGramCase{1, 129, 17, 32},
-                                           HalfGramCase{1, 129, 64, 1},
-                                           HalfGramCase{1, 129, 64, 8},
-                                           HalfGramCase{1, 130, 64, 16}));
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, SymmetricProductBf16Test,
+    ::testing::Values(HalfGramCase{2, 70, 48, 32}, HalfGramCase{1, 300, 200, 64},
+                      HalfGramCase{1, 768, 768, 160}, HalfGramCase{2, 192, 3072, 64},
+                      HalfGramCase{1, 129, 17, 32}, HalfGramCase{1, 129, 64, 1},
+                      HalfGramCase{1, 129, 64, 8}, HalfGramCase{1, 130, 64, 16}));
 
 TEST(SymmetricProductBf16, RejectsBadArguments) {
   auto ctx = Context::CpuDefault();
@@ -326,10 +326,12 @@ TEST(SymmetricProductBf16, RejectsBadArguments) {
   std::vector<float> c(8 * 8), af(8 * 4);
   EXPECT_THAT(SymmetricProductBf16(*ctx, MakeView(a.data(), {8, 4}), 0, MakeView(c.data(), {8, 8})),
               StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("block")));
-  EXPECT_THAT(SymmetricProductBf16(*ctx, MakeView(a.data(), {8, 4}), 4, MakeView(c.data(), {4, 16})),
-              StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("want [8, 8]")));
-  EXPECT_THAT(SymmetricProductBf16(*ctx, MakeView(af.data(), {8, 4}), 4, MakeView(c.data(), {8, 8})),
-              StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("bf16")));
+  EXPECT_THAT(
+      SymmetricProductBf16(*ctx, MakeView(a.data(), {8, 4}), 4, MakeView(c.data(), {4, 16})),
+      StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("want [8, 8]")));
+  EXPECT_THAT(
+      SymmetricProductBf16(*ctx, MakeView(af.data(), {8, 4}), 4, MakeView(c.data(), {8, 8})),
+      StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("bf16")));
   std::vector<Float16> h(8 * 8);
   EXPECT_THAT(SymmetricProductBf16(*ctx, MakeView(a.data(), {8, 4}), 4, MakeView(h.data(), {8, 8})),
               StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("f32 or bf16")));

@@ -37,22 +37,24 @@ OneDnnMatmul::OneDnnMatmul(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) 
 OneDnnMatmul::~OneDnnMatmul() = default;
 
 absl::StatusOr<std::unique_ptr<OneDnnMatmul>> OneDnnMatmul::Create(const MatmulShape& s) {
-  const bool bf16 = s.a_type == DType::kBf16 || s.b_type == DType::kBf16 || s.c_type == DType::kBf16;
+  const bool bf16 =
+      s.a_type == DType::kBf16 || s.b_type == DType::kBf16 || s.c_type == DType::kBf16;
   if (bf16 && !CpuHasOneDnnBf16Matmul()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "oneDNN matmul ", s.m, "x", s.k, "x", s.n, " (", DTypeName(s.a_type), "->",
-        DTypeName(s.c_type), "): this CPU has no AVX-512 core, and oneDNN 2.6 has no bf16 "
-        "matmul without it; use bf16_matmul=auto or float32_gemm"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("oneDNN matmul ", s.m, "x", s.k, "x", s.n, " (", DTypeName(s.a_type), "->",
+                     DTypeName(s.c_type),
+                     "): this CPU has no AVX-512 core, and oneDNN 2.6 has no bf16 "
+                     "matmul without it; use bf16_matmul=auto or float32_gemm"));
   }
   try {
     auto impl = std::make_unique<Impl>();
     using dims = dnnl::memory::dims;
-    impl->a_md = dnnl::memory::desc(dims{s.m, s.k}, ToDnnl(s.a_type),
-                                    dims{s.a_strides[0], s.a_strides[1]});
-    impl->b_md = dnnl::memory::desc(dims{s.k, s.n}, ToDnnl(s.b_type),
-                                    dims{s.b_strides[0], s.b_strides[1]});
-    impl->c_md = dnnl::memory::desc(dims{s.m, s.n}, ToDnnl(s.c_type),
-                                    dims{s.c_strides[0], s.c_strides[1]});
+    impl->a_md =
+        dnnl::memory::desc(dims{s.m, s.k}, ToDnnl(s.a_type), dims{s.a_strides[0], s.a_strides[1]});
+    impl->b_md =
+        dnnl::memory::desc(dims{s.k, s.n}, ToDnnl(s.b_type), dims{s.b_strides[0], s.b_strides[1]});
+    impl->c_md =
+        dnnl::memory::desc(dims{s.m, s.n}, ToDnnl(s.c_type), dims{s.c_strides[0], s.c_strides[1]});
     dnnl::primitive_attr attr;
     if (s.alpha != 1.0f) attr.set_output_scales(0, {s.alpha});
     if (s.beta != 0.0f) {

@@ -25,16 +25,15 @@ DIOND_CPU_CLONES void Bf16RoundedScaleRange(float beta, const float* y, float* o
     o[i] = math::Bf16RoundedAxpbyElement(0.0f, 0.0f, beta, y[i], /*with_x=*/false);
   }
 }
-DIOND_CPU_CLONES void Bf16RoundedAxpbyRange(float alpha, const float* x, float beta,
-                                            const float* y, float* o, int64_t n) {
+DIOND_CPU_CLONES void Bf16RoundedAxpbyRange(float alpha, const float* x, float beta, const float* y,
+                                            float* o, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     o[i] = math::Bf16RoundedAxpbyElement(alpha, x[i], beta, y[i], /*with_x=*/true);
   }
 }
 // bf16 storage: the same element function on the widened values (exact), narrowed (exact: the
 // value is bf16-representable already).
-DIOND_CPU_CLONES void Bf16StorageScaleRange(float beta, const BFloat16* y, BFloat16* o,
-                                            int64_t n) {
+DIOND_CPU_CLONES void Bf16StorageScaleRange(float beta, const BFloat16* y, BFloat16* o, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     o[i] = FloatToBf16(math::Bf16RoundedAxpbyElement(0.0f, 0.0f, beta, Bf16ToFloat(y[i]),
                                                      /*with_x=*/false));

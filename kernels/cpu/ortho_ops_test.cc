@@ -34,9 +34,9 @@ float FromBits(uint32_t u) {
 
 TEST(RoundToBf16Precision, MatchesTheBf16ConversionBitForBit) {
   std::mt19937 rng(3);
-  std::vector<uint32_t> patterns = {0u, 0x80000000u, 0x7f800000u, 0xff800000u, 0x7fc00000u,
-                                    0x7f800001u, 0xffffffffu, 0x00008000u, 0x3f808000u,
-                                    0x3f818000u, 0x7f7fffffu, 0x00000001u};
+  std::vector<uint32_t> patterns = {0u,          0x80000000u, 0x7f800000u, 0xff800000u,
+                                    0x7fc00000u, 0x7f800001u, 0xffffffffu, 0x00008000u,
+                                    0x3f808000u, 0x3f818000u, 0x7f7fffffu, 0x00000001u};
   for (int i = 0; i < 200000; ++i) patterns.push_back(rng());
   for (uint32_t u : patterns) {
     const float f = FromBits(u);
@@ -68,7 +68,8 @@ std::vector<float> ViaBf16Ops(const Context& ctx, float alpha, const std::vector
 TEST(Bf16RoundedAxpby, EqualsTheSequenceOfEagerBf16Ops) {
   auto ctx = Context::CpuDefault(2);
   const int64_t n = 100003;  // several OpenMP ranges and a ragged tail
-  std::vector<float> x = testing::ToF32(testing::ToBf16(RandomVector(n, 11))), y = RandomVector(n, 12);
+  std::vector<float> x = testing::ToF32(testing::ToBf16(RandomVector(n, 11))),
+                     y = RandomVector(n, 12);
   // Values on and next to bf16 rounding ties, zeros of both signs, non-finite values.
   y[0] = FromBits(0x3f808000u);
   y[1] = FromBits(0x3f818000u);
@@ -78,8 +79,10 @@ TEST(Bf16RoundedAxpby, EqualsTheSequenceOfEagerBf16Ops) {
   y[5] = std::numeric_limits<float>::quiet_NaN();
   x[6] = -0.0f;
   y[6] = 0.0f;
-  for (auto [alpha, beta] : {std::pair<float, float>{3.8916678f, 1.0f}, {-2.7724843f, 0.50606483f},
-                             {0.0f, 1.0f}, {0.0f, -1.7097828f}}) {
+  for (auto [alpha, beta] : {std::pair<float, float>{3.8916678f, 1.0f},
+                             {-2.7724843f, 0.50606483f},
+                             {0.0f, 1.0f},
+                             {0.0f, -1.7097828f}}) {
     const bool with_x = alpha != 0.0f;
     const std::vector<float> want = ViaBf16Ops(*ctx, alpha, x, beta, y, with_x);
     std::vector<float> out(n);
@@ -122,8 +125,8 @@ TEST(Bf16RoundedAxpby, OnBf16StorageEqualsTheEagerBf16Sequence) {
   x[2] = FloatToBf16(-0.0f);
   y[2] = FloatToBf16(0.0f);
   x[3] = FloatToBf16(1e38f);  // alpha·x overflows to inf
-  for (auto [alpha, beta] : {std::pair<float, float>{8.156554f, 15.878770f}, {-2.7724843f, 1.0f},
-                             {0.0f, 0.42323551f}}) {
+  for (auto [alpha, beta] :
+       {std::pair<float, float>{8.156554f, 15.878770f}, {-2.7724843f, 1.0f}, {0.0f, 0.42323551f}}) {
     std::vector<BFloat16> out(n), alias = x;
     ASSERT_THAT(Bf16RoundedAxpby(*ctx, alpha, MakeView(x.data(), {n}), beta,
                                  MakeView(y.data(), {n}), MakeView(out.data(), {n})),

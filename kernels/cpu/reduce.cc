@@ -18,8 +18,8 @@ namespace {
 // n elements of T from the context's scratch arena (valid until the caller's Scope ends).
 template <typename T>
 absl::StatusOr<T*> ScratchArray(const Context& ctx, int64_t n) {
-  DIOND_ASSIGN_OR_RETURN(void* p, ctx.scratch().Allocate(
-                                      static_cast<size_t>(n > 0 ? n : 1) * sizeof(T), 64));
+  DIOND_ASSIGN_OR_RETURN(
+      void* p, ctx.scratch().Allocate(static_cast<size_t>(n > 0 ? n : 1) * sizeof(T), 64));
   return static_cast<T*>(p);
 }
 }  // namespace
@@ -66,8 +66,8 @@ DIOND_CPU_CLONES double RowSumF32(bool l1, const float* row, int64_t cols) {
 namespace {
 
 // Columns [c0, c1) of one matrix: out[j] = Σ_i Term(a[i, j]), rows in order.
-DIOND_CPU_CLONES void ColSumsF32(NormType type, const float* base, int64_t row_stride,
-                                 int64_t rows, int64_t c0, int64_t c1, double* out) {
+DIOND_CPU_CLONES void ColSumsF32(NormType type, const float* base, int64_t row_stride, int64_t rows,
+                                 int64_t c0, int64_t c1, double* out) {
   for (int64_t j = c0; j < c1; ++j) out[j] = 0.0;
   const bool l1 = type == NormType::kL1;
   for (int64_t i = 0; i < rows; ++i) {
@@ -88,27 +88,33 @@ void RowSums(ConstTensorView a, NormType type, double* sums) {
   if (a.dtype() == DType::kF32) {
     const float* base = static_cast<const float*>(a.data());
     const bool l1 = type == NormType::kL1;
-    cpu::ParallelRange(batch * rows, [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) {
-        sums[r] = RowSumF32(l1, base + (r / rows) * l.BatchStride() + (r % rows) * l.RowStride(),
-                            cols);
-      }
-    }, std::max<int64_t>(1, cpu::kParallelGrain / std::max<int64_t>(1, cols)));
+    cpu::ParallelRange(
+        batch * rows,
+        [&](int64_t b, int64_t e) {
+          for (int64_t r = b; r < e; ++r) {
+            sums[r] = RowSumF32(
+                l1, base + (r / rows) * l.BatchStride() + (r % rows) * l.RowStride(), cols);
+          }
+        },
+        std::max<int64_t>(1, cpu::kParallelGrain / std::max<int64_t>(1, cols)));
     return;
   }
   cpu::DispatchDType(a.dtype(), [&](auto at) {
     using A = decltype(at);
     const A* base = static_cast<const A*>(a.data());
-    cpu::ParallelRange(batch * rows, [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) {
-        const A* row = base + (r / rows) * l.BatchStride() + (r % rows) * l.RowStride();
-        double lanes[math::kRowSumLanes] = {};
-        for (int64_t j = 0; j < cols; ++j) {
-          lanes[j % math::kRowSumLanes] += Term(type, cpu::ToF32(row[j]));
-        }
-        sums[r] = math::FoldRowSumLanes(lanes);
-      }
-    }, std::max<int64_t>(1, cpu::kParallelGrain / std::max<int64_t>(1, cols)));
+    cpu::ParallelRange(
+        batch * rows,
+        [&](int64_t b, int64_t e) {
+          for (int64_t r = b; r < e; ++r) {
+            const A* row = base + (r / rows) * l.BatchStride() + (r % rows) * l.RowStride();
+            double lanes[math::kRowSumLanes] = {};
+            for (int64_t j = 0; j < cols; ++j) {
+              lanes[j % math::kRowSumLanes] += Term(type, cpu::ToF32(row[j]));
+            }
+            sums[r] = math::FoldRowSumLanes(lanes);
+          }
+        },
+        std::max<int64_t>(1, cpu::kParallelGrain / std::max<int64_t>(1, cols)));
   });
 }
 
@@ -121,9 +127,9 @@ void ColSums(ConstTensorView a, NormType type, double* sums) {
     for (int64_t bi = 0; bi < batch; ++bi) {
       double* out = sums + bi * cols;
       const float* m = base + bi * l.BatchStride();
-      cpu::ParallelRange(cols, [&](int64_t b, int64_t e) {
-        ColSumsF32(type, m, l.RowStride(), rows, b, e, out);
-      }, std::max<int64_t>(1, cpu::kParallelGrain / std::max<int64_t>(1, rows)));
+      cpu::ParallelRange(
+          cols, [&](int64_t b, int64_t e) { ColSumsF32(type, m, l.RowStride(), rows, b, e, out); },
+          std::max<int64_t>(1, cpu::kParallelGrain / std::max<int64_t>(1, rows)));
     }
     return;
   }
@@ -132,13 +138,16 @@ void ColSums(ConstTensorView a, NormType type, double* sums) {
     const A* base = static_cast<const A*>(a.data());
     for (int64_t bi = 0; bi < batch; ++bi) {
       double* out = sums + bi * cols;
-      cpu::ParallelRange(cols, [&](int64_t b, int64_t e) {
-        for (int64_t j = b; j < e; ++j) out[j] = 0.0;
-        for (int64_t i = 0; i < rows; ++i) {
-          const A* row = base + bi * l.BatchStride() + i * l.RowStride();
-          for (int64_t j = b; j < e; ++j) out[j] += Term(type, cpu::ToF32(row[j]));
-        }
-      }, std::max<int64_t>(1, cpu::kParallelGrain / std::max<int64_t>(1, rows)));
+      cpu::ParallelRange(
+          cols,
+          [&](int64_t b, int64_t e) {
+            for (int64_t j = b; j < e; ++j) out[j] = 0.0;
+            for (int64_t i = 0; i < rows; ++i) {
+              const A* row = base + bi * l.BatchStride() + i * l.RowStride();
+              for (int64_t j = b; j < e; ++j) out[j] += Term(type, cpu::ToF32(row[j]));
+            }
+          },
+          std::max<int64_t>(1, cpu::kParallelGrain / std::max<int64_t>(1, rows)));
     }
   });
 }

@@ -29,9 +29,9 @@ TEST(Norms, MatchNaiveSums) {
               IsOk());
   ASSERT_THAT(AxisNorms(*ctx, av, Axis::kRows, NormType::kL1, MakeView(rl1.data(), {b * m})),
               IsOk());
-  ASSERT_THAT(AxisNorms(*ctx, av, Axis::kCols, NormType::kSumOfSquares,
-                        MakeView(css.data(), {b * n})),
-              IsOk());
+  ASSERT_THAT(
+      AxisNorms(*ctx, av, Axis::kCols, NormType::kSumOfSquares, MakeView(css.data(), {b * n})),
+      IsOk());
   // Sums are accumulated in double and rounded once to f32: relative error <= 2^-24 (+ the
   // double accumulation error, ~n·2^-53, negligible). Allow 2 f32 ulps.
   auto near = [](double got, double want) { return std::fabs(got - want) <= 0x1p-23 * want; };
@@ -51,7 +51,8 @@ TEST(Norms, MatchNaiveSums) {
     EXPECT_TRUE(near(fro[bi], std::sqrt(f)));
     for (int64_t j = 0; j < n; ++j) {
       double s2 = 0.0;
-      for (int64_t i = 0; i < m; ++i) s2 += double(a[(bi * m + i) * n + j]) * a[(bi * m + i) * n + j];
+      for (int64_t i = 0; i < m; ++i)
+        s2 += double(a[(bi * m + i) * n + j]) * a[(bi * m + i) * n + j];
       EXPECT_TRUE(near(cols[bi * n + j], std::sqrt(s2)));
       EXPECT_TRUE(near(css[bi * n + j], s2));
     }
@@ -71,8 +72,7 @@ TEST(TopK, MatchesAStableSortWithTiesByLowerIndex) {
   });
   for (int64_t k = 1; k <= n; ++k) {
     std::vector<int64_t> idx(k);
-    ASSERT_THAT(TopKByL1Norm(*ctx, MakeView(s.data(), {n, 1}), Axis::kRows, k,
-                             absl::MakeSpan(idx)),
+    ASSERT_THAT(TopKByL1Norm(*ctx, MakeView(s.data(), {n, 1}), Axis::kRows, k, absl::MakeSpan(idx)),
                 IsOk());
     EXPECT_EQ(idx, std::vector<int64_t>(order.begin(), order.begin() + k)) << "k " << k;
   }
@@ -95,7 +95,8 @@ TEST(TopK, ByL1NormOfRowsAndColumns) {
     }
     std::vector<int64_t> order(len);
     std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(), [&](int64_t i, int64_t j) { return l1[i] > l1[j]; });
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t i, int64_t j) { return l1[i] > l1[j]; });
     std::vector<int64_t> idx(3);
     std::vector<float> scores(len);
     ASSERT_THAT(TopKByL1Norm(*ctx, MakeView(a.data(), {m, n}), axis, 3, absl::MakeSpan(idx),
@@ -114,9 +115,9 @@ TEST(GatherScatter, RoundTripRowsAndColumns) {
   for (Axis axis : {Axis::kRows, Axis::kCols}) {
     const int64_t r = axis == Axis::kRows ? 3 : m, c = axis == Axis::kRows ? n : 3;
     std::vector<float> part(b * r * c);
-    ASSERT_THAT(Gather(*ctx, MakeView(a.data(), {b, m, n}), axis, idx,
-                       MakeView(part.data(), {b, r, c})),
-                IsOk());
+    ASSERT_THAT(
+        Gather(*ctx, MakeView(a.data(), {b, m, n}), axis, idx, MakeView(part.data(), {b, r, c})),
+        IsOk());
     for (int64_t bi = 0; bi < b; ++bi) {
       for (int64_t t = 0; t < 3; ++t) {
         if (axis == Axis::kRows) {
@@ -154,9 +155,9 @@ TEST(GatherScatter, RejectsBadIndices) {
   auto ctx = Context::CpuDefault();
   std::vector<float> a(12), part(8);
   std::vector<int64_t> bad = {0, 3};
-  EXPECT_THAT(Gather(*ctx, MakeView(a.data(), {3, 4}), Axis::kRows, bad,
-                     MakeView(part.data(), {2, 4})),
-              StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("indices[1] = 3")));
+  EXPECT_THAT(
+      Gather(*ctx, MakeView(a.data(), {3, 4}), Axis::kRows, bad, MakeView(part.data(), {2, 4})),
+      StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("indices[1] = 3")));
   std::vector<int64_t> dup = {1, 1};
   EXPECT_THAT(Scatter(*ctx, MakeView(part.data(), {2, 4}), Axis::kRows, dup, 1.0f, 0.0f,
                       MakeView(a.data(), {3, 4})),
@@ -233,16 +234,16 @@ TEST(Norms, RowSumsTakeTheWarpOrderWhereItChangesTheResult) {
       std::copy(row.begin(), row.end(), a.begin());
       const std::vector<BFloat16> abf = testing::ToBf16(a);
       for (const bool bf16 : {false, true}) {
-        ConstTensorView av = bf16 ? ConstTensorView(abf.data(), ContiguousLayout(DType::kBf16,
-                                                                                   {3, n}))
-                                  : MakeView(a.data(), {3, n});
+        ConstTensorView av =
+            bf16 ? ConstTensorView(abf.data(), ContiguousLayout(DType::kBf16, {3, n}))
+                 : MakeView(a.data(), {3, n});
         std::vector<float> norms(3);
-        ASSERT_THAT(AxisNorms(*ctx, av, Axis::kRows,
-                              squares ? NormType::kSumOfSquares : NormType::kL1,
-                              MakeView(norms.data(), {3})),
-                    IsOk());
-        EXPECT_EQ(norms[0], 1.0f + 0x1p-23f) << "n " << n << (squares ? " Σx²" : " Σ|x|")
-                                             << (bf16 ? " bf16" : " f32");
+        ASSERT_THAT(
+            AxisNorms(*ctx, av, Axis::kRows, squares ? NormType::kSumOfSquares : NormType::kL1,
+                      MakeView(norms.data(), {3})),
+            IsOk());
+        EXPECT_EQ(norms[0], 1.0f + 0x1p-23f)
+            << "n " << n << (squares ? " Σx²" : " Σ|x|") << (bf16 ? " bf16" : " f32");
         if (!squares) {
           std::vector<int64_t> idx(3);
           std::vector<float> scores(3);

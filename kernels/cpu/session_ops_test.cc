@@ -86,29 +86,28 @@ TEST(SessionOps, WidenScaleCheckFiniteIsTheElementwiseProductAndItsScan) {
       // f32 in place (out aliases x).
       std::vector<float> g = f, gw(f.size());
       for (size_t i = 0; i < f.size(); ++i) gw[i] = scale == 1.0f ? f[i] : f[i] * scale;
-      ASSERT_THAT(WidenScaleCheckFinite(*ctx, MakeView(g.data(), {n}), scale,
-                                        MakeView(g.data(), {n}), &ok),
-                  IsOk());
+      ASSERT_THAT(
+          WidenScaleCheckFinite(*ctx, MakeView(g.data(), {n}), scale, MakeView(g.data(), {n}), &ok),
+          IsOk());
       EXPECT_EQ(0, std::memcmp(g.data(), gw.data(), g.size() * 4)) << n << " " << scale;
     }
   }
   std::vector<BFloat16> b(4);
   std::vector<float> out(3);
   bool ok;
-  EXPECT_THAT(WidenScaleCheckFinite(*ctx, MakeView(b.data(), {4}), 1.0f,
-                                    MakeView(out.data(), {3}), &ok),
-              StatusIs(absl::StatusCode::kInvalidArgument));
-  EXPECT_THAT(WidenScaleCheckFinite(*ctx, MakeView(b.data(), {3}),
-                                    std::numeric_limits<float>::infinity(),
-                                    MakeView(out.data(), {3}), &ok),
-              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(
+      WidenScaleCheckFinite(*ctx, MakeView(b.data(), {4}), 1.0f, MakeView(out.data(), {3}), &ok),
+      StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(
+      WidenScaleCheckFinite(*ctx, MakeView(b.data(), {3}), std::numeric_limits<float>::infinity(),
+                            MakeView(out.data(), {3}), &ok),
+      StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
 TEST(SessionOps, Fnv1aChecksumIsFnv1a64OfTheBytes) {
   auto ctx = Ctx();
   uint64_t h = 0;
-  ASSERT_THAT(Fnv1aChecksum(*ctx, MakeView(static_cast<const float*>(nullptr), {0}), &h),
-              IsOk());
+  ASSERT_THAT(Fnv1aChecksum(*ctx, MakeView(static_cast<const float*>(nullptr), {0}), &h), IsOk());
   EXPECT_EQ(h, 0xcbf29ce484222325ull);  // the offset basis: FNV-1a 64 of no bytes
   for (int64_t n : kSizes) {
     std::vector<float> f = Values(static_cast<size_t>(n), 3);

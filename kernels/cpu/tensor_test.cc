@@ -69,9 +69,9 @@ TEST(F16, EveryF16ValueRoundTripsAndTiesGoToEven) {
   }
   EXPECT_EQ(FloatToF16(1.0f + 0x1p-11f).bits, 0x3c00);      // tie -> even
   EXPECT_EQ(FloatToF16(1.0f + 3 * 0x1p-11f).bits, 0x3c02);  // tie -> even (up)
-  EXPECT_EQ(FloatToF16(65520.0f).bits, 0x7c00);              // rounds to Inf
+  EXPECT_EQ(FloatToF16(65520.0f).bits, 0x7c00);             // rounds to Inf
   EXPECT_EQ(FloatToF16(65519.0f).bits, 0x7bff);
-  EXPECT_EQ(FloatToF16(0x1p-25f).bits, 0x0000);              // tie with 0 -> 0
+  EXPECT_EQ(FloatToF16(0x1p-25f).bits, 0x0000);  // tie with 0 -> 0
   EXPECT_EQ(FloatToF16(0x1.8p-25f).bits, 0x0001);
 }
 

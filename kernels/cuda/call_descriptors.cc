@@ -137,8 +137,8 @@ RandomizedCholeskyQrPlan DescribeRandomizedCholeskyQr(const RowMajor& q, const R
   p.ld_w = std::max<int64_t>(1, p.s);
   // W (column-major s×n) is the row-major n×s matrix Wᵀ = Qᵀ·Sᵀ.
   const RowMajor wt{p.n, p.s, p.ld_w, 1, 0};
-  p.sketch = DescribeGemm(/*trans_a=*/true, /*trans_b=*/true, 1.0f, 0.0f, Single(q),
-                          Single(sketch), wt);
+  p.sketch =
+      DescribeGemm(/*trans_a=*/true, /*trans_b=*/true, 1.0f, 0.0f, Single(q), Single(sketch), wt);
   p.ldq = LeadingDim(q);
   p.lds = LeadingDim(sketch);
   // Q ← Q·R₁⁻¹ with R₁ the upper triangle of column-major W (ld s).

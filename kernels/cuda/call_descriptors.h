@@ -109,7 +109,7 @@ struct TriangleCopyCall {
 // factor the same column-major matrix.
 struct QrPlan {
   int64_t m = 0, n = 0;
-  int64_t ld_w = 1;       // workspace W: ld_w·n floats per matrix
+  int64_t ld_w = 1;              // workspace W: ld_w·n floats per matrix
   TransposeCall to_col_major;    // in = A_b (column-major n×m, ld lda) → W
   TransposeCall from_col_major;  // in = W (column-major m×n, ld_w) → Q_b (column-major n×m)
   TriangleCopyCall r_copy;       // W → R_b
@@ -136,10 +136,10 @@ struct TrsmCall {
 };
 struct CholeskyQrPlan {
   int64_t m = 0, n = 0;
-  SyrkCall gram;         // A = Q_b, C = G (batch 1: the backend loops)
+  SyrkCall gram;  // A = Q_b, C = G (batch 1: the backend loops)
   Fill potrf_uplo = Fill::kUpper;
   int64_t ld_g = 1;
-  TrsmCall solve;        // A = G, B = Q_b
+  TrsmCall solve;           // A = G, B = Q_b
   TriangleCopyCall r_copy;  // G → R_b
   int64_t ldq = 1, ldr = 1;
   int64_t stride_q = 0, stride_r = 0;
@@ -155,9 +155,9 @@ CholeskyQrPlan DescribeCholeskyQr(const RowMajor& q, const RowMajor& r);
 // (3) trsm: Q_b ← Q_b·R₁⁻¹ (column-major Q_bᵀ ← R₁⁻ᵀ·Q_bᵀ); (4) the Cholesky QR plan, no R.
 struct RandomizedCholeskyQrPlan {
   int64_t m = 0, n = 0, s = 0;
-  GemmCall sketch;   // library A = S's pointer, library B = Q's pointer, C = W (batch 1)
+  GemmCall sketch;  // library A = S's pointer, library B = Q's pointer, C = W (batch 1)
   int64_t ld_w = 1;
-  TrsmCall solve;    // A = W, B = Q_b
+  TrsmCall solve;  // A = W, B = Q_b
   CholeskyQrPlan cholesky;
   int64_t ldq = 1, lds = 1;
   int64_t stride_q = 0, stride_s = 0;  // stride_s 0: one sketch for every matrix

@@ -145,9 +145,9 @@ void MirrorRowMajorLower(float* c, int64_t n, int64_t ldc) {
 void RunSyrk(const cuda_calls::SyrkCall& s, const float* a, float* c) {
   for (int64_t i = 0; i < s.batch; ++i) {
     float* ci = c + i * s.stride_c;
-    cblas_ssyrk(CblasColMajor, U(s.uplo), T(s.trans), static_cast<int>(s.n),
-                static_cast<int>(s.k), s.alpha, a + i * s.stride_a, static_cast<int>(s.lda),
-                s.beta, ci, static_cast<int>(s.ldc));
+    cblas_ssyrk(CblasColMajor, U(s.uplo), T(s.trans), static_cast<int>(s.n), static_cast<int>(s.k),
+                s.alpha, a + i * s.stride_a, static_cast<int>(s.lda), s.beta, ci,
+                static_cast<int>(s.ldc));
     MirrorRowMajorLower(ci, s.n, s.ldc);
   }
 }
@@ -168,10 +168,10 @@ void RunTriangleCopy(const cuda_calls::TriangleCopyCall& t, const float* src, fl
 }
 
 void RunTrsm(const cuda_calls::TrsmCall& t, const float* a, float* b) {
-  cblas_strsm(CblasColMajor, t.side == cuda_calls::Side::kLeft ? CblasLeft : CblasRight,
-              U(t.uplo), T(t.trans), t.unit_diag ? CblasUnit : CblasNonUnit,
-              static_cast<int>(t.m), static_cast<int>(t.n), t.alpha, a, static_cast<int>(t.lda),
-              b, static_cast<int>(t.ldb));
+  cblas_strsm(CblasColMajor, t.side == cuda_calls::Side::kLeft ? CblasLeft : CblasRight, U(t.uplo),
+              T(t.trans), t.unit_diag ? CblasUnit : CblasNonUnit, static_cast<int>(t.m),
+              static_cast<int>(t.n), t.alpha, a, static_cast<int>(t.lda), b,
+              static_cast<int>(t.ldb));
 }
 
 // Copies the logical elements of a into q (the backend's Copy before an in-place plan).
@@ -190,9 +190,9 @@ int RunCholeskyQrMatrix(const cuda_calls::CholeskyQrPlan& p, int64_t b, float* q
   cblas_ssyrk(CblasColMajor, U(p.gram.uplo), T(p.gram.trans), static_cast<int>(p.gram.n),
               static_cast<int>(p.gram.k), 1.0f, qb, static_cast<int>(p.gram.lda), 0.0f, g.data(),
               static_cast<int>(p.gram.ldc));
-  const int info = LAPACKE_spotrf(LAPACK_COL_MAJOR, UChar(p.potrf_uplo),
-                                  static_cast<lapack_int>(p.n), g.data(),
-                                  static_cast<lapack_int>(p.ld_g));
+  const int info =
+      LAPACKE_spotrf(LAPACK_COL_MAJOR, UChar(p.potrf_uplo), static_cast<lapack_int>(p.n), g.data(),
+                     static_cast<lapack_int>(p.ld_g));
   if (info != 0) return info;
   RunTrsm(p.solve, g.data(), qb);
   if (r != nullptr) RunTriangleCopy(p.r_copy, g.data(), r + b * p.stride_r);
@@ -205,7 +205,7 @@ struct GemmCase {
   const char* name;
   int64_t m, n, k;
   bool ta, tb;
-  int64_t batch;       // of C
+  int64_t batch;  // of C
   bool a_batched, b_batched;
   int64_t row_pad, batch_pad;
 };
@@ -218,8 +218,7 @@ TEST_P(DescriptorGemmTest, ColumnMajorCallMatchesCpuBackend) {
   const int64_t ar = c.ta ? c.k : c.m, ac = c.ta ? c.m : c.k;
   const int64_t br = c.tb ? c.n : c.k, bc = c.tb ? c.k : c.n;
   const Mat a = Mat::Make(c.a_batched ? c.batch : 1, ar, ac, c.row_pad, c.batch_pad, 1, false);
-  const Mat b = Mat::Make(c.b_batched ? c.batch : 1, br, bc, c.row_pad + 1, c.batch_pad, 2,
-                          false);
+  const Mat b = Mat::Make(c.b_batched ? c.batch : 1, br, bc, c.row_pad + 1, c.batch_pad, 2, false);
   Mat want = Mat::Make(c.batch, c.m, c.n, c.row_pad + 2, c.batch_pad, 3, c.batch > 1);
   Mat got = want;
 
@@ -230,8 +229,8 @@ TEST_P(DescriptorGemmTest, ColumnMajorCallMatchesCpuBackend) {
   p.beta = -0.5f;
   ASSERT_THAT(Gemm(*ctx, p, a.cview(), b.cview(), want.view()), IsOk());
 
-  const GemmCall g = cuda_calls::DescribeGemm(c.ta, c.tb, p.alpha, p.beta, a.rm(), b.rm(),
-                                              got.rm());
+  const GemmCall g =
+      cuda_calls::DescribeGemm(c.ta, c.tb, p.alpha, p.beta, a.rm(), b.rm(), got.rm());
   EXPECT_EQ(g.batch, c.batch);
   EXPECT_EQ(g.stride_a == 0, !c.b_batched || c.batch == 1) << "library A comes from b";
   RunGemm(g, b.data.data(), a.data.data(), got.data.data());
@@ -242,22 +241,21 @@ TEST_P(DescriptorGemmTest, ColumnMajorCallMatchesCpuBackend) {
 
 INSTANTIATE_TEST_SUITE_P(
     ShapeClasses, DescriptorGemmTest,
-    ::testing::Values(
-        GemmCase{"tall", 96, 8, 16, false, false, 1, false, false, 0, 0},
-        GemmCase{"wide", 8, 96, 16, false, false, 1, false, false, 0, 0},
-        GemmCase{"square", 33, 33, 33, false, false, 1, false, false, 0, 0},
-        GemmCase{"trans_a", 40, 24, 17, true, false, 1, false, false, 0, 0},
-        GemmCase{"trans_b", 24, 40, 17, false, true, 1, false, false, 0, 0},
-        GemmCase{"trans_ab", 19, 23, 29, true, true, 1, false, false, 0, 0},
-        GemmCase{"strided", 21, 13, 11, false, false, 1, false, false, 5, 0},
-        GemmCase{"strided_trans_ab", 21, 13, 11, true, true, 1, false, false, 3, 0},
-        GemmCase{"one_row", 1, 31, 9, false, false, 1, false, false, 4, 0},
-        GemmCase{"one_col", 31, 1, 9, false, true, 1, false, false, 4, 0},
-        GemmCase{"batched", 12, 10, 8, false, false, 3, true, true, 0, 0},
-        GemmCase{"batched_strided", 12, 10, 8, true, false, 4, true, true, 3, 7},
-        GemmCase{"broadcast_a", 9, 14, 6, false, true, 3, false, true, 2, 5},
-        GemmCase{"broadcast_b", 14, 9, 6, true, false, 3, true, false, 1, 3},
-        GemmCase{"megabatch_tall", 64, 4, 32, false, true, 5, true, true, 0, 0}),
+    ::testing::Values(GemmCase{"tall", 96, 8, 16, false, false, 1, false, false, 0, 0},
+                      GemmCase{"wide", 8, 96, 16, false, false, 1, false, false, 0, 0},
+                      GemmCase{"square", 33, 33, 33, false, false, 1, false, false, 0, 0},
+                      GemmCase{"trans_a", 40, 24, 17, true, false, 1, false, false, 0, 0},
+                      GemmCase{"trans_b", 24, 40, 17, false, true, 1, false, false, 0, 0},
+                      GemmCase{"trans_ab", 19, 23, 29, true, true, 1, false, false, 0, 0},
+                      GemmCase{"strided", 21, 13, 11, false, false, 1, false, false, 5, 0},
+                      GemmCase{"strided_trans_ab", 21, 13, 11, true, true, 1, false, false, 3, 0},
+                      GemmCase{"one_row", 1, 31, 9, false, false, 1, false, false, 4, 0},
+                      GemmCase{"one_col", 31, 1, 9, false, true, 1, false, false, 4, 0},
+                      GemmCase{"batched", 12, 10, 8, false, false, 3, true, true, 0, 0},
+                      GemmCase{"batched_strided", 12, 10, 8, true, false, 4, true, true, 3, 7},
+                      GemmCase{"broadcast_a", 9, 14, 6, false, true, 3, false, true, 2, 5},
+                      GemmCase{"broadcast_b", 14, 9, 6, true, false, 3, true, false, 1, 3},
+                      GemmCase{"megabatch_tall", 64, 4, 32, false, true, 5, true, true, 0, 0}),
     [](const ::testing::TestParamInfo<GemmCase>& i) { return std::string(i.param.name); });
 
 // ============================= symmetric products =============================================
@@ -306,7 +304,8 @@ struct BlockCase {
 class DescriptorBlockedGramTest : public ::testing::TestWithParam<BlockCase> {};
 
 TEST_P(DescriptorBlockedGramTest, BlockGemmsMatchCpuBackend) {
-  if (!CpuHasOneDnnBf16Matmul()) GTEST_SKIP() << "oneDNN 2.6 has no bf16 matmul on this CPU (no AVX-512 core)";
+  if (!CpuHasOneDnnBf16Matmul())
+    GTEST_SKIP() << "oneDNN 2.6 has no bf16 matmul on this CPU (no AVX-512 core)";
   const BlockCase c = GetParam();
   auto ctx = Context::CpuDefault(1);
   const int64_t row_stride = c.cols + 3, batch_stride = c.rows * row_stride + 5;
@@ -371,15 +370,15 @@ TEST_P(DescriptorQrTest, GeqrfOrgqrPlanMatchesCpuBackend) {
   ASSERT_THAT(ThinQr(*ctx, a.cview(), q_want.view(), c.with_r ? r_want.view() : TensorView()),
               IsOk());
 
-  const cuda_calls::QrPlan p = cuda_calls::DescribeThinQr(a.rm(), q_got.rm(),
-                                                          c.with_r ? r_got.rm() : RowMajor{});
+  const cuda_calls::QrPlan p =
+      cuda_calls::DescribeThinQr(a.rm(), q_got.rm(), c.with_r ? r_got.rm() : RowMajor{});
   std::vector<float> w(static_cast<size_t>(p.ld_w * p.n)), tau(static_cast<size_t>(p.n));
   for (int64_t b = 0; b < p.batch; ++b) {
     RunTranspose(p.to_col_major, a.data.data() + b * p.stride_a, w.data());
-    ASSERT_EQ(LAPACKE_sgeqrf(LAPACK_COL_MAJOR, static_cast<lapack_int>(p.m),
-                             static_cast<lapack_int>(p.n), w.data(),
-                             static_cast<lapack_int>(p.ld_w), tau.data()),
-              0);
+    ASSERT_EQ(
+        LAPACKE_sgeqrf(LAPACK_COL_MAJOR, static_cast<lapack_int>(p.m), static_cast<lapack_int>(p.n),
+                       w.data(), static_cast<lapack_int>(p.ld_w), tau.data()),
+        0);
     if (c.with_r) RunTriangleCopy(p.r_copy, w.data(), r_got.data.data() + b * p.stride_r);
     ASSERT_EQ(LAPACKE_sorgqr(LAPACK_COL_MAJOR, static_cast<lapack_int>(p.m),
                              static_cast<lapack_int>(p.n), static_cast<lapack_int>(p.n), w.data(),
@@ -397,15 +396,16 @@ TEST_P(DescriptorQrTest, GeqrfOrgqrPlanMatchesCpuBackend) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    ShapeClasses, DescriptorQrTest,
-    ::testing::Values(QrCase{"tall", 1, 60, 8, 0, 0, true},
-                      QrCase{"square", 1, 13, 13, 0, 0, true},
-                      QrCase{"strided", 1, 30, 7, 5, 0, true},
-                      QrCase{"no_r", 1, 30, 7, 0, 0, false},
-                      QrCase{"batched_strided", 3, 25, 6, 2, 9, true},
-                      QrCase{"one_column", 2, 17, 1, 3, 1, true}),
-    [](const ::testing::TestParamInfo<QrCase>& i) { return std::string(i.param.name); });
+INSTANTIATE_TEST_SUITE_P(ShapeClasses, DescriptorQrTest,
+                         ::testing::Values(QrCase{"tall", 1, 60, 8, 0, 0, true},
+                                           QrCase{"square", 1, 13, 13, 0, 0, true},
+                                           QrCase{"strided", 1, 30, 7, 5, 0, true},
+                                           QrCase{"no_r", 1, 30, 7, 0, 0, false},
+                                           QrCase{"batched_strided", 3, 25, 6, 2, 9, true},
+                                           QrCase{"one_column", 2, 17, 1, 3, 1, true}),
+                         [](const ::testing::TestParamInfo<QrCase>& i) {
+                           return std::string(i.param.name);
+                         });
 
 class DescriptorCholeskyQrTest : public ::testing::TestWithParam<QrCase> {};
 
@@ -422,8 +422,7 @@ TEST_P(DescriptorCholeskyQrTest, SyrkPotrfTrsmPlanMatchesCpuBackend) {
       cuda_calls::DescribeCholeskyQr(q_got.rm(), c.with_r ? r_got.rm() : RowMajor{});
   CopyLogical(a, &q_got);
   for (int64_t b = 0; b < p.batch; ++b) {
-    ASSERT_EQ(RunCholeskyQrMatrix(p, b, q_got.data.data(),
-                                  c.with_r ? r_got.data.data() : nullptr),
+    ASSERT_EQ(RunCholeskyQrMatrix(p, b, q_got.data.data(), c.with_r ? r_got.data.data() : nullptr),
               0);
   }
   EXPECT_LE(MaxDiff(q_got, q_want), 1e-4) << c.name;
@@ -434,13 +433,14 @@ TEST_P(DescriptorCholeskyQrTest, SyrkPotrfTrsmPlanMatchesCpuBackend) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    ShapeClasses, DescriptorCholeskyQrTest,
-    ::testing::Values(QrCase{"tall", 1, 80, 6, 0, 0, true},
-                      QrCase{"square", 1, 9, 9, 0, 0, true},
-                      QrCase{"strided_no_r", 1, 40, 5, 3, 0, false},
-                      QrCase{"batched_strided", 3, 30, 4, 2, 7, true}),
-    [](const ::testing::TestParamInfo<QrCase>& i) { return std::string(i.param.name); });
+INSTANTIATE_TEST_SUITE_P(ShapeClasses, DescriptorCholeskyQrTest,
+                         ::testing::Values(QrCase{"tall", 1, 80, 6, 0, 0, true},
+                                           QrCase{"square", 1, 9, 9, 0, 0, true},
+                                           QrCase{"strided_no_r", 1, 40, 5, 3, 0, false},
+                                           QrCase{"batched_strided", 3, 30, 4, 2, 7, true}),
+                         [](const ::testing::TestParamInfo<QrCase>& i) {
+                           return std::string(i.param.name);
+                         });
 
 // The fallback rule: a rank-deficient matrix fails potrf on both paths (the CPU's
 // FAILED_PRECONDITION is what the plugin reports when cusolver's info > 0).
@@ -467,8 +467,8 @@ TEST_P(DescriptorRandomizedCholeskyQrTest, PlanMatchesCpuBackend) {
   const RcqrCase c = GetParam();
   auto ctx = Context::CpuDefault(1);
   const Mat a = Mat::Make(c.batch, c.m, c.n, c.row_pad, 1, 15, c.batch > 1);
-  const Mat s = Mat::Make(c.batched_sketch ? c.batch : 1, c.s, c.m, c.row_pad + 2, 3, 16,
-                          c.batched_sketch);
+  const Mat s =
+      Mat::Make(c.batched_sketch ? c.batch : 1, c.s, c.m, c.row_pad + 2, 3, 16, c.batched_sketch);
   Mat q_want = Mat::Make(c.batch, c.m, c.n, c.row_pad, 4, 17, c.batch > 1);
   Mat q_got = q_want;
   ASSERT_THAT(RandomizedCholeskyQr(*ctx, a.cview(), s.cview(), q_want.view()), IsOk());
@@ -480,10 +480,10 @@ TEST_P(DescriptorRandomizedCholeskyQrTest, PlanMatchesCpuBackend) {
   for (int64_t b = 0; b < p.batch; ++b) {
     float* qb = q_got.data.data() + b * p.stride_q;
     RunGemm(p.sketch, s.data.data() + b * p.stride_s, qb, w.data());
-    ASSERT_EQ(LAPACKE_sgeqrf(LAPACK_COL_MAJOR, static_cast<lapack_int>(p.s),
-                             static_cast<lapack_int>(p.n), w.data(),
-                             static_cast<lapack_int>(p.ld_w), tau.data()),
-              0);
+    ASSERT_EQ(
+        LAPACKE_sgeqrf(LAPACK_COL_MAJOR, static_cast<lapack_int>(p.s), static_cast<lapack_int>(p.n),
+                       w.data(), static_cast<lapack_int>(p.ld_w), tau.data()),
+        0);
     RunTrsm(p.solve, w.data(), qb);
     ASSERT_EQ(RunCholeskyQrMatrix(p.cholesky, b, q_got.data.data(), nullptr), 0);
   }
@@ -491,13 +491,14 @@ TEST_P(DescriptorRandomizedCholeskyQrTest, PlanMatchesCpuBackend) {
   EXPECT_TRUE(IsSentinelPadding(q_got)) << c.name;
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    ShapeClasses, DescriptorRandomizedCholeskyQrTest,
-    ::testing::Values(RcqrCase{"tall", 1, 64, 6, 12, false, 0},
-                      RcqrCase{"strided", 1, 50, 5, 9, false, 3},
-                      RcqrCase{"batched_shared_sketch", 3, 40, 4, 8, false, 1},
-                      RcqrCase{"batched_sketch", 2, 40, 4, 8, true, 2}),
-    [](const ::testing::TestParamInfo<RcqrCase>& i) { return std::string(i.param.name); });
+INSTANTIATE_TEST_SUITE_P(ShapeClasses, DescriptorRandomizedCholeskyQrTest,
+                         ::testing::Values(RcqrCase{"tall", 1, 64, 6, 12, false, 0},
+                                           RcqrCase{"strided", 1, 50, 5, 9, false, 3},
+                                           RcqrCase{"batched_shared_sketch", 3, 40, 4, 8, false, 1},
+                                           RcqrCase{"batched_sketch", 2, 40, 4, 8, true, 2}),
+                         [](const ::testing::TestParamInfo<RcqrCase>& i) {
+                           return std::string(i.param.name);
+                         });
 
 // A property of the descriptors alone: the library never sees a leading dimension below its
 // minimum (cuBLAS rejects those with CUBLAS_STATUS_INVALID_VALUE), one-row views included.
@@ -507,16 +508,16 @@ TEST(DescriptorGemm, LeadingDimensionsMeetLibraryMinimums) {
       for (int64_t m : {1, 5}) {
         for (int64_t n : {1, 6}) {
           for (int64_t k : {1, 3}) {
-          // A one-row view may carry any row stride (here 1); others have row_stride == cols.
-          auto make = [](int64_t rows, int64_t cols) {
-            return RowMajor{rows, cols, rows <= 1 ? 1 : cols, 1, 0};
-          };
-          const RowMajor a = make(ta ? k : m, ta ? m : k), b = make(tb ? n : k, tb ? k : n);
-          const RowMajor c = make(m, n);
-          const GemmCall g = cuda_calls::DescribeGemm(ta, tb, 1, 0, a, b, c);
-          EXPECT_GE(g.lda, std::max<int64_t>(1, g.transa == Op::kN ? g.m : g.k));
-          EXPECT_GE(g.ldb, std::max<int64_t>(1, g.transb == Op::kN ? g.k : g.n));
-          EXPECT_GE(g.ldc, std::max<int64_t>(1, g.m));
+            // A one-row view may carry any row stride (here 1); others have row_stride == cols.
+            auto make = [](int64_t rows, int64_t cols) {
+              return RowMajor{rows, cols, rows <= 1 ? 1 : cols, 1, 0};
+            };
+            const RowMajor a = make(ta ? k : m, ta ? m : k), b = make(tb ? n : k, tb ? k : n);
+            const RowMajor c = make(m, n);
+            const GemmCall g = cuda_calls::DescribeGemm(ta, tb, 1, 0, a, b, c);
+            EXPECT_GE(g.lda, std::max<int64_t>(1, g.transa == Op::kN ? g.m : g.k));
+            EXPECT_GE(g.ldb, std::max<int64_t>(1, g.transb == Op::kN ? g.k : g.n));
+            EXPECT_GE(g.ldc, std::max<int64_t>(1, g.m));
           }
         }
       }

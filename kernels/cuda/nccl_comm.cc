@@ -5,13 +5,13 @@
 // on the caller's stream and return; the caller polls AsyncError and aborts (CommDestroy).
 #include "kernels/cuda/nccl_comm.h"
 
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <thread>
-
-#include <cuda_runtime_api.h>
-#include <nccl.h>
 
 namespace diond::cuda {
 namespace {
@@ -133,8 +133,8 @@ int GetUniqueId(uint8_t* id, char* err, size_t len) {
   return 0;
 }
 
-int CommCreate(const uint8_t* id, int nranks, int rank, int device, int64_t timeout_ms,
-               void** out, char* err, size_t len) {
+int CommCreate(const uint8_t* id, int nranks, int rank, int device, int64_t timeout_ms, void** out,
+               char* err, size_t len) {
   cudaError_t e = cudaSetDevice(device);
   if (e != cudaSuccess) return CudaFail(err, len, "cudaSetDevice", e);
   auto* c = new Comm;
@@ -307,11 +307,26 @@ int AsyncError(void* comm, char* err, size_t len) {
 }
 
 const DiondNcclApiV1 kNccl = {
-    2,          &GetUniqueId, &CommCreate,   &CommDestroy, &AllReduce,    &ReduceScatter,
-    &AllGather, &AllToAll,    &Broadcast,    &DeviceMalloc, &DeviceFree,  &CopyToDevice,
+    2,
+    &GetUniqueId,
+    &CommCreate,
+    &CommDestroy,
+    &AllReduce,
+    &ReduceScatter,
+    &AllGather,
+    &AllToAll,
+    &Broadcast,
+    &DeviceMalloc,
+    &DeviceFree,
+    &CopyToDevice,
     &CopyToHost,
     // version 2
-    &AllReduceOn, &ReduceScatterOn, &AllGatherOn, &AllGatherVOn, &AllToAllOn, &BroadcastOn,
+    &AllReduceOn,
+    &ReduceScatterOn,
+    &AllGatherOn,
+    &AllGatherVOn,
+    &AllToAllOn,
+    &BroadcastOn,
     &AsyncError,
 };
 

@@ -40,10 +40,9 @@ int RunGemm(const DiondOpsCall* call, const char* op, cublasHandle_t h, const Ge
   DIOND_CUBLAS(op, cublasGemmStridedBatchedEx(
                        h, CuOp(g.transa), CuOp(g.transb), I(g.m), I(g.n), I(g.k), &g.alpha,
                        At(lib_a, g.offset_a, a_type), CuType(a_type), I(g.lda), g.stride_a,
-                       At(lib_b, g.offset_b, b_type), CuType(b_type), I(g.ldb), g.stride_b,
-                       &g.beta, const_cast<char*>(At(c, g.offset_c, c_type)), CuType(c_type),
-                       I(g.ldc), g.stride_c, I(g.batch), CUBLAS_COMPUTE_32F,
-                       CUBLAS_GEMM_DEFAULT));
+                       At(lib_b, g.offset_b, b_type), CuType(b_type), I(g.ldb), g.stride_b, &g.beta,
+                       const_cast<char*>(At(c, g.offset_c, c_type)), CuType(c_type), I(g.ldc),
+                       g.stride_c, I(g.batch), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   return DIOND_OPS_OK;
 }
 
@@ -78,11 +77,11 @@ int Transpose(const DiondOpsCall* call, const char* op, cublasHandle_t h,
 
 int Trsm(const DiondOpsCall* call, const char* op, cublasHandle_t h, const cuda_calls::TrsmCall& t,
          const float* a, float* b) {
-  DIOND_CUBLAS(op, cublasStrsm(h, t.side == cuda_calls::Side::kLeft ? CUBLAS_SIDE_LEFT
-                                                                    : CUBLAS_SIDE_RIGHT,
-                               CuFill(t.uplo), CuOp(t.trans),
-                               t.unit_diag ? CUBLAS_DIAG_UNIT : CUBLAS_DIAG_NON_UNIT, I(t.m),
-                               I(t.n), &t.alpha, a, I(t.lda), b, I(t.ldb)));
+  DIOND_CUBLAS(
+      op, cublasStrsm(h, t.side == cuda_calls::Side::kLeft ? CUBLAS_SIDE_LEFT : CUBLAS_SIDE_RIGHT,
+                      CuFill(t.uplo), CuOp(t.trans),
+                      t.unit_diag ? CUBLAS_DIAG_UNIT : CUBLAS_DIAG_NON_UNIT, I(t.m), I(t.n),
+                      &t.alpha, a, I(t.lda), b, I(t.ldb)));
   return DIOND_OPS_OK;
 }
 
@@ -93,8 +92,8 @@ int CholeskyMatrix(const DiondOpsCall* call, const char* op, cublasHandle_t blas
   const float one = 1.0f, zero = 0.0f;
   DIOND_CUBLAS(op, cublasSsyrk(blas, CuFill(p.gram.uplo), CuOp(p.gram.trans), I(p.gram.n),
                                I(p.gram.k), &one, qb, I(p.gram.lda), &zero, g, I(p.gram.ldc)));
-  DIOND_CUSOLVER(op, cusolverDnSpotrf(solver, CuFill(p.potrf_uplo), I(p.n), g, I(p.ld_g), work,
-                                      lwork, info));
+  DIOND_CUSOLVER(
+      op, cusolverDnSpotrf(solver, CuFill(p.potrf_uplo), I(p.n), g, I(p.ld_g), work, lwork, info));
   DIOND_RC(Trsm(call, op, blas, p.solve, g, qb));
   if (rb != nullptr) DIOND_RC(TriangleCopy(call, op, p.r_copy, g, rb));
   return DIOND_OPS_OK;
@@ -106,8 +105,7 @@ int CopyInto(const DiondOpsCall* call, DiondIn a, DiondOut q) {
 
 }  // namespace
 
-int OpGemm(const DiondOpsCall* call, const DiondGemmArgs* args, DiondIn a, DiondIn b,
-           DiondOut c) {
+int OpGemm(const DiondOpsCall* call, const DiondGemmArgs* args, DiondIn a, DiondIn b, DiondOut c) {
   constexpr const char* kOp = "Gemm";
   DIOND_RC(UseDevice(call, kOp));
   cublasHandle_t h;
@@ -130,9 +128,9 @@ int OpSymmetricProduct(const DiondOpsCall* call, int32_t aat, float alpha, Diond
   const float* ap = static_cast<const float*>(a->data);
   float* cp = static_cast<float*>(c->data);
   for (int64_t i = 0; i < s.batch; ++i) {
-    DIOND_CUBLAS(kOp, cublasSsyrk(h, CuFill(s.uplo), CuOp(s.trans), I(s.n), I(s.k), &s.alpha,
-                                  ap + i * s.stride_a, I(s.lda), &s.beta, cp + i * s.stride_c,
-                                  I(s.ldc)));
+    DIOND_CUBLAS(
+        kOp, cublasSsyrk(h, CuFill(s.uplo), CuOp(s.trans), I(s.n), I(s.k), &s.alpha,
+                         ap + i * s.stride_a, I(s.lda), &s.beta, cp + i * s.stride_c, I(s.ldc)));
   }
   return MirrorLower(call, kOp, cp, s.n, s.ldc, s.batch, s.stride_c);
 }
@@ -149,8 +147,8 @@ int OpSymmetricProductBf16(const DiondOpsCall* call, DiondIn a, int64_t block, D
   }
   const int64_t stride = rc.batch <= 1 ? 0 : rc.batch_stride;
   if (c->dtype == DIOND_DT_BF16) {  // each f32 sum rounded once to bf16 by cuBLAS
-    return MirrorLower(call, kOp, static_cast<uint16_t*>(c->data), ra.rows, rc.row_stride,
-                       rc.batch, stride);
+    return MirrorLower(call, kOp, static_cast<uint16_t*>(c->data), ra.rows, rc.row_stride, rc.batch,
+                       stride);
   }
   return MirrorLower(call, kOp, static_cast<float*>(c->data), ra.rows, rc.row_stride, rc.batch,
                      stride);
@@ -172,8 +170,8 @@ int OpThinQr(const DiondOpsCall* call, DiondIn a, DiondOut q, DiondOut r) {
   DIOND_RC(tau.Allocate(call, kOp, static_cast<size_t>(p.n) * 4));
   DIOND_RC(info.Allocate(call, kOp, sizeof(int)));
   int lwork_qr = 0, lwork_q = 0;
-  DIOND_CUSOLVER(kOp, cusolverDnSgeqrf_bufferSize(solver, I(p.m), I(p.n), w.As<float>(),
-                                                  I(p.ld_w), &lwork_qr));
+  DIOND_CUSOLVER(kOp, cusolverDnSgeqrf_bufferSize(solver, I(p.m), I(p.n), w.As<float>(), I(p.ld_w),
+                                                  &lwork_qr));
   DIOND_CUSOLVER(kOp, cusolverDnSorgqr_bufferSize(solver, I(p.m), I(p.n), I(p.n), w.As<float>(),
                                                   I(p.ld_w), tau.As<float>(), &lwork_q));
   const int lwork = lwork_qr > lwork_q ? lwork_qr : lwork_q;
@@ -184,14 +182,12 @@ int OpThinQr(const DiondOpsCall* call, DiondIn a, DiondOut q, DiondOut r) {
   for (int64_t b = 0; b < p.batch; ++b) {
     DIOND_RC(Transpose(call, kOp, blas, p.to_col_major, ap + b * p.stride_a, w.As<float>()));
     DIOND_CUSOLVER(kOp, cusolverDnSgeqrf(solver, I(p.m), I(p.n), w.As<float>(), I(p.ld_w),
-                                         tau.As<float>(), work.As<float>(), lwork,
-                                         info.As<int>()));
+                                         tau.As<float>(), work.As<float>(), lwork, info.As<int>()));
     if (rp != nullptr) {
       DIOND_RC(TriangleCopy(call, kOp, p.r_copy, w.As<float>(), rp + b * p.stride_r));
     }
-    DIOND_CUSOLVER(kOp, cusolverDnSorgqr(solver, I(p.m), I(p.n), I(p.n), w.As<float>(),
-                                         I(p.ld_w), tau.As<float>(), work.As<float>(), lwork,
-                                         info.As<int>()));
+    DIOND_CUSOLVER(kOp, cusolverDnSorgqr(solver, I(p.m), I(p.n), I(p.n), w.As<float>(), I(p.ld_w),
+                                         tau.As<float>(), work.As<float>(), lwork, info.As<int>()));
     DIOND_RC(Transpose(call, kOp, blas, p.from_col_major, w.As<float>(), qp + b * p.stride_q));
   }
   // geqrf/orgqr report only invalid arguments in info (never data-dependent failures), and the
@@ -222,8 +218,8 @@ int OpCholeskyQr(const DiondOpsCall* call, DiondIn a, DiondOut q, DiondOut r) {
   float* rp = want_r ? static_cast<float*>(r->data) : nullptr;
   for (int64_t b = 0; b < p.batch; ++b) {
     DIOND_RC(CholeskyMatrix(call, kOp, blas, solver, p, qp + b * p.stride_q,
-                            rp ? rp + b * p.stride_r : nullptr, g.As<float>(),
-                            work.As<float>(), lwork, info.As<int>() + b));
+                            rp ? rp + b * p.stride_r : nullptr, g.As<float>(), work.As<float>(),
+                            lwork, info.As<int>() + b));
   }
   std::vector<int> h(static_cast<size_t>(p.batch));
   DIOND_CU(kOp, cudaMemcpyAsync(h.data(), info.As<int>(), h.size() * sizeof(int),
@@ -261,11 +257,10 @@ int OpRandomizedCholeskyQr(const DiondOpsCall* call, DiondIn a, DiondIn sketch, 
   DIOND_CU(kOp, cudaMemsetAsync(info.As<int>(), 0, static_cast<size_t>(p.batch) * 3 * sizeof(int),
                                 StreamOf(call)));
   int lwork_qr = 0, lwork_chol = 0;
-  DIOND_CUSOLVER(kOp, cusolverDnSgeqrf_bufferSize(solver, I(p.s), I(p.n), w.As<float>(),
-                                                  I(p.ld_w), &lwork_qr));
+  DIOND_CUSOLVER(kOp, cusolverDnSgeqrf_bufferSize(solver, I(p.s), I(p.n), w.As<float>(), I(p.ld_w),
+                                                  &lwork_qr));
   DIOND_CUSOLVER(kOp, cusolverDnSpotrf_bufferSize(solver, CuFill(p.cholesky.potrf_uplo), I(p.n),
-                                                  g.As<float>(), I(p.cholesky.ld_g),
-                                                  &lwork_chol));
+                                                  g.As<float>(), I(p.cholesky.ld_g), &lwork_chol));
   const int lwork = lwork_qr > lwork_chol ? lwork_qr : lwork_chol;
   DIOND_RC(work.Allocate(call, kOp, static_cast<size_t>(lwork) * 4));
   float* qp = static_cast<float*>(q->data);
@@ -273,8 +268,8 @@ int OpRandomizedCholeskyQr(const DiondOpsCall* call, DiondIn a, DiondIn sketch, 
   for (int64_t b = 0; b < p.batch; ++b) {
     float* qb = qp + b * p.stride_q;
     int* ib = info.As<int>() + 3 * b;
-    DIOND_RC(RunGemm(call, kOp, blas, p.sketch, sp + b * p.stride_s, DIOND_DT_F32, qb,
-                     DIOND_DT_F32, w.As<float>(), DIOND_DT_F32));
+    DIOND_RC(RunGemm(call, kOp, blas, p.sketch, sp + b * p.stride_s, DIOND_DT_F32, qb, DIOND_DT_F32,
+                     w.As<float>(), DIOND_DT_F32));
     DIOND_CUSOLVER(kOp, cusolverDnSgeqrf(solver, I(p.s), I(p.n), w.As<float>(), I(p.ld_w),
                                          tau.As<float>(), work.As<float>(), lwork, ib));
     const float* wp = w.As<float>();

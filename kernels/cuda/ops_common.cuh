@@ -133,9 +133,9 @@ __device__ __forceinline__ double FoldWarp(double s) {
 // every thread when the kernel runs, so a replayed graph gets the record the host uploaded
 // before the launch; DIOND_OPS_API_VERSION 8).
 __host__ __device__ inline kernels::math::AdamWScalars AdamWOf(const DiondAdamWScalars* c) {
-  return kernels::math::AdamWScalars{c->decay,    c->lr_wd,     c->one_minus_b1, c->one_minus_b2,
-                                     c->beta2,    c->step_size, c->sqrt_bc2,     c->eps,
-                                     c->cautious != 0};
+  return kernels::math::AdamWScalars{c->decay,        c->lr_wd, c->one_minus_b1,
+                                     c->one_minus_b2, c->beta2, c->step_size,
+                                     c->sqrt_bc2,     c->eps,   c->cautious != 0};
 }
 __host__ __device__ inline kernels::math::LionScalars LionOf(const DiondLionScalars* c) {
   return kernels::math::LionScalars{c->w1, c->w2, c->lr_wd, c->decay, c->lr, c->cautious != 0};

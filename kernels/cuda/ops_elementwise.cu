@@ -63,9 +63,9 @@ int OpCopy(const DiondOpsCall* call, DiondIn src, DiondOut dst) {
     return DIOND_OPS_OK;  // exact alias
   }
   if (Contiguous(*src) && Contiguous(*dst) && src->dtype == dst->dtype) {
-    DIOND_CU(kOp, cudaMemcpyAsync(dst->data, src->data, static_cast<size_t>(n) *
-                                                             DtypeBytes(src->dtype),
-                                  cudaMemcpyDeviceToDevice, StreamOf(call)));
+    DIOND_CU(kOp,
+             cudaMemcpyAsync(dst->data, src->data, static_cast<size_t>(n) * DtypeBytes(src->dtype),
+                             cudaMemcpyDeviceToDevice, StreamOf(call)));
     return DIOND_OPS_OK;
   }
   const P3 s = Pad3(*src), d = Pad3(*dst);
@@ -84,16 +84,14 @@ int OpFill(const DiondOpsCall* call, float value, DiondOut dst) {
                 [=] __device__(int64_t i) { StoreAs(p, dt, i, value); });
 }
 
-int OpAxpby(const DiondOpsCall* call, float alpha, DiondIn x, float beta, DiondIn y,
-            DiondOut out) {
+int OpAxpby(const DiondOpsCall* call, float alpha, DiondIn x, float beta, DiondIn y, DiondOut out) {
   DIOND_RC(UseDevice(call, "Axpby"));
   const void* xp = x->data;
   const int xt = x->dtype, ot = out->dtype;
   void* op = out->data;
   if (beta == 0.0f) {
-    return Launch(call, "Axpby", NumElements(*out), [=] __device__(int64_t i) {
-      StoreAs(op, ot, i, alpha * LoadAs(xp, xt, i));
-    });
+    return Launch(call, "Axpby", NumElements(*out),
+                  [=] __device__(int64_t i) { StoreAs(op, ot, i, alpha * LoadAs(xp, xt, i)); });
   }
   const void* yp = y->data;
   const int yt = y->dtype;
@@ -160,8 +158,8 @@ int OpBf16RoundedAxpby(const DiondOpsCall* call, float alpha, DiondIn x, float b
     uint16_t* ob = static_cast<uint16_t*>(out->data);
     if (alpha == 0.0f) {
       return Launch(call, "Bf16RoundedAxpby", NumElements(*out), [=] __device__(int64_t i) {
-        ob[i] = math::Bf16BitsFromFloat(math::Bf16RoundedAxpbyElement(
-            0.0f, 0.0f, beta, math::FloatFromBf16Bits(yb[i]), false));
+        ob[i] = math::Bf16BitsFromFloat(
+            math::Bf16RoundedAxpbyElement(0.0f, 0.0f, beta, math::FloatFromBf16Bits(yb[i]), false));
       });
     }
     const uint16_t* xb = static_cast<const uint16_t*>(x->data);
@@ -211,8 +209,8 @@ int OpAdamWStep(const DiondOpsCall* call, const DiondAdamWScalars* c, DiondIn gr
                 DiondOut m, DiondOut v) {
   return AdamWWith(call, AdamWByValue{AdamWOf(c)}, grad, x, m, v);
 }
-int OpAdamWStepDev(const DiondOpsCall* call, const DiondAdamWScalars* c, DiondIn grad,
-                   DiondOut x, DiondOut m, DiondOut v) {
+int OpAdamWStepDev(const DiondOpsCall* call, const DiondAdamWScalars* c, DiondIn grad, DiondOut x,
+                   DiondOut m, DiondOut v) {
   return AdamWWith(call, AdamWOnDevice{c}, grad, x, m, v);
 }
 int OpLionStep(const DiondOpsCall* call, const DiondLionScalars* c, DiondIn grad, DiondOut x,

@@ -130,8 +130,8 @@ __global__ void NormalizeRowsKernel(float* op, float* vp, int64_t rows, int64_t 
                                     float w, double* o_sq, double* d_sq) {
   const int lane = static_cast<int>(threadIdx.x % kWarp);
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kRowsPerBlock;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(kRowsPerBlock) + threadIdx.x / kWarp;
-       i < rows; i += warps) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(kRowsPerBlock) + threadIdx.x / kWarp; i < rows;
+       i += warps) {
     float* row = op + i * cols;
     double ss = 0.0;
     for (int64_t c = lane; c < cols; c += kWarp) ss += static_cast<double>(row[c]) * row[c];
@@ -165,8 +165,8 @@ int OpAdamWStepTrackedDev(const DiondOpsCall* call, const DiondAdamWScalars* c, 
                           DiondOut x, DiondOut m, DiondOut v, DiondOut update_sq) {
   return AdamWTracked(call, AdamWOnDevice{c}, grad, x, m, v, update_sq);
 }
-int OpLionStepTracked(const DiondOpsCall* call, const DiondLionScalars* c, DiondIn grad,
-                      DiondOut x, DiondOut m, DiondOut update_sq) {
+int OpLionStepTracked(const DiondOpsCall* call, const DiondLionScalars* c, DiondIn grad, DiondOut x,
+                      DiondOut m, DiondOut update_sq) {
   return LionTracked(call, LionByValue{LionOf(c)}, grad, x, m, update_sq);
 }
 int OpLionStepTrackedDev(const DiondOpsCall* call, const DiondLionScalars* c, DiondIn grad,
@@ -232,8 +232,9 @@ int OpNormalizeNeurons(const DiondOpsCall* call, float w, DiondOut o, DiondOut v
   float* op = static_cast<float*>(o->data);
   float* vp = static_cast<float*>(v->data);
   Scratch sums;  // per row: Σ O², then Σ D²; per unit: the rescale factor
-  DIOND_RC(sums.Allocate(call, kOp, static_cast<size_t>(2 * units_rows) * sizeof(double) +
-                                        static_cast<size_t>(batch) * sizeof(float)));
+  DIOND_RC(sums.Allocate(call, kOp,
+                         static_cast<size_t>(2 * units_rows) * sizeof(double) +
+                             static_cast<size_t>(batch) * sizeof(float)));
   double* o_sq = sums.As<double>();
   double* d_sq = o_sq + units_rows;
   float* scale = reinterpret_cast<float*>(d_sq + units_rows);
@@ -310,8 +311,7 @@ int OpDecayScatterWithChange(const DiondOpsCall* call, float decay, DiondIn src,
             j < 0 ? math::DecayElement(decay, before)
                   : math::DecayScatterElement(
                         decay, alpha, before,
-                        sp[b * sub + (by_rows ? static_cast<int64_t>(j) * cols + c
-                                              : r * k + j)]);
+                        sp[b * sub + (by_rows ? static_cast<int64_t>(j) * cols + c : r * k + j)]);
         xp[e] = after;
         return Sq(after, before);
       },

@@ -108,8 +108,8 @@ int OpIpcOpenMemHandle(const DiondOpsCall* call, const uint8_t* handle, void** p
   const cudaError_t e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
   if (e != cudaSuccess) {
     return Fail(call, DIOND_OPS_FAILED_PRECONDITION,
-                "ipc_open_mem_handle: cudaIpcOpenMemHandle on device %d failed: %s",
-                call->device, cudaGetErrorString(e));
+                "ipc_open_mem_handle: cudaIpcOpenMemHandle on device %d failed: %s", call->device,
+                cudaGetErrorString(e));
   }
   CUdeviceptr base = 0;
   size_t size = 0;

@@ -280,7 +280,8 @@ int Scratch::Allocate(const DiondOpsCall* call, const char* op, size_t bytes) {
     p_ = nullptr;
     Consume(call->device, e);
     if (DeviceLost(call->device)) return LostFail(call, call->device);
-    return Fail(call, CaptureError(e) ? DIOND_OPS_FAILED_PRECONDITION : DIOND_OPS_RESOURCE_EXHAUSTED,
+    return Fail(call,
+                CaptureError(e) ? DIOND_OPS_FAILED_PRECONDITION : DIOND_OPS_RESOURCE_EXHAUSTED,
                 "%s: %zu bytes of scratch: %s", op, bytes, cudaGetErrorString(e));
   }
   bytes_ = bytes;
@@ -402,16 +403,17 @@ int OpStreamCreate(const DiondOpsCall* call, void** stream) {
   };
   auto blas = [&](cublasStatus_t st, const char* what) {
     if (rc == DIOND_OPS_OK && st != CUBLAS_STATUS_SUCCESS) {
-      rc = Fail(call, DIOND_OPS_INTERNAL, "%s: %s failed: %s", kOp, what,
-                cublasGetStatusString(st));
+      rc =
+          Fail(call, DIOND_OPS_INTERNAL, "%s: %s failed: %s", kOp, what, cublasGetStatusString(st));
     }
   };
   step(cudaEventCreateWithFlags(&ss.last, cudaEventDisableTiming), "cudaEventCreateWithFlags");
-  if (rc == DIOND_OPS_OK) step(cudaMallocAsync(&ss.workspace, kBlasWorkspaceBytes, s),
-                               "cudaMallocAsync(cuBLAS workspace)");
+  if (rc == DIOND_OPS_OK)
+    step(cudaMallocAsync(&ss.workspace, kBlasWorkspaceBytes, s),
+         "cudaMallocAsync(cuBLAS workspace)");
   if (rc == DIOND_OPS_OK) blas(cublasCreate(&ss.handles.blas), "cublasCreate");
-  if (rc == DIOND_OPS_OK) blas(cublasSetMathMode(ss.handles.blas, CUBLAS_DEFAULT_MATH),
-                               "cublasSetMathMode");
+  if (rc == DIOND_OPS_OK)
+    blas(cublasSetMathMode(ss.handles.blas, CUBLAS_DEFAULT_MATH), "cublasSetMathMode");
   if (rc == DIOND_OPS_OK) blas(cublasSetStream(ss.handles.blas, s), "cublasSetStream");
   if (rc == DIOND_OPS_OK) {
     blas(cublasSetWorkspace(ss.handles.blas, ss.workspace, kBlasWorkspaceBytes),

@@ -7,7 +7,8 @@
 // one thread in row order (adjacent threads read adjacent columns). The Frobenius norm adds the
 // row sums of a matrix in row order.
 // TopKByL1Norm: CUB's stable descending radix sort of (TopKOrderKey(score), index) pairs,
-// indices given ascending, which is the CPU's order exactly (elementwise_math.h; tested on the CPU).
+// indices given ascending, which is the CPU's order exactly (elementwise_math.h; tested on the
+// CPU).
 #include <cub/device/device_radix_sort.cuh>
 
 #include "kernels/cuda/ops_common.cuh"
@@ -86,10 +87,11 @@ __global__ void OrderKeys(const float* scores, int64_t n, uint32_t* keys, int64_
 
 // The first k indices of the top-k order (TopKByL1Norm's) of `scores` (n f32 on the device)
 // into host `indices`.
-int SortedTopK(const DiondOpsCall* call, const char* op, const float* scores, int64_t n,
-               int64_t k, int64_t* indices) {
-  if (n > INT32_MAX) return Fail(call, DIOND_OPS_INTERNAL, "%s: %lld scores (> 2^31)", op,
-                                 static_cast<long long>(n));
+int SortedTopK(const DiondOpsCall* call, const char* op, const float* scores, int64_t n, int64_t k,
+               int64_t* indices) {
+  if (n > INT32_MAX)
+    return Fail(call, DIOND_OPS_INTERNAL, "%s: %lld scores (> 2^31)", op,
+                static_cast<long long>(n));
   Scratch keys_in, keys_out, idx_in, idx_out, temp;
   DIOND_RC(keys_in.Allocate(call, op, static_cast<size_t>(n) * 4));
   DIOND_RC(keys_out.Allocate(call, op, static_cast<size_t>(n) * 4));
@@ -138,8 +140,8 @@ int OpAxisNorms(const DiondOpsCall* call, DiondIn a, int32_t axis, int32_t norm,
   return Norms(call, "AxisNorms", *a, axis, norm, static_cast<float*>(out->data));
 }
 
-int OpTopKByL1Norm(const DiondOpsCall* call, DiondIn a, int32_t axis, int64_t k,
-                   int64_t* indices, DiondOut scores_out) {
+int OpTopKByL1Norm(const DiondOpsCall* call, DiondIn a, int32_t axis, int64_t k, int64_t* indices,
+                   DiondOut scores_out) {
   constexpr const char* kOp = "TopKByL1Norm";
   DIOND_RC(UseDevice(call, kOp));
   const Mat3 m = AsMat3(*a);
@@ -168,10 +170,10 @@ int OpIsAllZero(const DiondOpsCall* call, DiondIn a, int32_t* all_zero) {
     const int64_t j = i % m.cols, r = i / m.cols, row = r % m.rows, b = r / m.rows;
     const int64_t at = b * m.bs + row * m.rs + j * m.cs;
     // +0 and -0 are zero; everything else (NaN included) is not.
-    const bool nonzero = m.dtype == DIOND_DT_F32
-                             ? (__float_as_uint(static_cast<const float*>(m.p)[at]) &
-                                0x7fffffffu) != 0u
-                             : (static_cast<const uint16_t*>(m.p)[at] & 0x7fffu) != 0u;
+    const bool nonzero =
+        m.dtype == DIOND_DT_F32
+            ? (__float_as_uint(static_cast<const float*>(m.p)[at]) & 0x7fffffffu) != 0u
+            : (static_cast<const uint16_t*>(m.p)[at] & 0x7fffu) != 0u;
     if (nonzero) *f = 1;
   }));
   int h = 0;
@@ -269,8 +271,8 @@ int OpFnv1aChecksum(const DiondOpsCall* call, DiondIn x, uint64_t* checksum) {
   const size_t bytes = static_cast<size_t>(NumElements(*x)) * 4;
   std::vector<unsigned char> host(bytes);
   if (bytes > 0) {
-    DIOND_CU(kOp, cudaMemcpyAsync(host.data(), x->data, bytes, cudaMemcpyDeviceToHost,
-                                  StreamOf(call)));
+    DIOND_CU(kOp,
+             cudaMemcpyAsync(host.data(), x->data, bytes, cudaMemcpyDeviceToHost, StreamOf(call)));
     DIOND_RC(Sync(call, kOp));
   }
   unsigned long long h = 0xcbf29ce484222325ull;

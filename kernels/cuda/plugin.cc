@@ -1,13 +1,13 @@
 // The CUDA plugin's entry point: device probing, NCCL communicators and the ops backend behind
 // the C ABI of plugin_api.h.
 // Compiled only when DIOND_WITH_CUDA is ON; loaded by kernels/device.cc with dlopen.
-#include <cstdio>
-#include <cstring>
-
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 #include <cusolverDn.h>
 #include <nccl.h>
+
+#include <cstdio>
+#include <cstring>
 
 #include "kernels/cuda/nccl_comm.h"
 #include "kernels/cuda/ops_internal.h"
@@ -61,7 +61,7 @@ void Versions(char* out, size_t out_len) {
 // Not constexpr: the NCCL table's address comes from another translation unit.
 const DiondCudaPluginV1 kPlugin = {
     DIOND_CUDA_PLUGIN_ABI_MAJOR, DIOND_CUDA_PLUGIN_ABI_MINOR, &DeviceCount, &DeviceName, &Versions,
-    diond::cuda::NcclApi(), diond::cuda::OpsApi(),
+    diond::cuda::NcclApi(),      diond::cuda::OpsApi(),
 };
 
 }  // namespace

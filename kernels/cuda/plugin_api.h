@@ -80,12 +80,12 @@ typedef struct DiondNcclApiV1 {
   // All-gather of unequal blocks: `counts` (host memory, nranks entries) are the blocks'
   // elements; `send` holds counts[rank], `recv` their sum, rank j's block at the sum of
   // counts[0..j). One NCCL group of a broadcast per rank: no padding, no host copy.
-  int (*all_gather_v_on)(void* comm, const void* send, void* recv, const int64_t* counts,
-                         int dtype, int64_t timeout_ms, void* stream, char* err, size_t err_len);
+  int (*all_gather_v_on)(void* comm, const void* send, void* recv, const int64_t* counts, int dtype,
+                         int64_t timeout_ms, void* stream, char* err, size_t err_len);
   int (*all_to_all_on)(void* comm, const void* send, void* recv, size_t block_count, int dtype,
                        int64_t timeout_ms, void* stream, char* err, size_t err_len);
-  int (*broadcast_on)(void* comm, const void* send, void* recv, size_t count, int dtype,
-                      int root, int64_t timeout_ms, void* stream, char* err, size_t err_len);
+  int (*broadcast_on)(void* comm, const void* send, void* recv, size_t count, int dtype, int root,
+                      int64_t timeout_ms, void* stream, char* err, size_t err_len);
   // 0 while the communicator is healthy (collectives in flight included); -1 with NCCL's
   // asynchronous error (ncclCommGetAsyncError) or "aborted". Never blocks.
   int (*async_error)(void* comm, char* err, size_t err_len);
@@ -101,14 +101,15 @@ typedef struct DiondNcclApiV1 {
 //
 // Adding an op (docs/GPU.md): append its row at the END of kernels/ops.def (never reorder) and
 // bump DIOND_OPS_API_VERSION.
-#define DIOND_OPS_API_VERSION 9  // 2: ortho ops; 3: kops ops, TopK/Lerp/CautiousWeightDecay gone;
-                                 // 4: the session's ops (steps); 5: device UUIDs, IPC/VMM
-                                 // imports and events (handoff), host registration and stream
-                                 // capture (devsession); 6: stream-ordered copies and the
-                                 // device-side finiteness flags (asynccopy); 7: Dion2's
-                                 // deferred parameter write (decay_scatter_with_change);
-                                 // 8: the fused steps with device-side scalars (*_dev);
-                                 // 9: device_health
+#define DIOND_OPS_API_VERSION \
+  9  // 2: ortho ops; 3: kops ops, TopK/Lerp/CautiousWeightDecay gone;
+     // 4: the session's ops (steps); 5: device UUIDs, IPC/VMM
+     // imports and events (handoff), host registration and stream
+     // capture (devsession); 6: stream-ordered copies and the
+     // device-side finiteness flags (asynccopy); 7: Dion2's
+     // deferred parameter write (decay_scatter_with_change);
+     // 8: the fused steps with device-side scalars (*_dev);
+     // 9: device_health
 enum {
   DIOND_OPS_OK = 0,
   DIOND_OPS_INTERNAL = -1,             // a library/kernel failure (absl INTERNAL)

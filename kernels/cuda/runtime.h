@@ -34,30 +34,30 @@ inline cudaStream_t StreamOf(const DiondOpsCall* call) {
 // A failed runtime call: its error is read (and so cleared) here, where it happened, never by a
 // later launch check; the code is RESOURCE_EXHAUSTED for out of memory, FAILED_PRECONDITION for
 // a capture conflict or a lost context (DeviceLost), INTERNAL otherwise.
-#define DIOND_CU(op, expr)                                                 \
-  do {                                                                     \
-    const cudaError_t e_ = (expr);                                         \
+#define DIOND_CU(op, expr)                                                    \
+  do {                                                                        \
+    const cudaError_t e_ = (expr);                                            \
     if (e_ != cudaSuccess) return ::diond::cuda::Failed(call, op, #expr, e_); \
   } while (0)
-#define DIOND_CUBLAS(op, expr)                                                              \
-  do {                                                                                      \
-    const cublasStatus_t s_ = (expr);                                                       \
-    if (s_ != CUBLAS_STATUS_SUCCESS) {                                                      \
-      return ::diond::cuda::Fail(call, DIOND_OPS_INTERNAL, "%s: %s failed: %s", op, #expr,  \
-                                 cublasGetStatusString(s_));                                \
-    }                                                                                       \
+#define DIOND_CUBLAS(op, expr)                                                             \
+  do {                                                                                     \
+    const cublasStatus_t s_ = (expr);                                                      \
+    if (s_ != CUBLAS_STATUS_SUCCESS) {                                                     \
+      return ::diond::cuda::Fail(call, DIOND_OPS_INTERNAL, "%s: %s failed: %s", op, #expr, \
+                                 cublasGetStatusString(s_));                               \
+    }                                                                                      \
   } while (0)
-#define DIOND_CUSOLVER(op, expr)                                                            \
-  do {                                                                                      \
-    const cusolverStatus_t s_ = (expr);                                                     \
-    if (s_ != CUSOLVER_STATUS_SUCCESS) {                                                    \
-      return ::diond::cuda::Fail(call, DIOND_OPS_INTERNAL, "%s: %s failed: status %d", op,  \
-                                 #expr, static_cast<int>(s_));                              \
-    }                                                                                       \
+#define DIOND_CUSOLVER(op, expr)                                                                  \
+  do {                                                                                            \
+    const cusolverStatus_t s_ = (expr);                                                           \
+    if (s_ != CUSOLVER_STATUS_SUCCESS) {                                                          \
+      return ::diond::cuda::Fail(call, DIOND_OPS_INTERNAL, "%s: %s failed: status %d", op, #expr, \
+                                 static_cast<int>(s_));                                           \
+    }                                                                                             \
   } while (0)
-#define DIOND_RC(expr)                  \
-  do {                                  \
-    const int rc_ = (expr);             \
+#define DIOND_RC(expr)                   \
+  do {                                   \
+    const int rc_ = (expr);              \
     if (rc_ != DIOND_OPS_OK) return rc_; \
   } while (0)
 

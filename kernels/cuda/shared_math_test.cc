@@ -26,9 +26,9 @@ uint32_t Bits(float f) {
 
 std::vector<float> Values() {
   const float inf = std::numeric_limits<float>::infinity();
-  std::vector<float> v = {0.0f, -0.0f, 1.0f, -1.0f, inf, -inf,
-                          std::numeric_limits<float>::quiet_NaN(), FLT_MAX, -FLT_MAX, FLT_MIN,
-                          1e-45f, -2.5f, 3.0f, 0.1f};
+  std::vector<float> v = {
+      0.0f,    -0.0f,    1.0f,    -1.0f,  inf,   -inf, std::numeric_limits<float>::quiet_NaN(),
+      FLT_MAX, -FLT_MAX, FLT_MIN, 1e-45f, -2.5f, 3.0f, 0.1f};
   std::mt19937 rng(3);
   for (int i = 0; i < 4000; ++i) {
     uint32_t u = rng();
@@ -53,9 +53,9 @@ TEST(SharedMath, UnaryElementIsCpuUnary) {
   const int64_t n = static_cast<int64_t>(x.size());
   std::vector<float> out(x.size());
   for (int op = math::kUnarySign; op <= math::kUnaryNanToNum; ++op) {
-    ASSERT_THAT(Unary(*ctx, static_cast<UnaryOp>(op), MakeView(x.data(), {n}),
-                      MakeView(out.data(), {n})),
-                IsOk());
+    ASSERT_THAT(
+        Unary(*ctx, static_cast<UnaryOp>(op), MakeView(x.data(), {n}), MakeView(out.data(), {n})),
+        IsOk());
     for (size_t i = 0; i < x.size(); ++i) {
       ASSERT_EQ(Bits(math::UnaryElement(op, x[i])), Bits(out[i])) << "op " << op << " x " << x[i];
     }

@@ -24,9 +24,9 @@ using ::diond::testing::IsOk;
 std::vector<float> Adversarial(uint32_t seed, int64_t n) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const float inf = std::numeric_limits<float>::infinity();
-  const std::vector<float> specials = {0.0f,  -0.0f, nan,     -nan,        inf,    -inf,
-                                       1.0f,  -1.0f, FLT_MIN, -FLT_MIN,    1e-45f, -1e-45f,
-                                       FLT_MAX, -FLT_MAX, 0.5f, 3.0f};
+  const std::vector<float> specials = {0.0f,    -0.0f,    nan,     -nan,     inf,    -inf,
+                                       1.0f,    -1.0f,    FLT_MIN, -FLT_MIN, 1e-45f, -1e-45f,
+                                       FLT_MAX, -FLT_MAX, 0.5f,    3.0f};
   std::mt19937 rng(seed);
   std::uniform_int_distribution<size_t> pick(0, specials.size() - 1);
   std::normal_distribution<float> normal(0.0f, 2.0f);
@@ -74,9 +74,9 @@ TEST(TopKOrder, StableDescendingKeySortIsTheCpuOrder) {
     // The first k of the full order are the top k for every k (what the GPU copies out).
     for (int64_t k : {int64_t{1}, n / 3, n - 1}) {
       std::vector<int64_t> top(static_cast<size_t>(k));
-      ASSERT_THAT(TopKByL1Norm(*ctx, MakeView(a.data(), {rows, n}), Axis::kCols, k,
-                               absl::MakeSpan(top)),
-                  IsOk());
+      ASSERT_THAT(
+          TopKByL1Norm(*ctx, MakeView(a.data(), {rows, n}), Axis::kCols, k, absl::MakeSpan(top)),
+          IsOk());
       EXPECT_TRUE(std::equal(top.begin(), top.end(), by_key.begin())) << "k " << k;
     }
   }

@@ -14,8 +14,8 @@
 namespace diond::optim {
 namespace {
 
-using kernels::testing::RandomVector;  // N(0, 1) from a seed (kernels/cpu/test_util.h)
 using ::diond::testing::IsOk;
+using kernels::testing::RandomVector;  // N(0, 1) from a seed (kernels/cpu/test_util.h)
 
 int64_t Numel(const ParamShape& s) {
   int64_t n = 1;
@@ -51,7 +51,7 @@ TEST_P(CapturedUpdate, NonOwnerReproducesTheOwnerBitForBit) {
   ASSERT_TRUE(owner.ok() && plain.ok());
   auto ctx = kernels::Context::CpuDefault();
   std::vector<std::vector<float>> x = {RandomVector(n, 1), RandomVector(n, 2), RandomVector(n, 3)};
-  std::vector<std::vector<float>> y = x;  // the plain (non-capturing) run
+  std::vector<std::vector<float>> y = x;        // the plain (non-capturing) run
   std::vector<std::vector<float>> replica = x;  // a non-owner's copy
   for (int step = 1; step <= 3; ++step) {
     std::vector<std::vector<float>> g = {RandomVector(n, 10 * step), RandomVector(n, 10 * step + 1),
@@ -79,9 +79,9 @@ TEST_P(CapturedUpdate, NonOwnerReproducesTheOwnerBitForBit) {
     for (size_t p : {0u, 2u}) {
       EXPECT_EQ(x[p], y[p]) << "capturing changed the numbers, step " << step;
       ASSERT_EQ(static_cast<int64_t>(cap.payload[p].size()), size);
-      ASSERT_THAT(ApplyCapturedUpdate(*ctx, cfg, c.shape, plain_opts, cap.payload[p],
-                                      replica[p].data()),
-                  IsOk());
+      ASSERT_THAT(
+          ApplyCapturedUpdate(*ctx, cfg, c.shape, plain_opts, cap.payload[p], replica[p].data()),
+          IsOk());
       ASSERT_EQ(replica[p], x[p]) << "parameter " << p << ", step " << step;
     }
   }

@@ -17,34 +17,33 @@
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "kernels/engine_choice.h"
-#include "kernels/cpu/test_util.h"
 #include "kernels/backend.h"
 #include "kernels/context.h"
+#include "kernels/cpu/test_util.h"
+#include "kernels/engine_choice.h"
 #include "kernels/ops.h"
 #include "kernels/optim/group_optimizer.h"
-#include "kernels/optim/testing/same_bits.h"
 #include "kernels/optim/orthogonalize.h"
+#include "kernels/optim/testing/same_bits.h"
 #include "kernels/plugin/plugin_backend.h"
 #include "kernels/testing/host_device_backend.h"
 
 namespace diond::optim {
 namespace {
 
-using kernels::testing::RandomVector;  // N(0, 1) from a seed (kernels/cpu/test_util.h)
 using ::diond::testing::IsOk;
 using ::diond::testing::StatusIs;
-using ::testing::HasSubstr;
 using kernels::Buffer;
 using kernels::Context;
 using kernels::Device;
 using kernels::DeviceType;
+using kernels::testing::RandomVector;  // N(0, 1) from a seed (kernels/cpu/test_util.h)
+using ::testing::HasSubstr;
 
 constexpr Device kDev{DeviceType::kTest, 0};
 
 int64_t Numel(const ParamShape& s) { return testing::Numel(s); }
-::testing::AssertionResult SameBits(const std::vector<float>& got,
-                                    const std::vector<float>& want) {
+::testing::AssertionResult SameBits(const std::vector<float>& got, const std::vector<float>& want) {
   return testing::SameBits(got, want, "device", "cpu");
 }
 
@@ -68,10 +67,10 @@ class StrictDevice : public ::testing::Test {
   Buffer Upload(const std::vector<float>& v) {
     auto b = dev_->Allocate(kernels::DType::kF32, {static_cast<int64_t>(v.size())});
     EXPECT_THAT(b.status(), IsOk());
-    EXPECT_THAT(kernels::CopyFromHost(*dev_, kernels::MakeView(v.data(), {static_cast<int64_t>(
-                                                                             v.size())}),
-                                      b->view()),
-                IsOk());
+    EXPECT_THAT(
+        kernels::CopyFromHost(*dev_, kernels::MakeView(v.data(), {static_cast<int64_t>(v.size())}),
+                              b->view()),
+        IsOk());
     return std::move(*b);
   }
   std::vector<float> Download(const Buffer& b) {
@@ -122,8 +121,7 @@ TEST_F(StrictDevice, HostDeviceCopiesAreValidated) {
   auto b = dev_->Allocate(kernels::DType::kF32, {2, 3});
   ASSERT_THAT(b.status(), IsOk());
   std::vector<float> h(6, 1.5f), back(6, 0.0f);
-  ASSERT_THAT(kernels::CopyFromHost(*dev_, kernels::MakeView(h.data(), {2, 3}), b->view()),
-              IsOk());
+  ASSERT_THAT(kernels::CopyFromHost(*dev_, kernels::MakeView(h.data(), {2, 3}), b->view()), IsOk());
   ASSERT_THAT(kernels::CopyToHost(*dev_, b->view(), kernels::MakeView(back.data(), {2, 3})),
               IsOk());
   EXPECT_EQ(back, h);
@@ -151,9 +149,11 @@ TEST_F(StrictDevice, HostDeviceCopiesAreValidated) {
 
 TEST_F(StrictDevice, OrthogonalizeMatchesTheCpuBitForBit) {
   for (auto method : {kernels::OrthoMethod::kPolarExpress, kernels::OrthoMethod::kNewtonSchulz5}) {
-    for (auto precision : {kernels::OrthoPrecision::kFp32, kernels::OrthoPrecision::kBf16Reference}) {
+    for (auto precision :
+         {kernels::OrthoPrecision::kFp32, kernels::OrthoPrecision::kBf16Reference}) {
       for (auto mm : {kernels::Bf16Matmul::kReferenceF32Gemm, kernels::Bf16Matmul::kOneDnnBf16}) {
-        if (precision == kernels::OrthoPrecision::kFp32 && mm != kernels::Bf16Matmul::kReferenceF32Gemm) {
+        if (precision == kernels::OrthoPrecision::kFp32 &&
+            mm != kernels::Bf16Matmul::kReferenceF32Gemm) {
           continue;
         }
         // oneDNN's bf16 matmul needs the AVX-512 core (kernels/engine_choice.h).
@@ -174,9 +174,10 @@ TEST_F(StrictDevice, OrthogonalizeMatchesTheCpuBitForBit) {
           Buffer din = Upload(in);
           auto dout = dev_->Allocate(kernels::DType::kF32, shape);
           ASSERT_THAT(dout.status(), IsOk());
-          ASSERT_THAT(kernels::Orthogonalize(*dev_, o, kernels::ConstTensorView(din.data(), layout, kDev),
-                                             dout->view()),
-                      IsOk());
+          ASSERT_THAT(
+              kernels::Orthogonalize(*dev_, o, kernels::ConstTensorView(din.data(), layout, kDev),
+                                     dout->view()),
+              IsOk());
           EXPECT_TRUE(SameBits(Download(*dout), want))
               << "method " << static_cast<int>(method) << " precision "
               << static_cast<int>(precision) << " matmul " << static_cast<int>(mm) << " shape "
@@ -253,8 +254,10 @@ std::vector<RuleCase> AllRuleCases() {
           cq.hyperparams.qr_method = q;
           cq.hyperparams.cqr_warmup_steps = 1;
           cq.hyperparams.rank_fraction = 0.25;
-          RuleCase rc{an + "_" + std::string(QrMethodName(q)) + "_capture_" + ps, cq,
-                      {{64, 48}, {64, 48}, {32, 96}}, true};
+          RuleCase rc{an + "_" + std::string(QrMethodName(q)) + "_capture_" + ps,
+                      cq,
+                      {{64, 48}, {64, 48}, {32, 96}},
+                      true};
           v.push_back(rc);
         }
         RuleCase ra{an + "_replica_average_" + ps, c, {{32, 48}, {48, 32}}, false, true};
@@ -295,7 +298,8 @@ TEST_P(DeviceRules, StepsMatchTheCpuBitForBit) {
     std::vector<float*> dp, hp;
     std::vector<const float*> dgp, hgp;
     for (size_t i = 0; i < np; ++i) {
-      hg[i] = RandomVector(hx[i].size(), 100 * static_cast<uint32_t>(step) + static_cast<uint32_t>(i));
+      hg[i] =
+          RandomVector(hx[i].size(), 100 * static_cast<uint32_t>(step) + static_cast<uint32_t>(i));
       hg[i].reserve(1);
       dg.push_back(Upload(hg[i]));
       dp.push_back(dx[i].As<float>());
@@ -330,8 +334,8 @@ TEST_P(DeviceRules, StepsMatchTheCpuBitForBit) {
     }
     EXPECT_EQ(d.last_update_norm(), c.last_update_norm()) << "step " << step;
     for (size_t i = 0; i < np; ++i) {
-      EXPECT_TRUE(SameBits(Download(dx[i]), hx[i])) << rc.name << " step " << step << " param "
-                                                    << i;
+      EXPECT_TRUE(SameBits(Download(dx[i]), hx[i]))
+          << rc.name << " step " << step << " param " << i;
     }
     if (rc.capture) {
       ASSERT_EQ(dcap.payload.size(), ccap.payload.size());
@@ -507,8 +511,7 @@ TEST_F(StrictDevice, StateAccessNeedsTheDeviceContext) {
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("Context")));
   EXPECT_THAT((*opt)->GetState(*cpu_, 0, kStateMomentum, absl::MakeSpan(m)),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("device")));
-  EXPECT_THAT((*opt)->ReleaseState({true, false}),
-              StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_THAT((*opt)->ReleaseState({true, false}), StatusIs(absl::StatusCode::kFailedPrecondition));
   const std::vector<float> set = RandomVector(16, 3);
   ASSERT_THAT((*opt)->SetState(*dev_, 0, kStateMomentum, set), IsOk());
   ASSERT_THAT((*opt)->GetState(*dev_, 0, kStateMomentum, absl::MakeSpan(m)), IsOk());
@@ -543,7 +546,8 @@ TEST_F(StrictDevice, AdamWStepCountFollowsSetStateDiscardAndRelease) {
   std::vector<std::vector<float>> hx, hg;
   std::vector<Buffer> dx, dg;
   for (size_t i = 0; i < shapes.size(); ++i) {
-    hx.push_back(RandomVector(static_cast<size_t>(Numel(shapes[i])), 20 + static_cast<uint32_t>(i)));
+    hx.push_back(
+        RandomVector(static_cast<size_t>(Numel(shapes[i])), 20 + static_cast<uint32_t>(i)));
     hg.push_back(RandomVector(hx.back().size(), 30 + static_cast<uint32_t>(i)));
     dx.push_back(Upload(hx.back()));
     dg.push_back(Upload(hg.back()));
@@ -569,11 +573,11 @@ TEST_F(StrictDevice, AdamWStepCountFollowsSetStateDiscardAndRelease) {
     ap.weight_decay = static_cast<float>(c.hyperparams.weight_decay);
     ap.step = step;
     const int64_t n = static_cast<int64_t>(want1.size());
-    ASSERT_THAT(kernels::AdamWStep(*cpu_, ap, kernels::MakeView(hg[1].data(), {n}),
-                                   kernels::MakeView(want1.data(), {n}),
-                                   kernels::MakeView(m1.data(), {n}),
-                                   kernels::MakeView(v1.data(), {n})),
-                IsOk());
+    ASSERT_THAT(
+        kernels::AdamWStep(*cpu_, ap, kernels::MakeView(hg[1].data(), {n}),
+                           kernels::MakeView(want1.data(), {n}), kernels::MakeView(m1.data(), {n}),
+                           kernels::MakeView(v1.data(), {n})),
+        IsOk());
   }
   const float seven = 7.0f;
   ASSERT_THAT((*d)->SetState(*dev_, 1, kStateStepDev, absl::MakeConstSpan(&seven, 1)), IsOk());

@@ -18,8 +18,8 @@
 namespace diond::optim {
 namespace {
 
-using kernels::testing::RandomVector;  // N(0, 1) from a seed (kernels/cpu/test_util.h)
 using ::diond::testing::IsOk;
+using kernels::testing::RandomVector;  // N(0, 1) from a seed (kernels/cpu/test_util.h)
 using ::testing::HasSubstr;
 
 constexpr int64_t kM = 64, kN = 48;  // tall: P = M·Q is a×r = 64×12 at rank_fraction 0.25
@@ -279,10 +279,10 @@ TEST(DionQrMethod, SquarePUsesHouseholderQrUnderRcqrAndCholeskyQrUnderCqr) {
                               kernels::MakeView(r.data(), {1, 48, 48})),
                 IsOk());
     std::vector<float> norms(48);
-    ASSERT_THAT(kernels::AxisNorms(ctx, kernels::MakeView(r.data(), {1, 48, 48}),
-                                   kernels::Axis::kCols, kernels::NormType::kL2,
-                                   kernels::MakeView(norms.data(), {48})),
-                IsOk());
+    ASSERT_THAT(
+        kernels::AxisNorms(ctx, kernels::MakeView(r.data(), {1, 48, 48}), kernels::Axis::kCols,
+                           kernels::NormType::kL2, kernels::MakeView(norms.data(), {48})),
+        IsOk());
     const float eps = static_cast<float>(cfg.hyperparams.epsilon);
     for (int64_t i = 0; i < 48; ++i) {
       for (int64_t c = 0; c < 48; ++c) r[i * 48 + c] = r[i * 48 + c] / (norms[c] + eps);

@@ -2,7 +2,6 @@
 
 #include <cassert>
 #include <cmath>
-
 #include <cstring>
 #include <map>
 #include <utility>
@@ -34,9 +33,9 @@ absl::Status GroupOptimizer::Stage(const kernels::Context& ctx, absl::Span<float
                                    absl::Span<const float* const> grads,
                                    const StepOptions& options) {
   if (params.size() != shapes_.size() || grads.size() != shapes_.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        AlgorithmName(config_.algorithm), " step: got ", params.size(), " params and ",
-        grads.size(), " grads for a group of ", shapes_.size(), " parameters"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(AlgorithmName(config_.algorithm), " step: got ", params.size(), " params and ",
+                     grads.size(), " grads for a group of ", shapes_.size(), " parameters"));
   }
   for (size_t i = 0; i < params.size(); ++i) {
     if (grads[i] != nullptr && params[i] == nullptr) {
@@ -44,8 +43,8 @@ absl::Status GroupOptimizer::Stage(const kernels::Context& ctx, absl::Span<float
           AlgorithmName(config_.algorithm), " step: parameter ", i, " is null but has a grad"));
     }
     if (grads[i] != nullptr && grads[i] == params[i]) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          AlgorithmName(config_.algorithm), " step: grad ", i, " aliases its parameter"));
+      return absl::InvalidArgumentError(absl::StrCat(AlgorithmName(config_.algorithm),
+                                                     " step: grad ", i, " aliases its parameter"));
     }
     if (grads[i] != nullptr && StateReleased(i)) {
       return absl::FailedPreconditionError(
@@ -55,10 +54,10 @@ absl::Status GroupOptimizer::Stage(const kernels::Context& ctx, absl::Span<float
   }
   DIOND_RETURN_IF_ERROR(ValidateStepOptions(options));
   if (ctx.device() != state_device_) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        AlgorithmName(config_.algorithm), " step: the context's device (type ",
-        static_cast<int>(ctx.device().type), ", index ", ctx.device().index,
-        ") is not the device of the optimizer's state"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(AlgorithmName(config_.algorithm), " step: the context's device (type ",
+                     static_cast<int>(ctx.device().type), ", index ", ctx.device().index,
+                     ") is not the device of the optimizer's state"));
   }
   const double lr = options.lr.value_or(config_.hyperparams.lr);
   const double wd = options.weight_decay.value_or(config_.hyperparams.weight_decay);
@@ -156,7 +155,7 @@ struct Bucket {
 struct Staged {
   size_t bucket = 0;
   std::vector<size_t> slots;  // positions in Bucket::members that participated
-  kernels::Buffer x;  // the gradients are not staged: the rules read the caller's buffers
+  kernels::Buffer x;          // the gradients are not staged: the rules read the caller's buffers
   std::vector<kernels::Buffer> state;
   // A deferred parameter write (UpdateRule::DefersParamWrite): x holds the rule's compact update,
   // `keep` its host data, and the commit calls CommitParams with the step's scalars.
@@ -166,9 +165,7 @@ struct Staged {
 };
 
 // f32 vector views on the state's device (the device contract of group_optimizer.h).
-kernels::TensorView F32View(float* p, int64_t n, kernels::Device dev) {
-  return Vec(p, n, dev);
-}
+kernels::TensorView F32View(float* p, int64_t n, kernels::Device dev) { return Vec(p, n, dev); }
 kernels::ConstTensorView F32CView(const float* p, int64_t n, kernels::Device dev) {
   return CVec(p, n, dev);
 }
@@ -307,7 +304,7 @@ class BucketedOptimizer final : public GroupOptimizer {
       args.scalars = {lr, weight_decay};
       args.step = step_number_;
       args.replica_average = replica_average_;
-    args.replica_average_on_device = replica_average_on_device_;
+      args.replica_average_on_device = replica_average_on_device_;
       args.replica_average_on_device = replica_average_on_device_;
       if (capture_ != nullptr && CapturedUpdateSize(config(), b.shape) > 0) {
         for (size_t j = 0; j < np; ++j) {
@@ -363,8 +360,7 @@ class BucketedOptimizer final : public GroupOptimizer {
         const size_t p = b.members[st.slots[j]];
         // One pass: the parameter takes the staged value, and Σ(Δx)² comes with it.
         s.Update(kernels::CopyWithChange(ctx, F32View(st.x.As<float>() + j * numel, numel, dev),
-                                         F32View(params[p], numel, dev),
-                                         F32View(sq + p, 1, dev)));
+                                         F32View(params[p], numel, dev), F32View(sq + p, 1, dev)));
       }
     }
     assert(s.ok());
@@ -392,8 +388,8 @@ class BucketedOptimizer final : public GroupOptimizer {
       norm_pending_ = true;
       return;
     }
-    absl::Status s = Download(ctx, update_sq_buf_.As<float>(), update_sq_host_.data(),
-                              static_cast<int64_t>(n));
+    absl::Status s =
+        Download(ctx, update_sq_buf_.As<float>(), update_sq_host_.data(), static_cast<int64_t>(n));
     assert(s.ok());
     (void)s;
     deferred_to_ = update_sq_host_.data();
@@ -516,8 +512,8 @@ class BucketedOptimizer final : public GroupOptimizer {
             // A device copy of valid views: it cannot fail (checked in debug builds).
             absl::Status s = kernels::Copy(
                 ctx, F32CView(b.state[k].As<float>() + slot * sn, sn, dev),
-                F32View(fresh[bi][k].As<float>() + static_cast<int64_t>(members.size()) * sn,
-                        sn, dev));
+                F32View(fresh[bi][k].As<float>() + static_cast<int64_t>(members.size()) * sn, sn,
+                        dev));
             assert(s.ok());
             (void)s;
           }
@@ -569,8 +565,8 @@ class BucketedOptimizer final : public GroupOptimizer {
     for (const StateSpec& s : b.specs) {
       if (s.name == name) return s.shape;
     }
-    return absl::NotFoundError(absl::StrCat(AlgorithmName(config().algorithm),
-                                            " has no state named '", name, "'"));
+    return absl::NotFoundError(
+        absl::StrCat(AlgorithmName(config().algorithm), " has no state named '", name, "'"));
   }
 
  private:
@@ -614,18 +610,18 @@ const kernels::Context& HostContext() {
 
 absl::Status GroupOptimizer::NeedsContext(absl::string_view what) const {
   if (state_device_.type == kernels::DeviceType::kCpu) return absl::OkStatus();
-  return absl::FailedPreconditionError(absl::StrCat(
-      what, ": the optimizer's state is in device memory (device type ",
-      static_cast<int>(state_device_.type), ", index ", state_device_.index,
-      "); pass a Context on that device"));
+  return absl::FailedPreconditionError(
+      absl::StrCat(what, ": the optimizer's state is in device memory (device type ",
+                   static_cast<int>(state_device_.type), ", index ", state_device_.index,
+                   "); pass a Context on that device"));
 }
 
 absl::Status GroupOptimizer::CheckContextDevice(const kernels::Context& ctx,
                                                 absl::string_view what) const {
   if (ctx.device() == state_device_) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(
-      what, ": the context's device (type ", static_cast<int>(ctx.device().type), ", index ",
-      ctx.device().index, ") is not the device of the optimizer's state"));
+  return absl::InvalidArgumentError(
+      absl::StrCat(what, ": the context's device (type ", static_cast<int>(ctx.device().type),
+                   ", index ", ctx.device().index, ") is not the device of the optimizer's state"));
 }
 
 absl::Status GroupOptimizer::ReleaseState(const std::vector<bool>& keep) {
@@ -637,8 +633,7 @@ absl::Status GroupOptimizer::ReleaseState(const kernels::Context& ctx,
                                           const std::vector<bool>& keep) {
   if (keep.size() != shapes_.size()) {
     return absl::InvalidArgumentError(absl::StrCat("ReleaseState: keep has ", keep.size(),
-                                                   " entries for ", shapes_.size(),
-                                                   " parameters"));
+                                                   " entries for ", shapes_.size(), " parameters"));
   }
   DIOND_RETURN_IF_ERROR(CheckContextDevice(ctx, "ReleaseState"));
   std::vector<bool> now_released = released_;
@@ -695,9 +690,9 @@ absl::Status GroupOptimizer::SetState(const kernels::Context& ctx, size_t param_
   int64_t n = 1;
   for (int64_t d : shape) n *= d;
   if (static_cast<int64_t>(values.size()) != n) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "SetState '", name, "' of parameter ", param_index, ": got ", values.size(),
-        " floats for shape [", absl::StrJoin(shape, ","), "]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("SetState '", name, "' of parameter ", param_index, ": got ", values.size(),
+                     " floats for shape [", absl::StrJoin(shape, ","), "]"));
   }
   DIOND_RETURN_IF_ERROR(CheckContextDevice(ctx, "SetState"));
   float* p = MutableStatePtr(param_index, name);

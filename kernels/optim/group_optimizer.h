@@ -64,9 +64,10 @@ class GroupOptimizer {
   double last_update_norm() const { return last_update_norm_; }
 
   // One optimizer step. params[i] and grads[i] point at contiguous float32 buffers of
-  // shapes()[i] (row-major) in the memory of ctx.device() (the device contract above). grads[i] == nullptr means "parameter i has no gradient this step":
-  // its parameter and state are left alone (the reference skips it, and AdamW's step_dev does
-  // not advance). params are updated in place; grads are only read and may not alias params.
+  // shapes()[i] (row-major) in the memory of ctx.device() (the device contract above). grads[i] ==
+  // nullptr means "parameter i has no gradient this step": its parameter and state are left alone
+  // (the reference skips it, and AdamW's step_dev does not advance). params are updated in place;
+  // grads are only read and may not alias params.
   //
   // Everything is validated before anything is written: INVALID_ARGUMENT for a count mismatch,
   // a null param with a non-null grad, or a bad override in `options` (naming the value). On any

@@ -77,8 +77,8 @@ TEST_P(PhasesTest, PhasesEqualStepAndDiscardChangesNoState) {
       for (const std::string& s : b->StateNames()) {
         std::vector<float> now(state_before[k].size());
         ASSERT_THAT(b->GetState(i, s, absl::MakeSpan(now)), IsOk());
-        EXPECT_EQ(now, state_before[k]) << "state '" << s << "' of parameter " << i
-                                        << " changed by a discarded step";
+        EXPECT_EQ(now, state_before[k])
+            << "state '" << s << "' of parameter " << i << " changed by a discarded step";
         ++k;
       }
     }

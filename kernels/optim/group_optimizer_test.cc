@@ -4,25 +4,25 @@
 
 #include <cmath>
 #include <fstream>
-#include <sstream>
-#include <string>
 #include <limits>
 #include <random>
+#include <sstream>
+#include <string>
 #include <vector>
 
 #include "common/status_matchers.h"
-#include "kernels/engine_choice.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/test_util.h"
+#include "kernels/engine_choice.h"
 #include "kernels/optim/validation.h"
 
 namespace diond::optim {
 namespace {
 
-using kernels::testing::RandomVector;  // N(0, 1) from a seed (kernels/cpu/test_util.h)
 using ::diond::testing::IsOk;
 using ::diond::testing::StatusIs;
+using kernels::testing::RandomVector;  // N(0, 1) from a seed (kernels/cpu/test_util.h)
 using ::testing::HasSubstr;
 
 constexpr auto kInvalid = absl::StatusCode::kInvalidArgument;
@@ -221,9 +221,9 @@ TEST(GroupOptimizerTest, StateAccess) {
 // running each parameter in its own group (the ops run the same per-matrix kernel).
 TEST(GroupOptimizerTest, BatchedEqualsOneByOneBitForBit) {
   auto ctx = kernels::Context::CpuDefault(1);
-  for (AlgorithmKind k : {AlgorithmKind::kMuon, AlgorithmKind::kNorMuon, AlgorithmKind::kDion,
-                          AlgorithmKind::kDion2, AlgorithmKind::kNorDion2, AlgorithmKind::kAdamW,
-                          AlgorithmKind::kLion}) {
+  for (AlgorithmKind k :
+       {AlgorithmKind::kMuon, AlgorithmKind::kNorMuon, AlgorithmKind::kDion, AlgorithmKind::kDion2,
+        AlgorithmKind::kNorDion2, AlgorithmKind::kAdamW, AlgorithmKind::kLion}) {
     for (Precision p : {Precision::kFp32, Precision::kBf16Reference}) {
       GroupConfig cfg = Cfg(k);
       cfg.precision = p;
@@ -282,8 +282,8 @@ TEST(GroupOptimizerTest, MissingGradientSkipsParameter) {
 // without a gradient contributes nothing. Two steps, so the second reuses the buffers.
 TEST(GroupOptimizerTest, LastUpdateNormIsTheNormOfTheChange) {
   auto ctx = kernels::Context::CpuDefault(2);
-  for (AlgorithmKind k : {AlgorithmKind::kAdamW, AlgorithmKind::kLion, AlgorithmKind::kMuon,
-                          AlgorithmKind::kDion2}) {
+  for (AlgorithmKind k :
+       {AlgorithmKind::kAdamW, AlgorithmKind::kLion, AlgorithmKind::kMuon, AlgorithmKind::kDion2}) {
     const std::vector<ParamShape> shapes = {{32, 48}, {32, 48}, {64, 16}};
     auto opt = CreateGroupOptimizer(*ctx, Cfg(k), shapes);
     ASSERT_THAT(opt.status(), IsOk());
@@ -338,8 +338,8 @@ TEST(GroupOptimizerTest, LrOverrideReplacesConfiguredLr) {
 // an optimizer that never released anything, the released ones refuse gradients and state
 // access, and the held state shrinks to the kept parameters' share.
 TEST(GroupOptimizerTest, ReleaseStateKeepsOwnedParametersExact) {
-  for (AlgorithmKind k : {AlgorithmKind::kMuon, AlgorithmKind::kDion, AlgorithmKind::kDion2,
-                          AlgorithmKind::kAdamW}) {
+  for (AlgorithmKind k :
+       {AlgorithmKind::kMuon, AlgorithmKind::kDion, AlgorithmKind::kDion2, AlgorithmKind::kAdamW}) {
     SCOPED_TRACE(AlgorithmName(k));
     const std::vector<ParamShape> shapes = {{12, 8}, {12, 8}, {12, 8}, {10, 6}};
     auto full = CreateGroupOptimizer(Cfg(k), shapes);

@@ -11,13 +11,20 @@ namespace diond::optim {
 
 absl::string_view AlgorithmName(AlgorithmKind kind) {
   switch (kind) {
-    case AlgorithmKind::kMuon: return "muon";
-    case AlgorithmKind::kNorMuon: return "normuon";
-    case AlgorithmKind::kDion: return "dion";
-    case AlgorithmKind::kDion2: return "dion2";
-    case AlgorithmKind::kNorDion2: return "nordion2";
-    case AlgorithmKind::kAdamW: return "adamw";
-    case AlgorithmKind::kLion: return "lion";
+    case AlgorithmKind::kMuon:
+      return "muon";
+    case AlgorithmKind::kNorMuon:
+      return "normuon";
+    case AlgorithmKind::kDion:
+      return "dion";
+    case AlgorithmKind::kDion2:
+      return "dion2";
+    case AlgorithmKind::kNorDion2:
+      return "nordion2";
+    case AlgorithmKind::kAdamW:
+      return "adamw";
+    case AlgorithmKind::kLion:
+      return "lion";
   }
   return "unknown";
 }
@@ -40,9 +47,12 @@ bool HasBf16Path(AlgorithmKind kind) {
 
 absl::string_view AdjustLrName(AdjustLr a) {
   switch (a) {
-    case AdjustLr::kSpectralNorm: return "spectral_norm";
-    case AdjustLr::kRmsNorm: return "rms_norm";
-    case AdjustLr::kNone: return "none";
+    case AdjustLr::kSpectralNorm:
+      return "spectral_norm";
+    case AdjustLr::kRmsNorm:
+      return "rms_norm";
+    case AdjustLr::kNone:
+      return "none";
   }
   return "unknown";
 }
@@ -60,9 +70,12 @@ int64_t RcqrSketchRows(int64_t r, double oversample) {
 
 absl::string_view QrMethodName(QrMethod m) {
   switch (m) {
-    case QrMethod::kRcqr: return "rcqr";
-    case QrMethod::kQr: return "qr";
-    case QrMethod::kCqr: return "cqr";
+    case QrMethod::kRcqr:
+      return "rcqr";
+    case QrMethod::kQr:
+      return "qr";
+    case QrMethod::kCqr:
+      return "cqr";
   }
   return "unknown";
 }
@@ -71,8 +84,8 @@ absl::StatusOr<QrMethod> ParseQrMethod(absl::string_view name) {
   if (name == "rcqr") return QrMethod::kRcqr;
   if (name == "qr") return QrMethod::kQr;
   if (name == "cqr") return QrMethod::kCqr;
-  return absl::InvalidArgumentError(absl::StrCat(
-      "unknown qr_method '", name.substr(0, 64), "' (expected 'rcqr', 'qr' or 'cqr')"));
+  return absl::InvalidArgumentError(absl::StrCat("unknown qr_method '", name.substr(0, 64),
+                                                 "' (expected 'rcqr', 'qr' or 'cqr')"));
 }
 
 absl::string_view PrecisionName(Precision p) {
@@ -87,9 +100,12 @@ absl::StatusOr<Precision> ParsePrecision(absl::string_view name) {
 
 absl::string_view Bf16MatmulEngineName(Bf16MatmulEngine e) {
   switch (e) {
-    case Bf16MatmulEngine::kAuto: return "auto";
-    case Bf16MatmulEngine::kFloat32Gemm: return "float32_gemm";
-    case Bf16MatmulEngine::kOneDnn: return "onednn";
+    case Bf16MatmulEngine::kAuto:
+      return "auto";
+    case Bf16MatmulEngine::kFloat32Gemm:
+      return "float32_gemm";
+    case Bf16MatmulEngine::kOneDnn:
+      return "onednn";
   }
   return "unknown";
 }
@@ -98,9 +114,8 @@ absl::StatusOr<Bf16MatmulEngine> ParseBf16MatmulEngine(absl::string_view name) {
   if (name == "auto") return Bf16MatmulEngine::kAuto;
   if (name == "float32_gemm") return Bf16MatmulEngine::kFloat32Gemm;
   if (name == "onednn") return Bf16MatmulEngine::kOneDnn;
-  return absl::InvalidArgumentError(
-      absl::StrCat("bf16_matmul '", name.substr(0, 64),
-                   "' is unknown (want auto, float32_gemm or onednn)"));
+  return absl::InvalidArgumentError(absl::StrCat(
+      "bf16_matmul '", name.substr(0, 64), "' is unknown (want auto, float32_gemm or onednn)"));
 }
 
 Bf16MatmulEngine ResolveBf16Matmul(Bf16MatmulEngine e) {
@@ -134,8 +149,7 @@ std::vector<std::string> StateNames(AlgorithmKind kind) {
     case AlgorithmKind::kDion:
       return {std::string(kStateMomentum), std::string(kStateQ)};
     case AlgorithmKind::kAdamW:
-      return {std::string(kStateMomentum), std::string(kStateVariance),
-              std::string(kStateStepDev)};
+      return {std::string(kStateMomentum), std::string(kStateVariance), std::string(kStateStepDev)};
   }
   return {};
 }
@@ -148,8 +162,8 @@ int64_t DionRank(int64_t m, int64_t n, double rank_fraction, int64_t rank_multip
 }
 
 int64_t SelectionCount(int64_t length, double fraction) {
-  const int64_t k = std::max<int64_t>(
-      1, static_cast<int64_t>(std::ceil(fraction * static_cast<double>(length))));
+  const int64_t k =
+      std::max<int64_t>(1, static_cast<int64_t>(std::ceil(fraction * static_cast<double>(length))));
   return std::min(k, length);
 }
 

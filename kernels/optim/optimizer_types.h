@@ -119,20 +119,20 @@ Bf16MatmulEngine IsaBf16Matmul();
 // INVALID_ARGUMENT when set to a non-default value on an algorithm that lacks them, so that no
 // option is silently a no-op.
 struct Hyperparams {
-  double lr = 0.01;            // all; >= 0
-  double weight_decay = 0.01;  // all; decoupled, uses the base lr (P8); >= 0
-  double epsilon = 1e-8;       // orthogonalizer normalization / Dion column norm / AdamW; >= 0
-  double mu = 0.95;            // Muon, NorMuon, Dion (EF), NorDion2 (EF decay); in [0, 1)
-  double beta1 = 0.9;          // AdamW, Lion; in [0, 1)
-  double beta2 = 0.95;         // AdamW, Lion; in [0, 1)
-  double muon_beta2 = 0.95;    // NorMuon, NorDion2 (per-row second moment EMA); in [0, 1)
-  double fraction = 0.25;      // Dion2, NorDion2: fraction of slices selected; in (0, 1]
-  double ef_decay = 0.95;      // Dion2: decay of the selected slices; in [0, 1]
-  double rank_fraction = 1.0;  // Dion: r / min(m, n); in (0, 1]
+  double lr = 0.01;              // all; >= 0
+  double weight_decay = 0.01;    // all; decoupled, uses the base lr (P8); >= 0
+  double epsilon = 1e-8;         // orthogonalizer normalization / Dion column norm / AdamW; >= 0
+  double mu = 0.95;              // Muon, NorMuon, Dion (EF), NorDion2 (EF decay); in [0, 1)
+  double beta1 = 0.9;            // AdamW, Lion; in [0, 1)
+  double beta2 = 0.95;           // AdamW, Lion; in [0, 1)
+  double muon_beta2 = 0.95;      // NorMuon, NorDion2 (per-row second moment EMA); in [0, 1)
+  double fraction = 0.25;        // Dion2, NorDion2: fraction of slices selected; in (0, 1]
+  double ef_decay = 0.95;        // Dion2: decay of the selected slices; in [0, 1]
+  double rank_fraction = 1.0;    // Dion: r / min(m, n); in (0, 1]
   int64_t rank_multiple_of = 1;  // Dion: r rounded up to a multiple; >= 1
   bool nesterov = false;         // Muon, NorMuon
   bool cautious_wd = false;      // Muon, NorMuon, AdamW, Lion (§5.3 step 6, §13)
-  AdjustLr adjust_lr = AdjustLr::kSpectralNorm;       // Muon, NorMuon, Dion2, NorDion2
+  AdjustLr adjust_lr = AdjustLr::kSpectralNorm;                   // Muon, NorMuon, Dion2, NorDion2
   Orthogonalizer orthogonalizer = Orthogonalizer::kPolarExpress;  // the same four
   // Dion (§9.4 step 6, §10): orthonormalization of P. Non-default values are rejected on the
   // other algorithms.

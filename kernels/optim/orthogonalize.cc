@@ -87,8 +87,7 @@ absl::Status Fp32Iterations(const Context& ctx, absl::Span<const OrthoCoefficien
 //   Y  = bf(bf(a·Y) + bf(B·Y))           Gemm, then Bf16RoundedAxpby(a, Y, 1, BY)
 absl::Status Bf16F32StorageIterations(const Context& ctx,
                                       absl::Span<const OrthoCoefficients> coeffs, bool tall,
-                                      TensorView yf, TensorView pf, TensorView gf,
-                                      TensorView gf2) {
+                                      TensorView yf, TensorView pf, TensorView gf, TensorView gf2) {
   GemmParams gram, plain;
   gram.engine = plain.engine = Fp32GemmEngine::kOpenBlas;  // the reference runtime's GEMM
   if (tall) {
@@ -103,7 +102,7 @@ absl::Status Bf16F32StorageIterations(const Context& ctx,
     DIOND_RETURN_IF_ERROR(Bf16RoundedAxpby(ctx, F32(k.b), gf, F32(k.c), gf2, gf2));
     if (tall) {  // BY = Y·B
       DIOND_RETURN_IF_ERROR(Gemm(ctx, plain, yf, gf2, pf));
-    } else {     // BY = B·Y
+    } else {  // BY = B·Y
       DIOND_RETURN_IF_ERROR(Gemm(ctx, plain, gf2, yf, pf));
     }
     DIOND_RETURN_IF_ERROR(Bf16RoundedAxpby(ctx, F32(k.a), yf, 1.0f, pf, yf));
@@ -144,21 +143,21 @@ absl::Status OneDnnBf16Iterations(const Context& ctx, absl::Span<const OrthoCoef
   const int64_t g = ga.Rows(), inner = tall ? y.Rows() : y.Cols();
   const bool half_y = !tall && HalfGram(g, inner), half_a = HalfGram(g, g);
   for (const OrthoCoefficients& k : coeffs) {
-    if (half_y) {                                                   // A = bf(Y·Yᵀ)
+    if (half_y) {  // A = bf(Y·Yᵀ)
       DIOND_RETURN_IF_ERROR(SymmetricProductBf16(ctx, y, HalfGramBlock(g), ga));
-    } else {                                                        // A = bf(Y·Yᵀ) | bf(Yᵀ·Y)
+    } else {  // A = bf(Y·Yᵀ) | bf(Yᵀ·Y)
       DIOND_RETURN_IF_ERROR(Gemm(ctx, gram, y, y, ga));
     }
-    if (half_a) {                                                   // AA = bf(A·Aᵀ) = bf(A·A)
+    if (half_a) {  // AA = bf(A·Aᵀ) = bf(A·A)
       DIOND_RETURN_IF_ERROR(SymmetricProductBf16(ctx, ga, HalfGramBlock(g), gaa));
-    } else {                                                        // AA = bf(A·A)
+    } else {  // AA = bf(A·A)
       DIOND_RETURN_IF_ERROR(Gemm(ctx, plain, ga, ga, gaa));
     }
     // B = bf(bf(b·A) + bf(c·AA))
     DIOND_RETURN_IF_ERROR(Bf16RoundedAxpby(ctx, F32(k.b), ga, F32(k.c), gaa, gb));
     if (tall) {  // P = bf(Y·B)
       DIOND_RETURN_IF_ERROR(Gemm(ctx, plain, y, gb, p));
-    } else {     // P = bf(B·Y)
+    } else {  // P = bf(B·Y)
       DIOND_RETURN_IF_ERROR(Gemm(ctx, plain, gb, y, p));
     }
     // Y = bf(bf(a·Y) + P) (bf(1·P) = P)
@@ -195,8 +194,7 @@ absl::Status Validate(const Context& ctx, const OrthogonalizeOptions& o, ConstTe
     if (in.dim(i) < 0) return bad("in has a negative dim: ", in.DebugString());
   }
   if (in.Cols() > 1 && in.layout().ColStride() != 1) {
-    return bad("in ", in.DebugString(), " has column stride ", in.layout().ColStride(),
-               ", want 1");
+    return bad("in ", in.DebugString(), " has column stride ", in.layout().ColStride(), ", want 1");
   }
   if (in.Rows() > 1 && in.layout().RowStride() < in.Cols()) {
     return bad("in ", in.DebugString(), " has row stride ", in.layout().RowStride(), " < cols");
@@ -258,7 +256,7 @@ absl::Status Fp32Normalize(const Context& ctx, bool pe, float eps, const DeviceS
   DIOND_RETURN_IF_ERROR(FrobeniusNorm(ctx, y, s.a.Reshaped({1})));
   DIOND_RETURN_IF_ERROR(AddScalar(ctx, pe ? 1.02f : 1.0f, s.a, eps, s.b));  // denom
   DIOND_RETURN_IF_ERROR(Fill(ctx, 1.0f, s.c));
-  DIOND_RETURN_IF_ERROR(Binary(ctx, BinaryOp::kDiv, s.c, s.b, s.d));        // 1 / denom
+  DIOND_RETURN_IF_ERROR(Binary(ctx, BinaryOp::kDiv, s.c, s.b, s.d));  // 1 / denom
   return Binary(ctx, BinaryOp::kMul, y, s.d, y);
 }
 
@@ -278,8 +276,8 @@ absl::Status Bf16Normalize(const Context& ctx, bool pe, float eps, const DeviceS
 
 // The per-matrix kernel; Orthogonalize loops over the batch with it, so a batched call and
 // one call per matrix are bit-identical. Buffers come from ctx.scratch() (rewound by the caller).
-absl::Status OrthogonalizeOne(const Context& ctx, const OrthogonalizeOptions& o,
-                              ConstTensorView in, TensorView out) {
+absl::Status OrthogonalizeOne(const Context& ctx, const OrthogonalizeOptions& o, ConstTensorView in,
+                              TensorView out) {
   const int64_t m = in.Rows(), n = in.Cols();
   const bool pe = o.method == OrthoMethod::kPolarExpress;
   const bool tall = m > n;

@@ -78,9 +78,9 @@ TEST_P(OrthogonalizeTest, SingularValuesFollowTheCoefficientMap) {
   OrthogonalizeOptions o;
   o.method = c.method;
   o.precision = c.precision;
-  ASSERT_THAT(Orthogonalize(*ctx, o, MakeView(g.data(), {c.m, c.n}),
-                            MakeView(out.data(), {c.m, c.n})),
-              IsOk());
+  ASSERT_THAT(
+      Orthogonalize(*ctx, o, MakeView(g.data(), {c.m, c.n}), MakeView(out.data(), {c.m, c.n})),
+      IsOk());
   const bool pe = c.method == OrthoMethod::kPolarExpress;
   auto coeffs = pe ? PolarExpressCoefficients() : NewtonSchulz5Coefficients();
   double fro = 0.0;
@@ -194,7 +194,8 @@ TEST(Orthogonalize, Bf16AndFp32ModesAgreeAtBf16Scale) {
 // accumulation, so on a well-conditioned random matrix they agree far below the bf16-vs-fp32
 // difference (a few bf16 roundings flip at near-ties), and each gives bf16 values.
 TEST(Orthogonalize, Bf16MatmulEnginesAgree) {
-  if (!CpuHasOneDnnBf16Matmul()) GTEST_SKIP() << "oneDNN 2.6 has no bf16 matmul on this CPU (no AVX-512 core)";
+  if (!CpuHasOneDnnBf16Matmul())
+    GTEST_SKIP() << "oneDNN 2.6 has no bf16 matmul on this CPU (no AVX-512 core)";
   auto ctx = Context::CpuDefault();
   for (auto [m, n] : std::vector<std::pair<int64_t, int64_t>>{{64, 48}, {48, 80}}) {
     const auto g = Gaussian(m * n, 11);
@@ -249,8 +250,8 @@ void ExpectEagerBitForBit(const OrthogonalizeOptions& o, Eager eager,
 // with bf16 storage: every matmul the f32 OpenBLAS GEMM of exactly widened bf16 operands rounded
 // once to bf16, every elementwise step its own op rounding once. Polar Express only (NS5 differs
 // in the scaling and the transposition only).
-std::vector<float> EagerBf16PolarExpress(const Context& ctx, const std::vector<float>& g,
-                                         int64_t m, int64_t n) {
+std::vector<float> EagerBf16PolarExpress(const Context& ctx, const std::vector<float>& g, int64_t m,
+                                         int64_t n) {
   const bool tall = m > n;
   const int64_t k = std::min(m, n);
   std::vector<BFloat16> y(m * n), p(m * n), a(k * k), aa(k * k), b(k * k);
@@ -328,7 +329,8 @@ std::vector<float> EagerOneDnnPolarExpress(const Context& ctx, const std::vector
 // products' bit for bit: wide (both products halved), square, tall (only A·A halved) and a small
 // wide shape (neither), with 2 threads.
 TEST(Orthogonalize, OneDnnBf16IsTheEagerFullGemmSequenceBitForBit) {
-  if (!CpuHasOneDnnBf16Matmul()) GTEST_SKIP() << "oneDNN 2.6 has no bf16 matmul on this CPU (no AVX-512 core)";
+  if (!CpuHasOneDnnBf16Matmul())
+    GTEST_SKIP() << "oneDNN 2.6 has no bf16 matmul on this CPU (no AVX-512 core)";
   OrthogonalizeOptions o;
   o.precision = OrthoPrecision::kBf16Reference;
   o.bf16_matmul = Bf16Matmul::kOneDnnBf16;
@@ -360,9 +362,9 @@ TEST(Orthogonalize, RejectsBadInput) {
   EXPECT_THAT(Orthogonalize(*ctx, o, MakeView(a.data(), {3, 4}).ColRange(0, 2),
                             MakeView(out.data(), {3, 2})),
               IsOk());  // strided rows are fine for the input
-  EXPECT_THAT(Orthogonalize(*ctx, o, MakeView(a.data(), {3, 4}).Transposed(),
-                            MakeView(out.data(), {4, 3})),
-              StatusIs(kInvalid, ::testing::HasSubstr("column stride")));
+  EXPECT_THAT(
+      Orthogonalize(*ctx, o, MakeView(a.data(), {3, 4}).Transposed(), MakeView(out.data(), {4, 3})),
+      StatusIs(kInvalid, ::testing::HasSubstr("column stride")));
   o.epsilon = -1.0f;
   EXPECT_THAT(Orthogonalize(*ctx, o, MakeView(a.data(), {3, 4}), MakeView(out.data(), {3, 4})),
               StatusIs(kInvalid, ::testing::HasSubstr("epsilon")));

@@ -97,7 +97,7 @@ struct RunResult {
 };
 
 RunResult RunBoth(GroupConfig cfg, int64_t m, int64_t n, int steps, uint32_t seed,
-            Mat* q_init = nullptr) {
+                  Mat* q_init = nullptr) {
   auto ctx = kernels::Context::CpuDefault(1);
   RunResult run;
   run.x0 = Random(m, n, seed, 0.1);
@@ -123,13 +123,27 @@ RunResult RunBoth(GroupConfig cfg, int64_t m, int64_t n, int steps, uint32_t see
     const float* gp = gf.data();
     EXPECT_THAT((*opt)->Step(*ctx, absl::MakeSpan(&xp, 1), absl::MakeSpan(&gp, 1)), IsOk());
     switch (cfg.algorithm) {
-      case AlgorithmKind::kMuon: testing::RefMuonStep(o, false, x, mom, v, g); break;
-      case AlgorithmKind::kNorMuon: testing::RefMuonStep(o, true, x, mom, v, g); break;
-      case AlgorithmKind::kDion2: testing::RefDion2Step(o, false, x, mom, v, g); break;
-      case AlgorithmKind::kNorDion2: testing::RefDion2Step(o, true, x, mom, v, g); break;
-      case AlgorithmKind::kDion: testing::RefDionStep(o, x, mom, q, g); break;
-      case AlgorithmKind::kAdamW: testing::RefAdamWStep(o, t, x, mom, vv, g); break;
-      case AlgorithmKind::kLion: testing::RefLionStep(o, x, mom, g); break;
+      case AlgorithmKind::kMuon:
+        testing::RefMuonStep(o, false, x, mom, v, g);
+        break;
+      case AlgorithmKind::kNorMuon:
+        testing::RefMuonStep(o, true, x, mom, v, g);
+        break;
+      case AlgorithmKind::kDion2:
+        testing::RefDion2Step(o, false, x, mom, v, g);
+        break;
+      case AlgorithmKind::kNorDion2:
+        testing::RefDion2Step(o, true, x, mom, v, g);
+        break;
+      case AlgorithmKind::kDion:
+        testing::RefDionStep(o, x, mom, q, g);
+        break;
+      case AlgorithmKind::kAdamW:
+        testing::RefAdamWStep(o, t, x, mom, vv, g);
+        break;
+      case AlgorithmKind::kLion:
+        testing::RefLionStep(o, x, mom, g);
+        break;
     }
   }
   run.ref = x;
@@ -146,8 +160,8 @@ GroupConfig Cfg(AlgorithmKind k) {
 
 // Checks that production with `with` matches the reference with `with`, and that the
 // reference without the option (`without`) differs by much more than the tolerance.
-void ExpectOptionMatters(const GroupConfig& with, const GroupConfig& without, int64_t m,
-                         int64_t n, int steps = 3) {
+void ExpectOptionMatters(const GroupConfig& with, const GroupConfig& without, int64_t m, int64_t n,
+                         int steps = 3) {
   RunResult a = RunBoth(with, m, n, steps, 7);
   EXPECT_LT(RelDelta(a.x, a.x0, a.ref), kTol);
   RunResult b = RunBoth(without, m, n, steps, 7);
@@ -237,10 +251,10 @@ TEST(RulesTest, DionRankAndOrientation) {
   low.hyperparams.rank_fraction = 0.25;
   mult.hyperparams.rank_fraction = 0.25;
   mult.hyperparams.rank_multiple_of = 4;
-  ExpectOptionMatters(low, base, 37, 23, 3);   // r = ceil(5.75) = 6
-  ExpectOptionMatters(mult, low, 37, 23, 3);   // r = 4·ceil(5.75/4) = 8
-  ExpectOptionMatters(low, base, 23, 37, 3);   // transposed (m < n)
-  ExpectOptionMatters(base, low, 24, 24, 3);   // square: a == r, plain QR
+  ExpectOptionMatters(low, base, 37, 23, 3);  // r = ceil(5.75) = 6
+  ExpectOptionMatters(mult, low, 37, 23, 3);  // r = 4·ceil(5.75/4) = 8
+  ExpectOptionMatters(low, base, 23, 37, 3);  // transposed (m < n)
+  ExpectOptionMatters(base, low, 24, 24, 3);  // square: a == r, plain QR
   auto opt = CreateGroupOptimizer(mult, {{37, 23}});
   ASSERT_THAT(opt, IsOk());
   EXPECT_EQ(*(*opt)->StateShape(0, "Q"), (std::vector<int64_t>{23, 8}));
@@ -268,7 +282,8 @@ TEST(RulesTest, DionZeroMomentumEdgeCase) {
     double n = 0;
     for (int r = 0; r < 4; ++r) n += double(q0[r * 4 + c]) * q0[r * 4 + c];
     // Column normalization of Q₀ with ε = 1e-8 outside the root; f32 division: 1 ulp.
-    for (int r = 0; r < 4; ++r) EXPECT_NEAR(q1[r * 4 + c], q0[r * 4 + c] / (std::sqrt(n) + 1e-8), 2e-7);
+    for (int r = 0; r < 4; ++r)
+      EXPECT_NEAR(q1[r * 4 + c], q0[r * 4 + c] / (std::sqrt(n) + 1e-8), 2e-7);
   }
 }
 

@@ -20,16 +20,16 @@
 #include <vector>
 
 #include "common/status_matchers.h"
-#include "gtest/gtest.h"
-#include "kernels/cpu/test_util.h"
 #include "gmock/gmock.h"
+#include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "kernels/context.h"
+#include "kernels/cpu/test_util.h"
 #include "kernels/ops.h"
+#include "kernels/optim/group_optimizer.h"
 #include "kernels/plugin/plugin_backend.h"
 #include "kernels/testing/host_device_backend.h"
 #include "kernels/testing/recording_backend.h"
-#include "kernels/optim/group_optimizer.h"
 
 namespace {
 std::atomic<int64_t> g_large_news{0};
@@ -47,9 +47,9 @@ void operator delete(void* p, size_t) noexcept { std::free(p); }
 namespace diond::optim {
 namespace {
 
-using kernels::testing::RandomVector;  // N(0, 1) from a seed (kernels/cpu/test_util.h)
 using ::diond::testing::IsOk;
 using ::diond::testing::StatusIs;
+using kernels::testing::RandomVector;  // N(0, 1) from a seed (kernels/cpu/test_util.h)
 using ::testing::HasSubstr;
 
 // Rules that run in place on the caller's parameters: they stage nothing.
@@ -94,8 +94,7 @@ TEST_P(StepAllocation, StepsAfterTheFirstAllocateNothingThroughTheContext) {
   if (InPlace(c.kind)) {
     EXPECT_EQ(after_first, at_create) << name << " steps in place: no staging, no scratch";
   } else {
-    EXPECT_GT(after_first, at_create)
-        << "the first step allocates its staging through the Context";
+    EXPECT_GT(after_first, at_create) << "the first step allocates its staging through the Context";
   }
   const int64_t heap_before = g_large_news.load();
   for (int step = 2; step <= 5; ++step) {
@@ -104,7 +103,8 @@ TEST_P(StepAllocation, StepsAfterTheFirstAllocateNothingThroughTheContext) {
     if (step == 3) grads[1] = nullptr;
     ASSERT_THAT((*opt)->Step(*ctx, xp, grads), IsOk()) << "step " << step;
   }
-  EXPECT_EQ(ctx->allocation_count(), after_first) << name << ": steps 2..5 allocated through "
+  EXPECT_EQ(ctx->allocation_count(), after_first) << name
+                                                  << ": steps 2..5 allocated through "
                                                      "the Context";
   const int64_t heap = g_large_news.load() - heap_before;
   EXPECT_EQ(heap, 0) << name << " (" << PrecisionName(c.precision)
@@ -167,7 +167,8 @@ TEST_P(StepAllocationOnDevice, StepsAfterTheFirstAllocateNothingThroughTheContex
   for (size_t i = 0; i < shapes.size(); ++i) {
     const int64_t n = shapes[i][0] * shapes[i][1];
     for (auto* list : {&x, &g}) {
-      const std::vector<float> v = RandomVector(static_cast<size_t>(n), 1 + i + (list == &g ? 100 : 0));
+      const std::vector<float> v =
+          RandomVector(static_cast<size_t>(n), 1 + i + (list == &g ? 100 : 0));
       auto b = (*ctx)->Allocate(kernels::DType::kF32, {n});
       ASSERT_THAT(b.status(), IsOk());
       ASSERT_THAT(kernels::CopyFromHost(**ctx, kernels::MakeView(v.data(), {n}), b->view()),
@@ -202,27 +203,25 @@ TEST_P(StepAllocationOnDevice, StepsAfterTheFirstAllocateNothingThroughTheContex
 
 std::vector<Case> AllCases() {
   std::vector<Case> v;
-  for (AlgorithmKind k : {AlgorithmKind::kMuon, AlgorithmKind::kNorMuon, AlgorithmKind::kDion,
-                          AlgorithmKind::kDion2, AlgorithmKind::kNorDion2, AlgorithmKind::kAdamW,
-                          AlgorithmKind::kLion}) {
+  for (AlgorithmKind k :
+       {AlgorithmKind::kMuon, AlgorithmKind::kNorMuon, AlgorithmKind::kDion, AlgorithmKind::kDion2,
+        AlgorithmKind::kNorDion2, AlgorithmKind::kAdamW, AlgorithmKind::kLion}) {
     for (Precision p : {Precision::kFp32, Precision::kBf16Reference}) v.push_back({k, p});
   }
   return v;
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    EveryAlgorithm, StepAllocation, ::testing::ValuesIn(AllCases()),
-    [](const ::testing::TestParamInfo<Case>& info) {
-      return std::string(AlgorithmName(info.param.kind)) + "_" +
-             std::string(PrecisionName(info.param.precision));
-    });
+INSTANTIATE_TEST_SUITE_P(EveryAlgorithm, StepAllocation, ::testing::ValuesIn(AllCases()),
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           return std::string(AlgorithmName(info.param.kind)) + "_" +
+                                  std::string(PrecisionName(info.param.precision));
+                         });
 
-INSTANTIATE_TEST_SUITE_P(
-    EveryAlgorithm, StepAllocationOnDevice, ::testing::ValuesIn(AllCases()),
-    [](const ::testing::TestParamInfo<Case>& info) {
-      return std::string(AlgorithmName(info.param.kind)) + "_" +
-             std::string(PrecisionName(info.param.precision));
-    });
+INSTANTIATE_TEST_SUITE_P(EveryAlgorithm, StepAllocationOnDevice, ::testing::ValuesIn(AllCases()),
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           return std::string(AlgorithmName(info.param.kind)) + "_" +
+                                  std::string(PrecisionName(info.param.precision));
+                         });
 
 }  // namespace
 }  // namespace diond::optim

@@ -29,14 +29,14 @@
 namespace diond::optim {
 namespace {
 
+using ::diond::testing::IsOk;
+using ::diond::testing::StatusIs;
 using kernels::Buffer;
 using kernels::Context;
 using kernels::Device;
 using kernels::DeviceType;
 using kernels::StepGraph;
 using kernels::testing::RandomVector;
-using ::diond::testing::IsOk;
-using ::diond::testing::StatusIs;
 using ::testing::HasSubstr;
 
 constexpr Device kDev{DeviceType::kTest, 0};
@@ -51,8 +51,7 @@ kernels::GraphHooks TestHooks() {
 }
 
 int64_t Numel(const ParamShape& s) { return testing::Numel(s); }
-::testing::AssertionResult SameBits(const std::vector<float>& got,
-                                    const std::vector<float>& want) {
+::testing::AssertionResult SameBits(const std::vector<float>& got, const std::vector<float>& want) {
   return testing::SameBits(got, want, "graph", "eager");
 }
 
@@ -84,9 +83,8 @@ struct Side {
     return std::move(*b);
   }
   void Write(const std::vector<float>& v, Buffer& b) {
-    EXPECT_THAT(kernels::CopyFromHost(ctx(), kernels::MakeView(v.data(),
-                                                                {static_cast<int64_t>(v.size())}),
-                                      b.view()),
+    EXPECT_THAT(kernels::CopyFromHost(
+                    ctx(), kernels::MakeView(v.data(), {static_cast<int64_t>(v.size())}), b.view()),
                 IsOk());
   }
   std::vector<float> Read(const Buffer& b) {
@@ -139,13 +137,13 @@ TEST_P(StepGraphRules, ReplaysEqualTheEagerStepBitForBitWithNewScalarsEachStep) 
     // Parameter 1 has no gradient at step 5: another op sequence, so another graph.
     const std::vector<bool> has = {true, step != 5, true};
     for (size_t i = 0; i < shapes.size(); ++i) {
-      const auto v = RandomVector(static_cast<size_t>(Numel(shapes[i])),
-                                  1000 * step + static_cast<int>(i));
+      const auto v =
+          RandomVector(static_cast<size_t>(Numel(shapes[i])), 1000 * step + static_cast<int>(i));
       graph.Write(v, graph.g[i]);
       eager.Write(v, eager.g[i]);
     }
     StepOptions opts;
-    opts.lr = 0.02 / step;             // a schedule: new scalars every step
+    opts.lr = 0.02 / step;  // a schedule: new scalars every step
     opts.weight_decay = 0.01 * step;
     opts.in_place = c.in_place;
     auto gp = graph.Params();
@@ -206,15 +204,16 @@ TEST_P(StepGraphRules, ReplaysEqualTheEagerStepBitForBitWithNewScalarsEachStep) 
   EXPECT_EQ(after.captures_invalidated, before.captures_invalidated);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Rules, StepGraphRules,
-    ::testing::Values(Case{"adamw_in_place", AlgorithmKind::kAdamW, true},
-                      Case{"adamw_staged", AlgorithmKind::kAdamW, false},
-                      Case{"lion_in_place", AlgorithmKind::kLion, true},
-                      Case{"lion_staged", AlgorithmKind::kLion, false},
-                      Case{"muon", AlgorithmKind::kMuon, false},
-                      Case{"normuon", AlgorithmKind::kNorMuon, false}),
-    [](const ::testing::TestParamInfo<Case>& i) { return std::string(i.param.name); });
+INSTANTIATE_TEST_SUITE_P(Rules, StepGraphRules,
+                         ::testing::Values(Case{"adamw_in_place", AlgorithmKind::kAdamW, true},
+                                           Case{"adamw_staged", AlgorithmKind::kAdamW, false},
+                                           Case{"lion_in_place", AlgorithmKind::kLion, true},
+                                           Case{"lion_staged", AlgorithmKind::kLion, false},
+                                           Case{"muon", AlgorithmKind::kMuon, false},
+                                           Case{"normuon", AlgorithmKind::kNorMuon, false}),
+                         [](const ::testing::TestParamInfo<Case>& i) {
+                           return std::string(i.param.name);
+                         });
 
 class StepGraphTest : public ::testing::Test {
  protected:

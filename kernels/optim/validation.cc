@@ -18,16 +18,18 @@ absl::Status Bad(const GroupConfig& c, absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat(AlgorithmName(c.algorithm), ": ", what));
 }
 
-std::string ShapeString(const ParamShape& s) { return absl::StrCat("[", absl::StrJoin(s, ","), "]"); }
+std::string ShapeString(const ParamShape& s) {
+  return absl::StrCat("[", absl::StrJoin(s, ","), "]");
+}
 
 // Checks lo <= v < hi (or <= hi when hi_inclusive), v finite.
 absl::Status Range(const GroupConfig& c, absl::string_view name, double v, double lo,
                    bool lo_inclusive, double hi, bool hi_inclusive) {
-  const bool ok = std::isfinite(v) && (lo_inclusive ? v >= lo : v > lo) &&
-                  (hi_inclusive ? v <= hi : v < hi);
+  const bool ok =
+      std::isfinite(v) && (lo_inclusive ? v >= lo : v > lo) && (hi_inclusive ? v <= hi : v < hi);
   if (ok) return absl::OkStatus();
-  return Bad(c, absl::StrCat(name, " = ", v, " is outside ", lo_inclusive ? "[" : "(", lo, ", ",
-                             hi, hi_inclusive ? "]" : ")"));
+  return Bad(c, absl::StrCat(name, " = ", v, " is outside ", lo_inclusive ? "[" : "(", lo, ", ", hi,
+                             hi_inclusive ? "]" : ")"));
 }
 
 absl::Status Bounded(const GroupConfig& c, absl::string_view name, double v, double max) {
@@ -72,8 +74,8 @@ absl::Status CheckHyperparams(const GroupConfig& c) {
     if (h.cqr_warmup_steps < 0) {
       return Bad(c, absl::StrCat("cqr_warmup_steps = ", h.cqr_warmup_steps, " must be >= 0"));
     }
-    if (absl::Status s = Range(c, "rcqr_oversample", h.rcqr_oversample, 0, false,
-                               kMaxRcqrOversample, true);
+    if (absl::Status s =
+            Range(c, "rcqr_oversample", h.rcqr_oversample, 0, false, kMaxRcqrOversample, true);
         !s.ok()) {
       return s;
     }
@@ -86,8 +88,8 @@ absl::Status CheckHyperparams(const GroupConfig& c) {
   if (h.nesterov && k != AlgorithmKind::kMuon && k != AlgorithmKind::kNorMuon) {
     return Bad(c, "nesterov is not supported (Muon and NorMuon only)");
   }
-  if (h.cautious_wd && (k == AlgorithmKind::kDion || k == AlgorithmKind::kDion2 ||
-                        k == AlgorithmKind::kNorDion2)) {
+  if (h.cautious_wd &&
+      (k == AlgorithmKind::kDion || k == AlgorithmKind::kDion2 || k == AlgorithmKind::kNorDion2)) {
     return Bad(c, "cautious_wd is not supported (Muon, NorMuon, AdamW and Lion only)");
   }
   if (!IsMegabatch(k) && h.adjust_lr != AdjustLr::kSpectralNorm) {
@@ -136,8 +138,8 @@ absl::Status CheckShapes(const GroupConfig& c, const std::vector<ParamShape>& sh
     if (k == AlgorithmKind::kDion && c.hyperparams.qr_method != QrMethod::kQr) {
       // The randomized Cholesky QR (rcqr, and cqr's warm-up and fallback) needs a sketch of at
       // least r rows when P is tall (a > r).
-      const int64_t r = DionRank(s[0], s[1], c.hyperparams.rank_fraction,
-                                 c.hyperparams.rank_multiple_of);
+      const int64_t r =
+          DionRank(s[0], s[1], c.hyperparams.rank_fraction, c.hyperparams.rank_multiple_of);
       const int64_t a = std::max(s[0], s[1]);
       const int64_t rows = RcqrSketchRows(r, c.hyperparams.rcqr_oversample);
       if (a > r && rows < r) {
@@ -149,8 +151,8 @@ absl::Status CheckShapes(const GroupConfig& c, const std::vector<ParamShape>& sh
     }
     if (c.num_heads > 1) {
       if (s.size() != 2) {
-        return Bad(c, absl::StrCat("num_heads is only supported for 2-D parameters; parameter ",
-                                   i, " has shape ", ShapeString(s)));
+        return Bad(c, absl::StrCat("num_heads is only supported for 2-D parameters; parameter ", i,
+                                   " has shape ", ShapeString(s)));
       }
       if (s[0] % c.num_heads != 0) {
         return Bad(c, absl::StrCat("num_heads = ", c.num_heads, " does not divide dim 0 of ",
@@ -170,9 +172,8 @@ absl::Status CheckShapes(const GroupConfig& c, const std::vector<ParamShape>& sh
                   : sum + v;
       }
       if (sum != s[0]) {
-        return Bad(c, absl::StrCat("split_sizes [", BoundedList(c.split_sizes),
-                                   "] sum to ", sum, ", not dim 0 of parameter ", i, " ",
-                                   ShapeString(s)));
+        return Bad(c, absl::StrCat("split_sizes [", BoundedList(c.split_sizes), "] sum to ", sum,
+                                   ", not dim 0 of parameter ", i, " ", ShapeString(s)));
       }
     }
   }
@@ -191,8 +192,8 @@ absl::Status CheckOptions(const GroupConfig& c) {
       return Bad(c, "split_sizes is not supported (Muon and NorMuon only)");
     }
     if (c.split_sizes.size() < 2) {
-      return Bad(c, absl::StrCat("split_sizes [", BoundedList(c.split_sizes),
-                                 "] needs at least 2 sizes"));
+      return Bad(
+          c, absl::StrCat("split_sizes [", BoundedList(c.split_sizes), "] needs at least 2 sizes"));
     }
     for (int64_t s : c.split_sizes) {
       if (s <= 0) {
@@ -224,8 +225,8 @@ absl::Status ValidateGroup(const GroupConfig& config, const std::vector<ParamSha
 
 absl::Status CheckStepKnob(absl::string_view name, double v, double max) {
   if (std::isfinite(v) && v >= 0 && v <= max) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(name, " = ", v, " is outside [0, ", max,
-                                                 "] (finite)"));
+  return absl::InvalidArgumentError(
+      absl::StrCat(name, " = ", v, " is outside [0, ", max, "] (finite)"));
 }
 
 absl::Status ValidateStepOptions(const StepOptions& options) {

@@ -64,7 +64,8 @@ static_assert(sizeof(LionScalarRecord) == sizeof(DiondLionScalars) &&
               offsetof(LionScalarRecord, lr) == offsetof(DiondLionScalars, lr) &&
               offsetof(LionScalarRecord, cautious) == offsetof(DiondLionScalars, cautious));
 static_assert(sizeof(ApplyUpdateScalarRecord) == sizeof(DiondApplyUpdateScalars) &&
-              offsetof(ApplyUpdateScalarRecord, lr_wd) == offsetof(DiondApplyUpdateScalars, lr_wd) &&
+              offsetof(ApplyUpdateScalarRecord, lr_wd) ==
+                  offsetof(DiondApplyUpdateScalars, lr_wd) &&
               offsetof(ApplyUpdateScalarRecord, round_bf16) ==
                   offsetof(DiondApplyUpdateScalars, round_bf16));
 
@@ -82,30 +83,50 @@ struct Same {  // passed as is: numbers, and host or device addresses
   P v;
 };
 template <>
-struct ToC<float> : Same<float> { using Same::Same; };
+struct ToC<float> : Same<float> {
+  using Same::Same;
+};
 template <>
-struct ToC<int64_t> : Same<int64_t> { using Same::Same; };
+struct ToC<int64_t> : Same<int64_t> {
+  using Same::Same;
+};
 template <>
-struct ToC<size_t> : Same<size_t> { using Same::Same; };
+struct ToC<size_t> : Same<size_t> {
+  using Same::Same;
+};
 template <>
-struct ToC<const void*> : Same<const void*> { using Same::Same; };
+struct ToC<const void*> : Same<const void*> {
+  using Same::Same;
+};
 template <>
-struct ToC<void*> : Same<void*> { using Same::Same; };
+struct ToC<void*> : Same<void*> {
+  using Same::Same;
+};
 template <>
-struct ToC<uint64_t*> : Same<uint64_t*> { using Same::Same; };
+struct ToC<uint64_t*> : Same<uint64_t*> {
+  using Same::Same;
+};
 
 template <typename E>
 struct Code : Same<int32_t> {  // an enum's value (its codes are static_assert'ed by the adapter)
   explicit Code(E e) : Same(static_cast<int32_t>(e)) {}
 };
 template <>
-struct ToC<Axis> : Code<Axis> { using Code::Code; };
+struct ToC<Axis> : Code<Axis> {
+  using Code::Code;
+};
 template <>
-struct ToC<NormType> : Code<NormType> { using Code::Code; };
+struct ToC<NormType> : Code<NormType> {
+  using Code::Code;
+};
 template <>
-struct ToC<UnaryOp> : Code<UnaryOp> { using Code::Code; };
+struct ToC<UnaryOp> : Code<UnaryOp> {
+  using Code::Code;
+};
 template <>
-struct ToC<BinaryOp> : Code<BinaryOp> { using Code::Code; };
+struct ToC<BinaryOp> : Code<BinaryOp> {
+  using Code::Code;
+};
 template <>
 struct ToC<GramSide> : Same<int32_t> {  // aat: 1 for A·Aᵀ
   explicit ToC(GramSide s) : Same(s == GramSide::kAAt ? 1 : 0) {}
@@ -181,9 +202,13 @@ struct Scalars {
   Record host{};
 };
 template <>
-struct ToC<AdamWParams> : Scalars<AdamWParams, DiondAdamWScalars> { using Scalars::Scalars; };
+struct ToC<AdamWParams> : Scalars<AdamWParams, DiondAdamWScalars> {
+  using Scalars::Scalars;
+};
 template <>
-struct ToC<LionParams> : Scalars<LionParams, DiondLionScalars> { using Scalars::Scalars; };
+struct ToC<LionParams> : Scalars<LionParams, DiondLionScalars> {
+  using Scalars::Scalars;
+};
 template <>
 struct ToC<ApplyUpdateParams> : Scalars<ApplyUpdateParams, DiondApplyUpdateScalars> {
   using Scalars::Scalars;

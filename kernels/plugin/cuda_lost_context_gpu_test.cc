@@ -43,7 +43,7 @@ TEST(CudaLostContext, AnIllegalAddressIsNoticedByTheHealthEntryAndRefusesEveryth
   void* bogus = reinterpret_cast<void*>(uintptr_t{1} << 46);
   const TensorView bad(bogus, ContiguousLayout(DType::kF32, {int64_t{1} << 18}), kDev);
   const absl::Status launched = Fill(**ctx, 2.0f, bad);  // the launch itself succeeds
-  const absl::Status waited = Synchronize(**ctx);         // the fault shows at the wait
+  const absl::Status waited = Synchronize(**ctx);        // the fault shows at the wait
   EXPECT_FALSE(launched.ok() && waited.ok()) << "the Fill into unmapped memory did not fault";
   EXPECT_THAT(DeviceHealth(kDev),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("context is lost")));

@@ -60,11 +60,16 @@ enum class Tol { kExact, kGemm, kFactor, kRule, kSum };
 double TolValue(Tol t) {
   if (kExactEverywhere) return 0.0;
   switch (t) {
-    case Tol::kExact: return 0.0;
-    case Tol::kGemm: return 2e-5;
-    case Tol::kFactor: return 2e-4;
-    case Tol::kRule: return 5e-4;
-    case Tol::kSum: return 4.0 * 0x1p-23;
+    case Tol::kExact:
+      return 0.0;
+    case Tol::kGemm:
+      return 2e-5;
+    case Tol::kFactor:
+      return 2e-4;
+    case Tol::kRule:
+      return 5e-4;
+    case Tol::kSum:
+      return 4.0 * 0x1p-23;
   }
   return 0.0;
 }
@@ -121,8 +126,7 @@ class DeviceOpsTest : public ::testing::Test {
     return p;
   }
   void Upload(Pair& p) {
-    EXPECT_THAT(dev_->backend().copy_from_host(*dev_, p.h.data(), p.d.data(), p.h.bytes()),
-                IsOk());
+    EXPECT_THAT(dev_->backend().copy_from_host(*dev_, p.h.data(), p.d.data(), p.h.bytes()), IsOk());
   }
   std::vector<float> Host(const Buffer& d) {
     std::vector<uint8_t> raw(d.bytes());
@@ -170,12 +174,12 @@ TEST_F(DeviceOpsTest, Gemm) {
     DType in, out;
   };
   const std::vector<G> cases = {
-      {{64, 16}, {16, 8}, {64, 8}, false, false, DType::kF32, DType::kF32},     // tall
-      {{8, 40}, {40, 96}, {8, 96}, false, false, DType::kF32, DType::kF32},     // wide
-      {{33, 21}, {17, 33}, {21, 17}, true, true, DType::kF32, DType::kF32},     // transposed
-      {{4, 24, 12}, {12, 10}, {4, 24, 10}, false, false, DType::kF32, DType::kF32},  // broadcast
+      {{64, 16}, {16, 8}, {64, 8}, false, false, DType::kF32, DType::kF32},            // tall
+      {{8, 40}, {40, 96}, {8, 96}, false, false, DType::kF32, DType::kF32},            // wide
+      {{33, 21}, {17, 33}, {21, 17}, true, true, DType::kF32, DType::kF32},            // transposed
+      {{4, 24, 12}, {12, 10}, {4, 24, 10}, false, false, DType::kF32, DType::kF32},    // broadcast
       {{3, 12, 20}, {3, 16, 20}, {3, 12, 16}, false, true, DType::kF32, DType::kF32},  // batched
-      {{32, 48}, {48, 16}, {32, 16}, false, false, DType::kBf16, DType::kF32},   // bf16 → f32
+      {{32, 48}, {48, 16}, {32, 16}, false, false, DType::kBf16, DType::kF32},  // bf16 → f32
       {{2, 16, 32}, {2, 24, 32}, {2, 16, 24}, false, true, DType::kBf16, DType::kBf16},
   };
   for (size_t i = 0; i < cases.size(); ++i) {
@@ -206,10 +210,8 @@ TEST_F(DeviceOpsTest, Gemm) {
 
 TEST_F(DeviceOpsTest, SymmetricProducts) {
   Pair a = Make({3, 12, 40}, 20), c = Make({3, 12, 12}, 21), d = Make({3, 40, 40}, 22);
-  ASSERT_THAT(SymmetricProduct(*dev_, GramSide::kAAt, 1.0f, a.d.cview(), 0.0f, c.d.view()),
-              IsOk());
-  ASSERT_THAT(SymmetricProduct(*cpu_, GramSide::kAAt, 1.0f, a.h.cview(), 0.0f, c.h.view()),
-              IsOk());
+  ASSERT_THAT(SymmetricProduct(*dev_, GramSide::kAAt, 1.0f, a.d.cview(), 0.0f, c.d.view()), IsOk());
+  ASSERT_THAT(SymmetricProduct(*cpu_, GramSide::kAAt, 1.0f, a.h.cview(), 0.0f, c.h.view()), IsOk());
   Expect(c, Tol::kGemm, "syrk AAt");
   ASSERT_THAT(SymmetricProduct(*dev_, GramSide::kAtA, 0.5f, a.d.cview(), 0.0f, d.d.view()), IsOk());
   ASSERT_THAT(SymmetricProduct(*cpu_, GramSide::kAtA, 0.5f, a.h.cview(), 0.0f, d.h.view()), IsOk());
@@ -272,12 +274,12 @@ TEST_F(DeviceOpsTest, ReductionsAndSelectionAreBitIdentical) {
   std::memcpy(s.h.data(), v.data(), v.size() * 4);
   Upload(s);
   std::vector<int64_t> got(300), want(300);
-  ASSERT_THAT(TopKByL1Norm(*dev_, s.d.cview(), Axis::kCols, 300, absl::MakeSpan(got),
-                           s_sc.d.view()),
-              IsOk());
-  ASSERT_THAT(TopKByL1Norm(*cpu_, s.h.cview(), Axis::kCols, 300, absl::MakeSpan(want),
-                           s_sc.h.view()),
-              IsOk());
+  ASSERT_THAT(
+      TopKByL1Norm(*dev_, s.d.cview(), Axis::kCols, 300, absl::MakeSpan(got), s_sc.d.view()),
+      IsOk());
+  ASSERT_THAT(
+      TopKByL1Norm(*cpu_, s.h.cview(), Axis::kCols, 300, absl::MakeSpan(want), s_sc.h.view()),
+      IsOk());
   EXPECT_EQ(got, want);
   Expect(s_sc, Tol::kExact, "|v| scores");
   Pair m = Make({40, 25}, 46, DType::kBf16), sc = Make({25}, 47);
@@ -307,15 +309,15 @@ TEST_F(DeviceOpsTest, RowSumsOfAwkwardLengthsAreBitIdentical) {
   struct Shape {
     int64_t batch, rows, cols;
   };
-  for (const Shape sh : {Shape{1, 1, 1}, Shape{2, 3, 31}, Shape{1, 7, 32}, Shape{3, 5, 33},
-                         Shape{2, 4, 160}, Shape{1, 768, 768}, Shape{1, 3, 1000},
-                         Shape{1, 5000, 3}}) {
+  for (const Shape sh :
+       {Shape{1, 1, 1}, Shape{2, 3, 31}, Shape{1, 7, 32}, Shape{3, 5, 33}, Shape{2, 4, 160},
+        Shape{1, 768, 768}, Shape{1, 3, 1000}, Shape{1, 5000, 3}}) {
     for (const DType t : {DType::kF32, DType::kBf16, DType::kF16}) {
       for (const int64_t pad : {int64_t{0}, int64_t{3}}) {
         const int64_t ld = sh.cols + pad, n = sh.batch * sh.rows;
-        const std::string c = " " + std::to_string(sh.batch) + "x" + std::to_string(sh.rows) +
-                              "x" + std::to_string(sh.cols) + " pad " + std::to_string(pad) +
-                              " dtype " + std::to_string(static_cast<int>(t));
+        const std::string c = " " + std::to_string(sh.batch) + "x" + std::to_string(sh.rows) + "x" +
+                              std::to_string(sh.cols) + " pad " + std::to_string(pad) + " dtype " +
+                              std::to_string(static_cast<int>(t));
         Pair a = Make({n * ld}, 200 + static_cast<uint32_t>(sh.cols), t);
         if (sh.cols >= 160 && t != DType::kF16) {
           // Row 0 probes Σ|x|, row 1 Σx² (f16 cannot hold their small terms).
@@ -467,11 +469,9 @@ TEST_F(DeviceOpsTest, TrackedStepsAreBitIdentical) {
   for (bool cautious : {false, true}) {
     ap.cautious = cautious;
     const std::string c = cautious ? " (cautious)" : "";
-    ASSERT_THAT(AdamWStep(*dev_, ap, g.d.cview(), x.d.view(), m.d.view(), v.d.view(),
-                          sq.d.view()),
+    ASSERT_THAT(AdamWStep(*dev_, ap, g.d.cview(), x.d.view(), m.d.view(), v.d.view(), sq.d.view()),
                 IsOk());
-    ASSERT_THAT(AdamWStep(*cpu_, ap, g.h.cview(), x.h.view(), m.h.view(), v.h.view(),
-                          sq.h.view()),
+    ASSERT_THAT(AdamWStep(*cpu_, ap, g.h.cview(), x.h.view(), m.h.view(), v.h.view(), sq.h.view()),
                 IsOk());
     Expect(x, Tol::kExact, "tracked adamw x" + c);
     Expect(m, Tol::kExact, "tracked adamw m" + c);
@@ -510,12 +510,12 @@ TEST_F(DeviceOpsTest, MomentumAndApplyUpdateAreBitIdentical) {
     Expect(m, Tol::kExact, "momentum m" + c);
     Expect(u, Tol::kExact, "momentum u" + c);
     Expect(state, Tol::kExact, "momentum m_in untouched" + c);
-    ASSERT_THAT(MomentumUpdate(*dev_, 0.9f, nesterov, g.d.cview(), m.d.cview(), m.d.view(),
-                               u.d.view()),
-                IsOk());
-    ASSERT_THAT(MomentumUpdate(*cpu_, 0.9f, nesterov, g.h.cview(), m.h.cview(), m.h.view(),
-                               u.h.view()),
-                IsOk());
+    ASSERT_THAT(
+        MomentumUpdate(*dev_, 0.9f, nesterov, g.d.cview(), m.d.cview(), m.d.view(), u.d.view()),
+        IsOk());
+    ASSERT_THAT(
+        MomentumUpdate(*cpu_, 0.9f, nesterov, g.h.cview(), m.h.cview(), m.h.view(), u.h.view()),
+        IsOk());
     Expect(m, Tol::kExact, "momentum in place m" + c);
     Expect(u, Tol::kExact, "momentum in place u" + c);
   }
@@ -526,8 +526,7 @@ TEST_F(DeviceOpsTest, MomentumAndApplyUpdateAreBitIdentical) {
       p.lr_wd = 0.02f * 0.1f;
       p.cautious = cautious;
       p.round_bf16 = round_bf16;
-      const std::string c = std::string(cautious ? " cautious" : "") +
-                            (round_bf16 ? " bf16" : "");
+      const std::string c = std::string(cautious ? " cautious" : "") + (round_bf16 ? " bf16" : "");
       ASSERT_THAT(ApplyUpdate(*dev_, p, u.d.cview(), x.d.cview(), x2.d.view()), IsOk());
       ASSERT_THAT(ApplyUpdate(*cpu_, p, u.h.cview(), x.h.cview(), x2.h.view()), IsOk());
       Expect(x2, Tol::kExact, "apply_update out of place" + c);
@@ -567,15 +566,14 @@ TEST_F(DeviceOpsTest, DeviceScalarFormsOfTheFusedStepsAreBitIdentical) {
       AdamWParams ad = ap;
       ad.lr = 99.0f;  // ignored: the record rules
       ad.scalars_on_device = static_cast<const AdamWScalarRecord*>(record->data());
-      ASSERT_THAT(tracked ? be.adamw_step_tracked(*dev_, ad, g.d.cview(), x.d.view(), m.d.view(),
-                                                  v.d.view(), sq.d.view())
-                          : be.adamw_step(*dev_, ad, g.d.cview(), x.d.view(), m.d.view(),
-                                          v.d.view()),
+      ASSERT_THAT(tracked
+                      ? be.adamw_step_tracked(*dev_, ad, g.d.cview(), x.d.view(), m.d.view(),
+                                              v.d.view(), sq.d.view())
+                      : be.adamw_step(*dev_, ad, g.d.cview(), x.d.view(), m.d.view(), v.d.view()),
                   IsOk());
       ASSERT_THAT(tracked ? AdamWStep(*cpu_, ap, g.h.cview(), x.h.view(), m.h.view(), v.h.view(),
                                       sq.h.view())
-                          : AdamWStep(*cpu_, ap, g.h.cview(), x.h.view(), m.h.view(),
-                                      v.h.view()),
+                          : AdamWStep(*cpu_, ap, g.h.cview(), x.h.view(), m.h.view(), v.h.view()),
                   IsOk());
       Expect(x, Tol::kExact, "adamw_step_dev x" + c);
       Expect(m, Tol::kExact, "adamw_step_dev m" + c);
@@ -621,10 +619,9 @@ TEST_F(DeviceOpsTest, NormalizeNeuronsMatches) {
   // Rank 2 and batches of units, rows around the 32 lanes, one 768×768 unit; w below and above
   // 0.5 (the two lerp branches).
   for (std::vector<int64_t> shape :
-       {std::vector<int64_t>{24, 70}, std::vector<int64_t>{3, 17, 40},
-        std::vector<int64_t>{1, 1}, std::vector<int64_t>{3, 33, 31},
-        std::vector<int64_t>{5, 2, 32}, std::vector<int64_t>{2, 9, 33},
-        std::vector<int64_t>{768, 768}}) {
+       {std::vector<int64_t>{24, 70}, std::vector<int64_t>{3, 17, 40}, std::vector<int64_t>{1, 1},
+        std::vector<int64_t>{3, 33, 31}, std::vector<int64_t>{5, 2, 32},
+        std::vector<int64_t>{2, 9, 33}, std::vector<int64_t>{768, 768}}) {
     const int64_t units = shape.size() == 3 ? shape[0] : 1;
     const int64_t rows = shape[shape.size() - 2];
     Pair o = Make(shape, 120), v = Make({units * rows}, 121);
@@ -667,11 +664,11 @@ TEST_F(DeviceOpsTest, DecayScatterWithChangeIsBitIdentical) {
       for (int64_t j = 0; j < k; ++j) idx.push_back((5 * j + b) % len);
     }
     const std::string c = axis == Axis::kRows ? " rows" : " cols";
-    ASSERT_THAT(DecayScatterWithChange(*dev_, 0.995f, src.d.cview(), axis, idx, -0.02f,
-                                       x.d.view(), sq.d.view()),
+    ASSERT_THAT(DecayScatterWithChange(*dev_, 0.995f, src.d.cview(), axis, idx, -0.02f, x.d.view(),
+                                       sq.d.view()),
                 IsOk());
-    ASSERT_THAT(DecayScatterWithChange(*cpu_, 0.995f, src.h.cview(), axis, idx, -0.02f,
-                                       x.h.view(), sq.h.view()),
+    ASSERT_THAT(DecayScatterWithChange(*cpu_, 0.995f, src.h.cview(), axis, idx, -0.02f, x.h.view(),
+                                       sq.h.view()),
                 IsOk());
     Expect(x, Tol::kExact, "decay_scatter_with_change x" + c);
     Expect(sq, Tol::kSum, "decay_scatter_with_change update_sq" + c);
@@ -729,8 +726,8 @@ TEST_P(DeviceRuleTest, ThreeStepsMatchTheCpu) {
     ASSERT_THAT((*dev_opt)->Step(*dev_, dp, dg), IsOk()) << "step " << step;
     ASSERT_THAT((*cpu_opt)->Step(*cpu_, hp, hg), IsOk()) << "step " << step;
   }
-  const bool elementwise = GetParam() == optim::AlgorithmKind::kAdamW ||
-                           GetParam() == optim::AlgorithmKind::kLion;
+  const bool elementwise =
+      GetParam() == optim::AlgorithmKind::kAdamW || GetParam() == optim::AlgorithmKind::kLion;
   for (size_t i = 0; i < shapes.size(); ++i) {
     Expect(params[i], elementwise ? Tol::kExact : Tol::kRule,
            std::string(optim::AlgorithmName(GetParam())) + " param " + std::to_string(i));
@@ -810,8 +807,8 @@ TEST_P(DeviceGraphTest, ReplayedUpdatesMatchTheEagerStep) {
   }
   EXPECT_EQ(sg.captures(), 2);  // the staged state's two forms
   EXPECT_EQ(sg.replays(), kSteps - 3);
-  const bool elementwise = GetParam() == optim::AlgorithmKind::kAdamW ||
-                           GetParam() == optim::AlgorithmKind::kLion;
+  const bool elementwise =
+      GetParam() == optim::AlgorithmKind::kAdamW || GetParam() == optim::AlgorithmKind::kLion;
 #if DIOND_TEST_CUDA
   const Tol tol = elementwise ? Tol::kExact : Tol::kRule;
 #else
@@ -822,18 +819,19 @@ TEST_P(DeviceGraphTest, ReplayedUpdatesMatchTheEagerStep) {
     // The eager run's parameters as the reference.
     const std::vector<float> want = Host(xe[i].d);
     std::memcpy(xg[i].h.data(), want.data(), want.size() * 4);
-    Expect(xg[i], tol, std::string(optim::AlgorithmName(GetParam())) + " graph param " +
-                           std::to_string(i));
+    Expect(xg[i], tol,
+           std::string(optim::AlgorithmName(GetParam())) + " graph param " + std::to_string(i));
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Rules, DeviceGraphTest,
-    ::testing::Values(optim::AlgorithmKind::kMuon, optim::AlgorithmKind::kNorMuon,
-                      optim::AlgorithmKind::kAdamW, optim::AlgorithmKind::kLion),
-    [](const ::testing::TestParamInfo<optim::AlgorithmKind>& i) {
-      return std::string(optim::AlgorithmName(i.param));
-    });
+INSTANTIATE_TEST_SUITE_P(Rules, DeviceGraphTest,
+                         ::testing::Values(optim::AlgorithmKind::kMuon,
+                                           optim::AlgorithmKind::kNorMuon,
+                                           optim::AlgorithmKind::kAdamW,
+                                           optim::AlgorithmKind::kLion),
+                         [](const ::testing::TestParamInfo<optim::AlgorithmKind>& i) {
+                           return std::string(optim::AlgorithmName(i.param));
+                         });
 
 }  // namespace
 }  // namespace diond::kernels

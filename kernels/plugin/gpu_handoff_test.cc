@@ -147,8 +147,7 @@ TEST_F(GpuHandoffTest, VmmFdMapsWithGranularityChecksAndUnmapsOnce) {
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("minimum granularity")));
   EXPECT_THAT(ImportVmmFd(kDev0, fd, 8 * g, g).status(),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("exceeds")));
-  EXPECT_THAT(ImportVmmFd(kDev0, -1, g, g).status(),
-              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(ImportVmmFd(kDev0, -1, g, g).status(), StatusIs(absl::StatusCode::kInvalidArgument));
   // An fd of something else.
   int pipefd[2];
   ASSERT_EQ(pipe(pipefd), 0);

@@ -90,13 +90,12 @@ template <auto CEntry>
 struct DevFormOf {
   static constexpr std::nullptr_t kEntry = nullptr;
 };
-#define DIOND_OP_DEV(name, Name, host_op, c_params)                                  \
-  template <>                                                                        \
-  struct DevFormOf<&DiondOpsApiV1::host_op> {                                        \
-    static_assert(std::is_same_v<decltype(DiondOpsApiV1::name),                      \
-                                 decltype(DiondOpsApiV1::host_op)>,                  \
-                  #name " takes " #host_op "'s arguments");                          \
-    static constexpr auto kEntry = &DiondOpsApiV1::name;                             \
+#define DIOND_OP_DEV(name, Name, host_op, c_params)                                                \
+  template <>                                                                                      \
+  struct DevFormOf<&DiondOpsApiV1::host_op> {                                                      \
+    static_assert(std::is_same_v<decltype(DiondOpsApiV1::name), decltype(DiondOpsApiV1::host_op)>, \
+                  #name " takes " #host_op "'s arguments");                                        \
+    static constexpr auto kEntry = &DiondOpsApiV1::name;                                           \
   };
 #include "kernels/ops.def"
 
@@ -115,11 +114,11 @@ template <int S, auto CEntry, typename... P>
 struct Forward<S, CEntry, absl::Status (*)(const Context&, P...)> {
   using Args = std::tuple<abi::ToC<std::decay_t<P>>...>;
   using CEntryType = std::remove_reference_t<decltype(std::declval<DiondOpsApiV1>().*CEntry)>;
-  static_assert(std::is_same_v<typename CParams<CEntryType>::Tuple,
-                               decltype(std::tuple_cat(
-                                   std::tuple<const DiondOpsCall*>(),
-                                   std::declval<abi::ToC<std::decay_t<P>>&>().c()...))>,
-                "an op's C parameters in kernels/ops.def are not the C form of its C++ ones");
+  static_assert(
+      std::is_same_v<typename CParams<CEntryType>::Tuple,
+                     decltype(std::tuple_cat(std::tuple<const DiondOpsCall*>(),
+                                             std::declval<abi::ToC<std::decay_t<P>>&>().c()...))>,
+      "an op's C parameters in kernels/ops.def are not the C form of its C++ ones");
 
   static absl::Status Entry(const Context& ctx, P... a) {
     Call call(ctx);
@@ -195,8 +194,7 @@ absl::StatusOr<const OpsBackend*> AdaptPluginOps(DeviceType type, const DiondOps
   if (ops == nullptr) return absl::InvalidArgumentError("AdaptPluginOps: null ops table");
   if (ops->version != DIOND_OPS_API_VERSION) {
     return absl::InvalidArgumentError(absl::StrCat("AdaptPluginOps: ops table version ",
-                                                   ops->version, " != ",
-                                                   DIOND_OPS_API_VERSION));
+                                                   ops->version, " != ", DIOND_OPS_API_VERSION));
   }
   if (HasNullEntry(*ops)) return absl::InvalidArgumentError("AdaptPluginOps: null entry");
   const DiondOpsApiV1* expected = nullptr;
@@ -259,8 +257,8 @@ absl::StatusOr<DeviceMemoryStats> GetDeviceMemoryStats(Device device) {
   if (ops == nullptr) return absl::FailedPreconditionError("no device backend for this device");
   Call call(device.index, nullptr);
   DeviceMemoryStats st;
-  absl::Status s = call.Done("memory_stats", ops->memory_stats(&call.c, &st.in_use, &st.peak),
-                             ops->name);
+  absl::Status s =
+      call.Done("memory_stats", ops->memory_stats(&call.c, &st.in_use, &st.peak), ops->name);
   if (!s.ok()) return s;
   return st;
 }
@@ -300,11 +298,9 @@ absl::StatusOr<std::vector<GpuUuid>> ListDeviceUuids(DeviceType type) {
   int32_t again = 0;
   DIOND_RETURN_IF_ERROR(call.Done(
       "device_uuids",
-      ops->device_uuids(&call.c, count == 0 ? nullptr : out[0].data(), count, &again),
-      ops->name));
+      ops->device_uuids(&call.c, count == 0 ? nullptr : out[0].data(), count, &again), ops->name));
   if (again != count) {
-    return absl::InternalError(
-        absl::StrCat("device_uuids: ", count, " devices, then ", again));
+    return absl::InternalError(absl::StrCat("device_uuids: ", count, " devices, then ", again));
   }
   return out;
 }
@@ -315,9 +311,9 @@ absl::StatusOr<IpcMapping> OpenIpcMemHandle(Device device, absl::Span<const uint
   if (ops == nullptr) return absl::FailedPreconditionError("no device backend for this device");
   Call call(device.index, nullptr);
   IpcMapping m;
-  DIOND_RETURN_IF_ERROR(call.Done(
-      "ipc_open_mem_handle", ops->ipc_open_mem_handle(&call.c, handle.data(), &m.ptr, &m.bytes),
-      ops->name));
+  DIOND_RETURN_IF_ERROR(
+      call.Done("ipc_open_mem_handle",
+                ops->ipc_open_mem_handle(&call.c, handle.data(), &m.ptr, &m.bytes), ops->name));
   return m;
 }
 
@@ -342,9 +338,9 @@ absl::StatusOr<VmmMapping> ImportVmmFd(Device device, int fd, uint64_t bytes,
   Call call(device.index, nullptr);
   VmmMapping m;
   m.bytes = bytes;
-  DIOND_RETURN_IF_ERROR(call.Done(
-      "vmm_import_fd", ops->vmm_import_fd(&call.c, fd, bytes, granularity, &m.ptr, &m.handle),
-      ops->name));
+  DIOND_RETURN_IF_ERROR(
+      call.Done("vmm_import_fd",
+                ops->vmm_import_fd(&call.c, fd, bytes, granularity, &m.ptr, &m.handle), ops->name));
   return m;
 }
 
@@ -352,8 +348,8 @@ absl::Status UnmapVmm(Device device, const VmmMapping& mapping) {
   const DiondOpsApiV1* ops = OpsFor(device);
   if (ops == nullptr) return absl::FailedPreconditionError("no device backend for this device");
   Call call(device.index, nullptr);
-  return call.Done("vmm_unmap",
-                   ops->vmm_unmap(&call.c, mapping.ptr, mapping.bytes, mapping.handle), ops->name);
+  return call.Done("vmm_unmap", ops->vmm_unmap(&call.c, mapping.ptr, mapping.bytes, mapping.handle),
+                   ops->name);
 }
 
 absl::StatusOr<void*> OpenIpcEvent(Device device, absl::Span<const uint8_t> handle) {
@@ -362,8 +358,8 @@ absl::StatusOr<void*> OpenIpcEvent(Device device, absl::Span<const uint8_t> hand
   if (ops == nullptr) return absl::FailedPreconditionError("no device backend for this device");
   Call call(device.index, nullptr);
   void* event = nullptr;
-  DIOND_RETURN_IF_ERROR(call.Done(
-      "ipc_open_event", ops->ipc_open_event(&call.c, handle.data(), &event), ops->name));
+  DIOND_RETURN_IF_ERROR(
+      call.Done("ipc_open_event", ops->ipc_open_event(&call.c, handle.data(), &event), ops->name));
   return event;
 }
 

@@ -98,8 +98,7 @@ struct VmmMapping {
   uint64_t bytes = 0;
   void* handle = nullptr;  // the plugin's allocation handle
 };
-absl::StatusOr<VmmMapping> ImportVmmFd(Device device, int fd, uint64_t bytes,
-                                       uint64_t granularity);
+absl::StatusOr<VmmMapping> ImportVmmFd(Device device, int fd, uint64_t bytes, uint64_t granularity);
 absl::Status UnmapVmm(Device device, const VmmMapping& mapping);
 // An interprocess event (DIOND_CUDA_IPC_HANDLE_BYTES) opened on `device`; `stream` waits for
 // its last record, or records it, with no host wait.

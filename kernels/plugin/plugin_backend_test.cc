@@ -406,8 +406,8 @@ TEST_F(PluginBackendTest, HostRegistrationsArePairedAndCounted) {
   ASSERT_THAT(HostRegister(kDev, a.data(), a.size()), IsOk());
   ASSERT_THAT(HostRegister(kDev, b.data(), b.size()), IsOk());
   EXPECT_EQ(testing::GetHostTestDeviceCounters().host_registered_live, 2);
-  EXPECT_THAT(HostRegister(kDev, a.data() + 100, 8), StatusIs(absl::StatusCode::kInternal,
-                                                               HasSubstr("already registered")));
+  EXPECT_THAT(HostRegister(kDev, a.data() + 100, 8),
+              StatusIs(absl::StatusCode::kInternal, HasSubstr("already registered")));
   EXPECT_THAT(HostUnregister(kDev, a.data() + 1),
               StatusIs(absl::StatusCode::kInternal, HasSubstr("not registered")));
   EXPECT_THAT(HostUnregister(kDev, a.data()), IsOk());

@@ -54,8 +54,7 @@ TEST_F(TestDevice, ValidArgumentsReachTheTableInvalidOnesDoNot) {
   auto c = ctx_->Allocate(DType::kF32, {4, 5});
   auto bad = ctx_->Allocate(DType::kF32, {4, 6});
   ASSERT_TRUE(a.ok() && b.ok() && c.ok() && bad.ok());
-  EXPECT_THAT(RecordingBackend::Log(),
-              ElementsAre("allocate", "allocate", "allocate", "allocate"));
+  EXPECT_THAT(RecordingBackend::Log(), ElementsAre("allocate", "allocate", "allocate", "allocate"));
   EXPECT_EQ(ctx_->allocation_count(), 4);
   RecordingBackend::ClearLog();
 

@@ -267,8 +267,7 @@ TEST_F(CudaRuntimeRulesTest, LostContextIsReportedAndRefused) {
   EXPECT_EQ(OpDeviceHealth(&health.c), DIOND_OPS_FAILED_PRECONDITION);
   EXPECT_NE(std::string(health.err).find("the CUDA context is lost"), std::string::npos)
       << health.err;
-  EXPECT_NE(std::string(health.err).find("illegal memory access"), std::string::npos)
-      << health.err;
+  EXPECT_NE(std::string(health.err).find("illegal memory access"), std::string::npos) << health.err;
   Call call(s);
   EXPECT_NE(OpStreamSynchronize(&call.c), DIOND_OPS_OK);
   // Every entry after it is refused with one clear message, the memory stats included (the

@@ -67,7 +67,7 @@ struct HostTestDeviceCounters {
   int64_t async_copies_to_device = 0, async_copies_to_host = 0;
   int64_t deferred = 0;
   int64_t streams_created = 0, streams_live = 0;
-  int64_t ops = 0;  // op entries run
+  int64_t ops = 0;                    // op entries run
   int64_t ops_on_default_stream = 0;  // op entries called with a null stream
   // devsession: host_register / host_unregister calls, the ranges registered now, and the
   // pairing errors (an unregister of a pointer not registered, a register of one already

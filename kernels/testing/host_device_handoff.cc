@@ -45,13 +45,13 @@ struct Event {
 struct Handoff {
   std::mutex mu;
   uint64_t next_id = 1;
-  std::unordered_map<uint64_t, Export> exports;          // IPC memory handle id -> allocation
-  std::unordered_map<void*, uint64_t> opened;            // opened base -> handle id
+  std::unordered_map<uint64_t, Export> exports;  // IPC memory handle id -> allocation
+  std::unordered_map<void*, uint64_t> opened;    // opened base -> handle id
   std::map<std::pair<uint64_t, uint64_t>, VmmExport> vmm_exports;  // (st_dev, st_ino) of the fd
   std::set<VmmImport*> vmm_imports;
-  std::unordered_map<uint64_t, int> event_exports;       // event id -> exporting device
+  std::unordered_map<uint64_t, int> event_exports;  // event id -> exporting device
   std::set<Event*> events;
-  std::unordered_map<uint64_t, int64_t> event_records;   // event id -> records
+  std::unordered_map<uint64_t, int64_t> event_records;  // event id -> records
   HostTestHandoffCounters counters;
 };
 Handoff& Ho() {
@@ -117,8 +117,7 @@ bool FindExport(const DiondOpsCall* call, const uint8_t* handle, const char* mag
   return false;
 }
 
-int IpcOpenMemHandle(const DiondOpsCall* call, const uint8_t* handle, void** ptr,
-                     uint64_t* bytes) {
+int IpcOpenMemHandle(const DiondOpsCall* call, const uint8_t* handle, void** ptr, uint64_t* bytes) {
   int rc = DIOND_OPS_OK;
   if (BadDevice(call, &rc)) return rc;
   Handoff& h = Ho();
@@ -128,8 +127,8 @@ int IpcOpenMemHandle(const DiondOpsCall* call, const uint8_t* handle, void** ptr
   const uint64_t id = it->first;
   if (!LiveAllocation(it->second.ptr, it->second.bytes)) {
     return Fail(call, DIOND_OPS_FAILED_PRECONDITION,
-                "host-test device: the allocation of CUDA IPC memory handle " +
-                    std::to_string(id) + " was freed");
+                "host-test device: the allocation of CUDA IPC memory handle " + std::to_string(id) +
+                    " was freed");
   }
   if (h.opened.count(it->second.ptr) != 0) {
     return Fail(call, DIOND_OPS_FAILED_PRECONDITION,
@@ -165,7 +164,8 @@ int VmmImportFd(const DiondOpsCall* call, int32_t fd, uint64_t bytes, uint64_t g
   }
   Handoff& h = Ho();
   std::lock_guard<std::mutex> lock(h.mu);
-  auto it = h.vmm_exports.find({static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino)});
+  auto it =
+      h.vmm_exports.find({static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino)});
   if (it == h.vmm_exports.end()) {
     return Fail(call, DIOND_OPS_FAILED_PRECONDITION,
                 "host-test device: the fd is not a VMM allocation exported by this backend");
@@ -181,8 +181,8 @@ int VmmImportFd(const DiondOpsCall* call, int32_t fd, uint64_t bytes, uint64_t g
   if (bytes > it->second.bytes || !LiveAllocation(it->second.ptr, it->second.bytes)) {
     return Fail(call, DIOND_OPS_FAILED_PRECONDITION,
                 "host-test device: VMM mapping of " + std::to_string(bytes) +
-                    " bytes exceeds the exported allocation (" +
-                    std::to_string(it->second.bytes) + " bytes, or freed)");
+                    " bytes exceeds the exported allocation (" + std::to_string(it->second.bytes) +
+                    " bytes, or freed)");
   }
   auto* imp = new VmmImport{it->second.ptr, bytes};
   h.vmm_imports.insert(imp);
@@ -221,8 +221,8 @@ int IpcOpenEvent(const DiondOpsCall* call, const uint8_t* handle, void** event) 
   const uint64_t id = it->first;
   if (it->second != call->device) {
     return Fail(call, DIOND_OPS_FAILED_PRECONDITION,
-                "host-test device: the event was created on device " +
-                    std::to_string(it->second) + ", not device " + std::to_string(call->device));
+                "host-test device: the event was created on device " + std::to_string(it->second) +
+                    ", not device " + std::to_string(call->device));
   }
   auto* e = new Event{id, call->device};
   h.events.insert(e);

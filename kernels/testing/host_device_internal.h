@@ -68,8 +68,7 @@ bool OnDevice(const void* p, size_t bytes);
 bool CheckStream(const DiondOpsCall* call, int* rc);
 void CountSync();
 // Queues `run` on call->stream (or appends it to the stream's capture).
-void Enqueue(const DiondOpsCall* call, const char* op,
-             std::function<int(const DiondOpsCall*)> run);
+void Enqueue(const DiondOpsCall* call, const char* op, std::function<int(const DiondOpsCall*)> run);
 // Runs every stream's queue (the caller holds an EntryGuard).
 void DrainAll();
 // Drains the call's stream and takes its kept failure, if any (then *rc is set and true).

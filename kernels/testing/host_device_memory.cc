@@ -68,8 +68,9 @@ std::string LossReason(bool ask) {
 // The CUDA plugin's refusal once a sticky error was seen (ops_memory.cc LostFail), worded alike.
 int LostFail(const DiondOpsCall* call, const std::string& why) {
   return Fail(call, DIOND_OPS_FAILED_PRECONDITION,
-              "host-test device " + std::to_string(call->device) + ": the device context is lost (" +
-                  why + ", an unrecoverable error); no device work can run until the daemon "
+              "host-test device " + std::to_string(call->device) +
+                  ": the device context is lost (" + why +
+                  ", an unrecoverable error); no device work can run until the daemon "
                   "restarts");
 }
 
@@ -241,7 +242,8 @@ void ResetHostTestDevice(uint64_t budget_bytes) {
 
 void LoseHostTestDeviceContext(const std::string& why) {
   std::lock_guard<std::mutex> lock(host_device::Lost().mu);
-  if (host_device::Lost().why.empty()) host_device::Lost().why = why.empty() ? "lost by the test" : why;
+  if (host_device::Lost().why.empty())
+    host_device::Lost().why = why.empty() ? "lost by the test" : why;
 }
 
 void SetHostTestDeviceLossTrigger(std::function<bool()> trigger) {

@@ -78,9 +78,9 @@ int CopyToHostAsync(const DiondOpsCall* call, const void* src, void* host, size_
 int TopKByL1Norm(const DiondOpsCall* call, DiondIn a, int32_t axis, int64_t k, int64_t* indices,
                  DiondOut scores) {
   DIOND_TEST_OP_BEGIN;
-  return FromStatus(call, kernels::TopKByL1Norm(Cpu(), In(a), static_cast<Axis>(axis), k,
-                                                absl::MakeSpan(indices, static_cast<size_t>(k)),
-                                                Out(scores)));
+  return FromStatus(
+      call, kernels::TopKByL1Norm(Cpu(), In(a), static_cast<Axis>(axis), k,
+                                  absl::MakeSpan(indices, static_cast<size_t>(k)), Out(scores)));
 }
 // The fused ops run the shared per-element functions on the scalars the adapter formed.
 int64_t Count(const DiondTensor* t) { return In(t).NumElements(); }
@@ -88,7 +88,7 @@ int64_t Count(const DiondTensor* t) { return In(t).NumElements(); }
 int AdamWStep(const DiondOpsCall* call, const DiondAdamWScalars* c, DiondIn grad, DiondOut x,
               DiondOut m, DiondOut v) {
   DIOND_TEST_OP_BEGIN;
-  math::AdamWScalars s{c->decay, c->lr_wd,     c->one_minus_b1, c->one_minus_b2, c->beta2,
+  math::AdamWScalars s{c->decay,     c->lr_wd,    c->one_minus_b1, c->one_minus_b2, c->beta2,
                        c->step_size, c->sqrt_bc2, c->eps,          c->cautious != 0};
   const float* g = static_cast<const float*>(grad->data);
   float *xp = static_cast<float*>(x->data), *mp = static_cast<float*>(m->data),
@@ -113,10 +113,10 @@ inline double Sq(float after, float before) {
   const double d = static_cast<double>(after) - static_cast<double>(before);
   return d * d;
 }
-int AdamWStepTracked(const DiondOpsCall* call, const DiondAdamWScalars* c, DiondIn grad,
-                     DiondOut x, DiondOut m, DiondOut v, DiondOut update_sq) {
+int AdamWStepTracked(const DiondOpsCall* call, const DiondAdamWScalars* c, DiondIn grad, DiondOut x,
+                     DiondOut m, DiondOut v, DiondOut update_sq) {
   DIOND_TEST_OP_BEGIN;
-  math::AdamWScalars s{c->decay, c->lr_wd,     c->one_minus_b1, c->one_minus_b2, c->beta2,
+  math::AdamWScalars s{c->decay,     c->lr_wd,    c->one_minus_b1, c->one_minus_b2, c->beta2,
                        c->step_size, c->sqrt_bc2, c->eps,          c->cautious != 0};
   const float* g = static_cast<const float*>(grad->data);
   float *xp = static_cast<float*>(x->data), *mp = static_cast<float*>(m->data),
@@ -130,8 +130,8 @@ int AdamWStepTracked(const DiondOpsCall* call, const DiondAdamWScalars* c, Diond
   *static_cast<float*>(update_sq->data) = static_cast<float>(sq);
   return DIOND_OPS_OK;
 }
-int LionStepTracked(const DiondOpsCall* call, const DiondLionScalars* c, DiondIn grad,
-                    DiondOut x, DiondOut m, DiondOut update_sq) {
+int LionStepTracked(const DiondOpsCall* call, const DiondLionScalars* c, DiondIn grad, DiondOut x,
+                    DiondOut m, DiondOut update_sq) {
   DIOND_TEST_OP_BEGIN;
   math::LionScalars s{c->w1, c->w2, c->lr_wd, c->decay, c->lr, c->cautious != 0};
   const float* g = static_cast<const float*>(grad->data);
@@ -264,8 +264,8 @@ int AdamWStepTrackedDevBody(const DiondOpsCall* call, DeviceRecord<DiondAdamWSca
   if ((rc = ReadRecord(call, r, &c)) != DIOND_OPS_OK) return rc;
   return AdamWStepTracked(call, &c, grad, x, m, v, update_sq);
 }
-int LionStepTrackedDevBody(const DiondOpsCall* call, DeviceRecord<DiondLionScalars> r,
-                           DiondIn grad, DiondOut x, DiondOut m, DiondOut update_sq) {
+int LionStepTrackedDevBody(const DiondOpsCall* call, DeviceRecord<DiondLionScalars> r, DiondIn grad,
+                           DiondOut x, DiondOut m, DiondOut update_sq) {
   DIOND_TEST_OP_BEGIN;
   DiondLionScalars c;
   if ((rc = ReadRecord(call, r, &c)) != DIOND_OPS_OK) return rc;
@@ -283,10 +283,8 @@ void CountDeviceScalarOp() {
   ++St().counters.device_scalar_ops;
 }
 // Each *_dev entry: the record's address wrapped, then queued like any op.
-#define DIOND_DEV_ENTRY(name, R, ...)                                                        \
-  int name(const DiondOpsCall* call, const R* c, __VA_ARGS__)
-DIOND_DEV_ENTRY(AdamWStepDev, DiondAdamWScalars, DiondIn grad, DiondOut x, DiondOut m,
-                DiondOut v) {
+#define DIOND_DEV_ENTRY(name, R, ...) int name(const DiondOpsCall* call, const R* c, __VA_ARGS__)
+DIOND_DEV_ENTRY(AdamWStepDev, DiondAdamWScalars, DiondIn grad, DiondOut x, DiondOut m, DiondOut v) {
   CountDeviceScalarOp();
   return Queued<decltype(&AdamWStepDevBody), &AdamWStepDevBody>::Entry(
       call, DeviceRecord<DiondAdamWScalars>{c}, grad, x, m, v);
@@ -308,8 +306,7 @@ DIOND_DEV_ENTRY(LionStepTrackedDev, DiondLionScalars, DiondIn grad, DiondOut x, 
   return Queued<decltype(&LionStepTrackedDevBody), &LionStepTrackedDevBody>::Entry(
       call, DeviceRecord<DiondLionScalars>{c}, grad, x, m, update_sq);
 }
-DIOND_DEV_ENTRY(ApplyUpdateDev, DiondApplyUpdateScalars, DiondIn update, DiondIn x_in,
-                DiondOut x) {
+DIOND_DEV_ENTRY(ApplyUpdateDev, DiondApplyUpdateScalars, DiondIn update, DiondIn x_in, DiondOut x) {
   CountDeviceScalarOp();
   return Queued<decltype(&ApplyUpdateDevBody), &ApplyUpdateDevBody>::Entry(
       call, DeviceRecord<DiondApplyUpdateScalars>{c}, update, x_in, x);
@@ -358,7 +355,8 @@ struct Forward<CppMember, K, int (*)(const DiondOpsCall*, C...),
     EntryGuard entry_guard;
     const Context& cpu = Cpu();
     const int rc = FromStatus(
-        call, (cpu.backend().*CppMember)(cpu, abi::FromC<std::decay_t<P>>::Pass(std::get<I>(held))...));
+        call,
+        (cpu.backend().*CppMember)(cpu, abi::FromC<std::decay_t<P>>::Pass(std::get<I>(held))...));
     (abi::FromC<std::decay_t<P>>::Finish(std::get<I>(held)), ...);
     return rc;
   }
@@ -370,10 +368,10 @@ template <auto CEntry>
 struct Own {
   static constexpr std::nullptr_t kEntry = nullptr;
 };
-#define DIOND_OWN(name, entry)                 \
-  template <>                                  \
-  struct Own<&DiondOpsApiV1::name> {           \
-    static constexpr auto kEntry = entry;      \
+#define DIOND_OWN(name, entry)            \
+  template <>                             \
+  struct Own<&DiondOpsApiV1::name> {      \
+    static constexpr auto kEntry = entry; \
   };
 #define DIOND_QUEUED(fn) &Queued<decltype(&fn), &fn>::Entry
 #define DIOND_SYNC_POINT(fn) &SyncPoint<decltype(&fn), &fn>::Entry

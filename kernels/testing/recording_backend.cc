@@ -35,8 +35,8 @@ struct F<Member> {
     Record(name);
     const OpsBackend* t = S().target;
     if (t == nullptr) {
-      return absl::UnimplementedError(absl::StrCat("test-recording backend: ", name,
-                                                   " has no target backend"));
+      return absl::UnimplementedError(
+          absl::StrCat("test-recording backend: ", name, " has no target backend"));
     }
     return (t->*Member)(ctx, args...);
   }

@@ -35,8 +35,8 @@ absl::Status DirectoryStore::AddShards(const std::string& path,
                                        const std::vector<std::string>& shard_paths,
                                        SessionSnapshot* snap) {
   if (snap->spec.world_key.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "shard_paths are for world sessions; ", path, " holds a local session"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("shard_paths are for world sessions; ", path, " holds a local session"));
   }
   // The ranks' specs are equal but for the per-rank names.
   auto comparable = [](SessionSpec spec) {
@@ -51,10 +51,10 @@ absl::Status DirectoryStore::AddShards(const std::string& path,
   for (const std::string& shard_path : shard_paths) {
     DIOND_ASSIGN_OR_RETURN(SessionSnapshot shard, Read(shard_path));
     if (shard.last_step_index != snap->last_step_index || comparable(shard.spec) != want) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "shard ", shard_path, " (step ", shard.last_step_index,
-          ") is not a checkpoint of the same world session at the same step as ", path,
-          " (step ", snap->last_step_index, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("shard ", shard_path, " (step ", shard.last_step_index,
+                       ") is not a checkpoint of the same world session at the same step as ", path,
+                       " (step ", snap->last_step_index, ")"));
     }
     for (NamedTensor& t : shard.tensors) {
       if (have.insert(t.name).second) snap->tensors.push_back(std::move(t));

@@ -125,8 +125,8 @@ absl::Status DecodeManifest(const std::string& text, session::SessionSnapshot* s
                             std::vector<ManifestTensor>* tensors) {
   const int depth = strict_json::JsonDepth(text, kMaxManifestDepth);
   if (depth > kMaxManifestDepth) {
-    return absl::DataLossError(absl::StrCat("JSON nested more than ", kMaxManifestDepth,
-                                            " levels deep"));
+    return absl::DataLossError(
+        absl::StrCat("JSON nested more than ", kMaxManifestDepth, " levels deep"));
   }
   json m = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (m.is_discarded()) return absl::DataLossError("not valid JSON (corrupted or truncated)");
@@ -155,7 +155,8 @@ absl::Status DecodeManifest(const std::string& text, session::SessionSnapshot* s
     ManifestTensor t;
     DIOND_ASSIGN_OR_RETURN(t.name, GetString(jt, "name", w, 1024));
     if (!seen.insert(t.name).second) {
-      return FieldError(absl::StrCat(w, "name"), absl::StrCat("'", Echo(t.name), "' is listed twice"));
+      return FieldError(absl::StrCat(w, "name"),
+                        absl::StrCat("'", Echo(t.name), "' is listed twice"));
     }
     DIOND_ASSIGN_OR_RETURN(t.shape, internal::GetShape(jt, "shape", w));
     DIOND_ASSIGN_OR_RETURN(std::string file, GetString(jt, "file", w, 256));

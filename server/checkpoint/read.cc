@@ -41,8 +41,8 @@ absl::StatusOr<int64_t> TensorFileLimit(const std::vector<ManifestTensor>& entri
     uint64_t n = 4;
     for (int64_t d : t.shape) {
       if (d != 0 && n > (uint64_t{1} << 62) / static_cast<uint64_t>(d)) {
-        return absl::DataLossError(absl::StrCat(manifest_path, ": tensor '", Echo(t.name),
-                                                "': shape overflows"));
+        return absl::DataLossError(
+            absl::StrCat(manifest_path, ": tensor '", Echo(t.name), "': shape overflows"));
       }
       n *= static_cast<uint64_t>(d);
     }
@@ -71,18 +71,18 @@ absl::Status ReadTensors(const SafetensorsFile& file, const std::vector<Manifest
                                               "; checkpoints hold F32"));
     }
     if (info->shape != e.shape) {
-      return absl::DataLossError(absl::StrCat(
-          tensors_path, ": tensor '", Echo(e.name), "' has shape [",
-          absl::StrJoin(info->shape, ","), "]; the manifest says [", absl::StrJoin(e.shape, ","),
-          "]"));
+      return absl::DataLossError(absl::StrCat(tensors_path, ": tensor '", Echo(e.name),
+                                              "' has shape [", absl::StrJoin(info->shape, ","),
+                                              "]; the manifest says [", absl::StrJoin(e.shape, ","),
+                                              "]"));
     }
     NamedTensor t;
     t.name = e.name;
     t.shape = e.shape;
     auto values = file.ReadFloat(e.name);
     if (!values.ok()) {
-      return absl::DataLossError(absl::StrCat(tensors_path, ": tensor '", Echo(e.name), "': ",
-                                              values.status().message()));
+      return absl::DataLossError(
+          absl::StrCat(tensors_path, ": tensor '", Echo(e.name), "': ", values.status().message()));
     }
     t.data = *std::move(values);
     if (Crc32(t.data.data(), t.data.size() * 4) != e.crc) {
@@ -121,8 +121,8 @@ absl::StatusOr<SessionSnapshot> ReadCheckpointOnce(const CheckpointDir& dir, boo
     // reports this error if the path still names the same directory.
     *retry = merr == ENOENT || terr == ENOENT;
     if (mfd.get() < 0) {
-      return absl::DataLossError(absl::StrCat(manifest_path, ": cannot open: ",
-                                              std::strerror(merr)));
+      return absl::DataLossError(
+          absl::StrCat(manifest_path, ": cannot open: ", std::strerror(merr)));
     }
     return absl::DataLossError(absl::StrCat(tensors_path, ": cannot open: ", std::strerror(terr)));
   }

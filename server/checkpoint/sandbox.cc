@@ -164,8 +164,8 @@ absl::StatusOr<CheckpointDir> OpenCheckpointDir(const std::string& state_dir_in,
   Fd base(open(state_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (base.get() < 0) return Errno("open --state_dir", state_dir);
   std::vector<std::string> parts = absl::StrSplit(rel, '/', absl::SkipEmpty());
-  const std::string display = parts.empty() ? state_dir
-                                            : absl::StrCat(state_dir, "/", absl::StrJoin(parts, "/"));
+  const std::string display =
+      parts.empty() ? state_dir : absl::StrCat(state_dir, "/", absl::StrJoin(parts, "/"));
   return OpenBeneathStateDir(base.get(), parts, path, display, create);
 }
 

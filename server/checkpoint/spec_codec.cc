@@ -35,9 +35,12 @@ std::string TypeName(const json& v) { return v.type_name(); }
 
 const char* DTypeJson(DType d) {
   switch (d) {
-    case DType::kF32: return "f32";
-    case DType::kBf16: return "bf16";
-    case DType::kF16: return "f16";
+    case DType::kF32:
+      return "f32";
+    case DType::kBf16:
+      return "bf16";
+    case DType::kF16:
+      return "f16";
   }
   return "f32";
 }
@@ -112,9 +115,9 @@ absl::StatusOr<GroupSpec> GroupFromJson(const json& jg, const std::string& w) {
   DIOND_ASSIGN_OR_RETURN(c.num_heads, GetInt(jg, "num_heads", w, 1, int64_t{1} << 31));
   DIOND_ASSIGN_OR_RETURN(const json* splits, GetArray(jg, "split_sizes", w, 1 << 16));
   for (size_t i = 0; i < splits->size(); ++i) {
-    DIOND_ASSIGN_OR_RETURN(int64_t v, IntValue((*splits)[i],
-                                               absl::StrCat(w, "split_sizes[", i, "]"), 1,
-                                               int64_t{1} << 40));
+    DIOND_ASSIGN_OR_RETURN(
+        int64_t v,
+        IntValue((*splits)[i], absl::StrCat(w, "split_sizes[", i, "]"), 1, int64_t{1} << 40));
     c.split_sizes.push_back(v);
   }
   DIOND_ASSIGN_OR_RETURN(c.flatten, GetBool(jg, "flatten", w));
@@ -156,20 +159,22 @@ absl::StatusOr<std::vector<int64_t>> GetShape(const json& o, const char* key,
                                               const std::string& where) {
   DIOND_ASSIGN_OR_RETURN(const json* v, Field(o, key, where));
   const std::string field = absl::StrCat(where, key);
-  if (!v->is_array()) return FieldError(field, absl::StrCat("expected an array, got ", TypeName(*v)));
+  if (!v->is_array())
+    return FieldError(field, absl::StrCat("expected an array, got ", TypeName(*v)));
   if (v->size() > 16) return FieldError(field, absl::StrCat(v->size(), " dimensions; at most 16"));
   std::vector<int64_t> shape;
   for (size_t i = 0; i < v->size(); ++i) {
-    DIOND_ASSIGN_OR_RETURN(int64_t d,
-                           IntValue((*v)[i], absl::StrCat(field, "[", i, "]"), 0, int64_t{1} << 40));
+    DIOND_ASSIGN_OR_RETURN(
+        int64_t d, IntValue((*v)[i], absl::StrCat(field, "[", i, "]"), 0, int64_t{1} << 40));
     shape.push_back(d);
   }
   return shape;
 }
 
 absl::StatusOr<SessionSpec> SpecFromJsonValue(const json& j, const std::string& where) {
-  if (!j.is_object()) return FieldError(where.empty() ? "spec" : where.substr(0, where.size() - 1),
-                                        "is not a JSON object");
+  if (!j.is_object())
+    return FieldError(where.empty() ? "spec" : where.substr(0, where.size() - 1),
+                      "is not a JSON object");
   SessionSpec spec;
   DIOND_ASSIGN_OR_RETURN(std::string nf, GetString(j, "non_finite", where));
   if (nf == "skip") {
@@ -195,8 +200,8 @@ absl::StatusOr<SessionSpec> SpecFromJsonValue(const json& j, const std::string& 
     DIOND_ASSIGN_OR_RETURN(spec.world_key, GetString(j, "world_key", where, 128));
     DIOND_ASSIGN_OR_RETURN(std::string gs, GetString(j, "gradient_sync", where));
     bool known = false;
-    for (GradientSync s : {GradientSync::kReplicated, GradientSync::kAverage,
-                           GradientSync::kDionCompressed}) {
+    for (GradientSync s :
+         {GradientSync::kReplicated, GradientSync::kAverage, GradientSync::kDionCompressed}) {
       if (gs == GradientSyncName(s)) {
         spec.gradient_sync = s;
         known = true;

@@ -45,8 +45,7 @@ bool CleanUpTemporary(int sfd, const std::string& n, const std::set<std::string>
   }
   if (old && f.size() >= 2) {
     const std::string final_name = absl::StrCat("step-", f[1]);
-    if (present.count(final_name) == 0 &&
-        renameat(sfd, n.c_str(), sfd, final_name.c_str()) == 0) {
+    if (present.count(final_name) == 0 && renameat(sfd, n.c_str(), sfd, final_name.c_str()) == 0) {
       DIOND_LOG(WARNING) << "checkpoint " << where << "/" << final_name
                          << " restored from an interrupted re-save";
       return false;
@@ -79,8 +78,8 @@ absl::StatusOr<std::string> LatestCheckpoint(const std::string& root,
                                              const std::string& session_id) {
   std::vector<std::string> all = CheckpointsNewestFirst(root, session_id);
   if (all.empty()) {
-    return absl::NotFoundError(absl::StrCat("no checkpoints in ", Echo(root), "/",
-                                            Echo(session_id)));
+    return absl::NotFoundError(
+        absl::StrCat("no checkpoints in ", Echo(root), "/", Echo(session_id)));
   }
   return all.front();
 }

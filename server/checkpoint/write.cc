@@ -63,8 +63,8 @@ absl::Status SwitchIntoPlace(int sfd, const std::string& tmp_name, const std::st
   }
   if (errno == EEXIST) {
     // A re-save: swap the two directories atomically, then drop the old one.
-    if (syscall(SYS_renameat2, sfd, tmp_name.c_str(), sfd, final_name.c_str(),
-                RENAME_EXCHANGE) != 0) {
+    if (syscall(SYS_renameat2, sfd, tmp_name.c_str(), sfd, final_name.c_str(), RENAME_EXCHANGE) !=
+        0) {
       return Errno("exchange with", final_dir);
     }
     RemoveTreeAt(sfd, tmp_name);
@@ -107,8 +107,7 @@ absl::StatusOr<std::pair<std::string, int64_t>> WriteCheckpoint(
     const CheckpointDir& root, const std::string& session_id,
     const session::SessionSnapshot& snapshot, int64_t keep) {
   if (!IsValidSessionId(session_id)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("'", Echo(session_id), "' is not a session id"));
+    return absl::InvalidArgumentError(absl::StrCat("'", Echo(session_id), "' is not a session id"));
   }
   const std::string parent = absl::StrCat(root.path(), "/", session_id);
   if (mkdirat(root.fd(), session_id.c_str(), 0700) != 0 && errno != EEXIST) {
@@ -118,8 +117,8 @@ absl::StatusOr<std::pair<std::string, int64_t>> WriteCheckpoint(
   if (sfd.get() < 0) return Errno("open", parent);
   const std::string final_name = absl::StrCat("step-", snapshot.last_step_index);
   const std::string final_dir = absl::StrCat(parent, "/", final_name);
-  const std::string tmp_name = absl::StrCat(".tmp-", final_name, "-", getpid(), "-",
-                                            g_write_seq.fetch_add(1));
+  const std::string tmp_name =
+      absl::StrCat(".tmp-", final_name, "-", getpid(), "-", g_write_seq.fetch_add(1));
   const std::string tmp_dir = absl::StrCat(parent, "/", tmp_name);
   if (mkdirat(sfd.get(), tmp_name.c_str(), 0700) != 0) return Errno("mkdir", tmp_dir);
   auto fail = [&](absl::Status s) {

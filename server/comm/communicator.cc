@@ -8,13 +8,20 @@ namespace diond::comm {
 
 absl::string_view CollectiveOpName(CollectiveOp op) {
   switch (op) {
-    case CollectiveOp::kAllReduce: return "all_reduce";
-    case CollectiveOp::kReduceScatter: return "reduce_scatter";
-    case CollectiveOp::kAllGather: return "all_gather";
-    case CollectiveOp::kAllGatherV: return "all_gather_v";
-    case CollectiveOp::kAllToAll: return "all_to_all";
-    case CollectiveOp::kBroadcast: return "broadcast";
-    case CollectiveOp::kBarrier: return "barrier";
+    case CollectiveOp::kAllReduce:
+      return "all_reduce";
+    case CollectiveOp::kReduceScatter:
+      return "reduce_scatter";
+    case CollectiveOp::kAllGather:
+      return "all_gather";
+    case CollectiveOp::kAllGatherV:
+      return "all_gather_v";
+    case CollectiveOp::kAllToAll:
+      return "all_to_all";
+    case CollectiveOp::kBroadcast:
+      return "broadcast";
+    case CollectiveOp::kBarrier:
+      return "barrier";
   }
   return "unknown";
 }
@@ -29,8 +36,8 @@ void Communicator::Abort(const absl::Status& why) {
 }
 
 absl::StatusOr<std::unique_ptr<Communicator>> Communicator::OnStream(void*) {
-  return absl::UnimplementedError(absl::StrCat("the ", backend(),
-                                               " communicator cannot queue on a device stream"));
+  return absl::UnimplementedError(
+      absl::StrCat("the ", backend(), " communicator cannot queue on a device stream"));
 }
 
 absl::Status Communicator::status() const {
@@ -64,8 +71,8 @@ absl::Status Communicator::CheckAllGatherV(absl::Span<const float> input,
   if (static_cast<int64_t>(input.size()) != counts[rank()] ||
       static_cast<int64_t>(output.size()) != total) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "all_gather_v: input has ", input.size(), " elements (counts[", rank(), "] = ",
-        counts[rank()], "), output ", output.size(), " (sum of counts = ", total, ")"));
+        "all_gather_v: input has ", input.size(), " elements (counts[", rank(),
+        "] = ", counts[rank()], "), output ", output.size(), " (sum of counts = ", total, ")"));
   }
   return absl::OkStatus();
 }

@@ -71,8 +71,8 @@ class Communicator {
   virtual absl::Status AllGather(absl::Span<const float> input, absl::Span<float> output) = 0;
   // Variable blocks: rank j contributes counts[j] elements (input.size() == counts[rank()]),
   // output (sum of counts) holds them in rank order.
-  virtual absl::Status AllGatherV(absl::Span<const float> input,
-                                  absl::Span<const int64_t> counts, absl::Span<float> output) = 0;
+  virtual absl::Status AllGatherV(absl::Span<const float> input, absl::Span<const int64_t> counts,
+                                  absl::Span<float> output) = 0;
   // input and output hold W equal blocks; output block j <- rank j's input block rank().
   virtual absl::Status AllToAll(absl::Span<const float> input, absl::Span<float> output) = 0;
   // data <- root's data.

@@ -231,29 +231,29 @@ absl::Status RunGloo(const char* what, int rank, int size, F&& f,
     return absl::OkStatus();
   } catch (const std::exception& e) {
     std::string peer = name_peer(e.what());
-    return absl::UnavailableError(absl::StrCat(
-        what, " failed on rank ", rank, " of ", size,
-        peer.empty() ? std::string(": a peer was lost or timed out")
-                     : absl::StrCat(": lost ", peer),
-        " (gloo: ", e.what(), ")"));
+    return absl::UnavailableError(absl::StrCat(what, " failed on rank ", rank, " of ", size,
+                                               peer.empty()
+                                                   ? std::string(": a peer was lost or timed out")
+                                                   : absl::StrCat(": lost ", peer),
+                                               " (gloo: ", e.what(), ")"));
   }
 }
 
 }  // namespace
 
-#define DIOND_GLOO_OP(op_enum, bytes_expr, ...)                                                \
-  do {                                                                                         \
-    DIOND_RETURN_IF_ERROR(status());                                                           \
-    absl::MutexLock lock(&impl_->mu);                                                          \
-    const absl::Time t0 = absl::Now();                                                         \
-    const int64_t bytes_ = (bytes_expr);                                                       \
-    [[maybe_unused]] const CollectiveOp op_ = (op_enum);                                       \
-    absl::Status s_ = RunGloo(                                                                 \
-        std::string(CollectiveOpName(op_enum)).c_str(), rank(), size(), [&]() { __VA_ARGS__; },     \
-        [this](const std::string& w) { return impl_->NamePeer(w); });                          \
-    if (!s_.ok()) Abort(s_);                                                                   \
-    Record(op_enum, s_.ok() ? bytes_ : 0, absl::ToDoubleSeconds(absl::Now() - t0), s_);                      \
-    return s_;                                                                                 \
+#define DIOND_GLOO_OP(op_enum, bytes_expr, ...)                                                 \
+  do {                                                                                          \
+    DIOND_RETURN_IF_ERROR(status());                                                            \
+    absl::MutexLock lock(&impl_->mu);                                                           \
+    const absl::Time t0 = absl::Now();                                                          \
+    const int64_t bytes_ = (bytes_expr);                                                        \
+    [[maybe_unused]] const CollectiveOp op_ = (op_enum);                                        \
+    absl::Status s_ = RunGloo(                                                                  \
+        std::string(CollectiveOpName(op_enum)).c_str(), rank(), size(), [&]() { __VA_ARGS__; }, \
+        [this](const std::string& w) { return impl_->NamePeer(w); });                           \
+    if (!s_.ok()) Abort(s_);                                                                    \
+    Record(op_enum, s_.ok() ? bytes_ : 0, absl::ToDoubleSeconds(absl::Now() - t0), s_);         \
+    return s_;                                                                                  \
   } while (false)
 
 namespace {
@@ -445,7 +445,8 @@ absl::Status GlooCommunicator::Broadcast(absl::Span<float> data, int root) {
 absl::Status GlooCommunicator::BroadcastBytes(absl::Span<uint8_t> data, int root) {
   const int w = size();
   if (root < 0 || root >= w) {
-    return absl::InvalidArgumentError(absl::StrCat("broadcast: root ", root, " outside [0, ", w, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("broadcast: root ", root, " outside [0, ", w, ")"));
   }
   const int64_t n = static_cast<int64_t>(data.size());
   DIOND_RETURN_IF_ERROR(CheckInt(n, 1, "broadcast"));

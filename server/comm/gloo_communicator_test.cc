@@ -88,8 +88,10 @@ TEST(GlooCommunicator, SizeMismatchesAreInvalidArgument) {
   std::vector<float> in(3), out(2);
   EXPECT_THAT((*c)->ReduceScatterSum(in, absl::MakeSpan(out)),
               StatusIs(absl::StatusCode::kInvalidArgument));
-  EXPECT_THAT((*c)->AllToAll(in, absl::MakeSpan(out)), StatusIs(absl::StatusCode::kInvalidArgument));
-  EXPECT_THAT((*c)->Broadcast(absl::MakeSpan(out), 1), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT((*c)->AllToAll(in, absl::MakeSpan(out)),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT((*c)->Broadcast(absl::MakeSpan(out), 1),
+              StatusIs(absl::StatusCode::kInvalidArgument));
   // W = 1: everything is a copy and sends nothing.
   std::vector<float> one{1, 2, 3}, got(3);
   ASSERT_THAT((*c)->AllGather(one, absl::MakeSpan(got)), IsOk());
@@ -105,8 +107,8 @@ TEST(GlooCommunicator, SizeMismatchesAreInvalidArgument) {
 // second, different block at once. Every collective on cached buffers is checked alike
 // (all-reduce and reduce-scatter were never affected: their peers write into internal inboxes).
 TEST(GlooCommunicator, SlowRankStillGetsEachCallsDataWhenItsPeerIsOneCallAhead) {
-  using Op = std::function<absl::Status(GlooCommunicator&, int rank, int call,
-                                        std::vector<float>* out)>;
+  using Op =
+      std::function<absl::Status(GlooCommunicator&, int rank, int call, std::vector<float>* out)>;
   const int64_t n = 4096;
   // What rank `rank` contributes to call `call`; every element distinct.
   auto value = [](int rank, int call, int64_t e) {

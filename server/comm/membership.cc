@@ -41,9 +41,7 @@ std::string GenerationPrefix(uint64_t coordinator_incarnation, uint64_t generati
 }
 
 Coordinator::Coordinator(CoordinatorOptions options)
-    : options_(std::move(options)),
-      incarnation_(NewIncarnation()),
-      store_(options_.store_limits) {
+    : options_(std::move(options)), incarnation_(NewIncarnation()), store_(options_.store_limits) {
   slots_.resize(options_.world_size);
   monitor_ = std::thread([this] {
     absl::MutexLock lock(&mu_);
@@ -90,8 +88,8 @@ absl::StatusOr<MembershipView> Coordinator::Join(const JoinArgs& a) {
         " but the coordinator (rank 0) has --world_size=", options_.world_size));
   }
   if (a.rank < 0 || a.rank >= options_.world_size) {
-    return absl::InvalidArgumentError(absl::StrCat("rank ", a.rank, " is outside [0, ",
-                                                   options_.world_size, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", a.rank, " is outside [0, ", options_.world_size, ")"));
   }
   if (a.incarnation == 0) return absl::InvalidArgumentError("incarnation must be non-zero");
   if (a.address.size() > kMaxMemberAddressBytes) {
@@ -100,22 +98,23 @@ absl::StatusOr<MembershipView> Coordinator::Join(const JoinArgs& a) {
                                                    kMaxMemberAddressBytes));
   }
   if (a.proof.size() < 16 || a.proof.size() > 64) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("Join proof of rank ", a.rank, " is ", a.proof.size(),
-                     " bytes; it must be 16 to 64"));
+    return absl::InvalidArgumentError(absl::StrCat("Join proof of rank ", a.rank, " is ",
+                                                   a.proof.size(), " bytes; it must be 16 to 64"));
   }
   absl::MutexLock lock(&mu_);
   Slot& s = slots_[a.rank];
   if (s.info.live && s.info.incarnation == a.incarnation && !SameProof(s.proof, a.proof)) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "rank ", a.rank, " is held by a live daemon and this Join does not carry the proof of "
-        "its first Join"));
+    return absl::PermissionDeniedError(
+        absl::StrCat("rank ", a.rank,
+                     " is held by a live daemon and this Join does not carry the proof of "
+                     "its first Join"));
   }
   if (s.info.live && s.info.incarnation != a.incarnation) {
-    return absl::AlreadyExistsError(absl::StrCat(
-        "rank ", a.rank, " is already held by a live daemon at ", Bounded(s.info.address),
-        " (incarnation ", absl::Hex(s.info.incarnation), "); a duplicate --rank, or a restarted "
-        "daemon whose predecessor is not yet declared lost"));
+    return absl::AlreadyExistsError(
+        absl::StrCat("rank ", a.rank, " is already held by a live daemon at ",
+                     Bounded(s.info.address), " (incarnation ", absl::Hex(s.info.incarnation),
+                     "); a duplicate --rank, or a restarted "
+                     "daemon whose predecessor is not yet declared lost"));
   }
   const bool fresh = !s.info.live || s.info.incarnation != a.incarnation;
   s.info = MemberInfo{a.rank, a.address, a.incarnation, true};
@@ -123,8 +122,8 @@ absl::StatusOr<MembershipView> Coordinator::Join(const JoinArgs& a) {
   s.last_seen = absl::Now();
   if (fresh) {
     NewGenerationLocked(absl::StrCat("rank ", a.rank, " joined"));
-    DIOND_LOG(INFO) << "world: rank " << a.rank << " joined from " << a.address
-                    << "; generation " << generation_;
+    DIOND_LOG(INFO) << "world: rank " << a.rank << " joined from " << a.address << "; generation "
+                    << generation_;
   } else if (a.rebuild) {
     NewGenerationLocked(absl::StrCat("rank ", a.rank, " asked for a rebuild"));
     DIOND_LOG(INFO) << "world: rank " << a.rank << " asked for a rebuild; generation "
@@ -134,7 +133,7 @@ absl::StatusOr<MembershipView> Coordinator::Join(const JoinArgs& a) {
 }
 
 absl::StatusOr<MembershipView> Coordinator::Heartbeat(int rank, uint64_t incarnation,
-                                                     const std::string& proof) {
+                                                      const std::string& proof) {
   absl::MutexLock lock(&mu_);
   if (rank < 0 || rank >= options_.world_size || !slots_[rank].info.live ||
       slots_[rank].info.incarnation != incarnation) {
@@ -142,8 +141,8 @@ absl::StatusOr<MembershipView> Coordinator::Heartbeat(int rank, uint64_t incarna
                                             ") is not a live member; join again"));
   }
   if (!SameProof(slots_[rank].proof, proof)) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "heartbeat for rank ", rank, " does not carry the proof of the rank's Join"));
+    return absl::PermissionDeniedError(
+        absl::StrCat("heartbeat for rank ", rank, " does not carry the proof of the rank's Join"));
   }
   slots_[rank].last_seen = absl::Now();
   return ViewLocked();
@@ -166,9 +165,9 @@ void Coordinator::CheckLiveness(absl::Time now) {
     for (auto& s : slots_) {
       if (!s.info.live || now - s.last_seen <= limit) continue;
       s.info.live = false;
-      std::string reason = absl::StrCat("rank ", s.info.rank, " (", s.info.address,
-                                        ") lost: no heartbeat for ",
-                                        absl::FormatDuration(now - s.last_seen));
+      std::string reason =
+          absl::StrCat("rank ", s.info.rank, " (", s.info.address, ") lost: no heartbeat for ",
+                       absl::FormatDuration(now - s.last_seen));
       NewGenerationLocked(reason);
       lost.emplace_back(s.info.rank, std::move(reason));
     }

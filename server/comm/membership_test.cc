@@ -116,8 +116,8 @@ TEST(Coordinator, TheHoldersAddressIsEchoedOnOneLine) {
   Coordinator c(Opts(2));
   ASSERT_THAT(c.Join(J(1, 2, "10.0.0.1\nX-Injected: 1", 7)), IsOk());
   auto second = c.Join(J(1, 2, "10.0.0.2", 8));
-  EXPECT_THAT(second.status(),
-              StatusIs(absl::StatusCode::kAlreadyExists, ::testing::HasSubstr("10.0.0.1?X-Injected")));
+  EXPECT_THAT(second.status(), StatusIs(absl::StatusCode::kAlreadyExists,
+                                        ::testing::HasSubstr("10.0.0.1?X-Injected")));
   EXPECT_EQ(std::string(second.status().message()).find('\n'), std::string::npos);
 }
 

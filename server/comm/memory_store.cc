@@ -53,8 +53,8 @@ absl::Status MemoryKeyValueStore::Set(absl::string_view key, absl::string_view v
     }
     if (value_bytes > limits_.max_value_bytes) {
       return absl::ResourceExhaustedError(absl::StrCat(
-          "value of rendezvous key '", Bounded(key), "' is ", value_bytes, " bytes, over the limit of ",
-          limits_.max_value_bytes, " (--world_max_value_bytes)"));
+          "value of rendezvous key '", Bounded(key), "' is ", value_bytes,
+          " bytes, over the limit of ", limits_.max_value_bytes, " (--world_max_value_bytes)"));
     }
     absl::MutexLock lock(&mu_);
     auto it = data_.find(key);
@@ -66,10 +66,10 @@ absl::Status MemoryKeyValueStore::Set(absl::string_view key, absl::string_view v
                        "(--world_max_keys); key '", Bounded(key), "' was not stored"));
     }
     if (bytes_ - old_bytes + key_bytes + value_bytes > limits_.max_bytes) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "storing key '", Bounded(key), "' would take the rendezvous store to ",
-          bytes_ - old_bytes + key_bytes + value_bytes, " bytes, over the limit of ",
-          limits_.max_bytes, " (--world_max_store_bytes)"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("storing key '", Bounded(key), "' would take the rendezvous store to ",
+                       bytes_ - old_bytes + key_bytes + value_bytes, " bytes, over the limit of ",
+                       limits_.max_bytes, " (--world_max_store_bytes)"));
     }
     bytes_ += key_bytes + value_bytes - old_bytes;
     data_[std::string(key)] = std::string(value);
@@ -125,7 +125,8 @@ void MemoryKeyValueStore::CancelWaiters() {
 
 void MemoryKeyValueStore::DeletePrefix(absl::string_view prefix) {
   absl::MutexLock lock(&mu_);
-  for (auto it = data_.lower_bound(prefix); it != data_.end() && absl::StartsWith(it->first, prefix);) {
+  for (auto it = data_.lower_bound(prefix);
+       it != data_.end() && absl::StartsWith(it->first, prefix);) {
     bytes_ -= static_cast<int64_t>(it->first.size() + it->second.size());
     it = data_.erase(it);
   }

@@ -29,7 +29,8 @@ TEST(MemoryKeyValueStore, RefusalsEchoTheKeyBoundedAndOnOneLine) {
   limits.max_keys = 1;
   MemoryKeyValueStore store(limits);
   absl::Status big = store.Set("line\nbreak", "too long");
-  EXPECT_THAT(big, StatusIs(absl::StatusCode::kResourceExhausted, ::testing::HasSubstr("line?break")));
+  EXPECT_THAT(big,
+              StatusIs(absl::StatusCode::kResourceExhausted, ::testing::HasSubstr("line?break")));
   ASSERT_THAT(store.Set("a", "v"), IsOk());
   absl::Status full = store.Set(std::string(300, 'k') + "\n", "v");
   EXPECT_THAT(full, StatusIs(absl::StatusCode::kResourceExhausted));
@@ -66,9 +67,8 @@ TEST(MemoryKeyValueStore, WaitAsyncCompletesOnSetAndOnTimeout) {
   MemoryKeyValueStore s;
   std::atomic<int> ok{0}, late{0};
   s.WaitAsync({"k"}, absl::Seconds(10), [&](absl::Status st) { ok += st.ok() ? 1 : 100; });
-  s.WaitAsync({"never"}, absl::Milliseconds(30), [&](absl::Status st) {
-    late += absl::IsDeadlineExceeded(st) ? 1 : 100;
-  });
+  s.WaitAsync({"never"}, absl::Milliseconds(30),
+              [&](absl::Status st) { late += absl::IsDeadlineExceeded(st) ? 1 : 100; });
   ASSERT_THAT(s.Set("k", "v"), IsOk());
   EXPECT_EQ(ok.load(), 1);
   for (int i = 0; i < 200 && late.load() == 0; ++i) absl::SleepFor(absl::Milliseconds(10));

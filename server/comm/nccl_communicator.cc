@@ -2,8 +2,8 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <vector>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -58,8 +58,10 @@ absl::Status NcclCommunicator::Poll() {
     absl::MutexLock lock(&wait_mu_);
     if (!wait_deadlines_.empty() && absl::Now() > *wait_deadlines_.begin() && status().ok()) {
       error = absl::DeadlineExceededError(absl::StrCat(
-          "nccl on rank ", rank(), " of ", size(), ": the queued collectives did not complete "
-          "within ", absl::FormatDuration(options_.timeout),
+          "nccl on rank ", rank(), " of ", size(),
+          ": the queued collectives did not complete "
+          "within ",
+          absl::FormatDuration(options_.timeout),
           " (--peer_timeout): a peer is up but has not joined them (its trainer is late?)"));
     }
   }
@@ -72,8 +74,8 @@ absl::Status NcclCommunicator::Poll() {
     if (status().ok() && api_->version >= 2 && comm_ != nullptr) {
       char err[kErr] = {0};
       if (api_->async_error(comm_, err, sizeof(err)) != 0) {
-        error = absl::UnavailableError(absl::StrCat("nccl on rank ", rank(), " of ", size(),
-                                                    ": ", err));
+        error = absl::UnavailableError(
+            absl::StrCat("nccl on rank ", rank(), " of ", size(), ": ", err));
       }
     }
     DestroyCommIfAborted();  // aborted earlier while a call held the lock
@@ -106,16 +108,16 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
     if (!s.ok()) return absl::UnavailableError(absl::StrCat("NCCL unique id: ", s.message()));
     DIOND_ASSIGN_OR_RETURN(id, kv->Get(key));
     if (id.size() != DIOND_NCCL_UNIQUE_ID_BYTES) {
-      return absl::InternalError(absl::StrCat("NCCL unique id under '", key, "' has ", id.size(),
-                                              " bytes"));
+      return absl::InternalError(
+          absl::StrCat("NCCL unique id under '", key, "' has ", id.size(), " bytes"));
     }
   }
   std::unique_ptr<NcclCommunicator> c(new NcclCommunicator(options, api));
   if (api->comm_create(reinterpret_cast<const uint8_t*>(id.data()), options.size, options.rank,
                        options.device, absl::ToInt64Milliseconds(options.timeout), &c->comm_, err,
                        sizeof(err)) != 0) {
-    return absl::UnavailableError(absl::StrCat("NCCL communicator of rank ", options.rank, " of ",
-                                               options.size, ": ", err));
+    return absl::UnavailableError(
+        absl::StrCat("NCCL communicator of rank ", options.rank, " of ", options.size, ": ", err));
   }
   return c;
 }
@@ -170,19 +172,18 @@ class NcclCommunicator::StreamView final : public Communicator {
   absl::Status AllReduceAverage(absl::Span<float> data) override {
     return AllReduce(data, DIOND_NCCL_AVG);
   }
-  absl::Status ReduceScatterSum(absl::Span<const float> input,
-                                absl::Span<float> output) override {
+  absl::Status ReduceScatterSum(absl::Span<const float> input, absl::Span<float> output) override {
     if (input.size() != output.size() * size()) {
       return absl::InvalidArgumentError(absl::StrCat("reduce_scatter: input has ", input.size(),
                                                      " elements, expected ", size(), " x ",
                                                      output.size()));
     }
     const int64_t x = static_cast<int64_t>(input.size()) * 4;
-    return p_->Queue(CollectiveOp::kReduceScatter, RingAllGatherBytes(x, size()),
-                     [&](int64_t t, char* e) {
-      return p_->api_->reduce_scatter_on(p_->comm_, input.data(), output.data(), output.size(),
-                                         DIOND_NCCL_F32, DIOND_NCCL_SUM, t, stream_, e, kErr);
-    });
+    return p_->Queue(
+        CollectiveOp::kReduceScatter, RingAllGatherBytes(x, size()), [&](int64_t t, char* e) {
+          return p_->api_->reduce_scatter_on(p_->comm_, input.data(), output.data(), output.size(),
+                                             DIOND_NCCL_F32, DIOND_NCCL_SUM, t, stream_, e, kErr);
+        });
   }
   absl::Status AllGather(absl::Span<const float> input, absl::Span<float> output) override {
     if (output.size() != input.size() * size()) {
@@ -219,8 +220,7 @@ class NcclCommunicator::StreamView final : public Communicator {
     if (input.size() != output.size() || input.size() % w != 0) {
       return absl::InvalidArgumentError(absl::StrCat("all_to_all: input has ", input.size(),
                                                      " elements, output ", output.size(),
-                                                     "; both must be equal and divisible by ",
-                                                     w));
+                                                     "; both must be equal and divisible by ", w));
     }
     const int64_t x = static_cast<int64_t>(input.size()) * 4;
     return p_->Queue(CollectiveOp::kAllToAll, RingAllGatherBytes(x, w), [&](int64_t t, char* e) {
@@ -229,19 +229,19 @@ class NcclCommunicator::StreamView final : public Communicator {
     });
   }
   absl::Status Broadcast(absl::Span<float> data, int root) override {
-    return BroadcastBytes(
-        absl::MakeSpan(reinterpret_cast<uint8_t*>(data.data()), data.size() * 4), root);
+    return BroadcastBytes(absl::MakeSpan(reinterpret_cast<uint8_t*>(data.data()), data.size() * 4),
+                          root);
   }
   absl::Status BroadcastBytes(absl::Span<uint8_t> data, int root) override {
     if (root < 0 || root >= size()) {
-      return absl::InvalidArgumentError(absl::StrCat("broadcast: root ", root, " outside [0, ",
-                                                     size(), ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("broadcast: root ", root, " outside [0, ", size(), ")"));
     }
     const int64_t bytes =
         rank() == (root + size() - 1) % size() ? 0 : static_cast<int64_t>(data.size());
     return p_->Queue(CollectiveOp::kBroadcast, size() > 1 ? bytes : 0, [&](int64_t t, char* e) {
-      return p_->api_->broadcast_on(p_->comm_, data.data(), data.data(), data.size(),
-                                    DIOND_NCCL_U8, root, t, stream_, e, kErr);
+      return p_->api_->broadcast_on(p_->comm_, data.data(), data.data(), data.size(), DIOND_NCCL_U8,
+                                    root, t, stream_, e, kErr);
     });
   }
   absl::Status Barrier() override {
@@ -260,17 +260,17 @@ class NcclCommunicator::StreamView final : public Communicator {
  private:
   absl::Status AllReduce(absl::Span<float> data, int op) {
     const int64_t x = static_cast<int64_t>(data.size()) * 4;
-    return p_->Queue(CollectiveOp::kAllReduce, RingAllReduceBytes(x, size()),
-                     [&](int64_t t, char* e) {
-      return p_->api_->all_reduce_on(p_->comm_, data.data(), data.data(), data.size(),
-                                     DIOND_NCCL_F32, op, t, stream_, e, kErr);
-    });
+    return p_->Queue(
+        CollectiveOp::kAllReduce, RingAllReduceBytes(x, size()), [&](int64_t t, char* e) {
+          return p_->api_->all_reduce_on(p_->comm_, data.data(), data.data(), data.size(),
+                                         DIOND_NCCL_F32, op, t, stream_, e, kErr);
+        });
   }
   absl::Status Gather(const void* in, void* out, size_t count, int dtype, int64_t x) {
-    return p_->Queue(CollectiveOp::kAllGather, RingAllGatherBytes(x, size()),
-                     [&](int64_t t, char* e) {
-      return p_->api_->all_gather_on(p_->comm_, in, out, count, dtype, t, stream_, e, kErr);
-    });
+    return p_->Queue(
+        CollectiveOp::kAllGather, RingAllGatherBytes(x, size()), [&](int64_t t, char* e) {
+          return p_->api_->all_gather_on(p_->comm_, in, out, count, dtype, t, stream_, e, kErr);
+        });
   }
 
   NcclCommunicator* p_;
@@ -279,9 +279,9 @@ class NcclCommunicator::StreamView final : public Communicator {
 
 absl::StatusOr<std::unique_ptr<Communicator>> NcclCommunicator::OnStream(void* stream) {
   if (api_->version < 2) {
-    return absl::UnimplementedError(absl::StrCat(
-        "the CUDA plugin's NCCL table is version ", api_->version,
-        ": no stream-ordered collectives (the plugin predates ABI 2.1)"));
+    return absl::UnimplementedError(
+        absl::StrCat("the CUDA plugin's NCCL table is version ", api_->version,
+                     ": no stream-ordered collectives (the plugin predates ABI 2.1)"));
   }
   DIOND_RETURN_IF_ERROR(status());
   return std::unique_ptr<Communicator>(new StreamView(this, stream));
@@ -324,11 +324,10 @@ absl::Status NcclCommunicator::ReduceScatterSum(absl::Span<const float> input,
                                                    output.size()));
   }
   const int64_t x = static_cast<int64_t>(input.size()) * 4;
-  return Call(CollectiveOp::kReduceScatter, RingAllGatherBytes(x, size()),
-              [&](int64_t t, char* e) {
-                return api_->reduce_scatter(comm_, input.data(), output.data(), output.size(),
-                                            DIOND_NCCL_F32, DIOND_NCCL_SUM, t, e, kErr);
-              });
+  return Call(CollectiveOp::kReduceScatter, RingAllGatherBytes(x, size()), [&](int64_t t, char* e) {
+    return api_->reduce_scatter(comm_, input.data(), output.data(), output.size(), DIOND_NCCL_F32,
+                                DIOND_NCCL_SUM, t, e, kErr);
+  });
 }
 
 absl::Status NcclCommunicator::AllGather(absl::Span<const float> input, absl::Span<float> output) {
@@ -339,8 +338,8 @@ absl::Status NcclCommunicator::AllGather(absl::Span<const float> input, absl::Sp
   }
   const int64_t x = static_cast<int64_t>(output.size()) * 4;
   return Call(CollectiveOp::kAllGather, RingAllGatherBytes(x, size()), [&](int64_t t, char* e) {
-    return api_->all_gather(comm_, input.data(), output.data(), input.size(), DIOND_NCCL_F32, t,
-                            e, kErr);
+    return api_->all_gather(comm_, input.data(), output.data(), input.size(), DIOND_NCCL_F32, t, e,
+                            kErr);
   });
 }
 
@@ -387,7 +386,8 @@ absl::Status NcclCommunicator::AllGatherV(absl::Span<const float> input,
     std::vector<float> packed;
     packed.reserve(total);
     for (int j = 0; j < w; ++j) {
-      packed.insert(packed.end(), host.begin() + j * largest, host.begin() + j * largest + counts[j]);
+      packed.insert(packed.end(), host.begin() + j * largest,
+                    host.begin() + j * largest + counts[j]);
     }
     return api_->copy_to_device(options_.device, output.data(), packed.data(), total * 4, e, kErr);
   });
@@ -402,8 +402,8 @@ absl::Status NcclCommunicator::AllToAll(absl::Span<const float> input, absl::Spa
   }
   const int64_t x = static_cast<int64_t>(input.size()) * 4;
   return Call(CollectiveOp::kAllToAll, RingAllGatherBytes(x, w), [&](int64_t t, char* e) {
-    return api_->all_to_all(comm_, input.data(), output.data(), input.size() / w, DIOND_NCCL_F32,
-                            t, e, kErr);
+    return api_->all_to_all(comm_, input.data(), output.data(), input.size() / w, DIOND_NCCL_F32, t,
+                            e, kErr);
   });
 }
 
@@ -414,11 +414,12 @@ absl::Status NcclCommunicator::Broadcast(absl::Span<float> data, int root) {
 
 absl::Status NcclCommunicator::BroadcastBytes(absl::Span<uint8_t> data, int root) {
   if (root < 0 || root >= size()) {
-    return absl::InvalidArgumentError(absl::StrCat("broadcast: root ", root, " outside [0, ",
-                                                   size(), ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("broadcast: root ", root, " outside [0, ", size(), ")"));
   }
   // NCCL broadcasts along a ring/tree: about x per rank except the last.
-  const int64_t bytes = rank() == (root + size() - 1) % size() ? 0 : static_cast<int64_t>(data.size());
+  const int64_t bytes =
+      rank() == (root + size() - 1) % size() ? 0 : static_cast<int64_t>(data.size());
   return Call(CollectiveOp::kBroadcast, size() > 1 ? bytes : 0, [&](int64_t t, char* e) {
     return api_->broadcast(comm_, data.data(), data.data(), data.size(), DIOND_NCCL_U8, root, t, e,
                            kErr);

@@ -109,7 +109,7 @@ TEST(NcclQueuedWait, NoBoundOutsideAWaitOrAfterIt) {
   auto c = Make(absl::Milliseconds(20));
   ASSERT_NE(c, nullptr);
   c->BeginQueuedWait();
-  c->EndQueuedWait();  // the read-back returned in time
+  c->EndQueuedWait();                      // the read-back returned in time
   absl::SleepFor(absl::Milliseconds(60));  // the trainer pauses between steps
   EXPECT_TRUE(c->Poll().ok());
   EXPECT_EQ(g_aborts.load(), 0);

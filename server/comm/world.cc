@@ -9,7 +9,10 @@
 namespace diond::comm {
 
 World::World(const WorldOptions& options, MembershipService* membership, KeyValueStore* kv)
-    : options_(options), membership_(membership), kv_(kv), incarnation_(NewIncarnation()),
+    : options_(options),
+      membership_(membership),
+      kv_(kv),
+      incarnation_(NewIncarnation()),
       proof_(NewProof()) {
   status_ = absl::UnavailableError("the world is forming: waiting for every rank to join");
 }
@@ -18,15 +21,15 @@ absl::StatusOr<std::unique_ptr<World>> World::Join(const WorldOptions& options,
                                                    MembershipService* membership,
                                                    KeyValueStore* kv) {
   if (options.world_size < 1 || options.rank < 0 || options.rank >= options.world_size) {
-    return absl::InvalidArgumentError(absl::StrCat("rank ", options.rank, " is outside [0, ",
-                                                   options.world_size, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", options.rank, " is outside [0, ", options.world_size, ")"));
   }
   if (options.heartbeat_interval <= absl::ZeroDuration() ||
       options.peer_timeout < 2 * options.heartbeat_interval) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "peer_timeout (", absl::FormatDuration(options.peer_timeout),
-        ") must be at least twice heartbeat_interval (",
-        absl::FormatDuration(options.heartbeat_interval), ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("peer_timeout (", absl::FormatDuration(options.peer_timeout),
+                     ") must be at least twice heartbeat_interval (",
+                     absl::FormatDuration(options.heartbeat_interval), ")"));
   }
   std::unique_ptr<World> w(new World(options, membership, kv));
   auto view = w->JoinWithRetry(/*rebuild=*/false, options.join_timeout);
@@ -76,7 +79,8 @@ absl::StatusOr<MembershipView> World::JoinWithRetry(bool rebuild, absl::Duration
     }
     absl::SleepFor(std::min(options_.heartbeat_interval, absl::Milliseconds(500)));
   }
-  return absl::UnavailableError(absl::StrCat("rank ", options_.rank, " could not join the world within ",
+  return absl::UnavailableError(absl::StrCat("rank ", options_.rank,
+                                             " could not join the world within ",
                                              absl::FormatDuration(bound), ": ", last.message()));
 }
 
@@ -122,9 +126,8 @@ void World::HeartbeatLoop() {
     auto r = membership_->Heartbeat(options_.rank, incarnation_, proof_);
     if (absl::IsNotFound(r.status())) {
       // Declared lost (or a restarted coordinator): join again as the same process.
-      r = membership_->Join(
-          JoinArgs{options_.rank, options_.world_size, options_.address, incarnation_, false,
-                   proof_});
+      r = membership_->Join(JoinArgs{options_.rank, options_.world_size, options_.address,
+                                     incarnation_, false, proof_});
     }
     const absl::Time now = absl::Now();
     uint64_t current = 0;
@@ -208,8 +211,7 @@ void World::BuildLoop() {
     if (c.ok() && options_.device_communicator_factory) {
       absl::StatusOr<std::unique_ptr<Communicator>> d = options_.device_communicator_factory(
           kv_, absl::StrCat(GenerationPrefix(v.coordinator_incarnation, v.generation), "dev/"),
-          options_.rank, options_.world_size, options_.peer_timeout,
-          options_.collective_observer);
+          options_.rank, options_.world_size, options_.peer_timeout, options_.collective_observer);
       if (d.ok()) {
         device = std::move(*d);
       } else {

@@ -81,8 +81,8 @@ struct Fixture {
         o.join_timeout = absl::Seconds(10);
         o.device_communicator_factory =
             [this, fail](KeyValueStore*, const std::string& prefix, int rank, int size,
-                         absl::Duration, CollectiveObserver)
-            -> absl::StatusOr<std::unique_ptr<Communicator>> {
+                         absl::Duration,
+                         CollectiveObserver) -> absl::StatusOr<std::unique_ptr<Communicator>> {
           made.fetch_add(1);
           if (fail) {
             if (absl::Status s = fail(rank); !s.ok()) return s;

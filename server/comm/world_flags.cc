@@ -41,9 +41,11 @@ absl::StatusOr<int> DeriveRank(int flag_rank, int world_size, absl::string_view 
   }
   if (rank < 0) {
     if (world_size == 1) return 0;
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--world_size=", world_size, " needs a rank: pass --rank, or run as a StatefulSet pod "
-        "(hostname '", hostname, "' has no -<N> suffix) or an indexed Job (JOB_COMPLETION_INDEX)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--world_size=", world_size,
+                     " needs a rank: pass --rank, or run as a StatefulSet pod "
+                     "(hostname '",
+                     hostname, "' has no -<N> suffix) or an indexed Job (JOB_COMPLETION_INDEX)"));
   }
   if (rank >= world_size) {
     return absl::InvalidArgumentError(

@@ -1,6 +1,12 @@
 #include "server/exe/daemon.h"
 
+#include <errno.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstring>
+#include <fstream>
+#include <sstream>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -12,25 +18,18 @@
 #include "kernels/engine_choice.h"
 #include "kernels/optim/optimizer_types.h"
 #include "kernels/plugin/plugin_backend.h"
-#include "server/comm/nccl_communicator.h"
 #include "nlohmann/json.hpp"
 #include "prometheus/registry.h"
-#include "server/metrics.h"
-#include "server/comm/membership.h"
-#include "server/comm/world.h"
 #include "server/checkpoint/directory_store.h"
+#include "server/comm/membership.h"
+#include "server/comm/nccl_communicator.h"
+#include "server/comm/world.h"
 #include "server/fdchannel/fd_channel.h"
+#include "server/metrics.h"
 #include "server/rpc/auth.h"
 #include "server/rpc/grpc_server.h"
 #include "server/rpc/peer_client.h"
 #include "server/version.h"
-
-#include <errno.h>
-#include <unistd.h>
-
-#include <cstring>
-#include <fstream>
-#include <sstream>
 
 namespace diond::server {
 
@@ -145,27 +144,26 @@ absl::Status CheckListenerFlags(const DaemonOptions& options) {
   for (const auto& a : options.listen) {
     if (a.kind == ListenAddress::Kind::kTcp && !a.loopback && !tls &&
         !options.allow_insecure_remote) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "refusing to listen on non-loopback ", a.ToString(),
-          " without TLS; use a loopback or unix address, or --allow_insecure_remote"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("refusing to listen on non-loopback ", a.ToString(),
+                       " without TLS; use a loopback or unix address, or --allow_insecure_remote"));
     }
   }
   if (!options.metrics_address.empty() && !options.allow_insecure_remote) {
     auto m = ParseListenAddresses(options.metrics_address);
     if (!m.ok() || m->size() != 1 || (*m)[0].kind != ListenAddress::Kind::kTcp) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--metrics_address '", options.metrics_address, "' is not one HOST:PORT"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--metrics_address '", options.metrics_address, "' is not one HOST:PORT"));
     }
     if (!(*m)[0].loopback) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "refusing to serve /metrics on non-loopback ", (*m)[0].ToString(),
-          " (plain HTTP); use a loopback address, or --allow_insecure_remote"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("refusing to serve /metrics on non-loopback ", (*m)[0].ToString(),
+                       " (plain HTTP); use a loopback address, or --allow_insecure_remote"));
     }
   }
   if (options.rpc_handler_threads < 1 || options.rpc_handler_threads > 4096) {
-    return absl::InvalidArgumentError(absl::StrCat("--rpc_handler_threads=",
-                                                   options.rpc_handler_threads,
-                                                   ": must be 1 to 4096"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--rpc_handler_threads=", options.rpc_handler_threads, ": must be 1 to 4096"));
   }
   if (options.max_stream_bytes < 0) {
     return absl::InvalidArgumentError("--max_stream_bytes must be >= 0");
@@ -217,7 +215,9 @@ session::ManagerObserver MetricsObserver(DaemonMetrics* metrics,
       }
       for (const auto& [phase, mode] : r.graph_steps) metrics->CountGraphStep(phase, mode);
     }
-    metrics->ObserveStep(r.replayed ? "replayed" : r.skipped ? "skipped" : "applied",
+    metrics->ObserveStep(r.replayed  ? "replayed"
+                         : r.skipped ? "skipped"
+                                     : "applied",
                          r.total_micros * 1e-6, r.compute_micros * 1e-6);
     if (!r.replayed && r.checksum_mismatches > 0) {
       metrics->CountChecksumMismatches(r.checksum_mismatches);
@@ -288,8 +288,8 @@ absl::StatusOr<session::DeviceHooks> Daemon::SelectDevices(const DaemonOptions& 
   } else if (device_.type == kernels::DeviceType::kCuda) {
     if (absl::Status reg = kernels::RegisterCudaOps(options.cuda_plugin); !reg.ok()) {
       compute_device_ = kernels::Device{kernels::DeviceType::kCpu, 0};
-      compute_note_ = absl::StrCat("steps run on the cpu: the CUDA ops did not register: ",
-                                   reg.message());
+      compute_note_ =
+          absl::StrCat("steps run on the cpu: the CUDA ops did not register: ", reg.message());
     } else {
       compute_device_ = kernels::ComputeDevice(device_);
       if (compute_device_.type == kernels::DeviceType::kCuda) {
@@ -306,8 +306,8 @@ absl::StatusOr<session::DeviceHooks> Daemon::SelectDevices(const DaemonOptions& 
     const std::string where = DeviceLabel(compute_device_.type, compute_device_.index);
     if (!rules.ok() && compute_device_.type == kernels::DeviceType::kCuda) {
       // The rules would be handed device pointers they read from the host: not on a GPU.
-      compute_note_ = absl::StrCat("steps run on the cpu: the update rules do not run on a ",
-                                   where, " context yet (", rules.message(), ")");
+      compute_note_ = absl::StrCat("steps run on the cpu: the update rules do not run on a ", where,
+                                   " context yet (", rules.message(), ")");
       compute_device_ = kernels::Device{kernels::DeviceType::kCpu, 0};
     } else if (options.test_device) {
       compute_note_ = absl::StrCat(
@@ -402,8 +402,8 @@ absl::Status Daemon::StartSessions(const DaemonOptions& options, session::Device
   Limits limits;
   limits.max_session_bytes = options.sessions.max_session_bytes;
   limits.memory_budget_bytes = options.sessions.memory_budget_bytes;
-  limits.checkpoint_every = options.sessions.state_dir.empty() ? 0
-                                                               : options.sessions.checkpoint_every;
+  limits.checkpoint_every =
+      options.sessions.state_dir.empty() ? 0 : options.sessions.checkpoint_every;
   limits.world_size = options.world.world_size;
   limits.rank = options.world.world_size > 1 ? options.world.rank : 0;
   metrics->SetLimits(limits);
@@ -509,9 +509,9 @@ absl::Status Daemon::JoinWorld(const WorldConfig& wc) {
   comm::KeyValueStore* kv = coordinator_ ? coordinator_->store() : nullptr;
   if (coordinator_ == nullptr) {
     if (wc.coordinator.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "rank ", wc.rank, " of a world of ", wc.world_size,
-          " needs --coordinator=HOST:PORT (rank 0's address) or --peer_service"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("rank ", wc.rank, " of a world of ", wc.world_size,
+                       " needs --coordinator=HOST:PORT (rank 0's address) or --peer_service"));
     }
     peer_client_ = std::make_unique<rpc::PeerClient>(
         wc.coordinator, std::min(absl::Seconds(5), wc.peer_timeout / 2), *peer_credentials_);
@@ -556,8 +556,8 @@ absl::Status Daemon::JoinWorld(const WorldConfig& wc) {
     const DiondCudaPluginV1* plugin = cuda_plugin_;
     const int device = compute_device_.index;
     wo.device_communicator_factory =
-        [plugin, device](comm::KeyValueStore* store, const std::string& prefix, int rank,
-                         int size, absl::Duration timeout, comm::CollectiveObserver observer)
+        [plugin, device](comm::KeyValueStore* store, const std::string& prefix, int rank, int size,
+                         absl::Duration timeout, comm::CollectiveObserver observer)
         -> absl::StatusOr<std::unique_ptr<comm::Communicator>> {
       comm::NcclOptions no;
       no.rank = rank;
@@ -607,8 +607,8 @@ std::string Daemon::Describe() const {
     world = absl::StrCat("; world rank ", world_->rank(), " of ", world_->size(),
                          coordinator_ ? " (coordinator)" : "");
   }
-  return absl::StrCat("diond ", kVersion, " serving on ", absl::StrJoin(names, ", "), "; ",
-                      metrics, "; ", device, world, "; ", cpu_blas_);
+  return absl::StrCat("diond ", kVersion, " serving on ", absl::StrJoin(names, ", "), "; ", metrics,
+                      "; ", device, world, "; ", cpu_blas_);
 }
 
 std::string Daemon::fd_channel_path() const {

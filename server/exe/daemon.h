@@ -13,8 +13,8 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "kernels/device.h"
-#include "server/comm/memory_store.h"
 #include "kernels/tensor.h"
+#include "server/comm/memory_store.h"
 #include "server/rpc/listen.h"
 #include "server/session/session_manager.h"
 
@@ -23,14 +23,14 @@ class RpcServer;
 class PeerClient;
 struct PeerCredentials;
 struct RpcServerOptions;
-}
+}  // namespace diond::rpc
 namespace diond::fdchannel {
 class FdChannel;
 }
 namespace diond::comm {
 class Coordinator;
 class World;
-}
+}  // namespace diond::comm
 
 namespace diond::server {
 
@@ -44,8 +44,8 @@ class RpcMetrics;
 // The daemon world (ARCHITECTURE.md §6; flags in docs/OPERATIONS.md "World").
 struct WorldConfig {
   int rank = 0;
-  int world_size = 1;          // 1 = no world: nothing below is used
-  std::string coordinator;     // rank 0's Peer address, host:port (ranks > 0)
+  int world_size = 1;                      // 1 = no world: nothing below is used
+  std::string coordinator;                 // rank 0's Peer address, host:port (ranks > 0)
   std::string peer_address = "127.0.0.1";  // what other daemons reach us at (Gloo binds it)
   absl::Duration heartbeat_interval = absl::Seconds(1);
   absl::Duration peer_timeout = absl::Seconds(10);
@@ -61,15 +61,15 @@ struct DaemonOptions {
   std::string metrics_address;  // "host:port"; empty = no metrics endpoint
   std::string health_address;   // "host:port" serving grpc.health.v1 only; empty = none
   kernels::DeviceRequest device;
-  std::string cuda_plugin;      // empty = next to the executable, then the loader path
+  std::string cuda_plugin;  // empty = next to the executable, then the loader path
   bool allow_insecure_remote = false;
   bool allow_shm_from_tcp = false;
   // Security (docs/OPERATIONS.md "Security"). Files are read once at start.
-  std::string auth_token_file;           // bearer tokens for TCP callers
-  bool allow_unauthenticated_tcp = false;  // TCP callers without credential are "anonymous"
-  std::string tls_cert_file, tls_key_file;  // TLS on TCP listeners and to the coordinator
-  std::string tls_client_ca_file;           // mTLS: CA of client (and daemon) certificates
-  std::string world_secret_file;            // the world's shared secret (Peer service)
+  std::string auth_token_file;                  // bearer tokens for TCP callers
+  bool allow_unauthenticated_tcp = false;       // TCP callers without credential are "anonymous"
+  std::string tls_cert_file, tls_key_file;      // TLS on TCP listeners and to the coordinator
+  std::string tls_client_ca_file;               // mTLS: CA of client (and daemon) certificates
+  std::string world_secret_file;                // the world's shared secret (Peer service)
   int64_t max_stream_bytes = int64_t{4} << 30;  // one PushGradients/SetState stream; 0 = no cap
   int rpc_handler_threads = 64;  // the Optimizer service's handler pool (server/rpc/handler_pool.h)
   // Device sessions replay their step's phases as captured graphs where they can (docs/GPU.md
@@ -146,13 +146,14 @@ class Daemon {
   absl::Status StartRpc(const DaemonOptions& options, rpc::RpcServerOptions ro);
   absl::Status JoinWorld(const WorldConfig& config);
   kernels::SelectedDevice device_;
-  std::unique_ptr<rpc::PeerCredentials> peer_credentials_;  // how this daemon proves itself to the coordinator
+  std::unique_ptr<rpc::PeerCredentials>
+      peer_credentials_;            // how this daemon proves itself to the coordinator
   kernels::Device compute_device_;  // where steps run (kernels::ComputeDevice of device_)
   // The CUDA plugin when steps run on a GPU: its NCCL table carries world sessions' collectives
   // on device memory (JoinWorld); null otherwise.
   const DiondCudaPluginV1* cuda_plugin_ = nullptr;
-  std::string compute_note_;        // why / how, for the start-up line (DescribeDevice)
-  std::string cpu_blas_;            // "OpenBLAS core Zen (autodetected); auto engines ...", ditto
+  std::string compute_note_;  // why / how, for the start-up line (DescribeDevice)
+  std::string cpu_blas_;      // "OpenBLAS core Zen (autodetected); auto engines ...", ditto
   std::string metrics_address_;
   std::unique_ptr<DaemonMetrics> metrics_;
   // A device daemon's watch on its compute device's context (daemon.cc); null on a CPU daemon.

@@ -39,7 +39,8 @@ TEST(DaemonDevice, ADeviceComputeDeviceIsNamedWithWhyOrHow) {
             "device NVIDIA H200; steps run on cuda:0 (device sessions: state and staging in "
             "device memory)");
   // The daemon's reason (e.g. the rules do not run on a device context yet) replaces the default.
-  EXPECT_EQ(DescribeDevice(gpu, kernels::Device{kernels::DeviceType::kCpu, 0}, "steps run on the cpu: why"),
+  EXPECT_EQ(DescribeDevice(gpu, kernels::Device{kernels::DeviceType::kCpu, 0},
+                           "steps run on the cpu: why"),
             "device NVIDIA H200; steps run on the cpu: why");
   EXPECT_EQ(DeviceLabel(kernels::DeviceType::kTest, 0), "test-device:0");
 }

@@ -79,8 +79,9 @@ ABSL_FLAG(std::string, fd_channel_socket, "",
           "\"none\" = no fd channel.");
 ABSL_FLAG(absl::Duration, fd_token_ttl, absl::Seconds(60),
           "How long a token of the fd channel stays valid unredeemed; its fd is closed then.");
-ABSL_FLAG(int, fd_max_pending_per_uid, 64,
-          "The most unredeemed fd-channel tokens one uid may hold (the daemon holds 1024 at most).");
+ABSL_FLAG(
+    int, fd_max_pending_per_uid, 64,
+    "The most unredeemed fd-channel tokens one uid may hold (the daemon holds 1024 at most).");
 ABSL_FLAG(int64_t, max_session_bytes, 0,
           "Largest optimizer state (plus fp32 master weights) one session may hold, in bytes; "
           "a device session counts everything it holds in the device pool (state, staging, "
@@ -209,7 +210,10 @@ bool WriteFileAtomically(const std::string& path, const std::string& text) {
   bool ok = fchmod(fd, 0600) == 0;
   for (size_t done = 0; ok && done < body.size();) {
     ssize_t n = write(fd, body.data() + done, body.size() - done);
-    if (n <= 0) ok = false; else done += static_cast<size_t>(n);
+    if (n <= 0)
+      ok = false;
+    else
+      done += static_cast<size_t>(n);
   }
   ok = close(fd) == 0 && ok;
   if (!ok) {
@@ -229,7 +233,8 @@ void WatchStdinForEof() {
       const ssize_t n = read(STDIN_FILENO, buf, sizeof(buf));
       if (n > 0 || (n < 0 && errno == EINTR)) continue;
       DIOND_LOG(INFO) << "standard input "
-                      << (n == 0 ? "reached end-of-file" : absl::StrCat("failed: ", std::strerror(errno)))
+                      << (n == 0 ? "reached end-of-file"
+                                 : absl::StrCat("failed: ", std::strerror(errno)))
                       << " (--exit_on_stdin_eof): the parent process is gone; stopping";
       kill(getpid(), SIGTERM);
       return;
@@ -285,8 +290,10 @@ std::string SetThreadWaitLimits(char** argv) {
   if (set.empty()) return set;
   setenv(kWaitMarker, set.c_str(), 1);
   diond::kernels::ExecSelf(argv);
-  std::fprintf(stderr, "diond: warning: could not re-execute with %s set (%s); set them in the "
-               "environment (docs/OPERATIONS.md)\n", set.c_str(), std::strerror(errno));
+  std::fprintf(stderr,
+               "diond: warning: could not re-execute with %s set (%s); set them in the "
+               "environment (docs/OPERATIONS.md)\n",
+               set.c_str(), std::strerror(errno));
   for (const WaitLimit& w : kWaitLimits) {
     if (absl::StrContains(set, w.name)) unsetenv(w.name);
   }
@@ -354,7 +361,8 @@ int main(int argc, char** argv) {
   }
   auto addresses = diond::rpc::ParseListenAddresses(listen);
   if (!addresses.ok()) {
-    std::fprintf(stderr, "diond: --listen: %s\n", std::string(addresses.status().message()).c_str());
+    std::fprintf(stderr, "diond: --listen: %s\n",
+                 std::string(addresses.status().message()).c_str());
     return 2;
   }
   options.listen = *addresses;
@@ -382,8 +390,9 @@ int main(int argc, char** argv) {
   options.fd_token_ttl = absl::GetFlag(FLAGS_fd_token_ttl);
   options.fd_max_pending_per_uid = absl::GetFlag(FLAGS_fd_max_pending_per_uid);
   if (options.fd_token_ttl <= absl::ZeroDuration() || options.fd_max_pending_per_uid < 1) {
-    std::fprintf(stderr, "diond: --fd_token_ttl must be positive and --fd_max_pending_per_uid "
-                         "at least 1\n");
+    std::fprintf(stderr,
+                 "diond: --fd_token_ttl must be positive and --fd_max_pending_per_uid "
+                 "at least 1\n");
     return 2;
   }
   options.sessions.max_session_bytes = absl::GetFlag(FLAGS_max_session_bytes);
@@ -473,8 +482,8 @@ int main(int argc, char** argv) {
       diond::kernels::SetAutoEngines(cal->engines);
       options.engine_calibration = cal->Describe();
     } else {
-      options.engine_calibration = absl::StrCat("calibration failed (", cal.status().message(),
-                                                "): the defaults");
+      options.engine_calibration =
+          absl::StrCat("calibration failed (", cal.status().message(), "): the defaults");
     }
   }
 
@@ -495,8 +504,8 @@ int main(int argc, char** argv) {
   if (!options.engine_calibration.empty()) DIOND_LOG(INFO) << options.engine_calibration;
   {
     std::string line = "thread waiting:";
-    for (const char* v : {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OPENBLAS_THREAD_TIMEOUT",
-                          "GOTO_THREAD_TIMEOUT"}) {
+    for (const char* v :
+         {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT"}) {
       const char* value = std::getenv(v);
       absl::StrAppend(&line, " ", v, "=", value != nullptr ? value : "(unset)");
     }

@@ -46,8 +46,10 @@ std::string TokenPrefix(absl::string_view token) {
 
 const char* FdKindName(FdKind kind) {
   switch (kind) {
-    case FdKind::kMemfd: return "memfd";
-    case FdKind::kCudaVmm: return "CUDA VMM fd";
+    case FdKind::kMemfd:
+      return "memfd";
+    case FdKind::kCudaVmm:
+      return "CUDA VMM fd";
   }
   return "unknown kind";
 }
@@ -69,20 +71,21 @@ absl::StatusOr<std::string> TokenTable::Put(UniqueFd fd, uid_t uid, FdKind kind,
     }
     got += static_cast<size_t>(n);
   }
-  std::string token = absl::BytesToHexString(
-      absl::string_view(reinterpret_cast<const char*>(raw), sizeof(raw)));
+  std::string token =
+      absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(raw), sizeof(raw)));
   absl::MutexLock lock(&mu_);
   SweepLocked(now);
   if (static_cast<int>(pending_.size()) >= options_.max_pending) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "the fd channel holds ", pending_.size(), " unredeemed tokens (the most); redeem them "
-        "with RegisterRegion or let them expire"));
+    return absl::ResourceExhaustedError(absl::StrCat("the fd channel holds ", pending_.size(),
+                                                     " unredeemed tokens (the most); redeem them "
+                                                     "with RegisterRegion or let them expire"));
   }
   int& mine = per_uid_[uid];
   if (mine >= options_.max_pending_per_uid) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "uid ", uid, " holds ", mine, " unredeemed fd tokens (the most per uid); redeem them "
-        "with RegisterRegion or let them expire"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("uid ", uid, " holds ", mine,
+                     " unredeemed fd tokens (the most per uid); redeem them "
+                     "with RegisterRegion or let them expire"));
   }
   ++mine;
   pending_.emplace(token, Entry{std::move(fd), uid, kind, now + options_.ttl});
@@ -117,9 +120,9 @@ absl::StatusOr<UniqueFd> TokenTable::Take(absl::string_view token, uid_t caller,
               : absl::StrCat("fd_token ", TokenPrefix(token),
                              " was already used (tokens are one-time): send the fd again"));
     }
-    return absl::NotFoundError(absl::StrCat(
-        "fd_token ", TokenPrefix(token),
-        " is not known to this daemon: send the fd over its fd channel first"));
+    return absl::NotFoundError(
+        absl::StrCat("fd_token ", TokenPrefix(token),
+                     " is not known to this daemon: send the fd over its fd channel first"));
   }
   Entry& e = it->second;
   if (e.uid != caller) {
@@ -324,7 +327,8 @@ void FdChannel::Loop() {
       if (std::memcmp(c.header, kMagic, sizeof(kMagic)) != 0 || Le32(c.header + 8) != kVersion) {
         Reply(c.fd.get(), absl::StatusCode::kInvalidArgument,
               absl::StrCat("not a diond fd channel request: the header must start with "
-                           "\"DIONDFD1\" and version ", kVersion, "; closing the connection"));
+                           "\"DIONDFD1\" and version ",
+                           kVersion, "; closing the connection"));
         drop[i] = true;
         continue;
       }
@@ -332,8 +336,8 @@ void FdChannel::Loop() {
       absl::Status bad;
       if (kind != static_cast<uint32_t>(FdKind::kMemfd) &&
           kind != static_cast<uint32_t>(FdKind::kCudaVmm)) {
-        bad = absl::InvalidArgumentError(absl::StrCat(
-            "fd kind ", kind, " is not known (1 = memfd, 2 = CUDA VMM fd)"));
+        bad = absl::InvalidArgumentError(
+            absl::StrCat("fd kind ", kind, " is not known (1 = memfd, 2 = CUDA VMM fd)"));
       } else if (truncated) {
         bad = absl::InvalidArgumentError(absl::StrCat(
             "more than ", kMaxFdsPerMessage,
@@ -343,20 +347,20 @@ void FdChannel::Loop() {
             "no file descriptor came with the request: attach exactly one with SCM_RIGHTS to "
             "its 16 header bytes");
       } else if (fds.size() > 1) {
-        bad = absl::InvalidArgumentError(absl::StrCat(
-            fds.size(), " file descriptors came with the request; send exactly one (all were "
-            "closed)"));
+        bad = absl::InvalidArgumentError(
+            absl::StrCat(fds.size(),
+                         " file descriptors came with the request; send exactly one (all were "
+                         "closed)"));
       }
       if (!bad.ok()) {
         fds.clear();
         if (!Reply(c.fd.get(), bad.code(), bad.message())) drop[i] = true;
         continue;
       }
-      auto token =
-          tokens_.Put(std::move(fds[0]), c.uid, static_cast<FdKind>(kind), absl::Now());
-      const bool sent = token.ok() ? Reply(c.fd.get(), absl::StatusCode::kOk, *token)
-                                   : Reply(c.fd.get(), token.status().code(),
-                                           token.status().message());
+      auto token = tokens_.Put(std::move(fds[0]), c.uid, static_cast<FdKind>(kind), absl::Now());
+      const bool sent = token.ok()
+                            ? Reply(c.fd.get(), absl::StatusCode::kOk, *token)
+                            : Reply(c.fd.get(), token.status().code(), token.status().message());
       if (!sent) drop[i] = true;  // an unanswered token expires and closes its fd
     }
     for (size_t i = conns.size(); i-- > 0;) {

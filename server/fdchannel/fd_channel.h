@@ -63,8 +63,7 @@ class TokenTable {
   // INVALID_ARGUMENT for a malformed token or one of another kind; NOT_FOUND for an unknown one;
   // FAILED_PRECONDITION for a used or expired one; PERMISSION_DENIED when `caller` is not the
   // sender's uid (the token stays pending). On success the token is spent.
-  absl::StatusOr<UniqueFd> Take(absl::string_view token, uid_t caller, FdKind kind,
-                                absl::Time now);
+  absl::StatusOr<UniqueFd> Take(absl::string_view token, uid_t caller, FdKind kind, absl::Time now);
   // Closes the fds of expired tokens.
   void Sweep(absl::Time now);
   int pending() const;

@@ -169,8 +169,10 @@ class Channel : public ::testing::Test {
     EXPECT_EQ(std::memcmp(h, "DIONDFD1", 8), 0);
     uint32_t len = 0;
     a.code = 0;
-    for (int i = 0; i < 4; ++i) a.code |= static_cast<uint32_t>(static_cast<uint8_t>(h[8 + i])) << (8 * i);
-    for (int i = 0; i < 4; ++i) len |= static_cast<uint32_t>(static_cast<uint8_t>(h[12 + i])) << (8 * i);
+    for (int i = 0; i < 4; ++i)
+      a.code |= static_cast<uint32_t>(static_cast<uint8_t>(h[8 + i])) << (8 * i);
+    for (int i = 0; i < 4; ++i)
+      len |= static_cast<uint32_t>(static_cast<uint8_t>(h[12 + i])) << (8 * i);
     a.text.resize(len);
     have = 0;
     while (have < len) {

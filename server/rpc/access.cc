@@ -50,9 +50,9 @@ absl::Status CheckSegmentOwner(const Principal& p, const std::string& name) {
   }
   struct stat st;
   if (lstat(absl::StrCat("/dev/shm/", name).c_str(), &st) == 0 && st.st_uid != p.uid) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "shm segment '", name, "' belongs to uid ", st.st_uid, ", not to the caller (",
-        Bounded(p.name), ")"));
+    return absl::PermissionDeniedError(absl::StrCat("shm segment '", name, "' belongs to uid ",
+                                                    st.st_uid, ", not to the caller (",
+                                                    Bounded(p.name), ")"));
   }
   return absl::OkStatus();
 }

@@ -27,29 +27,28 @@ absl::Status ChunkCollector::Add(v1::TensorChunk* chunk) {
     target_ = *std::move(s);
     limit_ = target_->StreamBytesLimit(kind_);
   } else if (!chunk->session_id().empty() && chunk->session_id() != session_) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "chunk ", chunks_, " names session '", Bounded(chunk->session_id()),
-        "'; a stream writes into the session its first chunk names"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("chunk ", chunks_, " names session '", Bounded(chunk->session_id()),
+                     "'; a stream writes into the session its first chunk names"));
   }
   const int64_t len = static_cast<int64_t>(chunk->data().size());
   if (len > max_chunk_bytes_) {
     return absl::InvalidArgumentError(absl::StrCat("chunk of '", Bounded(chunk->name()), "' has ",
-                                                   len, " bytes; the limit is ",
-                                                   max_chunk_bytes_));
+                                                   len, " bytes; the limit is ", max_chunk_bytes_));
   }
   if (absl::Status c = target_->CheckStreamChunk(kind_, chunk->name(), chunk->offset_bytes(), len);
       !c.ok()) {
     return c;
   }
   if (bytes_ + len > limit_) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the stream carries more than the ", limit_, " bytes of tensors session ",
-        Bounded(session_), " can take in it (a tensor is sent twice)"));
+    return absl::InvalidArgumentError(absl::StrCat("the stream carries more than the ", limit_,
+                                                   " bytes of tensors session ", Bounded(session_),
+                                                   " can take in it (a tensor is sent twice)"));
   }
   if (max_stream_bytes_ > 0 && bytes_ + len > max_stream_bytes_) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "the stream carries more than --max_stream_bytes=", max_stream_bytes_,
-        " bytes; send the tensors in several streams, or use shared memory"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the stream carries more than --max_stream_bytes=", max_stream_bytes_,
+                     " bytes; send the tensors in several streams, or use shared memory"));
   }
   ++chunks_;
   bytes_ += len;

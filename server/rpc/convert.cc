@@ -11,23 +11,30 @@ namespace {
 
 absl::StatusOr<optim::AlgorithmKind> AlgorithmFromProto(int v, const std::string& group) {
   switch (v) {
-    case v1::ALGORITHM_MUON: return optim::AlgorithmKind::kMuon;
-    case v1::ALGORITHM_NORMUON: return optim::AlgorithmKind::kNorMuon;
-    case v1::ALGORITHM_DION: return optim::AlgorithmKind::kDion;
-    case v1::ALGORITHM_DION2: return optim::AlgorithmKind::kDion2;
-    case v1::ALGORITHM_DION3: return optim::AlgorithmKind::kNorDion2;
-    case v1::ALGORITHM_ADAMW: return optim::AlgorithmKind::kAdamW;
-    case v1::ALGORITHM_LION: return optim::AlgorithmKind::kLion;
+    case v1::ALGORITHM_MUON:
+      return optim::AlgorithmKind::kMuon;
+    case v1::ALGORITHM_NORMUON:
+      return optim::AlgorithmKind::kNorMuon;
+    case v1::ALGORITHM_DION:
+      return optim::AlgorithmKind::kDion;
+    case v1::ALGORITHM_DION2:
+      return optim::AlgorithmKind::kDion2;
+    case v1::ALGORITHM_DION3:
+      return optim::AlgorithmKind::kNorDion2;
+    case v1::ALGORITHM_ADAMW:
+      return optim::AlgorithmKind::kAdamW;
+    case v1::ALGORITHM_LION:
+      return optim::AlgorithmKind::kLion;
     default:
-      return absl::InvalidArgumentError(
-          absl::StrCat("group '", Bounded(group), "': algorithm ", v, " is not a known Algorithm value"));
+      return absl::InvalidArgumentError(absl::StrCat("group '", Bounded(group), "': algorithm ", v,
+                                                     " is not a known Algorithm value"));
   }
 }
 
 absl::Status Finite(const char* name, double v) {
   if (!std::isfinite(v)) {
-    return absl::InvalidArgumentError(absl::StrCat("hyperparameter ", name, " = ", v,
-                                                   " is not finite"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("hyperparameter ", name, " = ", v, " is not finite"));
   }
   return absl::OkStatus();
 }
@@ -36,33 +43,46 @@ absl::Status Finite(const char* name, double v) {
 
 absl::StatusOr<kernels::DType> DTypeFromProto(int value, absl::string_view field) {
   switch (value) {
-    case v1::DTYPE_F32: return kernels::DType::kF32;
-    case v1::DTYPE_BF16: return kernels::DType::kBf16;
-    case v1::DTYPE_F16: return kernels::DType::kF16;
+    case v1::DTYPE_F32:
+      return kernels::DType::kF32;
+    case v1::DTYPE_BF16:
+      return kernels::DType::kBf16;
+    case v1::DTYPE_F16:
+      return kernels::DType::kF16;
     default:
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, ": dtype ", value, " is not one of DTYPE_F32, DTYPE_BF16, DTYPE_F16"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ": dtype ", value, " is not one of DTYPE_F32, DTYPE_BF16, DTYPE_F16"));
   }
 }
 
 v1::DType DTypeToProto(kernels::DType d) {
   switch (d) {
-    case kernels::DType::kF32: return v1::DTYPE_F32;
-    case kernels::DType::kBf16: return v1::DTYPE_BF16;
-    case kernels::DType::kF16: return v1::DTYPE_F16;
+    case kernels::DType::kF32:
+      return v1::DTYPE_F32;
+    case kernels::DType::kBf16:
+      return v1::DTYPE_BF16;
+    case kernels::DType::kF16:
+      return v1::DTYPE_F16;
   }
   return v1::DTYPE_UNSPECIFIED;
 }
 
 v1::Algorithm AlgorithmToProto(optim::AlgorithmKind a) {
   switch (a) {
-    case optim::AlgorithmKind::kMuon: return v1::ALGORITHM_MUON;
-    case optim::AlgorithmKind::kNorMuon: return v1::ALGORITHM_NORMUON;
-    case optim::AlgorithmKind::kDion: return v1::ALGORITHM_DION;
-    case optim::AlgorithmKind::kDion2: return v1::ALGORITHM_DION2;
-    case optim::AlgorithmKind::kNorDion2: return v1::ALGORITHM_DION3;
-    case optim::AlgorithmKind::kAdamW: return v1::ALGORITHM_ADAMW;
-    case optim::AlgorithmKind::kLion: return v1::ALGORITHM_LION;
+    case optim::AlgorithmKind::kMuon:
+      return v1::ALGORITHM_MUON;
+    case optim::AlgorithmKind::kNorMuon:
+      return v1::ALGORITHM_NORMUON;
+    case optim::AlgorithmKind::kDion:
+      return v1::ALGORITHM_DION;
+    case optim::AlgorithmKind::kDion2:
+      return v1::ALGORITHM_DION2;
+    case optim::AlgorithmKind::kNorDion2:
+      return v1::ALGORITHM_DION3;
+    case optim::AlgorithmKind::kAdamW:
+      return v1::ALGORITHM_ADAMW;
+    case optim::AlgorithmKind::kLion:
+      return v1::ALGORITHM_LION;
   }
   return v1::ALGORITHM_UNSPECIFIED;
 }
@@ -107,10 +127,10 @@ absl::Status ApplyHyperparameters(const v1::Hyperparameters& h, optim::Hyperpara
   // Into a copy, so that a refused message changes nothing (found by hyperparameters_fuzz).
   optim::Hyperparams copy = *result;
   optim::Hyperparams* out = &copy;
-#define DIOND_HP(field)                                 \
-  if (h.has_##field()) {                                \
-    DIOND_RETURN_IF_ERROR(Finite(#field, h.field()));   \
-    out->field = h.field();                             \
+#define DIOND_HP(field)                               \
+  if (h.has_##field()) {                              \
+    DIOND_RETURN_IF_ERROR(Finite(#field, h.field())); \
+    out->field = h.field();                           \
   }
   DIOND_HP(lr)
   DIOND_HP(mu)
@@ -129,10 +149,17 @@ absl::Status ApplyHyperparameters(const v1::Hyperparameters& h, optim::Hyperpara
   }
   if (h.has_cqr_warmup_steps()) out->cqr_warmup_steps = h.cqr_warmup_steps();
   switch (h.qr_method()) {
-    case v1::QR_METHOD_UNSPECIFIED: break;
-    case v1::QR_METHOD_RCQR: out->qr_method = optim::QrMethod::kRcqr; break;
-    case v1::QR_METHOD_QR: out->qr_method = optim::QrMethod::kQr; break;
-    case v1::QR_METHOD_CQR: out->qr_method = optim::QrMethod::kCqr; break;
+    case v1::QR_METHOD_UNSPECIFIED:
+      break;
+    case v1::QR_METHOD_RCQR:
+      out->qr_method = optim::QrMethod::kRcqr;
+      break;
+    case v1::QR_METHOD_QR:
+      out->qr_method = optim::QrMethod::kQr;
+      break;
+    case v1::QR_METHOD_CQR:
+      out->qr_method = optim::QrMethod::kCqr;
+      break;
     default:
       return absl::InvalidArgumentError(absl::StrCat("qr_method ", h.qr_method(), " is unknown"));
   }
@@ -140,15 +167,23 @@ absl::Status ApplyHyperparameters(const v1::Hyperparameters& h, optim::Hyperpara
   if (h.has_nesterov()) out->nesterov = h.nesterov();
   if (h.has_cautious_wd()) out->cautious_wd = h.cautious_wd();
   switch (h.adjust_lr()) {
-    case v1::ADJUST_LR_UNSPECIFIED: break;
-    case v1::ADJUST_LR_SPECTRAL_NORM: out->adjust_lr = optim::AdjustLr::kSpectralNorm; break;
-    case v1::ADJUST_LR_RMS_NORM: out->adjust_lr = optim::AdjustLr::kRmsNorm; break;
-    case v1::ADJUST_LR_NONE: out->adjust_lr = optim::AdjustLr::kNone; break;
+    case v1::ADJUST_LR_UNSPECIFIED:
+      break;
+    case v1::ADJUST_LR_SPECTRAL_NORM:
+      out->adjust_lr = optim::AdjustLr::kSpectralNorm;
+      break;
+    case v1::ADJUST_LR_RMS_NORM:
+      out->adjust_lr = optim::AdjustLr::kRmsNorm;
+      break;
+    case v1::ADJUST_LR_NONE:
+      out->adjust_lr = optim::AdjustLr::kNone;
+      break;
     default:
       return absl::InvalidArgumentError(absl::StrCat("adjust_lr ", h.adjust_lr(), " is unknown"));
   }
   switch (h.orthogonalizer()) {
-    case v1::ORTHOGONALIZER_UNSPECIFIED: break;
+    case v1::ORTHOGONALIZER_UNSPECIFIED:
+      break;
     case v1::ORTHOGONALIZER_POLAR_EXPRESS:
       out->orthogonalizer = optim::Orthogonalizer::kPolarExpress;
       break;
@@ -193,16 +228,19 @@ session::StepRequest StepRequestFromProto(const v1::StepRequest& req) {
   sr.wait = req.wait();
   sr.ready_event = req.ready_event();
   sr.done_event = req.done_event();
-  sr.params_without_grad.assign(req.params_without_grad().begin(),
-                                req.params_without_grad().end());
+  sr.params_without_grad.assign(req.params_without_grad().begin(), req.params_without_grad().end());
   return sr;
 }
 
 absl::StatusOr<session::Role> RegionRoleFromProto(const v1::RegisterRegionRequest& req) {
   session::Role role;
   switch (req.role()) {
-    case v1::REGION_ROLE_PARAMETERS: role = session::Role::kParameters; break;
-    case v1::REGION_ROLE_GRADIENTS: role = session::Role::kGradients; break;
+    case v1::REGION_ROLE_PARAMETERS:
+      role = session::Role::kParameters;
+      break;
+    case v1::REGION_ROLE_GRADIENTS:
+      role = session::Role::kGradients;
+      break;
     default:
       return absl::InvalidArgumentError(
           absl::StrCat("role ", req.role(), " is not REGION_ROLE_PARAMETERS or GRADIENTS"));
@@ -229,8 +267,12 @@ absl::StatusOr<session::SessionSpec> SpecFromProto(const v1::CreateSessionReques
   session::SessionSpec spec;
   switch (req.non_finite_policy()) {
     case v1::NON_FINITE_POLICY_UNSPECIFIED:
-    case v1::NON_FINITE_POLICY_SKIP: spec.non_finite = session::NonFinitePolicy::kSkip; break;
-    case v1::NON_FINITE_POLICY_ERROR: spec.non_finite = session::NonFinitePolicy::kError; break;
+    case v1::NON_FINITE_POLICY_SKIP:
+      spec.non_finite = session::NonFinitePolicy::kSkip;
+      break;
+    case v1::NON_FINITE_POLICY_ERROR:
+      spec.non_finite = session::NonFinitePolicy::kError;
+      break;
     default:
       return absl::InvalidArgumentError(
           absl::StrCat("non_finite_policy ", req.non_finite_policy(), " is unknown"));
@@ -266,32 +308,39 @@ absl::StatusOr<session::SessionSpec> SpecFromProto(const v1::CreateSessionReques
     gs.config.hyperparams = optim::DefaultHyperparams(gs.config.algorithm);
     absl::Status s = ApplyHyperparameters(g.hyperparameters(), &gs.config.hyperparams);
     if (!s.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat("group '", Bounded(g.name()), "': ", s.message()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("group '", Bounded(g.name()), "': ", s.message()));
     }
     if (g.num_heads() < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("group '", Bounded(g.name()), "': num_heads ", g.num_heads(), " must be >= 0"));
+      return absl::InvalidArgumentError(absl::StrCat("group '", Bounded(g.name()), "': num_heads ",
+                                                     g.num_heads(), " must be >= 0"));
     }
     gs.config.num_heads = g.num_heads() == 0 ? 1 : g.num_heads();
     gs.config.split_sizes.assign(g.split_sizes().begin(), g.split_sizes().end());
     gs.config.flatten = g.flatten();
     switch (g.precision()) {
       case v1::PRECISION_UNSPECIFIED:
-      case v1::PRECISION_FP32: gs.config.precision = optim::Precision::kFp32; break;
+      case v1::PRECISION_FP32:
+        gs.config.precision = optim::Precision::kFp32;
+        break;
       case v1::PRECISION_BF16_REFERENCE:
         gs.config.precision = optim::Precision::kBf16Reference;
         break;
       default:
-        return absl::InvalidArgumentError(
-            absl::StrCat("group '", Bounded(g.name()), "': precision ", g.precision(), " is unknown"));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "group '", Bounded(g.name()), "': precision ", g.precision(), " is unknown"));
     }
     switch (g.bf16_matmul()) {
       case v1::BF16_MATMUL_UNSPECIFIED:
-      case v1::BF16_MATMUL_AUTO: gs.config.bf16_matmul = optim::Bf16MatmulEngine::kAuto; break;
+      case v1::BF16_MATMUL_AUTO:
+        gs.config.bf16_matmul = optim::Bf16MatmulEngine::kAuto;
+        break;
       case v1::BF16_MATMUL_FLOAT32_GEMM:
         gs.config.bf16_matmul = optim::Bf16MatmulEngine::kFloat32Gemm;
         break;
-      case v1::BF16_MATMUL_ONEDNN: gs.config.bf16_matmul = optim::Bf16MatmulEngine::kOneDnn; break;
+      case v1::BF16_MATMUL_ONEDNN:
+        gs.config.bf16_matmul = optim::Bf16MatmulEngine::kOneDnn;
+        break;
       default:
         return absl::InvalidArgumentError(absl::StrCat(
             "group '", Bounded(g.name()), "': bf16_matmul ", g.bf16_matmul(), " is unknown"));
@@ -303,8 +352,8 @@ absl::StatusOr<session::SessionSpec> SpecFromProto(const v1::CreateSessionReques
     session::ParamSpec ps;
     ps.name = p.name();
     ps.shape.assign(p.shape().begin(), p.shape().end());
-    DIOND_ASSIGN_OR_RETURN(ps.dtype,
-                           DTypeFromProto(p.dtype(), absl::StrCat("parameter '", Bounded(p.name()), "'")));
+    DIOND_ASSIGN_OR_RETURN(
+        ps.dtype, DTypeFromProto(p.dtype(), absl::StrCat("parameter '", Bounded(p.name()), "'")));
     ps.group = p.group();
     spec.params.push_back(std::move(ps));
   }

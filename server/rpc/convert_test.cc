@@ -58,7 +58,8 @@ TEST(HyperparameterChangeFromProto, OnlyLrAndWeightDecay) {
   EXPECT_FALSE(c->weight_decay.has_value());
   req.mutable_hyperparameters()->set_beta1(0.5);
   EXPECT_THAT(HyperparameterChangeFromProto(req).status(),
-              StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("lr and weight_decay only")));
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       ::testing::HasSubstr("lr and weight_decay only")));
 }
 
 }  // namespace

@@ -58,9 +58,9 @@ absl::StatusOr<std::unique_ptr<RpcServer>> RpcServer::Start(const RpcServerOptio
 
   std::shared_ptr<grpc::ServerCredentials> tcp_creds = grpc::InsecureServerCredentials();
   if (tls) {
-    grpc::SslServerCredentialsOptions so(
-        auth.tls_client_certs ? GRPC_SSL_REQUEST_CLIENT_CERTIFICATE_AND_VERIFY
-                              : GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+    grpc::SslServerCredentialsOptions so(auth.tls_client_certs
+                                             ? GRPC_SSL_REQUEST_CLIENT_CERTIFICATE_AND_VERIFY
+                                             : GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
     so.pem_root_certs = options.tls_client_ca;
     so.pem_key_cert_pairs.push_back({options.tls_key, options.tls_cert});
     tcp_creds = grpc::SslServerCredentials(so);
@@ -103,9 +103,9 @@ absl::StatusOr<std::unique_ptr<RpcServer>> RpcServer::Start(const RpcServerOptio
   for (const auto& a : options.listen) names.push_back(a.ToString());
   if (s->server_ == nullptr) {
     unbind_unix();
-    return absl::UnavailableError(absl::StrCat(
-        "cannot listen on ", absl::StrJoin(names, ", "),
-        ": address already in use or not bindable (see the gRPC log line above)"));
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", absl::StrJoin(names, ", "),
+                     ": address already in use or not bindable (see the gRPC log line above)"));
   }
   for (size_t i = 0; i < options.listen.size(); ++i) {
     ListenAddress a = options.listen[i];
@@ -131,9 +131,9 @@ absl::StatusOr<std::unique_ptr<RpcServer>> RpcServer::Start(const RpcServerOptio
     if (s->health_server_ == nullptr || port == 0) {
       if (s->health_server_) s->health_server_->Shutdown();
       s->server_->Shutdown();
-      return absl::UnavailableError(absl::StrCat("cannot serve health checks on --health_address=",
-                                                 options.health_address,
-                                                 ": address in use or not HOST:PORT"));
+      return absl::UnavailableError(
+          absl::StrCat("cannot serve health checks on --health_address=", options.health_address,
+                       ": address in use or not HOST:PORT"));
     }
     s->health_port_ = port;
   }

@@ -23,8 +23,7 @@ void HandlerPool::Run(std::function<void()> work) {
   absl::MutexLock lock(&mu_);
   queue_.push_back(std::move(work));
   // A new thread when none is idle for this work and the cap allows one.
-  if (idle_ < static_cast<int>(queue_.size()) &&
-      static_cast<int>(threads_.size()) < max_threads_) {
+  if (idle_ < static_cast<int>(queue_.size()) && static_cast<int>(threads_.size()) < max_threads_) {
     threads_.emplace_back([this] { Loop(); });
   }
 }

@@ -1,6 +1,6 @@
 // A gRPC server interceptor that reports every RPC, once, with its latency by method and status
-// code to an RpcObserver (the daemon's metrics, connected by server/exe). Installed once on the ServerBuilder; covers every service (Optimizer,
-// health, reflection).
+// code to an RpcObserver (the daemon's metrics, connected by server/exe). Installed once on the
+// ServerBuilder; covers every service (Optimizer, health, reflection).
 #ifndef DIOND_SERVER_RPC_METRICS_INTERCEPTOR_H_
 #define DIOND_SERVER_RPC_METRICS_INTERCEPTOR_H_
 

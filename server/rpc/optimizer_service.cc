@@ -28,11 +28,11 @@ namespace {
 class ChunkReader : public grpc::ServerReadReactor<v1::TensorChunk> {
  public:
   using Apply = std::function<absl::Status(const std::string& session,
-                                           std::vector<session::TensorWrite> writes,
-                                           int64_t bytes, int64_t chunks)>;
-  ChunkReader(grpc::CallbackServerContext* ctx, HandlerPool* pool,
-              session::SessionManager* manager, session::StreamKind kind,
-              const OptimizerServiceOptions& options, ChunkCollector::Check check, Apply apply)
+                                           std::vector<session::TensorWrite> writes, int64_t bytes,
+                                           int64_t chunks)>;
+  ChunkReader(grpc::CallbackServerContext* ctx, HandlerPool* pool, session::SessionManager* manager,
+              session::StreamKind kind, const OptimizerServiceOptions& options,
+              ChunkCollector::Check check, Apply apply)
       : ctx_(ctx),
         pool_(pool),
         collector_(manager, kind, options.max_chunk_bytes, options.max_stream_bytes,
@@ -182,10 +182,10 @@ grpc::ServerUnaryReactor* OptimizerService::RegisterRegion(grpc::CallbackServerC
         break;  // REGION_KIND_SYSTEM_SHM, below
     }
     if (!options_.allow_shm_from_tcp && !p->local) {
-      return absl::PermissionDeniedError(absl::StrCat(
-                             "shared-memory registration from ", ctx->peer(),
-                             " is off: connect over the Unix socket, or start diond with "
-                             "--allow_shm_from_tcp"));
+      return absl::PermissionDeniedError(
+          absl::StrCat("shared-memory registration from ", ctx->peer(),
+                       " is off: connect over the Unix socket, or start diond with "
+                       "--allow_shm_from_tcp"));
     }
     const v1::SystemShmRegion& shm = req->system_shm();
     if (absl::Status o = CheckSegmentOwner(*p, shm.name()); !o.ok()) return o;
@@ -196,8 +196,7 @@ grpc::ServerUnaryReactor* OptimizerService::RegisterRegion(grpc::CallbackServerC
   });
 }
 
-absl::StatusOr<std::string> OptimizerService::RegisterMemfd(const Principal& p,
-                                                            session::Session* s,
+absl::StatusOr<std::string> OptimizerService::RegisterMemfd(const Principal& p, session::Session* s,
                                                             session::Role role,
                                                             const v1::MemfdRegion& m) {
   if (options_.fd_channel == nullptr) {
@@ -215,8 +214,7 @@ absl::StatusOr<std::string> OptimizerService::RegisterMemfd(const Principal& p,
   return s->RegisterMemfdRegion(role, std::move(fd), m.offset_bytes(), m.size_bytes());
 }
 
-absl::StatusOr<std::string> OptimizerService::RegisterCuda(const Principal& p,
-                                                           session::Session* s,
+absl::StatusOr<std::string> OptimizerService::RegisterCuda(const Principal& p, session::Session* s,
                                                            session::Role role,
                                                            const v1::RegisterRegionRequest& req) {
   const bool ipc = req.kind() == v1::REGION_KIND_CUDA_IPC;
@@ -227,14 +225,15 @@ absl::StatusOr<std::string> OptimizerService::RegisterCuda(const Principal& p,
     if (!req.has_cuda_ipc()) return absl::InvalidArgumentError(kind + " needs cuda_ipc");
     const v1::CudaIpcRegion& r = req.cuda_ipc();
     if (r.mem_handle().size() != 64) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "cuda_ipc.mem_handle must be the 64 bytes of a cudaIpcMemHandle_t; got ",
-          r.mem_handle().size(), " bytes"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("cuda_ipc.mem_handle must be the 64 bytes of a cudaIpcMemHandle_t; got ",
+                       r.mem_handle().size(), " bytes"));
     }
     if (r.offset_bytes() < 0 || r.offset_bytes() % 256 != 0 || r.size_bytes() <= 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "cuda_ipc: offset_bytes ", r.offset_bytes(), " must be a non-negative multiple of 256 "
-          "and size_bytes ", r.size_bytes(), " positive"));
+      return absl::InvalidArgumentError(absl::StrCat("cuda_ipc: offset_bytes ", r.offset_bytes(),
+                                                     " must be a non-negative multiple of 256 "
+                                                     "and size_bytes ",
+                                                     r.size_bytes(), " positive"));
     }
     uuid_bytes = r.gpu_uuid();
   } else {
@@ -243,34 +242,38 @@ absl::StatusOr<std::string> OptimizerService::RegisterCuda(const Principal& p,
     // The fd, if one was sent, is taken first (and closed when the request fails, whatever
     // follows): a refused request must not leave it pending.
     if (options_.fd_channel != nullptr && p.local && !r.fd_token().empty()) {
-      DIOND_ASSIGN_OR_RETURN(vmm_fd, options_.fd_channel->Take(r.fd_token(), p.uid,
-                                                               fdchannel::FdKind::kCudaVmm));
+      DIOND_ASSIGN_OR_RETURN(
+          vmm_fd, options_.fd_channel->Take(r.fd_token(), p.uid, fdchannel::FdKind::kCudaVmm));
     }
     const int64_t g = r.granularity_bytes();
     if (g <= 0 || (g & (g - 1)) != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "cuda_vmm_fd.granularity_bytes ", g, " must be a positive power of two"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("cuda_vmm_fd.granularity_bytes ", g, " must be a positive power of two"));
     }
     if (r.offset_bytes() < 0 || r.offset_bytes() % 256 != 0 || r.size_bytes() <= 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "cuda_vmm_fd: offset_bytes ", r.offset_bytes(), " must be a non-negative multiple of "
-          "256 and size_bytes ", r.size_bytes(), " positive"));
+      return absl::InvalidArgumentError(absl::StrCat("cuda_vmm_fd: offset_bytes ", r.offset_bytes(),
+                                                     " must be a non-negative multiple of "
+                                                     "256 and size_bytes ",
+                                                     r.size_bytes(), " positive"));
     }
     uuid_bytes = r.gpu_uuid();
   }
-  DIOND_ASSIGN_OR_RETURN(session::GpuUuid uuid,
-                         session::ParseGpuUuid(uuid_bytes, ipc ? "cuda_ipc.gpu_uuid"
-                                                               : "cuda_vmm_fd.gpu_uuid"));
+  DIOND_ASSIGN_OR_RETURN(
+      session::GpuUuid uuid,
+      session::ParseGpuUuid(uuid_bytes, ipc ? "cuda_ipc.gpu_uuid" : "cuda_vmm_fd.gpu_uuid"));
   if (!options_.gpu_daemon) {
     return absl::FailedPreconditionError(absl::StrCat(
-        kind, " needs a daemon that computes on a GPU; this daemon runs on the CPU (start it "
-        "with --device=cuda on the trainer's GPU ", session::FormatGpuUuid(uuid),
+        kind,
+        " needs a daemon that computes on a GPU; this daemon runs on the CPU (start it "
+        "with --device=cuda on the trainer's GPU ",
+        session::FormatGpuUuid(uuid),
         "), or register host memory: REGION_KIND_MEMFD or REGION_KIND_SYSTEM_SHM"));
   }
   // GPU memory is shared between processes of one host, as shared memory is: the same rule.
   if (!options_.allow_shm_from_tcp && !p.local) {
     return absl::PermissionDeniedError(absl::StrCat(
-        kind, " registration over TCP is off: connect over the Unix socket (the trainer and the "
+        kind,
+        " registration over TCP is off: connect over the Unix socket (the trainer and the "
         "daemon share one host), or start diond with --allow_shm_from_tcp"));
   }
   if (ipc) {
@@ -278,8 +281,7 @@ absl::StatusOr<std::string> OptimizerService::RegisterCuda(const Principal& p,
     const auto* h = reinterpret_cast<const uint8_t*>(r.mem_handle().data());
     const absl::Span<const uint8_t> handle(h, r.mem_handle().size());
     return s->OpenCudaRegion(role, [&](kernels::Device device) {
-      return session::CudaRegion::OpenIpc(device, uuid, handle, r.offset_bytes(),
-                                          r.size_bytes());
+      return session::CudaRegion::OpenIpc(device, uuid, handle, r.offset_bytes(), r.size_bytes());
     });
   }
   const v1::CudaVmmFdRegion& r = req.cuda_vmm_fd();
@@ -321,9 +323,9 @@ void OptimizerService::DataPlaneToProto(const session::Session& s,
   }
 }
 
-grpc::ServerUnaryReactor* OptimizerService::UnregisterRegion(
-    grpc::CallbackServerContext* ctx, const v1::UnregisterRegionRequest* req,
-    v1::UnregisterRegionResponse*) {
+grpc::ServerUnaryReactor* OptimizerService::UnregisterRegion(grpc::CallbackServerContext* ctx,
+                                                             const v1::UnregisterRegionRequest* req,
+                                                             v1::UnregisterRegionResponse*) {
   return Offload(ctx, [=]() -> absl::Status {
     auto p = auth_->Authenticate(*ctx);
     if (!p.ok()) return p.status();
@@ -363,19 +365,18 @@ grpc::ServerUnaryReactor* OptimizerService::Step(grpc::CallbackServerContext* ct
 grpc::ServerReadReactor<v1::TensorChunk>* OptimizerService::PushGradients(
     grpc::CallbackServerContext* ctx, v1::PushGradientsResponse* resp) {
   session::SessionManager* manager = manager_;
-  return new ChunkReader(ctx, pool_.get(), manager_, session::StreamKind::kGradients, options_,
-                         OwnerCheck(ctx),
-                         [manager, resp](const std::string& id,
-                                         std::vector<session::TensorWrite> writes, int64_t bytes,
-                                         int64_t chunks) -> absl::Status {
-                           auto s = manager->Get(id);
-                           if (!s.ok()) return s.status();
-                           absl::Status st = (*s)->ApplyGradientWrites(writes);
-                           if (!st.ok()) return st;
-                           resp->set_bytes_received(bytes);
-                           resp->set_chunks(chunks);
-                           return absl::OkStatus();
-                         });
+  return new ChunkReader(
+      ctx, pool_.get(), manager_, session::StreamKind::kGradients, options_, OwnerCheck(ctx),
+      [manager, resp](const std::string& id, std::vector<session::TensorWrite> writes,
+                      int64_t bytes, int64_t chunks) -> absl::Status {
+        auto s = manager->Get(id);
+        if (!s.ok()) return s.status();
+        absl::Status st = (*s)->ApplyGradientWrites(writes);
+        if (!st.ok()) return st;
+        resp->set_bytes_received(bytes);
+        resp->set_chunks(chunks);
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerWriteReactor<v1::TensorChunk>* OptimizerService::PullParameters(
@@ -413,29 +414,30 @@ grpc::ServerWriteReactor<v1::TensorChunk>* OptimizerService::PullParameters(
   std::shared_ptr<session::Session> sess = *s;
   size_t index = 0;
   int64_t offset = 0;
-  return new ChunkWriter(pool_.get(), [sess, tensors, chunk, index, offset](
-                             v1::TensorChunk* out) mutable -> absl::StatusOr<bool> {
-    if (index >= tensors.size()) return false;
-    const session::TensorPlacement& t = tensors[index];
-    int64_t len = std::min(chunk, t.size_bytes - offset);
-    std::string bytes;
-    absl::Status st = sess->ReadParameterBytes(t.name, offset, len, &bytes);
-    if (!st.ok()) return st;
-    out->set_name(t.name);
-    out->set_offset_bytes(offset);
-    out->set_data(std::move(bytes));
-    if (offset == 0) {
-      for (int64_t d : t.shape) out->add_shape(d);
-      out->set_dtype(DTypeToProto(t.dtype));
-      out->set_total_bytes(t.size_bytes);
-    }
-    offset += len;
-    if (offset >= t.size_bytes) {
-      ++index;
-      offset = 0;
-    }
-    return true;
-  });
+  return new ChunkWriter(
+      pool_.get(),
+      [sess, tensors, chunk, index, offset](v1::TensorChunk* out) mutable -> absl::StatusOr<bool> {
+        if (index >= tensors.size()) return false;
+        const session::TensorPlacement& t = tensors[index];
+        int64_t len = std::min(chunk, t.size_bytes - offset);
+        std::string bytes;
+        absl::Status st = sess->ReadParameterBytes(t.name, offset, len, &bytes);
+        if (!st.ok()) return st;
+        out->set_name(t.name);
+        out->set_offset_bytes(offset);
+        out->set_data(std::move(bytes));
+        if (offset == 0) {
+          for (int64_t d : t.shape) out->add_shape(d);
+          out->set_dtype(DTypeToProto(t.dtype));
+          out->set_total_bytes(t.size_bytes);
+        }
+        offset += len;
+        if (offset >= t.size_bytes) {
+          ++index;
+          offset = 0;
+        }
+        return true;
+      });
 }
 
 grpc::ServerUnaryReactor* OptimizerService::SetHyperparameters(
@@ -464,52 +466,53 @@ grpc::ServerWriteReactor<v1::TensorChunk>* OptimizerService::GetState(
   const int64_t chunk = options_.max_chunk_bytes / 4 * 4;
   size_t index = 0;
   int64_t offset = 0;
-  return new ChunkWriter(pool_.get(), [sess, include_parameters, tensors, chunk, index, offset](
-                                          v1::TensorChunk* out) mutable -> absl::StatusOr<bool> {
-    if (tensors == nullptr) {
-      auto state = sess->GetState(include_parameters);
-      if (!state.ok()) return state.status();
-      tensors = std::make_shared<std::vector<session::NamedTensor>>(*std::move(state));
-    }
-    if (index >= tensors->size()) return false;
-    const session::NamedTensor& t = (*tensors)[index];
-    const int64_t total = static_cast<int64_t>(t.data.size()) * 4;
-    const int64_t len = std::min(chunk, total - offset);
-    out->set_name(t.name);
-    out->set_offset_bytes(offset);
-    out->set_data(reinterpret_cast<const char*>(t.data.data()) + offset,
-                  static_cast<size_t>(len));
-    if (offset == 0) {
-      for (int64_t d : t.shape) out->add_shape(d);
-      out->set_dtype(v1::DTYPE_F32);
-      out->set_total_bytes(total);
-    }
-    offset += len;
-    if (offset >= total) {
-      ++index;
-      offset = 0;
-    }
-    return true;
-  });
+  return new ChunkWriter(
+      pool_.get(),
+      [sess, include_parameters, tensors, chunk, index,
+       offset](v1::TensorChunk* out) mutable -> absl::StatusOr<bool> {
+        if (tensors == nullptr) {
+          auto state = sess->GetState(include_parameters);
+          if (!state.ok()) return state.status();
+          tensors = std::make_shared<std::vector<session::NamedTensor>>(*std::move(state));
+        }
+        if (index >= tensors->size()) return false;
+        const session::NamedTensor& t = (*tensors)[index];
+        const int64_t total = static_cast<int64_t>(t.data.size()) * 4;
+        const int64_t len = std::min(chunk, total - offset);
+        out->set_name(t.name);
+        out->set_offset_bytes(offset);
+        out->set_data(reinterpret_cast<const char*>(t.data.data()) + offset,
+                      static_cast<size_t>(len));
+        if (offset == 0) {
+          for (int64_t d : t.shape) out->add_shape(d);
+          out->set_dtype(v1::DTYPE_F32);
+          out->set_total_bytes(total);
+        }
+        offset += len;
+        if (offset >= total) {
+          ++index;
+          offset = 0;
+        }
+        return true;
+      });
 }
 
 grpc::ServerReadReactor<v1::TensorChunk>* OptimizerService::SetState(
     grpc::CallbackServerContext* ctx, v1::SetStateResponse* resp) {
   session::SessionManager* manager = manager_;
-  return new ChunkReader(ctx, pool_.get(), manager_, session::StreamKind::kState, options_,
-                         OwnerCheck(ctx),
-                         [manager, resp](const std::string& id,
-                                         std::vector<session::TensorWrite> writes, int64_t,
-                                         int64_t) -> absl::Status {
-                           auto s = manager->Get(id);
-                           if (!s.ok()) return s.status();
-                           absl::Status st = (*s)->ApplyStateWrites(writes);
-                           if (!st.ok()) return st;
-                           std::set<std::string> names;
-                           for (const auto& w : writes) names.insert(w.name);
-                           resp->set_tensors(static_cast<int64_t>(names.size()));
-                           return absl::OkStatus();
-                         });
+  return new ChunkReader(
+      ctx, pool_.get(), manager_, session::StreamKind::kState, options_, OwnerCheck(ctx),
+      [manager, resp](const std::string& id, std::vector<session::TensorWrite> writes, int64_t,
+                      int64_t) -> absl::Status {
+        auto s = manager->Get(id);
+        if (!s.ok()) return s.status();
+        absl::Status st = (*s)->ApplyStateWrites(writes);
+        if (!st.ok()) return st;
+        std::set<std::string> names;
+        for (const auto& w : writes) names.insert(w.name);
+        resp->set_tensors(static_cast<int64_t>(names.size()));
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* OptimizerService::SaveCheckpoint(grpc::CallbackServerContext* ctx,
@@ -547,8 +550,8 @@ grpc::ServerUnaryReactor* OptimizerService::LoadCheckpoint(grpc::CallbackServerC
       return a;
     }
     if (req->shard_paths_size() > 1024) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          req->shard_paths_size(), " shard_paths: at most 1024"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(req->shard_paths_size(), " shard_paths: at most 1024"));
     }
     std::vector<std::string> shards;
     for (const std::string& path : req->shard_paths()) {

@@ -60,8 +60,8 @@ class OptimizerService final : public diond::v1::Optimizer::CallbackService {
                                              v1::UnregisterRegionResponse* resp) override;
   grpc::ServerUnaryReactor* Step(grpc::CallbackServerContext* ctx, const v1::StepRequest* req,
                                  v1::StepResponse* resp) override;
-  grpc::ServerReadReactor<v1::TensorChunk>* PushGradients(
-      grpc::CallbackServerContext* ctx, v1::PushGradientsResponse* resp) override;
+  grpc::ServerReadReactor<v1::TensorChunk>* PushGradients(grpc::CallbackServerContext* ctx,
+                                                          v1::PushGradientsResponse* resp) override;
   grpc::ServerWriteReactor<v1::TensorChunk>* PullParameters(
       grpc::CallbackServerContext* ctx, const v1::PullParametersRequest* req) override;
   grpc::ServerUnaryReactor* SetHyperparameters(grpc::CallbackServerContext* ctx,

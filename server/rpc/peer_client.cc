@@ -9,13 +9,9 @@
 #include "server/rpc/status_conversion.h"
 
 namespace diond::rpc {
-namespace {
+namespace {}  // namespace
 
-
-}  // namespace
-
-PeerClient::PeerClient(std::string target, absl::Duration call_timeout,
-                       PeerCredentials credentials)
+PeerClient::PeerClient(std::string target, absl::Duration call_timeout, PeerCredentials credentials)
     : target_(std::move(target)),
       call_timeout_(call_timeout),
       world_secret_(std::move(credentials.world_secret)) {
@@ -45,8 +41,8 @@ absl::Status PeerClient::Done(const grpc::Status& s, const char* what) const {
   absl::Status a = FromGrpcStatus(s);
   if (absl::IsUnavailable(a) || absl::IsDeadlineExceeded(a)) {
     // Transport trouble: say where we tried to go.
-    return absl::Status(a.code(), absl::StrCat("coordinator ", target_, " ", what, ": ",
-                                               a.message()));
+    return absl::Status(a.code(),
+                        absl::StrCat("coordinator ", target_, " ", what, ": ", a.message()));
   }
   return a;
 }

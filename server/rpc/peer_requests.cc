@@ -12,8 +12,8 @@ absl::Status CheckPeerSet(const v1::PeerSetRequest& req) {
 absl::StatusOr<std::vector<std::string>> PeerWaitKeys(const v1::PeerWaitRequest& req,
                                                       const comm::StoreLimits& limits) {
   if (req.timeout_ms() < 0 || req.timeout_ms() > kMaxPeerWaitMs) {
-    return absl::InvalidArgumentError(absl::StrCat("timeout_ms ", req.timeout_ms(),
-                                                   " outside [0, ", kMaxPeerWaitMs, "]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("timeout_ms ", req.timeout_ms(), " outside [0, ", kMaxPeerWaitMs, "]"));
   }
   if (req.keys_size() > limits.max_keys) {
     return absl::ResourceExhaustedError(absl::StrCat("Wait for ", req.keys_size(),
@@ -22,10 +22,9 @@ absl::StatusOr<std::vector<std::string>> PeerWaitKeys(const v1::PeerWaitRequest&
   }
   for (const std::string& k : req.keys()) {
     if (static_cast<int64_t>(k.size()) > limits.max_key_bytes) {
-      return absl::ResourceExhaustedError(absl::StrCat("Wait for a key of ", k.size(),
-                                                       " bytes; the limit is ",
-                                                       limits.max_key_bytes,
-                                                       " (--world_max_key_bytes)"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("Wait for a key of ", k.size(), " bytes; the limit is ",
+                       limits.max_key_bytes, " (--world_max_key_bytes)"));
     }
   }
   return std::vector<std::string>(req.keys().begin(), req.keys().end());

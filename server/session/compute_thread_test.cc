@@ -84,10 +84,11 @@ TEST(ComputeThread, CallReturnsTheTasksStatus) {
               StatusIs(absl::StatusCode::kResourceExhausted, "12 bytes short"));
   // Null: on the calling thread.
   std::thread::id where;
-  EXPECT_THAT(CallOnCompute(nullptr, [&] {
-                where = std::this_thread::get_id();
-                return absl::InvalidArgumentError("x");
-              }),
+  EXPECT_THAT(CallOnCompute(nullptr,
+                            [&] {
+                              where = std::this_thread::get_id();
+                              return absl::InvalidArgumentError("x");
+                            }),
               StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_EQ(where, std::this_thread::get_id());
   RunOnCompute(&compute, [&] { where = std::this_thread::get_id(); });
@@ -100,10 +101,12 @@ TEST(ComputeThread, NestedCallsRunInline) {
   compute.Run([&] {
     outer = std::this_thread::get_id();
     // Would deadlock if it were queued behind the task that posts it.
-    EXPECT_TRUE(compute.Call([&] {
-                  inner = std::this_thread::get_id();
-                  return absl::OkStatus();
-                }).ok());
+    EXPECT_TRUE(compute
+                    .Call([&] {
+                      inner = std::this_thread::get_id();
+                      return absl::OkStatus();
+                    })
+                    .ok());
   });
   EXPECT_EQ(outer, inner);
   EXPECT_EQ(compute.tasks_run(), 1);

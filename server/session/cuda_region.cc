@@ -5,8 +5,8 @@
 #include <string>
 #include <vector>
 
-#include "absl/synchronization/mutex.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 
@@ -59,8 +59,8 @@ absl::Status ReleaseIpc(kernels::Device device, void* ptr) {
 absl::StatusOr<kernels::Device> DeviceOf(kernels::Device compute, const GpuUuid& trainer,
                                          absl::string_view kind) {
   if (compute.type != kernels::DeviceType::kCuda && compute.type != kernels::DeviceType::kTest) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        kind, " needs a daemon that computes on a GPU; this one computes on the CPU"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(kind, " needs a daemon that computes on a GPU; this one computes on the CPU"));
   }
   DIOND_ASSIGN_OR_RETURN(std::vector<kernels::GpuUuid> uuids,
                          kernels::ListDeviceUuids(compute.type));
@@ -122,16 +122,16 @@ absl::StatusOr<std::unique_ptr<CudaRegion>> CudaRegion::OpenVmm(kernels::Device 
                                                                 int64_t granularity) {
   if (granularity <= 0 || (granularity & (granularity - 1)) != 0 || offset < 0 || size <= 0 ||
       offset > INT64_MAX - size - granularity) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "CUDA_VMM_FD: offset ", offset, ", size ", size, ", granularity ", granularity,
-        ": need offset >= 0, size > 0 and a power-of-two granularity"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("CUDA_VMM_FD: offset ", offset, ", size ", size, ", granularity ", granularity,
+                     ": need offset >= 0, size > 0 and a power-of-two granularity"));
   }
   DIOND_ASSIGN_OR_RETURN(kernels::Device device, DeviceOf(compute, trainer, "CUDA_VMM_FD"));
   const int64_t end = offset + size;
   const uint64_t bytes = static_cast<uint64_t>((end + granularity - 1) / granularity * granularity);
-  DIOND_ASSIGN_OR_RETURN(kernels::VmmMapping m,
-                         kernels::ImportVmmFd(device, fd, bytes,
-                                              static_cast<uint64_t>(granularity)));
+  DIOND_ASSIGN_OR_RETURN(
+      kernels::VmmMapping m,
+      kernels::ImportVmmFd(device, fd, bytes, static_cast<uint64_t>(granularity)));
   std::unique_ptr<CudaRegion> r(new CudaRegion);
   r->device_ = device;
   r->uuid_ = trainer;
@@ -145,8 +145,7 @@ absl::StatusOr<std::unique_ptr<CudaRegion>> CudaRegion::OpenVmm(kernels::Device 
 }
 
 CudaRegion::~CudaRegion() {
-  absl::Status s = vmm_ ? kernels::UnmapVmm(device_, vmm_mapping_)
-                        : ReleaseIpc(device_, base_);
+  absl::Status s = vmm_ ? kernels::UnmapVmm(device_, vmm_mapping_) : ReleaseIpc(device_, base_);
   if (!s.ok()) DIOND_LOG(ERROR) << Describe() << ": releasing it failed: " << s;
   --g_live;
 }

@@ -118,8 +118,7 @@ TEST_F(CudaRegionTest, UnknownGpuAndWrongDeviceAreRefusedWithBothUuidsAndOpenNot
   stranger[0] ^= 0xff;
   auto r = CudaRegion::OpenIpc(kDev0, stranger, h, 0, 4096);
   EXPECT_THAT(r.status(), StatusIs(absl::StatusCode::kFailedPrecondition));
-  EXPECT_TRUE(absl::StrContains(r.status().message(), FormatGpuUuid(stranger)))
-      << r.status();
+  EXPECT_TRUE(absl::StrContains(r.status().message(), FormatGpuUuid(stranger))) << r.status();
   EXPECT_TRUE(absl::StrContains(r.status().message(), FormatGpuUuid(Uuid(0)))) << r.status();
   // The trainer's GPU is the daemon's device 1, but the daemon computes on device 0.
   r = CudaRegion::OpenIpc(kDev0, Uuid(1), h, 0, 4096);

@@ -23,7 +23,7 @@ StepDeviceComm::StepDeviceComm(const kernels::Context* ctx, ComputeThread* compu
     absl::StatusOr<std::unique_ptr<comm::Communicator>> q = device_->OnStream(ctx_->stream());
     if (q.ok()) queued_ = std::move(*q);
   }
-  backend_name_ = device_ == nullptr ? absl::StrCat(host_->backend(), "+staged")
+  backend_name_ = device_ == nullptr   ? absl::StrCat(host_->backend(), "+staged")
                   : queued_ != nullptr ? absl::StrCat(device_->backend(), "+stream")
                                        : std::string(device_->backend());
 }
@@ -75,9 +75,8 @@ absl::Status StepDeviceComm::ToHost(const void* device, void* host, size_t bytes
 
 absl::Status StepDeviceComm::ToDevice(const void* host, void* device, size_t bytes) {
   if (bytes == 0) return absl::OkStatus();
-  return CallOnCompute(compute_, [&] {
-    return ctx_->backend().copy_from_host(*ctx_, host, device, bytes);
-  });
+  return CallOnCompute(compute_,
+                       [&] { return ctx_->backend().copy_from_host(*ctx_, host, device, bytes); });
 }
 
 template <typename F>
@@ -200,12 +199,10 @@ absl::Status StepDeviceComm::AllGatherBytes(absl::Span<const uint8_t> input,
     DIOND_RETURN_IF_ERROR(BeforeDirect());
     return d->AllGatherBytes(input, output);
   }
-  return Staged(input.data(), input.size(), output.data(), output.size(),
-                [&](void* in, void* out) {
-                  return host_->AllGatherBytes(
-                      absl::MakeConstSpan(static_cast<const uint8_t*>(in), input.size()),
-                      absl::MakeSpan(static_cast<uint8_t*>(out), output.size()));
-                });
+  return Staged(input.data(), input.size(), output.data(), output.size(), [&](void* in, void* out) {
+    return host_->AllGatherBytes(absl::MakeConstSpan(static_cast<const uint8_t*>(in), input.size()),
+                                 absl::MakeSpan(static_cast<uint8_t*>(out), output.size()));
+  });
 }
 
 absl::Status StepDeviceComm::BroadcastBytes(absl::Span<uint8_t> data, int root) {

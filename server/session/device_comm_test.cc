@@ -23,8 +23,8 @@
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "kernels/device.h"
-#include "kernels/plugin/plugin_backend.h"
 #include "kernels/ops.h"
+#include "kernels/plugin/plugin_backend.h"
 #include "kernels/testing/host_device_backend.h"
 #include "server/comm/gloo_communicator.h"
 #include "server/comm/memory_store.h"
@@ -60,16 +60,15 @@ struct Rank {
     auto b = ctx->Allocate(DType::kF32, {static_cast<int64_t>(v.size())});
     EXPECT_THAT(b.status(), IsOk());
     EXPECT_THAT(kernels::CopyFromHost(
-                    *ctx, kernels::MakeView(v.data(), {static_cast<int64_t>(v.size())}),
-                    b->view()),
+                    *ctx, kernels::MakeView(v.data(), {static_cast<int64_t>(v.size())}), b->view()),
                 IsOk());
     return std::move(*b);
   }
   std::vector<float> Down(const Buffer& b) {
     std::vector<float> v(static_cast<size_t>(b.NumElements()));
-    EXPECT_THAT(kernels::CopyToHost(*ctx, b.cview(),
-                                    kernels::MakeView(v.data(), {b.NumElements()})),
-                IsOk());
+    EXPECT_THAT(
+        kernels::CopyToHost(*ctx, b.cview(), kernels::MakeView(v.data(), {b.NumElements()})),
+        IsOk());
     return v;
   }
 };
@@ -97,8 +96,8 @@ void TwoRanks(const std::string& prefix,
       auto host = comm::GlooCommunicator::Create(&kv, o);
       ASSERT_THAT(host.status(), IsOk());
       Rank dev;
-      StepDeviceComm c(dev.ctx, nullptr,
-                       std::shared_ptr<comm::Communicator>(std::move(*host)), nullptr);
+      StepDeviceComm c(dev.ctx, nullptr, std::shared_ptr<comm::Communicator>(std::move(*host)),
+                       nullptr);
       EXPECT_TRUE(c.staged());
       EXPECT_EQ(c.backend(), "gloo+staged");
       EXPECT_EQ(c.memory(), comm::MemorySpace::kDevice);
@@ -113,7 +112,7 @@ void TwoRanks(const std::string& prefix,
 TEST_F(DeviceComm, StagedCollectivesOnDeviceBuffersGiveTheHostResults) {
   TwoRanks("staged/", [](int r, StepDeviceComm& c, Rank& dev) {
     const float k = static_cast<float>(r + 1);  // rank 0 holds 1s, rank 1 holds 2s (scaled)
-    {  // all-reduce, sum and average, in place
+    {                                           // all-reduce, sum and average, in place
       Buffer b = dev.Up({1 * k, 10 * k, 100 * k});
       ASSERT_THAT(c.AllReduceSum(S(b)), IsOk());
       EXPECT_EQ(dev.Down(b), (std::vector<float>{3, 30, 300}));
@@ -141,14 +140,15 @@ TEST_F(DeviceComm, StagedCollectivesOnDeviceBuffersGiveTheHostResults) {
       Buffer aout = dev.Up({0, 0});
       ASSERT_THAT(c.AllToAll(S(ain), S(aout)), IsOk());
       // Block j of the output: rank j's block r.
-      EXPECT_EQ(dev.Down(aout), r == 0 ? (std::vector<float>{10, 20}) : (std::vector<float>{20, 40}));
+      EXPECT_EQ(dev.Down(aout),
+                r == 0 ? (std::vector<float>{10, 20}) : (std::vector<float>{20, 40}));
     }
     {  // broadcast from rank 1
       Buffer b = dev.Up({k, k, k});
       ASSERT_THAT(c.Broadcast(S(b), 1), IsOk());
       EXPECT_EQ(dev.Down(b), (std::vector<float>{2, 2, 2}));
     }
-    {  // the byte forms, on device memory too
+    {                                    // the byte forms, on device memory too
       std::vector<float> host_bytes(1);  // 4 bytes per rank
       uint8_t v[4] = {static_cast<uint8_t>(r), 1, 2, 3};
       std::memcpy(host_bytes.data(), v, 4);
@@ -325,7 +325,7 @@ int FakeCreate(const uint8_t*, int, int, int, int64_t, void** comm, char*, size_
   *comm = &g_nccl_comm;
   return 0;
 }
-void FakeDestroy(void*) { g_nccl_aborted = true; }  // ncclCommAbort ends the waiting kernels
+void FakeDestroy(void*) { g_nccl_aborted = true; }   // ncclCommAbort ends the waiting kernels
 int FakeHealthy(void*, char*, size_t) { return 0; }  // the peer heartbeats: no async error
 int FakeNeverEndingAllReduce(void*, const void*, void*, size_t, int, int, int64_t, void* stream,
                              char*, size_t) {
@@ -370,12 +370,13 @@ std::shared_ptr<comm::NcclCommunicator> FakeNccl(absl::Duration timeout) {
 // The World's heartbeat: polls the device communicator until stopped.
 class Heartbeat {
  public:
-  explicit Heartbeat(comm::Communicator* c) : thread_([this, c] {
-    while (!stop_.HasBeenNotified()) {
-      (void)c->Poll();
-      absl::SleepFor(absl::Milliseconds(10));
-    }
-  }) {}
+  explicit Heartbeat(comm::Communicator* c)
+      : thread_([this, c] {
+          while (!stop_.HasBeenNotified()) {
+            (void)c->Poll();
+            absl::SleepFor(absl::Milliseconds(10));
+          }
+        }) {}
   ~Heartbeat() {
     stop_.Notify();
     thread_.join();

@@ -20,7 +20,8 @@ std::string FormatGpuUuid(const GpuUuid& u) {
 absl::StatusOr<GpuUuid> ParseGpuUuid(absl::string_view bytes, absl::string_view field) {
   GpuUuid u{};
   if (bytes.size() != u.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(field, " must be the 16 bytes of the GPU's "
+    return absl::InvalidArgumentError(absl::StrCat(field,
+                                                   " must be the 16 bytes of the GPU's "
                                                    "UUID (cudaDeviceProp::uuid); got ",
                                                    bytes.size(), " bytes"));
   }

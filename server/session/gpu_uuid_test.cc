@@ -48,8 +48,8 @@ TEST(GpuUuid, MapsByUuidNotByIndex) {
 TEST(GpuUuid, UnknownUuidNamesBothSides) {
   const std::vector<GpuDevice> daemon = {{0, Uuid(2)}, {1, Uuid(3)}};
   auto r = MapGpuUuid(Uuid(5), daemon);
-  EXPECT_THAT(r.status(), StatusIs(absl::StatusCode::kFailedPrecondition,
-                                   HasSubstr(FormatGpuUuid(Uuid(5)))));
+  EXPECT_THAT(r.status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr(FormatGpuUuid(Uuid(5)))));
   EXPECT_THAT(r.status().message(), HasSubstr("cuda:0 " + FormatGpuUuid(Uuid(2))));
   EXPECT_THAT(r.status().message(), HasSubstr("cuda:1 " + FormatGpuUuid(Uuid(3))));
   EXPECT_THAT(MapGpuUuid(Uuid(5), {}).status(),

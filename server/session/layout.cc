@@ -25,8 +25,9 @@ absl::StatusOr<Layout> ComputeLayout(const std::vector<ParamSpec>& params) {
                                                        "] has a non-positive dimension"));
       }
       if (numel > kMax / d) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "parameter '", Bounded(p.name), "' shape [", absl::StrJoin(p.shape, ", "), "] overflows int64"));
+        return absl::InvalidArgumentError(absl::StrCat("parameter '", Bounded(p.name), "' shape [",
+                                                       absl::StrJoin(p.shape, ", "),
+                                                       "] overflows int64"));
       }
       numel *= d;
     }

@@ -53,9 +53,9 @@ absl::Status CheckMemfd(int fd) {
     memfd = n > 0 && absl::StartsWith(absl::string_view(link, static_cast<size_t>(n)), "/memfd:");
   }
   if (!memfd) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the fd sent is ", FileKind(st.st_mode),
-        ", not a memfd: a MEMFD region needs memfd_create(MFD_ALLOW_SEALING) memory"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("the fd sent is ", FileKind(st.st_mode),
+                     ", not a memfd: a MEMFD region needs memfd_create(MFD_ALLOW_SEALING) memory"));
   }
   const int seals = fcntl(fd, F_GET_SEALS);
   if (seals < 0) {

@@ -45,9 +45,8 @@ TEST(CheckMemfd, AcceptsASealedMemfd) {
 
 TEST(CheckMemfd, NamesTheMissingSeals) {
   UniqueFd none = SealedMemfd(4096, 0);
-  EXPECT_THAT(CheckMemfd(none.get()),
-              StatusIs(absl::StatusCode::kFailedPrecondition,
-                       HasSubstr("lacks F_SEAL_SHRINK and F_SEAL_GROW")));
+  EXPECT_THAT(CheckMemfd(none.get()), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                               HasSubstr("lacks F_SEAL_SHRINK and F_SEAL_GROW")));
   UniqueFd shrink = SealedMemfd(4096, F_SEAL_SHRINK);
   EXPECT_THAT(CheckMemfd(shrink.get()),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("lacks F_SEAL_GROW")));
@@ -75,8 +74,8 @@ TEST(CheckMemfd, RefusesWhatIsNoMemfd) {
   int sv[2];
   ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
   UniqueFd a(sv[0]), b(sv[1]);
-  EXPECT_THAT(CheckMemfd(a.get()), StatusIs(absl::StatusCode::kInvalidArgument,
-                                            HasSubstr("is a socket, not a memfd")));
+  EXPECT_THAT(CheckMemfd(a.get()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("is a socket, not a memfd")));
   const std::string path = absl::StrCat(::testing::TempDir(), "/memfd-region-test-", getpid());
   UniqueFd file(open(path.c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0600));
   ASSERT_TRUE(file.valid());
@@ -88,27 +87,27 @@ TEST(CheckMemfd, RefusesWhatIsNoMemfd) {
   UniqueFd seg(shm_open(shm.c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0600));
   ASSERT_TRUE(seg.valid());
   shm_unlink(shm.c_str());
-  EXPECT_THAT(CheckMemfd(seg.get()), StatusIs(absl::StatusCode::kInvalidArgument,
-                                              HasSubstr("not a memfd")));
+  EXPECT_THAT(CheckMemfd(seg.get()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("not a memfd")));
   UniqueFd null(open("/dev/null", O_RDWR | O_CLOEXEC));
-  EXPECT_THAT(CheckMemfd(null.get()), StatusIs(absl::StatusCode::kInvalidArgument,
-                                               HasSubstr("a character device")));
+  EXPECT_THAT(CheckMemfd(null.get()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("a character device")));
 }
 
 TEST(MemfdRegion, AdoptMapsTheTrainersBytesAndCannotShrink) {
   const int64_t bytes = 3 * 4096;
   UniqueFd fd = SealedMemfd(bytes, F_SEAL_SHRINK | F_SEAL_GROW);
-  auto* trainer = static_cast<uint8_t*>(
-      mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0));
+  auto* trainer =
+      static_cast<uint8_t*>(mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0));
   ASSERT_NE(trainer, MAP_FAILED);
   for (int64_t i = 0; i < bytes; ++i) trainer[i] = static_cast<uint8_t>(i * 7);
   // Sealed: the trainer cannot shrink (or grow) it any more.
   EXPECT_NE(ftruncate(fd.get(), 4096), 0);
   EXPECT_EQ(errno, EPERM);
   // Out of range and the good case; the daemon gets its own fd.
-  EXPECT_THAT(ShmRegion::Adopt(dup(fd.get()), "memfd", MemfdName(fd.get()), 4096, bytes, "s1")
-                  .status(),
-              StatusIs(absl::StatusCode::kOutOfRange, HasSubstr("memfd region")));
+  EXPECT_THAT(
+      ShmRegion::Adopt(dup(fd.get()), "memfd", MemfdName(fd.get()), 4096, bytes, "s1").status(),
+      StatusIs(absl::StatusCode::kOutOfRange, HasSubstr("memfd region")));
   auto r = ShmRegion::Adopt(dup(fd.get()), "memfd", MemfdName(fd.get()), 256, 4096, "s1");
   ASSERT_THAT(r.status(), IsOk());
   EXPECT_EQ(std::memcmp((*r)->data(), trainer + 256, 4096), 0);
@@ -117,9 +116,8 @@ TEST(MemfdRegion, AdoptMapsTheTrainersBytesAndCannotShrink) {
   EXPECT_THAT((*r)->CheckIntact(), IsOk());
   EXPECT_THAT((*r)->Describe(), HasSubstr("memfd region 'memfd:"));
   // The one-session rule holds for memfds too.
-  EXPECT_THAT(
-      ShmRegion::Adopt(dup(fd.get()), "memfd", MemfdName(fd.get()), 0, 4096, "s2").status(),
-      StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("another session")));
+  EXPECT_THAT(ShmRegion::Adopt(dup(fd.get()), "memfd", MemfdName(fd.get()), 0, 4096, "s2").status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("another session")));
   munmap(trainer, bytes);
 }
 

@@ -26,9 +26,7 @@ struct ProcessId {
   pid_t pid = 0;             // 0: unknown (a TCP peer, a pid of another pid namespace)
   uint64_t start_ticks = 0;  // /proc/<pid>/stat starttime; 0: unknown
   bool known() const { return pid > 0 && start_ticks > 0; }
-  bool operator==(const ProcessId& o) const {
-    return pid == o.pid && start_ticks == o.start_ticks;
-  }
+  bool operator==(const ProcessId& o) const { return pid == o.pid && start_ticks == o.start_ticks; }
 };
 
 // The start time of process `pid`. NOT_FOUND when no such process exists, or it has exited and

@@ -2,28 +2,27 @@
 // the class lives by concern in session_regions.cc (arenas and shm regions), session_step.cc
 // (the step skeleton), session_world.cc (the world's phases) and session_state.cc (state and
 // parameter transfer, snapshots).
+#include "server/session/session.h"
+
 #include <cctype>
 #include <set>
 
 #include "absl/container/flat_hash_map.h"
-#include "absl/strings/str_split.h"
-#include "kernels/optim/validation.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "common/bounded.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
-#include "server/session/session.h"
-#include "server/session/session_internal.h"
+#include "kernels/optim/validation.h"
 #include "server/session/layout.h"
+#include "server/session/session_internal.h"
 
 namespace diond::session {
 
-absl::string_view RoleName(Role r) {
-  return r == Role::kParameters ? "PARAMETERS" : "GRADIENTS";
-}
+absl::string_view RoleName(Role r) { return r == Role::kParameters ? "PARAMETERS" : "GRADIENTS"; }
 
 absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, SessionSpec spec,
                                                          const kernels::Context* ctx,
@@ -61,11 +60,12 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, Session
           absl::StrCat("parameter name '", Bounded(p.name), "' may not contain '/state.'"));
     }
     if (!names.insert(p.name).second) {
-      return absl::InvalidArgumentError(absl::StrCat("duplicate parameter name '", Bounded(p.name), "'"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("duplicate parameter name '", Bounded(p.name), "'"));
     }
     if (!group_index.contains(p.group)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("parameter '", Bounded(p.name), "' names unknown group '", Bounded(p.group), "'"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "parameter '", Bounded(p.name), "' names unknown group '", Bounded(p.group), "'"));
     }
   }
   DIOND_ASSIGN_OR_RETURN(Layout layout, ComputeLayout(spec.params));
@@ -105,10 +105,10 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, Session
     if (!opt.ok()) {
       const std::string pool =
           absl::IsResourceExhausted(opt.status()) ? s->DeviceAllocationError() : "";
-      return absl::Status(opt.status().code(),
-                          absl::StrCat("group '", Bounded(group.name), "': ",
-                                       opt.status().message(),
-                                       pool.empty() ? "" : absl::StrCat(" (", pool, ")")));
+      return absl::Status(
+          opt.status().code(),
+          absl::StrCat("group '", Bounded(group.name), "': ", opt.status().message(),
+                       pool.empty() ? "" : absl::StrCat(" (", pool, ")")));
     }
     group.optimizer = std::move(*opt);
     for (size_t slot = 0; slot < group.params.size(); ++slot) {

@@ -50,7 +50,7 @@
 namespace diond::comm {
 class Communicator;
 class World;
-}
+}  // namespace diond::comm
 
 namespace diond::session {
 
@@ -121,7 +121,7 @@ struct SessionInfo {
   std::vector<Group> groups;
   std::string world_key;
   absl::Time last_step_time = absl::InfinitePast();  // InfinitePast = no step yet
-  int64_t last_checkpoint_step = 0;                   // 0 = none
+  int64_t last_checkpoint_step = 0;                  // 0 = none
   std::string last_checkpoint_path;
   absl::Time last_checkpoint_time = absl::InfinitePast();
 };
@@ -192,12 +192,12 @@ class Session {
   // 256, a region smaller than the arena, or a region overlapping the other role's region in
   // the same segment; FAILED_PRECONDITION if the role is bound already; NOT_FOUND /
   // OUT_OF_RANGE from ShmRegion::Open. Returns the region id.
-  absl::StatusOr<std::string> RegisterShmRegion(Role role, const std::string& name,
-                                                int64_t offset, int64_t size);
+  absl::StatusOr<std::string> RegisterShmRegion(Role role, const std::string& name, int64_t offset,
+                                                int64_t size);
   // Maps a sealed memfd (from the fd channel; ownership taken) for `role`, with the checks of
   // RegisterShmRegion and CheckMemfd's (server/session/memfd_region.h). Returns the region id.
-  absl::StatusOr<std::string> RegisterMemfdRegion(Role role, fdchannel::UniqueFd fd,
-                                                  int64_t offset, int64_t size);
+  absl::StatusOr<std::string> RegisterMemfdRegion(Role role, fdchannel::UniqueFd fd, int64_t offset,
+                                                  int64_t size);
   // Binds trainer GPU memory opened by CudaRegion (cuda_region.h) to `role`: INVALID_ARGUMENT
   // for a region smaller than the role's arena; FAILED_PRECONDITION for a host session, for a
   // region on another device, if the role is bound, or
@@ -602,11 +602,11 @@ class Session {
     // Per parameter: floats of its compact update (optim::CapturedUpdateSize; Dion P/Q_new,
     // Dion2 slices), 0 = the whole parameter is exchanged.
     std::vector<int64_t> compact;
-    std::vector<int64_t> owned_payload;      // per rank: floats it sends in the exchange
+    std::vector<int64_t> owned_payload;  // per rank: floats it sends in the exchange
     // Per parameter: computed by every rank on its own gradients (Dion under DION_COMPRESSED),
     // so neither reduce-scattered nor exchanged.
     std::vector<bool> replicated;
-    absl::Status broken;                     // set once a step failed in the world
+    absl::Status broken;  // set once a step failed in the world
     absl::Duration verdict_wait;
     int64_t checksum_every = 0;
   };

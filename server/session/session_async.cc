@@ -95,8 +95,7 @@ absl::StatusOr<StepResult> Session::Step(const StepRequest& request, const kerne
   last_used_ = start;
   std::vector<StepResult> previous;
   if (closing_) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("session '", id_, "' is being closed"));
+    return absl::FailedPreconditionError(absl::StrCat("session '", id_, "' is being closed"));
   }
   if (queued_.has_value()) {
     // Every Step waits for the queued one; what it then does depends on the index it names.
@@ -127,10 +126,10 @@ absl::StatusOr<StepResult> Session::Step(const StepRequest& request, const kerne
     }
     QueuedStep q = TakeQueuedLocked();
     if (!q.status.ok()) {
-      return absl::Status(q.status.code(),
-                          absl::StrCat("asynchronous step ", q.step_index, " failed: ",
-                                       q.status.message(), " (the session is at step ",
-                                       last_step_index_, ")"));
+      return absl::Status(
+          q.status.code(),
+          absl::StrCat("asynchronous step ", q.step_index, " failed: ", q.status.message(),
+                       " (the session is at step ", last_step_index_, ")"));
     }
     return q.result;
   }
@@ -140,19 +139,19 @@ absl::StatusOr<StepResult> Session::Step(const StepRequest& request, const kerne
       // A retry of the queued step (its answer was lost): the queued step's answer.
       QueuedStep q = TakeQueuedLocked();
       if (!q.status.ok()) {
-        return absl::Status(q.status.code(),
-                            absl::StrCat("asynchronous step ", q.step_index, " failed: ",
-                                         q.status.message(), " (the session is at step ",
-                                         last_step_index_, ")"));
+        return absl::Status(
+            q.status.code(),
+            absl::StrCat("asynchronous step ", q.step_index, " failed: ", q.status.message(),
+                         " (the session is at step ", last_step_index_, ")"));
       }
       q.result.replayed = true;
       return q.result;
     }
     if (request.step_index != queued_index + 1) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "step_index ", request.step_index, " is out of order: step ", queued_index,
-          " is queued (asynchronous); the next Step is ", queued_index + 1,
-          " (or ", queued_index, " or a Step with wait to collect it)"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("step_index ", request.step_index, " is out of order: step ", queued_index,
+                       " is queued (asynchronous); the next Step is ", queued_index + 1, " (or ",
+                       queued_index, " or a Step with wait to collect it)"));
     }
     if (!queued_->status.ok()) {
       // The failure is this call's answer; the next step did not run.
@@ -167,9 +166,9 @@ absl::StatusOr<StepResult> Session::Step(const StepRequest& request, const kerne
     // request leaves that result to be collected.
     std::optional<StepResult> replay;
     if (absl::Status s = ValidateStepLocked(request, &replay); !s.ok()) {
-      return absl::Status(s.code(), absl::StrCat(s.message(), " (the asynchronous step ",
-                                                 queued_index,
-                                                 " succeeded; its result is still to collect)"));
+      return absl::Status(s.code(),
+                          absl::StrCat(s.message(), " (the asynchronous step ", queued_index,
+                                       " succeeded; its result is still to collect)"));
     }
     previous.push_back(TakeQueuedLocked().result);
   }
@@ -197,10 +196,10 @@ absl::StatusOr<StepResult> Session::Step(const StepRequest& request, const kerne
   absl::StatusOr<StepResult> r = StepLocked(request, ctx, start);
   if (!r.ok()) {
     if (previous.empty()) return r.status();
-    return absl::Status(r.status().code(),
-                        absl::StrCat(r.status().message(), " (the asynchronous step ",
-                                     previous[0].step_index,
-                                     " before it succeeded: Step it again to get its answer)"));
+    return absl::Status(
+        r.status().code(),
+        absl::StrCat(r.status().message(), " (the asynchronous step ", previous[0].step_index,
+                     " before it succeeded: Step it again to get its answer)"));
   }
   if (!r->replayed) last_async_failure_.clear();
   r->previous = std::move(previous);

@@ -119,7 +119,8 @@ void Session::DeviceSideDeleter::operator()(DeviceSide* d) const {
       DIOND_LOG(WARNING) << "destroying a trainer's event failed: " << s.message();
     }
   }
-  if (d->stream != nullptr && d->hooks.destroy_stream) d->hooks.destroy_stream(d->device, d->stream);
+  if (d->stream != nullptr && d->hooks.destroy_stream)
+    d->hooks.destroy_stream(d->device, d->stream);
   if (d->words != nullptr) {
     if (d->words_pinned && d->hooks.host_unregister) {
       if (absl::Status s = d->hooks.host_unregister(d->device, d->words); !s.ok()) {
@@ -332,8 +333,7 @@ void Session::GraphFallbacksReported() {
 
 namespace {
 
-kernels::ConstTensorView DeviceView(kernels::Device device, DType dtype, const void* p,
-                                    int64_t n) {
+kernels::ConstTensorView DeviceView(kernels::Device device, DType dtype, const void* p, int64_t n) {
   return kernels::ConstTensorView(p, kernels::ContiguousLayout(dtype, {n}), device);
 }
 kernels::TensorView DeviceView(kernels::Device device, DType dtype, void* p, int64_t n) {
@@ -345,8 +345,7 @@ absl::Status CopyToDevice(const kernels::Context& ctx, const void* host, void* d
   if (bytes == 0) return absl::OkStatus();
   return ctx.backend().copy_from_host(ctx, host, device, bytes);
 }
-absl::Status CopyToHost(const kernels::Context& ctx, const void* device, void* host,
-                        size_t bytes) {
+absl::Status CopyToHost(const kernels::Context& ctx, const void* device, void* host, size_t bytes) {
   if (bytes == 0) return absl::OkStatus();
   return ctx.backend().copy_to_host(ctx, device, host, bytes);
 }
@@ -517,8 +516,8 @@ void Session::QueueMasterCommit(size_t i) {
       *d.ctx, DeviceView(d.device, DType::kF32, static_cast<const void*>(d.param(i)), n),
       DeviceView(d.device, DType::kF32, DeviceMaster(i), n));
   if (!s.ok()) {
-    DIOND_LOG(ERROR) << "session " << id_ << ": queuing the master weights' update failed: "
-                     << s.message();
+    DIOND_LOG(ERROR) << "session " << id_
+                     << ": queuing the master weights' update failed: " << s.message();
   }
 }
 
@@ -572,10 +571,12 @@ absl::StatusOr<float*> Session::DeviceWorldBuffer(WorldBuffer which, int64_t n) 
       return absl::OkStatus();
     });
     if (!made.ok()) {
-      return absl::Status(made.code(),
-                          absl::StrCat("allocating ", n * 4, " bytes on the device for the world "
-                                       "exchange failed: ", made.message(),
-                                       pool.empty() ? "" : absl::StrCat(" (", pool, ")")));
+      return absl::Status(
+          made.code(),
+          absl::StrCat("allocating ", n * 4,
+                       " bytes on the device for the world "
+                       "exchange failed: ",
+                       made.message(), pool.empty() ? "" : absl::StrCat(" (", pool, ")")));
     }
   }
   return b.As<float>();
@@ -606,17 +607,19 @@ absl::Status Session::PrepareEventsLocked(const StepRequest& request) {
       {"ready_event", &request.ready_event}, {"done_event", &request.done_event}};
   for (const auto& [name, handle] : events) {
     if (!handle->empty() && handle->size() != kHandleBytes) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "step ", request.step_index, ": ", name, " must be the 64 bytes of a "
-          "cudaIpcEventHandle_t; got ", handle->size(), " bytes"));
+      return absl::InvalidArgumentError(absl::StrCat("step ", request.step_index, ": ", name,
+                                                     " must be the 64 bytes of a "
+                                                     "cudaIpcEventHandle_t; got ",
+                                                     handle->size(), " bytes"));
     }
   }
   if (device_ == nullptr || device_->stream == nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "step ", request.step_index, ": ready_event / done_event order a device session's "
-        "stream, and this session ",
-        device_ == nullptr ? "steps on the host" : "has no stream of its own",
-        "; send them only with CUDA regions on a GPU daemon"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("step ", request.step_index,
+                     ": ready_event / done_event order a device session's "
+                     "stream, and this session ",
+                     device_ == nullptr ? "steps on the host" : "has no stream of its own",
+                     "; send them only with CUDA regions on a GPU daemon"));
   }
   DeviceSide& d = *device_;
   DeviceSide::IpcEvent* cached[] = {&d.ready, &d.done};
@@ -625,8 +628,8 @@ absl::Status Session::PrepareEventsLocked(const StepRequest& request) {
     DeviceSide::IpcEvent& e = *cached[k];
     if (handle.empty() || (e.event != nullptr && e.handle == handle)) continue;
     absl::StatusOr<void*> opened = kernels::OpenIpcEvent(
-        d.device, absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(handle.data()),
-                                      handle.size()));
+        d.device,
+        absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(handle.data()), handle.size()));
     if (!opened.ok()) {
       return absl::Status(opened.status().code(),
                           absl::StrCat("step ", request.step_index, ": ", events[k].first,
@@ -814,19 +817,18 @@ absl::Status Session::QueueWeightCopies() {
     // (The next master weights stay in the staging: the commit copies them on the device.)
     if (cuda != nullptr) {
       // Device to device into the trainer's GPU memory, narrowed on the way.
-      DIOND_RETURN_IF_ERROR(kernels::Copy(
-          dc, DeviceView(d.device, DType::kF32, src, t.numel),
-          DeviceView(d.device, t.dtype, static_cast<void*>(cuda->data() + t.param_offset),
-                     t.numel)));
+      DIOND_RETURN_IF_ERROR(
+          kernels::Copy(dc, DeviceView(d.device, DType::kF32, src, t.numel),
+                        DeviceView(d.device, t.dtype,
+                                   static_cast<void*>(cuda->data() + t.param_offset), t.numel)));
       continue;
     }
     uint8_t* arena = params_.data + t.param_offset;
     if (t.dtype == DType::kF32) {
       DIOND_RETURN_IF_ERROR(CopyToHostAsync(dc, src, arena, 4 * t.numel));
     } else {
-      DIOND_RETURN_IF_ERROR(
-          kernels::Copy(dc, DeviceView(d.device, DType::kF32, src, t.numel),
-                        DeviceView(d.device, t.dtype, d.raw.data(), t.numel)));
+      DIOND_RETURN_IF_ERROR(kernels::Copy(dc, DeviceView(d.device, DType::kF32, src, t.numel),
+                                          DeviceView(d.device, t.dtype, d.raw.data(), t.numel)));
       DIOND_RETURN_IF_ERROR(CopyToHostAsync(
           dc, d.raw.data(), arena, static_cast<size_t>(t.numel) * kernels::DTypeSize(t.dtype)));
     }
@@ -868,8 +870,8 @@ absl::Status CheckRulesRunOnDevice() {
   // binary), else the CPU's table standing in for DeviceType::kTest for the probe's duration.
   const kernels::Device probe{kernels::DeviceType::kTest, 0};
   if (kernels::FindOpsBackend(probe.type) != nullptr) return ProbeRules(probe);
-  DIOND_RETURN_IF_ERROR(kernels::RegisterOpsBackend(
-      probe.type, kernels::FindOpsBackend(kernels::DeviceType::kCpu)));
+  DIOND_RETURN_IF_ERROR(
+      kernels::RegisterOpsBackend(probe.type, kernels::FindOpsBackend(kernels::DeviceType::kCpu)));
   absl::Status s = ProbeRules(probe);
   kernels::UnregisterOpsBackendForTest(probe.type);
   return s;

@@ -43,8 +43,8 @@ absl::Status CheckStateFitsInMemory(const SessionSpec& spec) {
     bytes += 4.0 * numel * static_cast<double>(optim::StateNames(it->second).size());
     if (spec.fp32_master_weights && p.dtype != DType::kF32) bytes += 4.0 * numel;
   }
-  const double host = static_cast<double>(sysconf(_SC_PHYS_PAGES)) *
-                      static_cast<double>(sysconf(_SC_PAGESIZE));
+  const double host =
+      static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGESIZE));
   if (host > 0 && bytes > host) {
     return absl::ResourceExhaustedError(absl::StrFormat(
         "session needs up to %.0f bytes of optimizer state; this host has %.0f bytes of memory",
@@ -62,12 +62,12 @@ absl::StatusOr<std::unique_ptr<SessionManager>> SessionManager::Create(
     const ManagerOptions& options, ManagerObserver observer) {
   if (options.orphan_grace < absl::ZeroDuration() ||
       options.orphan_grace_named < absl::ZeroDuration()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--orphan_grace (", absl::FormatDuration(options.orphan_grace), ") and --orphan_grace_named (",
-        absl::FormatDuration(options.orphan_grace_named), ") must be >= 0"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--orphan_grace (", absl::FormatDuration(options.orphan_grace),
+                     ") and --orphan_grace_named (",
+                     absl::FormatDuration(options.orphan_grace_named), ") must be >= 0"));
   }
-  if (options.checkpoint_every < 0 || options.checksum_every < 0 ||
-      options.max_session_bytes < 0 ||
+  if (options.checkpoint_every < 0 || options.checksum_every < 0 || options.max_session_bytes < 0 ||
       options.memory_budget_bytes < 0) {
     return absl::InvalidArgumentError("checkpoint_every and byte limits must be >= 0");
   }
@@ -91,9 +91,8 @@ absl::StatusOr<std::unique_ptr<SessionManager>> SessionManager::Create(
   if (!options.state_dir.empty()) {
     const int64_t removed = options.checkpoints->RemoveStaleTemporaries();
     if (removed > 0) {
-      DIOND_LOG(INFO) << "removed " << removed
-                      << " stale temporary checkpoint director" << (removed == 1 ? "y" : "ies")
-                      << " under " << options.state_dir
+      DIOND_LOG(INFO) << "removed " << removed << " stale temporary checkpoint director"
+                      << (removed == 1 ? "y" : "ies") << " under " << options.state_dir
                       << " (left by a daemon that died while writing)";
     }
     if (options.recover) m->RecoverSessions();
@@ -101,7 +100,8 @@ absl::StatusOr<std::unique_ptr<SessionManager>> SessionManager::Create(
   // One reaper thread for idle and orphan sessions, looking at least four times per timeout.
   absl::Duration period = absl::Seconds(1);
   bool reap = false;
-  for (absl::Duration d : {options.idle_timeout, options.orphan_grace, options.orphan_grace_named}) {
+  for (absl::Duration d :
+       {options.idle_timeout, options.orphan_grace, options.orphan_grace_named}) {
     if (d <= absl::ZeroDuration()) continue;
     reap = true;
     period = std::min(period, d / 4);
@@ -153,11 +153,11 @@ absl::Status SessionManager::CheckBudget(int64_t bytes, absl::string_view what) 
     int64_t used = 0;
     for (auto& [id, s] : sessions_) used += s->BudgetBytes();
     if (used + bytes > options_.memory_budget_bytes) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "session needs ", bytes, " bytes (", what, "); ", used, " of the ",
-          options_.memory_budget_bytes,
-          "-byte memory budget (--memory_budget_bytes) are in use by ", sessions_.size(),
-          " session(s)"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("session needs ", bytes, " bytes (", what, "); ", used, " of the ",
+                       options_.memory_budget_bytes,
+                       "-byte memory budget (--memory_budget_bytes) are in use by ",
+                       sessions_.size(), " session(s)"));
     }
   }
   return absl::OkStatus();
@@ -202,8 +202,8 @@ absl::StatusOr<ShardPlan> SessionManager::AgreeOnPlan(const SessionSpec& spec, u
   }
   DIOND_ASSIGN_OR_RETURN(ShardPlan plan, ComputeShardPlan(spec, world->size()));
   if (kv == nullptr) return absl::InternalError(absl::StrCat(where, "no rendezvous store"));
-  DIOND_RETURN_IF_ERROR(AgreeOnShardPlan(plan, *world, *kv, *epoch, key, use,
-                                         options_.world_session_timeout, where));
+  DIOND_RETURN_IF_ERROR(
+      AgreeOnShardPlan(plan, *world, *kv, *epoch, key, use, options_.world_session_timeout, where));
   return plan;
 }
 
@@ -221,9 +221,9 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::CreateSessionWithId(std
     absl::MutexLock lock(&mu_);
     auto it = names_.find(spec.session_name);
     if (it != names_.end()) {
-      return absl::AlreadyExistsError(absl::StrCat(
-          "session_name '", spec.session_name, "' is held by live session ", it->second,
-          "; re-attach to it (AttachSession) or close it first"));
+      return absl::AlreadyExistsError(
+          absl::StrCat("session_name '", spec.session_name, "' is held by live session ",
+                       it->second, "; re-attach to it (AttachSession) or close it first"));
     }
   }
   DIOND_RETURN_IF_ERROR(CheckStateFitsInMemory(spec));
@@ -273,20 +273,19 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::CreateSessionWithId(std
     DIOND_RETURN_IF_ERROR(CheckBudget(
         shared->BudgetBytes(),
         shared->is_device_session()
-            ? absl::StrCat("device pool ", shared->DeviceBytes(), " as allocated: staging ",
-                           shared->DeviceStagingBytes(),
-                           shared->DeviceWorldBytes() > 0
-                               ? absl::StrCat(", world exchange buffers ",
-                                              shared->DeviceWorldBytes())
-                               : std::string(),
-                           ", the rest state; host ",
-                           shared->BudgetBytes() - shared->DeviceBytes(),
-                           "; all released again")
+            ? absl::StrCat(
+                  "device pool ", shared->DeviceBytes(), " as allocated: staging ",
+                  shared->DeviceStagingBytes(),
+                  shared->DeviceWorldBytes() > 0
+                      ? absl::StrCat(", world exchange buffers ", shared->DeviceWorldBytes())
+                      : std::string(),
+                  ", the rest state; host ", shared->BudgetBytes() - shared->DeviceBytes(),
+                  "; all released again")
             : "optimizer state"));
     const std::string& name = shared->spec().session_name;
     if (!name.empty() && names_.count(name)) {  // created meanwhile by another call
-      return absl::AlreadyExistsError(absl::StrCat("session_name '", name,
-                                                   "' is held by live session ", names_[name]));
+      return absl::AlreadyExistsError(
+          absl::StrCat("session_name '", name, "' is held by live session ", names_[name]));
     }
     if (sessions_.count(shared->id())) {
       return absl::AlreadyExistsError(absl::StrCat("session ", shared->id(), " exists"));
@@ -299,7 +298,8 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::CreateSessionWithId(std
                   << (shared->spec().session_name.empty()
                           ? std::string()
                           : absl::StrCat(" ('", shared->spec().session_name, "')"))
-                  << " created for '" << shared->spec().client_name << "': " << shared->layout().tensors.size() << " parameters, "
+                  << " created for '" << shared->spec().client_name
+                  << "': " << shared->layout().tensors.size() << " parameters, "
                   << shared->StateBytes() << " bytes of state";
   if (observer_.on_sessions_changed) observer_.on_sessions_changed(count);
   return shared;
@@ -354,8 +354,7 @@ std::vector<SessionInfo> SessionManager::List() {
   return out;
 }
 
-absl::StatusOr<StepResult> SessionManager::Step(const std::string& id,
-                                                const StepRequest& request) {
+absl::StatusOr<StepResult> SessionManager::Step(const std::string& id, const StepRequest& request) {
   ScopedLogContext log_context(id, request.step_index);
   // A lost device context (a sticky error) refuses every device step up front, before the
   // session is touched; a step that failed is asked about too, so the loss is noticed (and
@@ -366,18 +365,18 @@ absl::StatusOr<StepResult> SessionManager::Step(const std::string& id,
   if (on_device) {
     if (absl::Status h = device_health(ctx_->device()); !h.ok()) {
       return absl::FailedPreconditionError(
-          absl::StrCat("step refused: ", h.message(), " (the daemon's health is NOT_SERVING; "
+          absl::StrCat("step refused: ", h.message(),
+                       " (the daemon's health is NOT_SERVING; "
                        "restart it and restore the sessions from their checkpoints)"));
     }
   }
   DIOND_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Get(id));
   // An asynchronous step's bookkeeping runs on its own thread once it succeeded (the session
   // is then still reachable here: Close drains it before dropping the session).
-  absl::StatusOr<StepResult> stepped =
-      s->Step(request, *ctx_, [this, id](const StepResult& done) {
-        ScopedLogContext async_log_context(id, done.step_index);
-        AfterStep(id, done);
-      });
+  absl::StatusOr<StepResult> stepped = s->Step(request, *ctx_, [this, id](const StepResult& done) {
+    ScopedLogContext async_log_context(id, done.step_index);
+    AfterStep(id, done);
+  });
   if (!stepped.ok()) {
     if (on_device) (void)device_health(ctx_->device());
     return stepped.status();
@@ -434,19 +433,20 @@ absl::StatusOr<std::pair<std::string, int64_t>> SessionManager::SaveCheckpoint(
     return failed(absl::FailedPreconditionError("this daemon has no checkpoint store"));
   }
   int64_t step = 0;
-  auto written = options_.checkpoints->Save(
-      root, id, options_.keep_checkpoints, [&]() -> absl::StatusOr<SessionSnapshot> {
-        // DION_COMPRESSED world sessions average the decoupled momenta first (a collective).
-        DIOND_RETURN_IF_ERROR(s->SynchronizeForCheckpoint());
-        absl::StatusOr<SessionSnapshot> snap = s->Snapshot();
-        if (snap.ok()) step = snap->last_step_index;
-        return snap;
-      });
+  auto written = options_.checkpoints->Save(root, id, options_.keep_checkpoints,
+                                            [&]() -> absl::StatusOr<SessionSnapshot> {
+                                              // DION_COMPRESSED world sessions average the
+                                              // decoupled momenta first (a collective).
+                                              DIOND_RETURN_IF_ERROR(s->SynchronizeForCheckpoint());
+                                              absl::StatusOr<SessionSnapshot> snap = s->Snapshot();
+                                              if (snap.ok()) step = snap->last_step_index;
+                                              return snap;
+                                            });
   if (!written.ok()) return failed(written.status());
   auto& saved = *written;
   s->RecordCheckpoint(step, saved.first, absl::Now());
-  DIOND_LOG(INFO) << "session " << id << ": checkpoint of step " << step
-                  << " written to " << saved.first << " (" << saved.second << " bytes)";
+  DIOND_LOG(INFO) << "session " << id << ": checkpoint of step " << step << " written to "
+                  << saved.first << " (" << saved.second << " bytes)";
   if (observer_.on_checkpoint) observer_.on_checkpoint(id, saved.first, saved.second);
   return saved;
 }
@@ -521,21 +521,23 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Attach(
     const std::vector<ParamSpec>& have = s->spec().params;
     auto text = [](const ParamSpec& p) {
       return absl::StrCat("'", p.name.substr(0, 64), "' [", absl::StrJoin(p.shape, ","), "] ",
-                          p.dtype == DType::kF32 ? "f32" : p.dtype == DType::kBf16 ? "bf16" : "f16",
+                          p.dtype == DType::kF32    ? "f32"
+                          : p.dtype == DType::kBf16 ? "bf16"
+                                                    : "f16",
                           " in group '", p.group.substr(0, 64), "'");
     };
     if (expect.size() != have.size()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "session '", name, "' has ", have.size(), " parameters; the trainer declares ",
-          expect.size()));
+      return absl::FailedPreconditionError(absl::StrCat("session '", name, "' has ", have.size(),
+                                                        " parameters; the trainer declares ",
+                                                        expect.size()));
     }
     for (size_t i = 0; i < have.size(); ++i) {
       const ParamSpec& a = have[i];
       const ParamSpec& b = expect[i];
       if (a.name != b.name || a.shape != b.shape || a.dtype != b.dtype || a.group != b.group) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "session '", name, "' does not match the trainer's model: parameter ", i, " is ",
-            text(a), " in the session, ", text(b), " in the trainer"));
+        return absl::FailedPreconditionError(
+            absl::StrCat("session '", name, "' does not match the trainer's model: parameter ", i,
+                         " is ", text(a), " in the session, ", text(b), " in the trainer"));
       }
     }
   }
@@ -557,8 +559,8 @@ int64_t SessionManager::RecoverSessions() {
         continue;
       }
       if (snap->session_id != id) {
-        DIOND_LOG(ERROR) << "--recover: " << path << " was written for session "
-                         << snap->session_id << ", not " << id << "; skipped";
+        DIOND_LOG(ERROR) << "--recover: " << path << " was written for session " << snap->session_id
+                         << ", not " << id << "; skipped";
         break;
       }
       if (!snap->spec.world_key.empty()) {
@@ -602,9 +604,8 @@ void SessionManager::TrackProcess(const std::string& id, const ProcessId& proces
       if (binds) trainers_[id].untracked = true;
       return;
     }
-    if (it != trainers_.end() &&
-        (it->second.untracked || watched(it->second) ||
-         it->second.live.size() >= kMaxWatchedProcesses)) {
+    if (it != trainers_.end() && (it->second.untracked || watched(it->second) ||
+                                  it->second.live.size() >= kMaxWatchedProcesses)) {
       return;  // the common case of every Step: nothing to do
     }
   }
@@ -743,14 +744,13 @@ void SessionManager::ReapOrphanSessions(absl::Time now) {
         if (!t.noted) {
           t.noted = true;
           lines.emplace_back(
-              l.id, absl::StrCat(
-                        who, "; it is kept: ",
-                        s.is_world_session()
-                            ? "world sessions are not reaped as orphans (the other ranks' "
-                              "trainers may still step it); close it, or use "
-                              "--session_idle_timeout"
-                            : absl::StrCat("named sessions wait for AttachSession (", flag,
-                                           "=0)")));
+              l.id, absl::StrCat(who, "; it is kept: ",
+                                 s.is_world_session()
+                                     ? "world sessions are not reaped as orphans (the other ranks' "
+                                       "trainers may still step it); close it, or use "
+                                       "--session_idle_timeout"
+                                     : absl::StrCat("named sessions wait for AttachSession (", flag,
+                                                    "=0)")));
         }
         continue;
       }
@@ -760,13 +760,13 @@ void SessionManager::ReapOrphanSessions(absl::Time now) {
       }
       const absl::Time since = std::max(t.orphan_since, l.last_used);
       if (now - since < grace) continue;
-      due.push_back(Due{
-          l.id, absl::StrCat("session ", l.id,
-                             name.empty() ? std::string() : absl::StrCat(" ('", name, "')"),
-                             " reaped (orphan): its trainer process(es) (pid ",
-                             absl::StrJoin(t.exited, ", "), ") exited and it was unused for ",
-                             absl::FormatDuration(now - since), " (", flag, "=",
-                             absl::FormatDuration(grace), "); closing it")});
+      due.push_back(
+          Due{l.id, absl::StrCat("session ", l.id,
+                                 name.empty() ? std::string() : absl::StrCat(" ('", name, "')"),
+                                 " reaped (orphan): its trainer process(es) (pid ",
+                                 absl::StrJoin(t.exited, ", "), ") exited and it was unused for ",
+                                 absl::FormatDuration(now - since), " (", flag, "=",
+                                 absl::FormatDuration(grace), "); closing it")});
     }
   }
   for (const auto& [id, message] : lines) {

@@ -34,7 +34,7 @@ class World;
 namespace diond::session {
 
 struct ManagerOptions {
-  int64_t max_session_bytes = 0;  // 0 = unlimited; optimizer state + master weights
+  int64_t max_session_bytes = 0;    // 0 = unlimited; optimizer state + master weights
   int64_t memory_budget_bytes = 0;  // 0 = unlimited; all sessions together
   absl::Duration idle_timeout = absl::ZeroDuration();  // 0 = never
   // The orphan reaper (docs/OPERATIONS.md "Orphan sessions"): a session whose every creating,
@@ -44,18 +44,18 @@ struct ManagerOptions {
   // trainer may re-attach to); 0 = never. World sessions are never reaped as orphans.
   absl::Duration orphan_grace = absl::ZeroDuration();
   absl::Duration orphan_grace_named = absl::ZeroDuration();
-  std::string state_dir;        // checkpoints root; empty = checkpoints need an explicit dir
+  std::string state_dir;  // checkpoints root; empty = checkpoints need an explicit dir
   // Where checkpoints are written and read (checkpoint_store.h), opened on the same state_dir;
   // required with a state_dir. Null: SaveCheckpoint and LoadCheckpoint fail with
   // FAILED_PRECONDITION. Shared so that options stay copyable.
   std::shared_ptr<CheckpointStore> checkpoints;
-  int64_t checkpoint_every = 0; // with state_dir: checkpoint after every N-th step
+  int64_t checkpoint_every = 0;  // with state_dir: checkpoint after every N-th step
   // Keep only the newest N step-* checkpoints of each session after every save; 0 = keep all.
   int64_t keep_checkpoints = 0;
   // With state_dir: at start-up, restore every session's latest checkpoint under its id and
   // name (sessions closed by their client and world sessions excepted).
   bool recover = false;
-  int compute_threads = 0;      // 0 = all cores
+  int compute_threads = 0;  // 0 = all cores
   // The device the steps run on (kernels::ComputeDevice of the daemon's selected device).
   kernels::Device compute_device;
   // A device compute_device: the per-session device objects (stream, host registration, the
@@ -221,8 +221,8 @@ class SessionManager {
   // CreateSession with a given id (--recover keeps the checkpoint's).
   absl::StatusOr<std::shared_ptr<Session>> CreateSessionWithId(std::string id, SessionSpec spec);
   absl::StatusOr<std::shared_ptr<Session>> RestoreSnapshot(const std::string& id,
-                                                          const SessionSnapshot& snap,
-                                                          const std::string& where);
+                                                           const SessionSnapshot& snap,
+                                                           const std::string& where);
   // Records `process` as one that created or attached (`binds`) or used session `id`; see
   // NoteProcess and CreateSession.
   void TrackProcess(const std::string& id, const ProcessId& process, bool binds);
@@ -252,7 +252,7 @@ class SessionManager {
   std::map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> names_ ABSL_GUARDED_BY(mu_);  // session_name -> id
   std::map<std::string, Trainers> trainers_ ABSL_GUARDED_BY(mu_);  // id -> its processes
-  std::shared_ptr<WorldLink> world_ ABSL_GUARDED_BY(mu_);  // null: no world
+  std::shared_ptr<WorldLink> world_ ABSL_GUARDED_BY(mu_);          // null: no world
   bool world_detached_ ABSL_GUARDED_BY(mu_) = false;
   comm::KeyValueStore* kv_ ABSL_GUARDED_BY(mu_) = nullptr;
   absl::Duration verdict_wait_ ABSL_GUARDED_BY(mu_);

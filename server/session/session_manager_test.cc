@@ -9,9 +9,9 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <set>
-#include <cstdlib>
 #include <string>
 #include <thread>
 
@@ -30,15 +30,15 @@
 namespace diond::session {
 namespace {
 
-using ::diond::testing::IsOk;
-using ::diond::testing::StatusIs;
-using ::testing::Contains;
-using ::testing::HasSubstr;
 using checkpoint::LatestCheckpoint;
 using checkpoint::SessionMarkedClosed;
 using checkpoint::SpecFromJson;
 using checkpoint::SpecToJson;
+using ::diond::testing::IsOk;
+using ::diond::testing::StatusIs;
 using strict_json::JsonDepth;
+using ::testing::Contains;
+using ::testing::HasSubstr;
 
 SessionSpec SmallSpec() {
   SessionSpec spec;
@@ -62,7 +62,8 @@ std::string TempDir() {
 }
 
 TEST(Layout, OffsetsAreAlignedAndSizesChecked) {
-  auto l = ComputeLayout({{"a", {3}, DType::kF32, "g"}, {"b", {2, 2}, DType::kBf16, "g"},
+  auto l = ComputeLayout({{"a", {3}, DType::kF32, "g"},
+                          {"b", {2, 2}, DType::kBf16, "g"},
                           {"c", {1}, DType::kF16, "g"}});
   ASSERT_THAT(l, IsOk());
   EXPECT_EQ(l->tensors[0].param_offset, 0);
@@ -371,8 +372,8 @@ TEST(SessionManager, AnOrphanIsClosedAfterTheGraceAndCheckpointedFirst) {
   EXPECT_EQ(Ids(**m).size(), 5u) << "within the grace";
   EXPECT_TRUE(reaped.empty());
   (*m)->ReapOrphanSessions(t1 + absl::Minutes(61));
-  EXPECT_EQ(Ids(**m), (std::set<std::string>{(*alive)->id(), (*tcp)->id(), (*world)->id(),
-                                              (*named)->id()}));
+  EXPECT_EQ(Ids(**m),
+            (std::set<std::string>{(*alive)->id(), (*tcp)->id(), (*world)->id(), (*named)->id()}));
   EXPECT_EQ(reaped, std::vector<std::string>{id + " orphan"});
   // Checkpointed before the close, as the idle reaper does.
   auto latest = LatestCheckpoint(o.state_dir, id);
@@ -452,7 +453,7 @@ TEST(SessionManager, AProcessThatUsesTheSessionKeepsItAlive) {
   ASSERT_THAT(s, IsOk());
   const std::string id = (*s)->id();
   (*m)->NoteProcess(id, child.id());
-  (*m)->NoteProcess(id, ProcessId{});     // an unknown caller changes nothing
+  (*m)->NoteProcess(id, ProcessId{});       // an unknown caller changes nothing
   (*m)->NoteProcess("s-none", child.id());  // nor does an unknown session
   parent.Kill();
   const absl::Time t0 = absl::Now();
@@ -543,8 +544,8 @@ TEST(SessionManager, AReapedSessionThatNeverHeldWeightsIsClosedWithoutACheckpoin
 TEST(SessionManager, TheOrphanGraceMustNotBeNegative) {
   ManagerOptions o;
   o.orphan_grace = absl::Seconds(-1);
-  EXPECT_THAT(SessionManager::Create(o), StatusIs(absl::StatusCode::kInvalidArgument,
-                                                  HasSubstr("--orphan_grace")));
+  EXPECT_THAT(SessionManager::Create(o),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--orphan_grace")));
 }
 
 TEST(SessionManager, CheckpointEveryNeedsStateDir) {
@@ -629,8 +630,7 @@ TEST(SessionManager, AttachKeepsTheWeightsAndChecksTheOwnerHook) {
   std::vector<NamedTensor> params = {{"w", {8, 6}, std::vector<float>(48, 0.25f)},
                                      {"b", {6}, std::vector<float>(6, 2.0f)}};
   ASSERT_THAT((*s)->SetState(params), IsOk());
-  EXPECT_THAT((*m)->Attach("job/0", "uid:1001"),
-              StatusIs(absl::StatusCode::kPermissionDenied));
+  EXPECT_THAT((*m)->Attach("job/0", "uid:1001"), StatusIs(absl::StatusCode::kPermissionDenied));
   std::vector<ParamSpec> other = spec.params;
   other[0].shape = {6, 8};
   EXPECT_THAT((*m)->Attach("job/0", "uid:1000", other),

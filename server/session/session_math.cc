@@ -17,8 +17,7 @@ namespace diond::session::internal {
 void WidenToF32(const kernels::Context& ctx, DType dtype, const uint8_t* src, int64_t n,
                 float* out) {
   if (n == 0) return;
-  const absl::Status s =
-      kernels::Copy(ctx, HostView(dtype, src, n), HostView(DType::kF32, out, n));
+  const absl::Status s = kernels::Copy(ctx, HostView(dtype, src, n), HostView(DType::kF32, out, n));
   assert(s.ok());
   (void)s;
 }
@@ -26,8 +25,7 @@ void WidenToF32(const kernels::Context& ctx, DType dtype, const uint8_t* src, in
 void NarrowFromF32(const kernels::Context& ctx, DType dtype, const float* in, int64_t n,
                    uint8_t* dst) {
   if (n == 0) return;
-  const absl::Status s =
-      kernels::Copy(ctx, HostView(DType::kF32, in, n), HostView(dtype, dst, n));
+  const absl::Status s = kernels::Copy(ctx, HostView(DType::kF32, in, n), HostView(dtype, dst, n));
   assert(s.ok());
   (void)s;
 }

@@ -25,39 +25,39 @@ absl::StatusOr<std::string> Session::RegisterShmRegion(Role role, const std::str
 absl::StatusOr<std::string> Session::RegisterMappedRegion(
     Role role, const std::string& name, int64_t offset, int64_t size,
     absl::FunctionRef<absl::StatusOr<std::unique_ptr<ShmRegion>>()> open) {
-  const int64_t need = role == Role::kParameters ? layout_.param_arena_bytes
-                                                 : layout_.grad_arena_bytes;
+  const int64_t need =
+      role == Role::kParameters ? layout_.param_arena_bytes : layout_.grad_arena_bytes;
   if (offset < 0 || offset % kArenaAlignment != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("region offset ", offset,
-                                                   " must be a non-negative multiple of ",
-                                                   kArenaAlignment));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "region offset ", offset, " must be a non-negative multiple of ", kArenaAlignment));
   }
   if (size < need) {
-    return absl::InvalidArgumentError(absl::StrCat("region of ", size, " bytes is smaller than the ",
-                                                   RoleName(role), " arena (", need, " bytes)"));
+    return absl::InvalidArgumentError(absl::StrCat("region of ", size,
+                                                   " bytes is smaller than the ", RoleName(role),
+                                                   " arena (", need, " bytes)"));
   }
   absl::MutexLock lock(&mu_);
   last_used_ = absl::Now();
-  DIOND_RETURN_IF_ERROR(RefuseIfQueuedLocked(absl::StrCat("RegisterRegion (", RoleName(role), ")")));
+  DIOND_RETURN_IF_ERROR(
+      RefuseIfQueuedLocked(absl::StrCat("RegisterRegion (", RoleName(role), ")")));
   Binding& b = binding(role);
   if (b.cuda != nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat(RoleName(role), " already has region ",
-                                                      b.region_id, "; unregister it first"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(RoleName(role), " already has region ", b.region_id, "; unregister it first"));
   }
   if (b.region != nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat(RoleName(role),
-                                                      " already has region ", b.region_id,
-                                                      "; unregister it first"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(RoleName(role), " already has region ", b.region_id, "; unregister it first"));
   }
   const Binding& other = binding(role == Role::kParameters ? Role::kGradients : Role::kParameters);
   if (other.region != nullptr && other.region->name() == name) {
     int64_t a0 = offset, a1 = offset + size;
     int64_t b0 = other.region->offset(), b1 = b0 + other.region->size();
     if (a0 < b1 && b0 < a1) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "region [", a0, ", ", a1, ") of '", Bounded(name), "' overlaps the ",
-          RoleName(role == Role::kParameters ? Role::kGradients : Role::kParameters),
-          " region [", b0, ", ", b1, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("region [", a0, ", ", a1, ") of '", Bounded(name), "' overlaps the ",
+                       RoleName(role == Role::kParameters ? Role::kGradients : Role::kParameters),
+                       " region [", b0, ", ", b1, ")"));
     }
   }
   DIOND_ASSIGN_OR_RETURN(std::unique_ptr<ShmRegion> region, open());
@@ -101,10 +101,11 @@ absl::StatusOr<std::string> Session::OpenCudaRegion(
     absl::FunctionRef<absl::StatusOr<std::unique_ptr<CudaRegion>>(kernels::Device)> open) {
   std::optional<kernels::Device> device = DeviceOfSession();
   if (!device.has_value()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "session ", id_, " steps on the host (the daemon computes on the CPU): CUDA regions "
-        "need a device session; register host memory (REGION_KIND_MEMFD or "
-        "REGION_KIND_SYSTEM_SHM)"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("session ", id_,
+                     " steps on the host (the daemon computes on the CPU): CUDA regions "
+                     "need a device session; register host memory (REGION_KIND_MEMFD or "
+                     "REGION_KIND_SYSTEM_SHM)"));
   }
   DIOND_ASSIGN_OR_RETURN(std::unique_ptr<CudaRegion> region, open(*device));
   return RegisterCudaRegion(role, std::move(region));
@@ -112,15 +113,16 @@ absl::StatusOr<std::string> Session::OpenCudaRegion(
 
 absl::StatusOr<std::string> Session::RegisterCudaRegion(Role role,
                                                         std::unique_ptr<CudaRegion> region) {
-  const int64_t need = role == Role::kParameters ? layout_.param_arena_bytes
-                                                 : layout_.grad_arena_bytes;
+  const int64_t need =
+      role == Role::kParameters ? layout_.param_arena_bytes : layout_.grad_arena_bytes;
   if (region->size() < need) {
     return absl::InvalidArgumentError(absl::StrCat(region->Describe(), " is smaller than the ",
                                                    RoleName(role), " arena (", need, " bytes)"));
   }
   absl::MutexLock lock(&mu_);
   last_used_ = absl::Now();
-  DIOND_RETURN_IF_ERROR(RefuseIfQueuedLocked(absl::StrCat("RegisterRegion (", RoleName(role), ")")));
+  DIOND_RETURN_IF_ERROR(
+      RefuseIfQueuedLocked(absl::StrCat("RegisterRegion (", RoleName(role), ")")));
   Binding& b = binding(role);
   if (b.any()) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -146,9 +148,10 @@ absl::StatusOr<std::string> Session::RegisterCudaRegion(Role role,
     for (size_t i = 0; i < layout_.tensors.size(); ++i) {
       if (absl::Status s = WriteParamF32(i, pending_params_[i].data()); !s.ok()) {
         ClearBinding(b);
-        return absl::Status(s.code(), absl::StrCat(RoleName(role), ": writing the held weights "
-                                                   "into the region failed: ", s.message(),
-                                                   "; nothing was registered"));
+        return absl::Status(s.code(), absl::StrCat(RoleName(role),
+                                                   ": writing the held weights "
+                                                   "into the region failed: ",
+                                                   s.message(), "; nothing was registered"));
       }
     }
     if (absl::Status s = AdoptHeldWeightsAsMaster(); !s.ok()) {
@@ -173,7 +176,8 @@ absl::Status Session::UnregisterRegion(const std::string& region_id) {
       return absl::OkStatus();
     }
   }
-  return absl::NotFoundError(absl::StrCat("session ", id_, " has no region '", Bounded(region_id), "'"));
+  return absl::NotFoundError(
+      absl::StrCat("session ", id_, " has no region '", Bounded(region_id), "'"));
 }
 
 absl::Status Session::EnsureHostArena(Role r) {
@@ -186,8 +190,8 @@ absl::Status Session::EnsureHostArena(Role r) {
         "PullParameters, SetState of the parameters) is for host arenas"));
   }
   if (b.bound()) return absl::OkStatus();
-  const int64_t bytes = r == Role::kParameters ? layout_.param_arena_bytes
-                                               : layout_.grad_arena_bytes;
+  const int64_t bytes =
+      r == Role::kParameters ? layout_.param_arena_bytes : layout_.grad_arena_bytes;
   b.host.assign(static_cast<size_t>(bytes), 0);
   b.data = b.host.data();
   if (r == Role::kParameters && !pending_params_.empty()) {

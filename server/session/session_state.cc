@@ -30,15 +30,15 @@ absl::Status Session::ResolveStateName(const std::string& name, size_t* param, s
     const Group& g = groups_[*group];
     auto s = g.optimizer->StateShape(slot_in_group_[i], *state);
     if (!s.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat("unknown state '", Bounded(name), "': group '",
-                                                     g.name, "' has state ",
-                                                     absl::StrJoin(g.optimizer->StateNames(), ", ")));
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown state '", Bounded(name), "': group '", g.name, "' has state ",
+                       absl::StrJoin(g.optimizer->StateNames(), ", ")));
     }
     *shape = *s;
     return absl::OkStatus();
   }
-  return absl::InvalidArgumentError(absl::StrCat("state '", Bounded(name), "' names unknown parameter '",
-                                                 Bounded(pname), "'"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("state '", Bounded(name), "' names unknown parameter '", Bounded(pname), "'"));
 }
 
 absl::Status Session::CheckWriteLocked(const std::string& name, int64_t offset, int64_t len,
@@ -65,14 +65,12 @@ absl::Status Session::CheckWriteLocked(const std::string& name, int64_t offset, 
   if (offset < 0 || offset > size || len > size - offset) {
     return absl::InvalidArgumentError(absl::StrCat("chunk of '", Bounded(name), "' at offset ",
                                                    offset, " with ", len,
-                                                   " bytes runs past its end (", size,
-                                                   " bytes)"));
+                                                   " bytes runs past its end (", size, " bytes)"));
   }
   if (offset % elem != 0 || len % elem != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("chunk of '", Bounded(name), "' at offset ",
-                                                   offset, " with ", len,
-                                                   " bytes is not aligned to its ", elem,
-                                                   "-byte elements"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("chunk of '", Bounded(name), "' at offset ", offset, " with ", len,
+                     " bytes is not aligned to its ", elem, "-byte elements"));
   }
   *tensor_bytes = size;
   return absl::OkStatus();
@@ -82,7 +80,8 @@ absl::Status Session::CheckStreamChunk(StreamKind kind, const std::string& name,
                                        int64_t len) {
   absl::MutexLock lock(&mu_);
   last_used_ = absl::Now();
-  DIOND_RETURN_IF_ERROR(RefuseIfQueuedLocked(kind == StreamKind::kGradients ? "PushGradients" : "SetState"));
+  DIOND_RETURN_IF_ERROR(
+      RefuseIfQueuedLocked(kind == StreamKind::kGradients ? "PushGradients" : "SetState"));
   if (kind == StreamKind::kGradients && absl::StrContains(name, "/state.")) {
     return absl::InvalidArgumentError(
         absl::StrCat("PushGradients takes parameter names, not state '", Bounded(name), "'"));
@@ -132,9 +131,9 @@ absl::Status Session::ValidateWrites(const std::vector<TensorWrite>& writes, boo
       covered = b;
     }
     if (covered != sizes[name]) {
-      return absl::InvalidArgumentError(absl::StrCat("tensor '", Bounded(name), "' is incomplete: ",
-                                                     covered, " of ", sizes[name],
-                                                     " bytes received (truncated stream)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor '", Bounded(name), "' is incomplete: ", covered, " of ", sizes[name],
+                       " bytes received (truncated stream)"));
     }
   }
   (void)resolved;
@@ -218,8 +217,7 @@ absl::Status Session::ReadParameterBytes(const std::string& name, int64_t offset
     if (t.name != name) continue;
     if (offset < 0 || len < 0 || offset > t.size_bytes || len > t.size_bytes - offset) {
       return absl::OutOfRangeError(absl::StrCat("read of '", Bounded(name), "' [", offset, ", +",
-                                                len, ") is outside its ", t.size_bytes,
-                                                " bytes"));
+                                                len, ") is outside its ", t.size_bytes, " bytes"));
     }
     if (params_.cuda != nullptr) {
       // A device session's CUDA region: the tensor's bytes through an explicit copy.
@@ -417,23 +415,25 @@ absl::Status Session::Restore(const SessionSnapshot& snapshot) {
       auto other = other_ranks.find(t.name);
       if (other != other_ranks.end()) {
         if (t.shape != other->second) {
-          return absl::DataLossError(absl::StrCat("checkpoint tensor '", Bounded(t.name), "' has shape ",
-                                                  shape_text(t.shape), "; the spec implies ",
-                                                  shape_text(other->second)));
+          return absl::DataLossError(
+              absl::StrCat("checkpoint tensor '", Bounded(t.name), "' has shape ",
+                           shape_text(t.shape), "; the spec implies ", shape_text(other->second)));
         }
         continue;  // another rank's share
       }
-      return absl::DataLossError(absl::StrCat(
-          "checkpoint tensor '", t.name.substr(0, 200),
-          "' is not a parameter or state tensor of the session's spec"));
+      return absl::DataLossError(
+          absl::StrCat("checkpoint tensor '", t.name.substr(0, 200),
+                       "' is not a parameter or state tensor of the session's spec"));
     }
     if (!seen.insert(t.name).second) {
-      return absl::DataLossError(absl::StrCat("checkpoint tensor '", Bounded(t.name), "' appears twice"));
+      return absl::DataLossError(
+          absl::StrCat("checkpoint tensor '", Bounded(t.name), "' appears twice"));
     }
-    if (t.shape != it->second || static_cast<int64_t>(t.data.size()) != internal::NumElements(it->second)) {
-      return absl::DataLossError(absl::StrCat("checkpoint tensor '", Bounded(t.name), "' has shape ",
-                                              shape_text(t.shape), "; the spec implies ",
-                                              shape_text(it->second)));
+    if (t.shape != it->second ||
+        static_cast<int64_t>(t.data.size()) != internal::NumElements(it->second)) {
+      return absl::DataLossError(absl::StrCat("checkpoint tensor '", Bounded(t.name),
+                                              "' has shape ", shape_text(t.shape),
+                                              "; the spec implies ", shape_text(it->second)));
     }
     auto p = param_index.find(t.name);
     if (p != param_index.end()) {
@@ -455,8 +455,10 @@ absl::Status Session::Restore(const SessionSnapshot& snapshot) {
   if (params_.any()) {
     for (size_t i = 0; i < layout_.tensors.size(); ++i) {
       if (absl::Status s = WriteParamF32(i, pending_params_[i].data()); !s.ok()) {
-        return absl::DataLossError(absl::StrCat("restoring the parameters into the PARAMETERS "
-                                                "region failed: ", s.message()));
+        return absl::DataLossError(
+            absl::StrCat("restoring the parameters into the PARAMETERS "
+                         "region failed: ",
+                         s.message()));
       }
     }
     pending_params_.clear();

@@ -141,10 +141,13 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequest& request,
   // done_event before its next forward.
   if (absl::Status s = RecordDoneEvent(*run.request); !s.ok()) {
     DiscardStep(run);
-    return absl::Status(s.code(), absl::StrCat(
-        run.when, ": recording done_event failed: ", s.message(), ". The step was not applied "
-        "(the optimizer state and the step index are unchanged), but the new weights were "
-        "written into the PARAMETERS region: restore them with SetState"));
+    return absl::Status(
+        s.code(),
+        absl::StrCat(
+            run.when, ": recording done_event failed: ", s.message(),
+            ". The step was not applied "
+            "(the optimizer state and the step index are unchanged), but the new weights were "
+            "written into the PARAMETERS region: restore them with SetState"));
   }
   StepResult result;
   RunOnCompute(compute_, [&] { result = CommitStepPhase(run); });
@@ -195,8 +198,8 @@ absl::Status Session::ValidateStepLocked(const StepRequest& request,
   }
   const double scale = request.gradient_scale == 0.0 ? 1.0 : request.gradient_scale;
   if (!std::isfinite(scale) || scale < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("gradient_scale ", request.gradient_scale,
-                                                   " must be finite and >= 0"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("gradient_scale ", request.gradient_scale, " must be finite and >= 0"));
   }
   auto known = [&](const std::string& group) {
     for (const Group& g : groups_) {
@@ -209,8 +212,8 @@ absl::Status Session::ValidateStepLocked(const StepRequest& request,
       return absl::InvalidArgumentError(
           absl::StrCat("lr_override names unknown group '", Bounded(group), "'"));
     }
-    DIOND_RETURN_IF_ERROR(optim::CheckStepKnob(
-        absl::StrCat("lr_override['", Bounded(group), "']"), lr, optim::kMaxLr));
+    DIOND_RETURN_IF_ERROR(optim::CheckStepKnob(absl::StrCat("lr_override['", Bounded(group), "']"),
+                                               lr, optim::kMaxLr));
   }
   for (const auto& [group, n] : request.group_step) {
     if (!known(group)) {
@@ -226,14 +229,14 @@ absl::Status Session::ValidateStepLocked(const StepRequest& request,
     std::vector<bool> seen(layout_.tensors.size(), false);
     for (int32_t i : request.params_without_grad) {
       if (i < 0 || static_cast<size_t>(i) >= seen.size()) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("params_without_grad: index ", i, " is not a parameter of the session (",
-                         seen.size(), " parameters)"));
+        return absl::InvalidArgumentError(absl::StrCat("params_without_grad: index ", i,
+                                                       " is not a parameter of the session (",
+                                                       seen.size(), " parameters)"));
       }
       if (seen[static_cast<size_t>(i)]) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "params_without_grad: index ", i, " ('", Bounded(layout_.tensors[i].name),
-            "') is named twice"));
+        return absl::InvalidArgumentError(absl::StrCat("params_without_grad: index ", i, " ('",
+                                                       Bounded(layout_.tensors[i].name),
+                                                       "') is named twice"));
       }
       seen[static_cast<size_t>(i)] = true;
     }
@@ -318,11 +321,11 @@ absl::Status Session::ReadParametersPhase(StepRun& run) {
     std::vector<float>& c = param_scratch_[i];
     c.resize(static_cast<size_t>(t.numel));
     const bool from_master = master && master_valid_;
-    DIOND_RETURN_IF_ERROR(kernels::Copy(
-        *run.ctx,
-        from_master ? internal::HostView(DType::kF32, master_[i].data(), t.numel)
-                    : internal::HostView(t.dtype, arena, t.numel),
-        internal::HostView(DType::kF32, c.data(), t.numel)));
+    DIOND_RETURN_IF_ERROR(
+        kernels::Copy(*run.ctx,
+                      from_master ? internal::HostView(DType::kF32, master_[i].data(), t.numel)
+                                  : internal::HostView(t.dtype, arena, t.numel),
+                      internal::HostView(DType::kF32, c.data(), t.numel)));
     run.params[i] = c.data();
     run.via_scratch[i] = true;
   }
@@ -377,9 +380,9 @@ absl::Status Session::StageGroups(StepRun& run, const kernels::Context& ctx) {
       // and their state alone); compressed Dion: every rank steps every matrix on its own
       // gradients.
       // A parameter without a gradient in this step gets none either (torch.optim's rule).
-      const bool mine = (!world_.has_value() || world_->replicated[i] ||
-                         world_->plan.owner[i] == world_->rank) &&
-                        !run.no_grad[i];
+      const bool mine =
+          (!world_.has_value() || world_->replicated[i] || world_->plan.owner[i] == world_->rank) &&
+          !run.no_grad[i];
       run.group_params[gi].push_back(run.params[i]);
       gg.push_back(mine ? run.grads[i] : nullptr);
       any = any || mine;

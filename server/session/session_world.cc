@@ -29,9 +29,8 @@
 
 namespace diond::session {
 
-absl::Status Session::AttachWorld(std::shared_ptr<WorldLink> world, ShardPlan plan,
-                                  uint64_t epoch, absl::Duration verdict_wait,
-                                  int64_t checksum_every) {
+absl::Status Session::AttachWorld(std::shared_ptr<WorldLink> world, ShardPlan plan, uint64_t epoch,
+                                  absl::Duration verdict_wait, int64_t checksum_every) {
   absl::MutexLock lock(&mu_);
   WorldPart w;
   w.rank = world != nullptr ? world->rank() : 0;
@@ -110,9 +109,9 @@ absl::Status Session::AttachWorld(std::shared_ptr<WorldLink> world, ShardPlan pl
     for (const auto& [which, n] : need) {
       absl::StatusOr<float*> b = DeviceWorldBuffer(which, n);
       if (!b.ok()) {
-        return absl::Status(b.status().code(),
-                            absl::StrCat("world session '", Bounded(spec_.world_key), "': ",
-                                         b.status().message()));
+        return absl::Status(
+            b.status().code(),
+            absl::StrCat("world session '", Bounded(spec_.world_key), "': ", b.status().message()));
       }
     }
   }
@@ -122,9 +121,8 @@ absl::Status Session::AttachWorld(std::shared_ptr<WorldLink> world, ShardPlan pl
 }
 
 absl::StatusOr<int64_t> Session::CheckReplicas(const kernels::Context& ctx,
-                                               comm::Communicator* comm,
-                                               StepDeviceComm* dcomm, int64_t step,
-                                               const std::vector<float*>& params) {
+                                               comm::Communicator* comm, StepDeviceComm* dcomm,
+                                               int64_t step, const std::vector<float*>& params) {
   const WorldPart& w = *world_;
   const size_t n = layout_.tensors.size();
   const int world_size = w.plan.world_size;
@@ -159,9 +157,9 @@ absl::StatusOr<int64_t> Session::CheckReplicas(const kernels::Context& ctx,
                        << "); replacing it with the owner's copy";
     const int64_t numel = layout_.tensors[i].numel;
     // A device session broadcasts on the device (dcomm), a host session on the host.
-    DIOND_RETURN_IF_ERROR((dcomm != nullptr ? dcomm : comm)
-                              ->Broadcast(absl::MakeSpan(params[i], static_cast<size_t>(numel)),
-                                          owner));
+    DIOND_RETURN_IF_ERROR(
+        (dcomm != nullptr ? dcomm : comm)
+            ->Broadcast(absl::MakeSpan(params[i], static_cast<size_t>(numel)), owner));
     broadcast = true;
     for (int r : differ) healed += r == w.rank ? 1 : 0;
   }
@@ -196,7 +194,6 @@ std::string Session::DescribeWorldFailure(const absl::Status& why) {
   }
 }
 
-
 absl::Status Session::BreakWorld(StepRun& run, absl::Status why) {
   (void)run;
   if (!world_.has_value()) return why;
@@ -221,10 +218,10 @@ absl::Status Session::JoinWorldPhase(StepRun& run) {
   });
   if (!c.ok()) return absl::UnavailableError(absl::StrCat(where, c.status().message()));
   if (epoch != w.epoch) {
-    w.broken = absl::UnavailableError(absl::StrCat(
-        where, "the daemon world was rebuilt (generation ", w.epoch, " -> ", epoch,
-        ") since this session was created; create it again and resume from the last "
-        "checkpoint"));
+    w.broken = absl::UnavailableError(
+        absl::StrCat(where, "the daemon world was rebuilt (generation ", w.epoch, " -> ", epoch,
+                     ") since this session was created; create it again and resume from the last "
+                     "checkpoint"));
     return w.broken;
   }
   run.comm = *std::move(c);
@@ -299,9 +296,9 @@ absl::Status Session::ReduceGradientsPhase(StepRun& run) {
         const int64_t numel = layout_.tensors[i].numel;
         // A gradient this rank's trainer does not have counts as zeros (`input` is zeroed).
         if (run.grads[i] != nullptr) {
-          DIOND_RETURN_IF_ERROR(
-              kernels::Copy(*run.ctx, internal::HostView(DType::kF32, run.grads[i], numel),
-                            internal::HostView(DType::kF32, dst, numel)));
+          DIOND_RETURN_IF_ERROR(kernels::Copy(*run.ctx,
+                                              internal::HostView(DType::kF32, run.grads[i], numel),
+                                              internal::HostView(DType::kF32, dst, numel)));
         }
         dst += numel;
       }
@@ -312,10 +309,10 @@ absl::Status Session::ReduceGradientsPhase(StepRun& run) {
   run.averaged.resize(static_cast<size_t>(block));
   absl::Status st = run.comm->ReduceScatterSum(input, absl::MakeSpan(run.averaged));
   if (!st.ok()) {
-    return BreakWorld(run, absl::UnavailableError(absl::StrCat(
-                               run.when, ": gradient reduce-scatter failed: ",
-                               DescribeWorldFailure(st),
-                               "; create the session again and resume from the last checkpoint")));
+    return BreakWorld(run,
+                      absl::UnavailableError(absl::StrCat(
+                          run.when, ": gradient reduce-scatter failed: ", DescribeWorldFailure(st),
+                          "; create the session again and resume from the last checkpoint")));
   }
   run.finite = run.averaged.back() == 0.0f;
   // The average: the sum divided by the world size (a division, not a multiplication by its
@@ -359,8 +356,8 @@ absl::Status Session::ReduceGradientsOnDevice(StepRun& run, int64_t block) {
   const int world_size = w.plan.world_size;
   const kernels::Context& dctx = *DeviceContext();
   auto fail = [&](const absl::Status& s, absl::string_view what) {
-    return BreakWorld(run, absl::Status(s.code(), absl::StrCat(run.when, ": ", what, " failed: ",
-                                                               s.message())));
+    return BreakWorld(
+        run, absl::Status(s.code(), absl::StrCat(run.when, ": ", what, " failed: ", s.message())));
   };
   float *in = nullptr, *out = nullptr, *div = nullptr;
   {
@@ -390,14 +387,14 @@ absl::Status Session::ReduceGradientsOnDevice(StepRun& run, int64_t block) {
     return kernels::Fill(dctx, static_cast<float>(world_size), DevView(dctx, div, 1));
   });
   if (!packed.ok()) return fail(packed, "packing the gradients for the reduce-scatter");
-  absl::Status st = run.dcomm->ReduceScatterSum(
-      absl::MakeConstSpan(in, static_cast<size_t>(block * world_size)),
-      absl::MakeSpan(out, static_cast<size_t>(block)));
+  absl::Status st =
+      run.dcomm->ReduceScatterSum(absl::MakeConstSpan(in, static_cast<size_t>(block * world_size)),
+                                  absl::MakeSpan(out, static_cast<size_t>(block)));
   if (!st.ok()) {
-    return BreakWorld(run, absl::UnavailableError(absl::StrCat(
-                               run.when, ": gradient reduce-scatter failed: ",
-                               DescribeWorldFailure(st),
-                               "; create the session again and resume from the last checkpoint")));
+    return BreakWorld(run,
+                      absl::UnavailableError(absl::StrCat(
+                          run.when, ": gradient reduce-scatter failed: ", DescribeWorldFailure(st),
+                          "; create the session again and resume from the last checkpoint")));
   }
   float flag = 0.0f;
   absl::Status read =
@@ -406,10 +403,10 @@ absl::Status Session::ReduceGradientsOnDevice(StepRun& run, int64_t block) {
   // A queued reduce-scatter fails asynchronously (the read-back returned because the world's
   // abort ended it): its output is then garbage.
   if (absl::Status d = run.dcomm->DeviceStatus(); !d.ok()) {
-    return BreakWorld(run, absl::UnavailableError(absl::StrCat(
-                               run.when, ": gradient reduce-scatter failed: ",
-                               DescribeWorldFailure(d),
-                               "; create the session again and resume from the last checkpoint")));
+    return BreakWorld(run,
+                      absl::UnavailableError(absl::StrCat(
+                          run.when, ": gradient reduce-scatter failed: ", DescribeWorldFailure(d),
+                          "; create the session again and resume from the last checkpoint")));
   }
   run.finite = flag == 0.0f;
   // The average, as on the host: a division by the world size, into the gradient staging.
@@ -423,9 +420,8 @@ absl::Status Session::ReduceGradientsOnDevice(StepRun& run, int64_t block) {
         continue;
       }
       float* staging = DeviceGradStaging(i);
-      DIOND_RETURN_IF_ERROR(kernels::Binary(dctx, kernels::BinaryOp::kDiv,
-                                            DevCView(dctx, a, numel), DevCView(dctx, div, 1),
-                                            DevView(dctx, staging, numel)));
+      DIOND_RETURN_IF_ERROR(kernels::Binary(dctx, kernels::BinaryOp::kDiv, DevCView(dctx, a, numel),
+                                            DevCView(dctx, div, 1), DevView(dctx, staging, numel)));
       run.grads[i] = staging;
       a += numel;
     }
@@ -467,10 +463,10 @@ absl::Status Session::ExchangeUpdatesPhase(StepRun& run, const kernels::Context&
       absl::StatusOr<float*> m = DeviceWorldBuffer(WorldBuffer::kExchangeMine, counts[w.rank]);
       absl::StatusOr<float*> a = m.ok() ? DeviceWorldBuffer(WorldBuffer::kWire, total) : m;
       if (!a.ok()) {
-        return BreakWorld(run, absl::Status(a.status().code(),
-                                            absl::StrCat(where, a.status().message(),
-                                                         "; the world session must be created "
-                                                         "again")));
+        return BreakWorld(
+            run, absl::Status(a.status().code(), absl::StrCat(where, a.status().message(),
+                                                              "; the world session must be created "
+                                                              "again")));
       }
       mine = *m;
       all = *a;
@@ -483,9 +479,9 @@ absl::Status Session::ExchangeUpdatesPhase(StepRun& run, const kernels::Context&
     // wire[at..at+n) <- a step tensor (device or host memory, like the wire's).
     auto from_step = [&](const float* src, int64_t at, int64_t n) {
       return CallOnCompute(compute_, [&] {
-        return on_device ? kernels::Copy(*dctx, DevCView(*dctx, src, n),
-                                         DevView(*dctx, mine + at, n))
-                         : StepTensorToHost(src, mine + at, n);
+        return on_device
+                   ? kernels::Copy(*dctx, DevCView(*dctx, src, n), DevView(*dctx, mine + at, n))
+                   : StepTensorToHost(src, mine + at, n);
       });
     };
     // wire[at..at+n) <- host floats.
@@ -499,9 +495,9 @@ absl::Status Session::ExchangeUpdatesPhase(StepRun& run, const kernels::Context&
     // A step tensor <- all[at..at+n).
     auto to_step = [&](int64_t at, float* dst, int64_t n) {
       return CallOnCompute(compute_, [&] {
-        return on_device ? kernels::Copy(*dctx, DevCView(*dctx, all + at, n),
-                                         DevView(*dctx, dst, n))
-                         : HostToStepTensor(all + at, dst, n);
+        return on_device
+                   ? kernels::Copy(*dctx, DevCView(*dctx, all + at, n), DevView(*dctx, dst, n))
+                   : HostToStepTensor(all + at, dst, n);
       });
     };
     // all[at..at+n) on the host: a view of the host wire, or a copy of the device one.
@@ -545,9 +541,9 @@ absl::Status Session::ExchangeUpdatesPhase(StepRun& run, const kernels::Context&
       }
       if (!put.ok() && compute_status.ok()) {
         // Reported to every rank through the status value below.
-        compute_status = absl::Status(put.code(), absl::StrCat(
-            "copying '", Bounded(layout_.tensors[i].name), "' for the exchange failed: ",
-            put.message()));
+        compute_status =
+            absl::Status(put.code(), absl::StrCat("copying '", Bounded(layout_.tensors[i].name),
+                                                  "' for the exchange failed: ", put.message()));
       }
     }
     std::vector<float> tail;
@@ -567,11 +563,11 @@ absl::Status Session::ExchangeUpdatesPhase(StepRun& run, const kernels::Context&
                                  counts, absl::MakeSpan(all, static_cast<size_t>(total)));
     }
     if (!st.ok()) {
-      return BreakWorld(run, absl::UnavailableError(absl::StrCat(
-                                 where, "exchange of the updated parameters failed: ",
-                                 DescribeWorldFailure(st),
-                                 "; create the session again and resume from the last "
-                                 "checkpoint")));
+      return BreakWorld(
+          run, absl::UnavailableError(absl::StrCat(
+                   where, "exchange of the updated parameters failed: ", DescribeWorldFailure(st),
+                   "; create the session again and resume from the last "
+                   "checkpoint")));
     }
     std::vector<int> failed;
     std::vector<std::pair<size_t, int64_t>> compact;  // (parameter, offset in `all`)
@@ -592,11 +588,11 @@ absl::Status Session::ExchangeUpdatesPhase(StepRun& run, const kernels::Context&
       }
       absl::StatusOr<absl::Span<const float>> t = to_host(at, extra);
       if (!t.ok()) {
-        return BreakWorld(run, absl::Status(t.status().code(), absl::StrCat(
-                                                   where, "reading rank ", j, "'s norms: ",
-                                                   t.status().message(),
-                                                   "; the world session must be created "
-                                                   "again")));
+        return BreakWorld(
+            run, absl::Status(t.status().code(), absl::StrCat(where, "reading rank ", j,
+                                                              "'s norms: ", t.status().message(),
+                                                              "; the world session must be created "
+                                                              "again")));
       }
       for (size_t gi = 0; gi < groups_.size(); ++gi) {
         if (j == 0) update_sq[gi] = 0;  // from here on: the world's sum
@@ -610,11 +606,11 @@ absl::Status Session::ExchangeUpdatesPhase(StepRun& run, const kernels::Context&
     // was lost; nothing read from the wire is trusted until the device communicator is healthy.
     if (on_device) {
       if (absl::Status d = run.dcomm->DeviceStatus(); !d.ok()) {
-        return BreakWorld(run, absl::UnavailableError(absl::StrCat(
-                                   where, "exchange of the updated parameters failed: ",
-                                   DescribeWorldFailure(d),
-                                   "; create the session again and resume from the last "
-                                   "checkpoint")));
+        return BreakWorld(
+            run, absl::UnavailableError(absl::StrCat(
+                     where, "exchange of the updated parameters failed: ", DescribeWorldFailure(d),
+                     "; create the session again and resume from the last "
+                     "checkpoint")));
       }
     }
     if (compute_status.ok() && !ok_here) {
@@ -625,9 +621,9 @@ absl::Status Session::ExchangeUpdatesPhase(StepRun& run, const kernels::Context&
     for (const auto& [i, offset] : whole) {
       absl::Status s = to_step(offset, params[i], layout_.tensors[i].numel);
       if (!s.ok() && compute_status.ok()) {
-        compute_status = absl::Status(s.code(), absl::StrCat(
-            "writing '", Bounded(layout_.tensors[i].name), "' from rank ", w.plan.owner[i],
-            " failed: ", s.message()));
+        compute_status = absl::Status(
+            s.code(), absl::StrCat("writing '", Bounded(layout_.tensors[i].name), "' from rank ",
+                                   w.plan.owner[i], " failed: ", s.message()));
       }
     }
     // The others' compact updates, applied here through the rules' own code (bit-identical to
@@ -657,20 +653,19 @@ absl::Status Session::ExchangeUpdatesPhase(StepRun& run, const kernels::Context&
       }
     }
     if (compute_status.ok() && !failed.empty()) {
-      compute_status = absl::InternalError(absl::StrCat(
-          "step ", request.step_index, " failed on rank(s) ", absl::StrJoin(failed, ", "),
-          " (see their logs)"));
+      compute_status =
+          absl::InternalError(absl::StrCat("step ", request.step_index, " failed on rank(s) ",
+                                           absl::StrJoin(failed, ", "), " (see their logs)"));
     }
-    if (compute_status.ok() && w.checksum_every > 0 &&
-        request.step_index % w.checksum_every == 0) {
+    if (compute_status.ok() && w.checksum_every > 0 && request.step_index % w.checksum_every == 0) {
       auto healed = CheckReplicas(on_device ? *dctx : *run.ctx, run.comm.get(), run.dcomm.get(),
                                   request.step_index, params);
       if (!healed.ok()) {
-        return BreakWorld(run, absl::UnavailableError(absl::StrCat(
-                                   where, "checksum comparison failed: ",
-                                   DescribeWorldFailure(healed.status()),
-                                   "; create the session again and resume from the last "
-                                   "checkpoint")));
+        return BreakWorld(
+            run, absl::UnavailableError(absl::StrCat(
+                     where, "checksum comparison failed: ", DescribeWorldFailure(healed.status()),
+                     "; create the session again and resume from the last "
+                     "checkpoint")));
       }
       run.result.checksum_mismatches = *healed;
     }
@@ -678,10 +673,10 @@ absl::Status Session::ExchangeUpdatesPhase(StepRun& run, const kernels::Context&
   }
   if (!compute_status.ok()) {
     // Some groups may have been applied on some ranks: the replicas can no longer be trusted.
-    return BreakWorld(run, absl::Status(compute_status.code(),
-                                        absl::StrCat(where, compute_status.message(),
-                                                     "; the world session must be created "
-                                                     "again")));
+    return BreakWorld(
+        run, absl::Status(compute_status.code(), absl::StrCat(where, compute_status.message(),
+                                                              "; the world session must be created "
+                                                              "again")));
   }
   return absl::OkStatus();
 }
@@ -698,9 +693,8 @@ absl::Status Session::SynchronizeForCheckpoint() {
       absl::UnavailableError("the daemon is shutting down");
   w.world->With([&](comm::World& world) { c = world.communicator(); });
   if (!c.ok()) {
-    return absl::UnavailableError(absl::StrCat("world session '", spec_.world_key,
-                                               "': momentum synchronization: ",
-                                               c.status().message()));
+    return absl::UnavailableError(absl::StrCat(
+        "world session '", spec_.world_key, "': momentum synchronization: ", c.status().message()));
   }
   for (size_t i = 0; i < layout_.tensors.size(); ++i) {
     if (!w.replicated[i]) continue;
@@ -712,9 +706,9 @@ absl::Status Session::SynchronizeForCheckpoint() {
     }));
     absl::Status st = (*c)->AllReduceAverage(absl::MakeSpan(m));
     if (!st.ok()) {
-      w.broken = absl::UnavailableError(absl::StrCat(
-          "world session '", Bounded(spec_.world_key), "': momentum synchronization failed: ",
-          st.message()));
+      w.broken = absl::UnavailableError(
+          absl::StrCat("world session '", Bounded(spec_.world_key),
+                       "': momentum synchronization failed: ", st.message()));
       return w.broken;
     }
     DIOND_RETURN_IF_ERROR(CallOnCompute(compute_, [&] {

@@ -12,9 +12,12 @@ namespace diond::session {
 
 absl::string_view GradientSyncName(GradientSync s) {
   switch (s) {
-    case GradientSync::kReplicated: return "REPLICATED";
-    case GradientSync::kAverage: return "AVERAGE";
-    case GradientSync::kDionCompressed: return "DION_COMPRESSED";
+    case GradientSync::kReplicated:
+      return "REPLICATED";
+    case GradientSync::kAverage:
+      return "AVERAGE";
+    case GradientSync::kDionCompressed:
+      return "DION_COMPRESSED";
   }
   return "?";
 }
@@ -40,9 +43,9 @@ double ParamCost(const optim::GroupConfig& config, const std::vector<int64_t>& s
   const double mn = std::min(m, n);
   switch (config.algorithm) {
     case AlgorithmKind::kDion: {
-      const int64_t r = optim::DionRank(static_cast<int64_t>(m), static_cast<int64_t>(n),
-                                        config.hyperparams.rank_fraction,
-                                        config.hyperparams.rank_multiple_of);
+      const int64_t r =
+          optim::DionRank(static_cast<int64_t>(m), static_cast<int64_t>(n),
+                          config.hyperparams.rank_fraction, config.hyperparams.rank_multiple_of);
       return numel * static_cast<double>(r);
     }
     case AlgorithmKind::kDion2:
@@ -72,8 +75,8 @@ absl::StatusOr<ShardPlan> ComputeShardPlan(const SessionSpec& spec, int world_si
                                                      "' names unknown group '",
                                                      spec.params[i].group, "'"));
     }
-    auto [b, inserted] = batch_of.emplace(std::make_pair(it->second, spec.params[i].shape),
-                                          batches.size());
+    auto [b, inserted] =
+        batch_of.emplace(std::make_pair(it->second, spec.params[i].shape), batches.size());
     if (inserted) batches.emplace_back();
     batches[b->second].push_back(i);
   }
@@ -115,11 +118,10 @@ absl::StatusOr<ShardPlan> ComputeShardPlan(const SessionSpec& spec, int world_si
 }
 
 std::string ShardPlanCanonicalText(const SessionSpec& spec, const ShardPlan& plan) {
-  std::string t = absl::StrCat("W=", plan.world_size, ";sync=", GradientSyncName(spec.gradient_sync),
-                               ";master=", spec.fp32_master_weights ? 1 : 0,
-                               ";nonfinite=", spec.non_finite == NonFinitePolicy::kSkip ? "skip"
-                                                                                        : "error",
-                               "\n");
+  std::string t = absl::StrCat(
+      "W=", plan.world_size, ";sync=", GradientSyncName(spec.gradient_sync),
+      ";master=", spec.fp32_master_weights ? 1 : 0,
+      ";nonfinite=", spec.non_finite == NonFinitePolicy::kSkip ? "skip" : "error", "\n");
   for (const GroupSpec& g : spec.groups) {
     const optim::GroupConfig& c = g.config;
     const optim::Hyperparams& h = c.hyperparams;
@@ -130,8 +132,8 @@ std::string ShardPlanCanonicalText(const SessionSpec& spec, const ShardPlan& pla
                         "frac=%.17g ef=%.17g rf=%.17g rm=%d",
                         h.lr, h.weight_decay, h.epsilon, h.mu, h.beta1, h.beta2, h.muon_beta2,
                         h.fraction, h.ef_decay, h.rank_fraction, h.rank_multiple_of),
-        " nesterov=", h.nesterov ? 1 : 0, " cwd=", h.cautious_wd ? 1 : 0, " adj=",
-        optim::AdjustLrName(h.adjust_lr), " orth=", static_cast<int>(h.orthogonalizer),
+        " nesterov=", h.nesterov ? 1 : 0, " cwd=", h.cautious_wd ? 1 : 0,
+        " adj=", optim::AdjustLrName(h.adjust_lr), " orth=", static_cast<int>(h.orthogonalizer),
         " heads=", c.num_heads, " split=", absl::StrJoin(c.split_sizes, ","),
         " flatten=", c.flatten ? 1 : 0, " seed=", c.seed, " qr=", optim::QrMethodName(h.qr_method),
         absl::StrFormat(" cqrw=%d os=%.17g", h.cqr_warmup_steps, h.rcqr_oversample),

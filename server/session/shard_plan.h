@@ -29,8 +29,8 @@ namespace diond::session {
 
 struct ShardPlan {
   int world_size = 1;
-  std::vector<int> owner;          // per parameter (declaration order)
-  std::vector<double> load;        // accumulated cost per rank
+  std::vector<int> owner;    // per parameter (declaration order)
+  std::vector<double> load;  // accumulated cost per rank
   uint64_t hash = 0;
 
   // Parameters owned by `rank`, in declaration order.

@@ -99,26 +99,24 @@ int64_t ShmGuardFaultsCaught() { return g_faults.load(); }
 absl::Status ValidateShmName(absl::string_view name) {
   bool ok = !name.empty() && name.size() <= 200 && name != "." && name != "..";
   for (char c : name) {
-    if (!((c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') ||
-          c == '.' || c == '_' || c == '-')) {
+    if (!((c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '.' ||
+          c == '_' || c == '-')) {
       ok = false;
     }
   }
   if (!ok) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "shm name '", Bounded(name), "' must match [A-Za-z0-9._-]{1,200} (no paths)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("shm name '", Bounded(name), "' must match [A-Za-z0-9._-]{1,200} (no paths)"));
   }
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::unique_ptr<ShmRegion>> ShmRegion::Open(const std::string& name,
-                                                           int64_t offset, int64_t size,
-                                                           const std::string& owner) {
+absl::StatusOr<std::unique_ptr<ShmRegion>> ShmRegion::Open(const std::string& name, int64_t offset,
+                                                           int64_t size, const std::string& owner) {
   if (absl::Status s = ValidateShmName(name); !s.ok()) return s;
   if (offset < 0 || size <= 0) {
     return absl::InvalidArgumentError(absl::StrCat("shm region '", name, "': offset ", offset,
-                                                   " and size ", size,
-                                                   " must be >= 0 and > 0"));
+                                                   " and size ", size, " must be >= 0 and > 0"));
   }
   if (offset > INT64_MAX - size) {
     return absl::InvalidArgumentError(
@@ -137,8 +135,8 @@ absl::StatusOr<std::unique_ptr<ShmRegion>> ShmRegion::Open(const std::string& na
 }
 
 absl::StatusOr<std::unique_ptr<ShmRegion>> ShmRegion::Adopt(int fd, const std::string& kind,
-                                                            const std::string& name,
-                                                            int64_t offset, int64_t size,
+                                                            const std::string& name, int64_t offset,
+                                                            int64_t size,
                                                             const std::string& owner) {
   if (offset < 0 || size <= 0 || offset > INT64_MAX - size) {
     close(fd);
@@ -150,21 +148,21 @@ absl::StatusOr<std::unique_ptr<ShmRegion>> ShmRegion::Adopt(int fd, const std::s
 }
 
 absl::StatusOr<std::unique_ptr<ShmRegion>> ShmRegion::Map(int fd, const std::string& kind,
-                                                          const std::string& name,
-                                                          int64_t offset, int64_t size,
-                                                          const std::string& owner) {
+                                                          const std::string& name, int64_t offset,
+                                                          int64_t size, const std::string& owner) {
   InstallGuard();
   struct stat st;
   if (fstat(fd, &st) != 0) {
     int e = errno;
     close(fd);
-    return absl::InternalError(absl::StrCat("fstat of ", kind, " '", name, "': ", std::strerror(e)));
+    return absl::InternalError(
+        absl::StrCat("fstat of ", kind, " '", name, "': ", std::strerror(e)));
   }
   if (offset + size > st.st_size) {
     close(fd);
     return absl::OutOfRangeError(absl::StrCat(kind, " region '", name, "' [", offset, ", ",
-                                              offset + size, ") exceeds the segment's ",
-                                              st.st_size, " bytes"));
+                                              offset + size, ") exceeds the segment's ", st.st_size,
+                                              " bytes"));
   }
   const std::pair<uint64_t, uint64_t> key{static_cast<uint64_t>(st.st_dev),
                                           static_cast<uint64_t>(st.st_ino)};
@@ -212,7 +210,8 @@ absl::StatusOr<std::unique_ptr<ShmRegion>> ShmRegion::Map(int fd, const std::str
   r->ino_ = key.second;
   if (base == MAP_FAILED) {
     return absl::ResourceExhaustedError(  // ~ShmRegion releases the slot, owner and fd
-        absl::StrCat("mmap of ", kind, " '", name, "' (", map_length, " bytes): ", std::strerror(e)));
+        absl::StrCat("mmap of ", kind, " '", name, "' (", map_length,
+                     " bytes): ", std::strerror(e)));
   }
   r->map_base_ = base;
   r->map_length_ = map_length;
@@ -247,15 +246,16 @@ std::string ShmRegion::Describe() const {
 
 absl::Status ShmRegion::CheckIntact() const {
   if (broken()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        Describe(), " shrank: its segment was truncated under the daemon's mapping (SIGBUS "
-        "caught); unregister it and register an intact region"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(Describe(),
+                     " shrank: its segment was truncated under the daemon's mapping (SIGBUS "
+                     "caught); unregister it and register an intact region"));
   }
   struct stat st;
   if (fstat(fd_, &st) == 0 && st.st_size < offset_ + size_) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        Describe(), " shrank: its segment now has ", st.st_size,
-        " bytes; restore its size, or unregister it and register an intact region"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(Describe(), " shrank: its segment now has ", st.st_size,
+                     " bytes; restore its size, or unregister it and register an intact region"));
   }
   return absl::OkStatus();
 }

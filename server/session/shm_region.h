@@ -38,15 +38,13 @@ class ShmRegion {
   // name, a negative offset or a non-positive size; FAILED_PRECONDITION if a region of another
   // `owner` (a session id) has the same segment mapped.
   static absl::StatusOr<std::unique_ptr<ShmRegion>> Open(const std::string& name, int64_t offset,
-                                                          int64_t size,
-                                                          const std::string& owner);
+                                                         int64_t size, const std::string& owner);
   // Maps an fd the caller opened (a memfd from the fd channel), taking ownership of it (closed on
   // every error too), with the same checks, SIGBUS guard and one-session rule as Open. `kind`
   // ("memfd") and `name` label it in messages and Describe().
   static absl::StatusOr<std::unique_ptr<ShmRegion>> Adopt(int fd, const std::string& kind,
-                                                           const std::string& name,
-                                                           int64_t offset, int64_t size,
-                                                           const std::string& owner);
+                                                          const std::string& name, int64_t offset,
+                                                          int64_t size, const std::string& owner);
   ~ShmRegion();
   ShmRegion(const ShmRegion&) = delete;
   ShmRegion& operator=(const ShmRegion&) = delete;
@@ -72,8 +70,8 @@ class ShmRegion {
  private:
   ShmRegion() = default;
   static absl::StatusOr<std::unique_ptr<ShmRegion>> Map(int fd, const std::string& kind,
-                                                         const std::string& name, int64_t offset,
-                                                         int64_t size, const std::string& owner);
+                                                        const std::string& name, int64_t offset,
+                                                        int64_t size, const std::string& owner);
   std::string kind_ = "shm";
   std::string name_;
   int64_t offset_ = 0;

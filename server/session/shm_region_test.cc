@@ -92,9 +92,9 @@ TEST(ShmRegion, AFaultInsideARegionIsAbsorbedAndMarksItBroken) {
   const int64_t faults = ShmGuardFaultsCaught();
   seg.Truncate(8192);
   volatile uint8_t* p = (*r)->data();
-  EXPECT_EQ(p[100], 0x5a);          // still backed by the segment
-  EXPECT_EQ(p[kSize / 2], 0);       // SIGBUS, absorbed: an anonymous zero page now
-  p[kSize - 1] = 7;                 // writes land harmlessly too (no second fault)
+  EXPECT_EQ(p[100], 0x5a);     // still backed by the segment
+  EXPECT_EQ(p[kSize / 2], 0);  // SIGBUS, absorbed: an anonymous zero page now
+  p[kSize - 1] = 7;            // writes land harmlessly too (no second fault)
   EXPECT_EQ(p[kSize - 1], 7);
   EXPECT_EQ(ShmGuardFaultsCaught(), faults + 1);
   EXPECT_TRUE((*r)->broken());
@@ -169,9 +169,9 @@ TEST(ShmRegion, ASegmentBelongsToOneSession) {
   // The same session may map another part (its other arena).
   auto a2 = ShmRegion::Open(seg.name(), kSize / 2, kSize / 2, "s-a");
   ASSERT_THAT(a2.status(), IsOk());
-  EXPECT_THAT(ShmRegion::Open(seg.name(), 0, kSize / 2, "s-b").status(),
-              StatusIs(absl::StatusCode::kFailedPrecondition,
-                       HasSubstr("registered by another session")));
+  EXPECT_THAT(
+      ShmRegion::Open(seg.name(), 0, kSize / 2, "s-b").status(),
+      StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("registered by another session")));
   a->reset();
   EXPECT_THAT(ShmRegion::Open(seg.name(), 0, kSize / 2, "s-b").status(),
               StatusIs(absl::StatusCode::kFailedPrecondition));

@@ -115,9 +115,9 @@ struct StepResult {
   std::map<std::string, double> update_norms;
   int64_t compute_micros = 0;
   int64_t total_micros = 0;
-  int64_t world_bytes_sent = 0;  // world sessions: bytes this daemon sent for this step
+  int64_t world_bytes_sent = 0;     // world sessions: bytes this daemon sent for this step
   int64_t checksum_mismatches = 0;  // world sessions: copies healed at this step's check
-  bool queued = false;  // an asynchronous step: validated and queued, not run yet
+  bool queued = false;              // an asynchronous step: validated and queued, not run yet
   // The queued asynchronous step's result, collected by this call (at most one).
   std::vector<StepResult> previous;
   // Device sessions (docs/GPU.md "CUDA graphs"): a step runs in three phases that can each be

@@ -45,8 +45,8 @@ absl::StatusOr<uint64_t> WaitForWorld(WorldLink& world, absl::Duration timeout,
     absl::SleepFor(absl::Milliseconds(20));
   }
   if (!ready.ok()) {
-    return absl::UnavailableError(absl::StrCat(where, "the daemon world is not up: ",
-                                               ready.message()));
+    return absl::UnavailableError(
+        absl::StrCat(where, "the daemon world is not up: ", ready.message()));
   }
   return epoch;
 }
@@ -61,10 +61,10 @@ absl::Status AgreeOnShardPlan(const ShardPlan& plan, const WorldLink& world,
   absl::StatusOr<std::vector<std::string>> hashes =
       comm::ExchangeValues(kv, prefix, world.rank(), world.size(), mine, timeout, &missing);
   if (!hashes.ok() && missing.has_value()) {
-    return absl::UnavailableError(absl::StrCat(
-        where, "the trainers of rank(s) ", absl::StrJoin(*missing, ", "),
-        " did not create it within ", absl::FormatDuration(timeout), ": ",
-        hashes.status().message()));
+    return absl::UnavailableError(
+        absl::StrCat(where, "the trainers of rank(s) ", absl::StrJoin(*missing, ", "),
+                     " did not create it within ", absl::FormatDuration(timeout), ": ",
+                     hashes.status().message()));
   }
   DIOND_RETURN_IF_ERROR(hashes.status());
   std::vector<std::string> listed;
@@ -77,7 +77,8 @@ absl::Status AgreeOnShardPlan(const ShardPlan& plan, const WorldLink& world,
     return absl::FailedPreconditionError(absl::StrCat(
         where, "the ranks disagree on the shard plan; rank(s) ", absl::StrJoin(differ, ", "),
         " declared different parameters, shapes, dtypes, groups, options or gradient_sync than "
-        "rank ", world.rank(), " (plan hashes ", absl::StrJoin(listed, ", "), ")"));
+        "rank ",
+        world.rank(), " (plan hashes ", absl::StrJoin(listed, ", "), ")"));
   }
   return absl::OkStatus();
 }

@@ -48,11 +48,11 @@
 #include "common/logging.h"
 #include "diond/v1/optimizer.pb.h"
 #include "google/protobuf/stubs/logging.h"
+#include "server/checkpoint/directory_store.h"
+#include "server/checkpoint/sandbox.h"
 #include "server/rpc/access.h"
 #include "server/rpc/auth.h"
 #include "server/rpc/convert.h"
-#include "server/checkpoint/directory_store.h"
-#include "server/checkpoint/sandbox.h"
 #include "server/session/session_manager.h"
 #include "tests/fuzz/fuzz_support.h"
 
@@ -119,37 +119,72 @@ diond::rpc::CallCredentials Caller(std::string* payload) {
   switch (peer % 6) {
     case 0:
     case 1:
-    case 2: c.peer = absl::StrCat("fd:", kUnixFds[peer % 6]); break;
-    case 3: c.peer = "fd:6"; break;  // a number the listener never recorded
-    case 4: c.peer = "ipv4:127.0.0.1:40000"; break;
-    default: c.peer = TakeString(payload); break;
+    case 2:
+      c.peer = absl::StrCat("fd:", kUnixFds[peer % 6]);
+      break;
+    case 3:
+      c.peer = "fd:6";
+      break;  // a number the listener never recorded
+    case 4:
+      c.peer = "ipv4:127.0.0.1:40000";
+      break;
+    default:
+      c.peer = TakeString(payload);
+      break;
   }
   const Token& t = kTokens[(cred / 16) % 3];
   const std::string token = t.token;
   switch (cred % 16) {
-    case 0: break;  // no authorization metadata
-    case 1: c.authorization = "Bearer " + token; break;
-    case 2: c.authorization = "Bearer " + token.substr(0, token.size() - 1 - cred % 5); break;
-    case 3: c.authorization = "Bearer " + token + static_cast<char>(Take(payload)); break;
+    case 0:
+      break;  // no authorization metadata
+    case 1:
+      c.authorization = "Bearer " + token;
+      break;
+    case 2:
+      c.authorization = "Bearer " + token.substr(0, token.size() - 1 - cred % 5);
+      break;
+    case 3:
+      c.authorization = "Bearer " + token + static_cast<char>(Take(payload));
+      break;
     case 4: {
       std::string bad = token;
-      bad[static_cast<size_t>(Take(payload)) % bad.size()] ^= static_cast<char>(1 + Take(payload) % 255);
+      bad[static_cast<size_t>(Take(payload)) % bad.size()] ^=
+          static_cast<char>(1 + Take(payload) % 255);
       c.authorization = "Bearer " + bad;
       break;
     }
-    case 5: c.authorization = "bearer " + token; break;
-    case 6: c.authorization = "Bearer  " + token + " \t"; break;
-    case 7: c.authorization = token; break;
-    case 8: c.authorization = "Bearer "; break;
-    case 9: c.authorization = "Bearer " + token + token; break;
-    default: c.authorization = TakeString(payload); break;
+    case 5:
+      c.authorization = "bearer " + token;
+      break;
+    case 6:
+      c.authorization = "Bearer  " + token + " \t";
+      break;
+    case 7:
+      c.authorization = token;
+      break;
+    case 8:
+      c.authorization = "Bearer ";
+      break;
+    case 9:
+      c.authorization = "Bearer " + token + token;
+      break;
+    default:
+      c.authorization = TakeString(payload);
+      break;
   }
   c.has_authorization = cred % 16 != 0;
   switch (cert % 4) {
-    case 0: break;
-    case 1: c.certificate_subject = "CN=carol,O=diond-test"; break;
-    case 2: c.certificate_subject = TakeString(payload); break;
-    default: c.certificate_subject = std::string(600, 'x'); break;
+    case 0:
+      break;
+    case 1:
+      c.certificate_subject = "CN=carol,O=diond-test";
+      break;
+    case 2:
+      c.certificate_subject = TakeString(payload);
+      break;
+    default:
+      c.certificate_subject = std::string(600, 'x');
+      break;
   }
   return c;
 }
@@ -363,8 +398,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       continue;
     }
     Require(want.ok, "an invalid credential was accepted");
-    Require(got->name == want.p.name && got->admin == want.p.admin &&
-                got->local == want.p.local && (!want.p.local || got->uid == want.p.uid),
+    Require(got->name == want.p.name && got->admin == want.p.admin && got->local == want.p.local &&
+                (!want.p.local || got->uid == want.p.uid),
             "the principal is not the model's");
     const Principal& p = *got;
     const int which = Take(&payload);
@@ -389,7 +424,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       }
       case 1: {  // ListSessions
         int seen = 0, want_seen = 0;
-        for (const auto& info : (*manager)->List()) seen += diond::rpc::MayUseSession(p, info.owner);
+        for (const auto& info : (*manager)->List())
+          seen += diond::rpc::MayUseSession(p, info.owner);
         for (const char* o : kOwners) want_seen += 2 * (p.admin || p.name == o);  // and twins
         Require(seen == want_seen, "ListSessions shows another principal's sessions");
         break;
@@ -447,8 +483,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           if (absl::StrContains(path, "..") || !absl::StartsWith(path, g_root + "/")) break;
         }
         const bool confined = !local_admin || path.empty() || path[0] != '/' ||
-                              path == g_state_dir ||
-                              absl::StartsWith(path, g_state_dir + "/");
+                              path == g_state_dir || absl::StartsWith(path, g_state_dir + "/");
         if (kind % 8 == 6) {
           if (!confined) break;  // a local admin writing outside: allowed, not the property
           auto r = (*manager)->SaveCheckpoint(ids[target % 3], path);
@@ -470,7 +505,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         }
         Require(path.find('\0') == std::string::npos,
                 "a path with a NUL byte opened another directory than the one named");
-        if (confined) Require(BeneathState(dir->fd()), "a path opened a directory outside the state dir");
+        if (confined)
+          Require(BeneathState(dir->fd()), "a path opened a directory outside the state dir");
         break;
       }
       default:

@@ -32,7 +32,7 @@ inline void RequireBoundedMessage(const absl::Status& s, size_t max_bytes) {
     std::fprintf(stderr, "status: %s\n", s.ToString().c_str());
   }
   Require(s.message().size() <= max_bytes, max_bytes == 1024 ? "error message longer than 1 KiB"
-                                                              : "error message longer than 2 KiB");
+                                                             : "error message longer than 2 KiB");
   for (char c : s.message()) Require(c != '\n' && c != '\0', "error message is not one line");
 }
 

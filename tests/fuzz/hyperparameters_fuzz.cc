@@ -35,20 +35,19 @@ void RequireBounded(const absl::Status& s) { diond::fuzz::RequireBoundedMessage(
 bool Same(double a, double b) { return a == b || (std::isnan(a) && std::isnan(b)); }
 
 bool SameHyperparams(const Hyperparams& a, const Hyperparams& b) {
-  return Same(a.lr, b.lr) && Same(a.weight_decay, b.weight_decay) &&
-         Same(a.epsilon, b.epsilon) && Same(a.mu, b.mu) && Same(a.beta1, b.beta1) &&
-         Same(a.beta2, b.beta2) && Same(a.muon_beta2, b.muon_beta2) &&
-         Same(a.fraction, b.fraction) && Same(a.ef_decay, b.ef_decay) &&
-         Same(a.rank_fraction, b.rank_fraction) && a.rank_multiple_of == b.rank_multiple_of &&
-         a.nesterov == b.nesterov && a.cautious_wd == b.cautious_wd &&
-         a.adjust_lr == b.adjust_lr && a.orthogonalizer == b.orthogonalizer &&
-         a.qr_method == b.qr_method && a.cqr_warmup_steps == b.cqr_warmup_steps &&
-         Same(a.rcqr_oversample, b.rcqr_oversample);
+  return Same(a.lr, b.lr) && Same(a.weight_decay, b.weight_decay) && Same(a.epsilon, b.epsilon) &&
+         Same(a.mu, b.mu) && Same(a.beta1, b.beta1) && Same(a.beta2, b.beta2) &&
+         Same(a.muon_beta2, b.muon_beta2) && Same(a.fraction, b.fraction) &&
+         Same(a.ef_decay, b.ef_decay) && Same(a.rank_fraction, b.rank_fraction) &&
+         a.rank_multiple_of == b.rank_multiple_of && a.nesterov == b.nesterov &&
+         a.cautious_wd == b.cautious_wd && a.adjust_lr == b.adjust_lr &&
+         a.orthogonalizer == b.orthogonalizer && a.qr_method == b.qr_method &&
+         a.cqr_warmup_steps == b.cqr_warmup_steps && Same(a.rcqr_oversample, b.rcqr_oversample);
 }
 
 constexpr diond::optim::AlgorithmKind kAlgorithms[] = {
-    diond::optim::AlgorithmKind::kMuon,  diond::optim::AlgorithmKind::kNorMuon,
-    diond::optim::AlgorithmKind::kDion,  diond::optim::AlgorithmKind::kDion2,
+    diond::optim::AlgorithmKind::kMuon,     diond::optim::AlgorithmKind::kNorMuon,
+    diond::optim::AlgorithmKind::kDion,     diond::optim::AlgorithmKind::kDion2,
     diond::optim::AlgorithmKind::kNorDion2, diond::optim::AlgorithmKind::kAdamW,
     diond::optim::AlgorithmKind::kLion};
 

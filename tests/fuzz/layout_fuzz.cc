@@ -27,10 +27,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     p.shape.resize(in.ConsumeIntegralInRange<size_t>(0, 10));
     for (int64_t& d : p.shape) {
       switch (in.ConsumeIntegralInRange<int>(0, 3)) {
-        case 0: d = in.ConsumeIntegralInRange<int64_t>(-2, 64); break;
-        case 1: d = in.ConsumeIntegral<int64_t>(); break;
-        case 2: d = int64_t{1} << in.ConsumeIntegralInRange<int>(0, 62); break;
-        default: d = std::numeric_limits<int64_t>::max() - in.ConsumeIntegralInRange<int64_t>(0, 4);
+        case 0:
+          d = in.ConsumeIntegralInRange<int64_t>(-2, 64);
+          break;
+        case 1:
+          d = in.ConsumeIntegral<int64_t>();
+          break;
+        case 2:
+          d = int64_t{1} << in.ConsumeIntegralInRange<int>(0, 62);
+          break;
+        default:
+          d = std::numeric_limits<int64_t>::max() - in.ConsumeIntegralInRange<int64_t>(0, 4);
       }
     }
     p.dtype = static_cast<diond::kernels::DType>(in.ConsumeIntegralInRange<int>(0, 2));

@@ -60,8 +60,8 @@ void RequireSame(const SessionSnapshot& a, const SessionSnapshot& b) {
             "last step record changed");
     for (const auto& [g, n] : x.update_norms) {
       auto it = y.update_norms.find(g);
-      Require(it != y.update_norms.end() && (SameBits(n, it->second) ||
-                                             (std::isnan(n) && std::isnan(it->second))),
+      Require(it != y.update_norms.end() &&
+                  (SameBits(n, it->second) || (std::isnan(n) && std::isnan(it->second))),
               "update norm changed");
     }
   }

@@ -83,7 +83,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   Records in(reinterpret_cast<const char*>(data) + 1, size - 1);  // see the top of this file
   options.heartbeat_interval = absl::Hours(1);  // nobody is declared lost during one input
   options.peer_timeout = absl::Hours(2);
-  options.store_limits.max_key_bytes = 300;     // above the 200-byte echo bound
+  options.store_limits.max_key_bytes = 300;  // above the 200-byte echo bound
   options.store_limits.max_value_bytes = 512;
   options.store_limits.max_keys = 8;
   options.store_limits.max_bytes = 2048;
@@ -150,9 +150,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           const diond::comm::JoinArgs a = diond::rpc::JoinArgsFromProto(req);
           auto held = live.find(a.rank);
           auto v = coordinator.Join(a);
-          if (held != live.end() && a.world_size == options.world_size &&
-              a.incarnation != 0 && a.address.size() <= diond::comm::kMaxMemberAddressBytes &&
-              a.proof.size() >= 16 && a.proof.size() <= 64) {
+          if (held != live.end() && a.world_size == options.world_size && a.incarnation != 0 &&
+              a.address.size() <= diond::comm::kMaxMemberAddressBytes && a.proof.size() >= 16 &&
+              a.proof.size() <= 64) {
             if (held->second.incarnation != a.incarnation) {
               Require(absl::IsAlreadyExists(v.status()), "a live rank was taken over");
             } else if (held->second.proof != a.proof) {

@@ -8,8 +8,8 @@
 #include "common/safetensors.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  auto file = diond::SafetensorsFile::Parse(
-      std::string(reinterpret_cast<const char*>(data), size), "fuzz");
+  auto file =
+      diond::SafetensorsFile::Parse(std::string(reinterpret_cast<const char*>(data), size), "fuzz");
   if (!file.ok()) return 0;
   for (const diond::SafetensorsTensorInfo& t : file->tensors()) {
     if (t.end < t.begin || t.end > size) {

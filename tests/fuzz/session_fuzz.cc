@@ -36,8 +36,8 @@
 #include "common/logging.h"
 #include "diond/v1/optimizer.pb.h"
 #include "google/protobuf/stubs/logging.h"
-#include "server/rpc/chunk_collector.h"
 #include "server/checkpoint/directory_store.h"
+#include "server/rpc/chunk_collector.h"
 #include "server/rpc/convert.h"
 #include "server/session/session_manager.h"
 #include "server/session/shm_region.h"
@@ -237,7 +237,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         if (!s.ok()) break;
         auto change = diond::rpc::HyperparameterChangeFromProto(req);
         status = change.ok() ? (*s)->SetGroupHyperparameters(change->group, change->lr,
-                                                              change->weight_decay)
+                                                             change->weight_decay)
                              : change.status();
         // An accepted change alters future steps, not the state: compared below like a refusal.
         break;
@@ -275,9 +275,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       }
       default: {  // the trainer resizes its segment
         if (bytes.size() < 2) continue;
-        const off_t bytes_now = (static_cast<unsigned char>(bytes[0]) |
-                                 (static_cast<unsigned char>(bytes[1]) << 8)) *
-                                4;
+        const off_t bytes_now =
+            (static_cast<unsigned char>(bytes[0]) | (static_cast<unsigned char>(bytes[1]) << 8)) *
+            4;
         Require(ftruncate(g_segment_fd, bytes_now) == 0, "ftruncate");
         continue;  // not a request: the trainer changed its own memory
       }

@@ -44,8 +44,7 @@ std::unique_ptr<RunningDaemon> StartDaemon(std::vector<std::string> extra = {}) 
   d->dir = MakeTempDir("diond_it");
   d->socket_path = d->dir + "/diond.sock";
   std::string ready = d->dir + "/ready.json";
-  std::vector<std::string> argv = {DIOND_BINARY,
-                                   "--listen=unix:" + d->socket_path + ",127.0.0.1:0",
+  std::vector<std::string> argv = {DIOND_BINARY, "--listen=unix:" + d->socket_path + ",127.0.0.1:0",
                                    "--metrics_address=127.0.0.1:0", "--ready_file=" + ready};
   argv.insert(argv.end(), extra.begin(), extra.end());
   d->proc = std::make_unique<Subprocess>(argv, d->dir + "/log.txt");
@@ -101,19 +100,22 @@ TEST(DaemonProcess, HealthyOverUnixAndTcpServesValidMetricsAndStopsCleanlyOnSigt
 
   // diondctl (the Docker HEALTHCHECK) agrees, and fails on a dead address.
   {
-    auto [rc, out] = RunCommand(std::string(DIONDCTL_BINARY) + " --target=unix:" +
-                                d->socket_path + " health 2>&1");
+    auto [rc, out] = RunCommand(std::string(DIONDCTL_BINARY) + " --target=unix:" + d->socket_path +
+                                " health 2>&1");
     EXPECT_EQ(rc, 0) << out;
     EXPECT_TRUE(absl::StrContains(out, "SERVING")) << out;
-    auto [rc2, out2] = RunCommand(std::string(DIONDCTL_BINARY) + " --timeout=1s --target=unix:" +
-                                  d->dir + "/nobody.sock health 2>&1");
+    auto [rc2, out2] =
+        RunCommand(std::string(DIONDCTL_BINARY) + " --timeout=1s --target=unix:" + d->dir +
+                   "/nobody.sock health 2>&1");
     EXPECT_EQ(rc2, 1) << out2;
     EXPECT_TRUE(absl::StrContains(out2, "health check failed")) << out2;
   }
 
-  // Four health checks so far: three above and diondctl's. An Optimizer RPC goes through the interceptor, so it must appear in the metrics.
+  // Four health checks so far: three above and diondctl's. An Optimizer RPC goes through the
+  // interceptor, so it must appear in the metrics.
   {
-    auto channel = grpc::CreateChannel("unix:" + d->socket_path, grpc::InsecureChannelCredentials());
+    auto channel =
+        grpc::CreateChannel("unix:" + d->socket_path, grpc::InsecureChannelCredentials());
     auto stub = diond::v1::Optimizer::NewStub(channel);
     grpc::ClientContext ctx;
     diond::v1::ListSessionsRequest req;
@@ -202,8 +204,8 @@ bool HasVar(const std::vector<std::string>& env, const std::string& var) {
 // libgomp and OpenBLAS read their wait settings before main(); the daemon re-executes itself
 // (same pid) with GOMP_SPINCOUNT=10000 when neither OMP_WAIT_POLICY nor GOMP_SPINCOUNT is set,
 // and with OPENBLAS_THREAD_TIMEOUT=18 when neither it nor GOTO_THREAD_TIMEOUT is set
-// (TOOLCHAIN.md P20, P21), and keeps any value the operator set. (That idle threads then use no CPU is checked after
-// real training in examples/cpp/mlp_shm_test.cc.)
+// (TOOLCHAIN.md P20, P21), and keeps any value the operator set. (That idle threads then use no CPU
+// is checked after real training in examples/cpp/mlp_shm_test.cc.)
 TEST(DaemonProcess, IdleOpenMpThreadsSleepUnlessTheOperatorSaysOtherwise) {
   const char* saved = std::getenv("OMP_WAIT_POLICY");
   const std::string saved_value = saved != nullptr ? saved : "";
@@ -357,8 +359,9 @@ TEST(DaemonProcess, PicksTheOpenBlasCoreWhenOpenBlasFellBack) {
     const std::vector<std::string> env = ProcessEnvironment(d->proc->pid());
     EXPECT_EQ(EnvValue(env, "OPENBLAS_CORETYPE"), "Prescott");
     const std::string log = d->proc->Log();
-    EXPECT_TRUE(absl::StrContains(log, "OpenBLAS core Prescott (OPENBLAS_CORETYPE=Prescott, the "
-                                       "operator's"))
+    EXPECT_TRUE(absl::StrContains(log,
+                                  "OpenBLAS core Prescott (OPENBLAS_CORETYPE=Prescott, the "
+                                  "operator's"))
         << log;
     EXPECT_TRUE(absl::StrContains(log, "WARNING: generic kernels")) << log;
     const std::string metrics = HttpGet(d->metrics_port, "/metrics");
@@ -433,12 +436,14 @@ TEST(DaemonProcess, SecondDaemonOnSameAddressesFailsWithOneLine) {
     std::vector<std::string> argv;
   };
   std::vector<Case> cases = {
-      {"unix", {DIOND_BINARY, "--device=cpu", "--metrics_address=",
-                "--listen=unix:" + first->socket_path}},
-      {"tcp", {DIOND_BINARY, "--device=cpu", "--metrics_address=",
-               absl::StrCat("--listen=127.0.0.1:", first->tcp_port)}},
-      {"metrics", {DIOND_BINARY, "--device=cpu", "--listen=127.0.0.1:0",
-                   absl::StrCat("--metrics_address=127.0.0.1:", first->metrics_port)}},
+      {"unix",
+       {DIOND_BINARY, "--device=cpu", "--metrics_address=", "--listen=unix:" + first->socket_path}},
+      {"tcp",
+       {DIOND_BINARY, "--device=cpu",
+        "--metrics_address=", absl::StrCat("--listen=127.0.0.1:", first->tcp_port)}},
+      {"metrics",
+       {DIOND_BINARY, "--device=cpu", "--listen=127.0.0.1:0",
+        absl::StrCat("--metrics_address=127.0.0.1:", first->metrics_port)}},
   };
   for (const auto& c : cases) {
     Subprocess second(c.argv, first->dir + "/second_" + c.name + ".txt");
@@ -467,8 +472,7 @@ TEST(DaemonProcess, BadFlagsExitWithUsageErrorNotACrash) {
            {DIOND_BINARY, "--listen=unix:" + dir + "/m.sock", "--metrics_address=0.0.0.0:0"},
            {DIOND_BINARY, "--listen=unix:" + dir + "/m.sock", "--max_stream_bytes=-1"},
            {DIOND_BINARY, "--listen=unix:" + dir + "/m.sock", "--rpc_handler_threads=0"},
-           {DIOND_BINARY, "--listen=unix:" + dir + "/m.sock",
-            "--world_device_collectives=mpi"}}) {
+           {DIOND_BINARY, "--listen=unix:" + dir + "/m.sock", "--world_device_collectives=mpi"}}) {
     Subprocess p(argv, dir + "/log.txt");
     auto code = p.Wait(absl::Seconds(30));
     ASSERT_TRUE(code.has_value());
@@ -491,10 +495,10 @@ TEST(DaemonProcess, ReadyFileIsPrivateWhateverTheUmask) {
 
 TEST(DaemonBinary, HelpDocumentsEveryFlag) {
   auto [rc, out] = RunCommand(std::string(DIOND_BINARY) + " --help 2>&1");
-  for (const char* flag : {"--listen", "--metrics_address", "--device", "--cuda_plugin",
-                           "--log_level", "--drain_timeout", "--ready_file",
-                           "--allow_insecure_remote", "--max_stream_bytes",
-                           "--orphan_grace", "--orphan_grace_named"}) {
+  for (const char* flag :
+       {"--listen", "--metrics_address", "--device", "--cuda_plugin", "--log_level",
+        "--drain_timeout", "--ready_file", "--allow_insecure_remote", "--max_stream_bytes",
+        "--orphan_grace", "--orphan_grace_named"}) {
     EXPECT_TRUE(absl::StrContains(out, flag)) << flag << " missing from --help:\n" << out;
   }
   auto [vrc, version] = RunCommand(std::string(DIOND_BINARY) + " --version 2>&1");

@@ -265,9 +265,8 @@ TEST_F(AsyncStep, AHostileClientGetsClearErrorsAndNothingIsCorrupted) {
   // has run yet.
   expect_refused(SetState(stub(), s->id, {{"b", 0, FloatBytes(std::vector<float>(16, 9.f))}}),
                  "SetState");
-  expect_refused(
-      PushGradients(stub(), s->id, {{"b", 0, FloatBytes(std::vector<float>(16, 9.f))}}),
-      "PushGradients");
+  expect_refused(PushGradients(stub(), s->id, {{"b", 0, FloatBytes(std::vector<float>(16, 9.f))}}),
+                 "PushGradients");
   TensorMap out;
   expect_refused(GetState(stub(), s->id, false, &out), "GetState");
   expect_refused(PullParameters(stub(), s->id, &out), "PullParameters");
@@ -291,8 +290,7 @@ TEST_F(AsyncStep, AHostileClientGetsClearErrorsAndNothingIsCorrupted) {
     grpc::Status st = StepAsync(stub(), s->id, bad, &resp);
     EXPECT_EQ(st.error_code(), StatusCode::FAILED_PRECONDITION) << bad;
     EXPECT_TRUE(absl::StrContains(st.error_message(), "step 1 is queued")) << st.error_message();
-    EXPECT_TRUE(absl::StrContains(st.error_message(), "the next Step is 2"))
-        << st.error_message();
+    EXPECT_TRUE(absl::StrContains(st.error_message(), "the next Step is 2")) << st.error_message();
   }
   // A wait naming another index.
   grpc::Status st = Wait(stub(), s->id, &resp, 2);
@@ -410,8 +408,7 @@ TEST(AsyncStepShutdown, SigtermDrainsAQueuedStep) {
     EXPECT_EQ(s->ParamBytes(i), FloatBytes(replay->params()[i])) << d.params[i].name;
   }
   struct stat st;
-  EXPECT_EQ(stat(absl::StrCat(state_dir, "/", s->id, "/step-1").c_str(), &st), 0)
-      << daemon->Log();
+  EXPECT_EQ(stat(absl::StrCat(state_dir, "/", s->id, "/step-1").c_str(), &st), 0) << daemon->Log();
   EXPECT_TRUE(absl::StrContains(daemon->Log(), "asynchronous step 1 finished before the daemon"))
       << daemon->Log();
 }

@@ -86,7 +86,9 @@ grpc::Status SetHp(const std::string& session, const std::string& group,
   return Stub().SetHyperparameters(Ctx().get(), req, &resp);
 }
 
-std::string Bytes(int64_t n, char fill = '\x01') { return std::string(static_cast<size_t>(n), fill); }
+std::string Bytes(int64_t n, char fill = '\x01') {
+  return std::string(static_cast<size_t>(n), fill);
+}
 
 struct BadCase {
   const char* name;
@@ -105,8 +107,8 @@ struct Snapshot {
   std::vector<std::pair<std::string, int64_t>> sessions;
   bool operator==(const Snapshot& o) const {
     return good == o.good && half == o.half && fresh == o.fresh && shrunk == o.shrunk &&
-           good_seg == o.good_seg &&
-           half_seg == o.half_seg && spare == o.spare && sessions == o.sessions;
+           good_seg == o.good_seg && half_seg == o.half_seg && spare == o.spare &&
+           sessions == o.sessions;
   }
 };
 
@@ -133,25 +135,65 @@ std::vector<BadCase> Cases() {
   return {
       // ---- CreateSession ----
       {"ZeroDim", Code::INVALID_ARGUMENT, "non-positive dimension",
-       [] { auto r = Valid(); r.mutable_parameters(0)->set_shape(0, 0); return Create(r); }},
+       [] {
+         auto r = Valid();
+         r.mutable_parameters(0)->set_shape(0, 0);
+         return Create(r);
+       }},
       {"NegativeDim", Code::INVALID_ARGUMENT, "[-3, 4] has a non-positive dimension",
-       [] { auto r = Valid(); r.mutable_parameters(0)->set_shape(0, -3); return Create(r); }},
+       [] {
+         auto r = Valid();
+         r.mutable_parameters(0)->set_shape(0, -3);
+         return Create(r);
+       }},
       {"DtypeOutOfRange", Code::INVALID_ARGUMENT, "dtype 99",
-       [] { auto r = Valid(); r.mutable_parameters(0)->set_dtype(static_cast<v1::DType>(99)); return Create(r); }},
+       [] {
+         auto r = Valid();
+         r.mutable_parameters(0)->set_dtype(static_cast<v1::DType>(99));
+         return Create(r);
+       }},
       {"DtypeUnspecified", Code::INVALID_ARGUMENT, "dtype 0",
-       [] { auto r = Valid(); r.mutable_parameters(1)->set_dtype(v1::DTYPE_UNSPECIFIED); return Create(r); }},
+       [] {
+         auto r = Valid();
+         r.mutable_parameters(1)->set_dtype(v1::DTYPE_UNSPECIFIED);
+         return Create(r);
+       }},
       {"UnknownAlgorithm", Code::INVALID_ARGUMENT, "algorithm 42",
-       [] { auto r = Valid(); r.mutable_groups(0)->set_algorithm(static_cast<v1::Algorithm>(42)); return Create(r); }},
+       [] {
+         auto r = Valid();
+         r.mutable_groups(0)->set_algorithm(static_cast<v1::Algorithm>(42));
+         return Create(r);
+       }},
       {"AlgorithmUnspecified", Code::INVALID_ARGUMENT, "algorithm 0",
-       [] { auto r = Valid(); r.mutable_groups(1)->set_algorithm(v1::ALGORITHM_UNSPECIFIED); return Create(r); }},
+       [] {
+         auto r = Valid();
+         r.mutable_groups(1)->set_algorithm(v1::ALGORITHM_UNSPECIFIED);
+         return Create(r);
+       }},
       {"NanLr", Code::INVALID_ARGUMENT, "lr = nan",
-       [] { auto r = Valid(); r.mutable_groups(0)->mutable_hyperparameters()->set_lr(std::nan("")); return Create(r); }},
+       [] {
+         auto r = Valid();
+         r.mutable_groups(0)->mutable_hyperparameters()->set_lr(std::nan(""));
+         return Create(r);
+       }},
       {"NegativeLr", Code::INVALID_ARGUMENT, "lr = -0.1",
-       [] { auto r = Valid(); r.mutable_groups(0)->mutable_hyperparameters()->set_lr(-0.1); return Create(r); }},
+       [] {
+         auto r = Valid();
+         r.mutable_groups(0)->mutable_hyperparameters()->set_lr(-0.1);
+         return Create(r);
+       }},
       {"InfiniteWeightDecay", Code::INVALID_ARGUMENT, "weight_decay = inf",
-       [] { auto r = Valid(); r.mutable_groups(1)->mutable_hyperparameters()->set_weight_decay(INFINITY); return Create(r); }},
+       [] {
+         auto r = Valid();
+         r.mutable_groups(1)->mutable_hyperparameters()->set_weight_decay(INFINITY);
+         return Create(r);
+       }},
       {"MuOutOfRange", Code::INVALID_ARGUMENT, "mu = 1 is outside [0, 1)",
-       [] { auto r = Valid(); r.mutable_groups(0)->mutable_hyperparameters()->set_mu(1.0); return Create(r); }},
+       [] {
+         auto r = Valid();
+         r.mutable_groups(0)->mutable_hyperparameters()->set_mu(1.0);
+         return Create(r);
+       }},
       {"FractionZero", Code::INVALID_ARGUMENT, "fraction = 0",
        [] {
          auto r = Valid();
@@ -160,9 +202,17 @@ std::vector<BadCase> Cases() {
          return Create(r);
        }},
       {"NumHeadsNotDividingRows", Code::INVALID_ARGUMENT, "num_heads = 3 does not divide",
-       [] { auto r = Valid(); r.mutable_groups(0)->set_num_heads(3); return Create(r); }},
+       [] {
+         auto r = Valid();
+         r.mutable_groups(0)->set_num_heads(3);
+         return Create(r);
+       }},
       {"NegativeNumHeads", Code::INVALID_ARGUMENT, "num_heads -2",
-       [] { auto r = Valid(); r.mutable_groups(0)->set_num_heads(-2); return Create(r); }},
+       [] {
+         auto r = Valid();
+         r.mutable_groups(0)->set_num_heads(-2);
+         return Create(r);
+       }},
       {"SplitSizesNotSumming", Code::INVALID_ARGUMENT, "split_sizes [3,3] sum to 6",
        [] {
          auto r = Valid();
@@ -199,64 +249,149 @@ std::vector<BadCase> Cases() {
          return Create(r);
        }},
       {"DuplicateParameterNames", Code::INVALID_ARGUMENT, "duplicate parameter name 'w'",
-       [] { auto r = Valid(); r.mutable_parameters(1)->set_name("w"); return Create(r); }},
+       [] {
+         auto r = Valid();
+         r.mutable_parameters(1)->set_name("w");
+         return Create(r);
+       }},
       {"EmptyParameterList", Code::INVALID_ARGUMENT, "at least one parameter",
-       [] { auto r = Valid(); r.clear_parameters(); return Create(r); }},
+       [] {
+         auto r = Valid();
+         r.clear_parameters();
+         return Create(r);
+       }},
       {"ParameterNamesUnknownGroup", Code::INVALID_ARGUMENT, "unknown group 'nope'",
-       [] { auto r = Valid(); r.mutable_parameters(0)->set_group("nope"); return Create(r); }},
+       [] {
+         auto r = Valid();
+         r.mutable_parameters(0)->set_group("nope");
+         return Create(r);
+       }},
       {"DuplicateGroupNames", Code::INVALID_ARGUMENT, "duplicate group name 'm'",
-       [] { auto r = Valid(); r.mutable_groups(1)->set_name("m"); return Create(r); }},
+       [] {
+         auto r = Valid();
+         r.mutable_groups(1)->set_name("m");
+         return Create(r);
+       }},
       {"ParameterNameWithStateSuffix", Code::INVALID_ARGUMENT, "may not contain '/state.'",
-       [] { auto r = Valid(); r.mutable_parameters(0)->set_name("x/state.momentum"); return Create(r); }},
+       [] {
+         auto r = Valid();
+         r.mutable_parameters(0)->set_name("x/state.momentum");
+         return Create(r);
+       }},
       {"OversampleOutOfRange", Code::INVALID_ARGUMENT, "oversample",
-       [] { auto r = Valid(); r.mutable_groups(0)->mutable_hyperparameters()->set_oversample(0.0); return Create(r); }},
+       [] {
+         auto r = Valid();
+         r.mutable_groups(0)->mutable_hyperparameters()->set_oversample(0.0);
+         return Create(r);
+       }},
       {"UnknownQrMethod", Code::INVALID_ARGUMENT, "qr_method 9 is unknown",
-       [] { auto r = Valid(); r.mutable_groups(0)->mutable_hyperparameters()->set_qr_method(static_cast<v1::QrMethod>(9)); return Create(r); }},
+       [] {
+         auto r = Valid();
+         r.mutable_groups(0)->mutable_hyperparameters()->set_qr_method(
+             static_cast<v1::QrMethod>(9));
+         return Create(r);
+       }},
       {"UnknownNonFinitePolicy", Code::INVALID_ARGUMENT, "non_finite_policy 7",
-       [] { auto r = Valid(); r.set_non_finite_policy(static_cast<v1::NonFinitePolicy>(7)); return Create(r); }},
+       [] {
+         auto r = Valid();
+         r.set_non_finite_policy(static_cast<v1::NonFinitePolicy>(7));
+         return Create(r);
+       }},
       {"GradientSyncNeedsAWorld", Code::UNIMPLEMENTED, "REPLICATED",
-       [] { auto r = Valid(); r.set_gradient_sync(v1::GRADIENT_SYNC_AVERAGE); return Create(r); }},
+       [] {
+         auto r = Valid();
+         r.set_gradient_sync(v1::GRADIENT_SYNC_AVERAGE);
+         return Create(r);
+       }},
       // ---- RegisterRegion ----
       {"RegionLargerThanSegment", Code::OUT_OF_RANGE, "exceeds the segment",
-       [] { return Register(Region(world->fresh, v1::REGION_ROLE_PARAMETERS, world->spare->name(), 0, world->spare->size() + 256)); }},
+       [] {
+         return Register(Region(world->fresh, v1::REGION_ROLE_PARAMETERS, world->spare->name(), 0,
+                                world->spare->size() + 256));
+       }},
       {"RegionOffsetPastSegment", Code::OUT_OF_RANGE, "exceeds the segment",
-       [arena] { return Register(Region(world->fresh, v1::REGION_ROLE_GRADIENTS, world->spare->name(), world->spare->size(), arena())); }},
+       [arena] {
+         return Register(Region(world->fresh, v1::REGION_ROLE_GRADIENTS, world->spare->name(),
+                                world->spare->size(), arena()));
+       }},
       {"RegionSizeOverflowsInt64", Code::INVALID_ARGUMENT, "overflows int64",
-       [] { return Register(Region(world->fresh, v1::REGION_ROLE_GRADIENTS, world->spare->name(), 256, std::numeric_limits<int64_t>::max())); }},
+       [] {
+         return Register(Region(world->fresh, v1::REGION_ROLE_GRADIENTS, world->spare->name(), 256,
+                                std::numeric_limits<int64_t>::max()));
+       }},
       {"RegionsOverlapInOneSegment", Code::INVALID_ARGUMENT, "overlaps the PARAMETERS region",
-       [arena] { return Register(Region(world->half, v1::REGION_ROLE_GRADIENTS, world->half_seg->name(), 0, arena())); }},
+       [arena] {
+         return Register(
+             Region(world->half, v1::REGION_ROLE_GRADIENTS, world->half_seg->name(), 0, arena()));
+       }},
       {"MissingShmName", Code::INVALID_ARGUMENT, "shm name ''",
-       [arena] { return Register(Region(world->fresh, v1::REGION_ROLE_PARAMETERS, "", 0, arena())); }},
+       [arena] {
+         return Register(Region(world->fresh, v1::REGION_ROLE_PARAMETERS, "", 0, arena()));
+       }},
       {"ShmNameWithSlash", Code::INVALID_ARGUMENT, "no paths",
-       [arena] { return Register(Region(world->fresh, v1::REGION_ROLE_PARAMETERS, "dev/" + world->spare->name(), 0, arena())); }},
+       [arena] {
+         return Register(Region(world->fresh, v1::REGION_ROLE_PARAMETERS,
+                                "dev/" + world->spare->name(), 0, arena()));
+       }},
       {"ShmNameDotDot", Code::INVALID_ARGUMENT, "no paths",
-       [arena] { return Register(Region(world->fresh, v1::REGION_ROLE_PARAMETERS, "..", 0, arena())); }},
+       [arena] {
+         return Register(Region(world->fresh, v1::REGION_ROLE_PARAMETERS, "..", 0, arena()));
+       }},
       {"ShmNameTraversal", Code::INVALID_ARGUMENT, "no paths",
-       [arena] { return Register(Region(world->fresh, v1::REGION_ROLE_PARAMETERS, "../../etc/passwd", 0, arena())); }},
+       [arena] {
+         return Register(
+             Region(world->fresh, v1::REGION_ROLE_PARAMETERS, "../../etc/passwd", 0, arena()));
+       }},
       {"NonexistentSegment", Code::NOT_FOUND, "does not exist",
-       [arena] { return Register(Region(world->fresh, v1::REGION_ROLE_PARAMETERS, "diond-svc-test-no-such-segment", 0, arena())); }},
+       [arena] {
+         return Register(Region(world->fresh, v1::REGION_ROLE_PARAMETERS,
+                                "diond-svc-test-no-such-segment", 0, arena()));
+       }},
       {"RegionOffsetNotAligned", Code::INVALID_ARGUMENT, "multiple of 256",
-       [arena] { return Register(Region(world->fresh, v1::REGION_ROLE_PARAMETERS, world->spare->name(), 100, arena())); }},
+       [arena] {
+         return Register(
+             Region(world->fresh, v1::REGION_ROLE_PARAMETERS, world->spare->name(), 100, arena()));
+       }},
       {"RegionNegativeOffset", Code::INVALID_ARGUMENT, "multiple of 256",
-       [arena] { return Register(Region(world->fresh, v1::REGION_ROLE_PARAMETERS, world->spare->name(), -256, arena())); }},
+       [arena] {
+         return Register(
+             Region(world->fresh, v1::REGION_ROLE_PARAMETERS, world->spare->name(), -256, arena()));
+       }},
       {"RoleRegisteredTwice", Code::FAILED_PRECONDITION, "already has region",
-       [arena] { return Register(Region(world->good->id, v1::REGION_ROLE_PARAMETERS, world->spare->name(), 0, arena())); }},
+       [arena] {
+         return Register(
+             Region(world->good->id, v1::REGION_ROLE_PARAMETERS, world->spare->name(), 0, arena()));
+       }},
       {"RegionSmallerThanArena", Code::INVALID_ARGUMENT, "smaller than the GRADIENTS arena",
-       [arena] { return Register(Region(world->fresh, v1::REGION_ROLE_GRADIENTS, world->spare->name(), 0, arena() - 4)); }},
+       [arena] {
+         return Register(
+             Region(world->fresh, v1::REGION_ROLE_GRADIENTS, world->spare->name(), 0, arena() - 4));
+       }},
       {"RoleUnspecified", Code::INVALID_ARGUMENT, "role 0",
-       [arena] { return Register(Region(world->fresh, v1::REGION_ROLE_UNSPECIFIED, world->spare->name(), 0, arena())); }},
+       [arena] {
+         return Register(
+             Region(world->fresh, v1::REGION_ROLE_UNSPECIFIED, world->spare->name(), 0, arena()));
+       }},
       {"RegionBodyMissing", Code::INVALID_ARGUMENT, "needs system_shm",
        [] {
          auto r = Region(world->fresh, v1::REGION_ROLE_PARAMETERS, "x", 0, 0);
          r.clear_system_shm();
          return Register(r);
        }},
-      {"RegionKindCudaWithoutItsBody", Code::INVALID_ARGUMENT, "REGION_KIND_CUDA_IPC needs cuda_ipc",
-       [arena] { auto r = Region(world->fresh, v1::REGION_ROLE_PARAMETERS, world->spare->name(), 0, arena()); r.set_kind(v1::REGION_KIND_CUDA_IPC); return Register(r); }},
+      {"RegionKindCudaWithoutItsBody", Code::INVALID_ARGUMENT,
+       "REGION_KIND_CUDA_IPC needs cuda_ipc",
+       [arena] {
+         auto r =
+             Region(world->fresh, v1::REGION_ROLE_PARAMETERS, world->spare->name(), 0, arena());
+         r.set_kind(v1::REGION_KIND_CUDA_IPC);
+         return Register(r);
+       }},
       {"RegionOverTcpWithoutFlag", Code::PERMISSION_DENIED, "--allow_shm_from_tcp",
        [arena] {
          auto tcp = world->daemon->NewTcpStub();
-         return Register(Region(world->fresh, v1::REGION_ROLE_PARAMETERS, world->spare->name(), 0, arena()), tcp.get());
+         return Register(
+             Region(world->fresh, v1::REGION_ROLE_PARAMETERS, world->spare->name(), 0, arena()),
+             tcp.get());
        }},
       {"SaveCheckpointAbsolutePathOverTcp", Code::PERMISSION_DENIED, "relative to --state_dir",
        [good] {
@@ -276,7 +411,10 @@ std::vector<BadCase> Cases() {
          return tcp->LoadCheckpoint(Ctx().get(), r, &resp);
        }},
       {"RegisterUnknownSession", Code::NOT_FOUND, "unknown session 's-nope'",
-       [arena] { return Register(Region("s-nope", v1::REGION_ROLE_PARAMETERS, world->spare->name(), 0, arena())); }},
+       [arena] {
+         return Register(
+             Region("s-nope", v1::REGION_ROLE_PARAMETERS, world->spare->name(), 0, arena()));
+       }},
       {"UnregisterUnknownRegion", Code::NOT_FOUND, "no region 'params-99'",
        [good] {
          v1::UnregisterRegionRequest r;
@@ -295,11 +433,16 @@ std::vector<BadCase> Cases() {
       {"StepOldIndex", Code::FAILED_PRECONDITION, "expected 3",
        [] { return StepWith([](v1::StepRequest* r) { r->set_step_index(1); }); }},
       {"LrOverrideUnknownGroup", Code::INVALID_ARGUMENT, "unknown group 'zzz'",
-       [] { return StepWith([](v1::StepRequest* r) { (*r->mutable_lr_override())["zzz"] = 0.1; }); }},
+       [] {
+         return StepWith([](v1::StepRequest* r) { (*r->mutable_lr_override())["zzz"] = 0.1; });
+       }},
       {"NegativeLrOverride", Code::INVALID_ARGUMENT, "lr_override['m'] = -1",
        [] { return StepWith([](v1::StepRequest* r) { (*r->mutable_lr_override())["m"] = -1; }); }},
       {"NanLrOverride", Code::INVALID_ARGUMENT, "lr_override['a'] = nan",
-       [] { return StepWith([](v1::StepRequest* r) { (*r->mutable_lr_override())["a"] = std::nan(""); }); }},
+       [] {
+         return StepWith(
+             [](v1::StepRequest* r) { (*r->mutable_lr_override())["a"] = std::nan(""); });
+       }},
       {"GroupStepUnknownGroup", Code::INVALID_ARGUMENT, "group_step names unknown group 'zzz'",
        [] { return StepWith([](v1::StepRequest* r) { (*r->mutable_group_step())["zzz"] = 3; }); }},
       {"GroupStepZero", Code::INVALID_ARGUMENT, "group_step['m'] = 0 must be >= 1",
@@ -310,65 +453,125 @@ std::vector<BadCase> Cases() {
        [] { return StepWith([](v1::StepRequest* r) { r->set_gradient_scale(-2); }); }},
       // ---- PushGradients (into the good session's shm gradient arena) ----
       {"PushChunkPastEnd", Code::INVALID_ARGUMENT, "runs past its end",
-       [good] { return PushGradients(Stub(), good(), {{"w", 0, Bytes(112)}, {"w", 112, Bytes(32)}}); }},
+       [good] {
+         return PushGradients(Stub(), good(), {{"w", 0, Bytes(112)}, {"w", 112, Bytes(32)}});
+       }},
       {"PushTruncatedTensor", Code::INVALID_ARGUMENT, "incomplete",
-       [good] { return PushGradients(Stub(), good(), {{"b", 0, Bytes(16)}, {"w", 0, Bytes(64)}}); }},
+       [good] {
+         return PushGradients(Stub(), good(), {{"b", 0, Bytes(16)}, {"w", 0, Bytes(64)}});
+       }},
       {"PushChunkOver4MiB", Code::INVALID_ARGUMENT, "the limit is 4194304",
-       [good] { return PushGradients(Stub(), good(), {{"w", 0, Bytes((4 << 20) + 4)}}); }},
+       [good] {
+         return PushGradients(Stub(), good(), {{"w", 0, Bytes((4 << 20) + 4)}});
+       }},
       {"PushUnknownTensor", Code::INVALID_ARGUMENT, "unknown tensor 'zz'",
-       [good] { return PushGradients(Stub(), good(), {{"zz", 0, Bytes(16)}}); }},
+       [good] {
+         return PushGradients(Stub(), good(), {{"zz", 0, Bytes(16)}});
+       }},
       {"PushStateName", Code::INVALID_ARGUMENT, "not state 'w/state.momentum'",
-       [good] { return PushGradients(Stub(), good(), {{"w/state.momentum", 0, Bytes(128)}}); }},
+       [good] {
+         return PushGradients(Stub(), good(), {{"w/state.momentum", 0, Bytes(128)}});
+       }},
       {"PushMisalignedChunk", Code::INVALID_ARGUMENT, "not aligned",
-       [good] { return PushGradients(Stub(), good(), {{"w", 0, Bytes(3)}, {"w", 3, Bytes(125)}}); }},
+       [good] {
+         return PushGradients(Stub(), good(), {{"w", 0, Bytes(3)}, {"w", 3, Bytes(125)}});
+       }},
       {"PushWithoutSessionId", Code::INVALID_ARGUMENT, "must carry session_id",
-       [] { return PushGradients(Stub(), "", {{"w", 0, Bytes(128)}}); }},
+       [] {
+         return PushGradients(Stub(), "", {{"w", 0, Bytes(128)}});
+       }},
       {"PushUnknownSession", Code::NOT_FOUND, "unknown session 's-nope'",
-       [] { return PushGradients(Stub(), "s-nope", {{"w", 0, Bytes(128)}}); }},
+       [] {
+         return PushGradients(Stub(), "s-nope", {{"w", 0, Bytes(128)}});
+       }},
       // ---- SetState ----
       {"SetStateChunkPastEnd", Code::INVALID_ARGUMENT, "runs past its end",
-       [good] { return SetState(Stub(), good(), {{"b", 8, Bytes(16)}}); }},
+       [good] {
+         return SetState(Stub(), good(), {{"b", 8, Bytes(16)}});
+       }},
       {"SetStateTruncatedTensor", Code::INVALID_ARGUMENT, "incomplete",
-       [good] { return SetState(Stub(), good(), {{"w/state.momentum", 0, Bytes(128)}, {"b", 0, Bytes(8)}}); }},
+       [good] {
+         return SetState(Stub(), good(), {{"w/state.momentum", 0, Bytes(128)}, {"b", 0, Bytes(8)}});
+       }},
       {"SetStateWrongElementCount", Code::INVALID_ARGUMENT, "124 of 128 bytes",
-       [good] { return SetState(Stub(), good(), {{"w", 0, Bytes(124)}}); }},
+       [good] {
+         return SetState(Stub(), good(), {{"w", 0, Bytes(124)}});
+       }},
       {"SetStateChunkWrittenTwice", Code::INVALID_ARGUMENT, "written twice",
-       [good] { return SetState(Stub(), good(), {{"b", 0, Bytes(16)}, {"b", 0, Bytes(16)}}); }},
+       [good] {
+         return SetState(Stub(), good(), {{"b", 0, Bytes(16)}, {"b", 0, Bytes(16)}});
+       }},
       {"SetStateUnknownTensor", Code::INVALID_ARGUMENT, "unknown tensor 'nope'",
-       [good] { return SetState(Stub(), good(), {{"b", 0, Bytes(16)}, {"nope", 0, Bytes(16)}}); }},
+       [good] {
+         return SetState(Stub(), good(), {{"b", 0, Bytes(16)}, {"nope", 0, Bytes(16)}});
+       }},
       {"SetStateUnknownStateName", Code::INVALID_ARGUMENT, "unknown state 'w/state.variance'",
-       [good] { return SetState(Stub(), good(), {{"w/state.variance", 0, Bytes(128)}}); }},
+       [good] {
+         return SetState(Stub(), good(), {{"w/state.variance", 0, Bytes(128)}});
+       }},
       {"SetStateOfUnknownParameter", Code::INVALID_ARGUMENT, "unknown parameter 'zz'",
-       [good] { return SetState(Stub(), good(), {{"zz/state.momentum", 0, Bytes(128)}}); }},
+       [good] {
+         return SetState(Stub(), good(), {{"zz/state.momentum", 0, Bytes(128)}});
+       }},
       {"SetStateChunkOver4MiB", Code::INVALID_ARGUMENT, "the limit is 4194304",
-       [good] { return SetState(Stub(), good(), {{"w", 0, Bytes((4 << 20) + 4)}}); }},
+       [good] {
+         return SetState(Stub(), good(), {{"w", 0, Bytes((4 << 20) + 4)}});
+       }},
       {"SetStateUnknownSession", Code::NOT_FOUND, "unknown session 's-nope'",
-       [] { return SetState(Stub(), "s-nope", {{"w", 0, Bytes(128)}}); }},
+       [] {
+         return SetState(Stub(), "s-nope", {{"w", 0, Bytes(128)}});
+       }},
       // ---- reads ----
       {"PullUnknownParameter", Code::INVALID_ARGUMENT, "unknown parameter 'zz'",
-       [good] { TensorMap m; return PullParameters(Stub(), good(), &m, 0, {"zz"}); }},
+       [good] {
+         TensorMap m;
+         return PullParameters(Stub(), good(), &m, 0, {"zz"});
+       }},
       // The service's own echo once repeated control characters raw (a two-line message).
       {"PullUnknownParameterWithANewline", Code::INVALID_ARGUMENT, "unknown parameter 'z?z'",
-       [good] { TensorMap m; return PullParameters(Stub(), good(), &m, 0, {"z\nz"}); }},
+       [good] {
+         TensorMap m;
+         return PullParameters(Stub(), good(), &m, 0, {"z\nz"});
+       }},
       {"PullNegativeChunkBytes", Code::INVALID_ARGUMENT, "chunk_bytes -8",
-       [good] { TensorMap m; return PullParameters(Stub(), good(), &m, -8); }},
+       [good] {
+         TensorMap m;
+         return PullParameters(Stub(), good(), &m, -8);
+       }},
       {"PullUnknownSession", Code::NOT_FOUND, "unknown session 's-nope'",
-       [] { TensorMap m; return PullParameters(Stub(), "s-nope", &m); }},
+       [] {
+         TensorMap m;
+         return PullParameters(Stub(), "s-nope", &m);
+       }},
       {"GetStateUnknownSession", Code::NOT_FOUND, "unknown session 's-nope'",
-       [] { TensorMap m; return GetState(Stub(), "s-nope", true, &m); }},
+       [] {
+         TensorMap m;
+         return GetState(Stub(), "s-nope", true, &m);
+       }},
       // ---- SetHyperparameters ----
       {"SetHyperparametersUnsupportedField", Code::INVALID_ARGUMENT, "lr and weight_decay only",
-       [good] { return SetHp(good(), "m", [](v1::Hyperparameters* h) { h->set_lr(0.1); h->set_mu(0.5); }); }},
+       [good] {
+         return SetHp(good(), "m", [](v1::Hyperparameters* h) {
+           h->set_lr(0.1);
+           h->set_mu(0.5);
+         });
+       }},
       {"SetHyperparametersUnknownGroup", Code::INVALID_ARGUMENT, "unknown group 'zzz'",
        [good] { return SetHp(good(), "zzz", [](v1::Hyperparameters* h) { h->set_lr(0.1); }); }},
       {"SetHyperparametersNegativeLr", Code::INVALID_ARGUMENT, "lr = -0.5",
        [good] { return SetHp(good(), "m", [](v1::Hyperparameters* h) { h->set_lr(-0.5); }); }},
       {"SetHyperparametersNanWeightDecay", Code::INVALID_ARGUMENT, "weight_decay = nan",
-       [good] { return SetHp(good(), "a", [](v1::Hyperparameters* h) { h->set_lr(0.1); h->set_weight_decay(std::nan("")); }); }},
+       [good] {
+         return SetHp(good(), "a", [](v1::Hyperparameters* h) {
+           h->set_lr(0.1);
+           h->set_weight_decay(std::nan(""));
+         });
+       }},
       {"SetHyperparametersUnknownSession", Code::NOT_FOUND, "unknown session 's-nope'",
        [] { return SetHp("s-nope", "m", [](v1::Hyperparameters* h) { h->set_lr(0.1); }); }},
       // ---- checkpoints and lifecycle ----
-      {"LoadCheckpointNonexistentPath", Code::NOT_FOUND, "no checkpoint directory at /nonexistent/ckpt",
+      {"LoadCheckpointNonexistentPath", Code::NOT_FOUND,
+       "no checkpoint directory at /nonexistent/ckpt",
        [] {
          v1::LoadCheckpointRequest r;
          r.set_path("/nonexistent/ckpt");
@@ -393,18 +596,33 @@ std::vector<BadCase> Cases() {
       {"StepOnTruncatedSegment", Code::FAILED_PRECONDITION, "shrank: its segment now has 0 bytes",
        [] { return DoStep(Stub(), world->shrunk, 1); }},
       {"PullFromTruncatedSegment", Code::FAILED_PRECONDITION, "shrank",
-       [] { TensorMap m; return PullParameters(Stub(), world->shrunk, &m); }},
+       [] {
+         TensorMap m;
+         return PullParameters(Stub(), world->shrunk, &m);
+       }},
       {"PushIntoTruncatedSegment", Code::FAILED_PRECONDITION, "shrank",
-       [] { return PushGradients(Stub(), world->shrunk, {{"w", 0, Bytes(128)}, {"b", 0, Bytes(16)}}); }},
+       [] {
+         return PushGradients(Stub(), world->shrunk, {{"w", 0, Bytes(128)}, {"b", 0, Bytes(16)}});
+       }},
       {"SetStateIntoTruncatedSegment", Code::FAILED_PRECONDITION, "shrank",
-       [] { return SetState(Stub(), world->shrunk, {{"b", 0, Bytes(16)}, {"b/state.momentum", 0, Bytes(16)}}); }},
+       [] {
+         return SetState(Stub(), world->shrunk,
+                         {{"b", 0, Bytes(16)}, {"b/state.momentum", 0, Bytes(16)}});
+       }},
       // ---- streams validated as they arrive, bounded ----
       {"PushManyChunksToUnknownSession", Code::NOT_FOUND, "unknown session 's-nope'",
-       [] { return PushGradients(Stub(), "s-nope", std::vector<Chunk>(64, Chunk{"w", 0, Bytes(1 << 20)})); }},
+       [] {
+         return PushGradients(Stub(), "s-nope",
+                              std::vector<Chunk>(64, Chunk{"w", 0, Bytes(1 << 20)}));
+       }},
       {"SetStateManyChunksToUnknownSession", Code::NOT_FOUND, "unknown session 's-nope'",
-       [] { return SetState(Stub(), "s-nope", std::vector<Chunk>(64, Chunk{"w", 0, Bytes(1 << 20)})); }},
+       [] {
+         return SetState(Stub(), "s-nope", std::vector<Chunk>(64, Chunk{"w", 0, Bytes(1 << 20)}));
+       }},
       {"PushMoreBytesThanTheSessionHas", Code::INVALID_ARGUMENT, "more than the 144 bytes",
-       [good] { return PushGradients(Stub(), good(), std::vector<Chunk>(64, Chunk{"w", 0, Bytes(128)})); }},
+       [good] {
+         return PushGradients(Stub(), good(), std::vector<Chunk>(64, Chunk{"w", 0, Bytes(128)}));
+       }},
       {"PushUnknownTensorInALaterChunk", Code::INVALID_ARGUMENT, "unknown tensor 'zz'",
        [good] {
          std::vector<Chunk> c{{"w", 0, Bytes(128)}, {"zz", 0, Bytes(16)}};
@@ -428,11 +646,20 @@ std::vector<BadCase> Cases() {
        }},
       // ---- bounded messages ----
       {"PushHugeTensorName", Code::INVALID_ARGUMENT, "(1048576 bytes)",
-       [good] { return PushGradients(Stub(), good(), {{std::string(1 << 20, 'n'), 0, Bytes(16)}}); }},
+       [good] {
+         return PushGradients(Stub(), good(), {{std::string(1 << 20, 'n'), 0, Bytes(16)}});
+       }},
       {"SetStateHugeTensorName", Code::INVALID_ARGUMENT, "(1048591 bytes)",
-       [good] { return SetState(Stub(), good(), {{std::string(1 << 20, 'n') + "/state.momentum", 0, Bytes(16)}}); }},
+       [good] {
+         return SetState(Stub(), good(),
+                         {{std::string(1 << 20, 'n') + "/state.momentum", 0, Bytes(16)}});
+       }},
       {"HugeParameterName", Code::INVALID_ARGUMENT, "must be 1..512 bytes",
-       [] { auto r = Valid(); r.mutable_parameters(0)->set_name(std::string(1 << 20, 'p')); return Create(r); }},
+       [] {
+         auto r = Valid();
+         r.mutable_parameters(0)->set_name(std::string(1 << 20, 'p'));
+         return Create(r);
+       }},
       {"HugeGroupName", Code::INVALID_ARGUMENT, "(1048576 bytes)",
        [] {
          auto r = Valid();
@@ -441,7 +668,11 @@ std::vector<BadCase> Cases() {
          return Create(r);
        }},
       {"HugeUnknownGroupReference", Code::INVALID_ARGUMENT, "(1048576 bytes)",
-       [] { auto r = Valid(); r.mutable_parameters(0)->set_group(std::string(1 << 20, 'q')); return Create(r); }},
+       [] {
+         auto r = Valid();
+         r.mutable_parameters(0)->set_group(std::string(1 << 20, 'q'));
+         return Create(r);
+       }},
       {"MillionSplitSizes", Code::INVALID_ARGUMENT, "(1000000 entries)",
        [] {
          auto r = Valid();
@@ -449,13 +680,25 @@ std::vector<BadCase> Cases() {
          return Create(r);
        }},
       {"HugeShmName", Code::INVALID_ARGUMENT, "(1048576 bytes)",
-       [arena] { return Register(Region(world->fresh, v1::REGION_ROLE_PARAMETERS, std::string(1 << 20, 's'), 0, arena())); }},
+       [arena] {
+         return Register(Region(world->fresh, v1::REGION_ROLE_PARAMETERS, std::string(1 << 20, 's'),
+                                0, arena()));
+       }},
       {"HugeLrOverrideGroup", Code::INVALID_ARGUMENT, "(1048576 bytes)",
-       [] { return StepWith([](v1::StepRequest* r) { (*r->mutable_lr_override())[std::string(1 << 20, 'z')] = 0.1; }); }},
+       [] {
+         return StepWith([](v1::StepRequest* r) {
+           (*r->mutable_lr_override())[std::string(1 << 20, 'z')] = 0.1;
+         });
+       }},
       {"HugeSessionId", Code::NOT_FOUND, "(1048576 bytes)",
-       [] { return StepWith([](v1::StepRequest* r) { r->set_session_id(std::string(1 << 20, 'i')); }); }},
+       [] {
+         return StepWith([](v1::StepRequest* r) { r->set_session_id(std::string(1 << 20, 'i')); });
+       }},
       {"HugeSetHyperparametersGroup", Code::INVALID_ARGUMENT, "(1048576 bytes)",
-       [good] { return SetHp(good(), std::string(1 << 20, 'h'), [](v1::Hyperparameters* h) { h->set_lr(0.1); }); }},
+       [good] {
+         return SetHp(good(), std::string(1 << 20, 'h'),
+                      [](v1::Hyperparameters* h) { h->set_lr(0.1); });
+       }},
       {"HugeRegionId", Code::NOT_FOUND, "(1048576 bytes)",
        [good] {
          v1::UnregisterRegionRequest r;
@@ -466,9 +709,17 @@ std::vector<BadCase> Cases() {
        }},
       // ---- every option validated at CreateSession ----
       {"MuonLrOverflowsFp32", Code::INVALID_ARGUMENT, "lr = 1e+308 is outside [0, 10000]",
-       [] { auto r = Valid(); r.mutable_groups(0)->mutable_hyperparameters()->set_lr(1e308); return Create(r); }},
+       [] {
+         auto r = Valid();
+         r.mutable_groups(0)->mutable_hyperparameters()->set_lr(1e308);
+         return Create(r);
+       }},
       {"AdamWLrOverflowsFp32", Code::INVALID_ARGUMENT, "lr = 1e+308 is outside [0, 10000]",
-       [] { auto r = Valid(); r.mutable_groups(1)->mutable_hyperparameters()->set_lr(1e308); return Create(r); }},
+       [] {
+         auto r = Valid();
+         r.mutable_groups(1)->mutable_hyperparameters()->set_lr(1e308);
+         return Create(r);
+       }},
       {"LionLrOverflowsFp32", Code::INVALID_ARGUMENT, "lr = 1e+308 is outside [0, 10000]",
        [] {
          auto r = Valid();
@@ -477,18 +728,35 @@ std::vector<BadCase> Cases() {
          return Create(r);
        }},
       {"HugeWeightDecay", Code::INVALID_ARGUMENT, "weight_decay = 1e+300 is outside",
-       [] { auto r = Valid(); r.mutable_groups(0)->mutable_hyperparameters()->set_weight_decay(1e300); return Create(r); }},
+       [] {
+         auto r = Valid();
+         r.mutable_groups(0)->mutable_hyperparameters()->set_weight_decay(1e300);
+         return Create(r);
+       }},
       {"HugeEpsilon", Code::INVALID_ARGUMENT, "epsilon = 1e+300 is outside",
-       [] { auto r = Valid(); r.mutable_groups(1)->mutable_hyperparameters()->set_epsilon(1e300); return Create(r); }},
+       [] {
+         auto r = Valid();
+         r.mutable_groups(1)->mutable_hyperparameters()->set_epsilon(1e300);
+         return Create(r);
+       }},
       {"SetHyperparametersLrOverflowsFp32", Code::INVALID_ARGUMENT, "lr = 1e+308 is outside",
        [good] { return SetHp(good(), "m", [](v1::Hyperparameters* h) { h->set_lr(1e308); }); }},
       {"LrOverrideOverflowsFp32", Code::INVALID_ARGUMENT, "lr_override['m'] = 1e+308 is outside",
-       [] { return StepWith([](v1::StepRequest* r) { (*r->mutable_lr_override())["m"] = 1e308; }); }},
+       [] {
+         return StepWith([](v1::StepRequest* r) { (*r->mutable_lr_override())["m"] = 1e308; });
+       }},
       // ---- a segment belongs to one session ----
       {"RegisterAnotherSessionsSegment", Code::FAILED_PRECONDITION, "registered by another session",
-       [arena] { return Register(Region(world->fresh, v1::REGION_ROLE_PARAMETERS, world->good->params_seg->name(), 0, arena())); }},
-      {"RegisterAnotherSessionsSegmentElsewhere", Code::FAILED_PRECONDITION, "registered by another session",
-       [arena] { return Register(Region(world->fresh, v1::REGION_ROLE_GRADIENTS, world->half_seg->name(), arena(), arena())); }},
+       [arena] {
+         return Register(Region(world->fresh, v1::REGION_ROLE_PARAMETERS,
+                                world->good->params_seg->name(), 0, arena()));
+       }},
+      {"RegisterAnotherSessionsSegmentElsewhere", Code::FAILED_PRECONDITION,
+       "registered by another session",
+       [arena] {
+         return Register(Region(world->fresh, v1::REGION_ROLE_GRADIENTS, world->half_seg->name(),
+                                arena(), arena()));
+       }},
   };
 }
 
@@ -528,8 +796,8 @@ class BadInput : public ::testing::TestWithParam<BadCase> {
     // Recognizable non-zero bytes, so that any write into them shows.
     world->half_seg->Write(0, Bytes(world->half_seg->size(), '\x5a'));
     world->spare->Write(0, Bytes(world->spare->size(), '\x3c'));
-    ASSERT_TRUE(Register(Region(world->half, v1::REGION_ROLE_PARAMETERS, world->half_seg->name(),
-                                0, world->arena))
+    ASSERT_TRUE(Register(Region(world->half, v1::REGION_ROLE_PARAMETERS, world->half_seg->name(), 0,
+                                world->arena))
                     .ok());
     // The shrunk session: registered, weights uploaded, then its trainer truncates the segment.
     ASSERT_TRUE(Stub().CreateSession(Ctx().get(), d.Request(), &resp).ok());
@@ -539,8 +807,8 @@ class BadInput : public ::testing::TestWithParam<BadCase> {
     ASSERT_TRUE(Register(Region(world->shrunk, v1::REGION_ROLE_PARAMETERS,
                                 world->shrunk_seg->name(), 0, world->arena))
                     .ok());
-    ASSERT_TRUE(Register(Region(world->shrunk, v1::REGION_ROLE_GRADIENTS,
-                                world->shrunk_seg->name(), world->arena, world->arena))
+    ASSERT_TRUE(Register(Region(world->shrunk, v1::REGION_ROLE_GRADIENTS, world->shrunk_seg->name(),
+                                world->arena, world->arena))
                     .ok());
     ASSERT_TRUE(SetState(Stub(), world->shrunk,
                          {{"w", 0, FloatBytes(SyntheticValues(3, 0, 0, 32))},
@@ -638,8 +906,10 @@ TEST(StreamBounds, FloodsAreRefusedBeforeTheyAreBuffered) {
     EXPECT_TRUE(absl::StrContains(st.error_message(), "--max_stream_bytes=8388608"));
   }
   const int64_t after = PeakRss(daemon->pid());
-  std::printf("daemon peak RSS before the floods %.1f MiB, after %.1f MiB (4 floods of 200 x 4 "
-              "MiB)\n", before / 1048576.0, after / 1048576.0);
+  std::printf(
+      "daemon peak RSS before the floods %.1f MiB, after %.1f MiB (4 floods of 200 x 4 "
+      "MiB)\n",
+      before / 1048576.0, after / 1048576.0);
   RecordProperty("peak_rss_before_bytes", std::to_string(before));
   RecordProperty("peak_rss_after_bytes", std::to_string(after));
   // Each refused stream buffered at most two chunks (8 MiB); gRPC's own buffers come on top

@@ -193,24 +193,25 @@ void FlipBytes(const std::string& path, int64_t from_end, int count) {
 
 TEST_F(DamagedCheckpoint, FlippedTensorBytesAreDataLoss) {
   // The last bytes of the file are the last tensor's data: only the CRC can notice.
-  ExpectRefused("tensors.safetensors", [](const std::string& p) { FlipBytes(p, 12, 4); },
-                "flipped");
+  ExpectRefused(
+      "tensors.safetensors", [](const std::string& p) { FlipBytes(p, 12, 4); }, "flipped");
 }
 
 TEST_F(DamagedCheckpoint, TruncatedTensorFileIsDataLoss) {
-  ExpectRefused("tensors.safetensors",
-                [](const std::string& p) { fs::resize_file(p, fs::file_size(p) / 2); },
-                "truncated");
+  ExpectRefused(
+      "tensors.safetensors", [](const std::string& p) { fs::resize_file(p, fs::file_size(p) / 2); },
+      "truncated");
 }
 
 TEST_F(DamagedCheckpoint, TruncatedManifestIsDataLoss) {
-  ExpectRefused("manifest.json",
-                [](const std::string& p) { fs::resize_file(p, fs::file_size(p) / 3); },
-                "manifest");
+  ExpectRefused(
+      "manifest.json", [](const std::string& p) { fs::resize_file(p, fs::file_size(p) / 3); },
+      "manifest");
 }
 
 TEST_F(DamagedCheckpoint, MissingTensorFileIsDataLoss) {
-  ExpectRefused("tensors.safetensors", [](const std::string& p) { fs::remove(p); }, "missing");
+  ExpectRefused(
+      "tensors.safetensors", [](const std::string& p) { fs::remove(p); }, "missing");
 }
 
 TEST(CheckpointCrash, SigkillWhileCheckpointingEveryStepRestartsToTheLatestCompleteOne) {

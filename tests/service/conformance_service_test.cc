@@ -46,8 +46,7 @@ struct Trajectory {
   std::map<std::string, std::vector<float>> state;
 };
 
-Trajectory InProcess(const GoldenCase& c, optim::Precision precision,
-                     const kernels::Context& ctx) {
+Trajectory InProcess(const GoldenCase& c, optim::Precision precision, const kernels::Context& ctx) {
   Trajectory t;
   auto r = Replay::Create(c.Session(precision));
   EXPECT_TRUE(r.ok()) << r.status();
@@ -67,7 +66,8 @@ void CheckAgainstGolden(const GoldenCase& c, optim::Precision precision, const T
   const bool bf16_algo = optim::HasBf16Path(c.algorithm);
   if (!bf16_algo || precision == optim::Precision::kBf16Reference) {
     double worst = 0;
-    for (int64_t s = 0; s < c.steps; ++s) worst = std::max(worst, RelFro(t.params[s], c.ref_params[s]));
+    for (int64_t s = 0; s < c.steps; ++s)
+      worst = std::max(worst, RelFro(t.params[s], c.ref_params[s]));
     ASSERT_TRUE(c.tolerance.count("param_relfro"));
     EXPECT_LE(worst, c.tolerance.at("param_relfro")) << "max_t relF(p_t, param.<t>)";
   }
@@ -79,8 +79,8 @@ void CheckAgainstGolden(const GoldenCase& c, optim::Precision precision, const T
 }
 
 // Compares the daemon's GetState (include_parameters) with the replay, bit for bit.
-void ExpectStateEquals(v1::Optimizer::Stub& stub, const std::string& session,
-                       const Trajectory& t, const std::vector<float>& params) {
+void ExpectStateEquals(v1::Optimizer::Stub& stub, const std::string& session, const Trajectory& t,
+                       const std::vector<float>& params) {
   TensorMap state;
   ASSERT_TRUE(GetState(stub, session, true, &state).ok());
   EXPECT_EQ(state["w"], FloatBytes(params)) << "GetState parameters";

@@ -19,8 +19,8 @@
 #include <algorithm>
 #include <cctype>
 #include <cstdint>
-#include <functional>
 #include <cstdlib>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <string>
@@ -190,8 +190,7 @@ std::unique_ptr<CudaSession> CreateCudaSession(v1::Optimizer::Stub& stub,
   };
   s = reg(v1::REGION_ROLE_PARAMETERS, 0, c->layout.param_arena_bytes(), &c->param_region);
   if (s.ok()) {
-    s = reg(v1::REGION_ROLE_GRADIENTS, c->grad_base, c->layout.grad_arena_bytes(),
-            &c->grad_region);
+    s = reg(v1::REGION_ROLE_GRADIENTS, c->grad_base, c->layout.grad_arena_bytes(), &c->grad_region);
   }
   if (!s.ok()) {
     ADD_FAILURE() << s.error_message();
@@ -400,8 +399,7 @@ TEST_P(CudaEqualsShm, BitForBitOverSeveralStepsWithNoHostCopies) {
     EXPECT_EQ(after.bytes_to_device - before.bytes_to_device,
               before.bytes_to_device - start.bytes_to_device - 2 * 4 * numel)
         << "step " << t;
-    EXPECT_EQ(after.copies_to_host - before.copies_to_host, shm_to_host - tensors)
-        << "step " << t;
+    EXPECT_EQ(after.copies_to_host - before.copies_to_host, shm_to_host - tensors) << "step " << t;
     EXPECT_EQ(after.bytes_to_host - before.bytes_to_host,
               before.bytes_to_host - start.bytes_to_host - 4 * numel)
         << "step " << t;
@@ -467,18 +465,17 @@ std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
   return absl::StrCat(a, info.param.vmm ? "_Vmm" : "_Ipc", info.param.async ? "_Async" : "");
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    CudaRegions, CudaEqualsShm,
-    ::testing::Values(Case{AlgorithmKind::kAdamW, false, false},
-                      Case{AlgorithmKind::kMuon, false, false},
-                      Case{AlgorithmKind::kDion, false, false},
-                      Case{AlgorithmKind::kLion, false, false},
-                      Case{AlgorithmKind::kAdamW, true, false},
-                      Case{AlgorithmKind::kMuon, true, false},
-                      Case{AlgorithmKind::kDion, true, false},
-                      Case{AlgorithmKind::kMuon, false, true},
-                      Case{AlgorithmKind::kDion, true, true}),
-    CaseName);
+INSTANTIATE_TEST_SUITE_P(CudaRegions, CudaEqualsShm,
+                         ::testing::Values(Case{AlgorithmKind::kAdamW, false, false},
+                                           Case{AlgorithmKind::kMuon, false, false},
+                                           Case{AlgorithmKind::kDion, false, false},
+                                           Case{AlgorithmKind::kLion, false, false},
+                                           Case{AlgorithmKind::kAdamW, true, false},
+                                           Case{AlgorithmKind::kMuon, true, false},
+                                           Case{AlgorithmKind::kDion, true, false},
+                                           Case{AlgorithmKind::kMuon, false, true},
+                                           Case{AlgorithmKind::kDion, true, true}),
+                         CaseName);
 
 TEST_F(CudaRegions, AFailedStepChangesNoWeightByteAndNoState) {
   SessionDesc d = Desc(AlgorithmKind::kMuon);
@@ -763,7 +760,6 @@ TEST_F(CudaRegions, ASkippedStepRecordsTheDoneEventAndAWorldSessionTakesEventsTo
   EXPECT_EQ(Records(done), 2);
 }
 
-
 // ---- World sessions over CUDA regions (docs/GPU.md "World sessions") ----
 // Two daemons in this process form a world of two on TEST device 0 (the hand-off emulation is
 // same-process only), over loopback TCP (the Peer service, the world secret) and Gloo. On both
@@ -865,8 +861,8 @@ TEST_P(CudaRegionWorld, EqualsTheShmWorldBitForBitWithTheTrainersEvents) {
     d.groups[0].proto.mutable_hyperparameters()->set_rank_fraction(0.25);
     d.groups[0].config.hyperparams.rank_fraction = 0.25;
   }
-  const std::string label = absl::StrCat(static_cast<int>(run.algorithm), "-",
-                                         static_cast<int>(run.sync));
+  const std::string label =
+      absl::StrCat(static_cast<int>(run.algorithm), "-", static_cast<int>(run.sync));
   v1::CreateSessionRequest shm_req = d.Request(), gpu_req = d.Request();
   shm_req.set_gradient_sync(run.sync);
   gpu_req.set_gradient_sync(run.sync);

@@ -16,8 +16,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "gtest/gtest.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "gtest/gtest.h"
 #include "tests/integration/subprocess.h"
 #include "tests/service/service_harness.h"
 
@@ -67,8 +67,7 @@ grpc::health::v1::HealthCheckResponse::ServingStatus Health(const Daemon& d,
 }
 
 TEST(DeviceLoss, ALostContextIsNoticedReportedAndRefusesDeviceSteps) {
-  const std::string trigger =
-      absl::StrCat(::testing::TempDir(), "/diond-lose-context-", getpid());
+  const std::string trigger = absl::StrCat(::testing::TempDir(), "/diond-lose-context-", getpid());
   std::remove(trigger.c_str());
   auto d = Daemon::StartBinary(DIOND_TESTDEVICE_BINARY, {"--metrics_address=127.0.0.1:0"},
                                {"DIOND_TEST_DEVICE_LOSE_CONTEXT_FILE=" + trigger});
@@ -114,8 +113,8 @@ TEST(DeviceLoss, ALostContextIsNoticedReportedAndRefusesDeviceSteps) {
   st = DoStep(d->stub(), s->id, 2);
   EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
   EXPECT_TRUE(absl::StartsWith(st.error_message(), "step refused: ")) << st.error_message();
-  EXPECT_TRUE(absl::StrContains(st.error_message(),
-                                "host-test device 0: the device context is lost"))
+  EXPECT_TRUE(
+      absl::StrContains(st.error_message(), "host-test device 0: the device context is lost"))
       << st.error_message();
   EXPECT_TRUE(absl::StrContains(st.error_message(), "NOT_SERVING")) << st.error_message();
   const std::map<std::string, int64_t> after = LastCounters(*d);

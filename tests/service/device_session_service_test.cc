@@ -64,8 +64,7 @@ class DeviceSessions : public ::testing::Test {
   }
   // The same session `d` over shm on the CPU daemon (*c) and the device daemon (*g), each given
   // the initial weights.
-  void Twins(const SessionDesc& d, std::unique_ptr<ShmSession>* c,
-             std::unique_ptr<ShmSession>* g) {
+  void Twins(const SessionDesc& d, std::unique_ptr<ShmSession>* c, std::unique_ptr<ShmSession>* g) {
     *c = CreateShmSession(cpu_->stub(), d.Request());
     *g = CreateShmSession(dev_->stub(), d.Request());
     ASSERT_NE(*c, nullptr);
@@ -233,7 +232,8 @@ TEST_F(DeviceSessions, NonFiniteGradientsFoundOnTheDeviceChangeNothing) {
   auto g = CreateShmSession(dev_->stub(), d.Request());
   ASSERT_NE(g, nullptr);
   ASSERT_TRUE(SetState(dev_->stub(), g->id, InitialParams(d)).ok());
-  for (size_t i = 0; i < d.params.size(); ++i) g->WriteGrad(i, SyntheticValues(7, 1, i, d.Numel(i)));
+  for (size_t i = 0; i < d.params.size(); ++i)
+    g->WriteGrad(i, SyntheticValues(7, 1, i, d.Numel(i)));
   ASSERT_TRUE(DoStep(dev_->stub(), g->id, 1).ok());
   const std::string arena = g->params_seg->Bytes(0, g->layout.param_arena_bytes());
   const TensorMap before = State(*dev_, g->id);
@@ -710,8 +710,7 @@ INSTANTIATE_TEST_SUITE_P(
                       std::make_tuple(AlgorithmKind::kMuon, optim::Precision::kBf16Reference),
                       std::make_tuple(AlgorithmKind::kNorMuon, optim::Precision::kBf16Reference),
                       std::make_tuple(AlgorithmKind::kDion2, optim::Precision::kBf16Reference),
-                      std::make_tuple(AlgorithmKind::kNorDion2,
-                                      optim::Precision::kBf16Reference)),
+                      std::make_tuple(AlgorithmKind::kNorDion2, optim::Precision::kBf16Reference)),
     [](const auto& info) {
       return absl::StrCat(AlgorithmName(std::get<0>(info.param)), "_",
                           optim::PrecisionName(std::get<1>(info.param)));
@@ -767,8 +766,8 @@ TEST_P(DeviceStepGraphs, ReplayedUpdatesWithANewLearningRateEachStepEqualTheCpuD
     (*req.mutable_lr_override())["main"] = 0.02 / static_cast<double>(t);
     (*req.mutable_lr_override())["vec"] = 0.001 * static_cast<double>(t);
     v1::StepResponse rc, rg;
-    for (auto [daemon, session, resp] : {std::make_tuple(cpu_, c.get(), &rc),
-                                         std::make_tuple(dev_, g.get(), &rg)}) {
+    for (auto [daemon, session, resp] :
+         {std::make_tuple(cpu_, c.get(), &rc), std::make_tuple(dev_, g.get(), &rg)}) {
       req.set_session_id(session->id);
       auto ctx = Ctx();
       grpc::Status s = daemon->stub().Step(ctx.get(), req, resp);
@@ -849,11 +848,10 @@ TEST(DeviceSessionBudget, ASessionOverThePoolGetsResourceExhaustedWithTheNumbers
     grpc::Status st = dev->stub().CreateSession(ctx.get(), big.Request(), &resp);
     EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
     EXPECT_TRUE(absl::StrContains(st.error_message(), "device staging")) << st.error_message();
-    EXPECT_TRUE(absl::StrContains(st.error_message(), absl::StrCat("pool budget ", kBudget,
-                                                                   " bytes")))
+    EXPECT_TRUE(
+        absl::StrContains(st.error_message(), absl::StrCat("pool budget ", kBudget, " bytes")))
         << st.error_message();
-    EXPECT_TRUE(absl::StrContains(st.error_message(), "324000000 requested"))
-        << st.error_message();
+    EXPECT_TRUE(absl::StrContains(st.error_message(), "324000000 requested")) << st.error_message();
   }
   // The daemon and the small session carry on.
   EXPECT_TRUE(dev->Alive());
@@ -944,13 +942,13 @@ TEST(DeviceSessionBudget, MaxSessionBytesCountsTheStagingAndStateThePoolReallyHo
     const int64_t before = LastCounters(*dev)["pool_in_use"];
     grpc::Status st = Create(*dev, d);
     EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
-    EXPECT_TRUE(absl::StrContains(st.error_message(), absl::StrCat("session needs ", held,
-                                                                   " bytes")))
+    EXPECT_TRUE(
+        absl::StrContains(st.error_message(), absl::StrCat("session needs ", held, " bytes")))
         << st.error_message();
     EXPECT_TRUE(absl::StrContains(st.error_message(), absl::StrCat("staging ", staging)))
         << st.error_message();
-    EXPECT_TRUE(absl::StrContains(st.error_message(),
-                                  absl::StrCat("--max_session_bytes is ", held - 1)))
+    EXPECT_TRUE(
+        absl::StrContains(st.error_message(), absl::StrCat("--max_session_bytes is ", held - 1)))
         << st.error_message();
     // The next session change reports the pool: only the tiny session's bytes are in it.
     ASSERT_TRUE(Create(*dev, Tiny()).ok());
@@ -965,9 +963,9 @@ TEST(DeviceSessionBudget, MaxSessionBytesCountsTheStagingAndStateThePoolReallyHo
     const std::map<std::string, int64_t> start = LastCounters(*dev);
     grpc::Status st = Create(*dev, d);
     EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
-    EXPECT_TRUE(absl::StrContains(st.error_message(),
-                                  absl::StrCat("session needs ", staging, " bytes (a device "
-                                               "session's staging alone")))
+    EXPECT_TRUE(absl::StrContains(st.error_message(), absl::StrCat("session needs ", staging,
+                                                                   " bytes (a device "
+                                                                   "session's staging alone")))
         << st.error_message();
     EXPECT_TRUE(absl::StrContains(st.error_message(), "nothing was allocated"))
         << st.error_message();
@@ -1006,10 +1004,10 @@ TEST(DeviceSessionBudget, MemoryBudgetCountsTheScratchASessionsStepsGrew) {
   EXPECT_EQ(in_pool, h.stepped);
   grpc::Status st = Create(*dev, d);
   EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
-  EXPECT_TRUE(absl::StrContains(
-      st.error_message(),
-      absl::StrCat("; ", in_pool, " of the ", budget, "-byte memory budget (--memory_budget_bytes) "
-                   "are in use by 1 session(s)")))
+  EXPECT_TRUE(absl::StrContains(st.error_message(),
+                                absl::StrCat("; ", in_pool, " of the ", budget,
+                                             "-byte memory budget (--memory_budget_bytes) "
+                                             "are in use by 1 session(s)")))
       << st.error_message();
   // Closing the stepped session gives its bytes back to the budget.
   ASSERT_TRUE(CloseSession(dev->stub(), s->id).ok());

@@ -55,8 +55,8 @@ std::vector<Chunk> Weights(const SessionDesc& d, uint64_t seed) {
 std::vector<Chunk> ConstantWeights(const SessionDesc& d, float v) {
   std::vector<Chunk> chunks;
   for (size_t i = 0; i < d.params.size(); ++i) {
-    chunks.push_back({d.params[i].name, 0,
-                      FloatBytes(std::vector<float>(static_cast<size_t>(d.Numel(i)), v))});
+    chunks.push_back(
+        {d.params[i].name, 0, FloatBytes(std::vector<float>(static_cast<size_t>(d.Numel(i)), v))});
   }
   return chunks;
 }
@@ -177,8 +177,8 @@ TEST_F(Durability, TenThousandLoadsDuringReSavesAllSeeOneCompleteVersion) {
   // mean something (a loaded machine may starve the writer; bounded by the deadline).
   const absl::Time deadline = absl::Now() + absl::Minutes(5);
   int loads = 0;
-  for (int i = 0; i < kLoads || ((resaves <= 100 || versions_seen.size() <= 2) &&
-                                 absl::Now() < deadline);
+  for (int i = 0;
+       i < kLoads || ((resaves <= 100 || versions_seen.size() <= 2) && absl::Now() < deadline);
        ++i) {
     ++loads;
     v1::LoadCheckpointResponse loaded;
@@ -203,9 +203,9 @@ TEST_F(Durability, TenThousandLoadsDuringReSavesAllSeeOneCompleteVersion) {
   }
   stop = true;
   writer.join();
-  std::cout << "loads " << loads << ", failed " << failures << "; re-saves during them "
-            << resaves << " (failed " << save_failures << "); versions seen "
-            << versions_seen.size() << std::endl;
+  std::cout << "loads " << loads << ", failed " << failures << "; re-saves during them " << resaves
+            << " (failed " << save_failures << "); versions seen " << versions_seen.size()
+            << std::endl;
   EXPECT_EQ(failures, 0) << first_failure;
   EXPECT_EQ(inconsistent, 0);
   EXPECT_EQ(save_failures, 0);
@@ -384,8 +384,7 @@ TEST_F(Durability, CraftedCheckpointsAreDataLossNamingTheFieldAndChangeNothing) 
          });
        },
        "'w/state.momentum' is not listed", "tensors.safetensors"},
-      {"momentumMissingEverywhere",
-       [](const std::string& p) { DropTensor(p, "w/state.momentum"); },
+      {"momentumMissingEverywhere", [](const std::string& p) { DropTensor(p, "w/state.momentum"); },
        "lacks tensor 'w/state.momentum'", ""},
       {"specShape16x2",
        [](const std::string& p) {
@@ -488,8 +487,8 @@ TEST_F(Durability, NoSymlinkLeadsOutOfTheStateDir) {
                                  absl::StrCat("escape_relative/", id, "/step-0")}) {
       v1::LoadCheckpointResponse r;
       grpc::Status s = LoadCheckpointFrom(*st, p, &r);
-      EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << p << ": "
-                                                                     << s.error_message();
+      EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED)
+          << p << ": " << s.error_message();
       EXPECT_TRUE(absl::StrContains(s.error_message(), "leaves --state_dir")) << s.error_message();
       v1::SaveCheckpointResponse sr;
       s = Save(*st, id, &sr, "escape/deeper");
@@ -559,7 +558,8 @@ TEST(DurabilityPaths, RelativePathsWithoutStateDirAreRefusedNotResolvedAgainstTh
   fs::remove_all(dir);
 }
 
-// ---- replays across a restart --------------------------------------------------------------------
+// ---- replays across a restart
+// --------------------------------------------------------------------
 
 TEST_F(Durability, RetriedStepAfterDaemonRestartIsAnsweredAsBefore) {
   StartDaemon({"--checkpoint_every=1"});
@@ -613,9 +613,9 @@ TEST_F(Durability, RetriedStepAfterDaemonRestartIsAnsweredAsBefore) {
 TEST_F(Durability, SessionNamesAreValidatedAndUnique) {
   StartDaemon();
   const SessionDesc d = SmallDesc();
-  for (const std::string& bad : {std::string("a//b"), std::string("../x"), std::string("a b"),
-                                 std::string("/lead"), std::string("trail/"), std::string("./x"),
-                                 std::string(201, 'n')}) {
+  for (const std::string& bad :
+       {std::string("a//b"), std::string("../x"), std::string("a b"), std::string("/lead"),
+        std::string("trail/"), std::string("./x"), std::string(201, 'n')}) {
     v1::CreateSessionRequest req = d.Request();
     req.set_session_name(bad);
     v1::CreateSessionResponse resp;
@@ -686,8 +686,8 @@ TEST(DurabilityRecover, DaemonSigkilledDuringStepsRecoversAndTrainersReattachBit
                         ? std::atoi(std::getenv("DIOND_DURABILITY_KILLS"))
                         : 3;
   const std::string dir = testing::MakeTempDir("diond_recover");
-  const std::vector<std::string> flags = {"--state_dir=" + dir + "/state",
-                                          "--checkpoint_every=1", "--recover"};
+  const std::vector<std::string> flags = {"--state_dir=" + dir + "/state", "--checkpoint_every=1",
+                                          "--recover"};
   SessionDesc d;
   d.groups.push_back(MakeGroup("m", optim::AlgorithmKind::kMuon, 0.02));
   d.groups.push_back(MakeGroup("dn", optim::AlgorithmKind::kDion, 0.02));

@@ -21,15 +21,31 @@ absl::Status MapHyperparameters(const json& hp, GoldenCase* c) {
   for (auto it = hp.begin(); it != hp.end(); ++it) {
     const std::string& k = it.key();
     const json& v = *it;
-    if (k == "lr") { p.set_lr(number(v)); h.lr = number(v); }
-    else if (k == "mu") { p.set_mu(number(v)); h.mu = number(v); }
-    else if (k == "weight_decay") { p.set_weight_decay(number(v)); h.weight_decay = number(v); }
-    else if (k == "epsilon") { p.set_epsilon(number(v)); h.epsilon = number(v); }
-    else if (k == "muon_beta2") { p.set_muon_beta2(number(v)); h.muon_beta2 = number(v); }
-    else if (k == "fraction") { p.set_fraction(number(v)); h.fraction = number(v); }
-    else if (k == "ef_decay") { p.set_ef_decay(number(v)); h.ef_decay = number(v); }
-    else if (k == "rank_fraction") { p.set_rank_fraction(number(v)); h.rank_fraction = number(v); }
-    else if (k == "rank_multiple_of") {
+    if (k == "lr") {
+      p.set_lr(number(v));
+      h.lr = number(v);
+    } else if (k == "mu") {
+      p.set_mu(number(v));
+      h.mu = number(v);
+    } else if (k == "weight_decay") {
+      p.set_weight_decay(number(v));
+      h.weight_decay = number(v);
+    } else if (k == "epsilon") {
+      p.set_epsilon(number(v));
+      h.epsilon = number(v);
+    } else if (k == "muon_beta2") {
+      p.set_muon_beta2(number(v));
+      h.muon_beta2 = number(v);
+    } else if (k == "fraction") {
+      p.set_fraction(number(v));
+      h.fraction = number(v);
+    } else if (k == "ef_decay") {
+      p.set_ef_decay(number(v));
+      h.ef_decay = number(v);
+    } else if (k == "rank_fraction") {
+      p.set_rank_fraction(number(v));
+      h.rank_fraction = number(v);
+    } else if (k == "rank_multiple_of") {
       p.set_rank_multiple_of(static_cast<int64_t>(number(v)));
       h.rank_multiple_of = static_cast<int64_t>(number(v));
     } else if (k == "nesterov") {
@@ -65,8 +81,8 @@ absl::Status MapHyperparameters(const json& hp, GoldenCase* c) {
       const bool pe = v.get<bool>();
       p.set_orthogonalizer(pe ? v1::ORTHOGONALIZER_POLAR_EXPRESS
                               : v1::ORTHOGONALIZER_NEWTON_SCHULZ);
-      h.orthogonalizer = pe ? optim::Orthogonalizer::kPolarExpress
-                            : optim::Orthogonalizer::kNewtonSchulz5;
+      h.orthogonalizer =
+          pe ? optim::Orthogonalizer::kPolarExpress : optim::Orthogonalizer::kNewtonSchulz5;
     } else if (k == "use_triton" || k == "use_gram_newton_schulz" || k == "triton_post_ortho") {
       if (v.get<bool>()) return absl::UnimplementedError(absl::StrCat(k, "=true"));
     } else if (k == "qr_method") {

@@ -30,11 +30,11 @@ struct GoldenCase {
   std::vector<int64_t> shape;
   int64_t steps = 0;
   std::vector<float> param_init;
-  std::vector<std::vector<float>> grads;                  // grads[t-1] = grad.<t>
-  std::vector<std::vector<float>> ref_params;             // param.<t>
-  std::vector<float> param_f64_final;                     // empty if absent
-  std::map<std::string, std::vector<float>> state_init;   // present state.<name>.init
-  std::map<std::string, double> tolerance;                // tolerance_* metadata
+  std::vector<std::vector<float>> grads;                 // grads[t-1] = grad.<t>
+  std::vector<std::vector<float>> ref_params;            // param.<t>
+  std::vector<float> param_f64_final;                    // empty if absent
+  std::map<std::string, std::vector<float>> state_init;  // present state.<name>.init
+  std::map<std::string, double> tolerance;               // tolerance_* metadata
 
   // A one-parameter session ("w" in group "g") with `precision`.
   SessionDesc Session(optim::Precision precision) const;

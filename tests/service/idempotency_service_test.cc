@@ -42,7 +42,8 @@ class StepSemantics : public ::testing::Test {
   }
   static std::vector<std::vector<float>> Grads(const SessionDesc& d, int64_t step) {
     std::vector<std::vector<float>> g;
-    for (size_t i = 0; i < d.params.size(); ++i) g.push_back(SyntheticValues(7, step, i, d.Numel(i)));
+    for (size_t i = 0; i < d.params.size(); ++i)
+      g.push_back(SyntheticValues(7, step, i, d.Numel(i)));
     return g;
   }
   // Uploads initial weights (SyntheticValues step 0) to the session and the replay.
@@ -287,7 +288,8 @@ INSTANTIATE_TEST_SUITE_P(
     Values, NonFinite,
     ::testing::Values(NonFiniteCase{"NanInMatrix", std::numeric_limits<float>::quiet_NaN(), 0, 0},
                       NonFiniteCase{"PosInfInVector", std::numeric_limits<float>::infinity(), 1, 0},
-                      NonFiniteCase{"NegInfInMatrix", -std::numeric_limits<float>::infinity(), 0, 0},
+                      NonFiniteCase{"NegInfInMatrix", -std::numeric_limits<float>::infinity(), 0,
+                                    0},
                       // Finite gradients that overflow fp32 only after gradient_scale: 1e30 *
                       // 1e10 = 1e40 > FLT_MAX (3.4e38).
                       NonFiniteCase{"OverflowAfterScale", 1e30f, 1, 1e10}),

@@ -118,7 +118,8 @@ Reply ReadReply(int s) {
   EXPECT_EQ(std::string(h, 8), "DIONDFD1");
   auto le = [&](int at) {
     uint32_t v = 0;
-    for (int i = 0; i < 4; ++i) v |= static_cast<uint32_t>(static_cast<uint8_t>(h[at + i])) << (8 * i);
+    for (int i = 0; i < 4; ++i)
+      v |= static_cast<uint32_t>(static_cast<uint8_t>(h[at + i])) << (8 * i);
     return v;
   };
   r.code = le(8);
@@ -176,8 +177,8 @@ struct MemfdSession {
     if (base != nullptr) munmap(base, static_cast<size_t>(size));
   }
   void WriteGrad(size_t i, const std::vector<float>& g) {
-    std::memcpy(base + grad_base + layout.layout(static_cast<int>(i)).grad_offset_bytes(),
-                g.data(), g.size() * sizeof(float));
+    std::memcpy(base + grad_base + layout.layout(static_cast<int>(i)).grad_offset_bytes(), g.data(),
+                g.size() * sizeof(float));
   }
   std::string Params() const {
     return std::string(reinterpret_cast<const char*>(base), layout.param_arena_bytes());
@@ -223,8 +224,8 @@ std::unique_ptr<MemfdSession> CreateMemfdSession(v1::Optimizer::Stub& stub,
     ADD_FAILURE() << s.error_message();
     return nullptr;
   }
-  s = RegisterMemfd(stub, m->id, v1::REGION_ROLE_GRADIENTS, Token(path, m->fd.get()),
-                    m->grad_base, m->layout.grad_arena_bytes(), &m->grad_region);
+  s = RegisterMemfd(stub, m->id, v1::REGION_ROLE_GRADIENTS, Token(path, m->fd.get()), m->grad_base,
+                    m->layout.grad_arena_bytes(), &m->grad_region);
   if (!s.ok()) {
     ADD_FAILURE() << s.error_message();
     return nullptr;
@@ -323,10 +324,10 @@ TEST_F(Memfd_, SealsAreEnforced) {
     int seals;
     const char* message;
   };
-  for (const Case& c : {Case{0, "lacks F_SEAL_SHRINK and F_SEAL_GROW"},
-                        Case{F_SEAL_SHRINK, "lacks F_SEAL_GROW"},
-                        Case{F_SEAL_GROW, "lacks F_SEAL_SHRINK"},
-                        Case{F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE, "has F_SEAL_WRITE"}}) {
+  for (const Case& c :
+       {Case{0, "lacks F_SEAL_SHRINK and F_SEAL_GROW"}, Case{F_SEAL_SHRINK, "lacks F_SEAL_GROW"},
+        Case{F_SEAL_GROW, "lacks F_SEAL_SHRINK"},
+        Case{F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE, "has F_SEAL_WRITE"}}) {
     Fd m = Memfd(bytes, c.seals);
     grpc::Status s = RegisterMemfd(daemon_->stub(), r.session_id(), v1::REGION_ROLE_PARAMETERS,
                                    Token(Path(), m.get()), 0, bytes);
@@ -357,14 +358,15 @@ TEST_F(Memfd_, TokenErrors) {
   EXPECT_TRUE(absl::StrContains(s.error_message(), "fd_token must be")) << s.error_message();
   s = reg(std::string(32, '0'));
   EXPECT_EQ(s.error_code(), StatusCode::NOT_FOUND);
-  EXPECT_TRUE(absl::StrContains(s.error_message(), "not known to this daemon")) << s.error_message();
+  EXPECT_TRUE(absl::StrContains(s.error_message(), "not known to this daemon"))
+      << s.error_message();
   // Reused.
   Fd m = Memfd(bytes);
   const std::string token = Token(Path(), m.get());
   std::string region;
-  ASSERT_TRUE(RegisterMemfd(daemon_->stub(), id, v1::REGION_ROLE_PARAMETERS, token, 0, bytes,
-                            &region)
-                  .ok());
+  ASSERT_TRUE(
+      RegisterMemfd(daemon_->stub(), id, v1::REGION_ROLE_PARAMETERS, token, 0, bytes, &region)
+          .ok());
   s = RegisterMemfd(daemon_->stub(), id, v1::REGION_ROLE_GRADIENTS, token, 0, bytes);
   EXPECT_EQ(s.error_code(), StatusCode::FAILED_PRECONDITION);
   EXPECT_TRUE(absl::StrContains(s.error_message(), "already used")) << s.error_message();
@@ -387,8 +389,8 @@ TEST_F(Memfd_, WrongKindOrSizeOfFd) {
   const std::string& id = r.session_id();
   const int64_t bytes = r.param_arena_bytes();
   auto reg = [&](int fd, int64_t offset, int64_t size) {
-    return RegisterMemfd(daemon_->stub(), id, v1::REGION_ROLE_PARAMETERS, Token(Path(), fd),
-                         offset, size);
+    return RegisterMemfd(daemon_->stub(), id, v1::REGION_ROLE_PARAMETERS, Token(Path(), fd), offset,
+                         size);
   };
   int p[2];
   ASSERT_EQ(pipe2(p, O_CLOEXEC), 0);
@@ -470,7 +472,8 @@ TEST_F(Memfd_, ForeignUidCannotRedeemAToken) {
     if (recv(s, buf, 16, MSG_WAITALL) != 16) _exit(6);
     const size_t len = static_cast<size_t>(static_cast<uint8_t>(buf[12])) |
                        static_cast<size_t>(static_cast<uint8_t>(buf[13])) << 8;
-    if (len > 512 || (len > 0 && recv(s, buf + 16, len, MSG_WAITALL) != static_cast<ssize_t>(len))) {
+    if (len > 512 ||
+        (len > 0 && recv(s, buf + 16, len, MSG_WAITALL) != static_cast<ssize_t>(len))) {
       _exit(7);
     }
     if (write(out[1], buf, 16 + len) != static_cast<ssize_t>(16 + len)) _exit(8);
@@ -489,8 +492,8 @@ TEST_F(Memfd_, ForeignUidCannotRedeemAToken) {
   ASSERT_GE(reply.size(), 16u + 32u);
   const std::string token = reply.substr(16, 32);
   v1::CreateSessionResponse r = NewSession();
-  grpc::Status s = RegisterMemfd(daemon_->stub(), r.session_id(), v1::REGION_ROLE_PARAMETERS,
-                                 token, 0, r.param_arena_bytes());
+  grpc::Status s = RegisterMemfd(daemon_->stub(), r.session_id(), v1::REGION_ROLE_PARAMETERS, token,
+                                 0, r.param_arena_bytes());
   EXPECT_EQ(s.error_code(), StatusCode::PERMISSION_DENIED);
   EXPECT_TRUE(absl::StrContains(s.error_message(), "sent by uid 65534; the caller is uid 0"))
       << s.error_message();

@@ -115,13 +115,14 @@ std::unique_ptr<Daemon> Daemon::Launch(std::vector<std::string> prefix,
   unlink(ready.c_str());
   unlink(d->socket_.c_str());
   std::vector<std::string> argv = std::move(prefix);
-  for (std::string a : {"--listen=unix:" + d->socket_ + (tcp ? ",127.0.0.1:0" : ""),
-                        std::string("--metrics_address="), std::string("--device=cpu"),
-                        "--ready_file=" + ready}) {
+  for (std::string a :
+       {"--listen=unix:" + d->socket_ + (tcp ? ",127.0.0.1:0" : ""),
+        std::string("--metrics_address="), std::string("--device=cpu"), "--ready_file=" + ready}) {
     argv.push_back(std::move(a));
   }
   argv.insert(argv.end(), flags.begin(), flags.end());
-  if (tcp && !HasFlag(flags, "--auth_token_file") && !HasFlag(flags, "--allow_unauthenticated_tcp")) {
+  if (tcp && !HasFlag(flags, "--auth_token_file") &&
+      !HasFlag(flags, "--allow_unauthenticated_tcp")) {
     WriteText(d->dir_ + "/tokens", absl::StrCat(kTcpToken, " svc-test admin\n"));
     argv.push_back("--auth_token_file=" + d->dir_ + "/tokens");
   }
@@ -274,8 +275,8 @@ std::vector<Chunk> SplitTensor(const std::string& name, const std::string& bytes
                                int64_t chunk_bytes) {
   std::vector<Chunk> out;
   for (int64_t off = 0; off < static_cast<int64_t>(bytes.size()); off += chunk_bytes) {
-    out.push_back({name, off, bytes.substr(static_cast<size_t>(off),
-                                           static_cast<size_t>(chunk_bytes))});
+    out.push_back(
+        {name, off, bytes.substr(static_cast<size_t>(off), static_cast<size_t>(chunk_bytes))});
   }
   return out;
 }
@@ -303,8 +304,8 @@ grpc::Status ReadChunks(grpc::ClientReader<v1::TensorChunk>* r, TensorMap* out) 
   while (r->Read(&c)) {
     std::string& buf = (*out)[c.name()];
     if (c.offset_bytes() != static_cast<int64_t>(buf.size()) && error.empty()) {
-      error = absl::StrCat("chunk of '", c.name(), "' at ", c.offset_bytes(), " after ",
-                           buf.size(), " bytes");
+      error = absl::StrCat("chunk of '", c.name(), "' at ", c.offset_bytes(), " after ", buf.size(),
+                           " bytes");
     }
     if (c.offset_bytes() == 0 && c.total_bytes() <= 0 && error.empty()) {
       error = absl::StrCat("first chunk of '", c.name(), "' lacks total_bytes");
@@ -347,9 +348,8 @@ grpc::Status GetState(v1::Optimizer::Stub& stub, const std::string& session,
   return ReadChunks(r.get(), out);
 }
 
-grpc::Status PullParameters(v1::Optimizer::Stub& stub, const std::string& session,
-                            TensorMap* out, int64_t chunk_bytes,
-                            const std::vector<std::string>& names) {
+grpc::Status PullParameters(v1::Optimizer::Stub& stub, const std::string& session, TensorMap* out,
+                            int64_t chunk_bytes, const std::vector<std::string>& names) {
   auto ctx = Ctx();
   v1::PullParametersRequest req;
   req.set_session_id(session);
@@ -385,13 +385,20 @@ int64_t SessionDesc::Numel(size_t param) const {
 
 v1::Algorithm AlgorithmToProto(optim::AlgorithmKind kind) {
   switch (kind) {
-    case optim::AlgorithmKind::kMuon: return v1::ALGORITHM_MUON;
-    case optim::AlgorithmKind::kNorMuon: return v1::ALGORITHM_NORMUON;
-    case optim::AlgorithmKind::kDion: return v1::ALGORITHM_DION;
-    case optim::AlgorithmKind::kDion2: return v1::ALGORITHM_DION2;
-    case optim::AlgorithmKind::kNorDion2: return v1::ALGORITHM_DION3;
-    case optim::AlgorithmKind::kAdamW: return v1::ALGORITHM_ADAMW;
-    case optim::AlgorithmKind::kLion: return v1::ALGORITHM_LION;
+    case optim::AlgorithmKind::kMuon:
+      return v1::ALGORITHM_MUON;
+    case optim::AlgorithmKind::kNorMuon:
+      return v1::ALGORITHM_NORMUON;
+    case optim::AlgorithmKind::kDion:
+      return v1::ALGORITHM_DION;
+    case optim::AlgorithmKind::kDion2:
+      return v1::ALGORITHM_DION2;
+    case optim::AlgorithmKind::kNorDion2:
+      return v1::ALGORITHM_DION3;
+    case optim::AlgorithmKind::kAdamW:
+      return v1::ALGORITHM_ADAMW;
+    case optim::AlgorithmKind::kLion:
+      return v1::ALGORITHM_LION;
   }
   return v1::ALGORITHM_UNSPECIFIED;
 }
@@ -501,13 +508,11 @@ absl::StatusOr<std::unique_ptr<Replay>> Replay::Create(const SessionDesc& desc) 
   return r;
 }
 
-absl::Status Replay::SetState(size_t param, const std::string& state,
-                              const std::vector<float>& v) {
+absl::Status Replay::SetState(size_t param, const std::string& state, const std::vector<float>& v) {
   return groups_[group_of_[param]].opt->SetState(slot_of_[param], state, v);
 }
 
-absl::StatusOr<std::vector<float>> Replay::GetState(size_t param,
-                                                    const std::string& state) const {
+absl::StatusOr<std::vector<float>> Replay::GetState(size_t param, const std::string& state) const {
   const auto& opt = groups_[group_of_[param]].opt;
   auto shape = opt->StateShape(slot_of_[param], state);
   if (!shape.ok()) return shape.status();
@@ -528,8 +533,7 @@ absl::Status Replay::Step(const kernels::Context& ctx,
   return Step(ctx, grads, std::vector<bool>(params_.size(), false));
 }
 
-absl::Status Replay::Step(const kernels::Context& ctx,
-                          const std::vector<std::vector<float>>& grads,
+absl::Status Replay::Step(const kernels::Context& ctx, const std::vector<std::vector<float>>& grads,
                           const std::vector<bool>& no_grad) {
   for (Group& g : groups_) {
     if (g.opt == nullptr) continue;

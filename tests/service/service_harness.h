@@ -44,9 +44,9 @@ inline constexpr char kWorldSecret[] = "svc-test-world-secret-0123456789";
 
 // A channel that sends "authorization: Bearer <token>" on every call (no credential when
 // `token` is empty).
-std::shared_ptr<grpc::Channel> TokenChannel(const std::string& target, const std::string& token,
-                                            std::shared_ptr<grpc::ChannelCredentials> creds =
-                                                grpc::InsecureChannelCredentials());
+std::shared_ptr<grpc::Channel> TokenChannel(
+    const std::string& target, const std::string& token,
+    std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials());
 
 // A client context with the suite's deadline.
 std::unique_ptr<grpc::ClientContext> Ctx();
@@ -60,8 +60,8 @@ class Daemon {
   // With `tcp`, the daemon also gets --auth_token_file with kTcpToken (an admin token) unless
   // `flags` name one; a world (--world_size) gets --world_secret_file with kWorldSecret unless
   // `flags` name one.
-  static std::unique_ptr<Daemon> Start(const std::vector<std::string>& flags = {},
-                                       bool tcp = false, const std::string& dir = "");
+  static std::unique_ptr<Daemon> Start(const std::vector<std::string>& flags = {}, bool tcp = false,
+                                       const std::string& dir = "");
   // The same with another daemon binary (e.g. the test-only diond_testdevice) and extra
   // environment variables ("NAME=value"); `tcp` as for Start.
   static std::unique_ptr<Daemon> StartBinary(const std::string& binary,
@@ -158,14 +158,13 @@ grpc::Status PushGradients(v1::Optimizer::Stub& stub, const std::string& session
 using TensorMap = std::map<std::string, std::string>;
 grpc::Status GetState(v1::Optimizer::Stub& stub, const std::string& session,
                       bool include_parameters, TensorMap* out);
-grpc::Status PullParameters(v1::Optimizer::Stub& stub, const std::string& session,
-                            TensorMap* out, int64_t chunk_bytes = 0,
-                            const std::vector<std::string>& names = {});
+grpc::Status PullParameters(v1::Optimizer::Stub& stub, const std::string& session, TensorMap* out,
+                            int64_t chunk_bytes = 0, const std::vector<std::string>& names = {});
 
 // ---- sessions ----------------------------------------------------------------------------------
 struct GroupDesc {
-  v1::ParameterGroup proto;    // what the client sends
-  optim::GroupConfig config;   // the same group for the in-process replay
+  v1::ParameterGroup proto;   // what the client sends
+  optim::GroupConfig config;  // the same group for the in-process replay
 };
 struct ParamDesc {
   std::string name;

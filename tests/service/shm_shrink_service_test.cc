@@ -43,8 +43,8 @@ class ShmShrink : public ::testing::Test {
     std::vector<Chunk> chunks;
     for (size_t i = 0; i < bystander_desc_.params.size(); ++i) {
       bystander_replay_->params()[i] = SyntheticValues(1, 0, i, bystander_desc_.Numel(i));
-      chunks.push_back({bystander_desc_.params[i].name, 0,
-                        FloatBytes(bystander_replay_->params()[i])});
+      chunks.push_back(
+          {bystander_desc_.params[i].name, 0, FloatBytes(bystander_replay_->params()[i])});
     }
     ASSERT_TRUE(SetState(daemon_->stub(), bystander_->id, chunks).ok());
     // The victim: large enough that a step takes a while (its copies in and out of shm too).
@@ -94,8 +94,8 @@ class ShmShrink : public ::testing::Test {
     std::vector<Chunk> chunks;
     for (size_t i = 0; i < victim_desc_.params.size(); ++i) {
       replay->params()[i] = SyntheticValues(3, 0, i, victim_desc_.Numel(i));
-      for (const Chunk& c : SplitTensor(victim_desc_.params[i].name,
-                                        FloatBytes(replay->params()[i]))) {
+      for (const Chunk& c :
+           SplitTensor(victim_desc_.params[i].name, FloatBytes(replay->params()[i]))) {
         chunks.push_back(c);
       }
     }
@@ -252,11 +252,12 @@ TEST_F(ShmShrink, ASegmentTruncatedDuringAStepNeverKillsTheDaemonNorLosesState) 
   }
   ExpectDaemonServing();
   // Which path each truncation met depends on timing; all are correct. Reported for the record.
-  std::printf("victim step %s; outcomes: ok %d, refused by the size check %d, SIGBUS caught %d, "
-              "applied with weights held %d\n",
-              absl::FormatDuration(step_time).c_str(), ok, before, fault, held);
-  RecordProperty("outcomes", absl::StrCat("ok=", ok, " fstat=", before, " sigbus=", fault,
-                                          " held=", held));
+  std::printf(
+      "victim step %s; outcomes: ok %d, refused by the size check %d, SIGBUS caught %d, "
+      "applied with weights held %d\n",
+      absl::FormatDuration(step_time).c_str(), ok, before, fault, held);
+  RecordProperty("outcomes",
+                 absl::StrCat("ok=", ok, " fstat=", before, " sigbus=", fault, " held=", held));
 }
 
 TEST_F(ShmShrink, GradientStreamsIntoATruncatedSegmentAreRefused) {
@@ -265,9 +266,9 @@ TEST_F(ShmShrink, GradientStreamsIntoATruncatedSegmentAreRefused) {
   ASSERT_NE(v, nullptr);
   const TensorMap before = VictimState(v->id);
   ASSERT_TRUE(v->grads().Truncate(0));
-  grpc::Status st = PushGradients(
-      daemon_->stub(), v->id,
-      SplitTensor("w2", FloatBytes(SyntheticValues(5, 0, 1, victim_desc_.Numel(1)))));
+  grpc::Status st =
+      PushGradients(daemon_->stub(), v->id,
+                    SplitTensor("w2", FloatBytes(SyntheticValues(5, 0, 1, victim_desc_.Numel(1)))));
   EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
   EXPECT_TRUE(absl::StrContains(st.error_message(), "shrank")) << st.error_message();
   ExpectDaemonServing();

@@ -29,8 +29,8 @@ namespace diond::server {
 void ConfigureTestDevice(DaemonOptions* options) {
   DIOND_LOG(WARNING) << "TEST DEVICE BACKEND: host memory behind the plugin ABI; not a product "
                         "feature (diond_testdevice, a test-only binary)";
-  absl::Status s = kernels::RegisterPluginOps(kernels::DeviceType::kTest,
-                                              kernels::testing::HostTestDeviceOps());
+  absl::Status s =
+      kernels::RegisterPluginOps(kernels::DeviceType::kTest, kernels::testing::HostTestDeviceOps());
   if (!s.ok()) {
     DIOND_LOG(ERROR) << "cannot register the TEST backend: " << s.message();
     std::exit(1);
@@ -59,20 +59,19 @@ void ConfigureTestDevice(DaemonOptions* options) {
     if (auto m = kernels::GetDeviceMemoryStats({kernels::DeviceType::kTest, 0}); m.ok()) {
       pool = absl::StrCat(" pool_in_use=", m->in_use, " pool_peak=", m->peak);
     }
-    return absl::StrCat("test device counters: copies_to_device=", c.copies_to_device,
-                        " copies_to_host=", c.copies_to_host, " bytes_to_device=",
-                        c.bytes_to_device, " bytes_to_host=", c.bytes_to_host,
-                        " streams_created=", c.streams_created, " streams_live=", c.streams_live,
-                        " host_registers=", c.host_registers, " host_unregisters=",
-                        c.host_unregisters, " host_registered_live=", c.host_registered_live,
-                        " host_register_errors=", c.host_register_errors, " ops=", c.ops,
-                        " ops_on_default_stream=", c.ops_on_default_stream,
-                        " syncs=", c.syncs, " async_copies_to_device=", c.async_copies_to_device,
-                        " async_copies_to_host=", c.async_copies_to_host,
-                        " deferred=", c.deferred, " graph_captures=", c.graph_captures,
-                        " graphs_made=", c.graphs_made, " captures_invalidated=",
-                        c.captures_invalidated, " graph_launches=", c.graph_launches,
-                        " device_scalar_ops=", c.device_scalar_ops, pool);
+    return absl::StrCat(
+        "test device counters: copies_to_device=", c.copies_to_device,
+        " copies_to_host=", c.copies_to_host, " bytes_to_device=", c.bytes_to_device,
+        " bytes_to_host=", c.bytes_to_host, " streams_created=", c.streams_created,
+        " streams_live=", c.streams_live, " host_registers=", c.host_registers,
+        " host_unregisters=", c.host_unregisters, " host_registered_live=", c.host_registered_live,
+        " host_register_errors=", c.host_register_errors, " ops=", c.ops,
+        " ops_on_default_stream=", c.ops_on_default_stream, " syncs=", c.syncs,
+        " async_copies_to_device=", c.async_copies_to_device,
+        " async_copies_to_host=", c.async_copies_to_host, " deferred=", c.deferred,
+        " graph_captures=", c.graph_captures, " graphs_made=", c.graphs_made,
+        " captures_invalidated=", c.captures_invalidated, " graph_launches=", c.graph_launches,
+        " device_scalar_ops=", c.device_scalar_ops, pool);
   };
 }
 

@@ -91,9 +91,7 @@ int main(int argc, char** argv) {
     b.RegisterService(service.get());
     server = b.BuildAndStart();
     if (!server || port == 0) return Fail("cannot start the Peer server"), 1;
-    {
-      std::ofstream(dir + "/port.tmp") << port;
-    }
+    { std::ofstream(dir + "/port.tmp") << port; }
     std::rename((dir + "/port.tmp").c_str(), (dir + "/port").c_str());
     membership = coordinator.get();
     kv = coordinator->store();
@@ -106,8 +104,7 @@ int main(int argc, char** argv) {
     if (port.empty()) return Fail("rank 0 never wrote its port"), 1;
     diond::rpc::PeerCredentials creds;
     creds.world_secret = kWorkerSecret;
-    client = std::make_unique<diond::rpc::PeerClient>("127.0.0.1:" + port, absl::Seconds(5),
-                                                      creds);
+    client = std::make_unique<diond::rpc::PeerClient>("127.0.0.1:" + port, absl::Seconds(5), creds);
     membership = client.get();
     kv = client.get();
   }

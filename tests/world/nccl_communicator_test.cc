@@ -101,12 +101,11 @@ TEST(NcclCommunicator, AStepDeviceCommOrdersTheSessionStreamBeforeNccl) {
                                      absl::MakeSpan(b->As<float>(), static_cast<size_t>(n))),
                   IsOk());
       const std::vector<int64_t> counts = {n};
-      ASSERT_THAT(c.AllGatherV(absl::MakeConstSpan(b->As<float>(), static_cast<size_t>(n)),
-                               counts, absl::MakeSpan(a->As<float>(), static_cast<size_t>(n))),
+      ASSERT_THAT(c.AllGatherV(absl::MakeConstSpan(b->As<float>(), static_cast<size_t>(n)), counts,
+                               absl::MakeSpan(a->As<float>(), static_cast<size_t>(n))),
                   IsOk());
       std::vector<float> back(static_cast<size_t>(n), -1.0f);
-      ASSERT_THAT(kernels::CopyToHost(**ctx, a->cview(),
-                                      kernels::MakeView(back.data(), {n})),
+      ASSERT_THAT(kernels::CopyToHost(**ctx, a->cview(), kernels::MakeView(back.data(), {n})),
                   IsOk());
       size_t wrong = 0;
       for (float v : back) wrong += v != static_cast<float>(round) ? 1 : 0;

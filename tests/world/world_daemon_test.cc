@@ -32,10 +32,11 @@ struct Daemon {
 };
 
 std::vector<std::string> WorldArgs(int rank, int w, int coordinator_port) {
-  std::vector<std::string> a = {absl::StrCat("--world_size=", w), absl::StrCat("--rank=", rank),
-                                "--heartbeat_interval=200ms",
-                                absl::StrCat("--peer_timeout=", absl::FormatDuration(kPeerTimeout))};
-  if (coordinator_port != 0) a.push_back(absl::StrCat("--coordinator=127.0.0.1:", coordinator_port));
+  std::vector<std::string> a = {
+      absl::StrCat("--world_size=", w), absl::StrCat("--rank=", rank), "--heartbeat_interval=200ms",
+      absl::StrCat("--peer_timeout=", absl::FormatDuration(kPeerTimeout))};
+  if (coordinator_port != 0)
+    a.push_back(absl::StrCat("--coordinator=127.0.0.1:", coordinator_port));
   return a;
 }
 
@@ -110,7 +111,8 @@ TEST_P(WorldDaemons, JoinDetectLossRejoin) {
   for (int r = 0; r < w; ++r) {
     ASSERT_TRUE(WaitFor([&] { return absl::StrContains(d[r]->Log(), "ready, generation"); },
                         absl::Seconds(20)))
-        << "rank " << r << " log:\n" << d[r]->Log();
+        << "rank " << r << " log:\n"
+        << d[r]->Log();
     EXPECT_TRUE(WaitFor([&] { return Metric(*d[r], "diond_world_peers") == w; }, absl::Seconds(5)))
         << "rank " << r << " peers " << Metric(*d[r], "diond_world_peers");
     EXPECT_GT(Metric(*d[r], "diond_world_generation"), 0);
@@ -130,18 +132,22 @@ TEST_P(WorldDaemons, JoinDetectLossRejoin) {
     EXPECT_TRUE(absl::StrContains(d[r]->Log(), absl::StrCat("rank ", victim, " (127.0.0.1) lost")))
         << d[r]->Log();
   }
-  EXPECT_TRUE(WaitFor([&] { return Metric(*d[0], "diond_world_peers") == w - 1; },
-                      absl::Seconds(1)));
+  EXPECT_TRUE(
+      WaitFor([&] { return Metric(*d[0], "diond_world_peers") == w - 1; }, absl::Seconds(1)));
 
   // Restart it: it rejoins as a new incarnation and everybody is ready on a new generation.
   const double old_generation = Metric(*d[0], "diond_world_generation");
   d[victim] = Start(dir, "restarted", WorldArgs(victim, w, d[0]->port));
   ASSERT_NE(d[victim], nullptr);
   for (int r = 0; r < w; ++r) {
-    EXPECT_TRUE(WaitFor([&] { return Metric(*d[r], "diond_world_peers") == w &&
-                                     Metric(*d[r], "diond_world_generation") > old_generation; },
-                        absl::Seconds(20)))
-        << "rank " << r << " did not rebuild; log:\n" << d[r]->Log();
+    EXPECT_TRUE(WaitFor(
+        [&] {
+          return Metric(*d[r], "diond_world_peers") == w &&
+                 Metric(*d[r], "diond_world_generation") > old_generation;
+        },
+        absl::Seconds(20)))
+        << "rank " << r << " did not rebuild; log:\n"
+        << d[r]->Log();
   }
   for (auto& p : d) p->proc->Signal(SIGTERM);
   for (auto& p : d) EXPECT_EQ(p->proc->Wait(absl::Seconds(15)), 0) << p->Log();
@@ -158,9 +164,10 @@ TEST(WorldDaemon, WorldSizeMismatchExitsNonZeroWithOneClearLine) {
   auto rc = bad->proc->Wait(absl::Seconds(15));
   ASSERT_TRUE(rc.has_value()) << bad->Log();
   EXPECT_NE(*rc, 0);
-  EXPECT_TRUE(absl::StrContains(bad->Log(), "world size mismatch: rank 1 was started with "
-                                            "--world_size=3 but the coordinator (rank 0) has "
-                                            "--world_size=2"))
+  EXPECT_TRUE(absl::StrContains(bad->Log(),
+                                "world size mismatch: rank 1 was started with "
+                                "--world_size=3 but the coordinator (rank 0) has "
+                                "--world_size=2"))
       << bad->Log();
   coordinator->proc->Signal(SIGTERM);
   EXPECT_EQ(coordinator->proc->Wait(absl::Seconds(15)), 0);

@@ -49,11 +49,11 @@ constexpr int kSteps = 3;
 constexpr absl::Duration kPeerTimeout = absl::Seconds(3);
 
 std::vector<std::string> WorldFlags(int rank, int port) {
-  std::vector<std::string> f = {absl::StrCat("--world_size=", kWorld),
-                                absl::StrCat("--rank=", rank), "--heartbeat_interval=200ms",
-                                absl::StrCat("--peer_timeout=",
-                                             absl::ToInt64Seconds(kPeerTimeout), "s"),
-                                "--checksum_every=2"};
+  std::vector<std::string> f = {
+      absl::StrCat("--world_size=", kWorld), absl::StrCat("--rank=", rank),
+      "--heartbeat_interval=200ms",
+      absl::StrCat("--peer_timeout=", absl::ToInt64Seconds(kPeerTimeout), "s"),
+      "--checksum_every=2"};
   if (rank > 0) f.push_back(absl::StrCat("--coordinator=127.0.0.1:", port));
   return f;
 }
@@ -196,9 +196,7 @@ std::string RunLabel(const WorldRun& run) {
   return a + sync;
 }
 void PrintTo(const WorldRun& run, std::ostream* os) { *os << RunLabel(run); }
-std::string RunName(const ::testing::TestParamInfo<WorldRun>& info) {
-  return RunLabel(info.param);
-}
+std::string RunName(const ::testing::TestParamInfo<WorldRun>& info) { return RunLabel(info.param); }
 
 class DeviceWorldRuns : public DeviceWorld, public ::testing::WithParamInterface<WorldRun> {};
 
@@ -327,7 +325,6 @@ INSTANTIATE_TEST_SUITE_P(
                       WorldRun{AlgorithmKind::kDion, v1::GRADIENT_SYNC_DION_COMPRESSED}),
     RunName);
 
-
 // Which parameters each rank owns: those whose state its GetState lists (every parameter of
 // Desc has state). Call it after the counted steps: its copies are counted at the next report.
 std::vector<std::set<size_t>> OwnedParams(std::vector<std::unique_ptr<Daemon>>& d,
@@ -408,9 +405,8 @@ TEST_F(DeviceWorld, CopiesCarryOnlyWhatTheCollectivesNeed) {
       const int64_t to_host = n + 1 + stepped_groups + 1 + kWorld + (average ? 2 : 0);
       const int64_t bytes_to_device =
           4 * (2 * total + extra + (total + kWorld * extra) + (average ? block : 0));
-      const int64_t bytes_to_host =
-          4 * (total + 1 + norm_floats + (mine_elements + extra) + kWorld * extra +
-               (average ? kWorld * block + 1 : 0));
+      const int64_t bytes_to_host = 4 * (total + 1 + norm_floats + (mine_elements + extra) +
+                                         kWorld * extra + (average ? kWorld * block + 1 : 0));
       std::map<std::string, int64_t> got;
       for (const char* k : {"copies_to_device", "copies_to_host", "bytes_to_device",
                             "bytes_to_host", "graph_launches"}) {
@@ -550,9 +546,8 @@ TEST_F(DeviceWorld, BudgetsCountTheWorldSessionsDevicePoolBytes) {
   for (int r = 0; r < kWorld; ++r) {
     const int64_t exchange =
         lines(4 * (owned_elements[r] + extra)) + lines(4 * (numel + kWorld * extra));
-    std::cout << "rank " << r << ": the world session holds " << held[r]
-              << " pool bytes (staging " << staging << ", exchange " << exchange
-              << "); the local session " << local << "\n";
+    std::cout << "rank " << r << ": the world session holds " << held[r] << " pool bytes (staging "
+              << staging << ", exchange " << exchange << "); the local session " << local << "\n";
     EXPECT_GT(held[r], staging + exchange) << "rank " << r << " holds no state";
     EXPECT_LT(held[r] - exchange, local) << "rank " << r << " holds more than its share";
     state_sum += held[r] - staging - exchange;
@@ -604,8 +599,8 @@ TEST_F(DeviceWorld, BudgetsCountTheWorldSessionsDevicePoolBytes) {
     });
     EXPECT_EQ(made[big].error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
         << made[big].error_message();
-    EXPECT_TRUE(absl::StrContains(made[big].error_message(),
-                                  absl::StrCat("session needs ", held[big])))
+    EXPECT_TRUE(
+        absl::StrContains(made[big].error_message(), absl::StrCat("session needs ", held[big])))
         << made[big].error_message();
     EXPECT_TRUE(absl::StrContains(made[big].error_message(), "world exchange buffers"))
         << made[big].error_message();

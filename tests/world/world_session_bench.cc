@@ -67,8 +67,11 @@ std::vector<std::unique_ptr<Daemon>> StartWorld(int w) {
     return d;
   }
   auto flags = [&](int r, int port) {
-    std::vector<std::string> f = {absl::StrCat("--world_size=", w), absl::StrCat("--rank=", r),
-                                  "--heartbeat_interval=500ms", "--peer_timeout=60s", threads,
+    std::vector<std::string> f = {absl::StrCat("--world_size=", w),
+                                  absl::StrCat("--rank=", r),
+                                  "--heartbeat_interval=500ms",
+                                  "--peer_timeout=60s",
+                                  threads,
                                   "--checksum_every=0"};
     if (r > 0) f.push_back(absl::StrCat("--coordinator=127.0.0.1:", port));
     return f;
@@ -80,14 +83,16 @@ std::vector<std::unique_ptr<Daemon>> StartWorld(int w) {
 
 TEST(WorldSessionBench, Gpt2SmallHiddenMatrices) {
   const auto shapes = Gpt2SmallMatrices();
-  std::printf("| W | algorithm | bytes/step/worker | formula | vs Muon | step ms (median) | "
-              "compute ms | exchange + other ms |\n| --- | --- | --- | --- | --- | --- | --- | --- |\n");
+  std::printf(
+      "| W | algorithm | bytes/step/worker | formula | vs Muon | step ms (median) | "
+      "compute ms | exchange + other ms |\n| --- | --- | --- | --- | --- | --- | --- | --- |\n");
   for (int w : {1, 2, 4}) {
     auto d = StartWorld(w);
     ASSERT_EQ(static_cast<int>(d.size()), w);
     double muon_bytes = 0;
-    for (const Algo& a : {Algo{"Muon", AlgorithmKind::kMuon}, Algo{"Dion r=1/4", AlgorithmKind::kDion},
-                          Algo{"Dion2 α=1/4", AlgorithmKind::kDion2}}) {
+    for (const Algo& a :
+         {Algo{"Muon", AlgorithmKind::kMuon}, Algo{"Dion r=1/4", AlgorithmKind::kDion},
+          Algo{"Dion2 α=1/4", AlgorithmKind::kDion2}}) {
       SessionDesc desc;
       GroupDesc g = MakeGroup("h", a.kind, 0.02);
       g.proto.mutable_hyperparameters()->set_rank_fraction(0.25);
@@ -132,7 +137,8 @@ TEST(WorldSessionBench, Gpt2SmallHiddenMatrices) {
         }
         for (auto& th : t) th.join();
         const double ms =
-            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                .count();
         if (step == 1) continue;  // warm-up
         step_ms.push_back(ms);
         double worst_compute = 0;
@@ -170,7 +176,8 @@ int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
-    if (a.rfind("--steps=", 0) == 0) diond::service_testing::g_steps = std::max(2, std::stoi(a.substr(8)));
+    if (a.rfind("--steps=", 0) == 0)
+      diond::service_testing::g_steps = std::max(2, std::stoi(a.substr(8)));
   }
   return RUN_ALL_TESTS();
 }

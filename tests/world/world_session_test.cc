@@ -26,8 +26,8 @@
 #include "common/status_macros.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/service/golden_case.h"
 #include "tests/integration/subprocess.h"
+#include "tests/service/golden_case.h"
 #include "tests/service/service_harness.h"
 
 namespace diond::service_testing {
@@ -85,7 +85,8 @@ struct MultiCase {
   std::vector<float> Grad(size_t param, int64_t step) const {
     const GoldenCase& c = cases[case_of[param]];
     if (param % 2 == 0) return c.grads[static_cast<size_t>(step - 1)];
-    std::vector<float> g = SyntheticValues(77, step, param, static_cast<int64_t>(c.param_init.size()));
+    std::vector<float> g =
+        SyntheticValues(77, step, param, static_cast<int64_t>(c.param_init.size()));
     for (float& v : g) v *= 0.1f;
     return g;
   }
@@ -242,7 +243,8 @@ TEST_P(WorldSession, EveryAlgorithmMatchesOneWorkerBitForBit) {
     for (int r = 0; r < w; ++r) EXPECT_TRUE(CloseSession(daemons_[r]->stub(), s[r]->id).ok());
   }
   // The checksum comparisons (--checksum_every=4) never found a differing replica.
-  for (int r = 0; r < w; ++r) EXPECT_FALSE(absl::StrContains(daemons_[r]->Log(), "differs on rank"));
+  for (int r = 0; r < w; ++r)
+    EXPECT_FALSE(absl::StrContains(daemons_[r]->Log(), "differs on rank"));
 }
 
 // --checksum_every=4: a replica that drifted (here: rank W−1's trainer scribbles on its weights;
@@ -284,7 +286,8 @@ TEST_P(WorldSession, ChecksumsHealADriftedReplica) {
   EXPECT_TRUE(identical());
   for (int r = 0; r < w; ++r) {
     EXPECT_TRUE(absl::StrContains(daemons_[r]->Log(), absl::StrCat("differs on rank(s) ", bad)))
-        << "rank " << r << " log:\n" << daemons_[r]->Log();
+        << "rank " << r << " log:\n"
+        << daemons_[r]->Log();
   }
 }
 
@@ -295,7 +298,8 @@ TEST_P(WorldSession, MuonBytesPerStepMatchTheFormula) {
   SessionDesc desc;
   desc.groups.push_back(MakeGroup("m", AlgorithmKind::kMuon, 0.02));
   const int64_t mrows = 64, ncols = 48, count = 12;
-  for (int j = 0; j < count; ++j) desc.params.push_back({absl::StrCat("w", j), {mrows, ncols}, "m"});
+  for (int j = 0; j < count; ++j)
+    desc.params.push_back({absl::StrCat("w", j), {mrows, ncols}, "m"});
   v1::CreateSessionRequest req = desc.Request();
   req.set_world_key("bytes-muon");
   auto s = CreateEverywhere(req);
@@ -363,7 +367,8 @@ TEST_P(WorldSession, AverageFollowsOneWorkerOnTheMeanGradient) {
   SessionDesc desc;
   desc.groups.push_back(MakeGroup("m", AlgorithmKind::kMuon, 0.02));
   desc.groups.push_back(MakeGroup("a", AlgorithmKind::kAdamW, 0.01));
-  for (int j = 0; j < 5; ++j) desc.params.push_back({absl::StrCat("w", j), {32, 24 + 8 * (j % 2)}, "m"});
+  for (int j = 0; j < 5; ++j)
+    desc.params.push_back({absl::StrCat("w", j), {32, 24 + 8 * (j % 2)}, "m"});
   for (int j = 0; j < 3; ++j) desc.params.push_back({absl::StrCat("b", j), {40}, "a"});
   v1::CreateSessionRequest req = desc.Request();
   req.set_world_key("average");
@@ -416,7 +421,8 @@ TEST_P(WorldSession, AverageBytesPerStepMatchTheFormula) {
   SessionDesc desc;
   desc.groups.push_back(MakeGroup("m", AlgorithmKind::kMuon, 0.02));
   const int64_t mrows = 64, ncols = 48, count = 12;
-  for (int j = 0; j < count; ++j) desc.params.push_back({absl::StrCat("w", j), {mrows, ncols}, "m"});
+  for (int j = 0; j < count; ++j)
+    desc.params.push_back({absl::StrCat("w", j), {mrows, ncols}, "m"});
   v1::CreateSessionRequest req = desc.Request();
   req.set_world_key("bytes-average");
   req.set_gradient_sync(v1::GRADIENT_SYNC_AVERAGE);
@@ -444,9 +450,9 @@ TEST_P(WorldSession, CompactExchangeBytesMatchTheFormulas) {
     int64_t payload;  // floats per 48x80 matrix
   };
   // Dion: r = 12 (1/4 of 48), a + b = 128; Dion2/NorDion2: k = 12 rows of 80, + 12 indices.
-  for (const Algo& a : {Algo{"dion", AlgorithmKind::kDion, 12 * 128},
-                        Algo{"dion2", AlgorithmKind::kDion2, 12 * 81},
-                        Algo{"nordion2", AlgorithmKind::kNorDion2, 12 * 81}}) {
+  for (const Algo& a :
+       {Algo{"dion", AlgorithmKind::kDion, 12 * 128}, Algo{"dion2", AlgorithmKind::kDion2, 12 * 81},
+        Algo{"nordion2", AlgorithmKind::kNorDion2, 12 * 81}}) {
     SCOPED_TRACE(a.name);
     SessionDesc desc;
     GroupDesc g = MakeGroup("x", a.kind, 0.02);
@@ -454,7 +460,8 @@ TEST_P(WorldSession, CompactExchangeBytesMatchTheFormulas) {
     g.config.hyperparams.rank_fraction = 0.25;
     desc.groups.push_back(g);
     const int64_t mrows = 48, ncols = 80, count = 12;
-    for (int j = 0; j < count; ++j) desc.params.push_back({absl::StrCat("w", j), {mrows, ncols}, "x"});
+    for (int j = 0; j < count; ++j)
+      desc.params.push_back({absl::StrCat("w", j), {mrows, ncols}, "x"});
     v1::CreateSessionRequest req = desc.Request();
     req.set_world_key(absl::StrCat("bytes-", a.name));
     auto s = CreateEverywhere(req);
@@ -507,8 +514,8 @@ TEST_P(WorldSession, DionCompressedFollowsAverage) {
   ASSERT_EQ(static_cast<int>(a.size()), w);
   std::vector<Chunk> init;
   for (size_t i = 0; i < desc.params.size(); ++i) {
-    for (Chunk& ch : SplitTensor(desc.params[i].name,
-                                 FloatBytes(SyntheticValues(2, 0, i, desc.Numel(i))))) {
+    for (Chunk& ch :
+         SplitTensor(desc.params[i].name, FloatBytes(SyntheticValues(2, 0, i, desc.Numel(i))))) {
       init.push_back(std::move(ch));
     }
   }
@@ -546,7 +553,8 @@ TEST_P(WorldSession, DionCompressedFollowsAverage) {
   }
   // The decoupled momenta differ between ranks until a checkpoint synchronizes them.
   std::vector<TensorMap> before(static_cast<size_t>(w)), after(static_cast<size_t>(w));
-  for (int r = 0; r < w; ++r) ASSERT_TRUE(GetState(daemons_[r]->stub(), c[r]->id, false, &before[r]).ok());
+  for (int r = 0; r < w; ++r)
+    ASSERT_TRUE(GetState(daemons_[r]->stub(), c[r]->id, false, &before[r]).ok());
   EXPECT_NE(before[0]["w0/state.momentum"], before[1]["w0/state.momentum"]);
   EXPECT_EQ(before[0]["w0/state.Q"], before[1]["w0/state.Q"]) << "Q is identical everywhere";
   const std::string dir = ::diond::testing::MakeTempDir("diond_compressed_ckpt");
@@ -559,10 +567,12 @@ TEST_P(WorldSession, DionCompressedFollowsAverage) {
     grpc::Status st = daemons_[r]->stub().SaveCheckpoint(ctx.get(), sreq, &sresp);
     EXPECT_TRUE(st.ok()) << "rank " << r << ": " << st.error_message();
   });
-  for (int r = 0; r < w; ++r) ASSERT_TRUE(GetState(daemons_[r]->stub(), c[r]->id, false, &after[r]).ok());
+  for (int r = 0; r < w; ++r)
+    ASSERT_TRUE(GetState(daemons_[r]->stub(), c[r]->id, false, &after[r]).ok());
   for (int r = 1; r < w; ++r) {
     for (const char* p : {"w0", "w3", "v1"}) {
-      EXPECT_EQ(after[r][absl::StrCat(p, "/state.momentum")], after[0][absl::StrCat(p, "/state.momentum")])
+      EXPECT_EQ(after[r][absl::StrCat(p, "/state.momentum")],
+                after[0][absl::StrCat(p, "/state.momentum")])
           << "rank " << r << " " << p;
     }
   }
@@ -619,7 +629,8 @@ TEST_P(WorldSessionOfTwo, ParamsWithoutGradKeepWeightsAndStateOnEveryRank) {
         for (int r = 0; r < w; ++r) s[r]->WriteGrad(i, written);
       }
       std::vector<std::vector<std::string>> before(static_cast<size_t>(w));
-      std::vector<TensorMap> state_before(static_cast<size_t>(w)), state_after(static_cast<size_t>(w));
+      std::vector<TensorMap> state_before(static_cast<size_t>(w)),
+          state_after(static_cast<size_t>(w));
       for (int r = 0; r < w; ++r) {
         for (size_t i = 0; i < n; ++i) before[r].push_back(s[r]->ParamBytes(i));
         ASSERT_TRUE(GetState(daemons_[r]->stub(), s[r]->id, false, &state_before[r]).ok());
@@ -638,7 +649,8 @@ TEST_P(WorldSessionOfTwo, ParamsWithoutGradKeepWeightsAndStateOnEveryRank) {
         const std::string want = FloatBytes((*replay)->params()[i]);
         for (int r = 0; r < w; ++r) {
           const std::string got = s[r]->ParamBytes(i);
-          ASSERT_EQ(got, want) << "rank " << r << ", " << m.desc.params[i].name << ", step " << step;
+          ASSERT_EQ(got, want) << "rank " << r << ", " << m.desc.params[i].name << ", step "
+                               << step;
           if (!no_grad[i]) continue;
           EXPECT_EQ(got, before[r][i]) << "rank " << r << ", " << m.desc.params[i].name;
           const std::string prefix = m.desc.params[i].name + "/state.";
@@ -670,7 +682,8 @@ TEST_P(WorldSessionOfTwo, ParamsWithoutGradAcrossRanks) {
   std::vector<std::vector<float>> start(n);
   for (size_t i = 0; i < n; ++i) {
     start[i] = SyntheticValues(1, 0, i, desc.Numel(i));
-    for (Chunk& c : SplitTensor(desc.params[i].name, FloatBytes(start[i]))) init.push_back(std::move(c));
+    for (Chunk& c : SplitTensor(desc.params[i].name, FloatBytes(start[i])))
+      init.push_back(std::move(c));
   }
   // Rank 0's trainer has no gradient for w0 and b0; no rank has one for w2.
   auto mask_of = [](int r) {
@@ -694,7 +707,8 @@ TEST_P(WorldSessionOfTwo, ParamsWithoutGradAcrossRanks) {
         mean[i].assign(static_cast<size_t>(desc.Numel(i)), 0.0f);
         for (int r = 0; r < w; ++r) {
           const std::vector<int32_t> mask = mask_of(r);
-          const bool none = std::find(mask.begin(), mask.end(), static_cast<int32_t>(i)) != mask.end();
+          const bool none =
+              std::find(mask.begin(), mask.end(), static_cast<int32_t>(i)) != mask.end();
           std::vector<float> g = SyntheticValues(100 + r, step, i, desc.Numel(i));
           if (none) g.assign(g.size(), std::nanf(""));  // never read
           s[r]->WriteGrad(i, g);
@@ -730,7 +744,8 @@ TEST_P(WorldSessionOfTwo, ParamsWithoutGradAcrossRanks) {
       WriteSyntheticGrads(s[r].get(), desc, 5, 1);
     }
     std::vector<grpc::Status> st(static_cast<size_t>(w));
-    OnAllRanks(w, [&](int r) { st[r] = DoStepWithout(daemons_[r]->stub(), s[r]->id, 1, mask_of(r)); });
+    OnAllRanks(w,
+               [&](int r) { st[r] = DoStepWithout(daemons_[r]->stub(), s[r]->id, 1, mask_of(r)); });
     for (int r = 0; r < w; ++r) {
       EXPECT_EQ(st[r].error_code(), grpc::StatusCode::FAILED_PRECONDITION) << "rank " << r;
       EXPECT_THAT(st[r].error_message(), ::testing::HasSubstr("must name the same"));
@@ -827,7 +842,8 @@ TEST(WorldSessionFailure, KillRestartResumeFromCheckpoint) {
     f.push_back("--checkpoint_every=2");
     return f;
   };
-  for (int r = 0; r < w; ++r) state[r] = ::diond::testing::MakeTempDir(absl::StrCat("diond_ws_state", r));
+  for (int r = 0; r < w; ++r)
+    state[r] = ::diond::testing::MakeTempDir(absl::StrCat("diond_ws_state", r));
   d[0] = Daemon::Start(flags(0, 0), /*tcp=*/true);
   ASSERT_NE(d[0], nullptr);
   const int port = d[0]->tcp_port();

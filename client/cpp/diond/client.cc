@@ -165,8 +165,8 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& targe
   if (!options.token.empty() && !absl::StartsWith(target, "unix")) {
     icpt.push_back(std::make_unique<BearerFactory>("Bearer " + options.token));
   }
-  auto channel = grpc::experimental::CreateCustomChannelWithInterceptors(target, creds, args,
-                                                                         std::move(icpt));
+  auto channel =
+      grpc::experimental::CreateCustomChannelWithInterceptors(target, creds, args, std::move(icpt));
   if (options.connect_timeout > absl::ZeroDuration() &&
       !channel->WaitForConnected(absl::ToChronoTime(absl::Now() + options.connect_timeout))) {
     return absl::UnavailableError(absl::StrCat("cannot connect to diond at '", target, "' within ",

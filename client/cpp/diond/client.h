@@ -43,9 +43,9 @@ namespace diond::client {
 // TLS towards a daemon started with --tls_cert/--tls_key (docs/OPERATIONS.md "Security").
 struct TlsOptions {
   bool enabled = false;
-  std::string ca_pem;    // CA of the daemon's certificate; empty = the system roots
-  std::string cert_pem;  // this client's certificate chain, for mutual TLS (--tls_client_ca)
-  std::string key_pem;   // its private key
+  std::string ca_pem;       // CA of the daemon's certificate; empty = the system roots
+  std::string cert_pem;     // this client's certificate chain, for mutual TLS (--tls_client_ca)
+  std::string key_pem;      // its private key
   std::string server_name;  // name to verify the daemon's certificate against; empty = target host
 };
 
@@ -142,8 +142,7 @@ class Client {
   // Waits for the session's queued asynchronous step and returns its result (its error, with
   // the step index, if it failed). `step_index`: 0 or the queued step's. With nothing queued:
   // the recorded last answer (replayed).
-  absl::StatusOr<StepResult> WaitStep(const std::string& session_id,
-                                      int64_t step_index = 0) const;
+  absl::StatusOr<StepResult> WaitStep(const std::string& session_id, int64_t step_index = 0) const;
 
   // Changes only the set fields of `group`'s hyperparameters.
   absl::Status SetHyperparameters(const std::string& session_id, const std::string& group,

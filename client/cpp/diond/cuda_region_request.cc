@@ -46,13 +46,14 @@ absl::StatusOr<CudaArenaPlan> PlanCudaArena(const Layout& layout, int64_t granul
   return p;
 }
 
-absl::StatusOr<v1::RegisterRegionRequest> CudaIpcRegionRequest(
-    const std::string& session_id, v1::RegionRole role, absl::Span<const uint8_t> handle,
-    absl::Span<const uint8_t> uuid, int64_t offset, int64_t size) {
+absl::StatusOr<v1::RegisterRegionRequest> CudaIpcRegionRequest(const std::string& session_id,
+                                                               v1::RegionRole role,
+                                                               absl::Span<const uint8_t> handle,
+                                                               absl::Span<const uint8_t> uuid,
+                                                               int64_t offset, int64_t size) {
   if (static_cast<int64_t>(handle.size()) != kCudaIpcHandleBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("a cudaIpcMemHandle_t is ",
-                                                   kCudaIpcHandleBytes, " bytes, got ",
-                                                   handle.size()));
+    return absl::InvalidArgumentError(absl::StrCat("a cudaIpcMemHandle_t is ", kCudaIpcHandleBytes,
+                                                   " bytes, got ", handle.size()));
   }
   if (absl::Status s = CheckUuid(uuid); !s.ok()) return s;
   if (absl::Status s = CheckRange(offset, size); !s.ok()) return s;

@@ -30,9 +30,11 @@ absl::StatusOr<CudaArenaPlan> PlanCudaArena(const Layout& layout, int64_t granul
 
 // RegisterRegion for a legacy IPC handle of the allocation base (`handle`: 64 bytes, `uuid`:
 // 16 bytes, INVALID_ARGUMENT otherwise) and the role's range in it.
-absl::StatusOr<v1::RegisterRegionRequest> CudaIpcRegionRequest(
-    const std::string& session_id, v1::RegionRole role, absl::Span<const uint8_t> handle,
-    absl::Span<const uint8_t> uuid, int64_t offset, int64_t size);
+absl::StatusOr<v1::RegisterRegionRequest> CudaIpcRegionRequest(const std::string& session_id,
+                                                               v1::RegionRole role,
+                                                               absl::Span<const uint8_t> handle,
+                                                               absl::Span<const uint8_t> uuid,
+                                                               int64_t offset, int64_t size);
 // RegisterRegion for a VMM allocation whose exported fd went over the fd channel (`fd_token`).
 absl::StatusOr<v1::RegisterRegionRequest> CudaVmmRegionRequest(
     const std::string& session_id, v1::RegionRole role, const std::string& fd_token,

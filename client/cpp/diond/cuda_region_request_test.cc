@@ -56,18 +56,19 @@ TEST(CudaRegionRequest, IpcRequestCarriesTheHandleUuidAndRange) {
   ASSERT_TRUE(back.ParseFromString(r->SerializeAsString()));
   EXPECT_EQ(back.cuda_ipc().mem_handle(), r->cuda_ipc().mem_handle());
   // Bad sizes and ranges.
-  EXPECT_FALSE(CudaIpcRegionRequest("s", v1::REGION_ROLE_PARAMETERS,
-                                    std::vector<uint8_t>(63), uuid, 0, 1).ok());
-  EXPECT_FALSE(CudaIpcRegionRequest("s", v1::REGION_ROLE_PARAMETERS, handle,
-                                    std::vector<uint8_t>(15), 0, 1).ok());
+  EXPECT_FALSE(
+      CudaIpcRegionRequest("s", v1::REGION_ROLE_PARAMETERS, std::vector<uint8_t>(63), uuid, 0, 1)
+          .ok());
+  EXPECT_FALSE(
+      CudaIpcRegionRequest("s", v1::REGION_ROLE_PARAMETERS, handle, std::vector<uint8_t>(15), 0, 1)
+          .ok());
   EXPECT_FALSE(CudaIpcRegionRequest("s", v1::REGION_ROLE_PARAMETERS, handle, uuid, 100, 1).ok());
   EXPECT_FALSE(CudaIpcRegionRequest("s", v1::REGION_ROLE_PARAMETERS, handle, uuid, 0, 0).ok());
 }
 
 TEST(CudaRegionRequest, VmmRequestCarriesTheTokenAndGranularity) {
   std::vector<uint8_t> uuid(16, 9);
-  auto r = CudaVmmRegionRequest("s-2", v1::REGION_ROLE_PARAMETERS, "tok", uuid, 0, 4096,
-                                2 << 20);
+  auto r = CudaVmmRegionRequest("s-2", v1::REGION_ROLE_PARAMETERS, "tok", uuid, 0, 4096, 2 << 20);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->kind(), v1::REGION_KIND_CUDA_VMM_FD);
   EXPECT_EQ(r->cuda_vmm_fd().fd_token(), "tok");

@@ -38,8 +38,7 @@ uint32_t Le32(const char* p) {
 
 }  // namespace
 
-absl::StatusOr<std::string> SendFdToChannel(const std::string& socket_path, int fd,
-                                            uint32_t kind) {
+absl::StatusOr<std::string> SendFdToChannel(const std::string& socket_path, int fd, uint32_t kind) {
   sockaddr_un addr{};
   if (socket_path.empty() || socket_path.size() >= sizeof(addr.sun_path)) {
     return absl::InvalidArgumentError(
@@ -87,13 +86,13 @@ absl::StatusOr<std::string> SendFdToChannel(const std::string& socket_path, int 
   if (ok && length > 0) ok = ReadExact(s, text.data(), length);
   close(s);
   if (!ok) {
-    return absl::UnavailableError(absl::StrCat(
-        "the daemon's fd channel at ", socket_path, " closed the connection before answering"));
+    return absl::UnavailableError(absl::StrCat("the daemon's fd channel at ", socket_path,
+                                               " closed the connection before answering"));
   }
   if (code != 0) {
-    return absl::Status(code <= 16 ? static_cast<absl::StatusCode>(code)
-                                   : absl::StatusCode::kUnknown,
-                        absl::StrCat("fd channel: ", text));
+    return absl::Status(
+        code <= 16 ? static_cast<absl::StatusCode>(code) : absl::StatusCode::kUnknown,
+        absl::StrCat("fd channel: ", text));
   }
   return text;
 }
@@ -123,9 +122,10 @@ absl::StatusOr<MemfdArena> MemfdArena::CreateUnregistered(const Layout& layout) 
 absl::StatusOr<MemfdArena> MemfdArena::Create(const Client* client, const Layout& layout) {
   if (client == nullptr) return absl::InvalidArgumentError("MemfdArena::Create: null client");
   if (!layout.memfd_regions) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "session '", layout.session_id, "': the daemon offers no MEMFD regions (no fd channel); "
-        "use ShmArena"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("session '", layout.session_id,
+                     "': the daemon offers no MEMFD regions (no fd channel); "
+                     "use ShmArena"));
   }
   auto arena = CreateUnregistered(layout);
   if (!arena.ok()) return arena.status();
@@ -139,8 +139,8 @@ absl::Status MemfdArena::Register(const Client* client) {
   // One token per region: each RegisterRegion takes its own fd.
   auto ptoken = SendFdToChannel(layout_.fd_channel_socket, fd_);
   if (!ptoken.ok()) return ptoken.status();
-  auto pid = client->RegisterMemfdRegion(layout_.session_id, v1::REGION_ROLE_PARAMETERS, *ptoken,
-                                         0, layout_.param_arena_bytes);
+  auto pid = client->RegisterMemfdRegion(layout_.session_id, v1::REGION_ROLE_PARAMETERS, *ptoken, 0,
+                                         layout_.param_arena_bytes);
   if (!pid.ok()) return pid.status();
   param_region_id_ = *pid;
   auto gtoken = SendFdToChannel(layout_.fd_channel_socket, fd_);

@@ -138,7 +138,7 @@ struct StepOptions {
   // group -> the trainer's 1-based step number for it (Dion's cqr warm-up counts it; groups not
   // named use the step index).
   std::map<std::string, int64_t> group_step;
-  double gradient_scale = 0;                  // 0 = 1.0
+  double gradient_scale = 0;  // 0 = 1.0
   // Asynchronous Step (docs/DATA_PLANE.md): the daemon answers once the step is queued. The
   // session's arenas belong to the step until its result is collected (WaitStep, or the next
   // Step): the trainer must not read or write them meanwhile.

@@ -775,7 +775,8 @@ TEST_F(ClientDaemonTest, AnIdleDaemonTakesNoCpuAfterLargeSteps) {
   const double after = CpuSeconds(pid);
   ASSERT_GE(before, 0.0);
   EXPECT_LT(after - before, 0.25) << "an idle daemon used " << after - before
-                                  << " CPU seconds in 2 s\nlog:\n" << daemon_->proc->Log();
+                                  << " CPU seconds in 2 s\nlog:\n"
+                                  << daemon_->proc->Log();
   EXPECT_TRUE(client_->CloseSession(layout->session_id).ok());
 }
 

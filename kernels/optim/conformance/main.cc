@@ -62,8 +62,8 @@ int main(int argc, char** argv) {
     }
     diond::kernels::AutoEngines engines = diond::kernels::CurrentAutoEngines();
     engines.fp32_gemm = engines.fp32_symmetric = fp32 == "openblas"
-                                                      ? diond::kernels::Fp32GemmEngine::kOpenBlas
-                                                      : diond::kernels::Fp32GemmEngine::kOneDnn;
+                                                     ? diond::kernels::Fp32GemmEngine::kOpenBlas
+                                                     : diond::kernels::Fp32GemmEngine::kOneDnn;
     diond::kernels::SetAutoEngines(engines);
   }
   std::vector<std::string> paths(positional.begin() + 1, positional.end());
@@ -110,8 +110,7 @@ int main(int argc, char** argv) {
                  "CPU bit for bit\n";
     auto cpu = k::Context::CpuDefault(1);
     const int failed =
-        diond::optim::conformance::RunAll(**ctx, paths, *mode, std::cout, cpu.get(),
-                                          *bf16_matmul);
+        diond::optim::conformance::RunAll(**ctx, paths, *mode, std::cout, cpu.get(), *bf16_matmul);
     ctx->reset();
     k::DestroyDeviceStream(dev, *stream);
     return failed == 0 ? 0 : 1;
@@ -123,12 +122,12 @@ int main(int argc, char** argv) {
   }
   if (device->mode == diond::kernels::DeviceRequest::Mode::kCpu) {
     auto ctx = diond::kernels::Context::CpuDefault(absl::GetFlag(FLAGS_threads));
-    return diond::optim::conformance::RunAll(*ctx, paths, *mode, std::cout, nullptr, *bf16_matmul) == 0
+    return diond::optim::conformance::RunAll(*ctx, paths, *mode, std::cout, nullptr,
+                                             *bf16_matmul) == 0
                ? 0
                : 1;
   }
-  const absl::Status registered =
-      diond::kernels::RegisterCudaOps(absl::GetFlag(FLAGS_cuda_plugin));
+  const absl::Status registered = diond::kernels::RegisterCudaOps(absl::GetFlag(FLAGS_cuda_plugin));
   if (!registered.ok()) {
     std::cerr << "diond-conformance: --device " << absl::GetFlag(FLAGS_device) << ": "
               << registered.message() << "\n";

@@ -47,21 +47,32 @@ absl::Status ApplyHyperparams(const json& hp, GroupConfig* cfg) {
   for (auto it = hp.begin(); it != hp.end(); ++it) {
     const std::string& k = it.key();
     const json& v = *it;
-    if (k == "lr") { DIOND_ASSIGN_OR_RETURN(h.lr, Number(v, k)); }
-    else if (k == "mu") { DIOND_ASSIGN_OR_RETURN(h.mu, Number(v, k)); }
-    else if (k == "weight_decay") { DIOND_ASSIGN_OR_RETURN(h.weight_decay, Number(v, k)); }
-    else if (k == "epsilon") { DIOND_ASSIGN_OR_RETURN(h.epsilon, Number(v, k)); }
-    else if (k == "muon_beta2") { DIOND_ASSIGN_OR_RETURN(h.muon_beta2, Number(v, k)); }
-    else if (k == "fraction") { DIOND_ASSIGN_OR_RETURN(h.fraction, Number(v, k)); }
-    else if (k == "ef_decay") { DIOND_ASSIGN_OR_RETURN(h.ef_decay, Number(v, k)); }
-    else if (k == "rank_fraction") { DIOND_ASSIGN_OR_RETURN(h.rank_fraction, Number(v, k)); }
-    else if (k == "rank_multiple_of") {
+    if (k == "lr") {
+      DIOND_ASSIGN_OR_RETURN(h.lr, Number(v, k));
+    } else if (k == "mu") {
+      DIOND_ASSIGN_OR_RETURN(h.mu, Number(v, k));
+    } else if (k == "weight_decay") {
+      DIOND_ASSIGN_OR_RETURN(h.weight_decay, Number(v, k));
+    } else if (k == "epsilon") {
+      DIOND_ASSIGN_OR_RETURN(h.epsilon, Number(v, k));
+    } else if (k == "muon_beta2") {
+      DIOND_ASSIGN_OR_RETURN(h.muon_beta2, Number(v, k));
+    } else if (k == "fraction") {
+      DIOND_ASSIGN_OR_RETURN(h.fraction, Number(v, k));
+    } else if (k == "ef_decay") {
+      DIOND_ASSIGN_OR_RETURN(h.ef_decay, Number(v, k));
+    } else if (k == "rank_fraction") {
+      DIOND_ASSIGN_OR_RETURN(h.rank_fraction, Number(v, k));
+    } else if (k == "rank_multiple_of") {
       DIOND_ASSIGN_OR_RETURN(double d, Number(v, k));
       h.rank_multiple_of = static_cast<int64_t>(d);
-    } else if (k == "nesterov") { DIOND_ASSIGN_OR_RETURN(h.nesterov, Bool(v, k)); }
-    else if (k == "cautious_wd") { DIOND_ASSIGN_OR_RETURN(h.cautious_wd, Bool(v, k)); }
-    else if (k == "flatten") { DIOND_ASSIGN_OR_RETURN(cfg->flatten, Bool(v, k)); }
-    else if (k == "betas") {
+    } else if (k == "nesterov") {
+      DIOND_ASSIGN_OR_RETURN(h.nesterov, Bool(v, k));
+    } else if (k == "cautious_wd") {
+      DIOND_ASSIGN_OR_RETURN(h.cautious_wd, Bool(v, k));
+    } else if (k == "flatten") {
+      DIOND_ASSIGN_OR_RETURN(cfg->flatten, Bool(v, k));
+    } else if (k == "betas") {
       if (!v.is_array() || v.size() != 2 || !v[0].is_number() || !v[1].is_number()) {
         return absl::InvalidArgumentError("betas is not a pair of numbers");
       }
@@ -221,7 +232,8 @@ void AlignColumnSigns(std::vector<float>* mine, const std::vector<float>& ref, i
                       int64_t cols) {
   for (int64_t c = 0; c < cols; ++c) {
     double dot = 0;
-    for (int64_t r = 0; r < rows; ++r) dot += static_cast<double>((*mine)[r * cols + c]) * ref[r * cols + c];
+    for (int64_t r = 0; r < rows; ++r)
+      dot += static_cast<double>((*mine)[r * cols + c]) * ref[r * cols + c];
     if (dot < 0) {
       for (int64_t r = 0; r < rows; ++r) (*mine)[r * cols + c] = -(*mine)[r * cols + c];
     }
@@ -266,9 +278,8 @@ absl::StatusOr<CaseData> ReadCase(const SafetensorsFile& f) {
     return absl::InvalidArgumentError(absl::StrCat("bad T '", t, "'"));
   }
   int64_t num_params = 1;
-  if (md.count("num_params") &&
-      (!absl::SimpleAtoi(md.at("num_params"), &num_params) || num_params < 1 ||
-       num_params > 4096)) {
+  if (md.count("num_params") && (!absl::SimpleAtoi(md.at("num_params"), &num_params) ||
+                                 num_params < 1 || num_params > 4096)) {
     return absl::InvalidArgumentError("bad num_params (want 1..4096)");
   }
   for (int64_t i = 0; i < num_params; ++i) {
@@ -307,8 +318,8 @@ absl::Status ToHost(const kernels::Context& ctx, const kernels::Buffer& b, std::
 // (if not null) receives every parameter after every step, then every final state, for the
 // device-vs-CPU comparison.
 absl::StatusOr<ModeResult> RunMode(const kernels::Context& ctx, const SafetensorsFile& f,
-                                   const CaseData& c, const Tolerances& tol,
-                                   Precision precision, Bf16MatmulEngine bf16_matmul,
+                                   const CaseData& c, const Tolerances& tol, Precision precision,
+                                   Bf16MatmulEngine bf16_matmul,
                                    std::vector<float>* trace = nullptr) {
   ModeResult r;
   r.precision = precision;
@@ -546,7 +557,8 @@ CaseResult RunCase(const kernels::Context& ctx, const std::string& path, Mode mo
     if (cpu_twin != nullptr) {
       // The same case on the CPU context: every parameter after every step and every final
       // state must be the same bits.
-      absl::StatusOr<ModeResult> twin = RunMode(*cpu_twin, *f, *c, tol, p, bf16_matmul, &twin_trace);
+      absl::StatusOr<ModeResult> twin =
+          RunMode(*cpu_twin, *f, *c, tol, p, bf16_matmul, &twin_trace);
       if (!twin.ok()) {
         res.error = absl::StrCat("[", PrecisionName(p), "] cpu twin: ", twin.status().ToString());
         res.passed = false;
@@ -577,7 +589,8 @@ std::string FormatResult(const CaseResult& r) {
                     m.passed ? "" : " FAILED", "]");
     for (const Check& ch : m.checks) {
       std::string tol = ch.tolerance ? absl::StrFormat("%.3g", *ch.tolerance) : "n/a";
-      const char* mark = !ch.enforced ? " (info)" : ch.skipped ? " (skipped)"
+      const char* mark = !ch.enforced ? " (info)"
+                         : ch.skipped ? " (skipped)"
                          : ch.ok()    ? ""
                                       : " (FAIL)";
       absl::StrAppend(&line, " ", ch.name, "=", absl::StrFormat("%.3g", ch.measured), "/", tol,

@@ -40,11 +40,11 @@ enum class Mode { kFp32, kBf16Reference, kBoth };
 absl::StatusOr<Mode> ParseMode(absl::string_view s);
 
 struct Check {
-  std::string name;        // "param_relfro", "state.momentum", ...
+  std::string name;  // "param_relfro", "state.momentum", ...
   double measured = 0;
   std::optional<double> tolerance;
-  bool enforced = false;   // part of the pass criterion of this mode
-  bool skipped = false;    // enforced but not evaluable (missing tolerance / tensor)
+  bool enforced = false;  // part of the pass criterion of this mode
+  bool skipped = false;   // enforced but not evaluable (missing tolerance / tensor)
   bool ok() const { return !enforced || skipped || (tolerance && measured <= *tolerance); }
 };
 

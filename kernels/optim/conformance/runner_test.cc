@@ -2,7 +2,6 @@
 // (37×23, 23×37), T = 10, trajectories from the independent double-precision reference
 // (testing/reference.h). Checks that the tool handles any shape / T / state layout, passes
 // correct files and fails a file whose trajectory does not match its metadata.
-#include "kernels/engine_choice.h"
 #include "kernels/optim/conformance/runner.h"
 
 #include <filesystem>
@@ -17,6 +16,7 @@
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/engine_choice.h"
 #include "kernels/optim/testing/reference.h"
 
 namespace diond::optim::conformance {
@@ -24,8 +24,8 @@ namespace {
 
 using ::diond::testing::IsOk;
 using ::testing::HasSubstr;
-using ::testing::Not;
 using testing::Mat;
+using ::testing::Not;
 using testing::RefOptions;
 
 Mat Random(int64_t r, int64_t c, std::mt19937& gen, double scale) {
@@ -82,9 +82,9 @@ std::string WriteCase(const std::string& dir, const Spec& s) {
   if (s.algorithm == "normuon") {
     names.push_back("variance_neuron");
     EXPECT_THAT(w.AddF32("state.variance_neuron.init", {s.m, 1}, std::vector<float>(s.m)), IsOk());
-    EXPECT_THAT(w.AddF32("state.variance_neuron.final", {s.m, 1},
-                         std::vector<float>(v.begin(), v.end())),
-                IsOk());
+    EXPECT_THAT(
+        w.AddF32("state.variance_neuron.final", {s.m, 1}, std::vector<float>(v.begin(), v.end())),
+        IsOk());
     states += R"(, "variance_neuron": 0.2)";
   }
   if (dion) {
@@ -158,9 +158,9 @@ TEST(ConformanceRunnerTest, GeneratedVectorsOfAnyShapeAndLength) {
 
 // A copy of a committed bf16 vector file in which `edit` may change parameter i's stored
 // trajectory (name, values); `copies` extra parameters p1.., each a copy of parameter 0.
-std::string CopyVector(const std::string& dir, const std::string& file, int copies,
-                       const std::function<void(int, const std::string&, std::vector<float>*)>&
-                           edit) {
+std::string CopyVector(
+    const std::string& dir, const std::string& file, int copies,
+    const std::function<void(int, const std::string&, std::vector<float>*)>& edit) {
   auto f = SafetensorsFile::ReadFile(std::string(DIOND_CONFORMANCE_VECTORS) + "/" + file);
   EXPECT_THAT(f.status(), IsOk());
   SafetensorsWriter w;
@@ -261,8 +261,8 @@ TEST(ConformanceRunnerTest, Bf16MatmulEngines) {
     }
     return nullptr;
   };
-  const CaseResult f32 = RunCase(*ctx, path, Mode::kBf16Reference, nullptr,
-                                 Bf16MatmulEngine::kFloat32Gemm);
+  const CaseResult f32 =
+      RunCase(*ctx, path, Mode::kBf16Reference, nullptr, Bf16MatmulEngine::kFloat32Gemm);
   ASSERT_TRUE(f32.error.empty()) << f32.error;
   EXPECT_TRUE(f32.passed) << FormatResult(f32);
   EXPECT_EQ(f32.modes[0].bf16_matmul, Bf16MatmulEngine::kFloat32Gemm);
@@ -272,8 +272,8 @@ TEST(ConformanceRunnerTest, Bf16MatmulEngines) {
   EXPECT_EQ(bitwise->measured, 0.0);
   EXPECT_THAT(FormatResult(f32), HasSubstr("[bf16_reference matmul=float32_gemm]"));
 
-  const CaseResult dnn = RunCase(*ctx, path, Mode::kBf16Reference, nullptr,
-                                 Bf16MatmulEngine::kOneDnn);
+  const CaseResult dnn =
+      RunCase(*ctx, path, Mode::kBf16Reference, nullptr, Bf16MatmulEngine::kOneDnn);
   if (!kernels::CpuHasOneDnnBf16Matmul()) {  // refused with the reason, not a wrong result
     EXPECT_FALSE(dnn.passed);
     EXPECT_THAT(dnn.error + FormatResult(dnn), HasSubstr("no AVX-512 core"));

@@ -98,7 +98,8 @@ class Dion2Rule final : public UpdateRule {
     // The persistent momentum is read once, the staged one written (out of place).
     for (int64_t p = 0; p < a.count; ++p) {
       DIOND_RETURN_IF_ERROR(kernels::Axpby(ctx, 1.0f, CVec(a.state_in[0][p], numel, dev), 1.0f,
-                                           CVec(a.g[p], numel, dev), Vec(m + p * numel, numel, dev)));
+                                           CVec(a.g[p], numel, dev),
+                                           Vec(m + p * numel, numel, dev)));
     }
 
     // 2-7. Per unit: top-k slices by L1 norm, S = M[I] (pre-decay, P6), M[I] ← ef·S.
@@ -126,7 +127,8 @@ class Dion2Rule final : public UpdateRule {
       kernels::TensorView mb = View2(m + b * msize, R, C, dev);
       absl::Span<int64_t> ib(idx.data() + b * k, static_cast<size_t>(k));
       if (bf16) {
-        DIOND_RETURN_IF_ERROR(kernels::TopKByL1Norm(ctx, mb, axis, k, ib, Vec(scores, length, dev)));
+        DIOND_RETURN_IF_ERROR(
+            kernels::TopKByL1Norm(ctx, mb, axis, k, ib, Vec(scores, length, dev)));
         // Host-side reordering of the selection: the scores are read back (a sync point).
         DIOND_RETURN_IF_ERROR(Download(ctx, scores, scores_host.data(), length));
         ReferenceSelectionOrder(scores_host, ib);
@@ -160,8 +162,8 @@ class Dion2Rule final : public UpdateRule {
       DIOND_ASSIGN_OR_RETURN(float* const vi, ScratchFloats(ctx, units.batch * k));
       for (int64_t b = 0; b < units.batch; ++b) {
         absl::Span<const int64_t> ib(idx.data() + b * k, static_cast<size_t>(k));
-        DIOND_RETURN_IF_ERROR(
-            kernels::Gather(ctx, View2(v + b * R, R, 1, dev), Axis::kRows, ib, View2(vi + b * k, k, 1, dev)));
+        DIOND_RETURN_IF_ERROR(kernels::Gather(ctx, View2(v + b * R, R, 1, dev), Axis::kRows, ib,
+                                              View2(vi + b * k, k, 1, dev)));
       }
       DIOND_RETURN_IF_ERROR(kernels::NormalizeNeurons(
           ctx, w, View3(s, MatrixBatch{units.batch, k, C}, dev), Vec(vi, units.batch * k, dev)));
@@ -185,8 +187,8 @@ class Dion2Rule final : public UpdateRule {
     // Decay from the caller's parameters into the staged ones (out of place), then the
     // selected slices.
     for (int64_t p = 0; p < a.count; ++p) {
-      DIOND_RETURN_IF_ERROR(
-          kernels::Scale(ctx, decay, CVec(a.x_in[p], numel, dev), Vec(a.x + p * numel, numel, dev)));
+      DIOND_RETURN_IF_ERROR(kernels::Scale(ctx, decay, CVec(a.x_in[p], numel, dev),
+                                           Vec(a.x + p * numel, numel, dev)));
     }
     for (int64_t b = 0; b < units.batch; ++b) {
       kernels::TensorView xb = View2(a.x + b * msize, R, C, dev);
@@ -279,8 +281,8 @@ absl::Status Dion2ApplyCaptured(const kernels::Context& ctx, const GroupConfig& 
       const float f = in[j];
       const int64_t i = static_cast<int64_t>(f);
       if (!(f >= 0.0f) || static_cast<float>(i) != f || i >= s.length || seen[i]) {
-        return absl::InvalidArgumentError(absl::StrCat("captured update: bad slice index ", f,
-                                                       " (", s.length, " slices)"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("captured update: bad slice index ", f, " (", s.length, " slices)"));
       }
       seen[i] = true;
       idx[u * s.k + j] = i;
@@ -298,9 +300,9 @@ absl::Status Dion2ApplyCaptured(const kernels::Context& ctx, const GroupConfig& 
     const float* values = payload + u * (s.k + sub_size) + s.k;
     absl::Span<const int64_t> ib(idx.data() + u * s.k, static_cast<size_t>(s.k));
     DIOND_RETURN_IF_ERROR(Upload(ctx, values, slices, sub_size));
-    DIOND_RETURN_IF_ERROR(kernels::Scatter(
-        ctx, View2(slices, s.sub_rows, s.sub_cols, dev), s.axis, ib, 1.0f, 0.0f,
-        View2(x + u * msize, s.units.rows, s.units.cols, dev)));
+    DIOND_RETURN_IF_ERROR(kernels::Scatter(ctx, View2(slices, s.sub_rows, s.sub_cols, dev), s.axis,
+                                           ib, 1.0f, 0.0f,
+                                           View2(x + u * msize, s.units.rows, s.units.cols, dev)));
   }
   return absl::OkStatus();
 }

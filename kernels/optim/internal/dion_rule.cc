@@ -11,13 +11,13 @@
 // The sketch is drawn from this implementation's own generator, seeded by the group seed and the
 // shape only: the same for every matrix of the bucket, on every worker and at every step (the
 // reference draws a fresh one per step from its generator; a fixed one keeps a resumed session
-// bit-identical to an uninterrupted one). It is not PyTorch's sketch: in exact arithmetic every branch returns the thin-QR Q-factor of P up to the
-// sign of each column (P12), and X and M do not depend on those signs, so the stored Q can
-// differ from the reference's in column signs only; compare it up to signs.
-// Deviation, for robustness (P13): where the reference's randomized Cholesky QR breaks down
-// (R₁ singular, or the Cholesky factorization of P₁ᵀP₁ fails, e.g. a rank-deficient P) and would
-// go on with a partial factor (inf/NaN, then zeroed), this implementation uses the Householder
-// QR of that matrix instead.
+// bit-identical to an uninterrupted one). It is not PyTorch's sketch: in exact arithmetic every
+// branch returns the thin-QR Q-factor of P up to the sign of each column (P12), and X and M do not
+// depend on those signs, so the stored Q can differ from the reference's in column signs only;
+// compare it up to signs. Deviation, for robustness (P13): where the reference's randomized
+// Cholesky QR breaks down (R₁ singular, or the Cholesky factorization of P₁ᵀP₁ fails, e.g. a
+// rank-deficient P) and would go on with a partial factor (inf/NaN, then zeroed), this
+// implementation uses the Householder QR of that matrix instead.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -27,7 +27,6 @@
 #include <vector>
 
 #include "absl/container/inlined_vector.h"
-
 #include "common/status_macros.h"
 #include "kernels/ops.h"
 #include "kernels/optim/internal/rule.h"
@@ -93,9 +92,8 @@ absl::Status RcqrOne(const kernels::Context& ctx, const DionDims& d,
 // `sketch` is the shape's fixed sketch (k×a; empty when the method never needs one).
 // Failed Cholesky factorizations are a host-side branch on a status (a sync point per matrix,
 // docs/KERNELS.md).
-absl::Status Orthonormalize(const kernels::Context& ctx, const GroupConfig& cfg,
-                            const DionDims& d, int64_t N, int64_t step,
-                            kernels::ConstTensorView sketch, float* P) {
+absl::Status Orthonormalize(const kernels::Context& ctx, const GroupConfig& cfg, const DionDims& d,
+                            int64_t N, int64_t step, kernels::ConstTensorView sketch, float* P) {
   const kernels::Device dev = ctx.device();
   const MatrixBatch pb{N, d.a, d.r};
   QrMethod method = cfg.hyperparams.qr_method;
@@ -112,8 +110,8 @@ absl::Status Orthonormalize(const kernels::Context& ctx, const GroupConfig& cfg,
     float* p = P + j * d.a * d.r;
     if (method == QrMethod::kCqr) {
       DIOND_RETURN_IF_ERROR(kernels::Copy(ctx, CView3(p, one, dev), View3(copy, one, dev)));
-      absl::Status s = kernels::CholeskyQr(ctx, CView3(copy, one, dev).Matrix(0),
-                                           View3(p, one, dev).Matrix(0));
+      absl::Status s =
+          kernels::CholeskyQr(ctx, CView3(copy, one, dev).Matrix(0), View3(p, one, dev).Matrix(0));
       if (s.ok()) continue;
       if (s.code() != absl::StatusCode::kFailedPrecondition) return s;
       // The Cholesky factorization failed: back to the saved P.
@@ -134,13 +132,11 @@ absl::Status Orthonormalize(const kernels::Context& ctx, const GroupConfig& cfg,
 // −s·P·Q_newᵀ, the reference's X.mul_(1 − η·λ) followed by addmm_ (no update buffer). Shared by
 // the rule and by DionApplyCaptured (a non-owner reproducing the owner's update from P and
 // Q_new), so both compute the same bits.
-absl::Status ApplyFactors(const kernels::Context& ctx, const DionDims& d, int64_t N,
-                          const float* P, const float* q_new, const StepScalars& scalars,
-                          float* x) {
+absl::Status ApplyFactors(const kernels::Context& ctx, const DionDims& d, int64_t N, const float* P,
+                          const float* q_new, const StepScalars& scalars, float* x) {
   const kernels::Device dev = ctx.device();
   const MatrixBatch mb{N, d.m, d.n}, pb{N, d.a, d.r}, qb{N, d.b, d.r};
-  const float s = F32(std::sqrt(static_cast<double>(d.m) / static_cast<double>(d.n))) *
-                  scalars.lr;
+  const float s = F32(std::sqrt(static_cast<double>(d.m) / static_cast<double>(d.n))) * scalars.lr;
   GemmParams gu;
   gu.trans_b = Trans::kYes;
   gu.alpha = -s;
@@ -187,8 +183,8 @@ absl::Status AllZeroFlags(const kernels::Context& ctx, const float* buf, int64_t
   DIOND_ASSIGN_OR_RETURN(float* const l1, ScratchFloats(ctx, N));
   const kernels::ConstTensorView rows(
       buf, kernels::ContiguousLayout(kernels::DType::kF32, {N, per}), dev);
-  DIOND_RETURN_IF_ERROR(kernels::AxisNorms(ctx, rows, kernels::Axis::kRows,
-                                           kernels::NormType::kL1, Vec(l1, N, dev)));
+  DIOND_RETURN_IF_ERROR(
+      kernels::AxisNorms(ctx, rows, kernels::Axis::kRows, kernels::NormType::kL1, Vec(l1, N, dev)));
   absl::InlinedVector<float, 16> host(static_cast<size_t>(N));
   DIOND_RETURN_IF_ERROR(Download(ctx, l1, host.data(), N));
   for (size_t j = 0; j < host.size(); ++j) zero[j] = host[j] == 0.0f;
@@ -237,9 +233,10 @@ class DionRule final : public UpdateRule {
     const int64_t qnumel = d.b * d.r;
     for (int64_t j = 0; j < N; ++j) {
       DIOND_RETURN_IF_ERROR(kernels::Axpby(ctx, 1.0f, CVec(args.state_in[0][j], numel, dev), 1.0f,
-                                           CVec(args.g[j], numel, dev), Vec(M + j * numel, numel, dev)));
-      DIOND_RETURN_IF_ERROR(
-          kernels::Copy(ctx, CVec(args.state_in[1][j], qnumel, dev), Vec(Q + j * qnumel, qnumel, dev)));
+                                           CVec(args.g[j], numel, dev),
+                                           Vec(M + j * numel, numel, dev)));
+      DIOND_RETURN_IF_ERROR(kernels::Copy(ctx, CVec(args.state_in[1][j], qnumel, dev),
+                                          Vec(Q + j * qnumel, qnumel, dev)));
       DIOND_RETURN_IF_ERROR(
           kernels::Copy(ctx, CVec(args.x_in[j], numel, dev), Vec(args.x + j * numel, numel, dev)));
     }
@@ -247,13 +244,14 @@ class DionRule final : public UpdateRule {
     // 2-3. P = B·Q with B = M (a×b) or Mᵀ when transposed.
     GemmParams gp;
     gp.trans_a = d.transposed ? Trans::kYes : Trans::kNo;
-    DIOND_RETURN_IF_ERROR(kernels::Gemm(ctx, gp, CView3(M, mb, dev), CView3(Q, qb, dev), View3(P, pb, dev)));
+    DIOND_RETURN_IF_ERROR(
+        kernels::Gemm(ctx, gp, CView3(M, mb, dev), CView3(Q, qb, dev), View3(P, pb, dev)));
 
     // Whether each matrix's momentum is all zero (judged on P under compressed sync, §9.7).
     absl::InlinedVector<bool, 16> zero(static_cast<size_t>(N), false);
     if (args.replica_average != nullptr) {
-      DIOND_RETURN_IF_ERROR(ReplicaAverage(ctx, *args.replica_average,
-                                           args.replica_average_on_device, P, psize));
+      DIOND_RETURN_IF_ERROR(
+          ReplicaAverage(ctx, *args.replica_average, args.replica_average_on_device, P, psize));
     }
     DIOND_RETURN_IF_ERROR(args.replica_average != nullptr
                               ? AllZeroFlags(ctx, P, N, d.a * d.r, absl::MakeSpan(zero))
@@ -264,18 +262,19 @@ class DionRule final : public UpdateRule {
     // 5. R = Bᵀ·P (b×r).
     GemmParams gr;
     gr.trans_a = d.transposed ? Trans::kNo : Trans::kYes;
-    DIOND_RETURN_IF_ERROR(kernels::Gemm(ctx, gr, CView3(M, mb, dev), CView3(P, pb, dev), View3(R, qb, dev)));
+    DIOND_RETURN_IF_ERROR(
+        kernels::Gemm(ctx, gr, CView3(M, mb, dev), CView3(P, pb, dev), View3(R, qb, dev)));
     // Compressed sync: R ← mean over replicas of B_iᵀ·P.
     if (args.replica_average != nullptr) {
-      DIOND_RETURN_IF_ERROR(ReplicaAverage(ctx, *args.replica_average,
-                                           args.replica_average_on_device, R, qsize));
+      DIOND_RETURN_IF_ERROR(
+          ReplicaAverage(ctx, *args.replica_average, args.replica_average_on_device, R, qsize));
     }
 
     // 6. All-zero momentum: P ← 0, R ← Q (P13); otherwise NaN → 0, ±inf → ±FLT_MAX.
-    DIOND_RETURN_IF_ERROR(kernels::Unary(ctx, kernels::UnaryOp::kNanToNum, CView3(P, pb, dev),
-                                         View3(P, pb, dev)));
-    DIOND_RETURN_IF_ERROR(kernels::Unary(ctx, kernels::UnaryOp::kNanToNum, CView3(R, qb, dev),
-                                         View3(R, qb, dev)));
+    DIOND_RETURN_IF_ERROR(
+        kernels::Unary(ctx, kernels::UnaryOp::kNanToNum, CView3(P, pb, dev), View3(P, pb, dev)));
+    DIOND_RETURN_IF_ERROR(
+        kernels::Unary(ctx, kernels::UnaryOp::kNanToNum, CView3(R, qb, dev), View3(R, qb, dev)));
     for (int64_t j = 0; j < N; ++j) {
       if (!zero[j]) continue;
       DIOND_RETURN_IF_ERROR(kernels::Fill(ctx, 0.0f, View3(P, pb, dev).Matrix(j)));
@@ -289,9 +288,11 @@ class DionRule final : public UpdateRule {
     ge.beta = 1.0f;
     ge.trans_b = Trans::kYes;
     if (d.transposed) {
-      DIOND_RETURN_IF_ERROR(kernels::Gemm(ctx, ge, CView3(R, qb, dev), CView3(P, pb, dev), View3(M, mb, dev)));
+      DIOND_RETURN_IF_ERROR(
+          kernels::Gemm(ctx, ge, CView3(R, qb, dev), CView3(P, pb, dev), View3(M, mb, dev)));
     } else {
-      DIOND_RETURN_IF_ERROR(kernels::Gemm(ctx, ge, CView3(P, pb, dev), CView3(R, qb, dev), View3(M, mb, dev)));
+      DIOND_RETURN_IF_ERROR(
+          kernels::Gemm(ctx, ge, CView3(P, pb, dev), CView3(R, qb, dev), View3(M, mb, dev)));
     }
 
     // 8. Q_new = R / (‖R_col‖₂ + ε), ε outside the square root (§3.10): the norms, + ε, then
@@ -313,8 +314,7 @@ class DionRule final : public UpdateRule {
       const int64_t ps = d.a * d.r, qs = d.b * d.r;
       out.resize(static_cast<size_t>(ps + qs));
       DIOND_RETURN_IF_ERROR(Download(ctx, P + static_cast<int64_t>(j) * ps, out.data(), ps));
-      DIOND_RETURN_IF_ERROR(
-          Download(ctx, R + static_cast<int64_t>(j) * qs, out.data() + ps, qs));
+      DIOND_RETURN_IF_ERROR(Download(ctx, R + static_cast<int64_t>(j) * qs, out.data() + ps, qs));
     }
     // 11. Q ← Q_new.
     return kernels::Copy(ctx, CView3(R, qb, dev), View3(Q, qb, dev));
@@ -327,8 +327,7 @@ class DionRule final : public UpdateRule {
   // and reused by every later step (drawing k·a normals per step cost as much as the GEMMs).
   // An empty view when this step's method needs none.
   absl::StatusOr<kernels::ConstTensorView> Sketch(const kernels::Context& ctx,
-                                                  const GroupConfig& cfg,
-                                                  const DionDims& d) const {
+                                                  const GroupConfig& cfg, const DionDims& d) const {
     if (cfg.hyperparams.qr_method == QrMethod::kQr || d.a <= d.r) {
       return kernels::ConstTensorView();
     }

@@ -43,11 +43,9 @@ class MuonRule final : public UpdateRule {
     // 3-4. O = ORTH(bf(U)) (the bf16 rounding is inside the orthogonalizer's bf16 mode).
     if (!cfg.split_sizes.empty()) {
       const ParamShape& s = *a.shape;
-      DIOND_RETURN_IF_ERROR(
-          OrthogonalizeSplit(ctx, cfg, a.count, s[0], s[1], u, u));
+      DIOND_RETURN_IF_ERROR(OrthogonalizeSplit(ctx, cfg, a.count, s[0], s[1], u, u));
     } else {
-      DIOND_RETURN_IF_ERROR(
-          OrthogonalizeBatch(ctx, cfg, u, u, OrthoMatrices(cfg, a.count, eff)));
+      DIOND_RETURN_IF_ERROR(OrthogonalizeBatch(ctx, cfg, u, u, OrthoMatrices(cfg, a.count, eff)));
     }
     // NorMuon normalization per head / trailing matrix (one batched call), or per row block
     // with split_sizes.
@@ -65,8 +63,9 @@ class MuonRule final : public UpdateRule {
         for (int64_t p = 0; p < a.count; ++p) {
           int64_t start = 0;
           for (int64_t sz : cfg.split_sizes) {
-            DIOND_RETURN_IF_ERROR(kernels::NormalizeNeurons(
-                ctx, w, View2(u + p * mm * n + start * n, sz, n, dev), Vec(v + p * mm + start, sz, dev)));
+            DIOND_RETURN_IF_ERROR(
+                kernels::NormalizeNeurons(ctx, w, View2(u + p * mm * n + start * n, sz, n, dev),
+                                          Vec(v + p * mm + start, sz, dev)));
             start += sz;
           }
         }

@@ -51,9 +51,9 @@ struct BucketArgs {
   const ParamShape* shape = nullptr;
   int64_t count = 0;  // N
   float* x = nullptr;
-  std::vector<const float*> x_in;  // count entries
-  std::vector<const float*> g;  // count entries, each ...shape floats
-  std::vector<float*> state;  // in the order of Specs()
+  std::vector<const float*> x_in;                   // count entries
+  std::vector<const float*> g;                      // count entries, each ...shape floats
+  std::vector<float*> state;                        // in the order of Specs()
   std::vector<std::vector<const float*>> state_in;  // [spec][parameter]
   StepScalars scalars;
   // The 1-based step number (StepOptions::step, or steps_taken() + 1).
@@ -113,10 +113,10 @@ class UpdateRule {
   virtual absl::Status CommitParams(const kernels::Context& ctx, const BucketArgs& args) const;
 };
 
-std::unique_ptr<UpdateRule> MakeMuonRule();      // Muon and NorMuon (muon_rules.cc)
-std::unique_ptr<UpdateRule> MakeDion2Rule();     // Dion2 and NorDion2 (dion2_rules.cc)
-std::unique_ptr<UpdateRule> MakeDionRule();      // dion_rule.cc
-std::unique_ptr<UpdateRule> MakeScalarRule();    // AdamW and Lion (scalar_rules.cc)
+std::unique_ptr<UpdateRule> MakeMuonRule();    // Muon and NorMuon (muon_rules.cc)
+std::unique_ptr<UpdateRule> MakeDion2Rule();   // Dion2 and NorDion2 (dion2_rules.cc)
+std::unique_ptr<UpdateRule> MakeDionRule();    // dion_rule.cc
+std::unique_ptr<UpdateRule> MakeScalarRule();  // AdamW and Lion (scalar_rules.cc)
 
 // Compact updates (group_optimizer.h): sizes (0 = none) and application by a non-owner.
 int64_t DionCaptureSize(const GroupConfig& config, const ParamShape& shape);

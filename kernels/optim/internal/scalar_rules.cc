@@ -65,9 +65,8 @@ class ScalarRule final : public UpdateRule {
           ap.weight_decay = a.scalars.weight_decay;
           ap.step = static_cast<int64_t>(next);
           ap.cautious = h.cautious_wd;
-          DIOND_RETURN_IF_ERROR(sq.data() != nullptr
-                                    ? kernels::AdamWStep(ctx, ap, g, x, m, v, sq)
-                                    : kernels::AdamWStep(ctx, ap, g, x, m, v));
+          DIOND_RETURN_IF_ERROR(sq.data() != nullptr ? kernels::AdamWStep(ctx, ap, g, x, m, v, sq)
+                                                     : kernels::AdamWStep(ctx, ap, g, x, m, v));
         }
       }
       if (adamw) {

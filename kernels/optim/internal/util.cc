@@ -76,8 +76,7 @@ kernels::ConstTensorView CView3(const float* p, const MatrixBatch& b, kernels::D
       p, kernels::ContiguousLayout(kernels::DType::kF32, {b.batch, b.rows, b.cols}), dev);
 }
 kernels::TensorView View2(float* p, int64_t rows, int64_t cols, kernels::Device dev) {
-  return kernels::TensorView(p, kernels::ContiguousLayout(kernels::DType::kF32, {rows, cols}),
-                             dev);
+  return kernels::TensorView(p, kernels::ContiguousLayout(kernels::DType::kF32, {rows, cols}), dev);
 }
 
 absl::Status Upload(const kernels::Context& ctx, const float* host, float* dev, int64_t n) {
@@ -120,8 +119,7 @@ absl::StatusOr<float*> ScratchFloats(const kernels::Context& ctx, int64_t n) {
 }
 
 absl::Status OrthogonalizeSplit(const kernels::Context& ctx, const GroupConfig& config,
-                                int64_t count, int64_t m, int64_t n, const float* in,
-                                float* out) {
+                                int64_t count, int64_t m, int64_t n, const float* in, float* out) {
   const std::vector<int64_t>& sizes = config.split_sizes;
   std::vector<int64_t> starts(sizes.size());
   for (size_t i = 1; i < sizes.size(); ++i) starts[i] = starts[i - 1] + sizes[i - 1];
@@ -138,16 +136,16 @@ absl::Status OrthogonalizeSplit(const kernels::Context& ctx, const GroupConfig& 
     // bf16 mode: c·block rounded once to bf16 (into `rounded`), then widened exactly.
     kernels::BFloat16* rounded = nullptr;
     if (bf16 && !scales.empty()) {
-      DIOND_ASSIGN_OR_RETURN(void* r, ctx.scratch().Allocate(
-                                          static_cast<size_t>(h * n) * sizeof(kernels::BFloat16)));
+      DIOND_ASSIGN_OR_RETURN(
+          void* r, ctx.scratch().Allocate(static_cast<size_t>(h * n) * sizeof(kernels::BFloat16)));
       rounded = static_cast<kernels::BFloat16*>(r);
     }
     int64_t j = 0;
     for (int64_t p = 0; p < count; ++p) {
       for (size_t blk : blocks) {
-        DIOND_RETURN_IF_ERROR(kernels::Copy(ctx, View2(const_cast<float*>(in) + p * m * n +
-                                                           starts[blk] * n, h, n, dev),
-                                            View2(buf + j * h * n, h, n, dev)));
+        DIOND_RETURN_IF_ERROR(kernels::Copy(
+            ctx, View2(const_cast<float*>(in) + p * m * n + starts[blk] * n, h, n, dev),
+            View2(buf + j * h * n, h, n, dev)));
         ++j;
       }
     }

@@ -71,8 +71,7 @@ std::vector<double> SplitScales(const GroupConfig& config, int64_t m, int64_t n)
 // block (blocks of equal height of all matrices in one batched call) and multiplies block i by
 // f32(c_i), rounding the product to bf16 in kBf16Reference mode (P4).
 absl::Status OrthogonalizeSplit(const kernels::Context& ctx, const GroupConfig& config,
-                                int64_t count, int64_t m, int64_t n, const float* in,
-                                float* out);
+                                int64_t count, int64_t m, int64_t n, const float* in, float* out);
 
 // `n` f32 elements of the context's scratch arena: valid until the caller's
 // kernels::ScratchArena::Scope ends. Steps after the first reuse the arena's blocks, so they

@@ -156,8 +156,9 @@ void RefMuonStep(const RefOptions& o, bool normuon, Mat& x, Mat& m, std::vector<
     Mat d = Orth(o, Block(u, r0, s));
     if (normuon) Normalize(o, d, v.data() + r0);
     // heads: α of the head shape; split: α(m, n)·c_i = α(s_i, n) exactly (§3.8).
-    const double alpha = o.lr * Adjust(o.adjust, static_cast<double>(o.row_blocks.empty() ? m.r : s),
-                                       static_cast<double>(m.c));
+    const double alpha =
+        o.lr * Adjust(o.adjust, static_cast<double>(o.row_blocks.empty() ? m.r : s),
+                      static_cast<double>(m.c));
     for (int64_t e = 0; e < s * m.c; ++e) {
       upd.v[r0 * m.c + e] = alpha * d.v[e];
       dir.v[r0 * m.c + e] = d.v[e];
@@ -184,7 +185,8 @@ void RefDion2Step(const RefOptions& o, bool nordion, Mat& x, Mat& m, std::vector
       for (int64_t j = 0; j < m.c; ++j) score[rows ? i : j] += std::abs(m.at(r0 + i, j));
     std::vector<int64_t> idx(len);
     std::iota(idx.begin(), idx.end(), 0);
-    std::stable_sort(idx.begin(), idx.end(), [&](int64_t a, int64_t b) { return score[a] > score[b]; });
+    std::stable_sort(idx.begin(), idx.end(),
+                     [&](int64_t a, int64_t b) { return score[a] > score[b]; });
     idx.resize(k);
     Mat s(rows ? k : h, rows ? m.c : k);
     for (int64_t t = 0; t < k; ++t) {
@@ -204,8 +206,10 @@ void RefDion2Step(const RefOptions& o, bool nordion, Mat& x, Mat& m, std::vector
     const double alpha = o.lr * Adjust(o.adjust, static_cast<double>(h), static_cast<double>(m.c));
     for (int64_t t = 0; t < k; ++t)
       for (int64_t q = 0; q < (rows ? m.c : h); ++q) {
-        if (rows) x.at(r0 + idx[t], q) -= alpha * d.at(t, q);
-        else x.at(r0 + q, idx[t]) -= alpha * d.at(q, t);
+        if (rows)
+          x.at(r0 + idx[t], q) -= alpha * d.at(t, q);
+        else
+          x.at(r0 + q, idx[t]) -= alpha * d.at(q, t);
       }
     r0 += h;
   }

@@ -35,9 +35,9 @@ struct RefOptions {
   int64_t rank_multiple_of = 1;
   double beta1 = 0.9, beta2 = 0.95;
   bool nesterov = false, cautious = false, ns5 = false;
-  int adjust = 0;  // 0 spectral, 1 rms, 2 none
+  int adjust = 0;                   // 0 spectral, 1 rms, 2 none
   std::vector<int64_t> row_blocks;  // heads or split_sizes as row blocks (empty: one block)
-  bool split = false;                // row_blocks are split_sizes (α of the full shape × c_i)
+  bool split = false;               // row_blocks are split_sizes (α of the full shape × c_i)
 };
 
 double Adjust(int mode, double fan_out, double fan_in);

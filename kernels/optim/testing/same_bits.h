@@ -30,8 +30,8 @@ inline ::testing::AssertionResult SameBits(const std::vector<float>& got,
   }
   for (size_t i = 0; i < got.size(); ++i) {
     if (std::memcmp(&got[i], &want[i], sizeof(float)) != 0) {
-      return ::testing::AssertionFailure() << "element " << i << ": " << got_name << " "
-                                           << got[i] << ", " << want_name << " " << want[i];
+      return ::testing::AssertionFailure() << "element " << i << ": " << got_name << " " << got[i]
+                                           << ", " << want_name << " " << want[i];
     }
   }
   return ::testing::AssertionSuccess();

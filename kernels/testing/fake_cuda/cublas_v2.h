@@ -5,8 +5,11 @@
 #include "cuda_runtime_api.h"
 
 extern "C" {
-typedef enum { CUBLAS_STATUS_SUCCESS = 0, CUBLAS_STATUS_NOT_INITIALIZED = 1,
-               CUBLAS_STATUS_ALLOC_FAILED = 3 } cublasStatus_t;
+typedef enum {
+  CUBLAS_STATUS_SUCCESS = 0,
+  CUBLAS_STATUS_NOT_INITIALIZED = 1,
+  CUBLAS_STATUS_ALLOC_FAILED = 3
+} cublasStatus_t;
 typedef enum { CUBLAS_DEFAULT_MATH = 0 } cublasMath_t;
 typedef struct FakeCublas* cublasHandle_t;
 cublasStatus_t cublasCreate(cublasHandle_t* handle);

@@ -87,7 +87,7 @@ bool Refused(const char* name, cudaError_t* e) {
   st.fail_next.erase(it);
   return true;
 }
-#define FAKE_ENTRY(name)                              \
+#define FAKE_ENTRY(name)                                \
   std::lock_guard<std::recursive_mutex> lock_(St().mu); \
   if (cudaError_t e_; Refused(name, &e_)) return e_
 
@@ -176,22 +176,34 @@ extern "C" {
 
 const char* cudaGetErrorString(cudaError_t e) {
   switch (e) {
-    case cudaSuccess: return "no error";
-    case cudaErrorInvalidValue: return "invalid argument";
-    case cudaErrorMemoryAllocation: return "out of memory";
-    case cudaErrorInvalidResourceHandle: return "invalid resource handle";
-    case cudaErrorNotReady: return "device not ready";
-    case cudaErrorIllegalAddress: return "an illegal memory access was encountered";
-    case cudaErrorHostMemoryAlreadyRegistered: return "part or all of the requested memory "
-                                                      "range is already mapped";
-    case cudaErrorStreamCaptureUnsupported: return "operation not permitted when stream is "
-                                                   "capturing";
-    case cudaErrorStreamCaptureInvalidated: return "operation failed due to a previous error "
-                                                   "during capture";
-    case cudaErrorStreamCaptureUnjoined: return "capture was not joined";
-    case cudaErrorStreamCaptureImplicit: return "operation would make the legacy stream "
-                                                "depend on a capturing blocking stream";
-    default: break;
+    case cudaSuccess:
+      return "no error";
+    case cudaErrorInvalidValue:
+      return "invalid argument";
+    case cudaErrorMemoryAllocation:
+      return "out of memory";
+    case cudaErrorInvalidResourceHandle:
+      return "invalid resource handle";
+    case cudaErrorNotReady:
+      return "device not ready";
+    case cudaErrorIllegalAddress:
+      return "an illegal memory access was encountered";
+    case cudaErrorHostMemoryAlreadyRegistered:
+      return "part or all of the requested memory "
+             "range is already mapped";
+    case cudaErrorStreamCaptureUnsupported:
+      return "operation not permitted when stream is "
+             "capturing";
+    case cudaErrorStreamCaptureInvalidated:
+      return "operation failed due to a previous error "
+             "during capture";
+    case cudaErrorStreamCaptureUnjoined:
+      return "capture was not joined";
+    case cudaErrorStreamCaptureImplicit:
+      return "operation would make the legacy stream "
+             "depend on a capturing blocking stream";
+    default:
+      break;
   }
   return "unknown error";
 }
@@ -214,8 +226,8 @@ cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
   FAKE_ENTRY("cudaMemGetInfo");
   const uint64_t total = St().budget ? St().budget : (uint64_t{1} << 40);
   *total_bytes = total;
-  *free_bytes = total - std::min<uint64_t>(total, St().stats.pool_reserved +
-                                                      St().stats.graph_reserved);
+  *free_bytes =
+      total - std::min<uint64_t>(total, St().stats.pool_reserved + St().stats.graph_reserved);
   return cudaSuccess;
 }
 
@@ -280,10 +292,17 @@ cudaError_t cudaMemPoolGetAttribute(cudaMemPool_t pool, cudaMemPoolAttr attr, vo
   FAKE_ENTRY("cudaMemPoolGetAttribute");
   uint64_t* v = static_cast<uint64_t*>(value);
   switch (attr) {
-    case cudaMemPoolAttrReleaseThreshold: *v = St().threshold; break;
-    case cudaMemPoolAttrReservedMemCurrent: *v = St().stats.pool_reserved; break;
-    case cudaMemPoolAttrUsedMemCurrent: *v = St().stats.pool_used; break;
-    default: return Ret(cudaErrorInvalidValue);
+    case cudaMemPoolAttrReleaseThreshold:
+      *v = St().threshold;
+      break;
+    case cudaMemPoolAttrReservedMemCurrent:
+      *v = St().stats.pool_reserved;
+      break;
+    case cudaMemPoolAttrUsedMemCurrent:
+      *v = St().stats.pool_used;
+      break;
+    default:
+      return Ret(cudaErrorInvalidValue);
   }
   return cudaSuccess;
 }
@@ -296,9 +315,8 @@ cudaError_t cudaMemPoolTrimTo(cudaMemPool_t pool, size_t keep) {
 cudaError_t cudaDeviceGetGraphMemAttribute(int device, cudaGraphMemAttributeType attr,
                                            void* value) {
   FAKE_ENTRY("cudaDeviceGetGraphMemAttribute");
-  *static_cast<uint64_t*>(value) = attr == cudaGraphMemAttrUsedMemCurrent
-                                       ? St().stats.graph_used
-                                       : St().stats.graph_reserved;
+  *static_cast<uint64_t*>(value) =
+      attr == cudaGraphMemAttrUsedMemCurrent ? St().stats.graph_used : St().stats.graph_reserved;
   return cudaSuccess;
 }
 cudaError_t cudaDeviceGraphMemTrim(int device) {
@@ -369,9 +387,9 @@ cudaError_t cudaStreamQuery(cudaStream_t stream) {
 cudaError_t cudaStreamIsCapturing(cudaStream_t stream, cudaStreamCaptureStatus* status) {
   FAKE_ENTRY("cudaStreamIsCapturing");
   const FakeCudaStream* s = S(stream);
-  *status = !s->capturing          ? cudaStreamCaptureStatusNone
-            : s->invalid.empty()   ? cudaStreamCaptureStatusActive
-                                   : cudaStreamCaptureStatusInvalidated;
+  *status = !s->capturing        ? cudaStreamCaptureStatusNone
+            : s->invalid.empty() ? cudaStreamCaptureStatusActive
+                                 : cudaStreamCaptureStatusInvalidated;
   return cudaSuccess;
 }
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned int flags) {

@@ -63,8 +63,8 @@ absl::StatusOr<std::string> ReadBounded(int fd, int64_t limit, const std::string
   if (fstat(fd, &st) != 0) return absl::DataLossError(absl::StrCat("cannot stat ", display));
   if (!S_ISREG(st.st_mode)) return absl::DataLossError(absl::StrCat(display, " is not a file"));
   if (st.st_size > limit) {
-    return absl::DataLossError(absl::StrCat(display, " is ", st.st_size,
-                                            " bytes; the limit is ", limit, " bytes"));
+    return absl::DataLossError(
+        absl::StrCat(display, " is ", st.st_size, " bytes; the limit is ", limit, " bytes"));
   }
   std::string out(static_cast<size_t>(st.st_size), '\0');
   size_t done = 0;
@@ -75,8 +75,8 @@ absl::StatusOr<std::string> ReadBounded(int fd, int64_t limit, const std::string
     done += static_cast<size_t>(n);
   }
   if (done != out.size()) {
-    return absl::DataLossError(absl::StrCat(display, ": short read (", done, " of ", out.size(),
-                                            " bytes)"));
+    return absl::DataLossError(
+        absl::StrCat(display, ": short read (", done, " of ", out.size(), " bytes)"));
   }
   return out;
 }
@@ -117,7 +117,6 @@ std::vector<std::string> ListDir(int dirfd) {
   closedir(d);
   return out;
 }
-
 
 int64_t StepOfName(absl::string_view n) {
   if (!absl::ConsumePrefix(&n, "step-") || n.empty() || n.size() > 19) return -1;

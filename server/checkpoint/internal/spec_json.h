@@ -15,7 +15,7 @@ namespace diond::checkpoint::internal {
 strict_json::Json SpecToJsonValue(const session::SessionSpec& spec);
 // `where`: the spec's path with a trailing "." ("spec." in a manifest, "" alone).
 absl::StatusOr<session::SessionSpec> SpecFromJsonValue(const strict_json::Json& j,
-                                                      const std::string& where);
+                                                       const std::string& where);
 // A tensor shape: an array of at most 16 dimensions in [0, 2^40].
 absl::StatusOr<std::vector<int64_t>> GetShape(const strict_json::Json& o, const char* key,
                                               const std::string& where);
