@@ -160,7 +160,7 @@ absl::Status Session::SetGroupHyperparameters(const std::string& group, std::opt
   }
   absl::MutexLock lock(&mu_);
   last_used_ = absl::Now();
-  DIOND_RETURN_IF_ERROR(RefuseIfQueuedLocked("SetHyperparameters"));
+  DIOND_RETURN_IF_ERROR(queue_.Refuse("SetHyperparameters"));
   for (Group& g : groups_) {
     if (g.name != group) continue;
     if (lr.has_value()) g.lr = lr;

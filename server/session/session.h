@@ -30,7 +30,6 @@
 #include <memory>
 #include <optional>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/functional/function_ref.h"
@@ -44,6 +43,7 @@
 #include "server/session/cuda_region.h"
 #include "server/session/shard_plan.h"
 #include "server/session/shm_region.h"
+#include "server/session/step_queue.h"
 #include "server/session/types.h"
 #include "server/session/world_link.h"
 
@@ -463,29 +463,6 @@ class Session {
   // trainer-dtype bytes; the widening / narrowing on the host), never a host dereference.
   absl::Status WriteParamF32(size_t i, const float* in) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  // ---- asynchronous steps (session_async.cc) ----
-  // The queued step: kRunning until its update ran, kCompleting while `after_async` runs (only
-  // Snapshot and the bookkeeping may then touch the session), kDone until collected.
-  enum class QueuedState { kRunning, kCompleting, kDone };
-  struct QueuedStep {
-    // User-provided: clang decides std::optional<QueuedStep>::emplace()'s constructibility while
-    // Session is still incomplete, before it has parsed these default member initializers.
-    QueuedStep() {}
-    int64_t step_index = 0;
-    QueuedState state = QueuedState::kRunning;
-    absl::Status status;
-    StepResult result;
-  };
-  // FAILED_PRECONDITION "<what>: step N was queued by an asynchronous Step ..." while an
-  // asynchronous step is queued and not yet collected.
-  absl::Status RefuseIfQueuedLocked(absl::string_view what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Blocks (releasing mu_) until the queued step, if any, has reached at least `state`.
-  void AwaitQueuedLocked(QueuedState state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Takes the finished queued step's outcome and joins its thread.
-  QueuedStep TakeQueuedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The queued step's thread body.
-  void RunQueuedStep(StepRequest request, const kernels::Context* ctx,
-                     std::function<void(const StepResult&)> after_async);
   // The synchronous step (session_step.cc), once the queue has been dealt with.
   absl::StatusOr<StepResult> StepLocked(const StepRequest& request, const kernels::Context& ctx,
                                         absl::Time start) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -660,14 +637,9 @@ class Session {
   int host_threads_ = 0;
   // Where the session's compute runs (compute_thread.h); null: on the calling thread.
   ComputeThread* compute_ = nullptr;
-  // The asynchronous step queued and not yet collected (at most one), and its thread (joined
-  // when the outcome is taken, and by the destructor).
-  std::optional<QueuedStep> queued_ ABSL_GUARDED_BY(mu_);
-  std::thread queued_thread_ ABSL_GUARDED_BY(mu_);
-  // The last asynchronous step that failed ("step N: <status>"), until a step is applied: quoted
-  // by the out-of-order error, so that a lost answer never hides the failure.
-  std::string last_async_failure_ ABSL_GUARDED_BY(mu_);
-  bool closing_ ABSL_GUARDED_BY(mu_) = false;  // DrainQueuedStep(closing): Steps refused
+  // The asynchronous step queued and not yet collected (at most one), its thread, and the
+  // session's closing flag (step_queue.h).
+  StepQueue queue_ ABSL_GUARDED_BY(mu_){&mu_, &id_};
 };
 
 }  // namespace diond::session

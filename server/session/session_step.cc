@@ -189,8 +189,8 @@ absl::Status Session::ValidateStepLocked(const StepRequest& request,
     } else if (last_step_index_ > 0 && last_result_.has_value()) {
       why = absl::StrCat(" (or ", last_step_index_, " to replay the last answer)");
     }
-    if (!last_async_failure_.empty()) {
-      absl::StrAppend(&why, "; the last asynchronous step failed (", last_async_failure_, ")");
+    if (!queue_.last_failure().empty()) {
+      absl::StrAppend(&why, "; the last asynchronous step failed (", queue_.last_failure(), ")");
     }
     return absl::FailedPreconditionError(absl::StrCat("step_index ", request.step_index,
                                                       " is out of order: expected ",
