@@ -313,6 +313,7 @@ class Session {
   bool is_world_session() const { return !spec_.world_key.empty(); }
 
  private:
+  friend class WorldExchange;  // phase 9 of a world step (world_exchange.h)
   // RegisterShmRegion's and RegisterMemfdRegion's common part: `name` identifies the segment
   // (overlap check), `open` maps it once the request is valid.
   absl::StatusOr<std::string> RegisterMappedRegion(

@@ -583,21 +583,15 @@ absl::StatusOr<float*> Session::DeviceWorldBuffer(WorldBuffer which, int64_t n) 
 }
 
 absl::Status Session::StepTensorToHost(const float* tensor, float* host, int64_t n) {
-  if (device_ == nullptr) {
-    if (n > 0) std::memcpy(host, tensor, static_cast<size_t>(n) * 4);
-    return absl::OkStatus();
-  }
+  if (device_ == nullptr) return internal::CopyF32(tensor, host, n);
   // The collective reads `host` as soon as this returns: the copy must be complete then.
-  return CopyToHost(*device_->ctx, tensor, host, static_cast<size_t>(n) * 4);
+  return internal::CopyF32ToHost(*device_->ctx, tensor, host, n);
 }
 
 absl::Status Session::HostToStepTensor(const float* host, float* tensor, int64_t n) {
-  if (device_ == nullptr) {
-    if (n > 0) std::memcpy(tensor, host, static_cast<size_t>(n) * 4);
-    return absl::OkStatus();
-  }
+  if (device_ == nullptr) return internal::CopyF32(host, tensor, n);
   // `host` (a collective's output) may be reused or freed as soon as this returns.
-  return CopyToDevice(*device_->ctx, host, tensor, static_cast<size_t>(n) * 4);
+  return internal::CopyF32ToDevice(*device_->ctx, host, tensor, n);
 }
 
 absl::Status Session::PrepareEventsLocked(const StepRequest& request) {
