@@ -19,6 +19,7 @@
 #include "kernels/optim/validation.h"
 #include "server/session/layout.h"
 #include "server/session/session_internal.h"
+#include "server/session/step_memory.h"
 
 namespace diond::session {
 
@@ -92,6 +93,9 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, Session
   const DeviceHooks no_hooks;
   if (on_device) {
     DIOND_RETURN_IF_ERROR(s->InitDeviceSide(*ctx, hooks != nullptr ? *hooks : no_hooks));
+  } else {
+    s->host_memory_ = std::make_unique<HostMemory>();
+    s->memory_ = s->host_memory_.get();
   }
   const kernels::Context* state_ctx = s->device_ != nullptr ? s->DeviceUpdateContext() : ctx;
   for (size_t g = 0; g < spec.groups.size(); ++g) {

@@ -15,8 +15,10 @@
 // Every mutating method validates its whole request first and changes nothing on failure.
 //
 // The implementation is split by concern: session.cc (creation, hyperparameters, info),
-// session_regions.cc (arenas, regions), session_step.cc (the step skeleton), session_world.cc
-// (the world's phases), session_state.cc (state and parameter transfer, snapshots).
+// session_regions.cc (arenas, regions), session_step.cc (the step skeleton), step_memory.h (where
+// a step's tensors lie: host memory, or a device session's staging in session_device.cc),
+// session_world.cc and world_exchange.h (the world's phases), step_queue.h (the asynchronous
+// step), session_state.cc (state and parameter transfer, snapshots).
 //
 // Thread-safety: all public methods are thread-safe; one session's calls are serialized by its
 // mutex. Every pass of compute runs on the compute thread given to Create (one per daemon:
@@ -339,8 +341,11 @@ class Session {
     b.dma.reset();
     b = Binding();
   }
-  // A device session's device objects (session_device.cc). Destroyed after everything that uses
-  // them (declared before the groups and the bindings).
+  // Where one step's tensors lie, and the passes that depend on it (step_memory.h): host memory
+  // (HostMemory) or a device session's device objects (DeviceSide, session_device.cc; destroyed
+  // after everything that uses them: declared before the groups and the bindings).
+  class StepMemory;
+  struct HostMemory;
   struct DeviceSide;
   struct DeviceSideDeleter {
     void operator()(DeviceSide* d) const;
@@ -377,8 +382,6 @@ class Session {
   // lasting fallback (these, and those RunPhaseGraph finds: "sync_point", "capture_failed") goes
   // into run.result.graph_fallbacks until a successful step carried it.
   void DecideStepGraphs(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A successful step's result carried the fallbacks (later steps carry none).
-  void GraphFallbacksReported();
   // Runs `body` (re-runnable: a recording runs it before the capture) through the phase's graph
   // when it has one: replayed or captured, else eagerly (for good, unless the recording itself
   // failed), after `undo` dropped what the passes set up. Without a graph: `body` eagerly.
@@ -392,15 +395,7 @@ class Session {
   std::string UnpinnedHostMemory() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // ---- world device sessions (session_device.cc; used by session_world.cc) ----
   // The world phases' collectives run on device buffers (DeviceWorldBuffer, through
-  // StepDeviceComm). These two move `n` fp32 values between a step's device tensor (staging, a
-  // world buffer, state-side pointers of ctx's device) and host memory, on the session stream,
-  // for what the host itself reads or writes: the non-finite flag, values packed on the host, a
-  // host copy of the gathered exchange. The host side is complete (readable / reusable) when
-  // they return. A host session: plain host copies (the step's tensors are host memory).
-  absl::Status StepTensorToHost(const float* tensor, float* host, int64_t n)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status HostToStepTensor(const float* host, float* tensor, int64_t n)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // StepDeviceComm).
   // A device session's Context (its device and stream); null for a host session.
   const kernels::Context* DeviceContext() const;
   // A device session's staging of gradient i (where a world's averaged gradient goes).
@@ -477,9 +472,6 @@ class Session {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Phase 2: the world's communicator for this step (a world of one: none).
   absl::Status JoinWorldPhase(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Phase 3: every gradient as fp32 and the finiteness scan: trainer f32 gradients are read in
-  // place (no copy), others widened and scaled in the same pass as the scan.
-  absl::Status ReadGradientsPhase(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Phase 3b (world): the ranks agree on the parameters without a gradient
   // (StepRequest.params_without_grad) by one all-reduce of a count per parameter: under AVERAGE
   // a parameter is stepped when any rank has its gradient (the others add zeros); under
@@ -489,9 +481,6 @@ class Session {
   // Phase 4 (world AVERAGE): reduce-scatter the gradients to their owners, with the ranks'
   // non-finite flags. A world of one: nothing.
   absl::Status ReduceGradientsPhase(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Phase 5: every parameter as fp32: f32 arenas in place; master weights and other dtypes
-  // through the scratch buffers.
-  absl::Status ReadParametersPhase(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Phase 6: every group's update staged (GroupOptimizer::Stage); nothing changes yet.
   // StageGroups (and, in a local device session, QueueStagedWeights) through the update phase's
   // graph when the session has one (RunPhaseGraph): replayed or captured, else (and from then
@@ -509,10 +498,10 @@ class Session {
   // narrowing of non-f32 parameters); the state is still unchanged. (A local device session
   // wrote them into its staging in StagePhase, QueueStagedWeights.)
   void WriteWeightsPhase(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // After the exchange: the weights of other dtypes (and the master weights' narrowed copies)
-  // into the arena; a device session: every new weight back from the device staging.
-  absl::Status WriteOtherWeightsPhase(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Device sessions: phases 3, 5 and the write-back through the device staging.
+  // (Reading the gradients and the weights, writing the weights back and the master weights'
+  // commit are the StepMemory's: step_memory.h.)
+  // Device sessions (DeviceSide, the device StepMemory): those passes through the device
+  // staging.
   absl::Status ReadGradientsToDevice(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The read phase's queued work (the gradients' and parameters' copies, widenings and scans,
   // the flag's read-back into the host words), and the write phase's (the new weights' copies
@@ -594,6 +583,9 @@ class Session {
   Layout layout_;
   // Set once by Create for a device session; its buffers are used under mu_ by Step.
   std::unique_ptr<DeviceSide, DeviceSideDeleter> device_;
+  // Where a step's tensors lie (step_memory.h), set once by Create: device_, or host_memory_.
+  std::unique_ptr<HostMemory> host_memory_;
+  StepMemory* memory_ = nullptr;
   std::atomic<int64_t> state_bytes_{0};  // shrinks when a world session shards its state
   // Of state_bytes_: the fp32 master weights (host memory); set by Create.
   int64_t master_bytes_ = 0;

@@ -16,6 +16,7 @@
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "server/session/session.h"
+#include "server/session/step_memory.h"
 
 namespace diond::session {
 

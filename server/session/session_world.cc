@@ -391,8 +391,8 @@ absl::Status Session::ReduceGradientsOnDevice(StepRun& run, int64_t block) {
                           "; create the session again and resume from the last checkpoint")));
   }
   float flag = 0.0f;
-  absl::Status read =
-      run.dcomm->ReadBackQueued([&] { return StepTensorToHost(out + block - 1, &flag, 1); });
+  absl::Status read = run.dcomm->ReadBackQueued(
+      [&] { return internal::CopyF32ToHost(dctx, out + block - 1, &flag, 1); });
   if (!read.ok()) return fail(read, "reading the world's non-finite flag");
   // A queued reduce-scatter fails asynchronously (the read-back returned because the world's
   // abort ended it): its output is then garbage.
