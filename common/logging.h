@@ -96,6 +96,7 @@ struct Voidify {
 #define DIOND_LOG_LEVEL_ERROR ::diond::LogLevel::kError
 #define DIOND_LOG_LEVEL_FATAL ::diond::LogLevel::kFatal
 
+// NOLINTBEGIN(bugprone-macro-parentheses): `<<` must bind to the message after the expansion.
 #define DIOND_LOG(severity)                                                                       \
   !::diond::LogEnabled(DIOND_LOG_LEVEL_##severity)                                                \
       ? (void)0                                                                                   \
@@ -111,5 +112,6 @@ struct Voidify {
             ::diond::logging_internal::LogMessage(::diond::LogLevel::kFatal, __FILE__, __LINE__) \
                     .stream()                                                                    \
                 << "Check failed: " #cond " "
+// NOLINTEND(bugprone-macro-parentheses)
 
 #endif  // DIOND_COMMON_LOGGING_H_

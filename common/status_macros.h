@@ -23,6 +23,7 @@
 
 // Evaluates `expr` (an absl::StatusOr<T>); on error returns its status, else moves the value into
 // `lhs`, which may be a declaration (`auto x`) or an existing lvalue.
+// NOLINTBEGIN(bugprone-macro-parentheses): `lhs` may be a declaration, which parentheses break.
 #define DIOND_ASSIGN_OR_RETURN(lhs, expr) \
   DIOND_ASSIGN_OR_RETURN_IMPL_(DIOND_STATUS_MACROS_CONCAT_(_diond_statusor, __LINE__), lhs, expr)
 
@@ -30,5 +31,6 @@
   auto statusor = (expr);                                           \
   if (ABSL_PREDICT_FALSE(!statusor.ok())) return statusor.status(); \
   lhs = std::move(statusor).value()
+// NOLINTEND(bugprone-macro-parentheses)
 
 #endif  // DIOND_COMMON_STATUS_MACROS_H_

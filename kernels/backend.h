@@ -49,10 +49,13 @@ struct OpsBackend {
   // and apply_update: when the params' non-null scalars_on_device is set (kernels/graph.h does,
   // after validation), the op reads its scalars from that device record when it runs, not from
   // the params' fields; a backend without graphs (the CPU) never gets it. ----
+// NOLINTBEGIN(bugprone-macro-parentheses): X-macro arguments are names, types and
+// parameter lists, which parentheses would break.
 #define DIOND_OP(name, Name, kind, cpp_params, c_params) absl::Status(*name) cpp_params = nullptr;
 #define DIOND_HOST_OP(name, Name, kind, cpp_params, c_entry) \
   absl::Status(*name) cpp_params = nullptr;
 #include "kernels/ops.def"
+  // NOLINTEND(bugprone-macro-parentheses)
 };
 
 // Registers `backend` (static storage duration) for every device of `type`. INVALID_ARGUMENT for

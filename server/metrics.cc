@@ -105,6 +105,62 @@ class ProcessCollector : public prometheus::Collectable {
   }
 };
 
+// One metric family of the catalogue (docs/OPERATIONS.md), or its single unlabelled series.
+prometheus::Family<prometheus::Counter>& CounterFamily(prometheus::Registry& r, const char* name,
+                                                       const char* help) {
+  return prometheus::BuildCounter().Name(name).Help(help).Register(r);
+}
+prometheus::Family<prometheus::Gauge>& GaugeFamily(prometheus::Registry& r, const char* name,
+                                                   const char* help) {
+  return prometheus::BuildGauge().Name(name).Help(help).Register(r);
+}
+prometheus::Family<prometheus::Histogram>& HistogramFamily(prometheus::Registry& r,
+                                                           const char* name, const char* help) {
+  return prometheus::BuildHistogram().Name(name).Help(help).Register(r);
+}
+prometheus::Counter& OneCounter(prometheus::Registry& r, const char* name, const char* help) {
+  return CounterFamily(r, name, help).Add({});
+}
+prometheus::Gauge& OneGauge(prometheus::Registry& r, const char* name, const char* help) {
+  return GaugeFamily(r, name, help).Add({});
+}
+prometheus::Histogram& OneHistogram(prometheus::Registry& r, const char* name, const char* help) {
+  return HistogramFamily(r, name, help).Add({}, RpcBuckets());
+}
+
+// Every phase's series exist at zero (docs/OPERATIONS.md): each phase with the reasons it can
+// have (only the update calls the rules' sync points and compressed Dion's collectives; only the
+// read and write phases copy host memory).
+void AddGraphSeries(prometheus::Family<prometheus::Counter>& fallbacks,
+                    prometheus::Family<prometheus::Counter>& graphs) {
+  for (const char* phase : {"read", "update", "write"}) {
+    const bool update = std::string(phase) == "update";
+    for (const char* reason :
+         {"unsupported", "sync_point", "capture_failed", "world", "pageable"}) {
+      const std::string r = reason;
+      if (update ? r == "pageable" : (r == "sync_point" || r == "world")) continue;
+      fallbacks.Add({{"phase", phase}, {"reason", reason}});
+    }
+    for (const char* mode : {"captured", "replayed"})
+      graphs.Add({{"phase", phase}, {"mode", mode}});
+  }
+}
+
+void RegisterBuildInfo(prometheus::Registry& r, const BuildInfo& info) {
+  GaugeFamily(r, "diond_build_info", "Always 1; labels describe the running daemon.")
+      .Add({{"version", info.version},
+            {"device", info.device},
+            {"compute_device", info.compute_device},
+            {"cuda_plugin", info.cuda_plugin ? "true" : "false"},
+            {"openblas_core", info.openblas_core},
+            {"openblas_core_source", info.openblas_core_source},
+            {"fp32_gemm_auto", info.fp32_gemm_auto},
+            {"fp32_symmetric_auto", info.fp32_symmetric_auto},
+            {"bf16_matmul_auto", info.bf16_matmul_auto},
+            {"engines_calibrated", info.engines_calibrated ? "true" : "false"}})
+      .Set(1);
+}
+
 }  // namespace
 
 // diond_state_bytes and diond_checkpoint_steps_behind, computed from the sessions at scrape time.
@@ -137,182 +193,81 @@ class DaemonMetrics::SessionCollector : public prometheus::Collectable {
 
 DaemonMetrics::DaemonMetrics(std::shared_ptr<prometheus::Registry> registry, const BuildInfo& info)
     : registry_(std::move(registry)),
-      rpcs_(prometheus::BuildCounter()
-                .Name("diond_rpcs_total")
-                .Help("Finished gRPC calls by method and status code.")
-                .Register(*registry_)),
-      rpc_seconds_(prometheus::BuildHistogram()
-                       .Name("diond_rpc_duration_seconds")
-                       .Help("Latency of finished gRPC calls by method and status code.")
-                       .Register(*registry_)),
-      sessions_(prometheus::BuildGauge()
-                    .Name("diond_sessions")
-                    .Help("Open optimizer sessions.")
-                    .Register(*registry_)
-                    .Add({})),
-      sessions_reaped_(prometheus::BuildCounter()
-                           .Name("diond_sessions_reaped_total")
-                           .Help("Sessions the daemon closed by itself, by reason: idle "
-                                 "(--session_idle_timeout) or orphan (every trainer process "
-                                 "that created or used it exited; --orphan_grace).")
-                           .Register(*registry_)),
-      device_memory_in_use_(prometheus::BuildGauge()
-                                .Name("diond_device_memory_in_use_bytes")
-                                .Help("Bytes of the compute device's pool handed out and not "
-                                      "freed (0 on a CPU daemon).")
-                                .Register(*registry_)
-                                .Add({})),
-      device_memory_peak_(prometheus::BuildGauge()
-                              .Name("diond_device_memory_peak_bytes")
-                              .Help("High-water mark of diond_device_memory_in_use_bytes since "
-                                    "the daemon started.")
-                              .Register(*registry_)
-                              .Add({})),
-      device_lost_(prometheus::BuildGauge()
-                       .Name("diond_device_lost")
-                       .Help("1 once a sticky error (an illegal address, a kernel fault) has "
-                             "lost the compute device's context: health is NOT_SERVING and "
-                             "device steps are refused until the daemon restarts; else 0.")
-                       .Register(*registry_)
-                       .Add({})),
-      graph_fallbacks_(prometheus::BuildCounter()
-                           .Name("diond_step_graph_fallbacks_total")
-                           .Help("Device sessions whose step phase (read, update, write) runs "
-                                 "eagerly instead of as a captured graph, by phase and reason "
-                                 "(unsupported, sync_point, capture_failed, world, pageable).")
-                           .Register(*registry_)),
-      graph_steps_(prometheus::BuildCounter()
-                       .Name("diond_step_graphs_total")
-                       .Help("Device step phases (read, update, write) that ran as a graph, by "
-                             "phase and mode: captured (a new graph) or replayed.")
-                       .Register(*registry_)),
-      steps_(prometheus::BuildCounter()
-                 .Name("diond_steps_total")
-                 .Help("Step RPCs that succeeded, by outcome (applied, skipped, replayed).")
-                 .Register(*registry_)),
-      step_seconds_(prometheus::BuildHistogram()
-                        .Name("diond_step_duration_seconds")
-                        .Help("Wall time of applied steps inside the daemon.")
-                        .Register(*registry_)
-                        .Add({}, RpcBuckets())),
-      step_compute_seconds_(prometheus::BuildHistogram()
-                                .Name("diond_step_compute_seconds")
-                                .Help("Optimizer compute time of applied steps.")
-                                .Register(*registry_)
-                                .Add({}, RpcBuckets())),
-      checkpoints_(prometheus::BuildCounter()
-                       .Name("diond_checkpoints_total")
-                       .Help("Checkpoints written.")
-                       .Register(*registry_)
-                       .Add({})),
-      checkpoint_bytes_(prometheus::BuildCounter()
-                            .Name("diond_checkpoint_bytes_total")
-                            .Help("Bytes of checkpoints written.")
-                            .Register(*registry_)
-                            .Add({})),
-      collective_bytes_(prometheus::BuildCounter()
-                            .Name("diond_collective_bytes_total")
-                            .Help("Bytes this daemon sent in collectives, by op.")
-                            .Register(*registry_)),
-      collective_seconds_(prometheus::BuildHistogram()
-                              .Name("diond_collective_seconds")
-                              .Help("Wall time of collectives, by op.")
-                              .Register(*registry_)),
-      world_peers_(prometheus::BuildGauge()
-                       .Name("diond_world_peers")
-                       .Help("Live ranks of the daemon world as the coordinator reports them.")
-                       .Register(*registry_)
-                       .Add({})),
-      world_generation_(prometheus::BuildGauge()
-                            .Name("diond_world_generation")
-                            .Help("Generation of the world's current communicator; 0 = none.")
-                            .Register(*registry_)
-                            .Add({})),
-      world_failures_(prometheus::BuildCounter()
-                          .Name("diond_world_failures_total")
-                          .Help("Times the daemon world broke (lost rank, lost coordinator, "
-                                "failed collective).")
-                          .Register(*registry_)
-                          .Add({})),
-      checksum_mismatches_(prometheus::BuildCounter()
-                               .Name("diond_world_checksum_mismatches_total")
-                               .Help("World sessions: parameters whose copy on this daemon "
-                                     "differed from the owner's at a --checksum_every check "
-                                     "(each was replaced by the owner's copy).")
-                               .Register(*registry_)
-                               .Add({})),
-      checkpoint_failures_(prometheus::BuildCounter()
-                               .Name("diond_checkpoint_failures_total")
-                               .Help("Checkpoints of open sessions that could not be written "
-                                     "(automatic or requested).")
-                               .Register(*registry_)
-                               .Add({})),
-      checkpoint_last_success_(prometheus::BuildGauge()
-                                   .Name("diond_checkpoint_last_success_timestamp_seconds")
-                                   .Help("Unix time of the last checkpoint written; 0 = none.")
-                                   .Register(*registry_)
-                                   .Add({})),
-      max_session_bytes_(prometheus::BuildGauge()
-                             .Name("diond_max_session_bytes")
-                             .Help("--max_session_bytes: the largest state one session may "
-                                   "hold; 0 = unlimited.")
-                             .Register(*registry_)
-                             .Add({})),
-      memory_budget_bytes_(prometheus::BuildGauge()
-                               .Name("diond_memory_budget_bytes")
-                               .Help("--memory_budget_bytes: the state all sessions together "
-                                     "may hold; 0 = unlimited.")
-                               .Register(*registry_)
-                               .Add({})),
-      checkpoint_interval_(prometheus::BuildGauge()
-                               .Name("diond_checkpoint_interval_steps")
-                               .Help("--checkpoint_every (with --state_dir): automatic "
-                                     "checkpoint interval in steps; 0 = off.")
-                               .Register(*registry_)
-                               .Add({})),
-      world_size_(prometheus::BuildGauge()
-                      .Name("diond_world_size")
-                      .Help("--world_size: daemons the world should have; 1 = no world.")
-                      .Register(*registry_)
-                      .Add({})),
-      world_rank_(prometheus::BuildGauge()
-                      .Name("diond_world_rank")
-                      .Help("This daemon's rank in the world (0 without a world).")
-                      .Register(*registry_)
-                      .Add({})),
+      rpcs_(CounterFamily(*registry_, "diond_rpcs_total",
+                          "Finished gRPC calls by method and status code.")),
+      rpc_seconds_(HistogramFamily(*registry_, "diond_rpc_duration_seconds",
+                                   "Latency of finished gRPC calls by method and status code.")),
+      sessions_(OneGauge(*registry_, "diond_sessions", "Open optimizer sessions.")),
+      sessions_reaped_(CounterFamily(*registry_, "diond_sessions_reaped_total",
+                                     "Sessions the daemon closed by itself, by reason: idle "
+                                     "(--session_idle_timeout) or orphan (every trainer process "
+                                     "that created or used it exited; --orphan_grace).")),
+      device_memory_in_use_(OneGauge(*registry_, "diond_device_memory_in_use_bytes",
+                                     "Bytes of the compute device's pool handed out and not "
+                                     "freed (0 on a CPU daemon).")),
+      device_memory_peak_(OneGauge(*registry_, "diond_device_memory_peak_bytes",
+                                   "High-water mark of diond_device_memory_in_use_bytes since "
+                                   "the daemon started.")),
+      device_lost_(OneGauge(*registry_, "diond_device_lost",
+                            "1 once a sticky error (an illegal address, a kernel fault) has "
+                            "lost the compute device's context: health is NOT_SERVING and "
+                            "device steps are refused until the daemon restarts; else 0.")),
+      graph_fallbacks_(
+          CounterFamily(*registry_, "diond_step_graph_fallbacks_total",
+                        "Device sessions whose step phase (read, update, write) runs "
+                        "eagerly instead of as a captured graph, by phase and reason "
+                        "(unsupported, sync_point, capture_failed, world, pageable).")),
+      graph_steps_(CounterFamily(*registry_, "diond_step_graphs_total",
+                                 "Device step phases (read, update, write) that ran as a graph, by "
+                                 "phase and mode: captured (a new graph) or replayed.")),
+      steps_(CounterFamily(*registry_, "diond_steps_total",
+                           "Step RPCs that succeeded, by outcome (applied, skipped, replayed).")),
+      step_seconds_(OneHistogram(*registry_, "diond_step_duration_seconds",
+                                 "Wall time of applied steps inside the daemon.")),
+      step_compute_seconds_(OneHistogram(*registry_, "diond_step_compute_seconds",
+                                         "Optimizer compute time of applied steps.")),
+      checkpoints_(OneCounter(*registry_, "diond_checkpoints_total", "Checkpoints written.")),
+      checkpoint_bytes_(
+          OneCounter(*registry_, "diond_checkpoint_bytes_total", "Bytes of checkpoints written.")),
+      collective_bytes_(CounterFamily(*registry_, "diond_collective_bytes_total",
+                                      "Bytes this daemon sent in collectives, by op.")),
+      collective_seconds_(HistogramFamily(*registry_, "diond_collective_seconds",
+                                          "Wall time of collectives, by op.")),
+      world_peers_(OneGauge(*registry_, "diond_world_peers",
+                            "Live ranks of the daemon world as the coordinator reports them.")),
+      world_generation_(OneGauge(*registry_, "diond_world_generation",
+                                 "Generation of the world's current communicator; 0 = none.")),
+      world_failures_(OneCounter(*registry_, "diond_world_failures_total",
+                                 "Times the daemon world broke (lost rank, lost coordinator, "
+                                 "failed collective).")),
+      checksum_mismatches_(OneCounter(*registry_, "diond_world_checksum_mismatches_total",
+                                      "World sessions: parameters whose copy on this daemon "
+                                      "differed from the owner's at a --checksum_every check "
+                                      "(each was replaced by the owner's copy).")),
+      checkpoint_failures_(OneCounter(*registry_, "diond_checkpoint_failures_total",
+                                      "Checkpoints of open sessions that could not be written "
+                                      "(automatic or requested).")),
+      checkpoint_last_success_(OneGauge(*registry_,
+                                        "diond_checkpoint_last_success_timestamp_seconds",
+                                        "Unix time of the last checkpoint written; 0 = none.")),
+      max_session_bytes_(OneGauge(*registry_, "diond_max_session_bytes",
+                                  "--max_session_bytes: the largest state one session may "
+                                  "hold; 0 = unlimited.")),
+      memory_budget_bytes_(OneGauge(*registry_, "diond_memory_budget_bytes",
+                                    "--memory_budget_bytes: the state all sessions together "
+                                    "may hold; 0 = unlimited.")),
+      checkpoint_interval_(OneGauge(*registry_, "diond_checkpoint_interval_steps",
+                                    "--checkpoint_every (with --state_dir): automatic "
+                                    "checkpoint interval in steps; 0 = off.")),
+      world_size_(OneGauge(*registry_, "diond_world_size",
+                           "--world_size: daemons the world should have; 1 = no world.")),
+      world_rank_(OneGauge(*registry_, "diond_world_rank",
+                           "This daemon's rank in the world (0 without a world).")),
       session_collector_(std::make_shared<SessionCollector>()) {
   world_size_.Set(1);
   for (const char* reason : {"idle", "orphan"}) sessions_reaped_.Add({{"reason", reason}});
-  // Every phase's series exist at zero (docs/OPERATIONS.md): each phase with the reasons it
-  // can have (only the update calls the rules' sync points and compressed Dion's collectives;
-  // only the read and write phases copy host memory).
-  for (const char* phase : {"read", "update", "write"}) {
-    const bool update = std::string(phase) == "update";
-    for (const char* reason :
-         {"unsupported", "sync_point", "capture_failed", "world", "pageable"}) {
-      const std::string r = reason;
-      if (update ? r == "pageable" : (r == "sync_point" || r == "world")) continue;
-      graph_fallbacks_.Add({{"phase", phase}, {"reason", reason}});
-    }
-    for (const char* mode : {"captured", "replayed"}) {
-      graph_steps_.Add({{"phase", phase}, {"mode", mode}});
-    }
-  }
-  prometheus::BuildGauge()
-      .Name("diond_build_info")
-      .Help("Always 1; labels describe the running daemon.")
-      .Register(*registry_)
-      .Add({{"version", info.version},
-            {"device", info.device},
-            {"compute_device", info.compute_device},
-            {"cuda_plugin", info.cuda_plugin ? "true" : "false"},
-            {"openblas_core", info.openblas_core},
-            {"openblas_core_source", info.openblas_core_source},
-            {"fp32_gemm_auto", info.fp32_gemm_auto},
-            {"fp32_symmetric_auto", info.fp32_symmetric_auto},
-            {"bf16_matmul_auto", info.bf16_matmul_auto},
-            {"engines_calibrated", info.engines_calibrated ? "true" : "false"}})
-      .Set(1);
+  AddGraphSeries(graph_fallbacks_, graph_steps_);
+  RegisterBuildInfo(*registry_, info);
 }
 
 void DaemonMetrics::ObserveRpc(absl::string_view method, absl::string_view code, double seconds) {

@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <map>
 #include <optional>
 #include <sstream>
@@ -220,9 +221,12 @@ template <typename Row>
 void PrintTable(const std::vector<Column<Row>>& columns, const std::vector<Row>& rows) {
   std::vector<std::vector<std::string>> cells;
   std::vector<size_t> width;
+  width.reserve(columns.size());
+  cells.reserve(rows.size());
   for (const auto& c : columns) width.push_back(c.header.size());
   for (const Row& r : rows) {
     std::vector<std::string> line;
+    line.reserve(columns.size());
     for (size_t i = 0; i < columns.size(); ++i) {
       line.push_back(columns[i].cell(r));
       width[i] = std::max(width[i], line.back().size());
@@ -238,6 +242,7 @@ void PrintTable(const std::vector<Column<Row>>& columns, const std::vector<Row>&
     std::printf("%s\n", out.c_str());
   };
   std::vector<std::string> headers;
+  headers.reserve(columns.size());
   for (const auto& c : columns) headers.push_back(c.header);
   print(headers);
   for (const auto& line : cells) print(line);
@@ -455,6 +460,7 @@ int World(const Connection& c) {
               m.complete() ? "complete" : "INCOMPLETE");
   if (!m.broken_reason().empty()) std::printf("last break: %s\n", m.broken_reason().c_str());
   std::vector<int> ranks;
+  ranks.reserve(m.world_size());
   for (int r = 0; r < m.world_size(); ++r) ranks.push_back(r);
   PrintTable<int>({{"RANK", [](int r) { return absl::StrCat(r); }},
                    {"ADDRESS",
@@ -553,9 +559,9 @@ std::vector<Sample> ParseExposition(const std::string& text) {
     if (rest.empty()) continue;
     std::string v(rest[0]);
     if (v == "+Inf") {
-      s.value = INFINITY;
+      s.value = std::numeric_limits<double>::infinity();
     } else if (v == "-Inf") {
-      s.value = -INFINITY;
+      s.value = -std::numeric_limits<double>::infinity();
     } else if (!absl::SimpleAtod(v, &s.value)) {
       continue;
     }

@@ -36,7 +36,7 @@ namespace {
 
 namespace dc = diond::client;
 
-constexpr int kIn = 16, kHidden = 64, kOut = 4, kSamples = 256;
+constexpr int64_t kIn = 16, kHidden = 64, kOut = 4, kSamples = 256;
 
 // Views of the four tensors of an MLP (the student's live in shm, the teacher's on the heap).
 struct Mlp {

@@ -61,9 +61,12 @@ OpsBackend MakeTable() {
   t.name = "cpu";
   t.allocate = &HostAllocate;
   t.deallocate = &HostDeallocate;
+// NOLINTBEGIN(bugprone-macro-parentheses): X-macro arguments are names, types and
+// parameter lists, which parentheses would break.
 #define DIOND_OP(name, Name, kind, cpp_params, c_params) t.name = &Name;
 #define DIOND_HOST_OP(name, Name, kind, cpp_params, c_entry) t.name = &Name;
 #include "kernels/ops.def"
+  // NOLINTEND(bugprone-macro-parentheses)
   return t;
 }
 

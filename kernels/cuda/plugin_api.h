@@ -168,10 +168,13 @@ typedef const DiondTensor* DiondOut;  // the tensor's memory is written; the rec
 typedef struct DiondOpsApiV1 {
   uint32_t version;  // DIOND_OPS_API_VERSION of the plugin
   const char* name;  // "cuda", "host-test device (TEST BACKEND)"
+// NOLINTBEGIN(bugprone-macro-parentheses): X-macro arguments are names, types and
+// parameter lists, which parentheses would break.
 #define DIOND_ENTRY(name, Name, ret, c_params) ret(*name) c_params;
 #define DIOND_OP(name, Name, kind, cpp_params, c_params) int(*name) c_params;
 #define DIOND_OP_DEV(name, Name, host_op, c_params) int(*name) c_params;
 #include "kernels/ops.def"
+  // NOLINTEND(bugprone-macro-parentheses)
 } DiondOpsApiV1;
 
 // handoff: sizes of the records above.

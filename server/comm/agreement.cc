@@ -12,6 +12,7 @@ absl::StatusOr<std::vector<std::string>> ExchangeValues(KeyValueStore& kv,
                                                         std::optional<std::vector<int>>* missing) {
   DIOND_RETURN_IF_ERROR(kv.Set(absl::StrCat(prefix, rank), value));
   std::vector<std::string> keys;
+  keys.reserve(size);
   for (int r = 0; r < size; ++r) keys.push_back(absl::StrCat(prefix, r));
   if (absl::Status waited = kv.Wait(keys, timeout); !waited.ok()) {
     if (missing != nullptr) {

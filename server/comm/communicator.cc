@@ -51,7 +51,7 @@ void Communicator::Record(CollectiveOp op, int64_t bytes, double seconds,
   if (observer_) observer_(op, bytes, seconds, result);
 }
 
-int64_t RingAllReduceBytes(int64_t x, int w) { return w <= 1 ? 0 : 2 * (w - 1) * x / w; }
+int64_t RingAllReduceBytes(int64_t x, int w) { return w <= 1 ? 0 : int64_t{2} * (w - 1) * x / w; }
 int64_t RingAllGatherBytes(int64_t x, int w) { return w <= 1 ? 0 : (w - 1) * x / w; }
 
 absl::Status Communicator::CheckAllGatherV(absl::Span<const float> input,

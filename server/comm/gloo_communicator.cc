@@ -86,7 +86,7 @@ class PairwiseExchange : public gloo::Algorithm {
 // Bytes one rank sends in gloo::AllreduceRingChunked::run(), replaying its chunk schedule.
 int64_t ChunkedRingBytes(int64_t count, int w, int rank, int64_t elem) {
   if (w <= 1 || count == 0) return 0;
-  const int64_t chunks = 2 * w;
+  const int64_t chunks = int64_t{2} * w;
   const int64_t cs = std::max<int64_t>(256, (count + chunks - 1) / chunks);
   auto len = [&](int64_t c) -> int64_t {
     int64_t off = (c % chunks) * cs;
@@ -95,9 +95,9 @@ int64_t ChunkedRingBytes(int64_t count, int w, int rank, int64_t elem) {
     return 1;  // Gloo sends one element for an empty chunk
   };
   auto offset = [&](int64_t round) {
-    return ((2 * rank) - (round & ~int64_t{1}) + (round & 1) + chunks) % chunks;
+    return ((int64_t{2} * rank) - (round & ~int64_t{1}) + (round & 1) + chunks) % chunks;
   };
-  int64_t n = len(2 * rank) + len(2 * rank + 1);
+  int64_t n = len(int64_t{2} * rank) + len(int64_t{2} * rank + 1);
   for (int64_t round = 2; round < chunks; ++round) n += len(offset(round));
   for (int64_t round = 0; round < chunks - 4; ++round) n += len(offset(round));
   return n * elem;

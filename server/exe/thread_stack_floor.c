@@ -15,7 +15,7 @@
  *
  * Plain C, never instrumented; it changes nothing but the sizes below the floor
  * (DIOND_THREAD_STACK_FLOOR_KB overrides the 1024 KiB). */
-#define _GNU_SOURCE
+#define _GNU_SOURCE  // NOLINT(bugprone-reserved-identifier): glibc's feature macro, for RTLD_NEXT
 #include <dlfcn.h>
 #include <pthread.h>
 #include <stddef.h>

@@ -15,7 +15,7 @@
 namespace diond::rpc {
 
 // Longest a single Wait may park (clients loop for longer waits).
-inline constexpr int64_t kMaxPeerWaitMs = 10 * 60 * 1000;
+inline constexpr int64_t kMaxPeerWaitMs = int64_t{10} * 60 * 1000;
 
 // Set: INVALID_ARGUMENT for an empty key (the store checks the quotas).
 absl::Status CheckPeerSet(const v1::PeerSetRequest& req);

@@ -76,7 +76,7 @@ grpc::ServerUnaryReactor* PeerService::Wait(grpc::CallbackServerContext* ctx,
   if (!keys.ok()) return Finish(ctx, keys.status());
   grpc::ServerUnaryReactor* r = ctx->DefaultReactor();
   coordinator_->store()->WaitAsync(*std::move(keys), absl::Milliseconds(req->timeout_ms()),
-                                   [r](absl::Status s) { r->Finish(ToGrpcStatus(s)); });
+                                   [r](const absl::Status& s) { r->Finish(ToGrpcStatus(s)); });
   return r;
 }
 

@@ -135,7 +135,8 @@ absl::Status CudaArena::Allocate() {
       !s.ok()) {
     return s;
   }
-  base_ = reinterpret_cast<void*>(va);
+  // The driver API names device addresses as integers; this is where they become pointers.
+  base_ = reinterpret_cast<void*>(va);  // NOLINT(performance-no-int-to-ptr)
   if (absl::Status s = Drv("cuMemMap", drv.map(va, static_cast<size_t>(plan_.bytes), 0, h, 0));
       !s.ok()) {
     drv.address_free(va, static_cast<size_t>(plan_.bytes));

@@ -1,7 +1,7 @@
 """Dion through diond.torch.Optimizer: the reference's qr_method / cqr_warmup_steps /
 rcqr_oversample options reach the daemon (or are refused by name), and a reference run is
 reproduced exactly by injecting its initial Q through state_dict()/load_state_dict() before
-step 1 (README.md, "Reproducing a reference Dion run").
+step 1 (docs/CONFORMANCE.md "Reproducing a reference Dion run").
 """
 import json
 import os

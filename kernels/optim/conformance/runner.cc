@@ -8,6 +8,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "absl/base/casts.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -518,7 +519,7 @@ double BitMismatches(const std::vector<float>& a, const std::vector<float>& b) {
   if (a.size() != b.size()) return static_cast<double>(std::max(a.size(), b.size()));
   double bad = 0;
   for (size_t i = 0; i < a.size(); ++i) {
-    if (std::memcmp(&a[i], &b[i], sizeof(float)) != 0) ++bad;
+    if (absl::bit_cast<uint32_t>(a[i]) != absl::bit_cast<uint32_t>(b[i])) ++bad;
   }
   return bad;
 }
