@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every tracked C, C++ and CUDA source is as .clang-format lays it out (STYLE.md S5).
+# Every tracked C, C++ and CUDA source is as .clang-format lays it out (STYLE.md B6).
 #   scripts/check-format.sh [--fix] [REPO]
 #     --fix        rewrite the files that differ instead of failing
 #     --self-test  the check on a scratch repository: a misformatted file must fail it, and

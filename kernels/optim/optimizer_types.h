@@ -112,35 +112,19 @@ Bf16MatmulEngine ResolveBf16Matmul(Bf16MatmulEngine e);
 // before using oneDNN's bf16 matmul), else kFloat32Gemm.
 Bf16MatmulEngine IsaBf16Matmul();
 
-// Every hyperparameter of every algorithm. Values are given in double as the caller has them;
-// the update rules round each one to float32 before any arithmetic (P1). Fields an algorithm
-// does not read are ignored (and not range-checked) for that algorithm; options that change
-// behaviour (nesterov, cautious_wd, adjust_lr, orthogonalizer) are rejected with
-// INVALID_ARGUMENT when set to a non-default value on an algorithm that lacks them, so that no
-// option is silently a no-op.
+// Every hyperparameter of every algorithm: one member per row of options.def, with its default
+// (the row's comment says what it does; ALGORITHMS.md cites the formulas). Values are given in
+// double as the caller has them; the update rules round each one to float32 before any
+// arithmetic (P1). Fields an algorithm does not read are ignored (and not range-checked) for
+// that algorithm; options that change behaviour (nesterov, cautious_wd, adjust_lr,
+// orthogonalizer, Dion's QR options) are rejected with INVALID_ARGUMENT when set to a
+// non-default value on an algorithm that lacks them, so that no option is silently a no-op
+// (OptionRow::elsewhere, kernels/optim/option_table.h).
 struct Hyperparams {
-  double lr = 0.01;              // all; >= 0
-  double weight_decay = 0.01;    // all; decoupled, uses the base lr (P8); >= 0
-  double epsilon = 1e-8;         // orthogonalizer normalization / Dion column norm / AdamW; >= 0
-  double mu = 0.95;              // Muon, NorMuon, Dion (EF), NorDion2 (EF decay); in [0, 1)
-  double beta1 = 0.9;            // AdamW, Lion; in [0, 1)
-  double beta2 = 0.95;           // AdamW, Lion; in [0, 1)
-  double muon_beta2 = 0.95;      // NorMuon, NorDion2 (per-row second moment EMA); in [0, 1)
-  double fraction = 0.25;        // Dion2, NorDion2: fraction of slices selected; in (0, 1]
-  double ef_decay = 0.95;        // Dion2: decay of the selected slices; in [0, 1]
-  double rank_fraction = 1.0;    // Dion: r / min(m, n); in (0, 1]
-  int64_t rank_multiple_of = 1;  // Dion: r rounded up to a multiple; >= 1
-  bool nesterov = false;         // Muon, NorMuon
-  bool cautious_wd = false;      // Muon, NorMuon, AdamW, Lion (§5.3 step 6, §13)
-  AdjustLr adjust_lr = AdjustLr::kSpectralNorm;                   // Muon, NorMuon, Dion2, NorDion2
-  Orthogonalizer orthogonalizer = Orthogonalizer::kPolarExpress;  // the same four
-  // Dion (§9.4 step 6, §10): orthonormalization of P. Non-default values are rejected on the
-  // other algorithms.
-  QrMethod qr_method = QrMethod::kRcqr;
-  int64_t cqr_warmup_steps = 150;  // Dion, kCqr: steps 1..cqr_warmup_steps use kRcqr; >= 0
-  // Dion, randomized Cholesky QR: the sketch has k = 128·⌈oversample·r/128⌉ rows (the
-  // reference's rcqr_oversample, group key "oversample"); in (0, 16] and k >= r.
-  double rcqr_oversample = 1.25;
+#define DIOND_OPTION(name, member, type, default_value, range, algorithms, elsewhere, since) \
+  type member = default_value;
+#include "kernels/optim/options.def"
+#undef DIOND_OPTION
 };
 
 // The reference constructor defaults of `kind` (lr 0.01, mu 0.95, betas (0.9, 0.95),

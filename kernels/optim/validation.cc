@@ -10,6 +10,7 @@
 #include "absl/strings/str_join.h"
 #include "common/bounded.h"
 #include "common/status_macros.h"
+#include "kernels/optim/option_table.h"
 
 namespace diond::optim {
 namespace {
@@ -22,95 +23,23 @@ std::string ShapeString(const ParamShape& s) {
   return absl::StrCat("[", absl::StrJoin(s, ","), "]");
 }
 
-// Checks lo <= v < hi (or <= hi when hi_inclusive), v finite.
-absl::Status Range(const GroupConfig& c, absl::string_view name, double v, double lo,
-                   bool lo_inclusive, double hi, bool hi_inclusive) {
-  const bool ok =
-      std::isfinite(v) && (lo_inclusive ? v >= lo : v > lo) && (hi_inclusive ? v <= hi : v < hi);
-  if (ok) return absl::OkStatus();
-  return Bad(c, absl::StrCat(name, " = ", v, " is outside ", lo_inclusive ? "[" : "(", lo, ", ", hi,
-                             hi_inclusive ? "]" : ")"));
-}
-
-absl::Status Bounded(const GroupConfig& c, absl::string_view name, double v, double max) {
-  if (absl::Status s = CheckStepKnob(name, v, max); !s.ok()) return Bad(c, s.message());
-  return absl::OkStatus();
-}
-
 bool IsMegabatch(AlgorithmKind k) { return HasBf16Path(k); }
 
+// Every row of the option table: the range of each option the algorithm reads, then the
+// options it lacks (a non-default value of a kRefused row).
 absl::Status CheckHyperparams(const GroupConfig& c) {
   const Hyperparams& h = c.hyperparams;
   const AlgorithmKind k = c.algorithm;
-  if (absl::Status s = Bounded(c, "lr", h.lr, kMaxLr); !s.ok()) return s;
-  if (absl::Status s = Bounded(c, "weight_decay", h.weight_decay, kMaxWeightDecay); !s.ok()) {
-    return s;
+  for (const OptionRow& row : OptionTable()) {
+    if (!row.AppliesTo(k)) continue;
+    if (absl::Status s = row.CheckRange(row.get(h)); !s.ok()) return Bad(c, s.message());
   }
-  if (k != AlgorithmKind::kLion) {
-    if (absl::Status s = Bounded(c, "epsilon", h.epsilon, kMaxEpsilon); !s.ok()) return s;
-  }
-  if (k == AlgorithmKind::kMuon || k == AlgorithmKind::kNorMuon || k == AlgorithmKind::kDion ||
-      k == AlgorithmKind::kNorDion2) {
-    if (absl::Status s = Range(c, "mu", h.mu, 0, true, 1, false); !s.ok()) return s;
-  }
-  if (k == AlgorithmKind::kNorMuon || k == AlgorithmKind::kNorDion2) {
-    if (absl::Status s = Range(c, "muon_beta2", h.muon_beta2, 0, true, 1, false); !s.ok()) {
-      return s;
-    }
-  }
-  if (k == AlgorithmKind::kDion2 || k == AlgorithmKind::kNorDion2) {
-    if (absl::Status s = Range(c, "fraction", h.fraction, 0, false, 1, true); !s.ok()) return s;
-  }
-  if (k == AlgorithmKind::kDion2) {
-    if (absl::Status s = Range(c, "ef_decay", h.ef_decay, 0, true, 1, true); !s.ok()) return s;
-  }
-  if (k == AlgorithmKind::kDion) {
-    if (absl::Status s = Range(c, "rank_fraction", h.rank_fraction, 0, false, 1, true); !s.ok()) {
-      return s;
-    }
-    if (h.rank_multiple_of < 1) {
-      return Bad(c, absl::StrCat("rank_multiple_of = ", h.rank_multiple_of, " must be >= 1"));
-    }
-    if (h.cqr_warmup_steps < 0) {
-      return Bad(c, absl::StrCat("cqr_warmup_steps = ", h.cqr_warmup_steps, " must be >= 0"));
-    }
-    if (absl::Status s =
-            Range(c, "rcqr_oversample", h.rcqr_oversample, 0, false, kMaxRcqrOversample, true);
-        !s.ok()) {
-      return s;
-    }
-  }
-  if (k == AlgorithmKind::kAdamW || k == AlgorithmKind::kLion) {
-    if (absl::Status s = Range(c, "beta1", h.beta1, 0, true, 1, false); !s.ok()) return s;
-    if (absl::Status s = Range(c, "beta2", h.beta2, 0, true, 1, false); !s.ok()) return s;
-  }
-  // Options that only some algorithms have: reject rather than ignore.
-  if (h.nesterov && k != AlgorithmKind::kMuon && k != AlgorithmKind::kNorMuon) {
-    return Bad(c, "nesterov is not supported (Muon and NorMuon only)");
-  }
-  if (h.cautious_wd &&
-      (k == AlgorithmKind::kDion || k == AlgorithmKind::kDion2 || k == AlgorithmKind::kNorDion2)) {
-    return Bad(c, "cautious_wd is not supported (Muon, NorMuon, AdamW and Lion only)");
-  }
-  if (!IsMegabatch(k) && h.adjust_lr != AdjustLr::kSpectralNorm) {
-    return Bad(c, absl::StrCat("adjust_lr = ", AdjustLrName(h.adjust_lr),
-                               " is not supported (Dion always uses sqrt(fan_out/fan_in); "
-                               "AdamW and Lion never scale)"));
-  }
-  if (!IsMegabatch(k) && h.orthogonalizer != Orthogonalizer::kPolarExpress) {
-    return Bad(c, "orthogonalizer choice applies to Muon, NorMuon, Dion2 and NorDion2 only");
-  }
-  if (k != AlgorithmKind::kDion) {
-    const Hyperparams d;
-    if (h.qr_method != d.qr_method) {
-      return Bad(c, absl::StrCat("qr_method = ", QrMethodName(h.qr_method),
-                                 " is not supported (Dion only)"));
-    }
-    if (h.cqr_warmup_steps != d.cqr_warmup_steps) {
-      return Bad(c, "cqr_warmup_steps is not supported (Dion only)");
-    }
-    if (h.rcqr_oversample != d.rcqr_oversample) {
-      return Bad(c, "rcqr_oversample is not supported (Dion only)");
+  for (const OptionRow& row : OptionTable()) {
+    if (row.AppliesTo(k) || row.elsewhere != OptionElsewhere::kRefused) continue;
+    const OptionValue v = row.get(h);
+    if (v != row.Default(k)) {
+      return Bad(c, absl::StrCat(row.Label(), " = ", row.Format(v), " is not supported (",
+                                 AlgorithmList(row.algorithms), " only)"));
     }
   }
   return absl::OkStatus();

@@ -32,15 +32,14 @@ absl::Status CheckStepKnob(absl::string_view name, double v, double max);
 
 // Checks every hyperparameter the algorithm reads (finite and in range), every option
 // (rejected when the algorithm lacks it), and every shape against the algorithm and options:
-//   * all: lr in [0, kMaxLr], weight_decay in [0, kMaxWeightDecay], epsilon in
-//     [0, kMaxEpsilon], all doubles finite.
-//   * Muon/NorMuon: mu in [0, 1); NorMuon/NorDion2: muon_beta2 in [0, 1).
-//   * Dion2/NorDion2: fraction in (0, 1]; Dion2: ef_decay in [0, 1]; NorDion2: mu in [0, 1).
-//   * Dion: mu in [0, 1), rank_fraction in (0, 1], rank_multiple_of >= 1; 2-D parameters only;
-//     cqr_warmup_steps >= 0, rcqr_oversample in (0, kMaxRcqrOversample] with a sketch of at
-//     least r rows for every parameter whose P is tall (unless qr_method is qr). qr_method,
-//     cqr_warmup_steps and rcqr_oversample other than the defaults on any other algorithm.
-//   * AdamW/Lion: beta1, beta2 in [0, 1); any shape (0-D included).
+//   * every row of the option table (option_table.h, options.def) that applies to the
+//     algorithm: in its range (lr in [0, kMaxLr], mu in [0, 1), ...); every row of kind
+//     kRefused that does not: its default (nesterov only Muon/NorMuon, cautious_wd only
+//     Muon/NorMuon/AdamW/Lion, adjust_lr / orthogonalizer only the megabatch family, Dion's
+//     qr_method, cqr_warmup_steps and rcqr_oversample only Dion).
+//   * Dion: 2-D parameters only; with a tall P a sketch of at least r rows (unless qr_method
+//     is qr).
+//   * AdamW/Lion: any shape (0-D included).
 //   * Matrix algorithms: rank >= 2, every dim >= 1; num_heads >= 1 dividing m of every (2-D)
 //     parameter, not with flatten, not on Dion/AdamW/Lion; split_sizes only on Muon/NorMuon,
 //     >= 2 positive sizes summing to m of every (2-D) parameter, not with num_heads > 1 or

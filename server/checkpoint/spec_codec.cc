@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "common/strict_json.h"
+#include "kernels/optim/option_table.h"
 #include "server/checkpoint/internal/files.h"
 #include "server/checkpoint/internal/spec_json.h"
 #include "server/checkpoint/manifest.h"
@@ -45,49 +46,57 @@ const char* DTypeJson(DType d) {
   return "f32";
 }
 
-// The hyperparameters of group `jg` (path `w`). The algorithm-specific ranges are
-// Session::Create's, the same checks CreateSession makes.
+// One option of group `jg` (path `w`), under its checkpoint key (the Hyperparams member).
+// The algorithm-specific ranges are Session::Create's, the same checks CreateSession makes;
+// here only the type, and the integers' bounds.
+absl::StatusOr<optim::OptionValue> OptionFromJson(const json& jg, const std::string& w,
+                                                  const optim::OptionRow& row) {
+  const std::string key(row.member);
+  optim::OptionValue v;
+  switch (row.type) {
+    case optim::OptionType::kDouble: {
+      DIOND_ASSIGN_OR_RETURN(v.number, GetNumber(jg, key.c_str(), w));
+      break;
+    }
+    case optim::OptionType::kInt: {
+      DIOND_ASSIGN_OR_RETURN(v.integer,
+                             GetInt(jg, key.c_str(), w, static_cast<int64_t>(row.range.lo),
+                                    static_cast<int64_t>(row.range.hi)));
+      break;
+    }
+    case optim::OptionType::kBool: {
+      DIOND_ASSIGN_OR_RETURN(bool b, GetBool(jg, key.c_str(), w));
+      v.integer = b ? 1 : 0;
+      break;
+    }
+    case optim::OptionType::kEnum: {
+      DIOND_ASSIGN_OR_RETURN(std::string name, GetString(jg, key.c_str(), w));
+      v.integer = -1;
+      std::string known;
+      for (size_t i = 0; i < row.enum_names.size(); ++i) {
+        if (name == row.enum_names[i]) v.integer = static_cast<int64_t>(i);
+        absl::StrAppend(&known,
+                        i == 0                           ? ""
+                        : i + 1 == row.enum_names.size() ? " or "
+                                                         : ", ",
+                        row.enum_names[i]);
+      }
+      if (v.integer < 0) {
+        return FieldError(absl::StrCat(w, key), absl::StrCat("'", Echo(name), "' is not ", known));
+      }
+      break;
+    }
+  }
+  return v;
+}
+
+// The hyperparameters of group `jg` (path `w`): every row of the option table. An option added
+// after the first format is absent from older checkpoints, which load with its default.
 absl::Status HyperparamsFromJson(const json& jg, const std::string& w, optim::Hyperparams& h) {
-  DIOND_ASSIGN_OR_RETURN(h.lr, GetNumber(jg, "lr", w, 0));
-  DIOND_ASSIGN_OR_RETURN(h.weight_decay, GetNumber(jg, "weight_decay", w, 0));
-  DIOND_ASSIGN_OR_RETURN(h.epsilon, GetNumber(jg, "epsilon", w, 0));
-  DIOND_ASSIGN_OR_RETURN(h.mu, GetNumber(jg, "mu", w));
-  DIOND_ASSIGN_OR_RETURN(h.beta1, GetNumber(jg, "beta1", w));
-  DIOND_ASSIGN_OR_RETURN(h.beta2, GetNumber(jg, "beta2", w));
-  DIOND_ASSIGN_OR_RETURN(h.muon_beta2, GetNumber(jg, "muon_beta2", w));
-  DIOND_ASSIGN_OR_RETURN(h.fraction, GetNumber(jg, "fraction", w));
-  DIOND_ASSIGN_OR_RETURN(h.ef_decay, GetNumber(jg, "ef_decay", w));
-  DIOND_ASSIGN_OR_RETURN(h.rank_fraction, GetNumber(jg, "rank_fraction", w));
-  DIOND_ASSIGN_OR_RETURN(h.rank_multiple_of,
-                         GetInt(jg, "rank_multiple_of", w, 1, int64_t{1} << 31));
-  DIOND_ASSIGN_OR_RETURN(h.nesterov, GetBool(jg, "nesterov", w));
-  DIOND_ASSIGN_OR_RETURN(h.cautious_wd, GetBool(jg, "cautious_wd", w));
-  DIOND_ASSIGN_OR_RETURN(std::string adjust, GetString(jg, "adjust_lr", w));
-  auto adj = optim::ParseAdjustLr(adjust);
-  if (!adj.ok()) return FieldError(absl::StrCat(w, "adjust_lr"), adj.status().message());
-  h.adjust_lr = *adj;
-  DIOND_ASSIGN_OR_RETURN(std::string ortho, GetString(jg, "orthogonalizer", w));
-  if (ortho == "polar_express") {
-    h.orthogonalizer = optim::Orthogonalizer::kPolarExpress;
-  } else if (ortho == "ns5") {
-    h.orthogonalizer = optim::Orthogonalizer::kNewtonSchulz5;
-  } else {
-    return FieldError(absl::StrCat(w, "orthogonalizer"),
-                      absl::StrCat("'", Echo(ortho), "' is not polar_express or ns5"));
-  }
-  // Dion's QR method: absent in checkpoints written before it existed (the defaults then).
-  if (jg.contains("qr_method")) {
-    DIOND_ASSIGN_OR_RETURN(std::string qr, GetString(jg, "qr_method", w));
-    auto q = optim::ParseQrMethod(qr);
-    if (!q.ok()) return FieldError(absl::StrCat(w, "qr_method"), q.status().message());
-    h.qr_method = *q;
-  }
-  if (jg.contains("cqr_warmup_steps")) {
-    DIOND_ASSIGN_OR_RETURN(h.cqr_warmup_steps,
-                           GetInt(jg, "cqr_warmup_steps", w, 0, int64_t{1} << 53));
-  }
-  if (jg.contains("rcqr_oversample")) {
-    DIOND_ASSIGN_OR_RETURN(h.rcqr_oversample, GetNumber(jg, "rcqr_oversample", w, 0));
+  for (const optim::OptionRow& row : optim::OptionTable()) {
+    if (row.since == optim::OptionSince::kLater && !jg.contains(std::string(row.member))) continue;
+    DIOND_ASSIGN_OR_RETURN(optim::OptionValue v, OptionFromJson(jg, w, row));
+    row.set(h, v);
   }
   return absl::OkStatus();
 }
@@ -252,25 +261,24 @@ json SpecToJsonValue(const SessionSpec& spec) {
     jg["split_sizes"] = c.split_sizes;
     jg["flatten"] = c.flatten;
     jg["seed"] = c.seed;
-    jg["lr"] = h.lr;
-    jg["weight_decay"] = h.weight_decay;
-    jg["epsilon"] = h.epsilon;
-    jg["mu"] = h.mu;
-    jg["beta1"] = h.beta1;
-    jg["beta2"] = h.beta2;
-    jg["muon_beta2"] = h.muon_beta2;
-    jg["fraction"] = h.fraction;
-    jg["ef_decay"] = h.ef_decay;
-    jg["rank_fraction"] = h.rank_fraction;
-    jg["rank_multiple_of"] = h.rank_multiple_of;
-    jg["nesterov"] = h.nesterov;
-    jg["cautious_wd"] = h.cautious_wd;
-    jg["adjust_lr"] = std::string(optim::AdjustLrName(h.adjust_lr));
-    jg["orthogonalizer"] =
-        h.orthogonalizer == optim::Orthogonalizer::kPolarExpress ? "polar_express" : "ns5";
-    jg["qr_method"] = std::string(optim::QrMethodName(h.qr_method));
-    jg["cqr_warmup_steps"] = h.cqr_warmup_steps;
-    jg["rcqr_oversample"] = h.rcqr_oversample;
+    for (const optim::OptionRow& row : optim::OptionTable()) {
+      const optim::OptionValue v = row.get(h);
+      json& out = jg[std::string(row.member)];
+      switch (row.type) {
+        case optim::OptionType::kDouble:
+          out = v.number;
+          break;
+        case optim::OptionType::kInt:
+          out = v.integer;
+          break;
+        case optim::OptionType::kBool:
+          out = v.integer != 0;
+          break;
+        case optim::OptionType::kEnum:
+          out = row.Format(v);
+          break;
+      }
+    }
     j["groups"].push_back(jg);
   }
   for (const ParamSpec& p : spec.params) {

@@ -4,7 +4,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/bounded.h"
+#include "common/logging.h"
 #include "common/status_macros.h"
+#include "kernels/optim/option_table.h"
 
 namespace diond::rpc {
 namespace {
@@ -29,6 +31,15 @@ absl::StatusOr<optim::AlgorithmKind> AlgorithmFromProto(int v, const std::string
       return absl::InvalidArgumentError(absl::StrCat("group '", Bounded(group), "': algorithm ", v,
                                                      " is not a known Algorithm value"));
   }
+}
+
+// The field of diond.v1.Hyperparameters that `row` names. option_table_test checks that every
+// row has its field, of the row's type, and every field its row.
+const google::protobuf::FieldDescriptor* OptionField(const optim::OptionRow& row) {
+  const google::protobuf::FieldDescriptor* f =
+      v1::Hyperparameters::descriptor()->FindFieldByName(std::string(row.name));
+  DIOND_CHECK(f != nullptr) << "option " << row.name << " has no field in Hyperparameters";
+  return f;
 }
 
 absl::Status Finite(const char* name, double v) {
@@ -126,76 +137,59 @@ void SessionInfoToProto(const session::SessionInfo& info, absl::Time now, v1::Se
 absl::Status ApplyHyperparameters(const v1::Hyperparameters& h, optim::Hyperparams* result) {
   // Into a copy, so that a refused message changes nothing (found by hyperparameters_fuzz).
   optim::Hyperparams copy = *result;
-  optim::Hyperparams* out = &copy;
-#define DIOND_HP(field)                               \
-  if (h.has_##field()) {                              \
-    DIOND_RETURN_IF_ERROR(Finite(#field, h.field())); \
-    out->field = h.field();                           \
-  }
-  DIOND_HP(lr)
-  DIOND_HP(mu)
-  DIOND_HP(beta1)
-  DIOND_HP(beta2)
-  DIOND_HP(weight_decay)
-  DIOND_HP(epsilon)
-  DIOND_HP(muon_beta2)
-  DIOND_HP(rank_fraction)
-  DIOND_HP(fraction)
-  DIOND_HP(ef_decay)
-#undef DIOND_HP
-  if (h.has_oversample()) {
-    DIOND_RETURN_IF_ERROR(Finite("oversample", h.oversample()));
-    out->rcqr_oversample = h.oversample();
-  }
-  if (h.has_cqr_warmup_steps()) out->cqr_warmup_steps = h.cqr_warmup_steps();
-  switch (h.qr_method()) {
-    case v1::QR_METHOD_UNSPECIFIED:
-      break;
-    case v1::QR_METHOD_RCQR:
-      out->qr_method = optim::QrMethod::kRcqr;
-      break;
-    case v1::QR_METHOD_QR:
-      out->qr_method = optim::QrMethod::kQr;
-      break;
-    case v1::QR_METHOD_CQR:
-      out->qr_method = optim::QrMethod::kCqr;
-      break;
-    default:
-      return absl::InvalidArgumentError(absl::StrCat("qr_method ", h.qr_method(), " is unknown"));
-  }
-  if (h.has_rank_multiple_of()) out->rank_multiple_of = h.rank_multiple_of();
-  if (h.has_nesterov()) out->nesterov = h.nesterov();
-  if (h.has_cautious_wd()) out->cautious_wd = h.cautious_wd();
-  switch (h.adjust_lr()) {
-    case v1::ADJUST_LR_UNSPECIFIED:
-      break;
-    case v1::ADJUST_LR_SPECTRAL_NORM:
-      out->adjust_lr = optim::AdjustLr::kSpectralNorm;
-      break;
-    case v1::ADJUST_LR_RMS_NORM:
-      out->adjust_lr = optim::AdjustLr::kRmsNorm;
-      break;
-    case v1::ADJUST_LR_NONE:
-      out->adjust_lr = optim::AdjustLr::kNone;
-      break;
-    default:
-      return absl::InvalidArgumentError(absl::StrCat("adjust_lr ", h.adjust_lr(), " is unknown"));
-  }
-  switch (h.orthogonalizer()) {
-    case v1::ORTHOGONALIZER_UNSPECIFIED:
-      break;
-    case v1::ORTHOGONALIZER_POLAR_EXPRESS:
-      out->orthogonalizer = optim::Orthogonalizer::kPolarExpress;
-      break;
-    case v1::ORTHOGONALIZER_NEWTON_SCHULZ:
-      out->orthogonalizer = optim::Orthogonalizer::kNewtonSchulz5;
-      break;
-    default:
-      return absl::InvalidArgumentError(
-          absl::StrCat("orthogonalizer ", h.orthogonalizer(), " is unknown"));
+  const google::protobuf::Reflection* reflection = h.GetReflection();
+  for (const optim::OptionRow& row : optim::OptionTable()) {
+    const google::protobuf::FieldDescriptor* f = OptionField(row);
+    // Optional scalars: only the fields that are set; enums: UNSPECIFIED (0) keeps the default.
+    if (row.type != optim::OptionType::kEnum && !reflection->HasField(h, f)) continue;
+    optim::OptionValue v;
+    switch (row.type) {
+      case optim::OptionType::kDouble:
+        v.number = reflection->GetDouble(h, f);
+        DIOND_RETURN_IF_ERROR(Finite(f->name().c_str(), v.number));
+        break;
+      case optim::OptionType::kInt:
+        v.integer = reflection->GetInt64(h, f);
+        break;
+      case optim::OptionType::kBool:
+        v.integer = reflection->GetBool(h, f) ? 1 : 0;
+        break;
+      case optim::OptionType::kEnum: {
+        const int e = reflection->GetEnumValue(h, f);
+        if (e == 0) continue;
+        if (e < 0 || e > static_cast<int>(row.enum_names.size())) {
+          return absl::InvalidArgumentError(absl::StrCat(row.name, " ", e, " is unknown"));
+        }
+        v.integer = e - 1;
+        break;
+      }
+    }
+    row.set(copy, v);
   }
   *result = copy;
   return absl::OkStatus();
+}
+
+void HyperparametersToProto(const optim::Hyperparams& h, v1::Hyperparameters* out) {
+  const google::protobuf::Reflection* reflection = out->GetReflection();
+  for (const optim::OptionRow& row : optim::OptionTable()) {
+    const google::protobuf::FieldDescriptor* f = OptionField(row);
+    const optim::OptionValue v = row.get(h);
+    switch (row.type) {
+      case optim::OptionType::kDouble:
+        reflection->SetDouble(out, f, v.number);
+        break;
+      case optim::OptionType::kInt:
+        reflection->SetInt64(out, f, v.integer);
+        break;
+      case optim::OptionType::kBool:
+        reflection->SetBool(out, f, v.integer != 0);
+        break;
+      case optim::OptionType::kEnum:
+        reflection->SetEnumValue(out, f, static_cast<int>(v.integer) + 1);
+        break;
+    }
+  }
 }
 
 absl::StatusOr<HyperparameterChange> HyperparameterChangeFromProto(

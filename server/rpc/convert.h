@@ -22,7 +22,11 @@ v1::Algorithm AlgorithmToProto(optim::AlgorithmKind a);
 void SessionInfoToProto(const session::SessionInfo& info, absl::Time now, v1::SessionInfo* out);
 // Applies only the fields that are set; INVALID_ARGUMENT for an invalid value, and then `out`
 // is left as it was.
+// Walks the option table (kernels/optim/option_table.h): every row's field, by reflection.
 absl::Status ApplyHyperparameters(const v1::Hyperparameters& h, optim::Hyperparams* out);
+// Every option of `h`, each field set (DescribeOptions' defaults; ApplyHyperparameters'
+// inverse).
+void HyperparametersToProto(const optim::Hyperparams& h, v1::Hyperparameters* out);
 
 // SetHyperparameters: the group and the step-size knobs it changes. INVALID_ARGUMENT when the
 // request sets any other field (those are fixed at CreateSession); the session validates the

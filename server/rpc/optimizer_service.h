@@ -86,6 +86,10 @@ class OptimizerService final : public diond::v1::Optimizer::CallbackService {
   grpc::ServerUnaryReactor* ListSessions(grpc::CallbackServerContext* ctx,
                                          const v1::ListSessionsRequest* req,
                                          v1::ListSessionsResponse* resp) override;
+  // server/rpc/option_schema.cc: the option table, to any authenticated caller.
+  grpc::ServerUnaryReactor* DescribeOptions(grpc::CallbackServerContext* ctx,
+                                            const v1::DescribeOptionsRequest* req,
+                                            v1::DescribeOptionsResponse* resp) override;
 
  private:
   // RegisterRegion's MEMFD and CUDA kinds (the data plane).

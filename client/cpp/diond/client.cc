@@ -236,6 +236,12 @@ absl::StatusOr<std::vector<SessionInfo>> Client::ListSessions() const {
   return FromProto(*resp);
 }
 
+absl::StatusOr<v1::DescribeOptionsResponse> Client::DescribeOptions() const {
+  return Unary<v1::DescribeOptionsRequest, v1::DescribeOptionsResponse>(
+      stub_.get(), &v1::Optimizer::Stub::DescribeOptions, v1::DescribeOptionsRequest(),
+      options_.deadline);
+}
+
 // ---- regions ------------------------------------------------------------------------------------
 
 absl::StatusOr<v1::RegisterRegionResponse> Client::RegisterRegion(

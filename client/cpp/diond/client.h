@@ -116,6 +116,10 @@ class Client {
   absl::StatusOr<v1::ListSessionsResponse> ListSessions(
       const v1::ListSessionsRequest& request) const;
 
+  // The daemon's option table: every field of v1::Hyperparameters with its type, range and
+  // algorithms, and every algorithm's defaults (unset fields take them in CreateSession).
+  absl::StatusOr<v1::DescribeOptionsResponse> DescribeOptions() const;
+
   // ---- regions (see shm_arena.h for the helper that creates and registers them) -------------
   // Registers a POSIX shm segment `shm_name` (no leading '/', [A-Za-z0-9._-]{1,200}) whose bytes
   // [offset_bytes, offset_bytes + size_bytes) hold the arena of `role`. Returns the region id.

@@ -523,5 +523,17 @@ class Client:
     def close_session(self, session_id, timeout=None):
         self._unary("CloseSession", pb.CloseSessionRequest(session_id=session_id), timeout)
 
+    def describe_options(self, timeout=None):
+        """The daemon's option table (DescribeOptionsResponse): every field of
+        Hyperparameters with its type, range, algorithms, and every algorithm's defaults."""
+        return self._unary("DescribeOptions", pb.DescribeOptionsRequest(), timeout)
+
+    def option_schema(self):
+        """diond.options.OptionSchema of this daemon, fetched once per connection."""
+        if getattr(self, "_option_schema", None) is None:
+            from .options import OptionSchema  # options imports this module
+            self._option_schema = OptionSchema(self.describe_options())
+        return self._option_schema
+
     def list_sessions(self, timeout=None):
         return list(self._unary("ListSessions", pb.ListSessionsRequest(), timeout).sessions)

@@ -27,8 +27,7 @@ import numpy as np
 
 from . import fdchannel, host_arena
 from .client import Client, pb
-from .options import (APPLIES, DEFAULTS, MATRIX_ALGORITHMS, _NONFINITE, check_group,
-                      check_options, group_proto, unused_options, validate_options)
+from .options import MATRIX_ALGORITHMS, _NONFINITE
 
 __all__ = ["Optimizer", "as_optax"]
 
@@ -54,18 +53,53 @@ class Optimizer:
         AdamW).
       target, remote, arena ("memfd" | "shm" | None), fp32_master_weights, non_finite_policy,
       timeout, client_name: as diond.torch.Optimizer.
-      **options: the defaults of every group (diond.options.DEFAULTS).
+      **options: the defaults of every group (diond.options.OptionSchema.defaults: the
+        daemon's DescribeOptions).
     """
 
     def __init__(self, params, labels=None, groups=None, *, target=None, remote=None, arena=None,
                  fp32_master_weights=False, non_finite_policy="skip", timeout=60.0,
                  client_name="diond.jax", **options):
-        defaults, explicit = check_options(options, "diond.jax.Optimizer")
         if non_finite_policy not in _NONFINITE:
             raise ValueError("non_finite_policy must be 'skip' or 'error', got %r"
                              % (non_finite_policy,))
         if arena not in (None, "memfd", "shm"):
             raise ValueError("arena must be 'memfd', 'shm' or None, got %r" % (arena,))
+        # The options' defaults, ranges and algorithms are the daemon's (DescribeOptions).
+        self.client = target if isinstance(target, Client) else Client(target, timeout=timeout)
+        self._owns_client = not isinstance(target, Client)
+        try:
+            protos, names, leaves = self._setup(params, labels, groups, options)
+        except BaseException:
+            if self._owns_client:
+                self.client.close()
+            raise
+        self.remote = (not self.client.is_unix) if remote is None else bool(remote)
+        self._pid = os.getpid()  # a forked child never closes its parent's session
+        self.step_count = 0  # steps of the run (restored by load_state_dict)
+        self._rpc_index = 0  # steps of this session
+        self._arena = None
+        self.session_id = None
+        self._pushed = False  # remote mode: gradients uploaded to the session at least once
+        try:
+            resp = self.client.create_session(
+                parameters=self._specs, groups=protos,
+                fp32_master_weights=bool(fp32_master_weights),
+                non_finite_policy=_NONFINITE[non_finite_policy], client_name=client_name)
+            self.session_id = resp.session_id
+            if self.remote:
+                self.client.set_state(self.session_id, {
+                    n: self._wire(np.asarray(x), i) for i, (n, x) in enumerate(zip(names,
+                                                                                  leaves))})
+            else:
+                self._attach(resp, leaves, arena)
+        except BaseException:
+            self.close()
+            raise
+
+    def _setup(self, params, labels, groups, options):
+        schema = self.option_schema = self.client.option_schema()
+        defaults, explicit = schema.check_options(options, "diond.jax.Optimizer")
         leaves, self._treedef = jax.tree_util.tree_flatten(params)
         paths = [jax.tree_util.keystr(p) for p, _ in
                  jax.tree_util.tree_flatten_with_path(params)[0]]
@@ -105,11 +139,12 @@ class Optimizer:
         self._names = names
         protos = []
         for gi, (label, idx) in enumerate(by_label.items()):
-            algo, g = check_group(dict(groups[label]), gi, defaults["algorithm"])
-            opts = {k: v for k, v in defaults.items() if k in APPLIES[algo]}
-            opts.update({k: v for k, v in g.items() if k in DEFAULTS})
+            algo, g = schema.check_group(dict(groups[label]), gi, defaults["algorithm"])
+            opts = {k: (v if k in explicit else schema.algorithm_default(algo, k))
+                    for k, v in defaults.items() if k in schema.applies[algo]}
+            opts.update({k: v for k, v in g.items() if k in schema.defaults})
             opts["algorithm"] = algo
-            validate_options(opts, algo, "group %r: " % label)
+            schema.validate(opts, algo, "group %r: " % label)
             for i in idx:
                 if algo in MATRIX_ALGORITHMS and len(self._shapes[i]) < 2:
                     raise ValueError("%s (label %r, shape %s): algorithm %r needs matrices; "
@@ -117,43 +152,19 @@ class Optimizer:
                                      % (paths[i], label, list(self._shapes[i]), algo))
                 if int(np.prod(self._shapes[i])) == 0:
                     raise ValueError("%s: empty parameters are not supported" % paths[i])
-            protos.append(group_proto(label, opts))
+            protos.append(schema.group_proto(label, opts))
             self._group_names.append(label)
             self.param_groups.append(dict(opts, label=label, params=[paths[i] for i in idx]))
             for i in idx:
                 self._specs.append(pb.ParameterSpec(
                     name=names[i], shape=list(self._shapes[i]),
                     dtype=_DTYPES[self._dtypes[i]][0], group=label))
-        unused_options(explicit, defaults, [g["algorithm"] for g in self.param_groups])
+        schema.unused(explicit, defaults, [g["algorithm"] for g in self.param_groups])
         # The session lists the parameters group by group, not in leaf order: a Step's
         # params_without_grad takes the session's indices.
         at = {spec.name: k for k, spec in enumerate(self._specs)}
         self._session_index = [at[n] for n in names]
-
-        self.client = target if isinstance(target, Client) else Client(target, timeout=timeout)
-        self._owns_client = not isinstance(target, Client)
-        self.remote = (not self.client.is_unix) if remote is None else bool(remote)
-        self._pid = os.getpid()  # a forked child never closes its parent's session
-        self.step_count = 0  # steps of the run (restored by load_state_dict)
-        self._rpc_index = 0  # steps of this session
-        self._arena = None
-        self.session_id = None
-        self._pushed = False  # remote mode: gradients uploaded to the session at least once
-        try:
-            resp = self.client.create_session(
-                parameters=self._specs, groups=protos,
-                fp32_master_weights=bool(fp32_master_weights),
-                non_finite_policy=_NONFINITE[non_finite_policy], client_name=client_name)
-            self.session_id = resp.session_id
-            if self.remote:
-                self.client.set_state(self.session_id, {
-                    n: self._wire(np.asarray(x), i) for i, (n, x) in enumerate(zip(names,
-                                                                                  leaves))})
-            else:
-                self._attach(resp, leaves, arena)
-        except BaseException:
-            self.close()
-            raise
+        return protos, names, leaves
 
     # -- arenas -------------------------------------------------------------------------------
     def _wire(self, a, i):

@@ -11,7 +11,9 @@ Parameter groups follow microsoft/dion: each group has an ``algorithm`` ("muon",
 "dion", "dion2", "dion3" = "nordion2", "adamw", "lion"); the constructor's keyword arguments are
 the defaults of every group (the reference's defaults: lr 0.01, mu 0.95, betas (0.9, 0.95),
 weight_decay 0.01, epsilon 1e-8, ...). An option a group's algorithm does not have, an unknown
-option or a value out of range raises ValueError/TypeError before anything reaches the daemon.
+option or a value out of range raises ValueError/TypeError before a session is created (the
+options' defaults, ranges and algorithms are the daemon's: one DescribeOptions call per
+connection, diond.options.OptionSchema).
 
 Shared-memory mode (the default on a Unix socket): the constructor moves every parameter's
 ``.data`` and ``.grad`` into two arenas in one shared buffer, so the model's tensors become
@@ -67,9 +69,7 @@ import torch
 
 from . import cuda_arena, fdchannel, host_arena
 from .client import Client, DiondError, pb
-from .options import (ALGORITHMS, APPLIES, DEFAULTS, MATRIX_ALGORITHMS, _GRADIENT_SYNC,
-                      _NONFINITE, check_group, check_options, group_proto, same_option,
-                      unused_options, validate_options)
+from .options import ALGORITHMS, MATRIX_ALGORITHMS, _GRADIENT_SYNC, _NONFINITE, same_option
 
 __all__ = ["Optimizer", "ALGORITHMS"]
 
@@ -336,7 +336,6 @@ class Optimizer(torch.optim.Optimizer):
                  client_name="diond.torch", world_key="", gradient_sync="replicated",
                  token=None, tls_ca=None, tls_cert=None, tls_key=None, tls_server_name=None,
                  session="", resume=False, arena=None, track_writes=True, **options):
-        defaults, self._explicit_defaults = check_options(options)
         if non_finite_policy not in _NONFINITE:
             raise ValueError("non_finite_policy must be 'skip' or 'error', got %r"
                              % (non_finite_policy,))
@@ -368,13 +367,21 @@ class Optimizer(torch.optim.Optimizer):
         self._queued = None  # the step index queued by step(asynchronous=True), not collected
         self._session_ready = False
         self._finalizer = None
-        super().__init__(params, defaults)
-        self._check_constructor_options()
-
         self._owns_client = not isinstance(target, Client)
         self.client = target if isinstance(target, Client) else Client(
             target, timeout=timeout, connect_timeout=connect_timeout, token=token,
             tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, tls_server_name=tls_server_name)
+        try:
+            # The options' defaults, ranges and algorithms are the daemon's (DescribeOptions);
+            # nothing reaches a session before they are checked.
+            self.option_schema = self.client.option_schema()
+            defaults, self._explicit_defaults = self.option_schema.check_options(options)
+            super().__init__(params, defaults)
+            self._check_constructor_options()
+        except BaseException:
+            if self._owns_client:
+                self.client.close()
+            raise
         self._bind.client, self._bind.owns_client = self.client, self._owns_client
         self.remote = (not self.client.is_unix) if remote is None else bool(remote)
         self.fp32_master_weights = bool(fp32_master_weights)
@@ -484,16 +491,21 @@ class Optimizer(torch.optim.Optimizer):
     def _add_group(self, param_group):
         gi = len(self.param_groups)
         where = "param group %d: " % gi
-        algo, g = check_group(param_group, gi, self.defaults["algorithm"])
+        schema = self.option_schema
+        algo, g = schema.check_group(param_group, gi, self.defaults["algorithm"])
+        given = set(g)
         # Let torch's own checks run (params list, duplicates, defaults filled in).
         super().add_param_group(g)
         g = self.param_groups[-1]
         for k in list(g):  # keep only the options this group's algorithm has
-            if k in DEFAULTS and k not in APPLIES[algo] and k != "algorithm":
+            if k in schema.defaults and k not in schema.applies[algo] and k != "algorithm":
                 del g[k]
+        for k in schema.applies[algo]:  # the algorithm's own default, where nobody set one
+            if k not in given and k not in self._explicit_defaults:
+                g[k] = schema.algorithm_default(algo, k)
         g.setdefault("step", 0)
         try:
-            validate_options(g, algo, where)
+            schema.validate(g, algo, where)
             for j, p in enumerate(g["params"]):
                 self._check_param(p, gi, j, algo)
         except BaseException:
@@ -518,7 +530,7 @@ class Optimizer(torch.optim.Optimizer):
                              "other vectors in an 'adamw' or 'lion' group" % (where, algo))
 
     def _check_constructor_options(self):
-        unused_options(self._explicit_defaults, self.defaults,
+        self.option_schema.unused(self._explicit_defaults, self.defaults,
                        [g["algorithm"] for g in self.param_groups])
 
     def _check_arena_device(self, choice):
@@ -550,7 +562,7 @@ class Optimizer(torch.optim.Optimizer):
             if name in self._group_names:
                 raise ValueError("two parameter groups are named %r" % name)
             self._group_names.append(name)
-            groups.append(group_proto(name, g))
+            groups.append(self.option_schema.group_proto(name, g))
             for p in g["params"]:
                 n = "p%d" % idx
                 idx += 1
@@ -1052,7 +1064,7 @@ class Optimizer(torch.optim.Optimizer):
             if len(new["params"]) != len(g["params"]):
                 raise ValueError("param group %d: loaded state dict has %d parameters, this "
                                  "optimizer %d" % (gi, len(new["params"]), len(g["params"])))
-            for k in APPLIES[g["algorithm"]] - {"lr", "weight_decay"}:
+            for k in self.option_schema.applies[g["algorithm"]] - {"lr", "weight_decay"}:
                 if k in new and same_option(new[k]) != same_option(g[k]):
                     raise ValueError("param group %d: option %s = %r in the state dict, %r here; "
                                      "only lr and weight_decay can change in a session"

@@ -184,6 +184,13 @@ impl Client {
         Ok(self.rpc().list_sessions(proto::ListSessionsRequest {})?.sessions)
     }
 
+    /// The daemon's option table: every field of `Hyperparameters` with its type, range and
+    /// algorithms, and every algorithm's defaults. The builders of `spec.rs` keep no copy of
+    /// these: the daemon fills unset fields with the defaults and refuses values out of range.
+    pub fn describe_options(&self) -> Result<proto::DescribeOptionsResponse> {
+        self.rpc().describe_options(proto::DescribeOptionsRequest {})
+    }
+
     fn block_on<F: std::future::Future>(&self, f: F) -> F::Output {
         self.shared.rt.block_on(f)
     }
@@ -218,6 +225,7 @@ impl<'a> Rpc<'a> {
     unary!(load_checkpoint, "LoadCheckpoint", proto::LoadCheckpointRequest, proto::LoadCheckpointResponse);
     unary!(close_session, "CloseSession", proto::CloseSessionRequest, proto::CloseSessionResponse);
     unary!(list_sessions, "ListSessions", proto::ListSessionsRequest, proto::ListSessionsResponse);
+    unary!(describe_options, "DescribeOptions", proto::DescribeOptionsRequest, proto::DescribeOptionsResponse);
 
     /// Client streaming: `chunks` are sent as the stream takes them.
     pub fn push_gradients<I: IntoIterator<Item = proto::TensorChunk>>(

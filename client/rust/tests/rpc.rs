@@ -376,3 +376,28 @@ fn asynchronous_steps_match_synchronous_steps() {
     assert_eq!(asy.wait_step(5).unwrap().step_index, 5);
     assert!(asy.get_state(false).is_ok());
 }
+
+/// DescribeOptions: one row per field of Hyperparameters, and every algorithm's defaults,
+/// which the daemon fills in for the fields a builder leaves unset.
+#[test]
+fn describe_options_serves_the_option_table() {
+    let d = Daemon::start(&[], false);
+    let table = d.client().describe_options().unwrap();
+    let names: Vec<&str> = table.options.iter().map(|o| o.name.as_str()).collect();
+    assert_eq!(names.first(), Some(&"lr"));
+    for name in ["mu", "betas", "oversample", "qr_method", "cqr_warmup_steps"] {
+        assert_eq!(names.contains(&name), name != "betas", "{name}");
+    }
+    let mu = table.options.iter().find(|o| o.name == "mu").unwrap();
+    assert_eq!((mu.min, mu.max, mu.max_exclusive), (0.0, 1.0, true));
+    assert!(mu.algorithms.contains(&(Algorithm::Muon as i32)));
+    assert!(!mu.algorithms.contains(&(Algorithm::Adamw as i32)));
+    let qr = table.options.iter().find(|o| o.name == "qr_method").unwrap();
+    assert_eq!(qr.enum_values, ["rcqr", "qr", "cqr"]);
+    assert!(qr.refused_elsewhere);
+    assert_eq!(table.defaults.len(), 7);
+    for a in &table.defaults {
+        let h = a.hyperparameters.as_ref().unwrap();
+        assert_eq!((h.lr, h.mu, h.rank_multiple_of), (Some(0.01), Some(0.95), Some(1)), "{a:?}");
+    }
+}
