@@ -6,6 +6,7 @@
 #include <iostream>
 #include <utility>
 
+#include "kernels/device_runtime.h"
 #include "kernels/graph.h"
 #include "kernels/ops.h"
 #include "kernels/plugin/plugin_backend.h"
@@ -21,7 +22,7 @@ int GpuBench::Open(const char* program, const std::string& plugin, int r) {
     return 77;
   }
   dev = kernels::Device{kernels::DeviceType::kCuda, 0};
-  auto s = kernels::CreateDeviceStream(dev);
+  auto s = kernels::DeviceRuntimeFor(dev.type).create_stream(dev);
   if (!s.ok()) {
     std::fprintf(stderr, "%s: %s\n", program, std::string(s.status().message()).c_str());
     return 1;
@@ -41,20 +42,20 @@ int GpuBench::Open(const char* program, const std::string& plugin, int r) {
 
 GpuBench::~GpuBench() {
   ctx.reset();
-  if (stream != nullptr) kernels::DestroyDeviceStream(dev, stream);
+  if (stream != nullptr) kernels::DeviceRuntimeFor(dev.type).destroy_stream(dev, stream);
 }
 
 absl::StatusOr<double> GpuBench::Time(const std::function<absl::Status()>& f) const {
   absl::Status s = f();
   if (!s.ok()) return s;
-  s = kernels::SynchronizeDeviceStream(dev, stream);
+  s = kernels::DeviceRuntimeFor(dev.type).synchronize_stream(dev, stream);
   if (!s.ok()) return s;
   const auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < reps; ++i) {
     s = f();
     if (!s.ok()) return s;
   }
-  s = kernels::SynchronizeDeviceStream(dev, stream);
+  s = kernels::DeviceRuntimeFor(dev.type).synchronize_stream(dev, stream);
   if (!s.ok()) return s;
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / reps;
 }
@@ -97,10 +98,11 @@ absl::StatusOr<double> GpuBench::StepTime(optim::AlgorithmKind kind,
   // The first step eagerly (as a session's), then Stage through the graph.
   if (absl::Status s = (*opt)->Step(*ctx, pp, gp); !s.ok()) return s;
   kernels::GraphHooks hooks;
-  hooks.begin_capture = &kernels::BeginStreamCapture;
-  hooks.end_capture = &kernels::EndStreamCapture;
-  hooks.launch = &kernels::LaunchGraph;
-  hooks.destroy = &kernels::DestroyGraph;
+  const kernels::DeviceRuntime& rt = kernels::DeviceRuntimeFor(ctx->device().type);
+  hooks.begin_capture = rt.begin_capture;
+  hooks.end_capture = rt.end_capture;
+  hooks.launch = rt.launch_graph;
+  hooks.destroy = rt.destroy_graph;
   kernels::StepGraph sg(ctx.get(), hooks);
   int64_t step = 1;
   return Time([&]() -> absl::Status {

@@ -108,6 +108,17 @@ int DefaultCpuThreads() {
   return n == 0 ? 1 : static_cast<int>(n);
 }
 
+std::string DeviceLabel(DeviceType type, int index) {
+  switch (type) {
+    case DeviceType::kCuda:
+      return absl::StrCat("cuda:", index);
+    case DeviceType::kTest:
+      return absl::StrCat("test-device:", index);
+    default:
+      return "cpu";
+  }
+}
+
 absl::StatusOr<SelectedDevice> SelectDevice(const DeviceRequest& request,
                                             const std::string& plugin_path) {
   SelectedDevice cpu;

@@ -15,9 +15,13 @@
 
 namespace diond::kernels {
 
-// kTest is a fake device for tests of the ops dispatcher only (kernels/testing): SelectDevice
-// never returns it and no production code registers a backend for it.
+// kTest is a fake device for tests only (kernels/testing): SelectDevice never returns it, no
+// production code registers a backend for it or names it; a test binary registers one the way
+// a plugin is registered (kernels/plugin/plugin_backend.h).
 enum class DeviceType { kCpu, kCuda, kTest };
+
+// How logs and metrics name a device: "cpu" (no index), "cuda:N", "test-device:N".
+std::string DeviceLabel(DeviceType type, int index);
 
 // What the operator asked for with --device.
 struct DeviceRequest {

@@ -378,6 +378,15 @@ absl::Status CopyToHostAsync(const Context& ctx, ConstTensorView src, TensorView
 // Waits until everything queued on ctx.stream() has run (a SYNC POINT); returns the first failure
 // of queued work not reported yet.
 absl::Status Synchronize(const Context& ctx);
+// The four copies above on raw bytes, for memory a caller holds as bytes rather than as tensors
+// (a session's staging, a collective's exchange buffer): `host` is host memory, `device` is
+// ctx.device() memory. Same sync rules; INVALID_ARGUMENT for a null pointer with bytes > 0.
+// Zero bytes copy nothing.
+absl::Status CopyBytesFromHost(const Context& ctx, const void* host, void* device, size_t bytes);
+absl::Status CopyBytesToHost(const Context& ctx, const void* device, void* host, size_t bytes);
+absl::Status CopyBytesFromHostAsync(const Context& ctx, const void* host, void* device,
+                                    size_t bytes);
+absl::Status CopyBytesToHostAsync(const Context& ctx, const void* device, void* host, size_t bytes);
 
 // AllFinite / WidenScaleCheckFinite with the answer kept on the device, so that a step scans
 // every tensor and reads ONE flag back: `nonfinite` (f32, contiguous, one element, on

@@ -53,6 +53,14 @@ api_srcs=$(sed -n '/NAME kernels_api$/,/^)/p' kernels/CMakeLists.txt)
 if echo "$api_srcs" | grep -q 'cpu/'; then
   echo "LAYERING VIOLATION: the kernels_api target lists a kernels/cpu source"; fail=1
 fi
+# The device runtime (kernels/device_runtime.h) is the one door to a device besides the ops: the
+# server (outside its composition root, which registers the CUDA plugin) sees no plugin adapter
+# and no backend table, and production code never names the test device.
+check "server/ (outside exe/) includes the plugin adapter or the backend table" \
+  '#include *"kernels/(plugin/|backend\.h)' \
+  $(find server -path server/exe -prune -o -type f ! -name '*_test.cc' -print)
+check "production code names the test device" 'DeviceType::kTest' kernels/api \
+  $(find server -type f ! -name '*_test.cc')
 server_outside_rpc=$(find server -path server/rpc -prune -o -type f \( -name '*.h' -o -name '*.cc' \) -print)
 check "server/ (outside rpc/) uses gRPC or proto" "$grpc" $server_outside_rpc
 # The server's rooms (ARCHITECTURE.md §3): the arrows run one way,

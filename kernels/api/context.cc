@@ -1,5 +1,5 @@
-// Implementation of kernels/context.h (Context, Buffer) and the backend registry of
-// kernels/backend.h. Knows no backend: the table comes from the registry.
+// Implementation of kernels/context.h (Context, Buffer) and the registries of kernels/backend.h
+// and kernels/device_runtime.h. Knows no backend: the tables come from the registry.
 #include "kernels/context.h"
 
 #include <atomic>
@@ -10,6 +10,7 @@
 #include "absl/strings/str_join.h"
 #include "kernels/backend.h"
 #include "kernels/device.h"
+#include "kernels/device_runtime.h"
 
 namespace diond::kernels {
 
@@ -22,6 +23,7 @@ constexpr int kDeviceTypes = 3;  // kCpu, kCuda, kTest
 struct Registry {
   std::mutex mu;
   const OpsBackend* tables[kDeviceTypes] = {nullptr, nullptr, nullptr};
+  const DeviceRuntime* runtimes[kDeviceTypes] = {nullptr, nullptr, nullptr};
 };
 Registry& GetRegistry() {
   static Registry* r = new Registry;  // never destroyed: backends outlive static destructors
@@ -29,15 +31,9 @@ Registry& GetRegistry() {
 }
 
 const char* DeviceTypeName(DeviceType t) {
-  switch (t) {
-    case DeviceType::kCpu:
-      return "cpu";
-    case DeviceType::kCuda:
-      return "cuda";
-    case DeviceType::kTest:
-      return "test";
-  }
-  return "?";
+  static constexpr const char* kNames[kDeviceTypes] = {"cpu", "cuda", "test"};
+  const int i = static_cast<int>(t);
+  return i >= 0 && i < kDeviceTypes ? kNames[i] : "?";
 }
 
 // Every entry of the table is set (an op left null would crash at its first call).
@@ -94,6 +90,99 @@ void UnregisterOpsBackendForTest(DeviceType type) {
   Registry& r = GetRegistry();
   std::lock_guard<std::mutex> lock(r.mu);
   r.tables[slot] = nullptr;
+  r.runtimes[slot] = nullptr;
+}
+
+// ---- device runtimes ------------------------------------------------------------------------
+
+namespace {
+
+bool Complete(const DeviceRuntime& r) {
+  return r.name != nullptr && r.create_stream && r.destroy_stream && r.synchronize_stream &&
+         r.begin_capture && r.end_capture && r.launch_graph && r.destroy_graph && r.host_register &&
+         r.host_unregister && r.device_uuids && r.open_ipc_mem_handle && r.close_ipc_mem_handle &&
+         r.import_vmm_fd && r.unmap_vmm && r.open_ipc_event && r.destroy_event &&
+         r.stream_wait_event && r.record_event && r.memory_stats && r.health &&
+         r.last_allocation_error;
+}
+
+// The runtime of a type with none registered: every entry fails, naming the type.
+template <int kSlot>
+struct Missing {
+  static absl::Status Error() {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "no device runtime for ", DeviceTypeName(static_cast<DeviceType>(kSlot)), " devices"));
+  }
+  static DeviceRuntime Make() {
+    DeviceRuntime r;
+    r.name = "none";
+    r.create_stream = [](Device) -> absl::StatusOr<StreamHandle> { return Error(); };
+    r.destroy_stream = [](Device, StreamHandle) {};
+    r.synchronize_stream = [](Device, StreamHandle) { return Error(); };
+    r.begin_capture = [](Device, StreamHandle) { return Error(); };
+    r.end_capture = [](Device, StreamHandle) -> absl::StatusOr<void*> { return Error(); };
+    r.launch_graph = [](Device, StreamHandle, void*) { return Error(); };
+    r.destroy_graph = [](Device, void*) {};
+    r.host_register = [](Device, void*, size_t) { return Error(); };
+    r.host_unregister = [](Device, void*) { return Error(); };
+    r.device_uuids = []() -> absl::StatusOr<std::vector<GpuUuid>> { return Error(); };
+    r.open_ipc_mem_handle = [](Device, absl::Span<const uint8_t>) -> absl::StatusOr<IpcMapping> {
+      return Error();
+    };
+    r.close_ipc_mem_handle = [](Device, void*) { return Error(); };
+    r.import_vmm_fd = [](Device, int, uint64_t, uint64_t) -> absl::StatusOr<VmmMapping> {
+      return Error();
+    };
+    r.unmap_vmm = [](Device, const VmmMapping&) { return Error(); };
+    r.open_ipc_event = [](Device, absl::Span<const uint8_t>) -> absl::StatusOr<void*> {
+      return Error();
+    };
+    r.destroy_event = [](Device, void*) { return Error(); };
+    r.stream_wait_event = [](Device, StreamHandle, void*) { return Error(); };
+    r.record_event = [](Device, StreamHandle, void*) { return Error(); };
+    r.memory_stats = [](Device) -> absl::StatusOr<DeviceMemoryStats> { return Error(); };
+    r.health = [](Device) { return Error(); };
+    r.last_allocation_error = [] { return std::string(); };
+    return r;
+  }
+};
+
+}  // namespace
+
+absl::Status RegisterDeviceRuntime(DeviceType type, const DeviceRuntime* runtime) {
+  const int slot = Slot(type);
+  if (type == DeviceType::kCpu || slot < 0 || slot >= kDeviceTypes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("RegisterDeviceRuntime: no runtime for device type ", DeviceTypeName(type)));
+  }
+  if (runtime == nullptr || !Complete(*runtime)) {
+    return absl::InvalidArgumentError("RegisterDeviceRuntime: a null runtime or a null entry");
+  }
+  Registry& r = GetRegistry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  if (r.runtimes[slot] != nullptr && r.runtimes[slot] != runtime) {
+    return absl::AlreadyExistsError(absl::StrCat("RegisterDeviceRuntime: ", DeviceTypeName(type),
+                                                 " already has runtime ", r.runtimes[slot]->name));
+  }
+  r.runtimes[slot] = runtime;
+  return absl::OkStatus();
+}
+
+const DeviceRuntime* FindDeviceRuntime(DeviceType type) {
+  const int slot = Slot(type);
+  if (slot < 0 || slot >= kDeviceTypes) return nullptr;
+  Registry& r = GetRegistry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  return r.runtimes[slot];
+}
+
+const DeviceRuntime& DeviceRuntimeFor(DeviceType type) {
+  if (const DeviceRuntime* r = FindDeviceRuntime(type); r != nullptr) return *r;
+  static_assert(kDeviceTypes == 3, "one missing runtime per device type");
+  static const DeviceRuntime missing[kDeviceTypes] = {Missing<0>::Make(), Missing<1>::Make(),
+                                                      Missing<2>::Make()};
+  const int slot = Slot(type);
+  return missing[slot >= 0 && slot < kDeviceTypes ? slot : 0];
 }
 
 // ---- Buffer ---------------------------------------------------------------------------------

@@ -19,11 +19,11 @@
 #include "gtest/gtest.h"
 #include "kernels/context.h"
 #include "kernels/cpu/test_util.h"
+#include "kernels/device_runtime.h"
 #include "kernels/graph.h"
 #include "kernels/ops.h"
 #include "kernels/optim/group_optimizer.h"
 #include "kernels/optim/testing/same_bits.h"
-#include "kernels/plugin/plugin_backend.h"
 #include "kernels/testing/host_device_backend.h"
 
 namespace diond::optim {
@@ -43,10 +43,11 @@ constexpr Device kDev{DeviceType::kTest, 0};
 
 kernels::GraphHooks TestHooks() {
   kernels::GraphHooks h;
-  h.begin_capture = &kernels::BeginStreamCapture;
-  h.end_capture = &kernels::EndStreamCapture;
-  h.launch = &kernels::LaunchGraph;
-  h.destroy = &kernels::DestroyGraph;
+  const kernels::DeviceRuntime& rt = kernels::DeviceRuntimeFor(kDev.type);
+  h.begin_capture = rt.begin_capture;
+  h.end_capture = rt.end_capture;
+  h.launch = rt.launch_graph;
+  h.destroy = rt.destroy_graph;
   return h;
 }
 
@@ -325,8 +326,8 @@ TEST_F(StepGraphTest, HostCopiesAreCapturedOnlyWhenAllowedAndReplayReadsTheCurre
   } in, out;
   ASSERT_NE(in.p, nullptr);
   ASSERT_NE(out.p, nullptr);
-  ASSERT_THAT(kernels::HostRegister(kDev, in.p, 4096), IsOk());
-  ASSERT_THAT(kernels::HostRegister(kDev, out.p, 4096), IsOk());
+  ASSERT_THAT(kernels::DeviceRuntimeFor(kDev.type).host_register(kDev, in.p, 4096), IsOk());
+  ASSERT_THAT(kernels::DeviceRuntimeFor(kDev.type).host_register(kDev, out.p, 4096), IsOk());
   auto b = ctx().Allocate(kernels::DType::kF32, {kN});
   ASSERT_THAT(b.status(), IsOk());
   // in -> device, x2 on the device, device -> out.
@@ -372,8 +373,8 @@ TEST_F(StepGraphTest, HostCopiesAreCapturedOnlyWhenAllowedAndReplayReadsTheCurre
   ASSERT_THAT(again.status(), IsOk());
   EXPECT_EQ(again->mode, StepGraph::Mode::kCaptured);
   ASSERT_THAT(kernels::Synchronize(ctx()), IsOk());
-  ASSERT_THAT(kernels::HostUnregister(kDev, in.p), IsOk());
-  ASSERT_THAT(kernels::HostUnregister(kDev, out.p), IsOk());
+  ASSERT_THAT(kernels::DeviceRuntimeFor(kDev.type).host_unregister(kDev, in.p), IsOk());
+  ASSERT_THAT(kernels::DeviceRuntimeFor(kDev.type).host_unregister(kDev, out.p), IsOk());
 }
 
 // Pageable host memory cannot be captured (CUDA stages such a copy synchronously and refuses it
@@ -412,13 +413,13 @@ TEST_F(StepGraphTest, ABackendWithoutCaptureIsUnsupported) {
 TEST_F(StepGraphTest, ASyncPointUnderCaptureInvalidatesTheEmulatedCapture) {
   // The TEST backend's emulation itself: a synchronous entry on a capturing stream is refused
   // and the capture ends in an error (cudaStreamCaptureModeGlobal's behaviour).
-  ASSERT_THAT(kernels::BeginStreamCapture(kDev, sc_->stream()), IsOk());
+  ASSERT_THAT(kernels::DeviceRuntimeFor(kDev.type).begin_capture(kDev, sc_->stream()), IsOk());
   std::vector<float> host(4);
   auto b = ctx().Allocate(kernels::DType::kF32, {4});
   ASSERT_THAT(b.status(), IsOk());
   EXPECT_THAT(kernels::CopyToHost(ctx(), b->view(), kernels::MakeView(host.data(), {4})),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("capturing")));
-  EXPECT_THAT(kernels::EndStreamCapture(kDev, sc_->stream()).status(),
+  EXPECT_THAT(kernels::DeviceRuntimeFor(kDev.type).end_capture(kDev, sc_->stream()).status(),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("invalidated")));
 }
 

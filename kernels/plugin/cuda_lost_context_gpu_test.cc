@@ -10,6 +10,7 @@
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
 #include "kernels/context.h"
+#include "kernels/device_runtime.h"
 #include "kernels/ops.h"
 #include "kernels/plugin/plugin_backend.h"
 
@@ -25,7 +26,7 @@ constexpr Device kDev{DeviceType::kCuda, 0};
 TEST(CudaLostContext, AnIllegalAddressIsNoticedByTheHealthEntryAndRefusesEverything) {
   absl::Status reg = RegisterCudaOps(DIOND_CUDA_PLUGIN);
   if (!reg.ok()) GTEST_SKIP() << "no CUDA device for the GPU test: " << reg;
-  auto stream = CreateDeviceStream(kDev);
+  auto stream = DeviceRuntimeFor(kDev.type).create_stream(kDev);
   ASSERT_THAT(stream.status(), IsOk());
   ContextOptions o;
   o.device = kDev;
@@ -33,7 +34,7 @@ TEST(CudaLostContext, AnIllegalAddressIsNoticedByTheHealthEntryAndRefusesEveryth
   auto ctx = Context::Create(o);
   ASSERT_THAT(ctx.status(), IsOk());
   // Healthy first, and a real allocation works.
-  ASSERT_THAT(DeviceHealth(kDev), IsOk());
+  ASSERT_THAT(DeviceRuntimeFor(kDev.type).health(kDev), IsOk());
   auto ok = (*ctx)->Allocate(DType::kF32, {1024});
   ASSERT_THAT(ok.status(), IsOk());
   ASSERT_THAT(Fill(**ctx, 1.0f, ok->view()), IsOk());
@@ -45,14 +46,14 @@ TEST(CudaLostContext, AnIllegalAddressIsNoticedByTheHealthEntryAndRefusesEveryth
   const absl::Status launched = Fill(**ctx, 2.0f, bad);  // the launch itself succeeds
   const absl::Status waited = Synchronize(**ctx);        // the fault shows at the wait
   EXPECT_FALSE(launched.ok() && waited.ok()) << "the Fill into unmapped memory did not fault";
-  EXPECT_THAT(DeviceHealth(kDev),
+  EXPECT_THAT(DeviceRuntimeFor(kDev.type).health(kDev),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("context is lost")));
   // Every entry is refused from now on, with the same reason.
   EXPECT_FALSE((*ctx)->Allocate(DType::kF32, {16}).ok());  // Context::Allocate: no memory
-  EXPECT_THAT(LastDeviceAllocationError(), HasSubstr("context is lost"));
+  EXPECT_THAT(DeviceRuntimeFor(kDev.type).last_allocation_error(), HasSubstr("context is lost"));
   EXPECT_THAT(Fill(**ctx, 3.0f, ok->view()),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("context is lost")));
-  EXPECT_THAT(GetDeviceMemoryStats(kDev).status(),
+  EXPECT_THAT(DeviceRuntimeFor(kDev.type).memory_stats(kDev).status(),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("context is lost")));
 }
 

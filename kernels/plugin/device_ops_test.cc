@@ -20,6 +20,7 @@
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/test_util.h"
+#include "kernels/device_runtime.h"
 #include "kernels/engine_choice.h"
 #include "kernels/graph.h"
 #include "kernels/ops.h"
@@ -84,7 +85,7 @@ class DeviceOpsTest : public ::testing::Test {
     UnregisterOpsBackendForTest(DeviceType::kTest);
     ASSERT_THAT(RegisterPluginOps(DeviceType::kTest, testing::HostTestDeviceOps()), IsOk());
 #endif
-    auto stream = CreateDeviceStream(kDev);
+    auto stream = DeviceRuntimeFor(kDev.type).create_stream(kDev);
     ASSERT_THAT(stream.status(), IsOk());
     stream_ = *stream;
     ContextOptions o;
@@ -97,7 +98,7 @@ class DeviceOpsTest : public ::testing::Test {
   }
   void TearDown() override {
     dev_.reset();
-    if (stream_ != nullptr) DestroyDeviceStream(kDev, stream_);
+    if (stream_ != nullptr) DeviceRuntimeFor(kDev.type).destroy_stream(kDev, stream_);
   }
 
   // A pair of buffers (device, CPU) holding the same values.
@@ -770,10 +771,11 @@ TEST_P(DeviceGraphTest, ReplayedUpdatesMatchTheEagerStep) {
     g.push_back(Make(shapes[i], 180 + i));
   }
   GraphHooks hooks;
-  hooks.begin_capture = &BeginStreamCapture;
-  hooks.end_capture = &EndStreamCapture;
-  hooks.launch = &LaunchGraph;
-  hooks.destroy = &DestroyGraph;
+  const DeviceRuntime& rt = DeviceRuntimeFor(kDev.type);
+  hooks.begin_capture = rt.begin_capture;
+  hooks.end_capture = rt.end_capture;
+  hooks.launch = rt.launch_graph;
+  hooks.destroy = rt.destroy_graph;
   StepGraph sg(dev_.get(), hooks);
   std::vector<float*> pg, pe;
   std::vector<const float*> gg;

@@ -13,6 +13,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
+#include "kernels/device_runtime.h"
 #include "kernels/plugin/plugin_backend.h"
 #include "kernels/testing/host_device_backend.h"
 
@@ -69,7 +70,7 @@ class GpuHandoffTest : public ::testing::Test {
 };
 
 TEST_F(GpuHandoffTest, DeviceUuidsListEveryDeviceInIndexOrder) {
-  auto uuids = ListDeviceUuids(DeviceType::kTest);
+  auto uuids = DeviceRuntimeFor(DeviceType::kTest).device_uuids();
   ASSERT_THAT(uuids.status(), IsOk());
   ASSERT_EQ(uuids->size(), static_cast<size_t>(testing::kHostTestDeviceCount));
   for (int i = 0; i < testing::kHostTestDeviceCount; ++i) {
@@ -77,7 +78,7 @@ TEST_F(GpuHandoffTest, DeviceUuidsListEveryDeviceInIndexOrder) {
   }
   EXPECT_NE((*uuids)[0], (*uuids)[1]);
   // Nothing adapted for CUDA here.
-  EXPECT_THAT(ListDeviceUuids(DeviceType::kCuda).status(),
+  EXPECT_THAT(DeviceRuntimeFor(DeviceType::kCuda).device_uuids().status(),
               StatusIs(absl::StatusCode::kFailedPrecondition));
 }
 
@@ -85,44 +86,46 @@ TEST_F(GpuHandoffTest, IpcMemHandleOpensTheExportersAllocationAndClosesOnce) {
   void* p = Alloc(4096);
   std::memset(p, 0x5a, 4096);
   const Handle h = MemHandle(p);
-  auto m = OpenIpcMemHandle(kDev0, h);
+  auto m = DeviceRuntimeFor(kDev0.type).open_ipc_mem_handle(kDev0, h);
   ASSERT_THAT(m.status(), IsOk());
   EXPECT_EQ(m->ptr, p);
   EXPECT_EQ(m->bytes, 4096u);
   EXPECT_EQ(static_cast<uint8_t*>(m->ptr)[4095], 0x5a);
   // Open twice in one process: refused, as CUDA does.
-  EXPECT_THAT(OpenIpcMemHandle(kDev0, h).status(),
+  EXPECT_THAT(DeviceRuntimeFor(kDev0.type).open_ipc_mem_handle(kDev0, h).status(),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("open already")));
   EXPECT_EQ(testing::GetHostTestHandoffCounters().ipc_open_now, before_.ipc_open_now + 1);
-  ASSERT_THAT(CloseIpcMemHandle(kDev0, m->ptr), IsOk());
+  ASSERT_THAT(DeviceRuntimeFor(kDev0.type).close_ipc_mem_handle(kDev0, m->ptr), IsOk());
   // Closed: a second close is refused; the handle can be opened again.
-  EXPECT_THAT(CloseIpcMemHandle(kDev0, m->ptr),
+  EXPECT_THAT(DeviceRuntimeFor(kDev0.type).close_ipc_mem_handle(kDev0, m->ptr),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("not an open")));
-  auto again = OpenIpcMemHandle(kDev0, h);
+  auto again = DeviceRuntimeFor(kDev0.type).open_ipc_mem_handle(kDev0, h);
   ASSERT_THAT(again.status(), IsOk());
-  ASSERT_THAT(CloseIpcMemHandle(kDev0, again->ptr), IsOk());
+  ASSERT_THAT(DeviceRuntimeFor(kDev0.type).close_ipc_mem_handle(kDev0, again->ptr), IsOk());
 }
 
 TEST_F(GpuHandoffTest, BadUnknownFreedAndMisSizedIpcHandlesAreRefused) {
   void* p = Alloc(1024);
   Handle h = MemHandle(p);
   // Not 64 bytes: the adapter's own check.
-  EXPECT_THAT(OpenIpcMemHandle(kDev0, Handle(63)).status(),
+  EXPECT_THAT(DeviceRuntimeFor(kDev0.type).open_ipc_mem_handle(kDev0, Handle(63)).status(),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("64 bytes")));
   // Garbage, and a well-formed handle nobody exported.
   Handle garbage(DIOND_CUDA_IPC_HANDLE_BYTES, 0xee);
-  EXPECT_THAT(OpenIpcMemHandle(kDev0, garbage).status(),
+  EXPECT_THAT(DeviceRuntimeFor(kDev0.type).open_ipc_mem_handle(kDev0, garbage).status(),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("not a CUDA IPC")));
   Handle unknown = h;
   unknown[8] ^= 0x7f;
-  EXPECT_THAT(OpenIpcMemHandle(kDev0, unknown).status(),
+  EXPECT_THAT(DeviceRuntimeFor(kDev0.type).open_ipc_mem_handle(kDev0, unknown).status(),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("unknown")));
   // A device the backend does not have.
-  EXPECT_THAT(OpenIpcMemHandle(Device{DeviceType::kTest, 7}, h).status(),
+  EXPECT_THAT(DeviceRuntimeFor(DeviceType::kTest)
+                  .open_ipc_mem_handle(Device{DeviceType::kTest, 7}, h)
+                  .status(),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("no device 7")));
   // The exporter freed the memory.
   Free(p);
-  EXPECT_THAT(OpenIpcMemHandle(kDev0, h).status(),
+  EXPECT_THAT(DeviceRuntimeFor(kDev0.type).open_ipc_mem_handle(kDev0, h).status(),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("freed")));
   // Not a pointer this backend handed out: nothing to export.
   int local = 0;
@@ -135,33 +138,34 @@ TEST_F(GpuHandoffTest, VmmFdMapsWithGranularityChecksAndUnmapsOnce) {
   void* p = Alloc(4 * g);
   const int fd = testing::HostTestExportVmmFd(0, p);
   ASSERT_GE(fd, 0);
-  auto m = ImportVmmFd(kDev0, fd, 2 * g, g);
+  auto m = DeviceRuntimeFor(kDev0.type).import_vmm_fd(kDev0, fd, 2 * g, g);
   ASSERT_THAT(m.status(), IsOk());
   EXPECT_EQ(m->ptr, p);
   EXPECT_EQ(m->bytes, 2 * g);
   EXPECT_EQ(testing::GetHostTestHandoffCounters().vmm_mapped_now, before_.vmm_mapped_now + 1);
   // Sizes: not a multiple (adapter), a granularity below the allocation's, more than exported.
-  EXPECT_THAT(ImportVmmFd(kDev0, fd, g + 1, g).status(),
+  EXPECT_THAT(DeviceRuntimeFor(kDev0.type).import_vmm_fd(kDev0, fd, g + 1, g).status(),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("multiple")));
-  EXPECT_THAT(ImportVmmFd(kDev0, fd, g, g / 2).status(),
+  EXPECT_THAT(DeviceRuntimeFor(kDev0.type).import_vmm_fd(kDev0, fd, g, g / 2).status(),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("minimum granularity")));
-  EXPECT_THAT(ImportVmmFd(kDev0, fd, 8 * g, g).status(),
+  EXPECT_THAT(DeviceRuntimeFor(kDev0.type).import_vmm_fd(kDev0, fd, 8 * g, g).status(),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("exceeds")));
-  EXPECT_THAT(ImportVmmFd(kDev0, -1, g, g).status(), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(DeviceRuntimeFor(kDev0.type).import_vmm_fd(kDev0, -1, g, g).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument));
   // An fd of something else.
   int pipefd[2];
   ASSERT_EQ(pipe(pipefd), 0);
-  EXPECT_THAT(ImportVmmFd(kDev0, pipefd[0], g, g).status(),
+  EXPECT_THAT(DeviceRuntimeFor(kDev0.type).import_vmm_fd(kDev0, pipefd[0], g, g).status(),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("not a VMM")));
   close(pipefd[0]);
   close(pipefd[1]);
   // Unmap: another range refused, then once, then never again.
   VmmMapping wrong = *m;
   wrong.bytes = g;
-  EXPECT_THAT(UnmapVmm(kDev0, wrong),
+  EXPECT_THAT(DeviceRuntimeFor(kDev0.type).unmap_vmm(kDev0, wrong),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("another range")));
-  ASSERT_THAT(UnmapVmm(kDev0, *m), IsOk());
-  EXPECT_THAT(UnmapVmm(kDev0, *m),
+  ASSERT_THAT(DeviceRuntimeFor(kDev0.type).unmap_vmm(kDev0, *m), IsOk());
+  EXPECT_THAT(DeviceRuntimeFor(kDev0.type).unmap_vmm(kDev0, *m),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("not a live")));
   close(fd);
 }
@@ -169,33 +173,35 @@ TEST_F(GpuHandoffTest, VmmFdMapsWithGranularityChecksAndUnmapsOnce) {
 TEST_F(GpuHandoffTest, IpcEventsWaitAndRecordOnStreamsOfTheirDevice) {
   Handle h(DIOND_CUDA_IPC_HANDLE_BYTES);
   ASSERT_TRUE(testing::HostTestCreateIpcEvent(0, h.data()));
-  auto stream = CreateDeviceStream(kDev0);
+  auto stream = DeviceRuntimeFor(kDev0.type).create_stream(kDev0);
   ASSERT_THAT(stream.status(), IsOk());
-  auto e = OpenIpcEvent(kDev0, h);
+  auto e = DeviceRuntimeFor(kDev0.type).open_ipc_event(kDev0, h);
   ASSERT_THAT(e.status(), IsOk());
   const auto c0 = testing::GetHostTestHandoffCounters();
-  ASSERT_THAT(StreamWaitEvent(kDev0, *stream, *e), IsOk());
-  ASSERT_THAT(RecordEvent(kDev0, *stream, *e), IsOk());
-  ASSERT_THAT(RecordEvent(kDev0, *stream, *e), IsOk());
+  ASSERT_THAT(DeviceRuntimeFor(kDev0.type).stream_wait_event(kDev0, *stream, *e), IsOk());
+  ASSERT_THAT(DeviceRuntimeFor(kDev0.type).record_event(kDev0, *stream, *e), IsOk());
+  ASSERT_THAT(DeviceRuntimeFor(kDev0.type).record_event(kDev0, *stream, *e), IsOk());
   const auto c1 = testing::GetHostTestHandoffCounters();
   EXPECT_EQ(c1.stream_waits - c0.stream_waits, 1);
   EXPECT_EQ(c1.event_records - c0.event_records, 2);
   EXPECT_EQ(testing::HostTestEventRecords(h.data()), 2);
   // A stream the backend did not create; an event of another device; a bad handle.
   int bogus = 0;
-  EXPECT_THAT(StreamWaitEvent(kDev0, &bogus, *e),
+  EXPECT_THAT(DeviceRuntimeFor(kDev0.type).stream_wait_event(kDev0, &bogus, *e),
               StatusIs(absl::StatusCode::kInternal, HasSubstr("unknown stream")));
-  EXPECT_THAT(OpenIpcEvent(kDev1, h).status(),
+  EXPECT_THAT(DeviceRuntimeFor(kDev1.type).open_ipc_event(kDev1, h).status(),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("created on device 0")));
-  EXPECT_THAT(OpenIpcEvent(kDev0, Handle(DIOND_CUDA_IPC_HANDLE_BYTES, 1)).status(),
+  EXPECT_THAT(DeviceRuntimeFor(kDev0.type)
+                  .open_ipc_event(kDev0, Handle(DIOND_CUDA_IPC_HANDLE_BYTES, 1))
+                  .status(),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("not a CUDA IPC event")));
-  ASSERT_THAT(DestroyEvent(kDev0, *e), IsOk());
+  ASSERT_THAT(DeviceRuntimeFor(kDev0.type).destroy_event(kDev0, *e), IsOk());
   // Destroyed: every use refused.
-  EXPECT_THAT(DestroyEvent(kDev0, *e),
+  EXPECT_THAT(DeviceRuntimeFor(kDev0.type).destroy_event(kDev0, *e),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("not a live event")));
-  EXPECT_THAT(RecordEvent(kDev0, *stream, *e),
+  EXPECT_THAT(DeviceRuntimeFor(kDev0.type).record_event(kDev0, *stream, *e),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("not a live event")));
-  DestroyDeviceStream(kDev0, *stream);
+  DeviceRuntimeFor(kDev0.type).destroy_stream(kDev0, *stream);
 }
 
 TEST_F(GpuHandoffTest, AThousandOpenCloseCyclesLeaveNothingOpen) {
@@ -204,12 +210,12 @@ TEST_F(GpuHandoffTest, AThousandOpenCloseCyclesLeaveNothingOpen) {
   Handle eh(DIOND_CUDA_IPC_HANDLE_BYTES);
   ASSERT_TRUE(testing::HostTestCreateIpcEvent(1, eh.data()));
   for (int i = 0; i < 1000; ++i) {
-    auto m = OpenIpcMemHandle(kDev0, h);
+    auto m = DeviceRuntimeFor(kDev0.type).open_ipc_mem_handle(kDev0, h);
     ASSERT_THAT(m.status(), IsOk());
-    ASSERT_THAT(CloseIpcMemHandle(kDev0, m->ptr), IsOk());
-    auto e = OpenIpcEvent(kDev1, eh);
+    ASSERT_THAT(DeviceRuntimeFor(kDev0.type).close_ipc_mem_handle(kDev0, m->ptr), IsOk());
+    auto e = DeviceRuntimeFor(kDev1.type).open_ipc_event(kDev1, eh);
     ASSERT_THAT(e.status(), IsOk());
-    ASSERT_THAT(DestroyEvent(kDev1, *e), IsOk());
+    ASSERT_THAT(DeviceRuntimeFor(kDev1.type).destroy_event(kDev1, *e), IsOk());
   }
   const auto now = testing::GetHostTestHandoffCounters();
   EXPECT_EQ(now.ipc_opens - before_.ipc_opens, 1000);

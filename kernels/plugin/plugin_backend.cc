@@ -1,4 +1,4 @@
-// The OpsBackend adapter of the plugin C ABI (plugin_backend.h).
+// The adapter of the plugin C ABI (plugin_backend.h): the OpsBackend and the DeviceRuntime.
 #include "kernels/plugin/plugin_backend.h"
 
 #include <atomic>
@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "kernels/device.h"
+#include "kernels/device_runtime.h"
 #include "kernels/elementwise_math.h"
 #include "kernels/ops.h"
 #include "kernels/plugin/abi_args.h"
@@ -184,51 +185,7 @@ const DiondOpsApiV1* OpsFor(Device device) {
   return slot < 0 ? nullptr : g_ops[slot].load(std::memory_order_acquire);
 }
 
-}  // namespace
-
-std::string LastDeviceAllocationError() { return t_last_allocation_error; }
-
-absl::StatusOr<const OpsBackend*> AdaptPluginOps(DeviceType type, const DiondOpsApiV1* ops) {
-  const int slot = SlotOf(type);
-  if (slot < 0) return absl::InvalidArgumentError("AdaptPluginOps: type must be kCuda or kTest");
-  if (ops == nullptr) return absl::InvalidArgumentError("AdaptPluginOps: null ops table");
-  if (ops->version != DIOND_OPS_API_VERSION) {
-    return absl::InvalidArgumentError(absl::StrCat("AdaptPluginOps: ops table version ",
-                                                   ops->version, " != ", DIOND_OPS_API_VERSION));
-  }
-  if (HasNullEntry(*ops)) return absl::InvalidArgumentError("AdaptPluginOps: null entry");
-  const DiondOpsApiV1* expected = nullptr;
-  if (!g_ops[slot].compare_exchange_strong(expected, ops) && expected != ops) {
-    if (FindOpsBackend(type) != nullptr) {
-      return absl::AlreadyExistsError("AdaptPluginOps: another table is registered");
-    }
-    g_ops[slot].store(ops, std::memory_order_release);
-  }
-  static const OpsBackend cuda = MakeTable<0>("cuda (plugin)");
-  static const OpsBackend test = MakeTable<1>("host-test device (TEST BACKEND)");
-  return slot == 0 ? &cuda : &test;
-}
-
-absl::Status RegisterPluginOps(DeviceType type, const DiondOpsApiV1* ops) {
-  auto table = AdaptPluginOps(type, ops);
-  if (!table.ok()) return table.status();
-  return RegisterOpsBackend(type, *table);
-}
-
-absl::Status RegisterCudaOps(const std::string& plugin_path) {
-  auto plugin = LoadCudaPlugin(plugin_path);
-  if (!plugin.ok()) return plugin.status();
-  if ((*plugin)->ops == nullptr) {
-    return absl::FailedPreconditionError("the CUDA plugin has no ops table");
-  }
-  char err[256] = {0};
-  const int count = (*plugin)->device_count(err, sizeof(err));
-  if (count <= 0) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("no GPU: ", count < 0 ? err : "no CUDA device present"));
-  }
-  return RegisterPluginOps(DeviceType::kCuda, (*plugin)->ops);
-}
+// ---- the runtime entries (device_runtime.h), through the same table ----
 
 absl::StatusOr<StreamHandle> CreateDeviceStream(Device device) {
   const DiondOpsApiV1* ops = OpsFor(device);
@@ -270,10 +227,6 @@ absl::Status DeviceHealth(Device device) {
   return call.Done("device_health", ops->device_health(&call.c), ops->name);
 }
 
-// ---- handoff: device UUIDs, CUDA IPC / VMM imports, interprocess events ----
-
-namespace {
-
 absl::Status CheckHandle(const char* what, absl::Span<const uint8_t> handle) {
   if (handle.size() != DIOND_CUDA_IPC_HANDLE_BYTES) {
     return absl::InvalidArgumentError(absl::StrCat(what, " must be ", DIOND_CUDA_IPC_HANDLE_BYTES,
@@ -282,10 +235,9 @@ absl::Status CheckHandle(const char* what, absl::Span<const uint8_t> handle) {
   return absl::OkStatus();
 }
 
-}  // namespace
-
-absl::StatusOr<std::vector<GpuUuid>> ListDeviceUuids(DeviceType type) {
-  const DiondOpsApiV1* ops = OpsFor(Device{type, 0});
+template <int S>
+absl::StatusOr<std::vector<GpuUuid>> ListDeviceUuids() {
+  const DiondOpsApiV1* ops = g_ops[S].load(std::memory_order_acquire);
   if (ops == nullptr) return absl::FailedPreconditionError("no device backend for this type");
   Call call(0, nullptr);
   int32_t count = 0;
@@ -384,7 +336,6 @@ absl::Status RecordEvent(Device device, StreamHandle stream, void* event) {
   return call.Done("event_record", ops->event_record(&call.c, event), ops->name);
 }
 
-// ---- devsession ----
 absl::Status HostRegister(Device device, void* ptr, size_t bytes) {
   const DiondOpsApiV1* ops = OpsFor(device);
   if (ops == nullptr) return absl::FailedPreconditionError("no device backend for this device");
@@ -427,6 +378,89 @@ void DestroyGraph(Device device, void* graph) {
   const DiondOpsApiV1* ops = OpsFor(device);
   if (ops != nullptr && graph != nullptr) ops->graph_destroy(device.index, graph);
 }
-// ---- end devsession ----
+
+std::string LastDeviceAllocationError() { return t_last_allocation_error; }
+
+template <int S>
+DeviceRuntime MakeRuntime(const char* name) {
+  DeviceRuntime r;
+  r.name = name;
+  // What the start-up probe measured on a host-memory device until now: every rule reaches
+  // device memory only through the ops and explicit copies (docs/KERNELS.md §4.4).
+  r.rules_on_device = true;
+  r.create_stream = &CreateDeviceStream;
+  r.destroy_stream = &DestroyDeviceStream;
+  r.synchronize_stream = &SynchronizeDeviceStream;
+  r.begin_capture = &BeginStreamCapture;
+  r.end_capture = &EndStreamCapture;
+  r.launch_graph = &LaunchGraph;
+  r.destroy_graph = &DestroyGraph;
+  r.host_register = &HostRegister;
+  r.host_unregister = &HostUnregister;
+  r.device_uuids = &ListDeviceUuids<S>;
+  r.open_ipc_mem_handle = &OpenIpcMemHandle;
+  r.close_ipc_mem_handle = &CloseIpcMemHandle;
+  r.import_vmm_fd = &ImportVmmFd;
+  r.unmap_vmm = &UnmapVmm;
+  r.open_ipc_event = &OpenIpcEvent;
+  r.destroy_event = &DestroyEvent;
+  r.stream_wait_event = &StreamWaitEvent;
+  r.record_event = &RecordEvent;
+  r.memory_stats = &GetDeviceMemoryStats;
+  r.health = &DeviceHealth;
+  r.last_allocation_error = &LastDeviceAllocationError;
+  return r;
+}
+
+const DeviceRuntime* RuntimeOf(int slot) {
+  static const DeviceRuntime cuda = MakeRuntime<0>("cuda (plugin)");
+  static const DeviceRuntime test = MakeRuntime<1>("host-test device (TEST BACKEND)");
+  return slot == 0 ? &cuda : &test;
+}
+
+}  // namespace
+
+absl::StatusOr<const OpsBackend*> AdaptPluginOps(DeviceType type, const DiondOpsApiV1* ops) {
+  const int slot = SlotOf(type);
+  if (slot < 0) return absl::InvalidArgumentError("AdaptPluginOps: type must be kCuda or kTest");
+  if (ops == nullptr) return absl::InvalidArgumentError("AdaptPluginOps: null ops table");
+  if (ops->version != DIOND_OPS_API_VERSION) {
+    return absl::InvalidArgumentError(absl::StrCat("AdaptPluginOps: ops table version ",
+                                                   ops->version, " != ", DIOND_OPS_API_VERSION));
+  }
+  if (HasNullEntry(*ops)) return absl::InvalidArgumentError("AdaptPluginOps: null entry");
+  const DiondOpsApiV1* expected = nullptr;
+  if (!g_ops[slot].compare_exchange_strong(expected, ops) && expected != ops) {
+    if (FindOpsBackend(type) != nullptr) {
+      return absl::AlreadyExistsError("AdaptPluginOps: another table is registered");
+    }
+    g_ops[slot].store(ops, std::memory_order_release);
+  }
+  static const OpsBackend cuda = MakeTable<0>("cuda (plugin)");
+  static const OpsBackend test = MakeTable<1>("host-test device (TEST BACKEND)");
+  return slot == 0 ? &cuda : &test;
+}
+
+absl::Status RegisterPluginOps(DeviceType type, const DiondOpsApiV1* ops) {
+  auto table = AdaptPluginOps(type, ops);
+  if (!table.ok()) return table.status();
+  DIOND_RETURN_IF_ERROR(RegisterOpsBackend(type, *table));
+  return RegisterDeviceRuntime(type, RuntimeOf(SlotOf(type)));
+}
+
+absl::Status RegisterCudaOps(const std::string& plugin_path) {
+  auto plugin = LoadCudaPlugin(plugin_path);
+  if (!plugin.ok()) return plugin.status();
+  if ((*plugin)->ops == nullptr) {
+    return absl::FailedPreconditionError("the CUDA plugin has no ops table");
+  }
+  char err[256] = {0};
+  const int count = (*plugin)->device_count(err, sizeof(err));
+  if (count <= 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("no GPU: ", count < 0 ? err : "no CUDA device present"));
+  }
+  return RegisterPluginOps(DeviceType::kCuda, (*plugin)->ops);
+}
 
 }  // namespace diond::kernels

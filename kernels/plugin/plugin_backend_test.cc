@@ -16,6 +16,7 @@
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/test_util.h"
+#include "kernels/device_runtime.h"
 #include "kernels/ops.h"
 #include "kernels/testing/host_device_backend.h"
 
@@ -202,7 +203,7 @@ TEST_F(PluginBackendTest, DeviceTrafficIsExplicitAndOnTheSessionStream) {
   ASSERT_THAT(Scale(*ctx_, 2.0f, x.cview(), y->view()), IsOk());
   ASSERT_THAT(Unary(*ctx_, UnaryOp::kSqrt, y->cview(), y->view()), IsOk());
   (void)Download(*y);
-  ASSERT_THAT(SynchronizeDeviceStream(kDev, stream_), IsOk());
+  ASSERT_THAT(DeviceRuntimeFor(kDev.type).synchronize_stream(kDev, stream_), IsOk());
   const auto c = testing::GetHostTestDeviceCounters();
   EXPECT_EQ(c.copies_to_device, 1);
   EXPECT_EQ(c.copies_to_host, 1);
@@ -368,25 +369,26 @@ TEST(CpuAsyncCopies, AreImmediateCopiesAndTheFlagsMatchTheHostBoolOps) {
 }
 
 TEST_F(PluginBackendTest, PoolAccountsEveryByteAndRefusesOverBudget) {
-  auto before = GetDeviceMemoryStats(kDev);
+  auto before = DeviceRuntimeFor(kDev.type).memory_stats(kDev);
   ASSERT_THAT(before.status(), IsOk());
   {
     auto b = ctx_->Allocate(DType::kF32, {1000});
     ASSERT_THAT(b.status(), IsOk());
-    auto during = GetDeviceMemoryStats(kDev);
+    auto during = DeviceRuntimeFor(kDev.type).memory_stats(kDev);
     EXPECT_GE(during->in_use, before->in_use + 4000);
     EXPECT_GE(during->peak, during->in_use);
   }
-  EXPECT_EQ(GetDeviceMemoryStats(kDev)->in_use, before->in_use) << "freed on Buffer destruction";
+  EXPECT_EQ(DeviceRuntimeFor(kDev.type).memory_stats(kDev)->in_use, before->in_use)
+      << "freed on Buffer destruction";
 
   testing::ResetHostTestDevice(before->in_use + 4096);
   auto ok = ctx_->Allocate(DType::kF32, {512});
   ASSERT_THAT(ok.status(), IsOk());
   auto over = ctx_->Allocate(DType::kF32, {4096});
   EXPECT_THAT(over.status(), StatusIs(absl::StatusCode::kResourceExhausted));
-  EXPECT_THAT(LastDeviceAllocationError(),
+  EXPECT_THAT(DeviceRuntimeFor(kDev.type).last_allocation_error(),
               HasSubstr("pool budget " + std::to_string(before->in_use + 4096) + " bytes"));
-  EXPECT_THAT(LastDeviceAllocationError(), HasSubstr("requested"));
+  EXPECT_THAT(DeviceRuntimeFor(kDev.type).last_allocation_error(), HasSubstr("requested"));
   testing::ResetHostTestDevice(0);
 }
 
@@ -403,22 +405,24 @@ TEST_F(PluginBackendTest, HostRegistrationsArePairedAndCounted) {
   // devsession: host_register / host_unregister through the adapter; the TEST backend refuses a
   // second registration of an overlapping range and an unregister of an unknown pointer.
   std::vector<uint8_t> a(4096), b(4096);
-  ASSERT_THAT(HostRegister(kDev, a.data(), a.size()), IsOk());
-  ASSERT_THAT(HostRegister(kDev, b.data(), b.size()), IsOk());
+  ASSERT_THAT(DeviceRuntimeFor(kDev.type).host_register(kDev, a.data(), a.size()), IsOk());
+  ASSERT_THAT(DeviceRuntimeFor(kDev.type).host_register(kDev, b.data(), b.size()), IsOk());
   EXPECT_EQ(testing::GetHostTestDeviceCounters().host_registered_live, 2);
-  EXPECT_THAT(HostRegister(kDev, a.data() + 100, 8),
+  EXPECT_THAT(DeviceRuntimeFor(kDev.type).host_register(kDev, a.data() + 100, 8),
               StatusIs(absl::StatusCode::kInternal, HasSubstr("already registered")));
-  EXPECT_THAT(HostUnregister(kDev, a.data() + 1),
+  EXPECT_THAT(DeviceRuntimeFor(kDev.type).host_unregister(kDev, a.data() + 1),
               StatusIs(absl::StatusCode::kInternal, HasSubstr("not registered")));
-  EXPECT_THAT(HostUnregister(kDev, a.data()), IsOk());
-  EXPECT_THAT(HostUnregister(kDev, b.data()), IsOk());
-  EXPECT_THAT(HostUnregister(kDev, b.data()), StatusIs(absl::StatusCode::kInternal));
+  EXPECT_THAT(DeviceRuntimeFor(kDev.type).host_unregister(kDev, a.data()), IsOk());
+  EXPECT_THAT(DeviceRuntimeFor(kDev.type).host_unregister(kDev, b.data()), IsOk());
+  EXPECT_THAT(DeviceRuntimeFor(kDev.type).host_unregister(kDev, b.data()),
+              StatusIs(absl::StatusCode::kInternal));
   const testing::HostTestDeviceCounters c = testing::GetHostTestDeviceCounters();
   EXPECT_EQ(c.host_registers, 3);
   EXPECT_EQ(c.host_unregisters, 4);
   EXPECT_EQ(c.host_registered_live, 0);
   EXPECT_EQ(c.host_register_errors, 3);
-  EXPECT_THAT(HostRegister(Device{DeviceType::kCuda, 0}, a.data(), a.size()),
+  EXPECT_THAT(DeviceRuntimeFor(DeviceType::kCuda)
+                  .host_register(Device{DeviceType::kCuda, 0}, a.data(), a.size()),
               StatusIs(absl::StatusCode::kFailedPrecondition));
 }
 
@@ -429,15 +433,15 @@ TEST_F(PluginBackendTest, TheTestBackendEmulatesStreamCapture) {
   ASSERT_THAT(b.status(), IsOk());
   ASSERT_THAT(Fill(*ctx_, 1.0f, b->view()), IsOk());
   ASSERT_THAT(Synchronize(*ctx_), IsOk());
-  EXPECT_THAT(BeginStreamCapture(kDev, nullptr),
+  EXPECT_THAT(DeviceRuntimeFor(kDev.type).begin_capture(kDev, nullptr),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("default stream")));
-  EXPECT_THAT(EndStreamCapture(kDev, stream_).status(),
+  EXPECT_THAT(DeviceRuntimeFor(kDev.type).end_capture(kDev, stream_).status(),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("not capturing")));
-  ASSERT_THAT(BeginStreamCapture(kDev, stream_), IsOk());
-  EXPECT_THAT(BeginStreamCapture(kDev, stream_),
+  ASSERT_THAT(DeviceRuntimeFor(kDev.type).begin_capture(kDev, stream_), IsOk());
+  EXPECT_THAT(DeviceRuntimeFor(kDev.type).begin_capture(kDev, stream_),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("already capturing")));
   ASSERT_THAT(AddScalar(*ctx_, 1.0f, b->view(), 2.0f, b->view()), IsOk());  // x + 2, captured
-  auto graph = EndStreamCapture(kDev, stream_);
+  auto graph = DeviceRuntimeFor(kDev.type).end_capture(kDev, stream_);
   ASSERT_THAT(graph.status(), IsOk());
   ASSERT_NE(*graph, nullptr);
   std::vector<float> host(4);
@@ -446,18 +450,19 @@ TEST_F(PluginBackendTest, TheTestBackendEmulatesStreamCapture) {
     return host[0];
   };
   EXPECT_EQ(read(), 1.0f) << "a captured op does not run";
-  ASSERT_THAT(LaunchGraph(kDev, stream_, *graph), IsOk());
+  ASSERT_THAT(DeviceRuntimeFor(kDev.type).launch_graph(kDev, stream_, *graph), IsOk());
   EXPECT_EQ(read(), 3.0f);
-  ASSERT_THAT(LaunchGraph(kDev, stream_, *graph), IsOk());
-  ASSERT_THAT(LaunchGraph(kDev, stream_, *graph), IsOk());
+  ASSERT_THAT(DeviceRuntimeFor(kDev.type).launch_graph(kDev, stream_, *graph), IsOk());
+  ASSERT_THAT(DeviceRuntimeFor(kDev.type).launch_graph(kDev, stream_, *graph), IsOk());
   EXPECT_EQ(read(), 7.0f);
   const testing::HostTestDeviceCounters c = testing::GetHostTestDeviceCounters();
   EXPECT_EQ(c.graph_captures, 1);
   EXPECT_EQ(c.graphs_made, 1);
   EXPECT_EQ(c.graph_launches, 3);
-  EXPECT_THAT(LaunchGraph(kDev, stream_, nullptr), StatusIs(absl::StatusCode::kInternal));
-  DestroyGraph(kDev, *graph);
-  DestroyGraph(kDev, nullptr);  // a no-op
+  EXPECT_THAT(DeviceRuntimeFor(kDev.type).launch_graph(kDev, stream_, nullptr),
+              StatusIs(absl::StatusCode::kInternal));
+  DeviceRuntimeFor(kDev.type).destroy_graph(kDev, *graph);
+  DeviceRuntimeFor(kDev.type).destroy_graph(kDev, nullptr);  // a no-op
 }
 
 TEST(PluginBackendAdapt, RefusesBadTables) {

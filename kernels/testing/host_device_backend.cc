@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "kernels/backend.h"
+#include "kernels/device_runtime.h"
 #include "kernels/plugin/plugin_backend.h"
 
 namespace diond::kernels::testing {
@@ -25,7 +26,7 @@ absl::StatusOr<std::unique_ptr<HostTestStreamContext>> HostTestStreamContext::Cr
     Device device, int num_threads) {
   std::unique_ptr<HostTestStreamContext> s(new HostTestStreamContext);
   s->device_ = device;
-  absl::StatusOr<StreamHandle> stream = CreateDeviceStream(device);
+  absl::StatusOr<StreamHandle> stream = DeviceRuntimeFor(device.type).create_stream(device);
   if (!stream.ok()) return stream.status();
   s->stream_ = *stream;
   ContextOptions o;
@@ -40,7 +41,7 @@ absl::StatusOr<std::unique_ptr<HostTestStreamContext>> HostTestStreamContext::Cr
 
 HostTestStreamContext::~HostTestStreamContext() {
   ctx_.reset();
-  if (stream_ != nullptr) DestroyDeviceStream(device_, stream_);
+  if (stream_ != nullptr) DeviceRuntimeFor(device_.type).destroy_stream(device_, stream_);
 }
 
 }  // namespace diond::kernels::testing

@@ -90,12 +90,20 @@ absl::StatusOr<optim::OptionValue> OptionFromJson(const json& jg, const std::str
   return v;
 }
 
-// The hyperparameters of group `jg` (path `w`): every row of the option table. An option added
-// after the first format is absent from older checkpoints, which load with its default.
-absl::Status HyperparamsFromJson(const json& jg, const std::string& w, optim::Hyperparams& h) {
+// The hyperparameters of group `jg` (path `w`) of `algorithm`: every row of the option table. An
+// option added after the first format is absent from older checkpoints, which load with its
+// default. A value outside its row's range, for an algorithm that reads it, is a damaged
+// checkpoint (DATA_LOSS), not a bad request: no valid session could have written it.
+absl::Status HyperparamsFromJson(const json& jg, const std::string& w,
+                                 optim::AlgorithmKind algorithm, optim::Hyperparams& h) {
   for (const optim::OptionRow& row : optim::OptionTable()) {
     if (row.since == optim::OptionSince::kLater && !jg.contains(std::string(row.member))) continue;
     DIOND_ASSIGN_OR_RETURN(optim::OptionValue v, OptionFromJson(jg, w, row));
+    if (row.AppliesTo(algorithm)) {
+      if (absl::Status s = row.CheckRange(v); !s.ok()) {
+        return FieldError(absl::StrCat(w, row.member), s.message());
+      }
+    }
     row.set(h, v);
   }
   return absl::OkStatus();
@@ -135,7 +143,7 @@ absl::StatusOr<GroupSpec> GroupFromJson(const json& jg, const std::string& w) {
     return FieldError(absl::StrCat(w, "seed"), "expected an unsigned 64-bit integer");
   }
   c.seed = seed->get<uint64_t>();
-  DIOND_RETURN_IF_ERROR(HyperparamsFromJson(jg, w, c.hyperparams));
+  DIOND_RETURN_IF_ERROR(HyperparamsFromJson(jg, w, c.algorithm, c.hyperparams));
   return g;
 }
 

@@ -1,6 +1,6 @@
 // The checkpoint codec writes and reads every row of the option table (kernels/optim/
 // options.def) with nothing else to write, and manifests without the options added later load
-// with their defaults.
+// with their defaults; a value outside its range is damage.
 #include <algorithm>
 #include <string>
 
@@ -85,6 +85,29 @@ TEST(SpecCodec, OptionsAddedLaterMayBeAbsent) {
     ASSERT_THAT(back.status(), IsOk()) << row.name;
     EXPECT_EQ(row.get(back->groups[0].config.hyperparams), row.Default(optim::AlgorithmKind::kDion))
         << row.name;
+  }
+}
+
+// A manifest's value outside its row's range is damage (DATA_LOSS naming the key) for an algorithm
+// that reads the option; an algorithm that ignores it loads it as written, as CreateSession
+// accepted it.
+TEST(SpecCodec, AnOutOfRangeOptionIsDataLossWhereItIsRead) {
+  for (const optim::OptionRow& row : optim::OptionTable()) {
+    if (row.type != optim::OptionType::kDouble) continue;
+    const double below = row.range.lo - 1;
+    for (optim::AlgorithmKind k : optim::kAllAlgorithmKinds) {
+      strict_json::Json j = strict_json::Json::parse(SpecToJson(OneGroup(k)));
+      j["groups"][0][std::string(row.member)] = below;
+      absl::StatusOr<session::SessionSpec> back = SpecFromJson(j.dump());
+      if (row.AppliesTo(k)) {
+        EXPECT_EQ(back.status().code(), absl::StatusCode::kDataLoss)
+            << row.name << " " << optim::AlgorithmName(k);
+        EXPECT_NE(back.status().message().find(std::string(row.member)), std::string::npos)
+            << back.status();
+      } else if (row.elsewhere == optim::OptionElsewhere::kIgnored) {
+        EXPECT_THAT(back.status(), IsOk()) << row.name << " " << optim::AlgorithmName(k);
+      }
+    }
   }
 }
 

@@ -15,6 +15,7 @@
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "kernels/backend.h"
+#include "kernels/device_runtime.h"
 #include "kernels/engine_choice.h"
 #include "kernels/optim/optimizer_types.h"
 #include "kernels/plugin/plugin_backend.h"
@@ -56,9 +57,9 @@ class DeviceWatch {
   DeviceWatch(kernels::Device device, DaemonMetrics* metrics)
       : device_(device), metrics_(metrics) {}
 
-  // kernels::DeviceHealth; the first failure is reported as above.
+  // The device runtime's health; the first failure is reported as above.
   absl::Status Check() {
-    absl::Status h = kernels::DeviceHealth(device_);
+    absl::Status h = kernels::DeviceRuntimeFor(device_.type).health(device_);
     if (h.ok()) return h;
     absl::MutexLock lock(&mu_);
     if (!lost_) {
@@ -86,17 +87,6 @@ class DeviceWatch {
   bool lost_ ABSL_GUARDED_BY(mu_) = false;
   rpc::RpcServer* rpc_ ABSL_GUARDED_BY(mu_) = nullptr;
 };
-
-std::string DeviceLabel(kernels::DeviceType type, int index) {
-  switch (type) {
-    case kernels::DeviceType::kCuda:
-      return absl::StrCat("cuda:", index);
-    case kernels::DeviceType::kTest:
-      return absl::StrCat("test-device:", index);
-    default:
-      return "cpu";
-  }
-}
 
 std::string DescribeDevice(const kernels::SelectedDevice& selected, kernels::Device compute,
                            const std::string& note) {
@@ -171,33 +161,6 @@ absl::Status CheckListenerFlags(const DaemonOptions& options) {
   return absl::OkStatus();
 }
 
-// A device session's hooks into the backend on `device` (not the CPU): its stream, host
-// registration, and with --step_graphs the graph capture (docs/GPU.md "CUDA graphs").
-void SetDeviceHooks(const DaemonOptions& options, session::DeviceHooks* hooks) {
-  hooks->create_stream = [](kernels::Device dev) { return kernels::CreateDeviceStream(dev); };
-  hooks->destroy_stream = [](kernels::Device dev, kernels::StreamHandle s) {
-    kernels::DestroyDeviceStream(dev, s);
-  };
-  hooks->host_register = [](kernels::Device dev, void* p, size_t bytes) {
-    return kernels::HostRegister(dev, p, bytes);
-  };
-  hooks->host_unregister = [](kernels::Device dev, void* p) {
-    return kernels::HostUnregister(dev, p);
-  };
-  hooks->last_allocation_error = [] { return kernels::LastDeviceAllocationError(); };
-  if (!options.step_graphs) return;
-  hooks->begin_capture = [](kernels::Device dev, kernels::StreamHandle s) {
-    return kernels::BeginStreamCapture(dev, s);
-  };
-  hooks->end_capture = [](kernels::Device dev, kernels::StreamHandle s) {
-    return kernels::EndStreamCapture(dev, s);
-  };
-  hooks->launch_graph = [](kernels::Device dev, kernels::StreamHandle s, void* g) {
-    return kernels::LaunchGraph(dev, s, g);
-  };
-  hooks->destroy_graph = [](kernels::Device dev, void* g) { kernels::DestroyGraph(dev, g); };
-}
-
 // The session manager's hooks into the metrics. `device_report` (may be empty) runs after every
 // step and every change of the session count.
 session::ManagerObserver MetricsObserver(DaemonMetrics* metrics,
@@ -267,9 +230,9 @@ absl::StatusOr<rpc::RpcServerOptions> RpcSecurity(const DaemonOptions& options) 
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& options) {
   DIOND_RETURN_IF_ERROR(CheckListenerFlags(options));
   std::unique_ptr<Daemon> d(new Daemon);
-  DIOND_ASSIGN_OR_RETURN(session::DeviceHooks hooks, d->SelectDevices(options));
+  DIOND_RETURN_IF_ERROR(d->SelectDevices(options));
   DIOND_RETURN_IF_ERROR(d->StartMetrics(options));
-  DIOND_RETURN_IF_ERROR(d->StartSessions(options, std::move(hooks)));
+  DIOND_RETURN_IF_ERROR(d->StartSessions(options));
   DIOND_ASSIGN_OR_RETURN(rpc::RpcServerOptions ro, RpcSecurity(options));
   DIOND_RETURN_IF_ERROR(d->PrepareWorld(options, &ro));
   DIOND_RETURN_IF_ERROR(d->StartFdChannel(options, &ro));
@@ -278,13 +241,19 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   return d;
 }
 
-absl::StatusOr<session::DeviceHooks> Daemon::SelectDevices(const DaemonOptions& options) {
+absl::Status Daemon::SelectDevices(const DaemonOptions& options) {
   DIOND_ASSIGN_OR_RETURN(device_, kernels::SelectDevice(options.device, options.cuda_plugin));
-  // The device the steps run on: a GPU once the plugin's ops are registered and the update
-  // rules run on a device context; else the CPU, said plainly in the start-up line and metrics.
-  session::DeviceHooks hooks;
-  if (options.test_device) {
-    compute_device_ = kernels::Device{kernels::DeviceType::kTest, 0};
+  // The device the steps run on: a GPU once the plugin's ops and runtime are registered and its
+  // runtime says the update rules run on device memory; else the CPU, said plainly in the
+  // start-up line and metrics.
+  if (options.registered_device.has_value()) {
+    compute_device_ = *options.registered_device;
+    if (kernels::FindOpsBackend(compute_device_.type) == nullptr ||
+        kernels::FindDeviceRuntime(compute_device_.type) == nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the registered device ", DeviceLabel(compute_device_.type, compute_device_.index),
+          " has no ops backend or no device runtime"));
+    }
   } else if (device_.type == kernels::DeviceType::kCuda) {
     if (absl::Status reg = kernels::RegisterCudaOps(options.cuda_plugin); !reg.ok()) {
       compute_device_ = kernels::Device{kernels::DeviceType::kCpu, 0};
@@ -301,27 +270,16 @@ absl::StatusOr<session::DeviceHooks> Daemon::SelectDevices(const DaemonOptions& 
     compute_device_ = kernels::ComputeDevice(device_);
   }
   if (compute_device_.type != kernels::DeviceType::kCpu) {
-    const absl::Status rules = session::CheckRulesRunOnDevice();
-    hooks.rules_on_device = rules.ok();
-    const std::string where = DeviceLabel(compute_device_.type, compute_device_.index);
-    if (!rules.ok() && compute_device_.type == kernels::DeviceType::kCuda) {
-      // The rules would be handed device pointers they read from the host: not on a GPU.
-      compute_note_ = absl::StrCat("steps run on the cpu: the update rules do not run on a ", where,
-                                   " context yet (", rules.message(), ")");
+    const kernels::DeviceRuntime* runtime = kernels::FindDeviceRuntime(compute_device_.type);
+    if (runtime == nullptr || !runtime->rules_on_device) {
+      // The rules would be handed device pointers they read from the host.
+      compute_note_ = absl::StrCat("steps run on the cpu: the update rules do not run on a ",
+                                   DeviceLabel(compute_device_.type, compute_device_.index),
+                                   " context", runtime == nullptr ? " (no device runtime)" : "");
       compute_device_ = kernels::Device{kernels::DeviceType::kCpu, 0};
-    } else if (options.test_device) {
-      compute_note_ = absl::StrCat(
-          "steps run on ", where,
-          " (TEST DEVICE BACKEND: host memory behind the plugin ABI; not a product "
-          "feature): device sessions with their own stream and device staging",
-          rules.ok() ? "; the update rules run on the device context"
-                     : absl::StrCat("; the update rules step the host-addressable staging from "
-                                    "the CPU, as they do not run on a device context yet (",
-                                    rules.message(), ")"));
     }
   }
-  if (compute_device_.type != kernels::DeviceType::kCpu) SetDeviceHooks(options, &hooks);
-  return hooks;
+  return absl::OkStatus();
 }
 
 absl::Status Daemon::StartMetrics(const DaemonOptions& options) {
@@ -361,33 +319,33 @@ absl::Status Daemon::StartMetrics(const DaemonOptions& options) {
 }
 
 std::function<void()> Daemon::WatchDevice(const DaemonOptions& options,
-                                          session::DeviceHooks* hooks) {
+                                          session::ManagerOptions* manager_options) {
   if (compute_device_.type == kernels::DeviceType::kCpu) return nullptr;
   // A device daemon: the pool's bytes in use and high-water mark after every step and every
-  // change of the session count (and the TEST binary's counters line).
+  // change of the session count (and the binary's own report line, if it has one).
   DaemonMetrics* metrics = metrics_.get();
   const kernels::Device dev = compute_device_;
-  std::function<std::string()> test_report = options.test_device_report;
+  std::function<std::string()> extra_report = options.device_report;
   device_watch_ = std::make_shared<DeviceWatch>(dev, metrics);
   std::shared_ptr<DeviceWatch> watch = device_watch_;
-  hooks->device_health = [watch](kernels::Device) { return watch->Check(); };
-  std::function<void()> report = [metrics, dev, test_report, watch] {
-    if (auto m = kernels::GetDeviceMemoryStats(dev); m.ok()) {
+  manager_options->device_health = [watch](kernels::Device) { return watch->Check(); };
+  std::function<void()> report = [metrics, dev, extra_report, watch] {
+    if (auto m = kernels::DeviceRuntimeFor(dev.type).memory_stats(dev); m.ok()) {
       metrics->SetDeviceMemory(static_cast<double>(m->in_use), static_cast<double>(m->peak));
     }
     (void)watch->Check();
-    if (test_report) DIOND_LOG(INFO) << test_report();
+    if (extra_report) DIOND_LOG(INFO) << extra_report();
   };
   report();
   return report;
 }
 
-absl::Status Daemon::StartSessions(const DaemonOptions& options, session::DeviceHooks hooks) {
+absl::Status Daemon::StartSessions(const DaemonOptions& options) {
   DaemonMetrics* metrics = metrics_.get();
-  std::function<void()> device_report = WatchDevice(options, &hooks);
   session::ManagerOptions manager_options = options.sessions;
   manager_options.compute_device = compute_device_;
-  manager_options.device_hooks = std::move(hooks);
+  manager_options.step_graphs = options.step_graphs;
+  std::function<void()> device_report = WatchDevice(options, &manager_options);
   // Explicit absolute checkpoint paths work without --state_dir too.
   manager_options.checkpoints =
       std::make_shared<checkpoint::DirectoryStore>(manager_options.state_dir);

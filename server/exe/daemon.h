@@ -7,6 +7,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -87,15 +88,17 @@ struct DaemonOptions {
   std::string openblas_core;         // the core OpenBLAS runs, e.g. "Zen"
   std::string openblas_core_source;  // "autodetected", "operator" or "diond"
   std::string engine_calibration;    // the calibration's report; empty: none ran
-  // TEST-ONLY (the diond_testdevice binary, server/exe/test_device_main.cc): the steps run on
-  // the host-memory TEST backend, which the caller registered for DeviceType::kTest. Never set
-  // by diond. `test_device_report` (optional) is logged after every step and session change.
-  bool test_device = false;
-  std::function<std::string()> test_device_report;
+  // A device whose backend the binary registered before Start, through the path a plugin's
+  // takes (kernels/plugin/plugin_backend.h RegisterPluginOps: its ops and its device runtime):
+  // the steps run there, whatever --device selected. Unset (diond): --device decides.
+  std::optional<kernels::Device> registered_device;
+  // On a device daemon: a line logged after every step and every change of the session count
+  // (e.g. a backend's own counters). Empty: none.
+  std::function<std::string()> device_report;
 };
 
-// "cpu" or "cuda:N" (the labels of diond_build_info).
-std::string DeviceLabel(kernels::DeviceType type, int index);
+// "cpu" or "cuda:N" (the labels of diond_build_info; kernels/device.h).
+using kernels::DeviceLabel;
 // The device part of the start-up line: the selected device, why auto mode fell back to the
 // CPU, and, when the steps run elsewhere than the selected device (a GPU host without a CUDA ops
 // backend), "steps run on the cpu" with the reason.
@@ -128,17 +131,18 @@ class Daemon {
  private:
   Daemon();
   // Start's steps, in the order it runs them.
-  // The selected device and the one the steps run on (with the note the start-up line gives),
-  // and the session hooks into it.
-  absl::StatusOr<session::DeviceHooks> SelectDevices(const DaemonOptions& options);
+  // The selected device and the one the steps run on (with the note the start-up line gives).
+  absl::Status SelectDevices(const DaemonOptions& options);
   // The metrics registry with diond_build_info, and the /metrics endpoint when asked for.
   absl::Status StartMetrics(const DaemonOptions& options);
   // The session manager on the compute device, reporting into the metrics, with the checkpoint
   // store on --state_dir.
-  absl::Status StartSessions(const DaemonOptions& options, session::DeviceHooks hooks);
-  // A device daemon's DeviceWatch, hooked into `hooks`; returns the report to run after steps
-  // and session changes (empty on the CPU).
-  std::function<void()> WatchDevice(const DaemonOptions& options, session::DeviceHooks* hooks);
+  absl::Status StartSessions(const DaemonOptions& options);
+  // A device daemon's DeviceWatch, asked by the manager before every step (`manager_options`'
+  // device_health); returns the report to run after steps and session changes (empty on the
+  // CPU).
+  std::function<void()> WatchDevice(const DaemonOptions& options,
+                                    session::ManagerOptions* manager_options);
   // The world's credentials (secret or mutual TLS) and, on rank 0, the coordinator the RPC
   // server serves.
   absl::Status PrepareWorld(const DaemonOptions& options, rpc::RpcServerOptions* ro);

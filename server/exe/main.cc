@@ -311,6 +311,168 @@ std::string WaitVariablesOf(const std::string& set) {
   return out;
 }
 
+namespace {
+
+// --log_level and --log_format, applied. INVALID_ARGUMENT "--flag: why" for a bad value.
+absl::Status ApplyLogFlags() {
+  auto level = diond::ParseLogLevel(absl::GetFlag(FLAGS_log_level));
+  if (!level.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--log_level: ", level.status().message()));
+  }
+  diond::SetMinLogLevel(*level);
+  auto format = diond::ParseLogFormat(absl::GetFlag(FLAGS_log_format));
+  if (!format.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--log_format: ", format.status().message()));
+  }
+  diond::SetLogFormat(*format);
+  return absl::OkStatus();
+}
+
+// The world flags into options->world (--listen already parsed, for --peer_service's port).
+absl::Status WorldFromFlags(diond::server::DaemonOptions* options) {
+  diond::server::WorldConfig& world = options->world;
+  world.world_size = absl::GetFlag(FLAGS_world_size);
+  if (world.world_size < 1) return absl::InvalidArgumentError("--world_size must be at least 1");
+  const std::string device_collectives = absl::GetFlag(FLAGS_world_device_collectives);
+  if (device_collectives != "auto" && device_collectives != "gloo") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--world_device_collectives must be auto or gloo, not \"", device_collectives, "\""));
+  }
+  world.device_nccl = device_collectives == "auto";
+  if (world.world_size > 1) {
+    char host[256] = {0};
+    gethostname(host, sizeof(host) - 1);
+    auto rank = diond::comm::DeriveRank(absl::GetFlag(FLAGS_rank), world.world_size, host,
+                                        std::getenv("JOB_COMPLETION_INDEX"));
+    if (!rank.ok()) return absl::InvalidArgumentError(rank.status().message());
+    world.rank = *rank;
+    world.coordinator = absl::GetFlag(FLAGS_coordinator);
+    const std::string service = absl::GetFlag(FLAGS_peer_service);
+    if (world.coordinator.empty() && !service.empty()) {
+      int port = 0;
+      for (const auto& a : options->listen) {
+        if (a.kind == diond::rpc::ListenAddress::Kind::kTcp) {
+          port = a.port;
+          break;
+        }
+      }
+      auto c = diond::comm::CoordinatorFromService(host, service, port);
+      if (!c.ok() || port == 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--peer_service: ",
+            c.ok() ? "needs a TCP --listen address with a fixed port" : c.status().message()));
+      }
+      world.coordinator = *c;
+    }
+    world.peer_address = absl::GetFlag(FLAGS_peer_listen);
+    world.heartbeat_interval = absl::GetFlag(FLAGS_heartbeat_interval);
+    world.peer_timeout = absl::GetFlag(FLAGS_peer_timeout);
+    world.join_timeout = absl::GetFlag(FLAGS_join_timeout);
+    world.store_limits.max_key_bytes = absl::GetFlag(FLAGS_world_max_key_bytes);
+    world.store_limits.max_value_bytes = absl::GetFlag(FLAGS_world_max_value_bytes);
+    world.store_limits.max_keys = absl::GetFlag(FLAGS_world_max_keys);
+    world.store_limits.max_bytes = absl::GetFlag(FLAGS_world_max_store_bytes);
+    if (world.store_limits.max_key_bytes < 64 || world.store_limits.max_value_bytes < 1024 ||
+        world.store_limits.max_keys < 16 || world.store_limits.max_bytes < 4096) {
+      return absl::InvalidArgumentError(
+          "--world_max_key_bytes >= 64, --world_max_value_bytes >= 1024, "
+          "--world_max_keys >= 16 and --world_max_store_bytes >= 4096 are needed");
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The daemon's options from the flags. INVALID_ARGUMENT "--flag: why" for a bad value; main
+// prints it after "diond: " and exits 2.
+absl::StatusOr<diond::server::DaemonOptions> OptionsFromFlags() {
+  diond::server::DaemonOptions options;
+  std::string listen = absl::GetFlag(FLAGS_listen);
+  if (listen.empty()) {
+    listen = absl::StrCat("unix:", diond::rpc::DefaultUnixSocketPath(), ",127.0.0.1:50551");
+  }
+  auto addresses = diond::rpc::ParseListenAddresses(listen);
+  if (!addresses.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--listen: ", addresses.status().message()));
+  }
+  options.listen = *addresses;
+  auto device = diond::kernels::ParseDeviceRequest(absl::GetFlag(FLAGS_device));
+  if (!device.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--device: ", device.status().message()));
+  }
+  options.device = *device;
+  options.metrics_address = absl::GetFlag(FLAGS_metrics_address);
+  options.health_address = absl::GetFlag(FLAGS_health_address);
+  options.cuda_plugin = absl::GetFlag(FLAGS_cuda_plugin);
+  options.allow_insecure_remote = absl::GetFlag(FLAGS_allow_insecure_remote);
+  options.allow_shm_from_tcp = absl::GetFlag(FLAGS_allow_shm_from_tcp);
+  options.auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
+  options.allow_unauthenticated_tcp = absl::GetFlag(FLAGS_allow_unauthenticated_tcp);
+  options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
+  options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
+  options.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
+  options.world_secret_file = absl::GetFlag(FLAGS_world_secret_file);
+  options.max_stream_bytes = absl::GetFlag(FLAGS_max_stream_bytes);
+  options.rpc_handler_threads = absl::GetFlag(FLAGS_rpc_handler_threads);
+  options.step_graphs = absl::GetFlag(FLAGS_step_graphs);
+  options.fd_channel_socket = absl::GetFlag(FLAGS_fd_channel_socket);
+  options.fd_token_ttl = absl::GetFlag(FLAGS_fd_token_ttl);
+  options.fd_max_pending_per_uid = absl::GetFlag(FLAGS_fd_max_pending_per_uid);
+  if (options.fd_token_ttl <= absl::ZeroDuration() || options.fd_max_pending_per_uid < 1) {
+    return absl::InvalidArgumentError(
+        "--fd_token_ttl must be positive and --fd_max_pending_per_uid at least 1");
+  }
+  options.sessions.max_session_bytes = absl::GetFlag(FLAGS_max_session_bytes);
+  options.sessions.memory_budget_bytes = absl::GetFlag(FLAGS_memory_budget_bytes);
+  options.sessions.idle_timeout = absl::GetFlag(FLAGS_session_idle_timeout);
+  options.sessions.orphan_grace = absl::GetFlag(FLAGS_orphan_grace);
+  options.sessions.orphan_grace_named = absl::GetFlag(FLAGS_orphan_grace_named);
+  if (options.sessions.orphan_grace < absl::ZeroDuration() ||
+      options.sessions.orphan_grace_named < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--orphan_grace and --orphan_grace_named must be >= 0");
+  }
+  options.sessions.state_dir = absl::GetFlag(FLAGS_state_dir);
+  options.sessions.checkpoint_every = absl::GetFlag(FLAGS_checkpoint_every);
+  options.sessions.keep_checkpoints = absl::GetFlag(FLAGS_keep_checkpoints);
+  options.sessions.recover = absl::GetFlag(FLAGS_recover);
+  options.sessions.checksum_every = absl::GetFlag(FLAGS_checksum_every);
+  options.sessions.compute_threads = absl::GetFlag(FLAGS_compute_threads);
+  if (absl::Status s = WorldFromFlags(&options); !s.ok()) return s;
+  return options;
+}
+
+// --calibrate_engines: before any session exists, since the choice is process-wide
+// (kernels/engine_choice.h). Its line (or why it failed) goes into options->engine_calibration.
+void CalibrateEnginesIfAsked(diond::server::DaemonOptions* options) {
+  if (!absl::GetFlag(FLAGS_calibrate_engines)) return;
+  auto ctx = diond::kernels::Context::CpuDefault(options->sessions.compute_threads);
+  auto cal = diond::kernels::CalibrateAutoEngines(
+      *ctx, diond::optim::IsaBf16Matmul() == diond::optim::Bf16MatmulEngine::kOneDnn);
+  if (cal.ok()) {
+    diond::kernels::SetAutoEngines(cal->engines);
+    options->engine_calibration = cal->Describe();
+  } else {
+    options->engine_calibration =
+        absl::StrCat("calibration failed (", cal.status().message(), "): the defaults");
+  }
+}
+
+// The start-up line on the thread-waiting variables: each one's value, and which diond set.
+std::string ThreadWaitingLine(const std::string& wait_set_here) {
+  std::string line = "thread waiting:";
+  for (const char* v :
+       {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT"}) {
+    const char* value = std::getenv(v);
+    absl::StrAppend(&line, " ", v, "=", value != nullptr ? value : "(unset)");
+  }
+  if (!wait_set_here.empty()) {
+    absl::StrAppend(&line, " (set by diond: ", wait_set_here,
+                    "; idle threads wait about 0.1 ms, then sleep; a value of yours is kept)");
+  }
+  return line;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   const std::string wait_set_here = WaitVariablesOf(SetThreadWaitLimits(argv));
   // The markers are ours; keep them out of the environment of anything the daemon starts.
@@ -340,152 +502,19 @@ int main(int argc, char** argv) {
     return 2;
   }
 
-  auto level = diond::ParseLogLevel(absl::GetFlag(FLAGS_log_level));
-  if (!level.ok()) {
-    std::fprintf(stderr, "diond: --log_level: %s\n", std::string(level.status().message()).c_str());
+  if (absl::Status s = ApplyLogFlags(); !s.ok()) {
+    std::fprintf(stderr, "diond: %s\n", std::string(s.message()).c_str());
     return 2;
   }
-  diond::SetMinLogLevel(*level);
-  auto format = diond::ParseLogFormat(absl::GetFlag(FLAGS_log_format));
-  if (!format.ok()) {
-    std::fprintf(stderr, "diond: --log_format: %s\n",
-                 std::string(format.status().message()).c_str());
+  absl::StatusOr<diond::server::DaemonOptions> parsed = OptionsFromFlags();
+  if (!parsed.ok()) {
+    std::fprintf(stderr, "diond: %s\n", std::string(parsed.status().message()).c_str());
     return 2;
   }
-  diond::SetLogFormat(*format);
-
-  diond::server::DaemonOptions options;
-  std::string listen = absl::GetFlag(FLAGS_listen);
-  if (listen.empty()) {
-    listen = absl::StrCat("unix:", diond::rpc::DefaultUnixSocketPath(), ",127.0.0.1:50551");
-  }
-  auto addresses = diond::rpc::ParseListenAddresses(listen);
-  if (!addresses.ok()) {
-    std::fprintf(stderr, "diond: --listen: %s\n",
-                 std::string(addresses.status().message()).c_str());
-    return 2;
-  }
-  options.listen = *addresses;
-  auto device = diond::kernels::ParseDeviceRequest(absl::GetFlag(FLAGS_device));
-  if (!device.ok()) {
-    std::fprintf(stderr, "diond: --device: %s\n", std::string(device.status().message()).c_str());
-    return 2;
-  }
-  options.device = *device;
-  options.metrics_address = absl::GetFlag(FLAGS_metrics_address);
-  options.health_address = absl::GetFlag(FLAGS_health_address);
-  options.cuda_plugin = absl::GetFlag(FLAGS_cuda_plugin);
-  options.allow_insecure_remote = absl::GetFlag(FLAGS_allow_insecure_remote);
-  options.allow_shm_from_tcp = absl::GetFlag(FLAGS_allow_shm_from_tcp);
-  options.auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
-  options.allow_unauthenticated_tcp = absl::GetFlag(FLAGS_allow_unauthenticated_tcp);
-  options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
-  options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
-  options.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
-  options.world_secret_file = absl::GetFlag(FLAGS_world_secret_file);
-  options.max_stream_bytes = absl::GetFlag(FLAGS_max_stream_bytes);
-  options.rpc_handler_threads = absl::GetFlag(FLAGS_rpc_handler_threads);
-  options.step_graphs = absl::GetFlag(FLAGS_step_graphs);
-  options.fd_channel_socket = absl::GetFlag(FLAGS_fd_channel_socket);
-  options.fd_token_ttl = absl::GetFlag(FLAGS_fd_token_ttl);
-  options.fd_max_pending_per_uid = absl::GetFlag(FLAGS_fd_max_pending_per_uid);
-  if (options.fd_token_ttl <= absl::ZeroDuration() || options.fd_max_pending_per_uid < 1) {
-    std::fprintf(stderr,
-                 "diond: --fd_token_ttl must be positive and --fd_max_pending_per_uid "
-                 "at least 1\n");
-    return 2;
-  }
-  options.sessions.max_session_bytes = absl::GetFlag(FLAGS_max_session_bytes);
-  options.sessions.memory_budget_bytes = absl::GetFlag(FLAGS_memory_budget_bytes);
-  options.sessions.idle_timeout = absl::GetFlag(FLAGS_session_idle_timeout);
-  options.sessions.orphan_grace = absl::GetFlag(FLAGS_orphan_grace);
-  options.sessions.orphan_grace_named = absl::GetFlag(FLAGS_orphan_grace_named);
-  if (options.sessions.orphan_grace < absl::ZeroDuration() ||
-      options.sessions.orphan_grace_named < absl::ZeroDuration()) {
-    std::fprintf(stderr, "diond: --orphan_grace and --orphan_grace_named must be >= 0\n");
-    return 2;
-  }
-  options.sessions.state_dir = absl::GetFlag(FLAGS_state_dir);
-  options.sessions.checkpoint_every = absl::GetFlag(FLAGS_checkpoint_every);
-  options.sessions.keep_checkpoints = absl::GetFlag(FLAGS_keep_checkpoints);
-  options.sessions.recover = absl::GetFlag(FLAGS_recover);
-  options.sessions.checksum_every = absl::GetFlag(FLAGS_checksum_every);
-  options.sessions.compute_threads = absl::GetFlag(FLAGS_compute_threads);
-
-  diond::server::WorldConfig& world = options.world;
-  world.world_size = absl::GetFlag(FLAGS_world_size);
-  if (world.world_size < 1) {
-    std::fprintf(stderr, "diond: --world_size must be at least 1\n");
-    return 2;
-  }
-  const std::string device_collectives = absl::GetFlag(FLAGS_world_device_collectives);
-  if (device_collectives != "auto" && device_collectives != "gloo") {
-    std::fprintf(stderr, "diond: --world_device_collectives must be auto or gloo, not \"%s\"\n",
-                 device_collectives.c_str());
-    return 2;
-  }
-  world.device_nccl = device_collectives == "auto";
-  if (world.world_size > 1) {
-    char host[256] = {0};
-    gethostname(host, sizeof(host) - 1);
-    auto rank = diond::comm::DeriveRank(absl::GetFlag(FLAGS_rank), world.world_size, host,
-                                        std::getenv("JOB_COMPLETION_INDEX"));
-    if (!rank.ok()) {
-      std::fprintf(stderr, "diond: %s\n", std::string(rank.status().message()).c_str());
-      return 2;
-    }
-    world.rank = *rank;
-    world.coordinator = absl::GetFlag(FLAGS_coordinator);
-    const std::string service = absl::GetFlag(FLAGS_peer_service);
-    if (world.coordinator.empty() && !service.empty()) {
-      int port = 0;
-      for (const auto& a : options.listen) {
-        if (a.kind == diond::rpc::ListenAddress::Kind::kTcp) {
-          port = a.port;
-          break;
-        }
-      }
-      auto c = diond::comm::CoordinatorFromService(host, service, port);
-      if (!c.ok() || port == 0) {
-        std::fprintf(stderr, "diond: --peer_service: %s\n",
-                     c.ok() ? "needs a TCP --listen address with a fixed port"
-                            : std::string(c.status().message()).c_str());
-        return 2;
-      }
-      world.coordinator = *c;
-    }
-    world.peer_address = absl::GetFlag(FLAGS_peer_listen);
-    world.heartbeat_interval = absl::GetFlag(FLAGS_heartbeat_interval);
-    world.peer_timeout = absl::GetFlag(FLAGS_peer_timeout);
-    world.join_timeout = absl::GetFlag(FLAGS_join_timeout);
-    world.store_limits.max_key_bytes = absl::GetFlag(FLAGS_world_max_key_bytes);
-    world.store_limits.max_value_bytes = absl::GetFlag(FLAGS_world_max_value_bytes);
-    world.store_limits.max_keys = absl::GetFlag(FLAGS_world_max_keys);
-    world.store_limits.max_bytes = absl::GetFlag(FLAGS_world_max_store_bytes);
-    if (world.store_limits.max_key_bytes < 64 || world.store_limits.max_value_bytes < 1024 ||
-        world.store_limits.max_keys < 16 || world.store_limits.max_bytes < 4096) {
-      std::fprintf(stderr,
-                   "diond: --world_max_key_bytes >= 64, --world_max_value_bytes >= 1024, "
-                   "--world_max_keys >= 16 and --world_max_store_bytes >= 4096 are needed\n");
-      return 2;
-    }
-  }
-
+  diond::server::DaemonOptions options = *std::move(parsed);
   options.openblas_core = blas_core.core;
   options.openblas_core_source = blas_core.source;
-  if (absl::GetFlag(FLAGS_calibrate_engines)) {
-    // Before any session exists: the choice is process-wide (kernels/engine_choice.h).
-    auto ctx = diond::kernels::Context::CpuDefault(options.sessions.compute_threads);
-    auto cal = diond::kernels::CalibrateAutoEngines(
-        *ctx, diond::optim::IsaBf16Matmul() == diond::optim::Bf16MatmulEngine::kOneDnn);
-    if (cal.ok()) {
-      diond::kernels::SetAutoEngines(cal->engines);
-      options.engine_calibration = cal->Describe();
-    } else {
-      options.engine_calibration =
-          absl::StrCat("calibration failed (", cal.status().message(), "): the defaults");
-    }
-  }
+  CalibrateEnginesIfAsked(&options);
 
 #ifdef DIOND_TEST_DEVICE_BINARY
   diond::server::ConfigureTestDevice(&options);
@@ -502,19 +531,7 @@ int main(int argc, char** argv) {
     DIOND_LOG(WARNING) << blas_core.line;
   }
   if (!options.engine_calibration.empty()) DIOND_LOG(INFO) << options.engine_calibration;
-  {
-    std::string line = "thread waiting:";
-    for (const char* v :
-         {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT"}) {
-      const char* value = std::getenv(v);
-      absl::StrAppend(&line, " ", v, "=", value != nullptr ? value : "(unset)");
-    }
-    if (!wait_set_here.empty()) {
-      absl::StrAppend(&line, " (set by diond: ", wait_set_here,
-                      "; idle threads wait about 0.1 ms, then sleep; a value of yours is kept)");
-    }
-    DIOND_LOG(INFO) << line;
-  }
+  DIOND_LOG(INFO) << ThreadWaitingLine(wait_set_here);
 
   const std::string ready_file = absl::GetFlag(FLAGS_ready_file);
   if (!ready_file.empty() && !WriteFileAtomically(ready_file, (*daemon)->ReadyJson())) {

@@ -38,7 +38,9 @@ absl::StatusOr<kernels::IpcMapping> AcquireIpc(kernels::Device device,
       return kernels::IpcMapping{e.ptr, e.bytes};
     }
   }
-  DIOND_ASSIGN_OR_RETURN(kernels::IpcMapping m, kernels::OpenIpcMemHandle(device, handle));
+  DIOND_ASSIGN_OR_RETURN(
+      kernels::IpcMapping m,
+      kernels::DeviceRuntimeFor(device.type).open_ipc_mem_handle(device, handle));
   g_ipc->push_back(IpcShare{device, key, m.ptr, m.bytes, 1});
   return m;
 }
@@ -49,7 +51,7 @@ absl::Status ReleaseIpc(kernels::Device device, void* ptr) {
     if (it->device == device && it->ptr == ptr) {
       if (--it->refs > 0) return absl::OkStatus();
       g_ipc->erase(it);
-      return kernels::CloseIpcMemHandle(device, ptr);
+      return kernels::DeviceRuntimeFor(device.type).close_ipc_mem_handle(device, ptr);
     }
   }
   return absl::InternalError("releasing a CUDA IPC mapping that is not open");
@@ -58,12 +60,12 @@ absl::Status ReleaseIpc(kernels::Device device, void* ptr) {
 // The daemon's index of the trainer's GPU, which must be the compute device.
 absl::StatusOr<kernels::Device> DeviceOf(kernels::Device compute, const GpuUuid& trainer,
                                          absl::string_view kind) {
-  if (compute.type != kernels::DeviceType::kCuda && compute.type != kernels::DeviceType::kTest) {
+  if (kernels::FindDeviceRuntime(compute.type) == nullptr) {
     return absl::FailedPreconditionError(
         absl::StrCat(kind, " needs a daemon that computes on a GPU; this one computes on the CPU"));
   }
   DIOND_ASSIGN_OR_RETURN(std::vector<kernels::GpuUuid> uuids,
-                         kernels::ListDeviceUuids(compute.type));
+                         kernels::DeviceRuntimeFor(compute.type).device_uuids());
   std::vector<GpuDevice> devices;
   for (size_t i = 0; i < uuids.size(); ++i) {
     GpuDevice d;
@@ -129,9 +131,9 @@ absl::StatusOr<std::unique_ptr<CudaRegion>> CudaRegion::OpenVmm(kernels::Device 
   DIOND_ASSIGN_OR_RETURN(kernels::Device device, DeviceOf(compute, trainer, "CUDA_VMM_FD"));
   const int64_t end = offset + size;
   const uint64_t bytes = static_cast<uint64_t>((end + granularity - 1) / granularity * granularity);
-  DIOND_ASSIGN_OR_RETURN(
-      kernels::VmmMapping m,
-      kernels::ImportVmmFd(device, fd, bytes, static_cast<uint64_t>(granularity)));
+  DIOND_ASSIGN_OR_RETURN(kernels::VmmMapping m,
+                         kernels::DeviceRuntimeFor(device.type)
+                             .import_vmm_fd(device, fd, bytes, static_cast<uint64_t>(granularity)));
   std::unique_ptr<CudaRegion> r(new CudaRegion);
   r->device_ = device;
   r->uuid_ = trainer;
@@ -145,7 +147,8 @@ absl::StatusOr<std::unique_ptr<CudaRegion>> CudaRegion::OpenVmm(kernels::Device 
 }
 
 CudaRegion::~CudaRegion() {
-  absl::Status s = vmm_ ? kernels::UnmapVmm(device_, vmm_mapping_) : ReleaseIpc(device_, base_);
+  absl::Status s = vmm_ ? kernels::DeviceRuntimeFor(device_.type).unmap_vmm(device_, vmm_mapping_)
+                        : ReleaseIpc(device_, base_);
   if (!s.ok()) DIOND_LOG(ERROR) << Describe() << ": releasing it failed: " << s;
   --g_live;
 }

@@ -1,6 +1,6 @@
 // The daemon side of CUDA regions (docs/DATA_PLANE.md "CUDA regions"): trainer GPU
-// memory opened in the daemon's process through the plugin ABI's handoff block
-// (kernels/plugin/plugin_backend.h), on the device the trainer's UUID maps to.
+// memory opened in the daemon's process through the device runtime's imports
+// (kernels/device_runtime.h), on the device the trainer's UUID maps to.
 //
 // A CudaRegion owns what it opened: a legacy IPC mapping (closed with cudaIpcCloseMemHandle) or
 // a VMM mapping (unmapped and released), undone by the destructor. It never touches a device
@@ -18,7 +18,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "kernels/context.h"
-#include "kernels/plugin/plugin_backend.h"
+#include "kernels/device_runtime.h"
 #include "server/session/gpu_uuid.h"
 
 namespace diond::session {

@@ -21,6 +21,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
+#include "kernels/plugin/plugin_backend.h"
 #include "kernels/testing/host_device_backend.h"
 #include "server/session/session.h"
 

@@ -4,7 +4,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
-#include "kernels/backend.h"
 #include "kernels/ops.h"
 
 namespace diond::session {
@@ -70,13 +69,13 @@ absl::Status StepDeviceComm::SyncSession() {
 absl::Status StepDeviceComm::ToHost(const void* device, void* host, size_t bytes) {
   if (bytes == 0) return absl::OkStatus();
   return CallOnCompute(compute_,
-                       [&] { return ctx_->backend().copy_to_host(*ctx_, device, host, bytes); });
+                       [&] { return kernels::CopyBytesToHost(*ctx_, device, host, bytes); });
 }
 
 absl::Status StepDeviceComm::ToDevice(const void* host, void* device, size_t bytes) {
   if (bytes == 0) return absl::OkStatus();
   return CallOnCompute(compute_,
-                       [&] { return ctx_->backend().copy_from_host(*ctx_, host, device, bytes); });
+                       [&] { return kernels::CopyBytesFromHost(*ctx_, host, device, bytes); });
 }
 
 template <typename F>

@@ -27,12 +27,12 @@ absl::string_view RoleName(Role r) { return r == Role::kParameters ? "PARAMETERS
 
 absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, SessionSpec spec,
                                                          const kernels::Context* ctx,
-                                                         const DeviceHooks* hooks,
+                                                         const kernels::DeviceRuntime* runtime,
                                                          ComputeThread* compute) {
   if (compute != nullptr && !compute->OnThread()) {
     // The state is allocated and initialized by the ops: on the compute thread.
     absl::StatusOr<std::unique_ptr<Session>> made = absl::InternalError("not run");
-    compute->Run([&] { made = Create(std::move(id), std::move(spec), ctx, hooks, compute); });
+    compute->Run([&] { made = Create(std::move(id), std::move(spec), ctx, runtime, compute); });
     return made;
   }
   if (spec.params.empty()) {
@@ -90,9 +90,9 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, Session
   // there, else a CPU context over host-addressable device staging), world sessions included
   // (their world phases exchange in device buffers, session_world.cc); otherwise `ctx`'s device.
   const bool on_device = ctx != nullptr && ctx->device().type != kernels::DeviceType::kCpu;
-  const DeviceHooks no_hooks;
+  const kernels::DeviceRuntime no_runtime;
   if (on_device) {
-    DIOND_RETURN_IF_ERROR(s->InitDeviceSide(*ctx, hooks != nullptr ? *hooks : no_hooks));
+    DIOND_RETURN_IF_ERROR(s->InitDeviceSide(*ctx, runtime != nullptr ? *runtime : no_runtime));
   } else {
     s->host_memory_ = std::make_unique<HostMemory>();
     s->memory_ = s->host_memory_.get();

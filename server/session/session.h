@@ -39,6 +39,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "kernels/context.h"
+#include "kernels/device_runtime.h"
 #include "kernels/optim/group_optimizer.h"
 #include "server/fdchannel/unique_fd.h"
 #include "server/session/compute_thread.h"
@@ -60,36 +61,6 @@ class StepDeviceComm;
 
 enum class Role { kParameters, kGradients };
 absl::string_view RoleName(Role r);
-
-// A device daemon's per-session device objects (docs/GPU.md, "Device sessions"). server/exe
-// fills these from the plugin adapter (kernels/plugin), so that server/session includes no
-// backend header. Every hook may be empty (then that object is not made: e.g. a test backend
-// without streams).
-struct DeviceHooks {
-  std::function<absl::StatusOr<kernels::StreamHandle>(kernels::Device)> create_stream;
-  std::function<void(kernels::Device, kernels::StreamHandle)> destroy_stream;
-  // Pins a trainer's mapping for DMA (cudaHostRegister) / undoes it, once per register.
-  std::function<absl::Status(kernels::Device, void*, size_t)> host_register;
-  std::function<absl::Status(kernels::Device, void*)> host_unregister;
-  // The pool's numbers for the last failed device allocation on this thread ("" if none).
-  std::function<std::string()> last_allocation_error;
-  // Stream capture (CUDA graphs): begin on the session stream, end (an executable graph),
-  // destroy. Empty or failing begin_capture: the backend cannot capture.
-  std::function<absl::Status(kernels::Device, kernels::StreamHandle)> begin_capture;
-  std::function<absl::StatusOr<void*>(kernels::Device, kernels::StreamHandle)> end_capture;
-  std::function<absl::Status(kernels::Device, kernels::StreamHandle, void*)> launch_graph;
-  std::function<void(kernels::Device, void*)> destroy_graph;
-  // OK while the compute device's context is usable; FAILED_PRECONDITION with the reason once a
-  // sticky error has lost it (kernels::DeviceHealth). The session manager asks before every step
-  // (and refuses it) and after a failed one. Empty: never asked.
-  std::function<absl::Status(kernels::Device)> device_health;
-  // The update rules run on a device Context (kernels/optim drives device memory): the state is
-  // then allocated on the device and GroupOptimizer::Stage gets device pointers. False: the
-  // rules still touch their state from the host, so the optimizers keep their state in host
-  // memory and step the device staging from a CPU context, which is only valid for a device
-  // whose memory is host-addressable (the TEST backend; the daemon never does it for CUDA).
-  bool rules_on_device = false;
-};
 
 // What a client stream writes: gradients (PushGradients) or parameters and state (SetState).
 enum class StreamKind { kGradients, kState };
@@ -147,7 +118,7 @@ class Session {
   // context's allocator.
   //
   // A device session (ctx on a device other than the CPU; a world session too): the session
-  // gets its own stream (hooks->create_stream), a Context on ctx's device with that stream, and
+  // gets its own stream (runtime->create_stream), a Context on ctx's device with that stream, and
   // device staging for every parameter and gradient as fp32 (plus one tensor's worth in the
   // trainer's dtype for the conversions), allocated here once. RESOURCE_EXHAUSTED naming the
   // bytes and the pool's numbers when they do not fit. A world session on a device daemon keeps
@@ -155,13 +126,14 @@ class Session {
   // buffers (DeviceWorldBuffer) through the step's StepDeviceComm: NCCL queued on the session's
   // stream where the world has a device communicator, else Gloo staged through host buffers
   // (--world_device_collectives=gloo, a plugin without NCCL, the TEST backend; docs/GPU.md
-  // "World sessions", ARCHITECTURE.md §6).
+  // "World sessions", ARCHITECTURE.md §6). `runtime` (kernels/device_runtime.h; may be null, and
+  // any entry may be null: that object is then not made) makes the stream, pins host memory and
+  // captures graphs; its rules_on_device says where the state lives.
   // `compute` (may be null: every pass then runs on the calling thread) runs every pass of
   // compute of the session, Create's own included, and must outlive the session.
-  static absl::StatusOr<std::unique_ptr<Session>> Create(std::string id, SessionSpec spec,
-                                                         const kernels::Context* ctx = nullptr,
-                                                         const DeviceHooks* hooks = nullptr,
-                                                         ComputeThread* compute = nullptr);
+  static absl::StatusOr<std::unique_ptr<Session>> Create(
+      std::string id, SessionSpec spec, const kernels::Context* ctx = nullptr,
+      const kernels::DeviceRuntime* runtime = nullptr, ComputeThread* compute = nullptr);
   // The device session's numbers (streams made, staging bytes); false for a host session.
   bool is_device_session() const { return device_ != nullptr; }
   int64_t DeviceStagingBytes() const;
@@ -351,7 +323,7 @@ class Session {
     void operator()(DeviceSide* d) const;
   };
   // ---- device sessions (session_device.cc) ----
-  absl::Status InitDeviceSide(const kernels::Context& ctx, const DeviceHooks& hooks);
+  absl::Status InitDeviceSide(const kernels::Context& ctx, const kernels::DeviceRuntime& runtime);
   // Pins a newly bound region for DMA (a device session with host_register; a failure is
   // logged, and the copies then go through pageable memory).
   void RegisterForDma(Role role, Binding& b);

@@ -24,7 +24,6 @@
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
-#include "kernels/backend.h"
 #include "kernels/graph.h"
 #include "kernels/ops.h"
 #include "server/session/session.h"
@@ -36,12 +35,12 @@ namespace diond::session {
 
 struct Session::DeviceSide final : Session::StepMemory {
   kernels::Device device;
-  DeviceHooks hooks;
+  kernels::DeviceRuntime runtime;
   kernels::StreamHandle stream = nullptr;
   // On `device`, with `stream`: the session's copies, conversions and scans (and the update when
   // the rules run on the device).
   std::unique_ptr<kernels::Context> ctx;
-  // Only when the rules do not run on the device (DeviceHooks::rules_on_device false, which the
+  // Only when the rules do not run on the device (DeviceRuntime::rules_on_device false, which the
   // daemon allows only for host-addressable device memory): a CPU context that steps the device
   // staging.
   std::unique_ptr<kernels::Context> host;
@@ -95,7 +94,7 @@ struct Session::DeviceSide final : Session::StepMemory {
   };
   IpcEvent ready, done;
 
-  const kernels::Context& update_ctx() const { return hooks.rules_on_device ? *ctx : *host; }
+  const kernels::Context& update_ctx() const { return runtime.rules_on_device ? *ctx : *host; }
   // Queues every parameter's read into the staging (host -> device, or device to device from a
   // CUDA region, widened there) on the session stream; the host memory is read only when the
   // stream gets there, so the caller waits for the stream before the regions are checked.
@@ -141,15 +140,17 @@ void Session::DeviceSideDeleter::operator()(DeviceSide* d) const {
   d->ctx.reset();  // its scratch blocks go back to the pool
   for (DeviceSide::IpcEvent* e : {&d->ready, &d->done}) {
     if (e->event == nullptr) continue;
-    if (absl::Status s = kernels::DestroyEvent(d->device, e->event); !s.ok()) {
+    if (absl::Status s =
+            kernels::DeviceRuntimeFor(d->device.type).destroy_event(d->device, e->event);
+        !s.ok()) {
       DIOND_LOG(WARNING) << "destroying a trainer's event failed: " << s.message();
     }
   }
-  if (d->stream != nullptr && d->hooks.destroy_stream)
-    d->hooks.destroy_stream(d->device, d->stream);
+  if (d->stream != nullptr && d->runtime.destroy_stream)
+    d->runtime.destroy_stream(d->device, d->stream);
   if (d->words != nullptr) {
-    if (d->words_pinned && d->hooks.host_unregister) {
-      if (absl::Status s = d->hooks.host_unregister(d->device, d->words); !s.ok()) {
+    if (d->words_pinned && d->runtime.host_unregister) {
+      if (absl::Status s = d->runtime.host_unregister(d->device, d->words); !s.ok()) {
         DIOND_LOG(WARNING) << "host_unregister of a session's host words failed: " << s.message();
       }
     }
@@ -183,7 +184,7 @@ int64_t Session::BudgetBytes() const {
   if (device_ == nullptr) return StateBytes();
   // The master weights are in the device pool (InitDeviceMaster), with the staging; the state
   // too when the rules run on the device.
-  return DeviceBytes() + (device_->hooks.rules_on_device ? 0 : StateBytes() - master_bytes_);
+  return DeviceBytes() + (device_->runtime.rules_on_device ? 0 : StateBytes() - master_bytes_);
 }
 
 const kernels::Context* Session::DeviceUpdateContext() const {
@@ -191,8 +192,8 @@ const kernels::Context* Session::DeviceUpdateContext() const {
 }
 
 std::string Session::DeviceAllocationError() const {
-  if (device_ == nullptr || !device_->hooks.last_allocation_error) return "";
-  return device_->hooks.last_allocation_error();
+  if (device_ == nullptr || !device_->runtime.last_allocation_error) return "";
+  return device_->runtime.last_allocation_error();
 }
 
 std::string Session::HostGraphKey() const {
@@ -234,8 +235,8 @@ void Session::DecideStepGraphs(StepRun& run) {
     }
     d.host_key = std::move(key);
   }
-  const bool capture =
-      d.hooks.begin_capture && d.hooks.end_capture && d.hooks.launch_graph && d.stream != nullptr;
+  const bool capture = d.runtime.begin_capture && d.runtime.end_capture && d.runtime.launch_graph &&
+                       d.stream != nullptr;
   for (GraphPhase p : {GraphPhase::kRead, GraphPhase::kUpdate, GraphPhase::kWrite}) {
     DeviceSide::PhaseGraph& pg = d.phase(p);
     if (!pg.decided) {
@@ -244,7 +245,7 @@ void Session::DecideStepGraphs(StepRun& run) {
       if (!capture) {
         reason = "unsupported";
         why = "the device backend has no stream capture (or --step_graphs=false)";
-      } else if (p == GraphPhase::kUpdate && !d.hooks.rules_on_device) {
+      } else if (p == GraphPhase::kUpdate && !d.runtime.rules_on_device) {
         reason = "unsupported";
         why = "the update rules do not run on the device context";
       } else if (p == GraphPhase::kUpdate && world_.has_value() &&
@@ -262,10 +263,10 @@ void Session::DecideStepGraphs(StepRun& run) {
         // (A world session's collectives run between the phases, outside the graphs.) The
         // phase's first Run (this step) captures, or says why it cannot.
         kernels::GraphHooks gh;
-        gh.begin_capture = d.hooks.begin_capture;
-        gh.end_capture = d.hooks.end_capture;
-        gh.launch = d.hooks.launch_graph;
-        gh.destroy = d.hooks.destroy_graph;
+        gh.begin_capture = d.runtime.begin_capture;
+        gh.end_capture = d.runtime.end_capture;
+        gh.launch = d.runtime.launch_graph;
+        gh.destroy = d.runtime.destroy_graph;
         kernels::StepGraph::Options o;
         // The read and write phases copy the trainer's (pinned) memory; a local session's update
         // reads its norms back into the pinned host words.
@@ -364,41 +365,42 @@ kernels::TensorView DeviceView(kernels::Device device, DType dtype, void* p, int
 absl::Status CopyToDevice(const kernels::Context& ctx, const void* host, void* device,
                           size_t bytes) {
   if (bytes == 0) return absl::OkStatus();
-  return ctx.backend().copy_from_host(ctx, host, device, bytes);
+  return kernels::CopyBytesFromHost(ctx, host, device, bytes);
 }
 absl::Status CopyToHost(const kernels::Context& ctx, const void* device, void* host, size_t bytes) {
   if (bytes == 0) return absl::OkStatus();
-  return ctx.backend().copy_to_host(ctx, device, host, bytes);
+  return kernels::CopyBytesToHost(ctx, device, host, bytes);
 }
 // Queued on the context's stream (kernels::CopyFromHostAsync / CopyToHostAsync): `host` stays
 // valid and untouched by the host until SyncStream (or a synchronous copy) of the same context.
 absl::Status CopyToDeviceAsync(const kernels::Context& ctx, const void* host, void* device,
                                size_t bytes) {
   if (bytes == 0) return absl::OkStatus();
-  return ctx.backend().copy_from_host_async(ctx, host, device, bytes);
+  return kernels::CopyBytesFromHostAsync(ctx, host, device, bytes);
 }
 absl::Status CopyToHostAsync(const kernels::Context& ctx, const void* device, void* host,
                              size_t bytes) {
   if (bytes == 0) return absl::OkStatus();
-  return ctx.backend().copy_to_host_async(ctx, device, host, bytes);
+  return kernels::CopyBytesToHostAsync(ctx, device, host, bytes);
 }
 absl::Status SyncStream(const kernels::Context& ctx) { return kernels::Synchronize(ctx); }
 
 }  // namespace
 
-absl::Status Session::InitDeviceSide(const kernels::Context& ctx, const DeviceHooks& hooks) {
+absl::Status Session::InitDeviceSide(const kernels::Context& ctx,
+                                     const kernels::DeviceRuntime& runtime) {
   std::unique_ptr<DeviceSide, DeviceSideDeleter> d(new DeviceSide);
   d->device = ctx.device();
-  d->hooks = hooks;
-  if (hooks.create_stream) {
-    DIOND_ASSIGN_OR_RETURN(d->stream, hooks.create_stream(d->device));
+  d->runtime = runtime;
+  if (runtime.create_stream) {
+    DIOND_ASSIGN_OR_RETURN(d->stream, runtime.create_stream(d->device));
   }
   kernels::ContextOptions co;
   co.device = d->device;
   co.num_threads = ctx.num_threads();
   co.stream = d->stream;
   DIOND_ASSIGN_OR_RETURN(d->ctx, kernels::Context::Create(co));
-  if (!hooks.rules_on_device) d->host = kernels::Context::CpuDefault(ctx.num_threads());
+  if (!runtime.rules_on_device) d->host = kernels::Context::CpuDefault(ctx.num_threads());
   int64_t total = 0, largest = 0;
   for (const TensorPlacement& t : layout_.tensors) {
     d->offset.push_back(total);
@@ -406,7 +408,7 @@ absl::Status Session::InitDeviceSide(const kernels::Context& ctx, const DeviceHo
     largest = std::max(largest, t.numel);
   }
   auto fail = [&](const absl::Status& s) {
-    const std::string pool = hooks.last_allocation_error ? hooks.last_allocation_error() : "";
+    const std::string pool = runtime.last_allocation_error ? runtime.last_allocation_error() : "";
     return absl::Status(
         s.code(), absl::StrCat("the session's device staging (", 8 * total + 4 * largest + 4,
                                " bytes: fp32 parameters and gradients, ", 8 * total,
@@ -434,8 +436,8 @@ absl::Status Session::InitDeviceSide(const kernels::Context& ctx, const DeviceHo
                                                      " bytes) could not be allocated"));
   }
   std::memset(d->words, 0, d->words_bytes);
-  if (hooks.host_register) {
-    if (absl::Status s = hooks.host_register(d->device, d->words, d->words_bytes); s.ok()) {
+  if (runtime.host_register) {
+    if (absl::Status s = runtime.host_register(d->device, d->words, d->words_bytes); s.ok()) {
       d->words_pinned = true;
     } else {
       DIOND_LOG(WARNING) << "session " << id_ << ": its host words could not be registered for "
@@ -449,11 +451,11 @@ absl::Status Session::InitDeviceSide(const kernels::Context& ctx, const DeviceHo
 }
 
 void Session::RegisterForDma(Role role, Binding& b) {
-  if (device_ == nullptr || !device_->hooks.host_register || b.region == nullptr) return;
+  if (device_ == nullptr || !device_->runtime.host_register || b.region == nullptr) return;
   void* p = b.region->data();
   const size_t bytes = static_cast<size_t>(b.region->size());
   const kernels::Device device = device_->device;
-  if (absl::Status s = device_->hooks.host_register(device, p, bytes); !s.ok()) {
+  if (absl::Status s = device_->runtime.host_register(device, p, bytes); !s.ok()) {
     DIOND_LOG(WARNING) << "session " << id_ << ": the " << RoleName(role) << " "
                        << b.region->Describe()
                        << " could not be registered for DMA; its copies go through pageable "
@@ -461,7 +463,7 @@ void Session::RegisterForDma(Role role, Binding& b) {
                        << s.message();
     return;
   }
-  std::function<absl::Status(kernels::Device, void*)> unregister = device_->hooks.host_unregister;
+  std::function<absl::Status(kernels::Device, void*)> unregister = device_->runtime.host_unregister;
   const std::string id = id_;
   b.dma = std::shared_ptr<void>(p, [unregister, device, id](void* q) {
     if (!unregister) return;
@@ -631,9 +633,11 @@ absl::Status Session::PrepareEventsLocked(const StepRequest& request) {
     const std::string& handle = *events[k].second;
     DeviceSide::IpcEvent& e = *cached[k];
     if (handle.empty() || (e.event != nullptr && e.handle == handle)) continue;
-    absl::StatusOr<void*> opened = kernels::OpenIpcEvent(
-        d.device,
-        absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(handle.data()), handle.size()));
+    absl::StatusOr<void*> opened =
+        kernels::DeviceRuntimeFor(d.device.type)
+            .open_ipc_event(d.device,
+                            absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(handle.data()),
+                                                handle.size()));
     if (!opened.ok()) {
       return absl::Status(opened.status().code(),
                           absl::StrCat("step ", request.step_index, ": ", events[k].first,
@@ -641,7 +645,9 @@ absl::Status Session::PrepareEventsLocked(const StepRequest& request) {
                                        opened.status().message(), "; nothing was stepped"));
     }
     if (e.event != nullptr) {
-      if (absl::Status s = kernels::DestroyEvent(d.device, e.event); !s.ok()) {
+      if (absl::Status s =
+              kernels::DeviceRuntimeFor(d.device.type).destroy_event(d.device, e.event);
+          !s.ok()) {
         DIOND_LOG(WARNING) << "session " << id_ << ": destroying the previous " << events[k].first
                            << " failed: " << s.message();
       }
@@ -654,12 +660,14 @@ absl::Status Session::PrepareEventsLocked(const StepRequest& request) {
 
 absl::Status Session::WaitReadyEvent(const StepRequest& request) {
   if (device_ == nullptr || request.ready_event.empty()) return absl::OkStatus();
-  return kernels::StreamWaitEvent(device_->device, device_->stream, device_->ready.event);
+  return kernels::DeviceRuntimeFor(device_->device.type)
+      .stream_wait_event(device_->device, device_->stream, device_->ready.event);
 }
 
 absl::Status Session::RecordDoneEvent(const StepRequest& request) {
   if (device_ == nullptr || request.done_event.empty()) return absl::OkStatus();
-  return kernels::RecordEvent(device_->device, device_->stream, device_->done.event);
+  return kernels::DeviceRuntimeFor(device_->device.type)
+      .record_event(device_->device, device_->stream, device_->done.event);
 }
 
 absl::Status Session::ReadGradientsToDevice(StepRun& run) {
@@ -838,47 +846,6 @@ absl::Status Session::QueueWeightCopies() {
     }
   }
   return absl::OkStatus();
-}
-
-}  // namespace diond::session
-
-namespace diond::session {
-
-namespace {
-
-absl::Status ProbeRules(kernels::Device device) {
-  kernels::ContextOptions co;
-  co.device = device;
-  co.num_threads = 1;
-  DIOND_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Context> ctx, kernels::Context::Create(co));
-  optim::GroupConfig config;
-  config.algorithm = optim::AlgorithmKind::kAdamW;
-  config.hyperparams = optim::DefaultHyperparams(optim::AlgorithmKind::kAdamW);
-  DIOND_ASSIGN_OR_RETURN(std::unique_ptr<optim::GroupOptimizer> opt,
-                         optim::CreateGroupOptimizer(*ctx, config, {{2}}));
-  DIOND_ASSIGN_OR_RETURN(kernels::Buffer x, ctx->Allocate(DType::kF32, {2}));
-  DIOND_ASSIGN_OR_RETURN(kernels::Buffer g, ctx->Allocate(DType::kF32, {2}));
-  const float values[2] = {1.0f, -0.5f};
-  DIOND_RETURN_IF_ERROR(CopyToDevice(*ctx, values, x.data(), sizeof(values)));
-  DIOND_RETURN_IF_ERROR(CopyToDevice(*ctx, values, g.data(), sizeof(values)));
-  float* xp[] = {x.As<float>()};
-  const float* gp[] = {g.As<float>()};
-  return opt->Step(*ctx, xp, gp);
-}
-
-}  // namespace
-
-absl::Status CheckRulesRunOnDevice() {
-  // Probed on a host-memory device, never on the GPU: rules that still read their state from
-  // the host would fault on device memory. The TEST backend when one is registered (the test
-  // binary), else the CPU's table standing in for DeviceType::kTest for the probe's duration.
-  const kernels::Device probe{kernels::DeviceType::kTest, 0};
-  if (kernels::FindOpsBackend(probe.type) != nullptr) return ProbeRules(probe);
-  DIOND_RETURN_IF_ERROR(
-      kernels::RegisterOpsBackend(probe.type, kernels::FindOpsBackend(kernels::DeviceType::kCpu)));
-  absl::Status s = ProbeRules(probe);
-  kernels::UnregisterOpsBackendForTest(probe.type);
-  return s;
 }
 
 }  // namespace diond::session

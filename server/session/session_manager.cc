@@ -88,6 +88,15 @@ absl::StatusOr<std::unique_ptr<SessionManager>> SessionManager::Create(
   co.num_threads = options.compute_threads;
   co.device = options.compute_device;
   DIOND_ASSIGN_OR_RETURN(m->ctx_, kernels::Context::Create(co));
+  if (const kernels::DeviceRuntime* r = kernels::FindDeviceRuntime(co.device.type); r != nullptr) {
+    m->runtime_ = *r;
+    if (!options.step_graphs) {
+      m->runtime_.begin_capture = nullptr;
+      m->runtime_.end_capture = nullptr;
+      m->runtime_.launch_graph = nullptr;
+      m->runtime_.destroy_graph = nullptr;
+    }
+  }
   if (!options.state_dir.empty()) {
     const int64_t removed = options.checkpoints->RemoveStaleTemporaries();
     if (removed > 0) {
@@ -245,9 +254,9 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::CreateSessionWithId(std
   }
   // Validate and size the session before taking the lock (optimizer state is allocated here).
   // The state goes where the steps run: ctx_ is on the daemon's compute device.
-  DIOND_ASSIGN_OR_RETURN(std::unique_ptr<Session> s,
-                         Session::Create(std::move(id), std::move(spec), ctx_.get(),
-                                         &options_.device_hooks, &compute_));
+  DIOND_ASSIGN_OR_RETURN(
+      std::unique_ptr<Session> s,
+      Session::Create(std::move(id), std::move(spec), ctx_.get(), &runtime_, &compute_));
   if (s->is_world_session()) {
     uint64_t epoch = 0;
     DIOND_ASSIGN_OR_RETURN(ShardPlan plan, AgreeOnPlan(s->spec(), &epoch));
@@ -359,7 +368,7 @@ absl::StatusOr<StepResult> SessionManager::Step(const std::string& id, const Ste
   // A lost device context (a sticky error) refuses every device step up front, before the
   // session is touched; a step that failed is asked about too, so the loss is noticed (and
   // reported by the hook: health, metrics) by the step that ran into it.
-  const auto& device_health = options_.device_hooks.device_health;
+  const auto& device_health = options_.device_health;
   const bool on_device =
       device_health && ctx_ != nullptr && ctx_->device().type != kernels::DeviceType::kCpu;
   if (on_device) {

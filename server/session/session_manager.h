@@ -21,6 +21,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "kernels/context.h"
+#include "kernels/device_runtime.h"
 #include "server/session/checkpoint_store.h"
 #include "server/session/compute_thread.h"
 #include "server/session/process_watch.h"
@@ -58,9 +59,14 @@ struct ManagerOptions {
   int compute_threads = 0;  // 0 = all cores
   // The device the steps run on (kernels::ComputeDevice of the daemon's selected device).
   kernels::Device compute_device;
-  // A device compute_device: the per-session device objects (stream, host registration, the
-  // pool's error text) and whether the rules run on the device (session.h DeviceHooks).
-  DeviceHooks device_hooks;
+  // A device compute_device: its sessions' streams, host registration and graph capture come
+  // from the device runtime registered for its type (kernels/device_runtime.h); their steps
+  // replay captured graphs where they can unless step_graphs is false (docs/GPU.md "CUDA
+  // graphs").
+  bool step_graphs = true;
+  // A device compute_device: asked before every step (a failure refuses the step, naming it)
+  // and after a failed one; OK while the device's context is usable. Empty: never asked.
+  std::function<absl::Status(kernels::Device)> device_health;
   // World sessions: how long CreateSession waits for every rank's trainer to create the same
   // world session (the shard-plan agreement, docs/DISTRIBUTED.md).
   absl::Duration world_session_timeout = absl::Seconds(60);
@@ -68,13 +74,6 @@ struct ManagerOptions {
   // differs from its owner's (docs/DISTRIBUTED.md).
   int64_t checksum_every = 0;
 };
-
-// Whether the update rules run on a device Context (kernels/optim drives device memory): one
-// AdamW step of two elements in the memory of a host-memory device (the registered TEST backend,
-// else the CPU's table standing in for DeviceType::kTest meanwhile), so that GPU memory is never
-// touched by rules that still read it from the host. OK, or the rules' error (e.g.
-// INVALID_ARGUMENT "... is on device 0:0, not on the context's device").
-absl::Status CheckRulesRunOnDevice();
 
 // Hooks for metrics and logs (the manager itself knows nothing of prometheus).
 struct ManagerObserver {
@@ -244,6 +243,8 @@ class SessionManager {
   ManagerOptions options_;
   ManagerObserver observer_;
   std::unique_ptr<kernels::Context> ctx_;
+  // The compute device's runtime (empty on the CPU), capture nulled without step_graphs.
+  kernels::DeviceRuntime runtime_;
   // Every session's compute runs here (one thread, so one OpenMP pool); declared before the
   // sessions, so that it outlives them.
   ComputeThread compute_;

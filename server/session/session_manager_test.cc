@@ -650,7 +650,7 @@ TEST(SessionManager, SessionStateLivesOnTheComputeDeviceItIsGiven) {
   // The daemon's compute device reaches the sessions: a manager on the test device (the recording
   // backend, forwarding to the CPU's table) makes every session a device session, whose staging is
   // allocated through that device's table (and its state too once the rules run on devices,
-  // DeviceHooks::rules_on_device); a manager on the CPU calls nothing of the test device.
+  // DeviceRuntime::rules_on_device); a manager on the CPU calls nothing of the test device.
   using kernels::testing::RecordingBackend;
   ASSERT_THAT(RecordingBackend::Install(kernels::FindOpsBackend(kernels::DeviceType::kCpu)),
               IsOk());

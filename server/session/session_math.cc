@@ -55,13 +55,13 @@ absl::Status CopyF32(const float* src, float* dst, int64_t n) {
 absl::Status CopyF32ToHost(const kernels::Context& dctx, const float* tensor, float* host,
                            int64_t n) {
   if (n <= 0) return absl::OkStatus();
-  return dctx.backend().copy_to_host(dctx, tensor, host, static_cast<size_t>(n) * 4);
+  return kernels::CopyBytesToHost(dctx, tensor, host, static_cast<size_t>(n) * 4);
 }
 
 absl::Status CopyF32ToDevice(const kernels::Context& dctx, const float* host, float* tensor,
                              int64_t n) {
   if (n <= 0) return absl::OkStatus();
-  return dctx.backend().copy_from_host(dctx, host, tensor, static_cast<size_t>(n) * 4);
+  return kernels::CopyBytesFromHost(dctx, host, tensor, static_cast<size_t>(n) * 4);
 }
 
 }  // namespace diond::session::internal

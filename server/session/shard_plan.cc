@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "kernels/optim/option_table.h"
 
 namespace diond::session {
 
@@ -124,24 +125,23 @@ std::string ShardPlanCanonicalText(const SessionSpec& spec, const ShardPlan& pla
       ";nonfinite=", spec.non_finite == NonFinitePolicy::kSkip ? "skip" : "error", "\n");
   for (const GroupSpec& g : spec.groups) {
     const optim::GroupConfig& c = g.config;
-    const optim::Hyperparams& h = c.hyperparams;
-    absl::StrAppend(
-        &t, "group ", g.name, " ", optim::AlgorithmName(c.algorithm), " ",
-        optim::PrecisionName(c.precision),
-        absl::StrFormat(" lr=%.17g wd=%.17g eps=%.17g mu=%.17g b1=%.17g b2=%.17g mb2=%.17g "
-                        "frac=%.17g ef=%.17g rf=%.17g rm=%d",
-                        h.lr, h.weight_decay, h.epsilon, h.mu, h.beta1, h.beta2, h.muon_beta2,
-                        h.fraction, h.ef_decay, h.rank_fraction, h.rank_multiple_of),
-        " nesterov=", h.nesterov ? 1 : 0, " cwd=", h.cautious_wd ? 1 : 0,
-        " adj=", optim::AdjustLrName(h.adjust_lr), " orth=", static_cast<int>(h.orthogonalizer),
-        " heads=", c.num_heads, " split=", absl::StrJoin(c.split_sizes, ","),
-        " flatten=", c.flatten ? 1 : 0, " seed=", c.seed, " qr=", optim::QrMethodName(h.qr_method),
-        absl::StrFormat(" cqrw=%d os=%.17g", h.cqr_warmup_steps, h.rcqr_oversample),
-        // Only when set, so that the default's text (and plan hash) is unchanged.
-        c.bf16_matmul == optim::Bf16MatmulEngine::kAuto
-            ? ""
-            : absl::StrCat(" bf16mm=", optim::Bf16MatmulEngineName(c.bf16_matmul)),
-        "\n");
+    absl::StrAppend(&t, "group ", g.name, " ", optim::AlgorithmName(c.algorithm), " ",
+                    optim::PrecisionName(c.precision));
+    // Every option of the table (kernels/optim/options.def), exactly: a new row is in the hash
+    // without an edit here.
+    for (const optim::OptionRow& row : optim::OptionTable()) {
+      const optim::OptionValue v = row.get(c.hyperparams);
+      absl::StrAppend(&t, " ", row.member, "=",
+                      row.type == optim::OptionType::kDouble ? absl::StrFormat("%.17g", v.number)
+                                                             : absl::StrCat(v.integer));
+    }
+    absl::StrAppend(&t, " heads=", c.num_heads, " split=", absl::StrJoin(c.split_sizes, ","),
+                    " flatten=", c.flatten ? 1 : 0, " seed=", c.seed,
+                    // Only when set, so that the default's text (and plan hash) is unchanged.
+                    c.bf16_matmul == optim::Bf16MatmulEngine::kAuto
+                        ? ""
+                        : absl::StrCat(" bf16mm=", optim::Bf16MatmulEngineName(c.bf16_matmul)),
+                    "\n");
   }
   for (size_t i = 0; i < spec.params.size(); ++i) {
     const ParamSpec& p = spec.params[i];

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "kernels/optim/option_table.h"
 #include "server/checkpoint/manifest.h"
 
 namespace diond::session {
@@ -118,6 +119,31 @@ TEST(ShardPlan, HashChangesWithEverythingThatMatters) {
     SessionSpec s = base;
     s.client_name = "another trainer";  // free text: not part of the plan
     EXPECT_EQ(ComputeShardPlan(s, 2)->hash, h);
+  }
+}
+
+// The ranks must agree on every option: changing any one row's value (kernels/optim/options.def)
+// changes the hash, so a row added to the table is in it with no other edit.
+TEST(ShardPlan, EveryOptionOfTheTableIsInThePlan) {
+  const SessionSpec base = GptLike(1);
+  const uint64_t h = ComputeShardPlan(base, 2)->hash;
+  for (const optim::OptionRow& row : optim::OptionTable()) {
+    SessionSpec s = base;
+    optim::Hyperparams& hp = s.groups[0].config.hyperparams;
+    optim::OptionValue v = row.get(hp);
+    switch (row.type) {
+      case optim::OptionType::kDouble:
+        v.number = v.number > 0 ? v.number / 2 : v.number + 0.125;
+        break;
+      case optim::OptionType::kEnum:
+        v.integer = (v.integer + 1) % static_cast<int64_t>(row.enum_names.size());
+        break;
+      default:
+        v.integer = v.integer == 0 ? 1 : v.integer + 1;
+    }
+    row.set(hp, v);
+    ASSERT_NE(row.get(hp), row.get(base.groups[0].config.hyperparams)) << row.name;
+    EXPECT_NE(ComputeShardPlan(s, 2)->hash, h) << row.name;
   }
 }
 

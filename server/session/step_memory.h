@@ -5,7 +5,7 @@
 //     other dtypes and master weights through the session's fp32 buffers;
 //   - Session::DeviceSide (session_device.cc): a device session's staging on its device, filled
 //     and drained by queued copies on its stream, its phases captured as graphs where they can
-//     be. It alone reaches the device's hooks.
+//     be. Of the step's passes, only these reach the device runtime (kernels/device_runtime.h).
 //
 // Internal to the session's implementation: included only by server/session/session*.cc and
 // step_memory_host.cc. Every method runs under the session's mutex (on the compute thread where

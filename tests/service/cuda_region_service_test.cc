@@ -255,7 +255,7 @@ class CudaRegions : public ::testing::Test, protected Handoffs {
     ASSERT_TRUE(listen.ok()) << listen.status();
     o.listen = *listen;
     o.device.mode = kernels::DeviceRequest::Mode::kCpu;
-    o.test_device = true;
+    o.registered_device = kernels::Device{kernels::DeviceType::kTest, 0};
     auto d = server::Daemon::Start(o);
     ASSERT_TRUE(d.ok()) << d.status();
     daemon_ = *std::move(d);
@@ -794,7 +794,7 @@ class CudaRegionWorld : public ::testing::TestWithParam<WorldRegionRun>, protect
       o.auth_token_file = tokens;
       o.world_secret_file = secret;
       o.device.mode = kernels::DeviceRequest::Mode::kCpu;
-      o.test_device = true;
+      o.registered_device = kernels::Device{kernels::DeviceType::kTest, 0};
       o.sessions.checksum_every = 2;
       o.world.world_size = kWorld;
       o.world.rank = r;

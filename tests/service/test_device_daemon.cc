@@ -1,5 +1,6 @@
 // diond_testdevice: the daemon (server/exe/main.cc) with the host-memory TEST backend
-// (kernels/testing/host_device_backend.h) registered as its compute device. TEST ONLY, never
+// (kernels/testing/host_device_backend.h) as its compute device, registered the way a plugin is
+// (RegisterPluginOps) and named in DaemonOptions::registered_device. TEST ONLY, never
 // installed: it lets the service suites run device sessions (their stream, device staging,
 // host <-> device copies, host registration of shm regions, the pool's budget) over real
 // processes, sockets and shared memory without a GPU.
@@ -20,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "kernels/backend.h"
+#include "kernels/device_runtime.h"
 #include "kernels/plugin/plugin_backend.h"
 #include "kernels/testing/host_device_backend.h"
 #include "server/exe/daemon.h"
@@ -51,12 +53,14 @@ void ConfigureTestDevice(DaemonOptions* options) {
   // Strict: the "device" memory is PROT_NONE outside the backend's own entries, so any host
   // access of it by the daemon (a session reading state or staging directly) faults at once.
   kernels::testing::SetHostTestDeviceStrict(true);
-  options->test_device = true;
-  options->test_device_report = [] {
+  options->registered_device = kernels::Device{kernels::DeviceType::kTest, 0};
+  options->device_report = [] {
     const kernels::testing::HostTestDeviceCounters c =
         kernels::testing::GetHostTestDeviceCounters();
     std::string pool;
-    if (auto m = kernels::GetDeviceMemoryStats({kernels::DeviceType::kTest, 0}); m.ok()) {
+    if (auto m = kernels::DeviceRuntimeFor(kernels::DeviceType::kTest)
+                     .memory_stats({kernels::DeviceType::kTest, 0});
+        m.ok()) {
       pool = absl::StrCat(" pool_in_use=", m->in_use, " pool_peak=", m->peak);
     }
     return absl::StrCat(

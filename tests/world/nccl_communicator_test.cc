@@ -13,6 +13,7 @@
 #include "gtest/gtest.h"
 #include "kernels/context.h"
 #include "kernels/device.h"
+#include "kernels/device_runtime.h"
 #include "kernels/ops.h"
 #include "kernels/plugin/plugin_backend.h"
 #include "server/comm/gloo_communicator.h"
@@ -62,7 +63,7 @@ TEST(NcclCommunicator, AStepDeviceCommOrdersTheSessionStreamBeforeNccl) {
   if ((*plugin)->device_count(err, sizeof(err)) <= 0) GTEST_SKIP() << "no GPU: " << err;
   ASSERT_THAT(kernels::RegisterCudaOps(DIOND_CUDA_PLUGIN), IsOk());
   const kernels::Device dev{kernels::DeviceType::kCuda, 0};
-  auto stream = kernels::CreateDeviceStream(dev);
+  auto stream = kernels::DeviceRuntimeFor(dev.type).create_stream(dev);
   ASSERT_THAT(stream.status(), IsOk());
   kernels::ContextOptions co;
   co.device = dev;
@@ -115,7 +116,7 @@ TEST(NcclCommunicator, AStepDeviceCommOrdersTheSessionStreamBeforeNccl) {
     EXPECT_THAT(c.DeviceStatus(), IsOk());
   }
   ctx->reset();
-  kernels::DestroyDeviceStream(dev, *stream);
+  kernels::DeviceRuntimeFor(dev.type).destroy_stream(dev, *stream);
 }
 
 }  // namespace

@@ -22,6 +22,7 @@
 #include "absl/flags/usage.h"
 #include "kernels/context.h"
 #include "kernels/device.h"
+#include "kernels/device_runtime.h"
 #include "kernels/engine_choice.h"
 #include "kernels/host_blas.h"
 #include "kernels/optim/conformance/runner.h"
@@ -92,7 +93,7 @@ int main(int argc, char** argv) {
     }
     k::testing::SetHostTestDeviceStrict(true);
     const k::Device dev{k::DeviceType::kTest, 0};
-    auto stream = k::CreateDeviceStream(dev);
+    auto stream = k::DeviceRuntimeFor(dev.type).create_stream(dev);
     if (!stream.ok()) {
       std::cerr << "diond-conformance: " << stream.status().message() << "\n";
       return 2;
@@ -112,7 +113,7 @@ int main(int argc, char** argv) {
     const int failed =
         diond::optim::conformance::RunAll(**ctx, paths, *mode, std::cout, cpu.get(), *bf16_matmul);
     ctx->reset();
-    k::DestroyDeviceStream(dev, *stream);
+    k::DeviceRuntimeFor(dev.type).destroy_stream(dev, *stream);
     return failed == 0 ? 0 : 1;
   }
   auto device = diond::kernels::ParseDeviceRequest(absl::GetFlag(FLAGS_device));
@@ -134,7 +135,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   const diond::kernels::Device dev{diond::kernels::DeviceType::kCuda, device->cuda_index};
-  auto stream = diond::kernels::CreateDeviceStream(dev);
+  auto stream = diond::kernels::DeviceRuntimeFor(dev.type).create_stream(dev);
   if (!stream.ok()) {
     std::cerr << "diond-conformance: " << stream.status().message() << "\n";
     return 2;
@@ -150,6 +151,6 @@ int main(int argc, char** argv) {
   const int failed =
       diond::optim::conformance::RunAll(**ctx, paths, *mode, std::cout, nullptr, *bf16_matmul);
   ctx->reset();
-  diond::kernels::DestroyDeviceStream(dev, *stream);
+  diond::kernels::DeviceRuntimeFor(dev.type).destroy_stream(dev, *stream);
   return failed == 0 ? 0 : 1;
 }
