@@ -19,6 +19,7 @@
 #include "kernels/optim/validation.h"
 #include "server/session/layout.h"
 #include "server/session/session_internal.h"
+#include "server/session/step_memory.h"
 
 namespace diond::session {
 
@@ -92,6 +93,9 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, Session
   const kernels::DeviceRuntime no_runtime;
   if (on_device) {
     DIOND_RETURN_IF_ERROR(s->InitDeviceSide(*ctx, runtime != nullptr ? *runtime : no_runtime));
+  } else {
+    s->host_memory_ = std::make_unique<HostMemory>();
+    s->memory_ = s->host_memory_.get();
   }
   const kernels::Context* state_ctx = s->device_ != nullptr ? s->DeviceUpdateContext() : ctx;
   for (size_t g = 0; g < spec.groups.size(); ++g) {
@@ -160,7 +164,7 @@ absl::Status Session::SetGroupHyperparameters(const std::string& group, std::opt
   }
   absl::MutexLock lock(&mu_);
   last_used_ = absl::Now();
-  DIOND_RETURN_IF_ERROR(RefuseIfQueuedLocked("SetHyperparameters"));
+  DIOND_RETURN_IF_ERROR(queue_.Refuse("SetHyperparameters"));
   for (Group& g : groups_) {
     if (g.name != group) continue;
     if (lr.has_value()) g.lr = lr;

@@ -15,8 +15,10 @@
 // Every mutating method validates its whole request first and changes nothing on failure.
 //
 // The implementation is split by concern: session.cc (creation, hyperparameters, info),
-// session_regions.cc (arenas, regions), session_step.cc (the step skeleton), session_world.cc
-// (the world's phases), session_state.cc (state and parameter transfer, snapshots).
+// session_regions.cc (arenas, regions), session_step.cc (the step skeleton), step_memory.h (where
+// a step's tensors lie: host memory, or a device session's staging in session_device.cc),
+// session_world.cc and world_exchange.h (the world's phases), step_queue.h (the asynchronous
+// step), session_state.cc (state and parameter transfer, snapshots).
 //
 // Thread-safety: all public methods are thread-safe; one session's calls are serialized by its
 // mutex. Every pass of compute runs on the compute thread given to Create (one per daemon:
@@ -30,7 +32,6 @@
 #include <memory>
 #include <optional>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/functional/function_ref.h"
@@ -45,6 +46,7 @@
 #include "server/session/cuda_region.h"
 #include "server/session/shard_plan.h"
 #include "server/session/shm_region.h"
+#include "server/session/step_queue.h"
 #include "server/session/types.h"
 #include "server/session/world_link.h"
 
@@ -285,6 +287,7 @@ class Session {
   bool is_world_session() const { return !spec_.world_key.empty(); }
 
  private:
+  friend class WorldExchange;  // phase 9 of a world step (world_exchange.h)
   // RegisterShmRegion's and RegisterMemfdRegion's common part: `name` identifies the segment
   // (overlap check), `open` maps it once the request is valid.
   absl::StatusOr<std::string> RegisterMappedRegion(
@@ -310,8 +313,11 @@ class Session {
     b.dma.reset();
     b = Binding();
   }
-  // A device session's device objects (session_device.cc). Destroyed after everything that uses
-  // them (declared before the groups and the bindings).
+  // Where one step's tensors lie, and the passes that depend on it (step_memory.h): host memory
+  // (HostMemory) or a device session's device objects (DeviceSide, session_device.cc; destroyed
+  // after everything that uses them: declared before the groups and the bindings).
+  class StepMemory;
+  struct HostMemory;
   struct DeviceSide;
   struct DeviceSideDeleter {
     void operator()(DeviceSide* d) const;
@@ -348,8 +354,6 @@ class Session {
   // lasting fallback (these, and those RunPhaseGraph finds: "sync_point", "capture_failed") goes
   // into run.result.graph_fallbacks until a successful step carried it.
   void DecideStepGraphs(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A successful step's result carried the fallbacks (later steps carry none).
-  void GraphFallbacksReported();
   // Runs `body` (re-runnable: a recording runs it before the capture) through the phase's graph
   // when it has one: replayed or captured, else eagerly (for good, unless the recording itself
   // failed), after `undo` dropped what the passes set up. Without a graph: `body` eagerly.
@@ -363,15 +367,7 @@ class Session {
   std::string UnpinnedHostMemory() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // ---- world device sessions (session_device.cc; used by session_world.cc) ----
   // The world phases' collectives run on device buffers (DeviceWorldBuffer, through
-  // StepDeviceComm). These two move `n` fp32 values between a step's device tensor (staging, a
-  // world buffer, state-side pointers of ctx's device) and host memory, on the session stream,
-  // for what the host itself reads or writes: the non-finite flag, values packed on the host, a
-  // host copy of the gathered exchange. The host side is complete (readable / reusable) when
-  // they return. A host session: plain host copies (the step's tensors are host memory).
-  absl::Status StepTensorToHost(const float* tensor, float* host, int64_t n)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status HostToStepTensor(const float* host, float* tensor, int64_t n)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // StepDeviceComm).
   // A device session's Context (its device and stream); null for a host session.
   const kernels::Context* DeviceContext() const;
   // A device session's staging of gradient i (where a world's averaged gradient goes).
@@ -435,29 +431,6 @@ class Session {
   // trainer-dtype bytes; the widening / narrowing on the host), never a host dereference.
   absl::Status WriteParamF32(size_t i, const float* in) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  // ---- asynchronous steps (session_async.cc) ----
-  // The queued step: kRunning until its update ran, kCompleting while `after_async` runs (only
-  // Snapshot and the bookkeeping may then touch the session), kDone until collected.
-  enum class QueuedState { kRunning, kCompleting, kDone };
-  struct QueuedStep {
-    // User-provided: clang decides std::optional<QueuedStep>::emplace()'s constructibility while
-    // Session is still incomplete, before it has parsed these default member initializers.
-    QueuedStep() {}
-    int64_t step_index = 0;
-    QueuedState state = QueuedState::kRunning;
-    absl::Status status;
-    StepResult result;
-  };
-  // FAILED_PRECONDITION "<what>: step N was queued by an asynchronous Step ..." while an
-  // asynchronous step is queued and not yet collected.
-  absl::Status RefuseIfQueuedLocked(absl::string_view what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Blocks (releasing mu_) until the queued step, if any, has reached at least `state`.
-  void AwaitQueuedLocked(QueuedState state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Takes the finished queued step's outcome and joins its thread.
-  QueuedStep TakeQueuedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The queued step's thread body.
-  void RunQueuedStep(StepRequest request, const kernels::Context* ctx,
-                     std::function<void(const StepResult&)> after_async);
   // The synchronous step (session_step.cc), once the queue has been dealt with.
   absl::StatusOr<StepResult> StepLocked(const StepRequest& request, const kernels::Context& ctx,
                                         absl::Time start) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -471,9 +444,6 @@ class Session {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Phase 2: the world's communicator for this step (a world of one: none).
   absl::Status JoinWorldPhase(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Phase 3: every gradient as fp32 and the finiteness scan: trainer f32 gradients are read in
-  // place (no copy), others widened and scaled in the same pass as the scan.
-  absl::Status ReadGradientsPhase(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Phase 3b (world): the ranks agree on the parameters without a gradient
   // (StepRequest.params_without_grad) by one all-reduce of a count per parameter: under AVERAGE
   // a parameter is stepped when any rank has its gradient (the others add zeros); under
@@ -483,9 +453,6 @@ class Session {
   // Phase 4 (world AVERAGE): reduce-scatter the gradients to their owners, with the ranks'
   // non-finite flags. A world of one: nothing.
   absl::Status ReduceGradientsPhase(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Phase 5: every parameter as fp32: f32 arenas in place; master weights and other dtypes
-  // through the scratch buffers.
-  absl::Status ReadParametersPhase(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Phase 6: every group's update staged (GroupOptimizer::Stage); nothing changes yet.
   // StageGroups (and, in a local device session, QueueStagedWeights) through the update phase's
   // graph when the session has one (RunPhaseGraph): replayed or captured, else (and from then
@@ -503,10 +470,10 @@ class Session {
   // narrowing of non-f32 parameters); the state is still unchanged. (A local device session
   // wrote them into its staging in StagePhase, QueueStagedWeights.)
   void WriteWeightsPhase(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // After the exchange: the weights of other dtypes (and the master weights' narrowed copies)
-  // into the arena; a device session: every new weight back from the device staging.
-  absl::Status WriteOtherWeightsPhase(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Device sessions: phases 3, 5 and the write-back through the device staging.
+  // (Reading the gradients and the weights, writing the weights back and the master weights'
+  // commit are the StepMemory's: step_memory.h.)
+  // Device sessions (DeviceSide, the device StepMemory): those passes through the device
+  // staging.
   absl::Status ReadGradientsToDevice(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The read phase's queued work (the gradients' and parameters' copies, widenings and scans,
   // the flag's read-back into the host words), and the write phase's (the new weights' copies
@@ -588,6 +555,9 @@ class Session {
   Layout layout_;
   // Set once by Create for a device session; its buffers are used under mu_ by Step.
   std::unique_ptr<DeviceSide, DeviceSideDeleter> device_;
+  // Where a step's tensors lie (step_memory.h), set once by Create: device_, or host_memory_.
+  std::unique_ptr<HostMemory> host_memory_;
+  StepMemory* memory_ = nullptr;
   std::atomic<int64_t> state_bytes_{0};  // shrinks when a world session shards its state
   // Of state_bytes_: the fp32 master weights (host memory); set by Create.
   int64_t master_bytes_ = 0;
@@ -632,14 +602,9 @@ class Session {
   int host_threads_ = 0;
   // Where the session's compute runs (compute_thread.h); null: on the calling thread.
   ComputeThread* compute_ = nullptr;
-  // The asynchronous step queued and not yet collected (at most one), and its thread (joined
-  // when the outcome is taken, and by the destructor).
-  std::optional<QueuedStep> queued_ ABSL_GUARDED_BY(mu_);
-  std::thread queued_thread_ ABSL_GUARDED_BY(mu_);
-  // The last asynchronous step that failed ("step N: <status>"), until a step is applied: quoted
-  // by the out-of-order error, so that a lost answer never hides the failure.
-  std::string last_async_failure_ ABSL_GUARDED_BY(mu_);
-  bool closing_ ABSL_GUARDED_BY(mu_) = false;  // DrainQueuedStep(closing): Steps refused
+  // The asynchronous step queued and not yet collected (at most one), its thread, and the
+  // session's closing flag (step_queue.h).
+  StepQueue queue_ ABSL_GUARDED_BY(mu_){&mu_, &id_};
 };
 
 }  // namespace diond::session

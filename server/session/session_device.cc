@@ -29,10 +29,11 @@
 #include "server/session/session.h"
 #include "server/session/session_internal.h"
 #include "server/session/session_manager.h"
+#include "server/session/step_memory.h"
 
 namespace diond::session {
 
-struct Session::DeviceSide {
+struct Session::DeviceSide final : Session::StepMemory {
   kernels::Device device;
   kernels::DeviceRuntime runtime;
   kernels::StreamHandle stream = nullptr;
@@ -100,6 +101,31 @@ struct Session::DeviceSide {
   static absl::Status QueueParameterReads(Session& s, StepRun& run);
   float* grad(size_t i) { return grads.As<float>() + offset[i]; }
   float* param(size_t i) { return params.As<float>() + offset[i]; }
+
+  // The step's passes (step_memory.h), on the device staging.
+  const kernels::Context& UpdateContext(Session& s, const kernels::Context& c) override {
+    return update_ctx();
+  }
+  void PrepareStep(Session& s, StepRun& run) override {
+    if (s.last_step_index_ >= 1) s.DecideStepGraphs(run);
+  }
+  absl::Status ReadGradients(Session& s, StepRun& run) override {
+    return s.ReadGradientsToDevice(run);
+  }
+  absl::Status ReadParameters(Session& s, StepRun& run) override {
+    return s.ReadParametersToDevice(run);
+  }
+  absl::Status Stage(Session& s, StepRun& run, const kernels::Context& c) override {
+    return s.StagePhase(run, c);
+  }
+  bool StageWritesWeights(const Session& s) const override { return !s.world_.has_value(); }
+  absl::Status WriteWeights(Session& s, StepRun& run) override {
+    return s.WriteWeightsFromDevice(run);
+  }
+  void CommitMaster(Session& s, size_t i) override { s.QueueMasterCommit(i); }
+  void FallbacksReported() override {
+    for (auto& p : phases) p.reported = true;
+  }
 };
 
 void Session::DeviceSideDeleter::operator()(DeviceSide* d) const {
@@ -327,11 +353,6 @@ void Session::QueueStagedWeights(StepRun& run) {
   }
 }
 
-void Session::GraphFallbacksReported() {
-  if (device_ == nullptr) return;
-  for (auto& p : device_->phases) p.reported = true;
-}
-
 namespace {
 
 kernels::ConstTensorView DeviceView(kernels::Device device, DType dtype, const void* p, int64_t n) {
@@ -425,6 +446,7 @@ absl::Status Session::InitDeviceSide(const kernels::Context& ctx,
   }
   d->staging_bytes = DeviceStagingBytesFor(layout_);
   device_ = std::move(d);
+  memory_ = device_.get();
   return absl::OkStatus();
 }
 
@@ -582,24 +604,6 @@ absl::StatusOr<float*> Session::DeviceWorldBuffer(WorldBuffer which, int64_t n) 
     }
   }
   return b.As<float>();
-}
-
-absl::Status Session::StepTensorToHost(const float* tensor, float* host, int64_t n) {
-  if (device_ == nullptr) {
-    if (n > 0) std::memcpy(host, tensor, static_cast<size_t>(n) * 4);
-    return absl::OkStatus();
-  }
-  // The collective reads `host` as soon as this returns: the copy must be complete then.
-  return CopyToHost(*device_->ctx, tensor, host, static_cast<size_t>(n) * 4);
-}
-
-absl::Status Session::HostToStepTensor(const float* host, float* tensor, int64_t n) {
-  if (device_ == nullptr) {
-    if (n > 0) std::memcpy(tensor, host, static_cast<size_t>(n) * 4);
-    return absl::OkStatus();
-  }
-  // `host` (a collective's output) may be reused or freed as soon as this returns.
-  return CopyToDevice(*device_->ctx, host, tensor, static_cast<size_t>(n) * 4);
 }
 
 absl::Status Session::PrepareEventsLocked(const StepRequest& request) {

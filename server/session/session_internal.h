@@ -33,6 +33,17 @@ void NarrowFromF32(const kernels::Context& ctx, DType dtype, const float* in, in
 kernels::ConstTensorView HostView(DType dtype, const void* p, int64_t n);
 kernels::TensorView HostView(DType dtype, void* p, int64_t n);
 
+// Rank-1 fp32 views of n values at p in the memory of `ctx`'s device (a step's tensors).
+kernels::TensorView StepView(const kernels::Context& ctx, float* p, int64_t n);
+kernels::ConstTensorView StepView(const kernels::Context& ctx, const float* p, int64_t n);
+// n fp32 values copied host to host, or between `dctx`'s device memory and the host,
+// synchronously: the destination is complete, and the source reusable, when they return.
+absl::Status CopyF32(const float* src, float* dst, int64_t n);
+absl::Status CopyF32ToHost(const kernels::Context& dctx, const float* tensor, float* host,
+                           int64_t n);
+absl::Status CopyF32ToDevice(const kernels::Context& dctx, const float* host, float* tensor,
+                             int64_t n);
+
 inline int64_t NumElements(const std::vector<int64_t>& shape) {
   int64_t n = 1;
   for (int64_t d : shape) n *= d;

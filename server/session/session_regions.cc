@@ -38,8 +38,7 @@ absl::StatusOr<std::string> Session::RegisterMappedRegion(
   }
   absl::MutexLock lock(&mu_);
   last_used_ = absl::Now();
-  DIOND_RETURN_IF_ERROR(
-      RefuseIfQueuedLocked(absl::StrCat("RegisterRegion (", RoleName(role), ")")));
+  DIOND_RETURN_IF_ERROR(queue_.Refuse(absl::StrCat("RegisterRegion (", RoleName(role), ")")));
   Binding& b = binding(role);
   if (b.cuda != nullptr) {
     return absl::FailedPreconditionError(
@@ -121,8 +120,7 @@ absl::StatusOr<std::string> Session::RegisterCudaRegion(Role role,
   }
   absl::MutexLock lock(&mu_);
   last_used_ = absl::Now();
-  DIOND_RETURN_IF_ERROR(
-      RefuseIfQueuedLocked(absl::StrCat("RegisterRegion (", RoleName(role), ")")));
+  DIOND_RETURN_IF_ERROR(queue_.Refuse(absl::StrCat("RegisterRegion (", RoleName(role), ")")));
   Binding& b = binding(role);
   if (b.any()) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -167,7 +165,7 @@ absl::StatusOr<std::string> Session::RegisterCudaRegion(Role role,
 absl::Status Session::UnregisterRegion(const std::string& region_id) {
   absl::MutexLock lock(&mu_);
   last_used_ = absl::Now();
-  DIOND_RETURN_IF_ERROR(RefuseIfQueuedLocked("UnregisterRegion"));
+  DIOND_RETURN_IF_ERROR(queue_.Refuse("UnregisterRegion"));
   for (Role r : {Role::kParameters, Role::kGradients}) {
     Binding& b = binding(r);
     if ((b.region != nullptr || b.cuda != nullptr) && b.region_id == region_id) {

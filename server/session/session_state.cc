@@ -81,7 +81,7 @@ absl::Status Session::CheckStreamChunk(StreamKind kind, const std::string& name,
   absl::MutexLock lock(&mu_);
   last_used_ = absl::Now();
   DIOND_RETURN_IF_ERROR(
-      RefuseIfQueuedLocked(kind == StreamKind::kGradients ? "PushGradients" : "SetState"));
+      queue_.Refuse(kind == StreamKind::kGradients ? "PushGradients" : "SetState"));
   if (kind == StreamKind::kGradients && absl::StrContains(name, "/state.")) {
     return absl::InvalidArgumentError(
         absl::StrCat("PushGradients takes parameter names, not state '", Bounded(name), "'"));
@@ -143,7 +143,7 @@ absl::Status Session::ValidateWrites(const std::vector<TensorWrite>& writes, boo
 absl::Status Session::ApplyGradientWrites(const std::vector<TensorWrite>& writes) {
   absl::MutexLock lock(&mu_);
   last_used_ = absl::Now();
-  DIOND_RETURN_IF_ERROR(RefuseIfQueuedLocked("PushGradients"));
+  DIOND_RETURN_IF_ERROR(queue_.Refuse("PushGradients"));
   for (const TensorWrite& w : writes) {
     if (absl::StrContains(w.name, "/state.")) {
       return absl::InvalidArgumentError(
@@ -167,7 +167,7 @@ absl::Status Session::ApplyGradientWrites(const std::vector<TensorWrite>& writes
 absl::Status Session::ApplyStateWrites(const std::vector<TensorWrite>& writes) {
   absl::MutexLock lock(&mu_);
   last_used_ = absl::Now();
-  DIOND_RETURN_IF_ERROR(RefuseIfQueuedLocked("SetState"));
+  DIOND_RETURN_IF_ERROR(queue_.Refuse("SetState"));
   DIOND_RETURN_IF_ERROR(ValidateWrites(writes, /*state_names=*/true, nullptr));
   // Assemble whole tensors, then reuse SetState's path (fp32 state; params in trainer dtype).
   std::map<std::string, std::string> whole;
@@ -207,7 +207,7 @@ absl::Status Session::ReadParameterBytes(const std::string& name, int64_t offset
                                          std::string* out) {
   absl::MutexLock lock(&mu_);
   last_used_ = absl::Now();
-  DIOND_RETURN_IF_ERROR(RefuseIfQueuedLocked("PullParameters"));
+  DIOND_RETURN_IF_ERROR(queue_.Refuse("PullParameters"));
   if (!params_.any() && pending_params_.empty()) {
     return absl::FailedPreconditionError("no parameters are held yet (register or SetState)");
   }
@@ -237,7 +237,7 @@ absl::Status Session::ReadParameterBytes(const std::string& name, int64_t offset
 absl::StatusOr<std::vector<NamedTensor>> Session::GetState(bool include_parameters) {
   absl::MutexLock lock(&mu_);
   last_used_ = absl::Now();
-  DIOND_RETURN_IF_ERROR(RefuseIfQueuedLocked("GetState"));
+  DIOND_RETURN_IF_ERROR(queue_.Refuse("GetState"));
   return GetStateLocked(include_parameters);
 }
 
@@ -280,7 +280,7 @@ absl::StatusOr<std::vector<NamedTensor>> Session::GetStateLocked(bool include_pa
 absl::Status Session::SetState(const std::vector<NamedTensor>& tensors) {
   absl::MutexLock lock(&mu_);
   last_used_ = absl::Now();
-  DIOND_RETURN_IF_ERROR(RefuseIfQueuedLocked("SetState"));
+  DIOND_RETURN_IF_ERROR(queue_.Refuse("SetState"));
   return SetStateLocked(tensors);
 }
 
@@ -363,7 +363,7 @@ absl::StatusOr<SessionSnapshot> Session::Snapshot() {
   absl::MutexLock lock(&mu_);
   // A queued asynchronous step first updates what the snapshot reads (its outcome stays to be
   // collected; the automatic checkpoint runs while it completes).
-  AwaitQueuedLocked(QueuedState::kCompleting);
+  queue_.Await(StepQueue::State::kCompleting);
   SessionSnapshot snap;
   snap.spec = spec_;
   for (size_t g = 0; g < groups_.size(); ++g) {

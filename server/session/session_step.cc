@@ -24,6 +24,7 @@
 #include "kernels/optim/validation.h"
 #include "server/session/session.h"
 #include "server/session/session_internal.h"
+#include "server/session/step_memory.h"
 
 namespace diond::session {
 namespace {
@@ -51,12 +52,8 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequest& request,
   run.ctx = &ctx;
   if (ctx.device().type != kernels::DeviceType::kCpu) run.ctx = &HostContext();
   // The context the update rules run on: a device session's own (the device, or a CPU context
-  // over its host-addressable staging until the rules run on devices), world sessions included;
-  // a host session stepped with a device context (none is made so) would step on the CPU.
-  const kernels::Context& update_ctx = device_ != nullptr ? *DeviceUpdateContext()
-                                       : ctx.device().type != kernels::DeviceType::kCpu
-                                           ? HostContext()
-                                           : ctx;
+  // over its host-addressable staging until the rules run on devices), world sessions included.
+  const kernels::Context& update_ctx = memory_->UpdateContext(*this, ctx);
   run.compute = compute_;
   run.start = start;
   run.when = absl::StrCat("step ", request.step_index);
@@ -73,12 +70,13 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequest& request,
   run.any_no_grad = !request.params_without_grad.empty();
   // After the first step: which phases may run as captured graphs (RunPhaseGraph tries them),
   // and why the others run eagerly.
-  if (device_ != nullptr && last_step_index_ >= 1) DecideStepGraphs(run);
+  memory_->PrepareStep(*this, run);
 
   DIOND_RETURN_IF_ERROR(JoinWorldPhase(run));
   // The phases that only compute run on the daemon's compute thread (compute_thread.h); the
   // world's collectives run here, between them.
-  DIOND_RETURN_IF_ERROR(CallOnCompute(compute_, [&] { return ReadGradientsPhase(run); }));
+  DIOND_RETURN_IF_ERROR(
+      CallOnCompute(compute_, [&] { return memory_->ReadGradients(*this, run); }));
   DIOND_RETURN_IF_ERROR(AgreeGradientsPhase(run));
   DIOND_RETURN_IF_ERROR(ReduceGradientsPhase(run));
   if (!run.finite) {
@@ -93,12 +91,13 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequest& request,
     DIOND_RETURN_IF_ERROR(RecordDoneEvent(*run.request));
     if (run.comm != nullptr) run.result.world_bytes_sent = run.comm->TakeBytesSent();
     run.result.total_micros = absl::ToInt64Microseconds(absl::Now() - start);
-    if (!run.result.graph_fallbacks.empty()) GraphFallbacksReported();
+    if (!run.result.graph_fallbacks.empty()) memory_->FallbacksReported();
     last_step_index_ = request.step_index;
     last_result_ = run.result;
     return run.result;
   }
-  if (absl::Status s = CallOnCompute(compute_, [&] { return ReadParametersPhase(run); }); !s.ok()) {
+  if (absl::Status s = CallOnCompute(compute_, [&] { return memory_->ReadParameters(*this, run); });
+      !s.ok()) {
     return run.comm != nullptr ? BreakWorld(run, s) : s;
   }
   if (absl::Status s = CheckRegions(run.when); !s.ok()) {
@@ -118,7 +117,7 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequest& request,
   }
   // The weights of other dtypes (and the master weights' narrowed copies) into the arena; a
   // device session: every new weight back from the device staging.
-  if (absl::Status s = CallOnCompute(compute_, [&] { return WriteOtherWeightsPhase(run); });
+  if (absl::Status s = CallOnCompute(compute_, [&] { return memory_->WriteWeights(*this, run); });
       !s.ok()) {
     DiscardStep(run);
     return s;
@@ -154,18 +153,6 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequest& request,
   return result;
 }
 
-absl::Status Session::WriteOtherWeightsPhase(StepRun& run) {
-  if (device_ != nullptr) return WriteWeightsFromDevice(run);
-  for (size_t i = 0; i < layout_.tensors.size(); ++i) {
-    if (!run.via_scratch[i]) continue;
-    const TensorPlacement& t = layout_.tensors[i];
-    DIOND_RETURN_IF_ERROR(
-        kernels::Copy(*run.ctx, internal::HostView(DType::kF32, run.params[i], t.numel),
-                      internal::HostView(t.dtype, params_.data + t.param_offset, t.numel)));
-  }
-  return absl::OkStatus();
-}
-
 absl::Status Session::ValidateStepLocked(const StepRequest& request,
                                          std::optional<StepResult>* replay) {
   if (request.step_index == last_step_index_ && last_result_.has_value() &&
@@ -189,8 +176,8 @@ absl::Status Session::ValidateStepLocked(const StepRequest& request,
     } else if (last_step_index_ > 0 && last_result_.has_value()) {
       why = absl::StrCat(" (or ", last_step_index_, " to replay the last answer)");
     }
-    if (!last_async_failure_.empty()) {
-      absl::StrAppend(&why, "; the last asynchronous step failed (", last_async_failure_, ")");
+    if (!queue_.last_failure().empty()) {
+      absl::StrAppend(&why, "; the last asynchronous step failed (", queue_.last_failure(), ")");
     }
     return absl::FailedPreconditionError(absl::StrCat("step_index ", request.step_index,
                                                       " is out of order: expected ",
@@ -264,78 +251,10 @@ absl::Status Session::ValidateStepLocked(const StepRequest& request,
   return CheckRegions(absl::StrCat("step ", request.step_index));
 }
 
-absl::Status Session::ReadGradientsPhase(StepRun& run) {
-  if (device_ != nullptr) return ReadGradientsToDevice(run);
-  const size_t n = layout_.tensors.size();
-  run.grads.assign(n, nullptr);
-  grad_scratch_.resize(n);  // each buffer keeps its capacity between steps
-  bool finite = true;
-  {
-    for (size_t i = 0; i < n; ++i) {
-      if (run.no_grad[i]) continue;  // never read: its bytes need not be finite
-      const TensorPlacement& t = layout_.tensors[i];
-      const uint8_t* src = grads_.data + t.grad_offset;
-      bool ok = true;
-      if (t.dtype == DType::kF32 && !run.scaled) {
-        // In place, wherever the arena lies. The scan reads exactly what the update reads
-        // later; a trainer writing its gradients meanwhile only changes its own session's step.
-        run.grads[i] = reinterpret_cast<const float*>(src);
-        if (finite) {
-          DIOND_RETURN_IF_ERROR(
-              kernels::AllFinite(*run.ctx, internal::HostView(t.dtype, src, t.numel), &ok));
-        }
-      } else {
-        // Widened and scaled in the pass that scans them (a world's non-finite rank still
-        // contributes every gradient to the reduce-scatter, so all are converted).
-        std::vector<float>& c = grad_scratch_[i];
-        c.resize(static_cast<size_t>(t.numel));
-        DIOND_RETURN_IF_ERROR(kernels::WidenScaleCheckFinite(
-            *run.ctx, internal::HostView(t.dtype, src, t.numel), run.scale,
-            internal::HostView(DType::kF32, c.data(), t.numel), &ok));
-        run.grads[i] = c.data();
-      }
-      finite = finite && ok;
-    }
-  }
-  run.finite = finite;
-  // A region found broken here fails the step before anything (a world: before any collective;
-  // the other ranks' steps then fail on their collectives' timeout).
-  return CheckRegions(run.when, Role::kGradients);
-}
-
-absl::Status Session::ReadParametersPhase(StepRun& run) {
-  if (device_ != nullptr) return ReadParametersToDevice(run);
-  const size_t n = layout_.tensors.size();
-  run.params.assign(n, nullptr);
-  run.via_scratch.assign(n, false);
-  param_scratch_.resize(n);
-  for (size_t i = 0; i < n; ++i) {
-    const TensorPlacement& t = layout_.tensors[i];
-    uint8_t* arena = params_.data + t.param_offset;
-    const bool master = HasMaster(i);  // (a host session: master_ holds them)
-    if (!master && t.dtype == DType::kF32) {
-      run.params[i] = reinterpret_cast<float*>(arena);  // in place
-      continue;
-    }
-    // The master weights are daemon state: the step updates a copy, swapped in at the commit.
-    std::vector<float>& c = param_scratch_[i];
-    c.resize(static_cast<size_t>(t.numel));
-    const bool from_master = master && master_valid_;
-    DIOND_RETURN_IF_ERROR(
-        kernels::Copy(*run.ctx,
-                      from_master ? internal::HostView(DType::kF32, master_[i].data(), t.numel)
-                                  : internal::HostView(t.dtype, arena, t.numel),
-                      internal::HostView(DType::kF32, c.data(), t.numel)));
-    run.params[i] = c.data();
-    run.via_scratch[i] = true;
-  }
-  return absl::OkStatus();
-}
-
 absl::Status Session::StageUpdatesPhase(StepRun& run, const kernels::Context& ctx) {
   const absl::Time compute_start = absl::Now();
   // Every group's Stage, as a captured graph where the session can (session_device.cc).
-  absl::Status s = StagePhase(run, ctx);
+  absl::Status s = memory_->Stage(*this, run, ctx);
   run.result.compute_micros = absl::ToInt64Microseconds(absl::Now() - compute_start);
   if (s.ok()) return s;
   if (!world_.has_value()) {
@@ -433,7 +352,7 @@ absl::Status Session::StageGroups(StepRun& run, const kernels::Context& ctx) {
 void Session::WriteWeightsPhase(StepRun& run) {
   // A local device session wrote its new weights into the staging with its update
   // (StagePhase, QueueStagedWeights).
-  if (device_ != nullptr && !world_.has_value()) return;
+  if (memory_->StageWritesWeights(*this)) return;
   const absl::Time start = absl::Now();
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     if (!run.staged[gi]) continue;
@@ -457,11 +376,7 @@ StepResult Session::CommitStepPhase(StepRun& run) {
   run.result.compute_micros += absl::ToInt64Microseconds(absl::Now() - commit_start);
   for (size_t i = 0; i < layout_.tensors.size(); ++i) {
     if (!run.via_scratch[i] || !HasMaster(i)) continue;
-    if (device_master_) {
-      QueueMasterCommit(i);
-      continue;
-    }
-    master_[i].swap(param_scratch_[i]);  // the updated copy becomes the master weights
+    memory_->CommitMaster(*this, i);
   }
   if (!has_master_.empty()) master_valid_ = true;
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
@@ -473,7 +388,7 @@ StepResult Session::CommitStepPhase(StepRun& run) {
                                                          : 0.0;
   }
   run.result.total_micros = absl::ToInt64Microseconds(absl::Now() - run.start);
-  if (!run.result.graph_fallbacks.empty()) GraphFallbacksReported();
+  if (!run.result.graph_fallbacks.empty()) memory_->FallbacksReported();
   last_step_index_ = run.result.step_index;
   last_result_ = run.result;
   return run.result;

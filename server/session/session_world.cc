@@ -1,6 +1,7 @@
 // The world's side of a session (docs/DISTRIBUTED.md): attaching the shard plan, the world
 // phases of the one step skeleton (session_step.cc) — join, reduce the gradients, exchange the
-// updates, compare checksums — and the momentum synchronization before a checkpoint. For a world
+// updates and compare checksums (the exchange is WorldExchange's, world_exchange.h) — and the
+// momentum synchronization before a checkpoint. For a world
 // of one (no communicator) every phase does nothing.
 //
 // On a device daemon a world session is a device session (session_device.cc): its state, the
@@ -26,6 +27,7 @@
 #include "server/comm/world.h"
 #include "server/session/session.h"
 #include "server/session/session_internal.h"
+#include "server/session/world_exchange.h"
 
 namespace diond::session {
 
@@ -337,15 +339,6 @@ absl::Status Session::ReduceGradientsPhase(StepRun& run) {
   });
 }
 
-namespace {
-kernels::TensorView DevView(const kernels::Context& ctx, float* p, int64_t n) {
-  return kernels::TensorView(p, kernels::ContiguousLayout(DType::kF32, {n}), ctx.device());
-}
-kernels::ConstTensorView DevCView(const kernels::Context& ctx, const float* p, int64_t n) {
-  return kernels::ConstTensorView(p, kernels::ContiguousLayout(DType::kF32, {n}), ctx.device());
-}
-}  // namespace
-
 // The device form of the reduce-scatter: the same blocks, packed on the device (a device copy
 // per owned gradient and a Fill per flag slot; the padding between a block's gradients and its
 // flag holds whatever the wire held before, the last exchange's bytes: summed, never read),
@@ -375,16 +368,17 @@ absl::Status Session::ReduceGradientsOnDevice(StepRun& run, int64_t block) {
       for (size_t i : w.owned[j]) {
         const int64_t numel = layout_.tensors[i].numel;
         // A gradient this rank's trainer does not have counts as zeros.
-        DIOND_RETURN_IF_ERROR(run.grads[i] != nullptr
-                                  ? kernels::Copy(dctx, DevCView(dctx, run.grads[i], numel),
-                                                  DevView(dctx, dst, numel))
-                                  : kernels::Fill(dctx, 0.0f, DevView(dctx, dst, numel)));
+        DIOND_RETURN_IF_ERROR(
+            run.grads[i] != nullptr
+                ? kernels::Copy(dctx, internal::StepView(dctx, run.grads[i], numel),
+                                internal::StepView(dctx, dst, numel))
+                : kernels::Fill(dctx, 0.0f, internal::StepView(dctx, dst, numel)));
         dst += numel;
       }
       DIOND_RETURN_IF_ERROR(kernels::Fill(dctx, run.finite ? 0.0f : 1.0f,
-                                          DevView(dctx, in + (j + 1) * block - 1, 1)));
+                                          internal::StepView(dctx, in + (j + 1) * block - 1, 1)));
     }
-    return kernels::Fill(dctx, static_cast<float>(world_size), DevView(dctx, div, 1));
+    return kernels::Fill(dctx, static_cast<float>(world_size), internal::StepView(dctx, div, 1));
   });
   if (!packed.ok()) return fail(packed, "packing the gradients for the reduce-scatter");
   absl::Status st =
@@ -397,8 +391,8 @@ absl::Status Session::ReduceGradientsOnDevice(StepRun& run, int64_t block) {
                           "; create the session again and resume from the last checkpoint")));
   }
   float flag = 0.0f;
-  absl::Status read =
-      run.dcomm->ReadBackQueued([&] { return StepTensorToHost(out + block - 1, &flag, 1); });
+  absl::Status read = run.dcomm->ReadBackQueued(
+      [&] { return internal::CopyF32ToHost(dctx, out + block - 1, &flag, 1); });
   if (!read.ok()) return fail(read, "reading the world's non-finite flag");
   // A queued reduce-scatter fails asynchronously (the read-back returned because the world's
   // abort ended it): its output is then garbage.
@@ -420,8 +414,9 @@ absl::Status Session::ReduceGradientsOnDevice(StepRun& run, int64_t block) {
         continue;
       }
       float* staging = DeviceGradStaging(i);
-      DIOND_RETURN_IF_ERROR(kernels::Binary(dctx, kernels::BinaryOp::kDiv, DevCView(dctx, a, numel),
-                                            DevCView(dctx, div, 1), DevView(dctx, staging, numel)));
+      DIOND_RETURN_IF_ERROR(kernels::Binary(
+          dctx, kernels::BinaryOp::kDiv, internal::StepView(dctx, a, numel),
+          internal::StepView(dctx, div, 1), internal::StepView(dctx, staging, numel)));
       run.grads[i] = staging;
       a += numel;
     }
@@ -433,250 +428,12 @@ absl::Status Session::ReduceGradientsOnDevice(StepRun& run, int64_t block) {
 
 absl::Status Session::ExchangeUpdatesPhase(StepRun& run, const kernels::Context& ctx) {
   if (!world_.has_value()) return absl::OkStatus();
-  WorldPart& w = *world_;
-  const int world_size = w.plan.world_size;
-  const StepRequest& request = *run.request;
-  const std::string where = absl::StrCat(run.when, ": ");
-  std::vector<double>& update_sq = run.update_sq;
-  absl::Status& compute_status = run.compute_status;
-  std::vector<float*>& params = run.params;
-  // Exchange: every rank's updated owned parameters (fp32), plus one status value per rank, by
-  // one all-gather-v; everyone writes them into its own arena.
-  if (run.comm != nullptr) {
-    // The wire: host vectors for a host session; device buffers and the step's device
-    // collectives for a device session. Its four moves, each on the compute thread:
-    const bool on_device = device_ != nullptr;
-    const kernels::Context* dctx = DeviceContext();
-    comm::Communicator* wire_comm = on_device ? run.dcomm.get() : run.comm.get();
-    // Block of rank j: its payloads, then per group its squared update norm as two floats
-    // (hi, lo: a double to ~48 bits), then its status.
-    const int64_t extra = 2 * static_cast<int64_t>(groups_.size()) + 1;
-    std::vector<int64_t> counts(static_cast<size_t>(world_size));
-    int64_t total = 0;
-    for (int j = 0; j < world_size; ++j) {
-      counts[j] = w.owned_payload[j] + extra;
-      total += counts[j];
-    }
-    std::vector<float> mine_host, all_host;
-    float *mine = nullptr, *all = nullptr;
-    if (on_device) {
-      absl::StatusOr<float*> m = DeviceWorldBuffer(WorldBuffer::kExchangeMine, counts[w.rank]);
-      absl::StatusOr<float*> a = m.ok() ? DeviceWorldBuffer(WorldBuffer::kWire, total) : m;
-      if (!a.ok()) {
-        return BreakWorld(
-            run, absl::Status(a.status().code(), absl::StrCat(where, a.status().message(),
-                                                              "; the world session must be created "
-                                                              "again")));
-      }
-      mine = *m;
-      all = *a;
-    } else {
-      mine_host.resize(static_cast<size_t>(counts[w.rank]));
-      all_host.resize(static_cast<size_t>(total));
-      mine = mine_host.data();
-      all = all_host.data();
-    }
-    // wire[at..at+n) <- a step tensor (device or host memory, like the wire's).
-    auto from_step = [&](const float* src, int64_t at, int64_t n) {
-      return CallOnCompute(compute_, [&] {
-        return on_device
-                   ? kernels::Copy(*dctx, DevCView(*dctx, src, n), DevView(*dctx, mine + at, n))
-                   : StepTensorToHost(src, mine + at, n);
-      });
-    };
-    // wire[at..at+n) <- host floats.
-    auto from_host = [&](const float* src, int64_t at, int64_t n) {
-      if (!on_device) {
-        std::copy(src, src + n, mine + at);
-        return absl::OkStatus();
-      }
-      return CallOnCompute(compute_, [&] { return HostToStepTensor(src, mine + at, n); });
-    };
-    // A step tensor <- all[at..at+n).
-    auto to_step = [&](int64_t at, float* dst, int64_t n) {
-      return CallOnCompute(compute_, [&] {
-        return on_device
-                   ? kernels::Copy(*dctx, DevCView(*dctx, all + at, n), DevView(*dctx, dst, n))
-                   : HostToStepTensor(all + at, dst, n);
-      });
-    };
-    // all[at..at+n) on the host: a view of the host wire, or a copy of the device one.
-    std::vector<float> host_copy;
-    auto to_host = [&](int64_t at, int64_t n) -> absl::StatusOr<absl::Span<const float>> {
-      if (!on_device) return absl::MakeConstSpan(all + at, static_cast<size_t>(n));
-      host_copy.resize(static_cast<size_t>(n));
-      DIOND_RETURN_IF_ERROR(run.dcomm->ReadBackQueued(
-          [&] { return StepTensorToHost(all + at, host_copy.data(), n); }));
-      return absl::MakeConstSpan(host_copy);
-    };
-
-    int64_t at = 0;
-    for (size_t i : w.owned[w.rank]) {
-      absl::Status put;
-      if (run.no_grad[i]) {
-        // Not stepped on any rank (AgreeGradientsPhase): its slot is sent but never read.
-        at += w.compact[i] > 0 ? w.compact[i] : layout_.tensors[i].numel;
-        continue;
-      }
-      if (w.compact[i] > 0) {
-        const auto& payloads = run.captures[group_of_param_[i]].payload;
-        const std::vector<float>* p =
-            payloads.size() > slot_in_group_[i] ? &payloads[slot_in_group_[i]] : nullptr;
-        if (p != nullptr && static_cast<int64_t>(p->size()) == w.compact[i]) {
-          put = from_host(p->data(), at, w.compact[i]);
-        } else {
-          // Only after a failed compute (reported through the status value below); the
-          // block's bytes are then never read.
-          if (compute_status.ok()) {
-            compute_status = absl::InternalError(absl::StrCat(
-                "no compact update captured for '", Bounded(layout_.tensors[i].name), "'"));
-          }
-        }
-        at += w.compact[i];
-      } else {
-        // The whole parameter.
-        const int64_t numel = layout_.tensors[i].numel;
-        put = from_step(params[i], at, numel);
-        at += numel;
-      }
-      if (!put.ok() && compute_status.ok()) {
-        // Reported to every rank through the status value below.
-        compute_status =
-            absl::Status(put.code(), absl::StrCat("copying '", Bounded(layout_.tensors[i].name),
-                                                  "' for the exchange failed: ", put.message()));
-      }
-    }
-    std::vector<float> tail;
-    tail.reserve(static_cast<size_t>(extra));
-    for (double sq : update_sq) {
-      const float hi = static_cast<float>(sq);
-      tail.push_back(hi);
-      tail.push_back(static_cast<float>(sq - static_cast<double>(hi)));
-    }
-    // This rank's failure, or its trainer's memory gone while it was read: the step fails on
-    // every rank.
-    const bool ok_here = compute_status.ok() && CheckRegions(run.when).ok();
-    tail.push_back(ok_here ? 0.0f : 1.0f);
-    absl::Status st = from_host(tail.data(), at, extra);
-    if (st.ok()) {
-      st = wire_comm->AllGatherV(absl::MakeConstSpan(mine, static_cast<size_t>(counts[w.rank])),
-                                 counts, absl::MakeSpan(all, static_cast<size_t>(total)));
-    }
-    if (!st.ok()) {
-      return BreakWorld(
-          run, absl::UnavailableError(absl::StrCat(
-                   where, "exchange of the updated parameters failed: ", DescribeWorldFailure(st),
-                   "; create the session again and resume from the last "
-                   "checkpoint")));
-    }
-    std::vector<int> failed;
-    std::vector<std::pair<size_t, int64_t>> compact;  // (parameter, offset in `all`)
-    std::vector<std::pair<size_t, int64_t>> whole;    // the others' parameters, (i, offset)
-    at = 0;
-    for (int j = 0; j < world_size; ++j) {
-      for (size_t i : w.owned[j]) {
-        const int64_t numel = layout_.tensors[i].numel;
-        // A parameter nobody stepped keeps its value on every rank.
-        const bool apply = j != w.rank && !run.no_grad[i];
-        if (w.compact[i] > 0) {
-          if (apply) compact.emplace_back(i, at);
-          at += w.compact[i];
-        } else {
-          if (apply) whole.emplace_back(i, at);
-          at += numel;
-        }
-      }
-      absl::StatusOr<absl::Span<const float>> t = to_host(at, extra);
-      if (!t.ok()) {
-        return BreakWorld(
-            run, absl::Status(t.status().code(), absl::StrCat(where, "reading rank ", j,
-                                                              "'s norms: ", t.status().message(),
-                                                              "; the world session must be created "
-                                                              "again")));
-      }
-      for (size_t gi = 0; gi < groups_.size(); ++gi) {
-        if (j == 0) update_sq[gi] = 0;  // from here on: the world's sum
-        update_sq[gi] += static_cast<double>((*t)[2 * gi]) + static_cast<double>((*t)[2 * gi + 1]);
-      }
-      if ((*t)[static_cast<size_t>(extra) - 1] != 0.0f && j != w.rank) failed.push_back(j);
-      at += extra;
-    }
-    // Queued collectives (NCCL on the session's stream) fail asynchronously: every rank's tail
-    // was read back, so the stream got past the exchange, ended by the world's abort if a peer
-    // was lost; nothing read from the wire is trusted until the device communicator is healthy.
-    if (on_device) {
-      if (absl::Status d = run.dcomm->DeviceStatus(); !d.ok()) {
-        return BreakWorld(
-            run, absl::UnavailableError(absl::StrCat(
-                     where, "exchange of the updated parameters failed: ", DescribeWorldFailure(d),
-                     "; create the session again and resume from the last "
-                     "checkpoint")));
-      }
-    }
-    if (compute_status.ok() && !ok_here) {
-      compute_status = CheckRegions(run.when);
-    }
-    // The others' updated parameters into this rank's copies (always, so that every replica
-    // holds the owners' values).
-    for (const auto& [i, offset] : whole) {
-      absl::Status s = to_step(offset, params[i], layout_.tensors[i].numel);
-      if (!s.ok() && compute_status.ok()) {
-        compute_status = absl::Status(
-            s.code(), absl::StrCat("writing '", Bounded(layout_.tensors[i].name), "' from rank ",
-                                   w.plan.owner[i], " failed: ", s.message()));
-      }
-    }
-    // The others' compact updates, applied here through the rules' own code (bit-identical to
-    // what their owners computed).
-    if (failed.empty() && compute_status.ok()) {
-      for (const auto& entry : compact) {
-        // Plain names: a lambda below uses them (C++17 lambdas cannot capture a structured
-        // binding).
-        const size_t i = entry.first;
-        const int64_t offset = entry.second;
-        const size_t gi = group_of_param_[i];
-        absl::StatusOr<absl::Span<const float>> payload = to_host(offset, w.compact[i]);
-        absl::Status s = payload.status();
-        if (s.ok()) {
-          s = CallOnCompute(compute_, [&] {
-            return optim::ApplyCapturedUpdate(ctx, groups_[gi].optimizer->config(),
-                                              layout_.tensors[i].shape, run.opts[gi], *payload,
-                                              params[i]);
-          });
-        }
-        if (!s.ok()) {
-          compute_status = absl::InternalError(
-              absl::StrCat("applying the compact update of '", Bounded(layout_.tensors[i].name),
-                           "' from rank ", w.plan.owner[i], ": ", s.message()));
-          break;
-        }
-      }
-    }
-    if (compute_status.ok() && !failed.empty()) {
-      compute_status =
-          absl::InternalError(absl::StrCat("step ", request.step_index, " failed on rank(s) ",
-                                           absl::StrJoin(failed, ", "), " (see their logs)"));
-    }
-    if (compute_status.ok() && w.checksum_every > 0 && request.step_index % w.checksum_every == 0) {
-      auto healed = CheckReplicas(on_device ? *dctx : *run.ctx, run.comm.get(), run.dcomm.get(),
-                                  request.step_index, params);
-      if (!healed.ok()) {
-        return BreakWorld(
-            run, absl::UnavailableError(absl::StrCat(
-                     where, "checksum comparison failed: ", DescribeWorldFailure(healed.status()),
-                     "; create the session again and resume from the last "
-                     "checkpoint")));
-      }
-      run.result.checksum_mismatches = *healed;
-    }
-    run.result.world_bytes_sent = TakeWorldBytes(run);
-  }
-  if (!compute_status.ok()) {
+  if (run.comm != nullptr) DIOND_RETURN_IF_ERROR(WorldExchange(*this, run, ctx).Run());
+  if (!run.compute_status.ok()) {
     // Some groups may have been applied on some ranks: the replicas can no longer be trusted.
-    return BreakWorld(
-        run, absl::Status(compute_status.code(), absl::StrCat(where, compute_status.message(),
-                                                              "; the world session must be created "
-                                                              "again")));
+    return BreakWorld(run, absl::Status(run.compute_status.code(),
+                                        absl::StrCat(run.when, ": ", run.compute_status.message(),
+                                                     "; the world session must be created again")));
   }
   return absl::OkStatus();
 }

@@ -1,0 +1,65 @@
+// Where one Step's tensors lie, and the passes of the step that depend on it
+// (docs/ARCHITECTURE.md §2; docs/GPU.md "Device sessions"). The step's phases (session_step.cc)
+// are written once over this interface; it has two implementations:
+//   - Session::HostMemory (step_memory_host.cc): the trainer's arenas read and written in place,
+//     other dtypes and master weights through the session's fp32 buffers;
+//   - Session::DeviceSide (session_device.cc): a device session's staging on its device, filled
+//     and drained by queued copies on its stream, its phases captured as graphs where they can
+//     be. Of the step's passes, only these reach the device runtime (kernels/device_runtime.h).
+//
+// Internal to the session's implementation: included only by server/session/session*.cc and
+// step_memory_host.cc. Every method runs under the session's mutex (on the compute thread where
+// it computes) and takes the session it belongs to.
+#ifndef DIOND_SERVER_SESSION_STEP_MEMORY_H_
+#define DIOND_SERVER_SESSION_STEP_MEMORY_H_
+
+#include <cstddef>
+
+#include "absl/status/status.h"
+#include "kernels/context.h"
+#include "server/session/session.h"
+#include "server/session/session_internal.h"
+
+namespace diond::session {
+
+class Session::StepMemory {
+ public:
+  virtual ~StepMemory() = default;
+  // The context the update rules run on (and the state lives on) for a step on `ctx`.
+  virtual const kernels::Context& UpdateContext(Session& s, const kernels::Context& ctx) = 0;
+  // Before the phases: from the second step on, which phases run as captured graphs.
+  virtual void PrepareStep(Session& s, StepRun& run) = 0;
+  // Phase 3: every gradient as fp32 (run.grads) and the finiteness scan (run.finite); then the
+  // GRADIENTS region's check.
+  virtual absl::Status ReadGradients(Session& s, StepRun& run) = 0;
+  // Phase 6: every parameter as fp32 (run.params; run.via_scratch where it is a copy).
+  virtual absl::Status ReadParameters(Session& s, StepRun& run) = 0;
+  // Phase 7: every group's update staged (Session::StageGroups); nothing changes yet.
+  virtual absl::Status Stage(Session& s, StepRun& run, const kernels::Context& ctx) = 0;
+  // Whether Stage also wrote the new weights (phase 8): a local device session's, in one graph.
+  virtual bool StageWritesWeights(const Session& s) const = 0;
+  // Phase 10, after the exchange: the new weights into the trainer's arena (narrowed where they
+  // were read through a copy).
+  virtual absl::Status WriteWeights(Session& s, StepRun& run) = 0;
+  // Phase 11: parameter i's updated copy becomes its master weights.
+  virtual void CommitMaster(Session& s, size_t i) = 0;
+  // A successful step's result carried the graph fallbacks (later steps carry none).
+  virtual void FallbacksReported() = 0;
+};
+
+// A host session's memory: the trainer's shm / memfd arenas or the daemon's host arenas.
+struct Session::HostMemory final : Session::StepMemory {
+  const kernels::Context& UpdateContext(Session& s, const kernels::Context& ctx) override;
+  void PrepareStep(Session& s, StepRun& run) override {}
+  absl::Status ReadGradients(Session& s, StepRun& run) override;
+  absl::Status ReadParameters(Session& s, StepRun& run) override;
+  absl::Status Stage(Session& s, StepRun& run, const kernels::Context& ctx) override;
+  bool StageWritesWeights(const Session& s) const override { return false; }
+  absl::Status WriteWeights(Session& s, StepRun& run) override;
+  void CommitMaster(Session& s, size_t i) override;
+  void FallbacksReported() override {}
+};
+
+}  // namespace diond::session
+
+#endif  // DIOND_SERVER_SESSION_STEP_MEMORY_H_
