@@ -336,6 +336,8 @@ class Session {
   // without one).
   absl::Status WaitReadyEvent(const StepRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status RecordDoneEvent(const StepRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Destroys the trainer's opened events (a closing session: no Step follows).
+  void ReleaseTrainerEvents() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A device session's compute device (nullopt for a host session).
   std::optional<kernels::Device> DeviceOfSession() const;
   // The context the update rules of a device session run on (DeviceSide::update_ctx).

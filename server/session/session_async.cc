@@ -27,10 +27,12 @@ int64_t Session::DrainQueuedStep(bool closing) {
   if (closing) queue_.Close();
   if (queue_.queued()) queue_.Await(StepQueue::State::kDone);
   if (closing) {
-    // The trainer's GPU memory is unmapped when the session closes, not whenever the last
-    // reference to the session (an RPC still finishing) goes: the trainer may free it next.
+    // The trainer's GPU memory is unmapped, and its events destroyed, when the session closes,
+    // not whenever the last reference to the session (an RPC still finishing) goes: the
+    // trainer may free them next.
     if (params_.cuda != nullptr) ClearBinding(params_);
     if (grads_.cuda != nullptr) ClearBinding(grads_);
+    ReleaseTrainerEvents();
   }
   if (!queue_.queued()) return 0;
   StepQueue::Outcome q = queue_.Take();

@@ -93,6 +93,7 @@ struct Session::DeviceSide final : Session::StepMemory {
     void* event = nullptr;
   };
   IpcEvent ready, done;
+  void DestroyEvents();
 
   const kernels::Context& update_ctx() const { return runtime.rules_on_device ? *ctx : *host; }
   // Queues every parameter's read into the staging (host -> device, or device to device from a
@@ -128,6 +129,22 @@ struct Session::DeviceSide final : Session::StepMemory {
   }
 };
 
+// Every opened event destroyed (a failure logged) and forgotten.
+void Session::DeviceSide::DestroyEvents() {
+  for (IpcEvent* e : {&ready, &done}) {
+    if (e->event == nullptr) continue;
+    if (absl::Status s = kernels::DeviceRuntimeFor(device.type).destroy_event(device, e->event);
+        !s.ok()) {
+      DIOND_LOG(WARNING) << "destroying a trainer's event failed: " << s.message();
+    }
+    *e = {};
+  }
+}
+
+void Session::ReleaseTrainerEvents() {
+  if (device_ != nullptr) device_->DestroyEvents();
+}
+
 void Session::DeviceSideDeleter::operator()(DeviceSide* d) const {
   if (d == nullptr) return;
   for (auto& p : d->phases) p.graph.reset();  // graphs and scalar blocks, before the stream
@@ -138,14 +155,7 @@ void Session::DeviceSideDeleter::operator()(DeviceSide* d) const {
   d->master.Reset();
   for (kernels::Buffer& b : d->world) b.Reset();
   d->ctx.reset();  // its scratch blocks go back to the pool
-  for (DeviceSide::IpcEvent* e : {&d->ready, &d->done}) {
-    if (e->event == nullptr) continue;
-    if (absl::Status s =
-            kernels::DeviceRuntimeFor(d->device.type).destroy_event(d->device, e->event);
-        !s.ok()) {
-      DIOND_LOG(WARNING) << "destroying a trainer's event failed: " << s.message();
-    }
-  }
+  d->DestroyEvents();
   if (d->stream != nullptr && d->runtime.destroy_stream)
     d->runtime.destroy_stream(d->device, d->stream);
   if (d->words != nullptr) {
