@@ -28,6 +28,7 @@ TEST=(
   debootstrap  # scripts/bare-root-check.sh
   universal-ctags  # tests/size_limits_test.py: function extents
   clang-format-14  # scripts/check-format.sh (format_test)
+  clang-tidy-14  # scripts/tidy.sh (CI)
 )
 # The Rust client (client/rust) builds offline from these crates: they fill the local registry
 # /usr/share/cargo/registry that client/rust/.cargo/config.toml points cargo at. Debian's cargo

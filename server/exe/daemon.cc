@@ -164,7 +164,7 @@ absl::Status CheckListenerFlags(const DaemonOptions& options) {
 // The session manager's hooks into the metrics. `device_report` (may be empty) runs after every
 // step and every change of the session count.
 session::ManagerObserver MetricsObserver(DaemonMetrics* metrics,
-                                         std::function<void()> device_report) {
+                                         const std::function<void()>& device_report) {
   session::ManagerObserver observer;
   observer.on_sessions_changed = [metrics, device_report](int64_t n) {
     metrics->SetSessions(n);
@@ -181,7 +181,8 @@ session::ManagerObserver MetricsObserver(DaemonMetrics* metrics,
     metrics->ObserveStep(r.replayed  ? "replayed"
                          : r.skipped ? "skipped"
                                      : "applied",
-                         r.total_micros * 1e-6, r.compute_micros * 1e-6);
+                         static_cast<double>(r.total_micros) * 1e-6,
+                         static_cast<double>(r.compute_micros) * 1e-6);
     if (!r.replayed && r.checksum_mismatches > 0) {
       metrics->CountChecksumMismatches(r.checksum_mismatches);
     }

@@ -367,7 +367,7 @@ grpc::ServerReadReactor<v1::TensorChunk>* OptimizerService::PushGradients(
   session::SessionManager* manager = manager_;
   return new ChunkReader(
       ctx, pool_.get(), manager_, session::StreamKind::kGradients, options_, OwnerCheck(ctx),
-      [manager, resp](const std::string& id, std::vector<session::TensorWrite> writes,
+      [manager, resp](const std::string& id, const std::vector<session::TensorWrite>& writes,
                       int64_t bytes, int64_t chunks) -> absl::Status {
         auto s = manager->Get(id);
         if (!s.ok()) return s.status();
@@ -502,8 +502,8 @@ grpc::ServerReadReactor<v1::TensorChunk>* OptimizerService::SetState(
   session::SessionManager* manager = manager_;
   return new ChunkReader(
       ctx, pool_.get(), manager_, session::StreamKind::kState, options_, OwnerCheck(ctx),
-      [manager, resp](const std::string& id, std::vector<session::TensorWrite> writes, int64_t,
-                      int64_t) -> absl::Status {
+      [manager, resp](const std::string& id, const std::vector<session::TensorWrite>& writes,
+                      int64_t, int64_t) -> absl::Status {
         auto s = manager->Get(id);
         if (!s.ok()) return s.status();
         absl::Status st = (*s)->ApplyStateWrites(writes);

@@ -356,9 +356,11 @@ std::vector<SessionInfo> SessionManager::List() {
   std::vector<std::shared_ptr<Session>> all;
   {
     absl::MutexLock lock(&mu_);
+    all.reserve(sessions_.size());
     for (auto& [id, s] : sessions_) all.push_back(s);
   }
   std::vector<SessionInfo> out;
+  out.reserve(all.size());
   for (auto& s : all) out.push_back(s->Info());
   return out;
 }

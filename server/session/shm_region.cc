@@ -53,6 +53,7 @@ void OnSigbus(int sig, siginfo_t* info, void* context) {
       // Everything from the faulting page to the end of the region becomes anonymous memory:
       // the access that faulted, and every later one, completes harmlessly.
       const uintptr_t page = addr & ~(g_page - 1);
+      // NOLINTNEXTLINE(performance-no-int-to-ptr): the fault address arrives as an integer.
       void* r = mmap(reinterpret_cast<void*>(page), end - page, PROT_READ | PROT_WRITE,
                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
       if (r == MAP_FAILED) break;  // cannot repair: fall through to the previous behaviour
