@@ -64,12 +64,17 @@ check "production code names the test device" 'DeviceType::kTest' kernels/api \
 server_outside_rpc=$(find server -path server/rpc -prune -o -type f \( -name '*.h' -o -name '*.cc' \) -print)
 check "server/ (outside rpc/) uses gRPC or proto" "$grpc" $server_outside_rpc
 # The server's rooms (ARCHITECTURE.md §3): the arrows run one way,
-#   exe/ -> rpc/ -> session/ -> comm/,  exe/ -> checkpoint/ -> session/,
+#   exe/ -> rpc/ -> session/ -> memory/ and comm/,  exe/ -> checkpoint/ -> session/,
 #   exe/ -> the core (server/*.h: metrics, version).
 # Each room may include its own headers and those of the rooms below it, nothing else.
 server_core=$(find server -maxdepth 1 -type f \( -name '*.h' -o -name '*.cc' \))
+# Trainer memory (shm, memfd, CUDA regions, GPU UUIDs) knows no session, and only the fd
+# channel's descriptor type of the other rooms.
+check "server/memory includes a room above it" \
+  '#include *"server/([a-z_]+\.h|session/|checkpoint/|comm/|rpc/|exe/|fdchannel/fd_channel)' \
+  server/memory
 check "server/comm includes a room above it" \
-  '#include *"server/([a-z_]+\.h|session/|checkpoint/|rpc/|exe/)' server/comm
+  '#include *"server/([a-z_]+\.h|memory/|session/|checkpoint/|rpc/|exe/)' server/comm
 # The session room decides when to checkpoint and reaches the store only through its own
 # interface (session/checkpoint_store.h); its tests wire the checkpoint room's store in, as the
 # composition root does.
@@ -80,7 +85,7 @@ check "server/session (outside its tests) includes server/checkpoint" '#include 
 # The checkpoint room sees of the session room only the types it stores and the interface it
 # implements, and no other room.
 check "server/checkpoint includes a room other than session's" \
-  '#include *"server/([a-z_]+\.h|comm/|rpc/|exe/|fdchannel/)' server/checkpoint
+  '#include *"server/([a-z_]+\.h|memory/|comm/|rpc/|exe/|fdchannel/)' server/checkpoint
 hits=$(grep -rEn --include='*.h' --include='*.cc' '#include *"server/session/' server/checkpoint |
          grep -Ev '"server/session/(types|session|checkpoint_store)\.h"' || true)
 if [ -n "$hits" ]; then
@@ -90,7 +95,7 @@ fi
 check "server/rpc includes exe/, checkpoint/ or the daemon core (metrics, version)" \
   '#include *"server/([a-z_]+\.h|exe/|checkpoint/)' server/rpc
 check "the server core (server/*.h) includes a room" \
-  '#include *"server/(comm|session|checkpoint|rpc|exe)/' $server_core
+  '#include *"server/(comm|memory|session|checkpoint|rpc|exe)/' $server_core
 # (tests/service/test_device_daemon.cc is the test-only diond_testdevice's part of the
 # composition root: it fills DaemonOptions with the TEST backend, docs/GPU.md. So does
 # tests/service/cuda_region_service_test.cc, which runs the daemon in its own process because

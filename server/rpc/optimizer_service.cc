@@ -11,11 +11,11 @@
 #include "common/bounded.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "server/memory/gpu_uuid.h"
 #include "server/rpc/access.h"
 #include "server/rpc/chunk_collector.h"
 #include "server/rpc/convert.h"
 #include "server/rpc/status_conversion.h"
-#include "server/session/gpu_uuid.h"
 
 namespace diond::rpc {
 namespace {
@@ -259,14 +259,14 @@ absl::StatusOr<std::string> OptimizerService::RegisterCuda(const Principal& p, s
     uuid_bytes = r.gpu_uuid();
   }
   DIOND_ASSIGN_OR_RETURN(
-      session::GpuUuid uuid,
-      session::ParseGpuUuid(uuid_bytes, ipc ? "cuda_ipc.gpu_uuid" : "cuda_vmm_fd.gpu_uuid"));
+      memory::GpuUuid uuid,
+      memory::ParseGpuUuid(uuid_bytes, ipc ? "cuda_ipc.gpu_uuid" : "cuda_vmm_fd.gpu_uuid"));
   if (!options_.gpu_daemon) {
     return absl::FailedPreconditionError(absl::StrCat(
         kind,
         " needs a daemon that computes on a GPU; this daemon runs on the CPU (start it "
         "with --device=cuda on the trainer's GPU ",
-        session::FormatGpuUuid(uuid),
+        memory::FormatGpuUuid(uuid),
         "), or register host memory: REGION_KIND_MEMFD or REGION_KIND_SYSTEM_SHM"));
   }
   // GPU memory is shared between processes of one host, as shared memory is: the same rule.
@@ -281,7 +281,7 @@ absl::StatusOr<std::string> OptimizerService::RegisterCuda(const Principal& p, s
     const auto* h = reinterpret_cast<const uint8_t*>(r.mem_handle().data());
     const absl::Span<const uint8_t> handle(h, r.mem_handle().size());
     return s->OpenCudaRegion(role, [&](kernels::Device device) {
-      return session::CudaRegion::OpenIpc(device, uuid, handle, r.offset_bytes(), r.size_bytes());
+      return memory::CudaRegion::OpenIpc(device, uuid, handle, r.offset_bytes(), r.size_bytes());
     });
   }
   const v1::CudaVmmFdRegion& r = req.cuda_vmm_fd();
@@ -303,8 +303,8 @@ absl::StatusOr<std::string> OptimizerService::RegisterCuda(const Principal& p, s
   }
   // The daemon's mapping keeps the allocation alive; the fd is closed when this returns.
   return s->OpenCudaRegion(role, [&](kernels::Device device) {
-    return session::CudaRegion::OpenVmm(device, uuid, vmm_fd.get(), r.offset_bytes(),
-                                        r.size_bytes(), r.granularity_bytes());
+    return memory::CudaRegion::OpenVmm(device, uuid, vmm_fd.get(), r.offset_bytes(), r.size_bytes(),
+                                       r.granularity_bytes());
   });
 }
 

@@ -6,7 +6,7 @@
 // UnregisterRegion, with the session, and when a new trainer attaches; the weights moved in and
 // out of it by SetState / GetState / a new trainer through the device session's explicit copies;
 // the streamed host paths refused; no leaks (counts).
-#include "server/session/cuda_region.h"
+#include "server/memory/cuda_region.h"
 
 #include <unistd.h>
 
@@ -36,9 +36,9 @@ namespace kt = ::diond::kernels::testing;
 constexpr kernels::Device kDev0{kernels::DeviceType::kTest, 0};
 constexpr kernels::Device kDev1{kernels::DeviceType::kTest, 1};
 
-GpuUuid Uuid(int device) {
+memory::GpuUuid Uuid(int device) {
   const auto u = kt::HostTestDeviceUuid(device);
-  GpuUuid g;
+  memory::GpuUuid g;
   std::copy(u.begin(), u.end(), g.begin());
   return g;
 }
@@ -49,11 +49,11 @@ class CudaRegionTest : public ::testing::Test {
     kernels::UnregisterOpsBackendForTest(kernels::DeviceType::kTest);
     ASSERT_THAT(kernels::RegisterPluginOps(kernels::DeviceType::kTest, kt::HostTestDeviceOps()),
                 IsOk());
-    live_ = CudaRegion::LiveCount();
+    live_ = memory::CudaRegion::LiveCount();
     counters_ = kt::GetHostTestHandoffCounters();
   }
   void TearDown() override {
-    EXPECT_EQ(CudaRegion::LiveCount(), live_);
+    EXPECT_EQ(memory::CudaRegion::LiveCount(), live_);
     const auto now = kt::GetHostTestHandoffCounters();
     EXPECT_EQ(now.ipc_open_now, counters_.ipc_open_now);
     EXPECT_EQ(now.vmm_mapped_now, counters_.vmm_mapped_now);
@@ -115,19 +115,22 @@ class CudaRegionTest : public ::testing::Test {
 TEST_F(CudaRegionTest, UnknownGpuAndWrongDeviceAreRefusedWithBothUuidsAndOpenNothing) {
   void* p = Alloc(4096);
   const auto h = Handle(p);
-  GpuUuid stranger = Uuid(0);
+  memory::GpuUuid stranger = Uuid(0);
   stranger[0] ^= 0xff;
-  auto r = CudaRegion::OpenIpc(kDev0, stranger, h, 0, 4096);
+  auto r = memory::CudaRegion::OpenIpc(kDev0, stranger, h, 0, 4096);
   EXPECT_THAT(r.status(), StatusIs(absl::StatusCode::kFailedPrecondition));
-  EXPECT_TRUE(absl::StrContains(r.status().message(), FormatGpuUuid(stranger))) << r.status();
-  EXPECT_TRUE(absl::StrContains(r.status().message(), FormatGpuUuid(Uuid(0)))) << r.status();
+  EXPECT_TRUE(absl::StrContains(r.status().message(), memory::FormatGpuUuid(stranger)))
+      << r.status();
+  EXPECT_TRUE(absl::StrContains(r.status().message(), memory::FormatGpuUuid(Uuid(0))))
+      << r.status();
   // The trainer's GPU is the daemon's device 1, but the daemon computes on device 0.
-  r = CudaRegion::OpenIpc(kDev0, Uuid(1), h, 0, 4096);
+  r = memory::CudaRegion::OpenIpc(kDev0, Uuid(1), h, 0, 4096);
   EXPECT_THAT(r.status(), StatusIs(absl::StatusCode::kFailedPrecondition,
                                    HasSubstr("is this daemon's device 1")));
-  EXPECT_TRUE(absl::StrContains(r.status().message(), FormatGpuUuid(Uuid(0)))) << r.status();
+  EXPECT_TRUE(absl::StrContains(r.status().message(), memory::FormatGpuUuid(Uuid(0))))
+      << r.status();
   // A CPU daemon.
-  r = CudaRegion::OpenIpc(kernels::Device{}, Uuid(0), h, 0, 4096);
+  r = memory::CudaRegion::OpenIpc(kernels::Device{}, Uuid(0), h, 0, 4096);
   EXPECT_THAT(r.status(), StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("CPU")));
   EXPECT_EQ(kt::GetHostTestHandoffCounters().ipc_opens, counters_.ipc_opens);
 }
@@ -136,15 +139,15 @@ TEST_F(CudaRegionTest, IpcRegionIsCheckedAgainstTheAllocationAndClosedWhenDroppe
   void* p = Alloc(8192);
   const auto h = Handle(p);
   // Past the end of the allocation: OUT_OF_RANGE, and the handle is closed again.
-  auto bad = CudaRegion::OpenIpc(kDev0, Uuid(0), h, 4096, 8192);
+  auto bad = memory::CudaRegion::OpenIpc(kDev0, Uuid(0), h, 4096, 8192);
   EXPECT_THAT(bad.status(), StatusIs(absl::StatusCode::kOutOfRange, HasSubstr("8192 bytes")));
   EXPECT_EQ(kt::GetHostTestHandoffCounters().ipc_open_now, counters_.ipc_open_now);
   {
-    auto r = CudaRegion::OpenIpc(kDev0, Uuid(0), h, 4096, 4096);
+    auto r = memory::CudaRegion::OpenIpc(kDev0, Uuid(0), h, 4096, 4096);
     ASSERT_THAT(r.status(), IsOk());
     EXPECT_EQ((*r)->data(), static_cast<uint8_t*>(p) + 4096);
     EXPECT_EQ((*r)->device().index, 0);
-    EXPECT_EQ(CudaRegion::LiveCount(), live_ + 1);
+    EXPECT_EQ(memory::CudaRegion::LiveCount(), live_ + 1);
     EXPECT_EQ(kt::GetHostTestHandoffCounters().ipc_open_now, counters_.ipc_open_now + 1);
   }
   // Closed twice in all: after the refused range, and when the region was dropped.
@@ -156,12 +159,12 @@ TEST_F(CudaRegionTest, VmmRegionRoundsToTheGranularityAndUnmapsWhenDropped) {
   void* p = Alloc(2 * g);
   const int fd = kt::HostTestExportVmmFd(0, p);
   ASSERT_GE(fd, 0);
-  EXPECT_THAT(CudaRegion::OpenVmm(kDev0, Uuid(0), fd, 0, g, 3).status(),
+  EXPECT_THAT(memory::CudaRegion::OpenVmm(kDev0, Uuid(0), fd, 0, g, 3).status(),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("power-of-two")));
-  EXPECT_THAT(CudaRegion::OpenVmm(kDev0, Uuid(0), fd, g, 2 * g, g).status(),
+  EXPECT_THAT(memory::CudaRegion::OpenVmm(kDev0, Uuid(0), fd, g, 2 * g, g).status(),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("exceeds")));
   {
-    auto r = CudaRegion::OpenVmm(kDev0, Uuid(0), fd, 256, g, g);  // maps 2 granules
+    auto r = memory::CudaRegion::OpenVmm(kDev0, Uuid(0), fd, 256, g, g);  // maps 2 granules
     ASSERT_THAT(r.status(), IsOk());
     EXPECT_TRUE((*r)->vmm());
     EXPECT_EQ((*r)->data(), static_cast<uint8_t*>(p) + 256);
@@ -176,20 +179,20 @@ TEST_F(CudaRegionTest, AHostSessionRefusesACudaRegion) {
   const auto h = Handle(p);
   auto s = NewHostSession();
   ASSERT_NE(s, nullptr);
-  auto r = CudaRegion::OpenIpc(kDev0, Uuid(0), h, 0, s->layout().param_arena_bytes);
+  auto r = memory::CudaRegion::OpenIpc(kDev0, Uuid(0), h, 0, s->layout().param_arena_bytes);
   ASSERT_THAT(r.status(), IsOk());
   EXPECT_THAT(s->RegisterCudaRegion(Role::kParameters, *std::move(r)).status(),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("steps on the host")));
   // OpenCudaRegion opens nothing for it.
   bool opened = false;
-  auto open = [&](kernels::Device d) -> absl::StatusOr<std::unique_ptr<CudaRegion>> {
+  auto open = [&](kernels::Device d) -> absl::StatusOr<std::unique_ptr<memory::CudaRegion>> {
     opened = true;
-    return CudaRegion::OpenIpc(d, Uuid(0), h, 0, 4096);
+    return memory::CudaRegion::OpenIpc(d, Uuid(0), h, 0, 4096);
   };
   EXPECT_THAT(s->OpenCudaRegion(Role::kGradients, open).status(),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("device session")));
   EXPECT_FALSE(opened);
-  EXPECT_EQ(CudaRegion::LiveCount(), live_);
+  EXPECT_EQ(memory::CudaRegion::LiveCount(), live_);
 }
 
 TEST_F(CudaRegionTest, ADeviceSessionBindsReleasesAndMovesWeightsOnlyThroughCopies) {
@@ -203,15 +206,15 @@ TEST_F(CudaRegionTest, ADeviceSessionBindsReleasesAndMovesWeightsOnlyThroughCopi
   ASSERT_NE(s, nullptr);
   const int64_t need = s->layout().param_arena_bytes;
   // Too small for the arena.
-  auto small = CudaRegion::OpenIpc(kDev0, Uuid(0), h, 0, need - 4);
+  auto small = memory::CudaRegion::OpenIpc(kDev0, Uuid(0), h, 0, need - 4);
   ASSERT_THAT(small.status(), IsOk());
   EXPECT_THAT(s->RegisterCudaRegion(Role::kParameters, *std::move(small)).status(),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("smaller")));
   auto id = s->OpenCudaRegion(Role::kParameters, [&](kernels::Device d) {
-    return CudaRegion::OpenIpc(d, Uuid(0), h, 0, need);
+    return memory::CudaRegion::OpenIpc(d, Uuid(0), h, 0, need);
   });
   ASSERT_THAT(id.status(), IsOk());
-  EXPECT_EQ(CudaRegion::LiveCount(), live_ + 1);
+  EXPECT_EQ(memory::CudaRegion::LiveCount(), live_ + 1);
   // The role is taken (by either kind).
   EXPECT_THAT(s->RegisterShmRegion(Role::kParameters, "nope", 0, need).status(),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("already has region")));
@@ -219,16 +222,16 @@ TEST_F(CudaRegionTest, ADeviceSessionBindsReleasesAndMovesWeightsOnlyThroughCopi
     // A second region of the same handle shares its one mapping (a handle opens once per
     // process); the mapping stays open while the first region holds it.
     const int64_t open_now = kt::GetHostTestHandoffCounters().ipc_open_now;
-    auto g = CudaRegion::OpenIpc(kDev0, Uuid(0), h, 256, 256);
+    auto g = memory::CudaRegion::OpenIpc(kDev0, Uuid(0), h, 256, 256);
     ASSERT_THAT(g.status(), IsOk());
     EXPECT_EQ((*g)->data(), static_cast<uint8_t*>(p) + 256);
     EXPECT_EQ(kt::GetHostTestHandoffCounters().ipc_open_now, open_now);
-    EXPECT_EQ(CudaRegion::LiveCount(), live_ + 2);
+    EXPECT_EQ(memory::CudaRegion::LiveCount(), live_ + 2);
   }
   EXPECT_EQ(kt::GetHostTestHandoffCounters().ipc_open_now, counters_.ipc_open_now + 1);
   // The streamed host path refuses device memory: PushGradients into a CUDA GRADIENTS region.
   auto gid = s->OpenCudaRegion(Role::kGradients, [&](kernels::Device d) {
-    return CudaRegion::OpenIpc(d, Uuid(0), h, kBytes / 2, s->layout().grad_arena_bytes);
+    return memory::CudaRegion::OpenIpc(d, Uuid(0), h, kBytes / 2, s->layout().grad_arena_bytes);
   });
   ASSERT_THAT(gid.status(), IsOk());
   TensorWrite push{"w", 0, std::string(512, '\0')};
@@ -257,14 +260,14 @@ TEST_F(CudaRegionTest, ADeviceSessionBindsReleasesAndMovesWeightsOnlyThroughCopi
   EXPECT_GE(after.copies_to_host, before.copies_to_host + 1);
   // Unregister releases it.
   ASSERT_THAT(s->UnregisterRegion(*id), IsOk());
-  EXPECT_EQ(CudaRegion::LiveCount(), live_);
+  EXPECT_EQ(memory::CudaRegion::LiveCount(), live_);
   // Bound again, then released with the session.
-  auto again = CudaRegion::OpenIpc(kDev0, Uuid(0), h, 0, need);
+  auto again = memory::CudaRegion::OpenIpc(kDev0, Uuid(0), h, 0, need);
   ASSERT_THAT(again.status(), IsOk());
   ASSERT_THAT(s->RegisterCudaRegion(Role::kParameters, *std::move(again)).status(), IsOk());
-  EXPECT_EQ(CudaRegion::LiveCount(), live_ + 1);
+  EXPECT_EQ(memory::CudaRegion::LiveCount(), live_ + 1);
   s.reset();
-  EXPECT_EQ(CudaRegion::LiveCount(), live_);
+  EXPECT_EQ(memory::CudaRegion::LiveCount(), live_);
 }
 
 TEST_F(CudaRegionTest, ANewTrainersRegionGetsTheWeightsTheOldTrainersRegionHeld) {
@@ -273,16 +276,16 @@ TEST_F(CudaRegionTest, ANewTrainersRegionGetsTheWeightsTheOldTrainersRegionHeld)
   auto s = NewSession();
   ASSERT_NE(s, nullptr);
   const int64_t need = s->layout().param_arena_bytes;
-  auto r = CudaRegion::OpenIpc(kDev0, Uuid(0), Handle(old_mem), 0, need);
+  auto r = memory::CudaRegion::OpenIpc(kDev0, Uuid(0), Handle(old_mem), 0, need);
   ASSERT_THAT(r.status(), IsOk());
   ASSERT_THAT(s->RegisterCudaRegion(Role::kParameters, *std::move(r)).status(), IsOk());
   std::vector<float> values(128);
   for (size_t i = 0; i < values.size(); ++i) values[i] = 1.5f - 0.125f * static_cast<float>(i);
   ASSERT_THAT(s->SetState({NamedTensor{"w", {16, 8}, values}}), IsOk());
   s->DetachTrainer();
-  EXPECT_EQ(CudaRegion::LiveCount(), live_);
+  EXPECT_EQ(memory::CudaRegion::LiveCount(), live_);
   std::memset(new_mem, 0, 1 << 16);
-  auto r2 = CudaRegion::OpenIpc(kDev0, Uuid(0), Handle(new_mem), 0, need);
+  auto r2 = memory::CudaRegion::OpenIpc(kDev0, Uuid(0), Handle(new_mem), 0, need);
   ASSERT_THAT(r2.status(), IsOk());
   ASSERT_THAT(s->RegisterCudaRegion(Role::kParameters, *std::move(r2)).status(), IsOk());
   EXPECT_EQ(std::memcmp(new_mem, values.data(), values.size() * 4), 0);
@@ -293,14 +296,14 @@ TEST_F(CudaRegionTest, ANewTrainerAttachingReleasesTheOldTrainersRegions) {
   const auto h = Handle(p);
   auto s = NewSession();
   ASSERT_NE(s, nullptr);
-  auto r = CudaRegion::OpenIpc(kDev0, Uuid(0), h, 0, s->layout().grad_arena_bytes);
+  auto r = memory::CudaRegion::OpenIpc(kDev0, Uuid(0), h, 0, s->layout().grad_arena_bytes);
   ASSERT_THAT(r.status(), IsOk());
   ASSERT_THAT(s->RegisterCudaRegion(Role::kGradients, *std::move(r)).status(), IsOk());
   s->DetachTrainer();
-  EXPECT_EQ(CudaRegion::LiveCount(), live_);
+  EXPECT_EQ(memory::CudaRegion::LiveCount(), live_);
   // A thousand bind/unbind cycles leave nothing open.
   for (int i = 0; i < 1000; ++i) {
-    auto c = CudaRegion::OpenIpc(kDev0, Uuid(0), h, 0, s->layout().grad_arena_bytes);
+    auto c = memory::CudaRegion::OpenIpc(kDev0, Uuid(0), h, 0, s->layout().grad_arena_bytes);
     ASSERT_THAT(c.status(), IsOk());
     auto id = s->RegisterCudaRegion(Role::kGradients, *std::move(c));
     ASSERT_THAT(id.status(), IsOk());

@@ -42,10 +42,10 @@
 #include "kernels/device_runtime.h"
 #include "kernels/optim/group_optimizer.h"
 #include "server/fdchannel/unique_fd.h"
+#include "server/memory/cuda_region.h"
+#include "server/memory/shm_region.h"
 #include "server/session/compute_thread.h"
-#include "server/session/cuda_region.h"
 #include "server/session/shard_plan.h"
-#include "server/session/shm_region.h"
 #include "server/session/step_queue.h"
 #include "server/session/types.h"
 #include "server/session/world_link.h"
@@ -169,7 +169,7 @@ class Session {
   absl::StatusOr<std::string> RegisterShmRegion(Role role, const std::string& name, int64_t offset,
                                                 int64_t size);
   // Maps a sealed memfd (from the fd channel; ownership taken) for `role`, with the checks of
-  // RegisterShmRegion and CheckMemfd's (server/session/memfd_region.h). Returns the region id.
+  // RegisterShmRegion and CheckMemfd's (server/memory/memfd_region.h). Returns the region id.
   absl::StatusOr<std::string> RegisterMemfdRegion(Role role, fdchannel::UniqueFd fd, int64_t offset,
                                                   int64_t size);
   // Binds trainer GPU memory opened by CudaRegion (cuda_region.h) to `role`: INVALID_ARGUMENT
@@ -180,7 +180,8 @@ class Session {
   // session's PARAMETERS region. The region is released on UnregisterRegion and with the
   // session. A device session steps on it on its stream, device to device (docs/DATA_PLANE.md
   // "CUDA regions"); no host path ever dereferences the region. Returns the id.
-  absl::StatusOr<std::string> RegisterCudaRegion(Role role, std::unique_ptr<CudaRegion> region);
+  absl::StatusOr<std::string> RegisterCudaRegion(Role role,
+                                                 std::unique_ptr<memory::CudaRegion> region);
   // RegisterRegion's CUDA kinds: `open` opens the trainer's memory on the session's compute
   // device (CudaRegion::OpenIpc / OpenVmm), then RegisterCudaRegion binds it. FAILED_PRECONDITION
   // (nothing opened) for a host session (a CPU daemon's). A world session on a device daemon is
@@ -188,7 +189,7 @@ class Session {
   // regions").
   absl::StatusOr<std::string> OpenCudaRegion(
       Role role,
-      absl::FunctionRef<absl::StatusOr<std::unique_ptr<CudaRegion>>(kernels::Device)> open);
+      absl::FunctionRef<absl::StatusOr<std::unique_ptr<memory::CudaRegion>>(kernels::Device)> open);
   // NOT_FOUND for an unknown region id.
   absl::Status UnregisterRegion(const std::string& region_id);
 
@@ -292,11 +293,11 @@ class Session {
   // (overlap check), `open` maps it once the request is valid.
   absl::StatusOr<std::string> RegisterMappedRegion(
       Role role, const std::string& name, int64_t offset, int64_t size,
-      absl::FunctionRef<absl::StatusOr<std::unique_ptr<ShmRegion>>()> open);
+      absl::FunctionRef<absl::StatusOr<std::unique_ptr<memory::ShmRegion>>()> open);
   struct Binding {
-    std::unique_ptr<ShmRegion> region;
+    std::unique_ptr<memory::ShmRegion> region;
     // Trainer GPU memory (RegisterCudaRegion); `data` stays null: no host path may read it.
-    std::unique_ptr<CudaRegion> cuda;
+    std::unique_ptr<memory::CudaRegion> cuda;
     std::vector<uint8_t> host;  // remote mode
     uint8_t* data = nullptr;
     std::string region_id;

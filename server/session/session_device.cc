@@ -707,7 +707,7 @@ absl::Status Session::QueueStepReads(StepRun& run) {
   // copy per gradient (into the staging, or into the conversion buffer that the widening reads
   // next: the stream orders the next tensor's copy after it). Every scan ORs into one device
   // flag, whose read-back is queued last.
-  const CudaRegion* cuda = grads_.cuda.get();
+  const memory::CudaRegion* cuda = grads_.cuda.get();
   const kernels::TensorView flag = DeviceView(d.device, DType::kF32, d.nonfinite.data(), 1);
   {
     DIOND_RETURN_IF_ERROR(kernels::Fill(dc, 0.0f, flag));
@@ -760,7 +760,7 @@ absl::Status Session::DeviceSide::QueueParameterReads(Session& s, StepRun& run) 
   s.param_scratch_.resize(n);
   // A CUDA PARAMETERS region: copied (and widened) device to device into the staging, which
   // the update writes; the region itself is written only by WriteWeightsFromDevice.
-  const CudaRegion* cuda = s.params_.cuda.get();
+  const memory::CudaRegion* cuda = s.params_.cuda.get();
   for (size_t i = 0; i < n; ++i) {
     const TensorPlacement& t = s.layout_.tensors[i];
     float* dst = d.param(i);
@@ -829,7 +829,7 @@ absl::Status Session::WriteWeightsFromDevice(StepRun& run) {
 absl::Status Session::QueueWeightCopies() {
   DeviceSide& d = *device_;
   const kernels::Context& dc = *d.ctx;
-  CudaRegion* cuda = params_.cuda.get();
+  memory::CudaRegion* cuda = params_.cuda.get();
   // Every copy device -> host is queued (narrowed first on the device where the trainer's dtype
   // is not f32: the conversion buffer is reused tensor after tensor in stream order); the
   // caller waits once.

@@ -10,6 +10,7 @@
 #include "common/bounded.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "server/memory/memfd_region.h"
 #include "server/session/session.h"
 #include "server/session/session_internal.h"
 
@@ -17,14 +18,23 @@ namespace diond::session {
 
 absl::StatusOr<std::string> Session::RegisterShmRegion(Role role, const std::string& name,
                                                        int64_t offset, int64_t size) {
-  DIOND_RETURN_IF_ERROR(ValidateShmName(name));
+  DIOND_RETURN_IF_ERROR(memory::ValidateShmName(name));
   return RegisterMappedRegion(role, name, offset, size,
-                              [&] { return ShmRegion::Open(name, offset, size, id_); });
+                              [&] { return memory::ShmRegion::Open(name, offset, size, id_); });
+}
+
+absl::StatusOr<std::string> Session::RegisterMemfdRegion(Role role, fdchannel::UniqueFd fd,
+                                                         int64_t offset, int64_t size) {
+  if (absl::Status s = memory::CheckMemfd(fd.get()); !s.ok()) return s;
+  const std::string name = memory::MemfdName(fd.get());
+  return RegisterMappedRegion(role, name, offset, size, [&] {
+    return memory::ShmRegion::Adopt(fd.release(), "memfd", name, offset, size, id_);
+  });
 }
 
 absl::StatusOr<std::string> Session::RegisterMappedRegion(
     Role role, const std::string& name, int64_t offset, int64_t size,
-    absl::FunctionRef<absl::StatusOr<std::unique_ptr<ShmRegion>>()> open) {
+    absl::FunctionRef<absl::StatusOr<std::unique_ptr<memory::ShmRegion>>()> open) {
   const int64_t need =
       role == Role::kParameters ? layout_.param_arena_bytes : layout_.grad_arena_bytes;
   if (offset < 0 || offset % kArenaAlignment != 0) {
@@ -59,7 +69,7 @@ absl::StatusOr<std::string> Session::RegisterMappedRegion(
                        " region [", b0, ", ", b1, ")"));
     }
   }
-  DIOND_ASSIGN_OR_RETURN(std::unique_ptr<ShmRegion> region, open());
+  DIOND_ASSIGN_OR_RETURN(std::unique_ptr<memory::ShmRegion> region, open());
   // Remote-mode data already in a host arena, or parameters restored from a checkpoint, move
   // into the trainer's memory now, so nothing the daemon holds is lost. The daemon's copies are
   // dropped only once the trainer's memory took them intact (the segment may shrink meanwhile).
@@ -97,7 +107,7 @@ absl::StatusOr<std::string> Session::RegisterMappedRegion(
 
 absl::StatusOr<std::string> Session::OpenCudaRegion(
     Role role,
-    absl::FunctionRef<absl::StatusOr<std::unique_ptr<CudaRegion>>(kernels::Device)> open) {
+    absl::FunctionRef<absl::StatusOr<std::unique_ptr<memory::CudaRegion>>(kernels::Device)> open) {
   std::optional<kernels::Device> device = DeviceOfSession();
   if (!device.has_value()) {
     return absl::FailedPreconditionError(
@@ -106,12 +116,12 @@ absl::StatusOr<std::string> Session::OpenCudaRegion(
                      "need a device session; register host memory (REGION_KIND_MEMFD or "
                      "REGION_KIND_SYSTEM_SHM)"));
   }
-  DIOND_ASSIGN_OR_RETURN(std::unique_ptr<CudaRegion> region, open(*device));
+  DIOND_ASSIGN_OR_RETURN(std::unique_ptr<memory::CudaRegion> region, open(*device));
   return RegisterCudaRegion(role, std::move(region));
 }
 
-absl::StatusOr<std::string> Session::RegisterCudaRegion(Role role,
-                                                        std::unique_ptr<CudaRegion> region) {
+absl::StatusOr<std::string> Session::RegisterCudaRegion(
+    Role role, std::unique_ptr<memory::CudaRegion> region) {
   const int64_t need =
       role == Role::kParameters ? layout_.param_arena_bytes : layout_.grad_arena_bytes;
   if (region->size() < need) {

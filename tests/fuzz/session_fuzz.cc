@@ -37,10 +37,10 @@
 #include "diond/v1/optimizer.pb.h"
 #include "google/protobuf/stubs/logging.h"
 #include "server/checkpoint/directory_store.h"
+#include "server/memory/shm_region.h"
 #include "server/rpc/chunk_collector.h"
 #include "server/rpc/convert.h"
 #include "server/session/session_manager.h"
-#include "server/session/shm_region.h"
 #include "tests/fuzz/fuzz_support.h"
 
 namespace {
@@ -213,7 +213,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         if (req.kind() != diond::v1::REGION_KIND_SYSTEM_SHM) continue;
         const std::string& name = req.system_shm().name();
         if (name != "seg") {
-          status = diond::session::ValidateShmName(name);
+          status = diond::memory::ValidateShmName(name);
           if (status.ok()) continue;  // a valid name of somebody else's segment: not opened
           break;
         }

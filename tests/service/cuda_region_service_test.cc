@@ -37,8 +37,8 @@
 #include "kernels/plugin/plugin_backend.h"
 #include "kernels/testing/host_device_backend.h"
 #include "server/exe/daemon.h"
+#include "server/memory/cuda_region.h"
 #include "server/rpc/listen.h"
-#include "server/session/cuda_region.h"
 #include "tests/service/service_harness.h"
 
 namespace diond::service_testing {
@@ -224,7 +224,7 @@ class Handoffs {
  protected:
   void BeginHandoffs(const std::string& folder_prefix) {
     baseline_ = kt::GetHostTestHandoffCounters();
-    live_ = session::CudaRegion::LiveCount();
+    live_ = memory::CudaRegion::LiveCount();
     std::string tmpl = folder_prefix + "XXXXXX";
     ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
     dir_ = tmpl;
@@ -235,7 +235,7 @@ class Handoffs {
     EXPECT_EQ(now.ipc_open_now, baseline_.ipc_open_now);
     EXPECT_EQ(now.vmm_mapped_now, baseline_.vmm_mapped_now);
     EXPECT_EQ(now.events_open_now, baseline_.events_open_now);
-    EXPECT_EQ(session::CudaRegion::LiveCount(), live_);
+    EXPECT_EQ(memory::CudaRegion::LiveCount(), live_);
     if (!dir_.empty()) std::system(absl::StrCat("rm -rf '", dir_, "'").c_str());
   }
 
@@ -546,13 +546,13 @@ TEST_F(CudaRegions, BadRequestsAreRefusedClearlyAndOpenNothing) {
   // A GPU the daemon cannot see: both UUIDs named.
   std::string stranger = UuidBytes(0);
   stranger[3] ^= 0x5a;
-  session::GpuUuid su{}, mine{};
+  memory::GpuUuid su{}, mine{};
   std::copy(stranger.begin(), stranger.end(), su.begin());
   const std::string u0 = UuidBytes(0);
   std::copy(u0.begin(), u0.end(), mine.begin());
   expect(IpcRequest(id, v1::REGION_ROLE_PARAMETERS, h, 0, need, stranger),
          grpc::StatusCode::FAILED_PRECONDITION,
-         {session::FormatGpuUuid(su), session::FormatGpuUuid(mine)});
+         {memory::FormatGpuUuid(su), memory::FormatGpuUuid(mine)});
   // The daemon's other device: never touched.
   expect(IpcRequest(id, v1::REGION_ROLE_PARAMETERS, h, 0, need, UuidBytes(1)),
          grpc::StatusCode::FAILED_PRECONDITION, {"is this daemon's device 1"});

@@ -1,6 +1,6 @@
 // CheckMemfd on every kind of fd a trainer could send instead of a sealed memfd, and a sealed
 // memfd mapped through ShmRegion::Adopt: the daemon's view and the trainer's are the same bytes.
-#include "server/session/memfd_region.h"
+#include "server/memory/memfd_region.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -15,9 +15,9 @@
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
 #include "server/fdchannel/unique_fd.h"
-#include "server/session/shm_region.h"
+#include "server/memory/shm_region.h"
 
-namespace diond::session {
+namespace diond::memory {
 namespace {
 
 using ::diond::fdchannel::UniqueFd;
@@ -122,4 +122,4 @@ TEST(MemfdRegion, AdoptMapsTheTrainersBytesAndCannotShrink) {
 }
 
 }  // namespace
-}  // namespace diond::session
+}  // namespace diond::memory

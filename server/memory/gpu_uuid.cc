@@ -1,4 +1,4 @@
-#include "server/session/gpu_uuid.h"
+#include "server/memory/gpu_uuid.h"
 
 #include <vector>
 
@@ -6,7 +6,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 
-namespace diond::session {
+namespace diond::memory {
 
 std::string FormatGpuUuid(const GpuUuid& u) {
   std::string s = "GPU-";
@@ -43,4 +43,4 @@ absl::StatusOr<int> MapGpuUuid(const GpuUuid& trainer, absl::Span<const GpuDevic
       ": give both processes the same GPUs (CUDA_VISIBLE_DEVICES, the container's device list)"));
 }
 
-}  // namespace diond::session
+}  // namespace diond::memory

@@ -2,7 +2,7 @@
 // segments that the test truncates under the mapping as a hostile trainer would. The daemon-level
 // behaviour (a Step on a shrinking segment, other sessions unaffected) is tested against the real
 // daemon in tests/service/shm_shrink_service_test.cc.
-#include "server/session/shm_region.h"
+#include "server/memory/shm_region.h"
 
 #include <fcntl.h>
 #include <signal.h>
@@ -21,7 +21,7 @@
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
 
-namespace diond::session {
+namespace diond::memory {
 namespace {
 
 using ::diond::testing::IsOk;
@@ -180,4 +180,4 @@ TEST(ShmRegion, ASegmentBelongsToOneSession) {
 }
 
 }  // namespace
-}  // namespace diond::session
+}  // namespace diond::memory

@@ -3,14 +3,14 @@
 // daemon over the fd channel. Sealed, it can never shrink under the daemon's mapping (no SIGBUS),
 // so it is the recommended host path; it is otherwise used exactly like a POSIX shm region
 // (ShmRegion::Adopt maps it).
-#ifndef DIOND_SERVER_SESSION_MEMFD_REGION_H_
-#define DIOND_SERVER_SESSION_MEMFD_REGION_H_
+#ifndef DIOND_SERVER_MEMORY_MEMFD_REGION_H_
+#define DIOND_SERVER_MEMORY_MEMFD_REGION_H_
 
 #include <string>
 
 #include "absl/status/status.h"
 
-namespace diond::session {
+namespace diond::memory {
 
 // OK when `fd` is a memfd with F_SEAL_SHRINK and F_SEAL_GROW and without F_SEAL_WRITE /
 // F_SEAL_FUTURE_WRITE (the daemon writes the parameters). INVALID_ARGUMENT naming what the fd is
@@ -21,6 +21,6 @@ absl::Status CheckMemfd(int fd);
 // "memfd:<inode>": the name of a memfd region in messages and the overlap check.
 std::string MemfdName(int fd);
 
-}  // namespace diond::session
+}  // namespace diond::memory
 
-#endif  // DIOND_SERVER_SESSION_MEMFD_REGION_H_
+#endif  // DIOND_SERVER_MEMORY_MEMFD_REGION_H_

@@ -8,8 +8,8 @@
 // UUIDs) a GPU the daemon cannot see or one that is not the daemon's compute device.
 //
 // Thread-safety: not thread-safe; Session serializes its use.
-#ifndef DIOND_SERVER_SESSION_CUDA_REGION_H_
-#define DIOND_SERVER_SESSION_CUDA_REGION_H_
+#ifndef DIOND_SERVER_MEMORY_CUDA_REGION_H_
+#define DIOND_SERVER_MEMORY_CUDA_REGION_H_
 
 #include <cstdint>
 #include <memory>
@@ -19,9 +19,9 @@
 #include "absl/types/span.h"
 #include "kernels/context.h"
 #include "kernels/device_runtime.h"
-#include "server/session/gpu_uuid.h"
+#include "server/memory/gpu_uuid.h"
 
-namespace diond::session {
+namespace diond::memory {
 
 class CudaRegion {
  public:
@@ -68,6 +68,6 @@ class CudaRegion {
   kernels::VmmMapping vmm_mapping_;
 };
 
-}  // namespace diond::session
+}  // namespace diond::memory
 
-#endif  // DIOND_SERVER_SESSION_CUDA_REGION_H_
+#endif  // DIOND_SERVER_MEMORY_CUDA_REGION_H_

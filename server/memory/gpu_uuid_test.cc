@@ -1,14 +1,14 @@
 // MapGpuUuid against fake device lists: a daemon whose CUDA_VISIBLE_DEVICES renumbered the GPUs
 // (the trainer's UUID is found at another index), a daemon that cannot see the trainer's GPU,
 // and one with no GPU at all.
-#include "server/session/gpu_uuid.h"
+#include "server/memory/gpu_uuid.h"
 
 #include <vector>
 
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
 
-namespace diond::session {
+namespace diond::memory {
 namespace {
 
 using ::diond::testing::StatusIs;
@@ -57,4 +57,4 @@ TEST(GpuUuid, UnknownUuidNamesBothSides) {
 }
 
 }  // namespace
-}  // namespace diond::session
+}  // namespace diond::memory

@@ -2,8 +2,8 @@
 // names its GPU by UUID (cudaDeviceProp::uuid, 16 bytes), because device indices differ between
 // processes (CUDA_VISIBLE_DEVICES, containers); the daemon maps the UUID to its own device index
 // and never guesses.
-#ifndef DIOND_SERVER_SESSION_GPU_UUID_H_
-#define DIOND_SERVER_SESSION_GPU_UUID_H_
+#ifndef DIOND_SERVER_MEMORY_GPU_UUID_H_
+#define DIOND_SERVER_MEMORY_GPU_UUID_H_
 
 #include <array>
 #include <cstdint>
@@ -13,7 +13,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 
-namespace diond::session {
+namespace diond::memory {
 
 using GpuUuid = std::array<uint8_t, 16>;
 
@@ -33,6 +33,6 @@ absl::StatusOr<GpuUuid> ParseGpuUuid(absl::string_view bytes, absl::string_view 
 // every UUID the daemon sees (or saying it sees none) when no device matches.
 absl::StatusOr<int> MapGpuUuid(const GpuUuid& trainer, absl::Span<const GpuDevice> daemon);
 
-}  // namespace diond::session
+}  // namespace diond::memory
 
-#endif  // DIOND_SERVER_SESSION_GPU_UUID_H_
+#endif  // DIOND_SERVER_MEMORY_GPU_UUID_H_

@@ -1,5 +1,5 @@
 // CudaRegion (cuda_region.h).
-#include "server/session/cuda_region.h"
+#include "server/memory/cuda_region.h"
 
 #include <atomic>
 #include <string>
@@ -10,7 +10,7 @@
 #include "common/logging.h"
 #include "common/status_macros.h"
 
-namespace diond::session {
+namespace diond::memory {
 namespace {
 
 std::atomic<int64_t> g_live{0};
@@ -160,4 +160,4 @@ std::string CudaRegion::Describe() const {
 
 int64_t CudaRegion::LiveCount() { return g_live.load(); }
 
-}  // namespace diond::session
+}  // namespace diond::memory

@@ -1,4 +1,4 @@
-#include "server/session/memfd_region.h"
+#include "server/memory/memfd_region.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -12,13 +12,12 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "server/session/session.h"
 
 #ifndef F_SEAL_FUTURE_WRITE
 #define F_SEAL_FUTURE_WRITE 0x0010
 #endif
 
-namespace diond::session {
+namespace diond::memory {
 namespace {
 
 const char* FileKind(mode_t mode) {
@@ -80,13 +79,4 @@ absl::Status CheckMemfd(int fd) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::string> Session::RegisterMemfdRegion(Role role, fdchannel::UniqueFd fd,
-                                                         int64_t offset, int64_t size) {
-  if (absl::Status s = CheckMemfd(fd.get()); !s.ok()) return s;
-  const std::string name = MemfdName(fd.get());
-  return RegisterMappedRegion(role, name, offset, size, [&] {
-    return ShmRegion::Adopt(fd.release(), "memfd", name, offset, size, id_);
-  });
-}
-
-}  // namespace diond::session
+}  // namespace diond::memory

@@ -16,8 +16,8 @@
 //
 // A segment (device, inode) belongs to one session: Open refuses a segment that a region of
 // another owner has mapped, so that one principal cannot read or write another's arena.
-#ifndef DIOND_SERVER_SESSION_SHM_REGION_H_
-#define DIOND_SERVER_SESSION_SHM_REGION_H_
+#ifndef DIOND_SERVER_MEMORY_SHM_REGION_H_
+#define DIOND_SERVER_MEMORY_SHM_REGION_H_
 
 #include <cstdint>
 #include <memory>
@@ -26,7 +26,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
-namespace diond::session {
+namespace diond::memory {
 
 // INVALID_ARGUMENT naming the name if it is not a valid segment name.
 absl::Status ValidateShmName(absl::string_view name);
@@ -64,7 +64,7 @@ class ShmRegion {
   // "<kind> region '<name>' [a, b)", kind "shm" for Open's regions.
   std::string Describe() const;
   // Whether the memory can still go away under the mapping: true for POSIX shm, false for a
-  // memfd (Adopt's callers check F_SEAL_SHRINK first, server/session/memfd_region.h).
+  // memfd (Adopt's callers check F_SEAL_SHRINK first, server/memory/memfd_region.h).
   bool can_shrink() const { return kind_ != "memfd"; }
 
  private:
@@ -87,6 +87,6 @@ class ShmRegion {
 // For tests: how many SIGBUS faults the guard absorbed in this process.
 int64_t ShmGuardFaultsCaught();
 
-}  // namespace diond::session
+}  // namespace diond::memory
 
-#endif  // DIOND_SERVER_SESSION_SHM_REGION_H_
+#endif  // DIOND_SERVER_MEMORY_SHM_REGION_H_

@@ -1,4 +1,4 @@
-#include "server/session/shm_region.h"
+#include "server/memory/shm_region.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -18,7 +18,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/bounded.h"
 
-namespace diond::session {
+namespace diond::memory {
 namespace {
 
 // ---- the SIGBUS guard ----------------------------------------------------------------------
@@ -261,4 +261,4 @@ absl::Status ShmRegion::CheckIntact() const {
   return absl::OkStatus();
 }
 
-}  // namespace diond::session
+}  // namespace diond::memory
