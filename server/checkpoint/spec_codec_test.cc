@@ -1,13 +1,13 @@
 // The checkpoint codec writes and reads every row of the option table (kernels/optim/
 // options.def) with nothing else to write, and manifests without the options added later load
 // with their defaults; a value outside its range is damage.
-#include <algorithm>
 #include <string>
 
 #include "common/status_matchers.h"
 #include "common/strict_json.h"
 #include "gtest/gtest.h"
 #include "kernels/optim/option_table.h"
+#include "kernels/optim/testing/option_values.h"
 #include "server/checkpoint/manifest.h"
 
 namespace diond::checkpoint {
@@ -26,27 +26,7 @@ session::SessionSpec OneGroup(optim::AlgorithmKind k) {
   return spec;
 }
 
-// A value of `row` other than its default, inside its range.
-optim::OptionValue NonDefault(const optim::OptionRow& row) {
-  optim::OptionValue v = row.Default(optim::AlgorithmKind::kMuon);
-  switch (row.type) {
-    case optim::OptionType::kDouble: {
-      const double inside = (row.range.lo + std::min(row.range.hi, row.range.lo + 1)) / 2;
-      v.number = row.range.lo_open || v.number == row.range.lo ? inside : row.range.lo;
-      break;
-    }
-    case optim::OptionType::kInt:
-      v.integer += 1;
-      break;
-    case optim::OptionType::kBool:
-      v.integer = 1 - v.integer;
-      break;
-    case optim::OptionType::kEnum:
-      v.integer = (v.integer + 1) % static_cast<int64_t>(row.enum_names.size());
-      break;
-  }
-  return v;
-}
+using optim::testing::NonDefault;
 
 TEST(SpecCodec, EveryOptionRoundTrips) {
   for (const optim::OptionRow& row : optim::OptionTable()) {

@@ -3,13 +3,13 @@
 // write: a field added to the proto without its row fails here.
 #include "server/rpc/option_schema.h"
 
-#include <algorithm>
 #include <set>
 #include <string>
 
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
 #include "kernels/optim/option_table.h"
+#include "kernels/optim/testing/option_values.h"
 #include "server/rpc/convert.h"
 
 namespace diond::rpc {
@@ -63,27 +63,7 @@ TEST(OptionTable, EveryFieldHasItsRowInFieldOrder) {
   }
 }
 
-// A value of `row` other than every algorithm's default, inside its range.
-optim::OptionValue NonDefault(const optim::OptionRow& row) {
-  optim::OptionValue v = row.Default(optim::AlgorithmKind::kMuon);
-  switch (row.type) {
-    case optim::OptionType::kDouble: {
-      const double inside = (row.range.lo + std::min(row.range.hi, row.range.lo + 1)) / 2;
-      v.number = row.range.lo_open || v.number == row.range.lo ? inside : row.range.lo;
-      break;
-    }
-    case optim::OptionType::kInt:
-      v.integer += 1;
-      break;
-    case optim::OptionType::kBool:
-      v.integer = 1 - v.integer;
-      break;
-    case optim::OptionType::kEnum:
-      v.integer = (v.integer + 1) % static_cast<int64_t>(row.enum_names.size());
-      break;
-  }
-  return v;
-}
+using optim::testing::NonDefault;
 
 TEST(OptionTable, EveryRowRoundTripsThroughTheProto) {
   for (const optim::OptionRow& row : optim::OptionTable()) {

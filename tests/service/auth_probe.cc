@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -42,49 +43,13 @@ std::string Slurp(const std::string& path) {
   return s.str();
 }
 
-const char* Code(const grpc::Status& s) {
-  switch (s.error_code()) {
-    case grpc::StatusCode::OK:
-      return "OK";
-    case grpc::StatusCode::CANCELLED:
-      return "CANCELLED";
-    case grpc::StatusCode::UNKNOWN:
-      return "UNKNOWN";
-    case grpc::StatusCode::INVALID_ARGUMENT:
-      return "INVALID_ARGUMENT";
-    case grpc::StatusCode::DEADLINE_EXCEEDED:
-      return "DEADLINE_EXCEEDED";
-    case grpc::StatusCode::NOT_FOUND:
-      return "NOT_FOUND";
-    case grpc::StatusCode::ALREADY_EXISTS:
-      return "ALREADY_EXISTS";
-    case grpc::StatusCode::PERMISSION_DENIED:
-      return "PERMISSION_DENIED";
-    case grpc::StatusCode::RESOURCE_EXHAUSTED:
-      return "RESOURCE_EXHAUSTED";
-    case grpc::StatusCode::FAILED_PRECONDITION:
-      return "FAILED_PRECONDITION";
-    case grpc::StatusCode::ABORTED:
-      return "ABORTED";
-    case grpc::StatusCode::OUT_OF_RANGE:
-      return "OUT_OF_RANGE";
-    case grpc::StatusCode::UNIMPLEMENTED:
-      return "UNIMPLEMENTED";
-    case grpc::StatusCode::INTERNAL:
-      return "INTERNAL";
-    case grpc::StatusCode::UNAVAILABLE:
-      return "UNAVAILABLE";
-    case grpc::StatusCode::DATA_LOSS:
-      return "DATA_LOSS";
-    case grpc::StatusCode::UNAUTHENTICATED:
-      return "UNAUTHENTICATED";
-    default:
-      return "OTHER";
-  }
+// gRPC's codes are absl's (the same numbers and names).
+std::string Code(const grpc::Status& s) {
+  return absl::StatusCodeToString(static_cast<absl::StatusCode>(s.error_code()));
 }
 
 void Print(const std::string& rpc, const grpc::Status& s) {
-  std::printf("%s %s\n", rpc.c_str(), Code(s));
+  std::printf("%s %s\n", rpc.c_str(), Code(s).c_str());
   std::fflush(stdout);
 }
 
@@ -232,7 +197,7 @@ int main(int argc, char** argv) {
   if (cmd == "pull" && args.size() == 2) {
     TensorMap m;
     grpc::Status s = PullParameters(*stub, args[1], &m);
-    std::printf("pull %s %llx\n", Code(s),
+    std::printf("pull %s %llx\n", Code(s).c_str(),
                 static_cast<unsigned long long>(Fnv1a(s.ok() ? m["w"] : "")));
     return 0;
   }
