@@ -16,6 +16,78 @@
 
 namespace diond::rpc {
 
+namespace {
+
+// TLS needs both halves; a client CA (mutual TLS) needs TLS.
+absl::Status CheckTlsFlags(const RpcServerOptions& options) {
+  const bool tls = !options.tls_cert.empty();
+  if (tls != !options.tls_key.empty()) {
+    return absl::InvalidArgumentError("--tls_cert and --tls_key go together");
+  }
+  if (!tls && !options.tls_client_ca.empty()) {
+    return absl::InvalidArgumentError("--tls_client_ca needs --tls_cert and --tls_key");
+  }
+  return absl::OkStatus();
+}
+
+std::shared_ptr<grpc::ServerCredentials> TcpCredentials(const RpcServerOptions& options,
+                                                        bool client_certs) {
+  if (options.tls_cert.empty()) return grpc::InsecureServerCredentials();
+  grpc::SslServerCredentialsOptions so(client_certs ? GRPC_SSL_REQUEST_CLIENT_CERTIFICATE_AND_VERIFY
+                                                    : GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+  so.pem_root_certs = options.tls_client_ca;
+  so.pem_key_cert_pairs.push_back({options.tls_key, options.tls_cert});
+  return grpc::SslServerCredentials(so);
+}
+
+void UnlinkUnixSockets(const std::vector<std::unique_ptr<UnixListener>>& listeners,
+                       const std::vector<ListenAddress>& listen) {
+  size_t n = listeners.size();
+  for (const ListenAddress& a : listen) {
+    if (n == 0) break;
+    if (a.kind != ListenAddress::Kind::kUnix) continue;
+    unlink(a.path.c_str());
+    --n;
+  }
+}
+
+// Every Unix address bound now (accepted by UnixListener once the server runs). On a failure the
+// sockets bound so far are removed; a path that was not ours is left alone.
+absl::StatusOr<std::vector<std::unique_ptr<UnixListener>>> BindUnixSockets(
+    const std::vector<ListenAddress>& listen) {
+  std::vector<std::unique_ptr<UnixListener>> listeners;
+  for (const ListenAddress& a : listen) {
+    if (a.kind != ListenAddress::Kind::kUnix) continue;
+    absl::Status ready = PrepareUnixSocketPath(a.path);
+    auto l = ready.ok() ? UnixListener::Bind(a.path)
+                        : absl::StatusOr<std::unique_ptr<UnixListener>>(ready);
+    if (!l.ok()) {
+      UnlinkUnixSockets(listeners, listen);
+      return l.status();
+    }
+    listeners.push_back(*std::move(l));
+  }
+  return listeners;
+}
+
+// A second server with gRPC's health service only (no interceptor, no other service): what a
+// kubelet's gRPC probe may reach on the pod IP while the API stays on loopback/unix.
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartHealthServer(const std::string& address,
+                                                                int* port) {
+  grpc::ServerBuilder hb;
+  hb.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  hb.AddListeningPort(address, grpc::InsecureServerCredentials(), port);
+  std::unique_ptr<grpc::Server> server = hb.BuildAndStart();
+  if (server == nullptr || *port == 0) {
+    if (server) server->Shutdown();
+    return absl::UnavailableError(absl::StrCat("cannot serve health checks on --health_address=",
+                                               address, ": address in use or not HOST:PORT"));
+  }
+  return server;
+}
+
+}  // namespace
+
 RpcServer::RpcServer() = default;
 
 RpcServer::~RpcServer() { Shutdown(absl::ZeroDuration()); }
@@ -24,47 +96,13 @@ absl::StatusOr<std::unique_ptr<RpcServer>> RpcServer::Start(const RpcServerOptio
                                                             RpcObserver* observer) {
   std::unique_ptr<RpcServer> s(new RpcServer);
   if (options.manager == nullptr) return absl::InternalError("RpcServer needs a SessionManager");
-  const bool tls = !options.tls_cert.empty();
-  if (tls != !options.tls_key.empty()) {
-    return absl::InvalidArgumentError("--tls_cert and --tls_key go together");
-  }
-  if (!tls && !options.tls_client_ca.empty()) {
-    return absl::InvalidArgumentError("--tls_client_ca needs --tls_cert and --tls_key");
-  }
+  DIOND_RETURN_IF_ERROR(CheckTlsFlags(options));
   AuthOptions auth = options.auth;
   auth.tls_client_certs = !options.tls_client_ca.empty();
   s->auth_ = std::make_unique<Authenticator>(auth);
   s->service_ =
       std::make_unique<OptimizerService>(options.manager, s->auth_.get(), options.service);
-
-  // Unix sockets: bound here, accepted by UnixListener once the server runs.
-  std::vector<std::string> unix_paths;
-  auto unbind_unix = [&] {
-    s->unix_listeners_.clear();
-    for (const std::string& path : unix_paths) unlink(path.c_str());
-  };
-  for (const auto& a : options.listen) {
-    if (a.kind != ListenAddress::Kind::kUnix) continue;
-    absl::Status ready = PrepareUnixSocketPath(a.path);
-    auto l = ready.ok() ? UnixListener::Bind(a.path)
-                        : absl::StatusOr<std::unique_ptr<UnixListener>>(ready);
-    if (!l.ok()) {
-      unbind_unix();
-      return l.status();
-    }
-    unix_paths.push_back(a.path);
-    s->unix_listeners_.push_back(*std::move(l));
-  }
-
-  std::shared_ptr<grpc::ServerCredentials> tcp_creds = grpc::InsecureServerCredentials();
-  if (tls) {
-    grpc::SslServerCredentialsOptions so(auth.tls_client_certs
-                                             ? GRPC_SSL_REQUEST_CLIENT_CERTIFICATE_AND_VERIFY
-                                             : GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
-    so.pem_root_certs = options.tls_client_ca;
-    so.pem_key_cert_pairs.push_back({options.tls_key, options.tls_cert});
-    tcp_creds = grpc::SslServerCredentials(so);
-  }
+  DIOND_ASSIGN_OR_RETURN(s->unix_listeners_, BindUnixSockets(options.listen));
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -74,6 +112,8 @@ absl::StatusOr<std::unique_ptr<RpcServer>> RpcServer::Start(const RpcServerOptio
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
+  const std::shared_ptr<grpc::ServerCredentials> tcp_creds =
+      TcpCredentials(options, auth.tls_client_certs);
   std::vector<int> ports(options.listen.size(), 0);
   bool any_tcp = false;
   for (size_t i = 0; i < options.listen.size(); ++i) {
@@ -98,11 +138,11 @@ absl::StatusOr<std::unique_ptr<RpcServer>> RpcServer::Start(const RpcServerOptio
   builder.experimental().SetInterceptorCreators(std::move(icpt));
 
   s->server_ = builder.BuildAndStart();
-
-  std::vector<std::string> names;
-  for (const auto& a : options.listen) names.push_back(a.ToString());
   if (s->server_ == nullptr) {
-    unbind_unix();
+    std::vector<std::string> names;
+    for (const auto& a : options.listen) names.push_back(a.ToString());
+    UnlinkUnixSockets(s->unix_listeners_, options.listen);
+    s->unix_listeners_.clear();
     return absl::UnavailableError(
         absl::StrCat("cannot listen on ", absl::StrJoin(names, ", "),
                      ": address already in use or not bindable (see the gRPC log line above)"));
@@ -112,7 +152,8 @@ absl::StatusOr<std::unique_ptr<RpcServer>> RpcServer::Start(const RpcServerOptio
     if (a.kind == ListenAddress::Kind::kTcp) {
       if (ports[i] == 0) {
         s->server_->Shutdown();
-        unbind_unix();
+        UnlinkUnixSockets(s->unix_listeners_, options.listen);
+        s->unix_listeners_.clear();
         return absl::UnavailableError(absl::StrCat("cannot listen on ", a.ToString()));
       }
       a.port = ports[i];
@@ -121,21 +162,13 @@ absl::StatusOr<std::unique_ptr<RpcServer>> RpcServer::Start(const RpcServerOptio
   }
   for (auto& l : s->unix_listeners_) l->Start(s->server_.get(), s->auth_->unix_peers());
   if (!options.health_address.empty()) {
-    // A second server with gRPC's health service only (no interceptor, no other service): what
-    // a kubelet's gRPC probe may reach on the pod IP while the API stays on loopback/unix.
-    grpc::ServerBuilder hb;
-    hb.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-    int port = 0;
-    hb.AddListeningPort(options.health_address, grpc::InsecureServerCredentials(), &port);
-    s->health_server_ = hb.BuildAndStart();
-    if (s->health_server_ == nullptr || port == 0) {
-      if (s->health_server_) s->health_server_->Shutdown();
+    absl::StatusOr<std::unique_ptr<grpc::Server>> health =
+        StartHealthServer(options.health_address, &s->health_port_);
+    if (!health.ok()) {
       s->server_->Shutdown();
-      return absl::UnavailableError(
-          absl::StrCat("cannot serve health checks on --health_address=", options.health_address,
-                       ": address in use or not HOST:PORT"));
+      return health.status();
     }
-    s->health_port_ = port;
+    s->health_server_ = *std::move(health);
   }
   for (grpc::Server* server : {s->server_.get(), s->health_server_.get()}) {
     if (server == nullptr) continue;

@@ -454,6 +454,20 @@ TEST(DaemonProcess, SecondDaemonOnSameAddressesFailsWithOneLine) {
     EXPECT_TRUE(absl::StrContains(log, "diond: ")) << c.name << ": " << log;
     EXPECT_FALSE(absl::StrContains(log, "Aborted")) << log;
   }
+  // A daemon whose Unix socket bound but whose TCP port is taken removes its own socket file,
+  // and only its own.
+  {
+    const std::string own = first->dir + "/own.sock";
+    Subprocess second({DIOND_BINARY, "--device=cpu", "--metrics_address=",
+                       absl::StrCat("--listen=unix:", own, ",127.0.0.1:", first->tcp_port)},
+                      first->dir + "/second_unix_tcp.txt");
+    auto code = second.Wait(absl::Seconds(30));
+    ASSERT_TRUE(code.has_value()) << "second daemon did not exit";
+    EXPECT_EQ(*code, 1) << second.Log();
+    struct stat st;
+    EXPECT_NE(stat(own.c_str(), &st), 0) << "the failed daemon left its socket file";
+    EXPECT_EQ(stat(first->socket_path.c_str(), &st), 0) << "the first daemon's socket is gone";
+  }
   // The first daemon is unharmed.
   EXPECT_EQ(CheckHealth("unix:" + first->socket_path, ""),
             grpc::health::v1::HealthCheckResponse::SERVING);
