@@ -30,8 +30,8 @@ int64_t Doorbells::BytesFor(int buckets) { return kHeaderBytes + kSlotBytes * bu
 absl::StatusOr<Doorbells> Doorbells::Attach(const ShmRegion* region) {
   const std::string where = region->Describe();
   if (region->size() < kHeaderBytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "doorbells: ", where, " has ", region->size(), " bytes, fewer than the header's 64"));
+    return absl::InvalidArgumentError(absl::StrCat("doorbells: ", where, " has ", region->size(),
+                                                   " bytes, fewer than the header's 64"));
   }
   char magic[8];
   uint32_t version = 0, buckets = 0;

@@ -148,17 +148,17 @@ TEST(Doorbells, AWaitEndsAtItsDeadlineOnCancelAndOnATrainerAhead) {
     absl::SleepFor(absl::Milliseconds(20));
     stop = true;
   });
-  EXPECT_THAT(bells
-                  ->WaitAnyGradients(taken, 1, absl::Now() + absl::Seconds(30),
-                                     [&] { return stop.load(); })
-                  .status(),
-              StatusIs(absl::StatusCode::kCancelled));
+  EXPECT_THAT(
+      bells
+          ->WaitAnyGradients(taken, 1, absl::Now() + absl::Seconds(30), [&] { return stop.load(); })
+          .status(),
+      StatusIs(absl::StatusCode::kCancelled));
   closer.join();
 
   seg.Ring(5, 2);
-  EXPECT_THAT(bells->WaitAnyGradients(taken, 1, absl::Now() + absl::Seconds(30), kNever).status(),
-              StatusIs(absl::StatusCode::kFailedPrecondition,
-                       HasSubstr("bucket 5 was rung for step 2")));
+  EXPECT_THAT(
+      bells->WaitAnyGradients(taken, 1, absl::Now() + absl::Seconds(30), kNever).status(),
+      StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("bucket 5 was rung for step 2")));
 }
 
 TEST(Doorbells, ATruncatedSegmentFailsTheWaitAndSparesTheDaemon) {
@@ -169,18 +169,18 @@ TEST(Doorbells, ATruncatedSegmentFailsTheWaitAndSparesTheDaemon) {
   absl::StatusOr<Doorbells> bells = Doorbells::Attach(region.get());
   ASSERT_THAT(bells.status(), IsOk());
   seg.Truncate(0);
-  EXPECT_THAT(bells->WaitAnyGradients({false, false}, 1, absl::Now() + absl::Seconds(30), kNever)
-                  .status(),
-              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("shrank")));
+  EXPECT_THAT(
+      bells->WaitAnyGradients({false, false}, 1, absl::Now() + absl::Seconds(30), kNever).status(),
+      StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("shrank")));
 }
 
 // The Python client's half, in its own process: it makes the page in a shm arena of its own,
 // rings step 1's buckets in the order 2, 0, 1 and waits for each bucket's weights; then waits
 // on step 2, which the daemon's side fails.
 TEST(Doorbells, ThePythonClientRingsAndWaitsAcrossProcesses) {
-  const std::string script = absl::StrCat(
-      "import sys; sys.path.insert(0, '", DIOND_SOURCE_DIR, "/client/python')\n",
-      R"(from diond.host_arena import ShmArena
+  const std::string script =
+      absl::StrCat("import sys; sys.path.insert(0, '", DIOND_SOURCE_DIR, "/client/python')\n",
+                   R"(from diond.host_arena import ShmArena
 from diond.doorbell import Doorbells, DoorbellError, bytes_for
 arena = ShmArena(bytes_for(3))
 bells = Doorbells(arena.buf, 3)
@@ -203,7 +203,10 @@ arena.unlink()
   ASSERT_NE(f, nullptr);
   std::fputs(script.c_str(), f);
   std::fclose(f);
-  FILE* py = popen(absl::StrCat("DIOND_PROTO_PATH=", DIOND_PROTO_PATH, " /usr/bin/python3 ", path, " 2>&1").c_str(), "r");
+  FILE* py =
+      popen(absl::StrCat("DIOND_PROTO_PATH=", DIOND_PROTO_PATH, " /usr/bin/python3 ", path, " 2>&1")
+                .c_str(),
+            "r");
   ASSERT_NE(py, nullptr);
   char line[512];
   ASSERT_NE(std::fgets(line, sizeof line, py), nullptr);
