@@ -107,6 +107,13 @@ const OptionRow* FindOption(absl::string_view name) {
   return nullptr;
 }
 
+const OptionRow* FindOptionByMember(absl::string_view member) {
+  for (const OptionRow& r : kRows) {
+    if (r.member == member) return &r;
+  }
+  return nullptr;
+}
+
 std::string AlgorithmList(uint32_t algorithms) {
   std::vector<absl::string_view> names;
   for (AlgorithmKind k : kAllAlgorithmKinds) {

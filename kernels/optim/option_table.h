@@ -99,6 +99,8 @@ struct OptionRow {
 absl::Span<const OptionRow> OptionTable();
 // The row named `name` (proto name), or null.
 const OptionRow* FindOption(absl::string_view name);
+// The row whose member (checkpoint key) is `member`, or null.
+const OptionRow* FindOptionByMember(absl::string_view member);
 // "Muon, NorMuon, AdamW and Lion": the algorithms of a row's set, for messages.
 std::string AlgorithmList(uint32_t algorithms);
 

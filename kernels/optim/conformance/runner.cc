@@ -16,6 +16,7 @@
 #include "common/safetensors.h"
 #include "common/status_macros.h"
 #include "kernels/ops.h"
+#include "kernels/optim/conformance/reference_options.h"
 #include "kernels/optim/group_optimizer.h"
 #include "nlohmann/json.hpp"
 
@@ -29,126 +30,6 @@ absl::StatusOr<json> ParseJson(absl::string_view text, absl::string_view what) {
   json j = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return absl::InvalidArgumentError(absl::StrCat(what, " is not JSON"));
   return j;
-}
-
-absl::StatusOr<double> Number(const json& j, absl::string_view key) {
-  if (!j.is_number()) return absl::InvalidArgumentError(absl::StrCat(key, " is not a number"));
-  return j.get<double>();
-}
-absl::StatusOr<bool> Bool(const json& j, absl::string_view key) {
-  if (!j.is_boolean()) return absl::InvalidArgumentError(absl::StrCat(key, " is not a bool"));
-  return j.get<bool>();
-}
-
-// Maps the reference's hyper-parameter JSON onto Hyperparams; rejects values this
-// implementation cannot honour instead of ignoring them.
-absl::Status ApplyHyperparams(const json& hp, GroupConfig* cfg) {
-  if (!hp.is_object()) return absl::InvalidArgumentError("hyperparameters is not an object");
-  Hyperparams& h = cfg->hyperparams;
-  for (auto it = hp.begin(); it != hp.end(); ++it) {
-    const std::string& k = it.key();
-    const json& v = *it;
-    if (k == "lr") {
-      DIOND_ASSIGN_OR_RETURN(h.lr, Number(v, k));
-    } else if (k == "mu") {
-      DIOND_ASSIGN_OR_RETURN(h.mu, Number(v, k));
-    } else if (k == "weight_decay") {
-      DIOND_ASSIGN_OR_RETURN(h.weight_decay, Number(v, k));
-    } else if (k == "epsilon") {
-      DIOND_ASSIGN_OR_RETURN(h.epsilon, Number(v, k));
-    } else if (k == "muon_beta2") {
-      DIOND_ASSIGN_OR_RETURN(h.muon_beta2, Number(v, k));
-    } else if (k == "fraction") {
-      DIOND_ASSIGN_OR_RETURN(h.fraction, Number(v, k));
-    } else if (k == "ef_decay") {
-      DIOND_ASSIGN_OR_RETURN(h.ef_decay, Number(v, k));
-    } else if (k == "rank_fraction") {
-      DIOND_ASSIGN_OR_RETURN(h.rank_fraction, Number(v, k));
-    } else if (k == "rank_multiple_of") {
-      DIOND_ASSIGN_OR_RETURN(double d, Number(v, k));
-      h.rank_multiple_of = static_cast<int64_t>(d);
-    } else if (k == "nesterov") {
-      DIOND_ASSIGN_OR_RETURN(h.nesterov, Bool(v, k));
-    } else if (k == "cautious_wd") {
-      DIOND_ASSIGN_OR_RETURN(h.cautious_wd, Bool(v, k));
-    } else if (k == "flatten") {
-      DIOND_ASSIGN_OR_RETURN(cfg->flatten, Bool(v, k));
-    } else if (k == "betas") {
-      if (!v.is_array() || v.size() != 2 || !v[0].is_number() || !v[1].is_number()) {
-        return absl::InvalidArgumentError("betas is not a pair of numbers");
-      }
-      h.beta1 = v[0].get<double>();
-      h.beta2 = v[1].get<double>();
-    } else if (k == "adjust_lr") {
-      if (v.is_null()) {
-        h.adjust_lr = AdjustLr::kNone;
-      } else if (v.is_string()) {
-        DIOND_ASSIGN_OR_RETURN(h.adjust_lr, ParseAdjustLr(v.get<std::string>()));
-      } else {
-        return absl::InvalidArgumentError("adjust_lr is not a string");
-      }
-    } else if (k == "use_polar_express") {
-      DIOND_ASSIGN_OR_RETURN(bool pe, Bool(v, k));
-      h.orthogonalizer = pe ? Orthogonalizer::kPolarExpress : Orthogonalizer::kNewtonSchulz5;
-    } else if (k == "use_triton" || k == "use_gram_newton_schulz" || k == "triton_post_ortho") {
-      // Triton kernels compute the same functions (§3.2, §7.6); Gram-NS is a different one.
-      DIOND_ASSIGN_OR_RETURN(bool on, Bool(v, k));
-      if (on && k == "use_gram_newton_schulz") {
-        return absl::UnimplementedError("use_gram_newton_schulz=true is not supported");
-      }
-      if (on && k == "use_triton" && hp.contains("use_polar_express") &&
-          hp["use_polar_express"].is_boolean() && !hp["use_polar_express"].get<bool>()) {
-        // NS5 via Triton equals NS5 (§3.2): nothing to do.
-      }
-    } else if (k == "power_iters") {
-      DIOND_ASSIGN_OR_RETURN(double d, Number(v, k));
-      if (d != 1) return absl::UnimplementedError("power_iters != 1 is not supported");
-    } else if (k == "qr_method") {
-      if (!v.is_string()) return absl::InvalidArgumentError("qr_method is not a string");
-      DIOND_ASSIGN_OR_RETURN(h.qr_method, ParseQrMethod(v.get<std::string>()));
-    } else if (k == "cqr_warmup_steps") {
-      DIOND_ASSIGN_OR_RETURN(double d, Number(v, k));
-      h.cqr_warmup_steps = static_cast<int64_t>(d);
-    } else if (k == "rcqr_oversample") {
-      DIOND_ASSIGN_OR_RETURN(h.rcqr_oversample, Number(v, k));
-    } else if (k == "selection_scope") {
-      // Only differs on the sharded path (§7.4); single device both scopes are "local".
-      if (!v.is_string() || (v.get<std::string>() != "local" && v.get<std::string>() != "global")) {
-        return absl::InvalidArgumentError("selection_scope must be local or global");
-      }
-    } else if (k == "verbose") {
-      // Logging only.
-    } else {
-      return absl::UnimplementedError(absl::StrCat("unsupported hyperparameter '", k, "'"));
-    }
-  }
-  return absl::OkStatus();
-}
-
-absl::Status ApplyGroupOptions(const json& opt, GroupConfig* cfg) {
-  if (!opt.is_object()) return absl::InvalidArgumentError("param_group_options is not an object");
-  for (auto it = opt.begin(); it != opt.end(); ++it) {
-    const std::string& k = it.key();
-    const json& v = *it;
-    if (k == "algorithm") continue;  // already taken from the metadata's algorithm
-    if (k == "num_heads") {
-      if (v.is_null()) continue;
-      if (!v.is_number_integer()) return absl::InvalidArgumentError("num_heads is not an int");
-      cfg->num_heads = v.get<int64_t>();
-    } else if (k == "split_sizes") {
-      if (v.is_null()) continue;
-      if (!v.is_array()) return absl::InvalidArgumentError("split_sizes is not a list");
-      for (const json& s : v) {
-        if (!s.is_number_integer()) return absl::InvalidArgumentError("split_sizes entry");
-        cfg->split_sizes.push_back(s.get<int64_t>());
-      }
-    } else if (k == "cautious_wd") {
-      DIOND_ASSIGN_OR_RETURN(cfg->hyperparams.cautious_wd, Bool(v, k));
-    } else {
-      return absl::UnimplementedError(absl::StrCat("unsupported group option '", k, "'"));
-    }
-  }
-  return absl::OkStatus();
 }
 
 struct Tolerances {
@@ -268,11 +149,11 @@ absl::StatusOr<CaseData> ReadCase(const SafetensorsFile& f) {
   c.config.hyperparams = DefaultHyperparams(c.config.algorithm);
   if (md.count("hyperparameters")) {
     DIOND_ASSIGN_OR_RETURN(json hp, ParseJson(md.at("hyperparameters"), "hyperparameters"));
-    DIOND_RETURN_IF_ERROR(ApplyHyperparams(hp, &c.config));
+    DIOND_RETURN_IF_ERROR(ApplyReferenceHyperparams(hp, &c.config));
   }
   if (md.count("param_group_options")) {
     DIOND_ASSIGN_OR_RETURN(json go, ParseJson(md.at("param_group_options"), "param_group_options"));
-    DIOND_RETURN_IF_ERROR(ApplyGroupOptions(go, &c.config));
+    DIOND_RETURN_IF_ERROR(ApplyReferenceGroupOptions(go, &c.config));
   }
   DIOND_ASSIGN_OR_RETURN(std::string t, get("T"));
   if (!absl::SimpleAtoi(t, &c.steps) || c.steps < 1) {
