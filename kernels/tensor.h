@@ -72,7 +72,7 @@ inline float Bf16ToFloat(BFloat16 h) {
 // Rounds an f32 value to the nearest bf16 value and widens it back (the "bf(x)" of ALGORITHMS.md).
 inline float RoundToBf16(float f) { return Bf16ToFloat(FloatToBf16(f)); }
 
-// f32 <-> IEEE binary16, round-to-nearest-even, subnormals and NaN/Inf handled (ops.cc).
+// f32 <-> IEEE binary16, round-to-nearest-even, subnormals and NaN/Inf handled (tensor.cc).
 Float16 FloatToF16(float f);
 float F16ToFloat(Float16 h);
 

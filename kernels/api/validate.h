@@ -8,7 +8,9 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/types/span.h"
 #include "kernels/context.h"
+#include "kernels/ops.h"
 #include "kernels/tensor.h"
 
 namespace diond::kernels::api {
@@ -53,6 +55,24 @@ template <typename V>
 absl::Status CheckContiguous(const Context& ctx, const char* op, const char* name, const V& v) {
   return CheckContiguous(ctx, op, name, v.layout(), v.data(), v.device());
 }
+
+// ---- checks shared by several op families (the ops dispatcher, kernels/api/ops*.cc) ----
+
+absl::Status CheckSameShapeContiguous(const Context& ctx, const char* op, ConstTensorView x,
+                                      const char* xname, TensorView out);
+// Thin-QR family: a f32 m×n with m >= n, q like a, r (if given) n×n f32, same batch.
+absl::Status CheckQrArgs(const Context& ctx, const char* op, ConstTensorView a, TensorView q,
+                         TensorView r);
+absl::Status CheckF32Out(const Context& ctx, const char* op, TensorView out, int64_t want);
+absl::Status CheckAxis(const char* op, Axis axis);
+absl::Status CheckTopKCount(const char* op, int64_t n, int64_t k, size_t indices);
+// The shape the gathered block must have: k×cols (rows) or rows×k (cols), same batch.
+absl::Status CheckSlices(const Context& ctx, const char* op, ConstTensorView full,
+                         const char* full_name, ConstTensorView part, const char* part_name,
+                         Axis axis, absl::Span<const int64_t> indices, bool distinct);
+// All views contiguous f32 of x's shape (direction/grad may be any float dtype when allowed).
+absl::Status CheckF32Like(const Context& ctx, const char* op, const char* name, ConstTensorView v,
+                          ConstTensorView x, bool any_dtype = false);
 
 }  // namespace diond::kernels::api
 
