@@ -306,5 +306,4 @@ int Top() {
   return 0;
 }
 
-
 }  // namespace diondctl
