@@ -124,6 +124,14 @@ struct Session::DeviceSide final : Session::StepMemory {
   absl::Status RecordDoneEvent(Session& s, const StepRequest& request) override;
   absl::Status ReadGradients(Session& s, StepRun& run) override;
   absl::Status ReduceGradients(Session& s, StepRun& run, int64_t block) override;
+  // The step's device collectives (device_comm.h) over the world's device communicator, else
+  // staged through the host one.
+  void JoinWorld(Session& s, StepRun& run,
+                 std::shared_ptr<comm::Communicator> device_comm) override;
+  // This rank's block and the wire in the world buffers; the step's device collectives.
+  absl::StatusOr<std::unique_ptr<ExchangeWire>> MakeExchangeWire(Session& s, StepRun& run,
+                                                                 int64_t mine,
+                                                                 int64_t total) override;
   absl::Status ReadParameters(Session& s, StepRun& run) override;
   // The rules (and, in a local session, the new weights into the staging with the norms'
   // read-back) through the update phase's graph: one graph from the rules to the new weights.

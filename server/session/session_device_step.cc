@@ -249,6 +249,24 @@ void Session::DeviceSide::CommitMaster(Session& s, size_t i) {
   }
 }
 
+void Session::DeviceSide::JoinWorld(Session& s, StepRun& run,
+                                    std::shared_ptr<comm::Communicator> device_comm) {
+  run.device_world_comm = std::move(device_comm);
+  if (run.device_world_comm != nullptr) run.device_world_comm->TakeBytesSent();
+  run.dcomm =
+      std::make_unique<StepDeviceComm>(ctx.get(), s.compute_, run.comm, run.device_world_comm);
+}
+
+absl::StatusOr<std::unique_ptr<ExchangeWire>> Session::DeviceSide::MakeExchangeWire(Session& s,
+                                                                                    StepRun& run,
+                                                                                    int64_t mine,
+                                                                                    int64_t total) {
+  absl::StatusOr<float*> m = WorldBufferOf(s, WorldBuffer::kExchangeMine, mine);
+  absl::StatusOr<float*> a = m.ok() ? WorldBufferOf(s, WorldBuffer::kWire, total) : m;
+  if (!a.ok()) return a.status();
+  return MakeDeviceExchangeWire(ctx.get(), run.dcomm.get(), s.compute_, *m, *a);
+}
+
 // The reduce-scatter of a world AVERAGE step in device memory: the same blocks as the host's,
 // packed on the device (a device copy per owned gradient and a Fill per flag slot; the padding
 // between a block's gradients and its flag holds whatever the wire held before, the last

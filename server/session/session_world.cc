@@ -28,6 +28,7 @@
 #include "server/session/session.h"
 #include "server/session/session_device.h"
 #include "server/session/session_internal.h"
+#include "server/session/step_memory.h"
 #include "server/session/world_exchange.h"
 
 namespace diond::session {
@@ -230,12 +231,7 @@ absl::Status Session::JoinWorldPhase(StepRun& run) {
   }
   run.comm = *std::move(c);
   run.comm->TakeBytesSent();  // per-step accounting starts here
-  if (device_ != nullptr) {
-    run.device_world_comm = std::move(device_comm);
-    if (run.device_world_comm != nullptr) run.device_world_comm->TakeBytesSent();
-    run.dcomm = std::make_unique<StepDeviceComm>(device_->ctx.get(), compute_, run.comm,
-                                                 run.device_world_comm);
-  }
+  memory_->JoinWorld(*this, run, std::move(device_comm));
   return absl::OkStatus();
 }
 

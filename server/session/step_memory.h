@@ -15,12 +15,15 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "kernels/context.h"
 #include "server/session/session.h"
 #include "server/session/session_internal.h"
+#include "server/session/world_exchange.h"
 
 namespace diond::session {
 
@@ -39,6 +42,10 @@ class Session::StepMemory {
   // Phase 3: every gradient as fp32 (run.grads) and the finiteness scan (run.finite); then the
   // GRADIENTS region's check.
   virtual absl::Status ReadGradients(Session& s, StepRun& run) = 0;
+  // Phase 2 (world): the step's collectives in this memory, given the world's device
+  // communicator (null: none; NCCL where the world has one).
+  virtual void JoinWorld(Session& s, StepRun& run,
+                         std::shared_ptr<comm::Communicator> device_comm) = 0;
   // Phase 4 (world AVERAGE): the gradients reduce-scattered to their owners in blocks of `block`
   // floats per rank (the owned gradients, padded, then the non-finite flag) and averaged:
   // run.grads of the owned parameters, run.finite the world's. A failed collective breaks the
@@ -53,6 +60,10 @@ class Session::StepMemory {
   // Phase 10, after the exchange: the new weights into the trainer's arena (narrowed where they
   // were read through a copy).
   virtual absl::Status WriteWeights(Session& s, StepRun& run) = 0;
+  // Phase 9 (world): the exchange's buffers of `mine` and `total` floats (world_exchange.h).
+  virtual absl::StatusOr<std::unique_ptr<ExchangeWire>> MakeExchangeWire(Session& s, StepRun& run,
+                                                                         int64_t mine,
+                                                                         int64_t total) = 0;
   // Phase 11: parameter i's updated copy becomes its master weights.
   virtual void CommitMaster(Session& s, size_t i) = 0;
   // A successful step's result carried the graph fallbacks (later steps carry none).
@@ -69,6 +80,11 @@ struct Session::HostMemory final : Session::StepMemory {
   }
   absl::Status ReadGradients(Session& s, StepRun& run) override;
   absl::Status ReduceGradients(Session& s, StepRun& run, int64_t block) override;
+  void JoinWorld(Session& s, StepRun& run,
+                 std::shared_ptr<comm::Communicator> device_comm) override {}
+  absl::StatusOr<std::unique_ptr<ExchangeWire>> MakeExchangeWire(Session& s, StepRun& run,
+                                                                 int64_t mine,
+                                                                 int64_t total) override;
   absl::Status ReadParameters(Session& s, StepRun& run) override;
   absl::Status Stage(Session& s, StepRun& run, const kernels::Context& ctx) override;
   bool StageWritesWeights(const Session& s) const override { return false; }

@@ -157,6 +157,13 @@ absl::Status Session::HostMemory::ReduceGradients(Session& s, StepRun& run, int6
   });
 }
 
+absl::StatusOr<std::unique_ptr<ExchangeWire>> Session::HostMemory::MakeExchangeWire(Session& s,
+                                                                                    StepRun& run,
+                                                                                    int64_t mine,
+                                                                                    int64_t total) {
+  return MakeHostExchangeWire(run.comm.get(), run.ctx, s.compute_, mine, total);
+}
+
 namespace internal {
 
 absl::Status CheckEventHandles(const StepRequest& request) {

@@ -9,7 +9,7 @@
 #include "common/status_macros.h"
 #include "kernels/ops.h"
 #include "server/session/device_comm.h"
-#include "server/session/session_device.h"
+#include "server/session/step_memory.h"
 
 namespace diond::session {
 
@@ -163,21 +163,15 @@ void WorldExchange::Fail(absl::Status why) {
 }
 
 absl::Status WorldExchange::MakeWire() {
-  if (s_.device_ == nullptr) {
-    wire_ = MakeHostExchangeWire(run_.comm.get(), run_.ctx, s_.compute_, counts_[w_.rank], total_);
-    return absl::OkStatus();
-  }
-  absl::StatusOr<float*> m =
-      s_.device_->WorldBufferOf(s_, Session::WorldBuffer::kExchangeMine, counts_[w_.rank]);
-  absl::StatusOr<float*> a =
-      m.ok() ? s_.device_->WorldBufferOf(s_, Session::WorldBuffer::kWire, total_) : m;
-  if (!a.ok()) {
+  absl::StatusOr<std::unique_ptr<ExchangeWire>> wire =
+      s_.memory_->MakeExchangeWire(s_, run_, counts_[w_.rank], total_);
+  if (!wire.ok()) {
     return s_.BreakWorld(
-        run_, absl::Status(a.status().code(), absl::StrCat(where_, a.status().message(),
-                                                           "; the world session must be created "
-                                                           "again")));
+        run_, absl::Status(wire.status().code(), absl::StrCat(where_, wire.status().message(),
+                                                              "; the world session must be created "
+                                                              "again")));
   }
-  wire_ = MakeDeviceExchangeWire(s_.device_->ctx.get(), run_.dcomm.get(), s_.compute_, *m, *a);
+  wire_ = *std::move(wire);
   return absl::OkStatus();
 }
 
