@@ -147,10 +147,6 @@ class Session {
   };
   struct StepRun;    // one Step's working set (session_internal.h)
   struct WorldPart;  // session_internal.h
-  // A device step's phases that can run as captured graphs (session_graph.cc).
-  enum class GraphPhase { kRead, kUpdate, kWrite };
-  // Device world buffers (AttachWorld); kWire: the reduce-scatter's input, the exchange's output.
-  enum class WorldBuffer { kWire, kReduceOut, kDivisor, kExchangeMine, kCount };
   struct Group {
     std::string name;
     std::unique_ptr<optim::GroupOptimizer> optimizer;

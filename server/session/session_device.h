@@ -42,6 +42,13 @@ inline kernels::TensorView DeviceView(kernels::Device device, DType dtype, void*
 }  // namespace internal
 
 struct Session::DeviceSide final : Session::StepMemory {
+  // The phases of a device step that can run as captured graphs (session_graph.cc).
+  enum class GraphPhase { kRead, kUpdate, kWrite };
+  // The world phases' buffers, made by AttachWorld at their final sizes (a world's sizes are
+  // fixed by its shard plan, so no step allocates). kWire is the reduce-scatter's input, then
+  // the exchange's output (never live at once).
+  enum class WorldBuffer { kWire, kReduceOut, kDivisor, kExchangeMine, kCount };
+
   // Makes the stream, the context and the staging for `s`'s layout; RESOURCE_EXHAUSTED naming
   // the bytes and the pool's numbers when the staging does not fit.
   static absl::StatusOr<std::unique_ptr<DeviceSide, DeviceSideDeleter>> Make(

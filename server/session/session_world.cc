@@ -104,6 +104,7 @@ absl::Status Session::AttachWorld(std::shared_ptr<WorldLink> world, ShardPlan pl
     }
     block += 1;
     const bool reduce = spec_.gradient_sync != GradientSync::kReplicated;
+    using WorldBuffer = DeviceSide::WorldBuffer;
     std::vector<std::pair<WorldBuffer, int64_t>> need = {
         {WorldBuffer::kExchangeMine, w.owned_payload[w.rank] + extra},
         {WorldBuffer::kWire, std::max(total, reduce ? block * plan.world_size : 0)}};
