@@ -1,7 +1,7 @@
 // Session: creation from a spec, the group hyperparameters and the operator's view. The rest of
-// the class lives by concern in session_regions.cc (arenas and shm regions), session_step.cc
-// (the step skeleton), session_world.cc (the world's phases) and session_state.cc (state and
-// parameter transfer, snapshots).
+// the class lives by concern in session_regions.cc (registering the trainer's memory; the arenas
+// themselves are arenas.h), session_step.cc (the step skeleton), session_world.cc (the world's
+// phases) and session_state.cc (state and parameter transfer, snapshots).
 #include "server/session/session.h"
 
 #include <cctype>
@@ -18,12 +18,13 @@
 #include "common/status_macros.h"
 #include "kernels/optim/validation.h"
 #include "server/session/layout.h"
+#include "server/session/session_device.h"
 #include "server/session/session_internal.h"
 #include "server/session/step_memory.h"
 
 namespace diond::session {
 
-absl::string_view RoleName(Role r) { return r == Role::kParameters ? "PARAMETERS" : "GRADIENTS"; }
+Session::Session() = default;
 
 absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, SessionSpec spec,
                                                          const kernels::Context* ctx,
@@ -76,6 +77,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, Session
   s->layout_ = std::move(layout);
   s->compute_ = compute;
   absl::MutexLock lock(&s->mu_);
+  s->arenas_.Init(&s->layout_, compute, ctx != nullptr ? ctx->num_threads() : 0);
   s->group_of_param_.resize(spec.params.size());
   s->slot_in_group_.resize(spec.params.size());
   s->groups_.resize(spec.groups.size());
@@ -92,12 +94,15 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, Session
   const bool on_device = ctx != nullptr && ctx->device().type != kernels::DeviceType::kCpu;
   const kernels::DeviceRuntime no_runtime;
   if (on_device) {
-    DIOND_RETURN_IF_ERROR(s->InitDeviceSide(*ctx, runtime != nullptr ? *runtime : no_runtime));
+    DIOND_ASSIGN_OR_RETURN(s->device_,
+                           DeviceSide::Make(*s, *ctx, runtime != nullptr ? *runtime : no_runtime));
+    s->memory_ = s->device_.get();
+    s->arenas_.SetDeviceContext(s->device_->ctx.get());
   } else {
     s->host_memory_ = std::make_unique<HostMemory>();
     s->memory_ = s->host_memory_.get();
   }
-  const kernels::Context* state_ctx = s->device_ != nullptr ? s->DeviceUpdateContext() : ctx;
+  const kernels::Context* state_ctx = s->device_ != nullptr ? &s->device_->update_ctx() : ctx;
   for (size_t g = 0; g < spec.groups.size(); ++g) {
     Group& group = s->groups_[g];
     if (group.params.empty()) continue;  // declared but unused: nothing to optimize
@@ -123,33 +128,21 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, Session
     }
   }
   if (spec.fp32_master_weights) {
-    s->master_.resize(spec.params.size());
-    s->has_master_.assign(spec.params.size(), 0);
-    for (size_t i = 0; i < spec.params.size(); ++i) {
-      if (spec.params[i].dtype != DType::kF32) {
-        s->has_master_[i] = 1;
-        s->master_[i].resize(static_cast<size_t>(s->layout_.tensors[i].numel));
-        s->state_bytes_ += 4 * s->layout_.tensors[i].numel;
-        s->master_bytes_ += 4 * s->layout_.tensors[i].numel;
-      }
-    }
+    s->master_bytes_ = s->arenas_.InitMaster(spec.params);
+    s->state_bytes_ += s->master_bytes_;
     // A device session keeps them on its device, with the rest of its optimizer state.
-    if (s->device_ != nullptr) DIOND_RETURN_IF_ERROR(s->InitDeviceMaster());
+    if (s->device_ != nullptr) {
+      DIOND_RETURN_IF_ERROR(
+          s->arenas_.MoveMasterToDevice([&] { return s->DeviceAllocationError(); }));
+    }
   }
   s->spec_ = std::move(spec);
   s->last_used_ = absl::Now();
-  s->host_threads_ = ctx != nullptr ? ctx->num_threads() : 0;
   return s;
 }
 
-const kernels::Context& Session::HostContext() {
-  if (host_ctx_ == nullptr) host_ctx_ = kernels::Context::CpuDefault(host_threads_);
-  return *host_ctx_;
-}
-
 const kernels::Context& Session::StateContext() {
-  const kernels::Context* device = DeviceUpdateContext();
-  return device != nullptr ? *device : HostContext();
+  return device_ != nullptr ? device_->update_ctx() : arenas_.HostContext();
 }
 
 absl::Status Session::SetGroupHyperparameters(const std::string& group, std::optional<double> lr,
@@ -185,12 +178,7 @@ SessionInfo Session::Info() {
   info.last_step_index = last_step_index_;
   info.state_bytes = state_bytes_.load();
   info.budget_bytes = BudgetBytes();
-  info.host_bytes = static_cast<int64_t>(params_.host.size() + grads_.host.size());
-  for (const auto* scratch : {&grad_scratch_, &param_scratch_}) {
-    for (const std::vector<float>& v : *scratch) {
-      info.host_bytes += 4 * static_cast<int64_t>(v.capacity());
-    }
-  }
+  info.host_bytes = arenas_.HostBytes();
   info.last_used = last_used_;
   for (const GroupSpec& g : spec_.groups) {
     info.groups.push_back({g.name, g.config.algorithm, 0});
@@ -232,7 +220,7 @@ int64_t Session::last_step_index() {
 
 bool Session::HoldsParameters() {
   absl::MutexLock lock(&mu_);
-  return params_.any() || !pending_params_.empty();
+  return arenas_.HoldsParameters();
 }
 
 }  // namespace diond::session

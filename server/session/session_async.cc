@@ -16,6 +16,7 @@
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "server/session/session.h"
+#include "server/session/session_device.h"
 #include "server/session/step_memory.h"
 
 namespace diond::session {
@@ -30,9 +31,10 @@ int64_t Session::DrainQueuedStep(bool closing) {
     // The trainer's GPU memory is unmapped, and its events destroyed, when the session closes,
     // not whenever the last reference to the session (an RPC still finishing) goes: the
     // trainer may free them next.
-    if (params_.cuda != nullptr) ClearBinding(params_);
-    if (grads_.cuda != nullptr) ClearBinding(grads_);
-    ReleaseTrainerEvents();
+    for (Role r : {Role::kParameters, Role::kGradients}) {
+      if (arenas_.binding(r).cuda != nullptr) arenas_.binding(r).Clear();
+    }
+    if (device_ != nullptr) device_->DestroyEvents();
   }
   if (!queue_.queued()) return 0;
   StepQueue::Outcome q = queue_.Take();
@@ -128,7 +130,7 @@ absl::StatusOr<StepResult> Session::Step(const StepRequest& request, const kerne
     previous.push_back(queue_.Take().result);
   }
   if (request.asynchronous) {
-    if (world_.has_value()) {
+    if (world_ != nullptr) {
       return absl::FailedPreconditionError(
           "asynchronous Step is for local sessions; a world session steps synchronously");
     }

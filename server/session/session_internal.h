@@ -1,6 +1,7 @@
-// Helpers shared by the files that implement Session (session*.cc): the conversions between a
-// trainer's dtype and fp32, the finiteness scan and the element count. Not part of the session's
-// interface; included only by server/session/session*.cc.
+// Helpers shared by the files that implement Session (session*.cc, arenas.cc): the conversions
+// between a trainer's dtype and fp32, the views and copies of a step, the element count, and the
+// nested types only the implementation needs (StepRun, WorldPart). Not part of the session's
+// interface.
 #ifndef DIOND_SERVER_SESSION_SESSION_INTERNAL_H_
 #define DIOND_SERVER_SESSION_SESSION_INTERNAL_H_
 
@@ -22,7 +23,7 @@
 namespace diond::session::internal {
 
 // out[0, n) ← the n elements at `src` of `dtype`, widened exactly to fp32 (kernels::Copy on
-// `ctx`, a CPU context: Session::HostContext).
+// `ctx`, a CPU context: Arenas::HostContext).
 void WidenToF32(const kernels::Context& ctx, DType dtype, const uint8_t* src, int64_t n,
                 float* out);
 // dst ← the n fp32 values of `in`, rounded once (RNE) to `dtype` (kernels::Copy on `ctx`).
@@ -76,8 +77,9 @@ struct Session::StepRun {
   std::unique_ptr<StepDeviceComm> dcomm;
   std::vector<const float*> grads;  // per parameter: fp32 gradient (arena, scratch or averaged)
   std::vector<float*> params;       // per parameter: fp32 weights (arena or scratch)
-  // Per parameter: params[i] is param_scratch_[i] (another dtype, or master weights): narrowed
-  // into the arena after the update, and swapped into master_ at the commit.
+  // Per parameter: params[i] is a copy (Arenas::param_scratch, another dtype or master weights;
+  // a device session's staging): written into the arena after the update, and its master
+  // weights' at the commit.
   std::vector<bool> via_scratch;
   bool finite = true;
   // Per parameter: no gradient in this step (StepRequest.params_without_grad; a world: agreed
@@ -96,6 +98,26 @@ struct Session::StepRun {
   // World: this rank's failure in compute, shared with the others through the exchange.
   absl::Status compute_status;
   StepResult result;
+};
+
+// A world session's part (session_world.cc): the shard plan and what each rank owns.
+struct Session::WorldPart {
+  std::shared_ptr<WorldLink> world;  // null: a world of one
+  ShardPlan plan;
+  uint64_t epoch = 0;
+  int rank = 0;
+  std::vector<std::vector<size_t>> owned;  // per rank, parameter indices in order
+  std::vector<int64_t> owned_elements;     // per rank
+  // Per parameter: floats of its compact update (optim::CapturedUpdateSize; Dion P/Q_new,
+  // Dion2 slices), 0 = the whole parameter is exchanged.
+  std::vector<int64_t> compact;
+  std::vector<int64_t> owned_payload;  // per rank: floats it sends in the exchange
+  // Per parameter: computed by every rank on its own gradients (Dion under DION_COMPRESSED),
+  // so neither reduce-scattered nor exchanged.
+  std::vector<bool> replicated;
+  absl::Status broken;  // set once a step failed in the world
+  absl::Duration verdict_wait;
+  int64_t checksum_every = 0;
 };
 
 }  // namespace diond::session

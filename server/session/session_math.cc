@@ -1,6 +1,6 @@
 // The conversions between a trainer's dtype and fp32 outside a Step (registration, SetState,
 // restore, hand-over between trainers), through the ops API (kernels::Copy on the session's host
-// context, Session::HostContext), the views a Step's ops take and the synchronous fp32 copies of
+// context, Arenas::HostContext), the views a Step's ops take and the synchronous fp32 copies of
 // the world phases (session_internal.h). A Step's own passes are ops of kernels/ops.h.
 #include <cassert>
 #include <cstring>

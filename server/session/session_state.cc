@@ -106,8 +106,7 @@ int64_t Session::StreamBytesLimit(StreamKind kind) {
   return bytes;
 }
 
-absl::Status Session::ValidateWrites(const std::vector<TensorWrite>& writes, bool state_names,
-                                     std::vector<std::pair<int, std::string>>* resolved) {
+absl::Status Session::ValidateWrites(const std::vector<TensorWrite>& writes, bool state_names) {
   // Coverage per tensor: sum of bytes written must equal its size, with no overlap (checked
   // by sorting the intervals).
   std::map<std::string, std::vector<std::pair<int64_t, int64_t>>> spans;
@@ -136,7 +135,6 @@ absl::Status Session::ValidateWrites(const std::vector<TensorWrite>& writes, boo
                        " bytes received (truncated stream)"));
     }
   }
-  (void)resolved;
   return absl::OkStatus();
 }
 
@@ -150,25 +148,26 @@ absl::Status Session::ApplyGradientWrites(const std::vector<TensorWrite>& writes
           absl::StrCat("PushGradients takes parameter names, not state '", Bounded(w.name), "'"));
     }
   }
-  DIOND_RETURN_IF_ERROR(ValidateWrites(writes, /*state_names=*/false, nullptr));
-  DIOND_RETURN_IF_ERROR(CheckRegions("PushGradients", Role::kGradients));
-  DIOND_RETURN_IF_ERROR(EnsureHostArena(Role::kGradients));
+  DIOND_RETURN_IF_ERROR(ValidateWrites(writes, /*state_names=*/false));
+  DIOND_RETURN_IF_ERROR(arenas_.CheckRegions("PushGradients", Role::kGradients));
+  DIOND_RETURN_IF_ERROR(arenas_.EnsureHostArena(Role::kGradients));
+  Arenas::Binding& grads = arenas_.grads();
   for (const TensorWrite& w : writes) {
     for (const TensorPlacement& t : layout_.tensors) {
       if (t.name == w.name) {
-        std::memcpy(grads_.data + t.grad_offset + w.offset_bytes, w.data.data(), w.data.size());
+        std::memcpy(grads.data + t.grad_offset + w.offset_bytes, w.data.data(), w.data.size());
       }
     }
   }
   // Only the gradients (which the trainer's truncation destroyed anyway) were written.
-  return CheckRegions("PushGradients", Role::kGradients);
+  return arenas_.CheckRegions("PushGradients", Role::kGradients);
 }
 
 absl::Status Session::ApplyStateWrites(const std::vector<TensorWrite>& writes) {
   absl::MutexLock lock(&mu_);
   last_used_ = absl::Now();
   DIOND_RETURN_IF_ERROR(queue_.Refuse("SetState"));
-  DIOND_RETURN_IF_ERROR(ValidateWrites(writes, /*state_names=*/true, nullptr));
+  DIOND_RETURN_IF_ERROR(ValidateWrites(writes, /*state_names=*/true));
   // Assemble whole tensors, then reuse SetState's path (fp32 state; params in trainer dtype).
   std::map<std::string, std::string> whole;
   for (const TensorWrite& w : writes) {
@@ -190,7 +189,7 @@ absl::Status Session::ApplyStateWrites(const std::vector<TensorWrite>& writes) {
         t.data.resize(static_cast<size_t>(p.numel));
         const uint8_t* src = reinterpret_cast<const uint8_t*>(bytes.data());
         RunOnCompute(compute_, [&] {
-          internal::WidenToF32(HostContext(), p.dtype, src, p.numel, t.data.data());
+          internal::WidenToF32(arenas_.HostContext(), p.dtype, src, p.numel, t.data.data());
         });
       }
     }
@@ -208,10 +207,11 @@ absl::Status Session::ReadParameterBytes(const std::string& name, int64_t offset
   absl::MutexLock lock(&mu_);
   last_used_ = absl::Now();
   DIOND_RETURN_IF_ERROR(queue_.Refuse("PullParameters"));
-  if (!params_.any() && pending_params_.empty()) {
+  if (!arenas_.HoldsParameters()) {
     return absl::FailedPreconditionError("no parameters are held yet (register or SetState)");
   }
-  if (params_.cuda == nullptr) DIOND_RETURN_IF_ERROR(EnsureHostArena(Role::kParameters));
+  const Arenas::Binding& params = arenas_.params();
+  if (params.cuda == nullptr) DIOND_RETURN_IF_ERROR(arenas_.EnsureHostArena(Role::kParameters));
   for (size_t i = 0; i < layout_.tensors.size(); ++i) {
     const TensorPlacement& t = layout_.tensors[i];
     if (t.name != name) continue;
@@ -219,17 +219,17 @@ absl::Status Session::ReadParameterBytes(const std::string& name, int64_t offset
       return absl::OutOfRangeError(absl::StrCat("read of '", Bounded(name), "' [", offset, ", +",
                                                 len, ") is outside its ", t.size_bytes, " bytes"));
     }
-    if (params_.cuda != nullptr) {
+    if (params.cuda != nullptr) {
       // A device session's CUDA region: the tensor's bytes through an explicit copy.
       std::vector<uint8_t> bytes;
-      DIOND_RETURN_IF_ERROR(CudaParamToHost(i, &bytes));
+      DIOND_RETURN_IF_ERROR(arenas_.CudaParamToHost(i, &bytes));
       out->assign(reinterpret_cast<const char*>(bytes.data()) + offset, static_cast<size_t>(len));
       return absl::OkStatus();
     }
-    DIOND_RETURN_IF_ERROR(CheckRegions("PullParameters", Role::kParameters));
-    out->assign(reinterpret_cast<const char*>(params_.data + t.param_offset + offset),
+    DIOND_RETURN_IF_ERROR(arenas_.CheckRegions("PullParameters", Role::kParameters));
+    out->assign(reinterpret_cast<const char*>(params.data + t.param_offset + offset),
                 static_cast<size_t>(len));
-    return CheckRegions("PullParameters", Role::kParameters);
+    return arenas_.CheckRegions("PullParameters", Role::kParameters);
   }
   return absl::InvalidArgumentError(absl::StrCat("unknown parameter '", Bounded(name), "'"));
 }
@@ -246,7 +246,7 @@ absl::StatusOr<std::vector<NamedTensor>> Session::GetStateLocked(bool include_pa
   for (size_t i = 0; i < layout_.tensors.size(); ++i) {
     const TensorPlacement& t = layout_.tensors[i];
     if (include_parameters) {
-      if (!params_.any() && pending_params_.empty()) {
+      if (!arenas_.HoldsParameters()) {
         return absl::FailedPreconditionError(
             "parameters requested but none are held yet (register or SetState)");
       }
@@ -254,8 +254,8 @@ absl::StatusOr<std::vector<NamedTensor>> Session::GetStateLocked(bool include_pa
       p.name = t.name;
       p.shape = t.shape;
       p.data.resize(static_cast<size_t>(t.numel));
-      DIOND_RETURN_IF_ERROR(ReadParamF32(i, p.data.data()));
-      DIOND_RETURN_IF_ERROR(CheckRegions("reading the parameters", Role::kParameters));
+      DIOND_RETURN_IF_ERROR(arenas_.ReadParamF32(i, p.data.data()));
+      DIOND_RETURN_IF_ERROR(arenas_.CheckRegions("reading the parameters", Role::kParameters));
       out.push_back(std::move(p));
     }
     const Group& g = groups_[group_of_param_[i]];
@@ -319,26 +319,28 @@ absl::Status Session::SetStateLocked(const std::vector<NamedTensor>& tensors) {
       if (layout_.tensors[i].name == t.name) param_writes.push_back({i, &t});
     }
   }
-  if (!param_writes.empty() && pending_params_.empty() && params_.cuda != nullptr) {
+  if (!param_writes.empty() && !arenas_.holding() && arenas_.params().cuda != nullptr) {
     // A device session's CUDA region: the new weights go in through its explicit copies.
-    for (const auto& [i, t] : param_writes) DIOND_RETURN_IF_ERROR(WriteParamF32(i, t->data.data()));
-  } else if (!param_writes.empty() && pending_params_.empty()) {
-    DIOND_RETURN_IF_ERROR(CheckRegions("SetState", Role::kParameters));
-    DIOND_RETURN_IF_ERROR(EnsureHostArena(Role::kParameters));
+    for (const auto& [i, t] : param_writes) {
+      DIOND_RETURN_IF_ERROR(arenas_.WriteParamF32(i, t->data.data()));
+    }
+  } else if (!param_writes.empty() && !arenas_.holding()) {
+    DIOND_RETURN_IF_ERROR(arenas_.CheckRegions("SetState", Role::kParameters));
+    DIOND_RETURN_IF_ERROR(arenas_.EnsureHostArena(Role::kParameters));
     RunOnCompute(compute_, [&] {
       for (const auto& [i, t] : param_writes) {
         const TensorPlacement& p = layout_.tensors[i];
-        internal::NarrowFromF32(HostContext(), p.dtype, t->data.data(), p.numel,
-                                params_.data + p.param_offset);
+        internal::NarrowFromF32(arenas_.HostContext(), p.dtype, t->data.data(), p.numel,
+                                arenas_.params().data + p.param_offset);
       }
     });
-    DIOND_RETURN_IF_ERROR(CheckRegions("SetState", Role::kParameters));
+    DIOND_RETURN_IF_ERROR(arenas_.CheckRegions("SetState", Role::kParameters));
   }
   for (const auto& [i, t] : param_writes) {
-    if (!pending_params_.empty()) {
-      pending_params_[i] = t->data;
-    } else if (HasMaster(i)) {
-      DIOND_RETURN_IF_ERROR(WriteMaster(i, t->data.data()));
+    if (arenas_.holding()) {
+      arenas_.held(i) = t->data;
+    } else if (arenas_.HasMaster(i)) {
+      DIOND_RETURN_IF_ERROR(arenas_.WriteMaster(i, t->data.data()));
     }
   }
   for (const NamedTensor& t : tensors) {
@@ -451,18 +453,9 @@ absl::Status Session::Restore(const SessionSnapshot& snapshot) {
   if (absl::Status s = SetStateLocked(state); !s.ok()) {
     return absl::DataLossError(s.message());
   }
-  pending_params_ = std::move(params);
-  if (params_.any()) {
-    for (size_t i = 0; i < layout_.tensors.size(); ++i) {
-      if (absl::Status s = WriteParamF32(i, pending_params_[i].data()); !s.ok()) {
-        return absl::DataLossError(
-            absl::StrCat("restoring the parameters into the PARAMETERS "
-                         "region failed: ",
-                         s.message()));
-      }
-    }
-    pending_params_.clear();
-    master_valid_ = !has_master_.empty();
+  if (absl::Status s = arenas_.Hold(std::move(params)); !s.ok()) {
+    return absl::DataLossError(
+        absl::StrCat("restoring the parameters into the PARAMETERS region failed: ", s.message()));
   }
   last_step_index_ = snapshot.last_step_index;
   last_result_.reset();

@@ -23,6 +23,7 @@
 #include "kernels/ops.h"
 #include "kernels/optim/validation.h"
 #include "server/session/session.h"
+#include "server/session/session_device.h"
 #include "server/session/session_internal.h"
 #include "server/session/step_memory.h"
 
@@ -50,14 +51,14 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequest& request,
   // buffers): they run on the step's context when it is the CPU's, else on a CPU context of the
   // session's (the update itself always runs on `ctx`).
   run.ctx = &ctx;
-  if (ctx.device().type != kernels::DeviceType::kCpu) run.ctx = &HostContext();
+  if (ctx.device().type != kernels::DeviceType::kCpu) run.ctx = &arenas_.HostContext();
   // The context the update rules run on: a device session's own (the device, or a CPU context
   // over its host-addressable staging until the rules run on devices), world sessions included.
   const kernels::Context& update_ctx = memory_->UpdateContext(*this, ctx);
   run.compute = compute_;
   run.start = start;
   run.when = absl::StrCat("step ", request.step_index);
-  if (world_.has_value()) {
+  if (world_ != nullptr) {
     run.when = absl::StrCat("world session '", Bounded(spec_.world_key), "' (rank ", world_->rank,
                             " of ", world_->plan.world_size, "), step ", request.step_index);
   }
@@ -88,7 +89,7 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequest& request,
     }
     run.result.skipped = true;
     // The weights are as they were: the trainer's stream may go on.
-    DIOND_RETURN_IF_ERROR(RecordDoneEvent(*run.request));
+    DIOND_RETURN_IF_ERROR(memory_->RecordDoneEvent(*this, *run.request));
     if (run.comm != nullptr) run.result.world_bytes_sent = run.comm->TakeBytesSent();
     run.result.total_micros = absl::ToInt64Microseconds(absl::Now() - start);
     if (!run.result.graph_fallbacks.empty()) memory_->FallbacksReported();
@@ -100,13 +101,13 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequest& request,
       !s.ok()) {
     return run.comm != nullptr ? BreakWorld(run, s) : s;
   }
-  if (absl::Status s = CheckRegions(run.when); !s.ok()) {
+  if (absl::Status s = arenas_.CheckRegions(run.when); !s.ok()) {
     return run.comm != nullptr ? BreakWorld(run, s) : s;
   }
   DIOND_RETURN_IF_ERROR(
       CallOnCompute(compute_, [&] { return StageUpdatesPhase(run, update_ctx); }));
   // Everything the update read came from intact memory: nothing has been written yet.
-  if (absl::Status s = CheckRegions(run.when); !s.ok()) {
+  if (absl::Status s = arenas_.CheckRegions(run.when); !s.ok()) {
     DiscardStep(run);
     return run.comm != nullptr ? BreakWorld(run, s) : s;
   }
@@ -122,11 +123,12 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequest& request,
     DiscardStep(run);
     return s;
   }
-  if (params_.region != nullptr && !params_.region->CheckIntact().ok()) {
+  if (const Arenas::Binding& params = arenas_.params();
+      params.region != nullptr && !params.region->CheckIntact().ok()) {
     // The trainer's weights went with its segment while they were written. The step is not
     // applied: the optimizer state, master weights and step index are as before.
     DiscardStep(run);
-    const std::string region = params_.region->Describe();
+    const std::string region = params.region->Describe();
     DIOND_LOG(WARNING) << "session " << id_ << ": PARAMETERS " << region << " shrank while "
                        << run.when << " wrote the new weights; the step was not applied";
     absl::Status s = absl::FailedPreconditionError(absl::StrCat(
@@ -134,11 +136,11 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequest& request,
         " shrank (SIGBUS caught) while the new weights were written. The step was not applied: "
         "the optimizer state and the step index are unchanged; the weights in that region are "
         "lost with it (register a new region and restore them with SetState)"));
-    return world_.has_value() && run.comm != nullptr ? BreakWorld(run, s) : s;
+    return world_ != nullptr && run.comm != nullptr ? BreakWorld(run, s) : s;
   }
   // The new weights are written (queued on the session stream): the trainer's stream waits on
   // done_event before its next forward.
-  if (absl::Status s = RecordDoneEvent(*run.request); !s.ok()) {
+  if (absl::Status s = memory_->RecordDoneEvent(*this, *run.request); !s.ok()) {
     DiscardStep(run);
     return absl::Status(
         s.code(),
@@ -228,36 +230,38 @@ absl::Status Session::ValidateStepLocked(const StepRequest& request,
       seen[static_cast<size_t>(i)] = true;
     }
   }
-  if ((params_.cuda != nullptr || grads_.cuda != nullptr) && device_ == nullptr) {
+  const Arenas::Binding& params = arenas_.params();
+  const Arenas::Binding& grads = arenas_.grads();
+  if ((params.cuda != nullptr || grads.cuda != nullptr) && device_ == nullptr) {
     // RegisterCudaRegion binds CUDA regions to device sessions only; never stepped from the host.
     return absl::FailedPreconditionError(absl::StrCat(
         "step ", request.step_index, ": the session's ",
-        (params_.cuda != nullptr ? params_ : grads_).cuda->Describe(),
+        (params.cuda != nullptr ? params : grads).cuda->Describe(),
         " is device memory, and this session steps on the host (docs/DATA_PLANE.md \"CUDA "
         "regions\")"));
   }
-  if (!params_.any() && pending_params_.empty()) {
+  if (!arenas_.HoldsParameters()) {
     return absl::FailedPreconditionError(
         "no parameters: register a PARAMETERS region (or upload them with SetState) before Step");
   }
-  if (!grads_.any()) {
+  if (!grads.any()) {
     return absl::FailedPreconditionError(
         "no gradients: register a GRADIENTS region (or PushGradients) before Step");
   }
-  if (params_.cuda == nullptr) DIOND_RETURN_IF_ERROR(EnsureHostArena(Role::kParameters));
-  DIOND_RETURN_IF_ERROR(PrepareEventsLocked(request));
+  if (params.cuda == nullptr) DIOND_RETURN_IF_ERROR(arenas_.EnsureHostArena(Role::kParameters));
+  DIOND_RETURN_IF_ERROR(memory_->PrepareEvents(*this, request));
   // The trainer may have truncated its segments: a cheap look first (fstat); after each pass
   // over its memory, whether the SIGBUS guard caught a fault.
-  return CheckRegions(absl::StrCat("step ", request.step_index));
+  return arenas_.CheckRegions(absl::StrCat("step ", request.step_index));
 }
 
 absl::Status Session::StageUpdatesPhase(StepRun& run, const kernels::Context& ctx) {
   const absl::Time compute_start = absl::Now();
-  // Every group's Stage, as a captured graph where the session can (session_device.cc).
+  // Every group's Stage, as a captured graph where the session can (session_graph.cc).
   absl::Status s = memory_->Stage(*this, run, ctx);
   run.result.compute_micros = absl::ToInt64Microseconds(absl::Now() - compute_start);
   if (s.ok()) return s;
-  if (!world_.has_value()) {
+  if (world_ == nullptr) {
     DiscardStep(run);
     return s;
   }
@@ -300,12 +304,12 @@ absl::Status Session::StageGroups(StepRun& run, const kernels::Context& ctx) {
       // gradients.
       // A parameter without a gradient in this step gets none either (torch.optim's rule).
       const bool mine =
-          (!world_.has_value() || world_->replicated[i] || world_->plan.owner[i] == world_->rank) &&
+          (world_ == nullptr || world_->replicated[i] || world_->plan.owner[i] == world_->rank) &&
           !run.no_grad[i];
       run.group_params[gi].push_back(run.params[i]);
       gg.push_back(mine ? run.grads[i] : nullptr);
       any = any || mine;
-      run.compressed[gi] = run.compressed[gi] || (world_.has_value() && world_->replicated[i]);
+      run.compressed[gi] = run.compressed[gi] || (world_ != nullptr && world_->replicated[i]);
     }
     if (!any) continue;
     optim::StepOptions opts = run.opts[gi];
@@ -314,15 +318,16 @@ absl::Status Session::StageGroups(StepRun& run, const kernels::Context& ctx) {
     // memfd regions, the daemon's own memory). A POSIX shm region can still shrink under the
     // step, and a world's exchange can fail, so there they step staged copies and a failed
     // step leaves the state unchanged (ARCHITECTURE.md §2).
-    opts.in_place = !world_.has_value() &&
-                    (params_.region == nullptr || !params_.region->can_shrink()) &&
-                    (grads_.region == nullptr || !grads_.region->can_shrink());
+    const Arenas::Binding& p = arenas_.params();
+    const Arenas::Binding& gr = arenas_.grads();
+    opts.in_place = world_ == nullptr && (p.region == nullptr || !p.region->can_shrink()) &&
+                    (gr.region == nullptr || !gr.region->can_shrink());
     if (run.comm != nullptr) {
       opts.capture = &run.captures[gi];
       if (run.compressed[gi]) {
         // A device session whose rules run on the device averages P and R where they are (the
         // step's device collectives); otherwise on host memory.
-        const bool on_device = run.dcomm != nullptr && &ctx == DeviceContext();
+        const bool on_device = run.dcomm != nullptr && &ctx == device_->ctx.get();
         comm::Communicator* c = run.comm.get();
         StepDeviceComm* d = run.dcomm.get();
         // On the device, a bounded wait follows the queued all-reduce (Dion reads P back next).
@@ -337,7 +342,7 @@ absl::Status Session::StageGroups(StepRun& run, const kernels::Context& ctx) {
       run.staged[gi] = true;
       continue;
     }
-    if (!world_.has_value()) {
+    if (world_ == nullptr) {
       return absl::Status(s.code(), absl::StrCat("step ", request.step_index, ", group '",
                                                  Bounded(g.name), "': ", s.message()));
     }
@@ -351,7 +356,7 @@ absl::Status Session::StageGroups(StepRun& run, const kernels::Context& ctx) {
 
 void Session::WriteWeightsPhase(StepRun& run) {
   // A local device session wrote its new weights into the staging with its update
-  // (StagePhase, QueueStagedWeights).
+  // (DeviceSide::Stage).
   if (memory_->StageWritesWeights(*this)) return;
   const absl::Time start = absl::Now();
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
@@ -375,17 +380,17 @@ StepResult Session::CommitStepPhase(StepRun& run) {
   }
   run.result.compute_micros += absl::ToInt64Microseconds(absl::Now() - commit_start);
   for (size_t i = 0; i < layout_.tensors.size(); ++i) {
-    if (!run.via_scratch[i] || !HasMaster(i)) continue;
+    if (!run.via_scratch[i] || !arenas_.HasMaster(i)) continue;
     memory_->CommitMaster(*this, i);
   }
-  if (!has_master_.empty()) master_valid_ = true;
+  arenas_.MasterCommitted();
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     const Group& g = groups_[gi];
     if (g.optimizer == nullptr) continue;
     // (A local group with no gradient at all in this step staged nothing: it changed nothing.)
-    run.result.update_norms[g.name] = world_.has_value() ? std::sqrt(run.update_sq[gi])
-                                      : run.staged[gi]   ? g.optimizer->last_update_norm()
-                                                         : 0.0;
+    run.result.update_norms[g.name] = world_ != nullptr ? std::sqrt(run.update_sq[gi])
+                                      : run.staged[gi]  ? g.optimizer->last_update_norm()
+                                                        : 0.0;
   }
   run.result.total_micros = absl::ToInt64Microseconds(absl::Now() - run.start);
   if (!run.result.graph_fallbacks.empty()) memory_->FallbacksReported();

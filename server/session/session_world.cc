@@ -4,9 +4,9 @@
 // momentum synchronization before a checkpoint. For a world
 // of one (no communicator) every phase does nothing.
 //
-// On a device daemon a world session is a device session (session_device.cc): its state, the
+// On a device daemon a world session is a device session (session_device.h): its state, the
 // staged gradients and weights live on the device and the rules run on its device Context. Its
-// world phases pack, exchange and unpack in device buffers (Session::DeviceWorldBuffer) through
+// world phases pack, exchange and unpack in device buffers (DeviceSide::WorldBufferOf) through
 // the step's StepDeviceComm (device_comm.h): the world's device communicator (NCCL) when it has
 // one, else the host one (Gloo) staged through host buffers inside that communicator. Only the
 // scalars the host decides on cross to the host: the non-finite flags, the update norms, the
@@ -26,7 +26,9 @@
 #include "kernels/ops.h"
 #include "server/comm/world.h"
 #include "server/session/session.h"
+#include "server/session/session_device.h"
 #include "server/session/session_internal.h"
+#include "server/session/step_memory.h"
 #include "server/session/world_exchange.h"
 
 namespace diond::session {
@@ -34,7 +36,8 @@ namespace diond::session {
 absl::Status Session::AttachWorld(std::shared_ptr<WorldLink> world, ShardPlan plan, uint64_t epoch,
                                   absl::Duration verdict_wait, int64_t checksum_every) {
   absl::MutexLock lock(&mu_);
-  WorldPart w;
+  auto part = std::make_unique<WorldPart>();
+  WorldPart& w = *part;
   w.rank = world != nullptr ? world->rank() : 0;
   w.world = std::move(world);
   w.verdict_wait = verdict_wait;
@@ -101,6 +104,7 @@ absl::Status Session::AttachWorld(std::shared_ptr<WorldLink> world, ShardPlan pl
     }
     block += 1;
     const bool reduce = spec_.gradient_sync != GradientSync::kReplicated;
+    using WorldBuffer = DeviceSide::WorldBuffer;
     std::vector<std::pair<WorldBuffer, int64_t>> need = {
         {WorldBuffer::kExchangeMine, w.owned_payload[w.rank] + extra},
         {WorldBuffer::kWire, std::max(total, reduce ? block * plan.world_size : 0)}};
@@ -109,7 +113,7 @@ absl::Status Session::AttachWorld(std::shared_ptr<WorldLink> world, ShardPlan pl
       need.push_back({WorldBuffer::kDivisor, 1});
     }
     for (const auto& [which, n] : need) {
-      absl::StatusOr<float*> b = DeviceWorldBuffer(which, n);
+      absl::StatusOr<float*> b = device_->WorldBufferOf(*this, which, n);
       if (!b.ok()) {
         return absl::Status(
             b.status().code(),
@@ -118,7 +122,7 @@ absl::Status Session::AttachWorld(std::shared_ptr<WorldLink> world, ShardPlan pl
     }
   }
   w.plan = std::move(plan);
-  world_ = std::move(w);
+  world_ = std::move(part);
   return absl::OkStatus();
 }
 
@@ -198,13 +202,13 @@ std::string Session::DescribeWorldFailure(const absl::Status& why) {
 
 absl::Status Session::BreakWorld(StepRun& run, absl::Status why) {
   (void)run;
-  if (!world_.has_value()) return why;
+  if (world_ == nullptr) return why;
   world_->broken = std::move(why);
   return world_->broken;
 }
 
 absl::Status Session::JoinWorldPhase(StepRun& run) {
-  if (!world_.has_value()) return absl::OkStatus();
+  if (world_ == nullptr) return absl::OkStatus();
   WorldPart& w = *world_;
   if (!w.broken.ok()) return w.broken;
   if (w.world == nullptr) return absl::OkStatus();  // a world of one
@@ -228,12 +232,7 @@ absl::Status Session::JoinWorldPhase(StepRun& run) {
   }
   run.comm = *std::move(c);
   run.comm->TakeBytesSent();  // per-step accounting starts here
-  if (device_ != nullptr) {
-    run.device_world_comm = std::move(device_comm);
-    if (run.device_world_comm != nullptr) run.device_world_comm->TakeBytesSent();
-    run.dcomm = std::make_unique<StepDeviceComm>(DeviceContext(), compute_, run.comm,
-                                                 run.device_world_comm);
-  }
+  memory_->JoinWorld(*this, run, std::move(device_comm));
   return absl::OkStatus();
 }
 
@@ -281,153 +280,22 @@ absl::Status Session::ReduceGradientsPhase(StepRun& run) {
   if (run.comm == nullptr || spec_.gradient_sync == GradientSync::kReplicated) {
     return absl::OkStatus();
   }
-  // AVERAGE: reduce-scatter the local gradients to their owners. Block j of the input holds the
-  // gradients of rank j's parameters, padded to the largest block, plus one slot with this
-  // rank's non-finite flag, so every rank learns the same number of non-finite trainers.
-  WorldPart& w = *world_;
-  const int world_size = w.plan.world_size;
+  // AVERAGE: reduce-scatter the local gradients to their owners, in blocks of the largest
+  // owner's gradients plus one slot for each rank's non-finite flag, in the step's memory.
   int64_t block = 0;
-  for (int64_t e : w.owned_elements) block = std::max(block, e);
-  block += 1;
-  if (device_ != nullptr) return ReduceGradientsOnDevice(run, block);
-  std::vector<float> input(static_cast<size_t>(block) * world_size, 0.0f);
-  DIOND_RETURN_IF_ERROR(CallOnCompute(run.compute, [&]() -> absl::Status {
-    for (int j = 0; j < world_size; ++j) {
-      float* dst = input.data() + static_cast<size_t>(j) * block;
-      for (size_t i : w.owned[j]) {
-        const int64_t numel = layout_.tensors[i].numel;
-        // A gradient this rank's trainer does not have counts as zeros (`input` is zeroed).
-        if (run.grads[i] != nullptr) {
-          DIOND_RETURN_IF_ERROR(kernels::Copy(*run.ctx,
-                                              internal::HostView(DType::kF32, run.grads[i], numel),
-                                              internal::HostView(DType::kF32, dst, numel)));
-        }
-        dst += numel;
-      }
-      input[static_cast<size_t>(j + 1) * block - 1] = run.finite ? 0.0f : 1.0f;
-    }
-    return absl::OkStatus();
-  }));
-  run.averaged.resize(static_cast<size_t>(block));
-  absl::Status st = run.comm->ReduceScatterSum(input, absl::MakeSpan(run.averaged));
-  if (!st.ok()) {
-    return BreakWorld(run,
-                      absl::UnavailableError(absl::StrCat(
-                          run.when, ": gradient reduce-scatter failed: ", DescribeWorldFailure(st),
-                          "; create the session again and resume from the last checkpoint")));
-  }
-  run.finite = run.averaged.back() == 0.0f;
-  // The average: the sum divided by the world size (a division, not a multiplication by its
-  // inverse, so that the bits match the reference's mean).
-  const float divisor = static_cast<float>(world_size);
-  return CallOnCompute(run.compute, [&]() -> absl::Status {
-    float* a = run.averaged.data();
-    for (size_t i : w.owned[w.rank]) {
-      const int64_t numel = layout_.tensors[i].numel;
-      if (run.no_grad[i]) {  // no rank has it: not stepped
-        run.grads[i] = nullptr;
-        a += numel;
-        continue;
-      }
-      DIOND_RETURN_IF_ERROR(kernels::Binary(
-          *run.ctx, kernels::BinaryOp::kDiv, internal::HostView(DType::kF32, a, numel),
-          internal::HostView(DType::kF32, &divisor, 1), internal::HostView(DType::kF32, a, numel)));
-      run.grads[i] = a;
-      a += numel;
-    }
-    return absl::OkStatus();
-  });
+  for (int64_t e : world_->owned_elements) block = std::max(block, e);
+  return memory_->ReduceGradients(*this, run, block + 1);
 }
 
-// The device form of the reduce-scatter: the same blocks, packed on the device (a device copy
-// per owned gradient and a Fill per flag slot; the padding between a block's gradients and its
-// flag holds whatever the wire held before, the last exchange's bytes: summed, never read),
-// reduce-scattered by the step's device collectives, divided on the device straight into the
-// gradient staging. One sync point of its own: the summed non-finite flag read back.
-absl::Status Session::ReduceGradientsOnDevice(StepRun& run, int64_t block) {
-  WorldPart& w = *world_;
-  const int world_size = w.plan.world_size;
-  const kernels::Context& dctx = *DeviceContext();
-  auto fail = [&](const absl::Status& s, absl::string_view what) {
-    return BreakWorld(
-        run, absl::Status(s.code(), absl::StrCat(run.when, ": ", what, " failed: ", s.message())));
-  };
-  float *in = nullptr, *out = nullptr, *div = nullptr;
-  {
-    absl::StatusOr<float*> a = DeviceWorldBuffer(WorldBuffer::kWire, block * world_size);
-    absl::StatusOr<float*> b = a.ok() ? DeviceWorldBuffer(WorldBuffer::kReduceOut, block) : a;
-    absl::StatusOr<float*> c = b.ok() ? DeviceWorldBuffer(WorldBuffer::kDivisor, 1) : b;
-    if (!c.ok()) return fail(c.status(), "the reduce-scatter's device buffers");
-    in = *a;
-    out = *b;
-    div = *c;
-  }
-  absl::Status packed = CallOnCompute(run.compute, [&]() -> absl::Status {
-    for (int j = 0; j < world_size; ++j) {
-      float* dst = in + static_cast<int64_t>(j) * block;
-      for (size_t i : w.owned[j]) {
-        const int64_t numel = layout_.tensors[i].numel;
-        // A gradient this rank's trainer does not have counts as zeros.
-        DIOND_RETURN_IF_ERROR(
-            run.grads[i] != nullptr
-                ? kernels::Copy(dctx, internal::StepView(dctx, run.grads[i], numel),
-                                internal::StepView(dctx, dst, numel))
-                : kernels::Fill(dctx, 0.0f, internal::StepView(dctx, dst, numel)));
-        dst += numel;
-      }
-      DIOND_RETURN_IF_ERROR(kernels::Fill(dctx, run.finite ? 0.0f : 1.0f,
-                                          internal::StepView(dctx, in + (j + 1) * block - 1, 1)));
-    }
-    return kernels::Fill(dctx, static_cast<float>(world_size), internal::StepView(dctx, div, 1));
-  });
-  if (!packed.ok()) return fail(packed, "packing the gradients for the reduce-scatter");
-  absl::Status st =
-      run.dcomm->ReduceScatterSum(absl::MakeConstSpan(in, static_cast<size_t>(block * world_size)),
-                                  absl::MakeSpan(out, static_cast<size_t>(block)));
-  if (!st.ok()) {
-    return BreakWorld(run,
-                      absl::UnavailableError(absl::StrCat(
-                          run.when, ": gradient reduce-scatter failed: ", DescribeWorldFailure(st),
-                          "; create the session again and resume from the last checkpoint")));
-  }
-  float flag = 0.0f;
-  absl::Status read = run.dcomm->ReadBackQueued(
-      [&] { return internal::CopyF32ToHost(dctx, out + block - 1, &flag, 1); });
-  if (!read.ok()) return fail(read, "reading the world's non-finite flag");
-  // A queued reduce-scatter fails asynchronously (the read-back returned because the world's
-  // abort ended it): its output is then garbage.
-  if (absl::Status d = run.dcomm->DeviceStatus(); !d.ok()) {
-    return BreakWorld(run,
-                      absl::UnavailableError(absl::StrCat(
-                          run.when, ": gradient reduce-scatter failed: ", DescribeWorldFailure(d),
-                          "; create the session again and resume from the last checkpoint")));
-  }
-  run.finite = flag == 0.0f;
-  // The average, as on the host: a division by the world size, into the gradient staging.
-  absl::Status divided = CallOnCompute(run.compute, [&]() -> absl::Status {
-    const float* a = out;
-    for (size_t i : w.owned[w.rank]) {
-      const int64_t numel = layout_.tensors[i].numel;
-      if (run.no_grad[i]) {  // no rank has it: not stepped
-        run.grads[i] = nullptr;
-        a += numel;
-        continue;
-      }
-      float* staging = DeviceGradStaging(i);
-      DIOND_RETURN_IF_ERROR(kernels::Binary(
-          dctx, kernels::BinaryOp::kDiv, internal::StepView(dctx, a, numel),
-          internal::StepView(dctx, div, 1), internal::StepView(dctx, staging, numel)));
-      run.grads[i] = staging;
-      a += numel;
-    }
-    return absl::OkStatus();
-  });
-  if (!divided.ok()) return fail(divided, "averaging the gradients on the device");
-  return absl::OkStatus();
+absl::Status Session::ReduceFailed(StepRun& run, const absl::Status& why) {
+  return BreakWorld(run,
+                    absl::UnavailableError(absl::StrCat(
+                        run.when, ": gradient reduce-scatter failed: ", DescribeWorldFailure(why),
+                        "; create the session again and resume from the last checkpoint")));
 }
 
 absl::Status Session::ExchangeUpdatesPhase(StepRun& run, const kernels::Context& ctx) {
-  if (!world_.has_value()) return absl::OkStatus();
+  if (world_ == nullptr) return absl::OkStatus();
   if (run.comm != nullptr) DIOND_RETURN_IF_ERROR(WorldExchange(*this, run, ctx).Run());
   if (!run.compute_status.ok()) {
     // Some groups may have been applied on some ranks: the replicas can no longer be trusted.
@@ -440,7 +308,7 @@ absl::Status Session::ExchangeUpdatesPhase(StepRun& run, const kernels::Context&
 
 absl::Status Session::SynchronizeForCheckpoint() {
   absl::MutexLock lock(&mu_);
-  if (!world_.has_value() || world_->world == nullptr ||
+  if (world_ == nullptr || world_->world == nullptr ||
       spec_.gradient_sync != GradientSync::kDionCompressed) {
     return absl::OkStatus();
   }

@@ -3,7 +3,7 @@
 // are written once over this interface; it has two implementations:
 //   - Session::HostMemory (step_memory_host.cc): the trainer's arenas read and written in place,
 //     other dtypes and master weights through the session's fp32 buffers;
-//   - Session::DeviceSide (session_device.cc): a device session's staging on its device, filled
+//   - Session::DeviceSide (session_device.h): a device session's staging on its device, filled
 //     and drained by queued copies on its stream, its phases captured as graphs where they can
 //     be. Of the step's passes, only these reach the device runtime (kernels/device_runtime.h).
 //
@@ -14,11 +14,16 @@
 #define DIOND_SERVER_SESSION_STEP_MEMORY_H_
 
 #include <cstddef>
+#include <cstdint>
+#include <memory>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "kernels/context.h"
 #include "server/session/session.h"
 #include "server/session/session_internal.h"
+#include "server/session/world_exchange.h"
 
 namespace diond::session {
 
@@ -29,9 +34,23 @@ class Session::StepMemory {
   virtual const kernels::Context& UpdateContext(Session& s, const kernels::Context& ctx) = 0;
   // Before the phases: from the second step on, which phases run as captured graphs.
   virtual void PrepareStep(Session& s, StepRun& run) = 0;
+  // Phase 1: the request's ready_event / done_event checked and opened (docs/DATA_PLANE.md "The
+  // event protocol"); FAILED_PRECONDITION where the memory has no stream to order.
+  virtual absl::Status PrepareEvents(Session& s, const StepRequest& request) = 0;
+  // Once the new weights are written (or a step skipped): the session stream records done_event.
+  virtual absl::Status RecordDoneEvent(Session& s, const StepRequest& request) = 0;
   // Phase 3: every gradient as fp32 (run.grads) and the finiteness scan (run.finite); then the
   // GRADIENTS region's check.
   virtual absl::Status ReadGradients(Session& s, StepRun& run) = 0;
+  // Phase 2 (world): the step's collectives in this memory, given the world's device
+  // communicator (null: none; NCCL where the world has one).
+  virtual void JoinWorld(Session& s, StepRun& run,
+                         std::shared_ptr<comm::Communicator> device_comm) = 0;
+  // Phase 4 (world AVERAGE): the gradients reduce-scattered to their owners in blocks of `block`
+  // floats per rank (the owned gradients, padded, then the non-finite flag) and averaged:
+  // run.grads of the owned parameters, run.finite the world's. A failed collective breaks the
+  // world session.
+  virtual absl::Status ReduceGradients(Session& s, StepRun& run, int64_t block) = 0;
   // Phase 6: every parameter as fp32 (run.params; run.via_scratch where it is a copy).
   virtual absl::Status ReadParameters(Session& s, StepRun& run) = 0;
   // Phase 7: every group's update staged (Session::StageGroups); nothing changes yet.
@@ -41,6 +60,10 @@ class Session::StepMemory {
   // Phase 10, after the exchange: the new weights into the trainer's arena (narrowed where they
   // were read through a copy).
   virtual absl::Status WriteWeights(Session& s, StepRun& run) = 0;
+  // Phase 9 (world): the exchange's buffers of `mine` and `total` floats (world_exchange.h).
+  virtual absl::StatusOr<std::unique_ptr<ExchangeWire>> MakeExchangeWire(Session& s, StepRun& run,
+                                                                         int64_t mine,
+                                                                         int64_t total) = 0;
   // Phase 11: parameter i's updated copy becomes its master weights.
   virtual void CommitMaster(Session& s, size_t i) = 0;
   // A successful step's result carried the graph fallbacks (later steps carry none).
@@ -51,7 +74,17 @@ class Session::StepMemory {
 struct Session::HostMemory final : Session::StepMemory {
   const kernels::Context& UpdateContext(Session& s, const kernels::Context& ctx) override;
   void PrepareStep(Session& s, StepRun& run) override {}
+  absl::Status PrepareEvents(Session& s, const StepRequest& request) override;
+  absl::Status RecordDoneEvent(Session& s, const StepRequest& request) override {
+    return absl::OkStatus();
+  }
   absl::Status ReadGradients(Session& s, StepRun& run) override;
+  absl::Status ReduceGradients(Session& s, StepRun& run, int64_t block) override;
+  void JoinWorld(Session& s, StepRun& run,
+                 std::shared_ptr<comm::Communicator> device_comm) override {}
+  absl::StatusOr<std::unique_ptr<ExchangeWire>> MakeExchangeWire(Session& s, StepRun& run,
+                                                                 int64_t mine,
+                                                                 int64_t total) override;
   absl::Status ReadParameters(Session& s, StepRun& run) override;
   absl::Status Stage(Session& s, StepRun& run, const kernels::Context& ctx) override;
   bool StageWritesWeights(const Session& s) const override { return false; }
@@ -59,6 +92,15 @@ struct Session::HostMemory final : Session::StepMemory {
   void CommitMaster(Session& s, size_t i) override;
   void FallbacksReported() override {}
 };
+
+namespace internal {
+
+// INVALID_ARGUMENT unless each of the request's event handles is empty or 64 bytes.
+absl::Status CheckEventHandles(const StepRequest& request);
+// FAILED_PRECONDITION: the events need a device session's stream, and this session `how`.
+absl::Status RefuseEvents(const StepRequest& request, absl::string_view how);
+
+}  // namespace internal
 
 }  // namespace diond::session
 

@@ -13,6 +13,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "kernels/optim/optimizer_types.h"
 #include "kernels/tensor.h"
 
@@ -136,6 +137,53 @@ struct NamedTensor {
   std::string name;
   std::vector<int64_t> shape;
   std::vector<float> data;
+};
+
+// What a client stream writes: gradients (PushGradients) or parameters and state (SetState).
+enum class StreamKind { kGradients, kState };
+
+// One write into an arena or the state, from a stream chunk.
+struct TensorWrite {
+  std::string name;  // parameter name (its values or gradient) or "<param>/state.<name>"
+  int64_t offset_bytes = 0;
+  std::string data;
+};
+
+struct SessionInfo {
+  std::string id;
+  std::string client_name;
+  std::string owner;  // SessionSpec::owner
+  std::string session_name;
+  int64_t parameters = 0;
+  int64_t last_step_index = 0;
+  int64_t state_bytes = 0;
+  // What --max_session_bytes / --memory_budget_bytes count (Session::BudgetBytes): state_bytes
+  // for a host session; a device session's device pool bytes plus its host-side state.
+  int64_t budget_bytes = 0;
+  int64_t host_bytes = 0;  // daemon-owned arenas and Step's fp32 conversion buffers
+  absl::Time last_used;
+  // Operator view (ListSessions, metrics).
+  struct Group {
+    std::string name;
+    optim::AlgorithmKind algorithm = optim::AlgorithmKind::kMuon;
+    int64_t parameters = 0;
+  };
+  std::vector<Group> groups;
+  std::string world_key;
+  absl::Time last_step_time = absl::InfinitePast();  // InfinitePast = no step yet
+  int64_t last_checkpoint_step = 0;                  // 0 = none
+  std::string last_checkpoint_path;
+  absl::Time last_checkpoint_time = absl::InfinitePast();
+};
+
+// What a checkpoint holds: the spec, the step record and every tensor (fp32).
+struct SessionSnapshot {
+  std::string session_id;  // ReadCheckpoint: the id the checkpoint was written under
+  SessionSpec spec;
+  int64_t last_step_index = 0;
+  // The answer of step last_step_index, so that a retried Step is replayed after a restore.
+  std::optional<StepResult> last_result;
+  std::vector<NamedTensor> tensors;  // "<param>" and "<param>/state.<name>"
 };
 
 }  // namespace diond::session

@@ -9,6 +9,7 @@
 #include "common/status_macros.h"
 #include "kernels/ops.h"
 #include "server/session/device_comm.h"
+#include "server/session/step_memory.h"
 
 namespace diond::session {
 
@@ -134,7 +135,9 @@ absl::Status WorldExchange::Run() {
   if (absl::Status d = wire_->Settled(); !d.ok()) {
     return Broken("exchange of the updated parameters failed: ", d);
   }
-  if (run_.compute_status.ok() && !ok_here_) run_.compute_status = s_.CheckRegions(run_.when);
+  if (run_.compute_status.ok() && !ok_here_) {
+    run_.compute_status = s_.arenas_.CheckRegions(run_.when);
+  }
   // Always, so that every replica holds the owners' values.
   ApplyWholeParameters();
   if (failed_.empty() && run_.compute_status.ok()) ApplyCompactUpdates();
@@ -160,20 +163,15 @@ void WorldExchange::Fail(absl::Status why) {
 }
 
 absl::Status WorldExchange::MakeWire() {
-  if (s_.device_ == nullptr) {
-    wire_ = MakeHostExchangeWire(run_.comm.get(), run_.ctx, s_.compute_, counts_[w_.rank], total_);
-    return absl::OkStatus();
-  }
-  absl::StatusOr<float*> m =
-      s_.DeviceWorldBuffer(Session::WorldBuffer::kExchangeMine, counts_[w_.rank]);
-  absl::StatusOr<float*> a = m.ok() ? s_.DeviceWorldBuffer(Session::WorldBuffer::kWire, total_) : m;
-  if (!a.ok()) {
+  absl::StatusOr<std::unique_ptr<ExchangeWire>> wire =
+      s_.memory_->MakeExchangeWire(s_, run_, counts_[w_.rank], total_);
+  if (!wire.ok()) {
     return s_.BreakWorld(
-        run_, absl::Status(a.status().code(), absl::StrCat(where_, a.status().message(),
-                                                           "; the world session must be created "
-                                                           "again")));
+        run_, absl::Status(wire.status().code(), absl::StrCat(where_, wire.status().message(),
+                                                              "; the world session must be created "
+                                                              "again")));
   }
-  wire_ = MakeDeviceExchangeWire(s_.DeviceContext(), run_.dcomm.get(), s_.compute_, *m, *a);
+  wire_ = *std::move(wire);
   return absl::OkStatus();
 }
 
@@ -223,7 +221,7 @@ absl::Status WorldExchange::Gather() {
   }
   // This rank's failure, or its trainer's memory gone while it was read: the step fails on
   // every rank.
-  ok_here_ = run_.compute_status.ok() && s_.CheckRegions(run_.when).ok();
+  ok_here_ = run_.compute_status.ok() && s_.arenas_.CheckRegions(run_.when).ok();
   tail.push_back(ok_here_ ? 0.0f : 1.0f);
   absl::Status st = wire_->PutHost(tail.data(), at_, extra_);
   if (st.ok()) {

@@ -77,7 +77,7 @@ class WorldExchange {
   absl::Status Run();
 
  private:
-  // The wire at the plan's sizes: host vectors, or the device session's world buffers.
+  // The wire at the plan's sizes, in the step's memory (StepMemory::MakeExchangeWire).
   absl::Status MakeWire();
   // This rank's owned payloads into `mine`.
   void PackOwned();
