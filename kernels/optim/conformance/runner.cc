@@ -6,6 +6,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 #include "absl/base/casts.h"
@@ -195,6 +196,43 @@ absl::Status ToHost(const kernels::Context& ctx, const kernels::Buffer& b, std::
   return kernels::CopyToHost(ctx, b.view(), kernels::MakeView(v->data(), {b.NumElements()}));
 }
 
+// State `name` of parameter i, as the optimizer holds it now.
+absl::StatusOr<std::vector<float>> ReadState(const kernels::Context& ctx, const GroupOptimizer& opt,
+                                             size_t i, const std::string& name) {
+  DIOND_ASSIGN_OR_RETURN(std::vector<int64_t> shape, opt.StateShape(i, name));
+  int64_t count = 1;
+  for (int64_t d : shape) count *= d;
+  std::vector<float> mine(static_cast<size_t>(count));
+  DIOND_RETURN_IF_ERROR(opt.GetState(ctx, i, name, absl::MakeSpan(mine)));
+  return mine;
+}
+
+// The worst parameter's error of state `name` against the file's final state (Q up to column
+// signs, P12; step_dev relative); nullopt when the file does not hold it for every parameter.
+absl::StatusOr<std::optional<double>> FinalStateError(const kernels::Context& ctx,
+                                                      const SafetensorsFile& f,
+                                                      const GroupOptimizer& opt, size_t n,
+                                                      const std::string& name) {
+  double err = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const std::string key = Key(i, "state." + name + ".final");
+    DIOND_ASSIGN_OR_RETURN(std::vector<int64_t> shape, opt.StateShape(i, name));
+    if (!f.Has(key)) return std::optional<double>();
+    DIOND_ASSIGN_OR_RETURN(std::vector<float> ref, f.ReadFloat(key, shape));
+    DIOND_ASSIGN_OR_RETURN(std::vector<float> mine, ReadState(ctx, opt, i, name));
+    if (name == kStateQ && shape.size() == 2) {
+      AlignColumnSigns(&mine, ref, shape[0], shape[1]);
+      err = std::max(err, RelFro(mine, ref));
+    } else if (name == kStateStepDev) {
+      const double m0 = mine[0], r0 = ref[0];
+      err = std::max(err, r0 == 0 ? std::abs(m0) : std::abs(m0 - r0) / std::abs(r0));
+    } else {
+      err = std::max(err, RelFro(mine, ref));
+    }
+  }
+  return std::optional<double>(err);
+}
+
 // Runs one precision mode of a case on ctx: the optimizer, its state, the parameters and the
 // gradients live on ctx's device (uploaded from the file, read back after each step). `trace`
 // (if not null) receives every parameter after every step, then every final state, for the
@@ -315,39 +353,14 @@ absl::StatusOr<ModeResult> RunMode(const kernels::Context& ctx, const Safetensor
   if (trace != nullptr) {
     for (size_t i = 0; i < n; ++i) {
       for (const std::string& name : c.state_names) {
-        DIOND_ASSIGN_OR_RETURN(std::vector<int64_t> shape, opt->StateShape(i, name));
-        int64_t count = 1;
-        for (int64_t d : shape) count *= d;
-        std::vector<float> mine(static_cast<size_t>(count));
-        DIOND_RETURN_IF_ERROR(opt->GetState(ctx, i, name, absl::MakeSpan(mine)));
+        DIOND_ASSIGN_OR_RETURN(std::vector<float> mine, ReadState(ctx, *opt, i, name));
         trace->insert(trace->end(), mine.begin(), mine.end());
       }
     }
   }
   for (const std::string& name : c.state_names) {
-    double err = 0;
-    bool available = true;
-    for (size_t i = 0; i < n && available; ++i) {
-      const std::string key = Key(i, "state." + name + ".final");
-      DIOND_ASSIGN_OR_RETURN(std::vector<int64_t> shape, opt->StateShape(i, name));
-      if (!f.Has(key)) {
-        available = false;
-        break;
-      }
-      DIOND_ASSIGN_OR_RETURN(std::vector<float> ref, f.ReadFloat(key, shape));
-      std::vector<float> mine(ref.size());
-      DIOND_RETURN_IF_ERROR(opt->GetState(ctx, i, name, absl::MakeSpan(mine)));
-      if (name == kStateQ && shape.size() == 2) {
-        AlignColumnSigns(&mine, ref, shape[0], shape[1]);
-        err = std::max(err, RelFro(mine, ref));
-      } else if (name == kStateStepDev) {
-        const double m0 = mine[0], r0 = ref[0];
-        err = std::max(err, r0 == 0 ? std::abs(m0) : std::abs(m0 - r0) / std::abs(r0));
-      } else {
-        err = std::max(err, RelFro(mine, ref));
-      }
-    }
-    add("state." + name, available ? err : 0, true, available);
+    DIOND_ASSIGN_OR_RETURN(std::optional<double> err, FinalStateError(ctx, f, *opt, n, name));
+    add("state." + name, err.value_or(0), true, err.has_value());
   }
   bool any_enforced = false;
   r.passed = true;
