@@ -5,6 +5,7 @@
 // norm bit for bit, on a CPU context and on the strict TEST device. A failing part changes
 // nothing, a parameter in two parts is refused, and a parameter in no part is left alone.
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <ostream>
@@ -368,6 +369,47 @@ TEST_F(PartsTest, RefusedPartsChangeNothing) {
     ASSERT_THAT(one.opt->ReleaseState(*ctx_, {true, false, true, true}), IsOk());
     ASSERT_NO_FATAL_FAILURE(StageOnce(*ctx_, one, g2, {{0, 2, 3}}, {}));
     EXPECT_TRUE(SameSnapshot(Snap(c, parts), Snap(c, one))) << c.name << " after the release";
+  }
+}
+
+// The update norm adds one float Σ(Δx)² per parameter in double, in parameter order whichever
+// part staged it. Here parameter 0 has a gradient and the others, tiny and without one, only
+// decay: their Σ are near the last bit of the total, so adding them in another order (smallest
+// first) shows.
+TEST_F(PartsTest, TheNormAddsParametersInTheirOrder) {
+  ASSERT_NO_FATAL_FAILURE(Open(/*device=*/false));
+  for (AlgorithmKind k : {AlgorithmKind::kMuon, AlgorithmKind::kAdamW}) {
+    const Case c{std::string(AlgorithmName(k)), Base(k, Precision::kFp32),
+                 std::vector<ParamShape>(8, ParamShape{4, 4})};
+    Side one, parts;
+    ASSERT_NO_FATAL_FAILURE(MakeSide(c, &one));
+    ASSERT_NO_FATAL_FAILURE(MakeSide(c, &parts));
+    for (size_t i = 1; i < c.shapes.size(); ++i) {  // x_i ~ 2^-20 .. 2^-22
+      std::vector<float> v = RandomVector(16, 30 + static_cast<uint32_t>(i));
+      for (float& e : v) e = std::ldexp(e, -20 - static_cast<int>(i % 3));
+      one.x[i] = Upload(v);
+      parts.x[i] = Upload(v);
+      one.params[i] = one.x[i].As<float>();
+      parts.params[i] = parts.x[i].As<float>();
+    }
+    const Buffer zero = Upload(std::vector<float>(16, 0.0f));
+    for (int step = 1; step <= 4; ++step) {
+      std::vector<const float*> g(c.shapes.size(), zero.As<float>());
+      const std::vector<Buffer> g0 = Grads(c, step);
+      g[0] = g0[0].As<float>();
+      ASSERT_THAT(one.opt->Stage(*ctx_, one.params, g), IsOk());
+      one.opt->WriteStagedParams(one.params);
+      one.opt->CommitStagedState();
+      ASSERT_THAT(parts.opt->BeginStagedStep(*ctx_), IsOk());
+      for (size_t p = c.shapes.size(); p-- > 0;) {  // one part per parameter, the last first
+        std::vector<const float*> part(c.shapes.size(), nullptr);
+        part[p] = g[p];
+        ASSERT_THAT(parts.opt->StagePart(parts.params, part), IsOk());
+      }
+      parts.opt->WriteStagedParams(parts.params);
+      parts.opt->CommitStagedState();
+      EXPECT_TRUE(SameSnapshot(Snap(c, parts), Snap(c, one))) << c.name << " step " << step;
+    }
   }
 }
 
