@@ -29,9 +29,8 @@ absl::Status GroupOptimizer::Step(const kernels::Context& ctx, absl::Span<float*
   return absl::OkStatus();
 }
 
-absl::Status GroupOptimizer::Stage(const kernels::Context& ctx, absl::Span<float* const> params,
-                                   absl::Span<const float* const> grads,
-                                   const StepOptions& options) {
+absl::Status GroupOptimizer::CheckStepArgs(absl::Span<float* const> params,
+                                           absl::Span<const float* const> grads) const {
   if (params.size() != shapes_.size() || grads.size() != shapes_.size()) {
     return absl::InvalidArgumentError(
         absl::StrCat(AlgorithmName(config_.algorithm), " step: got ", params.size(), " params and ",
@@ -52,6 +51,11 @@ absl::Status GroupOptimizer::Stage(const kernels::Context& ctx, absl::Span<float
                        " has a gradient but its state was released (it is owned elsewhere)"));
     }
   }
+  return absl::OkStatus();
+}
+
+absl::Status GroupOptimizer::CheckStepOptions(const kernels::Context& ctx,
+                                              const StepOptions& options) const {
   DIOND_RETURN_IF_ERROR(ValidateStepOptions(options));
   if (ctx.device() != state_device_) {
     return absl::InvalidArgumentError(
@@ -59,6 +63,15 @@ absl::Status GroupOptimizer::Stage(const kernels::Context& ctx, absl::Span<float
                      static_cast<int>(ctx.device().type), ", index ", ctx.device().index,
                      ") is not the device of the optimizer's state"));
   }
+  return absl::OkStatus();
+}
+
+absl::Status GroupOptimizer::Stage(const kernels::Context& ctx, absl::Span<float* const> params,
+                                   absl::Span<const float* const> grads,
+                                   const StepOptions& options) {
+  parts_open_ = false;
+  DIOND_RETURN_IF_ERROR(CheckStepArgs(params, grads));
+  DIOND_RETURN_IF_ERROR(CheckStepOptions(ctx, options));
   const double lr = options.lr.value_or(config_.hyperparams.lr);
   const double wd = options.weight_decay.value_or(config_.hyperparams.weight_decay);
   capture_ = options.capture;
@@ -77,7 +90,56 @@ absl::Status GroupOptimizer::Stage(const kernels::Context& ctx, absl::Span<float
   return absl::OkStatus();
 }
 
+absl::Status GroupOptimizer::BeginStagedStep(const kernels::Context& ctx,
+                                             const StepOptions& options) {
+  parts_open_ = false;
+  DIOND_RETURN_IF_ERROR(CheckStepOptions(ctx, options));
+  // A world step's capture and replica average are per bucket, and in place a part would write
+  // the caller's memory before a later part could still fail.
+  if (options.capture != nullptr || options.replica_average || options.in_place) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        AlgorithmName(config_.algorithm),
+        " step in parts: capture, replica_average and in_place need a step in one Stage"));
+  }
+  parts_lr_ = static_cast<float>(options.lr.value_or(config_.hyperparams.lr));
+  parts_weight_decay_ =
+      static_cast<float>(options.weight_decay.value_or(config_.hyperparams.weight_decay));
+  step_number_ = options.step.value_or(steps_taken_ + 1);
+  in_place_ = false;
+  in_part_.assign(shapes_.size(), false);
+  BeginParts(ctx);
+  parts_open_ = true;
+  return absl::OkStatus();
+}
+
+absl::Status GroupOptimizer::StagePart(absl::Span<float* const> params,
+                                       absl::Span<const float* const> grads) {
+  if (!parts_open_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        AlgorithmName(config_.algorithm), " StagePart: no step is open (BeginStagedStep first)"));
+  }
+  DIOND_RETURN_IF_ERROR(CheckStepArgs(params, grads));
+  for (size_t i = 0; i < grads.size(); ++i) {
+    if (grads[i] != nullptr && in_part_[i]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(AlgorithmName(config_.algorithm), " StagePart: parameter ", i,
+                       " already has a gradient in an earlier part of this step"));
+    }
+  }
+  DIOND_RETURN_IF_ERROR(StagePartImpl(params, grads, parts_lr_, parts_weight_decay_));
+  for (size_t i = 0; i < grads.size(); ++i) {
+    if (grads[i] != nullptr) in_part_[i] = true;
+  }
+  return absl::OkStatus();
+}
+
+void GroupOptimizer::DiscardStagedStep() {
+  parts_open_ = false;
+  DiscardStaged();
+}
+
 void GroupOptimizer::WriteStagedParams(absl::Span<float* const> params) {
+  parts_open_ = false;
   update_sq_ = 0;
   defer_norm_ = false;
   CommitStagedParams(params);
@@ -85,6 +147,7 @@ void GroupOptimizer::WriteStagedParams(absl::Span<float* const> params) {
 
 void GroupOptimizer::WriteStagedParamsDeferringNorm(absl::Span<float* const> params,
                                                     float* norm_host) {
+  parts_open_ = false;
   update_sq_ = 0;
   defer_norm_ = true;
   defer_norm_to_ = norm_host;
@@ -149,19 +212,29 @@ struct Bucket {
   std::vector<kernels::Buffer> state;  // per spec, [N·spec numel] f32
 };
 
-// Results of one bucket waiting for commit. The buffers are sized for every member of the
-// bucket once (at its first step) and reused by every later step, whichever members have a
-// gradient, so steps after the first allocate nothing.
-struct Staged {
-  size_t bucket = 0;
-  std::vector<size_t> slots;  // positions in Bucket::members that participated
-  kernels::Buffer x;          // the gradients are not staged: the rules read the caller's buffers
-  std::vector<kernels::Buffer> state;
-  // A deferred parameter write (UpdateRule::DefersParamWrite): x holds the rule's compact update,
-  // `keep` its host data, and the commit calls CommitParams with the step's scalars.
+// One rule call of a step: the members of one bucket that one part (or Stage) gave a gradient,
+// staged in rows [begin, begin + count) of the bucket's staging.
+struct Chunk {
+  size_t begin = 0;
+  size_t count = 0;
+  int64_t part = 0;  // which StagePart staged it (a failed part drops its own chunks)
+  // A deferred parameter write (UpdateRule::DefersParamWrite): the chunk's rows of x hold the
+  // rule's compact update, `keep` its host data, and the commit calls CommitParams.
   bool deferred = false;
   std::vector<int64_t> keep;
-  internal::StepScalars scalars;
+};
+
+// Results of one bucket waiting for commit. The buffers are sized for every member of the
+// bucket once (at its first step) and reused by every later step, whichever members have a
+// gradient, so steps after the first allocate nothing. The parts of a step append their members
+// in the order they come; a step staged in one Stage has one chunk, in member order.
+struct Staged {
+  std::vector<size_t> slots;  // per staged row, its position in Bucket::members
+  kernels::Buffer x;          // the gradients are not staged: the rules read the caller's buffers
+  std::vector<kernels::Buffer> state;
+  bool allocated = false;     // x and state, at the bucket's first step
+  std::vector<Chunk> chunks;  // the first num_chunks are this step's; the rest kept for reuse
+  size_t num_chunks = 0;
 };
 
 // f32 vector views on the state's device (the device contract of group_optimizer.h).
@@ -232,41 +305,65 @@ class BucketedOptimizer final : public GroupOptimizer {
   absl::Status StageStep(const kernels::Context& ctx, absl::Span<float* const> params,
                          absl::Span<const float* const> grads, float lr,
                          float weight_decay) override {
-    RecycleStaged();
-    commit_ctx_ = &ctx;
-    step_dev_staged_ = step_dev_host_;  // same size: no allocation
-    const kernels::Device dev = ctx.device();
+    BeginParts(ctx);
     if (capture_ != nullptr) capture_->payload.assign(shapes().size(), {});
     // In place (AdamW, Lion: one fused op, each byte read and written once) only when the
     // caller says nothing can fail between Stage and CommitStagedState (StepOptions::in_place);
     // otherwise the rule steps copies in the staging, and the commit phases write them back.
     if (rule_->InPlace() && in_place_) return StepInPlace(ctx, params, grads, lr, weight_decay);
-    spare_.resize(buckets_.size());
+    return StageBuckets(ctx, params, grads, lr, weight_decay);
+  }
+
+  void BeginParts(const kernels::Context& ctx) override {
+    ResetStaging();
+    in_place_step_ = false;
+    commit_ctx_ = &ctx;
+    step_dev_staged_ = step_dev_host_;  // same size: no allocation
+  }
+
+  absl::Status StagePartImpl(absl::Span<float* const> params, absl::Span<const float* const> grads,
+                             float lr, float weight_decay) override {
+    ++part_;
+    absl::Status s = StageBuckets(*commit_ctx_, params, grads, lr, weight_decay);
+    if (s.ok()) return s;
+    // Drop this part's chunks (always the last of their bucket) and its step counts; what it
+    // wrote into the staging is past the rows still staged.
+    for (Staged& st : staging_) {
+      if (st.num_chunks > 0 && st.chunks[st.num_chunks - 1].part == part_) {
+        st.slots.resize(st.chunks[st.num_chunks - 1].begin);
+        --st.num_chunks;
+      }
+    }
+    for (size_t p = 0; p < grads.size(); ++p) {
+      if (grads[p] != nullptr) step_dev_staged_[p] = step_dev_host_[p];
+    }
+    return s;
+  }
+
+  // Runs the rule on the members of every bucket that have a gradient in `grads`, one chunk per
+  // bucket, appended to what earlier parts of the step staged.
+  absl::Status StageBuckets(const kernels::Context& ctx, absl::Span<float* const> params,
+                            absl::Span<const float* const> grads, float lr, float weight_decay) {
+    const kernels::Device dev = ctx.device();
+    staging_.resize(buckets_.size());
     for (size_t bi = 0; bi < buckets_.size(); ++bi) {
       const Bucket& b = buckets_[bi];
+      Staged& st = staging_[bi];
+      const size_t begin = st.slots.size();
+      size_t np = 0;
+      for (size_t slot = 0; slot < b.members.size(); ++slot) np += grads[b.members[slot]] ? 1 : 0;
+      if (np == 0) continue;
       // The buffers of this bucket's previous step are reused: large fresh allocations would be
       // page-faulted in (and zeroed) again on every step.
-      Staged st = std::move(spare_[bi]);
-      st.bucket = bi;
-      st.slots.clear();
+      if (!st.allocated) DIOND_RETURN_IF_ERROR(AllocateStaging(b, &st));
       for (size_t slot = 0; slot < b.members.size(); ++slot) {
         if (grads[b.members[slot]] != nullptr) st.slots.push_back(slot);
       }
-      if (st.slots.empty()) {
-        spare_[bi] = std::move(st);
-        continue;
-      }
-      const size_t np = st.slots.size();
-      const int64_t all = static_cast<int64_t>(b.members.size());
-      if (st.x.empty()) {  // first step of this bucket: staging for every member, kept
-        DIOND_ASSIGN_OR_RETURN(st.x, F32Buffer(alloc_, all * b.numel));
-        st.state.clear();
-        for (size_t k = 0; k < b.specs.size(); ++k) {
-          DIOND_ASSIGN_OR_RETURN(kernels::Buffer sb,
-                                 F32Buffer(alloc_, all * b.specs[k].NumElements()));
-          st.state.push_back(std::move(sb));
-        }
-      }
+      if (st.num_chunks == st.chunks.size()) st.chunks.emplace_back();
+      Chunk& c = st.chunks[st.num_chunks++];
+      c.begin = begin;
+      c.count = np;
+      c.part = part_;
       // Nothing is copied in: the rule reads the caller's parameters and gradients and the
       // persistent state where they are, and writes its results into the staging (a later
       // fallible phase, e.g. an orthogonalization, may still fail).
@@ -274,8 +371,8 @@ class BucketedOptimizer final : public GroupOptimizer {
       args.config = &config();
       args.shape = &b.shape;
       args.count = static_cast<int64_t>(np);
-      args.x = st.x.As<float>();
-      for (size_t j = 0; j < np; ++j) {
+      args.x = st.x.As<float>() + begin * b.numel;
+      for (size_t j = begin; j < begin + np; ++j) {
         args.x_in.push_back(params[b.members[st.slots[j]]]);
         args.g.push_back(grads[b.members[st.slots[j]]]);
         args.step_count.push_back(&step_dev_staged_[b.members[st.slots[j]]]);
@@ -283,8 +380,8 @@ class BucketedOptimizer final : public GroupOptimizer {
       args.state_in.resize(b.specs.size());
       for (size_t k = 0; k < b.specs.size(); ++k) {
         const int64_t sn = b.specs[k].NumElements();
-        args.state.push_back(st.state[k].As<float>());
-        for (size_t j = 0; j < np; ++j) {
+        args.state.push_back(st.state[k].As<float>() + begin * sn);
+        for (size_t j = begin; j < begin + np; ++j) {
           args.state_in[k].push_back(b.state[k].As<float>() + st.slots[j] * sn);
         }
       }
@@ -305,20 +402,33 @@ class BucketedOptimizer final : public GroupOptimizer {
       args.step = step_number_;
       args.replica_average = replica_average_;
       args.replica_average_on_device = replica_average_on_device_;
-      args.replica_average_on_device = replica_average_on_device_;
       if (capture_ != nullptr && CapturedUpdateSize(config(), b.shape) > 0) {
-        for (size_t j = 0; j < np; ++j) {
+        for (size_t j = begin; j < begin + np; ++j) {
           args.capture.push_back(&capture_->payload[b.members[st.slots[j]]]);
         }
       }
       // A rule that can write the parameters at commit does so unless the step captures its
       // compact update (the owner's payload is read from the staged parameters).
-      st.deferred = rule_->DefersParamWrite() && args.capture.empty();
-      st.scalars = args.scalars;
-      if (st.deferred) args.keep = &st.keep;
+      c.deferred = rule_->DefersParamWrite() && args.capture.empty();
+      if (c.deferred) args.keep = &c.keep;
+      scalars_ = args.scalars;
       DIOND_RETURN_IF_ERROR(rule_->Apply(ctx, args));
-      staged_.push_back(std::move(st));
     }
+    return absl::OkStatus();
+  }
+
+  // The staging of every member of `b`, kept in `st` only when all of it was allocated.
+  absl::Status AllocateStaging(const Bucket& b, Staged* st) {
+    const int64_t all = static_cast<int64_t>(b.members.size());
+    DIOND_ASSIGN_OR_RETURN(kernels::Buffer x, F32Buffer(alloc_, all * b.numel));
+    std::vector<kernels::Buffer> state;
+    for (const StateSpec& spec : b.specs) {
+      DIOND_ASSIGN_OR_RETURN(kernels::Buffer sb, F32Buffer(alloc_, all * spec.NumElements()));
+      state.push_back(std::move(sb));
+    }
+    st->x = std::move(x);
+    st->state = std::move(state);
+    st->allocated = true;
     return absl::OkStatus();
   }
 
@@ -335,32 +445,37 @@ class BucketedOptimizer final : public GroupOptimizer {
     const kernels::Device dev = ctx.device();
     absl::Status s = kernels::Fill(ctx, 0.0f, update_sq_buf_.view());
     float* const sq = update_sq_buf_.As<float>();
-    for (Staged& st : staged_) {
-      Bucket& b = buckets_[st.bucket];
+    for (size_t bi = 0; bi < staging_.size(); ++bi) {
+      const Bucket& b = buckets_[bi];
+      Staged& st = staging_[bi];
       const int64_t numel = b.numel;
-      if (st.deferred) {
-        // The rule applies its compact update to the parameters in place (Σ(Δx)² with it).
-        internal::BucketArgs args;
-        args.config = &config();
-        args.shape = &b.shape;
-        args.count = static_cast<int64_t>(st.slots.size());
-        args.x = st.x.As<float>();
-        args.keep = &st.keep;
-        args.scalars = st.scalars;
-        args.step = step_number_;
-        for (size_t j = 0; j < st.slots.size(); ++j) {
-          const size_t p = b.members[st.slots[j]];
-          args.commit_x.push_back(params[p]);
-          args.commit_sq.push_back(sq + p);
+      for (size_t ci = 0; ci < st.num_chunks; ++ci) {
+        Chunk& c = st.chunks[ci];
+        if (c.deferred) {
+          // The rule applies its compact update to the parameters in place (Σ(Δx)² with it).
+          internal::BucketArgs args;
+          args.config = &config();
+          args.shape = &b.shape;
+          args.count = static_cast<int64_t>(c.count);
+          args.x = st.x.As<float>() + c.begin * numel;
+          args.keep = &c.keep;
+          args.scalars = scalars_;
+          args.step = step_number_;
+          for (size_t j = c.begin; j < c.begin + c.count; ++j) {
+            const size_t p = b.members[st.slots[j]];
+            args.commit_x.push_back(params[p]);
+            args.commit_sq.push_back(sq + p);
+          }
+          s.Update(rule_->CommitParams(ctx, args));
+          continue;
         }
-        s.Update(rule_->CommitParams(ctx, args));
-        continue;
-      }
-      for (size_t j = 0; j < st.slots.size(); ++j) {
-        const size_t p = b.members[st.slots[j]];
-        // One pass: the parameter takes the staged value, and Σ(Δx)² comes with it.
-        s.Update(kernels::CopyWithChange(ctx, F32View(st.x.As<float>() + j * numel, numel, dev),
-                                         F32View(params[p], numel, dev), F32View(sq + p, 1, dev)));
+        for (size_t j = c.begin; j < c.begin + c.count; ++j) {
+          const size_t p = b.members[st.slots[j]];
+          // One pass: the parameter takes the staged value, and Σ(Δx)² comes with it.
+          s.Update(kernels::CopyWithChange(ctx, F32View(st.x.As<float>() + j * numel, numel, dev),
+                                           F32View(params[p], numel, dev),
+                                           F32View(sq + p, 1, dev)));
+        }
       }
     }
     assert(s.ok());
@@ -414,11 +529,15 @@ class BucketedOptimizer final : public GroupOptimizer {
     const kernels::Context& ctx = *commit_ctx_;
     const kernels::Device dev = ctx.device();
     absl::Status s;
-    for (Staged& st : staged_) {
-      Bucket& b = buckets_[st.bucket];
-      // Every member took part: the staged state (sized for all members, in member order)
-      // becomes the state, and the old state buffers become the next step's staging.
-      if (st.slots.size() == b.members.size()) {
+    for (size_t bi = 0; bi < staging_.size(); ++bi) {
+      Bucket& b = buckets_[bi];
+      Staged& st = staging_[bi];
+      if (st.num_chunks == 0) continue;
+      // Every member took part, staged in member order (one Stage, or parts in that order): the
+      // staged state becomes the state, and the old state buffers the next step's staging.
+      bool in_order = st.slots.size() == b.members.size();
+      for (size_t j = 0; in_order && j < st.slots.size(); ++j) in_order = st.slots[j] == j;
+      if (in_order) {
         for (size_t k = 0; k < b.specs.size(); ++k) std::swap(b.state[k], st.state[k]);
         continue;
       }
@@ -432,14 +551,14 @@ class BucketedOptimizer final : public GroupOptimizer {
     }
     assert(s.ok());
     (void)s;
-    RecycleStaged();
+    ResetStaging();
   }
 
   void DiscardStaged() override {
     in_place_step_ = false;
     norm_pending_ = false;  // (a queued read-back still lands where it was sent, never summed)
     deferred_count_ = 0;
-    RecycleStaged();
+    ResetStaging();
   }
 
   // The in-place path (UpdateRule::InPlace: AdamW, Lion): each parameter with a gradient is
@@ -495,8 +614,7 @@ class BucketedOptimizer final : public GroupOptimizer {
         fresh[bi].push_back(std::move(nb));
       }
     }
-    RecycleStaged();
-    spare_.clear();  // staging buffers were sized for the old buckets
+    staging_.clear();  // staging buffers were sized for the old buckets
     for (size_t bi = 0; bi < buckets_.size(); ++bi) {
       Bucket& b = buckets_[bi];
       std::vector<size_t> members;
@@ -575,15 +693,17 @@ class BucketedOptimizer final : public GroupOptimizer {
   std::vector<Bucket> buckets_;
   static constexpr size_t kReleasedSlot = static_cast<size_t>(-1);
   std::vector<std::pair<size_t, size_t>> where_;  // param -> (bucket, slot or kReleasedSlot)
-  // Moves the staged buffers back to spare_ for the next step.
-  void RecycleStaged() {
-    spare_.resize(buckets_.size());
-    for (Staged& st : staged_) spare_[st.bucket] = std::move(st);
-    staged_.clear();
+  // Empties the staging for the next step (its buffers and chunks are kept for reuse).
+  void ResetStaging() {
+    for (Staged& st : staging_) {
+      st.slots.clear();
+      st.num_chunks = 0;
+    }
   }
 
-  std::vector<Staged> staged_;
-  std::vector<Staged> spare_;  // per bucket: buffers of the previous step, kept for reuse
+  std::vector<Staged> staging_;    // per bucket
+  int64_t part_ = 0;               // the StagePart being staged (numbers the chunks)
+  internal::StepScalars scalars_;  // of the step being staged
   // In-place rules: Σ(Δx)² per parameter of the step (f32, one per parameter), and whether the
   // last StageStep ran in place.
   kernels::Buffer update_sq_buf_;

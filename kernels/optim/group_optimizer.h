@@ -102,7 +102,25 @@ class GroupOptimizer {
   // The norm of the change WriteStagedParams made (last_update_norm() once committed).
   double staged_update_norm() const;
   void CommitStagedState();
-  void DiscardStagedStep() { DiscardStaged(); }
+  void DiscardStagedStep();
+
+  // The same staged step in parts, e.g. one per bucket of gradients as backward produces them.
+  //  * BeginStagedStep drops whatever was staged and opens a step with `options` on `ctx` (which
+  //    must outlive the step). INVALID_ARGUMENT as Stage, and for the options a part cannot
+  //    honour: capture and replica_average (a world step) and in_place (a later part could fail).
+  //  * StagePart stages, as Stage would, the parameters i with grads[i] != nullptr; params holds
+  //    every parameter. Parts are disjoint (INVALID_ARGUMENT for a parameter that an earlier part
+  //    of the step gave a gradient) and may come in any order. On error the part changes nothing
+  //    and the parts before it stay staged (retry it, or DiscardStagedStep). FAILED_PRECONDITION
+  //    without an open step (none begun, or WriteStagedParams since).
+  //  * Then WriteStagedParams and CommitStagedState (or DiscardStagedStep), as after Stage. A
+  //    parameter that no part gave a gradient is left alone, as with a null grad.
+  // The result is, bit for bit, Stage's with the union of the parts' gradients (parameters,
+  // state, steps_taken, last_update_norm): a part runs the rules on its parameters of each shape
+  // bucket as one sub-batch, a batch's results are those of its matrices one at a time, and the
+  // commit and the norm's sum go parameter by parameter, whichever part staged them.
+  absl::Status BeginStagedStep(const kernels::Context& ctx, const StepOptions& options = {});
+  absl::Status StagePart(absl::Span<float* const> params, absl::Span<const float* const> grads);
 
   // The state names of this group's algorithm (StateNames(config().algorithm)).
   std::vector<std::string> StateNames() const;
@@ -149,6 +167,13 @@ class GroupOptimizer {
   virtual absl::Status StageStep(const kernels::Context& ctx, absl::Span<float* const> params,
                                  absl::Span<const float* const> grads, float lr,
                                  float weight_decay) = 0;
+  // Staging in parts: BeginParts drops what was staged and readies an empty step on ctx;
+  // StagePartImpl stages the parameters with a gradient (validated, disjoint from the earlier
+  // parts) and, on error, drops what it staged itself and nothing else.
+  virtual void BeginParts(const kernels::Context& ctx) = 0;
+  virtual absl::Status StagePartImpl(absl::Span<float* const> params,
+                                     absl::Span<const float* const> grads, float lr,
+                                     float weight_decay) = 0;
   virtual void CommitStagedParams(absl::Span<float* const> params) = 0;
   virtual void CommitStagedStateImpl() = 0;
   virtual void DiscardStaged() = 0;
@@ -188,8 +213,19 @@ class GroupOptimizer {
  private:
   GroupConfig config_;
   std::vector<ParamShape> shapes_;
+  // INVALID_ARGUMENT / FAILED_PRECONDITION for the arguments Stage and StagePart refuse.
+  absl::Status CheckStepArgs(absl::Span<float* const> params,
+                             absl::Span<const float* const> grads) const;
+  // The checks of Stage and BeginStagedStep on the options and the context's device.
+  absl::Status CheckStepOptions(const kernels::Context& ctx, const StepOptions& options) const;
+
   int64_t steps_taken_ = 0;
   double last_update_norm_ = 0;
+  // The step being staged in parts: open from BeginStagedStep to WriteStagedParams, its scalars,
+  // and per parameter whether a part gave it a gradient.
+  bool parts_open_ = false;
+  float parts_lr_ = 0, parts_weight_decay_ = 0;
+  std::vector<bool> in_part_;
   std::vector<bool> released_;  // empty until ReleaseState
 };
 
