@@ -7,6 +7,7 @@
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "kernels/optim/option_table.h"
+#include "server/memory/doorbell.h"
 
 namespace diond::rpc {
 namespace {
@@ -223,10 +224,42 @@ session::StepRequest StepRequestFromProto(const v1::StepRequest& req) {
   sr.ready_event = req.ready_event();
   sr.done_event = req.done_event();
   sr.params_without_grad.assign(req.params_without_grad().begin(), req.params_without_grad().end());
+  sr.overlap = req.overlap();
   return sr;
 }
 
+absl::StatusOr<std::vector<std::vector<int32_t>>> DoorbellBucketsFromProto(
+    const v1::RegisterRegionRequest& req) {
+  if (req.kind() != v1::REGION_KIND_SYSTEM_SHM && req.kind() != v1::REGION_KIND_MEMFD) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("REGION_ROLE_DOORBELLS is a page of host memory: kind must be "
+                     "REGION_KIND_SYSTEM_SHM or REGION_KIND_MEMFD, not ",
+                     v1::RegionKind_Name(req.kind())));
+  }
+  if (req.kind() == v1::REGION_KIND_SYSTEM_SHM && !req.has_system_shm()) {
+    return absl::InvalidArgumentError("REGION_KIND_SYSTEM_SHM needs system_shm");
+  }
+  if (req.kind() == v1::REGION_KIND_MEMFD && !req.has_memfd()) {
+    return absl::InvalidArgumentError("REGION_KIND_MEMFD needs memfd");
+  }
+  // Bounded before anything is allocated for them (the session checks them against its
+  // parameters and the page's header).
+  if (req.buckets_size() < 1 || req.buckets_size() > memory::Doorbells::kMaxBuckets) {
+    return absl::InvalidArgumentError(absl::StrCat("REGION_ROLE_DOORBELLS declares ",
+                                                   req.buckets_size(), " buckets; 1 to ",
+                                                   memory::Doorbells::kMaxBuckets, " are allowed"));
+  }
+  std::vector<std::vector<int32_t>> buckets;
+  buckets.reserve(static_cast<size_t>(req.buckets_size()));
+  for (const v1::Bucket& b : req.buckets())
+    buckets.emplace_back(b.params().begin(), b.params().end());
+  return buckets;
+}
+
 absl::StatusOr<session::Role> RegionRoleFromProto(const v1::RegisterRegionRequest& req) {
+  if (req.buckets_size() > 0) {
+    return absl::InvalidArgumentError("buckets are for REGION_ROLE_DOORBELLS only");
+  }
   session::Role role;
   switch (req.role()) {
     case v1::REGION_ROLE_PARAMETERS:

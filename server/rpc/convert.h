@@ -5,6 +5,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "diond/v1/optimizer.pb.h"
@@ -47,6 +48,11 @@ session::StepRequest StepRequestFromProto(const v1::StepRequest& req);
 // kind or a missing body. The CUDA kinds pass here; their fields, and the refusal on a CPU
 // daemon, are the service's checks, as is whether the caller may register memory at all.
 absl::StatusOr<session::Role> RegionRoleFromProto(const v1::RegisterRegionRequest& req);
+// RegisterRegion of REGION_ROLE_DOORBELLS: the buckets (each a list of parameter indices), once
+// the kind is a host one with its body; INVALID_ARGUMENT for another kind or a bucket count
+// outside [1, Doorbells::kMaxBuckets]. Session::RegisterDoorbells checks the indices.
+absl::StatusOr<std::vector<std::vector<int32_t>>> DoorbellBucketsFromProto(
+    const v1::RegisterRegionRequest& req);
 
 }  // namespace diond::rpc
 

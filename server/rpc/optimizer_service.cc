@@ -1,6 +1,7 @@
 #include "server/rpc/optimizer_service.h"
 
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -53,6 +54,12 @@ grpc::ServerUnaryReactor* OptimizerService::RegisterRegion(grpc::CallbackServerC
     if (!p.ok()) return p.status();
     auto s = OwnedSession(manager_, *p, req->session_id());
     if (!s.ok()) return s.status();
+    if (req->role() == v1::REGION_ROLE_DOORBELLS) {
+      auto id = RegisterDoorbells(*p, s->get(), *req, ctx->peer());
+      if (!id.ok()) return id.status();
+      resp->set_region_id(*id);
+      return absl::OkStatus();
+    }
     auto role_or = RegionRoleFromProto(*req);
     if (!role_or.ok()) return role_or.status();
     const session::Role role = *role_or;
@@ -73,14 +80,8 @@ grpc::ServerUnaryReactor* OptimizerService::RegisterRegion(grpc::CallbackServerC
       default:
         break;  // REGION_KIND_SYSTEM_SHM, below
     }
-    if (!options_.allow_shm_from_tcp && !p->local) {
-      return absl::PermissionDeniedError(
-          absl::StrCat("shared-memory registration from ", ctx->peer(),
-                       " is off: connect over the Unix socket, or start diond with "
-                       "--allow_shm_from_tcp"));
-    }
     const v1::SystemShmRegion& shm = req->system_shm();
-    if (absl::Status o = CheckSegmentOwner(*p, shm.name()); !o.ok()) return o;
+    if (absl::Status o = CheckShmCaller(*p, shm.name(), ctx->peer()); !o.ok()) return o;
     auto id = (*s)->RegisterShmRegion(role, shm.name(), shm.offset_bytes(), shm.size_bytes());
     if (!id.ok()) return id.status();
     resp->set_region_id(*id);
@@ -88,9 +89,40 @@ grpc::ServerUnaryReactor* OptimizerService::RegisterRegion(grpc::CallbackServerC
   });
 }
 
+absl::Status OptimizerService::CheckShmCaller(const Principal& p, const std::string& name,
+                                              const std::string& peer) const {
+  if (!options_.allow_shm_from_tcp && !p.local) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("shared-memory registration from ", peer,
+                     " is off: connect over the Unix socket, or start diond with "
+                     "--allow_shm_from_tcp"));
+  }
+  return CheckSegmentOwner(p, name);
+}
+
+absl::StatusOr<std::string> OptimizerService::RegisterDoorbells(
+    const Principal& p, session::Session* s, const v1::RegisterRegionRequest& req,
+    const std::string& peer) {
+  DIOND_ASSIGN_OR_RETURN(std::vector<std::vector<int32_t>> buckets, DoorbellBucketsFromProto(req));
+  if (req.kind() == v1::REGION_KIND_MEMFD) {
+    DIOND_ASSIGN_OR_RETURN(fdchannel::UniqueFd fd, TakeMemfd(p, req.memfd()));
+    return s->RegisterMemfdDoorbells(std::move(fd), req.memfd().offset_bytes(),
+                                     req.memfd().size_bytes(), buckets);
+  }
+  const v1::SystemShmRegion& shm = req.system_shm();
+  DIOND_RETURN_IF_ERROR(CheckShmCaller(p, shm.name(), peer));
+  return s->RegisterShmDoorbells(shm.name(), shm.offset_bytes(), shm.size_bytes(), buckets);
+}
+
 absl::StatusOr<std::string> OptimizerService::RegisterMemfd(const Principal& p, session::Session* s,
                                                             session::Role role,
                                                             const v1::MemfdRegion& m) {
+  DIOND_ASSIGN_OR_RETURN(fdchannel::UniqueFd fd, TakeMemfd(p, m));
+  return s->RegisterMemfdRegion(role, std::move(fd), m.offset_bytes(), m.size_bytes());
+}
+
+absl::StatusOr<fdchannel::UniqueFd> OptimizerService::TakeMemfd(const Principal& p,
+                                                                const v1::MemfdRegion& m) {
   if (options_.fd_channel == nullptr) {
     return absl::FailedPreconditionError(
         "REGION_KIND_MEMFD needs the daemon's fd channel, and this daemon has none (it listens "
@@ -101,9 +133,7 @@ absl::StatusOr<std::string> OptimizerService::RegisterMemfd(const Principal& p, 
         "REGION_KIND_MEMFD is for callers on the daemon's Unix socket: the fd channel's token is "
         "checked against the caller's uid");
   }
-  DIOND_ASSIGN_OR_RETURN(fdchannel::UniqueFd fd,
-                         options_.fd_channel->Take(m.fd_token(), p.uid, fdchannel::FdKind::kMemfd));
-  return s->RegisterMemfdRegion(role, std::move(fd), m.offset_bytes(), m.size_bytes());
+  return options_.fd_channel->Take(m.fd_token(), p.uid, fdchannel::FdKind::kMemfd);
 }
 
 absl::StatusOr<std::string> OptimizerService::RegisterCuda(const Principal& p, session::Session* s,

@@ -93,6 +93,15 @@ class OptimizerService final : public diond::v1::Optimizer::CallbackService {
 
  private:
   // RegisterRegion's MEMFD and CUDA kinds (the data plane).
+  // REGION_ROLE_DOORBELLS (SYSTEM_SHM or MEMFD) with its buckets.
+  absl::StatusOr<std::string> RegisterDoorbells(const Principal& p, session::Session* s,
+                                                const v1::RegisterRegionRequest& req,
+                                                const std::string& peer);
+  // A shm registration's caller checks: a local caller (or --allow_shm_from_tcp) owning `name`.
+  absl::Status CheckShmCaller(const Principal& p, const std::string& name,
+                              const std::string& peer) const;
+  // The memfd behind m.fd_token, for a local caller of a daemon with an fd channel.
+  absl::StatusOr<fdchannel::UniqueFd> TakeMemfd(const Principal& p, const v1::MemfdRegion& m);
   absl::StatusOr<std::string> RegisterMemfd(const Principal& p, session::Session* s,
                                             session::Role role, const v1::MemfdRegion& m);
   // CUDA_IPC / CUDA_VMM_FD (docs/DATA_PLANE.md "CUDA regions"): the fields checked, the VMM fd

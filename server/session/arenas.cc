@@ -1,6 +1,7 @@
 #include "server/session/arenas.h"
 
 #include <cstring>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/bounded.h"
@@ -114,7 +115,25 @@ absl::StatusOr<std::string> Arenas::BindCuda(Role role,
   return b.region_id;
 }
 
+absl::StatusOr<std::string> Arenas::BindDoorbells(std::unique_ptr<memory::ShmRegion> region,
+                                                  memory::Doorbells bells,
+                                                  std::vector<std::vector<size_t>> buckets) {
+  if (doorbells_.region != nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "DOORBELLS already has region ", doorbells_.region_id, "; unregister it first"));
+  }
+  doorbells_.region = std::move(region);
+  doorbells_.bells = bells;
+  doorbells_.buckets = std::move(buckets);
+  doorbells_.region_id = absl::StrCat("doorbells-", next_region_++);
+  return doorbells_.region_id;
+}
+
 bool Arenas::Unbind(const std::string& region_id) {
+  if (doorbells_.region != nullptr && doorbells_.region_id == region_id) {
+    doorbells_ = DoorbellPage();
+    return true;
+  }
   for (Role r : {Role::kParameters, Role::kGradients}) {
     Binding& b = binding(r);
     if ((b.region != nullptr || b.cuda != nullptr) && b.region_id == region_id) {
@@ -147,6 +166,7 @@ void Arenas::DetachTrainer(const std::string& session_id) {
     }
   }
   if (grads_.region != nullptr || grads_.cuda != nullptr) grads_.Clear();
+  doorbells_ = DoorbellPage();
 }
 
 absl::Status Arenas::EnsureHostArena(Role r) {

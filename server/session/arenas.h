@@ -25,6 +25,7 @@
 #include "absl/strings/string_view.h"
 #include "kernels/context.h"
 #include "server/memory/cuda_region.h"
+#include "server/memory/doorbell.h"
 #include "server/memory/shm_region.h"
 #include "server/session/compute_thread.h"
 #include "server/session/types.h"
@@ -70,6 +71,21 @@ class Arenas {
   Binding& grads() { return grads_; }
   const Binding& params() const { return params_; }
   const Binding& grads() const { return grads_; }
+  // An overlapped step's doorbell page (docs/DATA_PLANE.md "Overlapped step") and its buckets
+  // (parameter indices, each in exactly one); `bells` is set while `region` is.
+  struct DoorbellPage {
+    std::unique_ptr<memory::ShmRegion> region;
+    std::optional<memory::Doorbells> bells;
+    std::vector<std::vector<size_t>> buckets;
+    std::string region_id;
+  };
+  const DoorbellPage& doorbells() const { return doorbells_; }
+  // Binds a doorbell page attached by the caller (replacing none: FAILED_PRECONDITION when one is
+  // bound). Returns its id.
+  absl::StatusOr<std::string> BindDoorbells(std::unique_ptr<memory::ShmRegion> region,
+                                            memory::Doorbells bells,
+                                            std::vector<std::vector<size_t>> buckets);
+
   // Weights are held: a PARAMETERS binding, or weights waiting for one.
   bool HoldsParameters() const { return params_.any() || !held_.empty(); }
   bool holding() const { return !held_.empty(); }
@@ -151,6 +167,7 @@ class Arenas {
   const kernels::Context* device_ctx_ = nullptr;
   Binding params_;
   Binding grads_;
+  DoorbellPage doorbells_;
   int64_t next_region_ = 1;
   // Host vectors, or (device_master_) the device buffer `device_master_buf_`, offsets per
   // parameter (-1: none).

@@ -25,6 +25,9 @@ Session::~Session() { DrainQueuedStep(/*closing=*/true); }
 
 int64_t Session::DrainQueuedStep(bool closing) {
   absl::MutexLock lock(&mu_);
+  // An overlapped step waiting for its doorbells (without the mutex) gives up: its trainer is
+  // gone or replaced, and its buckets may never be rung.
+  cancel_waits_.fetch_add(1);
   if (closing) queue_.Close();
   if (queue_.queued()) queue_.Await(StepQueue::State::kDone);
   if (closing) {
@@ -141,6 +144,7 @@ absl::StatusOr<StepResult> Session::Step(const StepRequest& request, const kerne
       return *replay;  // the recorded answer, as a synchronous Step gives it
     }
     // The queued thread runs the step under mu_, as a synchronous Step does.
+    queued_cancel_gen_ = cancel_waits_.load();
     queue_.Start(
         request.step_index,
         [this, request, ctx = &ctx]()

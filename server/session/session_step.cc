@@ -11,6 +11,8 @@
 // A failure before the commit drops what was staged: the optimizer state, the master weights
 // and the step index stay as they were. Only the trainer's own weights may then have been
 // written, and only when its PARAMETERS region broke (that memory is gone with the region).
+// An overlapped step (session_overlap.cc) reads the weights first, then the gradients and the
+// staging bucket by bucket as the trainer rings them, and joins here at the decision.
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -72,6 +74,8 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequest& request,
   // After the first step: which phases may run as captured graphs (RunPhaseGraph tries them),
   // and why the others run eagerly.
   memory_->PrepareStep(*this, run);
+  // Bucket by bucket as the trainer's backward produces them (session_overlap.cc).
+  if (request.overlap) return OverlappedStepLocked(run, update_ctx);
 
   DIOND_RETURN_IF_ERROR(JoinWorldPhase(run));
   // The phases that only compute run on the daemon's compute thread (compute_thread.h); the
@@ -87,15 +91,7 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequest& request,
       return absl::InvalidArgumentError(absl::StrCat(
           "step ", request.step_index, ": gradients contain NaN or Inf (non_finite_policy=ERROR)"));
     }
-    run.result.skipped = true;
-    // The weights are as they were: the trainer's stream may go on.
-    DIOND_RETURN_IF_ERROR(memory_->RecordDoneEvent(*this, *run.request));
-    if (run.comm != nullptr) run.result.world_bytes_sent = run.comm->TakeBytesSent();
-    run.result.total_micros = absl::ToInt64Microseconds(absl::Now() - start);
-    if (!run.result.graph_fallbacks.empty()) memory_->FallbacksReported();
-    last_step_index_ = request.step_index;
-    last_result_ = run.result;
-    return run.result;
+    return SkipStepLocked(run);
   }
   if (absl::Status s = CallOnCompute(compute_, [&] { return memory_->ReadParameters(*this, run); });
       !s.ok()) {
@@ -106,6 +102,23 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequest& request,
   }
   DIOND_RETURN_IF_ERROR(
       CallOnCompute(compute_, [&] { return StageUpdatesPhase(run, update_ctx); }));
+  return FinishStepLocked(run, update_ctx);
+}
+
+absl::StatusOr<StepResult> Session::SkipStepLocked(StepRun& run) {
+  run.result.skipped = true;
+  // The weights are as they were: the trainer's stream may go on.
+  DIOND_RETURN_IF_ERROR(memory_->RecordDoneEvent(*this, *run.request));
+  if (run.comm != nullptr) run.result.world_bytes_sent = run.comm->TakeBytesSent();
+  run.result.total_micros = absl::ToInt64Microseconds(absl::Now() - run.start);
+  if (!run.result.graph_fallbacks.empty()) memory_->FallbacksReported();
+  last_step_index_ = run.request->step_index;
+  last_result_ = run.result;
+  return run.result;
+}
+
+absl::StatusOr<StepResult> Session::FinishStepLocked(StepRun& run,
+                                                     const kernels::Context& update_ctx) {
   // Everything the update read came from intact memory: nothing has been written yet.
   if (absl::Status s = arenas_.CheckRegions(run.when); !s.ok()) {
     DiscardStep(run);
@@ -248,6 +261,7 @@ absl::Status Session::ValidateStepLocked(const StepRequest& request,
     return absl::FailedPreconditionError(
         "no gradients: register a GRADIENTS region (or PushGradients) before Step");
   }
+  if (request.overlap) DIOND_RETURN_IF_ERROR(ValidateOverlapLocked(request));
   if (params.cuda == nullptr) DIOND_RETURN_IF_ERROR(arenas_.EnsureHostArena(Role::kParameters));
   DIOND_RETURN_IF_ERROR(memory_->PrepareEvents(*this, request));
   // The trainer may have truncated its segments: a cheap look first (fstat); after each pass
@@ -277,7 +291,7 @@ absl::Status Session::StageUpdatesPhase(StepRun& run, const kernels::Context& ct
   return absl::OkStatus();
 }
 
-absl::Status Session::StageGroups(StepRun& run, const kernels::Context& ctx) {
+void Session::InitGroupRuns(StepRun& run) {
   const StepRequest& request = *run.request;
   const size_t groups = groups_.size();
   run.opts.assign(groups, {});
@@ -293,6 +307,12 @@ absl::Status Session::StageGroups(StepRun& run, const kernels::Context& ctx) {
     run.opts[gi].weight_decay = g.weight_decay;
     run.opts[gi].step = GroupStep(request, g.name);  // the reference's group step (cqr warm-up)
   }
+}
+
+absl::Status Session::StageGroups(StepRun& run, const kernels::Context& ctx) {
+  const StepRequest& request = *run.request;
+  const size_t groups = groups_.size();
+  InitGroupRuns(run);
   for (size_t gi = 0; gi < groups; ++gi) {
     Group& g = groups_[gi];
     if (g.optimizer == nullptr) continue;

@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -79,6 +80,11 @@ struct Session::HostMemory final : Session::StepMemory {
     return absl::OkStatus();
   }
   absl::Status ReadGradients(Session& s, StepRun& run) override;
+  // An overlapped step's bucket: ReadGradients of `params` only (run.grads sized, run.finite
+  // cleared by the caller, and'ed here).
+  absl::Status ReadGradientsOf(Session& s, StepRun& run, const std::vector<size_t>& params);
+  // Parameter i's gradient as fp32 into run.grads[i], scanned while run.finite.
+  absl::Status ReadGradient(Session& s, StepRun& run, size_t i);
   absl::Status ReduceGradients(Session& s, StepRun& run, int64_t block) override;
   void JoinWorld(Session& s, StepRun& run,
                  std::shared_ptr<comm::Communicator> device_comm) override {}

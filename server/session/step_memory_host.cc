@@ -27,36 +27,44 @@ absl::Status Session::HostMemory::ReadGradients(Session& s, StepRun& run) {
   const size_t n = s.layout_.tensors.size();
   run.grads.assign(n, nullptr);
   s.arenas_.grad_scratch().resize(n);  // each buffer keeps its capacity between steps
-  bool finite = true;
-  for (size_t i = 0; i < n; ++i) {
-    if (run.no_grad[i]) continue;  // never read: its bytes need not be finite
-    const TensorPlacement& t = s.layout_.tensors[i];
-    const uint8_t* src = s.arenas_.grads().data + t.grad_offset;
-    bool ok = true;
-    if (t.dtype == DType::kF32 && !run.scaled) {
-      // In place, wherever the arena lies. The scan reads exactly what the update reads later;
-      // a trainer writing its gradients meanwhile only changes its own session's step.
-      run.grads[i] = reinterpret_cast<const float*>(src);
-      if (finite) {
-        DIOND_RETURN_IF_ERROR(
-            kernels::AllFinite(*run.ctx, internal::HostView(t.dtype, src, t.numel), &ok));
-      }
-    } else {
-      // Widened and scaled in the pass that scans them (a world's non-finite rank still
-      // contributes every gradient to the reduce-scatter, so all are converted).
-      std::vector<float>& c = s.arenas_.grad_scratch()[i];
-      c.resize(static_cast<size_t>(t.numel));
-      DIOND_RETURN_IF_ERROR(kernels::WidenScaleCheckFinite(
-          *run.ctx, internal::HostView(t.dtype, src, t.numel), run.scale,
-          internal::HostView(DType::kF32, c.data(), t.numel), &ok));
-      run.grads[i] = c.data();
-    }
-    finite = finite && ok;
-  }
-  run.finite = finite;
+  run.finite = true;
+  for (size_t i = 0; i < n; ++i) DIOND_RETURN_IF_ERROR(ReadGradient(s, run, i));
   // A region found broken here fails the step before anything (a world: before any collective;
   // the other ranks' steps then fail on their collectives' timeout).
   return s.arenas_.CheckRegions(run.when, Role::kGradients);
+}
+
+absl::Status Session::HostMemory::ReadGradientsOf(Session& s, StepRun& run,
+                                                  const std::vector<size_t>& params) {
+  for (size_t i : params) DIOND_RETURN_IF_ERROR(ReadGradient(s, run, i));
+  return s.arenas_.CheckRegions(run.when, Role::kGradients);
+}
+
+absl::Status Session::HostMemory::ReadGradient(Session& s, StepRun& run, size_t i) {
+  if (run.no_grad[i]) return absl::OkStatus();  // never read: its bytes need not be finite
+  const TensorPlacement& t = s.layout_.tensors[i];
+  const uint8_t* src = s.arenas_.grads().data + t.grad_offset;
+  bool ok = true;
+  if (t.dtype == DType::kF32 && !run.scaled) {
+    // In place, wherever the arena lies. The scan reads exactly what the update reads later;
+    // a trainer writing its gradients meanwhile only changes its own session's step.
+    run.grads[i] = reinterpret_cast<const float*>(src);
+    if (run.finite) {
+      DIOND_RETURN_IF_ERROR(
+          kernels::AllFinite(*run.ctx, internal::HostView(t.dtype, src, t.numel), &ok));
+    }
+  } else {
+    // Widened and scaled in the pass that scans them (a world's non-finite rank still
+    // contributes every gradient to the reduce-scatter, so all are converted).
+    std::vector<float>& c = s.arenas_.grad_scratch()[i];
+    c.resize(static_cast<size_t>(t.numel));
+    DIOND_RETURN_IF_ERROR(kernels::WidenScaleCheckFinite(
+        *run.ctx, internal::HostView(t.dtype, src, t.numel), run.scale,
+        internal::HostView(DType::kF32, c.data(), t.numel), &ok));
+    run.grads[i] = c.data();
+  }
+  run.finite = run.finite && ok;
+  return absl::OkStatus();
 }
 
 absl::Status Session::HostMemory::ReadParameters(Session& s, StepRun& run) {

@@ -107,6 +107,9 @@ struct StepRequest {
   // StepRequest.params_without_grad: indices into Layout::tensors whose parameter (and state)
   // this step leaves alone. Validated by the session (range, repeats).
   std::vector<int32_t> params_without_grad;
+  // StepRequest.overlap (docs/DATA_PLANE.md "Overlapped step"): the asynchronous step stages
+  // each bucket as the doorbell page says its gradients are written.
+  bool overlap = false;
 };
 
 struct StepResult {

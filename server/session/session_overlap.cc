@@ -1,0 +1,293 @@
+// The overlapped step (docs/DATA_PLANE.md "Overlapped step"): an asynchronous Step whose queued
+// thread stages the update bucket by bucket, as the trainer's doorbells say each bucket's
+// gradients are written, while its backward still produces the others.
+//
+// The transaction is the synchronous step's, whole: every parameter is read first, then each
+// rung bucket's gradients are read with their finiteness scan and, while all are finite, that
+// bucket's part of every group is staged (GroupOptimizer::StagePart: equal to one Stage, bit for
+// bit). Nothing is written before the last bucket: then the decision (skip or fail on a
+// non-finite value anywhere), and FinishStepLocked writes the weights and commits, as a
+// synchronous step does. The weights doorbells are rung after it, in the reverse of the order the
+// gradients came (the order the next forward needs them), or all failed.
+//
+// The wait for a doorbell runs without the session's mutex, so that a close, a new trainer or
+// the daemon's stop can cancel it (cancel_waits_). Meanwhile the step owns the session as any
+// queued step does: every call that would touch its regions or state is refused or waits.
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/bounded.h"
+#include "common/status_macros.h"
+#include "server/memory/memfd_region.h"
+#include "server/session/session.h"
+#include "server/session/session_internal.h"
+#include "server/session/step_memory.h"
+
+namespace diond::session {
+namespace {
+
+// How long a step waits for the next bucket's gradients: far longer than any backward, so only a
+// trainer that stopped meets it (a closed session cancels the wait at once).
+constexpr absl::Duration kBucketWait = absl::Minutes(10);
+
+constexpr char kNotBuilt[] =
+    ": its overlapped step is not built yet (docs/DATA_PLANE.md \"Overlapped step\": local host "
+    "sessions only)";
+
+}  // namespace
+
+absl::StatusOr<std::string> Session::RegisterShmDoorbells(
+    const std::string& name, int64_t offset, int64_t size,
+    const std::vector<std::vector<int32_t>>& buckets) {
+  DIOND_RETURN_IF_ERROR(memory::ValidateShmName(name));
+  return RegisterDoorbells(name, offset, size, buckets,
+                           [&] { return memory::ShmRegion::Open(name, offset, size, id_); });
+}
+
+absl::StatusOr<std::string> Session::RegisterMemfdDoorbells(
+    fdchannel::UniqueFd fd, int64_t offset, int64_t size,
+    const std::vector<std::vector<int32_t>>& buckets) {
+  if (absl::Status s = memory::CheckMemfd(fd.get()); !s.ok()) return s;
+  const std::string name = memory::MemfdName(fd.get());
+  return RegisterDoorbells(name, offset, size, buckets, [&] {
+    return memory::ShmRegion::Adopt(fd.release(), "memfd", name, offset, size, id_);
+  });
+}
+
+absl::StatusOr<std::string> Session::RegisterDoorbells(
+    const std::string& name, int64_t offset, int64_t size,
+    const std::vector<std::vector<int32_t>>& buckets,
+    absl::FunctionRef<absl::StatusOr<std::unique_ptr<memory::ShmRegion>>()> open) {
+  if (device_ != nullptr || is_world_session()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("DOORBELLS: session ", id_, " is a ",
+                     device_ != nullptr ? "device session" : "world session", kNotBuilt));
+  }
+  if (offset < 0 || offset % kArenaAlignment != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("DOORBELLS: region offset ", offset,
+                                                   " must be a non-negative multiple of ",
+                                                   kArenaAlignment));
+  }
+  DIOND_ASSIGN_OR_RETURN(std::vector<std::vector<size_t>> parts, CheckBuckets(buckets));
+  absl::MutexLock lock(&mu_);
+  last_used_ = absl::Now();
+  DIOND_RETURN_IF_ERROR(queue_.Refuse("RegisterRegion (DOORBELLS)"));
+  if (arenas_.doorbells().region != nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "DOORBELLS already has region ", arenas_.doorbells().region_id, "; unregister it first"));
+  }
+  // The daemon writes into the page: never over the trainer's arenas.
+  for (Role r : {Role::kParameters, Role::kGradients}) {
+    const memory::ShmRegion* other = arenas_.binding(r).region.get();
+    if (other != nullptr && other->name() == name && offset < other->offset() + other->size() &&
+        other->offset() < offset + size) {
+      return absl::InvalidArgumentError(absl::StrCat("DOORBELLS: region [", offset, ", ",
+                                                     offset + size, ") overlaps the ", RoleName(r),
+                                                     " ", other->Describe()));
+    }
+  }
+  DIOND_ASSIGN_OR_RETURN(std::unique_ptr<memory::ShmRegion> region, open());
+  DIOND_ASSIGN_OR_RETURN(memory::Doorbells bells, memory::Doorbells::Attach(region.get()));
+  if (static_cast<size_t>(bells.buckets()) != parts.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("DOORBELLS: the request declares ", parts.size(),
+                                                   " buckets; the page's header ",
+                                                   bells.buckets()));
+  }
+  return arenas_.BindDoorbells(std::move(region), bells, std::move(parts));
+}
+
+absl::StatusOr<std::vector<std::vector<size_t>>> Session::CheckBuckets(
+    const std::vector<std::vector<int32_t>>& buckets) const {
+  const size_t n = layout_.tensors.size();
+  std::vector<size_t> bucket_of(n, buckets.size());  // buckets.size(): none yet
+  std::vector<std::vector<size_t>> out(buckets.size());
+  for (size_t k = 0; k < buckets.size(); ++k) {
+    if (buckets[k].empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "DOORBELLS: buckets[", k, "] is empty; every bucket holds at least one parameter"));
+    }
+    for (int32_t p : buckets[k]) {
+      if (p < 0 || static_cast<size_t>(p) >= n) {
+        return absl::InvalidArgumentError(absl::StrCat("DOORBELLS: buckets[", k, "] names index ",
+                                                       p, ", not a parameter of the session (", n,
+                                                       " parameters)"));
+      }
+      const size_t i = static_cast<size_t>(p);
+      if (bucket_of[i] != buckets.size()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("DOORBELLS: parameter ", i, " ('", Bounded(layout_.tensors[i].name),
+                         "') is in buckets[", bucket_of[i], "] and buckets[", k,
+                         "]; each parameter is in exactly one bucket"));
+      }
+      bucket_of[i] = k;
+      out[k].push_back(i);
+    }
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (bucket_of[i] == buckets.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("DOORBELLS: parameter ", i, " ('", Bounded(layout_.tensors[i].name),
+                       "') is in no bucket; each parameter is in exactly one bucket"));
+    }
+  }
+  return out;
+}
+
+absl::Status Session::ValidateOverlapLocked(const StepRequest& request) {
+  const std::string when = absl::StrCat("step ", request.step_index, ": overlap");
+  if (!request.asynchronous) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(when,
+                     " needs asynchronous = true (the queued step waits for the buckets' doorbells "
+                     "while the trainer's backward runs)"));
+  }
+  if (device_ != nullptr || world_ != nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(when, ": session ", id_, " is a ",
+                                                      device_ != nullptr ? "device" : "world",
+                                                      " session", kNotBuilt));
+  }
+  const Arenas::DoorbellPage& page = arenas_.doorbells();
+  if (page.region == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        when,
+        " needs a doorbell page: register a REGION_ROLE_DOORBELLS region with the buckets "
+        "first"));
+  }
+  if (absl::Status s = page.region->CheckIntact(); !s.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(when, ": the DOORBELLS ", s.message(), "; nothing was changed"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StepResult> Session::OverlappedStepLocked(StepRun& run,
+                                                         const kernels::Context& update_ctx) {
+  const memory::Doorbells bells = *arenas_.doorbells().bells;
+  const int64_t step = run.request->step_index;
+  std::vector<int> order;  // the buckets as they were rung
+  absl::StatusOr<StepResult> r = OverlappedPhases(run, update_ctx, &order);
+  if (!r.ok()) {
+    // Nothing was committed; the trainer's waits learn it now rather than at their deadline.
+    bells.FailWeights(step);
+    return r;
+  }
+  // Also after a skipped step (the weights are as they were): the next forward may go on.
+  for (auto k = order.rbegin(); k != order.rend(); ++k) bells.RingWeights(*k, step);
+  return r;
+}
+
+absl::StatusOr<StepResult> Session::OverlappedPhases(StepRun& run,
+                                                     const kernels::Context& update_ctx,
+                                                     std::vector<int>* order) {
+  DIOND_RETURN_IF_ERROR(BeginOverlapPhase(run, update_ctx));
+  const size_t buckets = arenas_.doorbells().buckets.size();
+  std::vector<bool> taken(buckets, false);
+  for (size_t done = 0; done < buckets; ++done) {
+    absl::StatusOr<int> k = WaitForBucketPhase(run, taken);
+    absl::Status s = k.status();
+    if (k.ok()) {
+      taken[static_cast<size_t>(*k)] = true;
+      order->push_back(*k);
+      s = StageBucketPhase(run, static_cast<size_t>(*k));
+    }
+    if (!s.ok()) {
+      DiscardStep(run);
+      return s;
+    }
+  }
+  if (!run.finite) {
+    DiscardStep(run);
+    if (spec_.non_finite == NonFinitePolicy::kError) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("step ", run.request->step_index,
+                       ": gradients contain NaN or Inf (non_finite_policy=ERROR)"));
+    }
+    return SkipStepLocked(run);
+  }
+  return FinishStepLocked(run, update_ctx);
+}
+
+absl::Status Session::BeginOverlapPhase(StepRun& run, const kernels::Context& update_ctx) {
+  const size_t n = layout_.tensors.size();
+  run.grads.assign(n, nullptr);
+  arenas_.grad_scratch().resize(n);  // each buffer keeps its capacity between steps
+  run.finite = true;
+  // The weights first: the trainer does not write them during its backward.
+  DIOND_RETURN_IF_ERROR(
+      CallOnCompute(compute_, [&] { return memory_->ReadParameters(*this, run); }));
+  DIOND_RETURN_IF_ERROR(arenas_.CheckRegions(run.when));
+  InitGroupRuns(run);
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    Group& g = groups_[gi];
+    if (g.optimizer == nullptr) continue;
+    bool any = false;
+    for (size_t i : g.params) {
+      run.group_params[gi].push_back(run.params[i]);
+      any = any || !run.no_grad[i];
+    }
+    if (!any) continue;  // as Stage: a group without any gradient stages nothing
+    // Never in place (opts.in_place false): a later bucket can still fail the step.
+    const optim::StepOptions opts = run.opts[gi];
+    absl::Status s =
+        CallOnCompute(compute_, [&] { return g.optimizer->BeginStagedStep(update_ctx, opts); });
+    if (!s.ok()) {
+      DiscardStep(run);
+      return absl::Status(s.code(),
+                          absl::StrCat(run.when, ", group '", Bounded(g.name), "': ", s.message()));
+    }
+    run.staged[gi] = true;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int> Session::WaitForBucketPhase(StepRun& run, const std::vector<bool>& taken) {
+  const memory::Doorbells bells = *arenas_.doorbells().bells;
+  const int64_t generation = queued_cancel_gen_;
+  const absl::Time deadline = absl::Now() + kBucketWait;
+  // Without the mutex: the calls that would touch what the step reads are refused while it is
+  // queued, and DrainQueuedStep must be able to cancel the wait.
+  mu_.Unlock();
+  absl::StatusOr<int> k = bells.WaitAnyGradients(
+      taken, run.request->step_index, deadline, [&] { return cancel_waits_.load() != generation; });
+  mu_.Lock();
+  if (k.ok()) return k;
+  return absl::Status(k.status().code(),
+                      absl::StrCat(run.when, ": ", k.status().message(),
+                                   "; nothing was committed (the weights doorbells say -",
+                                   run.request->step_index, ")"));
+}
+
+absl::Status Session::StageBucketPhase(StepRun& run, size_t k) {
+  const std::vector<size_t>& params = arenas_.doorbells().buckets[k];
+  DIOND_RETURN_IF_ERROR(
+      CallOnCompute(compute_, [&] { return host_memory_->ReadGradientsOf(*this, run, params); }));
+  // A non-finite value decides the step (skip or fail) once every bucket is in: nothing more
+  // is staged.
+  if (!run.finite) return absl::OkStatus();
+  // Per group: this bucket's gradients in the group's order, null for its other parameters.
+  std::vector<std::vector<const float*>> part(groups_.size());
+  for (size_t i : params) {
+    const size_t gi = group_of_param_[i];
+    if (run.no_grad[i] || !run.staged[gi]) continue;
+    if (part[gi].empty()) part[gi].assign(groups_[gi].params.size(), nullptr);
+    part[gi][slot_in_group_[i]] = run.grads[i];
+  }
+  const absl::Time start = absl::Now();
+  absl::Status s = CallOnCompute(compute_, [&]() -> absl::Status {
+    for (size_t gi = 0; gi < part.size(); ++gi) {
+      if (part[gi].empty()) continue;
+      absl::Status st = groups_[gi].optimizer->StagePart(run.group_params[gi], part[gi]);
+      if (!st.ok()) {
+        return absl::Status(
+            st.code(),
+            absl::StrCat(run.when, ", group '", Bounded(groups_[gi].name), "': ", st.message()));
+      }
+    }
+    return absl::OkStatus();
+  });
+  run.result.compute_micros += absl::ToInt64Microseconds(absl::Now() - start);
+  return s;
+}
+
+}  // namespace diond::session

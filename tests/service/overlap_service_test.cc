@@ -1,0 +1,478 @@
+// The overlapped step (StepRequest.overlap; docs/DATA_PLANE.md "Overlapped step") against the
+// real daemon over POSIX shared memory. The test is the trainer: it writes each bucket's
+// gradients and rings its doorbell from a thread, in an order of its own, while the daemon's
+// queued step stages the rung buckets.
+//  - for every algorithm, N overlapped steps give a synchronous session's weights, state and
+//    update norms bit for bit, and every weights doorbell says N after step N;
+//  - the same over sealed memfd regions (arenas and doorbell page), sent on the fd channel;
+//  - a NaN in one bucket: under SKIP the step is skipped (weights and state unchanged, every
+//    weights doorbell = N); under ERROR it fails (every weights doorbell = -N, the wait reports
+//    the error) and a retry of N applies;
+//  - a trainer that never rings its last bucket and closes the session: the wait is cancelled,
+//    nothing is written, the daemon keeps serving;
+//  - a hostile client's bad doorbell pages, buckets and overlapped Steps: INVALID_ARGUMENT or
+//    FAILED_PRECONDITION naming what is wrong, nothing queued.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <functional>
+#include <limits>
+#include <thread>
+
+#include "absl/strings/match.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+#include "tests/service/overlap_harness.h"
+#include "tests/service/service_harness.h"
+
+namespace diond::service_testing {
+namespace {
+
+using grpc::StatusCode;
+using optim::AlgorithmKind;
+
+// Matrices of three shapes in group "m" (two of one shape in different buckets, so that a
+// bucket splits a batch of the rules) and two vectors in AdamW group "v".
+SessionDesc Desc(AlgorithmKind a, v1::NonFinitePolicy policy = v1::NON_FINITE_POLICY_UNSPECIFIED) {
+  SessionDesc d;
+  const bool elementwise = a == AlgorithmKind::kAdamW || a == AlgorithmKind::kLion;
+  d.groups.push_back(MakeGroup("m", a, elementwise ? 0.001 : 0.02));
+  d.groups.push_back(MakeGroup("v", AlgorithmKind::kAdamW, 0.001));
+  d.params.push_back({"w1", {24, 16}, "m"});
+  d.params.push_back({"w2", {16, 32}, "m"});
+  d.params.push_back({"b1", {16}, "v"});
+  d.params.push_back({"w3", {24, 16}, "m"});
+  d.params.push_back({"w4", {12, 12}, "m"});
+  d.params.push_back({"b2", {32}, "v"});
+  d.non_finite = policy;
+  return d;
+}
+const std::vector<std::vector<int32_t>> kBuckets = {{0, 5}, {1, 3}, {4, 2}};
+// The order the trainer rings the buckets at step t (backward's order changes nothing).
+std::vector<int> RingOrder(int64_t t) {
+  static const std::vector<int> orders[] = {{2, 0, 1}, {1, 2, 0}, {0, 2, 1}};
+  return orders[t % 3];
+}
+
+std::vector<std::vector<float>> Grads(const SessionDesc& d, int64_t t) {
+  std::vector<std::vector<float>> g;
+  for (size_t i = 0; i < d.params.size(); ++i) g.push_back(SyntheticValues(7, t, i, d.Numel(i)));
+  return g;
+}
+
+void ExpectSameResult(const v1::StepResponse& got, const v1::StepResponse& want) {
+  EXPECT_EQ(got.step_index(), want.step_index());
+  EXPECT_EQ(got.skipped(), want.skipped());
+  ASSERT_EQ(got.update_norms_size(), want.update_norms_size());
+  for (const auto& [g, n] : want.update_norms()) {
+    ASSERT_TRUE(got.update_norms().contains(g)) << g;
+    EXPECT_EQ(got.update_norms().at(g), n) << g;  // bit for bit
+  }
+}
+
+// ---- the trainer's side of the fd channel (as memfd_service_test's) ---------------------------
+
+// A sealed memfd of `bytes`, mapped; its token from the daemon's fd channel at `path`.
+struct SealedMemfd {
+  int fd = -1;
+  uint8_t* base = nullptr;
+  int64_t size = 0;
+  ~SealedMemfd() {
+    if (base != nullptr) munmap(base, static_cast<size_t>(size));
+    if (fd >= 0) close(fd);
+  }
+};
+std::unique_ptr<SealedMemfd> MakeSealedMemfd(int64_t bytes) {
+  auto m = std::make_unique<SealedMemfd>();
+  m->fd = memfd_create("overlap-service-test", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  EXPECT_GE(m->fd, 0);
+  EXPECT_EQ(ftruncate(m->fd, bytes), 0);
+  EXPECT_EQ(fcntl(m->fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
+  m->size = bytes;
+  m->base = static_cast<uint8_t*>(
+      mmap(nullptr, static_cast<size_t>(bytes), PROT_READ | PROT_WRITE, MAP_SHARED, m->fd, 0));
+  return m;
+}
+std::string FdToken(const std::string& path, int fd) {
+  const int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  std::memcpy(a.sun_path, path.data(), path.size());
+  EXPECT_EQ(connect(s, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0) << path;
+  std::string h = "DIONDFD1";
+  for (uint32_t v : {1u, 1u}) {
+    for (int i = 0; i < 4; ++i) h += static_cast<char>((v >> (8 * i)) & 0xff);
+  }
+  iovec iov{h.data(), h.size()};
+  msghdr m{};
+  m.msg_iov = &iov;
+  m.msg_iovlen = 1;
+  char control[CMSG_SPACE(sizeof(int))] = {};
+  m.msg_control = control;
+  m.msg_controllen = sizeof(control);
+  cmsghdr* c = CMSG_FIRSTHDR(&m);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(sizeof(int));
+  std::memcpy(CMSG_DATA(c), &fd, sizeof(int));
+  EXPECT_EQ(sendmsg(s, &m, MSG_NOSIGNAL), static_cast<ssize_t>(h.size()));
+  // The reply: "DIONDFD1", u32 code (0: the text is the token), u32 length, the text.
+  std::string reply;
+  char buf[512];
+  auto length = [&] {
+    uint32_t n = 0;
+    std::memcpy(&n, reply.data() + 12, 4);
+    return size_t{16} + n;
+  };
+  for (ssize_t r; (r = recv(s, buf, sizeof(buf), 0)) > 0;) {
+    reply.append(buf, static_cast<size_t>(r));
+    if (reply.size() >= 16 && reply.size() >= length()) break;
+  }
+  close(s);
+  if (reply.size() < 16 || reply[8] != 0) {
+    ADD_FAILURE() << "fd channel: " << reply;
+    return std::string();
+  }
+  return reply.substr(16, length() - 16);
+}
+grpc::Status RegisterMemfd(v1::Optimizer::Stub& stub, const std::string& session,
+                           v1::RegionRole role, const std::string& token, int64_t offset,
+                           int64_t size, const std::vector<std::vector<int32_t>>& buckets = {}) {
+  v1::RegisterRegionRequest req;
+  req.set_session_id(session);
+  req.set_role(role);
+  req.set_kind(v1::REGION_KIND_MEMFD);
+  req.mutable_memfd()->set_fd_token(token);
+  req.mutable_memfd()->set_offset_bytes(offset);
+  req.mutable_memfd()->set_size_bytes(size);
+  for (const auto& b : buckets) {
+    v1::Bucket* pb = req.add_buckets();
+    for (int32_t i : b) pb->add_params(i);
+  }
+  v1::RegisterRegionResponse resp;
+  return stub.RegisterRegion(Ctx().get(), req, &resp);
+}
+
+class Overlap : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() { daemon_ = Daemon::Start().release(); }
+  static void TearDownTestSuite() {
+    delete daemon_;
+    daemon_ = nullptr;
+  }
+  void SetUp() override { ASSERT_NE(daemon_, nullptr); }
+  static v1::Optimizer::Stub& stub() { return daemon_->stub(); }
+
+  // A synchronous session and an overlapped one (with its doorbell page), both holding the
+  // initial weights.
+  void NewPair(const SessionDesc& d) {
+    sync_ = CreateShmSession(stub(), d.Request());
+    ov_ = CreateShmSession(stub(), d.Request());
+    ASSERT_NE(sync_, nullptr);
+    ASSERT_NE(ov_, nullptr);
+    for (size_t i = 0; i < d.params.size(); ++i) {
+      const std::string w = FloatBytes(SyntheticValues(1, 0, i, d.Numel(i)));
+      sync_->params_seg->Write(sync_->tensor(i).param_offset_bytes(), w);
+      ov_->params_seg->Write(ov_->tensor(i).param_offset_bytes(), w);
+    }
+    page_ = ShmSegment::Create(4096);
+    ASSERT_NE(page_, nullptr);
+    WriteDoorbellHeader(page_->data(), static_cast<uint32_t>(kBuckets.size()));
+    bells_.base = page_->data();
+    grpc::Status st = RegisterShmDoorbells(stub(), ov_->id, page_->name(), 0, 4096, kBuckets);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+  }
+
+  // The trainer's backward of step t: bucket by bucket in `order`, its gradients written, then
+  // its doorbell rung.
+  void Backward(int64_t t, const std::vector<std::vector<float>>& g, const std::vector<int>& order,
+                ShmSession* into = nullptr, const Bells* bells = nullptr,
+                std::function<void(size_t, const std::vector<float>&)> write = nullptr) {
+    if (into == nullptr) into = ov_.get();
+    if (bells == nullptr) bells = &bells_;
+    if (!write) write = [into](size_t i, const std::vector<float>& v) { into->WriteGrad(i, v); };
+    std::thread trainer([&] {
+      for (int k : order) {
+        for (int32_t i : kBuckets[static_cast<size_t>(k)]) {
+          write(static_cast<size_t>(i), g[static_cast<size_t>(i)]);
+        }
+        absl::SleepFor(absl::Milliseconds(3));  // the daemon stages meanwhile
+        bells->RingGradients(k, t);
+      }
+    });
+    trainer.join();
+  }
+
+  // Step t on both sessions with gradients g; the overlapped one's collected answer.
+  grpc::Status StepBoth(int64_t t, const std::vector<std::vector<float>>& g, v1::StepResponse* want,
+                        v1::StepResponse* got) {
+    for (size_t i = 0; i < g.size(); ++i) sync_->WriteGrad(i, g[i]);
+    grpc::Status s = DoStep(stub(), sync_->id, t, want);
+    v1::StepResponse queued;
+    grpc::Status q = OverlapStep(stub(), ov_->id, t, &queued);
+    EXPECT_TRUE(q.ok()) << q.error_message();
+    EXPECT_TRUE(queued.queued());
+    Backward(t, g, RingOrder(t));
+    grpc::Status w = WaitStep(stub(), ov_->id, got);
+    EXPECT_EQ(s.error_code(), w.error_code()) << s.error_message() << " / " << w.error_message();
+    return w;
+  }
+
+  TensorMap State(const std::string& id) {
+    TensorMap m;
+    grpc::Status st = GetState(stub(), id, true, &m);
+    EXPECT_TRUE(st.ok()) << st.error_message();
+    return m;
+  }
+  std::string Arena(const ShmSession& s) {
+    return s.params_seg->Bytes(0, s.layout.param_arena_bytes());
+  }
+  void ExpectSameSessions() {
+    EXPECT_TRUE(Arena(*sync_) == Arena(*ov_)) << "the weights differ";
+    EXPECT_TRUE(State(sync_->id) == State(ov_->id)) << "the state differs";
+  }
+  void CloseBoth() {
+    EXPECT_TRUE(CloseSession(stub(), sync_->id).ok());
+    EXPECT_TRUE(CloseSession(stub(), ov_->id).ok());
+  }
+
+  static Daemon* daemon_;
+  std::unique_ptr<ShmSession> sync_, ov_;
+  std::unique_ptr<ShmSegment> page_;
+  Bells bells_;
+};
+Daemon* Overlap::daemon_ = nullptr;
+
+class OverlapEveryAlgorithm : public Overlap,
+                              public ::testing::WithParamInterface<AlgorithmKind> {};
+
+TEST_P(OverlapEveryAlgorithm, StepsEqualSynchronousStepsBitForBit) {
+  const SessionDesc d = Desc(GetParam());
+  NewPair(d);
+  constexpr int64_t kSteps = 4;
+  for (int64_t t = 1; t <= kSteps; ++t) {
+    v1::StepResponse want, got;
+    grpc::Status s = StepBoth(t, Grads(d, t), &want, &got);
+    ASSERT_TRUE(s.ok()) << t << ": " << s.error_message();
+    ExpectSameResult(got, want);
+    EXPECT_FALSE(got.skipped());
+    for (int k = 0; k < 3; ++k) EXPECT_EQ(bells_.weights(k), t) << "bucket " << k;
+  }
+  ExpectSameSessions();
+  CloseBoth();
+}
+
+INSTANTIATE_TEST_SUITE_P(All, OverlapEveryAlgorithm,
+                         ::testing::Values(AlgorithmKind::kMuon, AlgorithmKind::kNorMuon,
+                                           AlgorithmKind::kDion, AlgorithmKind::kDion2,
+                                           AlgorithmKind::kNorDion2, AlgorithmKind::kAdamW,
+                                           AlgorithmKind::kLion),
+                         [](const ::testing::TestParamInfo<AlgorithmKind>& i) {
+                           return std::string(optim::AlgorithmName(i.param));
+                         });
+
+TEST_F(Overlap, ANaNInOneBucketSkipsTheWholeStepUnderSkip) {
+  const SessionDesc d = Desc(AlgorithmKind::kMuon, v1::NON_FINITE_POLICY_SKIP);
+  NewPair(d);
+  v1::StepResponse want, got;
+  ASSERT_TRUE(StepBoth(1, Grads(d, 1), &want, &got).ok());
+  const std::string arena = Arena(*ov_);
+  const TensorMap state = State(ov_->id);
+  std::vector<std::vector<float>> g = Grads(d, 2);
+  g[1][5] = std::numeric_limits<float>::quiet_NaN();  // w2, bucket 1, rung in the middle
+  ASSERT_TRUE(StepBoth(2, g, &want, &got).ok());
+  EXPECT_TRUE(want.skipped());
+  EXPECT_TRUE(got.skipped());
+  EXPECT_TRUE(Arena(*ov_) == arena) << "a skipped step wrote weights";
+  EXPECT_TRUE(State(ov_->id) == state) << "a skipped step changed the state";
+  for (int k = 0; k < 3; ++k) EXPECT_EQ(bells_.weights(k), 2) << "bucket " << k;
+  ASSERT_TRUE(StepBoth(3, Grads(d, 3), &want, &got).ok());
+  ExpectSameResult(got, want);
+  ExpectSameSessions();
+  CloseBoth();
+}
+
+TEST_F(Overlap, ANaNInOneBucketFailsTheStepUnderErrorAndARetryApplies) {
+  const SessionDesc d = Desc(AlgorithmKind::kDion2, v1::NON_FINITE_POLICY_ERROR);
+  NewPair(d);
+  v1::StepResponse want, got;
+  ASSERT_TRUE(StepBoth(1, Grads(d, 1), &want, &got).ok());
+  const std::string arena = Arena(*ov_);
+  const TensorMap state = State(ov_->id);
+  std::vector<std::vector<float>> g = Grads(d, 2);
+  g[5][0] = std::numeric_limits<float>::infinity();  // b2, bucket 0
+  grpc::Status s = StepBoth(2, g, &want, &got);
+  EXPECT_EQ(s.error_code(), StatusCode::INVALID_ARGUMENT);
+  EXPECT_TRUE(absl::StrContains(s.error_message(), "asynchronous step 2 failed"))
+      << s.error_message();
+  EXPECT_TRUE(absl::StrContains(s.error_message(), "NaN or Inf")) << s.error_message();
+  for (int k = 0; k < 3; ++k) EXPECT_EQ(bells_.weights(k), -2) << "bucket " << k;
+  EXPECT_TRUE(Arena(*ov_) == arena) << "a failed step wrote weights";
+  EXPECT_TRUE(State(ov_->id) == state) << "a failed step changed the state";
+  // The retry: the doorbells still say 2, so the trainer writes every gradient before its Step.
+  g = Grads(d, 2);
+  for (size_t i = 0; i < g.size(); ++i) ov_->WriteGrad(i, g[i]);
+  ASSERT_TRUE(StepBoth(2, g, &want, &got).ok());
+  ExpectSameResult(got, want);
+  for (int k = 0; k < 3; ++k) EXPECT_EQ(bells_.weights(k), 2) << "bucket " << k;
+  ExpectSameSessions();
+  CloseBoth();
+}
+
+TEST_F(Overlap, AClosedSessionCancelsTheWaitForABucketNeverRung) {
+  const SessionDesc d = Desc(AlgorithmKind::kMuon);
+  NewPair(d);
+  const std::string arena = Arena(*ov_);
+  v1::StepResponse queued;
+  ASSERT_TRUE(OverlapStep(stub(), ov_->id, 1, &queued).ok());
+  const std::vector<std::vector<float>> g = Grads(d, 1);
+  Backward(1, g, {2, 0});  // bucket 1 never comes
+  absl::SleepFor(absl::Milliseconds(200));
+  // The waiting step holds no lock the daemon needs: it lists its sessions and steps others.
+  EXPECT_GE(SessionCount(stub()), 2u);
+  for (size_t i = 0; i < g.size(); ++i) sync_->WriteGrad(i, g[i]);
+  EXPECT_TRUE(DoStep(stub(), sync_->id, 1).ok());
+  const absl::Time start = absl::Now();
+  EXPECT_TRUE(CloseSession(stub(), ov_->id).ok());
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10)) << "the close waited for the bucket";
+  for (int k = 0; k < 3; ++k) EXPECT_EQ(bells_.weights(k), -1) << "bucket " << k;
+  EXPECT_TRUE(Arena(*ov_) == arena) << "a cancelled step wrote weights";
+  EXPECT_TRUE(daemon_->Serving());
+  EXPECT_TRUE(DoStep(stub(), sync_->id, 2).ok());
+  EXPECT_TRUE(CloseSession(stub(), sync_->id).ok());
+  EXPECT_TRUE(absl::StrContains(daemon_->Log(), "was cancelled")) << daemon_->Log();
+}
+
+TEST_F(Overlap, OverSealedMemfdRegionsStepsEqualSynchronousStepsBitForBit) {
+  for (AlgorithmKind a : {AlgorithmKind::kMuon, AlgorithmKind::kAdamW}) {
+    SCOPED_TRACE(optim::AlgorithmName(a));
+    const SessionDesc d = Desc(a);
+    NewPair(d);  // the synchronous shm session is the reference; ov_ goes unused
+    v1::CreateSessionResponse layout;
+    ASSERT_TRUE(stub().CreateSession(Ctx().get(), d.Request(), &layout).ok());
+    const std::string id = layout.session_id(), path = layout.fd_channel_socket();
+    const int64_t grad_base = (layout.param_arena_bytes() + 4095) / 4096 * 4096;
+    auto arena = MakeSealedMemfd(grad_base + layout.grad_arena_bytes());
+    auto page = MakeSealedMemfd(4096);
+    WriteDoorbellHeader(page->base, 3);
+    const Bells bells{page->base};
+    for (size_t i = 0; i < d.params.size(); ++i) {
+      const std::vector<float> w = SyntheticValues(1, 0, i, d.Numel(i));
+      std::memcpy(arena->base + layout.layout(static_cast<int>(i)).param_offset_bytes(), w.data(),
+                  w.size() * sizeof(float));
+    }
+    ASSERT_TRUE(RegisterMemfd(stub(), id, v1::REGION_ROLE_PARAMETERS, FdToken(path, arena->fd), 0,
+                              layout.param_arena_bytes())
+                    .ok());
+    ASSERT_TRUE(RegisterMemfd(stub(), id, v1::REGION_ROLE_GRADIENTS, FdToken(path, arena->fd),
+                              grad_base, layout.grad_arena_bytes())
+                    .ok());
+    grpc::Status st = RegisterMemfd(stub(), id, v1::REGION_ROLE_DOORBELLS, FdToken(path, page->fd),
+                                    0, 4096, kBuckets);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    auto write = [&](size_t i, const std::vector<float>& v) {
+      std::memcpy(arena->base + grad_base + layout.layout(static_cast<int>(i)).grad_offset_bytes(),
+                  v.data(), v.size() * sizeof(float));
+    };
+    for (int64_t t = 1; t <= 3; ++t) {
+      const std::vector<std::vector<float>> g = Grads(d, t);
+      for (size_t i = 0; i < g.size(); ++i) sync_->WriteGrad(i, g[i]);
+      v1::StepResponse want, queued, got;
+      ASSERT_TRUE(DoStep(stub(), sync_->id, t, &want).ok());
+      ASSERT_TRUE(OverlapStep(stub(), id, t, &queued).ok());
+      Backward(t, g, RingOrder(t), nullptr, &bells, write);
+      st = WaitStep(stub(), id, &got);
+      ASSERT_TRUE(st.ok()) << st.error_message();
+      ExpectSameResult(got, want);
+      for (int k = 0; k < 3; ++k) EXPECT_EQ(bells.weights(k), t);
+    }
+    EXPECT_TRUE(Arena(*sync_) == std::string(reinterpret_cast<const char*>(arena->base),
+                                             layout.param_arena_bytes()));
+    EXPECT_TRUE(State(sync_->id) == State(id));
+    EXPECT_TRUE(CloseSession(stub(), id).ok());
+    CloseBoth();
+  }
+}
+
+TEST_F(Overlap, BadPagesBucketsAndStepsAreRefused) {
+  const SessionDesc d = Desc(AlgorithmKind::kMuon);
+  auto s = CreateShmSession(stub(), d.Request());
+  ASSERT_NE(s, nullptr);
+  auto page = ShmSegment::Create(4096);
+  ASSERT_NE(page, nullptr);
+  WriteDoorbellHeader(page->data(), 3);
+  auto refused = [&](const std::vector<std::vector<int32_t>>& buckets, StatusCode code,
+                     const std::string& text) {
+    grpc::Status st = RegisterShmDoorbells(stub(), s->id, page->name(), 0, 4096, buckets);
+    EXPECT_EQ(st.error_code(), code) << text << ": " << st.error_message();
+    EXPECT_TRUE(absl::StrContains(st.error_message(), text)) << st.error_message();
+  };
+  refused({{0, 5}, {1, 3, 2, 4}}, StatusCode::INVALID_ARGUMENT, "the page's header 3");
+  refused({{0, 5}, {1, 3}, {4, 2, 0}}, StatusCode::INVALID_ARGUMENT,
+          "is in buckets[0] and buckets[2]");
+  refused({{0, 5}, {1, 3}, {4}}, StatusCode::INVALID_ARGUMENT,
+          "parameter 2 ('b1') is in no bucket");
+  refused({{0, 5}, {1, 3}, {4, 2, 6}}, StatusCode::INVALID_ARGUMENT, "names index 6");
+  refused({{0, 5}, {-1}, {4, 2, 1, 3}}, StatusCode::INVALID_ARGUMENT, "names index -1");
+  refused({{0, 5, 1, 3, 4, 2}, {}, {}}, StatusCode::INVALID_ARGUMENT, "buckets[1] is empty");
+  refused({}, StatusCode::INVALID_ARGUMENT, "declares 0 buckets");
+  refused(std::vector<std::vector<int32_t>>(65537, std::vector<int32_t>{}),
+          StatusCode::INVALID_ARGUMENT, "declares 65537 buckets; 1 to 65536");
+  // Buckets with another role; a doorbell page of a CUDA kind; a page without its header.
+  {
+    v1::RegisterRegionRequest req;
+    req.set_session_id(s->id);
+    req.set_role(v1::REGION_ROLE_GRADIENTS);
+    req.set_kind(v1::REGION_KIND_SYSTEM_SHM);
+    req.mutable_system_shm()->set_name(page->name());
+    req.mutable_system_shm()->set_size_bytes(4096);
+    req.add_buckets()->add_params(0);
+    v1::RegisterRegionResponse resp;
+    grpc::Status st = stub().RegisterRegion(Ctx().get(), req, &resp);
+    EXPECT_EQ(st.error_code(), StatusCode::INVALID_ARGUMENT);
+    EXPECT_TRUE(absl::StrContains(st.error_message(), "for REGION_ROLE_DOORBELLS only"));
+    req.set_role(v1::REGION_ROLE_DOORBELLS);
+    req.set_kind(v1::REGION_KIND_CUDA_IPC);
+    st = stub().RegisterRegion(Ctx().get(), req, &resp);
+    EXPECT_EQ(st.error_code(), StatusCode::INVALID_ARGUMENT);
+    EXPECT_TRUE(absl::StrContains(st.error_message(), "REGION_KIND_CUDA_IPC"))
+        << st.error_message();
+  }
+  std::memcpy(page->data(), "NOTABELL", 8);
+  refused(kBuckets, StatusCode::INVALID_ARGUMENT, "does not start with \"DIONDDB1\"");
+  WriteDoorbellHeader(page->data(), 3);
+  // Overlapped Steps: not asynchronous; no page. Nothing is queued: step 1 still runs.
+  v1::StepResponse resp;
+  grpc::Status st = OverlapStep(stub(), s->id, 1, &resp, /*asynchronous=*/false);
+  EXPECT_EQ(st.error_code(), StatusCode::INVALID_ARGUMENT);
+  EXPECT_TRUE(absl::StrContains(st.error_message(), "needs asynchronous = true"));
+  st = OverlapStep(stub(), s->id, 1, &resp);
+  EXPECT_EQ(st.error_code(), StatusCode::FAILED_PRECONDITION);
+  EXPECT_TRUE(absl::StrContains(st.error_message(), "needs a doorbell page")) << st.error_message();
+  // A page over the GRADIENTS arena; then a good page, a second one, and the page unregistered.
+  st = RegisterShmDoorbells(stub(), s->id, s->params_seg->name(), s->grad_base, 4096, kBuckets);
+  EXPECT_EQ(st.error_code(), StatusCode::INVALID_ARGUMENT);
+  EXPECT_TRUE(absl::StrContains(st.error_message(), "overlaps the GRADIENTS"))
+      << st.error_message();
+  std::string id;
+  ASSERT_TRUE(RegisterShmDoorbells(stub(), s->id, page->name(), 0, 4096, kBuckets, &id).ok());
+  st = RegisterShmDoorbells(stub(), s->id, page->name(), 0, 4096, kBuckets);
+  EXPECT_EQ(st.error_code(), StatusCode::FAILED_PRECONDITION);
+  EXPECT_TRUE(absl::StrContains(st.error_message(), "DOORBELLS already has region"))
+      << st.error_message();
+  v1::UnregisterRegionRequest un;
+  un.set_session_id(s->id);
+  un.set_region_id(id);
+  v1::UnregisterRegionResponse unresp;
+  ASSERT_TRUE(stub().UnregisterRegion(Ctx().get(), un, &unresp).ok());
+  st = OverlapStep(stub(), s->id, 1, &resp);
+  EXPECT_EQ(st.error_code(), StatusCode::FAILED_PRECONDITION);
+  EXPECT_TRUE(DoStep(stub(), s->id, 1).ok());
+  EXPECT_TRUE(CloseSession(stub(), s->id).ok());
+}
+
+}  // namespace
+}  // namespace diond::service_testing
