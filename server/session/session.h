@@ -82,11 +82,8 @@ class Session {
       Role role,
       absl::FunctionRef<absl::StatusOr<std::unique_ptr<memory::CudaRegion>>(kernels::Device)> open);
   absl::Status UnregisterRegion(const std::string& region_id);  // NOT_FOUND for an unknown id
-  // Maps a doorbell page for overlapped steps (docs/DATA_PLANE.md "Overlapped step"; a shm
-  // segment, or a sealed memfd, ownership taken) with its buckets: parameter indices, every
-  // parameter in exactly one, as many buckets as the page's header declares (INVALID_ARGUMENT
-  // naming what is wrong). FAILED_PRECONDITION for a device or world session (not built yet)
-  // and when a page is bound already.
+  // A doorbell page (docs/DATA_PLANE.md "Overlapped step") and its buckets, each parameter in
+  // one; INVALID_ARGUMENT naming what is wrong, FAILED_PRECONDITION off local host sessions.
   absl::StatusOr<std::string> RegisterShmDoorbells(
       const std::string& name, int64_t offset, int64_t size,
       const std::vector<std::vector<int32_t>>& buckets);
@@ -158,26 +155,15 @@ class Session {
   };
   struct StepRun;    // one Step's working set (session_internal.h)
   struct WorldPart;  // session_internal.h
-  struct Group {
-    std::string name;
-    std::unique_ptr<optim::GroupOptimizer> optimizer;
-    std::vector<size_t> params;              // indices into layout_.tensors
-    std::optional<double> lr, weight_decay;  // SetHyperparameters overrides
-  };
+  struct Overlap;    // the overlapped step's phases (session_overlap.h)
+  struct StateIo;    // state transfer's helpers (session_state.cc)
+  struct Group;      // a parameter group and its optimizer (session_internal.h)
 
   Session();
   // `open` maps segment `name` once the request is valid.
   absl::StatusOr<std::string> RegisterMappedRegion(
       Role role, const std::string& name, int64_t offset, int64_t size,
       absl::FunctionRef<absl::StatusOr<std::unique_ptr<memory::ShmRegion>>()> open);
-  absl::StatusOr<std::string> RegisterDoorbells(
-      const std::string& name, int64_t offset, int64_t size,
-      const std::vector<std::vector<int32_t>>& buckets,
-      absl::FunctionRef<absl::StatusOr<std::unique_ptr<memory::ShmRegion>>()> open);
-  // The buckets as parameter indices, each parameter in exactly one (INVALID_ARGUMENT naming the
-  // first that is not).
-  absl::StatusOr<std::vector<std::vector<size_t>>> CheckBuckets(
-      const std::vector<std::vector<int32_t>>& buckets) const;
   std::string DeviceAllocationError() const;  // the pool's numbers ("" for a host session)
   const kernels::Context& StateContext() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);  // the state's
 
@@ -192,32 +178,11 @@ class Session {
   absl::Status JoinWorldPhase(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status AgreeGradientsPhase(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status ReduceGradientsPhase(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The common end of a step whose groups are staged: the regions checked, the new weights
-  // written, then the staged state committed (phases 7 to 9).
+  // Phases 7 to 9 once the groups are staged: regions checked, weights written, state committed.
   absl::StatusOr<StepResult> FinishStepLocked(StepRun& run, const kernels::Context& update_ctx)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A step with non-finite gradients under SKIP: recorded, nothing else changes.
   absl::StatusOr<StepResult> SkipStepLocked(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // ---- the overlapped step (session_overlap.cc) ----
-  // Phase 1 of StepRequest.overlap: its preconditions (asynchronous, a doorbell page, a local
-  // host session).
-  absl::Status ValidateOverlapLocked(const StepRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The step's phases bucket by bucket as the doorbells ring, then FinishStepLocked; the
-  // weights doorbells rung after it (or failed).
-  absl::StatusOr<StepResult> OverlappedStepLocked(StepRun& run, const kernels::Context& update_ctx)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::StatusOr<StepResult> OverlappedPhases(StepRun& run, const kernels::Context& update_ctx,
-                                              std::vector<int>* order)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Every parameter read and every group's staged step begun (nothing staged yet).
-  absl::Status BeginOverlapPhase(StepRun& run, const kernels::Context& update_ctx)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The next bucket rung for this step (the session's mutex released while it waits).
-  absl::StatusOr<int> WaitForBucketPhase(StepRun& run, const std::vector<bool>& taken)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Bucket k's gradients read and scanned, then, while all are finite, its part of every group
-  // staged.
-  absl::Status StageBucketPhase(StepRun& run, size_t k) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Each group's options for this step (lr, weight decay, group step).
   void InitGroupRuns(StepRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Phase 6: every group's update staged; nothing changes yet. StageGroups is re-runnable.
@@ -246,21 +211,6 @@ class Session {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int64_t TakeWorldBytes(StepRun& run);  // sent by the world's communicators since the join
 
-  // ---- state transfer (session_state.cc) ----
-  // One write's name, range and alignment; `tensor_bytes`: the tensor's size.
-  absl::Status CheckWriteLocked(const std::string& name, int64_t offset, int64_t len,
-                                bool state_names, int64_t* tensor_bytes)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status ValidateWrites(const std::vector<TensorWrite>& writes, bool state_names)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status ResolveStateName(const std::string& name, size_t* param, size_t* group,
-                                std::string* state, std::vector<int64_t>* shape)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status SetStateLocked(const std::vector<NamedTensor>& tensors)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::StatusOr<std::vector<NamedTensor>> GetStateLocked(bool include_parameters)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-
   std::string id_;
   SessionSpec spec_;
   Layout layout_;
@@ -286,8 +236,7 @@ class Session {
   absl::Time last_checkpoint_time_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   std::unique_ptr<WorldPart> world_ ABSL_GUARDED_BY(mu_);  // null: not a world session
   StepQueue queue_ ABSL_GUARDED_BY(mu_){&mu_, &id_};
-  // Bumped by DrainQueuedStep (a close, a new trainer, the daemon's stop): an overlapped step
-  // waiting on its doorbells, which it does without the mutex, gives up when it changes.
+  // Bumped by DrainQueuedStep: an overlapped step's wait for a doorbell (without mu_) gives up.
   std::atomic<int64_t> cancel_waits_{0};
   int64_t queued_cancel_gen_ ABSL_GUARDED_BY(mu_) = 0;  // cancel_waits_ when the step was queued
 };

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -101,6 +102,13 @@ struct Session::StepRun {
 };
 
 // A world session's part (session_world.cc): the shard plan and what each rank owns.
+struct Session::Group {
+  std::string name;
+  std::unique_ptr<optim::GroupOptimizer> optimizer;
+  std::vector<size_t> params;              // indices into layout_.tensors
+  std::optional<double> lr, weight_decay;  // SetHyperparameters overrides
+};
+
 struct Session::WorldPart {
   std::shared_ptr<WorldLink> world;  // null: a world of one
   ShardPlan plan;

@@ -13,6 +13,8 @@
 // The wait for a doorbell runs without the session's mutex, so that a close, a new trainer or
 // the daemon's stop can cancel it (cancel_waits_). Meanwhile the step owns the session as any
 // queued step does: every call that would touch its regions or state is refused or waits.
+#include "server/session/session_overlap.h"
+
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -41,8 +43,9 @@ absl::StatusOr<std::string> Session::RegisterShmDoorbells(
     const std::string& name, int64_t offset, int64_t size,
     const std::vector<std::vector<int32_t>>& buckets) {
   DIOND_RETURN_IF_ERROR(memory::ValidateShmName(name));
-  return RegisterDoorbells(name, offset, size, buckets,
-                           [&] { return memory::ShmRegion::Open(name, offset, size, id_); });
+  return Overlap::RegisterDoorbells(*this, name, offset, size, buckets, [&] {
+    return memory::ShmRegion::Open(name, offset, size, id_);
+  });
 }
 
 absl::StatusOr<std::string> Session::RegisterMemfdDoorbells(
@@ -50,36 +53,37 @@ absl::StatusOr<std::string> Session::RegisterMemfdDoorbells(
     const std::vector<std::vector<int32_t>>& buckets) {
   if (absl::Status s = memory::CheckMemfd(fd.get()); !s.ok()) return s;
   const std::string name = memory::MemfdName(fd.get());
-  return RegisterDoorbells(name, offset, size, buckets, [&] {
+  return Overlap::RegisterDoorbells(*this, name, offset, size, buckets, [&] {
     return memory::ShmRegion::Adopt(fd.release(), "memfd", name, offset, size, id_);
   });
 }
 
-absl::StatusOr<std::string> Session::RegisterDoorbells(
-    const std::string& name, int64_t offset, int64_t size,
+absl::StatusOr<std::string> Session::Overlap::RegisterDoorbells(
+    Session& self, const std::string& name, int64_t offset, int64_t size,
     const std::vector<std::vector<int32_t>>& buckets,
     absl::FunctionRef<absl::StatusOr<std::unique_ptr<memory::ShmRegion>>()> open) {
-  if (device_ != nullptr || is_world_session()) {
+  if (self.device_ != nullptr || self.is_world_session()) {
     return absl::FailedPreconditionError(
-        absl::StrCat("DOORBELLS: session ", id_, " is a ",
-                     device_ != nullptr ? "device session" : "world session", kNotBuilt));
+        absl::StrCat("DOORBELLS: session ", self.id_, " is a ",
+                     self.device_ != nullptr ? "device session" : "world session", kNotBuilt));
   }
   if (offset < 0 || offset % kArenaAlignment != 0) {
     return absl::InvalidArgumentError(absl::StrCat("DOORBELLS: region offset ", offset,
                                                    " must be a non-negative multiple of ",
                                                    kArenaAlignment));
   }
-  DIOND_ASSIGN_OR_RETURN(std::vector<std::vector<size_t>> parts, CheckBuckets(buckets));
-  absl::MutexLock lock(&mu_);
-  last_used_ = absl::Now();
-  DIOND_RETURN_IF_ERROR(queue_.Refuse("RegisterRegion (DOORBELLS)"));
-  if (arenas_.doorbells().region != nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "DOORBELLS already has region ", arenas_.doorbells().region_id, "; unregister it first"));
+  DIOND_ASSIGN_OR_RETURN(std::vector<std::vector<size_t>> parts, CheckBuckets(self, buckets));
+  absl::MutexLock lock(&self.mu_);
+  self.last_used_ = absl::Now();
+  DIOND_RETURN_IF_ERROR(self.queue_.Refuse("RegisterRegion (DOORBELLS)"));
+  if (self.arenas_.doorbells().region != nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat("DOORBELLS already has region ",
+                                                      self.arenas_.doorbells().region_id,
+                                                      "; unregister it first"));
   }
   // The daemon writes into the page: never over the trainer's arenas.
   for (Role r : {Role::kParameters, Role::kGradients}) {
-    const memory::ShmRegion* other = arenas_.binding(r).region.get();
+    const memory::ShmRegion* other = self.arenas_.binding(r).region.get();
     if (other != nullptr && other->name() == name && offset < other->offset() + other->size() &&
         other->offset() < offset + size) {
       return absl::InvalidArgumentError(absl::StrCat("DOORBELLS: region [", offset, ", ",
@@ -94,12 +98,12 @@ absl::StatusOr<std::string> Session::RegisterDoorbells(
                                                    " buckets; the page's header ",
                                                    bells.buckets()));
   }
-  return arenas_.BindDoorbells(std::move(region), bells, std::move(parts));
+  return self.arenas_.BindDoorbells(std::move(region), bells, std::move(parts));
 }
 
-absl::StatusOr<std::vector<std::vector<size_t>>> Session::CheckBuckets(
-    const std::vector<std::vector<int32_t>>& buckets) const {
-  const size_t n = layout_.tensors.size();
+absl::StatusOr<std::vector<std::vector<size_t>>> Session::Overlap::CheckBuckets(
+    const Session& self, const std::vector<std::vector<int32_t>>& buckets) {
+  const size_t n = self.layout_.tensors.size();
   std::vector<size_t> bucket_of(n, buckets.size());  // buckets.size(): none yet
   std::vector<std::vector<size_t>> out(buckets.size());
   for (size_t k = 0; k < buckets.size(); ++k) {
@@ -116,7 +120,7 @@ absl::StatusOr<std::vector<std::vector<size_t>>> Session::CheckBuckets(
       const size_t i = static_cast<size_t>(p);
       if (bucket_of[i] != buckets.size()) {
         return absl::InvalidArgumentError(
-            absl::StrCat("DOORBELLS: parameter ", i, " ('", Bounded(layout_.tensors[i].name),
+            absl::StrCat("DOORBELLS: parameter ", i, " ('", Bounded(self.layout_.tensors[i].name),
                          "') is in buckets[", bucket_of[i], "] and buckets[", k,
                          "]; each parameter is in exactly one bucket"));
       }
@@ -127,14 +131,14 @@ absl::StatusOr<std::vector<std::vector<size_t>>> Session::CheckBuckets(
   for (size_t i = 0; i < n; ++i) {
     if (bucket_of[i] == buckets.size()) {
       return absl::InvalidArgumentError(
-          absl::StrCat("DOORBELLS: parameter ", i, " ('", Bounded(layout_.tensors[i].name),
+          absl::StrCat("DOORBELLS: parameter ", i, " ('", Bounded(self.layout_.tensors[i].name),
                        "') is in no bucket; each parameter is in exactly one bucket"));
     }
   }
   return out;
 }
 
-absl::Status Session::ValidateOverlapLocked(const StepRequest& request) {
+absl::Status Session::Overlap::ValidateOverlapLocked(Session& self, const StepRequest& request) {
   const std::string when = absl::StrCat("step ", request.step_index, ": overlap");
   if (!request.asynchronous) {
     return absl::InvalidArgumentError(
@@ -142,12 +146,12 @@ absl::Status Session::ValidateOverlapLocked(const StepRequest& request) {
                      " needs asynchronous = true (the queued step waits for the buckets' doorbells "
                      "while the trainer's backward runs)"));
   }
-  if (device_ != nullptr || world_ != nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat(when, ": session ", id_, " is a ",
-                                                      device_ != nullptr ? "device" : "world",
+  if (self.device_ != nullptr || self.world_ != nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(when, ": session ", self.id_, " is a ",
+                                                      self.device_ != nullptr ? "device" : "world",
                                                       " session", kNotBuilt));
   }
-  const Arenas::DoorbellPage& page = arenas_.doorbells();
+  const Arenas::DoorbellPage& page = self.arenas_.doorbells();
   if (page.region == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat(
         when,
@@ -161,12 +165,12 @@ absl::Status Session::ValidateOverlapLocked(const StepRequest& request) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<StepResult> Session::OverlappedStepLocked(StepRun& run,
-                                                         const kernels::Context& update_ctx) {
-  const memory::Doorbells bells = *arenas_.doorbells().bells;
+absl::StatusOr<StepResult> Session::Overlap::OverlappedStepLocked(
+    Session& self, StepRun& run, const kernels::Context& update_ctx) {
+  const memory::Doorbells bells = *self.arenas_.doorbells().bells;
   const int64_t step = run.request->step_index;
   std::vector<int> order;  // the buckets as they were rung
-  absl::StatusOr<StepResult> r = OverlappedPhases(run, update_ctx, &order);
+  absl::StatusOr<StepResult> r = OverlappedPhases(self, run, update_ctx, &order);
   if (!r.ok()) {
     // Nothing was committed; the trainer's waits learn it now rather than at their deadline.
     bells.FailWeights(step);
@@ -177,49 +181,50 @@ absl::StatusOr<StepResult> Session::OverlappedStepLocked(StepRun& run,
   return r;
 }
 
-absl::StatusOr<StepResult> Session::OverlappedPhases(StepRun& run,
-                                                     const kernels::Context& update_ctx,
-                                                     std::vector<int>* order) {
-  DIOND_RETURN_IF_ERROR(BeginOverlapPhase(run, update_ctx));
-  const size_t buckets = arenas_.doorbells().buckets.size();
+absl::StatusOr<StepResult> Session::Overlap::OverlappedPhases(Session& self, StepRun& run,
+                                                              const kernels::Context& update_ctx,
+                                                              std::vector<int>* order) {
+  DIOND_RETURN_IF_ERROR(BeginOverlapPhase(self, run, update_ctx));
+  const size_t buckets = self.arenas_.doorbells().buckets.size();
   std::vector<bool> taken(buckets, false);
   for (size_t done = 0; done < buckets; ++done) {
-    absl::StatusOr<int> k = WaitForBucketPhase(run, taken);
+    absl::StatusOr<int> k = WaitForBucketPhase(self, run, taken);
     absl::Status s = k.status();
     if (k.ok()) {
       taken[static_cast<size_t>(*k)] = true;
       order->push_back(*k);
-      s = StageBucketPhase(run, static_cast<size_t>(*k));
+      s = StageBucketPhase(self, run, static_cast<size_t>(*k));
     }
     if (!s.ok()) {
-      DiscardStep(run);
+      self.DiscardStep(run);
       return s;
     }
   }
   if (!run.finite) {
-    DiscardStep(run);
-    if (spec_.non_finite == NonFinitePolicy::kError) {
+    self.DiscardStep(run);
+    if (self.spec_.non_finite == NonFinitePolicy::kError) {
       return absl::InvalidArgumentError(
           absl::StrCat("step ", run.request->step_index,
                        ": gradients contain NaN or Inf (non_finite_policy=ERROR)"));
     }
-    return SkipStepLocked(run);
+    return self.SkipStepLocked(run);
   }
-  return FinishStepLocked(run, update_ctx);
+  return self.FinishStepLocked(run, update_ctx);
 }
 
-absl::Status Session::BeginOverlapPhase(StepRun& run, const kernels::Context& update_ctx) {
-  const size_t n = layout_.tensors.size();
+absl::Status Session::Overlap::BeginOverlapPhase(Session& self, StepRun& run,
+                                                 const kernels::Context& update_ctx) {
+  const size_t n = self.layout_.tensors.size();
   run.grads.assign(n, nullptr);
-  arenas_.grad_scratch().resize(n);  // each buffer keeps its capacity between steps
+  self.arenas_.grad_scratch().resize(n);  // each buffer keeps its capacity between steps
   run.finite = true;
   // The weights first: the trainer does not write them during its backward.
   DIOND_RETURN_IF_ERROR(
-      CallOnCompute(compute_, [&] { return memory_->ReadParameters(*this, run); }));
-  DIOND_RETURN_IF_ERROR(arenas_.CheckRegions(run.when));
-  InitGroupRuns(run);
-  for (size_t gi = 0; gi < groups_.size(); ++gi) {
-    Group& g = groups_[gi];
+      CallOnCompute(self.compute_, [&] { return self.memory_->ReadParameters(self, run); }));
+  DIOND_RETURN_IF_ERROR(self.arenas_.CheckRegions(run.when));
+  self.InitGroupRuns(run);
+  for (size_t gi = 0; gi < self.groups_.size(); ++gi) {
+    Group& g = self.groups_[gi];
     if (g.optimizer == nullptr) continue;
     bool any = false;
     for (size_t i : g.params) {
@@ -229,10 +234,10 @@ absl::Status Session::BeginOverlapPhase(StepRun& run, const kernels::Context& up
     if (!any) continue;  // as Stage: a group without any gradient stages nothing
     // Never in place (opts.in_place false): a later bucket can still fail the step.
     const optim::StepOptions opts = run.opts[gi];
-    absl::Status s =
-        CallOnCompute(compute_, [&] { return g.optimizer->BeginStagedStep(update_ctx, opts); });
+    absl::Status s = CallOnCompute(self.compute_,
+                                   [&] { return g.optimizer->BeginStagedStep(update_ctx, opts); });
     if (!s.ok()) {
-      DiscardStep(run);
+      self.DiscardStep(run);
       return absl::Status(s.code(),
                           absl::StrCat(run.when, ", group '", Bounded(g.name), "': ", s.message()));
     }
@@ -241,16 +246,18 @@ absl::Status Session::BeginOverlapPhase(StepRun& run, const kernels::Context& up
   return absl::OkStatus();
 }
 
-absl::StatusOr<int> Session::WaitForBucketPhase(StepRun& run, const std::vector<bool>& taken) {
-  const memory::Doorbells bells = *arenas_.doorbells().bells;
-  const int64_t generation = queued_cancel_gen_;
+absl::StatusOr<int> Session::Overlap::WaitForBucketPhase(Session& self, StepRun& run,
+                                                         const std::vector<bool>& taken) {
+  const memory::Doorbells bells = *self.arenas_.doorbells().bells;
+  const int64_t generation = self.queued_cancel_gen_;
   const absl::Time deadline = absl::Now() + kBucketWait;
   // Without the mutex: the calls that would touch what the step reads are refused while it is
   // queued, and DrainQueuedStep must be able to cancel the wait.
-  mu_.Unlock();
-  absl::StatusOr<int> k = bells.WaitAnyGradients(
-      taken, run.request->step_index, deadline, [&] { return cancel_waits_.load() != generation; });
-  mu_.Lock();
+  self.mu_.Unlock();
+  absl::StatusOr<int> k = bells.WaitAnyGradients(taken, run.request->step_index, deadline, [&] {
+    return self.cancel_waits_.load() != generation;
+  });
+  self.mu_.Lock();
   if (k.ok()) return k;
   return absl::Status(k.status().code(),
                       absl::StrCat(run.when, ": ", k.status().message(),
@@ -258,30 +265,30 @@ absl::StatusOr<int> Session::WaitForBucketPhase(StepRun& run, const std::vector<
                                    run.request->step_index, ")"));
 }
 
-absl::Status Session::StageBucketPhase(StepRun& run, size_t k) {
-  const std::vector<size_t>& params = arenas_.doorbells().buckets[k];
-  DIOND_RETURN_IF_ERROR(
-      CallOnCompute(compute_, [&] { return host_memory_->ReadGradientsOf(*this, run, params); }));
+absl::Status Session::Overlap::StageBucketPhase(Session& self, StepRun& run, size_t k) {
+  const std::vector<size_t>& params = self.arenas_.doorbells().buckets[k];
+  DIOND_RETURN_IF_ERROR(CallOnCompute(
+      self.compute_, [&] { return self.host_memory_->ReadGradientsOf(self, run, params); }));
   // A non-finite value decides the step (skip or fail) once every bucket is in: nothing more
   // is staged.
   if (!run.finite) return absl::OkStatus();
   // Per group: this bucket's gradients in the group's order, null for its other parameters.
-  std::vector<std::vector<const float*>> part(groups_.size());
+  std::vector<std::vector<const float*>> part(self.groups_.size());
   for (size_t i : params) {
-    const size_t gi = group_of_param_[i];
+    const size_t gi = self.group_of_param_[i];
     if (run.no_grad[i] || !run.staged[gi]) continue;
-    if (part[gi].empty()) part[gi].assign(groups_[gi].params.size(), nullptr);
-    part[gi][slot_in_group_[i]] = run.grads[i];
+    if (part[gi].empty()) part[gi].assign(self.groups_[gi].params.size(), nullptr);
+    part[gi][self.slot_in_group_[i]] = run.grads[i];
   }
   const absl::Time start = absl::Now();
-  absl::Status s = CallOnCompute(compute_, [&]() -> absl::Status {
+  absl::Status s = CallOnCompute(self.compute_, [&]() -> absl::Status {
     for (size_t gi = 0; gi < part.size(); ++gi) {
       if (part[gi].empty()) continue;
-      absl::Status st = groups_[gi].optimizer->StagePart(run.group_params[gi], part[gi]);
+      absl::Status st = self.groups_[gi].optimizer->StagePart(run.group_params[gi], part[gi]);
       if (!st.ok()) {
-        return absl::Status(
-            st.code(),
-            absl::StrCat(run.when, ", group '", Bounded(groups_[gi].name), "': ", st.message()));
+        return absl::Status(st.code(),
+                            absl::StrCat(run.when, ", group '", Bounded(self.groups_[gi].name),
+                                         "': ", st.message()));
       }
     }
     return absl::OkStatus();

@@ -17,18 +17,35 @@
 
 namespace diond::session {
 
-absl::Status Session::ResolveStateName(const std::string& name, size_t* param, size_t* group,
-                                       std::string* state, std::vector<int64_t>* shape) {
+// The state transfer's helpers: only this file uses them.
+struct Session::StateIo {
+  // "<param>" or "<param>/state.<name>": the parameter, its group and the state's shape.
+  static absl::Status ResolveStateName(Session& self, const std::string& name, size_t* param,
+                                       size_t* group, std::string* state,
+                                       std::vector<int64_t>* shape);
+  // One write's name, range and alignment; `tensor_bytes`: the tensor's size.
+  static absl::Status CheckWriteLocked(Session& self, const std::string& name, int64_t offset,
+                                       int64_t len, bool state_names, int64_t* tensor_bytes);
+  static absl::Status ValidateWrites(Session& self, const std::vector<TensorWrite>& writes,
+                                     bool state_names);
+  static absl::StatusOr<std::vector<NamedTensor>> GetStateLocked(Session& self,
+                                                                 bool include_parameters);
+  static absl::Status SetStateLocked(Session& self, const std::vector<NamedTensor>& tensors);
+};
+
+absl::Status Session::StateIo::ResolveStateName(Session& self, const std::string& name,
+                                                size_t* param, size_t* group, std::string* state,
+                                                std::vector<int64_t>* shape) {
   size_t pos = name.rfind("/state.");
   if (pos == std::string::npos) return absl::NotFoundError("not a state name");
   std::string pname = name.substr(0, pos);
   *state = name.substr(pos + 7);
-  for (size_t i = 0; i < layout_.tensors.size(); ++i) {
-    if (layout_.tensors[i].name != pname) continue;
+  for (size_t i = 0; i < self.layout_.tensors.size(); ++i) {
+    if (self.layout_.tensors[i].name != pname) continue;
     *param = i;
-    *group = group_of_param_[i];
-    const Group& g = groups_[*group];
-    auto s = g.optimizer->StateShape(slot_in_group_[i], *state);
+    *group = self.group_of_param_[i];
+    const Group& g = self.groups_[*group];
+    auto s = g.optimizer->StateShape(self.slot_in_group_[i], *state);
     if (!s.ok()) {
       return absl::InvalidArgumentError(
           absl::StrCat("unknown state '", Bounded(name), "': group '", g.name, "' has state ",
@@ -41,11 +58,12 @@ absl::Status Session::ResolveStateName(const std::string& name, size_t* param, s
       absl::StrCat("state '", Bounded(name), "' names unknown parameter '", Bounded(pname), "'"));
 }
 
-absl::Status Session::CheckWriteLocked(const std::string& name, int64_t offset, int64_t len,
-                                       bool state_names, int64_t* tensor_bytes) {
+absl::Status Session::StateIo::CheckWriteLocked(Session& self, const std::string& name,
+                                                int64_t offset, int64_t len, bool state_names,
+                                                int64_t* tensor_bytes) {
   int64_t size = -1;
   int64_t elem = 4;
-  for (const TensorPlacement& t : layout_.tensors) {
+  for (const TensorPlacement& t : self.layout_.tensors) {
     if (t.name == name) {
       size = t.size_bytes;
       elem = static_cast<int64_t>(kernels::DTypeSize(t.dtype));
@@ -55,7 +73,7 @@ absl::Status Session::CheckWriteLocked(const std::string& name, int64_t offset, 
     size_t p, g;
     std::string st;
     std::vector<int64_t> shape;
-    absl::Status s = ResolveStateName(name, &p, &g, &st, &shape);
+    absl::Status s = ResolveStateName(self, name, &p, &g, &st, &shape);
     if (!s.ok() && !absl::IsNotFound(s)) return s;
     if (s.ok()) size = 4 * internal::NumElements(shape);
   }
@@ -87,7 +105,7 @@ absl::Status Session::CheckStreamChunk(StreamKind kind, const std::string& name,
         absl::StrCat("PushGradients takes parameter names, not state '", Bounded(name), "'"));
   }
   int64_t size = 0;
-  return CheckWriteLocked(name, offset, len, kind == StreamKind::kState, &size);
+  return StateIo::CheckWriteLocked(*this, name, offset, len, kind == StreamKind::kState, &size);
 }
 
 int64_t Session::StreamBytesLimit(StreamKind kind) {
@@ -106,7 +124,8 @@ int64_t Session::StreamBytesLimit(StreamKind kind) {
   return bytes;
 }
 
-absl::Status Session::ValidateWrites(const std::vector<TensorWrite>& writes, bool state_names) {
+absl::Status Session::StateIo::ValidateWrites(Session& self, const std::vector<TensorWrite>& writes,
+                                              bool state_names) {
   // Coverage per tensor: sum of bytes written must equal its size, with no overlap (checked
   // by sorting the intervals).
   std::map<std::string, std::vector<std::pair<int64_t, int64_t>>> spans;
@@ -114,7 +133,7 @@ absl::Status Session::ValidateWrites(const std::vector<TensorWrite>& writes, boo
   for (const TensorWrite& w : writes) {
     const int64_t len = static_cast<int64_t>(w.data.size());
     int64_t size = 0;
-    DIOND_RETURN_IF_ERROR(CheckWriteLocked(w.name, w.offset_bytes, len, state_names, &size));
+    DIOND_RETURN_IF_ERROR(CheckWriteLocked(self, w.name, w.offset_bytes, len, state_names, &size));
     spans[w.name].push_back({w.offset_bytes, w.offset_bytes + len});
     sizes[w.name] = size;
   }
@@ -148,7 +167,7 @@ absl::Status Session::ApplyGradientWrites(const std::vector<TensorWrite>& writes
           absl::StrCat("PushGradients takes parameter names, not state '", Bounded(w.name), "'"));
     }
   }
-  DIOND_RETURN_IF_ERROR(ValidateWrites(writes, /*state_names=*/false));
+  DIOND_RETURN_IF_ERROR(StateIo::ValidateWrites(*this, writes, /*state_names=*/false));
   DIOND_RETURN_IF_ERROR(arenas_.CheckRegions("PushGradients", Role::kGradients));
   DIOND_RETURN_IF_ERROR(arenas_.EnsureHostArena(Role::kGradients));
   Arenas::Binding& grads = arenas_.grads();
@@ -167,7 +186,7 @@ absl::Status Session::ApplyStateWrites(const std::vector<TensorWrite>& writes) {
   absl::MutexLock lock(&mu_);
   last_used_ = absl::Now();
   DIOND_RETURN_IF_ERROR(queue_.Refuse("SetState"));
-  DIOND_RETURN_IF_ERROR(ValidateWrites(writes, /*state_names=*/true));
+  DIOND_RETURN_IF_ERROR(StateIo::ValidateWrites(*this, writes, /*state_names=*/true));
   // Assemble whole tensors, then reuse SetState's path (fp32 state; params in trainer dtype).
   std::map<std::string, std::string> whole;
   for (const TensorWrite& w : writes) {
@@ -199,7 +218,7 @@ absl::Status Session::ApplyStateWrites(const std::vector<TensorWrite>& writes) {
     }
     tensors.push_back(std::move(t));
   }
-  return SetStateLocked(tensors);
+  return StateIo::SetStateLocked(*this, tensors);
 }
 
 absl::Status Session::ReadParameterBytes(const std::string& name, int64_t offset, int64_t len,
@@ -238,15 +257,16 @@ absl::StatusOr<std::vector<NamedTensor>> Session::GetState(bool include_paramete
   absl::MutexLock lock(&mu_);
   last_used_ = absl::Now();
   DIOND_RETURN_IF_ERROR(queue_.Refuse("GetState"));
-  return GetStateLocked(include_parameters);
+  return StateIo::GetStateLocked(*this, include_parameters);
 }
 
-absl::StatusOr<std::vector<NamedTensor>> Session::GetStateLocked(bool include_parameters) {
+absl::StatusOr<std::vector<NamedTensor>> Session::StateIo::GetStateLocked(Session& self,
+                                                                          bool include_parameters) {
   std::vector<NamedTensor> out;
-  for (size_t i = 0; i < layout_.tensors.size(); ++i) {
-    const TensorPlacement& t = layout_.tensors[i];
+  for (size_t i = 0; i < self.layout_.tensors.size(); ++i) {
+    const TensorPlacement& t = self.layout_.tensors[i];
     if (include_parameters) {
-      if (!arenas_.HoldsParameters()) {
+      if (!self.arenas_.HoldsParameters()) {
         return absl::FailedPreconditionError(
             "parameters requested but none are held yet (register or SetState)");
       }
@@ -254,22 +274,23 @@ absl::StatusOr<std::vector<NamedTensor>> Session::GetStateLocked(bool include_pa
       p.name = t.name;
       p.shape = t.shape;
       p.data.resize(static_cast<size_t>(t.numel));
-      DIOND_RETURN_IF_ERROR(arenas_.ReadParamF32(i, p.data.data()));
-      DIOND_RETURN_IF_ERROR(arenas_.CheckRegions("reading the parameters", Role::kParameters));
+      DIOND_RETURN_IF_ERROR(self.arenas_.ReadParamF32(i, p.data.data()));
+      DIOND_RETURN_IF_ERROR(self.arenas_.CheckRegions("reading the parameters", Role::kParameters));
       out.push_back(std::move(p));
     }
-    const Group& g = groups_[group_of_param_[i]];
+    const Group& g = self.groups_[self.group_of_param_[i]];
     // A world session holds only the state of the parameters this rank owns.
-    if (g.optimizer->StateReleased(slot_in_group_[i])) continue;
+    if (g.optimizer->StateReleased(self.slot_in_group_[i])) continue;
     for (const std::string& st : g.optimizer->StateNames()) {
       DIOND_ASSIGN_OR_RETURN(std::vector<int64_t> shape,
-                             g.optimizer->StateShape(slot_in_group_[i], st));
+                             g.optimizer->StateShape(self.slot_in_group_[i], st));
       NamedTensor s;
       s.name = absl::StrCat(t.name, "/state.", st);
       s.shape = shape;
       s.data.resize(static_cast<size_t>(internal::NumElements(shape)));
-      DIOND_RETURN_IF_ERROR(CallOnCompute(compute_, [&] {
-        return g.optimizer->GetState(StateContext(), slot_in_group_[i], st, absl::MakeSpan(s.data));
+      DIOND_RETURN_IF_ERROR(CallOnCompute(self.compute_, [&] {
+        return g.optimizer->GetState(self.StateContext(), self.slot_in_group_[i], st,
+                                     absl::MakeSpan(s.data));
       }));
       out.push_back(std::move(s));
     }
@@ -281,10 +302,11 @@ absl::Status Session::SetState(const std::vector<NamedTensor>& tensors) {
   absl::MutexLock lock(&mu_);
   last_used_ = absl::Now();
   DIOND_RETURN_IF_ERROR(queue_.Refuse("SetState"));
-  return SetStateLocked(tensors);
+  return StateIo::SetStateLocked(*this, tensors);
 }
 
-absl::Status Session::SetStateLocked(const std::vector<NamedTensor>& tensors) {
+absl::Status Session::StateIo::SetStateLocked(Session& self,
+                                              const std::vector<NamedTensor>& tensors) {
   // Validate every tensor before writing any.
   std::set<std::string> seen;
   for (const NamedTensor& t : tensors) {
@@ -292,14 +314,14 @@ absl::Status Session::SetStateLocked(const std::vector<NamedTensor>& tensors) {
       return absl::InvalidArgumentError(absl::StrCat("tensor '", Bounded(t.name), "' given twice"));
     }
     int64_t want = -1;
-    for (const TensorPlacement& p : layout_.tensors) {
+    for (const TensorPlacement& p : self.layout_.tensors) {
       if (p.name == t.name) want = p.numel;
     }
     if (want < 0) {
       size_t p, g;
       std::string st;
       std::vector<int64_t> shape;
-      absl::Status s = ResolveStateName(t.name, &p, &g, &st, &shape);
+      absl::Status s = ResolveStateName(self, t.name, &p, &g, &st, &shape);
       if (absl::IsNotFound(s)) {
         return absl::InvalidArgumentError(absl::StrCat("unknown tensor '", Bounded(t.name), "'"));
       }
@@ -315,47 +337,48 @@ absl::Status Session::SetStateLocked(const std::vector<NamedTensor>& tensors) {
   // segment, so a failure there leaves the optimizer state and the master weights alone.
   std::vector<std::pair<size_t, const NamedTensor*>> param_writes;
   for (const NamedTensor& t : tensors) {
-    for (size_t i = 0; i < layout_.tensors.size(); ++i) {
-      if (layout_.tensors[i].name == t.name) param_writes.push_back({i, &t});
+    for (size_t i = 0; i < self.layout_.tensors.size(); ++i) {
+      if (self.layout_.tensors[i].name == t.name) param_writes.push_back({i, &t});
     }
   }
-  if (!param_writes.empty() && !arenas_.holding() && arenas_.params().cuda != nullptr) {
+  if (!param_writes.empty() && !self.arenas_.holding() && self.arenas_.params().cuda != nullptr) {
     // A device session's CUDA region: the new weights go in through its explicit copies.
     for (const auto& [i, t] : param_writes) {
-      DIOND_RETURN_IF_ERROR(arenas_.WriteParamF32(i, t->data.data()));
+      DIOND_RETURN_IF_ERROR(self.arenas_.WriteParamF32(i, t->data.data()));
     }
-  } else if (!param_writes.empty() && !arenas_.holding()) {
-    DIOND_RETURN_IF_ERROR(arenas_.CheckRegions("SetState", Role::kParameters));
-    DIOND_RETURN_IF_ERROR(arenas_.EnsureHostArena(Role::kParameters));
-    RunOnCompute(compute_, [&] {
+  } else if (!param_writes.empty() && !self.arenas_.holding()) {
+    DIOND_RETURN_IF_ERROR(self.arenas_.CheckRegions("SetState", Role::kParameters));
+    DIOND_RETURN_IF_ERROR(self.arenas_.EnsureHostArena(Role::kParameters));
+    RunOnCompute(self.compute_, [&] {
       for (const auto& [i, t] : param_writes) {
-        const TensorPlacement& p = layout_.tensors[i];
-        internal::NarrowFromF32(arenas_.HostContext(), p.dtype, t->data.data(), p.numel,
-                                arenas_.params().data + p.param_offset);
+        const TensorPlacement& p = self.layout_.tensors[i];
+        internal::NarrowFromF32(self.arenas_.HostContext(), p.dtype, t->data.data(), p.numel,
+                                self.arenas_.params().data + p.param_offset);
       }
     });
-    DIOND_RETURN_IF_ERROR(arenas_.CheckRegions("SetState", Role::kParameters));
+    DIOND_RETURN_IF_ERROR(self.arenas_.CheckRegions("SetState", Role::kParameters));
   }
   for (const auto& [i, t] : param_writes) {
-    if (arenas_.holding()) {
-      arenas_.held(i) = t->data;
-    } else if (arenas_.HasMaster(i)) {
-      DIOND_RETURN_IF_ERROR(arenas_.WriteMaster(i, t->data.data()));
+    if (self.arenas_.holding()) {
+      self.arenas_.held(i) = t->data;
+    } else if (self.arenas_.HasMaster(i)) {
+      DIOND_RETURN_IF_ERROR(self.arenas_.WriteMaster(i, t->data.data()));
     }
   }
   for (const NamedTensor& t : tensors) {
     bool is_param = false;
-    for (const TensorPlacement& p : layout_.tensors) is_param = is_param || p.name == t.name;
+    for (const TensorPlacement& p : self.layout_.tensors) is_param = is_param || p.name == t.name;
     if (is_param) continue;
     size_t p, g;
     std::string st;
     std::vector<int64_t> shape;
-    DIOND_RETURN_IF_ERROR(ResolveStateName(t.name, &p, &g, &st, &shape));
+    DIOND_RETURN_IF_ERROR(ResolveStateName(self, t.name, &p, &g, &st, &shape));
     // World sessions: every trainer may send the whole state; each rank keeps its owned share
     // (the owner of this parameter keeps this tensor).
-    if (groups_[g].optimizer->StateReleased(slot_in_group_[p])) continue;
-    DIOND_RETURN_IF_ERROR(CallOnCompute(compute_, [&] {
-      return groups_[g].optimizer->SetState(StateContext(), slot_in_group_[p], st, t.data);
+    if (self.groups_[g].optimizer->StateReleased(self.slot_in_group_[p])) continue;
+    DIOND_RETURN_IF_ERROR(CallOnCompute(self.compute_, [&] {
+      return self.groups_[g].optimizer->SetState(self.StateContext(), self.slot_in_group_[p], st,
+                                                 t.data);
     }));
   }
   return absl::OkStatus();
@@ -380,7 +403,7 @@ absl::StatusOr<SessionSnapshot> Session::Snapshot() {
   if (last_result_.has_value() && last_result_->step_index == last_step_index_) {
     snap.last_result = last_result_;
   }
-  DIOND_ASSIGN_OR_RETURN(snap.tensors, GetStateLocked(/*include_parameters=*/true));
+  DIOND_ASSIGN_OR_RETURN(snap.tensors, StateIo::GetStateLocked(*this, /*include_parameters=*/true));
   return snap;
 }
 
@@ -450,7 +473,7 @@ absl::Status Session::Restore(const SessionSnapshot& snapshot) {
                                               shape_text(shape), ") that the spec implies"));
     }
   }
-  if (absl::Status s = SetStateLocked(state); !s.ok()) {
+  if (absl::Status s = StateIo::SetStateLocked(*this, state); !s.ok()) {
     return absl::DataLossError(s.message());
   }
   if (absl::Status s = arenas_.Hold(std::move(params)); !s.ok()) {

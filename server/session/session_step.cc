@@ -27,6 +27,7 @@
 #include "server/session/session.h"
 #include "server/session/session_device.h"
 #include "server/session/session_internal.h"
+#include "server/session/session_overlap.h"
 #include "server/session/step_memory.h"
 
 namespace diond::session {
@@ -75,7 +76,7 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequest& request,
   // and why the others run eagerly.
   memory_->PrepareStep(*this, run);
   // Bucket by bucket as the trainer's backward produces them (session_overlap.cc).
-  if (request.overlap) return OverlappedStepLocked(run, update_ctx);
+  if (request.overlap) return Overlap::OverlappedStepLocked(*this, run, update_ctx);
 
   DIOND_RETURN_IF_ERROR(JoinWorldPhase(run));
   // The phases that only compute run on the daemon's compute thread (compute_thread.h); the
@@ -261,7 +262,7 @@ absl::Status Session::ValidateStepLocked(const StepRequest& request,
     return absl::FailedPreconditionError(
         "no gradients: register a GRADIENTS region (or PushGradients) before Step");
   }
-  if (request.overlap) DIOND_RETURN_IF_ERROR(ValidateOverlapLocked(request));
+  if (request.overlap) DIOND_RETURN_IF_ERROR(Overlap::ValidateOverlapLocked(*this, request));
   if (params.cuda == nullptr) DIOND_RETURN_IF_ERROR(arenas_.EnsureHostArena(Role::kParameters));
   DIOND_RETURN_IF_ERROR(memory_->PrepareEvents(*this, request));
   // The trainer may have truncated its segments: a cheap look first (fstat); after each pass

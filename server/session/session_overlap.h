@@ -1,0 +1,58 @@
+// The overlapped step's phases (docs/DATA_PLANE.md "Overlapped step"; session_overlap.cc): an
+// asynchronous Step staged bucket by bucket as the trainer's doorbells ring.
+//
+// Internal to the session's implementation: included only by server/session/session*.cc. Every
+// function takes the session it works on; the step's run under its mutex (the wait for a
+// doorbell releases it).
+#ifndef DIOND_SERVER_SESSION_SESSION_OVERLAP_H_
+#define DIOND_SERVER_SESSION_SESSION_OVERLAP_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/functional/function_ref.h"
+#include "absl/status/statusor.h"
+#include "kernels/context.h"
+#include "server/memory/shm_region.h"
+#include "server/session/session.h"
+#include "server/session/session_internal.h"
+
+namespace diond::session {
+
+struct Session::Overlap {
+  // Binds the doorbell page `open` maps, with its buckets (RegisterShmDoorbells and
+  // RegisterMemfdDoorbells' common part).
+  static absl::StatusOr<std::string> RegisterDoorbells(
+      Session& self, const std::string& name, int64_t offset, int64_t size,
+      const std::vector<std::vector<int32_t>>& buckets,
+      absl::FunctionRef<absl::StatusOr<std::unique_ptr<memory::ShmRegion>>()> open);
+  // The buckets as parameter indices, each parameter in exactly one (INVALID_ARGUMENT naming the
+  // first that is not).
+  static absl::StatusOr<std::vector<std::vector<size_t>>> CheckBuckets(
+      const Session& self, const std::vector<std::vector<int32_t>>& buckets);
+  // Phase 1 of StepRequest.overlap: its preconditions (asynchronous, a doorbell page, a local
+  // host session).
+  static absl::Status ValidateOverlapLocked(Session& self, const StepRequest& request);
+  // The step's phases bucket by bucket as the doorbells ring, then FinishStepLocked; the
+  // weights doorbells rung after it (or failed).
+  static absl::StatusOr<StepResult> OverlappedStepLocked(Session& self, StepRun& run,
+                                                         const kernels::Context& update_ctx);
+  static absl::StatusOr<StepResult> OverlappedPhases(Session& self, StepRun& run,
+                                                     const kernels::Context& update_ctx,
+                                                     std::vector<int>* order);
+  // Every parameter read and every group's staged step begun (nothing staged yet).
+  static absl::Status BeginOverlapPhase(Session& self, StepRun& run,
+                                        const kernels::Context& update_ctx);
+  // The next bucket rung for this step (the session's mutex released while it waits).
+  static absl::StatusOr<int> WaitForBucketPhase(Session& self, StepRun& run,
+                                                const std::vector<bool>& taken);
+  // Bucket k's gradients read and scanned, then, while all are finite, its part of every group
+  // staged.
+  static absl::Status StageBucketPhase(Session& self, StepRun& run, size_t k);
+};
+
+}  // namespace diond::session
+
+#endif  // DIOND_SERVER_SESSION_SESSION_OVERLAP_H_
