@@ -1,6 +1,7 @@
 // SessionManager's reapers (docs/OPERATIONS.md): the trainer processes it watches, and the
 // sessions it closes for them, idle (--idle_timeout) or orphaned (their trainers gone).
 #include <algorithm>
+#include <memory>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -100,9 +101,13 @@ void SessionManager::ReapOrphanSessions(absl::Time now) {
     return;
   }
   // 1. Under the lock: the sessions that have had processes, with their watches.
+  // The session only weakly: a session closed meanwhile must be freed by its Close (its memory
+  // back when CloseSession answers), not later on this thread.
   struct Look {
     std::string id;
-    std::shared_ptr<Session> session;
+    std::weak_ptr<Session> session;
+    std::string name;  // SessionSpec::session_name
+    bool world = false;
     std::vector<std::shared_ptr<ProcessWatch>> watches;
     std::vector<bool> exited;
     bool all_exited = true;
@@ -115,7 +120,14 @@ void SessionManager::ReapOrphanSessions(absl::Time now) {
       if (t.untracked || (t.live.empty() && t.exited.empty())) continue;
       auto s = sessions_.find(id);
       if (s == sessions_.end()) continue;
-      looks.push_back(Look{id, s->second, t.live, {}, true, absl::InfinitePast()});
+      looks.push_back(Look{id,
+                           s->second,
+                           s->second->spec().session_name,
+                           s->second->is_world_session(),
+                           t.live,
+                           {},
+                           true,
+                           absl::InfinitePast()});
     }
   }
   // 2. Outside it: are they alive, and (for orphans) when were they last used? A Step holds
@@ -125,7 +137,8 @@ void SessionManager::ReapOrphanSessions(absl::Time now) {
       l.exited.push_back(w->Exited());
       l.all_exited = l.all_exited && l.exited.back();
     }
-    if (l.all_exited) l.last_used = l.session->last_used();
+    if (!l.all_exited) continue;
+    if (std::shared_ptr<Session> session = l.session.lock()) l.last_used = session->last_used();
   }
   // 3. Under the lock again: drop the exited watches, and decide.
   struct Due {
@@ -156,8 +169,7 @@ void SessionManager::ReapOrphanSessions(absl::Time now) {
         continue;
       }
       if (!l.all_exited) continue;  // emptied by a concurrent look: the next one decides
-      const Session& s = *l.session;
-      const std::string& name = s.spec().session_name;
+      const std::string& name = l.name;
       const std::string who = absl::StrCat(
           "session ", l.id, name.empty() ? std::string() : absl::StrCat(" ('", name, "')"),
           ": every process that created or used it has exited (pid ", absl::StrJoin(t.exited, ", "),
@@ -166,17 +178,17 @@ void SessionManager::ReapOrphanSessions(absl::Time now) {
       if (first) t.orphan_since = now;
       absl::Duration grace = name.empty() ? options_.orphan_grace : options_.orphan_grace_named;
       const char* flag = name.empty() ? "--orphan_grace" : "--orphan_grace_named";
-      if (s.is_world_session() || grace <= absl::ZeroDuration()) {
+      if (l.world || grace <= absl::ZeroDuration()) {
         if (!t.noted) {
           t.noted = true;
           lines.emplace_back(
-              l.id, absl::StrCat(who, "; it is kept: ",
-                                 s.is_world_session()
-                                     ? "world sessions are not reaped as orphans (the other ranks' "
-                                       "trainers may still step it); close it, or use "
-                                       "--session_idle_timeout"
-                                     : absl::StrCat("named sessions wait for AttachSession (", flag,
-                                                    "=0)")));
+              l.id,
+              absl::StrCat(
+                  who, "; it is kept: ",
+                  l.world ? "world sessions are not reaped as orphans (the other ranks' "
+                            "trainers may still step it); close it, or use "
+                            "--session_idle_timeout"
+                          : absl::StrCat("named sessions wait for AttachSession (", flag, "=0)")));
         }
         continue;
       }
