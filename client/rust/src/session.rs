@@ -176,6 +176,7 @@ impl Session {
                     role: role as i32,
                     kind: kind as i32,
                     region: Some(region),
+                    ..Default::default()
                 })
             });
             match r {

@@ -60,6 +60,7 @@ fn register_with_token(client: &Client, session: &str, token: &str, size: i64) -
                 size_bytes: size,
                 fd_token: token.to_string(),
             })),
+            ..Default::default()
         })
         .map(|r| r.region_id)
 }
