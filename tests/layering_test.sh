@@ -43,9 +43,11 @@ check "CUDA headers outside kernels/cuda" "$cuda" common server tests \
 # dispatcher in kernels/ops.h. kernels_api_alone_test proves the API also links without them.
 backend_inc='#include *[<"]kernels/(cpu|cuda/[a-z_]+_backend|testing)/'
 # (their *_test.cc files may use the test-only backend of kernels/testing, and so may the
-# composition root of diond-conformance, whose --device test registers it for CI)
+# tests' own helpers in kernels/optim/testing and the composition root of diond-conformance,
+# whose --device test registers it for CI)
 check "kernels/optim includes a backend header" "$backend_inc" \
-  $(find kernels/optim -type f ! -name '*_test.cc' ! -path kernels/optim/conformance/main.cc)
+  $(find kernels/optim -path kernels/optim/testing -prune -o -type f ! -name '*_test.cc' \
+      ! -path kernels/optim/conformance/main.cc -print)
 check "server/ includes a backend header" "$backend_inc" $(find server -type f ! -name '*_test.cc')
 check "the ops API includes a backend header" "$backend_inc" kernels/api \
   kernels/tensor.h kernels/context.h kernels/ops.h kernels/backend.h

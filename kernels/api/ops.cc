@@ -13,24 +13,6 @@
 #include "kernels/elementwise_math.h"
 
 namespace diond::kernels {
-namespace {
-
-using api::CheckAxis;
-using api::CheckContiguous;
-using api::CheckDType;
-using api::CheckF32Like;
-using api::CheckF32Out;
-using api::CheckFinite;
-using api::CheckMatrix;
-using api::CheckQrArgs;
-using api::CheckSameShapeContiguous;
-using api::CheckSlices;
-using api::CheckTopKCount;
-using api::CheckView;
-using api::Invalid;
-using api::SameShape;
-
-}  // namespace
 
 // ================================ GEMM ========================================================
 

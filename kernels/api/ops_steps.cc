@@ -13,25 +13,6 @@
 namespace diond::kernels {
 namespace {
 
-using api::CheckAxis;
-using api::CheckContiguous;
-using api::CheckDType;
-using api::CheckF32Like;
-using api::CheckF32Out;
-using api::CheckFinite;
-using api::CheckMatrix;
-using api::CheckQrArgs;
-using api::CheckSameShapeContiguous;
-using api::CheckSlices;
-using api::CheckTopKCount;
-using api::CheckView;
-using api::Invalid;
-using api::SameShape;
-
-}  // namespace
-
-namespace {
-
 constexpr const char* kSetByGraph =
     "scalars_on_device is set by kernels/graph.h only (leave it null)";
 

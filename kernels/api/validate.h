@@ -76,4 +76,25 @@ absl::Status CheckF32Like(const Context& ctx, const char* op, const char* name, 
 
 }  // namespace diond::kernels::api
 
+// The dispatcher's files (ops.cc, ops_steps.cc) call these checks unqualified; the one list of
+// them is here so that a new check is named once.
+namespace diond::kernels {
+
+using api::CheckAxis;
+using api::CheckContiguous;
+using api::CheckDType;
+using api::CheckF32Like;
+using api::CheckF32Out;
+using api::CheckFinite;
+using api::CheckMatrix;
+using api::CheckQrArgs;
+using api::CheckSameShapeContiguous;
+using api::CheckSlices;
+using api::CheckTopKCount;
+using api::CheckView;
+using api::Invalid;
+using api::SameShape;
+
+}  // namespace diond::kernels
+
 #endif  // DIOND_KERNELS_API_VALIDATE_H_

@@ -25,6 +25,7 @@
 #include "kernels/optim/group_optimizer.h"
 #include "kernels/optim/orthogonalize.h"
 #include "kernels/optim/testing/same_bits.h"
+#include "kernels/optim/testing/strict_device.h"
 #include "kernels/plugin/plugin_backend.h"
 #include "kernels/testing/host_device_backend.h"
 
@@ -50,18 +51,15 @@ int64_t Numel(const ParamShape& s) { return testing::Numel(s); }
 class StrictDevice : public ::testing::Test {
  protected:
   void SetUp() override {
-    ASSERT_THAT(device_.status(), IsOk());
-    auto sc = kernels::testing::HostTestStreamContext::Create(kDev);
-    ASSERT_THAT(sc.status(), IsOk());
-    sc_ = std::move(*sc);
-    dev_ = &sc_->ctx();
+    ASSERT_THAT(device_.Open(kDev), IsOk());
+    dev_ = &device_.ctx();
     cpu_ = Context::CpuDefault(1);
   }
   void TearDown() override {
     dev_ = nullptr;
-    sc_.reset();
+    device_.Close();
   }
-  kernels::testing::ScopedHostTestDevice device_{/*strict=*/true};
+  testing::StrictTestDevice device_;
 
   // A device buffer holding `v` (uploaded with the public copy).
   Buffer Upload(const std::vector<float>& v) {
@@ -82,7 +80,6 @@ class StrictDevice : public ::testing::Test {
     return v;
   }
 
-  std::unique_ptr<kernels::testing::HostTestStreamContext> sc_;
   Context* dev_ = nullptr;
   std::unique_ptr<Context> cpu_;
 };

@@ -22,6 +22,7 @@
 #include "kernels/ops.h"
 #include "kernels/optim/group_optimizer.h"
 #include "kernels/optim/testing/same_bits.h"
+#include "kernels/optim/testing/strict_device.h"
 #include "kernels/testing/host_device_backend.h"
 
 namespace diond::optim {
@@ -137,11 +138,8 @@ class PartsTest : public ::testing::Test {
  protected:
   void Open(bool device) {
     if (device) {
-      ASSERT_THAT(device_.status(), IsOk());
-      auto sc = kernels::testing::HostTestStreamContext::Create(kDev);
-      ASSERT_THAT(sc.status(), IsOk());
-      sc_ = std::move(*sc);
-      ctx_ = &sc_->ctx();
+      ASSERT_THAT(device_.Open(kDev), IsOk());
+      ctx_ = &device_.ctx();
       return;
     }
     kernels::ContextOptions o;
@@ -153,7 +151,7 @@ class PartsTest : public ::testing::Test {
   }
   void TearDown() override {
     ctx_ = nullptr;
-    sc_.reset();
+    device_.Close();
   }
 
   // At least one element, so that an empty parameter has a pointer too.
@@ -234,8 +232,7 @@ class PartsTest : public ::testing::Test {
     s.opt->CommitStagedState();
   }
 
-  kernels::testing::ScopedHostTestDevice device_{/*strict=*/true};
-  std::unique_ptr<kernels::testing::HostTestStreamContext> sc_;
+  testing::StrictTestDevice device_;
   std::unique_ptr<Context> cpu_;
   Context* ctx_ = nullptr;
 };

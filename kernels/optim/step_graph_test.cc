@@ -24,6 +24,7 @@
 #include "kernels/ops.h"
 #include "kernels/optim/group_optimizer.h"
 #include "kernels/optim/testing/same_bits.h"
+#include "kernels/optim/testing/strict_device.h"
 #include "kernels/testing/host_device_backend.h"
 
 namespace diond::optim {
@@ -218,21 +219,15 @@ INSTANTIATE_TEST_SUITE_P(Rules, StepGraphRules,
 
 class StepGraphTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    ASSERT_THAT(device_.status(), IsOk());
-    auto sc = kernels::testing::HostTestStreamContext::Create(kDev);
-    ASSERT_THAT(sc.status(), IsOk());
-    sc_ = std::move(*sc);
-  }
-  Context& ctx() { return sc_->ctx(); }
+  void SetUp() override { ASSERT_THAT(device_.Open(kDev), IsOk()); }
+  Context& ctx() { return device_.ctx(); }
   std::vector<float> Read(const Buffer& b) {
     const int64_t n = b.NumElements();
     std::vector<float> v(static_cast<size_t>(n));
     EXPECT_THAT(kernels::CopyToHost(ctx(), b.view(), kernels::MakeView(v.data(), {n})), IsOk());
     return v;
   }
-  kernels::testing::ScopedHostTestDevice device_{/*strict=*/true};
-  std::unique_ptr<kernels::testing::HostTestStreamContext> sc_;
+  testing::StrictTestDevice device_;
 };
 
 TEST_F(StepGraphTest, ARuleWithASyncPointRunsEagerlyAndTheRecordingChangedNothing) {
@@ -413,13 +408,13 @@ TEST_F(StepGraphTest, ABackendWithoutCaptureIsUnsupported) {
 TEST_F(StepGraphTest, ASyncPointUnderCaptureInvalidatesTheEmulatedCapture) {
   // The TEST backend's emulation itself: a synchronous entry on a capturing stream is refused
   // and the capture ends in an error (cudaStreamCaptureModeGlobal's behaviour).
-  ASSERT_THAT(kernels::DeviceRuntimeFor(kDev.type).begin_capture(kDev, sc_->stream()), IsOk());
+  ASSERT_THAT(kernels::DeviceRuntimeFor(kDev.type).begin_capture(kDev, device_.stream()), IsOk());
   std::vector<float> host(4);
   auto b = ctx().Allocate(kernels::DType::kF32, {4});
   ASSERT_THAT(b.status(), IsOk());
   EXPECT_THAT(kernels::CopyToHost(ctx(), b->view(), kernels::MakeView(host.data(), {4})),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("capturing")));
-  EXPECT_THAT(kernels::DeviceRuntimeFor(kDev.type).end_capture(kDev, sc_->stream()).status(),
+  EXPECT_THAT(kernels::DeviceRuntimeFor(kDev.type).end_capture(kDev, device_.stream()).status(),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("invalidated")));
 }
 

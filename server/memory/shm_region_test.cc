@@ -4,7 +4,6 @@
 // daemon in tests/service/shm_shrink_service_test.cc.
 #include "server/memory/shm_region.h"
 
-#include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -12,14 +11,12 @@
 #include <unistd.h>
 
 #include <cstdlib>
-#include <cstring>
-#include <random>
 #include <string>
 #include <thread>
 
-#include "absl/strings/str_cat.h"
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
+#include "server/memory/testing/shm_segment.h"
 
 namespace diond::memory {
 namespace {
@@ -28,38 +25,10 @@ using ::diond::testing::IsOk;
 using ::diond::testing::StatusIs;
 using ::testing::HasSubstr;
 
-// A segment created by the test (the trainer's side), unlinked at the end.
-class Segment {
+// A segment of 0x5a bytes created by the test (the trainer's side), unlinked at the end.
+class Segment : public testing::ShmTestSegment {
  public:
-  // The name carries a random part besides the pid: a death test's child dies with its segment
-  // still linked, and a later test process may get the same pid.
-  explicit Segment(int64_t bytes)
-      : name_(absl::StrCat("diond-shm-region-test-", getpid(), "-", counter_++, "-",
-                           std::random_device{}())) {
-    fd_ = shm_open(("/" + name_).c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
-    EXPECT_GE(fd_, 0) << name_ << ": " << std::strerror(errno);
-    if (fd_ < 0) return;
-    EXPECT_EQ(ftruncate(fd_, bytes), 0);
-    void* p = mmap(nullptr, static_cast<size_t>(bytes), PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
-    EXPECT_NE(p, MAP_FAILED);
-    if (p == MAP_FAILED) return;
-    std::memset(p, 0x5a, static_cast<size_t>(bytes));
-    munmap(p, static_cast<size_t>(bytes));
-  }
-  ~Segment() {
-    close(fd_);
-    shm_unlink(("/" + name_).c_str());
-  }
-  const std::string& name() const { return name_; }
-  // Unlinks the name now (the mappings stay): for a death test, whose child process re-runs the
-  // test body and dies without running destructors.
-  void UnlinkNow() { shm_unlink(("/" + name_).c_str()); }
-  void Truncate(int64_t bytes) { ASSERT_EQ(ftruncate(fd_, bytes), 0); }
-
- private:
-  static inline int counter_ = 0;
-  std::string name_;
-  int fd_ = -1;
+  explicit Segment(int64_t bytes) : ShmTestSegment("diond-shm-region-test", bytes, 0x5a) {}
 };
 
 constexpr int64_t kSize = 1 << 20;
