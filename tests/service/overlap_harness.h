@@ -138,7 +138,7 @@ inline void ExpectSameResult(const v1::StepResponse& got, const v1::StepResponse
 // The suites' fixture: one daemon for the suite, a synchronous session and an overlapped one.
 class Overlap : public ::testing::Test {
  protected:
-  static void SetUpTestSuite() { daemon_ = Daemon::Start().release(); }
+  static void SetUpTestSuite() { daemon_ = Daemon::Start({"--compute_threads=1"}).release(); }
   static void TearDownTestSuite() {
     delete daemon_;
     daemon_ = nullptr;
@@ -146,9 +146,9 @@ class Overlap : public ::testing::Test {
   void SetUp() override { ASSERT_NE(daemon_, nullptr); }
   static v1::Optimizer::Stub& stub() { return daemon_->stub(); }
 
-  // A synchronous session and an overlapped one (with its doorbell page), both holding the
-  // initial weights.
-  void NewPair(const SessionDesc& d) {
+  // A synchronous session and an overlapped one (with its doorbell page and `buckets`), both
+  // holding the initial weights.
+  void NewPair(const SessionDesc& d, const std::vector<std::vector<int32_t>>& buckets = kBuckets) {
     sync_ = CreateShmSession(stub(), d.Request());
     ov_ = CreateShmSession(stub(), d.Request());
     ASSERT_NE(sync_, nullptr);
@@ -160,9 +160,9 @@ class Overlap : public ::testing::Test {
     }
     page_ = ShmSegment::Create(4096);
     ASSERT_NE(page_, nullptr);
-    WriteDoorbellHeader(page_->data(), static_cast<uint32_t>(kBuckets.size()));
+    WriteDoorbellHeader(page_->data(), static_cast<uint32_t>(buckets.size()));
     bells_.base = page_->data();
-    grpc::Status st = RegisterShmDoorbells(stub(), ov_->id, page_->name(), 0, 4096, kBuckets);
+    grpc::Status st = RegisterShmDoorbells(stub(), ov_->id, page_->name(), 0, 4096, buckets);
     ASSERT_TRUE(st.ok()) << st.error_message();
   }
 

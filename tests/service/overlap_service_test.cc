@@ -4,6 +4,8 @@
 // queued step stages the rung buckets.
 //  - for every algorithm, N overlapped steps give a synchronous session's weights, state and
 //    update norms bit for bit, and every weights doorbell says N after step N;
+//  - the write-back bucket by bucket, watched from another thread: the weights words ring in
+//    the reverse of the ringing order, each bucket's bytes final when its word says N;
 //  - the same over sealed memfd regions (arenas and doorbell page), sent on the fd channel;
 //  - a NaN in one bucket: under SKIP the step is skipped (weights and state unchanged, every
 //    weights doorbell = N); under ERROR it fails (every weights doorbell = -N, the wait reports
@@ -20,11 +22,13 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <functional>
 #include <limits>
 #include <thread>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "tests/service/overlap_harness.h"
@@ -146,6 +150,98 @@ INSTANTIATE_TEST_SUITE_P(All, OverlapEveryAlgorithm,
                          [](const ::testing::TestParamInfo<AlgorithmKind>& i) {
                            return std::string(optim::AlgorithmName(i.param));
                          });
+
+// The write-back bucket by bucket, watched from another thread as the trainer's next forward
+// would: no bucket's weights word says N before those of the buckets rung after it (the reverse
+// of the ringing order), each bucket's first and last bytes are final once its word says N, and
+// a bucket not yet rung is then, at least once, still unwritten (the words are not all rung
+// after the whole write). Each bucket holds 16 MiB of AdamW vectors, so that its write lasts
+// long enough for the watcher (which spins, on the core the daemon's one compute thread leaves)
+// to see a bucket rung before the next is written; the trainer rings them 100 ms apart, so
+// that the daemon takes them in the order rung.
+TEST_F(Overlap, TheWeightsAreWrittenAndRungBucketByBucket) {
+  SessionDesc d;
+  d.groups.push_back(MakeGroup("m", AlgorithmKind::kMuon, 0.02));
+  d.groups.push_back(MakeGroup("v", AlgorithmKind::kAdamW, 0.001));
+  constexpr int64_t kBig = int64_t{1} << 19;  // 2 MiB: GetState sends it in one message
+  constexpr int kVectors = 8;                 // 16 MiB a bucket
+  std::vector<std::vector<int32_t>> buckets(3);
+  for (int k = 0; k < 3; ++k) {
+    buckets[static_cast<size_t>(k)].push_back(static_cast<int32_t>(d.params.size()));
+    d.params.push_back({absl::StrCat("w", k), {16, 16}, "m"});
+    for (int v = 0; v < kVectors; ++v) {
+      buckets[static_cast<size_t>(k)].push_back(static_cast<int32_t>(d.params.size()));
+      d.params.push_back({absl::StrCat("v", k, "_", v), {kBig}, "v"});
+    }
+  }
+  NewPair(d, buckets);
+  // The first and the last 64 bytes of bucket k's write-back.
+  auto ends = [&](const ShmSession& s, int k) {
+    const std::vector<int32_t>& b = buckets[static_cast<size_t>(k)];
+    const v1::TensorLayout& last = s.tensor(static_cast<size_t>(b.back()));
+    return s.params_seg->Bytes(s.tensor(static_cast<size_t>(b[0])).param_offset_bytes(), 64) +
+           s.params_seg->Bytes(last.param_offset_bytes() + last.size_bytes() - 64, 64);
+  };
+  int unwritten_at_a_ring = 0;
+  for (int64_t t = 1; t <= 4; ++t) {
+    const std::vector<std::vector<float>> g = Grads(d, t);
+    for (size_t i = 0; i < g.size(); ++i) sync_->WriteGrad(i, g[i]);
+    v1::StepResponse want, queued, got;
+    ASSERT_TRUE(DoStep(stub(), sync_->id, t, &want).ok());
+    std::vector<std::string> final_ends;
+    for (int k = 0; k < 3; ++k) final_ends.push_back(ends(*sync_, k));
+    ASSERT_TRUE(OverlapStep(stub(), ov_->id, t, &queued).ok());
+    // Per bucket: the watcher's pass that first saw its word at t, and its ends then.
+    std::vector<int> seen_pass(3, 0);
+    std::vector<std::string> at_ring(3);
+    std::thread watcher([&] {
+      const absl::Time deadline = absl::Now() + absl::Seconds(60);
+      int seen = 0;
+      for (int pass = 1; seen < 3 && absl::Now() < deadline; ++pass) {
+        // In the order rung: a bucket seen written back is never seen before one that the
+        // daemon wrote back before it (its word, read later, cannot be older).
+        for (int k : RingOrder(t)) {
+          if (seen_pass[static_cast<size_t>(k)] != 0 || bells_.weights(k) != t) continue;
+          seen_pass[static_cast<size_t>(k)] = pass;
+          ++seen;
+          at_ring[static_cast<size_t>(k)] = ends(*ov_, k);
+          for (int j = 0; j < 3; ++j) {
+            if (seen_pass[static_cast<size_t>(j)] == 0 && bells_.weights(j) != t &&
+                ends(*ov_, j) != final_ends[static_cast<size_t>(j)]) {
+              ++unwritten_at_a_ring;
+            }
+          }
+        }
+      }
+    });
+    for (int k : RingOrder(t)) {
+      absl::SleepFor(absl::Milliseconds(100));
+      for (int32_t i : buckets[static_cast<size_t>(k)]) {
+        ov_->WriteGrad(static_cast<size_t>(i), g[static_cast<size_t>(i)]);
+      }
+      bells_.RingGradients(k, t);
+    }
+    watcher.join();
+    grpc::Status s = WaitStep(stub(), ov_->id, &got);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    ExpectSameResult(got, want);
+    const std::vector<int> rung = RingOrder(t);
+    for (size_t i = 0; i + 1 < rung.size(); ++i) {
+      EXPECT_GE(seen_pass[static_cast<size_t>(rung[i])],
+                seen_pass[static_cast<size_t>(rung[i + 1])])
+          << "step " << t << ": bucket " << rung[i] << " was written back before bucket "
+          << rung[i + 1] << ", rung after it";
+    }
+    for (int k = 0; k < 3; ++k) {
+      EXPECT_NE(seen_pass[static_cast<size_t>(k)], 0) << "step " << t << ": bucket " << k;
+      EXPECT_TRUE(at_ring[static_cast<size_t>(k)] == final_ends[static_cast<size_t>(k)])
+          << "step " << t << ": bucket " << k << " was rung before its weights were written";
+    }
+  }
+  EXPECT_GT(unwritten_at_a_ring, 0) << "every bucket was written before the first was rung";
+  ExpectSameSessions();
+  CloseBoth();
+}
 
 TEST_F(Overlap, ANaNInOneBucketSkipsTheWholeStepUnderSkip) {
   const SessionDesc d = Desc(AlgorithmKind::kMuon, v1::NON_FINITE_POLICY_SKIP);
