@@ -31,10 +31,6 @@
 namespace diond::session {
 namespace {
 
-// How long a step waits for the next bucket's gradients: far longer than any backward, so only a
-// trainer that stopped meets it (a closed session cancels the wait at once).
-constexpr absl::Duration kBucketWait = absl::Minutes(10);
-
 constexpr char kNotBuilt[] =
     ": its overlapped step is not built yet (docs/DATA_PLANE.md \"Overlapped step\": local host "
     "sessions only)";
@@ -259,7 +255,9 @@ absl::StatusOr<int> Session::Overlap::WaitForBucketPhase(Session& self, StepRun&
                                                          const std::vector<bool>& taken) {
   const memory::Doorbells bells = *self.arenas_.doorbells().bells;
   const int64_t generation = self.queued_cancel_gen_;
-  const absl::Time deadline = absl::Now() + kBucketWait;
+  // --overlap_bucket_timeout: far longer than any backward, so only a trainer that stopped meets
+  // it (a closed session cancels the wait at once).
+  const absl::Time deadline = absl::Now() + run.request->overlap_bucket_wait;
   // Without the mutex: the calls that would touch what the step reads are refused while it is
   // queued, and DrainQueuedStep must be able to cancel the wait.
   self.mu_.Unlock();

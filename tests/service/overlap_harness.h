@@ -138,7 +138,11 @@ inline void ExpectSameResult(const v1::StepResponse& got, const v1::StepResponse
 // The suites' fixture: one daemon for the suite, a synchronous session and an overlapped one.
 class Overlap : public ::testing::Test {
  protected:
-  static void SetUpTestSuite() { daemon_ = Daemon::Start({"--compute_threads=1"}).release(); }
+  // One compute thread leaves a core to a test's watcher; a bucket's wait of 60 s, not 10 min,
+  // fails a test whose step would wait for a bucket never rung.
+  static void SetUpTestSuite() {
+    daemon_ = Daemon::Start({"--compute_threads=1", "--overlap_bucket_timeout=60s"}).release();
+  }
   static void TearDownTestSuite() {
     delete daemon_;
     daemon_ = nullptr;
