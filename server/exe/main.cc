@@ -104,6 +104,10 @@ ABSL_FLAG(absl::Duration, orphan_grace_named, absl::ZeroDuration(),
           "--orphan_grace for sessions with a session_name, which a restarted trainer "
           "re-attaches to by that name; 0 = never (they wait for AttachSession, bounded by "
           "--session_idle_timeout). Set it longer than a trainer restart takes.");
+ABSL_FLAG(absl::Duration, overlap_bucket_timeout, absl::Minutes(10),
+          "How long an overlapped step waits for each bucket's gradients doorbell before it "
+          "fails with DEADLINE_EXCEEDED, nothing committed (docs/DATA_PLANE.md \"Overlapped "
+          "step\"); must be > 0. Far longer than a backward: only a stalled trainer meets it.");
 ABSL_FLAG(std::string, state_dir, "",
           "Directory for checkpoints (<state_dir>/<session>/step-<N>); empty = SaveCheckpoint "
           "needs an explicit directory.");
@@ -429,6 +433,12 @@ absl::StatusOr<diond::server::DaemonOptions> OptionsFromFlags() {
   if (options.sessions.orphan_grace < absl::ZeroDuration() ||
       options.sessions.orphan_grace_named < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--orphan_grace and --orphan_grace_named must be >= 0");
+  }
+  options.sessions.overlap_bucket_timeout = absl::GetFlag(FLAGS_overlap_bucket_timeout);
+  if (options.sessions.overlap_bucket_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--overlap_bucket_timeout must be > 0, got ",
+                     absl::FormatDuration(options.sessions.overlap_bucket_timeout)));
   }
   options.sessions.state_dir = absl::GetFlag(FLAGS_state_dir);
   options.sessions.checkpoint_every = absl::GetFlag(FLAGS_checkpoint_every);

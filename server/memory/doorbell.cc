@@ -82,9 +82,14 @@ absl::StatusOr<int> Doorbells::WaitAnyGradients(const std::vector<bool>& taken, 
   absl::Duration poll = kFirstPoll;
   while (true) {
     for (int k = 0; k < buckets_; ++k) {
-      if (taken[static_cast<size_t>(k)]) continue;
       const int64_t rung = gradients(k);
       if (region_->broken()) break;
+      // A bucket already taken counts too: the trainer may abandon after ringing it.
+      if (rung == -step) {
+        return absl::AbortedError(absl::StrCat("the trainer abandoned step ", step, " (bucket ", k,
+                                               "'s doorbell says -", step, ")"));
+      }
+      if (taken[static_cast<size_t>(k)]) continue;
       if (rung == step) return k;
       if (rung > step) {
         return absl::FailedPreconditionError(

@@ -7,10 +7,17 @@
 //   [8, 12)    u32 version, 1
 //   [12, 16)   u32 buckets K, 1 .. kMaxBuckets
 //   [64 + 64k, +8)       i64 gradients[k]: the trainer's; N once bucket k's gradients of step N
-//                        are written (and every write of them is visible before this one)
+//                        are written (and every write of them is visible before this one); -N
+//                        on any bucket: the trainer abandons step N (it fails, nothing committed)
 //   [64 + 64k + 8, +8)   i64 weights[k]: the daemon's; N once bucket k's weights of step N are
 //                        written (or left as they were: a skipped step), -N when step N failed
 // Each bucket has its own cache line. Each side writes only its own words, steps in order.
+//
+// The trainer's guarantee: once any weights word says N or -N, the daemon has finished reading
+// every gradient of step N (the words are rung after the decision, which follows the last
+// bucket's read, or after the step failed), so the trainer may zero or overwrite them. An
+// abandon is heard only while the daemon still waits for a bucket: a trainer decides before it
+// rings its last one.
 //
 // A ring is one aligned 8-byte store-release, a wait an acquire load polled with a backoff from
 // 20 us to 1 ms (no futex: a trainer in Python rings with a plain store). The region is a
@@ -43,7 +50,8 @@ class Doorbells {
   int buckets() const { return buckets_; }
 
   // Waits until one bucket not yet taken (taken[k] false; taken.size() == buckets()) is rung for
-  // `step`, and returns the lowest such k. DEADLINE_EXCEEDED at `deadline`; CANCELLED as soon
+  // `step`, and returns the lowest such k. ABORTED as soon as any bucket, taken or not, says
+  // -step (the trainer abandons the step); DEADLINE_EXCEEDED at `deadline`; CANCELLED as soon
   // as `cancelled()` says so (asked between polls); FAILED_PRECONDITION when the region shrank or
   // a bucket says a step after `step` (the trainer is ahead of the daemon).
   absl::StatusOr<int> WaitAnyGradients(const std::vector<bool>& taken, int64_t step,

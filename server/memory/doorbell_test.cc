@@ -1,6 +1,6 @@
 // Doorbells on real POSIX shm: the header checks, the waits (order rung, deadline, cancel, a
-// trainer ahead, a segment truncated under the wait), and the handshake with the Python client's
-// half (client/python/diond/doorbell.py) in another process.
+// trainer ahead, a trainer that abandons the step, a segment truncated under the wait), and the
+// handshake with the Python client's half (client/python/diond/doorbell.py) in another process.
 #include "server/memory/doorbell.h"
 
 #include <fcntl.h>
@@ -159,6 +159,42 @@ TEST(Doorbells, AWaitEndsAtItsDeadlineOnCancelAndOnATrainerAhead) {
   EXPECT_THAT(
       bells->WaitAnyGradients(taken, 1, absl::Now() + absl::Seconds(30), kNever).status(),
       StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("bucket 5 was rung for step 2")));
+}
+
+// -N on any bucket, taken or not, abandons step N at once; the -(N - 1) a retried earlier step
+// left is no abandon of step N.
+TEST(Doorbells, ATrainerAbandonsTheStepFromAnyBucket) {
+  Segment seg(4096);
+  seg.Format(3);
+  std::unique_ptr<ShmRegion> region = seg.Open();
+  ASSERT_NE(region, nullptr);
+  absl::StatusOr<Doorbells> bells = Doorbells::Attach(region.get());
+  ASSERT_THAT(bells.status(), IsOk());
+  seg.Ring(0, -2);  // step 2 was abandoned (and retried synchronously)
+  seg.Ring(1, 3);
+  std::vector<bool> taken(3, false);
+  absl::StatusOr<int> k =
+      bells->WaitAnyGradients(taken, 3, absl::Now() + absl::Seconds(30), kNever);
+  ASSERT_THAT(k.status(), IsOk());
+  EXPECT_EQ(*k, 1);
+  taken[1] = true;
+  EXPECT_THAT(
+      bells->WaitAnyGradients(taken, 3, absl::Now() + absl::Milliseconds(20), kNever).status(),
+      StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("bucket(s) 0, 2 in time")));
+  // Abandoned through the bucket already taken: heard with buckets still to come.
+  seg.Ring(1, -3);
+  EXPECT_THAT(bells->WaitAnyGradients(taken, 3, absl::Now() + absl::Seconds(30), kNever).status(),
+              StatusIs(absl::StatusCode::kAborted,
+                       HasSubstr("the trainer abandoned step 3 (bucket 1's doorbell says -3)")));
+  // Through one not taken, while the wait runs.
+  seg.Ring(1, 3);
+  std::thread trainer([&] {
+    absl::SleepFor(absl::Milliseconds(20));
+    seg.Ring(2, -3);
+  });
+  EXPECT_THAT(bells->WaitAnyGradients(taken, 3, absl::Now() + absl::Seconds(30), kNever).status(),
+              StatusIs(absl::StatusCode::kAborted, HasSubstr("bucket 2's doorbell says -3")));
+  trainer.join();
 }
 
 TEST(Doorbells, ATruncatedSegmentFailsTheWaitAndSparesTheDaemon) {

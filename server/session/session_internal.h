@@ -6,6 +6,7 @@
 #define DIOND_SERVER_SESSION_SESSION_INTERNAL_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -82,6 +83,11 @@ struct Session::StepRun {
   // a device session's staging): written into the arena after the update, and its master
   // weights' at the commit.
   std::vector<bool> via_scratch;
+  // An overlapped step (session_overlap.cc): every parameter is read into its copy, so that the
+  // new weights reach the arena bucket by bucket through write_weights, which FinishStepLocked
+  // then calls in place of StepMemory::WriteWeights.
+  bool params_via_scratch = false;
+  std::function<absl::Status()> write_weights;
   bool finite = true;
   // Per parameter: no gradient in this step (StepRequest.params_without_grad; a world: agreed
   // by every rank, AgreeGradientsPhase). Such a parameter and its state are left alone, and its

@@ -383,10 +383,14 @@ absl::StatusOr<StepResult> SessionManager::Step(const std::string& id, const Ste
   DIOND_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Get(id));
   // An asynchronous step's bookkeeping runs on its own thread once it succeeded (the session
   // is then still reachable here: Close drains it before dropping the session).
-  absl::StatusOr<StepResult> stepped = s->Step(request, *ctx_, [this, id](const StepResult& done) {
-    ScopedLogContext async_log_context(id, done.step_index);
-    AfterStep(id, done);
-  });
+  // The overlapped step's wait for each bucket is the daemon's (--overlap_bucket_timeout).
+  StepRequest overlapped = request.overlap ? request : StepRequest{};
+  overlapped.overlap_bucket_wait = options_.overlap_bucket_timeout;
+  absl::StatusOr<StepResult> stepped =
+      s->Step(request.overlap ? overlapped : request, *ctx_, [this, id](const StepResult& done) {
+        ScopedLogContext async_log_context(id, done.step_index);
+        AfterStep(id, done);
+      });
   if (!stepped.ok()) {
     if (on_device) (void)device_health(ctx_->device());
     return stepped.status();

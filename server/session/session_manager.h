@@ -45,6 +45,8 @@ struct ManagerOptions {
   // trainer may re-attach to); 0 = never. World sessions are never reaped as orphans.
   absl::Duration orphan_grace = absl::ZeroDuration();
   absl::Duration orphan_grace_named = absl::ZeroDuration();
+  // How long an overlapped step waits for each bucket's doorbell (--overlap_bucket_timeout; > 0).
+  absl::Duration overlap_bucket_timeout = absl::Minutes(10);
   std::string state_dir;  // checkpoints root; empty = checkpoints need an explicit dir
   // Where checkpoints are written and read (checkpoint_store.h), opened on the same state_dir;
   // required with a state_dir. Null: SaveCheckpoint and LoadCheckpoint fail with

@@ -2,13 +2,15 @@
 // thread stages the update bucket by bucket, as the trainer's doorbells say each bucket's
 // gradients are written, while its backward still produces the others.
 //
-// The transaction is the synchronous step's, whole: every parameter is read first, then each
-// rung bucket's gradients are read with their finiteness scan and, while all are finite, that
-// bucket's part of every group is staged (GroupOptimizer::StagePart: equal to one Stage, bit for
-// bit). Nothing is written before the last bucket: then the decision (skip or fail on a
-// non-finite value anywhere), and FinishStepLocked writes the weights and commits, as a
-// synchronous step does. The weights doorbells are rung after it, in the reverse of the order the
-// gradients came (the order the next forward needs them), or all failed.
+// The transaction is the synchronous step's, whole: every parameter is read first (into the
+// session's copies), then each rung bucket's gradients are read with their finiteness scan and,
+// while all are finite, that bucket's part of every group is staged (GroupOptimizer::StagePart:
+// equal to one Stage, bit for bit). Nothing is written before the last bucket: then the decision
+// (skip or fail on a non-finite value anywhere), and FinishStepLocked as a synchronous step runs
+// it, except that the weights reach the arena bucket by bucket (WriteBucketsPhase) in the
+// reverse of the order the gradients came (the order the next forward needs them), each
+// bucket's weights doorbell rung after its own write and before the commit. A failure rings -N
+// on every word, those already at N included.
 //
 // The wait for a doorbell runs without the session's mutex, so that a close, a new trainer or
 // the daemon's stop can cancel it (cancel_waits_). Meanwhile the step owns the session as any
@@ -28,10 +30,6 @@
 
 namespace diond::session {
 namespace {
-
-// How long a step waits for the next bucket's gradients: far longer than any backward, so only a
-// trainer that stopped meets it (a closed session cancels the wait at once).
-constexpr absl::Duration kBucketWait = absl::Minutes(10);
 
 constexpr char kNotBuilt[] =
     ": its overlapped step is not built yet (docs/DATA_PLANE.md \"Overlapped step\": local host "
@@ -173,11 +171,14 @@ absl::StatusOr<StepResult> Session::Overlap::OverlappedStepLocked(
   absl::StatusOr<StepResult> r = OverlappedPhases(self, run, update_ctx, &order);
   if (!r.ok()) {
     // Nothing was committed; the trainer's waits learn it now rather than at their deadline.
+    // (Buckets rung N by a write-back that failed later flip to -N.)
     bells.FailWeights(step);
     return r;
   }
-  // Also after a skipped step (the weights are as they were): the next forward may go on.
-  for (auto k = order.rbegin(); k != order.rend(); ++k) bells.RingWeights(*k, step);
+  // A skipped step's weights are as they were: the next forward may go on, every bucket at once.
+  if (r->skipped) {
+    for (int k = 0; k < bells.buckets(); ++k) bells.RingWeights(k, step);
+  }
   return r;
 }
 
@@ -209,6 +210,7 @@ absl::StatusOr<StepResult> Session::Overlap::OverlappedPhases(Session& self, Ste
     }
     return self.SkipStepLocked(run);
   }
+  run.write_weights = [&self, &run, order] { return WriteBucketsPhase(self, run, *order); };
   return self.FinishStepLocked(run, update_ctx);
 }
 
@@ -218,7 +220,10 @@ absl::Status Session::Overlap::BeginOverlapPhase(Session& self, StepRun& run,
   run.grads.assign(n, nullptr);
   self.arenas_.grad_scratch().resize(n);  // each buffer keeps its capacity between steps
   run.finite = true;
-  // The weights first: the trainer does not write them during its backward.
+  // The weights first: the trainer does not write them during its backward. Into the
+  // session's copies, even fp32 ones: the rules write a group's new weights at once, and the
+  // arena takes them bucket by bucket (WriteBucketsPhase).
+  run.params_via_scratch = true;
   DIOND_RETURN_IF_ERROR(
       CallOnCompute(self.compute_, [&] { return self.memory_->ReadParameters(self, run); }));
   DIOND_RETURN_IF_ERROR(self.arenas_.CheckRegions(run.when));
@@ -250,7 +255,9 @@ absl::StatusOr<int> Session::Overlap::WaitForBucketPhase(Session& self, StepRun&
                                                          const std::vector<bool>& taken) {
   const memory::Doorbells bells = *self.arenas_.doorbells().bells;
   const int64_t generation = self.queued_cancel_gen_;
-  const absl::Time deadline = absl::Now() + kBucketWait;
+  // --overlap_bucket_timeout: far longer than any backward, so only a trainer that stopped meets
+  // it (a closed session cancels the wait at once).
+  const absl::Time deadline = absl::Now() + run.request->overlap_bucket_wait;
   // Without the mutex: the calls that would touch what the step reads are refused while it is
   // queued, and DrainQueuedStep must be able to cancel the wait.
   self.mu_.Unlock();
@@ -263,6 +270,21 @@ absl::StatusOr<int> Session::Overlap::WaitForBucketPhase(Session& self, StepRun&
                       absl::StrCat(run.when, ": ", k.status().message(),
                                    "; nothing was committed (the weights doorbells say -",
                                    run.request->step_index, ")"));
+}
+
+absl::Status Session::Overlap::WriteBucketsPhase(Session& self, StepRun& run,
+                                                 const std::vector<int>& order) {
+  const Arenas::DoorbellPage& page = self.arenas_.doorbells();
+  const memory::Doorbells bells = *page.bells;
+  const memory::ShmRegion* params = self.arenas_.params().region.get();
+  // The order the next forward needs them: the reverse of backward's.
+  for (auto k = order.rbegin(); k != order.rend(); ++k) {
+    DIOND_RETURN_IF_ERROR(
+        self.host_memory_->WriteWeightsOf(self, run, page.buckets[static_cast<size_t>(*k)]));
+    if (params != nullptr && !params->CheckIntact().ok()) return absl::OkStatus();
+    bells.RingWeights(*k, run.request->step_index);
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Session::Overlap::StageBucketPhase(Session& self, StepRun& run, size_t k) {

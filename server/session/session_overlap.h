@@ -35,8 +35,9 @@ struct Session::Overlap {
   // Phase 1 of StepRequest.overlap: its preconditions (asynchronous, a doorbell page, a local
   // host session).
   static absl::Status ValidateOverlapLocked(Session& self, const StepRequest& request);
-  // The step's phases bucket by bucket as the doorbells ring, then FinishStepLocked; the
-  // weights doorbells rung after it (or failed).
+  // The step's phases bucket by bucket as the doorbells ring, then FinishStepLocked, which rings
+  // each bucket's weights doorbell as its weights are written (all at once for a skipped step;
+  // all -N for a failed one).
   static absl::StatusOr<StepResult> OverlappedStepLocked(Session& self, StepRun& run,
                                                          const kernels::Context& update_ctx);
   static absl::StatusOr<StepResult> OverlappedPhases(Session& self, StepRun& run,
@@ -48,6 +49,10 @@ struct Session::Overlap {
   // The next bucket rung for this step (the session's mutex released while it waits).
   static absl::StatusOr<int> WaitForBucketPhase(Session& self, StepRun& run,
                                                 const std::vector<bool>& taken);
+  // The new weights (in the parameters' copies) into the arena bucket by bucket in the reverse
+  // of `order`, each bucket's weights doorbell rung right after its write; a bucket whose write
+  // met a shrunk PARAMETERS region is not rung (FinishStepLocked then fails the step).
+  static absl::Status WriteBucketsPhase(Session& self, StepRun& run, const std::vector<int>& order);
   // Bucket k's gradients read and scanned, then, while all are finite, its part of every group
   // staged.
   static absl::Status StageBucketPhase(Session& self, StepRun& run, size_t k);

@@ -58,7 +58,13 @@ bool SessionManager::CloseReaped(const std::string& id, const std::string& reaso
   // A session that never held weights cannot be checkpointed, and has nothing to lose (it never
   // stepped): it is closed without one rather than kept for good.
   bool weights = true;
-  if (auto s = Get(id); s.ok()) weights = (*s)->HoldsParameters();
+  if (auto s = Get(id); s.ok()) {
+    // Its trainer is gone or idle: an overlapped step waiting for a bucket would hold the
+    // checkpoint (and this thread) until --overlap_bucket_timeout. Cancelled first (nothing
+    // committed); any queued step's outcome goes, as Close would drop it.
+    (*s)->DrainQueuedStep();
+    weights = (*s)->HoldsParameters();
+  }
   if (!options_.state_dir.empty() && weights) {
     auto saved = SaveCheckpoint(id, "");
     if (!saved.ok()) {

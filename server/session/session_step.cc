@@ -131,8 +131,13 @@ absl::StatusOr<StepResult> Session::FinishStepLocked(StepRun& run,
     return s;
   }
   // The weights of other dtypes (and the master weights' narrowed copies) into the arena; a
-  // device session: every new weight back from the device staging.
-  if (absl::Status s = CallOnCompute(compute_, [&] { return memory_->WriteWeights(*this, run); });
+  // device session: every new weight back from the device staging; an overlapped step: every
+  // weight, bucket by bucket (session_overlap.cc).
+  if (absl::Status s = CallOnCompute(compute_,
+                                     [&] {
+                                       return run.write_weights ? run.write_weights()
+                                                                : memory_->WriteWeights(*this, run);
+                                     });
       !s.ok()) {
     DiscardStep(run);
     return s;

@@ -95,6 +95,8 @@ struct Session::HostMemory final : Session::StepMemory {
   absl::Status Stage(Session& s, StepRun& run, const kernels::Context& ctx) override;
   bool StageWritesWeights(const Session& s) const override { return false; }
   absl::Status WriteWeights(Session& s, StepRun& run) override;
+  // An overlapped step's bucket: WriteWeights of `params` only.
+  absl::Status WriteWeightsOf(Session& s, StepRun& run, const std::vector<size_t>& params);
   void CommitMaster(Session& s, size_t i) override;
   void FallbacksReported() override {}
 };

@@ -77,7 +77,7 @@ absl::Status Session::HostMemory::ReadParameters(Session& s, StepRun& run) {
     const TensorPlacement& t = s.layout_.tensors[i];
     uint8_t* arena = a.params().data + t.param_offset;
     const bool master = a.HasMaster(i);  // (a host session: host vectors)
-    if (!master && t.dtype == DType::kF32) {
+    if (!master && t.dtype == DType::kF32 && !run.params_via_scratch) {
       run.params[i] = reinterpret_cast<float*>(arena);  // in place
       continue;
     }
@@ -101,7 +101,14 @@ absl::Status Session::HostMemory::Stage(Session& s, StepRun& run, const kernels:
 }
 
 absl::Status Session::HostMemory::WriteWeights(Session& s, StepRun& run) {
-  for (size_t i = 0; i < s.layout_.tensors.size(); ++i) {
+  std::vector<size_t> all(s.layout_.tensors.size());
+  for (size_t i = 0; i < all.size(); ++i) all[i] = i;
+  return WriteWeightsOf(s, run, all);
+}
+
+absl::Status Session::HostMemory::WriteWeightsOf(Session& s, StepRun& run,
+                                                 const std::vector<size_t>& params) {
+  for (size_t i : params) {
     if (!run.via_scratch[i]) continue;
     const TensorPlacement& t = s.layout_.tensors[i];
     DIOND_RETURN_IF_ERROR(kernels::Copy(

@@ -110,6 +110,9 @@ struct StepRequest {
   // StepRequest.overlap (docs/DATA_PLANE.md "Overlapped step"): the asynchronous step stages
   // each bucket as the doorbell page says its gradients are written.
   bool overlap = false;
+  // How long the overlapped step waits for each bucket's doorbell: the daemon's
+  // --overlap_bucket_timeout, set by SessionManager::Step (not a field of the RPC).
+  absl::Duration overlap_bucket_wait = absl::Minutes(10);
 };
 
 struct StepResult {

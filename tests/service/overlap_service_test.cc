@@ -4,10 +4,14 @@
 // queued step stages the rung buckets.
 //  - for every algorithm, N overlapped steps give a synchronous session's weights, state and
 //    update norms bit for bit, and every weights doorbell says N after step N;
+//  - the write-back bucket by bucket, watched from another thread: the weights words ring in
+//    the reverse of the ringing order, each bucket's bytes final when its word says N;
 //  - the same over sealed memfd regions (arenas and doorbell page), sent on the fd channel;
 //  - a NaN in one bucket: under SKIP the step is skipped (weights and state unchanged, every
 //    weights doorbell = N); under ERROR it fails (every weights doorbell = -N, the wait reports
 //    the error) and a retry of N applies;
+//  - a trainer that abandons a step (-N on a bucket's gradients word): the step fails with
+//    nothing committed and a synchronous retry of N applies;
 //  - a trainer that never rings its last bucket and closes the session: the wait is cancelled,
 //    nothing is written, the daemon keeps serving;
 //  - a hostile client's bad doorbell pages, buckets and overlapped Steps: INVALID_ARGUMENT or
@@ -18,11 +22,13 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <functional>
 #include <limits>
 #include <thread>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "tests/service/overlap_harness.h"
@@ -33,45 +39,6 @@ namespace {
 
 using grpc::StatusCode;
 using optim::AlgorithmKind;
-
-// Matrices of three shapes in group "m" (two of one shape in different buckets, so that a
-// bucket splits a batch of the rules) and two vectors in AdamW group "v".
-SessionDesc Desc(AlgorithmKind a, v1::NonFinitePolicy policy = v1::NON_FINITE_POLICY_UNSPECIFIED) {
-  SessionDesc d;
-  const bool elementwise = a == AlgorithmKind::kAdamW || a == AlgorithmKind::kLion;
-  d.groups.push_back(MakeGroup("m", a, elementwise ? 0.001 : 0.02));
-  d.groups.push_back(MakeGroup("v", AlgorithmKind::kAdamW, 0.001));
-  d.params.push_back({"w1", {24, 16}, "m"});
-  d.params.push_back({"w2", {16, 32}, "m"});
-  d.params.push_back({"b1", {16}, "v"});
-  d.params.push_back({"w3", {24, 16}, "m"});
-  d.params.push_back({"w4", {12, 12}, "m"});
-  d.params.push_back({"b2", {32}, "v"});
-  d.non_finite = policy;
-  return d;
-}
-const std::vector<std::vector<int32_t>> kBuckets = {{0, 5}, {1, 3}, {4, 2}};
-// The order the trainer rings the buckets at step t (backward's order changes nothing).
-std::vector<int> RingOrder(int64_t t) {
-  static const std::vector<int> orders[] = {{2, 0, 1}, {1, 2, 0}, {0, 2, 1}};
-  return orders[t % 3];
-}
-
-std::vector<std::vector<float>> Grads(const SessionDesc& d, int64_t t) {
-  std::vector<std::vector<float>> g;
-  for (size_t i = 0; i < d.params.size(); ++i) g.push_back(SyntheticValues(7, t, i, d.Numel(i)));
-  return g;
-}
-
-void ExpectSameResult(const v1::StepResponse& got, const v1::StepResponse& want) {
-  EXPECT_EQ(got.step_index(), want.step_index());
-  EXPECT_EQ(got.skipped(), want.skipped());
-  ASSERT_EQ(got.update_norms_size(), want.update_norms_size());
-  for (const auto& [g, n] : want.update_norms()) {
-    ASSERT_TRUE(got.update_norms().contains(g)) << g;
-    EXPECT_EQ(got.update_norms().at(g), n) << g;  // bit for bit
-  }
-}
 
 // ---- the trainer's side of the fd channel (as memfd_service_test's) ---------------------------
 
@@ -156,96 +123,6 @@ grpc::Status RegisterMemfd(v1::Optimizer::Stub& stub, const std::string& session
   return stub.RegisterRegion(Ctx().get(), req, &resp);
 }
 
-class Overlap : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() { daemon_ = Daemon::Start().release(); }
-  static void TearDownTestSuite() {
-    delete daemon_;
-    daemon_ = nullptr;
-  }
-  void SetUp() override { ASSERT_NE(daemon_, nullptr); }
-  static v1::Optimizer::Stub& stub() { return daemon_->stub(); }
-
-  // A synchronous session and an overlapped one (with its doorbell page), both holding the
-  // initial weights.
-  void NewPair(const SessionDesc& d) {
-    sync_ = CreateShmSession(stub(), d.Request());
-    ov_ = CreateShmSession(stub(), d.Request());
-    ASSERT_NE(sync_, nullptr);
-    ASSERT_NE(ov_, nullptr);
-    for (size_t i = 0; i < d.params.size(); ++i) {
-      const std::string w = FloatBytes(SyntheticValues(1, 0, i, d.Numel(i)));
-      sync_->params_seg->Write(sync_->tensor(i).param_offset_bytes(), w);
-      ov_->params_seg->Write(ov_->tensor(i).param_offset_bytes(), w);
-    }
-    page_ = ShmSegment::Create(4096);
-    ASSERT_NE(page_, nullptr);
-    WriteDoorbellHeader(page_->data(), static_cast<uint32_t>(kBuckets.size()));
-    bells_.base = page_->data();
-    grpc::Status st = RegisterShmDoorbells(stub(), ov_->id, page_->name(), 0, 4096, kBuckets);
-    ASSERT_TRUE(st.ok()) << st.error_message();
-  }
-
-  // The trainer's backward of step t: bucket by bucket in `order`, its gradients written, then
-  // its doorbell rung.
-  void Backward(int64_t t, const std::vector<std::vector<float>>& g, const std::vector<int>& order,
-                ShmSession* into = nullptr, const Bells* bells = nullptr,
-                std::function<void(size_t, const std::vector<float>&)> write = nullptr) {
-    if (into == nullptr) into = ov_.get();
-    if (bells == nullptr) bells = &bells_;
-    if (!write) write = [into](size_t i, const std::vector<float>& v) { into->WriteGrad(i, v); };
-    std::thread trainer([&] {
-      for (int k : order) {
-        for (int32_t i : kBuckets[static_cast<size_t>(k)]) {
-          write(static_cast<size_t>(i), g[static_cast<size_t>(i)]);
-        }
-        absl::SleepFor(absl::Milliseconds(3));  // the daemon stages meanwhile
-        bells->RingGradients(k, t);
-      }
-    });
-    trainer.join();
-  }
-
-  // Step t on both sessions with gradients g; the overlapped one's collected answer.
-  grpc::Status StepBoth(int64_t t, const std::vector<std::vector<float>>& g, v1::StepResponse* want,
-                        v1::StepResponse* got) {
-    for (size_t i = 0; i < g.size(); ++i) sync_->WriteGrad(i, g[i]);
-    grpc::Status s = DoStep(stub(), sync_->id, t, want);
-    v1::StepResponse queued;
-    grpc::Status q = OverlapStep(stub(), ov_->id, t, &queued);
-    EXPECT_TRUE(q.ok()) << q.error_message();
-    EXPECT_TRUE(queued.queued());
-    Backward(t, g, RingOrder(t));
-    grpc::Status w = WaitStep(stub(), ov_->id, got);
-    EXPECT_EQ(s.error_code(), w.error_code()) << s.error_message() << " / " << w.error_message();
-    return w;
-  }
-
-  TensorMap State(const std::string& id) {
-    TensorMap m;
-    grpc::Status st = GetState(stub(), id, true, &m);
-    EXPECT_TRUE(st.ok()) << st.error_message();
-    return m;
-  }
-  std::string Arena(const ShmSession& s) {
-    return s.params_seg->Bytes(0, s.layout.param_arena_bytes());
-  }
-  void ExpectSameSessions() {
-    EXPECT_TRUE(Arena(*sync_) == Arena(*ov_)) << "the weights differ";
-    EXPECT_TRUE(State(sync_->id) == State(ov_->id)) << "the state differs";
-  }
-  void CloseBoth() {
-    EXPECT_TRUE(CloseSession(stub(), sync_->id).ok());
-    EXPECT_TRUE(CloseSession(stub(), ov_->id).ok());
-  }
-
-  static Daemon* daemon_;
-  std::unique_ptr<ShmSession> sync_, ov_;
-  std::unique_ptr<ShmSegment> page_;
-  Bells bells_;
-};
-Daemon* Overlap::daemon_ = nullptr;
-
 class OverlapEveryAlgorithm : public Overlap,
                               public ::testing::WithParamInterface<AlgorithmKind> {};
 
@@ -273,6 +150,98 @@ INSTANTIATE_TEST_SUITE_P(All, OverlapEveryAlgorithm,
                          [](const ::testing::TestParamInfo<AlgorithmKind>& i) {
                            return std::string(optim::AlgorithmName(i.param));
                          });
+
+// The write-back bucket by bucket, watched from another thread as the trainer's next forward
+// would: no bucket's weights word says N before those of the buckets rung after it (the reverse
+// of the ringing order), each bucket's first and last bytes are final once its word says N, and
+// a bucket not yet rung is then, at least once, still unwritten (the words are not all rung
+// after the whole write). Each bucket holds 16 MiB of AdamW vectors, so that its write lasts
+// long enough for the watcher (which spins, on the core the daemon's one compute thread leaves)
+// to see a bucket rung before the next is written; the trainer rings them 100 ms apart, so
+// that the daemon takes them in the order rung.
+TEST_F(Overlap, TheWeightsAreWrittenAndRungBucketByBucket) {
+  SessionDesc d;
+  d.groups.push_back(MakeGroup("m", AlgorithmKind::kMuon, 0.02));
+  d.groups.push_back(MakeGroup("v", AlgorithmKind::kAdamW, 0.001));
+  constexpr int64_t kBig = int64_t{1} << 19;  // 2 MiB: GetState sends it in one message
+  constexpr int kVectors = 8;                 // 16 MiB a bucket
+  std::vector<std::vector<int32_t>> buckets(3);
+  for (int k = 0; k < 3; ++k) {
+    buckets[static_cast<size_t>(k)].push_back(static_cast<int32_t>(d.params.size()));
+    d.params.push_back({absl::StrCat("w", k), {16, 16}, "m"});
+    for (int v = 0; v < kVectors; ++v) {
+      buckets[static_cast<size_t>(k)].push_back(static_cast<int32_t>(d.params.size()));
+      d.params.push_back({absl::StrCat("v", k, "_", v), {kBig}, "v"});
+    }
+  }
+  NewPair(d, buckets);
+  // The first and the last 64 bytes of bucket k's write-back.
+  auto ends = [&](const ShmSession& s, int k) {
+    const std::vector<int32_t>& b = buckets[static_cast<size_t>(k)];
+    const v1::TensorLayout& last = s.tensor(static_cast<size_t>(b.back()));
+    return s.params_seg->Bytes(s.tensor(static_cast<size_t>(b[0])).param_offset_bytes(), 64) +
+           s.params_seg->Bytes(last.param_offset_bytes() + last.size_bytes() - 64, 64);
+  };
+  int unwritten_at_a_ring = 0;
+  for (int64_t t = 1; t <= 4; ++t) {
+    const std::vector<std::vector<float>> g = Grads(d, t);
+    for (size_t i = 0; i < g.size(); ++i) sync_->WriteGrad(i, g[i]);
+    v1::StepResponse want, queued, got;
+    ASSERT_TRUE(DoStep(stub(), sync_->id, t, &want).ok());
+    std::vector<std::string> final_ends;
+    for (int k = 0; k < 3; ++k) final_ends.push_back(ends(*sync_, k));
+    ASSERT_TRUE(OverlapStep(stub(), ov_->id, t, &queued).ok());
+    // Per bucket: the watcher's pass that first saw its word at t, and its ends then.
+    std::vector<int> seen_pass(3, 0);
+    std::vector<std::string> at_ring(3);
+    std::thread watcher([&] {
+      const absl::Time deadline = absl::Now() + absl::Seconds(60);
+      int seen = 0;
+      for (int pass = 1; seen < 3 && absl::Now() < deadline; ++pass) {
+        // In the order rung: a bucket seen written back is never seen before one that the
+        // daemon wrote back before it (its word, read later, cannot be older).
+        for (int k : RingOrder(t)) {
+          if (seen_pass[static_cast<size_t>(k)] != 0 || bells_.weights(k) != t) continue;
+          seen_pass[static_cast<size_t>(k)] = pass;
+          ++seen;
+          at_ring[static_cast<size_t>(k)] = ends(*ov_, k);
+          for (int j = 0; j < 3; ++j) {
+            if (seen_pass[static_cast<size_t>(j)] == 0 && bells_.weights(j) != t &&
+                ends(*ov_, j) != final_ends[static_cast<size_t>(j)]) {
+              ++unwritten_at_a_ring;
+            }
+          }
+        }
+      }
+    });
+    for (int k : RingOrder(t)) {
+      absl::SleepFor(absl::Milliseconds(100));
+      for (int32_t i : buckets[static_cast<size_t>(k)]) {
+        ov_->WriteGrad(static_cast<size_t>(i), g[static_cast<size_t>(i)]);
+      }
+      bells_.RingGradients(k, t);
+    }
+    watcher.join();
+    grpc::Status s = WaitStep(stub(), ov_->id, &got);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    ExpectSameResult(got, want);
+    const std::vector<int> rung = RingOrder(t);
+    for (size_t i = 0; i + 1 < rung.size(); ++i) {
+      EXPECT_GE(seen_pass[static_cast<size_t>(rung[i])],
+                seen_pass[static_cast<size_t>(rung[i + 1])])
+          << "step " << t << ": bucket " << rung[i] << " was written back before bucket "
+          << rung[i + 1] << ", rung after it";
+    }
+    for (int k = 0; k < 3; ++k) {
+      EXPECT_NE(seen_pass[static_cast<size_t>(k)], 0) << "step " << t << ": bucket " << k;
+      EXPECT_TRUE(at_ring[static_cast<size_t>(k)] == final_ends[static_cast<size_t>(k)])
+          << "step " << t << ": bucket " << k << " was rung before its weights were written";
+    }
+  }
+  EXPECT_GT(unwritten_at_a_ring, 0) << "every bucket was written before the first was rung";
+  ExpectSameSessions();
+  CloseBoth();
+}
 
 TEST_F(Overlap, ANaNInOneBucketSkipsTheWholeStepUnderSkip) {
   const SessionDesc d = Desc(AlgorithmKind::kMuon, v1::NON_FINITE_POLICY_SKIP);
@@ -318,6 +287,48 @@ TEST_F(Overlap, ANaNInOneBucketFailsTheStepUnderErrorAndARetryApplies) {
   ASSERT_TRUE(StepBoth(2, g, &want, &got).ok());
   ExpectSameResult(got, want);
   for (int k = 0; k < 3; ++k) EXPECT_EQ(bells_.weights(k), 2) << "bucket " << k;
+  ExpectSameSessions();
+  CloseBoth();
+}
+
+// The trainer finds after two buckets that it cannot keep the overlapped step (its clipping
+// rewrote gradients already rung): it rings -2 on a bucket already taken, and retries step 2
+// synchronously with the clipped gradients. The session ends as one that only stepped
+// synchronously, bit for bit, and overlaps again at step 3.
+TEST_F(Overlap, AnAbandonedStepFailsAndASynchronousRetryApplies) {
+  const SessionDesc d = Desc(AlgorithmKind::kDion, v1::NON_FINITE_POLICY_ERROR);
+  NewPair(d);
+  v1::StepResponse want, got;
+  ASSERT_TRUE(StepBoth(1, Grads(d, 1), &want, &got).ok());
+  const std::string arena = Arena(*ov_);
+  const TensorMap state = State(ov_->id);
+  const std::vector<std::vector<float>> g = Grads(d, 2);
+  std::vector<std::vector<float>> clipped = g;
+  for (auto& v : clipped) {
+    for (float& x : v) x *= 0.25f;
+  }
+  for (size_t i = 0; i < g.size(); ++i) sync_->WriteGrad(i, clipped[i]);
+  ASSERT_TRUE(DoStep(stub(), sync_->id, 2, &want).ok());
+  v1::StepResponse queued;
+  ASSERT_TRUE(OverlapStep(stub(), ov_->id, 2, &queued).ok());
+  Backward(2, g, {2, 0});
+  bells_.RingGradients(0, -2);
+  grpc::Status s = WaitStep(stub(), ov_->id, &got);
+  EXPECT_EQ(s.error_code(), StatusCode::ABORTED) << s.error_message();
+  EXPECT_TRUE(absl::StrContains(s.error_message(),
+                                "the trainer abandoned step 2 (bucket 0's doorbell says -2)"))
+      << s.error_message();
+  for (int k = 0; k < 3; ++k) EXPECT_EQ(bells_.weights(k), -2) << "bucket " << k;
+  EXPECT_TRUE(Arena(*ov_) == arena) << "an abandoned step wrote weights";
+  EXPECT_TRUE(State(ov_->id) == state) << "an abandoned step changed the state";
+  for (size_t i = 0; i < g.size(); ++i) ov_->WriteGrad(i, clipped[i]);
+  s = DoStep(stub(), ov_->id, 2, &got);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  ExpectSameResult(got, want);
+  ExpectSameSessions();
+  ASSERT_TRUE(StepBoth(3, Grads(d, 3), &want, &got).ok());
+  ExpectSameResult(got, want);
+  for (int k = 0; k < 3; ++k) EXPECT_EQ(bells_.weights(k), 3) << "bucket " << k;
   ExpectSameSessions();
   CloseBoth();
 }
