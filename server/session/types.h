@@ -110,6 +110,8 @@ struct StepRequest {
   // StepRequest.overlap (docs/DATA_PLANE.md "Overlapped step"): the asynchronous step stages
   // each bucket as the doorbell page says its gradients are written.
   bool overlap = false;
+  // StepRequest.max_grad_norm (grad_clip.h): 0 = no clip.
+  double max_grad_norm = 0.0;
 };
 
 struct StepResult {
@@ -121,6 +123,7 @@ struct StepResult {
   int64_t total_micros = 0;
   int64_t world_bytes_sent = 0;     // world sessions: bytes this daemon sent for this step
   int64_t checksum_mismatches = 0;  // world sessions: copies healed at this step's check
+  double grad_norm = 0.0;           // max_grad_norm > 0: the gradients' norm before the clip
   bool queued = false;              // an asynchronous step: validated and queued, not run yet
   // The queued asynchronous step's result, collected by this call (at most one).
   std::vector<StepResult> previous;
