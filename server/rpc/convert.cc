@@ -225,6 +225,7 @@ session::StepRequest StepRequestFromProto(const v1::StepRequest& req) {
   sr.done_event = req.done_event();
   sr.params_without_grad.assign(req.params_without_grad().begin(), req.params_without_grad().end());
   sr.overlap = req.overlap();
+  sr.max_grad_norm = req.max_grad_norm();
   return sr;
 }
 

@@ -277,6 +277,7 @@ grpc::ServerUnaryReactor* OptimizerService::Step(grpc::CallbackServerContext* ct
       to->set_total_micros(from.total_micros);
       to->set_world_bytes_sent(from.world_bytes_sent);
       to->set_queued(from.queued);
+      to->set_grad_norm(from.grad_norm);
     };
     fill(*r, resp);
     if (!r->previous.empty()) fill(r->previous.front(), resp->mutable_previous());

@@ -157,6 +157,7 @@ class Session {
   struct WorldPart;  // session_internal.h
   struct Overlap;    // the overlapped step's phases (session_overlap.h)
   struct StateIo;    // state transfer's helpers (session_state.cc)
+  struct Clip;       // the global-norm gradient clip (grad_clip.h)
   struct Group;      // a parameter group and its optimizer (session_internal.h)
 
   Session();

@@ -94,6 +94,9 @@ struct Session::StepRun {
   // gradient is never read (grads[i] stays null, or points at zeros for the world's average).
   std::vector<bool> no_grad;
   bool any_no_grad = false;
+  // StepRequest.max_grad_norm > 0 (grad_clip.h): per parameter, its gradient's sum of squares.
+  bool clip = false;
+  std::vector<double> grad_sq;
   std::vector<float> averaged;  // world AVERAGE: this rank's reduce-scattered gradients
   // Per group: this step's options, the owner's compact updates, what the group stages.
   std::vector<optim::StepOptions> opts;

@@ -24,6 +24,7 @@
 #include "common/bounded.h"
 #include "common/status_macros.h"
 #include "server/memory/memfd_region.h"
+#include "server/session/grad_clip.h"
 #include "server/session/session.h"
 #include "server/session/session_internal.h"
 #include "server/session/step_memory.h"
@@ -201,6 +202,11 @@ absl::StatusOr<StepResult> Session::Overlap::OverlappedPhases(Session& self, Ste
       return s;
     }
   }
+  // Under a clip the buckets were only read: the coef needed them all (grad_clip.h).
+  if (absl::Status s = run.clip ? Clip::ApplyAndStage(self, run) : absl::OkStatus(); !s.ok()) {
+    self.DiscardStep(run);
+    return s;
+  }
   if (!run.finite) {
     self.DiscardStep(run);
     if (self.spec_.non_finite == NonFinitePolicy::kError) {
@@ -294,6 +300,7 @@ absl::Status Session::Overlap::StageBucketPhase(Session& self, StepRun& run, siz
   // A non-finite value decides the step (skip or fail) once every bucket is in: nothing more
   // is staged.
   if (!run.finite) return absl::OkStatus();
+  if (run.clip) return absl::OkStatus();  // staged after the last bucket (Clip::ApplyAndStage)
   // Per group: this bucket's gradients in the group's order, null for its other parameters.
   std::vector<std::vector<const float*>> part(self.groups_.size());
   for (size_t i : params) {

@@ -5,7 +5,7 @@
 // gradients and weights where they lie (shm regions under ShmRegion's SIGBUS guard); what can
 // still fail after validation is that memory vanishing (the trainer shrinks its segment), so the
 // phases are ordered for it:
-//   validate → gradients (+ finiteness) → [world: reduce] → weights → stage every group
+//   validate → gradients (+ finiteness, + clip) → [world: reduce] → weights → stage every group
 //   → regions intact? → write the new weights → [world: exchange] → narrow → PARAMETERS intact?
 //   → commit the staged state and record the step.
 // A failure before the commit drops what was staged: the optimizer state, the master weights
@@ -24,6 +24,7 @@
 #include "common/status_macros.h"
 #include "kernels/ops.h"
 #include "kernels/optim/validation.h"
+#include "server/session/grad_clip.h"
 #include "server/session/session.h"
 #include "server/session/session_device.h"
 #include "server/session/session_internal.h"
@@ -72,6 +73,8 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequest& request,
   run.no_grad.assign(layout_.tensors.size(), false);
   for (int32_t i : request.params_without_grad) run.no_grad[static_cast<size_t>(i)] = true;
   run.any_no_grad = !request.params_without_grad.empty();
+  run.clip = request.max_grad_norm > 0;  // the reads sum, Clip::Apply scales (grad_clip.h)
+  if (run.clip) run.grad_sq.assign(layout_.tensors.size(), 0.0);
   // After the first step: which phases may run as captured graphs (RunPhaseGraph tries them),
   // and why the others run eagerly.
   memory_->PrepareStep(*this, run);
@@ -209,6 +212,7 @@ absl::Status Session::ValidateStepLocked(const StepRequest& request,
     return absl::InvalidArgumentError(
         absl::StrCat("gradient_scale ", request.gradient_scale, " must be finite and >= 0"));
   }
+  DIOND_RETURN_IF_ERROR(Clip::Validate(*this, request));
   auto known = [&](const std::string& group) {
     for (const Group& g : groups_) {
       if (g.name == group) return true;

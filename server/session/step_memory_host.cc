@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "kernels/ops.h"
+#include "server/session/grad_clip.h"
 #include "server/session/step_memory.h"
 
 namespace diond::session {
@@ -29,6 +30,7 @@ absl::Status Session::HostMemory::ReadGradients(Session& s, StepRun& run) {
   s.arenas_.grad_scratch().resize(n);  // each buffer keeps its capacity between steps
   run.finite = true;
   for (size_t i = 0; i < n; ++i) DIOND_RETURN_IF_ERROR(ReadGradient(s, run, i));
+  if (run.clip) DIOND_RETURN_IF_ERROR(Clip::Apply(s, run));  // before the check: it reads them
   // A region found broken here fails the step before anything (a world: before any collective;
   // the other ranks' steps then fail on their collectives' timeout).
   return s.arenas_.CheckRegions(run.when, Role::kGradients);
@@ -64,6 +66,7 @@ absl::Status Session::HostMemory::ReadGradient(Session& s, StepRun& run, size_t 
     run.grads[i] = c.data();
   }
   run.finite = run.finite && ok;
+  if (run.clip) Clip::Accumulate(s, run, i);
   return absl::OkStatus();
 }
 

@@ -113,6 +113,8 @@ struct StepRequest {
   // How long the overlapped step waits for each bucket's doorbell: the daemon's
   // --overlap_bucket_timeout, set by SessionManager::Step (not a field of the RPC).
   absl::Duration overlap_bucket_wait = absl::Minutes(10);
+  // StepRequest.max_grad_norm (grad_clip.h): 0 = no clip.
+  double max_grad_norm = 0.0;
 };
 
 struct StepResult {
@@ -124,6 +126,7 @@ struct StepResult {
   int64_t total_micros = 0;
   int64_t world_bytes_sent = 0;     // world sessions: bytes this daemon sent for this step
   int64_t checksum_mismatches = 0;  // world sessions: copies healed at this step's check
+  double grad_norm = 0.0;           // max_grad_norm > 0: the gradients' norm before the clip
   bool queued = false;              // an asynchronous step: validated and queued, not run yet
   // The queued asynchronous step's result, collected by this call (at most one).
   std::vector<StepResult> previous;

@@ -318,6 +318,7 @@ absl::StatusOr<StepResult> Client::Step(const std::string& session_id, int64_t s
   req.set_asynchronous(options.asynchronous);
   req.mutable_params_without_grad()->Add(options.params_without_grad.begin(),
                                          options.params_without_grad.end());
+  req.set_max_grad_norm(options.max_grad_norm);
   auto resp = Step(req);
   if (!resp.ok()) return resp.status();
   return diond::client::FromProto(*resp);

@@ -182,6 +182,7 @@ StepResult FromProto(const v1::StepResponse& resp) {
   r.update_norms.insert(resp.update_norms().begin(), resp.update_norms().end());
   r.compute_micros = resp.compute_micros();
   r.total_micros = resp.total_micros();
+  r.grad_norm = resp.grad_norm();
   r.queued = resp.queued();
   if (resp.has_previous()) r.previous.push_back(FromProto(resp.previous()));
   return r;

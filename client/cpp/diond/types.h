@@ -126,6 +126,7 @@ struct StepResult {
   std::map<std::string, double> update_norms;  // per group
   int64_t compute_micros = 0;
   int64_t total_micros = 0;
+  double grad_norm = 0;  // StepOptions::max_grad_norm > 0: the gradients' norm before the clip
   // StepOptions::asynchronous: the step was checked and queued; only step_index is set. Its
   // result comes with the next Step (previous) or WaitStep.
   bool queued = false;
@@ -146,6 +147,8 @@ struct StepOptions {
   // The parameters (indices in the session's declaration order) without a gradient in this
   // step, as torch.optim's `p.grad is None`: the step leaves them and their state unchanged.
   std::vector<int32_t> params_without_grad;
+  // Global-norm gradient clip in the daemon, as torch's clip_grad_norm_ (0 = none).
+  double max_grad_norm = 0;
 };
 
 struct SessionInfo {

@@ -418,7 +418,7 @@ class Client:
 
     def step(self, session_id, step_index, lr_override=None, gradient_scale=0.0, timeout=None,
              group_step=None, asynchronous=False, ready_event=b"", done_event=b"",
-             params_without_grad=None):
+             params_without_grad=None, max_grad_norm=0.0):
         """Step; idempotent on step_index (repeat the last index to get its recorded answer).
         group_step: {group: the trainer's 1-based step number for it} (Dion's cqr warm-up counts
         it; groups not named use step_index).
@@ -444,7 +444,8 @@ class Client:
             done_event = check_event_handle("done_event", done_event) if done_event else b""
         req = pb.StepRequest(session_id=session_id, step_index=step_index,
                              gradient_scale=gradient_scale, asynchronous=bool(asynchronous),
-                             ready_event=ready_event, done_event=done_event)
+                             ready_event=ready_event, done_event=done_event,
+                             max_grad_norm=max_grad_norm)
         if lr_override:
             for g, lr in lr_override.items():
                 req.lr_override[g] = float(lr)

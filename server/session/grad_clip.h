@@ -1,0 +1,43 @@
+// The global-norm gradient clip of a step (StepRequest.max_grad_norm; docs/DATA_PLANE.md
+// "Gradient clip"), torch.nn.utils.clip_grad_norm_'s semantics: total = √(Σ over the parameters
+// with a gradient of Σg²), coef = max_grad_norm / (total + 1e-6), and every gradient multiplied
+// by (float)coef when coef < 1 (torch clamps it to 1 and multiplies always: the same values).
+//
+// Internal to the session's implementation: included only by server/session/*.cc, every call
+// under the session's mutex on the step's thread (the passes on the compute thread). Local host
+// sessions only: a device session has no op for it yet and a world's norm needs a collective.
+#ifndef DIOND_SERVER_SESSION_GRAD_CLIP_H_
+#define DIOND_SERVER_SESSION_GRAD_CLIP_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "server/session/session.h"
+#include "server/session/session_internal.h"
+
+namespace diond::session {
+
+// Σx² of n floats, accumulated in double in a fixed order (8 lanes, then the lanes in order),
+// so that a tensor's sum does not depend on when or with what else it was read.
+double SumOfSquares(const float* x, int64_t n);
+
+struct Session::Clip {
+  // INVALID_ARGUMENT for a max_grad_norm that is not finite or < 0; FAILED_PRECONDITION for a
+  // clip in a device or world session. Nothing changes.
+  static absl::Status Validate(const Session& self, const StepRequest& request);
+  // Parameter i's gradient, just read into run.grads[i], summed into run.grad_sq[i].
+  static void Accumulate(const Session& self, StepRun& run, size_t i);
+  // Once every gradient is read (on the compute thread): run.result.grad_norm, in parameter
+  // order whatever order the reads came in; a non-finite total clears run.finite; else, when
+  // the coef is < 1, every gradient read is multiplied by it into the session's fp32 scratch
+  // (never into the trainer's memory) and run.grads points there.
+  static absl::Status Apply(Session& self, StepRun& run);
+  // The end of an overlapped step's reads under a clip: Apply, then (all finite) every group
+  // staged with every gradient as one part (GroupOptimizer::StagePart: the same bits as parts).
+  static absl::Status ApplyAndStage(Session& self, StepRun& run);
+};
+
+}  // namespace diond::session
+
+#endif  // DIOND_SERVER_SESSION_GRAD_CLIP_H_
