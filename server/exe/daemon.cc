@@ -481,6 +481,7 @@ void Daemon::Shutdown(absl::Duration drain) {
   // Parked Peer.Wait calls would hold the gRPC server's shutdown until their timeouts.
   if (coordinator_) coordinator_->store()->CancelWaiters();
   if (device_watch_) device_watch_->AttachRpc(nullptr);
+  if (sessions_) sessions_->CancelDoorbellWaits();
   if (rpc_) rpc_->Shutdown(drain);
   rpc_.reset();
   fd_channel_.reset();

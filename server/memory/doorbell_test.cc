@@ -19,6 +19,7 @@
 #include "absl/time/clock.h"
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
+#include "server/memory/testing/shm_segment.h"
 
 namespace diond::memory {
 namespace {
@@ -28,44 +29,24 @@ using ::diond::testing::StatusIs;
 using ::testing::HasSubstr;
 
 // A segment of the test's (the trainer's side), mapped, unlinked at the end.
-class Segment {
+class Segment : public testing::ShmTestSegment {
  public:
-  explicit Segment(int64_t bytes)
-      : name_(absl::StrCat("diond-doorbell-test-", getpid(), "-", std::random_device{}())),
-        bytes_(bytes) {
-    fd_ = shm_open(("/" + name_).c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
-    EXPECT_GE(fd_, 0) << std::strerror(errno);
-    EXPECT_EQ(ftruncate(fd_, bytes), 0);
-    void* p = mmap(nullptr, static_cast<size_t>(bytes), PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
-    EXPECT_NE(p, MAP_FAILED);
-    data_ = static_cast<uint8_t*>(p);
-  }
-  ~Segment() {
-    munmap(data_, static_cast<size_t>(bytes_));
-    close(fd_);
-    shm_unlink(("/" + name_).c_str());
-  }
+  explicit Segment(int64_t bytes) : ShmTestSegment("diond-doorbell-test", bytes) {}
   // The header the client libraries write.
   void Format(uint32_t buckets, const char* magic = "DIONDDB1", uint32_t version = 1) {
-    std::memcpy(data_, magic, 8);
-    std::memcpy(data_ + 8, &version, 4);
-    std::memcpy(data_ + 12, &buckets, 4);
+    std::memcpy(data(), magic, 8);
+    std::memcpy(data() + 8, &version, 4);
+    std::memcpy(data() + 12, &buckets, 4);
   }
   void Ring(int k, int64_t step) {
-    __atomic_store_n(reinterpret_cast<int64_t*>(data_ + 64 + 64 * k), step, __ATOMIC_RELEASE);
+    __atomic_store_n(reinterpret_cast<int64_t*>(data() + 64 + (64 * static_cast<ptrdiff_t>(k))),
+                     step, __ATOMIC_RELEASE);
   }
-  void Truncate(int64_t bytes) { ASSERT_EQ(ftruncate(fd_, bytes), 0); }
   std::unique_ptr<ShmRegion> Open() {
-    auto r = ShmRegion::Open(name_, 0, bytes_, "session-1");
+    auto r = ShmRegion::Open(name(), 0, bytes(), "session-1");
     EXPECT_THAT(r.status(), IsOk());
     return r.ok() ? *std::move(r) : nullptr;
   }
-
- private:
-  std::string name_;
-  int64_t bytes_;
-  int fd_ = -1;
-  uint8_t* data_ = nullptr;
 };
 
 constexpr auto kNever = [] { return false; };

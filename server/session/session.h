@@ -100,6 +100,8 @@ class Session {
   // Waits for a queued asynchronous step, drops its outcome, returns its index (0: none).
   // `closing`: later Steps are refused; CUDA regions and events are released at once.
   int64_t DrainQueuedStep(bool closing = false);
+  // An overlapped step waiting for a bucket gives up now (nothing committed); does not wait.
+  void CancelDoorbellWaits() { cancel_waits_.fetch_add(1); }
 
   // Stream writes (PushGradients; SetState chunks), every one validated first: names exist,
   // ranges inside the tensor and aligned, every named tensor covered exactly once.

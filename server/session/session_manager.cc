@@ -132,20 +132,6 @@ SessionManager::~SessionManager() {
   DrainQueuedSteps();
 }
 
-void SessionManager::DrainQueuedSteps() {
-  std::vector<std::shared_ptr<Session>> all;
-  {
-    absl::MutexLock lock(&mu_);
-    for (auto& [id, s] : sessions_) all.push_back(s);
-  }
-  for (auto& s : all) {
-    if (int64_t step = s->DrainQueuedStep(/*closing=*/true); step != 0) {
-      DIOND_LOG(INFO) << "session " << s->id() << ": the asynchronous step " << step
-                      << " finished before the daemon stopped";
-    }
-  }
-}
-
 std::string SessionManager::NewId() {
   static thread_local std::mt19937_64 rng{std::random_device{}()};
   return absl::StrFormat("s-%016x", rng());

@@ -172,6 +172,9 @@ class SessionManager {
   // Waits for every session's queued asynchronous step, and refuses Steps from then on (the
   // daemon's shutdown; the destructor calls it too).
   void DrainQueuedSteps();
+  // Every overlapped step waiting for a bucket fails now (the daemon's stop, before the RPC
+  // drain: a Step wait on such a step would otherwise hold the drain until the bucket timeout).
+  void CancelDoorbellWaits();
 
   // Writes a checkpoint of `id` under `root` (empty = --state_dir; relative = under --state_dir;
   // FAILED_PRECONDITION if

@@ -1,5 +1,6 @@
 // SessionManager's reapers (docs/OPERATIONS.md): the trainer processes it watches, and the
-// sessions it closes for them, idle (--idle_timeout) or orphaned (their trainers gone).
+// sessions it closes for them, idle (--idle_timeout) or orphaned (their trainers gone); and what
+// the daemon's stop ends: overlapped steps' waits, queued steps.
 #include <algorithm>
 #include <memory>
 
@@ -224,6 +225,25 @@ void SessionManager::ReapOrphanSessions(absl::Time now) {
     absl::MutexLock lock(&mu_);
     if (auto it = trainers_.find(d.id); it != trainers_.end()) it->second.orphan_since = now;
   }
+}
+
+void SessionManager::DrainQueuedSteps() {
+  std::vector<std::shared_ptr<Session>> all;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [id, s] : sessions_) all.push_back(s);
+  }
+  for (auto& s : all) {
+    if (int64_t step = s->DrainQueuedStep(/*closing=*/true); step != 0) {
+      DIOND_LOG(INFO) << "session " << s->id() << ": the asynchronous step " << step
+                      << " ended before the daemon stopped";
+    }
+  }
+}
+
+void SessionManager::CancelDoorbellWaits() {
+  absl::MutexLock lock(&mu_);
+  for (auto& [id, s] : sessions_) s->CancelDoorbellWaits();
 }
 
 }  // namespace diond::session

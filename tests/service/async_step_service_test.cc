@@ -409,7 +409,7 @@ TEST(AsyncStepShutdown, SigtermDrainsAQueuedStep) {
   }
   struct stat st;
   EXPECT_EQ(stat(absl::StrCat(state_dir, "/", s->id, "/step-1").c_str(), &st), 0) << daemon->Log();
-  EXPECT_TRUE(absl::StrContains(daemon->Log(), "asynchronous step 1 finished before the daemon"))
+  EXPECT_TRUE(absl::StrContains(daemon->Log(), "asynchronous step 1 ended before the daemon"))
       << daemon->Log();
 }
 
