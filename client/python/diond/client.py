@@ -134,6 +134,11 @@ def _chunks(session_id, tensors, chunk_bytes):
                 break
 
 
+def _buckets(buckets):
+    """RegisterRegionRequest.buckets from [[parameter index, ...], ...] (None: none)."""
+    return [pb.Bucket(params=[int(i) for i in b]) for b in (buckets or ())]
+
+
 def _encode_health_request(service):
     b = service.encode()
     out = bytearray()
@@ -372,22 +377,31 @@ class Client:
         return self._unary("AttachSession", pb.AttachSessionRequest(
             session_name=session_name, parameters=list(parameters)), timeout)
 
-    def register_region(self, session_id, role, name, offset_bytes, size_bytes, timeout=None):
-        """RegisterRegion of a POSIX shm segment `name` (no leading slash). Returns region_id."""
+    def register_region(self, session_id, role, name, offset_bytes, size_bytes, timeout=None,
+                        buckets=None):
+        """RegisterRegion of a POSIX shm segment `name` (no leading slash). Returns region_id.
+        buckets: for REGION_ROLE_DOORBELLS, each bucket's parameter indices (docs/DATA_PLANE.md
+        "Overlapped step").
+
+        max_grad_norm > 0: the daemon clips the gradients to this total L2 norm first, as
+        torch's clip_grad_norm_ (docs/DATA_PLANE.md "Gradient clip"); the answer's grad_norm is
+        the norm before clipping."""
         req = pb.RegisterRegionRequest(
             session_id=session_id, role=role, kind=pb.REGION_KIND_SYSTEM_SHM,
             system_shm=pb.SystemShmRegion(name=name, offset_bytes=offset_bytes,
-                                          size_bytes=size_bytes))
+                                          size_bytes=size_bytes),
+            buckets=_buckets(buckets))
         return self._unary("RegisterRegion", req, timeout).region_id
 
     def register_memfd_region(self, session_id, role, fd_token, offset_bytes, size_bytes,
-                              timeout=None):
+                              timeout=None, buckets=None):
         """RegisterRegion of a sealed memfd sent over the fd channel first (diond.fdchannel
-        .send_fd returns `fd_token`). Returns region_id."""
+        .send_fd returns `fd_token`). Returns region_id. buckets: as register_region's."""
         req = pb.RegisterRegionRequest(
             session_id=session_id, role=role, kind=pb.REGION_KIND_MEMFD,
             memfd=pb.MemfdRegion(offset_bytes=offset_bytes, size_bytes=size_bytes,
-                                 fd_token=fd_token))
+                                 fd_token=fd_token),
+            buckets=_buckets(buckets))
         return self._unary("RegisterRegion", req, timeout).region_id
 
     def register_cuda_ipc_region(self, session_id, role, mem_handle, gpu_uuid, offset_bytes,
@@ -418,7 +432,7 @@ class Client:
 
     def step(self, session_id, step_index, lr_override=None, gradient_scale=0.0, timeout=None,
              group_step=None, asynchronous=False, ready_event=b"", done_event=b"",
-             params_without_grad=None, max_grad_norm=0.0):
+             params_without_grad=None, overlap=False, max_grad_norm=0.0):
         """Step; idempotent on step_index (repeat the last index to get its recorded answer).
         group_step: {group: the trainer's 1-based step number for it} (Dion's cqr warm-up counts
         it; groups not named use step_index).
@@ -437,7 +451,15 @@ class Client:
 
         ready_event, done_event: the 64-byte handles (torch.cuda.Event.ipc_handle()) of the
         trainer's interprocess events for CUDA regions (docs/DATA_PLANE.md "The event
-        protocol"); empty = none. ValueError for another size, before anything is sent."""
+        protocol"); empty = none. ValueError for another size, before anything is sent.
+
+        overlap=True (with asynchronous=True and a REGION_ROLE_DOORBELLS page registered): the
+        queued step stages each bucket as its gradients doorbell is rung (docs/DATA_PLANE.md
+        "Overlapped step").
+
+        max_grad_norm > 0: the daemon clips the gradients to this total L2 norm first, as
+        torch's clip_grad_norm_ (docs/DATA_PLANE.md "Gradient clip"); the answer's grad_norm is
+        the norm before clipping."""
         if ready_event or done_event:
             from .cuda_region import check_event_handle
             ready_event = check_event_handle("ready_event", ready_event) if ready_event else b""
@@ -445,7 +467,7 @@ class Client:
         req = pb.StepRequest(session_id=session_id, step_index=step_index,
                              gradient_scale=gradient_scale, asynchronous=bool(asynchronous),
                              ready_event=ready_event, done_event=done_event,
-                             max_grad_norm=max_grad_norm)
+                             overlap=bool(overlap), max_grad_norm=max_grad_norm)
         if lr_override:
             for g, lr in lr_override.items():
                 req.lr_override[g] = float(lr)

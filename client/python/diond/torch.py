@@ -30,6 +30,21 @@ the default for TCP targets; any devices): weights go up with ``SetState`` once,
 ``PushGradients`` every step, and the new weights come back with ``PullParameters`` (both modes
 give bit-identical numbers).
 
+Overlapped step (``overlap=True``; local sessions with CPU parameters over memfd or shm): the
+daemon updates each bucket of parameters while backward still produces the gradients of earlier
+layers, and the next forward waits for each layer's weights just before the layer runs, with the
+numbers of a synchronous step, bit for bit (docs/DATA_PLANE.md "Overlapped step",
+diond/torch_overlap.py). The first step is synchronous and records backward's order. Then
+``step()`` returns at once; the gradients are the trainer's own tensors (as plain torch's), so
+``zero_grad()`` never waits. Use ``with opt.no_sync():`` for the micro-batches of gradient
+accumulation before the last. Forward and ``model.state_dict()`` wait for the weights by
+themselves; anything else that reads or writes them (a parameter read directly) calls
+``opt.synchronize()`` first. A write to the gradients after backward (``clip_grad_norm_``,
+accumulation outside ``no_sync()``) or a new set of parameters without a gradient makes that step
+synchronous, with a warning, never a different number; ``opt.overlap_stats`` counts both kinds of
+steps. A failed overlapped step raises its error from the next forward (or ``synchronize()``) with
+nothing applied.
+
 Lifetime: the model outlives the optimizer. However the optimizer goes (close(), garbage
 collection, interpreter exit), the parameters and gradients that view its arena become ordinary
 tensors holding the latest values; the arena's mapping is never unmapped under a live view. A
@@ -67,7 +82,7 @@ import weakref
 import grpc
 import torch
 
-from . import cuda_arena, fdchannel, host_arena
+from . import cuda_arena, fdchannel, host_arena, torch_overlap
 from .client import Client, DiondError, pb
 from .options import ALGORITHMS, MATRIX_ALGORITHMS, _GRADIENT_SYNC, _NONFINITE, same_option
 
@@ -185,6 +200,7 @@ class _Binding:
         self.client = None
         self.owns_client = False
         self.closed = True
+        self.on_release = None  # overlap=True: removes the model's hooks
 
     def give_back(self):
         """Parameters and gradients that still view the arena become copies of it (ordinary
@@ -223,6 +239,12 @@ class _Binding:
         result), gives the model its tensors back and closes an owned connection. Never raises:
         it runs from finalizers and close(), also after the daemon died."""
         self.closed = True
+        if self.on_release is not None:
+            on_release, self.on_release = self.on_release, None
+            try:
+                on_release()
+            except Exception:
+                pass
         if self.pid == os.getpid() and self.session_id is not None and self.client is not None:
             try:
                 self.client.close_session(self.session_id, timeout=5.0)
@@ -254,6 +276,20 @@ def _after_fork_in_child():
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class _NoSync:
+    def __init__(self, ov):
+        self._ov = ov
+
+    def __enter__(self):
+        if self._ov is not None and self._ov.active:
+            self._ov.armed(False)
+        return self
+
+    def __exit__(self, *exc):
+        if self._ov is not None and self._ov.active:
+            self._ov.armed(True)
 
 
 def _binding_attr(name, doc):
@@ -311,6 +347,23 @@ class Optimizer(torch.optim.Optimizer):
         had never stopped. If no live session has the name, a new one is created from the
         model's weights (``self.resumed`` tells which). The model must declare the same
         parameters (shapes, dtypes, order) as the session.
+      overlap: True for the overlapped step (see the module's doc); "delayed" for one step of
+        staleness: the model trains on its own copy of the weights, step() hands the gradients
+        to the daemon and returns, and the daemon computes w_N from w_{N-1} while the next
+        forward and backward run on w_{N-1} (DeepSpeed's delayed parameter update; synchronize()
+        brings the newest weights into the model). Both are refused with ValueError in remote
+        mode, in world sessions and for CUDA parameters (not built yet).
+        delayed_warmup_steps: with overlap="delayed", the number of first steps that run
+        synchronously (ZeRO-Offload's delayed parameter update also starts after a warm-up).
+        max_grad_norm: clip the gradients in the daemon to this total L2 norm before every step,
+        as torch.nn.utils.clip_grad_norm_(params, max_grad_norm) in the trainer would (None: no
+        clip). The norm is summed in double over the parameters that have a gradient;
+        ``self.last_grad_norm`` is the norm before clipping of the last step collected.
+        It may change between steps, as lr. Under overlap=True this is the way to clip: a
+        clip_grad_norm_ in the trainer makes every step synchronous (see the module's doc).
+        Local sessions with host memory only (the daemon refuses device and world sessions).
+      overlap_bucket_bytes: the gradient bytes a bucket gathers (default 4 MiB); a smaller
+        bucket starts the daemon's work earlier, at a doorbell per bucket.
       algorithm, lr, mu, betas, weight_decay, epsilon, nesterov, cautious_wd, adjust_lr, flatten,
       use_polar_express, muon_beta2, rank_fraction, rank_multiple_of, fraction, ef_decay,
       num_heads, split_sizes, precision ("fp32" | "bf16_reference"), bf16_matmul ("auto" |
@@ -335,7 +388,9 @@ class Optimizer(torch.optim.Optimizer):
                  non_finite_policy="skip", timeout=60.0, connect_timeout=10.0,
                  client_name="diond.torch", world_key="", gradient_sync="replicated",
                  token=None, tls_ca=None, tls_cert=None, tls_key=None, tls_server_name=None,
-                 session="", resume=False, arena=None, track_writes=True, **options):
+                 session="", resume=False, arena=None, track_writes=True, overlap=False,
+                 overlap_bucket_bytes=4 << 20, delayed_warmup_steps=0, max_grad_norm=None,
+                 **options):
         if non_finite_policy not in _NONFINITE:
             raise ValueError("non_finite_policy must be 'skip' or 'error', got %r"
                              % (non_finite_policy,))
@@ -359,6 +414,22 @@ class Optimizer(torch.optim.Optimizer):
         if arena == "memfd" and not fdchannel.supported():
             raise ValueError("arena='memfd' needs Linux and Python >= 3.9 (os.memfd_create, "
                              "socket.send_fds); use arena='shm'")
+        if overlap not in (False, True, "delayed"):
+            raise ValueError("overlap must be False, True or 'delayed', got %r" % (overlap,))
+        self.overlap = overlap is not False
+        self.delayed = overlap == "delayed"
+        if not (isinstance(delayed_warmup_steps, int) and delayed_warmup_steps >= 0):
+            raise ValueError("delayed_warmup_steps must be an int >= 0, got %r"
+                             % (delayed_warmup_steps,))
+        self.delayed_warmup_steps = delayed_warmup_steps
+        self.max_grad_norm = max_grad_norm
+        self._check_max_grad_norm()
+        self.last_grad_norm = None  # the gradients' total norm before the clip, as the daemon saw
+        if self.overlap and not (isinstance(overlap_bucket_bytes, int)
+                                 and overlap_bucket_bytes > 0):
+            raise ValueError("overlap_bucket_bytes must be a positive int, got %r"
+                             % (overlap_bucket_bytes,))
+        self._ov = None  # torch_overlap.Overlap once the session is ready
         self._bind = _Binding()
         self.track_writes = bool(track_writes)
         self._versions = None  # each parameter's torch version counter when the daemon had it
@@ -391,6 +462,8 @@ class Optimizer(torch.optim.Optimizer):
         try:
             if not self.remote:
                 self._device = self._check_arena_device(arena)
+            if self.overlap:
+                self._check_overlap()
             if resume:
                 _, specs = self._declare()
                 try:
@@ -432,6 +505,21 @@ class Optimizer(torch.optim.Optimizer):
         self._bind.session_id = self.session_id
         self._note_versions()
         self._finalizer = weakref.finalize(self, _Binding.release, self._bind)
+        self._ov_bucket_bytes = overlap_bucket_bytes
+        self._start_overlap()
+
+    def _start_overlap(self):
+        if self.delayed:
+            # The model trains on its own copy of the weights (the arena's are the daemon's
+            # while a step runs), and its gradients are its own.
+            has = self._bind.flags.has
+            with torch.no_grad():
+                for i, (p, pv, gv) in enumerate(zip(self._params(), self._pviews, self._gviews)):
+                    p.data = pv.clone()
+                    p.grad = gv.clone() if has[i] else None
+        elif self.overlap:
+            self._ov = torch_overlap.Overlap(self, self._ov_bucket_bytes)
+            self._bind.on_release = self._ov.close  # also when the optimizer is collected
 
     # -- construction -------------------------------------------------------------------------
     def add_param_group(self, param_group):
@@ -462,6 +550,9 @@ class Optimizer(torch.optim.Optimizer):
 
     def _rebuild_session(self):
         saved = self.client.get_state(self.session_id)
+        if self._ov is not None:  # the new session records backward's order again
+            self._ov.close()
+            self._ov = None
         # The old session goes first (its name becomes free); the model gets ordinary tensors
         # with the latest weights and gradients, which the new arena then takes.
         self._queued = None
@@ -487,6 +578,7 @@ class Optimizer(torch.optim.Optimizer):
         self._step_index = 0  # the new session's own Step index; the groups keep their "step"
         self._note_versions()
         self._finalizer = weakref.finalize(self, _Binding.release, self._bind)
+        self._start_overlap()
 
     def _add_group(self, param_group):
         gi = len(self.param_groups)
@@ -532,6 +624,19 @@ class Optimizer(torch.optim.Optimizer):
     def _check_constructor_options(self):
         self.option_schema.unused(self._explicit_defaults, self.defaults,
                        [g["algorithm"] for g in self.param_groups])
+
+    def _check_overlap(self):
+        where = None
+        if self.remote:
+            where = "remote mode"
+        elif self.world_key:
+            where = "world sessions"
+        elif self._device.type != "cpu":
+            where = "CUDA parameters"
+        if where is not None:
+            raise ValueError("overlap=True is built for local sessions over host shared memory "
+                             "(CPU parameters, arena 'memfd' or 'shm'); %s are not built yet "
+                             "(docs/DATA_PLANE.md \"Overlapped step\")" % where)
 
     def _check_arena_device(self, choice):
         """The arenas' device (every parameter's), checked against the arena choice."""
@@ -637,6 +742,10 @@ class Optimizer(torch.optim.Optimizer):
             return
         grad_base = _align(self._param_arena_bytes, _SEGMENT_ALIGN)
         size = grad_base + self._grad_arena_bytes
+        # The overlapped step's doorbell page follows the gradients (a sealed memfd cannot grow).
+        self._page_offset = _align(size, 256)
+        if self.overlap and not self.delayed:
+            size = self._page_offset + torch_overlap.page_bytes(len(self._names))
         fd_path, kinds = self._data_plane
         daemon_memfd = bool(fd_path) and pb.REGION_KIND_MEMFD in kinds
         kind = self._arena_choice
@@ -754,6 +863,22 @@ class Optimizer(torch.optim.Optimizer):
         torch.cuda.current_stream(self._device).synchronize()
         return out
 
+    def _page_buffer(self):
+        """The doorbell page's memory (overlap=True), after the arenas."""
+        return self._shm.buf[self._page_offset:]
+
+    def _register_doorbells(self, nbytes, buckets):
+        fd_path, _ = self._data_plane
+        if self.arena == "memfd":
+            region = self.client.register_memfd_region(
+                self.session_id, pb.REGION_ROLE_DOORBELLS, self._shm.send(fd_path),
+                self._page_offset, nbytes, buckets=buckets)
+        else:
+            region = self.client.register_region(
+                self.session_id, pb.REGION_ROLE_DOORBELLS, self._shm.name, self._page_offset,
+                nbytes, buckets=buckets)
+        self._regions.append(region)
+
     def _track_gradients(self, has):
         """Shared-memory mode: which parameters have a gradient (_GradFlags), starting from
         `has`, and the hooks that tell."""
@@ -781,6 +906,10 @@ class Optimizer(torch.optim.Optimizer):
         it."""
         self._check_open()
         self.synchronize()
+        if self.delayed:
+            with torch.no_grad():
+                for p, pv in zip(self._params(), self._pviews):
+                    pv.copy_(p.data)
         if self._own_copy():
             self._sync_views()
             self._upload_parameters()
@@ -810,21 +939,16 @@ class Optimizer(torch.optim.Optimizer):
         """Keep .data/.grad as arena views: whatever replaced them is copied back in, and the
         gradient flags follow (a .grad set to None: no gradient; a tensor assigned: one).
         Returns the indices of the parameters whose .data was replaced."""
-        replaced = set()
         if self.remote:
-            return replaced
+            return set()
+        if self.delayed:
+            return set()
+        replaced = self._sync_data_views()
+        if self._ov is not None and self._ov.active:
+            return replaced  # the gradients are the trainer's own (torch_overlap)
         has = self._bind.flags.has
         with torch.no_grad():
-            for i, (p, pv, gv) in enumerate(zip(self._params(), self._pviews, self._gviews)):
-                if p.data.data_ptr() != pv.data_ptr() or p.data.shape != pv.shape:
-                    if p.data.shape != pv.shape or p.data.dtype != pv.dtype:
-                        raise ValueError(
-                            "a parameter's data was replaced by a tensor of shape %s dtype %s; "
-                            "the session holds shape %s dtype %s"
-                            % (list(p.data.shape), p.data.dtype, list(pv.shape), pv.dtype))
-                    pv.copy_(p.data)
-                    p.data = pv
-                    replaced.add(i)
+            for i, (p, gv) in enumerate(zip(self._params(), self._gviews)):
                 g = p.grad
                 if g is None:
                     # Zeroed: the next backward accumulates into it.
@@ -844,6 +968,40 @@ class Optimizer(torch.optim.Optimizer):
                     has[i] = self._bind.flags.wrote(i, gv)
             self._bind.flags.note(self._gviews)
         return replaced
+
+    def _sync_data_views(self):
+        """Parameters whose .data was replaced get their arena view back, with the new values.
+        Returns their indices."""
+        replaced = set()
+        with torch.no_grad():
+            for i, (p, pv) in enumerate(zip(self._params(), self._pviews)):
+                if p.data.data_ptr() != pv.data_ptr() or p.data.shape != pv.shape:
+                    if p.data.shape != pv.shape or p.data.dtype != pv.dtype:
+                        raise ValueError(
+                            "a parameter's data was replaced by a tensor of shape %s dtype %s; "
+                            "the session holds shape %s dtype %s"
+                            % (list(p.data.shape), p.data.dtype, list(pv.shape), pv.dtype))
+                    pv.copy_(p.data)
+                    p.data = pv
+                    replaced.add(i)
+        return replaced
+
+    @property
+    def overlap_stats(self):
+        """overlap=True: {"buckets": the bucket count (0 while backward's order is still being
+        recorded), "overlapped": steps run overlapped, "synchronous": steps that fell back to a
+        synchronous step after backward (each warned once per cause)}. None otherwise."""
+        ov = self._ov
+        if ov is None:
+            return None
+        return {"buckets": len(ov.buckets) if ov.active else 0, "overlapped": ov.overlapped,
+                "synchronous": ov.fell_back}
+
+    def no_sync(self):
+        """``with opt.no_sync(): loss.backward()``: a micro-batch of gradient accumulation that
+        is not the last. Under overlap=True its backward hands no bucket to the daemon (the
+        last micro-batch's does); otherwise it changes nothing. As DDP's no_sync()."""
+        return _NoSync(self._ov)
 
     def _own_copy(self):
         """True where the daemon keeps its own copy of the weights (remote mode, fp32 master
@@ -866,6 +1024,12 @@ class Optimizer(torch.optim.Optimizer):
         if names:
             params = dict(zip(self._names, self._params()))
             self.client.set_state(self.session_id, {n: params[n].data for n in names})
+
+    def _check_max_grad_norm(self):
+        m = self.max_grad_norm
+        if m is not None and not (isinstance(m, (int, float)) and math.isfinite(m) and m > 0):
+            raise ValueError("max_grad_norm must be None or a finite number > 0, got %r" % (m,))
+        return float(m or 0.0)
 
     def _lr_overrides(self):
         out = {}
@@ -896,11 +1060,44 @@ class Optimizer(torch.optim.Optimizer):
         by synchronize() (or the call that synchronizes), and the step counter then stays where
         it was."""
         self._check_open()
-        self.synchronize()
+        ov = self._ov
+        if ov is None or not ov.active:
+            self.synchronize()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if ov is not None and ov.active:
+            ov.finish()
+            return loss
+        if self.delayed:
+            self._delayed_step()
+            if self._queued is not None and self._queued <= self.delayed_warmup_steps:
+                self.synchronize()  # a warm-up step: no staleness yet
+            return loss
+        # overlap=True: the first steps are synchronous, while backward's order is recorded.
+        self._send_step(asynchronous and ov is None)
+        if ov is not None:
+            ov.after_sync_step()
+        return loss
+
+    def _delayed_step(self):
+        """overlap="delayed": step N's gradients go to the daemon, which computes w_N from
+        w_{N-1} while the model's next forward and backward run on w_{N-1} (synchronize()
+        brought it into the model)."""
+        without = []
+        with torch.no_grad():
+            for i, (p, gv) in enumerate(zip(self._params(), self._gviews)):
+                if p.grad is None:
+                    without.append(i)
+                else:
+                    gv.copy_(p.grad.to_dense() if p.grad.is_sparse else p.grad)
+        self._send_step(True, without=without, views=False)
+
+    def _send_step(self, asynchronous, overlap=False, without=None, views=True):
+        """Sends Step(N + 1) for the gradients as they are. without: the parameters without a
+        gradient, given by the overlapped step (whose gradients are not the arena's views);
+        None: found here."""
         lrs = self._lr_overrides()
         if self.remote:
             params = list(self._params())
@@ -913,10 +1110,12 @@ class Optimizer(torch.optim.Optimizer):
                 self.client.push_gradients(self.session_id, grads)
                 self._pushed = True
             replaced = set()
-        else:
+        elif without is None:
             self._hook_parameters()
             replaced = self._sync_views()
             without = [i for i, h in enumerate(self._bind.flags.has) if not h]
+        else:
+            replaced = self._sync_data_views() if views else set()
         self._push_writes(replaced)
         events = self._record_ready() if self._cuda_arena is not None else {}
         # The groups' own step counters (restored by load_state_dict, as the reference's; a
@@ -926,13 +1125,13 @@ class Optimizer(torch.optim.Optimizer):
                  for name, g in zip(self._group_names, self.param_groups)}
         resp = self.client.step(self.session_id, self._step_index + 1, lr_override=lrs,
                                 group_step=steps, asynchronous=asynchronous,
-                                params_without_grad=without, **events)
+                                params_without_grad=without, overlap=overlap,
+                                max_grad_norm=self._check_max_grad_norm(), **events)
         self.last_step = resp
         if resp.queued:
             self._queued = self._step_index + 1
-            return loss
+            return
         self._finish_step()
-        return loss
 
     def _record_ready(self):
         """The event protocol (docs/DATA_PLANE.md), trainer side: two interprocess events on the
@@ -966,9 +1165,18 @@ class Optimizer(torch.optim.Optimizer):
         if self._queued is None:
             return self.last_step
         index, self._queued = self._queued, None
-        resp = self.client.wait_step(self.session_id, index)
+        try:
+            resp = self.client.wait_step(self.session_id, index)
+        finally:
+            if self._ov is not None:
+                self._ov.collected()
         self.last_step = resp
         self._finish_step()
+        if self.delayed:
+            with torch.no_grad():
+                for p, pv in zip(self._params(), self._pviews):
+                    p.data.copy_(pv)
+            self._note_versions()  # the daemon's weights, not the trainer's writes
         return resp
 
     def _finish_step(self):
@@ -976,6 +1184,8 @@ class Optimizer(torch.optim.Optimizer):
         arenas order the trainer's stream after the daemon's writes. An asynchronous step waits
         here, at its collection, not when it was queued: only then has the daemon recorded
         "weights done" for it (a wait enqueued earlier would see the previous step's record)."""
+        if self.max_grad_norm:
+            self.last_grad_norm = self.last_step.grad_norm
         self._wait_done()
         self._step_index += 1
         if self.remote:
@@ -998,13 +1208,16 @@ class Optimizer(torch.optim.Optimizer):
         views of the gradient arena). set_to_none=True also takes every parameter's gradient
         away, as torch's None, until backward (or an assignment to .grad) gives it one again;
         with False a parameter that had a gradient keeps it, zeroed, and is stepped."""
-        if not self._closed:
+        overlapped = (self._ov is not None and self._ov.active) or self.delayed
+        if not self._closed and not overlapped:
             self.synchronize()
         with torch.no_grad():
-            if self.remote or self._closed:
+            if self.remote or self._closed or overlapped:
+                # Overlapped: the gradients are the trainer's own (copied into the arena by
+                # bucket), so zeroing them never races the daemon's reads.
                 for p in self._params():
                     if p.grad is not None:
-                        if set_to_none and self.remote:
+                        if set_to_none and (self.remote or overlapped):
                             p.grad = None
                         else:
                             p.grad.zero_()
@@ -1105,8 +1318,15 @@ class Optimizer(torch.optim.Optimizer):
         whose optimizer was closed at the fork, it does nothing."""
         if self._closed:
             return
+        if self.delayed and self._bind.pid == os.getpid():
+            try:  # the model keeps the newest weights, as in the other modes
+                self.synchronize()
+            except Exception:
+                pass
         # CloseSession waits for a queued step in the daemon; its outcome is dropped with it.
         self._queued = None
+        if self._ov is not None:
+            self._ov.close()
         if self._finalizer is not None:
             self._finalizer.detach()
         self._bind.release()

@@ -3,6 +3,7 @@ from a config (nothing downloaded) trains, a checkpoint resumed with resume_from
 continues bit for bit, and a model trained in a function outlives its Trainer and optimizer."""
 import gc
 
+import pytest
 import torch
 import transformers
 
@@ -31,20 +32,20 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def optimizer(model, target):
+def optimizer(model, target, **kw):
     hidden = [p for n, p in model.named_parameters() if ".h." in n and p.dim() == 2]
     rest = [p for n, p in model.named_parameters() if not (".h." in n and p.dim() == 2)]
     return diond.torch.Optimizer([dict(params=hidden, algorithm="dion2", lr=0.05),
                                   dict(params=rest, algorithm="adamw", lr=1e-2)],
-                                 target=target)
+                                 target=target, **kw)
 
 
-def trainer(model, opt, out, steps=24):
+def trainer(model, opt, out, steps=24, **kw):
     args = transformers.TrainingArguments(
         output_dir=str(out), max_steps=steps, per_device_train_batch_size=8, save_steps=12,
         lr_scheduler_type="constant",
         logging_steps=1, report_to=[], use_cpu=True, seed=0, save_safetensors=False,
-        disable_tqdm=True, dataloader_num_workers=0)
+        disable_tqdm=True, dataloader_num_workers=0, **kw)
     return transformers.Trainer(model=model, args=args, train_dataset=Tokens(),
                                 optimizers=(opt, None))
 
@@ -89,3 +90,43 @@ def test_model_outlives_trainer_and_optimizer(daemon, tmp_path):
     assert torch.isfinite(out.loss)
     with diond.Client(daemon.target) as c:
         assert c.list_sessions() == []
+
+
+def run_overlap(daemon, out, overlap, **kw):
+    model = make_model()
+    opt = optimizer(model, daemon.target, overlap=overlap, overlap_bucket_bytes=16384)
+    t = trainer(model, opt, out, **kw)
+    t.train()
+    stats = opt.overlap_stats
+    saved = torch.load(out / "checkpoint-12" / "pytorch_model.bin")
+    final = {k: v.clone() for k, v in model.state_dict().items()}
+    opt.close()
+    return losses(t), saved, final, stats
+
+
+def assert_same(a, b):
+    assert a[0] == b[0]
+    for i in (1, 2):
+        assert a[i].keys() == b[i].keys()
+        for k in a[i]:
+            assert torch.equal(a[i][k], b[i][k]), k
+
+
+def test_trainer_with_overlap_equals_synchronous(daemon, tmp_path):
+    """overlap=True under the Trainer (max_grad_norm=0: no clipping in the trainer) equals
+    overlap=False bit for bit: the losses, the checkpoint saved at step 12 (right after an
+    overlapped step(): model.state_dict() waits for it) and the final weights."""
+    sync = run_overlap(daemon, tmp_path / "s", False, max_grad_norm=0.0)
+    ov = run_overlap(daemon, tmp_path / "o", True, max_grad_norm=0.0)
+    assert ov[3]["buckets"] >= 2 and ov[3]["overlapped"] == 23 and ov[3]["synchronous"] == 0
+    assert_same(sync, ov)
+
+
+def test_trainer_clipping_makes_overlapped_steps_synchronous(daemon, tmp_path):
+    """The Trainer's default max_grad_norm=1.0 clips after backward: every step falls back to a
+    synchronous one (one warning), with the synchronous run's numbers."""
+    sync = run_overlap(daemon, tmp_path / "s", False)
+    with pytest.warns(RuntimeWarning, match="ran synchronously"):
+        ov = run_overlap(daemon, tmp_path / "o", True)
+    assert ov[3]["overlapped"] == 0 and ov[3]["synchronous"] == 23
+    assert_same(sync, ov)

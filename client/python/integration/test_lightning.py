@@ -15,10 +15,11 @@ pl.LightningModule._register_sharded_tensor_state_dict_hooks_if_available = lamb
 
 
 class Net(pl.LightningModule):
-    def __init__(self, target):
+    def __init__(self, target, overlap=False):
         super().__init__()
         torch.manual_seed(0)
         self.target = target
+        self.overlap = overlap
         self.backbone = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(),
                                             torch.nn.Linear(32, 32), torch.nn.Tanh())
         self.head = torch.nn.Linear(32, 1)
@@ -38,7 +39,8 @@ class Net(pl.LightningModule):
         vecs = [p for p in self.parameters() if p.dim() < 2 and p.requires_grad]
         return diond.torch.Optimizer([dict(params=mats, algorithm="muon", lr=0.02),
                                       dict(params=vecs, algorithm="adamw", lr=3e-3)],
-                                     target=self.target)
+                                     target=self.target, overlap=self.overlap,
+                                     overlap_bucket_bytes=2048)
 
 
 def loader():
@@ -109,3 +111,24 @@ def test_backbone_finetuning_adds_the_backbone(daemon, tmp_path):
     moved = [not torch.equal(v, frozen[k]) for k, v in net.backbone.state_dict().items()]
     assert all(moved), "the backbone did not train after it joined"
     assert net.losses[-1] < net.losses[0]
+
+
+def test_fit_with_overlap_equals_synchronous(daemon, tmp_path):
+    """overlap=True under Lightning (its optimizer.step(closure) runs forward and backward inside
+    step()) equals overlap=False bit for bit: the losses, the checkpoint at step 8 and the final
+    weights."""
+    runs = []
+    for overlap in (False, True):
+        net = Net(daemon.target, overlap=overlap)
+        t = trainer(tmp_path / str(overlap), 24)
+        t.fit(net, loader())
+        stats = t.optimizers[0].overlap_stats
+        ckpt = torch.load(str(tmp_path / str(overlap) / "step=8.ckpt"))["state_dict"]
+        runs.append((net.losses, ckpt, weights(net), stats))
+        del t
+        gc.collect()
+    assert runs[1][3]["buckets"] >= 2 and runs[1][3]["overlapped"] == 23
+    assert runs[0][0] == runs[1][0]
+    for i in (1, 2):
+        for k, v in runs[0][i].items():
+            assert torch.equal(v, runs[1][i][k]), k
