@@ -65,18 +65,21 @@ def new_model(args, vocab):
     return train_gpt.GPT(vocab, args.context, args.d_model, args.layers, args.heads)
 
 
-def make_optimizer(model, algo, target, overlap):
+def make_optimizer(model, algo, target, overlap, bucket_bytes=None):
     import diond.torch
     kw = {"overlap": True} if overlap else {}
+    if overlap and bucket_bytes:
+        kw["overlap_bucket_bytes"] = bucket_bytes
     return diond.torch.Optimizer(groups_for(model, algo), target=target, weight_decay=0.01,
                                  client_name="bench_overlap", **kw)
 
 
-def try_overlap(model, algo, target):
+def try_overlap(model, algo, target, bucket_bytes):
     """(optimizer, None), or (None, why) when this client or daemon has no overlap=True."""
     import diond
     try:
-        return make_optimizer(model, algo, target, overlap=True), None
+        return make_optimizer(model, algo, target, overlap=True,
+                              bucket_bytes=bucket_bytes), None
     except (TypeError, ValueError, diond.DiondError) as e:
         # Only a refusal of the option itself means "not built"; anything else is a real error.
         if "overlap" not in str(e):
@@ -106,6 +109,30 @@ def run_block(model, opt, batches, rec):
         rec["fb"].append(t_bwd - t)
         rec["step"].append(now - t)
         t = now
+
+
+_HOG = ("import os, torch\nos.sched_setaffinity(0, {%d})\ntorch.set_num_threads(1)\n"
+        "a = torch.randn(512, 512)\nwhile True:\n    a = torch.tanh(a @ a * 0.01)\n")
+
+
+def contention(args, model, batches):
+    """Forward plus backward with the daemon's CPU idle, then with a busy loop pinned to it:
+    what any work the daemon does during backward costs the trainer on this machine (two
+    vCPUs may share a physical core). None when nothing is pinned."""
+    import subprocess
+    if not args.pinned:
+        return None
+    alone = {"step": [], "fb": [], "compute": []}
+    run_block(model, None, batches, alone)
+    hog = subprocess.Popen([sys.executable, "-c", _HOG % args.daemon_cpu])
+    try:
+        time.sleep(0.5)
+        busy = {"step": [], "fb": [], "compute": []}
+        run_block(model, None, batches, busy)
+    finally:
+        hog.kill()
+        hog.wait()
+    return dict(alone_ms=med_ms(alone["step"]), busy_ms=med_ms(busy["step"]))
 
 
 def pin(args):
@@ -159,18 +186,32 @@ def main(argv=None):
     ap.add_argument("--trainer-cpu", type=int, default=0)
     ap.add_argument("--daemon-cpu", type=int, default=1)
     ap.add_argument("--no-pin", action="store_true", help="leave both processes unpinned")
+    ap.add_argument("--bucket-bytes", type=int, default=None,
+                    help="overlap_bucket_bytes of the overlapped configurations (default: the "
+                         "client's: 1/64 of the parameters' bytes, from 256 KiB)")
+    ap.add_argument("--algorithms", default=",".join(ALGORITHMS),
+                    help="which of %s to run (comma-separated)" % ", ".join(ALGORITHMS))
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads of the trainer and --compute_threads of the daemon it "
+                         "starts (with --no-pin: how sharing every core behaves)")
     args = ap.parse_args(argv)
     if args.steps < 1 or args.block < 1 or args.warmup < 0:
         ap.error("--steps and --block must be >= 1, --warmup >= 0")
-    torch.set_num_threads(1)
+    if args.threads < 1:
+        ap.error("--threads must be >= 1")
+    args.algorithms = [a for a in args.algorithms.split(",") if a]
+    if not args.algorithms or set(args.algorithms) - set(ALGORITHMS):
+        ap.error("--algorithms takes some of %s" % ", ".join(ALGORITHMS))
+    torch.set_num_threads(args.threads)
     daemon_set = pin(args)
+    args.pinned = daemon_set is not None
     import diond
     daemon, target = None, args.target
     if not target:
         if daemon_set is not None:
             os.sched_setaffinity(0, daemon_set)  # inherited by the daemon, as taskset does
         try:
-            daemon = diond.Daemon(compute_threads=1).start()
+            daemon = diond.Daemon(compute_threads=args.threads).start()
         finally:
             if daemon_set is not None:
                 os.sched_setaffinity(0, {args.trainer_cpu})
@@ -197,11 +238,11 @@ def measure(args, target, pinned, load0):
     setups = {"fwd+bwd": (new_model(args, data.vocab), None)}
     overlap_why = {}
     try:
-        for algo in ALGORITHMS:
+        for algo in args.algorithms:
             m = new_model(args, data.vocab)
             setups[algo] = (m, make_optimizer(m, algo, target, overlap=False))
             m = new_model(args, data.vocab)
-            opt, why = try_overlap(m, algo, target)
+            opt, why = try_overlap(m, algo, target, args.bucket_bytes)
             if opt is None:
                 overlap_why[algo] = why
             else:
@@ -223,13 +264,14 @@ def measure(args, target, pinned, load0):
             for k in kinds:
                 run_block(*setups[k], batches, recs[k])
             done += n
+        probe = contention(args, model0, [data.batch("train", args.batch) for _ in range(8)])
     finally:
         for _, opt in setups.values():
             if opt is not None:
                 opt.close()
     base = med_ms(recs["fwd+bwd"]["step"])
     rows = []
-    for algo in ALGORITHMS:
+    for algo in args.algorithms:
         sync = med_ms(recs[algo]["step"])
         # The step's own fwd+bwd (zero_grad into the shared gradients included) and the wait
         # after it, so that a ratio can be told from the daemon's compute.
@@ -249,9 +291,10 @@ def measure(args, target, pinned, load0):
                    context=args.context, batch=args.batch, vocab=data.vocab,
                    parameters=n_params, tensors=n_tensors),
         steps=args.steps, warmup=args.warmup, block=args.block, torch=torch.__version__,
+        bucket_bytes=args.bucket_bytes, threads=args.threads,
         torch_threads=torch.get_num_threads(), cpu=cpu_model(), cpus=os.cpu_count(),
         pinned=pinned, load_before=list(load0), load_after=list(os.getloadavg()),
-        fwd_bwd_ms=base, goal=GOAL, rows=rows,
+        fwd_bwd_ms=base, goal=GOAL, rows=rows, contention=probe,
         samples={k: [1000 * s for s in r["step"]] for k, r in recs.items()})
 
 
@@ -288,6 +331,11 @@ def report(r):
         print("| %s | %.1f | %s | %.1f | %.1f | %.1f | %s |" % (
             row["groups"], row["sync_ms"], fmt_ratio(row["sync_ratio"]), row["sync_fwd_bwd_ms"],
             row["sync_wait_ms"], row["daemon_compute_ms"], ov))
+    c = r.get("contention")
+    if c:
+        print("fwd+bwd with the daemon's CPU idle: %.1f ms; with a busy loop on it: %.1f ms "
+              "(x%.2f): what the daemon's work during backward costs the trainer here"
+              % (c["alone_ms"], c["busy_ms"], c["busy_ms"] / c["alone_ms"]))
     why = {row["overlap_why"] for row in r["rows"] if row["overlap"] == "not built"}
     for w in sorted(why):
         print("overlap not built: diond.torch.Optimizer refused overlap=True (%s)" % w)

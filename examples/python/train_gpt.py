@@ -156,9 +156,11 @@ def build_optimizer(model, args, target):
         return torch.optim.AdamW(model.parameters(), lr=args.adam_lr, betas=(0.9, 0.95),
                                  weight_decay=0.0)
     import diond.torch
+    overlap = {"off": False, "on": True, "delayed": "delayed"}[args.overlap]
     return diond.torch.Optimizer(param_groups(model, args), target=target,
                                  weight_decay=args.weight_decay, client_name="train_gpt",
-                                 remote=args.remote or None)
+                                 remote=args.remote or None, overlap=overlap,
+                                 delayed_warmup_steps=args.delayed_warmup)
 
 
 @torch.no_grad()
@@ -206,10 +208,14 @@ def train(args, target):
                 step, sum(recent) / len(recent), window_tok / (now - window_t),
                 opt.param_groups[0]["lr"]), flush=True)
             window_t, window_tok = now, 0
+    if hasattr(opt, "synchronize"):
+        opt.synchronize()  # an overlapped or delayed last step lands in the model
     elapsed = time.perf_counter() - t_start
     val1 = evaluate(model, data, args)
     k = min(10, len(losses))
-    summary = dict(steps=args.steps, optimizer=args.optimizer, initial_loss=losses[0],
+    summary = dict(steps=args.steps, optimizer=args.optimizer, overlap=args.overlap,
+                   delayed_warmup=args.delayed_warmup,
+                   initial_loss=losses[0],
                    final_loss=sum(losses[-k:]) / k, initial_val_loss=val0, final_val_loss=val1,
                    seconds=elapsed, tokens_per_s=args.steps * args.batch * args.context / elapsed,
                    optimizer_ms_per_step=1000 * t_opt / args.steps, parameters=n_params)
@@ -232,6 +238,11 @@ def main(argv=None):
                     choices=["dion2", "muon", "normuon", "dion", "dion3", "lion", "adamw",
                              "torch-adamw"])
     ap.add_argument("--remote", action="store_true", help="no shared memory (Push/Pull)")
+    ap.add_argument("--overlap", choices=("off", "on", "delayed"), default="off",
+                    help="the optimizer step during backward (on: same numbers; delayed: one "
+                         "step of staleness; client/python/README.md)")
+    ap.add_argument("--delayed-warmup", type=int, default=0,
+                    help="with --overlap delayed: the first steps that run synchronously")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--context", type=int, default=64)
@@ -249,6 +260,11 @@ def main(argv=None):
     ap.add_argument("--corpus", nargs="+", default=[DEFAULT_CORPUS])
     ap.add_argument("--summary-json", help="also write the summary as JSON here")
     args = ap.parse_args(argv)
+    if args.overlap != "off" and 2 * args.threads > (os.cpu_count() or 1):
+        print("note: --overlap %s runs the daemon during backward; with --threads %d on %d CPUs "
+              "the trainer and the daemon share cores and both slow down (use --threads %d)"
+              % (args.overlap, args.threads, os.cpu_count() or 1,
+                 max(1, (os.cpu_count() or 2) // 2)), flush=True)
     torch.set_num_threads(args.threads)
     if args.target or args.optimizer == "torch-adamw":
         return train(args, args.target)

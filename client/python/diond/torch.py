@@ -362,8 +362,9 @@ class Optimizer(torch.optim.Optimizer):
         It may change between steps, as lr. Under overlap=True this is the way to clip: a
         clip_grad_norm_ in the trainer makes every step synchronous (see the module's doc).
         Local sessions with host memory only (the daemon refuses device and world sessions).
-      overlap_bucket_bytes: the gradient bytes a bucket gathers (default 4 MiB); a smaller
-        bucket starts the daemon's work earlier, at a doorbell per bucket.
+      overlap_bucket_bytes: the gradient bytes a bucket gathers; None (default): about 1/64 of
+        all the parameters' bytes, from 256 KiB to 64 MiB. A smaller bucket starts the daemon's
+        work earlier, at a doorbell per bucket (docs/BENCHMARKS.md measures three sizes).
       algorithm, lr, mu, betas, weight_decay, epsilon, nesterov, cautious_wd, adjust_lr, flatten,
       use_polar_express, muon_beta2, rank_fraction, rank_multiple_of, fraction, ef_decay,
       num_heads, split_sizes, precision ("fp32" | "bf16_reference"), bf16_matmul ("auto" |
@@ -389,7 +390,7 @@ class Optimizer(torch.optim.Optimizer):
                  client_name="diond.torch", world_key="", gradient_sync="replicated",
                  token=None, tls_ca=None, tls_cert=None, tls_key=None, tls_server_name=None,
                  session="", resume=False, arena=None, track_writes=True, overlap=False,
-                 overlap_bucket_bytes=4 << 20, delayed_warmup_steps=0, max_grad_norm=None,
+                 overlap_bucket_bytes=None, delayed_warmup_steps=0, max_grad_norm=None,
                  **options):
         if non_finite_policy not in _NONFINITE:
             raise ValueError("non_finite_policy must be 'skip' or 'error', got %r"
@@ -425,8 +426,8 @@ class Optimizer(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self._check_max_grad_norm()
         self.last_grad_norm = None  # the gradients' total norm before the clip, as the daemon saw
-        if self.overlap and not (isinstance(overlap_bucket_bytes, int)
-                                 and overlap_bucket_bytes > 0):
+        if self.overlap and overlap_bucket_bytes is not None and not (
+                isinstance(overlap_bucket_bytes, int) and overlap_bucket_bytes > 0):
             raise ValueError("overlap_bucket_bytes must be a positive int, got %r"
                              % (overlap_bucket_bytes,))
         self._ov = None  # torch_overlap.Overlap once the session is ready

@@ -51,9 +51,10 @@ class Overlap:
     """The overlapped steps of one diond.torch.Optimizer (which owns it and calls it)."""
 
     def __init__(self, opt, bucket_bytes):
-        if not bucket_bytes > 0:
-            raise ValueError("overlap_bucket_bytes must be positive, got %r" % (bucket_bytes,))
         self._opt = weakref.ref(opt)
+        if bucket_bytes is None:
+            total = sum(p.numel() * p.element_size() for p in opt._params())
+            bucket_bytes = min(max(total // 64, 256 << 10), 64 << 20)
         self.bucket_bytes = int(bucket_bytes)
         self.active = False  # False while the backward order is being recorded
         self.inflight = None  # the step whose weights the next forward waits for

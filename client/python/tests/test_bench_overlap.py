@@ -47,9 +47,7 @@ def test_bench_overlap_smoke(daemon, tmp_path, own_daemon):
     assert r.returncode == 0, r.stdout + r.stderr
     print(r.stdout)
     result = json.loads(out.read_text())
-    # Today the client refuses overlap=True; once it takes it, every row is measured.
-    built = result["rows"][0]["overlap"] == "measured"
-    check(result, overlap_built=built)
+    check(result, overlap_built=True)
     lines = r.stdout.splitlines()
     assert lines[0].startswith("model: GPT 1 layers d=32")
     assert lines[1].startswith("fwd+bwd alone: ")
@@ -59,31 +57,34 @@ def test_bench_overlap_smoke(daemon, tmp_path, own_daemon):
     for ln in table:
         cells = [c.strip() for c in ln.strip("|").split("|")]
         assert len(cells) == 8, ln
-        assert float(cells[2]) > 0
-        if not built:
-            assert cells[6:] == ["not built", "not built"], ln
+        assert float(cells[2]) > 0 and float(cells[7]) > 0
     if own_daemon and {0, 1} <= os.sched_getaffinity(0):
         assert result["pinned"] == {"trainer": [0], "daemon": [1]}
+        c = result["contention"]
+        assert c["alone_ms"] > 0 and c["busy_ms"] > 0
+        assert any(ln.startswith("fwd+bwd with the daemon's CPU idle") for ln in lines)
 
 
-def test_bench_overlap_column_fills_in(daemon, monkeypatch, capsys):
-    """Once the Optimizer takes overlap=True, the same script measures the column: here a stand-in
-    that accepts the keyword (and steps synchronously) shows the wiring."""
+def test_bench_overlap_says_not_built_where_refused(daemon, monkeypatch, capsys):
+    """A client that refuses overlap=True (an older one, or a mode not built) gets "not built"
+    in the column and the refusal's reason, and the synchronous columns still measured."""
     sys.path.insert(0, os.path.dirname(EXAMPLE))
     import bench_overlap
 
-    class Overlapping(diond.torch.Optimizer):
+    class Refusing(diond.torch.Optimizer):
         def __init__(self, params, overlap=False, **kw):
+            if overlap:
+                raise ValueError("overlap=True is not built for this test")
             super().__init__(params, **kw)
 
-    monkeypatch.setattr(diond.torch, "Optimizer", Overlapping)
+    monkeypatch.setattr(diond.torch, "Optimizer", Refusing)
     # In-process: --no-pin keeps pytest's CPU affinity, and the thread count is put back.
     threads = torch.get_num_threads()
     try:
         result = bench_overlap.main([*TINY, "--target", daemon.target, "--no-pin"])
     finally:
         torch.set_num_threads(threads)
-    check(result, overlap_built=True)
-    assert set(result["samples"]) == {"fwd+bwd"} | set(ALGORITHMS) | {
-        a + "+overlap" for a in ALGORITHMS}
-    assert "not built" not in capsys.readouterr().out
+    check(result, overlap_built=False)
+    assert set(result["samples"]) == {"fwd+bwd"} | set(ALGORITHMS)
+    assert "overlap not built: diond.torch.Optimizer refused overlap=True" in \
+        capsys.readouterr().out
