@@ -25,6 +25,7 @@ using strict_json::FieldError;
 using strict_json::GetArray;
 using strict_json::GetBool;
 using strict_json::GetInt;
+using strict_json::GetNumber;
 using strict_json::GetString;
 using json = strict_json::Json;
 
@@ -45,6 +46,12 @@ json StepResultToJson(const StepResult& r) {
   j["total_micros"] = r.total_micros;
   j["world_bytes_sent"] = r.world_bytes_sent;
   j["checksum_mismatches"] = r.checksum_mismatches;
+  // A replayed clipped step answers its norm again; non-finite gradients' norm is null (NaN).
+  if (std::isfinite(r.grad_norm)) {
+    j["grad_norm"] = r.grad_norm;
+  } else {
+    j["grad_norm"] = nullptr;
+  }
   return j;
 }
 
@@ -59,6 +66,14 @@ absl::StatusOr<StepResult> StepResultFromJson(const json& j, int64_t step_index)
   DIOND_ASSIGN_OR_RETURN(r.total_micros, GetInt(j, "total_micros", w, 0, kBig));
   DIOND_ASSIGN_OR_RETURN(r.world_bytes_sent, GetInt(j, "world_bytes_sent", w, 0, kBig));
   DIOND_ASSIGN_OR_RETURN(r.checksum_mismatches, GetInt(j, "checksum_mismatches", w, 0, kBig));
+  // Absent in checkpoints written before the daemon clipped: 0, as for an unclipped step.
+  if (auto g = j.find("grad_norm"); g != j.end()) {
+    if (g->is_null()) {
+      r.grad_norm = std::numeric_limits<double>::quiet_NaN();
+    } else {
+      DIOND_ASSIGN_OR_RETURN(r.grad_norm, GetNumber(j, "grad_norm", w, 0.0));
+    }
+  }
   DIOND_ASSIGN_OR_RETURN(const json* norms, Field(j, "update_norms", w));
   if (!norms->is_object() || norms->size() > 4096) {
     return FieldError("last_step.update_norms", "expected an object of at most 4096 groups");

@@ -442,6 +442,16 @@ TEST_F(Durability, CraftedCheckpointsAreDataLossNamingTheFieldAndChangeNothing) 
          EditManifest(p, [](json& m) { m["last_step"]["step_index"] = 7; });
        },
        "last_step.step_index: 7 is out of range [1, 1]"},
+      {"replayGradNormNotANumber",
+       [](const std::string& p) {
+         EditManifest(p, [](json& m) { m["last_step"]["grad_norm"] = "big"; });
+       },
+       "last_step.grad_norm: expected a number, got string"},
+      {"replayGradNormNegative",
+       [](const std::string& p) {
+         EditManifest(p, [](json& m) { m["last_step"]["grad_norm"] = -1.0; });
+       },
+       "last_step.grad_norm: -1 is out of range"},
   };
   const size_t sessions = SessionCount(stub());
   for (const Crafted& c : cases) {
@@ -609,6 +619,38 @@ TEST_F(Durability, RetriedStepAfterDaemonRestartIsAnsweredAsBefore) {
 }
 
 // ---- session names, re-attach and --recover --------------------------------------------------
+
+TEST_F(Durability, RetriedClippedStepAfterDaemonRestartAnswersItsGradNorm) {
+  StartDaemon({"--checkpoint_every=1"});
+  const SessionDesc d = SmallDesc();
+  auto s = CreateShmSession(stub(), d.Request());
+  ASSERT_NE(s, nullptr);
+  ASSERT_TRUE(SetState(stub(), s->id, Weights(d, 11)).ok());
+  auto clipped_step = [&](const std::string& id, int64_t t, v1::StepResponse* resp) {
+    v1::StepRequest req;
+    req.set_session_id(id);
+    req.set_step_index(t);
+    req.set_max_grad_norm(0.5);
+    return stub().Step(Ctx().get(), req, resp);
+  };
+  v1::StepResponse answer;
+  for (int64_t t = 1; t <= 2; ++t) {
+    WriteSyntheticGrads(s.get(), d, 12, t);
+    ASSERT_TRUE(clipped_step(s->id, t, &answer).ok());
+  }
+  ASSERT_GT(answer.grad_norm(), 0.5);  // clipped
+  daemon_->Kill();
+  StartDaemon();
+  v1::LoadCheckpointResponse loaded;
+  ASSERT_TRUE(LoadCheckpointFrom(stub(), absl::StrCat(s->id, "/step-2"), &loaded).ok());
+  auto bound = BindShmSession(stub(), loaded.session());
+  ASSERT_NE(bound, nullptr);
+  v1::StepResponse again;
+  grpc::Status st = clipped_step(loaded.session().session_id(), 2, &again);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_TRUE(again.replayed());
+  EXPECT_EQ(again.grad_norm(), answer.grad_norm());  // bit for bit through the JSON
+}
 
 TEST_F(Durability, SessionNamesAreValidatedAndUnique) {
   StartDaemon();
