@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "absl/types/span.h"
 #include "common/bounded.h"
 #include "common/status_macros.h"
 #include "kernels/ops.h"
@@ -43,21 +44,31 @@ absl::Status Session::Clip::Validate(const Session& self, const StepRequest& req
     return absl::InvalidArgumentError(
         absl::StrCat("max_grad_norm ", max, " must be finite and >= 0 (0 = no clip)"));
   }
-  if (max > 0 && (self.device_ != nullptr || self.is_world_session())) {
+  if (max > 0 && self.device_ != nullptr) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "step ", request.step_index, ": session ", self.id_, " is a ",
-        self.device_ != nullptr ? "device" : "world",
-        " session: max_grad_norm is not built yet for device/world sessions (a world's global "
-        "norm needs a collective); clip in the trainer or use a local host session"));
+        "step ", request.step_index, ": session ", self.id_,
+        " is a device session: max_grad_norm is not built yet for device sessions; clip in the "
+        "trainer or use a host session"));
+  }
+  if (max > 0 && self.is_world_session() &&
+      self.spec_.gradient_sync == GradientSync::kDionCompressed) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step ", request.step_index, ": session ", self.id_,
+        " syncs DION_COMPRESSED: its Dion groups' gradients are never averaged, so there is no "
+        "one global norm to clip by; max_grad_norm needs REPLICATED or AVERAGE"));
   }
   return absl::OkStatus();
+}
+
+bool Session::Clip::OfAverage(const Session& self) {
+  return self.is_world_session() && self.spec_.gradient_sync == GradientSync::kAverage;
 }
 
 void Session::Clip::Accumulate(const Session& self, StepRun& run, size_t i) {
   run.grad_sq[i] = SumOfSquares(run.grads[i], self.layout_.tensors[i].numel);
 }
 
-absl::Status Session::Clip::Apply(Session& self, StepRun& run) {
+absl::Status Session::Clip::Apply(Session& self, StepRun& run, const std::vector<size_t>* only) {
   double sq = 0.0;
   for (double s : run.grad_sq) sq += s;  // parameter order: the same for every read order
   const double total = std::sqrt(sq);
@@ -67,7 +78,8 @@ absl::Status Session::Clip::Apply(Session& self, StepRun& run) {
   const double coef = run.request->max_grad_norm / (total + 1e-6);
   if (coef >= 1.0) return absl::OkStatus();  // torch multiplies by 1.0: the same values
   const float c = static_cast<float>(coef);
-  for (size_t i = 0; i < run.grads.size(); ++i) {
+  for (size_t k = 0; k < (only != nullptr ? only->size() : run.grads.size()); ++k) {
+    const size_t i = only != nullptr ? (*only)[k] : k;
     if (run.grads[i] == nullptr || run.no_grad[i]) continue;
     const int64_t numel = self.layout_.tensors[i].numel;
     std::vector<float>& scratch = self.arenas_.grad_scratch()[i];
@@ -80,6 +92,37 @@ absl::Status Session::Clip::Apply(Session& self, StepRun& run) {
     run.grads[i] = scratch.data();
   }
   return absl::OkStatus();
+}
+
+absl::Status Session::Clip::ApplyAveraged(Session& self, StepRun& run) {
+  const WorldPart& w = *self.world_;
+  const std::vector<size_t>& mine = w.owned[static_cast<size_t>(w.rank)];
+  const size_t n = self.layout_.tensors.size();
+  DIOND_RETURN_IF_ERROR(CallOnCompute(self.compute_, [&] {
+    run.grad_sq.assign(n, 0.0);
+    for (size_t i : mine) {
+      if (run.grads[i] != nullptr && !run.no_grad[i]) Accumulate(self, run, i);
+    }
+    return absl::OkStatus();
+  }));
+  // A world of one owns every parameter: its own sums are the world's.
+  if (run.comm == nullptr) return CallOnCompute(self.compute_, [&] { return Apply(self, run); });
+  // Every rank takes part whatever its flags (the world's finiteness is already common).
+  std::vector<double> all(n * static_cast<size_t>(w.plan.world_size));
+  absl::Status st = run.comm->AllGatherBytes(
+      absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(run.grad_sq.data()), n * sizeof(double)),
+      absl::MakeSpan(reinterpret_cast<uint8_t*>(all.data()), all.size() * sizeof(double)));
+  if (!st.ok()) {
+    return self.BreakWorld(
+        run, absl::UnavailableError(absl::StrCat(
+                 run.when, ": gathering the gradients' norms for max_grad_norm failed: ",
+                 self.DescribeWorldFailure(st),
+                 "; create the session again and resume from the last checkpoint")));
+  }
+  for (size_t i = 0; i < n; ++i) {
+    run.grad_sq[i] = all[static_cast<size_t>(w.plan.owner[i]) * n + i];
+  }
+  return CallOnCompute(self.compute_, [&] { return Apply(self, run, &mine); });
 }
 
 absl::Status Session::Clip::ApplyAndStage(Session& self, StepRun& run) {

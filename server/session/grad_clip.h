@@ -4,13 +4,16 @@
 // by (float)coef when coef < 1 (torch clamps it to 1 and multiplies always: the same values).
 //
 // Internal to the session's implementation: included only by server/session/*.cc, every call
-// under the session's mutex on the step's thread (the passes on the compute thread). Local host
-// sessions only: a device session has no op for it yet and a world's norm needs a collective.
+// under the session's mutex on the step's thread (the passes on the compute thread). Host
+// sessions, local or world (a device session has no op for it yet). A world clips the gradients
+// its ranks step on: REPLICATED, every rank's own (the same on every rank); AVERAGE, the average,
+// whose norm needs one all-gather of each owner's per-parameter sums (ApplyAveraged).
 #ifndef DIOND_SERVER_SESSION_GRAD_CLIP_H_
 #define DIOND_SERVER_SESSION_GRAD_CLIP_H_
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "server/session/session.h"
@@ -24,7 +27,7 @@ double SumOfSquares(const float* x, int64_t n);
 
 struct Session::Clip {
   // INVALID_ARGUMENT for a max_grad_norm that is not finite or < 0; FAILED_PRECONDITION for a
-  // clip in a device or world session. Nothing changes.
+  // clip in a device session or under DION_COMPRESSED. Nothing changes.
   static absl::Status Validate(const Session& self, const StepRequest& request);
   // Parameter i's gradient, just read into run.grads[i], summed into run.grad_sq[i].
   static void Accumulate(const Session& self, StepRun& run, size_t i);
@@ -32,10 +35,18 @@ struct Session::Clip {
   // order whatever order the reads came in; a non-finite total clears run.finite; else, when
   // the coef is < 1, every gradient read is multiplied by it into the session's fp32 scratch
   // (never into the trainer's memory) and run.grads points there.
-  static absl::Status Apply(Session& self, StepRun& run);
+  // `only`: the parameters to scale (null: every one read).
+  static absl::Status Apply(Session& self, StepRun& run, const std::vector<size_t>* only = nullptr);
   // The end of an overlapped step's reads under a clip: Apply, then (all finite) every group
   // staged with every gradient as one part (GroupOptimizer::StagePart: the same bits as parts).
   static absl::Status ApplyAndStage(Session& self, StepRun& run);
+  // Whether a clip of this session's steps is of the averaged gradients (run.clip_averaged).
+  static bool OfAverage(const Session& self);
+  // A world under AVERAGE, after the reduce-scatter (the step's thread): each owner's sums of
+  // its averaged gradients all-gathered (each parameter's sum is its owner's, so every rank
+  // totals the same doubles in parameter order), then Apply's rule on the owned gradients. A
+  // failed collective breaks the world session.
+  static absl::Status ApplyAveraged(Session& self, StepRun& run);
 };
 
 }  // namespace diond::session

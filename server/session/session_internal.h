@@ -95,7 +95,10 @@ struct Session::StepRun {
   std::vector<bool> no_grad;
   bool any_no_grad = false;
   // StepRequest.max_grad_norm > 0 (grad_clip.h): per parameter, its gradient's sum of squares.
+  // clip: summed as the gradients are read; clip_averaged (a world under AVERAGE): the clip is
+  // of the averaged gradients, summed by their owners after the reduce-scatter.
   bool clip = false;
+  bool clip_averaged = false;
   std::vector<double> grad_sq;
   std::vector<float> averaged;  // world AVERAGE: this rank's reduce-scattered gradients
   // Per group: this step's options, the owner's compact updates, what the group stages.

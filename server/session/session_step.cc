@@ -73,7 +73,10 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequest& request,
   run.no_grad.assign(layout_.tensors.size(), false);
   for (int32_t i : request.params_without_grad) run.no_grad[static_cast<size_t>(i)] = true;
   run.any_no_grad = !request.params_without_grad.empty();
-  run.clip = request.max_grad_norm > 0;  // the reads sum, Clip::Apply scales (grad_clip.h)
+  // The reads sum and Clip::Apply scales, or, of averaged gradients, Clip::ApplyAveraged does
+  // both after the reduce-scatter (grad_clip.h).
+  run.clip_averaged = request.max_grad_norm > 0 && Clip::OfAverage(*this);
+  run.clip = request.max_grad_norm > 0 && !run.clip_averaged;
   if (run.clip) run.grad_sq.assign(layout_.tensors.size(), 0.0);
   // After the first step: which phases may run as captured graphs (RunPhaseGraph tries them),
   // and why the others run eagerly.
@@ -88,6 +91,7 @@ absl::StatusOr<StepResult> Session::StepLocked(const StepRequest& request,
       CallOnCompute(compute_, [&] { return memory_->ReadGradients(*this, run); }));
   DIOND_RETURN_IF_ERROR(AgreeGradientsPhase(run));
   DIOND_RETURN_IF_ERROR(ReduceGradientsPhase(run));
+  if (run.clip_averaged) DIOND_RETURN_IF_ERROR(Clip::ApplyAveraged(*this, run));
   if (!run.finite) {
     // A world: every rank decides alike (REPLICATED: the same gradients; AVERAGE: the flags were
     // summed with them).

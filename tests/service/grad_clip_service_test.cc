@@ -8,8 +8,8 @@
 //  - params_without_grad are not in the norm (their gradient bytes are huge here);
 //  - an overlapped step with the clip equals the synchronous step with it, bit for bit;
 //  - a max_grad_norm that is NaN, negative or infinite is INVALID_ARGUMENT and changes nothing;
-//    a clip in a world session (a world of one) or a device session (TEST device) is
-//    FAILED_PRECONDITION;
+//    a world of one (REPLICATED, AVERAGE) clips as a local session does; a device session
+//    (TEST device) is FAILED_PRECONDITION (worlds of two: tests/world/world_clip_test.cc);
 //  - a NaN gradient under SKIP and ERROR behaves as without the clip.
 #include <cmath>
 #include <limits>
@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "tests/service/overlap_harness.h"
 #include "tests/service/service_harness.h"
@@ -273,24 +274,36 @@ TEST_F(GradClip, BadMaxGradNormIsRefusedWithNothingChanged) {
   CloseSessions();
 }
 
-TEST_F(GradClip, AWorldSessionRefusesTheClip) {
-  const SessionDesc d = Desc(AlgorithmKind::kMuon);
-  v1::CreateSessionRequest req = d.Request();
-  req.set_world_key("grad-clip-world-of-one");
-  auto w = CreateShmSession(stub(), req);
-  ASSERT_NE(w, nullptr);
-  const GradSet g = Grads(d, 1);
-  for (size_t i = 0; i < g.size(); ++i) w->WriteGrad(i, g[i]);
-  const std::string arena = Arena(*w);
-  v1::StepResponse resp;
-  grpc::Status s = ClipStep(stub(), w->id, 1, Clip(1.0), &resp);
-  EXPECT_EQ(s.error_code(), StatusCode::FAILED_PRECONDITION) << s.error_message();
-  EXPECT_TRUE(absl::StrContains(s.error_message(),
-                                "max_grad_norm is not built yet for device/world sessions"))
-      << s.error_message();
-  EXPECT_TRUE(Arena(*w) == arena);
-  EXPECT_TRUE(ClipStep(stub(), w->id, 1, {}, &resp).ok());  // nothing else is wrong
-  EXPECT_TRUE(CloseSession(stub(), w->id).ok());
+TEST_F(GradClip, AWorldOfOneClipsAsALocalSession) {
+  for (v1::GradientSync sync : {v1::GRADIENT_SYNC_REPLICATED, v1::GRADIENT_SYNC_AVERAGE}) {
+    SCOPED_TRACE(v1::GradientSync_Name(sync));
+    const SessionDesc d = Desc(AlgorithmKind::kMuon);
+    v1::CreateSessionRequest req = d.Request();
+    req.set_world_key(absl::StrCat("grad-clip-world-of-one-", sync));
+    req.set_gradient_sync(sync);
+    NewSessions(d);
+    auto w = CreateShmSession(stub(), req);
+    ASSERT_NE(w, nullptr);
+    for (size_t i = 0; i < d.params.size(); ++i) {
+      w->params_seg->Write(w->tensor(i).param_offset_bytes(),
+                           FloatBytes(SyntheticValues(1, 0, i, d.Numel(i))));
+    }
+    for (int64_t t = 1; t <= 2; ++t) {
+      const GradSet g = Times(Grads(d, t), 4.0f);
+      for (size_t i = 0; i < g.size(); ++i) {
+        w->WriteGrad(i, g[i]);
+        clip_->WriteGrad(i, g[i]);
+      }
+      v1::StepResponse got, want;
+      ASSERT_TRUE(ClipStep(stub(), w->id, t, Clip(1.0), &got).ok());
+      ASSERT_TRUE(ClipStep(stub(), clip_->id, t, Clip(1.0), &want).ok());
+      EXPECT_GT(want.grad_norm(), 1.0);
+      EXPECT_EQ(got.grad_norm(), want.grad_norm());
+      EXPECT_TRUE(Arena(*w) == Arena(*clip_)) << "the weights differ";
+    }
+    EXPECT_TRUE(CloseSession(stub(), w->id).ok());
+    CloseSessions();
+  }
 }
 
 TEST(GradClipDevice, ADeviceSessionRefusesTheClip) {
@@ -303,8 +316,8 @@ TEST(GradClipDevice, ADeviceSessionRefusesTheClip) {
   v1::StepResponse resp;
   grpc::Status st = ClipStep(dev->stub(), s->id, 1, Clip(1.0), &resp);
   EXPECT_EQ(st.error_code(), StatusCode::FAILED_PRECONDITION) << st.error_message();
-  EXPECT_TRUE(absl::StrContains(st.error_message(),
-                                "max_grad_norm is not built yet for device/world sessions"))
+  EXPECT_TRUE(
+      absl::StrContains(st.error_message(), "max_grad_norm is not built yet for device sessions"))
       << st.error_message();
   EXPECT_TRUE(ClipStep(dev->stub(), s->id, 1, {}, &resp).ok());  // nothing else is wrong
 }

@@ -102,6 +102,58 @@ def test_two_daemons_match_one_daemon_bit_for_bit(daemon_factory, algorithm):
     assert held[0] | held[1] == set(range(len(expected)))
 
 
+def test_average_with_a_daemon_clip_clips_the_mean_gradient(daemon_factory):
+    """max_grad_norm in a world under AVERAGE: the norm is the averaged gradients', as
+    clip_grad_norm_ after DDP's all-reduce; one daemon clipping the mean gradients is the
+    reference, bit for bit (the mean of two is exact), and its norm is the mean's, in double."""
+    steps = 3
+
+    def rank_grads(step, rank, model):
+        g = torch.Generator().manual_seed(1000 * rank + step)
+        return [torch.randn(p.shape, generator=g) for p in model.parameters()]
+
+    def mean_grads(step, model):
+        return [(a + b) / 2 for a, b in zip(rank_grads(step, 0, model),
+                                            rank_grads(step, 1, model))]
+
+    ref_model = _model()
+    norms = []
+    with diond.torch.Optimizer(_groups(ref_model), target=daemon_factory().target,
+                               algorithm="muon", lr=0.02, max_grad_norm=1.0) as ref:
+        for step in range(1, steps + 1):
+            for p, g in zip(ref_model.parameters(), mean_grads(step, ref_model)):
+                p.grad = g.clone()
+            ref.step()
+            norms.append(ref.last_grad_norm)
+            want = float(sum(g.double().pow(2).sum() for g in mean_grads(step, ref_model)).sqrt())
+            assert abs(ref.last_grad_norm - want) <= 1e-12 * want
+            assert ref.last_grad_norm > 1.0  # clipped
+        expected = [p.detach().clone() for p in ref_model.parameters()]
+
+    daemons = _world(daemon_factory)
+    models = [_model(), _model()]
+    got_norms = [[], []]
+
+    def trainer(rank):
+        def f():
+            model = models[rank]
+            with diond.torch.Optimizer(_groups(model), target=daemons[rank].target,
+                                       algorithm="muon", lr=0.02, max_grad_norm=1.0,
+                                       world_key="py-world-clip", gradient_sync="average") as opt:
+                for step in range(1, steps + 1):
+                    for p, g in zip(model.parameters(), rank_grads(step, rank, model)):
+                        p.grad = g.clone()
+                    opt.step()
+                    got_norms[rank].append(opt.last_grad_norm)
+        return f
+
+    _on_all_ranks([trainer(0), trainer(1)])
+    for rank in (0, 1):
+        assert got_norms[rank] == norms, "rank %d" % rank
+        for got, want in zip(models[rank].parameters(), expected):
+            assert torch.equal(got.detach(), want), "rank %d differs from one daemon" % rank
+
+
 def test_world_options_are_checked():
     with pytest.raises(ValueError, match="gradient_sync"):
         diond.torch.Optimizer([torch.nn.Parameter(torch.zeros(4, 4))], target="unix:/nonexistent",
