@@ -102,8 +102,8 @@ class WorldClip : public ::testing::Test {
   void StepWorld(int64_t step, double max_norm, v1::StepResponse resp[kW],
                  const std::vector<int32_t> without[kW]) {
     std::thread t([&] {
-      grpc::Status st = ClippedStep(world_[1]->stub(), ranks_[1]->id, step, max_norm, &resp[1],
-                                    without[1]);
+      grpc::Status st =
+          ClippedStep(world_[1]->stub(), ranks_[1]->id, step, max_norm, &resp[1], without[1]);
       EXPECT_TRUE(st.ok()) << "rank 1: " << st.error_message();
     });
     grpc::Status st =
@@ -207,8 +207,7 @@ TEST_F(WorldClip, DionCompressedIsRefusedWithNothingApplied) {
     v1::StepResponse resp;
     grpc::Status st = ClippedStep(world_[r]->stub(), ranks_[r]->id, 1, 1.0, &resp);
     EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
-    EXPECT_NE(st.error_message().find("DION_COMPRESSED"), std::string::npos)
-        << st.error_message();
+    EXPECT_NE(st.error_message().find("DION_COMPRESSED"), std::string::npos) << st.error_message();
   }
   // Nothing was applied: step 1 is still the next one, and it runs unclipped.
   v1::StepResponse resp[kW];

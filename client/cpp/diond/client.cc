@@ -319,6 +319,7 @@ absl::StatusOr<StepResult> Client::Step(const std::string& session_id, int64_t s
   req.mutable_params_without_grad()->Add(options.params_without_grad.begin(),
                                          options.params_without_grad.end());
   req.set_max_grad_norm(options.max_grad_norm);
+  req.set_overlap(options.overlap);
   auto resp = Step(req);
   if (!resp.ok()) return resp.status();
   return diond::client::FromProto(*resp);

@@ -17,26 +17,28 @@
 namespace diond::client {
 namespace {
 
-absl::Status ErrnoStatus(absl::string_view what, const std::string& name, int err) {
+absl::Status SegmentError(absl::string_view what, const std::string& name, int err) {
   return internal::ErrnoStatus(absl::StrCat(what, " of shm segment '", name, "'"), err);
 }
 
-// Creates, sizes and maps a new segment with a fresh random name; retries on a name clash.
-absl::StatusOr<ShmArena::Segment> CreateSegment(int64_t size_bytes) {
+}  // namespace
+
+// Retries on a name clash.
+absl::StatusOr<ShmArena::Segment> internal::CreateShmSegment(int64_t size_bytes) {
   for (int attempt = 0; attempt < 8; ++attempt) {
     std::string name = RandomShmName();
     std::string path = "/" + name;
     int fd = shm_open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
     if (fd < 0) {
       if (errno == EEXIST) continue;
-      return ErrnoStatus("shm_open", name, errno);
+      return SegmentError("shm_open", name, errno);
     }
     // The umask may have cleared bits of 0600 but never adds any; set it exactly anyway.
     if (fchmod(fd, 0600) != 0 || ftruncate(fd, static_cast<off_t>(size_bytes)) != 0) {
       int err = errno;
       close(fd);
       shm_unlink(path.c_str());
-      return ErrnoStatus("ftruncate", name, err);
+      return SegmentError("ftruncate", name, err);
     }
     void* base =
         mmap(nullptr, static_cast<size_t>(size_bytes), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -44,14 +46,12 @@ absl::StatusOr<ShmArena::Segment> CreateSegment(int64_t size_bytes) {
     close(fd);  // the mapping keeps the segment alive
     if (base == MAP_FAILED) {
       shm_unlink(path.c_str());
-      return ErrnoStatus("mmap", name, err);
+      return SegmentError("mmap", name, err);
     }
     return ShmArena::Segment{std::move(name), static_cast<uint8_t*>(base), size_bytes};
   }
   return absl::InternalError("shm_open: 8 random segment names in a row already existed");
 }
-
-}  // namespace
 
 std::string RandomShmName() {
   static thread_local std::mt19937_64 rng{std::random_device{}() ^
@@ -67,14 +67,14 @@ absl::StatusOr<ShmArena> ShmArena::CreateUnregistered(const Layout& layout,
   arena.layout_ = layout;
   if (options.single_segment) {
     const int64_t grad_offset = internal::GradArenaOffset(layout);
-    auto seg = CreateSegment(grad_offset + layout.grad_arena_bytes);
+    auto seg = internal::CreateShmSegment(grad_offset + layout.grad_arena_bytes);
     if (!seg.ok()) return seg.status();
     arena.segments_.push_back(*std::move(seg));
     arena.param_base_ = arena.segments_[0].base;
     arena.grad_base_ = arena.segments_[0].base + grad_offset;
   } else {
     for (int64_t size : {layout.param_arena_bytes, layout.grad_arena_bytes}) {
-      auto seg = CreateSegment(size);
+      auto seg = internal::CreateShmSegment(size);
       if (!seg.ok()) return seg.status();  // `arena` unmaps what was made
       arena.segments_.push_back(*std::move(seg));
     }

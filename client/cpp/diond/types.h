@@ -149,6 +149,9 @@ struct StepOptions {
   std::vector<int32_t> params_without_grad;
   // Global-norm gradient clip in the daemon, as torch's clip_grad_norm_ (0 = none).
   double max_grad_norm = 0;
+  // The overlapped step (needs asynchronous and a DoorbellPage, diond/doorbells.h): the daemon
+  // stages each bucket as its doorbell rings and writes the weights back bucket by bucket.
+  bool overlap = false;
 };
 
 struct SessionInfo {

@@ -1,6 +1,7 @@
-// What ShmArena and MemfdArena share (not installed): the checks on a layout before its arenas
-// are mapped, where the gradient arena starts in a single mapping, errno statuses, and the views
-// (bytes, f32, 16-bit) over the parameter and gradient of one tensor.
+// What ShmArena, MemfdArena and DoorbellPage share (not installed): the checks on a layout
+// before its arenas are mapped, where the gradient arena starts in a single mapping, errno
+// statuses, new POSIX shm segments, and the views (bytes, f32, 16-bit) over the parameter and
+// gradient of one tensor.
 #ifndef DIOND_CLIENT_CPP_DIOND_INTERNAL_ARENA_VIEW_H_
 #define DIOND_CLIENT_CPP_DIOND_INTERNAL_ARENA_VIEW_H_
 
@@ -10,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "diond/shm_arena.h"
 #include "diond/types.h"
 
 namespace diond::client::internal {
@@ -25,6 +27,10 @@ int64_t GradArenaOffset(const Layout& layout);
 
 // RESOURCE_EXHAUSTED for ENOMEM/ENOSPC/EMFILE/ENFILE, INTERNAL otherwise; "<what>: <strerror>".
 absl::Status ErrnoStatus(absl::string_view what, int err);
+
+// A new POSIX shm segment of `size_bytes` (a fresh random name, O_EXCL, mode 0600), mapped
+// MAP_SHARED; errors as ErrnoStatus's, nothing left behind.
+absl::StatusOr<ShmArena::Segment> CreateShmSegment(int64_t size_bytes);
 
 // Spans over the two arenas of one layout, mapped at `param_base` and `grad_base`.
 // `kind` names the owner in the error of an empty view ("ShmArena", "MemfdArena").
