@@ -11,8 +11,8 @@
 // regions too (no events); a NaN in one bucket under SKIP (every done event recorded, every word
 // N, nothing written) and ERROR (no record, every word -N, nothing written); the refusals of
 // the buckets' events (a host session, half the buckets, a short or unknown handle: nothing
-// left open); the events destroyed with the page, a new trainer and the session; a last bucket
-// never rung and the session closed: nothing committed.
+// left open); the events destroyed with the page, a new trainer and the session; an abandoned
+// step (-N) and a last bucket never rung with the session closed: nothing committed.
 #include <unistd.h>
 
 #include <limits>
@@ -332,6 +332,48 @@ TEST_F(OverlapDevice, TheBucketsEventsAreRefusedClearlyAndNothingIsLeftOpen) {
                            done);
   EXPECT_EQ(s.error_code(), StatusCode::FAILED_PRECONDITION) << s.error_message();
   EXPECT_TRUE(absl::StrContains(s.error_message(), "steps on the host")) << s.error_message();
+}
+
+// The trainer abandons step 2 after two buckets (-2 on one already taken): nothing written, no
+// done event recorded, every word -2; a synchronous retry of step 2 equals a synchronous
+// session's.
+TEST_F(OverlapDevice, AnAbandonedStepCommitsNothingAndASynchronousRetryApplies) {
+  const SessionDesc d = Desc(AlgorithmKind::kDion2, v1::NON_FINITE_POLICY_ERROR);
+  Trainer sync = NewTrainer(d, d.Request(), /*cuda=*/true);
+  Trainer ov = NewTrainer(d, d.Request(), /*cuda=*/true);
+  ASSERT_TRUE(sync.cuda && ov.cuda);
+  ASSERT_TRUE(NewPage(ov.id(), /*events=*/true).ok());
+  v1::StepResponse want, got;
+  ASSERT_TRUE(Synchronous(sync, 1, Grads(d, 1), &want).ok());
+  ASSERT_TRUE(Overlapped(ov, 1, Grads(d, 1), &got).ok());
+  const std::string weights = ov.Params();
+  const TensorMap state = State(ov.id());
+  const std::vector<std::vector<float>> g = Grads(d, 2);
+  v1::StepResponse queued;
+  ASSERT_TRUE(OverlapStep(stub(), ov.id(), 2, &queued).ok());
+  for (int k : {2, 0}) {
+    for (int32_t i : kBuckets[static_cast<size_t>(k)]) {
+      ov.WriteGrad(static_cast<size_t>(i), g[static_cast<size_t>(i)]);
+    }
+    bells_.RingGradients(k, 2);
+  }
+  bells_.RingGradients(0, -2);
+  const auto h0 = kt::GetHostTestHandoffCounters();
+  grpc::Status s = WaitStep(stub(), ov.id(), &got);
+  EXPECT_EQ(s.error_code(), StatusCode::ABORTED) << s.error_message();
+  EXPECT_EQ(kt::GetHostTestHandoffCounters().event_records, h0.event_records);
+  for (int k = 0; k < kBucketCount; ++k) EXPECT_EQ(bells_.weights(k), -2) << "bucket " << k;
+  EXPECT_TRUE(ov.Params() == weights) << "an abandoned step wrote weights";
+  EXPECT_TRUE(State(ov.id()) == state) << "an abandoned step changed the state";
+  for (size_t i = 0; i < g.size(); ++i) ov.WriteGrad(i, g[i]);
+  ASSERT_TRUE(Synchronous(sync, 2, g, &want).ok());
+  s = Step(ov.id(), 2, 1.0, &got);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  ExpectSameResult(got, want);
+  EXPECT_TRUE(ov.Params() == sync.Params()) << "the weights differ";
+  EXPECT_TRUE(State(ov.id()) == State(sync.id())) << "the state differs";
+  EXPECT_TRUE(CloseSession(stub(), ov.id()).ok());
+  EXPECT_TRUE(CloseSession(stub(), sync.id()).ok());
 }
 
 TEST_F(OverlapDevice, ALastBucketNeverRungAndTheSessionClosedCommitsNothing) {
