@@ -99,13 +99,14 @@ check "server/rpc includes exe/, checkpoint/ or the daemon core (metrics, versio
 check "the server core (server/*.h) includes a room" \
   '#include *"server/(comm|memory|session|checkpoint|rpc|exe)/' $server_core
 # (tests/service/test_device_daemon.cc is the test-only diond_testdevice's part of the
-# composition root: it fills DaemonOptions with the TEST backend, docs/GPU.md. So does
-# tests/service/cuda_region_service_test.cc, which runs the daemon in its own process because
-# the TEST backend's CUDA hand-off emulation works within one process only.)
+# composition root: it fills DaemonOptions with the TEST backend, docs/GPU.md. So do
+# tests/service/cuda_harness.h and cuda_region_service_test.cc, which run the daemon in the
+# test's process because the TEST backend's CUDA hand-off emulation works within one process
+# only.)
 check "server/exe (the composition root) is included from outside it" '#include *"server/exe/' \
   common kernels client bench examples \
   $(find tests -type f ! -path tests/service/test_device_daemon.cc \
-      ! -path tests/service/cuda_region_service_test.cc) \
+      ! -path tests/service/cuda_region_service_test.cc ! -path tests/service/cuda_harness.h) \
   $(find server -path server/exe -prune -o -type f -print)
 check "client/ uses prometheus-cpp" "$prom" client
 check "client/ includes server" '#include *"server/' client

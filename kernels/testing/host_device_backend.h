@@ -123,8 +123,9 @@ bool HostTestExportIpcMemHandle(int device, void* ptr, uint8_t* handle);
 int HostTestExportVmmFd(int device, void* ptr);
 // An interprocess event created on `device`; its handle written to `handle`.
 bool HostTestCreateIpcEvent(int device, uint8_t* handle);
-// How often the event of `handle` was recorded (event_record).
+// How often the event of `handle` was recorded (event_record), and waited on (stream_wait_event).
 int64_t HostTestEventRecords(const uint8_t* handle);
+int64_t HostTestEventWaits(const uint8_t* handle);
 struct HostTestHandoffCounters {
   int64_t ipc_opens = 0, ipc_closes = 0, vmm_maps = 0, vmm_unmaps = 0;
   int64_t events_opened = 0, events_destroyed = 0, stream_waits = 0, event_records = 0;

@@ -52,6 +52,7 @@ struct Handoff {
   std::unordered_map<uint64_t, int> event_exports;  // event id -> exporting device
   std::set<Event*> events;
   std::unordered_map<uint64_t, int64_t> event_records;  // event id -> records
+  std::unordered_map<uint64_t, int64_t> event_waits;    // event id -> stream waits on it
   HostTestHandoffCounters counters;
 };
 Handoff& Ho() {
@@ -266,6 +267,7 @@ int StreamWaitEvent(const DiondOpsCall* call, void* event) {
   Handoff& h = Ho();
   std::lock_guard<std::mutex> lock(h.mu);
   if (!LiveEventOnDevice(call, event, &rc)) return rc;
+  ++h.event_waits[static_cast<Event*>(event)->id];
   ++h.counters.stream_waits;
   return DIOND_OPS_OK;
 }
@@ -350,13 +352,25 @@ bool HostTestCreateIpcEvent(int device, uint8_t* handle) {
   return true;
 }
 
-int64_t HostTestEventRecords(const uint8_t* handle) {
+namespace {
+
+int64_t EventCount(const uint8_t* handle, std::unordered_map<uint64_t, int64_t> Handoff::*counts) {
   bool ok = false;
   const uint64_t id = ReadId(handle, kEventMagic, &ok);
   Handoff& h = Ho();
   std::lock_guard<std::mutex> lock(h.mu);
-  auto it = h.event_records.find(id);
-  return ok && it != h.event_records.end() ? it->second : 0;
+  auto it = (h.*counts).find(id);
+  return ok && it != (h.*counts).end() ? it->second : 0;
+}
+
+}  // namespace
+
+int64_t HostTestEventRecords(const uint8_t* handle) {
+  return EventCount(handle, &Handoff::event_records);
+}
+
+int64_t HostTestEventWaits(const uint8_t* handle) {
+  return EventCount(handle, &Handoff::event_waits);
 }
 
 HostTestHandoffCounters GetHostTestHandoffCounters() {

@@ -229,7 +229,7 @@ session::StepRequest StepRequestFromProto(const v1::StepRequest& req) {
   return sr;
 }
 
-absl::StatusOr<std::vector<std::vector<int32_t>>> DoorbellBucketsFromProto(
+absl::StatusOr<std::vector<session::DoorbellBucket>> DoorbellBucketsFromProto(
     const v1::RegisterRegionRequest& req) {
   if (req.kind() != v1::REGION_KIND_SYSTEM_SHM && req.kind() != v1::REGION_KIND_MEMFD) {
     return absl::InvalidArgumentError(
@@ -250,10 +250,11 @@ absl::StatusOr<std::vector<std::vector<int32_t>>> DoorbellBucketsFromProto(
                                                    req.buckets_size(), " buckets; 1 to ",
                                                    memory::Doorbells::kMaxBuckets, " are allowed"));
   }
-  std::vector<std::vector<int32_t>> buckets;
+  std::vector<session::DoorbellBucket> buckets;
   buckets.reserve(static_cast<size_t>(req.buckets_size()));
-  for (const v1::Bucket& b : req.buckets())
-    buckets.emplace_back(b.params().begin(), b.params().end());
+  for (const v1::Bucket& b : req.buckets()) {
+    buckets.push_back({{b.params().begin(), b.params().end()}, b.ready_event(), b.done_event()});
+  }
   return buckets;
 }
 

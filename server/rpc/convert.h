@@ -51,7 +51,7 @@ absl::StatusOr<session::Role> RegionRoleFromProto(const v1::RegisterRegionReques
 // RegisterRegion of REGION_ROLE_DOORBELLS: the buckets (each a list of parameter indices), once
 // the kind is a host one with its body; INVALID_ARGUMENT for another kind or a bucket count
 // outside [1, Doorbells::kMaxBuckets]. Session::RegisterDoorbells checks the indices.
-absl::StatusOr<std::vector<std::vector<int32_t>>> DoorbellBucketsFromProto(
+absl::StatusOr<std::vector<session::DoorbellBucket>> DoorbellBucketsFromProto(
     const v1::RegisterRegionRequest& req);
 
 }  // namespace diond::rpc

@@ -103,7 +103,8 @@ absl::Status OptimizerService::CheckShmCaller(const Principal& p, const std::str
 absl::StatusOr<std::string> OptimizerService::RegisterDoorbells(
     const Principal& p, session::Session* s, const v1::RegisterRegionRequest& req,
     const std::string& peer) {
-  DIOND_ASSIGN_OR_RETURN(std::vector<std::vector<int32_t>> buckets, DoorbellBucketsFromProto(req));
+  DIOND_ASSIGN_OR_RETURN(std::vector<session::DoorbellBucket> buckets,
+                         DoorbellBucketsFromProto(req));
   if (req.kind() == v1::REGION_KIND_MEMFD) {
     DIOND_ASSIGN_OR_RETURN(fdchannel::UniqueFd fd, TakeMemfd(p, req.memfd()));
     return s->RegisterMemfdDoorbells(std::move(fd), req.memfd().offset_bytes(),

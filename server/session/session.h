@@ -83,13 +83,13 @@ class Session {
       absl::FunctionRef<absl::StatusOr<std::unique_ptr<memory::CudaRegion>>(kernels::Device)> open);
   absl::Status UnregisterRegion(const std::string& region_id);  // NOT_FOUND for an unknown id
   // A doorbell page (docs/DATA_PLANE.md "Overlapped step") and its buckets, each parameter in
-  // one; INVALID_ARGUMENT naming what is wrong, FAILED_PRECONDITION off local host sessions.
-  absl::StatusOr<std::string> RegisterShmDoorbells(
-      const std::string& name, int64_t offset, int64_t size,
-      const std::vector<std::vector<int32_t>>& buckets);
-  absl::StatusOr<std::string> RegisterMemfdDoorbells(
-      fdchannel::UniqueFd fd, int64_t offset, int64_t size,
-      const std::vector<std::vector<int32_t>>& buckets);
+  // one; INVALID_ARGUMENT naming what is wrong, FAILED_PRECONDITION off local sessions.
+  absl::StatusOr<std::string> RegisterShmDoorbells(const std::string& name, int64_t offset,
+                                                   int64_t size,
+                                                   const std::vector<DoorbellBucket>& buckets);
+  absl::StatusOr<std::string> RegisterMemfdDoorbells(fdchannel::UniqueFd fd, int64_t offset,
+                                                     int64_t size,
+                                                     const std::vector<DoorbellBucket>& buckets);
 
   // One optimizer step, idempotent on step_index (see the proto); compute on the compute thread,
   // collectives on the calling thread. request.asynchronous (docs/DATA_PLANE.md "Asynchronous

@@ -15,6 +15,7 @@
 namespace diond::session {
 
 void Session::DeviceSide::DestroyEvents() {
+  DestroyBucketEvents();
   for (IpcEvent* e : {&ready, &done}) {
     if (e->event == nullptr) continue;
     if (absl::Status s = kernels::DeviceRuntimeFor(device.type).destroy_event(device, e->event);

@@ -7,7 +7,8 @@
 // they can (session_graph.cc).
 //
 // The files: session_device.cc (making it, its numbers, events, DMA, world buffers),
-// session_device_step.cc (the step's passes), session_graph.cc (graph capture and replay).
+// session_device_step.cc (the step's passes), session_graph.cc (graph capture and replay),
+// session_overlap_device.cc (the overlapped step's passes and the buckets' events).
 // Internal to the session's implementation; every method runs under the session's mutex.
 #ifndef DIOND_SERVER_SESSION_SESSION_DEVICE_H_
 #define DIOND_SERVER_SESSION_SESSION_DEVICE_H_
@@ -105,6 +106,13 @@ struct Session::DeviceSide final : Session::StepMemory {
     void* event = nullptr;
   };
   IpcEvent ready, done;
+  // The doorbell page's, one pair per bucket or none, opened when the page is registered and
+  // destroyed with it (unregistered, a new trainer, the session closed).
+  struct BucketEvents {
+    void* ready = nullptr;
+    void* done = nullptr;
+  };
+  std::vector<BucketEvents> bucket_events;
 
   const kernels::Context& update_ctx() const { return runtime.rules_on_device ? *ctx : *host; }
   float* grad(size_t i) { return grads.As<float>() + offset[i]; }
@@ -125,7 +133,8 @@ struct Session::DeviceSide final : Session::StepMemory {
     return update_ctx();
   }
   void PrepareStep(Session& s, StepRun& run) override {
-    if (s.last_step_index_ >= 1) DecideGraphs(s, run);
+    // An overlapped step runs its passes eagerly, bucket by bucket: no phase of it is a graph.
+    if (s.last_step_index_ >= 1 && !run.request->overlap) DecideGraphs(s, run);
   }
   absl::Status PrepareEvents(Session& s, const StepRequest& request) override;
   absl::Status RecordDoneEvent(Session& s, const StepRequest& request) override;
@@ -151,14 +160,35 @@ struct Session::DeviceSide final : Session::StepMemory {
     for (auto& p : phases) p.reported = true;
   }
 
+  // ---- an overlapped step's passes (session_overlap_device.cc) ----
+  void BeginBuckets(Session& s, StepRun& run) override;
+  // The stream waits on the bucket's ready event, then the bucket's reads, widenings and scans
+  // queued as ReadGradients queues them, and the flag read back (one host wait per bucket).
+  absl::Status ReadGradientsOf(Session& s, StepRun& run, size_t k,
+                               const std::vector<size_t>& params) override;
+  // The bucket's weights queued as WriteWeights queues them, its done event recorded after
+  // them, and one host wait.
+  absl::Status WriteWeightsOf(Session& s, StepRun& run, size_t k,
+                              const std::vector<size_t>& params) override;
+  absl::Status RecordBucketsDone(Session& s) override;
+  // The doorbell page's events, opened from `buckets`' handles (none when they have none); on
+  // failure FAILED_PRECONDITION naming the bucket, and nothing kept open.
+  absl::Status OpenBucketEvents(const Session& s, const std::vector<DoorbellBucket>& buckets);
+  // Every bucket's events destroyed (a failure logged): the page went.
+  void DestroyBucketEvents();
+
   // The read phase's queued work: the gradients' and parameters' copies, widenings and scans,
   // and the flag's read-back into the host words.
   absl::Status QueueStepReads(Session& s, StepRun& run);
+  // Gradient i's copy (from host memory), widening and scan into `flag`; run.grads[i] set.
+  absl::Status QueueGradientRead(Session& s, StepRun& run, size_t i,
+                                 const kernels::TensorView& flag);
   // Every parameter's read into the staging (host -> device, or device to device from a CUDA
   // region); the host memory is read when the stream gets there.
   absl::Status QueueParameterReads(Session& s, StepRun& run);
   // The write phase's: the new weights narrowed on the device and copied into the trainer's.
   absl::Status QueueWeightCopies(Session& s);
+  absl::Status QueueWeightCopy(Session& s, size_t i);  // parameter i's
   // A local session: every staged group's new weights into the staging, the norms' read-back
   // queued into the host words (GroupOptimizer::WriteStagedParamsDeferringNorm).
   void QueueStagedWeights(Session& s, StepRun& run);

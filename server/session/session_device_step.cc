@@ -67,47 +67,53 @@ absl::Status Session::DeviceSide::QueueStepReads(Session& s, StepRun& run) {
   // copy per gradient (into the staging, or into the conversion buffer that the widening reads
   // next: the stream orders the next tensor's copy after it). Every scan ORs into one device
   // flag, whose read-back is queued last.
-  const Arenas::Binding& g = s.arenas_.grads();
-  const memory::CudaRegion* cuda = g.cuda.get();
   const kernels::TensorView flag = DeviceView(device, DType::kF32, nonfinite.data(), 1);
   DIOND_RETURN_IF_ERROR(kernels::Fill(dc, 0.0f, flag));
   for (size_t i = 0; i < n; ++i) {
     // No gradient in this step: never read (a step with another mask is another graph).
-    if (run.no_grad[i]) continue;
-    const TensorPlacement& t = s.layout_.tensors[i];
-    float* dst = grad(i);
-    if (cuda != nullptr) {
-      const uint8_t* src = cuda->data() + t.grad_offset;
-      if (t.dtype == DType::kF32 && !run.scaled) {
-        DIOND_RETURN_IF_ERROR(
-            kernels::AllFiniteFlag(dc, DeviceView(device, DType::kF32, src, t.numel), flag));
-        run.grads[i] = reinterpret_cast<const float*>(src);
-      } else {
-        DIOND_RETURN_IF_ERROR(kernels::WidenScaleCheckFiniteFlag(
-            dc, DeviceView(device, t.dtype, static_cast<const void*>(src), t.numel), run.scale,
-            DeviceView(device, DType::kF32, dst, t.numel), flag));
-        run.grads[i] = dst;
-      }
-      continue;
-    }
-    const uint8_t* src = g.data + t.grad_offset;
-    const size_t bytes = static_cast<size_t>(t.numel) * kernels::DTypeSize(t.dtype);
-    if (t.dtype == DType::kF32 && !run.scaled) {
-      DIOND_RETURN_IF_ERROR(CopyToDeviceAsync(dc, src, dst, bytes));
-      DIOND_RETURN_IF_ERROR(
-          kernels::AllFiniteFlag(dc, DeviceView(device, DType::kF32, dst, t.numel), flag));
-    } else {
-      DIOND_RETURN_IF_ERROR(CopyToDeviceAsync(dc, src, raw.data(), bytes));
-      DIOND_RETURN_IF_ERROR(kernels::WidenScaleCheckFiniteFlag(
-          dc, DeviceView(device, t.dtype, static_cast<const void*>(raw.data()), t.numel), run.scale,
-          DeviceView(device, DType::kF32, dst, t.numel), flag));
-    }
-    run.grads[i] = dst;
+    if (!run.no_grad[i]) DIOND_RETURN_IF_ERROR(QueueGradientRead(s, run, i, flag));
   }
   // The parameters' reads are queued behind the gradients' (a skipped step only wrote the
   // staging), so that the one wait that follows completes every host -> device copy of the step.
   DIOND_RETURN_IF_ERROR(QueueParameterReads(s, run));
   return CopyToHostAsync(dc, nonfinite.data(), words, sizeof(float));
+}
+
+absl::Status Session::DeviceSide::QueueGradientRead(Session& s, StepRun& run, size_t i,
+                                                    const kernels::TensorView& flag) {
+  const kernels::Context& dc = *ctx;
+  const Arenas::Binding& g = s.arenas_.grads();
+  const memory::CudaRegion* cuda = g.cuda.get();
+  const TensorPlacement& t = s.layout_.tensors[i];
+  float* dst = grad(i);
+  if (cuda != nullptr) {
+    const uint8_t* src = cuda->data() + t.grad_offset;
+    if (t.dtype == DType::kF32 && !run.scaled) {
+      DIOND_RETURN_IF_ERROR(
+          kernels::AllFiniteFlag(dc, DeviceView(device, DType::kF32, src, t.numel), flag));
+      run.grads[i] = reinterpret_cast<const float*>(src);
+      return absl::OkStatus();
+    }
+    DIOND_RETURN_IF_ERROR(kernels::WidenScaleCheckFiniteFlag(
+        dc, DeviceView(device, t.dtype, static_cast<const void*>(src), t.numel), run.scale,
+        DeviceView(device, DType::kF32, dst, t.numel), flag));
+    run.grads[i] = dst;
+    return absl::OkStatus();
+  }
+  const uint8_t* src = g.data + t.grad_offset;
+  const size_t bytes = static_cast<size_t>(t.numel) * kernels::DTypeSize(t.dtype);
+  if (t.dtype == DType::kF32 && !run.scaled) {
+    DIOND_RETURN_IF_ERROR(CopyToDeviceAsync(dc, src, dst, bytes));
+    DIOND_RETURN_IF_ERROR(
+        kernels::AllFiniteFlag(dc, DeviceView(device, DType::kF32, dst, t.numel), flag));
+  } else {
+    DIOND_RETURN_IF_ERROR(CopyToDeviceAsync(dc, src, raw.data(), bytes));
+    DIOND_RETURN_IF_ERROR(kernels::WidenScaleCheckFiniteFlag(
+        dc, DeviceView(device, t.dtype, static_cast<const void*>(raw.data()), t.numel), run.scale,
+        DeviceView(device, DType::kF32, dst, t.numel), flag));
+  }
+  run.grads[i] = dst;
+  return absl::OkStatus();
 }
 
 absl::Status Session::DeviceSide::QueueParameterReads(Session& s, StepRun& run) {
@@ -207,34 +213,34 @@ absl::Status Session::DeviceSide::WriteWeights(Session& s, StepRun& run) {
 }
 
 absl::Status Session::DeviceSide::QueueWeightCopies(Session& s) {
-  const kernels::Context& dc = *ctx;
-  const Arenas::Binding& p = s.arenas_.params();
-  memory::CudaRegion* cuda = p.cuda.get();
   // Every copy device -> host is queued (narrowed first on the device where the trainer's dtype
   // is not f32: the conversion buffer is reused tensor after tensor in stream order); the
   // caller waits once.
   for (size_t i = 0; i < s.layout_.tensors.size(); ++i) {
-    const TensorPlacement& t = s.layout_.tensors[i];
-    const float* src = param(i);
-    // (The next master weights stay in the staging: the commit copies them on the device.)
-    if (cuda != nullptr) {
-      // Device to device into the trainer's GPU memory, narrowed on the way.
-      DIOND_RETURN_IF_ERROR(kernels::Copy(
-          dc, DeviceView(device, DType::kF32, src, t.numel),
-          DeviceView(device, t.dtype, static_cast<void*>(cuda->data() + t.param_offset), t.numel)));
-      continue;
-    }
-    uint8_t* arena = p.data + t.param_offset;
-    if (t.dtype == DType::kF32) {
-      DIOND_RETURN_IF_ERROR(CopyToHostAsync(dc, src, arena, 4 * t.numel));
-    } else {
-      DIOND_RETURN_IF_ERROR(kernels::Copy(dc, DeviceView(device, DType::kF32, src, t.numel),
-                                          DeviceView(device, t.dtype, raw.data(), t.numel)));
-      DIOND_RETURN_IF_ERROR(CopyToHostAsync(
-          dc, raw.data(), arena, static_cast<size_t>(t.numel) * kernels::DTypeSize(t.dtype)));
-    }
+    DIOND_RETURN_IF_ERROR(QueueWeightCopy(s, i));
   }
   return absl::OkStatus();
+}
+
+absl::Status Session::DeviceSide::QueueWeightCopy(Session& s, size_t i) {
+  const kernels::Context& dc = *ctx;
+  const Arenas::Binding& p = s.arenas_.params();
+  memory::CudaRegion* cuda = p.cuda.get();
+  const TensorPlacement& t = s.layout_.tensors[i];
+  const float* src = param(i);
+  // (The next master weights stay in the staging: the commit copies them on the device.)
+  if (cuda != nullptr) {
+    // Device to device into the trainer's GPU memory, narrowed on the way.
+    return kernels::Copy(
+        dc, DeviceView(device, DType::kF32, src, t.numel),
+        DeviceView(device, t.dtype, static_cast<void*>(cuda->data() + t.param_offset), t.numel));
+  }
+  uint8_t* arena = p.data + t.param_offset;
+  if (t.dtype == DType::kF32) return CopyToHostAsync(dc, src, arena, 4 * t.numel);
+  DIOND_RETURN_IF_ERROR(kernels::Copy(dc, DeviceView(device, DType::kF32, src, t.numel),
+                                      DeviceView(device, t.dtype, raw.data(), t.numel)));
+  return CopyToHostAsync(dc, raw.data(), arena,
+                         static_cast<size_t>(t.numel) * kernels::DTypeSize(t.dtype));
 }
 
 void Session::DeviceSide::CommitMaster(Session& s, size_t i) {

@@ -12,6 +12,9 @@
 // bucket's weights doorbell rung after its own write and before the commit. A failure rings -N
 // on every word, those already at N included.
 //
+// The passes that touch memory are the session's StepMemory's (step_memory.h): a device session's
+// (session_overlap_device.cc) also orders its stream with the buckets' events.
+//
 // The wait for a doorbell runs without the session's mutex, so that a close, a new trainer or
 // the daemon's stop can cancel it (cancel_waits_). Meanwhile the step owns the session as any
 // queued step does: every call that would touch its regions or state is refused or waits.
@@ -33,14 +36,14 @@ namespace diond::session {
 namespace {
 
 constexpr char kNotBuilt[] =
-    ": its overlapped step is not built yet (docs/DATA_PLANE.md \"Overlapped step\": local host "
+    ": its overlapped step is not built yet (docs/DATA_PLANE.md \"Overlapped step\": local "
     "sessions only)";
 
 }  // namespace
 
 absl::StatusOr<std::string> Session::RegisterShmDoorbells(
     const std::string& name, int64_t offset, int64_t size,
-    const std::vector<std::vector<int32_t>>& buckets) {
+    const std::vector<DoorbellBucket>& buckets) {
   DIOND_RETURN_IF_ERROR(memory::ValidateShmName(name));
   return Overlap::RegisterDoorbells(*this, name, offset, size, buckets, [&] {
     return memory::ShmRegion::Open(name, offset, size, id_);
@@ -49,7 +52,7 @@ absl::StatusOr<std::string> Session::RegisterShmDoorbells(
 
 absl::StatusOr<std::string> Session::RegisterMemfdDoorbells(
     fdchannel::UniqueFd fd, int64_t offset, int64_t size,
-    const std::vector<std::vector<int32_t>>& buckets) {
+    const std::vector<DoorbellBucket>& buckets) {
   if (absl::Status s = memory::CheckMemfd(fd.get()); !s.ok()) return s;
   const std::string name = memory::MemfdName(fd.get());
   return Overlap::RegisterDoorbells(*this, name, offset, size, buckets, [&] {
@@ -59,12 +62,11 @@ absl::StatusOr<std::string> Session::RegisterMemfdDoorbells(
 
 absl::StatusOr<std::string> Session::Overlap::RegisterDoorbells(
     Session& self, const std::string& name, int64_t offset, int64_t size,
-    const std::vector<std::vector<int32_t>>& buckets,
+    const std::vector<DoorbellBucket>& buckets,
     absl::FunctionRef<absl::StatusOr<std::unique_ptr<memory::ShmRegion>>()> open) {
-  if (self.device_ != nullptr || self.is_world_session()) {
+  if (self.is_world_session()) {
     return absl::FailedPreconditionError(
-        absl::StrCat("DOORBELLS: session ", self.id_, " is a ",
-                     self.device_ != nullptr ? "device session" : "world session", kNotBuilt));
+        absl::StrCat("DOORBELLS: session ", self.id_, " is a world session", kNotBuilt));
   }
   if (offset < 0 || offset % kArenaAlignment != 0) {
     return absl::InvalidArgumentError(absl::StrCat("DOORBELLS: region offset ", offset,
@@ -72,6 +74,7 @@ absl::StatusOr<std::string> Session::Overlap::RegisterDoorbells(
                                                    kArenaAlignment));
   }
   DIOND_ASSIGN_OR_RETURN(std::vector<std::vector<size_t>> parts, CheckBuckets(self, buckets));
+  DIOND_RETURN_IF_ERROR(CheckBucketEvents(self, buckets));
   absl::MutexLock lock(&self.mu_);
   self.last_used_ = absl::Now();
   DIOND_RETURN_IF_ERROR(self.queue_.Refuse("RegisterRegion (DOORBELLS)"));
@@ -97,20 +100,22 @@ absl::StatusOr<std::string> Session::Overlap::RegisterDoorbells(
                                                    " buckets; the page's header ",
                                                    bells.buckets()));
   }
+  // Opened last: nothing that follows can fail (the page is free, checked above).
+  DIOND_RETURN_IF_ERROR(OpenBucketEvents(self, buckets));
   return self.arenas_.BindDoorbells(std::move(region), bells, std::move(parts));
 }
 
 absl::StatusOr<std::vector<std::vector<size_t>>> Session::Overlap::CheckBuckets(
-    const Session& self, const std::vector<std::vector<int32_t>>& buckets) {
+    const Session& self, const std::vector<DoorbellBucket>& buckets) {
   const size_t n = self.layout_.tensors.size();
   std::vector<size_t> bucket_of(n, buckets.size());  // buckets.size(): none yet
   std::vector<std::vector<size_t>> out(buckets.size());
   for (size_t k = 0; k < buckets.size(); ++k) {
-    if (buckets[k].empty()) {
+    if (buckets[k].params.empty()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "DOORBELLS: buckets[", k, "] is empty; every bucket holds at least one parameter"));
     }
-    for (int32_t p : buckets[k]) {
+    for (int32_t p : buckets[k].params) {
       if (p < 0 || static_cast<size_t>(p) >= n) {
         return absl::InvalidArgumentError(absl::StrCat("DOORBELLS: buckets[", k, "] names index ",
                                                        p, ", not a parameter of the session (", n,
@@ -145,10 +150,13 @@ absl::Status Session::Overlap::ValidateOverlapLocked(Session& self, const StepRe
                      " needs asynchronous = true (the queued step waits for the buckets' doorbells "
                      "while the trainer's backward runs)"));
   }
-  if (self.device_ != nullptr || self.world_ != nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat(when, ": session ", self.id_, " is a ",
-                                                      self.device_ != nullptr ? "device" : "world",
-                                                      " session", kNotBuilt));
+  if (self.world_ != nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(when, ": session ", self.id_, " is a world session", kNotBuilt));
+  }
+  if (!request.ready_event.empty() || !request.done_event.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        when, " takes its events from the doorbell page's buckets, not ready_event / done_event"));
   }
   const Arenas::DoorbellPage& page = self.arenas_.doorbells();
   if (page.region == nullptr) {
@@ -214,6 +222,8 @@ absl::StatusOr<StepResult> Session::Overlap::OverlappedPhases(Session& self, Ste
           absl::StrCat("step ", run.request->step_index,
                        ": gradients contain NaN or Inf (non_finite_policy=ERROR)"));
     }
+    // The weights are as they were: every bucket's done event, then (the caller) its word.
+    DIOND_RETURN_IF_ERROR(self.memory_->RecordBucketsDone(self));
     return self.SkipStepLocked(run);
   }
   run.write_weights = [&self, &run, order] { return WriteBucketsPhase(self, run, *order); };
@@ -222,10 +232,7 @@ absl::StatusOr<StepResult> Session::Overlap::OverlappedPhases(Session& self, Ste
 
 absl::Status Session::Overlap::BeginOverlapPhase(Session& self, StepRun& run,
                                                  const kernels::Context& update_ctx) {
-  const size_t n = self.layout_.tensors.size();
-  run.grads.assign(n, nullptr);
-  self.arenas_.grad_scratch().resize(n);  // each buffer keeps its capacity between steps
-  run.finite = true;
+  self.memory_->BeginBuckets(self, run);
   // The weights first: the trainer does not write them during its backward. Into the
   // session's copies, even fp32 ones: the rules write a group's new weights at once, and the
   // arena takes them bucket by bucket (WriteBucketsPhase).
@@ -285,8 +292,8 @@ absl::Status Session::Overlap::WriteBucketsPhase(Session& self, StepRun& run,
   const memory::ShmRegion* params = self.arenas_.params().region.get();
   // The order the next forward needs them: the reverse of backward's.
   for (auto k = order.rbegin(); k != order.rend(); ++k) {
-    DIOND_RETURN_IF_ERROR(
-        self.host_memory_->WriteWeightsOf(self, run, page.buckets[static_cast<size_t>(*k)]));
+    const size_t b = static_cast<size_t>(*k);
+    DIOND_RETURN_IF_ERROR(self.memory_->WriteWeightsOf(self, run, b, page.buckets[b]));
     if (params != nullptr && !params->CheckIntact().ok()) return absl::OkStatus();
     bells.RingWeights(*k, run.request->step_index);
   }
@@ -296,7 +303,7 @@ absl::Status Session::Overlap::WriteBucketsPhase(Session& self, StepRun& run,
 absl::Status Session::Overlap::StageBucketPhase(Session& self, StepRun& run, size_t k) {
   const std::vector<size_t>& params = self.arenas_.doorbells().buckets[k];
   DIOND_RETURN_IF_ERROR(CallOnCompute(
-      self.compute_, [&] { return self.host_memory_->ReadGradientsOf(self, run, params); }));
+      self.compute_, [&] { return self.memory_->ReadGradientsOf(self, run, k, params); }));
   // A non-finite value decides the step (skip or fail) once every bucket is in: nothing more
   // is staged.
   if (!run.finite) return absl::OkStatus();

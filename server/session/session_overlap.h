@@ -26,14 +26,21 @@ struct Session::Overlap {
   // RegisterMemfdDoorbells' common part).
   static absl::StatusOr<std::string> RegisterDoorbells(
       Session& self, const std::string& name, int64_t offset, int64_t size,
-      const std::vector<std::vector<int32_t>>& buckets,
+      const std::vector<DoorbellBucket>& buckets,
       absl::FunctionRef<absl::StatusOr<std::unique_ptr<memory::ShmRegion>>()> open);
   // The buckets as parameter indices, each parameter in exactly one (INVALID_ARGUMENT naming the
   // first that is not).
   static absl::StatusOr<std::vector<std::vector<size_t>>> CheckBuckets(
-      const Session& self, const std::vector<std::vector<int32_t>>& buckets);
+      const Session& self, const std::vector<DoorbellBucket>& buckets);
+  // The buckets' event handles (session_overlap_device.cc): every bucket with both or none
+  // (INVALID_ARGUMENT naming the first that differs, or a handle not 64 bytes), and only on a
+  // device session with a stream (FAILED_PRECONDITION).
+  static absl::Status CheckBucketEvents(const Session& self,
+                                        const std::vector<DoorbellBucket>& buckets);
+  // A device session's: the checked events opened (DeviceSide::OpenBucketEvents); else nothing.
+  static absl::Status OpenBucketEvents(Session& self, const std::vector<DoorbellBucket>& buckets);
   // Phase 1 of StepRequest.overlap: its preconditions (asynchronous, a doorbell page, a local
-  // host session).
+  // session).
   static absl::Status ValidateOverlapLocked(Session& self, const StepRequest& request);
   // The step's phases bucket by bucket as the doorbells ring, then FinishStepLocked, which rings
   // each bucket's weights doorbell as its weights are written (all at once for a skipped step;
@@ -50,8 +57,9 @@ struct Session::Overlap {
   static absl::StatusOr<int> WaitForBucketPhase(Session& self, StepRun& run,
                                                 const std::vector<bool>& taken);
   // The new weights (in the parameters' copies) into the arena bucket by bucket in the reverse
-  // of `order`, each bucket's weights doorbell rung right after its write; a bucket whose write
-  // met a shrunk PARAMETERS region is not rung (FinishStepLocked then fails the step).
+  // of `order`, each bucket's weights doorbell rung right after its write (and its done event);
+  // a bucket whose write met a shrunk PARAMETERS region is not rung (FinishStepLocked then fails
+  // the step).
   static absl::Status WriteBucketsPhase(Session& self, StepRun& run, const std::vector<int>& order);
   // Bucket k's gradients read and scanned, then, while all are finite, its part of every group
   // staged.

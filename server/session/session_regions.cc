@@ -102,7 +102,13 @@ absl::Status Session::UnregisterRegion(const std::string& region_id) {
   absl::MutexLock lock(&mu_);
   last_used_ = absl::Now();
   DIOND_RETURN_IF_ERROR(queue_.Refuse("UnregisterRegion"));
-  if (arenas_.Unbind(region_id)) return absl::OkStatus();
+  // The doorbell page's events go with it.
+  const bool page =
+      arenas_.doorbells().region != nullptr && arenas_.doorbells().region_id == region_id;
+  if (arenas_.Unbind(region_id)) {
+    if (page && device_ != nullptr) device_->DestroyBucketEvents();
+    return absl::OkStatus();
+  }
   return absl::NotFoundError(
       absl::StrCat("session ", id_, " has no region '", Bounded(region_id), "'"));
 }
@@ -114,6 +120,7 @@ void Session::DetachTrainer() {
   absl::MutexLock lock(&mu_);
   last_used_ = absl::Now();
   arenas_.DetachTrainer(id_);
+  if (device_ != nullptr) device_->DestroyBucketEvents();  // with the previous trainer's page
 }
 
 }  // namespace diond::session

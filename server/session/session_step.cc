@@ -390,8 +390,8 @@ absl::Status Session::StageGroups(StepRun& run, const kernels::Context& ctx) {
 
 void Session::WriteWeightsPhase(StepRun& run) {
   // A local device session wrote its new weights into the staging with its update
-  // (DeviceSide::Stage).
-  if (memory_->StageWritesWeights(*this)) return;
+  // (DeviceSide::Stage), unless the update was staged in parts (an overlapped step).
+  if (memory_->StageWritesWeights(*this) && !run.request->overlap) return;
   const absl::Time start = absl::Now();
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     if (!run.staged[gi]) continue;

@@ -69,6 +69,21 @@ class Session::StepMemory {
   virtual void CommitMaster(Session& s, size_t i) = 0;
   // A successful step's result carried the graph fallbacks (later steps carry none).
   virtual void FallbacksReported() = 0;
+
+  // ---- an overlapped step's passes (session_overlap.cc), bucket by bucket ----
+  // Before the first bucket: what ReadGradients sets up (run.grads sized, run.finite true).
+  virtual void BeginBuckets(Session& s, StepRun& run) = 0;
+  // Bucket k's gradients, `params`: ReadGradients of those only (run.finite and'ed), read once
+  // the trainer's ready event of the bucket completed where the page has events; then the
+  // GRADIENTS region's check.
+  virtual absl::Status ReadGradientsOf(Session& s, StepRun& run, size_t k,
+                                       const std::vector<size_t>& params) = 0;
+  // Bucket k's new weights, `params`, in the trainer's memory on return (WriteWeights of those
+  // only); where the page has events, its done event recorded after them.
+  virtual absl::Status WriteWeightsOf(Session& s, StepRun& run, size_t k,
+                                      const std::vector<size_t>& params) = 0;
+  // A skipped step: every bucket's done event recorded (the weights are as they were).
+  virtual absl::Status RecordBucketsDone(Session& s) = 0;
 };
 
 // A host session's memory: the trainer's shm / memfd arenas or the daemon's host arenas.
@@ -80,9 +95,9 @@ struct Session::HostMemory final : Session::StepMemory {
     return absl::OkStatus();
   }
   absl::Status ReadGradients(Session& s, StepRun& run) override;
-  // An overlapped step's bucket: ReadGradients of `params` only (run.grads sized, run.finite
-  // cleared by the caller, and'ed here).
-  absl::Status ReadGradientsOf(Session& s, StepRun& run, const std::vector<size_t>& params);
+  void BeginBuckets(Session& s, StepRun& run) override;
+  absl::Status ReadGradientsOf(Session& s, StepRun& run, size_t k,
+                               const std::vector<size_t>& params) override;
   // Parameter i's gradient as fp32 into run.grads[i], scanned while run.finite.
   absl::Status ReadGradient(Session& s, StepRun& run, size_t i);
   absl::Status ReduceGradients(Session& s, StepRun& run, int64_t block) override;
@@ -95,8 +110,9 @@ struct Session::HostMemory final : Session::StepMemory {
   absl::Status Stage(Session& s, StepRun& run, const kernels::Context& ctx) override;
   bool StageWritesWeights(const Session& s) const override { return false; }
   absl::Status WriteWeights(Session& s, StepRun& run) override;
-  // An overlapped step's bucket: WriteWeights of `params` only.
-  absl::Status WriteWeightsOf(Session& s, StepRun& run, const std::vector<size_t>& params);
+  absl::Status WriteWeightsOf(Session& s, StepRun& run, size_t k,
+                              const std::vector<size_t>& params) override;
+  absl::Status RecordBucketsDone(Session& s) override { return absl::OkStatus(); }
   void CommitMaster(Session& s, size_t i) override;
   void FallbacksReported() override {}
 };

@@ -25,10 +25,8 @@ absl::Status Session::HostMemory::PrepareEvents(Session& s, const StepRequest& r
 }
 
 absl::Status Session::HostMemory::ReadGradients(Session& s, StepRun& run) {
+  BeginBuckets(s, run);  // (the whole step as one bucket)
   const size_t n = s.layout_.tensors.size();
-  run.grads.assign(n, nullptr);
-  s.arenas_.grad_scratch().resize(n);  // each buffer keeps its capacity between steps
-  run.finite = true;
   for (size_t i = 0; i < n; ++i) DIOND_RETURN_IF_ERROR(ReadGradient(s, run, i));
   if (run.clip) DIOND_RETURN_IF_ERROR(Clip::Apply(s, run));  // before the check: it reads them
   // A region found broken here fails the step before anything (a world: before any collective;
@@ -36,7 +34,14 @@ absl::Status Session::HostMemory::ReadGradients(Session& s, StepRun& run) {
   return s.arenas_.CheckRegions(run.when, Role::kGradients);
 }
 
-absl::Status Session::HostMemory::ReadGradientsOf(Session& s, StepRun& run,
+void Session::HostMemory::BeginBuckets(Session& s, StepRun& run) {
+  const size_t n = s.layout_.tensors.size();
+  run.grads.assign(n, nullptr);
+  s.arenas_.grad_scratch().resize(n);  // each buffer keeps its capacity between steps
+  run.finite = true;
+}
+
+absl::Status Session::HostMemory::ReadGradientsOf(Session& s, StepRun& run, size_t k,
                                                   const std::vector<size_t>& params) {
   for (size_t i : params) DIOND_RETURN_IF_ERROR(ReadGradient(s, run, i));
   return s.arenas_.CheckRegions(run.when, Role::kGradients);
@@ -106,10 +111,10 @@ absl::Status Session::HostMemory::Stage(Session& s, StepRun& run, const kernels:
 absl::Status Session::HostMemory::WriteWeights(Session& s, StepRun& run) {
   std::vector<size_t> all(s.layout_.tensors.size());
   for (size_t i = 0; i < all.size(); ++i) all[i] = i;
-  return WriteWeightsOf(s, run, all);
+  return WriteWeightsOf(s, run, 0, all);
 }
 
-absl::Status Session::HostMemory::WriteWeightsOf(Session& s, StepRun& run,
+absl::Status Session::HostMemory::WriteWeightsOf(Session& s, StepRun& run, size_t k,
                                                  const std::vector<size_t>& params) {
   for (size_t i : params) {
     if (!run.via_scratch[i]) continue;

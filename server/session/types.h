@@ -88,6 +88,14 @@ struct Layout {
   int64_t grad_arena_bytes = 0;
 };
 
+// One bucket of a DOORBELLS page (RegisterRegion's Bucket; docs/DATA_PLANE.md "Overlapped
+// step"): its parameters' indices and, on a device session, its events' 64-byte handles (empty:
+// none; every bucket has both or none).
+struct DoorbellBucket {
+  std::vector<int32_t> params;
+  std::string ready_event, done_event;
+};
+
 struct StepRequest {
   int64_t step_index = 0;
   std::map<std::string, double> lr_override;  // group name -> lr

@@ -132,14 +132,6 @@ INSTANTIATE_TEST_SUITE_P(DeviceSessions, EveryAlgorithm,
                                            AlgorithmKind::kNorDion2, AlgorithmKind::kAdamW,
                                            AlgorithmKind::kLion));
 
-// bf16 bytes of `v` (the upper half of each float: any bf16 value will do).
-std::string Bf16Bytes(const std::vector<float>& v) {
-  const std::string f = FloatBytes(v);
-  std::string out;
-  for (size_t i = 0; i < v.size(); ++i) out += f.substr(4 * i + 2, 2);  // little-endian
-  return out;
-}
-
 class Bf16Weights : public DeviceSessions, public ::testing::WithParamInterface<bool> {};
 
 TEST_P(Bf16Weights, WidenedAndNarrowedOnTheDeviceEqualTheCpuDaemonBitForBit) {

@@ -7,7 +7,8 @@
 //  - SIGTERM while a step waits: the daemon exits at once, no checkpoint of that step;
 //  - a trainer killed mid-step (a real child process): the orphan reaper checkpoints and
 //    closes its session without waiting for the bucket;
-//  - device and world sessions refuse the doorbell page and the overlapped Step.
+//  - world sessions refuse the doorbell page and the overlapped Step (device sessions take them:
+//    overlap_device_service_test).
 #include <fcntl.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -281,7 +282,7 @@ TEST(OverlapOrphan, ATrainerThatDiesMidStepLeavesNothingCommitted) {
   EXPECT_TRUE(daemon->Serving());
 }
 
-TEST(OverlapRefusals, DeviceAndWorldSessionsRefuseTheDoorbellsAndTheStep) {
+TEST(OverlapRefusals, WorldSessionsRefuseTheDoorbellsAndTheStep) {
   auto page = ShmSegment::Create(4096);
   ASSERT_NE(page, nullptr);
   WriteDoorbellHeader(page->data(), 3);
@@ -306,9 +307,6 @@ TEST(OverlapRefusals, DeviceAndWorldSessionsRefuseTheDoorbellsAndTheStep) {
     EXPECT_TRUE(st.ok()) << st.error_message();
     EXPECT_TRUE(CloseSession(stub, s->id).ok());
   };
-  auto device = Daemon::StartBinary(DIOND_TESTDEVICE_BINARY);
-  ASSERT_NE(device, nullptr);
-  refused(device->stub(), d.Request(), "device session", "is a device session");
   auto cpu = Daemon::Start();
   ASSERT_NE(cpu, nullptr);
   v1::CreateSessionRequest world = d.Request();

@@ -54,11 +54,14 @@ struct Bells {
   }
 };
 
-// RegisterRegion of a DOORBELLS page in shm segment `name`.
+// RegisterRegion of a DOORBELLS page in shm segment `name` (bucket k with ready_events[k] and
+// done_events[k] where given).
 inline grpc::Status RegisterShmDoorbells(v1::Optimizer::Stub& stub, const std::string& session,
                                          const std::string& name, int64_t offset, int64_t size,
                                          const std::vector<std::vector<int32_t>>& buckets,
-                                         std::string* id = nullptr) {
+                                         std::string* id = nullptr,
+                                         const std::vector<std::string>& ready_events = {},
+                                         const std::vector<std::string>& done_events = {}) {
   v1::RegisterRegionRequest req;
   req.set_session_id(session);
   req.set_role(v1::REGION_ROLE_DOORBELLS);
@@ -66,9 +69,11 @@ inline grpc::Status RegisterShmDoorbells(v1::Optimizer::Stub& stub, const std::s
   req.mutable_system_shm()->set_name(name);
   req.mutable_system_shm()->set_offset_bytes(offset);
   req.mutable_system_shm()->set_size_bytes(size);
-  for (const auto& b : buckets) {
+  for (size_t k = 0; k < buckets.size(); ++k) {
     v1::Bucket* pb = req.add_buckets();
-    for (int32_t i : b) pb->add_params(i);
+    for (int32_t i : buckets[k]) pb->add_params(i);
+    if (k < ready_events.size()) pb->set_ready_event(ready_events[k]);
+    if (k < done_events.size()) pb->set_done_event(done_events[k]);
   }
   v1::RegisterRegionResponse resp;
   grpc::Status st = stub.RegisterRegion(Ctx().get(), req, &resp);
@@ -113,6 +118,14 @@ inline SessionDesc Desc(optim::AlgorithmKind a,
   return d;
 }
 inline const std::vector<std::vector<int32_t>> kBuckets = {{0, 5}, {1, 3}, {4, 2}};
+// Every algorithm, for the suites' parameterized tests, each named by its AlgorithmName.
+inline const std::vector<optim::AlgorithmKind> kEveryAlgorithm = {
+    optim::AlgorithmKind::kMuon,  optim::AlgorithmKind::kNorMuon,  optim::AlgorithmKind::kDion,
+    optim::AlgorithmKind::kDion2, optim::AlgorithmKind::kNorDion2, optim::AlgorithmKind::kAdamW,
+    optim::AlgorithmKind::kLion};
+inline std::string AlgorithmParamName(const ::testing::TestParamInfo<optim::AlgorithmKind>& i) {
+  return std::string(optim::AlgorithmName(i.param));
+}
 // The order the trainer rings the buckets at step t (backward's order changes nothing).
 inline std::vector<int> RingOrder(int64_t t) {
   static const std::vector<int> orders[] = {{2, 0, 1}, {1, 2, 0}, {0, 2, 1}};

@@ -142,14 +142,8 @@ TEST_P(OverlapEveryAlgorithm, StepsEqualSynchronousStepsBitForBit) {
   CloseBoth();
 }
 
-INSTANTIATE_TEST_SUITE_P(All, OverlapEveryAlgorithm,
-                         ::testing::Values(AlgorithmKind::kMuon, AlgorithmKind::kNorMuon,
-                                           AlgorithmKind::kDion, AlgorithmKind::kDion2,
-                                           AlgorithmKind::kNorDion2, AlgorithmKind::kAdamW,
-                                           AlgorithmKind::kLion),
-                         [](const ::testing::TestParamInfo<AlgorithmKind>& i) {
-                           return std::string(optim::AlgorithmName(i.param));
-                         });
+INSTANTIATE_TEST_SUITE_P(All, OverlapEveryAlgorithm, ::testing::ValuesIn(kEveryAlgorithm),
+                         AlgorithmParamName);
 
 // The write-back bucket by bucket, watched from another thread as the trainer's next forward
 // would: no bucket's weights word says N before those of the buckets rung after it (the reverse

@@ -254,6 +254,13 @@ std::string FloatBytes(const std::vector<float>& v) {
   return std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
 }
 
+std::string Bf16Bytes(const std::vector<float>& v) {
+  const std::string f = FloatBytes(v);
+  std::string out;
+  for (size_t i = 0; i < v.size(); ++i) out += f.substr(4 * i + 2, 2);  // little-endian
+  return out;
+}
+
 std::vector<float> BytesToFloats(const std::string& bytes) {
   std::vector<float> v(bytes.size() / sizeof(float));
   std::memcpy(v.data(), bytes.data(), v.size() * sizeof(float));

@@ -136,6 +136,8 @@ std::vector<std::string> LeftoverShmSegments();
 
 // ---- bytes -------------------------------------------------------------------------------------
 std::string FloatBytes(const std::vector<float>& v);
+// bf16 bytes of `v` (the upper half of each float: any bf16 value will do).
+std::string Bf16Bytes(const std::vector<float>& v);
 std::vector<float> BytesToFloats(const std::string& bytes);
 uint64_t Fnv1a(const std::string& bytes);
 
