@@ -30,6 +30,9 @@
 #   bench       diond-gpu-bench (orthogonalization and step ratios) as JSON
 #   ipc_bench   diond-ipc-bench: a GPU daemon's Step through a CudaArena and a ShmArena ÷ the
 #               same update in-process, as JSON
+#   overlap_bench examples/python/bench_overlap.py on the GPU (a GPT-2-small-sized model on CUDA
+#               arenas against a --device=cuda:0 daemon): the synchronous and the overlapped
+#               step ÷ forward plus backward, for Muon, Dion2 and AdamW, as JSON
 # --steps a,b,c runs only those of the steps above (a second call after a fix).
 # Exit status: 0 when every step run passed, 1 otherwise (the summary says which), 77 no GPU.
 set -uo pipefail
@@ -39,7 +42,7 @@ while [ $# -gt 0 ]; do
   case $1 in
     --bundle) bundle_file=$(readlink -f "$2"); shift 2 ;;
     --steps) only=",$2,"; shift 2 ;;
-    -h | --help) sed -n '2,30p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,33p' "$0"; exit 0 ;;
     -*) echo "gpu-check: unknown option $1" >&2; exit 2 ;;
     *) out=$1; shift ;;
   esac
@@ -210,6 +213,24 @@ elif [ "$prepared" -eq 0 ]; then
   run_step bench 90 "$bin/diond-gpu-bench" --cuda_plugin "$plugin" --out "$logs/gpu-bench.json"
   run_step ipc_bench 90 "$bin/diond-ipc-bench" --diond "$bin/diond" --cuda_plugin "$plugin" \
     --out "$logs/ipc-bench.json"
+  # 6. The overlapped step against forward plus backward (docs/BENCHMARKS.md), last: it takes
+  # what is left of the budget.
+  if [ -z "$only" ] || [[ $only == *",overlap_bench,"* ]]; then
+    dir=$(mktemp -d)
+    "$bin/diond" --device=cuda:0 --cuda_plugin="$plugin" --listen="unix:$dir/diond.sock" \
+      --metrics_address= --health_address= >"$logs/overlap-daemon.log" 2>&1 &
+    daemon=$!
+    for _ in $(seq 100); do [ -S "$dir/diond.sock" ] && break; sleep 0.1; done
+    corpus=/usr/share/common-licenses
+    [ -d "$corpus" ] || [ $mode != bundle ] || corpus=$b/docs
+    run_step overlap_bench 120 env PYTHONPATH="$pypath" "$python" "$(dirname "$example")/bench_overlap.py" \
+      --target "unix:$dir/diond.sock" --device cuda:0 --corpus "$corpus" --layers 12 \
+      --d-model 768 --heads 12 --context 256 --batch 16 --steps 20 --warmup 2 \
+      --json "$logs/overlap-bench.json"
+    kill "$daemon" 2>/dev/null
+    wait "$daemon" 2>/dev/null
+    rm -rf "$dir"
+  fi
 fi
 
 # Summary: JSON + Markdown in OUT_DIR, every log in one archive beside them.
@@ -268,7 +289,8 @@ if os.path.exists(log):
                         r"\(reason (\w+): (.*)\)", text)]
     summary["step_graphs"] = {"captured": captured, "eager": eager}
 summary["bench"] = {}
-for key, name in (("gpu", "gpu-bench.json"), ("ipc", "ipc-bench.json"), ("train_gpt", "train_gpt.json")):
+for key, name in (("gpu", "gpu-bench.json"), ("ipc", "ipc-bench.json"), ("train_gpt", "train_gpt.json"),
+                  ("overlap", "overlap-bench.json")):
     path = os.path.join(logs, name)
     if os.path.exists(path):
         try:

@@ -30,6 +30,12 @@ daemon it starts inherits --daemon-cpu as under `taskset -c 1` and gets --comput
     taskset -c 1 diond --compute_threads=1 --listen=unix:/tmp/d/diond.sock
 
     /usr/bin/python3 examples/python/bench_overlap.py [--steps 40] [--warmup 3] [--json out.json]
+
+On a GPU (scripts/gpu-check.sh's step overlap_bench): --device cuda:0 --target unix:SOCKET of a
+daemon started with --device=cuda:0. The model and batches live on the GPU and the arenas are
+CUDA arenas; nothing is pinned, and each iteration ends with torch.cuda.synchronize() (the
+trainer's own work only: an overlapped step's weights are waited for by the next forward), after
+backward too, so that forward plus backward can be told apart.
 """
 import argparse
 import json
@@ -62,7 +68,8 @@ def groups_for(model, algo):
 
 def new_model(args, vocab):
     torch.manual_seed(0)
-    return train_gpt.GPT(vocab, args.context, args.d_model, args.layers, args.heads)
+    return train_gpt.GPT(vocab, args.context, args.d_model, args.layers,
+                         args.heads).to(args.device)
 
 
 def make_optimizer(model, algo, target, overlap, bucket_bytes=None):
@@ -87,7 +94,19 @@ def try_overlap(model, algo, target, bucket_bytes):
         return None, "%s: %s" % (type(e).__name__, str(e).split(";")[0])
 
 
+def _sync(model):
+    p = next(model.parameters())
+    if p.device.type == "cuda":
+        torch.cuda.synchronize(p.device)
+
+
+def draw(data, args):
+    x, y = data.batch("train", args.batch)
+    return x.to(args.device), y.to(args.device)
+
+
 def run_block(model, opt, batches, rec):
+    _sync(model)
     t = time.perf_counter()
     for i, (x, y) in enumerate(batches):
         loss = model(x, y)
@@ -97,6 +116,7 @@ def run_block(model, opt, batches, rec):
         else:
             opt.zero_grad()
         loss.backward()
+        _sync(model)
         t_bwd = time.perf_counter()
         if opt is not None:
             opt.step()
@@ -105,6 +125,7 @@ def run_block(model, opt, batches, rec):
                 rec["compute"].append(last.compute_micros / 1e6)
         if opt is not None and i == len(batches) - 1:
             opt.synchronize()  # the block's last update lands inside its own timing
+        _sync(model)
         now = time.perf_counter()
         rec["fb"].append(t_bwd - t)
         rec["step"].append(now - t)
@@ -183,6 +204,10 @@ def main(argv=None):
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--corpus", nargs="+", default=[train_gpt.DEFAULT_CORPUS],
+                    help="text files or folders the batches are drawn from")
+    ap.add_argument("--device", default="cpu",
+                    help="the model's device: cpu, or cuda:N with --target a GPU daemon's")
     ap.add_argument("--trainer-cpu", type=int, default=0)
     ap.add_argument("--daemon-cpu", type=int, default=1)
     ap.add_argument("--no-pin", action="store_true", help="leave both processes unpinned")
@@ -199,6 +224,11 @@ def main(argv=None):
         ap.error("--steps and --block must be >= 1, --warmup >= 0")
     if args.threads < 1:
         ap.error("--threads must be >= 1")
+    args.device = torch.device(args.device)
+    if args.device.type == "cuda":
+        if not args.target:
+            ap.error("--device cuda needs --target: a daemon started with --device=cuda:N")
+        args.no_pin = True
     args.algorithms = [a for a in args.algorithms.split(",") if a]
     if not args.algorithms or set(args.algorithms) - set(ALGORITHMS):
         ap.error("--algorithms takes some of %s" % ", ".join(ALGORITHMS))
@@ -234,7 +264,7 @@ def main(argv=None):
 
 
 def measure(args, target, pinned, load0):
-    data = train_gpt.CharData(train_gpt.load_corpus([train_gpt.DEFAULT_CORPUS]), args.context, 0)
+    data = train_gpt.CharData(train_gpt.load_corpus(args.corpus), args.context, 0)
     setups = {"fwd+bwd": (new_model(args, data.vocab), None)}
     overlap_why = {}
     try:
@@ -253,18 +283,18 @@ def measure(args, target, pinned, load0):
         n_params = sum(p.numel() for p in model0.parameters())
         n_tensors = len(list(model0.parameters()))
         for k in kinds:  # warm-up, not recorded
-            batches = [data.batch("train", args.batch) for _ in range(args.warmup)]
+            batches = [draw(data, args) for _ in range(args.warmup)]
             if batches:
                 run_block(*setups[k], batches, {"step": [], "fb": [], "compute": []})
         done = 0
         while done < args.steps:
             n = min(args.block, args.steps - done)
             # Every configuration gets the same batches, drawn before the clock starts.
-            batches = [data.batch("train", args.batch) for _ in range(n)]
+            batches = [draw(data, args) for _ in range(n)]
             for k in kinds:
                 run_block(*setups[k], batches, recs[k])
             done += n
-        probe = contention(args, model0, [data.batch("train", args.batch) for _ in range(8)])
+        probe = contention(args, model0, [draw(data, args) for _ in range(8)])
     finally:
         for _, opt in setups.values():
             if opt is not None:
@@ -291,6 +321,8 @@ def measure(args, target, pinned, load0):
                    context=args.context, batch=args.batch, vocab=data.vocab,
                    parameters=n_params, tensors=n_tensors),
         steps=args.steps, warmup=args.warmup, block=args.block, torch=torch.__version__,
+        device=str(args.device),
+        gpu=torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else None,
         bucket_bytes=args.bucket_bytes, threads=args.threads,
         torch_threads=torch.get_num_threads(), cpu=cpu_model(), cpus=os.cpu_count(),
         pinned=pinned, load_before=list(load0), load_after=list(os.getloadavg()),
@@ -319,6 +351,8 @@ def report(r):
               r["cpus"], r["pinned"]["trainer"], r["pinned"]["daemon"], r["steps"], r["block"],
               r["warmup"], " ".join("%.2f" % x for x in r["load_before"]),
               " ".join("%.2f" % x for x in r["load_after"])))
+    if r.get("gpu"):
+        print("device: %s (%s)" % (r["device"], r["gpu"]))
     print("fwd+bwd alone: %.1f ms" % r["fwd_bwd_ms"])
     print("| algorithm | sync step ms | sync ÷ fwd+bwd | its fwd+bwd ms | step() wait ms | "
           "daemon compute ms | overlap step ms | overlap ÷ fwd+bwd (goal <= %.2f) |" % r["goal"])

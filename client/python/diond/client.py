@@ -134,9 +134,20 @@ def _chunks(session_id, tensors, chunk_bytes):
                 break
 
 
-def _buckets(buckets):
-    """RegisterRegionRequest.buckets from [[parameter index, ...], ...] (None: none)."""
-    return [pb.Bucket(params=[int(i) for i in b]) for b in (buckets or ())]
+def _buckets(buckets, events=None):
+    """RegisterRegionRequest.buckets from [[parameter index, ...], ...] (None: none); events:
+    None, or one (ready_event, done_event) pair of 64-byte CUDA IPC event handles per bucket."""
+    buckets = list(buckets or ())
+    if events is None:
+        return [pb.Bucket(params=[int(i) for i in b]) for b in buckets]
+    events = list(events)
+    if len(events) != len(buckets):
+        raise ValueError("bucket_events: %d pairs for %d buckets" % (len(events), len(buckets)))
+    from .cuda_region import check_event_handle
+    return [pb.Bucket(params=[int(i) for i in b],
+                      ready_event=check_event_handle("ready_event", r),
+                      done_event=check_event_handle("done_event", d))
+            for b, (r, d) in zip(buckets, events)]
 
 
 def _encode_health_request(service):
@@ -378,30 +389,28 @@ class Client:
             session_name=session_name, parameters=list(parameters)), timeout)
 
     def register_region(self, session_id, role, name, offset_bytes, size_bytes, timeout=None,
-                        buckets=None):
+                        buckets=None, bucket_events=None):
         """RegisterRegion of a POSIX shm segment `name` (no leading slash). Returns region_id.
         buckets: for REGION_ROLE_DOORBELLS, each bucket's parameter indices (docs/DATA_PLANE.md
-        "Overlapped step").
-
-        max_grad_norm > 0: the daemon clips the gradients to this total L2 norm first, as
-        torch's clip_grad_norm_ (docs/DATA_PLANE.md "Gradient clip"); the answer's grad_norm is
-        the norm before clipping."""
+        "Overlapped step"); bucket_events: for a device session's CUDA regions, each bucket's
+        (ready_event, done_event) IPC event handles."""
         req = pb.RegisterRegionRequest(
             session_id=session_id, role=role, kind=pb.REGION_KIND_SYSTEM_SHM,
             system_shm=pb.SystemShmRegion(name=name, offset_bytes=offset_bytes,
                                           size_bytes=size_bytes),
-            buckets=_buckets(buckets))
+            buckets=_buckets(buckets, bucket_events))
         return self._unary("RegisterRegion", req, timeout).region_id
 
     def register_memfd_region(self, session_id, role, fd_token, offset_bytes, size_bytes,
-                              timeout=None, buckets=None):
+                              timeout=None, buckets=None, bucket_events=None):
         """RegisterRegion of a sealed memfd sent over the fd channel first (diond.fdchannel
-        .send_fd returns `fd_token`). Returns region_id. buckets: as register_region's."""
+        .send_fd returns `fd_token`). Returns region_id. buckets, bucket_events: as
+        register_region's."""
         req = pb.RegisterRegionRequest(
             session_id=session_id, role=role, kind=pb.REGION_KIND_MEMFD,
             memfd=pb.MemfdRegion(offset_bytes=offset_bytes, size_bytes=size_bytes,
                                  fd_token=fd_token),
-            buckets=_buckets(buckets))
+            buckets=_buckets(buckets, bucket_events))
         return self._unary("RegisterRegion", req, timeout).region_id
 
     def register_cuda_ipc_region(self, session_id, role, mem_handle, gpu_uuid, offset_bytes,

@@ -30,7 +30,8 @@ the default for TCP targets; any devices): weights go up with ``SetState`` once,
 ``PushGradients`` every step, and the new weights come back with ``PullParameters`` (both modes
 give bit-identical numbers).
 
-Overlapped step (``overlap=True``; local sessions with CPU parameters over memfd or shm): the
+Overlapped step (``overlap=True``; local sessions: CPU parameters over memfd or shm, CUDA
+parameters over CUDA arenas, whose buckets are ordered with interprocess events): the
 daemon updates each bucket of parameters while backward still produces the gradients of earlier
 layers, and the next forward waits for each layer's weights just before the layer runs, with the
 numbers of a synchronous step, bit for bit (docs/DATA_PLANE.md "Overlapped step",
@@ -383,7 +384,8 @@ class Optimizer(torch.optim.Optimizer):
     _pviews = _binding_attr("pviews", "the parameters' views of the arena")
     _gviews = _binding_attr("gviews", "the gradients' views of the arena")
     _grad_arena = _binding_attr("grad_arena", "the gradient arena as one uint8 tensor")
-    _shm = _binding_attr("shm", "the host arena (ShmArena or MemfdArena)")
+    _shm = _binding_attr("shm", "the host arena (ShmArena or MemfdArena), or CUDA arenas' "
+                               "doorbell page")
     _cuda_arena = _binding_attr("cuda_arena", "the CUDA arena")
     _closed = _binding_attr("closed", "no session (not yet, closed, or a forked child's copy)")
 
@@ -634,12 +636,10 @@ class Optimizer(torch.optim.Optimizer):
             where = "remote mode"
         elif self.world_key:
             where = "world sessions"
-        elif self._device.type != "cpu":
-            where = "CUDA parameters"
         if where is not None:
-            raise ValueError("overlap=True is built for local sessions over host shared memory "
-                             "(CPU parameters, arena 'memfd' or 'shm'); %s are not built yet "
-                             "(docs/DATA_PLANE.md \"Overlapped step\")" % where)
+            raise ValueError("overlap=True is built for local sessions (CPU parameters over "
+                             "host shared memory, CUDA parameters over CUDA regions); %s are "
+                             "not built yet (docs/DATA_PLANE.md \"Overlapped step\")" % where)
 
     def _check_arena_device(self, choice):
         """The arenas' device (every parameter's), checked against the arena choice."""
@@ -866,20 +866,34 @@ class Optimizer(torch.optim.Optimizer):
         torch.cuda.current_stream(self._device).synchronize()
         return out
 
-    def _page_buffer(self):
-        """The doorbell page's memory (overlap=True), after the arenas."""
-        return self._shm.buf[self._page_offset:]
+    def _page_buffer(self, nbytes):
+        """The doorbell page's memory (overlap=True): after the host arenas; for CUDA arenas,
+        a host segment of its own (the doorbells are host words: only the events are the
+        GPU's), a memfd where the daemon takes one, released with the binding."""
+        if self._cuda_arena is None:
+            return self._shm.buf[self._page_offset:]
+        fd_path, kinds = self._data_plane
+        if (fd_path and pb.REGION_KIND_MEMFD in kinds and fdchannel.supported()
+                and os.access(fd_path, os.W_OK)):
+            self._shm = fdchannel.MemfdArena(nbytes, name="diond-page-%d" % os.getpid())
+            self._page_kind = "memfd"
+        else:
+            self._shm = host_arena.ShmArena(nbytes)
+            self._page_kind = "shm"
+        self._page_offset = 0
+        return self._shm.buf
 
-    def _register_doorbells(self, nbytes, buckets):
+    def _register_doorbells(self, nbytes, buckets, events=None):
         fd_path, _ = self._data_plane
-        if self.arena == "memfd":
+        kind = self.arena if self._cuda_arena is None else self._page_kind
+        if kind == "memfd":
             region = self.client.register_memfd_region(
                 self.session_id, pb.REGION_ROLE_DOORBELLS, self._shm.send(fd_path),
-                self._page_offset, nbytes, buckets=buckets)
+                self._page_offset, nbytes, buckets=buckets, bucket_events=events)
         else:
             region = self.client.register_region(
                 self.session_id, pb.REGION_ROLE_DOORBELLS, self._shm.name, self._page_offset,
-                nbytes, buckets=buckets)
+                nbytes, buckets=buckets, bucket_events=events)
         self._regions.append(region)
 
     def _track_gradients(self, has):
@@ -1120,7 +1134,8 @@ class Optimizer(torch.optim.Optimizer):
         else:
             replaced = self._sync_data_views() if views else set()
         self._push_writes(replaced)
-        events = self._record_ready() if self._cuda_arena is not None else {}
+        # An overlapped step orders the streams per bucket, with the page's events instead.
+        events = self._record_ready() if self._cuda_arena is not None and not overlap else {}
         # The groups' own step counters (restored by load_state_dict, as the reference's; a
         # group added later counts from its own start), which the update rules see (bias
         # correction, Dion's cqr warm-up) whatever the session's Step index.

@@ -11,6 +11,11 @@ cut into buckets. From then on:
   their bucket went: clip_grad_norm_, accumulation outside ``no_sync()``; another set of
   parameters without a gradient than announced), rings the last bucket, and returns;
 - a forward pre-hook on every module waits for the buckets of the parameters it owns.
+CUDA parameters: the doorbells stay host words (a page of their own), and each bucket has two
+interprocess events: "gradients ready", recorded on the trainer's stream after its copy and
+before its doorbell rings (the daemon's stream waits on it), and "weights done", which the
+daemon records after the bucket's write-back and before its weights word says N (the trainer's
+stream waits on it once the word does). No host synchronization on the common path.
 If something changed, the last bucket's doorbell abandons the step (-N: the daemon commits
 nothing), and step N runs again synchronously from the gradients as they are now, with a
 warning: the numbers are always the synchronous step's.
@@ -62,6 +67,7 @@ class Overlap:
         self._recorder = record_backward_order(list(opt._params()))
         self._order = self._recorder.__enter__()
         self._signals = None
+        self.events = None  # CUDA: (gradients ready, weights done) per bucket
         self._hook = None
         self._warned = set()
         self._waited = set()  # buckets the forward after the step in flight waited for
@@ -83,8 +89,12 @@ class Overlap:
         nbytes = [p.numel() * p.element_size() for p in params]
         self.buckets = plan_buckets(list(self._order), nbytes, self.bucket_bytes)
         self.held = len(self.buckets) - 1  # rung by step(), which can still abandon the step
-        self.doorbells = doorbell.Doorbells(opt._page_buffer(), len(self.buckets))
-        opt._register_doorbells(doorbell.bytes_for(len(self.buckets)), self.buckets)
+        nbytes_page = doorbell.bytes_for(len(self.buckets))
+        self.doorbells = doorbell.Doorbells(opt._page_buffer(nbytes_page), len(self.buckets))
+        if opt._cuda_arena is not None:
+            self.events = self._make_events(opt, len(self.buckets))
+        opt._register_doorbells(nbytes_page, self.buckets, events=self.events and [
+            (bytes(r.ipc_handle()), bytes(d.ipc_handle())) for r, d in self.events])
         self._bucket_of = {i: k for k, b in enumerate(self.buckets) for i in b}
         self._by_id = {id(p): self._bucket_of[i] for i, p in enumerate(params)}
         self._modules = weakref.WeakKeyDictionary()
@@ -109,6 +119,28 @@ class Overlap:
                   "step %d", opt.session_id, len(self.buckets),
                   "/".join(str(sum(nbytes[i] for i in b)) for b in self.buckets),
                   opt._step_index + 1)
+
+    @staticmethod
+    def _make_events(opt, count):
+        """(gradients ready, weights done) per bucket: interprocess events on the arenas' GPU,
+        recorded once so that they exist before their handles are taken."""
+        stream = torch.cuda.current_stream(opt._device)
+        out = []
+        with torch.cuda.device(opt._device):
+            for _ in range(count):
+                pair = (torch.cuda.Event(enable_timing=False, interprocess=True),
+                        torch.cuda.Event(enable_timing=False, interprocess=True))
+                for e in pair:
+                    e.record(stream)
+                out.append(pair)
+        return out
+
+    def _stream_waits(self, ks):
+        """CUDA: the trainer's stream waits on the "weights done" events of buckets `ks`."""
+        if self.events is not None:
+            stream = torch.cuda.current_stream(self._opt()._device)
+            for k in ks:
+                stream.wait_event(self.events[k][1])
 
     def _new_step(self):
         self.started = False
@@ -149,8 +181,11 @@ class Overlap:
                 self.rung.add(k)
 
     def collected(self):
-        """The optimizer collected the step in flight: every weight of it is written."""
+        """The optimizer collected the step in flight: every weight of it is written (CUDA:
+        once the stream waited on every bucket's "weights done"; a forward that gave up on a
+        doorbell waited on none)."""
         if self.inflight is not None:
+            self._stream_waits(range(len(self.buckets)))
             self._waited = set(range(len(self.buckets)))
         self.inflight = None
 
@@ -179,6 +214,8 @@ class Overlap:
                                      % (list(g.shape), list(gv.shape)))
                 gv.copy_(g.to_dense() if g.is_sparse else g)
                 self.handed[i] = (g, g._version)
+            if self.events is not None:  # after the copies, before the doorbell rings
+                self.events[k][0].record(torch.cuda.current_stream(opt._device))
         self.copied.add(k)
 
     def _warn_unwaited(self, k):
@@ -274,6 +311,7 @@ class Overlap:
             self._waited.add(k)
             try:
                 self.doorbells.wait_weights(k, n, timeout=_DOORBELL_PATIENCE_S)
+                self._stream_waits((k,))
             except (TimeoutError, doorbell.DoorbellError):
                 # The daemon's word on it: the step's result or its error (also when the daemon
                 # is gone); afterwards every weight is written, or the error was raised.

@@ -10,7 +10,9 @@ arenas"). These tests need a GPU and a daemon built with the CUDA plugin next to
   * gradients written late on the trainer's stream (behind torch.cuda._sleep) are the ones the
     daemon reads: the ready event orders them;
   * the allocation is freed on close, the fd closed after registration, the UUID from torch and
-    from the driver agree; a daemon without fd channel gets legacy IPC; mixed devices refused.
+    from the driver agree; a daemon without fd channel gets legacy IPC; mixed devices refused;
+  * overlap=True (per-bucket doorbells and interprocess events) trains as overlap=False does,
+    bit for bit, on both kinds.
 """
 import gc
 
@@ -21,6 +23,7 @@ import diond
 import diond.torch
 from diond import cuda_arena, cudadrv
 
+from test_overlap_step import groups_for
 from test_torch_optimizer import assert_bitwise, batch, groups, make_model, mse, snapshot
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -205,3 +208,32 @@ def test_cuda_arena_on_its_own_frees_on_error_and_close():
     arena.close()
     gc.collect()
     assert arena.freed and arena.fd == -1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("algo", ["muon", "dion2", "adamw"])
+def test_overlapped_step_on_cuda_arenas_equals_the_synchronous_one(gpu_daemon, kind, algo):
+    runs = []
+    for overlap in (False, True):
+        model = make_model().to(DEV)
+        with diond.torch.Optimizer(groups_for(model, algo), target=gpu_daemon.target,
+                                   arena=kind, overlap=overlap,
+                                   overlap_bucket_bytes=3000 if overlap else None) as opt:
+            losses = []
+            for s in range(1, 7):
+                x, y = batch(s)
+                opt.zero_grad()
+                loss = mse(model(x.to(DEV)), y.to(DEV))
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+            stats = opt.overlap_stats
+            state = opt.state_dict()
+        runs.append(([p.cpu() for p in snapshot(model)], losses, state, stats))
+    sync, ov = runs
+    assert ov[3]["buckets"] >= 2 and ov[3]["overlapped"] == 5 and ov[3]["synchronous"] == 0
+    assert_bitwise(ov[0], sync[0])
+    assert ov[1] == sync[1]
+    for i, st in sync[2]["state"].items():
+        for k, v in st.items():
+            assert torch.equal(ov[2]["state"][i][k], v), (i, k)
