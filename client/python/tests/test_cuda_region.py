@@ -174,6 +174,37 @@ def test_events_are_checked_by_the_client_and_refused_by_a_host_session(daemon):
             shm.unlink()
 
 
+def test_bucket_events_are_checked_by_the_client_and_refused_by_a_host_session(daemon):
+    """The overlapped step's per-bucket events (RegisterRegion DOORBELLS, Bucket.ready_event /
+    done_event): the client checks their count and length; a host session refuses them."""
+    from diond import doorbell
+    with diond.Client(daemon.target) as c:
+        resp = _session(c)
+        sid = resp.session_id
+        n = len(resp.layout)
+        buckets = [list(range(n))]
+        page = shared_memory.SharedMemory(create=True, size=doorbell.bytes_for(1))
+        try:
+            doorbell.Doorbells(page.buf, 1)
+            with pytest.raises(ValueError, match="2 pairs for 1 buckets"):
+                c.register_region(sid, pb.REGION_ROLE_DOORBELLS, page.name, 0, page.size,
+                                  buckets=buckets, bucket_events=[(HANDLE, HANDLE)] * 2)
+            with pytest.raises(ValueError, match="done_event .*64 bytes, got 63"):
+                c.register_region(sid, pb.REGION_ROLE_DOORBELLS, page.name, 0, page.size,
+                                  buckets=buckets, bucket_events=[(HANDLE, HANDLE[:63])])
+            with pytest.raises(diond.DiondError) as e:
+                c.register_region(sid, pb.REGION_ROLE_DOORBELLS, page.name, 0, page.size,
+                                  buckets=buckets, bucket_events=[(HANDLE, HANDLE)])
+            assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION, e.value.message
+            # Without events the same page binds: nothing was left bound by the refusal.
+            c.register_region(sid, pb.REGION_ROLE_DOORBELLS, page.name, 0, page.size,
+                              buckets=buckets)
+            c.close_session(sid)
+        finally:
+            page.close()
+            page.unlink()
+
+
 def test_parameters_on_several_devices_are_refused_by_name():
     dev = diond.torch._arena_device
     cpu, gpu0, gpu1 = torch.device("cpu"), torch.device("cuda:0"), torch.device("cuda:1")
