@@ -83,6 +83,11 @@ struct Session::Overlap {
   // rank's non-finite flag and `give_up`; `gave_up`: some rank gave up (nothing averaged then).
   static absl::Status ReduceBucketPhase(Session& self, StepRun& run, size_t k, bool give_up,
                                         std::vector<float>* out, bool* gave_up);
+  // This rank's parameters among `params`.
+  static std::vector<size_t> OwnedOf(const Session& self, const std::vector<size_t>& params);
+  // After the last bucket under max_grad_norm: the clip (of the averaged gradients under
+  // AVERAGE: a collective), then, all finite, every owned gradient staged.
+  static absl::Status ClipAndStagePhase(Session& self, StepRun& run);
   // Every rank's give-up and non-finite flags summed, then the same outcome on every rank:
   // failed (nothing committed), skipped, or the exchange and the write-back (FinishStepLocked).
   static absl::StatusOr<StepResult> DecideWorldPhase(Session& self, StepRun& run,

@@ -6,7 +6,9 @@
 // and a give-up flag), then the owners stage their part of every group. After the last bucket
 // one small all-reduce of every rank's give-up and non-finite flags decides the step alike on
 // every rank; then the whole step's exchange and the write-back bucket by bucket
-// (FinishStepLocked), as the synchronous world step does.
+// (FinishStepLocked), as the synchronous world step does. Under max_grad_norm the buckets are only
+// read (and reduced) as they ring, and clipped and staged after the last (the coef needs them
+// all).
 //
 // A rank that gives up (its trainer abandons the step, its wait times out or is cancelled, a
 // read or a part fails) does not leave the collectives: it still joins the current bucket's
@@ -23,6 +25,7 @@
 #include "common/bounded.h"
 #include "common/status_macros.h"
 #include "kernels/ops.h"
+#include "server/session/grad_clip.h"
 #include "server/session/session.h"
 #include "server/session/session_internal.h"
 #include "server/session/session_overlap.h"
@@ -95,12 +98,14 @@ absl::StatusOr<StepResult> Session::Overlap::WorldPhases(Session& self, StepRun&
   // This rank's trainer's gradients are read, not those the agreement adds (zeros under AVERAGE).
   const std::vector<bool> local_no_grad = run.no_grad;
   DIOND_RETURN_IF_ERROR(self.AgreeGradientsPhase(run));
-  const WorldPart& w = *self.world_;
   const std::vector<std::vector<size_t>>& buckets = self.arenas_.doorbells().buckets;
   const bool reduce = run.comm != nullptr && self.spec_.gradient_sync == GradientSync::kAverage;
   absl::Status mine = BeginOverlapPhase(self, run, update_ctx);  // this rank's first failure
   std::vector<std::vector<float>> averaged(buckets.size());
-  for (size_t k = 0; k < buckets.size(); ++k) {
+  // Under a clip the buckets are only read (and reduced): the coef needs them all.
+  const bool clip = run.clip || run.clip_averaged;
+  bool stopped = false;  // some rank gave up (under AVERAGE every rank knows it alike)
+  for (size_t k = 0; k < buckets.size() && !stopped; ++k) {
     std::vector<bool> taken(buckets.size(), true);
     taken[k] = false;  // the declaration's order, on every rank
     if (mine.ok()) mine = WaitForBucketPhase(self, run, taken).status();
@@ -119,19 +124,38 @@ absl::StatusOr<StepResult> Session::Overlap::WorldPhases(Session& self, StepRun&
         self.DiscardStep(run);
         return s;
       }
-      if (gave_up) break;
-    } else if (!mine.ok()) {
-      break;
+      stopped = gave_up;
+    } else {
+      stopped = !mine.ok();
     }
+    if (stopped) break;
     order->push_back(static_cast<int>(k));
-    if (!run.finite) continue;  // decided after the last bucket; nothing more is staged
-    std::vector<size_t> owned;
-    for (size_t i : buckets[k]) {
-      if (w.plan.owner[i] == w.rank) owned.push_back(i);
-    }
-    mine = StagePartsPhase(self, run, owned);
+    // A non-finite value: decided after the last bucket; nothing more is staged.
+    if (run.finite && !clip) mine = StagePartsPhase(self, run, OwnedOf(self, buckets[k]));
   }
+  if (clip && !stopped && mine.ok()) mine = ClipAndStagePhase(self, run);
   return DecideWorldPhase(self, run, update_ctx, mine, *order);
+}
+
+std::vector<size_t> Session::Overlap::OwnedOf(const Session& self,
+                                              const std::vector<size_t>& params) {
+  const WorldPart& w = *self.world_;
+  std::vector<size_t> owned;
+  for (size_t i : params) {
+    if (w.plan.owner[i] == w.rank) owned.push_back(i);
+  }
+  return owned;
+}
+
+absl::Status Session::Overlap::ClipAndStagePhase(Session& self, StepRun& run) {
+  // Of the averaged gradients, a collective every rank joins here alike; else each rank's own.
+  DIOND_RETURN_IF_ERROR(run.clip_averaged
+                            ? Clip::ApplyAveraged(self, run)
+                            : CallOnCompute(self.compute_, [&] { return Clip::Apply(self, run); }));
+  if (!run.finite) return absl::OkStatus();  // the step's decision follows
+  std::vector<size_t> all(self.layout_.tensors.size());
+  for (size_t i = 0; i < all.size(); ++i) all[i] = i;
+  return StagePartsPhase(self, run, OwnedOf(self, all));
 }
 
 absl::Status Session::Overlap::ReduceBucketPhase(Session& self, StepRun& run, size_t k,

@@ -12,6 +12,7 @@
 //    with FAILED_PRECONDITION, nothing committed, and the world session steps on;
 //  - one rank's trainer never rings its last bucket (its wait times out) or abandons the step:
 //    both ranks fail with nothing committed, and the retry equals the synchronous run;
+//  - max_grad_norm (AVERAGE and REPLICATED): the clipped steps equal the synchronous ones;
 //  - DION_COMPRESSED: refused, nothing queued.
 #include <functional>
 #include <thread>
@@ -114,12 +115,22 @@ class WorldOverlap : public ::testing::Test {
     }
     return g;
   }
+  // Step t of session `id` on rank r: synchronous, or overlapped (queued); with max_grad_norm_.
+  grpc::Status Send(int r, const std::string& id, int64_t t, bool overlap, v1::StepResponse* resp) {
+    v1::StepRequest req;
+    req.set_session_id(id);
+    req.set_step_index(t);
+    req.set_asynchronous(overlap);
+    req.set_overlap(overlap);
+    req.set_max_grad_norm(max_grad_norm_);
+    return stub(r).Step(Ctx().get(), req, resp);
+  }
   // The synchronous reference's step t on both ranks.
   void SyncStep(int64_t t, const std::vector<std::vector<std::vector<float>>>& g,
                 v1::StepResponse* resp) {
     OnRanks([&](int r) {
       for (size_t i = 0; i < g[r].size(); ++i) ranks_[r].sync->WriteGrad(i, g[r][i]);
-      grpc::Status st = DoStep(stub(r), ranks_[r].sync->id, t, &resp[r]);
+      grpc::Status st = Send(r, ranks_[r].sync->id, t, /*overlap=*/false, &resp[r]);
       EXPECT_TRUE(st.ok()) << "rank " << r << ": " << st.error_message();
     });
   }
@@ -138,7 +149,7 @@ class WorldOverlap : public ::testing::Test {
         for (int b = 0; b < 3; ++b) k.bells.RingGradients(b, t);
       }
       v1::StepResponse queued;
-      grpc::Status q = service_testing::OverlapStep(stub(r), k.ov->id, t, &queued);
+      grpc::Status q = Send(r, k.ov->id, t, /*overlap=*/true, &queued);
       ASSERT_TRUE(q.ok()) << q.error_message();
       ASSERT_TRUE(queued.queued());
       if (abandon == r) k.bells.RingGradients(0, -t);
@@ -175,6 +186,7 @@ class WorldOverlap : public ::testing::Test {
       for (int r = 0; r < kW; ++r) {
         ASSERT_TRUE(st[r].ok()) << "rank " << r << ": " << st[r].error_message();
         ExpectSameResult(got[r], want[r]);
+        EXPECT_EQ(got[r].grad_norm(), want[r].grad_norm());
         EXPECT_FALSE(got[r].skipped());
         EXPECT_GT(got[r].world_bytes_sent(), 0);
         for (int b = 0; b < 3; ++b) EXPECT_EQ(ranks_[r].bells.weights(b), t);
@@ -195,6 +207,7 @@ class WorldOverlap : public ::testing::Test {
   v1::GradientSync sync_mode_ = v1::GRADIENT_SYNC_AVERAGE;
   Rank ranks_[kW];
   bool retry_ = false;  // the next step retries one that failed
+  double max_grad_norm_ = 0;
 };
 
 class WorldOverlapEveryAlgorithm : public WorldOverlap,
@@ -217,6 +230,21 @@ TEST_F(WorldOverlap, ReplicatedEqualsSynchronousBitForBit) {
     StepsAlike(1, 3);
     CloseAll();
   }
+}
+
+// max_grad_norm: the buckets are only read (and reduced), then the clip (of the averaged
+// gradients under AVERAGE, with its all-gather) and the staging, as the synchronous step does.
+TEST_F(WorldOverlap, AClipEqualsSynchronousBitForBit) {
+  max_grad_norm_ = 0.5;  // below the gradients' norm: every step clips
+  for (const auto& [a, sync] : {std::pair{AlgorithmKind::kMuon, v1::GRADIENT_SYNC_AVERAGE},
+                                std::pair{AlgorithmKind::kDion2, v1::GRADIENT_SYNC_AVERAGE},
+                                std::pair{AlgorithmKind::kAdamW, v1::GRADIENT_SYNC_REPLICATED}}) {
+    SCOPED_TRACE(optim::AlgorithmName(a));
+    Create(Desc(a), sync, absl::StrCat("clip-", optim::AlgorithmName(a), "-", sync));
+    StepsAlike(1, 3);
+    CloseAll();
+  }
+  max_grad_norm_ = 0;
 }
 
 // A NaN in bucket 1 on rank 1 only: under SKIP both ranks skip the step, as the synchronous
