@@ -94,12 +94,12 @@ absl::Status GroupOptimizer::BeginStagedStep(const kernels::Context& ctx,
                                              const StepOptions& options) {
   parts_open_ = false;
   DIOND_RETURN_IF_ERROR(CheckStepOptions(ctx, options));
-  // A world step's capture and replica average are per bucket, and in place a part would write
-  // the caller's memory before a later part could still fail.
-  if (options.capture != nullptr || options.replica_average || options.in_place) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        AlgorithmName(config_.algorithm),
-        " step in parts: capture, replica_average and in_place need a step in one Stage"));
+  // A replica average runs inside the update of a whole shape bucket, and in place a part would
+  // write the caller's memory before a later part could still fail.
+  if (options.replica_average || options.in_place) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(AlgorithmName(config_.algorithm),
+                     " step in parts: replica_average and in_place need a step in one Stage"));
   }
   parts_lr_ = static_cast<float>(options.lr.value_or(config_.hyperparams.lr));
   parts_weight_decay_ =
@@ -108,6 +108,9 @@ absl::Status GroupOptimizer::BeginStagedStep(const kernels::Context& ctx,
   in_place_ = false;
   in_part_.assign(shapes_.size(), false);
   BeginParts(ctx);
+  // Each part captures its parameters' compact updates; the step's capture holds them all.
+  capture_ = options.capture;
+  if (capture_ != nullptr) capture_->payload.assign(shapes_.size(), {});
   parts_open_ = true;
   return absl::OkStatus();
 }
@@ -135,11 +138,13 @@ absl::Status GroupOptimizer::StagePart(absl::Span<float* const> params,
 
 void GroupOptimizer::DiscardStagedStep() {
   parts_open_ = false;
+  capture_ = nullptr;
   DiscardStaged();
 }
 
 void GroupOptimizer::WriteStagedParams(absl::Span<float* const> params) {
   parts_open_ = false;
+  capture_ = nullptr;
   update_sq_ = 0;
   defer_norm_ = false;
   CommitStagedParams(params);

@@ -107,7 +107,8 @@ class GroupOptimizer {
   // The same staged step in parts, e.g. one per bucket of gradients as backward produces them.
   //  * BeginStagedStep drops whatever was staged and opens a step with `options` on `ctx` (which
   //    must outlive the step). INVALID_ARGUMENT as Stage, and for the options a part cannot
-  //    honour: capture and replica_average (a world step) and in_place (a later part could fail).
+  //    honour: replica_average (compressed Dion) and in_place (a later part could fail). With
+  //    capture, each part captures its parameters' compact updates into it.
   //  * StagePart stages, as Stage would, the parameters i with grads[i] != nullptr; params holds
   //    every parameter. Parts are disjoint (INVALID_ARGUMENT for a parameter that an earlier part
   //    of the step gave a gradient) and may come in any order. On error the part changes nothing

@@ -133,9 +133,10 @@ absl::StatusOr<StepResult> Session::Step(const StepRequest& request, const kerne
     previous.push_back(queue_.Take().result);
   }
   if (request.asynchronous) {
-    if (world_ != nullptr) {
+    if (world_ != nullptr && !request.overlap) {
       return absl::FailedPreconditionError(
-          "asynchronous Step is for local sessions; a world session steps synchronously");
+          "asynchronous Step is for local sessions; a world session steps synchronously (or "
+          "overlapped: overlap = true)");
     }
     std::optional<StepResult> replay;
     DIOND_RETURN_IF_ERROR(ValidateStepLocked(request, &replay));

@@ -36,8 +36,8 @@ namespace diond::session {
 namespace {
 
 constexpr char kNotBuilt[] =
-    ": its overlapped step is not built yet (docs/DATA_PLANE.md \"Overlapped step\": local "
-    "sessions only)";
+    ": its overlapped step is not built yet (docs/DISTRIBUTED.md \"Overlapped step\": world "
+    "sessions on CPU daemons only)";
 
 }  // namespace
 
@@ -64,9 +64,9 @@ absl::StatusOr<std::string> Session::Overlap::RegisterDoorbells(
     Session& self, const std::string& name, int64_t offset, int64_t size,
     const std::vector<DoorbellBucket>& buckets,
     absl::FunctionRef<absl::StatusOr<std::unique_ptr<memory::ShmRegion>>()> open) {
-  if (self.is_world_session()) {
+  if (self.is_world_session() && self.device_ != nullptr) {
     return absl::FailedPreconditionError(
-        absl::StrCat("DOORBELLS: session ", self.id_, " is a world session", kNotBuilt));
+        absl::StrCat("DOORBELLS: session ", self.id_, " is a world device session", kNotBuilt));
   }
   if (offset < 0 || offset % kArenaAlignment != 0) {
     return absl::InvalidArgumentError(absl::StrCat("DOORBELLS: region offset ", offset,
@@ -150,9 +150,17 @@ absl::Status Session::Overlap::ValidateOverlapLocked(Session& self, const StepRe
                      " needs asynchronous = true (the queued step waits for the buckets' doorbells "
                      "while the trainer's backward runs)"));
   }
-  if (self.world_ != nullptr) {
+  if (self.world_ != nullptr && self.device_ != nullptr) {
     return absl::FailedPreconditionError(
-        absl::StrCat(when, ": session ", self.id_, " is a world session", kNotBuilt));
+        absl::StrCat(when, ": session ", self.id_, " is a world device session", kNotBuilt));
+  }
+  if (self.world_ != nullptr && self.spec_.gradient_sync == GradientSync::kDionCompressed) {
+    // Compressed Dion averages inside its update, which a step in parts cannot do.
+    return absl::FailedPreconditionError(absl::StrCat(
+        when, ": world session ", self.id_,
+        " uses DION_COMPRESSED, whose update averages across the ranks inside one Stage; its "
+        "overlapped step is not supported (docs/DISTRIBUTED.md \"Overlapped step\"). Step it "
+        "without overlap"));
   }
   if (!request.ready_event.empty() || !request.done_event.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -177,7 +185,9 @@ absl::StatusOr<StepResult> Session::Overlap::OverlappedStepLocked(
   const memory::Doorbells bells = *self.arenas_.doorbells().bells;
   const int64_t step = run.request->step_index;
   std::vector<int> order;  // the buckets as they were rung
-  absl::StatusOr<StepResult> r = OverlappedPhases(self, run, update_ctx, &order);
+  absl::StatusOr<StepResult> r = self.world_ != nullptr
+                                     ? WorldPhases(self, run, update_ctx, &order)
+                                     : OverlappedPhases(self, run, update_ctx, &order);
   if (!r.ok()) {
     // Nothing was committed; the trainer's waits learn it now rather than at their deadline.
     // (Buckets rung N by a write-back that failed later flip to -N.)
@@ -247,11 +257,14 @@ absl::Status Session::Overlap::BeginOverlapPhase(Session& self, StepRun& run,
     bool any = false;
     for (size_t i : g.params) {
       run.group_params[gi].push_back(run.params[i]);
-      any = any || !run.no_grad[i];
+      // A world: each rank stages what it owns (StageGroups).
+      const bool mine = self.world_ == nullptr || self.world_->plan.owner[i] == self.world_->rank;
+      any = any || (mine && !run.no_grad[i]);
     }
     if (!any) continue;  // as Stage: a group without any gradient stages nothing
     // Never in place (opts.in_place false): a later bucket can still fail the step.
-    const optim::StepOptions opts = run.opts[gi];
+    optim::StepOptions opts = run.opts[gi];
+    if (run.comm != nullptr) opts.capture = &run.captures[gi];  // the owners' compact updates
     absl::Status s = CallOnCompute(self.compute_,
                                    [&] { return g.optimizer->BeginStagedStep(update_ctx, opts); });
     if (!s.ok()) {
@@ -308,11 +321,16 @@ absl::Status Session::Overlap::StageBucketPhase(Session& self, StepRun& run, siz
   // is staged.
   if (!run.finite) return absl::OkStatus();
   if (run.clip) return absl::OkStatus();  // staged after the last bucket (Clip::ApplyAndStage)
-  // Per group: this bucket's gradients in the group's order, null for its other parameters.
+  return StagePartsPhase(self, run, params);
+}
+
+absl::Status Session::Overlap::StagePartsPhase(Session& self, StepRun& run,
+                                               const std::vector<size_t>& params) {
+  // Per group: these gradients in the group's order, null for its other parameters.
   std::vector<std::vector<const float*>> part(self.groups_.size());
   for (size_t i : params) {
     const size_t gi = self.group_of_param_[i];
-    if (run.no_grad[i] || !run.staged[gi]) continue;
+    if (run.no_grad[i] || run.grads[i] == nullptr || !run.staged[gi]) continue;
     if (part[gi].empty()) part[gi].assign(self.groups_[gi].params.size(), nullptr);
     part[gi][self.slot_in_group_[i]] = run.grads[i];
   }

@@ -39,8 +39,8 @@ struct Session::Overlap {
                                         const std::vector<DoorbellBucket>& buckets);
   // A device session's: the checked events opened (DeviceSide::OpenBucketEvents); else nothing.
   static absl::Status OpenBucketEvents(Session& self, const std::vector<DoorbellBucket>& buckets);
-  // Phase 1 of StepRequest.overlap: its preconditions (asynchronous, a doorbell page, a local
-  // session).
+  // Phase 1 of StepRequest.overlap: its preconditions (asynchronous, a doorbell page; a world
+  // session: a host one, not under DION_COMPRESSED).
   static absl::Status ValidateOverlapLocked(Session& self, const StepRequest& request);
   // The step's phases bucket by bucket as the doorbells ring, then FinishStepLocked, which rings
   // each bucket's weights doorbell as its weights are written (all at once for a skipped step;
@@ -64,6 +64,36 @@ struct Session::Overlap {
   // Bucket k's gradients read and scanned, then, while all are finite, its part of every group
   // staged.
   static absl::Status StageBucketPhase(Session& self, StepRun& run, size_t k);
+  // Every group's part for `params` whose gradients were read (null ones skipped).
+  static absl::Status StagePartsPhase(Session& self, StepRun& run,
+                                      const std::vector<size_t>& params);
+
+  // A world session's overlapped step (session_overlap_world.cc; docs/DISTRIBUTED.md
+  // "Overlapped step"). The step's kind, in slots appended to the world's first all-reduce
+  // (AgreeGradientsPhase): whether it overlaps, and a fingerprint of the buckets.
+  static constexpr size_t kAgreementSlots = 33;
+  static void PutAgreement(const Session& self, const StepRun& run, float* slots);
+  // FAILED_PRECONDITION naming what differs across the ranks (`sums`: the slots all-reduced).
+  static absl::Status CheckAgreement(const Session& self, const StepRun& run, const float* sums);
+  // The buckets in declaration order on every rank, then DecideWorldPhase.
+  static absl::StatusOr<StepResult> WorldPhases(Session& self, StepRun& run,
+                                                const kernels::Context& update_ctx,
+                                                std::vector<int>* order);
+  // Bucket k's gradients reduce-scattered to their owners into `out` (AVERAGE), with this
+  // rank's non-finite flag and `give_up`; `gave_up`: some rank gave up (nothing averaged then).
+  static absl::Status ReduceBucketPhase(Session& self, StepRun& run, size_t k, bool give_up,
+                                        std::vector<float>* out, bool* gave_up);
+  // This rank's parameters among `params`.
+  static std::vector<size_t> OwnedOf(const Session& self, const std::vector<size_t>& params);
+  // After the last bucket under max_grad_norm: the clip (of the averaged gradients under
+  // AVERAGE: a collective), then, all finite, every owned gradient staged.
+  static absl::Status ClipAndStagePhase(Session& self, StepRun& run);
+  // Every rank's give-up and non-finite flags summed, then the same outcome on every rank:
+  // failed (nothing committed), skipped, or the exchange and the write-back (FinishStepLocked).
+  static absl::StatusOr<StepResult> DecideWorldPhase(Session& self, StepRun& run,
+                                                     const kernels::Context& update_ctx,
+                                                     const absl::Status& mine,
+                                                     const std::vector<int>& order);
 };
 
 }  // namespace diond::session

@@ -28,6 +28,7 @@
 #include "server/session/session.h"
 #include "server/session/session_device.h"
 #include "server/session/session_internal.h"
+#include "server/session/session_overlap.h"
 #include "server/session/step_memory.h"
 #include "server/session/world_exchange.h"
 
@@ -248,8 +249,10 @@ absl::Status Session::AgreeGradientsPhase(StepRun& run) {
   const size_t n = layout_.tensors.size();
   // One count per parameter, and the non-finite flag of this rank's trainer as seen before
   // the agreement (unchanged by it: masked gradients were never scanned).
-  std::vector<float> counts(n);
+  // Then the step's kind (overlapped, and the buckets), which every rank must share.
+  std::vector<float> counts(n + Overlap::kAgreementSlots);
   for (size_t i = 0; i < n; ++i) counts[i] = run.no_grad[i] ? 0.0f : 1.0f;
+  Overlap::PutAgreement(*this, run, counts.data() + n);
   absl::Status st = run.comm->AllReduceSum(absl::MakeSpan(counts));
   if (!st.ok()) {
     return BreakWorld(run, absl::UnavailableError(absl::StrCat(
@@ -257,6 +260,7 @@ absl::Status Session::AgreeGradientsPhase(StepRun& run) {
                                DescribeWorldFailure(st),
                                "; create the session again and resume from the last checkpoint")));
   }
+  DIOND_RETURN_IF_ERROR(Overlap::CheckAgreement(*this, run, counts.data() + n));
   const float all = static_cast<float>(w.plan.world_size);
   const bool replicated_sync = spec_.gradient_sync == GradientSync::kReplicated;
   run.any_no_grad = false;

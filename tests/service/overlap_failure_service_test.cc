@@ -7,8 +7,8 @@
 //  - SIGTERM while a step waits: the daemon exits at once, no checkpoint of that step;
 //  - a trainer killed mid-step (a real child process): the orphan reaper checkpoints and
 //    closes its session without waiting for the bucket;
-//  - world sessions refuse the doorbell page and the overlapped Step (device sessions take them:
-//    overlap_device_service_test).
+//  - a DION_COMPRESSED world session refuses the overlapped Step (device sessions take it:
+//    overlap_device_service_test; world sessions: tests/world/world_overlap_test).
 #include <fcntl.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -282,37 +282,27 @@ TEST(OverlapOrphan, ATrainerThatDiesMidStepLeavesNothingCommitted) {
   EXPECT_TRUE(daemon->Serving());
 }
 
-TEST(OverlapRefusals, WorldSessionsRefuseTheDoorbellsAndTheStep) {
+TEST(OverlapRefusals, ACompressedWorldSessionRefusesTheOverlappedStep) {
   auto page = ShmSegment::Create(4096);
   ASSERT_NE(page, nullptr);
-  WriteDoorbellHeader(page->data(), 3);
-  const SessionDesc d = Desc(AlgorithmKind::kMuon);
-  auto refused = [&](v1::Optimizer::Stub& stub, const v1::CreateSessionRequest& req,
-                     const std::string& kind, const std::string& step_text) {
-    SCOPED_TRACE(kind);
-    auto s = CreateShmSession(stub, req);
-    ASSERT_NE(s, nullptr);
-    grpc::Status st = RegisterShmDoorbells(stub, s->id, page->name(), 0, 4096, kBuckets);
-    EXPECT_EQ(st.error_code(), StatusCode::FAILED_PRECONDITION) << st.error_message();
-    EXPECT_TRUE(absl::StrContains(st.error_message(), "is a " + kind)) << st.error_message();
-    EXPECT_TRUE(absl::StrContains(st.error_message(), "not built yet")) << st.error_message();
-    v1::StepResponse resp;
-    st = OverlapStep(stub, s->id, 1, &resp);
-    EXPECT_EQ(st.error_code(), StatusCode::FAILED_PRECONDITION) << st.error_message();
-    EXPECT_TRUE(absl::StrContains(st.error_message(), step_text)) << st.error_message();
-    // Nothing was queued: the session steps 1 synchronously.
-    ASSERT_TRUE(SetState(stub, s->id, SyntheticWeights(d, 1)).ok());
-    WriteSyntheticGrads(s.get(), d, 7, 1);
-    st = DoStep(stub, s->id, 1);
-    EXPECT_TRUE(st.ok()) << st.error_message();
-    EXPECT_TRUE(CloseSession(stub, s->id).ok());
-  };
   auto cpu = Daemon::Start();
   ASSERT_NE(cpu, nullptr);
-  v1::CreateSessionRequest world = d.Request();
+  // A world session (here a world of one) takes the page; under DION_COMPRESSED, whose update
+  // averages across the ranks inside one Stage, it refuses the overlapped Step.
+  v1::CreateSessionRequest world =
+      SessionDesc{{MakeGroup("m", AlgorithmKind::kDion, 0.02)}, {{"w", {24, 16}, "m"}}}.Request();
   world.set_world_key(absl::StrCat("overlap-world-", getpid()));
-  // (A world session refuses every asynchronous Step before it looks at the overlap.)
-  refused(cpu->stub(), world, "world session", "a world session steps synchronously");
+  world.set_gradient_sync(v1::GRADIENT_SYNC_DION_COMPRESSED);
+  auto s = CreateShmSession(cpu->stub(), world);
+  ASSERT_NE(s, nullptr);
+  WriteDoorbellHeader(page->data(), 1);
+  grpc::Status st = RegisterShmDoorbells(cpu->stub(), s->id, page->name(), 0, 4096, {{0}});
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  v1::StepResponse resp;
+  st = OverlapStep(cpu->stub(), s->id, 1, &resp);
+  EXPECT_EQ(st.error_code(), StatusCode::FAILED_PRECONDITION) << st.error_message();
+  EXPECT_TRUE(absl::StrContains(st.error_message(), "DION_COMPRESSED")) << st.error_message();
+  EXPECT_TRUE(CloseSession(cpu->stub(), s->id).ok());
 }
 
 }  // namespace

@@ -96,9 +96,7 @@ void DoorbellPage::RingGradients(int k, int64_t step) const {
   __atomic_store_n(word(k, 0), step, __ATOMIC_RELEASE);
 }
 
-int64_t DoorbellPage::weights(int k) const {
-  return __atomic_load_n(word(k, 1), __ATOMIC_ACQUIRE);
-}
+int64_t DoorbellPage::weights(int k) const { return __atomic_load_n(word(k, 1), __ATOMIC_ACQUIRE); }
 
 absl::Status DoorbellPage::WaitWeights(int k, int64_t step, absl::Time deadline) const {
   absl::Duration poll = absl::Microseconds(20);

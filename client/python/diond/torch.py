@@ -31,7 +31,8 @@ the default for TCP targets; any devices): weights go up with ``SetState`` once,
 give bit-identical numbers).
 
 Overlapped step (``overlap=True``; local sessions: CPU parameters over memfd or shm, CUDA
-parameters over CUDA arenas, whose buckets are ordered with interprocess events): the
+parameters over CUDA arenas, whose buckets are ordered with interprocess events; world sessions
+of CPU parameters, every trainer overlapping the same steps, docs/DISTRIBUTED.md): the
 daemon updates each bucket of parameters while backward still produces the gradients of earlier
 layers, and the next forward waits for each layer's weights just before the layer runs, with the
 numbers of a synchronous step, bit for bit (docs/DATA_PLANE.md "Overlapped step",
@@ -635,12 +636,19 @@ class Optimizer(torch.optim.Optimizer):
         where = None
         if self.remote:
             where = "remote mode"
-        elif self.world_key:
-            where = "world sessions"
+        elif self.world_key and (self.delayed or self.gradient_sync == "dion_compressed"
+                                 or self._device.type != "cpu"):
+            # A world session overlaps only its overlapped step of host memory
+            # (docs/DISTRIBUTED.md "Overlapped step"); compressed Dion averages inside one update.
+            where = "world sessions with %s" % (
+                "overlap='delayed'" if self.delayed
+                else "gradient_sync='dion_compressed'" if self.gradient_sync == "dion_compressed"
+                else "CUDA parameters")
         if where is not None:
             raise ValueError("overlap=True is built for local sessions (CPU parameters over "
-                             "host shared memory, CUDA parameters over CUDA regions); %s are "
-                             "not built yet (docs/DATA_PLANE.md \"Overlapped step\")" % where)
+                             "host shared memory, CUDA parameters over CUDA regions) and world "
+                             "sessions of CPU parameters; %s are not built yet "
+                             "(docs/DATA_PLANE.md \"Overlapped step\")" % where)
 
     def _check_arena_device(self, choice):
         """The arenas' device (every parameter's), checked against the arena choice."""

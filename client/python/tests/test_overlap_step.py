@@ -156,9 +156,9 @@ def test_refused_where_not_built(daemon):
     with pytest.raises(ValueError, match="remote mode are not built"):
         diond.torch.Optimizer(groups_for(model, "muon"), target=daemon.target, remote=True,
                               overlap=True)
-    with pytest.raises(ValueError, match="world sessions are not built"):
-        diond.torch.Optimizer(groups_for(model, "muon"), target=daemon.target, overlap=True,
-                              world_key="w")
+    with pytest.raises(ValueError, match="gradient_sync='dion_compressed' are not built"):
+        diond.torch.Optimizer(groups_for(model, "dion"), target=daemon.target, overlap=True,
+                              world_key="w", gradient_sync="dion_compressed")
     with pytest.raises(ValueError, match="overlap_bucket_bytes"):
         diond.torch.Optimizer(groups_for(model, "muon"), target=daemon.target, overlap=True,
                               overlap_bucket_bytes=0)

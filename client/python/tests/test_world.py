@@ -161,3 +161,42 @@ def test_world_options_are_checked():
     with pytest.raises(ValueError, match="needs a world_key"):
         diond.torch.Optimizer([torch.nn.Parameter(torch.zeros(4, 4))], target="unix:/nonexistent",
                               gradient_sync="average")
+
+
+@pytest.mark.parametrize("algorithm", ["muon", "dion"])
+def test_overlapped_steps_in_a_world_equal_synchronous_ones(daemon_factory, algorithm):
+    """overlap=True in a world of 2 under AVERAGE (each trainer its own data): the daemons take
+    the buckets in declaration order and reduce-scatter each (docs/DISTRIBUTED.md "Overlapped
+    step"); the weights equal overlap=False's on both ranks, bit for bit."""
+    steps = 4
+    daemons = _world(daemon_factory)
+    result = {}
+    # Made here: torch's global generator is not for two threads at once.
+    models = {(rank, overlap): _model() for rank in (0, 1) for overlap in (False, True)}
+
+    def trainer(rank):
+        def f():
+            for overlap in (False, True):
+                model = models[(rank, overlap)]
+                opt = diond.torch.Optimizer(_groups(model), target=daemons[rank].target,
+                                            algorithm=algorithm, lr=0.02, overlap=overlap,
+                                            overlap_bucket_bytes=1500, gradient_sync="average",
+                                            world_key="py-overlap-%s-%s" % (algorithm, overlap))
+                for step in range(1, steps + 1):
+                    g = torch.Generator().manual_seed(1000 * rank + step)
+                    x = torch.randn(8, 24, generator=g)
+                    opt.zero_grad()
+                    model(x).square().mean().backward()
+                    opt.step()
+                if overlap:
+                    assert opt.overlap_stats["overlapped"] == steps - 1, opt.overlap_stats
+                opt.synchronize()
+                result[(rank, overlap)] = [p.detach().clone() for p in model.parameters()]
+                opt.close()
+        return f
+
+    _on_all_ranks([trainer(0), trainer(1)])
+    for rank in (0, 1):
+        for got, want, ref in zip(result[(rank, True)], result[(rank, False)], result[(0, False)]):
+            assert torch.equal(got, want), "rank %d: overlap=True differs" % rank
+            assert torch.equal(want, ref), "the ranks differ"

@@ -1,0 +1,272 @@
+// A world session's overlapped step (docs/DISTRIBUTED.md "Overlapped step"). Every rank takes
+// the buckets in their declaration order, whatever order its trainer rings them in, so that the
+// per-bucket collectives match across the ranks: per bucket, the wait for its doorbell, the read
+// with its finiteness scan, under AVERAGE one reduce-scatter of its gradients to their owners
+// (blocks padded as ReduceGradients pads the whole step's, plus two slots: the non-finite flag
+// and a give-up flag), then the owners stage their part of every group. After the last bucket
+// one small all-reduce of every rank's give-up and non-finite flags decides the step alike on
+// every rank; then the whole step's exchange and the write-back bucket by bucket
+// (FinishStepLocked), as the synchronous world step does. Under max_grad_norm the buckets are only
+// read (and reduced) as they ring, and clipped and staged after the last (the coef needs them
+// all).
+//
+// A rank that gives up (its trainer abandons the step, its wait times out or is cancelled, a
+// read or a part fails) does not leave the collectives: it still joins the current bucket's
+// reduce-scatter, with its give-up flag set, and every rank stops there; under REPLICATED it goes
+// straight to the final all-reduce. Every rank then fails the step with nothing committed and
+// the world session stays usable. A collective that fails (a peer lost, or Gloo's timeout
+// because a peer waited for its doorbell longer than --peer_timeout) breaks the world session,
+// as in a synchronous step.
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/bounded.h"
+#include "common/status_macros.h"
+#include "kernels/ops.h"
+#include "server/session/grad_clip.h"
+#include "server/session/session.h"
+#include "server/session/session_internal.h"
+#include "server/session/session_overlap.h"
+#include "server/session/step_memory.h"
+
+namespace diond::session {
+namespace {
+
+constexpr int kChunks = 16;  // the fingerprint's 4-bit chunks
+
+// FNV-1a 64 over the bucket declaration (count, sizes, indices).
+uint64_t Fingerprint(const std::vector<std::vector<size_t>>& buckets) {
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&h](uint64_t v) {
+    for (int b = 0; b < 8; ++b) {
+      h ^= (v >> (8 * b)) & 0xff;
+      h *= 1099511628211ull;
+    }
+  };
+  mix(buckets.size());
+  for (const std::vector<size_t>& b : buckets) {
+    mix(b.size());
+    for (size_t i : b) mix(i);
+  }
+  return h;
+}
+
+}  // namespace
+
+// The step's kind: the overlap flag, then per 4-bit chunk of the buckets' fingerprint the chunk
+// and its square. Sums of small integers are exact, and all ranks agree iff every chunk's
+// W·Σc² equals (Σc)².
+void Session::Overlap::PutAgreement(const Session& self, const StepRun& run, float* slots) {
+  std::fill(slots, slots + kAgreementSlots, 0.0f);
+  if (!run.request->overlap) return;
+  slots[0] = 1.0f;
+  const uint64_t f = Fingerprint(self.arenas_.doorbells().buckets);
+  for (int c = 0; c < kChunks; ++c) {
+    const float v = static_cast<float>((f >> (4 * c)) & 0xf);
+    slots[1 + c] = v;
+    slots[1 + kChunks + c] = v * v;
+  }
+}
+
+absl::Status Session::Overlap::CheckAgreement(const Session& self, const StepRun& run,
+                                              const float* sums) {
+  const float w = static_cast<float>(self.world_->plan.world_size);
+  std::string why;
+  if (sums[0] != 0.0f && sums[0] != w) {
+    why = absl::StrCat("the overlapped step was asked on ", static_cast<int>(sums[0]), " of ",
+                       self.world_->plan.world_size,
+                       " ranks; every rank's trainer must ask the same (overlap on all or none)");
+  } else {
+    for (int c = 0; c < kChunks && why.empty(); ++c) {
+      if (w * sums[1 + kChunks + c] != sums[1 + c] * sums[1 + c]) {
+        why =
+            "the ranks' doorbell buckets differ; every rank's trainer must declare the same "
+            "buckets (the same parameters, in the same order)";
+      }
+    }
+  }
+  if (why.empty()) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(run.when, ": ", why, ". Nothing was changed"));
+}
+
+absl::StatusOr<StepResult> Session::Overlap::WorldPhases(Session& self, StepRun& run,
+                                                         const kernels::Context& update_ctx,
+                                                         std::vector<int>* order) {
+  DIOND_RETURN_IF_ERROR(self.JoinWorldPhase(run));
+  // This rank's trainer's gradients are read, not those the agreement adds (zeros under AVERAGE).
+  const std::vector<bool> local_no_grad = run.no_grad;
+  DIOND_RETURN_IF_ERROR(self.AgreeGradientsPhase(run));
+  const std::vector<std::vector<size_t>>& buckets = self.arenas_.doorbells().buckets;
+  const bool reduce = run.comm != nullptr && self.spec_.gradient_sync == GradientSync::kAverage;
+  absl::Status mine = BeginOverlapPhase(self, run, update_ctx);  // this rank's first failure
+  std::vector<std::vector<float>> averaged(buckets.size());
+  // Under a clip the buckets are only read (and reduced): the coef needs them all.
+  const bool clip = run.clip || run.clip_averaged;
+  bool stopped = false;  // some rank gave up (under AVERAGE every rank knows it alike)
+  for (size_t k = 0; k < buckets.size() && !stopped; ++k) {
+    std::vector<bool> taken(buckets.size(), true);
+    taken[k] = false;  // the declaration's order, on every rank
+    if (mine.ok()) mine = WaitForBucketPhase(self, run, taken).status();
+    if (mine.ok()) {
+      std::vector<size_t> given;
+      for (size_t i : buckets[k]) {
+        if (!local_no_grad[i]) given.push_back(i);
+      }
+      mine = CallOnCompute(self.compute_,
+                           [&] { return self.memory_->ReadGradientsOf(self, run, k, given); });
+    }
+    if (reduce) {
+      bool gave_up = false;
+      if (absl::Status s = ReduceBucketPhase(self, run, k, !mine.ok(), &averaged[k], &gave_up);
+          !s.ok()) {
+        self.DiscardStep(run);
+        return s;
+      }
+      stopped = gave_up;
+    } else {
+      stopped = !mine.ok();
+    }
+    if (stopped) break;
+    order->push_back(static_cast<int>(k));
+    // A non-finite value: decided after the last bucket; nothing more is staged.
+    if (run.finite && !clip) mine = StagePartsPhase(self, run, OwnedOf(self, buckets[k]));
+  }
+  if (clip && !stopped && mine.ok()) mine = ClipAndStagePhase(self, run);
+  return DecideWorldPhase(self, run, update_ctx, mine, *order);
+}
+
+std::vector<size_t> Session::Overlap::OwnedOf(const Session& self,
+                                              const std::vector<size_t>& params) {
+  const WorldPart& w = *self.world_;
+  std::vector<size_t> owned;
+  for (size_t i : params) {
+    if (w.plan.owner[i] == w.rank) owned.push_back(i);
+  }
+  return owned;
+}
+
+absl::Status Session::Overlap::ClipAndStagePhase(Session& self, StepRun& run) {
+  // Of the averaged gradients, a collective every rank joins here alike; else each rank's own.
+  DIOND_RETURN_IF_ERROR(run.clip_averaged
+                            ? Clip::ApplyAveraged(self, run)
+                            : CallOnCompute(self.compute_, [&] { return Clip::Apply(self, run); }));
+  if (!run.finite) return absl::OkStatus();  // the step's decision follows
+  std::vector<size_t> all(self.layout_.tensors.size());
+  for (size_t i = 0; i < all.size(); ++i) all[i] = i;
+  return StagePartsPhase(self, run, OwnedOf(self, all));
+}
+
+absl::Status Session::Overlap::ReduceBucketPhase(Session& self, StepRun& run, size_t k,
+                                                 bool give_up, std::vector<float>* out,
+                                                 bool* gave_up) {
+  const WorldPart& w = *self.world_;
+  const int world_size = w.plan.world_size;
+  const std::vector<size_t>& bucket = self.arenas_.doorbells().buckets[k];
+  // Block j: rank j's parameters of the bucket, in the bucket's order, then the two flags.
+  std::vector<std::vector<size_t>> of(static_cast<size_t>(world_size));
+  int64_t block = 0;
+  for (int j = 0; j < world_size; ++j) {
+    int64_t e = 0;
+    for (size_t i : bucket) {
+      if (w.plan.owner[i] != j) continue;
+      of[static_cast<size_t>(j)].push_back(i);
+      e += self.layout_.tensors[i].numel;
+    }
+    block = std::max(block, e);
+  }
+  block += 2;
+  std::vector<float> input(static_cast<size_t>(block) * world_size, 0.0f);
+  DIOND_RETURN_IF_ERROR(CallOnCompute(run.compute, [&]() -> absl::Status {
+    for (int j = 0; j < world_size; ++j) {
+      float* dst = input.data() + static_cast<size_t>(j) * block;
+      for (size_t i : of[static_cast<size_t>(j)]) {
+        const int64_t numel = self.layout_.tensors[i].numel;
+        // A gradient this rank's trainer does not have (or did not give) counts as zeros.
+        if (!give_up && run.grads[i] != nullptr) {
+          DIOND_RETURN_IF_ERROR(kernels::Copy(*run.ctx,
+                                              internal::HostView(DType::kF32, run.grads[i], numel),
+                                              internal::HostView(DType::kF32, dst, numel)));
+        }
+        dst += numel;
+      }
+      input[static_cast<size_t>(j + 1) * block - 2] = run.finite ? 0.0f : 1.0f;
+      input[static_cast<size_t>(j + 1) * block - 1] = give_up ? 1.0f : 0.0f;
+    }
+    return absl::OkStatus();
+  }));
+  out->resize(static_cast<size_t>(block));
+  if (absl::Status st = run.comm->ReduceScatterSum(input, absl::MakeSpan(*out)); !st.ok()) {
+    return self.ReduceFailed(run, st);
+  }
+  *gave_up = (*out)[static_cast<size_t>(block) - 1] != 0.0f;
+  if (*gave_up) return absl::OkStatus();
+  run.finite = run.finite && (*out)[static_cast<size_t>(block) - 2] == 0.0f;
+  // The average as ReduceGradients computes it (a division, for the reference's bits).
+  const float divisor = static_cast<float>(world_size);
+  return CallOnCompute(run.compute, [&]() -> absl::Status {
+    float* a = out->data();
+    for (size_t i : of[static_cast<size_t>(w.rank)]) {
+      const int64_t numel = self.layout_.tensors[i].numel;
+      run.grads[i] = nullptr;
+      if (!run.no_grad[i]) {
+        DIOND_RETURN_IF_ERROR(kernels::Binary(*run.ctx, kernels::BinaryOp::kDiv,
+                                              internal::HostView(DType::kF32, a, numel),
+                                              internal::HostView(DType::kF32, &divisor, 1),
+                                              internal::HostView(DType::kF32, a, numel)));
+        run.grads[i] = a;
+      }
+      a += numel;
+    }
+    return absl::OkStatus();
+  });
+}
+
+absl::StatusOr<StepResult> Session::Overlap::DecideWorldPhase(Session& self, StepRun& run,
+                                                              const kernels::Context& update_ctx,
+                                                              const absl::Status& mine,
+                                                              const std::vector<int>& order) {
+  const int world_size = self.world_->plan.world_size;
+  // Per rank: gave up, non-finite; every rank decides on the same sums.
+  std::vector<float> flags(2 * static_cast<size_t>(world_size), 0.0f);
+  const size_t me = static_cast<size_t>(self.world_->rank);
+  flags[me] = mine.ok() ? 0.0f : 1.0f;
+  flags[static_cast<size_t>(world_size) + me] = run.finite ? 0.0f : 1.0f;
+  if (run.comm != nullptr) {
+    if (absl::Status st = run.comm->AllReduceSum(absl::MakeSpan(flags)); !st.ok()) {
+      self.DiscardStep(run);
+      return self.BreakWorld(
+          run, absl::UnavailableError(
+                   absl::StrCat(run.when, ": agreeing on the overlapped step's outcome failed: ",
+                                self.DescribeWorldFailure(st),
+                                "; create the session again and resume from the last checkpoint")));
+    }
+  }
+  std::vector<int> gave_up;
+  bool finite = true;
+  for (int j = 0; j < world_size; ++j) {
+    if (flags[static_cast<size_t>(j)] != 0.0f) gave_up.push_back(j);
+    finite = finite && flags[static_cast<size_t>(world_size) + static_cast<size_t>(j)] == 0.0f;
+  }
+  if (!gave_up.empty()) {
+    self.DiscardStep(run);
+    if (!mine.ok()) return mine;
+    return absl::AbortedError(absl::StrCat(
+        run.when, ": the overlapped step was given up on rank(s) ", absl::StrJoin(gave_up, ", "),
+        " (see their answers); nothing was committed (the weights doorbells say -",
+        run.request->step_index, "): retry step ", run.request->step_index));
+  }
+  if (!finite) {
+    self.DiscardStep(run);
+    if (self.spec_.non_finite == NonFinitePolicy::kError) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(run.when, ": gradients contain NaN or Inf (non_finite_policy=ERROR)"));
+    }
+    return self.SkipStepLocked(run);
+  }
+  run.write_weights = [&self, &run, &order] { return WriteBucketsPhase(self, run, order); };
+  return self.FinishStepLocked(run, update_ctx);
+}
+
+}  // namespace diond::session
