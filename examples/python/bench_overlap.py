@@ -112,7 +112,9 @@ def run_block(model, opt, batches, rec):
         loss = model(x, y)
         # After forward, as in train_gpt.py: an overlapped step's gradients are free by then.
         if opt is None:
-            model.zero_grad(set_to_none=True)
+            # Zeroed in place, not freed: backward then accumulates into the same tensors, as
+            # into the arena, so the denominator pays no allocation the optimizers do not.
+            model.zero_grad(set_to_none=False)
         else:
             opt.zero_grad()
         loss.backward()
