@@ -83,7 +83,7 @@ class Session {
       absl::FunctionRef<absl::StatusOr<std::unique_ptr<memory::CudaRegion>>(kernels::Device)> open);
   absl::Status UnregisterRegion(const std::string& region_id);  // NOT_FOUND for an unknown id
   // A doorbell page (docs/DATA_PLANE.md "Overlapped step") and its buckets, each parameter in
-  // one; INVALID_ARGUMENT naming what is wrong, FAILED_PRECONDITION off local sessions.
+  // one; INVALID_ARGUMENT naming what is wrong, FAILED_PRECONDITION where not built.
   absl::StatusOr<std::string> RegisterShmDoorbells(const std::string& name, int64_t offset,
                                                    int64_t size,
                                                    const std::vector<DoorbellBucket>& buckets);
