@@ -180,21 +180,29 @@ elif [ "$prepared" -eq 0 ]; then
   # 2. Every conformance vector on the GPU, both precision modes.
   run_step conformance 90 "$bin/diond-conformance" --device cuda:0 --mode both \
     --cuda_plugin "$plugin" "$vectors"
-  # 3. The Python example against a GPU daemon.
-  if [ -z "$only" ] || [[ $only == *",example,"* ]]; then
+  # A GPU daemon for the Python steps: gpu_daemon LOG starts one ($dir/diond.sock, $daemon),
+  # gpu_daemon_stop ends it.
+  corpus=/usr/share/common-licenses   # the example's default; else the bundle's docs
+  [ -d "$corpus" ] || [ $mode != bundle ] || corpus=$b/docs
+  gpu_daemon() {
     dir=$(mktemp -d)
     "$bin/diond" --device=cuda:0 --cuda_plugin="$plugin" --listen="unix:$dir/diond.sock" \
-      --metrics_address= --health_address= >"$logs/daemon.log" 2>&1 &
+      --metrics_address= --health_address= >"$1" 2>&1 &
     daemon=$!
     for _ in $(seq 100); do [ -S "$dir/diond.sock" ] && break; sleep 0.1; done
-    corpus=/usr/share/common-licenses   # the example's default; else the bundle's docs
-    [ -d "$corpus" ] || [ $mode != bundle ] || corpus=$b/docs
-    run_step example 120 env PYTHONPATH="$pypath" DIOND_BINARY="$bin/diond" \
-      "$python" "$example" --target "unix:$dir/diond.sock" --steps 100 --corpus "$corpus" \
-      --summary-json "$logs/train_gpt.json"
+  }
+  gpu_daemon_stop() {
     kill "$daemon" 2>/dev/null
     wait "$daemon" 2>/dev/null
     rm -rf "$dir"
+  }
+  # 3. The Python example against a GPU daemon.
+  if [ -z "$only" ] || [[ $only == *",example,"* ]]; then
+    gpu_daemon "$logs/daemon.log"
+    run_step example 120 env PYTHONPATH="$pypath" DIOND_BINARY="$bin/diond" \
+      "$python" "$example" --target "unix:$dir/diond.sock" --steps 100 --corpus "$corpus" \
+      --summary-json "$logs/train_gpt.json"
+    gpu_daemon_stop
   fi
   # 3b. A world of two daemons on this one GPU, over Gloo (NCCL refuses two ranks on one GPU).
   run_step world 90 env PYTHONPATH="$pypath" DIOND_BINARY="$bin/diond" DIOND_WORLD_DEVICE=cuda:0 \
@@ -216,20 +224,12 @@ elif [ "$prepared" -eq 0 ]; then
   # 6. The overlapped step against forward plus backward (docs/BENCHMARKS.md), last: it takes
   # what is left of the budget.
   if [ -z "$only" ] || [[ $only == *",overlap_bench,"* ]]; then
-    dir=$(mktemp -d)
-    "$bin/diond" --device=cuda:0 --cuda_plugin="$plugin" --listen="unix:$dir/diond.sock" \
-      --metrics_address= --health_address= >"$logs/overlap-daemon.log" 2>&1 &
-    daemon=$!
-    for _ in $(seq 100); do [ -S "$dir/diond.sock" ] && break; sleep 0.1; done
-    corpus=/usr/share/common-licenses
-    [ -d "$corpus" ] || [ $mode != bundle ] || corpus=$b/docs
+    gpu_daemon "$logs/overlap-daemon.log"
     run_step overlap_bench 120 env PYTHONPATH="$pypath" "$python" "$(dirname "$example")/bench_overlap.py" \
       --target "unix:$dir/diond.sock" --device cuda:0 --corpus "$corpus" --layers 12 \
       --d-model 768 --heads 12 --context 256 --batch 16 --steps 20 --warmup 2 \
       --json "$logs/overlap-bench.json"
-    kill "$daemon" 2>/dev/null
-    wait "$daemon" 2>/dev/null
-    rm -rf "$dir"
+    gpu_daemon_stop
   fi
 fi
 
