@@ -136,6 +136,15 @@ absl::Status GroupOptimizer::StagePart(absl::Span<float* const> params,
   return absl::OkStatus();
 }
 
+absl::Status GroupOptimizer::CopyStagedParam(size_t p, float* dst) const {
+  if (!parts_open_ || p >= in_part_.size() || !in_part_[p]) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(AlgorithmName(config_.algorithm), " CopyStagedParam: parameter ", p,
+                     " was not staged by a part of the open step"));
+  }
+  return CopyStagedParamImpl(p, dst);
+}
+
 void GroupOptimizer::DiscardStagedStep() {
   parts_open_ = false;
   capture_ = nullptr;
@@ -487,6 +496,26 @@ class BucketedOptimizer final : public GroupOptimizer {
     (void)s;
     // Σ(Δx)² per parameter read back once per step (a sync point, docs/KERNELS.md §4.3).
     ReadBackUpdateSq(ctx, params.size());
+  }
+
+  absl::Status CopyStagedParamImpl(size_t p, float* dst) const override {
+    const Bucket& b = buckets_[where_[p].first];
+    const Staged& st = staging_[where_[p].first];
+    for (size_t ci = 0; ci < st.num_chunks; ++ci) {
+      const Chunk& c = st.chunks[ci];
+      for (size_t j = c.begin; j < c.begin + c.count; ++j) {
+        if (st.slots[j] != where_[p].second) continue;
+        if (c.deferred) {
+          return absl::FailedPreconditionError(
+              absl::StrCat(AlgorithmName(config().algorithm), " CopyStagedParam: parameter ", p,
+                           " has a compact update staged, not its new value"));
+        }
+        const kernels::Device dev = commit_ctx_->device();
+        return kernels::Copy(*commit_ctx_, F32CView(st.x.As<float>() + j * b.numel, b.numel, dev),
+                             F32View(dst, b.numel, dev));
+      }
+    }
+    return absl::InternalError(absl::StrCat("CopyStagedParam: parameter ", p, " not in staging"));
   }
 
   // update_sq_ += Σ_p update_sq_buf_[p], the buffer read back in one copy (a sync point), or,

@@ -122,6 +122,11 @@ class GroupOptimizer {
   // commit and the norm's sum go parameter by parameter, whichever part staged them.
   absl::Status BeginStagedStep(const kernels::Context& ctx, const StepOptions& options = {});
   absl::Status StagePart(absl::Span<float* const> params, absl::Span<const float* const> grads);
+  // The new value a part of the open step staged for parameter p, copied on the step's context
+  // into dst (shapes()[p]'s elements, on the state's device), before WriteStagedParams: a
+  // world's owner sends it while later parts are still to come. FAILED_PRECONDITION when no part
+  // of the open step staged p, or when its rule keeps a compact update there (capture it).
+  absl::Status CopyStagedParam(size_t p, float* dst) const;
 
   // The state names of this group's algorithm (StateNames(config().algorithm)).
   std::vector<std::string> StateNames() const;
@@ -176,6 +181,8 @@ class GroupOptimizer {
                                      absl::Span<const float* const> grads, float lr,
                                      float weight_decay) = 0;
   virtual void CommitStagedParams(absl::Span<float* const> params) = 0;
+  // CopyStagedParam's copy (p staged by a part of the open step: checked by the caller).
+  virtual absl::Status CopyStagedParamImpl(size_t p, float* dst) const = 0;
   virtual void CommitStagedStateImpl() = 0;
   virtual void DiscardStaged() = 0;
   // Locates the float buffer of state `name` for parameter `param_index` (nullptr if unknown).

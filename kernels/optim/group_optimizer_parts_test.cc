@@ -268,6 +268,23 @@ TEST_P(EveryRule, PartsInAnyOrderEqualOneStageBitForBit) {
     ASSERT_NO_FATAL_FAILURE(StageOnce(*ctx_, one, g, sp, o));
     ASSERT_THAT(parts.opt->BeginStagedStep(*ctx_, o_parts), IsOk());
     for (const auto& p : sp) ASSERT_THAT(parts.opt->StagePart(parts.params, Only(g, p)), IsOk());
+    // Before the write, each staged new value (a world's owner sends it): one Stage's bits once
+    // written. A parameter in no part has none; a step that does not capture may keep a compact
+    // update in its place (a rule that defers its write).
+    std::vector<std::vector<float>> staged(c.shapes.size());
+    for (size_t i = 0; i < c.shapes.size(); ++i) {
+      bool in_a_part = false;
+      for (const auto& p : sp) in_a_part = in_a_part || std::count(p.begin(), p.end(), i) > 0;
+      Buffer dst = Upload(std::vector<float>(static_cast<size_t>(Numel(c.shapes[i])), 0.0f));
+      const absl::Status s = parts.opt->CopyStagedParam(i, dst.As<float>());
+      if (s.ok()) {
+        EXPECT_TRUE(in_a_part) << "parameter " << i;
+        staged[i] = Download(dst.As<float>(), Numel(c.shapes[i]));
+      } else {
+        EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+        EXPECT_TRUE(!in_a_part || o_parts.capture == nullptr) << "parameter " << i << ": " << s;
+      }
+    }
     if (step == 4) {  // the device session's write: the norm's read-back queued, then summed
       parts.opt->WriteStagedParamsDeferringNorm(parts.params);
       ASSERT_THAT(kernels::Synchronize(*ctx_), IsOk());
@@ -284,6 +301,11 @@ TEST_P(EveryRule, PartsInAnyOrderEqualOneStageBitForBit) {
     }
     const Snapshot got = Snap(c, parts);
     EXPECT_TRUE(SameSnapshot(got, Snap(c, one))) << c.name << " step " << step;
+    for (size_t i = 0; i < staged.size(); ++i) {
+      if (!staged[i].empty()) {
+        EXPECT_TRUE(SameBits(staged[i], got.params[i])) << c.name << " step " << step << " " << i;
+      }
+    }
     if (step == 2) {  // the parameters in no part, and their state, did not move
       const size_t names = parts.opt->StateNames().size();
       for (size_t i : {size_t{1}, size_t{4}, size_t{5}}) {
