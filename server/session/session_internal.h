@@ -108,6 +108,9 @@ struct Session::StepRun {
   std::vector<bool> staged;
   std::vector<bool> compressed;   // a group every rank steps (compressed Dion)
   std::vector<double> update_sq;  // squared update norm (a world: this rank's share, then the sum)
+  // A world's overlapped step exchanged every update bucket by bucket (session_overlap_world.cc):
+  // the step's exchange then carries only the norms and statuses.
+  bool updates_exchanged = false;
   // World: this rank's failure in compute, shared with the others through the exchange.
   absl::Status compute_status;
   StepResult result;

@@ -83,6 +83,14 @@ struct Session::Overlap {
   // rank's non-finite flag and `give_up`; `gave_up`: some rank gave up (nothing averaged then).
   static absl::Status ReduceBucketPhase(Session& self, StepRun& run, size_t k, bool give_up,
                                         std::vector<float>* out, bool* gave_up);
+  // Bucket k's updates, once this rank staged its part (`mine`: its failure so far): one
+  // all-gather-v of every rank's block (its parameters of the bucket, each a compact update or
+  // its new value, then a flag: sent, gave up, or nothing staged after a non-finite value), then
+  // the others' updates into this rank's copies. `gave_up`: some rank gave up; nothing staged
+  // somewhere: run.finite false on every rank. A failed collective breaks the world session.
+  static absl::Status ExchangeBucketPhase(Session& self, StepRun& run,
+                                          const kernels::Context& update_ctx, size_t k,
+                                          absl::Status* mine, bool* gave_up);
   // This rank's parameters among `params`.
   static std::vector<size_t> OwnedOf(const Session& self, const std::vector<size_t>& params);
   // After the last bucket under max_grad_norm: the clip (of the averaged gradients under

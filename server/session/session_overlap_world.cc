@@ -104,7 +104,11 @@ absl::StatusOr<StepResult> Session::Overlap::WorldPhases(Session& self, StepRun&
   std::vector<std::vector<float>> averaged(buckets.size());
   // Under a clip the buckets are only read (and reduced): the coef needs them all.
   const bool clip = run.clip || run.clip_averaged;
-  bool stopped = false;  // some rank gave up (under AVERAGE every rank knows it alike)
+  // Each bucket's updates are exchanged once staged, until a rank has nothing to send (a
+  // non-finite value) or under a clip (then the step's exchange, after the decision).
+  bool exchanging = run.comm != nullptr && !clip;
+  bool stopped = false;  // some rank gave up (every rank knows it alike, but on REPLICATED
+                         // without a per-bucket collective: then each rank knows its own)
   for (size_t k = 0; k < buckets.size() && !stopped; ++k) {
     std::vector<bool> taken(buckets.size(), true);
     taken[k] = false;  // the declaration's order, on every rank
@@ -125,14 +129,27 @@ absl::StatusOr<StepResult> Session::Overlap::WorldPhases(Session& self, StepRun&
         return s;
       }
       stopped = gave_up;
-    } else {
+    } else if (!exchanging) {
       stopped = !mine.ok();
     }
     if (stopped) break;
     order->push_back(static_cast<int>(k));
     // A non-finite value: decided after the last bucket; nothing more is staged.
-    if (run.finite && !clip) mine = StagePartsPhase(self, run, OwnedOf(self, buckets[k]));
+    if (mine.ok() && run.finite && !clip) {
+      mine = StagePartsPhase(self, run, OwnedOf(self, buckets[k]));
+    }
+    if (exchanging) {
+      bool gave_up = false;
+      if (absl::Status s = ExchangeBucketPhase(self, run, update_ctx, k, &mine, &gave_up);
+          !s.ok()) {
+        self.DiscardStep(run);
+        return s;
+      }
+      stopped = gave_up;
+      exchanging = run.finite;
+    }
   }
+  run.updates_exchanged = exchanging && !stopped;
   if (clip && !stopped && mine.ok()) mine = ClipAndStagePhase(self, run);
   return DecideWorldPhase(self, run, update_ctx, mine, *order);
 }
@@ -221,6 +238,105 @@ absl::Status Session::Overlap::ReduceBucketPhase(Session& self, StepRun& run, si
     }
     return absl::OkStatus();
   });
+}
+
+absl::Status Session::Overlap::ExchangeBucketPhase(Session& self, StepRun& run,
+                                                   const kernels::Context& update_ctx, size_t k,
+                                                   absl::Status* mine, bool* gave_up) {
+  const WorldPart& w = *self.world_;
+  const std::vector<size_t>& bucket = self.arenas_.doorbells().buckets[k];
+  const size_t world_size = static_cast<size_t>(w.plan.world_size);
+  const size_t me = static_cast<size_t>(w.rank);
+  auto size_of = [&](size_t i) {
+    return w.compact[i] > 0 ? w.compact[i] : self.layout_.tensors[i].numel;
+  };
+  // Block j: rank j's parameters of the bucket in the bucket's order, then its flag.
+  std::vector<int64_t> counts(world_size, 1), begin(world_size, 0);
+  for (size_t i : bucket) counts[static_cast<size_t>(w.plan.owner[i])] += size_of(i);
+  for (size_t j = 1; j < world_size; ++j) begin[j] = begin[j - 1] + counts[j - 1];
+  constexpr float kSent = 0.0f, kGaveUp = 1.0f, kNothing = 2.0f;
+  std::vector<float> block(static_cast<size_t>(counts[me]), 0.0f);
+  float flag = !mine->ok() ? kGaveUp : !run.finite ? kNothing : kSent;
+  if (flag == kSent) {
+    absl::Status s = CallOnCompute(self.compute_, [&]() -> absl::Status {
+      float* dst = block.data();
+      for (size_t i : bucket) {
+        if (w.plan.owner[i] != w.rank) continue;
+        const size_t gi = self.group_of_param_[i];
+        const size_t slot = self.slot_in_group_[i];
+        if (run.no_grad[i]) {
+          // Not stepped on any rank: its slot is sent but never read.
+        } else if (w.compact[i] > 0) {
+          const std::vector<std::vector<float>>& payload = run.captures[gi].payload;
+          if (payload.size() <= slot ||
+              static_cast<int64_t>(payload[slot].size()) != w.compact[i]) {
+            return absl::InternalError(absl::StrCat("no compact update captured for '",
+                                                    Bounded(self.layout_.tensors[i].name), "'"));
+          }
+          std::copy(payload[slot].begin(), payload[slot].end(), dst);
+        } else {
+          DIOND_RETURN_IF_ERROR(self.groups_[gi].optimizer->CopyStagedParam(slot, dst));
+        }
+        dst += size_of(i);
+      }
+      return absl::OkStatus();
+    });
+    if (!s.ok()) {
+      *mine = absl::Status(
+          s.code(), absl::StrCat(run.when, ": sending bucket ", k, "'s updates: ", s.message()));
+      flag = kGaveUp;
+    }
+  }
+  block.back() = flag;
+  std::vector<float> all(static_cast<size_t>(begin.back() + counts.back()));
+  if (absl::Status st = run.comm->AllGatherV(block, counts, absl::MakeSpan(all)); !st.ok()) {
+    return self.BreakWorld(
+        run, absl::UnavailableError(
+                 absl::StrCat(run.when, ": exchange of bucket ", k,
+                              "'s updates failed: ", self.DescribeWorldFailure(st),
+                              "; create the session again and resume from the last checkpoint")));
+  }
+  bool nothing = false;
+  for (size_t j = 0; j < world_size; ++j) {
+    const float f = all[static_cast<size_t>(begin[j] + counts[j] - 1)];
+    *gave_up = *gave_up || f == kGaveUp;
+    nothing = nothing || f == kNothing;
+  }
+  if (*gave_up) return absl::OkStatus();
+  if (nothing) {  // a rank met a non-finite value: the step is skipped or failed on every rank
+    run.finite = false;
+    return absl::OkStatus();
+  }
+  // The others' updates into this rank's copies (the arena takes them after the decision).
+  *mine = CallOnCompute(self.compute_, [&]() -> absl::Status {
+    for (size_t j = 0; j < world_size; ++j) {
+      if (j == me) continue;
+      const float* src = all.data() + begin[j];
+      for (size_t i : bucket) {
+        if (static_cast<size_t>(w.plan.owner[i]) != j) continue;
+        const TensorPlacement& t = self.layout_.tensors[i];
+        absl::Status s;
+        if (run.no_grad[i]) {
+        } else if (w.compact[i] > 0) {
+          const size_t gi = self.group_of_param_[i];
+          // Through the rules' own code: the owner's bits (WorldExchange does the same).
+          s = optim::ApplyCapturedUpdate(
+              update_ctx, self.groups_[gi].optimizer->config(), t.shape, run.opts[gi],
+              absl::MakeConstSpan(src, static_cast<size_t>(w.compact[i])), run.params[i]);
+        } else {
+          s = internal::CopyF32(src, run.params[i], t.numel);
+        }
+        if (!s.ok()) {
+          return absl::Status(s.code(),
+                              absl::StrCat(run.when, ": applying the update of '", Bounded(t.name),
+                                           "' from rank ", j, ": ", s.message()));
+        }
+        src += size_of(i);
+      }
+    }
+    return absl::OkStatus();
+  });
+  return absl::OkStatus();
 }
 
 absl::StatusOr<StepResult> Session::Overlap::DecideWorldPhase(Session& self, StepRun& run,

@@ -248,11 +248,13 @@ absl::Status Session::AgreeGradientsPhase(StepRun& run) {
   WorldPart& w = *world_;
   const size_t n = layout_.tensors.size();
   // One count per parameter, and the non-finite flag of this rank's trainer as seen before
-  // the agreement (unchanged by it: masked gradients were never scanned).
-  // Then the step's kind (overlapped, and the buckets), which every rank must share.
-  std::vector<float> counts(n + Overlap::kAgreementSlots);
+  // the agreement (unchanged by it: masked gradients were never scanned; an overlapped step has
+  // read none yet). Then the step's kind (overlapped, and the buckets), which every rank must
+  // share.
+  std::vector<float> counts(n + 1 + Overlap::kAgreementSlots);
   for (size_t i = 0; i < n; ++i) counts[i] = run.no_grad[i] ? 0.0f : 1.0f;
-  Overlap::PutAgreement(*this, run, counts.data() + n);
+  counts[n] = run.finite ? 0.0f : 1.0f;
+  Overlap::PutAgreement(*this, run, counts.data() + n + 1);
   absl::Status st = run.comm->AllReduceSum(absl::MakeSpan(counts));
   if (!st.ok()) {
     return BreakWorld(run, absl::UnavailableError(absl::StrCat(
@@ -260,7 +262,11 @@ absl::Status Session::AgreeGradientsPhase(StepRun& run) {
                                DescribeWorldFailure(st),
                                "; create the session again and resume from the last checkpoint")));
   }
-  DIOND_RETURN_IF_ERROR(Overlap::CheckAgreement(*this, run, counts.data() + n));
+  DIOND_RETURN_IF_ERROR(Overlap::CheckAgreement(*this, run, counts.data() + n + 1));
+  // A non-finite gradient on any rank skips or fails the step on every rank, also when
+  // REPLICATED trainers disagree (their gradients should be identical; a rank alone would leave
+  // the collectives and break the world session).
+  run.finite = counts[n] == 0.0f;
   const float all = static_cast<float>(w.plan.world_size);
   const bool replicated_sync = spec_.gradient_sync == GradientSync::kReplicated;
   run.any_no_grad = false;

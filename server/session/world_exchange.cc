@@ -122,14 +122,14 @@ WorldExchange::WorldExchange(Session& s, Session::StepRun& run, const kernels::C
       extra_(2 * static_cast<int64_t>(s.groups_.size()) + 1) {
   counts_.resize(static_cast<size_t>(w_.plan.world_size));
   for (int j = 0; j < w_.plan.world_size; ++j) {
-    counts_[j] = w_.owned_payload[j] + extra_;
+    counts_[j] = (run.updates_exchanged ? 0 : w_.owned_payload[j]) + extra_;
     total_ += counts_[j];
   }
 }
 
 absl::Status WorldExchange::Run() {
   DIOND_RETURN_IF_ERROR(MakeWire());
-  PackOwned();
+  if (!run_.updates_exchanged) PackOwned();
   DIOND_RETURN_IF_ERROR(Gather());
   DIOND_RETURN_IF_ERROR(ReadTails());
   if (absl::Status d = wire_->Settled(); !d.ok()) {
@@ -237,8 +237,9 @@ absl::Status WorldExchange::ReadTails() {
   const Layout& layout = s_.layout_;
   std::vector<double>& update_sq = run_.update_sq;
   int64_t at = 0;
+  const std::vector<size_t> none;  // the payloads went bucket by bucket (an overlapped step)
   for (int j = 0; j < w_.plan.world_size; ++j) {
-    for (size_t i : w_.owned[j]) {
+    for (size_t i : run_.updates_exchanged ? none : w_.owned[j]) {
       const int64_t numel = layout.tensors[i].numel;
       // A parameter nobody stepped keeps its value on every rank.
       const bool apply = j != w_.rank && !run_.no_grad[i];

@@ -99,8 +99,8 @@ class WorldExchange {
   const kernels::Context& ctx_;
   const Session::WorldPart& w_;
   const std::string where_;
-  // Block of rank j: its payloads, then per group its squared update norm as two floats (hi,
-  // lo: a double to ~48 bits), then its status.
+  // Block of rank j: its payloads (none when run.updates_exchanged), then per group its squared
+  // update norm as two floats (hi, lo: a double to ~48 bits), then its status.
   const int64_t extra_;
   std::vector<int64_t> counts_;
   int64_t total_ = 0;

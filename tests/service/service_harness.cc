@@ -143,6 +143,9 @@ std::unique_ptr<Daemon> Daemon::Launch(std::vector<std::string> prefix,
           if (e.contains("port")) d->tcp_port_ = e["port"].get<int>();
         }
       }
+      if (!j.is_discarded() && j.contains("metrics_port")) {
+        d->metrics_port_ = j["metrics_port"].get<int>();
+      }
       d->channel_ = grpc::CreateChannel("unix:" + d->socket_, grpc::InsecureChannelCredentials());
       d->stub_ = v1::Optimizer::NewStub(d->channel_);
       return d;

@@ -78,6 +78,8 @@ class Daemon {
   pid_t pid() const { return proc_->pid(); }
   // The loopback TCP port (started with tcp = true), e.g. rank 0's address for --coordinator.
   int tcp_port() const { return tcp_port_; }
+  // The metrics port, when `flags` gave --metrics_address (the harness's default has none).
+  int metrics_port() const { return metrics_port_; }
   const std::string& dir() const { return dir_; }
   std::string Log() const { return proc_->Log(); }
   // SIGKILL and reap.
@@ -97,6 +99,7 @@ class Daemon {
   std::unique_ptr<testing::Subprocess> proc_;
   std::string dir_, socket_;
   int tcp_port_ = 0;
+  int metrics_port_ = 0;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Optimizer::Stub> stub_;
 };

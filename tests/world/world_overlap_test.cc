@@ -6,8 +6,9 @@
 // stepped beside it, is the reference:
 //  - every algorithm under AVERAGE, and Muon and Dion2 under REPLICATED: the weights and the
 //    update norms after every step equal the synchronous run's on both ranks, bit for bit;
-//  - a NaN in one bucket on one rank: both ranks skip (SKIP) or fail with nothing committed
-//    (ERROR, then a retry applies);
+//  - each bucket's updates are all-gathered before the next bucket rings (the daemons' /metrics);
+//  - a NaN in one bucket on one rank (AVERAGE and REPLICATED): both ranks skip (SKIP) or fail
+//    with nothing committed (ERROR, then a retry applies);
 //  - buckets declared differently, or overlap asked on one rank only: refused on both ranks
 //    with FAILED_PRECONDITION, nothing committed, and the world session steps on;
 //  - one rank's trainer never rings its last bucket (its wait times out) or abandons the step:
@@ -50,9 +51,10 @@ class WorldOverlap : public ::testing::Test {
   // before its peer's collective times out.
   static void SetUpTestSuite() {
     auto flags = [](int rank, int port) {
-      std::vector<std::string> f = {absl::StrCat("--world_size=", kW),
-                                    absl::StrCat("--rank=", rank), "--heartbeat_interval=200ms",
-                                    "--peer_timeout=10s", "--overlap_bucket_timeout=3s"};
+      std::vector<std::string> f = {
+          absl::StrCat("--world_size=", kW), absl::StrCat("--rank=", rank),
+          "--heartbeat_interval=200ms",      "--peer_timeout=10s",
+          "--overlap_bucket_timeout=3s",     "--metrics_address=127.0.0.1:0"};
       if (rank > 0) f.push_back(absl::StrCat("--coordinator=127.0.0.1:", port));
       return f;
     };
@@ -71,6 +73,13 @@ class WorldOverlap : public ::testing::Test {
     ASSERT_NE(daemons_[1], nullptr);
   }
   static v1::Optimizer::Stub& stub(int r) { return daemons_[r]->stub(); }
+  // How many all-gather-v collectives rank r's daemon has run (its /metrics).
+  static int Gathers(int r) {
+    const std::string body = testing::HttpGet(daemons_[r]->metrics_port(), "/metrics");
+    const std::string key = "diond_collective_seconds_count{op=\"all_gather_v\"} ";
+    const size_t at = body.find(key);
+    return at == std::string::npos ? 0 : std::stoi(body.substr(at + key.size()));
+  }
 
   // Both sessions on both ranks, with the same initial weights; rank r's page declares
   // buckets[r].
@@ -195,6 +204,8 @@ class WorldOverlap : public ::testing::Test {
       retry_ = false;
     }
   }
+  // ARankThatGivesUpFailsBothAndTheRetryApplies under `sync`.
+  void GiveUpThenRetry(v1::GradientSync sync);
   void CloseAll() {
     for (int r = 0; r < kW; ++r) {
       EXPECT_TRUE(CloseSession(stub(r), ranks_[r].sync->id).ok());
@@ -250,10 +261,13 @@ TEST_F(WorldOverlap, AClipEqualsSynchronousBitForBit) {
 // A NaN in bucket 1 on rank 1 only: under SKIP both ranks skip the step, as the synchronous
 // run does; under ERROR both fail with every weights word -2, and a retry of 2 applies.
 TEST_F(WorldOverlap, ANanInOneBucketOnOneRankDecidesBothRanksAlike) {
-  for (v1::NonFinitePolicy policy : {v1::NON_FINITE_POLICY_SKIP, v1::NON_FINITE_POLICY_ERROR}) {
-    SCOPED_TRACE(policy);
-    Create(Desc(AlgorithmKind::kMuon, policy), v1::GRADIENT_SYNC_AVERAGE,
-           absl::StrCat("nan-", policy));
+  for (const auto& [policy, sync] :
+       {std::pair{v1::NON_FINITE_POLICY_SKIP, v1::GRADIENT_SYNC_AVERAGE},
+        std::pair{v1::NON_FINITE_POLICY_ERROR, v1::GRADIENT_SYNC_AVERAGE},
+        std::pair{v1::NON_FINITE_POLICY_SKIP, v1::GRADIENT_SYNC_REPLICATED},
+        std::pair{v1::NON_FINITE_POLICY_ERROR, v1::GRADIENT_SYNC_REPLICATED}}) {
+    SCOPED_TRACE(absl::StrCat(policy, " ", sync));
+    Create(Desc(AlgorithmKind::kMuon, policy), sync, absl::StrCat("nan-", policy, "-", sync));
     StepsAlike(1, 1);
     std::vector<std::vector<std::vector<float>>> g = {Grads(0, 2), Grads(1, 2)};
     g[1][static_cast<size_t>(kBuckets[1][0])][3] = std::nanf("");
@@ -338,10 +352,68 @@ TEST_F(WorldOverlap, MismatchedStepsAreRefusedOnBothRanks) {
 }
 
 // Rank 1's trainer never rings bucket 2: its wait times out (3 s), it still joins bucket 2's
-// reduce-scatter with its give-up flag, and both ranks fail with nothing committed; then rank
+// reduce-scatter (AVERAGE) or its exchange (REPLICATED) with its give-up flag, and both ranks
+// fail with nothing committed; then rank
 // 1's trainer abandons step 1 (-1 on a bucket): the same. The retries equal the reference.
 TEST_F(WorldOverlap, ARankThatGivesUpFailsBothAndTheRetryApplies) {
-  Create(Desc(AlgorithmKind::kDion), v1::GRADIENT_SYNC_AVERAGE, "give-up");
+  for (v1::GradientSync sync : {v1::GRADIENT_SYNC_AVERAGE, v1::GRADIENT_SYNC_REPLICATED}) {
+    SCOPED_TRACE(sync);
+    GiveUpThenRetry(sync);
+  }
+}
+
+// Buckets 0 and 1 rung, bucket 2 not yet: both daemons have already all-gathered the updates of
+// buckets 0 and 1 (one all-gather-v each) and written nothing; then bucket 2 rings, and the
+// step (one more per bucket, then the norms') equals the synchronous one. New values (Muon,
+// AdamW, Dion at full rank) and compact updates (Dion2), under AVERAGE and REPLICATED.
+TEST_F(WorldOverlap, EachBucketsUpdatesAreExchangedBeforeTheNextBucketRings) {
+  for (const auto& [a, sync] : {std::pair{AlgorithmKind::kMuon, v1::GRADIENT_SYNC_AVERAGE},
+                                std::pair{AlgorithmKind::kDion, v1::GRADIENT_SYNC_AVERAGE},
+                                std::pair{AlgorithmKind::kAdamW, v1::GRADIENT_SYNC_REPLICATED},
+                                std::pair{AlgorithmKind::kDion2, v1::GRADIENT_SYNC_REPLICATED}}) {
+    SCOPED_TRACE(optim::AlgorithmName(a));
+    Create(Desc(a), sync, absl::StrCat("per-bucket-", optim::AlgorithmName(a), "-", sync));
+    for (int64_t t = 1; t <= 2; ++t) {
+      std::vector<std::vector<std::vector<float>>> g = {Grads(0, t), Grads(1, t)};
+      v1::StepResponse want[kW], got[kW];
+      grpc::Status st[kW];
+      SyncStep(t, g, want);
+      OnRanks([&](int r) {
+        Rank& k = ranks_[r];
+        const int before = Gathers(r);
+        v1::StepResponse queued;
+        ASSERT_TRUE(Send(r, k.ov->id, t, /*overlap=*/true, &queued).ok());
+        auto ring = [&](int b) {
+          for (int32_t i : kBuckets[static_cast<size_t>(b)]) {
+            k.ov->WriteGrad(static_cast<size_t>(i), g[r][static_cast<size_t>(i)]);
+          }
+          k.bells.RingGradients(b, t);
+        };
+        ring(1);
+        ring(0);
+        const absl::Time deadline = absl::Now() + absl::Seconds(20);
+        while (Gathers(r) < before + 2 && absl::Now() < deadline) {
+          absl::SleepFor(absl::Milliseconds(10));
+        }
+        EXPECT_EQ(Gathers(r) - before, 2) << "rank " << r << ": before bucket 2 rang";
+        for (int b = 0; b < 3; ++b) EXPECT_NE(k.bells.weights(b), t) << "bucket " << b;
+        ring(2);
+        st[r] = WaitStep(stub(r), k.ov->id, &got[r]);
+        EXPECT_EQ(Gathers(r) - before, 4) << "rank " << r;
+      });
+      for (int r = 0; r < kW; ++r) {
+        ASSERT_TRUE(st[r].ok()) << "rank " << r << ": " << st[r].error_message();
+        ExpectSameResult(got[r], want[r]);
+        for (int b = 0; b < 3; ++b) EXPECT_EQ(ranks_[r].bells.weights(b), t);
+      }
+      ExpectSameWeights();
+    }
+    CloseAll();
+  }
+}
+
+void WorldOverlap::GiveUpThenRetry(v1::GradientSync sync) {
+  Create(Desc(AlgorithmKind::kDion), sync, absl::StrCat("give-up-", sync));
   const std::string before = Arena(*ranks_[0].ov);
   std::vector<std::vector<std::vector<float>>> g = {Grads(0, 1), Grads(1, 1)};
   v1::StepResponse got[kW];
