@@ -1,10 +1,10 @@
 // The global-norm gradient clip (grad_clip.h).
 //
-// The norm is summed here, in double, rather than with kernels::FrobeniusNorm: that op
-// accumulates in double too but rounds each tensor's norm to f32, so the total (and the
+// A host session's norm is summed here, in double, rather than with kernels::FrobeniusNorm: that
+// op accumulates in double too but rounds each tensor's norm to f32, so the total (and the
 // grad_norm the trainer logs) would carry a relative error near 1e-7 that depends on how the
-// parameters are split. A host session's gradients are host memory, so one read-only pass
-// suffices.
+// parameters are split. Its gradients are host memory, so one read-only pass suffices. A device
+// session's are not: there FrobeniusNorm it is, one op per gradient and one read-back.
 #include "server/session/grad_clip.h"
 
 #include <cmath>
@@ -16,6 +16,7 @@
 #include "common/bounded.h"
 #include "common/status_macros.h"
 #include "kernels/ops.h"
+#include "server/session/session_device.h"
 
 namespace diond::session {
 
@@ -44,11 +45,11 @@ absl::Status Session::Clip::Validate(const Session& self, const StepRequest& req
     return absl::InvalidArgumentError(
         absl::StrCat("max_grad_norm ", max, " must be finite and >= 0 (0 = no clip)"));
   }
-  if (max > 0 && self.device_ != nullptr) {
+  if (max > 0 && self.device_ != nullptr && self.is_world_session()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "step ", request.step_index, ": session ", self.id_,
-        " is a device session: max_grad_norm is not built yet for device sessions; clip in the "
-        "trainer or use a host session"));
+        " is a world device session: max_grad_norm is not built yet for world device sessions; "
+        "clip in the trainer, or use a local device session or a world host session"));
   }
   if (max > 0 && self.is_world_session() &&
       self.spec_.gradient_sync == GradientSync::kDionCompressed) {
@@ -68,16 +69,23 @@ void Session::Clip::Accumulate(const Session& self, StepRun& run, size_t i) {
   run.grad_sq[i] = SumOfSquares(run.grads[i], self.layout_.tensors[i].numel);
 }
 
-absl::Status Session::Clip::Apply(Session& self, StepRun& run, const std::vector<size_t>* only) {
+std::optional<float> Session::Clip::Coef(StepRun& run) {
   double sq = 0.0;
   for (double s : run.grad_sq) sq += s;  // parameter order: the same for every read order
   const double total = std::sqrt(sq);
   run.result.grad_norm = total;
   if (!std::isfinite(total)) run.finite = false;  // the non-finite policy decides
-  if (!run.finite) return absl::OkStatus();
+  if (!run.finite) return std::nullopt;
   const double coef = run.request->max_grad_norm / (total + 1e-6);
-  if (coef >= 1.0) return absl::OkStatus();  // torch multiplies by 1.0: the same values
-  const float c = static_cast<float>(coef);
+  if (coef >= 1.0) return std::nullopt;  // torch multiplies by 1.0: the same values
+  return static_cast<float>(coef);
+}
+
+absl::Status Session::Clip::Apply(Session& self, StepRun& run, const std::vector<size_t>* only) {
+  if (self.device_ != nullptr) return ApplyOnDevice(self, run);
+  const std::optional<float> coef = Coef(run);
+  if (!coef.has_value()) return absl::OkStatus();
+  const float c = *coef;
   for (size_t k = 0; k < (only != nullptr ? only->size() : run.grads.size()); ++k) {
     const size_t i = only != nullptr ? (*only)[k] : k;
     if (run.grads[i] == nullptr || run.no_grad[i]) continue;
@@ -90,6 +98,48 @@ absl::Status Session::Clip::Apply(Session& self, StepRun& run, const std::vector
                                           internal::HostView(DType::kF32, &c, 1),
                                           internal::HostView(DType::kF32, scratch.data(), numel)));
     run.grads[i] = scratch.data();
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Session::Clip::ApplyOnDevice(Session& self, StepRun& run) {
+  DeviceSide& d = *self.device_;
+  const kernels::Context& dc = *d.ctx;
+  const size_t n = self.layout_.tensors.size();
+  auto read = [&](size_t i) {
+    return run.grads[i] != nullptr && !run.no_grad[i] && self.layout_.tensors[i].numel > 0;
+  };
+  // The norms in the flag's buffer after the flag (one per parameter), then one read-back.
+  float* norms = d.nonfinite.As<float>() + 1;
+  for (size_t i = 0; i < n; ++i) {
+    if (!read(i)) continue;
+    DIOND_RETURN_IF_ERROR(kernels::FrobeniusNorm(
+        dc,
+        internal::DeviceView(d.device, DType::kF32, run.grads[i], self.layout_.tensors[i].numel),
+        internal::DeviceView(d.device, DType::kF32, norms + i, 1)));
+  }
+  std::vector<float> host(n, 0.0f);
+  if (n > 0) {
+    const int64_t count = static_cast<int64_t>(n);
+    DIOND_RETURN_IF_ERROR(kernels::CopyToHost(
+        dc, internal::DeviceView(d.device, DType::kF32, static_cast<const float*>(norms), count),
+        kernels::MakeView(host.data(), {count})));
+  }
+  run.grad_sq.assign(n, 0.0);
+  for (size_t i = 0; i < n; ++i) {
+    if (read(i)) run.grad_sq[i] = static_cast<double>(host[i]) * static_cast<double>(host[i]);
+  }
+  const std::optional<float> coef = Coef(run);
+  if (!coef.has_value()) return absl::OkStatus();
+  for (size_t i = 0; i < n; ++i) {
+    if (!read(i)) continue;
+    // A gradient read in place from a CUDA region stays the trainer's: scaled into the staging.
+    const int64_t numel = self.layout_.tensors[i].numel;
+    float* dst = d.grad(i);
+    DIOND_RETURN_IF_ERROR(
+        kernels::Scale(dc, *coef, internal::DeviceView(d.device, DType::kF32, run.grads[i], numel),
+                       internal::DeviceView(d.device, DType::kF32, dst, numel)));
+    run.grads[i] = dst;
   }
   return absl::OkStatus();
 }

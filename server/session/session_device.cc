@@ -113,14 +113,16 @@ Session::DeviceSide::Make(const Session& s, const kernels::Context& ctx,
     total += t.numel;
     largest = std::max(largest, t.numel);
   }
+  const int64_t words = 4 * (1 + static_cast<int64_t>(s.layout_.tensors.size()));
   auto fail = [&](const absl::Status& st) {
     const std::string pool = d->AllocationError();
     return absl::Status(
-        st.code(), absl::StrCat("the session's device staging (", 8 * total + 4 * largest + 4,
+        st.code(), absl::StrCat("the session's device staging (", 8 * total + 4 * largest + words,
                                 " bytes: fp32 parameters and gradients, ", 8 * total,
                                 "; one tensor's conversion buffer, ", 4 * largest,
-                                "; the non-finite flag, 4) does not fit on the device: ",
-                                st.message(), pool.empty() ? "" : absl::StrCat(" (", pool, ")")));
+                                "; the non-finite flag and the clip's norms, ", words,
+                                ") does not fit on the device: ", st.message(),
+                                pool.empty() ? "" : absl::StrCat(" (", pool, ")")));
   };
   for (kernels::Buffer* b : {&d->params, &d->grads}) {
     auto buf = d->ctx->Allocate(DType::kF32, {total});
@@ -130,7 +132,8 @@ Session::DeviceSide::Make(const Session& s, const kernels::Context& ctx,
   auto raw = d->ctx->Allocate(DType::kF32, {largest});
   if (!raw.ok()) return fail(raw.status());
   d->raw = std::move(*raw);
-  auto flag = d->ctx->Allocate(DType::kF32, {1});
+  // The non-finite flag, then one norm per parameter for the clip (grad_clip.h).
+  auto flag = d->ctx->Allocate(DType::kF32, {1 + static_cast<int64_t>(s.layout_.tensors.size())});
   if (!flag.ok()) return fail(flag.status());
   d->nonfinite = std::move(*flag);
   // The host words: the flag and one Σ(Δx)² per parameter, whole pages.

@@ -67,8 +67,8 @@ struct Session::DeviceSide final : Session::StepMemory {
   // fp32 staging of every parameter and every gradient (offset[i] elements in), and one
   // tensor's worth of trainer-dtype bytes for the widening and narrowing.
   kernels::Buffer grads, params, raw;
-  // One f32 on the device: 1 when a gradient of this step was found non-finite, read back once
-  // per step into words[0].
+  // On the device: [0] 1 when a gradient of this step was found non-finite, read back once per
+  // step into words[0]; [1 + i] parameter i's gradient norm for a clip (grad_clip.h).
   kernels::Buffer nonfinite;
   // The step's host words, one page-aligned block pinned with host_register where the backend
   // has it (words_pinned), so the copies into them can be part of a captured graph: [0] the

@@ -16,6 +16,7 @@
 #include "common/status_macros.h"
 #include "kernels/ops.h"
 #include "server/session/device_comm.h"
+#include "server/session/grad_clip.h"
 #include "server/session/session_device.h"
 
 namespace diond::session {
@@ -54,6 +55,8 @@ absl::Status Session::DeviceSide::ReadGradients(Session& s, StepRun& run) {
   // queued before it.
   DIOND_RETURN_IF_ERROR(SyncStream(*ctx));
   run.finite = words[0] == 0.0f;
+  // Before the check, as a host session's: the clip reads them (eagerly, outside the graphs).
+  if (run.clip) DIOND_RETURN_IF_ERROR(Clip::Apply(s, run));
   return s.arenas_.CheckRegions(run.when, Role::kGradients);
 }
 

@@ -8,8 +8,11 @@
 //  - params_without_grad are not in the norm (their gradient bytes are huge here);
 //  - an overlapped step with the clip equals the synchronous step with it, bit for bit;
 //  - a max_grad_norm that is NaN, negative or infinite is INVALID_ARGUMENT and changes nothing;
-//    a world of one (REPLICATED, AVERAGE) clips as a local session does; a device session
-//    (TEST device) is FAILED_PRECONDITION (worlds of two: tests/world/world_clip_test.cc);
+//    a world of one (REPLICATED, AVERAGE) clips as a local session does (worlds of two:
+//    tests/world/world_clip_test.cc);
+//  - a device session (TEST device) clips by the device's norms: the same checks, grad_norm
+//    within 1e-6, synchronous and overlapped (over CUDA regions:
+//    tests/service/overlap_device_service_test.cc);
 //  - a NaN gradient under SKIP and ERROR behaves as without the clip.
 #include <cmath>
 #include <limits>
@@ -124,36 +127,46 @@ class GradClip : public Overlap {
     EXPECT_TRUE(CloseSession(stub(), clip_->id).ok());
     EXPECT_TRUE(CloseSession(stub(), ref_->id).ok());
   }
+  // Step 1 engaged, step 2 not (max above the norm), step 3 engaged over gradient_scale 0.5
+  // (the gradients scaled, then clipped): grad_norm within `tolerance` of the norm here, and
+  // the weights, state and update norms those of a session given the gradients clipped here
+  // (by the norm here, or with `own_norm` by the daemon's grad_norm), bit for bit.
+  void EqualsPreClipped(AlgorithmKind a, double tolerance, bool own_norm);
+  // An overlapped step with the clip equals the synchronous one (grad_norm bit for bit, and
+  // within `tolerance` of the norm computed here), over 4 steps.
+  void OverlapEqualsSync(AlgorithmKind a, double tolerance);
   std::unique_ptr<ShmSession> clip_, ref_;
 };
 
 class GradClipAlgorithms : public GradClip, public ::testing::WithParamInterface<AlgorithmKind> {};
 
-// Step 1 engaged, step 2 not (max above the norm), step 3 engaged over gradient_scale 0.5
-// (the gradients scaled into the scratch, then clipped there).
 TEST_P(GradClipAlgorithms, EqualsASessionGivenPreClippedGradients) {
-  const SessionDesc d = Desc(GetParam());
+  EqualsPreClipped(GetParam(), 1e-12, /*own_norm=*/false);
+}
+
+void GradClip::EqualsPreClipped(AlgorithmKind a, double tolerance, bool own_norm) {
+  const SessionDesc d = Desc(a);
   NewSessions(d);
   const double factor[] = {0.25, 4.0, 0.5};
   for (int64_t t = 1; t <= 3; ++t) {
     SCOPED_TRACE(::testing::Message() << "step " << t);
     const GradSet g = Times(Grads(d, t), static_cast<float>(t));
-    const double scale = t == 3 ? 0.5 : 0.0;
-    const GradSet read = t == 3 ? Times(g, 0.5f) : g;  // exact: a power of two
+    const GradSet read = t == 3 ? Times(g, 0.5f) : g;  // gradient_scale 0.5: exact
     const double norm = Norm(read);
     const double max = factor[t - 1] * norm;
     for (size_t i = 0; i < g.size(); ++i) clip_->WriteGrad(i, g[i]);
-    const GradSet ref = Clipped(read, max, norm);
+    v1::StepResponse got, want;
+    StepArgs with = Clip(max);
+    with.gradient_scale = t == 3 ? 0.5 : 0.0;
+    grpc::Status s = ClipStep(stub(), clip_->id, t, with, &got);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    EXPECT_NEAR(got.grad_norm(), norm, tolerance * norm);
+    const GradSet ref = Clipped(read, max, own_norm ? got.grad_norm() : norm);
     if (t == 2) {
       EXPECT_EQ(ref, read);  // not engaged
     }
     for (size_t i = 0; i < g.size(); ++i) ref_->WriteGrad(i, ref[i]);
-    v1::StepResponse got, want;
-    StepArgs with = Clip(max);
-    with.gradient_scale = scale;
-    ASSERT_TRUE(ClipStep(stub(), clip_->id, t, with, &got).ok());
     ASSERT_TRUE(ClipStep(stub(), ref_->id, t, {}, &want).ok());
-    ExpectNear12(got.grad_norm(), norm);
     EXPECT_EQ(want.grad_norm(), 0.0);  // no clip asked: none reported
     ExpectSame(got, want);
   }
@@ -195,7 +208,11 @@ TEST_F(GradClip, ParamsWithoutGradAreNotInTheNorm) {
 class GradClipOverlap : public GradClip, public ::testing::WithParamInterface<AlgorithmKind> {};
 
 TEST_P(GradClipOverlap, EqualsTheSynchronousStepWithTheClip) {
-  const SessionDesc d = Desc(GetParam());
+  OverlapEqualsSync(GetParam(), 1e-12);
+}
+
+void GradClip::OverlapEqualsSync(AlgorithmKind a, double tolerance) {
+  const SessionDesc d = Desc(a);
   NewPair(d);
   const double factor[] = {0.2, 3.0, 0.6, 0.5};
   for (int64_t t = 1; t <= 4; ++t) {
@@ -226,7 +243,7 @@ TEST_P(GradClipOverlap, EqualsTheSynchronousStepWithTheClip) {
     ASSERT_TRUE(w.ok()) << w.error_message();
     ExpectSameResult(got, want);
     EXPECT_EQ(got.grad_norm(), want.grad_norm());  // bit for bit
-    ExpectNear12(got.grad_norm(), Norm(g));
+    EXPECT_NEAR(got.grad_norm(), Norm(g), tolerance * Norm(g));
     ExpectSameSessions();
     EXPECT_TRUE(bells_.AwaitWeights(static_cast<int>(kBuckets.size()), t));
   }
@@ -306,21 +323,33 @@ TEST_F(GradClip, AWorldOfOneClipsAsALocalSession) {
   }
 }
 
-TEST(GradClipDevice, ADeviceSessionRefusesTheClip) {
-  auto dev = Daemon::StartBinary(DIOND_TESTDEVICE_BINARY);
-  ASSERT_NE(dev, nullptr);
-  const SessionDesc d = TwoMatricesAndABias(AlgorithmKind::kMuon);
-  auto s = CreateShmSession(dev->stub(), d.Request());
-  ASSERT_NE(s, nullptr);
-  WriteSyntheticGrads(s.get(), d, 7, 1);
-  v1::StepResponse resp;
-  grpc::Status st = ClipStep(dev->stub(), s->id, 1, Clip(1.0), &resp);
-  EXPECT_EQ(st.error_code(), StatusCode::FAILED_PRECONDITION) << st.error_message();
-  EXPECT_TRUE(
-      absl::StrContains(st.error_message(), "max_grad_norm is not built yet for device sessions"))
-      << st.error_message();
-  EXPECT_TRUE(ClipStep(dev->stub(), s->id, 1, {}, &resp).ok());  // nothing else is wrong
+// A device daemon (diond_testdevice: the TEST backend; sessions over shm). The norms are the
+// device's, each gradient's f32 FrobeniusNorm: grad_norm is within 1e-6 of the norm in double
+// here, and the weights, state and update norms equal those of a device session given the
+// gradients already multiplied by (float)coef of the daemon's own grad_norm, bit for bit.
+class GradClipDevice : public GradClip, public ::testing::WithParamInterface<AlgorithmKind> {
+ protected:
+  static void SetUpTestSuite() {
+    daemon_ = Daemon::StartBinary(DIOND_TESTDEVICE_BINARY,
+                                  {"--compute_threads=1", "--overlap_bucket_timeout=60s"})
+                  .release();
+  }
+};
+
+TEST_P(GradClipDevice, EqualsASessionGivenTheGradientsItClipped) {
+  EqualsPreClipped(GetParam(), 1e-6, /*own_norm=*/true);
 }
+
+TEST_P(GradClipDevice, AnOverlappedStepEqualsTheSynchronousOne) {
+  OverlapEqualsSync(GetParam(), 1e-6);
+}
+
+INSTANTIATE_TEST_SUITE_P(Algorithms, GradClipDevice,
+                         ::testing::Values(AlgorithmKind::kMuon, AlgorithmKind::kAdamW,
+                                           AlgorithmKind::kDion2),
+                         [](const auto& info) {
+                           return std::string(optim::AlgorithmName(info.param));
+                         });
 
 // A NaN in one gradient: the total is NaN, and the non-finite policy decides as without the
 // clip (SKIP: nothing changes; ERROR: the same error, nothing changes, a retry applies).

@@ -12,9 +12,11 @@
 // N, nothing written) and ERROR (no record, every word -N, nothing written); the refusals of
 // the buckets' events (a host session, half the buckets, a short or unknown handle: nothing
 // left open); the events destroyed with the page, a new trainer and the session; an abandoned
-// step (-N) and a last bucket never rung with the session closed: nothing committed.
+// step (-N) and a last bucket never rung with the session closed: nothing committed; a clip
+// (max_grad_norm) over CUDA regions, synchronous and overlapped.
 #include <unistd.h>
 
+#include <cmath>
 #include <limits>
 #include <memory>
 #include <string>
@@ -99,10 +101,17 @@ class OverlapDevice : public CudaRegions {
   // Step t overlapped on `ov`: queued, then the trainer's backward from a thread (each bucket's
   // gradients written, then rung, in RingOrder(t) or `order`), then collected.
   grpc::Status Overlapped(Trainer& ov, int64_t t, const std::vector<std::vector<float>>& g,
-                          v1::StepResponse* got, std::vector<int> order = {}) {
+                          v1::StepResponse* got, std::vector<int> order = {},
+                          double max_grad_norm = 0) {
     if (order.empty()) order = RingOrder(t);
     v1::StepResponse queued;
-    grpc::Status q = OverlapStep(stub(), ov.id(), t, &queued);
+    v1::StepRequest req;
+    req.set_session_id(ov.id());
+    req.set_step_index(t);
+    req.set_asynchronous(true);
+    req.set_overlap(true);
+    req.set_max_grad_norm(max_grad_norm);
+    grpc::Status q = stub().Step(Ctx().get(), req, &queued);
     EXPECT_TRUE(q.ok()) << q.error_message();
     EXPECT_TRUE(queued.queued());
     std::thread trainer([&] {
@@ -197,6 +206,67 @@ TEST_F(OverlapDevice, OverShmRegionsEqualsASynchronousDeviceSession) {
     const SessionDesc d = Desc(a);
     ExpectOverlapEqualsSync(d, d.Request(), /*cuda=*/false, 3);
   }
+}
+
+// max_grad_norm on a device session over CUDA regions, whose f32 gradients are read in place:
+// the clip scales them into the staging, and the trainer's gradients are as it wrote them. The
+// norm is the device's (each gradient's f32 norm): near the one in double here; the weights,
+// state and update norms equal those of a session given the gradients already multiplied by
+// (float)coef of the daemon's grad_norm, bit for bit; and the overlapped step with the clip
+// equals the synchronous one, grad_norm included.
+TEST_F(OverlapDevice, AClipOverCudaRegionsScalesTheStagingNotTheTrainersGradients) {
+  const SessionDesc d = Desc(AlgorithmKind::kMuon);
+  Trainer clip = NewTrainer(d, d.Request(), /*cuda=*/true);
+  Trainer ref = NewTrainer(d, d.Request(), /*cuda=*/true);
+  Trainer ov = NewTrainer(d, d.Request(), /*cuda=*/true);
+  ASSERT_TRUE(clip.cuda && ref.cuda && ov.cuda);
+  ASSERT_TRUE(NewPage(ov.id(), /*events=*/true).ok());
+  const double factor[] = {0.3, 5.0, 0.7};
+  for (int64_t t = 1; t <= 3; ++t) {
+    SCOPED_TRACE(absl::StrCat("step ", t));
+    const std::vector<std::vector<float>> g = Grads(d, t);
+    double sq = 0;
+    for (const auto& v : g) {
+      for (float x : v) sq += static_cast<double>(x) * static_cast<double>(x);
+    }
+    const double norm = std::sqrt(sq);
+    const double max = factor[t - 1] * norm;
+    for (size_t i = 0; i < g.size(); ++i) clip.WriteGrad(i, g[i]);
+    v1::StepRequest req;
+    req.set_session_id(clip.id());
+    req.set_step_index(t);
+    req.set_max_grad_norm(max);
+    v1::StepResponse got, want, over;
+    grpc::Status s = stub().Step(Ctx().get(), req, &got);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    EXPECT_NEAR(got.grad_norm(), norm, 1e-6 * norm);
+    for (size_t i = 0; i < g.size(); ++i) {
+      EXPECT_EQ(
+          clip.cuda->mem->Read(clip.cuda->grad_base + clip.cuda->tensor(i).grad_offset_bytes(),
+                               static_cast<int64_t>(4 * g[i].size())),
+          FloatBytes(g[i]))
+          << "the trainer's gradient " << i;
+    }
+    const double coef = max / (got.grad_norm() + 1e-6);
+    std::vector<std::vector<float>> clipped = g;
+    if (coef < 1.0) {
+      for (auto& v : clipped) {
+        for (float& x : v) x *= static_cast<float>(coef);
+      }
+    } else {
+      EXPECT_EQ(t, 2);  // not engaged
+    }
+    ASSERT_TRUE(Synchronous(ref, t, clipped, &want).ok());
+    ExpectSameResult(got, want);
+    EXPECT_TRUE(clip.Params() == ref.Params()) << "the weights differ";
+    EXPECT_TRUE(State(clip.id()) == State(ref.id())) << "the state differs";
+    s = Overlapped(ov, t, g, &over, {}, max);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    ExpectSameResult(over, got);
+    EXPECT_EQ(over.grad_norm(), got.grad_norm());
+    EXPECT_TRUE(ov.Params() == clip.Params()) << "the overlapped weights differ";
+  }
+  for (const Trainer* t : {&clip, &ref, &ov}) EXPECT_TRUE(CloseSession(stub(), t->id()).ok());
 }
 
 TEST_F(OverlapDevice, ANonFiniteBucketSkipsOrFailsWithNothingWritten) {

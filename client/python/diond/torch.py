@@ -365,8 +365,9 @@ class Optimizer(torch.optim.Optimizer):
         It may change between steps, as lr. Under overlap=True this is the way to clip: a
         clip_grad_norm_ in the trainer makes every step synchronous (see the module's doc).
         Host sessions, local or world: a world under AVERAGE clips the averaged gradients, as
-        clip_grad_norm_ after DDP's all-reduce would (the daemon refuses device sessions and
-        DION_COMPRESSED).
+        clip_grad_norm_ after DDP's all-reduce would. Local device sessions (CUDA parameters)
+        too, with each gradient's norm computed on the GPU in f32 (the daemon refuses world
+        device sessions and DION_COMPRESSED).
       overlap_bucket_bytes: the gradient bytes a bucket gathers; None (default): about 1/64 of
         all the parameters' bytes, from 256 KiB to 64 MiB. A smaller bucket starts the daemon's
         work earlier, at a doorbell per bucket (docs/BENCHMARKS.md measures three sizes).

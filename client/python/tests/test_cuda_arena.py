@@ -12,7 +12,8 @@ arenas"). These tests need a GPU and a daemon built with the CUDA plugin next to
   * the allocation is freed on close, the fd closed after registration, the UUID from torch and
     from the driver agree; a daemon without fd channel gets legacy IPC; mixed devices refused;
   * overlap=True (per-bucket doorbells and interprocess events) trains as overlap=False does,
-    bit for bit, on both kinds.
+    bit for bit, on both kinds; so does the daemon-side clip (max_grad_norm), whose norm is
+    the GPU's within 1e-5.
 """
 import gc
 
@@ -237,3 +238,31 @@ def test_overlapped_step_on_cuda_arenas_equals_the_synchronous_one(gpu_daemon, k
     for i, st in sync[2]["state"].items():
         for k, v in st.items():
             assert torch.equal(ov[2]["state"][i][k], v), (i, k)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_daemon_clip_on_cuda_arenas_follows_torch_and_overlaps(gpu_daemon, kind):
+    """max_grad_norm on a device session: the GPU's norm (each gradient's in f32) within 1e-5 of
+    the norm in double of the same gradients, the clip engaged, and overlap=True equal to
+    overlap=False bit for bit."""
+    runs = []
+    for overlap in (False, True):
+        model = make_model().to(DEV)
+        with diond.torch.Optimizer(groups_for(model, "muon"), target=gpu_daemon.target,
+                                   arena=kind, overlap=overlap, max_grad_norm=0.05,
+                                   overlap_bucket_bytes=3000 if overlap else None) as opt:
+            for s in range(1, 6):
+                x, y = batch(s)
+                opt.zero_grad()
+                mse(model(x.to(DEV)), y.to(DEV)).backward()
+                want = torch.stack([p.grad.double().norm() for p in model.parameters()
+                                    if p.grad is not None]).norm().item()
+                opt.step()
+                opt.synchronize()
+                assert want > 0.05, want  # the clip engages
+                assert abs(opt.last_grad_norm - want) <= 1e-5 * want, (s, opt.last_grad_norm, want)
+            stats = opt.overlap_stats
+        runs.append(([p.cpu() for p in snapshot(model)], stats))
+    # The first step records backward's order: the other 4 overlap.
+    assert runs[1][1]["overlapped"] == 4 and runs[1][1]["synchronous"] == 0
+    assert_bitwise(runs[1][0], runs[0][0])
