@@ -100,8 +100,8 @@ class Session {
   // Waits for a queued asynchronous step, drops its outcome, returns its index (0: none).
   // `closing`: later Steps are refused; CUDA regions and events are released at once.
   int64_t DrainQueuedStep(bool closing = false);
-  // An overlapped step waiting for a bucket gives up now (nothing committed); does not wait.
-  void CancelDoorbellWaits() { cancel_waits_.fetch_add(1); }
+  // An overlapped step waiting for a bucket gives up now (nothing committed; true: one waited).
+  bool CancelDoorbellWaits();
 
   // Stream writes (PushGradients; SetState chunks), every one validated first: names exist,
   // ranges inside the tensor and aligned, every named tensor covered exactly once.
@@ -241,6 +241,7 @@ class Session {
   StepQueue queue_ ABSL_GUARDED_BY(mu_){&mu_, &id_};
   // Bumped by DrainQueuedStep: an overlapped step's wait for a doorbell (without mu_) gives up.
   std::atomic<int64_t> cancel_waits_{0};
+  std::atomic<bool> in_doorbell_wait_{false};           // an overlapped step waits for a doorbell
   int64_t queued_cancel_gen_ ABSL_GUARDED_BY(mu_) = 0;  // cancel_waits_ when the step was queued
 };
 

@@ -23,6 +23,11 @@ namespace diond::session {
 
 Session::~Session() { DrainQueuedStep(/*closing=*/true); }
 
+bool Session::CancelDoorbellWaits() {
+  cancel_waits_.fetch_add(1);
+  return in_doorbell_wait_.load();
+}
+
 int64_t Session::DrainQueuedStep(bool closing) {
   absl::MutexLock lock(&mu_);
   // An overlapped step waiting for its doorbells (without the mutex) gives up: its trainer is

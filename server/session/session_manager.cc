@@ -105,16 +105,14 @@ absl::StatusOr<std::unique_ptr<SessionManager>> SessionManager::Create(
     }
     if (options.recover) m->RecoverSessions();
   }
-  // One reaper thread for idle and orphan sessions, looking at least four times per timeout.
+  // One reaper thread for idle and orphan sessions, looking at least four times per timeout, and
+  // every second for the trainers gone in an overlapped step (ReapOrphanSessions).
   absl::Duration period = absl::Seconds(1);
-  bool reap = false;
   for (absl::Duration d :
        {options.idle_timeout, options.orphan_grace, options.orphan_grace_named}) {
-    if (d <= absl::ZeroDuration()) continue;
-    reap = true;
-    period = std::min(period, d / 4);
+    if (d > absl::ZeroDuration()) period = std::min(period, d / 4);
   }
-  if (reap) {
+  {
     SessionManager* self = m.get();
     m->reaper_ = std::thread([self, period] {
       while (!self->stop_.WaitForNotificationWithTimeout(period)) {

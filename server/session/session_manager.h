@@ -201,7 +201,9 @@ class SessionManager {
   // first look that finds them gone; it is closed like an idle one (checkpoint first; kept, and
   // tried again a grace later, when that fails) once `now` is a grace past both that moment and
   // its last use. Sessions with an unknown creator or attacher, world sessions and sessions
-  // whose grace is 0 are only logged, once. Called by the reaper thread; public for tests.
+  // whose grace is 0 are only logged, once. An orphan's overlapped step waiting for a doorbell
+  // is given up when it is found (Session::CancelDoorbellWaits), whatever the grace. Called by the
+  // reaper thread; public for tests.
   void ReapOrphanSessions(absl::Time now);
 
   // The CPU threads of the compute context (--compute_threads as it took effect).

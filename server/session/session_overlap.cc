@@ -286,11 +286,13 @@ absl::StatusOr<int> Session::Overlap::WaitForBucketPhase(Session& self, StepRun&
   const absl::Time deadline = absl::Now() + run.request->overlap_bucket_wait;
   // Without the mutex: the calls that would touch what the step reads are refused while it is
   // queued, and DrainQueuedStep must be able to cancel the wait.
+  self.in_doorbell_wait_ = true;
   self.mu_.Unlock();
   absl::StatusOr<int> k = bells.WaitAnyGradients(taken, run.request->step_index, deadline, [&] {
     return self.cancel_waits_.load() != generation;
   });
   self.mu_.Lock();
+  self.in_doorbell_wait_ = false;
   if (k.ok()) return k;
   return absl::Status(k.status().code(),
                       absl::StrCat(run.when, ": ", k.status().message(),

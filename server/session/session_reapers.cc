@@ -103,10 +103,6 @@ void SessionManager::ReapIdleSessions(absl::Time now) {
 }
 
 void SessionManager::ReapOrphanSessions(absl::Time now) {
-  if (options_.orphan_grace <= absl::ZeroDuration() &&
-      options_.orphan_grace_named <= absl::ZeroDuration()) {
-    return;
-  }
   // 1. Under the lock: the sessions that have had processes, with their watches.
   // The session only weakly: a session closed meanwhile must be freed by its Close (its memory
   // back when CloseSession answers), not later on this thread.
@@ -153,6 +149,10 @@ void SessionManager::ReapOrphanSessions(absl::Time now) {
   };
   std::vector<Due> due;
   std::vector<std::pair<std::string, std::string>> lines;  // (session, message), logged after
+  // Orphans found now: nobody is left to ring their doorbells, so an overlapped step waiting for
+  // one is given up at once (nothing committed; in a world the other ranks fail the step alike
+  // rather than meet --peer_timeout), not at --overlap_bucket_timeout.
+  std::vector<std::pair<std::string, std::weak_ptr<Session>>> cancel;
   {
     absl::MutexLock lock(&mu_);
     for (Look& l : looks) {
@@ -182,7 +182,10 @@ void SessionManager::ReapOrphanSessions(absl::Time now) {
           ": every process that created or used it has exited (pid ", absl::StrJoin(t.exited, ", "),
           ")");
       const bool first = t.orphan_since == absl::InfinitePast();
-      if (first) t.orphan_since = now;
+      if (first) {
+        t.orphan_since = now;
+        cancel.emplace_back(l.id, l.session);
+      }
       absl::Duration grace = name.empty() ? options_.orphan_grace : options_.orphan_grace_named;
       const char* flag = name.empty() ? "--orphan_grace" : "--orphan_grace_named";
       if (l.world || grace <= absl::ZeroDuration()) {
@@ -190,12 +193,13 @@ void SessionManager::ReapOrphanSessions(absl::Time now) {
           t.noted = true;
           lines.emplace_back(
               l.id,
-              absl::StrCat(
-                  who, "; it is kept: ",
-                  l.world ? "world sessions are not reaped as orphans (the other ranks' "
-                            "trainers may still step it); close it, or use "
-                            "--session_idle_timeout"
-                          : absl::StrCat("named sessions wait for AttachSession (", flag, "=0)")));
+              absl::StrCat(who, "; it is kept: ",
+                           l.world ? "world sessions are not reaped as orphans (the other ranks' "
+                                     "trainers may still step it); close it, or use "
+                                     "--session_idle_timeout"
+                           : name.empty() ? absl::StrCat("orphans are not reaped (", flag, "=0)")
+                                          : absl::StrCat("named sessions wait for AttachSession (",
+                                                         flag, "=0)")));
         }
         continue;
       }
@@ -217,6 +221,14 @@ void SessionManager::ReapOrphanSessions(absl::Time now) {
   for (const auto& [id, message] : lines) {
     ScopedLogContext log_context(id);
     DIOND_LOG(INFO) << message;
+  }
+  for (const auto& [id, weak] : cancel) {
+    std::shared_ptr<Session> s = weak.lock();
+    if (s == nullptr || !s->CancelDoorbellWaits()) continue;
+    ScopedLogContext log_context(id);
+    DIOND_LOG(WARNING) << "session " << id << ": its trainer process(es) exited during an "
+                       << "overlapped step; that step's wait for the gradients doorbells is "
+                       << "cancelled (nothing committed)";
   }
   for (const Due& d : due) {
     // For good: --recover would bring it back with no process left to watch.

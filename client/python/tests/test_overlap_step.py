@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import warnings
 
 import grpc
@@ -169,9 +170,10 @@ def test_refused_where_not_built(daemon):
 
 def test_a_trainer_killed_mid_step_leaves_nothing_committed(daemon):
     """The trainer dies after backward handed some buckets over: the daemon's step waits for
-    the last one. A new trainer resumes the session (AttachSession cancels the wait): the step
-    counter and the weights are those before the killed step, and training on equals an
-    uninterrupted synchronous run bit for bit."""
+    the last one, until the daemon finds every process of the session gone (its reaper looks
+    every second) and gives the step up. A new trainer resumes the session: the step counter
+    and the weights are those before the killed step, and training on equals an uninterrupted
+    synchronous run bit for bit."""
     ref = make_model()
     with diond.torch.Optimizer(groups_for(ref, "muon"), target=daemon.target,
                                arena="shm") as opt:
@@ -187,6 +189,7 @@ def test_a_trainer_killed_mid_step_leaves_nothing_committed(daemon):
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+    wait_for_log(daemon, "exited during an overlapped step")
     model = make_model(seed=123)  # everything must come from the daemon
     with diond.torch.Optimizer(groups_for(model, "muon"), target=daemon.target, session=name,
                                resume=True, arena="shm", overlap=True,
@@ -203,6 +206,14 @@ def test_a_trainer_killed_mid_step_leaves_nothing_committed(daemon):
         opt.synchronize()
         assert opt.overlap_stats["overlapped"] == 2
     assert_bitwise(snapshot(model), snapshot(ref))
+
+
+def wait_for_log(daemon, text, seconds=30):
+    deadline = time.monotonic() + seconds
+    while text not in daemon.log_tail(200):
+        assert time.monotonic() < deadline, "no %r in the daemon's log:\n%s" % (
+            text, daemon.log_tail())
+        time.sleep(0.05)
 
 
 def accumulate_loop(model, opt, steps, no_sync):

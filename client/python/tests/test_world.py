@@ -2,6 +2,10 @@
 own diond.torch.Optimizer created with the same world_key. The daemons shard the work and the
 optimizer state; every trainer must end each step with the same weights as a single-daemon run
 (the owners' math is the same code, so bit for bit)."""
+import os
+import signal
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -9,6 +13,8 @@ import torch
 
 import diond
 import diond.torch
+from test_overlap_step import BUCKET, HERE, groups_for, loop, wait_for_log
+from test_torch_optimizer import assert_bitwise, batch, make_model, mse, snapshot
 
 
 def _world(daemon_factory):
@@ -200,3 +206,54 @@ def test_overlapped_steps_in_a_world_equal_synchronous_ones(daemon_factory, algo
         for got, want, ref in zip(result[(rank, True)], result[(rank, False)], result[(0, False)]):
             assert torch.equal(got, want), "rank %d: overlap=True differs" % rank
             assert torch.equal(want, ref), "the ranks differ"
+
+
+def test_a_trainer_killed_mid_step_fails_that_step_on_every_rank(daemon_factory):
+    """overlap=True in a world of 2 under AVERAGE: rank 0's trainer (a process of its own) is
+    SIGKILLed in step 4's backward, its daemon's step waiting for the last bucket while rank 1's
+    waits in that bucket's collective. Rank 0's daemon finds its trainer gone and gives the step
+    up, so rank 1's step 4 fails as given up on rank 0 (not on --peer_timeout, which would break
+    the world session), with nothing committed: rank 1's weights are those of step 3."""
+    flags = ["--world_size=2", "--heartbeat_interval=200ms", "--peer_timeout=120s"]
+    d0 = daemon_factory(tcp=True, extra_args=flags + ["--rank=0"])
+    port = d0.tcp_target.rsplit(":", 1)[1]
+    d1 = daemon_factory(extra_args=flags + ["--rank=1", "--coordinator=127.0.0.1:" + port])
+    key = "py-killed-in-a-world"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "overlap_trainer.py"),
+                             d0.target, "", "3", key], stdout=subprocess.PIPE, env=env)
+    out = {}
+
+    def rank1():
+        model = make_model()
+        with diond.torch.Optimizer(groups_for(model, "muon"), target=d1.target, arena="shm",
+                                   overlap=True, overlap_bucket_bytes=BUCKET,
+                                   gradient_sync="average", world_key=key) as opt:
+            loop(model, opt, 3)
+            opt.synchronize()
+            out["before"] = snapshot(model)
+            x, y = batch(4)
+            opt.zero_grad()
+            mse(model(x), y).backward()
+            try:
+                opt.step()
+                opt.synchronize()
+            except Exception as e:  # the step's failure, checked below
+                out["error"] = e
+            out["after"] = snapshot(model)
+
+    _on_all_ranks([rank1, lambda: _kill_mid_step(proc, out)])
+    assert "mid-step 4" == out["line"], out["line"]
+    assert "error" in out, "rank 1's step 4 did not fail"
+    assert "given up on rank(s) 0" in str(out["error"]), out["error"]
+    assert_bitwise(out["after"], out["before"])
+    wait_for_log(d0, "exited during an overlapped step")
+
+
+def _kill_mid_step(proc, out):
+    try:
+        out["line"] = proc.stdout.readline().decode().strip()
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
