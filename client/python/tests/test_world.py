@@ -17,12 +17,13 @@ from test_overlap_step import BUCKET, HERE, groups_for, loop, wait_for_log
 from test_torch_optimizer import assert_bitwise, batch, make_model, mse, snapshot
 
 
-def _world(daemon_factory):
-    flags = ["--world_size=2", "--heartbeat_interval=200ms", "--peer_timeout=5s"]
+def _world(daemon_factory, size=2):
+    flags = ["--world_size=%d" % size, "--heartbeat_interval=200ms", "--peer_timeout=5s"]
     d0 = daemon_factory(tcp=True, extra_args=flags + ["--rank=0"])
     port = d0.tcp_target.rsplit(":", 1)[1]
-    d1 = daemon_factory(extra_args=flags + ["--rank=1", "--coordinator=127.0.0.1:" + port])
-    return [d0, d1]
+    return [d0] + [daemon_factory(extra_args=flags + ["--rank=%d" % r,
+                                                      "--coordinator=127.0.0.1:" + port])
+                   for r in range(1, size)]
 
 
 def _model(seed=0):
@@ -169,16 +170,19 @@ def test_world_options_are_checked():
                               gradient_sync="average")
 
 
-@pytest.mark.parametrize("algorithm", ["muon", "dion"])
-def test_overlapped_steps_in_a_world_equal_synchronous_ones(daemon_factory, algorithm):
-    """overlap=True in a world of 2 under AVERAGE (each trainer its own data): the daemons take
-    the buckets in declaration order and reduce-scatter each (docs/DISTRIBUTED.md "Overlapped
-    step"); the weights equal overlap=False's on both ranks, bit for bit."""
+@pytest.mark.parametrize("algorithm,size", [("muon", 2), ("dion", 2), ("muon", 3), ("dion2", 3)])
+def test_overlapped_steps_in_a_world_equal_synchronous_ones(daemon_factory, algorithm, size):
+    """overlap=True in a world of 2 or 3 under AVERAGE (each trainer its own data): the daemons
+    take the buckets in declaration order, reduce-scatter each and exchange its updates
+    (docs/DISTRIBUTED.md "Overlapped step"); the weights equal overlap=False's on every rank,
+    bit for bit. With 3 ranks and buckets of one or two parameters, a rank owns nothing of
+    some bucket (its block is only the flag)."""
     steps = 4
-    daemons = _world(daemon_factory)
+    daemons = _world(daemon_factory, size)
+    ranks = range(size)
     result = {}
     # Made here: torch's global generator is not for two threads at once.
-    models = {(rank, overlap): _model() for rank in (0, 1) for overlap in (False, True)}
+    models = {(rank, overlap): _model() for rank in ranks for overlap in (False, True)}
 
     def trainer(rank):
         def f():
@@ -187,7 +191,8 @@ def test_overlapped_steps_in_a_world_equal_synchronous_ones(daemon_factory, algo
                 opt = diond.torch.Optimizer(_groups(model), target=daemons[rank].target,
                                             algorithm=algorithm, lr=0.02, overlap=overlap,
                                             overlap_bucket_bytes=1500, gradient_sync="average",
-                                            world_key="py-overlap-%s-%s" % (algorithm, overlap))
+                                            world_key="py-overlap-%s-%d-%s" % (
+                                                algorithm, size, overlap))
                 for step in range(1, steps + 1):
                     g = torch.Generator().manual_seed(1000 * rank + step)
                     x = torch.randn(8, 24, generator=g)
@@ -201,8 +206,8 @@ def test_overlapped_steps_in_a_world_equal_synchronous_ones(daemon_factory, algo
                 opt.close()
         return f
 
-    _on_all_ranks([trainer(0), trainer(1)])
-    for rank in (0, 1):
+    _on_all_ranks([trainer(r) for r in ranks])
+    for rank in ranks:
         for got, want, ref in zip(result[(rank, True)], result[(rank, False)], result[(0, False)]):
             assert torch.equal(got, want), "rank %d: overlap=True differs" % rank
             assert torch.equal(want, ref), "the ranks differ"
