@@ -25,6 +25,10 @@ pub struct StepOptions {
     /// The parameters (indices in the session's declaration order) without a gradient in this
     /// step, as torch.optim's `p.grad is None`: the step leaves them and their state alone.
     pub params_without_grad: Vec<i32>,
+    /// Clips the gradients in the daemon to this total L2 norm first, as torch's
+    /// `clip_grad_norm_` (docs/DATA_PLANE.md "Gradient clip"; 0 = no clip). The answer's
+    /// `grad_norm` is the norm before the clip.
+    pub max_grad_norm: f64,
 }
 
 /// How [`Session::step`] retries a step whose outcome it did not learn.
@@ -242,6 +246,7 @@ impl Session {
             gradient_scale: opts.gradient_scale,
             asynchronous: opts.asynchronous,
             params_without_grad: opts.params_without_grad.clone(),
+            max_grad_norm: opts.max_grad_norm,
             ..Default::default()
         };
         let mut wait = self.retry.backoff;

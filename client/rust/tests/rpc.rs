@@ -377,6 +377,55 @@ fn asynchronous_steps_match_synchronous_steps() {
     assert!(asy.get_state(false).is_ok());
 }
 
+/// max_grad_norm: the daemon's answer carries the norm computed here (in f64, an order of its
+/// own), and its weights equal a session given the gradients already multiplied by
+/// (f32)(max / (norm + 1e-6)), bit for bit; a max above the norm changes nothing.
+#[test]
+fn the_daemon_clip_equals_gradients_clipped_by_the_trainer() {
+    let d = Daemon::start(&[], false);
+    let client = d.client();
+    let mut clip = client.create_session(&muon_spec("rpc-clip")).unwrap();
+    let mut pre = client.create_session(&muon_spec("rpc-preclipped")).unwrap();
+    let (wb, bb) = (diond::tensor::f32_bytes(&values(1, W)), diond::tensor::f32_bytes(&values(2, B)));
+    for s in [&mut clip, &mut pre] {
+        s.attach_shm().unwrap();
+        s.set_state(&[("w", &wb), ("b", &bb)]).unwrap();
+    }
+    for (t, factor) in [(1i64, 0.3f64), (2, 4.0), (3, 0.5)] {
+        let (gw, gb) = (values(10 + t as u64, W), values(20 + t as u64, B));
+        let norm = gw.iter().chain(gb.iter()).map(|&v| (v as f64) * (v as f64)).sum::<f64>().sqrt();
+        let max = factor * norm;
+        let coef = max / (norm + 1e-6);
+        let c = if coef < 1.0 { coef as f32 } else { 1.0 };
+        let arena = clip.arena_mut().unwrap();
+        arena.grad_mut("w").unwrap().copy_from_slice(&gw);
+        arena.grad_mut("b").unwrap().copy_from_slice(&gb);
+        let arena = pre.arena_mut().unwrap();
+        for (dst, src) in arena.grad_mut("w").unwrap().iter_mut().zip(&gw) {
+            *dst = src * c;
+        }
+        for (dst, src) in arena.grad_mut("b").unwrap().iter_mut().zip(&gb) {
+            *dst = src * c;
+        }
+        let got = clip.step_with(t, &StepOptions { max_grad_norm: max, ..Default::default() }).unwrap();
+        let want = pre.step(t).unwrap();
+        assert!((got.grad_norm - norm).abs() <= 1e-12 * norm, "step {t}: {} vs {norm}", got.grad_norm);
+        assert_eq!(want.grad_norm, 0.0, "no clip asked, none reported");
+        assert_eq!(got.update_norms, want.update_norms, "step {t}");
+        for name in ["w", "b"] {
+            assert_same_bits(
+                clip.arena().unwrap().param(name).unwrap(),
+                pre.arena().unwrap().param(name).unwrap(),
+                name,
+            );
+        }
+    }
+    // torch's rule for a bad max: refused, nothing changed.
+    let e = clip.step_with(4, &StepOptions { max_grad_norm: -1.0, ..Default::default() }).unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+    assert!(e.message().contains("max_grad_norm"), "{e}");
+}
+
 /// DescribeOptions: one row per field of Hyperparameters, and every algorithm's defaults,
 /// which the daemon fills in for the fields a builder leaves unset.
 #[test]
