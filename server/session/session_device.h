@@ -139,7 +139,9 @@ struct Session::DeviceSide final : Session::StepMemory {
   absl::Status PrepareEvents(Session& s, const StepRequest& request) override;
   absl::Status RecordDoneEvent(Session& s, const StepRequest& request) override;
   absl::Status ReadGradients(Session& s, StepRun& run) override;
-  absl::Status ReduceGradients(Session& s, StepRun& run, int64_t block) override;
+  absl::Status ReduceGradients(Session& s, StepRun& run, const std::vector<std::vector<size_t>>& of,
+                               int64_t block, const std::vector<float>& flags,
+                               std::vector<float>* summed) override;
   // The step's device collectives (device_comm.h) over the world's device communicator, else
   // staged through the host one.
   void JoinWorld(Session& s, StepRun& run,

@@ -276,15 +276,19 @@ absl::StatusOr<std::unique_ptr<ExchangeWire>> Session::DeviceSide::MakeExchangeW
   return MakeDeviceExchangeWire(ctx.get(), run.dcomm.get(), s.compute_, *m, *a);
 }
 
-// The reduce-scatter of a world AVERAGE step in device memory: the same blocks as the host's,
-// packed on the device (a device copy per owned gradient and a Fill per flag slot; the padding
-// between a block's gradients and its flag holds whatever the wire held before, the last
-// exchange's bytes: summed, never read), reduce-scattered by the step's device collectives,
+// The reduce-scatter of a world AVERAGE step (or bucket) in device memory: the same blocks as
+// the host's, packed on the device (a device copy per gradient and a Fill per flag slot; the
+// padding between a block's gradients and its flags holds whatever the wire held before, the
+// last exchange's bytes: summed, never read), reduce-scattered by the step's device collectives,
 // divided on the device straight into the gradient staging. One sync point of its own: the
-// summed non-finite flag read back.
-absl::Status Session::DeviceSide::ReduceGradients(Session& s, StepRun& run, int64_t block) {
+// summed flags read back.
+absl::Status Session::DeviceSide::ReduceGradients(Session& s, StepRun& run,
+                                                  const std::vector<std::vector<size_t>>& of,
+                                                  int64_t block, const std::vector<float>& flags,
+                                                  std::vector<float>* summed) {
   const WorldPart& w = *s.world_;
   const int world_size = w.plan.world_size;
+  const int64_t nflags = static_cast<int64_t>(flags.size());
   const kernels::Context& dctx = *ctx;
   auto fail = [&](const absl::Status& st, absl::string_view what) {
     return s.BreakWorld(run, absl::Status(st.code(), absl::StrCat(run.when, ": ", what,
@@ -303,7 +307,7 @@ absl::Status Session::DeviceSide::ReduceGradients(Session& s, StepRun& run, int6
   absl::Status packed = CallOnCompute(run.compute, [&]() -> absl::Status {
     for (int j = 0; j < world_size; ++j) {
       float* dst = in + static_cast<int64_t>(j) * block;
-      for (size_t i : w.owned[j]) {
+      for (size_t i : of[static_cast<size_t>(j)]) {
         const int64_t numel = s.layout_.tensors[i].numel;
         // A gradient this rank's trainer does not have counts as zeros.
         DIOND_RETURN_IF_ERROR(
@@ -313,8 +317,11 @@ absl::Status Session::DeviceSide::ReduceGradients(Session& s, StepRun& run, int6
                 : kernels::Fill(dctx, 0.0f, internal::StepView(dctx, dst, numel)));
         dst += numel;
       }
-      DIOND_RETURN_IF_ERROR(kernels::Fill(dctx, run.finite ? 0.0f : 1.0f,
-                                          internal::StepView(dctx, in + (j + 1) * block - 1, 1)));
+      for (int64_t f = 0; f < nflags; ++f) {
+        DIOND_RETURN_IF_ERROR(
+            kernels::Fill(dctx, flags[static_cast<size_t>(f)],
+                          internal::StepView(dctx, in + (j + 1) * block - nflags + f, 1)));
+      }
     }
     return kernels::Fill(dctx, static_cast<float>(world_size), internal::StepView(dctx, div, 1));
   });
@@ -323,29 +330,26 @@ absl::Status Session::DeviceSide::ReduceGradients(Session& s, StepRun& run, int6
       run.dcomm->ReduceScatterSum(absl::MakeConstSpan(in, static_cast<size_t>(block * world_size)),
                                   absl::MakeSpan(out, static_cast<size_t>(block)));
   if (!st.ok()) return s.ReduceFailed(run, st);
-  float flag = 0.0f;
+  summed->assign(static_cast<size_t>(nflags), 0.0f);
   absl::Status read = run.dcomm->ReadBackQueued(
-      [&] { return internal::CopyF32ToHost(dctx, out + block - 1, &flag, 1); });
-  if (!read.ok()) return fail(read, "reading the world's non-finite flag");
+      [&] { return internal::CopyF32ToHost(dctx, out + block - nflags, summed->data(), nflags); });
+  if (!read.ok()) return fail(read, "reading the world's flags");
   // A queued reduce-scatter fails asynchronously (the read-back returned because the world's
   // abort ended it): its output is then garbage.
   if (absl::Status d = run.dcomm->DeviceStatus(); !d.ok()) return s.ReduceFailed(run, d);
-  run.finite = flag == 0.0f;
   // The average, as on the host: a division by the world size, into the gradient staging.
   absl::Status divided = CallOnCompute(run.compute, [&]() -> absl::Status {
     const float* a = out;
-    for (size_t i : w.owned[w.rank]) {
+    for (size_t i : of[static_cast<size_t>(w.rank)]) {
       const int64_t numel = s.layout_.tensors[i].numel;
-      if (run.no_grad[i]) {  // no rank has it: not stepped
-        run.grads[i] = nullptr;
-        a += numel;
-        continue;
+      run.grads[i] = nullptr;
+      if (!run.no_grad[i]) {  // else no rank has it: not stepped
+        float* staging = grad(i);
+        DIOND_RETURN_IF_ERROR(kernels::Binary(
+            dctx, kernels::BinaryOp::kDiv, internal::StepView(dctx, a, numel),
+            internal::StepView(dctx, div, 1), internal::StepView(dctx, staging, numel)));
+        run.grads[i] = staging;
       }
-      float* staging = grad(i);
-      DIOND_RETURN_IF_ERROR(kernels::Binary(
-          dctx, kernels::BinaryOp::kDiv, internal::StepView(dctx, a, numel),
-          internal::StepView(dctx, div, 1), internal::StepView(dctx, staging, numel)));
-      run.grads[i] = staging;
       a += numel;
     }
     return absl::OkStatus();

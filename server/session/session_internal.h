@@ -100,7 +100,9 @@ struct Session::StepRun {
   bool clip = false;
   bool clip_averaged = false;
   std::vector<double> grad_sq;
-  std::vector<float> averaged;  // world AVERAGE: this rank's reduce-scattered gradients
+  // World AVERAGE, host memory: this rank's reduce-scattered gradients, one block per
+  // reduce-scatter (the step's, or each bucket's).
+  std::vector<std::vector<float>> averaged;
   // Per group: this step's options, the owner's compact updates, what the group stages.
   std::vector<optim::StepOptions> opts;
   std::vector<optim::StepCapture> captures;

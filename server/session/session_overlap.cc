@@ -33,14 +33,6 @@
 #include "server/session/step_memory.h"
 
 namespace diond::session {
-namespace {
-
-constexpr char kNotBuilt[] =
-    ": its overlapped step is not built yet (docs/DISTRIBUTED.md \"Overlapped step\": world "
-    "sessions on CPU daemons only)";
-
-}  // namespace
-
 absl::StatusOr<std::string> Session::RegisterShmDoorbells(
     const std::string& name, int64_t offset, int64_t size,
     const std::vector<DoorbellBucket>& buckets) {
@@ -64,10 +56,6 @@ absl::StatusOr<std::string> Session::Overlap::RegisterDoorbells(
     Session& self, const std::string& name, int64_t offset, int64_t size,
     const std::vector<DoorbellBucket>& buckets,
     absl::FunctionRef<absl::StatusOr<std::unique_ptr<memory::ShmRegion>>()> open) {
-  if (self.is_world_session() && self.device_ != nullptr) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("DOORBELLS: session ", self.id_, " is a world device session", kNotBuilt));
-  }
   if (offset < 0 || offset % kArenaAlignment != 0) {
     return absl::InvalidArgumentError(absl::StrCat("DOORBELLS: region offset ", offset,
                                                    " must be a non-negative multiple of ",
@@ -149,10 +137,6 @@ absl::Status Session::Overlap::ValidateOverlapLocked(Session& self, const StepRe
         absl::StrCat(when,
                      " needs asynchronous = true (the queued step waits for the buckets' doorbells "
                      "while the trainer's backward runs)"));
-  }
-  if (self.world_ != nullptr && self.device_ != nullptr) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(when, ": session ", self.id_, " is a world device session", kNotBuilt));
   }
   if (self.world_ != nullptr && self.spec_.gradient_sync == GradientSync::kDionCompressed) {
     // Compressed Dion averages inside its update, which a step in parts cannot do.

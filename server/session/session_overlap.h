@@ -79,10 +79,11 @@ struct Session::Overlap {
   static absl::StatusOr<StepResult> WorldPhases(Session& self, StepRun& run,
                                                 const kernels::Context& update_ctx,
                                                 std::vector<int>* order);
-  // Bucket k's gradients reduce-scattered to their owners into `out` (AVERAGE), with this
-  // rank's non-finite flag and `give_up`; `gave_up`: some rank gave up (nothing averaged then).
+  // Bucket k's gradients reduce-scattered to their owners and averaged (AVERAGE;
+  // StepMemory::ReduceGradients), with this rank's non-finite flag and `give_up`; `gave_up`:
+  // some rank gave up (the average is not used then).
   static absl::Status ReduceBucketPhase(Session& self, StepRun& run, size_t k, bool give_up,
-                                        std::vector<float>* out, bool* gave_up);
+                                        bool* gave_up);
   // Bucket k's updates, once this rank staged its part (`mine`: its failure so far): one
   // all-gather-v of every rank's block (its parameters of the bucket, each a compact update or
   // its new value, then a flag: sent, gave up, or nothing staged after a non-finite value), then

@@ -30,6 +30,7 @@
 #include "server/session/session_internal.h"
 #include "server/session/session_overlap.h"
 #include "server/session/step_memory.h"
+#include "server/session/world_exchange.h"
 
 namespace diond::session {
 namespace {
@@ -101,7 +102,6 @@ absl::StatusOr<StepResult> Session::Overlap::WorldPhases(Session& self, StepRun&
   const std::vector<std::vector<size_t>>& buckets = self.arenas_.doorbells().buckets;
   const bool reduce = run.comm != nullptr && self.spec_.gradient_sync == GradientSync::kAverage;
   absl::Status mine = BeginOverlapPhase(self, run, update_ctx);  // this rank's first failure
-  std::vector<std::vector<float>> averaged(buckets.size());
   // Under a clip the buckets are only read (and reduced): the coef needs them all.
   const bool clip = run.clip || run.clip_averaged;
   // Each bucket's updates are exchanged once staged, until a rank has nothing to send (a
@@ -123,8 +123,7 @@ absl::StatusOr<StepResult> Session::Overlap::WorldPhases(Session& self, StepRun&
     }
     if (reduce) {
       bool gave_up = false;
-      if (absl::Status s = ReduceBucketPhase(self, run, k, !mine.ok(), &averaged[k], &gave_up);
-          !s.ok()) {
+      if (absl::Status s = ReduceBucketPhase(self, run, k, !mine.ok(), &gave_up); !s.ok()) {
         self.DiscardStep(run);
         return s;
       }
@@ -176,68 +175,26 @@ absl::Status Session::Overlap::ClipAndStagePhase(Session& self, StepRun& run) {
 }
 
 absl::Status Session::Overlap::ReduceBucketPhase(Session& self, StepRun& run, size_t k,
-                                                 bool give_up, std::vector<float>* out,
-                                                 bool* gave_up) {
+                                                 bool give_up, bool* gave_up) {
   const WorldPart& w = *self.world_;
-  const int world_size = w.plan.world_size;
   const std::vector<size_t>& bucket = self.arenas_.doorbells().buckets[k];
   // Block j: rank j's parameters of the bucket, in the bucket's order, then the two flags.
-  std::vector<std::vector<size_t>> of(static_cast<size_t>(world_size));
-  int64_t block = 0;
-  for (int j = 0; j < world_size; ++j) {
-    int64_t e = 0;
-    for (size_t i : bucket) {
-      if (w.plan.owner[i] != j) continue;
-      of[static_cast<size_t>(j)].push_back(i);
-      e += self.layout_.tensors[i].numel;
-    }
-    block = std::max(block, e);
+  std::vector<std::vector<size_t>> of(static_cast<size_t>(w.plan.world_size));
+  std::vector<int64_t> elements(of.size(), 0);
+  for (size_t i : bucket) {
+    const size_t j = static_cast<size_t>(w.plan.owner[i]);
+    of[j].push_back(i);
+    elements[j] += self.layout_.tensors[i].numel;
+    // A rank that gives up sends zeros: what it read may be gone (a shrunk region).
+    if (give_up) run.grads[i] = nullptr;
   }
-  block += 2;
-  std::vector<float> input(static_cast<size_t>(block) * world_size, 0.0f);
-  DIOND_RETURN_IF_ERROR(CallOnCompute(run.compute, [&]() -> absl::Status {
-    for (int j = 0; j < world_size; ++j) {
-      float* dst = input.data() + static_cast<size_t>(j) * block;
-      for (size_t i : of[static_cast<size_t>(j)]) {
-        const int64_t numel = self.layout_.tensors[i].numel;
-        // A gradient this rank's trainer does not have (or did not give) counts as zeros.
-        if (!give_up && run.grads[i] != nullptr) {
-          DIOND_RETURN_IF_ERROR(kernels::Copy(*run.ctx,
-                                              internal::HostView(DType::kF32, run.grads[i], numel),
-                                              internal::HostView(DType::kF32, dst, numel)));
-        }
-        dst += numel;
-      }
-      input[static_cast<size_t>(j + 1) * block - 2] = run.finite ? 0.0f : 1.0f;
-      input[static_cast<size_t>(j + 1) * block - 1] = give_up ? 1.0f : 0.0f;
-    }
-    return absl::OkStatus();
-  }));
-  out->resize(static_cast<size_t>(block));
-  if (absl::Status st = run.comm->ReduceScatterSum(input, absl::MakeSpan(*out)); !st.ok()) {
-    return self.ReduceFailed(run, st);
-  }
-  *gave_up = (*out)[static_cast<size_t>(block) - 1] != 0.0f;
-  if (*gave_up) return absl::OkStatus();
-  run.finite = run.finite && (*out)[static_cast<size_t>(block) - 2] == 0.0f;
-  // The average as ReduceGradients computes it (a division, for the reference's bits).
-  const float divisor = static_cast<float>(world_size);
-  return CallOnCompute(run.compute, [&]() -> absl::Status {
-    float* a = out->data();
-    for (size_t i : of[static_cast<size_t>(w.rank)]) {
-      const int64_t numel = self.layout_.tensors[i].numel;
-      run.grads[i] = nullptr;
-      if (!run.no_grad[i]) {
-        DIOND_RETURN_IF_ERROR(kernels::Binary(*run.ctx, kernels::BinaryOp::kDiv,
-                                              internal::HostView(DType::kF32, a, numel),
-                                              internal::HostView(DType::kF32, &divisor, 1),
-                                              internal::HostView(DType::kF32, a, numel)));
-        run.grads[i] = a;
-      }
-      a += numel;
-    }
-    return absl::OkStatus();
-  });
+  const int64_t block = *std::max_element(elements.begin(), elements.end()) + 2;
+  std::vector<float> summed;
+  DIOND_RETURN_IF_ERROR(self.memory_->ReduceGradients(
+      self, run, of, block, {run.finite ? 0.0f : 1.0f, give_up ? 1.0f : 0.0f}, &summed));
+  *gave_up = summed[1] != 0.0f;
+  if (!*gave_up) run.finite = run.finite && summed[0] == 0.0f;
+  return absl::OkStatus();
 }
 
 absl::Status Session::Overlap::ExchangeBucketPhase(Session& self, StepRun& run,
@@ -250,92 +207,106 @@ absl::Status Session::Overlap::ExchangeBucketPhase(Session& self, StepRun& run,
   auto size_of = [&](size_t i) {
     return w.compact[i] > 0 ? w.compact[i] : self.layout_.tensors[i].numel;
   };
-  // Block j: rank j's parameters of the bucket in the bucket's order, then its flag.
+  auto broken = [&](const absl::Status& st) {
+    return self.BreakWorld(
+        run, absl::UnavailableError(
+                 absl::StrCat(run.when, ": exchange of bucket ", k,
+                              "'s updates failed: ", self.DescribeWorldFailure(st),
+                              "; create the session again and resume from the last checkpoint")));
+  };
+  // Block j: rank j's parameters of the bucket in the bucket's order, then its flag; in the
+  // step's memory (a device session's: its device, over its device collectives).
   std::vector<int64_t> counts(world_size, 1), begin(world_size, 0);
   for (size_t i : bucket) counts[static_cast<size_t>(w.plan.owner[i])] += size_of(i);
   for (size_t j = 1; j < world_size; ++j) begin[j] = begin[j - 1] + counts[j - 1];
+  const int64_t total = begin.back() + counts.back();
+  absl::StatusOr<std::unique_ptr<ExchangeWire>> made =
+      self.memory_->MakeExchangeWire(self, run, counts[me], total);
+  if (!made.ok()) return broken(made.status());
+  ExchangeWire& wire = **made;
   constexpr float kSent = 0.0f, kGaveUp = 1.0f, kNothing = 2.0f;
-  std::vector<float> block(static_cast<size_t>(counts[me]), 0.0f);
   float flag = !mine->ok() ? kGaveUp : !run.finite ? kNothing : kSent;
   if (flag == kSent) {
-    absl::Status s = CallOnCompute(self.compute_, [&]() -> absl::Status {
-      float* dst = block.data();
-      for (size_t i : bucket) {
-        if (w.plan.owner[i] != w.rank) continue;
-        const size_t gi = self.group_of_param_[i];
-        const size_t slot = self.slot_in_group_[i];
-        if (run.no_grad[i]) {
-          // Not stepped on any rank: its slot is sent but never read.
-        } else if (w.compact[i] > 0) {
-          const std::vector<std::vector<float>>& payload = run.captures[gi].payload;
-          if (payload.size() <= slot ||
-              static_cast<int64_t>(payload[slot].size()) != w.compact[i]) {
-            return absl::InternalError(absl::StrCat("no compact update captured for '",
-                                                    Bounded(self.layout_.tensors[i].name), "'"));
-          }
-          std::copy(payload[slot].begin(), payload[slot].end(), dst);
-        } else {
-          DIOND_RETURN_IF_ERROR(self.groups_[gi].optimizer->CopyStagedParam(slot, dst));
-        }
-        dst += size_of(i);
+    int64_t at = 0;
+    absl::Status s;
+    for (size_t i : bucket) {
+      if (w.plan.owner[i] != w.rank) continue;
+      const size_t gi = self.group_of_param_[i];
+      const size_t slot = self.slot_in_group_[i];
+      if (run.no_grad[i]) {
+        // Not stepped on any rank: its slot is sent but never read.
+      } else if (w.compact[i] > 0) {
+        const std::vector<std::vector<float>>& payload = run.captures[gi].payload;
+        s = payload.size() > slot && static_cast<int64_t>(payload[slot].size()) == w.compact[i]
+                ? wire.PutHost(payload[slot].data(), at, w.compact[i])
+                : absl::InternalError(absl::StrCat("no compact update captured for '",
+                                                   Bounded(self.layout_.tensors[i].name), "'"));
+      } else {
+        s = CallOnCompute(self.compute_, [&] {
+          return self.groups_[gi].optimizer->CopyStagedParam(slot, wire.mine() + at);
+        });
       }
-      return absl::OkStatus();
-    });
+      if (!s.ok()) break;
+      at += size_of(i);
+    }
     if (!s.ok()) {
       *mine = absl::Status(
           s.code(), absl::StrCat(run.when, ": sending bucket ", k, "'s updates: ", s.message()));
       flag = kGaveUp;
     }
   }
-  block.back() = flag;
-  std::vector<float> all(static_cast<size_t>(begin.back() + counts.back()));
-  if (absl::Status st = run.comm->AllGatherV(block, counts, absl::MakeSpan(all)); !st.ok()) {
-    return self.BreakWorld(
-        run, absl::UnavailableError(
-                 absl::StrCat(run.when, ": exchange of bucket ", k,
-                              "'s updates failed: ", self.DescribeWorldFailure(st),
-                              "; create the session again and resume from the last checkpoint")));
+  absl::Status st = wire.PutHost(&flag, counts[me] - 1, 1);
+  if (st.ok()) {
+    st = wire.comm().AllGatherV(absl::MakeConstSpan(wire.mine(), static_cast<size_t>(counts[me])),
+                                counts, absl::MakeSpan(wire.all(), static_cast<size_t>(total)));
   }
   bool nothing = false;
-  for (size_t j = 0; j < world_size; ++j) {
-    const float f = all[static_cast<size_t>(begin[j] + counts[j] - 1)];
-    *gave_up = *gave_up || f == kGaveUp;
-    nothing = nothing || f == kNothing;
+  for (size_t j = 0; j < world_size && st.ok(); ++j) {
+    absl::StatusOr<absl::Span<const float>> f = wire.GetHost(begin[j] + counts[j] - 1, 1);
+    st = f.status();
+    if (!st.ok()) break;
+    *gave_up = *gave_up || (*f)[0] == kGaveUp;
+    nothing = nothing || (*f)[0] == kNothing;
   }
+  if (st.ok()) st = wire.Settled();
+  if (!st.ok()) return broken(st);
   if (*gave_up) return absl::OkStatus();
   if (nothing) {  // a rank met a non-finite value: the step is skipped or failed on every rank
     run.finite = false;
     return absl::OkStatus();
   }
   // The others' updates into this rank's copies (the arena takes them after the decision).
-  *mine = CallOnCompute(self.compute_, [&]() -> absl::Status {
-    for (size_t j = 0; j < world_size; ++j) {
-      if (j == me) continue;
-      const float* src = all.data() + begin[j];
-      for (size_t i : bucket) {
-        if (static_cast<size_t>(w.plan.owner[i]) != j) continue;
-        const TensorPlacement& t = self.layout_.tensors[i];
-        absl::Status s;
-        if (run.no_grad[i]) {
-        } else if (w.compact[i] > 0) {
+  for (size_t j = 0; j < world_size && mine->ok(); ++j) {
+    if (j == me) continue;
+    int64_t at = begin[j];
+    for (size_t i : bucket) {
+      if (static_cast<size_t>(w.plan.owner[i]) != j) continue;
+      const TensorPlacement& t = self.layout_.tensors[i];
+      absl::Status s;
+      if (run.no_grad[i]) {
+      } else if (w.compact[i] > 0) {
+        // Through the rules' own code: the owner's bits (WorldExchange does the same).
+        absl::StatusOr<absl::Span<const float>> payload = wire.GetHost(at, w.compact[i]);
+        s = payload.status();
+        if (s.ok()) {
           const size_t gi = self.group_of_param_[i];
-          // Through the rules' own code: the owner's bits (WorldExchange does the same).
-          s = optim::ApplyCapturedUpdate(
-              update_ctx, self.groups_[gi].optimizer->config(), t.shape, run.opts[gi],
-              absl::MakeConstSpan(src, static_cast<size_t>(w.compact[i])), run.params[i]);
-        } else {
-          s = internal::CopyF32(src, run.params[i], t.numel);
+          s = CallOnCompute(self.compute_, [&] {
+            return optim::ApplyCapturedUpdate(update_ctx, self.groups_[gi].optimizer->config(),
+                                              t.shape, run.opts[gi], *payload, run.params[i]);
+          });
         }
-        if (!s.ok()) {
-          return absl::Status(s.code(),
-                              absl::StrCat(run.when, ": applying the update of '", Bounded(t.name),
-                                           "' from rank ", j, ": ", s.message()));
-        }
-        src += size_of(i);
+      } else {
+        s = wire.GetStep(at, run.params[i], t.numel);
       }
+      if (!s.ok()) {
+        *mine = absl::Status(s.code(),
+                             absl::StrCat(run.when, ": applying the update of '", Bounded(t.name),
+                                          "' from rank ", j, ": ", s.message()));
+        break;
+      }
+      at += size_of(i);
     }
-    return absl::OkStatus();
-  });
+  }
   return absl::OkStatus();
 }
 
@@ -379,6 +350,8 @@ absl::StatusOr<StepResult> Session::Overlap::DecideWorldPhase(Session& self, Ste
       return absl::InvalidArgumentError(
           absl::StrCat(run.when, ": gradients contain NaN or Inf (non_finite_policy=ERROR)"));
     }
+    // The weights are as they were: every bucket's done event, then (the caller) its word.
+    DIOND_RETURN_IF_ERROR(self.memory_->RecordBucketsDone(self));
     return self.SkipStepLocked(run);
   }
   run.write_weights = [&self, &run, &order] { return WriteBucketsPhase(self, run, order); };

@@ -294,7 +294,11 @@ absl::Status Session::ReduceGradientsPhase(StepRun& run) {
   // owner's gradients plus one slot for each rank's non-finite flag, in the step's memory.
   int64_t block = 0;
   for (int64_t e : world_->owned_elements) block = std::max(block, e);
-  return memory_->ReduceGradients(*this, run, block + 1);
+  std::vector<float> summed;
+  DIOND_RETURN_IF_ERROR(memory_->ReduceGradients(*this, run, world_->owned, block + 1,
+                                                 {run.finite ? 0.0f : 1.0f}, &summed));
+  run.finite = summed[0] == 0.0f;
+  return absl::OkStatus();
 }
 
 absl::Status Session::ReduceFailed(StepRun& run, const absl::Status& why) {

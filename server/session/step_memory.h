@@ -47,11 +47,16 @@ class Session::StepMemory {
   // communicator (null: none; NCCL where the world has one).
   virtual void JoinWorld(Session& s, StepRun& run,
                          std::shared_ptr<comm::Communicator> device_comm) = 0;
-  // Phase 4 (world AVERAGE): the gradients reduce-scattered to their owners in blocks of `block`
-  // floats per rank (the owned gradients, padded, then the non-finite flag) and averaged:
-  // run.grads of the owned parameters, run.finite the world's. A failed collective breaks the
-  // world session.
-  virtual absl::Status ReduceGradients(Session& s, StepRun& run, int64_t block) = 0;
+  // Phase 4 (world AVERAGE), or one bucket of an overlapped step: the gradients of of[j], rank
+  // j's parameters, reduce-scattered to their owners in blocks of `block` floats per rank (those
+  // gradients, padded, then this rank's `flags`; a null run.grads[i] counts as zeros) and
+  // averaged: run.grads of this rank's of[rank] (null for a parameter no rank has), in memory
+  // that lasts the step; `summed`: the flags summed over the world. A failed collective breaks
+  // the world session.
+  virtual absl::Status ReduceGradients(Session& s, StepRun& run,
+                                       const std::vector<std::vector<size_t>>& of, int64_t block,
+                                       const std::vector<float>& flags,
+                                       std::vector<float>* summed) = 0;
   // Phase 6: every parameter as fp32 (run.params; run.via_scratch where it is a copy).
   virtual absl::Status ReadParameters(Session& s, StepRun& run) = 0;
   // Phase 7: every group's update staged (Session::StageGroups); nothing changes yet.
@@ -100,7 +105,9 @@ struct Session::HostMemory final : Session::StepMemory {
                                const std::vector<size_t>& params) override;
   // Parameter i's gradient as fp32 into run.grads[i], scanned while run.finite.
   absl::Status ReadGradient(Session& s, StepRun& run, size_t i);
-  absl::Status ReduceGradients(Session& s, StepRun& run, int64_t block) override;
+  absl::Status ReduceGradients(Session& s, StepRun& run, const std::vector<std::vector<size_t>>& of,
+                               int64_t block, const std::vector<float>& flags,
+                               std::vector<float>* summed) override;
   void JoinWorld(Session& s, StepRun& run,
                  std::shared_ptr<comm::Communicator> device_comm) override {}
   absl::StatusOr<std::unique_ptr<ExchangeWire>> MakeExchangeWire(Session& s, StepRun& run,

@@ -130,17 +130,21 @@ void Session::HostMemory::CommitMaster(Session& s, size_t i) {
   s.arenas_.SwapInHostMaster(i);  // the updated copy becomes the master weights
 }
 
-// The reduce-scatter of a world AVERAGE step in host memory: block j of the input holds the
-// gradients of rank j's parameters, padded to the largest block, plus one slot with this rank's
-// non-finite flag, so every rank learns the same number of non-finite trainers.
-absl::Status Session::HostMemory::ReduceGradients(Session& s, StepRun& run, int64_t block) {
+// The reduce-scatter of a world AVERAGE step (or bucket) in host memory: block j of the input
+// holds the gradients of rank j's parameters, padded to the largest block, then this rank's
+// flags, so every rank learns the same sums (e.g. of non-finite trainers).
+absl::Status Session::HostMemory::ReduceGradients(Session& s, StepRun& run,
+                                                  const std::vector<std::vector<size_t>>& of,
+                                                  int64_t block, const std::vector<float>& flags,
+                                                  std::vector<float>* summed) {
   const WorldPart& w = *s.world_;
   const int world_size = w.plan.world_size;
+  const int64_t nflags = static_cast<int64_t>(flags.size());
   std::vector<float> input(static_cast<size_t>(block) * world_size, 0.0f);
   DIOND_RETURN_IF_ERROR(CallOnCompute(run.compute, [&]() -> absl::Status {
     for (int j = 0; j < world_size; ++j) {
       float* dst = input.data() + static_cast<size_t>(j) * block;
-      for (size_t i : w.owned[j]) {
+      for (size_t i : of[static_cast<size_t>(j)]) {
         const int64_t numel = s.layout_.tensors[i].numel;
         // A gradient this rank's trainer does not have counts as zeros (`input` is zeroed).
         if (run.grads[i] != nullptr) {
@@ -150,30 +154,29 @@ absl::Status Session::HostMemory::ReduceGradients(Session& s, StepRun& run, int6
         }
         dst += numel;
       }
-      input[static_cast<size_t>(j + 1) * block - 1] = run.finite ? 0.0f : 1.0f;
+      std::copy(flags.begin(), flags.end(), input.data() + (j + 1) * block - nflags);
     }
     return absl::OkStatus();
   }));
-  run.averaged.resize(static_cast<size_t>(block));
-  absl::Status st = run.comm->ReduceScatterSum(input, absl::MakeSpan(run.averaged));
+  std::vector<float>& out = run.averaged.emplace_back(static_cast<size_t>(block));
+  absl::Status st = run.comm->ReduceScatterSum(input, absl::MakeSpan(out));
   if (!st.ok()) return s.ReduceFailed(run, st);
-  run.finite = run.averaged.back() == 0.0f;
+  summed->assign(out.end() - nflags, out.end());
   // The average: the sum divided by the world size (a division, not a multiplication by its
   // inverse, so that the bits match the reference's mean).
   const float divisor = static_cast<float>(world_size);
   return CallOnCompute(run.compute, [&]() -> absl::Status {
-    float* a = run.averaged.data();
-    for (size_t i : w.owned[w.rank]) {
+    float* a = out.data();
+    for (size_t i : of[static_cast<size_t>(w.rank)]) {
       const int64_t numel = s.layout_.tensors[i].numel;
-      if (run.no_grad[i]) {  // no rank has it: not stepped
-        run.grads[i] = nullptr;
-        a += numel;
-        continue;
+      run.grads[i] = nullptr;
+      if (!run.no_grad[i]) {  // else no rank has it: not stepped
+        DIOND_RETURN_IF_ERROR(kernels::Binary(*run.ctx, kernels::BinaryOp::kDiv,
+                                              internal::HostView(DType::kF32, a, numel),
+                                              internal::HostView(DType::kF32, &divisor, 1),
+                                              internal::HostView(DType::kF32, a, numel)));
+        run.grads[i] = a;
       }
-      DIOND_RETURN_IF_ERROR(kernels::Binary(
-          *run.ctx, kernels::BinaryOp::kDiv, internal::HostView(DType::kF32, a, numel),
-          internal::HostView(DType::kF32, &divisor, 1), internal::HostView(DType::kF32, a, numel)));
-      run.grads[i] = a;
       a += numel;
     }
     return absl::OkStatus();

@@ -49,7 +49,9 @@ class WorldOverlap : public ::testing::Test {
  protected:
   // A bucket's wait of 3 s, well below the peer timeout: a rank whose trainer stopped gives up
   // before its peer's collective times out.
-  static void SetUpTestSuite() {
+  static void SetUpTestSuite() { StartWorld(""); }
+  // Both daemons: the CPU daemon, or `binary` (the TEST-backend device daemon).
+  static void StartWorld(const std::string& binary) {
     auto flags = [](int rank, int port) {
       std::vector<std::string> f = {
           absl::StrCat("--world_size=", kW), absl::StrCat("--rank=", rank),
@@ -58,9 +60,14 @@ class WorldOverlap : public ::testing::Test {
       if (rank > 0) f.push_back(absl::StrCat("--coordinator=127.0.0.1:", port));
       return f;
     };
-    daemons_[0] = Daemon::Start(flags(0, 0), /*tcp=*/true).release();
+    auto start = [&](int rank, int port) {
+      return (binary.empty() ? Daemon::Start(flags(rank, port), /*tcp=*/true)
+                             : Daemon::StartBinary(binary, flags(rank, port), {}, /*tcp=*/true))
+          .release();
+    };
+    daemons_[0] = start(0, 0);
     if (daemons_[0] == nullptr) return;
-    daemons_[1] = Daemon::Start(flags(1, daemons_[0]->tcp_port()), /*tcp=*/true).release();
+    daemons_[1] = start(1, daemons_[0]->tcp_port());
   }
   static void TearDownTestSuite() {
     for (Daemon*& d : daemons_) {
@@ -204,8 +211,20 @@ class WorldOverlap : public ::testing::Test {
       retry_ = false;
     }
   }
+  // Steps 1-3 alike (StepsAlike) for each (algorithm, sync), in world sessions named after them.
+  void EachAlike(const std::vector<std::pair<AlgorithmKind, v1::GradientSync>>& cases,
+                 const std::string& prefix) {
+    for (const auto& [a, sync] : cases) {
+      SCOPED_TRACE(optim::AlgorithmName(a));
+      Create(Desc(a), sync, absl::StrCat(prefix, optim::AlgorithmName(a), "-", sync));
+      StepsAlike(1, 3);
+      CloseAll();
+    }
+  }
   // ARankThatGivesUpFailsBothAndTheRetryApplies under `sync`.
   void GiveUpThenRetry(v1::GradientSync sync);
+  // EachBucketsUpdatesAreExchangedBeforeTheNextBucketRings.
+  void BucketsExchangedBeforeTheLastRings();
   void CloseAll() {
     for (int r = 0; r < kW; ++r) {
       EXPECT_TRUE(CloseSession(stub(r), ranks_[r].sync->id).ok());
@@ -235,26 +254,19 @@ INSTANTIATE_TEST_SUITE_P(All, WorldOverlapEveryAlgorithm, ::testing::ValuesIn(kE
                          AlgorithmParamName);
 
 TEST_F(WorldOverlap, ReplicatedEqualsSynchronousBitForBit) {
-  for (AlgorithmKind a : {AlgorithmKind::kMuon, AlgorithmKind::kDion2}) {
-    SCOPED_TRACE(optim::AlgorithmName(a));
-    Create(Desc(a), v1::GRADIENT_SYNC_REPLICATED, absl::StrCat("rep-", optim::AlgorithmName(a)));
-    StepsAlike(1, 3);
-    CloseAll();
-  }
+  EachAlike({{AlgorithmKind::kMuon, v1::GRADIENT_SYNC_REPLICATED},
+             {AlgorithmKind::kDion2, v1::GRADIENT_SYNC_REPLICATED}},
+            "rep-");
 }
 
 // max_grad_norm: the buckets are only read (and reduced), then the clip (of the averaged
 // gradients under AVERAGE, with its all-gather) and the staging, as the synchronous step does.
 TEST_F(WorldOverlap, AClipEqualsSynchronousBitForBit) {
   max_grad_norm_ = 0.5;  // below the gradients' norm: every step clips
-  for (const auto& [a, sync] : {std::pair{AlgorithmKind::kMuon, v1::GRADIENT_SYNC_AVERAGE},
-                                std::pair{AlgorithmKind::kDion2, v1::GRADIENT_SYNC_AVERAGE},
-                                std::pair{AlgorithmKind::kAdamW, v1::GRADIENT_SYNC_REPLICATED}}) {
-    SCOPED_TRACE(optim::AlgorithmName(a));
-    Create(Desc(a), sync, absl::StrCat("clip-", optim::AlgorithmName(a), "-", sync));
-    StepsAlike(1, 3);
-    CloseAll();
-  }
+  EachAlike({{AlgorithmKind::kMuon, v1::GRADIENT_SYNC_AVERAGE},
+             {AlgorithmKind::kDion2, v1::GRADIENT_SYNC_AVERAGE},
+             {AlgorithmKind::kAdamW, v1::GRADIENT_SYNC_REPLICATED}},
+            "clip-");
   max_grad_norm_ = 0;
 }
 
@@ -367,6 +379,10 @@ TEST_F(WorldOverlap, ARankThatGivesUpFailsBothAndTheRetryApplies) {
 // step (one more per bucket, then the norms') equals the synchronous one. New values (Muon,
 // AdamW, Dion at full rank) and compact updates (Dion2), under AVERAGE and REPLICATED.
 TEST_F(WorldOverlap, EachBucketsUpdatesAreExchangedBeforeTheNextBucketRings) {
+  BucketsExchangedBeforeTheLastRings();
+}
+
+void WorldOverlap::BucketsExchangedBeforeTheLastRings() {
   for (const auto& [a, sync] : {std::pair{AlgorithmKind::kMuon, v1::GRADIENT_SYNC_AVERAGE},
                                 std::pair{AlgorithmKind::kDion, v1::GRADIENT_SYNC_AVERAGE},
                                 std::pair{AlgorithmKind::kAdamW, v1::GRADIENT_SYNC_REPLICATED},
@@ -459,6 +475,53 @@ TEST_F(WorldOverlap, DionCompressedIsRefused) {
     EXPECT_TRUE(absl::StrContains(st.error_message(), "DION_COMPRESSED")) << st.error_message();
     EXPECT_TRUE(CloseSession(stub(r), s[r]->id).ok());
   }
+}
+
+// The same on two device daemons (diond_testdevice, the strict TEST backend; sessions over
+// shm): the buckets read into the device staging, reduce-scattered and exchanged in device
+// buffers over the step's device collectives (staged through Gloo here), equal to a synchronous
+// world device session bit for bit; the exchange per bucket, a NaN, a rank that gives up.
+class WorldOverlapDevice : public WorldOverlap {
+ protected:
+  static void SetUpTestSuite() { StartWorld(DIOND_TESTDEVICE_BINARY); }
+};
+
+TEST_F(WorldOverlapDevice, EqualsASynchronousWorldDeviceSessionBitForBit) {
+  EachAlike({{AlgorithmKind::kMuon, v1::GRADIENT_SYNC_AVERAGE},
+             {AlgorithmKind::kDion2, v1::GRADIENT_SYNC_AVERAGE},
+             {AlgorithmKind::kDion, v1::GRADIENT_SYNC_AVERAGE},
+             {AlgorithmKind::kAdamW, v1::GRADIENT_SYNC_REPLICATED},
+             {AlgorithmKind::kLion, v1::GRADIENT_SYNC_AVERAGE}},
+            "dev-");
+}
+
+TEST_F(WorldOverlapDevice, EachBucketsUpdatesAreExchangedBeforeTheNextBucketRings) {
+  BucketsExchangedBeforeTheLastRings();
+}
+
+TEST_F(WorldOverlapDevice, ANanInOneBucketOnOneRankSkipsOnBoth) {
+  Create(Desc(AlgorithmKind::kMuon, v1::NON_FINITE_POLICY_SKIP), v1::GRADIENT_SYNC_AVERAGE,
+         "dev-nan");
+  StepsAlike(1, 1);
+  std::vector<std::vector<std::vector<float>>> g = {Grads(0, 2), Grads(1, 2)};
+  g[1][static_cast<size_t>(kBuckets[1][0])][3] = std::nanf("");
+  const std::string before = Arena(*ranks_[0].ov);
+  v1::StepResponse got[kW], want[kW];
+  grpc::Status st[kW];
+  OverlapStep(2, g, got, st);
+  SyncStep(2, g, want);
+  for (int r = 0; r < kW; ++r) {
+    ASSERT_TRUE(st[r].ok()) << st[r].error_message();
+    EXPECT_TRUE(got[r].skipped() && want[r].skipped()) << "rank " << r;
+    EXPECT_EQ(Arena(*ranks_[r].ov), before) << "rank " << r;
+    for (int b = 0; b < 3; ++b) EXPECT_EQ(ranks_[r].bells.weights(b), 2);
+  }
+  StepsAlike(3, 3);
+  CloseAll();
+}
+
+TEST_F(WorldOverlapDevice, ARankThatGivesUpFailsBothAndTheRetryApplies) {
+  GiveUpThenRetry(v1::GRADIENT_SYNC_AVERAGE);
 }
 
 }  // namespace
