@@ -8,8 +8,11 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <functional>
 #include <memory>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
@@ -297,6 +300,75 @@ class CudaRegions : public ::testing::Test, protected Handoffs {
   std::unique_ptr<server::Daemon> daemon_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Optimizer::Stub> stub_;
+  std::unique_ptr<kernels::Context> trainer_;
+};
+
+// A world of kWorld daemons in this process on TEST device 0 (the hand-off emulation is
+// same-process only), over loopback TCP (the Peer service, the world secret) and Gloo, with
+// --checksum_every=2; a trainer context for their CUDA regions.
+inline constexpr int kWorld = 2;
+class CudaWorld : protected Handoffs {
+ protected:
+  void StartWorld(const std::string& folder_prefix) {
+    BeginHandoffs(folder_prefix);
+    const std::string secret = dir_ + "/world.secret", tokens = dir_ + "/tokens";
+    WriteText(secret, kWorldSecret);
+    WriteText(tokens, absl::StrCat(kTcpToken, " svc-test admin\n"));
+    for (int r = 0; r < kWorld; ++r) {
+      server::DaemonOptions o;
+      auto listen =
+          rpc::ParseListenAddresses(absl::StrCat("unix:", dir_, "/d", r, ".sock,127.0.0.1:0"));
+      ASSERT_TRUE(listen.ok()) << listen.status();
+      o.listen = *listen;
+      o.auth_token_file = tokens;
+      o.world_secret_file = secret;
+      o.device.mode = kernels::DeviceRequest::Mode::kCpu;
+      o.registered_device = kernels::Device{kernels::DeviceType::kTest, 0};
+      o.sessions.checksum_every = 2;
+      o.world.world_size = kWorld;
+      o.world.rank = r;
+      o.world.heartbeat_interval = absl::Milliseconds(200);
+      o.world.peer_timeout = absl::Seconds(5);
+      if (r > 0) {
+        int port = 0;
+        for (const auto& a : daemons_[0]->bound()) {
+          if (a.kind == rpc::ListenAddress::Kind::kTcp) port = a.port;
+        }
+        ASSERT_NE(port, 0);
+        o.world.coordinator = absl::StrCat("127.0.0.1:", port);
+      }
+      auto d = server::Daemon::Start(o);
+      ASSERT_TRUE(d.ok()) << d.status();
+      daemons_.push_back(*std::move(d));
+      channels_.push_back(grpc::CreateChannel(absl::StrCat("unix:", dir_, "/d", r, ".sock"),
+                                              grpc::InsecureChannelCredentials()));
+      stubs_.push_back(v1::Optimizer::NewStub(channels_.back()));
+    }
+    trainer_ = TrainerContext();
+    ASSERT_NE(trainer_, nullptr);
+  }
+
+  void StopWorld() {
+    stubs_.clear();
+    channels_.clear();
+    for (auto it = daemons_.rbegin(); it != daemons_.rend(); ++it) {
+      (*it)->Shutdown(absl::Seconds(5));
+    }
+    daemons_.clear();
+    EndHandoffs();
+  }
+
+  static void OnAllRanks(const std::function<void(int)>& f) {
+    std::vector<std::thread> t;
+    for (int r = 0; r < kWorld; ++r) t.emplace_back(f, r);
+    for (auto& th : t) th.join();
+  }
+
+  v1::Optimizer::Stub& stub(int r) { return *stubs_[static_cast<size_t>(r)]; }
+
+  std::vector<std::unique_ptr<server::Daemon>> daemons_;
+  std::vector<std::shared_ptr<grpc::Channel>> channels_;
+  std::vector<std::unique_ptr<v1::Optimizer::Stub>> stubs_;
   std::unique_ptr<kernels::Context> trainer_;
 };
 

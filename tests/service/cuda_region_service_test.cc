@@ -490,73 +490,16 @@ TEST_F(CudaRegions, ASkippedStepRecordsTheDoneEventAndAWorldSessionTakesEventsTo
 // arena must equal its shm arena bit for bit, with the same update norms, world bytes and
 // skip decisions; each step waits once on each rank's ready_event and records its done_event
 // once; GetState equals at the end; the checksums (--checksum_every=2) run on the device.
-constexpr int kWorld = 2;
-
 struct WorldRegionRun {
   AlgorithmKind algorithm;
   v1::GradientSync sync;
 };
 
-class CudaRegionWorld : public ::testing::TestWithParam<WorldRegionRun>, protected Handoffs {
+class CudaRegionWorld : public ::testing::TestWithParam<WorldRegionRun>, protected CudaWorld {
  protected:
   static void SetUpTestSuite() { RegisterStrictTestDevice(); }
-
-  void SetUp() override {
-    BeginHandoffs("/tmp/diond-cuda-world-");
-    const std::string secret = dir_ + "/world.secret", tokens = dir_ + "/tokens";
-    WriteText(secret, kWorldSecret);
-    WriteText(tokens, absl::StrCat(kTcpToken, " svc-test admin\n"));
-    for (int r = 0; r < kWorld; ++r) {
-      server::DaemonOptions o;
-      auto listen =
-          rpc::ParseListenAddresses(absl::StrCat("unix:", dir_, "/d", r, ".sock,127.0.0.1:0"));
-      ASSERT_TRUE(listen.ok()) << listen.status();
-      o.listen = *listen;
-      o.auth_token_file = tokens;
-      o.world_secret_file = secret;
-      o.device.mode = kernels::DeviceRequest::Mode::kCpu;
-      o.registered_device = kernels::Device{kernels::DeviceType::kTest, 0};
-      o.sessions.checksum_every = 2;
-      o.world.world_size = kWorld;
-      o.world.rank = r;
-      o.world.heartbeat_interval = absl::Milliseconds(200);
-      o.world.peer_timeout = absl::Seconds(5);
-      if (r > 0) {
-        int port = 0;
-        for (const auto& a : daemons_[0]->bound()) {
-          if (a.kind == rpc::ListenAddress::Kind::kTcp) port = a.port;
-        }
-        ASSERT_NE(port, 0);
-        o.world.coordinator = absl::StrCat("127.0.0.1:", port);
-      }
-      auto d = server::Daemon::Start(o);
-      ASSERT_TRUE(d.ok()) << d.status();
-      daemons_.push_back(*std::move(d));
-      channels_.push_back(grpc::CreateChannel(absl::StrCat("unix:", dir_, "/d", r, ".sock"),
-                                              grpc::InsecureChannelCredentials()));
-      stubs_.push_back(v1::Optimizer::NewStub(channels_.back()));
-    }
-    trainer_ = TrainerContext();
-    ASSERT_NE(trainer_, nullptr);
-  }
-
-  void TearDown() override {
-    stubs_.clear();
-    channels_.clear();
-    for (auto it = daemons_.rbegin(); it != daemons_.rend(); ++it) {
-      (*it)->Shutdown(absl::Seconds(5));
-    }
-    daemons_.clear();
-    EndHandoffs();
-  }
-
-  static void OnAllRanks(const std::function<void(int)>& f) {
-    std::vector<std::thread> t;
-    for (int r = 0; r < kWorld; ++r) t.emplace_back(f, r);
-    for (auto& th : t) th.join();
-  }
-
-  v1::Optimizer::Stub& stub(int r) { return *stubs_[static_cast<size_t>(r)]; }
+  void SetUp() override { StartWorld("/tmp/diond-cuda-world-"); }
+  void TearDown() override { StopWorld(); }
 
   grpc::Status StepWithEvents(int r, const std::string& id, int64_t index, v1::StepResponse* resp,
                               const std::string& ready, const std::string& done) {
@@ -568,11 +511,6 @@ class CudaRegionWorld : public ::testing::TestWithParam<WorldRegionRun>, protect
     req.set_done_event(done);
     return stub(r).Step(ctx.get(), req, resp);
   }
-
-  std::vector<std::unique_ptr<server::Daemon>> daemons_;
-  std::vector<std::shared_ptr<grpc::Channel>> channels_;
-  std::vector<std::unique_ptr<v1::Optimizer::Stub>> stubs_;
-  std::unique_ptr<kernels::Context> trainer_;
 };
 
 TEST_P(CudaRegionWorld, EqualsTheShmWorldBitForBitWithTheTrainersEvents) {

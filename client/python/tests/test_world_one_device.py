@@ -113,3 +113,48 @@ def test_a_world_of_two_on_one_device_matches_one_daemon(daemon_factory, algorit
                 log = f.read()
             assert ("world: device sessions exchange over Gloo, staged through host memory "
                     "(--world_device_collectives=gloo)") in log, d.log_tail()
+
+
+@pytest.mark.parametrize("algorithm,sync", [("muon", "average"), ("dion2", "replicated")])
+def test_overlapped_steps_of_a_world_on_one_device_equal_synchronous_ones(daemon_factory,
+                                                                          algorithm, sync):
+    """overlap=True in the same world (docs/DISTRIBUTED.md "Overlapped step", "On device
+    daemons": on a device daemon each bucket is reduced and exchanged in device buffers): each
+    trainer's weights after 4 steps equal overlap=False's, bit for bit. Under AVERAGE each
+    trainer has its own data; under REPLICATED both the same."""
+    steps = 4
+    daemons = _world(daemon_factory)
+    models = {(rank, overlap): _model() for rank in (0, 1) for overlap in (False, True)}
+    result, errors = {}, []
+
+    def trainer(rank):
+        try:
+            for overlap in (False, True):
+                model = models[(rank, overlap)]
+                with diond.torch.Optimizer(
+                        _groups(model), target=daemons[rank].target, algorithm=algorithm,
+                        lr=0.02, gradient_sync=sync, overlap=overlap, overlap_bucket_bytes=1500,
+                        world_key="one-device-ov-%s-%s-%s" % (algorithm, sync, overlap)) as opt:
+                    for step in range(1, steps + 1):
+                        seed = (1000 * rank if sync == "average" else 0) + step
+                        x = torch.randn(8, 24, generator=torch.Generator().manual_seed(seed))
+                        opt.zero_grad()
+                        model(x).square().mean().backward()
+                        opt.step()
+                    if overlap:
+                        assert opt.overlap_stats["overlapped"] == steps - 1, opt.overlap_stats
+                    opt.synchronize()
+                result[(rank, overlap)] = [p.detach().clone() for p in model.parameters()]
+        except Exception as e:  # surfaced below, with its rank
+            errors.append((rank, e))
+
+    threads = [threading.Thread(target=trainer, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a trainer hung"
+    assert not errors, "%s\n%s\n%s" % (errors, daemons[0].log_tail(), daemons[1].log_tail())
+    for rank in (0, 1):
+        for got, want in zip(result[(rank, True)], result[(rank, False)]):
+            assert torch.equal(got, want), "rank %d: overlap=True differs" % rank
