@@ -34,6 +34,12 @@ if [ -d "$root/client/python/tests" ]; then
   rc=$?
   set -e
   if [ $rc -ne 0 ] && [ $rc -ne 5 ]; then exit $rc; fi
+  # The world of two daemons on one device again, on the TEST device (the device sessions'
+  # world phases, overlapped steps included), as the GPU check runs it on a GPU.
+  echo "== pytest: a world of two diond_testdevice daemons =="
+  DIOND_BINARY="$build/bin/diond_testdevice" DIOND_WORLD_COMPUTE=test-device:0 \
+    PYTHONPATH="$build/python:$root/client/python" \
+    /usr/bin/python3 -m pytest -q -p no:cacheprovider "$root/client/python/tests/test_world_one_device.py"
 fi
 # HF Trainer, Lightning and JAX: their pinned packages go into a venv in the build folder.
 echo "== integrations (scripts/test-integrations.sh) =="

@@ -354,8 +354,9 @@ class Optimizer(torch.optim.Optimizer):
         to the daemon and returns, and the daemon computes w_N from w_{N-1} while the next
         forward and backward run on w_{N-1} (DeepSpeed's delayed parameter update; synchronize()
         brings the newest weights into the model). Both are refused with ValueError in remote
-        mode and in world sessions (not built yet). CUDA parameters: written, never run on a
-        GPU (docs/DATA_PLANE.md "Overlapped step").
+        mode; in world sessions "delayed" is, and True with CUDA parameters or
+        gradient_sync="dion_compressed" (not built yet). CUDA parameters: written, never run on
+        a GPU (docs/DATA_PLANE.md "Overlapped step").
         delayed_warmup_steps: with overlap="delayed", the number of first steps that run
         synchronously (ZeRO-Offload's delayed parameter update also starts after a warm-up).
         max_grad_norm: clip the gradients in the daemon to this total L2 norm before every step,
