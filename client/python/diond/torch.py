@@ -32,7 +32,7 @@ give bit-identical numbers).
 
 Overlapped step (``overlap=True``; local sessions: CPU parameters over memfd or shm, CUDA
 parameters over CUDA arenas, whose buckets are ordered with interprocess events; world sessions
-of CPU parameters, every trainer overlapping the same steps, docs/DISTRIBUTED.md): the
+of either, every trainer overlapping the same steps, docs/DISTRIBUTED.md): the
 daemon updates each bucket of parameters while backward still produces the gradients of earlier
 layers, and the next forward waits for each layer's weights just before the layer runs, with the
 numbers of a synchronous step, bit for bit (docs/DATA_PLANE.md "Overlapped step",
@@ -354,9 +354,9 @@ class Optimizer(torch.optim.Optimizer):
         to the daemon and returns, and the daemon computes w_N from w_{N-1} while the next
         forward and backward run on w_{N-1} (DeepSpeed's delayed parameter update; synchronize()
         brings the newest weights into the model). Both are refused with ValueError in remote
-        mode; in world sessions "delayed" is, and True with CUDA parameters or
-        gradient_sync="dion_compressed" (not built yet). CUDA parameters: written, never run on
-        a GPU (docs/DATA_PLANE.md "Overlapped step").
+        mode; in world sessions "delayed" is, and True with gradient_sync="dion_compressed"
+        (not built yet). CUDA parameters: written, never run on a GPU (docs/DATA_PLANE.md
+        "Overlapped step").
         delayed_warmup_steps: with overlap="delayed", the number of first steps that run
         synchronously (ZeRO-Offload's delayed parameter update also starts after a warm-up).
         max_grad_norm: clip the gradients in the daemon to this total L2 norm before every step,
@@ -638,19 +638,15 @@ class Optimizer(torch.optim.Optimizer):
         where = None
         if self.remote:
             where = "remote mode"
-        elif self.world_key and (self.delayed or self.gradient_sync == "dion_compressed"
-                                 or self._device.type != "cpu"):
-            # A world session overlaps only its overlapped step of host memory
-            # (docs/DISTRIBUTED.md "Overlapped step"); compressed Dion averages inside one update.
+        elif self.world_key and (self.delayed or self.gradient_sync == "dion_compressed"):
+            # A world session overlaps only its overlapped step (docs/DISTRIBUTED.md "Overlapped
+            # step"); compressed Dion averages inside one update.
             where = "world sessions with %s" % (
-                "overlap='delayed'" if self.delayed
-                else "gradient_sync='dion_compressed'" if self.gradient_sync == "dion_compressed"
-                else "CUDA parameters")
+                "overlap='delayed'" if self.delayed else "gradient_sync='dion_compressed'")
         if where is not None:
-            raise ValueError("overlap=True is built for local sessions (CPU parameters over "
-                             "host shared memory, CUDA parameters over CUDA regions) and world "
-                             "sessions of CPU parameters; %s are not built yet "
-                             "(docs/DATA_PLANE.md \"Overlapped step\")" % where)
+            raise ValueError("overlap=True is built for local and world sessions (CPU parameters "
+                             "over host shared memory, CUDA parameters over CUDA regions); %s "
+                             "are not built yet (docs/DATA_PLANE.md \"Overlapped step\")" % where)
 
     def _check_arena_device(self, choice):
         """The arenas' device (every parameter's), checked against the arena choice."""

@@ -115,16 +115,21 @@ def test_a_world_of_two_on_one_device_matches_one_daemon(daemon_factory, algorit
                     "(--world_device_collectives=gloo)") in log, d.log_tail()
 
 
+@pytest.mark.parametrize("params", ["cpu", "cuda"])
 @pytest.mark.parametrize("algorithm,sync", [("muon", "average"), ("dion2", "replicated")])
 def test_overlapped_steps_of_a_world_on_one_device_equal_synchronous_ones(daemon_factory,
-                                                                          algorithm, sync):
+                                                                          algorithm, sync, params):
     """overlap=True in the same world (docs/DISTRIBUTED.md "Overlapped step", "On device
     daemons": on a device daemon each bucket is reduced and exchanged in device buffers): each
     trainer's weights after 4 steps equal overlap=False's, bit for bit. Under AVERAGE each
-    trainer has its own data; under REPLICATED both the same."""
+    trainer has its own data; under REPLICATED both the same. CUDA parameters (CUDA arenas, an
+    event pair per bucket) need the GPU daemons of the GPU check."""
+    if params == "cuda" and not DEVICE.startswith("cuda"):
+        pytest.skip("CUDA parameters need DIOND_WORLD_DEVICE=cuda:N (the GPU check)")
+    dev = torch.device(DEVICE if params == "cuda" else "cpu")
     steps = 4
     daemons = _world(daemon_factory)
-    models = {(rank, overlap): _model() for rank in (0, 1) for overlap in (False, True)}
+    models = {(rank, overlap): _model().to(dev) for rank in (0, 1) for overlap in (False, True)}
     result, errors = {}, []
 
     def trainer(rank):
@@ -138,13 +143,14 @@ def test_overlapped_steps_of_a_world_on_one_device_equal_synchronous_ones(daemon
                     for step in range(1, steps + 1):
                         seed = (1000 * rank if sync == "average" else 0) + step
                         x = torch.randn(8, 24, generator=torch.Generator().manual_seed(seed))
+                        x = x.to(dev)
                         opt.zero_grad()
                         model(x).square().mean().backward()
                         opt.step()
                     if overlap:
                         assert opt.overlap_stats["overlapped"] == steps - 1, opt.overlap_stats
                     opt.synchronize()
-                result[(rank, overlap)] = [p.detach().clone() for p in model.parameters()]
+                result[(rank, overlap)] = [p.detach().cpu() for p in model.parameters()]
         except Exception as e:  # surfaced below, with its rank
             errors.append((rank, e))
 
