@@ -50,6 +50,20 @@ def _train(opt, model, steps):
         opt.step()
 
 
+def _square_loss_steps(opt, model, steps, seed_base, device="cpu"):
+    """`steps` steps of the mean square of the model's output on N(0, 1) batches seeded
+    seed_base + step; under overlap=True every step after the first must have overlapped.
+    Collected (synchronize) at the end."""
+    for step in range(1, steps + 1):
+        x = torch.randn(8, 24, generator=torch.Generator().manual_seed(seed_base + step))
+        opt.zero_grad()
+        model(x.to(device)).square().mean().backward()
+        opt.step()
+    if opt.overlap_stats is not None:
+        assert opt.overlap_stats["overlapped"] == steps - 1, opt.overlap_stats
+    opt.synchronize()
+
+
 def _on_all_ranks(fns):
     errors = []
 
@@ -193,15 +207,7 @@ def test_overlapped_steps_in_a_world_equal_synchronous_ones(daemon_factory, algo
                                             overlap_bucket_bytes=1500, gradient_sync="average",
                                             world_key="py-overlap-%s-%d-%s" % (
                                                 algorithm, size, overlap))
-                for step in range(1, steps + 1):
-                    g = torch.Generator().manual_seed(1000 * rank + step)
-                    x = torch.randn(8, 24, generator=g)
-                    opt.zero_grad()
-                    model(x).square().mean().backward()
-                    opt.step()
-                if overlap:
-                    assert opt.overlap_stats["overlapped"] == steps - 1, opt.overlap_stats
-                opt.synchronize()
+                _square_loss_steps(opt, model, steps, 1000 * rank)
                 result[(rank, overlap)] = [p.detach().clone() for p in model.parameters()]
                 opt.close()
         return f

@@ -19,6 +19,7 @@ import torch
 
 import diond
 import diond.torch
+from test_world import _square_loss_steps
 
 DEVICE = os.environ.get("DIOND_WORLD_DEVICE", "cpu")
 PLUGIN = os.environ.get("DIOND_CUDA_PLUGIN", "")
@@ -60,6 +61,25 @@ def _groups(model):
     return [dict(params=mats), dict(params=vecs, algorithm="adamw", lr=1e-3)]
 
 
+def _on_both_ranks(trainer, daemons):
+    """trainer(rank) on a thread per rank; a failure is raised here with both daemons' logs."""
+    errors = []
+
+    def run(rank):
+        try:
+            trainer(rank)
+        except Exception as e:  # surfaced below, with its rank
+            errors.append((rank, e))
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a trainer hung"
+    assert not errors, "%s\n%s\n%s" % (errors, daemons[0].log_tail(), daemons[1].log_tail())
+
+
 def _train(opt, model, steps):
     for step in range(1, steps + 1):
         g = torch.Generator().manual_seed(100 + step)
@@ -82,28 +102,18 @@ def test_a_world_of_two_on_one_device_matches_one_daemon(daemon_factory, algorit
 
     daemons = _world(daemon_factory)
     models = [_model(), _model()]
-    errors = []
 
     def trainer(rank):
-        try:
-            model = models[rank]
-            for p in model.parameters():
-                p.grad = torch.zeros_like(p)
-            # Both trainers hold the same gradients, so AVERAGE gives them back unchanged.
-            with diond.torch.Optimizer(_groups(model), target=daemons[rank].target,
-                                       algorithm=algorithm, lr=0.02, gradient_sync=sync,
-                                       world_key="one-device-%s-%s" % (algorithm, sync)) as opt:
-                _train(opt, model, steps)
-        except Exception as e:  # surfaced below, with its rank
-            errors.append((rank, e))
+        model = models[rank]
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        # Both trainers hold the same gradients, so AVERAGE gives them back unchanged.
+        with diond.torch.Optimizer(_groups(model), target=daemons[rank].target,
+                                   algorithm=algorithm, lr=0.02, gradient_sync=sync,
+                                   world_key="one-device-%s-%s" % (algorithm, sync)) as opt:
+            _train(opt, model, steps)
 
-    threads = [threading.Thread(target=trainer, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not any(t.is_alive() for t in threads), "a trainer hung"
-    assert not errors, "%s\n%s\n%s" % (errors, daemons[0].log_tail(), daemons[1].log_tail())
+    _on_both_ranks(trainer, daemons)
     for rank in (0, 1):
         for got, want in zip(models[rank].parameters(), expected):
             assert torch.equal(got.detach(), want), "rank %d differs from one daemon" % rank
@@ -130,37 +140,20 @@ def test_overlapped_steps_of_a_world_on_one_device_equal_synchronous_ones(daemon
     steps = 4
     daemons = _world(daemon_factory)
     models = {(rank, overlap): _model().to(dev) for rank in (0, 1) for overlap in (False, True)}
-    result, errors = {}, []
+    result = {}
 
     def trainer(rank):
-        try:
-            for overlap in (False, True):
-                model = models[(rank, overlap)]
-                with diond.torch.Optimizer(
-                        _groups(model), target=daemons[rank].target, algorithm=algorithm,
-                        lr=0.02, gradient_sync=sync, overlap=overlap, overlap_bucket_bytes=1500,
-                        world_key="one-device-ov-%s-%s-%s" % (algorithm, sync, overlap)) as opt:
-                    for step in range(1, steps + 1):
-                        seed = (1000 * rank if sync == "average" else 0) + step
-                        x = torch.randn(8, 24, generator=torch.Generator().manual_seed(seed))
-                        x = x.to(dev)
-                        opt.zero_grad()
-                        model(x).square().mean().backward()
-                        opt.step()
-                    if overlap:
-                        assert opt.overlap_stats["overlapped"] == steps - 1, opt.overlap_stats
-                    opt.synchronize()
-                result[(rank, overlap)] = [p.detach().cpu() for p in model.parameters()]
-        except Exception as e:  # surfaced below, with its rank
-            errors.append((rank, e))
+        for overlap in (False, True):
+            model = models[(rank, overlap)]
+            with diond.torch.Optimizer(
+                    _groups(model), target=daemons[rank].target, algorithm=algorithm,
+                    lr=0.02, gradient_sync=sync, overlap=overlap, overlap_bucket_bytes=1500,
+                    world_key="one-device-ov-%s-%s-%s" % (algorithm, sync, overlap)) as opt:
+                _square_loss_steps(opt, model, steps, 1000 * rank if sync == "average" else 0,
+                                   dev)
+            result[(rank, overlap)] = [p.detach().cpu() for p in model.parameters()]
 
-    threads = [threading.Thread(target=trainer, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not any(t.is_alive() for t in threads), "a trainer hung"
-    assert not errors, "%s\n%s\n%s" % (errors, daemons[0].log_tail(), daemons[1].log_tail())
+    _on_both_ranks(trainer, daemons)
     for rank in (0, 1):
         for got, want in zip(result[(rank, True)], result[(rank, False)]):
             assert torch.equal(got, want), "rank %d: overlap=True differs" % rank
