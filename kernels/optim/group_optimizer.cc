@@ -69,7 +69,7 @@ absl::Status GroupOptimizer::CheckStepOptions(const kernels::Context& ctx,
 absl::Status GroupOptimizer::Stage(const kernels::Context& ctx, absl::Span<float* const> params,
                                    absl::Span<const float* const> grads,
                                    const StepOptions& options) {
-  parts_open_ = false;
+  CloseParts();
   DIOND_RETURN_IF_ERROR(CheckStepArgs(params, grads));
   DIOND_RETURN_IF_ERROR(CheckStepOptions(ctx, options));
   const double lr = options.lr.value_or(config_.hyperparams.lr);
@@ -92,14 +92,12 @@ absl::Status GroupOptimizer::Stage(const kernels::Context& ctx, absl::Span<float
 
 absl::Status GroupOptimizer::BeginStagedStep(const kernels::Context& ctx,
                                              const StepOptions& options) {
-  parts_open_ = false;
+  CloseParts();
   DIOND_RETURN_IF_ERROR(CheckStepOptions(ctx, options));
-  // A replica average runs inside the update of a whole shape bucket, and in place a part would
-  // write the caller's memory before a later part could still fail.
-  if (options.replica_average || options.in_place) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(AlgorithmName(config_.algorithm),
-                     " step in parts: replica_average and in_place need a step in one Stage"));
+  // In place a part would write the caller's memory before a later part could still fail.
+  if (options.in_place) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        AlgorithmName(config_.algorithm), " step in parts: in_place needs a step in one Stage"));
   }
   parts_lr_ = static_cast<float>(options.lr.value_or(config_.hyperparams.lr));
   parts_weight_decay_ =
@@ -108,7 +106,11 @@ absl::Status GroupOptimizer::BeginStagedStep(const kernels::Context& ctx,
   in_place_ = false;
   in_part_.assign(shapes_.size(), false);
   BeginParts(ctx);
-  // Each part captures its parameters' compact updates; the step's capture holds them all.
+  // Each part averages its own sub-batches (the caller keeps the ranks' parts alike) and
+  // captures its parameters' compact updates; the step's capture holds them all.
+  parts_replica_average_ = options.replica_average;
+  replica_average_ = parts_replica_average_ ? &parts_replica_average_ : nullptr;
+  replica_average_on_device_ = options.replica_average_on_device;
   capture_ = options.capture;
   if (capture_ != nullptr) capture_->payload.assign(shapes_.size(), {});
   parts_open_ = true;
@@ -145,15 +147,21 @@ absl::Status GroupOptimizer::CopyStagedParam(size_t p, float* dst) const {
   return CopyStagedParamImpl(p, dst);
 }
 
-void GroupOptimizer::DiscardStagedStep() {
+void GroupOptimizer::CloseParts() {
   parts_open_ = false;
   capture_ = nullptr;
+  replica_average_ = nullptr;
+  replica_average_on_device_ = false;
+  parts_replica_average_ = nullptr;
+}
+
+void GroupOptimizer::DiscardStagedStep() {
+  CloseParts();
   DiscardStaged();
 }
 
 void GroupOptimizer::WriteStagedParams(absl::Span<float* const> params) {
-  parts_open_ = false;
-  capture_ = nullptr;
+  CloseParts();
   update_sq_ = 0;
   defer_norm_ = false;
   CommitStagedParams(params);
@@ -161,7 +169,7 @@ void GroupOptimizer::WriteStagedParams(absl::Span<float* const> params) {
 
 void GroupOptimizer::WriteStagedParamsDeferringNorm(absl::Span<float* const> params,
                                                     float* norm_host) {
-  parts_open_ = false;
+  CloseParts();
   update_sq_ = 0;
   defer_norm_ = true;
   defer_norm_to_ = norm_host;

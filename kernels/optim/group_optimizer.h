@@ -35,6 +35,7 @@
 #define DIOND_KERNELS_OPTIM_GROUP_OPTIMIZER_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -106,9 +107,10 @@ class GroupOptimizer {
 
   // The same staged step in parts, e.g. one per bucket of gradients as backward produces them.
   //  * BeginStagedStep drops whatever was staged and opens a step with `options` on `ctx` (which
-  //    must outlive the step). INVALID_ARGUMENT as Stage, and for the options a part cannot
-  //    honour: replica_average (compressed Dion) and in_place (a later part could fail). With
-  //    capture, each part captures its parameters' compact updates into it.
+  //    must outlive the step). INVALID_ARGUMENT as Stage, and for in_place (a later part could
+  //    fail). With capture, each part captures its parameters' compact updates into it. With
+  //    replica_average (compressed Dion), each part averages its own sub-batches: every replica
+  //    must stage the same parts in the same order.
   //  * StagePart stages, as Stage would, the parameters i with grads[i] != nullptr; params holds
   //    every parameter. Parts are disjoint (INVALID_ARGUMENT for a parameter that an earlier part
   //    of the step gave a gradient) and may come in any order. On error the part changes nothing
@@ -224,6 +226,8 @@ class GroupOptimizer {
   // INVALID_ARGUMENT / FAILED_PRECONDITION for the arguments Stage and StagePart refuse.
   absl::Status CheckStepArgs(absl::Span<float* const> params,
                              absl::Span<const float* const> grads) const;
+  // Ends the step in parts, if one is open: its capture and replica average go.
+  void CloseParts();
   // The checks of Stage and BeginStagedStep on the options and the context's device.
   absl::Status CheckStepOptions(const kernels::Context& ctx, const StepOptions& options) const;
 
@@ -233,6 +237,7 @@ class GroupOptimizer {
   // and per parameter whether a part gave it a gradient.
   bool parts_open_ = false;
   float parts_lr_ = 0, parts_weight_decay_ = 0;
+  std::function<absl::Status(absl::Span<float>)> parts_replica_average_;  // replica_average_'s
   std::vector<bool> in_part_;
   std::vector<bool> released_;  // empty until ReleaseState
 };

@@ -345,9 +345,6 @@ TEST_F(PartsTest, RefusedPartsChangeNothing) {
     bad.in_place = true;
     EXPECT_THAT(opt.BeginStagedStep(*ctx_, bad), StatusIs(absl::StatusCode::kInvalidArgument));
     bad = {};
-    bad.replica_average = [](absl::Span<float>) { return absl::OkStatus(); };
-    EXPECT_THAT(opt.BeginStagedStep(*ctx_, bad), StatusIs(absl::StatusCode::kInvalidArgument));
-    bad = {};
     bad.lr = -1;
     EXPECT_THAT(opt.BeginStagedStep(*ctx_, bad), StatusIs(absl::StatusCode::kInvalidArgument));
     const Snapshot initial = Snap(c, parts);
@@ -397,6 +394,58 @@ TEST_F(PartsTest, RefusedPartsChangeNothing) {
     ASSERT_THAT(one.opt->ReleaseState(*ctx_, {true, false, true, true}), IsOk());
     ASSERT_NO_FATAL_FAILURE(StageOnce(*ctx_, one, g2, {{0, 2, 3}}, {}));
     EXPECT_TRUE(SameSnapshot(Snap(c, parts), Snap(c, one))) << c.name << " after the release";
+  }
+}
+
+// Compressed Dion's replica average in parts: each part averages its own sub-batches of P and R.
+// The average here is elementwise, as the ranks' all-reduce is (each element the mean of the
+// ranks' same element, whatever the batch), so parts in any order give one Stage's bits; and the
+// average is applied (without it the result differs), once per part and shape bucket for each of
+// P and R.
+TEST_F(PartsTest, CompressedDionAveragesPerPart) {
+  for (bool device : {false, true}) {
+    ASSERT_NO_FATAL_FAILURE(Open(device));
+    for (const Case& c : AllCases()) {
+      if (c.config.algorithm != AlgorithmKind::kDion) continue;
+      SCOPED_TRACE(c.name + (device ? " on the TEST device" : " on the CPU"));
+      Side one, parts, plain;
+      ASSERT_NO_FATAL_FAILURE(MakeSide(c, &one));
+      ASSERT_NO_FATAL_FAILURE(MakeSide(c, &parts));
+      ASSERT_NO_FATAL_FAILURE(MakeSide(c, &plain));
+      int calls = 0;
+      StepOptions o;
+      o.replica_average = [&calls](absl::Span<float> v) {
+        ++calls;
+        for (float& e : v) e = 0.5f * (e + 0.25f);  // the mean with a replica holding 0.25
+        return absl::OkStatus();
+      };
+      // Buckets A = {0, 2, 4}, B = {1, 5}, C = {3}: six sub-batches in three parts.
+      const Parts sp = {{4, 1}, {5, 0, 3}, {2}};
+      for (int step = 1; step <= 2; ++step) {
+        const std::vector<Buffer> g = Grads(c, step);
+        ASSERT_NO_FATAL_FAILURE(StageOnce(*ctx_, one, g, sp, o));
+        ASSERT_NO_FATAL_FAILURE(StageOnce(*ctx_, plain, g, sp, {}));
+        calls = 0;
+        ASSERT_THAT(parts.opt->BeginStagedStep(*ctx_, o), IsOk());
+        for (const auto& p : sp) {
+          ASSERT_THAT(parts.opt->StagePart(parts.params, Only(g, p)), IsOk());
+        }
+        parts.opt->WriteStagedParams(parts.params);
+        parts.opt->CommitStagedState();
+        EXPECT_EQ(calls, 2 * 6) << "step " << step;
+        const Snapshot got = Snap(c, parts);
+        EXPECT_TRUE(SameSnapshot(got, Snap(c, one))) << "step " << step;
+        EXPECT_FALSE(SameBits(got.params[0], Snap(c, plain).params[0])) << "step " << step;
+      }
+      // The average belongs to its step: the next step in parts without one does not call it.
+      calls = 0;
+      const std::vector<Buffer> g = Grads(c, 3);
+      ASSERT_THAT(parts.opt->BeginStagedStep(*ctx_), IsOk());
+      ASSERT_THAT(parts.opt->StagePart(parts.params, Only(g, {0, 1})), IsOk());
+      parts.opt->DiscardStagedStep();
+      EXPECT_EQ(calls, 0);
+    }
+    TearDown();
   }
 }
 
