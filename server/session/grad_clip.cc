@@ -45,12 +45,6 @@ absl::Status Session::Clip::Validate(const Session& self, const StepRequest& req
     return absl::InvalidArgumentError(
         absl::StrCat("max_grad_norm ", max, " must be finite and >= 0 (0 = no clip)"));
   }
-  if (max > 0 && self.device_ != nullptr && self.is_world_session()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "step ", request.step_index, ": session ", self.id_,
-        " is a world device session: max_grad_norm is not built yet for world device sessions; "
-        "clip in the trainer, or use a local device session or a world host session"));
-  }
   if (max > 0 && self.is_world_session() &&
       self.spec_.gradient_sync == GradientSync::kDionCompressed) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -81,8 +75,16 @@ std::optional<float> Session::Clip::Coef(StepRun& run) {
   return static_cast<float>(coef);
 }
 
-absl::Status Session::Clip::Apply(Session& self, StepRun& run, const std::vector<size_t>* only) {
-  if (self.device_ != nullptr) return ApplyOnDevice(self, run);
+absl::Status Session::Clip::Apply(Session& self, StepRun& run) {
+  if (self.device_ != nullptr) {
+    std::vector<size_t> all(self.layout_.tensors.size());
+    for (size_t i = 0; i < all.size(); ++i) all[i] = i;
+    DIOND_RETURN_IF_ERROR(NormsOnDevice(self, run, all));
+  }
+  return Scale(self, run, nullptr);
+}
+
+absl::Status Session::Clip::Scale(Session& self, StepRun& run, const std::vector<size_t>* only) {
   const std::optional<float> coef = Coef(run);
   if (!coef.has_value()) return absl::OkStatus();
   const float c = *coef;
@@ -90,6 +92,18 @@ absl::Status Session::Clip::Apply(Session& self, StepRun& run, const std::vector
     const size_t i = only != nullptr ? (*only)[k] : k;
     if (run.grads[i] == nullptr || run.no_grad[i]) continue;
     const int64_t numel = self.layout_.tensors[i].numel;
+    if (self.device_ != nullptr) {
+      // A gradient read in place from a CUDA region stays the trainer's: scaled into the
+      // staging.
+      DeviceSide& d = *self.device_;
+      if (numel == 0) continue;
+      float* dst = d.grad(i);
+      DIOND_RETURN_IF_ERROR(kernels::Scale(
+          *d.ctx, c, internal::DeviceView(d.device, DType::kF32, run.grads[i], numel),
+          internal::DeviceView(d.device, DType::kF32, dst, numel)));
+      run.grads[i] = dst;
+      continue;
+    }
     std::vector<float>& scratch = self.arenas_.grad_scratch()[i];
     // An f32 gradient read in place stays the trainer's: the scaled copy goes to the scratch.
     if (run.grads[i] != scratch.data()) scratch.resize(static_cast<size_t>(numel));
@@ -102,7 +116,8 @@ absl::Status Session::Clip::Apply(Session& self, StepRun& run, const std::vector
   return absl::OkStatus();
 }
 
-absl::Status Session::Clip::ApplyOnDevice(Session& self, StepRun& run) {
+absl::Status Session::Clip::NormsOnDevice(Session& self, StepRun& run,
+                                          const std::vector<size_t>& params) {
   DeviceSide& d = *self.device_;
   const kernels::Context& dc = *d.ctx;
   const size_t n = self.layout_.tensors.size();
@@ -111,7 +126,7 @@ absl::Status Session::Clip::ApplyOnDevice(Session& self, StepRun& run) {
   };
   // The norms in the flag's buffer after the flag (one per parameter), then one read-back.
   float* norms = d.nonfinite.As<float>() + 1;
-  for (size_t i = 0; i < n; ++i) {
+  for (size_t i : params) {
     if (!read(i)) continue;
     DIOND_RETURN_IF_ERROR(kernels::FrobeniusNorm(
         dc,
@@ -126,20 +141,8 @@ absl::Status Session::Clip::ApplyOnDevice(Session& self, StepRun& run) {
         kernels::MakeView(host.data(), {count})));
   }
   run.grad_sq.assign(n, 0.0);
-  for (size_t i = 0; i < n; ++i) {
+  for (size_t i : params) {
     if (read(i)) run.grad_sq[i] = static_cast<double>(host[i]) * static_cast<double>(host[i]);
-  }
-  const std::optional<float> coef = Coef(run);
-  if (!coef.has_value()) return absl::OkStatus();
-  for (size_t i = 0; i < n; ++i) {
-    if (!read(i)) continue;
-    // A gradient read in place from a CUDA region stays the trainer's: scaled into the staging.
-    const int64_t numel = self.layout_.tensors[i].numel;
-    float* dst = d.grad(i);
-    DIOND_RETURN_IF_ERROR(
-        kernels::Scale(dc, *coef, internal::DeviceView(d.device, DType::kF32, run.grads[i], numel),
-                       internal::DeviceView(d.device, DType::kF32, dst, numel)));
-    run.grads[i] = dst;
   }
   return absl::OkStatus();
 }
@@ -149,6 +152,7 @@ absl::Status Session::Clip::ApplyAveraged(Session& self, StepRun& run) {
   const std::vector<size_t>& mine = w.owned[static_cast<size_t>(w.rank)];
   const size_t n = self.layout_.tensors.size();
   DIOND_RETURN_IF_ERROR(CallOnCompute(self.compute_, [&] {
+    if (self.device_ != nullptr) return NormsOnDevice(self, run, mine);
     run.grad_sq.assign(n, 0.0);
     for (size_t i : mine) {
       if (run.grads[i] != nullptr && !run.no_grad[i]) Accumulate(self, run, i);
@@ -156,7 +160,7 @@ absl::Status Session::Clip::ApplyAveraged(Session& self, StepRun& run) {
     return absl::OkStatus();
   }));
   // A world of one owns every parameter: its own sums are the world's.
-  if (run.comm == nullptr) return CallOnCompute(self.compute_, [&] { return Apply(self, run); });
+  if (run.comm == nullptr) return CallOnCompute(self.compute_, [&] { return Scale(self, run); });
   // Every rank takes part whatever its flags (the world's finiteness is already common).
   std::vector<double> all(n * static_cast<size_t>(w.plan.world_size));
   absl::Status st = run.comm->AllGatherBytes(
@@ -172,7 +176,7 @@ absl::Status Session::Clip::ApplyAveraged(Session& self, StepRun& run) {
   for (size_t i = 0; i < n; ++i) {
     run.grad_sq[i] = all[static_cast<size_t>(w.plan.owner[i]) * n + i];
   }
-  return CallOnCompute(self.compute_, [&] { return Apply(self, run, &mine); });
+  return CallOnCompute(self.compute_, [&] { return Scale(self, run, &mine); });
 }
 
 absl::Status Session::Clip::ApplyAndStage(Session& self, StepRun& run) {

@@ -116,6 +116,10 @@ struct Session::StepRun {
   // World: this rank's failure in compute, shared with the others through the exchange.
   absl::Status compute_status;
   StepResult result;
+
+  // Compressed Dion (a group every rank steps): `opts` averages P and R over the ranks, in the
+  // step's device collectives when the rules run on the device, else on host memory.
+  void AverageReplicas(bool on_device, optim::StepOptions* opts) const;
 };
 
 // A world session's part (session_world.cc): the shard plan and what each rank owns.

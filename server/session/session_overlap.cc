@@ -29,6 +29,7 @@
 #include "server/memory/memfd_region.h"
 #include "server/session/grad_clip.h"
 #include "server/session/session.h"
+#include "server/session/session_device.h"
 #include "server/session/session_internal.h"
 #include "server/session/step_memory.h"
 
@@ -138,14 +139,6 @@ absl::Status Session::Overlap::ValidateOverlapLocked(Session& self, const StepRe
                      " needs asynchronous = true (the queued step waits for the buckets' doorbells "
                      "while the trainer's backward runs)"));
   }
-  if (self.world_ != nullptr && self.spec_.gradient_sync == GradientSync::kDionCompressed) {
-    // Compressed Dion averages inside its update, which a step in parts cannot do.
-    return absl::FailedPreconditionError(absl::StrCat(
-        when, ": world session ", self.id_,
-        " uses DION_COMPRESSED, whose update averages across the ranks inside one Stage; its "
-        "overlapped step is not supported (docs/DISTRIBUTED.md \"Overlapped step\"). Step it "
-        "without overlap"));
-  }
   if (!request.ready_event.empty() || !request.done_event.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(
         when, " takes its events from the doorbell page's buckets, not ready_event / done_event"));
@@ -241,14 +234,23 @@ absl::Status Session::Overlap::BeginOverlapPhase(Session& self, StepRun& run,
     bool any = false;
     for (size_t i : g.params) {
       run.group_params[gi].push_back(run.params[i]);
-      // A world: each rank stages what it owns (StageGroups).
-      const bool mine = self.world_ == nullptr || self.world_->plan.owner[i] == self.world_->rank;
+      // A world: each rank stages what it owns, and every rank compressed Dion (StageGroups).
+      const WorldPart* w = self.world_.get();
+      const bool mine = w == nullptr || w->replicated[i] || w->plan.owner[i] == w->rank;
       any = any || (mine && !run.no_grad[i]);
+      run.compressed[gi] = run.compressed[gi] || (w != nullptr && w->replicated[i]);
     }
     if (!any) continue;  // as Stage: a group without any gradient stages nothing
     // Never in place (opts.in_place false): a later bucket can still fail the step.
     optim::StepOptions opts = run.opts[gi];
-    if (run.comm != nullptr) opts.capture = &run.captures[gi];  // the owners' compact updates
+    if (run.comm != nullptr) {
+      opts.capture = &run.captures[gi];  // the owners' compact updates
+      // Every rank stages the buckets in the same order (WorldPhases), so each part's averages
+      // of P and R meet the others' parts.
+      if (run.compressed[gi]) {
+        run.AverageReplicas(run.dcomm != nullptr && &update_ctx == self.device_->ctx.get(), &opts);
+      }
+    }
     absl::Status s = CallOnCompute(self.compute_,
                                    [&] { return g.optimizer->BeginStagedStep(update_ctx, opts); });
     if (!s.ok()) {

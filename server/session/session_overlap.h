@@ -39,8 +39,8 @@ struct Session::Overlap {
                                         const std::vector<DoorbellBucket>& buckets);
   // A device session's: the checked events opened (DeviceSide::OpenBucketEvents); else nothing.
   static absl::Status OpenBucketEvents(Session& self, const std::vector<DoorbellBucket>& buckets);
-  // Phase 1 of StepRequest.overlap: its preconditions (asynchronous, a doorbell page; a world
-  // session: a host one, not under DION_COMPRESSED).
+  // Phase 1 of StepRequest.overlap: its preconditions (asynchronous, a doorbell page, no
+  // ready_event / done_event of its own).
   static absl::Status ValidateOverlapLocked(Session& self, const StepRequest& request);
   // The step's phases bucket by bucket as the doorbells ring, then FinishStepLocked, which rings
   // each bucket's weights doorbell as its weights are written (all at once for a skipped step;
@@ -79,20 +79,21 @@ struct Session::Overlap {
   static absl::StatusOr<StepResult> WorldPhases(Session& self, StepRun& run,
                                                 const kernels::Context& update_ctx,
                                                 std::vector<int>* order);
-  // Bucket k's gradients reduce-scattered to their owners and averaged (AVERAGE;
-  // StepMemory::ReduceGradients), with this rank's non-finite flag and `give_up`; `gave_up`:
-  // some rank gave up (the average is not used then).
+  // Bucket k's gradients reduce-scattered to their owners and averaged (AVERAGE, and
+  // DION_COMPRESSED's other groups; StepMemory::ReduceGradients), with this rank's non-finite
+  // flag and `give_up`; `gave_up`: some rank gave up (the average is not used then).
   static absl::Status ReduceBucketPhase(Session& self, StepRun& run, size_t k, bool give_up,
                                         bool* gave_up);
   // Bucket k's updates, once this rank staged its part (`mine`: its failure so far): one
-  // all-gather-v of every rank's block (its parameters of the bucket, each a compact update or
-  // its new value, then a flag: sent, gave up, or nothing staged after a non-finite value), then
-  // the others' updates into this rank's copies. `gave_up`: some rank gave up; nothing staged
-  // somewhere: run.finite false on every rank. A failed collective breaks the world session.
+  // all-gather-v of every rank's block (its parameters of the bucket but compressed Dion's, each
+  // a compact update or its new value, then a flag: sent, gave up, or nothing staged after a
+  // non-finite value), then the others' updates into this rank's copies. `gave_up`: some rank
+  // gave up; nothing staged somewhere: run.finite false on every rank. A failed collective
+  // breaks the world session.
   static absl::Status ExchangeBucketPhase(Session& self, StepRun& run,
                                           const kernels::Context& update_ctx, size_t k,
                                           absl::Status* mine, bool* gave_up);
-  // This rank's parameters among `params`.
+  // What this rank stages among `params`: its own, and the compressed Dion matrices.
   static std::vector<size_t> OwnedOf(const Session& self, const std::vector<size_t>& params);
   // After the last bucket under max_grad_norm: the clip (of the averaged gradients under
   // AVERAGE: a collective), then, all finite, every owned gradient staged.

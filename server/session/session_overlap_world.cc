@@ -1,9 +1,11 @@
 // A world session's overlapped step (docs/DISTRIBUTED.md "Overlapped step"). Every rank takes
 // the buckets in their declaration order, whatever order its trainer rings them in, so that the
 // per-bucket collectives match across the ranks: per bucket, the wait for its doorbell, the read
-// with its finiteness scan, under AVERAGE one reduce-scatter of its gradients to their owners
-// (blocks padded as ReduceGradients pads the whole step's, plus two slots: the non-finite flag
-// and a give-up flag), then the owners stage their part of every group. After the last bucket
+// with its finiteness scan, under AVERAGE (and DION_COMPRESSED) one reduce-scatter of its
+// gradients to their owners (blocks padded as ReduceGradients pads the whole step's, plus two
+// slots: the non-finite flag and a give-up flag), then the owners stage their part of every
+// group, and every rank its compressed Dion matrices (their P and R averaged inside the part),
+// then the exchange of the bucket's updates. After the last bucket
 // one small all-reduce of every rank's give-up and non-finite flags decides the step alike on
 // every rank; then the whole step's exchange and the write-back bucket by bucket
 // (FinishStepLocked), as the synchronous world step does. Under max_grad_norm the buckets are only
@@ -100,7 +102,8 @@ absl::StatusOr<StepResult> Session::Overlap::WorldPhases(Session& self, StepRun&
   const std::vector<bool> local_no_grad = run.no_grad;
   DIOND_RETURN_IF_ERROR(self.AgreeGradientsPhase(run));
   const std::vector<std::vector<size_t>>& buckets = self.arenas_.doorbells().buckets;
-  const bool reduce = run.comm != nullptr && self.spec_.gradient_sync == GradientSync::kAverage;
+  // (Under DION_COMPRESSED the groups other than Dion are averaged as under AVERAGE.)
+  const bool reduce = run.comm != nullptr && self.spec_.gradient_sync != GradientSync::kReplicated;
   absl::Status mine = BeginOverlapPhase(self, run, update_ctx);  // this rank's first failure
   // Under a clip the buckets are only read (and reduced): the coef needs them all.
   const bool clip = run.clip || run.clip_averaged;
@@ -158,7 +161,7 @@ std::vector<size_t> Session::Overlap::OwnedOf(const Session& self,
   const WorldPart& w = *self.world_;
   std::vector<size_t> owned;
   for (size_t i : params) {
-    if (w.plan.owner[i] == w.rank) owned.push_back(i);
+    if (w.replicated[i] || w.plan.owner[i] == w.rank) owned.push_back(i);
   }
   return owned;
 }
@@ -182,6 +185,7 @@ absl::Status Session::Overlap::ReduceBucketPhase(Session& self, StepRun& run, si
   std::vector<std::vector<size_t>> of(static_cast<size_t>(w.plan.world_size));
   std::vector<int64_t> elements(of.size(), 0);
   for (size_t i : bucket) {
+    if (w.replicated[i]) continue;  // compressed Dion: each rank steps its own gradient
     const size_t j = static_cast<size_t>(w.plan.owner[i]);
     of[j].push_back(i);
     elements[j] += self.layout_.tensors[i].numel;
@@ -214,10 +218,15 @@ absl::Status Session::Overlap::ExchangeBucketPhase(Session& self, StepRun& run,
                               "'s updates failed: ", self.DescribeWorldFailure(st),
                               "; create the session again and resume from the last checkpoint")));
   };
+  // Compressed Dion is computed on every rank: nothing to send.
+  std::vector<size_t> sent;
+  for (size_t i : bucket) {
+    if (!w.replicated[i]) sent.push_back(i);
+  }
   // Block j: rank j's parameters of the bucket in the bucket's order, then its flag; in the
   // step's memory (a device session's: its device, over its device collectives).
   std::vector<int64_t> counts(world_size, 1), begin(world_size, 0);
-  for (size_t i : bucket) counts[static_cast<size_t>(w.plan.owner[i])] += size_of(i);
+  for (size_t i : sent) counts[static_cast<size_t>(w.plan.owner[i])] += size_of(i);
   for (size_t j = 1; j < world_size; ++j) begin[j] = begin[j - 1] + counts[j - 1];
   const int64_t total = begin.back() + counts.back();
   absl::StatusOr<std::unique_ptr<ExchangeWire>> made =
@@ -229,7 +238,7 @@ absl::Status Session::Overlap::ExchangeBucketPhase(Session& self, StepRun& run,
   if (flag == kSent) {
     int64_t at = 0;
     absl::Status s;
-    for (size_t i : bucket) {
+    for (size_t i : sent) {
       if (w.plan.owner[i] != w.rank) continue;
       const size_t gi = self.group_of_param_[i];
       const size_t slot = self.slot_in_group_[i];
@@ -279,7 +288,7 @@ absl::Status Session::Overlap::ExchangeBucketPhase(Session& self, StepRun& run,
   for (size_t j = 0; j < world_size && mine->ok(); ++j) {
     if (j == me) continue;
     int64_t at = begin[j];
-    for (size_t i : bucket) {
+    for (size_t i : sent) {
       if (static_cast<size_t>(w.plan.owner[i]) != j) continue;
       const TensorPlacement& t = self.layout_.tensors[i];
       absl::Status s;

@@ -305,6 +305,16 @@ absl::Status Session::StageUpdatesPhase(StepRun& run, const kernels::Context& ct
   return absl::OkStatus();
 }
 
+void Session::StepRun::AverageReplicas(bool on_device, optim::StepOptions* opts) const {
+  comm::Communicator* c = comm.get();
+  StepDeviceComm* d = dcomm.get();
+  // On the device, a bounded wait follows the queued all-reduce (Dion reads P back next).
+  opts->replica_average = [c, d, on_device](absl::Span<float> v) {
+    return on_device ? d->ReplicaAverage(v) : c->AllReduceAverage(v);
+  };
+  opts->replica_average_on_device = on_device;
+}
+
 void Session::InitGroupRuns(StepRun& run) {
   const StepRequest& request = *run.request;
   const size_t groups = groups_.size();
@@ -358,17 +368,9 @@ absl::Status Session::StageGroups(StepRun& run, const kernels::Context& ctx) {
                     (gr.region == nullptr || !gr.region->can_shrink());
     if (run.comm != nullptr) {
       opts.capture = &run.captures[gi];
+      // A device session whose rules run on the device averages P and R where they are.
       if (run.compressed[gi]) {
-        // A device session whose rules run on the device averages P and R where they are (the
-        // step's device collectives); otherwise on host memory.
-        const bool on_device = run.dcomm != nullptr && &ctx == device_->ctx.get();
-        comm::Communicator* c = run.comm.get();
-        StepDeviceComm* d = run.dcomm.get();
-        // On the device, a bounded wait follows the queued all-reduce (Dion reads P back next).
-        opts.replica_average = [c, d, on_device](absl::Span<float> v) {
-          return on_device ? d->ReplicaAverage(v) : c->AllReduceAverage(v);
-        };
-        opts.replica_average_on_device = on_device;
+        run.AverageReplicas(run.dcomm != nullptr && &ctx == device_->ctx.get(), &opts);
       }
     }
     absl::Status s = g.optimizer->Stage(ctx, run.group_params[gi], gg, opts);

@@ -6,9 +6,7 @@
 //  - a new trainer's AttachSession cancels the wait;
 //  - SIGTERM while a step waits: the daemon exits at once, no checkpoint of that step;
 //  - a trainer killed mid-step (a real child process): the orphan reaper checkpoints and
-//    closes its session without waiting for the bucket;
-//  - a DION_COMPRESSED world session refuses the overlapped Step (device sessions take it:
-//    overlap_device_service_test; world sessions: tests/world/world_overlap_test).
+//    closes its session without waiting for the bucket.
 #include <fcntl.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -280,29 +278,6 @@ TEST(OverlapOrphan, ATrainerThatDiesMidStepLeavesNothingCommitted) {
   EXPECT_NE(stat(absl::StrCat(state_dir, "/", id, "/step-1").c_str(), &st), 0) << daemon->Log();
   EXPECT_TRUE(absl::StrContains(daemon->Log(), "was cancelled")) << daemon->Log();
   EXPECT_TRUE(daemon->Serving());
-}
-
-TEST(OverlapRefusals, ACompressedWorldSessionRefusesTheOverlappedStep) {
-  auto page = ShmSegment::Create(4096);
-  ASSERT_NE(page, nullptr);
-  auto cpu = Daemon::Start();
-  ASSERT_NE(cpu, nullptr);
-  // A world session (here a world of one) takes the page; under DION_COMPRESSED, whose update
-  // averages across the ranks inside one Stage, it refuses the overlapped Step.
-  v1::CreateSessionRequest world =
-      SessionDesc{{MakeGroup("m", AlgorithmKind::kDion, 0.02)}, {{"w", {24, 16}, "m"}}}.Request();
-  world.set_world_key(absl::StrCat("overlap-world-", getpid()));
-  world.set_gradient_sync(v1::GRADIENT_SYNC_DION_COMPRESSED);
-  auto s = CreateShmSession(cpu->stub(), world);
-  ASSERT_NE(s, nullptr);
-  WriteDoorbellHeader(page->data(), 1);
-  grpc::Status st = RegisterShmDoorbells(cpu->stub(), s->id, page->name(), 0, 4096, {{0}});
-  ASSERT_TRUE(st.ok()) << st.error_message();
-  v1::StepResponse resp;
-  st = OverlapStep(cpu->stub(), s->id, 1, &resp);
-  EXPECT_EQ(st.error_code(), StatusCode::FAILED_PRECONDITION) << st.error_message();
-  EXPECT_TRUE(absl::StrContains(st.error_message(), "DION_COMPRESSED")) << st.error_message();
-  EXPECT_TRUE(CloseSession(cpu->stub(), s->id).ok());
 }
 
 }  // namespace

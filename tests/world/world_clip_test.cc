@@ -7,7 +7,9 @@
 //    also with a parameter that only one rank has a gradient for;
 //  - REPLICATED: the same gradients on both ranks, the same result;
 //  - a NaN on one rank: both ranks skip, their grad_norm not finite;
-//  - DION_COMPRESSED: refused (FAILED_PRECONDITION), nothing applied.
+//  - DION_COMPRESSED: refused (FAILED_PRECONDITION), nothing applied;
+//  - the same on three device daemons (diond_testdevice, the TEST backend): the norms are the
+//    device's (f32 per tensor) on the world's ranks and on the reference alike.
 #include <cmath>
 #include <functional>
 #include <thread>
@@ -36,7 +38,13 @@ grpc::Status ClippedStep(v1::Optimizer::Stub& stub, const std::string& id, int64
 
 class WorldClip : public ::testing::Test {
  protected:
-  static void SetUpTestSuite() {
+  static void SetUpTestSuite() { StartAll(""); }
+  // The world's two daemons and the local reference: CPU daemons, or `binary`.
+  static void StartAll(const std::string& binary) {
+    auto start = [&](const std::vector<std::string>& f, bool tcp) {
+      return (binary.empty() ? Daemon::Start(f, tcp) : Daemon::StartBinary(binary, f, {}, tcp))
+          .release();
+    };
     auto flags = [](int rank, int port) {
       std::vector<std::string> f = {absl::StrCat("--world_size=", kW),
                                     absl::StrCat("--rank=", rank), "--heartbeat_interval=200ms",
@@ -44,11 +52,9 @@ class WorldClip : public ::testing::Test {
       if (rank > 0) f.push_back(absl::StrCat("--coordinator=127.0.0.1:", port));
       return f;
     };
-    world_[0] = Daemon::Start(flags(0, 0), /*tcp=*/true).release();
-    if (world_[0] != nullptr) {
-      world_[1] = Daemon::Start(flags(1, world_[0]->tcp_port()), /*tcp=*/true).release();
-    }
-    local_ = Daemon::Start().release();
+    world_[0] = start(flags(0, 0), /*tcp=*/true);
+    if (world_[0] != nullptr) world_[1] = start(flags(1, world_[0]->tcp_port()), /*tcp=*/true);
+    local_ = start({}, /*tcp=*/false);
   }
   static void TearDownTestSuite() {
     for (Daemon** d : {&world_[0], &world_[1], &local_}) {
@@ -214,6 +220,29 @@ TEST_F(WorldClip, DionCompressedIsRefusedWithNothingApplied) {
   const std::vector<int32_t> none[kW];
   StepWorld(1, 0.0, resp, none);
   EXPECT_EQ(resp[0].step_index(), 1);
+}
+
+// The same on device daemons: each owner norms its averaged gradients on the device, the squares
+// are all-gathered, and each owner scales its own on the device; the reference is a local device
+// session.
+class WorldClipDevice : public WorldClip {
+ protected:
+  static void SetUpTestSuite() { StartAll(DIOND_TESTDEVICE_BINARY); }
+};
+
+TEST_F(WorldClipDevice, AverageClipsTheMeanGradientLikeOneDaemon) {
+  Create(v1::GRADIENT_SYNC_AVERAGE, "dev-clip-average");
+  RunAndCompare(/*average=*/true, 3, /*lopsided=*/false);
+}
+
+TEST_F(WorldClipDevice, AverageWithAGradientOnOneRankOnly) {
+  Create(v1::GRADIENT_SYNC_AVERAGE, "dev-clip-lopsided");
+  RunAndCompare(/*average=*/true, 2, /*lopsided=*/true);
+}
+
+TEST_F(WorldClipDevice, ReplicatedClipsEachRanksOwnGradientsAlike) {
+  Create(v1::GRADIENT_SYNC_REPLICATED, "dev-clip-replicated");
+  RunAndCompare(/*average=*/false, 3, /*lopsided=*/false);
 }
 
 }  // namespace

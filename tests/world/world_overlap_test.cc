@@ -14,7 +14,8 @@
 //  - one rank's trainer never rings its last bucket (its wait times out) or abandons the step:
 //    both ranks fail with nothing committed, and the retry equals the synchronous run;
 //  - max_grad_norm (AVERAGE and REPLICATED): the clipped steps equal the synchronous ones;
-//  - DION_COMPRESSED: refused, nothing queued.
+//  - DION_COMPRESSED (Dion stepped on every rank, averaging P and R per bucket): the same, and
+//    with a NaN and a rank that gives up.
 #include <functional>
 #include <thread>
 
@@ -277,9 +278,13 @@ TEST_F(WorldOverlap, ANanInOneBucketOnOneRankDecidesBothRanksAlike) {
        {std::pair{v1::NON_FINITE_POLICY_SKIP, v1::GRADIENT_SYNC_AVERAGE},
         std::pair{v1::NON_FINITE_POLICY_ERROR, v1::GRADIENT_SYNC_AVERAGE},
         std::pair{v1::NON_FINITE_POLICY_SKIP, v1::GRADIENT_SYNC_REPLICATED},
-        std::pair{v1::NON_FINITE_POLICY_ERROR, v1::GRADIENT_SYNC_REPLICATED}}) {
+        std::pair{v1::NON_FINITE_POLICY_ERROR, v1::GRADIENT_SYNC_REPLICATED},
+        std::pair{v1::NON_FINITE_POLICY_SKIP, v1::GRADIENT_SYNC_DION_COMPRESSED}}) {
     SCOPED_TRACE(absl::StrCat(policy, " ", sync));
-    Create(Desc(AlgorithmKind::kMuon, policy), sync, absl::StrCat("nan-", policy, "-", sync));
+    // (The NaN is in w2, a Dion matrix every rank steps on its own gradient under compressed.)
+    const AlgorithmKind a =
+        sync == v1::GRADIENT_SYNC_DION_COMPRESSED ? AlgorithmKind::kDion : AlgorithmKind::kMuon;
+    Create(Desc(a, policy), sync, absl::StrCat("nan-", policy, "-", sync));
     StepsAlike(1, 1);
     std::vector<std::vector<std::vector<float>>> g = {Grads(0, 2), Grads(1, 2)};
     g[1][static_cast<size_t>(kBuckets[1][0])][3] = std::nanf("");
@@ -364,11 +369,12 @@ TEST_F(WorldOverlap, MismatchedStepsAreRefusedOnBothRanks) {
 }
 
 // Rank 1's trainer never rings bucket 2: its wait times out (3 s), it still joins bucket 2's
-// reduce-scatter (AVERAGE) or its exchange (REPLICATED) with its give-up flag, and both ranks
-// fail with nothing committed; then rank
-// 1's trainer abandons step 1 (-1 on a bucket): the same. The retries equal the reference.
+// reduce-scatter (AVERAGE, DION_COMPRESSED) or its exchange (REPLICATED) with its give-up flag, and
+// both ranks fail with nothing committed; then rank 1's trainer abandons step 1 (-1 on a bucket):
+// the same. The retries equal the reference.
 TEST_F(WorldOverlap, ARankThatGivesUpFailsBothAndTheRetryApplies) {
-  for (v1::GradientSync sync : {v1::GRADIENT_SYNC_AVERAGE, v1::GRADIENT_SYNC_REPLICATED}) {
+  for (v1::GradientSync sync : {v1::GRADIENT_SYNC_AVERAGE, v1::GRADIENT_SYNC_REPLICATED,
+                                v1::GRADIENT_SYNC_DION_COMPRESSED}) {
     SCOPED_TRACE(sync);
     GiveUpThenRetry(sync);
   }
@@ -456,31 +462,19 @@ void WorldOverlap::GiveUpThenRetry(v1::GradientSync sync) {
   CloseAll();
 }
 
-// DION_COMPRESSED averages inside its update: its overlapped step is refused, nothing queued.
-TEST_F(WorldOverlap, DionCompressedIsRefused) {
-  SessionDesc d = Desc(AlgorithmKind::kDion);
-  v1::CreateSessionRequest req = d.Request();
-  req.set_gradient_sync(v1::GRADIENT_SYNC_DION_COMPRESSED);
-  req.set_world_key("compressed");
-  std::unique_ptr<ShmSession> s[kW];
-  OnRanks([&](int r) { s[r] = CreateShmSession(stub(r), req); });
-  for (int r = 0; r < kW; ++r) {
-    ASSERT_NE(s[r], nullptr);
-    auto page = ShmSegment::Create(4096);
-    WriteDoorbellHeader(page->data(), 3);
-    ASSERT_TRUE(RegisterShmDoorbells(stub(r), s[r]->id, page->name(), 0, 4096, kBuckets).ok());
-    v1::StepResponse resp;
-    grpc::Status st = service_testing::OverlapStep(stub(r), s[r]->id, 1, &resp);
-    EXPECT_EQ(st.error_code(), StatusCode::FAILED_PRECONDITION) << st.error_message();
-    EXPECT_TRUE(absl::StrContains(st.error_message(), "DION_COMPRESSED")) << st.error_message();
-    EXPECT_TRUE(CloseSession(stub(r), s[r]->id).ok());
-  }
+// DION_COMPRESSED: each rank steps every Dion matrix on its own gradients, bucket by bucket,
+// its rule averaging P and R with the other rank's same part (w1 and w3, one shape, are in
+// different buckets: two sub-batches where the synchronous step has one); the AdamW group is
+// reduced and exchanged as under AVERAGE.
+TEST_F(WorldOverlap, DionCompressedEqualsSynchronousBitForBit) {
+  EachAlike({{AlgorithmKind::kDion, v1::GRADIENT_SYNC_DION_COMPRESSED}}, "cmp-");
 }
 
 // The same on two device daemons (diond_testdevice, the strict TEST backend; sessions over
 // shm): the buckets read into the device staging, reduce-scattered and exchanged in device
 // buffers over the step's device collectives (staged through Gloo here), equal to a synchronous
-// world device session bit for bit; the exchange per bucket, a NaN, a rank that gives up.
+// world device session bit for bit (compressed Dion and a clip too); the exchange per bucket, a
+// NaN, a rank that gives up.
 class WorldOverlapDevice : public WorldOverlap {
  protected:
   static void SetUpTestSuite() { StartWorld(DIOND_TESTDEVICE_BINARY); }
@@ -491,8 +485,18 @@ TEST_F(WorldOverlapDevice, EqualsASynchronousWorldDeviceSessionBitForBit) {
              {AlgorithmKind::kDion2, v1::GRADIENT_SYNC_AVERAGE},
              {AlgorithmKind::kDion, v1::GRADIENT_SYNC_AVERAGE},
              {AlgorithmKind::kAdamW, v1::GRADIENT_SYNC_REPLICATED},
-             {AlgorithmKind::kLion, v1::GRADIENT_SYNC_AVERAGE}},
+             {AlgorithmKind::kLion, v1::GRADIENT_SYNC_AVERAGE},
+             {AlgorithmKind::kDion, v1::GRADIENT_SYNC_DION_COMPRESSED}},
             "dev-");
+}
+
+// max_grad_norm on device daemons: the norms by the device, then as AClipEqualsSynchronous.
+TEST_F(WorldOverlapDevice, AClipEqualsSynchronousBitForBit) {
+  max_grad_norm_ = 0.5;
+  EachAlike({{AlgorithmKind::kMuon, v1::GRADIENT_SYNC_AVERAGE},
+             {AlgorithmKind::kAdamW, v1::GRADIENT_SYNC_REPLICATED}},
+            "dev-clip-");
+  max_grad_norm_ = 0;
 }
 
 TEST_F(WorldOverlapDevice, EachBucketsUpdatesAreExchangedBeforeTheNextBucketRings) {

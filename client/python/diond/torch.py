@@ -354,9 +354,8 @@ class Optimizer(torch.optim.Optimizer):
         to the daemon and returns, and the daemon computes w_N from w_{N-1} while the next
         forward and backward run on w_{N-1} (DeepSpeed's delayed parameter update; synchronize()
         brings the newest weights into the model). Both are refused with ValueError in remote
-        mode; in world sessions "delayed" is, and True with gradient_sync="dion_compressed"
-        (not built yet). CUDA parameters: written, never run on a GPU (docs/DATA_PLANE.md
-        "Overlapped step").
+        mode, and "delayed" in world sessions (not built yet). CUDA parameters: written, never
+        run on a GPU (docs/DATA_PLANE.md "Overlapped step").
         delayed_warmup_steps: with overlap="delayed", the number of first steps that run
         synchronously (ZeRO-Offload's delayed parameter update also starts after a warm-up).
         max_grad_norm: clip the gradients in the daemon to this total L2 norm before every step,
@@ -365,10 +364,10 @@ class Optimizer(torch.optim.Optimizer):
         ``self.last_grad_norm`` is the norm before clipping of the last step collected.
         It may change between steps, as lr. Under overlap=True this is the way to clip: a
         clip_grad_norm_ in the trainer makes every step synchronous (see the module's doc).
-        Host sessions, local or world: a world under AVERAGE clips the averaged gradients, as
-        clip_grad_norm_ after DDP's all-reduce would. Local device sessions (CUDA parameters)
-        too, with each gradient's norm computed on the GPU in f32 (the daemon refuses world
-        device sessions and DION_COMPRESSED).
+        Local and world sessions: a world under AVERAGE clips the averaged gradients, as
+        clip_grad_norm_ after DDP's all-reduce would. On a device daemon each gradient's norm
+        is computed on the device in f32 (never run on a GPU). The daemon refuses it under
+        DION_COMPRESSED.
       overlap_bucket_bytes: the gradient bytes a bucket gathers; None (default): about 1/64 of
         all the parameters' bytes, from 256 KiB to 64 MiB. A smaller bucket starts the daemon's
         work earlier, at a doorbell per bucket (docs/BENCHMARKS.md measures three sizes).
@@ -638,11 +637,10 @@ class Optimizer(torch.optim.Optimizer):
         where = None
         if self.remote:
             where = "remote mode"
-        elif self.world_key and (self.delayed or self.gradient_sync == "dion_compressed"):
+        elif self.world_key and self.delayed:
             # A world session overlaps only its overlapped step (docs/DISTRIBUTED.md "Overlapped
-            # step"); compressed Dion averages inside one update.
-            where = "world sessions with %s" % (
-                "overlap='delayed'" if self.delayed else "gradient_sync='dion_compressed'")
+            # step").
+            where = "world sessions with overlap='delayed'"
         if where is not None:
             raise ValueError("overlap=True is built for local and world sessions (CPU parameters "
                              "over host shared memory, CUDA parameters over CUDA regions); %s "

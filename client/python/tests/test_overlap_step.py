@@ -127,7 +127,6 @@ def test_a_nan_in_one_bucket_skips_the_whole_step(daemon):
                                    overlap_bucket_bytes=BUCKET) as opt:
             losses = loop(model, opt, 5)
             resp = opt.synchronize()
-            skipped = opt.last_step
             runs.append((snapshot(model), losses, opt.state_dict(), opt.overlap_stats))
             assert resp.step_index == 5
     assert runs[1][3]["overlapped"] == 4
@@ -157,9 +156,9 @@ def test_refused_where_not_built(daemon):
     with pytest.raises(ValueError, match="remote mode are not built"):
         diond.torch.Optimizer(groups_for(model, "muon"), target=daemon.target, remote=True,
                               overlap=True)
-    with pytest.raises(ValueError, match="gradient_sync='dion_compressed' are not built"):
-        diond.torch.Optimizer(groups_for(model, "dion"), target=daemon.target, overlap=True,
-                              world_key="w", gradient_sync="dion_compressed")
+    with pytest.raises(ValueError, match="overlap='delayed' are not built"):
+        diond.torch.Optimizer(groups_for(model, "dion"), target=daemon.target, overlap="delayed",
+                              world_key="w")
     with pytest.raises(ValueError, match="overlap_bucket_bytes"):
         diond.torch.Optimizer(groups_for(model, "muon"), target=daemon.target, overlap=True,
                               overlap_bucket_bytes=0)

@@ -184,10 +184,14 @@ def test_world_options_are_checked():
                               gradient_sync="average")
 
 
-@pytest.mark.parametrize("algorithm,size", [("muon", 2), ("dion", 2), ("muon", 3), ("dion2", 3)])
-def test_overlapped_steps_in_a_world_equal_synchronous_ones(daemon_factory, algorithm, size):
-    """overlap=True in a world of 2 or 3 under AVERAGE (each trainer its own data): the daemons
-    take the buckets in declaration order, reduce-scatter each and exchange its updates
+@pytest.mark.parametrize("algorithm,size,sync", [
+    ("muon", 2, "average"), ("dion", 2, "average"), ("muon", 3, "average"),
+    ("dion2", 3, "average"), ("dion", 2, "dion_compressed")])
+def test_overlapped_steps_in_a_world_equal_synchronous_ones(daemon_factory, algorithm, size,
+                                                            sync):
+    """overlap=True in a world of 2 or 3 (each trainer its own data): the daemons take the
+    buckets in declaration order, reduce-scatter each and exchange its updates, or under
+    dion_compressed step Dion on every rank, averaging P and R bucket by bucket
     (docs/DISTRIBUTED.md "Overlapped step"); the weights equal overlap=False's on every rank,
     bit for bit. With 3 ranks and buckets of one or two parameters, a rank owns nothing of
     some bucket (its block is only the flag)."""
@@ -204,9 +208,9 @@ def test_overlapped_steps_in_a_world_equal_synchronous_ones(daemon_factory, algo
                 model = models[(rank, overlap)]
                 opt = diond.torch.Optimizer(_groups(model), target=daemons[rank].target,
                                             algorithm=algorithm, lr=0.02, overlap=overlap,
-                                            overlap_bucket_bytes=1500, gradient_sync="average",
-                                            world_key="py-overlap-%s-%d-%s" % (
-                                                algorithm, size, overlap))
+                                            overlap_bucket_bytes=1500, gradient_sync=sync,
+                                            world_key="py-overlap-%s-%d-%s-%s" % (
+                                                algorithm, size, sync, overlap))
                 _square_loss_steps(opt, model, steps, 1000 * rank)
                 result[(rank, overlap)] = [p.detach().clone() for p in model.parameters()]
                 opt.close()

@@ -88,17 +88,25 @@ def _train(opt, model, steps):
         opt.step()
 
 
-@pytest.mark.parametrize("algorithm,sync", [("muon", "average"), ("dion2", "replicated")])
-def test_a_world_of_two_on_one_device_matches_one_daemon(daemon_factory, algorithm, sync):
+@pytest.mark.parametrize("algorithm,sync,clip", [
+    ("muon", "average", None), ("dion2", "replicated", None), ("muon", "average", 1.0)])
+def test_a_world_of_two_on_one_device_matches_one_daemon(daemon_factory, algorithm, sync, clip):
+    """With max_grad_norm (clip) the world's owners norm their averaged gradients (on a device
+    daemon, on the device) and all-gather the squares: the same total as one daemon's, and the
+    same clipped weights."""
     steps = 3
     ref_model = _model()
     ref_daemon = _start(daemon_factory, extra_args=_device_args())
     with diond.torch.Optimizer(_groups(ref_model), target=ref_daemon.target,
-                               algorithm=algorithm, lr=0.02) as ref:
+                               algorithm=algorithm, lr=0.02, max_grad_norm=clip) as ref:
         for p in ref_model.parameters():
             p.grad = torch.zeros_like(p)
         _train(ref, ref_model, steps)
+        ref_norm = ref.last_grad_norm
     expected = [p.detach().clone() for p in ref_model.parameters()]
+    if clip:
+        assert ref_norm > 4 * clip, ref_norm  # every step clips
+    norms = {}
 
     daemons = _world(daemon_factory)
     models = [_model(), _model()]
@@ -110,13 +118,17 @@ def test_a_world_of_two_on_one_device_matches_one_daemon(daemon_factory, algorit
         # Both trainers hold the same gradients, so AVERAGE gives them back unchanged.
         with diond.torch.Optimizer(_groups(model), target=daemons[rank].target,
                                    algorithm=algorithm, lr=0.02, gradient_sync=sync,
-                                   world_key="one-device-%s-%s" % (algorithm, sync)) as opt:
+                                   max_grad_norm=clip,
+                                   world_key="one-device-%s-%s-%s" % (algorithm, sync, clip)) as opt:
             _train(opt, model, steps)
+            norms[rank] = opt.last_grad_norm
 
     _on_both_ranks(trainer, daemons)
     for rank in (0, 1):
         for got, want in zip(models[rank].parameters(), expected):
             assert torch.equal(got.detach(), want), "rank %d differs from one daemon" % rank
+        if clip:
+            assert norms[rank] == ref_norm, (rank, norms[rank], ref_norm)
     if COMPUTE:
         for d in daemons:
             with open(d.log_path, errors="replace") as f:
@@ -126,14 +138,19 @@ def test_a_world_of_two_on_one_device_matches_one_daemon(daemon_factory, algorit
 
 
 @pytest.mark.parametrize("params", ["cpu", "cuda"])
-@pytest.mark.parametrize("algorithm,sync", [("muon", "average"), ("dion2", "replicated")])
+@pytest.mark.parametrize("algorithm,sync,clip", [
+    ("muon", "average", None), ("dion2", "replicated", None), ("dion", "dion_compressed", None),
+    ("muon", "average", 0.05)])
 def test_overlapped_steps_of_a_world_on_one_device_equal_synchronous_ones(daemon_factory,
-                                                                          algorithm, sync, params):
+                                                                          algorithm, sync, clip,
+                                                                          params):
     """overlap=True in the same world (docs/DISTRIBUTED.md "Overlapped step", "On device
     daemons": on a device daemon each bucket is reduced and exchanged in device buffers): each
     trainer's weights after 4 steps equal overlap=False's, bit for bit. Under AVERAGE each
-    trainer has its own data; under REPLICATED both the same. CUDA parameters (CUDA arenas, an
-    event pair per bucket) need the GPU daemons of the GPU check."""
+    trainer has its own data; under REPLICATED both the same; under DION_COMPRESSED each rank
+    steps Dion on its own data, averaging P and R bucket by bucket. With max_grad_norm (clip)
+    the daemons clip the averaged gradients after the last bucket. CUDA parameters (CUDA
+    arenas, an event pair per bucket) need the GPU daemons of the GPU check."""
     if params == "cuda" and not DEVICE.startswith("cuda"):
         pytest.skip("CUDA parameters need DIOND_WORLD_DEVICE=cuda:N (the GPU check)")
     dev = torch.device(DEVICE if params == "cuda" else "cpu")
@@ -148,9 +165,13 @@ def test_overlapped_steps_of_a_world_on_one_device_equal_synchronous_ones(daemon
             with diond.torch.Optimizer(
                     _groups(model), target=daemons[rank].target, algorithm=algorithm,
                     lr=0.02, gradient_sync=sync, overlap=overlap, overlap_bucket_bytes=1500,
-                    world_key="one-device-ov-%s-%s-%s" % (algorithm, sync, overlap)) as opt:
-                _square_loss_steps(opt, model, steps, 1000 * rank if sync == "average" else 0,
-                                   dev)
+                    max_grad_norm=clip,
+                    world_key="one-device-ov-%s-%s-%s-%s" % (algorithm, sync, clip,
+                                                             overlap)) as opt:
+                _square_loss_steps(opt, model, steps,
+                                   0 if sync == "replicated" else 1000 * rank, dev)
+                if clip:
+                    assert opt.last_grad_norm > clip, opt.last_grad_norm  # the clip engaged
             result[(rank, overlap)] = [p.detach().cpu() for p in model.parameters()]
 
     _on_both_ranks(trainer, daemons)
