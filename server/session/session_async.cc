@@ -8,7 +8,8 @@
 // read or change them are refused (StepQueue::Refuse), so that their effect never depends
 // on whether the queued step has run yet. Snapshot (checkpoints) waits for the update instead;
 // CloseSession, AttachSession and the daemon's shutdown wait for the whole step and drop its
-// outcome (DrainQueuedStep).
+// outcome (DrainQueuedStep). A world session's queued step runs its collectives on that thread,
+// where they meet the other ranks' (synchronous or queued alike).
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -138,11 +139,6 @@ absl::StatusOr<StepResult> Session::Step(const StepRequest& request, const kerne
     previous.push_back(queue_.Take().result);
   }
   if (request.asynchronous) {
-    if (world_ != nullptr && !request.overlap) {
-      return absl::FailedPreconditionError(
-          "asynchronous Step is for local sessions; a world session steps synchronously (or "
-          "overlapped: overlap = true)");
-    }
     std::optional<StepResult> replay;
     DIOND_RETURN_IF_ERROR(ValidateStepLocked(request, &replay));
     if (replay.has_value()) {

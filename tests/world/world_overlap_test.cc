@@ -15,7 +15,8 @@
 //    both ranks fail with nothing committed, and the retry equals the synchronous run;
 //  - max_grad_norm (AVERAGE and REPLICATED): the clipped steps equal the synchronous ones;
 //  - DION_COMPRESSED (Dion stepped on every rank, averaging P and R per bucket): the same, and
-//    with a NaN and a rank that gives up.
+//    with a NaN and a rank that gives up;
+//  - asynchronous steps without overlap (queued, then collected): equal to the synchronous run.
 #include <functional>
 #include <thread>
 
@@ -459,6 +460,39 @@ void WorldOverlap::GiveUpThenRetry(v1::GradientSync sync) {
   check(StatusCode::ABORTED, "abandon");
   retry_ = true;
   StepsAlike(1, 2);
+  CloseAll();
+}
+
+// Asynchronous steps that do not overlap: each rank's queued step runs the synchronous world
+// step on its session's thread, and the trainer collects it with a wait before it writes the next
+// gradients. Every answer and the weights equal the synchronous run's bit for bit.
+TEST_F(WorldOverlap, AsynchronousStepsEqualSynchronousBitForBit) {
+  Create(Desc(AlgorithmKind::kDion2), v1::GRADIENT_SYNC_AVERAGE, "async");
+  for (int64_t t = 1; t <= 3; ++t) {
+    SCOPED_TRACE(absl::StrCat("step ", t));
+    std::vector<std::vector<std::vector<float>>> g = {Grads(0, t), Grads(1, t)};
+    v1::StepResponse want[kW], got[kW];
+    SyncStep(t, g, want);
+    OnRanks([&](int r) {
+      Rank& k = ranks_[r];
+      for (size_t i = 0; i < g[r].size(); ++i) k.ov->WriteGrad(i, g[r][i]);
+      v1::StepRequest req;
+      req.set_session_id(k.ov->id);
+      req.set_step_index(t);
+      req.set_asynchronous(true);
+      v1::StepResponse q;
+      grpc::Status st = stub(r).Step(Ctx().get(), req, &q);
+      ASSERT_TRUE(st.ok()) << "rank " << r << ": " << st.error_message();
+      EXPECT_TRUE(q.queued());
+      st = WaitStep(stub(r), k.ov->id, &got[r]);
+      ASSERT_TRUE(st.ok()) << "rank " << r << ": " << st.error_message();
+    });
+    for (int r = 0; r < kW; ++r) {
+      EXPECT_EQ(got[r].step_index(), t);
+      ExpectSameResult(got[r], want[r]);
+    }
+    ExpectSameWeights();
+  }
   CloseAll();
 }
 

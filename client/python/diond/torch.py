@@ -353,9 +353,9 @@ class Optimizer(torch.optim.Optimizer):
         staleness: the model trains on its own copy of the weights, step() hands the gradients
         to the daemon and returns, and the daemon computes w_N from w_{N-1} while the next
         forward and backward run on w_{N-1} (DeepSpeed's delayed parameter update; synchronize()
-        brings the newest weights into the model). Both are refused with ValueError in remote
-        mode, and "delayed" in world sessions (not built yet). CUDA parameters: written, never
-        run on a GPU (docs/DATA_PLANE.md "Overlapped step").
+        brings the newest weights into the model). Both work in world sessions (every trainer
+        the same mode) and are refused with ValueError in remote mode. CUDA parameters: written,
+        never run on a GPU (docs/DATA_PLANE.md "Overlapped step").
         delayed_warmup_steps: with overlap="delayed", the number of first steps that run
         synchronously (ZeRO-Offload's delayed parameter update also starts after a warm-up).
         max_grad_norm: clip the gradients in the daemon to this total L2 norm before every step,
@@ -637,10 +637,6 @@ class Optimizer(torch.optim.Optimizer):
         where = None
         if self.remote:
             where = "remote mode"
-        elif self.world_key and self.delayed:
-            # A world session overlaps only its overlapped step (docs/DISTRIBUTED.md "Overlapped
-            # step").
-            where = "world sessions with overlap='delayed'"
         if where is not None:
             raise ValueError("overlap=True is built for local and world sessions (CPU parameters "
                              "over host shared memory, CUDA parameters over CUDA regions); %s "

@@ -156,9 +156,9 @@ def test_refused_where_not_built(daemon):
     with pytest.raises(ValueError, match="remote mode are not built"):
         diond.torch.Optimizer(groups_for(model, "muon"), target=daemon.target, remote=True,
                               overlap=True)
-    with pytest.raises(ValueError, match="overlap='delayed' are not built"):
-        diond.torch.Optimizer(groups_for(model, "dion"), target=daemon.target, overlap="delayed",
-                              world_key="w")
+    with pytest.raises(ValueError, match="remote mode are not built"):
+        diond.torch.Optimizer(groups_for(model, "muon"), target=daemon.target, remote=True,
+                              overlap="delayed")
     with pytest.raises(ValueError, match="overlap_bucket_bytes"):
         diond.torch.Optimizer(groups_for(model, "muon"), target=daemon.target, overlap=True,
                               overlap_bucket_bytes=0)

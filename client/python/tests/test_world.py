@@ -223,6 +223,43 @@ def test_overlapped_steps_in_a_world_equal_synchronous_ones(daemon_factory, algo
             assert torch.equal(want, ref), "the ranks differ"
 
 
+@pytest.mark.parametrize("sync,data", [("average", "same"), ("replicated", "same"),
+                                       ("average", "own")])
+def test_delayed_steps_in_a_world(daemon_factory, sync, data):
+    """overlap="delayed" in a world of 2 (docs/DISTRIBUTED.md "Asynchronous steps"): each
+    trainer's step N is a queued world step while its next forward and backward run on
+    w_{N-1}. With the same data on both ranks the averaged gradient is each rank's own, so both
+    trainers end with one daemon's delayed run, bit for bit; with data of their own (AVERAGE)
+    both end with the same weights, which differ from the same-data run."""
+    steps = 5
+    ref_model = _model()
+    with diond.torch.Optimizer(_groups(ref_model), target=daemon_factory().target, lr=0.02,
+                               overlap="delayed") as ref:
+        _square_loss_steps(ref, ref_model, steps, 0)
+    expected = [p.detach().clone() for p in ref_model.parameters()]
+    daemons = _world(daemon_factory)
+    models = [_model(), _model()]
+
+    def trainer(rank):
+        def f():
+            with diond.torch.Optimizer(_groups(models[rank]), target=daemons[rank].target,
+                                       lr=0.02, overlap="delayed", gradient_sync=sync,
+                                       world_key="py-delayed-%s-%s" % (sync, data)) as opt:
+                _square_loss_steps(opt, models[rank], steps,
+                                   1000 * rank if data == "own" else 0)
+                assert opt._step_index == steps
+        return f
+
+    _on_all_ranks([trainer(0), trainer(1)])
+    for a, b, want in zip(models[0].parameters(), models[1].parameters(), expected):
+        assert torch.equal(a.detach(), b.detach()), "the ranks differ"
+        if data == "same":
+            assert torch.equal(a.detach(), want), "differs from one daemon's delayed run"
+    if data == "own":
+        assert not all(torch.equal(p.detach(), w) for p, w in zip(models[0].parameters(),
+                                                                   expected))
+
+
 def test_a_trainer_killed_mid_step_fails_that_step_on_every_rank(daemon_factory):
     """overlap=True in a world of 2 under AVERAGE: rank 0's trainer (a process of its own) is
     SIGKILLed in step 4's backward, its daemon's step waiting for the last bucket while rank 1's
