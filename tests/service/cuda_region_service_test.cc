@@ -128,7 +128,7 @@ TEST_P(CudaEqualsShm, BitForBitOverSeveralStepsWithNoHostCopies) {
     EXPECT_EQ(after.copies_to_device - before.copies_to_device, shm_to_device - 2 * tensors)
         << "step " << t;
     EXPECT_EQ(after.bytes_to_device - before.bytes_to_device,
-              before.bytes_to_device - start.bytes_to_device - 2 * 4 * numel)
+              before.bytes_to_device - start.bytes_to_device - int64_t{2} * 4 * numel)
         << "step " << t;
     EXPECT_EQ(after.copies_to_host - before.copies_to_host, shm_to_host - tensors) << "step " << t;
     EXPECT_EQ(after.bytes_to_host - before.bytes_to_host,
@@ -263,7 +263,7 @@ TEST_F(CudaRegions, BadRequestsAreRefusedClearlyAndOpenNothing) {
   DeviceMemory mem(*trainer_, 1 << 16);
   const std::string h = mem.IpcHandle();
   auto expect = [&](const v1::RegisterRegionRequest& req, grpc::StatusCode code,
-                    std::vector<std::string> words) {
+                    const std::vector<std::string>& words) {
     grpc::Status s = Register(req);
     EXPECT_EQ(s.error_code(), code) << s.error_message();
     for (const std::string& w : words) {

@@ -78,12 +78,13 @@ void WriteText(const std::string& path, const std::string& text) {
   chmod(path.c_str(), 0600);
 }
 
-std::shared_ptr<grpc::Channel> TokenChannel(const std::string& target, const std::string& token,
-                                            std::shared_ptr<grpc::ChannelCredentials> creds) {
+std::shared_ptr<grpc::Channel> TokenChannel(
+    const std::string& target, const std::string& token,
+    const std::shared_ptr<grpc::ChannelCredentials>& creds) {
   std::vector<std::unique_ptr<grpc::experimental::ClientInterceptorFactoryInterface>> f;
   if (!token.empty()) f.push_back(std::make_unique<BearerFactory>("Bearer " + token));
   return grpc::experimental::CreateCustomChannelWithInterceptors(
-      target, std::move(creds), grpc::ChannelArguments(), std::move(f));
+      target, creds, grpc::ChannelArguments(), std::move(f));
 }
 
 // ---- Daemon ------------------------------------------------------------------------------------

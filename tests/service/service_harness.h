@@ -46,7 +46,7 @@ inline constexpr char kWorldSecret[] = "svc-test-world-secret-0123456789";
 // `token` is empty).
 std::shared_ptr<grpc::Channel> TokenChannel(
     const std::string& target, const std::string& token,
-    std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials());
+    const std::shared_ptr<grpc::ChannelCredentials>& creds = grpc::InsecureChannelCredentials());
 
 // A client context with the suite's deadline.
 std::unique_ptr<grpc::ClientContext> Ctx();
