@@ -84,12 +84,12 @@ absl::Status SymmetricProduct(const Context& ctx, GramSide side, float alpha, Co
 // columns (the last may be narrower): panel [j0, j0 + r) is one bf16 GEMM A[j0:]·A[j0:j0+r]ᵀ;
 // then the lower triangle is mirrored onto the upper one, so C is exactly symmetric. (nb + 1) /
 // (2·nb) of the full GEMM's FLOPs for nb panels (oneDNN has no bf16 SYRK). On the CPU every
-// entry is bit for bit the full Gemm(A, A, trans_b)'s (kernels/cpu/gemm.cc says why; gemm_test
-// checks it), so the orthogonalizers use it for Y·Yᵀ and for A·A = A·Aᵀ of a symmetric A without
-// changing a bit; the CUDA backend runs the same lower block triangle as cuBLAS GEMMs of block
-// pairs. `block` is a hint: the CPU backend widens panels to at least 16 columns (oneDNN computes
-// a one-column product with another kernel, whose sums differ in the last bit). Scratch (CPU):
-// one [rows, max(block, 16)] panel of C's dtype from ctx.scratch(). block >= 1.
+// entry is bit for bit the full Gemm(A, A, trans_b)'s (kernels/cpu/gemm.cc says why, and runs a
+// shape whose panels would not be, as on oneDNN's AMX kernels, as the full GEMM; gemm_test checks
+// it), so the orthogonalizers use it for Y·Yᵀ and A·A = A·Aᵀ of a symmetric A without changing a
+// bit; the CUDA backend runs the same lower block triangle as cuBLAS GEMMs of block pairs. `block`
+// is a hint: the CPU backend widens panels to at least 16 columns (a one-column product runs on
+// another oneDNN kernel). Scratch (CPU): one [rows, max(block, 16)] panel of C's dtype. block >= 1.
 absl::Status SymmetricProductBf16(const Context& ctx, ConstTensorView a, int64_t block,
                                   TensorView c);
 

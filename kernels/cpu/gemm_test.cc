@@ -257,10 +257,13 @@ namespace {
 // SymmetricProductBf16 computes only the lower block triangle, in column panels, and mirrors it.
 // Its contract (ops.h) is stronger than closeness: every entry is bit for bit what the full bf16
 // Gemm(A, A, trans_b) writes into a C of the same dtype, which is what lets the orthogonalizers
-// use it without changing a value. Checked on f32 and bf16 C, a padded row stride, a batch, a
-// block that does not divide n, and 1 and 2 threads; and against a double-precision product.
+// use it without changing a value. Checked on f32 and bf16 C, padded and contiguous rows (oneDNN's
+// AMX kernels give panels of a contiguous A with a long k other bits, where the op computes the
+// full product instead), a batch, a block that does not divide n, and 1 and 2 threads; and
+// against a double-precision product.
 struct HalfGramCase {
   int64_t batch, n, k, block;
+  bool contiguous = false;
 };
 class SymmetricProductBf16Test : public ::testing::TestWithParam<HalfGramCase> {};
 
@@ -268,7 +271,7 @@ TEST_P(SymmetricProductBf16Test, IsTheFullGemmBitForBitAndExactlySymmetric) {
   if (!CpuHasOneDnnBf16Matmul())
     GTEST_SKIP() << "oneDNN 2.6 has no bf16 matmul on this CPU (no AVX-512 core)";
   const HalfGramCase tc = GetParam();
-  const int64_t batch = tc.batch, n = tc.n, k = tc.k, ld = k + 5;  // padded rows
+  const int64_t batch = tc.batch, n = tc.n, k = tc.k, ld = k + (tc.contiguous ? 0 : 5);
   const auto af = testing::RandomVector(batch * n * ld, 7);
   std::vector<BFloat16> a(af.size());
   for (size_t i = 0; i < af.size(); ++i) a[i] = FloatToBf16(af[i]);
@@ -318,7 +321,9 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(HalfGramCase{2, 70, 48, 32}, HalfGramCase{1, 300, 200, 64},
                       HalfGramCase{1, 768, 768, 160}, HalfGramCase{2, 192, 3072, 64},
                       HalfGramCase{1, 129, 17, 32}, HalfGramCase{1, 129, 64, 1},
-                      HalfGramCase{1, 129, 64, 8}, HalfGramCase{1, 130, 64, 16}));
+                      HalfGramCase{1, 129, 64, 8}, HalfGramCase{1, 130, 64, 16},
+                      HalfGramCase{1, 200, 2000, 64, true}, HalfGramCase{2, 192, 3072, 64, true},
+                      HalfGramCase{1, 300, 200, 64, true}));
 
 TEST(SymmetricProductBf16, RejectsBadArguments) {
   auto ctx = Context::CpuDefault();
