@@ -2,6 +2,7 @@
 // by shape and by the start-up calibration, AutoGemmEngine), bf16 on oneDNN (Debian's OpenBLAS
 // exports no cblas_sbgemm, TOOLCHAIN.md §12).
 #include <cblas.h>
+#include <oneapi/dnnl/dnnl.h>
 
 #include <algorithm>
 #include <cstring>
@@ -314,10 +315,22 @@ bool PanelsAreTheFullProduct(const Context& ctx, int64_t n, int64_t k, int64_t l
   return same;
 }
 
+// Whether oneDNN runs its AMX kernels here. Their full bf16 GEMM outruns the panels
+// (docs/BENCHMARKS.md "Half-work Gram products": the panels at 0.58-1.07 of its speed with a
+// bf16 C on a Sapphire Rapids core), so there SymmetricProductBf16 is the full GEMM.
+bool OneDnnUsesAmx() {
+  static const bool amx = [] {
+    const int isa = static_cast<int>(dnnl_get_effective_cpu_isa());
+    return (isa & dnnl_cpu_isa_avx512_core_amx) == dnnl_cpu_isa_avx512_core_amx;
+  }();
+  return amx;
+}
+
 }  // namespace
 
 // Column panels of `block` columns, at least 16 (LowerColumnPanels), f32 or bf16 C, mirrored
-// (ops.h); the full GEMM where the panels would not give its bits (PanelsAreTheFullProduct).
+// (ops.h); the full GEMM on AMX cores, and where the panels would not give its bits
+// (PanelsAreTheFullProduct).
 absl::Status SymmetricProductBf16(const Context& ctx, ConstTensorView a, int64_t block,
                                   TensorView c) {
   cpu::ApplyThreadPolicy(ctx);
@@ -326,7 +339,8 @@ absl::Status SymmetricProductBf16(const Context& ctx, ConstTensorView a, int64_t
   // Panels at least 16 columns wide: oneDNN computes a one-column product with another kernel
   // whose f32 sums differ from the full product's in the last bit (gemm_test, block 1).
   block = std::min(std::max<int64_t>(block, 16), n);
-  if (!PanelsAreTheFullProduct(ctx, n, a.Cols(), Ld(a.layout()), block, c.dtype())) {
+  if (OneDnnUsesAmx() ||
+      !PanelsAreTheFullProduct(ctx, n, a.Cols(), Ld(a.layout()), block, c.dtype())) {
     GemmParams p;
     p.trans_b = Trans::kYes;
     for (int64_t bi = 0; bi < c.Batch(); ++bi) {

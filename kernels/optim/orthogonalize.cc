@@ -124,7 +124,8 @@ absl::Status Bf16F32StorageIterations(const Context& ctx,
 // 10⁵ differ at 3072×768).
 bool HalfGram(int64_t g, int64_t k) {
   // Measured (docs/BENCHMARKS.md "Half-work Gram products"): 1.3-1.7x faster than the full bf16
-  // GEMM from g = 768 and from g = 192 with k = 3072, no faster at 192×768.
+  // GEMM from g = 768 and from g = 192 with k = 3072, no faster at 192×768, on an AVX-512 EPYC
+  // (on AMX cores the CPU backend computes the full GEMM instead: faster there).
   return g >= 128 && g * g * k >= (int64_t{1} << 26);
 }
 int64_t HalfGramBlock(int64_t g) {  // a fifth of g rounded up to 32, at least 64
