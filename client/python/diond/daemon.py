@@ -18,7 +18,9 @@ import time
 
 def find_binary(binary=None):
     cands = [binary, os.environ.get("DIOND_BINARY")]
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    # This checkout's build (client/python/diond/daemon.py -> the repository root).
+    here = os.path.dirname(os.path.abspath(__file__))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(here)))
     cands.append(os.path.join(repo, "build", "bin", "diond"))
     for c in cands:
         if c and os.path.isfile(c) and os.access(c, os.X_OK):

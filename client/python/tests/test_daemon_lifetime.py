@@ -12,7 +12,11 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 import diond
+from conftest import REPO
+from diond.daemon import find_binary
 
 PARENT = textwrap.dedent("""
     import sys, time
@@ -88,3 +92,14 @@ def test_a_tied_daemon_still_stops_on_sigterm_and_its_pipe_is_closed():
         d.cleanup()
     assert rc == 0
     assert d.proc.stdin.closed
+
+
+def test_find_binary_falls_back_to_this_checkouts_build(monkeypatch):
+    """Without an argument, DIOND_BINARY or a diond on PATH, find_binary() takes the checkout's
+    build/bin/diond, where scripts/build.sh puts it (docs/BENCHMARKS.md's commands rely on it)."""
+    want = os.path.join(REPO, "build", "bin", "diond")
+    if not os.access(want, os.X_OK):
+        pytest.skip("this checkout has no build/bin/diond (built elsewhere)")
+    monkeypatch.delenv("DIOND_BINARY", raising=False)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert find_binary() == want
